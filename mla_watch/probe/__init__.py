@@ -1,0 +1,27 @@
+"""Router discovery and on-device selection counting."""
+
+from mla_watch.probe.discovery import (
+    DEFAULT_REGISTRY,
+    NoRoutersFoundError,
+    RouterInfo,
+    RouterRegistry,
+    RouterSpec,
+    UnknownRouterError,
+    discover_routers,
+    register_router,
+)
+from mla_watch.probe.probe import DEFAULT_LINE, Probe, attach
+
+__all__ = [
+    "DEFAULT_LINE",
+    "DEFAULT_REGISTRY",
+    "NoRoutersFoundError",
+    "Probe",
+    "RouterInfo",
+    "RouterRegistry",
+    "RouterSpec",
+    "UnknownRouterError",
+    "attach",
+    "discover_routers",
+    "register_router",
+]

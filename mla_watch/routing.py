@@ -1,0 +1,524 @@
+"""Routing statistics for learned routers: MoE expert gates and DSA indexers.
+
+For one router over a window, let ``c_j`` be how often slot ``j`` was selected
+(``j = 0..N-1``), ``p_j = c_j / sum(c)`` and ``H = -sum(p_j * log2 p_j)`` in bits.
+
+* **Expert routers** (MoE gates): slots are experts, ``N = n_routed_experts`` and
+  ``k`` experts are picked per token.  Every token picks ``k`` distinct experts, so
+  ``log2 k <= H <= log2 N`` (64 experts, top-6: 2.585 ... 6.000 bits).
+* **DSA indexers**: each query selects ``min(index_topk, t + 1)`` of its ``t + 1``
+  visible keys; slots are key positions.  The ceiling grows with context, so the
+  statistics use the *effective* slots (index of the last slot with a nonzero count,
+  plus one; at least one): ceiling ``log2(effective)``, floor
+  ``log2(min(top_k, effective))``.  *Locality* is the share of selections that fall
+  within the query's most recent ``index_topk`` positions, over queries that had a
+  choice (``local_selections / choice_selections``; ``None`` when there was no choice).
+
+Because entropy is insensitive near the top, the module also reports the normalized
+entropy, MaxVio (relative overload of the busiest slot), dead slots and the
+Jensen–Shannon divergence (bits) from a recorded healthy baseline.
+
+Small windows read low: the plug-in estimator is biased downwards by roughly
+``(N - 1) / (2 * n * ln 2)`` bits for ``n`` selections (Miller–Madow), so a perfectly
+uniform 64/6 router reads about 5.49 bits over 16 tokens.
+:func:`minimum_window_tokens` gives the token count above which that bias is within a
+tolerance; readings over fewer tokens are flagged ``too_small`` (but still computed).
+
+:class:`RollingWindow` keeps the sum of the most recent count deltas, bounded by a
+token budget and/or an age limit.
+
+This module depends on numpy and scipy only (no torch): it is imported by processes
+that never load a model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike
+from scipy.spatial.distance import jensenshannon
+
+__all__ = [
+    "Kind",
+    "RollingWindow",
+    "RoutingStats",
+    "WindowTotals",
+    "compute_stats",
+    "dead_slots",
+    "entropy_bits",
+    "entropy_bounds",
+    "expected_uniform_entropy_bits",
+    "js_divergence_bits",
+    "max_violation",
+    "minimum_window_tokens",
+    "normalized_entropy",
+]
+
+Kind = Literal["expert", "indexer"]
+
+_KINDS: tuple[str, ...] = ("expert", "indexer")
+_LN2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------
+
+
+def _as_counts(counts: ArrayLike, name: str = "counts") -> np.ndarray:
+    """Return ``counts`` as a 1-D float64 array of finite, non-negative values."""
+    arr = np.asarray(counts, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D vector, got an array of shape {arr.shape}")
+    if arr.size and not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} must be finite, got non-finite values")
+    if arr.size and np.any(arr < 0):
+        raise ValueError(f"{name} must be non-negative, got minimum {float(arr.min())!r}")
+    return arr
+
+
+def _as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> np.ndarray:
+    """Return ``counts`` as a 1-D int64 array of length ``num_slots`` with values >= 0."""
+    raw = np.asarray(counts)
+    if raw.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D vector, got an array of shape {raw.shape}")
+    if raw.shape[0] != num_slots:
+        raise ValueError(f"{name} has length {raw.shape[0]}, expected num_slots={num_slots}")
+    if raw.dtype.kind in "iub":
+        arr = raw.astype(np.int64)
+    elif raw.dtype.kind == "f":
+        if raw.size and not np.all(np.isfinite(raw)):
+            raise ValueError(f"{name} must be finite, got non-finite values")
+        if raw.size and not np.all(raw == np.floor(raw)):
+            raise ValueError(f"{name} must hold whole numbers, got non-integral values")
+        arr = raw.astype(np.int64)
+    else:
+        raise ValueError(f"{name} must be numeric integers, got dtype {raw.dtype}")
+    if arr.size and np.any(arr < 0):
+        raise ValueError(f"{name} must be non-negative, got minimum {int(arr.min())}")
+    return arr
+
+
+def _check_positive_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _check_nonnegative_int(value: int, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_local_choice(local_selections: int, choice_selections: int) -> tuple[int, int]:
+    local = _check_nonnegative_int(local_selections, "local_selections")
+    choice = _check_nonnegative_int(choice_selections, "choice_selections")
+    if local > choice:
+        raise ValueError(
+            f"local_selections={local} cannot exceed choice_selections={choice}"
+        )
+    return local, choice
+
+
+# ---------------------------------------------------------------------------
+# scalar metrics
+# ---------------------------------------------------------------------------
+
+
+def entropy_bits(counts: ArrayLike) -> float:
+    """Plug-in Shannon entropy (bits) of the selection frequencies in ``counts``.
+
+    Returns 0.0 for an empty vector or one with no selections.
+    """
+    arr = _as_counts(counts)
+    total = float(arr.sum())
+    if total <= 0.0:
+        return 0.0
+    p = arr[arr > 0] / total
+    h = float(-np.sum(p * np.log2(p)))
+    return max(h, 0.0)
+
+
+def entropy_bounds(num_slots: int, top_k: int) -> tuple[float, float]:
+    """``(floor, ceiling) = (log2 min(top_k, num_slots), log2 num_slots)`` in bits."""
+    n = _check_positive_int(num_slots, "num_slots")
+    k = _check_positive_int(top_k, "top_k")
+    return math.log2(min(k, n)), math.log2(n)
+
+
+def normalized_entropy(entropy: float, floor: float, ceiling: float) -> float:
+    """``(entropy - floor) / (ceiling - floor)`` clipped to ``[0, 1]``; 1.0 when ceiling == floor."""
+    if ceiling <= floor:
+        return 1.0
+    value = (float(entropy) - float(floor)) / (float(ceiling) - float(floor))
+    return min(max(value, 0.0), 1.0)
+
+
+def max_violation(counts: ArrayLike) -> float:
+    """MaxVio: ``(max_j c_j - mean_j c_j) / mean_j c_j`` over all slots; 0.0 with no selections."""
+    arr = _as_counts(counts)
+    if arr.size == 0:
+        return 0.0
+    mean = float(arr.mean())
+    if mean <= 0.0:
+        return 0.0
+    return max((float(arr.max()) - mean) / mean, 0.0)
+
+
+def dead_slots(counts: ArrayLike) -> int:
+    """Number of slots that were never selected."""
+    arr = _as_counts(counts)
+    return int(np.count_nonzero(arr == 0))
+
+
+def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
+    """Jensen–Shannon divergence (bits, in ``[0, 1]``) between two count vectors.
+
+    Both vectors are normalized to distributions first.  They must have the same
+    length (:func:`compute_stats` pads indexer vectors) and each must contain at least
+    one selection; otherwise ``ValueError``.
+    """
+    p = _as_counts(counts, "counts")
+    q = _as_counts(baseline, "baseline")
+    if p.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"counts has length {p.shape[0]} but baseline has length {q.shape[0]}"
+        )
+    if not p.sum() > 0:
+        raise ValueError("counts has no selections; Jensen–Shannon divergence is undefined")
+    if not q.sum() > 0:
+        raise ValueError("baseline has no selections; Jensen–Shannon divergence is undefined")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        distance = float(jensenshannon(p, q, base=2))
+    if not math.isfinite(distance):  # tiny negative sum under the square root
+        return 0.0
+    return min(max(distance * distance, 0.0), 1.0)
+
+
+def minimum_window_tokens(num_slots: int, top_k: int, tolerance_bits: float = 0.05) -> int:
+    """Smallest token count ``T >= 1`` with Miller–Madow bias ``(N-1)/(2 T k ln 2) <= tolerance_bits``.
+
+    ``k`` is capped at ``N`` (a token cannot select more slots than exist).
+    For 64 experts, top-6 and 0.05 bits this is 152 tokens.
+    """
+    n = _check_positive_int(num_slots, "num_slots")
+    k = min(_check_positive_int(top_k, "top_k"), n)
+    tol = float(tolerance_bits)
+    if not (math.isfinite(tol) and tol > 0.0):
+        raise ValueError(f"tolerance_bits must be a positive finite number, got {tolerance_bits!r}")
+    if n == 1:
+        return 1
+
+    def bias(tokens: int) -> float:
+        return (n - 1) / (2.0 * tokens * k * _LN2)
+
+    t = max(1, math.ceil((n - 1) / (2.0 * k * _LN2 * tol)))
+    # guard against floating-point rounding at the boundary
+    while t > 1 and bias(t - 1) <= tol:
+        t -= 1
+    while bias(t) > tol:
+        t += 1
+    return t
+
+
+def expected_uniform_entropy_bits(num_slots: int, top_k: int, tokens: int) -> float:
+    """Expected plug-in entropy of a perfectly uniform router over ``tokens`` tokens.
+
+    Miller–Madow approximation ``max(floor, log2 N - (N-1)/(2 * tokens * k * ln 2))``,
+    with ``k`` capped at ``N``.  Use it to explain low readings on small windows.
+    """
+    floor, ceiling = entropy_bounds(num_slots, top_k)
+    t = _check_positive_int(tokens, "tokens")
+    k = min(int(top_k), int(num_slots))
+    bias = (int(num_slots) - 1) / (2.0 * t * k * _LN2)
+    return max(floor, ceiling - bias)
+
+
+def _effective_slots(counts: np.ndarray) -> int:
+    nonzero = np.flatnonzero(counts)
+    return int(nonzero[-1]) + 1 if nonzero.size else 1
+
+
+# ---------------------------------------------------------------------------
+# combined statistics
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """Routing statistics of one router over one window."""
+
+    kind: Kind
+    num_slots: int  # N (for indexers: effective slots)
+    top_k: int
+    tokens: int
+    selections: int
+    entropy_bits: float
+    floor_bits: float
+    ceiling_bits: float
+    normalized_entropy: float
+    max_violation: float
+    dead_slots: int
+    js_divergence: float | None
+    locality: float | None
+    min_tokens: int
+    too_small: bool
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly plain-type dictionary of all fields."""
+        return {
+            "kind": str(self.kind),
+            "num_slots": int(self.num_slots),
+            "top_k": int(self.top_k),
+            "tokens": int(self.tokens),
+            "selections": int(self.selections),
+            "entropy_bits": float(self.entropy_bits),
+            "floor_bits": float(self.floor_bits),
+            "ceiling_bits": float(self.ceiling_bits),
+            "normalized_entropy": float(self.normalized_entropy),
+            "max_violation": float(self.max_violation),
+            "dead_slots": int(self.dead_slots),
+            "js_divergence": None if self.js_divergence is None else float(self.js_divergence),
+            "locality": None if self.locality is None else float(self.locality),
+            "min_tokens": int(self.min_tokens),
+            "too_small": bool(self.too_small),
+        }
+
+
+def compute_stats(
+    counts: ArrayLike,
+    *,
+    kind: Kind,
+    top_k: int,
+    tokens: int,
+    baseline: ArrayLike | None = None,
+    local_selections: int = 0,
+    choice_selections: int = 0,
+    min_tokens: int | None = None,
+    tolerance_bits: float = 0.05,
+) -> RoutingStats:
+    """Compute :class:`RoutingStats` for one router's selection counts over a window.
+
+    For ``kind == "expert"`` the slots are all ``len(counts)`` experts and a baseline
+    of a different length is a ``ValueError``.  For ``kind == "indexer"`` the slots are
+    the effective key positions (up to the last selected one) and the baseline is
+    zero-padded to match.  ``locality`` is only reported for indexers.  With no
+    selections at all every metric is finite: entropy 0, normalized 0, MaxVio 0, all
+    slots dead, no divergence.
+    """
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    k = _check_positive_int(top_k, "top_k")
+    n_tokens = _check_nonnegative_int(tokens, "tokens")
+    local, choice = _check_local_choice(local_selections, choice_selections)
+    arr = _as_counts(counts)
+
+    if kind == "expert":
+        if arr.size == 0:
+            raise ValueError("counts must have at least one slot for kind='expert', got length 0")
+        n = int(arr.size)
+        slot_counts = arr
+    else:
+        n = _effective_slots(arr)
+        slot_counts = arr[:n] if arr.size >= n else np.zeros(n, dtype=np.float64)
+
+    floor, ceiling = entropy_bounds(n, k)
+    total = float(slot_counts.sum())
+    selections = round(total)
+
+    if min_tokens is None:
+        needed = minimum_window_tokens(n, k, tolerance_bits)
+    else:
+        needed = _check_nonnegative_int(min_tokens, "min_tokens")
+
+    js: float | None = None
+    if baseline is not None:
+        base = _as_counts(baseline, "baseline")
+        if kind == "expert":
+            if base.shape[0] != n:
+                raise ValueError(f"counts has length {n} but baseline has length {base.shape[0]}")
+            p, q = slot_counts, base
+        else:
+            length = max(n, int(base.shape[0]))
+            p = np.zeros(length, dtype=np.float64)
+            p[:n] = slot_counts
+            q = np.zeros(length, dtype=np.float64)
+            q[: base.shape[0]] = base
+        if total > 0:
+            js = js_divergence_bits(p, q)
+        elif not q.sum() > 0:
+            raise ValueError("baseline has no selections; Jensen–Shannon divergence is undefined")
+
+    if total > 0:
+        h = entropy_bits(slot_counts)
+        norm = normalized_entropy(h, floor, ceiling)
+        vio = max_violation(slot_counts)
+    else:
+        h, norm, vio = 0.0, 0.0, 0.0
+
+    locality: float | None = None
+    if kind == "indexer" and choice > 0:
+        locality = local / choice
+
+    return RoutingStats(
+        kind=kind,
+        num_slots=n,
+        top_k=k,
+        tokens=n_tokens,
+        selections=selections,
+        entropy_bits=h,
+        floor_bits=floor,
+        ceiling_bits=ceiling,
+        normalized_entropy=norm,
+        max_violation=vio,
+        dead_slots=dead_slots(slot_counts),
+        js_divergence=js,
+        locality=locality,
+        min_tokens=needed,
+        too_small=n_tokens < needed,
+    )
+
+
+# ---------------------------------------------------------------------------
+# rolling window
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """Sums over the buckets a :class:`RollingWindow` currently keeps."""
+
+    counts: np.ndarray  # int64, length num_slots
+    tokens: int
+    local_selections: int
+    choice_selections: int
+    buckets: int
+    oldest: float | None  # clock time of the oldest bucket kept
+    newest: float | None
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    timestamp: float
+    counts: np.ndarray
+    tokens: int
+    local_selections: int
+    choice_selections: int
+
+
+class RollingWindow:
+    """Sum of the most recent count deltas, bounded by tokens and/or by age.
+
+    Each :meth:`add` makes one bucket stamped with ``clock()``.  Eviction:
+
+    * by tokens: while more than one bucket is kept and the tokens without the oldest
+      bucket still reach ``max_tokens``, the oldest is dropped (so the window holds at
+      least ``max_tokens`` when history allows, at bucket granularity);
+    * by time: buckets stamped before ``clock() - max_seconds`` are dropped.
+
+    Both apply when both are given; with neither the window is cumulative.  A running
+    sum is kept, so :meth:`totals` costs O(evicted + num_slots).
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        max_tokens: int | None = None,
+        max_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._num_slots = _check_positive_int(num_slots, "num_slots")
+        if max_tokens is not None:
+            max_tokens = _check_positive_int(max_tokens, "max_tokens")
+        if max_seconds is not None:
+            seconds = float(max_seconds)
+            if not (seconds > 0.0):
+                raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
+            max_seconds = seconds
+        self._max_tokens = max_tokens
+        self._max_seconds = max_seconds
+        self._clock = clock
+        self._buckets: deque[_Bucket] = deque()
+        self._counts = np.zeros(self._num_slots, dtype=np.int64)
+        self._tokens = 0
+        self._local = 0
+        self._choice = 0
+
+    @property
+    def num_slots(self) -> int:
+        """Number of slots each count delta covers."""
+        return self._num_slots
+
+    def add(
+        self,
+        counts: ArrayLike,
+        tokens: int,
+        *,
+        local_selections: int = 0,
+        choice_selections: int = 0,
+    ) -> None:
+        """Add one bucket: a count delta of length ``num_slots`` over ``tokens`` tokens."""
+        delta = _as_int_counts(counts, self._num_slots)
+        n_tokens = _check_nonnegative_int(tokens, "tokens")
+        local, choice = _check_local_choice(local_selections, choice_selections)
+        if n_tokens == 0 and local == 0 and choice == 0 and not np.any(delta):
+            return
+        bucket = _Bucket(float(self._clock()), delta.copy(), n_tokens, local, choice)
+        self._buckets.append(bucket)
+        self._counts += bucket.counts
+        self._tokens += n_tokens
+        self._local += local
+        self._choice += choice
+        self._evict()
+
+    def totals(self) -> WindowTotals:
+        """Evict stale buckets, then return the sums over the buckets kept."""
+        self._evict()
+        return WindowTotals(
+            counts=self._counts.copy(),
+            tokens=self._tokens,
+            local_selections=self._local,
+            choice_selections=self._choice,
+            buckets=len(self._buckets),
+            oldest=self._buckets[0].timestamp if self._buckets else None,
+            newest=self._buckets[-1].timestamp if self._buckets else None,
+        )
+
+    def clear(self) -> None:
+        """Drop every bucket."""
+        self._buckets.clear()
+        self._counts[:] = 0
+        self._tokens = 0
+        self._local = 0
+        self._choice = 0
+
+    def _drop_oldest(self) -> None:
+        bucket = self._buckets.popleft()
+        self._counts -= bucket.counts
+        self._tokens -= bucket.tokens
+        self._local -= bucket.local_selections
+        self._choice -= bucket.choice_selections
+
+    def _evict(self) -> None:
+        if self._max_seconds is not None:
+            cutoff = float(self._clock()) - self._max_seconds
+            while self._buckets and self._buckets[0].timestamp < cutoff:
+                self._drop_oldest()
+        if self._max_tokens is not None:
+            while (
+                len(self._buckets) > 1
+                and self._tokens - self._buckets[0].tokens >= self._max_tokens
+            ):
+                self._drop_oldest()
