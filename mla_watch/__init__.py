@@ -23,9 +23,9 @@ _EXPORTS = {
 
 __all__ = [*sorted(_EXPORTS), "__version__"]
 
-if TYPE_CHECKING:
-    from mla_watch.models.loading import load_model
-    from mla_watch.probe import (
+if TYPE_CHECKING:  # names for type checkers and IDEs; at run time __getattr__ imports them
+    from mla_watch.models.loading import load_model  # noqa: F401
+    from mla_watch.probe import (  # noqa: F401
         NoRoutersFoundError,
         Probe,
         RouterInfo,

@@ -411,7 +411,8 @@ class WindowTotals:
 @dataclass(frozen=True)
 class _Bucket:
     timestamp: float
-    counts: np.ndarray
+    slots: np.ndarray  # the slots this delta touched; deltas are sparse for indexers over long contexts
+    counts: np.ndarray  # their counts
     tokens: int
     local_selections: int
     choice_selections: int
@@ -455,6 +456,8 @@ class RollingWindow:
         self._tokens = 0
         self._local = 0
         self._choice = 0
+        self._cumulative_adds = 0
+        self._cumulative_span: tuple[float, float] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -475,30 +478,49 @@ class RollingWindow:
         local, choice = _check_local_choice(local_selections, choice_selections)
         if n_tokens == 0 and local == 0 and choice == 0 and not np.any(delta):
             return
-        bucket = _Bucket(float(self._clock()), delta.copy(), n_tokens, local, choice)
-        self._buckets.append(bucket)
-        self._counts += bucket.counts
+        self._counts += delta
         self._tokens += n_tokens
         self._local += local
         self._choice += choice
+        stamp = float(self._clock())
+        if self._max_tokens is None and self._max_seconds is None:
+            # Cumulative: nothing is ever evicted, so the running sums are the whole window.
+            self._cumulative_adds += 1
+            self._cumulative_span = (self._cumulative_span[0] if self._cumulative_span else stamp, stamp)
+            return
+        slots = np.flatnonzero(delta)
+        self._buckets.append(_Bucket(stamp, slots, delta[slots], n_tokens, local, choice))
         self._evict()
 
     def totals(self) -> WindowTotals:
         """Evict stale buckets, then return the sums over the buckets kept."""
         self._evict()
+        if self._cumulative_span is not None:
+            buckets, (oldest, newest) = self._cumulative_adds, self._cumulative_span
+        elif self._buckets:
+            buckets, oldest, newest = len(self._buckets), self._buckets[0].timestamp, self._buckets[-1].timestamp
+        else:
+            buckets, oldest, newest = 0, None, None
         return WindowTotals(
             counts=self._counts.copy(),
             tokens=self._tokens,
             local_selections=self._local,
             choice_selections=self._choice,
-            buckets=len(self._buckets),
-            oldest=self._buckets[0].timestamp if self._buckets else None,
-            newest=self._buckets[-1].timestamp if self._buckets else None,
+            buckets=buckets,
+            oldest=oldest,
+            newest=newest,
         )
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the running sums and the buckets' arrays."""
+        return self._counts.nbytes + sum(b.slots.nbytes + b.counts.nbytes for b in self._buckets)
 
     def clear(self) -> None:
         """Drop every bucket."""
         self._buckets.clear()
+        self._cumulative_adds = 0
+        self._cumulative_span = None
         self._counts[:] = 0
         self._tokens = 0
         self._local = 0
@@ -506,7 +528,7 @@ class RollingWindow:
 
     def _drop_oldest(self) -> None:
         bucket = self._buckets.popleft()
-        self._counts -= bucket.counts
+        self._counts[bucket.slots] -= bucket.counts
         self._tokens -= bucket.tokens
         self._local -= bucket.local_selections
         self._choice -= bucket.choice_selections

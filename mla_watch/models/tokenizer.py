@@ -40,5 +40,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         eos_token=EOS,
         chat_template=CHAT_TEMPLATE,
         model_max_length=512,
+        padding_side="left",  # decoder-only generation continues from the right edge
         clean_up_tokenization_spaces=False,
     )

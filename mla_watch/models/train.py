@@ -53,7 +53,7 @@ class TrainSettings:
                  warmup: int = 100, weight_decay: float = 0.01, seed: int = 20260, vocab_size: int = 2048,
                  train_samples_per_domain: int = 6000, heldout_samples_per_domain: int = 150,
                  gamma: float = GAMMA, indexer_loss_weight: float = 1.0, indexer_every: int = 4,
-                 threads: int = 2) -> None:
+                 completion_tokens: int = 80, threads: int = 2) -> None:
         self.steps = steps
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -67,6 +67,7 @@ class TrainSettings:
         self.gamma = gamma
         self.indexer_loss_weight = indexer_loss_weight
         self.indexer_every = indexer_every
+        self.completion_tokens = completion_tokens
         self.threads = threads
 
     def as_dict(self) -> dict[str, Any]:
@@ -213,12 +214,13 @@ def routing_by_domain(model: torch.nn.Module, encoded: dict[str, list[list[int]]
 
 
 @torch.no_grad()
-def sample_completions(model: torch.nn.Module, tokenizer: Any, seed: int) -> dict[str, dict[str, str]]:
+def sample_completions(model: torch.nn.Module, tokenizer: Any, seed: int,
+                       max_new_tokens: int = 80) -> dict[str, dict[str, str]]:
     samples = {}
     for domain in corpus.DOMAINS:
         prompt = corpus.prompts(domain, 1, seed + 7)[0]
         ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]])
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=80,
+        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
         samples[domain] = {"prompt": prompt, "completion": tokenizer.decode(output[0, ids.shape[1]:],
                                                                             skip_special_tokens=False)}
@@ -300,7 +302,7 @@ def train(out_dir: Path, settings: TrainSettings, log_every: int = 100) -> dict[
         "history": history,
         "heldout_perplexity": {d: round(perplexity(model, ids), 3) for d, ids in heldout_ids.items()},
         "routing_entropy_bits": routing_by_domain(model, heldout_ids),
-        "completions": sample_completions(model, tokenizer, settings.seed),
+        "completions": sample_completions(model, tokenizer, settings.seed, settings.completion_tokens),
     }
     _save(model, tokenizer, out_dir, report)
     return report

@@ -3,7 +3,6 @@
 from mla_watch.probe.discovery import (
     DEFAULT_REGISTRY,
     NoRoutersFoundError,
-    RouterInfo,
     RouterRegistry,
     RouterSpec,
     UnknownRouterError,
@@ -11,6 +10,7 @@ from mla_watch.probe.discovery import (
     register_router,
 )
 from mla_watch.probe.probe import DEFAULT_LINE, Probe, attach
+from mla_watch.windows import RouterInfo
 
 __all__ = [
     "DEFAULT_LINE",

@@ -18,12 +18,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-Kind = Literal["expert", "indexer"]
+from mla_watch.routing import Kind
+from mla_watch.windows import RouterInfo
 
 __all__ = [
     "DEFAULT_REGISTRY",
@@ -49,26 +50,6 @@ class NoRoutersFoundError(ValueError):
 
 class UnknownRouterError(ValueError):
     """A module looks like a router but no rule knows how to read it."""
-
-
-@dataclass(frozen=True)
-class RouterInfo:
-    """What one router is: where it sits and how many slots it chooses from."""
-
-    name: str
-    layer: int
-    kind: Kind
-    num_slots: int
-    top_k: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "layer": self.layer,
-            "kind": self.kind,
-            "num_slots": self.num_slots,
-            "top_k": self.top_k,
-        }
 
 
 def _last_of_tuple(output: Any) -> torch.Tensor:

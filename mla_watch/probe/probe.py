@@ -7,12 +7,11 @@ A hook turns the router's output into flat indices ``line * width + offset + slo
 ``scatter_add_``s into the buffer, so a forward pass never waits for the host: no
 ``.item()``, ``.cpu()`` or ``.tolist()`` runs inside a hook. The host reads the buffer
 with one copy when statistics are asked for, and pushes the difference since the previous
-read into rolling windows (``mla_watch.routing``).
+read into rolling windows (:class:`mla_watch.windows.RouterWindows`).
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, RouterSpec, discover_routers
-from mla_watch.routing import RollingWindow, compute_stats
+from mla_watch.windows import RouterWindows
 
 __all__ = ["DEFAULT_LINE", "Probe", "attach"]
 
@@ -68,9 +67,6 @@ class Probe:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
-        self._clock = clock
-        self._window_tokens = window_tokens
-        self._window_seconds = window_seconds
         self._routers: list[_Router] = []
         width = 0
         for module, info, spec in discover_routers(
@@ -90,8 +86,8 @@ class Probe:
         self._post_handle = model.register_forward_hook(self._end_forward)
         self._host_lock = threading.Lock()
         self._last_read = np.zeros((self._buffer.shape[0], width), dtype=np.int64)
-        self._windows: dict[tuple[int, str], RollingWindow] = {}
-        self._baseline: dict[str, np.ndarray] = {}
+        self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
+                                     clock=clock)
         self._attached = True
 
     # ------------------------------------------------------------------ public API
@@ -110,7 +106,7 @@ class Probe:
 
     def window_bytes(self) -> int:
         """Host memory held by the rolling windows (running sums plus buckets)."""
-        return sum(window.nbytes for window in self._windows.values())
+        return self.windows.nbytes
 
     @contextmanager
     def attribute(self, business_lines: str | Sequence[str]) -> Iterator[None]:
@@ -133,39 +129,17 @@ class Probe:
     def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
         """One record per router for the current window (all lines summed when ``None``)."""
         self.collect()
-        records = []
-        for router in self._routers:
-            totals = self._window_totals(router, business_line)
-            stats = compute_stats(
-                totals.counts,
-                kind=router.info.kind,
-                top_k=router.info.top_k,
-                tokens=totals.tokens,
-                baseline=self._baseline.get(router.info.name),
-                local_selections=totals.local_selections,
-                choice_selections=totals.choice_selections,
-            )
-            record = {
-                "name": router.info.name,
-                "layer": router.info.layer,
-                "kind": router.info.kind,
-                "business_line": business_line,
-            }
-            record.update(stats.as_dict())
-            records.append(record)
-        return records
+        return self.windows.stats(business_line)
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """The selection counts of each router over the current window."""
         self.collect()
-        return {
-            router.info.name: self._window_totals(router, business_line).counts for router in self._routers
-        }
+        return self.windows.counts(business_line)
 
     def collect(self) -> None:
         """Move what the device counted since the last call into the rolling windows."""
         with self._host_lock:
-            current = self._buffer.cpu().numpy()  # the one host synchronisation
+            current = self._buffer.to("cpu", copy=True).numpy()  # the one host synchronisation
             rows = current.shape[0]
             if self._last_read.shape[0] < rows:
                 grown = np.zeros_like(current)
@@ -180,7 +154,9 @@ class Probe:
                     start = router.offset
                     slots = delta[row, start : start + router.info.num_slots]
                     companions = delta[row, start + router.info.num_slots : start + router.info.num_slots + 3]
-                    self._window(router, line).add(
+                    self.windows.add(
+                        router.info.name,
+                        line,
                         slots,
                         int(companions[_TOKENS]),
                         local_selections=int(companions[_LOCAL]),
@@ -192,7 +168,7 @@ class Probe:
         with self._host_lock:
             self._buffer.zero_()
             self._last_read = np.zeros((self._buffer.shape[0], self._width), dtype=np.int64)
-            self._windows.clear()
+            self.windows.reset()
 
     def detach(self) -> None:
         """Remove every hook; the model computes exactly as it did before :func:`attach`."""
@@ -210,42 +186,12 @@ class Probe:
 
     def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
         """Write the current window's counts as the healthy reference for drift (JSON)."""
-        document = {
-            "format": "mla_watch.baseline/1",
-            "business_line": business_line,
-            "routers": [
-                {**router.info.as_dict(), "counts": counts.tolist()}
-                for router, counts in zip(
-                    self._routers, self.counts(business_line).values(), strict=True
-                )
-            ],
-        }
-        Path(path).write_text(json.dumps(document) + "\n")
-        return document
+        self.collect()
+        return self.windows.save_baseline(path, business_line)
 
     def load_baseline(self, path: str | Path) -> None:
         """Use a file written by :meth:`save_baseline` for the ``js_divergence`` statistic."""
-        path = Path(path)
-        try:
-            document = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"baseline {path}: cannot read it ({error})") from error
-        if not isinstance(document, dict) or document.get("format") != "mla_watch.baseline/1":
-            raise ValueError(f"baseline {path}: key 'format' must be 'mla_watch.baseline/1'")
-        known = {router.info.name: router.info for router in self._routers}
-        baseline: dict[str, np.ndarray] = {}
-        for entry in document.get("routers", []):
-            info = known.get(entry.get("name"))
-            if info is None:
-                continue
-            counts = np.asarray(entry.get("counts"), dtype=np.int64)
-            if info.kind == "expert" and counts.shape != (info.num_slots,):
-                raise ValueError(
-                    f"baseline {path}: router {info.name!r} has {counts.size} counts; "
-                    f"expected {info.num_slots} (one per expert)"
-                )
-            baseline[info.name] = counts
-        self._baseline = baseline
+        self.windows.load_baseline(path)
 
     # ------------------------------------------------------------------ host side helpers
     def _line_id(self, name: str) -> int:
@@ -261,30 +207,6 @@ class Probe:
                     self._buffer = grown
                 self._lines[name] = len(self._lines)
         return self._lines[name]
-
-    def _window(self, router: _Router, line: str) -> RollingWindow:
-        key = (router.offset, line)
-        window = self._windows.get(key)
-        if window is None:
-            window = RollingWindow(
-                router.info.num_slots,
-                max_tokens=self._window_tokens,
-                max_seconds=self._window_seconds,
-                clock=self._clock,
-            )
-            self._windows[key] = window
-        return window
-
-    def _window_totals(self, router: _Router, business_line: str | None) -> Any:
-        lines = list(self._lines) if business_line is None else [business_line]
-        totals = [self._window(router, line).totals() for line in lines]
-        counts = np.sum([t.counts for t in totals], axis=0).astype(np.int64)
-        return _Totals(
-            counts=counts,
-            tokens=sum(t.tokens for t in totals),
-            local_selections=sum(t.local_selections for t in totals),
-            choice_selections=sum(t.choice_selections for t in totals),
-        )
 
     # ------------------------------------------------------------------ hooks (device side)
     def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -385,14 +307,6 @@ class Probe:
                 0, (line_base + num_slots + _LOCAL).expand(batch, seq, picks).reshape(-1),
                 local.to(torch.int64).reshape(-1),
             )
-
-
-@dataclass(frozen=True)
-class _Totals:
-    counts: np.ndarray
-    tokens: int
-    local_selections: int
-    choice_selections: int
 
 
 def _call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:

@@ -1,0 +1,128 @@
+"""What the probe costs: decode throughput with the probe, without it, and with a naive hook.
+
+    python bench/probe_overhead.py                       # bundled model and a ~100M config
+    python bench/probe_overhead.py --alternations 21 --tokens 48
+    python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
+
+Each alternation times greedy decoding of the same prompt three ways, in a shuffled order,
+in one process: no hooks (the anchor), mla_watch's probe, and the naive hook the DESIGN
+measured (``torch.bincount(...).tolist()`` on every router call). The ratio of each to the
+anchor of the same alternation cancels most of a shared machine's drift; the median and the
+spread (min-max) over the alternations are printed. Absolute times are printed for context
+only: they drift from run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DeepseekV32ForCausalLM
+
+import mla_watch
+from mla_watch.models.architecture import bundled_config
+from mla_watch.probe import discover_routers
+
+LARGE = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 128, "num_hidden_layers": 8,
+         "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128,
+         "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64, "index_head_dim": 64,
+         "index_n_heads": 4, "max_position_embeddings": 1024}
+
+
+def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo]) -> Callable[[], None]:
+    """The anchor from DESIGN.md: a bincount copied to the host on every router call."""
+    modules = dict(model.named_modules())
+    totals: dict[str, list[int]] = {}
+    handles = []
+    for info in probe_routers:
+        def hook(module, args, output, info=info):
+            indices = output[-1] if info.kind == "expert" else output
+            flat = indices.reshape(-1)
+            counts = torch.bincount(flat[flat >= 0].long(), minlength=info.num_slots).tolist()
+            kept = totals.setdefault(info.name, [0] * len(counts))
+            if len(kept) < len(counts):
+                kept.extend([0] * (len(counts) - len(kept)))
+            for slot, count in enumerate(counts):
+                kept[slot] += count
+
+        handles.append(modules[info.name].register_forward_hook(hook))
+    return lambda: [handle.remove() for handle in handles]
+
+
+def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if prompt.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> None:
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.config.vocab_size, (1, 24), generator=generator).to(device)
+    routers = [info for _, info, _ in discover_routers(model)]
+    decode_seconds(model, prompt, tokens)  # warm-up
+    order = random.Random(seed)
+    ratios: dict[str, list[float]] = {"probe": [], "naive": []}
+    seconds: dict[str, list[float]] = {"none": [], "probe": [], "naive": []}
+    probe_memory = 0
+    for _ in range(alternations):
+        modes = ["none", "probe", "naive"]
+        order.shuffle(modes)
+        timed: dict[str, float] = {}
+        for mode in modes:
+            if mode == "probe":
+                probe = mla_watch.attach(model, window_tokens=4096)
+                timed[mode] = decode_seconds(model, prompt, tokens)
+                probe.collect()
+                probe_memory = probe.counter_bytes + probe.window_bytes()
+                probe.detach()
+            elif mode == "naive":
+                remove = naive_hooks(model, routers)
+                timed[mode] = decode_seconds(model, prompt, tokens)
+                remove()
+            else:
+                timed[mode] = decode_seconds(model, prompt, tokens)
+        for mode, value in timed.items():
+            seconds[mode].append(value)
+        ratios["probe"].append(timed["probe"] / timed["none"])
+        ratios["naive"].append(timed["naive"] / timed["none"])
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    throughput = tokens / statistics.median(seconds["none"])
+    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {tokens} decode tokens x "
+          f"{alternations} alternations, {throughput:.1f} tokens/s without hooks")
+    for mode in ("probe", "naive"):
+        values = ratios[mode]
+        print(f"  {mode:>5} / none: median x{statistics.median(values):.4f} "
+              f"(spread {min(values):.4f}-{max(values):.4f})")
+    print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alternations", type=int, default=15)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--only", choices=["bundled", "large"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    if args.only in (None, "bundled"):
+        model, _ = mla_watch.load_model("bundled", device=args.device)
+        measure("bundled model", model.to(dtype), args.alternations, args.tokens, seed=1)
+    if args.only in (None, "large"):
+        torch.manual_seed(0)
+        config = bundled_config(2048, pad_token_id=0, bos_token_id=1, eos_token_id=2, **LARGE)
+        model = DeepseekV32ForCausalLM(config).to(args.device, dtype).eval()
+        measure("random-init DeepSeek-V3.2 config", model, args.alternations, args.tokens, seed=2)
+
+
+if __name__ == "__main__":
+    main()

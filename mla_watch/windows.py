@@ -1,0 +1,192 @@
+"""Rolling routing windows for a set of routers, per business line (no torch).
+
+:class:`RouterWindows` is the host side of counting: it receives count deltas per router
+and business line - from a local :class:`~mla_watch.probe.Probe`, or shipped over HTTP by
+a probe running inside another inference process - keeps them in rolling windows and
+turns them into the per-router statistics records of the Python API, ``GET /v1/routing``
+and the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from mla_watch.routing import Kind, RollingWindow, compute_stats
+
+__all__ = ["BASELINE_FORMAT", "RouterInfo", "RouterWindows"]
+
+BASELINE_FORMAT = "mla_watch.baseline/1"
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    """What one router is: where it sits and how many slots it chooses from."""
+
+    name: str
+    layer: int
+    kind: Kind
+    num_slots: int
+    top_k: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "layer": self.layer, "kind": self.kind, "num_slots": self.num_slots,
+                "top_k": self.top_k}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "router") -> RouterInfo:
+        """Parse a record of :meth:`as_dict`, with errors naming ``where``, the key and the value."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object with name, layer, kind, num_slots, top_k; got {data!r}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}.name = {name!r}: expected a non-empty string")
+        kind = data.get("kind")
+        if kind not in ("expert", "indexer"):
+            raise ValueError(f"{where}.kind = {kind!r}: expected 'expert' or 'indexer'")
+        values = {}
+        for key, lowest in (("layer", -1), ("num_slots", 1), ("top_k", 1)):
+            value = data.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"{where}.{key} = {value!r}: expected an integer >= {lowest}")
+            values[key] = value
+        return cls(name=name, kind=kind, **values)
+
+
+@dataclass(frozen=True)
+class _Totals:
+    counts: np.ndarray
+    tokens: int
+    local_selections: int
+    choice_selections: int
+
+
+class RouterWindows:
+    """Rolling windows of selection counts per (router, business line)."""
+
+    def __init__(
+        self,
+        routers: Sequence[RouterInfo],
+        *,
+        window_tokens: int | None = 4096,
+        window_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._routers = {info.name: info for info in routers}
+        self._window_tokens = window_tokens
+        self._window_seconds = window_seconds
+        self._clock = clock
+        self._windows: dict[tuple[str, str], RollingWindow] = {}
+        self._lines: dict[str, None] = {}
+        self._baseline: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def routers(self) -> list[RouterInfo]:
+        return list(self._routers.values())
+
+    @property
+    def business_lines(self) -> list[str]:
+        """Lines that have reported counts, in the order they first did."""
+        return list(self._lines)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(window.nbytes for window in self._windows.values())
+
+    def add(self, router: str, business_line: str, counts: ArrayLike, tokens: int, *,
+            local_selections: int = 0, choice_selections: int = 0) -> None:
+        """Add a count delta of one router for one business line."""
+        if router not in self._routers:
+            raise KeyError(f"router {router!r} is not one of the {len(self._routers)} routers of these windows")
+        with self._lock:
+            self._lines.setdefault(business_line, None)
+            self._window(router, business_line).add(
+                counts, tokens, local_selections=local_selections, choice_selections=choice_selections
+            )
+
+    def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
+        """Selection counts of each router over its current window."""
+        return {name: self._totals(name, business_line).counts for name in self._routers}
+
+    def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
+        """One record per router for the current window (every line summed when ``None``)."""
+        records = []
+        for info in self._routers.values():
+            totals = self._totals(info.name, business_line)
+            stats = compute_stats(
+                totals.counts,
+                kind=info.kind,
+                top_k=info.top_k,
+                tokens=totals.tokens,
+                baseline=self._baseline.get(info.name),
+                local_selections=totals.local_selections,
+                choice_selections=totals.choice_selections,
+            )
+            records.append({"name": info.name, "layer": info.layer, "kind": info.kind,
+                            "business_line": business_line, **stats.as_dict()})
+        return records
+
+    def reset(self) -> None:
+        with self._lock:
+            self._windows.clear()
+
+    def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
+        """Write the current window's counts as the healthy reference for drift (JSON)."""
+        document = {
+            "format": BASELINE_FORMAT,
+            "business_line": business_line,
+            "routers": [{**self._routers[name].as_dict(), "counts": counts.tolist()}
+                        for name, counts in self.counts(business_line).items()],
+        }
+        Path(path).write_text(json.dumps(document) + "\n")
+        return document
+
+    def load_baseline(self, path: str | Path) -> None:
+        """Use a file written by :meth:`save_baseline` for the ``js_divergence`` statistic."""
+        path = Path(path)
+        try:
+            document = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"baseline {path}: cannot read it ({error})") from error
+        if not isinstance(document, dict) or document.get("format") != BASELINE_FORMAT:
+            raise ValueError(f"baseline {path}: key 'format' must be {BASELINE_FORMAT!r}")
+        baseline: dict[str, np.ndarray] = {}
+        for entry in document.get("routers", []):
+            info = self._routers.get(entry.get("name")) if isinstance(entry, dict) else None
+            if info is None:
+                continue
+            counts = np.asarray(entry.get("counts"), dtype=np.int64)
+            if info.kind == "expert" and counts.shape != (info.num_slots,):
+                raise ValueError(f"baseline {path}: router {info.name!r} has {counts.size} counts; "
+                                 f"expected {info.num_slots} (one per expert)")
+            if counts.sum() > 0:
+                baseline[info.name] = counts
+        self._baseline = baseline
+
+    def _window(self, router: str, line: str) -> RollingWindow:
+        key = (router, line)
+        window = self._windows.get(key)
+        if window is None:
+            window = RollingWindow(self._routers[router].num_slots, max_tokens=self._window_tokens,
+                                   max_seconds=self._window_seconds, clock=self._clock)
+            self._windows[key] = window
+        return window
+
+    def _totals(self, router: str, business_line: str | None) -> _Totals:
+        with self._lock:
+            lines = list(self._lines) if business_line is None else [business_line]
+            totals = [self._window(router, line).totals() for line in lines]
+        counts = np.zeros(self._routers[router].num_slots, dtype=np.int64)
+        for total in totals:
+            counts += total.counts
+        return _Totals(counts, sum(t.tokens for t in totals), sum(t.local_selections for t in totals),
+                       sum(t.choice_selections for t in totals))
