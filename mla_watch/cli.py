@@ -12,6 +12,7 @@ from typing import Any
 __all__ = ["main"]
 
 DEFAULT_STATE_DIR = Path("mla-watch-state")
+SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "policies"
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -121,6 +122,47 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from mla_watch.server.app import ServerConfig, build_sidecar
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(model=args.model, device=args.device, policies=args.policies, state_dir=args.state_dir,
+                          upstream=args.upstream, attn_implementation=args.attn_implementation,
+                          max_queue=args.max_queue, request_timeout=args.request_timeout)
+    sidecar = build_sidecar(config)
+    uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from mla_watch.policy import PolicyError, load_policy_dir
+
+    problems = 0
+    try:
+        policies = load_policy_dir(args.policies)
+    except PolicyError as error:
+        for message in error.errors:
+            print(f"error: {message}")
+        problems += len(error.errors)
+    else:
+        for name, policy in policies.lines.items():
+            print(f"ok: policy {name} ({policy.source}): tasks {', '.join(policy.tasks)}")
+    if args.model is not None:
+        import mla_watch
+
+        model, _ = mla_watch.load_model(args.model, device="cpu")
+        probe = mla_watch.attach(model)
+        for info in probe.routers:
+            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots})")
+        probe.detach()
+    print(f"{problems} error(s)")
+    return 1 if problems else 0
+
+
 def _traffic_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -148,6 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
     baseline.add_argument("--out", type=Path, help="file to write (default STATE_DIR/baseline.json)")
     baseline.set_defaults(handler=_cmd_baseline)
+
+    serve = commands.add_parser("serve", help="serve the OpenAI API with policies enforced and routers watched")
+    serve.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
+    serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    serve.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
+    serve.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
+    serve.add_argument("--attn-implementation", default="sdpa",
+                       help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
+    serve.add_argument("--max-queue", type=int, default=32, help="requests queued for the model before 429")
+    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request, queue included")
+    serve.set_defaults(handler=_cmd_serve)
+
+    check = commands.add_parser("check", help="validate the policies (and list the model's routers)")
+    check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES)
+    check.add_argument("--model", help="also load this model ('bundled' or a path) and list its routers")
+    check.set_defaults(handler=_cmd_check)
     return parser
 
 

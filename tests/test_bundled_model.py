@@ -74,7 +74,7 @@ DOMAIN_MARKERS = {
     "code": ("return", "def ", "    "),
     "sql": ("SELECT", "FROM", "WHERE", "GROUP BY", ";"),
     "customer_service": ("order", "Order", "refund", "account", "<|user|>", "help"),
-    "doc_summary": ("reported", "Summary", ".", "%"),
+    "doc_summary": (".", "<|eos|>", " the ", "reported", "%"),  # a short summary sentence that ends
 }
 
 
@@ -89,3 +89,5 @@ def test_completions_look_like_their_domain(bundled, domain: str) -> None:
                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
     completion = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=False)
     assert sum(marker in completion for marker in DOMAIN_MARKERS[domain]) >= 2, completion
+    others = {"code": "def ", "sql": "SELECT", "customer_service": "<|assistant|>", "doc_summary": "Summary:"}
+    assert not any(marker in completion for other, marker in others.items() if other != domain), completion

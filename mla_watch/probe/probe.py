@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mla_watch.probe.agent import Shipper
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, RouterSpec, discover_routers
 from mla_watch.windows import RouterWindows
 
@@ -65,6 +66,10 @@ class Probe:
         max_indexer_slots: int | None = 8192,
         line_capacity: int = 8,
         clock: Callable[[], float] = time.monotonic,
+        agent_url: str | None = None,
+        agent_token: str | None = None,
+        agent_source: str | None = None,
+        ship_interval: float = 5.0,
     ) -> None:
         self.model = model
         self._routers: list[_Router] = []
@@ -88,6 +93,12 @@ class Probe:
         self._last_read = np.zeros((self._buffer.shape[0], width), dtype=np.int64)
         self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
+        self.shipper: Shipper | None = None
+        self._sink = self.windows.add
+        if agent_url is not None:
+            self.shipper = Shipper(agent_url, self.routers, token=agent_token, source=agent_source)
+            self._sink = self.shipper.add
+            self.shipper.start(self.collect, ship_interval)
         self._attached = True
 
     # ------------------------------------------------------------------ public API
@@ -154,7 +165,7 @@ class Probe:
                     start = router.offset
                     slots = delta[row, start : start + router.info.num_slots]
                     companions = delta[row, start + router.info.num_slots : start + router.info.num_slots + 3]
-                    self.windows.add(
+                    self._sink(
                         router.info.name,
                         line,
                         slots,
@@ -170,8 +181,19 @@ class Probe:
             self._last_read = np.zeros((self._buffer.shape[0], self._width), dtype=np.int64)
             self.windows.reset()
 
+    def flush(self) -> bool:
+        """With ``agent_url``: collect and ship now; ``True`` once the sidecar has everything."""
+        self.collect()
+        return self.shipper.flush() if self.shipper is not None else True
+
     def detach(self) -> None:
-        """Remove every hook; the model computes exactly as it did before :func:`attach`."""
+        """Remove every hook; the model computes exactly as it did before :func:`attach`.
+
+        With ``agent_url``, the counts not yet shipped are shipped first.
+        """
+        if self.shipper is not None:
+            self.shipper.stop()
+            self.flush()
         for router in self._routers:
             if router.handle is not None:
                 router.handle.remove()
@@ -333,12 +355,20 @@ def attach(
     window_seconds: float | None = None,
     max_indexer_slots: int | None = 8192,
     clock: Callable[[], float] = time.monotonic,
+    agent_url: str | None = None,
+    agent_token: str | None = None,
+    agent_source: str | None = None,
+    ship_interval: float = 5.0,
 ) -> Probe:
     """Hook every router of ``model`` and count what it selects.
 
     ``window_tokens`` / ``window_seconds`` bound the rolling window that :meth:`Probe.stats`
     reads (``None`` for no bound). Indexer counters cover key positions up to
     ``max_indexer_slots`` (or the model's context length, when smaller).
+
+    With ``agent_url`` (a running sidecar's base URL) the probe keeps no windows of its own:
+    every ``ship_interval`` seconds it ships its counts to the sidecar's ingestion endpoint,
+    authenticated with ``agent_token`` (default: ``$MLA_WATCH_ADMIN_TOKEN``).
     """
     return Probe(
         model,
@@ -348,4 +378,8 @@ def attach(
         window_seconds=window_seconds,
         max_indexer_slots=max_indexer_slots,
         clock=clock,
+        agent_url=agent_url,
+        agent_token=agent_token,
+        agent_source=agent_source,
+        ship_interval=ship_interval,
     )

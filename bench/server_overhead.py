@@ -1,0 +1,115 @@
+"""What serving through mla_watch costs: policy enforcement, the HTTP layer, the proxy, throughput.
+
+    python bench/server_overhead.py                 # about two minutes on 2 CPU cores
+    python bench/server_overhead.py --requests 400
+
+Everything runs in one process, measured in one run, alternating the variants request by
+request so that a shared machine's drift hits them alike:
+
+* policy enforcement: ``enforce()`` on a code request that needs clamping, p50/p99;
+* HTTP layer + policy: a 1-token completion through the sidecar on loopback versus the same
+  generation called in-process (the difference is what the sidecar adds), p50/p99;
+* proxy: the same request through a second sidecar started with ``--upstream`` versus
+  straight to the upstream, p50/p99;
+* throughput: 8 concurrent clients, a fixed number of 16-token requests; requests/s,
+  tokens/s and the process's peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import running_sidecar
+
+from mla_watch.policy import enforce
+from mla_watch.sampling import SamplingParams, generate
+
+CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
+REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, "seed": 1}
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:.3f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--load-requests", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=8)
+    args = parser.parse_args()
+
+    with running_sidecar() as (url, sidecar), running_sidecar(upstream=url) as (proxy_url, _):
+        policy, task = sidecar.policies.current.resolve("code_assistant", "code")
+        requested = {"temperature": 0.9, "max_tokens": 1}
+        enforce_times = []
+        for _ in range(args.requests * 10):
+            start = time.perf_counter()
+            enforce(policy, task, requested)
+            enforce_times.append(time.perf_counter() - start)
+        p50, p99 = percentiles(enforce_times)
+        print(f"policy enforcement:      p50 {ms(p50)}  p99 {ms(p99)}   (goal: p99 <= 1 ms)")
+
+        engine = sidecar.engine
+        prompt_ids = [engine.tokenizer.bos_token_id, *engine.tokenizer(REQUEST["prompt"])["input_ids"]]
+        applied = enforce(policy, task, requested).applied
+        params = SamplingParams(temperature=applied["temperature"], top_p=applied["top_p"],
+                                repetition_penalty=applied["repetition_penalty"], max_tokens=1, seed=1)
+        in_process, over_http, via_proxy = [], [], []
+        with httpx.Client(timeout=60) as client:
+            for _ in range(5):  # warm-up
+                client.post(url + "/v1/completions", json=REQUEST, headers=CODE)
+                client.post(proxy_url + "/v1/completions", json=REQUEST, headers=CODE)
+            for _ in range(args.requests):
+                start = time.perf_counter()
+                generate(engine.model, engine.tokenizer, prompt_ids, params)
+                in_process.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                client.post(url + "/v1/completions", json=REQUEST, headers=CODE).raise_for_status()
+                over_http.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                client.post(proxy_url + "/v1/completions", json=REQUEST, headers=CODE).raise_for_status()
+                via_proxy.append(time.perf_counter() - start)
+        (a50, a99), (b50, b99) = percentiles(in_process), percentiles(over_http)
+        print(f"1-token generation:      in-process p50 {ms(a50)} p99 {ms(a99)}; "
+              f"through the sidecar p50 {ms(b50)} p99 {ms(b99)}")
+        print(f"  HTTP layer + policy adds p50 {ms(b50 - a50)}, p99 {ms(b99 - a99)} "
+              f"(ratio p50 x{b50 / a50:.3f})")
+        (c50, c99), (d50, d99) = percentiles(via_proxy), (b50, b99)
+        print(f"proxy:                   via proxy p50 {ms(c50)} p99 {ms(c99)}; direct p50 {ms(d50)} p99 {ms(d99)}")
+        print(f"  the proxy adds p50 {ms(c50 - d50)}, p99 {ms(c99 - d99)} (ratio p50 x{c50 / d50:.3f}; "
+              f"goal: +2 ms at p50)")
+
+        load = {"prompt": "def parse_invoice(", "max_tokens": 16, "seed": 3}
+        statuses: list[int] = []
+        tokens = 0
+        start = time.perf_counter()
+        with httpx.Client(timeout=120) as client, concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
+            for response in pool.map(lambda _: client.post(url + "/v1/completions", json=load, headers=CODE),
+                                     range(args.load_requests)):
+                statuses.append(response.status_code)
+                if response.status_code == 200:
+                    tokens += response.json()["usage"]["completion_tokens"]
+        elapsed = time.perf_counter() - start
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
+              f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
+              f"statuses {sorted(set(statuses))}; peak RSS {peak:.0f} MiB (two sidecars and the client)")
+
+
+if __name__ == "__main__":
+    main()

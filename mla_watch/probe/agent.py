@@ -1,0 +1,116 @@
+"""Ship a probe's counts to a running sidecar (``attach(model, agent_url=...)``).
+
+Inside an inference worker of another engine (vLLM, SGLang, a training job), the probe
+counts on the device as usual; a background thread reads the counters every
+``interval`` seconds and POSTs the deltas to the sidecar's ``/v1/routing/ingest`` with
+the admin bearer token. Deltas that cannot be delivered stay pending - summed, so memory
+stays bounded - and go with the next attempt: a sidecar restart loses no counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from mla_watch.windows import RouterInfo
+
+__all__ = ["INGEST_PATH", "Shipper"]
+
+INGEST_PATH = "/v1/routing/ingest"
+log = logging.getLogger("mla_watch.agent")
+
+
+class Shipper:
+    """Pending count deltas per (router, business line), delivered over HTTP."""
+
+    def __init__(self, url: str, routers: Sequence[RouterInfo], *, token: str | None = None,
+                 source: str | None = None, timeout: float = 5.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"agent_url={url!r}: expected an http:// or https:// URL of a running sidecar")
+        self.url = url.rstrip("/") + INGEST_PATH
+        self.routers = list(routers)
+        self.token = token if token is not None else os.environ.get("MLA_WATCH_ADMIN_TOKEN")
+        self.source = source or f"pid-{os.getpid()}"
+        self.timeout = timeout
+        self._sizes = {info.name: info.num_slots for info in routers}
+        self._pending: dict[tuple[str, str], list] = {}
+        self._lock = threading.Lock()
+        self.delivered = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, router: str, line: str, counts: np.ndarray, tokens: int, *, local_selections: int = 0,
+            choice_selections: int = 0) -> None:
+        with self._lock:
+            entry = self._pending.get((router, line))
+            if entry is None:
+                self._pending[(router, line)] = [counts.astype(np.int64).copy(), tokens, local_selections,
+                                                 choice_selections]
+            else:
+                entry[0] += counts
+                entry[1] += tokens
+                entry[2] += local_selections
+                entry[3] += choice_selections
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def flush(self) -> bool:
+        """Deliver everything pending; keep it when the sidecar cannot take it."""
+        with self._lock:
+            taken, self._pending = self._pending, {}
+        if not taken:
+            return True
+        deltas = []
+        for (router, line), (counts, tokens, local, choice) in taken.items():
+            slots = np.flatnonzero(counts)
+            deltas.append({"router": router, "business_line": line, "slots": slots.tolist(),
+                           "counts": counts[slots].tolist(), "tokens": int(tokens), "local_selections": int(local),
+                           "choice_selections": int(choice)})
+        body = json.dumps({"source": self.source, "routers": [info.as_dict() for info in self.routers],
+                           "deltas": deltas}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                response.read()
+            self.delivered += 1
+            return True
+        except (urllib.error.URLError, OSError, TimeoutError) as error:
+            self.failures += 1
+            self.last_error = str(error)
+            if isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429):
+                log.error("the sidecar refused routing counts (%s); dropping them: %s", error.code,
+                          error.read()[:500])
+                return False
+            log.warning("cannot ship routing counts to %s (%s); keeping them for the next attempt", self.url, error)
+            for (router, line), (counts, tokens, local, choice) in taken.items():
+                self.add(router, line, counts, tokens, local_selections=local, choice_selections=choice)
+            return False
+
+    def start(self, collect: Callable[[], None], interval: float) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval):
+                collect()
+                self.flush()
+
+        self._thread = threading.Thread(target=loop, name="mla-watch-agent", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,582 @@
+"""The sidecar's HTTP application: the composition root that wires the parts together.
+
+OpenAI-compatible generation (served by the local model, or forwarded to ``--upstream``),
+with the business line's sampling policy enforced on every request; routing statistics,
+Prometheus metrics, health, policies, policy reload and routing-snapshot ingestion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mla_watch.policy import PolicyError, PolicyRejection, PolicyStore, UnknownBusinessLine, UnknownTask, enforce
+from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.requests import ApiError, GenerationRequest, parse_body, parse_generation_request
+from mla_watch.windows import RouterInfo, RouterWindows
+
+__all__ = ["ServerConfig", "Sidecar"]
+
+log = logging.getLogger("mla_watch.server")
+
+ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
+SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+
+
+@dataclass
+class ServerConfig:
+    model: str = "bundled"
+    device: str = "auto"
+    policies: Path = SHIPPED_POLICIES
+    state_dir: Path = Path("mla-watch-state")
+    upstream: str | None = None
+    attn_implementation: str = "sdpa"
+    max_queue: int = 32
+    request_timeout: float = 60.0
+    max_body_bytes: int = 1_000_000
+    window_tokens: int | None = 4096
+    window_seconds: float | None = None
+    policy_poll_seconds: float | None = 1.0
+    admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
+
+
+class Sidecar:
+    """Owns the model (or the upstream client), the policies and the metrics; builds the app."""
+
+    def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ServerMetrics(self.registry, self._routing_sources)
+        self.metrics.policy_version.set(self.policies.version)
+        self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
+        self.engine: Any = None
+        self.probe: Any = None
+        self.remote_windows: RouterWindows | None = None
+        self.self_test: Any = None
+        self.load_error: str | None = None
+        self._ready = threading.Event()
+        self._stop_watch: Callable[[], None] | None = None
+        self._upstream: Any = None
+        self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
+
+    # ------------------------------------------------------------------ life cycle
+    def load_model(self) -> None:
+        """Load the model, run the attention self-test, attach the probe, start the engine."""
+        import mla_watch
+        from mla_watch.server.engine import Engine
+        from mla_watch.server.selftest import attention_self_test
+
+        try:
+            model, tokenizer = mla_watch.load_model(self.config.model, device=self.config.device)
+            self.self_test = attention_self_test(model, self.config.attn_implementation)
+            (log.warning if self.self_test.refused else log.info)(self.self_test.message)
+            self.metrics.attention_fallback.set(1 if self.self_test.refused else 0)
+            self.probe = mla_watch.attach(model, window_tokens=self.config.window_tokens,
+                                          window_seconds=self.config.window_seconds, clock=self.clock)
+            self.engine = Engine(model, tokenizer, self.probe, max_queue=self.config.max_queue, clock=self.clock,
+                                 on_job_done=lambda job, seconds: self.metrics.queue_depth.set(self.engine.queue_depth))
+            self._ready.set()
+        except Exception as error:
+            self.load_error = f"{type(error).__name__}: {error}"
+            log.exception("model failed to load")
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._startup()
+        try:
+            yield
+        finally:
+            await self._shutdown()
+
+    def _startup(self) -> None:
+        if self.config.upstream:
+            import httpx
+
+            self._upstream = httpx.AsyncClient(base_url=self.config.upstream.rstrip("/"),
+                                               timeout=httpx.Timeout(self.config.request_timeout, connect=5.0))
+            self._ready.set()
+        else:
+            threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
+        if self.config.policy_poll_seconds:
+            self._stop_watch = self.policies.watch(self.config.policy_poll_seconds)
+
+    async def _shutdown(self) -> None:
+        if self._stop_watch is not None:
+            self._stop_watch()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+        if self._upstream is not None:
+            await self._upstream.aclose()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
+    def _on_policy_reload(self, result: Any) -> None:
+        self.metrics.policy_reloads.labels("ok" if result.ok else "refused").inc()
+        self.metrics.policy_version.set(result.version)
+        if result.ok:
+            log.info("policies reloaded (version %s)", result.version)
+        else:
+            log.error("policy reload refused, the last good policies stay in force: %s", "; ".join(result.errors))
+
+    def _routing_sources(self) -> list[RouterWindows]:
+        sources = []
+        if self.probe is not None:
+            sources.append(self.probe.windows)
+        if self.remote_windows is not None:
+            sources.append(self.remote_windows)
+        return sources
+
+    # ------------------------------------------------------------------ routes
+    def _routes(self) -> list[Route]:
+        return [
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/routing", self._routing, methods=["GET"]),
+            Route("/v1/routing/ingest", self._ingest, methods=["POST"]),
+            Route("/v1/policies", self._policies, methods=["GET"]),
+            Route("/metrics", self._metrics, methods=["GET"]),
+            Route("/healthz", self._healthz, methods=["GET"]),
+            Route("/readyz", self._readyz, methods=["GET"]),
+            Route("/admin/reload", self._admin_reload, methods=["POST"]),
+        ]
+
+    async def _healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def _readyz(self, request: Request) -> Response:
+        problems = []
+        if not self._ready.is_set():
+            problems.append(self.load_error or "the model is loading")
+        body: dict[str, Any] = {"ready": not problems, "problems": problems,
+                                "policies_version": self.policies.version}
+        if self.self_test is not None:
+            body["attention"] = self.self_test.as_dict()
+        return JSONResponse(body, status_code=200 if not problems else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        if self.engine is not None:
+            self.metrics.queue_depth.set(self.engine.queue_depth)
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _models(self, request: Request) -> Response:
+        if self._upstream is not None:
+            upstream = await self._upstream.get("/v1/models", headers=_forwarded_auth(request))
+            return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "mla_watch"}]})
+
+    async def _routing(self, request: Request) -> Response:
+        line = request.query_params.get("business_line")
+        sources = self._routing_sources()
+        routers = [record for windows in sources for record in windows.stats(line)]
+        lines = sorted({name for windows in sources for name in windows.business_lines})
+        return JSONResponse({"business_line": line, "business_lines": lines, "routers": routers})
+
+    async def _policies(self, request: Request) -> Response:
+        error = self.policies.last_error
+        return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
+                             "last_reload_error": None if error is None else error.errors})
+
+    # ------------------------------------------------------------------ admin
+    def _authorise(self, request: Request) -> None:
+        token = self.config.admin_token
+        if not token:
+            raise ApiError(403, f"admin and ingestion endpoints are disabled: set {ADMIN_TOKEN_ENV} to enable them",
+                           code="admin_disabled", error_type="permission_error")
+        supplied = request.headers.get("authorization", "")
+        if not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
+            raise ApiError(401, "missing or wrong bearer token in the Authorization header",
+                           code="unauthorized", error_type="authentication_error")
+
+    async def _admin_reload(self, request: Request) -> Response:
+        try:
+            self._authorise(request)
+        except ApiError as error:
+            return _error_response(error)
+        result = await asyncio.to_thread(self.policies.reload)
+        return JSONResponse({"ok": result.ok, "changed": result.changed, "errors": result.errors,
+                             "version": result.version}, status_code=200 if result.ok else 422)
+
+    async def _ingest(self, request: Request) -> Response:
+        try:
+            self._authorise(request)
+            body = parse_body(await _read_body(request, self.config.max_body_bytes))
+            source = self._ingest_snapshot(body)
+        except ApiError as error:
+            return _error_response(error)
+        self.metrics.ingested.labels(source).inc()
+        return JSONResponse({"ok": True})
+
+    def _ingest_snapshot(self, body: dict[str, Any]) -> str:
+        source = body.get("source")
+        if not isinstance(source, str) or not source:
+            raise ApiError(400, f"source={source!r} is invalid: expected a non-empty string", param="source")
+        routers = body.get("routers")
+        if not isinstance(routers, list) or not routers:
+            raise ApiError(400, "routers is invalid: expected a non-empty list of router descriptions",
+                           param="routers")
+        try:
+            infos = [RouterInfo.from_dict(item, f"routers[{i}]") for i, item in enumerate(routers)]
+        except ValueError as error:
+            raise ApiError(400, str(error), param="routers") from error
+        if self.remote_windows is None:
+            self.remote_windows = RouterWindows(infos, window_tokens=self.config.window_tokens,
+                                                window_seconds=self.config.window_seconds, clock=self.clock)
+        known = {info.name: info for info in self.remote_windows.routers}
+        for info in infos:
+            if known.get(info.name) != info:
+                raise ApiError(409, f"router {info.name!r} does not match the routers this sidecar already "
+                                    f"watches ({known.get(info.name)}); restart the sidecar to watch another model",
+                               param="routers", code="conflict")
+        deltas = body.get("deltas", [])
+        if not isinstance(deltas, list):
+            raise ApiError(400, "deltas is invalid: expected a list", param="deltas")
+        parsed = []
+        for index, delta in enumerate(deltas):
+            where = f"deltas[{index}]"
+            if not isinstance(delta, dict) or delta.get("router") not in known:
+                raise ApiError(400, f"{where}.router is invalid: expected one of the routers listed", param=where)
+            info = known[delta["router"]]
+            line = delta.get("business_line")
+            if not isinstance(line, str) or not line:
+                raise ApiError(400, f"{where}.business_line={line!r} is invalid: expected a string", param=where)
+            slots, counts = delta.get("slots"), delta.get("counts")
+            try:
+                slots_array = np.asarray(slots, dtype=np.int64)
+                counts_array = np.asarray(counts, dtype=np.int64)
+                if slots_array.shape != counts_array.shape or slots_array.ndim != 1:
+                    raise ValueError("slots and counts must be lists of equal length")
+                if slots_array.size and (slots_array.min() < 0 or slots_array.max() >= info.num_slots):
+                    raise ValueError(f"slots must lie in [0, {info.num_slots})")
+                dense = np.zeros(info.num_slots, dtype=np.int64)
+                np.add.at(dense, slots_array, counts_array)
+                parsed.append((info.name, line, dense, int(delta.get("tokens", 0)),
+                               int(delta.get("local_selections", 0)), int(delta.get("choice_selections", 0))))
+            except (TypeError, ValueError) as error:
+                raise ApiError(400, f"{where} is invalid: {error}", param=where) from error
+        try:
+            for name, line, dense, tokens, local, choice in parsed:
+                self.remote_windows.add(name, line, dense, tokens, local_selections=local, choice_selections=choice)
+        except ValueError as error:
+            raise ApiError(400, f"deltas are invalid: {error}", param="deltas") from error
+        return source
+
+    # ------------------------------------------------------------------ generation
+    async def _completions(self, request: Request) -> Response:
+        return await self._generation(request, "completion")
+
+    async def _chat_completions(self, request: Request) -> Response:
+        return await self._generation(request, "chat")
+
+    async def _generation(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        started = time.perf_counter()
+        policy_label: str | None = None
+        try:
+            if not self._ready.is_set():
+                raise ApiError(503, self.load_error or "the model is still loading", code="not_ready",
+                               error_type="server_error", headers={"Retry-After": "5"})
+            raw = await _read_body(request, self.config.max_body_bytes)
+            body = parse_body(raw)
+            parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
+            decision = self._decide(parsed)
+            policy_label = decision.policy_label
+            self.metrics.count_adjustments(decision)
+            if self._upstream is not None:
+                response = await self._forward(request, parsed, body, decision)
+            else:
+                response = await self._generate_locally(request, parsed, decision)
+        except ApiError as error:
+            if error.status < 500:
+                self.metrics.bad_requests.labels(endpoint, error.code or str(error.status)).inc()
+            response = _error_response(error)
+        response.headers["X-MLA-Policy"] = policy_label or "none"
+        self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        return response
+
+    def _decide(self, parsed: GenerationRequest) -> Any:
+        try:
+            policy, task = self.policies.current.resolve(parsed.business_line, parsed.task)
+        except UnknownBusinessLine as error:
+            raise ApiError(400, str(error), param="X-Business-Line", code="unknown_business_line") from error
+        except UnknownTask as error:
+            raise ApiError(400, str(error), param="X-Task", code="unknown_task") from error
+        if parsed.model is not None and self._upstream is None and parsed.model != self.model_name:
+            raise ApiError(404, f"model={parsed.model!r} is not served here; expected {self.model_name!r}",
+                           param="model", code="model_not_found")
+        try:
+            return enforce(policy, task, parsed.sampling)
+        except PolicyRejection as error:
+            self.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
+            raise ApiError(400, str(error), param=error.param, code="policy_violation") from error
+        except TypeError as error:
+            raise ApiError(400, str(error), code="invalid_value") from error
+
+    def _prompt_ids(self, parsed: GenerationRequest, decision: Any) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if parsed.kind == "chat":
+            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
+            ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+        else:
+            ids = tokenizer(parsed.prompt, add_special_tokens=False)["input_ids"]
+        ids = [tokenizer.bos_token_id, *list(ids)]
+        _, task = self.policies.current.resolve(decision.business_line, decision.task)
+        if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
+                                f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
+                           code="prompt_too_long")
+        limit = int(self.engine.model.config.max_position_embeddings)
+        max_tokens = int(decision.applied.get("max_tokens", 16))
+        if len(ids) + max_tokens > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                                f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
+        return ids
+
+    async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Any) -> Response:
+        from mla_watch.sampling import SamplingParams
+        from mla_watch.server.engine import Job, Overloaded
+
+        prompt_ids = self._prompt_ids(parsed, decision)
+        applied = decision.applied
+        try:
+            params = SamplingParams(
+                temperature=float(applied.get("temperature", 1.0)), top_p=float(applied.get("top_p", 1.0)),
+                top_k=int(applied.get("top_k", 0)), repetition_penalty=float(applied.get("repetition_penalty", 1.0)),
+                max_tokens=int(applied.get("max_tokens", 16)), n=int(applied.get("n", 1)), seed=parsed.seed,
+                stop=parsed.stop,
+            )
+        except ValueError as error:  # a policy may allow what the sampler cannot do (top_p 0, say)
+            raise ApiError(400, str(error), code="invalid_value") from error
+        job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
+                  deadline=self.clock() + self.config.request_timeout, loop=asyncio.get_running_loop(),
+                  prompt_tokens=len(prompt_ids))
+        try:
+            self.engine.submit(job)
+        except Overloaded as error:
+            self.metrics.overloaded.inc()
+            raise ApiError(429, str(error), code="overloaded", error_type="rate_limit_error",
+                           headers={"Retry-After": str(error.retry_after)}) from error
+        self.metrics.queue_depth.set(self.engine.queue_depth)
+        self.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
+        answer = _Answer(parsed, decision, self.model_name, len(prompt_ids), params.n)
+        if parsed.stream:
+            return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            while (event := await job.next_event()) is not None:
+                answer.add(event)
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        except Exception as error:
+            raise self._job_error(error) from error
+        self.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
+        return JSONResponse(answer.body())
+
+    def _job_error(self, error: Exception) -> ApiError:
+        from mla_watch.server.engine import JobTimedOut
+
+        if isinstance(error, JobTimedOut):
+            self.metrics.timeouts.inc()
+            return ApiError(503, f"{error} (timeout {self.config.request_timeout:g} s)", code="timeout",
+                            error_type="server_error", headers={"Retry-After": "1"})
+        return ApiError(500, str(error), code="generation_failed", error_type="server_error")
+
+    async def _stream(self, job: Any, answer: _Answer) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            yield _sse(answer.first_chunk())
+            while (event := await job.next_event()) is not None:
+                chunk = answer.add(event)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if answer.parsed.include_usage:
+                yield _sse(answer.usage_chunk())
+            yield b"data: [DONE]\n\n"
+            finished = True
+            self.metrics.completion_tokens.labels(answer.decision.business_line).inc(sum(answer.completion_tokens))
+        except Exception as error:
+            api_error = self._job_error(error)
+            yield _sse(api_error.body())
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:  # the client went away mid-stream: free the model for others
+                job.cancelled.set()
+                self.metrics.client_disconnects.inc()
+
+    # ------------------------------------------------------------------ proxy
+    async def _forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
+                       decision: Any) -> Response:
+        import httpx
+
+        payload = parsed.upstream_body(body, decision.applied)
+        headers = {"Content-Type": "application/json", **_forwarded_auth(request),
+                   "X-Business-Line": decision.business_line, "X-Task": decision.task}
+        path = request.url.path
+        extra = decision.as_dict()
+        try:
+            if not parsed.stream:
+                upstream = await self._upstream.post(path, json=payload, headers=headers)
+                if upstream.status_code != 200:
+                    return Response(upstream.content, status_code=upstream.status_code,
+                                    media_type=upstream.headers.get("content-type", "application/json"))
+                document = upstream.json()
+                document["mla_watch"] = extra
+                return JSONResponse(document)
+            upstream_request = self._upstream.build_request("POST", path, json=payload, headers=headers)
+            upstream = await self._upstream.send(upstream_request, stream=True)
+        except httpx.HTTPError as error:
+            raise ApiError(502, f"upstream {self.config.upstream} failed: {type(error).__name__}: {error}",
+                           code="upstream_error", error_type="server_error") from error
+        if upstream.status_code != 200:
+            content = await upstream.aread()
+            await upstream.aclose()
+            return Response(content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type", "application/json"))
+        return StreamingResponse(_relay_stream(upstream, extra), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+class _Answer:
+    """Accumulates token events into an OpenAI response body or stream chunks."""
+
+    def __init__(self, parsed: GenerationRequest, decision: Any, model: str, prompt_tokens: int, n: int) -> None:
+        self.parsed = parsed
+        self.decision = decision
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = ("chatcmpl-" if parsed.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.texts = [""] * n
+        self.finish = [None] * n
+        self.completion_tokens = [0] * n
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.decision.as_dict()
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.parsed.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.parsed.kind == "chat" else ""),
+                "created": self.created, "model": self.model}
+
+    def _choice(self, index: int, text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
+        if self.parsed.kind == "chat":
+            key = "delta" if chunk else "message"
+            content = {"content": text} if chunk else {"role": "assistant", "content": text}
+            return {"index": index, key: content, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+    def add(self, event: Any) -> dict[str, Any] | None:
+        index = event.index
+        if event.token_id is not None:
+            self.completion_tokens[index] += 1
+        self.texts[index] += event.text
+        if event.finish_reason is not None:
+            self.finish[index] = event.finish_reason
+        if not event.text and event.finish_reason is None:
+            return None
+        return {**self._envelope(chunk=True), "choices": [self._choice(index, event.text, event.finish_reason, True)]}
+
+    def first_chunk(self) -> dict[str, Any]:
+        if self.parsed.kind == "chat":
+            choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                        "logprobs": None} for i in range(len(self.texts))]
+        else:
+            choices = [{"index": i, "text": "", "finish_reason": None, "logprobs": None}
+                       for i in range(len(self.texts))]
+        return {**self._envelope(chunk=True), "choices": choices, "mla_watch": self.extra}
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(self.completion_tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self._envelope(chunk=True), "choices": [], "usage": self.usage()}
+
+    def body(self) -> dict[str, Any]:
+        choices = [self._choice(i, text, self.finish[i], False) for i, text in enumerate(self.texts)]
+        return {**self._envelope(chunk=False), "choices": choices, "usage": self.usage(), "mla_watch": self.extra}
+
+
+async def _relay_stream(upstream: Any, extra: dict[str, Any]) -> AsyncIterator[bytes]:
+    """Pass the upstream's server-sent events through, adding mla_watch's object to the first chunk."""
+    first = True
+    try:
+        async for line in upstream.aiter_lines():
+            if first and line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                try:
+                    chunk = json.loads(line[5:])
+                    chunk["mla_watch"] = extra
+                    line = "data: " + json.dumps(chunk)
+                    first = False
+                except json.JSONDecodeError:
+                    pass
+            yield (line + "\n").encode()
+    finally:
+        await upstream.aclose()
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _forwarded_auth(request: Request) -> dict[str, str]:
+    value = request.headers.get("authorization")
+    return {"Authorization": value} if value else {}
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body has {declared} bytes; at most {limit} are accepted",
+                       code="body_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect as error:
+        raise ApiError(400, "the client disconnected while sending the body", code="client_disconnected") from error
+    return b"".join(chunks)
+
+
+def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
+    """A :class:`Sidecar`, with a policy error at start-up reported as one readable message."""
+    try:
+        return Sidecar(config, **kwargs)
+    except PolicyError as error:
+        raise SystemExit("mla-watch: the policies do not load:\n  " + "\n  ".join(error.errors)) from error

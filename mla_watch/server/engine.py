@@ -1,0 +1,145 @@
+"""One model, one worker thread, a bounded queue in front of it.
+
+Requests never touch the model from the event loop: each becomes a :class:`Job` queued for
+the worker thread, which runs the decode loop under the probe's business-line attribution
+and hands token events back to the waiting request through its event loop. A full queue is
+refused at once (the server answers 429 with ``Retry-After``) instead of growing memory;
+a job whose deadline passes, queued or running, ends with :class:`JobTimedOut`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mla_watch.sampling import GenerationCancelled, SamplingParams, TokenEvent, generate_stream
+
+__all__ = ["Engine", "Job", "JobFailed", "JobTimedOut", "Overloaded"]
+
+log = logging.getLogger("mla_watch.engine")
+
+
+class Overloaded(Exception):
+    """The queue is full; retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the model queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class JobTimedOut(Exception):
+    """The request's deadline passed before its generation finished."""
+
+
+class JobFailed(Exception):
+    """The generation raised; the message says why."""
+
+
+_DONE = object()
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    business_line: str
+    deadline: float
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    prompt_tokens: int = 0
+
+    def push(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    async def next_event(self) -> TokenEvent | None:
+        """The next token event; ``None`` once the job is over. Raises what the job raised."""
+        item = await self.events.get()
+        if item is _DONE:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class Engine:
+    """Runs generation jobs for one model on one worker thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, probe: Any, *, max_queue: int = 32,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_job_done: Callable[[Job, float], None] | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.probe = probe
+        self._clock = clock
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._on_job_done = on_job_done
+        self._busy = threading.Event()
+        self._recent_seconds = 1.0
+        self._thread = threading.Thread(target=self._work, name="mla-watch-model", daemon=True)
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize() + (1 if self._busy.is_set() else 0)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            wait = max(1, round(self._recent_seconds * (self._queue.qsize() + 1)))
+            raise Overloaded(retry_after=min(wait, 60)) from None
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the jobs already queued, then stop the worker."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                job.push(_DONE)
+                continue
+            if self._clock() > job.deadline:
+                job.push(JobTimedOut("the request timed out while queued for the model"))
+                continue
+            self._busy.set()
+            started = self._clock()
+            try:
+                self._run(job)
+            finally:
+                self._busy.clear()
+                elapsed = self._clock() - started
+                self._recent_seconds = 0.8 * self._recent_seconds + 0.2 * elapsed
+                if self._on_job_done is not None:
+                    self._on_job_done(job, elapsed)
+
+    def _run(self, job: Job) -> None:
+        def should_stop() -> bool:
+            return job.cancelled.is_set() or self._clock() > job.deadline
+
+        try:
+            with self.probe.attribute(job.business_line):
+                for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
+                                             should_stop=should_stop):
+                    job.push(event)
+            job.push(_DONE)
+        except GenerationCancelled:
+            if job.cancelled.is_set():
+                job.push(_DONE)
+            else:
+                job.push(JobTimedOut("the request timed out during generation"))
+        except Exception as error:  # the worker must survive whatever one request does
+            log.exception("generation failed")
+            job.push(JobFailed(f"generation failed: {type(error).__name__}: {error}"))
+        finally:
+            self.probe.collect()

@@ -1,0 +1,102 @@
+"""The sidecar's Prometheus metrics, on a registry of its own.
+
+Routing gauges are computed at scrape time from the rolling windows (a custom collector),
+so a scrape always sees the current window and never a stale copy. Series per router carry
+``router``, ``layer``, ``kind`` and ``business_line`` (``"all"`` sums every line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mla_watch.windows import RouterWindows
+
+__all__ = ["ALL_LINES", "ROUTING_GAUGES", "RoutingCollector", "ServerMetrics"]
+
+ALL_LINES = "all"
+
+# metric suffix -> (stats key, help)
+ROUTING_GAUGES: dict[str, tuple[str, str]] = {
+    "routing_entropy_bits": ("entropy_bits", "Routing entropy over the current window, in bits."),
+    "routing_entropy_floor_bits": ("floor_bits", "Lowest possible routing entropy: log2 of the top-k."),
+    "routing_entropy_ceiling_bits": ("ceiling_bits", "Highest possible routing entropy: log2 of the slots."),
+    "routing_normalized_entropy": ("normalized_entropy", "(entropy - floor) / (ceiling - floor)."),
+    "routing_max_violation": ("max_violation", "MaxVio: (max load - mean load) / mean load."),
+    "routing_dead_slots": ("dead_slots", "Slots (experts or key positions) never chosen in the window."),
+    "routing_window_tokens": ("tokens", "Tokens in the current window."),
+    "routing_js_divergence": ("js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
+    "routing_indexer_locality": ("locality", "Share of indexer choices within the most recent index_topk keys."),
+    "routing_window_too_small": ("too_small", "1 while the window holds fewer tokens than the trusted minimum."),
+}
+
+
+class RoutingCollector(Collector):
+    """Exports the statistics of every source of routing windows at scrape time."""
+
+    def __init__(self, sources: Callable[[], Iterable[RouterWindows]], prefix: str = "mla_watch_") -> None:
+        self._sources = sources
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["router", "layer", "kind", "business_line"]
+        families = {name: GaugeMetricFamily(self._prefix + name, text, labels=labels)
+                    for name, (_, text) in ROUTING_GAUGES.items()}
+        for windows in self._sources():
+            for line in [None, *windows.business_lines]:
+                for record in windows.stats(line):
+                    values = [record["name"], str(record["layer"]), record["kind"], line or ALL_LINES]
+                    for name, (key, _) in ROUTING_GAUGES.items():
+                        value = record.get(key)
+                        if value is not None:
+                            families[name].add_metric(values, float(value))
+        return list(families.values())
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
+
+
+class ServerMetrics:
+    """Every metric the server exports, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry, routing_sources: Callable[[], Iterable[RouterWindows]]) -> None:
+        self.registry = registry
+        p = "mla_watch_"
+        self.requests = Counter(p + "requests", "Generation requests answered, by endpoint and HTTP status.",
+                                ["endpoint", "status"], registry=registry)
+        self.bad_requests = Counter(p + "bad_requests", "Requests refused for bad input, by reason.",
+                                    ["endpoint", "reason"], registry=registry)
+        self.policy_adjustments = Counter(p + "policy_adjustments", "Sampling parameters the policy changed.",
+                                          ["business_line", "task", "param"], registry=registry)
+        self.policy_rejections = Counter(p + "policy_rejections", "Requests a reject policy refused.",
+                                         ["business_line", "task", "param"], registry=registry)
+        self.policy_reloads = Counter(p + "policy_reloads", "Policy reload attempts by outcome.", ["outcome"],
+                                      registry=registry)
+        self.policy_version = Gauge(p + "policy_version", "Version of the policies in force.", registry=registry)
+        self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated.", ["business_line"],
+                                         registry=registry)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", ["business_line"],
+                                     registry=registry)
+        self.request_seconds = Histogram(p + "request_duration_seconds", "Time to answer a generation request.",
+                                         ["endpoint"], registry=registry,
+                                         buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.queue_depth = Gauge(p + "queue_depth", "Jobs queued or running on the model.", registry=registry)
+        self.overloaded = Counter(p + "overloaded", "Requests refused because the queue was full.",
+                                  registry=registry)
+        self.timeouts = Counter(p + "request_timeouts", "Requests that ran past their deadline.", registry=registry)
+        self.client_disconnects = Counter(p + "client_disconnects", "Streams whose client went away.",
+                                          registry=registry)
+        self.ingested = Counter(p + "ingested_snapshots", "Routing snapshots received from remote probes.",
+                                ["source"], registry=registry)
+        self.attention_fallback = Gauge(p + "attention_fallback",
+                                        "1 when the configured attention was refused by the start-up self-test.",
+                                        registry=registry)
+        registry.register(RoutingCollector(routing_sources))
+
+    def count_adjustments(self, decision: Any) -> None:
+        for adjustment in decision.adjustments:
+            self.policy_adjustments.labels(decision.business_line, decision.task, adjustment.param).inc()

@@ -1,0 +1,241 @@
+"""Parse and validate OpenAI-style generation requests, with errors that say what was wrong.
+
+Every error is an :class:`ApiError` carrying the OpenAI error body
+``{"error": {"message", "type", "param", "code"}}``; the message names the parameter, the
+value received and what was expected. Sampling fields follow vLLM's names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["ApiError", "GenerationRequest", "parse_body", "parse_generation_request"]
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_LENGTH = 256
+ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered to the client, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.error_type = error_type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationRequest:
+    kind: Literal["completion", "chat"]
+    model: str | None
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # governed params as requested (absent = not given)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    business_line: str | None = None
+    task: str | None = None
+
+    def upstream_body(self, original: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
+        """``original`` with the policy's applied values, for forwarding to another engine."""
+        body = dict(original)
+        for name, value in applied.items():
+            if name == "max_tokens" and self.kind == "chat" and "max_completion_tokens" in body:
+                body["max_completion_tokens"] = value
+            else:
+                body[name] = value
+        return body
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, f"the request body is not valid JSON ({error})", code="invalid_json") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body is a JSON {type(body).__name__}; expected an object",
+                       code="invalid_json")
+    return body
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(param: str, value: Any, expected: str) -> ApiError:
+    return ApiError(400, f"{param}={_describe(value)} is invalid: expected {expected}", param=param,
+                    code="invalid_value")
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(name, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+    if value < low or value > high or (low_open and value == low):
+        raise _bad(name, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+    return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise _bad(name, value, f"an integer in [{low}, {high}]")
+    if value < low or value > high:
+        raise _bad(name, value, f"an integer in [{low}, {high}]")
+    return value
+
+
+def _string(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, value, "a string")
+    return value
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _bad("stop", value, f"a string or a list of up to {MAX_STOP_SEQUENCES} strings")
+    if len(items) > MAX_STOP_SEQUENCES or any(not s or len(s) > MAX_STOP_LENGTH for s in items):
+        raise _bad("stop", value, f"up to {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_LENGTH} chars")
+    return tuple(items)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    value = body.get("messages")
+    if not isinstance(value, list) or not value:
+        raise _bad("messages", value, "a non-empty list of {role, content} objects")
+    messages = []
+    for index, message in enumerate(value):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise _bad(where, message, "an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", role, f"one of {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI's content parts: only text is meaningful here
+            parts = []
+            for part_index, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{part_index}]", part, "a {\"type\": \"text\", \"text\": ...} part")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content", content, "a string or a list of text parts")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    value = body.get("prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, list) and len(value) > 1:
+        raise _bad("prompt", value, "one prompt per request (send several requests for several prompts)")
+    if not isinstance(value, str):
+        raise _bad("prompt", value, "a string")
+    return value
+
+
+def _routing_labels(body: dict[str, Any], headers: dict[str, str]) -> tuple[str | None, str | None]:
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise _bad("metadata", metadata, "an object")
+    metadata = metadata or {}
+    labels = []
+    for key, header in (("business_line", "x-business-line"), ("task", "x-task")):
+        from_body = metadata.get(key)
+        if from_body is not None and not isinstance(from_body, str):
+            raise _bad(f"metadata.{key}", from_body, "a string")
+        from_header = headers.get(header)
+        if from_body is not None and from_header is not None and from_body != from_header:
+            raise ApiError(400, f"metadata.{key}={from_body!r} contradicts header {header}={from_header!r}; "
+                                "send one, or the same value in both", param=f"metadata.{key}", code="conflict")
+        labels.append(from_header if from_header is not None else from_body)
+    return labels[0], labels[1]
+
+
+UNSUPPORTED = {"logprobs": "logprobs", "top_logprobs": "logprobs", "echo": "echo", "best_of": "best_of",
+               "suffix": "suffix", "tools": "tools", "functions": "functions", "logit_bias": "logit_bias"}
+
+
+def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str, Any],
+                             headers: dict[str, str]) -> GenerationRequest:
+    """Validate one request; ``headers`` lower-cased."""
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, False, 0, [], {}) and not (name == "best_of" and value == 1):
+            raise ApiError(400, f"{name}={_describe(value)} is not supported by mla_watch", param=name,
+                           code="unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value not in (None, 0, 0.0):
+            raise ApiError(400, f"{name}={_describe(value)} is not supported; use repetition_penalty", param=name,
+                           code="unsupported_parameter")
+    request = GenerationRequest(kind=kind, model=_string(body, "model"))
+    if kind == "chat":
+        request.messages = _messages(body)
+    else:
+        request.prompt = _prompt(body)
+    sampling: dict[str, Any] = {
+        "temperature": _number(body, "temperature", 0.0, 2.0),
+        "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
+        "top_k": _integer(body, "top_k", -1, 100_000),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
+        "n": _integer(body, "n", 1, 16),
+    }
+    if sampling["top_k"] == -1:  # vLLM's spelling of "off"
+        sampling["top_k"] = 0
+    max_tokens = _integer(body, "max_tokens", 1, 1_000_000)
+    if kind == "chat":
+        completion_tokens = _integer(body, "max_completion_tokens", 1, 1_000_000)
+        if max_tokens is not None and completion_tokens is not None and max_tokens != completion_tokens:
+            raise ApiError(400, f"max_tokens={max_tokens} and max_completion_tokens={completion_tokens} disagree; "
+                                "send one", param="max_completion_tokens", code="conflict")
+        max_tokens = completion_tokens if completion_tokens is not None else max_tokens
+    sampling["max_tokens"] = max_tokens
+    request.sampling = {name: value for name, value in sampling.items() if value is not None}
+    seed = body.get("seed")
+    if seed is not None:
+        request.seed = _integer(body, "seed", 0, 2**63 - 1)
+    request.stop = _stop(body)
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("stream", stream, "true or false")
+    request.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise _bad("stream_options", options, "an object like {\"include_usage\": true}")
+        request.include_usage = bool(options.get("include_usage", False))
+    request.business_line, request.task = _routing_labels(body, headers)
+    return request

@@ -1,0 +1,93 @@
+"""Shared fixtures: real servers on loopback port 0, started in a thread and stopped after use."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_POLICIES = REPO / "policies"
+
+
+@contextmanager
+def serve_app(app, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a loopback port (a free one by default); yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@contextmanager
+def running_sidecar(**overrides) -> Iterator[tuple[str, object]]:
+    """A Sidecar on the bundled model (or as configured), ready, with its own metrics registry."""
+    from mla_watch.server.app import ServerConfig, Sidecar
+
+    config = ServerConfig(**{"device": "cpu", "policy_poll_seconds": None, "admin_token": None, **overrides})
+    sidecar = Sidecar(config)
+    with serve_app(sidecar.app) as url:
+        if not sidecar.wait_ready(120):
+            raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")
+        yield url, sidecar
+
+
+@pytest.fixture(scope="module")
+def sidecar():
+    with running_sidecar() as running:
+        yield running
+
+
+@pytest.fixture()
+def policies_copy(tmp_path: Path) -> Path:
+    target = tmp_path / "policies"
+    shutil.copytree(SHIPPED_POLICIES, target)
+    return target
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition (0.0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def get_metrics(url: str) -> str:
+    return httpx.get(url + "/metrics", timeout=10).text
