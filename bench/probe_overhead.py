@@ -15,6 +15,7 @@ only: they drift from run to run.
 from __future__ import annotations
 
 import argparse
+import copy
 import random
 import statistics
 import time
@@ -63,6 +64,30 @@ def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) ->
     return time.perf_counter() - start
 
 
+def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int) -> tuple[float, float, float]:
+    """Median time of one short forward pass without hooks, and the median paired difference with
+    the probe attached (spread: quartiles). Two copies of the model, one watched, run in adjacent
+    pairs, so the machine's drift cancels far better than between whole generations."""
+    ids = prompt[:, :8]
+    watched = copy.deepcopy(model)
+    probe = mla_watch.attach(watched)
+    bare, added = [], []
+    with torch.no_grad():
+        for index in range(pairs + 10):
+            order = (model, watched) if index % 2 else (watched, model)
+            timed = {}
+            for candidate in order:
+                start = time.perf_counter()
+                candidate(input_ids=ids)
+                timed[candidate is watched] = time.perf_counter() - start
+            if index >= 10:  # the first pairs warm both copies up
+                bare.append(timed[False])
+                added.append(timed[True] - timed[False])
+    probe.detach()
+    quartiles = statistics.quantiles(added, n=4)
+    return statistics.median(bare), statistics.median(added), quartiles[0], quartiles[2]
+
+
 def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
@@ -103,6 +128,9 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
         print(f"  {mode:>5} / none: median x{statistics.median(values):.4f} "
               f"(spread {min(values):.4f}-{max(values):.4f})")
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
+    forward, added, low, high = paired_forward_cost(model, prompt, pairs=max(100, 20 * alternations))
+    print(f"  one 8-token forward pass: {forward * 1e3:.2f} ms without hooks; the probe adds "
+          f"{added * 1e6:.0f} us (quartiles {low * 1e6:.0f} to {high * 1e6:.0f} us) = x{1 + added / forward:.4f}")
 
 
 def main() -> None:

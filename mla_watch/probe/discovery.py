@@ -64,7 +64,8 @@ class RouterSpec:
     module's forward output and returns the integer tensor of chosen slots (``-1`` = none).
     ``mask_argument`` names the forward argument (and its position) holding the attention
     mask an indexer scored against, so that masked positions it was forced to return are not
-    counted as choices.
+    counted as choices. ``may_pad`` says the indices can hold ``-1`` or values beyond
+    ``num_slots`` (dropped tokens), which then cost a range check per forward pass.
     """
 
     kind: Kind
@@ -72,6 +73,7 @@ class RouterSpec:
     top_k: Callable[[nn.Module, Any], int]
     indices: Callable[[Any], torch.Tensor] = _last_of_tuple
     mask_argument: tuple[str, int] | None = None
+    may_pad: bool = False
 
 
 def _expert_spec() -> RouterSpec:
@@ -92,13 +94,15 @@ def _indexer_slots(module: nn.Module, config: Any) -> int:
     return positions
 
 
-def _indexer_spec() -> RouterSpec:
+def _indexer_spec(module: nn.Module) -> RouterSpec:
     return RouterSpec(
         kind="indexer",
         num_slots=_indexer_slots,
         top_k=lambda module, config: int(module.index_topk),
         indices=lambda output: output,
         mask_argument=("attention_mask", 3),
+        # DeepSeek-V4's compressed-attention indexer pads its choices with -1.
+        may_pad=hasattr(module, "compress_rate"),
     )
 
 
@@ -127,11 +131,12 @@ class RouterRegistry:
         top_k: Callable[[nn.Module, Any], int],
         indices: Callable[[Any], torch.Tensor] = _last_of_tuple,
         mask_argument: tuple[str, int] | None = None,
+        may_pad: bool = True,
     ) -> RouterSpec:
         if kind not in ("expert", "indexer"):
             raise ValueError(f"register_router: kind={kind!r}; expected 'expert' or 'indexer'")
         name = router_class if isinstance(router_class, str) else router_class.__name__
-        spec = RouterSpec(kind, num_slots, top_k, indices, mask_argument)
+        spec = RouterSpec(kind, num_slots, top_k, indices, mask_argument, may_pad)
         self._by_name[name] = spec
         return spec
 
@@ -148,7 +153,7 @@ class RouterRegistry:
         if _EXPERT_CLASS.search(name) and hasattr(module, "num_experts") and hasattr(module, "top_k"):
             return _expert_spec()
         if _INDEXER_CLASS.search(name) and hasattr(module, "index_topk"):
-            return _indexer_spec()
+            return _indexer_spec(module)
         if name.endswith("Router") and hasattr(module, "num_experts") and hasattr(module, "top_k"):
             # Routers outside the TopK naming (DeepSeek-V4's hash router) that keep the same contract.
             return _expert_spec()
@@ -166,6 +171,7 @@ def register_router(
     top_k: Callable[[nn.Module, Any], int],
     indices: Callable[[Any], torch.Tensor] = _last_of_tuple,
     mask_argument: tuple[str, int] | None = None,
+    may_pad: bool = True,
 ) -> RouterSpec:
     """Teach mla_watch to read a custom router class (process-wide registry).
 
@@ -185,6 +191,7 @@ def register_router(
         top_k=top_k,
         indices=indices,
         mask_argument=mask_argument,
+        may_pad=may_pad,
     )
 
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,20 +35,12 @@ _COMPANIONS = 3  # tokens, choice selections, local selections
 _TOKENS, _CHOICE, _LOCAL = 0, 1, 2
 
 
-@dataclass
-class _Forward:
-    """Attribution of the tokens of the forward pass in progress."""
-
-    tokens: int
-    lines: torch.Tensor  # [tokens] line index per token
-    valid: torch.Tensor  # [tokens] int64, 0 for padding
-
-
 class _Router:
-    def __init__(self, info: RouterInfo, spec: RouterSpec, offset: int) -> None:
+    def __init__(self, info: RouterInfo, spec: RouterSpec, offset: int, check_range: bool) -> None:
         self.info = info
         self.spec = spec
         self.offset = offset
+        self.check_range = check_range  # indices may be -1 or beyond the counters
         self.handle: torch.utils.hooks.RemovableHandle | None = None
 
 
@@ -77,7 +69,9 @@ class Probe:
         for module, info, spec in discover_routers(
             model, registry=registry, ignore=ignore, max_indexer_slots=max_indexer_slots
         ):
-            router = _Router(info, spec, width)
+            positions = int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 0)
+            check_range = spec.may_pad or (info.kind == "indexer" and info.num_slots < positions)
+            router = _Router(info, spec, width, check_range)
             width += info.num_slots + _COMPANIONS
             router.handle = module.register_forward_hook(self._make_hook(router), with_kwargs=True)
             self._routers.append(router)
@@ -87,6 +81,8 @@ class Probe:
         self._lines: dict[str, int] = {DEFAULT_LINE: 0}
         self._row_lines: torch.Tensor | None = None
         self._forward: _Forward | None = None
+        self._constants: dict[tuple[int, ...], _GroupConstants] = {}
+        self._constants_by_shape: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
         self._pre_handle = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         self._post_handle = model.register_forward_hook(self._end_forward)
         self._host_lock = threading.Lock()
@@ -165,11 +161,13 @@ class Probe:
                     start = router.offset
                     slots = delta[row, start : start + router.info.num_slots]
                     companions = delta[row, start + router.info.num_slots : start + router.info.num_slots + 3]
+                    # Every token picks exactly top_k experts, so expert routers need no token counter.
+                    tokens = slots.sum() // router.info.top_k if router.info.kind == "expert" else companions[_TOKENS]
                     self._sink(
                         router.info.name,
                         line,
                         slots,
-                        int(companions[_TOKENS]),
+                        int(tokens),
                         local_selections=int(companions[_LOCAL]),
                         choice_selections=int(companions[_CHOICE]),
                     )
@@ -231,6 +229,10 @@ class Probe:
         return self._lines[name]
 
     # ------------------------------------------------------------------ hooks (device side)
+    # Router hooks only keep a reference to the indices; the model's own post-forward hook then
+    # counts every router of the pass in a few batched tensor ops (stack, add, one scatter_add_
+    # per kind). On a CPU a tensor op costs microseconds of dispatch whatever its size, so a
+    # dozen ops per router per token would cost more than the counting itself.
     def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tokens_input = kwargs.get("input_ids")
         if tokens_input is None and args:
@@ -241,14 +243,13 @@ class Probe:
             self._forward = None
             return
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
-        device = self._device
         row_lines = self._row_lines
         if row_lines is None:
-            lines = torch.zeros(batch, dtype=torch.int64, device=device)
+            row_base = self._constant(0, (batch,))
         elif row_lines.numel() == batch:
-            lines = row_lines
-        elif row_lines.numel() == 1 or batch % row_lines.numel() == 0:
-            lines = row_lines.repeat_interleave(batch // row_lines.numel())
+            row_base = row_lines * self._width
+        elif batch % row_lines.numel() == 0:
+            row_base = row_lines.repeat_interleave(batch // row_lines.numel()) * self._width
         else:
             raise ValueError(
                 f"mla_watch probe: {row_lines.numel()} business lines were given for a batch of "
@@ -258,77 +259,170 @@ class Probe:
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch:
             valid = (mask[:, -seq:] != 0).to(torch.int64)
         else:
-            valid = torch.ones((batch, seq), dtype=torch.int64, device=device)
-        self._forward = _Forward(
-            tokens=batch * seq,
-            lines=lines.repeat_interleave(seq),
-            valid=valid.reshape(-1),
-        )
+            valid = self._constant(1, (batch, seq))
+        self._forward = _Forward(batch, seq, row_base, valid)
+
+    def _constant(self, value: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A cached read-only int64 tensor filled with ``value`` (decoding reuses a few shapes)."""
+        key = (value, shape)
+        tensor = self._constants_by_shape.get(key)
+        if tensor is None:
+            if len(self._constants_by_shape) > 64:
+                self._constants_by_shape.clear()
+            tensor = torch.full(shape, value, dtype=torch.int64, device=self._device)
+            self._constants_by_shape[key] = tensor
+        return tensor
 
     def _end_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self._forward = None
+        forward, self._forward = self._forward, None
+        if forward is not None:
+            self._flush(forward)
+
+    def _flush(self, forward: _Forward) -> None:
+        for group in _groups(forward.experts, lambda item: item[1].shape):
+            self._count_experts(forward, group)
+        for group in _groups(forward.indexers, lambda item: (item[1].shape, _mask_identity(item[2]))):
+            self._count_indexers(forward, group)
 
     def _make_hook(self, router: _Router) -> Callable[..., None]:
-        count = self._count_expert if router.info.kind == "expert" else self._count_indexer
+        expert = router.info.kind == "expert"
 
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            count(router, router.spec.indices(output), args, kwargs)
+            indices = router.spec.indices(output).detach()
+            forward = self._forward
+            if expert:
+                if forward is not None and indices.numel() == forward.batch * forward.seq * indices.shape[-1]:
+                    forward.experts.append((router, indices))
+                else:  # called outside the attached module's forward: count now, unattributed
+                    tokens = indices.numel() // indices.shape[-1]
+                    self._count_experts(self._unattributed(1, tokens), [(router, indices)])
+                return
+            if indices.dim() == 2:
+                indices = indices.unsqueeze(0)
+            mask = _call_argument(router.spec.mask_argument, args, kwargs)
+            if forward is not None and tuple(indices.shape[:2]) == (forward.batch, forward.seq):
+                forward.indexers.append((router, indices, mask))
+            else:
+                self._count_indexers(self._unattributed(indices.shape[0], indices.shape[1]), [(router, indices, mask)])
 
         return hook
 
-    def _attribution(self, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        forward = self._forward
-        if forward is not None and forward.tokens == tokens:
-            return forward.lines, forward.valid
-        zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
-        return zeros, torch.ones(tokens, dtype=torch.int64, device=device)
+    def _unattributed(self, batch: int, seq: int) -> _Forward:
+        return _Forward(batch, seq, self._constant(0, (batch,)), self._constant(1, (batch, seq)))
 
-    def _count_expert(self, router: _Router, indices: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        num_slots, top_k = router.info.num_slots, indices.shape[-1]
-        chosen = indices.detach().reshape(-1, top_k).to(torch.int64)
-        lines, valid = self._attribution(chosen.shape[0], chosen.device)
-        in_range = (chosen >= 0) & (chosen < num_slots)
-        weight = valid.unsqueeze(1) * in_range
-        base = lines * self._width + router.offset
-        flat = self._buffer.view(-1)
-        flat.scatter_add_(0, (base.unsqueeze(1) + chosen.clamp(0, num_slots - 1)).reshape(-1), weight.reshape(-1))
-        flat.scatter_add_(0, base + num_slots + _TOKENS, valid)
+    def _group_constants(self, routers: Sequence[_Router]) -> _GroupConstants:
+        key = tuple(router.offset for router in routers)
+        constants = self._constants.get(key)
+        if constants is None:
+            def column(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=self._device).view(-1, 1, 1, 1)
 
-    def _count_indexer(self, router: _Router, indices: torch.Tensor, args: tuple, kwargs: dict) -> None:
-        num_slots, top_k = router.info.num_slots, router.info.top_k
-        chosen = indices.detach().to(torch.int64)  # [batch, seq, k]
-        if chosen.dim() == 2:
-            chosen = chosen.unsqueeze(0)
-        batch, seq, picks = chosen.shape
-        in_range = (chosen >= 0) & (chosen < num_slots)
-        safe = chosen.clamp(min=0)
-        mask = _call_argument(router.spec.mask_argument, args, kwargs)
-        keys = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[:2] == (batch, seq):
+            offsets = column([router.offset for router in routers])
+            slots = column([router.info.num_slots for router in routers])
+            constants = _GroupConstants(
+                offsets=offsets,
+                slots=slots,
+                top_k=column([router.info.top_k for router in routers]),
+                companions=(offsets + slots).view(-1, 1, 1) + torch.arange(_COMPANIONS, device=self._device),
+                check_range=any(router.check_range for router in routers),
+            )
+            self._constants[key] = constants
+        return constants
+
+    def _count_experts(self, forward: _Forward, group: list[tuple[_Router, torch.Tensor]]) -> None:
+        constants = self._group_constants([router for router, _ in group])
+        batch, seq = forward.batch, forward.seq
+        chosen = torch.stack([indices.view(batch, seq, -1) for _, indices in group])  # [R, B, S, k]
+        weight = forward.valid.view(1, batch, seq, 1).expand(chosen.shape)
+        if constants.check_range:
+            weight = weight * ((chosen >= 0) & (chosen < constants.slots))
+            chosen = torch.minimum(chosen.clamp(min=0), constants.slots - 1)
+        index = chosen + (forward.row_base.view(1, batch, 1, 1) + constants.offsets)
+        self._buffer.view(-1).scatter_add_(0, index.view(-1), weight.reshape(-1))
+
+    def _count_indexers(self, forward: _Forward, group: list[tuple[_Router, torch.Tensor, Any]]) -> None:
+        constants = self._group_constants([router for router, _, _ in group])
+        chosen = torch.stack([indices for _, indices, _ in group])  # [R, B, S, picks]
+        routers, batch, seq, _ = chosen.shape
+        counted = forward.valid_bool.view(1, batch, seq, 1)
+        safe = chosen
+        if constants.check_range:
+            counted = counted & (chosen >= 0) & (chosen < constants.slots)
+            safe = torch.minimum(chosen.clamp(min=0), constants.slots - 1)
+        mask = group[0][2]
+        allowed = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq and mask.shape[0] in (1, batch):
             allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
             keys = allowed.shape[-1]
-            in_range = in_range & allowed.gather(-1, safe.clamp(max=keys - 1))
-            visible = allowed.sum(-1, keepdim=True)  # [batch, seq, 1]
-        lines, valid = self._attribution(batch * seq, chosen.device)
-        counted = in_range & valid.view(batch, seq, 1).bool()
-        weight = counted.to(torch.int64)
-        line_base = (lines * self._width + router.offset).view(batch, seq, 1)
+            picked = allowed.expand(batch, seq, keys).unsqueeze(0).expand(routers, batch, seq, keys)
+            counted = counted & picked.gather(-1, safe.to(torch.int64))
+        row_base = forward.row_base.view(1, batch, 1, 1)
         flat = self._buffer.view(-1)
-        flat.scatter_add_(0, (line_base + safe.clamp(max=num_slots - 1)).reshape(-1), weight.reshape(-1))
-        flat.scatter_add_(0, line_base.reshape(-1) + num_slots + _TOKENS, valid)
-        if keys is not None:
+        flat.scatter_add_(0, (row_base + constants.offsets + safe).reshape(-1), counted.to(torch.int64).reshape(-1))
+        tokens = forward.valid_rows.view(1, batch).expand(routers, batch)
+        if allowed is not None:
             # Locality only means something for queries that saw more keys than they may pick.
-            query_position = torch.arange(keys - seq, keys, device=chosen.device).view(1, seq, 1)
-            had_choice = (visible > top_k) & counted
-            local = had_choice & (query_position - chosen < top_k)
-            flat.scatter_add_(
-                0, (line_base + num_slots + _CHOICE).expand(batch, seq, picks).reshape(-1),
-                had_choice.to(torch.int64).reshape(-1),
-            )
-            flat.scatter_add_(
-                0, (line_base + num_slots + _LOCAL).expand(batch, seq, picks).reshape(-1),
-                local.to(torch.int64).reshape(-1),
-            )
+            visible = allowed.sum(-1).view(1, -1, seq, 1)
+            had_choice = counted & (visible > constants.top_k)
+            recent = torch.arange(keys - seq, keys, device=chosen.device).view(1, 1, seq, 1) - constants.top_k
+            local = had_choice & (chosen > recent)
+            companions = torch.cat([tokens.unsqueeze(-1), torch.stack([had_choice, local], -1).sum((2, 3))], dim=-1)
+        else:
+            companions = torch.stack([tokens, torch.zeros_like(tokens), torch.zeros_like(tokens)], dim=-1)
+        flat.scatter_add_(0, (forward.row_base.view(1, batch, 1) + constants.companions).reshape(-1),
+                          companions.reshape(-1))
+
+
+@dataclass
+class _Forward:
+    """Attribution of the forward pass in progress, and the router outputs it produced so far."""
+
+    batch: int
+    seq: int
+    row_base: torch.Tensor  # [batch] line * width: where each row's counters start
+    valid: torch.Tensor  # [batch, seq] int64, 0 for padding
+    experts: list[tuple[_Router, torch.Tensor]] = field(default_factory=list)
+    indexers: list[tuple[_Router, torch.Tensor, Any]] = field(default_factory=list)
+    _valid_bool: torch.Tensor | None = None
+    _valid_rows: torch.Tensor | None = None
+
+    @property
+    def valid_bool(self) -> torch.Tensor:
+        if self._valid_bool is None:
+            self._valid_bool = self.valid.bool()
+        return self._valid_bool
+
+    @property
+    def valid_rows(self) -> torch.Tensor:
+        """Real tokens per row."""
+        if self._valid_rows is None:
+            self._valid_rows = self.valid.sum(1)
+        return self._valid_rows
+
+
+@dataclass(frozen=True)
+class _GroupConstants:
+    """Device tensors describing a group of routers counted together (cached per group)."""
+
+    offsets: torch.Tensor  # [R, 1, 1, 1]
+    slots: torch.Tensor
+    top_k: torch.Tensor
+    companions: torch.Tensor  # [R, 1, 3] flat offsets of each router's companion counters
+    check_range: bool
+
+
+def _groups(items: list, key: Callable[[Any], Any]) -> list[list]:
+    grouped: dict[Any, list] = {}
+    for item in items:
+        grouped.setdefault(key(item), []).append(item)
+    return list(grouped.values())
+
+
+def _mask_identity(mask: Any) -> Any:
+    """Indexers scored against the same mask (views of one tensor) can be checked against it together."""
+    if not isinstance(mask, torch.Tensor):
+        return None
+    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype)
 
 
 def _call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:
