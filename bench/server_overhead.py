@@ -3,8 +3,9 @@
     python bench/server_overhead.py                 # about two minutes on 2 CPU cores
     python bench/server_overhead.py --requests 400
 
-Everything runs in one process, measured in one run, alternating the variants request by
-request so that a shared machine's drift hits them alike:
+The sidecars run as their own processes (``mla-watch serve``), as in production; the
+in-process baseline runs in this one. One run, alternating the variants request by request
+so that a shared machine's drift hits them alike:
 
 * policy enforcement: ``enforce()`` on a code request that needs clamping, p50/p99;
 * HTTP layer + policy: a 1-token completion through the sidecar on loopback versus the same
@@ -19,22 +20,56 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import resource
+import contextlib
+import socket
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import running_sidecar
-
-from mla_watch.policy import enforce
+import mla_watch
+from mla_watch.policy import PolicyStore, enforce
 from mla_watch.sampling import SamplingParams, generate
+from mla_watch.server.app import SHIPPED_POLICIES
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, "seed": 1}
+
+
+@contextlib.contextmanager
+def sidecar_process(*extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``mla-watch serve`` on a free loopback port, ready; stopped afterwards."""
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(port), "--device", "cpu",
+                                *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the sidecar on port {port} did not become ready")
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak resident set (Linux: VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -53,8 +88,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8)
     args = parser.parse_args()
 
-    with running_sidecar() as (url, sidecar), running_sidecar(upstream=url) as (proxy_url, _):
-        policy, task = sidecar.policies.current.resolve("code_assistant", "code")
+    with sidecar_process() as (url, upstream), sidecar_process("--upstream", url) as (proxy_url, _):
+        policy, task = PolicyStore(SHIPPED_POLICIES).current.resolve("code_assistant", "code")
         requested = {"temperature": 0.9, "max_tokens": 1}
         enforce_times = []
         for _ in range(args.requests * 10):
@@ -64,8 +99,10 @@ def main() -> None:
         p50, p99 = percentiles(enforce_times)
         print(f"policy enforcement:      p50 {ms(p50)}  p99 {ms(p99)}   (goal: p99 <= 1 ms)")
 
-        engine = sidecar.engine
-        prompt_ids = [engine.tokenizer.bos_token_id, *engine.tokenizer(REQUEST["prompt"])["input_ids"]]
+        served_with = httpx.get(url + "/readyz").json()["attention"]["used"]  # compare like with like
+        model, tokenizer = mla_watch.load_model("bundled", device="cpu", attn_implementation=served_with)
+        mla_watch.attach(model)  # the sidecar watches its routers too
+        prompt_ids = [tokenizer.bos_token_id, *tokenizer(REQUEST["prompt"], add_special_tokens=False)["input_ids"]]
         applied = enforce(policy, task, requested).applied
         params = SamplingParams(temperature=applied["temperature"], top_p=applied["top_p"],
                                 repetition_penalty=applied["repetition_penalty"], max_tokens=1, seed=1)
@@ -76,7 +113,7 @@ def main() -> None:
                 client.post(proxy_url + "/v1/completions", json=REQUEST, headers=CODE)
             for _ in range(args.requests):
                 start = time.perf_counter()
-                generate(engine.model, engine.tokenizer, prompt_ids, params)
+                generate(model, tokenizer, prompt_ids, params)
                 in_process.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 client.post(url + "/v1/completions", json=REQUEST, headers=CODE).raise_for_status()
@@ -89,9 +126,9 @@ def main() -> None:
               f"through the sidecar p50 {ms(b50)} p99 {ms(b99)}")
         print(f"  HTTP layer + policy adds p50 {ms(b50 - a50)}, p99 {ms(b99 - a99)} "
               f"(ratio p50 x{b50 / a50:.3f})")
-        (c50, c99), (d50, d99) = percentiles(via_proxy), (b50, b99)
-        print(f"proxy:                   via proxy p50 {ms(c50)} p99 {ms(c99)}; direct p50 {ms(d50)} p99 {ms(d99)}")
-        print(f"  the proxy adds p50 {ms(c50 - d50)}, p99 {ms(c99 - d99)} (ratio p50 x{c50 / d50:.3f}; "
+        (c50, c99) = percentiles(via_proxy)
+        print(f"proxy:                   via proxy p50 {ms(c50)} p99 {ms(c99)}; direct p50 {ms(b50)} p99 {ms(b99)}")
+        print(f"  the proxy adds p50 {ms(c50 - b50)}, p99 {ms(c99 - b99)} (ratio p50 x{c50 / b50:.3f}; "
               f"goal: +2 ms at p50)")
 
         load = {"prompt": "def parse_invoice(", "max_tokens": 16, "seed": 3}
@@ -105,10 +142,10 @@ def main() -> None:
                 if response.status_code == 200:
                     tokens += response.json()["usage"]["completion_tokens"]
         elapsed = time.perf_counter() - start
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = peak_rss_kib(upstream.pid) / 1024
         print(f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
               f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
-              f"statuses {sorted(set(statuses))}; peak RSS {peak:.0f} MiB (two sidecars and the client)")
+              f"statuses {sorted(set(statuses))}; sidecar peak RSS {peak:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from mla_watch.server.app import ServerConfig, build_sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
+    # switch interval would add up to that much latency to every handoff.
+    sys.setswitchinterval(0.0005)
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, state_dir=args.state_dir,
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout)

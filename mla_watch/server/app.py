@@ -143,6 +143,7 @@ class Sidecar:
     def _routing_sources(self) -> list[RouterWindows]:
         sources = []
         if self.probe is not None:
+            self.probe.collect()  # safe beside a running forward: counts are read as deltas
             sources.append(self.probe.windows)
         if self.remote_windows is not None:
             sources.append(self.remote_windows)

@@ -82,6 +82,8 @@ class Engine:
         self._on_job_done = on_job_done
         self._busy = threading.Event()
         self._recent_seconds = 1.0
+        self._collected_at = float("-inf")
+        self.collect_interval = 0.25
         self._thread = threading.Thread(target=self._work, name="mla-watch-model", daemon=True)
         self._thread.start()
 
@@ -142,4 +144,8 @@ class Engine:
             log.exception("generation failed")
             job.push(JobFailed(f"generation failed: {type(error).__name__}: {error}"))
         finally:
-            self.probe.collect()
+            # Reading the counters costs a host copy; between requests that follow each other
+            # closely once per collect_interval is enough (readers of /v1/routing collect too).
+            if self._clock() - self._collected_at >= self.collect_interval:
+                self.probe.collect()
+                self._collected_at = self._clock()
