@@ -13,6 +13,7 @@ __all__ = ["main"]
 
 DEFAULT_STATE_DIR = Path("mla-watch-state")
 SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "policies"
+SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -133,7 +134,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
-    config = ServerConfig(model=args.model, device=args.device, policies=args.policies, state_dir=args.state_dir,
+    config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
+                          state_dir=args.state_dir, public_url=args.public_url or f"http://{args.host}:{args.port}",
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout)
     sidecar = build_sidecar(config)
@@ -142,28 +144,65 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Validate every policy and rule file and lint the rules against the model's routers."""
+    from mla_watch.alerting.rules import RuleError, lint, load_rules_dir
     from mla_watch.policy import PolicyError, load_policy_dir
 
-    problems = 0
+    errors = warnings = 0
     try:
         policies = load_policy_dir(args.policies)
     except PolicyError as error:
         for message in error.errors:
             print(f"error: {message}")
-        problems += len(error.errors)
+        errors += len(error.errors)
     else:
         for name, policy in policies.lines.items():
             print(f"ok: policy {name} ({policy.source}): tasks {', '.join(policy.tasks)}")
+    rules = None
+    try:
+        rules = load_rules_dir(args.rules)
+    except RuleError as error:
+        for message in error.errors:
+            print(f"error: {message}")
+        errors += len(error.errors)
+    else:
+        print(f"ok: {len(rules.rules)} rules, receivers {', '.join(rules.receivers) or '(none)'}")
+        for message in rules.warnings:
+            print(f"warning: {message}")
+            warnings += 1
     if args.model is not None:
         import mla_watch
 
         model, _ = mla_watch.load_model(args.model, device="cpu")
         probe = mla_watch.attach(model)
-        for info in probe.routers:
-            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots})")
+        routers = probe.routers
         probe.detach()
-    print(f"{problems} error(s)")
-    return 1 if problems else 0
+        for info in routers:
+            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots})")
+        if rules is not None:
+            for finding in lint(rules, routers):
+                print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
+                errors += finding.severity == "error"
+                warnings += finding.severity == "warning"
+    print(f"{errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
+def _cmd_rules_export(args: argparse.Namespace) -> int:
+    from mla_watch.alerting.promexport import export_prometheus
+    from mla_watch.alerting.rules import RuleError, load_rules_dir
+
+    try:
+        rules = load_rules_dir(args.rules)
+    except RuleError as error:
+        raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
+    text = export_prometheus(rules)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {len(rules.rules)} rules to {args.out}", file=sys.stderr)
+    return 0
 
 
 def _traffic_options(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
     serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
-    serve.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    serve.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
+    serve.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                       help="alert state and the notification outbox (default ./mla-watch-state)")
+    serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
@@ -208,10 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request, queue included")
     serve.set_defaults(handler=_cmd_serve)
 
-    check = commands.add_parser("check", help="validate the policies (and list the model's routers)")
+    check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
     check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES)
-    check.add_argument("--model", help="also load this model ('bundled' or a path) and list its routers")
+    check.add_argument("--rules", type=Path, default=SHIPPED_RULES)
+    check.add_argument("--model", default="bundled",
+                       help="lint the rules against this model's routers ('bundled' or a path)")
     check.set_defaults(handler=_cmd_check)
+
+    rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
+    export = rules.add_parser("export", help="write the rules as a Prometheus rule file")
+    export.add_argument("--format", choices=["prometheus"], default="prometheus")
+    export.add_argument("--rules", type=Path, default=SHIPPED_RULES)
+    export.add_argument("--out", type=Path, help="file to write (default: standard output)")
+    export.set_defaults(handler=_cmd_rules_export)
     return parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +58,9 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, object]]:
     """A Sidecar on the bundled model (or as configured), ready, with its own metrics registry."""
     from mla_watch.server.app import ServerConfig, Sidecar
 
-    config = ServerConfig(**{"device": "cpu", "policy_poll_seconds": None, "admin_token": None, **overrides})
+    state_dir = overrides.pop("state_dir", None) or Path(tempfile.mkdtemp(prefix="mla-watch-state-"))
+    config = ServerConfig(**{"device": "cpu", "policy_poll_seconds": None, "admin_token": None,
+                             "state_dir": state_dir, **overrides})
     sidecar = Sidecar(config)
     with serve_app(sidecar.app) as url:
         if not sidecar.wait_ready(120):

@@ -39,6 +39,7 @@ log = logging.getLogger("mla_watch.server")
 
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
 SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+SHIPPED_RULES = Path(__file__).resolve().parents[2] / "rules"
 
 
 @dataclass
@@ -46,7 +47,10 @@ class ServerConfig:
     model: str = "bundled"
     device: str = "auto"
     policies: Path = SHIPPED_POLICIES
+    rules: Path | None = SHIPPED_RULES  # None: no alerting
     state_dir: Path = Path("mla-watch-state")
+    alert_interval: float = 15.0
+    public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
     upstream: str | None = None
     attn_implementation: str = "sdpa"
     max_queue: int = 32
@@ -69,6 +73,8 @@ class Sidecar:
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self._routing_sources)
         self.metrics.policy_version.set(self.policies.version)
+        self.alerts = self._alert_service() if config.rules is not None else None
+        self._rules_signature = _directory_signature(config.rules) if config.rules is not None else None
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Any = None
         self.probe: Any = None
@@ -79,6 +85,50 @@ class Sidecar:
         self._stop_watch: Callable[[], None] | None = None
         self._upstream: Any = None
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
+
+    # ------------------------------------------------------------------ alerting
+    def _alert_service(self) -> Any:
+        from mla_watch.alerting.rules import load_rules_dir
+
+        from mla_watch.alerting.service import AlertService
+
+        rules = load_rules_dir(self.config.rules)  # RuleError at start-up
+        service = AlertService(
+            rules, self.config.state_dir, records=self._alert_records, interval=self.config.alert_interval,
+            status_url=self.config.public_url.rstrip("/") + "/" if self.config.public_url else "",
+            external_url=self.config.public_url,
+            on_notification=lambda receiver, outcome: self.metrics.notifications.labels(receiver, outcome).inc(),
+        )
+        self.metrics.watch_alerts(service.engine)
+        return service
+
+    def _alert_records(self) -> list[dict[str, Any]]:
+        self._reload_rules_if_changed()
+        records = []
+        for windows in self._routing_sources():
+            for line in windows.business_lines:
+                records.extend(windows.stats(line))
+        return records
+
+    def reload_rules(self) -> list[str]:
+        """Load the rules again; on errors keep the rules in force and return the errors."""
+        from mla_watch.alerting.rules import RuleError, load_rules_dir
+
+        if self.alerts is None:
+            return []
+        self._rules_signature = _directory_signature(self.config.rules)
+        try:
+            rules = load_rules_dir(self.config.rules)
+        except RuleError as error:
+            log.error("rule reload refused, the last good rules stay in force: %s", "; ".join(error.errors))
+            return error.errors
+        self.alerts.replace_rules(rules)
+        log.info("rules reloaded: %d rules", len(rules.rules))
+        return []
+
+    def _reload_rules_if_changed(self) -> None:
+        if self.alerts is not None and _directory_signature(self.config.rules) != self._rules_signature:
+            self.reload_rules()
 
     # ------------------------------------------------------------------ life cycle
     def load_model(self) -> None:
@@ -120,10 +170,14 @@ class Sidecar:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
         if self.config.policy_poll_seconds:
             self._stop_watch = self.policies.watch(self.config.policy_poll_seconds)
+        if self.alerts is not None:
+            self.alerts.start()
 
     async def _shutdown(self) -> None:
         if self._stop_watch is not None:
             self._stop_watch()
+        if self.alerts is not None:
+            await asyncio.to_thread(self.alerts.stop)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
         if self._upstream is not None:
@@ -158,6 +212,7 @@ class Sidecar:
             Route("/v1/routing", self._routing, methods=["GET"]),
             Route("/v1/routing/ingest", self._ingest, methods=["POST"]),
             Route("/v1/policies", self._policies, methods=["GET"]),
+            Route("/v1/alerts", self._alerts, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             Route("/healthz", self._healthz, methods=["GET"]),
             Route("/readyz", self._readyz, methods=["GET"]),
@@ -201,6 +256,13 @@ class Sidecar:
         return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
                              "last_reload_error": None if error is None else error.errors})
 
+    async def _alerts(self, request: Request) -> Response:
+        if self.alerts is None:
+            return JSONResponse({"alerts": [], "rules": 0})
+        alerts = [alert.as_dict() for alert in self.alerts.engine.alerts()]
+        return JSONResponse({"alerts": alerts, "rules": len(self.alerts.rules.rules),
+                             "notifications_pending": self.alerts.outbox.pending()})
+
     # ------------------------------------------------------------------ admin
     def _authorise(self, request: Request) -> None:
         token = self.config.admin_token
@@ -218,8 +280,10 @@ class Sidecar:
         except ApiError as error:
             return _error_response(error)
         result = await asyncio.to_thread(self.policies.reload)
-        return JSONResponse({"ok": result.ok, "changed": result.changed, "errors": result.errors,
-                             "version": result.version}, status_code=200 if result.ok else 422)
+        rule_errors = await asyncio.to_thread(self.reload_rules)
+        ok = result.ok and not rule_errors
+        return JSONResponse({"ok": ok, "changed": result.changed, "errors": result.errors + rule_errors,
+                             "version": result.version}, status_code=200 if ok else 422)
 
     async def _ingest(self, request: Request) -> Response:
         try:
@@ -575,9 +639,22 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _directory_signature(directory: Path | None) -> tuple:
+    if directory is None or not directory.is_dir():
+        return ()
+    return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in directory.glob("*.y*ml")))
+
+
 def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
-    """A :class:`Sidecar`, with a policy error at start-up reported as one readable message."""
+    """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message."""
+    from mla_watch.alerting.outbox import OutboxError
+    from mla_watch.alerting.rules import RuleError
+
     try:
         return Sidecar(config, **kwargs)
     except PolicyError as error:
         raise SystemExit("mla-watch: the policies do not load:\n  " + "\n  ".join(error.errors)) from error
+    except RuleError as error:
+        raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
+    except OutboxError as error:
+        raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error

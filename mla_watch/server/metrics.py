@@ -60,6 +60,18 @@ class RoutingCollector(Collector):
         return []
 
 
+class _FiringCollector(Collector):
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("mla_watch_alerts_firing", "Alert instances firing, by rule and severity.",
+                                   labels=["alertname", "severity"])
+        for (alertname, severity), count in sorted(self._engine.firing_counts().items()):
+            family.add_metric([alertname, severity], count)
+        return [family]
+
+
 class ServerMetrics:
     """Every metric the server exports, registered on ``registry``."""
 
@@ -95,7 +107,14 @@ class ServerMetrics:
         self.attention_fallback = Gauge(p + "attention_fallback",
                                         "1 when the configured attention was refused by the start-up self-test.",
                                         registry=registry)
+        self.notifications = Counter(p + "notifications", "Notification deliveries by receiver and outcome.",
+                                     ["receiver", "outcome"], registry=registry)
+        self._registry = registry
         registry.register(RoutingCollector(routing_sources))
+
+    def watch_alerts(self, engine: Any) -> None:
+        """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""
+        self._registry.register(_FiringCollector(engine))
 
     def count_adjustments(self, decision: Any) -> None:
         for adjustment in decision.adjustments:

@@ -1,0 +1,163 @@
+"""The alerting vocabulary shared by rule loading, the rule engine and the notifiers (no I/O).
+
+Data flows one way: routing statistics records -> :class:`Rule` evaluation (the engine) ->
+:class:`Alert` instances -> :class:`Notification` groups -> notifier plugins -> the outbox.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "ACTIONS",
+    "METRICS",
+    "RECEIVER_TYPES",
+    "TEMPLATE_FIELDS",
+    "Alert",
+    "AlertState",
+    "Notification",
+    "Receiver",
+    "Rule",
+    "RuleSet",
+    "Selector",
+    "fingerprint",
+]
+
+# Routing statistics a rule may watch: keys of the records of RouterWindows.stats().
+METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "max_violation", "dead_slots", "js_divergence",
+                            "locality")
+ACTIONS: tuple[str, ...] = ("notify", "retune")
+RECEIVER_TYPES: tuple[str, ...] = ("alertmanager_webhook", "alertmanager_api", "slack", "pagerduty")
+# Fields an annotation template may use, as str.format fields: "{value:.2f} bits on {router}".
+TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold", "resolve_threshold", "router",
+                                    "layer", "kind", "business_line", "floor_bits", "ceiling_bits", "tokens",
+                                    "min_tokens", "severity", "status_url")
+
+AlertState = Literal["inactive", "pending", "firing", "resolved"]
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which routers a rule watches. ``None`` matches everything."""
+
+    kind: str | None = None  # "expert" | "indexer"
+    layers: tuple[int, int] | None = None  # inclusive [first, last]
+    router: str | None = None  # fnmatch pattern over the router's module name, e.g. "*.mlp.gate"
+    business_line: str | None = None  # a line name; None or "*" = every line, one alert instance per line
+
+    def matches(self, record: Mapping[str, Any]) -> bool:
+        if self.kind is not None and record.get("kind") != self.kind:
+            return False
+        if self.layers is not None and not self.layers[0] <= int(record.get("layer", -1)) <= self.layers[1]:
+            return False
+        if self.router is not None and not fnmatch.fnmatchcase(str(record.get("name")), self.router):
+            return False
+        line = record.get("business_line")
+        return self.business_line in (None, "*") or line == self.business_line
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One alert rule over one routing metric.
+
+    Fires when the metric goes ``below`` or ``above`` its threshold for ``for_seconds``, and
+    resolves only once it is back past the separate ``resolve_below`` / ``resolve_above``
+    threshold (hysteresis) for ``keep_firing_for_seconds``. Windows with fewer tokens than
+    ``min_tokens`` (default: the router's own trusted minimum) are not judged at all.
+    """
+
+    name: str  # the alertname
+    metric: str
+    selector: Selector
+    below: float | None = None
+    above: float | None = None
+    resolve_above: float | None = None  # a "below" rule resolves at or above this (default: below)
+    resolve_below: float | None = None  # an "above" rule resolves at or below this (default: above)
+    for_seconds: float = 0.0
+    keep_firing_for_seconds: float = 0.0
+    min_tokens: int | None = None
+    severity: str = "warning"
+    actions: tuple[str, ...] = ("notify",)
+    retune_strategies: tuple[str, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)  # str.format templates over TEMPLATE_FIELDS
+    receivers: tuple[str, ...] = ("oncall",)
+    source: str = ""  # "rules/routing.yaml: rules[0]" - for messages
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """Where notifications go. ``url`` is None when its ``${ENV_VAR}`` is unset (receiver disabled)."""
+
+    name: str
+    type: str  # one of RECEIVER_TYPES
+    url: str | None
+    headers: Mapping[str, str] = field(default_factory=dict)  # secrets already expanded; never log them
+    hmac_secret: str | None = None  # adds X-MLA-Signature: sha256=<hex of HMAC-SHA256(body)>
+    routing_key: str | None = None  # PagerDuty Events v2
+    timeout_seconds: float = 5.0
+    max_attempts: int = 12
+    group_by: tuple[str, ...] = ("alertname", "router", "layer", "business_line")
+    repeat_interval_seconds: float = 4 * 3600.0
+    send_resolved: bool = True
+    resend_interval_seconds: float = 60.0  # alertmanager_api: re-post firing alerts this often
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    rules: tuple[Rule, ...]
+    receivers: Mapping[str, Receiver]
+    warnings: tuple[str, ...] = ()  # e.g. "receiver 'oncall' has no URL: MLA_WATCH_ONCALL_URL is unset"
+
+
+_FNV64_OFFSET = 0xCBF29CE484222325
+_FNV64_PRIME = 0x100000001B3
+_LABEL_SEPARATOR = 0xFF
+
+
+def fingerprint(labels: Mapping[str, str]) -> str:
+    """An alert's fingerprint exactly as Prometheus and Alertmanager compute it.
+
+    ``model.LabelSet.Fingerprint()``: FNV-1a 64-bit over the label names in sorted order, each
+    name followed by the separator byte 0xff, its value, and 0xff again; 16 lower-case hex digits.
+    """
+    value = _FNV64_OFFSET
+    for name in sorted(labels):
+        for chunk in (str(name).encode(), str(labels[name]).encode()):
+            for byte in chunk:
+                value = ((value ^ byte) * _FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
+            value = ((value ^ _LABEL_SEPARATOR) * _FNV64_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return f"{value:016x}"
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert instance (a rule x router x layer x business line) as notifiers see it."""
+
+    labels: Mapping[str, str]  # alertname, severity, router, layer, kind, business_line, rule labels
+    annotations: Mapping[str, str]
+    status: Literal["firing", "resolved"]
+    starts_at: float  # wall-clock seconds (time.time()) the alert started firing
+    ends_at: float | None  # when it resolved (None while firing)
+    value: float
+    generator_url: str = ""
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.labels)
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A group of alerts for one receiver, with the key that makes redelivery idempotent."""
+
+    receiver: str
+    group_key: str  # e.g. '{}:{alertname="RoutingEntropyLow", router="...", ...}'
+    group_labels: Mapping[str, str]
+    alerts: tuple[Alert, ...]
+    status: Literal["firing", "resolved"]  # firing if any alert fires
+    external_url: str = ""

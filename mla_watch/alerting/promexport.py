@@ -1,0 +1,331 @@
+"""Export alert rules as a Prometheus rule file (``mla-watch rules export --format prometheus``).
+
+Each :class:`~mla_watch.alerting.model.Rule` becomes a Prometheus alerting rule over the
+gauges the sidecar exports on ``/metrics`` (labels ``router``, ``layer``, ``kind``,
+``business_line``; ``business_line="all"`` is the aggregate over every line):
+
+* the selector becomes label matchers (router glob -> anchored RE2 regex, layer range ->
+  ``layer=~"0|1|..."``, kind -> ``kind="expert"``, every line -> ``business_line!="all"``);
+* ``below`` / ``above`` become ``< x`` / ``> x``;
+* ``min_tokens`` becomes ``and on(...) mla_watch_routing_window_tokens >= N``; without it the
+  router's own minimum applies: ``and on(...) mla_watch_routing_window_too_small == 0``;
+* ``for`` and ``keep_firing_for`` carry over (``keep_firing_for`` needs Prometheus >= 2.42);
+* annotation templates (Python ``str.format``) become Go templates.
+
+What Prometheus cannot do is said in comments in the output: it has no hysteresis (an
+alert resolves as soon as the expression stops matching, then ``keep_firing_for`` holds
+it), and it does not run ``retune`` actions (only the sidecar does).
+"""
+
+from __future__ import annotations
+
+import json
+import string
+
+import yaml
+
+from mla_watch.alerting.model import Rule, RuleSet
+from mla_watch.alerting.rules import format_duration
+
+__all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression"]
+
+GROUP_NAME = "mla_watch_routing"
+METRIC_NAMES: dict[str, str] = {
+    "entropy_bits": "mla_watch_routing_entropy_bits",
+    "normalized_entropy": "mla_watch_routing_normalized_entropy",
+    "max_violation": "mla_watch_routing_max_violation",
+    "dead_slots": "mla_watch_routing_dead_slots",
+    "js_divergence": "mla_watch_routing_js_divergence",
+    "locality": "mla_watch_routing_indexer_locality",
+}
+WINDOW_TOKENS = "mla_watch_routing_window_tokens"
+WINDOW_TOO_SMALL = "mla_watch_routing_window_too_small"
+FLOOR_BITS = "mla_watch_routing_entropy_floor_bits"
+CEILING_BITS = "mla_watch_routing_entropy_ceiling_bits"
+AGGREGATE_LINE = "all"
+_JOIN_LABELS = "job, instance, router, layer, kind, business_line"
+_LABEL_FIELDS = ("router", "layer", "kind", "business_line")
+_REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
+
+
+# --------------------------------------------------------------------------- PromQL
+
+
+def _promql_string(text: str) -> str:
+    """A double-quoted PromQL string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _number(x: float) -> str:
+    text = repr(float(x))
+    return text[:-2] if text.endswith(".0") else text
+
+
+def glob_to_regex(pattern: str) -> str:
+    """An RE2 regex (Prometheus anchors it) matching what ``fnmatch.fnmatchcase(name, pattern)`` matches."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        i += 1
+        if c == "*":
+            out.append(".*")
+        elif c == "?":
+            out.append(".")
+        elif c == "[":
+            j = i
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                out.append("\\[")
+                continue
+            body = pattern[i:j]
+            i = j + 1
+            negate = body.startswith("!")
+            if negate:
+                body = body[1:]
+            body = body.replace("\\", "\\\\").replace("[", "\\[").replace("]", "\\]")
+            if body.startswith("^"):
+                body = "\\" + body
+            out.append(("[^" if negate else "[") + body + "]")
+        elif c in _REGEX_SPECIAL:
+            out.append("\\" + c)
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _matchers(rule: Rule, job: str) -> str:
+    parts: list[str] = []
+    if job:
+        parts.append(f"job={_promql_string(job)}")
+    selector = rule.selector
+    if selector.kind is not None:
+        parts.append(f"kind={_promql_string(selector.kind)}")
+    if selector.layers is not None:
+        first, last = selector.layers
+        if first == last:
+            parts.append(f"layer={_promql_string(str(first))}")
+        else:
+            parts.append(f"layer=~{_promql_string('|'.join(str(x) for x in range(first, last + 1)))}")
+    if selector.router is not None:
+        parts.append(f"router=~{_promql_string(glob_to_regex(selector.router))}")
+    if selector.business_line in (None, "*"):
+        parts.append(f"business_line!={_promql_string(AGGREGATE_LINE)}")
+    else:
+        parts.append(f"business_line={_promql_string(selector.business_line)}")
+    return "{" + ", ".join(parts) + "}"
+
+
+def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
+    """The PromQL expression of ``rule`` (what makes it fire)."""
+    series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
+    conditions = []
+    if rule.below is not None:
+        conditions.append(f"{series} < {_number(rule.below)}")
+    if rule.above is not None:
+        conditions.append(f"{series} > {_number(rule.above)}")
+    expr = conditions[0] if len(conditions) == 1 else "(" + ") or (".join(conditions) + ")"
+    window_matchers = "{" + f"job={_promql_string(job)}" + "}" if job else ""
+    if rule.min_tokens is not None:
+        guard = f"{WINDOW_TOKENS}{window_matchers} >= {rule.min_tokens}"
+    else:
+        guard = f"{WINDOW_TOO_SMALL}{window_matchers} == 0"
+    if len(conditions) > 1:
+        expr = f"({expr})"
+    return f"{expr}\nand on({_JOIN_LABELS})\n{guard}"
+
+
+# --------------------------------------------------------------------------- annotation templates
+
+
+def _printf_spec(spec: str) -> tuple[str, bool]:
+    """A Python format spec as a printf verb for a float; ``(verb, percent)``. Unknown specs -> ``%v``."""
+    if not spec:
+        return "", False
+    fill_align = ""
+    body = spec
+    if len(body) >= 2 and body[1] in "<>=^":
+        fill_align, body = body[:2], body[2:]
+    elif body[:1] in "<>=^":
+        fill_align, body = body[:1], body[1:]
+    flags = ""
+    while body[:1] in ("+", " ", "#", "0"):
+        flags += body[0]
+        body = body[1:]
+    kind = body[-1:] if body[-1:].isalpha() or body[-1:] == "%" else ""
+    number = body[: len(body) - len(kind)].replace(",", "").replace("_", "")
+    width, _, precision = number.partition(".")
+    if (width and not width.isdigit()) or (precision and not precision.isdigit()):
+        return "%v", False
+    minus = "-" if fill_align.endswith("<") else ""
+    prec = f".{precision}" if precision else ""
+    if kind in ("f", "F", "e", "E", "g", "G"):
+        return f"%{flags}{minus}{width}{prec}{kind}", False
+    if kind in ("d", "n"):
+        return f"%{flags}{minus}{width}.0f", False
+    if kind == "%":
+        return f"%{flags}{minus}{width}{prec or '.0'}f%%", True
+    if kind == "":
+        return (f"%{flags}{minus}{width}{prec}g", False) if (width or prec) else ("", False)
+    return "%v", False
+
+
+def _go_value(expr: str, spec: str) -> str:
+    verb, percent = _printf_spec(spec)
+    if percent:  # Go templates have no arithmetic: Prometheus' own percentage formatting (4 significant digits)
+        return f"{{{{ {expr} | humanizePercentage }}}}"
+    if not verb:
+        return f"{{{{ {expr} }}}}"
+    return f"{{{{ {expr} | printf {json.dumps(verb)} }}}}"
+
+
+def _go_query(metric: str, spec: str, labels: tuple[str, ...]) -> str:
+    """A Go template that reads ``metric`` for the alert's router from Prometheus (``n/a`` when absent)."""
+    selector = ",".join(f'{label}="%s"' for label in labels)
+    args = " ".join(f"$labels.{label}" for label in labels)
+    verb, _ = _printf_spec(spec)
+    value = f'. | first | value | printf {json.dumps(verb or "%g")}'
+    query = f"{{{{ with printf `{metric}{{{selector}}}` {args} | query }}}}"
+    return f"{query}{{{{ {value} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
+
+
+def _go_literal(text: str) -> str:
+    if "{{" in text or text.endswith("{") or "}}" in text:
+        return f"{{{{ {json.dumps(text)} }}}}"
+    return text
+
+
+def _constant(value: object, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    try:
+        return format(value, spec)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
+    """A ``str.format`` annotation template of ``rule`` as a Prometheus (Go) template.
+
+    Labels become ``$labels.x``, ``value`` becomes ``$value``, floor/ceiling/tokens are
+    read with ``query``, the rule's constants are substituted, and fields Prometheus does
+    not know render as ``n/a`` (``notes`` says which).
+    """
+    threshold: object
+    if rule.below is not None and rule.above is not None:
+        threshold = f"{_number(rule.below)} (below) / {_number(rule.above)} (above)"
+    else:
+        threshold = rule.below if rule.below is not None else rule.above
+    constants: dict[str, object] = {
+        "alertname": rule.name,
+        "metric": rule.metric,
+        "severity": rule.severity,
+        "threshold": threshold,
+        # Prometheus has no hysteresis: the alert resolves where it fires (then keep_firing_for).
+        "resolve_threshold": threshold,
+        "min_tokens": rule.min_tokens if rule.min_tokens is not None else "the router's own minimum",
+    }
+    out: list[str] = []
+    for literal, field, spec, _conversion in string.Formatter().parse(template):
+        if literal:
+            out.append(_go_literal(literal))
+        if field is None:
+            continue
+        spec = spec or ""
+        if field == "value":
+            out.append(_go_value("$value", spec))
+        elif field in _LABEL_FIELDS:
+            out.append(f"{{{{ $labels.{field} }}}}")
+        elif field == "floor_bits":
+            out.append(_go_query(FLOOR_BITS, spec, ("router", "layer", "kind")))
+        elif field == "ceiling_bits":
+            out.append(_go_query(CEILING_BITS, spec, ("router", "layer", "kind")))
+        elif field == "tokens":
+            out.append(_go_query(WINDOW_TOKENS, spec or "d", ("router", "layer", "kind", "business_line")))
+        elif field in constants:
+            out.append(_go_literal(_constant(constants[field], spec)))
+        else:
+            out.append("n/a")
+            note = f"{{{field}}} is not available in Prometheus and renders as n/a"
+            if note not in notes:
+                notes.append(note)
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- YAML output
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    if "\n" in data:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|")
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+_HEADER = """\
+# Prometheus alerting rules generated by `mla-watch rules export --format prometheus`.
+# Do not edit: change rules/*.yaml and export again. Check with `promtool check rules FILE`.
+#
+# Differences from the sidecar's own rule engine:
+#  * Prometheus has no hysteresis. The sidecar resolves a "below" alert only once the metric is
+#    back at or above resolve_above (resp. at or below resolve_below for "above" alerts);
+#    here the alert resolves as soon as the expression stops matching, and `keep_firing_for`
+#    (Prometheus >= 2.42) holds it for a while instead. {{resolve_threshold}} renders as the
+#    firing threshold.
+#  * Windows too small to trust are excluded with mla_watch_routing_window_too_small == 0
+#    (the router's own minimum) or mla_watch_routing_window_tokens >= min_tokens.
+#  * Every-line rules exclude the aggregate series business_line="all".
+#  * Only notifications: `retune` actions are run by the sidecar, never by Prometheus; route
+#    these alerts with Alertmanager (the sidecar's receivers are not exported).
+#  * Floor, ceiling and window tokens in annotations are queried from the sidecar's gauges.
+"""
+
+
+def export_prometheus(rules: RuleSet, *, job: str = "mla_watch") -> str:
+    """A Prometheus rule file (YAML text) with one group, ``mla_watch_routing``, of ``rules``' alerts.
+
+    Series are selected with ``job="<job>"``; pass the job name of your scrape config, or ``""``
+    to select on metric names alone.
+    """
+    lines = [_HEADER]
+    if job:
+        lines.append(f"# Series are selected with job={_promql_string(job)}.\n")
+    lines.append(f"groups:\n  - name: {GROUP_NAME}\n    rules:\n")
+    if not rules.rules:
+        lines[-1] = f"groups:\n  - name: {GROUP_NAME}\n    rules: []\n"
+    for rule in rules.rules:
+        notes: list[str] = []
+        entry: dict[str, object] = {"alert": rule.name, "expr": rule_expression(rule, job=job)}
+        if rule.for_seconds > 0:
+            entry["for"] = format_duration(rule.for_seconds)
+        if rule.keep_firing_for_seconds > 0:
+            entry["keep_firing_for"] = format_duration(rule.keep_firing_for_seconds)
+        entry["labels"] = {"severity": rule.severity, **dict(rule.labels)}
+        annotations = {key: convert_template(text, rule, notes) for key, text in rule.annotations.items()}
+        if annotations:
+            entry["annotations"] = annotations
+        comments = [f"{rule.name}" + (f" (from {rule.source})" if rule.source else "")]
+        if rule.resolve_above is not None:
+            comments.append(f"hysteresis not exported: the sidecar resolves at >= {_number(rule.resolve_above)}")
+        if rule.resolve_below is not None:
+            comments.append(f"hysteresis not exported: the sidecar resolves at <= {_number(rule.resolve_below)}")
+        if "retune" in rule.actions:
+            strategies = ", ".join(rule.retune_strategies) or "default"
+            comments.append(f"retune ({strategies}) runs in the sidecar only")
+        comments.extend(notes)
+        block = "".join(f"      # {text}\n" for text in comments)
+        body = yaml.dump([entry], Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10_000)
+        block += "".join(f"      {line}\n" if line else "\n" for line in body.splitlines())
+        lines.append(block)
+    return "".join(lines)
+

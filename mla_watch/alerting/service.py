@@ -1,0 +1,166 @@
+"""Alerting as the server runs it: evaluate on an interval, group, notify durably, repeat.
+
+The service owns the rule engine, the outbox and its dispatcher. Every ``interval`` seconds
+it reads the routing records of each business line, lets the engine decide transitions,
+groups the resulting notifications per receiver (``group_by``), renders them with the
+receiver's notifier and writes them to the outbox, from which the dispatcher thread delivers
+them. Firing groups are sent again every ``repeat_interval`` (and every ``resend_interval``
+to Alertmanager's API, so that alerts expire there if this sidecar dies). ``retune`` actions
+go to the callbacks registered with :meth:`AlertService.on_retune`; the engine never imports
+a re-tuner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mla_watch.alerting.engine import Action, AlertEngine
+from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
+from mla_watch.alerting.notifiers import group_key
+from mla_watch.alerting.outbox import Dispatcher, Outbox
+from mla_watch.alerting.rules import render_annotations
+
+__all__ = ["AlertService"]
+
+log = logging.getLogger("mla_watch.alerting")
+
+
+@dataclass
+class _Group:
+    receiver: Receiver
+    key: str
+    labels: dict[str, str]
+    alerts: dict[str, Alert]  # fingerprint -> latest firing alert
+    last_sent: float
+
+
+class AlertService:
+    def __init__(self, rules: RuleSet, state_dir: Path, *, records: Callable[[], Iterable[Mapping[str, Any]]],
+                 interval: float = 15.0, status_url: str = "", external_url: str = "",
+                 clock: Callable[[], float] = time.time,
+                 on_notification: Callable[[str, str], None] | None = None) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        self.rules = rules
+        self.interval = interval
+        self.external_url = external_url
+        self._records = records
+        self._clock = clock
+        self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
+                                  render=render_annotations, status_url=status_url)
+        self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock)
+        self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._retune_callbacks: list[Callable[[Action], None]] = []
+        self._restore_groups()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for warning in rules.warnings:
+            log.warning(warning)
+
+    def on_retune(self, callback: Callable[[Action], None]) -> None:
+        self._retune_callbacks.append(callback)
+
+    def replace_rules(self, rules: RuleSet) -> None:
+        with self._lock:
+            self.rules = rules
+            self.dispatcher.receivers = rules.receivers
+            self._dispatch(self.engine.replace_rules(rules))
+
+    def evaluate_once(self) -> list[Action]:
+        """One evaluation: transitions, notifications into the outbox, repeats, retune requests."""
+        with self._lock:
+            actions = self.engine.evaluate(self._records())
+            self._dispatch(actions)
+            self._repeat()
+            return actions
+
+    def start(self, dispatch_interval: float = 1.0) -> None:
+        self.dispatcher.start(dispatch_interval)
+
+        def loop() -> None:
+            while not self._stop.wait(self.interval):
+                try:
+                    self.evaluate_once()
+                except Exception:  # evaluation must go on whatever one round hits
+                    log.exception("alert evaluation failed")
+
+        self._thread = threading.Thread(target=loop, name="mla-watch-alerts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.dispatcher.run_once()  # flush what can be flushed before exiting
+        self.dispatcher.stop()
+
+    # ------------------------------------------------------------------ internals
+    def _restore_groups(self) -> None:
+        """After a restart, alerts still firing keep being repeated (they are not paged again now)."""
+        now = self._clock()
+        rules = {rule.name: rule for rule in self.rules.rules}
+        for instance in self.engine.alerts():
+            rule = rules.get(instance.rule)
+            if instance.state != "firing" or rule is None:
+                continue
+            alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations), status="firing",
+                          starts_at=instance.firing_since or now, ends_at=None, value=instance.value or 0.0)
+            for name in rule.receivers:
+                receiver = self.rules.receivers.get(name)
+                if receiver is None or receiver.url is None:
+                    continue
+                labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
+                key = group_key(labels)
+                group = self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now))
+                group.alerts[alert.fingerprint] = alert
+
+    def _dispatch(self, actions: Iterable[Action]) -> None:
+        now = self._clock()
+        for action in actions:
+            if action.kind == "retune":
+                log.warning("alert %s asks for a router re-tune of %s (layer %s, %s)",
+                            action.alert.labels.get("alertname"), action.alert.labels.get("router"),
+                            action.alert.labels.get("layer"), action.alert.labels.get("business_line"))
+                for callback in self._retune_callbacks:
+                    callback(action)
+                continue
+            log.warning("alert %s %s: %s", action.alert.labels.get("alertname"), action.alert.status,
+                        action.alert.annotations.get("summary", dict(action.alert.labels)))
+            for name in action.rule.receivers:
+                receiver = self.rules.receivers.get(name)
+                if receiver is None or receiver.url is None:
+                    continue  # no URL configured: evaluated, exported and logged, not sent
+                labels = {k: action.alert.labels[k] for k in receiver.group_by if k in action.alert.labels}
+                key = group_key(labels)
+                group = self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now))
+                if action.alert.status == "firing":
+                    group.alerts[action.alert.fingerprint] = action.alert
+                    self._send(group, [action.alert], now)
+                else:
+                    group.alerts.pop(action.alert.fingerprint, None)
+                    if receiver.send_resolved:
+                        self._send(group, [action.alert], now)
+                    if not group.alerts:
+                        del self._groups[(name, key)]
+
+    def _repeat(self) -> None:
+        now = self._clock()
+        for group in list(self._groups.values()):
+            every = (group.receiver.resend_interval_seconds if group.receiver.type == "alertmanager_api"
+                     else group.receiver.repeat_interval_seconds)
+            if group.alerts and now - group.last_sent >= every:
+                self._send(group, list(group.alerts.values()), now)
+
+    def _send(self, group: _Group, alerts: list[Alert], now: float) -> None:
+        status = "firing" if any(alert.status == "firing" for alert in alerts) else "resolved"
+        notification = Notification(receiver=group.receiver.name, group_key=group.key, group_labels=group.labels,
+                                    alerts=tuple(alerts), status=status, external_url=self.external_url)
+        self.outbox.submit(group.receiver, notification)
+        group.last_sent = now

@@ -1,0 +1,453 @@
+"""Alert rule files: loading, validation messages, secrets, durations, templates and the linter.
+
+No torch, no model: routers are hand-built RouterInfo records.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.rules import (
+    LintFinding,
+    RuleError,
+    lint,
+    load_rules_dir,
+    load_rules_file,
+    parse_duration,
+    render_annotations,
+)
+from mla_watch.windows import RouterInfo
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_RULES = REPO / "rules"
+SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "ExpertHotspot", "DeadExperts", "RoutingDrift",
+                 "IndexerDegenerate"}
+ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
+
+V2_LITE = [RouterInfo(f"model.layers.{i}.mlp.gate", i, "expert", 64, 6) for i in (1, 2, 3)]
+V3 = [RouterInfo("model.layers.3.mlp.gate", 3, "expert", 256, 8)]
+INDEXER = [RouterInfo("model.layers.1.self_attn.indexer", 1, "indexer", 4096, 256)]
+
+
+def write(tmp_path: Path, text: str, name: str = "routing.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def errors_of(path: Path, environ: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(RuleError) as info:
+        load_rules_file(path, environ=environ if environ is not None else ONCALL)
+    return info.value.errors
+
+
+def one_rule(body: str, extra: str = "") -> str:
+    """A file with one receiver and one rule whose keys are ``body`` (indented by the caller's dedent)."""
+    return ("receivers:\n  - {name: oncall, type: alertmanager_webhook, url: 'https://h.example/x'}\n"
+            + extra + "rules:\n  - " + textwrap.dedent(body).strip().replace("\n", "\n    ") + "\n")
+
+
+# --------------------------------------------------------------------------- shipped rules
+
+
+def test_shipped_rules_load_with_the_oncall_url():
+    rules = load_rules_dir(SHIPPED_RULES, environ=ONCALL)
+    assert {r.name for r in rules.rules} == SHIPPED_NAMES
+    assert rules.receivers["oncall"].url == "https://alerts.example.com/hook"
+    assert rules.receivers["oncall"].type == "alertmanager_webhook"
+    assert rules.warnings == ()
+    low = next(r for r in rules.rules if r.name == "RoutingEntropyLow")
+    assert (low.below, low.resolve_above, low.for_seconds, low.severity) == (5.0, 5.2, 120.0, "critical")
+    assert low.actions == ("notify", "retune") and low.retune_strategies == ("bias", "restore")
+    assert low.selector.kind == "expert" and low.receivers == ("oncall",)
+    assert low.annotations["runbook_url"].endswith("docs/runbooks.md#routingentropylow")
+    high = next(r for r in rules.rules if r.name == "RoutingEntropyHigh")
+    assert (high.above, high.resolve_below) == (6.5, 6.3)
+    dead = next(r for r in rules.rules if r.name == "DeadExperts")
+    assert dead.min_tokens == 1024 and dead.above == 4
+
+
+def test_shipped_rules_without_the_oncall_url_warn_and_disable_the_receiver():
+    rules = load_rules_dir(SHIPPED_RULES, environ={})
+    assert rules.receivers["oncall"].url is None
+    assert len(rules.warnings) == 1
+    assert ("receiver 'oncall': MLA_WATCH_ONCALL_URL is unset; alerts are evaluated, exported and logged but not sent"
+            in rules.warnings[0])
+
+
+def test_every_shipped_rule_has_summary_description_and_runbook():
+    for rule in load_rules_dir(SHIPPED_RULES, environ=ONCALL).rules:
+        assert {"summary", "description", "runbook_url"} <= set(rule.annotations), rule.name
+        assert rule.annotations["runbook_url"].endswith("#" + rule.name.lower())
+
+
+# --------------------------------------------------------------------------- validation messages
+
+
+def test_broken_yaml_names_the_line(tmp_path):
+    path = write(tmp_path, "rules:\n  - alert: A\n    metric: [entropy_bits\n")
+    (message,) = errors_of(path)
+    assert str(path) in message and "line " in message and "YAML" in message
+
+
+def test_duplicate_yaml_keys_are_errors(tmp_path):
+    path = write(tmp_path, one_rule("alert: A\nmetric: entropy_bits\nbelow: 5\nbelow: 4"))
+    (message,) = errors_of(path)
+    assert "duplicate key 'below'" in message and str(path) in message
+
+
+def test_wrong_threshold_type_names_file_key_value_and_expectation(tmp_path):
+    path = write(tmp_path, one_rule("alert: A\nmetric: entropy_bits\nbelow: low"))
+    assert errors_of(path) == [f"{path}: rules[0].below = 'low': expected a number"]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("alert: A\nmetric: entropy\nbelow: 5", ["rules[0].metric = 'entropy'", "entropy_bits", "js_divergence"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nthreshold: 4",
+         ["rules[0].threshold: unknown key 'threshold'", "below", "resolve_above"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nselect: {layers: [5, 2]}",
+         ["rules[0].select.layers = [5, 2]", "matches no layer"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nselect: {kind: attention}",
+         ["rules[0].select.kind = 'attention'", "expert, indexer"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: -2m", ["rules[0].for = '-2m'", "non-negative"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: soon", ["rules[0].for = 'soon'", "30s"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nresolve_above: 4.8", ["rules[0].resolve_above = 4.8", ">= below"]),
+        ("alert: A\nmetric: entropy_bits\nabove: 6\nresolve_below: 6.2", ["rules[0].resolve_below = 6.2", "<= above"]),
+        ("alert: A\nmetric: entropy_bits", ["rules[0].below: missing", "below and/or above"]),
+        ("alert: 9lives\nmetric: entropy_bits\nbelow: 5", ["rules[0].alert = '9lives'", "[A-Za-z_]"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nseverity: page", ["rules[0].severity = 'page'", "critical"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: [notify, reboot]",
+         ["rules[0].actions[1] = 'reboot'", "notify, retune"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: []", ["rules[0].actions = []", "non-empty"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nretune_strategy: bias",
+         ["rules[0].retune_strategy = 'bias'", "unless actions include retune"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: [retune]\nretune_strategy: [bias, reboot]",
+         ["rules[0].retune_strategy[1] = 'reboot'", "router_finetune"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {severity: low}",
+         ["rules[0].labels.severity = 'low'", "no override"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {router: x}", ["rules[0].labels.router = 'x'"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {team: 7}", ["rules[0].labels.team = 7", "a string"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nmin_tokens: 0", ["rules[0].min_tokens = 0", "integer >= 1"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: '{valeu:.2f} on {router}'}",
+         ["rules[0].annotations.summary = '{valeu:.2f} on {router}'", "{valeu} is unknown", "did you mean {value}",
+          "floor_bits", "status_url"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: 'entropy {value:.2f'}",
+         ["rules[0].annotations.summary = 'entropy {value:.2f'", "str.format template"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: 'on {router:.2f}'}",
+         ["rules[0].annotations.summary", "format spec"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 6\nabove: 5", ["rules[0].below = 6.0", "< above"]),
+    ],
+)
+def test_rule_errors_name_file_key_value_and_expectation(tmp_path, body, expected):
+    path = write(tmp_path, one_rule(body))
+    errors = errors_of(path)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{path}: ")
+    for fragment in expected:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def test_all_errors_of_a_file_are_reported_together(tmp_path):
+    path = write(tmp_path, one_rule("alert: A\nmetric: nope\nbelow: x\nfor: -1"))
+    errors = errors_of(path)
+    assert len(errors) == 3
+    assert any("metric = 'nope'" in e for e in errors)
+    assert any("below = 'x'" in e for e in errors)
+    assert any("for = -1" in e for e in errors)
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = write(tmp_path, "rule:\n  - alert: A\n")
+    (message,) = errors_of(path)
+    assert "rule: unknown key 'rule'" in message and "did you mean 'rules'" in message and str(path) in message
+
+
+@pytest.mark.parametrize(
+    ("receiver", "expected"),
+    [
+        ("{name: oncall, type: alertmanager_webhook, url: 'ftp://h.example/x'}",
+         ["receivers[0].url = 'ftp://h.example/...'", "http:// or https://", "scheme is 'ftp'"]),
+        ("{name: oncall, type: alertmanager_webhook, url: 'https:///x'}", ["receivers[0].url", "no host"]),
+        ("{name: oncall, type: webhook, url: 'https://h.example'}",
+         ["receivers[0].type = 'webhook'", "alertmanager_webhook, alertmanager_api, slack, pagerduty"]),
+        ("{name: oncall, type: alertmanager_webhook, url: 'https://h.example', timeout: -5s}",
+         ["receivers[0].timeout = '-5s'", "non-negative"]),
+        ("{name: oncall, type: alertmanager_webhook, url: 'https://h.example', retries: 3}",
+         ["receivers[0].retries: unknown key", "max_attempts"]),
+        ("{name: oncall, type: alertmanager_webhook}", ["receivers[0].url: missing"]),
+        ("{name: oncall, type: pagerduty}", ["receivers[0].routing_key: missing"]),
+        ("{name: oncall, type: slack, url: 'https://h.example', resend_interval: 1m}",
+         ["receivers[0].resend_interval = '1m'", "only used by type alertmanager_api"]),
+        ("{name: oncall, type: alertmanager_webhook, url: 'https://h.example', max_attempts: 0}",
+         ["receivers[0].max_attempts = 0", "integer >= 1"]),
+    ],
+)
+def test_receiver_errors(tmp_path, receiver, expected):
+    path = write(tmp_path, f"receivers:\n  - {receiver}\n")
+    errors = errors_of(path)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"{path}: ")
+    for fragment in expected:
+        assert fragment in errors[0], (fragment, errors[0])
+
+
+def test_receiver_url_from_the_environment_that_does_not_parse_shows_the_variable_not_the_value(tmp_path):
+    path = write(tmp_path, "receivers:\n  - {name: oncall, type: slack, url: '${SLACK_URL}'}\n")
+    (message,) = errors_of(path, {"SLACK_URL": "ftp://hooks.example/T000/B000/XXXXSECRETXXXX"})
+    assert "receivers[0].url = ${SLACK_URL}" in message and "scheme is 'ftp'" in message
+    assert "XXXXSECRETXXXX" not in message and "hooks.example" not in message
+
+
+def test_secrets_never_appear_in_messages(tmp_path):
+    secret = "s3cr3t-T0KEN-value"
+    path = write(tmp_path, f"""\
+        receivers:
+          - name: a
+            type: alertmanager_webhook
+            url: ${{HOOK_URL}}
+            headers: {{Authorization: "Bearer ${{ONCALL_TOKEN}}", X-Unset: "${{NOT_SET_VAR}}", X-Bad: 12}}
+            hmac_secret: ${{ONCALL_HMAC}}
+            routing_key: {secret}
+          - name: b
+            type: pagerduty
+            routing_key: ["{secret}"]
+          - name: c
+            type: alertmanager_webhook
+            url: 'https://user:{secret}@[bad/x'
+        rules:
+          - {{alert: A, metric: entropy_bits, below: 5, receivers: [a]}}
+        """)
+    environ = {"HOOK_URL": f"https://h.example/{secret}", "ONCALL_TOKEN": secret, "ONCALL_HMAC": secret}
+    errors = errors_of(path, environ)
+    text = "\n".join(errors)
+    assert secret not in text
+    assert any("receivers[0].headers.X-Unset" in e and "NOT_SET_VAR is unset" in e for e in errors)
+    assert any("receivers[0].headers.X-Bad" in e and "value hidden" in e for e in errors)
+    assert any("receivers[0].routing_key" in e and "only used by type pagerduty" in e for e in errors)
+    assert any("receivers[1].routing_key" in e and "value hidden" in e for e in errors)
+    assert any("receivers[2].url" in e for e in errors)
+
+
+def test_secrets_are_expanded_into_the_receiver(tmp_path):
+    path = write(tmp_path, """\
+        receivers:
+          - name: pd
+            type: pagerduty
+            routing_key: ${PD_KEY}
+            headers: {Authorization: "Bearer ${TOKEN}"}
+            hmac_secret: ${HMAC}
+            timeout: 2s
+            repeat_interval: 1h30m
+            group_by: [alertname]
+            send_resolved: false
+          - {name: am, type: alertmanager_api, url: 'http://am.example:9093', resend_interval: 2m}
+        """)
+    _, receivers, warnings = load_rules_file(path, environ={"PD_KEY": "k1", "TOKEN": "t2", "HMAC": "h3"})
+    pd = receivers["pd"]
+    assert pd.url == "https://events.pagerduty.com/v2/enqueue" and pd.routing_key == "k1"
+    assert pd.headers == {"Authorization": "Bearer t2"} and pd.hmac_secret == "h3"
+    assert (pd.timeout_seconds, pd.repeat_interval_seconds, pd.group_by, pd.send_resolved) == (
+        2.0, 5400.0, ("alertname",), False)
+    assert receivers["am"].resend_interval_seconds == 120.0 and warnings == []
+
+
+def test_unset_secret_of_a_disabled_receiver_is_not_an_error(tmp_path):
+    path = write(tmp_path, """\
+        receivers:
+          - {name: oncall, type: alertmanager_webhook, url: '${HOOK}', headers: {Authorization: 'Bearer ${TOKEN}'}}
+        """)
+    _, receivers, warnings = load_rules_file(path, environ={})
+    assert receivers["oncall"].url is None and receivers["oncall"].headers == {}
+    assert len(warnings) == 1 and "HOOK is unset" in warnings[0]
+    (message,) = errors_of(path, {"HOOK": "https://h.example"})
+    assert "receivers[0].headers.Authorization: environment variable TOKEN is unset" in message
+
+
+def test_duplicate_names_within_a_file(tmp_path):
+    path = write(tmp_path, one_rule("alert: A\nmetric: entropy_bits\nbelow: 5")
+                 + "  - {alert: A, metric: entropy_bits, above: 6}\n")
+    (message,) = errors_of(path)
+    assert "rules[1].alert = 'A'" in message and "used by one rule only" in message
+
+
+def test_directory_errors_collect_every_file(tmp_path):
+    write(tmp_path, "receivers:\n  - {name: oncall, type: alertmanager_webhook, url: 'https://h.example'}\n",
+          "receivers.yaml")
+    write(tmp_path, "rules:\n  - {alert: A, metric: entropy_bits, below: 5}\n", "a.yaml")
+    write(tmp_path, "rules:\n  - {alert: A, metric: entropy_bits, above: 6}\n"
+          "  - {alert: B, metric: entropy_bits, above: 6, receivers: [pager]}\n", "b.yml")
+    write(tmp_path, "rules:\n  - {alert: C, metric: bogus, above: 6}\n", "c.yaml")
+    write(tmp_path, "this is: [not, valid\n", ".editor-backup.yaml")  # dotfiles are skipped
+    with pytest.raises(RuleError) as info:
+        load_rules_dir(tmp_path, environ={})
+    errors = info.value.errors
+    assert any("c.yaml: rules[0].metric = 'bogus'" in e for e in errors)
+    assert any("b.yml: rules[0].alert = 'A'" in e and "a.yaml: rules[0]" in e for e in errors)
+    assert not any(".editor-backup" in e for e in errors)
+    (tmp_path / "c.yaml").unlink()
+    with pytest.raises(RuleError) as info:
+        load_rules_dir(tmp_path, environ={})
+    assert any("b.yml: rules[0].alert = 'A'" in e for e in info.value.errors)
+    (tmp_path / "a.yaml").unlink()
+    with pytest.raises(RuleError) as info:
+        load_rules_dir(tmp_path, environ={})
+    assert info.value.errors == [
+        f"{tmp_path / 'b.yml'}: rules[1].receivers[0] = 'pager': expected a defined receiver: oncall"]
+
+
+def test_duplicate_receiver_across_files(tmp_path):
+    for name in ("a.yaml", "b.yaml"):
+        write(tmp_path, "receivers:\n  - {name: oncall, type: alertmanager_webhook, url: 'https://h.example'}\n", name)
+    with pytest.raises(RuleError) as info:
+        load_rules_dir(tmp_path, environ={})
+    (message,) = info.value.errors
+    assert "b.yaml: receivers[0].name = 'oncall'" in message and "a.yaml: receivers[0]" in message
+
+
+@pytest.mark.parametrize("make", ["missing", "empty", "only-dotfiles"])
+def test_missing_or_empty_directory(tmp_path, make):
+    directory = tmp_path / "rules"
+    if make != "missing":
+        directory.mkdir()
+    if make == "only-dotfiles":
+        (directory / ".hidden.yaml").write_text("rules: []\n")
+    with pytest.raises(RuleError) as info:
+        load_rules_dir(directory, environ={})
+    assert str(directory) in str(info.value)
+
+
+# --------------------------------------------------------------------------- durations
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30s", 30.0), ("2m", 120.0), ("1h", 3600.0), ("1h30m", 5400.0), ("500ms", 0.5), ("1d", 86400.0),
+     (45, 45.0), (2.5, 2.5), ("90", 90.0), ("0s", 0.0), ("1m30s", 90.0)],
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text, "rules[0].for") == seconds
+
+
+@pytest.mark.parametrize("text", ["-5s", -1, "5 minutes", "", "30m1h", "1x", True, None, float("nan"), "s"])
+def test_parse_duration_errors_name_where(text):
+    with pytest.raises(RuleError) as info:
+        parse_duration(text, "rules.yaml: rules[3].for")
+    assert str(info.value).startswith("rules.yaml: rules[3].for = ")
+
+
+# --------------------------------------------------------------------------- render_annotations
+
+
+def test_render_annotations_formats_fields_and_defaults_the_rule_constants():
+    rule = Rule(name="Low", metric="entropy_bits", selector=Selector(), below=5.0, resolve_above=5.2,
+                annotations={"summary": "{alertname}: {value:.2f} < {threshold} (resolve {resolve_threshold}) "
+                                        "on {router} layer {layer}",
+                             "more": "floor {floor_bits:.3f}, {tokens} tokens, min {min_tokens}, {status_url}"})
+    out = render_annotations(rule, {"value": 4.4567, "router": "model.layers.1.mlp.gate", "layer": 1,
+                                    "floor_bits": 2.58496, "tokens": 300, "status_url": None})
+    assert out["summary"] == "Low: 4.46 < 5.0 (resolve 5.2) on model.layers.1.mlp.gate layer 1"
+    assert out["more"] == "floor 2.585, 300 tokens, min n/a, n/a"
+
+
+def test_render_annotations_never_raises_on_odd_values():
+    rule = Rule(name="X", metric="max_violation", selector=Selector(), above=1.0,
+                annotations={"summary": "{value:.2f} on {router}"})
+    assert render_annotations(rule, {"value": "oops"}) == {"summary": "oops on n/a"}
+
+
+# --------------------------------------------------------------------------- lint
+
+
+def findings_for(rules_text: str, routers, tmp_path: Path) -> list[LintFinding]:
+    write(tmp_path, rules_text)
+    return lint(load_rules_dir(tmp_path, environ=ONCALL), routers)
+
+
+def test_lint_shipped_rules_flag_entropy_high_on_64_experts_only():
+    rules = load_rules_dir(SHIPPED_RULES, environ=ONCALL)
+    findings = lint(rules, V2_LITE)
+    never = [f for f in findings if f.rule == "RoutingEntropyHigh" and f.severity == "error"]
+    assert [f.router for f in never] == [r.name for r in V2_LITE]
+    assert "can never fire" in never[0].message and "6.000" in never[0].message
+    assert "above 6.5 bits can never fire on model.layers.1.mlp.gate: its ceiling is log2 64 = 6.000 bits" in (
+        never[0].message)
+    assert not [f for f in findings if f.severity == "error" and f.rule != "RoutingEntropyHigh"]
+    # the indexer rule matches no router of this model
+    assert any(f.rule == "IndexerDegenerate" and f.router is None and f.severity == "warning" for f in findings)
+
+    v3 = lint(rules, V3)
+    assert not [f for f in v3 if f.severity == "error"], v3
+    assert not any("can never fire" in f.message for f in v3)
+
+
+def test_lint_shipped_rules_on_an_indexer():
+    findings = lint(load_rules_dir(SHIPPED_RULES, environ=ONCALL), INDEXER)
+    assert not [f for f in findings if f.severity == "error"], findings
+
+
+def test_lint_below_above_the_ceiling_always_fires(tmp_path):
+    findings = findings_for(one_rule("alert: Seven\nmetric: entropy_bits\nbelow: 7"), V2_LITE[:1], tmp_path)
+    (finding,) = findings
+    assert finding.severity == "error" and finding.router == "model.layers.1.mlp.gate"
+    assert "below 7 bits always fires" in finding.message and "log2 64 = 6.000 bits" in finding.message
+
+
+def test_lint_below_the_floor_never_fires(tmp_path):
+    findings = findings_for(one_rule("alert: Floor\nmetric: entropy_bits\nbelow: 2.5"), V2_LITE[:1], tmp_path)
+    (finding,) = findings
+    assert finding.severity == "error" and "can never fire" in finding.message and "log2 6 = 2.585" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("metric: normalized_entropy\nabove: 1.0", "can never fire"),
+        ("metric: normalized_entropy\nbelow: 0", "can never fire"),
+        ("metric: max_violation\nabove: 9.7", "N/k - 1 = 64/6 - 1 = 9.667"),
+        ("metric: max_violation\nbelow: 0", "can never fire"),
+        ("metric: dead_slots\nabove: 58", "N - k = 64 - 6 = 58"),
+        ("metric: dead_slots\nbelow: 59", "always fires"),
+        ("metric: js_divergence\nabove: 1", "at most 1 bit"),
+        ("metric: locality\nabove: 0.5", "only reported for indexers"),
+        ("metric: entropy_bits\nbelow: 5\nresolve_above: 6.1", "never resolves"),
+    ],
+)
+def test_lint_metric_ranges(tmp_path, body, fragment):
+    findings = findings_for(one_rule("alert: R\n" + body), V2_LITE[:1], tmp_path)
+    assert [f.severity for f in findings] == ["error"], findings
+    assert fragment in findings[0].message
+
+
+def test_lint_thresholds_inside_the_range_are_clean(tmp_path):
+    text = one_rule("alert: R\nmetric: max_violation\nabove: 9.6")
+    assert findings_for(text, V2_LITE[:1], tmp_path) == []
+
+
+def test_lint_small_minimum_window(tmp_path):
+    findings = findings_for(one_rule("alert: Small\nmetric: entropy_bits\nbelow: 5\nmin_tokens: 16"), V2_LITE[:1],
+                            tmp_path)
+    (finding,) = findings
+    assert finding.severity == "warning" and "minimum window too small" in finding.message
+    assert "152" in finding.message  # the recommended minimum for 64 experts, top-6, 0.05 bits
+    assert "0.473 bits low" in finding.message  # 63 / (2 * 16 * 6 * ln 2)
+    assert findings_for(one_rule("alert: Small\nmetric: entropy_bits\nbelow: 5\nmin_tokens: 152"), V2_LITE[:1],
+                        tmp_path) == []
+
+
+def test_lint_selector_matching_nothing(tmp_path):
+    text = one_rule("alert: Nowhere\nmetric: entropy_bits\nbelow: 5\nselect: {router: '*.moe.router', layers: [0, 9]}")
+    (finding,) = findings_for(text, V2_LITE, tmp_path)
+    assert finding.severity == "warning" and finding.router is None and finding.rule == "Nowhere"
+    assert "matches none of the model's 3 routers" in finding.message and "'*.moe.router'" in finding.message
+
+
+def test_lint_applies_layer_and_router_selectors(tmp_path):
+    text = one_rule("alert: Seven\nmetric: entropy_bits\nbelow: 7\nselect: {layers: [2, 3], router: '*.mlp.gate'}")
+    findings = findings_for(text, [*V2_LITE, *V3], tmp_path)
+    assert [f.router for f in findings] == ["model.layers.2.mlp.gate", "model.layers.3.mlp.gate"]
