@@ -299,15 +299,18 @@ def test_separate_instances_per_business_line_router_and_layer() -> None:
     records = [rec(6.9, line="code"), rec(6.9, line="sql"), rec(6.9, line=None), rec(6.0, line="chat"),
                rec(6.9, name=INDEXER, kind="indexer"), rec(6.9, name="model.layers.4.mlp.gate", layer=4)]
     actions = engine.evaluate(records)
-    assert len(actions) == 5
+    assert len(actions) == 4  # every line, each on its own; the sum over lines ("all") is not a line
     keys = {(a.alert.labels["router"], a.alert.labels["layer"], a.alert.labels["business_line"]) for a in actions}
-    assert keys == {(GATE, "3", "code"), (GATE, "3", "sql"), (GATE, "3", "all"), (INDEXER, "3", "code"),
+    assert keys == {(GATE, "3", "code"), (GATE, "3", "sql"), (INDEXER, "3", "code"),
                     ("model.layers.4.mlp.gate", "4", "code")}
-    assert len({a.alert.fingerprint for a in actions}) == 5
+    assert len({a.alert.fingerprint for a in actions}) == 4
     # resolving one line leaves the others firing
     [resolved] = engine.evaluate([rec(6.0, line="sql")])
     assert resolved.alert.labels["business_line"] == "sql" and resolved.alert.status == "resolved"
-    assert sorted(states(engine)) == ["firing"] * 4 + ["resolved"]
+    assert sorted(states(engine)) == ["firing"] * 3 + ["resolved"]
+    whole = AlertEngine(ruleset(high_rule(selector=Selector(business_line="all"))), clock=FakeClock())
+    [aggregate] = whole.evaluate(records)
+    assert aggregate.alert.labels["business_line"] == "all"
 
 
 def test_selector_limits_routers_layers_and_lines() -> None:

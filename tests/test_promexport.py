@@ -61,7 +61,7 @@ def test_export_of_the_shipped_rules(shipped):
 
     high = rules["RoutingEntropyHigh"]
     assert "mla_watch_routing_entropy_bits{" in high["expr"] and "> 6.5" in high["expr"]
-    assert 'kind="expert"' not in high["expr"]
+    assert 'kind="expert"' in high["expr"]
 
     dead = rules["DeadExperts"]
     assert "mla_watch_routing_dead_slots{" in dead["expr"] and "> 4" in dead["expr"]

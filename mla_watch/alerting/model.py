@@ -46,7 +46,7 @@ class Selector:
     kind: str | None = None  # "expert" | "indexer"
     layers: tuple[int, int] | None = None  # inclusive [first, last]
     router: str | None = None  # fnmatch pattern over the router's module name, e.g. "*.mlp.gate"
-    business_line: str | None = None  # a line name; None or "*" = every line, one alert instance per line
+    business_line: str | None = None  # a line name, "all" (every line summed), or None / "*": each line
 
     def matches(self, record: Mapping[str, Any]) -> bool:
         if self.kind is not None and record.get("kind") != self.kind:
@@ -55,8 +55,12 @@ class Selector:
             return False
         if self.router is not None and not fnmatch.fnmatchcase(str(record.get("name")), self.router):
             return False
-        line = record.get("business_line")
-        return self.business_line in (None, "*") or line == self.business_line
+        if "business_line" not in record:  # a router description (lint): any line may come
+            return True
+        line = record["business_line"] or "all"  # records summed over every line carry None
+        if self.business_line in (None, "*"):
+            return line != "all"
+        return line == self.business_line
 
 
 @dataclass(frozen=True)

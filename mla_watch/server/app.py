@@ -89,7 +89,6 @@ class Sidecar:
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> Any:
         from mla_watch.alerting.rules import load_rules_dir
-
         from mla_watch.alerting.service import AlertService
 
         rules = load_rules_dir(self.config.rules)  # RuleError at start-up
@@ -106,7 +105,7 @@ class Sidecar:
         self._reload_rules_if_changed()
         records = []
         for windows in self._routing_sources():
-            for line in windows.business_lines:
+            for line in [None, *windows.business_lines]:  # None: every line summed ("all")
                 records.extend(windows.stats(line))
         return records
 
