@@ -372,12 +372,12 @@ def findings_for(rules_text: str, routers, tmp_path: Path) -> list[LintFinding]:
 def test_lint_shipped_rules_flag_entropy_high_on_64_experts_only():
     rules = load_rules_dir(SHIPPED_RULES, environ=ONCALL)
     findings = lint(rules, V2_LITE)
-    never = [f for f in findings if f.rule == "RoutingEntropyHigh" and f.severity == "error"]
+    never = [f for f in findings if f.rule == "RoutingEntropyHigh" and f.severity == "warning"]
     assert [f.router for f in never] == [r.name for r in V2_LITE]
     assert "can never fire" in never[0].message and "6.000" in never[0].message
     assert "above 6.5 bits can never fire on model.layers.1.mlp.gate: its ceiling is log2 64 = 6.000 bits" in (
         never[0].message)
-    assert not [f for f in findings if f.severity == "error" and f.rule != "RoutingEntropyHigh"]
+    assert not [f for f in findings if f.severity == "error"]  # the shipped rules are usable as they are
     # the indexer rule matches no router of this model
     assert any(f.rule == "IndexerDegenerate" and f.router is None and f.severity == "warning" for f in findings)
 
@@ -401,26 +401,27 @@ def test_lint_below_above_the_ceiling_always_fires(tmp_path):
 def test_lint_below_the_floor_never_fires(tmp_path):
     findings = findings_for(one_rule("alert: Floor\nmetric: entropy_bits\nbelow: 2.5"), V2_LITE[:1], tmp_path)
     (finding,) = findings
-    assert finding.severity == "error" and "can never fire" in finding.message and "log2 6 = 2.585" in finding.message
+    assert finding.severity == "warning" and "can never fire" in finding.message
+    assert "log2 6 = 2.585" in finding.message
 
 
 @pytest.mark.parametrize(
-    ("body", "fragment"),
+    ("body", "fragment", "severity"),
     [
-        ("metric: normalized_entropy\nabove: 1.0", "can never fire"),
-        ("metric: normalized_entropy\nbelow: 0", "can never fire"),
-        ("metric: max_violation\nabove: 9.7", "N/k - 1 = 64/6 - 1 = 9.667"),
-        ("metric: max_violation\nbelow: 0", "can never fire"),
-        ("metric: dead_slots\nabove: 58", "N - k = 64 - 6 = 58"),
-        ("metric: dead_slots\nbelow: 59", "always fires"),
-        ("metric: js_divergence\nabove: 1", "at most 1 bit"),
-        ("metric: locality\nabove: 0.5", "only reported for indexers"),
-        ("metric: entropy_bits\nbelow: 5\nresolve_above: 6.1", "never resolves"),
+        ("metric: normalized_entropy\nabove: 1.0", "can never fire", "warning"),
+        ("metric: normalized_entropy\nbelow: 0", "can never fire", "warning"),
+        ("metric: max_violation\nabove: 9.7", "N/k - 1 = 64/6 - 1 = 9.667", "warning"),
+        ("metric: max_violation\nbelow: 0", "can never fire", "warning"),
+        ("metric: dead_slots\nabove: 58", "N - k = 64 - 6 = 58", "warning"),
+        ("metric: dead_slots\nbelow: 59", "always fires", "error"),
+        ("metric: js_divergence\nabove: 1", "at most 1 bit", "warning"),
+        ("metric: locality\nabove: 0.5", "only reported for indexers", "warning"),
+        ("metric: entropy_bits\nbelow: 5\nresolve_above: 6.1", "never resolves", "error"),
     ],
 )
-def test_lint_metric_ranges(tmp_path, body, fragment):
+def test_lint_metric_ranges(tmp_path, body, fragment, severity):
     findings = findings_for(one_rule("alert: R\n" + body), V2_LITE[:1], tmp_path)
-    assert [f.severity for f in findings] == ["error"], findings
+    assert [f.severity for f in findings] == [severity], findings
     assert fragment in findings[0].message
 
 

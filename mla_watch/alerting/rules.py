@@ -954,12 +954,12 @@ def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[Li
     rng = _metric_range(rule.metric, info)
     where = _router_text(info)
     if not rng.applies:
-        add("error", f"{rule.metric} can never fire on {where}: {rng.why_not}")
+        add("warning", f"{rule.metric} can never fire on {where}: {rng.why_not}")
         return findings
     u = rng.unit
     if rule.above is not None:
         if rule.above >= rng.high:
-            add("error", f"{rule.metric} above {_num(rule.above)}{u} can never fire on {info.name}: {rng.high_why}. "
+            add("warning", f"{rule.metric} above {_num(rule.above)}{u} can never fire on {info.name}: {rng.high_why}. "
                 f"Router: {where}")
         elif rule.above < rng.low:
             add("error", f"{rule.metric} above {_num(rule.above)}{u} always fires on {info.name}: {rng.low_why}. "
@@ -972,7 +972,7 @@ def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[Li
                 f"{info.name}, so once firing the alert never resolves: {rng.low_why}. Router: {where}")
     if rule.below is not None:
         if rule.below <= rng.low:
-            add("error", f"{rule.metric} below {_num(rule.below)}{u} can never fire on {info.name}: {rng.low_why}. "
+            add("warning", f"{rule.metric} below {_num(rule.below)}{u} can never fire on {info.name}: {rng.low_why}. "
                 f"Router: {where}")
         elif rule.below > rng.high:
             add("error", f"{rule.metric} below {_num(rule.below)}{u} always fires on {info.name}: {rng.high_why}. "
@@ -1011,9 +1011,10 @@ def _selector_text(selector: Selector) -> str:
 def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float = 0.05) -> list[LintFinding]:
     """Check each rule against each router its selector matches (``business_line`` is ignored).
 
-    Errors: a threshold outside the metric's true range on that router ("can never fire",
-    "always fires", "never resolves"). Warnings: a ``min_tokens`` below the router's trusted
-    minimum (:func:`~mla_watch.routing.minimum_window_tokens`), a threshold at the very edge of
+    Errors: a threshold that pages for ever on that router ("always fires", "never resolves").
+    Warnings: a threshold that can never fire there (the rule is inert on that router, which is
+    worth knowing but harms nothing - the shipped "above 6.5 bits" on 64 experts is one), a
+    ``min_tokens`` below the router's trusted minimum (:func:`~mla_watch.routing.minimum_window_tokens`), a threshold at the very edge of
     the range, a selector that matches none of the routers. One finding per (rule, router)
     problem, in rule order then router order.
     """

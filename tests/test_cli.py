@@ -1,0 +1,62 @@
+"""The mla-watch command line, run in-process on the bundled model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from conftest import REPO
+
+from mla_watch.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_check_lints_the_shipped_rules_against_the_bundled_model(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("MLA_WATCH_ONCALL_URL", raising=False)
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "MLA_WATCH_ONCALL_URL is unset" in out  # says that no receiver is configured
+    for layer in (1, 2, 3):
+        assert (f"above 6.5 bits can never fire on model.layers.{layer}.mlp.gate: its ceiling is log2 64 = 6.000 bits"
+                in out)
+    assert "ok: policy code_assistant" in out and "0 error(s)" in out
+
+
+def test_check_fails_on_a_broken_rule_file(tmp_path, capsys) -> None:
+    rules = tmp_path / "rules"
+    shutil.copytree(REPO / "rules", rules)
+    (rules / "extra.yaml").write_text("rules:\n  - alert: Always\n    metric: entropy_bits\n    below: 7\n")
+    assert main(["check", "--rules", str(rules)]) == 1
+    out = capsys.readouterr().out
+    assert "below 7 bits always fires on model.layers.1.mlp.gate" in out
+    (rules / "extra.yaml").write_text("rules:\n  - alert: Bad\n    metric: entropy\n    below: 5\n")
+    assert main(["check", "--rules", str(rules)]) == 1
+    assert "extra.yaml: rules[0].metric = 'entropy'" in capsys.readouterr().out
+
+
+def test_rules_export_is_accepted_by_promtool(tmp_path) -> None:
+    out = tmp_path / "mla_watch.rules.yml"
+    assert main(["rules", "export", "--format", "prometheus", "--out", str(out)]) == 0
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is missing: .ci/run installs Debian's prometheus package"
+    checked = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "SUCCESS: 6 rules found" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_routing_table_baseline_and_drift(tmp_path, capsys) -> None:
+    assert main(["routing", "--domain", "sql", "--samples", "8", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert len(records) == 7 and {r["kind"] for r in records} == {"expert", "indexer"}
+    assert all(r["floor_bits"] <= r["entropy_bits"] + 1e-9 for r in records if r["kind"] == "expert")
+    baseline = tmp_path / "baseline.json"
+    assert main(["baseline", "--domain", "sql", "--samples", "8", "--out", str(baseline)]) == 0
+    capsys.readouterr()
+    assert main(["routing", "--domain", "sql", "--samples", "8", "--baseline", str(baseline)]) == 0
+    table = capsys.readouterr().out
+    assert "layer" in table and "entropy" in table and "0.0000" in table  # same traffic: no drift
+    assert main(["routing", "--domain", "code", "--samples", "8", "--baseline", str(baseline), "--json"]) == 0
+    drift = [r["js_divergence"] for r in json.loads(capsys.readouterr().out) if r["kind"] == "expert"]
+    assert all(value > 0.01 for value in drift)  # another business line routes differently
