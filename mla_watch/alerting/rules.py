@@ -1014,9 +1014,9 @@ def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float
     Errors: a threshold that pages for ever on that router ("always fires", "never resolves").
     Warnings: a threshold that can never fire there (the rule is inert on that router, which is
     worth knowing but harms nothing - the shipped "above 6.5 bits" on 64 experts is one), a
-    ``min_tokens`` below the router's trusted minimum (:func:`~mla_watch.routing.minimum_window_tokens`), a threshold at the very edge of
-    the range, a selector that matches none of the routers. One finding per (rule, router)
-    problem, in rule order then router order.
+    ``min_tokens`` below the router's trusted minimum (:func:`~mla_watch.routing.minimum_window_tokens`),
+    a threshold at the very edge of the range, a selector that matches none of the routers.
+    One finding per (rule, router) problem, in rule order then router order.
     """
     findings: list[LintFinding] = []
     for rule in rules.rules:
