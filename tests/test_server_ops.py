@@ -178,3 +178,24 @@ def test_undelivered_counts_wait_for_the_sidecar() -> None:
         routers = httpx.get(url + "/v1/routing").json()["routers"]
         assert [r["tokens"] for r in routers] == [8, 8]
     probe.detach()
+
+
+def test_a_broken_rule_file_on_reload_keeps_the_last_good_rules(tmp_path, policies_copy) -> None:
+    import shutil
+
+    from conftest import REPO
+
+    rules = tmp_path / "rules"
+    shutil.copytree(REPO / "rules", rules)
+    with running_sidecar(policies=policies_copy, rules=rules, admin_token=TOKEN) as (url, _):
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(url + "/v1/alerts").json()["rules"] == 6
+        (rules / "extra.yaml").write_text("rules:\n  - alert: Typo\n    metric: entropy\n    below: 5\n")
+        refused = httpx.post(url + "/admin/reload", headers=auth)
+        assert refused.status_code == 422
+        assert any("extra.yaml" in e and "'entropy'" in e for e in refused.json()["errors"])
+        assert httpx.get(url + "/v1/alerts").json()["rules"] == 6  # the last good rules stay in force
+        (rules / "extra.yaml").write_text(
+            "rules:\n  - alert: Extra\n    metric: entropy_bits\n    below: 4.0\n    actions: [notify]\n")
+        assert httpx.post(url + "/admin/reload", headers=auth).json()["ok"] is True
+        assert httpx.get(url + "/v1/alerts").json()["rules"] == 7
