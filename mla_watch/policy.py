@@ -30,7 +30,6 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import re
@@ -42,7 +41,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-import yaml
+from mla_watch.yamlcheck import Checker as _Checker
+from mla_watch.yamlcheck import fmt as _fmt
+from mla_watch.yamlcheck import is_number as _is_number
+from mla_watch.yamlcheck import read_yaml
 
 __all__ = [
     "DEFAULT_BUSINESS_LINE",
@@ -302,118 +304,18 @@ assert tuple(_DOMAINS) == GOVERNED_PARAMS
 # --------------------------------------------------------------------------- formatting helpers
 
 
-def _fmt(value: object) -> str:
-    """A short, YAML-flavoured rendering of a value for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _fmt_range(minimum: float | None, maximum: float | None) -> str:
     low = f"[{_fmt(minimum)}" if minimum is not None else "(-inf"
     high = f"{_fmt(maximum)}]" if maximum is not None else "inf)"
     return f"{low}, {high}"
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-# --------------------------------------------------------------------------- YAML loading
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            duplicate = key in seen
-        except TypeError:  # unhashable: construct_mapping below reports it
-            continue
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _read_yaml(path: Path, label: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyError(
-            [f"{label}: byte {exc.start} = {exc.object[exc.start : exc.start + 1]!r}: expected UTF-8 text"]
-        ) from None
-    except OSError as exc:
-        raise PolicyError(
-            [f"{label}: cannot read the file ({exc.strerror or exc}): expected a readable YAML file"]
-        ) from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(unknown position)"
-        problem = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
-        snippet = ""
-        if mark is not None:
-            lines = text.splitlines()
-            if 0 <= mark.line < len(lines):
-                snippet = f" near {lines[mark.line].strip()!r}"
-        raise PolicyError([f"{label}: {where}{snippet}: YAML syntax error ({problem}): expected valid YAML"]) from None
-    except yaml.YAMLError as exc:
-        raise PolicyError([f"{label}: YAML error ({exc}): expected valid YAML"]) from None
-
-
 # --------------------------------------------------------------------------- validation
 
 
-@dataclass
-class _Checker:
-    label: str
-    errors: list[str] = field(default_factory=list)
+def _read_yaml(path: Path, label: str) -> Any:
+    return read_yaml(path, label, PolicyError)
 
-    def bad(self, path: str, value: object, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path} = {_fmt(value)}: expected {expected}")
-
-    def missing(self, path: str, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path}: missing: expected {expected}")
-
-    def mapping(self, path: str, value: object, allowed: tuple[str, ...] | None, what: str) -> dict[Any, Any] | None:
-        """``value`` as a dict, reporting a non-mapping and any key outside ``allowed``."""
-        if not isinstance(value, dict):
-            self.bad(path, value, f"a mapping ({what})")
-            return None
-        if allowed is not None:
-            for key in value:
-                if key not in allowed:
-                    self.unknown_key(path, key, allowed)
-        return value
-
-    def unknown_key(self, path: str, key: object, allowed: Iterable[str]) -> None:
-        allowed = list(allowed)
-        where = f"{path}.{key}" if path != "(top level)" else str(key)
-        hint = ""
-        if isinstance(key, str):
-            close = difflib.get_close_matches(key, allowed, n=1)
-            if close:
-                hint = f" (did you mean {close[0]!r}?)"
-        self.errors.append(
-            f"{self.label}: {where}: unknown key {_fmt(key)}{hint}: expected one of: {', '.join(allowed)}"
-        )
 
 
 def _number_hint(value: object) -> str:

@@ -45,8 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from mla_watch.alerting.model import (
     ACTIONS,
     METRICS,
@@ -57,9 +55,12 @@ from mla_watch.alerting.model import (
     RuleSet,
     Selector,
 )
-from mla_watch.policy import _StrictLoader
 from mla_watch.routing import entropy_bounds, minimum_window_tokens
 from mla_watch.windows import RouterInfo
+from mla_watch.yamlcheck import Checker as _Checker
+from mla_watch.yamlcheck import fmt as _fmt
+from mla_watch.yamlcheck import is_number as _is_number
+from mla_watch.yamlcheck import read_yaml
 
 __all__ = [
     "RETUNE_STRATEGIES",
@@ -116,64 +117,10 @@ class RuleError(ValueError):
         super().__init__(text)
 
 
-def _fmt(value: object) -> str:
-    """A short, YAML-flavoured rendering of a value for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _num(x: float) -> str:
     """A threshold as people write it: 5.0 -> '5', 6.5 -> '6.5'."""
     text = repr(float(x))
     return text[:-2] if text.endswith(".0") else text
-
-
-@dataclass
-class _Checker:
-    label: str
-    errors: list[str] = dataclasses.field(default_factory=list)
-
-    def bad(self, path: str, value: object, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path} = {_fmt(value)}: expected {expected}")
-
-    def secret(self, path: str, expected: str) -> None:
-        """Like :meth:`bad` for a secret: the value is never shown."""
-        self.errors.append(f"{self.label}: {path} = (value hidden): expected {expected}")
-
-    def missing(self, path: str, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path}: missing: expected {expected}")
-
-    def mapping(self, path: str, value: object, allowed: tuple[str, ...] | None, what: str) -> dict[Any, Any] | None:
-        if not isinstance(value, dict):
-            self.bad(path, value, f"a mapping ({what})")
-            return None
-        if allowed is not None:
-            for key in value:
-                if key not in allowed:
-                    self.unknown_key(path, key, allowed)
-        return value
-
-    def unknown_key(self, path: str, key: object, allowed: Iterable[str]) -> None:
-        allowed = list(allowed)
-        where = f"{path}.{key}" if path else str(key)
-        hint = ""
-        if isinstance(key, str):
-            close = difflib.get_close_matches(key, allowed, n=1)
-            if close:
-                hint = f" (did you mean {close[0]!r}?)"
-        self.errors.append(
-            f"{self.label}: {where}: unknown key {_fmt(key)}{hint}: expected one of: {', '.join(allowed)}"
-        )
 
 
 # --------------------------------------------------------------------------- durations
@@ -228,28 +175,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _read_yaml(path: Path, label: str) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise RuleError([f"{label}: byte {exc.start}: expected UTF-8 text"]) from None
-    except OSError as exc:
-        raise RuleError(
-            [f"{label}: cannot read the file ({exc.strerror or exc}): expected a readable YAML file"]
-        ) from None
-    try:
-        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass that refuses duplicate keys
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(unknown position)"
-        problem = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
-        snippet = ""
-        if mark is not None:
-            lines = text.splitlines()
-            if 0 <= mark.line < len(lines) and not _SECRET_LINE_RE.search(lines[mark.line]):
-                snippet = f" near {lines[mark.line].strip()!r}"
-        raise RuleError([f"{label}: {where}{snippet}: YAML syntax error ({problem}): expected valid YAML"]) from None
-    except yaml.YAMLError as exc:
-        raise RuleError([f"{label}: YAML error ({type(exc).__name__}): expected valid YAML"]) from None
+    return read_yaml(path, label, RuleError, hide_line=_SECRET_LINE_RE.search)
 
 
 # --------------------------------------------------------------------------- receivers
