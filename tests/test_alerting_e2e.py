@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import get_metrics, metric_value, running_sidecar, wait_until
+from conftest import free_port, get_metrics, metric_value, running_sidecar, wait_until
 from receivers import running_receiver
 
 pytestmark = pytest.mark.slow
@@ -112,11 +111,6 @@ def test_a_collapsed_router_pages_oncall_once_and_resolves(tmp_path, monkeypatch
             assert resolved["fingerprint"] == alert["fingerprint"]
             assert resolved["endsAt"] > resolved["startsAt"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(port: int, rules: Path, state: Path, oncall: str) -> subprocess.Popen:

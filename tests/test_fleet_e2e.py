@@ -7,14 +7,13 @@ Prometheus, promtool and Alertmanager come from Debian's packages, which `.ci/ru
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import running_sidecar, wait_until
+from conftest import free_port, running_sidecar, wait_until
 from receivers import running_receiver
 
 from mla_watch.alerting.promexport import export_prometheus
@@ -42,11 +41,6 @@ rules:
       runbook_url: https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#routingentropylow
 """
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def binary(name: str) -> str:

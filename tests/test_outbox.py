@@ -9,7 +9,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from receivers import Reply, running_receiver, status
 
 from mla_watch.alerting import outbox as outbox_module
@@ -437,11 +437,6 @@ def test_background_thread_delivers_and_stops(tmp_path):
 
 # -- crash: SIGKILL with undelivered notifications -------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CHILD = textwrap.dedent("""
