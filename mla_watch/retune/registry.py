@@ -1,0 +1,274 @@
+"""Versioned router checkpoints: record, save, verify, promote into a live model, roll back.
+
+Layout under the registry directory (``STATE_DIR/routers``)::
+
+    v0000/routers.safetensors   the routers the server started with (:meth:`RouterRegistry.record_initial`)
+    v0000/manifest.json         manifest + version + created_at + sha256 of routers.safetensors
+    v0001/...                   one directory per saved version, written atomically
+    promotions.jsonl            one line per promotion: kind, version, previous, at
+
+Only router tensors ever enter the registry: the direct parameters and buffers named in
+:data:`ROUTER_TENSOR_PATTERNS` of every *expert* router that :func:`mla_watch.probe.discover_routers`
+finds (gate weight, gate bias, ``e_score_correction_bias``). Expert weights, indexers and
+everything else are never saved and never overwritten by :meth:`RouterRegistry.promote`.
+
+A version may hold a subset of the router tensors (e.g. only the re-fitted biases of one
+router). The live router state is therefore the overlay of the versions on the promotion
+stack, bottom (version 0, complete) to top; :meth:`RouterRegistry.rollback` restores the
+overlay of the stack without its top, which is exactly the state before the last promotion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mla_watch.probe.discovery import discover_routers
+
+__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterRegistry", "router_modules", "router_state"]
+
+# Leaf names (fnmatch patterns) of the tensors of an expert-router module that are router state.
+# Matched against the module's *direct* parameters and buffers only (recurse=False), so nothing
+# below a router module -- and no expert weight -- can ever be taken.
+ROUTER_TENSOR_PATTERNS: tuple[str, ...] = ("weight", "bias", "e_score_correction_bias")
+
+_VERSION_DIR = re.compile(r"^v(\d{4,})$")
+_TENSORS_FILE = "routers.safetensors"
+_MANIFEST_FILE = "manifest.json"
+_PROMOTIONS_FILE = "promotions.jsonl"
+
+
+def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``name -> module`` of every expert router found by probe discovery, in module order."""
+    return {info.name: module for module, info, _ in discover_routers(model) if info.kind == "expert"}
+
+
+def _router_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    found: dict[str, torch.Tensor] = {}
+    for leaf, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if tensor is not None and any(fnmatch.fnmatchcase(leaf, p) for p in ROUTER_TENSOR_PATTERNS):
+            found[leaf] = tensor
+    return found
+
+
+def _live_router_tensors(model: torch.nn.Module, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """``full name -> the model's own tensor`` (not a copy) for the router tensors of ``routers``."""
+    modules = router_modules(model)
+    if routers is not None:
+        unknown = [name for name in routers if name not in modules]
+        if unknown:
+            raise ValueError(f"not expert routers of {type(model).__name__}: {unknown}; routers are {list(modules)}")
+        modules = {name: modules[name] for name in routers}
+    return {f"{name}.{leaf}": tensor for name, module in modules.items()
+            for leaf, tensor in _router_tensors(module).items()}
+
+
+def router_state(model: torch.nn.Module, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """``name -> detached CPU clone`` of every router tensor (optionally only of the named routers)."""
+    return {name: tensor.detach().to("cpu", copy=True).contiguous()
+            for name, tensor in _live_router_tensors(model, routers).items()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class RouterRegistry:
+    """Router checkpoints under ``directory`` (see the module docstring for the layout)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise OSError(f"router registry {self.directory}: cannot create the directory: {error}") from error
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
+            raise OSError(f"router registry {self.directory}: not a writable directory")
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ versions
+    def _dir(self, version: int) -> Path:
+        return self.directory / f"v{version:04d}"
+
+    def _version_numbers(self) -> list[int]:
+        numbers = []
+        for entry in self.directory.iterdir():
+            match = _VERSION_DIR.match(entry.name)
+            if match and entry.is_dir():
+                numbers.append(int(match.group(1)))
+        return sorted(numbers)
+
+    def _manifest(self, version: int) -> dict[str, Any]:
+        path = self._dir(version) / _MANIFEST_FILE
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"router version {version}: cannot read {path}: {error}") from error
+
+    def record_initial(self, model: torch.nn.Module) -> int:
+        """Version 0 = the routers the server started with; live version becomes 0.
+
+        Written once. When version 0 exists its tensor names must equal the model's (else
+        ``ValueError`` naming the differences); its values are left as recorded.
+        """
+        state = router_state(model)
+        with self._lock:
+            if self._dir(0).is_dir():
+                recorded = set(self._manifest(0).get("tensors", []))
+                if recorded != set(state):
+                    raise ValueError(
+                        f"router registry {self.directory}: version 0 was recorded for other router tensors; "
+                        f"only in version 0: {sorted(recorded - set(state))}; "
+                        f"only in the model: {sorted(set(state) - recorded)}"
+                    )
+            else:
+                self._write(0, state, {"source": "initial", "model": type(model).__name__,
+                                       "gates": {"passed": True}})
+            self._append_promotion({"kind": "initial", "version": 0, "previous": None, "at": _now()})
+        return 0
+
+    def save(self, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> int:
+        """Write the next version (``tensors`` only) atomically; returns its number."""
+        if not tensors:
+            raise ValueError("save(): no tensors given")
+        with self._lock:
+            numbers = self._version_numbers()
+            version = (numbers[-1] + 1) if numbers else 1  # 0 is reserved for record_initial
+            self._write(version, tensors, manifest)
+        return version
+
+    def _write(self, version: int, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> None:
+        reserved = {"version", "created_at", "sha256", "tensors"} & set(manifest)
+        if reserved:
+            raise ValueError(f"manifest keys {sorted(reserved)} are written by the registry")
+        record: dict[str, Any] = dict(manifest)
+        cpu = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
+        temp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version:04d}-", dir=self.directory))
+        try:
+            save_file(cpu, str(temp / _TENSORS_FILE))
+            record.update({
+                "version": version,
+                "created_at": _now(),
+                "sha256": _sha256(temp / _TENSORS_FILE),
+                "tensors": sorted(cpu),
+            })
+            (temp / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            os.rename(temp, self._dir(version))  # fails if the version exists: nothing is overwritten
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def versions(self) -> list[dict[str, Any]]:
+        """The manifests of every version, oldest first."""
+        return [self._manifest(version) for version in self._version_numbers()]
+
+    def load(self, version: int) -> dict[str, torch.Tensor]:
+        """The tensors of ``version``, after checking the file's sha256 against the manifest."""
+        path = self._dir(version) / _TENSORS_FILE
+        if not path.is_file():
+            raise ValueError(f"router version {version}: {path} does not exist")
+        expected = self._manifest(version).get("sha256")
+        actual = _sha256(path)
+        if actual != expected:
+            raise ValueError(f"router version {version}: sha256 of {path} is {actual}, manifest says {expected}")
+        return load_file(str(path))
+
+    def last_good(self) -> int:
+        """The newest version whose manifest says its gates passed (``{"gates": {"passed": true}}``), or 0."""
+        for manifest in reversed(self.versions()):
+            gates = manifest.get("gates")
+            if isinstance(gates, Mapping) and gates.get("passed") is True:
+                return int(manifest["version"])
+        return 0
+
+    # ------------------------------------------------------------------ promotions
+    def _append_promotion(self, entry: dict[str, Any]) -> None:
+        with (self.directory / _PROMOTIONS_FILE).open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def promotions(self) -> list[dict[str, Any]]:
+        """Every line of ``promotions.jsonl``, oldest first."""
+        path = self.directory / _PROMOTIONS_FILE
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def _stack(self) -> list[int]:
+        """The promotion stack replayed from the log: initial resets, promote pushes, rollback pops."""
+        stack: list[int] = []
+        for entry in self.promotions():
+            if entry["kind"] == "initial":
+                stack = [entry["version"]]
+            elif entry["kind"] == "promote":
+                stack.append(entry["version"])
+            elif entry["kind"] == "rollback" and stack:
+                stack.pop()
+        return stack
+
+    def live_version(self) -> int | None:
+        """The version now live (0 after :meth:`record_initial`); ``None`` before anything was recorded."""
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    def _apply(self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+               lock: threading.Lock | None) -> None:
+        live = _live_router_tensors(model)
+        problems = []
+        for name, tensor in tensors.items():
+            if name not in live:
+                problems.append(f"{name} is not a router tensor of the model")
+            elif tuple(tensor.shape) != tuple(live[name].shape):
+                problems.append(f"{name} has shape {tuple(tensor.shape)}, the model's is {tuple(live[name].shape)}")
+        if problems:
+            raise ValueError(f"cannot promote into {type(model).__name__}: " + "; ".join(problems))
+        staged = {name: tensor.to(device=live[name].device, dtype=live[name].dtype) for name, tensor in tensors.items()}
+        with lock if lock is not None else contextlib.nullcontext(), torch.no_grad():
+            for name, tensor in staged.items():
+                live[name].data.copy_(tensor)
+
+    def promote(self, model: torch.nn.Module, version: int, lock: threading.Lock | None = None) -> None:
+        """Copy ``version``'s tensors into ``model`` in place (holding ``lock``) and log the promotion."""
+        tensors = self.load(version)
+        self._apply(model, tensors, lock)
+        self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
+                                "at": _now()})
+
+    def rollback(self, model: torch.nn.Module, lock: threading.Lock | None = None) -> int:
+        """Restore exactly the router state before the last promotion; returns the version now live."""
+        stack = self._stack()
+        if len(stack) < 2:
+            raise ValueError(f"router registry {self.directory}: nothing to roll back to (promotion stack {stack})")
+        current_names = set(self.load(stack[-1]))
+        target: dict[str, torch.Tensor] = {}
+        for version in stack[:-1]:
+            target.update(self.load(version))
+        missing = sorted(current_names - set(target))
+        if missing:
+            raise ValueError(f"cannot roll back version {stack[-1]} exactly: no earlier version holds {missing}")
+        self._apply(model, target, lock)
+        self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
+        return stack[-2]

@@ -1,0 +1,164 @@
+"""Versioned router checkpoints: bit-exact round trips, verification, promotion and rollback."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from test_probe_families import build
+
+import mla_watch.retune.registry as registry_module
+from mla_watch.retune import RouterRegistry, router_state
+
+GATE = "model.layers.1.mlp.gate"
+
+
+@pytest.fixture()
+def model() -> torch.nn.Module:
+    return build("deepseek_v32")
+
+
+def non_router_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    routers = set(router_state(model))
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items() if name not in routers}
+
+
+def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: tensor + torch.randn(tensor.shape, generator=generator)
+            for name, tensor in router_state(model).items()}
+
+
+def test_router_state_holds_only_router_tensors(model: torch.nn.Module) -> None:
+    state = router_state(model)
+    assert sorted(state) == sorted(f"model.layers.{i}.mlp.gate.{leaf}" for i in (0, 1)
+                                   for leaf in ("weight", "e_score_correction_bias"))
+    assert not any("experts" in name or "indexer" in name for name in state)
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in state.values())
+    assert list(router_state(model, [GATE])) == [f"{GATE}.weight", f"{GATE}.e_score_correction_bias"]
+    with pytest.raises(ValueError, match=r"model\.layers\.9\.mlp\.gate"):
+        router_state(model, ["model.layers.9.mlp.gate"])
+
+
+def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterRegistry(tmp_path / "routers")
+    assert registry.record_initial(model) == 0
+    assert registry.live_version() == 0
+    initial = router_state(model)
+    assert all(torch.equal(initial[n], t) for n, t in registry.load(0).items())
+    assert set(registry.load(0)) == set(initial)
+
+    tensors = perturbed(model, 1)
+    version = registry.save(tensors, {"source": "test", "gates": {"passed": False}})
+    assert version == 1
+    loaded = registry.load(1)
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[n], tensors[n]) for n in tensors)
+    manifests = registry.versions()
+    assert [m["version"] for m in manifests] == [0, 1]
+    assert manifests[1]["source"] == "test" and len(manifests[1]["sha256"]) == 64 and manifests[1]["created_at"]
+    assert registry.last_good() == 0
+    assert registry.save(perturbed(model, 2), {"gates": {"passed": True}}) == 2
+    assert registry.last_good() == 2
+    # Recording again (a restart) keeps version 0 and makes it live.
+    assert registry.record_initial(model) == 0
+    assert len(registry.versions()) == 3
+
+
+def test_record_initial_refuses_other_tensor_names(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterRegistry(tmp_path)
+    registry.record_initial(model)
+    with pytest.raises(ValueError, match="gate"):
+        registry.record_initial(build("mixtral"))
+
+
+def test_unusable_directory_is_named(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match=str(blocker)):
+        RouterRegistry(blocker / "routers")
+
+
+def test_tampered_or_missing_version_is_refused(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterRegistry(tmp_path)
+    registry.record_initial(model)
+    version = registry.save(perturbed(model, 1), {})
+    path = tmp_path / f"v{version:04d}" / "routers.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"router version {version}: sha256"):
+        registry.load(version)
+    with pytest.raises(ValueError, match="router version 7"):
+        registry.load(7)
+    with pytest.raises(ValueError, match=f"router version {version}"):
+        registry.promote(model, version)
+
+
+def test_promote_changes_only_routers_and_rollback_is_exact(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterRegistry(tmp_path)
+    registry.record_initial(model)
+    initial, others = router_state(model), non_router_state(model)
+    full = perturbed(model, 1)
+    v1 = registry.save(full, {})
+    partial = {f"{GATE}.e_score_correction_bias": torch.arange(8, dtype=torch.float32)}
+    v2 = registry.save(partial, {})
+
+    lock = threading.Lock()
+    registry.promote(model, v1, lock=lock)
+    assert not lock.locked()
+    assert all(torch.equal(router_state(model)[n], full[n]) for n in full)
+    registry.promote(model, v2, lock=lock)
+    after_v2 = router_state(model)
+    assert torch.equal(after_v2[f"{GATE}.e_score_correction_bias"], partial[f"{GATE}.e_score_correction_bias"])
+    assert torch.equal(after_v2[f"{GATE}.weight"], full[f"{GATE}.weight"])  # untouched by the partial version
+    assert registry.live_version() == v2
+    current = non_router_state(model)
+    assert set(current) == set(others) and all(torch.equal(current[n], others[n]) for n in others)
+
+    assert registry.rollback(model, lock=lock) == v1
+    assert all(torch.equal(router_state(model)[n], full[n]) for n in full)
+    assert registry.rollback(model) == 0
+    assert all(torch.equal(router_state(model)[n], initial[n]) for n in initial)
+    assert registry.live_version() == 0
+    with pytest.raises(ValueError, match="nothing to roll back"):
+        registry.rollback(model)
+
+    history = [json.loads(line) for line in (tmp_path / "promotions.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["version"], e["previous"]) for e in history] == [
+        ("initial", 0, None), ("promote", v1, 0), ("promote", v2, v1), ("rollback", v1, v2), ("rollback", 0, v1)]
+    assert all(e["at"] for e in history)
+    non_router = non_router_state(model)
+    assert all(torch.equal(non_router[n], others[n]) for n in others)
+
+
+def test_promote_refuses_mismatched_tensors(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterRegistry(tmp_path)
+    registry.record_initial(model)
+    before = router_state(model)
+    wrong_shape = registry.save({f"{GATE}.weight": torch.zeros(9, 32)}, {})
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.gate.weight has shape \(9, 32\)"):
+        registry.promote(model, wrong_shape)
+    expert = registry.save({"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(1)}, {})
+    with pytest.raises(ValueError, match="not a router tensor"):
+        registry.promote(model, expert)
+    assert all(torch.equal(router_state(model)[n], before[n]) for n in before)
+    assert registry.live_version() == 0
+
+
+def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = RouterRegistry(tmp_path)
+    registry.record_initial(model)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(registry_module, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        registry.save(perturbed(model, 1), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["promotions.jsonl", "v0000"]
+    monkeypatch.undo()
+    assert registry.save(perturbed(model, 1), {}) == 1
