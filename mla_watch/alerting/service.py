@@ -112,14 +112,20 @@ class AlertService:
                 continue
             alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations), status="firing",
                           starts_at=instance.firing_since or now, ends_at=None, value=instance.value or 0.0)
-            for name in rule.receivers:
-                receiver = self.rules.receivers.get(name)
-                if receiver is None or receiver.url is None:
-                    continue
-                labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
-                key = group_key(labels)
-                group = self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now))
+            for group in self._groups_of(rule.receivers, alert, now):
                 group.alerts[alert.fingerprint] = alert
+
+    def _groups_of(self, receivers: Iterable[str], alert: Alert, now: float) -> list[_Group]:
+        """The notification group of ``alert`` at each receiver that has a URL (created if new)."""
+        groups = []
+        for name in receivers:
+            receiver = self.rules.receivers.get(name)
+            if receiver is None or receiver.url is None:
+                continue  # no URL configured: evaluated, exported and logged, not sent
+            labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
+            key = group_key(labels)
+            groups.append(self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now)))
+        return groups
 
     def _dispatch(self, actions: Iterable[Action]) -> None:
         now = self._clock()
@@ -133,22 +139,16 @@ class AlertService:
                 continue
             log.warning("alert %s %s: %s", action.alert.labels.get("alertname"), action.alert.status,
                         action.alert.annotations.get("summary", dict(action.alert.labels)))
-            for name in action.rule.receivers:
-                receiver = self.rules.receivers.get(name)
-                if receiver is None or receiver.url is None:
-                    continue  # no URL configured: evaluated, exported and logged, not sent
-                labels = {k: action.alert.labels[k] for k in receiver.group_by if k in action.alert.labels}
-                key = group_key(labels)
-                group = self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now))
+            for group in self._groups_of(action.rule.receivers, action.alert, now):
                 if action.alert.status == "firing":
                     group.alerts[action.alert.fingerprint] = action.alert
                     self._send(group, [action.alert], now)
                 else:
                     group.alerts.pop(action.alert.fingerprint, None)
-                    if receiver.send_resolved:
+                    if group.receiver.send_resolved:
                         self._send(group, [action.alert], now)
                     if not group.alerts:
-                        del self._groups[(name, key)]
+                        del self._groups[(group.receiver.name, group.key)]
 
     def _repeat(self) -> None:
         now = self._clock()
