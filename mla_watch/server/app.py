@@ -366,13 +366,13 @@ class Sidecar:
             raw = await _read_body(request, self.config.max_body_bytes)
             body = parse_body(raw)
             parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
-            decision = self._decide(parsed)
+            decision, task = self._decide(parsed)
             policy_label = decision.policy_label
             self.metrics.count_adjustments(decision)
             if self._upstream is not None:
                 response = await self._forward(request, parsed, body, decision)
             else:
-                response = await self._generate_locally(request, parsed, decision)
+                response = await self._generate_locally(request, parsed, decision, task)
         except ApiError as error:
             if error.status < 500:
                 self.metrics.bad_requests.labels(endpoint, error.code or str(error.status)).inc()
@@ -382,7 +382,8 @@ class Sidecar:
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
         return response
 
-    def _decide(self, parsed: GenerationRequest) -> Any:
+    def _decide(self, parsed: GenerationRequest) -> tuple[Any, Any]:
+        """The policy decision and the task policy it came from (resolved once per request)."""
         try:
             policy, task = self.policies.current.resolve(parsed.business_line, parsed.task)
         except UnknownBusinessLine as error:
@@ -393,14 +394,14 @@ class Sidecar:
             raise ApiError(404, f"model={parsed.model!r} is not served here; expected {self.model_name!r}",
                            param="model", code="model_not_found")
         try:
-            return enforce(policy, task, parsed.sampling)
+            return enforce(policy, task, parsed.sampling), task
         except PolicyRejection as error:
             self.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
             raise ApiError(400, str(error), param=error.param, code="policy_violation") from error
         except TypeError as error:
             raise ApiError(400, str(error), code="invalid_value") from error
 
-    def _prompt_ids(self, parsed: GenerationRequest, decision: Any) -> list[int]:
+    def _prompt_ids(self, parsed: GenerationRequest, decision: Any, task: Any) -> list[int]:
         tokenizer = self.engine.tokenizer
         if parsed.kind == "chat":
             encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
@@ -408,7 +409,6 @@ class Sidecar:
         else:
             ids = tokenizer(parsed.prompt, add_special_tokens=False)["input_ids"]
         ids = [tokenizer.bos_token_id, *list(ids)]
-        _, task = self.policies.current.resolve(decision.business_line, decision.task)
         if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
                                 f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
@@ -421,11 +421,12 @@ class Sidecar:
                            param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
         return ids
 
-    async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Any) -> Response:
+    async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Any,
+                                task: Any) -> Response:
         from mla_watch.sampling import SamplingParams
         from mla_watch.server.engine import Job, Overloaded
 
-        prompt_ids = self._prompt_ids(parsed, decision)
+        prompt_ids = self._prompt_ids(parsed, decision, task)
         applied = decision.applied
         try:
             params = SamplingParams(
