@@ -134,10 +134,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
+    from mla_watch.retune.jobs import RetuneSettings
+
+    try:
+        retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
+                                max_perplexity_increase=args.max_perplexity_increase,
+                                min_samples=args.retune_min_samples)
+    except ValueError as error:
+        raise SystemExit(f"mla-watch serve: {error}") from error
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
                           state_dir=args.state_dir, public_url=args.public_url or f"http://{args.host}:{args.port}",
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
-                          max_queue=args.max_queue, request_timeout=args.request_timeout)
+                          max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
+                          capture_max_samples=args.capture_max_samples,
+                          capture_max_age_seconds=args.capture_max_age, retune=retune)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -179,6 +189,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
         probe.detach()
         for info in routers:
             print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots})")
+        from mla_watch.retune.strategies import supported_strategies
+
+        support = supported_strategies(model)
+        for name, reason in support.items():
+            print(f"ok: re-tune strategy {name} is supported" if reason is None
+                  else f"info: re-tune strategy {name} is not supported: {reason}")
+        for rule in rules.rules if rules is not None else ():
+            if "retune" in rule.actions and not any(support.get(name) is None
+                                                    for name in rule.retune_strategies or support):
+                print(f"warning: rule {rule.name}: none of its re-tune strategies "
+                      f"{list(rule.retune_strategies)} supports this model")
+                warnings += 1
         if rules is not None:
             for finding in lint(rules, routers):
                 print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
@@ -202,6 +224,110 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
     else:
         args.out.write_text(text)
         print(f"wrote {len(rules.rules)} rules to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _admin(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    """Call the sidecar's API; exit with its error message on a 4xx/5xx."""
+    import os
+
+    import httpx
+
+    token = os.environ.get("MLA_WATCH_ADMIN_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        response = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=60)
+    except httpx.HTTPError as error:
+        raise SystemExit(f"mla-watch retune: cannot reach the sidecar at {args.url}: {error}") from error
+    try:
+        document = response.json()
+    except ValueError:
+        document = {"error": {"message": response.text[:500]}}
+    if response.status_code >= 400:
+        message = document.get("error", {}).get("message", response.text[:500])
+        raise SystemExit(f"mla-watch retune: {method} {path} answered {response.status_code}: {message}")
+    return document
+
+
+def _print_jobs(jobs: list[dict[str, Any]]) -> None:
+    import time
+
+    rows = [["job", "created", "status", "strategy", "version", "tries", "business line", "routers"]]
+    for job in jobs:
+        result = job.get("result") or {}
+        rows.append([job["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"])), job["status"],
+                     str(result.get("strategy") or "/".join(job["spec"]["strategies"])),
+                     "-" if result.get("version") is None else str(result["version"]), str(job["attempts"]),
+                     job["spec"].get("business_line") or "all", ", ".join(job["spec"]["routers"])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows))
+
+
+def _parse_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    options: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        strategy, dot, name = key.partition(".")
+        if not sep or not dot or not strategy or not name:
+            raise SystemExit(f"--option {item!r}: expected STRATEGY.NAME=VALUE, e.g. router_finetune.lr=0.001")
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        options.setdefault(strategy, {})[name] = parsed
+    return options
+
+
+def _cmd_retune(args: argparse.Namespace) -> int:
+    import time
+
+    if args.retune_command == "run":
+        body: dict[str, Any] = {"force": args.force}
+        for key, value in (("routers", args.router), ("business_line", args.business_line),
+                           ("strategy", args.strategy), ("rule", args.rule),
+                           ("dataset", str(args.dataset.resolve()) if args.dataset else None),
+                           ("options", _parse_options(args.option) if args.option else None)):
+            if value:
+                body[key] = value
+        job = _admin(args, "POST", "/admin/retune", body)
+        print(f"scheduled re-tune job {job['id']} ({'/'.join(job['spec']['strategies'])} on "
+              f"{', '.join(job['spec']['routers'])})")
+        if args.wait <= 0:
+            return 0
+        deadline = time.monotonic() + args.wait
+        while job["status"] in ("pending", "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            job = _admin(args, "GET", f"/v1/retune/jobs/{job['id']}")
+        _print_jobs([job])
+        result = job.get("result") or {}
+        if job["status"] != "promoted":
+            print(f"{job['status']}: {result.get('error') or 'still running after --wait'}")
+        return 0 if job["status"] == "promoted" else 1
+    if args.retune_command == "list":
+        jobs = _admin(args, "GET", f"/v1/retune/jobs?limit={args.limit}")["jobs"]
+        if args.json:
+            print(json.dumps(jobs, indent=1))
+        else:
+            _print_jobs(jobs)
+        return 0
+    if args.retune_command == "show":
+        if args.job is None and args.version is None:
+            raise SystemExit("mla-watch retune show: give a job id or --version N")
+        if args.version is not None:
+            versions = _admin(args, "GET", "/v1/retune/versions")
+            found = [v for v in versions["versions"] if v["version"] == args.version]
+            if not found:
+                raise SystemExit(f"mla-watch retune show: --version {args.version} does not exist; versions are "
+                                 f"{[v['version'] for v in versions['versions']]}")
+            print(json.dumps({**found[0], "live": versions["live"] == args.version}, indent=1))
+        else:
+            print(json.dumps(_admin(args, "GET", f"/v1/retune/jobs/{args.job}"), indent=1))
+        return 0
+    if args.retune_command == "promote":
+        print(f"router version {_admin(args, 'POST', '/admin/retune/promote', {'version': args.version})['live']} "
+              "is live")
+        return 0
+    print(f"rolled back; router version {_admin(args, 'POST', '/admin/retune/rollback', {})['live']} is live")
     return 0
 
 
@@ -248,6 +374,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
     serve.add_argument("--max-queue", type=int, default=32, help="requests queued for the model before 429")
     serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request, queue included")
+    serve.add_argument("--capture", action="store_true",
+                       help="record recent traffic (token ids) per business line in STATE_DIR for re-tuning")
+    serve.add_argument("--capture-max-samples", type=int, default=2000, help="captured samples kept per line")
+    serve.add_argument("--capture-max-age", type=float, default=7 * 86400.0, help="seconds a capture is kept")
+    serve.add_argument("--retune-command",
+                       help="run re-tuning fits with this external command template (see the README)")
+    serve.add_argument("--retune-cooldown", type=float, default=3600.0,
+                       help="seconds between two re-tune jobs of one router (default 3600)")
+    serve.add_argument("--max-perplexity-increase", type=float, default=0.3,
+                       help="quality gate: perplexity may rise at most this much (default 0.3)")
+    serve.add_argument("--retune-min-samples", type=int, default=16,
+                       help="samples a re-tune job needs at least (default 16)")
     serve.set_defaults(handler=_cmd_serve)
 
     check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
@@ -263,6 +401,38 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--rules", type=Path, default=SHIPPED_RULES)
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
     export.set_defaults(handler=_cmd_rules_export)
+
+    retune = commands.add_parser("retune", help="router re-tuning jobs and versions of a running sidecar")
+    retune_commands = retune.add_subparsers(dest="retune_command", required=True)
+
+    def sidecar_url(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--url", default="http://127.0.0.1:8000",
+                            help="the sidecar (admin calls need MLA_WATCH_ADMIN_TOKEN)")
+
+    run = retune_commands.add_parser("run", help="schedule a re-tune job now")
+    sidecar_url(run)
+    run.add_argument("--router", action="append", help="a router to re-tune (repeat; default: those out of band)")
+    run.add_argument("--business-line", help="whose captured traffic to train on (default: every line)")
+    run.add_argument("--strategy", action="append", help="bias | router_finetune | restore (repeat: tried in order)")
+    run.add_argument("--rule", help="the rule whose band the routers must meet (default: the first retune rule)")
+    run.add_argument("--dataset", type=Path, help="a JSONL file to train on instead of captured traffic")
+    run.add_argument("--option", action="append", default=[], help="STRATEGY.NAME=VALUE, e.g. router_finetune.lr=1e-3")
+    run.add_argument("--force", action="store_true", help="ignore the per-router cooldown")
+    run.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless promoted)")
+    listing = retune_commands.add_parser("list", help="recent jobs")
+    sidecar_url(listing)
+    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--json", action="store_true")
+    show = retune_commands.add_parser("show", help="one job, or one router version's manifest")
+    sidecar_url(show)
+    show.add_argument("job", nargs="?")
+    show.add_argument("--version", type=int)
+    promote = retune_commands.add_parser("promote", help="make a router version live")
+    sidecar_url(promote)
+    promote.add_argument("version", type=int)
+    rollback = retune_commands.add_parser("rollback", help="undo the last promotion exactly")
+    sidecar_url(rollback)
+    retune.set_defaults(handler=_cmd_retune)
     return parser
 
 

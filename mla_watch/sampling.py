@@ -21,12 +21,14 @@ sampler is owned here rather than hidden inside ``model.generate``:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,6 +386,7 @@ def generate_stream(
     *,
     should_stop: Callable[[], bool] = lambda: False,
     on_forward: Callable[[], None] | None = None,
+    step_lock: AbstractContextManager[Any] | None = None,
 ) -> Iterator[TokenEvent]:
     """Stream the ``params.n`` choices for ``prompt_ids`` as :class:`TokenEvent` objects.
 
@@ -394,7 +397,8 @@ def generate_stream(
     ``should_stop`` before each, raising :class:`GenerationCancelled` when it returns True.  Finished
     rows keep being fed (the batch stays rectangular) but emit nothing more.  Sampling uses one
     ``torch.Generator`` on the model's device, seeded with ``params.seed`` or a fresh random seed;
-    the global RNG is never used.
+    the global RNG is never used.  ``step_lock`` is held around each forward pass, so that whoever
+    takes it (a router promotion) changes weights only between two passes of this generation.
     """
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
@@ -405,7 +409,7 @@ def generate_stream(
             f"prompt length {len(prompt)} + max_tokens {params.max_tokens} = {len(prompt) + params.max_tokens} "
             f"exceeds the model's max_position_embeddings limit of {limit}"
         )
-    return _decode(model, tokenizer, prompt, params, should_stop, on_forward)
+    return _decode(model, tokenizer, prompt, params, should_stop, on_forward, step_lock or contextlib.nullcontext())
 
 
 def _decode(
@@ -415,6 +419,7 @@ def _decode(
     params: SamplingParams,
     should_stop: Callable[[], bool],
     on_forward: Callable[[], None] | None,
+    step_lock: AbstractContextManager[Any],
 ) -> Iterator[TokenEvent]:
     device = _model_device(model)
     generator = torch.Generator(device=device)
@@ -443,7 +448,8 @@ def _decode(
                 kwargs[cache_kw] = cache
             if keep_kw:
                 kwargs["logits_to_keep"] = 1
-            outputs = model(**kwargs)
+            with step_lock:
+                outputs = model(**kwargs)
             if on_forward is not None:
                 on_forward()
             cache = _output_cache(outputs)

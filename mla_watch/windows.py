@@ -135,9 +135,15 @@ class RouterWindows:
                             "business_line": business_line, **stats.as_dict()})
         return records
 
-    def reset(self) -> None:
+    def reset(self, routers: Sequence[str] | None = None) -> None:
+        """Forget the windows of ``routers`` (default: every router), e.g. after their tensors changed."""
         with self._lock:
-            self._windows.clear()
+            if routers is None:
+                self._windows.clear()
+                return
+            names = set(routers)
+            for key in [key for key in self._windows if key[0] in names]:
+                del self._windows[key]
 
     def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
         """Write the current window's counts as the healthy reference for drift (JSON)."""

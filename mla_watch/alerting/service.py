@@ -67,6 +67,30 @@ class AlertService:
     def on_retune(self, callback: Callable[[Action], None]) -> None:
         self._retune_callbacks.append(callback)
 
+    def notify_event(self, labels: Mapping[str, str], annotations: Mapping[str, str],
+                     receivers: Iterable[str] | None = None) -> int:
+        """Send a one-off firing notification (not a rule's alert: it is neither repeated nor resolved).
+
+        For events on-call must hear about, such as a re-tuning job rejected by its gates.
+        Goes to ``receivers`` (default: every receiver); returns how many notifications were queued.
+        """
+        now = self._clock()
+        alert = Alert(labels=dict(labels), annotations=dict(annotations), status="firing", starts_at=now,
+                      ends_at=None, value=0.0)
+        queued = 0
+        with self._lock:
+            for name in receivers if receivers is not None else list(self.rules.receivers):
+                receiver = self.rules.receivers.get(name)
+                if receiver is None or receiver.url is None:
+                    continue
+                group_labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
+                self.outbox.submit(receiver, Notification(
+                    receiver=name, group_key=group_key(group_labels), group_labels=group_labels, alerts=(alert,),
+                    status="firing", external_url=self.external_url))
+                queued += 1
+        log.warning("%s: %s", alert.labels.get("alertname"), alert.annotations.get("summary", ""))
+        return queued
+
     def replace_rules(self, rules: RuleSet) -> None:
         with self._lock:
             self.rules = rules

@@ -5,7 +5,8 @@ Layout under the registry directory (``STATE_DIR/routers``)::
     v0000/routers.safetensors   the routers the server started with (:meth:`RouterRegistry.record_initial`)
     v0000/manifest.json         manifest + version + created_at + sha256 of routers.safetensors
     v0001/...                   one directory per saved version, written atomically
-    promotions.jsonl            one line per promotion: kind, version, previous, at
+    promotions.jsonl            one line per promotion: kind, version, previous, at (+ snapshot)
+    snapshots/pNNNNN-vMMMM.safetensors   the values a promotion overwrote, for an exact rollback
 
 Only router tensors ever enter the registry: the direct parameters and buffers named in
 :data:`ROUTER_TENSOR_PATTERNS` of every *expert* router that :func:`mla_watch.probe.discover_routers`
@@ -14,8 +15,9 @@ everything else are never saved and never overwritten by :meth:`RouterRegistry.p
 
 A version may hold a subset of the router tensors (e.g. only the re-fitted biases of one
 router). The live router state is therefore the overlay of the versions on the promotion
-stack, bottom (version 0, complete) to top; :meth:`RouterRegistry.rollback` restores the
-overlay of the stack without its top, which is exactly the state before the last promotion.
+stack, bottom (version 0, complete) to top. :meth:`RouterRegistry.rollback` puts back the
+snapshot of the values the last promotion overwrote: exactly the state before it, even when a
+router had been changed in place outside the registry (a bad deploy).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from mla_watch.probe.discovery import discover_routers
 
-__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterRegistry", "router_modules", "router_state"]
+__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterRegistry", "apply_router_tensors", "router_modules", "router_state"]
 
 # Leaf names (fnmatch patterns) of the tensors of an expert-router module that are router state.
 # Matched against the module's *direct* parameters and buffers only (recurse=False), so nothing
@@ -50,6 +52,7 @@ _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 _TENSORS_FILE = "routers.safetensors"
 _MANIFEST_FILE = "manifest.json"
 _PROMOTIONS_FILE = "promotions.jsonl"
+_SNAPSHOT_DIR = "snapshots"
 
 
 def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -81,6 +84,28 @@ def router_state(model: torch.nn.Module, routers: Sequence[str] | None = None) -
     """``name -> detached CPU clone`` of every router tensor (optionally only of the named routers)."""
     return {name: tensor.detach().to("cpu", copy=True).contiguous()
             for name, tensor in _live_router_tensors(model, routers).items()}
+
+
+def apply_router_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                         lock: threading.Lock | None = None) -> None:
+    """Copy ``tensors`` into the model's router tensors in place, holding ``lock`` only for the copy.
+
+    Every name and shape is checked (and every tensor staged on the model's device and dtype)
+    before anything is written, so a bad checkpoint changes nothing.
+    """
+    live = _live_router_tensors(model)
+    problems = []
+    for name, tensor in tensors.items():
+        if name not in live:
+            problems.append(f"{name} is not a router tensor of the model")
+        elif tuple(tensor.shape) != tuple(live[name].shape):
+            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model's is {tuple(live[name].shape)}")
+    if problems:
+        raise ValueError(f"cannot load router tensors into {type(model).__name__}: " + "; ".join(problems))
+    staged = {name: tensor.to(device=live[name].device, dtype=live[name].dtype) for name, tensor in tensors.items()}
+    with lock if lock is not None else contextlib.nullcontext(), torch.no_grad():
+        for name, tensor in staged.items():
+            live[name].data.copy_(tensor)
 
 
 def _sha256(path: Path) -> str:
@@ -180,6 +205,10 @@ class RouterRegistry:
             shutil.rmtree(temp, ignore_errors=True)
             raise
 
+    def manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of ``version`` (``ValueError`` naming the file if it cannot be read)."""
+        return self._manifest(version)
+
     def versions(self) -> list[dict[str, Any]]:
         """The manifests of every version, oldest first."""
         return [self._manifest(version) for version in self._version_numbers()]
@@ -197,10 +226,9 @@ class RouterRegistry:
 
     def last_good(self) -> int:
         """The newest version whose manifest says its gates passed (``{"gates": {"passed": true}}``), or 0."""
-        for manifest in reversed(self.versions()):
-            gates = manifest.get("gates")
-            if isinstance(gates, Mapping) and gates.get("passed") is True:
-                return int(manifest["version"])
+        for version in reversed(self._version_numbers()):
+            if self._passed(version):
+                return version
         return 0
 
     # ------------------------------------------------------------------ promotions
@@ -217,51 +245,94 @@ class RouterRegistry:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def _stack(self) -> list[int]:
+    def _stack_entries(self) -> list[dict[str, Any]]:
         """The promotion stack replayed from the log: initial resets, promote pushes, rollback pops."""
-        stack: list[int] = []
+        stack: list[dict[str, Any]] = []
         for entry in self.promotions():
             if entry["kind"] == "initial":
-                stack = [entry["version"]]
+                stack = [entry]
             elif entry["kind"] == "promote":
-                stack.append(entry["version"])
+                stack.append(entry)
             elif entry["kind"] == "rollback" and stack:
                 stack.pop()
         return stack
+
+    def _stack(self) -> list[int]:
+        return [entry["version"] for entry in self._stack_entries()]
 
     def live_version(self) -> int | None:
         """The version now live (0 after :meth:`record_initial`); ``None`` before anything was recorded."""
         stack = self._stack()
         return stack[-1] if stack else None
 
-    def _apply(self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-               lock: threading.Lock | None) -> None:
-        live = _live_router_tensors(model)
-        problems = []
-        for name, tensor in tensors.items():
-            if name not in live:
-                problems.append(f"{name} is not a router tensor of the model")
-            elif tuple(tensor.shape) != tuple(live[name].shape):
-                problems.append(f"{name} has shape {tuple(tensor.shape)}, the model's is {tuple(live[name].shape)}")
-        if problems:
-            raise ValueError(f"cannot promote into {type(model).__name__}: " + "; ".join(problems))
-        staged = {name: tensor.to(device=live[name].device, dtype=live[name].dtype) for name, tensor in tensors.items()}
-        with lock if lock is not None else contextlib.nullcontext(), torch.no_grad():
-            for name, tensor in staged.items():
-                live[name].data.copy_(tensor)
+    def last_good_state(self, routers: Sequence[str] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """The live stack's newest version that passed its gates, and the full router state it made.
+
+        The state is the overlay of the promotion stack from version 0 up to that version
+        (optionally only the tensors of ``routers``): what ``restore`` puts back after a bad
+        deploy damaged routers in place. Versions rolled back are not on the stack.
+        """
+        stack = self._stack()
+        if not stack:
+            raise ValueError(f"router registry {self.directory}: nothing recorded yet (no version 0)")
+        good = [index for index, version in enumerate(stack) if self._passed(version)]
+        top = good[-1] if good else 0
+        state: dict[str, torch.Tensor] = {}
+        for version in stack[: top + 1]:
+            state.update(self.load(version))
+        if routers is not None:
+            prefixes = tuple(f"{name}." for name in routers)
+            state = {name: tensor for name, tensor in state.items() if name.startswith(prefixes)}
+        return stack[top], state
+
+    def live_state(self) -> dict[str, torch.Tensor]:
+        """The router state the promotion stack makes (version 0 overlaid with every promoted version)."""
+        state: dict[str, torch.Tensor] = {}
+        for version in self._stack():
+            state.update(self.load(version))
+        return state
+
+    def initial_differences(self, model: torch.nn.Module) -> list[str]:
+        """Router tensors of ``model`` whose values differ from version 0 (``[]``: the same base model)."""
+        recorded = self.load(0)
+        live = router_state(model)
+        return sorted(name for name, tensor in recorded.items()
+                      if name not in live or not torch.equal(live[name], tensor.to(live[name].dtype)))
+
+    def _passed(self, version: int) -> bool:
+        gates = self._manifest(version).get("gates")
+        return isinstance(gates, Mapping) and gates.get("passed") is True
 
     def promote(self, model: torch.nn.Module, version: int, lock: threading.Lock | None = None) -> None:
-        """Copy ``version``'s tensors into ``model`` in place (holding ``lock``) and log the promotion."""
+        """Copy ``version``'s tensors into ``model`` in place (holding ``lock``) and log the promotion.
+
+        The values it overwrites are saved first (``snapshots/``), so that :meth:`rollback` puts
+        back exactly what served before, even router tensors changed outside the registry.
+        """
         tensors = self.load(version)
-        self._apply(model, tensors, lock)
+        snapshots = self.directory / _SNAPSHOT_DIR
+        snapshots.mkdir(exist_ok=True)
+        snapshot = snapshots / f"p{len(self.promotions()):05d}-v{version:04d}.safetensors"
+        with lock if lock is not None else contextlib.nullcontext():
+            save_file({name: value for name, value in router_state(model).items() if name in tensors}, str(snapshot))
+            apply_router_tensors(model, tensors)
         self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
-                                "at": _now()})
+                                "at": _now(), "snapshot": snapshot.name, "snapshot_sha256": _sha256(snapshot)})
 
     def rollback(self, model: torch.nn.Module, lock: threading.Lock | None = None) -> int:
         """Restore exactly the router state before the last promotion; returns the version now live."""
-        stack = self._stack()
+        entries = self._stack_entries()
+        stack = [entry["version"] for entry in entries]
         if len(stack) < 2:
             raise ValueError(f"router registry {self.directory}: nothing to roll back to (promotion stack {stack})")
+        snapshot = entries[-1].get("snapshot")
+        if snapshot:
+            path = self.directory / _SNAPSHOT_DIR / snapshot
+            if not path.is_file() or _sha256(path) != entries[-1].get("snapshot_sha256"):
+                raise ValueError(f"cannot roll back version {stack[-1]} exactly: {path} is missing or altered")
+            apply_router_tensors(model, load_file(str(path)), lock)
+            self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
+            return stack[-2]
         current_names = set(self.load(stack[-1]))
         target: dict[str, torch.Tensor] = {}
         for version in stack[:-1]:
@@ -269,6 +340,6 @@ class RouterRegistry:
         missing = sorted(current_names - set(target))
         if missing:
             raise ValueError(f"cannot roll back version {stack[-1]} exactly: no earlier version holds {missing}")
-        self._apply(model, target, lock)
+        apply_router_tensors(model, target, lock)
         self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
         return stack[-2]

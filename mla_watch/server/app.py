@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mla_watch.policy import PolicyError, PolicyRejection, PolicyStore, UnknownBusinessLine, UnknownTask, enforce
+from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_body, parse_generation_request
 from mla_watch.windows import RouterInfo, RouterWindows
@@ -60,6 +61,10 @@ class ServerConfig:
     window_seconds: float | None = None
     policy_poll_seconds: float | None = 1.0
     admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
+    capture: bool = False  # opt-in: record recent traffic (token ids) per business line for re-tuning
+    capture_max_samples: int = 2000  # per business line
+    capture_max_age_seconds: float = 7 * 86400.0
+    retune: RetuneSettings = field(default_factory=RetuneSettings)
 
 
 class Sidecar:
@@ -78,6 +83,9 @@ class Sidecar:
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Any = None
         self.probe: Any = None
+        self.retune: Any = None  # the RetuneService, once a local model is loaded
+        if self.alerts is not None:
+            self.alerts.on_retune(self._on_retune_action)
         self.remote_windows: RouterWindows | None = None
         self.self_test: Any = None
         self.load_error: str | None = None
@@ -145,10 +153,85 @@ class Sidecar:
                                           window_seconds=self.config.window_seconds, clock=self.clock)
             self.engine = Engine(model, tokenizer, self.probe, max_queue=self.config.max_queue, clock=self.clock,
                                  on_job_done=lambda job, seconds: self.metrics.queue_depth.set(self.engine.queue_depth))
+            self._start_retune(model, tokenizer)
             self._ready.set()
         except Exception as error:
             self.load_error = f"{type(error).__name__}: {error}"
             log.exception("model failed to load")
+
+    # ------------------------------------------------------------------ re-tuning
+    def _start_retune(self, model: Any, tokenizer: Any) -> None:
+        from mla_watch.retune.data import TrafficCapture
+        from mla_watch.retune.registry import RouterRegistry
+        from mla_watch.retune.runner import Retuner
+        from mla_watch.retune.service import RetuneService
+
+        state = self.config.state_dir
+        registry = RouterRegistry(state / "routers")
+        capture = None
+        if self.config.capture:
+            capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,
+                                     max_age_seconds=self.config.capture_max_age_seconds)
+
+            def record(line: str, token_ids: list[int]) -> None:
+                capture.add(line, token_ids)
+                self.metrics.captured_samples.labels(line).inc()
+
+            self.engine.capture = record
+        retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
+                          workdir=state / "retune-work", promote=lambda version: self.retune.promote(version), capture=capture, model_lock=self.engine.model_lock,
+                          model_ref=self.config.model)
+        self.retune = RetuneService(
+            state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
+            model_lock=self.engine.model_lock, on_promoted=self._routers_changed, on_rejected=self._retune_rejected,
+            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
+        )
+        self.retune.start()
+        self.metrics.router_version.set(registry.live_version() or 0)
+
+    def _on_retune_action(self, action: Any) -> None:
+        if self.retune is None:
+            log.warning("%s asks for a router re-tune, but this sidecar serves no local model to re-tune",
+                        action.alert.labels.get("alertname"))
+            return
+        self.retune.on_alert(action)
+
+    def _routers_changed(self, kind: str, routers: list[str]) -> None:
+        """After a promotion or rollback: the windows restart, describing the routers now serving."""
+        self.probe.collect()
+        self.probe.windows.reset(routers)
+        self.metrics.router_promotions.labels(kind).inc()
+        self.metrics.router_version.set(self.retune.registry.live_version() or 0)
+
+    def _retune_rejected(self, spec: JobSpec, result: dict[str, Any]) -> None:
+        if self.alerts is None:
+            return
+        trigger = spec.trigger
+        figures = []
+        for attempt in result.get("attempts", []):
+            line = f"{attempt['strategy']}: {attempt.get('outcome')}"
+            gates = attempt.get("gates")
+            if gates:
+                metric = gates["band"]["metric"]
+                line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}, "
+                         f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
+                                                  for name, value in gates["after"][metric].items()) + ")")
+            if attempt.get("reason"):
+                line += f": {attempt['reason']}"
+            figures.append(line)
+        line_name = spec.business_line or "all"
+        self.alerts.notify_event(
+            labels={"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
+                    "layer": str(trigger.get("layer", "")), "business_line": line_name, "job": spec.id},
+            annotations={
+                "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its "
+                           "gates; the live routers are unchanged",
+                "description": "; ".join(figures),
+                "runbook_url": "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md"
+                               "#routerretunerejected",
+            },
+            receivers=trigger.get("receivers"),
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -179,6 +262,8 @@ class Sidecar:
             await asyncio.to_thread(self.alerts.stop)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
+        if self.retune is not None:
+            await asyncio.to_thread(self.retune.stop)
         if self._upstream is not None:
             await self._upstream.aclose()
 
@@ -216,6 +301,12 @@ class Sidecar:
             Route("/healthz", self._healthz, methods=["GET"]),
             Route("/readyz", self._readyz, methods=["GET"]),
             Route("/admin/reload", self._admin_reload, methods=["POST"]),
+            Route("/v1/retune/jobs", self._retune_jobs, methods=["GET"]),
+            Route("/v1/retune/jobs/{job_id}", self._retune_job, methods=["GET"]),
+            Route("/v1/retune/versions", self._retune_versions, methods=["GET"]),
+            Route("/admin/retune", self._admin_retune, methods=["POST"]),
+            Route("/admin/retune/promote", self._admin_promote, methods=["POST"]),
+            Route("/admin/retune/rollback", self._admin_rollback, methods=["POST"]),
         ]
 
     async def _healthz(self, request: Request) -> Response:
@@ -283,6 +374,148 @@ class Sidecar:
         ok = result.ok and not rule_errors
         return JSONResponse({"ok": ok, "changed": result.changed, "errors": result.errors + rule_errors,
                              "version": result.version}, status_code=200 if ok else 422)
+
+    # ------------------------------------------------------------------ re-tuning API
+    def _retune_service(self) -> Any:
+        if self.retune is None:
+            raise ApiError(503, self.load_error or ("re-tuning needs a local model; this sidecar forwards to "
+                                                    f"{self.config.upstream}" if self.config.upstream
+                                                    else "the model is still loading"),
+                           code="retune_unavailable", error_type="server_error")
+        return self.retune
+
+    async def _retune_jobs(self, request: Request) -> Response:
+        try:
+            service = self._retune_service()
+        except ApiError as error:
+            return _error_response(error)
+        limit = request.query_params.get("limit", "50")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            return _error_response(ApiError(400, f"limit={limit!r} is invalid: expected an integer in [1, 1000]",
+                                            param="limit"))
+        return JSONResponse({"jobs": service.store.list(limit=int(limit))})
+
+    async def _retune_job(self, request: Request) -> Response:
+        try:
+            service = self._retune_service()
+            return JSONResponse(service.store.get(request.path_params["job_id"]))
+        except ApiError as error:
+            return _error_response(error)
+        except KeyError as error:
+            return _error_response(ApiError(404, str(error.args[0]), param="job_id", code="not_found"))
+
+    async def _retune_versions(self, request: Request) -> Response:
+        try:
+            service = self._retune_service()
+        except ApiError as error:
+            return _error_response(error)
+        registry = service.registry
+        return JSONResponse({"live": registry.live_version(), "last_good": registry.last_good(),
+                             "versions": registry.versions(), "promotions": registry.promotions()})
+
+    async def _admin_retune(self, request: Request) -> Response:
+        from mla_watch.retune.service import Cooldown
+
+        try:
+            self._authorise(request)
+            service = self._retune_service()
+            body = parse_body(await _read_body(request, self.config.max_body_bytes))
+            spec, force = self._retune_spec(body)
+            record = await asyncio.to_thread(service.submit, spec, force=force)
+        except ApiError as error:
+            return _error_response(error)
+        except Cooldown as error:
+            return _error_response(ApiError(409, str(error), code="cooldown", param="force"))
+        except ValueError as error:
+            return _error_response(ApiError(400, str(error), code="invalid_value"))
+        return JSONResponse(record, status_code=202)
+
+    def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
+        """A job from an admin request: ``routers`` (default: those out of band), ``business_line``,
+        ``strategy`` (a name or a list), ``rule`` (whose band to meet), ``dataset``, ``options``, ``force``."""
+        from mla_watch.retune.gates import Band, band_of_rule
+        from mla_watch.retune.service import DEFAULT_STRATEGIES
+
+        known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {unknown}: expected some of {sorted(known)}", param=unknown[0])
+        line = body.get("business_line")
+        if line is not None and (not isinstance(line, str) or not line):
+            raise ApiError(400, f"business_line={line!r} is invalid: expected a business line name",
+                           param="business_line")
+        strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
+        strategies = [strategies] if isinstance(strategies, str) else strategies
+        if not isinstance(strategies, list) or not all(isinstance(name, str) for name in strategies):
+            raise ApiError(400, f"strategy={body.get('strategy')!r} is invalid: expected a name or a list of names",
+                           param="strategy")
+        rules = self.alerts.rules.rules if self.alerts is not None else ()
+        rule_name = body.get("rule")
+        candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
+        if rule_name and not candidates:
+            raise ApiError(400, f"rule={rule_name!r} is not a loaded rule; rules are {[r.name for r in rules]}",
+                           param="rule")
+        rule = candidates[0] if candidates else None
+        band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
+        experts = [info for info in self.probe.routers if info.kind == "expert"]
+        watched = [info.name for info in experts
+                   if rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"})]
+        routers = body.get("routers")
+        if routers is None:
+            self.probe.collect()
+            records = self.probe.windows.stats(line)
+            routers = [r["name"] for r in records if r["name"] in watched and not r.get("too_small")
+                       and r.get(band.metric) is not None and not band.contains(float(r[band.metric]))]
+            if not routers:
+                raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
+                                    f"{line or 'all'} in the current window; name the routers to re-tune",
+                               param="routers")
+        if not isinstance(routers, list) or not all(isinstance(name, str) for name in routers):
+            raise ApiError(400, f"routers={routers!r} is invalid: expected a list of router names", param="routers")
+        options = body.get("options", {})
+        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+            raise ApiError(400, f"options={options!r} is invalid: expected {{strategy: {{option: value}}}}",
+                           param="options")
+        dataset = body.get("dataset")
+        if dataset is not None and (not isinstance(dataset, str) or not Path(dataset).is_file()):
+            raise ApiError(400, f"dataset={dataset!r} is invalid: expected the path of a JSONL file on the "
+                                "sidecar's machine", param="dataset")
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise ApiError(400, f"force={force!r} is invalid: expected true or false", param="force")
+        spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
+                       band=band.as_dict(), dataset=dataset, options=options,
+                       max_perplexity_increase=self.config.retune.max_perplexity_increase,
+                       trigger={"source": "api", "rule": rule.name if rule else None,
+                                "receivers": list(rule.receivers) if rule else None, "at": time.time()})
+        return spec, force
+
+    async def _admin_promote(self, request: Request) -> Response:
+        try:
+            self._authorise(request)
+            service = self._retune_service()
+            body = parse_body(await _read_body(request, self.config.max_body_bytes))
+            version = body.get("version")
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise ApiError(400, f"version={version!r} is invalid: expected a router version number",
+                               param="version")
+            await asyncio.to_thread(service.promote, version)
+        except ApiError as error:
+            return _error_response(error)
+        except ValueError as error:
+            return _error_response(ApiError(400, str(error), param="version", code="invalid_value"))
+        return JSONResponse({"ok": True, "live": service.registry.live_version()})
+
+    async def _admin_rollback(self, request: Request) -> Response:
+        try:
+            self._authorise(request)
+            service = self._retune_service()
+            live = await asyncio.to_thread(service.rollback)
+        except ApiError as error:
+            return _error_response(error)
+        except ValueError as error:
+            return _error_response(ApiError(409, str(error), code="nothing_to_roll_back"))
+        return JSONResponse({"ok": True, "live": live})
 
     async def _ingest(self, request: Request) -> Response:
         try:

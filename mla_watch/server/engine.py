@@ -80,7 +80,12 @@ class Engine:
         self._clock = clock
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_job_done = on_job_done
+        # Called with (business_line, prompt + first choice's token ids) after each finished job,
+        # e.g. to record traffic for router re-tuning; set by the owner.
+        self.capture: Callable[[str, list[int]], None] | None = None
         self._busy = threading.Event()
+        # Held around each forward pass: a router promotion takes it to swap tensors between two passes.
+        self.model_lock = threading.Lock()
         self._recent_seconds = 1.0
         self._collected_at = float("-inf")
         self.collect_interval = 0.25
@@ -129,12 +134,20 @@ class Engine:
         def should_stop() -> bool:
             return job.cancelled.is_set() or self._clock() > job.deadline
 
+        generated: list[int] = []
         try:
             with self.probe.attribute(job.business_line):
                 for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
-                                             should_stop=should_stop):
+                                             should_stop=should_stop, step_lock=self.model_lock):
+                    if event.index == 0 and event.token_id is not None:
+                        generated.append(event.token_id)
                     job.push(event)
             job.push(_DONE)
+            if self.capture is not None:
+                try:
+                    self.capture(job.business_line, [*job.prompt_ids, *generated])
+                except Exception:  # recording traffic must never fail a request
+                    log.exception("traffic capture failed")
         except GenerationCancelled:
             if job.cancelled.is_set():
                 job.push(_DONE)

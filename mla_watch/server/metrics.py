@@ -109,6 +109,15 @@ class ServerMetrics:
                                         registry=registry)
         self.notifications = Counter(p + "notifications", "Notification deliveries by receiver and outcome.",
                                      ["receiver", "outcome"], registry=registry)
+        self.retune_jobs = Counter(p + "retune_jobs", "Router re-tuning jobs by the strategy that decided them "
+                                   "and outcome (promoted, rejected, failed, cooldown).", ["strategy", "outcome"],
+                                   registry=registry)
+        self.router_promotions = Counter(p + "router_promotions", "Router versions swapped into the live model, "
+                                         "by kind (promote, rollback).", ["kind"], registry=registry)
+        self.router_version = Gauge(p + "router_version", "Router version live in the model (0: as started).",
+                                    registry=registry)
+        self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
+                                        ["business_line"], registry=registry)
         self._registry = registry
         registry.register(RoutingCollector(routing_sources))
 

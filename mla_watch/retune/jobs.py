@@ -1,0 +1,172 @@
+"""Re-tuning jobs: what a job asks for (:class:`JobSpec`) and where its life is recorded (:class:`JobStore`).
+
+A job is ``pending`` when scheduled, ``running`` while it fits and gates, and ends
+``promoted``, ``rejected`` (a gate failed; nothing changed in the live model) or ``failed``
+(an error, e.g. too little data). The store is a sqlite file in the state directory, so a
+job survives a restart: one found ``running`` at start-up was interrupted, and is retried
+(``attempts`` counts the tries) or failed, never forgotten.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FINAL_STATUSES", "JobError", "JobSpec", "JobStore", "RetuneSettings"]
+
+FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed")
+STATUSES: tuple[str, ...] = ("pending", "running", *FINAL_STATUSES)
+
+
+@dataclass
+class RetuneSettings:
+    cooldown_seconds: float = 3600.0  # per router: a flapping alert cannot start a storm of jobs
+    max_perplexity_increase: float = 0.3
+    min_samples: int = 16
+    max_samples: int = 512
+    held_out_fraction: float = 0.25
+    batch_size: int = 8
+    max_tokens_per_sample: int = 256
+    command: str | None = None  # external command template (see the module docstring)
+    command_timeout: float = 6 * 3600.0
+    misfire_grace_seconds: float = 24 * 3600.0  # APScheduler's default (1 s) silently skips late jobs
+    max_attempts: int = 2  # tries of a job interrupted by a restart before it is failed
+
+    def __post_init__(self) -> None:
+        checks = {
+            "cooldown_seconds": self.cooldown_seconds >= 0,
+            "max_perplexity_increase": self.max_perplexity_increase >= 0,
+            "min_samples": self.min_samples >= 2,
+            "max_samples": self.max_samples >= self.min_samples,
+            "held_out_fraction": 0 < self.held_out_fraction < 1,
+            "batch_size": self.batch_size >= 1,
+            "max_tokens_per_sample": self.max_tokens_per_sample >= 2,
+            "command_timeout": self.command_timeout > 0,
+            "misfire_grace_seconds": self.misfire_grace_seconds > 0,
+            "max_attempts": self.max_attempts >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError("re-tune settings invalid: " + "; ".join(
+                f"{name}={getattr(self, name)!r}" for name in bad) + " (cooldown >= 0, max_perplexity_increase >= 0, "
+                "min_samples >= 2, max_samples >= min_samples, 0 < held_out_fraction < 1, batch_size >= 1, "
+                "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")
+
+
+class JobError(Exception):
+    """The job store cannot be used; the message names the file and the cause."""
+
+
+@dataclass
+class JobSpec:
+    """Everything a job needs, JSON-able (it is stored, and handed to an external command)."""
+
+    routers: list[str]  # the routers the job may change
+    strategies: list[str]  # tried in order until one passes the gates
+    watched: list[str] = field(default_factory=list)  # routers the band gate checks besides ``routers``
+    business_line: str | None = None  # whose traffic to train on (None: every line captured)
+    band: dict[str, Any] = field(default_factory=lambda: {"metric": "entropy_bits", "low": 5.2, "high": None})
+    trigger: dict[str, Any] = field(default_factory=dict)  # source (alert|cli|api), alert labels, value, at
+    dataset: str | None = None  # a JSONL file instead of captured traffic
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)  # strategy -> its options
+    max_perplexity_increase: float = 0.3
+    id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+    created_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        known = {name for name in cls.__dataclass_fields__}
+        return cls(**{key: value for key, value in data.items() if key in known})
+
+
+class JobStore:
+    """Job records in ``path`` (sqlite), safe to use from the scheduler's and the server's threads."""
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self._clock = clock
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, "
+                "attempts INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, updated_at REAL NOT NULL, "
+                "result TEXT)"
+            )
+        except (OSError, sqlite3.Error) as error:
+            raise JobError(f"re-tune job store {self.path}: cannot open it: {error}") from error
+
+    def add(self, spec: JobSpec) -> dict[str, Any]:
+        now = self._clock()
+        with self._lock:
+            self._db.execute("INSERT INTO jobs (id, spec, status, attempts, created_at, updated_at) "
+                             "VALUES (?, ?, 'pending', 0, ?, ?)", (spec.id, json.dumps(spec.as_dict()), now, now))
+        return self.get(spec.id)
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self._db.execute("SELECT id, spec, status, attempts, created_at, updated_at, result FROM jobs "
+                                   "WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"no re-tune job with id {job_id!r}")
+        return _record(row)
+
+    def list(self, *, limit: int = 50, statuses: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` jobs (newest first), optionally only those in ``statuses``."""
+        query = "SELECT id, spec, status, attempts, created_at, updated_at, result FROM jobs"
+        params: list[Any] = []
+        if statuses:
+            query += f" WHERE status IN ({', '.join('?' * len(statuses))})"
+            params.extend(statuses)
+        query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        with self._lock:
+            rows = self._db.execute(query, [*params, limit]).fetchall()
+        return [_record(row) for row in rows]
+
+    def start(self, job_id: str) -> dict[str, Any]:
+        """Mark a job running and count the attempt."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? "
+                             "WHERE id = ?", (self._clock(), job_id))
+        return self.get(job_id)
+
+    def finish(self, job_id: str, status: str, result: Mapping[str, Any]) -> dict[str, Any]:
+        if status not in STATUSES:
+            raise ValueError(f"status={status!r}: expected one of {STATUSES}")
+        with self._lock:
+            self._db.execute("UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ?",
+                             (status, json.dumps(result), self._clock(), job_id))
+        return self.get(job_id)
+
+    def requeue(self, job_id: str, note: str) -> None:
+        """A job interrupted while running goes back to ``pending``, with ``note`` saying why."""
+        with self._lock:
+            self._db.execute("UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
+                             (json.dumps({"note": note}), self._clock(), job_id))
+
+    def set_spec(self, job_id: str, spec: JobSpec) -> None:
+        with self._lock:
+            self._db.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ? AND status = 'pending'",
+                             (json.dumps(spec.as_dict()), self._clock(), job_id))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _record(row: tuple) -> dict[str, Any]:
+    job_id, spec, status, attempts, created_at, updated_at, result = row
+    return {"id": job_id, "spec": json.loads(spec), "status": status, "attempts": attempts,
+            "created_at": created_at, "updated_at": updated_at, "result": json.loads(result) if result else None}

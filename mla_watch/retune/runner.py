@@ -1,0 +1,228 @@
+"""Running one re-tuning job: data, fit, gates, checkpoint, promotion.
+
+For each strategy the job names, in order: skip it if the model cannot use it, fit a
+candidate (in this process, or through an external command template), score it on held-out
+samples against the live model, write it to the registry as a new version with its
+manifest, and promote the first one that passes every gate. A job whose every candidate
+fails a gate ends ``rejected`` and leaves the live model exactly as it was.
+
+The external command template runs the fit elsewhere, e.g. under ``torchrun`` on a cluster
+for a model too large to tune here. Its fields (``str.format``) are ``{job}`` (the job as
+JSON, with ``strategy`` and its ``options``), ``{data}`` (training samples, JSONL of
+``{"input_ids": [...]}``), ``{routers}`` (the live router tensors, safetensors), ``{output}``
+(a directory where the command writes ``routers.safetensors`` and optionally
+``result.json``), ``{model}``, ``{strategy}``, ``{job_id}`` and ``{python}``. The template is
+split like a shell command line but no shell runs it. ``python -m mla_watch.retune.worker``
+is such a command for the models mla_watch can load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mla_watch.retune.bias import _copy_without_hooks
+from mla_watch.retune.data import DatasetError, TrafficCapture, load_jsonl_dataset, make_batches, split_held_out
+from mla_watch.retune.gates import Band, evaluate_gates, score_model
+from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.registry import RouterRegistry, apply_router_tensors, router_state
+from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
+
+__all__ = ["JobFailure", "Retuner"]
+
+log = logging.getLogger("mla_watch.retune")
+
+
+class JobFailure(Exception):
+    """The job cannot run (no data, a bad dataset); the message says what to do."""
+
+
+class Retuner:
+    """Runs jobs against one live model. ``promote(version)`` swaps a version in."""
+
+    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterRegistry,
+                 settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
+                 capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.settings = settings
+        self.workdir = Path(workdir)
+        self.capture = capture
+        self.model_ref = model_ref
+        self._promote = promote
+        self._model_lock = model_lock
+        self._clock = clock
+
+    def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+        """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected`` or ``failed``."""
+        started = self._clock()
+        timings: dict[str, float] = {}
+        try:
+            samples, data = self._samples(spec)
+        except JobFailure as error:
+            return "failed", {"error": str(error), "attempts": []}
+        train, held_out = split_held_out(samples, self.settings.held_out_fraction)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        limit = self.settings.max_tokens_per_sample
+        train_batches = make_batches(train, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
+        held_batches = make_batches(held_out, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
+        data.update({"train_samples": len(train), "held_out_samples": len(held_out)})
+        timings["data_seconds"] = round(self._clock() - started, 3)
+
+        mark = self._clock()
+        work = self._copy_live()
+        original = router_state(work)
+        before = score_model(work, held_batches)
+        timings["score_before_seconds"] = round(self._clock() - mark, 3)
+        band = Band.from_dict(spec.band)
+        watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
+        attempts: list[dict[str, Any]] = []
+        for name in spec.strategies:
+            attempt: dict[str, Any] = {"strategy": name}
+            attempts.append(attempt)
+            strategy = get_strategy(name)
+            reason = strategy.unsupported_reason(self.model)
+            if reason is not None:
+                attempt.update(outcome="unsupported", reason=reason)
+                continue
+            mark = self._clock()
+            try:
+                options = strategy.parse_options(spec.options.get(name, {}), f"options.{name}")
+                candidate = self._fit(spec, name, options, train, train_batches)
+            except Exception as error:  # one strategy failing must not stop the next one
+                log.exception("re-tune job %s: strategy %s failed", spec.id, name)
+                attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
+                continue
+            attempt["fit_seconds"] = round(self._clock() - mark, 3)
+            mark = self._clock()
+            apply_router_tensors(work, candidate.tensors)
+            after = score_model(work, held_batches)
+            apply_router_tensors(work, original)
+            report = evaluate_gates(before, after, routers=watched, band=band,
+                                    max_perplexity_increase=spec.max_perplexity_increase)
+            attempt["gate_seconds"] = round(self._clock() - mark, 3)
+            manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": name,
+                        "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
+                        "timings": {**timings, "fit_seconds": attempt["fit_seconds"],
+                                    "gate_seconds": attempt["gate_seconds"]}}
+            version = self.registry.save(candidate.tensors, manifest)
+            attempt.update(version=version, gates=report.as_dict())
+            if not report.passed:
+                attempt.update(outcome="rejected", reason="; ".join(report.reasons()))
+                log.warning("re-tune job %s: %s (version %d) rejected: %s", spec.id, name, version, attempt["reason"])
+                continue
+            mark = self._clock()
+            self._promote(version)
+            attempt.update(outcome="promoted", promote_seconds=round(self._clock() - mark, 3))
+            log.info("re-tune job %s: %s promoted as router version %d", spec.id, name, version)
+            return "promoted", self._result(spec, attempts, data, timings, started, version=version, strategy=name)
+        status = "rejected" if any(a.get("outcome") == "rejected" for a in attempts) else "failed"
+        return status, self._result(spec, attempts, data, timings, started)
+
+    # ------------------------------------------------------------------ parts
+    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any],
+                timings: dict[str, float], started: float, *, version: int | None = None,
+                strategy: str | None = None) -> dict[str, Any]:
+        finished = self._clock()
+        timings = {**timings, "total_seconds": round(finished - started, 3)}
+        trigger_at = spec.trigger.get("at")
+        if version is not None and isinstance(trigger_at, (int, float)):
+            timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
+        reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
+        return {"version": version, "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
+                "attempts": attempts, "data": data, "timings": timings,
+                "error": None if version is not None else ("; ".join(reasons) or "no strategy was tried")}
+
+    def _samples(self, spec: JobSpec) -> tuple[list[list[int]], dict[str, Any]]:
+        line = spec.business_line
+        if spec.dataset:
+            try:
+                samples = load_jsonl_dataset(spec.dataset, self.tokenizer, business_line=line,
+                                             max_samples=self.settings.max_samples)
+            except DatasetError as error:
+                raise JobFailure(str(error)) from error
+            source = {"source": "dataset", "path": spec.dataset}
+        elif self.capture is None:
+            raise JobFailure("no data: traffic capture is off (serve with --capture to record recent traffic "
+                             "per business line) and the job names no dataset (a JSONL file)")
+        else:
+            samples = self.capture.samples(line, limit=self.settings.max_samples)
+            source = {"source": "capture"}
+        if len(samples) < self.settings.min_samples:
+            where = f"business line {line!r}" if line else "all business lines"
+            raise JobFailure(f"{len(samples)} samples of {where} are available; the job needs at least "
+                             f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)")
+        return samples, {**source, "business_line": line, "samples": len(samples),
+                         "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}
+
+    def _copy_live(self) -> torch.nn.Module:
+        if self._model_lock is None:
+            return _copy_without_hooks(self.model).eval()
+        with self._model_lock:  # a consistent snapshot even if a promotion is under way
+            return _copy_without_hooks(self.model).eval()
+
+    def _fit(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[list[int]],
+             batches: list[Any]) -> Candidate:
+        if self.settings.command and name != "restore":  # restore is a registry lookup: always here
+            return self._fit_external(spec, name, options, train)
+        context = FitContext(model=self.model, batches=batches, routers=list(spec.routers), registry=self.registry,
+                             options=options)
+        return get_strategy(name).fit(context)
+
+    def _fit_external(self, spec: JobSpec, name: str, options: dict[str, Any],
+                      train: Sequence[list[int]]) -> Candidate:
+        directory = self.workdir / f"{spec.id}-{name}"
+        shutil.rmtree(directory, ignore_errors=True)
+        output = directory / "output"
+        output.mkdir(parents=True)
+        job_file, data_file = directory / "job.json", directory / "data.jsonl"
+        routers_file = directory / "routers.safetensors"
+        job_file.write_text(json.dumps({**spec.as_dict(), "strategy": name, "options": options,
+                                        "batch_size": self.settings.batch_size,
+                                        "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
+        data_file.write_text("".join(json.dumps({"input_ids": list(sample)}) + "\n" for sample in train))
+        save_file(router_state(self.model), str(routers_file))
+        fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
+                  "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
+        try:
+            command = [part.format(**{key: str(value) for key, value in fields.items()})
+                       for part in shlex.split(self.settings.command or "")]
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(f"retune command template {self.settings.command!r} is invalid: {error!r}; "
+                             f"fields are {sorted(fields)}") from error
+        log.info("re-tune job %s: running %s", spec.id, command[0] if command else "")
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=self.settings.command_timeout,
+                                       check=False)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"the external command ran past {self.settings.command_timeout:g} s") from error
+        except OSError as error:
+            raise RuntimeError(f"the external command {command[:1]} cannot start: {error}") from error
+        if completed.returncode != 0:
+            tail = (completed.stderr or completed.stdout or "").strip()[-800:]
+            raise RuntimeError(f"the external command exited with status {completed.returncode}: {tail}")
+        checkpoint = output / "routers.safetensors"
+        if not checkpoint.is_file():
+            raise RuntimeError(f"the external command exited 0 but wrote no {checkpoint}")
+        tensors = load_file(str(checkpoint))
+        details: dict[str, Any] = {"command": command[0] if command else "", "external": True}
+        result_file = output / "result.json"
+        if result_file.is_file():
+            try:
+                details.update(json.loads(result_file.read_text()))
+            except ValueError as error:
+                raise RuntimeError(f"{result_file} is not JSON: {error}") from error
+        return Candidate(tensors, details)

@@ -1,0 +1,281 @@
+"""Re-tuning as the server runs it: triggers, a persistent schedule, one job at a time, promotion.
+
+Jobs come from a rule's ``retune`` action (:meth:`RetuneService.on_alert`), the CLI and the
+admin API (:meth:`RetuneService.submit`). They run on APScheduler 3.x with a SQLite job store
+in the state directory, one worker thread (one job at a time), ``coalesce`` and a generous
+``misfire_grace_time``: a job scheduled while the server was down still runs when it comes
+back, and one that is too late is failed and recorded, not silently dropped. A per-router
+cooldown keeps a flapping alert from starting a storm of jobs. The job records themselves
+live in :class:`mla_watch.retune.jobs.JobStore`; a job found ``running`` at start-up was
+interrupted and is retried up to ``max_attempts`` times, then failed.
+
+Promotion and rollback hold the model lock that the decode loop holds around each forward
+pass, so router tensors change between two passes and no in-flight request is dropped; the
+routing windows of the changed routers are then restarted, so they describe the router now
+serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from apscheduler.events import EVENT_JOB_MISSED, JobEvent
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from mla_watch.retune.gates import band_of_rule
+from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
+from mla_watch.retune.registry import RouterRegistry, router_modules
+from mla_watch.retune.runner import Retuner
+from mla_watch.retune.strategies import STRATEGIES
+
+__all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
+
+log = logging.getLogger("mla_watch.retune")
+
+DEFAULT_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
+
+# APScheduler stores a job as a reference to a module-level function plus its arguments;
+# the function finds the service of its state directory here.
+_SERVICES: dict[str, RetuneService] = {}
+
+
+def _run_scheduled(service_key: str, job_id: str) -> None:
+    service = _SERVICES.get(service_key)
+    if service is None:
+        raise RuntimeError(f"no re-tune service for {service_key} in this process")
+    service.execute(job_id)
+
+
+class Cooldown(Exception):
+    """A router had a job too recently; the message says which, and until when."""
+
+
+class RetuneService:
+    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner, registry: RouterRegistry,
+                 model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
+                 on_outcome: Callable[[str, str], None] | None = None,
+                 on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.state_dir = Path(state_dir)
+        self.settings = settings
+        self.retuner = retuner
+        self.registry = registry
+        self.store = JobStore(self.state_dir / "retune_jobs.sqlite", clock=clock)
+        self._model_lock = model_lock
+        self._on_promoted = on_promoted
+        self._on_outcome = on_outcome  # (strategy, outcome) of each job, and of each one refused by cooldown
+        self._on_rejected = on_rejected
+        self._clock = clock
+        self._submit_lock = threading.Lock()
+        self._key = str(self.state_dir.resolve())
+        self.scheduler = BackgroundScheduler(
+            jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{self.state_dir / 'retune_schedule.sqlite'}")},
+            executors={"default": ThreadPoolExecutor(max_workers=1)},
+            job_defaults={"coalesce": True, "max_instances": 1,
+                          "misfire_grace_time": int(settings.misfire_grace_seconds)},
+            timezone="UTC",
+        )
+        self.scheduler.add_listener(self._missed, EVENT_JOB_MISSED)
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Record version 0 (or re-apply the live version), recover interrupted jobs, start the scheduler."""
+        model = self.retuner.model
+        if self.registry.live_version() is None:
+            self.registry.record_initial(model)
+        else:
+            differences = self.registry.initial_differences(model)
+            live = self.registry.live_version()
+            if differences:
+                log.warning("the served routers differ from router version 0 in %d tensors (%s ...): a new model "
+                            "or a damaged deploy; serving them as loaded (the `restore` strategy puts router "
+                            "version %s back)", len(differences), differences[0], self.registry.last_good())
+            elif live:
+                self._apply_live_state()
+                log.info("router version %d re-applied after the restart", live)
+        _SERVICES[self._key] = self
+        for record in self.store.list(limit=1000, statuses=["running"]):
+            self._recover(record)
+        # Paused first: a pending job the schedule lost (a crash between recording and scheduling it)
+        # is found and scheduled before any job runs or is declared missed.
+        self.scheduler.start(paused=True)
+        for record in self.store.list(limit=1000, statuses=["pending"]):
+            if self.scheduler.get_job(record["id"]) is None:
+                self._schedule(record["id"])
+        self.scheduler.resume()
+
+    def stop(self) -> None:
+        """Stop scheduling (a running job finishes first); pending jobs stay in the store for the next start."""
+        if self.scheduler.running:
+            # APScheduler 3's loop runs one more round after shutdown() even when paused; a job due
+            # then fails to submit and is deleted from the store. Detach the store first.
+            self.scheduler.remove_jobstore("default")
+            self.scheduler.shutdown(wait=True)
+        _SERVICES.pop(self._key, None)
+        self.store.close()
+
+    def _recover(self, record: Mapping[str, Any]) -> None:
+        if record["attempts"] < self.settings.max_attempts:
+            log.warning("re-tune job %s was interrupted by a restart (attempt %d of %d): running it again",
+                        record["id"], record["attempts"], self.settings.max_attempts)
+            self.store.requeue(record["id"], f"interrupted during attempt {record['attempts']}; retried")
+            self._schedule(record["id"])
+        else:
+            self.store.finish(record["id"], "failed", {
+                "error": f"interrupted {record['attempts']} times by a restart (max_attempts "
+                         f"{self.settings.max_attempts})", "attempts": []})
+
+    # ------------------------------------------------------------------ triggers
+    def submit(self, spec: JobSpec, *, force: bool = False) -> dict[str, Any]:
+        """Schedule ``spec`` now; ``Cooldown`` if a router had a job within the cooldown (unless ``force``).
+
+        While a job for the same business line and strategies is still pending, its routers are
+        added to that job instead of scheduling another one.
+        """
+        unknown = [name for name in spec.strategies if name not in STRATEGIES]
+        if not spec.strategies or unknown:
+            raise ValueError(f"strategies={spec.strategies!r}: expected a non-empty list of {sorted(STRATEGIES)}")
+        routers = router_modules(self.retuner.model)
+        bad = [name for name in spec.routers if name not in routers]
+        if not spec.routers or bad:
+            raise ValueError(f"routers={spec.routers!r}: expected expert routers of the model, among {list(routers)}")
+        with self._submit_lock:
+            now = self._clock()
+            recent = self.store.list(limit=500)
+            for record in recent:
+                other = JobSpec.from_dict(record["spec"])
+                if (record["status"] == "pending" and other.business_line == spec.business_line
+                        and other.strategies == spec.strategies and other.dataset == spec.dataset):
+                    other.routers = list(dict.fromkeys([*other.routers, *spec.routers]))
+                    other.watched = list(dict.fromkeys([*other.watched, *spec.watched]))
+                    self.store.set_spec(other.id, other)
+                    return self.store.get(other.id)
+            if not force:
+                for record in recent:
+                    shared = set(record["spec"]["routers"]) & set(spec.routers)
+                    if shared and now - record["created_at"] < self.settings.cooldown_seconds:
+                        raise Cooldown(
+                            f"router {sorted(shared)[0]} had re-tune job {record['id']} ({record['status']}) "
+                            f"{now - record['created_at']:.0f} s ago; the cooldown is "
+                            f"{self.settings.cooldown_seconds:g} s (force it from the CLI or the admin API)")
+            record = self.store.add(spec)
+            self._schedule(spec.id)
+        log.info("re-tune job %s scheduled: %s on %s (%s)", spec.id, "/".join(spec.strategies),
+                 ", ".join(spec.routers), spec.trigger.get("source", "?"))
+        return record
+
+    def on_alert(self, action: Any) -> dict[str, Any] | None:
+        """A rule's ``retune`` action: one job for the alert's router, in the band of its rule."""
+        labels = action.alert.labels
+        line = labels.get("business_line")
+        rule = action.rule
+        watched = [info_name for info_name, layer in self._expert_routers()
+                   if rule.selector.matches({"name": info_name, "layer": layer, "kind": "expert"})]
+        spec = JobSpec(
+            routers=[labels["router"]],
+            watched=watched,
+            strategies=list(rule.retune_strategies or DEFAULT_STRATEGIES),
+            business_line=None if line in (None, "", "all") else line,
+            band=band_of_rule(rule).as_dict(),
+            max_perplexity_increase=self.settings.max_perplexity_increase,
+            trigger={"source": "alert", "alertname": labels.get("alertname"), "rule": rule.name,
+                     "router": labels.get("router"), "layer": labels.get("layer"), "business_line": line,
+                     "value": action.alert.value, "fingerprint": action.alert.fingerprint,
+                     "receivers": list(rule.receivers), "at": self._clock()},
+        )
+        try:
+            return self.submit(spec)
+        except Cooldown as error:
+            log.warning("re-tune requested by %s not scheduled: %s", labels.get("alertname"), error)
+            if self._on_outcome is not None:
+                self._on_outcome(spec.strategies[0], "cooldown")
+            return None
+
+    def _expert_routers(self) -> list[tuple[str, int]]:
+        from mla_watch.probe.discovery import discover_routers
+
+        return [(info.name, info.layer) for _, info, _ in discover_routers(self.retuner.model) if info.kind == "expert"]
+
+    # ------------------------------------------------------------------ running
+    def _schedule(self, job_id: str) -> None:
+        self.scheduler.add_job(_run_scheduled, trigger="date", args=[self._key, job_id], id=job_id,
+                               name=f"retune {job_id}", replace_existing=True)
+
+    def _missed(self, event: JobEvent) -> None:
+        try:
+            record = self.store.get(event.job_id)
+        except KeyError:
+            return
+        if record["status"] == "pending":
+            self.store.finish(event.job_id, "failed", {
+                "error": f"missed: the scheduler was down for longer than misfire_grace_time "
+                         f"({self.settings.misfire_grace_seconds:g} s)", "attempts": []})
+
+    def execute(self, job_id: str) -> dict[str, Any]:
+        """Run one job now (the scheduler's worker thread calls this)."""
+        record = self.store.get(job_id)
+        if record["status"] != "pending":
+            return record
+        record = self.store.start(job_id)
+        spec = JobSpec.from_dict(record["spec"])
+        try:
+            status, result = self.retuner.run(spec)
+        except Exception as error:  # the record must say what happened, whatever it was
+            log.exception("re-tune job %s failed", job_id)
+            status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
+                                        "strategy": spec.strategies[0]}
+        record = self.store.finish(job_id, status, result)
+        log.info("re-tune job %s ended %s%s", job_id, status,
+                 "" if status == "promoted" else f": {result.get('error')}")
+        if status == "rejected" and self._on_rejected is not None:
+            self._on_rejected(spec, result)
+        if self._on_outcome is not None:
+            self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)
+        return record
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no job is pending or running (for tests and the CLI's --wait)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.store.list(limit=1, statuses=["pending", "running"]):
+                return True
+            time.sleep(0.05)
+        return False
+
+    # ------------------------------------------------------------------ promotion
+    def promote(self, version: int) -> int:
+        """Swap ``version`` into the live model between two forward passes."""
+        tensors = self.registry.load(version)  # read and checked before the lock is taken
+        names = sorted({name.rsplit(".", 1)[0] for name in tensors})
+        with self._model_lock:
+            self.registry.promote(self.retuner.model, version)
+            self._changed("promote", names)
+        log.info("router version %d promoted (%s)", version, ", ".join(names))
+        return version
+
+    def rollback(self) -> int:
+        """Restore exactly the router state before the last promotion; returns the version now live."""
+        top = self.registry.live_version()
+        names = sorted({name.rsplit(".", 1)[0] for name in self.registry.load(top)}) if top is not None else []
+        with self._model_lock:
+            version = self.registry.rollback(self.retuner.model)
+            self._changed("rollback", names)
+        log.info("router version %s rolled back; version %d is live", top, version)
+        return version
+
+    def _apply_live_state(self) -> None:
+        from mla_watch.retune.registry import apply_router_tensors
+
+        with self._model_lock:
+            apply_router_tensors(self.retuner.model, self.registry.live_state())
+
+    def _changed(self, kind: str, routers: Sequence[str]) -> None:
+        if self._on_promoted is not None:
+            self._on_promoted(kind, list(routers))

@@ -1,0 +1,268 @@
+"""The re-tune service on a tiny DeepSeek-V3.2 model: APScheduler with its SQLite store, one job at
+a time, cooldowns, merging, restarts mid-job, missed jobs, gates, rejection, the registry."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import wait_until
+from test_probe_families import VOCAB, build
+
+from mla_watch.retune.data import TrafficCapture
+from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.registry import RouterRegistry, router_state
+from mla_watch.retune.runner import Retuner
+from mla_watch.retune.service import Cooldown, RetuneService
+
+GATE = "model.layers.1.mlp.gate"
+BIAS = f"{GATE}.e_score_correction_bias"
+OTHER = "model.layers.0.mlp.gate"
+
+
+def fill_capture(path: Path, line: str = "code", count: int = 40, seed: int = 0) -> TrafficCapture:
+    capture = TrafficCapture(path)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        length = int(torch.randint(12, 24, (1,), generator=generator))
+        capture.add(line, torch.randint(3, VOCAB, (length,), generator=generator).tolist())
+    return capture
+
+
+class Harness:
+    """A model, its registry and capture in ``state``, and a service that can be restarted."""
+
+    def __init__(self, state: Path, model: torch.nn.Module | None = None, **settings) -> None:
+        self.state = state
+        self.model = model if model is not None else build("deepseek_v32")
+        self.lock = threading.Lock()
+        self.capture = fill_capture(state / "capture.sqlite")
+        self.settings = RetuneSettings(**{"min_samples": 8, "cooldown_seconds": 3600, **settings})
+        self.outcomes: list[tuple[str, str]] = []
+        self.rejected: list[tuple[JobSpec, dict]] = []
+        self.changed: list[tuple[str, list[str]]] = []
+        self.service: RetuneService | None = None
+
+    def start(self) -> RetuneService:
+        registry = RouterRegistry(self.state / "routers")
+        retuner = Retuner(model=self.model, tokenizer=SimpleNamespace(pad_token_id=0), registry=registry,
+                          settings=self.settings, workdir=self.state / "work",
+                          promote=lambda version: self.service.promote(version),
+                          capture=self.capture, model_lock=self.lock)
+        self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, registry=registry,
+                                     model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
+                                     on_rejected=lambda spec, result: self.rejected.append((spec, result)),
+                                     on_outcome=lambda s, o: self.outcomes.append((s, o)))
+        self.service.start()
+        return self.service
+
+    def crash(self) -> None:
+        """Stop without finishing anything, as a SIGKILL would leave the files."""
+        assert self.service is not None
+        self.service.scheduler.remove_jobstore("default")  # no further scheduling round (see stop())
+        self.service.scheduler.shutdown(wait=False)
+        self.service.store.close()
+
+
+def collapse(model: torch.nn.Module, router: str = GATE) -> None:
+    with torch.no_grad():
+        dict(model.named_modules())[router].e_score_correction_bias[:2] += 10.0
+
+
+def spec(**overrides) -> JobSpec:
+    return JobSpec(**{"routers": [GATE], "strategies": ["bias"], "business_line": "code",
+                      "band": {"metric": "entropy_bits", "low": 2.3, "high": None},
+                      "options": {"bias": {"steps": 200, "gamma": 0.05}}, **overrides})
+
+
+def final(service: RetuneService, job_id: str, timeout: float = 60) -> dict:
+    assert wait_until(lambda: service.store.get(job_id)["status"] not in ("pending", "running"), timeout=timeout)
+    return service.store.get(job_id)
+
+
+def test_a_collapsed_router_is_refit_gated_promoted_and_rolled_back_exactly(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    healthy = router_state(harness.model)
+    collapse(harness.model)
+    collapsed = router_state(harness.model)
+
+    job = final(service, service.submit(spec())["id"])
+
+    assert job["status"] == "promoted" and job["attempts"] == 1, job
+    result = job["result"]
+    (attempt,) = result["attempts"]
+    assert attempt["outcome"] == "promoted" and attempt["version"] == result["version"] == 1
+    gates = attempt["gates"]
+    assert gates["passed"] and gates["before"]["entropy_bits"][GATE] < 1.1 < 2.3 < gates["after"]["entropy_bits"][GATE]
+    assert {check["gate"] for check in gates["checks"]} == {"band", "perplexity"}
+    manifest = service.registry.manifest(1)
+    assert manifest["strategy"] == "bias" and manifest["job"] == job["id"] and manifest["gates"]["passed"]
+    assert manifest["data"]["source"] == "capture" and manifest["data"]["held_out_samples"] >= 1
+    assert set(manifest["tensors"]) == {BIAS}  # only router tensors, only the re-tuned router
+    assert service.registry.live_version() == 1 and harness.changed == [("promote", [GATE])]
+    assert harness.outcomes == [("bias", "promoted")]
+    assert not torch.equal(router_state(harness.model)[BIAS], collapsed[BIAS])
+
+    assert service.rollback() == 0
+    after_rollback = router_state(harness.model)
+    assert all(torch.equal(after_rollback[name], collapsed[name]) for name in collapsed)  # bit for bit
+    assert not torch.equal(after_rollback[BIAS], healthy[BIAS])
+    service.stop()
+
+
+def test_a_job_failing_its_gates_is_rejected_and_changes_nothing(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    collapse(harness.model)
+    before = {name: tensor.clone() for name, tensor in harness.model.state_dict().items()}
+    impossible = {"metric": "entropy_bits", "low": 3.5, "high": None}  # above log2(8 experts) = 3.0
+
+    job = final(service, service.submit(spec(band=impossible, strategies=["bias", "restore"]))["id"])
+
+    assert job["status"] == "rejected"
+    assert [a["outcome"] for a in job["result"]["attempts"]] == ["rejected", "rejected"]
+    assert "outside the band (entropy_bits >= 3.5)" in job["result"]["error"]
+    assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
+    assert service.registry.live_version() == 0 and service.registry.last_good() == 0
+    assert [m["gates"]["passed"] for m in service.registry.versions()] == [True, False, False]
+    ((rejected_spec, result),) = harness.rejected
+    assert rejected_spec.id == job["id"] and result["attempts"][0]["gates"]["after"]["perplexity"] > 0
+    assert harness.outcomes == [("restore", "rejected")]
+    service.stop()
+
+
+def test_restore_puts_back_the_last_version_that_passed_its_gates(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    healthy = router_state(harness.model)
+    with torch.no_grad():  # a bad deploy: noise on the router weights, in place
+        dict(harness.model.named_modules())[GATE].weight.add_(
+            torch.randn(dict(harness.model.named_modules())[GATE].weight.shape, generator=torch.Generator()
+                        .manual_seed(3)) * 5)
+    job = final(service, service.submit(spec(strategies=["restore"], band={"metric": "entropy_bits"}))["id"])
+    assert job["status"] == "promoted", job["result"]
+    assert job["result"]["attempts"][0]["gates"]["after"]["perplexity"] <= \
+        job["result"]["attempts"][0]["gates"]["before"]["perplexity"] + 0.3
+    live = router_state(harness.model)
+    assert all(torch.equal(live[name], healthy[name]) for name in healthy)
+    assert service.registry.manifest(job["result"]["version"])["details"]["restored_from"] == 0
+    service.stop()
+
+
+def test_strategies_the_model_cannot_use_are_skipped_with_the_reason(tmp_path) -> None:
+    harness = Harness(tmp_path, model=build("mixtral"))
+    service = harness.start()
+    routers = list(router_state(harness.model))
+    router = routers[0].rsplit(".", 1)[0]
+    job = final(service, service.submit(spec(routers=[router], strategies=["bias"], band={}))["id"])
+    assert job["status"] == "failed"
+    assert job["result"]["attempts"][0]["outcome"] == "unsupported"
+    assert "has no expert router with an e_score_correction_bias" in job["result"]["error"]
+    service.stop()
+
+
+def test_cooldown_merging_and_bad_submissions(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    service.scheduler.pause()
+    first = service.submit(spec())
+    merged = service.submit(spec(routers=[OTHER]))
+    assert merged["id"] == first["id"] and merged["spec"]["routers"] == [GATE, OTHER]  # one job, not two
+    service.scheduler.resume()
+    final(service, first["id"])
+    with pytest.raises(Cooldown, match=rf"router {GATE} had re-tune job {first['id']}.*cooldown is 3600 s"):
+        service.submit(spec())
+    forced = service.submit(spec(), force=True)
+    assert forced["id"] != first["id"]
+    final(service, forced["id"])
+    with pytest.raises(ValueError, match=r"strategies=\['magic'\]: expected a non-empty list of"):
+        service.submit(spec(strategies=["magic"]))
+    with pytest.raises(ValueError, match=r"routers=\['model.layers.1.self_attn.indexer'\]: expected expert routers"):
+        service.submit(spec(routers=["model.layers.1.self_attn.indexer"]))
+    service.stop()
+
+
+def test_too_little_data_fails_the_job_and_says_what_to_do(tmp_path) -> None:
+    harness = Harness(tmp_path, min_samples=100)
+    service = harness.start()
+    job = final(service, service.submit(spec())["id"])
+    assert job["status"] == "failed"
+    assert job["result"]["error"] == ("40 samples of business line 'code' are available; the job needs at least 100 "
+                                      "(let more traffic be captured, or give a dataset)")
+    assert harness.outcomes == [("bias", "failed")]
+    service.stop()
+
+
+def test_a_pending_job_survives_a_crash_in_the_sqlite_job_store(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    service.scheduler.pause()
+    job_id = service.submit(spec())["id"]
+    harness.crash()
+    with sqlite3.connect(tmp_path / "retune_schedule.sqlite") as db:  # APScheduler's own store kept it
+        assert [row[0] for row in db.execute("SELECT id FROM apscheduler_jobs")] == [job_id]
+
+    collapse(harness.model)
+    service = harness.start()
+    assert final(service, job_id)["status"] == "promoted"
+    service.stop()
+
+
+def test_a_job_interrupted_mid_run_is_retried_then_failed(tmp_path) -> None:
+    harness = Harness(tmp_path, max_attempts=2)
+    service = harness.start()
+    collapse(harness.model)
+    job = service.store.add(spec())
+    service.store.start(job["id"])  # the process dies while the job runs
+    harness.crash()
+
+    service = harness.start()
+    retried = final(service, job["id"])
+    assert retried["status"] == "promoted" and retried["attempts"] == 2
+    harness.crash()
+
+    service = harness.start()  # a job interrupted as often as allowed is failed, not run forever
+    other = service.store.add(spec(routers=[OTHER]))
+    service.store.start(other["id"])
+    service.store.start(other["id"])
+    harness.crash()
+    service = harness.start()
+    failed = final(service, other["id"])
+    assert failed["status"] == "failed"
+    assert failed["result"]["error"] == "interrupted 2 times by a restart (max_attempts 2)"
+    service.stop()
+
+
+def test_a_job_late_beyond_the_misfire_grace_time_is_failed_not_forgotten(tmp_path) -> None:
+    harness = Harness(tmp_path, misfire_grace_seconds=1)
+    service = harness.start()
+    service.scheduler.pause()
+    job_id = service.submit(spec())["id"]
+    harness.crash()
+    time.sleep(2.2)
+    service = harness.start()
+    job = final(service, job_id)
+    assert job["status"] == "failed" and job["result"]["error"].startswith("missed: the scheduler was down")
+    service.stop()
+
+
+def test_promotions_survive_a_restart(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    service = harness.start()
+    collapse(harness.model)
+    assert final(service, service.submit(spec())["id"])["status"] == "promoted"
+    promoted = router_state(harness.model)
+    service.stop()
+
+    harness.model = build("deepseek_v32")  # the server restarts and loads the model from disk ...
+    service = harness.start()  # ... and the promoted routers are put back
+    assert service.registry.live_version() == 1
+    live = router_state(harness.model)
+    assert all(torch.equal(live[name], promoted[name]) for name in promoted)
+    service.stop()
