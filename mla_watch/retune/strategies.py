@@ -78,7 +78,7 @@ class BiasStrategy(Strategy):
     name = "bias"
     options: ClassVar[dict[str, tuple[type, Any, Any, str]]] = {
         "gamma": (float, 0.05, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "steps": (int, 150, lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]"),
+        "steps": (int, 100, lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]"),
     }
 
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:

@@ -179,8 +179,8 @@ class Sidecar:
 
             self.engine.capture = record
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
-                          workdir=state / "retune-work", promote=lambda version: self.retune.promote(version), capture=capture, model_lock=self.engine.model_lock,
-                          model_ref=self.config.model)
+                          workdir=state / "retune-work", promote=lambda version: self.retune.promote(version),
+                          capture=capture, model_lock=self.engine.model_lock, model_ref=self.config.model)
         self.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
             model_lock=self.engine.model_lock, on_promoted=self._routers_changed, on_rejected=self._retune_rejected,

@@ -1,0 +1,198 @@
+"""Re-tuning in the running sidecar on the bundled model: a collapsed router pages on-call, the
+``bias`` job runs by itself on captured traffic, passes its gates, is promoted between forward
+passes and the alert resolves; a damaged router is fine-tuned (or the job is rejected and on-call
+told why), restored from the CLI and rolled back exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import get_metrics, metric_value, running_sidecar, wait_until
+from receivers import running_receiver
+
+import mla_watch
+from mla_watch.models import corpus
+from mla_watch.models.train import perplexity
+from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.retune.registry import router_state
+
+pytestmark = pytest.mark.slow
+
+LAYER1 = "model.layers.1.mlp.gate"
+TOKEN = "retune-test-token"
+RULES = """
+receivers:
+  - name: oncall
+    type: alertmanager_webhook
+    url: ${MLA_WATCH_ONCALL_URL}
+    group_by: [alertname, router, layer, business_line]
+rules:
+  - alert: RoutingEntropyLow
+    metric: entropy_bits
+    select: {kind: expert}
+    below: %(below)s
+    resolve_above: %(resolve)s
+    for: 0s
+    min_tokens: 64
+    severity: critical
+    actions: [notify, retune]
+    retune_strategy: [%(strategies)s]
+"""
+
+
+def write_rules(directory: Path, strategies: str, below: float = 5.0, resolve: float = 5.2) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "routing.yaml").write_text(RULES % {"strategies": strategies, "below": below, "resolve": resolve})
+    return directory
+
+
+def traffic(url: str, requests: int, start: int = 0, tokens: int = 60) -> None:
+    for index in range(start, start + requests):
+        response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": "code_assistant"},
+                              json={"prompt": f"def parse_invoice_{index}(", "max_tokens": tokens, "seed": index})
+        assert response.status_code == 200, response.text
+
+
+def alerts_for(receiver, alertname: str, status: str, router: str = LAYER1) -> list[dict]:
+    return [alert for request in list(receiver.requests) for alert in request.json()["alerts"]
+            if alert["status"] == status and alert["labels"]["alertname"] == alertname
+            and alert["labels"]["router"] == router]
+
+
+def last_job(url: str) -> dict:
+    jobs = httpx.get(url + "/v1/retune/jobs").json()["jobs"]
+    return jobs[0] if jobs else {"status": "none"}
+
+
+def finished_job(url: str, timeout: float = 400) -> dict:
+    assert wait_until(lambda: last_job(url)["status"] in ("promoted", "rejected", "failed"), timeout=timeout,
+                      interval=0.5), last_job(url)
+    return last_job(url)
+
+
+def held_out_texts() -> list[list[int]]:
+    _, tokenizer = mla_watch.load_model("bundled", device="cpu")
+    return [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+            for text in corpus.generate("code", 24, seed=777)]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", *args], capture_output=True, text=True,
+                          env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN}, timeout=300, check=False)
+
+
+def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves(tmp_path, monkeypatch) -> None:
+    with running_receiver() as receiver:
+        monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
+        rules = write_rules(tmp_path / "rules", "bias")
+        settings = RetuneSettings(min_samples=12)
+        with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
+                             state_dir=tmp_path / "state") as (url, sidecar):
+            traffic(url, 14)  # captured: the job's data
+            model = sidecar.engine.model
+            with torch.no_grad():
+                model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0  # six experts win everything
+            traffic(url, 2, start=14)
+            assert wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "firing"), timeout=30)
+
+            job = finished_job(url)
+            assert job["status"] == "promoted", job["result"]
+            assert job["spec"]["trigger"]["source"] == "alert"
+            assert job["spec"]["trigger"]["alertname"] == "RoutingEntropyLow"
+            assert job["spec"]["routers"] == [LAYER1] and job["spec"]["business_line"] == "code_assistant"
+            (attempt,) = job["result"]["attempts"]
+            gates = attempt["gates"]
+            assert gates["band"] == {"metric": "entropy_bits", "low": 5.2, "high": None}
+            assert gates["before"]["entropy_bits"][LAYER1] < 3.0 and gates["after"]["entropy_bits"][LAYER1] >= 5.2
+            assert gates["after"]["perplexity"] <= gates["before"]["perplexity"] + 0.3
+            assert job["result"]["timings"]["trigger_to_promoted_seconds"] > 0
+            versions = httpx.get(url + "/v1/retune/versions").json()
+            assert versions["live"] == job["result"]["version"] == 1
+            manifest = versions["versions"][1]
+            assert manifest["strategy"] == "bias" and manifest["tensors"] == [f"{LAYER1}.e_score_correction_bias"]
+            assert manifest["data"]["source"] == "capture" and manifest["data"]["business_line"] == "code_assistant"
+
+            # Within +0.3 of the healthy model, on held-out code the job never saw.
+            sequences = held_out_texts()
+            healthy, _ = mla_watch.load_model("bundled", device="cpu")
+            with torch.no_grad(), sidecar.engine.model_lock:
+                promoted = perplexity(model, sequences)
+            with torch.no_grad():
+                assert promoted <= perplexity(healthy, sequences) + 0.3
+
+            traffic(url, 6, start=16)
+            assert wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "resolved"), timeout=30)
+            text = get_metrics(url)
+            assert metric_value(text, "mla_watch_retune_jobs_total", strategy="bias", outcome="promoted") == 1
+            assert metric_value(text, "mla_watch_router_promotions_total", kind="promote") == 1
+            assert metric_value(text, "mla_watch_router_version") == 1
+            assert metric_value(text, "mla_watch_retune_captured_samples_total", business_line="code_assistant") == 22
+            assert "parse_invoice" not in text  # captured prompts never reach metrics
+
+
+def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_cli(tmp_path, monkeypatch) -> None:
+    with running_receiver() as receiver:
+        monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
+        rules = write_rules(tmp_path / "rules", "router_finetune", below=5.4, resolve=5.5)
+        settings = RetuneSettings(min_samples=12)
+        with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
+                             admin_token=TOKEN, state_dir=tmp_path / "state") as (url, sidecar):
+            traffic(url, 14)
+            model = sidecar.engine.model
+            healthy = router_state(model)
+            weight = model.model.layers[1].mlp.gate.weight
+            with torch.no_grad():  # a bad deploy: noise on one router's weights
+                weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)))
+            damaged = router_state(model)
+            traffic(url, 5, start=14)
+            assert wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "firing"), timeout=30)
+
+            job = finished_job(url)
+            assert job["status"] in ("promoted", "rejected"), job["result"]
+            (attempt,) = job["result"]["attempts"]
+            assert attempt["strategy"] == "router_finetune"
+            details = httpx.get(url + "/v1/retune/versions").json()["versions"][attempt["version"]]["details"]
+            assert details["lr"] == 1e-4 and details["epochs"] == 2 and details["routers"] == [LAYER1]
+            if job["status"] == "rejected":  # on-call hears why, with the figures; nothing changed
+                assert wait_until(lambda: alerts_for(receiver, "RouterRetuneRejected", "firing"), timeout=30)
+                (notice,) = alerts_for(receiver, "RouterRetuneRejected", "firing")
+                assert notice["labels"]["job"] == job["id"]
+                assert "router_finetune: rejected (perplexity" in notice["annotations"]["description"]
+                assert "outside the band" in notice["annotations"]["description"]
+                assert all(torch.equal(router_state(model)[name], damaged[name]) for name in damaged)
+            else:
+                gates = attempt["gates"]
+                assert gates["passed"] and gates["after"]["entropy_bits"][LAYER1] >= 5.5
+            before_restore = router_state(model)
+
+            refused = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
+                          "--business-line", "code_assistant", "--wait", "120")
+            assert refused.returncode != 0 and "cooldown is 3600 s" in refused.stderr
+            restored = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
+                           "--business-line", "code_assistant", "--wait", "120", "--force")
+            assert restored.returncode == 0, restored.stdout + restored.stderr
+            assert "promoted" in restored.stdout
+            live = router_state(model)
+            assert all(torch.equal(live[name], healthy[name]) for name in healthy)  # version 0, bit for bit
+
+            listing = cli("list", "--url", url, "--json")
+            assert [job["status"] for job in json.loads(listing.stdout)][:2] == ["promoted", job["status"]]
+            version = httpx.get(url + "/v1/retune/versions").json()["live"]
+            shown = json.loads(cli("show", "--url", url, "--version", str(version)).stdout)
+            assert shown["strategy"] == "restore" and shown["live"] is True and shown["details"]["restored_from"] == 0
+
+            rolled = cli("rollback", "--url", url)
+            assert rolled.returncode == 0, rolled.stderr
+            live = router_state(model)
+            assert all(torch.equal(live[name], before_restore[name]) for name in before_restore)  # exact
+            assert metric_value(get_metrics(url), "mla_watch_router_promotions_total", kind="rollback") == 1
+            nothing = cli("rollback", "--url", url) if job["status"] == "rejected" else None
+            if nothing is not None:
+                assert nothing.returncode != 0 and "nothing to roll back" in nothing.stderr
