@@ -23,6 +23,8 @@ def test_check_lints_the_shipped_rules_against_the_bundled_model(capsys, monkeyp
         assert (f"above 6.5 bits can never fire on model.layers.{layer}.mlp.gate: its ceiling is log2 64 = 6.000 bits"
                 in out)
     assert "ok: policy code_assistant" in out and "0 error(s)" in out
+    for strategy in ("bias", "router_finetune", "restore"):  # the bundled model supports every strategy
+        assert f"ok: re-tune strategy {strategy} is supported" in out
 
 
 def test_check_fails_on_a_broken_rule_file(tmp_path, capsys) -> None:

@@ -1,0 +1,76 @@
+"""The re-tuning HTTP API: read endpoints, admin authorisation, and errors that name the bad input."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import running_sidecar
+
+TOKEN = "api-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory):
+    with running_sidecar(admin_token=TOKEN, state_dir=tmp_path_factory.mktemp("state")) as running:
+        yield running
+
+
+def error(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+def test_read_endpoints_show_jobs_and_versions(sidecar) -> None:
+    url, _ = sidecar
+    assert httpx.get(url + "/v1/retune/jobs").json() == {"jobs": []}
+    versions = httpx.get(url + "/v1/retune/versions").json()
+    assert versions["live"] == 0 and versions["last_good"] == 0
+    assert versions["versions"][0]["source"] == "initial" and len(versions["versions"][0]["tensors"]) == 6  # weight + bias of 3 routers
+    bad = httpx.get(url + "/v1/retune/jobs?limit=0")
+    assert bad.status_code == 400 and error(bad)["message"] == "limit='0' is invalid: expected an integer in [1, 1000]"
+    missing = httpx.get(url + "/v1/retune/jobs/nope")
+    assert missing.status_code == 404 and error(missing)["message"] == "no re-tune job with id 'nope'"
+
+
+def test_admin_calls_need_the_token(sidecar) -> None:
+    url, _ = sidecar
+    assert httpx.post(url + "/admin/retune", json={}).status_code == 401
+    assert httpx.post(url + "/admin/retune/rollback", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"route": ["x"]}, "route", "unknown field(s) ['route']: expected some of"),
+    ({"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"}, None,
+     "strategies=['magic']: expected a non-empty list of ['bias', 'restore', 'router_finetune']"),
+    ({"routers": ["model.layers.9.mlp.gate"]}, None, "routers=['model.layers.9.mlp.gate']: expected expert routers"),
+    ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers='model.layers.1.mlp.gate' is invalid: expected a list"),
+    ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
+    ({"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"}, "dataset",
+     "dataset='/nonexistent.jsonl' is invalid: expected the path of a JSONL file"),
+    ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", "rule='Nope' is not a loaded rule"),
+    ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", "force='yes' is invalid: expected true"),
+    ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", "options={'bias': 3} is invalid"),
+])
+def test_bad_retune_requests_name_what_is_wrong(sidecar, body, param, message) -> None:
+    url, _ = sidecar
+    response = httpx.post(url + "/admin/retune", json=body, headers=AUTH)
+    assert response.status_code == 400, response.text
+    assert message in error(response)["message"]
+    if param is not None:
+        assert error(response)["param"] == param
+
+
+def test_promote_and_rollback_errors(sidecar) -> None:
+    url, _ = sidecar
+    missing = httpx.post(url + "/admin/retune/promote", json={"version": 99}, headers=AUTH)
+    assert missing.status_code == 400 and "router version 99" in error(missing)["message"]
+    bad = httpx.post(url + "/admin/retune/promote", json={"version": "one"}, headers=AUTH)
+    assert bad.status_code == 400 and error(bad)["message"] == "version='one' is invalid: expected a router version number"
+    nothing = httpx.post(url + "/admin/retune/rollback", headers=AUTH)
+    assert nothing.status_code == 409 and "nothing to roll back to (promotion stack [0])" in error(nothing)["message"]
+
+
+def test_a_proxying_sidecar_has_no_model_to_retune(tmp_path) -> None:
+    with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path) as (url, _):
+        response = httpx.get(url + "/v1/retune/jobs")
+        assert response.status_code == 503 and "re-tuning needs a local model" in error(response)["message"]
