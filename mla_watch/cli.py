@@ -139,7 +139,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
                                 max_perplexity_increase=args.max_perplexity_increase,
-                                min_samples=args.retune_min_samples)
+                                min_samples=args.retune_min_samples,
+                                strategy_options=_parse_options(args.retune_option))
+        from mla_watch.retune.strategies import get_strategy
+
+        for name, options in retune.strategy_options.items():
+            get_strategy(name).parse_options(options, f"--retune-option {name}")
     except ValueError as error:
         raise SystemExit(f"mla-watch serve: {error}") from error
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
@@ -384,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between two re-tune jobs of one router (default 3600)")
     serve.add_argument("--max-perplexity-increase", type=float, default=0.3,
                        help="quality gate: perplexity may rise at most this much (default 0.3)")
+    serve.add_argument("--retune-option", action="append", default=[],
+                       help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
     serve.add_argument("--retune-min-samples", type=int, default=16,
                        help="samples a re-tune job needs at least (default 16)")
     serve.set_defaults(handler=_cmd_serve)

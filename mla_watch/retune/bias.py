@@ -26,7 +26,7 @@ from mla_watch.probe import attach, discover_routers
 from mla_watch.retune.registry import router_modules
 from mla_watch.routing import entropy_bits
 
-__all__ = ["BIAS_NAME", "BiasRefitResult", "refit_bias", "supports_bias"]
+__all__ = ["BIAS_NAME", "BiasRefitResult", "copy_without_hooks", "refit_bias", "supports_bias"]
 
 BIAS_NAME = "e_score_correction_bias"
 
@@ -56,7 +56,7 @@ class BiasRefitResult:
                 "after_bits": dict(self.after_bits)}
 
 
-def _copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
+def copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)`` with every module's hook dicts replaced by empty ones.
 
     A live model usually carries a probe's hooks (bound methods of an object holding locks,
@@ -125,7 +125,7 @@ def refit_bias(
     if not batches:
         raise ValueError("refit_bias(): no batches")
 
-    work = _copy_without_hooks(model).eval()
+    work = copy_without_hooks(model).eval()
     modules = router_modules(work)
     biases = {name: getattr(modules[name], BIAS_NAME) for name in selected}
     fitted = {name: bias.detach().to(torch.float32, copy=True) for name, bias in biases.items()}

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from mla_watch.probe import attach, discover_routers
-from mla_watch.retune.bias import BIAS_NAME, _copy_without_hooks
+from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
 from mla_watch.retune.registry import router_modules
 from mla_watch.routing import entropy_bits
 
@@ -262,7 +262,7 @@ def finetune_routers(
     if not batches:
         raise ValueError("finetune_routers(): no batches")
 
-    work = _copy_without_hooks(model).eval()
+    work = copy_without_hooks(model).eval()
     device = next(work.parameters()).device
     inputs = [_inputs(batch, position, device) for position, batch in enumerate(batches)]
     modules = router_modules(work)

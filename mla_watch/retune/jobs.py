@@ -38,6 +38,8 @@ class RetuneSettings:
     command_timeout: float = 6 * 3600.0
     misfire_grace_seconds: float = 24 * 3600.0  # APScheduler's default (1 s) silently skips late jobs
     max_attempts: int = 2  # tries of a job interrupted by a restart before it is failed
+    # Server-wide strategy options (e.g. {"router_finetune": {"lr": 1e-3}}); a job's own options win.
+    strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = {

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from mla_watch.retune.bias import _copy_without_hooks
+from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.data import DatasetError, TrafficCapture, load_jsonl_dataset, make_batches, split_held_out
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
@@ -100,7 +100,8 @@ class Retuner:
                 continue
             mark = self._clock()
             try:
-                options = strategy.parse_options(spec.options.get(name, {}), f"options.{name}")
+                options = strategy.parse_options({**self.settings.strategy_options.get(name, {}),
+                                                  **spec.options.get(name, {})}, f"options.{name}")
                 candidate = self._fit(spec, name, options, train, train_batches)
             except Exception as error:  # one strategy failing must not stop the next one
                 log.exception("re-tune job %s: strategy %s failed", spec.id, name)
@@ -170,9 +171,9 @@ class Retuner:
 
     def _copy_live(self) -> torch.nn.Module:
         if self._model_lock is None:
-            return _copy_without_hooks(self.model).eval()
+            return copy_without_hooks(self.model).eval()
         with self._model_lock:  # a consistent snapshot even if a promotion is under way
-            return _copy_without_hooks(self.model).eval()
+            return copy_without_hooks(self.model).eval()
 
     def _fit(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[list[int]],
              batches: list[Any]) -> Candidate:
