@@ -336,6 +336,16 @@ def _cmd_retune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import logging
+
+    from mla_watch.demo import main as demo
+
+    logging.basicConfig(level=logging.ERROR)
+    return demo(args.out, live=not args.no_live and sys.stdout.isatty(), timeout=args.timeout,
+                inject_fault=not args.no_fault)
+
+
 def _traffic_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -408,6 +418,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--rules", type=Path, default=SHIPPED_RULES)
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
     export.set_defaults(handler=_cmd_rules_export)
+
+    demo = commands.add_parser("demo", help="the whole loop in a few minutes, offline, on the bundled model")
+    demo.add_argument("--out", type=Path, default=Path("mla-watch-demo"),
+                      help="where timeline.png and summary.json go (default ./mla-watch-demo)")
+    demo.add_argument("--no-live", action="store_true", help="print progress lines instead of the live view")
+    demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
+    demo.set_defaults(handler=_cmd_demo)
 
     retune = commands.add_parser("retune", help="router re-tuning jobs and versions of a running sidecar")
     retune_commands = retune.add_subparsers(dest="retune_command", required=True)
