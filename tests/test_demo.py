@@ -38,3 +38,23 @@ def test_the_demo_fails_loudly_when_a_step_does_not_happen(tmp_path) -> None:
     assert run.returncode == 1
     assert "FAILED, these steps did not happen: fault injected, on-call paged, re-tune promoted" in run.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["ok"] is False
+
+
+def test_the_live_view_renders_routers_policy_changes_alerts_and_the_job() -> None:
+    from rich.console import Console
+
+    from mla_watch.demo import _View
+
+    view = _View(live=False)
+    view.state.update(phase="waiting for the page", requests={"code_assistant/code 200": 3},
+                      bits={"model.layers.1.mlp.gate": 3.1, "model.layers.2.mlp.gate": 5.95},
+                      adjustments=["code_assistant/code: temperature 0.9 -> 0.3"],
+                      alerts=["firing: Routing entropy 3.10 bits on model.layers.1.mlp.gate (all lines)"],
+                      job={"id": "j1", "status": "promoted", "spec": {"strategies": ["bias", "restore"]},
+                           "result": {"strategy": "bias", "version": 1}})
+    console = Console(record=True, width=140)
+    console.print(view.render())
+    text = console.export_text()
+    for expected in ("waiting for the page", "model.layers.1.mlp.gate", "3.100", "temperature 0.9 -> 0.3",
+                     "firing: Routing entropy", "job j1: promoted bias -> router version 1"):
+        assert expected in text
