@@ -2,6 +2,7 @@
 
     python bench/detection.py                          # about five minutes on 2 CPU cores
     python bench/detection.py --healthy-tokens 40000   # a longer healthy replay
+    python bench/detection.py --json figures.json      # also write the figures as JSON
 
 Replays held-out traffic of all four business lines through the bundled model with the probe
 attached (rolling windows of 512 tokens per line), evaluates the shipped rules (rules/) after
@@ -15,6 +16,7 @@ scaled to the replay (0 s), since the replay runs faster than wall-clock traffic
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -60,7 +62,13 @@ def pages(receiver, router: str | None = None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--healthy-tokens", type=int, default=20000)
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
+    figures: dict = {"bench": "detection", "args": vars(args), "collapsed_router": COLLAPSED_ROUTER}
+
+    def write_json() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
     model, tokenizer = mla_watch.load_model("bundled", device="cpu")
     probe = mla_watch.attach(model, window_tokens=512)
@@ -84,6 +92,10 @@ def main() -> None:
         for alert in false_alarms[:5]:
             print(f"  {alert['labels']['alertname']} {alert['labels'].get('router')} "
                   f"{alert['labels'].get('business_line')}: {alert['annotations'].get('summary')}")
+        figures.update(healthy_tokens=tokens, healthy_seconds=seconds, false_alarms=len(false_alarms),
+                       false_alarm_alerts=[{"alertname": a["labels"]["alertname"], "router": a["labels"].get("router"),
+                                            "business_line": a["labels"].get("business_line")}
+                                           for a in false_alarms])
 
         gate = dict(model.named_modules())[COLLAPSED_ROUTER]
         with torch.no_grad():
@@ -94,8 +106,10 @@ def main() -> None:
             stop_when=lambda rx: any(a["labels"]["alertname"] == "RoutingEntropyLow"
                                      for a in pages(rx, COLLAPSED_ROUTER)),
         )
+        figures.update(detected=detected, tokens_after_onset=tokens, seconds_after_onset=seconds)
         if not detected:
             print(f"collapse of {COLLAPSED_ROUTER}: NOT detected within {tokens} tokens")
+            write_json()
             return
         first = next(a for a in pages(receiver, COLLAPSED_ROUTER) if a["labels"]["alertname"] == "RoutingEntropyLow")
         others = {a["labels"]["alertname"] for a in pages(receiver, COLLAPSED_ROUTER)}
@@ -104,6 +118,9 @@ def main() -> None:
               f"(all lines together; rolling windows of 512 tokens per line)")
         print(f"  pages for that router so far: {sorted(others)}; requests to the receiver since onset: "
               f"{len(receiver.requests) - onset_requests}")
+        figures.update(first_page_business_line=first["labels"]["business_line"], router_pages=sorted(others),
+                       receiver_requests_since_onset=len(receiver.requests) - onset_requests)
+        write_json()
 
 
 if __name__ == "__main__":

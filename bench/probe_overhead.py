@@ -3,6 +3,7 @@
     python bench/probe_overhead.py                       # bundled model and a ~100M config
     python bench/probe_overhead.py --alternations 21 --tokens 48
     python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
+    python bench/probe_overhead.py --json figures.json   # also write the figures as JSON
 
 Each alternation times greedy decoding of the same prompt three ways, in a shuffled order,
 in one process: no hooks (the anchor), mla_watch's probe, and the naive hook the DESIGN
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import DeepseekV32ForCausalLM
@@ -88,7 +91,7 @@ def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int
     return statistics.median(bare), statistics.median(added), quartiles[0], quartiles[2]
 
 
-def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> None:
+def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> dict:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(3, model.config.vocab_size, (1, 24), generator=generator).to(device)
@@ -131,6 +134,16 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
     forward, added, low, high = paired_forward_cost(model, prompt, pairs=max(100, 20 * alternations))
     print(f"  one 8-token forward pass: {forward * 1e3:.2f} ms without hooks; the probe adds "
           f"{added * 1e6:.0f} us (quartiles {low * 1e6:.0f} to {high * 1e6:.0f} us) = x{1 + added / forward:.4f}")
+    figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
+               "alternations": alternations, "tokens_per_s_none": throughput,
+               "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
+               "probe_memory_bytes": probe_memory, "forward_ms": forward * 1e3, "forward_probe_added_us": added * 1e6,
+               "forward_probe_added_quartiles_us": [low * 1e6, high * 1e6], "forward_ratio": 1 + added / forward}
+    for mode in ("probe", "naive"):
+        values = ratios[mode]
+        figures[f"{mode}_ratio"] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                                    "values": values}
+    return figures
 
 
 def main() -> None:
@@ -140,16 +153,21 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--only", choices=["bundled", "large"])
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    models: dict[str, dict] = {}
     if args.only in (None, "bundled"):
         model, _ = mla_watch.load_model("bundled", device=args.device)
-        measure("bundled model", model.to(dtype), args.alternations, args.tokens, seed=1)
+        models["bundled"] = measure("bundled model", model.to(dtype), args.alternations, args.tokens, seed=1)
     if args.only in (None, "large"):
         torch.manual_seed(0)
         config = bundled_config(2048, pad_token_id=0, bos_token_id=1, eos_token_id=2, **LARGE)
         model = DeepseekV32ForCausalLM(config).to(args.device, dtype).eval()
-        measure("random-init DeepSeek-V3.2 config", model, args.alternations, args.tokens, seed=2)
+        models["large"] = measure("random-init DeepSeek-V3.2 config", model, args.alternations, args.tokens, seed=2)
+    if args.json:
+        figures = {"bench": "probe_overhead", "args": vars(args), "models": models}
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/retune.py                 # three scenarios, about five minutes on 2 CPU cores
     python bench/retune.py --scenario bias
+    python bench/retune.py --json figures.json   # also write the figures as JSON
 
 Each scenario starts a real sidecar on the bundled model (traffic capture on, a loopback webhook
 receiver as on-call), sends healthy code-assistant traffic, injects a fault into MoE layer 1,
@@ -28,6 +29,7 @@ job's gates measured for the (last) candidate on the held-out part of the captur
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -124,12 +126,13 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
             figures = {"strategy": strategy, "fault": fault, "bits_healthy": layer1_bits(url), "ppl_healthy": ppl()}
             with sidecar.engine.model_lock:
                 inject(model, fault)
+            figures["ppl_fault"] = ppl()  # now: a fast job (restore) may be done by the time the alert fires
             fault_at = time.monotonic()
             sent = 14
             while alert_state(url) != "firing" and sent < 40:
                 send(url, 1, sent)
                 sent += 1
-            figures.update(bits_fault=layer1_bits(url), ppl_fault=ppl())
+            figures["bits_fault"] = layer1_bits(url)
             assert wait_until(lambda: sidecar.retune.store.list(limit=1) and sidecar.retune.store.list(limit=1)[0][
                 "status"] in ("promoted", "rejected", "failed"), timeout=900, interval=0.2)
             job = sidecar.retune.store.list(limit=1)[0]
@@ -148,6 +151,7 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=list(SCENARIOS), action="append")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
     held_out = [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -167,6 +171,10 @@ def main() -> None:
               f"{seconds(row['fault_to_resolved_s']):>18}{bits:>26}{ppl:>25}"
               f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
               f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
+    if args.json:
+        scenarios = [{**row, "ppl_after_over_healthy": row["ppl_after"] / row["ppl_healthy"]} for row in rows]
+        Path(args.json).write_text(json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios},
+                                              indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python bench/rule_eval.py                 # 200 evaluations
     python bench/rule_eval.py --evaluations 1000
+    python bench/rule_eval.py --json figures.json   # also write the figures as JSON
 
 Builds a RuleSet of six rules that all select every router (2,880 instance checks per
 evaluation) and 480 statistics records, then times ``AlertEngine.evaluate`` with
@@ -16,6 +17,7 @@ default; ``--state`` adds runs that persist to a temporary file as the server do
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -70,7 +72,7 @@ def records(step: int, scenario: str) -> list[dict[str, Any]]:
     return out
 
 
-def run(scenario: str, evaluations: int, state: bool) -> None:
+def run(scenario: str, evaluations: int, state: bool) -> dict[str, Any]:
     now = [1_700_000_000.0]
     with tempfile.TemporaryDirectory() as tmp:
         engine = AlertEngine(rules(), clock=lambda: now[0], state_path=Path(tmp) / "alerts.json" if state else None)
@@ -93,6 +95,9 @@ def run(scenario: str, evaluations: int, state: bool) -> None:
           f"{evaluations} evaluations, {actions / evaluations:.0f} actions per evaluation, {firing} firing at the end")
     print(f"  median CPU time per evaluation: {median:.2f} ms (min {ms[0]:.2f}, p90 {ms[int(0.9 * len(ms))]:.2f}, "
           f"max {ms[-1]:.2f}); goal < {GOAL_MS:.0f} ms: {'met' if median < GOAL_MS else 'NOT met'}")
+    return {"scenario": scenario, "state_file": state, "checks": checks, "evaluations": evaluations,
+            "actions_per_evaluation": actions / evaluations, "firing_at_end": firing, "median_ms": median,
+            "min_ms": ms[0], "p90_ms": ms[int(0.9 * len(ms))], "max_ms": ms[-1], "goal_ms": GOAL_MS}
 
 
 def main() -> None:
@@ -100,11 +105,16 @@ def main() -> None:
     parser.add_argument("--evaluations", type=int, default=200)
     parser.add_argument("--scenario", choices=("steady", "churn", "both"), default="both")
     parser.add_argument("--state", action="store_true", help="also persist state to a temporary file, as served")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
+    runs = []
     for scenario in ("steady", "churn") if args.scenario == "both" else (args.scenario,):
-        run(scenario, args.evaluations, state=False)
+        runs.append(run(scenario, args.evaluations, state=False))
         if args.state:
-            run(scenario, args.evaluations, state=True)
+            runs.append(run(scenario, args.evaluations, state=True))
+    if args.json:
+        figures = {"bench": "rule_eval", "args": vars(args), "runs": runs}
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

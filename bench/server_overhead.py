@@ -2,6 +2,7 @@
 
     python bench/server_overhead.py                 # about two minutes on 2 CPU cores
     python bench/server_overhead.py --requests 400
+    python bench/server_overhead.py --json figures.json   # also write the figures as JSON
 
 The sidecars run as their own processes (``mla-watch serve``), as in production; the
 in-process baseline runs in this one. One run, alternating the variants request by request
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import json
 import socket
 import statistics
 import subprocess
@@ -86,6 +88,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--load-requests", type=int, default=64)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
 
     with sidecar_process() as (url, upstream), sidecar_process("--upstream", url) as (proxy_url, _):
@@ -146,6 +149,23 @@ def main() -> None:
         print(f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
               f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
               f"statuses {sorted(set(statuses))}; sidecar peak RSS {peak:.0f} MiB")
+
+    if args.json:  # milliseconds throughout
+        figures = {
+            "bench": "server_overhead", "args": vars(args),
+            "enforce_ms": {"p50": p50 * 1e3, "p99": p99 * 1e3},
+            "in_process_ms": {"p50": a50 * 1e3, "p99": a99 * 1e3},
+            "sidecar_ms": {"p50": b50 * 1e3, "p99": b99 * 1e3},
+            "proxy_ms": {"p50": c50 * 1e3, "p99": c99 * 1e3},
+            "sidecar_added_ms": {"p50": (b50 - a50) * 1e3, "p99": (b99 - a99) * 1e3},
+            "sidecar_ratio_p50": b50 / a50,
+            "proxy_added_ms": {"p50": (c50 - b50) * 1e3, "p99": (c99 - b99) * 1e3},
+            "proxy_ratio_p50": c50 / b50,
+            "throughput": {"clients": args.clients, "requests": args.load_requests,
+                           "requests_per_s": len(statuses) / elapsed, "tokens_per_s": tokens / elapsed,
+                           "statuses": sorted(set(statuses)), "sidecar_peak_rss_mib": peak},
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":

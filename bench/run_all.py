@@ -1,0 +1,361 @@
+"""Run every benchmark of the project and print one table of figures against their anchors.
+
+    python bench/run_all.py                        # quick arguments, 4-10 minutes on 2 shared CPU cores
+    python bench/run_all.py --full                 # the README's arguments (the "Measured" section)
+    python bench/run_all.py --only rule_eval --only detection
+    python bench/run_all.py --json table.json      # also write the whole table (and raw figures) as JSON
+
+Each bench script runs as its own process (``sys.executable bench/NAME.py ... --json TMP``), one
+after the other; its figures are read back from the JSON it writes, its printed output goes to a
+log file (``--logs DIR`` keeps them; ``--verbose`` shows it as it runs). Every row gives the
+benchmark, the figure, the measured value, the anchor it is compared with, the goal where the
+README states one (with met / NOT met), and the command that reruns that benchmark alone. If a
+bench fails, its rows say so, the others still run, and the exit status is 1 at the end.
+
+The quick arguments are smaller than the README's (fewer alternations, requests, tokens,
+scenarios), so their figures are noisier; ``--full`` regenerates the README's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+Figures = dict[str, Any]
+
+
+@dataclass
+class Spec:
+    """One row of the table: how to read its value (and whether the goal is met) from a bench's figures."""
+
+    figure: str
+    anchor: str
+    value: Callable[[Figures], str]
+    goal: str = ""
+    met: Callable[[Figures], bool] | None = None
+
+
+@dataclass
+class Bench:
+    name: str
+    quick: list[str]
+    full: list[str]
+    specs: Callable[[list[str]], list[Spec]]  # the rows a run with these arguments produces
+
+
+@dataclass
+class Row:
+    benchmark: str
+    figure: str
+    value: str
+    anchor: str
+    goal: str
+    command: str
+    ok: bool = True
+
+
+@dataclass
+class Result:
+    name: str
+    command: str
+    rc: int | None = None
+    wall_s: float = 0.0
+    error: str | None = None
+    log: str | None = None
+    figures: Figures | None = field(default=None, repr=False)
+
+
+def x(value: float, digits: int = 3) -> str:
+    return f"x{value:.{digits}f}"
+
+
+def arg_values(args: list[str], option: str) -> list[str]:
+    return [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == option]
+
+
+# -- probe_overhead ------------------------------------------------------------------------------------------------
+
+PROBE_MODELS = {"bundled": "bundled 3.1M", "large": "V3.2 config 98.8M"}
+
+
+def probe_specs(args: list[str]) -> list[Spec]:
+    models = arg_values(args, "--only") or list(PROBE_MODELS)
+    specs = []
+    for key in models:
+        label = PROBE_MODELS[key]
+
+        def ratio(figures: Figures, mode: str, key: str = key) -> str:
+            r = figures["models"][key][f"{mode}_ratio"]
+            return f"{x(r['median'])} median (spread {r['min']:.2f}-{r['max']:.2f}, {len(r['values'])} alternations)"
+
+        def forward(figures: Figures, key: str = key) -> str:
+            m = figures["models"][key]
+            return f"{x(m['forward_ratio'])} ({m['forward_probe_added_us']:+.0f} us on {m['forward_ms']:.1f} ms)"
+
+        goal_met = (lambda f, key=key: f["models"][key]["probe_ratio"]["median"] <= 1.01) if key == "bundled" else None
+        specs += [
+            Spec(f"{label}: decode time ratio, probe / no probe", "no hooks, same prompt and alternation",
+                 lambda f, ratio=ratio: ratio(f, "probe"), "<= +1% (x1.01)" if key == "bundled" else "", goal_met),
+            Spec(f"{label}: decode time ratio, naive hook / no probe", "no hooks, same prompt and alternation",
+                 lambda f, ratio=ratio: ratio(f, "naive")),
+            Spec(f"{label}: 8-token forward pass, probe / no probe", "unwatched copy, adjacent pairs (median)",
+                 forward),
+            Spec(f"{label}: probe memory", "absolute (device counters + host window)",
+                 lambda f, key=key: f"{f['models'][key]['probe_memory_bytes'] / 1024:.0f} KiB"),
+        ]
+    return specs
+
+
+# -- server_overhead -----------------------------------------------------------------------------------------------
+
+def server_specs(args: list[str]) -> list[Spec]:
+    def enforce(f: Figures) -> str:
+        return f"{f['enforce_ms']['p99']:.3f} ms (p50 {f['enforce_ms']['p50']:.3f} ms)"
+
+    def sidecar(f: Figures) -> str:
+        a, b = f["in_process_ms"]["p50"], f["sidecar_ms"]["p50"]
+        return f"{x(f['sidecar_ratio_p50'])} ({b:.1f} vs {a:.1f} ms, {b - a:+.1f} ms)"
+
+    def proxy(f: Figures) -> str:
+        b, c = f["sidecar_ms"]["p50"], f["proxy_ms"]["p50"]
+        return f"{f['proxy_added_ms']['p50']:+.2f} ms ({c:.1f} vs {b:.1f} ms, {x(f['proxy_ratio_p50'])})"
+
+    def throughput(f: Figures) -> str:
+        t = f["throughput"]
+        return (f"{t['requests_per_s']:.1f} req/s, {t['tokens_per_s']:.0f} tokens/s, statuses {t['statuses']}, "
+                f"peak RSS {t['sidecar_peak_rss_mib']:.0f} MiB")
+
+    return [
+        Spec("policy enforcement p99", "absolute: enforce() on a request that needs clamping", enforce,
+             "<= 1 ms at p99", lambda f: f["enforce_ms"]["p99"] <= 1.0),
+        Spec("1-token completion p50, sidecar / in-process", "in-process generate(), same attention, probe on",
+             sidecar),
+        Spec("proxy added p50", "straight to the upstream sidecar", proxy, "<= +2 ms at p50",
+             lambda f: f["proxy_added_ms"]["p50"] <= 2.0),
+        Spec("throughput, 8 clients x 16-token requests", "absolute", throughput),
+    ]
+
+
+# -- detection -----------------------------------------------------------------------------------------------------
+
+def detection_specs(args: list[str]) -> list[Spec]:
+    def delay(f: Figures) -> str:
+        if not f["detected"]:
+            return f"NOT detected within {f['tokens_after_onset']:,} tokens"
+        return f"{f['tokens_after_onset']:,} tokens ({f['seconds_after_onset']:.2f} s of replay)"
+
+    return [
+        Spec("detection delay, RoutingEntropyLow at the webhook", "fault onset (+10 bias, 6 experts, layer 2)", delay),
+        Spec("false alarms on healthy traffic", "held-out traffic of 4 lines, shipped rules, for: 0s",
+             lambda f: f"{f['false_alarms']} pages on {f['healthy_tokens']:,} tokens", "0",
+             lambda f: f["false_alarms"] == 0),
+    ]
+
+
+# -- rule_eval -----------------------------------------------------------------------------------------------------
+
+def rule_specs(args: list[str]) -> list[Spec]:
+    scenario = (arg_values(args, "--scenario") or ["both"])[-1]
+    scenarios = ("steady", "churn") if scenario == "both" else (scenario,)
+    about = {"steady": "no transitions", "churn": "hundreds of transitions"}
+    specs = []
+    for name in scenarios:
+        def run(f: Figures, name: str = name) -> Figures:
+            return next(r for r in f["runs"] if r["scenario"] == name and not r["state_file"])
+
+        specs.append(Spec(
+            f"rule evaluation, {name}: median CPU per evaluation", f"absolute: 2,880 checks, {about[name]}",
+            lambda f, run=run: (f"{run(f)['median_ms']:.2f} ms (p90 {run(f)['p90_ms']:.2f}, "
+                                f"{run(f)['actions_per_evaluation']:.0f} actions/eval)"),
+            "< 5 ms", lambda f, run=run: run(f)["median_ms"] < 5.0))
+    return specs
+
+
+# -- retune --------------------------------------------------------------------------------------------------------
+
+RETUNE_SCENARIOS = ("bias", "router_finetune", "restore")
+
+
+def retune_specs(args: list[str]) -> list[Spec]:
+    specs = []
+    for name in arg_values(args, "--scenario") or RETUNE_SCENARIOS:
+        def row(f: Figures, name: str = name) -> Figures:
+            return next(r for r in f["scenarios"] if r["strategy"] == name)
+
+        def promoted(f: Figures, row=row) -> str:
+            r = row(f)
+            if r["alert_to_promoted_s"] is None:
+                bits = r.get("candidate_bits")
+                return f"- ({r['outcome']}" + ("" if bits is None else f"; candidate {bits:.2f} bits on layer 1") + ")"
+            resolved = r["fault_to_resolved_s"]
+            return (f"{r['alert_to_promoted_s']:.1f} s ({r['outcome']}; fault -> resolved "
+                    f"{'-' if resolved is None else f'{resolved:.1f} s'})")
+
+        def ppl(f: Figures, row=row) -> str:
+            r = row(f)
+            return (f"{x(r['ppl_after_over_healthy'])} ({r['ppl_after']:.3f} / {r['ppl_healthy']:.3f}; "
+                    f"fault {r['ppl_fault']:.3f})")
+
+        specs += [
+            Spec(f"retune {name}: alert -> promoted", "the RoutingEntropyLow alert (job trigger)", promoted),
+            Spec(f"retune {name}: perplexity after / healthy", "healthy perplexity, 32 held-out code samples", ppl),
+        ]
+    return specs
+
+
+BENCHES = [
+    Bench("rule_eval", [], [], rule_specs),
+    Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
+          ["--alternations", "15", "--tokens", "48"], probe_specs),
+    Bench("server_overhead", ["--requests", "50", "--load-requests", "16"], ["--requests", "150"], server_specs),
+    Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
+    Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
+]
+
+
+def command_line(name: str, args: list[str]) -> str:
+    return " ".join(["python", f"bench/{name}.py", *args])
+
+
+def run_bench(bench: Bench, args: list[str], logs: Path, verbose: bool, timeout: float | None) -> Result:
+    result = Result(bench.name, command_line(bench.name, args))
+    out = logs / f"{bench.name}.json"
+    log = logs / f"{bench.name}.log"
+    result.log = str(log)
+    out.unlink(missing_ok=True)
+    argv = [sys.executable, str(ROOT / "bench" / f"{bench.name}.py"), *args, "--json", str(out)]
+    start = time.monotonic()
+    with log.open("w") as handle:
+        # Its own session, so that a timeout or Ctrl-C stops the sidecars it started as well.
+        output = {} if verbose else {"stdout": handle, "stderr": subprocess.STDOUT}
+        process = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, **output)
+        try:
+            result.rc = process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            result.error = f"timed out after {timeout:.0f} s"
+            stop(process)
+        except KeyboardInterrupt:
+            stop(process)
+            raise
+    result.wall_s = time.monotonic() - start
+    if result.error is None and result.rc != 0:
+        tail = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+        result.error = f"exit status {result.rc}" + (f": {tail[0][:160]}" if tail else "")
+    elif result.error is None:
+        try:
+            result.figures = json.loads(out.read_text())
+        except (OSError, ValueError) as error:
+            result.error = f"no JSON figures: {error}"
+    return result
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stop the bench's process group (the bench and the sidecars it started): TERM, then KILL."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def rows_for(bench: Bench, args: list[str], result: Result) -> list[Row]:
+    rows = []
+    for spec in bench.specs(args):
+        goal, ok = spec.goal, True
+        if result.figures is None:
+            value, ok = f"FAILED ({result.error})", False
+        else:
+            try:
+                value = spec.value(result.figures)
+                if spec.met is not None:
+                    goal = f"{spec.goal}: {'met' if spec.met(result.figures) else 'NOT met'}"
+            except StopIteration:
+                value, ok = "FAILED (not in the bench's figures)", False
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as error:
+                value, ok = f"FAILED (figure missing: {type(error).__name__} {error})", False
+        rows.append(Row(bench.name, spec.figure, value, spec.anchor, goal, result.command, ok))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    header = Row("benchmark", "figure", "value", "anchor", "goal", "command")
+    columns = ("benchmark", "figure", "value", "anchor", "goal", "command")
+    cells = [[getattr(row, column) for column in columns] for row in (header, *rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = []
+    for index, line in enumerate(cells):
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    names = [bench.name for bench in BENCHES]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the README's arguments instead of the quick ones")
+    parser.add_argument("--only", action="append", choices=names, metavar="NAME",
+                        help=f"run only this bench (repeatable): {', '.join(names)}")
+    parser.add_argument("--json", metavar="OUT", help="also write the whole table and every bench's figures as JSON")
+    parser.add_argument("--logs", metavar="DIR", help="keep each bench's output and JSON in DIR (default: discarded)")
+    parser.add_argument("--timeout", type=float, metavar="S", help="stop a bench that runs longer than S seconds")
+    parser.add_argument("--verbose", action="store_true", help="show each bench's output as it runs")
+    args = parser.parse_args()
+
+    selected = [bench for bench in BENCHES if not args.only or bench.name in args.only]
+    mode = "full" if args.full else "quick"
+    started = time.monotonic()
+    rows: list[Row] = []
+    results: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        if args.logs:
+            logs = Path(args.logs)
+            logs.mkdir(parents=True, exist_ok=True)
+        else:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mla-watch-bench-")))
+        for index, bench in enumerate(selected, 1):
+            bench_args = bench.full if args.full else bench.quick
+            print(f"[{index}/{len(selected)}] {command_line(bench.name, bench_args)}", file=sys.stderr, flush=True)
+            result = run_bench(bench, bench_args, logs, args.verbose, args.timeout)
+            status = "ok" if result.error is None else f"FAILED: {result.error}"
+            print(f"      {status} ({result.wall_s:.0f} s)", file=sys.stderr, flush=True)
+            if result.error is not None and not args.verbose:
+                tail = Path(result.log).read_text(errors="replace").splitlines()[-15:]
+                print("\n".join(f"      | {line}" for line in tail), file=sys.stderr, flush=True)
+            results.append(result)
+            rows += rows_for(bench, bench_args, result)
+    wall = time.monotonic() - started
+
+    print(f"mla_watch benchmarks, {mode} arguments{' (--full for the README figures)' if not args.full else ''}; "
+          f"one run each, wall time {wall:.0f} s")
+    print(table(rows))
+    failed = [result.name for result in results if result.error is not None]
+    bad_rows = [row for row in rows if not row.ok]
+    if failed or bad_rows:
+        print(f"FAILED: {', '.join(failed or sorted({row.benchmark for row in bad_rows}))}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "mode": mode, "wall_s": wall, "rows": [asdict(row) for row in rows],
+            "benches": {r.name: {"command": r.command, "rc": r.rc, "wall_s": r.wall_s, "error": r.error,
+                                 "log": r.log if args.logs else None, "figures": r.figures} for r in results},
+        }, indent=2) + "\n")
+    return 1 if failed or bad_rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
