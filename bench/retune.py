@@ -93,11 +93,15 @@ def layer1_bits(url: str) -> float:
     return next(r["entropy_bits"] for r in records if r["name"] == LAYER1)
 
 
-def alert_state(url: str) -> str | None:
+def layer1_alert(url: str) -> dict:
     for alert in httpx.get(url + "/v1/alerts").json()["alerts"]:
         if alert["labels"]["router"] == LAYER1 and alert["labels"]["business_line"] == "code_assistant":
-            return alert["state"]
-    return None
+            return alert
+    return {}
+
+
+def alert_state(url: str) -> str | None:
+    return layer1_alert(url).get("state")
 
 
 def run(strategy: str, held_out: list[list[int]]) -> dict:
@@ -132,7 +136,7 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
             while alert_state(url) != "firing" and sent < 40:
                 send(url, 1, sent)
                 sent += 1
-            figures["bits_fault"] = layer1_bits(url)
+            figures["bits_fault"] = layer1_alert(url).get("value") or layer1_bits(url)  # what paged
             assert wait_until(lambda: sidecar.retune.store.list(limit=1) and sidecar.retune.store.list(limit=1)[0][
                 "status"] in ("promoted", "rejected", "failed"), timeout=900, interval=0.2)
             job = sidecar.retune.store.list(limit=1)[0]
