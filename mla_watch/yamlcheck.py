@@ -59,9 +59,10 @@ StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _co
 
 
 def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *,
-              hide_line: Callable[[str], object] = lambda line: False) -> Any:
-    """The parsed document; a problem raises ``error([message])``. ``hide_line`` keeps lines that
-    may hold secrets out of syntax-error messages."""
+              may_hold_secrets: bool = False) -> Any:
+    """The parsed document; a problem raises ``error([message])``. A syntax error quotes the line
+    it is on, unless the file ``may_hold_secrets``: no pattern can tell every secret-bearing line
+    (an unquoted header value, a URL with a token) from the others, so those files quote none."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -77,7 +78,7 @@ def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *
         snippet = ""
         if mark is not None:
             lines = text.splitlines()
-            if 0 <= mark.line < len(lines) and not hide_line(lines[mark.line]):
+            if 0 <= mark.line < len(lines) and not may_hold_secrets:
                 snippet = f" near {lines[mark.line].strip()!r}"
         raise error([f"{label}: {where}{snippet}: YAML syntax error ({problem}): expected valid YAML"]) from None
     except yaml.YAMLError as exc:

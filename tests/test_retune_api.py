@@ -41,9 +41,10 @@ def test_admin_calls_need_the_token(sidecar) -> None:
 
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"route": ["x"]}, "route", "unknown field(s) ['route']: expected some of"),
-    ({"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"}, None,
-     "strategies=['magic']: expected a non-empty list of ['bias', 'restore',"),
-    ({"routers": ["model.layers.9.mlp.gate"]}, None, "routers=['model.layers.9.mlp.gate']: expected expert routers"),
+    ({"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"}, "strategy",
+     "strategy='magic' is invalid: expected one of ['bias', 'restore', 'router_finetune'] or a list"),
+    ({"routers": ["model.layers.9.mlp.gate"]}, "routers",
+     "routers=['model.layers.9.mlp.gate'] is invalid: expected a list of expert routers among"),
     ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers='model.layers.1.mlp.gate' is invalid: expected"),
     ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
     ({"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"}, "dataset",

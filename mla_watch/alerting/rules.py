@@ -92,7 +92,6 @@ _LABEL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SUFFIXES = (".yaml", ".yml")
-_SECRET_LINE_RE = re.compile(r"(?i)(headers|authorization|token|secret|routing_key|password|key)\s*:")
 
 _DURATION_UNITS: tuple[tuple[str, float], ...] = (
     ("w", 7 * 86400.0), ("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001),
@@ -175,7 +174,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _read_yaml(path: Path, label: str) -> Any:
-    return read_yaml(path, label, RuleError, hide_line=_SECRET_LINE_RE.search)
+    return read_yaml(path, label, RuleError, may_hold_secrets=True)
 
 
 # --------------------------------------------------------------------------- receivers

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
 from mla_watch.alerting.notifiers import group_key
-from mla_watch.alerting.outbox import Dispatcher, Outbox
+from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
 from mla_watch.alerting.rules import render_annotations
 
 __all__ = ["AlertService"]
@@ -56,9 +57,13 @@ class AlertService:
         self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock)
         self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
         self._groups: dict[tuple[str, str], _Group] = {}
+        # Notifications the outbox could not take (a full or failing disk): kept in memory and
+        # offered again at every evaluation, oldest first, so a page due during the fault is not lost.
+        self._unqueued: deque[tuple[Receiver, Notification]] = deque(maxlen=10_000)
+        self._on_notification = on_notification
         self._retune_callbacks: list[Callable[[Action], None]] = []
         self._restore_groups()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # evaluate_once -> records -> a changed rules dir -> replace_rules
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for warning in rules.warnings:
@@ -84,7 +89,7 @@ class AlertService:
                 if receiver is None or receiver.url is None:
                     continue
                 group_labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
-                self.outbox.submit(receiver, Notification(
+                self._submit(receiver, Notification(
                     receiver=name, group_key=group_key(group_labels), group_labels=group_labels, alerts=(alert,),
                     status="firing", external_url=self.external_url))
                 queued += 1
@@ -100,6 +105,7 @@ class AlertService:
     def evaluate_once(self) -> list[Action]:
         """One evaluation: transitions, notifications into the outbox, repeats, retune requests."""
         with self._lock:
+            self._retry_unqueued()
             actions = self.engine.evaluate(self._records())
             self._dispatch(actions)
             self._repeat()
@@ -186,5 +192,34 @@ class AlertService:
         status = "firing" if any(alert.status == "firing" for alert in alerts) else "resolved"
         notification = Notification(receiver=group.receiver.name, group_key=group.key, group_labels=group.labels,
                                     alerts=tuple(alerts), status=status, external_url=self.external_url)
-        self.outbox.submit(group.receiver, notification)
         group.last_sent = now
+        self._submit(group.receiver, notification)
+
+    @property
+    def unqueued(self) -> int:
+        """Notifications waiting in memory because the outbox could not store them."""
+        return len(self._unqueued)
+
+    def _submit(self, receiver: Receiver, notification: Notification) -> None:
+        if self._unqueued:  # keep the order: older notifications first
+            self._retry_unqueued()
+        if not self._unqueued:
+            try:
+                self.outbox.submit(receiver, notification)
+                return
+            except (OutboxError, OSError) as error:
+                log.error("a notification for %s could not be stored in the outbox (%s); it is kept in memory "
+                          "and offered again at every evaluation", receiver.name, error)
+        self._unqueued.append((receiver, notification))
+        if self._on_notification is not None:
+            self._on_notification(receiver.name, "unqueued")
+
+    def _retry_unqueued(self) -> None:
+        while self._unqueued:
+            receiver, notification = self._unqueued[0]
+            try:
+                self.outbox.submit(receiver, notification)
+            except (OutboxError, OSError):
+                return
+            self._unqueued.popleft()
+            log.info("a notification for %s kept in memory is now in the outbox", receiver.name)

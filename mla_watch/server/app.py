@@ -351,7 +351,8 @@ class Sidecar:
             return JSONResponse({"alerts": [], "rules": 0})
         alerts = [alert.as_dict() for alert in self.alerts.engine.alerts()]
         return JSONResponse({"alerts": alerts, "rules": len(self.alerts.rules.rules),
-                             "notifications_pending": self.alerts.outbox.pending()})
+                             "notifications_pending": self.alerts.outbox.pending(),
+                             "notifications_unqueued": self.alerts.unqueued})
 
     # ------------------------------------------------------------------ admin
     def _authorise(self, request: Request) -> None:
@@ -446,9 +447,12 @@ class Sidecar:
                            param="business_line")
         strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
         strategies = [strategies] if isinstance(strategies, str) else strategies
-        if not isinstance(strategies, list) or not all(isinstance(name, str) for name in strategies):
-            raise ApiError(400, f"strategy={body.get('strategy')!r} is invalid: expected a name or a list of names",
-                           param="strategy")
+        from mla_watch.retune.strategies import STRATEGIES
+
+        if (not isinstance(strategies, list) or not strategies
+                or not all(isinstance(name, str) and name in STRATEGIES for name in strategies)):
+            raise ApiError(400, f"strategy={body.get('strategy')!r} is invalid: expected one of "
+                                f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy")
         rules = self.alerts.rules.rules if self.alerts is not None else ()
         rule_name = body.get("rule")
         candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
@@ -470,8 +474,11 @@ class Sidecar:
                 raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
                                     f"{line or 'all'} in the current window; name the routers to re-tune",
                                param="routers")
-        if not isinstance(routers, list) or not all(isinstance(name, str) for name in routers):
-            raise ApiError(400, f"routers={routers!r} is invalid: expected a list of router names", param="routers")
+        expert_names = [info.name for info in experts]
+        if (not isinstance(routers, list) or not routers
+                or not all(isinstance(name, str) and name in expert_names for name in routers)):
+            raise ApiError(400, f"routers={routers!r} is invalid: expected a list of expert routers among "
+                                f"{expert_names}", param="routers")
         options = body.get("options", {})
         if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
             raise ApiError(400, f"options={options!r} is invalid: expected {{strategy: {{option: value}}}}",
@@ -889,5 +896,5 @@ def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
         raise SystemExit("mla-watch: the policies do not load:\n  " + "\n  ".join(error.errors)) from error
     except RuleError as error:
         raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
-    except OutboxError as error:
+    except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error

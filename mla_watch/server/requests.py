@@ -66,13 +66,18 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; expected a JSON object", code="invalid_json")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"the request body is not valid JSON ({error})", code="invalid_json") from error
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body is a JSON {type(body).__name__}; expected an object",
                        code="invalid_json")
     return body
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON does not, and they would poison stored jobs.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _describe(value: Any) -> str:
