@@ -393,7 +393,7 @@ class Sidecar:
         limit = request.query_params.get("limit", "50")
         if not limit.isdigit() or not 1 <= int(limit) <= 1000:
             return _error_response(ApiError(400, f"limit={limit!r} is invalid: expected an integer in [1, 1000]",
-                                            param="limit"))
+                                            param="limit", code="invalid_value"))
         return JSONResponse({"jobs": service.store.list(limit=int(limit))})
 
     async def _retune_job(self, request: Request) -> Response:
@@ -440,11 +440,12 @@ class Sidecar:
         known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
         unknown = sorted(set(body) - known)
         if unknown:
-            raise ApiError(400, f"unknown field(s) {unknown}: expected some of {sorted(known)}", param=unknown[0])
+            raise ApiError(400, f"unknown field(s) {unknown}: expected some of {sorted(known)}", param=unknown[0],
+                           code="unknown_field")
         line = body.get("business_line")
         if line is not None and (not isinstance(line, str) or not line):
             raise ApiError(400, f"business_line={line!r} is invalid: expected a business line name",
-                           param="business_line")
+                           param="business_line", code="invalid_value")
         strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
         strategies = [strategies] if isinstance(strategies, str) else strategies
         from mla_watch.retune.strategies import STRATEGIES
@@ -452,13 +453,14 @@ class Sidecar:
         if (not isinstance(strategies, list) or not strategies
                 or not all(isinstance(name, str) and name in STRATEGIES for name in strategies)):
             raise ApiError(400, f"strategy={body.get('strategy')!r} is invalid: expected one of "
-                                f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy")
+                                f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy",
+                           code="invalid_value")
         rules = self.alerts.rules.rules if self.alerts is not None else ()
         rule_name = body.get("rule")
         candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
         if rule_name and not candidates:
             raise ApiError(400, f"rule={rule_name!r} is not a loaded rule; rules are {[r.name for r in rules]}",
-                           param="rule")
+                           param="rule", code="invalid_value")
         rule = candidates[0] if candidates else None
         band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
         experts = [info for info in self.probe.routers if info.kind == "expert"]
@@ -473,23 +475,24 @@ class Sidecar:
             if not routers:
                 raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
                                     f"{line or 'all'} in the current window; name the routers to re-tune",
-                               param="routers")
+                               param="routers", code="invalid_value")
         expert_names = [info.name for info in experts]
         if (not isinstance(routers, list) or not routers
                 or not all(isinstance(name, str) and name in expert_names for name in routers)):
             raise ApiError(400, f"routers={routers!r} is invalid: expected a list of expert routers among "
-                                f"{expert_names}", param="routers")
+                                f"{expert_names}", param="routers", code="invalid_value")
         options = body.get("options", {})
         if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
             raise ApiError(400, f"options={options!r} is invalid: expected {{strategy: {{option: value}}}}",
-                           param="options")
+                           param="options", code="invalid_value")
         dataset = body.get("dataset")
         if dataset is not None and (not isinstance(dataset, str) or not Path(dataset).is_file()):
             raise ApiError(400, f"dataset={dataset!r} is invalid: expected the path of a JSONL file on the "
-                                "sidecar's machine", param="dataset")
+                                "sidecar's machine", param="dataset", code="invalid_value")
         force = body.get("force", False)
         if not isinstance(force, bool):
-            raise ApiError(400, f"force={force!r} is invalid: expected true or false", param="force")
+            raise ApiError(400, f"force={force!r} is invalid: expected true or false", param="force",
+                           code="invalid_value")
         spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
                        band=band.as_dict(), dataset=dataset, options=options,
                        max_perplexity_increase=self.config.retune.max_perplexity_increase,
@@ -505,7 +508,7 @@ class Sidecar:
             version = body.get("version")
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ApiError(400, f"version={version!r} is invalid: expected a router version number",
-                               param="version")
+                               param="version", code="invalid_value")
             await asyncio.to_thread(service.promote, version)
         except ApiError as error:
             return _error_response(error)
