@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -42,6 +43,29 @@ def serve_app(app, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def tmpfs(directory: Path, options: str) -> Iterator[Path]:
+    """A small tmpfs mounted on ``directory`` for the block: a read-only (``ro``) or full disk to test on.
+
+    The tests run as root (CI does), where file permissions stop nothing; a mount is the one way to
+    make a directory really read-only or full. Where mounting is impossible the test fails, saying so:
+    a skip would let it pass without testing anything.
+    """
+    directory.mkdir()
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+                                 capture_output=True, text=True, timeout=30, check=False)
+    except FileNotFoundError:
+        pytest.fail("no mount command: these tests need root with CAP_SYS_ADMIN to mount a tmpfs")
+    if mounted.returncode != 0:
+        pytest.fail(f"mounting a tmpfs failed ({mounted.stderr.strip()}): these tests need root with CAP_SYS_ADMIN")
+    try:
+        yield directory
+    finally:  # lazily where a file is still open there (an in-process sidecar's outbox)
+        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30, check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, get_metrics, metric_value, running_sidecar, wait_until
+from conftest import free_port, get_metrics, metric_value, running_sidecar, tmpfs, wait_until
 from receivers import OK, Reply, running_receiver, status
 from test_server import sse_events
 
@@ -383,25 +383,6 @@ def test_sigterm_drains_the_stream_in_flight_and_keeps_undelivered_notifications
 
 
 # --------------------------------------------------------------------------- unusable state directory
-
-
-@contextlib.contextmanager
-def tmpfs(directory: Path, options: str) -> Iterator[Path]:
-    """A small tmpfs mounted on ``directory`` for the block (skips the test where mounting is not permitted)."""
-    directory.mkdir()
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-                                 capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        pytest.skip("no mount command here: a read-only or full file system cannot be simulated")
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({mounted.stderr.strip()}): needs root with "
-                    "CAP_SYS_ADMIN")
-    try:
-        yield directory
-    finally:  # lazily where a file is still open there (an in-process sidecar's outbox)
-        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
 
 
 def fill(directory: Path) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tmpfs
 
 from mla_watch.retune.data import (
     CaptureError,
@@ -203,17 +204,11 @@ def test_parent_is_a_regular_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value) and "cannot create the state directory" in str(info.value)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_directory(tmp_path: Path) -> None:
-    directory = tmp_path / "ro"
-    directory.mkdir()
-    directory.chmod(0o500)
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as directory:  # root ignores chmod; a read-only mount stops it
         with pytest.raises(CaptureError) as info:
             TrafficCapture(directory / "capture.sqlite")
         assert str(directory / "capture.sqlite") in str(info.value) and "not writable" in str(info.value)
-    finally:
-        directory.chmod(0o700)
 
 
 def test_not_a_database(tmp_path: Path) -> None:
