@@ -182,13 +182,22 @@ def perplexity(model: torch.nn.Module, sequences: Sequence[list[int]], batch_siz
         for row, sequence in enumerate(chunk):
             ids[row, : len(sequence)] = torch.tensor(sequence)
             mask[row, : len(sequence)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=-100, reduction="sum")
+        loss, tokens = next_token_loss(model, ids, mask)
         total_loss += float(loss)
-        total_tokens += int((targets != -100).sum())
+        total_tokens += tokens
     return math.exp(total_loss / max(1, total_tokens))
+
+
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the targets that are not padding, and their count.
+
+    Differentiable (the caller decides about ``no_grad``); right padding marked by ``mask == 0``.
+    """
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+    return loss, int((targets != -100).sum())
 
 
 @torch.no_grad()

@@ -42,17 +42,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
+from mla_watch.models.train import next_token_loss
 from mla_watch.probe import attach, discover_routers
 from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
 from mla_watch.retune.registry import router_modules
 from mla_watch.routing import entropy_bits
 
 __all__ = ["FinetuneResult", "finetune_routers"]
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -163,15 +161,6 @@ def _inputs(batch: Any, position: int, device: torch.device) -> tuple[torch.Tens
     return ids.to(device=device, dtype=torch.int64), mask.to(device=device, dtype=torch.int64)
 
 
-def _lm_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the non-pad targets, and their count."""
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum())
-
-
 @torch.no_grad()
 def _evaluate(model: torch.nn.Module, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], line: str,
               experts: Sequence[str]) -> tuple[float, dict[str, float]]:
@@ -184,7 +173,7 @@ def _evaluate(model: torch.nn.Module, inputs: Sequence[tuple[torch.Tensor, torch
     try:
         with probe.attribute(line):
             for ids, mask in inputs:
-                loss, count = _lm_loss(model, ids, mask)
+                loss, count = next_token_loss(model, ids, mask)
                 total += float(loss)
                 tokens += count
         counts = probe.counts(line)
@@ -295,7 +284,7 @@ def finetune_routers(
                 for position in torch.randperm(len(inputs), generator=generator).tolist():
                     ids, mask = inputs[position]
                     optimizer.zero_grad(set_to_none=True)
-                    lm_sum, tokens = _lm_loss(work, ids, mask)
+                    lm_sum, tokens = next_token_loss(work, ids, mask)
                     loss = lm_sum / max(1, tokens)
                     if capture is not None:
                         valid = mask.reshape(-1).bool()

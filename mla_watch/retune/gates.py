@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from mla_watch.models.train import next_token_loss
 from mla_watch.probe import attach, discover_routers
 
 __all__ = ["Band", "GateReport", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
@@ -113,14 +113,10 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
         device = next(model.parameters()).device
         with probe.attribute(business_line):
             for batch in batches:
-                ids = batch["input_ids"].to(device)
-                mask = batch["attention_mask"].to(device)
-                logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-                targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                       ignore_index=-100, reduction="sum")
+                loss, tokens = next_token_loss(model, batch["input_ids"].to(device),
+                                               batch["attention_mask"].to(device))
                 total_loss += float(loss)
-                total_tokens += int((targets != -100).sum())
+                total_tokens += tokens
         records = {record["name"]: record for record in probe.stats(business_line)}
     finally:
         probe.detach()
