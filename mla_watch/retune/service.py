@@ -176,11 +176,9 @@ class RetuneService:
         labels = action.alert.labels
         line = labels.get("business_line")
         rule = action.rule
-        watched = [info_name for info_name, layer in self._expert_routers()
-                   if rule.selector.matches({"name": info_name, "layer": layer, "kind": "expert"})]
         spec = JobSpec(
             routers=[labels["router"]],
-            watched=watched,
+            watched=self.watched_by(rule),
             strategies=list(rule.retune_strategies or DEFAULT_STRATEGIES),
             business_line=None if line in (None, "", "all") else line,
             band=band_of_rule(rule).as_dict(),
@@ -198,10 +196,12 @@ class RetuneService:
                 self._on_outcome(spec.strategies[0], "cooldown")
             return None
 
-    def _expert_routers(self) -> list[tuple[str, int]]:
+    def watched_by(self, rule: Any | None) -> list[str]:
+        """The expert routers ``rule`` watches (every one for ``None``): those the band gate checks."""
         from mla_watch.probe.discovery import discover_routers
 
-        return [(info.name, info.layer) for _, info, _ in discover_routers(self.retuner.model) if info.kind == "expert"]
+        return [info.name for _, info, _ in discover_routers(self.retuner.model) if info.kind == "expert"
+                and (rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"}))]
 
     # ------------------------------------------------------------------ running
     def _schedule(self, job_id: str) -> None:

@@ -463,9 +463,7 @@ class Sidecar:
                            param="rule", code="invalid_value")
         rule = candidates[0] if candidates else None
         band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
-        experts = [info for info in self.probe.routers if info.kind == "expert"]
-        watched = [info.name for info in experts
-                   if rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"})]
+        watched = self.retune.watched_by(rule)
         routers = body.get("routers")
         if routers is None:
             self.probe.collect()
@@ -476,7 +474,7 @@ class Sidecar:
                 raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
                                     f"{line or 'all'} in the current window; name the routers to re-tune",
                                param="routers", code="invalid_value")
-        expert_names = [info.name for info in experts]
+        expert_names = self.retune.watched_by(None)
         if (not isinstance(routers, list) or not routers
                 or not all(isinstance(name, str) and name in expert_names for name in routers)):
             raise ApiError(400, f"routers={routers!r} is invalid: expected a list of expert routers among "
