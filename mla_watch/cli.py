@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -145,6 +146,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         for name, options in retune.strategy_options.items():
             get_strategy(name).parse_options(options, f"--retune-option {name}")
+        for flag, value in (("--history-interval", args.history_interval), ("--history-span", args.history_span)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{flag} {value!r}: expected a positive number of seconds")
+        if args.history_interval > args.history_span:
+            raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
+                             f"({args.history_span!r})")
     except ValueError as error:
         raise SystemExit(f"mla-watch serve: {error}") from error
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
@@ -152,7 +159,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
-                          capture_max_age_seconds=args.capture_max_age, retune=retune)
+                          capture_max_age_seconds=args.capture_max_age, retune=retune,
+                          history_interval_seconds=args.history_interval, history_span_seconds=args.history_span)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -403,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
     serve.add_argument("--retune-min-samples", type=int, default=16,
                        help="samples a re-tune job needs at least (default 16)")
+    serve.add_argument("--history-interval", type=float, default=10.0,
+                       help="status page: seconds between two points of the entropy heat map (default 10)")
+    serve.add_argument("--history-span", type=float, default=3600.0,
+                       help="status page: seconds of entropy history kept (default 3600)")
     serve.set_defaults(handler=_cmd_serve)
 
     check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")

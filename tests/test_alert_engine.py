@@ -101,7 +101,7 @@ def test_full_lifecycle_with_for_and_keep_firing_for() -> None:
                                   "layer": "3", "kind": "expert", "business_line": "code", "team": "ml-platform"}
     assert alert.annotations["summary"] == f"{GATE} layer 3 (code): 4.20 bits < 5.0 (resolves at 5.5)"
     assert alert.annotations["runbook_url"] == "https://runbooks/entropy"
-    url = f"http://sidecar:8000/v1/routing#router={GATE}&layer=3"
+    url = f"http://sidecar:8000/v1/routing#router={GATE}&layer=3&business_line=code"
     assert alert.annotations["dashboard"] == url and alert.generator_url == url
     firing_since = clock.now
 

@@ -7,6 +7,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from conftest import tmpfs
 from mla_watch.retune.data import (
     CaptureError,
     DatasetError,
+    TokenSample,
     TrafficCapture,
     load_jsonl_dataset,
     make_batches,
@@ -60,6 +62,34 @@ def test_add_and_read_back_in_order(tmp_path: Path) -> None:
         assert cap.size_bytes() == (5 * 3 + 2) * 4
     mode = os.stat(tmp_path / "state" / "capture.sqlite").st_mode & 0o777
     assert mode == 0o600  # customer traffic: owner only
+
+
+def test_the_prompt_length_is_kept_so_that_only_client_text_is_scored(tmp_path: Path) -> None:
+    with TrafficCapture(tmp_path / "capture.sqlite", max_tokens_per_sample=4) as cap:
+        cap.add("billing", [1, 10, 11, 50, 51], prompt_tokens=3)  # 3 sent by the client, 2 generated
+        cap.add("billing", [1, 12, 13, 14, 52], prompt_tokens=9)  # cut to 4 tokens: all of them prompt
+        cap.add("billing", [1, 99])  # unknown: every token counts
+        samples = cap.samples("billing")
+        assert samples == [[1, 10, 11, 50], [1, 12, 13, 14], [1, 99]]
+        assert all(isinstance(s, TokenSample) for s in samples)
+        assert [s.scored_tokens for s in samples] == [3, 4, None]
+        assert "10" not in repr(samples[0])  # a repr in a log line shows no token content
+        with pytest.raises(ValueError, match="prompt_tokens = -1: expected None or a non-negative int"):
+            cap.add("billing", [1, 2], prompt_tokens=-1)
+
+
+def test_a_capture_file_from_before_prompt_lengths_is_upgraded(tmp_path: Path) -> None:
+    path = tmp_path / "capture.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("""CREATE TABLE samples (id INTEGER PRIMARY KEY AUTOINCREMENT, business_line TEXT NOT NULL,
+                        created_at REAL NOT NULL, n_tokens INTEGER NOT NULL, token_ids BLOB NOT NULL);""")
+    db.execute("INSERT INTO samples (business_line, created_at, n_tokens, token_ids) VALUES (?, ?, ?, ?)",
+               ("billing", time.time() - 60, 2, bytes([1, 0, 0, 0, 7, 0, 0, 0])))
+    db.commit()
+    db.close()
+    with TrafficCapture(path) as cap:
+        cap.add("billing", [1, 8, 9], prompt_tokens=2)
+        assert [(list(s), s.scored_tokens) for s in cap.samples()] == [([1, 7], None), ([1, 8, 9], 2)]
 
 
 def test_tokens_are_truncated_and_validated(tmp_path: Path) -> None:
@@ -273,6 +303,16 @@ def test_dataset_row_kinds(tmp_path: Path, tokenizer) -> None:
     no_bos = load_jsonl_dataset(path, tokenizer, add_bos=False)
     assert no_bos[0] == [5, 6, 7] and [9] not in no_bos  # one token: skipped without a BOS
     assert load_jsonl_dataset(str(path), tokenizer, max_samples=2) == samples[:2]
+    assert [s.scored_tokens for s in samples] == [None] * 5  # a dataset is text to learn from, all of it
+
+
+def test_dataset_rows_may_say_how_many_tokens_count(tmp_path: Path, tokenizer) -> None:
+    bos = tokenizer.bos_token_id
+    path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8], "scored_tokens": 2},
+                                              {"input_ids": [bos, 5, 6], "scored_tokens": 9}])
+    samples = load_jsonl_dataset(path, tokenizer)
+    assert samples == [[bos, 5, 6, 7, 8], [bos, 5, 6]]
+    assert [s.scored_tokens for s in samples] == [3, 3]  # the prepended BOS counts; capped at the length
 
 
 def test_dataset_business_line_filter(tmp_path: Path, tokenizer) -> None:
@@ -311,6 +351,9 @@ def test_dataset_business_line_filter(tmp_path: Path, tokenizer) -> None:
     ({"completion": "hi"}, ["prompt: missing"]),
     ({"prompt": "hi", "completion": ["x"]}, ["completion = ['x']", "a string"]),
     ({"text": "hi", "business_line": 3}, ["business_line = 3", "a string"]),
+    ({"input_ids": [1, 2], "scored_tokens": -1}, ["scored_tokens = -1", "a non-negative int"]),
+    ({"input_ids": [1, 2], "scored_tokens": 1.5}, ["scored_tokens = 1.5", "a non-negative int"]),
+    ({"text": "hi", "scored_tokens": 1}, ["scored_tokens = 1", "only next to 'input_ids'"]),
     ({"text": "y" * 500}, None),  # fine: a long text
 ])
 def test_dataset_errors_name_path_line_key_value(tmp_path: Path, tokenizer, line, fragments) -> None:
@@ -391,8 +434,28 @@ def test_make_batches_pads_right_and_keeps_order() -> None:
     assert len(cut) == 1
     assert cut[0]["input_ids"].tolist() == [[1, 2], [4, -1], [5, 6], [7, 8]]
     assert cut[0]["attention_mask"].tolist() == [[1, 1], [1, 0], [1, 1], [1, 1]]
+    assert first["loss_mask"].tolist() == first["attention_mask"].tolist()  # plain lists: every token counts
     assert make_batches([]) == []
     with pytest.raises(ValueError, match="batch_size = 0"):
         make_batches(samples, batch_size=0)
     with pytest.raises(ValueError, match=r"samples\[1\]: empty"):
         make_batches([[1], []])
+
+
+def test_generated_tokens_are_context_but_never_a_loss_target() -> None:
+    from mla_watch.models.train import next_token_loss
+
+    samples = [TokenSample([1, 2, 3, 4, 5], scored_tokens=3), TokenSample([6, 7], scored_tokens=None)]
+    train, held_out = split_held_out([*samples, TokenSample([8, 9], scored_tokens=1)], fraction=0.3)
+    assert [s.scored_tokens for s in train] == [3, 1] and [s.scored_tokens for s in held_out] == [None]
+    batch = make_batches(samples, batch_size=2, pad_id=0)[0]
+    assert batch["loss_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
+
+    class Uniform(torch.nn.Module):  # a model that predicts every token with the same logits
+        def forward(self, input_ids, attention_mask, use_cache):
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, 10)})()
+
+    loss, targets = next_token_loss(Uniform(), batch["input_ids"], batch["attention_mask"], batch["loss_mask"])
+    assert targets == 2 + 1  # tokens 2, 3 of the first sample and 7 of the second; never 4, 5
+    assert loss.item() == pytest.approx(3 * torch.log(torch.tensor(10.0)).item())
+    assert next_token_loss(Uniform(), batch["input_ids"], batch["attention_mask"])[1] == 4 + 1

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
 
@@ -429,7 +430,9 @@ class AlertEngine:
     def _router_url(self, inst: _Instance) -> str:
         if not self._status_url:
             return ""
-        return f"{self._status_url}#router={inst.labels.get('router', '')}&layer={inst.labels.get('layer', '')}"
+        # The status page reads this anchor: it selects the business line and highlights the row.
+        anchor = urlencode({key: inst.labels.get(key, "") for key in ("router", "layer", "business_line")})
+        return f"{self._status_url}#{anchor}"
 
     def _annotations(self, rule: _Compiled, inst: _Instance, record: Mapping[str, object]) -> dict[str, str]:
         value = inst.value

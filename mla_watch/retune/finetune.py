@@ -139,14 +139,18 @@ def _balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
     return experts * (f.detach() * p).sum()
 
 
-def _inputs(batch: Any, position: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` of one batch, on ``device``."""
+_Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _inputs(batch: Any, position: int, device: torch.device) -> _Inputs:
+    """``(input_ids, attention_mask, loss_mask)`` of one batch, on ``device``."""
+    loss_mask = None
     if isinstance(batch, torch.Tensor):
         ids, mask = batch, None
     elif isinstance(batch, Mapping):
         if "input_ids" not in batch:
             raise ValueError(f"batches[{position}]: a mapping needs input_ids, got keys {sorted(batch)}")
-        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        ids, mask, loss_mask = batch["input_ids"], batch.get("attention_mask"), batch.get("loss_mask")
     else:
         raise TypeError(f"batches[{position}]: expected input_ids [B, T] or a mapping with input_ids "
                         f"(and attention_mask), got {type(batch).__name__}")
@@ -158,11 +162,15 @@ def _inputs(batch: Any, position: int, device: torch.device) -> tuple[torch.Tens
     if mask.shape != ids.shape:
         raise ValueError(f"batches[{position}]: attention_mask has shape {tuple(mask.shape)}, "
                          f"input_ids {tuple(ids.shape)}")
-    return ids.to(device=device, dtype=torch.int64), mask.to(device=device, dtype=torch.int64)
+    loss_mask = mask if loss_mask is None else torch.as_tensor(loss_mask)
+    if loss_mask.shape != ids.shape:
+        raise ValueError(f"batches[{position}]: loss_mask has shape {tuple(loss_mask.shape)}, "
+                         f"input_ids {tuple(ids.shape)}")
+    return tuple(t.to(device=device, dtype=torch.int64) for t in (ids, mask, loss_mask))  # type: ignore[return-value]
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], line: str,
+def _evaluate(model: torch.nn.Module, inputs: Sequence[_Inputs], line: str,
               experts: Sequence[str]) -> tuple[float, dict[str, float]]:
     """Mean LM loss per token and every expert router's entropy, from one pass over ``inputs``."""
     # Count expert routers only: indexers are not trained and counting them costs time. The
@@ -172,8 +180,8 @@ def _evaluate(model: torch.nn.Module, inputs: Sequence[tuple[torch.Tensor, torch
     total, tokens = 0.0, 0
     try:
         with probe.attribute(line):
-            for ids, mask in inputs:
-                loss, count = next_token_loss(model, ids, mask)
+            for ids, mask, loss_mask in inputs:
+                loss, count = next_token_loss(model, ids, mask, loss_mask)
                 total += float(loss)
                 tokens += count
         counts = probe.counts(line)
@@ -282,9 +290,9 @@ def finetune_routers(
         with torch.enable_grad():
             for _ in range(epochs):
                 for position in torch.randperm(len(inputs), generator=generator).tolist():
-                    ids, mask = inputs[position]
+                    ids, mask, loss_mask = inputs[position]
                     optimizer.zero_grad(set_to_none=True)
-                    lm_sum, tokens = next_token_loss(work, ids, mask)
+                    lm_sum, tokens = next_token_loss(work, ids, mask, loss_mask)
                     loss = lm_sum / max(1, tokens)
                     if capture is not None:
                         valid = mask.reshape(-1).bool()

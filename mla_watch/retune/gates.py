@@ -113,15 +113,17 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
         device = next(model.parameters()).device
         with probe.attribute(business_line):
             for batch in batches:
-                loss, tokens = next_token_loss(model, batch["input_ids"].to(device),
-                                               batch["attention_mask"].to(device))
+                loss_mask = batch.get("loss_mask")
+                loss, tokens = next_token_loss(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                               None if loss_mask is None else loss_mask.to(device))
                 total_loss += float(loss)
                 total_tokens += tokens
         records = {record["name"]: record for record in probe.stats(business_line)}
     finally:
         probe.detach()
     if total_tokens == 0:
-        raise ValueError("the held-out samples hold no token to predict: each needs at least 2 tokens")
+        raise ValueError("the held-out samples hold no token to predict: each needs at least 2 scored tokens "
+                         "(captured traffic scores the prompt only)")
     return ModelScore(perplexity=math.exp(total_loss / total_tokens), tokens=total_tokens, routers=records)
 
 

@@ -194,7 +194,8 @@ class Retuner:
         job_file.write_text(json.dumps({**spec.as_dict(), "strategy": name, "options": options,
                                         "batch_size": self.settings.batch_size,
                                         "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
-        data_file.write_text("".join(json.dumps({"input_ids": list(sample)}) + "\n" for sample in train))
+        data_file.write_text("".join(json.dumps({"input_ids": list(sample), **_scored(sample)}) + "\n"
+                                     for sample in train))
         save_file(router_state(self.model), str(routers_file))
         fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
                   "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
@@ -227,3 +228,8 @@ class Retuner:
             except ValueError as error:
                 raise RuntimeError(f"{result_file} is not JSON: {error}") from error
         return Candidate(tensors, details)
+
+
+def _scored(sample: Sequence[int]) -> dict[str, int]:
+    scored = getattr(sample, "scored_tokens", None)
+    return {} if scored is None else {"scored_tokens": scored}

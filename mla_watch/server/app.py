@@ -2,7 +2,8 @@
 
 OpenAI-compatible generation (served by the local model, or forwarded to ``--upstream``),
 with the business line's sampling policy enforced on every request; routing statistics,
-Prometheus metrics, health, policies, policy reload and routing-snapshot ingestion.
+Prometheus metrics, health, policies, policy reload and routing-snapshot ingestion; the
+status page at ``/`` and the JSON behind it (``/v1/status``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from starlette.routing import Route
 
 from mla_watch.policy import PolicyError, PolicyRejection, PolicyStore, UnknownBusinessLine, UnknownTask, enforce
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.server import status as status_page
+from mla_watch.server.history import HistorySampler, RoutingHistory
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_body, parse_generation_request
 from mla_watch.windows import RouterInfo, RouterWindows
@@ -65,6 +68,8 @@ class ServerConfig:
     capture_max_samples: int = 2000  # per business line
     capture_max_age_seconds: float = 7 * 86400.0
     retune: RetuneSettings = field(default_factory=RetuneSettings)
+    history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
+    history_span_seconds: float = 3600.0  # ... over this span
 
 
 class Sidecar:
@@ -92,6 +97,9 @@ class Sidecar:
         self._ready = threading.Event()
         self._stop_watch: Callable[[], None] | None = None
         self._upstream: Any = None
+        self.history = RoutingHistory(span_seconds=config.history_span_seconds,
+                                      interval_seconds=config.history_interval_seconds)
+        self._history_sampler = HistorySampler(self.history, self._routing_records)
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
 
     # ------------------------------------------------------------------ alerting
@@ -111,6 +119,10 @@ class Sidecar:
 
     def _alert_records(self) -> list[dict[str, Any]]:
         self._reload_rules_if_changed()
+        return self._routing_records()
+
+    def _routing_records(self) -> list[dict[str, Any]]:
+        """Every router's statistics for each business line and for every line summed."""
         records = []
         for windows in self._routing_sources():
             for line in [None, *windows.business_lines]:  # None: every line summed ("all")
@@ -173,8 +185,8 @@ class Sidecar:
             capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,
                                      max_age_seconds=self.config.capture_max_age_seconds)
 
-            def record(line: str, token_ids: list[int]) -> None:
-                capture.add(line, token_ids)
+            def record(line: str, token_ids: list[int], prompt_tokens: int) -> None:
+                capture.add(line, token_ids, prompt_tokens=prompt_tokens)
                 self.metrics.captured_samples.labels(line).inc()
 
             self.engine.capture = record
@@ -254,8 +266,10 @@ class Sidecar:
             self._stop_watch = self.policies.watch(self.config.policy_poll_seconds)
         if self.alerts is not None:
             self.alerts.start()
+        self._history_sampler.start()
 
     async def _shutdown(self) -> None:
+        self._history_sampler.stop()
         if self._stop_watch is not None:
             self._stop_watch()
         if self.alerts is not None:
@@ -307,6 +321,9 @@ class Sidecar:
             Route("/admin/retune", self._admin_retune, methods=["POST"]),
             Route("/admin/retune/promote", self._admin_promote, methods=["POST"]),
             Route("/admin/retune/rollback", self._admin_rollback, methods=["POST"]),
+            Route("/", self._status_page, methods=["GET"]),
+            Route("/static/{name}", self._static, methods=["GET"]),
+            Route("/v1/status", self._status, methods=["GET"]),
         ]
 
     async def _healthz(self, request: Request) -> Response:
@@ -353,6 +370,57 @@ class Sidecar:
         return JSONResponse({"alerts": alerts, "rules": len(self.alerts.rules.rules),
                              "notifications_pending": self.alerts.outbox.pending(),
                              "notifications_unqueued": self.alerts.unqueued})
+
+    # ------------------------------------------------------------------ status page
+    async def _status_page(self, request: Request) -> Response:
+        content, media_type = status_page.static_file("index.html")
+        return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    async def _static(self, request: Request) -> Response:
+        try:
+            content, media_type = status_page.static_file(request.path_params["name"])
+        except KeyError:
+            return _error_response(ApiError(404, f"no such file: {request.path_params['name']!r}: expected one of "
+                                                 f"{sorted(status_page.STATIC_FILES)}", code="not_found"))
+        return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+    async def _status(self, request: Request) -> Response:
+        since = request.query_params.get("since")
+        try:
+            since_value = None if since is None else float(since)
+        except ValueError:
+            since_value = float("nan")
+        if since_value is not None and not np.isfinite(since_value):
+            return _error_response(ApiError(400, f"since={since!r} is invalid: expected a time in seconds since "
+                                                 "the epoch (the last `times` entry already shown)",
+                                            param="since", code="invalid_value"))
+        return JSONResponse(await asyncio.to_thread(self.status, since_value))
+
+    def status(self, since: float | None = None) -> dict[str, Any]:
+        """What the status page shows (``GET /v1/status``); ``since`` limits the history to newer points."""
+        rules = list(self.alerts.rules.rules) if self.alerts is not None else []
+        history = self.history.snapshot(since)
+        for series in history["series"]:
+            series["band"] = status_page.entropy_band(rules, series)
+        alerts = [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
+        policies = status_page.policies_view(self.policies.current.as_dict(),
+                                             status_page.counter_values(self.metrics.policy_adjustments),
+                                             status_page.counter_values(self.metrics.policy_rejections))
+        error = self.policies.last_error
+        body: dict[str, Any] = {
+            "generated_at": time.time(), "model": self.model_name, "ready": self._ready.is_set(),
+            "load_error": self.load_error, "upstream": self.config.upstream, "history": history,
+            "alerts": alerts, "rules": len(rules),
+            "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
+            "policies": {"version": self.policies.version, "lines": policies,
+                         "last_reload_error": None if error is None else error.errors},
+            "retune": None,
+        }
+        if self.retune is not None:
+            registry = self.retune.registry
+            body["retune"] = {"live": registry.live_version(), "last_good": registry.last_good(),
+                              "jobs": self.retune.store.list(limit=20), "promotions": registry.promotions()[-50:]}
+        return body
 
     # ------------------------------------------------------------------ admin
     def _authorise(self, request: Request) -> None:

@@ -80,9 +80,9 @@ class Engine:
         self._clock = clock
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_job_done = on_job_done
-        # Called with (business_line, prompt + first choice's token ids) after each finished job,
+        # Called with (business_line, prompt + first choice's token ids, prompt length) after each finished job,
         # e.g. to record traffic for router re-tuning; set by the owner.
-        self.capture: Callable[[str, list[int]], None] | None = None
+        self.capture: Callable[[str, list[int], int], None] | None = None
         self._busy = threading.Event()
         # Held around each forward pass: a router promotion takes it to swap tensors between two passes.
         self.model_lock = threading.Lock()
@@ -145,7 +145,7 @@ class Engine:
             job.push(_DONE)
             if self.capture is not None:
                 try:
-                    self.capture(job.business_line, [*job.prompt_ids, *generated])
+                    self.capture(job.business_line, [*job.prompt_ids, *generated], len(job.prompt_ids))
                 except Exception:  # recording traffic must never fail a request
                     log.exception("traffic capture failed")
         except GenerationCancelled:

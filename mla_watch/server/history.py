@@ -1,0 +1,157 @@
+"""Routing entropy over the last hour, per router and business line: the status page's heat map.
+
+The routing windows say how a router reads *now*; on-call opening a page wants *when* it went
+wrong. :class:`RoutingHistory` keeps a ring buffer of samples of the routing records (one every
+``interval_seconds``, the last ``span_seconds`` of them: 360 points for an hour at 10 s), and
+:class:`HistorySampler` takes them on a background thread.
+
+Memory is bounded by ``span / interval`` points times the (router, business line) pairs seen;
+a series whose router or line stops appearing is dropped once its last value leaves the span.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ALL_LINES", "HistorySampler", "RoutingHistory"]
+
+log = logging.getLogger(__name__)
+
+ALL_LINES = "all"  # the series of every business line summed (records whose business_line is None)
+
+
+@dataclass
+class _Series:
+    router: str
+    layer: int
+    kind: str
+    business_line: str
+    floor_bits: float | None
+    ceiling_bits: float | None
+
+
+class RoutingHistory:
+    """A bounded time series of ``entropy_bits`` per (router, business line).
+
+    ``record(records)`` appends one point stamped ``clock()`` (wall-clock seconds, shown to
+    people); ``snapshot(since)`` returns the points newer than ``since`` with every series
+    aligned to them (``None`` where a series had no value or its window held no token).
+    """
+
+    def __init__(self, *, span_seconds: float = 3600.0, interval_seconds: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        for name, value in (("span_seconds", span_seconds), ("interval_seconds", interval_seconds)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} = {value!r}: expected a positive number of seconds")
+        if interval_seconds > span_seconds:
+            raise ValueError(f"interval_seconds = {interval_seconds!r}: expected at most span_seconds "
+                             f"({span_seconds!r})")
+        self.span_seconds = float(span_seconds)
+        self.interval_seconds = float(interval_seconds)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._times: deque[float] = deque()
+        # per point: {series key: (entropy_bits, too_small)}
+        self._points: deque[dict[tuple[str, str], tuple[float, bool]]] = deque()
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def record(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Append one point from routing records (``RouterWindows.stats`` of every line and of None)."""
+        now = self.clock()
+        point: dict[tuple[str, str], tuple[float, bool]] = {}
+        series: dict[tuple[str, str], _Series] = {}
+        for record in records:
+            line = record.get("business_line") or ALL_LINES
+            key = (str(record["name"]), str(line))
+            series[key] = _Series(str(record["name"]), int(record.get("layer", -1)), str(record.get("kind", "")),
+                                  str(line), record.get("floor_bits"), record.get("ceiling_bits"))
+            bits = record.get("entropy_bits")
+            if record.get("tokens") and bits is not None and math.isfinite(bits):
+                point[key] = (round(float(bits), 4), bool(record.get("too_small")))
+        with self._lock:
+            if self._times and now < self._times[-1]:  # the wall clock stepped back: start over
+                self._times.clear()
+                self._points.clear()
+            self._times.append(now)
+            self._points.append(point)
+            self._series.update(series)
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self._times and self._times[0] < now - self.span_seconds:
+            self._times.popleft()
+            self._points.popleft()
+        alive = {key for point in self._points for key in point}
+        for key in [key for key in self._series if key not in alive]:
+            del self._series[key]
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def snapshot(self, since: float | None = None) -> dict[str, Any]:
+        """JSON-ready: ``{"interval_seconds", "span_seconds", "times", "series": [...]}``.
+
+        Each series: ``router, layer, kind, business_line, floor_bits, ceiling_bits``, ``values``
+        (entropy bits or ``None``, one per time) and ``too_small`` (the window held fewer tokens
+        than the router's trusted minimum), sorted by business line, layer and router.
+        """
+        with self._lock:
+            start = 0
+            if since is not None:
+                while start < len(self._times) and self._times[start] <= since:
+                    start += 1
+            times = list(self._times)[start:]
+            points = list(self._points)[start:]
+            series = sorted(self._series.items(), key=lambda item: (item[1].business_line != ALL_LINES,
+                                                                    item[1].business_line, item[1].layer,
+                                                                    item[1].router))
+        out = []
+        for key, info in series:
+            values = [point.get(key) for point in points]
+            out.append({"router": info.router, "layer": info.layer, "kind": info.kind,
+                        "business_line": info.business_line, "floor_bits": info.floor_bits,
+                        "ceiling_bits": info.ceiling_bits,
+                        "values": [None if v is None else v[0] for v in values],
+                        "too_small": [bool(v and v[1]) for v in values]})
+        return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds,
+                "times": [round(t, 3) for t in times], "series": out}
+
+
+class HistorySampler:
+    """Calls ``history.record(records())`` every ``history.interval_seconds`` on a daemon thread."""
+
+    def __init__(self, history: RoutingHistory, records: Callable[[], list[dict[str, Any]]]) -> None:
+        self.history = history
+        self._records = records
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        try:
+            self.history.record(self._records())
+        except Exception:  # a bad sample must not end the history
+            log.exception("sampling the routing history failed")
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="mla-watch-history", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.history.interval_seconds):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

@@ -1,0 +1,105 @@
+"""The status page: its files (shipped in the package, no build step, no CDN) and the JSON it reads.
+
+``GET /`` serves ``static/index.html``, which loads ``static/status.js`` and ``static/status.css``
+and polls ``GET /v1/status``. The JSON holds what on-call needs at a glance:
+
+* ``history``: routing entropy per router and business line over the last hour
+  (:class:`~mla_watch.server.history.RoutingHistory`), each series with its **band**: the
+  thresholds of the alert rules on ``entropy_bits`` that watch it (see :func:`entropy_band`);
+* ``alerts``: the alert instances with their labels and annotations (runbook links);
+* ``policies``: the sampling policies in force, each task with its adjustment and refusal counts;
+* ``retune``: the re-tuning jobs with their gates, the live router version and the promote /
+  rollback history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from typing import Any
+
+from prometheus_client import Counter
+
+__all__ = ["STATIC_FILES", "counter_values", "entropy_band", "policies_view", "static_file"]
+
+STATIC_FILES: dict[str, str] = {"index.html": "text/html; charset=utf-8",
+                                "status.js": "text/javascript; charset=utf-8",
+                                "status.css": "text/css; charset=utf-8"}
+
+
+def static_file(name: str) -> tuple[bytes, str]:
+    """``(content, media type)`` of one of the page's files (``KeyError`` for any other name)."""
+    media_type = STATIC_FILES[name]
+    return resources.files("mla_watch.server").joinpath("static").joinpath(name).read_bytes(), media_type
+
+
+def entropy_band(rules: Iterable[Any], series: Mapping[str, Any]) -> dict[str, Any]:
+    """Where ``entropy_bits`` of one series should lie, from the rules that watch it.
+
+    ``fire_below`` / ``resolve_above``: the highest ``below`` / resolve threshold among the
+    matching rules (the first to fire); ``fire_above`` / ``resolve_below``: the lowest ``above``
+    ones. ``None`` where no rule watches that side; ``rules`` names the rules. When no rule
+    watches the series' own business line (the shipped rules watch each line, not their sum),
+    the band of the rules that watch the router on any line is given, with ``inherited: true``.
+    """
+    rules = list(rules)
+    record = {"name": series["router"], "layer": series["layer"], "kind": series["kind"],
+              "business_line": series["business_line"]}
+    band = _band(rules, record)
+    if not band["rules"]:
+        del record["business_line"]  # a selector then matches the router whatever the line
+        inherited = _band(rules, record)
+        if inherited["rules"]:
+            band = {**inherited, "inherited": True}
+    return band
+
+
+def _band(rules: list[Any], record: dict[str, Any]) -> dict[str, Any]:
+    band: dict[str, Any] = {"fire_below": None, "resolve_above": None, "fire_above": None, "resolve_below": None,
+                            "rules": [], "inherited": False}
+
+    def keep(key: str, value: float | None, pick: Any) -> None:
+        if value is not None:
+            band[key] = value if band[key] is None else pick(band[key], value)
+
+    for rule in rules:
+        if rule.metric != "entropy_bits" or not rule.selector.matches(record):
+            continue
+        band["rules"].append(rule.name)
+        if rule.below is not None:
+            keep("fire_below", rule.below, max)
+            keep("resolve_above", rule.resolve_above if rule.resolve_above is not None else rule.below, max)
+        if rule.above is not None:
+            keep("fire_above", rule.above, min)
+            keep("resolve_below", rule.resolve_below if rule.resolve_below is not None else rule.above, min)
+    return band
+
+
+def counter_values(counter: Counter) -> dict[tuple[str, ...], float]:
+    """A labelled counter's current values: label values (in label order) -> count."""
+    values: dict[tuple[str, ...], float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                values[tuple(sample.labels.values())] = sample.value
+    return values
+
+
+def policies_view(policies: Mapping[str, Any], adjustments: Mapping[tuple[str, ...], float],
+                  rejections: Mapping[tuple[str, ...], float]) -> list[dict[str, Any]]:
+    """The policies in force (``PolicySet.as_dict()``), each task with its counts by parameter.
+
+    ``adjustments`` and ``rejections`` are keyed ``(business_line, task, param)``.
+    """
+    lines = []
+    for line, policy in sorted(policies.get("business_lines", {}).items()):
+        tasks = []
+        for task, body in policy["tasks"].items():
+            def counts(source: Mapping[tuple[str, ...], float], line: str = line, task: str = task) -> dict[str, int]:
+                return {param: int(n) for (l_, t, param), n in sorted(source.items()) if l_ == line and t == task}
+
+            tasks.append({"task": task, **body, "adjustments": counts(adjustments),
+                          "rejections": counts(rejections)})
+        lines.append({"business_line": line, "description": policy.get("description", ""),
+                      "default_task": policy.get("default_task"), "source": policy.get("source"), "tasks": tasks})
+    return lines

@@ -1,0 +1,189 @@
+"""The status page's data: the entropy history ring buffer, the bands from the rules, the policy counts."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.server.history import HistorySampler, RoutingHistory
+from mla_watch.server.status import counter_values, entropy_band, policies_view, static_file
+
+GATE = "model.layers.1.mlp.gate"
+INDEXER = "model.layers.1.self_attn.indexer"
+
+
+class FakeClock:
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(name: str = GATE, line: str | None = "code", bits: float | None = 5.9, tokens: int = 200,
+           too_small: bool = False, kind: str = "expert", layer: int = 1) -> dict:
+    return {"name": name, "layer": layer, "kind": kind, "business_line": line, "entropy_bits": bits,
+            "tokens": tokens, "too_small": too_small, "floor_bits": 2.585, "ceiling_bits": 6.0}
+
+
+def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
+    clock = FakeClock()
+    history = RoutingHistory(span_seconds=30, interval_seconds=10, clock=clock)
+    history.record([record(bits=5.91234), record(line=None, bits=5.95)])
+    clock.now += 10
+    history.record([record(bits=4.2, too_small=True), record(name=INDEXER, kind="indexer", bits=6.1)])
+    clock.now += 10
+    history.record([record(bits=3.0, tokens=0)])  # an empty window is no value, whatever it reads
+    snap = history.snapshot()
+    assert snap["interval_seconds"] == 10 and snap["span_seconds"] == 30
+    assert snap["times"] == [clock.now - 20, clock.now - 10, clock.now]
+    by_key = {(s["business_line"], s["router"]): s for s in snap["series"]}
+    assert list(by_key) == [("all", GATE), ("code", GATE), ("code", INDEXER)]  # "all" first, then by line, layer
+    assert by_key[("code", GATE)]["values"] == [5.9123, 4.2, None]
+    assert by_key[("code", GATE)]["too_small"] == [False, True, False]
+    assert by_key[("all", GATE)]["values"] == [5.95, None, None]
+    assert by_key[("code", INDEXER)] == {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code",
+                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "values": [None, 6.1, None],
+                                         "too_small": [False, False, False]}
+
+    clock.now += 25  # the first two points leave the 30 s span, and with them the "all" and indexer series
+    history.record([record(bits=5.5)])
+    snap = history.snapshot()
+    assert len(snap["times"]) == len(history) == 2
+    assert [(s["business_line"], s["router"], s["values"]) for s in snap["series"]] == [("code", GATE, [None, 5.5])]
+
+
+def test_since_returns_only_newer_points() -> None:
+    clock = FakeClock()
+    history = RoutingHistory(span_seconds=100, interval_seconds=1, clock=clock)
+    for bits in (5.1, 5.2, 5.3):
+        clock.now += 1
+        history.record([record(bits=bits)])
+    shown = history.snapshot()["times"][-2]
+    newer = history.snapshot(since=shown)
+    assert newer["times"] == [clock.now] and newer["series"][0]["values"] == [5.3]
+    assert history.snapshot(since=clock.now)["times"] == []
+    assert history.snapshot(since=clock.now)["series"][0]["values"] == []  # the series, with nothing new
+
+
+def test_a_wall_clock_stepping_back_starts_the_history_over() -> None:
+    clock = FakeClock()
+    history = RoutingHistory(span_seconds=100, interval_seconds=1, clock=clock)
+    history.record([record(bits=5.1)])
+    clock.now -= 50
+    history.record([record(bits=5.2)])
+    assert history.snapshot()["times"] == [clock.now]
+
+
+def test_memory_is_bounded_by_the_span() -> None:
+    clock = FakeClock()
+    history = RoutingHistory(span_seconds=60, interval_seconds=1, clock=clock)
+    for step in range(1000):
+        clock.now += 1
+        history.record([record(bits=5.0 + step % 7 / 10, line=f"line{step % 3}")])
+    assert len(history) == 61  # points within [now - 60, now]
+
+
+@pytest.mark.parametrize(("span", "interval", "message"), [
+    (0, 1, "span_seconds = 0: expected a positive number of seconds"),
+    (60, float("nan"), "interval_seconds = nan: expected a positive number of seconds"),
+    (60, True, "interval_seconds = True"),
+    (60, 120, "interval_seconds = 120: expected at most span_seconds (60)"),
+])
+def test_bad_settings_are_refused_by_name(span, interval, message) -> None:
+    with pytest.raises(ValueError) as info:
+        RoutingHistory(span_seconds=span, interval_seconds=interval)
+    assert message in str(info.value)
+
+
+def test_the_sampler_records_on_its_thread_and_survives_a_failing_source() -> None:
+    history = RoutingHistory(span_seconds=10, interval_seconds=0.05)
+    calls = []
+    two = threading.Event()
+
+    def records() -> list[dict]:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the windows were busy")
+        if len(calls) >= 3:
+            two.set()
+        return [record()]
+
+    sampler = HistorySampler(history, records)
+    sampler.start()
+    try:
+        assert two.wait(10)
+    finally:
+        sampler.stop()
+    assert len(history) >= 2  # the failure cost one point, not the history
+    assert sampler._thread is None
+
+
+SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
+
+
+def test_the_band_comes_from_the_rules_that_watch_the_series() -> None:
+    rules = load_rules_dir(SHIPPED_RULES).rules
+    gate = {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code"}
+    band = entropy_band(rules, gate)
+    sides = ("fire_below", "resolve_above", "fire_above", "resolve_below")
+    assert [band[side] for side in sides] == [5.0, 5.2, 6.5, 6.3]
+    assert band["rules"] == ["RoutingEntropyLow", "RoutingEntropyHigh"] and band["inherited"] is False
+    # The shipped rules watch each line, not their sum: the sum shows the band they give the router.
+    summed = entropy_band(rules, {**gate, "business_line": "all"})
+    assert summed["fire_below"] == 5.0 and summed["inherited"] is True
+    # No entropy rule watches an indexer: no band, the page shows floor..ceiling.
+    indexer = entropy_band(rules, {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code"})
+    assert indexer == {"fire_below": None, "resolve_above": None, "fire_above": None, "resolve_below": None,
+                       "rules": [], "inherited": False}
+
+
+def test_of_several_rules_the_first_to_fire_sets_each_side(tmp_path: Path) -> None:
+    (tmp_path / "r.yaml").write_text("""
+receivers: [{name: oncall, type: alertmanager_webhook, url: "http://127.0.0.1:9/hook"}]
+rules:
+  - {alert: Low, metric: entropy_bits, select: {kind: expert}, below: 4.5, resolve_above: 4.8}
+  - {alert: LowerForCode, metric: entropy_bits, select: {business_line: code}, below: 5.1}
+  - {alert: Dead, metric: dead_slots, select: {}, above: 3}
+""")
+    band = entropy_band(load_rules_dir(tmp_path).rules,
+                        {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code"})
+    assert band["fire_below"] == 5.1 and band["resolve_above"] == 5.1 and band["fire_above"] is None
+    assert band["rules"] == ["Low", "LowerForCode"]
+
+
+def test_policy_counts_come_from_the_labelled_counters() -> None:
+    registry = CollectorRegistry()
+    adjustments = Counter("adj", "x", ["business_line", "task", "param"], registry=registry)
+    rejections = Counter("rej", "x", ["business_line", "task", "param"], registry=registry)
+    adjustments.labels("code_assistant", "code", "temperature").inc(3)
+    adjustments.labels("code_assistant", "code", "top_p").inc()
+    adjustments.labels("code_assistant", "chat", "temperature").inc()
+    rejections.labels("code_assistant", "sql", "temperature").inc(2)
+    assert counter_values(adjustments) == {("code_assistant", "code", "temperature"): 3.0,
+                                           ("code_assistant", "code", "top_p"): 1.0,
+                                           ("code_assistant", "chat", "temperature"): 1.0}
+    policies = {"business_lines": {"code_assistant": {
+        "description": "code", "default_task": "code", "source": "p.yaml",
+        "tasks": {"code": {"on_violation": "clamp", "params": {}}, "sql": {"on_violation": "reject", "params": {}},
+                  "chat": {"on_violation": "clamp", "params": {}}}}}}
+    view = policies_view(policies, counter_values(adjustments), counter_values(rejections))
+    tasks = {task["task"]: task for task in view[0]["tasks"]}
+    assert tasks["code"]["adjustments"] == {"temperature": 3, "top_p": 1} and tasks["code"]["rejections"] == {}
+    assert tasks["sql"]["rejections"] == {"temperature": 2} and tasks["chat"]["adjustments"] == {"temperature": 1}
+    assert view[0]["business_line"] == "code_assistant" and view[0]["default_task"] == "code"
+
+
+def test_the_page_files_ship_in_the_package() -> None:
+    html, media_type = static_file("index.html")
+    assert media_type.startswith("text/html")
+    assert b'src="static/status.js"' in html and b'href="static/status.css"' in html
+    assert b"http" not in html.replace(b"http-equiv", b"")  # no CDN: nothing is loaded from elsewhere
+    script, _ = static_file("status.js")
+    assert b'fetch(url' in script and b"http" not in script
+    with pytest.raises(KeyError):
+        static_file("../app.py")
