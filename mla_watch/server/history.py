@@ -64,7 +64,7 @@ class RoutingHistory:
 
     def record(self, records: Iterable[Mapping[str, Any]]) -> None:
         """Append one point from routing records (``RouterWindows.stats`` of every line and of None)."""
-        now = self.clock()
+        now = round(self.clock(), 3)  # as shown: a client passes it back as `since`
         point: dict[tuple[str, str], tuple[float, bool]] = {}
         series: dict[tuple[str, str], _Series] = {}
         for record in records:
@@ -121,7 +121,7 @@ class RoutingHistory:
                         "values": [None if v is None else v[0] for v in values],
                         "too_small": [bool(v and v[1]) for v in values]})
         return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds,
-                "times": [round(t, 3) for t in times], "series": out}
+                "times": times, "series": out}
 
 
 class HistorySampler:

@@ -1,0 +1,299 @@
+"""The status page at ``/``: its API on a real sidecar, and the page itself in headless Chromium.
+
+The browser test follows on-call: a router collapses on the code line, the webhook receives the
+alert, and the link in the alert is opened in a real browser (Debian's ``chromium``, headless).
+The page must select the line and highlight the router the link names, show the heat map, the
+alert and the policies with the values the sidecar serves, and keep polling. The screenshot and
+the DOM are kept in ``test-artifacts/`` (``MLA_WATCH_ARTIFACTS`` to put them elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from conftest import REPO, free_port, running_sidecar, serve_app, wait_until
+from receivers import running_receiver
+
+GATE = "model.layers.1.mlp.gate"
+RUNBOOK = "https://runbooks.example/routing#routingentropylow"
+RULES = f"""
+receivers:
+  - name: oncall
+    type: alertmanager_webhook
+    url: ${{MLA_WATCH_ONCALL_URL}}
+    group_by: [alertname, router, layer, business_line]
+rules:
+  - alert: RoutingEntropyLow
+    metric: entropy_bits
+    select: {{kind: expert, business_line: "*"}}
+    below: 5.0
+    resolve_above: 5.2
+    for: 0s
+    min_tokens: 64
+    severity: critical
+    actions: [notify]
+    labels: {{team: ml-platform}}
+    annotations:
+      summary: "Routing entropy {{value:.2f}} bits on {{router}} (layer {{layer}}, {{business_line}})"
+      runbook_url: {RUNBOOK}
+      dashboard: "{{status_url}}"
+"""
+
+
+# ---------------------------------------------------------------- the API behind the page
+
+
+def test_the_page_and_its_files_are_served(sidecar) -> None:
+    url, _ = sidecar
+    page = httpx.get(url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="static/status.js"></script>' in page.text
+    for name, kind in (("status.js", "text/javascript"), ("status.css", "text/css")):
+        response = httpx.get(f"{url}/static/{name}", timeout=10)
+        assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
+    missing = httpx.get(url + "/static/app.py", timeout=10)
+    assert missing.status_code == 404
+    assert "no such file: 'app.py'" in missing.json()["error"]["message"]
+
+
+def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, monkeypatch) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "routing.yaml").write_text(RULES)
+    monkeypatch.setenv("MLA_WATCH_ONCALL_URL", "http://127.0.0.1:9/hook")  # nothing listens: not needed here
+    with running_sidecar(rules=rules, history_interval_seconds=0.2, alert_interval=0.2) as (url, _):
+        response = httpx.post(url + "/v1/completions", timeout=60,
+                              headers={"X-Business-Line": "code_assistant", "X-Task": "code"},
+                              json={"prompt": "def parse(", "max_tokens": 8, "temperature": 0.9})
+        assert response.status_code == 200
+        live = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"}).json()["routers"]
+        bits = round(next(r for r in live if r["name"] == GATE)["entropy_bits"], 4)
+
+        def sampled_since_the_request() -> bool:  # the history is sampled every 0.2 s
+            return any(s["router"] == GATE and s["business_line"] == "code_assistant" and s["values"][-1] == bits
+                       for s in httpx.get(url + "/v1/status").json()["history"]["series"])
+
+        assert wait_until(sampled_since_the_request, 30)
+        status = httpx.get(url + "/v1/status", timeout=10).json()
+        assert status["model"] == "bundled" and status["ready"] is True and status["rules"] == 1
+        history = status["history"]
+        assert history["interval_seconds"] == 0.2 and history["span_seconds"] == 3600
+        gate = next(s for s in history["series"] if s["router"] == GATE and s["business_line"] == "code_assistant")
+        assert len(gate["values"]) == len(history["times"])
+        assert gate["values"][-1] == bits and gate["too_small"][-1] is True  # 8 tokens: below the trusted minimum
+        assert gate["band"]["fire_below"] == 5.0 and gate["band"]["resolve_above"] == 5.2
+        code = next(line for line in status["policies"]["lines"] if line["business_line"] == "code_assistant")
+        task = next(t for t in code["tasks"] if t["task"] == "code")
+        applied = {change["param"] for change in response.json()["mla_watch"]["adjustments"]}
+        assert set(task["adjustments"]) == applied and all(n == 1 for n in task["adjustments"].values())
+        assert status["retune"]["live"] == 0 and status["retune"]["jobs"] == []
+        assert status["retune"]["promotions"][0]["kind"] == "initial"
+
+        newest = history["times"][-1]
+        later = httpx.get(url + "/v1/status", params={"since": newest}, timeout=10).json()["history"]
+        assert all(t > newest for t in later["times"])
+        bad = httpx.get(url + "/v1/status", params={"since": "yesterday"}, timeout=10)
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "since" and "'yesterday' is invalid" in bad.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- the page in a real browser
+
+
+class _Elements(HTMLParser):
+    """Every element of a DOM dump as (tag, attributes, text directly inside it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements: list[dict] = []
+        self._open: list[dict] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        element = {"tag": tag, **{k: v or "" for k, v in attrs}, "text": ""}
+        self.elements.append(element)
+        if tag not in ("meta", "link", "br", "img", "input"):
+            self._open.append(element)
+
+    def handle_endtag(self, tag: str) -> None:
+        while self._open:
+            if self._open.pop()["tag"] == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        for element in self._open:
+            element["text"] += data
+
+    def find(self, **attrs: str) -> list[dict]:
+        def matches(element: dict) -> bool:
+            return all((value in element.get("class", "").split()) if key == "class_" else element.get(key) == value
+                       for key, value in attrs.items())
+
+        return [element for element in self.elements if matches(element)]
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if shutil.which(name):
+            return name
+    pytest.fail("no chromium: install Debian's chromium package (.ci/run does) to test the status page")
+
+
+def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000) -> tuple[_Elements, str]:
+    """Load ``url`` in headless Chromium; return the DOM after ``budget_ms`` of virtual time and the console."""
+    with tempfile.TemporaryDirectory(prefix="mla-watch-chromium-") as profile:
+        run = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                              "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1400,1400",
+                              "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
+                              f"--screenshot={screenshot}", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    dom = _Elements()
+    dom.feed(run.stdout)
+    console = "\n".join(line for line in run.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line)
+    return dom, console
+
+
+def artifacts_dir() -> Path:
+    directory = Path(os.environ.get("MLA_WATCH_ARTIFACTS", REPO / "test-artifacts"))
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def pixel(png: Path, x: int, y: int) -> tuple[int, int, int]:
+    from PIL import Image  # matplotlib's dependency
+
+    with Image.open(png) as image:
+        return image.convert("RGB").getpixel((x, y))
+
+
+@pytest.mark.slow
+def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, monkeypatch) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "routing.yaml").write_text(RULES)
+    port = free_port()
+    artifacts = artifacts_dir()
+    with running_receiver() as receiver:
+        monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
+        from mla_watch.server.app import ServerConfig, Sidecar
+
+        sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
+                                       policy_poll_seconds=None, admin_token=None, alert_interval=0.3,
+                                       window_tokens=192, history_interval_seconds=0.5,
+                                       public_url=f"http://127.0.0.1:{port}"))
+        with serve_app(sidecar.app, port=port) as url:
+            assert sidecar.wait_ready(120), sidecar.load_error
+            client = httpx.Client(base_url=url, timeout=120)
+            adjusted = {"code": 0}
+
+            def request(line: str, index: int) -> None:
+                headers = {"X-Business-Line": line, **({"X-Task": "code"} if line == "code_assistant" else {})}
+                body = {"prompt": f"def parse_invoice_{index}(" if line == "code_assistant" else
+                        f"<|user|>\nWhere is my parcel number {index}?\n<|assistant|>\n",
+                        "max_tokens": 24, "seed": index, "temperature": 0.9}
+                response = client.post("/v1/completions", json=body, headers=headers)
+                assert response.status_code == 200, response.text
+                if line == "code_assistant":
+                    adjusted["code"] += len(response.json()["mla_watch"]["adjustments"])
+
+            for index in range(8):
+                request("code_assistant", index)
+                request("customer_service", index)
+            healthy, _ = open_in_browser(url + "/#router=" + GATE, artifacts / "status-page-healthy.png", 3000)
+            row = healthy.find(tag="div", class_="row", **{"data-router": GATE, "data-line": "all"})
+            assert row and row[0]["data-state"] == "ok", row
+
+            with sidecar.engine.model_lock, torch.no_grad():  # the collapse: six experts win everywhere
+                sidecar.engine.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+
+            def paged() -> list[dict]:
+                return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]
+                        if alert["status"] == "firing" and alert["labels"]["router"] == GATE
+                        and alert["labels"]["business_line"] == "code_assistant"]
+
+            index = 100
+            while not paged():
+                assert index < 160, "no page for the collapsed router"
+                request("code_assistant", index)
+                index += 1
+            # Traffic stops: the routing windows hold still, and the history catches up with them.
+            routing = {r["name"]: r for r in client.get("/v1/routing",
+                                                        params={"business_line": "code_assistant"}).json()["routers"]}
+
+            def history_caught_up() -> bool:
+                series = sidecar.history.snapshot()["series"]
+                return any(s["router"] == GATE and s["business_line"] == "code_assistant"
+                           and s["values"][-1] == round(routing[GATE]["entropy_bits"], 4) for s in series)
+
+            assert wait_until(history_caught_up, 10)
+            time.sleep(1.0)  # a few history points at the collapsed value, so the heat map shows a red stretch
+
+            link = paged()[0]["annotations"]["dashboard"]
+            assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant")
+            screenshot = artifacts / "status-page.png"
+            dom, console = open_in_browser(link, screenshot)
+            (artifacts / "status-page.html").write_text("\n".join(str(e) for e in dom.elements))
+            client.close()
+
+    assert "Uncaught" not in console and "Error" not in console, console
+    (body,) = dom.find(tag="body")
+    assert int(body["data-updates"]) >= 2, "the page stopped polling"  # live: it keeps fetching v1/status
+    assert dom.find(tag="span", id="updated")[0]["data-state"] == "live"
+
+    # The link selected the business line and highlighted the router.
+    assert [b["data-line"] for b in dom.find(tag="button", **{"aria-pressed": "true"}) if "data-line" in b] \
+        == ["code_assistant"]
+    rows = dom.find(tag="div", class_="row")
+    assert [r["data-line"] for r in rows] == ["code_assistant"] * len(rows)
+    assert {r["data-router"] for r in rows} == set(routing)  # every router of the model, one row each
+    (focused,) = [r for r in rows if "focus" in r["class"].split()]
+    assert focused["data-router"] == GATE and focused["data-layer"] == "1"
+    # The heat map shows the value the sidecar serves, and where it lies against the band.
+    assert float(focused["data-value"]) == pytest.approx(routing[GATE]["entropy_bits"], abs=1e-3)
+    assert focused["data-state"] == "fire" and float(focused["data-value"]) < 5.0
+    for r in rows:
+        if r["data-kind"] == "expert" and r["data-router"] != GATE:
+            assert r["data-state"] == "ok" and float(r["data-value"]) == pytest.approx(
+                routing[r["data-router"]]["entropy_bits"], abs=1e-3)
+    (canvas,) = dom.find(tag="canvas", id="heatmap-canvas")
+    assert int(canvas["data-rows"]) == len(rows) and int(canvas["data-columns"]) >= 4
+    # In the screenshot: the newest cell of the collapsed router is red, its neighbour's is green.
+    left, top, width, _ = (int(v) for v in canvas["data-box"].split(","))
+    newest_x = left + width - 2
+    for position, r in enumerate(rows):
+        red, green, blue = pixel(screenshot, newest_x, top + position * 18 + 9)
+        if r["data-router"] == GATE:
+            assert red > 110 and red > 2 * green and red > 2 * blue, (red, green, blue)
+        elif r["data-kind"] == "expert":
+            assert green > red and green > blue, (r["data-router"], red, green, blue)
+    # "Now, per business line": the collapse shows on the code line only (customer service had no
+    # traffic since).
+    cells = {c["data-line"]: c for c in dom.find(tag="td", class_="cell", **{"data-router": GATE})}
+    assert cells["code_assistant"]["data-state"] == "fire" and cells["customer_service"]["data-state"] == "ok"
+
+    # The alert, with its labels and its runbook link.
+    (alert,) = dom.find(tag="tr", **{"data-alertname": "RoutingEntropyLow", "data-router": GATE,
+                                     "data-line": "code_assistant"})
+    assert alert["data-state"] == "firing"
+    assert "team=ml-platform" in alert["text"] and "critical" in alert["text"]
+    assert [a["href"] for a in dom.find(tag="a", class_="runbook")] == [RUNBOOK]
+    assert dom.find(tag="a", class_="show")[0]["href"] == "#" + link.split("#", 1)[1]
+
+    # The policies in force, with the adjustments the code requests really got.
+    (code_task,) = dom.find(tag="tr", **{"data-line": "code_assistant", "data-task": "code"})
+    assert int(code_task["data-adjustments"]) == adjusted["code"] > 0 and code_task["data-rejections"] == "0"
+    assert "temperature: ≥ 0.1, ≤ 0.3" in code_task["text"]
+    (sql_task,) = dom.find(tag="tr", **{"data-line": "code_assistant", "data-task": "sql"})
+    assert "reject" in sql_task["text"]
+    # Re-tuning: the routers the server started with are live; nothing was promoted.
+    (retune,) = dom.find(tag="div", id="retune-body")
+    assert "live router version 0" in retune["text"] and "No re-tuning job yet." in retune["text"]
