@@ -238,6 +238,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     prompts = {domain: itertools.cycle(corpus.prompts(domain, 40, seed=2024)) for domain in corpus.DOMAINS}
     config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
                           window_tokens=192, capture=True, retune=RetuneSettings(min_samples=12),
+                          history_interval_seconds=1.0,
                           policy_poll_seconds=None, admin_token=None, public_url="http://127.0.0.1/demo")
     sidecar = Sidecar(config)
     try:
@@ -245,6 +246,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             view.say("loading the bundled model")
             if not sidecar.wait_ready(180):
                 raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")
+            view.say(f"the status page, while the demo runs: {url}/")
             client = httpx.Client(base_url=url, timeout=120)
             counter = itertools.count()
 

@@ -23,6 +23,9 @@ import torch
 from conftest import REPO, free_port, running_sidecar, serve_app, wait_until
 from receivers import running_receiver
 
+from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.server.app import ServerConfig, Sidecar
+
 GATE = "model.layers.1.mlp.gate"
 RUNBOOK = "https://runbooks.example/routing#routingentropylow"
 RULES = f"""
@@ -184,11 +187,10 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     artifacts = artifacts_dir()
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        from mla_watch.server.app import ServerConfig, Sidecar
-
         sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
-                                       policy_poll_seconds=None, admin_token=None, alert_interval=0.3,
-                                       window_tokens=192, history_interval_seconds=0.5,
+                                       policy_poll_seconds=None, admin_token="token", alert_interval=0.3,
+                                       window_tokens=192, history_interval_seconds=0.5, capture=True,
+                                       retune=RetuneSettings(min_samples=8),
                                        public_url=f"http://127.0.0.1:{port}"))
         with serve_app(sidecar.app, port=port) as url:
             assert sidecar.wait_ready(120), sidecar.load_error
@@ -242,6 +244,15 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             screenshot = artifacts / "status-page.png"
             dom, console = open_in_browser(link, screenshot)
             (artifacts / "status-page.html").write_text("\n".join(str(e) for e in dom.elements))
+
+            # On-call restores the routers the server started with, then rolls the promotion back.
+            admin = {"Authorization": "Bearer token"}
+            job = client.post("/admin/retune", headers=admin, json={
+                "routers": [GATE], "business_line": "code_assistant", "strategy": ["restore"],
+                "rule": "RoutingEntropyLow"}).json()
+            assert wait_until(lambda: client.get(f"/v1/retune/jobs/{job['id']}").json()["status"] == "promoted", 60)
+            assert client.post("/admin/retune/rollback", headers=admin).status_code == 200
+            retuned, console_after = open_in_browser(link, artifacts / "status-page-retune.png", 3000)
             client.close()
 
     assert "Uncaught" not in console and "Error" not in console, console
@@ -297,3 +308,13 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     # Re-tuning: the routers the server started with are live; nothing was promoted.
     (retune,) = dom.find(tag="div", id="retune-body")
     assert "live router version 0" in retune["text"] and "No re-tuning job yet." in retune["text"]
+
+    # After the re-tune: the job with its gates, and the promote / rollback history, newest first.
+    assert "Uncaught" not in console_after, console_after
+    (job_row,) = retuned.find(tag="tr", **{"data-job": job["id"]})
+    assert job_row["data-status"] == "promoted" and "restore" in job_row["text"]
+    assert f"✓ band {GATE}" in job_row["text"] and "✓ perplexity" in job_row["text"] and "✗" not in job_row["text"]
+    history = [(r["data-kind"], r["data-version"]) for r in retuned.find(tag="tr") if "data-kind" in r]
+    assert history == [("rollback", "0"), ("promote", "1"), ("initial", "0")]
+    (retune_after,) = retuned.find(tag="div", id="retune-body")
+    assert "live router version 0 · last version that passed its gates 1" in retune_after["text"]

@@ -77,7 +77,7 @@ def _forward(model: torch.nn.Module, batch: Any) -> None:
     elif isinstance(batch, Mapping):
         device = getattr(model, "device", None)
         model(**{key: value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
-                 for key, value in batch.items()})
+                 for key, value in batch.items() if key != "loss_mask"})  # loss_mask is for losses, not the model
     else:
         raise TypeError(f"batch: expected input_ids [B, T] or a mapping of model inputs, got {type(batch).__name__}")
 

@@ -267,6 +267,8 @@ class Sidecar:
         if self.alerts is not None:
             self.alerts.start()
         self._history_sampler.start()
+        if self.config.public_url:
+            log.info("status page: %s/", self.config.public_url.rstrip("/"))
 
     async def _shutdown(self) -> None:
         self._history_sampler.stop()

@@ -3,7 +3,8 @@
 //
 // The URL anchor (#router=...&layer=...&business_line=..., the link in every alert) selects the
 // business line and highlights the router's row. ?refresh=SECONDS sets the polling period and
-// ?window=SECONDS the time the heat map spans (default: all the history the sidecar keeps).
+// ?window=SECONDS the time the heat map spans (default: the shortest of 5 min, 15 min, 1 h, ...
+// that holds all the history the sidecar has, so a young sidecar's history is not a sliver).
 "use strict";
 
 const QUERY = new URLSearchParams(location.search);
@@ -13,7 +14,7 @@ const ROW_HEIGHT = 18;
 const COLOURS = { fire: "#e0463e", warn: "#e8a33d", ok: "#3fae6a", high: "#9b6ad6", none: "#2b303b" };
 
 const view = { history: null, status: null, line: null, focus: null, scrolled: false, updates: 0,
-               window: Number(QUERY.get("window")) || null };
+               window: Number(QUERY.get("window")) || null, windowChosen: Boolean(Number(QUERY.get("window"))) };
 
 // ---------------------------------------------------------------- small helpers
 const $ = (id) => document.getElementById(id);
@@ -157,7 +158,7 @@ function render() {
   const firing = status.alerts.filter((a) => a.state === "firing");
   $("model").textContent = `model ${status.model}${status.upstream ? ` via ${status.upstream}` : ""}` +
     (status.ready ? "" : ` · ${status.load_error || "loading"}`);
-  $("summary").textContent = `${firing.length} firing · ${status.rules} rules · ` +
+  $("summary").textContent = `${firing.length} firing · ${status.rules} rule${status.rules === 1 ? "" : "s"} · ` +
     `${status.notifications_pending} notifications queued` +
     (status.retune ? ` · router version ${status.retune.live}` : "");
   renderLines(firing);
@@ -186,12 +187,17 @@ function renderLines(firing) {
 
 function renderWindows() {
   const span = view.history.span_seconds;
+  const times = view.history.times;
+  if (!view.windowChosen) {
+    const held = times.length ? times[times.length - 1] - times[0] : 0;
+    view.window = (WINDOWS.find(([seconds]) => seconds >= held && seconds < span) || [span])[0];
+  }
   if (!view.window || view.window > span) view.window = span;
   const named = WINDOWS.find(([seconds]) => seconds === span);
   const choices = WINDOWS.filter(([seconds]) => seconds < span).concat([[span, named ? named[1] : "all kept"]]);
   $("windows").replaceChildren(...choices.map(([seconds, label]) => el("button", {
     type: "button", "aria-pressed": String(seconds === view.window), dataset: { seconds: String(seconds) },
-    onclick: () => { view.window = seconds; render(); },
+    onclick: () => { view.window = seconds; view.windowChosen = true; render(); },
   }, label)));
 }
 

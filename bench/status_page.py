@@ -1,0 +1,172 @@
+"""What the status page costs: the history's memory and payload, and serving while a page polls.
+
+    python bench/status_page.py                 # about a minute on 2 CPU cores
+    python bench/status_page.py --rounds 6 --json figures.json
+
+* **History at DeepSeek-V3.2 scale**: 58 expert routers and 61 indexers, 4 business lines plus
+  their sum, one hour at the default 10 s (360 points): the memory it holds, the time to build
+  ``/v1/status``'s history and its JSON size, and the size of an incremental reply (``since``
+  the last point, what an open page fetches every 5 s), as a ratio of the full one.
+* **One history sample** on the bundled model's live windows (every router, every line): its
+  time, and the share of one core it takes at the default 10 s interval.
+* **Serving while a page polls**: one ``mla-watch serve`` process with ``--history-interval 1``;
+  16-token completions, sequentially, in alternating rounds with and without a client polling
+  ``/v1/status`` every second (five times the page's default); tokens/s with / without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_overhead import sidecar_process
+
+from mla_watch.server.history import RoutingHistory
+
+LINES = ("customer_service", "code_assistant", "sql", "doc_summary")
+
+
+def v3_records(rng: random.Random) -> list[dict]:
+    routers = [(f"model.layers.{i}.mlp.gate", i, "expert", 3.0, 8.0) for i in range(3, 61)]
+    routers += [(f"model.layers.{i}.self_attn.indexer", i, "indexer", 11.0, 17.0) for i in range(61)]
+    return [{"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": 4096,
+             "entropy_bits": rng.uniform(floor + 1, ceiling), "too_small": False, "floor_bits": floor,
+             "ceiling_bits": ceiling}
+            for line in (*LINES, None) for name, layer, kind, floor, ceiling in routers]
+
+
+def history_figures() -> dict:
+    rng = random.Random(7)
+    now = [1_800_000_000.0]
+    history = RoutingHistory(span_seconds=3600, interval_seconds=10, clock=lambda: now[0])
+    batches = [v3_records(rng) for _ in range(8)]
+    tracemalloc.start()
+    for point in range(360):
+        now[0] += 10
+        history.record(batches[point % len(batches)])
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        full = json.dumps(history.snapshot())
+        times.append(time.perf_counter() - started)
+    last = history.snapshot()["times"][-1]
+    now[0] += 10
+    history.record(batches[0])
+    incremental = json.dumps(history.snapshot(since=last))
+    return {"series": len(batches[0]), "points": len(history), "memory_mib": memory / 2**20,
+            "full_ms": statistics.median(times) * 1000, "full_bytes": len(full),
+            "incremental_bytes": len(incremental), "incremental_ratio": len(incremental) / len(full)}
+
+
+def sample_figures() -> dict:
+    from mla_watch.server.app import ServerConfig, Sidecar
+
+    sidecar = Sidecar(ServerConfig(device="cpu", rules=None, policy_poll_seconds=None, admin_token=None,
+                                   state_dir=Path(tempfile_dir())))
+    sidecar.load_model()
+    from mla_watch.models import corpus
+    from mla_watch.sampling import SamplingParams, generate
+
+    for line, domain in zip(LINES, ("customer_service", "code", "sql", "doc_summary"), strict=True):
+        with sidecar.probe.attribute(line):
+            for prompt in corpus.prompts(domain, 4, seed=1):
+                ids = sidecar.engine.tokenizer(prompt)["input_ids"]
+                generate(sidecar.engine.model, sidecar.engine.tokenizer, ids, SamplingParams(max_tokens=16, seed=1))
+    times = []
+    for _ in range(20):
+        started = time.perf_counter()
+        sidecar.history.record(sidecar._routing_records())
+        times.append(time.perf_counter() - started)
+    sidecar.engine.close()
+    median = statistics.median(times)
+    return {"sample_ms": median * 1000, "core_share_at_10s": median / 10.0,
+            "series": len(sidecar.history.snapshot()["series"])}
+
+
+def tempfile_dir() -> str:
+    return tempfile.mkdtemp(prefix="mla-watch-bench-")
+
+
+def serving_figures(rounds: int, requests_per_round: int) -> dict:
+    body = {"prompt": "def parse_invoice(", "max_tokens": 16, "temperature": 0.2, "seed": 3}
+    headers = {"X-Business-Line": "code_assistant", "X-Task": "code"}
+    rates: dict[str, list[float]] = {"polled": [], "alone": []}
+    polls = [0]
+    with sidecar_process("--history-interval", "1", "--state-dir", tempfile_dir()) as (url, _):
+        client = httpx.Client(base_url=url, timeout=120)
+        for _ in range(3):  # warm-up
+            client.post("/v1/completions", json=body, headers=headers)
+        for round_index in range(2 * rounds):
+            variant = "polled" if round_index % 2 == 0 else "alone"
+            stop = threading.Event()
+
+            def poll(stop: threading.Event = stop) -> None:
+                since = None
+                with httpx.Client(base_url=url, timeout=30) as page:
+                    while not stop.wait(1.0):
+                        reply = page.get("/v1/status", params={} if since is None else {"since": since}).json()
+                        if reply["history"]["times"]:
+                            since = reply["history"]["times"][-1]
+                        polls[0] += 1
+
+            poller = threading.Thread(target=poll, daemon=True)
+            if variant == "polled":
+                poller.start()
+            tokens, started = 0, time.perf_counter()
+            for _ in range(requests_per_round):
+                tokens += client.post("/v1/completions", json=body, headers=headers).json()["usage"][
+                    "completion_tokens"]
+            rates[variant].append(tokens / (time.perf_counter() - started))
+            stop.set()
+            if variant == "polled":
+                poller.join(10)
+        client.close()
+    ratios = [p / a for p, a in zip(rates["polled"], rates["alone"], strict=True)]
+    return {"tokens_per_s_polled": statistics.median(rates["polled"]),
+            "tokens_per_s_alone": statistics.median(rates["alone"]), "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds, "polls": polls[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of polled / alone (default 4)")
+    parser.add_argument("--requests", type=int, default=12, help="16-token requests per round (default 12)")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.requests < 1:
+        parser.error(f"--rounds {args.rounds} and --requests {args.requests}: expected integers >= 1")
+
+    history = history_figures()
+    print(f"history, DeepSeek-V3.2 scale ({history['series']} series x {history['points']} points): "
+          f"{history['memory_mib']:.1f} MiB held; /v1/status history {history['full_bytes'] / 2**20:.2f} MiB "
+          f"built in {history['full_ms']:.0f} ms; incremental reply {history['incremental_bytes'] / 1024:.1f} KiB "
+          f"= x{history['incremental_ratio']:.4f} of the full one")
+    sample = sample_figures()
+    print(f"one history sample, bundled model ({sample['series']} series): {sample['sample_ms']:.2f} ms "
+          f"= {100 * sample['core_share_at_10s']:.3f}% of one core at the default 10 s interval")
+    serving = serving_figures(args.rounds, args.requests)
+    print(f"decode throughput while a page polls /v1/status every 1 s / alone: x{serving['ratio_median']:.3f} median "
+          f"(spread {serving['ratio_min']:.3f}-{serving['ratio_max']:.3f}, {serving['rounds']} alternations; "
+          f"{serving['tokens_per_s_polled']:.0f} vs {serving['tokens_per_s_alone']:.0f} tokens/s, "
+          f"{serving['polls']} polls)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"history": history, "sample": sample, "serving": serving}, indent=2))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
