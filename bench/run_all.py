@@ -215,6 +215,28 @@ def retune_specs(args: list[str]) -> list[Spec]:
     return specs
 
 
+def status_page_specs(args: list[str]) -> list[Spec]:
+    def history(f: Figures) -> str:
+        h = f["history"]
+        return (f"{h['memory_mib']:.1f} MiB held; full reply {h['full_bytes'] / 2**20:.2f} MiB in "
+                f"{h['full_ms']:.0f} ms; incremental {x(h['incremental_ratio'], 4)} of it")
+
+    def sample(f: Figures) -> str:
+        return f"{f['sample']['sample_ms']:.2f} ms ({100 * f['sample']['core_share_at_10s']:.3f}% of a core at 10 s)"
+
+    def serving(f: Figures) -> str:
+        s = f["serving"]
+        return (f"{x(s['ratio_median'])} median (spread {s['ratio_min']:.2f}-{s['ratio_max']:.2f}, "
+                f"{s['rounds']} alternations)")
+
+    return [
+        Spec("status page: 1 h of history, DeepSeek-V3.2 scale", "119 routers x 5 lines x 360 points", history),
+        Spec("status page: one history sample", "the bundled model's routers x lines", sample),
+        Spec("status page: decode tokens/s, page polling every 1 s / none", "same sidecar, alternating rounds",
+             serving),
+    ]
+
+
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
@@ -222,6 +244,7 @@ BENCHES = [
     Bench("server_overhead", ["--requests", "50", "--load-requests", "16"], ["--requests", "150"], server_specs),
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
+    Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
 ]
 
 

@@ -1,6 +1,6 @@
 """What the status page costs: the history's memory and payload, and serving while a page polls.
 
-    python bench/status_page.py                 # about a minute on 2 CPU cores
+    python bench/status_page.py                 # about two minutes on 2 CPU cores
     python bench/status_page.py --rounds 6 --json figures.json
 
 * **History at DeepSeek-V3.2 scale**: 58 expert routers and 61 indexers, 4 business lines plus
@@ -106,34 +106,35 @@ def serving_figures(rounds: int, requests_per_round: int) -> dict:
     headers = {"X-Business-Line": "code_assistant", "X-Task": "code"}
     rates: dict[str, list[float]] = {"polled": [], "alone": []}
     polls = [0]
+    polling, done = threading.Event(), threading.Event()
     with sidecar_process("--history-interval", "1", "--state-dir", tempfile_dir()) as (url, _):
+
+        def page() -> None:  # one open page: it keeps asking for the points it has not seen
+            since = None
+            with httpx.Client(base_url=url, timeout=30) as client:
+                while not done.wait(1.0):
+                    if not polling.is_set():
+                        continue
+                    reply = client.get("/v1/status", params={} if since is None else {"since": since}).json()
+                    if reply["history"]["times"]:
+                        since = reply["history"]["times"][-1]
+                    polls[0] += 1
+
+        poller = threading.Thread(target=page, daemon=True)
+        poller.start()
         client = httpx.Client(base_url=url, timeout=120)
         for _ in range(3):  # warm-up
             client.post("/v1/completions", json=body, headers=headers)
         for round_index in range(2 * rounds):
             variant = "polled" if round_index % 2 == 0 else "alone"
-            stop = threading.Event()
-
-            def poll(stop: threading.Event = stop) -> None:
-                since = None
-                with httpx.Client(base_url=url, timeout=30) as page:
-                    while not stop.wait(1.0):
-                        reply = page.get("/v1/status", params={} if since is None else {"since": since}).json()
-                        if reply["history"]["times"]:
-                            since = reply["history"]["times"][-1]
-                        polls[0] += 1
-
-            poller = threading.Thread(target=poll, daemon=True)
-            if variant == "polled":
-                poller.start()
+            (polling.set if variant == "polled" else polling.clear)()
             tokens, started = 0, time.perf_counter()
             for _ in range(requests_per_round):
-                tokens += client.post("/v1/completions", json=body, headers=headers).json()["usage"][
-                    "completion_tokens"]
+                reply = client.post("/v1/completions", json=body, headers=headers).json()
+                tokens += reply["usage"]["completion_tokens"]
             rates[variant].append(tokens / (time.perf_counter() - started))
-            stop.set()
-            if variant == "polled":
-                poller.join(10)
+        done.set()
+        poller.join(10)
         client.close()
     ratios = [p / a for p, a in zip(rates["polled"], rates["alone"], strict=True)]
     return {"tokens_per_s_polled": statistics.median(rates["polled"]),
@@ -144,7 +145,7 @@ def serving_figures(rounds: int, requests_per_round: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4, help="alternations of polled / alone (default 4)")
-    parser.add_argument("--requests", type=int, default=12, help="16-token requests per round (default 12)")
+    parser.add_argument("--requests", type=int, default=30, help="16-token requests per round (default 30)")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
     if args.rounds < 1 or args.requests < 1:
