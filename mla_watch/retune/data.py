@@ -86,7 +86,6 @@ class TokenSample(list):
         return f"TokenSample({len(self)} tokens, scored_tokens={self.scored_tokens})"
 
 
-
 class CaptureError(RuntimeError):
     """The traffic capture cannot be opened or written (bad state directory, not a database, ...)."""
 
