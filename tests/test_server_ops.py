@@ -133,7 +133,7 @@ def test_the_proxy_enforces_policies_in_front_of_another_server_streaming_includ
 def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
     from test_probe_families import build
 
-    with running_sidecar(upstream="http://127.0.0.1:9", admin_token=TOKEN) as (url, _):
+    with running_sidecar(upstream="http://127.0.0.1:9", admin_token=TOKEN, history_interval_seconds=0.1) as (url, _):
         model = build("deepseek_v32")
         probe = mla_watch.attach(model, agent_url=url, agent_token=TOKEN, agent_source="worker-1",
                                  ship_interval=3600, window_tokens=None)
@@ -147,6 +147,19 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
             assert remote[record["name"]]["tokens"] == record["tokens"] == 18
             assert remote[record["name"]]["entropy_bits"] == pytest.approx(record["entropy_bits"])
         assert metric_value(get_metrics(url), "mla_watch_ingested_snapshots_total", source="worker-1") == 1
+
+        # The status page of a proxy shows the shipped routing; there is no local model to re-tune.
+        status: dict = {}
+
+        def sampled() -> bool:
+            status.update(httpx.get(url + "/v1/status", timeout=10).json())
+            return any(s["business_line"] == "code_assistant" for s in status["history"]["series"])
+
+        assert wait_until(sampled, 10)
+        shown = {s["router"]: s for s in status["history"]["series"] if s["business_line"] == "code_assistant"}
+        assert set(shown) == set(remote)
+        assert all(s["values"][-1] == round(remote[name]["entropy_bits"], 4) for name, s in shown.items())
+        assert status["retune"] is None and status["upstream"] == "http://127.0.0.1:9"
 
         wrong = mla_watch.attach(model, agent_url=url, agent_token="wrong", ship_interval=3600)
         with torch.no_grad():
