@@ -150,11 +150,12 @@ def chromium() -> str:
     pytest.fail("no chromium: install Debian's chromium package (.ci/run does) to test the status page")
 
 
-def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000) -> tuple[_Elements, str]:
+def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
+                    window: str = "1400,1400") -> tuple[_Elements, str]:
     """Load ``url`` in headless Chromium; return the DOM after ``budget_ms`` of virtual time and the console."""
     with tempfile.TemporaryDirectory(prefix="mla-watch-chromium-") as profile:
         run = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                              "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1400,1400",
+                              "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={window}",
                               "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
                               f"--screenshot={screenshot}", "--dump-dom", url],
                              capture_output=True, text=True, timeout=120, check=False)
@@ -251,8 +252,10 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
                 "routers": [GATE], "business_line": "code_assistant", "strategy": ["restore"],
                 "rule": "RoutingEntropyLow"}).json()
             assert wait_until(lambda: client.get(f"/v1/retune/jobs/{job['id']}").json()["status"] == "promoted", 60)
+            client_job = client.get(f"/v1/retune/jobs/{job['id']}").json()
             assert client.post("/admin/retune/rollback", headers=admin).status_code == 200
-            retuned, console_after = open_in_browser(link, artifacts / "status-page-retune.png", 3000)
+            retuned, console_after = open_in_browser(link, artifacts / "status-page-retune.png", 3000,
+                                                     window="1400,2800")  # the whole page
             client.close()
 
     assert "Uncaught" not in console and "Error" not in console, console
@@ -313,7 +316,9 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     assert "Uncaught" not in console_after, console_after
     (job_row,) = retuned.find(tag="tr", **{"data-job": job["id"]})
     assert job_row["data-status"] == "promoted" and "restore" in job_row["text"]
-    assert f"✓ band {GATE}" in job_row["text"] and "✓ perplexity" in job_row["text"] and "✗" not in job_row["text"]
+    assert f"✓ band {GATE}: " in job_row["text"] and "✓ perplexity: " in job_row["text"] and "✗" not in job_row["text"]
+    gates = client_job["result"]["attempts"][0]["gates"]  # before the job -> the candidate, as the page shows it
+    assert f"{gates['before']['entropy_bits'][GATE]} → {gates['after']['entropy_bits'][GATE]}" in job_row["text"]
     history = [(r["data-kind"], r["data-version"]) for r in retuned.find(tag="tr") if "data-kind" in r]
     assert history == [("rollback", "0"), ("promote", "1"), ("initial", "0")]
     (retune_after,) = retuned.find(tag="div", id="retune-body")

@@ -376,13 +376,21 @@ function renderPolicies(policies) {
   $("policies-body").replaceChildren(...body);
 }
 
+// Each gate check with the live model's figure before the job -> the candidate's, and the limit.
 function renderGates(result) {
   const attempts = (result && result.attempts) || [];
-  return attempts.map((attempt) => el("div", { class: "attempt" },
-    el("b", {}, attempt.strategy), `: ${attempt.outcome || "–"}`,
-    ((attempt.gates && attempt.gates.checks) || []).map((check) => el("div", { class: check.passed ? "pass" : "fail" },
-      `${check.passed ? "✓" : "✗"} ${check.gate}${check.router ? ` ${check.router}` : ""}: ${check.value} (limit ${check.limit})`)),
-    attempt.reason && !(attempt.gates && attempt.gates.checks) ? el("div", { class: "fail" }, attempt.reason) : null));
+  return attempts.map((attempt) => {
+    const gates = attempt.gates || {};
+    const before = gates.before || {};
+    const was = (check) => (check.gate === "perplexity" ? before.perplexity
+      : ((gates.band && before[gates.band.metric]) || {})[check.router]);
+    return el("div", { class: "attempt" },
+      el("b", {}, attempt.strategy), `: ${attempt.outcome || "–"}`,
+      (gates.checks || []).map((check) => el("div", { class: check.passed ? "pass" : "fail" },
+        `${check.passed ? "✓" : "✗"} ${check.gate}${check.router ? ` ${check.router}` : ""}: ` +
+        `${was(check) !== undefined && was(check) !== null ? `${was(check)} → ` : ""}${check.value} (limit ${check.limit})`)),
+      attempt.reason && !gates.checks ? el("div", { class: "fail" }, attempt.reason) : null);
+  });
 }
 
 function renderRetune(retune) {
