@@ -45,10 +45,9 @@ import torch
 from torch.nn.utils import parametrize
 
 from mla_watch.models.train import next_token_loss
-from mla_watch.probe import attach, discover_routers
 from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
+from mla_watch.retune.gates import score_model
 from mla_watch.retune.registry import router_modules
-from mla_watch.routing import entropy_bits
 
 __all__ = ["FinetuneResult", "finetune_routers"]
 
@@ -169,26 +168,13 @@ def _inputs(batch: Any, position: int, device: torch.device) -> _Inputs:
     return tuple(t.to(device=device, dtype=torch.int64) for t in (ids, mask, loss_mask))  # type: ignore[return-value]
 
 
-@torch.no_grad()
 def _evaluate(model: torch.nn.Module, inputs: Sequence[_Inputs], line: str,
               experts: Sequence[str]) -> tuple[float, dict[str, float]]:
-    """Mean LM loss per token and every expert router's entropy, from one pass over ``inputs``."""
-    # Count expert routers only: indexers are not trained and counting them costs time. The
-    # probe is attached only for this pass so that the training passes are not counted.
-    indexers = {type(module).__name__ for module, info, _ in discover_routers(model) if info.kind != "expert"}
-    probe = attach(model, window_tokens=None, ignore=sorted(indexers))
-    total, tokens = 0.0, 0
-    try:
-        with probe.attribute(line):
-            for ids, mask, loss_mask in inputs:
-                loss, count = next_token_loss(model, ids, mask, loss_mask)
-                total += float(loss)
-                tokens += count
-        counts = probe.counts(line)
-    finally:
-        probe.detach()
-    bits = {name: round(entropy_bits(load), 4) for name, load in counts.items() if name in experts}
-    return total / max(1, tokens), bits
+    """Mean LM loss per scored token and every expert router's entropy, from one pass over ``inputs``."""
+    batches = [{"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask} for ids, mask, loss_mask in inputs]
+    score = score_model(model, batches, business_line=line)  # the gates' own measurement
+    bits = {name: round(float(score.routers[name]["entropy_bits"]), 4) for name in experts if name in score.routers}
+    return math.log(score.perplexity), bits
 
 
 def _check_settings(lr: float, epochs: int, balance_weight: float, lora_rank: int | None,

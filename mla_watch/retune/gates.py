@@ -122,7 +122,7 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
     finally:
         probe.detach()
     if total_tokens == 0:
-        raise ValueError("the held-out samples hold no token to predict: each needs at least 2 scored tokens "
+        raise ValueError("the samples hold no token to predict: a sample needs at least 2 scored tokens "
                          "(captured traffic scores the prompt only)")
     return ModelScore(perplexity=math.exp(total_loss / total_tokens), tokens=total_tokens, routers=records)
 
