@@ -62,3 +62,15 @@ def test_routing_table_baseline_and_drift(tmp_path, capsys) -> None:
     assert main(["routing", "--domain", "code", "--samples", "8", "--baseline", str(baseline), "--json"]) == 0
     drift = [r["js_divergence"] for r in json.loads(capsys.readouterr().out) if r["kind"] == "expert"]
     assert all(value > 0.01 for value in drift)  # another business line routes differently
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--history-interval", "0"], "mla-watch serve: --history-interval 0.0: expected a positive number of seconds"),
+    (["--history-span", "nan"], "mla-watch serve: --history-span nan: expected a positive number of seconds"),
+    (["--history-interval", "100", "--history-span", "50"],
+     "mla-watch serve: --history-interval 100.0: expected at most --history-span (50.0)"),
+])
+def test_serve_refuses_a_bad_status_page_history_by_flag(flags, message) -> None:
+    with pytest.raises(SystemExit) as info:  # before anything loads or listens
+        main(["serve", "--port", "1", *flags])
+    assert str(info.value) == message
