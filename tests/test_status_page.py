@@ -154,7 +154,10 @@ def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
                     window: str = "1400,1400") -> tuple[_Elements, str]:
     """Load ``url`` in headless Chromium; return the DOM after ``budget_ms`` of virtual time and the console."""
     with tempfile.TemporaryDirectory(prefix="mla-watch-chromium-") as profile:
+        # No background networking: on a closed network Chromium's own connections fail by the dozen.
         run = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                              "--disable-quic", "--no-first-run", "--disable-background-networking",
+                              "--disable-component-update", "--disable-sync",
                               "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={window}",
                               "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
                               f"--screenshot={screenshot}", "--dump-dom", url],

@@ -7,7 +7,7 @@
 // that holds all the history the sidecar has, so a young sidecar's history is not a sliver).
 "use strict";
 
-const QUERY = new URLSearchParams(location.search);
+const QUERY = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
 const REFRESH_MS = 1000 * (Number(QUERY.get("refresh")) || 5);
 const WINDOWS = [[300, "5 min"], [900, "15 min"], [3600, "1 h"], [21600, "6 h"], [86400, "24 h"]];
 const ROW_HEIGHT = 18;
@@ -422,7 +422,11 @@ function renderRetune(retune) {
       : el("p", { class: "empty" }, "Nothing promoted yet."));
 }
 
-window.addEventListener("hashchange", () => { readAnchor(); if (view.status) render(); });
-window.addEventListener("resize", () => { if (view.status) renderHeatmap(); });
-readAnchor();
-refresh();
+if (typeof window !== "undefined") {
+  window.addEventListener("hashchange", () => { readAnchor(); if (view.status) render(); });
+  window.addEventListener("resize", () => { if (view.status) renderHeatmap(); });
+  readAnchor();
+  refresh();
+} else if (typeof module !== "undefined") {
+  module.exports = { mergeHistory, stateOf, colourOf }; // the pure parts, for tests under Node.js
+}
