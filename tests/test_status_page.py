@@ -118,6 +118,7 @@ class _Elements(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.elements: list[dict] = []
+        self.html = ""
         self._open: list[dict] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -165,6 +166,7 @@ def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
     assert run.returncode == 0, run.stderr[-2000:]
     dom = _Elements()
     dom.feed(run.stdout)
+    dom.html = run.stdout
     console = "\n".join(line for line in run.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line)
     return dom, console
 
@@ -247,7 +249,7 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant")
             screenshot = artifacts / "status-page.png"
             dom, console = open_in_browser(link, screenshot)
-            (artifacts / "status-page.html").write_text("\n".join(str(e) for e in dom.elements))
+            (artifacts / "status-page.html").write_text(dom.html)
 
             # On-call restores the routers the server started with, then rolls the promotion back.
             admin = {"Authorization": "Bearer token"}
@@ -255,7 +257,7 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
                 "routers": [GATE], "business_line": "code_assistant", "strategy": ["restore"],
                 "rule": "RoutingEntropyLow"}).json()
             assert wait_until(lambda: client.get(f"/v1/retune/jobs/{job['id']}").json()["status"] == "promoted", 60)
-            client_job = client.get(f"/v1/retune/jobs/{job['id']}").json()
+            promoted = client.get(f"/v1/retune/jobs/{job['id']}").json()
             assert client.post("/admin/retune/rollback", headers=admin).status_code == 200
             retuned, console_after = open_in_browser(link, artifacts / "status-page-retune.png", 3000,
                                                      window="1400,2800")  # the whole page
@@ -320,7 +322,7 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     (job_row,) = retuned.find(tag="tr", **{"data-job": job["id"]})
     assert job_row["data-status"] == "promoted" and "restore" in job_row["text"]
     assert f"✓ band {GATE}: " in job_row["text"] and "✓ perplexity: " in job_row["text"] and "✗" not in job_row["text"]
-    gates = client_job["result"]["attempts"][0]["gates"]  # before the job -> the candidate, as the page shows it
+    gates = promoted["result"]["attempts"][0]["gates"]  # before the job -> the candidate, as the page shows it
     assert f"{gates['before']['entropy_bits'][GATE]} → {gates['after']['entropy_bits'][GATE]}" in job_row["text"]
     history = [(r["data-kind"], r["data-version"]) for r in retuned.find(tag="tr") if "data-kind" in r]
     assert history == [("rollback", "0"), ("promote", "1"), ("initial", "0")]
