@@ -69,3 +69,10 @@ def test_an_incremental_reply_is_appended_aligned_and_old_points_dropped() -> No
     assert all(len(s["too_small"]) == len(s["values"]) == 4 for s in merged["series"])
     first = run_js("page.mergeHistory(null, fresh)", fresh=fresh)
     assert first == fresh  # the first reply is taken as it is
+
+
+def test_only_http_links_from_annotations_become_links() -> None:
+    urls = ["https://runbooks.example/a#b", " http://wiki/x ", "javascript:alert(1)", "JAVASCRIPT:x",
+            "data:text/html,<b>", "/relative", None, 42]
+    assert run_js("urls.map(page.safeHref)", urls=urls) == ["https://runbooks.example/a#b", "http://wiki/x",
+                                                            None, None, None, None, None, None]

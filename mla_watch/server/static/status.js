@@ -315,6 +315,11 @@ function renderOverview() {
       })))));
 }
 
+// Links come from rule annotations: only http(s) ones become links (never javascript: or data:).
+function safeHref(url) {
+  return typeof url === "string" && /^https?:\/\//i.test(url.trim()) ? url.trim() : null;
+}
+
 function anchorOf(labels) {
   return "#" + new URLSearchParams({ router: labels.router || "", layer: labels.layer || "",
                                      business_line: labels.business_line || "" }).toString();
@@ -344,7 +349,8 @@ function renderAlerts(alerts) {
       el("td", { class: "num" }, a.value === null ? "–" : Number(a.value).toFixed(3)),
       el("td", {}, ago(a.state === "resolved" ? a.resolved_at : a.firing_since || a.active_since)),
       el("td", {}, a.annotations.summary || ""),
-      el("td", {}, a.annotations.runbook_url ? el("a", { href: a.annotations.runbook_url, class: "runbook" }, "runbook") : null,
+      el("td", {}, safeHref(a.annotations.runbook_url)
+        ? el("a", { href: safeHref(a.annotations.runbook_url), class: "runbook" }, "runbook") : null,
          " ", el("a", { href: anchorOf(a.labels), class: "show" }, "show")),
     ))));
 }
@@ -428,5 +434,5 @@ if (typeof window !== "undefined") {
   readAnchor();
   refresh();
 } else if (typeof module !== "undefined") {
-  module.exports = { mergeHistory, stateOf, colourOf }; // the pure parts, for tests under Node.js
+  module.exports = { mergeHistory, stateOf, colourOf, safeHref }; // the pure parts, for tests under Node.js
 }
