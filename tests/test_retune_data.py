@@ -313,6 +313,9 @@ def test_dataset_rows_may_say_how_many_tokens_count(tmp_path: Path, tokenizer) -
     samples = load_jsonl_dataset(path, tokenizer)
     assert samples == [[bos, 5, 6, 7, 8], [bos, 5, 6]]
     assert [s.scored_tokens for s in samples] == [3, 3]  # the prepended BOS counts; capped at the length
+    written = write_jsonl(tmp_path / "written.jsonl", [s.as_record() for s in [*samples, TokenSample([bos, 7])]])
+    again = load_jsonl_dataset(written, tokenizer, add_bos=False)  # what an external command reads
+    assert again == [*samples, [bos, 7]] and [s.scored_tokens for s in again] == [3, 3, None]
 
 
 def test_dataset_business_line_filter(tmp_path: Path, tokenizer) -> None:

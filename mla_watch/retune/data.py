@@ -85,6 +85,13 @@ class TokenSample(list):
     def __repr__(self) -> str:
         return f"TokenSample({len(self)} tokens, scored_tokens={self.scored_tokens})"
 
+    def as_record(self) -> dict[str, Any]:
+        """The JSONL row :func:`load_jsonl_dataset` reads back (``add_bos=False``) as this sample."""
+        record: dict[str, Any] = {"input_ids": list(self)}
+        if self.scored_tokens is not None:
+            record["scored_tokens"] = self.scored_tokens
+        return record
+
 
 class CaptureError(RuntimeError):
     """The traffic capture cannot be opened or written (bad state directory, not a database, ...)."""

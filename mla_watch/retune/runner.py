@@ -9,7 +9,8 @@ fails a gate ends ``rejected`` and leaves the live model exactly as it was.
 The external command template runs the fit elsewhere, e.g. under ``torchrun`` on a cluster
 for a model too large to tune here. Its fields (``str.format``) are ``{job}`` (the job as
 JSON, with ``strategy`` and its ``options``), ``{data}`` (training samples, JSONL of
-``{"input_ids": [...]}``), ``{routers}`` (the live router tensors, safetensors), ``{output}``
+``{"input_ids": [...], "scored_tokens": n}``, the count only where a loss may use just the first
+``n`` ids), ``{routers}`` (the live router tensors, safetensors), ``{output}``
 (a directory where the command writes ``routers.safetensors`` and optionally
 ``result.json``), ``{model}``, ``{strategy}``, ``{job_id}`` and ``{python}``. The template is
 split like a shell command line but no shell runs it. ``python -m mla_watch.retune.worker``
@@ -33,7 +34,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_watch.retune.bias import copy_without_hooks
-from mla_watch.retune.data import DatasetError, TrafficCapture, load_jsonl_dataset, make_batches, split_held_out
+from mla_watch.retune.data import (
+    DatasetError,
+    TokenSample,
+    TrafficCapture,
+    load_jsonl_dataset,
+    make_batches,
+    split_held_out,
+)
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterRegistry, apply_router_tensors, router_state
@@ -175,7 +183,7 @@ class Retuner:
         with self._model_lock:  # a consistent snapshot even if a promotion is under way
             return copy_without_hooks(self.model).eval()
 
-    def _fit(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[list[int]],
+    def _fit(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample],
              batches: list[Any]) -> Candidate:
         if self.settings.command and name != "restore":  # restore is a registry lookup: always here
             return self._fit_external(spec, name, options, train)
@@ -184,7 +192,7 @@ class Retuner:
         return get_strategy(name).fit(context)
 
     def _fit_external(self, spec: JobSpec, name: str, options: dict[str, Any],
-                      train: Sequence[list[int]]) -> Candidate:
+                      train: Sequence[TokenSample]) -> Candidate:
         directory = self.workdir / f"{spec.id}-{name}"
         shutil.rmtree(directory, ignore_errors=True)
         output = directory / "output"
@@ -194,8 +202,7 @@ class Retuner:
         job_file.write_text(json.dumps({**spec.as_dict(), "strategy": name, "options": options,
                                         "batch_size": self.settings.batch_size,
                                         "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
-        data_file.write_text("".join(json.dumps({"input_ids": list(sample), **_scored(sample)}) + "\n"
-                                     for sample in train))
+        data_file.write_text("".join(json.dumps(sample.as_record()) + "\n" for sample in train))
         save_file(router_state(self.model), str(routers_file))
         fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
                   "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
@@ -228,8 +235,3 @@ class Retuner:
             except ValueError as error:
                 raise RuntimeError(f"{result_file} is not JSON: {error}") from error
         return Candidate(tensors, details)
-
-
-def _scored(sample: Sequence[int]) -> dict[str, int]:
-    scored = getattr(sample, "scored_tokens", None)
-    return {} if scored is None else {"scored_tokens": scored}

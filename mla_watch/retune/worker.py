@@ -25,7 +25,8 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mla_watch.retune.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, required=True, help="the job as JSON (with strategy and options)")
-    parser.add_argument("--data", type=Path, required=True, help="training samples, JSONL of {\"input_ids\": [...]}")
+    parser.add_argument("--data", type=Path, required=True,
+                        help="training samples, JSONL of {\"input_ids\": [...], \"scored_tokens\": n}")
     parser.add_argument("--routers", type=Path, required=True, help="the live router tensors (safetensors)")
     parser.add_argument("--output", type=Path, required=True, help="directory for routers.safetensors, result.json")
     parser.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
