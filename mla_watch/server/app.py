@@ -360,16 +360,22 @@ class Sidecar:
         lines = sorted({name for windows in sources for name in windows.business_lines})
         return JSONResponse({"business_line": line, "business_lines": lines, "routers": routers})
 
-    async def _policies(self, request: Request) -> Response:
+    def _reload_errors(self) -> list[str] | None:
+        """Why the last policy reload was refused (``None`` if it was not)."""
         error = self.policies.last_error
+        return None if error is None else error.errors
+
+    def _alert_list(self) -> list[dict[str, Any]]:
+        return [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
+
+    async def _policies(self, request: Request) -> Response:
         return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
-                             "last_reload_error": None if error is None else error.errors})
+                             "last_reload_error": self._reload_errors()})
 
     async def _alerts(self, request: Request) -> Response:
         if self.alerts is None:
             return JSONResponse({"alerts": [], "rules": 0})
-        alerts = [alert.as_dict() for alert in self.alerts.engine.alerts()]
-        return JSONResponse({"alerts": alerts, "rules": len(self.alerts.rules.rules),
+        return JSONResponse({"alerts": self._alert_list(), "rules": len(self.alerts.rules.rules),
                              "notifications_pending": self.alerts.outbox.pending(),
                              "notifications_unqueued": self.alerts.unqueued})
 
@@ -404,18 +410,16 @@ class Sidecar:
         history = self.history.snapshot(since)
         for series in history["series"]:
             series["band"] = status_page.entropy_band(rules, series)
-        alerts = [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
         policies = status_page.policies_view(self.policies.current.as_dict(),
                                              status_page.counter_values(self.metrics.policy_adjustments),
                                              status_page.counter_values(self.metrics.policy_rejections))
-        error = self.policies.last_error
         body: dict[str, Any] = {
             "generated_at": time.time(), "model": self.model_name, "ready": self._ready.is_set(),
             "load_error": self.load_error, "upstream": self.config.upstream, "history": history,
-            "alerts": alerts, "rules": len(rules),
+            "alerts": self._alert_list(), "rules": len(rules),
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
             "policies": {"version": self.policies.version, "lines": policies,
-                         "last_reload_error": None if error is None else error.errors},
+                         "last_reload_error": self._reload_errors()},
             "retune": None,
         }
         if self.retune is not None:
