@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mla_watch.routing import Kind, RollingWindow, compute_stats
+from mla_watch.routing import Kind, RollingWindow, WindowTotals, compute_stats
 
 __all__ = ["BASELINE_FORMAT", "RouterInfo", "RouterWindows"]
 
@@ -187,10 +187,18 @@ class RouterWindows:
             self._windows[key] = window
         return window
 
+    def window_totals(self, router: str, business_line: str) -> WindowTotals | None:
+        """The sums of one window, or ``None`` where that router has no counts for that line."""
+        with self._lock:
+            window = self._windows.get((router, business_line))
+            return None if window is None else window.totals()
+
     def _totals(self, router: str, business_line: str | None) -> _Totals:
+        """Sums over ``business_line`` (every line for ``None``); reading never creates a window."""
         with self._lock:
             lines = list(self._lines) if business_line is None else [business_line]
-            totals = [self._window(router, line).totals() for line in lines]
+            windows = [self._windows.get((router, line)) for line in lines]
+            totals = [window.totals() for window in windows if window is not None]
         counts = np.zeros(self._routers[router].num_slots, dtype=np.int64)
         for total in totals:
             counts += total.counts

@@ -143,9 +143,9 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
         assert probe.flush() is True
         routing = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"}).json()
         remote = {r["name"]: r for r in routing["routers"]}
-        for record in local.stats("code_assistant"):
-            assert remote[record["name"]]["tokens"] == record["tokens"] == 18
-            assert remote[record["name"]]["entropy_bits"] == pytest.approx(record["entropy_bits"])
+        for record in local.stats("code_assistant"):  # watched as <source>/<router>, apart from local routers
+            assert remote["worker-1/" + record["name"]]["tokens"] == record["tokens"] == 18
+            assert remote["worker-1/" + record["name"]]["entropy_bits"] == pytest.approx(record["entropy_bits"])
         assert metric_value(get_metrics(url), "mla_watch_ingested_snapshots_total", source="worker-1") == 1
 
         # The status page of a proxy shows the shipped routing; there is no local model to re-tune.

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,7 @@ class AlertService:
         # offered again at every evaluation, oldest first, so a page due during the fault is not lost.
         self._unqueued: deque[tuple[Receiver, Notification]] = deque(maxlen=10_000)
         self._on_notification = on_notification
-        self._retune_callbacks: list[Callable[[Action], None]] = []
+        self._retune_callbacks: list[Callable[[Action], str | None]] = []
         self._restore_groups()
         self._lock = threading.RLock()  # evaluate_once -> records -> a changed rules dir -> replace_rules
         self._stop = threading.Event()
@@ -69,7 +69,9 @@ class AlertService:
         for warning in rules.warnings:
             log.warning(warning)
 
-    def on_retune(self, callback: Callable[[Action], None]) -> None:
+    def on_retune(self, callback: Callable[[Action], str | None]) -> None:
+        """Call ``callback`` for each ``retune`` action; what it returns is added to the alert's
+        notification as the annotation ``retune`` (what became of the request)."""
         self._retune_callbacks.append(callback)
 
     def notify_event(self, labels: Mapping[str, str], annotations: Mapping[str, str],
@@ -158,27 +160,56 @@ class AlertService:
         return groups
 
     def _dispatch(self, actions: Iterable[Action]) -> None:
+        """Run every action, each isolated: one that fails never keeps another from running.
+
+        ``retune`` actions run first, so that an alert's page can say what became of its job.
+        """
         now = self._clock()
+        actions = sorted(actions, key=lambda action: action.kind != "retune")
+        notes: dict[str, str] = {}
         for action in actions:
-            if action.kind == "retune":
-                log.warning("alert %s asks for a router re-tune of %s (layer %s, %s)",
-                            action.alert.labels.get("alertname"), action.alert.labels.get("router"),
-                            action.alert.labels.get("layer"), action.alert.labels.get("business_line"))
-                for callback in self._retune_callbacks:
-                    callback(action)
-                continue
-            log.warning("alert %s %s: %s", action.alert.labels.get("alertname"), action.alert.status,
-                        action.alert.annotations.get("summary", dict(action.alert.labels)))
-            for group in self._groups_of(action.rule.receivers, action.alert, now):
-                if action.alert.status == "firing":
-                    group.alerts[action.alert.fingerprint] = action.alert
-                    self._send(group, [action.alert], now)
+            try:
+                if action.kind == "retune":
+                    note = self._request_retune(action)
+                    if note:
+                        notes[action.alert.fingerprint] = note
                 else:
-                    group.alerts.pop(action.alert.fingerprint, None)
-                    if group.receiver.send_resolved:
-                        self._send(group, [action.alert], now)
-                    if not group.alerts:
-                        del self._groups[(group.receiver.name, group.key)]
+                    alert = action.alert
+                    if alert.fingerprint in notes:
+                        alert = replace(alert, annotations={**alert.annotations, "retune": notes[alert.fingerprint]})
+                    self._notify(action.rule.receivers, alert, now)
+            except Exception:  # logged; the other actions of this round still run
+                log.exception("alert %s: its %s action failed", action.alert.labels.get("alertname"), action.kind)
+
+    def _request_retune(self, action: Action) -> str:
+        labels = action.alert.labels
+        log.warning("alert %s asks for a router re-tune of %s (layer %s, %s)", labels.get("alertname"),
+                    labels.get("router"), labels.get("layer"), labels.get("business_line"))
+        notes = []
+        for callback in self._retune_callbacks:
+            try:
+                note = callback(action)
+            except Exception as error:  # the page goes out all the same, saying why
+                log.exception("alert %s: the re-tune request failed", labels.get("alertname"))
+                note = f"no re-tune job: the request failed ({type(error).__name__})"
+            if note:
+                log.warning("alert %s: %s", labels.get("alertname"), note)
+                notes.append(note)
+        return "; ".join(notes)
+
+    def _notify(self, receivers: Iterable[str], alert: Alert, now: float) -> None:
+        log.warning("alert %s %s: %s", alert.labels.get("alertname"), alert.status,
+                    alert.annotations.get("summary", dict(alert.labels)))
+        for group in self._groups_of(receivers, alert, now):
+            if alert.status == "firing":
+                group.alerts[alert.fingerprint] = alert
+                self._send(group, [alert], now)
+            else:
+                group.alerts.pop(alert.fingerprint, None)
+                if group.receiver.send_resolved:
+                    self._send(group, [alert], now)
+                if not group.alerts:
+                    del self._groups[(group.receiver.name, group.key)]
 
     def _repeat(self) -> None:
         now = self._clock()

@@ -3,7 +3,8 @@
 Inside an inference worker of another engine (vLLM, SGLang, a training job), the probe
 counts on the device as usual; a background thread reads the counters every
 ``interval`` seconds and POSTs the deltas to the sidecar's ``/v1/routing/ingest`` with
-the admin bearer token. Deltas that cannot be delivered stay pending - summed, so memory
+the ingestion bearer token (``MLA_WATCH_INGEST_TOKEN``, else ``MLA_WATCH_ADMIN_TOKEN``).
+The sidecar watches them as ``<source>/<router>``. Deltas that cannot be delivered stay pending - summed, so memory
 stays bounded - and go with the next attempt: a sidecar restart loses no counts.
 """
 
@@ -19,11 +20,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from mla_watch.ingest import INGEST_PATH, LABEL_RE, snapshot_body
 from mla_watch.windows import RouterInfo
 
-__all__ = ["INGEST_PATH", "Shipper"]
+__all__ = ["Shipper"]
 
-INGEST_PATH = "/v1/routing/ingest"
 log = logging.getLogger("mla_watch.agent")
 
 
@@ -36,8 +37,12 @@ class Shipper:
             raise ValueError(f"agent_url={url!r}: expected an http:// or https:// URL of a running sidecar")
         self.url = url.rstrip("/") + INGEST_PATH
         self.routers = list(routers)
-        self.token = token if token is not None else os.environ.get("MLA_WATCH_ADMIN_TOKEN")
+        self.token = token if token is not None else (os.environ.get("MLA_WATCH_INGEST_TOKEN")
+                                                      or os.environ.get("MLA_WATCH_ADMIN_TOKEN"))
         self.source = source or f"pid-{os.getpid()}"
+        if not LABEL_RE.match(self.source):
+            raise ValueError(f"agent_source={self.source!r}: expected 1-64 letters, digits or _ . : - (the sidecar "
+                             "watches this worker's routers as <source>/<router>)")
         self.timeout = timeout
         self._sizes = {info.name: info.num_slots for info in routers}
         self._pending: dict[tuple[str, str], list] = {}
@@ -72,14 +77,7 @@ class Shipper:
             taken, self._pending = self._pending, {}
         if not taken:
             return True
-        deltas = []
-        for (router, line), (counts, tokens, local, choice) in taken.items():
-            slots = np.flatnonzero(counts)
-            deltas.append({"router": router, "business_line": line, "slots": slots.tolist(),
-                           "counts": counts[slots].tolist(), "tokens": int(tokens), "local_selections": int(local),
-                           "choice_selections": int(choice)})
-        body = json.dumps({"source": self.source, "routers": [info.as_dict() for info in self.routers],
-                           "deltas": deltas}).encode()
+        body = json.dumps(snapshot_body(self.source, self.routers, taken)).encode()
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"

@@ -29,19 +29,30 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mla_watch.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
 from mla_watch.policy import PolicyError, PolicyRejection, PolicyStore, UnknownBusinessLine, UnknownTask, enforce
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.server import status as status_page
 from mla_watch.server.history import HistorySampler, RoutingHistory
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.server.requests import ApiError, GenerationRequest, parse_body, parse_generation_request
-from mla_watch.windows import RouterInfo, RouterWindows
+from mla_watch.server.requests import (
+    ApiError,
+    GenerationRequest,
+    describe_value,
+    parse_body,
+    parse_generation_request,
+)
+from mla_watch.windows import RouterWindows
 
 __all__ = ["ServerConfig", "Sidecar"]
 
 log = logging.getLogger("mla_watch.server")
 
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
+INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
+MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-up
+MAX_CHARS_PER_TOKEN = 32  # no tokenizer in use packs more characters into one token: a bound before tokenizing
+MAX_QUERY_VALUE = 64  # characters of a business line in a query string
 SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 SHIPPED_RULES = Path(__file__).resolve().parents[2] / "rules"
 
@@ -53,6 +64,7 @@ class ServerConfig:
     policies: Path = SHIPPED_POLICIES
     rules: Path | None = SHIPPED_RULES  # None: no alerting
     state_dir: Path = Path("mla-watch-state")
+    dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets
     alert_interval: float = 15.0
     public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
     upstream: str | None = None
@@ -64,6 +76,10 @@ class ServerConfig:
     window_seconds: float | None = None
     policy_poll_seconds: float | None = 1.0
     admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
+    # Workers shipping routing counts hold this one, not the admin key (falls back to the admin token).
+    ingest_token: str | None = field(default_factory=lambda: os.environ.get(INGEST_TOKEN_ENV) or None)
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
+    body_timeout_seconds: float = 10.0  # a request body still arriving after this is refused (408)
     capture: bool = False  # opt-in: record recent traffic (token ids) per business line for re-tuning
     capture_max_samples: int = 2000  # per business line
     capture_max_age_seconds: float = 7 * 86400.0
@@ -79,6 +95,7 @@ class Sidecar:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        _check_tokens(config)
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self._routing_sources)
@@ -91,7 +108,8 @@ class Sidecar:
         self.retune: Any = None  # the RetuneService, once a local model is loaded
         if self.alerts is not None:
             self.alerts.on_retune(self._on_retune_action)
-        self.remote_windows: RouterWindows | None = None
+        self.remote = RemoteRouting(config.ingest_limits, window_tokens=config.window_tokens,
+                                    window_seconds=config.window_seconds, clock=clock)
         self.self_test: Any = None
         self.load_error: str | None = None
         self._ready = threading.Event()
@@ -177,8 +195,12 @@ class Sidecar:
         from mla_watch.retune.registry import RouterRegistry
         from mla_watch.retune.runner import Retuner
         from mla_watch.retune.service import RetuneService
+        from mla_watch.statedir import ensure_private_dir
 
-        state = self.config.state_dir
+        state = ensure_private_dir(self.config.state_dir)  # 0700: it holds captured traffic
+        # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
+        datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / "datasets"
+        ensure_private_dir(datasets)
         registry = RouterRegistry(state / "routers")
         capture = None
         if self.config.capture:
@@ -192,7 +214,8 @@ class Sidecar:
             self.engine.capture = record
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
                           workdir=state / "retune-work", promote=lambda version: self.retune.promote(version),
-                          capture=capture, model_lock=self.engine.model_lock, model_ref=self.config.model)
+                          capture=capture, model_lock=self.engine.model_lock, model_ref=self.config.model,
+                          dataset_dir=datasets)
         self.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
             model_lock=self.engine.model_lock, on_promoted=self._routers_changed, on_rejected=self._retune_rejected,
@@ -201,12 +224,18 @@ class Sidecar:
         self.retune.start()
         self.metrics.router_version.set(registry.live_version() or 0)
 
-    def _on_retune_action(self, action: Any) -> None:
+    def _on_retune_action(self, action: Any) -> str:
+        """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
+        router = action.alert.labels.get("router", "")
         if self.retune is None:
-            log.warning("%s asks for a router re-tune, but this sidecar serves no local model to re-tune",
-                        action.alert.labels.get("alertname"))
-            return
-        self.retune.on_alert(action)
+            return "no re-tune job: this sidecar serves no local model to re-tune"
+        if router not in self.retune.watched_by(None):
+            return (f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
+                    "another process is watched, not re-tuned here)")
+        record = self.retune.on_alert(action)
+        if record is None:
+            return "no new re-tune job: this router is in its re-tune cooldown (see /v1/retune/jobs)"
+        return f"re-tune job {record['id']} {record.get('status', 'scheduled')}"
 
     def _routers_changed(self, kind: str, routers: list[str]) -> None:
         """After a promotion or rollback: the windows restart, describing the routers now serving."""
@@ -299,8 +328,7 @@ class Sidecar:
         if self.probe is not None:
             self.probe.collect()  # safe beside a running forward: counts are read as deltas
             sources.append(self.probe.windows)
-        if self.remote_windows is not None:
-            sources.append(self.remote_windows)
+        sources.extend(self.remote.windows())
         return sources
 
     # ------------------------------------------------------------------ routes
@@ -344,7 +372,7 @@ class Sidecar:
     async def _metrics(self, request: Request) -> Response:
         if self.engine is not None:
             self.metrics.queue_depth.set(self.engine.queue_depth)
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await asyncio.to_thread(generate_latest, self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def _models(self, request: Request) -> Response:
         if self._upstream is not None:
@@ -355,10 +383,29 @@ class Sidecar:
 
     async def _routing(self, request: Request) -> Response:
         line = request.query_params.get("business_line")
+        try:
+            body = await asyncio.to_thread(self.routing, line)
+        except ApiError as error:
+            return self._refused(request, error)
+        return JSONResponse(body)
+
+    def routing(self, business_line: str | None = None) -> dict[str, Any]:
+        """``GET /v1/routing``: every router's statistics for one line (every line summed for ``None``).
+
+        A line nobody has reported is answered with 404 naming the known ones: reading never
+        creates a window, so a query string cannot grow memory.
+        """
         sources = self._routing_sources()
-        routers = [record for windows in sources for record in windows.stats(line)]
         lines = sorted({name for windows in sources for name in windows.business_lines})
-        return JSONResponse({"business_line": line, "business_lines": lines, "routers": routers})
+        if business_line is not None and business_line not in lines:
+            shown = describe_value(business_line)
+            if len(business_line) > MAX_QUERY_VALUE:
+                raise ApiError(400, f"business_line={shown} is invalid: expected at most {MAX_QUERY_VALUE} "
+                                    "characters", param="business_line", code="invalid_value")
+            raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
+                                f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
+        routers = [record for windows in sources for record in windows.stats(business_line)]
+        return {"business_line": business_line, "business_lines": lines, "routers": routers}
 
     def _reload_errors(self) -> list[str] | None:
         """Why the last policy reload was refused (``None`` if it was not)."""
@@ -429,15 +476,31 @@ class Sidecar:
         return body
 
     # ------------------------------------------------------------------ admin
-    def _authorise(self, request: Request) -> None:
-        token = self.config.admin_token
+    def _authorise(self, request: Request, token: str | None = None, what: str = "admin") -> None:
+        """The bearer token of ``what`` (default: the admin token), compared in constant time."""
+        token = self.config.admin_token if what == "admin" else token
         if not token:
-            raise ApiError(403, f"admin and ingestion endpoints are disabled: set {ADMIN_TOKEN_ENV} to enable them",
+            variables = ADMIN_TOKEN_ENV if what == "admin" else f"{INGEST_TOKEN_ENV} or {ADMIN_TOKEN_ENV}"
+            raise ApiError(403, f"{what} endpoints are disabled: set {variables} to enable them",
                            code="admin_disabled", error_type="permission_error")
         supplied = request.headers.get("authorization", "")
         if not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
             raise ApiError(401, "missing or wrong bearer token in the Authorization header",
                            code="unauthorized", error_type="authentication_error")
+
+    def _refused(self, request: Request, error: ApiError) -> Response:
+        """The answer to a request refused for bad input or credentials, counted by reason."""
+        if error.status < 500:
+            self.metrics.bad_requests.labels(request.url.path, error.code or str(error.status)).inc()
+        return _error_response(error)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, at most ``max_body_bytes``, arrived within ``body_timeout_seconds``."""
+        timeout = self.config.body_timeout_seconds
+        try:
+            return await asyncio.wait_for(_read_body(request, self.config.max_body_bytes), timeout)
+        except asyncio.TimeoutError as error:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from error
 
     async def _admin_reload(self, request: Request) -> Response:
         try:
@@ -601,67 +664,20 @@ class Sidecar:
 
     async def _ingest(self, request: Request) -> Response:
         try:
-            self._authorise(request)
-            body = parse_body(await _read_body(request, self.config.max_body_bytes))
-            source = self._ingest_snapshot(body)
+            self._authorise(request, self.config.ingest_token or self.config.admin_token, "ingestion")
+            body = parse_body(await self._read_body(request))
+            snapshot = await asyncio.to_thread(parse_snapshot, body, self.config.ingest_limits)
+            evicted = self.remote.ingest(snapshot)
+        except IngestError as error:
+            self.metrics.bad_requests.labels(request.url.path, error.code).inc()
+            return _error_response(ApiError(error.status, str(error), param=error.field, code=error.code))
         except ApiError as error:
-            return _error_response(error)
-        self.metrics.ingested.labels(source).inc()
+            return self._refused(request, error)
+        if evicted is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.ingested.remove(evicted)
+        self.metrics.ingested.labels(snapshot.source).inc()
         return JSONResponse({"ok": True})
-
-    def _ingest_snapshot(self, body: dict[str, Any]) -> str:
-        source = body.get("source")
-        if not isinstance(source, str) or not source:
-            raise ApiError(400, f"source={source!r} is invalid: expected a non-empty string", param="source")
-        routers = body.get("routers")
-        if not isinstance(routers, list) or not routers:
-            raise ApiError(400, "routers is invalid: expected a non-empty list of router descriptions",
-                           param="routers")
-        try:
-            infos = [RouterInfo.from_dict(item, f"routers[{i}]") for i, item in enumerate(routers)]
-        except ValueError as error:
-            raise ApiError(400, str(error), param="routers") from error
-        if self.remote_windows is None:
-            self.remote_windows = RouterWindows(infos, window_tokens=self.config.window_tokens,
-                                                window_seconds=self.config.window_seconds, clock=self.clock)
-        known = {info.name: info for info in self.remote_windows.routers}
-        for info in infos:
-            if known.get(info.name) != info:
-                raise ApiError(409, f"router {info.name!r} does not match the routers this sidecar already "
-                                    f"watches ({known.get(info.name)}); restart the sidecar to watch another model",
-                               param="routers", code="conflict")
-        deltas = body.get("deltas", [])
-        if not isinstance(deltas, list):
-            raise ApiError(400, "deltas is invalid: expected a list", param="deltas")
-        parsed = []
-        for index, delta in enumerate(deltas):
-            where = f"deltas[{index}]"
-            if not isinstance(delta, dict) or delta.get("router") not in known:
-                raise ApiError(400, f"{where}.router is invalid: expected one of the routers listed", param=where)
-            info = known[delta["router"]]
-            line = delta.get("business_line")
-            if not isinstance(line, str) or not line:
-                raise ApiError(400, f"{where}.business_line={line!r} is invalid: expected a string", param=where)
-            slots, counts = delta.get("slots"), delta.get("counts")
-            try:
-                slots_array = np.asarray(slots, dtype=np.int64)
-                counts_array = np.asarray(counts, dtype=np.int64)
-                if slots_array.shape != counts_array.shape or slots_array.ndim != 1:
-                    raise ValueError("slots and counts must be lists of equal length")
-                if slots_array.size and (slots_array.min() < 0 or slots_array.max() >= info.num_slots):
-                    raise ValueError(f"slots must lie in [0, {info.num_slots})")
-                dense = np.zeros(info.num_slots, dtype=np.int64)
-                np.add.at(dense, slots_array, counts_array)
-                parsed.append((info.name, line, dense, int(delta.get("tokens", 0)),
-                               int(delta.get("local_selections", 0)), int(delta.get("choice_selections", 0))))
-            except (TypeError, ValueError) as error:
-                raise ApiError(400, f"{where} is invalid: {error}", param=where) from error
-        try:
-            for name, line, dense, tokens, local, choice in parsed:
-                self.remote_windows.add(name, line, dense, tokens, local_selections=local, choice_selections=choice)
-        except ValueError as error:
-            raise ApiError(400, f"deltas are invalid: {error}", param="deltas") from error
-        return source
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: Request) -> Response:
@@ -678,8 +694,7 @@ class Sidecar:
             if not self._ready.is_set():
                 raise ApiError(503, self.load_error or "the model is still loading", code="not_ready",
                                error_type="server_error", headers={"Retry-After": "5"})
-            raw = await _read_body(request, self.config.max_body_bytes)
-            body = parse_body(raw)
+            body = parse_body(await self._read_body(request))
             parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
             decision, task = self._decide(parsed)
             policy_label = decision.policy_label
@@ -689,9 +704,7 @@ class Sidecar:
             else:
                 response = await self._generate_locally(request, parsed, decision, task)
         except ApiError as error:
-            if error.status < 500:
-                self.metrics.bad_requests.labels(endpoint, error.code or str(error.status)).inc()
-            response = _error_response(error)
+            response = self._refused(request, error)
         response.headers["X-MLA-Policy"] = policy_label or "none"
         self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
         self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
@@ -717,6 +730,14 @@ class Sidecar:
             raise ApiError(400, str(error), code="invalid_value") from error
 
     def _prompt_ids(self, parsed: GenerationRequest, decision: Any, task: Any) -> list[int]:
+        """Tokenize the prompt (in a worker thread: it can take a while) and check it fits."""
+        limit = int(self.engine.model.config.max_position_embeddings)
+        most_tokens = min(limit, task.max_prompt_tokens or limit)
+        chars = len(parsed.prompt) if parsed.kind != "chat" else sum(len(m["content"]) for m in parsed.messages)
+        if chars > most_tokens * MAX_CHARS_PER_TOKEN:
+            raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
+                                f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
         tokenizer = self.engine.tokenizer
         if parsed.kind == "chat":
             encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
@@ -728,7 +749,6 @@ class Sidecar:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
                                 f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
                            code="prompt_too_long")
-        limit = int(self.engine.model.config.max_position_embeddings)
         max_tokens = int(decision.applied.get("max_tokens", 16))
         if len(ids) + max_tokens > limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
@@ -741,7 +761,7 @@ class Sidecar:
         from mla_watch.sampling import SamplingParams
         from mla_watch.server.engine import Job, Overloaded
 
-        prompt_ids = self._prompt_ids(parsed, decision, task)
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task)
         applied = decision.applied
         try:
             params = SamplingParams(
@@ -960,6 +980,17 @@ def _directory_signature(directory: Path | None) -> tuple:
     return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in directory.glob("*.y*ml")))
 
 
+class ConfigError(ValueError):
+    """The sidecar's configuration cannot be served; the message names the setting and what it needs."""
+
+
+def _check_tokens(config: ServerConfig) -> None:
+    for variable, token in ((ADMIN_TOKEN_ENV, config.admin_token), (INGEST_TOKEN_ENV, config.ingest_token)):
+        if token is not None and len(token) < MIN_TOKEN_LENGTH:
+            raise ConfigError(f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
+                              "random (python -c 'import secrets; print(secrets.token_urlsafe())')")
+
+
 def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
     """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message."""
     from mla_watch.alerting.outbox import OutboxError
@@ -971,5 +1002,7 @@ def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
         raise SystemExit("mla-watch: the policies do not load:\n  " + "\n  ".join(error.errors)) from error
     except RuleError as error:
         raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
+    except ConfigError as error:
+        raise SystemExit(f"mla-watch: {error}") from error
     except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error

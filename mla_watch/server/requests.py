@@ -12,9 +12,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["ApiError", "GenerationRequest", "parse_body", "parse_generation_request"]
+__all__ = ["ApiError", "GenerationRequest", "describe_value", "parse_body", "parse_generation_request"]
 
 MAX_STOP_SEQUENCES = 4
+MAX_MESSAGES = 1024
 MAX_STOP_LENGTH = 256
 ROLES = ("system", "user", "assistant")
 
@@ -69,6 +70,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"the request body is not valid JSON ({error})", code="invalid_json") from error
+    except RecursionError as error:  # the decoder recurses once per level of nesting
+        raise ApiError(400, "the request body nests arrays or objects too deeply; expected a flat JSON object",
+                       code="invalid_json") from error
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body is a JSON {type(body).__name__}; expected an object",
                        code="invalid_json")
@@ -80,13 +84,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _describe(value: Any) -> str:
+def describe_value(value: Any) -> str:
     text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bad(param: str, value: Any, expected: str) -> ApiError:
-    return ApiError(400, f"{param}={_describe(value)} is invalid: expected {expected}", param=param,
+    return ApiError(400, f"{param}={describe_value(value)} is invalid: expected {expected}", param=param,
                     code="invalid_value")
 
 
@@ -136,8 +140,8 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     value = body.get("messages")
-    if not isinstance(value, list) or not value:
-        raise _bad("messages", value, "a non-empty list of {role, content} objects")
+    if not isinstance(value, list) or not value or len(value) > MAX_MESSAGES:
+        raise _bad("messages", value, f"a list of 1 to {MAX_MESSAGES} {{role, content}} objects")
     messages = []
     for index, message in enumerate(value):
         where = f"messages[{index}]"
@@ -199,12 +203,12 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
     for name in UNSUPPORTED:
         value = body.get(name)
         if value not in (None, False, 0, [], {}) and not (name == "best_of" and value == 1):
-            raise ApiError(400, f"{name}={_describe(value)} is not supported by mla_watch", param=name,
+            raise ApiError(400, f"{name}={describe_value(value)} is not supported by mla_watch", param=name,
                            code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name}={_describe(value)} is not supported; use repetition_penalty", param=name,
+            raise ApiError(400, f"{name}={describe_value(value)} is not supported; use repetition_penalty", param=name,
                            code="unsupported_parameter")
     request = GenerationRequest(kind=kind, model=_string(body, "model"))
     if kind == "chat":

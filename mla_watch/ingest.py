@@ -1,0 +1,338 @@
+"""Routing counts shipped by probes in other processes: the wire format, its limits, the windows it feeds.
+
+A probe attached with ``agent_url=`` POSTs to the sidecar's ``/v1/routing/ingest``::
+
+    {"source": "worker-1",
+     "routers": [{"name", "layer", "kind", "num_slots", "top_k"}, ...],
+     "deltas": [{"router", "business_line", "slots": [...], "counts": [...], "tokens",
+                 "local_selections", "choice_selections"}, ...]}
+
+Every field an outsider controls is bounded by :class:`IngestLimits`, and a request is
+validated whole before any of it is applied. Remote routers are kept per source and named
+``<source>/<router>``: a local router's name is a module path, which has no ``/``, so a
+worker can never feed or re-tune a router of the sidecar's own model.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mla_watch.windows import RouterInfo, RouterWindows
+
+__all__ = ["INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
+           "remote_name", "snapshot_body"]
+
+INGEST_PATH = "/v1/routing/ingest"
+SOURCE_SEPARATOR = "/"
+# Sources and business lines become metric label values: short, printable, no separator.
+LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+ROUTER_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,199}$")
+MAX_LAYER = 100_000
+# Window sums stay below this, so adding a bounded delta can never wrap int64.
+COUNT_CEILING = 2**62
+
+
+@dataclass(frozen=True)
+class IngestLimits:
+    """Caps on what remote probes may make the sidecar hold (``serve --ingest-max-*``)."""
+
+    max_slots: int = 262_144  # per router: DeepSeek-V3.2's indexer sees up to 163,840 key positions
+    max_top_k: int = 4_096
+    max_routers: int = 1_024  # per source: DeepSeek-V3.2 has 122 (61 gates, 61 indexers)
+    max_sources: int = 16
+    max_lines: int = 64  # distinct business lines over every source
+    max_window_slots: int = 1 << 24  # slots of every remote window together: 128 MiB of int64 counts
+    max_tokens: int = 1 << 32  # per delta
+    source_idle_seconds: float = 900.0  # a source silent this long gives its place to a new one
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "max_top_k", "max_routers", "max_sources", "max_lines", "max_window_slots",
+                     "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ingest {name}={value!r}: expected an integer >= 1")
+        if self.max_tokens * self.max_top_k > 2**48:
+            raise ValueError(f"ingest max_tokens × max_top_k = {self.max_tokens * self.max_top_k}: expected at most "
+                             "2**48, so that window sums cannot overflow")
+        if not self.source_idle_seconds > 0:
+            raise ValueError(f"ingest source_idle_seconds={self.source_idle_seconds!r}: expected a number > 0")
+
+
+class IngestError(ValueError):
+    """A snapshot refused; ``field`` names the part of the request, ``status`` the HTTP answer."""
+
+    def __init__(self, message: str, field: str, *, status: int = 400, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Delta:
+    router: str
+    business_line: str
+    counts: np.ndarray  # dense, int64, one per slot
+    tokens: int
+    local_selections: int
+    choice_selections: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    source: str
+    routers: tuple[RouterInfo, ...]
+    deltas: tuple[Delta, ...]
+
+
+def remote_name(source: str, router: str) -> str:
+    """The name a remote router is watched under: never the name of a local one."""
+    return f"{source}{SOURCE_SEPARATOR}{router}"
+
+
+def snapshot_body(source: str, routers: Iterable[RouterInfo],
+                  deltas: Mapping[tuple[str, str], tuple[np.ndarray, int, int, int]]) -> dict[str, Any]:
+    """The request body for ``deltas`` keyed by (router, business line): (counts, tokens, local, choice)."""
+    shipped = []
+    for (router, line), (counts, tokens, local, choice) in deltas.items():
+        slots = np.flatnonzero(counts)
+        shipped.append({"router": router, "business_line": line, "slots": slots.tolist(),
+                        "counts": counts[slots].tolist(), "tokens": int(tokens), "local_selections": int(local),
+                        "choice_selections": int(choice)})
+    return {"source": source, "routers": [info.as_dict() for info in routers], "deltas": shipped}
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def _label(value: Any, field: str) -> str:
+    if not isinstance(value, str) or not LABEL_RE.match(value):
+        raise IngestError(f"{field}={_describe(value)} is invalid: expected 1-64 characters of letters, digits "
+                          "and _ . : - (starting with a letter or digit)", field)
+    return value
+
+
+def _integer(value: Any, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise IngestError(f"{field}={_describe(value)} is invalid: expected an integer in [{low}, {high}]", field)
+    return value
+
+
+def _integers(value: Any, field: str, high: int) -> np.ndarray:
+    """A JSON list of integers in [0, high] as int64; booleans, floats and strings are refused."""
+    if not isinstance(value, list):
+        raise IngestError(f"{field} is invalid: expected a list of integers, got {type(value).__name__}", field)
+    if not all(type(item) is int for item in value):  # bool is a subclass of int: type() excludes it
+        bad = next(item for item in value if type(item) is not int)
+        raise IngestError(f"{field} holds {_describe(bad)}: expected integers only", field)
+    if value and (min(value) < 0 or max(value) > high):
+        raise IngestError(f"{field} holds values outside [0, {high}]", field)
+    return np.asarray(value, dtype=np.int64)
+
+
+def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
+    try:
+        info = RouterInfo.from_dict(data, field)
+    except ValueError as error:
+        raise IngestError(str(error), field) from error
+    if not ROUTER_NAME_RE.match(info.name):
+        raise IngestError(f"{field}.name={_describe(info.name)} is invalid: expected a module path of at most "
+                          "200 characters (letters, digits, _ . : - [ ])", f"{field}.name")
+    _integer(info.layer, f"{field}.layer", -1, MAX_LAYER)
+    _integer(info.num_slots, f"{field}.num_slots", 1, limits.max_slots)
+    _integer(info.top_k, f"{field}.top_k", 1, min(limits.max_top_k, info.num_slots))
+    return info
+
+
+def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
+    """Validate a whole request body; nothing is applied here."""
+    unknown = sorted(set(body) - {"source", "routers", "deltas"})
+    if unknown:
+        raise IngestError(f"unknown field(s) {unknown}: expected source, routers, deltas", unknown[0],
+                          code="unknown_field")
+    source = _label(body.get("source"), "source")
+    routers = body.get("routers")
+    if not isinstance(routers, list) or not routers or len(routers) > limits.max_routers:
+        raise IngestError(f"routers is invalid: expected a list of 1 to {limits.max_routers} router descriptions",
+                          "routers")
+    infos = tuple(_router(item, f"routers[{index}]", limits) for index, item in enumerate(routers))
+    known = {info.name: info for info in infos}
+    if len(known) != len(infos):
+        raise IngestError("routers is invalid: a router name is listed twice", "routers")
+    deltas = body.get("deltas", [])
+    if not isinstance(deltas, list):
+        raise IngestError("deltas is invalid: expected a list", "deltas")
+    merged: dict[tuple[str, str], list] = {}
+    for index, delta in enumerate(deltas):
+        where = f"deltas[{index}]"
+        if not isinstance(delta, dict):
+            raise IngestError(f"{where} is invalid: expected an object", where)
+        extra = sorted(set(delta) - {"router", "business_line", "slots", "counts", "tokens", "local_selections",
+                                     "choice_selections"})
+        if extra:
+            raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
+        info = known.get(delta.get("router"))  # type: ignore[arg-type]
+        if info is None:
+            raise IngestError(f"{where}.router={_describe(delta.get('router'))} is invalid: expected one of the "
+                              "routers listed in this request", f"{where}.router")
+        line = _label(delta.get("business_line"), f"{where}.business_line")
+        tokens = _integer(delta.get("tokens", 0), f"{where}.tokens", 0, limits.max_tokens)
+        most = tokens * info.top_k  # each token picks at most top_k slots
+        slots = _integers(delta.get("slots"), f"{where}.slots", info.num_slots - 1)
+        counts = _integers(delta.get("counts"), f"{where}.counts", most)
+        if slots.shape != counts.shape:
+            raise IngestError(f"{where}: slots has {slots.size} entries and counts {counts.size}; expected equal "
+                              "lengths", f"{where}.counts")
+        if np.unique(slots).size != slots.size:
+            raise IngestError(f"{where}.slots lists a slot twice", f"{where}.slots")
+        selections = int(counts.sum())
+        if selections > most:
+            raise IngestError(f"{where}: {selections} selections over {tokens} tokens exceed tokens × top_k = "
+                              f"{most}", f"{where}.counts")
+        choice = _integer(delta.get("choice_selections", 0), f"{where}.choice_selections", 0, most)
+        local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
+        dense = np.zeros(info.num_slots, dtype=np.int64)
+        dense[slots] = counts
+        entry = merged.get((info.name, line))
+        if entry is None:
+            merged[(info.name, line)] = [dense, tokens, local, choice]
+        else:  # the same router and line twice: one delta (bounded: the body is)
+            entry[0] += dense
+            entry[1] += tokens
+            entry[2] += local
+            entry[3] += choice
+    return Snapshot(source, infos, tuple(Delta(router, line, counts, tokens, local, choice)
+                                         for (router, line), (counts, tokens, local, choice) in merged.items()))
+
+
+@dataclass
+class _Source:
+    routers: dict[str, RouterInfo]  # by the name the worker uses
+    windows: RouterWindows  # routers named remote_name(source, name)
+    open_windows: set[tuple[str, str]]
+    last_seen: float
+
+
+class RemoteRouting:
+    """The rolling windows of every remote source, within :class:`IngestLimits`."""
+
+    def __init__(self, limits: IngestLimits | None = None, *, window_tokens: int | None = 4096,
+                 window_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or IngestLimits()
+        self._window_tokens = window_tokens
+        self._window_seconds = window_seconds
+        self._clock = clock
+        self._sources: dict[str, _Source] = {}
+        self._lines: set[str] = set()
+        self._window_slots = 0
+        self._lock = threading.Lock()
+
+    def windows(self) -> list[RouterWindows]:
+        with self._lock:
+            return [source.windows for source in self._sources.values()]
+
+    @property
+    def business_lines(self) -> set[str]:
+        with self._lock:
+            return set(self._lines)
+
+    @property
+    def window_slots(self) -> int:
+        """Slots held by every remote window together (bounded by ``max_window_slots``)."""
+        return self._window_slots
+
+    def ingest(self, snapshot: Snapshot) -> str | None:
+        """Apply a snapshot whole, or raise :class:`IngestError` and change nothing.
+
+        Returns the idle source dropped to make room for a new one, if any.
+        """
+        with self._lock:
+            now = self._clock()
+            source = self._sources.get(snapshot.source)
+            evict = self._room_for_source(now) if source is None else None
+            if source is not None and set(source.routers.values()) != set(snapshot.routers):
+                raise IngestError(f"source {snapshot.source!r} lists routers other than it reported before; ship "
+                                  "under another source name to watch another model", "routers", status=409,
+                                  code="conflict")
+            routers = source.routers if source is not None else {info.name: info for info in snapshot.routers}
+            others = [other for name, other in self._sources.items() if name != evict]
+            lines = self._lines if evict is None else {line for other in others for _, line in other.open_windows}
+            new_lines = {delta.business_line for delta in snapshot.deltas} - lines
+            if len(lines) + len(new_lines) > self.limits.max_lines:
+                raise IngestError(f"{len(new_lines)} new business line(s) would exceed the {self.limits.max_lines} "
+                                  "remote lines this sidecar keeps (serve --ingest-max-lines)",
+                                  "deltas.business_line", status=429, code="too_many_lines")
+            open_windows = source.open_windows if source is not None else set()
+            new_windows = {(d.router, d.business_line) for d in snapshot.deltas} - open_windows
+            freed = self._slots_of(self._sources[evict]) if evict is not None else 0
+            needed = sum(routers[router].num_slots for router, _ in new_windows)
+            if self._window_slots - freed + needed > self.limits.max_window_slots:
+                raise IngestError(f"this snapshot opens windows of {needed} slots; remote windows already hold "
+                                  f"{self._window_slots} of the {self.limits.max_window_slots} allowed "
+                                  "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
+            if source is not None:
+                self._check_overflow(source, snapshot)
+            # Checked: from here on nothing can fail.
+            if evict is not None:
+                self._drop(evict)
+            if source is None:
+                source = self._open(snapshot.source, routers, now)
+            for delta in snapshot.deltas:
+                source.windows.add(remote_name(snapshot.source, delta.router), delta.business_line, delta.counts,
+                                   delta.tokens, local_selections=delta.local_selections,
+                                   choice_selections=delta.choice_selections)
+                if (delta.router, delta.business_line) not in source.open_windows:
+                    source.open_windows.add((delta.router, delta.business_line))
+                    self._window_slots += routers[delta.router].num_slots
+            self._lines |= new_lines
+            source.last_seen = now
+            return evict
+
+    # ------------------------------------------------------------------ internals
+    def _room_for_source(self, now: float) -> str | None:
+        """The source to evict for a new one (``None``: there is room), or raise when all are active."""
+        if len(self._sources) < self.limits.max_sources:
+            return None
+        name, oldest = min(self._sources.items(), key=lambda item: item[1].last_seen)
+        if now - oldest.last_seen < self.limits.source_idle_seconds:
+            raise IngestError(f"{len(self._sources)} sources are reporting, the most this sidecar keeps "
+                              f"(serve --ingest-max-sources); a source gives its place after "
+                              f"{self.limits.source_idle_seconds:g} s of silence", "source", status=429,
+                              code="too_many_sources")
+        return name
+
+    def _check_overflow(self, source: _Source, snapshot: Snapshot) -> None:
+        for delta in snapshot.deltas:
+            totals = source.windows.window_totals(remote_name(snapshot.source, delta.router), delta.business_line)
+            if totals is None:
+                continue
+            if (totals.tokens + delta.tokens > COUNT_CEILING
+                    or int((totals.counts + delta.counts).max(initial=0)) > COUNT_CEILING):
+                raise IngestError(f"router {delta.router!r}, business line {delta.business_line!r}: the window's "
+                                  f"sums would pass {COUNT_CEILING}", "deltas", code="count_overflow")
+
+    def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:
+        infos = [RouterInfo(remote_name(name, info.name), info.layer, info.kind, info.num_slots, info.top_k)
+                 for info in routers.values()]
+        source = _Source(routers, RouterWindows(infos, window_tokens=self._window_tokens,
+                                                window_seconds=self._window_seconds, clock=self._clock), set(), now)
+        self._sources[name] = source
+        return source
+
+    @staticmethod
+    def _slots_of(source: _Source) -> int:
+        return sum(source.routers[router].num_slots for router, _ in source.open_windows)
+
+    def _drop(self, name: str) -> None:
+        source = self._sources.pop(name)
+        self._window_slots -= self._slots_of(source)
+        self._lines = {line for other in self._sources.values() for _, line in other.open_windows}
