@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_watch.ingest import INGEST_FLAGS, IngestLimits
+
 __all__ = ["main"]
 
 DEFAULT_STATE_DIR = Path("mla-watch-state")
@@ -149,18 +151,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         for flag, value in (("--history-interval", args.history_interval), ("--history-span", args.history_span)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{flag} {value!r}: expected a positive number of seconds")
+        ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
+        if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
+            raise ValueError(f"--body-timeout {args.body_timeout!r}: expected a positive number of seconds")
         if args.history_interval > args.history_span:
             raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
                              f"({args.history_span!r})")
     except ValueError as error:
         raise SystemExit(f"mla-watch serve: {error}") from error
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
-                          state_dir=args.state_dir, public_url=args.public_url or f"http://{args.host}:{args.port}",
+                          state_dir=args.state_dir, dataset_dir=args.dataset_dir, public_url=args.public_url or f"http://{args.host}:{args.port}",
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
                           capture_max_age_seconds=args.capture_max_age, retune=retune,
-                          history_interval_seconds=args.history_interval, history_span_seconds=args.history_span)
+                          history_interval_seconds=args.history_interval, history_span_seconds=args.history_span,
+                          ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -291,6 +297,47 @@ def _parse_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return options
 
 
+def _dataset_name(path: Path, directory: Path) -> str:
+    """The name the sidecar's admin API knows ``--dataset`` by; a local file is first copied into ``directory``.
+
+    The API reads datasets only from the sidecar's dataset directory, by bare file name. The
+    operator on the sidecar's machine may name any file: it is copied there (0600, never over a
+    different file of that name). A bare name that is no local file is sent as it is.
+    """
+    import filecmp
+    import os
+    import shutil
+
+    from mla_watch.retune.data import DATASET_NAME_RE
+    from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir
+
+    name = path.name
+    if not DATASET_NAME_RE.fullmatch(name) or not name.endswith(".jsonl"):
+        raise SystemExit(f"mla-watch retune run: --dataset {str(path)[:200]}: file name {name[:64]!r} is invalid: "
+                         "expected letters, digits, '.', '_', '-' (at most 128, the first a letter or digit), "
+                         "ending .jsonl")
+    if not path.is_file():
+        if str(path) == name:  # the name of a file already in the sidecar's dataset directory
+            return name
+        raise SystemExit(f"mla-watch retune run: --dataset {str(path)[:200]}: no such file: expected a JSONL file, "
+                         "or the bare name of one in the sidecar's dataset directory")
+    try:
+        target = ensure_private_dir(directory) / name
+        if target.exists():
+            if target.resolve() == path.resolve() or filecmp.cmp(path, target, shallow=False):
+                return name
+            raise SystemExit(f"mla-watch retune run: --dataset {str(path)[:200]}: {target} exists with other "
+                             "content: expected a file name not used there yet (or remove the old file)")
+        with path.open("rb") as source, os.fdopen(
+                os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as copy:
+            shutil.copyfileobj(source, copy)
+    except OSError as error:
+        raise SystemExit(f"mla-watch retune run: --dataset {str(path)[:200]}: cannot copy it into --dataset-dir "
+                         f"{directory}: [Errno {error.errno}] {error.strerror}") from None
+    print(f"copied {path} to {target} (the sidecar reads it there if that is its --dataset-dir)", file=sys.stderr)
+    return name
+
+
 def _cmd_retune(args: argparse.Namespace) -> int:
     import time
 
@@ -298,7 +345,7 @@ def _cmd_retune(args: argparse.Namespace) -> int:
         body: dict[str, Any] = {"force": args.force}
         for key, value in (("routers", args.router), ("business_line", args.business_line),
                            ("strategy", args.strategy), ("rule", args.rule),
-                           ("dataset", str(args.dataset.resolve()) if args.dataset else None),
+                           ("dataset", _dataset_name(args.dataset, args.dataset_dir) if args.dataset else None),
                            ("options", _parse_options(args.option) if args.option else None)):
             if value:
                 body[key] = value
@@ -389,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     serve.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                        help="alert state and the notification outbox (default ./mla-watch-state)")
+    serve.add_argument("--dataset-dir", type=Path, default=None,
+                       help="the only directory re-tune jobs from the admin API read JSONL datasets from, named by "
+                            "bare file name (default STATE_DIR/datasets; created 0700)")
     serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -415,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="status page: seconds between two points of the entropy heat map (default 10)")
     serve.add_argument("--history-span", type=float, default=3600.0,
                        help="status page: seconds of entropy history kept (default 3600)")
+    serve.add_argument("--body-timeout", type=float, default=10.0,
+                       help="seconds a request body may take to arrive before 408 (default 10)")
+    for name, text in INGEST_FLAGS.items():
+        serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),
+                           default=getattr(IngestLimits, name), help=f"{text} (default %(default)s)")
     serve.set_defaults(handler=_cmd_serve)
 
     check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
@@ -452,7 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--business-line", help="whose captured traffic to train on (default: every line)")
     run.add_argument("--strategy", action="append", help="bias | router_finetune | restore (repeat: tried in order)")
     run.add_argument("--rule", help="the rule whose band the routers must meet (default: the first retune rule)")
-    run.add_argument("--dataset", type=Path, help="a JSONL file to train on instead of captured traffic")
+    run.add_argument("--dataset", type=Path,
+                     help="a JSONL file to train on instead of captured traffic: a path here (copied into "
+                          "--dataset-dir first) or the bare name of a file already in the sidecar's dataset directory")
+    run.add_argument("--dataset-dir", type=Path, default=DEFAULT_STATE_DIR / "datasets",
+                     help="the sidecar's dataset directory (its serve --dataset-dir; default "
+                          "./mla-watch-state/datasets), where a --dataset file is copied")
     run.add_argument("--option", action="append", default=[], help="STRATEGY.NAME=VALUE, e.g. router_finetune.lr=1e-3")
     run.add_argument("--force", action="store_true", help="ignore the per-router cooldown")
     run.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless promoted)")

@@ -26,7 +26,7 @@ import numpy as np
 
 from mla_watch.windows import RouterInfo, RouterWindows
 
-__all__ = ["INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
+__all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]
 
 INGEST_PATH = "/v1/routing/ingest"
@@ -37,6 +37,19 @@ ROUTER_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,199}$")
 MAX_LAYER = 100_000
 # Window sums stay below this, so adding a bounded delta can never wrap int64.
 COUNT_CEILING = 2**62
+
+
+# The limits `serve --ingest-<name>` sets, and what each bounds.
+INGEST_FLAGS: dict[str, str] = {
+    "max_slots": "most slots (experts, key positions) of one remote router",
+    "max_top_k": "most top-k of one remote router",
+    "max_routers": "most routers one source may report",
+    "max_sources": "most sources reporting at once",
+    "max_lines": "most business lines over every source",
+    "max_window_slots": "most slots of every remote window together (8 bytes each)",
+    "max_tokens": "most tokens in one delta",
+    "source_idle_seconds": "seconds of silence after which a source gives its place to a new one",
+}
 
 
 @dataclass(frozen=True)
@@ -57,12 +70,12 @@ class IngestLimits:
                      "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ingest {name}={value!r}: expected an integer >= 1")
+                raise ValueError(f"--ingest-{name.replace('_', '-')} {value!r}: expected an integer >= 1")
         if self.max_tokens * self.max_top_k > 2**48:
-            raise ValueError(f"ingest max_tokens × max_top_k = {self.max_tokens * self.max_top_k}: expected at most "
-                             "2**48, so that window sums cannot overflow")
+            raise ValueError(f"--ingest-max-tokens × --ingest-max-top-k = {self.max_tokens * self.max_top_k}: "
+                             "expected at most 2**48, so that window sums cannot overflow")
         if not self.source_idle_seconds > 0:
-            raise ValueError(f"ingest source_idle_seconds={self.source_idle_seconds!r}: expected a number > 0")
+            raise ValueError(f"--ingest-source-idle-seconds {self.source_idle_seconds!r}: expected a number > 0")
 
 
 class IngestError(ValueError):
@@ -115,7 +128,7 @@ def _describe(value: Any) -> str:
 
 
 def _label(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not LABEL_RE.match(value):
+    if not isinstance(value, str) or not LABEL_RE.fullmatch(value):
         raise IngestError(f"{field}={_describe(value)} is invalid: expected 1-64 characters of letters, digits "
                           "and _ . : - (starting with a letter or digit)", field)
     return value
@@ -140,17 +153,22 @@ def _integers(value: Any, field: str, high: int) -> np.ndarray:
 
 
 def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
-    try:
-        info = RouterInfo.from_dict(data, field)
-    except ValueError as error:
-        raise IngestError(str(error), field) from error
-    if not ROUTER_NAME_RE.match(info.name):
-        raise IngestError(f"{field}.name={_describe(info.name)} is invalid: expected a module path of at most "
-                          "200 characters (letters, digits, _ . : - [ ])", f"{field}.name")
-    _integer(info.layer, f"{field}.layer", -1, MAX_LAYER)
-    _integer(info.num_slots, f"{field}.num_slots", 1, limits.max_slots)
-    _integer(info.top_k, f"{field}.top_k", 1, min(limits.max_top_k, info.num_slots))
-    return info
+    if not isinstance(data, dict):
+        raise IngestError(f"{field} is invalid: expected an object with name, layer, kind, num_slots, top_k", field)
+    unknown = sorted(set(data) - {"name", "layer", "kind", "num_slots", "top_k"})
+    if unknown:
+        raise IngestError(f"{field}: unknown field(s) {unknown}", f"{field}.{unknown[0]}", code="unknown_field")
+    name = data.get("name")
+    if not isinstance(name, str) or not ROUTER_NAME_RE.fullmatch(name):
+        raise IngestError(f"{field}.name={_describe(name)} is invalid: expected a module path of at most 200 "
+                          "characters (letters, digits, _ . : - [ ])", f"{field}.name")
+    kind = data.get("kind")
+    if kind not in ("expert", "indexer"):
+        raise IngestError(f"{field}.kind={_describe(kind)} is invalid: expected 'expert' or 'indexer'", f"{field}.kind")
+    layer = _integer(data.get("layer"), f"{field}.layer", -1, MAX_LAYER)
+    num_slots = _integer(data.get("num_slots"), f"{field}.num_slots", 1, limits.max_slots)
+    top_k = _integer(data.get("top_k"), f"{field}.top_k", 1, min(limits.max_top_k, num_slots))
+    return RouterInfo(name=name, layer=layer, kind=kind, num_slots=num_slots, top_k=top_k)
 
 
 def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:

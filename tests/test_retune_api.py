@@ -6,7 +6,7 @@ import httpx
 import pytest
 from conftest import running_sidecar
 
-TOKEN = "api-test-token"
+TOKEN = "api-test-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
@@ -48,7 +48,7 @@ def test_admin_calls_need_the_token(sidecar) -> None:
     ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers='model.layers.1.mlp.gate' is invalid: expected"),
     ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
     ({"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"}, "dataset",
-     "dataset='/nonexistent.jsonl' is invalid: expected the path of a JSONL file"),
+     "dataset='/nonexistent.jsonl' is invalid: expected a .jsonl file name inside the dataset directory"),
     ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", "rule='Nope' is not a loaded rule"),
     ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", "force='yes' is invalid: expected true"),
     ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", "options={'bias': 3} is invalid"),

@@ -40,7 +40,7 @@ class Shipper:
         self.token = token if token is not None else (os.environ.get("MLA_WATCH_INGEST_TOKEN")
                                                       or os.environ.get("MLA_WATCH_ADMIN_TOKEN"))
         self.source = source or f"pid-{os.getpid()}"
-        if not LABEL_RE.match(self.source):
+        if not LABEL_RE.fullmatch(self.source):
             raise ValueError(f"agent_source={self.source!r}: expected 1-64 letters, digits or _ . : - (the sidecar "
                              "watches this worker's routers as <source>/<router>)")
         self.timeout = timeout
