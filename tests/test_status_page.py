@@ -194,7 +194,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
         sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
-                                       policy_poll_seconds=None, admin_token="status-page-token-0123", alert_interval=0.3,
+                                       policy_poll_seconds=None, admin_token="status-page-token-0123",
+                                       alert_interval=0.3,
                                        window_tokens=192, history_interval_seconds=0.5, capture=True,
                                        retune=RetuneSettings(min_samples=8),
                                        public_url=f"http://127.0.0.1:{port}"))
