@@ -36,7 +36,7 @@ import httpx
 import mla_watch
 from mla_watch.policy import PolicyStore, enforce
 from mla_watch.sampling import SamplingParams, generate
-from mla_watch.server.app import SHIPPED_POLICIES
+from mla_watch.shipped import SHIPPED_POLICIES
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, "seed": 1}

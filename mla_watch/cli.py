@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
+from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
 __all__ = ["main"]
 
 DEFAULT_STATE_DIR = Path("mla-watch-state")
-SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "policies"
-SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
 
 
 def _read_prompts(path: Path) -> list[str]:
