@@ -244,6 +244,11 @@ class Adjustment:
     requested: object
     applied: object
 
+    @property
+    def defaulted(self) -> bool:
+        """The request left the parameter out and the policy filled in its default (nothing was changed)."""
+        return self.requested is None
+
     def as_dict(self) -> dict[str, object]:
         return {"param": self.param, "requested": self.requested, "applied": self.applied}
 

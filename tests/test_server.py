@@ -232,8 +232,13 @@ def test_routing_and_metrics_attribute_traffic_to_business_lines(sidecar) -> Non
                            kind="expert", layer=str(experts[0]["layer"]))
     assert entropy == pytest.approx(experts[0]["entropy_bits"], abs=0.2)
     assert metric_value(text, "mla_watch_routing_entropy_ceiling_bits", router=name, business_line="all") == 6.0
-    assert metric_value(text, "mla_watch_policy_adjustments_total", business_line="doc_summary",
+    # The requests sent no temperature: the policy's default was filled in, which is not a clamp.
+    assert metric_value(text, "mla_watch_policy_defaults_total", business_line="doc_summary",
                         task="summarize", param="temperature") >= 2
+    assert metric_value(text, "mla_watch_policy_adjustments_total", business_line="doc_summary",
+                        task="summarize", param="temperature") == 0
+    counts = httpx.get(url + "/v1/policies").json()["counts"]["doc_summary"]["summarize"]
+    assert counts["defaulted"]["temperature"] >= 2 and "temperature" not in counts["clamped"]
     for family in ("routing_normalized_entropy", "routing_max_violation", "routing_dead_slots",
                    "routing_window_tokens", "routing_entropy_floor_bits", "requests_total"):
         assert f"mla_watch_{family}" in text

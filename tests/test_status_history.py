@@ -164,6 +164,8 @@ def test_policy_counts_come_from_the_labelled_counters() -> None:
     adjustments.labels("code_assistant", "code", "top_p").inc()
     adjustments.labels("code_assistant", "chat", "temperature").inc()
     rejections.labels("code_assistant", "sql", "temperature").inc(2)
+    defaults = Counter("dflt", "x", ["business_line", "task", "param"], registry=registry)
+    defaults.labels("code_assistant", "code", "repetition_penalty").inc(5)
     assert counter_values(adjustments) == {("code_assistant", "code", "temperature"): 3.0,
                                            ("code_assistant", "code", "top_p"): 1.0,
                                            ("code_assistant", "chat", "temperature"): 1.0}
@@ -171,10 +173,11 @@ def test_policy_counts_come_from_the_labelled_counters() -> None:
         "description": "code", "default_task": "code", "source": "p.yaml",
         "tasks": {"code": {"on_violation": "clamp", "params": {}}, "sql": {"on_violation": "reject", "params": {}},
                   "chat": {"on_violation": "clamp", "params": {}}}}}}
-    view = policies_view(policies, counter_values(adjustments), counter_values(rejections))
+    view = policies_view(policies, counter_values(adjustments), counter_values(rejections), counter_values(defaults))
     tasks = {task["task"]: task for task in view[0]["tasks"]}
     assert tasks["code"]["adjustments"] == {"temperature": 3, "top_p": 1} and tasks["code"]["rejections"] == {}
     assert tasks["sql"]["rejections"] == {"temperature": 2} and tasks["chat"]["adjustments"] == {"temperature": 1}
+    assert tasks["code"]["defaults"] == {"repetition_penalty": 5} and tasks["chat"]["defaults"] == {}
     assert view[0]["business_line"] == "code_assistant" and view[0]["default_task"] == "code"
 
 

@@ -212,7 +212,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
                 response = client.post("/v1/completions", json=body, headers=headers)
                 assert response.status_code == 200, response.text
                 if line == "code_assistant":
-                    adjusted["code"] += len(response.json()["mla_watch"]["adjustments"])
+                    adjusted["code"] += sum(a["requested"] is not None  # clamped, not defaults filled in
+                                            for a in response.json()["mla_watch"]["adjustments"])
 
             for index in range(8):
                 request("code_assistant", index)

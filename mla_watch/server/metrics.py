@@ -82,8 +82,11 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=registry)
         self.bad_requests = Counter(p + "bad_requests", "Requests refused for bad input, by reason.",
                                     ["endpoint", "reason"], registry=registry)
-        self.policy_adjustments = Counter(p + "policy_adjustments", "Sampling parameters the policy changed.",
-                                          ["business_line", "task", "param"], registry=registry)
+        self.policy_adjustments = Counter(p + "policy_adjustments", "Sampling values the policy clamped into its "
+                                          "range.", ["business_line", "task", "param"], registry=registry)
+        self.policy_defaults = Counter(p + "policy_defaults", "Sampling parameters a request left out, filled in "
+                                       "with the policy's default.", ["business_line", "task", "param"],
+                                       registry=registry)
         self.policy_rejections = Counter(p + "policy_rejections", "Requests a reject policy refused.",
                                          ["business_line", "task", "param"], registry=registry)
         self.policy_reloads = Counter(p + "policy_reloads", "Policy reload attempts by outcome.", ["outcome"],
@@ -127,4 +130,5 @@ class ServerMetrics:
 
     def count_adjustments(self, decision: Any) -> None:
         for adjustment in decision.adjustments:
-            self.policy_adjustments.labels(decision.business_line, decision.task, adjustment.param).inc()
+            counter = self.policy_defaults if adjustment.defaulted else self.policy_adjustments
+            counter.labels(decision.business_line, decision.task, adjustment.param).inc()

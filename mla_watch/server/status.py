@@ -86,10 +86,12 @@ def counter_values(counter: Counter) -> dict[tuple[str, ...], float]:
 
 
 def policies_view(policies: Mapping[str, Any], adjustments: Mapping[tuple[str, ...], float],
-                  rejections: Mapping[tuple[str, ...], float]) -> list[dict[str, Any]]:
+                  rejections: Mapping[tuple[str, ...], float],
+                  defaults: Mapping[tuple[str, ...], float]) -> list[dict[str, Any]]:
     """The policies in force (``PolicySet.as_dict()``), each task with its counts by parameter.
 
-    ``adjustments`` and ``rejections`` are keyed ``(business_line, task, param)``.
+    ``adjustments`` (values clamped), ``rejections`` and ``defaults`` (parameters left out and
+    filled in) are keyed ``(business_line, task, param)``.
     """
     lines = []
     for line, policy in sorted(policies.get("business_lines", {}).items()):
@@ -99,7 +101,7 @@ def policies_view(policies: Mapping[str, Any], adjustments: Mapping[tuple[str, .
                 return {param: int(n) for (l_, t, param), n in sorted(source.items()) if l_ == line and t == task}
 
             tasks.append({"task": task, **body, "adjustments": counts(adjustments),
-                          "rejections": counts(rejections)})
+                          "rejections": counts(rejections), "defaults": counts(defaults)})
         lines.append({"business_line": line, "description": policy.get("description", ""),
                       "default_task": policy.get("default_task"), "source": policy.get("source"), "tasks": tasks})
     return lines

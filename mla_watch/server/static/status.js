@@ -367,15 +367,18 @@ function renderPolicies(policies) {
   for (const line of policies.lines) {
     body.push(el("div", { class: "policy", dataset: { line: line.business_line } },
       el("h3", {}, line.business_line, " ", el("span", { class: "muted" }, line.description || "")),
-      table(["task", "on violation", "parameters", "adjusted", "refused"], line.tasks.map((task) => el("tr", {
+      table(["task", "on violation", "parameters", "clamped", "refused", "defaults filled in"],
+            line.tasks.map((task) => el("tr", {
         dataset: { line: line.business_line, task: task.task,
                    adjustments: String(Object.values(task.adjustments).reduce((a, b) => a + b, 0)),
+                   defaults: String(Object.values(task.defaults).reduce((a, b) => a + b, 0)),
                    rejections: String(Object.values(task.rejections).reduce((a, b) => a + b, 0)) } },
         el("td", {}, task.task + (task.task === line.default_task ? " (default)" : "")),
         el("td", {}, task.on_violation),
         el("td", {}, Object.entries(task.params).map(([name, rule]) => el("div", {}, `${name}: ${range(rule)}`))),
         el("td", { class: "adjusted" }, counts(task.adjustments)),
         el("td", { class: "refused" }, counts(task.rejections)),
+        el("td", { class: "muted" }, counts(task.defaults)),
       )))));
   }
   body.push(el("p", { class: "muted" }, `policy version ${policies.version}`));
