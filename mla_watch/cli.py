@@ -12,6 +12,7 @@ from typing import Any
 
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+from mla_watch.windows import ALL_LINES
 
 __all__ = ["main"]
 
@@ -276,7 +277,7 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
         rows.append([job["id"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"])), job["status"],
                      str(result.get("strategy") or "/".join(job["spec"]["strategies"])),
                      "-" if result.get("version") is None else str(result["version"]), str(job["attempts"]),
-                     job["spec"].get("business_line") or "all", ", ".join(job["spec"]["routers"])])
+                     job["spec"].get("business_line") or ALL_LINES, ", ".join(job["spec"]["routers"])])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows))
 

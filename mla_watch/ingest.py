@@ -24,15 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.windows import RouterInfo, RouterWindows
+from mla_watch.windows import NAME_RE, NAME_RULE, RouterInfo, RouterWindows
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]
 
 INGEST_PATH = "/v1/routing/ingest"
 SOURCE_SEPARATOR = "/"
-# Sources and business lines become metric label values: short, printable, no separator.
-LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 ROUTER_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,199}$")
 MAX_LAYER = 100_000
 # Window sums stay below this, so adding a bounded delta can never wrap int64.
@@ -128,9 +126,8 @@ def _describe(value: Any) -> str:
 
 
 def _label(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not LABEL_RE.fullmatch(value):
-        raise IngestError(f"{field}={_describe(value)} is invalid: expected 1-64 characters of letters, digits "
-                          "and _ . : - (starting with a letter or digit)", field)
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise IngestError(f"{field}={_describe(value)} is invalid: expected {NAME_RULE}", field)
     return value
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +40,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.yamlcheck import Checker as _Checker
 from mla_watch.yamlcheck import fmt as _fmt
 from mla_watch.yamlcheck import is_number as _is_number
@@ -80,7 +80,6 @@ _ON_VIOLATION: tuple[str, ...] = ("clamp", "reject")
 _TOP_KEYS: tuple[str, ...] = ("business_line", "description", "default_task", "defaults", "tasks")
 _SECTION_KEYS: tuple[str, ...] = ("on_violation", "max_prompt_tokens", "params")
 _RULE_KEYS: tuple[str, ...] = ("min", "max", "default", "fixed")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _POLICY_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 
 
@@ -441,12 +440,10 @@ def _build_policy(data: object, path: Path, label: str) -> Policy:
         business_line = path.stem
     elif not isinstance(business_line, str) or business_line != path.stem:
         chk.bad("business_line", business_line, f"the file name stem {path.stem!r} (one file per business line)")
-    if not _NAME_RE.match(path.stem):
-        chk.bad(
-            "business_line",
-            business_line,
-            "a name of letters, digits, '_', '.', '-' (starting with a letter or digit), taken from the file name",
-        )
+    if not NAME_RE.fullmatch(path.stem):
+        chk.bad("business_line", business_line, f"a name of {NAME_RULE}, taken from the file name")
+    elif path.stem == ALL_LINES:
+        chk.bad("business_line", business_line, f"another name: {ALL_LINES!r} is reserved for every line summed")
 
     description = data.get("description", "")
     if description is None:
@@ -466,8 +463,8 @@ def _build_policy(data: object, path: Path, label: str) -> Policy:
         if task_map is not None and not task_map:
             chk.bad("tasks", raw_tasks, "at least one task")
         for name, raw_task in (task_map or {}).items():
-            if not isinstance(name, str) or not _NAME_RE.match(name):
-                chk.bad(f"tasks.{name}", name, "a task name of letters, digits, '_', '.', '-'")
+            if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+                chk.bad(f"tasks.{name}", name, f"a task name of {NAME_RULE}")
                 continue
             section = _parse_section(chk, f"tasks.{name}", raw_task)
             on_violation = section.on_violation if section.on_violation is not _UNSET else defaults.on_violation

@@ -10,6 +10,7 @@ and the metrics.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,9 +23,15 @@ from numpy.typing import ArrayLike
 
 from mla_watch.routing import Kind, RollingWindow, WindowTotals, compute_stats
 
-__all__ = ["BASELINE_FORMAT", "RouterInfo", "RouterWindows"]
+__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "RouterInfo", "RouterWindows"]
 
 BASELINE_FORMAT = "mla_watch.baseline/1"
+# The business line of statistics summed over every line (``stats(None)``): a label value in the
+# metrics, alerts and history, and so a name no policy may take.
+ALL_LINES = "all"
+# A business line's (or a worker's) name: a label value, short and printable (match it whole).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 
 
 @dataclass(frozen=True)

@@ -610,3 +610,14 @@ def test_property_integer_params_stay_int(lo: int, span: int, value: int) -> Non
     policy = Policy("line", "", "t", {"t": task}, Path("line.yaml"))
     applied = enforce(policy, task, {"max_tokens": value}).applied["max_tokens"]
     assert type(applied) is int and lo <= applied <= lo + span
+
+
+def test_the_all_lines_name_is_reserved(tmp_path: Path) -> None:
+    path = write(tmp_path, "all.yaml", good("all"))
+    assert_one_error(path, "business_line", "'all'", "reserved for every line summed")
+
+
+def test_names_are_matched_whole(tmp_path: Path) -> None:
+    path = write(tmp_path, "code_assistant.yaml", good().replace("  code:", '  "code\\n":', 1))
+    errors = load_errors(path)
+    assert any("tasks.code" in error and "a task name of 1-64 letters" in error for error in errors), errors

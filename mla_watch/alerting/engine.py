@@ -47,6 +47,7 @@ from typing import Any, Literal
 from urllib.parse import urlencode
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
+from mla_watch.windows import ALL_LINES
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance",
            "default_render"]
@@ -55,7 +56,6 @@ log = logging.getLogger("mla_watch.alerting.engine")
 
 STATE_FORMAT = "mla_watch.alert_state/1"
 RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
-ALL_LINES = "all"  # the business_line label of a record summed over every line (business_line None)
 _MAX_SELECTOR_CACHE = 100_000  # (router, layer, kind, line) keys; cleared when exceeded
 
 Render = Callable[[Rule, Mapping[str, object]], dict[str, str]]

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mla_watch.windows import ALL_LINES
+
 __all__ = [
     "ACTIONS",
     "METRICS",
@@ -57,9 +59,9 @@ class Selector:
             return False
         if "business_line" not in record:  # a router description (lint): any line may come
             return True
-        line = record["business_line"] or "all"  # records summed over every line carry None
+        line = record["business_line"] or ALL_LINES  # records summed over every line carry None
         if self.business_line in (None, "*"):
-            return line != "all"
+            return line != ALL_LINES
         return line == self.business_line
 
 

@@ -26,6 +26,7 @@ import yaml
 
 from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.rules import format_duration
+from mla_watch.windows import ALL_LINES
 
 __all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression"]
 
@@ -42,7 +43,6 @@ WINDOW_TOKENS = "mla_watch_routing_window_tokens"
 WINDOW_TOO_SMALL = "mla_watch_routing_window_too_small"
 FLOOR_BITS = "mla_watch_routing_entropy_floor_bits"
 CEILING_BITS = "mla_watch_routing_entropy_ceiling_bits"
-AGGREGATE_LINE = "all"
 _JOIN_LABELS = "job, instance, router, layer, kind, business_line"
 _LABEL_FIELDS = ("router", "layer", "kind", "business_line")
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
@@ -115,7 +115,7 @@ def _matchers(rule: Rule, job: str) -> str:
     if selector.router is not None:
         parts.append(f"router=~{_promql_string(glob_to_regex(selector.router))}")
     if selector.business_line in (None, "*"):
-        parts.append(f"business_line!={_promql_string(AGGREGATE_LINE)}")
+        parts.append(f"business_line!={_promql_string(ALL_LINES)}")
     else:
         parts.append(f"business_line={_promql_string(selector.business_line)}")
     return "{" + ", ".join(parts) + "}"

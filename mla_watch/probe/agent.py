@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mla_watch.ingest import INGEST_PATH, LABEL_RE, snapshot_body
-from mla_watch.windows import RouterInfo
+from mla_watch.ingest import INGEST_PATH, snapshot_body
+from mla_watch.windows import NAME_RE, NAME_RULE, RouterInfo
 
 __all__ = ["Shipper"]
 
@@ -40,9 +40,9 @@ class Shipper:
         self.token = token if token is not None else (os.environ.get("MLA_WATCH_INGEST_TOKEN")
                                                       or os.environ.get("MLA_WATCH_ADMIN_TOKEN"))
         self.source = source or f"pid-{os.getpid()}"
-        if not LABEL_RE.fullmatch(self.source):
-            raise ValueError(f"agent_source={self.source!r}: expected 1-64 letters, digits or _ . : - (the sidecar "
-                             "watches this worker's routers as <source>/<router>)")
+        if not NAME_RE.fullmatch(self.source):
+            raise ValueError(f"agent_source={self.source!r}: expected {NAME_RULE} (the sidecar watches this "
+                             "worker's routers as <source>/<router>)")
         self.timeout = timeout
         self._sizes = {info.name: info.num_slots for info in routers}
         self._pending: dict[tuple[str, str], list] = {}

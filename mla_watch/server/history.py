@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALL_LINES", "HistorySampler", "RoutingHistory"]
+from mla_watch.windows import ALL_LINES
+
+__all__ = ["HistorySampler", "RoutingHistory"]
 
 log = logging.getLogger(__name__)
 
-ALL_LINES = "all"  # the series of every business line summed (records whose business_line is None)
 
 
 @dataclass

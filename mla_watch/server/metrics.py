@@ -14,11 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mla_watch.windows import RouterWindows
+from mla_watch.windows import ALL_LINES, RouterWindows
 
-__all__ = ["ALL_LINES", "ROUTING_GAUGES", "RoutingCollector", "ServerMetrics"]
+__all__ = ["ROUTING_GAUGES", "RoutingCollector", "ServerMetrics"]
 
-ALL_LINES = "all"
 
 # metric suffix -> (stats key, help)
 ROUTING_GAUGES: dict[str, tuple[str, str]] = {
