@@ -23,7 +23,8 @@ from conftest import REPO, running_sidecar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_watch.alerting.model import METRICS, RECEIVER_TYPES
+from mla_watch.alerting.model import METRICS
+from mla_watch.alerting.notifiers import NOTIFIER_TYPES
 from mla_watch.alerting.rules import SEVERITIES, RuleError, load_rules_dir
 from mla_watch.policy import GOVERNED_PARAMS, PolicyError, load_policy_dir
 
@@ -242,7 +243,7 @@ URLS = maybe(st.one_of(
               st.sampled_from(["hooks.example", "h:99999", "[::1", " bad host"]))))
 RECEIVER = maybe(st.fixed_dictionaries({}, optional={
     "name": maybe(st.sampled_from(["oncall", "other", "bad name", ""])),
-    "type": maybe(st.sampled_from([*RECEIVER_TYPES, "email"])),
+    "type": maybe(st.sampled_from([*NOTIFIER_TYPES, "email"])),
     "url": URLS,
     "headers": st.one_of(
         st.dictionaries(st.sampled_from(["Authorization", "X-Api", "bad header", ""]),

@@ -16,7 +16,6 @@ from mla_watch.windows import ALL_LINES
 __all__ = [
     "ACTIONS",
     "METRICS",
-    "RECEIVER_TYPES",
     "TEMPLATE_FIELDS",
     "Alert",
     "AlertState",
@@ -32,7 +31,6 @@ __all__ = [
 METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "max_violation", "dead_slots", "js_divergence",
                             "locality")
 ACTIONS: tuple[str, ...] = ("notify", "retune")
-RECEIVER_TYPES: tuple[str, ...] = ("alertmanager_webhook", "alertmanager_api", "slack", "pagerduty")
 # Fields an annotation template may use, as str.format fields: "{value:.2f} bits on {router}".
 TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold", "resolve_threshold", "router",
                                     "layer", "kind", "business_line", "floor_bits", "ceiling_bits", "tokens",
@@ -99,7 +97,7 @@ class Receiver:
     """Where notifications go. ``url`` is None when its ``${ENV_VAR}`` is unset (receiver disabled)."""
 
     name: str
-    type: str  # one of RECEIVER_TYPES
+    type: str  # a notifier's type_name (mla_watch.alerting.notifiers.NOTIFIER_TYPES)
     url: str | None
     headers: Mapping[str, str] = field(default_factory=dict)  # secrets already expanded; never log them
     hmac_secret: str | None = None  # adds X-MLA-Signature: sha256=<hex of HMAC-SHA256(body)>

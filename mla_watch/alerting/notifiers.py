@@ -10,7 +10,7 @@ Types:
 * ``alertmanager_webhook``: the Alertmanager webhook payload, version "4", one request per
   notification (group). Fingerprints are computed as Alertmanager computes them (Prometheus
   ``model.LabelSet.Fingerprint()``: FNV-1a 64 over the sorted label pairs), not with
-  :func:`mla_watch.alerting.model.fingerprint` (a SHA-256 identity used inside mla_watch).
+  :func:`mla_watch.alerting.model.fingerprint`, which is the same FNV-1a 64.
 * ``alertmanager_api``: ``POST {url}/api/v2/alerts`` with the alerts as an Alertmanager client
   (Prometheus) posts them; a firing alert's ``endsAt`` is ``now + 4 x resend_interval_seconds``
   so that it expires by itself when the sidecar dies. Re-posting firing alerts every

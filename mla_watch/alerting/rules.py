@@ -48,13 +48,13 @@ from typing import Any, Literal
 from mla_watch.alerting.model import (
     ACTIONS,
     METRICS,
-    RECEIVER_TYPES,
     TEMPLATE_FIELDS,
     Receiver,
     Rule,
     RuleSet,
     Selector,
 )
+from mla_watch.alerting.notifiers import NOTIFIER_TYPES
 from mla_watch.routing import entropy_bounds, minimum_window_tokens
 from mla_watch.windows import RouterInfo
 from mla_watch.yamlcheck import Checker as _Checker
@@ -278,9 +278,9 @@ def _parse_receiver(chk: _Checker, path: str, raw: object, environ: Mapping[str,
 
     rtype = data.get("type")
     if "type" not in data:
-        chk.missing(f"{path}.type", "one of: " + ", ".join(RECEIVER_TYPES))
-    elif rtype not in RECEIVER_TYPES:
-        chk.bad(f"{path}.type", rtype, "one of: " + ", ".join(RECEIVER_TYPES))
+        chk.missing(f"{path}.type", "one of: " + ", ".join(NOTIFIER_TYPES))
+    elif rtype not in NOTIFIER_TYPES:
+        chk.bad(f"{path}.type", rtype, "one of: " + ", ".join(NOTIFIER_TYPES))
 
     # url: ${VAR} unset -> the receiver is disabled (None) with a warning
     url: str | None = None
