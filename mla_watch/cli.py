@@ -143,17 +143,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
                                 max_perplexity_increase=args.max_perplexity_increase,
                                 min_samples=args.retune_min_samples,
-                                strategy_options=_parse_options(args.retune_option))
+                                strategy_options=_parse_options(args.retune_option, "--retune-option"))
         from mla_watch.retune.strategies import get_strategy
 
         for name, options in retune.strategy_options.items():
             get_strategy(name).parse_options(options, f"--retune-option {name}")
-        for flag, value in (("--history-interval", args.history_interval), ("--history-span", args.history_span)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{flag} {value!r}: expected a positive number of seconds")
         ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
-        if not (math.isfinite(args.body_timeout) and args.body_timeout > 0):
-            raise ValueError(f"--body-timeout {args.body_timeout!r}: expected a positive number of seconds")
         if args.history_interval > args.history_span:
             raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
                              f"({args.history_span!r})")
@@ -282,13 +277,50 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
     print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows))
 
 
-def _parse_options(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _positive_int(text: str) -> int:
+    """An argparse type: argparse names the flag in its error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {text!r}")
+    return int(text)
+
+
+def _parse_options(items: Sequence[str], flag: str = "--option") -> dict[str, dict[str, Any]]:
     options: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, value = item.partition("=")
         strategy, dot, name = key.partition(".")
         if not sep or not dot or not strategy or not name:
-            raise SystemExit(f"--option {item!r}: expected STRATEGY.NAME=VALUE, e.g. router_finetune.lr=0.001")
+            raise SystemExit(f"{flag} {item!r}: expected STRATEGY.NAME=VALUE, e.g. router_finetune.lr=0.001")
         try:
             parsed: Any = json.loads(value)
         except json.JSONDecodeError:
@@ -441,31 +473,32 @@ def build_parser() -> argparse.ArgumentParser:
                             "bare file name (default STATE_DIR/datasets; created 0700)")
     serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
     serve.add_argument("--attn-implementation", default="sdpa",
                        help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
-    serve.add_argument("--max-queue", type=int, default=32, help="requests queued for the model before 429")
-    serve.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request, queue included")
+    serve.add_argument("--max-queue", type=_positive_int, default=32, help="requests queued for the model before 429")
+    serve.add_argument("--request-timeout", type=_positive_float, default=60.0,
+                       help="seconds per request, queue included")
     serve.add_argument("--capture", action="store_true",
                        help="record recent traffic (token ids) per business line in STATE_DIR for re-tuning")
-    serve.add_argument("--capture-max-samples", type=int, default=2000, help="captured samples kept per line")
-    serve.add_argument("--capture-max-age", type=float, default=7 * 86400.0, help="seconds a capture is kept")
+    serve.add_argument("--capture-max-samples", type=_positive_int, default=2000, help="captured samples kept per line")
+    serve.add_argument("--capture-max-age", type=_positive_float, default=7 * 86400.0, help="seconds a capture is kept")
     serve.add_argument("--retune-command",
                        help="run re-tuning fits with this external command template (see the README)")
-    serve.add_argument("--retune-cooldown", type=float, default=3600.0,
+    serve.add_argument("--retune-cooldown", type=_non_negative_float, default=3600.0,
                        help="seconds between two re-tune jobs of one router (default 3600)")
-    serve.add_argument("--max-perplexity-increase", type=float, default=0.3,
+    serve.add_argument("--max-perplexity-increase", type=_non_negative_float, default=0.3,
                        help="quality gate: perplexity may rise at most this much (default 0.3)")
     serve.add_argument("--retune-option", action="append", default=[],
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
-    serve.add_argument("--retune-min-samples", type=int, default=16,
+    serve.add_argument("--retune-min-samples", type=_positive_int, default=16,
                        help="samples a re-tune job needs at least (default 16)")
-    serve.add_argument("--history-interval", type=float, default=10.0,
+    serve.add_argument("--history-interval", type=_positive_float, default=10.0,
                        help="status page: seconds between two points of the entropy heat map (default 10)")
-    serve.add_argument("--history-span", type=float, default=3600.0,
+    serve.add_argument("--history-span", type=_positive_float, default=3600.0,
                        help="status page: seconds of entropy history kept (default 3600)")
-    serve.add_argument("--body-timeout", type=float, default=10.0,
+    serve.add_argument("--body-timeout", type=_positive_float, default=10.0,
                        help="seconds a request body may take to arrive before 408 (default 10)")
     for name, text in INGEST_FLAGS.items():
         serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),

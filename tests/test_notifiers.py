@@ -91,7 +91,8 @@ def test_a_new_notifier_is_a_receiver_type_rules_accept(tmp_path):
     from mla_watch.alerting.rules import RuleError, load_rules_dir
 
     (tmp_path / "r.yaml").write_text("receivers:\n  - name: echo\n    type: echo_test\n    url: http://127.0.0.1:9/\n"
-                                     "rules:\n  - alert: A\n    metric: entropy_bits\n    below: 1\n    receivers: [echo]\n")
+                                     "rules:\n  - alert: A\n    metric: entropy_bits\n    below: 1\n"
+                                     "    receivers: [echo]\n")
     with pytest.raises(RuleError, match="echo_test"):
         load_rules_dir(tmp_path, environ={})
 
