@@ -155,7 +155,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"mla-watch serve: {error}") from error
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
-                          state_dir=args.state_dir, dataset_dir=args.dataset_dir, public_url=args.public_url or f"http://{args.host}:{args.port}",
+                          state_dir=args.state_dir, dataset_dir=args.dataset_dir,
+                          public_url=args.public_url or f"http://{args.host}:{args.port}",
                           upstream=args.upstream, attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,

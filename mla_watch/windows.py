@@ -13,7 +13,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mla_watch.routing import Kind, RollingWindow, WindowTotals, compute_stats
+from mla_watch.routing import Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
-__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "RouterInfo", "RouterWindows"]
+__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "RouterInfo", "RouterStats", "RouterWindows",
+           "RoutingSnapshot", "take_snapshot"]
 
 BASELINE_FORMAT = "mla_watch.baseline/1"
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
@@ -69,6 +70,55 @@ class RouterInfo:
 
 
 @dataclass(frozen=True)
+class RouterStats:
+    """One router's statistics over one business line's window (``None``: every line summed)."""
+
+    router: RouterInfo
+    business_line: str | None
+    stats: RoutingStats
+
+    @property
+    def line_label(self) -> str:
+        """The business line as metrics, alerts and the history label it."""
+        return self.business_line or ALL_LINES
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record of :meth:`RouterWindows.stats` (the Python API's and ``GET /v1/routing``'s shape)."""
+        return {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
+                "business_line": self.business_line, **self.stats.as_dict()}
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    """Every router's statistics of every source, for each business line and for all lines summed.
+
+    Taken once per read (:func:`take_snapshot`) and handed to every consumer - metrics, alert
+    evaluation, the history, the APIs - so that none recomputes what another just computed.
+    """
+
+    taken_at: float
+    records: tuple[RouterStats, ...]
+    business_lines: tuple[str, ...]
+
+    def for_line(self, business_line: str | None) -> list[RouterStats]:
+        return [record for record in self.records if record.business_line == business_line]
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [record.as_dict() for record in self.records]
+
+
+def take_snapshot(sources: Iterable[RouterWindows], taken_at: float) -> RoutingSnapshot:
+    """The statistics of every window of ``sources``: all lines summed, then each line."""
+    records: list[RouterStats] = []
+    lines: set[str] = set()
+    for windows in sources:
+        for line in [None, *windows.business_lines]:
+            records.extend(windows.router_stats(line))
+        lines.update(windows.business_lines)
+    return RoutingSnapshot(taken_at, tuple(records), tuple(sorted(lines)))
+
+
+@dataclass(frozen=True)
 class _Totals:
     counts: np.ndarray
     tokens: int
@@ -95,6 +145,7 @@ class RouterWindows:
         self._lines: dict[str, None] = {}
         self._baseline: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
+        self._version = 0
 
     @property
     def routers(self) -> list[RouterInfo]:
@@ -106,6 +157,11 @@ class RouterWindows:
         return list(self._lines)
 
     @property
+    def version(self) -> int:
+        """Changes whenever counts are added, windows reset or the baseline replaced."""
+        return self._version
+
+    @property
     def nbytes(self) -> int:
         return sum(window.nbytes for window in self._windows.values())
 
@@ -115,6 +171,7 @@ class RouterWindows:
         if router not in self._routers:
             raise KeyError(f"router {router!r} is not one of the {len(self._routers)} routers of these windows")
         with self._lock:
+            self._version += 1
             self._lines.setdefault(business_line, None)
             self._window(router, business_line).add(
                 counts, tokens, local_selections=local_selections, choice_selections=choice_selections
@@ -126,6 +183,10 @@ class RouterWindows:
 
     def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
         """One record per router for the current window (every line summed when ``None``)."""
+        return [record.as_dict() for record in self.router_stats(business_line)]
+
+    def router_stats(self, business_line: str | None = None) -> list[RouterStats]:
+        """:meth:`stats`, typed."""
         records = []
         for info in self._routers.values():
             totals = self._totals(info.name, business_line)
@@ -138,13 +199,13 @@ class RouterWindows:
                 local_selections=totals.local_selections,
                 choice_selections=totals.choice_selections,
             )
-            records.append({"name": info.name, "layer": info.layer, "kind": info.kind,
-                            "business_line": business_line, **stats.as_dict()})
+            records.append(RouterStats(info, business_line, stats))
         return records
 
     def reset(self, routers: Sequence[str] | None = None) -> None:
         """Forget the windows of ``routers`` (default: every router), e.g. after their tensors changed."""
         with self._lock:
+            self._version += 1
             if routers is None:
                 self._windows.clear()
                 return
@@ -184,6 +245,7 @@ class RouterWindows:
             if counts.sum() > 0:
                 baseline[info.name] = counts
         self._baseline = baseline
+        self._version += 1
 
     def _window(self, router: str, line: str) -> RollingWindow:
         key = (router, line)

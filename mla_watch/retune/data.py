@@ -11,7 +11,10 @@ never appears in logs or error messages; counts do.
 
 :func:`load_jsonl_dataset` reads an offline dataset instead: one JSON object per line with
 ``"input_ids"``, ``"text"`` or ``"prompt"`` + ``"completion"`` and optionally ``"business_line"``.
-Its errors name ``path:line``, the key, the bad value (truncated) and what was expected.
+Its errors name ``path:line``, the key, what the bad value is (its JSON type and size) and what
+was expected; never the value or anything else the file holds (a file named by mistake must not
+have its content copied into a job record, an API answer or a log). :func:`resolve_dataset`
+confines a dataset named over the admin API to the dataset directory.
 
 :func:`split_held_out` and :func:`make_batches` turn either into training / evaluation batches.
 
@@ -30,7 +33,9 @@ import json
 import logging
 import operator
 import os
+import re
 import sqlite3
+import stat
 import tempfile
 import threading
 import time
@@ -41,10 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from mla_watch.statedir import ensure_private_file
 from mla_watch.yamlcheck import fmt
 
-__all__ = ["CaptureError", "DatasetError", "TokenSample", "TrafficCapture", "load_jsonl_dataset", "make_batches",
-           "split_held_out"]
+__all__ = ["DATASET_NAME_RE", "CaptureError", "DatasetError", "TokenSample", "TrafficCapture", "load_jsonl_dataset",
+           "make_batches", "resolve_dataset", "short_repr", "split_held_out"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +104,7 @@ class CaptureError(RuntimeError):
 
 
 class DatasetError(ValueError):
-    """A dataset file cannot be used; the message names ``path:line``, the key, the value and the expectation.
+    """A dataset file cannot be used; the message names ``path:line``, the key, the value's type and the expectation.
 
     ``errors`` holds every problem found (up to 20), one message each.
     """
@@ -175,7 +181,7 @@ class TrafficCapture:
         self._closed = False
         directory = self.path.parent
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise CaptureError(f"traffic capture {self.path}: cannot create the state directory {directory}: "
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
@@ -187,8 +193,7 @@ class TrafficCapture:
             raise CaptureError(f"traffic capture {self.path}: state directory {directory} is not writable: "
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
+            ensure_private_file(self.path)  # 0600, also when an older file was looser
         except OSError as exc:
             raise CaptureError(f"traffic capture {self.path}: cannot open the file for writing: "
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
@@ -394,13 +399,49 @@ _CONTENT_KEYS = ("input_ids", "text", "prompt", "completion")
 _EXPECTED_KEYS = ("exactly one of 'input_ids' (a list of token ids), 'text' (a string) "
                   "or 'prompt' + 'completion' (strings)")
 
+DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A dataset named over the admin API: a bare file name (matched whole), ending ``.jsonl``."""
+DATASET_NAME_EXPECTED = "a .jsonl file name inside the dataset directory"
+
+
+def short_repr(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to about ``limit`` characters (a request's value, never a file's)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int too long to convert
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def resolve_dataset(name: object, directory: str | Path) -> Path:
+    """The file that dataset ``name`` (as sent to the admin API) names inside ``directory``.
+
+    ``name`` must be a bare file name (:data:`DATASET_NAME_RE`, ending ``.jsonl``) of a regular
+    file in ``directory`` once every symlink is resolved. Every refusal raises the same
+    ``ValueError`` (naming ``dataset``, the value cut to 64 characters and the expectation), so
+    that the answer never tells whether some path exists outside the directory.
+    """
+    refusal = ValueError(f"dataset={short_repr(name)} is invalid: expected {DATASET_NAME_EXPECTED}")
+    if not isinstance(name, str) or not DATASET_NAME_RE.fullmatch(name) or not name.endswith(".jsonl"):
+        raise refusal
+    try:
+        root = Path(directory).resolve(strict=True)
+        path = (root / name).resolve(strict=True)
+        regular = stat.S_ISREG(path.stat().st_mode)
+    except (OSError, RuntimeError):  # missing, a dangling link, a link loop, a name too long
+        raise refusal from None
+    if not regular or not path.is_relative_to(root):  # e.g. a link out of the directory
+        raise refusal
+    return path
+
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str | None = None,
-                       max_samples: int | None = None, add_bos: bool = True) -> list[TokenSample]:
+                       max_samples: int | None = None, add_bos: bool = True,
+                       label: str | None = None) -> list[TokenSample]:
     """Token id sequences from a JSONL file: one JSON object per non-blank line.
 
     Each object has exactly one of ``"input_ids"`` (ints in ``[0, len(tokenizer))``), ``"text"``
@@ -412,10 +453,12 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
     With ``add_bos``, the tokenizer's BOS id is put first unless it already is. Sequences shorter
     than 2 tokens are skipped. Reading stops once ``max_samples`` samples are collected.
 
-    Every problem raises :class:`DatasetError` naming ``path:line``, the key, the value and the
-    expectation (up to 20 problems are reported together).
+    Every problem raises :class:`DatasetError` naming ``path:line`` (``label:line`` when given),
+    the key, what the value is (its JSON type, a length; never the value, nor anything else
+    the file holds) and the expectation (up to 20 problems are reported together).
     """
     path = Path(path)
+    name = str(path) if label is None else label
     if max_samples is not None:
         _positive("max_samples", max_samples, int)
     if business_line is not None and not isinstance(business_line, str):
@@ -427,8 +470,8 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
     try:
         handle = path.open("rb")
     except OSError as exc:
-        raise DatasetError(f"{path}: cannot read the file ({exc.strerror or exc}): expected a readable JSONL file "
-                           "(one JSON object per line)") from None
+        raise DatasetError(f"{name}: cannot read the file ({exc.strerror or type(exc).__name__}): expected a "
+                           "readable JSONL file (one JSON object per line)") from None
     errors: list[str] = []
     samples: list[TokenSample] = []
     rows = skipped_line = skipped_short = 0
@@ -440,7 +483,7 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                errors.append(f"{path}:{lineno}: byte {exc.start}: expected UTF-8 text")
+                errors.append(f"{name}:{lineno}: not UTF-8 (byte {exc.start}): expected UTF-8 text")
                 continue
             if not line.strip():
                 continue
@@ -448,13 +491,14 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                errors.append(f"{path}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}): "
+                errors.append(f"{name}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}): "
                               "expected one JSON object per line")
                 continue
             if not isinstance(record, dict):
-                errors.append(f"{path}:{lineno}: {fmt(record)}: expected a JSON object")
+                errors.append(f"{name}:{lineno}: not a JSON object (got {_describe(record)}): "
+                              "expected one JSON object per line")
                 continue
-            ids = _check_record(record, f"{path}:{lineno}", vocab, errors)
+            ids = _check_record(record, f"{name}:{lineno}", vocab, errors)
             if ids is None:
                 continue
             row_line = record.get("business_line")
@@ -477,19 +521,38 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
         raise DatasetError(head, errors)
     if not samples:
         filtered = " by business line" if business_line is None else f" of business lines other than {business_line!r}"
-        raise DatasetError(f"{path}: no usable samples: read {rows} row(s), skipped {skipped_line}{filtered} and "
+        raise DatasetError(f"{name}: no usable samples: read {rows} row(s), skipped {skipped_line}{filtered} and "
                            f"{skipped_short} shorter than 2 tokens: expected at least one row with 2 or more tokens")
     log.info("dataset %s: %d sample(s) from %d row(s) (%d skipped by business line, %d shorter than 2 tokens)",
              path, len(samples), rows, skipped_line, skipped_short)
     return samples
 
 
+def _describe(value: object) -> str:
+    """What a value from a dataset file is, for a message: its JSON type and size, never the value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "a negative integer" if value < 0 else "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return f"a string of {len(value)} character(s)"
+    if isinstance(value, list):
+        return f"a list of {len(value)} item(s)"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} key(s)"
+    return type(value).__name__
+
+
 def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> list[int] | tuple[str, ...] | None:
     """The ids of a row, or the strings still to encode; None (with the problems appended) when it is invalid."""
     found = len(errors)
 
-    def bad(key: str, value: object, expected: str) -> None:
-        errors.append(f"{where}: {key} = {fmt(value)}: expected {expected}")
+    def bad(key: str, value: object, expected: str, got: str | None = None) -> None:
+        errors.append(f"{where}: key {key!r}: expected {expected}, got {got or _describe(value)}")
 
     if "business_line" in record and not isinstance(record["business_line"], str):
         bad("business_line", record["business_line"], "a string")
@@ -509,7 +572,7 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
             keys = [k for k in record if k != "business_line"]
             hints = sorted({m for k in keys for m in difflib.get_close_matches(k, _CONTENT_KEYS, n=1)})
             hint = f" (did you mean {', '.join(repr(h) for h in hints)}?)" if hints else ""
-            what = f"none of the keys 'input_ids', 'text', 'prompt' (keys present: {fmt(keys)}){hint}"
+            what = f"none of the keys 'input_ids', 'text', 'prompt' ({len(keys)} other key(s)){hint}"
         errors.append(f"{where}: {what}: expected {_EXPECTED_KEYS}")
         return None
     key = present[0]
@@ -523,7 +586,9 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
             return None
         for index, token in enumerate(value):
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                bad(f"input_ids[{index}]", token, f"an int token id in [0, {vocab}) (the tokenizer's vocabulary)")
+                got = "an integer out of that range" if isinstance(token, int) and not isinstance(token, bool) else None
+                bad(f"input_ids[{index}]", token, f"an int token id in [0, {vocab}) (the tokenizer's vocabulary)",
+                    got)
                 break
         return list(value) if len(errors) == found else None
     if key == "text":

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mla_watch.statedir import ensure_private_file
+
 __all__ = ["FINAL_STATUSES", "JobError", "JobSpec", "JobStore", "RetuneSettings"]
 
 FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed")
@@ -99,7 +101,8 @@ class JobStore:
         self._clock = clock
         self._lock = threading.Lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ensure_private_file(self.path)  # 0600: sqlite gives its -wal and -shm files the same mode
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(

@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_watch.probe.discovery import discover_routers
+from mla_watch.retune.data import short_repr
 
 __all__ = ["ROUTER_TENSOR_PATTERNS", "RouterRegistry", "apply_router_tensors", "router_modules", "router_state"]
 
@@ -213,8 +214,21 @@ class RouterRegistry:
         """The manifests of every version, oldest first."""
         return [self._manifest(version) for version in self._version_numbers()]
 
+    def version_numbers(self) -> list[int]:
+        """The numbers of the versions saved, ascending."""
+        return self._version_numbers()
+
+    def check_version(self, version: object) -> int:
+        """``version`` if it is a saved version; else ``ValueError`` naming the value and the versions there are."""
+        numbers = self._version_numbers()
+        if isinstance(version, bool) or not isinstance(version, int) or version not in numbers:
+            there = f"one of the versions {numbers[0]} to {numbers[-1]}" if numbers else "a version (none saved yet)"
+            raise ValueError(f"router version {short_repr(version)} does not exist: expected {there}")
+        return version
+
     def load(self, version: int) -> dict[str, torch.Tensor]:
         """The tensors of ``version``, after checking the file's sha256 against the manifest."""
+        self.check_version(version)
         path = self._dir(version) / _TENSORS_FILE
         if not path.is_file():
             raise ValueError(f"router version {version}: {path} does not exist")

@@ -14,7 +14,10 @@ JSON, with ``strategy`` and its ``options``), ``{data}`` (training samples, JSON
 (a directory where the command writes ``routers.safetensors`` and optionally
 ``result.json``), ``{model}``, ``{strategy}``, ``{job_id}`` and ``{python}``. The template is
 split like a shell command line but no shell runs it. ``python -m mla_watch.retune.worker``
-is such a command for the models mla_watch can load.
+is such a command for the models mla_watch can load. These files are written in
+``STATE_DIR/retune-work/<job>-<strategy>/`` (mode 0700, the files 0600: ``{data}`` is customer
+traffic) and removed as soon as the command's output is read; its failure is reported by the
+last line of its output only.
 """
 
 from __future__ import annotations
@@ -35,17 +38,18 @@ from safetensors.torch import load_file, save_file
 
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.data import (
-    DatasetError,
     TokenSample,
     TrafficCapture,
     load_jsonl_dataset,
     make_batches,
+    resolve_dataset,
     split_held_out,
 )
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterRegistry, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
+from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
 
 __all__ = ["JobFailure", "Retuner"]
 
@@ -57,13 +61,20 @@ class JobFailure(Exception):
 
 
 class Retuner:
-    """Runs jobs against one live model. ``promote(version)`` swaps a version in."""
+    """Runs jobs against one live model. ``promote(version)`` swaps a version in.
+
+    ``dataset_dir``: where a job's ``dataset`` (then a bare file name, as the admin API accepts)
+    is looked up; ``None`` takes ``dataset`` as a path (jobs made in-process). ``workdir`` holds
+    the external command's files of a job (``<job>-<strategy>/``, 0700, its files 0600) only
+    while that fit runs.
+    """
 
     def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterRegistry,
                  settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, dataset_dir: Path | None = None) -> None:
         self.model = model
+        self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)
         self.tokenizer = tokenizer
         self.registry = registry
         self.settings = settings
@@ -75,7 +86,28 @@ class Retuner:
         self._clock = clock
 
     def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
-        """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected`` or ``failed``."""
+        """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected`` or ``failed``.
+
+        Whatever the outcome, the job's files in ``workdir`` (copies of its training traffic) are gone
+        when it returns; what a promotion needs is in the registry by then.
+        """
+        try:
+            return self._run(spec)
+        finally:
+            self.remove_work(spec.id)
+
+    def remove_work(self, job_id: str | None = None) -> None:
+        """Delete the work directories of job ``job_id`` (of every job for ``None``: at start-up, none runs)."""
+        if not self.workdir.is_dir():
+            return
+        for entry in self.workdir.iterdir():
+            if job_id is None or entry.name.startswith(f"{job_id}-"):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+
+    def _run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
         started = self._clock()
         timings: dict[str, float] = {}
         try:
@@ -159,10 +191,14 @@ class Retuner:
         line = spec.business_line
         if spec.dataset:
             try:
-                samples = load_jsonl_dataset(spec.dataset, self.tokenizer, business_line=line,
-                                             max_samples=self.settings.max_samples)
-            except DatasetError as error:
-                raise JobFailure(str(error)) from error
+                if self.dataset_dir is not None:  # a name from the admin API: checked again, the file may have moved
+                    path, label = resolve_dataset(spec.dataset, self.dataset_dir), spec.dataset
+                else:
+                    path, label = Path(spec.dataset), None
+                samples = load_jsonl_dataset(path, self.tokenizer, business_line=line,
+                                             max_samples=self.settings.max_samples, label=label)
+            except ValueError as error:  # DatasetError among them; no message quotes the file's content
+                raise JobFailure(str(error)) from None
             source = {"source": "dataset", "path": spec.dataset}
         elif self.capture is None:
             raise JobFailure("no data: traffic capture is off (serve with --capture to record recent traffic "
@@ -195,15 +231,25 @@ class Retuner:
                       train: Sequence[TokenSample]) -> Candidate:
         directory = self.workdir / f"{spec.id}-{name}"
         shutil.rmtree(directory, ignore_errors=True)
+        ensure_private_dir(self.workdir)
+        directory.mkdir(mode=0o700)
+        try:
+            return self._run_external(spec, name, options, train, ensure_private_dir(directory))
+        finally:  # the samples are customer traffic: they live only as long as the fit
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _run_external(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample],
+                      directory: Path) -> Candidate:
         output = directory / "output"
-        output.mkdir(parents=True)
+        output.mkdir(mode=0o700)
         job_file, data_file = directory / "job.json", directory / "data.jsonl"
         routers_file = directory / "routers.safetensors"
-        job_file.write_text(json.dumps({**spec.as_dict(), "strategy": name, "options": options,
-                                        "batch_size": self.settings.batch_size,
-                                        "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
-        data_file.write_text("".join(json.dumps(sample.as_record()) + "\n" for sample in train))
+        write_private(job_file, json.dumps({**spec.as_dict(), "strategy": name, "options": options,
+                                            "batch_size": self.settings.batch_size,
+                                            "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
+        write_private(data_file, "".join(json.dumps(sample.as_record()) + "\n" for sample in train))
         save_file(router_state(self.model), str(routers_file))
+        routers_file.chmod(PRIVATE_FILE_MODE)
         fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
                   "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
         try:
@@ -221,17 +267,20 @@ class Retuner:
         except OSError as error:
             raise RuntimeError(f"the external command {command[:1]} cannot start: {error}") from error
         if completed.returncode != 0:
-            tail = (completed.stderr or completed.stdout or "").strip()[-800:]
-            raise RuntimeError(f"the external command exited with status {completed.returncode}: {tail}")
+            # Its last line only (a traceback's is the error): the rest may quote the data it read.
+            lines = [line for line in (completed.stderr or completed.stdout or "").splitlines() if line.strip()]
+            last = lines[-1].strip()[-300:] if lines else "(no output)"
+            raise RuntimeError(f"the external command exited with status {completed.returncode}: {last}")
         checkpoint = output / "routers.safetensors"
         if not checkpoint.is_file():
-            raise RuntimeError(f"the external command exited 0 but wrote no {checkpoint}")
-        tensors = load_file(str(checkpoint))
+            raise RuntimeError(f"the external command exited 0 but wrote no {checkpoint.name} in its output directory")
+        # Copies in memory: the directory is removed when the fit ends, the registry keeps what passes.
+        tensors = {key: tensor.clone() for key, tensor in load_file(str(checkpoint)).items()}
         details: dict[str, Any] = {"command": command[0] if command else "", "external": True}
         result_file = output / "result.json"
         if result_file.is_file():
             try:
                 details.update(json.loads(result_file.read_text()))
             except ValueError as error:
-                raise RuntimeError(f"{result_file} is not JSON: {error}") from error
+                raise RuntimeError(f"{result_file.name} of the external command is not JSON: {error}") from error
         return Candidate(tensors, details)

@@ -34,6 +34,7 @@ from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
 from mla_watch.retune.registry import RouterRegistry, router_modules
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.strategies import STRATEGIES
+from mla_watch.statedir import ensure_private_dir, ensure_private_file
 
 __all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
 
@@ -63,7 +64,7 @@ class RetuneService:
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.state_dir = Path(state_dir)
+        self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
         self.settings = settings
         self.retuner = retuner
         self.registry = registry
@@ -75,6 +76,7 @@ class RetuneService:
         self._clock = clock
         self._submit_lock = threading.Lock()
         self._key = str(self.state_dir.resolve())
+        ensure_private_file(self.state_dir / "retune_schedule.sqlite")
         self.scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{self.state_dir / 'retune_schedule.sqlite'}")},
             executors={"default": ThreadPoolExecutor(max_workers=1)},
@@ -101,6 +103,7 @@ class RetuneService:
                 self._apply_live_state()
                 log.info("router version %d re-applied after the restart", live)
         _SERVICES[self._key] = self
+        self.retuner.remove_work()  # left by a job that a crash interrupted (it starts afresh if retried)
         for record in self.store.list(limit=1000, statuses=["running"]):
             self._recover(record)
         # Paused first: a pending job the schedule lost (a crash between recording and scheduling it)

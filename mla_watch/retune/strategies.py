@@ -15,6 +15,7 @@ No strategy ever writes into the live model.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -22,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from mla_watch.retune.bias import refit_bias, supports_bias
+from mla_watch.retune.data import short_repr
 from mla_watch.retune.registry import RouterRegistry, router_modules
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
@@ -57,19 +59,26 @@ class Strategy(abc.ABC):
 
     def parse_options(self, options: Mapping[str, Any], where: str) -> dict[str, Any]:
         """``options`` checked and completed with defaults; ``ValueError`` names the bad one."""
-        unknown = sorted(set(options) - set(self.options))
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{where} is invalid: expected a mapping of option -> value, got {type(options).__name__}")
+        unknown = sorted(set(options) - set(self.options), key=str)
         if unknown:
-            raise ValueError(f"{where}: unknown option(s) {unknown} for strategy {self.name!r}; "
-                             f"expected some of {sorted(self.options)}")
+            shown = ", ".join(short_repr(name, 40) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise ValueError(f"{where}: unknown option(s) [{shown}] for strategy "
+                             f"{self.name!r}; expected some of {sorted(self.options)}")
         parsed = {}
         for key, (kind, default, check, expectation) in self.options.items():
             value = options.get(key, default)
-            if value is not None:
+            if value is not None or default is not None:  # null means "absent" only where absent is allowed
                 # ints are floats too (lr: 1), but a float is not an int (epochs: 1.5), nor is a bool
                 acceptable = (int,) if kind is int else (int, float)
-                value = kind(value) if isinstance(value, acceptable) and not isinstance(value, bool) else None
-                if value is None or not check(value):
-                    raise ValueError(f"{where}.{key}={options.get(key)!r} is invalid: expected {expectation}")
+                try:
+                    value = kind(value) if isinstance(value, acceptable) and not isinstance(value, bool) else None
+                    valid = value is not None and (kind is int or math.isfinite(value)) and check(value)
+                except OverflowError:  # an int too large for a float
+                    valid = False
+                if not valid:
+                    raise ValueError(f"{where}.{key}={short_repr(options.get(key))} is invalid: expected {expectation}")
             parsed[key] = value
         return parsed
 

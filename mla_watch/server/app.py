@@ -42,7 +42,9 @@ from mla_watch.server.requests import (
     parse_body,
     parse_generation_request,
 )
-from mla_watch.windows import RouterWindows
+from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+from mla_watch.statedir import ensure_private_dir
+from mla_watch.windows import ALL_LINES, RouterWindows, RoutingSnapshot, take_snapshot
 
 __all__ = ["ServerConfig", "Sidecar"]
 
@@ -53,8 +55,6 @@ INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
 MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-up
 MAX_CHARS_PER_TOKEN = 32  # no tokenizer in use packs more characters into one token: a bound before tokenizing
 MAX_QUERY_VALUE = 64  # characters of a business line in a query string
-SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "policies"
-SHIPPED_RULES = Path(__file__).resolve().parents[2] / "rules"
 
 
 @dataclass
@@ -96,9 +96,12 @@ class Sidecar:
         self.config = config
         self.clock = clock
         _check_tokens(config)
+        ensure_private_dir(config.state_dir)  # 0700 before anything is written there: it holds traffic
+        self._snapshot: tuple[tuple, RoutingSnapshot] | None = None
+        self._snapshot_lock = threading.Lock()
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         self.registry = registry or CollectorRegistry()
-        self.metrics = ServerMetrics(self.registry, self._routing_sources)
+        self.metrics = ServerMetrics(self.registry, self.routing_snapshot)
         self.metrics.policy_version.set(self.policies.version)
         self.alerts = self._alert_service() if config.rules is not None else None
         self._rules_signature = _directory_signature(config.rules) if config.rules is not None else None
@@ -117,7 +120,7 @@ class Sidecar:
         self._upstream: Any = None
         self.history = RoutingHistory(span_seconds=config.history_span_seconds,
                                       interval_seconds=config.history_interval_seconds)
-        self._history_sampler = HistorySampler(self.history, self._routing_records)
+        self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts())
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
 
     # ------------------------------------------------------------------ alerting
@@ -137,15 +140,22 @@ class Sidecar:
 
     def _alert_records(self) -> list[dict[str, Any]]:
         self._reload_rules_if_changed()
-        return self._routing_records()
+        return self.routing_snapshot().as_dicts()
 
-    def _routing_records(self) -> list[dict[str, Any]]:
-        """Every router's statistics for each business line and for every line summed."""
-        records = []
-        for windows in self._routing_sources():
-            for line in [None, *windows.business_lines]:  # None: every line summed ("all")
-                records.extend(windows.stats(line))
-        return records
+    def routing_snapshot(self) -> RoutingSnapshot:
+        """Every router's statistics, per business line and summed: computed once per change of the
+        counts, and shared by the metrics, alert evaluation, the history and the APIs."""
+        sources = self._routing_sources()  # collects the local probe's counts first
+        key = tuple((id(windows), windows.version) for windows in sources)
+        with self._snapshot_lock:
+            cached = self._snapshot
+            # Windows bounded by age change with time alone: their snapshot lives one second.
+            if cached is not None and cached[0] == key and (
+                    self.config.window_seconds is None or self.clock() - cached[1].taken_at < 1.0):
+                return cached[1]
+            snapshot = take_snapshot(sources, self.clock())
+            self._snapshot = (key, snapshot)
+            return snapshot
 
     def reload_rules(self) -> list[str]:
         """Load the rules again; on errors keep the rules in force and return the errors."""
@@ -260,7 +270,7 @@ class Sidecar:
             if attempt.get("reason"):
                 line += f": {attempt['reason']}"
             figures.append(line)
-        line_name = spec.business_line or "all"
+        line_name = spec.business_line or ALL_LINES
         self.alerts.notify_event(
             labels={"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
                     "layer": str(trigger.get("layer", "")), "business_line": line_name, "job": spec.id},
@@ -395,8 +405,8 @@ class Sidecar:
         A line nobody has reported is answered with 404 naming the known ones: reading never
         creates a window, so a query string cannot grow memory.
         """
-        sources = self._routing_sources()
-        lines = sorted({name for windows in sources for name in windows.business_lines})
+        snapshot = self.routing_snapshot()
+        lines = list(snapshot.business_lines)
         if business_line is not None and business_line not in lines:
             shown = describe_value(business_line)
             if len(business_line) > MAX_QUERY_VALUE:
@@ -404,7 +414,7 @@ class Sidecar:
                                     "characters", param="business_line", code="invalid_value")
             raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
-        routers = [record for windows in sources for record in windows.stats(business_line)]
+        routers = [record.as_dict() for record in snapshot.for_line(business_line)]
         return {"business_line": business_line, "business_lines": lines, "routers": routers}
 
     def _reload_errors(self) -> list[str] | None:
@@ -415,9 +425,19 @@ class Sidecar:
     def _alert_list(self) -> list[dict[str, Any]]:
         return [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
 
+    def _policies_view(self) -> list[dict[str, Any]]:
+        """Each line's tasks with what was clamped, refused and filled in by default, by parameter."""
+        return status_page.policies_view(self.policies.current.as_dict(),
+                                         status_page.counter_values(self.metrics.policy_adjustments),
+                                         status_page.counter_values(self.metrics.policy_rejections),
+                                         status_page.counter_values(self.metrics.policy_defaults))
+
     async def _policies(self, request: Request) -> Response:
+        counts = {line["business_line"]: {task["task"]: {"clamped": task["adjustments"], "refused": task["rejections"],
+                                                        "defaulted": task["defaults"]} for task in line["tasks"]}
+                  for line in self._policies_view()}
         return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
-                             "last_reload_error": self._reload_errors()})
+                             "counts": counts, "last_reload_error": self._reload_errors()})
 
     async def _alerts(self, request: Request) -> Response:
         if self.alerts is None:
@@ -457,9 +477,7 @@ class Sidecar:
         history = self.history.snapshot(since)
         for series in history["series"]:
             series["band"] = status_page.entropy_band(rules, series)
-        policies = status_page.policies_view(self.policies.current.as_dict(),
-                                             status_page.counter_values(self.metrics.policy_adjustments),
-                                             status_page.counter_values(self.metrics.policy_rejections))
+        policies = self._policies_view()
         body: dict[str, Any] = {
             "generated_at": time.time(), "model": self.model_name, "ready": self._ready.is_set(),
             "load_error": self.load_error, "upstream": self.config.upstream, "history": history,
@@ -571,33 +589,39 @@ class Sidecar:
     def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
         """A job from an admin request: ``routers`` (default: those out of band), ``business_line``,
         ``strategy`` (a name or a list), ``rule`` (whose band to meet), ``dataset``, ``options``, ``force``."""
+        from mla_watch.retune.data import resolve_dataset, short_repr
         from mla_watch.retune.gates import Band, band_of_rule
         from mla_watch.retune.service import DEFAULT_STRATEGIES
+        from mla_watch.windows import NAME_RE, NAME_RULE  # the rule policy files' line names follow
 
         known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
         unknown = sorted(set(body) - known)
         if unknown:
-            raise ApiError(400, f"unknown field(s) {unknown}: expected some of {sorted(known)}", param=unknown[0],
-                           code="unknown_field")
+            raise ApiError(400, f"unknown field(s) [{', '.join(short_repr(name, 40) for name in unknown[:5])}]: "
+                                f"expected some of {sorted(known)}", param=unknown[0][:64], code="unknown_field")
         line = body.get("business_line")
-        if line is not None and (not isinstance(line, str) or not line):
-            raise ApiError(400, f"business_line={line!r} is invalid: expected a business line name",
-                           param="business_line", code="invalid_value")
+        if line is not None and (not isinstance(line, str) or not NAME_RE.fullmatch(line)):
+            raise ApiError(400, f"business_line={short_repr(line)} is invalid: expected a business line name of "
+                                f"{NAME_RULE}", param="business_line", code="invalid_value")
+        lines = sorted(self.policies.current.lines)
+        if line is not None and line not in lines:
+            raise ApiError(400, f"business_line={short_repr(line)} is not a business line of the policies: expected "
+                                f"one of {lines}", param="business_line", code="invalid_value")
         strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
         strategies = [strategies] if isinstance(strategies, str) else strategies
-        from mla_watch.retune.strategies import STRATEGIES
+        from mla_watch.retune.strategies import STRATEGIES, get_strategy
 
         if (not isinstance(strategies, list) or not strategies
                 or not all(isinstance(name, str) and name in STRATEGIES for name in strategies)):
-            raise ApiError(400, f"strategy={body.get('strategy')!r} is invalid: expected one of "
+            raise ApiError(400, f"strategy={short_repr(body.get('strategy'))} is invalid: expected one of "
                                 f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy",
                            code="invalid_value")
         rules = self.alerts.rules.rules if self.alerts is not None else ()
         rule_name = body.get("rule")
         candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
         if rule_name and not candidates:
-            raise ApiError(400, f"rule={rule_name!r} is not a loaded rule; rules are {[r.name for r in rules]}",
-                           param="rule", code="invalid_value")
+            raise ApiError(400, f"rule={short_repr(rule_name)} is not a loaded rule; rules are "
+                                f"{[r.name for r in rules]}", param="rule", code="invalid_value")
         rule = candidates[0] if candidates else None
         band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
         watched = self.retune.watched_by(rule)
@@ -614,19 +638,31 @@ class Sidecar:
         expert_names = self.retune.watched_by(None)
         if (not isinstance(routers, list) or not routers
                 or not all(isinstance(name, str) and name in expert_names for name in routers)):
-            raise ApiError(400, f"routers={routers!r} is invalid: expected a list of expert routers among "
+            raise ApiError(400, f"routers={short_repr(routers)} is invalid: expected a list of expert routers among "
                                 f"{expert_names}", param="routers", code="invalid_value")
         options = body.get("options", {})
         if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-            raise ApiError(400, f"options={options!r} is invalid: expected {{strategy: {{option: value}}}}",
+            raise ApiError(400, f"options={short_repr(options)} is invalid: expected {{strategy: {{option: value}}}}",
                            param="options", code="invalid_value")
+        for name, values in options.items():  # checked now, not when the job runs: a typo is a 400, not a failed job
+            if name not in STRATEGIES:
+                raise ApiError(400, f"options.{name[:40]}: no strategy is named {short_repr(name, 40)}: expected "
+                                    f"options of the strategies {sorted(STRATEGIES)}",
+                               param=f"options.{name[:40]}", code="invalid_value")
+            try:
+                get_strategy(name).parse_options({**self.config.retune.strategy_options.get(name, {}), **values},
+                                                 f"options.{name}")
+            except ValueError as error:
+                raise ApiError(400, str(error), param=f"options.{name}", code="invalid_value") from None
         dataset = body.get("dataset")
-        if dataset is not None and (not isinstance(dataset, str) or not Path(dataset).is_file()):
-            raise ApiError(400, f"dataset={dataset!r} is invalid: expected the path of a JSONL file on the "
-                                "sidecar's machine", param="dataset", code="invalid_value")
+        if dataset is not None:
+            try:  # a bare name of a file in the dataset directory; any other value gets the same answer
+                resolve_dataset(dataset, self.retune.retuner.dataset_dir or self.config.state_dir / "datasets")
+            except ValueError as error:
+                raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)
         if not isinstance(force, bool):
-            raise ApiError(400, f"force={force!r} is invalid: expected true or false", param="force",
+            raise ApiError(400, f"force={short_repr(force)} is invalid: expected true or false", param="force",
                            code="invalid_value")
         spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
                        band=band.as_dict(), dataset=dataset, options=options,
@@ -640,10 +676,13 @@ class Sidecar:
             self._authorise(request)
             service = self._retune_service()
             body = parse_body(await _read_body(request, self.config.max_body_bytes))
+            from mla_watch.retune.data import short_repr
+
             version = body.get("version")
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise ApiError(400, f"version={version!r} is invalid: expected a router version number",
+                raise ApiError(400, f"version={short_repr(version)} is invalid: expected a router version number",
                                param="version", code="invalid_value")
+            # promote() refuses a version that is not saved (naming the versions there are) before any file access
             await asyncio.to_thread(service.promote, version)
         except ApiError as error:
             return _error_response(error)

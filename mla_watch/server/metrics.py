@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mla_watch.windows import ALL_LINES, RouterWindows
+from mla_watch.windows import RoutingSnapshot
 
 __all__ = ["ROUTING_GAUGES", "RoutingCollector", "ServerMetrics"]
 
@@ -35,24 +35,22 @@ ROUTING_GAUGES: dict[str, tuple[str, str]] = {
 
 
 class RoutingCollector(Collector):
-    """Exports the statistics of every source of routing windows at scrape time."""
+    """Exports the routing statistics of the snapshot ``snapshot()`` returns, at scrape time."""
 
-    def __init__(self, sources: Callable[[], Iterable[RouterWindows]], prefix: str = "mla_watch_") -> None:
-        self._sources = sources
+    def __init__(self, snapshot: Callable[[], RoutingSnapshot], prefix: str = "mla_watch_") -> None:
+        self._snapshot = snapshot
         self._prefix = prefix
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         labels = ["router", "layer", "kind", "business_line"]
         families = {name: GaugeMetricFamily(self._prefix + name, text, labels=labels)
                     for name, (_, text) in ROUTING_GAUGES.items()}
-        for windows in self._sources():
-            for line in [None, *windows.business_lines]:
-                for record in windows.stats(line):
-                    values = [record["name"], str(record["layer"]), record["kind"], line or ALL_LINES]
-                    for name, (key, _) in ROUTING_GAUGES.items():
-                        value = record.get(key)
-                        if value is not None:
-                            families[name].add_metric(values, float(value))
+        for record in self._snapshot().records:
+            values = [record.router.name, str(record.router.layer), record.router.kind, record.line_label]
+            for name, (key, _) in ROUTING_GAUGES.items():
+                value = getattr(record.stats, key)
+                if value is not None:
+                    families[name].add_metric(values, float(value))
         return list(families.values())
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -74,7 +72,7 @@ class _FiringCollector(Collector):
 class ServerMetrics:
     """Every metric the server exports, registered on ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry, routing_sources: Callable[[], Iterable[RouterWindows]]) -> None:
+    def __init__(self, registry: CollectorRegistry, routing_snapshot: Callable[[], RoutingSnapshot]) -> None:
         self.registry = registry
         p = "mla_watch_"
         self.requests = Counter(p + "requests", "Generation requests answered, by endpoint and HTTP status.",
@@ -121,7 +119,7 @@ class ServerMetrics:
         self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
                                         ["business_line"], registry=registry)
         self._registry = registry
-        registry.register(RoutingCollector(routing_sources))
+        registry.register(RoutingCollector(routing_snapshot))
 
     def watch_alerts(self, engine: Any) -> None:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""
