@@ -237,6 +237,52 @@ def status_page_specs(args: list[str]) -> list[Spec]:
     ]
 
 
+# -- attacks -------------------------------------------------------------------------------------------------------
+
+def attack_specs(args: list[str]) -> list[Spec]:
+    def attack(f: Figures, figure: str) -> Figures:
+        return next(a for a in f["attacks"] if figure in a["figures"])
+
+    def answered(f: Figures) -> str:
+        wrong = [f"{a['number']} {a['name']}" for a in f["attacks"] if not a["ok"]]
+        return (f"{len(f['attacks']) - len(wrong)} of {len(f['attacks'])} as documented"
+                + (f"; not: {'; '.join(wrong)}" if wrong else ""))
+
+    def worst(f: Figures, key: str) -> Figures:
+        return max(f["attacks"], key=lambda a: a["healthz_added_ms"][key])
+
+    def added(f: Figures, key: str) -> str:
+        a = worst(f, key)
+        return (f"{a['healthz_added_ms'][key]:+.1f} ms during '{a['name']}' ({a['healthz'][key + '_ms']:.1f} vs "
+                f"{f['rest_ms'][key + '_ms']:.1f} ms at rest)")
+
+    def get_growth(f: Figures) -> str:
+        a = attack(f, "rss_growth_bytes_per_request")
+        return f"{a['figures']['rss_growth_bytes_per_request']:+.0f} B/request over {a['requests']} requests"
+
+    def ingest_growth(f: Figures) -> str:
+        a = attack(f, "rss_growth_kib_per_request")
+        return f"{a['figures']['rss_growth_kib_per_request']:+.0f} KiB/request over {a['requests']} requests"
+
+    def series(f: Figures) -> str:
+        a = attack(f, "metrics_series")
+        return (f"{a['figures']['metrics_series']:,.0f} series, {a['figures']['metrics_bytes'] / 1e6:.1f} MB, "
+                f"{a['figures']['metrics_seconds']:.2f} s to build")
+
+    return [
+        Spec("hostile requests (issue 11): documented answers", "each attack of issue 11 sent over HTTP", answered,
+             "all", lambda f: all(a["ok"] for a in f["attacks"])),
+        Spec("hostile requests: /healthz p99 added, worst attack", "/healthz at rest, same sidecar",
+             lambda f: added(f, "p99"), "<= +50 ms", lambda f: worst(f, "p99")["healthz_added_ms"]["p99"] <= 50.0),
+        Spec("hostile requests: /healthz p50 added, worst attack", "/healthz at rest, same sidecar",
+             lambda f: added(f, "p50")),
+        Spec("unknown-line GETs: sidecar RSS growth", "issue 11 before the fix: about 33 KB/request", get_growth),
+        Spec("1-token deltas into wide windows: sidecar RSS growth", "646 kB requests; their windows' counts: 8 MiB",
+             ingest_growth),
+        Spec("/metrics of one source reporting many routers", "absolute (--series-routers x --series-lines)", series),
+    ]
+
+
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
@@ -245,6 +291,7 @@ BENCHES = [
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
+    Bench("attacks", ["--requests", "1000", "--rounds", "3", "--bucket-requests", "10"], [], attack_specs),
 ]
 
 
