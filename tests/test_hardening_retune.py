@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import running_sidecar, wait_until
-from test_retune_service import GATE, Harness, spec
+from retune_harness import GATE, Harness, spec
 
 from mla_watch.retune.data import resolve_dataset, short_repr
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
@@ -104,7 +104,7 @@ def test_a_dataset_job_never_publishes_or_logs_what_the_file_holds(sidecar, capl
 
 def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None:
     """Accepted by name, then swapped for a link out of the directory: the job fails with the same words."""
-    from test_probe_families import build
+    from tiny_models import build
 
     datasets = ensure_private_dir(tmp_path / "datasets")
     outside = tmp_path / "outside.jsonl"

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from test_probe_families import VOCAB, build
+from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.retune import BiasRefitResult, refit_bias, router_state, supports_bias

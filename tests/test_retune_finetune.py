@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_probe_families import VOCAB, build
+from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.retune import router_state

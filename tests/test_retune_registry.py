@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_probe_families import build
+from tiny_models import build
 
 import mla_watch.retune.registry as registry_module
 from mla_watch.retune import RouterRegistry, router_state

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
+from client import SQL, post, sse_events
 from conftest import get_metrics, metric_value
 
 pytestmark = pytest.mark.slow
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
-SQL = {"X-Business-Line": "code_assistant", "X-Task": "sql"}
-
-
-def post(url: str, path: str, body: dict, headers: dict | None = None, timeout: float = 120) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers=headers or {}, timeout=timeout)
-
-
-def sse_events(text: str) -> list:
-    events = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def test_health_readiness_models(sidecar) -> None:

@@ -7,8 +7,8 @@ import concurrent.futures
 import httpx
 import pytest
 import torch
+from client import SQL, post, sse_events
 from conftest import get_metrics, metric_value, running_sidecar, serve_app, wait_until
-from test_server import SQL, post, sse_events
 
 import mla_watch
 
@@ -131,7 +131,7 @@ def test_the_proxy_enforces_policies_in_front_of_another_server_streaming_includ
 
 
 def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
-    from test_probe_families import build
+    from tiny_models import build
 
     with running_sidecar(upstream="http://127.0.0.1:9", admin_token=TOKEN, history_interval_seconds=0.1) as (url, _):
         model = build("deepseek_v32")
@@ -170,7 +170,7 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
 
 
 def test_undelivered_counts_wait_for_the_sidecar() -> None:
-    from test_probe_families import build
+    from tiny_models import build
 
     from mla_watch.server.app import ServerConfig, Sidecar
 
