@@ -279,7 +279,7 @@ def _parse_receiver(chk: _Checker, path: str, raw: object, environ: Mapping[str,
     rtype = data.get("type")
     if "type" not in data:
         chk.missing(f"{path}.type", "one of: " + ", ".join(NOTIFIER_TYPES))
-    elif rtype not in NOTIFIER_TYPES:
+    elif not isinstance(rtype, str) or rtype not in NOTIFIER_TYPES:
         chk.bad(f"{path}.type", rtype, "one of: " + ", ".join(NOTIFIER_TYPES))
 
     # url: ${VAR} unset -> the receiver is disabled (None) with a warning

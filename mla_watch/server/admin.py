@@ -1,0 +1,232 @@
+"""The endpoints that change the sidecar (bearer tokens) and the re-tuning API.
+
+``/admin/reload``, ``/admin/retune`` (+ ``/promote``, ``/rollback``) need the admin token;
+``/v1/routing/ingest`` the ingestion token; ``/v1/retune/jobs`` and ``/v1/retune/versions`` are
+read-only and open. Every refusal is an :class:`ApiError`, answered by the app's one handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mla_watch.ingest import IngestError, parse_snapshot
+from mla_watch.retune.data import resolve_dataset, short_repr
+from mla_watch.retune.gates import Band, band_of_rule
+from mla_watch.retune.jobs import JobSpec
+from mla_watch.retune.service import DEFAULT_STRATEGIES, Cooldown, RetuneService
+from mla_watch.retune.strategies import STRATEGIES, get_strategy
+from mla_watch.server.requests import ApiError
+from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
+
+if TYPE_CHECKING:
+    from mla_watch.server.app import Sidecar
+
+__all__ = ["Admin", "rejected_notice"]
+
+RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md"
+
+
+class Admin:
+    """Policy and rule reload, routing ingestion, and re-tuning jobs, versions and promotion."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def reload(self, request: Request) -> Response:
+        self.sidecar.authorise_admin(request)
+        result = await asyncio.to_thread(self.sidecar.policies.reload)
+        rule_errors = await asyncio.to_thread(self.sidecar.reload_rules)
+        ok = result.ok and not rule_errors
+        return JSONResponse({"ok": ok, "changed": result.changed, "errors": result.errors + rule_errors,
+                             "version": result.version}, status_code=200 if ok else 422)
+
+    async def ingest(self, request: Request) -> Response:
+        self.sidecar.authorise_ingest(request)
+        body = await self.sidecar.read_json(request)
+        try:
+            snapshot = await asyncio.to_thread(parse_snapshot, body, self.sidecar.config.ingest_limits)
+            evicted = self.sidecar.remote.ingest(snapshot)
+        except IngestError as error:
+            raise ApiError(error.status, str(error), param=error.field, code=error.code) from None
+        metrics = self.sidecar.metrics
+        if evicted is not None:
+            with contextlib.suppress(KeyError):
+                metrics.ingested.remove(evicted)
+        metrics.ingested.labels(snapshot.source).inc()
+        return JSONResponse({"ok": True})
+
+    # ------------------------------------------------------------------ re-tuning
+    def _service(self) -> RetuneService:
+        sidecar = self.sidecar
+        if sidecar.retune is None:
+            raise ApiError(503, sidecar.load_error or (f"re-tuning needs a local model; this sidecar forwards to "
+                                                       f"{sidecar.config.upstream}" if sidecar.config.upstream
+                                                       else "the model is still loading"),
+                           code="retune_unavailable", error_type="server_error")
+        return sidecar.retune
+
+    async def jobs(self, request: Request) -> Response:
+        service = self._service()
+        limit = request.query_params.get("limit", "50")
+        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+            raise ApiError(400, f"limit={short_repr(limit)} is invalid: expected an integer in [1, 1000]",
+                           param="limit", code="invalid_value")
+        return JSONResponse({"jobs": service.store.list(limit=int(limit))})
+
+    async def job(self, request: Request) -> Response:
+        service = self._service()
+        try:
+            return JSONResponse(service.store.get(request.path_params["job_id"]))
+        except KeyError as error:
+            raise ApiError(404, str(error.args[0]), param="job_id", code="not_found") from None
+
+    async def versions(self, request: Request) -> Response:
+        registry = self._service().registry
+        return JSONResponse({"live": registry.live_version(), "last_good": registry.last_good(),
+                             "versions": registry.versions(), "promotions": registry.promotions()})
+
+    async def retune(self, request: Request) -> Response:
+        self.sidecar.authorise_admin(request)
+        service = self._service()
+        spec, force = self._retune_spec(await self.sidecar.read_json(request))
+        try:
+            record = await asyncio.to_thread(service.submit, spec, force=force)
+        except Cooldown as error:
+            raise ApiError(409, str(error), code="cooldown", param="force") from None
+        except ValueError as error:
+            raise ApiError(400, str(error), code="invalid_value") from None
+        return JSONResponse(record, status_code=202)
+
+    async def promote(self, request: Request) -> Response:
+        self.sidecar.authorise_admin(request)
+        service = self._service()
+        version = (await self.sidecar.read_json(request)).get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ApiError(400, f"version={short_repr(version)} is invalid: expected a router version number",
+                           param="version", code="invalid_value")
+        try:  # refuses a version that is not saved (naming the versions there are) before any file access
+            await asyncio.to_thread(service.promote, version)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="version", code="invalid_value") from None
+        return JSONResponse({"ok": True, "live": service.registry.live_version()})
+
+    async def rollback(self, request: Request) -> Response:
+        self.sidecar.authorise_admin(request)
+        service = self._service()
+        try:
+            live = await asyncio.to_thread(service.rollback)
+        except ValueError as error:
+            raise ApiError(409, str(error), code="nothing_to_roll_back") from None
+        return JSONResponse({"ok": True, "live": live})
+
+    def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
+        """A job from an admin request: ``routers`` (default: those out of band), ``business_line``,
+        ``strategy`` (a name or a list), ``rule`` (whose band to meet), ``dataset``, ``options``, ``force``."""
+        sidecar, service = self.sidecar, self._service()
+        known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ApiError(400, f"unknown field(s) [{', '.join(short_repr(name, 40) for name in unknown[:5])}]: "
+                                f"expected some of {sorted(known)}", param=unknown[0][:64], code="unknown_field")
+        line = body.get("business_line")
+        if line is not None and (not isinstance(line, str) or not NAME_RE.fullmatch(line)):
+            raise ApiError(400, f"business_line={short_repr(line)} is invalid: expected a business line name of "
+                                f"{NAME_RULE}", param="business_line", code="invalid_value")
+        lines = sorted(sidecar.policies.current.lines)
+        if line is not None and line not in lines:
+            raise ApiError(400, f"business_line={short_repr(line)} is not a business line of the policies: expected "
+                                f"one of {lines}", param="business_line", code="invalid_value")
+        strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
+        strategies = [strategies] if isinstance(strategies, str) else strategies
+        if (not isinstance(strategies, list) or not strategies
+                or not all(isinstance(name, str) and name in STRATEGIES for name in strategies)):
+            raise ApiError(400, f"strategy={short_repr(body.get('strategy'))} is invalid: expected one of "
+                                f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy",
+                           code="invalid_value")
+        rules = sidecar.alerts.rules.rules if sidecar.alerts is not None else ()
+        rule_name = body.get("rule")
+        candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
+        if rule_name and not candidates:
+            raise ApiError(400, f"rule={short_repr(rule_name)} is not a loaded rule; rules are "
+                                f"{[r.name for r in rules]}", param="rule", code="invalid_value")
+        rule = candidates[0] if candidates else None
+        band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
+        watched = service.watched_by(rule)
+        routers = body.get("routers")
+        if routers is None:
+            sidecar.probe.collect()
+            records = sidecar.probe.windows.stats(line)
+            routers = [r["name"] for r in records if r["name"] in watched and not r.get("too_small")
+                       and r.get(band.metric) is not None and not band.contains(float(r[band.metric]))]
+            if not routers:
+                raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
+                                    f"{line or ALL_LINES} in the current window; name the routers to re-tune",
+                               param="routers", code="invalid_value")
+        expert_names = service.watched_by(None)
+        if (not isinstance(routers, list) or not routers
+                or not all(isinstance(name, str) and name in expert_names for name in routers)):
+            raise ApiError(400, f"routers={short_repr(routers)} is invalid: expected a list of expert routers among "
+                                f"{expert_names}", param="routers", code="invalid_value")
+        options = body.get("options", {})
+        if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+            raise ApiError(400, f"options={short_repr(options)} is invalid: expected {{strategy: {{option: value}}}}",
+                           param="options", code="invalid_value")
+        for name, values in options.items():  # checked now, not when the job runs: a typo is a 400, not a failed job
+            if name not in STRATEGIES:
+                raise ApiError(400, f"options.{name[:40]}: no strategy is named {short_repr(name, 40)}: expected "
+                                    f"options of the strategies {sorted(STRATEGIES)}",
+                               param=f"options.{name[:40]}", code="invalid_value")
+            try:
+                get_strategy(name).parse_options({**sidecar.config.retune.strategy_options.get(name, {}), **values},
+                                                 f"options.{name}")
+            except ValueError as error:
+                raise ApiError(400, str(error), param=f"options.{name}", code="invalid_value") from None
+        dataset = body.get("dataset")
+        if dataset is not None:
+            try:  # a bare name of a file in the dataset directory; any other value gets the same answer
+                resolve_dataset(dataset, service.retuner.dataset_dir or sidecar.config.state_dir / "datasets")
+            except ValueError as error:
+                raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
+        force = body.get("force", False)
+        if not isinstance(force, bool):
+            raise ApiError(400, f"force={short_repr(force)} is invalid: expected true or false", param="force",
+                           code="invalid_value")
+        spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
+                       band=band.as_dict(), dataset=dataset, options=options,
+                       max_perplexity_increase=sidecar.config.retune.max_perplexity_increase,
+                       trigger={"source": "api", "rule": rule.name if rule else None,
+                                "receivers": list(rule.receivers) if rule else None, "at": time.time()})
+        return spec, force
+
+
+def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of the ``RouterRetuneRejected`` event for on-call, with every
+    strategy's figures before -> after."""
+    figures = []
+    for attempt in result.get("attempts", []):
+        line = f"{attempt['strategy']}: {attempt.get('outcome')}"
+        gates = attempt.get("gates")
+        if gates:
+            metric = gates["band"]["metric"]
+            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}, "
+                     f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
+                                              for name, value in gates["after"][metric].items()) + ")")
+        if attempt.get("reason"):
+            line += f": {attempt['reason']}"
+        figures.append(line)
+    line_name = spec.business_line or ALL_LINES
+    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
+              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    annotations = {
+        "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
+                   "the live routers are unchanged",
+        "description": "; ".join(figures),
+        "runbook_url": f"{RUNBOOK}#routerretunerejected",
+    }
+    return labels, annotations

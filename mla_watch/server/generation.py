@@ -1,0 +1,177 @@
+"""The OpenAI-compatible endpoints: validate, apply the business line's policy, then generate here
+(the local model's queue) or forward to the upstream engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from mla_watch.policy import Decision, PolicyRejection, TaskPolicy, UnknownBusinessLine, UnknownTask, enforce
+from mla_watch.sampling import SamplingParams
+from mla_watch.server.engine import Job, JobTimedOut, Overloaded
+from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
+from mla_watch.server.responses import Answer, sse
+
+if TYPE_CHECKING:
+    from mla_watch.server.app import Sidecar
+
+__all__ = ["MAX_CHARS_PER_TOKEN", "Generation"]
+
+MAX_CHARS_PER_TOKEN = 32  # no tokenizer in use packs more characters into one token: a bound before tokenizing
+
+
+class Generation:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def _serve(self, request: Request, kind: str) -> Response:
+        endpoint = request.url.path
+        started = time.perf_counter()
+        policy_label: str | None = None
+        try:
+            if not self.sidecar.ready.is_set():
+                raise ApiError(503, self.sidecar.load_error or "the model is still loading", code="not_ready",
+                               error_type="server_error", headers={"Retry-After": "5"})
+            body = await self.sidecar.read_json(request)
+            parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
+            decision, task = self._decide(parsed)
+            policy_label = decision.policy_label
+            self.sidecar.metrics.count_adjustments(decision)
+            if self.sidecar.upstream is not None:
+                response = await self.sidecar.upstream.forward(request, parsed, body, decision)
+            else:
+                response = await self._generate_locally(request, parsed, decision, task)
+        except ApiError as error:
+            response = self.sidecar.refused(request, error)
+        response.headers["X-MLA-Policy"] = policy_label or "none"
+        self.sidecar.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        self.sidecar.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        return response
+
+    def _decide(self, parsed: GenerationRequest) -> tuple[Decision, TaskPolicy]:
+        """The policy decision and the task policy it came from (resolved once per request)."""
+        try:
+            policy, task = self.sidecar.policies.current.resolve(parsed.business_line, parsed.task)
+        except UnknownBusinessLine as error:
+            raise ApiError(400, str(error), param="X-Business-Line", code="unknown_business_line") from error
+        except UnknownTask as error:
+            raise ApiError(400, str(error), param="X-Task", code="unknown_task") from error
+        if parsed.model is not None and self.sidecar.upstream is None and parsed.model != self.sidecar.model_name:
+            raise ApiError(404, f"model={parsed.model!r} is not served here; expected {self.sidecar.model_name!r}",
+                           param="model", code="model_not_found")
+        try:
+            return enforce(policy, task, parsed.sampling), task
+        except PolicyRejection as error:
+            self.sidecar.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
+            raise ApiError(400, str(error), param=error.param, code="policy_violation") from error
+        except TypeError as error:
+            raise ApiError(400, str(error), code="invalid_value") from error
+
+    def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy) -> list[int]:
+        """Tokenize the prompt (in a worker thread: it can take a while) and check it fits."""
+        limit = int(self.sidecar.engine.model.config.max_position_embeddings)
+        most_tokens = min(limit, task.max_prompt_tokens or limit)
+        chars = len(parsed.prompt) if parsed.kind != "chat" else sum(len(m["content"]) for m in parsed.messages)
+        if chars > most_tokens * MAX_CHARS_PER_TOKEN:
+            raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
+                                f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
+        tokenizer = self.sidecar.engine.tokenizer
+        if parsed.kind == "chat":
+            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
+            ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+        else:
+            ids = tokenizer(parsed.prompt, add_special_tokens=False)["input_ids"]
+        ids = [tokenizer.bos_token_id, *list(ids)]
+        if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
+                                f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
+                           code="prompt_too_long")
+        max_tokens = int(decision.applied.get("max_tokens", 16))
+        if len(ids) + max_tokens > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
+                                f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens",
+                           param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
+        return ids
+
+    async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Decision,
+                                task: TaskPolicy) -> Response:
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task)
+        applied = decision.applied
+        try:
+            params = SamplingParams(
+                temperature=float(applied.get("temperature", 1.0)), top_p=float(applied.get("top_p", 1.0)),
+                top_k=int(applied.get("top_k", 0)), repetition_penalty=float(applied.get("repetition_penalty", 1.0)),
+                max_tokens=int(applied.get("max_tokens", 16)), n=int(applied.get("n", 1)), seed=parsed.seed,
+                stop=parsed.stop,
+            )
+        except ValueError as error:  # a policy may allow what the sampler cannot do (top_p 0, say)
+            raise ApiError(400, str(error), code="invalid_value") from error
+        job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
+                  deadline=self.sidecar.clock() + self.sidecar.config.request_timeout, loop=asyncio.get_running_loop(),
+                  prompt_tokens=len(prompt_ids))
+        try:
+            self.sidecar.engine.submit(job)
+        except Overloaded as error:
+            self.sidecar.metrics.overloaded.inc()
+            raise ApiError(429, str(error), code="overloaded", error_type="rate_limit_error",
+                           headers={"Retry-After": str(error.retry_after)}) from error
+        self.sidecar.metrics.queue_depth.set(self.sidecar.engine.queue_depth)
+        self.sidecar.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
+        answer = Answer(parsed, decision, self.sidecar.model_name, len(prompt_ids), params.n)
+        if parsed.stream:
+            return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            while (event := await job.next_event()) is not None:
+                answer.add(event)
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        except Exception as error:
+            raise self._job_error(error) from error
+        self.sidecar.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
+        return JSONResponse(answer.body())
+
+    def _job_error(self, error: Exception) -> ApiError:
+        if isinstance(error, JobTimedOut):
+            self.sidecar.metrics.timeouts.inc()
+            return ApiError(503, f"{error} (timeout {self.sidecar.config.request_timeout:g} s)", code="timeout",
+                            error_type="server_error", headers={"Retry-After": "1"})
+        return ApiError(500, str(error), code="generation_failed", error_type="server_error")
+
+    async def _stream(self, job: Job, answer: Answer) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            yield sse(answer.first_chunk())
+            while (event := await job.next_event()) is not None:
+                chunk = answer.add(event)
+                if chunk is not None:
+                    yield sse(chunk)
+            if answer.parsed.include_usage:
+                yield sse(answer.usage_chunk())
+            yield b"data: [DONE]\n\n"
+            finished = True
+            self.sidecar.metrics.completion_tokens.labels(answer.decision.business_line).inc(sum(answer.completion_tokens))
+        except Exception as error:
+            api_error = self._job_error(error)
+            yield sse(api_error.body())
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished:  # the client went away mid-stream: free the model for others
+                job.cancelled.set()
+                self.sidecar.metrics.client_disconnects.inc()
