@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from mla_watch.config import ConfigError, DirectoryStore, ReloadResult, config_files
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.yamlcheck import Checker as _Checker
 from mla_watch.yamlcheck import fmt as _fmt
@@ -80,24 +80,15 @@ _ON_VIOLATION: tuple[str, ...] = ("clamp", "reject")
 _TOP_KEYS: tuple[str, ...] = ("business_line", "description", "default_task", "defaults", "tasks")
 _SECTION_KEYS: tuple[str, ...] = ("on_violation", "max_prompt_tokens", "params")
 _RULE_KEYS: tuple[str, ...] = ("min", "max", "default", "fixed")
-_POLICY_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
 
 
 # --------------------------------------------------------------------------- errors
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError):
     """The policy configuration is invalid; ``errors`` holds one complete message per problem."""
 
-    def __init__(self, errors: Iterable[str]) -> None:
-        self.errors: list[str] = list(errors) or ["invalid policy configuration"]
-        if len(self.errors) == 1:
-            text = self.errors[0]
-        else:
-            text = f"{len(self.errors)} problems in the policy configuration:\n" + "\n".join(
-                f"  - {e}" for e in self.errors
-            )
-        super().__init__(text)
+    what = "policy configuration"
 
 
 class UnknownBusinessLine(LookupError):
@@ -508,13 +499,6 @@ def load_policy_file(path: Path) -> Policy:
     return _build_policy(_read_yaml(path, label), path, label)
 
 
-def _policy_files(directory: Path) -> list[Path]:
-    """The policy files of ``directory``: ``*.yaml`` / ``*.yml``, hidden files (editor droppings) skipped."""
-    return sorted(
-        p for p in directory.iterdir() if p.suffix in _POLICY_SUFFIXES and not p.name.startswith(".") and not p.is_dir()
-    )
-
-
 def load_policy_dir(directory: Path) -> PolicySet:
     """Load every policy file of ``directory`` into a :class:`PolicySet`.
 
@@ -526,7 +510,7 @@ def load_policy_dir(directory: Path) -> PolicySet:
         what = "does not exist" if not directory.exists() else "is not a directory"
         raise PolicyError([f"{directory}: the policy directory {what}: expected a directory of *.yaml policy files"])
     try:
-        files = _policy_files(directory)
+        files = config_files(directory)
     except OSError as exc:
         raise PolicyError(
             [
@@ -670,152 +654,19 @@ def enforce(policy: Policy, task: TaskPolicy, requested: Mapping[str, object]) -
     )
 
 
-# --------------------------------------------------------------------------- store and reload
+# --------------------------------------------------------------------------- the policies in force
 
 
-@dataclass(frozen=True)
-class ReloadResult:
-    """Outcome of one reload attempt."""
+class PolicyStore(DirectoryStore[PolicySet]):
+    """The policies in force (``serve --policies``): reloaded when their files change, and a reload
+    that fails keeps the last good set (:class:`~mla_watch.config.DirectoryStore`)."""
 
-    ok: bool
-    changed: bool
-    errors: list[str]
-    version: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "changed": self.changed, "errors": list(self.errors), "version": self.version}
-
-
-_Fingerprint = tuple[tuple[str, int, int], ...]
-
-
-def _fingerprint(directory: Path) -> _Fingerprint:
-    try:
-        files = _policy_files(directory)
-    except OSError:
-        return ()
-    out = []
-    for file in files:
-        try:
-            st = file.stat()
-        except OSError:
-            continue
-        out.append((file.name, st.st_mtime_ns, st.st_size))
-    return tuple(out)
-
-
-class PolicyStore:
-    """Thread-safe holder of the policies in force, with reload that never loses the last good set.
-
-    ``version`` starts at 1 and increments on each successful reload that changed something.
-    ``on_reload`` (optional) is called with the :class:`ReloadResult` of every reload attempt;
-    its exceptions are logged, never raised.
-    """
-
-    def __init__(
-        self,
-        directory: Path,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        on_reload: Callable[[ReloadResult], None] | None = None,
-    ) -> None:
-        self.directory = Path(directory)
-        self._clock = clock
-        self._on_reload = on_reload
-        self._lock = threading.RLock()
-        fingerprint = _fingerprint(self.directory)
-        self._current = load_policy_dir(self.directory)  # PolicyError at start-up
-        self._fingerprint = fingerprint
-        self._version = 1
-        self._last_error: PolicyError | None = None
-        self.loaded_at: float = clock()
-        """Clock reading of the last successful load that changed the policies."""
-        self.checked_at: float = self.loaded_at
-        """Clock reading of the last reload attempt."""
-
-    @property
-    def current(self) -> PolicySet:
-        """The policies in force."""
-        return self._current
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def last_error(self) -> PolicyError | None:
-        """The error of the last reload attempt, or ``None`` if it succeeded."""
-        return self._last_error
-
-    def reload(self) -> ReloadResult:
-        """Reload the directory; on failure keep the current set and record ``last_error``."""
-        with self._lock:
-            fingerprint = _fingerprint(self.directory)  # before reading: a later write shows up next check
-            self._fingerprint = fingerprint
-            self.checked_at = self._clock()
-            try:
-                new = load_policy_dir(self.directory)
-            except PolicyError as exc:
-                self._last_error = exc
-                result = ReloadResult(ok=False, changed=False, errors=list(exc.errors), version=self._version)
-                log.error("policy reload refused; keeping version %d in force:\n%s", self._version, exc)
-            else:
-                self._last_error = None
-                changed = new != self._current
-                if changed:
-                    self._current = new
-                    self._version += 1
-                    self.loaded_at = self.checked_at
-                    log.info("policies reloaded from %s (version %d)", self.directory, self._version)
-                result = ReloadResult(ok=True, changed=changed, errors=[], version=self._version)
-        if self._on_reload is not None:
-            try:
-                self._on_reload(result)
-            except Exception:
-                log.exception("policy on_reload callback failed")
-        return result
-
-    def check_for_changes(self) -> ReloadResult | None:
-        """Reload when the directory's (name, mtime_ns, size) list differs from the last attempt's.
-
-        Returns ``None`` when nothing changed. A broken file is tried once, not on every
-        check; the next edit triggers another attempt.
-        """
-        with self._lock:
-            if _fingerprint(self.directory) == self._fingerprint:
-                return None
-            return self.reload()
-
-    def watch(self, interval: float = 1.0) -> Callable[[], None]:
-        """Call :meth:`check_for_changes` every ``interval`` seconds on a daemon thread.
-
-        Returns a function that stops the thread and waits for it to end.
-        """
-        if interval <= 0:
-            raise ValueError(f"interval = {interval!r}: expected a number of seconds > 0")
-        stop_event = threading.Event()
-
-        def run() -> None:
-            while not stop_event.wait(interval):
-                try:
-                    self.check_for_changes()
-                except Exception:  # never let the watcher die
-                    log.exception("policy watcher: check failed")
-
-        thread = threading.Thread(target=run, name=f"mla-watch-policies:{self.directory}", daemon=True)
-        thread.start()
-
-        def stop() -> None:
-            stop_event.set()
-            if thread is not threading.current_thread():
-                thread.join()
-
-        return stop
+    def __init__(self, directory: Path, *, clock: Callable[[], float] = time.monotonic,
+                 on_reload: Callable[[ReloadResult], None] | None = None) -> None:
+        super().__init__(directory, load_policy_dir, what="policies", clock=clock, on_reload=on_reload)
 
     def as_dict(self) -> dict[str, Any]:
         """The policies in force plus ``version`` and ``last_error`` (for ``GET /v1/policies``)."""
-        return {
-            "version": self._version,
-            "last_error": None if self._last_error is None else list(self._last_error.errors),
-            **self._current.as_dict(),
-        }
+        last_error = self.last_error
+        return {"version": self.version, "last_error": None if last_error is None else list(last_error.errors),
+                **self.current.as_dict()}

@@ -15,8 +15,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from receivers import running_receiver
 
+from mla_watch.config import ConfigError
 from mla_watch.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
-from mla_watch.server.app import ConfigError, ServerConfig, Sidecar, build_sidecar
+from mla_watch.server.app import ServerConfig, Sidecar, build_sidecar
 
 ADMIN = "hardening-admin-token-0123"
 INGEST = "hardening-ingest-token-0123"

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from client import sse_events
 from conftest import REPO, free_port, get_metrics, metric_value, running_sidecar, tmpfs, wait_until
 from receivers import OK, Reply, running_receiver, status
-from test_server import sse_events
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,7 @@ import os
 import re
 import string
 import urllib.parse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +55,7 @@ from mla_watch.alerting.model import (
     Selector,
 )
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES
+from mla_watch.config import ConfigError, config_files
 from mla_watch.routing import entropy_bounds, minimum_window_tokens
 from mla_watch.windows import RouterInfo
 from mla_watch.yamlcheck import Checker as _Checker
@@ -91,7 +92,6 @@ _ALERT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LABEL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SUFFIXES = (".yaml", ".yml")
 
 _DURATION_UNITS: tuple[tuple[str, float], ...] = (
     ("w", 7 * 86400.0), ("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001),
@@ -104,16 +104,10 @@ _DURATION_HINT = "a duration such as 30s, 2m, 1h or 1h30m (units ms, s, m, h, d,
 # --------------------------------------------------------------------------- errors and formatting
 
 
-class RuleError(ValueError):
+class RuleError(ConfigError):
     """The rule configuration is invalid; ``errors`` holds one complete message per problem."""
 
-    def __init__(self, errors: Iterable[str]) -> None:
-        self.errors: list[str] = list(errors) or ["invalid alert rule configuration"]
-        if len(self.errors) == 1:
-            text = self.errors[0]
-        else:
-            text = f"{len(self.errors)} problems in the alert rules:\n" + "\n".join(f"  - {e}" for e in self.errors)
-        super().__init__(text)
+    what = "alert rules"
 
 
 def _num(x: float) -> str:
@@ -735,11 +729,6 @@ def load_rules_file(
     return rules, receivers, warnings
 
 
-def _rule_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.iterdir()
-                  if p.suffix in _SUFFIXES and not p.name.startswith(".") and not p.is_dir())
-
-
 def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) -> RuleSet:
     """Load every ``*.yaml`` / ``*.yml`` file of ``directory`` (dotfiles skipped) into a :class:`RuleSet`.
 
@@ -751,7 +740,7 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
         what = "does not exist" if not directory.exists() else "is not a directory"
         raise RuleError([f"{directory}: the rules directory {what}: expected a directory of *.yaml rule files"])
     try:
-        files = _rule_files(directory)
+        files = config_files(directory)
     except OSError as exc:
         raise RuleError([f"{directory}: cannot list the directory ({exc.strerror or exc}): "
                          "expected a readable directory of *.yaml rule files"]) from None

@@ -45,12 +45,14 @@ class AlertService:
     def __init__(self, rules: RuleSet, state_dir: Path, *, records: Callable[[], Iterable[Mapping[str, Any]]],
                  interval: float = 15.0, status_url: str = "", external_url: str = "",
                  clock: Callable[[], float] = time.time,
-                 on_notification: Callable[[str, str], None] | None = None) -> None:
+                 on_notification: Callable[[str, str], None] | None = None,
+                 before_round: Callable[[], object] | None = None) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.rules = rules
         self.interval = interval
         self.external_url = external_url
         self._records = records
+        self._before_round = before_round  # e.g. reload changed rule files, outside the service's lock
         self._clock = clock
         self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
                                   render=render_annotations, status_url=status_url)
@@ -63,7 +65,7 @@ class AlertService:
         self._on_notification = on_notification
         self._retune_callbacks: list[Callable[[Action], str | None]] = []
         self._restore_groups()
-        self._lock = threading.RLock()  # evaluate_once -> records -> a changed rules dir -> replace_rules
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         for warning in rules.warnings:
@@ -119,6 +121,8 @@ class AlertService:
         def loop() -> None:
             while not self._stop.wait(self.interval):
                 try:
+                    if self._before_round is not None:
+                        self._before_round()
                     self.evaluate_once()
                 except Exception:  # evaluation must go on whatever one round hits
                     log.exception("alert evaluation failed")

@@ -26,8 +26,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mla_watch.alerting.model import RuleSet
+from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.alerting.service import AlertService
+from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.ingest import IngestLimits, RemoteRouting
-from mla_watch.policy import PolicyError, PolicyStore
+from mla_watch.policy import PolicyStore
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.server import status as status_page
 from mla_watch.server.admin import Admin, rejected_notice
@@ -97,8 +101,8 @@ class Sidecar:
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, self.routing_snapshot)
         self.metrics.policy_version.set(self.policies.version)
+        self.rules: DirectoryStore[RuleSet] | None = None
         self.alerts = self._alert_service() if config.rules is not None else None
-        self._rules_signature = _directory_signature(config.rules) if config.rules is not None else None
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Any = None
         self.probe: Any = None
@@ -110,7 +114,7 @@ class Sidecar:
         self.self_test: Any = None
         self.load_error: str | None = None
         self.ready = threading.Event()  # set once the model is loaded (or the upstream client made)
-        self._stop_watch: Callable[[], None] | None = None
+        self._stop_watches: list[Callable[[], None]] = []
         self.upstream: Upstream | None = None
         self.history = RoutingHistory(span_seconds=config.history_span_seconds,
                                       interval_seconds=config.history_interval_seconds)
@@ -119,22 +123,20 @@ class Sidecar:
                              exception_handlers={ApiError: self._api_error})
 
     # ------------------------------------------------------------------ alerting
-    def _alert_service(self) -> Any:
-        from mla_watch.alerting.rules import load_rules_dir
-        from mla_watch.alerting.service import AlertService
-
-        rules = load_rules_dir(self.config.rules)  # RuleError at start-up
+    def _alert_service(self) -> AlertService:
+        self.rules = DirectoryStore(self.config.rules, load_rules_dir, what="rules",  # RuleError at start-up
+                                    on_reload=self._on_rules_reload)
         service = AlertService(
-            rules, self.config.state_dir, records=self._alert_records, interval=self.config.alert_interval,
+            self.rules.current, self.config.state_dir, records=self._alert_records, interval=self.config.alert_interval,
             status_url=self.config.public_url.rstrip("/") + "/" if self.config.public_url else "",
             external_url=self.config.public_url,
             on_notification=lambda receiver, outcome: self.metrics.notifications.labels(receiver, outcome).inc(),
+            before_round=self.rules.check_for_changes,  # a changed rule file is loaded by the next round
         )
         self.metrics.watch_alerts(service.engine)
         return service
 
     def _alert_records(self) -> list[dict[str, Any]]:
-        self._reload_rules_if_changed()
         return self.routing_snapshot().as_dicts()
 
     def routing_snapshot(self) -> RoutingSnapshot:
@@ -154,23 +156,11 @@ class Sidecar:
 
     def reload_rules(self) -> list[str]:
         """Load the rules again; on errors keep the rules in force and return the errors."""
-        from mla_watch.alerting.rules import RuleError, load_rules_dir
+        return self.rules.reload().errors if self.rules is not None else []
 
-        if self.alerts is None:
-            return []
-        self._rules_signature = _directory_signature(self.config.rules)
-        try:
-            rules = load_rules_dir(self.config.rules)
-        except RuleError as error:
-            log.error("rule reload refused, the last good rules stay in force: %s", "; ".join(error.errors))
-            return error.errors
-        self.alerts.replace_rules(rules)
-        log.info("rules reloaded: %d rules", len(rules.rules))
-        return []
-
-    def _reload_rules_if_changed(self) -> None:
-        if self.alerts is not None and _directory_signature(self.config.rules) != self._rules_signature:
-            self.reload_rules()
+    def _on_rules_reload(self, result: ReloadResult) -> None:
+        if result.changed and self.alerts is not None and self.rules is not None:
+            self.alerts.replace_rules(self.rules.current)
 
     # ------------------------------------------------------------------ life cycle
     def load_model(self) -> None:
@@ -269,7 +259,7 @@ class Sidecar:
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
         if self.config.policy_poll_seconds:
-            self._stop_watch = self.policies.watch(self.config.policy_poll_seconds)
+            self._stop_watches = [self.policies.watch(self.config.policy_poll_seconds)]
         if self.alerts is not None:
             self.alerts.start()
         self._history_sampler.start()
@@ -278,8 +268,8 @@ class Sidecar:
 
     async def _shutdown(self) -> None:
         self._history_sampler.stop()
-        if self._stop_watch is not None:
-            self._stop_watch()
+        for stop in self._stop_watches:
+            stop()
         if self.alerts is not None:
             await asyncio.to_thread(self.alerts.stop)
         if self.engine is not None:
@@ -292,13 +282,9 @@ class Sidecar:
     def wait_ready(self, timeout: float) -> bool:
         return self.ready.wait(timeout)
 
-    def _on_policy_reload(self, result: Any) -> None:
+    def _on_policy_reload(self, result: ReloadResult) -> None:  # the store logs it
         self.metrics.policy_reloads.labels("ok" if result.ok else "refused").inc()
         self.metrics.policy_version.set(result.version)
-        if result.ok:
-            log.info("policies reloaded (version %s)", result.version)
-        else:
-            log.error("policy reload refused, the last good policies stay in force: %s", "; ".join(result.errors))
 
     def _routing_sources(self) -> list[RouterWindows]:
         sources = []
@@ -479,35 +465,26 @@ class Sidecar:
         return self.refused(request, error)
 
 
-def _directory_signature(directory: Path | None) -> tuple:
-    if directory is None or not directory.is_dir():
-        return ()
-    return tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in directory.glob("*.y*ml")))
+class ServerConfigError(ConfigError):
+    """A setting of the server itself (an environment variable, a flag) cannot be served."""
 
-
-class ConfigError(ValueError):
-    """The sidecar's configuration cannot be served; the message names the setting and what it needs."""
+    what = "server configuration"
 
 
 def _check_tokens(config: ServerConfig) -> None:
     for variable, token in ((ADMIN_TOKEN_ENV, config.admin_token), (INGEST_TOKEN_ENV, config.ingest_token)):
         if token is not None and len(token) < MIN_TOKEN_LENGTH:
-            raise ConfigError(f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
-                              "random (python -c 'import secrets; print(secrets.token_urlsafe())')")
+            raise ServerConfigError([f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
+                              "random (python -c 'import secrets; print(secrets.token_urlsafe())')"])
 
 
 def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
     """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message."""
     from mla_watch.alerting.outbox import OutboxError
-    from mla_watch.alerting.rules import RuleError
 
     try:
         return Sidecar(config, **kwargs)
-    except PolicyError as error:
-        raise SystemExit("mla-watch: the policies do not load:\n  " + "\n  ".join(error.errors)) from error
-    except RuleError as error:
-        raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
-    except ConfigError as error:
-        raise SystemExit(f"mla-watch: {error}") from error
+    except ConfigError as error:  # the policies, the rules, or the server's own settings
+        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  " + "\n  ".join(error.errors)) from error
     except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error
