@@ -310,7 +310,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit() and len(text) <= 5) or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {text!r}")
     return int(text)
 

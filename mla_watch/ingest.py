@@ -35,6 +35,9 @@ ROUTER_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-\[\]]{0,199}$")
 MAX_LAYER = 100_000
 # Window sums stay below this, so adding a bounded delta can never wrap int64.
 COUNT_CEILING = 2**62
+# A remote window keeps at most this many deltas apart (older ones merge): bounded memory per window
+# however small and frequent the deltas, at the price of granularity in the oldest part of the window.
+REMOTE_MAX_BUCKETS = 8
 
 
 # The limits `serve --ingest-<name>` sets, and what each bounds.
@@ -44,7 +47,8 @@ INGEST_FLAGS: dict[str, str] = {
     "max_routers": "most routers one source may report",
     "max_sources": "most sources reporting at once",
     "max_lines": "most business lines over every source",
-    "max_window_slots": "most slots of every remote window together (8 bytes each)",
+    "max_window_slots": "most slots of every remote window together (at most 136 bytes each)",
+    "max_records": "most router x business line statistics exported for every source together",
     "max_tokens": "most tokens in one delta",
     "source_idle_seconds": "seconds of silence after which a source gives its place to a new one",
 }
@@ -59,13 +63,16 @@ class IngestLimits:
     max_routers: int = 1_024  # per source: DeepSeek-V3.2 has 122 (61 gates, 61 indexers)
     max_sources: int = 16
     max_lines: int = 64  # distinct business lines over every source
-    max_window_slots: int = 1 << 24  # slots of every remote window together: 128 MiB of int64 counts
+    # Slots of every remote window together: 8 bytes of counts each, plus at most REMOTE_MAX_BUCKETS
+    # buckets of 16 bytes per slot - 136 MiB at most for 2**20 slots.
+    max_window_slots: int = 1 << 20
+    max_records: int = 4_096  # router x line records (lines summed included): /metrics exports ~10 series each
     max_tokens: int = 1 << 32  # per delta
     source_idle_seconds: float = 900.0  # a source silent this long gives its place to a new one
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "max_top_k", "max_routers", "max_sources", "max_lines", "max_window_slots",
-                     "max_tokens"):
+                     "max_records", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--ingest-{name.replace('_', '-')} {value!r}: expected an integer >= 1")
@@ -294,6 +301,11 @@ class RemoteRouting:
                 raise IngestError(f"this snapshot opens windows of {needed} slots; remote windows already hold "
                                   f"{self._window_slots} of the {self.limits.max_window_slots} allowed "
                                   "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
+            records = self._records(snapshot.source, routers, open_windows | new_windows, evict)
+            if records > self.limits.max_records:
+                raise IngestError(f"this snapshot would make {records} router x business line records to export, "
+                                  f"over the {self.limits.max_records} allowed (serve --ingest-max-records)",
+                                  "deltas", status=429, code="too_many_records")
             if source is not None:
                 self._check_overflow(source, snapshot)
             # Checked: from here on nothing can fail.
@@ -338,10 +350,20 @@ class RemoteRouting:
     def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:
         infos = [RouterInfo(remote_name(name, info.name), info.layer, info.kind, info.num_slots, info.top_k)
                  for info in routers.values()]
-        source = _Source(routers, RouterWindows(infos, window_tokens=self._window_tokens,
-                                                window_seconds=self._window_seconds, clock=self._clock), set(), now)
+        windows = RouterWindows(infos, window_tokens=self._window_tokens, window_seconds=self._window_seconds,
+                                clock=self._clock, max_buckets=REMOTE_MAX_BUCKETS)
+        source = _Source(routers, windows, set(), now)
         self._sources[name] = source
         return source
+
+    def _records(self, name: str, routers: dict[str, RouterInfo], windows: set[tuple[str, str]],
+                 evict: str | None) -> int:
+        """Statistics records once ``name`` holds ``windows``: each router, for each line and all lines."""
+        records = len(routers) * (len({line for _, line in windows}) + 1)
+        for other_name, other in self._sources.items():
+            if other_name not in (name, evict):
+                records += len(other.routers) * (len({line for _, line in other.open_windows}) + 1)
+        return records
 
     @staticmethod
     def _slots_of(source: _Source) -> int:

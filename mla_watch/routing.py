@@ -439,8 +439,12 @@ class RollingWindow:
         max_tokens: int | None = None,
         max_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_buckets: int | None = None,
     ) -> None:
         self._num_slots = _check_positive_int(num_slots, "num_slots")
+        # Past this many buckets the two oldest merge: memory stays bounded however small the deltas,
+        # and only the oldest part of the window loses its granularity.
+        self._max_buckets = None if max_buckets is None else max(2, _check_positive_int(max_buckets, "max_buckets"))
         if max_tokens is not None:
             max_tokens = _check_positive_int(max_tokens, "max_tokens")
         if max_seconds is not None:
@@ -491,6 +495,8 @@ class RollingWindow:
         slots = np.flatnonzero(delta)
         self._buckets.append(_Bucket(stamp, slots, delta[slots], n_tokens, local, choice))
         self._evict()
+        while self._max_buckets is not None and len(self._buckets) > self._max_buckets:
+            self._merge_oldest()
 
     def totals(self) -> WindowTotals:
         """Evict stale buckets, then return the sums over the buckets kept."""
@@ -532,6 +538,16 @@ class RollingWindow:
         self._tokens -= bucket.tokens
         self._local -= bucket.local_selections
         self._choice -= bucket.choice_selections
+
+    def _merge_oldest(self) -> None:
+        first, second = self._buckets.popleft(), self._buckets.popleft()
+        dense = np.zeros(self._num_slots, dtype=np.int64)
+        dense[first.slots] += first.counts
+        dense[second.slots] += second.counts
+        slots = np.flatnonzero(dense)
+        self._buckets.appendleft(_Bucket(second.timestamp, slots, dense[slots], first.tokens + second.tokens,
+                                         first.local_selections + second.local_selections,
+                                         first.choice_selections + second.choice_selections))
 
     def _evict(self) -> None:
         if self._max_seconds is not None:

@@ -136,8 +136,10 @@ class RouterWindows:
         window_tokens: int | None = 4096,
         window_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_buckets: int | None = None,
     ) -> None:
         self._routers = {info.name: info for info in routers}
+        self._max_buckets = max_buckets
         self._window_tokens = window_tokens
         self._window_seconds = window_seconds
         self._clock = clock
@@ -252,7 +254,7 @@ class RouterWindows:
         window = self._windows.get(key)
         if window is None:
             window = RollingWindow(self._routers[router].num_slots, max_tokens=self._window_tokens,
-                                   max_seconds=self._window_seconds, clock=self._clock)
+                                   max_seconds=self._window_seconds, clock=self._clock, max_buckets=self._max_buckets)
             self._windows[key] = window
         return window
 

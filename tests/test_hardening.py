@@ -279,3 +279,34 @@ def test_short_tokens_are_refused_at_start_up(tmp_path) -> None:
         with pytest.raises(SystemExit, match="has 1 characters") as exited:
             build_sidecar(config)
         assert "Z" not in str(exited.value)  # the token itself is never echoed
+
+
+def test_exported_records_are_capped() -> None:
+    remote = RemoteRouting(IngestLimits(max_records=6))
+    two_routers = [router(), router("model.layers.2.mlp.gate", 2)]
+    remote.ingest(parse_snapshot(snapshot(source="a", routers=two_routers), remote.limits))  # 2 x (1 line + all)
+    with pytest.raises(IngestError, match="8 router x business line records"):
+        remote.ingest(parse_snapshot(snapshot(source="b", routers=two_routers), remote.limits))
+    remote.ingest(parse_snapshot(snapshot(source="b"), remote.limits))  # one router: 4 + 2 = 6 records
+    assert sum(len(windows.stats(line)) for windows in remote.windows()
+               for line in [None, *windows.business_lines]) == 6
+
+
+def test_many_tiny_deltas_keep_a_remote_window_small() -> None:
+    remote = RemoteRouting(IngestLimits())
+    for index in range(500):  # one token a delta, each on other experts: 500 deltas unmerged
+        first = index % 58
+        tiny = {"router": "model.layers.1.mlp.gate", "business_line": "code", "tokens": 1,
+                "slots": list(range(first, first + 6)), "counts": [1] * 6}
+        remote.ingest(parse_snapshot(snapshot(source="a", deltas=[tiny]), remote.limits))
+    (windows,) = remote.windows()
+    totals = windows.window_totals("a/model.layers.1.mlp.gate", "code")
+    assert totals.tokens == 500 and int(totals.counts.sum()) == 3000  # merged, not lost
+    assert totals.buckets <= 8 and windows.nbytes <= 64 * 8 + 8 * 64 * 16
+
+
+def test_non_ascii_digits_are_refused_not_crashed_on(sidecar) -> None:
+    url, _ = sidecar
+    jobs = httpx.get(url + "/v1/retune/jobs", params={"limit": "²"}, timeout=30)
+    assert jobs.status_code == 400 and jobs.json()["error"]["param"] == "limit"
+    assert httpx.get(url + "/v1/retune/jobs", params={"limit": "9" * 5000}, timeout=30).status_code == 400

@@ -74,7 +74,7 @@ class Admin:
     async def jobs(self, request: Request) -> Response:
         service = self._service()
         limit = request.query_params.get("limit", "50")
-        if not limit.isdigit() or not 1 <= int(limit) <= 1000:
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 4 and 1 <= int(limit) <= 1000):
             raise ApiError(400, f"limit={short_repr(limit)} is invalid: expected an integer in [1, 1000]",
                            param="limit", code="invalid_value")
         return JSONResponse({"jobs": service.store.list(limit=int(limit))})

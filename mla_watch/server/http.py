@@ -43,7 +43,7 @@ def authorise(request: Request, token: str | None, *, what: str, variables: str)
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body has {declared} bytes; at most {limit} are accepted",
                        code="body_too_large")
     chunks, size = [], 0
