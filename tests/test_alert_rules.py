@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from mla_watch.alerting.lint import LintFinding, lint
 from mla_watch.alerting.model import Rule, Selector
 from mla_watch.alerting.rules import (
-    LintFinding,
     RuleError,
-    lint,
     load_rules_dir,
     load_rules_file,
     parse_duration,
@@ -172,7 +171,7 @@ def test_unknown_top_level_key(tmp_path):
     ("receiver", "expected"),
     [
         ("{name: oncall, type: alertmanager_webhook, url: 'ftp://h.example/x'}",
-         ["receivers[0].url = 'ftp://h.example/...'", "http:// or https://", "scheme is 'ftp'"]),
+         ["receivers[0].url = 'ftp://h.example/…'", "http:// or https://", "scheme is 'ftp'"]),
         ("{name: oncall, type: alertmanager_webhook, url: 'https:///x'}", ["receivers[0].url", "no host"]),
         ("{name: oncall, type: webhook, url: 'https://h.example'}",
          ["receivers[0].type = 'webhook'", "alertmanager_webhook, alertmanager_api, slack, pagerduty"]),

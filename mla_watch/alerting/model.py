@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mla_watch.config import ConfigError
 from mla_watch.windows import ALL_LINES
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Notification",
     "Receiver",
     "Rule",
+    "RuleError",
     "RuleSet",
     "Selector",
     "fingerprint",
@@ -165,3 +167,9 @@ class Notification:
     alerts: tuple[Alert, ...]
     status: Literal["firing", "resolved"]  # firing if any alert fires
     external_url: str = ""
+
+
+class RuleError(ConfigError):
+    """The rule configuration is invalid; ``errors`` holds one complete message per problem."""
+
+    what = "alert rules"

@@ -24,8 +24,8 @@ import string
 
 import yaml
 
+from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet
-from mla_watch.alerting.rules import format_duration
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression"]

@@ -1,0 +1,189 @@
+"""The rule linter: does each rule make sense on each router it watches, given that router's geometry?
+
+``mla-watch check`` runs :func:`lint` against the model's routers before anything is served: a rule
+"below X" with X above a router's ceiling always fires, "above X" over its ceiling never can, and a
+``min_tokens`` too small for the router reads low however healthy it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.rules import format_number as num
+from mla_watch.routing import entropy_bounds, minimum_window_tokens
+from mla_watch.windows import RouterInfo
+
+__all__ = ["LintFinding", "lint"]
+
+
+
+@dataclass(frozen=True)
+class LintFinding:
+    """One problem of one rule on one router (``router`` is None for rule-wide findings)."""
+
+    severity: Literal["error", "warning"]
+    rule: str
+    router: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.message}"
+
+
+@dataclass(frozen=True)
+class _Range:
+    low: float
+    high: float
+    low_why: str  # e.g. "its floor is log2 6 = 2.585 bits"
+    high_why: str
+    unit: str = ""
+    applies: bool = True  # False: the metric is never reported for this router
+    why_not: str = ""
+
+
+def _log2_text(n: int) -> str:
+    return f"log2 {n} = {math.log2(n):.3f} bits"
+
+
+def _metric_range(metric: str, info: RouterInfo) -> _Range:
+    n = info.num_slots
+    k = min(info.top_k, n)
+    floor, ceiling = entropy_bounds(n, info.top_k)
+    indexer = info.kind == "indexer"
+    context = f" (at the full context of {n} positions; shorter contexts read lower)" if indexer else ""
+    per = "key position" if indexer else "expert"
+    if metric == "entropy_bits":
+        if indexer:
+            return _Range(0.0, ceiling, f"an indexer reads as low as 0 bits on short contexts (its floor is "
+                          f"{_log2_text(k)} only once contexts exceed index_topk = {k})",
+                          f"its ceiling is {_log2_text(n)}{context}", " bits")
+        return _Range(floor, ceiling, f"its floor is {_log2_text(k)} (every token picks {k} distinct {per}s)",
+                      f"its ceiling is {_log2_text(n)}{context}", " bits")
+    if metric == "normalized_entropy":
+        return _Range(0.0, 1.0, "normalized entropy is at least 0 (the floor)", "normalized entropy is at most 1 "
+                      "(the ceiling)")
+    if metric == "max_violation":
+        if indexer:
+            return _Range(0.0, n - 1.0, "MaxVio is at least 0 (perfect balance)",
+                          f"MaxVio is at most N - 1 = {n - 1} (every query picking the same one of {n} positions)")
+        top = n / k - 1.0
+        return _Range(0.0, top, "MaxVio is at least 0 (perfect balance)",
+                      f"MaxVio is at most N/k - 1 = {n}/{k} - 1 = {top:.3f} (an expert picked by every token)")
+    if metric == "dead_slots":
+        if indexer:
+            return _Range(0.0, n - 1.0, "dead slots are at least 0",
+                          f"at most N - 1 = {n - 1} of its {n} key positions can be dead{context}")
+        return _Range(0.0, float(n - k), "dead slots are at least 0",
+                      f"at most N - k = {n} - {k} = {n - k} {per}s can be dead (every token picks {k})")
+    if metric == "js_divergence":
+        return _Range(0.0, 1.0, "Jensen–Shannon divergence is at least 0 bits",
+                      "Jensen–Shannon divergence is at most 1 bit", " bits")
+    if metric == "locality":
+        if not indexer:
+            return _Range(0.0, 1.0, "", "", applies=False,
+                          why_not="locality is only reported for indexers, and this is an expert router")
+        return _Range(0.0, 1.0, "locality is at least 0", "locality is at most 1 (a pure sliding window)")
+    raise ValueError(f"unknown metric {metric!r}")
+
+
+def _router_text(info: RouterInfo) -> str:
+    return f"{info.name} ({info.kind}, layer {info.layer}, {info.num_slots} slots, top-{info.top_k})"
+
+
+def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[LintFinding]:
+    findings: list[LintFinding] = []
+    head = f"{rule.name} ({rule.source})" if rule.source else rule.name
+
+    def add(severity: Literal["error", "warning"], text: str) -> None:
+        findings.append(LintFinding(severity, rule.name, info.name, f"{head}: {text}"))
+
+    rng = _metric_range(rule.metric, info)
+    where = _router_text(info)
+    if not rng.applies:
+        add("warning", f"{rule.metric} can never fire on {where}: {rng.why_not}")
+        return findings
+    u = rng.unit
+    if rule.above is not None:
+        if rule.above >= rng.high:
+            add("warning", f"{rule.metric} above {num(rule.above)}{u} can never fire on {info.name}: {rng.high_why}. "
+                f"Router: {where}")
+        elif rule.above < rng.low:
+            add("error", f"{rule.metric} above {num(rule.above)}{u} always fires on {info.name}: {rng.low_why}. "
+                f"Router: {where}")
+        elif rule.above == rng.low:
+            add("warning", f"{rule.metric} above {num(rule.above)}{u} fires on {info.name} unless it sits exactly at "
+                f"its minimum: {rng.low_why}. Router: {where}")
+        if rule.resolve_below is not None and rule.resolve_below < rng.low and rule.above < rng.high:
+            add("error", f"{rule.metric} resolve_below {num(rule.resolve_below)}{u} can never be reached on "
+                f"{info.name}, so once firing the alert never resolves: {rng.low_why}. Router: {where}")
+    if rule.below is not None:
+        if rule.below <= rng.low:
+            add("warning", f"{rule.metric} below {num(rule.below)}{u} can never fire on {info.name}: {rng.low_why}. "
+                f"Router: {where}")
+        elif rule.below > rng.high:
+            add("error", f"{rule.metric} below {num(rule.below)}{u} always fires on {info.name}: {rng.high_why}. "
+                f"Router: {where}")
+        elif rule.below == rng.high:
+            add("warning", f"{rule.metric} below {num(rule.below)}{u} fires on {info.name} unless it is perfectly "
+                f"balanced: {rng.high_why}. Router: {where}")
+        if rule.resolve_above is not None and rule.resolve_above > rng.high and rule.below > rng.low:
+            add("error", f"{rule.metric} resolve_above {num(rule.resolve_above)}{u} can never be reached on "
+                f"{info.name}, so once firing the alert never resolves: {rng.high_why}. Router: {where}")
+
+    if rule.min_tokens is not None and rule.metric != "locality":
+        needed = minimum_window_tokens(info.num_slots, info.top_k, tolerance_bits)
+        if rule.min_tokens < needed:
+            k = min(info.top_k, info.num_slots)
+            bias = (info.num_slots - 1) / (2.0 * rule.min_tokens * k * math.log(2.0))
+            add("warning", f"minimum window too small on {info.name}: min_tokens {rule.min_tokens} lets windows of "
+                f"{rule.min_tokens} tokens be judged, where even a perfectly balanced router reads about "
+                f"{bias:.3f} bits low (small-window bias (N-1)/(2·T·k·ln 2) with N={info.num_slots}, k={k}, "
+                f"T={rule.min_tokens}); recommended min_tokens >= {needed} (bias <= {tolerance_bits:g} bits), "
+                "or leave min_tokens out to use the router's own minimum. Router: " + where)
+    return findings
+
+
+def _selector_text(selector: Selector) -> str:
+    parts = []
+    if selector.kind is not None:
+        parts.append(f"kind: {selector.kind}")
+    if selector.layers is not None:
+        parts.append(f"layers: [{selector.layers[0]}, {selector.layers[1]}]")
+    if selector.router is not None:
+        parts.append(f"router: {selector.router!r}")
+    return "{" + ", ".join(parts) + "}" if parts else "{} (every router)"
+
+
+def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float = 0.05) -> list[LintFinding]:
+    """Check each rule against each router its selector matches (``business_line`` is ignored).
+
+    Errors: a threshold that pages for ever on that router ("always fires", "never resolves").
+    Warnings: a threshold that can never fire there (the rule is inert on that router, which is
+    worth knowing but harms nothing - the shipped "above 6.5 bits" on 64 experts is one), a
+    ``min_tokens`` below the router's trusted minimum (:func:`~mla_watch.routing.minimum_window_tokens`),
+    a threshold at the very edge of the range, a selector that matches none of the routers.
+    One finding per (rule, router) problem, in rule order then router order.
+    """
+    findings: list[LintFinding] = []
+    for rule in rules.rules:
+        selector = dataclasses.replace(rule.selector, business_line=None)
+        matched = [info for info in routers if selector.matches(info.as_dict())]
+        if not matched:
+            head = f"{rule.name} ({rule.source})" if rule.source else rule.name
+            kinds = sorted({info.kind for info in routers})
+            layers = sorted({info.layer for info in routers})
+            span = f"layers {layers[0]}..{layers[-1]}" if layers else "no layers"
+            findings.append(LintFinding(
+                "warning", rule.name, None,
+                f"{head}: selector {_selector_text(rule.selector)} matches none of the model's {len(routers)} "
+                f"routers (kinds: {', '.join(kinds) or 'none'}; {span}); this rule will never be evaluated",
+            ))
+            continue
+        for info in matched:
+            findings.extend(_lint_router(rule, info, tolerance_bits))
+    return findings

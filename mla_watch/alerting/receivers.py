@@ -1,0 +1,201 @@
+"""Receivers in rule files: where notifications go, with secrets expanded from the environment and never echoed."""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from collections.abc import Mapping
+
+from mla_watch.alerting.durations import duration_key
+from mla_watch.alerting.model import Receiver
+from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
+from mla_watch.windows import NAME_RE, NAME_RULE
+from mla_watch.yamlcheck import Checker
+
+__all__ = ["LABEL_NAME_RE", "PAGERDUTY_EVENTS_URL", "parse_receiver"]
+
+LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a Prometheus label name
+
+PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
+_RECEIVER_KEYS = ("name", "type", "url", "headers", "hmac_secret", "routing_key", "timeout", "max_attempts",
+                  "group_by", "repeat_interval", "send_resolved", "resend_interval")
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _expand(text: str, environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    """``text`` with ``${VAR}`` replaced from ``environ``; also the names of unset variables."""
+    unset: list[str] = []
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            unset.append(name)
+            return ""
+        return environ[name]
+
+    return _ENV_RE.sub(sub, text), unset
+
+
+def _url_problem(url: str) -> str | None:
+    """Why ``url`` is not an http(s) URL with a host; ``None`` when it is one. Never echoes the URL."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError:
+        return "it does not parse as a URL"
+    if parts.scheme not in ("http", "https"):
+        return f"its scheme is {parts.scheme!r}" if parts.scheme else "it has no scheme"
+    if not parts.hostname:
+        return "it has no host"
+    if any(c.isspace() for c in url):
+        return "it contains whitespace"
+    return None
+
+
+def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, str],
+                   disabled: bool) -> str | None:
+    """A secret value with ``${VAR}`` expanded; errors name the key and variables, never the value."""
+    if not isinstance(raw, str) or not raw:
+        what = "null" if raw is None else type(raw).__name__
+        chk.errors.append(f"{chk.label}: {path} = (a {what}, value hidden): expected a non-empty string "
+                          "(write ${VAR} to take it from the environment)")
+        return None
+    value, unset = _expand(raw, environ)
+    if unset:
+        if disabled:
+            return None
+        names = ", ".join(unset)
+        chk.errors.append(f"{chk.label}: {path}: environment variable {names} is unset: expected it to be set "
+                          "(this secret is needed to send notifications)")
+        return None
+    if not value:
+        chk.errors.append(f"{chk.label}: {path}: expands to an empty string: expected a non-empty secret")
+        return None
+    if "\n" in value or "\r" in value:
+        chk.errors.append(f"{chk.label}: {path}: contains a line break: expected a single-line value")
+        return None
+    return value
+
+
+def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, str],
+                    warnings: list[str]) -> Receiver | None:
+    data = chk.mapping(path, raw, _RECEIVER_KEYS, "a receiver with keys " + ", ".join(_RECEIVER_KEYS))
+    if data is None:
+        return None
+    before = len(chk.errors)
+    name = data.get("name")
+    if "name" not in data:
+        chk.missing(f"{path}.name", "a receiver name such as 'oncall'")
+    elif not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        chk.bad(f"{path}.name", name, f"a name of {NAME_RULE}")
+    shown = name if isinstance(name, str) else "?"
+
+    rtype = data.get("type")
+    if "type" not in data:
+        chk.missing(f"{path}.type", "one of: " + ", ".join(NOTIFIER_TYPES))
+    elif not isinstance(rtype, str) or rtype not in NOTIFIER_TYPES:
+        chk.bad(f"{path}.type", rtype, "one of: " + ", ".join(NOTIFIER_TYPES))
+
+    # url: ${VAR} unset -> the receiver is disabled (None) with a warning
+    url: str | None = None
+    disabled = False
+    if "url" not in data or data["url"] is None:
+        if rtype == "pagerduty":
+            url = PAGERDUTY_EVENTS_URL
+        else:
+            chk.missing(f"{path}.url", "an http(s) URL, e.g. ${MLA_WATCH_ONCALL_URL} to take it from the environment")
+    elif not isinstance(data["url"], str):
+        chk.bad(f"{path}.url", data["url"], "an http(s) URL string")
+    else:
+        template = data["url"]
+        expanded, unset = _expand(template, environ)
+        from_env = bool(_ENV_RE.search(template))
+        if unset:
+            disabled = True
+            warnings.append(f"{chk.label}: receiver {shown!r}: {', '.join(unset)} "
+                            f"{'is' if len(unset) == 1 else 'are'} unset; "
+                            "alerts are evaluated, exported and logged but not sent")
+        else:
+            problem = _url_problem(expanded)
+            if problem is not None:
+                shown_url = template if from_env else repr(redact_url(template))
+                source = " (expanded from the environment)" if from_env else ""
+                chk.errors.append(f"{chk.label}: {path}.url = {shown_url}{source}: expected an http:// or https:// "
+                                  f"URL with a host, but {problem}")
+            else:
+                url = expanded
+
+    headers: dict[str, str] = {}
+    if data.get("headers") is not None:
+        raw_headers = data["headers"]
+        if not isinstance(raw_headers, dict):
+            chk.errors.append(f"{chk.label}: {path}.headers = (a {type(raw_headers).__name__}, value hidden): "
+                              "expected a mapping of header name -> value")
+        else:
+            for key, value in raw_headers.items():
+                if not isinstance(key, str) or not re.match(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", key):
+                    chk.bad(f"{path}.headers", key, "an HTTP header name")
+                    continue
+                secret = _secret_string(chk, f"{path}.headers.{key}", value, environ, disabled)
+                if secret is not None:
+                    headers[key] = secret
+
+    hmac_secret = None
+    if data.get("hmac_secret") is not None:
+        hmac_secret = _secret_string(chk, f"{path}.hmac_secret", data["hmac_secret"], environ, disabled)
+
+    routing_key = None
+    if "routing_key" in data:
+        if rtype != "pagerduty":
+            chk.errors.append(f"{chk.label}: {path}.routing_key = (value hidden): expected no routing_key: "
+                              f"it is only used by type pagerduty, not {rtype!r}")
+        else:
+            routing_key = _secret_string(chk, f"{path}.routing_key", data["routing_key"], environ, disabled)
+    elif rtype == "pagerduty":
+        chk.missing(f"{path}.routing_key", "the PagerDuty Events v2 integration key, e.g. ${PAGERDUTY_ROUTING_KEY}")
+
+    timeout = duration_key(chk, data, "timeout", path, 5.0, positive=True)
+    repeat = duration_key(chk, data, "repeat_interval", path, 4 * 3600.0, positive=True)
+    if "resend_interval" in data and rtype != "alertmanager_api":
+        chk.bad(f"{path}.resend_interval", data["resend_interval"],
+                f"no resend_interval: it is only used by type alertmanager_api, not {rtype!r}")
+    resend = duration_key(chk, data, "resend_interval", path, 60.0, positive=True)
+
+    max_attempts = data.get("max_attempts", 12)
+    if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
+        chk.bad(f"{path}.max_attempts", max_attempts, "an integer >= 1")
+        max_attempts = 12
+
+    group_by: tuple[str, ...] = ("alertname", "router", "layer", "business_line")
+    if "group_by" in data:
+        raw_group = data["group_by"]
+        if not isinstance(raw_group, list) or not raw_group:
+            chk.bad(f"{path}.group_by", raw_group, "a non-empty list of label names, e.g. [alertname, router]")
+        else:
+            for i, label in enumerate(raw_group):
+                if not isinstance(label, str) or not LABEL_NAME_RE.fullmatch(label):
+                    chk.bad(f"{path}.group_by[{i}]", label, "a label name (letters, digits, '_')")
+            group_by = tuple(str(x) for x in raw_group)
+
+    send_resolved = data.get("send_resolved", True)
+    if not isinstance(send_resolved, bool):
+        chk.bad(f"{path}.send_resolved", send_resolved, "true or false")
+        send_resolved = True
+
+    if len(chk.errors) != before:
+        return None
+    return Receiver(
+        name=name,
+        type=rtype,
+        url=url,
+        headers=headers,
+        hmac_secret=hmac_secret,
+        routing_key=routing_key,
+        timeout_seconds=timeout,
+        max_attempts=max_attempts,
+        group_by=group_by,
+        repeat_interval_seconds=repeat,
+        send_resolved=send_resolved,
+        resend_interval_seconds=resend,
+        source=f"{chk.label}: {path}",
+    )
