@@ -34,7 +34,8 @@ from pathlib import Path
 import httpx
 
 import mla_watch
-from mla_watch.policy import PolicyStore, enforce
+from mla_watch.policy import enforce
+from mla_watch.policy_files import PolicyStore
 from mla_watch.sampling import SamplingParams, generate
 from mla_watch.shipped import SHIPPED_POLICIES
 

@@ -172,7 +172,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     """Validate every policy and rule file and lint the rules against the model's routers."""
     from mla_watch.alerting.lint import lint
     from mla_watch.alerting.rules import RuleError, load_rules_dir
-    from mla_watch.policy import PolicyError, load_policy_dir
+    from mla_watch.policy import PolicyError
+    from mla_watch.policy_files import load_policy_dir
 
     errors = warnings = 0
     try:

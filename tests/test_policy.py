@@ -19,14 +19,12 @@ from mla_watch.policy import (
     PolicyError,
     PolicyRejection,
     PolicySet,
-    PolicyStore,
     TaskPolicy,
     UnknownBusinessLine,
     UnknownTask,
     enforce,
-    load_policy_dir,
-    load_policy_file,
 )
+from mla_watch.policy_files import PolicyStore, load_policy_dir, load_policy_file
 
 SHIPPED = Path(__file__).resolve().parent.parent / "policies"
 

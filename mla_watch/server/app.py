@@ -32,7 +32,7 @@ from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.ingest import IngestLimits, RemoteRouting
-from mla_watch.policy import PolicyStore
+from mla_watch.policy_files import PolicyStore
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.server import status as status_page
 from mla_watch.server.admin import Admin, rejected_notice
