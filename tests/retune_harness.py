@@ -10,7 +10,7 @@ import torch
 from conftest import wait_until
 from tiny_models import VOCAB, build
 
-from mla_watch.retune.data import TrafficCapture
+from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterRegistry
 from mla_watch.retune.runner import Retuner

@@ -14,11 +14,9 @@ import pytest
 import torch
 from conftest import tmpfs
 
+from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
 from mla_watch.retune.data import (
-    CaptureError,
     DatasetError,
-    TokenSample,
-    TrafficCapture,
     load_jsonl_dataset,
     make_batches,
     split_held_out,

@@ -11,7 +11,7 @@ import torch
 
 import mla_watch
 from mla_watch.models import corpus
-from mla_watch.retune.data import TrafficCapture
+from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterRegistry, router_state
 from mla_watch.retune.runner import Retuner

@@ -37,9 +37,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_watch.retune.bias import copy_without_hooks
+from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import (
-    TokenSample,
-    TrafficCapture,
     load_jsonl_dataset,
     make_batches,
     resolve_dataset,

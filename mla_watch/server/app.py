@@ -188,7 +188,7 @@ class Sidecar:
 
     # ------------------------------------------------------------------ re-tuning
     def _start_retune(self, model: Any, tokenizer: Any) -> None:
-        from mla_watch.retune.data import TrafficCapture
+        from mla_watch.retune.capture import TrafficCapture
         from mla_watch.retune.registry import RouterRegistry
         from mla_watch.retune.runner import Retuner
         from mla_watch.retune.service import RetuneService
