@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
+from server_overhead import sidecar_process
 
 from mla_watch.ingest import REMOTE_MAX_BUCKETS, IngestLimits
 
@@ -719,37 +720,12 @@ def replay(target: Target, plan: Plan, *, progress: Callable[[str], None] = lamb
 # --------------------------------------------------------------------------- the bench
 
 
-@contextlib.contextmanager
-def sidecar_process(state_dir: Path, body_timeout: float, admin_token: str,
-                    ingest_token: str) -> Iterator[tuple[str, subprocess.Popen]]:
-    """``mla-watch serve`` on the bundled model on a free loopback port, ready; stopped afterwards."""
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port = probe_socket.getsockname()[1]
+def serve_for_attacks(state_dir: Path, body_timeout: float, admin_token: str,
+                      ingest_token: str) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
+    """``mla-watch serve`` on the bundled model, with both tokens and a short body timeout."""
     environ = {**{k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"},
                "MLA_WATCH_ADMIN_TOKEN": admin_token, "MLA_WATCH_INGEST_TOKEN": ingest_token}
-    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port",
-                                str(port), "--device", "cpu", "--state-dir", str(state_dir), "--body-timeout",
-                                str(body_timeout)], env=environ, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the sidecar on port {port} did not become ready")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    return sidecar_process("--state-dir", str(state_dir), "--body-timeout", str(body_timeout), env=environ)
 
 
 def main() -> None:
@@ -770,7 +746,7 @@ def main() -> None:
                 series_routers=args.series_routers, series_lines=args.series_lines)
     admin_token, ingest_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
     with tempfile.TemporaryDirectory(prefix="mla-watch-attacks-") as state, \
-            sidecar_process(Path(state) / "state", args.body_timeout, admin_token, ingest_token) as (url, process):
+            serve_for_attacks(Path(state) / "state", args.body_timeout, admin_token, ingest_token) as (url, process):
         target = Target(url, process.pid, admin_token, ingest_token, args.body_timeout)
         started = time.monotonic()
         result = replay(target, plan, progress=lambda text: print(text, file=sys.stderr, flush=True))

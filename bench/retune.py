@@ -44,6 +44,7 @@ from conftest import serve_app, wait_until  # the tests' loopback server helpers
 from receivers import running_receiver
 
 import mla_watch
+from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.bias import copy_without_hooks
@@ -51,23 +52,6 @@ from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 
 LAYER1 = "model.layers.1.mlp.gate"
-RULES = """
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${MLA_WATCH_ONCALL_URL}
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {kind: expert}
-    below: 5.0
-    resolve_above: 5.2
-    for: 0s
-    min_tokens: 64
-    severity: critical
-    actions: [notify, retune]
-    retune_strategy: [%s]
-"""
 FINETUNE: dict[str, float] = {}  # the recipe's defaults: lr 1e-4, 2 epochs, balance weight 0.1
 SCENARIOS = {"bias": "collapse", "router_finetune": "damage", "restore": "damage"}
 
@@ -108,7 +92,8 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
     fault = SCENARIOS[strategy]
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-retune-"))
     (work / "rules").mkdir()
-    (work / "rules" / "routing.yaml").write_text(RULES % strategy)
+    (work / "rules" / "routing.yaml").write_text(entropy_low_rules(group_by=False, actions=("notify", "retune"),
+                                                                   strategies=(strategy,)))
     with running_receiver() as receiver:
         os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"
         settings = RetuneSettings(min_samples=12, strategy_options={"router_finetune": FINETUNE})

@@ -44,16 +44,18 @@ REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, 
 
 
 @contextlib.contextmanager
-def sidecar_process(*extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def sidecar_process(*extra: str, env: dict[str, str] | None = None,
+                    ready_timeout: float = 180.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``mla-watch serve`` on a free loopback port, ready; stopped afterwards."""
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         port = probe_socket.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(port), "--device", "cpu",
-                                *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port",
+                                str(port), "--device", "cpu", *extra], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_timeout
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url + "/readyz", timeout=2).status_code == 200:
@@ -64,7 +66,11 @@ def sidecar_process(*extra: str) -> Iterator[tuple[str, subprocess.Popen]]:
         yield url, process
     finally:
         process.terminate()
-        process.wait(30)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 def peak_rss_kib(pid: int) -> int:

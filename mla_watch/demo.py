@@ -33,32 +33,18 @@ from typing import Any
 
 import httpx
 
+from mla_watch.alerting.examples import entropy_low_rules
+
 __all__ = ["STEPS", "DemoResult", "run_demo"]
 
 COLLAPSED = "model.layers.1.mlp.gate"
 FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
 STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
                           "entropy back in band", "alert resolved")
-RULES = f"""
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${{MLA_WATCH_ONCALL_URL}}
-    group_by: [alertname, router, layer, business_line]
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {{kind: expert, business_line: all}}
-    below: {FIRE_BELOW}
-    resolve_above: {RESOLVE_ABOVE}
-    for: 0s
-    min_tokens: 96
-    severity: critical
-    actions: [notify, retune]
-    retune_strategy: [bias, restore]
-    annotations:
-      summary: "Routing entropy {{value:.2f}} bits on {{router}} (all lines) is below {{threshold}} bits"
-"""
+RULES = entropy_low_rules(below=FIRE_BELOW, resolve_above=RESOLVE_ABOVE, min_tokens=96, business_line="all",
+                          actions=("notify", "retune"), strategies=("bias", "restore"), annotations={
+                              "summary": "Routing entropy {value:.2f} bits on {router} (all lines) is below "
+                                         "{threshold} bits"})
 # (business line, task, corpus domain, requested sampling): code asks for chat-like sampling
 # (clamped), SQL too (refused by a reject policy), every fourth SQL request asks correctly.
 TRAFFIC = (

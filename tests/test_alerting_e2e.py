@@ -17,33 +17,17 @@ import torch
 from conftest import free_port, get_metrics, metric_value, running_sidecar, wait_until
 from receivers import running_receiver
 
+from mla_watch.alerting.examples import entropy_low_rules
+
 pytestmark = pytest.mark.slow
 
-RULES = """
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${MLA_WATCH_ONCALL_URL}
-    group_by: [alertname, router, layer, business_line]
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {kind: expert}
-    below: %(below)s
-    resolve_above: %(resolve)s
-    for: 0s
-    min_tokens: 64
-    severity: critical
-    actions: [notify]
-    annotations:
-      summary: "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line}), below {threshold}"
-      dashboard: "{status_url}"
-"""
+SUMMARY = "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line}), below {threshold}"
 
 
 def write_rules(directory: Path, below: float, resolve: float) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(RULES % {"below": below, "resolve": resolve})
+    (directory / "routing.yaml").write_text(entropy_low_rules(below=below, resolve_above=resolve, annotations={
+        "summary": SUMMARY, "dashboard": "{status_url}"}))
     return directory
 
 

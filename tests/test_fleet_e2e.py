@@ -16,30 +16,15 @@ import torch
 from conftest import free_port, running_sidecar, wait_until
 from receivers import running_receiver
 
+from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.alerting.promexport import export_prometheus
 from mla_watch.alerting.rules import load_rules_dir
 
 pytestmark = pytest.mark.slow
 
-RULES = """
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${MLA_WATCH_ONCALL_URL}
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {kind: expert}
-    below: 5.0
-    resolve_above: 5.2
-    for: 1s
-    min_tokens: 64
-    severity: critical
-    actions: [notify]
-    annotations:
-      summary: "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})"
-      runbook_url: https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#routingentropylow
-"""
+RULES = entropy_low_rules(hold="1s", group_by=False, annotations={
+    "summary": "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})",
+    "runbook_url": "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#routingentropylow"})
 
 
 

@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from receivers import running_receiver
 
+from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.config import ConfigError
 from mla_watch.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
 from mla_watch.server.app import ServerConfig, Sidecar, build_sidecar
@@ -156,23 +157,7 @@ def test_ingestion_has_its_own_token(proxy) -> None:
 
 
 # ---------------------------------------------------------------------- 3, 4. actions and namespaces
-RULES = """
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${MLA_WATCH_ONCALL_URL}
-    group_by: [alertname, router, layer, business_line]
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {kind: expert}
-    below: 5.0
-    resolve_above: 5.2
-    for: 0s
-    min_tokens: 8
-    severity: critical
-    actions: [notify, retune]
-"""
+RULES = entropy_low_rules(min_tokens=8, actions=("notify", "retune"))
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from conftest import get_metrics, metric_value, running_sidecar, wait_until
 from receivers import running_receiver
 
 import mla_watch
+from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.jobs import RetuneSettings
@@ -27,29 +28,13 @@ pytestmark = pytest.mark.slow
 
 LAYER1 = "model.layers.1.mlp.gate"
 TOKEN = "retune-test-token"
-RULES = """
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${MLA_WATCH_ONCALL_URL}
-    group_by: [alertname, router, layer, business_line]
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {kind: expert}
-    below: %(below)s
-    resolve_above: %(resolve)s
-    for: 0s
-    min_tokens: 64
-    severity: critical
-    actions: [notify, retune]
-    retune_strategy: [%(strategies)s]
-"""
 
 
 def write_rules(directory: Path, strategies: str, below: float = 5.0, resolve: float = 5.2) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(RULES % {"strategies": strategies, "below": below, "resolve": resolve})
+    (directory / "routing.yaml").write_text(entropy_low_rules(below=below, resolve_above=resolve,
+                                                              actions=("notify", "retune"),
+                                                              strategies=(strategies,)))
     return directory
 
 

@@ -23,33 +23,15 @@ import torch
 from conftest import REPO, free_port, running_sidecar, serve_app, wait_until
 from receivers import running_receiver
 
+from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 
 GATE = "model.layers.1.mlp.gate"
 RUNBOOK = "https://runbooks.example/routing#routingentropylow"
-RULES = f"""
-receivers:
-  - name: oncall
-    type: alertmanager_webhook
-    url: ${{MLA_WATCH_ONCALL_URL}}
-    group_by: [alertname, router, layer, business_line]
-rules:
-  - alert: RoutingEntropyLow
-    metric: entropy_bits
-    select: {{kind: expert, business_line: "*"}}
-    below: 5.0
-    resolve_above: 5.2
-    for: 0s
-    min_tokens: 64
-    severity: critical
-    actions: [notify]
-    labels: {{team: ml-platform}}
-    annotations:
-      summary: "Routing entropy {{value:.2f}} bits on {{router}} (layer {{layer}}, {{business_line}})"
-      runbook_url: {RUNBOOK}
-      dashboard: "{{status_url}}"
-"""
+RULES = entropy_low_rules(business_line="*", labels={"team": "ml-platform"}, annotations={
+    "summary": "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})",
+    "runbook_url": RUNBOOK, "dashboard": "{status_url}"})
 
 
 # ---------------------------------------------------------------- the API behind the page
