@@ -12,7 +12,7 @@ from tiny_models import VOCAB, build
 
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.registry import RouterRegistry
+from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.service import RetuneService
 
@@ -45,7 +45,7 @@ class Harness:
         self.service: RetuneService | None = None
 
     def start(self) -> RetuneService:
-        registry = RouterRegistry(self.state / "routers")
+        registry = RouterVersions(self.state / "routers")
         retuner = Retuner(model=self.model, tokenizer=SimpleNamespace(pad_token_id=0), registry=registry,
                           settings=self.settings, workdir=self.state / "work",
                           promote=lambda version: self.service.promote(version),

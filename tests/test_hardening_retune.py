@@ -17,7 +17,7 @@ from retune_harness import GATE, Harness, spec
 
 from mla_watch.retune.data import resolve_dataset, short_repr
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.registry import RouterRegistry
+from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.statedir import ensure_private_dir, ensure_private_file, write_private
 
@@ -114,7 +114,7 @@ def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None
     (datasets / "swap.jsonl").unlink()
     (datasets / "swap.jsonl").symlink_to(outside)
     model = build("deepseek_v32")
-    registry = RouterRegistry(tmp_path / "routers")
+    registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(model)
     runner = Retuner(model=model, tokenizer=None, registry=registry, settings=RetuneSettings(), workdir=tmp_path / "w",
                      promote=lambda version: None, model_lock=threading.Lock(), dataset_dir=datasets)

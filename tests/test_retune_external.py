@@ -13,7 +13,7 @@ import mla_watch
 from mla_watch.models import corpus
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.registry import RouterRegistry, router_state
+from mla_watch.retune.registry import RouterVersions, router_state
 from mla_watch.retune.runner import Retuner
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def retuner(tmp_path: Path, command: str) -> Retuner:
     capture = TrafficCapture(tmp_path / "capture.sqlite")
     for text in corpus.generate("code", 24, seed=11):
         capture.add("code_assistant", [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]])
-    registry = RouterRegistry(tmp_path / "routers")
+    registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(model)
     lock = threading.Lock()
     return Retuner(model=model, tokenizer=tokenizer, registry=registry, capture=capture, model_lock=lock,

@@ -11,7 +11,7 @@ import torch
 from tiny_models import build
 
 import mla_watch.retune.registry as registry_module
-from mla_watch.retune import RouterRegistry, router_state
+from mla_watch.retune import RouterVersions, router_state
 
 GATE = "model.layers.1.mlp.gate"
 
@@ -44,7 +44,7 @@ def test_router_state_holds_only_router_tensors(model: torch.nn.Module) -> None:
 
 
 def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module, tmp_path: Path) -> None:
-    registry = RouterRegistry(tmp_path / "routers")
+    registry = RouterVersions(tmp_path / "routers")
     assert registry.record_initial(model) == 0
     assert registry.live_version() == 0
     initial = router_state(model)
@@ -68,7 +68,7 @@ def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module,
 
 
 def test_record_initial_refuses_other_tensor_names(model: torch.nn.Module, tmp_path: Path) -> None:
-    registry = RouterRegistry(tmp_path)
+    registry = RouterVersions(tmp_path)
     registry.record_initial(model)
     with pytest.raises(ValueError, match="gate"):
         registry.record_initial(build("mixtral"))
@@ -78,11 +78,11 @@ def test_unusable_directory_is_named(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(OSError, match=str(blocker)):
-        RouterRegistry(blocker / "routers")
+        RouterVersions(blocker / "routers")
 
 
 def test_tampered_or_missing_version_is_refused(model: torch.nn.Module, tmp_path: Path) -> None:
-    registry = RouterRegistry(tmp_path)
+    registry = RouterVersions(tmp_path)
     registry.record_initial(model)
     version = registry.save(perturbed(model, 1), {})
     path = tmp_path / f"v{version:04d}" / "routers.safetensors"
@@ -98,7 +98,7 @@ def test_tampered_or_missing_version_is_refused(model: torch.nn.Module, tmp_path
 
 
 def test_promote_changes_only_routers_and_rollback_is_exact(model: torch.nn.Module, tmp_path: Path) -> None:
-    registry = RouterRegistry(tmp_path)
+    registry = RouterVersions(tmp_path)
     registry.record_initial(model)
     initial, others = router_state(model), non_router_state(model)
     full = perturbed(model, 1)
@@ -135,7 +135,7 @@ def test_promote_changes_only_routers_and_rollback_is_exact(model: torch.nn.Modu
 
 
 def test_promote_refuses_mismatched_tensors(model: torch.nn.Module, tmp_path: Path) -> None:
-    registry = RouterRegistry(tmp_path)
+    registry = RouterVersions(tmp_path)
     registry.record_initial(model)
     before = router_state(model)
     wrong_shape = registry.save({f"{GATE}.weight": torch.zeros(9, 32)}, {})
@@ -150,7 +150,7 @@ def test_promote_refuses_mismatched_tensors(model: torch.nn.Module, tmp_path: Pa
 
 def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = RouterRegistry(tmp_path)
+    registry = RouterVersions(tmp_path)
     registry.record_initial(model)
 
     def broken(*args: object, **kwargs: object) -> None:

@@ -42,6 +42,7 @@ from mla_watch.models.architecture import bundled_config
 from mla_watch.models.loading import BUNDLED_DIR
 from mla_watch.models.tokenizer import train_tokenizer
 from mla_watch.probe import attach
+from mla_watch.retune.loss import next_token_loss
 
 __all__ = ["TrainSettings", "main", "train"]
 
@@ -186,22 +187,6 @@ def perplexity(model: torch.nn.Module, sequences: Sequence[list[int]], batch_siz
         total_loss += float(loss)
         total_tokens += tokens
     return math.exp(total_loss / max(1, total_tokens))
-
-
-def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                    loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the targets that are not padding, and their count.
-
-    Differentiable (the caller decides about ``no_grad``); right padding marked by ``mask == 0``.
-    ``loss_mask`` (default: ``mask``) marks the tokens that count as targets; the others are
-    still read as context.
-    """
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    scored = mask if loss_mask is None else loss_mask * mask
-    targets = ids[:, 1:].masked_fill(scored[:, 1:] == 0, -100)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
-                           reduction="sum")
-    return loss, int((targets != -100).sum())
 
 
 @torch.no_grad()

@@ -1,13 +1,13 @@
 """Router re-tuning: versioned router checkpoints and gradient-free bias re-fits."""
 
 from mla_watch.retune.bias import BIAS_NAME, BiasRefitResult, refit_bias, supports_bias
-from mla_watch.retune.registry import ROUTER_TENSOR_PATTERNS, RouterRegistry, router_modules, router_state
+from mla_watch.retune.registry import ROUTER_TENSOR_PATTERNS, RouterVersions, router_modules, router_state
 
 __all__ = [
     "BIAS_NAME",
     "ROUTER_TENSOR_PATTERNS",
     "BiasRefitResult",
-    "RouterRegistry",
+    "RouterVersions",
     "refit_bias",
     "router_modules",
     "router_state",

@@ -9,7 +9,7 @@ The re-fit runs on a **deep copy** of the model (its forward hooks left behind),
 model's tensors never change and live traffic is never routed by a half-fitted bias. The copy
 costs one model's memory for the duration of the call. The biases are accumulated in float32
 (a bfloat16 bias near 10 cannot move by 0.05) and returned as float32 CPU tensors named as in
-:func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterRegistry.save`.
+:func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterVersions.save`.
 """
 
 from __future__ import annotations

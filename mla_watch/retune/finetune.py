@@ -8,7 +8,7 @@ usual one:
 * **Router-only.** Every parameter of the model is frozen except ``weight`` of the selected
   expert routers (default: all of them). A router is ``N x H`` numbers; retraining only it
   cannot change what any expert computes, so the change is small, cheap to store in the
-  router registry and exactly reversible by :meth:`RouterRegistry.rollback`.
+  router registry and exactly reversible by :meth:`RouterVersions.rollback`.
 * **Loss = LM loss + balance term.** Next-token cross-entropy (padding excluded) keeps the
   routing useful for the model's own predictions; ``balance_weight`` times DeepSeek-V3's
   sequence/batch-wise auxiliary loss ``N * sum_i f_i * P_i`` (``f_i`` the fraction of the
@@ -31,7 +31,7 @@ training passes, and live traffic is never routed by a half-trained gate. The co
 model's memory for the duration of the call (plus gradients and activations of one batch).
 The run is deterministic: the epoch order and the LoRA init come from a generator seeded with
 ``seed``, never from the global RNG. The trained weights are returned as float32 CPU tensors
-named as in :func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterRegistry.save`.
+named as in :func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterVersions.save`.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch.nn.utils import parametrize
 
-from mla_watch.models.train import next_token_loss
 from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
 from mla_watch.retune.gates import score_model
+from mla_watch.retune.loss import next_token_loss
 from mla_watch.retune.registry import router_modules
 
 __all__ = ["FinetuneResult", "finetune_routers"]

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from mla_watch.models.train import next_token_loss
 from mla_watch.probe import attach, discover_routers
+from mla_watch.retune.loss import next_token_loss
 
 __all__ = ["Band", "GateReport", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
 

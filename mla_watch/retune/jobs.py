@@ -21,7 +21,7 @@ from typing import Any
 
 from mla_watch.statedir import ensure_private_file
 
-__all__ = ["FINAL_STATUSES", "JobError", "JobSpec", "JobStore", "RetuneSettings"]
+__all__ = ["FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
 
 FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed")
 STATUSES: tuple[str, ...] = ("pending", "running", *FINAL_STATUSES)
@@ -64,7 +64,7 @@ class RetuneSettings:
                 "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")
 
 
-class JobError(Exception):
+class JobStoreError(Exception):
     """The job store cannot be used; the message names the file and the cause."""
 
 
@@ -111,7 +111,7 @@ class JobStore:
                 "result TEXT)"
             )
         except (OSError, sqlite3.Error) as error:
-            raise JobError(f"re-tune job store {self.path}: cannot open it: {error}") from error
+            raise JobStoreError(f"re-tune job store {self.path}: cannot open it: {error}") from error
 
     def add(self, spec: JobSpec) -> dict[str, Any]:
         now = self._clock()

@@ -2,7 +2,7 @@
 
 Layout under the registry directory (``STATE_DIR/routers``)::
 
-    v0000/routers.safetensors   the routers the server started with (:meth:`RouterRegistry.record_initial`)
+    v0000/routers.safetensors   the routers the server started with (:meth:`RouterVersions.record_initial`)
     v0000/manifest.json         manifest + version + created_at + sha256 of routers.safetensors
     v0001/...                   one directory per saved version, written atomically
     promotions.jsonl            one line per promotion: kind, version, previous, at (+ snapshot)
@@ -11,11 +11,11 @@ Layout under the registry directory (``STATE_DIR/routers``)::
 Only router tensors ever enter the registry: the direct parameters and buffers named in
 :data:`ROUTER_TENSOR_PATTERNS` of every *expert* router that :func:`mla_watch.probe.discover_routers`
 finds (gate weight, gate bias, ``e_score_correction_bias``). Expert weights, indexers and
-everything else are never saved and never overwritten by :meth:`RouterRegistry.promote`.
+everything else are never saved and never overwritten by :meth:`RouterVersions.promote`.
 
 A version may hold a subset of the router tensors (e.g. only the re-fitted biases of one
 router). The live router state is therefore the overlay of the versions on the promotion
-stack, bottom (version 0, complete) to top. :meth:`RouterRegistry.rollback` puts back the
+stack, bottom (version 0, complete) to top. :meth:`RouterVersions.rollback` puts back the
 snapshot of the values the last promotion overwrote: exactly the state before it, even when a
 router had been changed in place outside the registry (a bad deploy).
 """
@@ -42,7 +42,7 @@ from safetensors.torch import load_file, save_file
 from mla_watch.probe.discovery import discover_routers
 from mla_watch.retune.data import short_repr
 
-__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterRegistry", "apply_router_tensors", "router_modules", "router_state"]
+__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterVersions", "apply_router_tensors", "router_modules", "router_state"]
 
 # Leaf names (fnmatch patterns) of the tensors of an expert-router module that are router state.
 # Matched against the module's *direct* parameters and buffers only (recurse=False), so nothing
@@ -121,7 +121,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-class RouterRegistry:
+class RouterVersions:
     """Router checkpoints under ``directory`` (see the module docstring for the layout)."""
 
     def __init__(self, directory: str | Path) -> None:

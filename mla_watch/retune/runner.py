@@ -46,16 +46,16 @@ from mla_watch.retune.data import (
 )
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.registry import RouterRegistry, apply_router_tensors, router_state
+from mla_watch.retune.registry import RouterVersions, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
 from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
 
-__all__ = ["JobFailure", "Retuner"]
+__all__ = ["JobCannotRun", "Retuner"]
 
 log = logging.getLogger("mla_watch.retune")
 
 
-class JobFailure(Exception):
+class JobCannotRun(Exception):
     """The job cannot run (no data, a bad dataset); the message says what to do."""
 
 
@@ -68,7 +68,7 @@ class Retuner:
     while that fit runs.
     """
 
-    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterRegistry,
+    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterVersions,
                  settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
                  clock: Callable[[], float] = time.time, dataset_dir: Path | None = None) -> None:
@@ -111,7 +111,7 @@ class Retuner:
         timings: dict[str, float] = {}
         try:
             samples, data = self._samples(spec)
-        except JobFailure as error:
+        except JobCannotRun as error:
             return "failed", {"error": str(error), "attempts": []}
         train, held_out = split_held_out(samples, self.settings.held_out_fraction)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -197,17 +197,17 @@ class Retuner:
                 samples = load_jsonl_dataset(path, self.tokenizer, business_line=line,
                                              max_samples=self.settings.max_samples, label=label)
             except ValueError as error:  # DatasetError among them; no message quotes the file's content
-                raise JobFailure(str(error)) from None
+                raise JobCannotRun(str(error)) from None
             source = {"source": "dataset", "path": spec.dataset}
         elif self.capture is None:
-            raise JobFailure("no data: traffic capture is off (serve with --capture to record recent traffic "
+            raise JobCannotRun("no data: traffic capture is off (serve with --capture to record recent traffic "
                              "per business line) and the job names no dataset (a JSONL file)")
         else:
             samples = self.capture.samples(line, limit=self.settings.max_samples)
             source = {"source": "capture"}
         if len(samples) < self.settings.min_samples:
             where = f"business line {line!r}" if line else "all business lines"
-            raise JobFailure(f"{len(samples)} samples of {where} are available; the job needs at least "
+            raise JobCannotRun(f"{len(samples)} samples of {where} are available; the job needs at least "
                              f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)")
         return samples, {**source, "business_line": line, "samples": len(samples),
                          "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}

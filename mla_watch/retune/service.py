@@ -31,7 +31,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from mla_watch.retune.gates import band_of_rule
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
-from mla_watch.retune.registry import RouterRegistry, router_modules
+from mla_watch.retune.registry import RouterVersions, router_modules
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.statedir import ensure_private_dir, ensure_private_file
@@ -59,7 +59,7 @@ class Cooldown(Exception):
 
 
 class RetuneService:
-    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner, registry: RouterRegistry,
+    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner, registry: RouterVersions,
                  model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,

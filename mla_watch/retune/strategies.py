@@ -24,7 +24,7 @@ import torch
 
 from mla_watch.retune.bias import refit_bias, supports_bias
 from mla_watch.retune.data import short_repr
-from mla_watch.retune.registry import RouterRegistry, router_modules
+from mla_watch.retune.registry import RouterVersions, router_modules
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
 
@@ -34,7 +34,7 @@ class FitContext:
     model: torch.nn.Module  # the live model: read it, never write it
     batches: list[Mapping[str, torch.Tensor]]  # training batches (input_ids, attention_mask)
     routers: list[str]  # the routers the job may change
-    registry: RouterRegistry | None  # None outside the server (an external worker cannot restore)
+    registry: RouterVersions | None  # None outside the server (an external worker cannot restore)
     options: Mapping[str, Any] = field(default_factory=dict)
 
 

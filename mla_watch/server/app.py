@@ -189,7 +189,7 @@ class Sidecar:
     # ------------------------------------------------------------------ re-tuning
     def _start_retune(self, model: Any, tokenizer: Any) -> None:
         from mla_watch.retune.capture import TrafficCapture
-        from mla_watch.retune.registry import RouterRegistry
+        from mla_watch.retune.registry import RouterVersions
         from mla_watch.retune.runner import Retuner
         from mla_watch.retune.service import RetuneService
         from mla_watch.statedir import ensure_private_dir
@@ -198,7 +198,7 @@ class Sidecar:
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / "datasets"
         ensure_private_dir(datasets)
-        registry = RouterRegistry(state / "routers")
+        registry = RouterVersions(state / "routers")
         capture = None
         if self.config.capture:
             capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,

@@ -20,7 +20,7 @@ from typing import Any
 
 from mla_watch.sampling import GenerationCancelled, SamplingParams, TokenEvent, generate_stream
 
-__all__ = ["Engine", "Job", "JobFailed", "JobTimedOut", "Overloaded"]
+__all__ = ["Engine", "GenerationFailed", "Job", "JobTimedOut", "Overloaded"]
 
 log = logging.getLogger("mla_watch.engine")
 
@@ -37,7 +37,7 @@ class JobTimedOut(Exception):
     """The request's deadline passed before its generation finished."""
 
 
-class JobFailed(Exception):
+class GenerationFailed(Exception):
     """The generation raised; the message says why."""
 
 
@@ -155,7 +155,7 @@ class Engine:
                 job.push(JobTimedOut("the request timed out during generation"))
         except Exception as error:  # the worker must survive whatever one request does
             log.exception("generation failed")
-            job.push(JobFailed(f"generation failed: {type(error).__name__}: {error}"))
+            job.push(GenerationFailed(f"generation failed: {type(error).__name__}: {error}"))
         finally:
             # Reading the counters costs a host copy; between requests that follow each other
             # closely once per collect_interval is enough (readers of /v1/routing collect too).

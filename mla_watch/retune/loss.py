@@ -1,0 +1,24 @@
+"""The language-modelling loss the re-tune gates and router fine-tuning score with (and the bundled model trains on)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["next_token_loss"]
+
+
+def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
+                    loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the targets that are not padding, and their count.
+
+    Differentiable (the caller decides about ``no_grad``); right padding marked by ``mask == 0``.
+    ``loss_mask`` (default: ``mask``) marks the tokens that count as targets; the others are
+    still read as context.
+    """
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+    scored = mask if loss_mask is None else loss_mask * mask
+    targets = ids[:, 1:].masked_fill(scored[:, 1:] == 0, -100)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
+                           reduction="sum")
+    return loss, int((targets != -100).sum())
