@@ -47,7 +47,7 @@ def test_the_page_and_its_files_are_served(sidecar) -> None:
         assert response.status_code == 200 and response.headers["content-type"].startswith(kind)
     missing = httpx.get(url + "/static/app.py", timeout=10)
     assert missing.status_code == 404
-    assert "no such file: 'app.py'" in missing.json()["error"]["message"]
+    assert 'no such file: "app.py"' in missing.json()["error"]["message"]
 
 
 def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, monkeypatch) -> None:
@@ -78,8 +78,12 @@ def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, mo
         assert gate["band"]["fire_below"] == 5.0 and gate["band"]["resolve_above"] == 5.2
         code = next(line for line in status["policies"]["lines"] if line["business_line"] == "code_assistant")
         task = next(t for t in code["tasks"] if t["task"] == "code")
-        applied = {change["param"] for change in response.json()["mla_watch"]["adjustments"]}
-        assert set(task["adjustments"]) == applied and all(n == 1 for n in task["adjustments"].values())
+        changes = response.json()["mla_watch"]["adjustments"]
+        clamped = {change["param"] for change in changes if change["requested"] is not None}
+        defaulted = {change["param"] for change in changes if change["requested"] is None}
+        assert clamped == {"temperature"} and defaulted  # asked 0.9: clamped; the rest left to the policy
+        assert set(task["adjustments"]) == clamped and all(n == 1 for n in task["adjustments"].values())
+        assert set(task["defaults"]) == defaulted and all(n == 1 for n in task["defaults"].values())
         assert status["retune"]["live"] == 0 and status["retune"]["jobs"] == []
         assert status["retune"]["promotions"][0]["kind"] == "initial"
 
@@ -88,7 +92,7 @@ def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, mo
         assert all(t > newest for t in later["times"])
         bad = httpx.get(url + "/v1/status", params={"since": "yesterday"}, timeout=10)
         assert bad.status_code == 400
-        assert bad.json()["error"]["param"] == "since" and "'yesterday' is invalid" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["param"] == "since" and '"yesterday" is invalid' in bad.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------- the page in a real browser
