@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.describe import describe_value
 from mla_watch.windows import NAME_RE, NAME_RULE, RouterInfo, RouterWindows
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
@@ -127,20 +128,15 @@ def snapshot_body(source: str, routers: Iterable[RouterInfo],
     return {"source": source, "routers": [info.as_dict() for info in routers], "deltas": shipped}
 
 
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 64 else text[:61] + "..."
-
-
 def _label(value: Any, field: str) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
-        raise IngestError(f"{field}={_describe(value)} is invalid: expected {NAME_RULE}", field)
+        raise IngestError(f"{field}={describe_value(value)} is invalid: expected {NAME_RULE}", field)
     return value
 
 
 def _integer(value: Any, field: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise IngestError(f"{field}={_describe(value)} is invalid: expected an integer in [{low}, {high}]", field)
+        raise IngestError(f"{field}={describe_value(value)} is invalid: expected an integer in [{low}, {high}]", field)
     return value
 
 
@@ -150,7 +146,7 @@ def _integers(value: Any, field: str, high: int) -> np.ndarray:
         raise IngestError(f"{field} is invalid: expected a list of integers, got {type(value).__name__}", field)
     if not all(type(item) is int for item in value):  # bool is a subclass of int: type() excludes it
         bad = next(item for item in value if type(item) is not int)
-        raise IngestError(f"{field} holds {_describe(bad)}: expected integers only", field)
+        raise IngestError(f"{field} holds {describe_value(bad)}: expected integers only", field)
     if value and (min(value) < 0 or max(value) > high):
         raise IngestError(f"{field} holds values outside [0, {high}]", field)
     return np.asarray(value, dtype=np.int64)
@@ -164,11 +160,12 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
         raise IngestError(f"{field}: unknown field(s) {unknown}", f"{field}.{unknown[0]}", code="unknown_field")
     name = data.get("name")
     if not isinstance(name, str) or not ROUTER_NAME_RE.fullmatch(name):
-        raise IngestError(f"{field}.name={_describe(name)} is invalid: expected a module path of at most 200 "
+        raise IngestError(f"{field}.name={describe_value(name)} is invalid: expected a module path of at most 200 "
                           "characters (letters, digits, _ . : - [ ])", f"{field}.name")
     kind = data.get("kind")
     if kind not in ("expert", "indexer"):
-        raise IngestError(f"{field}.kind={_describe(kind)} is invalid: expected 'expert' or 'indexer'", f"{field}.kind")
+        raise IngestError(f"{field}.kind={describe_value(kind)} is invalid: expected 'expert' or 'indexer'",
+                          f"{field}.kind")
     layer = _integer(data.get("layer"), f"{field}.layer", -1, MAX_LAYER)
     num_slots = _integer(data.get("num_slots"), f"{field}.num_slots", 1, limits.max_slots)
     top_k = _integer(data.get("top_k"), f"{field}.top_k", 1, min(limits.max_top_k, num_slots))
@@ -204,7 +201,7 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
             raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
         info = known.get(delta.get("router"))  # type: ignore[arg-type]
         if info is None:
-            raise IngestError(f"{where}.router={_describe(delta.get('router'))} is invalid: expected one of the "
+            raise IngestError(f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
                               "routers listed in this request", f"{where}.router")
         line = _label(delta.get("business_line"), f"{where}.business_line")
         tokens = _integer(delta.get("tokens", 0), f"{where}.tokens", 0, limits.max_tokens)

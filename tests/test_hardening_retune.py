@@ -15,7 +15,8 @@ import pytest
 from conftest import running_sidecar, wait_until
 from retune_harness import GATE, Harness, spec
 
-from mla_watch.retune.data import resolve_dataset, short_repr
+from mla_watch.describe import describe_value
+from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
@@ -72,7 +73,7 @@ def test_a_dataset_outside_the_directory_gets_one_answer_whether_it_exists_or_no
         assert response.status_code == 400, (value, response.text)
         error = response.json()["error"]
         assert error["param"] == "dataset" and error["code"] == "invalid_value"
-        assert error["message"] == f"dataset={short_repr(value)} {EXPECTED}"  # the same words for every one
+        assert error["message"] == f"dataset={describe_value(value)} {EXPECTED}"  # the same words for every one
         assert SECRET not in response.text and len(error["message"]) < 200
     assert httpx.get(url + "/v1/retune/jobs").json()["jobs"] == []
     assert httpx.get(url + "/healthz").status_code == 200
@@ -119,7 +120,7 @@ def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None
     runner = Retuner(model=model, tokenizer=None, registry=registry, settings=RetuneSettings(), workdir=tmp_path / "w",
                      promote=lambda version: None, model_lock=threading.Lock(), dataset_dir=datasets)
     status, result = runner.run(JobSpec(routers=[GATE], strategies=["restore"], dataset="swap.jsonl"))
-    assert status == "failed" and result["error"] == f"dataset='swap.jsonl' {EXPECTED}"
+    assert status == "failed" and result["error"] == f'dataset="swap.jsonl" {EXPECTED}'
 
 
 def test_the_cli_copies_a_local_dataset_into_the_dataset_directory(sidecar, tmp_path, monkeypatch, capsys) -> None:
@@ -161,12 +162,12 @@ def test_promote_names_the_versions_there_are(sidecar) -> None:
 
 
 @pytest.mark.parametrize(("line", "words"), [
-    ("code_assistant\n", "business_line='code_assistant\\n' is invalid: expected a business line name"),
-    ("", "business_line='' is invalid: expected a business line name"),
-    ("../x", "business_line='../x' is invalid: expected a business line name"),
-    ("x" * 300, "business_line='xxxx"),
+    ("code_assistant\n", "business_line=\"code_assistant\\n\" is invalid: expected a business line name"),
+    ("", "business_line=\"\" is invalid: expected a business line name"),
+    ("../x", "business_line=\"../x\" is invalid: expected a business line name"),
+    ("x" * 300, "business_line=\"xxxx"),
     (3, "business_line=3 is invalid"),
-    ("nope", "business_line='nope' is not a business line of the policies: expected one of ['code_assistant', "),
+    ("nope", "business_line=\"nope\" is not a business line of the policies: expected one of ['code_assistant', "),
 ])
 def test_business_line_must_be_a_policy_line(sidecar, line, words) -> None:
     url, _, _ = sidecar
@@ -186,12 +187,12 @@ def test_a_known_business_line_is_accepted(sidecar) -> None:
 
 
 @pytest.mark.parametrize(("options", "param", "words"), [
-    ({"magic": {}}, "options.magic", "options.magic: no strategy is named 'magic': expected options of the "
+    ({"magic": {}}, "options.magic", 'options.magic: no strategy is named "magic": expected options of the '
                                      "strategies ['bias', 'restore', 'router_finetune']"),
-    ({"bias": {"gama": 0.1}}, "options.bias", "options.bias: unknown option(s) ['gama'] for strategy 'bias'; "
+    ({"bias": {"gama": 0.1}}, "options.bias", "options.bias: unknown option(s) [\"gama\"] for strategy 'bias'; "
                                               "expected some of ['gamma', 'steps']"),
-    ({"restore": {"x": 1}}, "options.restore", "options.restore: unknown option(s) ['x'] for strategy 'restore'"),
-    ({"bias": {"gamma": None}}, "options.bias", "options.bias.gamma=None is invalid: expected a number in (0, 1]"),
+    ({"restore": {"x": 1}}, "options.restore", "options.restore: unknown option(s) [\"x\"] for strategy 'restore'"),
+    ({"bias": {"gamma": None}}, "options.bias", "options.bias.gamma=null is invalid: expected a number in (0, 1]"),
     ({"bias": {"steps": 1.5}}, "options.bias", "options.bias.steps=1.5 is invalid: expected an integer"),
     ({"router_finetune": {"lr": 10**300}}, "options.router_finetune", "options.router_finetune.lr=1000000"),
 ])

@@ -28,7 +28,8 @@ def test_read_endpoints_show_jobs_and_versions(sidecar) -> None:
     initial = versions["versions"][0]
     assert initial["source"] == "initial" and len(initial["tensors"]) == 6  # weight and bias of 3 routers
     bad = httpx.get(url + "/v1/retune/jobs?limit=0")
-    assert bad.status_code == 400 and error(bad)["message"] == "limit='0' is invalid: expected an integer in [1, 1000]"
+    assert bad.status_code == 400
+    assert error(bad)["message"] == 'limit="0" is invalid: expected an integer in [1, 1000]'
     missing = httpx.get(url + "/v1/retune/jobs/nope")
     assert missing.status_code == 404 and error(missing)["message"] == "no re-tune job with id 'nope'"
 
@@ -40,18 +41,18 @@ def test_admin_calls_need_the_token(sidecar) -> None:
 
 
 @pytest.mark.parametrize(("body", "param", "message"), [
-    ({"route": ["x"]}, "route", "unknown field(s) ['route']: expected some of"),
+    ({"route": ["x"]}, "route", 'unknown field(s) ["route"]: expected some of'),
     ({"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"}, "strategy",
-     "strategy='magic' is invalid: expected one of ['bias', 'restore', 'router_finetune'] or a list"),
+     "strategy=\"magic\" is invalid: expected one of ['bias', 'restore', 'router_finetune'] or a list"),
     ({"routers": ["model.layers.9.mlp.gate"]}, "routers",
-     "routers=['model.layers.9.mlp.gate'] is invalid: expected a list of expert routers among"),
-    ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers='model.layers.1.mlp.gate' is invalid: expected"),
+     'routers=["model.layers.9.mlp.gate"] is invalid: expected a list of expert routers among'),
+    ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers=\"model.layers.1.mlp.gate\" is invalid: expected"),
     ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
     ({"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"}, "dataset",
-     "dataset='/nonexistent.jsonl' is invalid: expected a .jsonl file name inside the dataset directory"),
-    ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", "rule='Nope' is not a loaded rule"),
-    ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", "force='yes' is invalid: expected true"),
-    ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", "options={'bias': 3} is invalid"),
+     "dataset=\"/nonexistent.jsonl\" is invalid: expected a .jsonl file name inside the dataset directory"),
+    ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", "rule=\"Nope\" is not a loaded rule"),
+    ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", "force=\"yes\" is invalid: expected true"),
+    ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", 'options={"bias": 3} is invalid'),
 ])
 def test_bad_retune_requests_name_what_is_wrong(sidecar, body, param, message) -> None:
     url, _ = sidecar
@@ -69,7 +70,7 @@ def test_promote_and_rollback_errors(sidecar) -> None:
     assert missing.status_code == 400 and "router version 99" in error(missing)["message"]
     bad = httpx.post(url + "/admin/retune/promote", json={"version": "one"}, headers=AUTH)
     assert bad.status_code == 400
-    assert error(bad)["message"] == "version='one' is invalid: expected a router version number"
+    assert error(bad)["message"] == "version=\"one\" is invalid: expected a router version number"
     nothing = httpx.post(url + "/admin/retune/rollback", headers=AUTH)
     assert nothing.status_code == 409 and "nothing to roll back to (promotion stack [0])" in error(nothing)["message"]
 

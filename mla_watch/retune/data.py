@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
+from mla_watch.describe import describe_value
 from mla_watch.retune.capture import TokenSample, check_positive
 from mla_watch.yamlcheck import fmt
 
-__all__ = ["DATASET_NAME_RE", "DatasetError", "load_jsonl_dataset", "make_batches", "resolve_dataset", "short_repr",
+__all__ = ["DATASET_NAME_RE", "DatasetError", "load_jsonl_dataset", "make_batches", "resolve_dataset",
            "split_held_out"]
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,6 @@ DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DATASET_NAME_EXPECTED = "a .jsonl file name inside the dataset directory"
 
 
-def short_repr(value: object, limit: int = 64) -> str:
-    """``repr(value)`` cut to about ``limit`` characters (a request's value, never a file's)."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int too long to convert
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def resolve_dataset(name: object, directory: str | Path) -> Path:
     """The file that dataset ``name`` (as sent to the admin API) names inside ``directory``.
 
@@ -82,7 +74,7 @@ def resolve_dataset(name: object, directory: str | Path) -> Path:
     ``ValueError`` (naming ``dataset``, the value cut to 64 characters and the expectation), so
     that the answer never tells whether some path exists outside the directory.
     """
-    refusal = ValueError(f"dataset={short_repr(name)} is invalid: expected {DATASET_NAME_EXPECTED}")
+    refusal = ValueError(f"dataset={describe_value(name)} is invalid: expected {DATASET_NAME_EXPECTED}")
     if not isinstance(name, str) or not DATASET_NAME_RE.fullmatch(name) or not name.endswith(".jsonl"):
         raise refusal
     try:

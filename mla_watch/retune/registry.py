@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mla_watch.describe import describe_value
 from mla_watch.probe.discovery import discover_routers
-from mla_watch.retune.data import short_repr
 
 __all__ = ["ROUTER_TENSOR_PATTERNS", "RouterVersions", "apply_router_tensors", "router_modules", "router_state"]
 
@@ -223,7 +223,7 @@ class RouterVersions:
         numbers = self._version_numbers()
         if isinstance(version, bool) or not isinstance(version, int) or version not in numbers:
             there = f"one of the versions {numbers[0]} to {numbers[-1]}" if numbers else "a version (none saved yet)"
-            raise ValueError(f"router version {short_repr(version)} does not exist: expected {there}")
+            raise ValueError(f"router version {describe_value(version)} does not exist: expected {there}")
         return version
 
     def load(self, version: int) -> dict[str, torch.Tensor]:

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from mla_watch.describe import describe_value
 from mla_watch.retune.bias import refit_bias, supports_bias
-from mla_watch.retune.data import short_repr
 from mla_watch.retune.registry import RouterVersions, router_modules
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
@@ -63,7 +63,7 @@ class Strategy(abc.ABC):
             raise ValueError(f"{where} is invalid: expected a mapping of option -> value, got {type(options).__name__}")
         unknown = sorted(set(options) - set(self.options), key=str)
         if unknown:
-            shown = ", ".join(short_repr(name, 40) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            shown = ", ".join(describe_value(name, 40) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
             raise ValueError(f"{where}: unknown option(s) [{shown}] for strategy "
                              f"{self.name!r}; expected some of {sorted(self.options)}")
         parsed = {}
@@ -78,7 +78,8 @@ class Strategy(abc.ABC):
                 except OverflowError:  # an int too large for a float
                     valid = False
                 if not valid:
-                    raise ValueError(f"{where}.{key}={short_repr(options.get(key))} is invalid: expected {expectation}")
+                    raise ValueError(f"{where}.{key}={describe_value(options.get(key))} is invalid: "
+                                     f"expected {expectation}")
             parsed[key] = value
         return parsed
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mla_watch.describe import describe_value
 from mla_watch.ingest import IngestError, parse_snapshot
-from mla_watch.retune.data import resolve_dataset, short_repr
+from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.gates import Band, band_of_rule
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.retune.service import DEFAULT_STRATEGIES, Cooldown, RetuneService
@@ -75,7 +76,7 @@ class Admin:
         service = self._service()
         limit = request.query_params.get("limit", "50")
         if not (limit.isascii() and limit.isdigit() and len(limit) <= 4 and 1 <= int(limit) <= 1000):
-            raise ApiError(400, f"limit={short_repr(limit)} is invalid: expected an integer in [1, 1000]",
+            raise ApiError(400, f"limit={describe_value(limit)} is invalid: expected an integer in [1, 1000]",
                            param="limit", code="invalid_value")
         return JSONResponse({"jobs": service.store.list(limit=int(limit))})
 
@@ -108,7 +109,7 @@ class Admin:
         service = self._service()
         version = (await self.sidecar.read_json(request)).get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ApiError(400, f"version={short_repr(version)} is invalid: expected a router version number",
+            raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
                            param="version", code="invalid_value")
         try:  # refuses a version that is not saved (naming the versions there are) before any file access
             await asyncio.to_thread(service.promote, version)
@@ -132,28 +133,28 @@ class Admin:
         known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
         unknown = sorted(set(body) - known)
         if unknown:
-            raise ApiError(400, f"unknown field(s) [{', '.join(short_repr(name, 40) for name in unknown[:5])}]: "
+            raise ApiError(400, f"unknown field(s) [{', '.join(describe_value(name, 40) for name in unknown[:5])}]: "
                                 f"expected some of {sorted(known)}", param=unknown[0][:64], code="unknown_field")
         line = body.get("business_line")
         if line is not None and (not isinstance(line, str) or not NAME_RE.fullmatch(line)):
-            raise ApiError(400, f"business_line={short_repr(line)} is invalid: expected a business line name of "
+            raise ApiError(400, f"business_line={describe_value(line)} is invalid: expected a business line name of "
                                 f"{NAME_RULE}", param="business_line", code="invalid_value")
         lines = sorted(sidecar.policies.current.lines)
         if line is not None and line not in lines:
-            raise ApiError(400, f"business_line={short_repr(line)} is not a business line of the policies: expected "
-                                f"one of {lines}", param="business_line", code="invalid_value")
+            raise ApiError(400, f"business_line={describe_value(line)} is not a business line of the policies: "
+                                f"expected one of {lines}", param="business_line", code="invalid_value")
         strategies = body.get("strategy", list(DEFAULT_STRATEGIES))
         strategies = [strategies] if isinstance(strategies, str) else strategies
         if (not isinstance(strategies, list) or not strategies
                 or not all(isinstance(name, str) and name in STRATEGIES for name in strategies)):
-            raise ApiError(400, f"strategy={short_repr(body.get('strategy'))} is invalid: expected one of "
+            raise ApiError(400, f"strategy={describe_value(body.get('strategy'))} is invalid: expected one of "
                                 f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy",
                            code="invalid_value")
         rules = sidecar.alerts.rules.rules if sidecar.alerts is not None else ()
         rule_name = body.get("rule")
         candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
         if rule_name and not candidates:
-            raise ApiError(400, f"rule={short_repr(rule_name)} is not a loaded rule; rules are "
+            raise ApiError(400, f"rule={describe_value(rule_name)} is not a loaded rule; rules are "
                                 f"{[r.name for r in rules]}", param="rule", code="invalid_value")
         rule = candidates[0] if candidates else None
         band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
@@ -171,15 +172,15 @@ class Admin:
         expert_names = service.watched_by(None)
         if (not isinstance(routers, list) or not routers
                 or not all(isinstance(name, str) and name in expert_names for name in routers)):
-            raise ApiError(400, f"routers={short_repr(routers)} is invalid: expected a list of expert routers among "
-                                f"{expert_names}", param="routers", code="invalid_value")
+            raise ApiError(400, f"routers={describe_value(routers)} is invalid: expected a list of expert routers "
+                                f"among {expert_names}", param="routers", code="invalid_value")
         options = body.get("options", {})
         if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-            raise ApiError(400, f"options={short_repr(options)} is invalid: expected {{strategy: {{option: value}}}}",
-                           param="options", code="invalid_value")
+            raise ApiError(400, f"options={describe_value(options)} is invalid: expected "
+                                "{strategy: {option: value}}", param="options", code="invalid_value")
         for name, values in options.items():  # checked now, not when the job runs: a typo is a 400, not a failed job
             if name not in STRATEGIES:
-                raise ApiError(400, f"options.{name[:40]}: no strategy is named {short_repr(name, 40)}: expected "
+                raise ApiError(400, f"options.{name[:40]}: no strategy is named {describe_value(name, 40)}: expected "
                                     f"options of the strategies {sorted(STRATEGIES)}",
                                param=f"options.{name[:40]}", code="invalid_value")
             try:
@@ -195,7 +196,7 @@ class Admin:
                 raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)
         if not isinstance(force, bool):
-            raise ApiError(400, f"force={short_repr(force)} is invalid: expected true or false", param="force",
+            raise ApiError(400, f"force={describe_value(force)} is invalid: expected true or false", param="force",
                            code="invalid_value")
         spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
                        band=band.as_dict(), dataset=dataset, options=options,

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mla_watch.alerting.engine import Action
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
@@ -45,6 +46,12 @@ from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.statedir import ensure_private_dir
 from mla_watch.windows import RouterWindows, RoutingSnapshot, take_snapshot
+
+if TYPE_CHECKING:
+    from mla_watch.probe.probe import Probe
+    from mla_watch.retune.service import RetuneService
+    from mla_watch.server.engine import Engine
+    from mla_watch.server.selftest import SelfTestResult
 
 __all__ = ["ServerConfig", "Sidecar"]
 
@@ -105,14 +112,14 @@ class Sidecar:
         self.rules: DirectoryStore[RuleSet] | None = None
         self.alerts = self._alert_service() if config.rules is not None else None
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
-        self.engine: Any = None
-        self.probe: Any = None
-        self.retune: Any = None  # the RetuneService, once a local model is loaded
+        self.engine: Engine | None = None
+        self.probe: Probe | None = None
+        self.retune: RetuneService | None = None  # once a local model is loaded
         if self.alerts is not None:
             self.alerts.on_retune(self._on_retune_action)
         self.remote = RemoteRouting(config.ingest_limits, window_tokens=config.window_tokens,
                                     window_seconds=config.window_seconds, clock=clock)
-        self.self_test: Any = None
+        self.self_test: SelfTestResult | None = None
         self.load_error: str | None = None
         self.ready = threading.Event()  # set once the model is loaded (or the upstream client made)
         self._stop_watches: list[Callable[[], None]] = []
@@ -221,7 +228,7 @@ class Sidecar:
         self.retune.start()
         self.metrics.router_version.set(registry.live_version() or 0)
 
-    def _on_retune_action(self, action: Any) -> str:
+    def _on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
         router = action.alert.labels.get("router", "")
         if self.retune is None:

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mla_watch.describe import describe_value
+
 __all__ = ["ApiError", "GenerationRequest", "describe_value", "parse_body", "parse_generation_request"]
 
 MAX_STOP_SEQUENCES = 4
@@ -82,11 +84,6 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 def _refuse_constant(name: str) -> Any:
     # Python's json accepts NaN and Infinity; JSON does not, and they would poison stored jobs.
     raise ValueError(f"{name} is not a JSON number")
-
-
-def describe_value(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _bad(param: str, value: Any, expected: str) -> ApiError:
