@@ -38,6 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from mla_watch.config import ConfigError
+from mla_watch.describe import describe_value
 from mla_watch.yamlcheck import fmt as _fmt
 from mla_watch.yamlcheck import is_number as _is_number
 
@@ -89,7 +90,9 @@ class UnknownBusinessLine(LookupError):
     def __init__(self, value: object, known: Iterable[str]) -> None:
         self.value = value
         self.known: tuple[str, ...] = tuple(sorted(known))
-        super().__init__(f"unknown business line {value!r}; known business lines: {', '.join(self.known) or '(none)'}")
+        # describe_value: a header is an outsider's value, cut short before it is echoed
+        super().__init__(f"unknown business line {describe_value(value)}; known business lines: "
+                         f"{', '.join(self.known) or '(none)'}")
 
     def __str__(self) -> str:  # LookupError would otherwise repr() a single argument like KeyError does not
         return str(self.args[0])
@@ -103,7 +106,7 @@ class UnknownTask(LookupError):
         self.business_line = business_line
         self.known: tuple[str, ...] = tuple(known)
         super().__init__(
-            f"unknown task {value!r} for business line {business_line!r}; "
+            f"unknown task {describe_value(value)} for business line {business_line!r}; "
             f"its tasks: {', '.join(self.known) or '(none)'}"
         )
 
