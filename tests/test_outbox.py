@@ -21,7 +21,7 @@ import pytest
 from conftest import free_port
 from receivers import Reply, running_receiver, status
 
-from mla_watch.alerting import outbox as outbox_module
+from mla_watch import sqlite as private_database
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
@@ -397,7 +397,7 @@ def test_read_only_state_directory_is_a_clear_error(tmp_path, monkeypatch):
             def read_only(*args, **kwargs):
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(state))
 
-            monkeypatch.setattr(outbox_module.tempfile, "mkstemp", read_only)
+            monkeypatch.setattr(private_database.tempfile, "mkstemp", read_only)
         with pytest.raises(OutboxError) as err:
             Outbox(state / "outbox.db")
     finally:

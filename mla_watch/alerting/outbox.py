@@ -31,10 +31,8 @@ import email.utils
 import http.client
 import json
 import logging
-import os
 import random
 import sqlite3
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -45,6 +43,7 @@ from urllib.parse import urlsplit
 
 from mla_watch.alerting.model import Notification, Receiver
 from mla_watch.alerting.notifiers import Notifier, OutgoingRequest, notifier_for, redact_url
+from mla_watch.sqlite import PrivateDatabase
 
 __all__ = [
     "OUTCOMES",
@@ -120,31 +119,12 @@ class Outbox:
         if not directory.is_dir():
             raise OutboxError(f"outbox {self.path}: state directory {directory} does not exist "
                               "or is not a directory")
-        try:
-            fd, probe = tempfile.mkstemp(prefix=".outbox-probe-", dir=directory)
-            os.close(fd)
-            os.unlink(probe)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
-        except OSError as exc:
-            raise OutboxError(f"outbox {self.path}: state directory {directory} is not writable: "
-                              f"[Errno {exc.errno}] {exc.strerror}") from exc
-        try:
-            self._db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None,
-                                       check_same_thread=False)
-            self._db.execute("PRAGMA busy_timeout = 10000")
-            mode = self._db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                log.warning("outbox %s: journal_mode is %s, not WAL", self.path, mode)
-            self._db.execute("PRAGMA synchronous = FULL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.Error as exc:
-            raise OutboxError(f"outbox {self.path}: cannot open or initialise the database: {exc}") from exc
+        self._store = PrivateDatabase(self.path, what="outbox", error=OutboxError, schema=_SCHEMA,
+                                      synchronous="FULL")  # a page must survive a power cut
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._store.close()
 
     def __enter__(self) -> Outbox:
         return self
@@ -153,11 +133,7 @@ class Outbox:
         self.close()
 
     def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        with self._lock:
-            try:
-                return fn(self._db)
-            except sqlite3.Error as exc:
-                raise OutboxError(f"outbox {self.path}: {exc}") from exc
+        return self._store.run(fn)
 
     # -- writing -----------------------------------------------------------------------------
     def enqueue(self, receiver: str, request: OutgoingRequest) -> int | None:

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import sqlite3
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.statedir import ensure_private_file
+from mla_watch.sqlite import PrivateDatabase
 from mla_watch.yamlcheck import fmt
 
 __all__ = ["BYTES_PER_TOKEN", "CaptureError", "TokenSample", "TrafficCapture", "check_positive"]
@@ -143,62 +140,37 @@ class TrafficCapture:
         self.max_bytes = int(max_bytes)
         self.max_tokens_per_sample = int(max_tokens_per_sample)
         self.clock = clock
-        self._lock = threading.Lock()
-        self._closed = False
         directory = self.path.parent
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise CaptureError(f"traffic capture {self.path}: cannot create the state directory {directory}: "
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
+        # Losing the last few samples in a power cut is fine: synchronous NORMAL.
+        self._store = PrivateDatabase(self.path, what="traffic capture", error=CaptureError, schema=_SCHEMA)
         try:
-            fd, probe = tempfile.mkstemp(prefix=".capture-probe-", dir=directory)
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            raise CaptureError(f"traffic capture {self.path}: state directory {directory} is not writable: "
-                               f"[Errno {exc.errno}] {exc.strerror}") from exc
-        try:
-            ensure_private_file(self.path)  # 0600, also when an older file was looser
-        except OSError as exc:
-            raise CaptureError(f"traffic capture {self.path}: cannot open the file for writing: "
-                               f"[Errno {exc.errno}] {exc.strerror}") from exc
-        db = None
-        try:
-            db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA busy_timeout = 10000")
-            mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                log.warning("traffic capture %s: journal_mode is %s, not WAL", self.path, mode)
-            db.execute("PRAGMA synchronous = NORMAL")  # losing the last few samples in a power cut is fine
-            db.executescript(_SCHEMA)
-            columns = tuple(row[1] for row in db.execute("PRAGMA table_info(samples)"))
-            if columns == _COLUMNS[:-1]:  # written before scored_tokens existed: those rows count whole
-                db.execute("ALTER TABLE samples ADD COLUMN scored_tokens INTEGER")
-                columns = _COLUMNS
-            if columns != _COLUMNS:
-                raise CaptureError(f"traffic capture {self.path}: table 'samples' has columns {', '.join(columns)}: "
-                                   f"expected {', '.join(_COLUMNS)} (a file written by something else?)")
-            stored = db.execute("SELECT COALESCE(SUM(n_tokens), 0) FROM samples").fetchone()[0]
-        except sqlite3.Error as exc:
-            if db is not None:
-                db.close()
-            raise CaptureError(f"traffic capture {self.path}: cannot open or initialise the database "
-                               f"(expected an SQLite file): {exc}") from exc
+            stored = self._store.run(self._check_columns)
         except CaptureError:
-            db.close()
+            self._store.close()
             raise
-        self._db = db
         self._bytes = int(stored) * BYTES_PER_TOKEN
         self._adds_since_prune = 0
         self._last_prune = self.clock()
 
+    def _check_columns(self, db: sqlite3.Connection) -> int:
+        """Upgrade a file written before ``scored_tokens`` existed; the tokens it stores."""
+        columns = tuple(row[1] for row in db.execute("PRAGMA table_info(samples)"))
+        if columns == _COLUMNS[:-1]:  # those rows count whole
+            db.execute("ALTER TABLE samples ADD COLUMN scored_tokens INTEGER")
+            columns = _COLUMNS
+        if columns != _COLUMNS:
+            raise CaptureError(f"traffic capture {self.path}: table 'samples' has columns {', '.join(columns)}: "
+                               f"expected {', '.join(_COLUMNS)} (a file written by something else?)")
+        return db.execute("SELECT COALESCE(SUM(n_tokens), 0) FROM samples").fetchone()[0]
+
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._db.close()
+        self._store.close()
 
     def __enter__(self) -> TrafficCapture:
         return self
@@ -207,13 +179,7 @@ class TrafficCapture:
         self.close()
 
     def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        with self._lock:
-            if self._closed:
-                raise CaptureError(f"traffic capture {self.path}: already closed")
-            try:
-                return fn(self._db)
-            except sqlite3.Error as exc:
-                raise CaptureError(f"traffic capture {self.path}: {exc}") from exc
+        return self._store.run(fn)
 
     def _transaction(self, db: sqlite3.Connection, fn: Callable[[], Any]) -> Any:
         stored = self._bytes

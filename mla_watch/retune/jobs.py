@@ -10,8 +10,6 @@ job survives a restart: one found ``running`` at start-up was interrupted, and i
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_watch.statedir import ensure_private_file
+from mla_watch.sqlite import PrivateDatabase
 
 __all__ = ["FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
 
@@ -93,82 +91,71 @@ class JobSpec:
         return cls(**{key: value for key, value in data.items() if key in known})
 
 
+_JOBS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, updated_at REAL NOT NULL, result TEXT);
+"""
+_JOB_COLUMNS = "id, spec, status, attempts, created_at, updated_at, result"
+
+
 class JobStore:
     """Job records in ``path`` (sqlite), safe to use from the scheduler's and the server's threads."""
 
     def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self._clock = clock
-        self._lock = threading.Lock()
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            ensure_private_file(self.path)  # 0600: sqlite gives its -wal and -shm files the same mode
-            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(
-                "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, "
-                "attempts INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL, updated_at REAL NOT NULL, "
-                "result TEXT)"
-            )
-        except (OSError, sqlite3.Error) as error:
+        except OSError as error:
             raise JobStoreError(f"re-tune job store {self.path}: cannot open it: {error}") from error
+        self._store = PrivateDatabase(self.path, what="re-tune job store", error=JobStoreError, schema=_JOBS_SCHEMA)
 
     def add(self, spec: JobSpec) -> dict[str, Any]:
         now = self._clock()
-        with self._lock:
-            self._db.execute("INSERT INTO jobs (id, spec, status, attempts, created_at, updated_at) "
-                             "VALUES (?, ?, 'pending', 0, ?, ?)", (spec.id, json.dumps(spec.as_dict()), now, now))
+        self._store.execute("INSERT INTO jobs (id, spec, status, attempts, created_at, updated_at) "
+                            "VALUES (?, ?, 'pending', 0, ?, ?)", (spec.id, json.dumps(spec.as_dict()), now, now))
         return self.get(spec.id)
 
     def get(self, job_id: str) -> dict[str, Any]:
-        with self._lock:
-            row = self._db.execute("SELECT id, spec, status, attempts, created_at, updated_at, result FROM jobs "
-                                   "WHERE id = ?", (job_id,)).fetchone()
-        if row is None:
+        rows = self._store.execute(f"SELECT {_JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,))
+        if not rows:
             raise KeyError(f"no re-tune job with id {job_id!r}")
-        return _record(row)
+        return _record(rows[0])
 
     def list(self, *, limit: int = 50, statuses: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """The newest ``limit`` jobs (newest first), optionally only those in ``statuses``."""
-        query = "SELECT id, spec, status, attempts, created_at, updated_at, result FROM jobs"
+        query = f"SELECT {_JOB_COLUMNS} FROM jobs"
         params: list[Any] = []
         if statuses:
             query += f" WHERE status IN ({', '.join('?' * len(statuses))})"
             params.extend(statuses)
         query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
-        with self._lock:
-            rows = self._db.execute(query, [*params, limit]).fetchall()
-        return [_record(row) for row in rows]
+        return [_record(row) for row in self._store.execute(query, [*params, limit])]
 
     def start(self, job_id: str) -> dict[str, Any]:
         """Mark a job running and count the attempt."""
-        with self._lock:
-            self._db.execute("UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? "
-                             "WHERE id = ?", (self._clock(), job_id))
+        self._store.execute("UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? "
+                            "WHERE id = ?", (self._clock(), job_id))
         return self.get(job_id)
 
     def finish(self, job_id: str, status: str, result: Mapping[str, Any]) -> dict[str, Any]:
         if status not in STATUSES:
             raise ValueError(f"status={status!r}: expected one of {STATUSES}")
-        with self._lock:
-            self._db.execute("UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ?",
-                             (status, json.dumps(result), self._clock(), job_id))
+        self._store.execute("UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ?",
+                            (status, json.dumps(result), self._clock(), job_id))
         return self.get(job_id)
 
     def requeue(self, job_id: str, note: str) -> None:
         """A job interrupted while running goes back to ``pending``, with ``note`` saying why."""
-        with self._lock:
-            self._db.execute("UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
-                             (json.dumps({"note": note}), self._clock(), job_id))
+        self._store.execute("UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
+                            (json.dumps({"note": note}), self._clock(), job_id))
 
     def set_spec(self, job_id: str, spec: JobSpec) -> None:
-        with self._lock:
-            self._db.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ? AND status = 'pending'",
-                             (json.dumps(spec.as_dict()), self._clock(), job_id))
+        self._store.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ? AND status = 'pending'",
+                            (json.dumps(spec.as_dict()), self._clock(), job_id))
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        self._store.close()
 
 
 def _record(row: tuple) -> dict[str, Any]:
