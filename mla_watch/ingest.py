@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.describe import describe_value
-from mla_watch.windows import NAME_RE, NAME_RULE, RouterInfo, RouterWindows
+from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]
@@ -95,20 +95,10 @@ class IngestError(ValueError):
 
 
 @dataclass(frozen=True)
-class Delta:
-    router: str
-    business_line: str
-    counts: np.ndarray  # dense, int64, one per slot
-    tokens: int
-    local_selections: int
-    choice_selections: int
-
-
-@dataclass(frozen=True)
 class Snapshot:
     source: str
     routers: tuple[RouterInfo, ...]
-    deltas: tuple[Delta, ...]
+    deltas: dict[tuple[str, str], CountDelta]  # by (router, business line)
 
 
 def remote_name(source: str, router: str) -> str:
@@ -117,14 +107,15 @@ def remote_name(source: str, router: str) -> str:
 
 
 def snapshot_body(source: str, routers: Iterable[RouterInfo],
-                  deltas: Mapping[tuple[str, str], tuple[np.ndarray, int, int, int]]) -> dict[str, Any]:
-    """The request body for ``deltas`` keyed by (router, business line): (counts, tokens, local, choice)."""
+                  deltas: Mapping[tuple[str, str], CountDelta]) -> dict[str, Any]:
+    """The request body for ``deltas`` keyed by (router, business line)."""
     shipped = []
-    for (router, line), (counts, tokens, local, choice) in deltas.items():
-        slots = np.flatnonzero(counts)
+    for (router, line), delta in deltas.items():
+        slots = np.flatnonzero(delta.counts)
         shipped.append({"router": router, "business_line": line, "slots": slots.tolist(),
-                        "counts": counts[slots].tolist(), "tokens": int(tokens), "local_selections": int(local),
-                        "choice_selections": int(choice)})
+                        "counts": delta.counts[slots].tolist(), "tokens": int(delta.tokens),
+                        "local_selections": int(delta.local_selections),
+                        "choice_selections": int(delta.choice_selections)})
     return {"source": source, "routers": [info.as_dict() for info in routers], "deltas": shipped}
 
 
@@ -190,7 +181,7 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
     deltas = body.get("deltas", [])
     if not isinstance(deltas, list):
         raise IngestError("deltas is invalid: expected a list", "deltas")
-    merged: dict[tuple[str, str], list] = {}
+    merged: dict[tuple[str, str], CountDelta] = {}
     for index, delta in enumerate(deltas):
         where = f"deltas[{index}]"
         if not isinstance(delta, dict):
@@ -221,16 +212,12 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
         local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
         dense = np.zeros(info.num_slots, dtype=np.int64)
         dense[slots] = counts
-        entry = merged.get((info.name, line))
-        if entry is None:
-            merged[(info.name, line)] = [dense, tokens, local, choice]
-        else:  # the same router and line twice: one delta (bounded: the body is)
-            entry[0] += dense
-            entry[1] += tokens
-            entry[2] += local
-            entry[3] += choice
-    return Snapshot(source, infos, tuple(Delta(router, line, counts, tokens, local, choice)
-                                         for (router, line), (counts, tokens, local, choice) in merged.items()))
+        delta = CountDelta(dense, tokens, local, choice)
+        if (info.name, line) in merged:  # the same router and line twice: one delta (bounded: the body is)
+            merged[(info.name, line)].merge(delta)
+        else:
+            merged[(info.name, line)] = delta
+    return Snapshot(source, infos, merged)
 
 
 @dataclass
@@ -285,13 +272,13 @@ class RemoteRouting:
             routers = source.routers if source is not None else {info.name: info for info in snapshot.routers}
             others = [other for name, other in self._sources.items() if name != evict]
             lines = self._lines if evict is None else {line for other in others for _, line in other.open_windows}
-            new_lines = {delta.business_line for delta in snapshot.deltas} - lines
+            new_lines = {line for _, line in snapshot.deltas} - lines
             if len(lines) + len(new_lines) > self.limits.max_lines:
                 raise IngestError(f"{len(new_lines)} new business line(s) would exceed the {self.limits.max_lines} "
                                   "remote lines this sidecar keeps (serve --ingest-max-lines)",
                                   "deltas.business_line", status=429, code="too_many_lines")
             open_windows = source.open_windows if source is not None else set()
-            new_windows = {(d.router, d.business_line) for d in snapshot.deltas} - open_windows
+            new_windows = set(snapshot.deltas) - open_windows
             freed = self._slots_of(self._sources[evict]) if evict is not None else 0
             needed = sum(routers[router].num_slots for router, _ in new_windows)
             if self._window_slots - freed + needed > self.limits.max_window_slots:
@@ -310,13 +297,11 @@ class RemoteRouting:
                 self._drop(evict)
             if source is None:
                 source = self._open(snapshot.source, routers, now)
-            for delta in snapshot.deltas:
-                source.windows.add(remote_name(snapshot.source, delta.router), delta.business_line, delta.counts,
-                                   delta.tokens, local_selections=delta.local_selections,
-                                   choice_selections=delta.choice_selections)
-                if (delta.router, delta.business_line) not in source.open_windows:
-                    source.open_windows.add((delta.router, delta.business_line))
-                    self._window_slots += routers[delta.router].num_slots
+            for (router, line), delta in snapshot.deltas.items():
+                source.windows.add(remote_name(snapshot.source, router), line, delta)
+                if (router, line) not in source.open_windows:
+                    source.open_windows.add((router, line))
+                    self._window_slots += routers[router].num_slots
             self._lines |= new_lines
             source.last_seen = now
             return evict
@@ -335,13 +320,13 @@ class RemoteRouting:
         return name
 
     def _check_overflow(self, source: _Source, snapshot: Snapshot) -> None:
-        for delta in snapshot.deltas:
-            totals = source.windows.window_totals(remote_name(snapshot.source, delta.router), delta.business_line)
+        for (router, line), delta in snapshot.deltas.items():
+            totals = source.windows.window_totals(remote_name(snapshot.source, router), line)
             if totals is None:
                 continue
             if (totals.tokens + delta.tokens > COUNT_CEILING
                     or int((totals.counts + delta.counts).max(initial=0)) > COUNT_CEILING):
-                raise IngestError(f"router {delta.router!r}, business line {delta.business_line!r}: the window's "
+                raise IngestError(f"router {router!r}, business line {line!r}: the window's "
                                   f"sums would pass {COUNT_CEILING}", "deltas", code="count_overflow")
 
     def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:

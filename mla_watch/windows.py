@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 from mla_watch.routing import Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
-__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "RouterInfo", "RouterStats", "RouterWindows",
-           "RoutingSnapshot", "take_snapshot"]
+__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta", "RouterInfo", "RouterStats",
+           "RouterWindows", "RoutingSnapshot", "take_snapshot"]
 
 BASELINE_FORMAT = "mla_watch.baseline/1"
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
@@ -67,6 +66,24 @@ class RouterInfo:
                 raise ValueError(f"{where}.{key} = {value!r}: expected an integer >= {lowest}")
             values[key] = value
         return cls(name=name, kind=kind, **values)
+
+
+@dataclass
+class CountDelta:
+    """What one router chose for one business line over some tokens: the one shape counts travel in,
+    from the probe to the windows, the shipper and the ingestion wire."""
+
+    counts: np.ndarray  # int64, one per slot
+    tokens: int
+    local_selections: int = 0
+    choice_selections: int = 0
+
+    def merge(self, other: CountDelta) -> None:
+        """Add ``other`` into this delta (sums of the same router and line)."""
+        self.counts = self.counts + other.counts
+        self.tokens += other.tokens
+        self.local_selections += other.local_selections
+        self.choice_selections += other.choice_selections
 
 
 @dataclass(frozen=True)
@@ -167,17 +184,16 @@ class RouterWindows:
     def nbytes(self) -> int:
         return sum(window.nbytes for window in self._windows.values())
 
-    def add(self, router: str, business_line: str, counts: ArrayLike, tokens: int, *,
-            local_selections: int = 0, choice_selections: int = 0) -> None:
+    def add(self, router: str, business_line: str, delta: CountDelta) -> None:
         """Add a count delta of one router for one business line."""
         if router not in self._routers:
             raise KeyError(f"router {router!r} is not one of the {len(self._routers)} routers of these windows")
         with self._lock:
             self._version += 1
             self._lines.setdefault(business_line, None)
-            self._window(router, business_line).add(
-                counts, tokens, local_selections=local_selections, choice_selections=choice_selections
-            )
+            self._window(router, business_line).add(delta.counts, delta.tokens,
+                                                    local_selections=delta.local_selections,
+                                                    choice_selections=delta.choice_selections)
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """Selection counts of each router over its current window."""

@@ -47,10 +47,10 @@ from typing import Any, Literal
 from urllib.parse import urlencode
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
+from mla_watch.alerting.templates import render_annotations
 from mla_watch.windows import ALL_LINES
 
-__all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance",
-           "default_render"]
+__all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
 
 log = logging.getLogger("mla_watch.alerting.engine")
 
@@ -95,22 +95,6 @@ class AlertInstance:
                 "active_since": self.active_since, "firing_since": self.firing_since,
                 "resolved_at": self.resolved_at, "last_evaluated": self.last_evaluated,
                 "annotations": dict(self.annotations), "fingerprint": self.fingerprint}
-
-
-def default_render(rule: Rule, fields: Mapping[str, object]) -> dict[str, str]:
-    """``str.format_map`` of each of the rule's annotation templates over ``fields``.
-
-    A broken template (unknown field, bad format spec, a ``None`` formatted as a number)
-    yields an annotation text that names the error instead of raising: an annotation bug
-    must never stop evaluation or lose a page.
-    """
-    out: dict[str, str] = {}
-    for key, template in rule.annotations.items():
-        try:
-            out[key] = str(template).format_map(fields)
-        except Exception as error:  # any template bug: report it in the text
-            out[key] = f"[annotation {key!r} of rule {rule.name!r} failed: {type(error).__name__}: {error}] {template}"
-    return out
 
 
 class _Compiled:
@@ -209,7 +193,7 @@ class AlertEngine:
     def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
                  render: Render | None = None, status_url: str = "") -> None:
         self._clock = clock
-        self._render = render or default_render
+        self._render = render or render_annotations
         self._status_url = status_url
         self._state_path = Path(state_path) if state_path is not None else None
         self._lock = threading.RLock()

@@ -25,7 +25,7 @@ from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
 from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
-from mla_watch.alerting.rules import render_annotations
+from mla_watch.alerting.templates import render_annotations
 
 __all__ = ["AlertService"]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from mla_watch.ingest import INGEST_PATH, snapshot_body
-from mla_watch.windows import NAME_RE, NAME_RULE, RouterInfo
+from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo
 
 __all__ = ["Shipper"]
 
@@ -45,7 +45,7 @@ class Shipper:
                              "worker's routers as <source>/<router>)")
         self.timeout = timeout
         self._sizes = {info.name: info.num_slots for info in routers}
-        self._pending: dict[tuple[str, str], list] = {}
+        self._pending: dict[tuple[str, str], CountDelta] = {}
         self._lock = threading.Lock()
         self.delivered = 0
         self.failures = 0
@@ -53,18 +53,14 @@ class Shipper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, router: str, line: str, counts: np.ndarray, tokens: int, *, local_selections: int = 0,
-            choice_selections: int = 0) -> None:
+    def add(self, router: str, line: str, delta: CountDelta) -> None:
         with self._lock:
             entry = self._pending.get((router, line))
             if entry is None:
-                self._pending[(router, line)] = [counts.astype(np.int64).copy(), tokens, local_selections,
-                                                 choice_selections]
+                self._pending[(router, line)] = CountDelta(delta.counts.astype(np.int64, copy=True), delta.tokens,
+                                                           delta.local_selections, delta.choice_selections)
             else:
-                entry[0] += counts
-                entry[1] += tokens
-                entry[2] += local_selections
-                entry[3] += choice_selections
+                entry.merge(delta)
 
     @property
     def pending(self) -> int:
@@ -95,8 +91,8 @@ class Shipper:
                           error.read()[:500])
                 return False
             log.warning("cannot ship routing counts to %s (%s); keeping them for the next attempt", self.url, error)
-            for (router, line), (counts, tokens, local, choice) in taken.items():
-                self.add(router, line, counts, tokens, local_selections=local, choice_selections=choice)
+            for (router, line), delta in taken.items():
+                self.add(router, line, delta)
             return False
 
     def start(self, collect: Callable[[], None], interval: float) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from mla_watch.probe.agent import Shipper
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, RouterSpec, discover_routers
-from mla_watch.windows import RouterWindows
+from mla_watch.windows import CountDelta, RouterWindows
 
 __all__ = ["DEFAULT_LINE", "Probe", "attach"]
 
@@ -163,14 +163,8 @@ class Probe:
                     companions = delta[row, start + router.info.num_slots : start + router.info.num_slots + 3]
                     # Every token picks exactly top_k experts, so expert routers need no token counter.
                     tokens = slots.sum() // router.info.top_k if router.info.kind == "expert" else companions[_TOKENS]
-                    self._sink(
-                        router.info.name,
-                        line,
-                        slots,
-                        int(tokens),
-                        local_selections=int(companions[_LOCAL]),
-                        choice_selections=int(companions[_CHOICE]),
-                    )
+                    self._sink(router.info.name, line, CountDelta(slots, int(tokens), int(companions[_LOCAL]),
+                                                                  int(companions[_CHOICE])))
 
     def reset(self) -> None:
         """Forget every count (device counters and windows)."""
