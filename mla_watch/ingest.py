@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.describe import describe_value
+from mla_watch.routing import KINDS
 from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
@@ -154,7 +155,7 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
         raise IngestError(f"{field}.name={describe_value(name)} is invalid: expected a module path of at most 200 "
                           "characters (letters, digits, _ . : - [ ])", f"{field}.name")
     kind = data.get("kind")
-    if kind not in ("expert", "indexer"):
+    if kind not in KINDS:
         raise IngestError(f"{field}.kind={describe_value(kind)} is invalid: expected 'expert' or 'indexer'",
                           f"{field}.kind")
     layer = _integer(data.get("layer"), f"{field}.layer", -1, MAX_LAYER)

@@ -45,6 +45,7 @@ from numpy.typing import ArrayLike
 from scipy.spatial.distance import jensenshannon
 
 __all__ = [
+    "KINDS",
     "Kind",
     "RollingWindow",
     "RoutingStats",
@@ -62,7 +63,7 @@ __all__ = [
 
 Kind = Literal["expert", "indexer"]
 
-_KINDS: tuple[str, ...] = ("expert", "indexer")
+KINDS: tuple[str, ...] = ("expert", "indexer")
 _LN2 = math.log(2.0)
 
 
@@ -317,8 +318,8 @@ def compute_stats(
     selections at all every metric is finite: entropy 0, normalized 0, MaxVio 0, all
     slots dead, no divergence.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     k = _check_positive_int(top_k, "top_k")
     n_tokens = _check_nonnegative_int(tokens, "tokens")
     local, choice = _check_local_choice(local_selections, choice_selections)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.routing import Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
+from mla_watch.routing import KINDS, Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
 __all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta", "RouterInfo", "RouterStats",
            "RouterWindows", "RoutingSnapshot", "take_snapshot"]
@@ -57,7 +57,7 @@ class RouterInfo:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{where}.name = {name!r}: expected a non-empty string")
         kind = data.get("kind")
-        if kind not in ("expert", "indexer"):
+        if kind not in KINDS:
             raise ValueError(f"{where}.kind = {kind!r}: expected 'expert' or 'indexer'")
         values = {}
         for key, lowest in (("layer", -1), ("num_slots", 1), ("top_k", 1)):

@@ -196,3 +196,11 @@ def test_promotions_survive_a_restart(tmp_path) -> None:
     live = router_state(harness.model)
     assert all(torch.equal(live[name], promoted[name]) for name in promoted)
     service.stop()
+
+
+def test_the_strategies_rules_may_name_are_the_strategies_there_are() -> None:
+    from mla_watch.alerting.model import RETUNE_STRATEGIES
+    from mla_watch.retune.service import DEFAULT_STRATEGIES
+    from mla_watch.retune.strategies import STRATEGIES
+
+    assert set(RETUNE_STRATEGIES) == set(STRATEGIES) and DEFAULT_STRATEGIES == RETUNE_STRATEGIES

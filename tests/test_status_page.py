@@ -88,8 +88,13 @@ def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, mo
         assert status["retune"]["promotions"][0]["kind"] == "initial"
 
         newest = history["times"][-1]
-        later = httpx.get(url + "/v1/status", params={"since": newest}, timeout=10).json()["history"]
-        assert all(t > newest for t in later["times"])
+
+        def newer() -> list[float]:
+            return httpx.get(url + "/v1/status", params={"since": newest}, timeout=10).json()["history"]["times"]
+
+        assert wait_until(lambda: len(newer()) > 0, 30)  # the sampler goes on: there is something newer
+        later = newer()
+        assert later and all(t > newest for t in later) and newest not in later
         bad = httpx.get(url + "/v1/status", params={"since": "yesterday"}, timeout=10)
         assert bad.status_code == 400
         assert bad.json()["error"]["param"] == "since" and '"yesterday" is invalid' in bad.json()["error"]["message"]

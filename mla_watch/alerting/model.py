@@ -7,6 +7,7 @@ Data flows one way: routing statistics records -> :class:`Rule` evaluation (the 
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -16,7 +17,9 @@ from mla_watch.windows import ALL_LINES
 
 __all__ = [
     "ACTIONS",
+    "LABEL_NAME_RE",
     "METRICS",
+    "RETUNE_STRATEGIES",
     "TEMPLATE_FIELDS",
     "Alert",
     "AlertState",
@@ -33,6 +36,11 @@ __all__ = [
 METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "max_violation", "dead_slots", "js_divergence",
                             "locality")
 ACTIONS: tuple[str, ...] = ("notify", "retune")
+# A Prometheus label name, and so an alert name too (match it whole).
+LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The re-tuning strategies a rule's `retune_strategy` may name, in the order tried by default.
+# Named here, not imported from the re-tuner: alerting never imports it (tests check the two agree).
+RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
 # Fields an annotation template may use, as str.format fields: "{value:.2f} bits on {router}".
 TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold", "resolve_threshold", "router",
                                     "layer", "kind", "business_line", "floor_bits", "ceiling_bits", "tokens",

@@ -7,14 +7,12 @@ import urllib.parse
 from collections.abc import Mapping
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import Receiver
+from mla_watch.alerting.model import LABEL_NAME_RE, Receiver
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
 from mla_watch.windows import NAME_RE, NAME_RULE
 from mla_watch.yamlcheck import Checker
 
-__all__ = ["LABEL_NAME_RE", "PAGERDUTY_EVENTS_URL", "parse_receiver"]
-
-LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a Prometheus label name
+__all__ = ["PAGERDUTY_EVENTS_URL", "parse_receiver"]
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 _RECEIVER_KEYS = ("name", "type", "url", "headers", "hmac_secret", "routing_key", "timeout", "max_attempts",

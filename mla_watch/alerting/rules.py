@@ -45,7 +45,9 @@ from typing import Any
 from mla_watch.alerting.durations import duration_key, format_duration, parse_duration
 from mla_watch.alerting.model import (
     ACTIONS,
+    LABEL_NAME_RE,
     METRICS,
+    RETUNE_STRATEGIES,
     TEMPLATE_FIELDS,
     Receiver,
     Rule,
@@ -56,6 +58,7 @@ from mla_watch.alerting.model import (
 from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.config import config_files
+from mla_watch.routing import KINDS
 from mla_watch.yamlcheck import Checker as _Checker
 from mla_watch.yamlcheck import fmt as _fmt
 from mla_watch.yamlcheck import is_number as _is_number
@@ -74,7 +77,6 @@ __all__ = [
 ]
 
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
 RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", "kind", "business_line")
 
 _TOP_KEYS = ("receivers", "rules")
@@ -82,9 +84,6 @@ _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "r
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
               "receivers")
 _SELECT_KEYS = ("kind", "layers", "router", "business_line")
-_KINDS = ("expert", "indexer")
-_ALERT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_LABEL_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -190,7 +189,7 @@ def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     if data is None:
         return Selector()
     kind = data.get("kind")
-    if kind is not None and kind not in _KINDS:
+    if kind is not None and kind not in KINDS:
         chk.bad(f"{path}.kind", kind, "one of: expert, indexer (any other kind matches no router)")
         kind = None
     layers = None
@@ -235,7 +234,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     name = data.get("alert")
     if "alert" not in data:
         chk.missing(f"{path}.alert", "the alert name, e.g. RoutingEntropyLow")
-    elif not isinstance(name, str) or not _ALERT_RE.match(name):
+    elif not isinstance(name, str) or not LABEL_NAME_RE.fullmatch(name):
         chk.bad(f"{path}.alert", name, "an alert name matching ^[A-Za-z_][A-Za-z0-9_]*$")
 
     metric = data.get("metric")
@@ -301,7 +300,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     if data.get("labels") is not None:
         raw_labels = chk.mapping(f"{path}.labels", data["labels"], None, "label name -> text")
         for key, value in (raw_labels or {}).items():
-            if not isinstance(key, str) or not _LABEL_RE.match(key) or key.startswith("__"):
+            if not isinstance(key, str) or not LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
                 chk.bad(f"{path}.labels", key, "label names of letters, digits and '_' (not starting with '__')")
             elif key in RESERVED_LABELS:
                 chk.bad(f"{path}.labels.{key}", value, "no override of a label the engine sets: "
@@ -315,7 +314,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     if data.get("annotations") is not None:
         raw_ann = chk.mapping(f"{path}.annotations", data["annotations"], None, "annotation name -> template")
         for key, value in (raw_ann or {}).items():
-            if not isinstance(key, str) or not _LABEL_RE.match(key):
+            if not isinstance(key, str) or not LABEL_NAME_RE.fullmatch(key):
                 chk.bad(f"{path}.annotations", key, "annotation names of letters, digits and '_'")
             elif not isinstance(value, str):
                 chk.bad(f"{path}.annotations.{key}", value, "a string template")

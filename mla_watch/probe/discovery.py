@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mla_watch.routing import Kind
+from mla_watch.routing import KINDS, Kind
 from mla_watch.windows import RouterInfo
 
 __all__ = [
@@ -133,7 +133,7 @@ class RouterRegistry:
         mask_argument: tuple[str, int] | None = None,
         may_pad: bool = True,
     ) -> RouterSpec:
-        if kind not in ("expert", "indexer"):
+        if kind not in KINDS:
             raise ValueError(f"register_router: kind={kind!r}; expected 'expert' or 'indexer'")
         name = router_class if isinstance(router_class, str) else router_class.__name__
         spec = RouterSpec(kind, num_slots, top_k, indices, mask_argument, may_pad)

@@ -29,6 +29,7 @@ from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from mla_watch.alerting.model import RETUNE_STRATEGIES
 from mla_watch.retune.gates import band_of_rule
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
 from mla_watch.retune.registry import RouterVersions, router_modules
@@ -40,7 +41,7 @@ __all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
 
 log = logging.getLogger("mla_watch.retune")
 
-DEFAULT_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
+DEFAULT_STRATEGIES = RETUNE_STRATEGIES
 
 # APScheduler stores a job as a reference to a module-level function plus its arguments;
 # the function finds the service of its state directory here.
