@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
+from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["main"]
 
-DEFAULT_STATE_DIR = Path("mla-watch-state")
+DEFAULT_STATE_DIR = ServerConfig.state_dir
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -131,13 +133,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from mla_watch.server.app import ServerConfig, build_sidecar
+    from mla_watch.server.app import build_sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
-    from mla_watch.retune.jobs import RetuneSettings
 
     try:
         retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
@@ -465,11 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     baseline.set_defaults(handler=_cmd_baseline)
 
     serve = commands.add_parser("serve", help="serve the OpenAI API with policies enforced and routers watched")
-    serve.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
-    serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    serve.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
-    serve.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
-    serve.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+    serve.add_argument("--model", default=ServerConfig.model, help="'bundled' or a save_pretrained directory")
+    serve.add_argument("--device", default=ServerConfig.device, help="auto | cpu | cuda | cuda:N")
+    serve.add_argument("--policies", type=Path, default=ServerConfig.policies, help="directory of policy YAML files")
+    serve.add_argument("--rules", type=Path, default=ServerConfig.rules, help="directory of alert rule YAML files")
+    serve.add_argument("--state-dir", type=Path, default=ServerConfig.state_dir,
                        help="alert state and the notification outbox (default ./mla-watch-state)")
     serve.add_argument("--dataset-dir", type=Path, default=None,
                        help="the only directory re-tune jobs from the admin API read JSONL datasets from, named by "
@@ -478,31 +479,35 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
-    serve.add_argument("--attn-implementation", default="sdpa",
+    serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,
                        help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
-    serve.add_argument("--max-queue", type=_positive_int, default=32, help="requests queued for the model before 429")
-    serve.add_argument("--request-timeout", type=_positive_float, default=60.0,
+    serve.add_argument("--max-queue", type=_positive_int, default=ServerConfig.max_queue,
+                       help="requests queued for the model before 429")
+    serve.add_argument("--request-timeout", type=_positive_float, default=ServerConfig.request_timeout,
                        help="seconds per request, queue included")
     serve.add_argument("--capture", action="store_true",
                        help="record recent traffic (token ids) per business line in STATE_DIR for re-tuning")
-    serve.add_argument("--capture-max-samples", type=_positive_int, default=2000, help="captured samples kept per line")
-    serve.add_argument("--capture-max-age", type=_positive_float, default=7 * 86400.0, help="seconds a capture is kept")
+    serve.add_argument("--capture-max-samples", type=_positive_int, default=ServerConfig.capture_max_samples,
+                       help="captured samples kept per line")
+    serve.add_argument("--capture-max-age", type=_positive_float, default=ServerConfig.capture_max_age_seconds,
+                       help="seconds a capture is kept")
     serve.add_argument("--retune-command",
                        help="run re-tuning fits with this external command template (see the README)")
-    serve.add_argument("--retune-cooldown", type=_non_negative_float, default=3600.0,
-                       help="seconds between two re-tune jobs of one router (default 3600)")
-    serve.add_argument("--max-perplexity-increase", type=_non_negative_float, default=0.3,
-                       help="quality gate: perplexity may rise at most this much (default 0.3)")
+    serve.add_argument("--retune-cooldown", type=_non_negative_float, default=RetuneSettings.cooldown_seconds,
+                       help="seconds between two re-tune jobs of one router (default %(default)s)")
+    serve.add_argument("--max-perplexity-increase", type=_non_negative_float,
+                       default=RetuneSettings.max_perplexity_increase,
+                       help="quality gate: perplexity may rise at most this much (default %(default)s)")
     serve.add_argument("--retune-option", action="append", default=[],
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
-    serve.add_argument("--retune-min-samples", type=_positive_int, default=16,
-                       help="samples a re-tune job needs at least (default 16)")
-    serve.add_argument("--history-interval", type=_positive_float, default=10.0,
-                       help="status page: seconds between two points of the entropy heat map (default 10)")
-    serve.add_argument("--history-span", type=_positive_float, default=3600.0,
-                       help="status page: seconds of entropy history kept (default 3600)")
-    serve.add_argument("--body-timeout", type=_positive_float, default=10.0,
-                       help="seconds a request body may take to arrive before 408 (default 10)")
+    serve.add_argument("--retune-min-samples", type=_positive_int, default=RetuneSettings.min_samples,
+                       help="samples a re-tune job needs at least (default %(default)s)")
+    serve.add_argument("--history-interval", type=_positive_float, default=ServerConfig.history_interval_seconds,
+                       help="status page: seconds between two points of the entropy heat map (default %(default)s)")
+    serve.add_argument("--history-span", type=_positive_float, default=ServerConfig.history_span_seconds,
+                       help="status page: seconds of entropy history kept (default %(default)s)")
+    serve.add_argument("--body-timeout", type=_positive_float, default=ServerConfig.body_timeout_seconds,
+                       help="seconds a request body may take to arrive before 408 (default %(default)s)")
     for name, text in INGEST_FLAGS.items():
         serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),
                            default=getattr(IngestLimits, name), help=f"{text} (default %(default)s)")

@@ -1,15 +1,37 @@
-"""Router re-tuning: versioned router checkpoints and gradient-free bias re-fits."""
+"""Router re-tuning: versioned router checkpoints and gradient-free bias re-fits.
 
-from mla_watch.retune.bias import BIAS_NAME, BiasRefitResult, refit_bias, supports_bias
-from mla_watch.retune.registry import ROUTER_TENSOR_PATTERNS, RouterVersions, router_modules, router_state
+Imported lazily, so that the torch-free parts (``retune.jobs``, ``retune.capture``) load without torch.
+"""
 
-__all__ = [
-    "BIAS_NAME",
-    "ROUTER_TENSOR_PATTERNS",
-    "BiasRefitResult",
-    "RouterVersions",
-    "refit_bias",
-    "router_modules",
-    "router_state",
-    "supports_bias",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "BIAS_NAME": "mla_watch.retune.bias",
+    "BiasRefitResult": "mla_watch.retune.bias",
+    "refit_bias": "mla_watch.retune.bias",
+    "supports_bias": "mla_watch.retune.bias",
+    "ROUTER_TENSOR_PATTERNS": "mla_watch.retune.registry",
+    "RouterVersions": "mla_watch.retune.registry",
+    "router_modules": "mla_watch.retune.registry",
+    "router_state": "mla_watch.retune.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from mla_watch.retune.bias import BIAS_NAME, BiasRefitResult, refit_bias, supports_bias  # noqa: F401
+    from mla_watch.retune.registry import (  # noqa: F401
+        ROUTER_TENSOR_PATTERNS,
+        RouterVersions,
+        router_modules,
+        router_state,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mla_watch.retune' has no attribute {name!r}")

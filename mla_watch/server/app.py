@@ -12,11 +12,9 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,18 +30,18 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
-from mla_watch.ingest import IngestLimits, RemoteRouting
+from mla_watch.ingest import RemoteRouting
 from mla_watch.policy_files import PolicyStore
-from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.jobs import JobSpec
 from mla_watch.server import status as status_page
 from mla_watch.server.admin import Admin, rejected_notice
+from mla_watch.server.config import ADMIN_TOKEN_ENV, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
 from mla_watch.server.http import authorise, error_response, read_json
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
 from mla_watch.server.requests import ApiError, describe_value
-from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.statedir import ensure_private_dir
 from mla_watch.windows import RouterWindows, RoutingSnapshot, take_snapshot
 
@@ -57,41 +55,7 @@ __all__ = ["ServerConfig", "Sidecar"]
 
 log = logging.getLogger("mla_watch.server")
 
-ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
-INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
-MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-up
 MAX_QUERY_VALUE = 64  # characters of a business line in a query string
-
-
-@dataclass
-class ServerConfig:
-    model: str = "bundled"
-    device: str = "auto"
-    policies: Path = SHIPPED_POLICIES
-    rules: Path | None = SHIPPED_RULES  # None: no alerting
-    state_dir: Path = Path("mla-watch-state")
-    dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets
-    alert_interval: float = 15.0
-    public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
-    upstream: str | None = None
-    attn_implementation: str = "sdpa"
-    max_queue: int = 32
-    request_timeout: float = 60.0
-    max_body_bytes: int = 1_000_000
-    window_tokens: int | None = 4096
-    window_seconds: float | None = None
-    policy_poll_seconds: float | None = 1.0
-    admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
-    # Workers shipping routing counts hold this one, not the admin key (falls back to the admin token).
-    ingest_token: str | None = field(default_factory=lambda: os.environ.get(INGEST_TOKEN_ENV) or None)
-    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
-    body_timeout_seconds: float = 10.0  # a request body still arriving after this is refused (408)
-    capture: bool = False  # opt-in: record recent traffic (token ids) per business line for re-tuning
-    capture_max_samples: int = 2000  # per business line
-    capture_max_age_seconds: float = 7 * 86400.0
-    retune: RetuneSettings = field(default_factory=RetuneSettings)
-    history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
-    history_span_seconds: float = 3600.0  # ... over this span
 
 
 class Sidecar:

@@ -1,0 +1,48 @@
+"""The sidecar's settings: every default once, here; ``mla-watch serve`` builds its flags from them (no torch)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mla_watch.ingest import IngestLimits
+from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+
+__all__ = ["ADMIN_TOKEN_ENV", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "ServerConfig"]
+
+ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
+INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
+MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-up
+
+
+@dataclass
+class ServerConfig:
+    model: str = "bundled"
+    device: str = "auto"
+    policies: Path = SHIPPED_POLICIES
+    rules: Path | None = SHIPPED_RULES  # None: no alerting
+    state_dir: Path = Path("mla-watch-state")
+    dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets
+    alert_interval: float = 15.0
+    public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
+    upstream: str | None = None
+    attn_implementation: str = "sdpa"
+    max_queue: int = 32
+    request_timeout: float = 60.0
+    max_body_bytes: int = 1_000_000
+    window_tokens: int | None = 4096
+    window_seconds: float | None = None
+    policy_poll_seconds: float | None = 1.0
+    admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
+    # Workers shipping routing counts hold this one, not the admin key (falls back to the admin token).
+    ingest_token: str | None = field(default_factory=lambda: os.environ.get(INGEST_TOKEN_ENV) or None)
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
+    body_timeout_seconds: float = 10.0  # a request body still arriving after this is refused (408)
+    capture: bool = False  # opt-in: record recent traffic (token ids) per business line for re-tuning
+    capture_max_samples: int = 2000  # per business line
+    capture_max_age_seconds: float = 7 * 86400.0
+    retune: RetuneSettings = field(default_factory=RetuneSettings)
+    history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
+    history_span_seconds: float = 3600.0  # ... over this span
