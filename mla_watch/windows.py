@@ -9,6 +9,7 @@ and the metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import threading
@@ -29,6 +30,7 @@ BASELINE_FORMAT = "mla_watch.baseline/1"
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
 # metrics, alerts and history, and so a name no policy may take.
 ALL_LINES = "all"
+_SERIALS = itertools.count(1)
 # A business line's (or a worker's) name: a label value, short and printable (match it whole).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -165,6 +167,7 @@ class RouterWindows:
         self._baseline: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
         self._version = 0
+        self.serial = next(_SERIALS)  # unlike id(), never reused: a cache may key on (serial, version)
 
     @property
     def routers(self) -> list[RouterInfo]:

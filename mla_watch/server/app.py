@@ -115,7 +115,7 @@ class Sidecar:
         """Every router's statistics, per business line and summed: computed once per change of the
         counts, and shared by the metrics, alert evaluation, the history and the APIs."""
         sources = self._routing_sources()  # collects the local probe's counts first
-        key = tuple((id(windows), windows.version) for windows in sources)
+        key = tuple((windows.serial, windows.version) for windows in sources)
         with self._snapshot_lock:
             cached = self._snapshot
             # Windows bounded by age change with time alone: their snapshot lives one second.
