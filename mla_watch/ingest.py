@@ -183,6 +183,8 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
     if not isinstance(deltas, list):
         raise IngestError("deltas is invalid: expected a list", "deltas")
     merged: dict[tuple[str, str], CountDelta] = {}
+    lines: set[str] = set()
+    dense_slots = 0
     for index, delta in enumerate(deltas):
         where = f"deltas[{index}]"
         if not isinstance(delta, dict):
@@ -211,13 +213,22 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
                               f"{most}", f"{where}.counts")
         choice = _integer(delta.get("choice_selections", 0), f"{where}.choice_selections", 0, most)
         local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
+        if (info.name, line) not in merged:
+            # Dense counts are allocated here, before RemoteRouting checks its caps: bound them here too,
+            # or one request of many lines of a wide router would allocate gigabytes on its way to a 429.
+            lines.add(line)
+            dense_slots += info.num_slots
+            if len(lines) > limits.max_lines:
+                raise IngestError(f"this snapshot names more than {limits.max_lines} business lines, the most this "
+                                  "sidecar keeps (serve --ingest-max-lines)", "deltas.business_line", status=429,
+                                  code="too_many_lines")
+            if dense_slots > limits.max_window_slots:
+                raise IngestError(f"this snapshot's deltas span more than {limits.max_window_slots} slots "
+                                  "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
+            merged[(info.name, line)] = CountDelta(np.zeros(info.num_slots, dtype=np.int64), 0)
         dense = np.zeros(info.num_slots, dtype=np.int64)
         dense[slots] = counts
-        delta = CountDelta(dense, tokens, local, choice)
-        if (info.name, line) in merged:  # the same router and line twice: one delta (bounded: the body is)
-            merged[(info.name, line)].merge(delta)
-        else:
-            merged[(info.name, line)] = delta
+        merged[(info.name, line)].merge(CountDelta(dense, tokens, local, choice))
     return Snapshot(source, infos, merged)
 
 

@@ -295,3 +295,18 @@ def test_non_ascii_digits_are_refused_not_crashed_on(sidecar) -> None:
     jobs = httpx.get(url + "/v1/retune/jobs", params={"limit": "²"}, timeout=30)
     assert jobs.status_code == 400 and jobs.json()["error"]["param"] == "limit"
     assert httpx.get(url + "/v1/retune/jobs", params={"limit": "9" * 5000}, timeout=30).status_code == 400
+
+
+def test_a_request_is_refused_before_its_dense_counts_are_allocated() -> None:
+    limits = IngestLimits(max_slots=4096, max_window_slots=8192, max_lines=4)
+    wide = router(slots=4096, top_k=8)
+    three_windows = snapshot(routers=[wide], deltas=[delta(line=f"l{i}", slots=4096) for i in range(3)])
+    with pytest.raises(IngestError, match="span more than 8192 slots") as refused:
+        parse_snapshot(three_windows, limits)  # 3 x 4096 dense slots: refused while parsing, not after
+    assert refused.value.status == 429 and refused.value.code == "too_many_slots"
+    five_lines = snapshot(deltas=[delta(line=f"l{i}") for i in range(5)])
+    with pytest.raises(IngestError, match="more than 4 business lines"):
+        parse_snapshot(five_lines, limits)
+    twice = snapshot(deltas=[delta(), delta()])  # one router and line twice: one delta, summed
+    (merged,) = parse_snapshot(twice, limits).deltas.values()
+    assert merged.tokens == 20 and int(merged.counts.sum()) == 120
