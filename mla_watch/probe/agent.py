@@ -44,7 +44,6 @@ class Shipper:
             raise ValueError(f"agent_source={self.source!r}: expected {NAME_RULE} (the sidecar watches this "
                              "worker's routers as <source>/<router>)")
         self.timeout = timeout
-        self._sizes = {info.name: info.num_slots for info in routers}
         self._pending: dict[tuple[str, str], CountDelta] = {}
         self._lock = threading.Lock()
         self.delivered = 0

@@ -43,7 +43,7 @@ from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.statedir import ensure_private_dir
-from mla_watch.windows import RouterWindows, RoutingSnapshot, take_snapshot
+from mla_watch.windows import NAME_RE, NAME_RULE, RouterWindows, RoutingSnapshot, take_snapshot
 
 if TYPE_CHECKING:
     from mla_watch.probe.probe import Probe
@@ -55,7 +55,6 @@ __all__ = ["ServerConfig", "Sidecar"]
 
 log = logging.getLogger("mla_watch.server")
 
-MAX_QUERY_VALUE = 64  # characters of a business line in a query string
 
 
 class Sidecar:
@@ -335,9 +334,9 @@ class Sidecar:
         lines = list(snapshot.business_lines)
         if business_line is not None and business_line not in lines:
             shown = describe_value(business_line)
-            if len(business_line) > MAX_QUERY_VALUE:
-                raise ApiError(400, f"business_line={shown} is invalid: expected at most {MAX_QUERY_VALUE} "
-                                    "characters", param="business_line", code="invalid_value")
+            if not NAME_RE.fullmatch(business_line):
+                raise ApiError(400, f"business_line={shown} is invalid: expected {NAME_RULE}",
+                               param="business_line", code="invalid_value")
             raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
