@@ -310,3 +310,12 @@ def test_a_request_is_refused_before_its_dense_counts_are_allocated() -> None:
     twice = snapshot(deltas=[delta(), delta()])  # one router and line twice: one delta, summed
     (merged,) = parse_snapshot(twice, limits).deltas.values()
     assert merged.tokens == 20 and int(merged.counts.sum()) == 120
+
+
+def test_refusals_are_counted_by_route_not_by_the_path_asked_for(proxy) -> None:
+    url, _ = proxy
+    for _ in range(20):
+        assert httpx.get(url + f"/static/{uuid.uuid4().hex}", timeout=30).status_code == 404
+    metrics = get_metrics(url)
+    assert metrics.count('mla_watch_bad_requests_total{endpoint="/static/') == 1  # one series, whatever was asked
+    assert metric_value(metrics, "mla_watch_bad_requests_total", endpoint="/static/{name}", reason="not_found") == 20

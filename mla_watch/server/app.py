@@ -432,8 +432,9 @@ class Sidecar:
 
     def refused(self, request: Request, error: ApiError) -> Response:
         """The answer to a refused request, counted by reason when the client was at fault."""
-        if error.status < 500:
-            self.metrics.bad_requests.labels(request.url.path, error.code or str(error.status)).inc()
+        if error.status < 500:  # labelled by the route's template: /v1/retune/jobs/{job_id}, not each id asked for
+            route = getattr(request.scope.get("route"), "path", "other")
+            self.metrics.bad_requests.labels(route, error.code or str(error.status)).inc()
         return error_response(error)
 
     async def _api_error(self, request: Request, error: Exception) -> Response:
