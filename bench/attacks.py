@@ -388,12 +388,12 @@ class Attacker:
             if code is not None and error["code"] != code:
                 report.problems.append(f"{what}: code {error['code']!r}, expected {code!r}")
 
-    def repeats(self) -> Iterator[int]:
-        """At least ``plan.rounds`` repetitions, more until :data:`MIN_ATTACK_SECONDS` have passed (at most
-        20 x rounds)."""
+    def repeats(self, minimum: int | None = None) -> Iterator[int]:
+        """At least ``minimum`` (default ``plan.rounds``) repetitions, more until :data:`MIN_ATTACK_SECONDS`
+        have passed (at most 20 x that): /healthz must be polled during an attack refused quickly."""
+        least = self.plan.rounds if minimum is None else minimum
         start, count = time.monotonic(), 0
-        while count < self.plan.rounds or (time.monotonic() - start < MIN_ATTACK_SECONDS
-                                           and count < 20 * self.plan.rounds):
+        while count < least or (time.monotonic() - start < MIN_ATTACK_SECONDS and count < 20 * least):
             yield count
             count += 1
 
@@ -445,7 +445,7 @@ class Attacker:
             body["deltas"] = [{**body["deltas"][0], "business_line": f"flood-{i}"} for i in range(count)]
             content = json.dumps(body).encode()
             with self.sending():
-                for _ in range(self.plan.line_requests):
+                for _ in self.repeats(self.plan.line_requests):
                     self.expect(self.ingest(content), {429}, "many lines", param="deltas.business_line",
                                 code="too_many_lines")
             metrics = self.http.get("/metrics")
