@@ -12,7 +12,7 @@ from typing import Any
 
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
-from mla_watch.server.config import ServerConfig
+from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.windows import ALL_LINES
 
@@ -163,7 +163,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           capture_max_samples=args.capture_max_samples,
                           capture_max_age_seconds=args.capture_max_age, retune=retune,
                           history_interval_seconds=args.history_interval, history_span_seconds=args.history_span,
-                          ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout)
+                          ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout,
+                          engine=args.engine, model_config=args.model_config, decode_workers=args.decode_workers,
+                          sglang_recorder_dir=args.sglang_recorder_dir,
+                          sglang_recorder_interval=args.sglang_recorder_interval,
+                          sglang_recorder_buffer=args.sglang_recorder_buffer,
+                          return_routed_experts=args.return_routed_experts)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -289,6 +294,17 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """An argparse type: argparse names the flag in its error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -479,6 +495,24 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
+    beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream)")
+    beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
+                        help="read the routing the upstream returns in this engine's format; auto: ask its "
+                             "/v1/models (default %(default)s: read none)")
+    beside.add_argument("--model-config", type=Path,
+                        help="the config.json the engine loaded, or its directory: where the MoE layers are")
+    beside.add_argument("--decode-workers", type=_non_negative_int, default=ServerConfig.decode_workers,
+                        help="processes decoding routing off the event loop; 0: a thread (default %(default)s)")
+    beside.add_argument("--sglang-recorder-dir", type=Path,
+                        help="SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine: count all its traffic "
+                             "from the expert distribution recorder (--expert-distribution-recorder-mode stat)")
+    beside.add_argument("--sglang-recorder-interval", type=_positive_float,
+                        default=ServerConfig.sglang_recorder_interval,
+                        help="seconds between two recorder dumps (default %(default)s)")
+    beside.add_argument("--sglang-recorder-buffer", type=_positive_int, default=ServerConfig.sglang_recorder_buffer,
+                        help="the engine's --expert-distribution-recorder-buffer-size (default %(default)s)")
+    serve.add_argument("--return-routed-experts", action="store_true",
+                       help="answer with the model's routing per token, in vLLM's and SGLang's fields")
     serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,
                        help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
     serve.add_argument("--max-queue", type=_positive_int, default=ServerConfig.max_queue,

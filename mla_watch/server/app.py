@@ -30,12 +30,15 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
+from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.engines.geometry import load_geometry
+from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
 from mla_watch.ingest import RemoteRouting
 from mla_watch.policy_files import PolicyStore
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.server import status as status_page
 from mla_watch.server.admin import Admin, rejected_notice
-from mla_watch.server.config import ADMIN_TOKEN_ENV, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
+from mla_watch.server.config import ADMIN_TOKEN_ENV, ENGINE_CHOICES, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
 from mla_watch.server.http import authorise, error_response, read_json
@@ -82,6 +85,9 @@ class Sidecar:
             self.alerts.on_retune(self._on_retune_action)
         self.remote = RemoteRouting(config.ingest_limits, window_tokens=config.window_tokens,
                                     window_seconds=config.window_seconds, clock=clock)
+        self.engine_routing = self._engine_routing()  # beside vLLM / SGLang: their routers' windows
+        self._decoder: RoutingDecoder | None = None
+        self._recorder: Any = None
         self.self_test: SelfTestResult | None = None
         self.load_error: str | None = None
         self.ready = threading.Event()  # set once the model is loaded (or the upstream client made)
@@ -92,6 +98,37 @@ class Sidecar:
         self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts())
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self._api_error})
+
+    # ------------------------------------------------------------------ beside an engine
+    def _engine_routing(self) -> EngineRouting | None:
+        config = self.config
+        if config.engine not in ENGINE_CHOICES:
+            raise ServerConfigError([f"--engine {config.engine!r}: expected one of {', '.join(ENGINE_CHOICES)}"])
+        reading = config.engine != "none" or config.sglang_recorder_dir is not None
+        if not reading:
+            return None
+        flag = "--engine" if config.engine != "none" else "--sglang-recorder-dir"
+        if not config.upstream:
+            raise ServerConfigError([f"{flag} reads an engine's routing: it needs --upstream URL (the engine)"])
+        if config.model_config is None:
+            raise ServerConfigError([f"{flag} needs --model-config: the config.json the engine loaded (or its "
+                                     "directory), which says where its MoE layers are"])
+        geometry = load_geometry(config.model_config)  # GeometryError names the file and the key
+        log.info("engine routers from %s: %s", config.model_config, geometry.describe())
+        engine = config.engine if config.engine != "none" else "sglang"
+        return EngineRouting(engine, geometry, EngineMetrics(self.registry), window_tokens=config.window_tokens,
+                             window_seconds=config.window_seconds, clock=self.clock)
+
+    def engine_routers(self) -> set[str]:
+        return set(self.engine_routing.geometry.router_names) if self.engine_routing is not None else set()
+
+    def _engine_status(self) -> dict[str, Any] | None:
+        routing = self.engine_routing
+        if routing is None:
+            return None
+        return {"engine": routing.engine, "url": self.config.upstream, "routers": routing.geometry.describe(),
+                "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
+                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE}
 
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> AlertService:
@@ -194,6 +231,8 @@ class Sidecar:
     def _on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
         router = action.alert.labels.get("router", "")
+        if router in self.engine_routers():
+            return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; {ENGINE_RETUNE_NOTE}"
         if self.retune is None:
             return "no re-tune job: this sidecar serves no local model to re-tune"
         if router not in self.retune.watched_by(None):
@@ -230,7 +269,19 @@ class Sidecar:
         # (measured by bench/attacks.py while /metrics built 27k series). Again once the model is in.
         gc.freeze()
         if self.config.upstream:
-            self.upstream = Upstream(self.config.upstream, self.config.request_timeout)
+            if self.engine_routing is not None and self.config.engine != "none":
+                self._decoder = RoutingDecoder(self.config.decode_workers)
+                self._decoder.start()
+            self.upstream = Upstream(self.config.upstream, self.config.request_timeout,
+                                     routing=self.engine_routing if self.config.engine != "none" else None,
+                                     decoder=self._decoder)
+            if self.config.sglang_recorder_dir is not None:
+                from mla_watch.engines.recorder import RecorderPoller
+
+                self._recorder = RecorderPoller(self.config.sglang_recorder_dir, self.config.upstream,
+                                                self.engine_routing, interval=self.config.sglang_recorder_interval,
+                                                buffer_size=self.config.sglang_recorder_buffer)
+                self._recorder.start()
             self.ready.set()
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
@@ -244,6 +295,10 @@ class Sidecar:
 
     async def _shutdown(self) -> None:
         self._history_sampler.stop()
+        if self._recorder is not None:
+            await asyncio.to_thread(self._recorder.stop)
+        if self._decoder is not None:
+            self._decoder.close()
         for stop in self._stop_watches:
             stop()
         if self.alerts is not None:
@@ -267,6 +322,8 @@ class Sidecar:
         if self.probe is not None:
             self.probe.collect()  # safe beside a running forward: counts are read as deltas
             sources.append(self.probe.windows)
+        if self.engine_routing is not None:
+            sources.append(self.engine_routing.windows)
         sources.extend(self.remote.windows())
         return sources
 
@@ -404,7 +461,8 @@ class Sidecar:
         policies = self._policies_view()
         body: dict[str, Any] = {
             "generated_at": time.time(), "model": self.model_name, "ready": self.ready.is_set(),
-            "load_error": self.load_error, "upstream": self.config.upstream, "history": history,
+            "load_error": self.load_error, "upstream": self.config.upstream, "engine": self._engine_status(),
+            "history": history,
             "alerts": self._alert_list(), "rules": len(rules),
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
             "policies": {"version": self.policies.version, "lines": policies,
@@ -440,6 +498,10 @@ class Sidecar:
     async def _api_error(self, request: Request, error: Exception) -> Response:
         assert isinstance(error, ApiError)
         return self.refused(request, error)
+
+
+ENGINE_RETUNE_NOTE = ("re-tuning is not available for an engine's routers: mla_watch re-tunes only a model it "
+                      "serves itself (the alert pages as usual; restore or re-tune the router where the engine runs)")
 
 
 class ServerConfigError(ConfigError):

@@ -10,7 +10,10 @@ from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
-__all__ = ["ADMIN_TOKEN_ENV", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "ServerConfig"]
+__all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "ServerConfig"]
+
+# How `serve --engine` reads the upstream's routing (mla_watch.engines.formats.ENGINES, none, or auto).
+ENGINE_CHOICES = ("none", "vllm", "sglang", "auto")
 
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
 INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
@@ -28,6 +31,14 @@ class ServerConfig:
     alert_interval: float = 15.0
     public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
     upstream: str | None = None
+    # Beside vLLM or SGLang (mla_watch.engines): how the upstream returns routing, and where its routers sit.
+    engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
+    model_config: Path | None = None  # the config.json the engine loaded, or its directory
+    decode_workers: int = 1  # processes decoding engine routing off the event loop; 0: a thread
+    sglang_recorder_dir: Path | None = None  # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine
+    sglang_recorder_interval: float = 10.0  # seconds between dumps
+    sglang_recorder_buffer: int = 1000  # the engine's --expert-distribution-recorder-buffer-size
+    return_routed_experts: bool = False  # the embedded model answers with its routing, in vLLM's and SGLang's fields
     attn_implementation: str = "sdpa"
     max_queue: int = 32
     request_timeout: float = 60.0

@@ -1,0 +1,237 @@
+"""Routing as vLLM and SGLang return it over HTTP: find it, decode it, count it, strip it (numpy, no torch).
+
+Read from the engines' own source (the tests that pin each shape cite the files):
+
+* **vLLM >= 0.22** (``--enable-return-routed-experts``, no per-request switch):
+  ``choices[i].routed_experts`` is base64 of a ``.npy`` file (uint8 up to 256 experts, else
+  uint16) of shape ``[prompt + generated - 1, num_hidden_layers, top_k]``: prompt rows
+  first (prefix-cache hits included), then one row per forwarded generated token (the last
+  sampled token never went through the model). Dense layers keep zero rows.
+* **vLLM <= 0.21**: top-level ``prompt_routed_experts`` ``[prompt, moe_layers, top_k]`` and
+  ``choices[i].routed_experts`` ``[generated - 1, moe_layers, top_k]``, nested JSON lists.
+* vLLM never puts routing into a stream: streamed responses are counted as without routing.
+* **SGLang >= 0.5.9** (``--enable-return-routed-experts`` and the request field
+  ``return_routed_experts: true``): top-level ``sglext.routed_experts``, base64 of raw int32
+  ``[prompt + generated - 1, num_hidden_layers, top_k]`` for the first choice only; a stream
+  carries it in one extra chunk with ``choices: []`` after the last token.
+
+A layer axis of ``num_hidden_layers`` rows is read at the MoE layers only; one of as many
+rows as MoE layers is read as it is. Anything else - a shape the config does not explain,
+an expert id out of range, a field that does not decode - is a data error: the response's
+routing is not counted, and the error is reported with its reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mla_watch.engines.geometry import EngineGeometry
+
+__all__ = ["ENGINES", "ROUTING_REQUEST_FIELD", "DataError", "Decoded", "RoutingPlan", "decode_chunk",
+           "decode_response", "routing_counts"]
+
+ENGINES = ("vllm", "sglang")
+# SGLang's request field; a client that sends it wants the routing itself, on any engine.
+ROUTING_REQUEST_FIELD = "return_routed_experts"
+# Data-error reasons (a metric label): what was wrong with the routing an engine returned.
+DATA_ERRORS = ("encoding", "shape", "expert_id")
+
+
+class DataError(ValueError):
+    """Routing that does not fit the model config; ``reason`` is one of :data:`DATA_ERRORS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # it travels back from the decoding process
+        return (DataError, (self.reason, str(self)))
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """What a decode needs to know (sent to the decoding process, so plain data only)."""
+
+    engine: str
+    geometry: EngineGeometry
+    keep: bool  # the client asked for the routing itself: leave it in the response
+    extra: dict[str, Any] | None = None  # mla_watch's object, added to the body (or to the first chunk)
+
+
+@dataclass
+class Decoded:
+    """One response (or stream chunk) after decoding: what the client gets, and what was counted."""
+
+    body: bytes | None  # None: drop this stream chunk (it carried nothing but routing the client did not ask for)
+    counts: np.ndarray | None = None  # [moe_layers, num_experts] int64; None when there was no routing
+    tokens: int = 0
+    error: DataError | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def found(self) -> bool:
+        return self.counts is not None or self.error is not None
+
+
+def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarray, int]:
+    """Selections per (MoE layer, expert) of ``ids`` ``[tokens, layers, top_k]``, and the tokens; vectorised."""
+    if ids.ndim != 3 or ids.shape[2] != geometry.top_k:
+        raise DataError("shape", f"routing of shape {list(ids.shape)}: expected [tokens, layers, {geometry.top_k}] "
+                                 f"(top_k {geometry.top_k} from the model config)")
+    moe = len(geometry.moe_layers)
+    if ids.shape[1] == geometry.num_hidden_layers and ids.shape[1] != moe:
+        ids = ids[:, list(geometry.moe_layers), :]
+    elif ids.shape[1] != moe:
+        raise DataError("shape", f"routing has {ids.shape[1]} layers: expected {geometry.num_hidden_layers} "
+                                 f"(every layer) or {moe} (MoE layers) from the model config")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= geometry.num_experts):
+        raise DataError("expert_id", f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
+                                     f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)")
+    flat = ids.astype(np.int64, copy=False) + (np.arange(moe, dtype=np.int64) * geometry.num_experts)[None, :, None]
+    counts = np.bincount(flat.ravel(), minlength=moe * geometry.num_experts).reshape(moe, geometry.num_experts)
+    return counts, int(ids.shape[0])
+
+
+def decode_response(plan: RoutingPlan, body: bytes) -> Decoded:
+    """A whole (non-streamed) response body: count its routing, strip it unless kept, add ``extra``."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return Decoded(body)  # not ours to judge: the client gets what the engine said
+    if not isinstance(document, dict):
+        return Decoded(body)
+    arrays, error = _take(plan, document)
+    return _finish(plan, document, arrays, error, plan.extra)
+
+
+def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
+    """One server-sent event's ``data:`` payload (JSON); the first one gets ``extra``."""
+    try:
+        document = json.loads(data)
+    except (ValueError, RecursionError):
+        return Decoded(data.encode())
+    if not isinstance(document, dict):
+        return Decoded(data.encode())
+    arrays, error = _take(plan, document)
+    if (arrays or error is not None) and not plan.keep and document.get("choices") == [] \
+            and not document.get("usage"):
+        decoded = _finish(plan, document, arrays, error, None)
+        decoded.body = None  # SGLang's routing-only chunk: the client did not ask for it
+        return decoded
+    return _finish(plan, document, arrays, error, plan.extra if first else None)
+
+
+# ---------------------------------------------------------------------- internals
+def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
+            extra: dict[str, Any] | None) -> Decoded:
+    decoded = Decoded(b"", error=error)
+    if arrays and error is None:
+        try:
+            totals = [routing_counts(ids, plan.geometry) for ids in arrays]
+        except DataError as failure:
+            decoded.error = failure
+        else:
+            decoded.counts = sum(counts for counts, _ in totals)
+            decoded.tokens = sum(tokens for _, tokens in totals)
+    if extra is not None:
+        document["mla_watch"] = extra
+    decoded.body = json.dumps(document, separators=(",", ":")).encode()
+    return decoded
+
+
+def _take(plan: RoutingPlan, document: dict[str, Any]) -> tuple[list[np.ndarray], DataError | None]:
+    """The routing arrays of ``document``, removed from it unless the plan keeps them."""
+    fields = _vllm_fields(document) if plan.engine == "vllm" else _sglang_fields(document)
+    arrays: list[np.ndarray] = []
+    error: DataError | None = None
+    for container, key, decode in fields:
+        value = container[key] if plan.keep else container.pop(key)
+        if value is None:
+            continue
+        if error is None:
+            try:
+                arrays.append(decode(value, plan.geometry))
+            except DataError as failure:
+                error = failure
+    if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
+        del document["sglext"]
+    return arrays, error
+
+
+_Field = tuple[dict[str, Any], str, Any]
+
+
+def _vllm_fields(document: dict[str, Any]) -> list[_Field]:
+    fields: list[_Field] = []
+    if "prompt_routed_experts" in document:
+        fields.append((document, "prompt_routed_experts", _nested_lists))
+    choices = document.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if isinstance(choice, dict) and "routed_experts" in choice:
+            fields.append((choice, "routed_experts", _npy_or_lists))
+    return fields
+
+
+def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
+    ext = document.get("sglext")
+    if isinstance(ext, dict) and "routed_experts" in ext:
+        return [(ext, "routed_experts", _raw_int32)]
+    return []
+
+
+def _npy_or_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
+    return _npy(value, geometry) if isinstance(value, str) else _nested_lists(value, geometry)
+
+
+def _b64(value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise DataError("encoding", f"routing is a {type(value).__name__}: expected a base64 string")
+    try:
+        return binascii.a2b_base64(value.encode("ascii"), strict_mode=True)
+    except (binascii.Error, UnicodeEncodeError, ValueError):
+        try:  # strict mode refuses newlines that some encoders add
+            return base64.b64decode(value, validate=False)
+        except (binascii.Error, ValueError) as error:
+            raise DataError("encoding", f"routing is not base64: {error}") from None
+
+
+def _npy(value: str, geometry: EngineGeometry) -> np.ndarray:
+    try:
+        ids = np.load(io.BytesIO(_b64(value)), allow_pickle=False)
+    except DataError:
+        raise
+    except (ValueError, OSError, EOFError) as error:
+        raise DataError("encoding", f"routing is not a .npy array: {type(error).__name__}") from None
+    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
+        raise DataError("encoding", f"routing has dtype {getattr(ids, 'dtype', '?')}: expected integers")
+    return ids
+
+
+def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:
+    """SGLang's headerless int32 bytes, shaped ``[tokens, layers, top_k]`` by the model config."""
+    raw = _b64(value)
+    if len(raw) % 4:
+        raise DataError("encoding", f"routing has {len(raw)} bytes: expected whole int32 values")
+    ids = np.frombuffer(raw, dtype="<i4")
+    for layers in (geometry.num_hidden_layers, len(geometry.moe_layers)):
+        if ids.size % (layers * geometry.top_k) == 0:
+            return ids.reshape(-1, layers, geometry.top_k)
+    raise DataError("shape", f"routing holds {ids.size} ids: expected a multiple of layers x top_k = "
+                             f"{geometry.num_hidden_layers} x {geometry.top_k} from the model config")
+
+
+def _nested_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
+    try:
+        ids = np.asarray(value)
+    except ValueError:  # ragged
+        raise DataError("shape", "routing is a ragged list: expected [tokens, layers, top_k]") from None
+    if ids.size and ids.dtype.kind not in "iu":
+        raise DataError("encoding", f"routing holds {ids.dtype} values: expected integers")
+    return ids.astype(np.int64, copy=False)

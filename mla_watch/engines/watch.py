@@ -1,0 +1,93 @@
+"""The routers of an engine the sidecar stands beside: their windows, and what was and was not counted.
+
+Counts decoded from the engine's responses (per business line) and from SGLang's recorder
+(the ``unattributed`` line) land in one :class:`~mla_watch.windows.RouterWindows` whose
+routers carry the transformers module names of the model config, so `/v1/routing`,
+`/metrics`, the alert rules, the status page and baselines treat them as they treat the
+embedded model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter
+
+from mla_watch.engines.formats import Decoded
+from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.windows import CountDelta, RouterWindows
+
+__all__ = ["UNATTRIBUTED_LINE", "EngineMetrics", "EngineRouting"]
+
+log = logging.getLogger("mla_watch.engines")
+
+# The business line of counts no request can be matched to: the SGLang recorder's, which sees all traffic.
+UNATTRIBUTED_LINE = "unattributed"
+LOG_EVERY_SECONDS = 60.0  # a data error is logged once a minute per reason, with how many there were
+
+
+class EngineMetrics:
+    """What happened to the routing of each response (``mla_watch_engine_*``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        p = "mla_watch_engine_"
+        self.responses = Counter(p + "responses", "Engine responses by what became of their routing: counted, "
+                                 "no_routing (none returned: a stream vLLM cannot annotate, a flag not set), "
+                                 "data_error (not counted).", ["engine", "outcome"], registry=registry)
+        self.data_errors = Counter(p + "routing_data_errors", "Engine routing refused, by reason (encoding, shape, "
+                                   "expert_id).", ["engine", "reason"], registry=registry)
+        self.recorder_dumps = Counter(p + "recorder_dumps", "SGLang expert-distribution recorder dumps read, by "
+                                      "outcome (counted, empty, ring_full, error).", ["outcome"], registry=registry)
+
+
+class EngineRouting:
+    """Rolling windows of an engine's routers, fed by decoded responses and recorder dumps."""
+
+    def __init__(self, engine: str, geometry: EngineGeometry, metrics: EngineMetrics, *,
+                 window_tokens: int | None = 4096, window_seconds: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.geometry = geometry
+        self.metrics = metrics
+        self.windows = RouterWindows(geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds,
+                                     clock=clock)
+        self._names = geometry.router_names
+        self._logged: dict[str, tuple[float, int]] = {}
+        self._log_lock = threading.Lock()
+        self._clock = clock
+
+    def add(self, business_line: str, counts: np.ndarray, tokens: int) -> None:
+        """Counts of ``[moe_layers, experts]`` over ``tokens`` tokens into ``business_line``'s windows."""
+        if tokens <= 0:
+            return
+        for name, row in zip(self._names, counts, strict=True):
+            self.windows.add(name, business_line, CountDelta(np.asarray(row, dtype=np.int64), tokens))
+
+    def count(self, business_line: str, decoded: Decoded | None) -> str:
+        """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``)."""
+        if decoded is not None and decoded.error is not None:
+            outcome = "data_error"
+            self.metrics.data_errors.labels(self.engine, decoded.error.reason).inc()
+            self._log_error(decoded.error.reason, str(decoded.error))
+        elif decoded is not None and decoded.counts is not None:
+            outcome = "counted"
+            self.add(business_line, decoded.counts, decoded.tokens)
+        else:
+            outcome = "no_routing"
+        self.metrics.responses.labels(self.engine, outcome).inc()
+        return outcome
+
+    def _log_error(self, reason: str, message: str) -> None:
+        now = self._clock()
+        with self._log_lock:
+            last, suppressed = self._logged.get(reason, (float("-inf"), 0))
+            if now - last < LOG_EVERY_SECONDS:
+                self._logged[reason] = (last, suppressed + 1)
+                return
+            self._logged[reason] = (now, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        log.warning("%s routing not counted (%s): %s%s", self.engine, reason, message, more)
