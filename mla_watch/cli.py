@@ -168,7 +168,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
                           sglang_recorder_buffer=args.sglang_recorder_buffer,
-                          return_routed_experts=args.return_routed_experts)
+                          return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -536,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
     serve.add_argument("--retune-min-samples", type=_positive_int, default=RetuneSettings.min_samples,
                        help="samples a re-tune job needs at least (default %(default)s)")
+    serve.add_argument("--alert-interval", type=_positive_float, default=ServerConfig.alert_interval,
+                       help="seconds between two evaluations of the alert rules (default %(default)s)")
     serve.add_argument("--history-interval", type=_positive_float, default=ServerConfig.history_interval_seconds,
                        help="status page: seconds between two points of the entropy heat map (default %(default)s)")
     serve.add_argument("--history-span", type=_positive_float, default=ServerConfig.history_span_seconds,

@@ -35,7 +35,7 @@ import numpy as np
 from mla_watch.engines.geometry import EngineGeometry
 
 __all__ = ["ENGINES", "ROUTING_REQUEST_FIELD", "DataError", "Decoded", "RoutingPlan", "decode_chunk",
-           "decode_response", "routing_counts"]
+           "decode_response", "encode_sglang", "encode_vllm", "every_layer", "routing_counts"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -126,6 +126,27 @@ def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
         decoded.body = None  # SGLang's routing-only chunk: the client did not ask for it
         return decoded
     return _finish(plan, document, arrays, error, plan.extra if first else None)
+
+
+# ---------------------------------------------------------------------- writing (the embedded server)
+def every_layer(ids: np.ndarray, layers: list[int], num_hidden_layers: int) -> np.ndarray:
+    """``[tokens, moe_routers, top_k]`` spread on an axis of every decoder layer, dense ones zero (as the
+    engines return it)."""
+    spread = np.zeros((ids.shape[0], num_hidden_layers, ids.shape[2]), dtype=np.int32)
+    spread[:, layers, :] = ids
+    return spread
+
+
+def encode_vllm(ids: np.ndarray, num_experts: int) -> str:
+    """vLLM >= 0.22's ``routed_experts``: base64 of a ``.npy`` file, uint8 up to 256 experts, else uint16."""
+    buffer = io.BytesIO()
+    np.save(buffer, ids.astype(np.uint8 if num_experts <= 256 else np.uint16), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def encode_sglang(ids: np.ndarray) -> str:
+    """SGLang's ``sglext.routed_experts``: base64 of the raw little-endian int32 ids."""
+    return base64.b64encode(ids.astype("<i4").tobytes()).decode("ascii")
 
 
 # ---------------------------------------------------------------------- internals

@@ -28,7 +28,7 @@ from mla_watch.probe.agent import Shipper
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, RouterSpec, discover_routers
 from mla_watch.windows import CountDelta, RouterWindows
 
-__all__ = ["DEFAULT_LINE", "Probe", "attach"]
+__all__ = ["DEFAULT_LINE", "Probe", "RoutingRecording", "attach"]
 
 DEFAULT_LINE = "default"
 _COMPANIONS = 3  # tokens, choice selections, local selections
@@ -86,6 +86,7 @@ class Probe:
         self._pre_handle = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         self._post_handle = model.register_forward_hook(self._end_forward)
         self._host_lock = threading.Lock()
+        self._recording = threading.local()  # per thread: a re-tune's forwards never land in a request's routing
         self._last_read = np.zeros((self._buffer.shape[0], width), dtype=np.int64)
         self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
@@ -132,6 +133,21 @@ class Probe:
             yield
         finally:
             self._row_lines = previous
+
+    @contextmanager
+    def record_routing(self) -> Iterator[RoutingRecording]:
+        """Keep the expert ids every expert router chose in this thread's forward passes inside the block.
+
+        What is recorded is exactly what is counted (same passes, same rows), so a server can return
+        each request's routing per token, as vLLM and SGLang do.
+        """
+        recording = RoutingRecording([router.info for router in self._routers if router.info.kind == "expert"])
+        previous = getattr(self._recording, "current", None)
+        self._recording.current = recording
+        try:
+            yield recording
+        finally:
+            self._recording.current = previous
 
     def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
         """One record per router for the current window (all lines summed when ``None``)."""
@@ -273,6 +289,9 @@ class Probe:
             self._flush(forward)
 
     def _flush(self, forward: _Forward) -> None:
+        recording = getattr(self._recording, "current", None)
+        if recording is not None and forward.experts:
+            recording.add(forward.batch, forward.seq, [indices for _, indices in forward.experts])
         for group in _groups(forward.experts, lambda item: item[1].shape):
             self._count_experts(forward, group)
         for group in _groups(forward.indexers, lambda item: (item[1].shape, _mask_identity(item[2]))):
@@ -365,6 +384,26 @@ class Probe:
             companions = torch.stack([tokens, torch.zeros_like(tokens), torch.zeros_like(tokens)], dim=-1)
         flat.scatter_add_(0, (forward.row_base.view(1, batch, 1) + constants.companions).reshape(-1),
                           companions.reshape(-1))
+
+
+class RoutingRecording:
+    """Expert ids per forward pass, as :meth:`Probe.record_routing` keeps them (host copies, int32)."""
+
+    def __init__(self, routers: Sequence[RouterInfo]) -> None:
+        self.routers = list(routers)
+        self._passes: list[torch.Tensor] = []  # [batch, seq, routers, top_k] each
+
+    def add(self, batch: int, seq: int, indices: Sequence[torch.Tensor]) -> None:
+        if len(indices) != len(self.routers) or len({chosen.shape[-1] for chosen in indices}) != 1:
+            return  # part of the model ran, or routers of different top-k: no per-token table to keep
+        stacked = torch.stack([chosen.reshape(batch, seq, -1) for chosen in indices], dim=2)
+        self._passes.append(stacked.to("cpu", torch.int32))
+
+    def rows(self, row: int) -> np.ndarray:
+        """Batch row ``row``'s expert ids ``[tokens, expert routers, top_k]``, every pass in order."""
+        if not self._passes:
+            return np.zeros((0, len(self.routers), self.routers[0].top_k if self.routers else 0), dtype=np.int32)
+        return torch.cat([chosen[row] for chosen in self._passes], dim=0).numpy()
 
 
 @dataclass

@@ -45,6 +45,7 @@ from mla_watch.server.http import authorise, error_response, read_json
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
 from mla_watch.server.requests import ApiError, describe_value
+from mla_watch.server.responses import RoutingLayout
 from mla_watch.statedir import ensure_private_dir
 from mla_watch.windows import NAME_RE, NAME_RULE, RouterWindows, RoutingSnapshot, take_snapshot
 
@@ -80,6 +81,7 @@ class Sidecar:
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Engine | None = None
         self.probe: Probe | None = None
+        self.routing_layout: RoutingLayout | None = None  # with --return-routed-experts, once the model is in
         self.retune: RetuneService | None = None  # once a local model is loaded
         if self.alerts is not None:
             self.alerts.on_retune(self._on_retune_action)
@@ -184,6 +186,11 @@ class Sidecar:
             self.metrics.attention_fallback.set(1 if self.self_test.refused else 0)
             self.probe = mla_watch.attach(model, window_tokens=self.config.window_tokens,
                                           window_seconds=self.config.window_seconds, clock=self.clock)
+            if self.config.return_routed_experts:
+                experts = [info for info in self.probe.routers if info.kind == "expert"]
+                self.routing_layout = RoutingLayout([info.layer for info in experts],
+                                                    int(model.config.num_hidden_layers),
+                                                    max((info.num_slots for info in experts), default=1))
             self.engine = Engine(model, tokenizer, self.probe, max_queue=self.config.max_queue, clock=self.clock,
                                  on_job_done=lambda job, seconds: self.metrics.queue_depth.set(self.engine.queue_depth))
             self._start_retune(model, tokenizer)

@@ -10,6 +10,7 @@ a job whose deadline passes, queued or running, ends with :class:`JobTimedOut`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -54,6 +55,8 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     prompt_tokens: int = 0
+    record_routing: bool = False  # keep the expert ids of each pass (serve --return-routed-experts)
+    routing: list[Any] | None = None  # then: per choice, [tokens, expert routers, top_k], set before the end
 
     def push(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -136,12 +139,15 @@ class Engine:
 
         generated: list[int] = []
         try:
-            with self.probe.attribute(job.business_line):
+            recording = self.probe.record_routing() if job.record_routing else contextlib.nullcontext()
+            with self.probe.attribute(job.business_line), recording as recorded:
                 for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
                                              should_stop=should_stop, step_lock=self.model_lock):
                     if event.index == 0 and event.token_id is not None:
                         generated.append(event.token_id)
                     job.push(event)
+            if recorded is not None:
+                job.routing = [recorded.rows(row) for row in range(job.params.n)]
             job.push(_DONE)
             if self.capture is not None:
                 try:

@@ -122,7 +122,7 @@ class Generation:
             raise ApiError(400, str(error), code="invalid_value") from error
         job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
                   deadline=self.sidecar.clock() + self.sidecar.config.request_timeout, loop=asyncio.get_running_loop(),
-                  prompt_tokens=len(prompt_ids))
+                  prompt_tokens=len(prompt_ids), record_routing=self.sidecar.routing_layout is not None)
         try:
             self.sidecar.engine.submit(job)
         except Overloaded as error:
@@ -132,6 +132,7 @@ class Generation:
         self.sidecar.metrics.queue_depth.set(self.sidecar.engine.queue_depth)
         self.sidecar.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
         answer = Answer(parsed, decision, self.sidecar.model_name, len(prompt_ids), params.n)
+        answer.routing_layout = self.sidecar.routing_layout
         if parsed.stream:
             return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -143,6 +144,7 @@ class Generation:
             raise
         except Exception as error:
             raise self._job_error(error) from error
+        answer.routing = job.routing
         self.sidecar.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
         return JSONResponse(answer.body())
 
@@ -161,6 +163,10 @@ class Generation:
                 chunk = answer.add(event)
                 if chunk is not None:
                     yield sse(chunk)
+            answer.routing = job.routing
+            routing = answer.routing_chunk()
+            if routing is not None:  # SGLang's place: one chunk of its own after the last token
+                yield sse(routing)
             if answer.parsed.include_usage:
                 yield sse(answer.usage_chunk())
             yield b"data: [DONE]\n\n"

@@ -52,6 +52,7 @@ class GenerationRequest:
     include_usage: bool = False
     business_line: str | None = None
     task: str | None = None
+    return_routed_experts: bool = False  # SGLang's request field: the client wants the routing itself
 
     def upstream_body(self, original: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
         """``original`` with the policy's applied values, for forwarding to another engine."""
@@ -243,5 +244,9 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise _bad("stream_options", options, "an object like {\"include_usage\": true}")
         request.include_usage = bool(options.get("include_usage", False))
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise _bad("return_routed_experts", routed, "true or false")
+    request.return_routed_experts = routed
     request.business_line, request.task = _routing_labels(body, headers)
     return request

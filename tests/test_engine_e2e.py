@@ -1,0 +1,148 @@
+"""A proxy sidecar in front of an embedded sidecar, both live `mla-watch serve` processes on loopback.
+
+The upstream serves the bundled model with ``--return-routed-experts`` (vLLM's and SGLang's fields,
+as pinned in tests/test_engine_formats.py); one proxy reads it as vLLM (``--engine vllm``), one as
+SGLang (``--engine sglang``), each with ``--model-config`` of the bundled model. Mixed business
+lines, streamed and not: the proxies' per-line statistics equal the upstream probe's own, exactly;
+vLLM's streams (which carry no routing) are counted as responses without routing. The upstream's
+model has a collapsed router, and the proxy's rules page on-call about it, saying that re-tuning
+is not available for an engine's routers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from client import post, sse_events
+from conftest import free_port, metric_value, wait_until
+from receivers import running_receiver
+
+import mla_watch
+from mla_watch.alerting.examples import entropy_low_rules
+
+pytestmark = pytest.mark.slow
+
+BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"
+COLLAPSED = "model.layers.1.mlp.gate"
+COMPARED = ("tokens", "selections", "entropy_bits", "max_violation", "dead_slots", "normalized_entropy")
+
+
+def collapsed_model(directory: Path) -> Path:
+    """The bundled model with layer 1's router pushed towards six experts (DESIGN: reads 2.585 bits)."""
+    model, tokenizer = mla_watch.load_model("bundled", device="cpu")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    shutil.copy(BUNDLED / "chat_template.jinja", directory / "chat_template.jinja")
+    return directory
+
+
+@contextmanager
+def serving(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(port), *args],
+                               env={**os.environ, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        def ready() -> bool:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                return httpx.get(url + "/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, timeout=180, interval=0.2), log.read_text()[-3000:]
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def experts(url: str, line: str) -> dict[str, dict]:
+    body = httpx.get(url + "/v1/routing", params={"business_line": line}, timeout=30).json()
+    return {r["name"]: {key: r[key] for key in COMPARED} for r in body["routers"] if r["kind"] == "expert"}
+
+
+def completion(url: str, line: str, prompt: str, *, stream: bool, chat: bool) -> None:
+    body: dict = {"max_tokens": 12, "temperature": 0.8, "seed": len(prompt)}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    headers = {"X-Business-Line": line}
+    if stream:
+        answer = post(url, path, {**body, "stream": True}, headers)
+        assert answer.status_code == 200, answer.text
+        events = sse_events(answer.text)
+        assert events[-1] == "[DONE]" and events[0]["mla_watch"]["policy"]
+        assert "routed_experts" not in answer.text  # stripped: the client did not ask for it
+    else:
+        answer = post(url, path, body, headers)
+        assert answer.status_code == 200, answer.text
+        document = answer.json()
+        # Stripped: the client did not ask for the routing.
+        assert "prompt_routed_experts" not in document and "sglext" not in document
+        assert document["mla_watch"]["policy"]
+
+
+def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_collapse(tmp_path: Path) -> None:
+    model = collapsed_model(tmp_path / "collapsed")
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "routing.yaml").write_text(entropy_low_rules(below=5.0, resolve_above=5.2, min_tokens=64,
+                                                          actions=("notify", "retune"), business_line="all"))
+    common = ["--device", "cpu", "--history-interval", "1"]
+    with ExitStack() as stack, running_receiver() as receiver:
+        upstream = stack.enter_context(serving(
+            [*common, "--model", str(model), "--return-routed-experts", "--state-dir", str(tmp_path / "up"),
+             "--attn-implementation", "eager"], tmp_path / "upstream.log"))
+        proxy_args = [*common, "--upstream", upstream, "--model-config", str(model / "config.json"),
+                      "--rules", str(rules), "--alert-interval", "0.5"]
+        vllm = stack.enter_context(serving([*proxy_args, "--engine", "vllm", "--state-dir", str(tmp_path / "v")],
+                                           tmp_path / "vllm.log", {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}))
+        sglang = stack.enter_context(serving([*proxy_args, "--engine", "sglang", "--state-dir", str(tmp_path / "s")],
+                                             tmp_path / "sglang.log", {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}))
+
+        prompts = ["SELECT name FROM", "def parse(", "Summarise the report", "Where is my order?"]
+        for index, prompt in enumerate(prompts):
+            completion(vllm, "code_assistant", prompt, stream=False, chat=index % 2 == 0)
+            completion(vllm, "customer_service", prompt, stream=True, chat=index % 2 == 1)  # vLLM: no routing
+            completion(sglang, "doc_summary", prompt, stream=index % 2 == 0, chat=index % 2 == 1)
+            completion(sglang, "default", prompt, stream=index % 2 == 1, chat=index % 2 == 0)
+
+        for proxy, line in ((vllm, "code_assistant"), (sglang, "doc_summary"), (sglang, "default")):
+            counted, truth = experts(proxy, line), experts(upstream, line)
+            assert counted == truth and len(counted) == 3, (line, counted, truth)
+            assert counted[COLLAPSED]["tokens"] > 0
+        # vLLM never sends routing in a stream: nothing counted for that line, each response said so.
+        assert "customer_service" not in httpx.get(vllm + "/v1/routing", timeout=10).json()["business_lines"]
+        text = httpx.get(vllm + "/metrics", timeout=10).text
+        assert metric_value(text, "mla_watch_engine_responses_total", engine="vllm", outcome="no_routing") == 4
+        assert metric_value(text, "mla_watch_engine_responses_total", engine="vllm", outcome="counted") == 4
+        text = httpx.get(sglang + "/metrics", timeout=10).text
+        assert metric_value(text, "mla_watch_engine_responses_total", engine="sglang", outcome="counted") == 8
+        assert metric_value(text, "mla_watch_routing_entropy_bits", router=COLLAPSED, business_line="all") < 3.0
+
+        def paged() -> bool:
+            return any(alert["labels"].get("router") == COLLAPSED and body.get("status") == "firing"
+                       for body in (r.json() for r in list(receiver.requests)) for alert in body.get("alerts", []))
+
+        assert wait_until(paged, timeout=60, interval=0.25), (tmp_path / "sglang.log").read_text()[-3000:]
+        alerts = [alert for body in (r.json() for r in list(receiver.requests)) for alert in body["alerts"]]
+        assert {alert["labels"]["router"] for alert in alerts} == {COLLAPSED}  # healthy layers never page
+        assert all("not available for an engine's routers" in alert["annotations"]["retune"] for alert in alerts)
+        status = httpx.get(sglang + "/v1/status", timeout=10).json()
+        assert status["engine"]["engine"] == "sglang" and "not available" in status["engine"]["retune"]
