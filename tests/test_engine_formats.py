@@ -1,0 +1,256 @@
+"""The engines' routing formats and the model-config geometry, pinned to the engines' own source.
+
+Fixtures are built to the shapes the engines' code writes (read in their released wheels):
+
+* vLLM >= 0.22: ``vllm/entrypoints/openai/chat_completion/protocol.py`` and
+  ``completion/protocol.py`` (``routed_experts: str`` per choice, "base64-encoded ``.npy``
+  bytes ... (num_tokens - 1, num_layers, num_experts_per_tok)"), filled by
+  ``vllm/utils/serial_utils.py::numpy2base64`` (``np.save(..., allow_pickle=False)``); uint8 up
+  to 256 experts, else uint16 (``model_executor/layers/fused_moe/routed_experts_capturer.py``);
+  the layer axis is ``get_total_num_hidden_layers()``, dense layers left zero.
+* vLLM <= 0.21: top-level ``prompt_routed_experts`` ``[prompt_len, num_moe_layers, top_k]`` and
+  ``choices[i].routed_experts`` ``[gen_len - 1, num_moe_layers, top_k]`` as nested lists
+  (``split_routed_experts`` in ``routed_experts_capturer.py``; ``.tolist()`` in ``serving.py``).
+* SGLang >= 0.5.9: ``python/sglang/srt/entrypoints/openai/protocol.py`` ``SglExt.routed_experts``
+  at the response's top level (``sglext``), base64 of raw int32 bytes
+  (``managers/detokenizer_manager.py::_b64_encode_per_request``), ``[seq_len - 1,
+  num_hidden_layers, top_k]`` (``test/registered/rl/test_return_routed_experts.py`` reshapes
+  ``(-1, 48, 8)``); a stream sends it in one chunk with ``choices: []`` (``serving_chat.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import FAMILIES, build
+
+import mla_watch
+from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.engines.formats import (
+    DataError,
+    RoutingPlan,
+    decode_chunk,
+    decode_response,
+    encode_sglang,
+    encode_vllm,
+    every_layer,
+)
+from mla_watch.engines.geometry import GeometryError, load_geometry, parse_geometry
+
+# DeepSeek-V3's own config.json (the keys that matter): 61 layers, the first 3 dense, 256 experts, top-8.
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+               "n_routed_experts": 256, "num_experts_per_tok": 8, "num_nextn_predict_layers": 1}
+TINY = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
+                       "n_routed_experts": 16, "num_experts_per_tok": 4})
+
+
+def reference_counts(ids: np.ndarray, experts: int) -> np.ndarray:
+    """Counted one id at a time: what the vectorised count must equal."""
+    counts = np.zeros((ids.shape[1], experts), dtype=np.int64)
+    for token in ids:
+        for layer, chosen in enumerate(token):
+            for expert in chosen:
+                counts[layer, expert] += 1
+    return counts
+
+
+def random_ids(tokens: int, geometry=TINY, seed: int = 0) -> np.ndarray:
+    """[tokens, moe_layers, top_k] distinct experts per token, as a router picks them."""
+    rng = np.random.default_rng(seed)
+    return np.stack([[rng.choice(geometry.num_experts, geometry.top_k, replace=False)
+                      for _ in geometry.moe_layers] for _ in range(tokens)]).astype(np.int64)
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+# ---------------------------------------------------------------------- geometry
+def test_deepseek_v3_geometry_has_58_moe_layers_named_as_transformers_names_them() -> None:
+    geometry = parse_geometry(DEEPSEEK_V3)
+    assert geometry.moe_layers == tuple(range(3, 61)) and geometry.num_experts == 256 and geometry.top_k == 8
+    assert geometry.router_names[0] == "model.layers.3.mlp.gate"
+    assert geometry.router_names[-1] == "model.layers.60.mlp.gate"
+
+
+def test_qwen_sparse_steps_and_dense_layers_and_nested_text_configs() -> None:
+    qwen = parse_geometry({"model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 128,
+                           "num_experts_per_tok": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert qwen.moe_layers == (1, 5)
+    nested = parse_geometry({"model_type": "qwen3_vl_moe", "text_config": {
+        "model_type": "qwen3_vl_moe_text", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}})
+    assert nested.moe_layers == (0, 1) and nested.num_experts == 8
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_geometry_from_config_names_the_routers_the_probe_finds(family: str) -> None:
+    model = build(family)
+    probe = mla_watch.attach(model)
+    try:
+        found = [info for info in probe.routers if info.kind == "expert"]
+        assert parse_geometry(model.config.to_dict()).routers() == found
+    finally:
+        probe.detach()
+
+
+def test_the_bundled_models_config_describes_its_three_moe_layers() -> None:
+    geometry = load_geometry(mla_watch.__path__[0] + "/models/bundled")
+    assert geometry.router_names == [f"model.layers.{i}.mlp.gate" for i in (1, 2, 3)]
+    assert (geometry.num_experts, geometry.top_k) == (64, 6)
+
+
+@pytest.mark.parametrize(("config", "expected"), [
+    ({"num_hidden_layers": 4, "num_experts_per_tok": 2}, "none of the keys n_routed_experts"),
+    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 9}, "'num_experts_per_tok' = 9"),
+    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": "3"},
+     "'first_k_dense_replace' = \"3\": expected an integer in [0, 4]"),
+    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 4},
+     "no layer of the 4 is a MoE layer"),
+    ({"num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "mlp_layer_types": ["dense"]},
+     "'mlp_layer_types'"),
+])
+def test_a_config_that_cannot_describe_the_routers_names_the_key_and_the_expectation(config, expected) -> None:
+    with pytest.raises(GeometryError) as caught:
+        parse_geometry(config, "/models/x/config.json")
+    assert expected in str(caught.value) and "/models/x/config.json" in str(caught.value)
+
+
+def test_an_unreadable_config_file_is_named_without_its_contents(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("secret-token-abc {")
+    with pytest.raises(GeometryError) as caught:
+        load_geometry(tmp_path)
+    assert str(tmp_path / "config.json") in str(caught.value) and "secret" not in str(caught.value)
+    with pytest.raises(GeometryError, match="cannot be read"):
+        load_geometry(tmp_path / "missing.json")
+
+
+# ---------------------------------------------------------------------- vLLM
+def test_vllm_current_format_counts_moe_rows_and_strips_the_field() -> None:
+    prompt, generated = random_ids(7, seed=1), random_ids(4, seed=2)
+    rows = np.concatenate([prompt, generated])  # prompt + generated - 1 rows, as vLLM returns them
+    full = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers).astype(np.uint8)
+    assert full[:, :2].max() == 0  # dense layers: zero rows
+    body = {"id": "cmpl-1", "object": "text_completion", "choices": [
+        {"index": 0, "text": "x", "finish_reason": "length", "routed_experts": npy_b64(full)}]}
+    extra = {"policy": "code_assistant/code", "adjustments": []}
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=False, extra=extra), json.dumps(body).encode())
+    assert decoded.error is None and decoded.tokens == 11
+    assert np.array_equal(decoded.counts, reference_counts(rows, TINY.num_experts))
+    sent = json.loads(decoded.body)
+    assert "routed_experts" not in sent["choices"][0] and sent["choices"][0]["text"] == "x"
+    assert sent["mla_watch"] == extra
+    kept = decode_response(RoutingPlan("vllm", TINY, keep=True), json.dumps(body).encode())
+    assert json.loads(kept.body)["choices"][0]["routed_experts"] == body["choices"][0]["routed_experts"]
+    # What serve --return-routed-experts writes:
+    assert encode_vllm(full, TINY.num_experts) == body["choices"][0]["routed_experts"]
+
+
+def test_vllm_021_nested_lists_count_the_prompt_once_and_each_choice() -> None:
+    prompt, first, second = random_ids(5, seed=3), random_ids(3, seed=4), random_ids(2, seed=5)
+    body = {"prompt_routed_experts": prompt.tolist(), "choices": [
+        {"index": 0, "text": "a", "routed_experts": first.tolist()},
+        {"index": 1, "text": "b", "routed_experts": second.tolist()}]}
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
+    expected = reference_counts(np.concatenate([prompt, first, second]), TINY.num_experts)
+    assert np.array_equal(decoded.counts, expected) and decoded.tokens == 10
+    sent = json.loads(decoded.body)
+    assert "prompt_routed_experts" not in sent and all("routed_experts" not in c for c in sent["choices"])
+
+
+def test_a_preempted_vllm_request_returns_null_routing_counted_as_none() -> None:
+    body = {"choices": [{"index": 0, "text": "a", "routed_experts": None}]}
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
+    assert not decoded.found and decoded.counts is None
+
+
+# ---------------------------------------------------------------------- SGLang
+def test_sglang_response_and_its_routing_chunk() -> None:
+    rows = random_ids(9, seed=6)
+    raw = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers)
+    encoded = base64.b64encode(raw.astype("<i4").tobytes()).decode()
+    assert encode_sglang(raw) == encoded
+    body = {"id": "c", "choices": [{"index": 0, "message": {"content": "hi"}}], "sglext": {"routed_experts": encoded}}
+    decoded = decode_response(RoutingPlan("sglang", TINY, keep=False), json.dumps(body).encode())
+    assert np.array_equal(decoded.counts, reference_counts(rows, TINY.num_experts)) and decoded.tokens == 9
+    assert "sglext" not in json.loads(decoded.body)
+
+    chunk = json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+                        "usage": None, "sglext": {"routed_experts": encoded}})
+    dropped = decode_chunk(RoutingPlan("sglang", TINY, keep=False), chunk, first=False)
+    assert dropped.body is None and dropped.tokens == 9  # the client did not ask: the chunk is not relayed
+    kept = decode_chunk(RoutingPlan("sglang", TINY, keep=True), chunk, first=False)
+    assert json.loads(kept.body)["sglext"]["routed_experts"] == encoded and kept.tokens == 9
+    token = json.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}]})
+    first = decode_chunk(RoutingPlan("sglang", TINY, keep=False, extra={"policy": "p"}), token, first=True)
+    assert json.loads(first.body)["mla_watch"] == {"policy": "p"} and not first.found
+
+
+# ---------------------------------------------------------------------- data errors
+def good_vllm(rows: np.ndarray) -> bytes:
+    return json.dumps({"choices": [{"index": 0, "routed_experts": npy_b64(rows)}]}).encode()
+
+
+@pytest.mark.parametrize(("body", "reason", "words"), [
+    (good_vllm(np.full((2, 5, 4), 16, dtype=np.uint8)), "expert_id", "expected [0, 15]"),
+    (good_vllm(np.zeros((2, 5, 3), dtype=np.uint8)), "shape", "expected [tokens, layers, 4]"),
+    (good_vllm(np.zeros((2, 4, 4), dtype=np.uint8)), "shape", "expected 5 (every layer) or 3 (MoE layers)"),
+    (good_vllm(np.zeros((2, 5, 4), dtype=np.float32)), "encoding", "expected integers"),
+    (json.dumps({"choices": [{"routed_experts": "%%% not base64"}]}).encode(), "encoding", "not"),
+    (json.dumps({"choices": [{"routed_experts": base64.b64encode(pickle.dumps([1])).decode()}]}).encode(),
+     "encoding", "not a .npy array"),
+    (json.dumps({"choices": [{"routed_experts": [[[1, 2]], [[1]]]}]}).encode(), "shape", "ragged"),
+])
+def test_routing_that_does_not_fit_the_config_is_a_data_error_and_counts_nothing(body, reason, words) -> None:
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), body)
+    assert decoded.counts is None and decoded.error is not None, decoded
+    assert decoded.error.reason == reason and words in str(decoded.error)
+    assert "routed_experts" not in decoded.body.decode()  # still stripped
+
+
+def test_sglang_bytes_that_fit_no_layer_count_are_a_shape_error() -> None:
+    encoded = base64.b64encode(np.zeros(7, dtype="<i4").tobytes()).decode()
+    decoded = decode_response(RoutingPlan("sglang", TINY, keep=False),
+                              json.dumps({"choices": [], "sglext": {"routed_experts": encoded}}).encode())
+    assert decoded.error.reason == "shape" and "multiple of layers x top_k" in str(decoded.error)
+
+
+def test_a_body_that_is_not_json_is_relayed_as_it_came() -> None:
+    assert decode_response(RoutingPlan("vllm", TINY, keep=False), b"<html>502</html>").body == b"<html>502</html>"
+
+
+def test_data_errors_survive_the_trip_back_from_the_decoding_process() -> None:
+    error = pickle.loads(pickle.dumps(DataError("shape", "routing has 4 layers")))
+    assert error.reason == "shape" and str(error) == "routing has 4 layers"
+    rows = np.zeros((3, 5, 4), dtype=np.uint8)
+    rows[:, 2:, :] = np.arange(4)
+    decoder = RoutingDecoder(workers=1)
+    try:
+        decoded = asyncio.run(decoder.response(RoutingPlan("vllm", TINY, keep=False), good_vllm(rows)))
+        failed = asyncio.run(decoder.response(RoutingPlan("vllm", TINY, keep=False), good_vllm(rows + 20)))
+    finally:
+        decoder.close()
+    assert decoded.tokens == 3 and decoded.counts[:, :4].sum() == 3 * 3 * 4
+    assert failed.error.reason == "expert_id"
+
+
+def test_the_embedded_servers_recording_matches_what_the_probe_counted() -> None:
+    model, tokenizer = mla_watch.load_model("bundled", device="cpu")
+    probe = mla_watch.attach(model, window_tokens=None)
+    ids = torch.tensor([tokenizer("SELECT id FROM orders")["input_ids"]])
+    with torch.no_grad(), probe.attribute("sql"), probe.record_routing() as recording:
+        model(input_ids=ids)
+        model(input_ids=ids[:, :3])
+    rows = recording.rows(0)
+    assert rows.shape == (ids.shape[1] + 3, 3, 6)
+    counted = probe.counts("sql")
+    for index, info in enumerate(recording.routers):
+        assert np.array_equal(np.bincount(rows[:, index].ravel(), minlength=64), counted[info.name])
