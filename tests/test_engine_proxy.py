@@ -1,0 +1,176 @@
+"""The proxy beside a scripted engine on loopback: asking, stripping, data errors, `auto`, the recorder, set-up errors.
+
+The engine here is our own server speaking the engines' formats (pinned in
+tests/test_engine_formats.py); tests/test_engine_e2e.py puts a real mla_watch model behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import get_metrics, metric_value, running_sidecar, serve_app, wait_until
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from test_engine_recorder import FakeSGLang
+
+from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
+from mla_watch.engines.geometry import parse_geometry
+from mla_watch.engines.recorder import DUMP_PATH, START_PATH
+from mla_watch.engines.watch import UNATTRIBUTED_LINE
+
+CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
+          "n_routed_experts": 16, "num_experts_per_tok": 4}
+GEOMETRY = parse_geometry(CONFIG)
+ROUTERS = GEOMETRY.router_names
+
+
+def ids(tokens: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.argsort(rng.random((tokens, len(GEOMETRY.moe_layers), 16)), axis=2)[:, :, :4]
+
+
+class FakeEngine:
+    """An OpenAI-compatible engine that answers each completion with ``routing`` in ``style``'s fields."""
+
+    def __init__(self, style: str, owner: str = "vllm", recorder: FakeSGLang | None = None) -> None:
+        self.style = style
+        self.owner = owner
+        self.recorder = recorder
+        self.routing: np.ndarray | None = ids(9)
+        self.raw: object = None  # sent instead of the encoded routing when set (a broken engine)
+        self.bodies: list[dict] = []
+        self.app = Starlette(routes=[
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.complete, methods=["POST"]),
+            Route(START_PATH, self.record, methods=["GET", "POST"]),
+            Route(DUMP_PATH, self.record, methods=["GET", "POST"]),
+        ])
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": self.owner}]})
+
+    async def record(self, request: Request) -> Response:
+        return Response(status_code=self.recorder.handle(request.url.path) if self.recorder else 404)
+
+    async def complete(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        answer: dict = {"id": "cmpl-1", "object": "text_completion", "model": "m",
+                        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        full = None if self.routing is None else every_layer(self.routing, list(GEOMETRY.moe_layers), 4)
+        if self.style == "vllm":
+            answer["choices"][0]["routed_experts"] = self.raw if self.raw is not None else encode_vllm(full, 16)
+        elif body.get("return_routed_experts") is True:
+            answer["sglext"] = {"routed_experts": self.raw if self.raw is not None else encode_sglang(full)}
+        return JSONResponse(answer)
+
+
+@contextmanager
+def beside(fake: FakeEngine, tmp_path: Path, **overrides) -> Iterator[tuple[str, object]]:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(CONFIG))
+    with serve_app(fake.app) as engine_url, running_sidecar(
+            upstream=engine_url, model_config=config, decode_workers=0, rules=None, window_tokens=None,
+            **{"engine": fake.style, **overrides}) as running:
+        yield running
+
+
+def complete(url: str, line: str = "code_assistant", **extra) -> dict:
+    response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra},
+                          headers={"X-Business-Line": line}, timeout=30)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def expected_counts(routing: np.ndarray) -> np.ndarray:
+    return np.stack([np.bincount(routing[:, j].ravel(), minlength=16) for j in range(routing.shape[1])])
+
+
+@pytest.mark.parametrize("style", ["vllm", "sglang"])
+def test_routing_is_asked_for_counted_per_line_and_stripped_unless_the_client_asked(tmp_path, style) -> None:
+    engine = FakeEngine(style)
+    with beside(engine, tmp_path) as (url, sidecar):
+        plain = complete(url, "code_assistant")
+        assert "sglext" not in plain and "routed_experts" not in plain["choices"][0]
+        assert plain["mla_watch"]["policy"].startswith("code_assistant/")
+        asked = complete(url, "doc_summary", return_routed_experts=True)
+        assert ("routed_experts" in asked["choices"][0]) if style == "vllm" else ("routed_experts" in asked["sglext"])
+        # SGLang returns routing only to requests that ask; the proxy asks for every request.
+        assert all(body.get("return_routed_experts") is True for body in engine.bodies) == (style == "sglang")
+        for line in ("code_assistant", "doc_summary"):
+            counts = sidecar.engine_routing.windows.counts(line)
+            assert np.array_equal(np.stack([counts[name] for name in ROUTERS]), expected_counts(engine.routing))
+        routing = httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"}, timeout=10).json()
+        assert [r["name"] for r in routing["routers"]] == ROUTERS and routing["routers"][0]["tokens"] == 9
+        assert metric_value(get_metrics(url), "mla_watch_engine_responses_total", engine=style, outcome="counted") == 2
+
+
+def test_routing_that_does_not_fit_the_config_is_counted_as_a_data_error_with_one_log_line(tmp_path, caplog) -> None:
+    engine = FakeEngine("vllm")
+    engine.routing = ids(5) + 16  # ids beyond the 16 experts of the config
+    with beside(engine, tmp_path) as (url, sidecar), caplog.at_level(logging.WARNING, "mla_watch.engines"):
+        for _ in range(3):
+            assert "routed_experts" not in complete(url)["choices"][0]
+        text = get_metrics(url)
+        assert metric_value(text, "mla_watch_engine_routing_data_errors_total", engine="vllm", reason="expert_id") == 3
+        assert metric_value(text, "mla_watch_engine_responses_total", engine="vllm", outcome="data_error") == 3
+        assert sidecar.engine_routing.windows.business_lines == []  # nothing silently counted
+        logged = [r.getMessage() for r in caplog.records if "not counted" in r.getMessage()]
+        assert len(logged) == 1 and "expert ids in [16," in logged[0] and "expected [0, 15]" in logged[0]
+        engine.routing, engine.raw = None, None
+        engine.style = "none"  # an engine whose flag is off: no routing at all
+        complete(url)
+        assert metric_value(get_metrics(url), "mla_watch_engine_responses_total", engine="vllm",
+                            outcome="no_routing") == 1
+
+
+@pytest.mark.parametrize(("owner", "style"), [("vllm", "vllm"), ("sglang", "sglang")])
+def test_auto_asks_the_engine_who_it_is(tmp_path, owner, style) -> None:
+    engine = FakeEngine(style, owner=owner)
+    with beside(engine, tmp_path, engine="auto") as (url, sidecar):
+        complete(url)
+        assert sidecar.engine_routing.engine == style
+        assert sidecar.engine_routing.windows.counts("code_assistant")[ROUTERS[0]].sum() == 9 * 4
+
+
+def test_the_recorder_counts_all_traffic_as_the_unattributed_line(tmp_path) -> None:
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    recorder = FakeSGLang(dumps, GEOMETRY, buffer_size=50, passes_per_dump=5)
+    engine = FakeEngine("sglang", owner="sglang", recorder=recorder)
+    with beside(engine, tmp_path, engine="none", sglang_recorder_dir=dumps, sglang_recorder_interval=0.05) as (
+            url, _):
+        assert wait_until(lambda: recorder.calls[DUMP_PATH] >= 2 and not list(dumps.iterdir()), timeout=30)
+        routing = httpx.get(url + "/v1/routing", params={"business_line": UNATTRIBUTED_LINE}, timeout=10).json()
+        assert {r["name"] for r in routing["routers"]} == set(ROUTERS) and routing["routers"][0]["tokens"] > 0
+        assert recorder.calls[START_PATH] == 1
+        assert metric_value(get_metrics(url), "mla_watch_engine_recorder_dumps_total", outcome="counted") >= 2
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--engine", "vllm", "--upstream", "http://127.0.0.1:9"], "--engine needs --model-config"),
+    (["--engine", "sglang"], "it needs --upstream URL"),
+    (["--sglang-recorder-dir", "/tmp", "--upstream", "http://127.0.0.1:9"], "--sglang-recorder-dir needs"),
+    (["--engine", "vllm", "--upstream", "http://127.0.0.1:9", "--model-config", "{config}"],
+     "'num_experts_per_tok' = 99: expected an integer in [1, 16]"),
+    (["--engine", "trtllm"], "invalid choice: 'trtllm'"),
+])
+def test_serve_refuses_an_engine_it_cannot_read_naming_the_flag(tmp_path, args, expected) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**CONFIG, "num_experts_per_tok": 99}))
+    command = [sys.executable, "-m", "mla_watch.cli", "serve", "--state-dir", str(tmp_path / "state"),
+               *[arg.replace("{config}", str(config)) for arg in args]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
