@@ -174,3 +174,20 @@ def test_serve_refuses_an_engine_it_cannot_read_naming_the_flag(tmp_path, args, 
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("pod", ["vllm-pod.yaml", "sglang-pod.yaml"])
+def test_the_deploy_examples_sidecar_flags_are_flags_serve_takes(pod) -> None:
+    import yaml
+
+    from mla_watch.cli import build_parser
+
+    document = yaml.safe_load((Path(__file__).parents[1] / "deploy" / pod).read_text())
+    containers = {container["name"]: container for container in document["spec"]["containers"]}
+    sidecar = containers["mla-watch"]
+    assert sidecar["command"] == ["mla-watch", "serve"]
+    args = build_parser().parse_args(["serve", *sidecar["args"]])
+    engine = pod.split("-")[0]
+    assert args.engine == engine and args.model_config.name == "config.json"
+    assert "--enable-return-routed-experts" in " ".join(containers[engine]["args"])
+    assert args.upstream.endswith(next(a.split("=")[1] for a in containers[engine]["args"] if a.startswith("--port")))

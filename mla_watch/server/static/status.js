@@ -156,7 +156,8 @@ async function refresh() {
 function render() {
   const status = view.status;
   const firing = status.alerts.filter((a) => a.state === "firing");
-  $("model").textContent = `model ${status.model}${status.upstream ? ` via ${status.upstream}` : ""}` +
+  const engine = status.engine ? ` (${status.engine.engine}: ${status.engine.routers})` : "";
+  $("model").textContent = `model ${status.model}${status.upstream ? ` via ${status.upstream}${engine}` : ""}` +
     (status.ready ? "" : ` · ${status.load_error || "loading"}`);
   $("summary").textContent = `${firing.length} firing · ${status.rules} rule${status.rules === 1 ? "" : "s"} · ` +
     `${status.notifications_pending} notifications queued` +
@@ -167,7 +168,7 @@ function render() {
   renderOverview();
   renderAlerts(status.alerts);
   renderPolicies(status.policies);
-  renderRetune(status.retune);
+  renderRetune(status.retune, status.engine);
 }
 
 function businessLines() {
@@ -402,10 +403,10 @@ function renderGates(result) {
   });
 }
 
-function renderRetune(retune) {
+function renderRetune(retune, engine) {
   if (!retune) {
-    $("retune-body").replaceChildren(el("p", { class: "empty" },
-      "Re-tuning needs a local model (this sidecar forwards to an upstream server, or the model is loading)."));
+    $("retune-body").replaceChildren(el("p", { class: "empty" }, engine ? `The routers of the ${engine.engine} engine: ` +
+      engine.retune : "Re-tuning needs a local model (this sidecar forwards to an upstream server, or the model is loading)."));
     return;
   }
   const jobs = retune.jobs.length ? table(["job", "status", "strategies", "trigger", "created", "gates", "version"],
