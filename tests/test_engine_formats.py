@@ -254,3 +254,25 @@ def test_the_embedded_servers_recording_matches_what_the_probe_counted() -> None
     counted = probe.counts("sql")
     for index, info in enumerate(recording.routers):
         assert np.array_equal(np.bincount(rows[:, index].ravel(), minlength=64), counted[info.name])
+
+
+def test_a_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> None:
+    import os
+    import signal
+
+    rows = np.zeros((3, 5, 4), dtype=np.uint8)
+    rows[:, 2:, :] = np.arange(4)
+    plan = RoutingPlan("vllm", TINY, keep=False)
+    decoder = RoutingDecoder(workers=1)
+
+    async def scenario() -> tuple:
+        (victim,) = await decoder.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        decoded = await decoder.response(plan, good_vllm(rows))  # the pool is found broken here
+        return victim, decoded, await decoder.worker_pids(), await decoder.response(plan, good_vllm(rows))
+
+    try:
+        victim, decoded, workers, again = asyncio.run(scenario())
+    finally:
+        decoder.close()
+    assert decoded.tokens == 3 and again.tokens == 3 and workers and victim not in workers

@@ -9,13 +9,17 @@ the bytes each way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 from mla_watch.engines.formats import Decoded, RoutingPlan, decode_chunk, decode_response
 
 __all__ = ["RoutingDecoder"]
+
+log = logging.getLogger("mla_watch.engines")
 
 
 class RoutingDecoder:
@@ -50,10 +54,25 @@ class RoutingDecoder:
     async def chunk(self, plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
         return await self._run(_decode_chunk, plan, data, first)
 
+    async def worker_pids(self) -> list[int]:
+        """The decoding processes (empty with ``workers=0``)."""
+        if self.workers == 0:
+            return []
+        self.start()
+        loop = asyncio.get_running_loop()
+        return sorted({await loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)})
+
     async def _run(self, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
         if self._executor is None:
             self.start()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+        except BrokenProcessPool:
+            # A worker died (killed, out of memory): this response is decoded here, the pool starts afresh.
+            log.warning("a routing decoder process died; starting new ones")
+            self.close()
+            self.start()
+            return await asyncio.to_thread(function, *args)
 
 
 def _decode_chunk(plan: RoutingPlan, data: str, first: bool) -> Decoded:
