@@ -191,3 +191,25 @@ def test_the_deploy_examples_sidecar_flags_are_flags_serve_takes(pod) -> None:
     assert args.engine == engine and args.model_config.name == "config.json"
     assert "--enable-return-routed-experts" in " ".join(containers[engine]["args"])
     assert args.upstream.endswith(next(a.split("=")[1] for a in containers[engine]["args"] if a.startswith("--port")))
+
+
+def test_a_baseline_taken_beside_the_engine_measures_drift_and_survives_a_restart(tmp_path) -> None:
+    engine = FakeEngine("vllm")
+    token = "t" * 20
+    state = tmp_path / "state"
+    with beside(engine, tmp_path, admin_token=token, state_dir=state) as (url, _):
+        complete(url)
+        refused = httpx.post(url + "/admin/baseline", timeout=10)
+        assert refused.status_code in (401, 403)
+        missing = httpx.post(url + "/admin/baseline", params={"business_line": "nope"},
+                             headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert missing.status_code == 404 and "code_assistant" in missing.json()["error"]["message"]
+        saved = httpx.post(url + "/admin/baseline", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert saved.status_code == 200 and saved.json()["routers"] == ROUTERS
+        same = httpx.get(url + "/v1/routing", timeout=10).json()["routers"]
+        assert all(r["js_divergence"] == pytest.approx(0.0, abs=1e-9) for r in same)
+    engine.routing = np.tile(np.arange(4), (9, len(ROUTERS), 1))  # every token now picks experts 0-3
+    with beside(engine, tmp_path, admin_token=token, state_dir=state) as (url, _):
+        complete(url)
+        drifted = httpx.get(url + "/v1/routing", timeout=10).json()["routers"]
+        assert all(r["js_divergence"] > 0.1 for r in drifted)

@@ -47,6 +47,21 @@ class Admin:
         return JSONResponse({"ok": ok, "changed": result.changed, "errors": result.errors + rule_errors,
                              "version": result.version}, status_code=200 if ok else 422)
 
+    async def baseline(self, request: Request) -> Response:
+        """``POST /admin/baseline``: the routing now (one ``business_line``, or every line) becomes the
+        healthy reference that ``js_divergence`` (drift) is measured from; kept in STATE_DIR."""
+        self.sidecar.authorise_admin(request)
+        line = request.query_params.get("business_line")
+        lines = (await asyncio.to_thread(self.sidecar.routing_snapshot)).business_lines
+        if line is not None and line not in lines:
+            raise ApiError(404, f"business_line={describe_value(line)} has no routing counts here; known lines: "
+                                f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
+        document = await asyncio.to_thread(self.sidecar.save_baseline, line)
+        if document is None:
+            raise ApiError(409, "no routers of this sidecar's own to take a baseline of yet (the model is loading, or "
+                                "no --engine is read)", code="not_ready")
+        return JSONResponse(document)
+
     async def ingest(self, request: Request) -> Response:
         self.sidecar.authorise_ingest(request)
         body = await self.sidecar.read_json(request)

@@ -121,6 +121,35 @@ class Sidecar:
         return EngineRouting(engine, geometry, EngineMetrics(self.registry), window_tokens=config.window_tokens,
                              window_seconds=config.window_seconds, clock=self.clock)
 
+    def own_windows(self) -> RouterWindows | None:
+        """The windows of the routers this sidecar serves or stands beside (not the workers' that report)."""
+        if self.probe is not None:
+            self.probe.collect()
+            return self.probe.windows
+        return self.engine_routing.windows if self.engine_routing is not None else None
+
+    def baseline_path(self) -> Path:
+        return self.config.state_dir / "baseline.json"
+
+    def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
+        """The routing now becomes the reference for drift (written to STATE_DIR/baseline.json)."""
+        windows = self.own_windows()
+        if windows is None:
+            return None
+        document = windows.save_baseline(self.baseline_path(), business_line)
+        windows.load_baseline(self.baseline_path())
+        return {"path": str(self.baseline_path()), "business_line": business_line,
+                "routers": [entry["name"] for entry in document["routers"]]}
+
+    def _load_saved_baseline(self, windows: RouterWindows) -> None:
+        """A baseline saved by an earlier run (POST /admin/baseline) applies again after a restart."""
+        path = self.baseline_path()
+        if path.exists():
+            try:
+                windows.load_baseline(path)
+            except ValueError as error:
+                log.warning("the saved baseline is not used: %s", error)
+
     def engine_routers(self) -> set[str]:
         return set(self.engine_routing.geometry.router_names) if self.engine_routing is not None else set()
 
@@ -194,6 +223,7 @@ class Sidecar:
             self.engine = Engine(model, tokenizer, self.probe, max_queue=self.config.max_queue, clock=self.clock,
                                  on_job_done=lambda job, seconds: self.metrics.queue_depth.set(self.engine.queue_depth))
             self._start_retune(model, tokenizer)
+            self._load_saved_baseline(self.probe.windows)
             gc.freeze()
             self.ready.set()
         except Exception as error:
@@ -275,6 +305,8 @@ class Sidecar:
         # collection no longer scans it, holding the GIL - and so the event loop - for 200 ms
         # (measured by bench/attacks.py while /metrics built 27k series). Again once the model is in.
         gc.freeze()
+        if self.engine_routing is not None:
+            self._load_saved_baseline(self.engine_routing.windows)
         if self.config.upstream:
             if self.engine_routing is not None and self.config.engine != "none":
                 self._decoder = RoutingDecoder(self.config.decode_workers)
@@ -349,6 +381,7 @@ class Sidecar:
             Route("/healthz", self._healthz, methods=["GET"]),
             Route("/readyz", self._readyz, methods=["GET"]),
             Route("/admin/reload", admin.reload, methods=["POST"]),
+            Route("/admin/baseline", admin.baseline, methods=["POST"]),
             Route("/v1/retune/jobs", admin.jobs, methods=["GET"]),
             Route("/v1/retune/jobs/{job_id}", admin.job, methods=["GET"]),
             Route("/v1/retune/versions", admin.versions, methods=["GET"]),
