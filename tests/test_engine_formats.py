@@ -276,3 +276,21 @@ def test_a_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> No
     finally:
         decoder.close()
     assert decoded.tokens == 3 and again.tokens == 3 and workers and victim not in workers
+
+
+def test_routing_strings_are_cut_out_before_parsing_without_touching_anything_else() -> None:
+    rows = random_ids(3, seed=7)
+    full = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers)
+    encoded = encode_sglang(full)
+    text = 'the model said "routed_experts": "AAAA" and \\"routed_experts\\":\\"'
+    body = {"choices": [{"index": 0, "message": {"content": text}}], "sglext": {"routed_experts": encoded},
+            "meta": {"routed_experts": "b3RoZXI="}}  # a routing-like string where SGLang puts none
+    decoded = decode_response(RoutingPlan("sglang", TINY, keep=False), json.dumps(body).encode())
+    sent = json.loads(decoded.body)
+    assert decoded.tokens == 3 and sent["choices"][0]["message"]["content"] == text
+    assert sent["meta"] == {"routed_experts": "b3RoZXI="} and "sglext" not in sent
+    # JSON encoders that escape '/' as '\/' (base64 holds '/'): parsed as a string, decoded all the same.
+    escaped = json.dumps({"choices": [], "sglext": {"routed_experts": encoded}}).replace("/", "\\/")
+    assert decode_response(RoutingPlan("sglang", TINY, keep=True), escaped.encode()).tokens == 3
+    kept = decode_response(RoutingPlan("sglang", TINY, keep=True), json.dumps(body).encode())
+    assert json.loads(kept.body)["sglext"]["routed_experts"] == encoded
