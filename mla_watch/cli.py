@@ -176,7 +176,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate every policy and rule file and lint the rules against the model's routers."""
-    from mla_watch.alerting.lint import lint
     from mla_watch.alerting.rules import RuleError, load_rules_dir
     from mla_watch.policy import PolicyError
     from mla_watch.policy_files import load_policy_dir
@@ -203,7 +202,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for message in rules.warnings:
             print(f"warning: {message}")
             warnings += 1
-    if args.model is not None:
+    if args.model_config is not None:  # beside an engine: its routers, from the config it loaded
+        from mla_watch.engines.geometry import GeometryError, load_geometry
+
+        try:
+            geometry = load_geometry(args.model_config)
+        except GeometryError as error:
+            for message in error.errors:
+                print(f"error: {message}")
+            errors += len(error.errors)
+        else:
+            print(f"ok: engine routers: {geometry.describe()}; re-tuning is not available for them")
+            found_errors, found_warnings = _lint(rules, geometry.routers())
+            errors, warnings = errors + found_errors, warnings + found_warnings
+    elif args.model is not None:
         import mla_watch
 
         model, _ = mla_watch.load_model(args.model, device="cpu")
@@ -224,13 +236,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(f"warning: rule {rule.name}: none of its re-tune strategies "
                       f"{list(rule.retune_strategies)} supports this model")
                 warnings += 1
-        if rules is not None:
-            for finding in lint(rules, routers):
-                print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
-                errors += finding.severity == "error"
-                warnings += finding.severity == "warning"
+        found_errors, found_warnings = _lint(rules, routers)
+        errors, warnings = errors + found_errors, warnings + found_warnings
     print(f"{errors} error(s), {warnings} warning(s)")
     return 1 if errors else 0
+
+
+def _lint(rules: Any, routers: Sequence[Any]) -> tuple[int, int]:
+    """Print the rules' findings against ``routers``; return (errors, warnings)."""
+    from mla_watch.alerting.lint import lint
+
+    errors = warnings = 0
+    for finding in lint(rules, routers) if rules is not None else ():
+        print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
+        errors += finding.severity == "error"
+        warnings += finding.severity == "warning"
+    return errors, warnings
 
 
 def _cmd_rules_export(args: argparse.Namespace) -> int:
@@ -554,6 +575,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--rules", type=Path, default=SHIPPED_RULES)
     check.add_argument("--model", default="bundled",
                        help="lint the rules against this model's routers ('bundled' or a path)")
+    check.add_argument("--model-config", type=Path,
+                       help="instead: lint them against an engine's routers, from the config.json it loaded")
     check.set_defaults(handler=_cmd_check)
 
     rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)

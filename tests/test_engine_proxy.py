@@ -213,3 +213,18 @@ def test_a_baseline_taken_beside_the_engine_measures_drift_and_survives_a_restar
         complete(url)
         drifted = httpx.get(url + "/v1/routing", timeout=10).json()["routers"]
         assert all(r["js_divergence"] > 0.1 for r in drifted)
+
+
+def test_check_lints_the_rules_against_an_engines_routers(tmp_path, capsys) -> None:
+    from mla_watch.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
+                                  "n_routed_experts": 256, "num_experts_per_tok": 8}))
+    assert main(["check", "--model-config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "58 MoE layers of 61 (first 3), 256 experts, top-8" in out
+    assert "IndexerDegenerate" in out and "matches none of the model's 58 routers" in out  # no indexer beside an engine
+    config.write_text(json.dumps({"num_hidden_layers": 61}))
+    assert main(["check", "--model-config", str(config)]) == 1
+    assert "none of the keys n_routed_experts" in capsys.readouterr().out
