@@ -283,6 +283,43 @@ def attack_specs(args: list[str]) -> list[Spec]:
     ]
 
 
+# -- engine_routing ------------------------------------------------------------------------------------------------
+
+def engine_routing_specs(args: list[str]) -> list[Spec]:
+    specs = []
+    for engine in arg_values(args, "--format") or ["vllm", "sglang"]:
+        n = f"{engine}_2000"
+
+        def cpu(f: Figures, n: str = n) -> str:
+            return (f"{f[f'routing_cpu_ms_{n}']:.2f} ms (worker {f[f'decode_cpu_ms_{n}']:.2f}: counting "
+                    f"{f[f'counts_cpu_ms_{n}']:.2f} + parse/strip {f[f'parse_strip_cpu_ms_{n}']:.2f}; on the loop "
+                    f"{f[f'window_cpu_ms_{n}']:.2f}; a reader's collect {f[f'collect_cpu_ms_{n}']:.2f})")
+
+        def added(f: Figures, n: str = n, engine: str = engine) -> str:
+            return (f"{f[f'proxy_added_ms_{n}']:+.1f} ms ({f[f'proxy_on_p50_ms_{n}']:.1f} vs "
+                    f"{f[f'proxy_off_p50_ms_{n}']:.1f} ms, {x(f[f'proxy_ratio_{n}'], 2)}); 100 tokens "
+                    f"{f[f'proxy_added_ms_{engine}_100']:+.1f} ms")
+
+        def stall(f: Figures, n: str = n, rest: str = engine) -> str:
+            return (f"{f[f'healthz_added_p99_ms_{n}']:+.1f} ms (p99 {f[f'healthz_p99_ms_{n}']:.1f} vs "
+                    f"{f[f'healthz_rest_p99_ms_{rest}']:.1f} ms at rest, {f[f'healthz_samples_{n}']} polls)")
+
+        specs += [
+            Spec(f"decode+count 2,000 tokens DeepSeek-V3 (CPU ms), {engine}",
+                 f"absolute: thread CPU, median; {engine}'s field, 928k expert ids", cpu, "<= 5 ms",
+                 lambda f, n=n: f[f"routing_cpu_ms_{n}"] <= 5.0),
+            Spec(f"proxy added p50, {engine}, 2,000 tokens, routing on / off", "the same body without routing "
+                 "(--engine none)", added),
+            Spec(f"/healthz p99 added during routing-on requests, {engine}, 2,000 tokens",
+                 "/healthz at rest, same proxy", stall),
+        ]
+        if "--no-thread" not in args:
+            specs.append(Spec(f"/healthz p99 added, {engine}, 2,000 tokens, --decode-workers 0 (thread)",
+                              "/healthz at rest, same proxy",
+                              lambda f, n=n, engine=engine: stall(f, n + "_thread", engine + "_thread")))
+    return specs
+
+
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
@@ -292,6 +329,8 @@ BENCHES = [
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
     Bench("attacks", ["--requests", "1000", "--rounds", "3", "--bucket-requests", "10"], [], attack_specs),
+    Bench("engine_routing", ["--repeats", "5", "--requests", "20"],
+          ["--repeats", "20", "--requests", "100", "--rest", "5"], engine_routing_specs),
 ]
 
 

@@ -294,3 +294,25 @@ def test_routing_strings_are_cut_out_before_parsing_without_touching_anything_el
     assert decode_response(RoutingPlan("sglang", TINY, keep=True), escaped.encode()).tokens == 3
     kept = decode_response(RoutingPlan("sglang", TINY, keep=True), json.dumps(body).encode())
     assert json.loads(kept.body)["sglext"]["routed_experts"] == encoded
+
+
+def test_a_large_body_goes_to_the_worker_as_a_private_file_that_does_not_outlive_the_decode() -> None:
+    import stat
+
+    from mla_watch.engines.decoder import FILE_HANDOFF_BYTES
+
+    geometry = parse_geometry(DEEPSEEK_V3)
+    rows = np.random.default_rng(8).integers(0, 256, size=(400, 58, 8))
+    full = every_layer(rows, list(geometry.moe_layers), geometry.num_hidden_layers)
+    body = json.dumps({"choices": [], "sglext": {"routed_experts": encode_sglang(full)}}).encode()
+    assert len(body) > FILE_HANDOFF_BYTES
+    plan = RoutingPlan("sglang", geometry, keep=False)
+    decoder = RoutingDecoder(workers=1)
+    try:
+        decoded = asyncio.run(decoder.response(plan, body))
+        handoff = decoder._handoff
+        assert stat.S_IMODE(handoff.stat().st_mode) == 0o700 and list(handoff.iterdir()) == []
+    finally:
+        decoder.close()
+    assert not handoff.exists()
+    assert np.array_equal(decoded.counts, decode_response(plan, body).counts) and decoded.tokens == 400

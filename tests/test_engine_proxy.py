@@ -109,7 +109,7 @@ def test_routing_is_asked_for_counted_per_line_and_stripped_unless_the_client_as
         # SGLang returns routing only to requests that ask; the proxy asks for every request.
         assert all(body.get("return_routed_experts") is True for body in engine.bodies) == (style == "sglang")
         for line in ("code_assistant", "doc_summary"):
-            counts = sidecar.engine_routing.windows.counts(line)
+            counts = sidecar.engine_routing.counts(line)
             assert np.array_equal(np.stack([counts[name] for name in ROUTERS]), expected_counts(engine.routing))
         routing = httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"}, timeout=10).json()
         assert [r["name"] for r in routing["routers"]] == ROUTERS and routing["routers"][0]["tokens"] == 9
@@ -141,7 +141,7 @@ def test_auto_asks_the_engine_who_it_is(tmp_path, owner, style) -> None:
     with beside(engine, tmp_path, engine="auto") as (url, sidecar):
         complete(url)
         assert sidecar.engine_routing.engine == style
-        assert sidecar.engine_routing.windows.counts("code_assistant")[ROUTERS[0]].sum() == 9 * 4
+        assert sidecar.engine_routing.counts("code_assistant")[ROUTERS[0]].sum() == 9 * 4
 
 
 def test_the_recorder_counts_all_traffic_as_the_unattributed_line(tmp_path) -> None:

@@ -1,25 +1,32 @@
 """Decoding engine routing off the event loop: in worker processes, so that a large response holds no GIL here.
 
-A 2,000-token DeepSeek-V3 response carries about a million expert ids (5 MB of base64, or of
-JSON lists in vLLM <= 0.21). Parsing and counting that in a thread would still hold the GIL,
-and so the event loop, for tens of milliseconds; a worker process costs the loop one copy of
-the bytes each way.
+A 2,000-token DeepSeek-V3 response carries about a million expert ids (5 MB of base64 in
+SGLang's field). Parsing and counting that in a thread would still hold the GIL, and so the
+event loop, for milliseconds. A large body goes to the worker as a file in a private directory
+(tmpfs where there is one): one write, instead of a pipe's many 64 KB writes, each of which
+makes the writing thread take the GIL back from the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 from mla_watch.engines.formats import Decoded, RoutingPlan, decode_chunk, decode_response
 
-__all__ = ["RoutingDecoder"]
+__all__ = ["FILE_HANDOFF_BYTES", "RoutingDecoder"]
 
 log = logging.getLogger("mla_watch.engines")
+
+FILE_HANDOFF_BYTES = 256 << 10  # bodies at least this large go to a worker process as a file
 
 
 class RoutingDecoder:
@@ -30,29 +37,43 @@ class RoutingDecoder:
             raise ValueError(f"--decode-workers {workers}: expected an integer >= 0")
         self.workers = workers
         self._executor: Executor | None = None
+        self._handoff: Path | None = None
+        self._names = itertools.count()
 
     def start(self) -> None:
         if self._executor is not None:
             return
         if self.workers == 0:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mla-watch-decode")
-        else:
-            # spawn: the server has threads running; a forked child would inherit their locks mid-flight.
-            self._executor = ProcessPoolExecutor(max_workers=self.workers,
-                                                 mp_context=multiprocessing.get_context("spawn"))
-            for _ in range(self.workers):  # start the workers now, not on the first response
-                self._executor.submit(os.getpid)
+            return
+        if self._handoff is None:  # 0700: the files hold the engine's answers
+            shm = Path("/dev/shm")
+            self._handoff = Path(tempfile.mkdtemp(prefix="mla-watch-decode-",
+                                                  dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        # spawn: the server has threads running; a forked child would inherit their locks mid-flight.
+        self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
+        for _ in range(self.workers):  # start the workers now, not on the first response
+            self._executor.submit(os.getpid)
 
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        if self._handoff is not None:
+            shutil.rmtree(self._handoff, ignore_errors=True)
+            self._handoff = None
 
     async def response(self, plan: RoutingPlan, body: bytes) -> Decoded:
-        return await self._run(decode_response, plan, body)
+        local = (decode_response, plan, body)
+        if self.workers and len(body) >= FILE_HANDOFF_BYTES:
+            return await self._via_file(body, local, _decode_response_file, plan)
+        return await self._run(local, *local)
 
     async def chunk(self, plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
-        return await self._run(_decode_chunk, plan, data, first)
+        local = (_decode_chunk, plan, data, first)
+        if self.workers and len(data) >= FILE_HANDOFF_BYTES:
+            return await self._via_file(data.encode(), local, _decode_chunk_file, plan, first)
+        return await self._run(local, *local)
 
     async def worker_pids(self) -> list[int]:
         """The decoding processes (empty with ``workers=0``)."""
@@ -62,7 +83,18 @@ class RoutingDecoder:
         loop = asyncio.get_running_loop()
         return sorted({await loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)})
 
-    async def _run(self, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
+    async def _via_file(self, body: bytes, local: tuple, function, plan: RoutingPlan,  # type: ignore[no-untyped-def]
+                        *args) -> Decoded:
+        self.start()
+        path = self._handoff / f"{os.getpid()}-{next(self._names)}"
+        try:
+            await asyncio.to_thread(_write_private, path, body)
+            return await self._run(local, function, plan, str(path), *args)
+        finally:
+            path.unlink(missing_ok=True)  # the worker removes it first; this covers a worker that died
+
+    async def _run(self, local: tuple, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
+        """``function(*args)`` in a worker; ``local`` (a function and its arguments) in a thread if one died."""
         if self._executor is None:
             self.start()
         try:
@@ -70,9 +102,32 @@ class RoutingDecoder:
         except BrokenProcessPool:
             # A worker died (killed, out of memory): this response is decoded here, the pool starts afresh.
             log.warning("a routing decoder process died; starting new ones")
-            self.close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
             self.start()
-            return await asyncio.to_thread(function, *args)
+            return await asyncio.to_thread(*local)
+
+
+def _write_private(path: Path, body: bytes) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(body)
+
+
+def _take_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    finally:
+        os.unlink(path)
+
+
+def _decode_response_file(plan: RoutingPlan, path: str) -> Decoded:
+    return decode_response(plan, _take_file(path))
+
+
+def _decode_chunk_file(plan: RoutingPlan, path: str, first: bool) -> Decoded:
+    return decode_chunk(plan, _take_file(path).decode(), first=first)
 
 
 def _decode_chunk(plan: RoutingPlan, data: str, first: bool) -> Decoded:

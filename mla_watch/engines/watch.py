@@ -59,6 +59,10 @@ class EngineRouting:
         self._logged: dict[str, tuple[float, int]] = {}
         self._log_lock = threading.Lock()
         self._clock = clock
+        # Counts of responses not yet in the windows, per line: one array add on the event loop per
+        # response; readers move them into the windows (collect), as they do the probe's counters.
+        self._pending: dict[str, tuple[np.ndarray, int]] = {}
+        self._pending_lock = threading.Lock()
 
     def add(self, business_line: str, counts: np.ndarray, tokens: int) -> None:
         """Counts of ``[moe_layers, experts]`` over ``tokens`` tokens into ``business_line``'s windows."""
@@ -66,6 +70,18 @@ class EngineRouting:
             return
         for name, row in zip(self._names, counts, strict=True):
             self.windows.add(name, business_line, CountDelta(np.asarray(row, dtype=np.int64), tokens))
+
+    def collect(self) -> None:
+        """Move the responses' counts into the windows (called by every reader before it reads)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for line, (counts, tokens) in pending.items():
+            self.add(line, counts, tokens)
+
+    def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
+        """Each router's counts over its window, the responses counted so far included."""
+        self.collect()
+        return self.windows.counts(business_line)
 
     def count(self, business_line: str, decoded: Decoded | None) -> str:
         """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``)."""
@@ -75,7 +91,9 @@ class EngineRouting:
             self._log_error(decoded.error.reason, str(decoded.error))
         elif decoded is not None and decoded.counts is not None:
             outcome = "counted"
-            self.add(business_line, decoded.counts, decoded.tokens)
+            with self._pending_lock:
+                counts, tokens = self._pending.get(business_line, (0, 0))
+                self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
         else:
             outcome = "no_routing"
         self.metrics.responses.labels(self.engine, outcome).inc()

@@ -126,7 +126,10 @@ class Sidecar:
         if self.probe is not None:
             self.probe.collect()
             return self.probe.windows
-        return self.engine_routing.windows if self.engine_routing is not None else None
+        if self.engine_routing is None:
+            return None
+        self.engine_routing.collect()
+        return self.engine_routing.windows
 
     def baseline_path(self) -> Path:
         return self.config.state_dir / "baseline.json"
@@ -362,6 +365,7 @@ class Sidecar:
             self.probe.collect()  # safe beside a running forward: counts are read as deltas
             sources.append(self.probe.windows)
         if self.engine_routing is not None:
+            self.engine_routing.collect()
             sources.append(self.engine_routing.windows)
         sources.extend(self.remote.windows())
         return sources

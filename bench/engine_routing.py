@@ -1,0 +1,478 @@
+"""Engine routing through the proxy: decode+count CPU, the latency the proxy adds, the event loop meanwhile.
+
+    python bench/engine_routing.py                            # about a minute on 2 CPU cores
+    python bench/engine_routing.py --repeats 20 --requests 100  # the README's arguments
+    python bench/engine_routing.py --json figures.json        # also write the figures as JSON
+
+Issue 13, item 7: beside vLLM or SGLang (``serve --upstream URL --engine vllm|sglang``), every
+response carries the routing of each of its tokens, which the proxy decodes, counts and strips.
+For DeepSeek-V3 (61 layers of which 58 MoE, 256 experts, top-8) 2,000 tokens are 928k expert
+ids: 1.3 MB of base64 in vLLM's field, 5.2 MB in SGLang's. The goal: decoding and counting
+2,000 tokens in at most 5 ms of CPU, off the event loop. Measured, for each format and size
+(``--tokens``, 100 and 2,000 by default):
+
+* decode+count CPU, in this process: ``decode_response()`` on the engine's body (parse, base64,
+  count, strip, re-serialise), median of ``--repeats`` (thread CPU time), split into
+  ``routing_counts()`` alone (the counting) and the rest, plus the window update
+  (``EngineRouting.count()``: one array add on the event loop after the worker answers) and the
+  reader's cost of moving one response's counts into the windows (``EngineRouting.collect()``, in
+  the thread of whoever reads: /metrics, the alert round, /v1/routing), which is not on the loop;
+* the proxy's added latency: a fake engine (its own process, canned pre-built bodies, so its cost
+  is the same for every request) is asked straight and through ``mla-watch serve --upstream``,
+  routing on (``--engine vllm|sglang``, the engine returns the routing) and off (``--engine none``,
+  the engine returns the same body without it), ``--requests`` sequential requests per variant,
+  the four variants interleaved request by request so that the shared machine's drift hits them
+  alike; client-side p50, added = p50(on) - p50(off), and their ratio;
+* the event loop meanwhile: a thread polls the routing proxy's ``/healthz`` every 20 ms; its
+  p50/p99 during the routing-on requests against at rest (before them), as bench/attacks.py
+  does. Once more with ``--decode-workers 0`` (decoding in a thread, which holds the GIL) at the
+  largest size, to show why decoding runs in worker processes.
+
+The proxies run with ``--alert-interval`` and ``--history-interval`` of an hour, so that a rule
+evaluation or a history sample does not land in the measured requests. Only ratios and
+differences measured within one run mean anything on a shared machine; nothing here is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from attacks import HEALTHZ_POLL_SECONDS, Latency
+from server_overhead import sidecar_process
+
+from mla_watch.engines.formats import (
+    ENGINES,
+    RoutingPlan,
+    decode_response,
+    encode_sglang,
+    encode_vllm,
+    every_layer,
+    routing_counts,
+)
+from mla_watch.engines.geometry import EngineGeometry, parse_geometry
+
+# DeepSeek-V3's config.json, the keys that place its routers: layers 3..60 are MoE.
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+               "n_routed_experts": 256, "num_experts_per_tok": 8}
+GOAL_CPU_MS = 5.0  # issue 13: decoding and counting 2,000 tokens of DeepSeek-V3 routing
+GOAL_TOKENS = 2000
+PROMPT_TOKENS = 16  # of the routing rows: the engines return prompt + generated - 1 rows
+EXTRA = {"policy": "default/default", "adjustments": []}  # the proxy's "mla_watch" object (Decision.as_dict)
+
+
+# --------------------------------------------------------------------------- what the engine answers
+
+
+def routing_ids(rng: np.random.Generator, tokens: int, geometry: EngineGeometry) -> np.ndarray:
+    """``[tokens, moe_layers, top_k]`` distinct experts per token, skewed per layer (Gumbel top-k of a bias)."""
+    moe, experts, top_k = len(geometry.moe_layers), geometry.num_experts, geometry.top_k
+    bias = rng.normal(0.0, 1.0, (moe, experts))
+    parts = []
+    for start in range(0, tokens, 250):  # chunks: [250, 58, 256] keys at a time
+        keys = bias[None] + rng.gumbel(size=(min(250, tokens - start), moe, experts))
+        parts.append(np.argpartition(-keys, top_k, axis=2)[..., :top_k])
+    return np.concatenate(parts).astype(np.int32)
+
+
+def completion(tokens: int) -> dict[str, Any]:
+    generated = tokens - PROMPT_TOKENS + 1
+    return {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "deepseek-ai/DeepSeek-V3",
+            "choices": [{"index": 0, "text": " tok" * generated, "logprobs": None, "finish_reason": "length",
+                         "stop_reason": None}],
+            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": generated,
+                      "total_tokens": PROMPT_TOKENS + generated}}
+
+
+def key(engine: str, tokens: int, routing: bool) -> str:
+    """The prompt that selects a canned body (and the name of its file)."""
+    return f"{engine}_{tokens}_{'on' if routing else 'off'}"
+
+
+def engine_bodies(geometry: EngineGeometry, sizes: list[int], seed: int = 0) -> dict[str, bytes]:
+    """Every canned body: per engine format and size, with the routing (current field) and without."""
+    rng = np.random.default_rng(seed)
+    bodies = {}
+    for tokens in sizes:
+        ids = every_layer(routing_ids(rng, tokens, geometry), list(geometry.moe_layers), geometry.num_hidden_layers)
+        for engine in ENGINES:
+            bodies[key(engine, tokens, False)] = json.dumps(completion(tokens)).encode()
+            document = completion(tokens)
+            if engine == "vllm":  # vLLM >= 0.22: choices[i].routed_experts, base64 of a .npy
+                document["choices"][0]["routed_experts"] = encode_vllm(ids, geometry.num_experts)
+            else:  # SGLang: sglext.routed_experts, base64 of raw int32
+                document["sglext"] = {"routed_experts": encode_sglang(ids)}
+            bodies[key(engine, tokens, True)] = json.dumps(document).encode()
+    return bodies
+
+
+def serve_engine(directory: Path, port: int) -> None:
+    """The fake engine (``--serve-engine``): canned bodies by prompt, SGLang's only when asked for routing."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    bodies = {path.stem: path.read_bytes() for path in directory.glob("*.json") if path.stem != "config"}
+
+    async def completions(request: Request) -> Response:
+        asked = await request.json()
+        name = str(asked.get("prompt"))
+        if name.startswith("sglang_") and asked.get("return_routed_experts") is not True:
+            name = name.replace("_on", "_off")  # SGLang returns routing only to requests that ask
+        if name not in bodies:
+            return JSONResponse({"error": {"message": f"no canned body {name!r}"}}, status_code=404)
+        return Response(bodies[name], media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "deepseek-ai/DeepSeek-V3", "object": "model",
+                                                         "owned_by": "vllm"}]})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+@contextlib.contextmanager
+def fake_engine(directory: Path) -> Iterator[str]:
+    """The fake engine in its own process (its CPU stays out of the proxy's), ready; stopped afterwards."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, __file__, "--serve-engine", str(directory), "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"the fake engine on port {port} did not start")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+# --------------------------------------------------------------------------- decode+count CPU, in-process
+
+
+def decoded_ids(engine: str, body: bytes, geometry: EngineGeometry) -> np.ndarray:
+    """The routing array of a canned body, as the decoder reads it (outside the timed part)."""
+    document = json.loads(body)
+    if engine == "vllm":
+        return np.load(io.BytesIO(base64.b64decode(document["choices"][0]["routed_experts"])), allow_pickle=False)
+    raw = np.frombuffer(base64.b64decode(document["sglext"]["routed_experts"]), dtype="<i4")
+    return raw.reshape(-1, geometry.num_hidden_layers, geometry.top_k)
+
+
+def cpu_ms(function: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Median thread CPU and wall time of ``function``, in ms, after one untimed call."""
+    function()
+    cpu, wall = [], []
+    for _ in range(repeats):
+        started_cpu, started_wall = time.thread_time(), time.perf_counter()
+        function()
+        cpu.append(time.thread_time() - started_cpu)
+        wall.append(time.perf_counter() - started_wall)
+    return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
+
+
+def decode_figures(geometry: EngineGeometry, bodies: dict[str, bytes], sizes: list[int],
+                   repeats: int) -> dict[str, float]:
+    from prometheus_client import CollectorRegistry
+
+    from mla_watch.engines.watch import EngineMetrics, EngineRouting
+
+    figures: dict[str, float] = {}
+    for engine in ENGINES:
+        plan = RoutingPlan(engine, geometry, keep=False, extra=EXTRA)
+        windows = EngineRouting(engine, geometry, EngineMetrics(CollectorRegistry()))  # serve's default windows
+        for tokens in sizes:
+            body = bodies[key(engine, tokens, True)]
+            decoded = decode_response(plan, body)
+            if decoded.counts is None or decoded.tokens != tokens:
+                raise RuntimeError(f"{engine} {tokens}: decoded {decoded.tokens} tokens, error {decoded.error}")
+            ids = decoded_ids(engine, body, geometry)
+            total, wall = cpu_ms(lambda plan=plan, body=body: decode_response(plan, body), repeats)
+            counting, _ = cpu_ms(lambda ids=ids: routing_counts(ids, geometry), repeats)
+            window, _ = cpu_ms(lambda windows=windows, decoded=decoded: windows.count("default", decoded), repeats)
+            # What a reader (/metrics, the alert round, /v1/routing) spends moving one response into the windows.
+            both, _ = cpu_ms(lambda windows=windows, decoded=decoded: (windows.count("default", decoded),
+                                                                       windows.collect()), repeats)
+            name = f"{engine}_{tokens}"
+            figures[f"collect_cpu_ms_{name}"] = max(both - window, 0.0)
+            figures.update({f"body_bytes_{name}": len(body), f"decode_cpu_ms_{name}": total,
+                            f"decode_wall_ms_{name}": wall, f"decode_us_per_token_{name}": total * 1e3 / tokens,
+                            f"counts_cpu_ms_{name}": counting, f"parse_strip_cpu_ms_{name}": total - counting,
+                            f"window_cpu_ms_{name}": window, f"routing_cpu_ms_{name}": total + window})
+    return figures
+
+
+# --------------------------------------------------------------------------- through the proxy
+
+
+class Poller:
+    """A thread polling ``/healthz`` every 20 ms on its own connection: (sent at, seconds, answered 200)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.samples: list[tuple[float, float, bool]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="healthz-poller", daemon=True)
+
+    def __enter__(self) -> Poller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                sent = time.perf_counter()
+                try:
+                    ok = client.get(self.url + "/healthz").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                with self._lock:
+                    self.samples.append((sent, time.perf_counter() - sent, ok))
+                self._stop.wait(HEALTHZ_POLL_SECONDS)
+
+    def within(self, spans: list[tuple[float, float]]) -> Latency:
+        """The polls sent during one of ``spans`` (as bench/attacks.py counts them)."""
+        with self._lock:
+            samples = list(self.samples)
+        chosen = [(seconds, ok) for sent, seconds, ok in samples if any(start <= sent <= end for start, end in spans)]
+        return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
+
+    def between(self, start: float, end: float) -> Latency:
+        with self._lock:
+            chosen = [(seconds, ok) for sent, seconds, ok in self.samples if start <= sent <= end]
+        return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
+
+
+@dataclass
+class Run:
+    """One routing proxy (a format, a number of decode workers) against the routing-off one."""
+
+    engine: str
+    workers: int
+    rest: Latency = field(default_factory=Latency)
+    figures: dict[str, float] = field(default_factory=dict)
+
+
+def p50_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
+def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, rest_seconds: float, upstream: str,
+                  plain: str, model_config: Path, state: Path) -> Run:
+    """``requests`` x (straight off, straight on, proxy off, proxy on) per size, interleaved; /healthz meanwhile."""
+    run = Run(engine, workers)
+    args = ["--upstream", upstream, "--engine", engine, "--model-config", str(model_config), "--decode-workers",
+            str(workers), "--state-dir", str(state / f"{engine}-{workers}"), "--alert-interval", "3600",
+            "--history-interval", "3600"]
+    with sidecar_process(*args) as (proxy, _), Poller(proxy) as poller, \
+            httpx.Client(timeout=60) as client:
+        started = time.perf_counter()
+        time.sleep(rest_seconds)
+        run.rest = poller.between(started, time.perf_counter())
+        for tokens in sizes:
+            variants = {  # name: (base URL, prompt, extra request fields)
+                "direct_off": (upstream, key(engine, tokens, False), {}),
+                "direct_on": (upstream, key(engine, tokens, True),
+                              {"return_routed_experts": True} if engine == "sglang" else {}),
+                "proxy_off": (plain, key(engine, tokens, False), {}),
+                "proxy_on": (proxy, key(engine, tokens, True), {}),
+            }
+            names = list(variants)
+            times: dict[str, list[float]] = {name: [] for name in names}
+            spans: list[tuple[float, float]] = []
+            for index in range(requests + 3):  # the first three rounds warm up and are not counted
+                for name in names[index % 4:] + names[:index % 4]:
+                    url, prompt, extra = variants[name]
+                    sent = time.perf_counter()
+                    answer = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, **extra})
+                    done = time.perf_counter()
+                    if answer.status_code != 200:
+                        raise RuntimeError(f"{name} {prompt}: {answer.status_code} {answer.text[:300]}")
+                    if index >= 3:
+                        times[name].append(done - sent)
+                        if name == "proxy_on":
+                            spans.append((sent, done))
+                    if index == 0 and name == "proxy_on":
+                        check_stripped(answer.json(), engine)
+            during = poller.within(spans)
+            name = f"{engine}_{tokens}" + ("_thread" if workers == 0 else "")
+            p50 = {variant: p50_ms(values) for variant, values in times.items()}
+            run.figures.update({f"{variant}_p50_ms_{name}": value for variant, value in p50.items()})
+            run.figures.update({
+                f"proxy_added_ms_{name}": p50["proxy_on"] - p50["proxy_off"],
+                f"proxy_ratio_{name}": p50["proxy_on"] / p50["proxy_off"],
+                f"healthz_p50_ms_{name}": during.p50_ms, f"healthz_p99_ms_{name}": during.p99_ms,
+                f"healthz_max_ms_{name}": during.max_ms, f"healthz_samples_{name}": during.samples,
+                f"healthz_failures_{name}": during.failures,
+                f"healthz_added_p50_ms_{name}": during.p50_ms - run.rest.p50_ms,
+                f"healthz_added_p99_ms_{name}": during.p99_ms - run.rest.p99_ms,
+            })
+        counted = metric(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine,
+                         outcome="counted")
+        expected = len(sizes) * (requests + 3)
+        if counted != expected:
+            raise RuntimeError(f"the {engine} proxy counted the routing of {counted} responses, expected {expected}")
+    suffix = "_thread" if workers == 0 else ""
+    run.figures.update({f"healthz_rest_p50_ms_{engine}{suffix}": run.rest.p50_ms,
+                        f"healthz_rest_p99_ms_{engine}{suffix}": run.rest.p99_ms})
+    return run
+
+
+def check_stripped(document: dict[str, Any], engine: str) -> None:
+    """The client did not ask for the routing: the proxy removed it and added its own object."""
+    if "mla_watch" not in document or "sglext" in document or "routed_experts" in document["choices"][0]:
+        raise RuntimeError(f"{engine}: the proxy's answer still carries routing or lacks mla_watch: "
+                           f"{sorted(document)}")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def plain_proxy(upstream: str, state: Path) -> Iterator[str]:
+    """The routing-off proxy (``--engine none``): forwards, applies the policy, reads no routing."""
+    with sidecar_process("--upstream", upstream, "--engine", "none", "--state-dir", str(state / "none"),
+                         "--alert-interval", "3600", "--history-interval", "3600") as (url, _):
+        yield url
+
+
+# --------------------------------------------------------------------------- report
+
+
+def render(figures: dict[str, Any], sizes: list[int], formats: list[str]) -> str:
+    lines = ["decode+count in-process (median thread CPU; worker = decode_response, loop = pending add on the event "
+             "loop, total = worker + loop; collect = a reader moving it into the windows, off the loop):",
+             f"  {'format':<7} {'tokens':>6} {'body':>9} {'worker ms':>9} {'us/token':>8} {'counts ms':>9} "
+             f"{'rest ms':>8} {'loop ms':>8} {'total ms':>8} {'collect':>8}  goal <= {GOAL_CPU_MS:g} ms at "
+             f"{GOAL_TOKENS:,}"]
+    for engine in formats:
+        for tokens in sizes:
+            n = f"{engine}_{tokens}"
+            goal = ""
+            if tokens == GOAL_TOKENS:
+                goal = "met" if figures[f"routing_cpu_ms_{n}"] <= GOAL_CPU_MS else "NOT met"
+                goal += f" (x{figures[f'routing_cpu_ms_{n}'] / GOAL_CPU_MS:.1f} of the goal)"
+            lines.append(f"  {engine:<7} {tokens:>6} {figures[f'body_bytes_{n}'] / 1e6:>7.2f}MB "
+                         f"{figures[f'decode_cpu_ms_{n}']:>9.2f} {figures[f'decode_us_per_token_{n}']:>8.2f} "
+                         f"{figures[f'counts_cpu_ms_{n}']:>9.2f} {figures[f'parse_strip_cpu_ms_{n}']:>8.2f} "
+                         f"{figures[f'window_cpu_ms_{n}']:>8.2f} {figures[f'routing_cpu_ms_{n}']:>8.2f} "
+                         f"{figures[f'collect_cpu_ms_{n}']:>8.2f}  {goal}")
+    lines += ["", "through the proxy (client p50 ms; added = proxy on - proxy off) and /healthz of the routing proxy "
+                  "during its requests (ms):",
+              f"  {'format':<7} {'workers':>7} {'tokens':>6} {'direct off':>10} {'direct on':>9} {'proxy off':>9} "
+              f"{'proxy on':>8} {'added':>7} {'ratio':>6}  {'healthz p50/p99':>15} {'at rest':>11} {'added p99':>9}"]
+    for engine in formats:
+        for suffix, workers in (("", "1"), ("_thread", "0 (thread)")):
+            for tokens in sizes:
+                n = f"{engine}_{tokens}{suffix}"
+                if f"proxy_on_p50_ms_{n}" not in figures:
+                    continue
+                rest = f"{figures[f'healthz_rest_p50_ms_{engine}{suffix}']:.1f}/" \
+                       f"{figures[f'healthz_rest_p99_ms_{engine}{suffix}']:.1f}"
+                lines.append(
+                    f"  {engine:<7} {workers:>7} {tokens:>6} {figures[f'direct_off_p50_ms_{n}']:>10.2f} "
+                    f"{figures[f'direct_on_p50_ms_{n}']:>9.2f} {figures[f'proxy_off_p50_ms_{n}']:>9.2f} "
+                    f"{figures[f'proxy_on_p50_ms_{n}']:>8.2f} {figures[f'proxy_added_ms_{n}']:>+7.2f} "
+                    f"{figures[f'proxy_ratio_{n}']:>6.2f}  "
+                    f"{figures[f'healthz_p50_ms_{n}']:>7.1f}/{figures[f'healthz_p99_ms_{n}']:<7.1f} {rest:>11} "
+                    f"{figures[f'healthz_added_p99_ms_{n}']:>+9.1f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[100, GOAL_TOKENS],
+                        help="routing rows per response (prompt + generated - 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="in-process decodes per format and size (median)")
+    parser.add_argument("--requests", type=int, default=20, help="requests per variant, format and size")
+    parser.add_argument("--rest", type=float, default=2.0, help="seconds of /healthz at rest before each proxy's run")
+    parser.add_argument("--format", dest="formats", action="append", choices=ENGINES,
+                        help="vllm or sglang (repeatable; default both)")
+    parser.add_argument("--no-thread", action="store_true", help="skip the --decode-workers 0 run")
+    parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
+    parser.add_argument("--serve-engine", type=Path, help=argparse.SUPPRESS)  # the fake engine's process
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_engine is not None:
+        serve_engine(args.serve_engine, args.port)
+        return
+    sizes = sorted(set(args.tokens))
+    if min(sizes) < PROMPT_TOKENS:
+        parser.error(f"--tokens: expected at least {PROMPT_TOKENS} (the prompt's rows)")
+    formats = args.formats or list(ENGINES)
+    geometry = parse_geometry(DEEPSEEK_V3)
+    started = time.monotonic()
+    bodies = engine_bodies(geometry, sizes)
+    print(f"{geometry.describe()}; bodies built in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    figures: dict[str, Any] = {"bench": "engine_routing", "args": {k: v for k, v in vars(args).items()
+                                                                   if k not in ("serve_engine", "port")},
+                               "goal_cpu_ms": GOAL_CPU_MS, "goal_tokens": GOAL_TOKENS}
+    figures.update(decode_figures(geometry, bodies, sizes, args.repeats))
+    print("in-process decode timed", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="mla-watch-engine-routing-") as directory:
+        root = Path(directory)
+        engine_dir = root / "engine"
+        engine_dir.mkdir()
+        for name, body in bodies.items():
+            (engine_dir / f"{name}.json").write_bytes(body)
+        (engine_dir / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+        with fake_engine(engine_dir) as upstream, plain_proxy(upstream, root) as plain:
+            runs = [(engine, 1, sizes) for engine in formats]
+            if not args.no_thread:
+                runs += [(engine, 0, [max(sizes)]) for engine in formats]
+            for engine, workers, run_sizes in runs:
+                run = measure_proxy(engine, workers, run_sizes, args.requests, args.rest, upstream, plain,
+                                    engine_dir / "config.json", root)
+                figures.update(run.figures)
+                print(f"proxy {engine}, --decode-workers {workers}: done", file=sys.stderr, flush=True)
+    figures["wall_s"] = time.monotonic() - started
+
+    print(f"engine routing through the proxy: {geometry.describe()}; {args.repeats} decodes, {args.requests} "
+          f"requests per variant; {figures['wall_s']:.0f} s")
+    print(render(figures, sizes, formats))
+    if args.json:  # flat keys, milliseconds throughout
+        Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
