@@ -337,6 +337,11 @@ def compute_stats(
     floor, ceiling = entropy_bounds(n, k)
     total = float(slot_counts.sum())
     selections = round(total)
+    if kind == "indexer" and n_tokens > 0 and selections < k * n_tokens:
+        # On short contexts a query sees fewer keys than it may pick. The pooled distribution's largest
+        # share is at most 1 / (mean picks per query), so log2 of the picks actually made is the floor.
+        made = selections / n_tokens
+        floor = math.log2(made) if made > 1 else 0.0
 
     if min_tokens is None:
         needed = minimum_window_tokens(n, k, tolerance_bits)

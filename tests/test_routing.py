@@ -299,21 +299,39 @@ def test_compute_stats_rejects_bad_kind_and_counts() -> None:
 # ---------------------------------------------------------------------------
 
 
+def test_an_indexer_floor_comes_from_the_picks_actually_made_so_entropy_never_reads_below_it() -> None:
+    # Short contexts: query q sees q + 1 keys and picks them all (index_topk 64 is never reached).
+    counts = np.zeros(512, dtype=int)
+    for query in range(40):
+        counts[: query + 1] += 1
+    stats = compute_stats(counts, kind="indexer", top_k=64, tokens=40)
+    assert stats.floor_bits == pytest.approx(math.log2(counts.sum() / 40))
+    assert stats.floor_bits <= stats.entropy_bits <= stats.ceiling_bits
+    assert 0.0 < stats.normalized_entropy < 1.0
+    # Nearly every query picking the same five keys of ten reads close to the floor.
+    same = np.zeros(512, dtype=int)
+    same[:5] = 39
+    same[:10] += 1
+    near = compute_stats(same, kind="indexer", top_k=64, tokens=40)
+    assert near.floor_bits < near.entropy_bits and near.normalized_entropy < 0.2
+
+
 def test_indexer_effective_slots_and_bounds() -> None:
     counts = np.zeros(4096, dtype=int)
     counts[:100] = 3  # context so far only reaches position 99
     stats = compute_stats(counts, kind="indexer", top_k=2048, tokens=100)
     assert stats.num_slots == 100
-    assert stats.floor_bits == pytest.approx(math.log2(100))  # top_k capped at effective slots
+    # 300 picks over 100 queries: 3 per query, so the pooled entropy could be as low as log2(3).
+    assert stats.floor_bits == pytest.approx(math.log2(3))
     assert stats.ceiling_bits == pytest.approx(math.log2(100))
     assert stats.normalized_entropy == 1.0
     assert stats.dead_slots == 0
 
     counts[:4000] = 1
     counts[3000] = 0
-    longer = compute_stats(counts, kind="indexer", top_k=2048, tokens=4000)
+    longer = compute_stats(counts, kind="indexer", top_k=2048, tokens=1)
     assert longer.num_slots == 4000
-    assert longer.floor_bits == pytest.approx(11.0)
+    assert longer.floor_bits == pytest.approx(11.0)  # every query picked its index_topk
     assert longer.ceiling_bits == pytest.approx(math.log2(4000))
     assert longer.dead_slots == 1  # only position 3000 among the effective slots, not the tail
     assert 0.0 < longer.normalized_entropy < 1.0
