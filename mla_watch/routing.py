@@ -276,6 +276,11 @@ class RoutingStats:
     min_tokens: int
     too_small: bool
 
+    @property
+    def bits_below_ceiling(self) -> float:
+        """How far the entropy sits below its ceiling: a threshold in these units fits any geometry."""
+        return max(self.ceiling_bits - self.entropy_bits, 0.0) if self.selections else 0.0
+
     def as_dict(self) -> dict[str, object]:
         """JSON-friendly plain-type dictionary of all fields."""
         return {
@@ -288,6 +293,7 @@ class RoutingStats:
             "floor_bits": float(self.floor_bits),
             "ceiling_bits": float(self.ceiling_bits),
             "normalized_entropy": float(self.normalized_entropy),
+            "bits_below_ceiling": float(self.bits_below_ceiling),
             "max_violation": float(self.max_violation),
             "dead_slots": int(self.dead_slots),
             "js_divergence": None if self.js_divergence is None else float(self.js_divergence),

@@ -23,7 +23,8 @@ from mla_watch.windows import RouterInfo
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_RULES = REPO / "rules"
-SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "ExpertHotspot", "DeadExperts", "RoutingDrift",
+SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "RoutingEntropyNearCeiling",
+                 "ExpertHotspot", "DeadExperts", "RoutingDrift",
                  "IndexerDegenerate"}
 ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
 

@@ -50,7 +50,13 @@ def test_export_of_the_shipped_rules(shipped):
     expr = " ".join(low["expr"].split())
     assert expr == ('mla_watch_routing_entropy_bits{job="mla_watch", kind="expert", business_line!="all"} < 5 '
                     "and on(job, instance, router, layer, kind, business_line) "
+                    '(mla_watch_routing_slots{job="mla_watch", kind="expert", business_line!="all"} == 64) '
+                    "and on(job, instance, router, layer, kind, business_line) "
                     'mla_watch_routing_window_too_small{job="mla_watch"} == 0')
+    collapse = " ".join(rules["RoutingCollapse"]["expr"].split())
+    assert collapse.startswith('mla_watch_routing_normalized_entropy{job="mla_watch", kind="expert", '
+                               'business_line!="all"} < 0.7')
+    assert '(mla_watch_routing_slots{job="mla_watch", kind="expert", business_line!="all"} != 64)' in collapse
     assert low["for"] == "2m" and low["keep_firing_for"] == "5m"
     assert low["labels"] == {"severity": "critical", "team": "ml-platform"}
     assert low["annotations"]["runbook_url"].endswith("#routingentropylow")
@@ -132,12 +138,15 @@ def test_promtool_unit_test_fires_routing_entropy_low_for_one_router(shipped, tm
     for router, entropy in ((bad, "4.5"), (good, "5.5")):
         input_series += [
             {"series": series("mla_watch_routing_entropy_bits", router, "code_assistant"), "values": f"{entropy}x20"},
+            {"series": series("mla_watch_routing_slots", router, "code_assistant"), "values": "64x20"},
             {"series": series("mla_watch_routing_window_too_small", router, "code_assistant"), "values": "0x20"},
             {"series": series("mla_watch_routing_window_tokens", router, "code_assistant"), "values": "4096x20"},
         ]
     # the aggregate line reads low too, and a too-small window reads low: neither may fire
     input_series += [
         {"series": series("mla_watch_routing_entropy_bits", bad, "all"), "values": "4.5x20"},
+        {"series": series("mla_watch_routing_slots", bad, "all"), "values": "64x20"},
+        {"series": series("mla_watch_routing_slots", bad, "doc_summary"), "values": "64x20"},
         {"series": series("mla_watch_routing_window_too_small", bad, "all"), "values": "0x20"},
         {"series": series("mla_watch_routing_entropy_bits", bad, "doc_summary"), "values": "4.0x20"},
         {"series": series("mla_watch_routing_window_too_small", bad, "doc_summary"), "values": "1x20"},
@@ -176,3 +185,28 @@ def test_promtool_unit_test_fires_routing_entropy_low_for_one_router(shipped, tm
     unit["tests"][0]["alert_rule_test"][1]["exp_alerts"] = [*firing, {"exp_labels": {**labels, "router": good}}]
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
     assert run_promtool("test", "rules", "test.yaml", cwd=tmp_path).returncode != 0
+
+
+def test_promtool_unit_test_the_geometry_decides_which_collapse_rule_pages(shipped, tmp_path):
+    """An 8-expert router at 2.0 bits (normalized 0.5) pages RoutingCollapse, not the 64-expert seed rule."""
+    picked = tuple(dataclasses.replace(r, annotations={}) for r in shipped.rules
+                   if r.name in ("RoutingEntropyLow", "RoutingCollapse"))
+    (tmp_path / "rules.yaml").write_text(export_prometheus(RuleSet(rules=picked, receivers={})))
+    small = "model.layers.1.block_sparse_moe.gate"
+    input_series = [
+        {"series": series("mla_watch_routing_entropy_bits", small, "chat"), "values": "2x20"},
+        {"series": series("mla_watch_routing_normalized_entropy", small, "chat"), "values": "0.5x20"},
+        {"series": series("mla_watch_routing_slots", small, "chat"), "values": "8x20"},
+        {"series": series("mla_watch_routing_window_too_small", small, "chat"), "values": "0x20"},
+    ]
+    unit = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": input_series,
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "RoutingEntropyLow", "exp_alerts": []},
+            {"eval_time": "5m", "alertname": "RoutingCollapse", "exp_alerts": [{"exp_labels": {
+                "job": "mla_watch", "instance": "sidecar:8000", "router": small, "layer": "1", "kind": "expert",
+                "business_line": "chat", "severity": "critical", "team": "ml-platform"}}]},
+        ]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
+    result = run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

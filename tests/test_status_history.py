@@ -27,7 +27,7 @@ class FakeClock:
 def record(name: str = GATE, line: str | None = "code", bits: float | None = 5.9, tokens: int = 200,
            too_small: bool = False, kind: str = "expert", layer: int = 1) -> dict:
     return {"name": name, "layer": layer, "kind": kind, "business_line": line, "entropy_bits": bits,
-            "tokens": tokens, "too_small": too_small, "floor_bits": 2.585, "ceiling_bits": 6.0}
+            "tokens": tokens, "too_small": too_small, "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64}
 
 
 def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
@@ -47,7 +47,7 @@ def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
     assert by_key[("code", GATE)]["too_small"] == [False, True, False]
     assert by_key[("all", GATE)]["values"] == [5.95, None, None]
     assert by_key[("code", INDEXER)] == {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code",
-                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "values": [None, 6.1, None],
+                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64, "values": [None, 6.1, None],
                                          "too_small": [False, False, False]}
 
     clock.now += 25  # the first two points leave the 30 s span, and with them the "all" and indexer series
@@ -128,11 +128,16 @@ SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
 
 def test_the_band_comes_from_the_rules_that_watch_the_series() -> None:
     rules = load_rules_dir(SHIPPED_RULES).rules
-    gate = {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code"}
+    gate = {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code", "num_slots": 64,
+            "floor_bits": 2.585, "ceiling_bits": 6.0}
     band = entropy_band(rules, gate)
     sides = ("fire_below", "resolve_above", "fire_above", "resolve_below")
     assert [band[side] for side in sides] == [5.0, 5.2, 6.5, 6.3]
     assert band["rules"] == ["RoutingEntropyLow", "RoutingEntropyHigh"] and band["inherited"] is False
+    # An 8-expert top-2 router (1-3 bits): the relative rules, drawn in bits.
+    mixtral = entropy_band(rules, {**gate, "num_slots": 8, "floor_bits": 1.0, "ceiling_bits": 3.0})
+    assert [mixtral[side] for side in sides] == [2.4, 2.5, 2.99, 2.98]
+    assert mixtral["rules"] == ["RoutingCollapse", "RoutingEntropyNearCeiling"]
     # The shipped rules watch each line, not their sum: the sum shows the band they give the router.
     summed = entropy_band(rules, {**gate, "business_line": "all"})
     assert summed["fire_below"] == 5.0 and summed["inherited"] is True

@@ -26,7 +26,7 @@ __all__ = ["LintFinding", "lint"]
 class LintFinding:
     """One problem of one rule on one router (``router`` is None for rule-wide findings)."""
 
-    severity: Literal["error", "warning"]
+    severity: Literal["error", "warning", "info"]
     rule: str
     router: str | None
     message: str
@@ -64,6 +64,11 @@ def _metric_range(metric: str, info: RouterInfo) -> _Range:
                           f"its ceiling is {_log2_text(n)}{context}", " bits")
         return _Range(floor, ceiling, f"its floor is {_log2_text(k)} (every token picks {k} distinct {per}s)",
                       f"its ceiling is {_log2_text(n)}{context}", " bits")
+    if metric == "bits_below_ceiling":
+        span = ceiling if indexer else ceiling - floor
+        return _Range(0.0, span, "an entropy cannot exceed its ceiling (0 bits below it)",
+                      f"it is at most {span:.3f} bits below its ceiling (ceiling {_log2_text(n)}"
+                      + (")" if indexer else f", floor {_log2_text(k)})"), " bits")
     if metric == "normalized_entropy":
         return _Range(0.0, 1.0, "normalized entropy is at least 0 (the floor)", "normalized entropy is at most 1 "
                       "(the ceiling)")
@@ -156,6 +161,8 @@ def _selector_text(selector: Selector) -> str:
         parts.append(f"layers: [{selector.layers[0]}, {selector.layers[1]}]")
     if selector.router is not None:
         parts.append(f"router: {selector.router!r}")
+    if selector.slots is not None:
+        parts.append(f"slots: {selector.slots}")
     return "{" + ", ".join(parts) + "}" if parts else "{} (every router)"
 
 
@@ -178,6 +185,14 @@ def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float
             kinds = sorted({info.kind for info in routers})
             layers = sorted({info.layer for info in routers})
             span = f"layers {layers[0]}..{layers[-1]}" if layers else "no layers"
+            others = [info for info in routers if dataclasses.replace(selector, slots=None).matches(info.as_dict())]
+            if rule.selector.slots is not None and others:
+                # A rule for another geometry (the seed's 64 experts, or everything else): as it should be.
+                slots = sorted({info.num_slots for info in others})
+                findings.append(LintFinding(
+                    "info", rule.name, None, f"{head}: for routers of slots {rule.selector.slots}; this model's "
+                    f"have {', '.join(map(str, slots))}, so it does not apply here"))
+                continue
             findings.append(LintFinding(
                 "warning", rule.name, None,
                 f"{head}: selector {_selector_text(rule.selector)} matches none of the model's {len(routers)} "

@@ -29,12 +29,15 @@ __all__ = [
     "RuleError",
     "RuleSet",
     "Selector",
+    "SlotRange",
     "fingerprint",
 ]
 
 # Routing statistics a rule may watch: keys of the records of RouterWindows.stats().
-METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "max_violation", "dead_slots", "js_divergence",
-                            "locality")
+# Relative to the router's geometry: normalized_entropy (0 at the floor, 1 at the ceiling), bits_below_ceiling,
+# js_divergence (from the saved baseline); absolute: entropy_bits, whose meaning depends on the slots and top-k.
+METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation",
+                            "dead_slots", "js_divergence", "locality")
 ACTIONS: tuple[str, ...] = ("notify", "retune")
 # A Prometheus label name, and so an alert name too (match it whole).
 LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -50,6 +53,23 @@ AlertState = Literal["inactive", "pending", "firing", "resolved"]
 
 
 @dataclass(frozen=True)
+class SlotRange:
+    """Routers by how many slots they choose from: ``[low, high]`` inclusive (``None``: open), or outside it."""
+
+    low: int
+    high: int | None
+    exclude: bool = False
+
+    def contains(self, slots: int) -> bool:
+        inside = self.low <= slots and (self.high is None or slots <= self.high)
+        return inside != self.exclude
+
+    def __str__(self) -> str:
+        text = str(self.low) if self.high == self.low else f"[{self.low}, {'null' if self.high is None else self.high}]"
+        return f"{{not: {text}}}" if self.exclude else text
+
+
+@dataclass(frozen=True)
 class Selector:
     """Which routers a rule watches. ``None`` matches everything."""
 
@@ -57,9 +77,12 @@ class Selector:
     layers: tuple[int, int] | None = None  # inclusive [first, last]
     router: str | None = None  # fnmatch pattern over the router's module name, e.g. "*.mlp.gate"
     business_line: str | None = None  # a line name, "all" (every line summed), or None / "*": each line
+    slots: SlotRange | None = None  # the geometry a threshold in bits is a fact about, e.g. 64 experts
 
     def matches(self, record: Mapping[str, Any]) -> bool:
         if self.kind is not None and record.get("kind") != self.kind:
+            return False
+        if self.slots is not None and not self.slots.contains(int(record.get("num_slots", 0))):
             return False
         if self.layers is not None and not self.layers[0] <= int(record.get("layer", -1)) <= self.layers[1]:
             return False

@@ -34,6 +34,7 @@ GROUP_NAME = "mla_watch_routing"
 METRIC_NAMES: dict[str, str] = {
     "entropy_bits": "mla_watch_routing_entropy_bits",
     "normalized_entropy": "mla_watch_routing_normalized_entropy",
+    "bits_below_ceiling": "mla_watch_routing_bits_below_ceiling",
     "max_violation": "mla_watch_routing_max_violation",
     "dead_slots": "mla_watch_routing_dead_slots",
     "js_divergence": "mla_watch_routing_js_divergence",
@@ -43,6 +44,7 @@ WINDOW_TOKENS = "mla_watch_routing_window_tokens"
 WINDOW_TOO_SMALL = "mla_watch_routing_window_too_small"
 FLOOR_BITS = "mla_watch_routing_entropy_floor_bits"
 CEILING_BITS = "mla_watch_routing_entropy_ceiling_bits"
+SLOTS = "mla_watch_routing_slots"
 _JOIN_LABELS = "job, instance, router, layer, kind, business_line"
 _LABEL_FIELDS = ("router", "layer", "kind", "business_line")
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
@@ -137,6 +139,17 @@ def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
         guard = f"{WINDOW_TOO_SMALL}{window_matchers} == 0"
     if len(conditions) > 1:
         expr = f"({expr})"
+    slots = rule.selector.slots
+    if slots is not None:  # the geometry the threshold is a fact about: a join on the slots gauge
+        series = SLOTS + _matchers(rule, job)
+        inside = ([f"{series} == {slots.low}"] if slots.high == slots.low
+                  else [f"{series} >= {slots.low}", *([f"{series} <= {slots.high}"] if slots.high is not None else [])])
+        if slots.exclude:
+            outside = [f"{series} < {slots.low}", *([f"{series} > {slots.high}"] if slots.high is not None else [])]
+            test = " or ".join(outside) if slots.high != slots.low else f"{series} != {slots.low}"
+        else:
+            test = f"\nand on({_JOIN_LABELS})\n".join(inside)
+        expr = f"{expr}\nand on({_JOIN_LABELS})\n({test})"
     return f"{expr}\nand on({_JOIN_LABELS})\n{guard}"
 
 

@@ -54,6 +54,7 @@ from mla_watch.alerting.model import (
     RuleError,
     RuleSet,
     Selector,
+    SlotRange,
 )
 from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.templates import render_annotations
@@ -83,7 +84,9 @@ _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
               "receivers")
-_SELECT_KEYS = ("kind", "layers", "router", "business_line")
+_SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots")
+_SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
+                   "under `not:` ({not: 64})")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -221,7 +224,30 @@ def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     if line is not None and (not isinstance(line, str) or not (line == "*" or _NAME_RE.match(line))):
         chk.bad(f"{path}.business_line", line, "a business line name or '*' (every line, one alert per line)")
         line = None
-    return Selector(kind=kind, layers=layers, router=router, business_line=line)
+    slots = _parse_slots(chk, f"{path}.slots", data.get("slots")) if "slots" in data else None
+    return Selector(kind=kind, layers=layers, router=router, business_line=line, slots=slots)
+
+
+def _parse_slots(chk: _Checker, path: str, raw: object) -> SlotRange | None:
+    exclude = False
+    if isinstance(raw, dict):
+        if set(raw) != {"not"}:
+            chk.bad(path, raw, _SLOTS_EXPECTED)
+            return None
+        raw, exclude = raw["not"], True
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if count(raw):
+        return SlotRange(raw, raw, exclude)  # type: ignore[arg-type]
+    if isinstance(raw, list) and len(raw) == 2 and count(raw[0]) and (raw[1] is None or count(raw[1])):
+        if raw[1] is not None and raw[1] < raw[0]:
+            chk.bad(path, raw, f"[low, high] with low <= high; {_fmt(raw)} matches no router")
+            return None
+        return SlotRange(raw[0], raw[1], exclude)
+    chk.bad(path, raw, _SLOTS_EXPECTED)
+    return None
 
 
 def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:

@@ -38,6 +38,7 @@ class _Series:
     business_line: str
     floor_bits: float | None
     ceiling_bits: float | None
+    num_slots: int | None = None
 
 
 class RoutingHistory:
@@ -77,7 +78,8 @@ class RoutingHistory:
             line = record.get("business_line") or ALL_LINES
             key = (str(record["name"]), str(line))
             series[key] = _Series(str(record["name"]), int(record.get("layer", -1)), str(record.get("kind", "")),
-                                  str(line), record.get("floor_bits"), record.get("ceiling_bits"))
+                                  str(line), record.get("floor_bits"), record.get("ceiling_bits"),
+                                  record.get("num_slots"))
             bits = record.get("entropy_bits")
             if record.get("tokens") and bits is not None and math.isfinite(bits):
                 point[key] = (round(float(bits), 4), bool(record.get("too_small")))
@@ -117,7 +119,7 @@ class RoutingHistory:
     def snapshot(self, since: float | None = None) -> dict[str, Any]:
         """JSON-ready: ``{"interval_seconds", "span_seconds", "times", "series": [...]}``.
 
-        Each series: ``router, layer, kind, business_line, floor_bits, ceiling_bits``, ``values``
+        Each series: ``router, layer, kind, business_line, floor_bits, ceiling_bits, num_slots``, ``values``
         (entropy bits or ``None``, one per time) and ``too_small`` (the window held fewer tokens
         than the router's trusted minimum), sorted by business line, layer and router.
         """
@@ -133,7 +135,7 @@ class RoutingHistory:
             values, too_small = columns[key]
             out.append({"router": info.router, "layer": info.layer, "kind": info.kind,
                         "business_line": info.business_line, "floor_bits": info.floor_bits,
-                        "ceiling_bits": info.ceiling_bits,
+                        "ceiling_bits": info.ceiling_bits, "num_slots": info.num_slots,
                         "values": [None if math.isnan(value) else value for value in values],
                         "too_small": [bool(flag) for flag in too_small]})
         return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds,

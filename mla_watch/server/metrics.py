@@ -16,7 +16,9 @@ from prometheus_client.registry import Collector
 
 from mla_watch.windows import RoutingSnapshot
 
-__all__ = ["ROUTING_GAUGES", "RoutingCollector", "ServerMetrics"]
+__all__ = ["ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
+
+ROUTING_SLOTS = "routing_slots"
 
 
 # metric suffix -> (stats key, help)
@@ -25,6 +27,7 @@ ROUTING_GAUGES: dict[str, tuple[str, str]] = {
     "routing_entropy_floor_bits": ("floor_bits", "Lowest possible routing entropy: log2 of the top-k."),
     "routing_entropy_ceiling_bits": ("ceiling_bits", "Highest possible routing entropy: log2 of the slots."),
     "routing_normalized_entropy": ("normalized_entropy", "(entropy - floor) / (ceiling - floor)."),
+    "routing_bits_below_ceiling": ("bits_below_ceiling", "Ceiling minus entropy, in bits."),
     "routing_max_violation": ("max_violation", "MaxVio: (max load - mean load) / mean load."),
     "routing_dead_slots": ("dead_slots", "Slots (experts or key positions) never chosen in the window."),
     "routing_window_tokens": ("tokens", "Tokens in the current window."),
@@ -45,13 +48,16 @@ class RoutingCollector(Collector):
         labels = ["router", "layer", "kind", "business_line"]
         families = {name: GaugeMetricFamily(self._prefix + name, text, labels=labels)
                     for name, (_, text) in ROUTING_GAUGES.items()}
+        slots = GaugeMetricFamily(self._prefix + ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
+                                  "positions counted (what a rule's `slots` selector matches).", labels=labels)
         for record in self._snapshot().records:
             values = [record.router.name, str(record.router.layer), record.router.kind, record.line_label]
             for name, (key, _) in ROUTING_GAUGES.items():
                 value = getattr(record.stats, key)
                 if value is not None:
                     families[name].add_metric(values, float(value))
-        return list(families.values())
+            slots.add_metric(values, float(record.stats.num_slots))
+        return [*families.values(), slots]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []

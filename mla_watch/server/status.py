@@ -44,17 +44,17 @@ def entropy_band(rules: Iterable[Any], series: Mapping[str, Any]) -> dict[str, A
     """
     rules = list(rules)
     record = {"name": series["router"], "layer": series["layer"], "kind": series["kind"],
-              "business_line": series["business_line"]}
-    band = _band(rules, record)
+              "business_line": series["business_line"], "num_slots": series.get("num_slots") or 0}
+    band = _band(rules, record, series.get("floor_bits"), series.get("ceiling_bits"))
     if not band["rules"]:
         del record["business_line"]  # a selector then matches the router whatever the line
-        inherited = _band(rules, record)
+        inherited = _band(rules, record, series.get("floor_bits"), series.get("ceiling_bits"))
         if inherited["rules"]:
             band = {**inherited, "inherited": True}
     return band
 
 
-def _band(rules: list[Any], record: dict[str, Any]) -> dict[str, Any]:
+def _band(rules: list[Any], record: dict[str, Any], floor: float | None, ceiling: float | None) -> dict[str, Any]:
     band: dict[str, Any] = {"fire_below": None, "resolve_above": None, "fire_above": None, "resolve_below": None,
                             "rules": [], "inherited": False}
 
@@ -63,16 +63,34 @@ def _band(rules: list[Any], record: dict[str, Any]) -> dict[str, Any]:
             band[key] = value if band[key] is None else pick(band[key], value)
 
     for rule in rules:
-        if rule.metric != "entropy_bits" or not rule.selector.matches(record):
+        to_bits = _in_bits(rule.metric, floor, ceiling)
+        if to_bits is None or not rule.selector.matches(record):
             continue
         band["rules"].append(rule.name)
-        if rule.below is not None:
-            keep("fire_below", rule.below, max)
-            keep("resolve_above", rule.resolve_above if rule.resolve_above is not None else rule.below, max)
-        if rule.above is not None:
-            keep("fire_above", rule.above, min)
-            keep("resolve_below", rule.resolve_below if rule.resolve_below is not None else rule.above, min)
+        below, above = rule.below, rule.above
+        resolve_above, resolve_below = rule.resolve_above, rule.resolve_below
+        if rule.metric == "bits_below_ceiling":  # more bits below the ceiling is less entropy: the sides swap
+            below, above, resolve_above, resolve_below = above, below, resolve_below, resolve_above
+        if below is not None:
+            keep("fire_below", to_bits(below), max)
+            keep("resolve_above", to_bits(resolve_above if resolve_above is not None else below), max)
+        if above is not None:
+            keep("fire_above", to_bits(above), min)
+            keep("resolve_below", to_bits(resolve_below if resolve_below is not None else above), min)
     return band
+
+
+def _in_bits(metric: str, floor: float | None, ceiling: float | None) -> Any:
+    """How a threshold of ``metric`` reads in entropy bits for a router of this floor and ceiling."""
+    if metric == "entropy_bits":
+        return lambda value: value
+    if floor is None or ceiling is None:
+        return None
+    if metric == "normalized_entropy":
+        return lambda value: round(floor + value * (ceiling - floor), 4)
+    if metric == "bits_below_ceiling":
+        return lambda value: round(ceiling - value, 4)
+    return None
 
 
 def counter_values(counter: Counter) -> dict[tuple[str, ...], float]:
