@@ -314,6 +314,7 @@ def compute_stats(
     choice_selections: int = 0,
     min_tokens: int | None = None,
     tolerance_bits: float = 0.05,
+    distinct_picks: bool = True,
 ) -> RoutingStats:
     """Compute :class:`RoutingStats` for one router's selection counts over a window.
 
@@ -343,7 +344,10 @@ def compute_stats(
     floor, ceiling = entropy_bounds(n, k)
     total = float(slot_counts.sum())
     selections = round(total)
-    if kind == "indexer" and n_tokens > 0 and selections < k * n_tokens:
+    if not distinct_picks:
+        # A hash router's lookup table may give one token the same expert twice: no log2 k floor.
+        floor = 0.0
+    elif kind == "indexer" and n_tokens > 0 and selections < k * n_tokens:
         # On short contexts a query sees fewer keys than it may pick. The pooled distribution's largest
         # share is at most 1 / (mean picks per query), so log2 of the picks actually made is the floor.
         made = selections / n_tokens

@@ -141,3 +141,22 @@ def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) ->
     assert {a.alert.labels["business_line"] for a in pages} == {"chat", "code"}
     assert all("floor of 1.000 bits" in a.alert.annotations["description"] for a in pages)
     probe.detach()
+
+
+def test_hash_routers_have_no_log2_k_floor_and_rules_skip_them_unless_asked(tmp_path) -> None:
+    from mla_watch.windows import CountDelta, RouterWindows
+
+    hashed = RouterInfo("model.layers.0.mlp.gate", 0, "expert", 8, 2, hash_routed=True)
+    learned = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
+    windows = RouterWindows([hashed, learned], window_tokens=None)
+    counts = torch.zeros(8, dtype=torch.int64).numpy()
+    counts[0] = 200  # the lookup table gives every token expert 0, twice
+    for info in (hashed, learned):
+        windows.add(info.name, "chat", CountDelta(counts.copy(), 100))
+    by_name = {record["name"]: record for record in windows.stats("chat")}
+    assert by_name[hashed.name]["floor_bits"] == 0.0 and by_name[hashed.name]["entropy_bits"] == 0.0
+    assert by_name[hashed.name]["hash_routed"] is True and "hash_routed" not in by_name[learned.name]
+    (rule,) = load_rules_dir(rules_file(tmp_path, "{kind: expert}")).rules
+    assert not rule.selector.matches(by_name[hashed.name]) and rule.selector.matches(by_name[learned.name])
+    (asked,) = load_rules_dir(rules_file(tmp_path, "{kind: expert, hash_routed: true}")).rules
+    assert asked.selector.matches(by_name[hashed.name]) and not asked.selector.matches(by_name[learned.name])

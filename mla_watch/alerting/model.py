@@ -78,9 +78,14 @@ class Selector:
     router: str | None = None  # fnmatch pattern over the router's module name, e.g. "*.mlp.gate"
     business_line: str | None = None  # a line name, "all" (every line summed), or None / "*": each line
     slots: SlotRange | None = None  # the geometry a threshold in bits is a fact about, e.g. 64 experts
+    # Hash routers (a fixed lookup of the token id, DeepSeek-V4's first layers) have no learned routing to
+    # judge: a rule watches them only when it says so.
+    hash_routed: bool = False
 
     def matches(self, record: Mapping[str, Any]) -> bool:
         if self.kind is not None and record.get("kind") != self.kind:
+            return False
+        if bool(record.get("hash_routed", False)) != self.hash_routed:
             return False
         if self.slots is not None and not self.slots.contains(int(record.get("num_slots", 0))):
             return False

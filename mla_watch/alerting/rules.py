@@ -84,7 +84,7 @@ _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
               "receivers")
-_SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots")
+_SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots", "hash_routed")
 _SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
                    "under `not:` ({not: 64})")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -225,7 +225,12 @@ def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
         chk.bad(f"{path}.business_line", line, "a business line name or '*' (every line, one alert per line)")
         line = None
     slots = _parse_slots(chk, f"{path}.slots", data.get("slots")) if "slots" in data else None
-    return Selector(kind=kind, layers=layers, router=router, business_line=line, slots=slots)
+    hashed = data.get("hash_routed", False)
+    if not isinstance(hashed, bool):
+        chk.bad(f"{path}.hash_routed", hashed, "true (watch hash routers only) or false (the default: learned "
+                "routers only)")
+        hashed = False
+    return Selector(kind=kind, layers=layers, router=router, business_line=line, slots=slots, hash_routed=hashed)
 
 
 def _parse_slots(chk: _Checker, path: str, raw: object) -> SlotRange | None:
