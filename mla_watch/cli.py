@@ -174,6 +174,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate every policy and rule file and lint the rules against the model's routers."""
     from mla_watch.alerting.rules import RuleError, load_rules_dir
@@ -218,12 +222,26 @@ def _cmd_check(args: argparse.Namespace) -> int:
     elif args.model is not None:
         import mla_watch
 
-        model, _ = mla_watch.load_model(args.model, device="cpu")
-        probe = mla_watch.attach(model)
+        try:
+            model, _ = mla_watch.load_model(args.model, device="cpu")
+        except (OSError, ValueError, ImportError, KeyError, TypeError, RuntimeError) as error:
+            # A model that does not load is a finding of check, not a crash: one line, exit 1.
+            print(f"error: model {str(args.model)!r} does not load: {_one_line(error)}")
+            print(f"{errors + 1} error(s), {warnings} warning(s)")
+            return 1
+        try:
+            probe = mla_watch.attach(model)
+        except (mla_watch.UnknownRouterError, mla_watch.NoRoutersFoundError) as error:
+            print(f"error: model {str(args.model)!r}: {_one_line(error)}")
+            print(f"{errors + 1} error(s), {warnings} warning(s)")
+            return 1
         routers = probe.routers
         probe.detach()
         for info in routers:
-            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots})")
+            notes = "".join([f", zero-compute slots {list(info.zero_slots)}" if info.zero_slots else "",
+                             ", hash-routed by token id" if info.hash_routed else ""])
+            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots}"
+                  f"{notes})")
         from mla_watch.retune.strategies import supported_strategies
 
         support = supported_strategies(model)

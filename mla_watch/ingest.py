@@ -15,6 +15,7 @@ worker can never feed or re-tune a router of the sidecar's own model.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -26,7 +27,7 @@ import numpy as np
 
 from mla_watch.describe import describe_value
 from mla_watch.routing import KINDS
-from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows
+from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows, parse_zero_slots
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]
@@ -147,7 +148,7 @@ def _integers(value: Any, field: str, high: int) -> np.ndarray:
 def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
     if not isinstance(data, dict):
         raise IngestError(f"{field} is invalid: expected an object with name, layer, kind, num_slots, top_k", field)
-    unknown = sorted(set(data) - {"name", "layer", "kind", "num_slots", "top_k"})
+    unknown = sorted(set(data) - {"name", "layer", "kind", "num_slots", "top_k", "zero_slots", "hash_routed"})
     if unknown:
         raise IngestError(f"{field}: unknown field(s) {unknown}", f"{field}.{unknown[0]}", code="unknown_field")
     name = data.get("name")
@@ -161,7 +162,16 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
     layer = _integer(data.get("layer"), f"{field}.layer", -1, MAX_LAYER)
     num_slots = _integer(data.get("num_slots"), f"{field}.num_slots", 1, limits.max_slots)
     top_k = _integer(data.get("top_k"), f"{field}.top_k", 1, min(limits.max_top_k, num_slots))
-    return RouterInfo(name=name, layer=layer, kind=kind, num_slots=num_slots, top_k=top_k)
+    try:  # optional since RouterInfo gained them: zero-compute expert slots, token-id (hash) routing
+        zero_slots = parse_zero_slots(data.get("zero_slots", []), num_slots, f"{field}.zero_slots")
+    except ValueError as error:
+        raise IngestError(str(error), f"{field}.zero_slots") from None
+    hash_routed = data.get("hash_routed", False)
+    if not isinstance(hash_routed, bool):
+        raise IngestError(f"{field}.hash_routed={describe_value(hash_routed)} is invalid: expected true or false",
+                          f"{field}.hash_routed")
+    return RouterInfo(name=name, layer=layer, kind=kind, num_slots=num_slots, top_k=top_k, zero_slots=zero_slots,
+                      hash_routed=hash_routed)
 
 
 def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
@@ -342,8 +352,7 @@ class RemoteRouting:
                                   f"sums would pass {COUNT_CEILING}", "deltas", code="count_overflow")
 
     def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:
-        infos = [RouterInfo(remote_name(name, info.name), info.layer, info.kind, info.num_slots, info.top_k)
-                 for info in routers.values()]
+        infos = [dataclasses.replace(info, name=remote_name(name, info.name)) for info in routers.values()]
         windows = RouterWindows(infos, window_tokens=self._window_tokens, window_seconds=self._window_seconds,
                                 clock=self._clock, max_buckets=REMOTE_MAX_BUCKETS)
         source = _Source(routers, windows, set(), now)

@@ -24,7 +24,7 @@ import numpy as np
 from mla_watch.routing import KINDS, Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
 __all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta", "RouterInfo", "RouterStats",
-           "RouterWindows", "RoutingSnapshot", "take_snapshot"]
+           "RouterWindows", "RoutingSnapshot", "parse_zero_slots", "take_snapshot"]
 
 BASELINE_FORMAT = "mla_watch.baseline/1"
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
@@ -38,17 +38,33 @@ NAME_RULE = "1-64 letters, digits, '_', '.' or '-', starting with a letter or di
 
 @dataclass(frozen=True)
 class RouterInfo:
-    """What one router is: where it sits and how many slots it chooses from."""
+    """What one router is: where it sits and how many slots it chooses from.
+
+    ``zero_slots`` are slots that are zero-compute experts (LongCat-Flash's zero experts, Zaya's skip expert):
+    a pick of one is a real routing decision - the token skips expert compute - so it is counted in its own
+    slot rather than dropped, and readers can tell those slots apart. ``hash_routed`` marks a router whose choice
+    is a fixed lookup of the token id (DeepSeek-V4's first MoE layers), not a learned score: its entropy
+    describes the traffic's vocabulary, not the router's health, and may sit below ``log2 top_k`` when the
+    lookup table repeats an expert. Both default to the plain learned router and are left out of
+    :meth:`as_dict` then, so records of plain routers keep their exact shape.
+    """
 
     name: str
     layer: int
     kind: Kind
     num_slots: int
     top_k: int
+    zero_slots: tuple[int, ...] = ()
+    hash_routed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "layer": self.layer, "kind": self.kind, "num_slots": self.num_slots,
-                "top_k": self.top_k}
+        record: dict[str, Any] = {"name": self.name, "layer": self.layer, "kind": self.kind,
+                                  "num_slots": self.num_slots, "top_k": self.top_k}
+        if self.zero_slots:
+            record["zero_slots"] = list(self.zero_slots)
+        if self.hash_routed:
+            record["hash_routed"] = True
+        return record
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "router") -> RouterInfo:
@@ -67,7 +83,21 @@ class RouterInfo:
             if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
                 raise ValueError(f"{where}.{key} = {value!r}: expected an integer >= {lowest}")
             values[key] = value
-        return cls(name=name, kind=kind, **values)
+        zero_slots = parse_zero_slots(data.get("zero_slots", []), values["num_slots"], f"{where}.zero_slots")
+        hash_routed = data.get("hash_routed", False)
+        if not isinstance(hash_routed, bool):
+            raise ValueError(f"{where}.hash_routed = {hash_routed!r}: expected true or false")
+        return cls(name=name, kind=kind, zero_slots=zero_slots, hash_routed=hash_routed, **values)
+
+
+def parse_zero_slots(value: Any, num_slots: int, where: str) -> tuple[int, ...]:
+    """A list of distinct slot numbers in ``[0, num_slots)``, as :attr:`RouterInfo.zero_slots` keeps them."""
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < num_slots for slot in value):
+        raise ValueError(f"{where} = {value!r}: expected a list of slot numbers in [0, {num_slots})")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{where} = {value!r}: expected distinct slot numbers")
+    return tuple(sorted(value))
 
 
 @dataclass
@@ -103,8 +133,11 @@ class RouterStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The record of :meth:`RouterWindows.stats` (the Python API's and ``GET /v1/routing``'s shape)."""
-        return {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
-                "business_line": self.business_line, **self.stats.as_dict()}
+        record = {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
+                  "business_line": self.business_line, **self.stats.as_dict()}
+        if self.router.hash_routed:  # alert rules skip it unless their selector asks for hash_routed
+            record["hash_routed"] = True
+        return record
 
 
 @dataclass(frozen=True)
@@ -219,6 +252,7 @@ class RouterWindows:
                 baseline=self._baseline.get(info.name),
                 local_selections=totals.local_selections,
                 choice_selections=totals.choice_selections,
+                distinct_picks=not info.hash_routed,
             )
             records.append(RouterStats(info, business_line, stats))
         return records

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 __all__ = ["BUNDLED_DIR", "load_model", "resolve_device"]
@@ -41,9 +43,45 @@ def load_model(name_or_path: str | Path = "bundled", device: str = "auto",
         )
     target = resolve_device(device)
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-    )
+    model = _load_weights(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.to(target).eval()
     return model, tokenizer
+
+
+def _model_classes(path: Path) -> list[tuple[str, Any]]:
+    """Where a model without a causal-LM mapping can still be built from: ``(how, class)``, best first.
+
+    The classes named in config.json's ``architectures`` (glm5_next's ``Glm5NextForConditionalGeneration``), then
+    the image-text-to-text auto class (glm4v_moe): both take ``input_ids`` alone for text.
+    """
+    config_file = path / "config.json"
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        architectures = []
+    found = [(f"{config_file}: architectures {name!r}", getattr(transformers, name))
+             for name in architectures if isinstance(name, str) and hasattr(transformers, name)]
+    found.append(("AutoModelForImageTextToText", transformers.AutoModelForImageTextToText))
+    return found
+
+
+def _load_weights(path: Path, **kwargs: Any) -> Any:
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except ValueError as causal_error:
+        if "Unrecognized configuration class" not in str(causal_error):
+            raise
+        tried = []
+        for how, model_class in _model_classes(path):
+            try:
+                return model_class.from_pretrained(path, **kwargs)
+            except (ValueError, TypeError, AttributeError) as error:
+                tried.append(f"{how}: {' '.join(str(error).split())[:200]}")
+        config_file = path / "config.json"
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        raise ValueError(
+            f"{config_file}: model_type={model_type!r} has no AutoModelForCausalLM mapping in transformers "
+            f"{transformers.__version__}, and no other class loads it (tried {'; '.join(tried) or 'nothing'}); "
+            "expected a causal LM, or an architectures entry naming a transformers class that takes input_ids"
+        ) from causal_error
