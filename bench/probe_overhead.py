@@ -9,8 +9,10 @@ Each alternation times greedy decoding of the same prompt three ways, in a shuff
 in one process: no hooks (the anchor), mla_watch's probe, and the naive hook the DESIGN
 measured (``torch.bincount(...).tolist()`` on every router call). The ratio of each to the
 anchor of the same alternation cancels most of a shared machine's drift; the median and the
-spread (min-max) over the alternations are printed. Absolute times are printed for context
-only: they drift from run to run.
+spread (min-max) over the alternations are printed, for wall time and for the process's CPU
+time (``time.process_time``: what the decode itself burned, much less sensitive to other
+processes on a shared machine). Absolute times are printed for context only: they drift from
+run to run.
 """
 
 from __future__ import annotations
@@ -57,14 +59,16 @@ def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo
     return lambda: [handle.remove() for handle in handles]
 
 
-def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> float:
+def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
+    """Wall and process CPU seconds of one greedy generation."""
+    cpu = time.process_time()
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                        min_new_tokens=tokens, do_sample=False, pad_token_id=0)
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int) -> tuple[float, float, float]:
@@ -91,6 +95,53 @@ def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int
     return statistics.median(bare), statistics.median(added), quartiles[0], quartiles[2]
 
 
+def replayed_step_cost(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
+                       repeats: int = 40) -> tuple[float, float]:
+    """The probe's own cost per decode step, and the decode step it is added to (seconds, best of
+    ``repeats``: the minimum is what the work costs when the shared machine leaves it alone).
+
+    The router outputs of ``tokens`` real decode steps are recorded once, then the probe is fed
+    exactly those passes (its wrappers, its batching, its flushes) with the model's compute taken
+    out, so the whole-generation noise (far larger than 1% here) does not hide the figure.
+    """
+    modules = dict(model.named_modules())
+    routers = [info for _, info, _ in discover_routers(model)]
+    steps: list[tuple[dict, list[tuple[tuple, dict, object]]]] = []
+    handles = [model.register_forward_pre_hook(lambda module, args, kwargs: steps.append((dict(kwargs), [])),
+                                               with_kwargs=True)]
+    for info in routers:
+        handles.append(modules[info.name].register_forward_hook(
+            lambda module, args, kwargs, output: steps[-1][1].append((args, kwargs, output)), with_kwargs=True))
+    with torch.no_grad():
+        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens + 1,
+                       min_new_tokens=tokens + 1, do_sample=False, pad_token_id=0)
+    for handle in handles:
+        handle.remove()
+    decode = steps[1:]  # the prefill is one pass per request; decode steps are what a token costs
+    probe = mla_watch.attach(model)
+    calls = [router.watch.call for router in probe._routers]
+
+    def replay(watched: bool) -> float:
+        start = time.perf_counter()
+        for kwargs, outputs in decode:
+            def forward(*args, outputs=outputs, **kwargs):
+                for call, (router_args, router_kwargs, output) in zip(calls, outputs, strict=True):
+                    if watched:
+                        call(lambda *a, output=output, **k: output, router_args, router_kwargs)
+            if watched:
+                probe._model_call(forward, (), kwargs)
+            else:
+                forward(**kwargs)
+        if watched:
+            probe._flush_pending()  # what a reader would pay for the steps still waiting
+        return (time.perf_counter() - start) / len(decode)
+
+    added = min(replay(True) - replay(False) for _ in range(repeats))
+    probe.detach()
+    step = min(decode_seconds(model, prompt, tokens)[0] / tokens for _ in range(max(3, repeats // 8)))
+    return added, step
+
+
 def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> dict:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
@@ -99,12 +150,13 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
     decode_seconds(model, prompt, tokens)  # warm-up
     order = random.Random(seed)
     ratios: dict[str, list[float]] = {"probe": [], "naive": []}
+    cpu_ratios: dict[str, list[float]] = {"probe": [], "naive": []}
     seconds: dict[str, list[float]] = {"none": [], "probe": [], "naive": []}
     probe_memory = 0
     for _ in range(alternations):
         modes = ["none", "probe", "naive"]
         order.shuffle(modes)
-        timed: dict[str, float] = {}
+        timed: dict[str, tuple[float, float]] = {}
         for mode in modes:
             if mode == "probe":
                 probe = mla_watch.attach(model, window_tokens=4096)
@@ -119,30 +171,41 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
             else:
                 timed[mode] = decode_seconds(model, prompt, tokens)
         for mode, value in timed.items():
-            seconds[mode].append(value)
-        ratios["probe"].append(timed["probe"] / timed["none"])
-        ratios["naive"].append(timed["naive"] / timed["none"])
+            seconds[mode].append(value[0])
+        for mode in ("probe", "naive"):
+            ratios[mode].append(timed[mode][0] / timed["none"][0])
+            cpu_ratios[mode].append(timed[mode][1] / timed["none"][1])
     params = sum(p.numel() for p in model.parameters()) / 1e6
     throughput = tokens / statistics.median(seconds["none"])
     print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {tokens} decode tokens x "
           f"{alternations} alternations, {throughput:.1f} tokens/s without hooks")
     for mode in ("probe", "naive"):
         values = ratios[mode]
+        cpu = cpu_ratios[mode]
         print(f"  {mode:>5} / none: median x{statistics.median(values):.4f} "
-              f"(spread {min(values):.4f}-{max(values):.4f})")
+              f"(spread {min(values):.4f}-{max(values):.4f}); CPU time x{statistics.median(cpu):.4f} "
+              f"(spread {min(cpu):.4f}-{max(cpu):.4f})")
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
+    replayed, step = replayed_step_cost(model, prompt, tokens)
+    print(f"  replayed: the probe's own work is {replayed * 1e6:.1f} us per decode step (best of 40 replays of "
+          f"{tokens} recorded steps) on a {step * 1e3:.2f} ms step (best of 5) = x{1 + replayed / step:.4f}")
     forward, added, low, high = paired_forward_cost(model, prompt, pairs=max(100, 20 * alternations))
     print(f"  one 8-token forward pass: {forward * 1e3:.2f} ms without hooks; the probe adds "
           f"{added * 1e6:.0f} us (quartiles {low * 1e6:.0f} to {high * 1e6:.0f} us) = x{1 + added / forward:.4f}")
     figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
                "alternations": alternations, "tokens_per_s_none": throughput,
                "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
-               "probe_memory_bytes": probe_memory, "forward_ms": forward * 1e3, "forward_probe_added_us": added * 1e6,
+               "probe_memory_bytes": probe_memory, "replayed_probe_us_per_step": replayed * 1e6,
+               "replayed_step_ms": step * 1e3, "replayed_ratio": 1 + replayed / step,
+               "forward_ms": forward * 1e3, "forward_probe_added_us": added * 1e6,
                "forward_probe_added_quartiles_us": [low * 1e6, high * 1e6], "forward_ratio": 1 + added / forward}
     for mode in ("probe", "naive"):
         values = ratios[mode]
         figures[f"{mode}_ratio"] = {"median": statistics.median(values), "min": min(values), "max": max(values),
                                     "values": values}
+        cpu = cpu_ratios[mode]
+        figures[f"{mode}_cpu_ratio"] = {"median": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
+                                        "values": cpu}
     return figures
 
 

@@ -133,9 +133,9 @@ def test_attribution_must_fit_the_batch() -> None:
         pass
 
 
-def test_line_capacity_grows_without_losing_counts() -> None:
+def test_every_line_up_to_max_business_lines_keeps_its_own_counts() -> None:
     model = TinyMoE()
-    probe = mla_watch.attach(model, window_tokens=None)
+    probe = mla_watch.attach(model, window_tokens=None, max_business_lines=21)
     for index in range(20):
         with probe.attribute(f"line{index}"):
             model(torch.tensor([[index]]))

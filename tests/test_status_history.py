@@ -47,8 +47,8 @@ def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
     assert by_key[("code", GATE)]["too_small"] == [False, True, False]
     assert by_key[("all", GATE)]["values"] == [5.95, None, None]
     assert by_key[("code", INDEXER)] == {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code",
-                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64, "values": [None, 6.1, None],
-                                         "too_small": [False, False, False]}
+                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64,
+                                         "values": [None, 6.1, None], "too_small": [False, False, False]}
 
     clock.now += 25  # the first two points leave the 30 s span, and with them the "all" and indexer series
     history.record([record(bits=5.5)])

@@ -9,12 +9,13 @@ from mla_watch.probe.discovery import (
     discover_routers,
     register_router,
 )
-from mla_watch.probe.probe import DEFAULT_LINE, Probe, attach
+from mla_watch.probe.probe import DEFAULT_LINE, OVERFLOW_LINE, Probe, attach
 from mla_watch.windows import RouterInfo
 
 __all__ = [
     "DEFAULT_LINE",
     "DEFAULT_REGISTRY",
+    "OVERFLOW_LINE",
     "NoRoutersFoundError",
     "Probe",
     "RouterInfo",

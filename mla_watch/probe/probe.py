@@ -1,19 +1,38 @@
-"""Forward hooks that count router selections on the model's device.
+"""Count router selections on the model's device, cheaply enough to leave on in production.
 
 Every router owns a column range of one preallocated ``int64`` buffer of shape
-``[line_capacity, width]``: ``num_slots`` selection counters followed by three companions
-(tokens, selections made by queries that had a choice, and the local ones among those).
-A hook turns the router's output into flat indices ``line * width + offset + slot`` and
-``scatter_add_``s into the buffer, so a forward pass never waits for the host: no
-``.item()``, ``.cpu()`` or ``.tolist()`` runs inside a hook. The host reads the buffer
-with one copy when statistics are asked for, and pushes the difference since the previous
-read into rolling windows (:class:`mla_watch.windows.RouterWindows`).
+``[max_business_lines + 1, width]``: ``num_slots`` selection counters followed by four
+companions (tokens, selections made by queries that had a choice, the local ones among
+those, and picks outside ``[0, num_slots)`` that were dropped). The last row is the
+``overflow`` line. The buffer is allocated once and never replaced, and the attribution of
+batch rows to lines is written in place into another preallocated tensor, so a captured CUDA
+graph or a compiled model keeps counting into the memory it was built against.
+
+How the counting is wired (each choice is a measured cost; see README "Measured"):
+
+* Routers and the model are watched by replacing the instance's ``forward`` with a small
+  callable (restored exactly on :meth:`Probe.detach`), not with module hooks: a module with
+  hooks takes ``nn.Module``'s slow call path, which on a CPU cost more than the counting.
+* In eager mode a watched router only keeps a reference to its output. Decode-sized passes
+  that share a layout (batch, sequence length, attribution, index shapes) are counted
+  together, ``flush_every`` passes at a time, in a few batched tensor ops; every reader
+  (:meth:`Probe.collect`, hence ``stats``/``counts``/baselines/shipping) counts what is
+  pending first, so no reader ever sees stale counts. Larger passes are counted at their end.
+* Under ``torch.compile`` (``torch.compiler.is_compiling()``) every router counts in the
+  graph itself, with in-place ``scatter_add_`` into the static buffer: no references outlive
+  a pass, which CUDA graphs would overwrite.
+
+Nothing waits for the host inside a forward pass: no ``.item()``, ``.cpu()`` or ``.tolist()``.
+The host reads the buffer with one copy when statistics are asked for, and pushes the
+difference since the previous read into rolling windows (:class:`mla_watch.windows.RouterWindows`).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,25 +42,71 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from mla_watch.probe.agent import Shipper
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, RouterSpec, discover_routers
 from mla_watch.windows import CountDelta, RouterWindows
 
-__all__ = ["DEFAULT_LINE", "Probe", "RoutingRecording", "attach"]
+__all__ = ["DEFAULT_LINE", "MAX_ATTRIBUTED_ROWS", "OVERFLOW_LINE", "Probe", "RoutingRecording", "attach"]
 
 DEFAULT_LINE = "default"
-_COMPANIONS = 3  # tokens, choice selections, local selections
-_TOKENS, _CHOICE, _LOCAL = 0, 1, 2
+OVERFLOW_LINE = "overflow"  # where business lines past max_business_lines are counted
+MAX_ATTRIBUTED_ROWS = 4096  # longest per-row list attribute() takes (the in-place attribution tensor's size)
+_COMPANIONS = 4  # tokens, choice selections, local selections, dropped picks
+_TOKENS, _CHOICE, _LOCAL, _DROPPED = 0, 1, 2, 3
+# Passes of at most this many tokens (decode steps) wait to be counted together; a bigger pass
+# pays for its own counting many times over, and holding its outputs would hold real memory.
+_DEFER_MAX_TOKENS = 256
+_DEFER_MAX_MASK_ELEMENTS = 1 << 22  # indexer masks the pending passes may keep alive (16 MiB of float32)
 
 
 class _Router:
-    def __init__(self, info: RouterInfo, spec: RouterSpec, offset: int, check_range: bool) -> None:
+    def __init__(self, index: int, module: nn.Module, info: RouterInfo, spec: RouterSpec, offset: int) -> None:
+        self.index = index  # position among the probe's routers (a stable key for cached constants)
+        self.module = module
         self.info = info
         self.spec = spec
         self.offset = offset
-        self.check_range = check_range  # indices may be -1 or beyond the counters
-        self.handle: torch.utils.hooks.RemovableHandle | None = None
+        self.expert = info.kind == "expert"
+        self.watch: _WatchedForward | None = None
+
+
+class _WatchedForward:
+    """Stands in for a module's ``forward`` while a probe is attached.
+
+    A plain instance attribute keeps ``nn.Module.__call__`` on its fast path (no hooks).
+    A deep copy of the watched module gets the original ``forward`` back, bound to the copy,
+    so a copy (a re-tune's working model) computes like the original and is not counted.
+    """
+
+    __slots__ = ("call", "had_own", "module", "original")
+
+    def __init__(self, module: nn.Module, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
+        self.module = module
+        self.had_own = "forward" in module.__dict__  # someone patched forward before us: restore theirs
+        self.original = module.forward
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self.original, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        return copy.deepcopy(self.original, memo)
+
+    def install(self) -> None:
+        self.module.forward = self
+
+    def restore(self) -> None:
+        if self.module.__dict__.get("forward") is not self:
+            raise RuntimeError(
+                f"mla_watch probe: the forward of {type(self.module).__name__} was replaced after attach(); "
+                "detach() the probe before patching forward, or patch it before attach()"
+            )
+        if self.had_own:
+            self.module.forward = self.original
+        else:
+            del self.module.__dict__["forward"]
 
 
 class Probe:
@@ -56,40 +121,58 @@ class Probe:
         window_tokens: int | None = 4096,
         window_seconds: float | None = None,
         max_indexer_slots: int | None = 8192,
-        line_capacity: int = 8,
+        max_business_lines: int = 16,
+        flush_every: int = 128,
         clock: Callable[[], float] = time.monotonic,
         agent_url: str | None = None,
         agent_token: str | None = None,
         agent_source: str | None = None,
         ship_interval: float = 5.0,
     ) -> None:
+        if max_business_lines < 1:
+            raise ValueError(f"max_business_lines={max_business_lines}; expected at least 1 (the default line)")
+        if flush_every < 1:
+            raise ValueError(f"flush_every={flush_every}; expected at least 1")
         self.model = model
         self._routers: list[_Router] = []
         width = 0
         for module, info, spec in discover_routers(
             model, registry=registry, ignore=ignore, max_indexer_slots=max_indexer_slots
         ):
-            positions = int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 0)
-            check_range = spec.may_pad or (info.kind == "indexer" and info.num_slots < positions)
-            router = _Router(info, spec, width, check_range)
+            self._routers.append(_Router(len(self._routers), module, info, spec, width))
             width += info.num_slots + _COMPANIONS
-            router.handle = module.register_forward_hook(self._make_hook(router), with_kwargs=True)
-            self._routers.append(router)
         self._width = width
         self._device = _device_of(model)
-        self._buffer = torch.zeros((max(1, line_capacity), width), dtype=torch.int64, device=self._device)
+        self._max_lines = max_business_lines
+        self._overflow_row = max_business_lines
+        self._flush_every = flush_every
+        # Sized once: a compiled graph or a captured CUDA graph holds these addresses.
+        self._buffer = torch.zeros((max_business_lines + 1, width), dtype=torch.int64, device=self._device)
+        self._row_lines = torch.zeros(MAX_ATTRIBUTED_ROWS, dtype=torch.int64, device=self._device)
+        torch._dynamo.mark_static_address(self._buffer)
+        torch._dynamo.mark_static_address(self._row_lines)
+        self._attribution: tuple[int, ...] = (0,)  # line per row, as written into _row_lines[:len]
+        self._attributed_rows = 1
         self._lines: dict[str, int] = {DEFAULT_LINE: 0}
-        self._row_lines: torch.Tensor | None = None
-        self._forward: _Forward | None = None
-        self._constants: dict[tuple[int, ...], _GroupConstants] = {}
-        self._constants_by_shape: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
-        self._pre_handle = model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
-        self._post_handle = model.register_forward_hook(self._end_forward)
+        self._overflowed: set[str] = set()
+        self._current: _Pass | None = None
+        self._graph_pass: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
+        self._pending: list[_Pass] = []
+        self._pending_key: tuple | None = None
+        self._pending_mask_elements = 0
+        self._pending_lock = threading.Lock()
+        self._constants: dict[Any, Any] = {}
         self._host_lock = threading.Lock()
         self._recording = threading.local()  # per thread: a re-tune's forwards never land in a request's routing
         self._last_read = np.zeros((self._buffer.shape[0], width), dtype=np.int64)
+        self._dropped = np.zeros(len(self._routers), dtype=np.int64)
         self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
+        for router in self._routers:
+            router.watch = _WatchedForward(router.module, self._router_call(router))
+            router.watch.install()
+        self._model_watch = _WatchedForward(model, self._model_call)
+        self._model_watch.install()
         self.shipper: Shipper | None = None
         self._sink = self.windows.add
         if agent_url is not None:
@@ -108,38 +191,57 @@ class Probe:
         return list(self._lines)
 
     @property
+    def max_business_lines(self) -> int:
+        """Distinct business lines counted on their own (``default`` included); later ones go to ``overflow``."""
+        return self._max_lines
+
+    @property
+    def overflowed_lines(self) -> list[str]:
+        """Business lines that arrived past ``max_business_lines`` and are counted as ``overflow``."""
+        return sorted(self._overflowed)
+
+    @property
     def counter_bytes(self) -> int:
-        """Device memory held by the counters."""
-        return self._buffer.numel() * self._buffer.element_size()
+        """Device memory held by the counters (and the attribution tensor)."""
+        return (self._buffer.numel() + self._row_lines.numel()) * self._buffer.element_size()
 
     def window_bytes(self) -> int:
         """Host memory held by the rolling windows (running sums plus buckets)."""
         return self.windows.nbytes
+
+    def dropped(self) -> dict[str, int]:
+        """Picks each expert router made outside ``[0, num_slots)`` since attach (or reset); never counted."""
+        self.collect()
+        return {router.info.name: int(self._dropped[router.index]) for router in self._routers if router.expert}
 
     @contextmanager
     def attribute(self, business_lines: str | Sequence[str]) -> Iterator[None]:
         """Attribute the forward passes inside the block to business lines.
 
         One name attributes every sequence; a list names the line of each row of the batch
-        (a batch expanded by ``num_return_sequences`` repeats each row's line).
+        (a batch expanded by ``num_return_sequences`` repeats each row's line). Lines past
+        ``max_business_lines`` are counted as ``overflow`` (with one warning).
         """
         names = [business_lines] if isinstance(business_lines, str) else list(business_lines)
         if not names:
             raise ValueError("attribute(): business_lines is empty; expected a name or one per batch row")
-        ids = [self._line_id(name) for name in names]
-        previous = self._row_lines
-        self._row_lines = torch.tensor(ids, dtype=torch.int64, device=self._device)
+        if len(names) > MAX_ATTRIBUTED_ROWS:
+            raise ValueError(f"attribute(): {len(names)} business lines; at most {MAX_ATTRIBUTED_ROWS} rows per batch")
+        ids = tuple(self._line_id(name) for name in names)
+        previous = self._attribution
+        self._set_attribution(ids)
         try:
             yield
         finally:
-            self._row_lines = previous
+            self._set_attribution(previous)
 
     @contextmanager
     def record_routing(self) -> Iterator[RoutingRecording]:
         """Keep the expert ids every expert router chose in this thread's forward passes inside the block.
 
         What is recorded is exactly what is counted (same passes, same rows), so a server can return
-        each request's routing per token, as vLLM and SGLang do.
+        each request's routing per token, as vLLM and SGLang do. Compiled forward passes are counted
+        but not recorded (recording copies to the host, which a graph cannot do).
         """
         recording = RoutingRecording([router.info for router in self._routers if router.info.kind == "expert"])
         previous = getattr(self._recording, "current", None)
@@ -160,33 +262,37 @@ class Probe:
         return self.windows.counts(business_line)
 
     def collect(self) -> None:
-        """Move what the device counted since the last call into the rolling windows."""
+        """Move what the device counted since the last call into the rolling windows.
+
+        Passes still waiting to be counted together are counted first, so nothing is stale.
+        """
         with self._host_lock:
+            self._flush_pending()
             current = self._buffer.to("cpu", copy=True).numpy()  # the one host synchronisation
-            rows = current.shape[0]
-            if self._last_read.shape[0] < rows:
-                grown = np.zeros_like(current)
-                grown[: self._last_read.shape[0]] = self._last_read
-                self._last_read = grown
-            delta = current - self._last_read[:rows]
+            delta = current - self._last_read
             self._last_read = current
             for line, row in self._lines.items():
                 if not delta[row].any():
                     continue
                 for router in self._routers:
-                    start = router.offset
-                    slots = delta[row, start : start + router.info.num_slots]
-                    companions = delta[row, start + router.info.num_slots : start + router.info.num_slots + 3]
-                    # Every token picks exactly top_k experts, so expert routers need no token counter.
-                    tokens = slots.sum() // router.info.top_k if router.info.kind == "expert" else companions[_TOKENS]
-                    self._sink(router.info.name, line, CountDelta(slots, int(tokens), int(companions[_LOCAL]),
+                    start, slots = router.offset, router.info.num_slots
+                    counts = delta[row, start : start + slots]
+                    companions = delta[row, start + slots : start + slots + _COMPANIONS]
+                    self._dropped[router.index] += companions[_DROPPED]
+                    # Every token picks exactly top_k experts (counted or dropped): no token counter needed.
+                    tokens = ((counts.sum() + companions[_DROPPED]) // router.info.top_k if router.expert
+                              else companions[_TOKENS])
+                    self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[_LOCAL]),
                                                                   int(companions[_CHOICE])))
 
     def reset(self) -> None:
-        """Forget every count (device counters and windows)."""
+        """Forget every count (device counters, passes not yet counted, and windows)."""
         with self._host_lock:
+            with self._pending_lock:
+                self._pending, self._pending_key, self._pending_mask_elements = [], None, 0
             self._buffer.zero_()
-            self._last_read = np.zeros((self._buffer.shape[0], self._width), dtype=np.int64)
+            self._last_read = np.zeros_like(self._last_read)
+            self._dropped[:] = 0
             self.windows.reset()
 
     def flush(self) -> bool:
@@ -195,19 +301,23 @@ class Probe:
         return self.shipper.flush() if self.shipper is not None else True
 
     def detach(self) -> None:
-        """Remove every hook; the model computes exactly as it did before :func:`attach`.
+        """Stop watching; the model computes exactly as it did before :func:`attach`.
 
-        With ``agent_url``, the counts not yet shipped are shipped first.
+        Pending passes are counted first; with ``agent_url``, the counts not yet shipped are shipped.
         """
+        if not self._attached:
+            return
         if self.shipper is not None:
             self.shipper.stop()
             self.flush()
+        else:
+            with self._host_lock:
+                self._flush_pending()
         for router in self._routers:
-            if router.handle is not None:
-                router.handle.remove()
-                router.handle = None
-        self._pre_handle.remove()
-        self._post_handle.remove()
+            if router.watch is not None:
+                router.watch.restore()
+                router.watch = None
+        self._model_watch.restore()
         self._attached = False
 
     @property
@@ -227,163 +337,359 @@ class Probe:
     def _line_id(self, name: str) -> int:
         if not isinstance(name, str) or not name:
             raise ValueError(f"business line {name!r}: expected a non-empty string")
-        if name not in self._lines:
-            with self._host_lock:
-                if len(self._lines) == self._buffer.shape[0]:
-                    grown = torch.zeros(
-                        (2 * self._buffer.shape[0], self._width), dtype=torch.int64, device=self._device
-                    )
-                    grown[: self._buffer.shape[0]] = self._buffer
-                    self._buffer = grown
-                self._lines[name] = len(self._lines)
-        return self._lines[name]
+        row = self._lines.get(name)
+        if row is not None:
+            return row
+        with self._host_lock:
+            if name in self._lines:
+                return self._lines[name]
+            if name == OVERFLOW_LINE:
+                self._lines[name] = self._overflow_row
+                return self._overflow_row
+            named = len(self._lines) - (OVERFLOW_LINE in self._lines)
+            if named < self._max_lines:
+                self._lines[name] = named
+                return named
+            if not self._overflowed:
+                warnings.warn(
+                    f"mla_watch probe: business line {name!r} is past max_business_lines={self._max_lines}; "
+                    f"it and every later new line are counted as {OVERFLOW_LINE!r} "
+                    "(raise max_business_lines in attach() to count them apart)",
+                    RuntimeWarning,
+                    stacklevel=6,  # _line_id, genexpr, attribute, contextlib (2): the caller's with-statement
+                )
+            self._overflowed.add(name)
+            self._lines.setdefault(OVERFLOW_LINE, self._overflow_row)
+            return self._overflow_row
 
-    # ------------------------------------------------------------------ hooks (device side)
-    # Router hooks only keep a reference to the indices; the model's own post-forward hook then
-    # counts every router of the pass in a few batched tensor ops (stack, add, one scatter_add_
-    # per kind). On a CPU a tensor op costs microseconds of dispatch whatever its size, so a
-    # dozen ops per router per token would cost more than the counting itself.
-    def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _set_attribution(self, ids: tuple[int, ...]) -> None:
+        """Write the line of each batch row in place: compiled graphs read this very tensor."""
+        if ids == self._attribution:
+            return
+        # Passes counted under the old attribution are keyed by it; write the tensor only for graphs.
+        self._row_lines[: len(ids)].copy_(torch.tensor(ids, dtype=torch.int64), non_blocking=False)
+        self._attribution = ids
+        self._attributed_rows = len(ids)
+
+    # ------------------------------------------------------------------ watched calls
+    def _model_call(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if torch.compiler.is_compiling():
+            return self._graph_model_call(original, args, kwargs)
+        current = self._begin(args, kwargs)
+        previous, self._current = self._current, current
+        try:
+            output = original(*args, **kwargs)
+        finally:
+            self._current = previous
+        if current is not None and (current.experts or current.indexers):
+            self._end(current)
+        return output
+
+    def _router_call(self, router: _Router) -> Callable[[Callable[..., Any], tuple, dict], Any]:
+        spec, expert = router.spec, router.expert
+
+        def call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            output = original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                self._graph_router_call(router, output, args, kwargs)
+                return output
+            indices = spec.indices(output)
+            current = self._current
+            if expert:
+                if current is not None and indices.numel() == current.tokens * indices.shape[-1]:
+                    current.experts.append((router, indices))
+                else:  # called outside the attached module's forward: count now, unattributed
+                    self._count_alone(router, indices, None)
+                return output
+            if indices.dim() == 2:
+                indices = indices.unsqueeze(0)
+            mask = _call_argument(spec.mask_argument, args, kwargs)
+            if current is not None and indices.shape[0] == current.batch and indices.shape[1] == current.seq:
+                current.indexers.append((router, indices, mask))
+            else:
+                self._count_alone(router, indices, mask)
+            return output
+
+        return call
+
+    def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
         tokens_input = kwargs.get("input_ids")
         if tokens_input is None and args:
             tokens_input = args[0]
         if tokens_input is None:
             tokens_input = kwargs.get("inputs_embeds")
         if not isinstance(tokens_input, torch.Tensor) or tokens_input.dim() < 2:
-            self._forward = None
-            return
+            return None
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
-        row_lines = self._row_lines
-        if row_lines is None:
-            row_base = self._constant(0, (batch,))
-        elif row_lines.numel() == batch:
-            row_base = row_lines * self._width
-        elif batch % row_lines.numel() == 0:
-            row_base = row_lines.repeat_interleave(batch // row_lines.numel()) * self._width
-        else:
+        lines = self._attribution
+        if batch % len(lines):
             raise ValueError(
-                f"mla_watch probe: {row_lines.numel()} business lines were given for a batch of "
+                f"mla_watch probe: {len(lines)} business lines were given for a batch of "
                 f"{batch} rows; expected one line, one per row, or a divisor of the batch size"
             )
         mask = kwargs.get("attention_mask")
+        valid = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch:
-            valid = (mask[:, -seq:] != 0).to(torch.int64)
-        else:
-            valid = self._constant(1, (batch, seq))
-        self._forward = _Forward(batch, seq, row_base, valid)
+            # Computed now, not at the flush: the caller owns the mask and may reuse it in place.
+            valid = mask[:, -seq:] != 0
+        return _Pass(batch, seq, lines, valid)
 
-    def _constant(self, value: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """A cached read-only int64 tensor filled with ``value`` (decoding reuses a few shapes)."""
-        key = (value, shape)
-        tensor = self._constants_by_shape.get(key)
-        if tensor is None:
-            if len(self._constants_by_shape) > 64:
-                self._constants_by_shape.clear()
-            tensor = torch.full(shape, value, dtype=torch.int64, device=self._device)
-            self._constants_by_shape[key] = tensor
-        return tensor
-
-    def _end_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
-        forward, self._forward = self._forward, None
-        if forward is not None:
-            self._flush(forward)
-
-    def _flush(self, forward: _Forward) -> None:
+    def _end(self, current: _Pass) -> None:
         recording = getattr(self._recording, "current", None)
-        if recording is not None and forward.experts:
-            recording.add(forward.batch, forward.seq, [indices for _, indices in forward.experts])
-        for group in _groups(forward.experts, lambda item: item[1].shape):
-            self._count_experts(forward, group)
-        for group in _groups(forward.indexers, lambda item: (item[1].shape, _mask_identity(item[2]))):
-            self._count_indexers(forward, group)
-
-    def _make_hook(self, router: _Router) -> Callable[..., None]:
-        expert = router.info.kind == "expert"
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            indices = router.spec.indices(output).detach()
-            forward = self._forward
-            if expert:
-                if forward is not None and indices.numel() == forward.batch * forward.seq * indices.shape[-1]:
-                    forward.experts.append((router, indices))
-                else:  # called outside the attached module's forward: count now, unattributed
-                    tokens = indices.numel() // indices.shape[-1]
-                    self._count_experts(self._unattributed(1, tokens), [(router, indices)])
+        if recording is not None and current.experts:
+            recording.add(current.batch, current.seq, [indices for _, indices in current.experts])
+        key, mask_elements = current.layout()
+        with self._pending_lock:
+            if self._pending and key != self._pending_key:
+                self._flush_pending_locked()
+            if current.batch * current.seq > _DEFER_MAX_TOKENS or mask_elements > _DEFER_MAX_MASK_ELEMENTS:
+                self._count_passes([current])
                 return
-            if indices.dim() == 2:
-                indices = indices.unsqueeze(0)
-            mask = _call_argument(router.spec.mask_argument, args, kwargs)
-            if forward is not None and tuple(indices.shape[:2]) == (forward.batch, forward.seq):
-                forward.indexers.append((router, indices, mask))
-            else:
-                self._count_indexers(self._unattributed(indices.shape[0], indices.shape[1]), [(router, indices, mask)])
+            self._pending.append(current)
+            self._pending_key = key
+            self._pending_mask_elements += mask_elements
+            if len(self._pending) >= self._flush_every or self._pending_mask_elements > _DEFER_MAX_MASK_ELEMENTS:
+                self._flush_pending_locked()
 
-        return hook
+    def _flush_pending(self) -> None:
+        with self._pending_lock:
+            self._flush_pending_locked()
 
-    def _unattributed(self, batch: int, seq: int) -> _Forward:
-        return _Forward(batch, seq, self._constant(0, (batch,)), self._constant(1, (batch, seq)))
+    def _flush_pending_locked(self) -> None:
+        passes, self._pending, self._pending_key, self._pending_mask_elements = self._pending, [], None, 0
+        if passes:
+            self._count_passes(passes)
 
-    def _group_constants(self, routers: Sequence[_Router]) -> _GroupConstants:
-        key = tuple(router.offset for router in routers)
-        constants = self._constants.get(key)
-        if constants is None:
-            def column(values: list[int]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.int64, device=self._device).view(-1, 1, 1, 1)
-
-            offsets = column([router.offset for router in routers])
-            slots = column([router.info.num_slots for router in routers])
-            constants = _GroupConstants(
-                offsets=offsets,
-                slots=slots,
-                top_k=column([router.info.top_k for router in routers]),
-                companions=(offsets + slots).view(-1, 1, 1) + torch.arange(_COMPANIONS, device=self._device),
-                check_range=any(router.check_range for router in routers),
-            )
-            self._constants[key] = constants
-        return constants
-
-    def _count_experts(self, forward: _Forward, group: list[tuple[_Router, torch.Tensor]]) -> None:
-        constants = self._group_constants([router for router, _ in group])
-        batch, seq = forward.batch, forward.seq
-        chosen = torch.stack([indices.view(batch, seq, -1) for _, indices in group])  # [R, B, S, k]
-        weight = forward.valid.view(1, batch, seq, 1).expand(chosen.shape)
-        if constants.check_range:
-            weight = weight * ((chosen >= 0) & (chosen < constants.slots))
-            chosen = torch.minimum(chosen.clamp(min=0), constants.slots - 1)
-        index = chosen + (forward.row_base.view(1, batch, 1, 1) + constants.offsets)
-        self._buffer.view(-1).scatter_add_(0, index.view(-1), weight.reshape(-1))
-
-    def _count_indexers(self, forward: _Forward, group: list[tuple[_Router, torch.Tensor, Any]]) -> None:
-        constants = self._group_constants([router for router, _, _ in group])
-        chosen = torch.stack([indices for _, indices, _ in group])  # [R, B, S, picks]
-        routers, batch, seq, _ = chosen.shape
-        counted = forward.valid_bool.view(1, batch, seq, 1)
-        safe = chosen
-        if constants.check_range:
-            counted = counted & (chosen >= 0) & (chosen < constants.slots)
-            safe = torch.minimum(chosen.clamp(min=0), constants.slots - 1)
-        mask = group[0][2]
-        allowed = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq and mask.shape[0] in (1, batch):
-            allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-            keys = allowed.shape[-1]
-            picked = allowed.expand(batch, seq, keys).unsqueeze(0).expand(routers, batch, seq, keys)
-            counted = counted & picked.gather(-1, safe.to(torch.int64))
-        row_base = forward.row_base.view(1, batch, 1, 1)
-        flat = self._buffer.view(-1)
-        flat.scatter_add_(0, (row_base + constants.offsets + safe).reshape(-1), counted.to(torch.int64).reshape(-1))
-        tokens = forward.valid_rows.view(1, batch).expand(routers, batch)
-        if allowed is not None:
-            # Locality only means something for queries that saw more keys than they may pick.
-            visible = allowed.sum(-1).view(1, -1, seq, 1)
-            had_choice = counted & (visible > constants.top_k)
-            recent = torch.arange(keys - seq, keys, device=chosen.device).view(1, 1, seq, 1) - constants.top_k
-            local = had_choice & (chosen > recent)
-            companions = torch.cat([tokens.unsqueeze(-1), torch.stack([had_choice, local], -1).sum((2, 3))], dim=-1)
+    def _count_alone(self, router: _Router, indices: torch.Tensor, mask: Any) -> None:
+        """A router called outside a watched model forward: its pass is its own, on the default line."""
+        if router.expert:
+            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None, experts=[(router, indices)])
         else:
-            companions = torch.stack([tokens, torch.zeros_like(tokens), torch.zeros_like(tokens)], dim=-1)
-        flat.scatter_add_(0, (forward.row_base.view(1, batch, 1) + constants.companions).reshape(-1),
-                          companions.reshape(-1))
+            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None, indexers=[(router, indices, mask)])
+        single.layout()
+        with self._pending_lock:
+            self._count_passes([single])
+
+    # ------------------------------------------------------------------ compiled passes
+    # Under torch.compile the counting is traced into the graph: every pass scatters into the
+    # static buffer at once, and the attribution is read from the in-place tensor, so a CUDA
+    # graph replay counts the right lines without the host. No cache is written while tracing.
+    def _graph_model_call(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        tokens_input = kwargs.get("input_ids")
+        if tokens_input is None and args:
+            tokens_input = args[0]
+        if tokens_input is None:
+            tokens_input = kwargs.get("inputs_embeds")
+        if not isinstance(tokens_input, torch.Tensor) or tokens_input.dim() < 2:
+            return original(*args, **kwargs)
+        batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
+        rows = self._attributed_rows
+        if batch % rows:
+            raise ValueError(
+                f"mla_watch probe: {rows} business lines were given for a batch of "
+                f"{batch} rows; expected one line, one per row, or a divisor of the batch size"
+            )
+        lines = self._row_lines[:rows]
+        if rows != batch:
+            lines = lines.repeat_interleave(batch // rows)
+        mask = kwargs.get("attention_mask")
+        valid = None
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch:
+            valid = mask[:, -seq:] != 0
+        previous = self._graph_pass
+        self._graph_pass = (batch, seq, lines * self._width, valid)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self._graph_pass = previous
+
+    def _graph_router_call(self, router: _Router, output: Any, args: tuple, kwargs: dict) -> None:
+        indices = router.spec.indices(output)
+        attributed = self._graph_pass
+        if router.expert:
+            if attributed is not None and indices.numel() == attributed[0] * attributed[1] * indices.shape[-1]:
+                batch, seq, row_base, valid = attributed
+            else:
+                batch, seq, row_base, valid = 1, indices.numel() // indices.shape[-1], None, None
+            self._count_experts([router], [indices], 1, batch, seq, row_base, valid)
+            return
+        if indices.dim() == 2:
+            indices = indices.unsqueeze(0)
+        mask = _usable_mask(_call_argument(router.spec.mask_argument, args, kwargs), indices.shape[0],
+                            indices.shape[1])
+        if attributed is not None and tuple(indices.shape[:2]) == (attributed[0], attributed[1]):
+            batch, seq, row_base, valid = attributed
+        else:
+            batch, seq, row_base, valid = int(indices.shape[0]), int(indices.shape[1]), None, None
+        self._count_indexers([router], [indices], None if mask is None else [mask], [0], 1, batch, seq, row_base,
+                             valid)
+
+    # ------------------------------------------------------------------ batched counting
+    # On a CPU a tensor op costs microseconds of dispatch whatever its size, so the passes that
+    # wait together are counted in a fixed number of ops: one stack of every router's choices
+    # per kind, the range check, one scatter_add_.
+    def _count_passes(self, passes: list[_Pass]) -> None:
+        first = passes[0]
+        count, batch, seq = len(passes), first.batch, first.seq
+        row_base = self._row_base(first.lines, batch)
+        valid = None
+        if first.valid is not None:
+            valid = first.valid.unsqueeze(0) if count == 1 else torch.stack([item.valid for item in passes])
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for position, (_, indices) in enumerate(first.experts):
+            by_shape.setdefault(tuple(indices.shape), []).append(position)
+        for positions in by_shape.values():
+            routers = [first.experts[position][0] for position in positions]
+            chosen = [item.experts[position][1] for item in passes for position in positions]
+            self._count_experts(routers, chosen, count, batch, seq, row_base, valid)
+        if not first.indexers:
+            return
+        # Indexers scored against the same mask are counted together; the masks of every pass
+        # are concatenated along the keys, so passes with growing contexts still batch.
+        groups: dict[Any, list[int]] = {}
+        for position, mask_slot in enumerate(first.mask_slots):
+            groups.setdefault(mask_slot, []).append(position)
+        for mask_slot, positions in groups.items():
+            routers = [first.indexers[position][0] for position in positions]
+            chosen = [item.indexers[position][1] for item in passes for position in positions]
+            masks = None
+            if mask_slot is not None:
+                masks = [item.usable_masks[mask_slot] for item in passes]
+            self._count_indexers(routers, chosen, masks, list(range(count)) if masks else [], count, batch, seq,
+                                 row_base, valid)
+
+    def _row_base(self, lines: tuple[int, ...], batch: int) -> torch.Tensor:
+        """``line * width`` per batch row, as a cached device tensor."""
+        key = ("rows", lines, batch)
+        row_base = self._constants.get(key)
+        if row_base is None:
+            repeat = batch // len(lines)
+            row_base = torch.tensor([line * self._width for line in lines for _ in range(repeat)], dtype=torch.int64,
+                                    device=self._device)
+            self._cache(key, row_base)
+        return row_base
+
+    def _cache(self, key: Any, value: Any) -> None:
+        if len(self._constants) > 256:  # shapes and attributions come and go; keep the cache bounded
+            self._constants.clear()
+        self._constants[key] = value
+
+    def _router_columns(self, routers: Sequence[_Router]) -> _Columns:
+        key = ("columns", tuple(router.index for router in routers))
+        columns = None if torch.compiler.is_compiling() else self._constants.get(key)
+        if columns is None:
+            def column(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=self._device).view(1, -1, 1, 1, 1)
+
+            offsets = [router.offset for router in routers]
+            slots = [router.info.num_slots for router in routers]
+            companions = [offset + slot for offset, slot in zip(offsets, slots, strict=True)]
+            columns = _Columns(
+                offsets=column(offsets),
+                slots=column(slots),
+                top_k=column([router.info.top_k for router in routers]),
+                dropped=column([companion + _DROPPED for companion in companions]),
+                companions=torch.tensor(companions, dtype=torch.int64, device=self._device).view(-1, 1, 1)
+                + torch.arange(_LOCAL + 1, device=self._device),
+            )
+            if not torch.compiler.is_compiling():
+                self._cache(key, columns)
+        return columns
+
+    def _count_experts(self, routers: Sequence[_Router], chosen: list[torch.Tensor], count: int, batch: int,
+                       seq: int, row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Count ``chosen`` (pass-major: ``count`` passes x ``routers``) into the buffer."""
+        columns = self._router_columns(routers)
+        picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
+            count, len(routers), batch, seq, -1)
+        # Every expert router is range checked: a pick outside [0, num_slots) must never land in
+        # another router's counters; it lands in this router's own dropped counter instead.
+        inside = (picks >= 0) & (picks < columns.slots)
+        index = torch.where(inside, picks + columns.offsets, columns.dropped)
+        if row_base is not None:
+            index = index + row_base.view(1, 1, batch, 1, 1)
+        if valid is None:
+            weight = self._ones(index.numel())
+        else:
+            weight = valid.view(count, 1, batch, seq, 1).expand(index.shape).to(torch.int64).reshape(-1)
+        self._buffer.view(-1).scatter_add_(0, index.reshape(-1), weight)
+
+    def _ones(self, size: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ones(size, dtype=torch.int64, device=self._device)
+        key = ("ones", size)
+        ones = self._constants.get(key)
+        if ones is None:
+            ones = torch.ones(size, dtype=torch.int64, device=self._device)
+            self._cache(key, ones)
+        return ones
+
+    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor],
+                        masks: list[torch.Tensor] | None, mask_of_pass: list[int], count: int, batch: int, seq: int,
+                        row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``;
+        ``masks[mask_of_pass[n]]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``).
+
+        Short contexts give fewer picks than ``index_topk``, growing by one per decode step, so every
+        entry's picks are concatenated along the last axis (one op, however ragged) and each pick
+        column carries its entry's router and pass through a small lookup table.
+        """
+        routers_count = len(routers)
+        widths = [int(item.shape[-1]) for item in chosen]
+        picks = torch.cat(chosen, dim=-1) if len(chosen) > 1 else chosen[0]  # [B, S, L]
+        keys = [int(masks[mask_of_pass[n]].shape[-1]) for n in range(count)] if masks is not None else [0] * count
+        starts = [sum(keys[:n]) for n in range(count)]
+        # Per entry (pass n, router r): pass, counter offset, slots, top_k, keys and first key of its mask.
+        table = [
+            (n, router.offset, router.info.num_slots, router.info.top_k, keys[n], starts[n])
+            for n in range(count)
+            for router in routers
+        ]
+        # output_size: the length is known here, so neither a CUDA sync nor a data-dependent shape in a graph.
+        entry = torch.repeat_interleave(torch.tensor(widths, dtype=torch.int64, device=self._device),
+                                        output_size=sum(widths))
+        per_pick = torch.tensor(table, dtype=torch.int64, device=self._device)[entry]  # [L, 6]
+        pass_of, offsets, slots, top_k, key_count, key_start = per_pick.unbind(-1)
+        counted = (picks >= 0) & (picks < slots)
+        if valid is not None:
+            counted = counted & valid.permute(1, 2, 0).index_select(-1, pass_of)
+        had_choice = local = None
+        if masks is not None:
+            allowed = torch.cat(masks, dim=-1) if len(masks) > 1 else masks[0]
+            if allowed.dtype != torch.bool:  # additive float mask: blocked keys hold a very negative number
+                allowed = allowed > torch.finfo(allowed.dtype).min / 2
+            # Keys a query was forced to return although its mask blocks them are not choices.
+            at = torch.minimum(picks.clamp(min=0), key_count - 1) + key_start
+            counted = counted & allowed.expand(batch, seq, allowed.shape[-1]).gather(-1, at)
+            # Keys each query could see: differences of a running sum at the passes' boundaries.
+            running = F.pad(allowed.cumsum(-1), (1, 0))
+            bounds = torch.tensor(starts + [start + key for start, key in zip(starts, keys, strict=True)],
+                                  dtype=torch.int64, device=self._device)
+            edges = running.index_select(-1, bounds)
+            visible = (edges[..., count:] - edges[..., :count]).index_select(-1, pass_of)
+            # Locality only means something for queries that saw more keys than they may pick.
+            had_choice = counted & (visible > top_k)
+            position = key_count - seq + torch.arange(seq, device=self._device).view(seq, 1)
+            local = had_choice & (picks > position - top_k)
+        index = torch.minimum(picks.clamp(min=0), slots - 1) + offsets
+        if row_base is not None:
+            index = index + row_base.view(batch, 1, 1)
+        flat = self._buffer.view(-1)
+        flat.scatter_add_(0, index.reshape(-1), counted.to(torch.int64).reshape(-1))
+        if had_choice is not None and local is not None:
+            # Choice and local selections go straight to their companion columns, pick by pick.
+            column = offsets + slots + _CHOICE
+            if row_base is not None:
+                column = column + row_base.view(batch, 1, 1)
+            column = column.expand(batch, seq, column.shape[-1])
+            both = torch.cat([column, column + (_LOCAL - _CHOICE)], dim=-1)
+            flat.scatter_add_(0, both.reshape(-1), torch.cat([had_choice, local], dim=-1).to(torch.int64).reshape(-1))
+        tokens = (valid.sum((0, 2)) if valid is not None
+                  else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device))
+        columns = self._router_columns(routers)
+        index = columns.companions[..., _TOKENS:_TOKENS + 1].view(routers_count, 1)
+        index = index + row_base.view(1, batch) if row_base is not None else index.expand(routers_count, batch)
+        flat.scatter_add_(0, index.reshape(-1), tokens.view(1, batch).expand(routers_count, batch).reshape(-1))
 
 
 class RoutingRecording:
@@ -407,55 +713,74 @@ class RoutingRecording:
 
 
 @dataclass
-class _Forward:
-    """Attribution of the forward pass in progress, and the router outputs it produced so far."""
+class _Pass:
+    """One forward pass of the watched model: its attribution and the router outputs it produced."""
 
     batch: int
     seq: int
-    row_base: torch.Tensor  # [batch] line * width: where each row's counters start
-    valid: torch.Tensor  # [batch, seq] int64, 0 for padding
+    lines: tuple[int, ...]  # line per row (one line, one per row, or a divisor of the batch)
+    valid: torch.Tensor | None  # [batch, seq] bool, False for padding; None: every token counts
     experts: list[tuple[_Router, torch.Tensor]] = field(default_factory=list)
     indexers: list[tuple[_Router, torch.Tensor, Any]] = field(default_factory=list)
-    _valid_bool: torch.Tensor | None = None
-    _valid_rows: torch.Tensor | None = None
+    mask_slots: list[int | None] = field(default_factory=list)  # per indexer: its mask in usable_masks
+    usable_masks: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0  # batch * seq, set once: the router wrappers compare against it on every call
 
-    @property
-    def valid_bool(self) -> torch.Tensor:
-        if self._valid_bool is None:
-            self._valid_bool = self.valid.bool()
-        return self._valid_bool
+    def __post_init__(self) -> None:
+        self.tokens = self.batch * self.seq
 
-    @property
-    def valid_rows(self) -> torch.Tensor:
-        """Real tokens per row."""
-        if self._valid_rows is None:
-            self._valid_rows = self.valid.sum(1)
-        return self._valid_rows
+    def layout(self) -> tuple[tuple, int]:
+        """What must match for passes to be counted together, and the mask elements this pass keeps alive.
+
+        Indexer pick counts and mask lengths may differ (a context grows by one key per decode step).
+        """
+        identities: dict[tuple, int] = {}
+        mask_layout = []
+        elements = 0
+        for _, _, mask in self.indexers:
+            usable = _usable_mask(mask, self.batch, self.seq)
+            if usable is None:
+                self.mask_slots.append(None)
+                continue
+            # Views of one mask (one per layer) are the same mask: gather against it once.
+            identity = (usable.data_ptr(), tuple(usable.shape), tuple(usable.stride()), usable.dtype)
+            slot = identities.get(identity)
+            if slot is None:
+                slot = identities[identity] = len(self.usable_masks)
+                self.usable_masks.append(usable)
+                mask_layout.append((tuple(usable.shape[:-1]), usable.dtype))
+                elements += usable.numel()
+            self.mask_slots.append(slot)
+        key = (
+            self.batch,
+            self.seq,
+            self.lines,
+            self.valid is None,
+            tuple((router.index, tuple(indices.shape)) for router, indices in self.experts),
+            tuple((router.index, tuple(indices.shape[:-1])) for router, indices, _ in self.indexers),
+            tuple(self.mask_slots),
+            tuple(mask_layout),
+        )
+        return key, elements
 
 
 @dataclass(frozen=True)
-class _GroupConstants:
-    """Device tensors describing a group of routers counted together (cached per group)."""
+class _Columns:
+    """Device tensors locating a group of routers' counters in a buffer row (cached per group)."""
 
-    offsets: torch.Tensor  # [R, 1, 1, 1]
-    slots: torch.Tensor
-    top_k: torch.Tensor
-    companions: torch.Tensor  # [R, 1, 3] flat offsets of each router's companion counters
-    check_range: bool
-
-
-def _groups(items: list, key: Callable[[Any], Any]) -> list[list]:
-    grouped: dict[Any, list] = {}
-    for item in items:
-        grouped.setdefault(key(item), []).append(item)
-    return list(grouped.values())
+    offsets: torch.Tensor  # [1, R, 1, 1, 1] first counter column of each router
+    slots: torch.Tensor  # [1, R, 1, 1, 1]
+    top_k: torch.Tensor  # [1, R, 1, 1, 1]
+    dropped: torch.Tensor  # [1, R, 1, 1, 1] column of each router's dropped-picks counter
+    companions: torch.Tensor  # [R, 1, 3] columns of tokens, choice and local selections
 
 
-def _mask_identity(mask: Any) -> Any:
-    """Indexers scored against the same mask (views of one tensor) can be checked against it together."""
-    if not isinstance(mask, torch.Tensor):
-        return None
-    return (mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), mask.dtype)
+def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
+    """The indexer's ``[B or 1, S, keys]`` mask, or ``None`` when it has another form (then not consulted)."""
+    if (isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq
+            and mask.shape[0] in (1, batch)):
+        return mask
+    return None
 
 
 def _call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:
@@ -481,17 +806,25 @@ def attach(
     window_tokens: int | None = 4096,
     window_seconds: float | None = None,
     max_indexer_slots: int | None = 8192,
+    max_business_lines: int = 16,
+    flush_every: int = 128,
     clock: Callable[[], float] = time.monotonic,
     agent_url: str | None = None,
     agent_token: str | None = None,
     agent_source: str | None = None,
     ship_interval: float = 5.0,
 ) -> Probe:
-    """Hook every router of ``model`` and count what it selects.
+    """Watch every router of ``model`` and count what it selects.
 
     ``window_tokens`` / ``window_seconds`` bound the rolling window that :meth:`Probe.stats`
     reads (``None`` for no bound). Indexer counters cover key positions up to
     ``max_indexer_slots`` (or the model's context length, when smaller).
+
+    The counters are allocated once for ``max_business_lines`` lines (``default`` included)
+    plus one ``overflow`` line, which counts every line that arrives after the first
+    ``max_business_lines`` (with one warning): the buffer's address never changes, which is
+    what compiled models and CUDA graphs need. Eager decode steps are counted ``flush_every``
+    passes at a time (and whenever anything reads the counts).
 
     With ``agent_url`` (a running sidecar's base URL) the probe keeps no windows of its own:
     every ``ship_interval`` seconds it ships its counts to the sidecar's ingestion endpoint,
@@ -504,6 +837,8 @@ def attach(
         window_tokens=window_tokens,
         window_seconds=window_seconds,
         max_indexer_slots=max_indexer_slots,
+        max_business_lines=max_business_lines,
+        flush_every=flush_every,
         clock=clock,
         agent_url=agent_url,
         agent_token=agent_token,
