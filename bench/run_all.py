@@ -110,6 +110,10 @@ def probe_specs(args: list[str]) -> list[Spec]:
                  lambda f, ratio=ratio: ratio(f, "probe"), "<= +1% (x1.01)" if key == "bundled" else "", goal_met),
             Spec(f"{label}: decode time ratio, naive hook / no probe", "no hooks, same prompt and alternation",
                  lambda f, ratio=ratio: ratio(f, "naive")),
+            Spec(f"{label}: the probe's own work per decode step, replayed", "the step without the probe",
+                 lambda f, key=key: (f"{f['models'][key]['replayed_probe_us_per_step']:.0f} us on "
+                                     f"{f['models'][key]['replayed_step_ms']:.2f} ms = "
+                                     f"{x(f['models'][key]['replayed_ratio'])}")),
             Spec(f"{label}: 8-token forward pass, probe / no probe", "unwatched copy, adjacent pairs (median)",
                  forward),
             Spec(f"{label}: probe memory", "absolute (device counters + host window)",
