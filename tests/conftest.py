@@ -126,3 +126,19 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 
 def get_metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The log lists every MoE family the sweep ran (tests/test_family_sweep.py), by outcome."""
+    marker = "test_family_sweep.py::test_family_counts_exactly_and_detaches_bit_identically["
+    by_outcome: dict[str, set[str]] = {}
+    for outcome in ("passed", "failed", "xfailed", "xpassed", "error"):
+        for report in terminalreporter.stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            if marker in nodeid:
+                by_outcome.setdefault(outcome, set()).add(nodeid.split("[", 1)[1].rstrip("]"))
+    if by_outcome:
+        total = len(set().union(*by_outcome.values()))
+        terminalreporter.write_sep("-", f"MoE family sweep: {total} families read from transformers")
+        for outcome, families in by_outcome.items():
+            terminalreporter.write_line(f"{outcome} ({len(families)}): {', '.join(sorted(families))}")

@@ -160,3 +160,24 @@ def test_hash_routers_have_no_log2_k_floor_and_rules_skip_them_unless_asked(tmp_
     assert not rule.selector.matches(by_name[hashed.name]) and rule.selector.matches(by_name[learned.name])
     (asked,) = load_rules_dir(rules_file(tmp_path, "{kind: expert, hash_routed: true}")).rules
     assert asked.selector.matches(by_name[hashed.name]) and not asked.selector.matches(by_name[learned.name])
+
+
+def test_routing_never_shows_an_entropy_below_its_floor(sidecar) -> None:
+    """The README's own requests on the bundled model: indexers on short contexts used to read under their floor."""
+    import httpx
+
+    url, _ = sidecar
+    for line, prompt in (("customer_service", "Where is my order?"), ("code_assistant", "def add(a, b):"),
+                         ("doc_summary", "Summarise: the meeting moved to Monday.")):
+        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8},
+                            headers={"X-Business-Line": line}, timeout=120)
+        assert answer.status_code == 200, answer.text
+    body = httpx.get(url + "/v1/routing", timeout=30).json()
+    records = [r for line in [None, *body["business_lines"]]
+               for r in httpx.get(url + "/v1/routing", params={"business_line": line} if line else {},
+                                  timeout=30).json()["routers"]]
+    counted = [r for r in records if r["selections"]]
+    assert {r["kind"] for r in counted} == {"expert", "indexer"}
+    for record in counted:
+        assert record["floor_bits"] <= record["entropy_bits"] + 1e-9 <= record["ceiling_bits"] + 2e-9, record
+        assert 0.0 <= record["normalized_entropy"] <= 1.0
