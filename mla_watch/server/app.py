@@ -216,8 +216,12 @@ class Sidecar:
             self.self_test = attention_self_test(model, self.config.attn_implementation)
             (log.warning if self.self_test.refused else log.info)(self.self_test.message)
             self.metrics.attention_fallback.set(1 if self.self_test.refused else 0)
+            # The counting buffer is sized once (CUDA-graph safe): room for every policy's line and then some;
+            # a line added by a later reload past it is counted as `overflow`, with a warning.
+            lines = max(16, 2 * len(self.policies.current.lines) + 1)
             self.probe = mla_watch.attach(model, window_tokens=self.config.window_tokens,
-                                          window_seconds=self.config.window_seconds, clock=self.clock)
+                                          window_seconds=self.config.window_seconds, clock=self.clock,
+                                          max_business_lines=lines)
             if self.config.return_routed_experts:
                 experts = [info for info in self.probe.routers if info.kind == "expert"]
                 self.routing_layout = RoutingLayout([info.layer for info in experts],
