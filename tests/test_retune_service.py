@@ -126,6 +126,9 @@ def test_too_little_data_fails_the_job_and_says_what_to_do(tmp_path) -> None:
     assert job["result"]["error"] == ("40 samples of business line 'code' are available; the job needs at least 100 "
                                       "(let more traffic be captured, or give a dataset)")
     assert harness.outcomes == [("bias", "failed")]
+    # It tried nothing, so it holds no cooldown: the next request (once there is data) gets a job at once.
+    again = service.submit(spec())
+    assert again["id"] != job["id"] and final(service, again["id"])["status"] == "failed"
     service.stop()
 
 

@@ -112,7 +112,8 @@ class Retuner:
         try:
             samples, data = self._samples(spec)
         except JobCannotRun as error:
-            return "failed", {"error": str(error), "attempts": []}
+            # Nothing was tried: the router's cooldown is not held, so the next alert (with more data) runs a job.
+            return "failed", {"error": str(error), "attempts": [], "cannot_run": True}
         train, held_out = split_held_out(samples, self.settings.held_out_fraction)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         limit = self.settings.max_tokens_per_sample

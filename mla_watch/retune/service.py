@@ -163,6 +163,8 @@ class RetuneService:
                     return self.store.get(other.id)
             if not force:
                 for record in recent:
+                    if (record.get("result") or {}).get("cannot_run"):
+                        continue  # a job that lacked data or configuration tried nothing: it holds no cooldown
                     shared = set(record["spec"]["routers"]) & set(spec.routers)
                     if shared and now - record["created_at"] < self.settings.cooldown_seconds:
                         raise Cooldown(
