@@ -5,7 +5,8 @@ moves the bias of each selected router by ``b_i += gamma * sign(mean_load - load
 (the training-time rule of :func:`mla_watch.models.train._rebalance`, with a γ for the job:
 0.05 undoes a +10 collapse in ~100 batches, the training value 0.001 would take ~10,000).
 
-The re-fit runs on a **deep copy** of the model (its forward hooks left behind), so the live
+The re-fit runs on a **deep copy** of the model (its hooks left behind; a probe's forward
+wrappers copy as the original forwards), so the live
 model's tensors never change and live traffic is never routed by a half-fitted bias. The copy
 costs one model's memory for the duration of the call. The biases are accumulated in float32
 (a bfloat16 bias near 10 cannot move by 0.05) and returned as float32 CPU tensors named as in
@@ -59,8 +60,9 @@ class BiasRefitResult:
 def copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)`` with every module's hook dicts replaced by empty ones.
 
-    A live model usually carries a probe's hooks (bound methods of an object holding locks,
-    which cannot be deep-copied, and which would count the copy's passes into live windows).
+    A live model may carry hooks (bound methods of objects holding locks, which cannot be
+    deep-copied, and which would count the copy's passes into live windows); a probe's forward
+    wrappers deep-copy as the original forwards themselves.
     """
     memo: dict[int, Any] = {}
     for module in model.modules():
