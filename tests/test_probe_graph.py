@@ -179,3 +179,24 @@ def test_compiled_decode_counts_like_eager_without_recompiling() -> None:
         np.testing.assert_array_equal(first[name], counts)
         np.testing.assert_array_equal(second[name], counts)
         assert counts.sum() > 0
+
+
+def test_probes_attached_one_over_another_detach_in_any_order() -> None:
+    model = build("mixtral")
+    ids = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    first, second, third = (mla_watch.attach(model, window_tokens=None) for _ in range(3))
+    with torch.no_grad():
+        model(input_ids=ids)
+    counts = [probe.counts() for probe in (first, second, third)]
+    assert all(all((c[name] == counts[0][name]).all() for name in c) for c in counts)  # each saw every pass
+    first.detach()  # the innermost, under two others
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert all(int(third.counts()[n].sum()) == 2 * int(counts[0][n].sum()) for n in counts[0])
+    third.detach()
+    second.detach()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert all("forward" not in module.__dict__ for module in model.modules())

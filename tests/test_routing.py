@@ -252,7 +252,8 @@ def test_compute_stats_expert_fields_and_json() -> None:
     d = stats.as_dict()
     assert json.loads(json.dumps(d)) == d
     assert all(type(v) in (str, int, float, bool, type(None)) for v in d.values())
-    assert set(d) == set(RoutingStats.__dataclass_fields__)
+    assert set(d) == set(RoutingStats.__dataclass_fields__) | {"bits_below_ceiling"}  # one derived field
+    assert d["bits_below_ceiling"] == pytest.approx(1.0)
 
 
 def test_compute_stats_expert_locality_ignored_and_window_flag() -> None:

@@ -98,15 +98,24 @@ class _WatchedForward:
         self.module.forward = self
 
     def restore(self) -> None:
-        if self.module.__dict__.get("forward") is not self:
-            raise RuntimeError(
-                f"mla_watch probe: the forward of {type(self.module).__name__} was replaced after attach(); "
-                "detach() the probe before patching forward, or patch it before attach()"
-            )
-        if self.had_own:
-            self.module.forward = self.original
-        else:
-            del self.module.__dict__["forward"]
+        current = self.module.__dict__.get("forward")
+        if current is self:
+            if self.had_own:
+                self.module.forward = self.original
+            else:
+                del self.module.__dict__["forward"]
+            return
+        # Probes attached later wrapped this one (a shipping probe beside a local one): probes may be
+        # detached in any order, so take this one out of the chain and leave theirs in place.
+        while isinstance(current, _WatchedForward):
+            if current.original is self:
+                current.original, current.had_own = self.original, self.had_own
+                return
+            current = current.original
+        raise RuntimeError(
+            f"mla_watch probe: the forward of {type(self.module).__name__} was replaced after attach(); "
+            "detach() the probe before patching forward, or patch it before attach()"
+        )
 
 
 class Probe:
