@@ -11,10 +11,7 @@ is not available for an engine's routers.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -25,6 +22,7 @@ import torch
 from client import post, sse_events
 from conftest import free_port, metric_value, wait_until
 from receivers import running_receiver
+from test_reliability import sidecar_process
 
 import mla_watch
 from mla_watch.alerting.examples import entropy_low_rules
@@ -48,29 +46,11 @@ def collapsed_model(directory: Path) -> Path:
 
 
 @contextmanager
-def serving(args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+def serving(state: Path, args: list[str], log: Path, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``mla-watch serve ARGS`` as a ready process on a free loopback port: its URL."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(port), *args],
-                               env={**os.environ, **(env or {})}, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        def ready() -> bool:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                return httpx.get(url + "/readyz", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, timeout=180, interval=0.2), log.read_text()[-3000:]
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    with sidecar_process(port, state, *args, env=env, log=log):
+        yield f"http://127.0.0.1:{port}"
 
 
 def experts(url: str, line: str) -> dict[str, dict]:
@@ -104,17 +84,17 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
     rules.mkdir()
     (rules / "routing.yaml").write_text(entropy_low_rules(below=5.0, resolve_above=5.2, min_tokens=64,
                                                           actions=("notify", "retune"), business_line="all"))
-    common = ["--device", "cpu", "--history-interval", "1"]
+    common = ["--history-interval", "1"]  # sidecar_process adds --device cpu and eager attention
     with ExitStack() as stack, running_receiver() as receiver:
-        upstream = stack.enter_context(serving(
-            [*common, "--model", str(model), "--return-routed-experts", "--state-dir", str(tmp_path / "up"),
-             "--attn-implementation", "eager"], tmp_path / "upstream.log"))
+        upstream = stack.enter_context(serving(tmp_path / "up", [*common, "--model", str(model),
+                                                                 "--return-routed-experts"], tmp_path / "upstream.log"))
         proxy_args = [*common, "--upstream", upstream, "--model-config", str(model / "config.json"),
                       "--rules", str(rules), "--alert-interval", "0.5"]
-        vllm = stack.enter_context(serving([*proxy_args, "--engine", "vllm", "--state-dir", str(tmp_path / "v")],
-                                           tmp_path / "vllm.log", {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}))
-        sglang = stack.enter_context(serving([*proxy_args, "--engine", "sglang", "--state-dir", str(tmp_path / "s")],
-                                             tmp_path / "sglang.log", {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}))
+        oncall = {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}
+        vllm = stack.enter_context(serving(tmp_path / "v", [*proxy_args, "--engine", "vllm"], tmp_path / "vllm.log",
+                                           oncall))
+        sglang = stack.enter_context(serving(tmp_path / "s", [*proxy_args, "--engine", "sglang"],
+                                             tmp_path / "sglang.log", oncall))
 
         prompts = ["SELECT name FROM", "def parse(", "Summarise the report", "Where is my order?"]
         for index, prompt in enumerate(prompts):

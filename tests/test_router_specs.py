@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from family_sweep_models import VOCAB, router_families, tiny_model
+from test_probe_discovery import RoutedBlock
 from torch import nn
 
 import mla_watch
@@ -89,20 +90,10 @@ class LogitsOnlyRouter(nn.Module):
         return logits.softmax(-1), logits
 
 
-class Block(nn.Module):
-    def __init__(self, router: nn.Module) -> None:
-        super().__init__()
-        self.gate = router
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.gate(hidden)
-        return hidden
-
-
 class Tiny(nn.Module):
     def __init__(self, router: nn.Module) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([Block(router)])
+        self.layers = nn.ModuleList([RoutedBlock(router)])
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.layers[0](input_ids.unsqueeze(-1).float().expand(*input_ids.shape, 3))
@@ -157,7 +148,7 @@ class UncallableTopKRouter(Uncallable):
     pass
 
 
-class CacheBlock(Block):
+class CacheBlock(RoutedBlock):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.gate(hidden, None)
         return hidden
