@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 import numpy as np
 from attacks import HEALTHZ_POLL_SECONDS, Latency
-from server_overhead import sidecar_process
+from server_overhead import sidecar_process, wait_answering
 
 from mla_watch.engines.formats import (
     ENGINES,
@@ -159,14 +159,7 @@ def fake_engine(directory: Path) -> Iterator[str]:
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the fake engine on port {port} did not start")
-            time.sleep(0.1)
+        wait_answering(url + "/v1/models", process, 60, f"the fake engine on port {port}")
         yield url
     finally:
         process.terminate()

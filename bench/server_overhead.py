@@ -55,14 +55,7 @@ def sidecar_process(*extra: str, env: dict[str, str] | None = None,
                                stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"the sidecar on port {port} did not become ready")
-            time.sleep(0.2)
+        wait_answering(url + "/readyz", process, ready_timeout, f"the sidecar on port {port}")
         yield url, process
     finally:
         process.terminate()
@@ -71,6 +64,18 @@ def sidecar_process(*extra: str, env: dict[str, str] | None = None,
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(10)
+
+
+def wait_answering(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
+    """Until ``url`` answers 200; ``RuntimeError`` naming ``what`` if it has not within ``timeout`` or exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError(f"{what} did not become ready")
+        time.sleep(0.1)
 
 
 def peak_rss_kib(pid: int) -> int:

@@ -422,12 +422,8 @@ class Probe:
         return call
 
     def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
-        tokens_input = kwargs.get("input_ids")
-        if tokens_input is None and args:
-            tokens_input = args[0]
+        tokens_input = _tokens_input(args, kwargs)
         if tokens_input is None:
-            tokens_input = kwargs.get("inputs_embeds")
-        if not isinstance(tokens_input, torch.Tensor) or tokens_input.dim() < 2:
             return None
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
         lines = self._attribution
@@ -484,12 +480,8 @@ class Probe:
     # static buffer at once, and the attribution is read from the in-place tensor, so a CUDA
     # graph replay counts the right lines without the host. No cache is written while tracing.
     def _graph_model_call(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        tokens_input = kwargs.get("input_ids")
-        if tokens_input is None and args:
-            tokens_input = args[0]
+        tokens_input = _tokens_input(args, kwargs)
         if tokens_input is None:
-            tokens_input = kwargs.get("inputs_embeds")
-        if not isinstance(tokens_input, torch.Tensor) or tokens_input.dim() < 2:
             return original(*args, **kwargs)
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
         rows = self._attributed_rows
@@ -790,6 +782,16 @@ def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
             and mask.shape[0] in (1, batch)):
         return mask
     return None
+
+
+def _tokens_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The ``[batch, seq, ...]`` tensor a model forward was called with (ids or embeddings); None if none."""
+    tokens_input = kwargs.get("input_ids")
+    if tokens_input is None and args:
+        tokens_input = args[0]
+    if tokens_input is None:
+        tokens_input = kwargs.get("inputs_embeds")
+    return tokens_input if isinstance(tokens_input, torch.Tensor) and tokens_input.dim() >= 2 else None
 
 
 def _call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:
