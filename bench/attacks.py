@@ -158,8 +158,14 @@ class HealthPoller:
                 self._stop.wait(self._interval)
 
     def between(self, start: float, end: float) -> Latency:
+        """The polls sent between ``start`` and ``end`` (``time.monotonic()`` values)."""
+        return self.within([(start, end)])
+
+    def within(self, spans: list[tuple[float, float]]) -> Latency:
+        """The polls sent during any of ``spans`` (``time.monotonic()`` values)."""
         with self._lock:
-            chosen = [(seconds, ok) for sent, seconds, ok in self._samples if start <= sent <= end]
+            chosen = [(seconds, ok) for sent, seconds, ok in self._samples
+                      if any(start <= sent <= end for start, end in spans)]
         return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
 
 

@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from attacks import HEALTHZ_POLL_SECONDS, Latency
+from attacks import HealthPoller, Latency
 from server_overhead import sidecar_process, wait_answering
 
 from mla_watch.engines.formats import (
@@ -228,49 +227,6 @@ def decode_figures(geometry: EngineGeometry, bodies: dict[str, bytes], sizes: li
 # --------------------------------------------------------------------------- through the proxy
 
 
-class Poller:
-    """A thread polling ``/healthz`` every 20 ms on its own connection: (sent at, seconds, answered 200)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.samples: list[tuple[float, float, bool]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="healthz-poller", daemon=True)
-
-    def __enter__(self) -> Poller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=30) as client:
-            while not self._stop.is_set():
-                sent = time.perf_counter()
-                try:
-                    ok = client.get(self.url + "/healthz").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                with self._lock:
-                    self.samples.append((sent, time.perf_counter() - sent, ok))
-                self._stop.wait(HEALTHZ_POLL_SECONDS)
-
-    def within(self, spans: list[tuple[float, float]]) -> Latency:
-        """The polls sent during one of ``spans`` (as bench/attacks.py counts them)."""
-        with self._lock:
-            samples = list(self.samples)
-        chosen = [(seconds, ok) for sent, seconds, ok in samples if any(start <= sent <= end for start, end in spans)]
-        return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
-
-    def between(self, start: float, end: float) -> Latency:
-        with self._lock:
-            chosen = [(seconds, ok) for sent, seconds, ok in self.samples if start <= sent <= end]
-        return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
-
-
 @dataclass
 class Run:
     """One routing proxy (a format, a number of decode workers) against the routing-off one."""
@@ -292,11 +248,11 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
     args = ["--upstream", upstream, "--engine", engine, "--model-config", str(model_config), "--decode-workers",
             str(workers), "--state-dir", str(state / f"{engine}-{workers}"), "--alert-interval", "3600",
             "--history-interval", "3600"]
-    with sidecar_process(*args) as (proxy, _), Poller(proxy) as poller, \
+    with sidecar_process(*args) as (proxy, _), HealthPoller(proxy) as poller, \
             httpx.Client(timeout=60) as client:
-        started = time.perf_counter()
+        started = time.monotonic()
         time.sleep(rest_seconds)
-        run.rest = poller.between(started, time.perf_counter())
+        run.rest = poller.between(started, time.monotonic())
         for tokens in sizes:
             variants = {  # name: (base URL, prompt, extra request fields)
                 "direct_off": (upstream, key(engine, tokens, False), {}),
@@ -311,9 +267,9 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
             for index in range(requests + 3):  # the first three rounds warm up and are not counted
                 for name in names[index % 4:] + names[:index % 4]:
                     url, prompt, extra = variants[name]
-                    sent = time.perf_counter()
+                    sent = time.monotonic()
                     answer = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, **extra})
-                    done = time.perf_counter()
+                    done = time.monotonic()
                     if answer.status_code != 200:
                         raise RuntimeError(f"{name} {prompt}: {answer.status_code} {answer.text[:300]}")
                     if index >= 3:
