@@ -21,7 +21,8 @@ BIAS = f"{GATE}.e_score_correction_bias"
 OTHER = "model.layers.0.mlp.gate"
 
 
-def fill_capture(path: Path, line: str = "code", count: int = 40, seed: int = 0) -> TrafficCapture:
+def fill_capture(path: Path, line: str = "code", count: int = 160, seed: int = 0) -> TrafficCapture:
+    """``count`` random prompts of 12-23 tokens: the default holds out ~680 scored tokens, enough for the gate."""
     capture = TrafficCapture(path)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(count):
@@ -77,5 +78,6 @@ def spec(**overrides) -> JobSpec:
 
 
 def final(service: RetuneService, job_id: str, timeout: float = 60) -> dict:
-    assert wait_until(lambda: service.store.get(job_id)["status"] not in ("pending", "running"), timeout=timeout)
+    assert wait_until(lambda: service.store.get(job_id)["status"] not in ("pending", "running", "waiting"),
+                      timeout=timeout)
     return service.store.get(job_id)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 import torch
-from retune_harness import BIAS, GATE, OTHER, Harness, collapse, final, spec
+from conftest import wait_until
+from retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
 from tiny_models import build
 
 from mla_watch.retune.registry import router_state
@@ -118,17 +119,52 @@ def test_cooldown_merging_and_bad_submissions(tmp_path) -> None:
     service.stop()
 
 
-def test_too_little_data_fails_the_job_and_says_what_to_do(tmp_path) -> None:
-    harness = Harness(tmp_path, min_samples=100)
+def test_a_job_short_of_captured_samples_waits_and_runs_again_by_itself_once_there_are_enough(tmp_path) -> None:
+    harness = Harness(tmp_path, min_samples=200, retry_seconds=1.0)
+    service = harness.start()
+    collapse(harness.model)
+    submitted = service.submit(spec())
+    assert wait_until(lambda: service.store.get(submitted["id"])["status"] == "waiting", timeout=30)
+    job = service.store.get(submitted["id"])
+    assert job["result"]["needs"] == ("160 samples of business line 'code' are available; the job needs at least "
+                                      "200 (let more traffic be captured, or give a dataset)")
+    assert job["result"]["retry_at"] > job["result"]["waiting_since"]
+    # Waiting is not a rejection: no cooldown is held, and a new alert joins the waiting job.
+    merged = service.submit(spec(routers=[OTHER]))
+    assert merged["id"] == job["id"] and merged["spec"]["routers"] == [GATE, OTHER]
+    fill_capture(tmp_path / "capture.sqlite", count=60, seed=1)  # traffic goes on being captured
+
+    job = final(service, job["id"])
+
+    assert job["status"] == "promoted", job
+    assert job["result"]["data"]["samples"] == 220  # the samples captured while it waited count
+    assert ("bias", "waiting") in harness.outcomes and harness.outcomes[-1] == ("bias", "promoted")
+    service.stop()
+
+
+def test_a_wait_is_bounded_and_a_job_that_could_not_decide_holds_no_cooldown(tmp_path) -> None:
+    harness = Harness(tmp_path, min_held_out_tokens=100_000, max_wait_seconds=0)
     service = harness.start()
     job = final(service, service.submit(spec())["id"])
-    assert job["status"] == "failed"
-    assert job["result"]["error"] == ("40 samples of business line 'code' are available; the job needs at least 100 "
-                                      "(let more traffic be captured, or give a dataset)")
-    assert harness.outcomes == [("bias", "failed")]
-    # It tried nothing, so it holds no cooldown: the next request (once there is data) gets a job at once.
+    assert job["status"] == "failed" and job["result"]["cannot_run"]
+    assert job["result"]["error"].startswith("not enough data to decide after waiting 0 s (max_wait_seconds 0): ")
+    assert "scored held-out tokens in 40 samples; the perplexity gate decides on at least 100000" in \
+        job["result"]["error"]
+    assert job["result"]["attempts"] == []  # nothing was fitted on data no gate could judge
     again = service.submit(spec())
-    assert again["id"] != job["id"] and final(service, again["id"])["status"] == "failed"
+    assert again["id"] != job["id"]  # no cooldown
+    final(service, again["id"])
+    service.stop()
+
+
+def test_a_job_without_capture_or_dataset_fails_at_once_saying_what_is_missing(tmp_path) -> None:
+    harness = Harness(tmp_path)
+    harness.capture = None
+    service = harness.start()
+    job = final(service, service.submit(spec())["id"])
+    assert job["status"] == "failed" and job["result"]["cannot_run"]
+    assert job["result"]["error"].startswith("no data: traffic capture is off (serve with --capture")
+    assert service.submit(spec())["id"] != job["id"]  # it tried nothing: no cooldown
     service.stop()
 
 

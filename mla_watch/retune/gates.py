@@ -7,8 +7,14 @@ over a hook-free copy of the live model, so live traffic is never routed by a ca
   the job. The band uses the rule's *resolve* threshold (5.2 bits for the shipped
   ``RoutingEntropyLow``), so a promoted router does not hover at the edge and keep the alert
   firing.
-* **perplexity**: the candidate's per-token perplexity is at most ``max_perplexity_increase``
-  above the live model's before the job (0.3 by default).
+* **perplexity**: the candidate is not worse than the live model before the job by more than
+  the margin (``max_perplexity_increase``, 2 % by default), judged per held-out sample, paired,
+  at a stated confidence (:mod:`mla_watch.retune.paired`).
+
+Each check decides ``pass``, ``reject`` or ``insufficient`` (too few held-out tokens to know),
+and so does the report: ``reject`` if any check rejects, else ``insufficient`` if any check
+lacks data, else ``pass``. A band reading over fewer tokens than the router's trusted minimum
+is ``insufficient``, not a failure: entropy reads low on small samples.
 """
 
 from __future__ import annotations
@@ -21,7 +27,16 @@ from typing import Any
 import torch
 
 from mla_watch.probe import attach, discover_routers
-from mla_watch.retune.loss import next_token_loss
+from mla_watch.retune.loss import next_token_losses
+from mla_watch.retune.paired import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_MIN_TOKENS,
+    Decision,
+    PairedComparison,
+    PerplexityMargin,
+    compare_perplexity,
+    parse_margin,
+)
 
 __all__ = ["Band", "GateReport", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
 
@@ -70,6 +85,8 @@ class ModelScore:
     perplexity: float
     tokens: int
     routers: dict[str, dict[str, Any]]  # router name -> its statistics record over the held-out pass
+    losses: list[float]  # per held-out sample, in order: summed next-token loss (nats) ...
+    counts: list[int]  # ... over this many scored tokens
 
     def metric(self, router: str, name: str) -> float | None:
         value = self.routers.get(router, {}).get(name)
@@ -82,21 +99,25 @@ class ModelScore:
 
 @dataclass
 class GateReport:
-    passed: bool
-    checks: list[dict[str, Any]]  # {gate, router?, value, limit, passed}
+    decision: Decision
+    checks: list[dict[str, Any]]  # {gate, router?, value, limit, decision, passed, message}
     before: dict[str, Any]
     after: dict[str, Any]
     band: Band
-    max_perplexity_increase: float
+    perplexity: PairedComparison
+
+    @property
+    def passed(self) -> bool:
+        return self.decision == "pass"
 
     def reasons(self) -> list[str]:
-        """One sentence per failed check, with its figures."""
+        """One sentence per check that did not pass, with its figures."""
         return [check["message"] for check in self.checks if not check["passed"]]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "band": self.band.as_dict(),
-                "max_perplexity_increase": self.max_perplexity_increase, "checks": self.checks,
-                "before": self.before, "after": self.after}
+        return {"passed": self.passed, "decision": self.decision, "band": self.band.as_dict(),
+                "max_perplexity_increase": str(self.perplexity.margin), "perplexity": self.perplexity.as_dict(),
+                "checks": self.checks, "before": self.before, "after": self.after}
 
 
 @torch.no_grad()
@@ -108,45 +129,62 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
     """
     indexers = {type(module).__name__ for module, info, _ in discover_routers(model) if info.kind != "expert"}
     probe = attach(model, window_tokens=None, ignore=sorted(indexers))
-    total_loss, total_tokens = 0.0, 0
+    losses: list[float] = []
+    counts: list[int] = []
     try:
         device = next(model.parameters()).device
         with probe.attribute(business_line):
             for batch in batches:
                 loss_mask = batch.get("loss_mask")
-                loss, tokens = next_token_loss(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                               None if loss_mask is None else loss_mask.to(device))
-                total_loss += float(loss)
-                total_tokens += tokens
+                loss, count = next_token_losses(model, batch["input_ids"].to(device),
+                                                batch["attention_mask"].to(device),
+                                                None if loss_mask is None else loss_mask.to(device))
+                losses.extend(loss.double().tolist())
+                counts.extend(int(n) for n in count.tolist())
         records = {record["name"]: record for record in probe.stats(business_line)}
     finally:
         probe.detach()
+    total_tokens = sum(counts)
     if total_tokens == 0:
         raise ValueError("the samples hold no token to predict: a sample needs at least 2 scored tokens "
                          "(captured traffic scores the prompt only)")
-    return ModelScore(perplexity=math.exp(total_loss / total_tokens), tokens=total_tokens, routers=records)
+    return ModelScore(perplexity=math.exp(sum(losses) / total_tokens), tokens=total_tokens, routers=records,
+                      losses=losses, counts=counts)
 
 
 def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[str], band: Band,
-                   max_perplexity_increase: float = 0.3) -> GateReport:
-    """Judge the candidate (``after``) against the live model before the job (``before``)."""
+                   max_perplexity_increase: PerplexityMargin | float | str = "2%",
+                   confidence: float = DEFAULT_CONFIDENCE, min_tokens: int = DEFAULT_MIN_TOKENS) -> GateReport:
+    """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples."""
     checks: list[dict[str, Any]] = []
     for router in routers:
         value = after.metric(router, band.metric)
-        passed = value is not None and math.isfinite(value) and band.contains(value)
-        shown = "unmeasured" if value is None else f"{value:.3f}"
+        measured = value is not None and math.isfinite(value)
+        too_small = bool(after.routers.get(router, {}).get("too_small"))
+        decision: Decision
+        if measured and band.contains(value):
+            decision, message = "pass", f"{router}: {band.metric} {value:.3f} is inside the band ({band.describe()})"
+        elif measured and not too_small:
+            decision, message = "reject", (f"{router}: {band.metric} {value:.3f} on held-out samples is outside the "
+                                           f"band ({band.describe()})")
+        else:
+            tokens = after.routers.get(router, {}).get("tokens", 0)
+            decision, message = "insufficient", (f"{router}: {band.metric} is "
+                                                 f"{'unmeasured' if not measured else f'{value:.3f}'} on {tokens} "
+                                                 f"held-out tokens, fewer than the router's trusted minimum "
+                                                 f"({band.describe()} not judged)")
         checks.append({"gate": "band", "router": router, "value": _round(value), "limit": band.describe(),
-                       "passed": passed,
-                       "message": f"{router}: {band.metric} {shown} on held-out samples is outside the band "
-                                  f"({band.describe()})"})
-    limit = before.perplexity + max_perplexity_increase
-    checks.append({"gate": "perplexity", "value": round(after.perplexity, 4), "limit": round(limit, 4),
-                   "passed": after.perplexity <= limit,
-                   "message": f"perplexity {after.perplexity:.3f} exceeds {before.perplexity:.3f} + "
-                              f"{max_perplexity_increase:g} = {limit:.3f} (the live model before the job)"})
-    return GateReport(passed=all(check["passed"] for check in checks), checks=checks,
-                      before=before.as_dict(routers, band.metric), after=after.as_dict(routers, band.metric),
-                      band=band, max_perplexity_increase=max_perplexity_increase)
+                       "decision": decision, "passed": decision == "pass", "message": message})
+    comparison = compare_perplexity(before.losses, after.losses, before.counts,
+                                    margin=parse_margin(max_perplexity_increase), confidence=confidence,
+                                    min_tokens=min_tokens)
+    checks.append({"gate": "perplexity", "value": round(comparison.candidate_perplexity, 4),
+                   "limit": round(comparison.limit, 4), "decision": comparison.decision, "passed": comparison.passed,
+                   "message": comparison.message()})
+    decisions = {check["decision"] for check in checks}
+    overall: Decision = "reject" if "reject" in decisions else "insufficient" if "insufficient" in decisions else "pass"
+    return GateReport(decision=overall, checks=checks, before=before.as_dict(routers, band.metric),
+                      after=after.as_dict(routers, band.metric), band=band, perplexity=comparison)
 
 
 def _round(value: float | None) -> float | None:

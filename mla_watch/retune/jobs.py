@@ -1,10 +1,12 @@
 """Re-tuning jobs: what a job asks for (:class:`JobSpec`) and where its life is recorded (:class:`JobStore`).
 
-A job is ``pending`` when scheduled, ``running`` while it fits and gates, and ends
-``promoted``, ``rejected`` (a gate failed; nothing changed in the live model) or ``failed``
-(an error, e.g. too little data). The store is a sqlite file in the state directory, so a
-job survives a restart: one found ``running`` at start-up was interrupted, and is retried
-(``attempts`` counts the tries) or failed, never forgotten.
+A job is ``pending`` when scheduled, ``running`` while it fits and gates, ``waiting`` when it
+lacked data to decide (too few captured samples, or gates that could not tell with the held-out
+data there was: it runs again by itself later), and ends ``promoted``, ``rejected`` (a gate
+found the candidates worse; nothing changed in the live model) or ``failed`` (an error, a
+missing configuration, or still not enough data when its wait ran out). The store is a sqlite
+file in the state directory, so a job survives a restart: one found ``running`` at start-up was
+interrupted, and is retried (``attempts`` counts the tries) or failed, never forgotten.
 """
 
 from __future__ import annotations
@@ -17,18 +19,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mla_watch.retune.paired import (
+    DEFAULT_CONFIDENCE,
+    DEFAULT_MARGIN,
+    DEFAULT_MIN_TOKENS,
+    parse_confidence,
+    parse_margin,
+)
 from mla_watch.sqlite import PrivateDatabase
 
 __all__ = ["FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
 
 FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed")
-STATUSES: tuple[str, ...] = ("pending", "running", *FINAL_STATUSES)
+STATUSES: tuple[str, ...] = ("pending", "running", "waiting", *FINAL_STATUSES)
 
 
 @dataclass
 class RetuneSettings:
     cooldown_seconds: float = 3600.0  # per router: a flapping alert cannot start a storm of jobs
-    max_perplexity_increase: float = 0.3
+    # The perplexity gate (mla_watch.retune.paired): an absolute (0.3) or relative ("2%") margin, the
+    # one-sided confidence of its decisions, and the held-out tokens below which it does not decide.
+    max_perplexity_increase: float | str = DEFAULT_MARGIN
+    gate_confidence: float = DEFAULT_CONFIDENCE
+    min_held_out_tokens: int = DEFAULT_MIN_TOKENS
+    # A job without the data to decide waits: it runs again every retry_seconds, for at most max_wait_seconds.
+    retry_seconds: float = 300.0
+    max_wait_seconds: float = 6 * 3600.0
     min_samples: int = 16
     max_samples: int = 512
     held_out_fraction: float = 0.25
@@ -42,9 +58,13 @@ class RetuneSettings:
     strategy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        parse_margin(self.max_perplexity_increase)
+        parse_confidence(self.gate_confidence)
         checks = {
             "cooldown_seconds": self.cooldown_seconds >= 0,
-            "max_perplexity_increase": self.max_perplexity_increase >= 0,
+            "min_held_out_tokens": self.min_held_out_tokens >= 1,
+            "retry_seconds": self.retry_seconds > 0,
+            "max_wait_seconds": self.max_wait_seconds >= 0,
             "min_samples": self.min_samples >= 2,
             "max_samples": self.max_samples >= self.min_samples,
             "held_out_fraction": 0 < self.held_out_fraction < 1,
@@ -57,7 +77,8 @@ class RetuneSettings:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError("re-tune settings invalid: " + "; ".join(
-                f"{name}={getattr(self, name)!r}" for name in bad) + " (cooldown >= 0, max_perplexity_increase >= 0, "
+                f"{name}={getattr(self, name)!r}" for name in bad) + " (cooldown >= 0, min_held_out_tokens >= 1, "
+                "retry_seconds > 0, max_wait_seconds >= 0, "
                 "min_samples >= 2, max_samples >= min_samples, 0 < held_out_fraction < 1, batch_size >= 1, "
                 "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")
 
@@ -78,7 +99,7 @@ class JobSpec:
     trigger: dict[str, Any] = field(default_factory=dict)  # source (alert|cli|api), alert labels, value, at
     dataset: str | None = None  # a JSONL file instead of captured traffic
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # strategy -> its options
-    max_perplexity_increase: float = 0.3
+    max_perplexity_increase: float | str = DEFAULT_MARGIN
     id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     created_at: float = field(default_factory=time.time)
 
@@ -145,13 +166,25 @@ class JobStore:
                             (status, json.dumps(result), self._clock(), job_id))
         return self.get(job_id)
 
+    def wait(self, job_id: str, result: Mapping[str, Any]) -> dict[str, Any]:
+        """A job that lacked data to decide: ``waiting`` (its attempts start again), ``result`` says until when."""
+        self._store.execute("UPDATE jobs SET status = 'waiting', attempts = 0, result = ?, updated_at = ? WHERE id = ?",
+                            (json.dumps(result), self._clock(), job_id))
+        return self.get(job_id)
+
+    def resume(self, job_id: str) -> None:
+        """A waiting job whose retry is due goes back to ``pending``."""
+        self._store.execute("UPDATE jobs SET status = 'pending', updated_at = ? WHERE id = ? AND status = 'waiting'",
+                            (self._clock(), job_id))
+
     def requeue(self, job_id: str, note: str) -> None:
         """A job interrupted while running goes back to ``pending``, with ``note`` saying why."""
         self._store.execute("UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
                             (json.dumps({"note": note}), self._clock(), job_id))
 
     def set_spec(self, job_id: str, spec: JobSpec) -> None:
-        self._store.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ? AND status = 'pending'",
+        self._store.execute("UPDATE jobs SET spec = ?, updated_at = ? "
+                            "WHERE id = ? AND status IN ('pending', 'waiting')",
                             (json.dumps(spec.as_dict()), self._clock(), job_id))
 
     def close(self) -> None:

@@ -56,7 +56,15 @@ log = logging.getLogger("mla_watch.retune")
 
 
 class JobCannotRun(Exception):
-    """The job cannot run (no data, a bad dataset); the message says what to do."""
+    """The job cannot run (no data, a bad dataset); the message says what to do.
+
+    ``needs_data``: more captured traffic would let it run (it waits), rather than a missing
+    configuration or a bad dataset (it fails).
+    """
+
+    def __init__(self, message: str, *, needs_data: bool = False) -> None:
+        super().__init__(message)
+        self.needs_data = needs_data
 
 
 class Retuner:
@@ -85,7 +93,8 @@ class Retuner:
         self._clock = clock
 
     def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
-        """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected`` or ``failed``.
+        """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected``, ``failed`` or
+        ``waiting`` (not enough data to decide; ``result["needs"]`` says what is missing).
 
         Whatever the outcome, the job's files in ``workdir`` (copies of its training traffic) are gone
         when it returns; what a promotion needs is in the registry by then.
@@ -113,6 +122,8 @@ class Retuner:
             samples, data = self._samples(spec)
         except JobCannotRun as error:
             # Nothing was tried: the router's cooldown is not held, so the next alert (with more data) runs a job.
+            if error.needs_data:
+                return "waiting", {"needs": str(error), "attempts": [], "cannot_run": True}
             return "failed", {"error": str(error), "attempts": [], "cannot_run": True}
         train, held_out = split_held_out(samples, self.settings.held_out_fraction)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -127,6 +138,12 @@ class Retuner:
         original = router_state(work)
         before = score_model(work, held_batches)
         timings["score_before_seconds"] = round(self._clock() - mark, 3)
+        data["held_out_tokens"] = before.tokens
+        if before.tokens < self.settings.min_held_out_tokens:  # no gate could decide: fit nothing yet
+            return "waiting", {"needs": f"{before.tokens} scored held-out tokens in {len(held_out)} samples; the "
+                                        f"perplexity gate decides on at least {self.settings.min_held_out_tokens} "
+                                        f"(let more traffic be captured)",
+                               "attempts": [], "data": data, "cannot_run": True}
         band = Band.from_dict(spec.band)
         watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
         attempts: list[dict[str, Any]] = []
@@ -153,7 +170,9 @@ class Retuner:
             after = score_model(work, held_batches)
             apply_router_tensors(work, original)
             report = evaluate_gates(before, after, routers=watched, band=band,
-                                    max_perplexity_increase=spec.max_perplexity_increase)
+                                    max_perplexity_increase=spec.max_perplexity_increase,
+                                    confidence=self.settings.gate_confidence,
+                                    min_tokens=self.settings.min_held_out_tokens)
             attempt["gate_seconds"] = round(self._clock() - mark, 3)
             manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": name,
                         "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
@@ -162,16 +181,23 @@ class Retuner:
             version = self.registry.save(candidate.tensors, manifest)
             attempt.update(version=version, gates=report.as_dict())
             if not report.passed:
-                attempt.update(outcome="rejected", reason="; ".join(report.reasons()))
-                log.warning("re-tune job %s: %s (version %d) rejected: %s", spec.id, name, version, attempt["reason"])
+                outcome = "rejected" if report.decision == "reject" else "insufficient"
+                attempt.update(outcome=outcome, reason="; ".join(report.reasons()))
+                log.warning("re-tune job %s: %s (version %d) %s: %s", spec.id, name, version,
+                            "rejected" if outcome == "rejected" else "undecided", attempt["reason"])
                 continue
             mark = self._clock()
             self._promote(version)
             attempt.update(outcome="promoted", promote_seconds=round(self._clock() - mark, 3))
             log.info("re-tune job %s: %s promoted as router version %d", spec.id, name, version)
             return "promoted", self._result(spec, attempts, data, timings, started, version=version, strategy=name)
-        status = "rejected" if any(a.get("outcome") == "rejected" for a in attempts) else "failed"
-        return status, self._result(spec, attempts, data, timings, started)
+        outcomes = {attempt.get("outcome") for attempt in attempts}
+        result = self._result(spec, attempts, data, timings, started)
+        if "insufficient" in outcomes:  # a candidate the held-out data could not judge: more data decides
+            result["needs"] = "more held-out data: " + "; ".join(
+                f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("outcome") == "insufficient")
+            return "waiting", result
+        return ("rejected" if "rejected" in outcomes else "failed"), result
 
     # ------------------------------------------------------------------ parts
     def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any],
@@ -209,7 +235,8 @@ class Retuner:
         if len(samples) < self.settings.min_samples:
             where = f"business line {line!r}" if line else "all business lines"
             raise JobCannotRun(f"{len(samples)} samples of {where} are available; the job needs at least "
-                             f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)")
+                               f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)",
+                               needs_data=source["source"] == "capture")
         return samples, {**source, "business_line": line, "samples": len(samples),
                          "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}
 

@@ -9,6 +9,13 @@ cooldown keeps a flapping alert from starting a storm of jobs. The job records t
 live in :class:`mla_watch.retune.jobs.JobStore`; a job found ``running`` at start-up was
 interrupted and is retried up to ``max_attempts`` times, then failed.
 
+A job that lacked the data to decide (too few captured samples, or gates that found the
+held-out set too small to tell) is ``waiting``: it runs again every ``retry_seconds`` while
+capture collects more, for at most ``max_wait_seconds``, then fails saying what it still
+needed. A waiting job, and one that failed for lack of data or configuration, holds no
+cooldown: only a job that tried a candidate does. New alerts for its business line and
+strategies join a waiting job, as they join a pending one.
+
 Promotion and rollback hold the model lock that the decode loop holds around each forward
 pass, so router tensors change between two passes and no in-flight request is dropped; the
 routing windows of the changed routers are then restarted, so they describe the router now
@@ -21,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +121,9 @@ class RetuneService:
         for record in self.store.list(limit=1000, statuses=["pending"]):
             if self.scheduler.get_job(record["id"]) is None:
                 self._schedule(record["id"])
+        for record in self.store.list(limit=1000, statuses=["waiting"]):
+            if self.scheduler.get_job(record["id"]) is None:
+                self._schedule(record["id"], at=(record["result"] or {}).get("retry_at"))
         self.scheduler.resume()
 
     def stop(self) -> None:
@@ -155,7 +166,7 @@ class RetuneService:
             recent = self.store.list(limit=500)
             for record in recent:
                 other = JobSpec.from_dict(record["spec"])
-                if (record["status"] == "pending" and other.business_line == spec.business_line
+                if (record["status"] in ("pending", "waiting") and other.business_line == spec.business_line
                         and other.strategies == spec.strategies and other.dataset == spec.dataset):
                     other.routers = list(dict.fromkeys([*other.routers, *spec.routers]))
                     other.watched = list(dict.fromkeys([*other.watched, *spec.watched]))
@@ -163,7 +174,7 @@ class RetuneService:
                     return self.store.get(other.id)
             if not force:
                 for record in recent:
-                    if (record.get("result") or {}).get("cannot_run"):
+                    if record["status"] == "waiting" or (record.get("result") or {}).get("cannot_run"):
                         continue  # a job that lacked data or configuration tried nothing: it holds no cooldown
                     shared = set(record["spec"]["routers"]) & set(spec.routers)
                     if shared and now - record["created_at"] < self.settings.cooldown_seconds:
@@ -210,8 +221,10 @@ class RetuneService:
                 and (rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"}))]
 
     # ------------------------------------------------------------------ running
-    def _schedule(self, job_id: str) -> None:
-        self.scheduler.add_job(_run_scheduled, trigger="date", args=[self._key, job_id], id=job_id,
+    def _schedule(self, job_id: str, at: float | None = None) -> None:
+        """Run ``job_id`` now, or at wall-clock time ``at`` (the scheduler's own clock is the wall clock)."""
+        when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=UTC)
+        self.scheduler.add_job(_run_scheduled, trigger="date", run_date=when, args=[self._key, job_id], id=job_id,
                                name=f"retune {job_id}", replace_existing=True)
 
     def _missed(self, event: JobEvent) -> None:
@@ -219,7 +232,7 @@ class RetuneService:
             record = self.store.get(event.job_id)
         except KeyError:
             return
-        if record["status"] == "pending":
+        if record["status"] in ("pending", "waiting"):
             self.store.finish(event.job_id, "failed", {
                 "error": f"missed: the scheduler was down for longer than misfire_grace_time "
                          f"({self.settings.misfire_grace_seconds:g} s)", "attempts": []})
@@ -227,8 +240,9 @@ class RetuneService:
     def execute(self, job_id: str) -> dict[str, Any]:
         """Run one job now (the scheduler's worker thread calls this)."""
         record = self.store.get(job_id)
-        if record["status"] != "pending":
+        if record["status"] not in ("pending", "waiting"):
             return record
+        waiting_since = (record["result"] or {}).get("waiting_since") if record["status"] == "waiting" else None
         record = self.store.start(job_id)
         spec = JobSpec.from_dict(record["spec"])
         try:
@@ -237,13 +251,37 @@ class RetuneService:
             log.exception("re-tune job %s failed", job_id)
             status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
                                         "strategy": spec.strategies[0]}
-        record = self.store.finish(job_id, status, result)
+        if status == "waiting":
+            record = self._wait(job_id, result, waiting_since)
+            status = record["status"]
+            if status == "waiting":
+                if self._on_outcome is not None:
+                    self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)
+                return record
+        else:
+            record = self.store.finish(job_id, status, result)
         log.info("re-tune job %s ended %s%s", job_id, status,
-                 "" if status == "promoted" else f": {result.get('error')}")
+                 "" if status == "promoted" else f": {record['result'].get('error')}")
         if status == "rejected" and self._on_rejected is not None:
             self._on_rejected(spec, result)
         if self._on_outcome is not None:
             self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)
+        return record
+
+    def _wait(self, job_id: str, result: dict[str, Any], since: float | None) -> dict[str, Any]:
+        """Park a job that lacked data until its next try, or fail it once it has waited long enough."""
+        now = self._clock()
+        since = now if since is None else since
+        if now - since >= self.settings.max_wait_seconds:
+            return self.store.finish(job_id, "failed", {
+                **result, "cannot_run": True,
+                "error": f"not enough data to decide after waiting {now - since:.0f} s (max_wait_seconds "
+                         f"{self.settings.max_wait_seconds:g}): {result.get('needs')}"})
+        retry_at = now + self.settings.retry_seconds
+        record = self.store.wait(job_id, {**result, "waiting_since": since, "retry_at": retry_at})
+        self._schedule(job_id, at=time.time() + self.settings.retry_seconds)
+        log.info("re-tune job %s waits for more data (retry in %g s): %s", job_id, self.settings.retry_seconds,
+                 result.get("needs"))
         return record
 
     def wait_idle(self, timeout: float) -> bool:
