@@ -143,6 +143,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
                                 max_perplexity_increase=args.max_perplexity_increase,
+                                gate_confidence=args.gate_confidence, min_held_out_tokens=args.min_held_out_tokens,
+                                retry_seconds=args.retune_retry, max_wait_seconds=args.retune_max_wait,
                                 min_samples=args.retune_min_samples,
                                 strategy_options=_parse_options(args.retune_option, "--retune-option"))
         from mla_watch.retune.strategies import get_strategy
@@ -162,6 +164,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
                           capture_max_age_seconds=args.capture_max_age, retune=retune,
+                          reference_model=args.reference_model,
                           history_interval_seconds=args.history_interval, history_span_seconds=args.history_span,
                           ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout,
                           engine=args.engine, model_config=args.model_config, decode_workers=args.decode_workers,
@@ -367,6 +370,18 @@ _positive_float = _number_at_least(0, inclusive=False)
 _non_negative_float = _number_at_least(0, inclusive=True)
 
 
+def _margin(text: str) -> str | float:
+    """The perplexity gate's margin: ``2%`` (kept as text) or ``0.3``."""
+    from mla_watch.retune.paired import parse_margin
+
+    try:
+        margin = parse_margin(text[:40])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a relative margin (a percentage up to 100%, e.g. 2%) or an "
+                                         f"absolute one (a number >= 0, e.g. 0.3), got {text[:40]!r}") from None
+    return f"{margin.value * 100:g}%" if margin.relative else margin.value
+
+
 def _port(text: str) -> int:
     if not (text.isascii() and text.isdigit() and len(text) <= 5) or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {text!r}")
@@ -478,6 +493,10 @@ def _cmd_retune(args: argparse.Namespace) -> int:
         print(f"router version {_admin(args, 'POST', '/admin/retune/promote', {'version': args.version})['live']} "
               "is live")
         return 0
+    if args.retune_command == "mark-good":
+        marked = _admin(args, "POST", "/admin/retune/mark-good", {"version": args.version})["marked_good"]
+        print(f"router version {marked} marked good: `restore` puts it back")
+        return 0
     print(f"rolled back; router version {_admin(args, 'POST', '/admin/retune/rollback', {})['live']} is live")
     return 0
 
@@ -568,9 +587,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run re-tuning fits with this external command template (see the README)")
     serve.add_argument("--retune-cooldown", type=_non_negative_float, default=RetuneSettings.cooldown_seconds,
                        help="seconds between two re-tune jobs of one router (default %(default)s)")
-    serve.add_argument("--max-perplexity-increase", type=_non_negative_float,
-                       default=RetuneSettings.max_perplexity_increase,
-                       help="quality gate: perplexity may rise at most this much (default %(default)s)")
+    serve.add_argument("--max-perplexity-increase", type=_margin, default=RetuneSettings.max_perplexity_increase,
+                       help="quality gate: how much worse than the live model a candidate's perplexity may be, "
+                            "relative (2%%) or absolute (0.3) (default %(default)s)")
+    serve.add_argument("--gate-confidence", type=float, default=RetuneSettings.gate_confidence,
+                       help="quality gate: one-sided confidence of a pass or a rejection (default %(default)s)")
+    serve.add_argument("--min-held-out-tokens", type=_positive_int, default=RetuneSettings.min_held_out_tokens,
+                       help="quality gate: scored held-out tokens below which it does not decide; the job waits "
+                            "for more captured traffic (default %(default)s)")
+    serve.add_argument("--retune-retry", type=_positive_float, default=RetuneSettings.retry_seconds,
+                       help="seconds between two tries of a re-tune job waiting for data (default %(default)s)")
+    serve.add_argument("--retune-max-wait", type=_non_negative_float, default=RetuneSettings.max_wait_seconds,
+                       help="seconds a re-tune job may wait for data before it fails (default %(default)s)")
+    serve.add_argument("--reference-model", type=Path,
+                       help="the checkpoint the served model came from: `restore` puts its router tensors back "
+                            "(only those are read)")
     serve.add_argument("--retune-option", action="append", default=[],
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
     serve.add_argument("--retune-min-samples", type=_positive_int, default=RetuneSettings.min_samples,
@@ -647,6 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
     promote.add_argument("version", type=int)
     rollback = retune_commands.add_parser("rollback", help="undo the last promotion exactly")
     sidecar_url(rollback)
+    mark_good = retune_commands.add_parser("mark-good", help="vouch for a router version: `restore` may put it back")
+    sidecar_url(mark_good)
+    mark_good.add_argument("version", type=int)
     retune.set_defaults(handler=_cmd_retune)
     return parser
 

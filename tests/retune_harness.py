@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from conftest import wait_until
 from tiny_models import VOCAB, build
 
+from mla_watch.alerting.model import Rule, Selector
 from mla_watch.retune.capture import TrafficCapture
+from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.service import RetuneService
@@ -31,6 +33,19 @@ def fill_capture(path: Path, line: str = "code", count: int = 160, seed: int = 0
     return capture
 
 
+# The start-up health check's rule for the tiny model (8 experts, top-2: 1 to 3 bits; collapse() reads 1.0).
+HEALTH_RULES = [Rule(name="TinyRouterCollapse", metric="entropy_bits", selector=Selector(kind="expert"), below=1.5)]
+
+
+class CharTokenizer:
+    """Text to the tiny model's ids, one per character: what the start-up health check reads."""
+
+    pad_token_id = 0
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [3 + ord(char) % (VOCAB - 3) for char in text[:64]]}
+
+
 class Harness:
     """A model, its registry and capture in ``state``, and a service that can be restarted."""
 
@@ -44,17 +59,20 @@ class Harness:
         self.rejected: list[tuple[JobSpec, dict]] = []
         self.changed: list[tuple[str, list[str]]] = []
         self.service: RetuneService | None = None
+        self.reference: RouterReference | None = None
 
     def start(self) -> RetuneService:
         registry = RouterVersions(self.state / "routers")
-        retuner = Retuner(model=self.model, tokenizer=SimpleNamespace(pad_token_id=0), registry=registry,
+        tokenizer = CharTokenizer()
+        retuner = Retuner(model=self.model, tokenizer=tokenizer, registry=registry,
                           settings=self.settings, workdir=self.state / "work",
                           promote=lambda version: self.service.promote(version),
-                          capture=self.capture, model_lock=self.lock)
+                          capture=self.capture, model_lock=self.lock, reference=self.reference)
         self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, registry=registry,
                                      model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
                                      on_rejected=lambda spec, result: self.rejected.append((spec, result)),
-                                     on_outcome=lambda s, o: self.outcomes.append((s, o)))
+                                     on_outcome=lambda s, o: self.outcomes.append((s, o)),
+                                     health_check=lambda model: startup_health(model, tokenizer, HEALTH_RULES))
         self.service.start()
         return self.service
 

@@ -59,7 +59,7 @@ def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module,
     manifests = registry.versions()
     assert [m["version"] for m in manifests] == [0, 1]
     assert manifests[1]["source"] == "test" and len(manifests[1]["sha256"]) == 64 and manifests[1]["created_at"]
-    assert registry.last_good() == 0
+    assert registry.last_good() is None  # version 0 was not health-checked: not known to be good
     assert registry.save(perturbed(model, 2), {"gates": {"passed": True}}) == 2
     assert registry.last_good() == 2
     # Recording again (a restart) keeps version 0 and makes it live.
@@ -162,3 +162,35 @@ def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["promotions.jsonl", "v0000"]
     monkeypatch.undo()
     assert registry.save(perturbed(model, 1), {}) == 1
+
+
+def test_known_good_is_a_healthy_version_0_a_version_marked_good_or_one_that_passed_its_gates(
+        model: torch.nn.Module, tmp_path: Path) -> None:
+    unchecked = RouterVersions(tmp_path / "unchecked")
+    unchecked.record_initial(model)
+    with pytest.raises(ValueError, match=r"version 0 \(the routers the server started with\) was not health-checked "
+                                         r"\(no start-up health check ran\).*--reference-model DIR, or mark a version "
+                                         r"good with `mla-watch retune mark-good N`"):
+        unchecked.last_good_state([GATE])
+    assert unchecked.mark_good(0) == 0 and unchecked.marked_good() == [0]
+    assert unchecked.last_good_state([GATE])[0::2] == (0, "marked good by an operator")
+
+    broken = RouterVersions(tmp_path / "broken")
+    broken.record_initial(model, {"passed": False, "checked": True, "reason": "layer 1: RoutingCollapse"})
+    assert broken.manifest(0)["health"]["reason"] == "layer 1: RoutingCollapse" and broken.last_good() is None
+    with pytest.raises(ValueError, match=r"failed its start-up health check \(layer 1: RoutingCollapse\)"):
+        broken.last_good_state()
+    fixed = broken.save(perturbed(model, 1), {"gates": {"passed": True}})
+    broken.promote(model, fixed)
+    version, state, why = broken.last_good_state([GATE])
+    assert (version, why) == (fixed, "passed its gates") and set(state) == set(router_state(model, [GATE]))
+    with pytest.raises(ValueError, match=r"router version 7 does not exist"):
+        broken.mark_good(7)
+    rolled = broken.save(perturbed(model, 2), {"gates": {"passed": False}})
+    with pytest.raises(ValueError, match=rf"router version {rolled} is not on the promotion stack \[0, {fixed}\]"):
+        broken.mark_good(rolled)
+
+    healthy = RouterVersions(tmp_path / "healthy")
+    healthy.record_initial(model, {"passed": True, "checked": True, "reason": "no rule breached"})
+    assert healthy.last_good() == 0
+    assert healthy.last_good_state()[0::2] == (0, "passed its start-up health check")

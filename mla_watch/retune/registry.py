@@ -6,6 +6,7 @@ Layout under the registry directory (``STATE_DIR/routers``)::
     v0000/manifest.json         manifest + version + created_at + sha256 of routers.safetensors
     v0001/...                   one directory per saved version, written atomically
     promotions.jsonl            one line per promotion: kind, version, previous, at (+ snapshot)
+    marked_good.jsonl           one line per version an operator marked good: version, at
     snapshots/pNNNNN-vMMMM.safetensors   the values a promotion overwrote, for an exact rollback
 
 Only router tensors ever enter the registry: the direct parameters and buffers named in
@@ -18,6 +19,11 @@ router). The live router state is therefore the overlay of the versions on the p
 stack, bottom (version 0, complete) to top. :meth:`RouterVersions.rollback` puts back the
 snapshot of the values the last promotion overwrote: exactly the state before it, even when a
 router had been changed in place outside the registry (a bad deploy).
+
+A version is *good* when its gates passed, when an operator marked it good
+(:meth:`RouterVersions.mark_good`), or, for version 0, when the routers the server started
+with passed the start-up health check: a model deployed broken is recorded as version 0 too,
+and must not be what ``restore`` puts back.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 _TENSORS_FILE = "routers.safetensors"
 _MANIFEST_FILE = "manifest.json"
 _PROMOTIONS_FILE = "promotions.jsonl"
+_MARKS_FILE = "marked_good.jsonl"
 _SNAPSHOT_DIR = "snapshots"
 
 
@@ -153,11 +160,13 @@ class RouterVersions:
         except (OSError, ValueError) as error:
             raise ValueError(f"router version {version}: cannot read {path}: {error}") from error
 
-    def record_initial(self, model: torch.nn.Module) -> int:
+    def record_initial(self, model: torch.nn.Module, health: Mapping[str, Any] | None = None) -> int:
         """Version 0 = the routers the server started with; live version becomes 0.
 
-        Written once. When version 0 exists its tensor names must equal the model's (else
-        ``ValueError`` naming the differences); its values are left as recorded.
+        Written once, with ``health`` (the start-up health check: ``{"passed": bool, ...}``; ``None``:
+        not checked, so version 0 is not known to be good). When version 0 exists its tensor names
+        must equal the model's (else ``ValueError`` naming the differences); its values and its
+        health are left as recorded.
         """
         state = router_state(model)
         with self._lock:
@@ -170,8 +179,10 @@ class RouterVersions:
                         f"only in the model: {sorted(set(state) - recorded)}"
                     )
             else:
+                checked = dict(health) if health is not None else {"passed": False, "checked": False,
+                                                                    "reason": "no start-up health check ran"}
                 self._write(0, state, {"source": "initial", "model": type(model).__name__,
-                                       "gates": {"passed": True}})
+                                       "health": checked, "gates": {"passed": checked.get("passed") is True}})
             self._append_promotion({"kind": "initial", "version": 0, "previous": None, "at": _now()})
         return 0
 
@@ -238,12 +249,37 @@ class RouterVersions:
             raise ValueError(f"router version {version}: sha256 of {path} is {actual}, manifest says {expected}")
         return load_file(str(path))
 
-    def last_good(self) -> int:
-        """The newest version whose manifest says its gates passed (``{"gates": {"passed": true}}``), or 0."""
+    def last_good(self) -> int | None:
+        """The newest good version (gates passed, marked good, or version 0 healthy at start-up), or ``None``."""
         for version in reversed(self._version_numbers()):
-            if self._passed(version):
+            if self._good(version):
                 return version
-        return 0
+        return None
+
+    def mark_good(self, version: object) -> int:
+        """An operator vouches for ``version``: ``restore`` may put back the routers as they were with it live.
+
+        It must be on the promotion stack (live, or beneath the live version): its router state
+        is the stack's overlay up to it.
+        """
+        number = self.check_version(version)
+        with self._lock:
+            stack = self._stack()
+            if number not in stack:
+                raise ValueError(f"router version {number} is not on the promotion stack {stack}: expected the live "
+                                 f"version or one beneath it (promote it first)")
+            with (self.directory / _MARKS_FILE).open("a") as handle:
+                handle.write(json.dumps({"version": number, "at": _now()}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        return number
+
+    def marked_good(self) -> list[int]:
+        """The versions an operator marked good, in the order marked."""
+        path = self.directory / _MARKS_FILE
+        if not path.is_file():
+            return []
+        return [int(json.loads(line)["version"]) for line in path.read_text().splitlines() if line.strip()]
 
     # ------------------------------------------------------------------ promotions
     def _append_promotion(self, entry: dict[str, Any]) -> None:
@@ -279,25 +315,38 @@ class RouterVersions:
         stack = self._stack()
         return stack[-1] if stack else None
 
-    def last_good_state(self, routers: Sequence[str] | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-        """The live stack's newest version that passed its gates, and the full router state it made.
+    def last_good_state(self, routers: Sequence[str] | None = None) -> tuple[int, dict[str, torch.Tensor], str]:
+        """The known-good router state ``restore`` puts back: ``(version, tensors, why it is good)``.
 
-        The state is the overlay of the promotion stack from version 0 up to that version
-        (optionally only the tensors of ``routers``): what ``restore`` puts back after a bad
-        deploy damaged routers in place. Versions rolled back are not on the stack.
+        The live stack's newest version an operator marked good, else its newest good version
+        (version 0 only if it passed the start-up health check). The state is the overlay of the
+        promotion stack from version 0 up to that version (optionally only the tensors of
+        ``routers``): what undoes damage done in place. Versions rolled back are not on the
+        stack. ``ValueError`` when no version on the stack is known to be good.
         """
         stack = self._stack()
         if not stack:
             raise ValueError(f"router registry {self.directory}: nothing recorded yet (no version 0)")
-        good = [index for index, version in enumerate(stack) if self._passed(version)]
-        top = good[-1] if good else 0
+        marked = set(self.marked_good())
+        chosen = [index for index, version in enumerate(stack) if version in marked]
+        why = "marked good by an operator"
+        if not chosen:
+            chosen = [index for index, version in enumerate(stack) if self._good(version)]
+            why = "passed its start-up health check" if chosen and stack[chosen[-1]] == 0 else "passed its gates"
+        if not chosen:
+            health = self._manifest(0).get("health") or {}
+            raise ValueError(f"no known-good router state to restore: version 0 (the routers the server started with) "
+                             f"{_health_summary(health)}, and no version on the promotion stack {stack} passed its "
+                             f"gates or was marked good (serve with --reference-model DIR, or mark a version good "
+                             f"with `mla-watch retune mark-good N`)")
+        top = chosen[-1]
         state: dict[str, torch.Tensor] = {}
         for version in stack[: top + 1]:
             state.update(self.load(version))
         if routers is not None:
             prefixes = tuple(f"{name}." for name in routers)
             state = {name: tensor for name, tensor in state.items() if name.startswith(prefixes)}
-        return stack[top], state
+        return stack[top], state, why
 
     def live_state(self) -> dict[str, torch.Tensor]:
         """The router state the promotion stack makes (version 0 overlaid with every promoted version)."""
@@ -313,9 +362,9 @@ class RouterVersions:
         return sorted(name for name, tensor in recorded.items()
                       if name not in live or not torch.equal(live[name], tensor.to(live[name].dtype)))
 
-    def _passed(self, version: int) -> bool:
+    def _good(self, version: int) -> bool:
         gates = self._manifest(version).get("gates")
-        return isinstance(gates, Mapping) and gates.get("passed") is True
+        return (isinstance(gates, Mapping) and gates.get("passed") is True) or version in self.marked_good()
 
     def promote(self, model: torch.nn.Module, version: int, lock: threading.Lock | None = None) -> None:
         """Copy ``version``'s tensors into ``model`` in place (holding ``lock``) and log the promotion.
@@ -357,3 +406,9 @@ class RouterVersions:
         apply_router_tensors(model, target, lock)
         self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
         return stack[-2]
+
+
+def _health_summary(health: Mapping[str, Any]) -> str:
+    if health.get("checked") is False:
+        return f"was not health-checked ({health.get('reason', 'no check ran')})"
+    return f"failed its start-up health check ({health.get('reason', 'no reason recorded')})"

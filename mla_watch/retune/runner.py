@@ -46,6 +46,7 @@ from mla_watch.retune.data import (
 )
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
 from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
@@ -79,8 +80,10 @@ class Retuner:
     def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterVersions,
                  settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
-                 clock: Callable[[], float] = time.time, dataset_dir: Path | None = None) -> None:
+                 clock: Callable[[], float] = time.time, dataset_dir: Path | None = None,
+                 reference: RouterReference | None = None) -> None:
         self.model = model
+        self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)
         self.tokenizer = tokenizer
         self.registry = registry
@@ -251,7 +254,7 @@ class Retuner:
         if self.settings.command and name != "restore":  # restore is a registry lookup: always here
             return self._fit_external(spec, name, options, train)
         context = FitContext(model=self.model, batches=batches, routers=list(spec.routers), registry=self.registry,
-                             options=options)
+                             options=options, reference=self.reference)
         return get_strategy(name).fit(context)
 
     def _fit_external(self, spec: JobSpec, name: str, options: dict[str, Any],

@@ -72,6 +72,7 @@ class RetuneService:
                  model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
+                 health_check: Callable[[Any], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
         self.settings = settings
@@ -82,6 +83,7 @@ class RetuneService:
         self._on_promoted = on_promoted
         self._on_outcome = on_outcome  # (strategy, outcome) of each job, and of each one refused by cooldown
         self._on_rejected = on_rejected
+        self._health_check = health_check  # judges the routers the server starts with (router version 0)
         self._clock = clock
         self._submit_lock = threading.Lock()
         self._key = str(self.state_dir.resolve())
@@ -97,10 +99,19 @@ class RetuneService:
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
-        """Record version 0 (or re-apply the live version), recover interrupted jobs, start the scheduler."""
+        """Record version 0 (health-checked; or re-apply the live version), recover interrupted jobs, start the
+        scheduler."""
         model = self.retuner.model
         if self.registry.live_version() is None:
-            self.registry.record_initial(model)
+            health = None
+            if self._health_check is not None:
+                with self._model_lock:
+                    health = self._health_check(model)
+                log.log(logging.INFO if health.get("passed") else logging.WARNING,
+                        "router version 0 (the routers served now) %s: %s",
+                        "passed its start-up health check" if health.get("passed") else
+                        "is not known to be good; `restore` will not put it back", health.get("reason"))
+            self.registry.record_initial(model, health)
         else:
             differences = self.registry.initial_differences(model)
             live = self.registry.live_version()
@@ -303,6 +314,12 @@ class RetuneService:
             self._changed("promote", names)
         log.info("router version %d promoted (%s)", version, ", ".join(names))
         return version
+
+    def mark_good(self, version: int) -> int:
+        """An operator vouches for ``version`` (see :meth:`RouterVersions.mark_good`)."""
+        number = self.registry.mark_good(version)
+        log.info("router version %d marked good by an operator", number)
+        return number
 
     def rollback(self) -> int:
         """Restore exactly the router state before the last promotion; returns the version now live."""

@@ -8,8 +8,11 @@ No strategy ever writes into the live model.
   (:func:`mla_watch.retune.bias.refit_bias`), gradient-free; for models that have the bias.
 * ``router_finetune``: router weights only, language-modelling loss plus a load-balance term
   (:func:`mla_watch.retune.finetune.finetune_routers`); optionally LoRA on the router.
-* ``restore``: the router state of the last version that passed the gates (version 0 being
-  the routers the server started with); the instant fix when a bad deploy damaged a router.
+* ``restore``: a known-good router state; the instant fix when a bad deploy damaged a router.
+  From the reference checkpoint (``serve --reference-model DIR``) when there is one, else the
+  newest registry version an operator marked good, else the newest that passed its gates
+  (version 0, the routers the server started with, only if it passed the start-up health check).
+  The job says which.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from mla_watch.describe import describe_value
 from mla_watch.retune.bias import refit_bias, supports_bias
+from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions, router_modules
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
@@ -36,6 +40,7 @@ class FitContext:
     routers: list[str]  # the routers the job may change
     registry: RouterVersions | None  # None outside the server (an external worker cannot restore)
     options: Mapping[str, Any] = field(default_factory=dict)
+    reference: RouterReference | None = None  # the original checkpoint's routers (serve --reference-model)
 
 
 @dataclass
@@ -142,12 +147,20 @@ class RestoreStrategy(Strategy):
     name = "restore"
 
     def fit(self, context: FitContext) -> Candidate:
+        prefixes = tuple(f"{name}." for name in context.routers)
+        if context.reference is not None:
+            tensors = {name: tensor for name, tensor in context.reference.tensors.items() if name.startswith(prefixes)}
+            if not tensors:
+                raise ValueError(f"the {context.reference.label} holds no tensors of routers {context.routers}")
+            return Candidate(tensors, {"reference": context.reference.label, "restored_from": None,
+                                       "routers": list(context.routers)})
         if context.registry is None:
-            raise ValueError("restore needs the router registry of the server")
-        version, tensors = context.registry.last_good_state(context.routers)
+            raise ValueError("restore needs the router registry of the server, or a --reference-model")
+        version, tensors, why = context.registry.last_good_state(context.routers)
         if not tensors:
             raise ValueError(f"the registry holds no tensors of routers {context.routers}")
-        return Candidate(tensors, {"restored_from": version, "routers": list(context.routers)})
+        return Candidate(tensors, {"reference": f"router version {version} ({why})", "restored_from": version,
+                                   "routers": list(context.routers)})
 
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BiasStrategy, RouterFinetuneStrategy,

@@ -132,6 +132,19 @@ class Admin:
             raise ApiError(400, str(error), param="version", code="invalid_value") from None
         return JSONResponse({"ok": True, "live": service.registry.live_version()})
 
+    async def mark_good(self, request: Request) -> Response:
+        self.sidecar.authorise_admin(request)
+        service = self._service()
+        version = (await self.sidecar.read_json(request)).get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
+                           param="version", code="invalid_value")
+        try:
+            marked = await asyncio.to_thread(service.mark_good, version)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="version", code="invalid_value") from None
+        return JSONResponse({"ok": True, "marked_good": marked, "last_good": service.registry.last_good()})
+
     async def rollback(self, request: Request) -> Response:
         self.sidecar.authorise_admin(request)
         service = self._service()
@@ -230,7 +243,11 @@ def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
         gates = attempt.get("gates")
         if gates:
             metric = gates["band"]["metric"]
-            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}, "
+            paired = gates.get("perplexity") or {}
+            interval = (f" [{paired.get('low')}, {paired.get('high')}] at {paired.get('confidence')} each side, "
+                        f"limit {paired.get('limit')}, {paired.get('decision')} on {paired.get('tokens')} held-out "
+                        f"tokens" if paired else "")
+            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}{interval}, "
                      f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
                                               for name, value in gates["after"][metric].items()) + ")")
         if attempt.get("reason"):

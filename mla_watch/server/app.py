@@ -260,17 +260,33 @@ class Sidecar:
                 self.metrics.captured_samples.labels(line).inc()
 
             self.engine.capture = record
+        reference = None
+        if self.config.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+            from mla_watch.retune.registry import router_state
+
+            reference = load_reference_routers(self.config.reference_model, router_state(model))
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
                           workdir=state / "retune-work", promote=lambda version: self.retune.promote(version),
                           capture=capture, model_lock=self.engine.model_lock, model_ref=self.config.model,
-                          dataset_dir=datasets)
+                          dataset_dir=datasets, reference=reference)
         self.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
             model_lock=self.engine.model_lock, on_promoted=self._routers_changed, on_rejected=self._retune_rejected,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
+            health_check=self._router_health(tokenizer),
         )
         self.retune.start()
         self.metrics.router_version.set(registry.live_version() or 0)
+
+    def _router_health(self, tokenizer: Any) -> Callable[[Any], dict[str, Any]] | None:
+        """The start-up health check of router version 0, by the loaded alert rules (none without rules)."""
+        if self.alerts is None:
+            return None
+        from mla_watch.retune.health import startup_health
+
+        rules = self.alerts.rules.rules
+        return lambda model: startup_health(model, tokenizer, rules)
 
     def _on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
@@ -396,6 +412,7 @@ class Sidecar:
             Route("/admin/retune", admin.retune, methods=["POST"]),
             Route("/admin/retune/promote", admin.promote, methods=["POST"]),
             Route("/admin/retune/rollback", admin.rollback, methods=["POST"]),
+            Route("/admin/retune/mark-good", admin.mark_good, methods=["POST"]),
             Route("/", self._status_page, methods=["GET"]),
             Route("/static/{name}", self._static, methods=["GET"]),
             Route("/v1/status", self._status, methods=["GET"]),

@@ -55,5 +55,6 @@ class ServerConfig:
     capture_max_samples: int = 2000  # per business line
     capture_max_age_seconds: float = 7 * 86400.0
     retune: RetuneSettings = field(default_factory=RetuneSettings)
+    reference_model: Path | None = None  # a checkpoint whose router tensors `restore` puts back
     history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
     history_span_seconds: float = 3600.0  # ... over this span
