@@ -23,6 +23,13 @@ The transition to firing emits one ``notify`` and/or one ``retune`` :class:`Acti
 instance whose firing was notified). Nothing repeats while firing: repeating is the
 notifier's job. The engine only emits actions; it never imports a notifier or a re-tuner.
 
+A *trend rule* (``rule.trend``) judges, instead of the record's latest value, the slope or the
+predicted value of the line through that router x line x metric's recent history, read from the
+engine's ``trend_source`` when the record is evaluated (:mod:`mla_watch.alerting.trend`). A record
+whose history is too short is not judged, like a window under ``min_tokens``; without a
+``trend_source`` trend rules are never judged (a warning says so). ``min_tokens`` is still judged
+on the record's own window, and the state machine is the same.
+
 With a ``state_path``, every instance that is not inactive is persisted (JSON, written to a
 temporary file and ``os.replace``-d) after each evaluation that changed a state or a timer (an
 instance's latest value is saved with its changes, not on every evaluation), and loaded again
@@ -48,6 +55,7 @@ from urllib.parse import urlencode
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
@@ -56,6 +64,7 @@ log = logging.getLogger("mla_watch.alerting.engine")
 
 STATE_FORMAT = "mla_watch.alert_state/1"
 RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
+_TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
 _MAX_SELECTOR_CACHE = 100_000  # (router, layer, kind, line) keys; cleared when exceeded
 
 Render = Callable[[Rule, Mapping[str, object]], dict[str, str]]
@@ -101,7 +110,7 @@ class _Compiled:
     """A rule with its thresholds resolved, for the hot loop."""
 
     __slots__ = ("above", "below", "for_s", "id", "keep_s", "metric", "min_tokens", "notify", "resolve_above",
-                 "resolve_below", "retune", "rule")
+                 "resolve_below", "retune", "rule", "trend")
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
         self.id = rule_id
@@ -116,6 +125,7 @@ class _Compiled:
         self.min_tokens = rule.min_tokens
         self.notify = "notify" in rule.actions
         self.retune = "retune" in rule.actions
+        self.trend = rule.trend
 
     def labels(self, key: _RecordKey) -> dict[str, str]:
         name, layer, kind, line = key
@@ -191,8 +201,9 @@ class AlertEngine:
     """Evaluates a :class:`RuleSet` over routing statistics records; thread-safe."""
 
     def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
-                 render: Render | None = None, status_url: str = "") -> None:
+                 render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None) -> None:
         self._clock = clock
+        self._trend_source = trend_source
         self._render = render or render_annotations
         self._status_url = status_url
         self._state_path = Path(state_path) if state_path is not None else None
@@ -216,6 +227,7 @@ class AlertEngine:
             changed = bool(actions)
             cache = self._selector_cache
             instances = self._instances
+            series: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}  # history read once per evaluation
             bad = 0
             for record in records:
                 try:
@@ -235,7 +247,13 @@ class AlertEngine:
                         # either - the instance keeps its state and its timers.
                         if tokens < (record_min if rule.min_tokens is None else rule.min_tokens):
                             continue
-                        value = record.get(rule.metric)
+                        if rule.trend is None:
+                            value = record.get(rule.metric)
+                        else:
+                            judged = self._trend_value(rule, key, record, now, series)
+                            if judged is None:  # no history, or too little of it: not judged
+                                continue
+                            value, record = judged
                         if value is None or value != value:  # no baseline / not an indexer / NaN: not judged
                             continue
                         inst = by_rule.get(rule.id) if by_rule is not None else None
@@ -337,6 +355,41 @@ class AlertEngine:
             self._save()
             return actions
 
+    # ------------------------------------------------------------------ trend rules
+    def _trend_value(self, rule: _Compiled, key: _RecordKey, record: Mapping[str, object], now: float,
+                     series: dict[tuple[Any, ...], tuple[list[float], list[float]]],
+                     ) -> tuple[float, Mapping[str, object]] | None:
+        """A trend rule's value (slope per unit, or the predicted value) and the record with the trend's
+        template fields added; ``None`` when the history cannot judge it (see :mod:`~mla_watch.alerting.trend`)."""
+        trend, source = rule.trend, self._trend_source
+        if trend is None or source is None:
+            return None
+        name, _, _, line = key
+        line = ALL_LINES if line is None else str(line)
+        wanted = (name, line, rule.metric, trend.over_seconds)
+        points = series.get(wanted)
+        if points is None:
+            points = series[wanted] = source.points(str(name), line, rule.metric, now - trend.over_seconds, now)
+        times, values = points
+        if not enough_data(times, trend.over_seconds):
+            return None
+        line_fit = fit(times, values, now)
+        predicted = line_fit.value_at(now + trend.ahead_seconds)
+        if trend.kind == "slope":
+            value = line_fit.slope * trend.per_seconds
+            crossing = None
+        else:
+            value = predicted
+            below = rule.below is not None and (rule.above is None or predicted < rule.below)
+            threshold = rule.below if below else rule.above
+            crossing = crossing_in(line_fit, float(threshold), now, below=below)  # type: ignore[arg-type]
+        # The template fields travel in the record the instance keeps, so a resolution renders them too.
+        judged = {**record, "current": record.get(rule.metric), "slope_per_hour": line_fit.slope * 3600.0,
+                  "slope_per_day": line_fit.slope * 86400.0,
+                  "predicted": predicted if trend.kind == "predict" else None,
+                  "crossing_in": format_crossing(crossing) if trend.kind == "predict" else None}
+        return value, judged
+
     # ------------------------------------------------------------------ state machine
     def _step(self, inst: _Instance, rule: _Compiled, record: Mapping[str, object], value: Any, breach: bool,
               now: float, actions: list[Action]) -> bool:
@@ -431,7 +484,8 @@ class AlertEngine:
                   "floor_bits": record.get("floor_bits"), "ceiling_bits": record.get("ceiling_bits"),
                   "tokens": record.get("tokens"), "min_tokens": (rule.min_tokens if rule.min_tokens is not None
                                                                  else record.get("min_tokens")),
-                  "severity": labels.get("severity"), "status_url": self._router_url(inst)}
+                  "severity": labels.get("severity"), "status_url": self._router_url(inst),
+                  **{name: record.get(name) for name in _TREND_FIELDS}}
         try:
             rendered = self._render(rule.rule, fields)
             return {str(k): str(v) for k, v in rendered.items()}
@@ -454,6 +508,11 @@ class AlertEngine:
             compiled[rule_id] = _Compiled(rule_id, rule)
         self._rules = compiled
         self._selector_cache = {}
+        if self._trend_source is None:
+            for rule in compiled.values():
+                if rule.trend is not None:
+                    log.warning("rule %r (%s) is a trend rule, and this alert engine has no routing history "
+                                "(trend_source): it is never judged", rule.rule.name, rule.rule.source or "?")
 
     def _match(self, key: _RecordKey) -> tuple[_Compiled, ...]:
         if len(self._selector_cache) >= _MAX_SELECTOR_CACHE:
