@@ -40,6 +40,7 @@ pending one keeps its ``active_since``, and a resolution is notified normally.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -133,14 +134,21 @@ class _Compiled:
                 "layer": str(layer), "kind": str(kind), "business_line": ALL_LINES if line is None else str(line),
                 **{str(k): str(v) for k, v in self.rule.labels.items()}}
 
-    def matches(self, key: _RecordKey) -> bool:
+    def matches(self, key: _RecordKey, num_slots: int | None = None, hash_routed: bool = False) -> bool:
+        """Whether the selector takes this router x line; ``num_slots`` None (a state file written before
+        instances kept it): any geometry."""
         name, layer, kind, line = key
-        return self.rule.selector.matches({"name": name, "layer": layer, "kind": kind, "business_line": line})
+        record = {"name": name, "layer": layer, "kind": kind, "business_line": line, "hash_routed": hash_routed}
+        if num_slots is None:
+            return dataclasses.replace(self.rule.selector, slots=None).matches(record)
+        record["num_slots"] = num_slots
+        return self.rule.selector.matches(record)
 
 
 class _Instance:
-    __slots__ = ("active_since", "annotations", "firing_since", "healthy_since", "json", "key", "labels",
-                 "last_evaluated", "notified", "record", "resolved_at", "rule_id", "state", "value")
+    __slots__ = ("active_since", "annotations", "firing_since", "hash_routed", "healthy_since", "json", "key",
+                 "labels", "last_evaluated", "notified", "num_slots", "record", "resolved_at", "rule_id", "state",
+                 "value")
 
     def __init__(self, rule_id: str, key: _RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -157,6 +165,8 @@ class _Instance:
         self.record: Mapping[str, object] | None = None  # the latest judged record
         self.annotations: dict[str, str] = {}  # as rendered at the latest transition
         self.json: str | None = None  # serialized at the latest save; None once a state or timer changed
+        self.num_slots: int | None = None  # the router's geometry, which `slots` selectors judge
+        self.hash_routed = False
 
     def to_json(self) -> dict[str, Any]:
         name, layer, kind, line = self.key
@@ -164,7 +174,8 @@ class _Instance:
                 "labels": self.labels, "state": self.state, "active_since": self.active_since,
                 "firing_since": self.firing_since, "resolved_at": self.resolved_at,
                 "last_evaluated": self.last_evaluated, "healthy_since": self.healthy_since,
-                "value": self.value, "notified": self.notified, "annotations": self.annotations}
+                "value": self.value, "notified": self.notified, "annotations": self.annotations,
+                "num_slots": self.num_slots, "hash_routed": self.hash_routed}
 
     @classmethod
     def from_json(cls, data: Any) -> _Instance:
@@ -186,6 +197,11 @@ class _Instance:
                 raise ValueError(f"instance: {name} = {value!r} is not a number")
             setattr(inst, name, None if value is None else float(value))
         inst.notified = bool(data.get("notified", False))
+        num_slots = data.get("num_slots")
+        if num_slots is not None and (not isinstance(num_slots, int) or isinstance(num_slots, bool)):
+            raise ValueError(f"instance: num_slots {num_slots!r} is not an integer")
+        inst.num_slots = num_slots
+        inst.hash_routed = bool(data.get("hash_routed", False))
         annotations = data.get("annotations") or {}
         if not isinstance(annotations, dict):
             raise ValueError(f"instance: annotations {annotations!r} is not an object")
@@ -211,7 +227,8 @@ class AlertEngine:
         self._rules: dict[str, _Compiled] = {}
         # record key -> {rule id -> instance}: one dict lookup per record, no allocation per check
         self._instances: dict[_RecordKey, dict[str, _Instance]] = {}
-        self._selector_cache: dict[_RecordKey, tuple[_Compiled, ...]] = {}
+        # (router, layer, kind, line, num_slots, hash_routed): the geometry decides `slots` selectors
+        self._selector_cache: dict[tuple[Any, ...], tuple[_Compiled, ...]] = {}
         self._queued: list[Action] = []  # resolutions found outside evaluate() (restart with changed rules)
         self._next_prune = math.inf
         self._compile(rules)
@@ -232,9 +249,10 @@ class AlertEngine:
             for record in records:
                 try:
                     key = (record["name"], record["layer"], record["kind"], record.get("business_line"))
-                    matched = cache.get(key)
+                    geometry = (record.get("num_slots"), bool(record.get("hash_routed", False)))
+                    matched = cache.get((*key, *geometry))
                     if matched is None:
-                        matched = self._match(key)
+                        matched = self._match(key, geometry)
                     if not matched:
                         continue
                     tokens = record.get("tokens") or 0
@@ -263,6 +281,7 @@ class AlertEngine:
                             if not breach:
                                 continue
                             inst = _Instance(rule.id, key, rule.labels(key))
+                            inst.num_slots, inst.hash_routed = geometry
                             if by_rule is None:
                                 by_rule = instances[key] = {}
                             by_rule[rule.id] = inst
@@ -341,7 +360,8 @@ class AlertEngine:
             for key, by_rule in list(self._instances.items()):
                 for rule_id, inst in list(by_rule.items()):
                     new = self._rules.get(rule_id)
-                    if new is not None and new.matches(key) and new.labels(key) == inst.labels:
+                    if (new is not None and new.matches(key, inst.num_slots, inst.hash_routed)
+                            and new.labels(key) == inst.labels):
                         continue
                     del by_rule[rule_id]
                     why = "was removed" if new is None else "changed its labels or selector"
@@ -514,11 +534,13 @@ class AlertEngine:
                     log.warning("rule %r (%s) is a trend rule, and this alert engine has no routing history "
                                 "(trend_source): it is never judged", rule.rule.name, rule.rule.source or "?")
 
-    def _match(self, key: _RecordKey) -> tuple[_Compiled, ...]:
+    def _match(self, key: _RecordKey, geometry: tuple[Any, bool]) -> tuple[_Compiled, ...]:
         if len(self._selector_cache) >= _MAX_SELECTOR_CACHE:
             self._selector_cache.clear()
-        matched = tuple(rule for rule in self._rules.values() if rule.matches(key))
-        self._selector_cache[key] = matched
+        slots, hashed = geometry
+        matched = tuple(rule for rule in self._rules.values()
+                        if rule.matches(key, None if slots is None else int(slots), hashed))
+        self._selector_cache[(*key, *geometry)] = matched
         return matched
 
     def _prune(self, now: float) -> bool:
@@ -606,7 +628,7 @@ class AlertEngine:
                     log.warning("alert state %s: %s was firing and notified; its rule is gone, so no "
                                 "resolution can be sent for it", path, inst.labels)
                 continue
-            if not rule.matches(inst.key) or rule.labels(inst.key) != inst.labels:
+            if not rule.matches(inst.key, inst.num_slots, inst.hash_routed) or rule.labels(inst.key) != inst.labels:
                 log.warning("alert state %s: rule %r changed its labels or selector; the %s instance %s is "
                             "dropped", path, inst.rule_id, inst.state, inst.labels)
                 if inst.state == "firing" and inst.notified:  # close the page sent under the old labels
