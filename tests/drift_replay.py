@@ -47,6 +47,7 @@ class Replay:
     steps: int
     firings: list[Firing] = field(default_factory=list)
     entropy: list[tuple[float, float]] = field(default_factory=list)  # (hours, the drifting router's bits)
+    history: MemoryHistory = field(default_factory=MemoryHistory)  # what the trend rules read
 
     def first(self, alertname: str, router: str = DRIFTING_ROUTER) -> Firing | None:
         return next((f for f in self.firings if f.alertname == alertname and f.router == router), None)
@@ -84,10 +85,10 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
     generator = torch.Generator().manual_seed(seed)
     vocab = int(model.config.vocab_size)
     clock = _Clock(START)
-    history = MemoryHistory()
+    out = Replay(hours=hours, steps=int(hours * 60 / step_minutes))
+    history = out.history
     engine = AlertEngine(rules if rules is not None else shipped_rules(), clock=clock, trend_source=history)
     probe = mla_watch.attach(model, window_tokens=window_tokens)
-    out = Replay(hours=hours, steps=int(hours * 60 / step_minutes))
     hour_set = -1
     try:
         with _one_thread(), torch.no_grad():
