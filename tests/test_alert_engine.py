@@ -609,3 +609,23 @@ def test_scale_60_layers_2_routers_4_lines_6_rules() -> None:
                                       ("Drift", "warning"): 480, ("NormLow", "critical"): 480}
     assert len(actions) == 480 * 6  # five new rules fire: 4 notify-only + NormLow notify + retune
     assert engine.evaluate(scale_records(sick=True)) == []
+
+
+def test_slots_and_hash_routed_selectors_judge_the_records_geometry(tmp_path: Path) -> None:
+    """The engine matched `slots: 64` against no geometry at all: RoutingEntropyLow never fired on 64 experts."""
+    from mla_watch.alerting.model import SlotRange
+
+    seed = low_rule(selector=Selector(kind="expert", slots=SlotRange(64, 64)), for_seconds=0.0)
+    other = low_rule(name="RoutingCollapse", selector=Selector(kind="expert", slots=SlotRange(64, 64, exclude=True)),
+                     for_seconds=0.0)
+    clock = FakeClock()
+    engine = AlertEngine(ruleset(seed, other), clock=clock, state_path=tmp_path / "state.json")
+    pages = engine.evaluate([rec(4.0, num_slots=64), rec(4.0, num_slots=8, name="model.layers.1.mlp.gate"),
+                             rec(4.0, num_slots=64, name="model.layers.0.mlp.gate", hash_routed=True)])
+    assert sorted((a.alert.labels["alertname"], a.alert.labels["router"]) for a in pages if a.kind == "notify") == [
+        ("RoutingCollapse", "model.layers.1.mlp.gate"), ("RoutingEntropyLow", GATE)]
+    # the geometry is kept with the state: a restart keeps both alerts firing without paging again
+    restarted = AlertEngine(ruleset(seed, other), clock=clock, state_path=tmp_path / "state.json")
+    assert sorted(a.rule for a in restarted.alerts() if a.state == "firing") == ["RoutingCollapse",
+                                                                                   "RoutingEntropyLow"]
+    assert restarted.evaluate([rec(4.0, num_slots=64), rec(4.0, num_slots=8, name="model.layers.1.mlp.gate")]) == []

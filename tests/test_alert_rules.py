@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mla_watch.alerting.lint import LintFinding, lint
-from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.model import Rule, Selector, Trend
 from mla_watch.alerting.rules import (
     RuleError,
     load_rules_dir,
@@ -24,6 +24,7 @@ from mla_watch.windows import RouterInfo
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_RULES = REPO / "rules"
 SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "RoutingEntropyNearCeiling",
+                 "RoutingEntropyFalling", "RoutingCollapseForecast",
                  "ExpertHotspot", "DeadExperts", "RoutingDrift",
                  "IndexerDegenerate"}
 ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
@@ -69,6 +70,16 @@ def test_shipped_rules_load_with_the_oncall_url():
     assert (high.above, high.resolve_below) == (6.5, 6.3)
     dead = next(r for r in rules.rules if r.name == "DeadExperts")
     assert dead.min_tokens == 1024 and dead.above == 4
+    # the early warnings: RoutingEntropyLow's and RoutingCollapse's thresholds, predicted 3 days ahead
+    falling = next(r for r in rules.rules if r.name == "RoutingEntropyFalling")
+    assert falling.trend == Trend("predict", 12 * 3600.0, ahead_seconds=3 * 86400.0)
+    assert (falling.below, falling.resolve_above, falling.severity, falling.actions) == (
+        low.below, 5.2, "warning", ("notify",))
+    assert falling.selector == low.selector
+    forecast = next(r for r in rules.rules if r.name == "RoutingCollapseForecast")
+    collapse = next(r for r in rules.rules if r.name == "RoutingCollapse")
+    assert forecast.trend == falling.trend and forecast.selector == collapse.selector
+    assert (forecast.below, forecast.severity, forecast.actions) == (collapse.below, "warning", ("notify",))
 
 
 def test_shipped_rules_without_the_oncall_url_warn_and_disable_the_receiver():

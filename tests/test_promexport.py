@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.model import Rule, RuleSet, Selector, Trend
 from mla_watch.alerting.promexport import export_prometheus, glob_to_regex, rule_expression
 from mla_watch.alerting.rules import load_rules_dir
 
@@ -210,3 +210,57 @@ def test_promtool_unit_test_the_geometry_decides_which_collapse_rule_pages(shipp
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
     result = run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_trend_rules_export_as_deriv_and_predict_linear(shipped):
+    falling = exported_rules(shipped)["RoutingEntropyFalling"]
+    expr = " ".join(falling["expr"].split())
+    assert expr.startswith('predict_linear(mla_watch_routing_entropy_bits{job="mla_watch", kind="expert", '
+                           'business_line!="all"}[12h], 259200) < 5 ')
+    assert "count_over_time(" in expr and "[6h] offset 6h) > 0" in expr  # enough history, as the sidecar asks
+    assert falling["for"] == "2h" and falling["labels"]["severity"] == "warning"
+    slope = Rule(name="S", metric="normalized_entropy", selector=Selector(), below=-0.05,
+                 trend=Trend("slope", 6 * 3600.0, per_seconds=86400.0))
+    assert rule_expression(slope, job="").startswith(
+        'deriv(mla_watch_routing_normalized_entropy{business_line!="all"}[6h]) * 86400 < -0.05')
+
+
+def test_promtool_unit_test_fires_a_trend_and_a_predict_rule(tmp_path):
+    """A line falling 0.02 bits a step (1 step = 15m: -1.92 bits a day) fires both; a flat one neither."""
+    summary = "{router}: {predicted:.2f} bits in 3d, {slope_per_hour:.3f} bits/h, now {current:.2f}"
+    predict = Rule(name="Falling", metric="entropy_bits", selector=Selector(kind="expert"), below=5.0,
+                   for_seconds=1800.0, trend=Trend("predict", 6 * 3600.0, ahead_seconds=3 * 86400.0),
+                   annotations={"summary": summary})
+    slope = Rule(name="Sinking", metric="entropy_bits", selector=Selector(kind="expert"), below=-1.0,
+                 trend=Trend("slope", 6 * 3600.0, per_seconds=86400.0))
+    (tmp_path / "rules.yaml").write_text(export_prometheus(RuleSet(rules=(predict, slope), receivers={})))
+    falling, flat = "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"
+    input_series = [
+        {"series": series("mla_watch_routing_entropy_bits", falling, "chat"), "values": "5.9-0.02x40"},
+        {"series": series("mla_watch_routing_entropy_bits", flat, "chat"), "values": "5.9x40"},
+        *({"series": series("mla_watch_routing_window_too_small", router, "chat"), "values": "0x40"}
+          for router in (falling, flat)),
+    ]
+    labels = {"job": "mla_watch", "instance": "sidecar:8000", "router": falling, "layer": "1", "kind": "expert",
+              "business_line": "chat"}
+    # at 4h: 5.58 bits now, -0.08 bits/h, 5.58 - 0.08 * 72 = -0.18 predicted
+    at_4h = {"exp_labels": {**labels, "severity": "warning"},
+             "exp_annotations": {"summary": f"{falling}: -0.18 bits in 3d, -0.080 bits/h, now 5.58"}}
+    unit = {"rule_files": ["rules.yaml"], "evaluation_interval": "15m", "tests": [{
+        "interval": "15m", "input_series": input_series,
+        "alert_rule_test": [
+            # 2h of history: less than half the 6h look-back, not judged yet
+            {"eval_time": "2h", "alertname": "Falling", "exp_alerts": []},
+            {"eval_time": "2h", "alertname": "Sinking", "exp_alerts": []},
+            {"eval_time": "4h", "alertname": "Falling", "exp_alerts": [at_4h]},
+            {"eval_time": "4h", "alertname": "Sinking", "exp_alerts": [{"exp_labels": {**labels,
+                                                                                      "severity": "warning"}}]},
+        ]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
+    result = run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # and it fails when the flat router is expected to fire too
+    unit["tests"][0]["alert_rule_test"][3]["exp_alerts"].append({"exp_labels": {**labels, "router": flat,
+                                                                                "layer": "1", "severity": "warning"}})
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
+    assert run_promtool("test", "rules", "test.yaml", cwd=tmp_path).returncode != 0

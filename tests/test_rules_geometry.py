@@ -93,7 +93,9 @@ def test_check_passes_the_shipped_rules_on_real_geometries(tmp_path, capsys, mon
     routers = parse_geometry(REAL_CONFIGS[name]).routers()
     findings = lint(load_rules_dir(SHIPPED_RULES, environ=ONCALL), routers)
     watched = {f.rule for f in findings if f.severity == "info"}
-    assert watched == {"RoutingEntropyLow", "RoutingEntropyHigh"}
+    assert watched == {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingEntropyFalling"}
+    # until the server reads the routing history, check says that the early warnings are not judged
+    assert "warning: rule RoutingCollapseForecast" in out and "never judges it" in out
 
 
 def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch) -> None:
@@ -101,6 +103,7 @@ def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "info: rule RoutingCollapse" in out and "0 error(s)" in out
+    assert "info: rule RoutingCollapseForecast" in out and "warning: rule RoutingEntropyFalling" in out
 
 
 class Clock:

@@ -23,6 +23,13 @@ The transition to firing emits one ``notify`` and/or one ``retune`` :class:`Acti
 instance whose firing was notified). Nothing repeats while firing: repeating is the
 notifier's job. The engine only emits actions; it never imports a notifier or a re-tuner.
 
+A *trend rule* (``rule.trend``) judges, instead of the record's latest value, the slope or the
+predicted value of the line through that router x line x metric's recent history, read from the
+engine's ``trend_source`` when the record is evaluated (:mod:`mla_watch.alerting.trend`). A record
+whose history is too short is not judged, like a window under ``min_tokens``; without a
+``trend_source`` trend rules are never judged (a warning says so). ``min_tokens`` is still judged
+on the record's own window, and the state machine is the same.
+
 With a ``state_path``, every instance that is not inactive is persisted (JSON, written to a
 temporary file and ``os.replace``-d) after each evaluation that changed a state or a timer (an
 instance's latest value is saved with its changes, not on every evaluation), and loaded again
@@ -33,6 +40,7 @@ pending one keeps its ``active_since``, and a resolution is notified normally.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -48,6 +56,7 @@ from urllib.parse import urlencode
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
@@ -56,6 +65,7 @@ log = logging.getLogger("mla_watch.alerting.engine")
 
 STATE_FORMAT = "mla_watch.alert_state/1"
 RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
+_TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
 _MAX_SELECTOR_CACHE = 100_000  # (router, layer, kind, line) keys; cleared when exceeded
 
 Render = Callable[[Rule, Mapping[str, object]], dict[str, str]]
@@ -101,7 +111,7 @@ class _Compiled:
     """A rule with its thresholds resolved, for the hot loop."""
 
     __slots__ = ("above", "below", "for_s", "id", "keep_s", "metric", "min_tokens", "notify", "resolve_above",
-                 "resolve_below", "retune", "rule")
+                 "resolve_below", "retune", "rule", "trend")
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
         self.id = rule_id
@@ -116,6 +126,7 @@ class _Compiled:
         self.min_tokens = rule.min_tokens
         self.notify = "notify" in rule.actions
         self.retune = "retune" in rule.actions
+        self.trend = rule.trend
 
     def labels(self, key: _RecordKey) -> dict[str, str]:
         name, layer, kind, line = key
@@ -123,14 +134,21 @@ class _Compiled:
                 "layer": str(layer), "kind": str(kind), "business_line": ALL_LINES if line is None else str(line),
                 **{str(k): str(v) for k, v in self.rule.labels.items()}}
 
-    def matches(self, key: _RecordKey) -> bool:
+    def matches(self, key: _RecordKey, num_slots: int | None = None, hash_routed: bool = False) -> bool:
+        """Whether the selector takes this router x line; ``num_slots`` None (a state file written before
+        instances kept it): any geometry."""
         name, layer, kind, line = key
-        return self.rule.selector.matches({"name": name, "layer": layer, "kind": kind, "business_line": line})
+        record = {"name": name, "layer": layer, "kind": kind, "business_line": line, "hash_routed": hash_routed}
+        if num_slots is None:
+            return dataclasses.replace(self.rule.selector, slots=None).matches(record)
+        record["num_slots"] = num_slots
+        return self.rule.selector.matches(record)
 
 
 class _Instance:
-    __slots__ = ("active_since", "annotations", "firing_since", "healthy_since", "json", "key", "labels",
-                 "last_evaluated", "notified", "record", "resolved_at", "rule_id", "state", "value")
+    __slots__ = ("active_since", "annotations", "firing_since", "hash_routed", "healthy_since", "json", "key",
+                 "labels", "last_evaluated", "notified", "num_slots", "record", "resolved_at", "rule_id", "state",
+                 "value")
 
     def __init__(self, rule_id: str, key: _RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -147,6 +165,8 @@ class _Instance:
         self.record: Mapping[str, object] | None = None  # the latest judged record
         self.annotations: dict[str, str] = {}  # as rendered at the latest transition
         self.json: str | None = None  # serialized at the latest save; None once a state or timer changed
+        self.num_slots: int | None = None  # the router's geometry, which `slots` selectors judge
+        self.hash_routed = False
 
     def to_json(self) -> dict[str, Any]:
         name, layer, kind, line = self.key
@@ -154,7 +174,8 @@ class _Instance:
                 "labels": self.labels, "state": self.state, "active_since": self.active_since,
                 "firing_since": self.firing_since, "resolved_at": self.resolved_at,
                 "last_evaluated": self.last_evaluated, "healthy_since": self.healthy_since,
-                "value": self.value, "notified": self.notified, "annotations": self.annotations}
+                "value": self.value, "notified": self.notified, "annotations": self.annotations,
+                "num_slots": self.num_slots, "hash_routed": self.hash_routed}
 
     @classmethod
     def from_json(cls, data: Any) -> _Instance:
@@ -176,6 +197,11 @@ class _Instance:
                 raise ValueError(f"instance: {name} = {value!r} is not a number")
             setattr(inst, name, None if value is None else float(value))
         inst.notified = bool(data.get("notified", False))
+        num_slots = data.get("num_slots")
+        if num_slots is not None and (not isinstance(num_slots, int) or isinstance(num_slots, bool)):
+            raise ValueError(f"instance: num_slots {num_slots!r} is not an integer")
+        inst.num_slots = num_slots
+        inst.hash_routed = bool(data.get("hash_routed", False))
         annotations = data.get("annotations") or {}
         if not isinstance(annotations, dict):
             raise ValueError(f"instance: annotations {annotations!r} is not an object")
@@ -191,8 +217,9 @@ class AlertEngine:
     """Evaluates a :class:`RuleSet` over routing statistics records; thread-safe."""
 
     def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
-                 render: Render | None = None, status_url: str = "") -> None:
+                 render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None) -> None:
         self._clock = clock
+        self._trend_source = trend_source
         self._render = render or render_annotations
         self._status_url = status_url
         self._state_path = Path(state_path) if state_path is not None else None
@@ -200,7 +227,8 @@ class AlertEngine:
         self._rules: dict[str, _Compiled] = {}
         # record key -> {rule id -> instance}: one dict lookup per record, no allocation per check
         self._instances: dict[_RecordKey, dict[str, _Instance]] = {}
-        self._selector_cache: dict[_RecordKey, tuple[_Compiled, ...]] = {}
+        # (router, layer, kind, line, num_slots, hash_routed): the geometry decides `slots` selectors
+        self._selector_cache: dict[tuple[Any, ...], tuple[_Compiled, ...]] = {}
         self._queued: list[Action] = []  # resolutions found outside evaluate() (restart with changed rules)
         self._next_prune = math.inf
         self._compile(rules)
@@ -216,13 +244,15 @@ class AlertEngine:
             changed = bool(actions)
             cache = self._selector_cache
             instances = self._instances
+            series: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}  # history read once per evaluation
             bad = 0
             for record in records:
                 try:
                     key = (record["name"], record["layer"], record["kind"], record.get("business_line"))
-                    matched = cache.get(key)
+                    geometry = (record.get("num_slots"), bool(record.get("hash_routed", False)))
+                    matched = cache.get((*key, *geometry))
                     if matched is None:
-                        matched = self._match(key)
+                        matched = self._match(key, geometry)
                     if not matched:
                         continue
                     tokens = record.get("tokens") or 0
@@ -235,7 +265,13 @@ class AlertEngine:
                         # either - the instance keeps its state and its timers.
                         if tokens < (record_min if rule.min_tokens is None else rule.min_tokens):
                             continue
-                        value = record.get(rule.metric)
+                        if rule.trend is None:
+                            value = record.get(rule.metric)
+                        else:
+                            judged = self._trend_value(rule, key, record, now, series)
+                            if judged is None:  # no history, or too little of it: not judged
+                                continue
+                            value, record = judged
                         if value is None or value != value:  # no baseline / not an indexer / NaN: not judged
                             continue
                         inst = by_rule.get(rule.id) if by_rule is not None else None
@@ -245,6 +281,7 @@ class AlertEngine:
                             if not breach:
                                 continue
                             inst = _Instance(rule.id, key, rule.labels(key))
+                            inst.num_slots, inst.hash_routed = geometry
                             if by_rule is None:
                                 by_rule = instances[key] = {}
                             by_rule[rule.id] = inst
@@ -323,7 +360,8 @@ class AlertEngine:
             for key, by_rule in list(self._instances.items()):
                 for rule_id, inst in list(by_rule.items()):
                     new = self._rules.get(rule_id)
-                    if new is not None and new.matches(key) and new.labels(key) == inst.labels:
+                    if (new is not None and new.matches(key, inst.num_slots, inst.hash_routed)
+                            and new.labels(key) == inst.labels):
                         continue
                     del by_rule[rule_id]
                     why = "was removed" if new is None else "changed its labels or selector"
@@ -336,6 +374,41 @@ class AlertEngine:
                     del self._instances[key]
             self._save()
             return actions
+
+    # ------------------------------------------------------------------ trend rules
+    def _trend_value(self, rule: _Compiled, key: _RecordKey, record: Mapping[str, object], now: float,
+                     series: dict[tuple[Any, ...], tuple[list[float], list[float]]],
+                     ) -> tuple[float, Mapping[str, object]] | None:
+        """A trend rule's value (slope per unit, or the predicted value) and the record with the trend's
+        template fields added; ``None`` when the history cannot judge it (see :mod:`~mla_watch.alerting.trend`)."""
+        trend, source = rule.trend, self._trend_source
+        if trend is None or source is None:
+            return None
+        name, _, _, line = key
+        line = ALL_LINES if line is None else str(line)
+        wanted = (name, line, rule.metric, trend.over_seconds)
+        points = series.get(wanted)
+        if points is None:
+            points = series[wanted] = source.points(str(name), line, rule.metric, now - trend.over_seconds, now)
+        times, values = points
+        if not enough_data(times, trend.over_seconds):
+            return None
+        line_fit = fit(times, values, now)
+        predicted = line_fit.value_at(now + trend.ahead_seconds)
+        if trend.kind == "slope":
+            value = line_fit.slope * trend.per_seconds
+            crossing = None
+        else:
+            value = predicted
+            below = rule.below is not None and (rule.above is None or predicted < rule.below)
+            threshold = rule.below if below else rule.above
+            crossing = crossing_in(line_fit, float(threshold), now, below=below)  # type: ignore[arg-type]
+        # The template fields travel in the record the instance keeps, so a resolution renders them too.
+        judged = {**record, "current": record.get(rule.metric), "slope_per_hour": line_fit.slope * 3600.0,
+                  "slope_per_day": line_fit.slope * 86400.0,
+                  "predicted": predicted if trend.kind == "predict" else None,
+                  "crossing_in": format_crossing(crossing) if trend.kind == "predict" else None}
+        return value, judged
 
     # ------------------------------------------------------------------ state machine
     def _step(self, inst: _Instance, rule: _Compiled, record: Mapping[str, object], value: Any, breach: bool,
@@ -431,7 +504,8 @@ class AlertEngine:
                   "floor_bits": record.get("floor_bits"), "ceiling_bits": record.get("ceiling_bits"),
                   "tokens": record.get("tokens"), "min_tokens": (rule.min_tokens if rule.min_tokens is not None
                                                                  else record.get("min_tokens")),
-                  "severity": labels.get("severity"), "status_url": self._router_url(inst)}
+                  "severity": labels.get("severity"), "status_url": self._router_url(inst),
+                  **{name: record.get(name) for name in _TREND_FIELDS}}
         try:
             rendered = self._render(rule.rule, fields)
             return {str(k): str(v) for k, v in rendered.items()}
@@ -454,12 +528,19 @@ class AlertEngine:
             compiled[rule_id] = _Compiled(rule_id, rule)
         self._rules = compiled
         self._selector_cache = {}
+        if self._trend_source is None:
+            for rule in compiled.values():
+                if rule.trend is not None:
+                    log.warning("rule %r (%s) is a trend rule, and this alert engine has no routing history "
+                                "(trend_source): it is never judged", rule.rule.name, rule.rule.source or "?")
 
-    def _match(self, key: _RecordKey) -> tuple[_Compiled, ...]:
+    def _match(self, key: _RecordKey, geometry: tuple[Any, bool]) -> tuple[_Compiled, ...]:
         if len(self._selector_cache) >= _MAX_SELECTOR_CACHE:
             self._selector_cache.clear()
-        matched = tuple(rule for rule in self._rules.values() if rule.matches(key))
-        self._selector_cache[key] = matched
+        slots, hashed = geometry
+        matched = tuple(rule for rule in self._rules.values()
+                        if rule.matches(key, None if slots is None else int(slots), hashed))
+        self._selector_cache[(*key, *geometry)] = matched
         return matched
 
     def _prune(self, now: float) -> bool:
@@ -547,7 +628,7 @@ class AlertEngine:
                     log.warning("alert state %s: %s was firing and notified; its rule is gone, so no "
                                 "resolution can be sent for it", path, inst.labels)
                 continue
-            if not rule.matches(inst.key) or rule.labels(inst.key) != inst.labels:
+            if not rule.matches(inst.key, inst.num_slots, inst.hash_routed) or rule.labels(inst.key) != inst.labels:
                 log.warning("alert state %s: rule %r changed its labels or selector; the %s instance %s is "
                             "dropped", path, inst.rule_id, inst.state, inst.labels)
                 if inst.state == "firing" and inst.notified:  # close the page sent under the old labels

@@ -13,13 +13,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet, Selector
 from mla_watch.alerting.rules import format_number as num
+from mla_watch.alerting.trend import MIN_POINTS
 from mla_watch.routing import entropy_bounds, minimum_window_tokens
 from mla_watch.windows import RouterInfo
 
-__all__ = ["LintFinding", "lint"]
+__all__ = ["HISTORY_INTERVAL_SECONDS", "HISTORY_RETENTION_SECONDS", "LintFinding", "lint"]
 
+# The routing history's defaults that trend rules are linted against (its own settings may differ).
+HISTORY_INTERVAL_SECONDS = 10.0
+HISTORY_RETENTION_SECONDS = 30 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -113,32 +118,40 @@ def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[Li
         add("warning", f"{rule.metric} can never fire on {where}: {rng.why_not}")
         return findings
     u = rng.unit
-    if rule.above is not None:
-        if rule.above >= rng.high:
-            add("warning", f"{rule.metric} above {num(rule.above)}{u} can never fire on {info.name}: {rng.high_why}. "
-                f"Router: {where}")
-        elif rule.above < rng.low:
-            add("error", f"{rule.metric} above {num(rule.above)}{u} always fires on {info.name}: {rng.low_why}. "
-                f"Router: {where}")
-        elif rule.above == rng.low:
-            add("warning", f"{rule.metric} above {num(rule.above)}{u} fires on {info.name} unless it sits exactly at "
-                f"its minimum: {rng.low_why}. Router: {where}")
-        if rule.resolve_below is not None and rule.resolve_below < rng.low and rule.above < rng.high:
-            add("error", f"{rule.metric} resolve_below {num(rule.resolve_below)}{u} can never be reached on "
-                f"{info.name}, so once firing the alert never resolves: {rng.low_why}. Router: {where}")
-    if rule.below is not None:
-        if rule.below <= rng.low:
-            add("warning", f"{rule.metric} below {num(rule.below)}{u} can never fire on {info.name}: {rng.low_why}. "
-                f"Router: {where}")
-        elif rule.below > rng.high:
-            add("error", f"{rule.metric} below {num(rule.below)}{u} always fires on {info.name}: {rng.high_why}. "
-                f"Router: {where}")
-        elif rule.below == rng.high:
-            add("warning", f"{rule.metric} below {num(rule.below)}{u} fires on {info.name} unless it is perfectly "
-                f"balanced: {rng.high_why}. Router: {where}")
-        if rule.resolve_above is not None and rule.resolve_above > rng.high and rule.below > rng.low:
-            add("error", f"{rule.metric} resolve_above {num(rule.resolve_above)}{u} can never be reached on "
-                f"{info.name}, so once firing the alert never resolves: {rng.high_why}. Router: {where}")
+    if rule.trend is not None and rule.trend.kind == "slope":
+        findings.extend(_lint_slope(rule, rng, info, head))
+    else:
+        # A steady series predicts its own level, so a predicted threshold is judged against the
+        # metric's range like a plain one.
+        what = rule.metric
+        if rule.trend is not None:
+            what = f"{rule.metric} predicted {format_duration(rule.trend.ahead_seconds)} ahead"
+        if rule.above is not None:
+            if rule.above >= rng.high:
+                add("warning", f"{what} above {num(rule.above)}{u} can never fire on {info.name}: {rng.high_why}. "
+                    f"Router: {where}")
+            elif rule.above < rng.low:
+                add("error", f"{what} above {num(rule.above)}{u} always fires on {info.name}: {rng.low_why}. "
+                    f"Router: {where}")
+            elif rule.above == rng.low:
+                add("warning", f"{what} above {num(rule.above)}{u} fires on {info.name} unless it sits exactly at "
+                    f"its minimum: {rng.low_why}. Router: {where}")
+            if rule.resolve_below is not None and rule.resolve_below < rng.low and rule.above < rng.high:
+                add("error", f"{what} resolve_below {num(rule.resolve_below)}{u} can never be reached on "
+                    f"{info.name}, so once firing the alert never resolves: {rng.low_why}. Router: {where}")
+        if rule.below is not None:
+            if rule.below <= rng.low:
+                add("warning", f"{what} below {num(rule.below)}{u} can never fire on {info.name}: {rng.low_why}. "
+                    f"Router: {where}")
+            elif rule.below > rng.high:
+                add("error", f"{what} below {num(rule.below)}{u} always fires on {info.name}: {rng.high_why}. "
+                    f"Router: {where}")
+            elif rule.below == rng.high:
+                add("warning", f"{what} below {num(rule.below)}{u} fires on {info.name} unless it is perfectly "
+                    f"balanced: {rng.high_why}. Router: {where}")
+            if rule.resolve_above is not None and rule.resolve_above > rng.high and rule.below > rng.low:
+                add("error", f"{what} resolve_above {num(rule.resolve_above)}{u} can never be reached on "
+                    f"{info.name}, so once firing the alert never resolves: {rng.high_why}. Router: {where}")
 
     if rule.min_tokens is not None and rule.metric != "locality":
         needed = minimum_window_tokens(info.num_slots, info.top_k, tolerance_bits)
@@ -151,6 +164,56 @@ def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[Li
                 f"T={rule.min_tokens}); recommended min_tokens >= {needed} (bias <= {tolerance_bits:g} bits), "
                 "or leave min_tokens out to use the router's own minimum. Router: " + where)
     return findings
+
+
+def _lint_slope(rule: Rule, rng: _Range, info: RouterInfo, head: str) -> list[LintFinding]:
+    """A slope threshold against the metric's range: a steady series has slope 0."""
+    assert rule.trend is not None
+    unit = "hour" if rule.trend.per_seconds == 3600.0 else "day"
+    where = _router_text(info)
+    span = rng.high - rng.low
+    over = format_duration(rule.trend.over_seconds)
+    out: list[LintFinding] = []
+    for side, threshold in (("below", rule.below), ("above", rule.above)):
+        if threshold is None:
+            continue
+        if (threshold >= 0) if side == "below" else (threshold <= 0):
+            out.append(LintFinding("error", rule.name, info.name, f"{head}: the slope of {rule.metric} {side} "
+                                   f"{num(threshold)}{rng.unit} per {unit} always fires on {info.name}: a steady "
+                                   f"series has slope 0. Router: {where}"))
+        elif abs(threshold) * rule.trend.over_seconds / rule.trend.per_seconds > span:
+            out.append(LintFinding("warning", rule.name, info.name, f"{head}: the slope of {rule.metric} {side} "
+                                   f"{num(threshold)}{rng.unit} per {unit} can never fire on {info.name}: over the "
+                                   f"{over} look-back it means a change of more than the metric's whole range there "
+                                   f"({rng.low:.3f} to {rng.high:.3f}{rng.unit}). Router: {where}"))
+    return out
+
+
+def _lint_trend(rule: Rule, head: str, interval: float, retention: float, with_history: bool) -> list[LintFinding]:
+    """Rule-wide findings of a trend rule: the history it needs, and look-backs it cannot have."""
+    trend = rule.trend
+    assert trend is not None
+    out: list[LintFinding] = []
+
+    def add(text: str) -> None:
+        out.append(LintFinding("warning", rule.name, None, f"{head}: {text}"))
+
+    kind = "trend" if trend.kind == "slope" else "predict"
+    if not with_history:
+        add(f"a {kind} rule is judged from the routing history, and an alert engine without one (no "
+            "trend_source) never judges it")
+    over = format_duration(trend.over_seconds)
+    if trend.over_seconds < (MIN_POINTS - 1) * interval:
+        add(f"the look-back over: {over} can never be judged: it holds at most "
+            f"{int(trend.over_seconds // interval) + 1} points at the history interval of "
+            f"{format_duration(interval)}, and a trend needs {MIN_POINTS}; make it at least "
+            f"{format_duration((MIN_POINTS - 1) * interval)} (hours, for a trend that is not noise)")
+    if trend.over_seconds > retention:
+        add(f"the look-back over: {over} is longer than the history keeps ({format_duration(retention)})")
+    if trend.ahead_seconds > retention:
+        add(f"predicts ahead: {format_duration(trend.ahead_seconds)}, further ahead than the history keeps "
+            f"({format_duration(retention)}): a line fitted over {over} says little that far out")
+    return out
 
 
 def _selector_text(selector: Selector) -> str:
@@ -166,7 +229,10 @@ def _selector_text(selector: Selector) -> str:
     return "{" + ", ".join(parts) + "}" if parts else "{} (every router)"
 
 
-def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float = 0.05) -> list[LintFinding]:
+def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float = 0.05,
+         history_interval_seconds: float = HISTORY_INTERVAL_SECONDS,
+         history_retention_seconds: float = HISTORY_RETENTION_SECONDS, with_history: bool = False,
+         ) -> list[LintFinding]:
     """Check each rule against each router its selector matches (``business_line`` is ignored).
 
     Errors: a threshold that pages for ever on that router ("always fires", "never resolves").
@@ -175,9 +241,21 @@ def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float
     ``min_tokens`` below the router's trusted minimum (:func:`~mla_watch.routing.minimum_window_tokens`),
     a threshold at the very edge of the range, a selector that matches none of the routers.
     One finding per (rule, router) problem, in rule order then router order.
+
+    Trend rules also get rule-wide warnings: ``with_history`` False (the default until the server
+    reads one: the engine that serves them has no routing history, so they are never judged), a
+    look-back too short for the history's interval to give enough points, a look-back or a
+    prediction further than the history's retention (the history's settings, with defaults of
+    :data:`HISTORY_INTERVAL_SECONDS` and :data:`HISTORY_RETENTION_SECONDS`). A slope threshold
+    that a steady series passes is an error; one that needs more than the metric's whole range
+    within the look-back can never fire.
     """
     findings: list[LintFinding] = []
     for rule in rules.rules:
+        if rule.trend is not None:
+            head = f"{rule.name} ({rule.source})" if rule.source else rule.name
+            findings.extend(_lint_trend(rule, head, history_interval_seconds, history_retention_seconds,
+                                        with_history))
         selector = dataclasses.replace(rule.selector, business_line=None)
         matched = [info for info in routers if selector.matches(info.as_dict())]
         if not matched:

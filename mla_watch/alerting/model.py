@@ -30,6 +30,7 @@ __all__ = [
     "RuleSet",
     "Selector",
     "SlotRange",
+    "Trend",
     "fingerprint",
 ]
 
@@ -47,7 +48,10 @@ RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
 # Fields an annotation template may use, as str.format fields: "{value:.2f} bits on {router}".
 TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold", "resolve_threshold", "router",
                                     "layer", "kind", "business_line", "floor_bits", "ceiling_bits", "tokens",
-                                    "min_tokens", "severity", "status_url")
+                                    "min_tokens", "severity", "status_url",
+                                    # trend rules (n/a for the others): the metric's latest value, the
+                                    # fitted slope, the predicted value, and when the fit crosses the threshold
+                                    "current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 
@@ -102,6 +106,21 @@ class Selector:
 
 
 @dataclass(frozen=True)
+class Trend:
+    """What a trend rule judges instead of the latest value (:mod:`mla_watch.alerting.trend`).
+
+    ``slope``: the least-squares slope over the last ``over_seconds``, in metric units per
+    ``per_seconds`` (an hour or a day). ``predict``: the value that line reaches ``ahead_seconds``
+    from now (Prometheus' ``predict_linear``).
+    """
+
+    kind: Literal["slope", "predict"]
+    over_seconds: float
+    per_seconds: float = 3600.0
+    ahead_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class Rule:
     """One alert rule over one routing metric.
 
@@ -109,6 +128,8 @@ class Rule:
     resolves only once it is back past the separate ``resolve_below`` / ``resolve_above``
     threshold (hysteresis) for ``keep_firing_for_seconds``. Windows with fewer tokens than
     ``min_tokens`` (default: the router's own trusted minimum) are not judged at all.
+    With a ``trend``, the value judged is the metric's slope or predicted value from the routing
+    history rather than its latest value; everything else is unchanged.
     """
 
     name: str  # the alertname
@@ -128,6 +149,7 @@ class Rule:
     annotations: Mapping[str, str] = field(default_factory=dict)  # str.format templates over TEMPLATE_FIELDS
     receivers: tuple[str, ...] = ("oncall",)
     source: str = ""  # "rules/routing.yaml: rules[0]" - for messages
+    trend: Trend | None = None
 
 
 @dataclass(frozen=True)

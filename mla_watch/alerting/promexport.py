@@ -10,7 +10,9 @@ gauges the sidecar exports on ``/metrics`` (labels ``router``, ``layer``, ``kind
 * ``min_tokens`` becomes ``and on(...) mla_watch_routing_window_tokens >= N``; without it the
   router's own minimum applies: ``and on(...) mla_watch_routing_window_too_small == 0``;
 * ``for`` and ``keep_firing_for`` carry over (``keep_firing_for`` needs Prometheus >= 2.42);
-* annotation templates (Python ``str.format``) become Go templates.
+* annotation templates (Python ``str.format``) become Go templates;
+* a trend rule judges ``deriv(metric[over])`` scaled to its unit, or ``predict_linear(metric[over],
+  ahead)``, guarded by ``count_over_time`` so that, as in the sidecar, too little history is not judged.
 
 What Prometheus cannot do is said in comments in the output: it has no hysteresis (an
 alert resolves as soon as the expression stops matching, then ``keep_firing_for`` holds
@@ -21,14 +23,17 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Callable
 
 import yaml
 
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet
+from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
 from mla_watch.windows import ALL_LINES
 
-__all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression"]
+__all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression",
+           "trend_expression"]
 
 GROUP_NAME = "mla_watch_routing"
 METRIC_NAMES: dict[str, str] = {
@@ -123,9 +128,32 @@ def _matchers(rule: Rule, job: str) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def trend_expression(rule: Rule, series: str) -> str:
+    """What a rule judges of ``series`` (a selector): itself, or for a trend rule its slope per unit
+    (``deriv``) or its predicted value (``predict_linear``) over the look-back."""
+    trend = rule.trend
+    if trend is None:
+        return series
+    window = f"{series}[{format_duration(trend.over_seconds)}]"
+    if trend.kind == "slope":
+        return f"deriv({window}) * {_number(trend.per_seconds)}"
+    return f"predict_linear({window}, {_number(trend.ahead_seconds)})"
+
+
+def _enough_history(rule: Rule, series: str) -> str:
+    """The sidecar's "enough data to judge" (mla_watch.alerting.trend) in PromQL: at least MIN_POINTS
+    samples in the look-back, one of them in its older half (so that they span at least half of it)."""
+    assert rule.trend is not None
+    over = rule.trend.over_seconds
+    half = format_duration(over * MIN_COVERAGE)
+    return (f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({_JOIN_LABELS})\n"
+            f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
+
+
 def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
     """The PromQL expression of ``rule`` (what makes it fire)."""
-    series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
+    raw_series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
+    series = trend_expression(rule, raw_series)
     conditions = []
     if rule.below is not None:
         conditions.append(f"{series} < {_number(rule.below)}")
@@ -150,6 +178,8 @@ def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
         else:
             test = f"\nand on({_JOIN_LABELS})\n".join(inside)
         expr = f"{expr}\nand on({_JOIN_LABELS})\n({test})"
+    if rule.trend is not None:
+        expr = f"{expr}\nand on({_JOIN_LABELS})\n{_enough_history(rule, raw_series)}"
     return f"{expr}\nand on({_JOIN_LABELS})\n{guard}"
 
 
@@ -197,13 +227,14 @@ def _go_value(expr: str, spec: str) -> str:
     return f"{{{{ {expr} | printf {json.dumps(verb)} }}}}"
 
 
-def _go_query(metric: str, spec: str, labels: tuple[str, ...]) -> str:
-    """A Go template that reads ``metric`` for the alert's router from Prometheus (``n/a`` when absent)."""
+def _go_query(metric: str, spec: str, labels: tuple[str, ...], wrap: Callable[[str], str] = str) -> str:
+    """A Go template that reads ``metric`` (``wrap``-ped in a PromQL function) for the alert's router from
+    Prometheus (``n/a`` when absent)."""
     selector = ",".join(f'{label}="%s"' for label in labels)
     args = " ".join(f"$labels.{label}" for label in labels)
     verb, _ = _printf_spec(spec)
     value = f'. | first | value | printf {json.dumps(verb or "%g")}'
-    query = f"{{{{ with printf `{metric}{{{selector}}}` {args} | query }}}}"
+    query = f"{{{{ with printf `{wrap(metric + '{' + selector + '}')}` {args} | query }}}}"
     return f"{query}{{{{ {value} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
 
 
@@ -260,6 +291,15 @@ def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
             out.append(_go_query(CEILING_BITS, spec, ("router", "layer", "kind")))
         elif field == "tokens":
             out.append(_go_query(WINDOW_TOKENS, spec or "d", ("router", "layer", "kind", "business_line")))
+        elif field == "current":
+            out.append(_go_query(METRIC_NAMES[rule.metric], spec, _LABEL_FIELDS))
+        elif field in ("slope_per_hour", "slope_per_day") and rule.trend is not None:
+            per = 3600.0 if field == "slope_per_hour" else 86400.0
+            window = format_duration(rule.trend.over_seconds)
+            out.append(_go_query(METRIC_NAMES[rule.metric], spec, _LABEL_FIELDS,
+                                 lambda s, w=window, p=per: f"deriv({s}[{w}]) * {_number(p)}"))
+        elif field == "predicted" and rule.trend is not None and rule.trend.kind == "predict":
+            out.append(_go_value("$value", spec))
         elif field in constants:
             out.append(_go_literal(_constant(constants[field], spec)))
         else:
@@ -301,6 +341,10 @@ _HEADER = """\
 #  * Only notifications: `retune` actions are run by the sidecar, never by Prometheus; route
 #    these alerts with Alertmanager (the sidecar's receivers are not exported).
 #  * Floor, ceiling and window tokens in annotations are queried from the sidecar's gauges.
+#  * Trend rules judge deriv(metric[over]) (times 3600 or 86400: per hour or per day) or
+#    predict_linear(metric[over], ahead seconds) over the scraped series, and only once it holds
+#    at least 6 samples reaching back at least half the look-back, as the sidecar requires.
+#    Prometheus' scrapes are its own history, so its figures can differ a little from the sidecar's.
 """
 
 

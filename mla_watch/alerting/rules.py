@@ -55,6 +55,7 @@ from mla_watch.alerting.model import (
     RuleSet,
     Selector,
     SlotRange,
+    Trend,
 )
 from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.templates import render_annotations
@@ -83,7 +84,12 @@ RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", 
 _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
-              "receivers")
+              "receivers", "trend", "predict")
+_THRESHOLD_KEYS = ("below", "above", "resolve_above", "resolve_below")
+# A trend block may hold the thresholds itself, as the issue wrote `predict: {over: 6h, ahead: 3d, below: 5.0}`.
+_TREND_KEYS = ("over", "per", *_THRESHOLD_KEYS)
+_PREDICT_KEYS = ("over", "ahead", *_THRESHOLD_KEYS)
+_PER_UNITS = {"hour": 3600.0, "day": 86400.0}
 _SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots", "hash_routed")
 _SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
                    "under `not:` ({not: 64})")
@@ -114,6 +120,7 @@ _SAMPLE_FIELDS: dict[str, object] = {
     "resolve_threshold": 5.2, "router": "model.layers.1.mlp.gate", "layer": 1, "kind": "expert",
     "business_line": "code_assistant", "floor_bits": 2.585, "ceiling_bits": 6.0, "tokens": 4096,
     "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
+    "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
 }
 
 
@@ -255,6 +262,44 @@ def _parse_slots(chk: _Checker, path: str, raw: object) -> SlotRange | None:
     return None
 
 
+def _parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Trend | None, Mapping[str, Any], str]:
+    """A rule's ``trend:`` / ``predict:`` block, and where its thresholds are: ``(trend, mapping, path)``."""
+    given = [key for key in ("trend", "predict") if data.get(key) is not None]
+    if len(given) > 1:
+        chk.bad(f"{path}.predict", data["predict"], "at most one of trend and predict in a rule")
+        return None, data, path
+    if not given:
+        return None, data, path
+    key = given[0]
+    bpath = f"{path}.{key}"
+    allowed = _TREND_KEYS if key == "trend" else _PREDICT_KEYS
+    example = "{over: 6h, per: hour}" if key == "trend" else "{over: 6h, ahead: 3d}"
+    block = chk.mapping(bpath, data[key], allowed, f"a mapping such as {example} with keys " + ", ".join(allowed))
+    if block is None:
+        return None, data, path
+    where, wpath = data, path
+    inside = [k for k in _THRESHOLD_KEYS if k in block]
+    if inside:
+        outside = [k for k in _THRESHOLD_KEYS if k in data]
+        if outside:
+            chk.bad(f"{path}.{outside[0]}", data[outside[0]], f"the thresholds in one place: {bpath} holds "
+                    f"{', '.join(inside)} already")
+        where, wpath = block, bpath
+    if "over" not in block:
+        chk.missing(f"{bpath}.over", "the look-back, a duration such as 6h")
+    over = duration_key(chk, block, "over", bpath, 0.0, positive=True)
+    if key == "trend":
+        per = block.get("per", "hour")
+        if per not in _PER_UNITS:
+            chk.bad(f"{bpath}.per", per, "hour or day (below / above are the slope per that unit)")
+            per = "hour"
+        return Trend("slope", over, per_seconds=_PER_UNITS[per]), where, wpath
+    if "ahead" not in block:
+        chk.missing(f"{bpath}.ahead", "how far ahead to predict, a duration such as 3d")
+    ahead = duration_key(chk, block, "ahead", bpath, 0.0, positive=True)
+    return Trend("predict", over, ahead_seconds=ahead), where, wpath
+
+
 def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     path = f"rules[{index}]"
     data = chk.mapping(path, raw, _RULE_KEYS, "a rule with keys " + ", ".join(_RULE_KEYS))
@@ -276,31 +321,32 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
 
     selector = _parse_selector(chk, f"{path}.select", data.get("select"))
 
-    below = _number_key(chk, data, "below", path)
-    above = _number_key(chk, data, "above", path)
-    resolve_above = _number_key(chk, data, "resolve_above", path)
-    resolve_below = _number_key(chk, data, "resolve_below", path)
-    if data.get("below") is None and data.get("above") is None:
-        chk.missing(f"{path}.below", "a threshold: below and/or above (a number)")
+    trend, tdata, tpath = _parse_trend(chk, data, path)
+    below = _number_key(chk, tdata, "below", tpath)
+    above = _number_key(chk, tdata, "above", tpath)
+    resolve_above = _number_key(chk, tdata, "resolve_above", tpath)
+    resolve_below = _number_key(chk, tdata, "resolve_below", tpath)
+    if tdata.get("below") is None and tdata.get("above") is None:
+        chk.missing(f"{tpath}.below", "a threshold: below and/or above (a number)")
     if below is not None and above is not None and not below < above:
-        chk.bad(f"{path}.below", below,
+        chk.bad(f"{tpath}.below", below,
                 f"a value < above ({format_number(above)}); otherwise every value is out of band")
-    if "resolve_above" in data and data.get("below") is None:
-        chk.bad(f"{path}.resolve_above", data["resolve_above"], "no resolve_above without below (it is the "
+    if "resolve_above" in tdata and tdata.get("below") is None:
+        chk.bad(f"{tpath}.resolve_above", tdata["resolve_above"], "no resolve_above without below (it is the "
                 "hysteresis of a 'below' rule; an 'above' rule uses resolve_below)")
     elif resolve_above is not None and below is not None:
         if resolve_above < below:
-            chk.bad(f"{path}.resolve_above", resolve_above, f"a value >= below ({format_number(below)})")
+            chk.bad(f"{tpath}.resolve_above", resolve_above, f"a value >= below ({format_number(below)})")
         elif above is not None and resolve_above > above:
-            chk.bad(f"{path}.resolve_above", resolve_above, f"a value <= above ({format_number(above)})")
-    if "resolve_below" in data and data.get("above") is None:
-        chk.bad(f"{path}.resolve_below", data["resolve_below"], "no resolve_below without above (it is the "
+            chk.bad(f"{tpath}.resolve_above", resolve_above, f"a value <= above ({format_number(above)})")
+    if "resolve_below" in tdata and tdata.get("above") is None:
+        chk.bad(f"{tpath}.resolve_below", tdata["resolve_below"], "no resolve_below without above (it is the "
                 "hysteresis of an 'above' rule; a 'below' rule uses resolve_above)")
     elif resolve_below is not None and above is not None:
         if resolve_below > above:
-            chk.bad(f"{path}.resolve_below", resolve_below, f"a value <= above ({format_number(above)})")
+            chk.bad(f"{tpath}.resolve_below", resolve_below, f"a value <= above ({format_number(above)})")
         elif below is not None and resolve_below < below:
-            chk.bad(f"{path}.resolve_below", resolve_below, f"a value >= below ({format_number(below)})")
+            chk.bad(f"{tpath}.resolve_below", resolve_below, f"a value >= below ({format_number(below)})")
 
     for_seconds = duration_key(chk, data, "for", path, 0.0)
     keep_seconds = duration_key(chk, data, "keep_firing_for", path, 0.0)
@@ -384,6 +430,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         annotations=annotations,
         receivers=receivers,
         source=f"{chk.label}: {path}",
+        trend=trend,
     )
 
 
