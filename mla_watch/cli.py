@@ -257,6 +257,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(f"warning: rule {rule.name}: none of its re-tune strategies "
                       f"{list(rule.retune_strategies)} supports this model")
                 warnings += 1
+            if "retune" in rule.actions and not args.capture:
+                print(f"warning: rule {rule.name} asks for re-tuning, which cannot happen without data: serve with "
+                      f"--capture (an alert's job trains on captured traffic; it names no dataset)")
+                warnings += 1
+        if args.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+            from mla_watch.retune.registry import router_state
+
+            try:
+                reference = load_reference_routers(args.reference_model, router_state(model))
+            except ValueError as error:
+                print(f"error: {_one_line(error)}")
+                errors += 1
+            else:
+                print(f"ok: {reference.label}: {len(reference.tensors)} router tensors match the model's; "
+                      f"`restore` puts them back")
         found_errors, found_warnings = _lint(rules, routers)
         errors, warnings = errors + found_errors, warnings + found_warnings
     print(f"{errors} error(s), {warnings} warning(s)")
@@ -626,6 +642,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lint the rules against this model's routers ('bundled' or a path)")
     check.add_argument("--model-config", type=Path,
                        help="instead: lint them against an engine's routers, from the config.json it loaded")
+    check.add_argument("--capture", action="store_true",
+                       help="as serve --capture would run: rules asking for re-tuning have captured traffic to use")
+    check.add_argument("--reference-model", type=Path,
+                       help="as serve --reference-model: check that its router tensors match the model's")
     check.set_defaults(handler=_cmd_check)
 
     rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)

@@ -298,6 +298,9 @@ class Sidecar:
         if router not in self.retune.watched_by(None):
             return (f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
                     "another process is watched, not re-tuned here)")
+        if self.retune.retuner.capture is None:
+            return ("no re-tune job: traffic capture is off, so the job would have no data (serve with --capture to "
+                    "record recent traffic per business line, or run `mla-watch retune run --dataset FILE`)")
         record = self.retune.on_alert(action)
         if record is None:
             return "no new re-tune job: this router is in its re-tune cooldown (see /v1/retune/jobs)"

@@ -1,0 +1,140 @@
+"""A model deployed broken, served with capture on: does the re-tune loop close by itself?
+
+The scenario of issue 15, shared by ``tests/test_retune_broken_deploy.py`` and ``bench/retune.py``:
+a checkpoint of the bundled model whose MoE layer 1 router is collapsed (correction bias +10 on
+six experts) is what the sidecar starts with (so router version 0 *is* the damage), with traffic
+capture on, the shipped rules (``for`` / ``keep_firing_for`` cut to 0 s so that it runs in
+minutes) and a loopback webhook receiver as on-call. Short prompts of the four business lines,
+repeated, 16 tokens each, go on until every layer-1 alert has resolved or the time is up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from conftest import serve_app
+from receivers import running_receiver
+
+import mla_watch
+from mla_watch.models import corpus
+from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
+from mla_watch.server.app import ServerConfig, Sidecar
+
+LAYER1 = "model.layers.1.mlp.gate"
+BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"
+SHIPPED_RULES = Path(mla_watch.__file__).parent / "shipped" / "rules" / "routing.yaml"
+# business line -> the corpus domain its prompts come from
+LINES = {"customer_service": "customer_service", "code_assistant": "code", "sql_generation": "sql",
+         "doc_summary": "doc_summary"}
+
+
+def collapsed_checkpoint(directory: Path) -> Path:
+    """The bundled model with layer 1's router collapsed, saved as a checkpoint in ``directory``."""
+    model, tokenizer = mla_watch.load_model("bundled", device="cpu")
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def prompts(per_line: int = 6) -> list[tuple[str, str]]:
+    """``(business line, prompt)``: the first line or so of a few corpus samples per line, short as chat's are."""
+    out = []
+    for line, domain in LINES.items():
+        for text in corpus.generate(domain, per_line, seed=15):
+            out.append((line, text[:60]))
+    return out
+
+
+def scenario_rules(directory: Path) -> Path:
+    """The shipped rules with their hold times cut to 0 s (a test cannot wait 7 minutes per incident)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    text = SHIPPED_RULES.read_text()
+    text = re.sub(r"(?m)^(\s+)for: 2m$", r"\1for: 0s", text)
+    text = re.sub(r"(?m)^(\s+)keep_firing_for: 5m$", r"\1keep_firing_for: 0s", text)
+    (directory / "routing.yaml").write_text(text)
+    return directory
+
+
+@dataclass
+class Outcome:
+    fired_after_s: float | None = None  # from the first request
+    resolved_after_s: float | None = None  # every layer-1 alert resolved
+    requests: int = 0
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    pages: dict[tuple[str, str], list[str]] = field(default_factory=dict)  # (alertname, line) -> statuses received
+    bits_before: float | None = None
+    bits_after: float | None = None
+
+
+def _layer1_alerts(url: str) -> list[dict[str, Any]]:
+    return [alert for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
+            if alert["labels"]["router"] == LAYER1 and alert["labels"].get("business_line") != "all"]
+
+
+def _layer1_bits(url: str) -> float | None:
+    records = httpx.get(url + "/v1/routing", timeout=30).json()["routers"]
+    return next((r["entropy_bits"] for r in records if r["name"] == LAYER1), None)
+
+
+def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeout: float = 900.0,
+                 max_tokens: int = 16) -> Outcome:
+    """Serve the collapsed checkpoint (``reference``: with ``--reference-model`` the bundled one) until
+    every layer-1 alert has fired and resolved, or ``timeout`` seconds; what happened."""
+    checkpoint = collapsed_checkpoint(work / "deployed")
+    rules = scenario_rules(work / "rules")
+    outcome = Outcome()
+    with running_receiver() as receiver:
+        config = ServerConfig(model=str(checkpoint), device="cpu", rules=rules, state_dir=work / "state",
+                              alert_interval=0.5, window_tokens=512, capture=True, retune=settings,
+                              reference_model=BUNDLED if reference else None, policy_poll_seconds=None,
+                              admin_token=None, environ={"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"})
+        sidecar = Sidecar(config)
+        with serve_app(sidecar.app) as url:
+            assert sidecar.wait_ready(180), sidecar.load_error
+            start = time.monotonic()
+            fired: set[str] = set()
+            with httpx.Client(base_url=url, timeout=120) as client:
+                for line, prompt in itertools.cycle(prompts()):
+                    if time.monotonic() - start > timeout:
+                        break
+                    client.post("/v1/completions", headers={"X-Business-Line": line},
+                                json={"prompt": prompt, "max_tokens": max_tokens, "seed": outcome.requests}
+                                ).raise_for_status()
+                    outcome.requests += 1
+                    if outcome.requests % 8:
+                        continue
+                    alerts = _layer1_alerts(url)
+                    firing = {a["labels"]["business_line"] for a in alerts if a["state"] == "firing"}
+                    if firing and outcome.fired_after_s is None:
+                        outcome.fired_after_s = time.monotonic() - start
+                        outcome.bits_before = _layer1_bits(url)
+                    fired |= firing
+                    if fired and not firing and all(a["state"] == "resolved" for a in alerts):
+                        outcome.resolved_after_s = time.monotonic() - start
+                        break
+            outcome.bits_after = _layer1_bits(url)
+            outcome.jobs = sidecar.retune.store.list(limit=50) if sidecar.retune else []
+            deadline = time.monotonic() + 30  # the last resolution's delivery
+            while time.monotonic() < deadline and sidecar.alerts is not None and sidecar.alerts.outbox.pending():
+                time.sleep(0.1)
+        for request in receiver.requests:
+            for alert in request.json().get("alerts", []):
+                if alert["labels"].get("router") == LAYER1:
+                    key = (alert["labels"]["alertname"], alert["labels"].get("business_line", ""))
+                    outcome.pages.setdefault(key, []).append(alert["status"])
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    return outcome
+
+
+def final_jobs(outcome: Outcome) -> list[dict[str, Any]]:
+    return [job for job in outcome.jobs if job["status"] in FINAL_STATUSES]
