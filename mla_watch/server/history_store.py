@@ -292,7 +292,7 @@ class HistoryStore:
         expired = [(tier.name, now - tier.retention) for tier in self.tiers]
         for tier in self.tiers:
             tier.expire(now - tier.retention)
-        freed = self._reap(values.keys()) if any(name == "quarter" for name, _, _ in points) else []
+        freed = self._reap() if any(name == "quarter" for name, _, _ in points) else []
         return truncate, new_series, points, expired, freed
 
     def _new_id(self, key: tuple[str, str]) -> int | None:
@@ -334,15 +334,15 @@ class HistoryStore:
                 break
         return closed
 
-    def _reap(self, current: Iterable[tuple[str, str]]) -> list[int]:
-        """Free the ids of series with no value left in any tier (their lines or routers are gone)."""
+    def _reap(self) -> list[int]:
+        """Free the ids of series with no statistic left in any tier (their line or router is gone, or has had no
+        token for the whole retention): a bounded number of series slots serves lines that come and go."""
         live = np.zeros(self._next_id, dtype=bool)
         for tier in self.tiers:
-            block = tier.data[tier.start:tier.end, : self._next_id]
+            block = tier.data[tier.start:tier.end, : self._next_id, :TOKENS]
             if block.size:
                 live[: block.shape[1]] |= np.isfinite(block).any(axis=(0, 2))
-        seen = {self._ids[key] for key in current if key in self._ids}
-        freed = [sid for sid, info in self._info.items() if not live[sid] and sid not in seen]
+        freed = [sid for sid in self._info if not live[sid]]
         for sid in freed:
             info = self._info.pop(sid)
             self._meta.pop(sid, None)
