@@ -140,6 +140,8 @@ class HistoryStore:
         self._meta: dict[int, tuple] = {}  # what record() compares: (layer, kind, floor, ceiling, slots)
         self._free: list[int] = []  # ids of series dropped for having no value left, reused first
         self._next_id = 0
+        # Per series id, the newest sample with a statistic: a series none is left of gives its id back.
+        self._last_value = np.full(max_series, -np.inf)
         self._open: list[float | None] = [None, None]  # the minute / quarter bucket being filled
         self.dropped_series = 0  # samples of series past max_series that were not kept
         self._warned_full = False
@@ -187,6 +189,7 @@ class HistoryStore:
         self._meta.clear()
         self._free.clear()
         self._next_id = 0
+        self._last_value[:] = -np.inf
         self._open = [None, None]
 
     def _load(self, db: PrivateDatabase) -> None:
@@ -212,6 +215,13 @@ class HistoryStore:
                                      f"{len(VALUES)} values per series")
                 row = np.frombuffer(blob, dtype="<f4").reshape(-1, len(VALUES))[: self.max_series]
                 tier.append(float(t), row.astype(np.float32))
+        for tier in self.tiers:
+            has = np.isfinite(tier.data[tier.start:tier.end, :, :TOKENS]).any(axis=2)  # [point, series]
+            if has.size:
+                newest = has.shape[0] - 1 - np.argmax(has[::-1], axis=0)
+                seen = np.where(has.any(axis=0), tier.times[tier.start + newest], -np.inf)
+                width = min(len(seen), self.max_series)
+                self._last_value[:width] = np.maximum(self._last_value[:width], seen[:width])
         self._resume_buckets()
         loaded = sum(len(tier) for tier in self.tiers)
         if loaded:
@@ -287,12 +297,14 @@ class HistoryStore:
             row = np.vstack([row, np.full((self._next_id - row.shape[0], len(VALUES)), np.nan, dtype=np.float32)])
         for sid, point in pending:
             row[sid] = point
+        if self._next_id:
+            self._last_value[: self._next_id][np.isfinite(row[:, :TOKENS]).any(axis=1)] = now
         points = [*self._roll(now), ("full", now, row)]
         self.tiers[0].append(now, row)
         expired = [(tier.name, now - tier.retention) for tier in self.tiers]
         for tier in self.tiers:
             tier.expire(now - tier.retention)
-        freed = self._reap() if any(name == "quarter" for name, _, _ in points) else []
+        freed = self._reap(now) if any(name == "quarter" for name, _, _ in points) else []
         return truncate, new_series, points, expired, freed
 
     def _new_id(self, key: tuple[str, str]) -> int | None:
@@ -310,6 +322,7 @@ class HistoryStore:
                             self.path, self.max_series, key[0], key[1])
             return None
         self._ids[key] = sid
+        self._last_value[sid] = self.clock()  # a new series is not reaped before its first statistic could age out
         return sid
 
     def _roll(self, now: float) -> list[tuple[str, float, np.ndarray]]:
@@ -334,15 +347,12 @@ class HistoryStore:
                 break
         return closed
 
-    def _reap(self) -> list[int]:
+    def _reap(self, now: float) -> list[int]:
         """Free the ids of series with no statistic left in any tier (their line or router is gone, or has had no
         token for the whole retention): a bounded number of series slots serves lines that come and go."""
-        live = np.zeros(self._next_id, dtype=bool)
-        for tier in self.tiers:
-            block = tier.data[tier.start:tier.end, : self._next_id, :TOKENS]
-            if block.size:
-                live[: block.shape[1]] |= np.isfinite(block).any(axis=(0, 2))
-        freed = [sid for sid in self._info if not live[sid]]
+        # A statistic at t lives in the quarter bucket of t, kept until that bucket is older than the retention.
+        cutoff = now - self.tiers[2].retention - QUARTER
+        freed = [sid for sid in self._info if self._last_value[sid] < cutoff]
         for sid in freed:
             info = self._info.pop(sid)
             self._meta.pop(sid, None)
@@ -459,11 +469,12 @@ class HistoryStore:
                 if not tier.columns:  # points taken before any series had a token
                     continue
                 width = np.minimum(ids, tier.columns - 1)
-                block = tier.data[lo:hi][:, width]  # [point, series, value]
-                block[:, ids >= tier.columns] = np.nan
+                outside = ids >= tier.columns  # series that appeared after this tier's rows were made
+                for parts, index in ((value_parts, column), (small_parts, TOO_SMALL)):
+                    block = tier.data[lo:hi, :, index][:, width]  # [point, series]
+                    block[:, outside] = np.nan
+                    parts.append(block)
                 times_parts.append(tier.times[lo:hi])
-                value_parts.append(block[:, :, column])
-                small_parts.append(block[:, :, TOO_SMALL])
             dropped = self.dropped_series
         if not times_parts or not len(chosen):
             times_out: list[float] = []
