@@ -324,6 +324,21 @@ def engine_routing_specs(args: list[str]) -> list[Spec]:
     return specs
 
 
+def history_size_specs(args: list[str]) -> list[Spec]:
+    def size(f: Figures) -> str:
+        return (f"{f['file_bytes'] / 2**20:.1f} MiB, {x(f['size_ratio'])} of the bound "
+                f"({f['bytes_per_series_day'] / 1024:.1f} KiB per series-day)")
+
+    def write(f: Figures) -> str:
+        return f"{f['write_ms_per_sample']:.2f} ms per sample; points() over a day {f['points_us_day']:.0f} us"
+
+    return [
+        Spec("durable history: 30 days, 58 routers x 6 lines", "the documented size bound (README)", size,
+             goal="within the bound", met=lambda f: f["size_ratio"] <= 1.0),
+        Spec("durable history: write per 10 s sample / read per rule", "348 series", write),
+    ]
+
+
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
@@ -332,6 +347,7 @@ BENCHES = [
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
+    Bench("history_size", [], [], history_size_specs),
     Bench("attacks", ["--requests", "1000", "--rounds", "3", "--bucket-requests", "10"], [], attack_specs),
     Bench("engine_routing", ["--repeats", "5", "--requests", "20"],
           ["--repeats", "20", "--requests", "100", "--rest", "5"], engine_routing_specs),

@@ -166,6 +166,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           capture_max_age_seconds=args.capture_max_age, retune=retune,
                           reference_model=args.reference_model,
                           history_interval_seconds=args.history_interval, history_span_seconds=args.history_span,
+                          history_retention_days=args.history_retention, history_max_series=args.history_max_series,
                           ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout,
                           engine=args.engine, model_config=args.model_config, decode_workers=args.decode_workers,
                           sglang_recorder_dir=args.sglang_recorder_dir,
@@ -352,6 +353,18 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _history_retention(text: str) -> float:
+    """An argparse type: argparse names the flag in its error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value == 0 or 1 <= value <= 365):
+        raise argparse.ArgumentTypeError(f"expected 0 (no durable history) or a number of days in [1, 365], "
+                                         f"got {text!r}")
     return value
 
 
@@ -628,6 +641,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="status page: seconds between two points of the entropy heat map (default %(default)s)")
     serve.add_argument("--history-span", type=_positive_float, default=ServerConfig.history_span_seconds,
                        help="status page: seconds of entropy history kept (default %(default)s)")
+    serve.add_argument("--history-retention", type=_history_retention, default=ServerConfig.history_retention_days,
+                       help="days of routing history kept in STATE_DIR/history.sqlite (1-minute points for a day, "
+                            "15-minute ones beyond; 1 to 365, 0: none) (default %(default)s)")
+    serve.add_argument("--history-max-series", type=_positive_int, default=ServerConfig.history_max_series,
+                       help="(router, business line) series the durable history keeps (default %(default)s)")
     serve.add_argument("--body-timeout", type=_positive_float, default=ServerConfig.body_timeout_seconds,
                        help="seconds a request body may take to arrive before 408 (default %(default)s)")
     for name, text in INGEST_FLAGS.items():

@@ -79,6 +79,10 @@ def test_routing_table_baseline_and_drift(tmp_path, capsys) -> None:
      "mla-watch serve: --history-interval 100.0: expected at most --history-span (50.0)"),
     (["--retune-option", "bad"], "--retune-option 'bad': expected STRATEGY.NAME=VALUE"),
     (["--ingest-max-lines", "0"], "mla-watch serve: --ingest-max-lines 0: expected an integer >= 1"),
+    (["--history-retention", "0.5"],
+     "argument --history-retention: expected 0 (no durable history) or a number of days in [1, 365], got '0.5'"),
+    (["--history-retention", "nan"], "argument --history-retention: expected 0 (no durable history)"),
+    (["--history-max-series", "0"], "argument --history-max-series: expected an integer >= 1, got '0'"),
 ])
 def test_serve_refuses_a_bad_setting_by_flag(flags, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:  # before anything loads or listens

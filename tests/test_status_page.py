@@ -321,3 +321,24 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     assert history == [("rollback", "0"), ("promote", "1"), ("initial", "0")]
     (retune_after,) = retuned.find(tag="div", id="retune-body")
     assert "live router version 0 · last version that passed its gates 1" in retune_after["text"]
+
+
+def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path) -> None:
+    from test_history_api import prefill
+
+    state = tmp_path / "state"
+    prefill(state, time.time(), days=7.0, interval=300.0)  # a week: entropy 5.0 + day / 10 on "code"
+    with running_sidecar(upstream="http://127.0.0.1:9", state_dir=state) as (url, _):
+        dom, console = open_in_browser(url + "/?window=604800#business_line=code",
+                                       artifacts_dir() / "status-page-week.png", 4000)
+    assert "Uncaught" not in console, console
+    ranges = {b["data-seconds"]: b for b in dom.find(tag="button", class_="range")}
+    assert sorted(ranges, key=float) == ["86400", "604800", "2592000"]  # 24 h, 7 d, 30 d past the live hour
+    assert ranges["604800"]["aria-pressed"] == "true" and ranges["604800"]["text"] == "7 d"
+    (canvas,) = dom.find(tag="canvas", id="heatmap-canvas")
+    assert canvas["data-source"] == "history" and canvas["data-span"] == "604800"
+    # 7 days at the page's step of 840 s: about 720 columns, one per 15-minute point (the coarsest tier).
+    assert 600 <= int(canvas["data-columns"]) <= 721
+    (row,) = dom.find(tag="div", class_="row")
+    assert row["data-router"] == GATE and row["data-line"] == "code"
+    assert float(row["data-value"]) == pytest.approx(5.6, abs=1e-3)  # the newest column: the 7th day

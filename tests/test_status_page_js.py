@@ -76,3 +76,11 @@ def test_only_http_links_from_annotations_become_links() -> None:
             "data:text/html,<b>", "/relative", None, 42]
     assert run_js("urls.map(page.safeHref)", urls=urls) == ["https://runbooks.example/a#b", "http://wiki/x",
                                                             None, None, None, None, None, None]
+
+
+def test_a_history_range_asks_for_at_most_720_columns_never_finer_than_the_samples() -> None:
+    urls = run_js("[page.historyUrl(86400, 1800000000.5, 10), page.historyUrl(2592000, 1800000000, 10),"
+                  " page.historyUrl(86400, 1800000000, 300)]")
+    assert urls == ["v1/history?since=1799913600&until=1800000000&step=120",
+                    "v1/history?since=1797408000&until=1800000000&step=3600",
+                    "v1/history?since=1799913600&until=1800000000&step=300"]

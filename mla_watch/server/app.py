@@ -41,6 +41,8 @@ from mla_watch.server.admin import Admin, rejected_notice
 from mla_watch.server.config import ADMIN_TOKEN_ENV, ENGINE_CHOICES, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
+from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, parse_history_query
+from mla_watch.server.history_store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.server.http import authorise, error_response, read_json
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
@@ -97,9 +99,26 @@ class Sidecar:
         self.upstream: Upstream | None = None
         self.history = RoutingHistory(span_seconds=config.history_span_seconds,
                                       interval_seconds=config.history_interval_seconds)
-        self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts())
+        self.history_store, self.history_store_error = self._open_history_store()
+        self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts(),
+                                               sinks=[self.history_store] if self.history_store is not None else [])
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self._api_error})
+
+    def _open_history_store(self) -> tuple[HistoryStore | None, str | None]:
+        """The durable history, or why there is none: serving never depends on it."""
+        config = self.config
+        if not config.history_retention_days:
+            return None, "the durable routing history is off (serve --history-retention 0)"
+        path = config.state_dir / HISTORY_FILE
+        try:
+            store = HistoryStore(path, interval_seconds=config.history_interval_seconds,
+                                 span_seconds=config.history_span_seconds,
+                                 retention_days=config.history_retention_days, max_series=config.history_max_series)
+        except HistoryStoreError as error:  # a state directory it cannot write: a corrupt file is set aside inside
+            log.error("no durable routing history: %s", error)
+            return None, f"the durable routing history could not be opened: {error}"
+        return store, None
 
     # ------------------------------------------------------------------ beside an engine
     def _engine_routing(self) -> EngineRouting | None:
@@ -360,6 +379,8 @@ class Sidecar:
 
     async def _shutdown(self) -> None:
         self._history_sampler.stop()
+        if self.history_store is not None:
+            self.history_store.close()
         if self._recorder is not None:
             await asyncio.to_thread(self._recorder.stop)
         if self._decoder is not None:
@@ -419,6 +440,7 @@ class Sidecar:
             Route("/", self._status_page, methods=["GET"]),
             Route("/static/{name}", self._static, methods=["GET"]),
             Route("/v1/status", self._status, methods=["GET"]),
+            Route("/v1/history", self._history, methods=["GET"]),
         ]
 
     async def _healthz(self, request: Request) -> Response:
@@ -531,6 +553,9 @@ class Sidecar:
             "generated_at": time.time(), "model": self.model_name, "ready": self.ready.is_set(),
             "load_error": self.load_error, "upstream": self.config.upstream, "engine": self._engine_status(),
             "history": history,
+            "history_store": None if self.history_store is None else {
+                "retention_days": self.history_store.retention_days, "max_series": self.history_store.max_series,
+                "series_dropped": self.history_store.dropped_series},
             "alerts": self._alert_list(), "rules": len(rules),
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
             "policies": {"version": self.policies.version, "lines": policies,
@@ -541,6 +566,29 @@ class Sidecar:
             registry = self.retune.registry
             body["retune"] = {"live": registry.live_version(), "last_good": registry.last_good(),
                               "jobs": self.retune.store.list(limit=20), "promotions": registry.promotions()[-50:]}
+        return body
+
+    async def _history(self, request: Request) -> Response:
+        store = self.history_store
+        if store is None:
+            raise ApiError(404, f"{self.history_store_error}: /v1/status holds the last hour", code="not_found")
+        query = parse_history_query(request.query_params, now=store.clock(), min_step=store.interval_seconds)
+        return JSONResponse(await asyncio.to_thread(self.history_range, query))
+
+    def history_range(self, query: HistoryQuery) -> dict[str, Any]:
+        """``GET /v1/history``: a metric's series over a range, one column per ``step`` (with bands for entropy)."""
+        assert self.history_store is not None
+        try:
+            body = self.history_store.query(since=query.since, until=query.until, step=query.step,
+                                            metric=query.metric, business_line=query.business_line,
+                                            router=query.router, max_cells=MAX_CELLS)
+        except ValueError as error:
+            raise ApiError(400, f"step={query.step:g} is invalid for this range and these series ({error}): expected "
+                                "a larger step, or a narrower router / business_line", param="step",
+                           code="invalid_value") from error
+        rules = list(self.alerts.rules.rules) if self.alerts is not None and query.metric == "entropy_bits" else []
+        for series in body["series"]:
+            series["band"] = status_page.entropy_band(rules, series)
         return body
 
     # ------------------------------------------------------------------ admin

@@ -58,3 +58,7 @@ class ServerConfig:
     reference_model: Path | None = None  # a checkpoint whose router tensors `restore` puts back
     history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
     history_span_seconds: float = 3600.0  # ... over this span
+    # The durable history (STATE_DIR/history.sqlite): 1-minute points for a day, 15-minute ones for this many days;
+    # 0: none (no file, no /v1/history).
+    history_retention_days: float = 30.0
+    history_max_series: int = 1024  # (router, business line) pairs it keeps; 119 routers x 6 lines fit

@@ -20,7 +20,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mla_watch.windows import ALL_LINES
 
@@ -142,20 +142,34 @@ class RoutingHistory:
                 "times": times, "series": out}
 
 
-class HistorySampler:
-    """Calls ``history.record(records())`` every ``history.interval_seconds`` on a daemon thread."""
+class _Recorder(Protocol):
+    def record(self, records: Iterable[Mapping[str, Any]]) -> None: ...
 
-    def __init__(self, history: RoutingHistory, records: Callable[[], list[dict[str, Any]]]) -> None:
+
+class HistorySampler:
+    """Calls ``history.record(records())`` every ``history.interval_seconds`` on a daemon thread, and
+    ``sink.record`` with the same records for each of ``sinks`` (the durable store: its disk writes
+    stay off the event loop)."""
+
+    def __init__(self, history: RoutingHistory, records: Callable[[], list[dict[str, Any]]],
+                 sinks: Iterable[_Recorder] = ()) -> None:
         self.history = history
         self._records = records
+        self.sinks = list(sinks)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
         try:
-            self.history.record(self._records())
+            records = self._records()
         except Exception:  # a bad sample must not end the history
             log.exception("sampling the routing history failed")
+            return
+        for target in (self.history, *self.sinks):
+            try:
+                target.record(records)
+            except Exception:  # one target failing must not cost the other its point
+                log.exception("recording the routing history in %s failed", type(target).__name__)
 
     def start(self) -> None:
         if self._thread is not None:

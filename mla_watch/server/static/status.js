@@ -5,16 +5,21 @@
 // business line and highlights the router's row. ?refresh=SECONDS sets the polling period and
 // ?window=SECONDS the time the heat map spans (default: the shortest of 5 min, 15 min, 1 h, ...
 // that holds all the history the sidecar has, so a young sidecar's history is not a sliver).
+// Past the live span, 24 h / 7 d / 30 d read the durable history (v1/history) at about COLUMNS
+// columns: fetched when chosen, and again once a column's worth of time has passed.
 "use strict";
 
 const QUERY = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
 const REFRESH_MS = 1000 * (Number(QUERY.get("refresh")) || 5);
 const WINDOWS = [[300, "5 min"], [900, "15 min"], [3600, "1 h"], [21600, "6 h"], [86400, "24 h"]];
+const RANGES = [[86400, "24 h"], [604800, "7 d"], [2592000, "30 d"]];
+const COLUMNS = 720;
 const ROW_HEIGHT = 18;
 const COLOURS = { fire: "#e0463e", warn: "#e8a33d", ok: "#3fae6a", high: "#9b6ad6", none: "#2b303b" };
 
 const view = { history: null, status: null, line: null, focus: null, scrolled: false, updates: 0,
-               window: Number(QUERY.get("window")) || null, windowChosen: Boolean(Number(QUERY.get("window"))) };
+               window: Number(QUERY.get("window")) || null, windowChosen: Boolean(Number(QUERY.get("window"))),
+               range: null }; // range: {seconds, data, fetched} while a durable-history range is shown
 
 // ---------------------------------------------------------------- small helpers
 const $ = (id) => document.getElementById(id);
@@ -123,6 +128,29 @@ function mergeHistory(old, fresh) {
   return { ...fresh, times: times.slice(drop), series: kept };
 }
 
+// The v1/history request for the last `seconds`: a step giving at most COLUMNS columns, never
+// finer than the sampling interval.
+function historyUrl(seconds, now, interval) {
+  const step = Math.max(interval, Math.ceil(seconds / COLUMNS));
+  const until = Math.floor(now);
+  return `v1/history?since=${until - seconds}&until=${until}&step=${step}`;
+}
+
+function isRange(seconds) {
+  return RANGES.some(([s]) => s === seconds) && seconds > (view.history ? view.history.span_seconds : 0);
+}
+
+async function fetchRange(seconds) {
+  const now = Date.now() / 1000;
+  const held = view.range && view.range.seconds === seconds ? view.range : null;
+  if (held && now - held.fetched < Math.max(60, held.data.step_seconds)) return;
+  const url = historyUrl(seconds, now, view.history.interval_seconds);
+  const response = await fetch(url, { cache: "no-store" });
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  const data = await response.json();
+  if (view.window === seconds) view.range = { seconds, data, fetched: now };
+}
+
 function readAnchor() {
   const params = new URLSearchParams(location.hash.slice(1));
   view.focus = params.get("router") ? { router: params.get("router"), layer: params.get("layer") } : null;
@@ -139,6 +167,7 @@ async function refresh() {
     const status = await response.json();
     view.history = mergeHistory(view.history, status.history);
     view.status = status;
+    if (status.history_store && isRange(view.window)) await fetchRange(view.window);
     render();
     view.updates += 1;
     document.body.dataset.updates = String(view.updates);
@@ -172,7 +201,7 @@ function render() {
 }
 
 function businessLines() {
-  const lines = [...new Set(view.history.series.map((s) => s.business_line))];
+  const lines = [...new Set(shownHistory().series.map((s) => s.business_line))];
   return lines.sort((a, b) => (a === "all" ? -1 : b === "all" ? 1 : a.localeCompare(b)));
 }
 
@@ -189,21 +218,44 @@ function renderLines(firing) {
 function renderWindows() {
   const span = view.history.span_seconds;
   const times = view.history.times;
+  const ranges = view.status.history_store ? RANGES.filter(([seconds]) => seconds > span) : [];
   if (!view.windowChosen) {
     const held = times.length ? times[times.length - 1] - times[0] : 0;
     view.window = (WINDOWS.find(([seconds]) => seconds >= held && seconds < span) || [span])[0];
   }
-  if (!view.window || view.window > span) view.window = span;
+  const isShownRange = ranges.some(([seconds]) => seconds === view.window);
+  if (!view.window || (view.window > span && !isShownRange)) view.window = span;
+  if (!isShownRange) view.range = null;
   const named = WINDOWS.find(([seconds]) => seconds === span);
-  const choices = WINDOWS.filter(([seconds]) => seconds < span).concat([[span, named ? named[1] : "all kept"]]);
+  const choices = WINDOWS.filter(([seconds]) => seconds < span).concat([[span, named ? named[1] : "all kept"]], ranges);
   $("windows").replaceChildren(...choices.map(([seconds, label]) => el("button", {
     type: "button", "aria-pressed": String(seconds === view.window), dataset: { seconds: String(seconds) },
-    onclick: () => { view.window = seconds; view.windowChosen = true; render(); },
+    class: seconds > span ? "range" : null, onclick: () => choose(seconds),
   }, label)));
 }
 
-function shownSeries() {
-  return view.history.series.filter((s) => s.business_line === view.line)
+// A live window is drawn at once; a range once v1/history has answered (the live view until then).
+async function choose(seconds) {
+  view.window = seconds;
+  view.windowChosen = true;
+  render();
+  if (!isRange(seconds)) return;
+  try {
+    await fetchRange(seconds);
+    render();
+  } catch (error) {
+    $("updated").dataset.state = "error";
+    $("updated").textContent = `the history range did not load: ${error.message}`;
+  }
+}
+
+// What the heat map draws: the durable history's range when one is chosen and loaded, else the live hour.
+function shownHistory() {
+  return view.range && view.range.seconds === view.window ? view.range.data : view.history;
+}
+
+function shownSeries(history) {
+  return history.series.filter((s) => s.business_line === view.line)
     .sort((a, b) => a.layer - b.layer || a.router.localeCompare(b.router));
 }
 
@@ -212,9 +264,9 @@ function isFocused(series) {
 }
 
 function renderHeatmap() {
-  const history = view.history;
-  const rows = shownSeries();
-  const span = view.window;
+  const history = shownHistory();
+  const rows = shownSeries(history);
+  const span = history === view.history ? Math.min(view.window, history.span_seconds) : view.window;
   const end = history.times.length ? history.times[history.times.length - 1] : Date.now() / 1000;
   const start = end - span;
 
@@ -255,13 +307,16 @@ function renderHeatmap() {
   });
   context.globalAlpha = 1;
   canvas.dataset.rows = String(rows.length);
+  canvas.dataset.source = history === view.history ? "live" : "history";
+  canvas.dataset.span = String(span);
   canvas.dataset.columns = String(history.times.filter((t) => t >= start).length);
   const box = canvas.getBoundingClientRect(); // where the cells are, for tests reading a screenshot
   canvas.dataset.box = [box.left, box.top, box.width, box.height].map(Math.round).join(",");
-  canvas.onmousemove = (event) => showTooltip(event, rows, start, span, width);
+  canvas.onmousemove = (event) => showTooltip(event, history, rows, start, span, width);
   canvas.onmouseleave = () => { $("tooltip").hidden = true; };
 
-  const before = (seconds) => (seconds >= 3600 ? `−${+(seconds / 3600).toFixed(1)} h` : `−${+(seconds / 60).toFixed(1)} min`);
+  const before = (seconds) => (seconds >= 172800 ? `−${+(seconds / 86400).toFixed(1)} d`
+    : seconds >= 3600 ? `−${+(seconds / 3600).toFixed(1)} h` : `−${+(seconds / 60).toFixed(1)} min`);
   $("heatmap-axis").replaceChildren(...[0, 0.25, 0.5, 0.75, 1].map((f) => el("span", { style: `left:${f * 100}%` },
     f === 1 ? "now" : before(span * (1 - f)))));
   $("legend").replaceChildren(...[["fire", "past a firing threshold"], ["warn", "not yet back past the resolve threshold"],
@@ -275,13 +330,13 @@ function renderHeatmap() {
   }
 }
 
-function showTooltip(event, rows, start, span, width) {
+function showTooltip(event, history, rows, start, span, width) {
   const box = event.target.getBoundingClientRect();
   const series = rows[Math.floor((event.clientY - box.top) / ROW_HEIGHT)];
   if (!series) return;
   const t = start + ((event.clientX - box.left) / width) * span;
   let index = -1;
-  view.history.times.forEach((time, i) => { if (time <= t + view.history.interval_seconds) index = i; });
+  history.times.forEach((time, i) => { if (time <= t + history.interval_seconds) index = i; });
   const value = index >= 0 ? series.values[index] : null;
   const band = series.band;
   const limits = [band.fire_below !== null ? `fires below ${band.fire_below}` : null,
@@ -289,7 +344,7 @@ function showTooltip(event, rows, start, span, width) {
     band.fire_above !== null ? `fires above ${band.fire_above}` : null].filter(Boolean).join(", ");
   const tooltip = $("tooltip");
   tooltip.textContent = `${series.router} (layer ${series.layer}, ${series.business_line})\n` +
-    `${index >= 0 ? clock(view.history.times[index]) : "–"}: ${bits(value)} bits\n` +
+    `${index >= 0 ? clock(history.times[index]) : "–"}: ${bits(value)} bits\n` +
     `floor ${bits(series.floor_bits)} · ceiling ${bits(series.ceiling_bits)}${limits ? ` · ${limits}` : ""}`;
   tooltip.style.left = `${event.clientX + 14}px`;
   tooltip.style.top = `${event.clientY + 10}px`;
@@ -438,5 +493,5 @@ if (typeof window !== "undefined") {
   readAnchor();
   refresh();
 } else if (typeof module !== "undefined") {
-  module.exports = { mergeHistory, stateOf, colourOf, safeHref }; // the pure parts, for tests under Node.js
+  module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl }; // the pure parts, for tests under Node.js
 }

@@ -1,0 +1,227 @@
+"""The durable routing history: tiers and their means, points(), restart, the size bound, bad files, clock steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mla_watch.alerting.model import METRICS
+from mla_watch.server.history_store import HISTORY_METRICS, HistoryStore, size_bound
+
+GATE = "model.layers.1.mlp.gate"
+T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(name: str = GATE, line: str | None = "code", bits: float | None = 5.0, tokens: int = 200,
+           too_small: bool = False, layer: int = 1) -> dict:
+    return {"name": name, "layer": layer, "kind": "expert", "business_line": line, "tokens": tokens,
+            "entropy_bits": bits, "normalized_entropy": None if bits is None else bits / 6.0,
+            "bits_below_ceiling": None if bits is None else 6.0 - bits, "max_violation": 1.5, "dead_slots": 2,
+            "js_divergence": None, "locality": 0.25, "too_small": too_small, "floor_bits": 2.585,
+            "ceiling_bits": 6.0, "num_slots": 64}
+
+
+def store_at(tmp_path: Path, clock: FakeClock, **options) -> HistoryStore:
+    return HistoryStore(tmp_path / "history.sqlite", clock=clock, **{"interval_seconds": 10.0, **options})
+
+
+def test_the_metrics_kept_are_the_rules_metrics_and_tokens() -> None:
+    assert (*METRICS, "tokens") == HISTORY_METRICS
+
+
+def test_minute_and_quarter_points_are_the_means_of_their_buckets(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock)
+    # 10 s samples for 16 minutes: minute m holds six samples of 5 + m/10 (one of them NaN, one too small).
+    for step in range(16 * 6 + 1):
+        clock.now = T0 + 10 * step
+        minute, index = divmod(step, 6)
+        bits = None if index == 3 else 5.0 + minute / 10 + (0.06 if index == 5 else 0.0)
+        store.record([record(bits=bits, tokens=100 * (index + 1), too_small=index == 0),
+                      record(line=None, bits=4.0)])
+    times, _values = store.points(GATE, "code", "entropy_bits", T0, clock.now)
+    # The full tier holds the last hour: every sample, the NaN ones skipped.
+    assert len(times) == 16 * 5 + 1 and times[0] == T0 and times[-1] == clock.now
+    minute_tier, quarter_tier = store.tiers[1], store.tiers[2]
+    assert minute_tier.live_times().tolist() == [T0 + 60 * m for m in range(16)]  # the 16th closed by the last sample
+    column = HISTORY_METRICS.index("entropy_bits")
+    for m in range(16):  # (5 values of 5 + m/10, one of them + 0.06) / 5
+        assert minute_tier.data[minute_tier.start + m, 0, column] == pytest.approx(5.0 + m / 10 + 0.012, abs=1e-5)
+    tokens = minute_tier.data[minute_tier.start, 0, HISTORY_METRICS.index("tokens")]
+    assert tokens == pytest.approx(350.0)  # averaged (100..600), not summed: tokens is the window's level
+    assert minute_tier.data[minute_tier.start, 0, -1] == pytest.approx(1 / 6)  # the too-small fraction
+    # The first quarter closed when the 16th minute point came: the mean of its 15 minute points.
+    assert quarter_tier.live_times().tolist() == [T0]
+    expected = np.mean([5.0 + m / 10 + 0.012 for m in range(15)])
+    assert quarter_tier.data[quarter_tier.start, 0, column] == pytest.approx(expected, abs=1e-5)
+    assert quarter_tier.data[quarter_tier.start, 1, column] == pytest.approx(4.0)  # the "all" series
+    store.close()
+
+
+def test_points_serve_the_finest_tier_for_each_part_of_the_range(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock, span_seconds=600)  # the full tier keeps 10 minutes
+    for step in range(3 * 360):  # three hours of 10 s samples: entropy = the minute number
+        clock.now = T0 + 10 * step
+        store.record([record(bits=float(step // 6))])
+    now = clock.now
+    times, values = store.points(GATE, "code", "entropy_bits", now - 2 * 3600, now)
+    full_first = store.tiers[0].first
+    assert full_first == now - 600
+    coarse = [(t, v) for t, v in zip(times, values, strict=True) if t < full_first]
+    fine = [(t, v) for t, v in zip(times, values, strict=True) if t >= full_first]
+    assert all(t % 60 == 0 for t, _ in coarse) and [v for t, v in coarse] == [t_ // 60 - T0 // 60 for t_, _ in coarse]
+    assert [t for t, _ in fine] == [full_first + 10 * k for k in range(61)]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert times[0] == T0 + 3600  # the first minute point at or after since (now - 2 h = T0 + 3590)
+    assert store.points(GATE, "code", "entropy_bits", T0 + 3600, T0 + 3660)[0] == [T0 + 3600, T0 + 3660]  # inclusive
+    # Other metrics, an unknown series and an unknown metric.
+    assert store.points(GATE, "code", "dead_slots", now - 30, now)[1] == [2.0, 2.0, 2.0, 2.0]
+    assert store.points(GATE, "code", "js_divergence", now - 30, now) == ([], [])  # never set: skipped
+    assert store.points(GATE, "sql", "entropy_bits", now - 30, now) == ([], [])
+    with pytest.raises(ValueError, match="metric = 'entropy': expected one of entropy_bits"):
+        store.points(GATE, "code", "entropy", now - 30, now)
+    store.close()
+
+
+def test_a_restart_keeps_every_tier_and_the_open_bucket(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock)
+    for step in range(100):
+        clock.now = T0 + 10 * step
+        store.record([record(bits=5.0 + step / 1000), record(line=None, bits=4.5)])
+    before = {metric: store.points(GATE, "code", metric, T0, clock.now) for metric in HISTORY_METRICS}
+    minutes = store.tiers[1].live_times().tolist()
+    store._db._db.close()  # as a SIGKILL leaves it: no close(), no checkpoint
+    again = store_at(tmp_path, clock)
+    assert {metric: again.points(GATE, "code", metric, T0, clock.now) for metric in HISTORY_METRICS} == before
+    assert again.tiers[1].live_times().tolist() == minutes
+    clock.now += 60  # the minute left open by the first process closes in the second, from the stored samples
+    again.record([record(bits=6.0)])
+    assert again.tiers[1].live_times().tolist() == [*minutes, minutes[-1] + 60]
+    again.close()
+
+
+def test_the_file_stays_within_its_documented_bound(tmp_path: Path) -> None:
+    clock = FakeClock()
+    series = 24
+    store = store_at(tmp_path, clock, interval_seconds=60, span_seconds=600, retention_days=1.5)
+    records = [record(name=f"model.layers.{layer}.mlp.gate", layer=layer, line=line, bits=5.0)
+               for layer in range(4) for line in ("a", "b", "c", "d", "e", None)]
+    assert len(records) == series
+    for step in range(int(2.5 * 1440)):  # 2.5 days of 1-minute samples: every tier full, then expiring
+        clock.now = T0 + 60 * step
+        store.record(records)
+    # span / step + 1 samples; a day of minutes and 1.5 days of quarters, less the bucket still open
+    assert [len(tier) for tier in store.tiers] == [11, 1440, 143]
+    store.close()
+    size = sum(path.stat().st_size for path in tmp_path.glob("history.sqlite*"))
+    bound = size_bound(series=series, interval_seconds=60, span_seconds=600, retention_days=1.5)
+    assert size <= bound, (size, bound)
+    assert size > bound / 4  # the bound is a bound, not a guess ten times too large
+
+
+def test_series_past_max_series_are_counted_and_logged_once(tmp_path: Path, caplog) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock, max_series=2)
+    with caplog.at_level(logging.WARNING, logger="mla_watch.server.history_store"):
+        for step in range(3):
+            clock.now = T0 + 10 * step
+            store.record([record(line=line) for line in ("a", "b", "c", "d")])
+    assert [(s.router, s.business_line) for s in store.series()] == [(GATE, "a"), (GATE, "b")]
+    assert store.dropped_series == 6  # two series, three samples
+    assert len([r for r in caplog.records if "--history-max-series" in r.getMessage()]) == 1
+    assert store.points(GATE, "c", "entropy_bits", T0, clock.now) == ([], [])
+    store.close()
+
+
+def test_a_series_with_no_value_left_gives_its_slot_back(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock, max_series=1, span_seconds=120, retention_days=1)
+    store.record([record(line="old")])
+    step = 0
+    while store.series():  # "old" leaves every tier after a day and a quarter or so
+        step += 1
+        clock.now = T0 + 900 * step
+        store.record([record(line="old", tokens=0)])  # its window is empty: it is not a value
+        assert step < 200
+    assert step * 900 > 86400
+    clock.now += 900
+    store.record([record(line="new")])
+    assert [s.business_line for s in store.series()] == ["new"] and store.dropped_series == 0
+    store.close()
+
+
+def test_a_wall_clock_stepping_back_drops_the_points_after_it(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock)
+    for step in range(30):
+        clock.now = T0 + 10 * step
+        store.record([record(bits=5.0)])
+    clock.now = T0 + 95  # back 195 s: the samples after it, and the minute points their buckets made, go
+    store.record([record(bits=4.0)])
+    times, values = store.points(GATE, "code", "entropy_bits", 0, math.inf)
+    assert times == [T0 + 10 * k for k in range(10)] + [T0 + 95] and values[-1] == 4.0
+    assert store.tiers[1].live_times().tolist() == [T0]  # [T0+60, T0+120) reached past T0+95: recomputed later
+    clock.now = T0 + 95  # the same second again: not a second point
+    store.record([record(bits=3.0)])
+    for step in range(10, 20):
+        clock.now = T0 + 100 + 10 * step
+        store.record([record(bits=4.0)])
+    store.close()
+    again = store_at(tmp_path, clock)  # the file agrees with memory: in order, nothing from the dropped future
+    times, values = again.points(GATE, "code", "entropy_bits", 0, math.inf)
+    assert times == sorted(times) and T0 + 100 not in times and values[10] == 4.0
+    assert again.tiers[1].live_times().tolist() == [T0, T0 + 60, T0 + 180]  # no sample in [T0+120, T0+180)
+    again.close()
+
+
+def test_an_unreadable_file_is_set_aside_and_the_history_starts_empty(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "history.sqlite"
+    path.write_bytes(b"this is not an SQLite file at all, and it is long enough to be looked at" * 100)
+    clock = FakeClock()
+    with caplog.at_level(logging.ERROR, logger="mla_watch.server.history_store"):
+        store = store_at(tmp_path, clock)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(str(path) in m and "unreadable" in m and "history.sqlite.corrupt" in m for m in messages), messages
+    assert (tmp_path / "history.sqlite.corrupt").read_bytes().startswith(b"this is not")
+    store.record([record()])
+    assert store.points(GATE, "code", "entropy_bits", 0, math.inf) == ([T0], [5.0])
+    store.close()
+
+
+def test_a_database_with_bad_points_is_set_aside_too(tmp_path: Path, caplog) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock)
+    store.record([record()])
+    store.close()
+    with sqlite3.connect(tmp_path / "history.sqlite") as db:
+        db.execute("UPDATE points SET data = x'0102'")  # not a whole number of float32 rows
+    with caplog.at_level(logging.ERROR, logger="mla_watch.server.history_store"):
+        again = store_at(tmp_path, clock)
+    assert any("expected a packed float32 array" in r.getMessage() for r in caplog.records)
+    assert again.series() == [] and (tmp_path / "history.sqlite.corrupt").exists()
+    again.close()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"retention_days": 0.5}, "retention_days = 0.5: expected at least 1"),
+    ({"interval_seconds": float("nan")}, "interval_seconds = nan: expected a positive number"),
+    ({"max_series": 0}, "max_series = 0: expected a positive integer"),
+])
+def test_bad_settings_are_refused_by_name(tmp_path: Path, options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        store_at(tmp_path, FakeClock(), **options)
