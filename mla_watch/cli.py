@@ -221,7 +221,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             errors += len(error.errors)
         else:
             print(f"ok: engine routers: {geometry.describe()}; re-tuning is not available for them")
-            found_errors, found_warnings = _lint(rules, geometry.routers())
+            found_errors, found_warnings = _lint(rules, geometry.routers(), args)
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
         import mla_watch
@@ -274,18 +274,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
             else:
                 print(f"ok: {reference.label}: {len(reference.tensors)} router tensors match the model's; "
                       f"`restore` puts them back")
-        found_errors, found_warnings = _lint(rules, routers)
+        found_errors, found_warnings = _lint(rules, routers, args)
         errors, warnings = errors + found_errors, warnings + found_warnings
     print(f"{errors} error(s), {warnings} warning(s)")
     return 1 if errors else 0
 
 
-def _lint(rules: Any, routers: Sequence[Any]) -> tuple[int, int]:
-    """Print the rules' findings against ``routers``; return (errors, warnings)."""
+def _lint(rules: Any, routers: Sequence[Any], args: argparse.Namespace) -> tuple[int, int]:
+    """Print the rules' findings against ``routers`` (history as serve's ``args``); return (errors, warnings)."""
     from mla_watch.alerting.lint import lint
 
     errors = warnings = 0
-    for finding in lint(rules, routers) if rules is not None else ():
+    findings = lint(rules, routers, history_interval_seconds=args.history_interval,
+                    history_retention_seconds=args.history_retention * 86400.0,
+                    with_history=args.history_retention > 0) if rules is not None else ()
+    for finding in findings:
         print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
         errors += finding.severity == "error"
         warnings += finding.severity == "warning"
@@ -660,6 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lint the rules against this model's routers ('bundled' or a path)")
     check.add_argument("--model-config", type=Path,
                        help="instead: lint them against an engine's routers, from the config.json it loaded")
+    check.add_argument("--history-interval", type=_positive_float, default=ServerConfig.history_interval_seconds,
+                       help="as serve --history-interval: trend rules need a look-back of several points")
+    check.add_argument("--history-retention", type=_non_negative_float, default=ServerConfig.history_retention_days,
+                       help="as serve --history-retention (days; 0: none, and trend rules are never judged)")
     check.add_argument("--capture", action="store_true",
                        help="as serve --capture would run: rules asking for re-tuning have captured traffic to use")
     check.add_argument("--reference-model", type=Path,

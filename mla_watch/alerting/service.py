@@ -26,6 +26,7 @@ from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
 from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.trend import TrendSource
 
 __all__ = ["AlertService"]
 
@@ -46,7 +47,8 @@ class AlertService:
                  interval: float = 15.0, status_url: str = "", external_url: str = "",
                  clock: Callable[[], float] = time.time,
                  on_notification: Callable[[str, str], None] | None = None,
-                 before_round: Callable[[], object] | None = None) -> None:
+                 before_round: Callable[[], object] | None = None,
+                 trend_source: TrendSource | None = None) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.rules = rules
         self.interval = interval
@@ -55,7 +57,7 @@ class AlertService:
         self._before_round = before_round  # e.g. reload changed rule files, outside the service's lock
         self._clock = clock
         self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
-                                  render=render_annotations, status_url=status_url)
+                                  render=render_annotations, status_url=status_url, trend_source=trend_source)
         self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock)
         self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
         self._groups: dict[tuple[str, str], _Group] = {}

@@ -29,8 +29,7 @@ _SEED = 20261201
 
 def _threshold_rules(rules: Iterable[Any]) -> list[Any]:
     # Trend and prediction rules judge a history, not one reading: not a start-up check.
-    return [rule for rule in rules if (rule.below is not None or rule.above is not None)
-            and getattr(rule, "trend", None) is None and getattr(rule, "predict", None) is None]
+    return [rule for rule in rules if (rule.below is not None or rule.above is not None) and rule.trend is None]
 
 
 def startup_health(model: torch.nn.Module, tokenizer: Any, rules: Iterable[Any], *,

@@ -79,6 +79,7 @@ class Sidecar:
         self.metrics = ServerMetrics(self.registry, self.routing_snapshot)
         self.metrics.policy_version.set(self.policies.version)
         self.rules: DirectoryStore[RuleSet] | None = None
+        self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
         self.alerts = self._alert_service() if config.rules is not None else None
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Engine | None = None
@@ -99,7 +100,6 @@ class Sidecar:
         self.upstream: Upstream | None = None
         self.history = RoutingHistory(span_seconds=config.history_span_seconds,
                                       interval_seconds=config.history_interval_seconds)
-        self.history_store, self.history_store_error = self._open_history_store()
         self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts(),
                                                sinks=[self.history_store] if self.history_store is not None else [])
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
@@ -193,6 +193,7 @@ class Sidecar:
             external_url=self.config.public_url,
             on_notification=lambda receiver, outcome: self.metrics.notifications.labels(receiver, outcome).inc(),
             before_round=self.rules.check_for_changes,  # a changed rule file is loaded by the next round
+            trend_source=self.history_store,
         )
         self.metrics.watch_alerts(service.engine)
         return service

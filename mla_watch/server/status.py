@@ -64,7 +64,8 @@ def _band(rules: list[Any], record: dict[str, Any], floor: float | None, ceiling
 
     for rule in rules:
         to_bits = _in_bits(rule.metric, floor, ceiling)
-        if to_bits is None or not rule.selector.matches(record):
+        # A trend rule's thresholds bound a slope or a forecast, not the value drawn
+        if rule.trend is not None or to_bits is None or not rule.selector.matches(record):
             continue
         band["rules"].append(rule.name)
         below, above = rule.below, rule.above
