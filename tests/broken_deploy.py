@@ -11,6 +11,7 @@ repeated, 16 tokens each, go on until every layer-1 alert has resolved or the ti
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import shutil
 import time
@@ -31,9 +32,9 @@ from mla_watch.server.app import ServerConfig, Sidecar
 LAYER1 = "model.layers.1.mlp.gate"
 BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"
 SHIPPED_RULES = Path(mla_watch.__file__).parent / "shipped" / "rules" / "routing.yaml"
-# business line -> the corpus domain its prompts come from
-LINES = {"customer_service": "customer_service", "code_assistant": "code", "sql_generation": "sql",
-         "doc_summary": "doc_summary"}
+# (business line, task) of the shipped policies -> the corpus domain its prompts come from
+TRAFFIC = {("customer_service", "chat"): "customer_service", ("code_assistant", "code"): "code",
+           ("code_assistant", "sql"): "sql", ("doc_summary", "summarize"): "doc_summary"}
 
 
 def collapsed_checkpoint(directory: Path) -> Path:
@@ -46,12 +47,12 @@ def collapsed_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def prompts(per_line: int = 6) -> list[tuple[str, str]]:
-    """``(business line, prompt)``: the first line or so of a few corpus samples per line, short as chat's are."""
+def prompts(per_kind: int = 6) -> list[tuple[str, str, str]]:
+    """``(business line, task, prompt)``: the first line or so of a few corpus samples of each, short as chat's."""
     out = []
-    for line, domain in LINES.items():
-        for text in corpus.generate(domain, per_line, seed=15):
-            out.append((line, text[:60]))
+    for (line, task), domain in TRAFFIC.items():
+        for text in corpus.generate(domain, per_kind, seed=15):
+            out.append((line, task, text[:60]))
     return out
 
 
@@ -97,17 +98,25 @@ def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeo
         config = ServerConfig(model=str(checkpoint), device="cpu", rules=rules, state_dir=work / "state",
                               alert_interval=0.5, window_tokens=512, capture=True, retune=settings,
                               reference_model=BUNDLED if reference else None, policy_poll_seconds=None,
-                              admin_token=None, environ={"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"})
-        sidecar = Sidecar(config)
+                              admin_token=None)
+        previous = os.environ.get("MLA_WATCH_ONCALL_URL")
+        os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"  # the rules are read when the sidecar is made
+        try:
+            sidecar = Sidecar(config)
+        finally:
+            if previous is None:
+                del os.environ["MLA_WATCH_ONCALL_URL"]
+            else:
+                os.environ["MLA_WATCH_ONCALL_URL"] = previous
         with serve_app(sidecar.app) as url:
             assert sidecar.wait_ready(180), sidecar.load_error
             start = time.monotonic()
             fired: set[str] = set()
             with httpx.Client(base_url=url, timeout=120) as client:
-                for line, prompt in itertools.cycle(prompts()):
+                for line, task, prompt in itertools.cycle(prompts()):
                     if time.monotonic() - start > timeout:
                         break
-                    client.post("/v1/completions", headers={"X-Business-Line": line},
+                    client.post("/v1/completions", headers={"X-Business-Line": line, "X-Task": task},
                                 json={"prompt": prompt, "max_tokens": max_tokens, "seed": outcome.requests}
                                 ).raise_for_status()
                     outcome.requests += 1
