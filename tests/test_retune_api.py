@@ -27,6 +27,9 @@ def test_read_endpoints_show_jobs_and_versions(sidecar) -> None:
     assert versions["live"] == 0 and versions["last_good"] == 0
     initial = versions["versions"][0]
     assert initial["source"] == "initial" and len(initial["tensors"]) == 6  # weight and bias of 3 routers
+    # The bundled model's routers passed the start-up health check by the shipped rules: version 0 is a good reference.
+    assert initial["health"]["passed"] and initial["health"]["reason"] == "no rule breached"
+    assert initial["health"]["tokens"] >= 1000 and "RoutingEntropyLow" in initial["health"]["rules"]
     bad = httpx.get(url + "/v1/retune/jobs?limit=0")
     assert bad.status_code == 400
     assert error(bad)["message"] == 'limit="0" is invalid: expected an integer in [1, 1000]'
@@ -73,6 +76,18 @@ def test_promote_and_rollback_errors(sidecar) -> None:
     assert error(bad)["message"] == "version=\"one\" is invalid: expected a router version number"
     nothing = httpx.post(url + "/admin/retune/rollback", headers=AUTH)
     assert nothing.status_code == 409 and "nothing to roll back to (promotion stack [0])" in error(nothing)["message"]
+
+
+def test_mark_good_vouches_for_a_version_on_the_stack_and_names_a_bad_one(sidecar) -> None:
+    url, _ = sidecar
+    assert httpx.post(url + "/admin/retune/mark-good", json={"version": 0}).status_code == 401
+    marked = httpx.post(url + "/admin/retune/mark-good", json={"version": 0}, headers=AUTH)
+    assert marked.status_code == 200 and marked.json() == {"ok": True, "marked_good": 0, "last_good": 0}
+    missing = httpx.post(url + "/admin/retune/mark-good", json={"version": 99}, headers=AUTH)
+    assert missing.status_code == 400
+    assert error(missing)["message"] == "router version 99 does not exist: expected one of the versions 0 to 0"
+    bad = httpx.post(url + "/admin/retune/mark-good", json={"version": True}, headers=AUTH)
+    assert bad.status_code == 400 and error(bad)["param"] == "version"
 
 
 def test_a_proxying_sidecar_has_no_model_to_retune(tmp_path) -> None:

@@ -132,12 +132,19 @@ def test_a_job_short_of_captured_samples_waits_and_runs_again_by_itself_once_the
     # Waiting is not a rejection: no cooldown is held, and a new alert joins the waiting job.
     merged = service.submit(spec(routers=[OTHER]))
     assert merged["id"] == job["id"] and merged["spec"]["routers"] == [GATE, OTHER]
+    other_line = service.submit(spec(business_line="chat"))  # another line's alert: a job of its own, waiting too
+    assert other_line["id"] != job["id"]
     fill_capture(tmp_path / "capture.sqlite", count=60, seed=1)  # traffic goes on being captured
 
     job = final(service, job["id"])
 
     assert job["status"] == "promoted", job
     assert job["result"]["data"]["samples"] == 220  # the samples captured while it waited count
+    # The router it was for now serves the promoted version: the other line's job is superseded, not run.
+    superseded = final(service, other_line["id"])
+    assert superseded["status"] == "superseded" and superseded["result"]["superseded_by"] == job["id"]
+    assert superseded["result"]["error"] == (f"superseded: job {job['id']} promoted router version 1 for "
+                                             f"{OTHER}, {GATE}")
     assert ("bias", "waiting") in harness.outcomes and harness.outcomes[-1] == ("bias", "promoted")
     service.stop()
 

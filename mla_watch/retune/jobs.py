@@ -4,7 +4,8 @@ A job is ``pending`` when scheduled, ``running`` while it fits and gates, ``wait
 lacked data to decide (too few captured samples, or gates that could not tell with the held-out
 data there was: it runs again by itself later), and ends ``promoted``, ``rejected`` (a gate
 found the candidates worse; nothing changed in the live model) or ``failed`` (an error, a
-missing configuration, or still not enough data when its wait ran out). The store is a sqlite
+missing configuration, or still not enough data when its wait ran out) or ``superseded`` (another
+job promoted a version for all of its routers while it was pending or waiting). The store is a sqlite
 file in the state directory, so a job survives a restart: one found ``running`` at start-up was
 interrupted, and is retried (``attempts`` counts the tries) or failed, never forgotten.
 """
@@ -30,7 +31,7 @@ from mla_watch.sqlite import PrivateDatabase
 
 __all__ = ["FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
 
-FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed")
+FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed", "superseded")
 STATUSES: tuple[str, ...] = ("pending", "running", "waiting", *FINAL_STATUSES)
 
 

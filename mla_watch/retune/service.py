@@ -14,7 +14,9 @@ held-out set too small to tell) is ``waiting``: it runs again every ``retry_seco
 capture collects more, for at most ``max_wait_seconds``, then fails saying what it still
 needed. A waiting job, and one that failed for lack of data or configuration, holds no
 cooldown: only a job that tried a candidate does. New alerts for its business line and
-strategies join a waiting job, as they join a pending one.
+strategies join a waiting job, as they join a pending one. When a job promotes a version, the
+pending and waiting jobs for no other router than its own are ``superseded``: the router they
+were for is serving new tensors, and the alert that asked for them resolves or fires again.
 
 Promotion and rollback hold the model lock that the decode loop holds around each forward
 pass, so router tensors change between two passes and no in-flight request is dropped; the
@@ -24,6 +26,7 @@ serving.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +37,7 @@ from typing import Any
 
 from apscheduler.events import EVENT_JOB_MISSED, JobEvent
 from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
@@ -271,6 +275,8 @@ class RetuneService:
                 return record
         else:
             record = self.store.finish(job_id, status, result)
+        if status == "promoted":
+            self._supersede(record)
         log.info("re-tune job %s ended %s%s", job_id, status,
                  "" if status == "promoted" else f": {record['result'].get('error')}")
         if status == "rejected" and self._on_rejected is not None:
@@ -278,6 +284,18 @@ class RetuneService:
         if self._on_outcome is not None:
             self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)
         return record
+
+    def _supersede(self, promoted: Mapping[str, Any]) -> None:
+        routers = set(promoted["spec"]["routers"])
+        for record in self.store.list(limit=1000, statuses=["pending", "waiting"]):
+            if set(record["spec"]["routers"]) <= routers:
+                with contextlib.suppress(JobLookupError):
+                    self.scheduler.remove_job(record["id"])
+                self.store.finish(record["id"], "superseded", {
+                    "superseded_by": promoted["id"], "version": None, "attempts": [], "cannot_run": True,
+                    "error": f"superseded: job {promoted['id']} promoted router version "
+                             f"{promoted['result'].get('version')} for {', '.join(sorted(routers))}"})
+                log.info("re-tune job %s superseded by job %s", record["id"], promoted["id"])
 
     def _wait(self, job_id: str, result: dict[str, Any], since: float | None) -> dict[str, Any]:
         """Park a job that lacked data until its next try, or fail it once it has waited long enough."""
