@@ -16,6 +16,12 @@ strategy), waits for the job to end, then sends traffic again until the alert re
   column shows the rejected candidate's figures. (lr 1e-2, 4 epochs, balance weight 1.0 lifted
   the router to 4.72 bits but pushed perplexity to 2.92: rejected on both gates.)
 * ``restore``: the same damage, undone by re-applying router version 0.
+* ``deployed_broken``: the checkpoint itself has layer 1 collapsed, so router version 0 is the
+  damage (issue 15; ``tests/broken_deploy.py``): served with capture on, ``--reference-model``
+  the bundled checkpoint, the shipped rules with 0 s holds, short prompts of the four kinds of
+  traffic, 16 tokens each, until every layer-1 alert has resolved. Printed: seconds from the
+  first request to the first page and to the last resolution, the jobs' outcomes, the gate's
+  paired perplexity interval and held-out tokens, pages per alert.
 
 Printed per scenario: the job's outcome, seconds from the alert to the promoted router (the
 job's own ``trigger_to_promoted_seconds``) and from the fault to the resolved alert, layer 1's
@@ -40,7 +46,8 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import serve_app, wait_until  # the tests' loopback server helpers
+from broken_deploy import final_jobs, run_scenario  # the issue-15 scenario, shared with its test
+from conftest import serve_app  # the tests' loopback server helpers
 from receivers import running_receiver
 
 import mla_watch
@@ -48,7 +55,7 @@ from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.bias import copy_without_hooks
-from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 
 LAYER1 = "model.layers.1.mlp.gate"
@@ -65,10 +72,13 @@ def inject(model: torch.nn.Module, fault: str) -> None:
             gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(5)))
 
 
+PROMPTS = corpus.prompts("code", 64, seed=31)  # function signatures, ~25 tokens each: what the gate scores
+
+
 def send(url: str, count: int, start: int) -> None:
     for index in range(start, start + count):
         response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": "code_assistant"},
-                              json={"prompt": f"def parse_invoice_{index}(", "max_tokens": 60, "seed": index})
+                              json={"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 24, "seed": index})
         response.raise_for_status()
 
 
@@ -88,6 +98,13 @@ def alert_state(url: str) -> str | None:
     return layer1_alert(url).get("state")
 
 
+def ended(sidecar: Sidecar) -> bool:
+    """One job promoted, or every job ended."""
+    jobs = sidecar.retune.store.list(limit=20)
+    return bool(jobs) and (any(job["status"] == "promoted" for job in jobs)
+                           or all(job["status"] in FINAL_STATUSES for job in jobs))
+
+
 def run(strategy: str, held_out: list[list[int]]) -> dict:
     fault = SCENARIOS[strategy]
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-retune-"))
@@ -96,7 +113,7 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
                                                                    strategies=(strategy,)))
     with running_receiver() as receiver:
         os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"
-        settings = RetuneSettings(min_samples=12, strategy_options={"router_finetune": FINETUNE})
+        settings = RetuneSettings(min_samples=12, retry_seconds=5.0, strategy_options={"router_finetune": FINETUNE})
         config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.2,
                               window_tokens=256, capture=True, retune=settings, policy_poll_seconds=None,
                               admin_token=None)
@@ -122,14 +139,18 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
                 send(url, 1, sent)
                 sent += 1
             figures["bits_fault"] = layer1_alert(url).get("value") or layer1_bits(url)  # what paged
-            assert wait_until(lambda: sidecar.retune.store.list(limit=1) and sidecar.retune.store.list(limit=1)[0][
-                "status"] in ("promoted", "rejected", "failed"), timeout=900, interval=0.2)
-            job = sidecar.retune.store.list(limit=1)[0]
+            deadline = time.monotonic() + 900
+            while not ended(sidecar) and time.monotonic() < deadline:  # a job short of data waits for more
+                send(url, 1, sent)
+                sent += 1
+            jobs = sidecar.retune.store.list(limit=20)
+            job = next((j for j in jobs if j["status"] == "promoted"), jobs[0])
             gates = job["result"]["attempts"][-1].get("gates") or {"after": {"perplexity": None, "entropy_bits": {}}}
             figures.update(outcome=job["status"], candidate_ppl=gates["after"]["perplexity"],
                            candidate_bits=gates["after"]["entropy_bits"].get(LAYER1),
                            alert_to_promoted_s=job["result"]["timings"].get("trigger_to_promoted_seconds"))
-            while alert_state(url) == "firing" and sent < 80:
+            limit = sent + 40
+            while alert_state(url) == "firing" and sent < limit:
                 send(url, 1, sent)
                 sent += 1
             figures.update(fault_to_resolved_s=time.monotonic() - fault_at if alert_state(url) != "firing" else None,
@@ -137,31 +158,59 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
     return figures
 
 
+def deployed_broken() -> dict:
+    outcome = run_scenario(Path(tempfile.mkdtemp(prefix="mla-watch-bench-broken-")), reference=True,
+                           settings=RetuneSettings(retry_seconds=5.0), timeout=900)
+    jobs = final_jobs(outcome)
+    promoted = next((job for job in jobs if job["status"] == "promoted"), None)
+    paired = promoted["result"]["attempts"][-1]["gates"]["perplexity"] if promoted else {}
+    return {"fired_after_s": outcome.fired_after_s, "resolved_after_s": outcome.resolved_after_s,
+            "requests": outcome.requests, "bits_before": outcome.bits_before, "bits_after": outcome.bits_after,
+            "jobs": [job["status"] for job in jobs],
+            "strategy": promoted["result"]["strategy"] if promoted else None, "gate": paired,
+            "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=list(SCENARIOS), action="append")
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "deployed_broken"], action="append")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
     held_out = [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
                 for text in corpus.generate("code", 32, seed=777)]
-    rows = [run(strategy, held_out) for strategy in args.scenario or SCENARIOS]
+    chosen = args.scenario or [*SCENARIOS, "deployed_broken"]
+    rows = [run(strategy, held_out) for strategy in chosen if strategy in SCENARIOS]
+    broken = deployed_broken() if "deployed_broken" in chosen else None
 
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
-    print(f"{'strategy':<16}{'fault':<10}{'outcome':<10}{'alert->promoted s':>18}{'fault->resolved s':>18}"
-          f"{'bits healthy/fault/after':>26}{'ppl healthy/fault/after':>25}{'ppl after/healthy':>19}"
-          f"{'gate bits/ppl':>15}")
-    for row in rows:
-        bits = f"{row['bits_healthy']:.2f}/{row['bits_fault']:.2f}/{row['bits_after']:.2f}"
-        ppl = f"{row['ppl_healthy']:.3f}/{row['ppl_fault']:.3f}/{row['ppl_after']:.3f}"
-        print(f"{row['strategy']:<16}{row['fault']:<10}{row['outcome']:<10}{seconds(row['alert_to_promoted_s']):>18}"
-              f"{seconds(row['fault_to_resolved_s']):>18}{bits:>26}{ppl:>25}"
-              f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
-              f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
+    if rows:
+        print(f"{'strategy':<16}{'fault':<10}{'outcome':<10}{'alert->promoted s':>18}{'fault->resolved s':>18}"
+              f"{'bits healthy/fault/after':>26}{'ppl healthy/fault/after':>25}{'ppl after/healthy':>19}"
+              f"{'gate bits/ppl':>15}")
+        for row in rows:
+            bits = f"{row['bits_healthy']:.2f}/{row['bits_fault']:.2f}/{row['bits_after']:.2f}"
+            ppl = f"{row['ppl_healthy']:.3f}/{row['ppl_fault']:.3f}/{row['ppl_after']:.3f}"
+            print(f"{row['strategy']:<16}{row['fault']:<10}{row['outcome']:<10}{seconds(row['alert_to_promoted_s']):>18}"
+                  f"{seconds(row['fault_to_resolved_s']):>18}{bits:>26}{ppl:>25}"
+                  f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
+                  f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
+    if broken is not None:
+        gate = broken["gate"]
+        print(f"\ndeployed_broken: first page {seconds(broken['fired_after_s'])} s, every layer-1 alert resolved "
+              f"{seconds(broken['resolved_after_s'])} s after the first request ({broken['requests']} requests); "
+              f"layer 1 {broken['bits_before'] or 0:.2f} -> {broken['bits_after'] or 0:.2f} bits")
+        print(f"  jobs {broken['jobs']}; promoted by {broken['strategy']}: perplexity live {gate.get('live')} -> "
+              f"{gate.get('candidate')} [{gate.get('low')}, {gate.get('high')}] at {gate.get('confidence')} each side, "
+              f"limit {gate.get('limit')} ({gate.get('margin')}), {gate.get('decision')} on {gate.get('tokens')} "
+              f"held-out tokens")
+        print("  pages: " + ", ".join(f"{key}: {'/'.join(value)}" for key, value in broken["pages"].items()))
     if args.json:
         scenarios = [{**row, "ppl_after_over_healthy": row["ppl_after"] / row["ppl_healthy"]} for row in rows]
+        if broken is not None:
+            scenarios.append({"strategy": "deployed_broken", **broken})
         Path(args.json).write_text(json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios},
                                               indent=2) + "\n")
 

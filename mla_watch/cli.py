@@ -493,12 +493,14 @@ def _cmd_retune(args: argparse.Namespace) -> int:
         if args.wait <= 0:
             return 0
         deadline = time.monotonic() + args.wait
-        while job["status"] in ("pending", "running") and time.monotonic() < deadline:
+        while job["status"] in ("pending", "running", "waiting") and time.monotonic() < deadline:
             time.sleep(0.5)
             job = _admin(args, "GET", f"/v1/retune/jobs/{job['id']}")
         _print_jobs([job])
         result = job.get("result") or {}
-        if job["status"] != "promoted":
+        if job["status"] == "waiting":
+            print(f"waiting for more data after --wait: {result.get('needs')}")
+        elif job["status"] != "promoted":
             print(f"{job['status']}: {result.get('error') or 'still running after --wait'}")
         return 0 if job["status"] == "promoted" else 1
     if args.retune_command == "list":

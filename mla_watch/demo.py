@@ -205,7 +205,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     import torch
 
     from mla_watch.models import corpus
-    from mla_watch.retune.jobs import RetuneSettings
+    from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
     from mla_watch.server.app import ServerConfig, Sidecar
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +223,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     job: dict[str, Any] | None = None
     prompts = {domain: itertools.cycle(corpus.prompts(domain, 40, seed=2024)) for domain in corpus.DOMAINS}
     config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
-                          window_tokens=192, capture=True, retune=RetuneSettings(min_samples=12),
+                          window_tokens=192, capture=True, retune=RetuneSettings(min_samples=12, retry_seconds=5.0),
                           history_interval_seconds=1.0,
                           policy_poll_seconds=None, admin_token=None, public_url="http://127.0.0.1/demo")
     sidecar = Sidecar(config)
@@ -287,12 +287,14 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             if until(lambda: receiver.seen("firing"), "waiting for the page", 120):
                 events["on-call paged"] = now()
 
-                def job_done() -> bool:
+                def job_done() -> bool:  # one promoted, or every one ended (a job short of data waits: not yet)
                     jobs = client.get("/v1/retune/jobs").json()["jobs"]
-                    return bool(jobs) and jobs[-1]["status"] not in ("pending", "running")
+                    return bool(jobs) and (any(j["status"] == "promoted" for j in jobs)
+                                           or all(j["status"] in FINAL_STATUSES for j in jobs))
 
                 if until(job_done, "the re-tune job runs (bias re-fit on the captured traffic)", 300):
-                    job = client.get("/v1/retune/jobs").json()["jobs"][-1]
+                    jobs = client.get("/v1/retune/jobs").json()["jobs"]
+                    job = next((j for j in jobs if j["status"] == "promoted"), jobs[0])
                     if job["status"] == "promoted":
                         events["re-tune promoted"] = now()
                     view.say(f"re-tune job {job['status']}")

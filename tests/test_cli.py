@@ -47,7 +47,7 @@ def test_rules_export_is_accepted_by_promtool(tmp_path) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: .ci/run installs Debian's prometheus package"
     checked = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True)
-    shipped = len(load_rules_dir(SHIPPED_RULES, environ={}).rules)  # the seed's two, their relative twins, companions, forecasts
+    shipped = len(load_rules_dir(SHIPPED_RULES, environ={}).rules)  # seeds, relative twins, companions, forecasts
     assert shipped == 10
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"SUCCESS: {shipped} rules found" in checked.stdout
