@@ -7,22 +7,26 @@ its trained value plus ordinary noise (DeepSeek's balancing nudges it all the ti
 drift, ``drift_per_hour`` x hours on a few experts: those experts win a little more traffic each
 hour and the router's entropy sinks, over days, from healthy to below RoutingEntropyLow's 5.0 bits.
 The records go to an :class:`~mla_watch.alerting.engine.AlertEngine` with the shipped rules and to
-an in-memory routing history that is its trend source.
+the sidecar's durable routing history (:class:`~mla_watch.server.history_store.HistoryStore`, in a
+temporary directory, on the same simulated clock), which is the engine's trend source as in
+``mla-watch serve``.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-from memory_history import MemoryHistory
 
 import mla_watch
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.server.history_store import HISTORY_FILE, HistoryStore
 from mla_watch.shipped import SHIPPED_RULES
 
 __all__ = ["DRIFTING_ROUTER", "LINE", "Firing", "Replay", "replay", "shipped_rules"]
@@ -47,7 +51,6 @@ class Replay:
     steps: int
     firings: list[Firing] = field(default_factory=list)
     entropy: list[tuple[float, float]] = field(default_factory=list)  # (hours, the drifting router's bits)
-    history: MemoryHistory = field(default_factory=MemoryHistory)  # what the trend rules read
 
     def first(self, alertname: str, router: str = DRIFTING_ROUTER) -> Firing | None:
         return next((f for f in self.firings if f.alertname == alertname and f.router == router), None)
@@ -86,7 +89,9 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
     vocab = int(model.config.vocab_size)
     clock = _Clock(START)
     out = Replay(hours=hours, steps=int(hours * 60 / step_minutes))
-    history = out.history
+    state = tempfile.TemporaryDirectory(prefix="mla-watch-drift-")
+    history = HistoryStore(Path(state.name) / HISTORY_FILE, interval_seconds=step_minutes * 60.0,
+                           span_seconds=max(3600.0, step_minutes * 60.0), clock=clock)
     engine = AlertEngine(rules if rules is not None else shipped_rules(), clock=clock, trend_source=history)
     probe = mla_watch.attach(model, window_tokens=window_tokens)
     hour_set = -1
@@ -104,7 +109,7 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
                 probe.collect()
                 clock.now = START + elapsed * 3600.0
                 records = [*probe.stats(None), *probe.stats(LINE)]
-                history.add(clock.now, records)
+                history.record(records)
                 for action in engine.evaluate(records):
                     if action.kind == "notify" and action.alert.status == "firing":
                         labels = action.alert.labels
@@ -115,4 +120,6 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
     finally:
         gate.e_score_correction_bias.copy_(trained)
         probe.detach()
+        history.close()
+        state.cleanup()
     return out

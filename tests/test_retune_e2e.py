@@ -71,6 +71,18 @@ def finished_job(url: str, start: int, timeout: float = 400) -> tuple[dict, int]
     return last_job(url), start
 
 
+def until_paged(url: str, receiver, start: int, limit: int = 30) -> int:
+    """Traffic until RoutingEntropyLow pages for layer 1 (the window fills with the fault's routing); the
+    index of the next request."""
+    for index in range(start, start + limit):
+        if alerts_for(receiver, "RoutingEntropyLow", "firing"):
+            return index
+        traffic(url, 1, start=index)
+        wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "firing"), timeout=0.5)
+    assert alerts_for(receiver, "RoutingEntropyLow", "firing"), f"no page after {limit} requests"
+    return start + limit
+
+
 def held_out_texts() -> list[list[int]]:
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
     return [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -93,10 +105,7 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
             model = sidecar.engine.model
             with torch.no_grad():
                 model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0  # six experts win everything
-            traffic(url, 2, start=14)
-            assert wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "firing"), timeout=30)
-
-            job, sent = finished_job(url, start=16)
+            job, sent = finished_job(url, start=until_paged(url, receiver, 14))
             assert job["status"] == "promoted", job["result"]
             assert job["spec"]["trigger"]["source"] == "alert"
             assert job["spec"]["trigger"]["alertname"] == "RoutingEntropyLow"
@@ -148,10 +157,7 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             with torch.no_grad():  # a bad deploy: noise on one router's weights
                 weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)))
             damaged = router_state(model)
-            traffic(url, 5, start=14)
-            assert wait_until(lambda: alerts_for(receiver, "RoutingEntropyLow", "firing"), timeout=30)
-
-            job, _ = finished_job(url, start=19)
+            job, _ = finished_job(url, start=until_paged(url, receiver, 14))
             assert job["status"] in ("promoted", "rejected"), job["result"]
             (attempt,) = job["result"]["attempts"]
             assert attempt["strategy"] == "router_finetune"

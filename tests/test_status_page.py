@@ -320,7 +320,7 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     history = [(r["data-kind"], r["data-version"]) for r in retuned.find(tag="tr") if "data-kind" in r]
     assert history == [("rollback", "0"), ("promote", "1"), ("initial", "0")]
     (retune_after,) = retuned.find(tag="div", id="retune-body")
-    assert "live router version 0 · last version that passed its gates 1" in retune_after["text"]
+    assert "live router version 0 · last known-good version 1" in retune_after["text"]
 
 
 def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path) -> None:

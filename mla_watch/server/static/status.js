@@ -477,7 +477,7 @@ function renderRetune(retune, engine) {
     ))) : el("p", { class: "empty" }, "No re-tuning job yet.");
   const history = [...retune.promotions].reverse();
   $("retune-body").replaceChildren(
-    el("p", {}, `live router version ${retune.live} · last version that passed its gates ${retune.last_good}`),
+    el("p", {}, `live router version ${retune.live} · last known-good version ${retune.last_good ?? "none (restore needs --reference-model or mark-good)"}`),
     jobs,
     el("h3", {}, "Promote / rollback history"),
     history.length ? table(["at", "change", "version", "previous"], history.map((entry) => el("tr", {
