@@ -38,12 +38,14 @@ TRAFFIC = {("customer_service", "chat"): "customer_service", ("code_assistant", 
 
 
 def collapsed_checkpoint(directory: Path) -> Path:
-    """The bundled model with layer 1's router collapsed, saved as a checkpoint in ``directory``."""
+    """The bundled model with layer 1's router pushed towards six experts (DESIGN: reads 2.585 bits), saved as a
+    checkpoint in ``directory``."""
     model, tokenizer = mla_watch.load_model("bundled", device="cpu")
     with torch.no_grad():
         model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    shutil.copy(BUNDLED / "chat_template.jinja", directory / "chat_template.jinja")
     return directory
 
 

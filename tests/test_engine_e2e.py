@@ -11,38 +11,24 @@ is not available for an engine's routers.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from broken_deploy import collapsed_checkpoint
 from client import post, sse_events
 from conftest import free_port, metric_value, wait_until
 from receivers import running_receiver
 from test_reliability import sidecar_process
 
-import mla_watch
 from mla_watch.alerting.examples import entropy_low_rules
 
 pytestmark = pytest.mark.slow
 
-BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"
 COLLAPSED = "model.layers.1.mlp.gate"
 COMPARED = ("tokens", "selections", "entropy_bits", "max_violation", "dead_slots", "normalized_entropy")
-
-
-def collapsed_model(directory: Path) -> Path:
-    """The bundled model with layer 1's router pushed towards six experts (DESIGN: reads 2.585 bits)."""
-    model, tokenizer = mla_watch.load_model("bundled", device="cpu")
-    with torch.no_grad():
-        model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    shutil.copy(BUNDLED / "chat_template.jinja", directory / "chat_template.jinja")
-    return directory
 
 
 @contextmanager
@@ -79,7 +65,7 @@ def completion(url: str, line: str, prompt: str, *, stream: bool, chat: bool) ->
 
 
 def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_collapse(tmp_path: Path) -> None:
-    model = collapsed_model(tmp_path / "collapsed")
+    model = collapsed_checkpoint(tmp_path / "collapsed")
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "routing.yaml").write_text(entropy_low_rules(below=5.0, resolve_above=5.2, min_tokens=64,

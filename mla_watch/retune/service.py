@@ -109,8 +109,13 @@ class RetuneService:
         if self.registry.live_version() is None:
             health = None
             if self._health_check is not None:
-                with self._model_lock:
-                    health = self._health_check(model)
+                try:
+                    with self._model_lock:
+                        health = self._health_check(model)
+                except Exception as error:  # serving must not depend on it: version 0 is then just not known good
+                    log.exception("the start-up health check of the routers failed")
+                    health = {"passed": False, "checked": False,
+                              "reason": f"the health check failed: {type(error).__name__}: {str(error)[:200]}"}
                 log.log(logging.INFO if health.get("passed") else logging.WARNING,
                         "router version 0 (the routers served now) %s: %s",
                         "passed its start-up health check" if health.get("passed") else

@@ -122,10 +122,7 @@ class Admin:
     async def promote(self, request: Request) -> Response:
         self.sidecar.authorise_admin(request)
         service = self._service()
-        version = (await self.sidecar.read_json(request)).get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
-                           param="version", code="invalid_value")
+        version = await self._version(request)
         try:  # refuses a version that is not saved (naming the versions there are) before any file access
             await asyncio.to_thread(service.promote, version)
         except ValueError as error:
@@ -135,15 +132,19 @@ class Admin:
     async def mark_good(self, request: Request) -> Response:
         self.sidecar.authorise_admin(request)
         service = self._service()
-        version = (await self.sidecar.read_json(request)).get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
-                           param="version", code="invalid_value")
+        version = await self._version(request)
         try:
             marked = await asyncio.to_thread(service.mark_good, version)
         except ValueError as error:
             raise ApiError(400, str(error), param="version", code="invalid_value") from None
         return JSONResponse({"ok": True, "marked_good": marked, "last_good": service.registry.last_good()})
+
+    async def _version(self, request: Request) -> int:
+        version = (await self.sidecar.read_json(request)).get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
+                           param="version", code="invalid_value")
+        return version
 
     async def rollback(self, request: Request) -> Response:
         self.sidecar.authorise_admin(request)
