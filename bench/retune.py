@@ -167,7 +167,7 @@ def deployed_broken() -> dict:
     return {"fired_after_s": outcome.fired_after_s, "resolved_after_s": outcome.resolved_after_s,
             "requests": outcome.requests, "bits_before": outcome.bits_before, "bits_after": outcome.bits_after,
             "jobs": [job["status"] for job in jobs],
-            "strategy": promoted["result"]["strategy"] if promoted else None, "gate": paired,
+            "promoted_by": promoted["result"]["strategy"] if promoted else None, "gate": paired,
             "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()}}
 
 
@@ -202,7 +202,7 @@ def main() -> None:
         print(f"\ndeployed_broken: first page {seconds(broken['fired_after_s'])} s, every layer-1 alert resolved "
               f"{seconds(broken['resolved_after_s'])} s after the first request ({broken['requests']} requests); "
               f"layer 1 {broken['bits_before'] or 0:.2f} -> {broken['bits_after'] or 0:.2f} bits")
-        print(f"  jobs {broken['jobs']}; promoted by {broken['strategy']}: perplexity live {gate.get('live')} -> "
+        print(f"  jobs {broken['jobs']}; promoted by {broken['promoted_by']}: perplexity live {gate.get('live')} -> "
               f"{gate.get('candidate')} [{gate.get('low')}, {gate.get('high')}] at {gate.get('confidence')} each side, "
               f"limit {gate.get('limit')} ({gate.get('margin')}), {gate.get('decision')} on {gate.get('tokens')} "
               f"held-out tokens")
@@ -210,7 +210,7 @@ def main() -> None:
     if args.json:
         scenarios = [{**row, "ppl_after_over_healthy": row["ppl_after"] / row["ppl_healthy"]} for row in rows]
         if broken is not None:
-            scenarios.append({"strategy": "deployed_broken", **broken})
+            scenarios.append({"scenario": "deployed_broken", **broken})
         Path(args.json).write_text(json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios},
                                               indent=2) + "\n")
 
