@@ -10,11 +10,14 @@ import pytest
 import torch
 
 import mla_watch
+from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.models import corpus
 from mla_watch.retune.capture import TrafficCapture
+from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.registry import RouterVersions, router_state
 from mla_watch.retune.runner import Retuner
+from mla_watch.shipped import SHIPPED_RULES
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +32,8 @@ def retuner(tmp_path: Path, command: str) -> Retuner:
     for text in corpus.generate("code", 24, seed=11):
         capture.add("code_assistant", [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]])
     registry = RouterVersions(tmp_path / "routers")
-    registry.record_initial(model)
+    shipped = load_rules_dir(SHIPPED_RULES, environ={}).rules
+    registry.record_initial(model, startup_health(model, tokenizer, shipped))  # healthy: `restore` may use it
     lock = threading.Lock()
     return Retuner(model=model, tokenizer=tokenizer, registry=registry, capture=capture, model_lock=lock,
                    settings=RetuneSettings(min_samples=8, command=command, max_tokens_per_sample=128),
