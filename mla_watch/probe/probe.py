@@ -30,7 +30,6 @@ difference since the previous read into rolling windows (:class:`mla_watch.windo
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 import time
 import warnings
@@ -410,10 +409,12 @@ class Probe:
                     graph_call(router, output, args, kwargs)
                     return output
                 indices = read(output)
+                shape = indices.shape
                 current = self._current
-                if current is not None and indices.numel() == current.tokens * indices.shape[-1]:
+                if current is not None and indices.numel() == current.tokens * shape[-1]:
                     current.experts.append(indices)
                     current.expert_routers.append(router)
+                    current.expert_shapes.append(shape)
                 else:  # called outside the attached module's forward: count now, unattributed
                     count_alone(router, indices, None)
                 return output
@@ -431,10 +432,12 @@ class Probe:
             if indices.dim() == 2:
                 indices = indices.unsqueeze(0)
             mask = _call_argument(mask_argument, args, kwargs)
+            shape = indices.shape
             current = self._current
-            if current is not None and indices.shape[0] == current.batch and indices.shape[1] == current.seq:
+            if current is not None and shape[0] == current.batch and shape[1] == current.seq:
                 current.indexers.append(indices)
                 current.indexer_routers.append(router)
+                current.indexer_shapes.append(shape)
                 current.masks.append(mask)
             else:
                 count_alone(router, indices, mask)
@@ -492,10 +495,12 @@ class Probe:
             single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None)
             single.experts.append(indices)
             single.expert_routers.append(router)
+            single.expert_shapes.append(indices.shape)
         else:
             single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None)
             single.indexers.append(indices)
             single.indexer_routers.append(router)
+            single.indexer_shapes.append(indices.shape)
             single.masks.append(mask)
         single.layout()
         with self._pending_lock:
@@ -548,7 +553,8 @@ class Probe:
             batch, seq, row_base, valid = attributed
         else:
             batch, seq, row_base, valid = int(indices.shape[0]), int(indices.shape[1]), None, None
-        self._count_indexers([router], [indices], None if mask is None else [mask], 1, batch, seq, row_base, valid)
+        self._count_indexers([router], [indices], [int(indices.shape[-1])], None if mask is None else [mask], 1, batch,
+                             seq, row_base, valid)
 
     # ------------------------------------------------------------------ batched counting
     # On a CPU a tensor op costs microseconds of dispatch whatever its size, so the passes that
@@ -562,8 +568,8 @@ class Probe:
         if first.valid is not None:
             valid = first.valid.unsqueeze(0) if count == 1 else torch.stack([item.valid for item in passes])
         by_shape: dict[tuple[int, ...], list[int]] = {}
-        for position, indices in enumerate(first.experts):
-            by_shape.setdefault(tuple(indices.shape), []).append(position)
+        for position, shape in enumerate(first.expert_shapes):
+            by_shape.setdefault(shape, []).append(position)
         for positions in by_shape.values():
             routers = [first.expert_routers[position] for position in positions]
             chosen = [item.experts[position] for item in passes for position in positions]
@@ -578,10 +584,11 @@ class Probe:
         for mask_slot, positions in groups.items():
             routers = [first.indexer_routers[position] for position in positions]
             chosen = [item.indexers[position] for item in passes for position in positions]
+            widths = [item.indexer_shapes[position][-1] for item in passes for position in positions]
             masks = None
             if mask_slot is not None:
                 masks = [item.usable_masks[mask_slot] for item in passes]
-            self._count_indexers(routers, chosen, masks, count, batch, seq, row_base, valid)
+            self._count_indexers(routers, chosen, widths, masks, count, batch, seq, row_base, valid)
 
     def _row_base(self, lines: tuple[int, ...], batch: int) -> torch.Tensor:
         """``line * width`` per batch row, as a cached device tensor."""
@@ -611,7 +618,8 @@ class Probe:
             companions = [offset + slot for offset, slot in zip(offsets, slots, strict=True)]
             columns = _Columns(
                 offsets=column(offsets),
-                slots=column(slots),
+                first=torch.zeros((), dtype=torch.int64, device=self._device),
+                last=column([slot - 1 for slot in slots]),
                 top_k=column([router.info.top_k for router in routers]),
                 dropped=column([companion + _DROPPED for companion in companions]),
                 companions=torch.tensor(companions, dtype=torch.int64, device=self._device).view(1, -1)
@@ -621,6 +629,24 @@ class Probe:
                 self._cache(key, columns)
         return columns
 
+    def _pass_constants(self, keys: list[int], seq: int) -> torch.Tensor:
+        """``[4, passes]``: each pass's last key, first and end column among the concatenated masks, and
+        ``keys - seq`` (the key position of its first query).
+
+        ``torch.tensor`` converts a Python list element by element (~0.3 us each on a CPU), so eager
+        passes do this arithmetic in numpy and hand over one array (one copy on an accelerator);
+        traced code keeps plain Python, which a graph takes as constants.
+        """
+        if torch.compiler.is_compiling():
+            ends = [sum(keys[: n + 1]) for n in range(len(keys))]
+            rows = [[key - 1 for key in keys], [end - key for end, key in zip(ends, keys, strict=True)], ends,
+                    [key - seq for key in keys]]
+            return torch.tensor(rows, dtype=torch.int64, device=self._device)
+        array = np.array(keys, dtype=np.int64)
+        cumulative = np.cumsum(array)
+        tensor = torch.from_numpy(np.stack([array - 1, cumulative - array, cumulative, array - seq]))
+        return tensor if self._device.type == "cpu" else tensor.to(self._device)
+
     def _count_experts(self, routers: Sequence[_Router], chosen: list[torch.Tensor], count: int, batch: int,
                        seq: int, row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
         """Count ``chosen`` (pass-major: ``count`` passes x ``routers``) into the buffer."""
@@ -628,9 +654,10 @@ class Probe:
         picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
             count, len(routers), batch, seq, -1)
         # Every expert router is range checked: a pick outside [0, num_slots) must never land in
-        # another router's counters; it lands in this router's own dropped counter instead.
-        inside = (picks >= 0) & (picks < columns.slots)
-        index = torch.where(inside, picks + columns.offsets, columns.dropped)
+        # another router's counters; it lands in this router's own dropped counter instead. A pick is
+        # inside exactly when clamping to the range leaves it unchanged (two ops instead of four).
+        clipped = picks.clamp(min=columns.first, max=columns.last)
+        index = torch.where(clipped == picks, clipped + columns.offsets, columns.dropped)
         if row_base is not None:
             index = index + row_base.view(1, 1, batch, 1, 1)
         if valid is None:
@@ -649,11 +676,12 @@ class Probe:
             self._cache(key, ones)
         return ones
 
-    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor], masks: list[torch.Tensor] | None,
-                        count: int, batch: int, seq: int, row_base: torch.Tensor | None,
-                        valid: torch.Tensor | None) -> None:
-        """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``;
-        ``masks[n]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``), or ``None``.
+    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor], widths: Sequence[int],
+                        masks: list[torch.Tensor] | None, count: int, batch: int, seq: int,
+                        row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+        """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``
+        with ``widths`` picks; ``masks[n]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``),
+        or ``None``.
 
         The picks are laid out densely as ``[B, S, pass, router, width]`` so that every per-router and
         per-pass constant is a broadcast view, not a per-pick lookup: on a CPU an op costs its dispatch
@@ -663,19 +691,18 @@ class Probe:
         """
         routers_count = len(routers)
         entries = len(chosen)
-        widths = [int(item.shape[-1]) for item in chosen]
         width = max(widths)
         picks = torch.cat(chosen, dim=-1) if entries > 1 else chosen[0]  # [B, S, sum of widths]
         if width * entries != picks.shape[-1]:
             # masked_scatter_ fills the kept positions in row-major order: exactly the order of the cat.
-            keep = (torch.arange(width, device=self._device).view(1, -1)
-                    < torch.tensor(widths, device=self._device).view(-1, 1))
+            keep = torch.from_numpy(np.arange(width) < np.asarray(widths).reshape(-1, 1)).to(self._device)
             picks = picks.new_full((batch, seq, entries, width), -1).masked_scatter_(keep, picks)
         picks = picks.reshape(batch, seq, count, routers_count, width)
         columns = self._router_columns(routers)
-        slots, top_k = columns.slots.view(1, 1, 1, -1, 1), columns.top_k.view(1, 1, 1, -1, 1)
-        clamped = picks.clamp(min=0)
-        counted = (picks >= 0) & (picks < slots)
+        top_k = columns.top_k.view(1, 1, 1, -1, 1)
+        # In range exactly when clamping leaves a pick unchanged; the clamped pick is its slot.
+        clipped = picks.clamp(min=columns.first, max=columns.last.view(1, 1, 1, -1, 1))
+        counted = clipped == picks
         if valid is not None:  # [passes, B, S]
             counted = counted & valid.permute(1, 2, 0).reshape(batch, seq, count, 1, 1)
         choices = None
@@ -683,30 +710,27 @@ class Probe:
             allowed = torch.cat(masks, dim=-1) if count > 1 else masks[0]  # [B or 1, S, keys of every pass]
             if allowed.dtype != torch.bool:  # additive float mask: blocked keys hold a very negative number
                 allowed = allowed > torch.finfo(allowed.dtype).min / 2
-            keys = [int(mask.shape[-1]) for mask in masks]
-            bounds = [0, *itertools.accumulate(keys)]
-            per_pass = torch.tensor([keys, bounds[:-1]], dtype=torch.int64, device=self._device)
-            key_count, key_start = per_pass.view(2, 1, 1, count, 1, 1).unbind(0)
+            per_pass = self._pass_constants([mask.shape[-1] for mask in masks], seq)
+            last_key, start, _, shift = per_pass.view(4, 1, 1, count, 1, 1).unbind(0)
             # Keys a query was forced to return although its mask blocks them are not choices.
-            at = torch.minimum(clamped, key_count - 1) + key_start
+            at = torch.minimum(clipped, last_key) + start
             gathered = allowed.expand(batch, seq, allowed.shape[-1]).gather(-1, at.view(batch, seq, -1))
             counted = counted & gathered.view(counted.shape)
             # Keys each query could see: differences of a running sum at the passes' boundaries.
-            running = F.pad(allowed.cumsum(-1), (1, 0))
-            edges = running.index_select(-1, torch.tensor(bounds, dtype=torch.int64, device=self._device))
-            visible = (edges[..., 1:] - edges[..., :-1]).view(allowed.shape[0], seq, count, 1, 1)
-            # Locality only means something for queries that saw more keys than they may pick.
+            edges = F.pad(allowed.cumsum(-1), (1, 0)).index_select(-1, per_pass[1:3].reshape(-1))
+            visible = (edges[..., count:] - edges[..., :count]).view(allowed.shape[0], seq, count, 1, 1)
+            # Locality only means something for queries that saw more keys than they may pick; query s
+            # of pass n sits at key position keys[n] - seq + s.
             had_choice = counted & (visible > top_k)
-            position = key_count - seq + torch.arange(seq, device=self._device).view(1, seq, 1, 1, 1)
-            local = had_choice & (picks > position - top_k)
+            nearest = shift + torch.arange(seq, device=self._device).view(1, seq, 1, 1, 1) - top_k
+            local = had_choice & (clipped > nearest)
             # Per (kind, row, router): the companions are sums, so they are reduced before the scatter.
             choices = torch.stack([had_choice, local]).sum((2, 3, 5))  # [2, B, R]
         base = columns.offsets.view(1, 1, 1, -1, 1)
         if row_base is not None:
             base = base + row_base.view(batch, 1, 1, 1, 1)
-        index = torch.minimum(clamped, slots - 1) + base
         flat = self._buffer.view(-1)
-        flat.scatter_add_(0, index.reshape(-1), counted.to(torch.int64).reshape(-1))
+        flat.scatter_add_(0, (clipped + base).reshape(-1), counted.to(torch.int64).reshape(-1))
         tokens = (valid.sum((0, 2)) if valid is not None
                   else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device))
         tokens = tokens.view(1, batch, 1).expand(1, batch, routers_count)
@@ -747,8 +771,8 @@ class _Pass:
     A plain class with slots, filled by the router wrappers: it is built on every forward pass.
     """
 
-    __slots__ = ("batch", "expert_routers", "experts", "indexer_routers", "indexers", "lines", "mask_slots", "masks",
-                 "seq", "tokens", "usable_masks", "valid")
+    __slots__ = ("batch", "expert_routers", "expert_shapes", "experts", "indexer_routers", "indexer_shapes", "indexers",
+                 "lines", "mask_slots", "masks", "seq", "tokens", "usable_masks", "valid")
 
     def __init__(self, batch: int, seq: int, lines: tuple[int, ...], valid: torch.Tensor | None) -> None:
         self.batch = batch
@@ -758,8 +782,10 @@ class _Pass:
         self.valid = valid  # [batch, seq] bool, False for padding; None: every token counts
         self.experts: list[torch.Tensor] = []
         self.expert_routers: list[_Router] = []
+        self.expert_shapes: list[torch.Size] = []
         self.indexers: list[torch.Tensor] = []
         self.indexer_routers: list[_Router] = []
+        self.indexer_shapes: list[torch.Size] = []
         self.masks: list[Any] = []  # per indexer: the mask argument it was called with
         self.mask_slots: list[int | None] = []  # per indexer: its mask in usable_masks
         self.usable_masks: list[torch.Tensor] = []
@@ -795,9 +821,9 @@ class _Pass:
             self.lines,
             self.valid is None,
             self.expert_routers,
-            [indices.shape for indices in self.experts],
+            self.expert_shapes,
             self.indexer_routers,
-            [indices.shape[:-1] for indices in self.indexers],
+            [shape[:-1] for shape in self.indexer_shapes],
             self.mask_slots,
             mask_layout,
         )
@@ -809,7 +835,8 @@ class _Columns:
     """Device tensors locating a group of routers' counters in a buffer row (cached per group)."""
 
     offsets: torch.Tensor  # [1, R, 1, 1, 1] first counter column of each router
-    slots: torch.Tensor  # [1, R, 1, 1, 1]
+    first: torch.Tensor  # 0-d zero: the lowest slot, as a tensor so that one clamp takes both bounds
+    last: torch.Tensor  # [1, R, 1, 1, 1] highest slot (num_slots - 1)
     top_k: torch.Tensor  # [1, R, 1, 1, 1]
     dropped: torch.Tensor  # [1, R, 1, 1, 1] column of each router's dropped-picks counter
     companions: torch.Tensor  # [3, R] columns of tokens, choice and local selections
