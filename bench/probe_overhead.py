@@ -233,7 +233,7 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
     print(f"  replayed: the probe's own work is {replayed * 1e6:.1f} us per decode step (best of 40 replays of "
           f"{replay_tokens} recorded steps; median {replayed_median * 1e6:.1f} us) on a {step * 1e3:.2f} ms step "
           f"(best of 5) = x{1 + replayed / step:.4f}")
-    forward, added, low, high = paired_forward_cost(model, prompt, pairs=max(100, 20 * alternations))
+    forward, added, low, high = paired_forward_cost(model, prompt, pairs=300)
     print(f"  one 8-token forward pass: {forward * 1e3:.2f} ms without hooks; the probe adds "
           f"{added * 1e6:.0f} us (quartiles {low * 1e6:.0f} to {high * 1e6:.0f} us) = x{1 + added / forward:.4f}")
     figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,

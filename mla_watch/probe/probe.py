@@ -813,18 +813,19 @@ class _Pass:
             identities: dict[tuple, int] = {}
             batch, seq = self.batch, self.seq
             for mask in self.masks:
-                usable = _usable_mask(mask, batch, seq)
-                if usable is None:
+                # _usable_mask's test, inlined with the shape read once: this runs per indexer per pass.
+                shape = mask.shape if isinstance(mask, torch.Tensor) else None
+                if shape is None or len(shape) != 3 or shape[1] != seq or shape[0] not in (1, batch):
                     self.mask_slots.append(None)
                     continue
                 # Views of one mask (one per layer) are the same mask: gather against it once.
-                identity = (usable.data_ptr(), usable.shape, usable.stride(), usable.dtype)
+                identity = (mask.data_ptr(), shape, mask.stride(), mask.dtype)
                 slot = identities.get(identity)
                 if slot is None:
                     slot = identities[identity] = len(self.usable_masks)
-                    self.usable_masks.append(usable)
-                    mask_layout.append((usable.shape[:-1], usable.dtype))
-                    elements += usable.numel()
+                    self.usable_masks.append(mask)
+                    mask_layout.append((shape[:-1], mask.dtype))
+                    elements += mask.numel()
                 self.mask_slots.append(slot)
         # Lists compare element by element (routers by identity first): no tuple is built per pass.
         key = (
