@@ -559,8 +559,9 @@ class Probe:
 
     # ------------------------------------------------------------------ batched counting
     # On a CPU a tensor op costs microseconds of dispatch whatever its size, so the passes that
-    # wait together are counted in a fixed number of ops: one stack of every router's choices
-    # per kind, the range check, one scatter_add_.
+    # wait together are counted in a fixed number of ops: one stack (experts) or one flatten
+    # (indexers, whose pick counts differ) of every router's choices, range checks as one clamp
+    # and one comparison, one scatter_add_ for the picks and one for the companions.
     def _count_passes(self, passes: list[_Pass]) -> None:
         first = passes[0]
         count, batch, seq = len(passes), first.batch, first.seq
