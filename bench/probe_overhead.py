@@ -115,8 +115,9 @@ def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int
 
 def replayed_step_cost(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
                        repeats: int = 40) -> tuple[float, float, float]:
-    """The probe's own cost per decode step (best and median of ``repeats``: the minimum is what the work
-    costs when the shared machine leaves it alone), and the decode step it is added to (seconds).
+    """The probe's own cost per decode step (best: the fastest watched replay less the fastest bare one, what
+    the work costs when the shared machine leaves it alone; and the median of ``repeats`` paired differences),
+    and the decode step it is added to (seconds).
 
     The router outputs of ``tokens`` real decode steps are recorded once, then the probe is fed
     exactly those passes (its wrappers, its batching, its flushes) with the model's compute taken
@@ -154,10 +155,12 @@ def replayed_step_cost(model: torch.nn.Module, prompt: torch.Tensor, tokens: int
             probe._flush_pending()  # what a reader would pay for the steps still waiting
         return (time.perf_counter() - start) / len(decode)
 
-    added = [replay(True) - replay(False) for _ in range(repeats)]
+    watched, bare = zip(*((replay(True), replay(False)) for _ in range(repeats)), strict=True)
     probe.detach()
     step = min(decode_seconds(model, prompt, tokens)[0] / tokens for _ in range(max(3, repeats // 8)))
-    return min(added), statistics.median(added), step
+    # Best: each side's own minimum (the minimum of differences picks the round whose bare replay was
+    # interrupted, and went negative on a loaded machine); median: of the paired differences.
+    return min(watched) - min(bare), statistics.median(w - b for w, b in zip(watched, bare, strict=True)), step
 
 
 ARMS = ("none", "control", "probe", "naive")  # "control": no hooks, a second time (the A/A check)
