@@ -98,16 +98,23 @@ def probe_specs(args: list[str]) -> list[Spec]:
 
         def ratio(figures: Figures, mode: str, key: str = key) -> str:
             r = figures["models"][key][f"{mode}_ratio"]
-            return f"{x(r['median'])} median (spread {r['min']:.2f}-{r['max']:.2f}, {len(r['values'])} alternations)"
+            low, high = r["ci95"]
+            return (f"{x(r['median'])} median (95% CI {low:.4f}-{high:.4f}, spread {r['min']:.2f}-{r['max']:.2f}, "
+                    f"{len(r['values'])} alternations)")
 
         def forward(figures: Figures, key: str = key) -> str:
             m = figures["models"][key]
             return f"{x(m['forward_ratio'])} ({m['forward_probe_added_us']:+.0f} us on {m['forward_ms']:.1f} ms)"
 
-        goal_met = (lambda f, key=key: f["models"][key]["probe_ratio"]["median"] <= 1.01) if key == "bundled" else None
+        # Met only when the whole interval of the median is at or below x1.01: a median under it whose
+        # interval straddles it is not a demonstration on a noisy machine.
+        goal_met = (lambda f, key=key: f["models"][key]["probe_ratio"]["ci95"][1] <= 1.01) if key == "bundled" else None
         specs += [
             Spec(f"{label}: decode time ratio, probe / no probe", "no hooks, same prompt and alternation",
-                 lambda f, ratio=ratio: ratio(f, "probe"), "<= +1% (x1.01)" if key == "bundled" else "", goal_met),
+                 lambda f, ratio=ratio: ratio(f, "probe"), "<= +1% (x1.01, 95% CI)" if key == "bundled" else "",
+                 goal_met),
+            Spec(f"{label}: decode time ratio, no probe / no probe (A/A noise floor)",
+                 "no hooks, same prompt and alternation", lambda f, ratio=ratio: ratio(f, "control")),
             Spec(f"{label}: decode time ratio, naive hook / no probe", "no hooks, same prompt and alternation",
                  lambda f, ratio=ratio: ratio(f, "naive")),
             Spec(f"{label}: the probe's own work per decode step, replayed", "the step without the probe",
@@ -341,8 +348,8 @@ def history_size_specs(args: list[str]) -> list[Spec]:
 
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
-    Bench("probe_overhead", ["--only", "bundled", "--alternations", "9", "--tokens", "32"],
-          ["--alternations", "15", "--tokens", "48"], probe_specs),
+    Bench("probe_overhead", ["--only", "bundled", "--alternations", "30", "--tokens", "16"],
+          ["--alternations", "80", "--tokens", "16"], probe_specs),
     Bench("server_overhead", ["--requests", "50", "--load-requests", "16"], ["--requests", "150"], server_specs),
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests

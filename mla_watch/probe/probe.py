@@ -35,13 +35,14 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 from torch.nn import functional as F
 
 from mla_watch.probe.agent import Shipper
@@ -395,31 +396,55 @@ class Probe:
         return output
 
     def _router_call(self, router: _Router) -> Callable[[Callable[..., Any], tuple, dict], Any]:
-        spec, expert = router.spec, router.expert
+        # Runs once per router per forward pass: everything it reads is bound here, so a call is a
+        # few local lookups and one list append (the counting happens at the flush).
+        read = router.spec.indices
+        compiling = torch.compiler.is_compiling
+        graph_call = self._graph_router_call
+        count_alone = self._count_alone
 
-        def call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-            output = original(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                self._graph_router_call(router, output, args, kwargs)
-                return output
-            indices = spec.indices(output)
-            current = self._current
-            if expert:
-                if current is not None and indices.numel() == current.tokens * indices.shape[-1]:
-                    current.experts.append((router, indices))
+        if router.expert:
+            def expert_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+                output = original(*args, **kwargs)
+                if compiling():
+                    graph_call(router, output, args, kwargs)
+                    return output
+                indices = read(output)
+                shape = indices.shape
+                current = self._current
+                if current is not None and indices.numel() == current.tokens * shape[-1]:
+                    current.experts.append(indices)
+                    current.expert_routers.append(router)
+                    current.expert_shapes.append(shape)
                 else:  # called outside the attached module's forward: count now, unattributed
-                    self._count_alone(router, indices, None)
+                    count_alone(router, indices, None)
                 return output
+
+            return expert_call
+
+        mask_argument = router.spec.mask_argument
+
+        def indexer_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+            output = original(*args, **kwargs)
+            if compiling():
+                graph_call(router, output, args, kwargs)
+                return output
+            indices = read(output)
             if indices.dim() == 2:
                 indices = indices.unsqueeze(0)
-            mask = _call_argument(spec.mask_argument, args, kwargs)
-            if current is not None and indices.shape[0] == current.batch and indices.shape[1] == current.seq:
-                current.indexers.append((router, indices, mask))
+            mask = _call_argument(mask_argument, args, kwargs)
+            shape = indices.shape
+            current = self._current
+            if current is not None and shape[0] == current.batch and shape[1] == current.seq:
+                current.indexers.append(indices)
+                current.indexer_routers.append(router)
+                current.indexer_shapes.append(shape)
+                current.masks.append(mask)
             else:
-                self._count_alone(router, indices, mask)
+                count_alone(router, indices, mask)
             return output
 
-        return call
+        return indexer_call
 
     def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
         tokens_input = _tokens_input(args, kwargs)
@@ -442,7 +467,7 @@ class Probe:
     def _end(self, current: _Pass) -> None:
         recording = getattr(self._recording, "current", None)
         if recording is not None and current.experts:
-            recording.add(current.batch, current.seq, [indices for _, indices in current.experts])
+            recording.add(current.batch, current.seq, current.experts)
         key, mask_elements = current.layout()
         with self._pending_lock:
             if self._pending and key != self._pending_key:
@@ -468,9 +493,16 @@ class Probe:
     def _count_alone(self, router: _Router, indices: torch.Tensor, mask: Any) -> None:
         """A router called outside a watched model forward: its pass is its own, on the default line."""
         if router.expert:
-            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None, experts=[(router, indices)])
+            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None)
+            single.experts.append(indices)
+            single.expert_routers.append(router)
+            single.expert_shapes.append(indices.shape)
         else:
-            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None, indexers=[(router, indices, mask)])
+            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None)
+            single.indexers.append(indices)
+            single.indexer_routers.append(router)
+            single.indexer_shapes.append(indices.shape)
+            single.masks.append(mask)
         single.layout()
         with self._pending_lock:
             self._count_passes([single])
@@ -522,13 +554,14 @@ class Probe:
             batch, seq, row_base, valid = attributed
         else:
             batch, seq, row_base, valid = int(indices.shape[0]), int(indices.shape[1]), None, None
-        self._count_indexers([router], [indices], None if mask is None else [mask], [0], 1, batch, seq, row_base,
-                             valid)
+        self._count_indexers([router], [indices], [int(indices.shape[-1])], None if mask is None else [mask], 1, batch,
+                             seq, row_base, valid)
 
     # ------------------------------------------------------------------ batched counting
     # On a CPU a tensor op costs microseconds of dispatch whatever its size, so the passes that
-    # wait together are counted in a fixed number of ops: one stack of every router's choices
-    # per kind, the range check, one scatter_add_.
+    # wait together are counted in a fixed number of ops: one stack (experts) or one flatten
+    # (indexers, whose pick counts differ) of every router's choices, range checks as one clamp
+    # and one comparison, one scatter_add_ for the picks and one for the companions.
     def _count_passes(self, passes: list[_Pass]) -> None:
         first = passes[0]
         count, batch, seq = len(passes), first.batch, first.seq
@@ -537,11 +570,11 @@ class Probe:
         if first.valid is not None:
             valid = first.valid.unsqueeze(0) if count == 1 else torch.stack([item.valid for item in passes])
         by_shape: dict[tuple[int, ...], list[int]] = {}
-        for position, (_, indices) in enumerate(first.experts):
-            by_shape.setdefault(tuple(indices.shape), []).append(position)
+        for position, shape in enumerate(first.expert_shapes):
+            by_shape.setdefault(shape, []).append(position)
         for positions in by_shape.values():
-            routers = [first.experts[position][0] for position in positions]
-            chosen = [item.experts[position][1] for item in passes for position in positions]
+            routers = [first.expert_routers[position] for position in positions]
+            chosen = [item.experts[position] for item in passes for position in positions]
             self._count_experts(routers, chosen, count, batch, seq, row_base, valid)
         if not first.indexers:
             return
@@ -551,13 +584,13 @@ class Probe:
         for position, mask_slot in enumerate(first.mask_slots):
             groups.setdefault(mask_slot, []).append(position)
         for mask_slot, positions in groups.items():
-            routers = [first.indexers[position][0] for position in positions]
-            chosen = [item.indexers[position][1] for item in passes for position in positions]
+            routers = [first.indexer_routers[position] for position in positions]
+            chosen = [item.indexers[position] for item in passes for position in positions]
+            widths = [item.indexer_shapes[position][-1] for item in passes for position in positions]
             masks = None
             if mask_slot is not None:
                 masks = [item.usable_masks[mask_slot] for item in passes]
-            self._count_indexers(routers, chosen, masks, list(range(count)) if masks else [], count, batch, seq,
-                                 row_base, valid)
+            self._count_indexers(routers, chosen, widths, masks, count, batch, seq, row_base, valid)
 
     def _row_base(self, lines: tuple[int, ...], batch: int) -> torch.Tensor:
         """``line * width`` per batch row, as a cached device tensor."""
@@ -587,15 +620,44 @@ class Probe:
             companions = [offset + slot for offset, slot in zip(offsets, slots, strict=True)]
             columns = _Columns(
                 offsets=column(offsets),
-                slots=column(slots),
+                first=torch.zeros((), dtype=torch.int64, device=self._device),
+                last=column([slot - 1 for slot in slots]),
                 top_k=column([router.info.top_k for router in routers]),
                 dropped=column([companion + _DROPPED for companion in companions]),
-                companions=torch.tensor(companions, dtype=torch.int64, device=self._device).view(-1, 1, 1)
-                + torch.arange(_LOCAL + 1, device=self._device),
+                companions=torch.tensor(companions, dtype=torch.int64, device=self._device).view(1, -1)
+                + torch.arange(_LOCAL + 1, device=self._device).view(-1, 1),
             )
             if not torch.compiler.is_compiling():
                 self._cache(key, columns)
         return columns
+
+    def _mask_constants(self, keys: list[int], rows: int, seq: int) -> torch.Tensor:
+        """Where each pass's mask lies among the flattened masks, as one 1-D device tensor.
+
+        ``keys[n]`` is pass ``n``'s mask length and every mask is ``[rows, seq, keys[n]]``. In order:
+        each pass's last key (``passes``); the first and the end position of the keys of each
+        (pass, mask row, query) (``passes * rows * seq`` each); each (pass, query)'s own key position
+        ``keys[n] - seq + s`` (``passes * seq``). ``torch.tensor`` converts a list element by element
+        (~0.3 us each on a CPU), so eager flushes do this arithmetic in numpy and hand over one array
+        (one copy on an accelerator); traced code (one pass) keeps plain Python, which a graph takes
+        as constants.
+        """
+        if torch.compiler.is_compiling():
+            start, firsts, ends, positions = 0, [], [], []
+            for key in keys:
+                firsts += [start + row * key for row in range(rows * seq)]
+                ends += [start + row * key + key for row in range(rows * seq)]
+                positions += [key - seq + query for query in range(seq)]
+                start += rows * seq * key
+            return torch.tensor([key - 1 for key in keys] + firsts + ends + positions, dtype=torch.int64,
+                                device=self._device)
+        array = np.asarray(keys, dtype=np.int64)
+        blocks = rows * seq * array
+        firsts = (np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]
+        positions = array[:, None] - seq + np.arange(seq)[None, :]
+        host = np.concatenate([array - 1, firsts.ravel(), (firsts + array[:, None]).ravel(), positions.ravel()])
+        tensor = torch.from_numpy(host)
+        return tensor if self._device.type == "cpu" else tensor.to(self._device)
 
     def _count_experts(self, routers: Sequence[_Router], chosen: list[torch.Tensor], count: int, batch: int,
                        seq: int, row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
@@ -604,9 +666,10 @@ class Probe:
         picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
             count, len(routers), batch, seq, -1)
         # Every expert router is range checked: a pick outside [0, num_slots) must never land in
-        # another router's counters; it lands in this router's own dropped counter instead.
-        inside = (picks >= 0) & (picks < columns.slots)
-        index = torch.where(inside, picks + columns.offsets, columns.dropped)
+        # another router's counters; it lands in this router's own dropped counter instead. A pick is
+        # inside exactly when clamping to the range leaves it unchanged (two ops instead of four).
+        clipped = picks.clamp(min=columns.first, max=columns.last)
+        index = torch.where(clipped == picks, clipped + columns.offsets, columns.dropped)
         if row_base is not None:
             index = index + row_base.view(1, 1, batch, 1, 1)
         if valid is None:
@@ -625,72 +688,74 @@ class Probe:
             self._cache(key, ones)
         return ones
 
-    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor],
-                        masks: list[torch.Tensor] | None, mask_of_pass: list[int], count: int, batch: int, seq: int,
+    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor], widths: Sequence[int],
+                        masks: list[torch.Tensor] | None, count: int, batch: int, seq: int,
                         row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
-        """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``;
-        ``masks[mask_of_pass[n]]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``).
+        """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``
+        with ``widths`` picks; ``masks[n]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``),
+        or ``None``.
 
-        Short contexts give fewer picks than ``index_topk``, growing by one per decode step, so every
-        entry's picks are concatenated along the last axis (one op, however ragged) and each pick
-        column carries its entry's router and pass through a small lookup table.
+        The picks are laid out densely as ``[pass, router, B, S, width]`` so that every per-router and
+        per-pass constant is a broadcast view, not a per-pick lookup: on a CPU an op costs its dispatch
+        whatever its size, and a gathered per-pick table cost more than all the comparisons together.
+        Short contexts give fewer picks than ``index_topk`` (one more per decode step); those entries
+        are padded with ``-1``, which no range check counts.
         """
         routers_count = len(routers)
-        widths = [int(item.shape[-1]) for item in chosen]
-        picks = torch.cat(chosen, dim=-1) if len(chosen) > 1 else chosen[0]  # [B, S, L]
-        keys = [int(masks[mask_of_pass[n]].shape[-1]) for n in range(count)] if masks is not None else [0] * count
-        starts = [sum(keys[:n]) for n in range(count)]
-        # Per entry (pass n, router r): pass, counter offset, slots, top_k, keys and first key of its mask.
-        table = [
-            (n, router.offset, router.info.num_slots, router.info.top_k, keys[n], starts[n])
-            for n in range(count)
-            for router in routers
-        ]
-        # output_size: the length is known here, so neither a CUDA sync nor a data-dependent shape in a graph.
-        entry = torch.repeat_interleave(torch.tensor(widths, dtype=torch.int64, device=self._device),
-                                        output_size=sum(widths))
-        per_pick = torch.tensor(table, dtype=torch.int64, device=self._device)[entry]  # [L, 6]
-        pass_of, offsets, slots, top_k, key_count, key_start = per_pick.unbind(-1)
-        counted = (picks >= 0) & (picks < slots)
-        if valid is not None:
-            counted = counted & valid.permute(1, 2, 0).index_select(-1, pass_of)
-        had_choice = local = None
+        entries = len(chosen)
+        width = max(widths)
+        # Entry after entry, each [B, S, width] block flattened: flatten_dense_tensors views every input
+        # as 1-D in C++ and concatenates with the serial kernel, where torch.cat of ragged [B, S, w]
+        # blocks along the last dim copies input by input (3.5x slower for a flush of 48 decode steps).
+        picks = _flatten_dense_tensors(chosen) if entries > 1 else chosen[0].reshape(-1)
+        if width * entries * batch * seq != picks.numel():
+            # masked_scatter_ fills the kept positions in row-major order: exactly the order of the blocks.
+            keep = np.arange(width) < np.asarray(widths).reshape(-1, 1, 1, 1)
+            picks = picks.new_full((entries, batch, seq, width), -1).masked_scatter_(
+                torch.from_numpy(keep).to(self._device), picks)
+        picks = picks.view(count, routers_count, batch, seq, width)
+        columns = self._router_columns(routers)
+        # In range exactly when clamping leaves a pick unchanged; the clamped pick is its slot.
+        clipped = picks.clamp(min=columns.first, max=columns.last)
+        counted = clipped == picks
+        if valid is not None:  # [passes, B, S]
+            counted = counted & valid.view(count, 1, batch, seq, 1)
+        choices = None
         if masks is not None:
-            allowed = torch.cat(masks, dim=-1) if len(masks) > 1 else masks[0]
+            rows = int(masks[0].shape[0])  # 1 or B, the same in every pass (part of the layout key)
+            allowed = _flatten_dense_tensors(masks) if count > 1 else masks[0].reshape(-1)
             if allowed.dtype != torch.bool:  # additive float mask: blocked keys hold a very negative number
                 allowed = allowed > torch.finfo(allowed.dtype).min / 2
+            queries = count * rows * seq
+            constants = self._mask_constants([int(mask.shape[-1]) for mask in masks], rows, seq)
+            last_key = constants[:count].view(count, 1, 1, 1, 1)
+            firsts = constants[count:count + queries].view(count, 1, rows, seq, 1)
             # Keys a query was forced to return although its mask blocks them are not choices.
-            at = torch.minimum(picks.clamp(min=0), key_count - 1) + key_start
-            counted = counted & allowed.expand(batch, seq, allowed.shape[-1]).gather(-1, at)
-            # Keys each query could see: differences of a running sum at the passes' boundaries.
-            running = F.pad(allowed.cumsum(-1), (1, 0))
-            bounds = torch.tensor(starts + [start + key for start, key in zip(starts, keys, strict=True)],
-                                  dtype=torch.int64, device=self._device)
-            edges = running.index_select(-1, bounds)
-            visible = (edges[..., count:] - edges[..., :count]).index_select(-1, pass_of)
+            counted = counted & torch.take(allowed, torch.minimum(clipped, last_key) + firsts)
+            # Keys each query could see: differences of a running sum at its keys' first and end position.
+            edges = F.pad(allowed.cumsum(0), (1, 0)).index_select(0, constants[count:count + 2 * queries])
+            visible = (edges[queries:] - edges[:queries]).view(count, 1, rows, seq, 1)
             # Locality only means something for queries that saw more keys than they may pick.
-            had_choice = counted & (visible > top_k)
-            position = key_count - seq + torch.arange(seq, device=self._device).view(seq, 1)
-            local = had_choice & (picks > position - top_k)
-        index = torch.minimum(picks.clamp(min=0), slots - 1) + offsets
-        if row_base is not None:
-            index = index + row_base.view(batch, 1, 1)
+            had_choice = counted & (visible > columns.top_k)
+            nearest = constants[count + 2 * queries:].view(count, 1, 1, seq, 1) - columns.top_k
+            local = had_choice & (clipped > nearest)
+            # Per (kind, router, row): the companions are sums, so they are reduced before the scatter.
+            choices = torch.stack([had_choice, local]).sum((1, 4, 5))  # [2, R, B]
+        base = columns.offsets if row_base is None else columns.offsets + row_base.view(1, 1, batch, 1, 1)
         flat = self._buffer.view(-1)
-        flat.scatter_add_(0, index.reshape(-1), counted.to(torch.int64).reshape(-1))
-        if had_choice is not None and local is not None:
-            # Choice and local selections go straight to their companion columns, pick by pick.
-            column = offsets + slots + _CHOICE
-            if row_base is not None:
-                column = column + row_base.view(batch, 1, 1)
-            column = column.expand(batch, seq, column.shape[-1])
-            both = torch.cat([column, column + (_LOCAL - _CHOICE)], dim=-1)
-            flat.scatter_add_(0, both.reshape(-1), torch.cat([had_choice, local], dim=-1).to(torch.int64).reshape(-1))
+        flat.scatter_add_(0, (clipped + base).view(-1), counted.view(-1).to(torch.int64))
         tokens = (valid.sum((0, 2)) if valid is not None
                   else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device))
-        columns = self._router_columns(routers)
-        index = columns.companions[..., _TOKENS:_TOKENS + 1].view(routers_count, 1)
-        index = index + row_base.view(1, batch) if row_base is not None else index.expand(routers_count, batch)
-        flat.scatter_add_(0, index.reshape(-1), tokens.view(1, batch).expand(routers_count, batch).reshape(-1))
+        tokens = tokens.view(1, 1, batch).expand(1, routers_count, batch)
+        companions = columns.companions  # [tokens, choice, local] x R
+        if choices is None:
+            values, companions = tokens, companions[_TOKENS:_TOKENS + 1]
+        else:
+            values = torch.cat([tokens, choices])
+        index = companions.view(-1, routers_count, 1)
+        index = (index + row_base.view(1, 1, batch) if row_base is not None
+                 else index.expand(-1, routers_count, batch))
+        flat.scatter_add_(0, index.reshape(-1), values.reshape(-1))
 
 
 class RoutingRecording:
@@ -713,54 +778,68 @@ class RoutingRecording:
         return torch.cat([chosen[row] for chosen in self._passes], dim=0).numpy()
 
 
-@dataclass
 class _Pass:
-    """One forward pass of the watched model: its attribution and the router outputs it produced."""
+    """One forward pass of the watched model: its attribution and the router outputs it produced.
 
-    batch: int
-    seq: int
-    lines: tuple[int, ...]  # line per row (one line, one per row, or a divisor of the batch)
-    valid: torch.Tensor | None  # [batch, seq] bool, False for padding; None: every token counts
-    experts: list[tuple[_Router, torch.Tensor]] = field(default_factory=list)
-    indexers: list[tuple[_Router, torch.Tensor, Any]] = field(default_factory=list)
-    mask_slots: list[int | None] = field(default_factory=list)  # per indexer: its mask in usable_masks
-    usable_masks: list[torch.Tensor] = field(default_factory=list)
-    tokens: int = 0  # batch * seq, set once: the router wrappers compare against it on every call
+    A plain class with slots, filled by the router wrappers: it is built on every forward pass.
+    """
 
-    def __post_init__(self) -> None:
-        self.tokens = self.batch * self.seq
+    __slots__ = ("batch", "expert_routers", "expert_shapes", "experts", "indexer_routers", "indexer_shapes", "indexers",
+                 "lines", "mask_slots", "masks", "seq", "tokens", "usable_masks", "valid")
+
+    def __init__(self, batch: int, seq: int, lines: tuple[int, ...], valid: torch.Tensor | None) -> None:
+        self.batch = batch
+        self.seq = seq
+        self.tokens = batch * seq  # the expert wrappers compare against it on every call
+        self.lines = lines  # line per row (one line, one per row, or a divisor of the batch)
+        self.valid = valid  # [batch, seq] bool, False for padding; None: every token counts
+        self.experts: list[torch.Tensor] = []
+        self.expert_routers: list[_Router] = []
+        self.expert_shapes: list[torch.Size] = []
+        self.indexers: list[torch.Tensor] = []
+        self.indexer_routers: list[_Router] = []
+        self.indexer_shapes: list[torch.Size] = []
+        self.masks: list[Any] = []  # per indexer: the mask argument it was called with
+        self.mask_slots: list[int | None] = []  # per indexer: its mask in usable_masks
+        self.usable_masks: list[torch.Tensor] = []
 
     def layout(self) -> tuple[tuple, int]:
         """What must match for passes to be counted together, and the mask elements this pass keeps alive.
 
         Indexer pick counts and mask lengths may differ (a context grows by one key per decode step).
         """
-        identities: dict[tuple, int] = {}
         mask_layout = []
         elements = 0
-        for _, _, mask in self.indexers:
-            usable = _usable_mask(mask, self.batch, self.seq)
-            if usable is None:
-                self.mask_slots.append(None)
-                continue
-            # Views of one mask (one per layer) are the same mask: gather against it once.
-            identity = (usable.data_ptr(), tuple(usable.shape), tuple(usable.stride()), usable.dtype)
-            slot = identities.get(identity)
-            if slot is None:
-                slot = identities[identity] = len(self.usable_masks)
-                self.usable_masks.append(usable)
-                mask_layout.append((tuple(usable.shape[:-1]), usable.dtype))
-                elements += usable.numel()
-            self.mask_slots.append(slot)
+        if self.indexers:
+            identities: dict[tuple, int] = {}
+            batch, seq = self.batch, self.seq
+            for mask in self.masks:
+                # _usable_mask's test, inlined with the shape read once: this runs per indexer per pass.
+                shape = mask.shape if isinstance(mask, torch.Tensor) else None
+                if shape is None or len(shape) != 3 or shape[1] != seq or shape[0] not in (1, batch):
+                    self.mask_slots.append(None)
+                    continue
+                # Views of one mask (one per layer) are the same mask: gather against it once.
+                identity = (mask.data_ptr(), shape, mask.stride(), mask.dtype)
+                slot = identities.get(identity)
+                if slot is None:
+                    slot = identities[identity] = len(self.usable_masks)
+                    self.usable_masks.append(mask)
+                    mask_layout.append((shape[:-1], mask.dtype))
+                    elements += mask.numel()
+                self.mask_slots.append(slot)
+        # Lists compare element by element (routers by identity first): no tuple is built per pass.
         key = (
             self.batch,
             self.seq,
             self.lines,
             self.valid is None,
-            tuple((router.index, tuple(indices.shape)) for router, indices in self.experts),
-            tuple((router.index, tuple(indices.shape[:-1])) for router, indices, _ in self.indexers),
-            tuple(self.mask_slots),
-            tuple(mask_layout),
+            self.expert_routers,
+            self.expert_shapes,
+            self.indexer_routers,
+            [shape[:-1] for shape in self.indexer_shapes],
+            self.mask_slots,
+            mask_layout,
         )
         return key, elements
 
@@ -770,10 +849,11 @@ class _Columns:
     """Device tensors locating a group of routers' counters in a buffer row (cached per group)."""
 
     offsets: torch.Tensor  # [1, R, 1, 1, 1] first counter column of each router
-    slots: torch.Tensor  # [1, R, 1, 1, 1]
+    first: torch.Tensor  # 0-d zero: the lowest slot, as a tensor so that one clamp takes both bounds
+    last: torch.Tensor  # [1, R, 1, 1, 1] highest slot (num_slots - 1)
     top_k: torch.Tensor  # [1, R, 1, 1, 1]
     dropped: torch.Tensor  # [1, R, 1, 1, 1] column of each router's dropped-picks counter
-    companions: torch.Tensor  # [R, 1, 3] columns of tokens, choice and local selections
+    companions: torch.Tensor  # [3, R] columns of tokens, choice and local selections
 
 
 def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
