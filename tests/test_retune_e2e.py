@@ -157,7 +157,7 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             with torch.no_grad():  # a bad deploy: noise on one router's weights
                 weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)))
             damaged = router_state(model)
-            job, _ = finished_job(url, start=until_paged(url, receiver, 14))
+            job, sent = finished_job(url, start=until_paged(url, receiver, 14))
             assert job["status"] in ("promoted", "rejected"), job["result"]
             (attempt,) = job["result"]["attempts"]
             assert attempt["strategy"] == "router_finetune"
@@ -175,6 +175,8 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
                 gates = attempt["gates"]
                 assert gates["passed"] and gates["after"]["entropy_bits"][LAYER1] >= 5.5
             before_restore = router_state(model)
+            traffic(url, 24, start=sent)  # the restore job below runs on what was captured: enough for the gate
+
 
             refused = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
                           "--business-line", "code_assistant", "--wait", "120")

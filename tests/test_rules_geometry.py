@@ -94,8 +94,10 @@ def test_check_passes_the_shipped_rules_on_real_geometries(tmp_path, capsys, mon
     findings = lint(load_rules_dir(SHIPPED_RULES, environ=ONCALL), routers)
     watched = {f.rule for f in findings if f.severity == "info"}
     assert watched == {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingEntropyFalling"}
-    # until the server reads the routing history, check says that the early warnings are not judged
-    assert "warning: rule RoutingCollapseForecast" in out and "never judges it" in out
+    # serve keeps the routing history by default, and its trend rules read it: nothing to warn of
+    assert "never judges it" not in out
+    assert main(["check", "--model-config", str(config), "--history-retention", "0"]) == 0
+    assert "warning: rule RoutingCollapseForecast" in capsys.readouterr().out  # without it, say so
 
 
 def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch) -> None:
@@ -103,7 +105,10 @@ def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "info: rule RoutingCollapse" in out and "0 error(s)" in out
-    assert "info: rule RoutingCollapseForecast" in out and "warning: rule RoutingEntropyFalling" in out
+    assert "info: rule RoutingCollapseForecast" in out and "never judges it" not in out
+    assert main(["check", "--history-retention", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "warning: rule RoutingEntropyFalling" in out and "never judges it" in out
 
 
 class Clock:
