@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["next_token_loss", "next_token_losses"]
+__all__ = ["next_token_loss", "next_token_losses", "scored_targets"]
+
+
+def scored_targets(mask: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row: which next-token targets count (``[B, T-1]`` bool); known before any forward pass."""
+    scored = mask if loss_mask is None else loss_mask * mask
+    return scored[:, 1:] != 0
 
 
 def next_token_losses(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
@@ -17,8 +23,7 @@ def next_token_losses(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Ten
     still read as context. The paired perplexity gate compares two models row by row.
     """
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
-    scored = mask if loss_mask is None else loss_mask * mask
-    targets = ids[:, 1:].masked_fill(scored[:, 1:] == 0, -100)
+    targets = ids[:, 1:].masked_fill(~scored_targets(mask, loss_mask), -100)
     losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
                              reduction="none").view(targets.shape)
     return losses.sum(dim=1), (targets != -100).sum(dim=1)

@@ -46,6 +46,7 @@ from mla_watch.retune.data import (
 )
 from mla_watch.retune.gates import Band, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.loss import scored_targets
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
@@ -133,20 +134,21 @@ class Retuner:
         limit = self.settings.max_tokens_per_sample
         train_batches = make_batches(train, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
         held_batches = make_batches(held_out, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
-        data.update({"train_samples": len(train), "held_out_samples": len(held_out)})
+        held_tokens = sum(int(scored_targets(batch["attention_mask"], batch.get("loss_mask")).sum())
+                          for batch in held_batches)
+        data.update({"train_samples": len(train), "held_out_samples": len(held_out), "held_out_tokens": held_tokens})
         timings["data_seconds"] = round(self._clock() - started, 3)
+        if held_tokens < self.settings.min_held_out_tokens:  # no gate could decide: copy, score and fit nothing yet
+            return "waiting", {"needs": f"{held_tokens} scored held-out tokens in {len(held_out)} samples; the "
+                                        f"perplexity gate decides on at least {self.settings.min_held_out_tokens} "
+                                        f"(let more traffic be captured)",
+                               "attempts": [], "data": data, "cannot_run": True}
 
         mark = self._clock()
         work = self._copy_live()
         original = router_state(work)
         before = score_model(work, held_batches)
         timings["score_before_seconds"] = round(self._clock() - mark, 3)
-        data["held_out_tokens"] = before.tokens
-        if before.tokens < self.settings.min_held_out_tokens:  # no gate could decide: fit nothing yet
-            return "waiting", {"needs": f"{before.tokens} scored held-out tokens in {len(held_out)} samples; the "
-                                        f"perplexity gate decides on at least {self.settings.min_held_out_tokens} "
-                                        f"(let more traffic be captured)",
-                               "attempts": [], "data": data, "cannot_run": True}
         band = Band.from_dict(spec.band)
         watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
         attempts: list[dict[str, Any]] = []
