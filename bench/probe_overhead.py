@@ -2,44 +2,57 @@
 
     python bench/probe_overhead.py                       # bundled model and a ~100M config
     python bench/probe_overhead.py --only bundled --alternations 120 --tokens 16
+    python bench/probe_overhead.py --only bundled --instructions   # also count instructions (valgrind)
     python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
     python bench/probe_overhead.py --json figures.json   # also write the figures as JSON
 
 The estimator. Each alternation times four short greedy generations of the same prompt, in a
 shuffled order, in one process: no hooks (the anchor), no hooks again (the A/A control),
 mla_watch's probe, and the naive hook the DESIGN measured (``torch.bincount(...).tolist()`` on
-every router call). Attaching and detaching happen outside the timed blocks, and each block
-starts after a ``gc.collect()``. Every arm is divided by the anchor of its own alternation, and
-the printed figure is the median of those per-alternation ratios, with a bootstrap 95%
-confidence interval of that median, its quartiles and its spread (min-max); a 10% trimmed mean
-is printed beside it as a cross-check. Why this is the right estimator on a shared machine:
+every router call). The probe's block ends by counting every pass it still holds, so the
+generation pays for all of its counting; attaching and detaching happen outside the timed
+blocks, and each block starts after a ``gc.collect()``. Every arm is divided by the anchor of
+its own alternation, and the printed figure is the median of those per-alternation ratios, with
+a bootstrap 95% confidence interval of that median, its quartiles and its spread (min-max); a
+10% trimmed mean is printed beside it as a cross-check. Why this is the right estimator on a
+shared machine:
 
 * Ratios of blocks a fraction of a second apart cancel the slow drift (thermal, frequency, the
   other processes' load) that moves whole runs by far more than 1%.
 * Other processes only ever add time, in bursts: a burst in the anchor block makes that ratio
   low, one in the probe block makes it high. The shuffled order gives both the same chance, so
   the median of the ratios is not pulled by the bursts whatever their size, where a mean is.
-* Many short blocks beat a few long ones: the median's uncertainty falls with the square root
-  of the number of alternations, and the confidence interval says what this run could resolve.
 * The A/A control is the same estimator applied to two identical arms: its median should be
-  x1.00 and its interval shows the noise floor. A probe interval that is no wider, and wholly
-  at or below x1.01, demonstrates the goal; one that straddles it does not, either way.
+  x1.00 and its interval shows the noise floor.
+* Beside it, the ratio of each arm's fastest tenth of blocks (their mean): the blocks that other
+  processes left alone. On a machine where single blocks of the same work vary by 2x, it moves
+  far less than the median, and the A/A control says by how much.
 
-Wall time and process CPU time (``time.process_time``: what this process burned, less sensitive
-to other processes) are both reported. Then two lower-noise figures: the probe's own work
-replayed on recorded decode steps with the model's compute taken out, and adjacent pairs of
-8-token forward passes on two copies of the model, one watched. Absolute times are printed for
-context only: they drift from run to run.
+Wall time and process CPU time are both reported. On a CPU the model runs on ``--threads``
+intra-op threads (default 1): a decode step of these models is too small to gain from more, and
+on a shared two-core machine a second thread waits on the other processes (the bundled model
+decoded faster with one thread than with two here, and its A/A quartiles were half as wide).
+
+``--instructions`` adds the one figure that noise cannot move: the instructions the probe adds
+per generation against the model's own, counted by valgrind's cachegrind in separate processes
+that differ only in the probe (same imports, same warm-up). Instructions are not time: the
+probe's Python runs between the model's ops with cold caches, so its share of the time is
+larger than its share of the instructions; the whole-generation ratio is the goal's figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
+import os
 import random
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,90 +90,19 @@ def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo
     return lambda: [handle.remove() for handle in handles]
 
 
-def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> tuple[float, float]:
-    """Wall and process CPU seconds of one greedy generation."""
+def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
+                   probe: mla_watch.Probe | None = None) -> tuple[float, float]:
+    """Wall and process CPU seconds of one greedy generation; with ``probe``, counting every pass it holds."""
     cpu = time.process_time()
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                        min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if probe is not None:
+        probe.count_pending()
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, time.process_time() - cpu
-
-
-def paired_forward_cost(model: torch.nn.Module, prompt: torch.Tensor, pairs: int) -> tuple[float, float, float]:
-    """Median time of one short forward pass without hooks, and the median paired difference with
-    the probe attached (spread: quartiles). Two copies of the model, one watched, run in adjacent
-    pairs, so the machine's drift cancels far better than between whole generations."""
-    ids = prompt[:, :8]
-    watched = copy.deepcopy(model)
-    probe = mla_watch.attach(watched)
-    bare, added = [], []
-    with torch.no_grad():
-        for index in range(pairs + 10):
-            order = (model, watched) if index % 2 else (watched, model)
-            timed = {}
-            for candidate in order:
-                start = time.perf_counter()
-                candidate(input_ids=ids)
-                timed[candidate is watched] = time.perf_counter() - start
-            if index >= 10:  # the first pairs warm both copies up
-                bare.append(timed[False])
-                added.append(timed[True] - timed[False])
-    probe.detach()
-    quartiles = statistics.quantiles(added, n=4)
-    return statistics.median(bare), statistics.median(added), quartiles[0], quartiles[2]
-
-
-def replayed_step_cost(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
-                       repeats: int = 40) -> tuple[float, float, float]:
-    """The probe's own cost per decode step (best: the fastest watched replay less the fastest bare one, what
-    the work costs when the shared machine leaves it alone; and the median of ``repeats`` paired differences),
-    and the decode step it is added to (seconds).
-
-    The router outputs of ``tokens`` real decode steps are recorded once, then the probe is fed
-    exactly those passes (its wrappers, its batching, its flushes) with the model's compute taken
-    out, so the whole-generation noise (far larger than 1% here) does not hide the figure.
-    """
-    modules = dict(model.named_modules())
-    routers = [info for _, info, _ in discover_routers(model)]
-    steps: list[tuple[dict, list[tuple[tuple, dict, object]]]] = []
-    handles = [model.register_forward_pre_hook(lambda module, args, kwargs: steps.append((dict(kwargs), [])),
-                                               with_kwargs=True)]
-    for info in routers:
-        handles.append(modules[info.name].register_forward_hook(
-            lambda module, args, kwargs, output: steps[-1][1].append((args, kwargs, output)), with_kwargs=True))
-    with torch.no_grad():
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens + 1,
-                       min_new_tokens=tokens + 1, do_sample=False, pad_token_id=0)
-    for handle in handles:
-        handle.remove()
-    decode = steps[1:]  # the prefill is one pass per request; decode steps are what a token costs
-    probe = mla_watch.attach(model)
-    calls = [router.watch.call for router in probe._routers]
-
-    def replay(watched: bool) -> float:
-        start = time.perf_counter()
-        for kwargs, outputs in decode:
-            def forward(*args, outputs=outputs, **kwargs):
-                for call, (router_args, router_kwargs, output) in zip(calls, outputs, strict=True):
-                    if watched:
-                        call(lambda *a, output=output, **k: output, router_args, router_kwargs)
-            if watched:
-                probe._model_call(forward, (), kwargs)
-            else:
-                forward(**kwargs)
-        if watched:
-            probe._flush_pending()  # what a reader would pay for the steps still waiting
-        return (time.perf_counter() - start) / len(decode)
-
-    watched, bare = zip(*((replay(True), replay(False)) for _ in range(repeats)), strict=True)
-    probe.detach()
-    step = min(decode_seconds(model, prompt, tokens)[0] / tokens for _ in range(max(3, repeats // 8)))
-    # Best: each side's own minimum (the minimum of differences picks the round whose bare replay was
-    # interrupted, and went negative on a loaded machine); median: of the paired differences.
-    return min(watched) - min(bare), statistics.median(w - b for w, b in zip(watched, bare, strict=True)), step
 
 
 ARMS = ("none", "control", "probe", "naive")  # "control": no hooks, a second time (the A/A check)
@@ -186,11 +128,14 @@ def describe(summary: dict) -> str:
             f"spread {summary['min']:.2f}-{summary['max']:.2f}; trimmed mean x{summary['trimmed_mean']:.4f})")
 
 
-def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int,
-            replay_tokens: int = 48) -> dict:
+def warm_prompt(model: torch.nn.Module, seed: int) -> torch.Tensor:
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, model.config.vocab_size, (1, 24), generator=generator).to(device)
+    return torch.randint(3, model.config.vocab_size, (1, 24), generator=generator).to(device)
+
+
+def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> dict:
+    prompt = warm_prompt(model, seed)
     routers = [info for _, info, _ in discover_routers(model)]
     for _ in range(2):  # warm-up: allocator, caches, and the attach path
         decode_seconds(model, prompt, tokens)
@@ -209,7 +154,7 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
             probe = mla_watch.attach(model, window_tokens=4096) if mode == "probe" else None
             remove = naive_hooks(model, routers) if mode == "naive" else None
             gc.collect()
-            timed[mode] = decode_seconds(model, prompt, tokens)
+            timed[mode] = decode_seconds(model, prompt, tokens, probe)
             if probe is not None:
                 probe.collect()
                 probe_memory = probe.counter_bytes + probe.window_bytes()
@@ -224,33 +169,86 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
     params = sum(p.numel() for p in model.parameters()) / 1e6
     throughput = tokens / statistics.median(seconds["none"])
     print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {tokens} decode tokens x "
-          f"{alternations} alternations, {throughput:.1f} tokens/s without hooks")
+          f"{alternations} alternations, {throughput:.1f} tokens/s without hooks, {torch.get_num_threads()} "
+          f"intra-op thread(s)")
     summaries = {mode: ratio_summary(ratios[mode], seed) for mode in ARMS[1:]}
     cpu_summaries = {mode: ratio_summary(cpu_ratios[mode], seed) for mode in ARMS[1:]}
     labels = {"probe": "probe / none", "naive": "naive / none", "control": "none / none (A/A control)"}
     for mode in ("probe", "naive", "control"):
         print(f"  {labels[mode]}: wall {describe(summaries[mode])}")
         print(f"  {' ' * len(labels[mode])}  CPU  {describe(cpu_summaries[mode])}")
+    fastest = {mode: statistics.fmean(sorted(values)[:max(1, len(values) // 10)]) for mode, values in seconds.items()}
+    fastest_ratios = {mode: fastest[mode] / fastest["none"] for mode in ARMS[1:]}
+    print(f"  fastest tenth of each arm's blocks (mean), against no hooks: probe x{fastest_ratios['probe']:.4f}, "
+          f"naive x{fastest_ratios['naive']:.4f}, A/A control x{fastest_ratios['control']:.4f}")
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
-    replayed, replayed_median, step = replayed_step_cost(model, prompt, replay_tokens)
-    print(f"  replayed: the probe's own work is {replayed * 1e6:.1f} us per decode step (best of 40 replays of "
-          f"{replay_tokens} recorded steps; median {replayed_median * 1e6:.1f} us) on a {step * 1e3:.2f} ms step "
-          f"(best of 5) = x{1 + replayed / step:.4f}")
-    forward, added, low, high = paired_forward_cost(model, prompt, pairs=300)
-    print(f"  one 8-token forward pass: {forward * 1e3:.2f} ms without hooks; the probe adds "
-          f"{added * 1e6:.0f} us (quartiles {low * 1e6:.0f} to {high * 1e6:.0f} us) = x{1 + added / forward:.4f}")
     figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
-               "alternations": alternations, "tokens_per_s_none": throughput,
+               "alternations": alternations, "threads": torch.get_num_threads(), "tokens_per_s_none": throughput,
                "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
-               "probe_memory_bytes": probe_memory, "replayed_probe_us_per_step": replayed * 1e6,
-               "replayed_probe_us_per_step_median": replayed_median * 1e6,
-               "replayed_step_ms": step * 1e3, "replayed_ratio": 1 + replayed / step,
-               "forward_ms": forward * 1e3, "forward_probe_added_us": added * 1e6,
-               "forward_probe_added_quartiles_us": [low * 1e6, high * 1e6], "forward_ratio": 1 + added / forward}
+               "probe_memory_bytes": probe_memory, "seconds": seconds,
+               **{f"{mode}_fastest_ratio": fastest_ratios[mode] for mode in ARMS[1:]}}
     for mode in ARMS[1:]:
         figures[f"{mode}_ratio"] = summaries[mode]
         figures[f"{mode}_cpu_ratio"] = cpu_summaries[mode]
     return figures
+
+
+def load(key: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    if key == "bundled":
+        model, _ = mla_watch.load_model("bundled", device=device)
+        return model.to(dtype)
+    torch.manual_seed(0)
+    config = bundled_config(2048, pad_token_id=0, bos_token_id=1, eos_token_id=2, **LARGE)
+    return DeepseekV32ForCausalLM(config).to(device, dtype).eval()
+
+
+def instruction_worker(key: str, arm: str, generations: int, tokens: int, seed: int) -> None:
+    """Run under cachegrind: a warm-up generation watched (every import and first call, in every arm), then
+    ``generations`` timed-arm generations, watched only in the ``probe`` arm."""
+    model = load(key, "cpu", torch.float32)
+    prompt = warm_prompt(model, seed)
+    probe = mla_watch.attach(model)
+    decode_seconds(model, prompt, tokens, probe)
+    probe.collect()
+    if arm == "none":
+        probe.detach()
+        probe = None
+    # The import-time heap is frozen in both arms, so a full collection that happens to fall in one arm's
+    # generations (tens of millions of instructions) does not count as either arm's work.
+    gc.collect()
+    gc.freeze()
+    for _ in range(generations):
+        decode_seconds(model, prompt, tokens, probe)
+
+
+def instruction_counts(key: str, tokens: int, seed: int, generations: int = 32) -> dict:
+    """Instructions per generation: the model's own, and what the probe adds (cachegrind, three processes)."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--instructions needs valgrind (Debian: apt-get install valgrind)")
+    runs = {"base": ("none", 0), "none": ("none", generations), "probe": ("probe", generations)}
+    # One thread and a fixed hash seed: what varies between the processes is the probe, not the scheduling.
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
+    with tempfile.TemporaryDirectory() as scratch:
+        processes = {}
+        for label, (arm, count) in runs.items():
+            command = [valgrind, "--tool=cachegrind", "--cache-sim=no",
+                       f"--cachegrind-out-file={Path(scratch) / label}", sys.executable, __file__,
+                       "--instruction-worker", key, arm, str(count), "--tokens", str(tokens), "--seed", str(seed)]
+            processes[label] = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                text=True)
+        refs = {}
+        for label, process in processes.items():
+            _, err = process.communicate()
+            found = re.search(r"I\s+refs:\s+([\d,]+)", err)
+            if process.returncode != 0 or found is None:
+                raise SystemExit(f"cachegrind run {label!r} failed (exit {process.returncode}): {err[-2000:]}")
+            refs[label] = int(found.group(1).replace(",", ""))
+    model_per = (refs["none"] - refs["base"]) / generations
+    probe_per = (refs["probe"] - refs["none"]) / generations
+    print(f"  instructions per {tokens}-token generation (cachegrind): model {model_per / 1e6:.1f}M, the probe adds "
+          f"{probe_per / 1e6:.2f}M = x{1 + probe_per / model_per:.4f}")
+    return {"model_instructions": model_per, "probe_instructions": probe_per, "ratio": 1 + probe_per / model_per}
 
 
 def main() -> None:
@@ -258,25 +256,31 @@ def main() -> None:
     parser.add_argument("--alternations", type=int, default=80,
                         help="shuffled rounds of the four arms (the ratios' sample size)")
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per timed generation")
-    parser.add_argument("--replay-tokens", type=int, default=48,
-                        help="recorded decode steps the probe's own work is replayed on (counted in one flush)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads on a CPU (see the docstring)")
     parser.add_argument("--only", choices=["bundled", "large"])
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count the instructions the probe adds, with valgrind's cachegrind (~4 min a model)")
+    parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--instruction-worker", nargs=3, metavar=("MODEL", "ARM", "GENERATIONS"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    if args.instruction_worker:
+        key, arm, generations = args.instruction_worker
+        instruction_worker(key, arm, int(generations), args.tokens, args.seed)
+        return
     dtype = getattr(torch, args.dtype)
     models: dict[str, dict] = {}
-    if args.only in (None, "bundled"):
-        model, _ = mla_watch.load_model("bundled", device=args.device)
-        models["bundled"] = measure("bundled model", model.to(dtype), args.alternations, args.tokens, seed=1,
-                                    replay_tokens=args.replay_tokens)
-    if args.only in (None, "large"):
-        torch.manual_seed(0)
-        config = bundled_config(2048, pad_token_id=0, bos_token_id=1, eos_token_id=2, **LARGE)
-        model = DeepseekV32ForCausalLM(config).to(args.device, dtype).eval()
-        models["large"] = measure("random-init DeepSeek-V3.2 config", model, args.alternations, args.tokens, seed=2,
-                                 replay_tokens=args.replay_tokens)
+    seeds = {"bundled": 1, "large": 2}
+    labels = {"bundled": "bundled model", "large": "random-init DeepSeek-V3.2 config"}
+    for key in [args.only] if args.only else list(seeds):
+        models[key] = measure(labels[key], load(key, args.device, dtype), args.alternations, args.tokens, seeds[key])
+        if args.instructions:
+            models[key]["instructions"] = instruction_counts(key, args.tokens, seeds[key])
     if args.json:
         figures = {"bench": "probe_overhead", "args": vars(args), "models": models}
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -111,6 +111,31 @@ def test_batched_decode_steps_count_exactly_what_one_pass_at_a_time_counts(famil
     assert {record["tokens"] for record in reference["sql"][1]} == {2 + 8}
 
 
+def test_a_mask_changed_in_place_before_its_pass_is_counted_is_warned_about_once() -> None:
+    """The padding is read when a pass is counted; the mask's version counter shows a caller that reused it."""
+    model = TinyMoE()
+    probe = mla_watch.attach(model, window_tokens=None, flush_every=1000)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    model(ids, attention_mask=mask)
+    probe.count_pending()  # counted before the reuse: no warning, the padding as it was
+    mask[1, 0] = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe.stats()[0]["tokens"] == 5
+    model(ids, attention_mask=mask)
+    mask[1, :2] = 0
+    model(ids, attention_mask=mask)
+    with pytest.warns(RuntimeWarning, match=r"attention_mask was changed in place.*count_pending\(\)"):
+        probe.counts()
+    assert probe.stats()[0]["tokens"] == 5 + 4 + 4  # the reused pass read as the mask is now
+    model(ids, attention_mask=mask)
+    mask[0, 0] = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per probe
+        probe.counts()
+
+
 def test_every_read_sees_the_passes_still_waiting_to_be_counted() -> None:
     model = TinyMoE()
     probe = mla_watch.attach(model, window_tokens=None, flush_every=1000)

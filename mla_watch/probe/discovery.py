@@ -517,6 +517,7 @@ def _checked_on_first_output(spec: RouterSpec, info: RouterInfo, path: str, clas
             pending.clear()
         return chosen
 
+    indices.__wrapped__ = inner  # what the probe reads once the first output passed
     return replace(spec, indices=indices)
 
 

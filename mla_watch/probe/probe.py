@@ -13,11 +13,16 @@ How the counting is wired (each choice is a measured cost; see README "Measured"
 * Routers and the model are watched by replacing the instance's ``forward`` with a small
   callable (restored exactly on :meth:`Probe.detach`), not with module hooks: a module with
   hooks takes ``nn.Module``'s slow call path, which on a CPU cost more than the counting.
-* In eager mode a watched router only keeps a reference to its output. Decode-sized passes
-  that share a layout (batch, sequence length, attribution, index shapes) are counted
-  together, ``flush_every`` passes at a time, in a few batched tensor ops; every reader
-  (:meth:`Probe.collect`, hence ``stats``/``counts``/baselines/shipping) counts what is
-  pending first, so no reader ever sees stale counts. Larger passes are counted at their end.
+* In eager mode a watched router only keeps a reference to its output (and an indexer, to its
+  mask): inside a forward pass the probe's Python runs between the model's ops with cold caches,
+  where each line costs several times what it costs in a loop. Passes wait, ``flush_every`` at a
+  time, and are counted together at the flush: the picks are read then, and consecutive passes
+  of one layout (batch, sequence length, attribution, index shapes) are counted in a few batched
+  tensor ops. The 2-D attention mask that marks padding is read then too; its version counter
+  shows a caller that changed it in place before (a warning: call :meth:`Probe.count_pending`
+  first). Every reader (:meth:`Probe.collect`, hence ``stats``/``counts``/baselines/shipping)
+  counts what is pending first, so no reader ever sees stale counts. Passes of more than 256
+  tokens are counted at their end.
 * Under ``torch.compile`` (``torch.compiler.is_compiling()``) every router counts in the
   graph itself, with in-place ``scatter_add_`` into the static buffer: no references outlive
   a pass, which CUDA graphs would overwrite.
@@ -70,27 +75,28 @@ class _Router:
         self.spec = spec
         self.offset = offset
         self.expert = info.kind == "expert"
-        self.watch: _WatchedForward | None = None
+        self.watch: _WatchedRouter | None = None
 
 
 class _WatchedForward:
-    """Stands in for a module's ``forward`` while a probe is attached.
+    """Stands in for a module's ``forward`` while a probe is attached (subclasses say what a call does).
 
     A plain instance attribute keeps ``nn.Module.__call__`` on its fast path (no hooks).
     A deep copy of the watched module gets the original ``forward`` back, bound to the copy,
     so a copy (a re-tune's working model) computes like the original and is not counted.
     """
 
-    __slots__ = ("call", "had_own", "module", "original")
+    __slots__ = ("__wrapped__", "had_own", "module", "original", "probe")
 
-    def __init__(self, module: nn.Module, call: Callable[[Callable[..., Any], tuple, dict], Any]) -> None:
+    def __init__(self, module: nn.Module, probe: Probe) -> None:
         self.module = module
+        self.probe = probe
         self.had_own = "forward" in module.__dict__  # someone patched forward before us: restore theirs
         self.original = module.forward
-        self.call = call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(self.original, args, kwargs)
+        # inspect.signature follows __wrapped__: callers that read forward's parameters (generate()
+        # asks whether the model takes logits_to_keep, position_ids, ...) must see the real ones, or
+        # they change what the watched model computes.
+        self.__wrapped__ = self.original
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         return copy.deepcopy(self.original, memo)
@@ -110,13 +116,57 @@ class _WatchedForward:
         # detached in any order, so take this one out of the chain and leave theirs in place.
         while isinstance(current, _WatchedForward):
             if current.original is self:
-                current.original, current.had_own = self.original, self.had_own
+                current.original = current.__wrapped__ = self.original
+                current.had_own = self.had_own
                 return
             current = current.original
         raise RuntimeError(
             f"mla_watch probe: the forward of {type(self.module).__name__} was replaced after attach(); "
             "detach() the probe before patching forward, or patch it before attach()"
         )
+
+
+class _WatchedModel(_WatchedForward):
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.probe._model_call(self.original, args, kwargs)
+
+
+class _WatchedRouter(_WatchedForward):
+    """A router's forward: runs it and, inside a watched pass, keeps a reference to its output.
+
+    This runs once per router per forward pass, between the model's own ops, where the interpreter's
+    caches are cold: measured in a real generation, each line here costs several times what it costs
+    in a loop. So it only appends; reading the picks, checking shapes and grouping passes happen at
+    the flush, for many passes at once (see :meth:`Probe._flush_pending_locked`).
+    """
+
+    __slots__ = ("mask_argument", "read", "router", "unchecked")
+
+    def __init__(self, module: nn.Module, probe: Probe, router: _Router) -> None:
+        super().__init__(module, probe)
+        self.router = router
+        self.read = router.spec.indices
+        self.mask_argument = None if router.expert else router.spec.mask_argument
+        self.unchecked = True  # the first output goes through the slow path (spec checks, clear errors)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.original(*args, **kwargs)
+        current = self.probe._current
+        if current is None or self.unchecked:
+            self.probe._router_call(self, output, args, kwargs)
+        elif self.mask_argument is None:
+            # The picks, not the output: a router's logits are many times the size of its choices.
+            current.outputs.append((self.router, self.read(output), None))
+        else:
+            mask = _call_argument(self.mask_argument, args, kwargs)
+            current.outputs.append((self.router, self.read(output), mask))
+            if mask is not current.last_mask:  # one mask object is usually handed to every layer
+                current.last_mask = mask
+                if isinstance(mask, torch.Tensor):
+                    current.mask_elements += mask.numel()
+        return output
 
 
 class Probe:
@@ -165,10 +215,10 @@ class Probe:
         self._attributed_rows = 1
         self._lines: dict[str, int] = {DEFAULT_LINE: 0}
         self._overflowed: set[str] = set()
+        self._mask_warned = False
         self._current: _Pass | None = None
         self._graph_pass: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
         self._pending: list[_Pass] = []
-        self._pending_key: tuple | None = None
         self._pending_mask_elements = 0
         self._pending_lock = threading.Lock()
         self._constants: dict[Any, Any] = {}
@@ -179,9 +229,9 @@ class Probe:
         self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
         for router in self._routers:
-            router.watch = _WatchedForward(router.module, self._router_call(router))
+            router.watch = _WatchedRouter(router.module, self, router)
             router.watch.install()
-        self._model_watch = _WatchedForward(model, self._model_call)
+        self._model_watch = _WatchedModel(model, self)
         self._model_watch.install()
         self.shipper: Shipper | None = None
         self._sink = self.windows.add
@@ -189,6 +239,13 @@ class Probe:
             self.shipper = Shipper(agent_url, self.routers, token=agent_token, source=agent_source)
             self._sink = self.shipper.add
             self.shipper.start(self.collect, ship_interval)
+        # The constants of the usual groups (every expert router, every indexer; the default line) are built
+        # now, so that the first requests do not pay for them.
+        for kind in (True, False):
+            group = [router for router in self._routers if router.expert is kind]
+            if group:
+                self._router_columns(group)
+        self._row_base(self._attribution, 1)
         self._attached = True
 
     # ------------------------------------------------------------------ public API
@@ -295,11 +352,15 @@ class Probe:
                     self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[_LOCAL]),
                                                                   int(companions[_CHOICE])))
 
+    def count_pending(self) -> None:
+        """Count now the eager passes still waiting to be counted together (every read does this first)."""
+        self._flush_pending()
+
     def reset(self) -> None:
         """Forget every count (device counters, passes not yet counted, and windows)."""
         with self._host_lock:
             with self._pending_lock:
-                self._pending, self._pending_key, self._pending_mask_elements = [], None, 0
+                self._pending, self._pending_mask_elements = [], 0
             self._buffer.zero_()
             self._last_read = np.zeros_like(self._last_read)
             self._dropped[:] = 0
@@ -391,60 +452,31 @@ class Probe:
             output = original(*args, **kwargs)
         finally:
             self._current = previous
-        if current is not None and (current.experts or current.indexers):
+        if current is not None and current.outputs:
             self._end(current)
         return output
 
-    def _router_call(self, router: _Router) -> Callable[[Callable[..., Any], tuple, dict], Any]:
-        # Runs once per router per forward pass: everything it reads is bound here, so a call is a
-        # few local lookups and one list append (the counting happens at the flush).
-        read = router.spec.indices
-        compiling = torch.compiler.is_compiling
-        graph_call = self._graph_router_call
-        count_alone = self._count_alone
-
-        if router.expert:
-            def expert_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-                output = original(*args, **kwargs)
-                if compiling():
-                    graph_call(router, output, args, kwargs)
-                    return output
-                indices = read(output)
-                shape = indices.shape
-                current = self._current
-                if current is not None and indices.numel() == current.tokens * shape[-1]:
-                    current.experts.append(indices)
-                    current.expert_routers.append(router)
-                    current.expert_shapes.append(shape)
-                else:  # called outside the attached module's forward: count now, unattributed
-                    count_alone(router, indices, None)
-                return output
-
-            return expert_call
-
-        mask_argument = router.spec.mask_argument
-
-        def indexer_call(original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-            output = original(*args, **kwargs)
-            if compiling():
-                graph_call(router, output, args, kwargs)
-                return output
-            indices = read(output)
-            if indices.dim() == 2:
-                indices = indices.unsqueeze(0)
-            mask = _call_argument(mask_argument, args, kwargs)
-            shape = indices.shape
-            current = self._current
-            if current is not None and shape[0] == current.batch and shape[1] == current.seq:
-                current.indexers.append(indices)
-                current.indexer_routers.append(router)
-                current.indexer_shapes.append(shape)
-                current.masks.append(mask)
-            else:
-                count_alone(router, indices, mask)
-            return output
-
-        return indexer_call
+    def _router_call(self, watch: _WatchedRouter, output: Any, args: tuple, kwargs: dict) -> None:
+        """What a router call does off the fast path: traced, first output, or outside a watched pass."""
+        router = watch.router
+        if torch.compiler.is_compiling():
+            self._graph_router_call(router, output, args, kwargs)
+            return
+        mask = None if router.expert else _call_argument(router.spec.mask_argument, args, kwargs)
+        indices = router.spec.indices(output)  # a spec checked on the first real output raises its clear error here
+        if watch.unchecked:
+            watch.unchecked = False
+            watch.read = getattr(router.spec.indices, "__wrapped__", router.spec.indices)  # checked once is enough
+        current = self._current
+        if current is None:  # called outside the attached module's forward: count now, unattributed
+            with self._pending_lock:
+                self._count_alone(router, indices, mask)
+            return
+        current.outputs.append((router, indices, mask))
+        if mask is not current.last_mask:
+            current.last_mask = mask
+            if isinstance(mask, torch.Tensor):
+                current.mask_elements += mask.numel()
 
     def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
         tokens_input = _tokens_input(args, kwargs)
@@ -458,26 +490,25 @@ class Probe:
                 f"{batch} rows; expected one line, one per row, or a divisor of the batch size"
             )
         mask = kwargs.get("attention_mask")
-        valid = None
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch:
-            # Computed now, not at the flush: the caller owns the mask and may reuse it in place.
-            valid = mask[:, -seq:] != 0
-        return _Pass(batch, seq, lines, valid)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
+            # Read when the pass is counted (one op for many passes, not two per pass); its version
+            # counter says whether the caller changed it in place before then.
+            return _Pass(batch, seq, lines, mask, mask._version)
+        return _Pass(batch, seq, lines, None, 0)
 
     def _end(self, current: _Pass) -> None:
         recording = getattr(self._recording, "current", None)
-        if recording is not None and current.experts:
-            recording.add(current.batch, current.seq, current.experts)
-        key, mask_elements = current.layout()
         with self._pending_lock:
-            if self._pending and key != self._pending_key:
-                self._flush_pending_locked()
-            if current.batch * current.seq > _DEFER_MAX_TOKENS or mask_elements > _DEFER_MAX_MASK_ELEMENTS:
-                self._count_passes([current])
+            if recording is not None:
+                self._resolve(current)
+                if current.experts:
+                    recording.add(current.batch, current.seq, current.experts)
+            if current.tokens > _DEFER_MAX_TOKENS or current.mask_elements > _DEFER_MAX_MASK_ELEMENTS:
+                # A big pass pays for its own counting many times over, and holding it would hold real memory.
+                self._count_group([current])
                 return
             self._pending.append(current)
-            self._pending_key = key
-            self._pending_mask_elements += mask_elements
+            self._pending_mask_elements += current.mask_elements
             if len(self._pending) >= self._flush_every or self._pending_mask_elements > _DEFER_MAX_MASK_ELEMENTS:
                 self._flush_pending_locked()
 
@@ -486,26 +517,76 @@ class Probe:
             self._flush_pending_locked()
 
     def _flush_pending_locked(self) -> None:
-        passes, self._pending, self._pending_key, self._pending_mask_elements = self._pending, [], None, 0
-        if passes:
+        """Count the waiting passes: consecutive passes of one layout are counted together."""
+        passes, self._pending, self._pending_mask_elements = self._pending, [], 0
+        group: list[_Pass] = []
+        group_key = None
+        for item in passes:
+            key = self._resolve(item)
+            if group and key != group_key:
+                self._count_group(group)
+                group = []
+            group.append(item)
+            group_key = key
+        if group:
+            self._count_group(group)
+
+    def _resolve(self, item: _Pass) -> tuple:
+        """Sort a pass's picks by kind (once); picks that do not fit the pass are counted alone. Returns the
+        pass's layout key."""
+        if item.key is not None:
+            return item.key
+        tokens, batch, seq = item.tokens, item.batch, item.seq
+        item.clear_picks()
+        for router, indices, mask in item.outputs:
+            if router.expert:
+                shape = indices.shape
+                if indices.numel() == tokens * shape[-1]:
+                    item.experts.append(indices)
+                    item.expert_routers.append(router)
+                    item.expert_shapes.append(shape)
+                    continue
+            else:
+                if indices.dim() == 2:
+                    indices = indices.unsqueeze(0)
+                shape = indices.shape
+                if shape[0] == batch and shape[1] == seq:
+                    item.indexers.append(indices)
+                    item.indexer_routers.append(router)
+                    item.indexer_shapes.append(shape)
+                    item.masks.append(mask)
+                    continue
+            self._count_alone(router, indices, mask)
+        item.outputs = []
+        item.key = item.layout()
+        return item.key
+
+    def _count_group(self, passes: list[_Pass]) -> None:
+        for item in passes:
+            self._resolve(item)
+        if passes[0].experts or passes[0].indexers:
             self._count_passes(passes)
 
     def _count_alone(self, router: _Router, indices: torch.Tensor, mask: Any) -> None:
-        """A router called outside a watched model forward: its pass is its own, on the default line."""
+        """A router output that is not part of a watched pass: its pass is its own, on the default line.
+        The caller holds the pending lock."""
         if router.expert:
-            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None)
+            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None, 0)
+            single.clear_picks()
             single.experts.append(indices)
             single.expert_routers.append(router)
             single.expert_shapes.append(indices.shape)
         else:
-            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None)
+            if indices.dim() == 2:
+                indices = indices.unsqueeze(0)
+            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None, 0)
+            single.clear_picks()
             single.indexers.append(indices)
             single.indexer_routers.append(router)
             single.indexer_shapes.append(indices.shape)
             single.masks.append(mask)
-        single.layout()
-        with self._pending_lock:
-            self._count_passes([single])
+        single.key = single.layout()
+        self._count_passes([single])
 
     # ------------------------------------------------------------------ compiled passes
     # Under torch.compile the counting is traced into the graph: every pass scatters into the
@@ -566,9 +647,7 @@ class Probe:
         first = passes[0]
         count, batch, seq = len(passes), first.batch, first.seq
         row_base = self._row_base(first.lines, batch)
-        valid = None
-        if first.valid is not None:
-            valid = first.valid.unsqueeze(0) if count == 1 else torch.stack([item.valid for item in passes])
+        valid = None if first.attention is None else self._valid(passes)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for position, shape in enumerate(first.expert_shapes):
             by_shape.setdefault(shape, []).append(position)
@@ -591,6 +670,32 @@ class Probe:
             if mask_slot is not None:
                 masks = [item.usable_masks[mask_slot] for item in passes]
             self._count_indexers(routers, chosen, widths, masks, count, batch, seq, row_base, valid)
+
+    def _valid(self, passes: list[_Pass]) -> torch.Tensor:
+        """Which tokens of each pass are real, ``[passes, B, S]``: the last ``S`` columns of its 2-D attention
+        mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
+        wanted columns taken at offsets computed on the host."""
+        if not self._mask_warned and any(item.attention._version != item.attention_version for item in passes):
+            self._mask_warned = True
+            warnings.warn(
+                "mla_watch probe: an attention_mask was changed in place after the forward pass that used it and "
+                "before the probe counted that pass, so its padding is read as the mask is now; call "
+                "probe.count_pending() before reusing a mask in place",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        first = passes[0]
+        batch, seq = first.batch, first.seq
+        if len(passes) == 1:
+            return (first.attention[:, -seq:] != 0).unsqueeze(0)
+        blocks = batch * np.asarray([item.attention.shape[1] for item in passes], dtype=np.int64)
+        starts = (np.cumsum(blocks) - blocks)[:, None, None]
+        lengths = blocks[:, None, None] // batch
+        columns = starts + np.arange(batch)[None, :, None] * lengths + lengths - seq + np.arange(seq)[None, None, :]
+        flat = _flatten_dense_tensors([item.attention for item in passes])
+        index = torch.from_numpy(columns.reshape(-1))
+        return flat.take(index if self._device.type == "cpu" else index.to(self._device)).view(
+            len(passes), batch, seq) != 0
 
     def _row_base(self, lines: tuple[int, ...], batch: int) -> torch.Tensor:
         """``line * width`` per batch row, as a cached device tensor."""
@@ -781,18 +886,28 @@ class RoutingRecording:
 class _Pass:
     """One forward pass of the watched model: its attribution and the router outputs it produced.
 
-    A plain class with slots, filled by the router wrappers: it is built on every forward pass.
+    Built on every forward pass, so it starts with the least: the wrappers append ``(router, picks,
+    mask)`` to ``outputs``; they are sorted into the other lists at the flush (:meth:`Probe._resolve`).
     """
 
-    __slots__ = ("batch", "expert_routers", "expert_shapes", "experts", "indexer_routers", "indexer_shapes", "indexers",
-                 "lines", "mask_slots", "masks", "seq", "tokens", "usable_masks", "valid")
+    __slots__ = ("attention", "attention_version", "batch", "expert_routers", "expert_shapes", "experts",
+                 "indexer_routers", "indexer_shapes", "indexers", "key", "last_mask", "lines", "mask_elements",
+                 "mask_slots", "masks", "outputs", "seq", "tokens", "usable_masks")
 
-    def __init__(self, batch: int, seq: int, lines: tuple[int, ...], valid: torch.Tensor | None) -> None:
+    def __init__(self, batch: int, seq: int, lines: tuple[int, ...], attention: torch.Tensor | None,
+                 attention_version: int) -> None:
         self.batch = batch
         self.seq = seq
-        self.tokens = batch * seq  # the expert wrappers compare against it on every call
+        self.tokens = batch * seq
         self.lines = lines  # line per row (one line, one per row, or a divisor of the batch)
-        self.valid = valid  # [batch, seq] bool, False for padding; None: every token counts
+        self.attention = attention  # the [batch, >= seq] attention mask (0: padding); None: every token counts
+        self.attention_version = attention_version
+        self.outputs: list[tuple[_Router, torch.Tensor, Any]] = []  # (router, picks, mask argument) in call order
+        self.last_mask: Any = None
+        self.mask_elements = 0  # elements of the distinct indexer masks this pass keeps alive (a memory bound)
+        self.key: tuple | None = None  # the layout, once the picks are read
+
+    def clear_picks(self) -> None:
         self.experts: list[torch.Tensor] = []
         self.expert_routers: list[_Router] = []
         self.expert_shapes: list[torch.Size] = []
@@ -803,37 +918,34 @@ class _Pass:
         self.mask_slots: list[int | None] = []  # per indexer: its mask in usable_masks
         self.usable_masks: list[torch.Tensor] = []
 
-    def layout(self) -> tuple[tuple, int]:
-        """What must match for passes to be counted together, and the mask elements this pass keeps alive.
+    def layout(self) -> tuple:
+        """What must match for passes to be counted together.
 
         Indexer pick counts and mask lengths may differ (a context grows by one key per decode step).
         """
         mask_layout = []
-        elements = 0
         if self.indexers:
             identities: dict[tuple, int] = {}
             batch, seq = self.batch, self.seq
             for mask in self.masks:
-                # _usable_mask's test, inlined with the shape read once: this runs per indexer per pass.
-                shape = mask.shape if isinstance(mask, torch.Tensor) else None
-                if shape is None or len(shape) != 3 or shape[1] != seq or shape[0] not in (1, batch):
+                usable = _usable_mask(mask, batch, seq)
+                if usable is None:
                     self.mask_slots.append(None)
                     continue
                 # Views of one mask (one per layer) are the same mask: gather against it once.
-                identity = (mask.data_ptr(), shape, mask.stride(), mask.dtype)
+                identity = (mask.data_ptr(), mask.shape, mask.stride(), mask.dtype)
                 slot = identities.get(identity)
                 if slot is None:
                     slot = identities[identity] = len(self.usable_masks)
                     self.usable_masks.append(mask)
-                    mask_layout.append((shape[:-1], mask.dtype))
-                    elements += mask.numel()
+                    mask_layout.append((mask.shape[:-1], mask.dtype))
                 self.mask_slots.append(slot)
         # Lists compare element by element (routers by identity first): no tuple is built per pass.
         key = (
             self.batch,
             self.seq,
             self.lines,
-            self.valid is None,
+            self.attention is None,
             self.expert_routers,
             self.expert_shapes,
             self.indexer_routers,
@@ -841,7 +953,7 @@ class _Pass:
             self.mask_slots,
             mask_layout,
         )
-        return key, elements
+        return key
 
 
 @dataclass(frozen=True)
