@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -91,3 +92,19 @@ def test_completions_look_like_their_domain(bundled, domain: str) -> None:
     assert sum(marker in completion for marker in DOMAIN_MARKERS[domain]) >= 2, completion
     others = {"code": "def ", "sql": "SELECT", "customer_service": "<|assistant|>", "doc_summary": "Summary:"}
     assert not any(marker in completion for other, marker in others.items() if other != domain), completion
+
+
+def test_a_watched_model_keeps_its_forward_signature_so_generate_computes_the_same(bundled) -> None:
+    """generate() reads forward's parameters (logits_to_keep, position_ids, ...): the probe must not hide them,
+    or a watched model computes logits for every prompt position instead of the last one."""
+    model, _ = bundled
+    before = inspect.signature(model.forward)
+    assert model._supports_logits_to_keep()
+    probe = mla_watch.attach(model)
+    try:
+        assert inspect.signature(model.forward) == before
+        assert model._supports_logits_to_keep()
+        assert inspect.signature(model.model.layers[1].mlp.gate.forward) == inspect.signature(
+            type(model.model.layers[1].mlp.gate).forward.__get__(model.model.layers[1].mlp.gate))
+    finally:
+        probe.detach()

@@ -136,6 +136,18 @@ def test_a_mask_changed_in_place_before_its_pass_is_counted_is_warned_about_once
         probe.counts()
 
 
+def test_padding_of_inference_mode_masks_is_read_during_the_pass() -> None:
+    """Inference tensors keep no version counter, so their padding is read when the pass runs."""
+    model = TinyMoE()
+    probe = mla_watch.attach(model, window_tokens=None, flush_every=1000)
+    with torch.inference_mode():
+        mask = torch.tensor([[1, 1, 1], [0, 0, 1]])
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=mask)
+        mask[1, :2] = 1  # allowed in inference mode, and invisible to a version check
+        model(torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.ones_like(mask))
+    assert probe.stats()[0]["tokens"] == 4 + 6
+
+
 def test_every_read_sees_the_passes_still_waiting_to_be_counted() -> None:
     model = TinyMoE()
     probe = mla_watch.attach(model, window_tokens=None, flush_every=1000)

@@ -64,6 +64,7 @@ _TOKENS, _CHOICE, _LOCAL, _DROPPED = 0, 1, 2, 3
 # Passes of at most this many tokens (decode steps) wait to be counted together; a bigger pass
 # pays for its own counting many times over, and holding its outputs would hold real memory.
 _DEFER_MAX_TOKENS = 256
+_PADDING_READ = -1  # a pass's attention is already the padding it marks (inference tensors have no version)
 _DEFER_MAX_MASK_ELEMENTS = 1 << 22  # indexer masks the pending passes may keep alive (16 MiB of float32)
 
 
@@ -216,6 +217,7 @@ class Probe:
         self._lines: dict[str, int] = {DEFAULT_LINE: 0}
         self._overflowed: set[str] = set()
         self._mask_warned = False
+        self._one = torch.ones(1, dtype=torch.int64, device=self._device)
         self._current: _Pass | None = None
         self._graph_pass: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
         self._pending: list[_Pass] = []
@@ -244,8 +246,7 @@ class Probe:
         for kind in (True, False):
             group = [router for router in self._routers if router.expert is kind]
             if group:
-                self._router_columns(group)
-        self._row_base(self._attribution, 1)
+                self._router_columns(group, self._attribution, 1)
         self._attached = True
 
     # ------------------------------------------------------------------ public API
@@ -491,6 +492,8 @@ class Probe:
             )
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
+            if mask.is_inference():  # no version counter to consult later: read the padding now
+                return _Pass(batch, seq, lines, mask[:, -seq:] != 0, _PADDING_READ)
             # Read when the pass is counted (one op for many passes, not two per pass); its version
             # counter says whether the caller changed it in place before then.
             return _Pass(batch, seq, lines, mask, mask._version)
@@ -625,7 +628,7 @@ class Probe:
                 batch, seq, row_base, valid = attributed
             else:
                 batch, seq, row_base, valid = 1, indices.numel() // indices.shape[-1], None, None
-            self._count_experts([router], [indices], 1, batch, seq, row_base, valid)
+            self._count_experts(self._router_columns([router]), [indices], 1, batch, seq, row_base, valid)
             return
         if indices.dim() == 2:
             indices = indices.unsqueeze(0)
@@ -635,8 +638,8 @@ class Probe:
             batch, seq, row_base, valid = attributed
         else:
             batch, seq, row_base, valid = int(indices.shape[0]), int(indices.shape[1]), None, None
-        self._count_indexers([router], [indices], [int(indices.shape[-1])], None if mask is None else [mask], 1, batch,
-                             seq, row_base, valid)
+        self._count_indexers(self._router_columns([router]), [indices], [int(indices.shape[-1])],
+                             None if mask is None else [mask], 1, batch, seq, row_base, valid)
 
     # ------------------------------------------------------------------ batched counting
     # On a CPU a tensor op costs microseconds of dispatch whatever its size, so the passes that
@@ -646,7 +649,6 @@ class Probe:
     def _count_passes(self, passes: list[_Pass]) -> None:
         first = passes[0]
         count, batch, seq = len(passes), first.batch, first.seq
-        row_base = self._row_base(first.lines, batch)
         valid = None if first.attention is None else self._valid(passes)
         by_shape: dict[tuple[int, ...], list[int]] = {}
         for position, shape in enumerate(first.expert_shapes):
@@ -654,7 +656,8 @@ class Probe:
         for positions in by_shape.values():
             routers = [first.expert_routers[position] for position in positions]
             chosen = [item.experts[position] for item in passes for position in positions]
-            self._count_experts(routers, chosen, count, batch, seq, row_base, valid)
+            columns = self._router_columns(routers, first.lines, batch)
+            self._count_experts(columns, chosen, count, batch, seq, None, valid)
         if not first.indexers:
             return
         # Indexers scored against the same mask are counted together; the masks of every pass
@@ -669,12 +672,18 @@ class Probe:
             masks = None
             if mask_slot is not None:
                 masks = [item.usable_masks[mask_slot] for item in passes]
-            self._count_indexers(routers, chosen, widths, masks, count, batch, seq, row_base, valid)
+            columns = self._router_columns(routers, first.lines, batch)
+            self._count_indexers(columns, chosen, widths, masks, count, batch, seq, None, valid)
 
     def _valid(self, passes: list[_Pass]) -> torch.Tensor:
         """Which tokens of each pass are real, ``[passes, B, S]``: the last ``S`` columns of its 2-D attention
         mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
         wanted columns taken at offsets computed on the host."""
+        first = passes[0]
+        batch, seq = first.batch, first.seq
+        if any(item.attention_version == _PADDING_READ for item in passes):
+            return torch.stack([item.attention if item.attention_version == _PADDING_READ
+                                else item.attention[:, -seq:] != 0 for item in passes])
         if not self._mask_warned and any(item.attention._version != item.attention_version for item in passes):
             self._mask_warned = True
             warnings.warn(
@@ -684,8 +693,6 @@ class Probe:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        first = passes[0]
-        batch, seq = first.batch, first.seq
         if len(passes) == 1:
             return (first.attention[:, -seq:] != 0).unsqueeze(0)
         blocks = batch * np.asarray([item.attention.shape[1] for item in passes], dtype=np.int64)
@@ -697,56 +704,59 @@ class Probe:
         return flat.take(index if self._device.type == "cpu" else index.to(self._device)).view(
             len(passes), batch, seq) != 0
 
-    def _row_base(self, lines: tuple[int, ...], batch: int) -> torch.Tensor:
-        """``line * width`` per batch row, as a cached device tensor."""
-        key = ("rows", lines, batch)
-        row_base = self._constants.get(key)
-        if row_base is None:
-            repeat = batch // len(lines)
-            row_base = torch.tensor([line * self._width for line in lines for _ in range(repeat)], dtype=torch.int64,
-                                    device=self._device)
-            self._cache(key, row_base)
-        return row_base
-
     def _cache(self, key: Any, value: Any) -> None:
         if len(self._constants) > 256:  # shapes and attributions come and go; keep the cache bounded
             self._constants.clear()
         self._constants[key] = value
 
-    def _router_columns(self, routers: Sequence[_Router]) -> _Columns:
-        key = ("columns", tuple(router.index for router in routers))
+    def _router_columns(self, routers: Sequence[_Router], lines: tuple[int, ...] | None = None,
+                        batch: int = 1) -> _Columns:
+        """The group's counter columns; with ``lines`` (eager passes), placed in each batch row's line, so the
+        counting adds no row offsets (compiled passes add theirs from the in-place attribution tensor)."""
+        key = ("columns", tuple(router.index for router in routers), lines, batch if lines else 0)
         columns = None if torch.compiler.is_compiling() else self._constants.get(key)
         if columns is None:
-            def column(values: list[int]) -> torch.Tensor:
-                return torch.tensor(values, dtype=torch.int64, device=self._device).view(1, -1, 1, 1, 1)
-
+            # Plain Python, not numpy: this also runs while a graph is traced.
+            rows = [0] if lines is None else [line * self._width for line in lines for _ in range(batch // len(lines))]
             offsets = [router.offset for router in routers]
             slots = [router.info.num_slots for router in routers]
-            companions = [offset + slot for offset, slot in zip(offsets, slots, strict=True)]
+            placed = [[offset + row for row in rows] for offset in offsets]  # [R, rows]
+
+            def tensor(values: list, *shape: int) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.int64, device=self._device).view(*shape)
+
+            routers_count, placed_rows = len(routers), len(rows)
+            companions = [[[column + slot + kind for column in router_rows] for router_rows, slot in
+                           zip(placed, slots, strict=True)] for kind in range(_LOCAL + 1)]  # [3, R, rows]
             columns = _Columns(
-                offsets=column(offsets),
+                routers=routers_count,
+                offsets=tensor(placed, 1, routers_count, placed_rows, 1, 1),
                 first=torch.zeros((), dtype=torch.int64, device=self._device),
-                last=column([slot - 1 for slot in slots]),
-                top_k=column([router.info.top_k for router in routers]),
-                dropped=column([companion + _DROPPED for companion in companions]),
-                companions=torch.tensor(companions, dtype=torch.int64, device=self._device).view(1, -1)
-                + torch.arange(_LOCAL + 1, device=self._device).view(-1, 1),
+                last=tensor([slot - 1 for slot in slots], 1, routers_count, 1, 1, 1),
+                top_k=tensor([router.info.top_k for router in routers], 1, routers_count, 1, 1, 1),
+                dropped=tensor([[column + slot + _DROPPED for column in router_rows]
+                                for router_rows, slot in zip(placed, slots, strict=True)],
+                               1, routers_count, placed_rows, 1, 1),
+                companions=tensor(companions, _LOCAL + 1, routers_count, placed_rows),
             )
             if not torch.compiler.is_compiling():
                 self._cache(key, columns)
         return columns
 
-    def _mask_constants(self, keys: list[int], rows: int, seq: int) -> torch.Tensor:
-        """Where each pass's mask lies among the flattened masks, as one 1-D device tensor.
+    def _mask_constants(self, keys: list[int], rows: int,
+                        seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each pass's mask lies among the flattened masks.
 
-        ``keys[n]`` is pass ``n``'s mask length and every mask is ``[rows, seq, keys[n]]``. In order:
-        each pass's last key (``passes``); the first and the end position of the keys of each
-        (pass, mask row, query) (``passes * rows * seq`` each); each (pass, query)'s own key position
-        ``keys[n] - seq + s`` (``passes * seq``). ``torch.tensor`` converts a list element by element
-        (~0.3 us each on a CPU), so eager flushes do this arithmetic in numpy and hand over one array
-        (one copy on an accelerator); traced code (one pass) keeps plain Python, which a graph takes
-        as constants.
+        ``keys[n]`` is pass ``n``'s mask length and every mask is ``[rows, seq, keys[n]]``. Returns each
+        pass's last key ``[passes, 1, 1, 1, 1]``; the first position of the keys of each (pass, mask row,
+        query) ``[passes, 1, rows, seq, 1]``; those first positions and then the end positions, 1-D; and
+        each (pass, query)'s own key position ``keys[n] - seq + s`` ``[passes, 1, 1, seq, 1]``. Eager
+        flushes do this arithmetic in numpy (``torch.tensor`` converts a list element by element) and
+        hand the arrays over as they are on a CPU (no op) or in one copy to an accelerator; traced code
+        (one pass) keeps plain Python, which a graph takes as constants.
         """
+        passes, queries = len(keys), len(keys) * rows * seq
+        shapes = ((passes, 1, 1, 1, 1), (passes, 1, rows, seq, 1), (2 * queries,), (passes, 1, 1, seq, 1))
         if torch.compiler.is_compiling():
             start, firsts, ends, positions = 0, [], [], []
             for key in keys:
@@ -754,22 +764,28 @@ class Probe:
                 ends += [start + row * key + key for row in range(rows * seq)]
                 positions += [key - seq + query for query in range(seq)]
                 start += rows * seq * key
-            return torch.tensor([key - 1 for key in keys] + firsts + ends + positions, dtype=torch.int64,
-                                device=self._device)
+            values = [[key - 1 for key in keys], firsts, firsts + ends, positions]
+            return tuple(torch.tensor(value, dtype=torch.int64, device=self._device).view(shape)  # type: ignore[return-value]
+                         for value, shape in zip(values, shapes, strict=True))
         array = np.asarray(keys, dtype=np.int64)
         blocks = rows * seq * array
-        firsts = (np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]
-        positions = array[:, None] - seq + np.arange(seq)[None, :]
-        host = np.concatenate([array - 1, firsts.ravel(), (firsts + array[:, None]).ravel(), positions.ravel()])
-        tensor = torch.from_numpy(host)
-        return tensor if self._device.type == "cpu" else tensor.to(self._device)
+        firsts = ((np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]).ravel()
+        parts = [array - 1, firsts, np.concatenate([firsts, firsts + np.repeat(array, rows * seq)]),
+                 (array[:, None] - seq + np.arange(seq)[None, :]).ravel()]
+        if self._device.type == "cpu":
+            return tuple(torch.from_numpy(part.reshape(shape))  # type: ignore[return-value]
+                         for part, shape in zip(parts, shapes, strict=True))
+        sizes = [part.size for part in parts]
+        together = torch.from_numpy(np.concatenate(parts)).to(self._device)
+        return tuple(piece.view(shape)  # type: ignore[return-value]
+                     for piece, shape in zip(together.split(sizes), shapes, strict=True))
 
-    def _count_experts(self, routers: Sequence[_Router], chosen: list[torch.Tensor], count: int, batch: int,
+    def _count_experts(self, columns: _Columns, chosen: list[torch.Tensor], count: int, batch: int,
                        seq: int, row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
-        """Count ``chosen`` (pass-major: ``count`` passes x ``routers``) into the buffer."""
-        columns = self._router_columns(routers)
+        """Count ``chosen`` (pass-major: ``count`` passes x the routers of ``columns``) into the buffer; ``row_base``
+        (compiled passes) is each row's line offset when ``columns`` are not placed in the rows' lines."""
         picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
-            count, len(routers), batch, seq, -1)
+            count, columns.routers, batch, seq, -1)
         # Every expert router is range checked: a pick outside [0, num_slots) must never land in
         # another router's counters; it lands in this router's own dropped counter instead. A pick is
         # inside exactly when clamping to the range leaves it unchanged (two ops instead of four).
@@ -784,16 +800,9 @@ class Probe:
         self._buffer.view(-1).scatter_add_(0, index.reshape(-1), weight)
 
     def _ones(self, size: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return torch.ones(size, dtype=torch.int64, device=self._device)
-        key = ("ones", size)
-        ones = self._constants.get(key)
-        if ones is None:
-            ones = torch.ones(size, dtype=torch.int64, device=self._device)
-            self._cache(key, ones)
-        return ones
+        return self._one.expand(size)  # a view: no allocation, whatever the size
 
-    def _count_indexers(self, routers: Sequence[_Router], chosen: list[torch.Tensor], widths: Sequence[int],
+    def _count_indexers(self, columns: _Columns, chosen: list[torch.Tensor], widths: Sequence[int],
                         masks: list[torch.Tensor] | None, count: int, batch: int, seq: int,
                         row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
         """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``
@@ -806,7 +815,7 @@ class Probe:
         Short contexts give fewer picks than ``index_topk`` (one more per decode step); those entries
         are padded with ``-1``, which no range check counts.
         """
-        routers_count = len(routers)
+        routers_count = columns.routers
         entries = len(chosen)
         width = max(widths)
         # Entry after entry, each [B, S, width] block flattened: flatten_dense_tensors views every input
@@ -819,7 +828,6 @@ class Probe:
             picks = picks.new_full((entries, batch, seq, width), -1).masked_scatter_(
                 torch.from_numpy(keep).to(self._device), picks)
         picks = picks.view(count, routers_count, batch, seq, width)
-        columns = self._router_columns(routers)
         # In range exactly when clamping leaves a pick unchanged; the clamped pick is its slot.
         clipped = picks.clamp(min=columns.first, max=columns.last)
         counted = clipped == picks
@@ -832,17 +840,16 @@ class Probe:
             if allowed.dtype != torch.bool:  # additive float mask: blocked keys hold a very negative number
                 allowed = allowed > torch.finfo(allowed.dtype).min / 2
             queries = count * rows * seq
-            constants = self._mask_constants([int(mask.shape[-1]) for mask in masks], rows, seq)
-            last_key = constants[:count].view(count, 1, 1, 1, 1)
-            firsts = constants[count:count + queries].view(count, 1, rows, seq, 1)
+            last_key, firsts, bounds, positions = self._mask_constants([int(mask.shape[-1]) for mask in masks],
+                                                                       rows, seq)
             # Keys a query was forced to return although its mask blocks them are not choices.
             counted = counted & torch.take(allowed, torch.minimum(clipped, last_key) + firsts)
             # Keys each query could see: differences of a running sum at its keys' first and end position.
-            edges = F.pad(allowed.cumsum(0), (1, 0)).index_select(0, constants[count:count + 2 * queries])
+            edges = F.pad(allowed.cumsum(0), (1, 0)).index_select(0, bounds)
             visible = (edges[queries:] - edges[:queries]).view(count, 1, rows, seq, 1)
             # Locality only means something for queries that saw more keys than they may pick.
             had_choice = counted & (visible > columns.top_k)
-            nearest = constants[count + 2 * queries:].view(count, 1, 1, seq, 1) - columns.top_k
+            nearest = positions - columns.top_k
             local = had_choice & (clipped > nearest)
             # Per (kind, router, row): the companions are sums, so they are reduced before the scatter.
             choices = torch.stack([had_choice, local]).sum((1, 4, 5))  # [2, R, B]
@@ -852,12 +859,11 @@ class Probe:
         tokens = (valid.sum((0, 2)) if valid is not None
                   else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device))
         tokens = tokens.view(1, 1, batch).expand(1, routers_count, batch)
-        companions = columns.companions  # [tokens, choice, local] x R
+        index = columns.companions  # [tokens, choice, local] x R x (B or 1)
         if choices is None:
-            values, companions = tokens, companions[_TOKENS:_TOKENS + 1]
+            values, index = tokens, index[_TOKENS:_TOKENS + 1]
         else:
             values = torch.cat([tokens, choices])
-        index = companions.view(-1, routers_count, 1)
         index = (index + row_base.view(1, 1, batch) if row_base is not None
                  else index.expand(-1, routers_count, batch))
         flat.scatter_add_(0, index.reshape(-1), values.reshape(-1))
@@ -900,7 +906,9 @@ class _Pass:
         self.seq = seq
         self.tokens = batch * seq
         self.lines = lines  # line per row (one line, one per row, or a divisor of the batch)
-        self.attention = attention  # the [batch, >= seq] attention mask (0: padding); None: every token counts
+        # The [batch, >= seq] attention mask (0: padding), or with _PADDING_READ its [batch, seq] != 0 already;
+        # None: every token counts.
+        self.attention = attention
         self.attention_version = attention_version
         self.outputs: list[tuple[_Router, torch.Tensor, Any]] = []  # (router, picks, mask argument) in call order
         self.last_mask: Any = None
@@ -960,12 +968,13 @@ class _Pass:
 class _Columns:
     """Device tensors locating a group of routers' counters in a buffer row (cached per group)."""
 
-    offsets: torch.Tensor  # [1, R, 1, 1, 1] first counter column of each router
+    routers: int  # R
+    offsets: torch.Tensor  # [1, R, B or 1, 1, 1] first counter column of each router (in each row's line)
     first: torch.Tensor  # 0-d zero: the lowest slot, as a tensor so that one clamp takes both bounds
     last: torch.Tensor  # [1, R, 1, 1, 1] highest slot (num_slots - 1)
     top_k: torch.Tensor  # [1, R, 1, 1, 1]
-    dropped: torch.Tensor  # [1, R, 1, 1, 1] column of each router's dropped-picks counter
-    companions: torch.Tensor  # [3, R] columns of tokens, choice and local selections
+    dropped: torch.Tensor  # [1, R, B or 1, 1, 1] column of each router's dropped-picks counter
+    companions: torch.Tensor  # [3, R, B or 1] columns of tokens, choice and local selections
 
 
 def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
