@@ -1,17 +1,20 @@
 """What the probe costs: decode throughput with the probe, without it, and with a naive hook.
 
     python bench/probe_overhead.py                       # bundled model and a ~100M config
-    python bench/probe_overhead.py --only bundled --alternations 120 --tokens 16
+    python bench/probe_overhead.py --only bundled --alternations 40 --generations 1
     python bench/probe_overhead.py --only bundled --instructions   # also count instructions (valgrind)
     python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
     python bench/probe_overhead.py --json figures.json   # also write the figures as JSON
 
-The estimator. Each alternation times four short greedy generations of the same prompt, in a
-shuffled order, in one process: no hooks (the anchor), no hooks again (the A/A control),
+The estimator. Each alternation times four blocks of greedy generations of the same prompt, in
+a shuffled order, in one process: no hooks (the anchor), no hooks again (the A/A control),
 mla_watch's probe, and the naive hook the DESIGN measured (``torch.bincount(...).tolist()`` on
-every router call). The probe's block ends by counting every pass it still holds, so the
-generation pays for all of its counting; attaching and detaching happen outside the timed
-blocks, and each block starts after a ``gc.collect()``. Every arm is divided by the anchor of
+every router call). A block is ``--generations`` generations of ``--tokens`` tokens (default
+8 x 16: serve's default length, and 128 decode passes, the probe's default ``flush_every``, so a
+block sees what a serving process sees: passes counted together at a flush, not one flush per
+request); the probe's block ends by counting every pass it still holds, so the block pays for
+all of its counting. Attaching and detaching happen outside the timed blocks, and each block
+starts after a ``gc.collect()``. Every arm is divided by the anchor of
 its own alternation, and the printed figure is the median of those per-alternation ratios, with
 a bootstrap 95% confidence interval of that median, its quartiles and its spread (min-max); a
 10% trimmed mean is printed beside it as a cross-check. Why this is the right estimator on a
@@ -91,13 +94,15 @@ def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo
 
 
 def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
-                   probe: mla_watch.Probe | None = None) -> tuple[float, float]:
-    """Wall and process CPU seconds of one greedy generation; with ``probe``, counting every pass it holds."""
+                   probe: mla_watch.Probe | None = None, generations: int = 1) -> tuple[float, float]:
+    """Wall and process CPU seconds of ``generations`` greedy generations; with ``probe``, counting every pass it
+    holds at the end."""
     cpu = time.process_time()
     start = time.perf_counter()
     with torch.no_grad():
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
-                       min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        for _ in range(generations):
+            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)
     if probe is not None:
         probe.count_pending()
     if prompt.device.type == "cuda":
@@ -134,7 +139,7 @@ def warm_prompt(model: torch.nn.Module, seed: int) -> torch.Tensor:
     return torch.randint(3, model.config.vocab_size, (1, 24), generator=generator).to(device)
 
 
-def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int) -> dict:
+def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int, generations: int) -> dict:
     prompt = warm_prompt(model, seed)
     routers = [info for _, info, _ in discover_routers(model)]
     for _ in range(2):  # warm-up: allocator, caches, and the attach path
@@ -154,7 +159,7 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
             probe = mla_watch.attach(model, window_tokens=4096) if mode == "probe" else None
             remove = naive_hooks(model, routers) if mode == "naive" else None
             gc.collect()
-            timed[mode] = decode_seconds(model, prompt, tokens, probe)
+            timed[mode] = decode_seconds(model, prompt, tokens, probe, generations)
             if probe is not None:
                 probe.collect()
                 probe_memory = probe.counter_bytes + probe.window_bytes()
@@ -167,10 +172,10 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
             ratios[mode].append(timed[mode][0] / timed["none"][0])
             cpu_ratios[mode].append(timed[mode][1] / timed["none"][1])
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    throughput = tokens / statistics.median(seconds["none"])
-    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {tokens} decode tokens x "
-          f"{alternations} alternations, {throughput:.1f} tokens/s without hooks, {torch.get_num_threads()} "
-          f"intra-op thread(s)")
+    throughput = tokens * generations / statistics.median(seconds["none"])
+    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, blocks of {generations} generations of "
+          f"{tokens} tokens x {alternations} alternations, {throughput:.1f} tokens/s without hooks, "
+          f"{torch.get_num_threads()} intra-op thread(s)")
     summaries = {mode: ratio_summary(ratios[mode], seed) for mode in ARMS[1:]}
     cpu_summaries = {mode: ratio_summary(cpu_ratios[mode], seed) for mode in ARMS[1:]}
     labels = {"probe": "probe / none", "naive": "naive / none", "control": "none / none (A/A control)"}
@@ -183,6 +188,7 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
           f"naive x{fastest_ratios['naive']:.4f}, A/A control x{fastest_ratios['control']:.4f}")
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
     figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
+               "generations_per_block": generations,
                "alternations": alternations, "threads": torch.get_num_threads(), "tokens_per_s_none": throughput,
                "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
                "probe_memory_bytes": probe_memory, "seconds": seconds,
@@ -202,7 +208,7 @@ def load(key: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
     return DeepseekV32ForCausalLM(config).to(device, dtype).eval()
 
 
-def instruction_worker(key: str, arm: str, generations: int, tokens: int, seed: int) -> None:
+def instruction_worker(key: str, arm: str, generations: int, tokens: int, seed: int, per_block: int) -> None:
     """Run under cachegrind: a warm-up generation watched (every import and first call, in every arm), then
     ``generations`` timed-arm generations, watched only in the ``probe`` arm."""
     model = load(key, "cpu", torch.float32)
@@ -217,11 +223,11 @@ def instruction_worker(key: str, arm: str, generations: int, tokens: int, seed: 
     # generations (tens of millions of instructions) does not count as either arm's work.
     gc.collect()
     gc.freeze()
-    for _ in range(generations):
-        decode_seconds(model, prompt, tokens, probe)
+    for _ in range(generations // per_block):
+        decode_seconds(model, prompt, tokens, probe, per_block)
 
 
-def instruction_counts(key: str, tokens: int, seed: int, generations: int = 32) -> dict:
+def instruction_counts(key: str, tokens: int, seed: int, per_block: int, generations: int = 32) -> dict:
     """Instructions per generation: the model's own, and what the probe adds (cachegrind, three processes)."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
@@ -234,7 +240,8 @@ def instruction_counts(key: str, tokens: int, seed: int, generations: int = 32) 
         for label, (arm, count) in runs.items():
             command = [valgrind, "--tool=cachegrind", "--cache-sim=no",
                        f"--cachegrind-out-file={Path(scratch) / label}", sys.executable, __file__,
-                       "--instruction-worker", key, arm, str(count), "--tokens", str(tokens), "--seed", str(seed)]
+                       "--instruction-worker", key, arm, str(count), "--tokens", str(tokens), "--seed", str(seed),
+                       "--generations", str(per_block)]
             processes[label] = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                 text=True)
         refs = {}
@@ -253,9 +260,11 @@ def instruction_counts(key: str, tokens: int, seed: int, generations: int = 32) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alternations", type=int, default=80,
+    parser.add_argument("--alternations", type=int, default=30,
                         help="shuffled rounds of the four arms (the ratios' sample size)")
-    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per timed generation")
+    parser.add_argument("--tokens", type=int, default=16, help="decode tokens per generation (serve's default)")
+    parser.add_argument("--generations", type=int, default=8,
+                        help="generations per timed block (8 x 16 tokens: 128 passes, the probe's flush_every)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads on a CPU (see the docstring)")
@@ -271,16 +280,17 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.instruction_worker:
         key, arm, generations = args.instruction_worker
-        instruction_worker(key, arm, int(generations), args.tokens, args.seed)
+        instruction_worker(key, arm, int(generations), args.tokens, args.seed, args.generations)
         return
     dtype = getattr(torch, args.dtype)
     models: dict[str, dict] = {}
     seeds = {"bundled": 1, "large": 2}
     labels = {"bundled": "bundled model", "large": "random-init DeepSeek-V3.2 config"}
     for key in [args.only] if args.only else list(seeds):
-        models[key] = measure(labels[key], load(key, args.device, dtype), args.alternations, args.tokens, seeds[key])
+        models[key] = measure(labels[key], load(key, args.device, dtype), args.alternations, args.tokens, seeds[key],
+                              args.generations)
         if args.instructions:
-            models[key]["instructions"] = instruction_counts(key, args.tokens, seeds[key])
+            models[key]["instructions"] = instruction_counts(key, args.tokens, seeds[key], args.generations)
     if args.json:
         figures = {"bench": "probe_overhead", "args": vars(args), "models": models}
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -102,27 +102,36 @@ def probe_specs(args: list[str]) -> list[Spec]:
             return (f"{x(r['median'])} median (95% CI {low:.4f}-{high:.4f}, spread {r['min']:.2f}-{r['max']:.2f}, "
                     f"{len(r['values'])} alternations)")
 
-        def forward(figures: Figures, key: str = key) -> str:
+        def fastest(figures: Figures, key: str = key) -> str:
             m = figures["models"][key]
-            return f"{x(m['forward_ratio'])} ({m['forward_probe_added_us']:+.0f} us on {m['forward_ms']:.1f} ms)"
+            return (f"probe {x(m['probe_fastest_ratio'], 4)}, naive {x(m['naive_fastest_ratio'], 4)}, "
+                    f"A/A {x(m['control_fastest_ratio'], 4)}")
 
-        # Met only when the whole interval of the median is at or below x1.01: a median under it whose
-        # interval straddles it is not a demonstration on a noisy machine.
-        goal_met = (lambda f, key=key: f["models"][key]["probe_ratio"]["ci95"][1] <= 1.01) if key == "bundled" else None
+        def instructions(figures: Figures, key: str = key) -> str:
+            counted = figures["models"][key].get("instructions")
+            if counted is None:
+                return "not counted (--instructions, needs valgrind)"
+            return (f"{x(counted['ratio'], 4)} ({counted['probe_instructions'] / 1e6:.2f}M on "
+                    f"{counted['model_instructions'] / 1e6:.0f}M per generation)")
+
+        # The issue's goal: the median of the per-alternation ratios at or below x1.01. Met here only when the
+        # fastest-tenth estimator agrees, so that one lucky median on a noisy machine is not taken for it.
+        def goal_met(f: Figures, key: str = key) -> bool:
+            m = f["models"][key]
+            return m["probe_ratio"]["median"] <= 1.01 and m["probe_fastest_ratio"] <= 1.01
+
         specs += [
             Spec(f"{label}: decode time ratio, probe / no probe", "no hooks, same prompt and alternation",
-                 lambda f, ratio=ratio: ratio(f, "probe"), "<= +1% (x1.01, 95% CI)" if key == "bundled" else "",
-                 goal_met),
+                 lambda f, ratio=ratio: ratio(f, "probe"),
+                 "<= +1% (x1.01, median and fastest tenth)" if key == "bundled" else "",
+                 goal_met if key == "bundled" else None),
             Spec(f"{label}: decode time ratio, no probe / no probe (A/A noise floor)",
                  "no hooks, same prompt and alternation", lambda f, ratio=ratio: ratio(f, "control")),
             Spec(f"{label}: decode time ratio, naive hook / no probe", "no hooks, same prompt and alternation",
                  lambda f, ratio=ratio: ratio(f, "naive")),
-            Spec(f"{label}: the probe's own work per decode step, replayed", "the step without the probe",
-                 lambda f, key=key: (f"{f['models'][key]['replayed_probe_us_per_step']:.0f} us on "
-                                     f"{f['models'][key]['replayed_step_ms']:.2f} ms = "
-                                     f"{x(f['models'][key]['replayed_ratio'])}")),
-            Spec(f"{label}: 8-token forward pass, probe / no probe", "unwatched copy, adjacent pairs (median)",
-                 forward),
+            Spec(f"{label}: fastest tenth of blocks, against no hooks", "no hooks' fastest tenth", fastest),
+            Spec(f"{label}: instructions per generation, probe / no probe", "cachegrind, same imports and warm-up",
+                 instructions),
             Spec(f"{label}: probe memory", "absolute (device counters + host window)",
                  lambda f, key=key: f"{f['models'][key]['probe_memory_bytes'] / 1024:.0f} KiB"),
         ]
@@ -348,8 +357,8 @@ def history_size_specs(args: list[str]) -> list[Spec]:
 
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
-    Bench("probe_overhead", ["--only", "bundled", "--alternations", "30", "--tokens", "16"],
-          ["--alternations", "80", "--tokens", "16"], probe_specs),
+    Bench("probe_overhead", ["--only", "bundled", "--alternations", "20"],
+          ["--alternations", "40", "--instructions"], probe_specs),
     Bench("server_overhead", ["--requests", "50", "--load-requests", "16"], ["--requests", "150"], server_specs),
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests

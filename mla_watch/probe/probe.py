@@ -520,18 +520,16 @@ class Probe:
             self._flush_pending_locked()
 
     def _flush_pending_locked(self) -> None:
-        """Count the waiting passes: consecutive passes of one layout are counted together."""
+        """Count the waiting passes, every pass of one layout together.
+
+        A pass's counts do not depend on when it is counted, so the passes of a layout are gathered
+        wherever they lie: the decode steps of many requests make one group, their prefills another.
+        """
         passes, self._pending, self._pending_mask_elements = self._pending, [], 0
-        group: list[_Pass] = []
-        group_key = None
+        groups: dict[tuple, list[_Pass]] = {}
         for item in passes:
-            key = self._resolve(item)
-            if group and key != group_key:
-                self._count_group(group)
-                group = []
-            group.append(item)
-            group_key = key
-        if group:
+            groups.setdefault(self._resolve(item), []).append(item)
+        for group in groups.values():
             self._count_group(group)
 
     def _resolve(self, item: _Pass) -> tuple:
@@ -948,20 +946,18 @@ class _Pass:
                     self.usable_masks.append(mask)
                     mask_layout.append((mask.shape[:-1], mask.dtype))
                 self.mask_slots.append(slot)
-        # Lists compare element by element (routers by identity first): no tuple is built per pass.
-        key = (
+        return (
             self.batch,
             self.seq,
             self.lines,
             self.attention is None,
-            self.expert_routers,
-            self.expert_shapes,
-            self.indexer_routers,
-            [shape[:-1] for shape in self.indexer_shapes],
-            self.mask_slots,
-            mask_layout,
+            tuple(self.expert_routers),
+            tuple(self.expert_shapes),
+            tuple(self.indexer_routers),
+            tuple(shape[:-1] for shape in self.indexer_shapes),
+            tuple(self.mask_slots),
+            tuple(mask_layout),
         )
-        return key
 
 
 @dataclass(frozen=True)
