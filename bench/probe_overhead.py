@@ -6,30 +6,30 @@
     python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
     python bench/probe_overhead.py --json figures.json   # also write the figures as JSON
 
-The estimator. Each alternation times four blocks of greedy generations of the same prompt, in
-a shuffled order, in one process: no hooks (the anchor), no hooks again (the A/A control),
-mla_watch's probe, and the naive hook the DESIGN measured (``torch.bincount(...).tolist()`` on
-every router call). A block is ``--generations`` generations of ``--tokens`` tokens (default
-8 x 16: serve's default length, and 128 decode passes, the probe's default ``flush_every``, so a
-block sees what a serving process sees: passes counted together at a flush, not one flush per
-request); the probe's block ends by counting every pass it still holds, so the block pays for
-all of its counting. Attaching and detaching happen outside the timed blocks, and each block
-starts after a ``gc.collect()``. Every arm is divided by the anchor of
-its own alternation, and the printed figure is the median of those per-alternation ratios, with
+The estimator. Four copies of the model run in one process: no hooks (the anchor), no hooks
+again (the A/A control), one watched by mla_watch's probe for the whole run, and one with the
+naive hook the DESIGN measured (``torch.bincount(...).tolist()`` on every router call). An
+alternation is ``--generations`` rounds (default 8) in which each copy makes one greedy
+generation of ``--tokens`` tokens (default 16, serve's default length) of the same prompt, in a
+shuffled order, so the arms take turns a fraction of a second apart; each arm's time is summed
+over the alternation. 8 x 16 is 128 decode passes, the probe's default ``flush_every``: the
+probe counts its passes together at its own cadence, as in a serving process, and its last
+generation of every alternation ends by counting everything it still holds, so each
+alternation pays for all of its counting. Every arm is divided by the anchor of its own
+alternation, and the printed figure is the median of those per-alternation ratios, with
 a bootstrap 95% confidence interval of that median, its quartiles and its spread (min-max); a
 10% trimmed mean is printed beside it as a cross-check. Why this is the right estimator on a
 shared machine:
 
-* Ratios of blocks a fraction of a second apart cancel the slow drift (thermal, frequency, the
+* Ratios of arms that take turns a fraction of a second apart cancel the slow drift (thermal, frequency, the
   other processes' load) that moves whole runs by far more than 1%.
-* Other processes only ever add time, in bursts: a burst in the anchor block makes that ratio
-  low, one in the probe block makes it high. The shuffled order gives both the same chance, so
+* Other processes only ever add time, in bursts: a burst in the anchor's turns makes that ratio
+  low, one in the probe's turns makes it high. The shuffled order gives both the same chance, so
   the median of the ratios is not pulled by the bursts whatever their size, where a mean is.
 * The A/A control is the same estimator applied to two identical arms: its median should be
   x1.00 and its interval shows the noise floor.
-* Beside it, the ratio of each arm's fastest tenth of blocks (their mean): the blocks that other
-  processes left alone. On a machine where single blocks of the same work vary by 2x, it moves
-  far less than the median, and the A/A control says by how much.
+* Beside it, the ratio of each arm's fastest tenth of alternations (their mean): the ones other
+  processes disturbed least. The A/A control says how far it moves.
 
 Wall time and process CPU time are both reported. On a CPU the model runs on ``--threads``
 intra-op threads (default 1): a decode step of these models is too small to gain from more, and
@@ -46,6 +46,7 @@ larger than its share of the instructions; the whole-generation ratio is the goa
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -142,38 +143,39 @@ def warm_prompt(model: torch.nn.Module, seed: int) -> torch.Tensor:
 def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, seed: int, generations: int) -> dict:
     prompt = warm_prompt(model, seed)
     routers = [info for _, info, _ in discover_routers(model)]
-    for _ in range(2):  # warm-up: allocator, caches, and the attach path
-        decode_seconds(model, prompt, tokens)
-        mla_watch.attach(model).detach()
+    # One copy of the model per arm, watched (or hooked) for the whole run, so that the arms can take turns
+    # generation by generation and the probe flushes at its own cadence.
+    copies = {mode: copy.deepcopy(model) for mode in ARMS}
+    probe = mla_watch.attach(copies["probe"], window_tokens=4096)
+    naive_hooks(copies["naive"], routers)
+    for mode in ARMS:  # warm-up: allocator, caches, first calls
+        decode_seconds(copies[mode], prompt, tokens, probe if mode == "probe" else None)
     order = random.Random(seed)
     ratios: dict[str, list[float]] = {mode: [] for mode in ARMS[1:]}
     cpu_ratios: dict[str, list[float]] = {mode: [] for mode in ARMS[1:]}
     seconds: dict[str, list[float]] = {mode: [] for mode in ARMS}
-    probe_memory = 0
     for _ in range(alternations):
-        modes = list(ARMS)
-        order.shuffle(modes)
-        timed: dict[str, tuple[float, float]] = {}
-        for mode in modes:
-            # Set-up and tear-down stay outside the timed block; every block starts from a collected heap.
-            probe = mla_watch.attach(model, window_tokens=4096) if mode == "probe" else None
-            remove = naive_hooks(model, routers) if mode == "naive" else None
-            gc.collect()
-            timed[mode] = decode_seconds(model, prompt, tokens, probe, generations)
-            if probe is not None:
-                probe.collect()
-                probe_memory = probe.counter_bytes + probe.window_bytes()
-                probe.detach()
-            if remove is not None:
-                remove()
+        gc.collect()
+        timed = {mode: [0.0, 0.0] for mode in ARMS}
+        for generation in range(generations):
+            modes = list(ARMS)
+            order.shuffle(modes)
+            for mode in modes:
+                # The probe's last turn of the alternation counts everything it still holds.
+                last = mode == "probe" and generation == generations - 1
+                wall, cpu = decode_seconds(copies[mode], prompt, tokens, probe if last else None)
+                timed[mode][0] += wall
+                timed[mode][1] += cpu
         for mode, value in timed.items():
             seconds[mode].append(value[0])
         for mode in ARMS[1:]:
             ratios[mode].append(timed[mode][0] / timed["none"][0])
             cpu_ratios[mode].append(timed[mode][1] / timed["none"][1])
+    probe.collect()
+    probe_memory = probe.counter_bytes + probe.window_bytes()
     params = sum(p.numel() for p in model.parameters()) / 1e6
     throughput = tokens * generations / statistics.median(seconds["none"])
-    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, blocks of {generations} generations of "
+    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {generations} rounds of "
           f"{tokens} tokens x {alternations} alternations, {throughput:.1f} tokens/s without hooks, "
           f"{torch.get_num_threads()} intra-op thread(s)")
     summaries = {mode: ratio_summary(ratios[mode], seed) for mode in ARMS[1:]}
@@ -184,11 +186,11 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
         print(f"  {' ' * len(labels[mode])}  CPU  {describe(cpu_summaries[mode])}")
     fastest = {mode: statistics.fmean(sorted(values)[:max(1, len(values) // 10)]) for mode, values in seconds.items()}
     fastest_ratios = {mode: fastest[mode] / fastest["none"] for mode in ARMS[1:]}
-    print(f"  fastest tenth of each arm's blocks (mean), against no hooks: probe x{fastest_ratios['probe']:.4f}, "
+    print(f"  fastest tenth of each arm's alternations (mean), against no hooks: probe x{fastest_ratios['probe']:.4f}, "
           f"naive x{fastest_ratios['naive']:.4f}, A/A control x{fastest_ratios['control']:.4f}")
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
     figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
-               "generations_per_block": generations,
+               "generations_per_alternation": generations,
                "alternations": alternations, "threads": torch.get_num_threads(), "tokens_per_s_none": throughput,
                "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
                "probe_memory_bytes": probe_memory, "seconds": seconds,
@@ -264,7 +266,7 @@ def main() -> None:
                         help="shuffled rounds of the four arms (the ratios' sample size)")
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per generation (serve's default)")
     parser.add_argument("--generations", type=int, default=8,
-                        help="generations per timed block (8 x 16 tokens: 128 passes, the probe's flush_every)")
+                        help="rounds per alternation (8 x 16 tokens: 128 passes, the probe's flush_every)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads on a CPU (see the docstring)")
