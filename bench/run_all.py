@@ -114,16 +114,17 @@ def probe_specs(args: list[str]) -> list[Spec]:
             return (f"{x(counted['ratio'], 4)} ({counted['probe_instructions'] / 1e6:.2f}M on "
                     f"{counted['model_instructions'] / 1e6:.0f}M per generation)")
 
-        # The goal: the median of the per-alternation ratios at or below x1.01. Met here only when the
-        # fastest-tenth estimator agrees, so that one lucky median on a noisy machine is not taken for it.
+        # The goal: the median of the per-alternation ratios at or below x1.01; where the instructions were
+        # counted (the one figure noise cannot move), they must agree.
         def goal_met(f: Figures, key: str = key) -> bool:
             m = f["models"][key]
-            return m["probe_ratio"]["median"] <= 1.01 and m["probe_fastest_ratio"] <= 1.01
+            counted = m.get("instructions")
+            return m["probe_ratio"]["median"] <= 1.01 and (counted is None or counted["ratio"] <= 1.01)
 
         specs += [
             Spec(f"{label}: decode time ratio, probe / no probe", "no hooks, same prompt and alternation",
                  lambda f, ratio=ratio: ratio(f, "probe"),
-                 "<= +1% (x1.01, median and fastest tenth)" if key == "bundled" else "",
+                 "<= +1% (x1.01, median; instructions too when counted)" if key == "bundled" else "",
                  goal_met if key == "bundled" else None),
             Spec(f"{label}: decode time ratio, no probe / no probe (A/A noise floor)",
                  "no hooks, same prompt and alternation", lambda f, ratio=ratio: ratio(f, "control")),

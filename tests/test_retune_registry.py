@@ -194,3 +194,27 @@ def test_known_good_is_a_healthy_version_0_a_version_marked_good_or_one_that_pas
     healthy.record_initial(model, {"passed": True, "checked": True, "reason": "no rule breached"})
     assert healthy.last_good() == 0
     assert healthy.last_good_state()[0::2] == (0, "passed its start-up health check")
+
+
+def test_a_line_cut_short_by_a_crash_is_skipped_and_spoils_nothing_after_it(
+        model: torch.nn.Module, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    registry = RouterVersions(tmp_path)
+    registry.record_initial(model, {"passed": True, "checked": True, "reason": "no rule breached"})
+    v1 = registry.save(perturbed(model, 1), {"gates": {"passed": True}})
+    registry.promote(model, v1)
+    registry.mark_good(0)
+    for name in ("promotions.jsonl", "marked_good.jsonl"):  # a crash mid-append: half a line, no newline
+        with (tmp_path / name).open("a") as handle:
+            handle.write('{"kind": "promote", "version": 9, "secret-looking": "tok')
+    with caplog.at_level("WARNING"):
+        assert registry.live_version() == v1
+        assert registry.marked_good() == [0]
+        assert registry.last_good() == v1
+    skipped = [record.getMessage() for record in caplog.records if "skipped" in record.getMessage()]
+    assert skipped and all("line 3" in message or "line 2" in message for message in skipped)
+    assert not any("secret-looking" in message for message in skipped)
+    registry.mark_good(v1)  # the next append starts on a line of its own
+    assert registry.marked_good() == [0, v1]
+    v2 = registry.save(perturbed(model, 2), {"gates": {"passed": True}})
+    registry.promote(model, v2)
+    assert registry.live_version() == v2 and registry.last_good() == v2

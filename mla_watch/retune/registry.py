@@ -32,6 +32,7 @@ import contextlib
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -58,6 +59,8 @@ ROUTER_TENSOR_PATTERNS: tuple[str, ...] = ("weight", "bias", "e_score_correction
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 _TENSORS_FILE = "routers.safetensors"
 _MANIFEST_FILE = "manifest.json"
+log = logging.getLogger(__name__)
+
 _PROMOTIONS_FILE = "promotions.jsonl"
 _MARKS_FILE = "marked_good.jsonl"
 _SNAPSHOT_DIR = "snapshots"
@@ -268,10 +271,7 @@ class RouterVersions:
             if number not in stack:
                 raise ValueError(f"router version {number} is not on the promotion stack {stack}: expected the live "
                                  f"version or one beneath it (promote it first)")
-            with (self.directory / _MARKS_FILE).open("a") as handle:
-                handle.write(json.dumps({"version": number, "at": _now()}) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
+            _append_line(self.directory / _MARKS_FILE, {"version": number, "at": _now()})
         return number
 
     def marked_good(self) -> list[int]:
@@ -279,21 +279,18 @@ class RouterVersions:
         path = self.directory / _MARKS_FILE
         if not path.is_file():
             return []
-        return [int(json.loads(line)["version"]) for line in path.read_text().splitlines() if line.strip()]
+        return [entry["version"] for entry in _read_lines(path, ("version",))]
 
     # ------------------------------------------------------------------ promotions
     def _append_promotion(self, entry: dict[str, Any]) -> None:
-        with (self.directory / _PROMOTIONS_FILE).open("a") as handle:
-            handle.write(json.dumps(entry) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        _append_line(self.directory / _PROMOTIONS_FILE, entry)
 
     def promotions(self) -> list[dict[str, Any]]:
         """Every line of ``promotions.jsonl``, oldest first."""
         path = self.directory / _PROMOTIONS_FILE
         if not path.is_file():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return _read_lines(path, ("kind", "version"))
 
     def _stack_entries(self) -> list[dict[str, Any]]:
         """The promotion stack replayed from the log: initial resets, promote pushes, rollback pops."""
@@ -412,3 +409,40 @@ def _health_summary(health: Mapping[str, Any]) -> str:
     if health.get("checked") is False:
         return f"was not health-checked ({health.get('reason', 'no check ran')})"
     return f"failed its start-up health check ({health.get('reason', 'no reason recorded')})"
+
+
+def _append_line(path: Path, entry: dict[str, Any]) -> None:
+    """Append one JSON line, durably. A line a crash cut short is closed first, so it spoils only itself."""
+    with path.open("ab") as handle:
+        if handle.tell() and _last_byte(path) != b"\n":
+            handle.write(b"\n")
+        handle.write(json.dumps(entry).encode() + b"\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _last_byte(path: Path) -> bytes:
+    with path.open("rb") as handle:
+        handle.seek(-1, os.SEEK_END)
+        return handle.read(1)
+
+
+def _read_lines(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` log, oldest first; a line that is not one (a crash mid-append) is
+    skipped and logged by its number, never by its content."""
+    if not path.is_file():
+        return []
+    entries = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            entry = None
+        if (not isinstance(entry, dict) or any(key not in entry for key in required)
+                or not isinstance(entry["version"], int)):
+            log.warning("%s line %d: not a JSON object with %s; skipped", path, number, ", ".join(required))
+            continue
+        entries.append(entry)
+    return entries
