@@ -135,12 +135,12 @@ class _WatchedModel(_WatchedForward):
 
 
 class _WatchedRouter(_WatchedForward):
-    """A router's forward: runs it and, inside a watched pass, keeps a reference to its output.
+    """A router's forward: runs it and, inside a watched pass, keeps a reference to its picks.
 
     This runs once per router per forward pass, between the model's own ops, where the interpreter's
     caches are cold: measured in a real generation, each line here costs several times what it costs
-    in a loop. So it only appends; reading the picks, checking shapes and grouping passes happen at
-    the flush, for many passes at once (see :meth:`Probe._flush_pending_locked`).
+    in a loop. So it only reads the picks out of the output and appends them; checking shapes and
+    grouping passes happen at the flush, for many passes at once (see :meth:`Probe._flush_pending_locked`).
     """
 
     __slots__ = ("mask_argument", "read", "router", "unchecked")
@@ -677,12 +677,8 @@ class Probe:
         """Which tokens of each pass are real, ``[passes, B, S]``: the last ``S`` columns of its 2-D attention
         mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
         wanted columns taken at offsets computed on the host."""
-        first = passes[0]
-        batch, seq = first.batch, first.seq
-        if any(item.attention_version == _PADDING_READ for item in passes):
-            return torch.stack([item.attention if item.attention_version == _PADDING_READ
-                                else item.attention[:, -seq:] != 0 for item in passes])
-        if not self._mask_warned and any(item.attention._version != item.attention_version for item in passes):
+        if not self._mask_warned and any(item.attention_version != _PADDING_READ
+                                         and item.attention._version != item.attention_version for item in passes):
             self._mask_warned = True
             warnings.warn(
                 "mla_watch probe: an attention_mask was changed in place after the forward pass that used it and "
@@ -691,6 +687,11 @@ class Probe:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        first = passes[0]
+        batch, seq = first.batch, first.seq
+        if any(item.attention_version == _PADDING_READ for item in passes):
+            return torch.stack([item.attention if item.attention_version == _PADDING_READ
+                                else item.attention[:, -seq:] != 0 for item in passes])
         if len(passes) == 1:
             return (first.attention[:, -seq:] != 0).unsqueeze(0)
         blocks = batch * np.asarray([item.attention.shape[1] for item in passes], dtype=np.int64)
