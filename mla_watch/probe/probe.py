@@ -155,9 +155,9 @@ class _WatchedRouter(_WatchedForward):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.original(*args, **kwargs)
         current = self.probe._current
-        if current is None or self.unchecked:
-            self.probe._router_call(self, output, args, kwargs)
-        elif self.mask_argument is None:
+        if (current is None or self.unchecked) and self.probe._router_call(self, output, args, kwargs):
+            return output
+        if self.mask_argument is None:
             # The picks, not the output: a router's logits are many times the size of its choices.
             current.outputs.append((self.router, self.read(output), None))
         else:
@@ -457,27 +457,24 @@ class Probe:
             self._end(current)
         return output
 
-    def _router_call(self, watch: _WatchedRouter, output: Any, args: tuple, kwargs: dict) -> None:
-        """What a router call does off the fast path: traced, first output, or outside a watched pass."""
+    def _router_call(self, watch: _WatchedRouter, output: Any, args: tuple, kwargs: dict) -> bool:
+        """What a router call does off the fast path (traced, first output, or outside a watched pass);
+        ``False`` when the output is still to be kept by the fast path."""
         router = watch.router
         if torch.compiler.is_compiling():
             self._graph_router_call(router, output, args, kwargs)
-            return
-        mask = None if router.expert else _call_argument(router.spec.mask_argument, args, kwargs)
-        indices = router.spec.indices(output)  # a spec checked on the first real output raises its clear error here
+            return True
         if watch.unchecked:
+            router.spec.indices(output)  # a spec checked on the first real output raises its clear error here
             watch.unchecked = False
             watch.read = getattr(router.spec.indices, "__wrapped__", router.spec.indices)  # checked once is enough
-        current = self._current
-        if current is None:  # called outside the attached module's forward: count now, unattributed
-            with self._pending_lock:
-                self._count_alone(router, indices, mask)
-            return
-        current.outputs.append((router, indices, mask))
-        if mask is not current.last_mask:
-            current.last_mask = mask
-            if isinstance(mask, torch.Tensor):
-                current.mask_elements += mask.numel()
+        if self._current is not None:
+            return False
+        # Called outside the attached module's forward: count now, unattributed.
+        mask = None if router.expert else _call_argument(router.spec.mask_argument, args, kwargs)
+        with self._pending_lock:
+            self._count_alone(router, watch.read(output), mask)
+        return True
 
     def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
         tokens_input = _tokens_input(args, kwargs)
@@ -573,21 +570,12 @@ class Probe:
         The caller holds the pending lock."""
         if router.expert:
             single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None, 0)
-            single.clear_picks()
-            single.experts.append(indices)
-            single.expert_routers.append(router)
-            single.expert_shapes.append(indices.shape)
         else:
-            if indices.dim() == 2:
-                indices = indices.unsqueeze(0)
-            single = _Pass(int(indices.shape[0]), int(indices.shape[1]), (0,), None, 0)
-            single.clear_picks()
-            single.indexers.append(indices)
-            single.indexer_routers.append(router)
-            single.indexer_shapes.append(indices.shape)
-            single.masks.append(mask)
-        single.key = single.layout()
-        self._count_passes([single])
+            batch, seq = (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]),
+                                                                                  int(indices.shape[1]))
+            single = _Pass(batch, seq, (0,), None, 0)
+        single.outputs.append((router, indices, mask))  # fits its own pass by construction
+        self._count_group([single])
 
     # ------------------------------------------------------------------ compiled passes
     # Under torch.compile the counting is traced into the graph: every pass scatters into the
