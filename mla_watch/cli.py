@@ -160,7 +160,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
                           state_dir=args.state_dir, dataset_dir=args.dataset_dir,
                           public_url=args.public_url or f"http://{args.host}:{args.port}",
-                          upstream=args.upstream, attn_implementation=args.attn_implementation,
+                          upstream=args.upstream, upstream_max_bytes=args.upstream_max_bytes,
+                          attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
                           capture_max_age_seconds=args.capture_max_age, retune=retune,
@@ -357,6 +358,32 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def _upstream_url(text: str) -> str:
+    """An argparse type for --upstream; its errors never repeat the URL, which may hold a password."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError("expected an http:// or https:// URL with a host (and a port number in "
+                                         "[1, 65535] if any); the value given is not shown, it may hold a password")
+    del port
+    return text
+
+
+def _byte_size(text: str) -> int:
+    """An argparse type for a size in bytes, with an optional K, M or G suffix (powers of 1024)."""
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 12) or int(digits) * scale < 1024:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes of at least 1024, optionally with a K, M or G "
+                                         f"suffix (512M), got {text[:40]!r}")
+    return int(digits) * scale
 
 
 def _history_retention(text: str) -> float:
@@ -586,7 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=_port, default=8000)
-    serve.add_argument("--upstream", help="forward generation to this OpenAI-compatible server instead")
+    serve.add_argument("--upstream", type=_upstream_url,
+                       help="forward generation to this OpenAI-compatible server instead (user:password@ in it is "
+                            "sent as basic auth and never shown)")
+    serve.add_argument("--upstream-max-bytes", type=_byte_size, default=ServerConfig.upstream_max_bytes,
+                       help="the largest upstream answer, or line of its stream, read after decompression; a larger "
+                            "one is a 502 (default 512M: DeepSeek-V3's routing at its whole context)")
     beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream)")
     beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
                         help="read the routing the upstream returns in this engine's format; auto: ask its "
@@ -610,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=_positive_int, default=ServerConfig.max_queue,
                        help="requests queued for the model before 429")
     serve.add_argument("--request-timeout", type=_positive_float, default=ServerConfig.request_timeout,
-                       help="seconds per request, queue included")
+                       help="seconds per request, queue included; with --upstream, for the whole answer (a stream: "
+                            "its headers, then each line)")
     serve.add_argument("--capture", action="store_true",
                        help="record recent traffic (token ids) per business line in STATE_DIR for re-tuning")
     serve.add_argument("--capture-max-samples", type=_positive_int, default=ServerConfig.capture_max_samples,

@@ -216,6 +216,65 @@ def test_routing_that_does_not_fit_the_config_is_a_data_error_and_counts_nothing
     assert "routed_experts" not in decoded.body.decode()  # still stripped
 
 
+def test_routing_that_names_an_expert_twice_in_a_tokens_top_k_is_never_counted() -> None:
+    # What vLLM's capture returns when misconfigured: every id 0, with the right shape.
+    zeros = decode_response(RoutingPlan("vllm", TINY, keep=False), good_vllm(np.zeros((6, 5, 4), dtype=np.uint8)))
+    assert zeros.counts is None and zeros.error.reason == "duplicate_ids"
+    assert "6 of 6 tokens" in str(zeros.error) and "--enforce-eager" in str(zeros.error)
+    rows = every_layer(random_ids(5, seed=11), list(TINY.moe_layers), TINY.num_hidden_layers).astype(np.uint8)
+    rows[3, 4, 1] = rows[3, 4, 0]  # one token, one layer, one repeat
+    one = decode_response(RoutingPlan("sglang", TINY, keep=False),
+                          json.dumps({"choices": [], "sglext": {"routing": 0, "routed_experts": encode_sglang(rows)}})
+                          .encode())
+    assert one.counts is None and one.error.reason == "duplicate_ids" and "token 3, MoE layer 2" in str(one.error)
+
+
+def test_a_npy_header_that_claims_more_than_it_holds_is_an_encoding_error_without_allocating() -> None:
+    import tracemalloc
+
+    header = "{'descr': '|u1', 'fortran_order': False, 'shape': (1000000000000, 4, 4), }"
+    header += " " * (63 - (10 + len(header)) % 64) + "\n"
+    lying = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + bytes(64)
+    body = json.dumps({"choices": [{"index": 0, "routed_experts": base64.b64encode(lying).decode()}]}).encode()
+    tracemalloc.start()
+    try:
+        decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), body)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert decoded.error.reason == "encoding" and "(1000000000000, 4, 4)" not in str(decoded.error)
+    assert "over 64 bytes" in str(decoded.error) and peak < 1 << 20
+    assert "routed_experts" not in decoded.body.decode()
+
+
+def test_with_n_choices_the_prompt_rows_every_choice_repeats_are_counted_once() -> None:
+    prompt = random_ids(6, seed=12)
+    first, second = random_ids(3, seed=13), random_ids(2, seed=14)
+
+    def choice(index: int, generated: np.ndarray) -> dict:
+        full = every_layer(np.concatenate([prompt, generated]), list(TINY.moe_layers), TINY.num_hidden_layers)
+        return {"index": index, "text": "x", "routed_experts": encode_vllm(full, TINY.num_experts)}
+
+    body = {"choices": [choice(0, first), choice(1, second)],
+            "usage": {"prompt_tokens": 6, "completion_tokens": 7, "total_tokens": 13}}
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
+    assert decoded.error is None and decoded.tokens == 6 + 3 + 2
+    assert np.array_equal(decoded.counts, reference_counts(np.concatenate([prompt, first, second]), TINY.num_experts))
+    del body["usage"]  # without the prompt's length the rows cannot be told apart: nothing is guessed
+    guessed = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
+    assert guessed.counts is None and guessed.error.reason == "shape" and "usage.prompt_tokens" in str(guessed.error)
+
+
+def test_a_client_that_sets_the_prompt_start_gets_its_rows_while_every_row_is_counted() -> None:
+    rows = random_ids(9, seed=15)
+    full = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers).astype(np.uint8)
+    body = {"choices": [{"index": 0, "text": "x", "routed_experts": npy_b64(full)}], "usage": {"prompt_tokens": 7}}
+    decoded = decode_response(RoutingPlan("vllm", TINY, keep=True, prompt_start=5), json.dumps(body).encode())
+    assert decoded.tokens == 9 and np.array_equal(decoded.counts, reference_counts(rows, TINY.num_experts))
+    kept = np.load(io.BytesIO(base64.b64decode(json.loads(decoded.body)["choices"][0]["routed_experts"])))
+    assert kept.dtype == np.uint8 and np.array_equal(kept, full[5:])  # what vLLM returns for start 5
+
+
 def test_sglang_bytes_that_fit_no_layer_count_are_a_shape_error() -> None:
     encoded = base64.b64encode(np.zeros(7, dtype="<i4").tobytes()).decode()
     decoded = decode_response(RoutingPlan("sglang", TINY, keep=False),
@@ -256,7 +315,7 @@ def test_the_embedded_servers_recording_matches_what_the_probe_counted() -> None
         assert np.array_equal(np.bincount(rows[:, index].ravel(), minlength=64), counted[info.name])
 
 
-def test_a_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> None:
+def test_an_idle_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> None:
     import os
     import signal
 
@@ -268,6 +327,10 @@ def test_a_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> No
     async def scenario() -> tuple:
         (victim,) = await decoder.worker_pids()
         os.kill(victim, signal.SIGKILL)
+        # The pool reaps a dead worker only after it marks itself broken: from then on no answer is handed to it.
+        deadline = asyncio.get_running_loop().time() + 30
+        while os.path.exists(f"/proc/{victim}") and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
         decoded = await decoder.response(plan, good_vllm(rows))  # the pool is found broken here
         return victim, decoded, await decoder.worker_pids(), await decoder.response(plan, good_vllm(rows))
 
@@ -276,6 +339,33 @@ def test_a_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> No
     finally:
         decoder.close()
     assert decoded.tokens == 3 and again.tokens == 3 and workers and victim not in workers
+
+
+def test_a_decoder_process_that_dies_holding_an_answer_counts_it_as_an_error_and_never_decodes_it_here() -> None:
+    import os
+    import signal
+
+    rows = np.zeros((3, 5, 4), dtype=np.uint8)
+    rows[:, 2:, :] = np.arange(4)
+    plan = RoutingPlan("vllm", TINY, keep=False)
+    decoder = RoutingDecoder(workers=1)
+
+    async def scenario() -> tuple:
+        (victim,) = await decoder.worker_pids()
+        os.kill(victim, signal.SIGSTOP)  # it cannot take the answer before it dies: the answer is queued for it
+        pending = asyncio.ensure_future(decoder.response(plan, good_vllm(rows)))
+        await asyncio.sleep(0.2)
+        os.kill(victim, signal.SIGKILL)
+        died = await pending
+        return victim, died, await decoder.worker_pids(), await decoder.response(plan, good_vllm(rows))
+
+    try:
+        victim, died, workers, again = asyncio.run(scenario())
+    finally:
+        decoder.close()
+    # Decoded anywhere else (in this process, as it once was), it would have counted its 3 tokens.
+    assert died.counts is None and died.body is None and died.error.reason == "decoder"
+    assert workers and victim not in workers and again.tokens == 3
 
 
 def test_routing_strings_are_cut_out_before_parsing_without_touching_anything_else() -> None:
@@ -302,7 +392,7 @@ def test_a_large_body_goes_to_the_worker_as_a_private_file_that_does_not_outlive
     from mla_watch.engines.decoder import FILE_HANDOFF_BYTES
 
     geometry = parse_geometry(DEEPSEEK_V3)
-    rows = np.random.default_rng(8).integers(0, 256, size=(400, 58, 8))
+    rows = np.argsort(np.random.default_rng(8).random((400, 58, 256)), axis=2)[:, :, :8]  # 8 distinct experts
     full = every_layer(rows, list(geometry.moe_layers), geometry.num_hidden_layers)
     body = json.dumps({"choices": [], "sglext": {"routed_experts": encode_sglang(full)}}).encode()
     assert len(body) > FILE_HANDOFF_BYTES

@@ -20,7 +20,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from mla_watch.engines.formats import Decoded, RoutingPlan, decode_chunk, decode_response
+from mla_watch.engines.formats import DataError, Decoded, RoutingPlan, decode_chunk, decode_response
 
 __all__ = ["FILE_HANDOFF_BYTES", "RoutingDecoder"]
 
@@ -64,16 +64,14 @@ class RoutingDecoder:
             self._handoff = None
 
     async def response(self, plan: RoutingPlan, body: bytes) -> Decoded:
-        local = (decode_response, plan, body)
         if self.workers and len(body) >= FILE_HANDOFF_BYTES:
-            return await self._via_file(body, local, _decode_response_file, plan)
-        return await self._run(local, *local)
+            return await self._via_file(body, _decode_response_file, plan)
+        return await self._run(decode_response, plan, body)
 
     async def chunk(self, plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
-        local = (_decode_chunk, plan, data, first)
         if self.workers and len(data) >= FILE_HANDOFF_BYTES:
-            return await self._via_file(data.encode(), local, _decode_chunk_file, plan, first)
-        return await self._run(local, *local)
+            return await self._via_file(data.encode(), _decode_chunk_file, plan, first)
+        return await self._run(_decode_chunk, plan, data, first)
 
     async def worker_pids(self) -> list[int]:
         """The decoding processes (empty with ``workers=0``)."""
@@ -83,29 +81,41 @@ class RoutingDecoder:
         loop = asyncio.get_running_loop()
         return sorted({await loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)})
 
-    async def _via_file(self, body: bytes, local: tuple, function, plan: RoutingPlan,  # type: ignore[no-untyped-def]
-                        *args) -> Decoded:
+    async def _via_file(self, body: bytes, function, plan: RoutingPlan, *args) -> Decoded:  # type: ignore[no-untyped-def]
         self.start()
         path = self._handoff / f"{os.getpid()}-{next(self._names)}"
         try:
             await asyncio.to_thread(_write_private, path, body)
-            return await self._run(local, function, plan, str(path), *args)
+            return await self._run(function, plan, str(path), *args)
         finally:
             path.unlink(missing_ok=True)  # the worker removes it first; this covers a worker that died
 
-    async def _run(self, local: tuple, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
-        """``function(*args)`` in a worker; ``local`` (a function and its arguments) in a thread if one died."""
+    async def _run(self, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
+        """``function(*args)`` in a worker. A worker that dies holding this answer (killed, out of memory)
+        is replaced and the answer is a ``decoder`` data error: it is never decoded again, least of all
+        here, where it would move the worker's memory into the server."""
         if self._executor is None:
             self.start()
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+            future = loop.run_in_executor(self._executor, function, *args)
+        except BrokenProcessPool:  # broken before this answer reached it: not the answer's doing
+            self._restart()
+            future = loop.run_in_executor(self._executor, function, *args)
+        try:
+            return await future
         except BrokenProcessPool:
-            # A worker died (killed, out of memory): this response is decoded here, the pool starts afresh.
-            log.warning("a routing decoder process died; starting new ones")
+            log.warning("a routing decoder process died while decoding an engine answer; starting new ones, "
+                        "and that answer's routing is not counted")
+            self._restart()
+            return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or out "
+                                                            "of memory); its routing is not counted"))
+
+    def _restart(self) -> None:
+        if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
-            self.start()
-            return await asyncio.to_thread(*local)
+        self.start()
 
 
 def _write_private(path: Path, body: bytes) -> None:

@@ -17,8 +17,14 @@ Read from the engines' own source (the tests that pin each shape cite the files)
 
 A layer axis of ``num_hidden_layers`` rows is read at the MoE layers only; one of as many
 rows as MoE layers is read as it is. Anything else - a shape the config does not explain,
-an expert id out of range, a field that does not decode - is a data error: the response's
-routing is not counted, and the error is reported with its reason.
+an expert id out of range, a token whose top-k names one expert twice, a field that does
+not decode - is a data error: the response's routing is not counted, and the error is
+reported with its reason.
+
+With ``n > 1`` vLLM gives every choice the same prompt rows; they are counted once per
+response (the first ``usage.prompt_tokens`` rows of every choice after the first are
+skipped). The proxy, not the client, decides ``routed_experts_prompt_start``: it asks for
+every row, and a client that sent the field gets its routing trimmed as vLLM would have.
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from __future__ import annotations
 import binascii
 import io
 import json
+import math
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,17 +43,25 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["ENGINES", "ROUTING_REQUEST_FIELD", "DataError", "Decoded", "RoutingPlan", "decode_chunk",
-           "decode_response", "encode_sglang", "encode_vllm", "every_layer", "routing_counts"]
+__all__ = ["DATA_ERRORS", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "DataError", "Decoded",
+           "RoutingPlan", "decode_chunk", "decode_response", "encode_sglang", "encode_vllm", "every_layer",
+           "routing_counts"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
 ROUTING_REQUEST_FIELD = "return_routed_experts"
+# vLLM's request field that drops the first N prompt rows from the routing it returns
+# (vllm/entrypoints/openai/completion/protocol.py, `ge=0`; checked `<= prompt_len` in
+# vllm/v1/engine/input_processor.py). Never forwarded: the proxy counts every row.
+PROMPT_START_FIELD = "routed_experts_prompt_start"
 # Data-error reasons (a metric label): what was wrong with the routing an engine returned.
-DATA_ERRORS = ("encoding", "shape", "expert_id")
+# duplicate_ids: one token's top-k names an expert twice, which no router can do (vLLM's capture
+# returns all zeros when misconfigured, e.g. on CPU without --enforce-eager).
+DATA_ERRORS = ("encoding", "shape", "expert_id", "duplicate_ids", "decoder")
 # A base64 routing string, cut out of the raw body before parsing (see _parse). Inside a JSON string
 # every quote is escaped, so `s"` - and this pattern - can only match a key of the document.
 _ROUTING_STRING = re.compile(rb'"routed_experts"\s*:\s*"')
+_NPY_MAX_HEADER = 1 << 12  # numpy's own default is 10,000; a shape of three integers needs ~100 bytes
 _LIFTED = "\x00mla_watch:"  # stands in for a cut-out string: base64 and engines' text never hold NUL
 
 
@@ -65,10 +80,11 @@ class DataError(ValueError):
 class RoutingPlan:
     """What a decode needs to know (sent to the decoding process, so plain data only)."""
 
-    engine: str
-    geometry: EngineGeometry
+    engine: str  # one of ENGINES, or "none": no routing is read, only ``extra`` added
+    geometry: EngineGeometry | None
     keep: bool  # the client asked for the routing itself: leave it in the response
     extra: dict[str, Any] | None = None  # mla_watch's object, added to the body (or to the first chunk)
+    prompt_start: int = 0  # the client's routed_experts_prompt_start: prompt rows cut from what it keeps
 
 
 @dataclass
@@ -79,7 +95,7 @@ class Decoded:
     counts: np.ndarray | None = None  # [moe_layers, num_experts] int64; None when there was no routing
     tokens: int = 0
     error: DataError | None = None
-    notes: list[str] = field(default_factory=list)
+    not_json: bool = False  # the body was no JSON object: relayed as it came (a stream) or refused (a response)
 
     @property
     def found(self) -> bool:
@@ -102,6 +118,7 @@ def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarra
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= geometry.num_experts):
         raise DataError("expert_id", f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
                                      f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)")
+    _refuse_duplicates(ids)
     # One bincount over (layer, expert) pairs, written into a reused intp buffer: bincount takes it
     # as it is, and a fresh 8 MB array per response costs more in page faults than the count itself.
     offsets = (np.arange(moe, dtype=np.intp) * geometry.num_experts)[None, :, None]
@@ -115,6 +132,23 @@ _SCRATCH = threading.local()
 SCRATCH_KEPT = 1 << 24  # ids: a buffer of up to 128 MB is kept for the next response of this thread
 
 
+def _refuse_duplicates(ids: np.ndarray) -> None:
+    """A token's top-k holds ``k`` distinct experts; one named twice is no routing at all."""
+    if ids.shape[2] < 2 or not ids.size:
+        return
+    ordered = np.sort(ids, axis=2)
+    repeated = ordered[:, :, 1:] == ordered[:, :, :-1]
+    if repeated.any():
+        tokens = int(repeated.any(axis=(1, 2)).sum())
+        token, layer, _ = (int(i) for i in np.argwhere(repeated)[0])
+        expert = int(ordered[token, layer, np.flatnonzero(repeated[token, layer])[0]])
+        raise DataError("duplicate_ids", f"routing of {tokens} of {ids.shape[0]} tokens names one expert twice "
+                                         f"in its top-{ids.shape[2]} (first: token {token}, MoE layer {layer}, "
+                                         f"expert {expert}): expected {ids.shape[2]} distinct experts per token; "
+                                         "all-zero routing is what vLLM's capture returns when misconfigured "
+                                         "(without --enforce-eager on CPU, for one)")
+
+
 def _scratch(size: int) -> np.ndarray:
     buffer = getattr(_SCRATCH, "buffer", None)
     if buffer is None or buffer.size < size:
@@ -125,20 +159,27 @@ def _scratch(size: int) -> np.ndarray:
 
 
 def decode_response(plan: RoutingPlan, body: bytes) -> Decoded:
-    """A whole (non-streamed) response body: count its routing, strip it unless kept, add ``extra``."""
+    """A whole (non-streamed) response body: count its routing, strip it unless kept, add ``extra``.
+
+    A body that is not a JSON object is ``not_json`` (the proxy answers 502); nothing an engine
+    sends makes this raise.
+    """
     try:
         document, arrays, error = _parse_and_take(plan, body)
-    except (ValueError, RecursionError):
-        return Decoded(body)  # not ours to judge: the client gets what the engine said
-    return _finish(plan, document, arrays, error, plan.extra)
+    except (ValueError, RecursionError, MemoryError):
+        return Decoded(body, not_json=True)
+    try:
+        return _finish(plan, document, arrays, error, plan.extra)
+    except MemoryError:  # the decoding process's own limit, not the server's
+        return Decoded(None, error=DataError("decoder", f"decoding a {len(body)}-byte answer ran out of memory"))
 
 
 def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
     """One server-sent event's ``data:`` payload (JSON); the first one gets ``extra``."""
     try:
         document, arrays, error = _parse_and_take(plan, data.encode())
-    except (ValueError, RecursionError):
-        return Decoded(data.encode())
+    except (ValueError, RecursionError, MemoryError):
+        return Decoded(data.encode(), not_json=True)
     if (arrays or error is not None) and not plan.keep and document.get("choices") == [] \
             and not document.get("usage"):
         decoded = _finish(plan, document, arrays, error, None)
@@ -158,9 +199,7 @@ def every_layer(ids: np.ndarray, layers: list[int], num_hidden_layers: int) -> n
 
 def encode_vllm(ids: np.ndarray, num_experts: int) -> str:
     """vLLM >= 0.22's ``routed_experts``: base64 of a ``.npy`` file, uint8 up to 256 experts, else uint16."""
-    buffer = io.BytesIO()
-    np.save(buffer, ids.astype(np.uint8 if num_experts <= 256 else np.uint16), allow_pickle=False)
-    return pybase64.b64encode(buffer.getvalue()).decode("ascii")
+    return _encode_npy(ids.astype(np.uint8 if num_experts <= 256 else np.uint16))
 
 
 def encode_sglang(ids: np.ndarray) -> str:
@@ -231,8 +270,10 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
           lifted: dict[str, memoryview]) -> tuple[list[np.ndarray], DataError | None, int]:
     """The routing arrays of ``document``, removed from it unless the plan keeps them; and how many
     cut-out strings were found in their place."""
-    fields = _vllm_fields(document) if plan.engine == "vllm" else _sglang_fields(document)
+    fields = _FIELDS[plan.engine](document)
+    repeated_prompt = plan.engine == "vllm" and "prompt_routed_experts" not in document  # vLLM <= 0.21 sent it once
     arrays: list[np.ndarray] = []
+    kept: list[tuple[dict[str, Any], str, np.ndarray]] = []  # vLLM .npy fields the client keeps
     error: DataError | None = None
     claimed = 0
     for container, key, decode in fields:
@@ -246,12 +287,45 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
             continue
         if error is None:
             try:
-                arrays.append(decode(value, plan.geometry))
+                ids = decode(value, plan.geometry)
             except DataError as failure:
                 error = failure
+                continue
+            arrays.append(ids)
+            if plan.keep and decode is _npy_or_lists and not isinstance(value, list):
+                kept.append((container, key, ids))
     if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
         del document["sglext"]
+    if error is None and repeated_prompt and len(arrays) > 1:
+        try:
+            prompt = _prompt_rows(document, arrays)
+        except DataError as failure:
+            error = failure
+        else:
+            arrays = [arrays[0], *(ids[prompt:] for ids in arrays[1:])]
+    if plan.prompt_start:
+        for container, key, ids in kept:  # as vLLM would have returned them to this client
+            container[key] = _encode_npy(ids[plan.prompt_start:])
     return arrays, error, claimed
+
+
+def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
+    """How many leading rows of each choice are the prompt's, which every choice repeats."""
+    usage = document.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    shortest = min(ids.shape[0] if ids.ndim else 0 for ids in arrays)
+    if type(prompt) is not int or not 0 <= prompt <= shortest:
+        raise DataError("shape", f"{len(arrays)} choices carry routing and usage.prompt_tokens is "
+                                 f"{describe(prompt)}: expected the prompt's length, at most {shortest} (the rows "
+                                 "of the shortest choice), to count the prompt rows every choice repeats once")
+    return prompt
+
+
+def describe(value: Any) -> str:
+    """A value an engine sent, for a message: its type and size, never its content beyond a short number."""
+    if isinstance(value, bool) or value is None or (isinstance(value, int | float) and len(repr(value)) <= 24):
+        return repr(value)
+    return f"a {type(value).__name__}"
 
 
 _Field = tuple[dict[str, Any], str, Any]
@@ -275,6 +349,9 @@ def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
     return []
 
 
+_FIELDS = {"vllm": _vllm_fields, "sglang": _sglang_fields, "none": lambda document: []}
+
+
 def _npy_or_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
     return _npy(value, geometry) if isinstance(value, str | bytes | memoryview) else _nested_lists(value, geometry)
 
@@ -289,15 +366,34 @@ def _b64(value: Any) -> bytes:
 
 
 def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarray:
+    """A ``.npy`` file's integer array, read in place; its header must describe exactly the bytes that follow
+    (``np.load`` would first allocate whatever shape a header claims)."""
+    raw = _b64(value)
+    stream = io.BytesIO(raw)
     try:
-        ids = np.load(io.BytesIO(_b64(value)), allow_pickle=False)
-    except DataError:
-        raise
-    except (ValueError, OSError, EOFError) as error:
+        version = np.lib.format.read_magic(stream)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = reader(stream, max_header_size=_NPY_MAX_HEADER)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as error:
         raise DataError("encoding", f"routing is not a .npy array: {type(error).__name__}") from None
-    if not isinstance(ids, np.ndarray) or ids.dtype.kind not in "iu":
-        raise DataError("encoding", f"routing has dtype {getattr(ids, 'dtype', '?')}: expected integers")
-    return ids
+    if dtype.hasobject or dtype.kind not in "iu":
+        raise DataError("encoding", f"routing has dtype {dtype.str}: expected integers")
+    if len(shape) != 3:
+        raise DataError("shape", f"routing has {len(shape)} dimensions: expected [tokens, layers, "
+                                 f"{geometry.top_k}]")
+    elements = math.prod(shape)
+    payload = len(raw) - stream.tell()
+    if elements * dtype.itemsize != payload:
+        raise DataError("encoding", f"routing's .npy header declares shape {list(shape)} of {dtype.str} "
+                                    f"({elements * dtype.itemsize} bytes) over {payload} bytes: expected them equal")
+    ids = np.frombuffer(raw, dtype=dtype, count=elements, offset=stream.tell())
+    return ids.reshape(shape, order="F" if fortran_order else "C")
+
+
+def _encode_npy(ids: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, ids, allow_pickle=False)
+    return pybase64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:

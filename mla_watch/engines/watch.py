@@ -28,6 +28,15 @@ log = logging.getLogger("mla_watch.engines")
 # The business line of counts no request can be matched to: the SGLang recorder's, which sees all traffic.
 UNATTRIBUTED_LINE = "unattributed"
 LOG_EVERY_SECONDS = 60.0  # a data error is logged once a minute per reason, with how many there were
+NO_ROUTING_IN_A_ROW = 3
+# What the status page says of a problem the engine's answers show, by the reason it was seen.
+PROBLEMS = {
+    "no_routing": "{engine} answered without routing: start it with --enable-return-routed-experts (vLLM; "
+                  "SGLang also needs it), or nothing it serves is counted",
+    "duplicate_ids": "{engine} returned routing that names one expert twice in a token's top-k (all zeros, "
+                     "mostly): its routing capture is misconfigured (vLLM on CPU needs --enforce-eager); none of "
+                     "it is counted",
+}
 
 
 class EngineMetrics:
@@ -39,9 +48,12 @@ class EngineMetrics:
                                  "no_routing (none returned: a stream vLLM cannot annotate, a flag not set), "
                                  "data_error (not counted).", ["engine", "outcome"], registry=registry)
         self.data_errors = Counter(p + "routing_data_errors", "Engine routing refused, by reason (encoding, shape, "
-                                   "expert_id).", ["engine", "reason"], registry=registry)
+                                   "expert_id, duplicate_ids, decoder).", ["engine", "reason"], registry=registry)
         self.recorder_dumps = Counter(p + "recorder_dumps", "SGLang expert-distribution recorder dumps read, by "
                                       "outcome (counted, empty, ring_full, error).", ["outcome"], registry=registry)
+        self.recorder_rejected = Counter(p + "recorder_rejected", "SGLang recorder dumps set aside uncounted (outcome "
+                                         "error), by reason (see mla_watch.engines.recorder.REJECT_REASONS).",
+                                         ["reason"], registry=registry)
 
 
 class EngineRouting:
@@ -63,6 +75,12 @@ class EngineRouting:
         # response; readers move them into the windows (collect), as they do the probe's counters.
         self._pending: dict[str, tuple[np.ndarray, int]] = {}
         self._pending_lock = threading.Lock()
+        self._problems: dict[str, float] = {}  # reason -> when last seen; cleared by counted routing
+        self._without_routing = 0  # whole answers in a row that carried none
+
+    def problems(self) -> list[str]:
+        """What the engine's recent answers say is wrong with its routing set-up (for the status page)."""
+        return [PROBLEMS[reason].format(engine=self.engine) for reason in sorted(self._problems)]
 
     def add(self, business_line: str, counts: np.ndarray, tokens: int) -> None:
         """Counts of ``[moe_layers, experts]`` over ``tokens`` tokens into ``business_line``'s windows."""
@@ -83,19 +101,29 @@ class EngineRouting:
         self.collect()
         return self.windows.counts(business_line)
 
-    def count(self, business_line: str, decoded: Decoded | None) -> str:
+    def count(self, business_line: str, decoded: Decoded | None, *, streamed: bool = False) -> str:
         """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``)."""
         if decoded is not None and decoded.error is not None:
             outcome = "data_error"
             self.metrics.data_errors.labels(self.engine, decoded.error.reason).inc()
             self._log_error(decoded.error.reason, str(decoded.error))
+            if decoded.error.reason in PROBLEMS:
+                self._problems[decoded.error.reason] = self._clock()
         elif decoded is not None and decoded.counts is not None:
             outcome = "counted"
             with self._pending_lock:
                 counts, tokens = self._pending.get(business_line, (0, 0))
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
+            self._problems.clear()  # the engine's routing works (again)
+            self._without_routing = 0
         else:
             outcome = "no_routing"
+            # vLLM never puts routing in a stream, and a preempted request's is null; whole answers without
+            # any, one after another, are the engine's set-up.
+            self._without_routing += not streamed
+            if self._without_routing >= NO_ROUTING_IN_A_ROW and "no_routing" not in self._problems:
+                self._problems["no_routing"] = self._clock()
+                log.warning("%s", PROBLEMS["no_routing"].format(engine=self.engine))
         self.metrics.responses.labels(self.engine, outcome).inc()
         return outcome
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
-__all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "ServerConfig"]
+__all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
+           "ServerConfig", "split_credentials"]
 
 # How `serve --engine` reads the upstream's routing (mla_watch.engines.formats.ENGINES, none, or auto).
 ENGINE_CHOICES = ("none", "vllm", "sglang", "auto")
@@ -18,6 +20,9 @@ ENGINE_CHOICES = ("none", "vllm", "sglang", "auto")
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
 INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
 MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-up
+# The largest engine answer read (after decompression): DeepSeek-V3's routing at its whole context,
+# 163,840 tokens x 61 layers x top-8, is 427 MB as SGLang's base64 int32 (107 MB as vLLM's uint8 .npy).
+UPSTREAM_MAX_BYTES = 512 << 20
 
 
 @dataclass
@@ -30,7 +35,10 @@ class ServerConfig:
     dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets
     alert_interval: float = 15.0
     public_url: str = ""  # how on-call reaches this sidecar; links in alerts point there
-    upstream: str | None = None
+    upstream: str | None = None  # credentials in it (user:password@) move to upstream_credentials
+    # Basic auth for the upstream, taken out of its URL so that no page, answer or log line shows it.
+    upstream_credentials: tuple[str, str] | None = field(default=None, repr=False)
+    upstream_max_bytes: int = UPSTREAM_MAX_BYTES  # one engine answer, or one line of its stream, decompressed
     # Beside vLLM or SGLang (mla_watch.engines): how the upstream returns routing, and where its routers sit.
     engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
     model_config: Path | None = None  # the config.json the engine loaded, or its directory
@@ -62,3 +70,21 @@ class ServerConfig:
     # 0: none (no file, no /v1/history).
     history_retention_days: float = 30.0
     history_max_series: int = 1024  # (router, business line) pairs it keeps; 119 routers x 6 lines fit
+
+    def __post_init__(self) -> None:
+        if self.upstream:
+            self.upstream, credentials = split_credentials(self.upstream)
+            self.upstream_credentials = credentials or self.upstream_credentials
+
+
+def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``url`` without its ``user:password@`` part, and that part (percent-decoded), if there was one."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, None
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal keeps its brackets
+        host = f"[{host}]"
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    public = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return public, (unquote(parts.username or ""), unquote(parts.password or ""))

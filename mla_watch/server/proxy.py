@@ -4,12 +4,20 @@ Beside vLLM or SGLang (``serve --engine``), the proxy also reads the routing the
 with each response (:mod:`mla_watch.engines.formats`): it asks for it where the engine needs
 asking, decodes and counts it per business line in a worker process, and strips it from what
 the client receives unless the client asked for it itself (``return_routed_experts: true``).
+
+Whatever answers at the upstream's address is not trusted: an answer is read within
+``--upstream-max-bytes`` after decompression and within ``--request-timeout`` in all (a stream:
+until its headers and each of its lines), parsed off the event loop, and anything that is not
+an OpenAI-style answer becomes a 502 in OpenAI's error shape that says what was wrong.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,27 +26,36 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.engines.decoder import RoutingDecoder
-from mla_watch.engines.formats import ROUTING_REQUEST_FIELD, RoutingPlan
+from mla_watch.engines.formats import PROMPT_START_FIELD, ROUTING_REQUEST_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
 from mla_watch.server.requests import ApiError, GenerationRequest
+from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, EventLines, UnsupportedEncoding
 
-__all__ = ["ENGINE_OWNERS", "Upstream"]
+__all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]
 
 log = logging.getLogger("mla_watch.server")
 
 # `auto`: the routing format, by the `owned_by` of the upstream's /v1/models (an mla_watch sidecar
 # serving with --return-routed-experts speaks vLLM's fields).
 ENGINE_OWNERS = {"vllm": "vllm", "sglang": "sglang", "mla_watch": "vllm"}
+ERROR_BODY_MAX_BYTES = 64 << 10  # an engine's error answer is a message, relayed only when it is one
+MODELS_MAX_BYTES = 1 << 20  # /v1/models lists names
 
 
 class Upstream:
     """The engine behind the sidecar: requests go there with the policy's applied values."""
 
-    def __init__(self, url: str, timeout: float, *, routing: EngineRouting | None = None,
-                 decoder: RoutingDecoder | None = None) -> None:
-        self.url = url.rstrip("/")
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=5.0))
+    def __init__(self, url: str, timeout: float, *, decoder: RoutingDecoder, routing: EngineRouting | None = None,
+                 max_bytes: int, credentials: tuple[str, str] | None = None) -> None:
+        self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
+        # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
+        # all the same is inflated here within max_bytes.
+        self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+                                         auth=httpx.BasicAuth(*credentials) if credentials else None,
+                                         headers={"Accept-Encoding": "identity"})
+        self.timeout = timeout
+        self.max_bytes = max_bytes
         self.routing = routing
         self._decoder = decoder
         # The routing format: fixed by --engine, or found on the first request (`auto`).
@@ -48,114 +65,272 @@ class Upstream:
         await self._client.aclose()
 
     async def models(self, request: Request) -> Response:
-        try:
-            upstream = await self._client.get("/v1/models", headers=_forwarded_auth(request))
-        except httpx.HTTPError as error:
-            raise self._failed(error) from error
-        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+        status, content_type, content = await self._exchange("GET", "/v1/models", MODELS_MAX_BYTES,
+                                                             headers=_forwarded_auth(request))
+        if status != 200:
+            return _relayed_error(self.url, status, content_type, content)
+        document = _json_object(content)
+        if document is None:
+            raise _not_openai(self.url, "/v1/models", content_type, len(content))
+        return JSONResponse(document)
 
     async def forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
                       decision: Decision) -> Response:
         payload = parsed.upstream_body(body, decision.applied)
+        prompt_start = _prompt_start(payload.pop(PROMPT_START_FIELD, None))  # the proxy counts every row
         headers = {"Content-Type": "application/json", **_forwarded_auth(request),
                    "X-Business-Line": decision.business_line, "X-Task": decision.task}
         path = request.url.path
         extra = decision.as_dict()
-        plan = await self._plan(request, body, extra)
-        if plan is not None and plan.engine == "sglang":
+        plan = await self._plan(request, body, extra, prompt_start)
+        if plan.engine == "sglang":
             payload[ROUTING_REQUEST_FIELD] = True  # SGLang returns routing only to requests that ask
+        if parsed.stream:
+            return await self._stream(path, payload, headers, plan, decision.business_line)
+        status, content_type, content = await self._exchange("POST", path, self.max_bytes, json=payload,
+                                                             headers=headers)
+        if status != 200:
+            return _relayed_error(self.url, status, content_type, content)
+        decoded = await self._decoder.response(plan, content)
+        del content
+        if decoded.not_json:
+            raise _not_openai(self.url, path, content_type, len(decoded.body or b""))
+        if self.routing is not None and plan.engine != "none":
+            self.routing.count(decision.business_line, decoded, streamed=False)
+        if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
+            raise ApiError(502, f"the answer of {self.url}{path} could not be read: {decoded.error}",
+                           code="upstream_error", error_type="server_error")
+        return Response(decoded.body, media_type="application/json")
+
+    # ------------------------------------------------------------------ one bounded exchange
+    async def _exchange(self, method: str, path: str, limit: int, **kwargs: Any) -> tuple[int, str, bytes]:
+        """Status, content type and decoded body of one request: at most ``limit`` bytes (an error answer at
+        most :data:`ERROR_BODY_MAX_BYTES`), all of it within the request timeout."""
         try:
-            if not parsed.stream:
-                upstream = await self._client.post(path, json=payload, headers=headers)
-                if upstream.status_code != 200:
-                    return Response(upstream.content, status_code=upstream.status_code,
-                                    media_type=upstream.headers.get("content-type", "application/json"))
-                if plan is None:
-                    document = upstream.json()
-                    document["mla_watch"] = extra
-                    return JSONResponse(document)
-                decoded = await self._decoder.response(plan, upstream.content)
-                self.routing.count(decision.business_line, decoded)
-                return Response(decoded.body, media_type="application/json")
-            upstream_request = self._client.build_request("POST", path, json=payload, headers=headers)
-            upstream = await self._client.send(upstream_request, stream=True)
+            return await asyncio.wait_for(self._read(method, path, limit, **kwargs), self.timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"{self.url}{path} did not answer in full within {self.timeout:g} s "
+                                "(--request-timeout)", code="upstream_timeout", error_type="server_error") from None
         except httpx.HTTPError as error:
-            raise self._failed(error) from error
+            raise self._failed(error) from None
+
+    async def _read(self, method: str, path: str, limit: int, **kwargs: Any) -> tuple[int, str, bytes]:
+        async with self._client.stream(method, path, **kwargs) as answer:
+            content_type = answer.headers.get("content-type", "")
+            if answer.status_code != 200:
+                limit = min(limit, ERROR_BODY_MAX_BYTES)
+            try:
+                content = await self._inflate(answer, limit)
+            except AnswerTooLarge as error:
+                if answer.status_code != 200:  # a message that long is no message: say what came
+                    return answer.status_code, content_type, b""
+                raise ApiError(502, f"the answer of {self.url}{path} is larger than {error.limit} bytes "
+                                    "(--upstream-max-bytes)", code="upstream_too_large",
+                               error_type="server_error") from None
+            return answer.status_code, content_type, content
+
+    async def _inflate(self, answer: httpx.Response, limit: int) -> bytes:
+        try:
+            inflater = BoundedInflater(answer.headers.get("content-encoding"), limit)
+            pieces = [inflater.feed(raw) async for raw in answer.aiter_raw()]
+            pieces.append(inflater.finish())
+        except UnsupportedEncoding as error:
+            raise ApiError(502, f"the answer of {self.url} cannot be read: {error}", code="upstream_error",
+                           error_type="server_error") from None
+        except zlib.error:
+            raise ApiError(502, f"the answer of {self.url} is not valid compressed data (Content-Encoding "
+                                f"{answer.headers.get('content-encoding', '')[:40]!r})", code="upstream_error",
+                           error_type="server_error") from None
+        return b"".join(pieces)
+
+    # ------------------------------------------------------------------ streams
+    async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,
+                      business_line: str) -> Response:
+        deadline = time.monotonic() + self.timeout
+        request = self._client.build_request("POST", path, json=payload, headers=headers)
+        try:
+            upstream = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(504, f"{self.url}{path} sent no answer within {self.timeout:g} s (--request-timeout)",
+                           code="upstream_timeout", error_type="server_error") from None
+        except httpx.HTTPError as error:
+            raise self._failed(error) from None
         if upstream.status_code != 200:
-            content = await upstream.aread()
-            await upstream.aclose()
-            return Response(content, status_code=upstream.status_code,
-                            media_type=upstream.headers.get("content-type", "application/json"))
-        return StreamingResponse(self._relay_stream(upstream, extra, plan, decision.business_line),
+            try:
+                content_type = upstream.headers.get("content-type", "")
+                try:
+                    content = await asyncio.wait_for(self._inflate(upstream, ERROR_BODY_MAX_BYTES),
+                                                     max(0.0, deadline - time.monotonic()))
+                except (AnswerTooLarge, asyncio.TimeoutError, httpx.HTTPError):
+                    content = b""
+            finally:
+                await upstream.aclose()
+            return _relayed_error(self.url, upstream.status_code, content_type, content)
+        return StreamingResponse(self._relay_stream(upstream, plan, business_line, path),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def _plan(self, request: Request, body: dict[str, Any], extra: dict[str, Any]) -> RoutingPlan | None:
-        """How to read this response's routing (``None``: not watching an engine's routing)."""
-        if self.routing is None:
-            return None
-        if self.engine is None:
+    async def _relay_stream(self, upstream: httpx.Response, plan: RoutingPlan, business_line: str,
+                            path: str) -> AsyncIterator[bytes]:
+        """Pass the upstream's server-sent events through, adding mla_watch's object to the first chunk.
+
+        SGLang sends a stream's routing in one chunk of its own after the last token; vLLM sends none
+        (the response is counted as one without routing). A stream that breaks a bound ends with one
+        ``error`` event saying which.
+        """
+        state = {"first": True, "counted": False}
+        try:
+            async for line in self._stream_lines(upstream, path):
+                relayed = await self._relay_line(line, plan, business_line, state)
+                if relayed is not None:
+                    yield relayed + b"\n"
+            if self.routing is not None and plan.engine != "none" and not state["counted"]:
+                self.routing.count(business_line, None, streamed=True)
+        except ApiError as error:
+            log.warning("stream from %s%s cut: %s", self.url, path, error.message)
+            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+        finally:
+            await upstream.aclose()
+
+    async def _stream_lines(self, upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:
+        """The stream's lines, each whole within the request timeout and at most ``max_bytes``."""
+        try:  # a stream is relayed line by line: a read, and a line, must fit; the whole need not
+            inflater = BoundedInflater(upstream.headers.get("content-encoding"), self.max_bytes, per_read=True)
+        except UnsupportedEncoding as error:
+            raise ApiError(502, f"the stream of {self.url}{path} cannot be read: {error}", code="upstream_error",
+                           error_type="server_error") from None
+        lines = EventLines(self.max_bytes)
+        raw = upstream.aiter_raw()
+        while True:
+            try:
+                data = await asyncio.wait_for(anext(raw), self.timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise ApiError(504, f"the stream of {self.url}{path} sent no line end within {self.timeout:g} s "
+                                    "(--request-timeout)", code="upstream_timeout", error_type="server_error") from None
+            except httpx.HTTPError as error:
+                raise self._failed(error) from None
+            try:
+                for line in lines.feed(inflater.feed(data)):
+                    yield line
+            except zlib.error:
+                raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
+                               code="upstream_error", error_type="server_error") from None
+            except AnswerTooLarge as error:
+                raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} bytes "
+                                    "(--upstream-max-bytes)", code="upstream_too_large",
+                               error_type="server_error") from None
+        for line in lines.finish():
+            yield line
+
+    async def _relay_line(self, line: bytes, plan: RoutingPlan, business_line: str,
+                          state: dict[str, bool]) -> bytes | None:
+        if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
+            return line
+        if plan.engine == "sglang" and b'"sglext"' in line:
+            decoded = await self._decoder.chunk(plan, line[5:].decode("utf-8", "replace"), first=state["first"])
+            if decoded.found and self.routing is not None:
+                self.routing.count(business_line, decoded, streamed=True)
+                state["counted"] = True
+            state["first"] = False
+            return None if decoded.body is None else b"data: " + decoded.body
+        if not state["first"]:
+            return line
+        chunk = _json_object(line[5:])
+        if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
+            return line
+        state["first"] = False
+        chunk["mla_watch"] = plan.extra
+        return b"data: " + json.dumps(chunk).encode()
+
+    # ------------------------------------------------------------------ routing plan
+    async def _plan(self, request: Request, body: dict[str, Any], extra: dict[str, Any],
+                    prompt_start: int) -> RoutingPlan:
+        """How to read this response (engine ``none``: only mla_watch's object is added)."""
+        if self.routing is not None and self.engine is None:
             self.engine = await self._detect(request)
-            if self.engine is None:
-                return None
-        return RoutingPlan(self.engine, self.routing.geometry, keep=body.get(ROUTING_REQUEST_FIELD) is True,
-                           extra=extra)
+        if self.routing is None or self.engine is None:
+            return RoutingPlan("none", None, keep=True, extra=extra)
+        # A client that sets vLLM's prompt start wants routing: it gets the rows it asked for.
+        keep = body.get(ROUTING_REQUEST_FIELD) is True or PROMPT_START_FIELD in body
+        return RoutingPlan(self.engine, self.routing.geometry, keep=keep, extra=extra, prompt_start=prompt_start)
 
     async def _detect(self, request: Request) -> str | None:
         """``--engine auto``: the format of the engine that owns the upstream's first model."""
         try:
-            answer = await self._client.get("/v1/models", headers=_forwarded_auth(request))
-            owner = answer.json()["data"][0]["owned_by"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            status, _, content = await self._exchange("GET", "/v1/models", MODELS_MAX_BYTES,
+                                                      headers=_forwarded_auth(request))
+        except ApiError as error:
+            log.warning("--engine auto: %s/v1/models did not answer (%s); no routing read yet", self.url,
+                        error.message)
+            return None
+        document = _json_object(content) if status == 200 else None
+        try:
+            owner = document["data"][0]["owned_by"]  # type: ignore[index]
+        except (KeyError, IndexError, TypeError):
             log.warning("--engine auto: %s/v1/models did not name its engine; no routing read yet", self.url)
             return None
         engine = ENGINE_OWNERS.get(owner) if isinstance(owner, str) else None
         if engine is None:
-            log.warning("--engine auto: %s/v1/models is owned by %r, not one of %s; no routing is read (set --engine)",
-                        self.url, owner, sorted(ENGINE_OWNERS))
+            shown = repr(owner[:40]) if isinstance(owner, str) else f"a {type(owner).__name__}"
+            log.warning("--engine auto: %s/v1/models is owned by %s, not one of %s; no routing is read (set "
+                        "--engine)", self.url, shown, sorted(ENGINE_OWNERS))
             self.routing = None  # asked once: an unknown engine stays unknown
         else:
             log.info("--engine auto: %s is %s; reading its routing in %s's format", self.url, owner, engine)
-            self.routing.engine = engine
+            self.routing.engine = engine  # type: ignore[union-attr]
         return engine
 
     def _failed(self, error: httpx.HTTPError) -> ApiError:
-        return ApiError(502, f"upstream {self.url} failed: {type(error).__name__}: {error}", code="upstream_error",
-                        error_type="server_error")
+        detail = " ".join(str(error).split())[:200]  # the URL in it has no credentials: they live in auth
+        return ApiError(502, f"upstream {self.url} failed: {type(error).__name__}" + (f": {detail}" if detail else ""),
+                        code="upstream_error", error_type="server_error")
 
-    async def _relay_stream(self, upstream: httpx.Response, extra: dict[str, Any], plan: RoutingPlan | None,
-                            business_line: str) -> AsyncIterator[bytes]:
-        """Pass the upstream's server-sent events through, adding mla_watch's object to the first chunk.
 
-        SGLang sends a stream's routing in one chunk of its own after the last token; vLLM sends none
-        (the response is counted as one without routing).
-        """
-        first = True
-        counted = False
-        try:
-            async for line in upstream.aiter_lines():
-                if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                    if plan is not None and plan.engine == "sglang" and '"sglext"' in line:
-                        decoded = await self._decoder.chunk(plan, line[5:], first=first)
-                        if decoded.found:
-                            self.routing.count(business_line, decoded)
-                            counted = True
-                        first = False
-                        if decoded.body is None:
-                            continue
-                        line = "data: " + decoded.body.decode()
-                    elif first:
-                        try:
-                            chunk = json.loads(line[5:])
-                            chunk["mla_watch"] = extra
-                            line = "data: " + json.dumps(chunk)
-                            first = False
-                        except json.JSONDecodeError:
-                            pass
-                yield (line + "\n").encode()
-            if plan is not None and not counted:
-                self.routing.count(business_line, None)
-        finally:
-            await upstream.aclose()
+def _prompt_start(value: Any) -> int:
+    if value is None:
+        return 0
+    if type(value) is not int or value < 0:
+        shown = repr(value) if isinstance(value, int | float) and len(repr(value)) <= 24 else \
+            f"a {type(value).__name__}"
+        raise ApiError(400, f"{PROMPT_START_FIELD}={shown} is invalid: expected an integer >= 0 (prompt tokens "
+                            "left out of the routing returned)", param=PROMPT_START_FIELD, code="invalid_value")
+    return value
+
+
+def _json_object(content: bytes) -> dict[str, Any] | None:
+    """``content`` as a JSON object, or ``None`` where it is not one (deep nesting included)."""
+    try:
+        document = json.loads(content)
+    except (ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+def _relayed_error(url: str, status: int, content_type: str, content: bytes) -> Response:
+    """An engine's error answer: its own JSON error object where it sent one, else ours naming what came.
+
+    Only 4xx and 5xx are relayed as the engine said them; any other status is a 502. Nothing but JSON
+    leaves: an engine's HTML page would be served from the sidecar's origin, beside its status page.
+    """
+    if not 400 <= status <= 599:
+        return JSONResponse(ApiError(502, f"{url} answered HTTP {status}: expected 200 with an OpenAI-style answer, "
+                                          "or an error status", code="upstream_error",
+                                     error_type="server_error").body(), status_code=502)
+    document = _json_object(content) if "json" in content_type.lower() else None
+    if document is not None:
+        return JSONResponse(document, status_code=status)
+    kind = content_type.split(";")[0].strip()[:60] or "no content type"
+    what = f"{len(content)} bytes of {kind}" if content else f"an unreadable or over-long body ({kind})"
+    error = ApiError(status, f"{url} answered HTTP {status} with {what}: expected an OpenAI-style JSON error",
+                     code="upstream_error", error_type="invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(error.body(), status_code=status)
+
+
+def _not_openai(url: str, path: str, content_type: str, size: int) -> ApiError:
+    kind = content_type.split(";")[0].strip()[:60] or "no content type"
+    return ApiError(502, f"the answer of {url}{path} ({size} bytes of {kind}) is not a JSON object: expected an "
+                         "OpenAI-style answer", code="upstream_error", error_type="server_error")
 
 
 def _forwarded_auth(request: Request) -> dict[str, str]:

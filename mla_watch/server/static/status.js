@@ -185,9 +185,13 @@ async function refresh() {
 function render() {
   const status = view.status;
   const firing = status.alerts.filter((a) => a.state === "firing");
-  const engine = status.engine ? ` (${status.engine.engine}: ${status.engine.routers})` : "";
-  $("model").textContent = `model ${status.model}${status.upstream ? ` via ${status.upstream}${engine}` : ""}` +
-    (status.ready ? "" : ` · ${status.load_error || "loading"}`);
+  // Beside an engine the model is the engine's, not the embedded one this sidecar would load.
+  const served = status.engine ? `${status.engine.engine} engine at ${status.upstream} (${status.engine.routers})`
+    : status.upstream ? `upstream ${status.upstream}` : `model ${status.model}`;
+  $("model").textContent = served + (status.ready ? "" : ` · ${status.load_error || "loading"}`);
+  const problems = status.engine ? status.engine.problems || [] : [];
+  $("problems").hidden = !problems.length;
+  $("problems").replaceChildren(...problems.map((text) => el("p", { class: "fail" }, `⚠ ${text}`)));
   $("summary").textContent = `${firing.length} firing · ${status.rules} rule${status.rules === 1 ? "" : "s"} · ` +
     `${status.notifications_pending} notifications queued` +
     (status.retune ? ` · router version ${status.retune.live}` : "");

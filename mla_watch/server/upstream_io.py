@@ -1,0 +1,109 @@
+"""Reading an engine's answers within bounds: decompressed size, server-sent-event lines, time.
+
+An engine (or whatever answers at its address) decides how large its answers are. Nothing
+it sends is held past ``limit`` bytes after decompression: httpx's own decoders inflate a
+read whole (1 MB of gzip becomes 1 GB in one call), so the raw bytes are inflated here, a
+bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
+specification): text that is legal inside JSON, U+2028 or U+0085, never splits a line.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "UnsupportedEncoding"]
+
+SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
+_EOL = re.compile(rb"\r\n?|\n")
+
+
+class AnswerTooLarge(Exception):
+    """More than ``limit`` bytes (decompressed) in one answer or one stream line."""
+
+    def __init__(self, limit: int, what: str) -> None:
+        super().__init__(f"{what} is larger than {limit} bytes")
+        self.limit = limit
+        self.what = what
+
+
+class UnsupportedEncoding(Exception):
+    """A ``Content-Encoding`` other than :data:`SUPPORTED_ENCODINGS`."""
+
+
+class BoundedInflater:
+    """Turns an answer's raw bytes (``Content-Encoding`` as sent) into at most ``limit`` decoded bytes in all,
+    or, for a stream relayed as it comes (``per_read``), at most ``limit`` from each read."""
+
+    def __init__(self, content_encoding: str | None, limit: int, what: str = "the engine's answer", *,
+                 per_read: bool = False) -> None:
+        encoding = (content_encoding or "identity").strip().lower()
+        if encoding not in SUPPORTED_ENCODINGS:
+            raise UnsupportedEncoding(f"Content-Encoding {encoding[:40]!r}: expected one of "
+                                      f"{', '.join(SUPPORTED_ENCODINGS)} (the sidecar asks for identity)")
+        # gzip: a gzip header; deflate: zlib's header as RFC 9110 says (raw deflate is told apart below).
+        self._inflater = None if encoding == "identity" else zlib.decompressobj(
+            16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        self._deflate = encoding == "deflate"
+        self.limit = limit
+        self.what = what
+        self.per_read = per_read
+        self.size = 0
+
+    def feed(self, data: bytes) -> bytes:
+        """The decoded bytes of ``data``; raises :class:`AnswerTooLarge` before holding more than ``limit``,
+        :class:`zlib.error` for data that does not inflate."""
+        if self.per_read:
+            self.size = 0
+        if self._inflater is None:
+            return self._count(data)
+        pieces = []
+        while data:
+            room = self.limit - self.size + 1  # one byte past the limit tells "too large" from "exactly full"
+            try:
+                piece = self._inflater.decompress(data, room)
+            except zlib.error:
+                if not (self._deflate and self.size == 0 and not pieces):
+                    raise
+                self._inflater, self._deflate = zlib.decompressobj(-zlib.MAX_WBITS), False  # raw deflate
+                continue
+            pieces.append(self._count(piece))
+            data = self._inflater.unconsumed_tail
+        return b"".join(pieces)
+
+    def finish(self) -> bytes:
+        return b"" if self._inflater is None else self._count(self._inflater.flush(self.limit - self.size + 1))
+
+    def _count(self, piece: bytes) -> bytes:
+        self.size += len(piece)
+        if self.size > self.limit:
+            raise AnswerTooLarge(self.limit, self.what)
+        return piece
+
+
+class EventLines:
+    """Splits a stream's decoded bytes into lines at CR, LF or CRLF, none longer than ``limit`` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+        self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        lines, start = [], 0
+        while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
+            if end.group() == b"\r" and end.end() == len(self._buffer):
+                break  # a CR last: its LF may be in the next read
+            lines.append(bytes(self._buffer[start:end.start()]))
+            start = end.end()
+        del self._buffer[:start]
+        self._scanned = max(0, len(self._buffer) - 1)
+        if len(self._buffer) > self.limit:
+            raise AnswerTooLarge(self.limit, "a line of the engine's stream")
+        return lines
+
+    def finish(self) -> list[bytes]:
+        """What is left when the stream ends: a last line without its line end."""
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return [rest.rstrip(b"\r")] if rest else []
