@@ -132,8 +132,10 @@ class Upstream:
     async def _inflate(self, answer: httpx.Response, limit: int) -> bytes:
         try:
             inflater = BoundedInflater(answer.headers.get("content-encoding"), limit)
-            pieces = [inflater.feed(raw) async for raw in answer.aiter_raw()]
-            pieces.append(inflater.finish())
+            body = bytearray()  # grown in place: a list of pieces joined at the end fragments the heap
+            async for raw in answer.aiter_raw():
+                body += inflater.feed(raw)
+            body += inflater.finish()
         except UnsupportedEncoding as error:
             raise ApiError(502, f"the answer of {self.url} cannot be read: {error}", code="upstream_error",
                            error_type="server_error") from None
@@ -141,7 +143,7 @@ class Upstream:
             raise ApiError(502, f"the answer of {self.url} is not valid compressed data (Content-Encoding "
                                 f"{answer.headers.get('content-encoding', '')[:40]!r})", code="upstream_error",
                            error_type="server_error") from None
-        return b"".join(pieces)
+        return bytes(body)
 
     # ------------------------------------------------------------------ streams
     async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,

@@ -16,6 +16,7 @@ __all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLin
 
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
 _EOL = re.compile(rb"\r\n?|\n")
+_PIECE_BYTES = 1 << 20
 
 
 class AnswerTooLarge(Exception):
@@ -59,7 +60,9 @@ class BoundedInflater:
             return self._count(data)
         pieces = []
         while data:
-            room = self.limit - self.size + 1  # one byte past the limit tells "too large" from "exactly full"
+            # One byte past the limit tells "too large" from "exactly full"; pieces of at most 1 MiB keep
+            # zlib's output buffers small whatever the cap.
+            room = min(self.limit - self.size + 1, _PIECE_BYTES)
             try:
                 piece = self._inflater.decompress(data, room)
             except zlib.error:
