@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,6 +57,15 @@ def dumps(routing: EngineRouting, outcome: str) -> float:
     for family in routing.metrics.recorder_dumps.collect():
         for sample in family.samples:
             if sample.name.endswith("_total") and sample.labels == {"outcome": outcome}:
+                return sample.value
+    return 0.0
+
+
+def rejected(routing: EngineRouting, reason: str) -> float:
+    """``mla_watch_engine_recorder_rejected_total{reason=...}`` (0 before the first)."""
+    for family in routing.metrics.recorder_rejected.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels == {"reason": reason}:
                 return sample.value
     return 0.0
 
@@ -102,7 +112,8 @@ class FakeSGLang:
         for index, counts in enumerate(self.passes):
             buffer[index % self.buffer_size] = counts
         if self.moe_axis:
-            buffer = buffer[:, list(self.geometry.moe_layers)]
+            # SGLang's buffer is a torch.zeros, C-contiguous; numpy's fancy indexing on axis 1 may not be.
+            buffer = np.ascontiguousarray(buffer[:, list(self.geometry.moe_layers)])
         counts, tokens = self.expected()
         self.dumped += counts
         self.dumped_tokens += tokens
@@ -244,15 +255,21 @@ BAD_DUMPS = {
     "wrong-layers": ({"rank": 0, "logical_count": torch.ones((3, 5, EXPERTS), dtype=torch.int32)},
                      "has shape [3, 5, 16]"),
     "two-dimensional": ({"logical_count": torch.ones((LAYERS, EXPERTS), dtype=torch.int32)}, "has shape [4, 16]"),
-    "missing-key": ({"rank": 0, "records": []}, "key 'logical_count' missing (keys ['rank', 'records'])"),
+    "missing-key": ({"rank": 0, "records": []}, "key 'logical_count' missing (a dict of 2 keys)"),
     "not-a-dict": (torch.ones((3, LAYERS, EXPERTS), dtype=torch.int32), "missing (a Tensor)"),
     "not-a-tensor": ({"logical_count": [[1, 2], [3, 4]]}, "key 'logical_count' is a list"),
     "float-tensor": ({"logical_count": torch.ones((3, LAYERS, EXPERTS))}, "is a torch.float32 tensor"),
     "negative": ({"logical_count": torch.full((3, LAYERS, EXPERTS), -1, dtype=torch.int32)},
                  "negative counts (lowest -1)"),
     "unsafe-pickle": ({"logical_count": Trap()}, "cannot be read by torch.load(weights_only=True)"),
-    "not-torch": (None, "cannot be read by torch.load(weights_only=True)"),
+    "not-torch": (None, "not the zip archive torch.save writes (BadZipFile)"),
 }
+
+
+# mla_watch_engine_recorder_rejected_total{reason} of each of BAD_DUMPS.
+BAD_DUMP_REASONS = {"wrong-experts": "shape", "wrong-layers": "shape", "two-dimensional": "shape",
+                    "missing-key": "format", "not-a-dict": "format", "not-a-tensor": "format", "float-tensor": "dtype",
+                    "negative": "negative", "unsafe-pickle": "unreadable", "not-torch": "unreadable"}
 
 
 @pytest.mark.parametrize("case", list(BAD_DUMPS))
@@ -263,7 +280,8 @@ def test_a_dump_that_cannot_be_counted_is_an_error_and_is_deleted(tmp_path, rout
         path.write_bytes(b"not a zip archive, nor a pickle")
     else:
         torch.save(content, path)
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing)
+    # A file that is no dump is set aside once settled: at once here (the settling has tests of its own).
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.consume() == ["error"]
     message = caplog.records[-1].getMessage()
@@ -274,6 +292,7 @@ def test_a_dump_that_cannot_be_counted_is_an_error_and_is_deleted(tmp_path, rout
     assert recorder_files(tmp_path) == []
     assert dumps(routing, "error") == 1
     assert routing.windows.business_lines == []
+    assert rejected(routing, BAD_DUMP_REASONS[case]) == 1
 
 
 def test_a_file_too_large_is_left_and_not_retried(tmp_path, geometry, routing, caplog, monkeypatch) -> None:
@@ -415,3 +434,277 @@ def test_an_unbounded_buffer_never_wraps(tmp_path, geometry, routing) -> None:
     assert poller.consume() == ["counted"]
     assert_counted(routing, fake.dumped, fake.dumped_tokens)
     assert os.listdir(tmp_path) == []
+
+
+# -- what a co-tenant of the volume (or a buggy engine) may leave there -------------------------------------------
+
+
+def peak_rss_growth(run: Callable[[], object]) -> tuple[object, int]:
+    """``run()``'s result, and how many bytes the process's peak resident set grew by while it ran."""
+    try:  # Linux: "5" resets VmHWM to the current RSS, so the peak is run's own
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        before = _status_kb("VmRSS")
+        result = run()
+        return result, (_status_kb("VmHWM") - before) * 1024
+    except OSError:  # elsewhere the lifetime peak: growth past it still shows
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = run()
+        return result, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def hostile(directory: Path, content: object, when: float = 1_600_000_000.5) -> Path:
+    """A file under a dump's name, older than any FakeSGLang writes (so it is read first)."""
+    path = directory / f"expert_distribution_recorder_{when}.pt"
+    torch.save(content, path)
+    return path
+
+
+@pytest.mark.parametrize(("max_passes", "reason"), [(None, "too_large"), (10_000_000, "not_dense")],
+                         ids=["past-the-pass-cap", "within-it"])
+def test_a_stride_zero_tensor_is_refused_without_being_materialised(tmp_path, geometry, routing, engine_server,
+                                                                    monkeypatch, caplog, max_passes, reason) -> None:
+    # 64 stored counts declaring 3,000,000 passes (768 MB once expanded), in a file of under 2 KB.
+    expanded = torch.zeros((1, LAYERS, EXPERTS), dtype=torch.int32).expand(3_000_000, LAYERS, EXPERTS)
+    path = hostile(tmp_path, {"rank": 0, "logical_count": expanded})
+    assert path.stat().st_size < 4096
+    if max_passes is not None:  # let it past the pass cap (768 MB < MAX_DUMP_BYTES): the strides refuse it
+        monkeypatch.setattr(recorder, "MAX_DUMP_PASSES", max_passes)
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=3)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        outcomes, growth = peak_rss_growth(poller.poll_once)
+    assert outcomes == ["error", "counted"]
+    assert growth < 100 << 20, f"peak RSS grew by {growth >> 20} MB"
+    assert rejected(routing, reason) == 1
+    assert "3000000 passes" in caplog.text if reason == "too_large" else "strides [0, 16, 1]" in caplog.text
+    assert_counted(routing, fake.dumped, fake.dumped_tokens)  # the engine's own dump only
+    assert recorder_files(tmp_path) == []
+    poller.stop()
+
+
+def test_a_sparse_tensor_is_set_aside_and_the_dumps_after_it_are_counted(tmp_path, geometry, routing, engine_server,
+                                                                         caplog) -> None:
+    dense = torch.zeros((3, LAYERS, EXPERTS), dtype=torch.int32)
+    dense[0, 1, :TOP_K] = 1
+    path = hostile(tmp_path, {"rank": 0, "logical_count": dense.to_sparse()})
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=4)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert poller.poll_once() == ["error", "counted"]
+        assert poller.poll_once() == ["counted"]
+    assert not path.exists()
+    assert rejected(routing, "not_dense") == 1 and dumps(routing, "error") == 1 and dumps(routing, "counted") == 2
+    assert_counted(routing, fake.dumped, fake.dumped_tokens)
+    assert "torch.sparse_coo tensor" in caplog.text
+    assert not any(record.exc_info for record in caplog.records)  # no traceback, every poll or once
+    poller.stop()
+
+
+def overflowing_dump() -> torch.Tensor:
+    """int64 counts of 2 passes of 2 tokens, fine in the first MoE layers; the last one's sum wraps int64."""
+    counts = torch.zeros((2, LAYERS, EXPERTS), dtype=torch.int64)
+    counts[:, 1:, :TOP_K] = 2  # 2 tokens x top-4 in each MoE layer of each pass
+    counts[:, LAYERS - 1, :2] = 1 << 62  # 2^62 + 2^62 wraps to -2^63 once summed
+    return counts
+
+
+@pytest.mark.parametrize("deletable", [True, False], ids=["deleted", "undeletable"])
+def test_an_overflowing_dump_adds_nothing_and_is_counted_once(tmp_path, geometry, routing, engine_server,
+                                                              monkeypatch, caplog, deletable) -> None:
+    path = hostile(tmp_path, {"rank": 0, "logical_count": overflowing_dump()})
+    if not deletable:
+        unlink = os.unlink
+
+        def refuse(target: object) -> None:
+            if Path(str(target)) == path:
+                raise PermissionError(13, "Permission denied", str(target))
+            unlink(target)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(recorder.os, "unlink", refuse)
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)  # no passes: each poll dumps an empty file
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert poller.poll_once() == ["error", "empty"]
+        assert poller.poll_once() == ["empty"]
+        assert poller.poll_once() == ["empty"]
+    assert routing.windows.business_lines == []  # not one layer of it was added
+    assert_counted(routing, np.zeros((len(geometry.moe_layers), EXPERTS), dtype=np.int64), 0)
+    assert rejected(routing, "overflow") == 1 and dumps(routing, "error") == 1
+    assert f"holds a count of {1 << 62}" in caplog.text
+    assert path.exists() is not deletable
+    poller.stop()
+
+
+def counts_of(passes: list[list[list[int]]]) -> torch.Tensor:
+    """A [passes, 4 layers, 16 experts] int32 dump; each pass lists the leading counts of MoE layers 1-3."""
+    tensor = torch.zeros((len(passes), LAYERS, EXPERTS), dtype=torch.int32)
+    for p, layers in enumerate(passes):
+        for j, leading in enumerate(layers):
+            tensor[p, 1 + j, :len(leading)] = torch.tensor(leading, dtype=torch.int32)
+    return tensor
+
+
+INCONSISTENT = {
+    # 3 tokens x top-4 = 12 choices in layers 1 and 2, 8 in layer 3: not the same tokens.
+    "layers-unlike": (counts_of([[[3, 3, 3, 3], [3, 3, 3, 3], [2, 2, 2, 2]]]), "layer 3 has 8 expert choices"),
+    # 6 choices: not a whole number of tokens of top-4.
+    "not-a-multiple": (counts_of([[[2, 2, 1, 1]] * 3]), "6 expert choices; expected a multiple of top-4"),
+    # 2 tokens, but expert 0 chosen 5 times.
+    "expert-twice-a-token": (counts_of([[[5, 1, 1, 1]] * 3]), "an expert chosen 5 times by 2 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(INCONSISTENT))
+def test_counts_no_forward_pass_could_make_are_refused_whole(tmp_path, routing, caplog, case) -> None:
+    tensor, found = INCONSISTENT[case]
+    good = counts_of([[[1, 1, 1, 1]] * 3])  # one valid pass before it: the file is refused whole all the same
+    path = hostile(tmp_path, {"rank": 0, "logical_count": torch.cat([good, tensor])})
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=2)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert poller.consume() == ["error"]
+    assert found in caplog.text and str(path) in caplog.text
+    assert rejected(routing, "inconsistent") == 1
+    assert routing.windows.business_lines == []
+    assert not path.exists()
+
+
+def test_an_unexpected_failure_sets_the_file_aside_and_polling_goes_on(tmp_path, geometry, routing, engine_server,
+                                                                      monkeypatch, caplog) -> None:
+    path = hostile(tmp_path, {"rank": 0, "logical_count": counts_of([[[1, 1, 1, 1]] * 3])})
+    read = recorder.read_dump
+
+    def explode(handle, where, geometry, **kwargs):  # type: ignore[no-untyped-def]
+        if where == path:
+            raise TypeError("the secret content of the file")
+        return read(handle, where, geometry, **kwargs)
+
+    monkeypatch.setattr(recorder, "read_dump", explode)
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=2)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert poller.poll_once() == ["error", "counted"]
+        assert poller.poll_once() == ["counted"]
+    assert rejected(routing, "unexpected") == 1
+    assert "TypeError" in caplog.text and "secret" not in caplog.text
+    assert_counted(routing, fake.dumped, fake.dumped_tokens)
+    assert recorder_files(tmp_path) == []
+    poller.stop()
+
+
+def test_a_dump_being_written_is_left_until_it_is_whole(tmp_path, geometry, routing, engine_server, caplog) -> None:
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    directory = tmp_path / "dumps"
+    directory.mkdir()
+    fake = FakeSGLang(engine, geometry, buffer_size=8)
+    fake.run_passes(5)
+    content = fake.dump().read_bytes()
+    counts, tokens = fake.dumped.copy(), fake.dumped_tokens
+    now = [time.time()]
+    live = FakeSGLang(directory, geometry, buffer_size=8)  # the engine polled: its own dumps are empty
+    poller = RecorderPoller(directory, engine_server(live), routing, settle_seconds=2, buffer_size=8,
+                            clock=lambda: now[0])
+    path = directory / "expert_distribution_recorder_1600000009.5.pt"
+
+    def write(data: bytes) -> None:  # torch.save writes in place: the final name from the first byte on
+        with open(path, "ab") as handle:
+            handle.write(data)
+        os.utime(path, (now[0], now[0]))
+
+    with caplog.at_level(logging.WARNING, LOGGER):
+        write(content[: len(content) // 2])  # half-written: it fails to load
+        assert poller.poll_once() == ["empty"]
+        now[0] += 1.5
+        assert poller.poll_once() == ["empty"]  # still not 2 s old: left, not set aside
+        assert path.read_bytes() == content[: len(content) // 2]
+        write(content[len(content) // 2:])  # the writer resumes and finishes
+        assert poller.poll_once() == ["counted", "empty"]  # whole: counted at once, settled or not
+    assert_counted(routing, counts, tokens)
+    assert not path.exists() and recorder_files(directory) == []
+    assert dumps(routing, "error") == 0 and caplog.text == ""
+    poller.stop()
+
+
+def test_a_broken_file_is_set_aside_only_once_it_settled(tmp_path, routing, caplog) -> None:
+    now = [time.time()]
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=2, clock=lambda: now[0])
+    young = tmp_path / "expert_distribution_recorder_1600000001.5.pt"
+    young.write_bytes(b"PK\x03\x04 half of a zip")
+    skewed = tmp_path / "expert_distribution_recorder_1600000002.5.pt"
+    skewed.write_bytes(b"PK\x03\x04 half of another")
+    os.utime(skewed, (now[0] + 3600, now[0] + 3600))  # the volume's clock an hour ahead of ours
+    with caplog.at_level(logging.WARNING, LOGGER):
+        assert poller.consume() == []
+        now[0] += 1
+        assert poller.consume() == []
+        assert young.exists() and skewed.exists() and caplog.text == ""
+        now[0] += 1  # 2 s old by its mtime, and the skewed one unchanged for 2 s by our clock
+        assert poller.consume() == ["error", "error"]
+    assert not young.exists() and not skewed.exists()
+    assert rejected(routing, "unreadable") == 2 and dumps(routing, "error") == 2
+
+
+def test_a_dump_changed_while_read_is_left_for_the_next_poll(tmp_path, geometry, routing, monkeypatch) -> None:
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake.run_passes(3)
+    path = fake.dump()
+    read = recorder.read_dump
+    writes = [1]
+
+    def written_meanwhile(handle, where, geometry, **kwargs):  # type: ignore[no-untyped-def]
+        dump = read(handle, where, geometry, **kwargs)
+        if writes:
+            writes.pop()
+            mtime = path.stat().st_mtime_ns + 1_000_000
+            os.utime(path, ns=(mtime, mtime))
+        return dump
+
+    monkeypatch.setattr(recorder, "read_dump", written_meanwhile)
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=8)
+    assert poller.consume() == []
+    assert path.exists() and routing.windows.business_lines == []
+    assert poller.consume() == ["counted"]
+    assert_counted(routing, fake.dumped, fake.dumped_tokens)
+
+
+def test_a_thousand_junk_files_log_a_few_lines_and_none_of_their_content(tmp_path, routing, caplog) -> None:
+    huge_key = "K" * 200_000
+    hostile(tmp_path, {huge_key: 1, "rank": 0}, when=1_600_000_000.0)
+    for number in range(1, 1000):
+        path = tmp_path / f"expert_distribution_recorder_{1_600_000_000 + number}.5.pt"
+        kind = number % 4
+        if kind == 0:
+            path.write_bytes(b"SECRET-BYTES " * number)
+        elif kind == 1:
+            torch.save({f"SECRET-KEY-{number}": number}, path)
+        elif kind == 2:
+            torch.save({"logical_count": torch.full((2, LAYERS, EXPERTS), float(number))}, path)
+        else:
+            torch.save({"logical_count": Trap()}, path)  # torch's error names the global: Trap
+    now = [time.time()]
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, LOGGER):
+        assert poller.consume() == ["error"] * 1000
+        assert len(caplog.records) <= 10, len(caplog.records)
+        now[0] += 61
+        hostile(tmp_path, {"SECRET-KEY-late": 1}, when=1_700_000_000.5)
+        assert poller.consume() == ["error"]
+    assert len(caplog.records) <= 11
+    text = caplog.text
+    assert huge_key[:100] not in text and "SECRET" not in text and "Trap" not in text
+    assert "key 'logical_count' missing (a dict of 2 keys)" in text
+    assert "more like it since the last report" in text  # the suppressed ones are told, by number
+    assert rejected(routing, "format") == 1 + 250 + 1 and rejected(routing, "unreadable") == 249 + 250
+    assert rejected(routing, "dtype") == 250 and dumps(routing, "error") == 1001
+    assert Trap.ran == [] and recorder_files(tmp_path) == []

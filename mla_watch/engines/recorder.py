@@ -10,15 +10,34 @@ holds ``dict(rank, logical_count, average_utilization_rate_over_window)`` where
 row per forward pass, summed over ranks, dense layers' rows zero, rows never written zero
 (SGLang ``python/sglang/srt/eplb/expert_distribution.py``, ``_StatAccumulator``). The counts
 go to the ``unattributed`` business line: no request can be told apart in them.
+
+The directory is a shared volume, so a file in it may be anything. Each dump is consumed
+exactly once: counted whole, or set aside with its reason in
+``mla_watch_engine_recorder_rejected_total{reason}`` (deleted, or where it cannot be, never
+read again). Before anything is materialised it must be the uncompressed zip ``torch.save``
+writes, and ``logical_count`` a dense, contiguous integer tensor no larger than
+:data:`MAX_DUMP_PASSES` rows whose storage backs every element it declares; then its counts
+must be those of forward passes (>= 0, within int32, every MoE layer of a pass counting the
+same tokens x top-k, no expert more than once per token) before any is added. ``torch.save``
+writes in place, so a half-written dump has its final name: a file that fails these checks
+is set aside only once it has settled (unchanged for ``settle_seconds``), one that changes
+while read is left for the next poll, and a young one is counted only whole (the zip's
+central directory, written last, must be there). Log lines about files are limited to one
+per reason a minute and name numbers, shapes and dtypes, never the file's keys or values.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import stat
 import threading
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +45,11 @@ import httpx
 import numpy as np
 
 from mla_watch.engines.geometry import EngineGeometry
-from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineRouting
+from mla_watch.engines.watch import LOG_EVERY_SECONDS, UNATTRIBUTED_LINE, EngineRouting
 from mla_watch.windows import CountDelta
 
-__all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "OUTCOMES", "RecorderPoller"]
+__all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "MAX_DUMP_PASSES", "OUTCOMES", "REJECT_REASONS", "Dump", "DumpError",
+           "RecorderPoller", "read_dump"]
 
 log = logging.getLogger("mla_watch.engines.recorder")
 
@@ -39,15 +59,53 @@ DUMP_PATH = "/dump_expert_distribution_record"
 DUMP_NAME_RE = re.compile(r"expert_distribution_recorder_([0-9]+(?:\.[0-9]+)?)\.pt")
 # per_pass / per_token write one file per rank, of another layout (records, not counts).
 RANK_DUMP_RE = re.compile(r"expert_distribution_recorder_[0-9]+(?:\.[0-9]+)?_[0-9]+\.pt")
-# A stat dump of 1000 passes x 61 layers x 256 experts is 62 MB; far past that it is not one.
+# A stat dump of 1000 passes x 61 layers x 256 experts is 62 MB; far past that it is not one. It bounds the
+# file, and (checked before torch.load) the bytes its zip entries hold once read.
 MAX_DUMP_BYTES = 1 << 30
+# SGLang's default --expert-distribution-recorder-buffer-size is 1000 passes. A larger configured buffer, or an
+# unbounded one (-1: every pass since the last dump), holds more; 100x the default covers an unbounded buffer
+# dumped every 10 s at 10,000 forward passes a second. A tensor declaring more rows than this (or than the
+# configured buffer, where that is larger) is no dump: the file size does not bound what a tensor declares (a
+# stride-0 view of 64 stored counts may declare millions of rows), so it is refused before it is read.
+MAX_DUMP_PASSES = 100_000
+# torch.save's data.pkl of a dump is a few hundred bytes; unpickling builds objects from all of it.
+MAX_PICKLE_BYTES = 1 << 20
+# SGLang counts in int32. Bounding every count by it keeps every sum taken here within int64: at most
+# rows x experts x MAX_COUNT <= (MAX_DUMP_BYTES / 1 byte) x 2^31 = 2^61 (checked again where summed).
+MAX_COUNT = (1 << 31) - 1
+_INT64_MAX = (1 << 63) - 1
 OUTCOMES = ("counted", "empty", "ring_full", "error")
+# Why a file of outcome "error" was set aside: mla_watch_engine_recorder_rejected_total{reason}.
+REJECT_REASONS = ("unreadable", "format", "not_dense", "dtype", "shape", "too_large", "negative", "overflow",
+                  "inconsistent", "unexpected")
 _INTEGER_DTYPES = ("torch.int8", "torch.int16", "torch.int32", "torch.int64", "torch.uint8")
 _ORDER = "--expert-distribution-recorder-mode stat"
+_MAX_SHOWN_DIMS = 8  # a shape of more dimensions is reported by its count: the numbers would be a wall of text
+
+# What identifies one version of a file: inode, size, mtime (ns). Any change means it is still being written.
+Signature = tuple[int, int, int]
 
 
 class DumpError(ValueError):
-    """A recorder file that can never be counted (it is deleted all the same)."""
+    """A recorder file that can never be counted (it is set aside all the same), and why (one of REJECT_REASONS)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Dump:
+    """A validated stat dump: what it adds to each MoE layer's window."""
+
+    counts: np.ndarray  # int64 [moe_layers, experts], summed over the passes
+    tokens: int  # tokens of those passes: every MoE layer of a pass counted the same tokens x top-k choices
+    recorded: int  # passes with any count (rows never written are zero)
+    rows: int  # rows of the file's ring buffer
+
+
+def _signature(info: os.stat_result) -> Signature:
+    return (info.st_ino, info.st_size, info.st_mtime_ns)
 
 
 class RecorderPoller:
@@ -56,11 +114,15 @@ class RecorderPoller:
     ``directory`` is the engine's ``SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR`` as this process
     sees it (a shared volume); ``buffer_size`` the engine's
     ``--expert-distribution-recorder-buffer-size`` (``-1``: an unbounded buffer, which never
-    wraps), used to tell when the ring wrapped and passes were lost.
+    wraps), used to tell when the ring wrapped and passes were lost. A file that is no valid
+    dump is set aside only once it has settled: its mtime ``settle_seconds`` old on ``clock``
+    (wall-clock seconds, as mtimes are), or unchanged since a look that long ago (which a
+    clock skewed against the volume's cannot hold back). ``clock`` also paces the log lines.
     """
 
     def __init__(self, directory: Path, engine_url: str, routing: EngineRouting, *, interval: float = 10.0,
-                 buffer_size: int = 1000, timeout: float = 10.0) -> None:
+                 buffer_size: int = 1000, timeout: float = 10.0, settle_seconds: float = 2.0,
+                 clock: Callable[[], float] = time.time, credentials: tuple[str, str] | None = None) -> None:
         if not interval > 0:
             raise ValueError(f"recorder interval {interval!r}: expected a number of seconds > 0")
         if not timeout > 0:
@@ -68,20 +130,29 @@ class RecorderPoller:
         if type(buffer_size) is not int or not (buffer_size >= 1 or buffer_size == -1):
             raise ValueError(f"recorder buffer size {buffer_size!r}: expected the engine's "
                              "--expert-distribution-recorder-buffer-size, an integer >= 1 or -1 (unbounded)")
+        if isinstance(settle_seconds, bool) or not isinstance(settle_seconds, (int, float)) \
+                or not (math.isfinite(settle_seconds) and settle_seconds >= 0):
+            raise ValueError(f"recorder settle seconds {settle_seconds!r}: expected a number of seconds >= 0, how "
+                             "long a dump file must stay unchanged before it is read")
         self.directory = Path(directory)
-        self.engine_url = engine_url.rstrip("/")
+        self.engine_url = engine_url.rstrip("/")  # shown in logs: credentials come apart, in `credentials`
+        self._credentials = credentials
         self.routing = routing
         self.interval = float(interval)
         self.buffer_size = buffer_size
         self.timeout = float(timeout)
+        self.settle_seconds = float(settle_seconds)
+        self._clock = clock
         self._lock = threading.Lock()  # one poll at a time: a file must not be counted by two
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._client: httpx.Client | None = None
         self._client_lock = threading.Lock()
         self._recording = False  # the engine answered the start request (again after it was unreachable)
-        self._skipped: set[str] = set()  # too large, or could not be deleted: never read again
+        self._skipped: set[str] = set()  # set aside but not deleted (too large, undeletable): never read again
+        self._looks: dict[str, tuple[Signature, float]] = {}  # a file's version, and when it was first seen so
         self._logged: set[str] = set()
+        self._limited: dict[str, tuple[float, int]] = {}  # log key -> (last logged, suppressed since)
         self._log_lock = threading.Lock()
 
     # -- the thread ------------------------------------------------------------------------------------
@@ -117,14 +188,16 @@ class RecorderPoller:
             else:
                 try:
                     self.poll_once()
-                except Exception:  # a bug must not end the thread: the next round may succeed
-                    log.exception("SGLang recorder poll failed")
+                except Exception as error:  # a bug must not end the thread: the next round may succeed
+                    # The type only: an exception's text may quote a file's content.
+                    self._log_limited("poll", f"SGLang recorder poll failed ({type(error).__name__}); retrying "
+                                      f"every {self.interval:g} s")
             self._stop.wait(self.interval)
 
     # -- one round -------------------------------------------------------------------------------------
 
     def poll_once(self) -> list[str]:
-        """Ask the engine for a dump, then count every dump file there is; one outcome per file."""
+        """Ask the engine for a dump, then consume every dump file there is; one outcome per file consumed."""
         with self._lock:
             failure = self._post(DUMP_PATH)
             if failure is not None and not failure.startswith("HTTP "):
@@ -132,24 +205,30 @@ class RecorderPoller:
             return self._consume()
 
     def consume(self) -> list[str]:
-        """Count the dump files already in ``directory`` (no request); one outcome per file, oldest first."""
+        """Consume the dump files already in ``directory`` (no request); one outcome per file consumed, oldest first."""
         with self._lock:
             return self._consume()
 
     def _consume(self) -> list[str]:
         outcomes = []
-        for name in self._pending():
-            outcome = self._consume_file(name)
+        for name, signature, settled in self._pending():
+            try:
+                outcome = self._consume_file(name, signature, settled)
+            except Exception as error:  # whatever one file does, the ones after it are still read
+                self._skipped.add(name)  # the same file would fail the same way: never read again
+                outcome = self._reject(self.directory / name, "unexpected", f"{self.directory / name}: failed "
+                                       f"({type(error).__name__}); it is left there and not read again")
             if outcome is None:
                 continue
             self.routing.metrics.recorder_dumps.labels(outcome).inc()
             outcomes.append(outcome)
         return outcomes
 
-    def _pending(self) -> list[str]:
-        """Names of rank 0's stat dumps, oldest first; per-rank files and anything else are left alone."""
-        found: list[tuple[float, str]] = []
+    def _pending(self) -> list[tuple[str, Signature, bool]]:
+        """Rank 0's stat dumps, oldest first, with the version seen and whether it settled; others are left alone."""
+        found: list[tuple[float, str, Signature, bool]] = []
         names: set[str] = set()
+        now = self._clock()
         try:
             with os.scandir(self.directory) as entries:
                 for entry in entries:
@@ -163,17 +242,37 @@ class RecorderPoller:
                         continue
                     if entry.name in self._skipped or not entry.is_file(follow_symlinks=False):
                         continue
-                    found.append((float(match.group(1)), entry.name))
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:  # gone since the listing, or not ours to stat: the next poll looks again
+                        continue
+                    signature = _signature(info)
+                    settled = self._settled(entry.name, signature, info.st_mtime_ns / 1e9, now)
+                    found.append((float(match.group(1)), entry.name, signature, settled))
         except OSError as error:
             self._warn_once(f"scandir:{error.errno}", "%s: cannot list the recorder directory (%s); expected the "
                             "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, readable and writable here",
                             self.directory, error.strerror or type(error).__name__)
             return []
         self._skipped &= names  # a name gone from the directory may come back as a new dump
-        return [name for _, name in sorted(found)]
+        self._looks = {name: look for name, look in self._looks.items() if name in names}
+        return [(name, signature, settled) for _, name, signature, settled in sorted(found)]
 
-    def _consume_file(self, name: str) -> str | None:
-        """Count one dump and delete it; its outcome, or ``None`` where it was no file to count."""
+    def _settled(self, name: str, signature: Signature, mtime: float, now: float) -> bool:
+        """Whether the writer is done: torch.save writes in place, so a half-written dump has its final name."""
+        seen = self._looks.get(name)
+        if seen is None or seen[0] != signature:
+            seen = self._looks[name] = (signature, now)
+        return now - mtime >= self.settle_seconds or now - seen[1] >= self.settle_seconds
+
+    def _consume_file(self, name: str, signature: Signature, settled: bool) -> str | None:
+        """Count one dump, or set it aside; its outcome, or ``None`` where it is no file to count (yet).
+
+        A file not yet ``settled`` is counted if it is a whole, valid dump: torch.save writes the zip's central
+        directory last, so a file that loads was written to the end (and the engine answers a dump request only
+        once its file is written, so a poll counts the dump it asked for). One that fails is left as it is until
+        it settles: it may be half-written, and only a settled file is set aside.
+        """
         path = self.directory / name
         # No symlink, and no FIFO to block on, even where the name changed since the listing.
         flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -183,50 +282,66 @@ class RecorderPoller:
             return None
         except OSError as error:
             self._skipped.add(name)
-            log.warning("%s: cannot be opened (%s); it is left there and not read again", path,
-                        error.strerror or type(error).__name__)
-            return "error"
+            why = error.strerror or type(error).__name__
+            return self._reject(path, "unreadable", f"{path}: cannot be opened ({why}); it is left there and not "
+                                "read again")
         with os.fdopen(fd, "rb") as handle:
             info = os.fstat(handle.fileno())
             if not stat.S_ISREG(info.st_mode):
                 return None
+            if _signature(info) != signature:  # replaced or written to since listed: the next poll looks again
+                return None
             if info.st_size > MAX_DUMP_BYTES:
                 self._skipped.add(name)
-                log.warning("%s: %d bytes, larger than %d; expected a stat-mode recorder dump; it is left there "
-                            "and not read again", path, info.st_size, MAX_DUMP_BYTES)
-                return "error"
+                return self._reject(path, "too_large", f"{path}: {info.st_size} bytes, larger than {MAX_DUMP_BYTES}; "
+                                    "expected a stat-mode recorder dump; it is left there and not read again")
+            dump: Dump | None = None
+            reason = message = ""
             try:
-                counts, passes = read_dump(handle, path, self.routing.geometry)
+                dump = read_dump(handle, path, self.routing.geometry, max_passes=max(MAX_DUMP_PASSES, self.buffer_size))
             except DumpError as error:
-                log.warning("%s", error)
-                outcome = "error"
-            else:
-                outcome = self._count(path, counts, passes)
+                reason, message = error.reason, str(error)
+            except Exception as error:  # torch or numpy on a crafted tensor: it must not stop the poller
+                reason, message = "unexpected", (f"{path}: reading it failed ({type(error).__name__}); expected a "
+                                                 f"recorder dump written by {_ORDER}")
+            if _signature(os.fstat(handle.fileno())) != signature:
+                # Written to while read: a dump still being written, not a broken one. Nothing of it was added.
+                self._looks.pop(name, None)
+                return None
+        if dump is None and not settled:
+            return None  # perhaps half-written: read again at a later poll, set aside only once it settled
+        outcome = self._apply(path, dump) if dump is not None else self._reject(path, reason, f"{message}; deleted")
         self._delete(path)
         return outcome
 
-    def _count(self, path: Path, counts: np.ndarray, passes: tuple[int, int]) -> str:
-        recorded, rows = passes
-        if recorded == 0:
+    def _apply(self, path: Path, dump: Dump) -> str:
+        """Add a validated dump to the windows, every router or none."""
+        if dump.recorded == 0:
             return "empty"
         geometry = self.routing.geometry
-        top_k = geometry.top_k
-        for name, row in zip(geometry.router_names, counts, strict=True):
-            tokens = int(row.sum()) // top_k
-            if tokens > 0:
-                self.routing.windows.add(name, UNATTRIBUTED_LINE, CountDelta(row, tokens))
-        if self.buffer_size > 0 and rows != self.buffer_size:
-            self._warn_once(f"rows:{rows}", "%s: key 'logical_count' has %d rows; expected %d, the configured "
-                            "recorder buffer size: set it to the engine's --expert-distribution-recorder-buffer-"
-                            "size (-1 for an unbounded buffer), or a wrapped ring goes unnoticed", path, rows,
-                            self.buffer_size)
-        if self.buffer_size > 0 and recorded >= self.buffer_size:
-            log.warning("%s: all %d rows of the recorder's ring buffer are filled, so older forward passes were "
-                        "overwritten and not counted; dump more often (a lower --sglang-recorder-interval than "
-                        "%g s) or raise the engine's --expert-distribution-recorder-buffer-size", path, rows,
-                        self.interval)
+        # Built in full before the first add; read_dump checked what RollingWindow.add checks (1-D int64 rows of
+        # num_experts, >= 0, tokens >= 0, a router of these windows), so no add can raise part-way through.
+        deltas = [(name, CountDelta(row, dump.tokens))
+                  for name, row in zip(geometry.router_names, dump.counts, strict=True)]
+        for name, delta in deltas:
+            self.routing.windows.add(name, UNATTRIBUTED_LINE, delta)
+        if self.buffer_size > 0 and dump.rows != self.buffer_size:
+            self._log_limited("rows", f"{path}: key 'logical_count' has {dump.rows} rows; expected {self.buffer_size}, "
+                              "the configured recorder buffer size: set it to the engine's --expert-distribution-"
+                              "recorder-buffer-size (-1 for an unbounded buffer), or a wrapped ring goes unnoticed")
+        if self.buffer_size > 0 and dump.recorded >= self.buffer_size:
+            self._log_limited("ring_full", f"{path}: all {dump.rows} rows of the recorder's ring buffer are filled, "
+                              "so older forward passes were overwritten and not counted; dump more often (a lower "
+                              f"--sglang-recorder-interval than {self.interval:g} s) or raise the engine's "
+                              "--expert-distribution-recorder-buffer-size")
             return "ring_full"
         return "counted"
+
+    def _reject(self, path: Path, reason: str, message: str) -> str:
+        """Count a file set aside uncounted, by reason; its outcome."""
+        self.routing.metrics.recorder_rejected.labels(reason).inc()
+        self._log_limited(f"reject:{reason}", message)
+        return "error"
 
     def _delete(self, path: Path) -> None:
         try:
@@ -234,9 +349,9 @@ class RecorderPoller:
         except FileNotFoundError:
             pass
         except OSError as error:
-            self._skipped.add(path.name)  # counted already: never again
-            self._warn_once(f"unlink:{error.errno}", "%s: counted, but cannot be deleted (%s); it and files like "
-                            "it are not read again, but they fill the directory: expected the recorder directory "
+            self._skipped.add(path.name)  # consumed already: never again
+            self._warn_once(f"unlink:{error.errno}", "%s: read, but cannot be deleted (%s); it and files like it "
+                            "are not read again, but they fill the directory: expected the recorder directory "
                             "writable here", path, error.strerror or type(error).__name__)
 
     # -- HTTP and logging ------------------------------------------------------------------------------
@@ -245,7 +360,8 @@ class RecorderPoller:
         with self._client_lock:
             if self._client is None:
                 self._client = httpx.Client(base_url=self.engine_url,
-                                            timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 5.0)))
+                                            timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 5.0)),
+                                            auth=httpx.BasicAuth(*self._credentials) if self._credentials else None)
             return self._client
 
     def _post(self, path: str) -> str | None:
@@ -266,44 +382,134 @@ class RecorderPoller:
         return kind
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Warn of a condition of this set-up (bounded keys), once until it is cleared."""
         with self._log_lock:
             if key in self._logged:
                 return
             self._logged.add(key)
         log.warning(message, *args)
 
+    def _log_limited(self, key: str, message: str) -> None:
+        """Warn at most once per ``LOG_EVERY_SECONDS`` per key, with how many were left out: files are many."""
+        now = self._clock()
+        with self._log_lock:
+            last, suppressed = self._limited.get(key, (-math.inf, 0))
+            if now - last < LOG_EVERY_SECONDS:
+                self._limited[key] = (last, suppressed + 1)
+                return
+            self._limited[key] = (now, 0)
+        more = f" ({suppressed} more like it since the last report)" if suppressed else ""
+        log.warning("%s%s", message, more)
 
-def read_dump(handle: Any, path: Path, geometry: EngineGeometry) -> tuple[np.ndarray, tuple[int, int]]:
-    """The counts ``[moe_layers, experts]`` (int64) of a stat dump, and (passes recorded, rows in the file)."""
+
+def read_dump(handle: Any, path: Path, geometry: EngineGeometry, *, max_passes: int | None = None) -> Dump:
+    """A stat dump's counts, checked whole before any is used; :class:`DumpError` (with its reason) if it is none.
+
+    ``max_passes`` bounds the rows a tensor may declare (default :data:`MAX_DUMP_PASSES`).
+    """
     import torch  # only here: the sidecar imports this module whether or not a recorder is polled
 
+    limit = MAX_DUMP_PASSES if max_passes is None else max_passes
+    _check_archive(handle, path)
+    handle.seek(0)
     try:
         data = torch.load(handle, map_location="cpu", weights_only=True)  # a shared volume: no arbitrary pickles
     except Exception as error:  # torch raises pickle, zip, EOF and runtime errors alike
-        first = (str(error).strip().splitlines() or [""])[0][:200]
-        raise DumpError(f"{path}: cannot be read by torch.load(weights_only=True) ({type(error).__name__}: "
-                        f"{first}); expected a recorder dump written by {_ORDER}") from None
+        # The type only: torch's messages may quote the pickle (a key, a global's name) back.
+        raise DumpError("unreadable", f"{path}: cannot be read by torch.load(weights_only=True) "
+                        f"({type(error).__name__}); expected a recorder dump written by {_ORDER}") from None
     layers, moe, experts = geometry.num_hidden_layers, len(geometry.moe_layers), geometry.num_experts
     expected = f"[passes, {layers}, {experts}]"
     if moe != layers:
         expected += f" (every hidden layer) or [passes, {moe}, {experts}] (MoE layers only)"
     expected = f"an integer tensor of shape {expected} for {geometry.describe()}"
     if not isinstance(data, dict) or "logical_count" not in data:
-        found = f"keys {sorted(map(str, data))}" if isinstance(data, dict) else f"a {type(data).__name__}"
-        raise DumpError(f"{path}: key 'logical_count' missing ({found}); expected a dict holding {expected}, "
-                        f"as {_ORDER} writes")
+        found = f"a dict of {len(data)} keys" if isinstance(data, dict) else f"a {type(data).__name__}"
+        raise DumpError("format", f"{path}: key 'logical_count' missing ({found}); expected a dict holding "
+                        f"{expected}, as {_ORDER} writes")
     tensor = data["logical_count"]
-    if not isinstance(tensor, torch.Tensor) or str(tensor.dtype) not in _INTEGER_DTYPES:
-        found = f"a {tensor.dtype} tensor" if isinstance(tensor, torch.Tensor) else f"a {type(tensor).__name__}"
-        raise DumpError(f"{path}: key 'logical_count' is {found}; expected {expected}")
+    if not isinstance(tensor, torch.Tensor):
+        raise DumpError("format", f"{path}: key 'logical_count' is a {type(tensor).__name__}; expected {expected}")
+    if tensor.layout != torch.strided:  # sparse COO/CSR pass weights_only, and numpy() cannot take them
+        raise DumpError("not_dense", f"{path}: key 'logical_count' is a {tensor.layout} tensor; expected a dense "
+                        f"(torch.strided) one, {expected}")
+    if str(tensor.dtype) not in _INTEGER_DTYPES:
+        raise DumpError("dtype", f"{path}: key 'logical_count' is a {tensor.dtype} tensor; expected {expected}")
     shape = list(tensor.shape)
     if len(shape) != 3 or shape[1] not in (layers, moe) or shape[2] != experts:
-        raise DumpError(f"{path}: key 'logical_count' has shape {shape}; expected {expected}")
-    array = tensor.numpy()
+        found = f"shape {shape}" if len(shape) <= _MAX_SHOWN_DIMS else f"{len(shape)} dimensions"
+        raise DumpError("shape", f"{path}: key 'logical_count' has {found}; expected {expected}")
+    # All of the below reads the tensor's metadata only: nothing is materialised until every check passed.
+    rows, itemsize = shape[0], tensor.element_size()
+    if rows > limit or tensor.numel() * itemsize > MAX_DUMP_BYTES:
+        raise DumpError("too_large", f"{path}: key 'logical_count' declares {rows} passes ({tensor.numel()} counts "
+                        f"of {itemsize} bytes); expected at most {limit} passes and {MAX_DUMP_BYTES} bytes")
+    needed = (tensor.storage_offset() + tensor.numel()) * itemsize
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() < needed:
+        raise DumpError("not_dense", f"{path}: key 'logical_count' has strides {list(tensor.stride())} over "
+                        f"{tensor.untyped_storage().nbytes()} stored bytes; expected a contiguous tensor whose "
+                        f"storage holds all {tensor.numel()} counts it declares ({needed} bytes), as torch.save "
+                        "writes the recorder's buffer")
+    array = tensor.detach().numpy()
     if shape[1] == layers and moe != layers:
         array = array[:, list(geometry.moe_layers), :]
-    if array.size and int(array.min()) < 0:
-        raise DumpError(f"{path}: key 'logical_count' holds negative counts (lowest {int(array.min())}); "
+    if array.size == 0:
+        return Dump(np.zeros((moe, experts), dtype=np.int64), 0, 0, rows)
+    lowest, highest = int(array.min()), int(array.max())
+    if lowest < 0:
+        raise DumpError("negative", f"{path}: key 'logical_count' holds negative counts (lowest {lowest}); "
                         "expected counts of tokens, >= 0")
-    recorded = int(np.count_nonzero(array.reshape(shape[0], -1).any(axis=1))) if array.size else 0
-    return array.sum(axis=0, dtype=np.int64), (recorded, shape[0])
+    if highest > MAX_COUNT or rows * experts * highest > _INT64_MAX:
+        raise DumpError("overflow", f"{path}: key 'logical_count' holds a count of {highest}; expected at most "
+                        f"{MAX_COUNT}, as the recorder's int32 counts, so that the sums over {rows} passes fit int64")
+    choices = array.sum(axis=2, dtype=np.int64)  # [passes, moe layers]: expert choices of each layer in each pass
+    _check_passes(path, array, choices, geometry)
+    counts = array.sum(axis=0, dtype=np.int64)
+    recorded = int(np.count_nonzero(choices[:, 0]))  # every MoE layer of a pass counts the same: the first tells
+    return Dump(counts, int(choices[:, 0].sum()) // geometry.top_k, recorded, rows)
+
+
+def _check_archive(handle: Any, path: Path) -> None:
+    """The uncompressed zip torch.save writes: else its entries could inflate far past the file's size."""
+    try:
+        with zipfile.ZipFile(handle) as archive:  # a file object: closing the archive leaves it open
+            entries = archive.infolist()
+    except Exception as error:  # zipfile raises BadZipFile, struct, unicode and OS errors alike
+        raise DumpError("unreadable", f"{path}: not the zip archive torch.save writes ({type(error).__name__}); "
+                        f"expected a recorder dump written by {_ORDER}") from None
+    total = 0
+    for number, entry in enumerate(entries):
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
+            raise DumpError("unreadable", f"{path}: zip entry #{number} is compressed ({entry.compress_size} bytes "
+                            f"for {entry.file_size}); expected the stored entries torch.save writes")
+        total += entry.file_size
+        if entry.filename.rsplit("/", 1)[-1] == "data.pkl" and entry.file_size > MAX_PICKLE_BYTES:
+            raise DumpError("too_large", f"{path}: its pickle (zip entry #{number}) is {entry.file_size} bytes; "
+                            f"expected at most {MAX_PICKLE_BYTES}, a recorder dump's is a few hundred")
+    if total > MAX_DUMP_BYTES:
+        raise DumpError("too_large", f"{path}: its zip entries hold {total} bytes; expected at most {MAX_DUMP_BYTES}")
+
+
+def _check_passes(path: Path, array: np.ndarray, choices: np.ndarray, geometry: EngineGeometry) -> None:
+    """Counts of forward passes: in each pass every MoE layer saw the same tokens, each choosing top-k distinct
+    experts, and every rank's share was summed into the row (so a multiple of top_k, the same in each layer)."""
+    top_k, layers = geometry.top_k, geometry.moe_layers
+    where = f"{path}: key 'logical_count'"
+    bad = np.argwhere(choices % top_k != 0)
+    if bad.size:
+        p, j = (int(v) for v in bad[0])
+        raise DumpError("inconsistent", f"{where}, pass {p}, layer {layers[j]}: {int(choices[p, j])} expert choices; "
+                        f"expected a multiple of top-{top_k}, {top_k} for each token")
+    bad = np.argwhere(choices != choices[:, :1])
+    if bad.size:
+        p, j = (int(v) for v in bad[0])
+        raise DumpError("inconsistent", f"{where}, pass {p}: layer {layers[j]} has {int(choices[p, j])} expert "
+                        f"choices, layer {layers[0]} {int(choices[p, 0])}; expected the same tokens x top-{top_k} in "
+                        "every MoE layer of a forward pass")
+    busiest = array.max(axis=2).astype(np.int64)  # [passes, moe layers]; <= MAX_COUNT, so x top_k fits int64
+    bad = np.argwhere(busiest * top_k > choices)
+    if bad.size:
+        p, j = (int(v) for v in bad[0])
+        raise DumpError("inconsistent", f"{where}, pass {p}, layer {layers[j]}: an expert chosen {int(busiest[p, j])} "
+                        f"times by {int(choices[p, j]) // top_k} tokens; expected at most once per token (a token's "
+                        f"top-{top_k} experts are distinct)")
