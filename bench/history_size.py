@@ -1,6 +1,7 @@
 """The durable routing history at DeepSeek-V3 scale: file size against its documented bound, write and read costs.
 
     python bench/history_size.py                 # 30 simulated days, 58 routers x (5 lines + all)
+    python bench/history_size.py --routers 128 --lines 7   # 1,024 series: --history-max-series' default
     python bench/history_size.py --json figures.json
 
 The clock is simulated: days 1-29 are sampled every 15 min, the last day every minute and the last
@@ -8,13 +9,18 @@ The clock is simulated: days 1-29 are sampled every 15 min, the last day every m
 the steady state of a sidecar sampling every 10 s for 30 days, written in under a minute instead of
 259,200 samples). Write time per sample is measured on the 10 s part. Then the file is reopened
 (load time), ``points()`` is timed over a day, and the same minute tier is written in the layout
-not chosen (one row per series per point) to compare bytes per series-point.
+not chosen (one row per series per point) to compare bytes per series-point. Last, the largest
+``GET /v1/history`` answer the store can give: for each metric, 30 days of every series at the finest
+step ``MAX_CELLS`` allows, with the shipped rules' bands, encoded as the sidecar encodes it; its bytes
+against ``MAX_ANSWER_BYTES``. Every statistic moves in its own range, so values carry their 4 decimals:
+the widest text a real router writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sqlite3
 import sys
 import tempfile
@@ -25,10 +31,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_watch.server.history_store import HISTORY_FILE, VALUES, HistoryStore, size_bound
+from starlette.responses import JSONResponse
+
+from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
+from mla_watch.server.history_store import HISTORY_FILE, HISTORY_METRICS, VALUES, HistoryStore, size_bound
+from mla_watch.server.status import entropy_band
 
 DAY = 86400.0
 START = 1_800_000_000.0
+RULES = Path(__file__).resolve().parents[1] / "rules"
 
 
 class SimulatedClock:
@@ -43,13 +55,35 @@ def records_for(routers: int, lines: int, rng: np.random.Generator) -> list[dict
     records = []
     for layer in range(3, 3 + routers):
         for line in [None, *(f"line_{index}" for index in range(lines))]:
-            bits = float(rng.uniform(5.0, 7.5))
-            records.append({"name": f"model.layers.{layer}.mlp.gate", "layer": layer, "kind": "expert",
-                            "business_line": line, "tokens": 4096, "entropy_bits": bits,
-                            "normalized_entropy": bits / 8.0, "bits_below_ceiling": 8.0 - bits,
-                            "max_violation": 1.3, "dead_slots": 0, "js_divergence": 0.01, "locality": 0.3,
-                            "too_small": False, "floor_bits": 3.0, "ceiling_bits": 8.0, "num_slots": 256})
+            records.append(move({"name": f"model.layers.{layer}.mlp.gate", "layer": layer, "kind": "expert",
+                                 "business_line": line, "too_small": False, "floor_bits": 3.0, "ceiling_bits": 8.0,
+                                 "num_slots": 256}, rng))
     return records
+
+
+def move(record: dict, rng: np.random.Generator) -> dict:
+    """New statistics for ``record``, each in the range a 256-expert top-8 router gives it."""
+    bits = float(rng.uniform(5.0, 7.5))
+    record.update(tokens=int(rng.integers(1024, 4097)), entropy_bits=bits, normalized_entropy=(bits - 3.0) / 5.0,
+                  bits_below_ceiling=8.0 - bits, max_violation=float(rng.uniform(1.0, 3.0)),
+                  dead_slots=int(rng.integers(0, 9)), js_divergence=float(rng.uniform(0.0, 0.1)),
+                  locality=float(rng.uniform(0.0, 1.0)))
+    return record
+
+
+def largest_answer(store: HistoryStore, until: float) -> tuple[int, str, float]:
+    """``(bytes, metric, step)`` of the largest /v1/history answer: every series over 30 days, the finest step."""
+    series = len(store.series())
+    buckets = min(MAX_CELLS // series, MAX_POINTS + 1)  # the store counts ceil(span / step) + 1 buckets
+    step = math.ceil(MAX_RANGE_SECONDS / (buckets - 1) * 1000) / 1000
+    rules = list(load_rules_dir(RULES).rules)
+    largest = (0, "", step)
+    for metric in HISTORY_METRICS:
+        body = store.query(since=until - MAX_RANGE_SECONDS, until=until, step=step, metric=metric, max_cells=MAX_CELLS)
+        for entry in body["series"]:
+            entry["band"] = entropy_band(rules if metric == "entropy_bits" else [], entry)
+        largest = max(largest, (len(JSONResponse(body).body), metric, step))
+    return largest
 
 
 def file_bytes(directory: Path) -> int:
@@ -100,8 +134,8 @@ def main() -> None:
             clock.now = max(clock.now, start)
             stop = end if step == 10.0 else min(end - DAY if step == 900.0 else end - args.fine_hours * 3600, end)
             while clock.now < stop:
-                for record in records[:: 7]:  # some movement, so the pages hold real floats
-                    record["entropy_bits"] = float(rng.uniform(5.0, 7.5))
+                for record in records[int(clock.now // step) % 7:: 7]:  # movement, so means carry real floats
+                    move(record, rng)
                 tick = time.perf_counter()
                 store.record(records)
                 if step == 10.0:
@@ -128,6 +162,7 @@ def main() -> None:
         body = again.query(since=clock.now - args.days * DAY + 1, until=clock.now, step=3600.0)
         query_ms = (time.perf_counter() - tick) * 1e3
         rows_per_point = row_layout_bytes(again, directory)
+        answer_bytes, answer_metric, answer_step = largest_answer(again, clock.now)
         again.close()
     packed_per_point = len(VALUES) * 4
     figures = {
@@ -138,6 +173,8 @@ def main() -> None:
         "load_s": load_s, "points_us_day": points_us, "points_returned": len(times),
         "query_30d_hourly_ms": query_ms, "query_columns": len(body["times"]),
         "packed_bytes_per_series_point": packed_per_point, "row_layout_bytes_per_series_point": rows_per_point,
+        "largest_answer_bytes": answer_bytes, "largest_answer_metric": answer_metric,
+        "largest_answer_step_seconds": answer_step, "answer_bound_bytes": MAX_ANSWER_BYTES,
     }
     print(f"{series} series ({args.routers} routers x ({args.lines} lines + all)), {args.days:g} simulated days, "
           f"{samples} samples in {written:.1f} s")
@@ -151,6 +188,9 @@ def main() -> None:
           f"30 days hourly for every series: {query_ms:.0f} ms")
     print(f"layout: packed rows {packed_per_point} B per series-point (+ page overhead); one row per series-point "
           f"measured {rows_per_point:.0f} B")
+    print(f"largest GET /v1/history answer: {answer_bytes:,} bytes ({answer_metric}, {series} series, 30 days at "
+          f"step {answer_step:g} s, MAX_CELLS {MAX_CELLS:,}); bound MAX_ANSWER_BYTES {MAX_ANSWER_BYTES:,}: ratio "
+          f"{answer_bytes / MAX_ANSWER_BYTES:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

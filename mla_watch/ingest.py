@@ -137,12 +137,18 @@ def _integers(value: Any, field: str, high: int) -> np.ndarray:
     """A JSON list of integers in [0, high] as int64; booleans, floats and strings are refused."""
     if not isinstance(value, list):
         raise IngestError(f"{field} is invalid: expected a list of integers, got {type(value).__name__}", field)
+    if not value:  # the common idle delta: no array made for it
+        return _NO_INTEGERS
     if not all(type(item) is int for item in value):  # bool is a subclass of int: type() excludes it
         bad = next(item for item in value if type(item) is not int)
         raise IngestError(f"{field} holds {describe_value(bad)}: expected integers only", field)
-    if value and (min(value) < 0 or max(value) > high):
+    if min(value) < 0 or max(value) > high:
         raise IngestError(f"{field} holds values outside [0, {high}]", field)
     return np.asarray(value, dtype=np.int64)
+
+
+_NO_INTEGERS = np.zeros(0, dtype=np.int64)
+_NO_INTEGERS.flags.writeable = False  # shared by every empty list: nobody may fill it
 
 
 def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
@@ -174,6 +180,33 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
                       hash_routed=hash_routed)
 
 
+@dataclass
+class _DeltaSum:
+    """One (router, line)'s deltas of a request, summed sparsely as they are checked: the dense counts
+    are made once, by :meth:`dense`, so a delta costs what it carries and an empty one next to nothing."""
+
+    num_slots: int
+    slots: list[np.ndarray] = dataclasses.field(default_factory=list)
+    counts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    local_selections: int = 0
+    choice_selections: int = 0
+
+    def add(self, slots: np.ndarray, counts: np.ndarray, tokens: int, local: int, choice: int) -> None:
+        if slots.size:
+            self.slots.append(slots)
+            self.counts.append(counts)
+        self.tokens += tokens
+        self.local_selections += local
+        self.choice_selections += choice
+
+    def dense(self) -> CountDelta:
+        counts = np.zeros(self.num_slots, dtype=np.int64)
+        if self.slots:  # a slot may come in several deltas: add.at sums repeats, fancy += would not
+            np.add.at(counts, np.concatenate(self.slots), np.concatenate(self.counts))
+        return CountDelta(counts, self.tokens, self.local_selections, self.choice_selections)
+
+
 def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
     """Validate a whole request body; nothing is applied here."""
     unknown = sorted(set(body) - {"source", "routers", "deltas"})
@@ -192,40 +225,17 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
     deltas = body.get("deltas", [])
     if not isinstance(deltas, list):
         raise IngestError("deltas is invalid: expected a list", "deltas")
-    merged: dict[tuple[str, str], CountDelta] = {}
+    sums: dict[tuple[str, str], _DeltaSum] = {}
     lines: set[str] = set()
     dense_slots = 0
     for index, delta in enumerate(deltas):
         where = f"deltas[{index}]"
-        if not isinstance(delta, dict):
-            raise IngestError(f"{where} is invalid: expected an object", where)
-        extra = sorted(set(delta) - {"router", "business_line", "slots", "counts", "tokens", "local_selections",
-                                     "choice_selections"})
-        if extra:
-            raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
-        info = known.get(delta.get("router"))  # type: ignore[arg-type]
-        if info is None:
-            raise IngestError(f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
-                              "routers listed in this request", f"{where}.router")
-        line = _label(delta.get("business_line"), f"{where}.business_line")
-        tokens = _integer(delta.get("tokens", 0), f"{where}.tokens", 0, limits.max_tokens)
-        most = tokens * info.top_k  # each token picks at most top_k slots
-        slots = _integers(delta.get("slots"), f"{where}.slots", info.num_slots - 1)
-        counts = _integers(delta.get("counts"), f"{where}.counts", most)
-        if slots.shape != counts.shape:
-            raise IngestError(f"{where}: slots has {slots.size} entries and counts {counts.size}; expected equal "
-                              "lengths", f"{where}.counts")
-        if np.unique(slots).size != slots.size:
-            raise IngestError(f"{where}.slots lists a slot twice", f"{where}.slots")
-        selections = int(counts.sum())
-        if selections > most:
-            raise IngestError(f"{where}: {selections} selections over {tokens} tokens exceed tokens × top_k = "
-                              f"{most}", f"{where}.counts")
-        choice = _integer(delta.get("choice_selections", 0), f"{where}.choice_selections", 0, most)
-        local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
-        if (info.name, line) not in merged:
-            # Dense counts are allocated here, before RemoteRouting checks its caps: bound them here too,
-            # or one request of many lines of a wide router would allocate gigabytes on its way to a 429.
+        info, line = _delta_key(delta, where, known)
+        checked = _delta_counts(delta, where, info, limits)
+        if (info.name, line) not in sums:
+            # Dense counts are made for each (router, line) once parsed, before RemoteRouting checks its caps:
+            # bound them here too, or one request of many lines of a wide router would allocate gigabytes on
+            # its way to a 429.
             lines.add(line)
             dense_slots += info.num_slots
             if len(lines) > limits.max_lines:
@@ -235,11 +245,45 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
             if dense_slots > limits.max_window_slots:
                 raise IngestError(f"this snapshot's deltas span more than {limits.max_window_slots} slots "
                                   "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
-            merged[(info.name, line)] = CountDelta(np.zeros(info.num_slots, dtype=np.int64), 0)
-        dense = np.zeros(info.num_slots, dtype=np.int64)
-        dense[slots] = counts
-        merged[(info.name, line)].merge(CountDelta(dense, tokens, local, choice))
-    return Snapshot(source, infos, merged)
+            sums[(info.name, line)] = _DeltaSum(info.num_slots)
+        sums[(info.name, line)].add(*checked)
+    return Snapshot(source, infos, {key: summed.dense() for key, summed in sums.items()})
+
+
+def _delta_key(delta: Any, where: str, known: Mapping[str, RouterInfo]) -> tuple[RouterInfo, str]:
+    """The router and business line of one delta, its fields checked."""
+    if not isinstance(delta, dict):
+        raise IngestError(f"{where} is invalid: expected an object", where)
+    extra = sorted(set(delta) - {"router", "business_line", "slots", "counts", "tokens", "local_selections",
+                                 "choice_selections"})
+    if extra:
+        raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
+    info = known.get(delta.get("router"))  # type: ignore[arg-type]
+    if info is None:
+        raise IngestError(f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
+                          "routers listed in this request", f"{where}.router")
+    return info, _label(delta.get("business_line"), f"{where}.business_line")
+
+
+def _delta_counts(delta: Mapping[str, Any], where: str, info: RouterInfo,
+                  limits: IngestLimits) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """``(slots, counts, tokens, local_selections, choice_selections)`` of one delta, checked against its router."""
+    tokens = _integer(delta.get("tokens", 0), f"{where}.tokens", 0, limits.max_tokens)
+    most = tokens * info.top_k  # each token picks at most top_k slots
+    slots = _integers(delta.get("slots"), f"{where}.slots", info.num_slots - 1)
+    counts = _integers(delta.get("counts"), f"{where}.counts", most)
+    if slots.shape != counts.shape:
+        raise IngestError(f"{where}: slots has {slots.size} entries and counts {counts.size}; expected equal "
+                          "lengths", f"{where}.counts")
+    if slots.size and np.unique(slots).size != slots.size:
+        raise IngestError(f"{where}.slots lists a slot twice", f"{where}.slots")
+    selections = int(counts.sum())
+    if selections > most:
+        raise IngestError(f"{where}: {selections} selections over {tokens} tokens exceed tokens × top_k = "
+                          f"{most}", f"{where}.counts")
+    choice = _integer(delta.get("choice_selections", 0), f"{where}.choice_selections", 0, most)
+    local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
+    return slots, counts, tokens, local, choice
 
 
 @dataclass

@@ -41,11 +41,12 @@ from mla_watch.server.admin import Admin, rejected_notice
 from mla_watch.server.config import ADMIN_TOKEN_ENV, ENGINE_CHOICES, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
-from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, parse_history_query
+from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
 from mla_watch.server.history_store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.server.http import authorise, error_response, read_json
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
+from mla_watch.server.reads import BoundedReads, monitoring_executor
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.server.responses import RoutingLayout
 from mla_watch.statedir import ensure_private_dir
@@ -102,6 +103,9 @@ class Sidecar:
                                       interval_seconds=config.history_interval_seconds)
         self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts(),
                                                sinks=[self.history_store] if self.history_store is not None else [])
+        # Off the default executor, which alert evaluation shares: public reads cannot starve monitoring.
+        self.heavy_reads = BoundedReads()  # /v1/history, /v1/status: bounded, 429 past it
+        self._monitoring = monitoring_executor()  # /metrics, /v1/routing: never behind a heavy read
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self._api_error})
 
@@ -181,7 +185,7 @@ class Sidecar:
             return None
         return {"engine": routing.engine, "url": self.config.upstream, "routers": routing.geometry.describe(),
                 "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
-                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE}
+                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE, "problems": routing.problems()}
 
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> AlertService:
@@ -354,18 +358,20 @@ class Sidecar:
         if self.engine_routing is not None:
             self._load_saved_baseline(self.engine_routing.windows)
         if self.config.upstream:
-            if self.engine_routing is not None and self.config.engine != "none":
-                self._decoder = RoutingDecoder(self.config.decode_workers)
-                self._decoder.start()
-            self.upstream = Upstream(self.config.upstream, self.config.request_timeout,
+            # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
+            self._decoder = RoutingDecoder(self.config.decode_workers)
+            self._decoder.start()
+            self.upstream = Upstream(self.config.upstream, self.config.request_timeout, decoder=self._decoder,
                                      routing=self.engine_routing if self.config.engine != "none" else None,
-                                     decoder=self._decoder)
+                                     max_bytes=self.config.upstream_max_bytes,
+                                     credentials=self.config.upstream_credentials)
             if self.config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller
 
                 self._recorder = RecorderPoller(self.config.sglang_recorder_dir, self.config.upstream,
                                                 self.engine_routing, interval=self.config.sglang_recorder_interval,
-                                                buffer_size=self.config.sglang_recorder_buffer)
+                                                buffer_size=self.config.sglang_recorder_buffer,
+                                                credentials=self.config.upstream_credentials)
                 self._recorder.start()
             self.ready.set()
         else:
@@ -379,6 +385,8 @@ class Sidecar:
             log.info("status page: %s/", self.config.public_url.rstrip("/"))
 
     async def _shutdown(self) -> None:
+        self.heavy_reads.shutdown()
+        self._monitoring.shutdown(wait=False, cancel_futures=True)
         self._history_sampler.stop()
         if self.history_store is not None:
             self.history_store.close()
@@ -460,7 +468,8 @@ class Sidecar:
     async def _metrics(self, request: Request) -> Response:
         if self.engine is not None:
             self.metrics.queue_depth.set(self.engine.queue_depth)
-        return Response(await asyncio.to_thread(generate_latest, self.registry), media_type=CONTENT_TYPE_LATEST)
+        body = await asyncio.get_running_loop().run_in_executor(self._monitoring, generate_latest, self.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def _models(self, request: Request) -> Response:
         if self.upstream is not None:
@@ -470,7 +479,10 @@ class Sidecar:
 
     async def _routing(self, request: Request) -> Response:
         line = request.query_params.get("business_line")
-        return JSONResponse(await asyncio.to_thread(self.routing, line))
+        # Encoded on the thread too: every router's record of a wide fleet is no job for the event loop.
+        body = await asyncio.get_running_loop().run_in_executor(self._monitoring,
+                                                                lambda: JSONResponse(self.routing(line)).body)
+        return Response(body, media_type="application/json")
 
     def routing(self, business_line: str | None = None) -> dict[str, Any]:
         """``GET /v1/routing``: every router's statistics for one line (every line summed for ``None``).
@@ -541,7 +553,8 @@ class Sidecar:
         if since_value is not None and not np.isfinite(since_value):
             raise ApiError(400, f"since={describe_value(since)} is invalid: expected a time in seconds since the "
                                 "epoch (the last `times` entry already shown)", param="since", code="invalid_value")
-        return JSONResponse(await asyncio.to_thread(self.status, since_value))
+        body = await self.heavy_reads.run("GET /v1/status", lambda: JSONResponse(self.status(since_value)).body)
+        return Response(body, media_type="application/json")
 
     def status(self, since: float | None = None) -> dict[str, Any]:
         """What the status page shows (``GET /v1/status``); ``since`` limits the history to newer points."""
@@ -574,8 +587,8 @@ class Sidecar:
         if store is None:
             raise ApiError(404, f"{self.history_store_error}: /v1/status holds the last hour", code="not_found")
         query = parse_history_query(request.query_params, now=store.clock(), min_step=store.interval_seconds)
-        # Up to ~10 MB of JSON: built and encoded off the event loop, like the range itself.
-        body = await asyncio.to_thread(lambda: JSONResponse(self.history_range(query)).body)
+        # Megabytes of JSON: built and encoded on the heavy reads' threads, bounded in bytes (MAX_ANSWER_BYTES).
+        body = await self.heavy_reads.run("GET /v1/history", lambda: encode_history(self.history_range(query)))
         return Response(body, media_type="application/json")
 
     def history_range(self, query: HistoryQuery) -> dict[str, Any]:
@@ -586,9 +599,7 @@ class Sidecar:
                                             metric=query.metric, business_line=query.business_line,
                                             router=query.router, max_cells=MAX_CELLS)
         except ValueError as error:
-            raise ApiError(400, f"step={query.step:g} is invalid for this range and these series ({error}): expected "
-                                "a larger step, or a narrower router / business_line", param="step",
-                           code="invalid_value") from error
+            raise too_large(query.step, str(error)) from error
         rules = list(self.alerts.rules.rules) if self.alerts is not None and query.metric == "entropy_bits" else []
         for series in body["series"]:
             series["band"] = status_page.entropy_band(rules, series)

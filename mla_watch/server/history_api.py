@@ -5,6 +5,11 @@ column; default the finest of 10 s, 1 min, 15 min, 1 h, 6 h, 1 d giving at most
 :data:`DEFAULT_COLUMNS`), ``metric`` (default ``entropy_bits``), ``business_line`` (a line or
 ``all``) and ``router`` (an fnmatch pattern). A bad parameter is a 400 naming it, the value sent
 and what was expected; so is a parameter this endpoint does not know.
+
+An answer is bounded twice: at most :data:`MAX_CELLS` columns x series (a larger query is a 400
+naming ``step`` before anything is built), and at most :data:`MAX_ANSWER_BYTES` of JSON once
+encoded (the same 400, for values whose text is unusually long). bench/history_size.py measures
+the largest answer of a full store: 1,024 series over 30 days.
 """
 
 from __future__ import annotations
@@ -12,19 +17,25 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse
 
 from mla_watch.server.history_store import HISTORY_METRICS
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
-__all__ = ["DEFAULT_COLUMNS", "MAX_CELLS", "MAX_POINTS", "MAX_RANGE_SECONDS", "MAX_STEP_SECONDS", "HistoryQuery",
-           "parse_history_query"]
+__all__ = ["DEFAULT_COLUMNS", "MAX_ANSWER_BYTES", "MAX_CELLS", "MAX_POINTS", "MAX_RANGE_SECONDS", "MAX_STEP_SECONDS",
+           "HistoryQuery", "encode_history", "parse_history_query", "too_large"]
 
 PARAMS = ("since", "until", "step", "metric", "business_line", "router")
 MAX_RANGE_SECONDS = 30 * 86400.0
 MAX_STEP_SECONDS = 86400.0
 MAX_POINTS = 2000  # columns one answer may hold
-MAX_CELLS = 2_000_000  # columns x series: about 10 MB of JSON
+# columns x series. A cell is 13-16 bytes of JSON (a value rounded to 4 decimals and a too_small flag):
+# 400,000 made 6.2 MB at most for 1,024 series over 30 days (bench/history_size.py), under MAX_ANSWER_BYTES.
+MAX_CELLS = 400_000
+MAX_ANSWER_BYTES = 8_000_000  # the largest /v1/history answer sent: a public read must stay cheap
 DEFAULT_COLUMNS = 720
 MAX_PATTERN = 200
 MAX_NUMBER_TEXT = 32
@@ -94,3 +105,17 @@ def parse_history_query(params: Mapping[str, str], *, now: float, min_step: floa
     if router is not None and not 0 < len(router) <= MAX_PATTERN:
         raise _bad("router", router, f"a router name or fnmatch pattern of 1 to {MAX_PATTERN} characters")
     return HistoryQuery(since, until, step, metric, line, router)
+
+
+def too_large(step: float, why: str) -> ApiError:
+    """The 400 for an answer past :data:`MAX_CELLS` or :data:`MAX_ANSWER_BYTES`: the client asks for a larger step."""
+    return ApiError(400, f"step={step:g} is invalid for this range and these series ({why}): expected a larger "
+                         "step, or a narrower router / business_line", param="step", code="invalid_value")
+
+
+def encode_history(body: Mapping[str, Any]) -> bytes:
+    """``body`` as the JSON sent, refused (:func:`too_large`) past :data:`MAX_ANSWER_BYTES`."""
+    encoded = JSONResponse(body).body
+    if len(encoded) > MAX_ANSWER_BYTES:
+        raise too_large(body["step_seconds"], f"{len(encoded)} bytes of JSON exceed {MAX_ANSWER_BYTES}")
+    return encoded
