@@ -130,10 +130,13 @@ function mergeHistory(old, fresh) {
 
 // The v1/history request for the last `seconds`: a step giving at most COLUMNS columns, never
 // finer than the sampling interval.
-function historyUrl(seconds, now, interval) {
+// One business line, the one shown: every line of a wide fleet at COLUMNS columns is past the
+// answer's bound.
+function historyUrl(seconds, now, interval, line) {
   const step = Math.max(interval, Math.ceil(seconds / COLUMNS));
   const until = Math.floor(now);
-  return `v1/history?since=${until - seconds}&until=${until}&step=${step}`;
+  const only = line ? `&business_line=${encodeURIComponent(line)}` : "";
+  return `v1/history?since=${until - seconds}&until=${until}&step=${step}${only}`;
 }
 
 function isRange(seconds) {
@@ -142,13 +145,14 @@ function isRange(seconds) {
 
 async function fetchRange(seconds) {
   const now = Date.now() / 1000;
-  const held = view.range && view.range.seconds === seconds ? view.range : null;
+  const line = view.line;
+  const held = view.range && view.range.seconds === seconds && view.range.line === line ? view.range : null;
   if (held && now - held.fetched < Math.max(60, held.data.step_seconds)) return;
-  const url = historyUrl(seconds, now, view.history.interval_seconds);
+  const url = historyUrl(seconds, now, view.history.interval_seconds, line);
   const response = await fetch(url, { cache: "no-store" });
   if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
   const data = await response.json();
-  if (view.window === seconds) view.range = { seconds, data, fetched: now };
+  if (view.window === seconds && view.line === line) view.range = { seconds, line, data, fetched: now };
 }
 
 function readAnchor() {
@@ -205,7 +209,8 @@ function render() {
 }
 
 function businessLines() {
-  const lines = [...new Set(shownHistory().series.map((s) => s.business_line))];
+  // A range holds the shown line only: the lines to choose from are the live hour's, and the range's.
+  const lines = [...new Set([...view.history.series, ...shownHistory().series].map((s) => s.business_line))];
   return lines.sort((a, b) => (a === "all" ? -1 : b === "all" ? 1 : a.localeCompare(b)));
 }
 
@@ -215,7 +220,7 @@ function renderLines(firing) {
   const alerting = new Set(firing.map((a) => a.labels.business_line));
   $("lines").replaceChildren(...lines.map((line) => el("button", {
     type: "button", "aria-pressed": String(line === view.line), class: alerting.has(line) ? "alerting" : null,
-    dataset: { line }, onclick: () => { view.line = line; render(); },
+    dataset: { line }, onclick: () => { view.line = line; if (isRange(view.window)) choose(view.window); else render(); },
   }, line)));
 }
 
@@ -255,7 +260,8 @@ async function choose(seconds) {
 
 // What the heat map draws: the durable history's range when one is chosen and loaded, else the live hour.
 function shownHistory() {
-  return view.range && view.range.seconds === view.window ? view.range.data : view.history;
+  return view.range && view.range.seconds === view.window && view.range.line === view.line ? view.range.data
+    : view.history;
 }
 
 function shownSeries(history) {
