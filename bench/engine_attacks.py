@@ -40,9 +40,9 @@ TIMEOUT = 3.0
 ENGINE_ATTACKS = {
     "gzip_bomb": {502}, "huge_json": {502}, "huge_error": {500}, "html_error": {503}, "not_json": {502},
     "json_array": {502}, "lying_npy": {200}, "all_zero": {200}, "no_routing": {200}, "two_choices": {200},
-    "drip": {504}, "endless_line": {200}, "odd_stream": {200},
+    "drip": {504}, "endless_line": {200}, "odd_stream": {200}, "stream_drip": {200},
 }
-STREAMED = {"endless_line", "odd_stream"}
+STREAMED = {"endless_line", "odd_stream", "stream_drip"}
 MIN_SECONDS = 1.0  # each attack goes on at least this long
 REST_SECONDS = 5.0
 

@@ -131,6 +131,19 @@ class HostileEngine:
                 await asyncio.sleep(0.5)
         return StreamingResponse(drip(), media_type="application/json")
 
+    def answer_stream_drip(self, body: dict) -> Response:
+        async def drip() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+            for byte in b'data: {"choices": [{"index": 0, "text": "never ends"}]}':
+                yield bytes([byte])
+                await asyncio.sleep(0.5)
+        return StreamingResponse(drip(), media_type="text/event-stream")
+
+    def answer_big_first_chunk(self, body: dict) -> Response:
+        chunk = json.dumps({"choices": [{"index": 0, "text": "w" * 300_000}]}).encode()
+        return StreamingResponse(_pieces(b"", b"", 0, b"", [b"data: " + chunk + b"\n\n", b"data: [DONE]\n\n"]),
+                                 media_type="text/event-stream")
+
     def answer_endless_line(self, body: dict) -> Response:
         return StreamingResponse(_pieces(b"data: {\"x\": \"", b"c" * (1 << 20), 60, b""),
                                  media_type="text/event-stream")

@@ -176,6 +176,30 @@ def test_an_answer_dripped_slowly_ends_at_the_total_deadline(engine, sidecar) ->
     assert time.monotonic() - started < 15  # it did not wait for the whole drip
 
 
+def test_a_stream_line_dripped_slowly_ends_at_the_deadline_with_an_error_event(engine, sidecar) -> None:
+    hostile, _ = engine
+    url, _ = sidecar
+    hostile.mode = "stream_drip"  # a first event, then a line a byte every 0.5 s: each read is quick
+    started = time.monotonic()
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
+                      headers={"X-Business-Line": "code_assistant"}) as stream:
+        events = [line[5:] for line in b"".join(stream.iter_bytes()).split(b"\n") if line.startswith(b"data:")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a" and "mla_watch" in json.loads(events[0])
+    assert json.loads(events[-1])["error"]["code"] == "upstream_timeout"
+    assert time.monotonic() - started < 20  # not the whole drip of 25 s
+
+
+def test_a_large_first_chunk_is_parsed_off_the_event_loop_and_carries_the_object(engine, sidecar) -> None:
+    hostile, _ = engine
+    url, _ = sidecar
+    hostile.mode = "big_first_chunk"
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
+                      headers={"X-Business-Line": "code_assistant"}) as stream:
+        events = [line[5:] for line in b"".join(stream.iter_bytes()).split(b"\n") if line.startswith(b"data:")]
+    first = json.loads(events[0])
+    assert first["choices"][0]["text"] == "w" * 300_000 and first["mla_watch"]["policy"] == "code_assistant/code"
+
+
 # ---------------------------------------------------------------------- odd answers
 @pytest.mark.parametrize(("mode", "status"), [("not_json", 502), ("json_array", 502), ("html_error", 503)])
 def test_every_upstream_oddity_gets_an_openai_error_naming_it(engine, sidecar, caplog, mode, status) -> None:

@@ -25,7 +25,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, RoutingDecoder
 from mla_watch.engines.formats import PROMPT_START_FIELD, ROUTING_REQUEST_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
@@ -202,9 +202,10 @@ class Upstream:
                            error_type="server_error") from None
         lines = EventLines(self.max_bytes)
         raw = upstream.aiter_raw()
+        line_began = time.monotonic()  # a line dripped a byte at a time must still end within the timeout
         while True:
             try:
-                data = await asyncio.wait_for(anext(raw), self.timeout)
+                data = await asyncio.wait_for(anext(raw), max(0.0, line_began + self.timeout - time.monotonic()))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
@@ -213,8 +214,7 @@ class Upstream:
             except httpx.HTTPError as error:
                 raise self._failed(error) from None
             try:
-                for line in lines.feed(inflater.feed(data)):
-                    yield line
+                complete = lines.feed(inflater.feed(data))
             except zlib.error:
                 raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
                                code="upstream_error", error_type="server_error") from None
@@ -222,6 +222,10 @@ class Upstream:
                 raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} bytes "
                                     "(--upstream-max-bytes)", code="upstream_too_large",
                                error_type="server_error") from None
+            if complete:
+                line_began = time.monotonic()
+            for line in complete:
+                yield line
         for line in lines.finish():
             yield line
 
@@ -238,6 +242,13 @@ class Upstream:
             return None if decoded.body is None else b"data: " + decoded.body
         if not state["first"]:
             return line
+        if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
+            decoded = await self._decoder.chunk(RoutingPlan("none", None, keep=True, extra=plan.extra),
+                                                line[5:].decode("utf-8", "replace"), first=True)
+            if decoded.not_json or decoded.body is None:
+                return line
+            state["first"] = False
+            return b"data: " + decoded.body
         chunk = _json_object(line[5:])
         if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
             return line
