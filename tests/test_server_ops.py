@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import httpx
 import pytest
@@ -74,8 +75,28 @@ def test_an_overloaded_server_answers_429_with_retry_after() -> None:
             statuses.count(200)
 
 
-def test_a_request_past_its_deadline_gets_503() -> None:
-    with running_sidecar(request_timeout=0.3) as (url, _):
+class TickingClock:
+    """Half a second passes at every reading: a deadline of 0.3 s has passed by the next look at it, however
+    fast (or slow) the machine generates."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            self.now += 0.5
+            return self.now
+
+
+def test_a_request_past_its_deadline_gets_503(tmp_path) -> None:
+    from mla_watch.server.app import ServerConfig, Sidecar
+
+    config = ServerConfig(device="cpu", policy_poll_seconds=None, admin_token=None, state_dir=tmp_path,
+                          request_timeout=0.3, rules=None)
+    sidecar = Sidecar(config, clock=TickingClock())
+    with serve_app(sidecar.app) as url:
+        assert sidecar.wait_ready(120), sidecar.load_error
         response = post(url, "/v1/completions", {"prompt": "def f(", "max_tokens": 400}, {"X-Business-Line": "default"})
         assert response.status_code == 503 and response.json()["error"]["code"] == "timeout"
         assert "Retry-After" in response.headers
