@@ -315,14 +315,18 @@ def test_the_embedded_servers_recording_matches_what_the_probe_counted() -> None
         assert np.array_equal(np.bincount(rows[:, index].ravel(), minlength=64), counted[info.name])
 
 
+def three_tokens() -> np.ndarray:
+    """Three tokens of routing, each picking experts 0-3 at the MoE layers (dense layers zero)."""
+    rows = np.zeros((3, 5, 4), dtype=np.uint8)
+    rows[:, 2:, :] = np.arange(4)
+    return rows
+
+
 def test_an_idle_decoder_process_that_dies_is_replaced_and_no_response_is_lost() -> None:
     import os
     import signal
 
-    rows = np.zeros((3, 5, 4), dtype=np.uint8)
-    rows[:, 2:, :] = np.arange(4)
-    plan = RoutingPlan("vllm", TINY, keep=False)
-    decoder = RoutingDecoder(workers=1)
+    rows, plan, decoder = three_tokens(), RoutingPlan("vllm", TINY, keep=False), RoutingDecoder(workers=1)
 
     async def scenario() -> tuple:
         (victim,) = await decoder.worker_pids()
@@ -345,10 +349,7 @@ def test_a_decoder_process_that_dies_holding_an_answer_counts_it_as_an_error_and
     import os
     import signal
 
-    rows = np.zeros((3, 5, 4), dtype=np.uint8)
-    rows[:, 2:, :] = np.arange(4)
-    plan = RoutingPlan("vllm", TINY, keep=False)
-    decoder = RoutingDecoder(workers=1)
+    rows, plan, decoder = three_tokens(), RoutingPlan("vllm", TINY, keep=False), RoutingDecoder(workers=1)
 
     async def scenario() -> tuple:
         (victim,) = await decoder.worker_pids()

@@ -110,6 +110,15 @@ def counted_tokens(sidecar: object) -> int:
     return int(sidecar.engine_routing.counts()[GEOMETRY.router_names[0]].sum()) // GEOMETRY.top_k
 
 
+def stream_events(url: str) -> list[bytes]:
+    """The ``data:`` payloads of a streamed completion, as the client receives them."""
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
+                      headers={"X-Business-Line": "code_assistant"}) as stream:
+        assert stream.status_code == 200
+        raw = b"".join(stream.iter_bytes())
+    return [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+
+
 def error_of(response: httpx.Response) -> dict:
     assert response.headers["content-type"].startswith("application/json"), response.headers
     error = response.json()["error"]
@@ -140,13 +149,9 @@ def test_a_stream_line_without_an_end_is_cut_at_the_cap_with_an_error_event(engi
     hostile, _ = engine
     url, _ = sidecar
     hostile.mode = "endless_line"
-    with watched(url, "endless SSE line") as figures, httpx.stream(
-            "POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
-            headers={"X-Business-Line": "code_assistant"}) as stream:
-        assert stream.status_code == 200
-        text = b"".join(stream.iter_bytes()).decode()
-    (event,) = [line for line in text.splitlines() if line.startswith("data:")]
-    assert json.loads(event[5:])["error"]["code"] == "upstream_too_large"
+    with watched(url, "endless SSE line") as figures:
+        (event,) = stream_events(url)
+    assert json.loads(event)["error"]["code"] == "upstream_too_large"
     assert figures["rss_growth"] < RSS_BOUND
 
 
@@ -154,11 +159,7 @@ def test_legal_json_in_a_stream_is_never_split_and_odd_chunks_do_not_cut_it(engi
     hostile, _ = engine
     url, _ = sidecar
     hostile.mode = "odd_stream"
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
-                      headers={"X-Business-Line": "code_assistant"}) as stream:
-        assert stream.status_code == 200
-        raw = b"".join(stream.iter_bytes())
-    events = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+    events = stream_events(url)
     assert events[0] == b"[1, 2]"  # not an object: relayed as it came, the stream goes on
     chunk = json.loads(events[1])
     assert chunk["choices"][0]["text"] == "line\u2028sep\u0085next" and "policy" in chunk["mla_watch"]
@@ -181,9 +182,7 @@ def test_a_stream_line_dripped_slowly_ends_at_the_deadline_with_an_error_event(e
     url, _ = sidecar
     hostile.mode = "stream_drip"  # a first event, then a line a byte every 0.5 s: each read is quick
     started = time.monotonic()
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
-                      headers={"X-Business-Line": "code_assistant"}) as stream:
-        events = [line[5:] for line in b"".join(stream.iter_bytes()).split(b"\n") if line.startswith(b"data:")]
+    events = stream_events(url)
     assert json.loads(events[0])["choices"][0]["text"] == "a" and "mla_watch" in json.loads(events[0])
     assert json.loads(events[-1])["error"]["code"] == "upstream_timeout"
     assert time.monotonic() - started < 20  # not the whole drip of 25 s
@@ -193,9 +192,7 @@ def test_a_large_first_chunk_is_parsed_off_the_event_loop_and_carries_the_object
     hostile, _ = engine
     url, _ = sidecar
     hostile.mode = "big_first_chunk"
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
-                      headers={"X-Business-Line": "code_assistant"}) as stream:
-        events = [line[5:] for line in b"".join(stream.iter_bytes()).split(b"\n") if line.startswith(b"data:")]
+    events = stream_events(url)
     first = json.loads(events[0])
     assert first["choices"][0]["text"] == "w" * 300_000 and first["mla_watch"]["policy"] == "code_assistant/code"
 
