@@ -132,16 +132,29 @@ _SCRATCH = threading.local()
 SCRATCH_KEPT = 1 << 24  # ids: a buffer of up to 128 MB is kept for the next response of this thread
 
 
+_PAIRWISE_TOP_K = 16
+
+
 def _refuse_duplicates(ids: np.ndarray) -> None:
     """A token's top-k holds ``k`` distinct experts; one named twice is no routing at all."""
-    if ids.shape[2] < 2 or not ids.size:
+    top_k = ids.shape[2]
+    if top_k < 2 or not ids.size:
         return
-    ordered = np.sort(ids, axis=2)
-    repeated = ordered[:, :, 1:] == ordered[:, :, :-1]
+    if top_k <= _PAIRWISE_TOP_K:  # k(k-1)/2 compares of contiguous [tokens, layers]: ~20x faster than sorting
+        columns = np.moveaxis(ids, 2, 0).copy()
+        repeated = np.zeros(ids.shape[:2], dtype=bool)
+        equal = np.empty(ids.shape[:2], dtype=bool)
+        for first in range(top_k - 1):
+            for second in range(first + 1, top_k):
+                repeated |= np.equal(columns[first], columns[second], out=equal)
+    else:
+        ordered = np.sort(ids, axis=2)
+        repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
     if repeated.any():
-        tokens = int(repeated.any(axis=(1, 2)).sum())
-        token, layer, _ = (int(i) for i in np.argwhere(repeated)[0])
-        expert = int(ordered[token, layer, np.flatnonzero(repeated[token, layer])[0]])
+        tokens = int(repeated.any(axis=1).sum())
+        token, layer = (int(i) for i in np.argwhere(repeated)[0])
+        chosen = ids[token, layer].tolist()
+        expert = next(e for e in chosen if chosen.count(e) > 1)
         raise DataError("duplicate_ids", f"routing of {tokens} of {ids.shape[0]} tokens names one expert twice "
                                          f"in its top-{ids.shape[2]} (first: token {token}, MoE layer {layer}, "
                                          f"expert {expert}): expected {ids.shape[2]} distinct experts per token; "
@@ -316,12 +329,12 @@ def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
     shortest = min(ids.shape[0] if ids.ndim else 0 for ids in arrays)
     if type(prompt) is not int or not 0 <= prompt <= shortest:
         raise DataError("shape", f"{len(arrays)} choices carry routing and usage.prompt_tokens is "
-                                 f"{describe(prompt)}: expected the prompt's length, at most {shortest} (the rows "
+                                 f"{_describe(prompt)}: expected the prompt's length, at most {shortest} (the rows "
                                  "of the shortest choice), to count the prompt rows every choice repeats once")
     return prompt
 
 
-def describe(value: Any) -> str:
+def _describe(value: Any) -> str:
     """A value an engine sent, for a message: its type and size, never its content beyond a short number."""
     if isinstance(value, bool) or value is None or (isinstance(value, int | float) and len(repr(value)) <= 24):
         return repr(value)
