@@ -335,7 +335,9 @@ def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
 
 
 def _describe(value: Any) -> str:
-    """A value an engine sent, for a message: its type and size, never its content beyond a short number."""
+    """A value an engine sent, for a message: a short number as it is, anything else by its type alone
+    (unlike :func:`mla_watch.describe.describe_value`, which encodes the whole value first: an engine's may
+    be megabytes)."""
     if isinstance(value, bool) or value is None or (isinstance(value, int | float) and len(repr(value)) <= 24):
         return repr(value)
     return f"a {type(value).__name__}"

@@ -29,7 +29,7 @@ from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, RoutingDecoder
 from mla_watch.engines.formats import PROMPT_START_FIELD, ROUTING_REQUEST_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
-from mla_watch.server.requests import ApiError, GenerationRequest
+from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
 from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, EventLines, UnsupportedEncoding
 
 __all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]
@@ -285,9 +285,8 @@ class Upstream:
             return None
         engine = ENGINE_OWNERS.get(owner) if isinstance(owner, str) else None
         if engine is None:
-            shown = repr(owner[:40]) if isinstance(owner, str) else f"a {type(owner).__name__}"
             log.warning("--engine auto: %s/v1/models is owned by %s, not one of %s; no routing is read (set "
-                        "--engine)", self.url, shown, sorted(ENGINE_OWNERS))
+                        "--engine)", self.url, describe_value(owner, 40), sorted(ENGINE_OWNERS))
             self.routing = None  # asked once: an unknown engine stays unknown
         else:
             log.info("--engine auto: %s is %s; reading its routing in %s's format", self.url, owner, engine)
@@ -304,10 +303,9 @@ def _prompt_start(value: Any) -> int:
     if value is None:
         return 0
     if type(value) is not int or value < 0:
-        shown = repr(value) if isinstance(value, int | float) and len(repr(value)) <= 24 else \
-            f"a {type(value).__name__}"
-        raise ApiError(400, f"{PROMPT_START_FIELD}={shown} is invalid: expected an integer >= 0 (prompt tokens "
-                            "left out of the routing returned)", param=PROMPT_START_FIELD, code="invalid_value")
+        raise ApiError(400, f"{PROMPT_START_FIELD}={describe_value(value, 40)} is invalid: expected an integer >= 0 "
+                            "(prompt tokens left out of the routing returned)", param=PROMPT_START_FIELD,
+                       code="invalid_value")
     return value
 
 
