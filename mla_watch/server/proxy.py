@@ -331,7 +331,7 @@ def _relayed_error(url: str, status: int, content_type: str, content: bytes) -> 
     document = _json_object(content) if "json" in content_type.lower() else None
     if document is not None:
         return JSONResponse(document, status_code=status)
-    kind = content_type.split(";")[0].strip()[:60] or "no content type"
+    kind = _media_type(content_type)
     what = f"{len(content)} bytes of {kind}" if content else f"an unreadable or over-long body ({kind})"
     error = ApiError(status, f"{url} answered HTTP {status} with {what}: expected an OpenAI-style JSON error",
                      code="upstream_error", error_type="invalid_request_error" if status < 500 else "server_error")
@@ -339,9 +339,13 @@ def _relayed_error(url: str, status: int, content_type: str, content: bytes) -> 
 
 
 def _not_openai(url: str, path: str, content_type: str, size: int) -> ApiError:
-    kind = content_type.split(";")[0].strip()[:60] or "no content type"
-    return ApiError(502, f"the answer of {url}{path} ({size} bytes of {kind}) is not a JSON object: expected an "
-                         "OpenAI-style answer", code="upstream_error", error_type="server_error")
+    return ApiError(502, f"the answer of {url}{path} ({size} bytes of {_media_type(content_type)}) is not a JSON "
+                         "object: expected an OpenAI-style answer", code="upstream_error", error_type="server_error")
+
+
+def _media_type(content_type: str) -> str:
+    """The engine's Content-Type without its parameters, cut short, for a message."""
+    return content_type.split(";")[0].strip()[:60] or "no content type"
 
 
 def _forwarded_auth(request: Request) -> dict[str, str]:
