@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
@@ -170,6 +171,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           history_retention_days=args.history_retention, history_max_series=args.history_max_series,
                           ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout,
                           engine=args.engine, model_config=args.model_config, decode_workers=args.decode_workers,
+                          count_queue_bytes=args.count_queue_bytes,
+                          replay=ReplayBudget(rate=args.replay_rate, concurrency=args.replay_concurrency,
+                                              tokens_per_second=args.replay_tokens_per_second),
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
                           sglang_recorder_buffer=args.sglang_recorder_buffer,
@@ -429,6 +433,17 @@ _positive_float = _number_at_least(0, inclusive=False)
 _non_negative_float = _number_at_least(0, inclusive=True)
 
 
+def _share(text: str) -> float:
+    """An argparse type for a share of all, from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1 (0.25: one in four), got {text[:40]!r}")
+    return value
+
+
 def _margin(text: str) -> str | float:
     """The perplexity gate's margin: ``2%`` (kept as text) or ``0.3``."""
     from mla_watch.retune.paired import parse_margin
@@ -627,6 +642,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the config.json the engine loaded, or its directory: where the MoE layers are")
     beside.add_argument("--decode-workers", type=_non_negative_int, default=ServerConfig.decode_workers,
                         help="processes decoding routing off the event loop; 0: a thread (default %(default)s)")
+    beside.add_argument("--count-queue-bytes", type=_byte_size, default=ServerConfig.count_queue_bytes,
+                        help="engine answers waiting to have their routing counted, after the client has them; an "
+                             "answer that finds it full is not counted (default 256M)")
+    beside.add_argument("--replay-rate", type=_share, default=ReplayBudget.rate,
+                        help="the share of vLLM streams replayed to count their routing (vLLM puts none in a "
+                             "stream); 0: none (default %(default)s)")
+    beside.add_argument("--replay-concurrency", type=_positive_int, default=ReplayBudget.concurrency,
+                        help="stream replays sent to vLLM at once (default %(default)s)")
+    beside.add_argument("--replay-tokens-per-second", type=_non_negative_float, default=ReplayBudget.tokens_per_second,
+                        help="tokens replayed per second at most, all replays together; a stream past it is not "
+                             "counted; 0: no limit (default %(default)g)")
     beside.add_argument("--sglang-recorder-dir", type=Path,
                         help="SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine: count all its traffic "
                              "from the expert distribution recorder (--expert-distribution-recorder-mode stat)")

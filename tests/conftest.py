@@ -128,6 +128,30 @@ def get_metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
 
 
+def engine_answers(sidecar) -> int:
+    """Engine answers (and streams) whose routing the sidecar has finished counting, in any outcome."""
+    return sidecar.engine_routing.answers if sidecar.engine_routing is not None else 0
+
+
+def answers_counted(url: str) -> float:
+    """:func:`engine_answers` of a sidecar in another process: the sum of its mla_watch_engine_responses_total."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(get_metrics(url))
+               for sample in family.samples if sample.name == "mla_watch_engine_responses_total")
+
+
+def settled_over_http(url: str, answers: int, timeout: float = 30.0) -> None:
+    assert wait_until(lambda: answers_counted(url) >= answers, timeout=timeout, interval=0.1), (
+        f"{answers_counted(url):g} engine answers counted by {url} within {timeout:g} s, expected {answers}")
+
+
+def settled(sidecar, answers: int, timeout: float = 30.0) -> None:
+    """Wait until ``answers`` engine answers are counted: the proxy counts after the client has its answer."""
+    assert wait_until(lambda: engine_answers(sidecar) >= answers, timeout=timeout), (
+        f"{engine_answers(sidecar)} engine answers counted within {timeout:g} s, expected {answers}")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """The log lists every MoE family the sweep ran (tests/test_family_sweep.py), by outcome."""
     marker = "test_family_sweep.py::test_family_counts_exactly_and_detaches_bit_identically["

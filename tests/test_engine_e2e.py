@@ -19,7 +19,7 @@ import httpx
 import pytest
 from broken_deploy import collapsed_checkpoint
 from client import post, sse_events
-from conftest import free_port, metric_value, wait_until
+from conftest import free_port, metric_value, settled_over_http, wait_until
 from receivers import running_receiver
 from test_reliability import sidecar_process
 
@@ -88,6 +88,8 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
             completion(vllm, "customer_service", prompt, stream=True, chat=index % 2 == 1)  # vLLM: no routing
             completion(sglang, "doc_summary", prompt, stream=index % 2 == 0, chat=index % 2 == 1)
             completion(sglang, "default", prompt, stream=index % 2 == 1, chat=index % 2 == 0)
+        settled_over_http(vllm, 8)  # counted after each client had its answer
+        settled_over_http(sglang, 8)
 
         for proxy, line in ((vllm, "code_assistant"), (sglang, "doc_summary"), (sglang, "default")):
             counted, truth = experts(proxy, line), experts(upstream, line)

@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import get_metrics, metric_value, running_sidecar, serve_app, wait_until
+from conftest import (
+    answers_counted,
+    get_metrics,
+    metric_value,
+    running_sidecar,
+    serve_app,
+    settled_over_http,
+    wait_until,
+)
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -87,9 +95,12 @@ def beside(fake: FakeEngine, tmp_path: Path, **overrides) -> Iterator[tuple[str,
 
 
 def complete(url: str, line: str = "code_assistant", **extra) -> dict:
+    """One completion through the sidecar, returned once its routing is counted (which follows the answer)."""
+    before = answers_counted(url)
     response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra},
                           headers={"X-Business-Line": line}, timeout=30)
     assert response.status_code == 200, response.text
+    settled_over_http(url, before + 1)
     return response.json()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, get_metrics, metric_value, running_sidecar, serve_app
+from conftest import REPO, answers_counted, get_metrics, metric_value, running_sidecar, serve_app, settled_over_http
 
 sys.path.insert(0, str(REPO / "bench"))
 from hostile_engine import CONFIG, GEOMETRY, HostileEngine, ids, vllm_routing
@@ -100,9 +100,15 @@ def sidecar(engine, tmp_path_factory) -> Iterator[tuple[str, object]]:
         yield running
 
 
-def complete(url: str, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra}, timeout=60,
-                      headers={"X-Business-Line": "code_assistant"})
+def complete(url: str, *, counted: bool = True, **extra) -> httpx.Response:
+    """One completion; an answer relayed (200) returns once its routing is counted, which follows it
+    (``counted``: the sidecar reads the engine's routing)."""
+    before = answers_counted(url)
+    answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra}, timeout=60,
+                        headers={"X-Business-Line": "code_assistant"})
+    if answer.status_code == 200 and counted:
+        settled_over_http(url, before + 1)
+    return answer
 
 
 def counted_tokens(sidecar: object) -> int:
@@ -274,7 +280,7 @@ def test_auto_with_a_deeply_nested_models_answer_still_serves(engine, tmp_path) 
     hostile.mode, hostile.nested_models = "ok", True
     try:
         with beside(engine, tmp_path, engine="auto") as (url, _):
-            answer = complete(url)
+            answer = complete(url, counted=False)  # an engine that does not say what it is: none read
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "ok"
             models = httpx.get(url + "/v1/models", timeout=30)
             assert models.status_code == 502 and error_of(models)["code"] == "upstream_error"

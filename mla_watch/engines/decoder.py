@@ -16,13 +16,15 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any
 
-from mla_watch.engines.formats import DataError, Decoded, RoutingPlan, decode_chunk, decode_response
+from mla_watch.engines.formats import DataError, Decoded, RoutingPlan, count_response, decode_chunk, decode_response
 
-__all__ = ["FILE_HANDOFF_BYTES", "RoutingDecoder"]
+__all__ = ["FILE_HANDOFF_BYTES", "DecoderDied", "RoutingDecoder"]
 
 log = logging.getLogger("mla_watch.engines")
 
@@ -30,7 +32,8 @@ FILE_HANDOFF_BYTES = 256 << 10  # bodies at least this large go to a worker proc
 
 
 class RoutingDecoder:
-    """Runs :func:`decode_response` / :func:`decode_chunk` in ``workers`` processes (0: one thread)."""
+    """Runs :func:`decode_response`, :func:`count_response` and :func:`decode_chunk` in ``workers`` processes
+    (0: one thread)."""
 
     def __init__(self, workers: int = 1) -> None:
         if workers < 0:
@@ -68,10 +71,29 @@ class RoutingDecoder:
             return await self._via_file(body, _decode_response_file, plan)
         return await self._run(decode_response, plan, body)
 
+    async def count(self, plan: RoutingPlan, body: bytes) -> Decoded:
+        """:func:`count_response`: the routing of an answer (or a stream chunk) the client already has."""
+        if self.workers and len(body) >= FILE_HANDOFF_BYTES:
+            return await self._via_file(body, _count_response_file, plan)
+        return await self._run(count_response, plan, body)
+
     async def chunk(self, plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
         if self.workers and len(data) >= FILE_HANDOFF_BYTES:
             return await self._via_file(data.encode(), _decode_chunk_file, plan, first)
         return await self._run(_decode_chunk, plan, data, first)
+
+    async def offload(self, function: Callable[..., Any], data: bytes, *args: Any) -> Any:
+        """``function(data, *args)`` in a decoding process (a module-level function: it travels by name).
+        Raises :class:`DecoderDied` where the process died doing it."""
+        if self.workers and len(data) >= FILE_HANDOFF_BYTES:
+            self.start()
+            path = self._handoff / f"{os.getpid()}-{next(self._names)}"
+            try:
+                await asyncio.to_thread(_write_private, path, data)
+                return await self._run(_call_on_file, function, str(path), *args, died=_raise_died)
+            finally:
+                path.unlink(missing_ok=True)
+        return await self._run(function, data, *args, died=_raise_died)
 
     async def worker_pids(self) -> list[int]:
         """The decoding processes (empty with ``workers=0``)."""
@@ -90,7 +112,7 @@ class RoutingDecoder:
         finally:
             path.unlink(missing_ok=True)  # the worker removes it first; this covers a worker that died
 
-    async def _run(self, function, *args) -> Decoded:  # type: ignore[no-untyped-def]
+    async def _run(self, function, *args, died: Callable[[], Any] | None = None) -> Any:  # type: ignore[no-untyped-def]
         """``function(*args)`` in a worker. A worker that dies holding this answer (killed, out of memory)
         is replaced and the answer is a ``decoder`` data error: it is never decoded again, least of all
         here, where it would move the worker's memory into the server."""
@@ -108,6 +130,8 @@ class RoutingDecoder:
             log.warning("a routing decoder process died while decoding an engine answer; starting new ones, "
                         "and that answer's routing is not counted")
             self._restart()
+            if died is not None:
+                return died()
             return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or out "
                                                             "of memory); its routing is not counted"))
 
@@ -116,6 +140,18 @@ class RoutingDecoder:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
         self.start()
+
+
+class DecoderDied(RuntimeError):
+    """The decoding process died while running an :meth:`RoutingDecoder.offload` call."""
+
+
+def _raise_died() -> Any:
+    raise DecoderDied("the decoding process died (killed, or out of memory)")
+
+
+def _call_on_file(function: Callable[..., Any], path: str, *args: Any) -> Any:
+    return function(_take_file(path), *args)
 
 
 def _write_private(path: Path, body: bytes) -> None:
@@ -134,6 +170,10 @@ def _take_file(path: str) -> bytes:
 
 def _decode_response_file(plan: RoutingPlan, path: str) -> Decoded:
     return decode_response(plan, _take_file(path))
+
+
+def _count_response_file(plan: RoutingPlan, path: str) -> Decoded:
+    return count_response(plan, _take_file(path))
 
 
 def _decode_chunk_file(plan: RoutingPlan, path: str, first: bool) -> Decoded:

@@ -10,10 +10,17 @@ Read from the engines' own source (the tests that pin each shape cite the files)
 * **vLLM <= 0.21**: top-level ``prompt_routed_experts`` ``[prompt, moe_layers, top_k]`` and
   ``choices[i].routed_experts`` ``[generated - 1, moe_layers, top_k]``, nested JSON lists.
 * vLLM never puts routing into a stream: streamed responses are counted as without routing.
-* **SGLang >= 0.5.9** (``--enable-return-routed-experts`` and the request field
-  ``return_routed_experts: true``): top-level ``sglext.routed_experts``, base64 of raw int32
-  ``[prompt + generated - 1, num_hidden_layers, top_k]`` for the first choice only; a stream
-  carries it in one extra chunk with ``choices: []`` after the last token.
+* **SGLang 0.5.9 - 0.5.23** (``--enable-return-routed-experts`` and the request field
+  ``return_routed_experts: true``): base64 of raw int32 ``[rows, num_hidden_layers, top_k]``, no
+  dtype, shape or offset beside it (an unknown ``routed_experts_*`` sibling is an encoding error).
+  The rows are positions ``[routed_experts_start_len, prompt + generated - 1)`` (the request's
+  start, 0 by default): every row present is counted. It sits at top-level
+  ``sglext.routed_experts`` (OpenAI endpoints, the first choice's only); in ``meta_info`` on
+  ``/generate``; in every ``choices[i].meta_info`` of a chat answer asked ``return_meta_info``
+  (then sglext has none; later choices count their generated rows only). A stream carries it
+  in one extra chunk with ``choices: []`` after the last token, beside the other ``sglext``
+  fields asked for. Dense layers are zero; a row of -1 at every MoE layer (SGLang's padded-row
+  mark) is no token and is not counted.
 
 A layer axis of ``num_hidden_layers`` rows is read at the MoE layers only; one of as many
 rows as MoE layers is read as it is. Anything else - a shape the config does not explain,
@@ -43,9 +50,9 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["DATA_ERRORS", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "DataError", "Decoded",
-           "RoutingPlan", "decode_chunk", "decode_response", "encode_sglang", "encode_vllm", "every_layer",
-           "routing_counts"]
+__all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "STRIP_ON_LOOP_BYTES",
+           "DataError", "Decoded", "RoutingPlan", "count_response", "decode_chunk", "decode_response", "encode_sglang",
+           "encode_vllm", "every_layer", "routing_counts", "strip_chunk", "strip_response"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -193,12 +200,95 @@ def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
         document, arrays, error = _parse_and_take(plan, data.encode())
     except (ValueError, RecursionError, MemoryError):
         return Decoded(data.encode(), not_json=True)
+    # SGLang's sglext chunk also carries what else the client asked for (cached_tokens_details, ..., input_ids;
+    # serving_chat.py:2725-2760): dropped only where nothing but the routing was in it.
     if (arrays or error is not None) and not plan.keep and document.get("choices") == [] \
-            and not document.get("usage"):
+            and not document.get("usage") and "sglext" not in document:
         decoded = _finish(plan, document, arrays, error, None)
         decoded.body = None  # SGLang's routing-only chunk: the client did not ask for it
         return decoded
     return _finish(plan, document, arrays, error, plan.extra if first else None)
+
+
+def count_response(plan: RoutingPlan, body: bytes) -> Decoded:
+    """The routing of a response body (or of one stream chunk's JSON) counted, nothing re-serialised
+    (``body`` is ``None``): what the proxy runs after the client already has its answer."""
+    try:
+        document, arrays, error = _parse_and_take(plan, body)
+    except (ValueError, RecursionError, MemoryError):
+        return Decoded(None, not_json=True)
+    try:
+        return _finish(plan, document, arrays, error, None, serialise=False)
+    except MemoryError:
+        return Decoded(None, error=DataError("decoder", f"counting a {len(body)}-byte answer ran out of memory"))
+
+
+# Text (what is left of an answer once its routing strings are cut out) small enough to parse on the
+# event loop: ~0.2 ms at most. Anything longer goes to a decoding process whole.
+STRIP_ON_LOOP_BYTES = 64 << 10
+DROP_CHUNK = b""  # strip_chunk: the chunk carried only routing the client did not ask for
+
+
+def strip_response(plan: RoutingPlan, body: bytes) -> bytes | None:
+    """What the client gets of ``body``: its routing cut out and mla_watch's object added, without decoding
+    the routing; cheap enough for the event loop.
+
+    ``None`` where this cannot be done cheaply or exactly: the client keeps the routing, the routing is
+    not a base64 string (vLLM <= 0.21's lists), the rest of the answer is longer than
+    :data:`STRIP_ON_LOOP_BYTES`, or the body is not a JSON object. Then :func:`decode_response` does it all.
+    """
+    cut = _without_routing(plan, body)
+    if cut is None:
+        return None
+    document, _ = cut
+    document["mla_watch"] = plan.extra
+    return _compact(document)
+
+
+def strip_chunk(plan: RoutingPlan, data: bytes, *, first: bool) -> bytes | None:
+    """:func:`strip_response` for one stream chunk's JSON (mla_watch's object only in the ``first``);
+    :data:`DROP_CHUNK` where nothing but routing was in it (SGLang's routing-only chunk)."""
+    cut = _without_routing(plan, data)
+    if cut is None:
+        return None
+    document, found = cut
+    if found and document.get("choices") == [] and not document.get("usage") and "sglext" not in document:
+        return DROP_CHUNK
+    if first:
+        document["mla_watch"] = plan.extra
+    return _compact(document)
+
+
+def _without_routing(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], int] | None:
+    """The document with its routing fields removed, and how many there were (none decoded)."""
+    if plan.keep:
+        return None
+    cut = _lift(body, STRIP_ON_LOOP_BYTES)
+    if cut is None:
+        return None
+    text, lifted = cut
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    claimed = 0
+    for container, key, _ in _FIELDS[plan.engine](document):
+        value = container.pop(key)
+        if isinstance(value, str) and value in lifted:
+            claimed += 1
+        elif value is not None:  # routing as lists: decode_response reads them
+            return None
+    if claimed != len(lifted):  # a routing string where the engine's format has none
+        return None
+    if plan.engine == "sglang" and document.get("sglext") == {}:
+        del document["sglext"]
+    return document, claimed
+
+
+def _compact(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 # ---------------------------------------------------------------------- writing (the embedded server)
@@ -222,7 +312,7 @@ def encode_sglang(ids: np.ndarray) -> str:
 
 # ---------------------------------------------------------------------- internals
 def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
-            extra: dict[str, Any] | None) -> Decoded:
+            extra: dict[str, Any] | None, *, serialise: bool = True) -> Decoded:
     decoded = Decoded(b"", error=error)
     if arrays and error is None:
         try:
@@ -234,7 +324,7 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
             decoded.tokens = sum(tokens for _, tokens in totals)
     if extra is not None:
         document["mla_watch"] = extra
-    decoded.body = json.dumps(document, separators=(",", ":")).encode()
+    decoded.body = json.dumps(document, separators=(",", ":")).encode() if serialise else None
     return decoded
 
 
@@ -256,27 +346,45 @@ def _parse_and_take(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], lis
 def _parse(body: bytes, *, lift: bool) -> tuple[Any, dict[str, memoryview]]:
     """``json.loads``, with each base64 routing string cut out first (``lift``): the JSON scanner reads a
     5 MB string slower than pybase64 decodes it."""
-    lifted: dict[str, memoryview] = {}
     if not lift:
-        return json.loads(body), lifted
+        return json.loads(body), {}
+    text, lifted = _lift(body, None)  # type: ignore[misc]
+    return json.loads(text), lifted
+
+
+def _lift(body: bytes, budget: int | None) -> tuple[bytes, dict[str, memoryview]] | None:
+    """``body`` with each unescaped base64 routing string replaced by a short name, and the strings by name;
+    ``None`` once more than ``budget`` bytes of it are not routing (then it is not worth cutting here)."""
+    lifted: dict[str, memoryview] = {}
     pieces: list[bytes] = []
-    position = 0
-    while (match := _ROUTING_STRING.search(body, position)) is not None:
+    position = kept = 0
+    while True:
+        # Where the budget is spent, the key must begin before it does: the search never reads past that.
+        end_of_search = len(body) if budget is None else min(len(body), position + budget - kept + 64)
+        match = _ROUTING_STRING.search(body, position, end_of_search)
+        if match is None:
+            break
         start = match.end()
         end = body.find(b'"', start)  # memchr over the string: the regex never scans its megabytes
         if end < 0:
             break
         if body.find(b"\\", start, end) >= 0:  # an escaped string is left to the parser
             pieces.append(body[position:end])
+            kept += end - position
         else:
             name = f"{_LIFTED}{len(lifted)}"
             lifted[name] = memoryview(body)[start:end]  # no copy of the megabytes
             pieces += [body[position:start], json.dumps(name)[1:-1].encode()]
+            kept += start - position
         position = end
+        if budget is not None and kept > budget:
+            return None
+    if budget is not None and kept + len(body) - position > budget:
+        return None
     if not lifted:
-        return json.loads(body), lifted
+        return body, lifted
     pieces.append(body[position:])
-    return json.loads(b"".join(pieces)), lifted
+    return b"".join(pieces), lifted
 
 
 def _take(plan: RoutingPlan, document: dict[str, Any],
@@ -358,10 +466,23 @@ def _vllm_fields(document: dict[str, Any]) -> list[_Field]:
 
 
 def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
-    ext = document.get("sglext")
-    if isinstance(ext, dict) and "routed_experts" in ext:
-        return [(ext, "routed_experts", _raw_int32)]
-    return []
+    """Where SGLang (0.5.9 - 0.5.23) puts routing: ``sglext`` (OpenAI endpoints), the answer's own ``meta_info``
+    (``/generate``), or every choice's ``meta_info`` (chat with ``return_meta_info``)."""
+    fields: list[_Field] = []
+    for container in (document.get("sglext"), document.get("meta_info")):
+        if isinstance(container, dict) and "routed_experts" in container:
+            fields.append((container, "routed_experts", _sglang_decoder(container)))
+    response_level = bool(fields)
+    choices = document.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        meta = choice.get("meta_info") if isinstance(choice, dict) else None
+        if isinstance(meta, dict) and "routed_experts" in meta:
+            # serving_chat.py:2857-2860 leaves sglext's routing out when choices carry meta_info; both would
+            # count choice 0 twice. Each choice is its own request over the same prompt (n > 1): the rows
+            # after the first choice's are counted from the generated ones only.
+            fields.append((meta, "routed_experts", _sglang_decoder(meta, generated_only=len(fields) > 0,
+                                                                   conflict=response_level)))
+    return fields
 
 
 _FIELDS = {"vllm": _vllm_fields, "sglang": _sglang_fields, "none": lambda document: []}
@@ -422,6 +543,56 @@ def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:
             return ids.reshape(-1, layers, geometry.top_k)
     raise DataError("shape", f"routing holds {ids.size} ids: expected a multiple of layers x top_k = "
                              f"{geometry.num_hidden_layers} x {geometry.top_k} from the model config")
+
+
+# SGLang sends the ids alone: no dtype, shape or offset beside them (SglExt, protocol.py:470-483; meta_info,
+# tokenizer_manager.py:2602-2609), always int32 (state_capturer/base.py:38-42, 68-72). A sibling named like one
+# is a format this decoder does not know: its ids are not read as int32 on a guess.
+_SGLANG_SIBLING = "routed_experts_"
+
+
+def _sglang_decoder(container: dict[str, Any], *, generated_only: bool = False, conflict: bool = False) -> Any:
+    """The decode of one SGLang routing field, which reads the fields beside it in ``container``."""
+    def decode(value: Any, geometry: EngineGeometry) -> np.ndarray:
+        if conflict:
+            raise DataError("shape", "routing is both at the response level and in choices[].meta_info: SGLang "
+                                     "sends one or the other; which rows repeat is not guessed")
+        for key in container:
+            if isinstance(key, str) and key.startswith(_SGLANG_SIBLING):
+                sibling = container[key]  # a dtype's name is short: shown as it is, anything else by its type
+                shown = repr(sibling) if isinstance(sibling, str) and len(sibling) <= 24 else _describe(sibling)
+                raise DataError("encoding", f"routing comes with {key[:40]}={shown}: a field SGLang (up to "
+                                            "0.5.23) does not send; ids of a dtype or offset it may name are not "
+                                            "guessed")
+        ids = _raw_int32(value, geometry)
+        if generated_only:
+            ids = ids[ids.shape[0] - _sglang_generated_rows(container, ids.shape[0]):]
+        return _without_padding_rows(ids, geometry)
+    return decode
+
+
+def _sglang_generated_rows(meta: dict[str, Any], rows: int) -> int:
+    """How many of a choice's ``rows`` are its generated tokens': the last ``completion_tokens - 1`` (the rows
+    are positions ``[routed_experts_start_len, prompt + completion - 1)``, batch_result_processor.py:154-163;
+    completion_tokens is ``len(output_ids_through_stop)``, output_streamer.py:490, 522-526). Counted from the
+    end, the prompt's length and the start the request set are not needed."""
+    completion = meta.get("completion_tokens")
+    if type(completion) is not int or not 0 <= completion <= rows + 1:
+        raise DataError("shape", f"a later choice's routing has {rows} rows and meta_info.completion_tokens is "
+                                 f"{_describe(completion)}: expected an integer in [0, {rows + 1}], to count the "
+                                 "generated rows only (the prompt's rows repeat the first choice's)")
+    return max(completion - 1, 0)
+
+
+def _without_padding_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarray:
+    """``ids`` less the rows whose every MoE entry is -1: SGLang's mark for a padded row, which is no token
+    (topk.py:1913-1934 ``_mask_topk_ids_padded_region``). 0.5.23 captures real tokens only (base.py:204-211), so
+    none reaches an answer; where one does, it is not counted. A -1 among real ids stays an ``expert_id`` error."""
+    if not ids.size or int(ids.min()) != -1:  # the usual answer: one pass, no copy
+        return ids
+    moe = ids[:, list(geometry.moe_layers)] if ids.shape[1] == geometry.num_hidden_layers else ids
+    padding = (moe == -1).all(axis=(1, 2))
+    return ids[~padding] if padding.any() else ids
 
 
 def _nested_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:

@@ -51,6 +51,14 @@ class EngineMetrics:
                                    "expert_id, duplicate_ids, decoder).", ["engine", "reason"], registry=registry)
         self.recorder_dumps = Counter(p + "recorder_dumps", "SGLang expert-distribution recorder dumps read, by "
                                       "outcome (counted, empty, ring_full, error).", ["outcome"], registry=registry)
+        self.count_dropped = Counter(p + "count_dropped", "Engine answers whose routing was not counted because the "
+                                     "queue of answers still to count was full (queue_full) or the sidecar stopped "
+                                     "(shutdown).", ["reason"], registry=registry)
+        self.stream_replays = Counter(p + "stream_replays", "Streamed vLLM requests, by what became of the replay "
+                                      "that counts their routing (see mla_watch.engines.replay.REPLAY_OUTCOMES).",
+                                      ["outcome"], registry=registry)
+        self.replay_tokens = Counter(p + "replay_tokens", "Tokens sent to the engine in stream replays (the prompt "
+                                     "part mostly a prefix-cache hit).", registry=registry)
         self.recorder_rejected = Counter(p + "recorder_rejected", "SGLang recorder dumps set aside uncounted (outcome "
                                          "error), by reason (see mla_watch.engines.recorder.REJECT_REASONS).",
                                          ["reason"], registry=registry)
@@ -77,6 +85,7 @@ class EngineRouting:
         self._pending_lock = threading.Lock()
         self._problems: dict[str, float] = {}  # reason -> when last seen; cleared by counted routing
         self._without_routing = 0  # whole answers in a row that carried none
+        self.answers = 0  # answers (and streams) counted in any outcome: what a test waits for
 
     def problems(self) -> list[str]:
         """What the engine's recent answers say is wrong with its routing set-up (for the status page)."""
@@ -125,6 +134,7 @@ class EngineRouting:
                 self._problems["no_routing"] = self._clock()
                 log.warning("%s", PROBLEMS["no_routing"].format(engine=self.engine))
         self.metrics.responses.labels(self.engine, outcome).inc()
+        self.answers += 1
         return outcome
 
     def _log_error(self, reason: str, message: str) -> None:

@@ -364,7 +364,9 @@ class Sidecar:
             self.upstream = Upstream(self.config.upstream, self.config.request_timeout, decoder=self._decoder,
                                      routing=self.engine_routing if self.config.engine != "none" else None,
                                      max_bytes=self.config.upstream_max_bytes,
-                                     credentials=self.config.upstream_credentials)
+                                     credentials=self.config.upstream_credentials,
+                                     replay=self.config.replay if self.config.replay.rate > 0 else None,
+                                     count_queue_bytes=self.config.count_queue_bytes)
             if self.config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from mla_watch.engines.counting import COUNT_QUEUE_BYTES
+from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
@@ -43,6 +45,8 @@ class ServerConfig:
     engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
     model_config: Path | None = None  # the config.json the engine loaded, or its directory
     decode_workers: int = 1  # processes decoding engine routing off the event loop; 0: a thread
+    count_queue_bytes: int = COUNT_QUEUE_BYTES  # answers whose routing is still to be counted
+    replay: ReplayBudget = field(default_factory=ReplayBudget)  # vLLM streams, counted by replaying them
     sglang_recorder_dir: Path | None = None  # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine
     sglang_recorder_interval: float = 10.0  # seconds between dumps
     sglang_recorder_buffer: int = 1000  # the engine's --expert-distribution-recorder-buffer-size

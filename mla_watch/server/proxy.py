@@ -19,14 +19,33 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from mla_watch.engines.counting import COUNT_QUEUE_BYTES, CountQueue
 from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, RoutingDecoder
-from mla_watch.engines.formats import PROMPT_START_FIELD, ROUTING_REQUEST_FIELD, RoutingPlan
+from mla_watch.engines.formats import (
+    DROP_CHUNK,
+    PROMPT_START_FIELD,
+    ROUTING_REQUEST_FIELD,
+    STRIP_ON_LOOP_BYTES,
+    RoutingPlan,
+    strip_chunk,
+    strip_response,
+)
+from mla_watch.engines.replay import (
+    TOKEN_IDS_FIELD,
+    ReplayBudget,
+    StreamReplayer,
+    StreamTokens,
+    read_chunk,
+    read_chunk_apart,
+)
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
@@ -47,7 +66,8 @@ class Upstream:
     """The engine behind the sidecar: requests go there with the policy's applied values."""
 
     def __init__(self, url: str, timeout: float, *, decoder: RoutingDecoder, routing: EngineRouting | None = None,
-                 max_bytes: int, credentials: tuple[str, str] | None = None) -> None:
+                 max_bytes: int, credentials: tuple[str, str] | None = None, replay: ReplayBudget | None = None,
+                 count_queue_bytes: int = COUNT_QUEUE_BYTES) -> None:
         self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
         # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
         # all the same is inflated here within max_bytes.
@@ -60,8 +80,16 @@ class Upstream:
         self._decoder = decoder
         # The routing format: fixed by --engine, or found on the first request (`auto`).
         self.engine: str | None = None if routing is None or routing.engine == "auto" else routing.engine
+        # Routing is counted after the client has its answer; a vLLM stream's, by replaying it.
+        self.counter = None if routing is None else CountQueue(routing, decoder, max_bytes=count_queue_bytes)
+        self.replayer = None if self.counter is None or replay is None else StreamReplayer(
+            self._send_replay, self.counter, replay)
 
     async def close(self) -> None:
+        if self.replayer is not None:
+            await self.replayer.close()
+        if self.counter is not None:
+            await self.counter.close()
         await self._client.aclose()
 
     async def models(self, request: Request) -> Response:
@@ -86,21 +114,52 @@ class Upstream:
         if plan.engine == "sglang":
             payload[ROUTING_REQUEST_FIELD] = True  # SGLang returns routing only to requests that ask
         if parsed.stream:
-            return await self._stream(path, payload, headers, plan, decision.business_line)
+            replay = self._stream_tokens(plan, parsed, body, payload, decision.business_line)
+            return await self._stream(path, payload, headers, plan, decision.business_line, replay)
         status, content_type, content = await self._exchange("POST", path, self.max_bytes, json=payload,
                                                              headers=headers)
         if status != 200:
             return _relayed_error(self.url, status, content_type, content)
+        counting = self.counter is not None and plan.engine != "none"
+        stripped = strip_response(plan, content)  # the routing's base64 cut out, not decoded: ~0.1 ms
+        if stripped is not None:
+            background = BackgroundTask(self._count_after, decision.business_line, plan, content) if counting else None
+            return Response(stripped, media_type="application/json", background=background)
+        # Kept routing, lists, a long answer: the decoding process reads it whole and counts it on the way.
         decoded = await self._decoder.response(plan, content)
         del content
         if decoded.not_json:
             raise _not_openai(self.url, path, content_type, len(decoded.body or b""))
-        if self.routing is not None and plan.engine != "none":
-            self.routing.count(decision.business_line, decoded, streamed=False)
+        if counting:
+            self.routing.count(decision.business_line, decoded, streamed=False)  # type: ignore[union-attr]
         if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
             raise ApiError(502, f"the answer of {self.url}{path} could not be read: {decoded.error}",
                            code="upstream_error", error_type="server_error")
         return Response(decoded.body, media_type="application/json")
+
+    async def _count_after(self, business_line: str, plan: RoutingPlan, content: bytes) -> None:
+        """Once the client has the answer (a coroutine: a starlette background function would run in a thread)."""
+        self.counter.submit(business_line, plan, content, streamed=False)  # type: ignore[union-attr]
+
+    def _stream_tokens(self, plan: RoutingPlan, parsed: GenerationRequest, body: dict[str, Any],
+                       payload: dict[str, Any], business_line: str) -> _StreamReplay | None:
+        """For a vLLM stream to be replayed: ask for its token ids, and what will read them."""
+        if plan.engine != "vllm" or self.replayer is None:
+            return None
+        if not self.replayer.sampled():
+            self.replayer.skipped(business_line, "sampled_out")
+            return _StreamReplay(None, parsed.model)
+        client_asked = body.get(TOKEN_IDS_FIELD) is True
+        payload[TOKEN_IDS_FIELD] = True
+        return _StreamReplay(StreamTokens(parsed.kind, strip=not client_asked), parsed.model)
+
+    async def _send_replay(self, payload: dict[str, Any], headers: dict[str, str]) -> bytes:
+        status, content_type, content = await self._exchange("POST", "/v1/completions", self.max_bytes,
+                                                             json=payload, headers=headers)
+        if status != 200:
+            raise ApiError(502, f"{self.url}/v1/completions answered a replay with HTTP {status} "
+                                f"({_media_type(content_type)})", code="upstream_error")
+        return content
 
     # ------------------------------------------------------------------ one bounded exchange
     async def _exchange(self, method: str, path: str, limit: int, **kwargs: Any) -> tuple[int, str, bytes]:
@@ -147,7 +206,7 @@ class Upstream:
 
     # ------------------------------------------------------------------ streams
     async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,
-                      business_line: str) -> Response:
+                      business_line: str, replay: _StreamReplay | None) -> Response:
         deadline = time.monotonic() + self.timeout
         request = self._client.build_request("POST", path, json=payload, headers=headers)
         try:
@@ -167,31 +226,98 @@ class Upstream:
                     content = b""
             finally:
                 await upstream.aclose()
+            if replay is not None and replay.tokens is not None:  # never started: nothing to replay
+                self.replayer.skipped(business_line, "incomplete")  # type: ignore[union-attr]
             return _relayed_error(self.url, upstream.status_code, content_type, content)
-        return StreamingResponse(self._relay_stream(upstream, plan, business_line, path),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        relay = _StreamRelay(plan, business_line, replay, headers)
+        return StreamingResponse(self._relay_stream(upstream, relay, path), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-    async def _relay_stream(self, upstream: httpx.Response, plan: RoutingPlan, business_line: str,
-                            path: str) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: httpx.Response, relay: _StreamRelay, path: str) -> AsyncIterator[bytes]:
         """Pass the upstream's server-sent events through, adding mla_watch's object to the first chunk.
 
-        SGLang sends a stream's routing in one chunk of its own after the last token; vLLM sends none
-        (the response is counted as one without routing). A stream that breaks a bound ends with one
-        ``error`` event saying which.
+        SGLang sends a stream's routing in a chunk of its own after the last token: it is cut out and
+        counted after. vLLM sends none: a stream whose token ids were asked for is replayed once it has
+        ended (:mod:`mla_watch.engines.replay`). A stream that breaks a bound ends with one ``error``
+        event saying which.
         """
-        state = {"first": True, "counted": False}
         try:
             async for line in self._stream_lines(upstream, path):
-                relayed = await self._relay_line(line, plan, business_line, state)
+                relayed = await self._relay_line(line, relay)
                 if relayed is not None:
                     yield relayed + b"\n"
-            if self.routing is not None and plan.engine != "none" and not state["counted"]:
-                self.routing.count(business_line, None, streamed=True)
         except ApiError as error:
             log.warning("stream from %s%s cut: %s", self.url, path, error.message)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
             await upstream.aclose()
+            self._stream_ended(relay)  # after the last byte, or a client that left: never waits
+
+    def _stream_ended(self, relay: _StreamRelay) -> None:
+        if self.routing is None or relay.plan.engine == "none" or relay.counted:
+            return
+        replay = relay.replay
+        if replay is None:
+            self.routing.count(relay.business_line, None, streamed=True)
+        elif replay.tokens is not None:
+            self.replayer.after_stream(relay.business_line, relay.plan, replay.model,  # type: ignore[union-attr]
+                                       relay.headers, replay.tokens)
+
+    async def _relay_line(self, line: bytes, relay: _StreamRelay) -> bytes | None:
+        if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
+            return line
+        data = line[5:]
+        plan = relay.plan
+        if plan.engine == "sglang" and b'"routed_experts"' in data:
+            return await self._routing_chunk(data, relay)
+        tokens = relay.replay.tokens if relay.replay is not None else None
+        if tokens is not None:
+            extra = plan.extra if relay.first else None
+            if len(data) < STRIP_ON_LOOP_BYTES:
+                body = read_chunk(tokens, data, extra)
+            else:  # a long prompt's ids: parsed in a decoding process, not on the event loop
+                body, part = await self._decoder.offload(read_chunk_apart, bytes(data), tokens.kind, tokens.strip,
+                                                         extra)
+                tokens.merge(part)
+            if body == DROP_CHUNK:
+                return None
+            if body is not None and extra is not None:
+                relay.first = False
+            return line if body is None else b"data: " + body
+        if not relay.first:
+            return line
+        if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
+            decoded = await self._decoder.chunk(RoutingPlan("none", None, keep=True, extra=plan.extra),
+                                                data.decode("utf-8", "replace"), first=True)
+            if decoded.not_json or decoded.body is None:
+                return line
+            relay.first = False
+            return b"data: " + decoded.body
+        chunk = _json_object(data)
+        if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
+            return line
+        relay.first = False
+        chunk["mla_watch"] = plan.extra
+        return b"data: " + json.dumps(chunk).encode()
+
+    async def _routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
+        """SGLang's chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""
+        plan = relay.plan
+        stripped = strip_chunk(plan, data, first=relay.first)
+        if stripped is None:  # kept routing, or too long a chunk: the decoding process reads it, on the way
+            decoded = await self._decoder.chunk(plan, data.decode("utf-8", "replace"), first=relay.first)
+            if decoded.found and self.routing is not None:
+                self.routing.count(relay.business_line, decoded, streamed=True)
+                relay.counted = True
+            relay.first = False
+            return None if decoded.body is None else b"data: " + decoded.body
+        if self.counter is not None:
+            self.counter.submit(relay.business_line, plan, bytes(data), streamed=True)
+            relay.counted = True
+        if stripped == DROP_CHUNK:
+            return None
+        relay.first = False
+        return b"data: " + stripped
 
     async def _stream_lines(self, upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:
         """The stream's lines, each whole within the request timeout and at most ``max_bytes``."""
@@ -228,33 +354,6 @@ class Upstream:
                 yield line
         for line in lines.finish():
             yield line
-
-    async def _relay_line(self, line: bytes, plan: RoutingPlan, business_line: str,
-                          state: dict[str, bool]) -> bytes | None:
-        if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
-            return line
-        if plan.engine == "sglang" and b'"sglext"' in line:
-            decoded = await self._decoder.chunk(plan, line[5:].decode("utf-8", "replace"), first=state["first"])
-            if decoded.found and self.routing is not None:
-                self.routing.count(business_line, decoded, streamed=True)
-                state["counted"] = True
-            state["first"] = False
-            return None if decoded.body is None else b"data: " + decoded.body
-        if not state["first"]:
-            return line
-        if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
-            decoded = await self._decoder.chunk(RoutingPlan("none", None, keep=True, extra=plan.extra),
-                                                line[5:].decode("utf-8", "replace"), first=True)
-            if decoded.not_json or decoded.body is None:
-                return line
-            state["first"] = False
-            return b"data: " + decoded.body
-        chunk = _json_object(line[5:])
-        if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
-            return line
-        state["first"] = False
-        chunk["mla_watch"] = plan.extra
-        return b"data: " + json.dumps(chunk).encode()
 
     # ------------------------------------------------------------------ routing plan
     async def _plan(self, request: Request, body: dict[str, Any], extra: dict[str, Any],
@@ -297,6 +396,26 @@ class Upstream:
         detail = " ".join(str(error).split())[:200]  # the URL in it has no credentials: they live in auth
         return ApiError(502, f"upstream {self.url} failed: {type(error).__name__}" + (f": {detail}" if detail else ""),
                         code="upstream_error", error_type="server_error")
+
+
+@dataclass
+class _StreamReplay:
+    """A vLLM stream to count by replay: its token ids as they pass (``None``: sampled out, counted already)."""
+
+    tokens: StreamTokens | None
+    model: str | None
+
+
+@dataclass
+class _StreamRelay:
+    """One stream being relayed."""
+
+    plan: RoutingPlan
+    business_line: str
+    replay: _StreamReplay | None
+    headers: dict[str, str]
+    first: bool = True  # no chunk has carried mla_watch's object yet
+    counted: bool = False  # its routing was counted (or queued to be)
 
 
 def _prompt_start(value: Any) -> int:

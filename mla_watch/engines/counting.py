@@ -1,0 +1,142 @@
+"""Counting engine routing after the client has its answer: a bounded queue, decoded in worker processes.
+
+Beside vLLM or SGLang the proxy cuts the routing out of an answer on the event loop (a search
+for its base64 strings, no decoding: :func:`mla_watch.engines.formats.strip_response`), answers
+the client, and only then queues the answer here. Consumers hand it to the decoding processes and
+count what they return per business line. The queue holds at most ``max_jobs`` answers and
+``max_bytes`` of them (one answer is always admitted into an empty queue: it fits
+``--upstream-max-bytes``); an answer that finds it full is not counted, and is counted as dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.engines.formats import Decoded, RoutingPlan
+from mla_watch.engines.watch import EngineRouting
+
+__all__ = ["COUNT_QUEUE_BYTES", "COUNT_QUEUE_JOBS", "DROP_REASONS", "CountQueue"]
+
+log = logging.getLogger("mla_watch.engines")
+
+COUNT_QUEUE_JOBS = 1024
+COUNT_QUEUE_BYTES = 256 << 20  # 200 DeepSeek-V3 answers of 2,000 tokens in vLLM's format
+# Why an answer's routing was not counted (mla_watch_engine_count_dropped_total{reason}).
+DROP_REASONS = ("queue_full", "shutdown")
+SHUTDOWN_DRAIN_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    business_line: str
+    plan: RoutingPlan
+    body: bytes
+    streamed: bool
+
+
+class CountQueue:
+    """Answers whose routing is still to be counted, and the tasks that count them."""
+
+    def __init__(self, routing: EngineRouting, decoder: RoutingDecoder, *, max_jobs: int = COUNT_QUEUE_JOBS,
+                 max_bytes: int = COUNT_QUEUE_BYTES) -> None:
+        self.routing = routing
+        self._decoder = decoder
+        self.max_jobs = max_jobs
+        self.max_bytes = max_bytes
+        self._jobs: deque[_Job] = deque()
+        self._bytes = 0
+        self._ready: asyncio.Event | None = None
+        self._consumers: list[asyncio.Task[None]] = []
+        self._in_flight = 0
+
+    @property
+    def queued(self) -> int:
+        """Answers waiting, and being counted."""
+        return len(self._jobs) + self._in_flight
+
+    def submit(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool) -> bool:
+        """Queue one answer (on the event loop; never waits). False: the queue was full, the answer is dropped."""
+        if self._jobs and (len(self._jobs) >= self.max_jobs or self._bytes + len(body) > self.max_bytes):
+            self._dropped("queue_full")
+            return False
+        self._start()
+        self._jobs.append(_Job(business_line, plan, body, streamed))
+        self._bytes += len(body)
+        self._ready.set()  # type: ignore[union-attr]
+        return True
+
+    async def count(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool) -> Decoded:
+        """Decode and count one answer now (a stream's replay, which its own budget already bounds)."""
+        decoded = await self._decoder.count(plan, body)
+        self.routing.count(business_line, _routing_of(decoded), streamed=streamed)
+        return decoded
+
+    async def count_replay(self, business_line: str, plan: RoutingPlan, bodies: list[bytes]) -> str:
+        """Count the replays of one stream's choices as one streamed response; returns the outcome
+        (:meth:`EngineRouting.count`'s)."""
+        decodes = [await self._decoder.count(plan, body) for body in bodies]
+        if any(decoded.not_json for decoded in decodes):
+            raise ValueError("the engine's answer to a replay is not a JSON object")
+        merged = next((decoded for decoded in decodes if decoded.error is not None), None)
+        if merged is None and all(decoded.counts is not None for decoded in decodes):
+            merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[misc]
+                             tokens=sum(decoded.tokens for decoded in decodes))
+        return self.routing.count(business_line, merged, streamed=True)
+
+    async def close(self, drain_seconds: float = SHUTDOWN_DRAIN_SECONDS) -> None:
+        """Count what is queued for at most ``drain_seconds``; what is left is dropped (``shutdown``)."""
+        if self._consumers:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drained(), drain_seconds)
+            for consumer in self._consumers:
+                consumer.cancel()
+            await asyncio.gather(*self._consumers, return_exceptions=True)
+            self._consumers = []
+        for _ in self._jobs:
+            self._dropped("shutdown")
+        self._jobs.clear()
+        self._bytes = 0
+
+    # ------------------------------------------------------------------ internals
+    def _start(self) -> None:
+        if self._consumers:
+            return
+        self._ready = asyncio.Event()
+        # As many consumers as decoding processes: each waits on its own worker.
+        for index in range(max(1, self._decoder.workers)):
+            self._consumers.append(asyncio.create_task(self._consume(), name=f"mla-watch-count-{index}"))
+
+    async def _consume(self) -> None:
+        while True:
+            while not self._jobs:
+                self._ready.clear()  # type: ignore[union-attr]
+                await self._ready.wait()  # type: ignore[union-attr]
+            job = self._jobs.popleft()
+            self._bytes -= len(job.body)
+            self._in_flight += 1
+            try:
+                await self.count(job.business_line, job.plan, job.body, streamed=job.streamed)
+            except asyncio.CancelledError:
+                self._dropped("shutdown")
+                raise
+            except Exception:  # a consumer that stopped would stop all counting: log, go on
+                log.exception("counting an engine answer's routing failed; it is not counted")
+            finally:
+                self._in_flight -= 1
+
+    async def _drained(self) -> None:
+        while self._jobs or self._in_flight:
+            await asyncio.sleep(0.02)
+
+    def _dropped(self, reason: str) -> None:
+        self.routing.metrics.count_dropped.labels(reason).inc()
+
+
+def _routing_of(decoded: Decoded) -> Decoded | None:
+    """What :meth:`EngineRouting.count` is told: an answer that was no JSON object carried no routing."""
+    return None if decoded.not_json else decoded
