@@ -90,14 +90,19 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, object]]:
     """A Sidecar on the bundled model (or as configured), ready, with its own metrics registry."""
     from mla_watch.server.app import ServerConfig, Sidecar
 
-    state_dir = overrides.pop("state_dir", None) or Path(tempfile.mkdtemp(prefix="mla-watch-state-"))
+    given = overrides.pop("state_dir", None)
+    state_dir = given or Path(tempfile.mkdtemp(prefix="mla-watch-state-"))
     config = ServerConfig(**{"device": "cpu", "policy_poll_seconds": None, "admin_token": None,
                              "state_dir": state_dir, **overrides})
-    sidecar = Sidecar(config)
-    with serve_app(sidecar.app) as url:
-        if not sidecar.wait_ready(120):
-            raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")
-        yield url, sidecar
+    try:
+        sidecar = Sidecar(config)
+        with serve_app(sidecar.app) as url:
+            if not sidecar.wait_ready(120):
+                raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")
+            yield url, sidecar
+    finally:
+        if given is None:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
