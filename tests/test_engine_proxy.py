@@ -239,3 +239,16 @@ def test_check_lints_the_rules_against_an_engines_routers(tmp_path, capsys) -> N
     config.write_text(json.dumps({"num_hidden_layers": 61}))
     assert main(["check", "--model-config", str(config)]) == 1
     assert "none of the keys n_routed_experts" in capsys.readouterr().out
+
+
+def test_sglangs_start_field_is_the_proxys_too_and_the_client_gets_the_rows_it_asked_for(tmp_path) -> None:
+    engine = FakeEngine("sglang")
+    with beside(engine, tmp_path) as (url, sidecar):
+        answer = complete(url, return_routed_experts=True, routed_experts_start_len=5)
+        assert "routed_experts_start_len" not in engine.bodies[-1]  # every row comes back, and is counted
+        assert sidecar.engine_routing.counts("code_assistant")[ROUTERS[0]].sum() == 9 * 4
+        full = every_layer(engine.routing, list(GEOMETRY.moe_layers), 4)
+        assert answer["sglext"]["routed_experts"] == encode_sglang(full[5:])
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "routed_experts_start_len": 2,
+                                                             "routed_experts_prompt_start": 3}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "conflict"

@@ -42,6 +42,7 @@ import json
 import math
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +51,10 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "STRIP_ON_LOOP_BYTES",
-           "DataError", "Decoded", "RoutingPlan", "count_response", "decode_chunk", "decode_response", "encode_sglang",
-           "encode_vllm", "every_layer", "routing_counts", "strip_chunk", "strip_response"]
+__all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
+           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "count_response", "decode_chunk",
+           "decode_response", "encode_sglang", "encode_vllm", "every_layer", "routing_counts", "strip_chunk",
+           "strip_response"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -61,6 +63,8 @@ ROUTING_REQUEST_FIELD = "return_routed_experts"
 # (vllm/entrypoints/openai/completion/protocol.py, `ge=0`; checked `<= prompt_len` in
 # vllm/v1/engine/input_processor.py). Never forwarded: the proxy counts every row.
 PROMPT_START_FIELD = "routed_experts_prompt_start"
+# SGLang's (sglang/srt/managers/io_struct.py, `routed_experts_start_len`; checked in scheduler.py): the same.
+SGLANG_START_FIELD = "routed_experts_start_len"
 # Data-error reasons (a metric label): what was wrong with the routing an engine returned.
 # duplicate_ids: one token's top-k names an expert twice, which no router can do (vLLM's capture
 # returns all zeros when misconfigured, e.g. on CPU without --enforce-eager).
@@ -394,7 +398,8 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
     fields = _FIELDS[plan.engine](document)
     repeated_prompt = plan.engine == "vllm" and "prompt_routed_experts" not in document  # vLLM <= 0.21 sent it once
     arrays: list[np.ndarray] = []
-    kept: list[tuple[dict[str, Any], str, np.ndarray]] = []  # vLLM .npy fields the client keeps
+    # Fields the client keeps, to trim to its prompt start: vLLM's .npy and SGLang's int32 (every row of it).
+    kept: list[tuple[dict[str, Any], str, np.ndarray, Callable[[np.ndarray], str]]] = []
     error: DataError | None = None
     claimed = 0
     for container, key, decode in fields:
@@ -413,8 +418,11 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
                 error = failure
                 continue
             arrays.append(ids)
-            if plan.keep and decode is _npy_or_lists and not isinstance(value, list):
-                kept.append((container, key, ids))
+            if plan.keep and plan.prompt_start and not isinstance(value, list):
+                if decode is _npy_or_lists:
+                    kept.append((container, key, ids, _encode_npy))
+                elif plan.engine == "sglang":
+                    kept.append((container, key, _raw_int32(value, plan.geometry), encode_sglang))
     if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
         del document["sglext"]
     if error is None and repeated_prompt and len(arrays) > 1:
@@ -424,9 +432,8 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
             error = failure
         else:
             arrays = [arrays[0], *(ids[prompt:] for ids in arrays[1:])]
-    if plan.prompt_start:
-        for container, key, ids in kept:  # as vLLM would have returned them to this client
-            container[key] = _encode_npy(ids[plan.prompt_start:])
+    for container, key, ids, encode in kept:  # as the engine would have returned them to this client
+        container[key] = encode(ids[plan.prompt_start:])
     return arrays, error, claimed
 
 

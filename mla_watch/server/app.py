@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import threading
@@ -185,7 +186,18 @@ class Sidecar:
             return None
         return {"engine": routing.engine, "url": self.config.upstream, "routers": routing.geometry.describe(),
                 "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
-                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE, "problems": routing.problems()}
+                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE, "problems": routing.problems(),
+                "counting": self._counting_status()}
+
+    def _counting_status(self) -> dict[str, Any] | None:
+        """Answers still to count (they are counted after the client has them) and vLLM streams' replays."""
+        upstream = self.upstream
+        if upstream is None or upstream.counter is None:
+            return None
+        replayer = upstream.replayer
+        budget = None if replayer is None else dataclasses.asdict(replayer.budget)
+        return {"queued": upstream.counter.queued, "queue_bytes": upstream.counter.max_bytes,
+                "replays_waiting": 0 if replayer is None else replayer.waiting, "replay": budget}
 
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> AlertService:
@@ -394,6 +406,8 @@ class Sidecar:
             self.history_store.close()
         if self._recorder is not None:
             await asyncio.to_thread(self._recorder.stop)
+        if self.upstream is not None:  # first: what it still has to count needs the decoder
+            await self.upstream.close()
         if self._decoder is not None:
             self._decoder.close()
         for stop in self._stop_watches:
@@ -404,8 +418,6 @@ class Sidecar:
             await asyncio.to_thread(self.engine.close)
         if self.retune is not None:
             await asyncio.to_thread(self.retune.stop)
-        if self.upstream is not None:
-            await self.upstream.close()
 
     def wait_ready(self, timeout: float) -> bool:
         return self.ready.wait(timeout)

@@ -33,6 +33,7 @@ from mla_watch.engines.formats import (
     DROP_CHUNK,
     PROMPT_START_FIELD,
     ROUTING_REQUEST_FIELD,
+    SGLANG_START_FIELD,
     STRIP_ON_LOOP_BYTES,
     RoutingPlan,
     strip_chunk,
@@ -105,7 +106,7 @@ class Upstream:
     async def forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
                       decision: Decision) -> Response:
         payload = parsed.upstream_body(body, decision.applied)
-        prompt_start = _prompt_start(payload.pop(PROMPT_START_FIELD, None))  # the proxy counts every row
+        prompt_start = _prompt_start(payload)  # the proxy counts every row
         headers = {"Content-Type": "application/json", **_forwarded_auth(request),
                    "X-Business-Line": decision.business_line, "X-Task": decision.task}
         path = request.url.path
@@ -364,7 +365,7 @@ class Upstream:
         if self.routing is None or self.engine is None:
             return RoutingPlan("none", None, keep=True, extra=extra)
         # A client that sets vLLM's prompt start wants routing: it gets the rows it asked for.
-        keep = body.get(ROUTING_REQUEST_FIELD) is True or PROMPT_START_FIELD in body
+        keep = body.get(ROUTING_REQUEST_FIELD) is True or any(field in body for field in START_FIELDS)
         return RoutingPlan(self.engine, self.routing.geometry, keep=keep, extra=extra, prompt_start=prompt_start)
 
     async def _detect(self, request: Request) -> str | None:
@@ -418,14 +419,20 @@ class _StreamRelay:
     counted: bool = False  # its routing was counted (or queued to be)
 
 
-def _prompt_start(value: Any) -> int:
-    if value is None:
-        return 0
-    if type(value) is not int or value < 0:
-        raise ApiError(400, f"{PROMPT_START_FIELD}={describe_value(value, 40)} is invalid: expected an integer >= 0 "
-                            "(prompt tokens left out of the routing returned)", param=PROMPT_START_FIELD,
-                       code="invalid_value")
-    return value
+START_FIELDS = (PROMPT_START_FIELD, SGLANG_START_FIELD)  # vLLM's and SGLang's spelling of one idea
+
+
+def _prompt_start(payload: dict[str, Any]) -> int:
+    """The client's prompt start (either engine's field), taken out of what the engine is sent."""
+    given = {name: payload.pop(name) for name in START_FIELDS if name in payload}
+    for name, value in given.items():
+        if type(value) is not int or value < 0:
+            raise ApiError(400, f"{name}={describe_value(value, 40)} is invalid: expected an integer >= 0 (prompt "
+                                "tokens left out of the routing returned)", param=name, code="invalid_value")
+    if len(set(given.values())) > 1:
+        raise ApiError(400, f"{PROMPT_START_FIELD} and {SGLANG_START_FIELD} disagree; send one",
+                       param=SGLANG_START_FIELD, code="conflict")
+    return next(iter(given.values()), 0)
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:
