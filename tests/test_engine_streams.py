@@ -88,9 +88,10 @@ def test_the_client_gets_the_stream_the_engine_sends_without_token_ids(tmp_path)
     with beside_twin(tmp_path) as (twin, url, _):
         for chat in (False, True):
             relayed = ask(url, "customer_service", chat=chat, stream=True, n=2)
-            assert twin.bodies[-1]["return_token_ids"] is True  # asked of the engine, for the replay
+            streamed = [body for body in twin.bodies if body.get("stream")][-1]
+            assert streamed["return_token_ids"] is True  # asked of the engine, for the replay
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            direct_body = {k: v for k, v in twin.bodies[-1].items() if k != "return_token_ids"}
+            direct_body = {k: v for k, v in streamed.items() if k != "return_token_ids"}
             direct = httpx.post(twin.url + path, json=direct_body, timeout=30).text
             expected = [e if e == "[DONE]" else json.loads(e) for e in
                         (line[6:] for line in direct.splitlines() if line.startswith("data: "))]
@@ -127,6 +128,17 @@ def test_replays_past_the_budget_or_refused_are_counted_by_outcome_and_never_tou
         assert metric_value(metrics, "mla_watch_engine_stream_replays_total", outcome="failed") == 1
         assert metric_value(metrics, "mla_watch_engine_responses_total", engine="vllm", outcome="no_routing") == 1
         assert "customer_service" not in sidecar.engine_routing.windows.business_lines
+
+
+def test_a_stream_the_client_leaves_is_not_replayed(tmp_path) -> None:
+    with beside_twin(tmp_path) as (twin, url, sidecar):
+        twin.step_seconds = 0.5
+        body = {"prompt": "where is my order", "max_tokens": 20, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as answer:
+            next(answer.iter_lines())  # one chunk, then the client is gone
+        settled(sidecar, 1)
+        assert metric_value(get_metrics(url), "mla_watch_engine_stream_replays_total", outcome="incomplete") == 1
+        assert twin.replays == []
 
 
 def test_a_replay_rate_of_zero_asks_for_no_token_ids(tmp_path) -> None:

@@ -16,6 +16,7 @@ tokens gets the same rows, so streamed and unstreamed requests count exactly the
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -46,6 +47,7 @@ class VllmTwin:
         self.bodies: list[dict] = []
         self.replay_status = 200  # what a replay (a prompt of token ids) is answered with
         self.url = ""  # where it listens, once it does
+        self.step_seconds = 0.0  # between two chunks of a stream
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completion, methods=["POST"]),
@@ -142,6 +144,8 @@ class VllmTwin:
                 if ids:
                     choice["token_ids"] = [token]
                 yield event({"choices": [choice]})
+                if self.step_seconds:
+                    await asyncio.sleep(self.step_seconds)
         if (body.get("stream_options") or {}).get("include_usage"):
             yield event({"choices": [], "usage": {"prompt_tokens": len(prompt),
                                                   "completion_tokens": sum(map(len, outputs))}})

@@ -251,8 +251,10 @@ class Upstream:
             log.warning("stream from %s%s cut: %s", self.url, path, error.message)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
-            await upstream.aclose()
-            self._stream_ended(relay)  # after the last byte, or a client that left: never waits
+            try:  # after the last byte, or on a client that left (cancelled: so before any await)
+                self._stream_ended(relay)
+            finally:
+                await upstream.aclose()
 
     def _stream_ended(self, relay: _StreamRelay) -> None:
         if self.routing is None or relay.plan.engine == "none" or relay.counted:
