@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,8 @@ TOKEN_IDS_FIELD = "return_token_ids"  # vLLM's request field (chat_completion/pr
 # engine sent none: not vLLM, or a reasoning parser hid them), unreadable (ids that are no token ids).
 REPLAY_OUTCOMES = ("replayed", "no_routing", "data_error", "failed", "sampled_out", "over_token_budget",
                    "queue_full", "incomplete", "no_token_ids", "unreadable")
-MAX_STREAM_TOKENS = 1 << 20  # token ids held per stream (prompt and generated, all choices)
+MAX_STREAM_TOKENS = 1 << 20  # token ids held per stream (prompt and generated, all choices): 4 MiB as int32
+MAX_WAITING_TOKENS = 1 << 23  # token ids of all the replays waiting: 32 MiB
 MAX_CHOICES = 16
 _TOKEN_ID_LIMIT = 1 << 31
 LOG_EVERY_SECONDS = 60.0
@@ -71,8 +73,8 @@ class ReplayBudget:
 
 @dataclass
 class _Choice:
-    prompt: list[int] | None = None
-    generated: list[int] = field(default_factory=list)
+    prompt: array | None = None  # int32: a long prompt's ids as Python ints would take 9x the memory
+    generated: array = field(default_factory=lambda: array("i"))
     finished: bool = False
 
 
@@ -119,7 +121,7 @@ class StreamTokens:
                 keep = False
         return keep
 
-    def replays(self) -> list[tuple[list[int], int]] | str:
+    def replays(self) -> list[tuple[array, int]] | str:
         """Each choice's replay - the prompt to send and the prompt rows to leave out - or the outcome that
         says why there is none."""
         if self.unreadable is not None:
@@ -129,13 +131,13 @@ class StreamTokens:
             return "no_token_ids"
         if not all(choice.finished for choice in self._choices.values()):
             return "incomplete"
-        replays: list[tuple[list[int], int]] = []
-        prompts_seen: set[tuple[int, ...]] = set()
+        replays: list[tuple[array, int]] = []
+        prompts_seen: set[bytes] = set()
         for _, choice in sorted(self._choices.items()):
-            prompt = tuple(choice.prompt)  # type: ignore[arg-type]
-            start = len(prompt) if prompt in prompts_seen else 0
+            prompt = choice.prompt.tobytes()  # type: ignore[union-attr]
+            start = len(choice.prompt) if prompt in prompts_seen else 0  # type: ignore[arg-type]
             prompts_seen.add(prompt)
-            replays.append(([*prompt, *choice.generated[:-1]], start))
+            replays.append((choice.prompt + choice.generated[:-1], start))  # type: ignore[operator]
         return replays
 
     def merge(self, other: StreamTokens) -> None:
@@ -155,15 +157,15 @@ class StreamTokens:
     def _pop(self, container: dict[str, Any], key: str) -> Any:
         return container.pop(key, None) if self.strip else container.get(key)
 
-    def _ids(self, value: Any) -> list[int]:
+    def _ids(self, value: Any) -> array:
         if not isinstance(value, list) or not all(type(i) is int and 0 <= i < _TOKEN_ID_LIMIT for i in value):
             self._refuse(f"token ids of {_kind(value)}")
-            return []
+            return array("i")
         self._held += len(value)
         if self._held > MAX_STREAM_TOKENS:
             self._refuse(f"more than {MAX_STREAM_TOKENS} token ids")
-            return []
-        return value
+            return array("i")
+        return array("i", value)
 
     def _refuse(self, what: str) -> None:
         self._refuse_as(f"the stream carried {what}: expected lists of token ids")
@@ -207,7 +209,7 @@ class _Replay:
     plan: RoutingPlan
     model: str | None
     headers: dict[str, str]
-    prompts: list[tuple[list[int], int]]
+    prompts: list[tuple[array, int]]
 
 
 # Sends one replay (a /v1/completions body, the request's headers) and returns the engine's answer;
@@ -228,6 +230,7 @@ class StreamReplayer:
         self._waiting: asyncio.Queue[_Replay] | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._tokens = budget.tokens_per_second  # the bucket starts full: one second's worth
+        self._waiting_tokens = 0
         self._filled_at = clock()
         self._logged_at = float("-inf")
 
@@ -253,6 +256,7 @@ class StreamReplayer:
             return outcome
         self._start()
         self._waiting.put_nowait(_Replay(business_line, plan, model, headers, outcome))  # type: ignore[union-attr]
+        self._waiting_tokens += sum(len(prompt) for prompt, _ in outcome)
         return "queued"
 
     async def close(self) -> None:
@@ -266,11 +270,12 @@ class StreamReplayer:
         return 0 if self._waiting is None else self._waiting.qsize()
 
     # ------------------------------------------------------------------ internals
-    def _admit(self, tokens: StreamTokens) -> list[tuple[list[int], int]] | str:
+    def _admit(self, tokens: StreamTokens) -> list[tuple[array, int]] | str:
         replays = tokens.replays()
         if isinstance(replays, str):
             return replays
-        if self._waiting is not None and self._waiting.qsize() >= self.budget.queue:
+        size = sum(len(prompt) for prompt, _ in replays)
+        if self.waiting >= self.budget.queue or (self.waiting and self._waiting_tokens + size > MAX_WAITING_TOKENS):
             return "queue_full"
         if self.budget.tokens_per_second:
             now = self._clock()
@@ -279,7 +284,7 @@ class StreamReplayer:
             self._filled_at = now
             if self._tokens <= 0:
                 return "over_token_budget"
-            self._tokens -= sum(len(prompt) - start for prompt, start in replays)
+            self._tokens -= size
         return replays
 
     def _start(self) -> None:
@@ -292,6 +297,7 @@ class StreamReplayer:
     async def _work(self) -> None:
         while True:
             replay = await self._waiting.get()  # type: ignore[union-attr]
+            self._waiting_tokens -= sum(len(prompt) for prompt, _ in replay.prompts)
             try:
                 outcome = await self._replay(replay)
             except asyncio.CancelledError:
@@ -306,13 +312,14 @@ class StreamReplayer:
     async def _replay(self, replay: _Replay) -> str:
         bodies = []
         for prompt, start in replay.prompts:
-            payload: dict[str, Any] = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False}
+            payload: dict[str, Any] = {"prompt": prompt.tolist(), "max_tokens": 1, "temperature": 0,
+                                       "stream": False}
             if replay.model is not None:
                 payload["model"] = replay.model
             if start:
                 payload[PROMPT_START_FIELD] = start
             bodies.append(await self._send(payload, replay.headers))
-            self.metrics.replay_tokens.inc(len(prompt) - start)
+            self.metrics.replay_tokens.inc(len(prompt))
         counted = await self._counter.count_replay(replay.business_line, replay.plan, bodies)
         return "replayed" if counted == "counted" else counted  # or vLLM's answer had no usable routing
 

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.engines.counting import COUNT_QUEUE_BYTES, CountQueue
-from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, RoutingDecoder
+from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, DecoderDied, RoutingDecoder
 from mla_watch.engines.formats import (
     DROP_CHUNK,
     PROMPT_START_FIELD,
@@ -115,7 +115,7 @@ class Upstream:
         if plan.engine == "sglang":
             payload[ROUTING_REQUEST_FIELD] = True  # SGLang returns routing only to requests that ask
         if parsed.stream:
-            replay = self._stream_tokens(plan, parsed, body, payload, decision.business_line)
+            replay = self._stream_tokens(plan, parsed, body, payload)
             return await self._stream(path, payload, headers, plan, decision.business_line, replay)
         status, content_type, content = await self._exchange("POST", path, self.max_bytes, json=payload,
                                                              headers=headers)
@@ -143,12 +143,11 @@ class Upstream:
         self.counter.submit(business_line, plan, content, streamed=False)  # type: ignore[union-attr]
 
     def _stream_tokens(self, plan: RoutingPlan, parsed: GenerationRequest, body: dict[str, Any],
-                       payload: dict[str, Any], business_line: str) -> _StreamReplay | None:
+                       payload: dict[str, Any]) -> _StreamReplay | None:
         """For a vLLM stream to be replayed: ask for its token ids, and what will read them."""
         if plan.engine != "vllm" or self.replayer is None:
             return None
-        if not self.replayer.sampled():
-            self.replayer.skipped(business_line, "sampled_out")
+        if not self.replayer.sampled():  # counted as such once the stream has ended
             return _StreamReplay(None, parsed.model)
         client_asked = body.get(TOKEN_IDS_FIELD) is True
         payload[TOKEN_IDS_FIELD] = True
@@ -227,8 +226,6 @@ class Upstream:
                     content = b""
             finally:
                 await upstream.aclose()
-            if replay is not None and replay.tokens is not None:  # never started: nothing to replay
-                self.replayer.skipped(business_line, "incomplete")  # type: ignore[union-attr]
             return _relayed_error(self.url, upstream.status_code, content_type, content)
         relay = _StreamRelay(plan, business_line, replay, headers)
         return StreamingResponse(self._relay_stream(upstream, relay, path), media_type="text/event-stream",
@@ -262,7 +259,9 @@ class Upstream:
         replay = relay.replay
         if replay is None:
             self.routing.count(relay.business_line, None, streamed=True)
-        elif replay.tokens is not None:
+        elif replay.tokens is None:
+            self.replayer.skipped(relay.business_line, "sampled_out")  # type: ignore[union-attr]
+        else:
             self.replayer.after_stream(relay.business_line, relay.plan, replay.model,  # type: ignore[union-attr]
                                        relay.headers, replay.tokens)
 
@@ -279,8 +278,12 @@ class Upstream:
             if len(data) < STRIP_ON_LOOP_BYTES:
                 body = read_chunk(tokens, data, extra)
             else:  # a long prompt's ids: parsed in a decoding process, not on the event loop
-                body, part = await self._decoder.offload(read_chunk_apart, bytes(data), tokens.kind, tokens.strip,
-                                                         extra)
+                try:
+                    body, part = await self._decoder.offload(read_chunk_apart, bytes(data), tokens.kind,
+                                                             tokens.strip, extra)
+                except DecoderDied:
+                    tokens.unreadable = "the process reading a chunk of it died"
+                    return line
                 tokens.merge(part)
             if body == DROP_CHUNK:
                 return None
@@ -403,7 +406,7 @@ class Upstream:
 
 @dataclass
 class _StreamReplay:
-    """A vLLM stream to count by replay: its token ids as they pass (``None``: sampled out, counted already)."""
+    """A vLLM stream to count by replay: its token ids as they pass (``None``: sampled out)."""
 
     tokens: StreamTokens | None
     model: str | None
