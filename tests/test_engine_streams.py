@@ -250,3 +250,11 @@ def test_the_replayer_queue_and_token_bucket_follow_the_injected_clock() -> None
     assert replays.labels("over_token_budget")._value.get() == 1
     assert replays.labels("no_routing")._value.get() == 2  # the engine answered the replays without routing
     assert [len(p["prompt"]) for p in sent] == [15, 5]
+
+
+def test_a_replay_budget_out_of_range_stops_start_up_naming_the_flag(tmp_path) -> None:
+    from mla_watch.server.app import ServerConfigError
+
+    with pytest.raises(ServerConfigError, match=r"--replay-rate 1.5: expected a share between 0 and 1"), \
+            beside_twin(tmp_path, replay=ReplayBudget(rate=1.5)):
+        pass

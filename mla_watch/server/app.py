@@ -130,6 +130,8 @@ class Sidecar:
         config = self.config
         if config.engine not in ENGINE_CHOICES:
             raise ServerConfigError([f"--engine {config.engine!r}: expected one of {', '.join(ENGINE_CHOICES)}"])
+        if problems := config.replay.problems():  # the command line checks them; the Python API comes here
+            raise ServerConfigError(problems)
         reading = config.engine != "none" or config.sglang_recorder_dir is not None
         if not reading:
             return None
