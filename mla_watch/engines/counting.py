@@ -70,12 +70,6 @@ class CountQueue:
         self._ready.set()  # type: ignore[union-attr]
         return True
 
-    async def count(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool) -> Decoded:
-        """Decode and count one answer now (a stream's replay, which its own budget already bounds)."""
-        decoded = await self._decoder.count(plan, body)
-        self.routing.count(business_line, _routing_of(decoded), streamed=streamed)
-        return decoded
-
     async def count_replay(self, business_line: str, plan: RoutingPlan, bodies: list[bytes]) -> str:
         """Count the replays of one stream's choices as one streamed response; returns the outcome
         (:meth:`EngineRouting.count`'s)."""
@@ -120,7 +114,9 @@ class CountQueue:
             self._bytes -= len(job.body)
             self._in_flight += 1
             try:
-                await self.count(job.business_line, job.plan, job.body, streamed=job.streamed)
+                decoded = await self._decoder.count(job.plan, job.body)
+                # An answer that was no JSON object carried no routing.
+                self.routing.count(job.business_line, None if decoded.not_json else decoded, streamed=job.streamed)
             except asyncio.CancelledError:
                 self._dropped("shutdown")
                 raise
@@ -136,7 +132,3 @@ class CountQueue:
     def _dropped(self, reason: str) -> None:
         self.routing.metrics.count_dropped.labels(reason).inc()
 
-
-def _routing_of(decoded: Decoded) -> Decoded | None:
-    """What :meth:`EngineRouting.count` is told: an answer that was no JSON object carried no routing."""
-    return None if decoded.not_json else decoded
