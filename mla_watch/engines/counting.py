@@ -131,4 +131,3 @@ class CountQueue:
 
     def _dropped(self, reason: str) -> None:
         self.routing.metrics.count_dropped.labels(reason).inc()
-
