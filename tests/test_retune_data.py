@@ -17,8 +17,10 @@ from conftest import tmpfs
 from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
 from mla_watch.retune.data import (
     DatasetError,
+    distinct_count,
     load_jsonl_dataset,
     make_batches,
+    scored_text,
     split_held_out,
 )
 
@@ -413,10 +415,27 @@ def test_split_held_out_is_deterministic_and_spread() -> None:
         assert train and held and len(train) + len(held) == n
 
 
+def test_split_held_out_holds_out_each_distinct_text_once_and_never_trains_on_it() -> None:
+    """Four prompts repeated 32 times are four pieces of evidence, not 128: a held-out text appears once,
+    and none of its copies (even with another completion) is trained on."""
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    samples = [TokenSample([*prompts[i % 4], 100 + i], scored_tokens=3) for i in range(128)]
+    assert distinct_count(samples) == 4
+    train, held = split_held_out(samples, 0.25)
+    assert len(held) == 1 and distinct_count(held) == 1
+    assert scored_text(held[0]) not in {scored_text(sample) for sample in train}
+    assert len(train) == 96 and distinct_count(train) == 3
+    # Completions differ, the scored prompt does not: still one text. Without scored_tokens the whole sample counts.
+    assert distinct_count([[1, 2, 3, 4], [1, 2, 3, 5]]) == 2
+    assert distinct_count([TokenSample([1, 2, 3, 4], 3), TokenSample([1, 2, 3, 5], 3)]) == 1
+
+
 def test_split_held_out_errors() -> None:
-    with pytest.raises(ValueError, match=r"got 1 sample\(s\): at least 2 are needed"):
+    with pytest.raises(ValueError, match=r"got 1 distinct sample\(s\) in 1: at least 2 are needed"):
         split_held_out([[1, 2]])
-    with pytest.raises(ValueError, match="got 0 sample"):
+    with pytest.raises(ValueError, match=r"got 1 distinct sample\(s\) in 3"):
+        split_held_out([[1, 2], [1, 2], [1, 2]])
+    with pytest.raises(ValueError, match="got 0 distinct sample"):
         split_held_out([])
     for fraction in (0, 1, -0.5, 1.5):
         with pytest.raises(ValueError, match="fraction"):

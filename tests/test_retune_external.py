@@ -29,7 +29,7 @@ WORKER = ("{python} -m mla_watch.retune.worker --job {job} --data {data} --route
 def retuner(tmp_path: Path, command: str) -> Retuner:
     model, tokenizer = mla_watch.load_model("bundled", device="cpu")
     capture = TrafficCapture(tmp_path / "capture.sqlite")
-    for text in corpus.generate("code", 24, seed=11):
+    for text in corpus.generate("code", 40, seed=11):  # 10 distinct held out: the gate decides on 8
         capture.add("code_assistant", [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]])
     registry = RouterVersions(tmp_path / "routers")
     shipped = load_rules_dir(SHIPPED_RULES, environ={}).rules

@@ -52,15 +52,15 @@ def test_the_same_losses_pass_and_a_clear_worsening_on_enough_tokens_is_rejected
     assert decided.decision == "reject"
     assert decided.limit < decided.low < decided.candidate_perplexity < decided.high
     assert decided.message().startswith("perplexity worse than allowed: candidate perplexity")
-    assert "on 480 held-out tokens in 40 samples" in decided.message()
+    assert "on 480 held-out tokens in 40 distinct samples" in decided.message()
 
 
 def test_too_few_tokens_or_an_interval_across_the_margin_is_not_enough_data_never_a_rejection() -> None:
     base, worse, tokens = _samples(10, 12, 2.0, 0.10, 0.05)  # as clearly worse, on 120 tokens
     decided = compare_perplexity(base, worse, tokens, margin=RELATIVE_2, min_tokens=400)
     assert decided.decision == "insufficient"
-    assert decided.message() == ("not enough held-out data to judge perplexity: 120 scored tokens in 10 samples, "
-                                 "the gate needs at least 400 tokens in 2 samples")
+    assert decided.message() == ("not enough held-out data to judge perplexity: 120 scored tokens in 10 distinct "
+                                 "samples, the gate needs at least 400 tokens in 8 distinct samples")
 
     base, noisy, tokens = _samples(40, 12, 2.0, 0.02, 0.30, seed=1)  # at the margin, with a wide spread
     decided = compare_perplexity(base, noisy, tokens, margin=RELATIVE_2, min_tokens=400)

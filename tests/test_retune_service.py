@@ -12,6 +12,7 @@ from conftest import wait_until
 from retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
 from tiny_models import build
 
+from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import router_state
 from mla_watch.retune.service import Cooldown
 
@@ -47,24 +48,54 @@ def test_a_collapsed_router_is_refit_gated_promoted_and_rolled_back_exactly(tmp_
     service.stop()
 
 
-def test_a_job_failing_its_gates_is_rejected_and_changes_nothing(tmp_path) -> None:
-    harness = Harness(tmp_path)
+def test_a_job_rejected_while_its_router_is_still_broken_keeps_trying_and_holds_no_cooldown(tmp_path) -> None:
+    harness = Harness(tmp_path, retry_seconds=600.0)
     service = harness.start()
     collapse(harness.model)
     before = {name: tensor.clone() for name, tensor in harness.model.state_dict().items()}
     impossible = {"metric": "entropy_bits", "low": 3.5, "high": None}  # above log2(8 experts) = 3.0
 
-    job = final(service, service.submit(spec(band=impossible, strategies=["bias", "restore"]))["id"])
+    job_id = service.submit(spec(band=impossible, strategies=["bias", "restore"]))["id"]
+    assert wait_until(lambda: service.store.get(job_id)["status"] == "waiting", timeout=60)
+    job = service.store.get(job_id)
+
+    assert [a["outcome"] for a in job["result"]["attempts"]] == ["rejected", "rejected"]
+    assert job["result"]["rejected_while_outside_band"] is True
+    assert job["result"]["needs"].startswith(f"a candidate that passes its gates: every one was rejected while {GATE} "
+                                             "still reads outside its band (entropy_bits >= 3.5)")
+    assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
+    assert service.registry.live_version() == 0
+    assert [m["gates"]["passed"] for m in service.registry.versions()] == [True, False, False]
+    ((rejected_spec, result),) = harness.rejected  # on-call hears of it once, with the figures
+    assert rejected_spec.id == job_id and result["attempts"][0]["gates"]["after"]["perplexity"] > 0
+    assert harness.outcomes == [("restore", "waiting")]
+    # No cooldown held: another job for the same router is scheduled at once.
+    assert service.submit(spec(strategies=["restore"]))["status"] == "pending"
+    service.stop()
+
+
+def test_a_job_rejected_while_its_router_reads_in_band_ends_rejected_and_changes_nothing(tmp_path) -> None:
+    """The reference handed to restore is itself damaged, while the live router is healthy: rejected, the end."""
+    harness = Harness(tmp_path)
+    damaged = router_state(harness.model)
+    damaged[BIAS] = damaged[BIAS].clone()
+    damaged[BIAS][:2] += 10.0
+    harness.reference = RouterReference(label="reference model /bad", tensors=damaged)
+    service = harness.start()
+    before = {name: tensor.clone() for name, tensor in harness.model.state_dict().items()}
+
+    job = final(service, service.submit(spec(strategies=["restore"]))["id"])
 
     assert job["status"] == "rejected"
-    assert [a["outcome"] for a in job["result"]["attempts"]] == ["rejected", "rejected"]
-    assert "outside the band (entropy_bits >= 3.5)" in job["result"]["error"]
+    (attempt,) = job["result"]["attempts"]
+    checks = {check["gate"]: check for check in attempt["gates"]["checks"]}
+    assert checks["band"]["decision"] == "reject" and checks["reference_health"]["decision"] == "reject"
+    assert "reference model /bad on the health text" in checks["reference_health"]["message"]
+    assert "TinyRouterCollapse" in checks["reference_health"]["message"]
+    assert checks["perplexity"]["binding"] is True  # the live router is healthy: its perplexity is the standard
     assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
-    assert service.registry.live_version() == 0 and service.registry.last_good() == 0
-    assert [m["gates"]["passed"] for m in service.registry.versions()] == [True, False, False]
-    ((rejected_spec, result),) = harness.rejected
-    assert rejected_spec.id == job["id"] and result["attempts"][0]["gates"]["after"]["perplexity"] > 0
-    assert harness.outcomes == [("restore", "rejected")]
+    assert service.registry.live_version() == 0
+    assert len(harness.rejected) == 1 and harness.outcomes == [("restore", "rejected")]
     service.stop()
 
 
@@ -155,7 +186,7 @@ def test_a_wait_is_bounded_and_a_job_that_could_not_decide_holds_no_cooldown(tmp
     job = final(service, service.submit(spec())["id"])
     assert job["status"] == "failed" and job["result"]["cannot_run"]
     assert job["result"]["error"].startswith("not enough data to decide after waiting 0 s (max_wait_seconds 0): ")
-    assert "scored held-out tokens in 40 samples; the perplexity gate decides on at least 100000" in \
+    assert "scored held-out tokens in 40 distinct samples; the perplexity gate decides on at least 100000" in \
         job["result"]["error"]
     assert job["result"]["attempts"] == []  # nothing was fitted on data no gate could judge
     again = service.submit(spec())

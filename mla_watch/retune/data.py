@@ -36,8 +36,8 @@ from mla_watch.describe import describe_value
 from mla_watch.retune.capture import TokenSample, check_positive
 from mla_watch.yamlcheck import fmt
 
-__all__ = ["DATASET_NAME_RE", "DatasetError", "load_jsonl_dataset", "make_batches", "resolve_dataset",
-           "split_held_out"]
+__all__ = ["DATASET_NAME_RE", "DatasetError", "distinct_count", "load_jsonl_dataset", "make_batches",
+           "resolve_dataset", "scored_text", "split_held_out"]
 
 log = logging.getLogger(__name__)
 
@@ -260,27 +260,53 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
 # -- splitting and batching --------------------------------------------------------------------
 
 
+def scored_text(sample: Sequence[int]) -> tuple[int, ...]:
+    """The token ids a loss on ``sample`` is computed over: its first ``scored_tokens`` (all of a plain list).
+
+    Two samples with the same scored text are one piece of evidence, whatever followed it: the
+    same prompt answered twice counts once.
+    """
+    scored = getattr(sample, "scored_tokens", None)
+    return tuple(sample if scored is None else sample[:scored])
+
+
 def split_held_out(samples: Sequence[list[int]], fraction: float = 0.2, *,
                    minimum: int = 1) -> tuple[list[TokenSample], list[TokenSample]]:
-    """``(train, held_out)``: about ``fraction`` of the samples held out, spread evenly over them.
+    """``(train, held_out)``: about ``fraction`` of the *distinct* samples held out, spread evenly over them.
 
-    Deterministic: every k-th sample (k = 1 / fraction, rounded per position) is held out, so the
-    held-out set spans the whole capture rather than its newest end. At least ``minimum`` are held
-    out and at least one is left to train on. Both keep the input order.
+    Samples are grouped by :func:`scored_text` first, so a text repeated a hundred times is held out
+    once (and then never trained on) or trained on only: the gates' intervals are computed over
+    distinct texts, never over copies that would pass for independent evidence. Deterministic: every
+    k-th distinct text (k = 1 / fraction, rounded per position, in first-seen order) is held out, so
+    the held-out set spans the whole capture rather than its newest end. At least ``minimum`` are
+    held out and at least one distinct text is left to train on. Both keep the input order.
     """
     if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
         raise ValueError(f"fraction = {fmt(fraction)}: expected a number strictly between 0 and 1")
     check_positive("minimum", minimum, int)
-    n = len(samples)
+    copies = [TokenSample(s, getattr(s, "scored_tokens", None)) for s in samples]
+    groups: dict[tuple[int, ...], int] = {}  # scored text -> its rank in first-seen order
+    ranks = [groups.setdefault(scored_text(sample), len(groups)) for sample in copies]
+    n = len(groups)
     if n < 2:
-        raise ValueError(f"split_held_out: got {n} sample(s): at least 2 are needed (one to train on, one held out)")
+        raise ValueError(f"split_held_out: got {n} distinct sample(s) in {len(copies)}: at least 2 are needed "
+                         f"(one to train on, one held out)")
     n_held = min(n - 1, max(int(minimum), round(n * fraction), 1))
     step = n / n_held  # > 1, so the positions below are distinct
     held = {int((i + 0.5) * step) for i in range(n_held)}
-    copies = [TokenSample(s, getattr(s, "scored_tokens", None)) for s in samples]
-    train = [s for i, s in enumerate(copies) if i not in held]
-    held_out = [s for i, s in enumerate(copies) if i in held]
+    train = [s for s, rank in zip(copies, ranks, strict=True) if rank not in held]
+    seen: set[int] = set()
+    held_out = []
+    for sample, rank in zip(copies, ranks, strict=True):
+        if rank in held and rank not in seen:
+            seen.add(rank)
+            held_out.append(sample)
     return train, held_out
+
+
+def distinct_count(samples: Sequence[Sequence[int]]) -> int:
+    """How many different :func:`scored_text` the samples hold."""
+    return len({scored_text(sample) for sample in samples})
 
 
 def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: int = 0,

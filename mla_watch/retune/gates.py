@@ -11,10 +11,19 @@ over a hook-free copy of the live model, so live traffic is never routed by a ca
   the margin (``max_perplexity_increase``, 2 % by default), judged per held-out sample, paired,
   at a stated confidence (:mod:`mla_watch.retune.paired`).
 
-Each check decides ``pass``, ``reject`` or ``insufficient`` (too few held-out tokens to know),
-and so does the report: ``reject`` if any check rejects, else ``insufficient`` if any check
-lacks data, else ``pass``. A band reading over fewer tokens than the router's trusted minimum
-is ``insufficient``, not a failure: entropy reads low on small samples.
+Each check decides ``pass``, ``reject`` or ``insufficient`` (too few held-out tokens or distinct
+texts to know), and so does the report: ``reject`` if any binding check rejects, else
+``insufficient`` if any lacks data, else ``pass``. A band reading over fewer tokens than the
+router's trusted minimum is ``insufficient``, not a failure: entropy reads low on small samples.
+
+A candidate *restored* from a known-good source (:class:`KnownGood`: a reference checkpoint, a
+version an operator marked good, or one that passed its gates) is judged against that source's
+own health as well: the start-up health check (:func:`mla_watch.retune.health.judge_health`) on
+the health text, a fixed mixed text no served model wrote. The band gate falls back to that text
+when the held-out samples are too few to read a router. And while the live router is itself
+outside its band, the perplexity check against the live model is reported but not binding: the
+broken model is no standard of quality, and on its own traffic it scores the words its collapsed
+router chose.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from mla_watch.probe import attach, discover_routers
 from mla_watch.retune.loss import next_token_losses
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
+    DEFAULT_MIN_SAMPLES,
     DEFAULT_MIN_TOKENS,
     Decision,
     PairedComparison,
@@ -38,7 +48,7 @@ from mla_watch.retune.paired import (
     parse_margin,
 )
 
-__all__ = ["Band", "GateReport", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
+__all__ = ["Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,8 @@ class GateReport:
         return self.decision == "pass"
 
     def reasons(self) -> list[str]:
-        """One sentence per check that did not pass, with its figures."""
-        return [check["message"] for check in self.checks if not check["passed"]]
+        """One sentence per binding check that did not pass, with its figures."""
+        return [check["message"] for check in self.checks if not check["passed"] and check.get("binding", True)]
 
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "decision": self.decision, "band": self.band.as_dict(),
@@ -152,36 +162,63 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
                       losses=losses, counts=counts)
 
 
+@dataclass
+class KnownGood:
+    """What a restored candidate is judged by besides the held-out samples (see the module docstring)."""
+
+    source: str  # "reference model /models/v3", "router version 3 (marked good)"
+    health: dict[str, Any]  # judge_health of the candidate on the health text
+    score: ModelScore  # the candidate on the health text: the band gate's fallback
+    live_outside_band: bool  # the live router reads outside its band (on the health text)
+
+
+def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple[Decision, str, float | None]:
+    value = score.metric(router, band.metric)
+    measured = value is not None and math.isfinite(value)
+    too_small = bool(score.routers.get(router, {}).get("too_small"))
+    if measured and band.contains(value):
+        return "pass", f"{router}: {band.metric} {value:.3f} on {where} is inside the band ({band.describe()})", value
+    if measured and not too_small:
+        return "reject", (f"{router}: {band.metric} {value:.3f} on {where} is outside the band "
+                          f"({band.describe()})"), value
+    tokens = score.routers.get(router, {}).get("tokens", 0)
+    return "insufficient", (f"{router}: {band.metric} is {'unmeasured' if not measured else f'{value:.3f}'} on "
+                            f"{tokens} tokens of {where}, fewer than the router's trusted minimum "
+                            f"({band.describe()} not judged)"), value
+
+
 def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[str], band: Band,
                    max_perplexity_increase: PerplexityMargin | float | str = "2%",
-                   confidence: float = DEFAULT_CONFIDENCE, min_tokens: int = DEFAULT_MIN_TOKENS) -> GateReport:
-    """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples."""
+                   confidence: float = DEFAULT_CONFIDENCE, min_tokens: int = DEFAULT_MIN_TOKENS,
+                   min_samples: int = DEFAULT_MIN_SAMPLES, known_good: KnownGood | None = None) -> GateReport:
+    """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples
+    (distinct texts); a restore from a known-good source also by ``known_good``."""
     checks: list[dict[str, Any]] = []
     for router in routers:
-        value = after.metric(router, band.metric)
-        measured = value is not None and math.isfinite(value)
-        too_small = bool(after.routers.get(router, {}).get("too_small"))
-        decision: Decision
-        if measured and band.contains(value):
-            decision, message = "pass", f"{router}: {band.metric} {value:.3f} is inside the band ({band.describe()})"
-        elif measured and not too_small:
-            decision, message = "reject", (f"{router}: {band.metric} {value:.3f} on held-out samples is outside the "
-                                           f"band ({band.describe()})")
-        else:
-            tokens = after.routers.get(router, {}).get("tokens", 0)
-            decision, message = "insufficient", (f"{router}: {band.metric} is "
-                                                 f"{'unmeasured' if not measured else f'{value:.3f}'} on {tokens} "
-                                                 f"held-out tokens, fewer than the router's trusted minimum "
-                                                 f"({band.describe()} not judged)")
+        decision, message, value = _band_check(after, router, band, "held-out samples")
+        if decision == "insufficient" and known_good is not None:
+            decision, message, value = _band_check(known_good.score, router, band, "the health text")
         checks.append({"gate": "band", "router": router, "value": _round(value), "limit": band.describe(),
                        "decision": decision, "passed": decision == "pass", "message": message})
+    if known_good is not None:
+        health = known_good.health
+        decision = "pass" if health.get("passed") else "reject" if health.get("checked") else "insufficient"
+        checks.append({"gate": "reference_health", "value": known_good.source, "limit": "no rule breached",
+                       "decision": decision, "passed": decision == "pass",
+                       "message": f"{known_good.source} on the health text ({health.get('tokens', 0)} tokens): "
+                                  f"{health.get('reason')}"})
     comparison = compare_perplexity(before.losses, after.losses, before.counts,
                                     margin=parse_margin(max_perplexity_increase), confidence=confidence,
-                                    min_tokens=min_tokens)
+                                    min_tokens=min_tokens, min_samples=min_samples)
+    binding = known_good is None or not known_good.live_outside_band
+    message = comparison.message()
+    if not binding:
+        message = (f"{message} (not binding: the live router reads outside its band, so the live model's perplexity "
+                   f"is no standard for a known-good restore)")
     checks.append({"gate": "perplexity", "value": round(comparison.candidate_perplexity, 4),
                    "limit": round(comparison.limit, 4), "decision": comparison.decision, "passed": comparison.passed,
-                   "message": comparison.message()})
-    decisions = {check["decision"] for check in checks}
+                   "binding": binding, "message": message})
+    decisions = {check["decision"] for check in checks if check.get("binding", True)}
     overall: Decision = "reject" if "reject" in decisions else "insufficient" if "insufficient" in decisions else "pass"
     return GateReport(decision=overall, checks=checks, before=before.as_dict(routers, band.metric),
                       after=after.as_dict(routers, band.metric), band=band, perplexity=comparison)

@@ -23,6 +23,7 @@ from typing import Any
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MARGIN,
+    DEFAULT_MIN_SAMPLES,
     DEFAULT_MIN_TOKENS,
     parse_confidence,
     parse_margin,
@@ -43,6 +44,7 @@ class RetuneSettings:
     max_perplexity_increase: float | str = DEFAULT_MARGIN
     gate_confidence: float = DEFAULT_CONFIDENCE
     min_held_out_tokens: int = DEFAULT_MIN_TOKENS
+    min_held_out_samples: int = DEFAULT_MIN_SAMPLES  # distinct texts: a repeated prompt counts once
     # A job without the data to decide waits: it runs again every retry_seconds, for at most max_wait_seconds.
     retry_seconds: float = 300.0
     max_wait_seconds: float = 6 * 3600.0
@@ -64,6 +66,7 @@ class RetuneSettings:
         checks = {
             "cooldown_seconds": self.cooldown_seconds >= 0,
             "min_held_out_tokens": self.min_held_out_tokens >= 1,
+            "min_held_out_samples": self.min_held_out_samples >= 2,
             "retry_seconds": self.retry_seconds > 0,
             "max_wait_seconds": self.max_wait_seconds >= 0,
             "min_samples": self.min_samples >= 2,
@@ -79,6 +82,7 @@ class RetuneSettings:
         if bad:
             raise ValueError("re-tune settings invalid: " + "; ".join(
                 f"{name}={getattr(self, name)!r}" for name in bad) + " (cooldown >= 0, min_held_out_tokens >= 1, "
+                "min_held_out_samples >= 2, "
                 "retry_seconds > 0, max_wait_seconds >= 0, "
                 "min_samples >= 2, max_samples >= min_samples, 0 < held_out_fraction < 1, batch_size >= 1, "
                 "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")

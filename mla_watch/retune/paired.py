@@ -12,8 +12,13 @@ Three decisions, never two:
 
 * ``pass``: the upper bound of ``D`` is within the margin: not worse than allowed, at that confidence;
 * ``reject``: the lower bound of ``D`` is beyond the margin: worse than allowed, at that confidence;
-* ``insufficient``: the held-out set has fewer scored tokens than ``min_tokens`` (or fewer than two
-  samples), or the interval straddles the margin: more data decides.
+* ``insufficient``: the held-out set has fewer scored tokens than ``min_tokens``, or fewer samples
+  than ``min_samples``, or the interval straddles the margin: more data decides.
+
+The samples must be distinct texts (:func:`mla_watch.retune.data.split_held_out` holds each out
+once): the interval's width comes from the spread *between* samples, and copies of one text
+would shrink it to nothing and turn four texts into false certainty. ``min_samples`` (8) keeps a
+handful of texts, however long, from deciding: with fewer, one odd text moves the verdict.
 
 A margin is absolute (``0.3``: the candidate's perplexity may exceed the live one's by 0.3) or
 relative (``"2%"``). Relative is the default: a perplexity's scale depends on the model and the
@@ -33,8 +38,8 @@ from scipy.stats import t as student_t
 
 from mla_watch.describe import describe_value
 
-__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "DEFAULT_MIN_TOKENS", "Decision", "PairedComparison",
-           "PerplexityMargin", "compare_perplexity", "parse_confidence", "parse_margin"]
+__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "DEFAULT_MIN_SAMPLES", "DEFAULT_MIN_TOKENS", "Decision",
+           "PairedComparison", "PerplexityMargin", "compare_perplexity", "parse_confidence", "parse_margin"]
 
 Decision = Literal["pass", "reject", "insufficient"]
 
@@ -44,6 +49,7 @@ DEFAULT_CONFIDENCE = 0.95
 # a per-token loss difference with the spread measured on the bundled model's captured prompts
 # (bench/retune.py) needs a few hundred tokens to be decided either way.
 DEFAULT_MIN_TOKENS = 400
+DEFAULT_MIN_SAMPLES = 8  # distinct held-out texts below which no decision is taken
 
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 
@@ -107,6 +113,7 @@ class PairedComparison:
     tokens: int
     samples: int
     min_tokens: int
+    min_samples: int = DEFAULT_MIN_SAMPLES
 
     @property
     def passed(self) -> bool:
@@ -117,14 +124,15 @@ class PairedComparison:
         interval = (f"candidate perplexity {self.candidate_perplexity:.3f} (bounds {self.low:.3f} to {self.high:.3f} "
                     f"at {self.confidence:.0%} each side), live {self.live_perplexity:.3f}, allowed up to "
                     f"{self.limit:.3f} (margin {self.margin}), on {self.tokens} held-out tokens in "
-                    f"{self.samples} samples")
+                    f"{self.samples} distinct samples")
         if self.decision == "pass":
             return f"perplexity passed: {interval}"
         if self.decision == "reject":
             return f"perplexity worse than allowed: {interval}"
-        if self.tokens < self.min_tokens or self.samples < 2:
+        if self.tokens < self.min_tokens or self.samples < self.min_samples:
             return (f"not enough held-out data to judge perplexity: {self.tokens} scored tokens in {self.samples} "
-                    f"samples, the gate needs at least {self.min_tokens} tokens in 2 samples")
+                    f"distinct samples, the gate needs at least {self.min_tokens} tokens in {self.min_samples} "
+                    f"distinct samples")
         return f"not enough held-out data to judge perplexity: the interval straddles the limit; {interval}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,13 +141,15 @@ class PairedComparison:
                 "candidate": _figure(self.candidate_perplexity), "low": _figure(self.low),
                 "high": _figure(self.high), "limit": _figure(self.limit), "margin": str(self.margin),
                 "confidence": self.confidence, "tokens": self.tokens, "samples": self.samples,
-                "min_tokens": self.min_tokens}
+                "min_tokens": self.min_tokens, "min_samples": self.min_samples}
 
 
 def compare_perplexity(live_losses: Sequence[float], candidate_losses: Sequence[float], tokens: Sequence[int], *,
                        margin: PerplexityMargin, confidence: float = DEFAULT_CONFIDENCE,
-                       min_tokens: int = DEFAULT_MIN_TOKENS) -> PairedComparison:
-    """Decide on per-sample summed losses (nats) of the live model and the candidate over the same ``tokens``."""
+                       min_tokens: int = DEFAULT_MIN_TOKENS,
+                       min_samples: int = DEFAULT_MIN_SAMPLES) -> PairedComparison:
+    """Decide on per-sample summed losses (nats) of the live model and the candidate over the same ``tokens``
+    (one entry per distinct held-out text)."""
     if not len(live_losses) == len(candidate_losses) == len(tokens):
         raise ValueError(f"compare_perplexity: {len(live_losses)} live, {len(candidate_losses)} candidate losses and "
                          f"{len(tokens)} token counts: expected one of each per held-out sample")
@@ -161,7 +171,7 @@ def compare_perplexity(live_losses: Sequence[float], candidate_losses: Sequence[
         low_log, high_log = difference - quantile * error, difference + quantile * error
     else:
         low_log, high_log = -math.inf, math.inf
-    if total < min_tokens or m < 2:
+    if total < min_tokens or m < max(2, min_samples):
         decision: Decision = "insufficient"
     elif high_log <= limit_log:
         decision = "pass"
@@ -172,7 +182,7 @@ def compare_perplexity(live_losses: Sequence[float], candidate_losses: Sequence[
     return PairedComparison(decision=decision, live_perplexity=live, candidate_perplexity=candidate,
                             low=live * math.exp(low_log), high=live * math.exp(high_log),
                             limit=live * math.exp(limit_log), margin=margin, confidence=confidence, tokens=total,
-                            samples=m, min_tokens=min_tokens)
+                            samples=m, min_tokens=min_tokens, min_samples=max(2, min_samples))
 
 
 def _figure(value: float) -> float | None:

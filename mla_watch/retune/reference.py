@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["RouterReference", "load_reference_routers"]
+__all__ = ["RouterReference", "checkpoint_files", "load_reference_routers"]
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -28,8 +28,10 @@ class RouterReference:
     tensors: dict[str, torch.Tensor]
 
 
-def _checkpoint_files(directory: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
+def checkpoint_files(directory: Path, label: str = "--reference-model") -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index file's map where there is one, else every
+    ``*.safetensors`` file's names, read from its header). ``ValueError`` naming ``label`` (the option or
+    argument that gave the directory) and the directory when neither can be read."""
     index = directory / _INDEX_FILE
     if index.is_file():
         try:
@@ -37,19 +39,19 @@ def _checkpoint_files(directory: Path) -> dict[str, Path]:
             if not isinstance(weight_map, dict):
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
-            raise ValueError(f"--reference-model {directory}: {_INDEX_FILE} is unreadable: expected JSON with a "
+            raise ValueError(f"{label} {directory}: {_INDEX_FILE} is unreadable: expected JSON with a "
                              f"\"weight_map\" object of tensor name -> file") from None
         files: dict[str, Path] = {}
         for name, file in weight_map.items():
             path = (directory / str(file)).resolve()
             if path.parent != directory.resolve():  # the index must not point outside the checkpoint
-                raise ValueError(f"--reference-model {directory}: {_INDEX_FILE} maps {str(name)[:200]!r} to a file "
+                raise ValueError(f"{label} {directory}: {_INDEX_FILE} maps {str(name)[:200]!r} to a file "
                                  f"outside the directory: expected a file name in it")
             files[str(name)] = path
         return files
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
-        raise ValueError(f"--reference-model {directory}: no *.safetensors file: expected a checkpoint saved with "
+        raise ValueError(f"{label} {directory}: no *.safetensors file: expected a checkpoint saved with "
                          f"save_pretrained (safetensors)")
     files = {}
     for shard in shards:
@@ -70,7 +72,7 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, torch.Tenso
         raise ValueError(f"--reference-model {directory}: not a directory: expected the checkpoint directory of "
                          f"the served model")
     try:
-        files = _checkpoint_files(directory)
+        files = checkpoint_files(directory)
         missing = sorted(name for name in live if name not in files)
         if missing:
             raise ValueError(f"--reference-model {directory}: router tensor {missing[0]} is not in the checkpoint "

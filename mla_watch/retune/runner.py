@@ -39,12 +39,13 @@ from safetensors.torch import load_file, save_file
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import (
+    distinct_count,
     load_jsonl_dataset,
     make_batches,
     resolve_dataset,
     split_held_out,
 )
-from mla_watch.retune.gates import Band, evaluate_gates, score_model
+from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, score_model
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.loss import scored_targets
 from mla_watch.retune.reference import RouterReference
@@ -82,8 +83,10 @@ class Retuner:
                  settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
                  clock: Callable[[], float] = time.time, dataset_dir: Path | None = None,
-                 reference: RouterReference | None = None) -> None:
+                 reference: RouterReference | None = None,
+                 health_rules: Callable[[], Sequence[Any]] | None = None) -> None:
         self.model = model
+        self._health_rules = health_rules  # the loaded alert rules: a restore is judged by them on the health text
         self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)
         self.tokenizer = tokenizer
@@ -138,11 +141,10 @@ class Retuner:
                           for batch in held_batches)
         data.update({"train_samples": len(train), "held_out_samples": len(held_out), "held_out_tokens": held_tokens})
         timings["data_seconds"] = round(self._clock() - started, 3)
-        if held_tokens < self.settings.min_held_out_tokens:  # no gate could decide: copy, score and fit nothing yet
-            return "waiting", {"needs": f"{held_tokens} scored held-out tokens in {len(held_out)} samples; the "
-                                        f"perplexity gate decides on at least {self.settings.min_held_out_tokens} "
-                                        f"(let more traffic be captured)",
-                               "attempts": [], "data": data, "cannot_run": True}
+        short = self._short_of_evidence(held_tokens, len(held_out))
+        restoring = "restore" in spec.strategies and self._health_rules is not None
+        if short and not restoring:  # no gate could decide: copy, score and fit nothing yet
+            return "waiting", {"needs": short, "attempts": [], "data": data, "cannot_run": True}
 
         mark = self._clock()
         work = self._copy_live()
@@ -151,6 +153,7 @@ class Retuner:
         timings["score_before_seconds"] = round(self._clock() - mark, 3)
         band = Band.from_dict(spec.band)
         watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
+        health = _HealthText(self.tokenizer, self._health_rules() if self._health_rules is not None else [])
         attempts: list[dict[str, Any]] = []
         for name in spec.strategies:
             attempt: dict[str, Any] = {"strategy": name}
@@ -159,6 +162,9 @@ class Retuner:
             reason = strategy.unsupported_reason(self.model)
             if reason is not None:
                 attempt.update(outcome="unsupported", reason=reason)
+                continue
+            if short and name != "restore":  # its gates could not decide: not fitted until they can
+                attempt.update(outcome="insufficient", reason=short)
                 continue
             mark = self._clock()
             try:
@@ -173,11 +179,16 @@ class Retuner:
             mark = self._clock()
             apply_router_tensors(work, candidate.tensors)
             after = score_model(work, held_batches)
+            known_good = None
+            if name == "restore" and health.judged:
+                known_good = health.known_good(work, candidate.details.get("reference") or "the restored routers",
+                                               routers=spec.routers, band=band, live_state=original)
             apply_router_tensors(work, original)
             report = evaluate_gates(before, after, routers=watched, band=band,
                                     max_perplexity_increase=spec.max_perplexity_increase,
                                     confidence=self.settings.gate_confidence,
-                                    min_tokens=self.settings.min_held_out_tokens)
+                                    min_tokens=self.settings.min_held_out_tokens,
+                                    min_samples=self.settings.min_held_out_samples, known_good=known_good)
             attempt["gate_seconds"] = round(self._clock() - mark, 3)
             manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": name,
                         "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
@@ -202,7 +213,22 @@ class Retuner:
             result["needs"] = "more held-out data: " + "; ".join(
                 f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("outcome") == "insufficient")
             return "waiting", result
+        outside = health.outside_band(work, spec.routers, band, before) if "rejected" in outcomes else []
+        if outside:  # still broken: a rejection is no reason to stop trying, only to wait for better evidence
+            result["needs"] = (f"a candidate that passes its gates: every one was rejected while {outside[0]} still "
+                               f"reads outside its band ({band.describe()}); trying again on newer traffic "
+                               f"(now {len(held_out)} distinct held-out samples, {held_tokens} tokens)")
+            result["rejected_while_outside_band"] = True
+            return "waiting", result
         return ("rejected" if "rejected" in outcomes else "failed"), result
+
+    def _short_of_evidence(self, tokens: int, samples: int) -> str | None:
+        """Why the held-out samples cannot decide a perplexity gate (``None`` when they can)."""
+        if tokens >= self.settings.min_held_out_tokens and samples >= self.settings.min_held_out_samples:
+            return None
+        return (f"{tokens} scored held-out tokens in {samples} distinct samples; the perplexity gate decides on at "
+                f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} distinct "
+                f"samples (let more traffic be captured: a repeated prompt counts once)")
 
     # ------------------------------------------------------------------ parts
     def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any],
@@ -242,7 +268,11 @@ class Retuner:
             raise JobCannotRun(f"{len(samples)} samples of {where} are available; the job needs at least "
                                f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)",
                                needs_data=source["source"] == "capture")
-        return samples, {**source, "business_line": line, "samples": len(samples),
+        distinct = distinct_count(samples)
+        if distinct < 2:
+            raise JobCannotRun(f"the {len(samples)} samples hold {distinct} distinct text(s); the job needs at least 2 "
+                               f"(one to train on, one held out)", needs_data=source["source"] == "capture")
+        return samples, {**source, "business_line": line, "samples": len(samples), "distinct_samples": distinct,
                          "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}
 
     def _copy_live(self) -> torch.nn.Module:
@@ -316,3 +346,61 @@ class Retuner:
             except ValueError as error:
                 raise RuntimeError(f"{result_file.name} of the external command is not JSON: {error}") from error
         return Candidate(tensors, details)
+
+
+class _HealthText:
+    """The health text of one job (:mod:`mla_watch.retune.health`), scored on demand: what a restore is judged by."""
+
+    def __init__(self, tokenizer: Any, rules: Sequence[Any]) -> None:
+        from mla_watch.retune.health import threshold_rules
+
+        self.rules = list(rules)
+        self.judged = bool(threshold_rules(self.rules))
+        self._tokenizer = tokenizer
+        self._batches: list[Any] | None = None
+        self._live: ModelScore | None = None
+
+    def _score(self, model: torch.nn.Module) -> ModelScore:
+        from mla_watch.retune.health import health_batches
+
+        if self._batches is None:
+            self._batches = health_batches(self._tokenizer)
+        return score_model(model, self._batches, business_line="health")
+
+    def live(self, model: torch.nn.Module) -> ModelScore:
+        """The live routers on the health text; ``model`` must hold them (scored once per job)."""
+        if self._live is None:
+            self._live = self._score(model)
+        return self._live
+
+    def known_good(self, model: torch.nn.Module, source: str, *, routers: Sequence[str], band: Band,
+                   live_state: dict[str, torch.Tensor]) -> KnownGood:
+        """``model`` holds the candidate; ``live_state`` the live routers (put back to read them)."""
+        from mla_watch.retune.health import judge_health
+
+        candidate = self._score(model)
+        if self._live is None:
+            restored = router_state(model)
+            apply_router_tensors(model, live_state)
+            self.live(model)
+            apply_router_tensors(model, restored)
+        return KnownGood(source=source, health=judge_health(candidate, self.rules), score=candidate,
+                         live_outside_band=bool(self._outside(self._live, routers, band)))
+
+    def outside_band(self, model: torch.nn.Module, routers: Sequence[str], band: Band,
+                     held_out: ModelScore) -> list[str]:
+        """The routers that read outside ``band`` now (``model`` holds the live routers): on the health text when
+        there are rules to judge it by, else on the held-out samples (``held_out``: the live model's score)."""
+        return self._outside(self.live(model) if self.judged else held_out, routers, band)
+
+    @staticmethod
+    def _outside(score: ModelScore | None, routers: Sequence[str], band: Band) -> list[str]:
+        if score is None:
+            return []
+        outside = []
+        for router in routers:
+            value = score.metric(router, band.metric)
+            if value is not None and value == value and not score.routers.get(router, {}).get("too_small") \
+                    and not band.contains(value):
+                outside.append(router)
+        return outside

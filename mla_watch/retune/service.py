@@ -10,7 +10,8 @@ live in :class:`mla_watch.retune.jobs.JobStore`; a job found ``running`` at star
 interrupted and is retried up to ``max_attempts`` times, then failed.
 
 A job that lacked the data to decide (too few captured samples, or gates that found the
-held-out set too small to tell) is ``waiting``: it runs again every ``retry_seconds`` while
+held-out set too small to tell), and one whose every candidate was rejected while the router
+still reads outside its band (a rejection is no repair: the router is still broken), is ``waiting``: it runs again every ``retry_seconds`` while
 capture collects more, for at most ``max_wait_seconds``, then fails saying what it still
 needed. A waiting job, and one that failed for lack of data or configuration, holds no
 cooldown: only a job that tried a candidate does. New alerts for its business line and
@@ -274,6 +275,8 @@ class RetuneService:
         if status == "waiting":
             record = self._wait(job_id, result, waiting_since)
             status = record["status"]
+            if result.get("rejected_while_outside_band") and waiting_since is None and self._on_rejected is not None:
+                self._on_rejected(spec, result)  # on-call hears of the first rejection; the job goes on trying
             if status == "waiting":
                 if self._on_outcome is not None:
                     self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)

@@ -259,8 +259,9 @@ def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
               "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
     annotations = {
         "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
-                   "the live routers are unchanged",
-        "description": "; ".join(figures),
+                   "the live routers are unchanged" + ("; the job keeps trying on newer traffic"
+                                                      if result.get("rejected_while_outside_band") else ""),
+        "description": "; ".join(figures + ([result["needs"]] if result.get("needs") else [])),
         "runbook_url": f"{RUNBOOK}#routerretunerejected",
     }
     return labels, annotations

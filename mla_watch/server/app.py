@@ -307,7 +307,8 @@ class Sidecar:
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
                           workdir=state / "retune-work", promote=lambda version: self.retune.promote(version),
                           capture=capture, model_lock=self.engine.model_lock, model_ref=self.config.model,
-                          dataset_dir=datasets, reference=reference)
+                          dataset_dir=datasets, reference=reference,
+                          health_rules=None if self.alerts is None else lambda: self.alerts.rules.rules)
         self.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
             model_lock=self.engine.model_lock, on_promoted=self._routers_changed, on_rejected=self._retune_rejected,

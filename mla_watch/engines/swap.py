@@ -1,0 +1,71 @@
+"""What mla_watch asks of an engine to repair a router in place: swap router tensors, score text.
+
+An engine backend (vLLM's dev mode in :mod:`mla_watch.engines.weights`, SGLang's weight-update
+endpoints in :mod:`mla_watch.engines.sglang_weights`) implements :class:`EngineWeights`:
+
+* :meth:`EngineWeights.swap` loads the router tensors of a checkpoint directory the engine can
+  read (written by :func:`mla_watch.engines.weights.write_router_checkpoint`) into the running
+  engine, every other weight left as it is, with requests held while it happens;
+* :meth:`EngineWeights.score` scores token ids with the live engine (the log-probability of
+  every token given the ones before it), for the paired perplexity gate, and returns the
+  routing the engine chose for those tokens where it returns any, for the band gate.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineWeights", "SampleScore", "SwapError", "SwapResult"]
+
+
+class SwapError(RuntimeError):
+    """The engine refused or failed a weight operation; the message names the endpoint, the status and why."""
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """One swap into the running engine, timed."""
+
+    weights_path: str
+    paused_seconds: float  # requests held (queued, not dropped) from pause to resume
+    reload_seconds: float  # the reload call itself
+    detail: dict[str, Any] = field(default_factory=dict)  # JSON-able: what the engine answered
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"weights_path": self.weights_path, "paused_seconds": round(self.paused_seconds, 4),
+                "reload_seconds": round(self.reload_seconds, 4), **self.detail}
+
+
+@dataclass(frozen=True)
+class SampleScore:
+    """The live engine's score of one sample's first ``tokens + 1`` token ids."""
+
+    loss: float  # summed next-token loss (nats, minus the summed log-probabilities) ...
+    tokens: int  # ... over this many predicted tokens (every id but the first)
+    routing: Any = None  # numpy int array [tokens + 1 or fewer, MoE layers, top_k] when the engine returned it
+
+
+class EngineWeights(abc.ABC):
+    """A running engine's router tensors and its scores (see the module docstring)."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def problem(self) -> str | None:
+        """``None`` when the engine accepts weight swaps now; else why not, in one sentence (what to set)."""
+
+    @abc.abstractmethod
+    def swap(self, weights_path: Path) -> SwapResult:
+        """Load the tensors in ``weights_path`` into the running engine; ``SwapError`` if it did not.
+
+        Requests reaching the engine meanwhile wait and are served afterwards; the prefix cache is
+        dropped, since cached keys and values were computed by the old routers.
+        """
+
+    @abc.abstractmethod
+    def score(self, samples: Sequence[Sequence[int]]) -> list[SampleScore]:
+        """Each sample scored by the live engine, in order; ``SwapError`` if the engine cannot."""

