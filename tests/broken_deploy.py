@@ -51,7 +51,8 @@ def collapsed_checkpoint(directory: Path) -> Path:
 
 # Chat traffic as a deployment sees it at first: four short prompts in turn, each repeated again and again.
 CHAT_PROMPTS = [("customer_service", "chat", "Where is my parcel?"), ("code_assistant", "code", "def add(a, b):"),
-                ("code_assistant", "sql", "SELECT * FROM t WHERE"), ("doc_summary", "summarize", "Summarize: sales rose.")]
+                ("code_assistant", "sql", "SELECT * FROM t WHERE"),
+                ("doc_summary", "summarize", "Summarize: sales rose.")]
 
 
 def prompts(per_kind: int = 6) -> list[tuple[str, str, str]]:

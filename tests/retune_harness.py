@@ -73,7 +73,7 @@ class Harness:
                                      model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
                                      on_rejected=lambda spec, result: self.rejected.append((spec, result)),
                                      on_outcome=lambda s, o: self.outcomes.append((s, o)),
-                                     health_check=lambda model: startup_health(model, tokenizer, HEALTH_RULES))
+                                     health_check=lambda host: startup_health(host.model, tokenizer, HEALTH_RULES))
         self.service.start()
         return self.service
 

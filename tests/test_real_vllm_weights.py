@@ -9,7 +9,6 @@ is printed (``-s``).
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
 COLLAPSED_LAYER = 2
 REQUEST_TIMEOUT_S = 300.0
-RELATIVE = 1e-6
+GENERATED = 512
 FINDINGS: dict[str, Any] = {}
 
 
@@ -42,10 +41,6 @@ def samples() -> list[list[int]]:
 
 def losses(engine: VllmWeights) -> list[float]:
     return [score.loss for score in engine.score(samples())]
-
-
-def same(first: list[float], second: list[float]) -> bool:
-    return all(math.isclose(a, b, rel_tol=RELATIVE, abs_tol=0.0) for a, b in zip(first, second, strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +75,27 @@ def collapsed_url(checkpoints: dict[str, Path], healthy_losses: list[float]) -> 
 
 
 def generate_while_swapping(url: str, answers: dict[str, Any]) -> threading.Thread:
-    """A 64-token generation in flight when the swap pauses the engine: it must be held, then finish."""
+    """A long streamed generation, running (its first token came) when this returns: a swap now must hold it,
+    and it must then finish whole."""
+    started = threading.Event()
+
     def run() -> None:
-        response = httpx.post(f"{url}/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                              json={"model": SERVED_MODEL_NAME, "prompt": samples()[0], "max_tokens": 64,
-                                    "ignore_eos": True, "temperature": 0})
-        answers["status"], answers["body"], answers["done"] = response.status_code, response.json(), time.monotonic()
+        tokens = 0
+        body = {"model": SERVED_MODEL_NAME, "prompt": samples()[0], "max_tokens": GENERATED, "ignore_eos": True,
+                "temperature": 0, "stream": True, "return_token_ids": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
+            answers["status"] = response.status_code
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    tokens += sum(len(choice.get("token_ids") or []) for choice in json.loads(line[6:])["choices"])
+                    answers["last_token"] = time.monotonic()
+                    started.set()
+        answers["tokens"] = tokens
+        started.set()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    started.wait(60)
     return thread
 
 
@@ -100,7 +107,9 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
                                                          "VLLM_SERVER_DEV_MODE=1 (pod-local port only)")
     collapsed_losses = losses(engine)
     FINDINGS["losses"] = {"healthy_start": healthy_losses, "collapsed_start": collapsed_losses}
-    assert not same(collapsed_losses, healthy_losses), "the zeroed gate should change the scores"
+    # The zeroed gate moves each loss by ~1e-5 relative only (a random tiny model): equal means exactly equal,
+    # which is what vLLM gives here (one thread, the same kernels).
+    assert all(a != b for a, b in zip(collapsed_losses, healthy_losses, strict=True)), FINDINGS["losses"]
 
     config = checkpoints["healthy"] / "config.json"
     healthy = write_router_checkpoint(tmp_path / "healthy-routers", read_router_tensors(checkpoints["healthy"]), config)
@@ -109,28 +118,28 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
 
     held: dict[str, Any] = {}
     generation = generate_while_swapping(collapsed_url, held)
-    time.sleep(0.3)
     swapped_at = time.monotonic()
     result = engine.swap(healthy)
+    resumed_at = time.monotonic()
     generation.join(REQUEST_TIMEOUT_S)
     swapped_losses = losses(engine)
     FINDINGS["swap_to_healthy"] = result.as_dict()
-    FINDINGS["held_generation"] = {"status": held.get("status"), "finished_s_after_swap_began":
-                                   round(held["done"] - swapped_at, 3) if "done" in held else None,
-                                   "usage": held.get("body", {}).get("usage")}
+    FINDINGS["held_generation"] = {"status": held.get("status"), "tokens": held.get("tokens"),
+                                   "last_token_s_after_resume": round(held["last_token"] - resumed_at, 3),
+                                   "swap_began_s_before_resume": round(resumed_at - swapped_at, 3)}
     FINDINGS["losses"]["after_swap_to_healthy"] = swapped_losses
-    FINDINGS["exact"] = {"swapped_vs_healthy_start": swapped_losses == healthy_losses}
-    assert held["status"] == 200 and held["body"]["usage"]["completion_tokens"] == 64, held
+    # running when the swap began, still streaming after it: held (and recomputed), not dropped
+    assert held["status"] == 200 and held["tokens"] == GENERATED, FINDINGS["held_generation"]
+    assert held["last_token"] > resumed_at, FINDINGS["held_generation"]
     assert result.detail["vllm"]["reset_prefix_cache"] == {"success": True}
     assert 0 < result.reload_seconds <= result.paused_seconds
-    assert same(swapped_losses, healthy_losses), FINDINGS["losses"]
+    assert swapped_losses == healthy_losses, FINDINGS["losses"]
 
     back = engine.swap(collapsed)
     restored_losses = losses(engine)
     FINDINGS["swap_back"] = back.as_dict()
     FINDINGS["losses"]["after_swap_back"] = restored_losses
-    FINDINGS["exact"]["swapped_back_vs_collapsed_start"] = restored_losses == collapsed_losses
-    assert same(restored_losses, collapsed_losses), FINDINGS["losses"]
+    assert restored_losses == collapsed_losses, FINDINGS["losses"]
     engine.close()
 
 

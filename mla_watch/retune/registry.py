@@ -48,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from mla_watch.describe import describe_value
 from mla_watch.probe.discovery import discover_routers
+from mla_watch.retune.hosts import RouterHost, as_host
 
 __all__ = ["ROUTER_TENSOR_PATTERNS", "RouterVersions", "apply_router_tensors", "router_modules", "router_state"]
 
@@ -163,7 +164,7 @@ class RouterVersions:
         except (OSError, ValueError) as error:
             raise ValueError(f"router version {version}: cannot read {path}: {error}") from error
 
-    def record_initial(self, model: torch.nn.Module, health: Mapping[str, Any] | None = None) -> int:
+    def record_initial(self, model: torch.nn.Module | RouterHost, health: Mapping[str, Any] | None = None) -> int:
         """Version 0 = the routers the server started with; live version becomes 0.
 
         Written once, with ``health`` (the start-up health check: ``{"passed": bool, ...}``; ``None``:
@@ -171,7 +172,8 @@ class RouterVersions:
         must equal the model's (else ``ValueError`` naming the differences); its values and its
         health are left as recorded.
         """
-        state = router_state(model)
+        host = as_host(model)
+        state = host.state()
         with self._lock:
             if self._dir(0).is_dir():
                 recorded = set(self._manifest(0).get("tensors", []))
@@ -184,7 +186,7 @@ class RouterVersions:
             else:
                 checked = dict(health) if health is not None else {"passed": False, "checked": False,
                                                                     "reason": "no start-up health check ran"}
-                self._write(0, state, {"source": "initial", "model": type(model).__name__,
+                self._write(0, state, {"source": "initial", "model": host.describe(),
                                        "health": checked, "gates": {"passed": checked.get("passed") is True}})
             self._append_promotion({"kind": "initial", "version": 0, "previous": None, "at": _now()})
         return 0
@@ -352,10 +354,10 @@ class RouterVersions:
             state.update(self.load(version))
         return state
 
-    def initial_differences(self, model: torch.nn.Module) -> list[str]:
+    def initial_differences(self, model: torch.nn.Module | RouterHost) -> list[str]:
         """Router tensors of ``model`` whose values differ from version 0 (``[]``: the same base model)."""
         recorded = self.load(0)
-        live = router_state(model)
+        live = as_host(model).state()
         return sorted(name for name, tensor in recorded.items()
                       if name not in live or not torch.equal(live[name], tensor.to(live[name].dtype)))
 
@@ -363,24 +365,28 @@ class RouterVersions:
         gates = self._manifest(version).get("gates")
         return (isinstance(gates, Mapping) and gates.get("passed") is True) or version in self.marked_good()
 
-    def promote(self, model: torch.nn.Module, version: int, lock: threading.Lock | None = None) -> None:
-        """Copy ``version``'s tensors into ``model`` in place (holding ``lock``) and log the promotion.
+    def promote(self, model: torch.nn.Module | RouterHost, version: int,
+                lock: threading.Lock | None = None) -> dict[str, Any]:
+        """Serve ``version``'s tensors on ``model`` (holding ``lock``) and log the promotion; what the swap took.
 
         The values it overwrites are saved first (``snapshots/``), so that :meth:`rollback` puts
         back exactly what served before, even router tensors changed outside the registry.
         """
+        host = as_host(model)
         tensors = self.load(version)
         snapshots = self.directory / _SNAPSHOT_DIR
         snapshots.mkdir(exist_ok=True)
         snapshot = snapshots / f"p{len(self.promotions()):05d}-v{version:04d}.safetensors"
         with lock if lock is not None else contextlib.nullcontext():
-            save_file({name: value for name, value in router_state(model).items() if name in tensors}, str(snapshot))
-            apply_router_tensors(model, tensors)
+            save_file({name: value for name, value in host.state().items() if name in tensors}, str(snapshot))
+            taken = host.apply(tensors)
         self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
                                 "at": _now(), "snapshot": snapshot.name, "snapshot_sha256": _sha256(snapshot)})
+        return taken
 
-    def rollback(self, model: torch.nn.Module, lock: threading.Lock | None = None) -> int:
+    def rollback(self, model: torch.nn.Module | RouterHost, lock: threading.Lock | None = None) -> int:
         """Restore exactly the router state before the last promotion; returns the version now live."""
+        host = as_host(model, lock)
         entries = self._stack_entries()
         stack = [entry["version"] for entry in entries]
         if len(stack) < 2:
@@ -390,7 +396,7 @@ class RouterVersions:
             path = self.directory / _SNAPSHOT_DIR / snapshot
             if not path.is_file() or _sha256(path) != entries[-1].get("snapshot_sha256"):
                 raise ValueError(f"cannot roll back version {stack[-1]} exactly: {path} is missing or altered")
-            apply_router_tensors(model, load_file(str(path)), lock)
+            host.apply(load_file(str(path)))
             self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
             return stack[-2]
         current_names = set(self.load(stack[-1]))
@@ -400,7 +406,7 @@ class RouterVersions:
         missing = sorted(current_names - set(target))
         if missing:
             raise ValueError(f"cannot roll back version {stack[-1]} exactly: no earlier version holds {missing}")
-        apply_router_tensors(model, target, lock)
+        host.apply(target)
         self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
         return stack[-2]
 

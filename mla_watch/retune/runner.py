@@ -46,6 +46,7 @@ from mla_watch.retune.data import (
     split_held_out,
 )
 from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, score_model
+from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.loss import scored_targets
 from mla_watch.retune.reference import RouterReference
@@ -86,6 +87,7 @@ class Retuner:
                  reference: RouterReference | None = None,
                  health_rules: Callable[[], Sequence[Any]] | None = None) -> None:
         self.model = model
+        self.host = ModelRouters(model)  # the service holds the model lock around its swaps
         self._health_rules = health_rules  # the loaded alert rules: a restore is judged by them on the health text
         self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)

@@ -11,7 +11,8 @@ interrupted and is retried up to ``max_attempts`` times, then failed.
 
 A job that lacked the data to decide (too few captured samples, or gates that found the
 held-out set too small to tell), and one whose every candidate was rejected while the router
-still reads outside its band (a rejection is no repair: the router is still broken), is ``waiting``: it runs again every ``retry_seconds`` while
+still reads outside its band (a rejection is no repair: the router is still broken), is
+``waiting``: it runs again every ``retry_seconds`` while
 capture collects more, for at most ``max_wait_seconds``, then fails saying what it still
 needed. A waiting job, and one that failed for lack of data or configuration, holds no
 cooldown: only a job that tried a candidate does. New alerts for its business line and
@@ -45,7 +46,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from mla_watch.alerting.model import RETUNE_STRATEGIES
 from mla_watch.retune.gates import band_of_rule
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
-from mla_watch.retune.registry import RouterVersions, router_modules
+from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.statedir import ensure_private_dir, ensure_private_file
@@ -106,13 +107,13 @@ class RetuneService:
     def start(self) -> None:
         """Record version 0 (health-checked; or re-apply the live version), recover interrupted jobs, start the
         scheduler."""
-        model = self.retuner.model
+        host = self.retuner.host
         if self.registry.live_version() is None:
             health = None
             if self._health_check is not None:
                 try:
                     with self._model_lock:
-                        health = self._health_check(model)
+                        health = self._health_check(host)
                 except Exception as error:  # serving must not depend on it: version 0 is then just not known good
                     log.exception("the start-up health check of the routers failed")
                     health = {"passed": False, "checked": False,
@@ -121,9 +122,9 @@ class RetuneService:
                         "router version 0 (the routers served now) %s: %s",
                         "passed its start-up health check" if health.get("passed") else
                         "is not known to be good; `restore` will not put it back", health.get("reason"))
-            self.registry.record_initial(model, health)
+            self.registry.record_initial(host, health)
         else:
-            differences = self.registry.initial_differences(model)
+            differences = self.registry.initial_differences(host)
             live = self.registry.live_version()
             if differences:
                 log.warning("the served routers differ from router version 0 in %d tensors (%s ...): a new model "
@@ -178,7 +179,7 @@ class RetuneService:
         unknown = [name for name in spec.strategies if name not in STRATEGIES]
         if not spec.strategies or unknown:
             raise ValueError(f"strategies={spec.strategies!r}: expected a non-empty list of {sorted(STRATEGIES)}")
-        routers = router_modules(self.retuner.model)
+        routers = self.retuner.host.router_names()
         bad = [name for name in spec.routers if name not in routers]
         if not spec.routers or bad:
             raise ValueError(f"routers={spec.routers!r}: expected expert routers of the model, among {list(routers)}")
@@ -236,10 +237,8 @@ class RetuneService:
 
     def watched_by(self, rule: Any | None) -> list[str]:
         """The expert routers ``rule`` watches (every one for ``None``): those the band gate checks."""
-        from mla_watch.probe.discovery import discover_routers
-
-        return [info.name for _, info, _ in discover_routers(self.retuner.model) if info.kind == "expert"
-                and (rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"}))]
+        return [info.name for info in self.retuner.host.routers()
+                if rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"})]
 
     # ------------------------------------------------------------------ running
     def _schedule(self, job_id: str, at: float | None = None) -> None:
@@ -331,15 +330,16 @@ class RetuneService:
         return False
 
     # ------------------------------------------------------------------ promotion
-    def promote(self, version: int) -> int:
-        """Swap ``version`` into the live model between two forward passes."""
+    def promote(self, version: int) -> dict[str, Any]:
+        """Swap ``version`` into the live model between two forward passes (into the engine: one swap at a time);
+        what the swap took."""
         tensors = self.registry.load(version)  # read and checked before the lock is taken
         names = sorted({name.rsplit(".", 1)[0] for name in tensors})
         with self._model_lock:
-            self.registry.promote(self.retuner.model, version)
+            taken = self.registry.promote(self.retuner.host, version)
             self._changed("promote", names)
         log.info("router version %d promoted (%s)", version, ", ".join(names))
-        return version
+        return taken
 
     def mark_good(self, version: int) -> int:
         """An operator vouches for ``version`` (see :meth:`RouterVersions.mark_good`)."""
@@ -352,16 +352,14 @@ class RetuneService:
         top = self.registry.live_version()
         names = sorted({name.rsplit(".", 1)[0] for name in self.registry.load(top)}) if top is not None else []
         with self._model_lock:
-            version = self.registry.rollback(self.retuner.model)
+            version = self.registry.rollback(self.retuner.host)
             self._changed("rollback", names)
         log.info("router version %s rolled back; version %d is live", top, version)
         return version
 
     def _apply_live_state(self) -> None:
-        from mla_watch.retune.registry import apply_router_tensors
-
         with self._model_lock:
-            apply_router_tensors(self.retuner.model, self.registry.live_state())
+            self.retuner.host.apply(self.registry.live_state())
 
     def _changed(self, kind: str, routers: Sequence[str]) -> None:
         if self._on_promoted is not None:

@@ -325,7 +325,7 @@ class Sidecar:
         from mla_watch.retune.health import startup_health
 
         rules = self.alerts.rules.rules
-        return lambda model: startup_health(model, tokenizer, rules)
+        return lambda host: startup_health(host.model, tokenizer, rules)
 
     def _on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""

@@ -1,0 +1,79 @@
+"""Where the routers being re-tuned live: a model in this process, or a running engine.
+
+The registry and the re-tune service read and write routers only through a :class:`RouterHost`:
+
+* :class:`ModelRouters`: the model mla_watch serves itself; tensors are copied in place under
+  the model lock the decode loop holds around each forward pass.
+* :class:`mla_watch.retune.engine.EngineRouters`: the routers of a vLLM (or SGLang) beside the
+  sidecar; a swap writes a router-only checkpoint and has the engine reload it in place.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mla_watch.windows import RouterInfo
+
+__all__ = ["ModelRouters", "RouterHost", "as_host"]
+
+
+class RouterHost(abc.ABC):
+    """The expert routers of one served model, read and written as tensors named ``<router>.<leaf>``."""
+
+    @abc.abstractmethod
+    def routers(self) -> list[RouterInfo]:
+        """The expert routers, in layer order."""
+
+    @abc.abstractmethod
+    def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """CPU copies of the router tensors serving now (optionally only those of ``routers``)."""
+
+    @abc.abstractmethod
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Serve ``tensors`` from now on (every name and shape checked before anything changes); what it took
+        (JSON-able: seconds, and what the engine answered)."""
+
+    def router_names(self) -> list[str]:
+        return [info.name for info in self.routers()]
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class ModelRouters(RouterHost):
+    """The routers of a torch model served in this process."""
+
+    def __init__(self, model: torch.nn.Module, lock: threading.Lock | Any | None = None) -> None:
+        self.model = model
+        self.lock = lock
+
+    def routers(self) -> list[RouterInfo]:
+        from mla_watch.probe.discovery import discover_routers
+
+        return [info for _, info, _ in discover_routers(self.model) if info.kind == "expert"]
+
+    def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        from mla_watch.retune.registry import router_state
+
+        with self.lock if self.lock is not None else contextlib.nullcontext():
+            return router_state(self.model, routers)
+
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        from mla_watch.retune.registry import apply_router_tensors
+
+        apply_router_tensors(self.model, tensors, self.lock)
+        return {}
+
+    def describe(self) -> str:
+        return type(self.model).__name__
+
+
+def as_host(target: torch.nn.Module | RouterHost, lock: threading.Lock | Any | None = None) -> RouterHost:
+    """``target`` itself when it is a host, else its routers as a :class:`ModelRouters`."""
+    return target if isinstance(target, RouterHost) else ModelRouters(target, lock)
