@@ -12,7 +12,7 @@ from typing import Any
 
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
-from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetuneSettings
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.windows import ALL_LINES
@@ -146,7 +146,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                 max_perplexity_increase=args.max_perplexity_increase,
                                 gate_confidence=args.gate_confidence, min_held_out_tokens=args.min_held_out_tokens,
                                 retry_seconds=args.retune_retry, max_wait_seconds=args.retune_max_wait,
-                                min_samples=args.retune_min_samples,
+                                min_samples=args.retune_min_samples, min_held_out_samples=args.min_held_out_samples,
                                 strategy_options=_parse_options(args.retune_option, "--retune-option"))
         from mla_watch.retune.strategies import get_strategy
 
@@ -176,7 +176,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                               tokens_per_second=args.replay_tokens_per_second),
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
-                          sglang_recorder_buffer=args.sglang_recorder_buffer,
+                          sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
+                          engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval)
     sidecar = build_sidecar(config)
     uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
@@ -519,8 +520,6 @@ def _dataset_name(path: Path, directory: Path) -> str:
 
 
 def _cmd_retune(args: argparse.Namespace) -> int:
-    import time
-
     if args.retune_command == "run":
         body: dict[str, Any] = {"force": args.force}
         for key, value in (("routers", args.router), ("business_line", args.business_line),
@@ -532,19 +531,35 @@ def _cmd_retune(args: argparse.Namespace) -> int:
         job = _admin(args, "POST", "/admin/retune", body)
         print(f"scheduled re-tune job {job['id']} ({'/'.join(job['spec']['strategies'])} on "
               f"{', '.join(job['spec']['routers'])})")
-        if args.wait <= 0:
-            return 0
-        deadline = time.monotonic() + args.wait
-        while job["status"] in ("pending", "running", "waiting") and time.monotonic() < deadline:
-            time.sleep(0.5)
-            job = _admin(args, "GET", f"/v1/retune/jobs/{job['id']}")
-        _print_jobs([job])
-        result = job.get("result") or {}
-        if job["status"] == "waiting":
-            print(f"waiting for more data after --wait: {result.get('needs')}")
-        elif job["status"] != "promoted":
-            print(f"{job['status']}: {result.get('error') or 'still running after --wait'}")
-        return 0 if job["status"] == "promoted" else 1
+        return _wait_for_job(args, job)
+    if args.retune_command == "apply":
+        job = _admin(args, "POST", "/admin/retune/apply", {"version": args.version})
+        print(f"scheduled re-tune job {job['id']}: router version {args.version} swapped into the engine, gated "
+              f"through it, kept or rolled back")
+        return _wait_for_job(args, job)
+    return _retune_versions(args)
+
+
+def _wait_for_job(args: argparse.Namespace, job: dict[str, Any]) -> int:
+    """Follow ``job`` for ``--wait`` seconds; 0 once it promoted (or when not waiting at all)."""
+    import time
+
+    if args.wait <= 0:
+        return 0
+    deadline = time.monotonic() + args.wait
+    while job["status"] in ("pending", "running", "waiting") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = _admin(args, "GET", f"/v1/retune/jobs/{job['id']}")
+    _print_jobs([job])
+    result = job.get("result") or {}
+    if job["status"] == "waiting":
+        print(f"waiting for more data after --wait: {result.get('needs')}")
+    elif job["status"] != "promoted":
+        print(f"{job['status']}: {result.get('error') or 'still running after --wait'}")
+    return 0 if job["status"] == "promoted" else 1
+
+
+def _retune_versions(args: argparse.Namespace) -> int:
     if args.retune_command == "list":
         jobs = _admin(args, "GET", f"/v1/retune/jobs?limit={args.limit}")["jobs"]
         if args.json:
@@ -653,6 +668,17 @@ def build_parser() -> argparse.ArgumentParser:
     beside.add_argument("--replay-tokens-per-second", type=_non_negative_float, default=ReplayBudget.tokens_per_second,
                         help="tokens replayed per second at most, all replays together; a stream past it is not "
                              "counted; 0: no limit (default %(default)g)")
+    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
+                        help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port reachable "
+                             "by the sidecar only; --model-config its checkpoint directory): propose pages on-call with "
+                             "the command that applies a candidate, apply swaps, gates and keeps or rolls back by "
+                             "itself (default %(default)s)")
+    beside.add_argument("--engine-swap-dir", type=Path,
+                        help="where router checkpoints are written for the engine to load, at the same path in both "
+                             "containers (a shared volume; default STATE_DIR/engine-swaps)")
+    beside.add_argument("--engine-gate-timeout", type=_positive_float, default=ServerConfig.engine_gate_timeout,
+                        help="seconds a candidate may serve live traffic before its gate through the engine decides; "
+                             "past it the previous routers go back (default %(default)s)")
     beside.add_argument("--sglang-recorder-dir", type=Path,
                         help="SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine: count all its traffic "
                              "from the expert distribution recorder (--expert-distribution-recorder-mode stat)")
@@ -697,6 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "(only those are read)")
     serve.add_argument("--retune-option", action="append", default=[],
                        help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
+    serve.add_argument("--min-held-out-samples", type=_positive_int, default=RetuneSettings.min_held_out_samples,
+                       help="quality gate: distinct held-out texts below which it does not decide (a prompt repeated "
+                            "counts once) (default %(default)s)")
     serve.add_argument("--retune-min-samples", type=_positive_int, default=RetuneSettings.min_samples,
                        help="samples a re-tune job needs at least (default %(default)s)")
     serve.add_argument("--alert-interval", type=_positive_float, default=ServerConfig.alert_interval,
@@ -782,6 +811,12 @@ def build_parser() -> argparse.ArgumentParser:
     promote = retune_commands.add_parser("promote", help="make a router version live")
     sidecar_url(promote)
     promote.add_argument("version", type=int)
+    apply = retune_commands.add_parser("apply", help="swap a proposed router version into the engine, gate it "
+                                                      "through the engine, keep it or roll it back")
+    sidecar_url(apply)
+    apply.add_argument("version", type=int)
+    apply.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless "
+                                                               "promoted)")
     rollback = retune_commands.add_parser("rollback", help="undo the last promotion exactly")
     sidecar_url(rollback)
     mark_good = retune_commands.add_parser("mark-good", help="vouch for a router version: `restore` may put it back")

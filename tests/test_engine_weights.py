@@ -13,7 +13,7 @@ engine (tests/test_real_vllm_weights.py):
 * ``POST /reset_prefix_cache`` ``{"success": bool}`` (entrypoints/serve/dev/cache/api_router.py:20-44).
 * ``POST /v1/completions`` with ``prompt_logprobs``: ``choices[0].prompt_logprobs`` is ``[null, {"<id>": {"logprob",
   "rank", "decoded_token"}}, ...]``, the prompt token first, then the top-k (entrypoints/openai/completion/
-  protocol.py:655-681, serving.py:575-590, logprobs.py:178-209); the body below is the real engine's answer's shape.
+  protocol.py:654-679, serving.py:581-595, logprobs.py:178-209); the body below is the real engine's answer's shape.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def test_a_failed_reload_is_rolled_back_and_the_engine_resumed(fake: FakeVllm, u
     assert fake.loaded[1] == f"{rollback.name}: []"  # no tensor: it only finishes the failed reload
     assert not rollback.exists() and not fake.paused
     assert message.startswith(f"vLLM POST {url}/collective_rpc (reload_weights of {router_dir}) answered 500: "
-                              f"{long[:200]}: expected 2xx; rolled back: every layer the failed reload")
+                              f"{long[:200]}: expected 2xx; rolled back: the layers the failed reload had not finished")
     assert long[:201] not in message  # the engine message cut at 200 characters
 
 

@@ -14,13 +14,14 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.engines.formats import Decoded, RoutingPlan
 from mla_watch.engines.watch import EngineRouting
 
-__all__ = ["COUNT_QUEUE_BYTES", "COUNT_QUEUE_JOBS", "DROP_REASONS", "CountQueue"]
+__all__ = ["COUNT_QUEUE_BYTES", "COUNT_QUEUE_JOBS", "DROP_REASONS", "Capture", "CountQueue"]
 
 log = logging.getLogger("mla_watch.engines")
 
@@ -29,6 +30,8 @@ COUNT_QUEUE_BYTES = 256 << 20  # 200 DeepSeek-V3 answers of 2,000 tokens in vLLM
 # Why an answer's routing was not counted (mla_watch_engine_count_dropped_total{reason}).
 DROP_REASONS = ("queue_full", "shutdown")
 SHUTDOWN_DRAIN_SECONDS = 2.0
+# (business line, [(prompt + completion ids, prompt length), ...]): one answer's choices, to capture
+Capture = Callable[[str, list[tuple[list[int], int]]], None]
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class CountQueue:
     """Answers whose routing is still to be counted, and the tasks that count them."""
 
     def __init__(self, routing: EngineRouting, decoder: RoutingDecoder, *, max_jobs: int = COUNT_QUEUE_JOBS,
-                 max_bytes: int = COUNT_QUEUE_BYTES) -> None:
+                 max_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None) -> None:
         self.routing = routing
+        self.capture = capture  # where the token ids of answers asked for them go (serve --capture)
         self._decoder = decoder
         self.max_jobs = max_jobs
         self.max_bytes = max_bytes
@@ -117,6 +121,8 @@ class CountQueue:
                 decoded = await self._decoder.count(job.plan, job.body)
                 # An answer that was no JSON object carried no routing.
                 self.routing.count(job.business_line, None if decoded.not_json else decoded, streamed=job.streamed)
+                if decoded.samples and self.capture is not None:
+                    await asyncio.to_thread(self.capture, job.business_line, decoded.samples)  # SQLite: off the loop
             except asyncio.CancelledError:
                 self._dropped("shutdown")
                 raise

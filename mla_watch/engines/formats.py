@@ -52,7 +52,8 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 from mla_watch.engines.geometry import EngineGeometry
 
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
-           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "count_response", "decode_chunk",
+           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "answer_token_ids", "count_response",
+           "decode_chunk",
            "decode_response", "encode_sglang", "encode_vllm", "every_layer", "routing_counts", "strip_chunk",
            "strip_response"]
 
@@ -96,6 +97,10 @@ class RoutingPlan:
     keep: bool  # the client asked for the routing itself: leave it in the response
     extra: dict[str, Any] | None = None  # mla_watch's object, added to the body (or to the first chunk)
     prompt_start: int = 0  # the client's routed_experts_prompt_start: prompt rows cut from what it keeps
+    # vLLM's token ids in the answer (the proxy asked for them to capture traffic): "chat" or "completion"
+    # (where they sit), read into Decoded.samples; strip_token_ids: the client did not ask, so they go.
+    token_ids: str | None = None
+    strip_token_ids: bool = False
 
 
 @dataclass
@@ -107,6 +112,7 @@ class Decoded:
     tokens: int = 0
     error: DataError | None = None
     not_json: bool = False  # the body was no JSON object: relayed as it came (a stream) or refused (a response)
+    samples: list[tuple[list[int], int]] | None = None  # per choice: prompt + completion ids, the prompt's length
 
     @property
     def found(self) -> bool:
@@ -288,7 +294,41 @@ def _without_routing(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], in
         return None
     if plan.engine == "sglang" and document.get("sglext") == {}:
         del document["sglext"]
+    if plan.strip_token_ids and plan.token_ids is not None:
+        answer_token_ids(document, plan.token_ids, strip=True)
     return document, claimed
+
+
+def answer_token_ids(document: dict[str, Any], kind: str, *, strip: bool) -> list[tuple[list[int], int]]:
+    """The token ids of an unstreamed vLLM answer asked for with ``return_token_ids``: per choice, prompt plus
+    completion and the prompt's length (``[]`` where any is missing or not ids); taken out with ``strip``.
+
+    Chat carries the prompt's ids once, at the top (chat_completion/protocol.py ``prompt_token_ids``);
+    completions, per choice (completion/protocol.py); both carry a choice's own in ``token_ids``.
+    """
+    take = dict.pop if strip else dict.get
+    shared = take(document, "prompt_token_ids", None) if kind == "chat" else None
+    samples = []
+    valid = True
+    choices = document.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
+        prompt = take(choice, "prompt_token_ids", None) if kind == "completion" else shared
+        completion = take(choice, "token_ids", None)
+        if valid and _token_ids(prompt) and _token_ids(completion) \
+                and len(prompt) + len(completion) <= MAX_CAPTURED_TOKENS:
+            samples.append(([*prompt, *completion], len(prompt)))
+        else:
+            valid = False
+    return samples if valid else []
+
+
+MAX_CAPTURED_TOKENS = 1 << 20  # per choice; the capture keeps far fewer (--capture's own bound)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(i) is int and 0 <= i < 1 << 31 for i in value)
 
 
 def _compact(document: dict[str, Any]) -> bytes:
@@ -318,6 +358,8 @@ def encode_sglang(ids: np.ndarray) -> str:
 def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
             extra: dict[str, Any] | None, *, serialise: bool = True) -> Decoded:
     decoded = Decoded(b"", error=error)
+    if plan.token_ids is not None:
+        decoded.samples = answer_token_ids(document, plan.token_ids, strip=plan.strip_token_ids)
     if arrays and error is None:
         try:
             totals = [routing_counts(ids, plan.geometry) for ids in arrays]

@@ -140,6 +140,15 @@ class StreamTokens:
             replays.append((choice.prompt + choice.generated[:-1], start))  # type: ignore[operator]
         return replays
 
+    def samples(self) -> list[tuple[list[int], int]]:
+        """Each finished choice's prompt plus completion ids and the prompt's length, to capture (``[]`` when the
+        stream's ids could not be read)."""
+        if self.unreadable is not None:
+            return []
+        return [((choice.prompt + choice.generated).tolist(), len(choice.prompt))
+                for _, choice in sorted(self._choices.items())
+                if choice.finished and choice.prompt is not None and choice.generated]
+
     def merge(self, other: StreamTokens) -> None:
         """Add the ids ``other`` read from one chunk (in a decoding process) to this stream's."""
         if other.unreadable is not None:

@@ -15,7 +15,8 @@ exposes with ``VLLM_SERVER_DEV_MODE=1``, and only then (``entrypoints/launchers/
   it) loads every tensor of ``DIR``'s safetensors in place (``model_executor/model_loader/reload/inplace.py``):
   each layer is first moved to the meta device (``reload/layerwise.py:101-117``); a layer the checkpoint has
   nothing for gets its old tensors back (``:255-267``), so a checkpoint of router tensors alone changes the
-  routers only. ``model_config.model`` is re-pointed at ``DIR`` (``inplace.py:80-86``).
+  routers only. ``model_config.model`` is re-pointed at ``DIR`` (``inplace.py:80-86``): a later reload without
+  a path would read the last directory swapped in, not the engine's checkpoint.
 * ``POST /reset_prefix_cache?reset_running_requests=true`` (``entrypoints/serve/dev/cache/api_router.py:20-44``):
   without the flag it answers ``{"success": false}`` while any request holds blocks
   (``v1/core/sched/scheduler.py:2840-2883``, ``v1/core/block_pool.py:837-844``), as requests held by a pause
@@ -38,7 +39,7 @@ Two failures :meth:`VllmWeights.swap` guards against, both found against the rea
 
 Scores: ``/v1/completions`` with ``prompt_logprobs: 0`` gives each prompt position but the first a dict with
 the prompt token's own log-probability (keyed by its id; the top-k come after it when k > 0;
-``logprobs.py:178-209``, ``entrypoints/openai/completion/protocol.py:655-681``), ``-inf`` sent as ``-9999.0``
+``logprobs.py:178-209``, ``entrypoints/openai/completion/protocol.py:654-679``), ``-inf`` sent as ``-9999.0``
 (``entrypoints/generate/base/serving.py:359-371``); such a request never reads the prefix cache
 (``sampling_params.py:622-629``). With ``--enable-return-routed-experts`` the choice's ``routed_experts`` has a
 row per prompt token (``max_tokens`` 1: the sampled token is never forwarded).
@@ -260,7 +261,8 @@ class VllmWeights(EngineWeights):
 
     ``geometry`` (the engine's :class:`EngineGeometry`) is needed for routing: with it, a score carries the
     routing of its prompt rows at the MoE layers when the engine returns any; without it, none.
-    ``model``: the served model name sent with each score (vLLM's default model when ``None``).
+    ``model``: the served model name sent with each score (vLLM's default model when ``None``). A ``transport``
+    given serves every call as it is (its own connection pool).
     """
 
     name = "vllm"
@@ -400,7 +402,8 @@ class VllmWeights(EngineWeights):
         except SwapError as error:
             return (f"rolling back failed too ({error}): vLLM leaves a failed reload's layers on the meta device "
                     "and stops at its next forward pass: restart the engine")
-        return "rolled back: every layer the failed reload had not finished has its tensors from before the swap"
+        return ("rolled back: the layers the failed reload had not finished (all of them where it failed reading "
+                "the checkpoint) have their tensors from before the swap")
 
     def _reset_prefix_cache(self) -> Any:
         # requests held by the pause hold blocks: without reset_running_requests the reset fails under load

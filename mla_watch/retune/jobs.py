@@ -30,9 +30,13 @@ from mla_watch.retune.paired import (
 )
 from mla_watch.sqlite import PrivateDatabase
 
-__all__ = ["FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
+__all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
 
-FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed", "superseded")
+# proposed: a candidate saved and gated as far as it could be without the engine, waiting for
+# `mla-watch retune apply N` (serve --engine-retune propose).
+# serve --engine-retune: what re-tuning does with the routers of an engine beside the sidecar.
+ENGINE_RETUNE_MODES: tuple[str, ...] = ("off", "propose", "apply")
+FINAL_STATUSES: tuple[str, ...] = ("promoted", "rejected", "failed", "superseded", "proposed")
 STATUSES: tuple[str, ...] = ("pending", "running", "waiting", *FINAL_STATUSES)
 
 
@@ -105,6 +109,7 @@ class JobSpec:
     dataset: str | None = None  # a JSONL file instead of captured traffic
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # strategy -> its options
     max_perplexity_increase: float | str = DEFAULT_MARGIN
+    version: int | None = None  # gate and promote this saved version (`mla-watch retune apply N`), no new fit
     id: str = field(default_factory=lambda: time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
     created_at: float = field(default_factory=time.time)
 

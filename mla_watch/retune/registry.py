@@ -222,6 +222,16 @@ class RouterVersions:
             shutil.rmtree(temp, ignore_errors=True)
             raise
 
+    def update_manifest(self, version: int, changes: Mapping[str, Any]) -> dict[str, Any]:
+        """Merge ``changes`` into ``version``'s manifest (an engine gate decides after the version is saved)."""
+        with self._lock:
+            manifest = {**self._manifest(version), **changes}
+            path = self._dir(version) / _MANIFEST_FILE
+            temporary = path.with_suffix(".tmp")
+            temporary.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+            os.replace(temporary, path)
+        return manifest
+
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of ``version`` (``ValueError`` naming the file if it cannot be read)."""
         return self._manifest(version)

@@ -78,6 +78,7 @@ class RetuneService:
                  model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
+                 on_proposed: Callable[[JobSpec, dict[str, Any]], None] | None = None,
                  health_check: Callable[[Any], dict[str, Any]] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
@@ -89,6 +90,7 @@ class RetuneService:
         self._on_promoted = on_promoted
         self._on_outcome = on_outcome  # (strategy, outcome) of each job, and of each one refused by cooldown
         self._on_rejected = on_rejected
+        self._on_proposed = on_proposed  # serve --engine-retune propose: on-call hears the command that applies it
         self._health_check = health_check  # judges the routers the server starts with (router version 0)
         self._clock = clock
         self._submit_lock = threading.Lock()
@@ -189,7 +191,8 @@ class RetuneService:
             for record in recent:
                 other = JobSpec.from_dict(record["spec"])
                 if (record["status"] in ("pending", "waiting") and other.business_line == spec.business_line
-                        and other.strategies == spec.strategies and other.dataset == spec.dataset):
+                        and other.strategies == spec.strategies and other.dataset == spec.dataset
+                        and other.version == spec.version):
                     other.routers = list(dict.fromkeys([*other.routers, *spec.routers]))
                     other.watched = list(dict.fromkeys([*other.watched, *spec.watched]))
                     self.store.set_spec(other.id, other)
@@ -288,6 +291,8 @@ class RetuneService:
                  "" if status == "promoted" else f": {record['result'].get('error')}")
         if status == "rejected" and self._on_rejected is not None:
             self._on_rejected(spec, result)
+        if status == "proposed" and self._on_proposed is not None:
+            self._on_proposed(spec, result)
         if self._on_outcome is not None:
             self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)
         return record
@@ -340,6 +345,23 @@ class RetuneService:
             self._changed("promote", names)
         log.info("router version %d promoted (%s)", version, ", ".join(names))
         return taken
+
+    def apply(self, version: int) -> dict[str, Any]:
+        """Schedule the gate of a proposed ``version`` through the engine (``mla-watch retune apply N``): swapped
+        in, scored, kept or rolled back, as the job of its proposal would have; the new job's record."""
+        manifest = self.registry.manifest(self.registry.check_version(version))
+        if version == 0 or not manifest.get("routers"):
+            raise ValueError(f"router version {version} is not a candidate a job proposed: expected one of "
+                             f"{[n for n in self.registry.version_numbers() if n]}")
+        try:
+            proposal = JobSpec.from_dict(self.store.get(str(manifest.get("job")))["spec"])
+        except KeyError:
+            proposal = JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy"))])
+        spec = JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy") or "restore")],
+                       watched=proposal.watched, business_line=proposal.business_line, band=proposal.band,
+                       max_perplexity_increase=proposal.max_perplexity_increase, version=version,
+                       trigger={**proposal.trigger, "source": "apply", "proposed_by": manifest.get("job")})
+        return self.submit(spec, force=True)
 
     def mark_good(self, version: int) -> int:
         """An operator vouches for ``version`` (see :meth:`RouterVersions.mark_good`)."""

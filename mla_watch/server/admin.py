@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mla_watch.describe import describe_value
+from mla_watch.engines.swap import SwapError
 from mla_watch.ingest import IngestError, parse_snapshot
 from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.gates import Band, band_of_rule
@@ -81,8 +82,8 @@ class Admin:
     def _service(self) -> RetuneService:
         sidecar = self.sidecar
         if sidecar.retune is None:
-            raise ApiError(503, sidecar.load_error or (f"re-tuning needs a local model; this sidecar forwards to "
-                                                       f"{sidecar.config.upstream}" if sidecar.config.upstream
+            raise ApiError(503, sidecar.load_error or (f"no re-tuning beside the engine at {sidecar.config.upstream}: "
+                                                       f"{sidecar.engine_retune_note}" if sidecar.config.upstream
                                                        else "the model is still loading"),
                            code="retune_unavailable", error_type="server_error")
         return sidecar.retune
@@ -127,6 +128,9 @@ class Admin:
             await asyncio.to_thread(service.promote, version)
         except ValueError as error:
             raise ApiError(400, str(error), param="version", code="invalid_value") from None
+        except SwapError as error:
+            raise ApiError(502, f"the engine did not take router version {version}: {error}", code="swap_failed",
+                           error_type="server_error") from None
         return JSONResponse({"ok": True, "live": service.registry.live_version()})
 
     async def mark_good(self, request: Request) -> Response:
@@ -146,6 +150,17 @@ class Admin:
                            param="version", code="invalid_value")
         return version
 
+    async def apply(self, request: Request) -> Response:
+        """``mla-watch retune apply N``: gate a proposed version through the engine (a job; 202 with its record)."""
+        self.sidecar.authorise_admin(request)
+        service = self._service()
+        version = await self._version(request)
+        try:
+            record = await asyncio.to_thread(service.apply, version)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="version", code="invalid_value") from None
+        return JSONResponse(record, status_code=202)
+
     async def rollback(self, request: Request) -> Response:
         self.sidecar.authorise_admin(request)
         service = self._service()
@@ -153,6 +168,9 @@ class Admin:
             live = await asyncio.to_thread(service.rollback)
         except ValueError as error:
             raise ApiError(409, str(error), code="nothing_to_roll_back") from None
+        except SwapError as error:
+            raise ApiError(502, f"the engine did not take the rollback: {error}", code="swap_failed",
+                           error_type="server_error") from None
         return JSONResponse({"ok": True, "live": live})
 
     def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
@@ -263,5 +281,27 @@ def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
                                                       if result.get("rejected_while_outside_band") else ""),
         "description": "; ".join(figures + ([result["needs"]] if result.get("needs") else [])),
         "runbook_url": f"{RUNBOOK}#routerretunerejected",
+    }
+    return labels, annotations
+
+
+def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``RouterRetuneProposed`` event: a candidate for the engine's routers is saved; the one command that
+    swaps it in, gates it through the engine and keeps it or rolls it back."""
+    line_name = spec.business_line or ALL_LINES
+    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", "router": ",".join(spec.routers),
+              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    attempt = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
+    details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
+                        for a in result.get("attempts", []))
+    annotations = {
+        "summary": f"Re-tune job {spec.id} proposes router version {result.get('version')} "
+                   f"({result.get('strategy')}) for {', '.join(spec.routers)} ({line_name}); apply it with: "
+                   f"{result.get('command')}",
+        "description": f"{details}. The command swaps the candidate into the engine, has the engine score the "
+                       f"held-out captured traffic before and after, and keeps it only if it passes; else the "
+                       f"previous routers go back at once." + (f" Candidate: {attempt.get('version')}."
+                                                              if attempt else ""),
+        "runbook_url": f"{RUNBOOK}#routerretuneproposed",
     }
     return labels, annotations

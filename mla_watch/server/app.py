@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -36,9 +37,9 @@ from mla_watch.engines.geometry import load_geometry
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
 from mla_watch.ingest import RemoteRouting
 from mla_watch.policy_files import PolicyStore
-from mla_watch.retune.jobs import JobSpec
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec
 from mla_watch.server import status as status_page
-from mla_watch.server.admin import Admin, rejected_notice
+from mla_watch.server.admin import Admin, proposed_notice, rejected_notice
 from mla_watch.server.config import ADMIN_TOKEN_ENV, ENGINE_CHOICES, INGEST_TOKEN_ENV, MIN_TOKEN_LENGTH, ServerConfig
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
@@ -100,6 +101,7 @@ class Sidecar:
         self.ready = threading.Event()  # set once the model is loaded (or the upstream client made)
         self._stop_watches: list[Callable[[], None]] = []
         self.upstream: Upstream | None = None
+        self.engine_retune_note = ENGINE_RETUNE_NOTE  # what re-tuning the engine's routers can do, once started
         self.history = RoutingHistory(span_seconds=config.history_span_seconds,
                                       interval_seconds=config.history_interval_seconds)
         self._history_sampler = HistorySampler(self.history, lambda: self.routing_snapshot().as_dicts(),
@@ -132,6 +134,9 @@ class Sidecar:
             raise ServerConfigError([f"--engine {config.engine!r}: expected one of {', '.join(ENGINE_CHOICES)}"])
         if problems := config.replay.problems():  # the command line checks them; the Python API comes here
             raise ServerConfigError(problems)
+        if config.engine_retune not in ENGINE_RETUNE_MODES:
+            raise ServerConfigError([f"--engine-retune {describe_value(config.engine_retune, 40)}: expected one of "
+                                     f"{', '.join(ENGINE_RETUNE_MODES)}"])
         reading = config.engine != "none" or config.sglang_recorder_dir is not None
         if not reading:
             return None
@@ -188,7 +193,8 @@ class Sidecar:
             return None
         return {"engine": routing.engine, "url": self.config.upstream, "routers": routing.geometry.describe(),
                 "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
-                "unattributed_line": UNATTRIBUTED_LINE, "retune": ENGINE_RETUNE_NOTE, "problems": routing.problems(),
+                "unattributed_line": UNATTRIBUTED_LINE, "retune": self.engine_retune_note,
+                "problems": routing.problems(),
                 "counting": self._counting_status()}
 
     def _counting_status(self) -> dict[str, Any] | None:
@@ -318,6 +324,93 @@ class Sidecar:
         self.retune.start()
         self.metrics.router_version.set(registry.live_version() or 0)
 
+    # ------------------------------------------------------------------ re-tuning beside an engine
+    def _open_capture(self) -> Any:
+        """STATE_DIR/capture.sqlite (0600) when serving with --capture, else ``None``."""
+        if not self.config.capture:
+            return None
+        from mla_watch.retune.capture import TrafficCapture
+
+        return TrafficCapture(self.config.state_dir / "capture.sqlite",
+                              max_samples_per_line=self.config.capture_max_samples,
+                              max_age_seconds=self.config.capture_max_age_seconds)
+
+    def _capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]]], None]:
+        def record(line: str, samples: list[tuple[list[int], int]]) -> None:
+            for token_ids, prompt_tokens in samples:
+                capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+                self.metrics.captured_samples.labels(line).inc()
+
+        return record
+
+    def _start_engine_retune(self, capture: Any) -> str:
+        """The re-tune service for the engine's routers (``--engine-retune propose|apply``); else why there is none."""
+        config = self.config
+        if self.engine_routing is None or config.engine_retune == "off":
+            return "re-tuning the engine's routers is off (serve --engine-retune propose|apply)"
+        if config.engine not in ("vllm", "sglang"):
+            return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
+                    "endpoints differ")
+        from mla_watch.engines.weights import read_router_tensors
+        from mla_watch.retune.engine import EngineRetuner, EngineRouters
+        from mla_watch.retune.registry import RouterVersions
+        from mla_watch.retune.service import RetuneService
+
+        geometry = self.engine_routing.geometry
+        checkpoint = Path(config.model_config)  # type: ignore[arg-type]
+        try:
+            if not checkpoint.is_dir():
+                raise ValueError(f"--model-config {checkpoint} is a file: expected the engine's checkpoint directory "
+                                 f"(config.json and its safetensors), where the routers' tensors are read")
+            initial = read_router_tensors(checkpoint, geometry.moe_layers)
+        except ValueError as error:
+            log.warning("re-tuning the engine's routers is not available: %s", error)
+            return f"re-tuning the engine's routers is not available: {error}"
+        if config.engine == "vllm":
+            from mla_watch.engines.weights import VllmWeights
+
+            weights: Any = VllmWeights(config.upstream, timeout=max(config.request_timeout, 60.0),
+                                       geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
+        else:
+            from mla_watch.engines.sglang_weights import SglangWeights
+
+            weights = SglangWeights(config.upstream, timeout=max(config.request_timeout, 60.0), geometry=geometry,
+                                    api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
+                                    admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
+        state = ensure_private_dir(config.state_dir)
+        swap_dir = config.engine_swap_dir or state / "engine-swaps"
+        host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir, config_json=checkpoint / "config.json")
+        registry = RouterVersions(state / "routers")
+        reference = None
+        if config.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+
+            reference = load_reference_routers(config.reference_model, initial)
+        windows = self.engine_routing
+
+        def loads(router: str, line: str | None) -> Any:
+            return windows.counts(line).get(router)
+
+        retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
+                                capture=capture, promote=lambda version: self.retune.promote(version),
+                                rollback=lambda: self.retune.rollback(), loads=loads, reference=reference,
+                                gate_timeout=config.engine_gate_timeout)
+        self.retune = RetuneService(
+            state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
+            on_promoted=self._routers_changed, on_rejected=self._retune_rejected, on_proposed=self._retune_proposed,
+            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc())
+        self.retune.start()
+        self.metrics.router_version.set(registry.live_version() or 0)
+        problem = weights.problem()
+        if problem is not None:
+            log.warning("re-tuning the engine's routers: %s", problem)
+        return f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
+
+    def _retune_proposed(self, spec: JobSpec, result: dict[str, Any]) -> None:
+        if self.alerts is not None:
+            labels, annotations = proposed_notice(spec, result)
+            self.alerts.notify_event(labels=labels, annotations=annotations, receivers=spec.trigger.get("receivers"))
+
     def _router_health(self, tokenizer: Any) -> Callable[[Any], dict[str, Any]] | None:
         """The start-up health check of router version 0, by the loaded alert rules (none without rules)."""
         if self.alerts is None:
@@ -330,8 +423,9 @@ class Sidecar:
     def _on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
         router = action.alert.labels.get("router", "")
-        if router in self.engine_routers():
-            return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; {ENGINE_RETUNE_NOTE}"
+        if router in self.engine_routers() and self.retune is None:
+            return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; " \
+                   f"{self.engine_retune_note}"
         if self.retune is None:
             return "no re-tune job: this sidecar serves no local model to re-tune"
         if router not in self.retune.watched_by(None):
@@ -347,8 +441,9 @@ class Sidecar:
 
     def _routers_changed(self, kind: str, routers: list[str]) -> None:
         """After a promotion or rollback: the windows restart, describing the routers now serving."""
-        self.probe.collect()
-        self.probe.windows.reset(routers)
+        windows = self.own_windows()  # the counts so far collected first: they belong to the routers before
+        if windows is not None:
+            windows.reset(routers)
         self.metrics.router_promotions.labels(kind).inc()
         self.metrics.router_version.set(self.retune.registry.live_version() or 0)
 
@@ -376,12 +471,15 @@ class Sidecar:
             # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
             self._decoder = RoutingDecoder(self.config.decode_workers)
             self._decoder.start()
+            capture = self._open_capture() if self.engine_routing is not None else None
             self.upstream = Upstream(self.config.upstream, self.config.request_timeout, decoder=self._decoder,
                                      routing=self.engine_routing if self.config.engine != "none" else None,
                                      max_bytes=self.config.upstream_max_bytes,
                                      credentials=self.config.upstream_credentials,
                                      replay=self.config.replay if self.config.replay.rate > 0 else None,
-                                     count_queue_bytes=self.config.count_queue_bytes)
+                                     count_queue_bytes=self.config.count_queue_bytes,
+                                     capture=None if capture is None else self._capture_answers(capture))
+            self.engine_retune_note = self._start_engine_retune(capture)
             if self.config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller
 
@@ -462,6 +560,7 @@ class Sidecar:
             Route("/admin/retune", admin.retune, methods=["POST"]),
             Route("/admin/retune/promote", admin.promote, methods=["POST"]),
             Route("/admin/retune/rollback", admin.rollback, methods=["POST"]),
+            Route("/admin/retune/apply", admin.apply, methods=["POST"]),
             Route("/admin/retune/mark-good", admin.mark_good, methods=["POST"]),
             Route("/", self._status_page, methods=["GET"]),
             Route("/static/{name}", self._static, methods=["GET"]),
@@ -647,8 +746,7 @@ class Sidecar:
         return self.refused(request, error)
 
 
-ENGINE_RETUNE_NOTE = ("re-tuning is not available for an engine's routers: mla_watch re-tunes only a model it "
-                      "serves itself (the alert pages as usual; restore or re-tune the router where the engine runs)")
+ENGINE_RETUNE_NOTE = "re-tuning the engine's routers starts with the sidecar (serve --engine-retune propose|apply)"
 
 
 class ServerConfigError(ConfigError):

@@ -50,6 +50,13 @@ class ServerConfig:
     sglang_recorder_dir: Path | None = None  # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine
     sglang_recorder_interval: float = 10.0  # seconds between dumps
     sglang_recorder_buffer: int = 1000  # the engine's --expert-distribution-recorder-buffer-size
+    # Re-tuning the engine's routers in place (vLLM's dev mode): off | propose | apply, the directory the
+    # sidecar writes router checkpoints to and the engine reads at the same path (a shared volume; default
+    # STATE_DIR/engine-swaps, right where both run on one host), and how long a candidate may serve live
+    # traffic before its gate through the engine decides.
+    engine_retune: str = "propose"
+    engine_swap_dir: Path | None = None
+    engine_gate_timeout: float = 300.0
     return_routed_experts: bool = False  # the embedded model answers with its routing, in vLLM's and SGLang's fields
     attn_implementation: str = "sdpa"
     max_queue: int = 32

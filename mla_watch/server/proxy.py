@@ -19,7 +19,7 @@ import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mla_watch.engines.counting import COUNT_QUEUE_BYTES, CountQueue
+from mla_watch.engines.counting import COUNT_QUEUE_BYTES, Capture, CountQueue
 from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, DecoderDied, RoutingDecoder
 from mla_watch.engines.formats import (
     DROP_CHUNK,
@@ -68,7 +68,7 @@ class Upstream:
 
     def __init__(self, url: str, timeout: float, *, decoder: RoutingDecoder, routing: EngineRouting | None = None,
                  max_bytes: int, credentials: tuple[str, str] | None = None, replay: ReplayBudget | None = None,
-                 count_queue_bytes: int = COUNT_QUEUE_BYTES) -> None:
+                 count_queue_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None) -> None:
         self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
         # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
         # all the same is inflated here within max_bytes.
@@ -82,11 +82,17 @@ class Upstream:
         # The routing format: fixed by --engine, or found on the first request (`auto`).
         self.engine: str | None = None if routing is None or routing.engine == "auto" else routing.engine
         # Routing is counted after the client has its answer; a vLLM stream's, by replaying it.
-        self.counter = None if routing is None else CountQueue(routing, decoder, max_bytes=count_queue_bytes)
+        self.counter = None if routing is None else CountQueue(routing, decoder, max_bytes=count_queue_bytes,
+                                                              capture=capture)
+        # serve --capture: the token ids of vLLM's answers (asked for, stripped unless the client asked too)
+        self.capture = None if self.counter is None else capture
+        self._capturing: set[asyncio.Task[None]] = set()
         self.replayer = None if self.counter is None or replay is None else StreamReplayer(
             self._send_replay, self.counter, replay)
 
     async def close(self) -> None:
+        if self._capturing:
+            await asyncio.gather(*self._capturing, return_exceptions=True)
         if self.replayer is not None:
             await self.replayer.close()
         if self.counter is not None:
@@ -114,6 +120,9 @@ class Upstream:
         plan = await self._plan(request, body, extra, prompt_start)
         if plan.engine == "sglang":
             payload[ROUTING_REQUEST_FIELD] = True  # SGLang returns routing only to requests that ask
+        if plan.engine == "vllm" and self.capture is not None and not parsed.stream:
+            plan = replace(plan, token_ids=parsed.kind, strip_token_ids=body.get(TOKEN_IDS_FIELD) is not True)
+            payload[TOKEN_IDS_FIELD] = True
         if parsed.stream:
             replay = self._stream_tokens(plan, parsed, body, payload)
             return await self._stream(path, payload, headers, plan, decision.business_line, replay)
@@ -133,6 +142,8 @@ class Upstream:
             raise _not_openai(self.url, path, content_type, len(decoded.body or b""))
         if counting:
             self.routing.count(decision.business_line, decoded, streamed=False)  # type: ignore[union-attr]
+        if decoded.samples and self.capture is not None:
+            await asyncio.to_thread(self.capture, decision.business_line, decoded.samples)
         if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
             raise ApiError(502, f"the answer of {self.url}{path} could not be read: {decoded.error}",
                            code="upstream_error", error_type="server_error")
@@ -144,14 +155,15 @@ class Upstream:
 
     def _stream_tokens(self, plan: RoutingPlan, parsed: GenerationRequest, body: dict[str, Any],
                        payload: dict[str, Any]) -> _StreamReplay | None:
-        """For a vLLM stream to be replayed: ask for its token ids, and what will read them."""
-        if plan.engine != "vllm" or self.replayer is None:
+        """For a vLLM stream to be replayed or captured: ask for its token ids, and what will read them."""
+        if plan.engine != "vllm" or (self.replayer is None and self.capture is None):
             return None
-        if not self.replayer.sampled():  # counted as such once the stream has ended
-            return _StreamReplay(None, parsed.model)
+        sampled = self.replayer is not None and self.replayer.sampled()
+        if not sampled and self.capture is None:  # counted as sampled out once the stream has ended
+            return _StreamReplay(None, parsed.model, replay=False)
         client_asked = body.get(TOKEN_IDS_FIELD) is True
         payload[TOKEN_IDS_FIELD] = True
-        return _StreamReplay(StreamTokens(parsed.kind, strip=not client_asked), parsed.model)
+        return _StreamReplay(StreamTokens(parsed.kind, strip=not client_asked), parsed.model, replay=sampled)
 
     async def _send_replay(self, payload: dict[str, Any], headers: dict[str, str]) -> bytes:
         status, content_type, content = await self._exchange("POST", "/v1/completions", self.max_bytes,
@@ -257,10 +269,19 @@ class Upstream:
         if self.routing is None or relay.plan.engine == "none" or relay.counted:
             return
         replay = relay.replay
+        if replay is not None and replay.tokens is not None and self.capture is not None:
+            samples = replay.tokens.samples()
+            if samples:
+                task = asyncio.ensure_future(asyncio.to_thread(self.capture, relay.business_line, samples))
+                self._capturing.add(task)  # held until done: a task nobody holds may be collected
+                task.add_done_callback(self._capturing.discard)
         if replay is None:
             self.routing.count(relay.business_line, None, streamed=True)
-        elif replay.tokens is None:
-            self.replayer.skipped(relay.business_line, "sampled_out")  # type: ignore[union-attr]
+        elif replay.tokens is None or not replay.replay:
+            if self.replayer is not None:
+                self.replayer.skipped(relay.business_line, "sampled_out")
+            else:
+                self.routing.count(relay.business_line, None, streamed=True)
         else:
             self.replayer.after_stream(relay.business_line, relay.plan, replay.model,  # type: ignore[union-attr]
                                        relay.headers, replay.tokens)
@@ -410,6 +431,7 @@ class _StreamReplay:
 
     tokens: StreamTokens | None
     model: str | None
+    replay: bool = True  # False: its ids are read for the capture only (sampled out of replays)
 
 
 @dataclass

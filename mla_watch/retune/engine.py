@@ -1,0 +1,506 @@
+"""Re-tuning the routers of a running engine (vLLM beside the sidecar): swap, score, keep or roll back.
+
+``serve --upstream URL --engine vllm --engine-retune propose|apply`` re-tunes the engine's own
+routers. Nothing of the model is loaded here: the routers' tensors are read from the engine's
+checkpoint directory (``--model-config DIR``) once, and from then on the sidecar knows them by what
+it wrote (:class:`EngineRouters`). A job, for each strategy it names:
+
+1. makes a candidate without any model copy: ``restore`` (the routers of ``--reference-model``,
+   of a version marked good or one that passed its gates, else the engine's own checkpoint) or
+   ``bias`` (DeepSeek's auxiliary-loss-free rule, :func:`bias_step`, from the loads the engine's
+   routing shows);
+2. saves it as a registry version, with its manifest;
+3. ``propose``: stops there and tells on-call the one command that applies it,
+   ``mla-watch retune apply N``; ``apply`` (or that command): swaps it into the engine, has the
+   engine score the held-out captured samples (``prompt_logprobs``) and route them, and judges it
+   against the engine's own scores from before the swap (:func:`mla_watch.retune.gates.evaluate_gates`:
+   the paired perplexity gate and the band gate). A pass keeps it; anything else puts the previous
+   tensors back at once. ``bias`` steps again from what the engine routed, until the router is back
+   in its band or ``steps`` run out.
+
+The time a candidate serves live traffic before its gate decides (from the end of its swap to the
+decision) is measured in each attempt (``live_seconds``) and bounded by ``--engine-gate-timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mla_watch.engines.formats import routing_counts
+from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.swap import EngineWeights, SampleScore
+from mla_watch.retune.capture import TokenSample, TrafficCapture
+from mla_watch.retune.data import distinct_count, split_held_out
+from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
+from mla_watch.retune.hosts import RouterHost
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
+from mla_watch.retune.reference import RouterReference
+from mla_watch.retune.registry import RouterVersions
+from mla_watch.routing import compute_stats
+from mla_watch.windows import RouterInfo
+
+__all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
+           "bias_step", "engine_score"]
+
+log = logging.getLogger("mla_watch.retune")
+
+ENGINE_STRATEGIES = ("restore", "bias")  # router_finetune needs the model's weights, which the engine holds
+BIAS_LEAF = "e_score_correction_bias"
+KEEP_SWAP_DIRS = 2  # the one serving and the one before it: what a rollback reloads from is written anew
+
+
+class EngineRouters(RouterHost):
+    """The routers of a running engine: known by what was loaded at start-up and what was swapped in since.
+
+    ``initial``: the router tensors of the engine's checkpoint (read once, with
+    :func:`mla_watch.engines.weights.read_router_tensors`). Each :meth:`apply` writes the whole router
+    state (a layer's weight and bias together, every MoE layer) as a router-only checkpoint in a new
+    directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
+    """
+
+    def __init__(self, weights: EngineWeights, geometry: EngineGeometry, initial: Mapping[str, torch.Tensor], *,
+                 swap_dir: Path, config_json: Path) -> None:
+        if not initial:
+            raise ValueError("the engine's checkpoint holds no router tensor")
+        self.weights = weights
+        self.geometry = geometry
+        self.swap_dir = Path(swap_dir)
+        self.config_json = Path(config_json)
+        self._state = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in initial.items()}
+        self._lock = threading.Lock()  # one swap in flight at a time
+
+    def routers(self) -> list[RouterInfo]:
+        return self.geometry.routers()
+
+    def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        prefixes = None if routers is None else tuple(f"{name}." for name in routers)
+        with self._lock:
+            return {name: tensor.clone() for name, tensor in self._state.items()
+                    if prefixes is None or name.startswith(prefixes)}
+
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        from mla_watch.engines.weights import write_router_checkpoint
+
+        problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
+        problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
+                     for name, tensor in tensors.items()
+                     if name in self._state and tuple(tensor.shape) != tuple(self._state[name].shape)]
+        if problems:
+            raise ValueError("cannot swap router tensors into the engine: " + "; ".join(problems))
+        with self._lock:
+            whole = {**self._state, **{name: tensor.to(self._state[name].dtype).contiguous()
+                                       for name, tensor in tensors.items()}}
+            self.swap_dir.mkdir(parents=True, exist_ok=True)
+            directory = self.swap_dir / f"routers-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            write_router_checkpoint(directory, whole, self.config_json)
+            result = self.weights.swap(directory.resolve())  # SwapError: the engine kept what it served
+            self._state = whole
+            self._prune(keep=directory)
+        return result.as_dict()
+
+    def describe(self) -> str:
+        return f"{self.weights.name} engine ({self.geometry.model_type})"
+
+    def _prune(self, keep: Path) -> None:
+        older = sorted((entry for entry in self.swap_dir.iterdir()
+                        if entry.is_dir() and entry.name.startswith("routers-") and entry != keep),
+                       key=lambda entry: entry.stat().st_mtime)
+        for entry in older[: max(0, len(older) - (KEEP_SWAP_DIRS - 1))]:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> ModelScore:
+    """The engine's scores of the held-out samples as a :class:`ModelScore`: perplexity, per-sample losses and,
+    where the engine routed them, every router's statistics over their tokens."""
+    losses = [float(score.loss) for score in scores]
+    counts = [int(score.tokens) for score in scores]
+    tokens = sum(counts)
+    perplexity = math.exp(sum(losses) / tokens) if tokens else math.nan
+    routed = [score.routing for score in scores if score.routing is not None]
+    records: dict[str, dict[str, Any]] = {}
+    if routed:
+        totals = [routing_counts(np.asarray(ids), geometry) for ids in routed]
+        layer_counts = sum(total for total, _ in totals)
+        routed_tokens = sum(rows for _, rows in totals)
+        for index, info in enumerate(geometry.routers()):
+            stats = compute_stats(layer_counts[index], kind="expert", top_k=info.top_k, tokens=routed_tokens)
+            records[info.name] = {"name": info.name, "layer": info.layer, "kind": "expert", **stats.as_dict(),
+                                  "_loads": layer_counts[index]}  # what the bias rule steps from
+    return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts)
+
+
+class BiasSchedule:
+    """The engine ``bias`` strategy's steps: ``gamma * decay ** step``, at most ``steps`` swaps.
+
+    A proportional step (:func:`bias_step`) undoes a large offset in one swap, where DeepSeek's sign rule
+    moves every bias by the same small amount and takes one swap per ``gamma`` of offset; the geometric
+    decay stops the oscillation a fixed proportional step keeps up around balance. Measured on the
+    bundled model collapsed by +10 on six experts: 1.0 with decay 0.7 reads 2.585 -> 5.84 bits after one
+    step and stays in the band after; a fixed 1.0 swings between 3.2 and 5.8 (bench/README.md).
+    """
+
+    def __init__(self, gamma: float = 1.0, decay: float = 0.7, steps: int = 6) -> None:
+        self.gamma, self.decay, self.steps = gamma, decay, steps
+
+    def gamma_at(self, step: int) -> float:
+        return self.gamma * self.decay ** step
+
+
+def bias_step(bias: torch.Tensor, loads: np.ndarray, gamma: float) -> torch.Tensor:
+    """DeepSeek's auxiliary-loss-free rule applied at inference, proportional: the bias of an expert loaded
+    ``load_i`` against a mean of ``mean`` moves by ``gamma * min(1, 1 - load_i / mean)`` (an idle expert up
+    by ``gamma``, an expert loaded ten times the mean down by ``9 gamma``)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    if loads.shape != tuple(bias.shape) or loads.sum() <= 0:
+        raise ValueError(f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
+                         f"positive count per expert ({list(bias.shape)})")
+    step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
+    return (bias.to(torch.float32) + torch.as_tensor(step, dtype=torch.float32)).to(bias.dtype)
+
+
+class EngineRetuner:
+    """Runs re-tune jobs against the routers of a running engine (see the module docstring).
+
+    ``promote(version)`` and ``rollback()`` are the re-tune service's (they hold its swap lock and
+    restart the routing windows of what changed); ``loads(router, business_line)`` returns the counts
+    of the engine's routing for a router over its live window.
+    """
+
+    def __init__(self, *, host: EngineRouters, registry: RouterVersions, settings: RetuneSettings, mode: str,
+                 capture: TrafficCapture | None, promote: Callable[[int], Any], rollback: Callable[[], int],
+                 loads: Callable[[str, str | None], np.ndarray | None], reference: RouterReference | None = None,
+                 bias_schedule: BiasSchedule | None = None, gate_timeout: float = 300.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if mode not in ENGINE_RETUNE_MODES[1:]:
+            raise ValueError(f"--engine-retune {mode!r}: expected propose or apply")
+        self.host = host
+        self.model = None  # no model in this process: the engine holds it
+        self.registry = registry
+        self.settings = settings
+        self.mode = mode
+        self.capture = capture
+        self.reference = reference
+        self.bias_schedule = bias_schedule or BiasSchedule()
+        self.gate_timeout = gate_timeout
+        self._promote = promote
+        self._rollback = rollback
+        self._loads = loads
+        self._clock = clock
+
+    def remove_work(self, job_id: str | None = None) -> None:
+        """Nothing to remove: an engine job writes no work files (its swaps live in ``--engine-swap-dir``)."""
+
+    def supported(self, name: str) -> str | None:
+        """Why strategy ``name`` cannot re-tune this engine's routers (``None``: it can)."""
+        if name not in ENGINE_STRATEGIES:
+            return f"{name} needs the model's weights, which the engine holds (engine strategies: restore, bias)"
+        if name == "bias" and not any(key.endswith(f".{BIAS_LEAF}") for key in self.host.state()):
+            return f"the engine's routers have no {BIAS_LEAF} (DeepSeek-V3's noaux_tc and kin have one)"
+        return None
+
+    # ------------------------------------------------------------------ a job
+    def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+        started = self._clock()
+        if spec.version is not None:
+            return self._apply_version(spec, started)
+        if self.mode == "propose":
+            return self._propose(spec, started)
+        held_out, data = self._held_out(spec)
+        if isinstance(held_out, str):
+            return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
+        band = Band.from_dict(spec.band)
+        before = self._score(held_out)
+        attempts: list[dict[str, Any]] = []
+        for name in spec.strategies:
+            attempt: dict[str, Any] = {"strategy": name}
+            attempts.append(attempt)
+            reason = self.supported(name)
+            if reason is not None:
+                attempt.update(outcome="unsupported", reason=reason)
+                continue
+            try:
+                if name == "bias":
+                    outcome = self._bias_steps(spec, attempt, held_out, before, band, data)
+                else:
+                    tensors, details = self._restore(spec)
+                    version = self._save(spec, name, tensors, details, data)
+                    outcome = self._gate(spec, attempt, version, held_out, before, band, known_good=details["source"])
+            except Exception as error:  # one strategy failing must not stop the next one
+                log.exception("re-tune job %s: strategy %s failed", spec.id, name)
+                attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
+                continue
+            if outcome == "promoted":
+                return "promoted", self._result(spec, attempts, data, started, attempt.get("version"), name)
+        return self._undecided(spec, attempts, data, started, before, band)
+
+    def _apply_version(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
+        """``mla-watch retune apply N``: gate version N through the engine, keep it or roll it back."""
+        version = int(spec.version)  # type: ignore[arg-type]
+        held_out, data = self._held_out(spec)
+        if isinstance(held_out, str):
+            return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
+        manifest = self.registry.manifest(version)
+        band = Band.from_dict(spec.band)
+        before = self._score(held_out)
+        attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
+        outcome = self._gate(spec, attempt, version, held_out, before, band,
+                             known_good=(manifest.get("details") or {}).get("source"))
+        if outcome == "promoted":
+            return "promoted", self._result(spec, [attempt], data, started, version, attempt["strategy"])
+        return self._undecided(spec, [attempt], data, started, before, band)
+
+    def _propose(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
+        attempts: list[dict[str, Any]] = []
+        for name in spec.strategies:
+            attempt: dict[str, Any] = {"strategy": name}
+            attempts.append(attempt)
+            reason = self.supported(name)
+            if reason is not None:
+                attempt.update(outcome="unsupported", reason=reason)
+                continue
+            try:
+                if name == "bias":
+                    tensors, details = self._bias_candidate(spec, 0, self._window_loads(spec))
+                else:
+                    tensors, details = self._restore(spec)
+            except Exception as error:
+                attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
+                continue
+            version = self._save(spec, name, tensors, {**details, "proposed": True}, {})
+            command = f"mla-watch retune apply {version}"
+            attempt.update(outcome="proposed", version=version, command=command)
+            result = self._result(spec, attempts, {}, started, version, name)
+            result.update(error=None, command=command)
+            return "proposed", result
+        return "failed", self._result(spec, attempts, {}, started, None, None)
+
+    # ------------------------------------------------------------------ candidates
+    def _restore(self, spec: JobSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        prefixes = tuple(f"{name}." for name in spec.routers)
+        if self.reference is not None:
+            tensors = {name: tensor for name, tensor in self.reference.tensors.items() if name.startswith(prefixes)}
+            source = self.reference.label
+        else:
+            try:
+                version, tensors, why = self.registry.last_good_state(spec.routers)
+                source = f"router version {version} ({why})"
+            except ValueError:  # nothing known good: the checkpoint the engine was started from
+                tensors = {name: tensor for name, tensor in self.registry.load(0).items() if name.startswith(prefixes)}
+                source = "the engine's checkpoint (router version 0)"
+        if not tensors:
+            raise ValueError(f"{source} holds no tensors of routers {spec.routers}")
+        return tensors, {"source": source, "reference": source, "routers": list(spec.routers)}
+
+    def _bias_candidate(self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        state = self.host.state(spec.routers)
+        gamma = self.bias_schedule.gamma_at(step)
+        tensors = {}
+        for router in spec.routers:
+            load = loads.get(router)
+            key = f"{router}.{BIAS_LEAF}"
+            if key not in state:
+                continue
+            if load is None or float(np.sum(load)) <= 0:
+                raise ValueError(f"no routing of {router} is counted yet: the bias rule needs the engine's loads "
+                                 f"(the engine must return routing: vLLM --enable-return-routed-experts)")
+            tensors[key] = bias_step(state[key], load, gamma)
+        if not tensors:
+            raise ValueError(f"none of the routers {spec.routers} has an {BIAS_LEAF}")
+        return tensors, {"step": step, "gamma": round(gamma, 6), "rule": "b += gamma * min(1, 1 - load / mean)",
+                         "routers": list(spec.routers)}
+
+    def _window_loads(self, spec: JobSpec) -> dict[str, np.ndarray | None]:
+        return {router: self._loads(router, spec.business_line) for router in spec.routers}
+
+    def _bias_steps(self, spec: JobSpec, attempt: dict[str, Any], held_out: list[TokenSample],
+                    before: ModelScore, band: Band, data: dict[str, Any]) -> str:
+        """Step, swap and gate until the routers are in band, a gate rejects, or the steps run out."""
+        loads: dict[str, np.ndarray | None] = {router: _loads_of(before, router) for router in spec.routers}
+        if any(value is None for value in loads.values()):  # the held-out samples were not routed: the live window
+            loads = self._window_loads(spec)
+        steps: list[dict[str, Any]] = []
+        attempt["steps"] = steps
+        kept = 0  # bias steps promoted and still serving
+        for step in range(self.bias_schedule.steps):
+            tensors, details = self._bias_candidate(spec, step, loads)
+            version = self._save(spec, "bias", tensors, details, data)
+            record: dict[str, Any] = {"step": step}
+            steps.append(record)
+            outcome = self._gate(spec, record, version, held_out, before, band, known_good=None, keep_unless=True)
+            attempt.update(version=version, gates=record.get("gates"), live_seconds=record.get("live_seconds"))
+            if outcome == "promoted":
+                attempt["outcome"] = "promoted"
+                return "promoted"
+            if outcome != "stepped":  # rejected on quality (rolled back): no further step from here
+                break
+            kept += 1
+            after = record.pop("_after")
+            loads = {router: _loads_of(after, router) for router in spec.routers}
+            if any(value is None for value in loads.values()):
+                break
+        for _ in range(kept):  # the steps that did not reach the band go, back to what served before the job
+            self._rollback()
+        last = steps[-1] if steps else {}
+        attempt.update(outcome=last.get("outcome", "failed") if last.get("outcome") != "stepped" else "rejected",
+                       reason=last.get("reason") or f"{len(steps)} bias steps did not bring the routers into the "
+                                                    f"band ({band.describe()}); every step was rolled back")
+        return attempt["outcome"]
+
+    # ------------------------------------------------------------------ the gate, through the engine
+    def _gate(self, spec: JobSpec, attempt: dict[str, Any], version: int, held_out: list[TokenSample],
+              before: ModelScore, band: Band, *, known_good: str | None, keep_unless: bool = False) -> str:
+        """Swap ``version`` in, score it with the engine, keep it or roll it back; the attempt's outcome.
+
+        ``keep_unless`` (a bias step): a candidate that is not worse but not yet in band stays live for the next
+        step (``stepped``); anything worse goes back at once.
+        """
+        watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
+        taken = self._promote(version)
+        live_from = self._clock()
+        try:
+            after = self._score(held_out)
+        except Exception as error:  # an engine that cannot score: the candidate goes back, undecided
+            self._rollback()
+            attempt.update(outcome="failed", version=version, swap=taken,
+                           live_seconds=round(self._clock() - live_from, 3),
+                           reason=f"the engine could not score the held-out samples after the swap: {error}")
+            return "failed"
+        known = None
+        if known_good is not None:
+            known = KnownGood(source=known_good, health=_health_by_band(after, spec.routers, band), score=after,
+                              live_outside_band=_outside(before, spec.routers, band))
+        report = evaluate_gates(before, after, routers=watched, band=band,
+                                max_perplexity_increase=spec.max_perplexity_increase,
+                                confidence=self.settings.gate_confidence,
+                                min_tokens=self.settings.min_held_out_tokens,
+                                min_samples=self.settings.min_held_out_samples, known_good=known)
+        attempt.update(version=version, gates=report.as_dict(), swap=taken)
+        self.registry.update_manifest(version, {"gates": report.as_dict()})
+        if report.passed:
+            attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
+            return "promoted"
+        if keep_unless and not _worse(report):
+            attempt.update(outcome="stepped", live_seconds=round(self._clock() - live_from, 3), _after=after,
+                           reason="; ".join(report.reasons()))
+            return "stepped"
+        self._rollback()
+        attempt.update(outcome="rejected" if report.decision == "reject" else "insufficient",
+                       live_seconds=round(self._clock() - live_from, 3), reason="; ".join(report.reasons()),
+                       rolled_back=True)
+        log.warning("re-tune job %s: version %d %s through the engine and rolled back: %s", spec.id, version,
+                    attempt["outcome"], attempt["reason"])
+        return attempt["outcome"]
+
+    def _score(self, samples: Sequence[TokenSample]) -> ModelScore:
+        deadline = self._clock() + self.gate_timeout
+        scores: list[SampleScore] = []
+        for sample in samples:
+            if self._clock() > deadline:
+                raise TimeoutError(f"the engine scored {len(scores)} of {len(samples)} held-out samples within "
+                                   f"{self.gate_timeout:g} s (--engine-gate-timeout)")
+            scored = sample[: (sample.scored_tokens or len(sample))][: self.settings.max_tokens_per_sample]
+            scores.extend(self.host.weights.score([scored]))
+        return engine_score(scores, self.host.geometry)
+
+    # ------------------------------------------------------------------ data and records
+    def _held_out(self, spec: JobSpec) -> tuple[list[TokenSample] | str, dict[str, Any]]:
+        """The distinct held-out samples of the job's line, or what is missing."""
+        line = spec.business_line
+        if self.capture is None:
+            return ("no data: traffic capture is off (serve with --capture to record the engine's traffic per "
+                    "business line)"), {}
+        samples = self.capture.samples(line, limit=self.settings.max_samples)
+        data: dict[str, Any] = {"source": "capture", "business_line": line, "samples": len(samples),
+                                "distinct_samples": distinct_count(samples)}
+        if len(samples) < self.settings.min_samples or data["distinct_samples"] < 2:
+            return (f"{len(samples)} captured samples ({data['distinct_samples']} distinct) of "
+                    f"{repr(line) if line else 'all business lines'}; the job needs at least "
+                    f"{self.settings.min_samples} (let more traffic be captured)"), data
+        _, held_out = split_held_out(samples, self.settings.held_out_fraction)
+        held_out = [sample for sample in held_out if (sample.scored_tokens or len(sample)) >= 2]
+        tokens = sum(min(sample.scored_tokens or len(sample), self.settings.max_tokens_per_sample) - 1
+                     for sample in held_out)
+        data.update(held_out_samples=len(held_out), held_out_tokens=tokens)
+        if tokens < self.settings.min_held_out_tokens or len(held_out) < self.settings.min_held_out_samples:
+            return (f"{tokens} scored held-out tokens in {len(held_out)} distinct samples; the gate decides on at "
+                    f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} "
+                    f"distinct samples (let more traffic be captured: a repeated prompt counts once)"), data
+        return held_out, data
+
+    def _save(self, spec: JobSpec, strategy: str, tensors: dict[str, torch.Tensor], details: dict[str, Any],
+              data: dict[str, Any]) -> int:
+        manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": strategy,
+                    "routers": spec.routers, "details": details, "engine": self.host.describe(),
+                    "gates": {"passed": False, "decision": "pending", "checks": []}}
+        return self.registry.save(tensors, manifest)
+
+    def _undecided(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
+                   before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:
+        result = self._result(spec, attempts, data, started, None, None)
+        outcomes = {attempt.get("outcome") for attempt in attempts}
+        outside = _outside(before, spec.routers, band) or spec.trigger.get("source") == "alert"
+        if outcomes & {"rejected", "insufficient"} and outside:
+            result["needs"] = (f"a candidate that passes its gates through the engine: every one was rolled back "
+                               f"while {spec.routers[0]} still reads outside its band ({band.describe()}); trying "
+                               f"again on newer traffic")
+            result["rejected_while_outside_band"] = "rejected" in outcomes
+            return "waiting", result
+        return ("rejected" if "rejected" in outcomes else "failed"), result
+
+    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
+                version: int | None, strategy: str | None) -> dict[str, Any]:
+        finished = self._clock()
+        timings = {"total_seconds": round(finished - started, 3)}
+        trigger_at = spec.trigger.get("at")
+        if version is not None and isinstance(trigger_at, int | float):
+            timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
+        reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
+        return {"version": version, "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
+                "attempts": attempts, "data": data, "timings": timings, "engine": True,
+                "error": None if version is not None else ("; ".join(reasons) or "no strategy was tried")}
+
+
+def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:
+    """A router's loads over the scored samples, from the engine's routing of them (``None``: not routed)."""
+    record = score.routers.get(router)
+    return None if record is None else record.get("_loads")
+
+
+def _outside(score: ModelScore, routers: Sequence[str], band: Band) -> bool:
+    for router in routers:
+        value = score.metric(router, band.metric)
+        if value is not None and value == value and not score.routers.get(router, {}).get("too_small") \
+                and not band.contains(value):
+            return True
+    return False
+
+
+def _health_by_band(score: ModelScore, routers: Sequence[str], band: Band) -> dict[str, Any]:
+    """A restored router's own health through the engine: its band reading on the held-out samples."""
+    measured = [router for router in routers if score.metric(router, band.metric) is not None
+                and not score.routers.get(router, {}).get("too_small")]
+    if len(measured) < len(routers):
+        return {"passed": False, "checked": False, "tokens": score.tokens,
+                "reason": "the engine returned too little routing of the held-out samples to judge the routers"}
+    breaches = [router for router in routers if not band.contains(score.metric(router, band.metric))]  # type: ignore[arg-type]
+    return {"passed": not breaches, "checked": True, "tokens": score.tokens,
+            "reason": "no router outside its band" if not breaches else
+            "; ".join(f"{router}: {band.metric} {score.metric(router, band.metric):.3f} outside {band.describe()}"
+                      for router in breaches)}
+
+
+def _worse(report: GateReport) -> bool:
+    """The perplexity check rejected the candidate (a band reading short of the band is not worse)."""
+    return report.perplexity.decision == "reject"
