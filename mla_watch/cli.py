@@ -669,10 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens replayed per second at most, all replays together; a stream past it is not "
                              "counted; 0: no limit (default %(default)g)")
     beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
-                        help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port reachable "
-                             "by the sidecar only; --model-config its checkpoint directory): propose pages on-call with "
-                             "the command that applies a candidate, apply swaps, gates and keeps or rolls back by "
-                             "itself (default %(default)s)")
+                        help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
+                             "reachable by the sidecar only; --model-config its checkpoint directory): propose pages "
+                             "on-call with the command that applies a candidate, apply swaps, gates and keeps or rolls "
+                             "back by itself (default %(default)s)")
     beside.add_argument("--engine-swap-dir", type=Path,
                         help="where router checkpoints are written for the engine to load, at the same path in both "
                              "containers (a shared volume; default STATE_DIR/engine-swaps)")
