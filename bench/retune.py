@@ -3,6 +3,7 @@
     python bench/retune.py                 # three scenarios, about five minutes on 2 CPU cores
     python bench/retune.py --scenario bias
     python bench/retune.py --json figures.json   # also write the figures as JSON
+    python bench/retune.py --scenario deployed_broken --engine vllm   # the replay, and a real vLLM
 
 Each scenario starts a real sidecar on the bundled model (traffic capture on, a loopback webhook
 receiver as on-call), sends healthy code-assistant traffic, injects a fault into MoE layer 1,
@@ -17,11 +18,17 @@ strategy), waits for the job to end, then sends traffic again until the alert re
   the router to 4.72 bits but pushed perplexity to 2.92: rejected on both gates.)
 * ``restore``: the same damage, undone by re-applying router version 0.
 * ``deployed_broken``: the checkpoint itself has layer 1 collapsed, so router version 0 is the
-  damage (issue 15; ``tests/broken_deploy.py``): served with capture on, ``--reference-model``
-  the bundled checkpoint, the shipped rules with 0 s holds, short prompts of the four kinds of
-  traffic, 16 tokens each, until every layer-1 alert has resolved. Printed: seconds from the
-  first request to the first page and to the last resolution, the jobs' outcomes, the gate's
-  paired perplexity interval and held-out tokens, pages per alert.
+  damage (``tests/broken_deploy.py``): served with capture on, ``--reference-model`` the bundled
+  checkpoint, the shipped rules with 0 s holds, four short chat prompts in turn ("Where is my
+  parcel?", "def add(a, b):", "SELECT * FROM t WHERE", "Summarize: sales rose."), 16 tokens each,
+  until every layer-1 alert has resolved; ``--runs`` times (5). Printed: how many runs closed,
+  and per run the seconds from the first request to the first page and to the last resolution,
+  the jobs' outcomes and the checks that promoted.
+* ``--engine vllm``: a real vLLM (tests/real_vllm.py) serving a tiny Qwen3-MoE whose layer 2 gate
+  is zeroed, dev mode on, the sidecar beside it with ``--engine-retune apply``: seconds from the
+  alert to the promoted router and to the resolved alert, how long the candidate served before
+  its gate decided, the pause of each swap, and the engine's throughput (4 clients, 32 tokens
+  each) with a swap every 0.5 s against without, as a ratio measured in one run.
 
 Printed per scenario: the job's outcome, seconds from the alert to the promoted router (the
 job's own ``trigger_to_promoted_seconds``) and from the fault to the resolved alert, layer 1's
@@ -158,30 +165,116 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
     return figures
 
 
-def deployed_broken() -> dict:
-    outcome = run_scenario(Path(tempfile.mkdtemp(prefix="mla-watch-bench-broken-")), reference=True,
-                           settings=RetuneSettings(retry_seconds=5.0), timeout=900)
-    jobs = final_jobs(outcome)
-    promoted = next((job for job in jobs if job["status"] == "promoted"), None)
-    paired = promoted["result"]["attempts"][-1]["gates"]["perplexity"] if promoted else {}
-    return {"fired_after_s": outcome.fired_after_s, "resolved_after_s": outcome.resolved_after_s,
-            "requests": outcome.requests, "bits_before": outcome.bits_before, "bits_after": outcome.bits_after,
-            "jobs": [job["status"] for job in jobs],
-            "promoted_by": promoted["result"]["strategy"] if promoted else None, "gate": paired,
-            "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()}}
+def deployed_broken(runs: int = 5) -> dict:
+    """The deployed-broken replay with four short chat prompts in turn, ``runs`` times: how many close."""
+    results = []
+    for run in range(runs):
+        outcome = run_scenario(Path(tempfile.mkdtemp(prefix="mla-watch-bench-broken-")), reference=True,
+                               settings=RetuneSettings(retry_seconds=5.0), timeout=600, chat=True, seed=run)
+        jobs = final_jobs(outcome)
+        promoted = next((job for job in jobs if job["status"] == "promoted"), None)
+        gates = promoted["result"]["attempts"][-1]["gates"] if promoted else {}
+        results.append({"fired_after_s": outcome.fired_after_s, "resolved_after_s": outcome.resolved_after_s,
+                        "requests": outcome.requests, "bits_before": outcome.bits_before,
+                        "bits_after": outcome.bits_after, "jobs": [job["status"] for job in jobs],
+                        "promoted_by": promoted["result"]["strategy"] if promoted else None,
+                        "checks": {check["gate"]: check["decision"] for check in gates.get("checks", [])},
+                        "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()}})
+    return {"runs": results, "closed": sum(1 for r in results if r["resolved_after_s"] is not None)}
+
+
+def engine_vllm() -> dict:
+    """Against a real vLLM (tests/real_vllm.py): alert -> promoted -> resolved with --engine-retune apply, the
+    pause of each swap, and the engine's throughput while swaps happen against without (one run, a ratio)."""
+    import threading
+
+    from real_vllm import build_checkpoint, cache_root, running_vllm
+    from test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, send, sidecar, until_resolved
+
+    from mla_watch.engines.weights import VllmWeights, read_router_tensors, write_router_checkpoint
+
+    root = cache_root() / "checkpoints"
+    collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)
+    healthy = build_checkpoint(root, "qwen3_moe")
+    work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-engine-"))
+    figures: dict = {"router": ROUTER}
+    with running_vllm(collapsed, routing=True, dev_mode=True, log_path=work / "vllm.log") as engine_url:
+        with running_receiver() as receiver, sidecar(engine_url, (collapsed, healthy), work / "state", "apply",
+                                                     receiver.url) as url:
+            start = time.monotonic()
+            index = 0
+            while alert_state(url) is None and index < 60:
+                send(url, index, 2)
+                index += 2
+            fired = time.monotonic()
+            while not any(job["status"] == "promoted" for job in jobs(url)) and time.monotonic() - fired < 300:
+                send(url, index, 1)
+                index += 1
+            promoted = time.monotonic()
+            until_resolved(url, index)
+            resolved = time.monotonic()
+            job = next(job for job in jobs(url) if job["status"] == "promoted")
+            attempt = job["result"]["attempts"][-1]
+            figures.update(first_request_to_alert_s=round(fired - start, 2),
+                           alert_to_promoted_s=round(promoted - fired, 2),
+                           alert_to_resolved_s=round(resolved - fired, 2) if alert_state(url) == "resolved" else None,
+                           gate_live_seconds=attempt.get("live_seconds"),
+                           job_pause_s=attempt["swap"]["paused_seconds"])
+        weights = VllmWeights(engine_url)
+        states = [read_router_tensors(healthy), read_router_tensors(collapsed)]
+        directories = []
+        for number, state in enumerate(states):
+            directory = work / "swaps" / f"state{number}"
+            directory.parent.mkdir(exist_ok=True)
+            directories.append(write_router_checkpoint(directory, state, collapsed / "config.json"))
+
+        def throughput(seconds: float, swapping: bool) -> tuple[float, list[float]]:
+            tokens = [0]
+            stop = time.monotonic() + seconds
+            pauses: list[float] = []
+
+            def load() -> None:
+                with httpx.Client(base_url=engine_url, timeout=120) as client:
+                    while time.monotonic() < stop:
+                        answer = client.post("/v1/completions", json={"prompt": "Where is my parcel?",
+                                                                      "max_tokens": 32, "ignore_eos": True})
+                        tokens[0] += answer.json()["usage"]["completion_tokens"]
+
+            workers = [threading.Thread(target=load) for _ in range(4)]
+            for worker in workers:
+                worker.start()
+            swap = 0
+            while swapping and time.monotonic() < stop - 1:
+                pauses.append(weights.swap(directories[swap % 2].resolve()).paused_seconds)
+                swap += 1
+                time.sleep(0.5)
+            for worker in workers:
+                worker.join()
+            return tokens[0] / seconds, pauses
+
+        steady, _ = throughput(20.0, swapping=False)
+        during, pauses = throughput(20.0, swapping=True)
+        weights.close()
+        figures.update(tokens_per_s_steady=round(steady, 1), tokens_per_s_swapping=round(during, 1),
+                       throughput_ratio=round(during / steady, 3), swaps=len(pauses),
+                       pause_p50_s=round(sorted(pauses)[len(pauses) // 2], 4), pause_max_s=round(max(pauses), 4))
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=[*SCENARIOS, "deployed_broken"], action="append")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
+    parser.add_argument("--engine", choices=["vllm"], help="also re-tune a real vLLM's routers (tests/real_vllm.py)")
+    parser.add_argument("--runs", type=int, default=5, help="runs of the deployed_broken replay (default 5)")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
     held_out = [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
                 for text in corpus.generate("code", 32, seed=777)]
     chosen = args.scenario or [*SCENARIOS, "deployed_broken"]
     rows = [run(strategy, held_out) for strategy in chosen if strategy in SCENARIOS]
-    broken = deployed_broken() if "deployed_broken" in chosen else None
+    broken = deployed_broken(args.runs) if "deployed_broken" in chosen else None
+    engine = engine_vllm() if args.engine == "vllm" else None
 
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
@@ -198,19 +291,26 @@ def main() -> None:
                   f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
                   f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
     if broken is not None:
-        gate = broken["gate"]
-        print(f"\ndeployed_broken: first page {seconds(broken['fired_after_s'])} s, every layer-1 alert resolved "
-              f"{seconds(broken['resolved_after_s'])} s after the first request ({broken['requests']} requests); "
-              f"layer 1 {broken['bits_before'] or 0:.2f} -> {broken['bits_after'] or 0:.2f} bits")
-        print(f"  jobs {broken['jobs']}; promoted by {broken['promoted_by']}: perplexity live {gate.get('live')} -> "
-              f"{gate.get('candidate')} [{gate.get('low')}, {gate.get('high')}] at {gate.get('confidence')} each side, "
-              f"limit {gate.get('limit')} ({gate.get('margin')}), {gate.get('decision')} on {gate.get('tokens')} "
-              f"held-out tokens")
-        print("  pages: " + ", ".join(f"{key}: {'/'.join(value)}" for key, value in broken["pages"].items()))
+        print(f"\ndeployed_broken, four short chat prompts in turn: closed {broken['closed']} of {len(broken['runs'])}")
+        for number, run in enumerate(broken["runs"]):
+            print(f"  run {number}: first page {seconds(run['fired_after_s'])} s, every layer-1 alert resolved "
+                  f"{seconds(run['resolved_after_s'])} s after the first request ({run['requests']} requests); "
+                  f"layer 1 {run['bits_before'] or 0:.2f} -> {run['bits_after'] or 0:.2f} bits; jobs {run['jobs']}; "
+                  f"promoted by {run['promoted_by']} ({run['checks']})")
+    if engine is not None:
+        print(f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic; alert -> promoted "
+              f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s; the candidate "
+              f"served {engine['gate_live_seconds']} s before its gate decided; the job's swap paused "
+              f"{engine['job_pause_s']} s")
+        print(f"  throughput {engine['tokens_per_s_steady']} tokens/s steady, {engine['tokens_per_s_swapping']} with "
+              f"a swap every 0.5 s: ratio {engine['throughput_ratio']}; {engine['swaps']} swaps paused "
+              f"{engine['pause_p50_s']} s at p50, {engine['pause_max_s']} s at most")
     if args.json:
         scenarios = [{**row, "ppl_after_over_healthy": row["ppl_after"] / row["ppl_healthy"]} for row in rows]
         if broken is not None:
             scenarios.append({"scenario": "deployed_broken", **broken})
+        if engine is not None:
+            scenarios.append({"scenario": "engine_vllm", **engine})
         Path(args.json).write_text(json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios},
                                               indent=2) + "\n")
 

