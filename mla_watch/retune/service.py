@@ -266,6 +266,7 @@ class RetuneService:
         if record["status"] not in ("pending", "waiting"):
             return record
         waiting_since = (record["result"] or {}).get("waiting_since") if record["status"] == "waiting" else None
+        was_rejected = bool((record["result"] or {}).get("rejected_while_outside_band"))
         record = self.store.start(job_id)
         spec = JobSpec.from_dict(record["spec"])
         try:
@@ -277,7 +278,7 @@ class RetuneService:
         if status == "waiting":
             record = self._wait(job_id, result, waiting_since)
             status = record["status"]
-            if result.get("rejected_while_outside_band") and waiting_since is None and self._on_rejected is not None:
+            if result.get("rejected_while_outside_band") and not was_rejected and self._on_rejected is not None:
                 self._on_rejected(spec, result)  # on-call hears of the first rejection; the job goes on trying
             if status == "waiting":
                 if self._on_outcome is not None:

@@ -463,7 +463,11 @@ function renderGates(result) {
       el("b", {}, attempt.strategy), `: ${attempt.outcome || "–"}`,
       (gates.checks || []).map((check) => el("div", { class: check.passed ? "pass" : "fail" },
         `${check.passed ? "✓" : "✗"} ${check.gate}${check.router ? ` ${check.router}` : ""}: ` +
-        `${was(check) !== undefined && was(check) !== null ? `${was(check)} → ` : ""}${check.value} (limit ${check.limit})`)),
+        `${was(check) !== undefined && was(check) !== null ? `${was(check)} → ` : ""}${check.value} (limit ${check.limit})` +
+        (check.binding === false ? " (not binding)" : ""))),
+      attempt.swap ? el("div", {}, `swapped into the engine: paused ${attempt.swap.paused_seconds} s, live ` +
+        `${attempt.live_seconds ?? "–"} s before the gate decided${attempt.rolled_back ? ", rolled back" : ""}`) : null,
+      attempt.command ? el("div", {}, el("code", {}, attempt.command)) : null,
       attempt.reason && !gates.checks ? el("div", { class: "fail" }, attempt.reason) : null);
   });
 }
