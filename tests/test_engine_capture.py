@@ -41,7 +41,7 @@ def test_unstreamed_answers_are_captured_as_prompt_and_completion_ids_and_the_cl
 
 
 def test_a_client_that_asks_for_token_ids_keeps_them_and_the_answer_is_captured(tmp_path) -> None:
-    with beside_twin(tmp_path, capture=True, replay=ReplayBudget(rate=0)) as (twin, url, sidecar):
+    with beside_twin(tmp_path, capture=True, replay=ReplayBudget(rate=0)) as (_, url, sidecar):
         answer = ask(url, "doc_summary", chat=False, stream=False, prompt="Summarize: sales rose.",
                      return_token_ids=True)
         assert "token_ids" in answer["choices"][0] and "prompt_token_ids" in answer["choices"][0]

@@ -112,7 +112,8 @@ class VllmTwin:
                 if not chat:
                     choices[-1]["prompt_token_ids"] = prompt
         answer = {"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "twin",
-                  "choices": choices, "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))}}
+                  "choices": choices,
+                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))}}
         if chat and body.get("return_token_ids") is True:
             answer["prompt_token_ids"] = prompt
         return JSONResponse(answer)
