@@ -42,7 +42,7 @@ FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
 STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
                           "entropy back in band", "alert resolved")
 RULES = entropy_low_rules(below=FIRE_BELOW, resolve_above=RESOLVE_ABOVE, min_tokens=96, business_line="all",
-                          actions=("notify", "retune"), strategies=("bias", "restore"), annotations={
+                          actions=("notify", "retune"), strategies=("bias",), annotations={
                               "summary": "Routing entropy {value:.2f} bits on {router} (all lines) is below "
                                          "{threshold} bits"})
 # (business line, task, corpus domain, requested sampling): code asks for chat-like sampling

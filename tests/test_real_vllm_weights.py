@@ -9,6 +9,8 @@ is printed (``-s``).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -183,4 +185,41 @@ def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: d
     FINDINGS["losses_around_failed_swaps"] = {"before": before, "after_corrupt": after_corrupt,
                                               "after_mismatch": after_mismatch}
     assert after_corrupt == before and after_mismatch == before
+    engine.close()
+
+
+def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(checkpoints: dict[str, Path],
+                                                                            healthy_losses: list[float],
+                                                                            collapsed_url: str, tmp_path: Path) -> None:
+    """The sidecar beside the collapsed DeepSeek-V3 (no routing returned: the band says so, perplexity decides)
+    restores the reference's routers inside the engine; the engine then scores exactly as one started healthy.
+    Last in this module: it leaves the engine healthy."""
+    from conftest import free_port
+    from test_reliability import sidecar_process
+
+    token = "real-engine-weights-token"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with sidecar_process(port, tmp_path / "state", "--upstream", collapsed_url, "--engine", "vllm", "--model-config",
+                         str(checkpoints["collapsed"]), "--capture", "--engine-retune", "apply", "--reference-model",
+                         str(checkpoints["healthy"]), "--retune-min-samples", "12", "--min-held-out-tokens", "30",
+                         "--min-held-out-samples", "4", env={"MLA_WATCH_ADMIN_TOKEN": token},
+                         log=tmp_path / "sidecar.log"):
+        for index in range(24):  # 6 distinct prompts held out
+            answer = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "customer_service"},
+                                json={"model": SERVED_MODEL_NAME, "prompt": f"Order {3000 + index * 11} is late.",
+                                      "max_tokens": 4}, timeout=REQUEST_TIMEOUT_S)
+            assert answer.status_code == 200, answer.text
+        done = subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", "run", "--url", url, "--router",
+                               f"model.layers.{COLLAPSED_LAYER}.mlp.gate", "--strategy", "restore",
+                               "--business-line", "customer_service", "--wait", "240"],
+                              capture_output=True, text=True, timeout=300,
+                              env={"MLA_WATCH_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stdout + done.stderr
+        (job,) = httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"]
+        checks = {check["gate"]: check for check in job["result"]["attempts"][0]["gates"]["checks"]}
+        assert checks["band"]["binding"] is False and "returned no routing" in checks["band"]["message"]
+        assert checks["perplexity"]["decision"] == "pass"
+    engine = VllmWeights(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
+    assert losses(engine) == healthy_losses
     engine.close()

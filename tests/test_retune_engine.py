@@ -242,3 +242,18 @@ def test_router_finetune_is_said_to_need_the_engines_weights(tmp_path) -> None:
     assert result["attempts"][0] == {"strategy": "router_finetune", "outcome": "unsupported",
                                      "reason": "router_finetune needs the model's weights, which the engine holds "
                                                "(engine strategies: restore, bias)"}
+
+
+def test_an_engine_that_returns_no_routing_is_judged_by_perplexity_and_the_band_says_why(tmp_path) -> None:
+    retuner, engine = make(tmp_path, state=healthy_state(), reference=healthy_state())
+    unrouted = engine.score
+
+    def without_routing(samples):
+        return [SampleScore(score.loss, score.tokens, None) for score in unrouted(samples)]
+
+    engine.score = without_routing  # type: ignore[method-assign]
+    status, result = retuner.run(job(trigger={"source": "cli"}))
+    assert status == "promoted", result
+    checks = {check["gate"]: check for check in result["attempts"][0]["gates"]["checks"]}
+    assert checks["band"]["binding"] is False and "returned no routing" in checks["band"]["message"]
+    assert checks["perplexity"]["decision"] == "pass" and checks["perplexity"]["binding"] is True

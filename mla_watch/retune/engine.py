@@ -363,8 +363,8 @@ class EngineRetuner:
               before: ModelScore, band: Band, *, known_good: str | None, keep_unless: bool = False) -> str:
         """Swap ``version`` in, score it with the engine, keep it or roll it back; the attempt's outcome.
 
-        ``keep_unless`` (a bias step): a candidate that is not worse but not yet in band stays live for the next
-        step (``stepped``); anything worse goes back at once.
+        ``keep_unless`` (a bias step): a candidate that is no worse but reads a router still outside its band
+        stays live for the next step (``stepped``); anything else short of a pass goes back at once.
         """
         watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
         taken = self._promote(version)
@@ -377,21 +377,28 @@ class EngineRetuner:
                            live_seconds=round(self._clock() - live_from, 3),
                            reason=f"the engine could not score the held-out samples after the swap: {error}")
             return "failed"
+        routed = bool(after.routers)
         known = None
-        if known_good is not None:
+        if known_good is not None and routed:
             known = KnownGood(source=known_good, health=_health_by_band(after, spec.routers, band), score=after,
                               live_outside_band=_outside(before, spec.routers, band))
-        report = evaluate_gates(before, after, routers=watched, band=band,
+        report = evaluate_gates(before, after, routers=watched if routed else [], band=band,
                                 max_perplexity_increase=spec.max_perplexity_increase,
                                 confidence=self.settings.gate_confidence,
                                 min_tokens=self.settings.min_held_out_tokens,
                                 min_samples=self.settings.min_held_out_samples, known_good=known)
+        if not routed:  # the engine returns no routing (vLLM without --enable-return-routed-experts)
+            report.checks.insert(0, {"gate": "band", "value": None, "limit": band.describe(),
+                                     "decision": "insufficient", "passed": False, "binding": False,
+                                     "message": "the engine returned no routing for the held-out samples (vLLM: "
+                                                "--enable-return-routed-experts): the band is not judged, perplexity "
+                                                "decides"})
         attempt.update(version=version, gates=report.as_dict(), swap=taken)
         self.registry.update_manifest(version, {"gates": report.as_dict()})
         if report.passed:
             attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
             return "promoted"
-        if keep_unless and not _worse(report):
+        if keep_unless and not _worse(report) and _short_of_band(report):
             attempt.update(outcome="stepped", live_seconds=round(self._clock() - live_from, 3), _after=after,
                            reason="; ".join(report.reasons()))
             return "stepped"
@@ -499,6 +506,11 @@ def _health_by_band(score: ModelScore, routers: Sequence[str], band: Band) -> di
             "reason": "no router outside its band" if not breaches else
             "; ".join(f"{router}: {band.metric} {score.metric(router, band.metric):.3f} outside {band.describe()}"
                       for router in breaches)}
+
+
+def _short_of_band(report: GateReport) -> bool:
+    """A band check read a router outside its band (as opposed to every band check passing or undecided)."""
+    return any(check["gate"] == "band" and check["decision"] == "reject" for check in report.checks)
 
 
 def _worse(report: GateReport) -> bool:

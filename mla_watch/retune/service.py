@@ -133,8 +133,13 @@ class RetuneService:
                             "or a damaged deploy; serving them as loaded (the `restore` strategy puts router "
                             "version %s back)", len(differences), differences[0], self.registry.last_good())
             elif live:
-                self._apply_live_state()
-                log.info("router version %d re-applied after the restart", live)
+                try:
+                    self._apply_live_state()
+                    log.info("router version %d re-applied after the restart", live)
+                except Exception as error:  # an engine not up yet must not stop the sidecar: promote it again later
+                    log.error("router version %d could not be re-applied after the restart (%s: %s); serving what "
+                              "the model loaded until `mla-watch retune promote %d`", live, type(error).__name__,
+                              str(error)[:200], live)
         _SERVICES[self._key] = self
         self.retuner.remove_work()  # left by a job that a crash interrupted (it starts afresh if retried)
         for record in self.store.list(limit=1000, statuses=["running"]):
