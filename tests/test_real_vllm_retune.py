@@ -191,3 +191,51 @@ def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as
         assert wait_until(lambda: any(alert["labels"]["alertname"] == "RouterRetuneRejected"
                                       for alert in pages(receiver)), timeout=30)
     engine.close()
+
+
+def bias_collapsed(healthy: Path, target: Path, layer: int, experts: int = 4, offset: float = 10.0) -> Path:
+    """``healthy`` copied to ``target`` with ``offset`` on the correction bias of ``experts`` experts of ``layer``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(healthy, target)
+    for shard in target.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        name = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+        if name in tensors:
+            tensors[name] = tensors[name].clone()
+            tensors[name][:experts] += offset
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    return target
+
+
+def test_bias_steps_a_deepseek_router_collapsed_by_its_correction_bias_back_into_band(tmp_path) -> None:
+    """DeepSeek-V3 (noaux_tc) with +10 on four experts' correction bias in layer 2: the bias rule, each step a
+    swap and a gate through the engine, until the engine routes it in band; the alert resolves by itself."""
+    healthy = build_checkpoint(cache_root() / "checkpoints", "deepseek_v3")
+    collapsed = bias_collapsed(healthy, tmp_path / "deepseek-bias-collapsed", LAYER)
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "rules" / "routing.yaml").write_text(entropy_low_rules(
+        below=BELOW, resolve_above=RESOLVE, min_tokens=64, actions=("notify", "retune"), strategies=("bias",),
+        group_by=False))
+    with running_vllm(collapsed, routing=True, dev_mode=True, log_path=tmp_path / "vllm.log") as engine, \
+            running_receiver() as receiver:
+        port = free_port()
+        with sidecar_process(port, tmp_path / "state", "--upstream", engine, "--engine", "vllm", "--model-config",
+                             str(collapsed), "--capture", "--engine-retune", "apply", "--rules",
+                             str(tmp_path / "rules"), "--alert-interval", "0.5", *GATE,
+                             env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url},
+                             log=tmp_path / "sidecar.log"):
+            url = f"http://127.0.0.1:{port}"
+            send(url, 0, 24)
+            assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=400,
+                              interval=1), [(job["status"], job["result"]) for job in jobs(url)]
+            until_resolved(url, 24)
+            assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
+            (promoted,) = [job for job in jobs(url) if job["status"] == "promoted"]
+            (attempt,) = promoted["result"]["attempts"]
+            steps = attempt["steps"]
+            print(f"\nbias steps through the engine: {len(steps)}, "
+                  + ", ".join(f"step {s['step']} {s['outcome']} ({s.get('live_seconds')} s live)" for s in steps))
+            assert steps[-1]["outcome"] == "promoted"

@@ -39,7 +39,7 @@ def write_rules(directory: Path, strategies: str, below: float = 5.0, resolve: f
     return directory
 
 
-PROMPTS = corpus.prompts("code", 64, seed=31)  # function signatures, ~25 tokens: what the gate scores
+PROMPTS = corpus.prompts("code", 64, seed=31)  # 64 distinct function signatures, ~18 tokens: what the gate scores
 
 
 def traffic(url: str, requests: int, start: int = 0, tokens: int = 24) -> None:
@@ -60,14 +60,20 @@ def last_job(url: str) -> dict:
     return jobs[0] if jobs else {"status": "none"}
 
 
+def decided(job: dict) -> bool:
+    """Ended, or rejected while its router still reads outside its band (then it waits for new traffic)."""
+    return job["status"] not in ("pending", "running", "waiting") or bool(
+        (job.get("result") or {}).get("rejected_while_outside_band"))
+
+
 def finished_job(url: str, start: int, timeout: float = 400) -> tuple[dict, int]:
-    """The newest job once it ended, traffic going on meanwhile (a job short of data waits for more); the
+    """The newest job once it decided, traffic going on meanwhile (a job short of data waits for more); the
     index of the next request."""
     deadline = time.monotonic() + timeout
-    while last_job(url)["status"] in ("pending", "running", "waiting") and time.monotonic() < deadline:
+    while not decided(last_job(url)) and time.monotonic() < deadline:
         traffic(url, 1, start=start)
         start += 1
-    assert last_job(url)["status"] not in ("pending", "running", "waiting"), last_job(url)
+    assert decided(last_job(url)), last_job(url)
     return last_job(url), start
 
 
@@ -98,7 +104,7 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
         rules = write_rules(tmp_path / "rules", "bias")
-        settings = RetuneSettings(min_samples=12, retry_seconds=2.0)
+        settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
         with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
                              state_dir=tmp_path / "state") as (url, sidecar):
             traffic(url, 14)  # captured: the job's data
@@ -147,7 +153,7 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
         rules = write_rules(tmp_path / "rules", "router_finetune", below=5.4, resolve=5.5)
-        settings = RetuneSettings(min_samples=12, retry_seconds=2.0)
+        settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
         with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
                              admin_token=TOKEN, state_dir=tmp_path / "state") as (url, sidecar):
             traffic(url, 14)
@@ -158,12 +164,13 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
                 weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)))
             damaged = router_state(model)
             job, sent = finished_job(url, start=until_paged(url, receiver, 14))
-            assert job["status"] in ("promoted", "rejected"), job["result"]
+            rejected = job["status"] == "waiting"  # rejected while the router is still broken: it keeps trying
+            assert job["status"] == "promoted" or rejected, job["result"]
             (attempt,) = job["result"]["attempts"]
             assert attempt["strategy"] == "router_finetune"
             details = httpx.get(url + "/v1/retune/versions").json()["versions"][attempt["version"]]["details"]
             assert details["lr"] == 1e-4 and details["epochs"] == 2 and details["routers"] == [LAYER1]
-            if job["status"] == "rejected":  # on-call hears why, with the figures; nothing changed
+            if rejected:  # on-call hears why, with the figures; nothing changed
                 assert wait_until(lambda: alerts_for(receiver, "RouterRetuneRejected", "firing"), timeout=30)
                 (notice,) = alerts_for(receiver, "RouterRetuneRejected", "firing")
                 assert notice["labels"]["job"] == job["id"]
@@ -178,9 +185,10 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             traffic(url, 24, start=sent)  # the restore job below runs on what was captured: enough for the gate
 
 
-            refused = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
-                          "--business-line", "code_assistant", "--wait", "120")
-            assert refused.returncode != 0 and "cooldown is 3600 s" in refused.stderr
+            if not rejected:  # a promoted job holds the router's cooldown; one still trying does not
+                refused = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
+                              "--business-line", "code_assistant", "--wait", "120")
+                assert refused.returncode != 0 and "cooldown is 3600 s" in refused.stderr
             restored = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
                            "--business-line", "code_assistant", "--wait", "120", "--force")
             assert restored.returncode == 0, restored.stdout + restored.stderr
@@ -189,7 +197,9 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             assert all(torch.equal(live[name], healthy[name]) for name in healthy)  # version 0, bit for bit
 
             listing = cli("list", "--url", url, "--json")
-            assert [job["status"] for job in json.loads(listing.stdout)][:2] == ["promoted", job["status"]]
+            # the restore promoted; a job still trying for the same router is superseded by it
+            assert [job["status"] for job in json.loads(listing.stdout)][:2] == [
+                "promoted", "superseded" if rejected else job["status"]]
             version = httpx.get(url + "/v1/retune/versions").json()["live"]
             shown = json.loads(cli("show", "--url", url, "--version", str(version)).stdout)
             assert shown["strategy"] == "restore" and shown["live"] is True and shown["details"]["restored_from"] == 0
@@ -199,6 +209,6 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             live = router_state(model)
             assert all(torch.equal(live[name], before_restore[name]) for name in before_restore)  # exact
             assert metric_value(get_metrics(url), "mla_watch_router_promotions_total", kind="rollback") == 1
-            nothing = cli("rollback", "--url", url) if job["status"] == "rejected" else None
+            nothing = cli("rollback", "--url", url) if rejected else None
             if nothing is not None:
                 assert nothing.returncode != 0 and "nothing to roll back" in nothing.stderr

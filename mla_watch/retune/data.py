@@ -22,6 +22,7 @@ use every token.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import logging
 import re
@@ -30,14 +31,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mla_watch.describe import describe_value
 from mla_watch.retune.capture import TokenSample, check_positive
 from mla_watch.yamlcheck import fmt
 
-__all__ = ["DATASET_NAME_RE", "DatasetError", "distinct_count", "load_jsonl_dataset", "make_batches",
-           "resolve_dataset", "scored_text", "split_held_out"]
+__all__ = [
+    "DATASET_NAME_RE",
+    "DatasetError",
+    "distinct_count",
+    "evidence_digest",
+    "load_jsonl_dataset",
+    "make_batches",
+    "resolve_dataset",
+    "scored_text",
+    "split_held_out",
+]
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +313,15 @@ def split_held_out(samples: Sequence[list[int]], fraction: float = 0.2, *,
             seen.add(rank)
             held_out.append(sample)
     return train, held_out
+
+
+def evidence_digest(samples: Sequence[Sequence[int]]) -> str:
+    """A digest of the distinct scored texts of ``samples``, in any order: equal when a job would see the same
+    evidence again (a retry after a rejection then waits instead of fitting the same candidates anew)."""
+    digest = hashlib.sha256()
+    for text in sorted({scored_text(sample) for sample in samples}):
+        digest.update(np.asarray(text, dtype=np.int64).tobytes() + b"|")
+    return digest.hexdigest()[:16]
 
 
 def distinct_count(samples: Sequence[Sequence[int]]) -> int:

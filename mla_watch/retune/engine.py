@@ -41,12 +41,13 @@ from mla_watch.engines.formats import routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
 from mla_watch.retune.capture import TokenSample, TrafficCapture
-from mla_watch.retune.data import distinct_count, split_held_out
+from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
 from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions
+from mla_watch.retune.runner import same_evidence
 from mla_watch.routing import compute_stats
 from mla_watch.windows import RouterInfo
 
@@ -150,7 +151,7 @@ class BiasSchedule:
     step and stays in the band after; a fixed 1.0 swings between 3.2 and 5.8 (bench/README.md).
     """
 
-    def __init__(self, gamma: float = 1.0, decay: float = 0.7, steps: int = 6) -> None:
+    def __init__(self, gamma: float = 1.0, decay: float = 0.7, steps: int = 8) -> None:
         self.gamma, self.decay, self.steps = gamma, decay, steps
 
     def gamma_at(self, step: int) -> float:
@@ -210,7 +211,7 @@ class EngineRetuner:
         return None
 
     # ------------------------------------------------------------------ a job
-    def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+    def run(self, spec: JobSpec, previous: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         started = self._clock()
         if spec.version is not None:
             return self._apply_version(spec, started)
@@ -219,6 +220,8 @@ class EngineRetuner:
         held_out, data = self._held_out(spec)
         if isinstance(held_out, str):
             return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
+        if unchanged := same_evidence(previous or {}, data):
+            return "waiting", unchanged
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
         attempts: list[dict[str, Any]] = []
@@ -430,7 +433,7 @@ class EngineRetuner:
                     "business line)"), {}
         samples = self.capture.samples(line, limit=self.settings.max_samples)
         data: dict[str, Any] = {"source": "capture", "business_line": line, "samples": len(samples),
-                                "distinct_samples": distinct_count(samples)}
+                                "distinct_samples": distinct_count(samples), "evidence": evidence_digest(samples)}
         if len(samples) < self.settings.min_samples or data["distinct_samples"] < 2:
             return (f"{len(samples)} captured samples ({data['distinct_samples']} distinct) of "
                     f"{repr(line) if line else 'all business lines'}; the job needs at least "

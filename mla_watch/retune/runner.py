@@ -29,7 +29,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import (
     distinct_count,
+    evidence_digest,
     load_jsonl_dataset,
     make_batches,
     resolve_dataset,
@@ -54,7 +55,7 @@ from mla_watch.retune.registry import RouterVersions, apply_router_tensors, rout
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
 from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
 
-__all__ = ["JobCannotRun", "Retuner"]
+__all__ = ["JobCannotRun", "Retuner", "same_evidence"]
 
 log = logging.getLogger("mla_watch.retune")
 
@@ -101,7 +102,7 @@ class Retuner:
         self._model_lock = model_lock
         self._clock = clock
 
-    def run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+    def run(self, spec: JobSpec, previous: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Run ``spec``; returns ``(status, result)`` with status ``promoted``, ``rejected``, ``failed`` or
         ``waiting`` (not enough data to decide; ``result["needs"]`` says what is missing).
 
@@ -109,7 +110,7 @@ class Retuner:
         when it returns; what a promotion needs is in the registry by then.
         """
         try:
-            return self._run(spec)
+            return self._run(spec, previous or {})
         finally:
             self.remove_work(spec.id)
 
@@ -124,7 +125,7 @@ class Retuner:
                 else:
                     entry.unlink(missing_ok=True)
 
-    def _run(self, spec: JobSpec) -> tuple[str, dict[str, Any]]:
+    def _run(self, spec: JobSpec, previous: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         started = self._clock()
         timings: dict[str, float] = {}
         try:
@@ -134,6 +135,8 @@ class Retuner:
             if error.needs_data:
                 return "waiting", {"needs": str(error), "attempts": [], "cannot_run": True}
             return "failed", {"error": str(error), "attempts": [], "cannot_run": True}
+        if unchanged := same_evidence(previous, data):
+            return "waiting", unchanged
         train, held_out = split_held_out(samples, self.settings.held_out_fraction)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         limit = self.settings.max_tokens_per_sample
@@ -275,6 +278,7 @@ class Retuner:
             raise JobCannotRun(f"the {len(samples)} samples hold {distinct} distinct text(s); the job needs at least 2 "
                                f"(one to train on, one held out)", needs_data=source["source"] == "capture")
         return samples, {**source, "business_line": line, "samples": len(samples), "distinct_samples": distinct,
+                         "evidence": evidence_digest(samples),
                          "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}
 
     def _copy_live(self) -> torch.nn.Module:
@@ -348,6 +352,19 @@ class Retuner:
             except ValueError as error:
                 raise RuntimeError(f"{result_file.name} of the external command is not JSON: {error}") from error
         return Candidate(tensors, details)
+
+
+def same_evidence(previous: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """After a rejection while the router read outside its band, the job's previous result again when the data
+    holds the same distinct texts as then (``data["evidence"]``): the same candidates would be fitted and
+    rejected anew, so the job goes on waiting for traffic it has not seen. ``None``: run the job."""
+    if not previous.get("rejected_while_outside_band"):
+        return None
+    if (previous.get("data") or {}).get("evidence") != data.get("evidence"):
+        return None
+    return {**previous, "unchanged": True,
+            "needs": str(previous.get("needs") or "new traffic").split(" (no new traffic since")[0]
+            + " (no new traffic since the last try)"}
 
 
 class _HealthText:

@@ -271,11 +271,12 @@ class RetuneService:
         if record["status"] not in ("pending", "waiting"):
             return record
         waiting_since = (record["result"] or {}).get("waiting_since") if record["status"] == "waiting" else None
-        was_rejected = bool((record["result"] or {}).get("rejected_while_outside_band"))
+        was_waiting, record_result = record["status"] == "waiting", record["result"] or {}
+        was_rejected = bool(record_result.get("rejected_while_outside_band"))
         record = self.store.start(job_id)
         spec = JobSpec.from_dict(record["spec"])
         try:
-            status, result = self.retuner.run(spec)
+            status, result = self.retuner.run(spec, previous=record_result if was_waiting else None)
         except Exception as error:  # the record must say what happened, whatever it was
             log.exception("re-tune job %s failed", job_id)
             status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
