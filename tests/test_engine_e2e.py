@@ -111,6 +111,9 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
         assert wait_until(paged, timeout=60, interval=0.25), (tmp_path / "sglang.log").read_text()[-3000:]
         alerts = [alert for body in (r.json() for r in list(receiver.requests)) for alert in body["alerts"]]
         assert {alert["labels"]["router"] for alert in alerts} == {COLLAPSED}  # healthy layers never page
-        assert all("not available for an engine's routers" in alert["annotations"]["retune"] for alert in alerts)
+        # --model-config is the config.json alone: the routers' tensors cannot be read, so no job, and it says why
+        assert all("re-tuning the engine's routers is not available: --model-config" in alert["annotations"]["retune"]
+                   for alert in alerts)
         status = httpx.get(sglang + "/v1/status", timeout=10).json()
-        assert status["engine"]["engine"] == "sglang" and "not available" in status["engine"]["retune"]
+        assert status["engine"]["engine"] == "sglang" and "is a file: expected the engine's checkpoint directory" \
+            in status["engine"]["retune"]

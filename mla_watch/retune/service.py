@@ -282,10 +282,10 @@ class RetuneService:
             status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
                                         "strategy": spec.strategies[0]}
         if status == "waiting":
-            record = self._wait(job_id, result, waiting_since)
-            status = record["status"]
             if result.get("rejected_while_outside_band") and not was_rejected and self._on_rejected is not None:
                 self._on_rejected(spec, result)  # on-call hears of the first rejection; the job goes on trying
+            record = self._wait(job_id, result, waiting_since)
+            status = record["status"]
             if status == "waiting":
                 if self._on_outcome is not None:
                     self._on_outcome(str(result.get("strategy") or spec.strategies[0]), status)

@@ -346,7 +346,10 @@ class Sidecar:
     def _start_engine_retune(self, capture: Any) -> str:
         """The re-tune service for the engine's routers (``--engine-retune propose|apply``); else why there is none."""
         config = self.config
-        if self.engine_routing is None or config.engine_retune == "off":
+        if self.engine_routing is None:
+            return ("re-tuning needs a local model, or an engine's routing read (--engine vllm|sglang with "
+                    "--model-config) to re-tune the engine's routers")
+        if config.engine_retune == "off":
             return "re-tuning the engine's routers is off (serve --engine-retune propose|apply)"
         if config.engine not in ("vllm", "sglang"):
             return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
