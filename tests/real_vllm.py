@@ -261,6 +261,21 @@ def _family_config(family: str) -> dict[str, Any]:
     raise ValueError(f"unknown family {family!r}: expected one of {', '.join(FAMILIES)}")
 
 
+def mla_routing_skip() -> str | None:
+    """Why vLLM's CPU platform returns no routing for an MLA model here (``None``: it can, on a CPU with AMX).
+
+    Without AMX tiles, vllm/platforms/cpu.py (516-527) turns prefix caching off for MLA models, and the
+    routed-experts output needs prefix caching (vllm/config/vllm.py:1156 refuses to start): DeepSeek-V3 then
+    serves only without --enable-return-routed-experts.
+    """
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return None
+    return ("this CPU has no AMX tiles: vLLM's CPU platform turns prefix caching off for MLA models, and the "
+            "routed-experts output needs it (vllm/platforms/cpu.py:516-527, vllm/config/vllm.py:1156)")
+
+
 def checkpoint_name(family: str, collapsed_layer: int | None = None) -> str:
     return family if collapsed_layer is None else f"{family}-collapsed{collapsed_layer}"
 

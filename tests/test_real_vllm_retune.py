@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port, wait_until
-from real_vllm import build_checkpoint, cache_root, running_vllm
+from real_vllm import build_checkpoint, cache_root, mla_routing_skip, running_vllm
 from receivers import running_receiver
 from test_reliability import sidecar_process
 
@@ -210,6 +210,7 @@ def bias_collapsed(healthy: Path, target: Path, layer: int, experts: int = 4, of
     return target
 
 
+@pytest.mark.skipif(mla_routing_skip() is not None, reason=str(mla_routing_skip()))
 def test_bias_steps_a_deepseek_router_collapsed_by_its_correction_bias_back_into_band(tmp_path) -> None:
     """DeepSeek-V3 (noaux_tc) with +10 on four experts' correction bias in layer 2: the bias rule, each step a
     swap and a gate through the engine, until the engine routes it in band; the alert resolves by itself."""
