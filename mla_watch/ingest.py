@@ -258,7 +258,8 @@ def _delta_key(delta: Any, where: str, known: Mapping[str, RouterInfo]) -> tuple
                                  "choice_selections"})
     if extra:
         raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
-    info = known.get(delta.get("router"))  # type: ignore[arg-type]
+    router = delta.get("router")
+    info = known.get(router) if isinstance(router, str) else None  # a list or object is no name (nor hashable)
     if info is None:
         raise IngestError(f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
                           "routers listed in this request", f"{where}.router")

@@ -319,3 +319,9 @@ def test_refusals_are_counted_by_route_not_by_the_path_asked_for(proxy) -> None:
     metrics = get_metrics(url)
     assert metrics.count('mla_watch_bad_requests_total{endpoint="/static/') == 1  # one series, whatever was asked
     assert metric_value(metrics, "mla_watch_bad_requests_total", endpoint="/static/{name}", reason="not_found") == 20
+
+
+@pytest.mark.parametrize("name", [[], ["model.layers.1.mlp.gate"], {"a": 1}, 7, None])
+def test_a_delta_whose_router_is_no_name_is_refused_naming_the_field(name) -> None:
+    with pytest.raises(IngestError, match=r"deltas\[0\]\.router=.* is invalid: expected one of the routers listed"):
+        parse_snapshot(snapshot(deltas=[{**delta(), "router": name}]), IngestLimits())

@@ -336,10 +336,15 @@ class Sidecar:
                               max_age_seconds=self.config.capture_max_age_seconds)
 
     def _capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]]], None]:
+        from mla_watch.retune.capture import CaptureError
+
         def record(line: str, samples: list[tuple[list[int], int]]) -> None:
-            for token_ids, prompt_tokens in samples:
-                capture.add(line, token_ids, prompt_tokens=prompt_tokens)
-                self.metrics.captured_samples.labels(line).inc()
+            try:
+                for token_ids, prompt_tokens in samples:
+                    capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+                    self.metrics.captured_samples.labels(line).inc()
+            except CaptureError as error:  # the client has its answer: a full disk costs the capture, not it
+                log.warning("an answer of %s was not captured: %s", line, error)
 
         return record
 
