@@ -257,3 +257,14 @@ def test_an_engine_that_returns_no_routing_is_judged_by_perplexity_and_the_band_
     checks = {check["gate"]: check for check in result["attempts"][0]["gates"]["checks"]}
     assert checks["band"]["binding"] is False and "returned no routing" in checks["band"]["message"]
     assert checks["perplexity"]["decision"] == "pass" and checks["perplexity"]["binding"] is True
+
+
+def test_applying_a_proposed_version_that_fails_its_gate_rolls_it_back_and_ends(tmp_path) -> None:
+    retuner, engine = make(tmp_path, mode="propose", reference=collapsed_state())  # proposes the broken routers
+    status, proposed = retuner.run(job())
+    assert status == "proposed"
+    status, result = retuner.run(job(version=proposed["version"]))
+    assert status == "rejected" and result["version"] is None, result
+    assert result["attempts"][0]["rolled_back"] is True
+    assert [entry["kind"] for entry in retuner.registry.promotions()] == ["initial", "promote", "rollback"]
+    assert torch.equal(engine.state[WEIGHT], torch.zeros(8, 4)) and len(engine.swaps) == 2  # swapped, swapped back

@@ -259,9 +259,12 @@ class EngineRetuner:
         attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
         outcome = self._gate(spec, attempt, version, held_out, before, band,
                              known_good=(manifest.get("details") or {}).get("source"))
+        result = self._result(spec, [attempt], data, started, version if outcome == "promoted" else None,
+                              attempt["strategy"])
         if outcome == "promoted":
-            return "promoted", self._result(spec, [attempt], data, started, version, attempt["strategy"])
-        return self._undecided(spec, [attempt], data, started, before, band)
+            return "promoted", result
+        # The version an operator named was judged and rolled back: the end (a retry would swap it in again).
+        return ("rejected" if outcome == "rejected" else "failed"), result
 
     def _propose(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
         attempts: list[dict[str, Any]] = []
