@@ -409,9 +409,12 @@ class Sidecar:
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc())
         self.retune.start()
         self.metrics.router_version.set(registry.live_version() or 0)
-        problem = weights.problem()
-        if problem is not None:
-            log.warning("re-tuning the engine's routers: %s", problem)
+        def check() -> None:  # an engine still starting must not hold up the sidecar's own start
+            problem = weights.problem()
+            if problem is not None:
+                log.warning("re-tuning the engine's routers: %s", problem)
+
+        threading.Thread(target=check, name="mla-watch-engine-check", daemon=True).start()
         return f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
 
     def _retune_proposed(self, spec: JobSpec, result: dict[str, Any]) -> None:
