@@ -55,12 +55,11 @@ from typing import Any
 
 import httpx
 import numpy as np
-from safetensors import SafetensorError
 
 from mla_watch.engines.formats import DataError, _sglang_decoder, routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
-from mla_watch.engines.weights import CONFIG_FILE, _check_routers, _checkpoint_shapes, _read_config
+from mla_watch.engines.weights import checked_router_dir
 
 __all__ = ["PAUSE_MODE", "SglangWeights"]
 
@@ -146,7 +145,7 @@ class SglangWeights(EngineWeights):
         return None
 
     def swap(self, weights_path: Path) -> SwapResult:
-        path = self._checked(weights_path)
+        path = checked_router_dir(weights_path, "SGLang")
         request = {"model_path": str(path), "load_format": LOAD_FORMAT, "flush_cache": True,
                    "abort_all_requests": False}
         paused_at = time.perf_counter()
@@ -189,25 +188,6 @@ class SglangWeights(EngineWeights):
         return [self._score_one(index, ids) for index, ids in enumerate(checked)]
 
     # ------------------------------------------------------------------ internals
-    def _checked(self, weights_path: Path) -> Path:
-        """``weights_path`` as SGLang will read it, checked here first: a load that fails can stop the server."""
-        path = Path(weights_path)
-        if not path.is_absolute():
-            raise SwapError(f"weights_path {path}: relative: expected an absolute path (SGLang takes a path that "
-                            "is not a directory for a Hugging Face repo id)")
-        if not path.is_dir():
-            raise SwapError(f"weights_path {path}: not a directory here: expected the directory "
-                            "write_router_checkpoint wrote, at the path the engine sees it too")
-        try:
-            config = _read_config(path / CONFIG_FILE, "weights_path")
-            _check_routers(_checkpoint_shapes(path), config, f"weights_path {path}")
-        except (OSError, SafetensorError) as error:
-            raise SwapError(f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: "
-                            f"{_clip(str(error))}") from None
-        except ValueError as error:
-            raise SwapError(str(error)) from None
-        return path
-
     def _call(self, method: str, path: str, payload: Any, *, admin: bool, limit: int) -> tuple[int, bytes]:
         """Status and body (at most ``limit`` bytes, decompressed) of one request; SwapError when there is none."""
         headers = self._admin if admin else self._normal

@@ -69,7 +69,7 @@ from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, Geometr
 from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
 from mla_watch.retune.reference import checkpoint_files
 
-__all__ = ["ROUTER_TENSOR", "VllmWeights", "read_router_tensors", "write_router_checkpoint"]
+__all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
 
 ROUTER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)$")
 WEIGHTS_FILE = "model.safetensors"
@@ -256,6 +256,27 @@ def _empty_checkpoint(parent: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- the engine
+def checked_router_dir(weights_path: Path, engine: str) -> Path:
+    """``weights_path`` as ``engine`` will read it, checked here first (a load that fails part-way strands or stops
+    the engine): absolute, a directory, router tensors only, of the shapes its config.json gives."""
+    path = Path(weights_path)
+    if not path.is_absolute():
+        raise SwapError(f"weights_path {path}: relative: expected an absolute path ({engine} takes a path that is "
+                        "not a directory for a Hugging Face repo id)")
+    if not path.is_dir():
+        raise SwapError(f"weights_path {path}: not a directory here: expected the directory "
+                        "write_router_checkpoint wrote, at the path the engine sees it too")
+    try:
+        config = _read_config(path / CONFIG_FILE, "weights_path")
+        _check_routers(_checkpoint_shapes(path), config, f"weights_path {path}")
+    except (OSError, SafetensorError) as error:
+        raise SwapError(f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: "
+                        f"{str(error)[:200]}") from None
+    except ValueError as error:
+        raise SwapError(str(error)) from None
+    return path
+
+
 class VllmWeights(EngineWeights):
     """A running vLLM's routers, swapped through its dev-mode endpoints, and its scores of token ids.
 
@@ -317,7 +338,7 @@ class VllmWeights(EngineWeights):
         return None
 
     def swap(self, weights_path: Path) -> SwapResult:
-        path = self._checked(weights_path)
+        path = checked_router_dir(weights_path, "vLLM")
         try:
             rollback = _empty_checkpoint(path.parent)
         except OSError as error:
@@ -364,26 +385,6 @@ class VllmWeights(EngineWeights):
         return scores
 
     # ------------------------------------------------------------------ swap steps
-    def _checked(self, weights_path: Path) -> Path:
-        """``weights_path`` as vLLM will read it, checked here first: a reload that fails strands the engine."""
-        path = Path(weights_path)
-        if not path.is_absolute():
-            raise SwapError(f"weights_path {path}: relative: expected an absolute path (vLLM takes a path that is "
-                            "not a directory for a Hugging Face repo id)")
-        if not path.is_dir():
-            raise SwapError(f"weights_path {path}: not a directory here: expected the directory "
-                            "write_router_checkpoint wrote, at the path the engine sees it too")
-        try:
-            config = _read_config(path / CONFIG_FILE, "weights_path")
-            shapes = _checkpoint_shapes(path)
-            _check_routers(shapes, config, f"weights_path {path}")
-        except (OSError, SafetensorError) as error:
-            raise SwapError(f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: "
-                            f"{str(error)[:200]}") from None
-        except ValueError as error:
-            raise SwapError(str(error)) from None
-        return path
-
     def _reload(self, path: Path) -> Any:
         answer = self._call("POST", "/collective_rpc", what=f"reload_weights of {path}",
                             json_body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
