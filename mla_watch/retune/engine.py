@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -225,13 +225,7 @@ class EngineRetuner:
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
         attempts: list[dict[str, Any]] = []
-        for name in spec.strategies:
-            attempt: dict[str, Any] = {"strategy": name}
-            attempts.append(attempt)
-            reason = self.supported(name)
-            if reason is not None:
-                attempt.update(outcome="unsupported", reason=reason)
-                continue
+        for name, attempt in self._attempts(spec, attempts):
             try:
                 if name == "bias":
                     outcome = self._bias_steps(spec, attempt, held_out, before, band, data)
@@ -268,13 +262,7 @@ class EngineRetuner:
 
     def _propose(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
         attempts: list[dict[str, Any]] = []
-        for name in spec.strategies:
-            attempt: dict[str, Any] = {"strategy": name}
-            attempts.append(attempt)
-            reason = self.supported(name)
-            if reason is not None:
-                attempt.update(outcome="unsupported", reason=reason)
-                continue
+        for name, attempt in self._attempts(spec, attempts):
             try:
                 if name == "bias":
                     tensors, details = self._bias_candidate(spec, 0, self._window_loads(spec))
@@ -290,6 +278,18 @@ class EngineRetuner:
             result.update(error=None, command=command)
             return "proposed", result
         return "failed", self._result(spec, attempts, {}, started, None, None)
+
+    def _attempts(self, spec: JobSpec, attempts: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Each strategy the engine can use, with its attempt record (added to ``attempts``; the others are
+        recorded ``unsupported`` with the reason)."""
+        for name in spec.strategies:
+            attempt: dict[str, Any] = {"strategy": name}
+            attempts.append(attempt)
+            reason = self.supported(name)
+            if reason is not None:
+                attempt.update(outcome="unsupported", reason=reason)
+                continue
+            yield name, attempt
 
     # ------------------------------------------------------------------ candidates
     def _restore(self, spec: JobSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
