@@ -103,6 +103,11 @@ def pages(receiver) -> list[dict]:
     return [alert for request in list(receiver.requests) for alert in request.json().get("alerts", [])]
 
 
+def layer_pages(receiver) -> list[tuple[str, str]]:
+    return [(alert["labels"]["alertname"], alert["status"]) for alert in pages(receiver)
+            if alert["labels"].get("router") == ROUTER and alert["labels"].get("business_line") == LINE]
+
+
 def until_resolved(url: str, start: int, limit: int = 80) -> int:
     """Traffic until the layer's alert has resolved (or ``limit`` requests); the next request index."""
     index = start
@@ -136,9 +141,9 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
               f"{promoted['result']['timings'].get('trigger_to_promoted_seconds')} s")
         versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
         assert versions["live"] == promoted["result"]["version"]
-        statuses = [(alert["labels"]["alertname"], alert["status"]) for alert in pages(receiver)
-                    if alert["labels"].get("router") == ROUTER and alert["labels"].get("business_line") == LINE]
-        assert statuses == [("RoutingEntropyLow", "firing"), ("RoutingEntropyLow", "resolved")], statuses
+        # the resolved page goes out through the outbox, a moment after the alert's state changed
+        assert wait_until(lambda: len(layer_pages(receiver)) >= 2, timeout=30), layer_pages(receiver)
+        assert layer_pages(receiver) == [("RoutingEntropyLow", "firing"), ("RoutingEntropyLow", "resolved")]
 
 
 def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_vllm, checkpoints,

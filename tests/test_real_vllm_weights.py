@@ -24,6 +24,7 @@ import torch
 from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm
 from safetensors.torch import save_file
 
+from mla_watch.engines import weights
 from mla_watch.engines.swap import SwapError
 from mla_watch.engines.weights import VllmWeights, read_router_tensors, write_router_checkpoint
 
@@ -145,24 +146,20 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
     engine.close()
 
 
-class Unchecked(VllmWeights):
-    """Sends any path to the engine: what a failed reload does to vLLM, past the sidecar's own checks."""
-
-    def _checked(self, weights_path: Path) -> Path:
-        return Path(weights_path)
-
-
-def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: dict[str, Path],
-                                                                  collapsed_url: str, tmp_path: Path) -> None:
-    engine = Unchecked(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
+def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: dict[str, Path], collapsed_url: str,
+                                                                  tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = VllmWeights(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
     before = losses(engine)
     with pytest.raises(SwapError, match=r"weights_path .*: not a directory here"):
-        VllmWeights(collapsed_url).swap(tmp_path / "nowhere")
+        engine.swap(tmp_path / "nowhere")
 
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    with pytest.raises(SwapError) as caught:
+    with monkeypatch.context() as unchecked, pytest.raises(SwapError) as caught:
+        # past the sidecar's own checks, as if they had missed it: what a failed reload does to vLLM
+        unchecked.setattr(weights, "checked_router_dir", lambda path, engine_name: Path(path))
         engine.swap(corrupt)
     FINDINGS["corrupt_swap_error"] = str(caught.value)
     assert "/collective_rpc (reload_weights of " in str(caught.value) and " answered 500: Call to collective_rpc " \
