@@ -277,6 +277,22 @@ class RoutingStats:
     too_small: bool
 
     @property
+    def no_signal(self) -> str | None:
+        """Why this window's figures say nothing about the router's health, or ``None`` when they do.
+
+        An indexer whose every query saw no more keys than it may pick selected all of them: its entropy and
+        locality describe the contexts' lengths, not the indexer. A window under its trusted minimum reads low.
+        """
+        if self.selections == 0:
+            return "no traffic in the window"
+        if self.kind == "indexer" and self.locality is None:
+            return (f"no query saw more than index_topk = {self.top_k} keys: the indexer selected every key, "
+                    "so its choices carry no signal")
+        if self.too_small:
+            return f"{self.tokens} tokens, under this router's trusted minimum of {self.min_tokens}"
+        return None
+
+    @property
     def bits_below_ceiling(self) -> float:
         """How far the entropy sits below its ceiling: a threshold in these units fits any geometry."""
         return max(self.ceiling_bits - self.entropy_bits, 0.0) if self.selections else 0.0
@@ -300,6 +316,7 @@ class RoutingStats:
             "locality": None if self.locality is None else float(self.locality),
             "min_tokens": int(self.min_tokens),
             "too_small": bool(self.too_small),
+            "no_signal": self.no_signal,
         }
 
 

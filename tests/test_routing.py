@@ -252,8 +252,22 @@ def test_compute_stats_expert_fields_and_json() -> None:
     d = stats.as_dict()
     assert json.loads(json.dumps(d)) == d
     assert all(type(v) in (str, int, float, bool, type(None)) for v in d.values())
-    assert set(d) == set(RoutingStats.__dataclass_fields__) | {"bits_below_ceiling"}  # one derived field
+    assert set(d) == set(RoutingStats.__dataclass_fields__) | {"bits_below_ceiling", "no_signal"}  # derived
     assert d["bits_below_ceiling"] == pytest.approx(1.0)
+    assert d["no_signal"] == "100 tokens, under this router's trusted minimum of 152"
+
+
+def test_no_signal_names_why_a_window_says_nothing() -> None:
+    assert compute_stats([0] * 64, kind="expert", top_k=6, tokens=0).no_signal == "no traffic in the window"
+    healthy = compute_stats([100] * 64, kind="expert", top_k=6, tokens=1000)
+    assert healthy.no_signal is None
+    # contexts of 40 keys, index_topk 64: every query selected all the keys it saw
+    short = compute_stats([40 - j for j in range(40)], kind="indexer", top_k=64, tokens=40)
+    assert short.locality is None and "index_topk = 64" in short.no_signal
+    # with some queries past index_topk the indexer chose, and its locality is a signal
+    long = compute_stats([1] * 300, kind="indexer", top_k=4, tokens=300, min_tokens=100, local_selections=200,
+                         choice_selections=1000)
+    assert long.locality == pytest.approx(0.2) and long.no_signal is None
 
 
 def test_compute_stats_expert_locality_ignored_and_window_flag() -> None:
