@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_watch.cli_startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetuneSettings
@@ -66,15 +68,21 @@ def _run(args: argparse.Namespace) -> Any:
     import torch
 
     import mla_watch
+    from mla_watch.cli_startup import check_model_flags
 
+    check_model_flags(args)
+    baseline = getattr(args, "baseline", None)
+    if baseline is not None and not baseline.is_file():
+        raise FlagError(f"--baseline {baseline}: no such file: expected a baseline file `mla-watch baseline` wrote")
+    traffic = _traffic(args)  # a --prompts file that cannot be read is refused before the model loads
     model, tokenizer = mla_watch.load_model(args.model, device=args.device)
     probe = mla_watch.attach(model, window_tokens=None)
-    if getattr(args, "baseline", None):
-        probe.load_baseline(args.baseline)
+    if baseline is not None:
+        probe.load_baseline(baseline)
     device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
     with torch.no_grad():
-        for line, text in _traffic(args):
+        for line, text in traffic:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [tokenizer.bos_token_id, *ids][: limit - args.generate]
             input_ids = torch.tensor([ids], device=device)
@@ -132,10 +140,10 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
+    from mla_watch.cli_startup import bind_listener, check_serve_flags, default_public_url, held_logs, run_server
     from mla_watch.server.app import build_sidecar
 
+    check_serve_flags(args)  # before anything loads, binds or logs: a bad value is one line, exit 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
@@ -157,10 +165,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
                              f"({args.history_span!r})")
     except ValueError as error:
-        raise SystemExit(f"mla-watch serve: {error}") from error
+        raise FlagError(str(error)) from error
+    # --port 0: bound first, so that the status page's URL (in alerts) has the port; any other port once the
+    # sidecar is built: a setting it refuses is said whether or not the port is free.
+    sock = bind_listener(args.host, args.port) if args.port == 0 else None
+    port = args.port if sock is None else sock.getsockname()[1]
     config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
                           state_dir=args.state_dir, dataset_dir=args.dataset_dir,
-                          public_url=args.public_url or f"http://{args.host}:{args.port}",
+                          public_url=args.public_url or default_public_url(args.host, port),
                           upstream=args.upstream, upstream_max_bytes=args.upstream_max_bytes,
                           attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
@@ -178,9 +190,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_interval=args.sglang_recorder_interval,
                           sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
-                          return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval)
-    sidecar = build_sidecar(config)
-    uvicorn.run(sidecar.app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+                          return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
+                          baseline_tokens=args.baseline_tokens)
+    with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
+        sidecar = build_sidecar(config)
+        if sock is None:
+            sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
+    run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 
 
@@ -191,9 +207,12 @@ def _one_line(error: BaseException) -> str:
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate every policy and rule file and lint the rules against the model's routers."""
     from mla_watch.alerting.rules import RuleError, load_rules_dir
+    from mla_watch.cli_startup import check_model_flags
     from mla_watch.policy import PolicyError
     from mla_watch.policy_files import load_policy_dir
 
+    if args.model_config is None and args.model is not None:
+        check_model_flags(args, full=False)  # a mistyped name; a model that does not load is a finding below
     errors = warnings = 0
     try:
         policies = load_policy_dir(args.policies)
@@ -626,7 +645,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     baseline = commands.add_parser("baseline", help="save the routing counts that drift checks compare against")
     _traffic_options(baseline)
-    baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
+                          help="where baseline.json is written unless --out says")
     baseline.add_argument("--out", type=Path, help="file to write (default STATE_DIR/baseline.json)")
     baseline.set_defaults(handler=_cmd_baseline)
 
@@ -641,8 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the only directory re-tune jobs from the admin API read JSONL datasets from, named by "
                             "bare file name (default STATE_DIR/datasets; created 0700)")
     serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_port, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=_port, default=8000, help="the TCP port to listen on; 0: any free one")
     serve.add_argument("--upstream", type=_upstream_url,
                        help="forward generation to this OpenAI-compatible server instead (user:password@ in it is "
                             "sent as basic auth and never shown)")
@@ -730,6 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="samples a re-tune job needs at least (default %(default)s)")
     serve.add_argument("--alert-interval", type=_positive_float, default=ServerConfig.alert_interval,
                        help="seconds between two evaluations of the alert rules (default %(default)s)")
+    serve.add_argument("--baseline-tokens", type=_positive_int, default=ServerConfig.baseline_tokens,
+                       help="tokens a router's window of one business line holds before it is learned as that "
+                            "line's healthy baseline (once the routers served passed their health check)")
     serve.add_argument("--history-interval", type=_positive_float, default=ServerConfig.history_interval_seconds,
                        help="status page: seconds between two points of the entropy heat map (default %(default)s)")
     serve.add_argument("--history-span", type=_positive_float, default=ServerConfig.history_span_seconds,
@@ -747,8 +770,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=_cmd_serve)
 
     check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
-    check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES)
-    check.add_argument("--rules", type=Path, default=SHIPPED_RULES)
+    check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
+    check.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     check.add_argument("--model", default="bundled",
                        help="lint the rules against this model's routers ('bundled' or a path)")
     check.add_argument("--model-config", type=Path,
@@ -765,16 +788,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
     export = rules.add_parser("export", help="write the rules as a Prometheus rule file")
-    export.add_argument("--format", choices=["prometheus"], default="prometheus")
-    export.add_argument("--rules", type=Path, default=SHIPPED_RULES)
+    export.add_argument("--format", choices=["prometheus"], default="prometheus", help="the rule file's format")
+    export.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
     export.set_defaults(handler=_cmd_rules_export)
 
-    demo = commands.add_parser("demo", help="the whole loop in a few minutes, offline, on the bundled model")
+    demo = commands.add_parser("demo", help="the whole loop in about half a minute (2 CPU cores), offline, on "
+                                            "the bundled model")
     demo.add_argument("--out", type=Path, default=Path("mla-watch-demo"),
                       help="where timeline.png and summary.json go (default ./mla-watch-demo)")
     demo.add_argument("--no-live", action="store_true", help="print progress lines instead of the live view")
-    demo.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
+    demo.add_argument("--timeout", type=_positive_float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
     demo.set_defaults(handler=_cmd_demo)
 
@@ -802,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless promoted)")
     listing = retune_commands.add_parser("list", help="recent jobs")
     sidecar_url(listing)
-    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument("--limit", type=_positive_int, default=20, help="the most recent jobs listed")
     listing.add_argument("--json", action="store_true")
     show = retune_commands.add_parser("show", help="one job, or one router version's manifest")
     sidecar_url(show)
@@ -823,16 +847,34 @@ def build_parser() -> argparse.ArgumentParser:
     sidecar_url(mark_good)
     mark_good.add_argument("version", type=int)
     retune.set_defaults(handler=_cmd_retune)
-    return parser
+    from mla_watch.cli_startup import finish_parser
+
+    return finish_parser(parser)
+
+
+def _loads_model(args: argparse.Namespace) -> bool:
+    """Whether the command loads a model here (its weight-loading progress bars are kept out of the output)."""
+    if args.command == "serve":
+        return not args.upstream
+    if args.command == "check":
+        return args.model_config is None and args.model is not None
+    return args.command in ("routing", "baseline", "demo")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "samples", 1) < 1:
-        raise SystemExit(f"--samples {args.samples}: expected a positive number")
-    if getattr(args, "generate", 0) < 0:
-        raise SystemExit(f"--generate {args.generate}: expected 0 or more")
-    return int(args.handler(args))
+    from mla_watch.cli_startup import parse_args, prog, quiet_progress_bars
+
+    args = parse_args(build_parser(), argv)
+    try:
+        if getattr(args, "samples", 1) < 1:
+            raise FlagError(f"--samples {args.samples}: expected a positive number")
+        if getattr(args, "generate", 0) < 0:
+            raise FlagError(f"--generate {args.generate}: expected 0 or more")
+        with quiet_progress_bars() if _loads_model(args) else contextlib.nullcontext():
+            return int(args.handler(args))
+    except FlagError as error:  # one line naming the flag, its value and what was expected: no traceback
+        print(f"{prog(args)}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

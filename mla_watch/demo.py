@@ -20,8 +20,10 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import socket
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -44,16 +46,21 @@ STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected"
 RULES = entropy_low_rules(below=FIRE_BELOW, resolve_above=RESOLVE_ABOVE, min_tokens=96, business_line="all",
                           actions=("notify", "retune"), strategies=("bias",), annotations={
                               "summary": "Routing entropy {value:.2f} bits on {router} (all lines) is below "
-                                         "{threshold} bits"})
-# (business line, task, corpus domain, requested sampling): code asks for chat-like sampling
-# (clamped), SQL too (refused by a reject policy), every fourth SQL request asks correctly.
+                                         "{threshold} bits",
+                              # rendered again when the alert resolves: the demo's lines say what it is now
+                              "value": "{value}", "threshold": "{threshold}",
+                              "resolve_threshold": "{resolve_threshold}"})
+# (business line, task, corpus domain, requested sampling): code asks for chat-like sampling,
+# temperature 0.9 (clamped to 0.3), SQL too (refused by a reject policy), every other SQL request
+# asks correctly.
 TRAFFIC = (
     ("customer_service", None, "customer_service", {"temperature": 0.7}),
     ("code_assistant", "code", "code", {"temperature": 0.9, "top_p": 0.95}),
     ("doc_summary", None, "doc_summary", {"temperature": 0.5}),
     ("code_assistant", "sql", "sql", {"temperature": 0.2, "repetition_penalty": 1.2}),
-    ("code_assistant", "sql", "sql", {"temperature": 0.8}),
+    ("code_assistant", "sql", "sql", {"temperature": 0.9}),
 )
+EVENT_ROWS = 12  # the live view's table shows the latest events (each distinct one once, with a count)
 
 
 @dataclass
@@ -133,15 +140,18 @@ def _serve(app: Any) -> Iterator[str]:
 
 
 class _View:
-    """The live terminal view (rich), or plain progress lines when ``live`` is off."""
+    """The live terminal view (rich), or, when ``live`` is off (stdout piped), one plain line per
+    phase and per event: only the redraws are left out."""
 
     def __init__(self, live: bool) -> None:
         from rich.console import Console
 
         self.console = Console()
         self.live_enabled = live
-        self.state: dict[str, Any] = {"phase": "starting", "bits": {}, "adjustments": [], "alerts": [], "job": None,
-                                      "requests": {}}
+        # events: (kind, detail) in the order first seen; counts: how often each counted one was seen
+        self.state: dict[str, Any] = {"phase": "starting", "bits": {}, "events": [], "requests": {}}
+        self.seen: set[tuple[str, str]] = set()
+        self.counts: dict[tuple[str, str], int] = {}
         self._live: Any = None
 
     def __enter__(self) -> _View:
@@ -157,10 +167,34 @@ class _View:
             self._live.update(self.render())
             self._live.__exit__(*exc)
 
+    def line(self, message: str) -> None:
+        """One line that stays, live or not (printed above the live view): never wrapped, no markup."""
+        from rich.text import Text
+
+        self.console.print(Text.assemble(("mla-watch demo", "bold"), ": ", message), soft_wrap=True,
+                           highlight=False)
+
     def say(self, message: str) -> None:
         self.state["phase"] = message
         if self._live is None:
-            self.console.print(f"[bold]mla-watch demo[/]: {message}")
+            self.line(message)
+        else:
+            self._live.update(self.render())
+
+    def event(self, kind: str, detail: str, *, counted: bool = False) -> None:
+        """Something mla_watch did: a row of the live view's table, or a line when not live (once each);
+        ``counted``: the table says how many times it happened (a policy change, once per request)."""
+        key = (kind, detail)
+        if counted:
+            self.counts[key] = self.counts.get(key, 0) + 1
+        if key in self.seen:
+            if counted:
+                self.refresh()
+            return
+        self.seen.add(key)
+        self.state["events"].append(key)
+        if self._live is None:
+            self.line(detail if kind == "alert" else f"{kind}: {detail}")  # an alert's says paged/resolved
         else:
             self._live.update(self.render())
 
@@ -185,19 +219,52 @@ class _View:
         events = Table(title="what mla_watch did", expand=True)
         events.add_column("kind")
         events.add_column("detail")
-        for adjustment in self.state["adjustments"][-4:]:
-            events.add_row("policy", adjustment)
-        for alert in self.state["alerts"][-4:]:
-            events.add_row("alert", alert)
-        job = self.state["job"]
-        if job is not None:
-            result = job.get("result") or {}
-            events.add_row("re-tune", f"job {job['id']}: {job['status']} "
-                                      f"{result.get('strategy') or '/'.join(job['spec']['strategies'])}"
-                                      + (f" -> router version {result['version']}" if result.get("version") else ""))
+        events.add_column("times", justify="right")
+        for kind, detail in self.state["events"][-EVENT_ROWS:]:
+            events.add_row(kind, Text(detail), str(self.counts.get((kind, detail), "")))
         requests = ", ".join(f"{k} {v}" for k, v in sorted(self.state["requests"].items()))
         return Group(Text(f"phase: {self.state['phase']}", style="bold"), Text(f"requests: {requests}"), routing,
                      events)
+
+
+def _value(value: Any) -> str:
+    """A value as a person reads it: 0.9, 5.0, 512 (a number in a string too); never a Python None (``?``)."""
+    if value is None or value == "None":
+        return "?"
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            return value
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+        return text if any(c in text for c in ".en") else text + ".0"  # 5.0 reads as a threshold, 5 as a count
+    return str(value)
+
+
+def _bits(text: Any) -> str:
+    try:
+        return f"{float(text):.2f} bits"
+    except (TypeError, ValueError):
+        return "? bits"
+
+
+def alert_line(alert: dict[str, Any]) -> str:
+    """One notification as on-call reads it: what fired (or resolved), where, and what the value is now."""
+    labels, notes = alert.get("labels") or {}, alert.get("annotations") or {}
+    line = labels.get("business_line")
+    where = f"{labels.get('alertname', 'alert')} on {labels.get('router', '?')}" + (
+        f" ({'all lines' if line == 'all' else line})" if line else "")
+    if alert.get("status") == "resolved":
+        return f"resolved: {where}: {_bits(notes.get('value'))}, back above {_value(notes.get('resolve_threshold'))}"
+    return f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
+
+
+def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
+    """The adjustments that changed a value the request asked for ("requested -> applied"); the
+    defaults a policy filled in where the request said nothing are no event."""
+    return [f"{key}: {a['param']} {_value(a['requested'])} -> {_value(a['applied'])}" for a in adjustments
+            if a.get("requested") is not None and a.get("requested") != a.get("applied")]
 
 
 def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject_fault: bool = True) -> DemoResult:
@@ -229,12 +296,14 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     sidecar = Sidecar(config)
     try:
         with _serve(sidecar.app) as url, _View(live) as view:
+            view.line(f"the status page, open while the demo runs: {url}/")
             view.say("loading the bundled model")
             if not sidecar.wait_ready(180):
                 raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")
-            view.say(f"the status page, while the demo runs: {url}/")
             client = httpx.Client(base_url=url, timeout=120)
             counter = itertools.count()
+            seen_alerts = 0
+            alert_status: dict[tuple, str] = {}
 
             def now() -> float:
                 return time.monotonic() - started
@@ -242,12 +311,22 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             def sample() -> None:
                 records = client.get("/v1/routing").json()["routers"]
                 bits = {r["name"]: r["entropy_bits"] for r in records if r["kind"] == "expert" and r["tokens"] > 0}
+                nonlocal seen_alerts
                 samples.append({"t": now(), "bits": bits})
                 view.state["bits"] = bits
-                view.state["alerts"] = [f"{a['status']}: {a['annotations'].get('summary', a['labels'])}"
-                                        for a in receiver.alerts]
-                jobs = client.get("/v1/retune/jobs").json()["jobs"]
-                view.state["job"] = jobs[0] if jobs else None
+                alerts = list(receiver.alerts)
+                for alert in alerts[seen_alerts:]:  # a line when an alert changes status (not at each resend)
+                    labels = tuple(sorted((alert.get("labels") or {}).items()))
+                    if alert_status.get(labels) != alert.get("status"):
+                        alert_status[labels] = alert.get("status")
+                        view.event("alert", alert_line(alert))
+                seen_alerts = len(alerts)
+                for job in reversed(client.get("/v1/retune/jobs").json()["jobs"]):  # oldest first
+                    result = job.get("result") or {}
+                    view.event("re-tune", f"job {job['id']} "
+                                          f"({result.get('strategy') or '/'.join(job['spec']['strategies'])}): "
+                                          f"{job['status']}"
+                               + (f" -> router version {result['version']}" if result.get("version") else ""))
                 view.refresh()
 
             def request() -> None:
@@ -258,12 +337,14 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                 key = f"{line}/{task}" if task else line
                 requests[f"{key} {response.status_code}"] = requests.get(f"{key} {response.status_code}", 0) + 1
                 view.state["requests"] = requests
+                changes = []
                 if response.status_code == 200:
-                    for change in response.json()["mla_watch"]["adjustments"]:
-                        adjustments.append(f"{key}: {change['param']} {change['requested']} -> {change['applied']}")
+                    changes = policy_changes(key, response.json()["mla_watch"]["adjustments"])
                 elif response.status_code == 400:
-                    adjustments.append(f"{key}: refused: {response.json()['error']['message'][:90]}")
-                view.state["adjustments"] = adjustments
+                    changes = [f"{key}: refused: {response.json()['error']['message'].removesuffix(' for ' + key)}"]
+                adjustments.extend(changes)
+                for change in changes:
+                    view.event("policy", change, counted=True)
                 sample()
 
             def until(condition: Any, phase: str, limit: float) -> bool:
@@ -309,7 +390,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
         receiver.close()
     steps = {
         "traffic served": any(key.endswith(" 200") for key in requests),
-        "sampling clamped": any("->" in adjustment for adjustment in adjustments),
+        "sampling clamped": any(" -> " in a and ": refused: " not in a for a in adjustments),
         "fault injected": "fault injected" in events,
         "on-call paged": "on-call paged" in events,
         "re-tune promoted": "re-tune promoted" in events,
@@ -371,20 +452,56 @@ def write_timeline(result: DemoResult, path: Path) -> None:
     plt.close(figure)
 
 
+def _seconds(timings: dict[str, Any]) -> list[str]:
+    return [f"{k.removesuffix('_seconds').replace('_', ' ')} {v:g} s" if isinstance(v, (int, float))
+            else f"{k.replace('_', ' ')} {v}" for k, v in timings.items() if v is not None]
+
+
+def _wrapped(key: str, value: str | list[str], pad: int, width: int) -> list[str]:
+    """``key: value`` wrapped at word boundaries to ``width``, continued under the value; a list wraps
+    between its items (a request count is not split from its name), inside one only where it is too long."""
+    width = max(width - 1, pad + 30)
+    room = width - pad - 2
+    text = value if isinstance(value, str) else ", ".join(
+        item.replace(" ", "\0") if len(item) < room else item for item in value)
+    lines = textwrap.wrap(text or "none", width=width, initial_indent=f"  {key + ':':<{pad}}",
+                          subsequent_indent=" " * (pad + 2), break_long_words=False, break_on_hyphens=False)
+    return [line.replace("\0", " ") for line in lines]
+
+
+def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
+    """The summary as aligned "key: value" lines, wrapped at word boundaries to ``width`` (the terminal's)."""
+    summary = result.as_dict()
+    width = width or shutil.get_terminal_size().columns
+    lines = ["mla-watch demo summary"]
+    for step, done in result.steps.items():
+        lines.append(f"  [{'x' if done else ' '}] {step}" + (f"  ({result.events[step]:.1f} s)" if step in result.events
+                                                             else ""))
+    rows: list[tuple[str, str | list[str]]] = [("fault on", COLLAPSED), ("its entropy (bits)", [
+        f"{phase} {'n/a' if value is None else f'{value:.3f}'}" for phase, value in summary["entropy_bits"].items()])]
+    job = summary["job"]
+    if job:
+        rows.append(("re-tune job", [f"{job['id']}: {job['status']}", *([job["strategy"]] if job["strategy"] else []),
+                                     *([f"router version {job['version']}"] if job["version"] else [])]))
+        if job["timings"]:
+            rows.append(("re-tune timings", _seconds(job["timings"])))
+    refused = sum(": refused: " in a for a in result.adjustments)
+    rows.append(("policy", [f"{len(result.adjustments) - refused} requested values changed",
+                            f"{refused} requests refused"]))
+    rows.append(("requests", [f"{key}: {count}" for key, count in sorted(result.requests.items())]))
+    rows += [("note", note) for note in result.notes]
+    rows.append(("wrote", [str(result.out_dir / "timeline.png"), str(result.out_dir / "summary.json")]))
+    pad = max(len(key) for key, _ in rows) + 2
+    for key, value in rows:
+        lines += _wrapped(key, value, pad, width)
+    return lines
+
+
 def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True) -> int:
     result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault)
-    summary = result.as_dict()
-    print("\nmla-watch demo summary")
-    for step, done in result.steps.items():
-        print(f"  [{'x' if done else ' '}] {step}" + (f"  ({result.events[step]:.1f} s)" if step in result.events
-                                                      else ""))
-    print(f"  entropy of {COLLAPSED} (bits): {summary['entropy_bits']}")
-    if summary["job"]:
-        print(f"  re-tune job: {summary['job']}")
-    print(f"  policy adjustments and refusals: {summary['adjustments']}")
-    for note in result.notes:
-        print(f"  note: {note}")
-    print(f"  wrote {out_dir / 'timeline.png'} and {out_dir / 'summary.json'}")
+    print()
+    for line in summary_lines(result):
+        print(line)
     if not result.ok:
         missing = [step for step, done in result.steps.items() if not done]
         print(f"mla-watch demo: FAILED, these steps did not happen: {', '.join(missing)}")

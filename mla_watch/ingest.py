@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.baselines import Baselines
 from mla_watch.describe import describe_value
 from mla_watch.routing import KINDS
 from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows, parse_zero_slots
@@ -299,8 +300,10 @@ class RemoteRouting:
     """The rolling windows of every remote source, within :class:`IngestLimits`."""
 
     def __init__(self, limits: IngestLimits | None = None, *, window_tokens: int | None = 4096,
-                 window_seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 window_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 baselines: Baselines | None = None) -> None:
         self.limits = limits or IngestLimits()
+        self._baselines = baselines  # shared by every source's windows (router names carry the source)
         self._window_tokens = window_tokens
         self._window_seconds = window_seconds
         self._clock = clock
@@ -399,7 +402,7 @@ class RemoteRouting:
     def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:
         infos = [dataclasses.replace(info, name=remote_name(name, info.name)) for info in routers.values()]
         windows = RouterWindows(infos, window_tokens=self._window_tokens, window_seconds=self._window_seconds,
-                                clock=self._clock, max_buckets=REMOTE_MAX_BUCKETS)
+                                clock=self._clock, max_buckets=REMOTE_MAX_BUCKETS, baselines=self._baselines)
         source = _Source(routers, windows, set(), now)
         self._sources[name] = source
         return source

@@ -12,7 +12,8 @@ For one router over a window, let ``c_j`` be how often slot ``j`` was selected
   plus one; at least one): ceiling ``log2(effective)``, floor
   ``log2(min(top_k, effective))``.  *Locality* is the share of selections that fall
   within the query's most recent ``index_topk`` positions, over queries that had a
-  choice (``local_selections / choice_selections``; ``None`` when there was no choice).
+  real choice - at least ``2 * index_topk`` visible keys, where picks at random would put at most
+  half there (``local_selections / choice_selections``; ``None`` when no query had one).
 
 Because entropy is insensitive near the top, the module also reports the normalized
 entropy, MaxVio (relative overload of the busiest slot), dead slots and the
@@ -280,14 +281,15 @@ class RoutingStats:
     def no_signal(self) -> str | None:
         """Why this window's figures say nothing about the router's health, or ``None`` when they do.
 
-        An indexer whose every query saw no more keys than it may pick selected all of them: its entropy and
-        locality describe the contexts' lengths, not the indexer. A window under its trusted minimum reads low.
+        An indexer none of whose queries saw twice the keys it may pick selected all or nearly all of them: its
+        entropy and locality describe the contexts' lengths, not the indexer. A window under its trusted
+        minimum reads low.
         """
         if self.selections == 0:
             return "no traffic in the window"
         if self.kind == "indexer" and self.locality is None:
-            return (f"no query saw more than index_topk = {self.top_k} keys: the indexer selected every key, "
-                    "so its choices carry no signal")
+            return (f"no query saw 2 x index_topk = {2 * self.top_k} keys or more: the indexer picked all or "
+                    "nearly all it saw, so its choices carry no signal")
         if self.too_small:
             return f"{self.tokens} tokens, under this router's trusted minimum of {self.min_tokens}"
         return None

@@ -10,7 +10,6 @@ and the metrics.
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import threading
 import time
@@ -21,12 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.baselines import BASELINE_FORMAT, Baseline, BaselineError, Baselines, read_baseline_file, write_json
 from mla_watch.routing import KINDS, Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
 __all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta", "RouterInfo", "RouterStats",
            "RouterWindows", "RoutingSnapshot", "parse_zero_slots", "take_snapshot"]
 
-BASELINE_FORMAT = "mla_watch.baseline/1"
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
 # metrics, alerts and history, and so a name no policy may take.
 ALL_LINES = "all"
@@ -120,11 +119,14 @@ class CountDelta:
 
 @dataclass(frozen=True)
 class RouterStats:
-    """One router's statistics over one business line's window (``None``: every line summed)."""
+    """One router's statistics over one business line's window (``None``: every line summed), with the
+    window's counts and the healthy baseline of that router and line when one is known."""
 
     router: RouterInfo
     business_line: str | None
     stats: RoutingStats
+    counts: np.ndarray | None = None
+    baseline: Baseline | None = None
 
     @property
     def line_label(self) -> str:
@@ -134,7 +136,8 @@ class RouterStats:
     def as_dict(self) -> dict[str, Any]:
         """The record of :meth:`RouterWindows.stats` (the Python API's and ``GET /v1/routing``'s shape)."""
         record = {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
-                  "business_line": self.business_line, **self.stats.as_dict()}
+                  "business_line": self.business_line, **self.stats.as_dict(),
+                  "baseline": None if self.baseline is None else self.baseline.as_dict()}
         if self.router.hash_routed:  # alert rules skip it unless their selector asks for hash_routed
             record["hash_routed"] = True
         return record
@@ -189,6 +192,7 @@ class RouterWindows:
         window_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_buckets: int | None = None,
+        baselines: Baselines | None = None,
     ) -> None:
         self._routers = {info.name: info for info in routers}
         self._max_buckets = max_buckets
@@ -197,7 +201,7 @@ class RouterWindows:
         self._clock = clock
         self._windows: dict[tuple[str, str], RollingWindow] = {}
         self._lines: dict[str, None] = {}
-        self._baseline: dict[str, np.ndarray] = {}
+        self._baselines = baselines if baselines is not None else Baselines()
         self._lock = threading.Lock()
         self._version = 0
         self.serial = next(_SERIALS)  # unlike id(), never reused: a cache may key on (serial, version)
@@ -213,8 +217,19 @@ class RouterWindows:
 
     @property
     def version(self) -> int:
-        """Changes whenever counts are added, windows reset or the baseline replaced."""
-        return self._version
+        """Changes whenever counts are added, windows reset or a baseline learned or replaced."""
+        return self._version + self._baselines.version
+
+    @property
+    def baselines(self) -> Baselines:
+        """The healthy baselines these windows' statistics carry and measure drift from."""
+        return self._baselines
+
+    @baselines.setter
+    def baselines(self, baselines: Baselines) -> None:
+        with self._lock:
+            self._version += 1 + self._baselines.version  # the sum with the new store's version never repeats
+            self._baselines = baselines
 
     @property
     def nbytes(self) -> int:
@@ -242,19 +257,25 @@ class RouterWindows:
     def router_stats(self, business_line: str | None = None) -> list[RouterStats]:
         """:meth:`stats`, typed."""
         records = []
+        line = business_line or ALL_LINES
+        baselines = self._baselines
         for info in self._routers.values():
             totals = self._totals(info.name, business_line)
+            baseline = baselines.get(info.name, line)
+            if baseline is not None and not _fits(info, baseline.counts):
+                baseline = None  # taken of another model's router: not this one's health
+            reference = baseline.counts if baseline is not None else baselines.legacy_counts(info.name)
             stats = compute_stats(
                 totals.counts,
                 kind=info.kind,
                 top_k=info.top_k,
                 tokens=totals.tokens,
-                baseline=self._baseline.get(info.name),
+                baseline=reference if reference is not None and _fits(info, reference) else None,
                 local_selections=totals.local_selections,
                 choice_selections=totals.choice_selections,
                 distinct_picks=not info.hash_routed,
             )
-            records.append(RouterStats(info, business_line, stats))
+            records.append(RouterStats(info, business_line, stats, totals.counts, baseline))
         return records
 
     def reset(self, routers: Sequence[str] | None = None) -> None:
@@ -269,38 +290,28 @@ class RouterWindows:
                 del self._windows[key]
 
     def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
-        """Write the current window's counts as the healthy reference for drift (JSON)."""
-        document = {
-            "format": BASELINE_FORMAT,
-            "business_line": business_line,
-            "routers": [{**self._routers[name].as_dict(), "counts": counts.tolist()}
-                        for name, counts in self.counts(business_line).items()],
-        }
-        Path(path).write_text(json.dumps(document) + "\n")
+        """The windows now become the healthy baselines (of ``business_line``, or of every line and of all
+        lines summed), written to ``path`` as JSON (``mla_watch.baseline/2``); returns the document."""
+        lines = [business_line] if business_line is not None else [None, *self.business_lines]
+        taken = self._baselines.replace(record for line in lines for record in self.router_stats(line))
+        document = {"format": BASELINE_FORMAT, "series": [baseline.to_json() for baseline in taken]}
+        write_json(Path(path), document)
         return document
 
     def load_baseline(self, path: str | Path) -> None:
-        """Use a file written by :meth:`save_baseline` for the ``js_divergence`` statistic."""
+        """Measure drift from, and judge rules against, the baselines of a file :meth:`save_baseline` wrote (or
+        a ``mla_watch.baseline/1`` file, whose counts serve every line); ``ValueError`` naming the problem."""
         path = Path(path)
         try:
-            document = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"baseline {path}: cannot read it ({error})") from error
-        if not isinstance(document, dict) or document.get("format") != BASELINE_FORMAT:
-            raise ValueError(f"baseline {path}: key 'format' must be {BASELINE_FORMAT!r}")
-        baseline: dict[str, np.ndarray] = {}
-        for entry in document.get("routers", []):
-            info = self._routers.get(entry.get("name")) if isinstance(entry, dict) else None
-            if info is None:
-                continue
-            counts = np.asarray(entry.get("counts"), dtype=np.int64)
-            if info.kind == "expert" and counts.shape != (info.num_slots,):
-                raise ValueError(f"baseline {path}: router {info.name!r} has {counts.size} counts; "
+            series, legacy = read_baseline_file(path)
+        except BaselineError as error:
+            raise ValueError(str(error)) from None
+        for name, counts in [*((b.router, b.counts) for b in series), *legacy.items()]:
+            info = self._routers.get(name)
+            if info is not None and not _fits(info, counts):
+                raise ValueError(f"baseline {path}: router {name!r} has {counts.size} counts; "
                                  f"expected {info.num_slots} (one per expert)")
-            if counts.sum() > 0:
-                baseline[info.name] = counts
-        self._baseline = baseline
-        self._version += 1
+        self._baselines.adopt(series, legacy)
 
     def _window(self, router: str, line: str) -> RollingWindow:
         key = (router, line)
@@ -328,3 +339,8 @@ class RouterWindows:
             counts += total.counts
         return _Totals(counts, sum(t.tokens for t in totals), sum(t.local_selections for t in totals),
                        sum(t.choice_selections for t in totals))
+
+
+def _fits(info: RouterInfo, counts: np.ndarray) -> bool:
+    """Whether a baseline's counts can be this router's: one per expert (an indexer's positions may differ)."""
+    return info.kind != "expert" or counts.shape == (info.num_slots,)

@@ -3,13 +3,20 @@
 The browser test follows on-call: a router collapses on the code line, the webhook receives the
 alert, and the link in the alert is opened in a real browser (Debian's ``chromium``, headless).
 The page must select the line and highlight the router the link names, show the heat map, the
-alert and the policies with the values the sidecar serves, and keep polling. The screenshot and
-the DOM are kept in ``test-artifacts/`` (``MLA_WATCH_ARTIFACTS`` to put them elsewhere).
+alert and the policies with the values the sidecar serves, and keep polling. A second one: an
+expert hotspot pages on MaxVio while entropy stays in band; its link opens the page on MaxVio with
+the row marked by its alert, the bundled model's indexers (short contexts) read "no signal", and
+clicks on the metric selector switch what the rows show. The screenshots and the DOM are kept in
+``test-artifacts/`` (``MLA_WATCH_ARTIFACTS`` to put them elsewhere).
 """
 
 from __future__ import annotations
 
+import base64
+import fcntl
+import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -28,10 +35,23 @@ from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 
 GATE = "model.layers.1.mlp.gate"
+HOT_GATE = "model.layers.2.mlp.gate"
 RUNBOOK = "https://runbooks.example/routing#routingentropylow"
 RULES = entropy_low_rules(business_line="*", labels={"team": "ml-platform"}, annotations={
     "summary": "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})",
     "runbook_url": RUNBOOK, "dashboard": "{status_url}"})
+# A hotspot: one expert takes every token. MaxVio (load of the busiest expert / mean - 1) reads about 9.7
+# on a 64-expert top-6 router, while its entropy stays above the entropy rule's 5.0 bits.
+HOTSPOT_RULES = RULES + """  - alert: ExpertHotspot
+    metric: max_violation
+    select: {"kind": "expert", "business_line": "*"}
+    above: 6.0
+    resolve_below: 5.0
+    for: 0s
+    min_tokens: 64
+    severity: warning
+    annotations: {"summary": "MaxVio {value:.2f} on {router} ({business_line})", "dashboard": "{status_url}"}
+"""
 
 
 # ---------------------------------------------------------------- the API behind the page
@@ -162,6 +182,115 @@ def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
     return dom, console
 
 
+class Browser:
+    """Headless Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``), in real time.
+
+    For what ``--dump-dom`` cannot do: click on the page, wait for what the click brings, then read the DOM
+    and take a screenshot. ``console`` collects the page's console messages and uncaught exceptions.
+    """
+
+    def __init__(self, window: tuple[int, int] = (1400, 1400)) -> None:
+        self._profile = tempfile.TemporaryDirectory(prefix="mla-watch-chromium-")
+        # Chromium reads commands on fd 3 and writes replies on fd 4: the pipes are moved there in the child.
+        pipes = (*os.pipe(), *os.pipe())
+        to_read, to_write, from_read, from_write = (fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in pipes)
+        for fd in pipes:  # moved above 100, out of the way of fds 3 and 4
+            os.close(fd)
+
+        def child() -> None:
+            os.dup2(to_read, 3)
+            os.dup2(from_write, 4)
+
+        self.process = subprocess.Popen(
+            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", f"--user-data-dir={self._profile.name}", f"--window-size={window[0]},{window[1]}",
+             "--remote-debugging-pipe", "about:blank"],
+            preexec_fn=child, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_read)
+        os.close(from_write)
+        self._out, self._in = to_write, from_read
+        self._buffer = b""
+        self._id = 0
+        self.console: list[str] = []
+        page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
+        self._session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
+        self.call("Runtime.enable", page=True)
+        self.call("Page.enable", page=True)
+        # The viewport (and so the screenshot) is the window's size, as with --window-size and --screenshot.
+        self.call("Emulation.setDeviceMetricsOverride", page=True, width=window[0], height=window[1],
+                  deviceScaleFactor=1, mobile=False)
+
+    def call(self, method: str, *, page: bool = False, timeout: float = 60, **params: object) -> dict:
+        """One DevTools command (``page``: to the page's session, else to the browser); its result."""
+        self._id += 1
+        message: dict = {"id": self._id, "method": method, "params": params}
+        if page:
+            message["sessionId"] = self._session
+        os.write(self._out, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\0" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._in], [], [], left)[0]:
+                    raise TimeoutError(f"{method}: no answer from Chromium in {timeout} s")
+                chunk = os.read(self._in, 1 << 20)
+                assert chunk, "Chromium closed its DevTools pipe"
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("method") == "Runtime.consoleAPICalled":
+                self.console.append(" ".join(str(a.get("value", a.get("description", "")))
+                                             for a in reply["params"]["args"]))
+            elif reply.get("method") == "Runtime.exceptionThrown":
+                self.console.append("Uncaught " + json.dumps(reply["params"]["exceptionDetails"])[:1000])
+            elif reply.get("id") == self._id:
+                assert "error" not in reply, f"{method}: {reply['error']}"
+                return reply["result"]
+
+    def open(self, url: str) -> None:
+        self.call("Page.navigate", page=True, url=url)
+
+    def evaluate(self, expression: str, timeout: float = 60) -> object:
+        """``expression``'s value in the page (a promise is awaited)."""
+        result = self.call("Runtime.evaluate", page=True, timeout=timeout + 5, expression=expression,
+                           awaitPromise=True, returnByValue=True)
+        assert "exceptionDetails" not in result, result["exceptionDetails"]
+        return result["result"].get("value")
+
+    def wait_for(self, predicate: str, timeout: float = 30) -> bool:
+        """Whether the JavaScript ``predicate`` became true within ``timeout`` seconds (checked every 50 ms)."""
+        return bool(self.evaluate(f"""new Promise((resolve) => {{
+            const until = Date.now() + {timeout * 1000};
+            const check = () => {{
+              let ok = false;
+              try {{ ok = Boolean({predicate}); }} catch (error) {{ ok = false; }}
+              if (ok || Date.now() > until) resolve(ok); else setTimeout(check, 50);
+            }};
+            check();
+        }})""", timeout))
+
+    def dom(self) -> _Elements:
+        dom = _Elements()
+        html = str(self.evaluate("document.documentElement.outerHTML"))
+        dom.feed(html)
+        dom.html = html
+        return dom
+
+    def screenshot(self, path: Path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", page=True, format="png")["data"]))
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=10)
+        except (TimeoutError, AssertionError, OSError):
+            self.process.kill()
+        self.process.wait(30)
+        os.close(self._out)
+        os.close(self._in)
+        self._profile.cleanup()
+
+
 def artifacts_dir() -> Path:
     directory = Path(os.environ.get("MLA_WATCH_ARTIFACTS", REPO / "test-artifacts"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -213,6 +342,10 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             healthy, _ = open_in_browser(url + "/#router=" + GATE, artifacts / "status-page-healthy.png", 3000)
             row = healthy.find(tag="div", class_="row", **{"data-router": GATE, "data-line": "all"})
             assert row and row[0]["data-state"] == "ok", row
+            # A link without a metric (as alert links were written before they named one) shows entropy.
+            assert [b["data-metric"] for b in healthy.find(tag="button", **{"aria-pressed": "true"})
+                    if "data-metric" in b] == ["entropy_bits"]
+            assert row[0]["data-metric"] == "entropy_bits"
 
             with sidecar.engine.model_lock, torch.no_grad():  # the collapse: six experts win everywhere
                 sidecar.engine.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
@@ -240,7 +373,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             time.sleep(1.0)  # a few history points at the collapsed value, so the heat map shows a red stretch
 
             link = paged()[0]["annotations"]["dashboard"]
-            assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant")
+            assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant"
+                            "&metric=entropy_bits&alertname=RoutingEntropyLow")
             screenshot = artifacts / "status-page.png"
             dom, console = open_in_browser(link, screenshot)
             (artifacts / "status-page.html").write_text(dom.html)
@@ -346,3 +480,165 @@ def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path
     (row,) = dom.find(tag="div", class_="row")
     assert row["data-router"] == GATE and row["data-line"] == "code"
     assert float(row["data-value"]) == pytest.approx(5.6, abs=1e-3)  # the newest column: the 7th day
+
+
+@pytest.mark.slow
+def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_switches_metric(
+        tmp_path: Path, monkeypatch) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "routing.yaml").write_text(HOTSPOT_RULES)
+    port = free_port()
+    artifacts = artifacts_dir()
+    line = "code_assistant"
+    with running_receiver() as receiver:
+        monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
+        sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
+                                       policy_poll_seconds=None, admin_token=None, alert_interval=0.3,
+                                       window_tokens=192, history_interval_seconds=0.5,
+                                       public_url=f"http://127.0.0.1:{port}"))
+        with serve_app(sidecar.app, port=port) as url:
+            assert sidecar.wait_ready(120), sidecar.load_error
+            client = httpx.Client(base_url=url, timeout=120)
+
+            def request(index: int) -> None:
+                response = client.post("/v1/completions", headers={"X-Business-Line": line, "X-Task": "code"},
+                                       json={"prompt": f"def parse_invoice_{index}(", "max_tokens": 24,
+                                             "seed": index, "temperature": 0.9})
+                assert response.status_code == 200, response.text
+
+            for index in range(8):
+                request(index)
+            with sidecar.engine.model_lock, torch.no_grad():  # the hotspot: expert 0 of layer 2 takes every token
+                sidecar.engine.model.model.layers[2].mlp.gate.e_score_correction_bias[0] += 10.0
+
+            def paged() -> list[dict]:
+                return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]
+                        if alert["status"] == "firing" and alert["labels"]["alertname"] == "ExpertHotspot"
+                        and alert["labels"]["router"] == HOT_GATE and alert["labels"]["business_line"] == line]
+
+            index = 100
+            while not paged():
+                assert index < 160, "no page for the hotspot"
+                request(index)
+                index += 1
+            records = client.get("/v1/routing", params={"business_line": line}).json()["routers"]
+            routing = {r["name"]: r for r in records}
+            alerts = client.get("/v1/alerts").json()["alerts"]
+            time.sleep(1.5)  # a few history points at the hot value
+            link = paged()[0]["annotations"]["dashboard"]
+            browser = Browser()
+            try:
+                browser.open(link)
+                drawn = ("document.querySelector('#heatmap-canvas').dataset.source === '{}' && "
+                         "document.querySelector('.row') && document.querySelector('.row').dataset.metric === '{}'")
+                assert browser.wait_for(drawn.format("history", "max_violation")), browser.dom().html[-3000:]
+                opened = browser.dom()
+                screenshot = artifacts / "status-page-maxvio.png"
+                browser.screenshot(screenshot)
+                (artifacts / "status-page-maxvio.html").write_text(opened.html)
+                # On-call clicks "entropy": the row stays red (its MaxVio alert fires) though entropy is in band.
+                browser.evaluate("document.querySelector('#metrics button[data-metric=entropy_bits]').click()")
+                assert browser.wait_for(drawn.format("live", "entropy_bits"))
+                entropy, anchor = browser.dom(), browser.evaluate("location.hash")
+                browser.evaluate("document.querySelector('#metrics button[data-metric=dead_slots]').click()")
+                assert browser.wait_for(drawn.format("history", "dead_slots"))
+                dead = browser.dom()
+                console = "\n".join(browser.console)
+            finally:
+                browser.close()
+            client.close()
+
+    assert "Uncaught" not in console, console
+    # The alert names its rule's metric, and its link the metric and the alert.
+    (hot,) = [a for a in alerts if a["labels"]["alertname"] == "ExpertHotspot" and a["labels"]["router"] == HOT_GATE
+              and a["labels"]["business_line"] == line]
+    assert hot["metric"] == "max_violation" and hot["state"] == "firing"
+    assert link == (f"http://127.0.0.1:{port}/#router={HOT_GATE}&layer=2&business_line={line}"
+                    "&metric=max_violation&alertname=ExpertHotspot")
+    # Entropy stays above the entropy rule's 5.0 bits: that rule is quiet on the hot router. Only MaxVio says
+    # what is wrong.
+    assert routing[HOT_GATE]["entropy_bits"] > 5.0 and routing[HOT_GATE]["max_violation"] > 6.0
+    assert not [a for a in alerts if a["labels"]["alertname"] == "RoutingEntropyLow"], alerts
+
+    # The link selected the line and MaxVio, highlighted the row and marked it with its alert.
+    pressed = opened.find(tag="button", **{"aria-pressed": "true"})
+    assert [b["data-line"] for b in pressed if "data-line" in b] == [line]
+    assert [b["data-metric"] for b in pressed if "data-metric" in b] == ["max_violation"]
+    (maxvio_button,) = opened.find(tag="button", **{"data-metric": "max_violation"})
+    assert "alerting" in maxvio_button["class"].split()
+    rows = opened.find(tag="div", class_="row")
+    assert {r["data-router"] for r in rows} == set(routing) and {r["data-metric"] for r in rows} == {"max_violation"}
+    (focused,) = [r for r in rows if "focus" in r["class"].split()]
+    assert focused["data-router"] == HOT_GATE and "alerted" in focused["class"].split()
+    assert focused["data-state"] == "fire" and focused["data-alerts"] == "ExpertHotspot"
+    assert float(focused["data-value"]) == pytest.approx(routing[HOT_GATE]["max_violation"])
+    assert f"{routing[HOT_GATE]['max_violation']:.2f}" in focused["text"] and "ExpertHotspot" in focused["text"]
+    (alert_row,) = opened.find(tag="tr", **{"data-alertname": "ExpertHotspot", "data-router": HOT_GATE})
+    assert "focus" in alert_row["class"].split() and alert_row["data-metric"] == "max_violation"
+    assert "MaxVio" in alert_row["text"]
+    # The bundled model's DSA indexers see contexts shorter than index_topk: they read "no signal", greyed.
+    indexers = [r for r in rows if r["data-kind"] == "indexer"]
+    assert len(indexers) == 4
+    for r in indexers:
+        reason = routing[r["data-router"]]["no_signal"]
+        assert reason and "index_topk" in reason, reason
+        assert r["data-state"] == "nosignal" and r["data-no-signal"] == reason and f"no signal: {reason}" in r["text"]
+    for r in rows:
+        if r["data-kind"] == "expert" and r["data-router"] != HOT_GATE:
+            assert r["data-state"] == "ok" and float(r["data-value"]) == pytest.approx(
+                routing[r["data-router"]]["max_violation"])
+    (canvas,) = opened.find(tag="canvas", id="heatmap-canvas")
+    assert canvas["data-source"] == "history" and canvas["data-metric"] == "max_violation"
+    assert int(canvas["data-columns"]) >= 4
+    (note,) = opened.find(tag="span", id="metric-note")
+    assert note["data-history"] == "yes" and "MaxVio" in note["text"] and "durable history" in note["text"]
+    # In the screenshot: the alert's red mark at the right end of the hot row, none on the healthy experts'.
+    left, top, width, _ = (int(v) for v in canvas["data-box"].split(","))
+    for position, r in enumerate(rows):
+        red, green, blue = pixel(screenshot, left + width - 2, top + position * 18 + 9)
+        if r["data-router"] == HOT_GATE:
+            assert red > 150 and red > 2 * green and red > 2 * blue, (red, green, blue)
+        elif r["data-kind"] == "expert":
+            assert not (red > 150 and red > 2 * green), (r["data-router"], red, green, blue)
+
+    # "entropy": the value is entropy, above the entropy rule's threshold, and the row is still red: an alert
+    # fires on it.
+    assert "metric=" not in anchor and f"router={HOT_GATE}" in anchor  # the choice is kept in the anchor
+    (row,) = entropy.find(tag="div", class_="row", **{"data-router": HOT_GATE})
+    assert row["data-metric"] == "entropy_bits" and row["data-state"] == "fire"
+    assert 5.0 < float(row["data-value"]) == pytest.approx(routing[HOT_GATE]["entropy_bits"])
+    assert [b["data-metric"] for b in entropy.find(tag="button", **{"aria-pressed": "true"})
+            if "data-metric" in b] == ["entropy_bits"]
+    # "dead slots": every row shows its dead experts, from v1/routing; the history from the durable one.
+    for r in dead.find(tag="div", class_="row"):
+        assert r["data-metric"] == "dead_slots"
+        assert float(r["data-value"]) == routing[r["data-router"]]["dead_slots"]
+    (canvas,) = dead.find(tag="canvas", id="heatmap-canvas")
+    assert canvas["data-source"] == "history" and canvas["data-metric"] == "dead_slots"
+
+
+def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_windows_read_no_signal() -> None:
+    with running_sidecar(history_retention_days=0, history_interval_seconds=0.5) as (url, _):
+        for index in range(3):
+            response = httpx.post(url + "/v1/completions", timeout=60, headers={"X-Business-Line": "doc_summary"},
+                                  json={"prompt": f"SELECT {index} FROM", "max_tokens": 8, "seed": index})
+            assert response.status_code == 200, response.text
+        routing = {r["name"]: r for r in httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"},
+                                                   timeout=10).json()["routers"]}
+        dom, console = open_in_browser(url + "/#business_line=doc_summary&metric=max_violation",
+                                       artifacts_dir() / "status-page-no-history.png", 3000)
+    assert "Uncaught" not in console, console
+    (note,) = dom.find(tag="span", id="metric-note")
+    assert note["data-history"] == "no" and note["text"].startswith("No history of MaxVio here: the live hour "
+                                                                    "holds entropy only")
+    (canvas,) = dom.find(tag="canvas", id="heatmap-canvas")
+    assert canvas["data-source"] == "none" and canvas["data-metric"] == "max_violation"
+    rows = dom.find(tag="div", class_="row")
+    assert {r["data-router"] for r in rows} == set(routing)
+    for r in rows:  # a few short prompts: every window is under its trusted minimum, or an indexer without choice
+        record = routing[r["data-router"]]
+        assert record["no_signal"] and r["data-state"] == "nosignal", (r, record)
+        assert f"no signal: {record['no_signal']}" in r["text"]
+        assert float(r["data-value"]) == pytest.approx(record["max_violation"])
+        assert "healthy" not in r["text"]  # no baseline in the records yet

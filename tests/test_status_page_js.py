@@ -1,8 +1,11 @@
 """The status page's pure functions (``static/status.js``), run under Node.js on tiny inputs.
 
 The browser test shows the page working end to end; these pin down the parts it cannot see
-exactly: how an incremental reply is merged into what the page holds, and how a value is
-placed against its band.
+exactly: how an incremental reply is merged into what the page holds, how a value is placed
+against its band, and for the metric selector: what an alert link's anchor selects (and that the
+page writes the anchor the alert engine does), a row's state (its alerts first, then no signal,
+then its value), values and "healthy" baselines per metric, and what the page says when a metric
+has no history.
 """
 
 from __future__ import annotations
@@ -84,3 +87,142 @@ def test_a_history_range_asks_for_at_most_720_columns_never_finer_than_the_sampl
     assert urls == ["v1/history?since=1799913600&until=1800000000&step=120",
                     "v1/history?since=1797408000&until=1800000000&step=3600",
                     "v1/history?since=1799913600&until=1800000000&step=300"]
+
+
+# ---------------------------------------------------------------- the metric a row shows, and why it fired
+
+ALERT = {"rule": "ExpertHotspot", "metric": "max_violation", "state": "firing", "value": 9.67,
+         "labels": {"alertname": "ExpertHotspot", "severity": "warning", "router": "model.layers.2.mlp.gate",
+                    "layer": "2", "kind": "expert", "business_line": "code assistant/eu"}}
+
+
+def test_the_anchor_selects_router_line_metric_and_alert_and_old_links_show_entropy() -> None:
+    hashes = ["#router=model.layers.2.mlp.gate&layer=2&business_line=code&metric=max_violation&alertname=Hot",
+              "#router=model.layers.1.mlp.gate&layer=1&business_line=code",  # an alert link of before
+              "#metric=dead_slots", "#router=g&metric=rm%20-rf", "#router=g&metric=bits_below_ceiling", "", "#"]
+    anchors = run_js("hashes.map(page.parseAnchor)", hashes=hashes)
+    assert anchors[0] == {"focus": {"router": "model.layers.2.mlp.gate", "layer": "2", "alertname": "Hot"},
+                          "line": "code", "metric": "max_violation"}
+    assert anchors[1] == {"focus": {"router": "model.layers.1.mlp.gate", "layer": "1", "alertname": None},
+                          "line": "code", "metric": "entropy_bits"}
+    assert anchors[2] == {"focus": None, "line": None, "metric": "dead_slots"}
+    assert [a["metric"] for a in anchors[3:]] == ["entropy_bits"] * 4  # unknown, or entropy in other units
+    assert anchors[5] == anchors[6] == {"focus": None, "line": None, "metric": "entropy_bits"}
+
+
+def test_an_alerts_show_link_is_the_anchor_the_alert_engine_writes() -> None:
+    from urllib.parse import urlencode
+
+    labels = ALERT["labels"]
+    engine = "#" + urlencode({"router": labels["router"], "layer": labels["layer"],
+                              "business_line": labels["business_line"], "metric": "max_violation",
+                              "alertname": labels["alertname"]})
+    assert run_js("page.anchorOf(alert)", alert=ALERT) == engine
+    # An alert from a sidecar that does not name the metric: the metric is left empty (the page shows entropy).
+    older = {**ALERT, "metric": None}
+    assert "&metric=&alertname=ExpertHotspot" in run_js("page.anchorOf(alert)", alert=older)
+    assert run_js("[page.alertMetric(a), page.alertMetric(b), page.alertMetric(c)]", a=ALERT, b=older,
+                  c={**older, "labels": {**labels, "metric": "dead_slots"}}) == ["max_violation", None, "dead_slots"]
+
+
+def test_a_row_takes_the_worst_state_of_the_alerts_on_its_router_and_line() -> None:
+    router, line = ALERT["labels"]["router"], ALERT["labels"]["business_line"]
+    pending = {**ALERT, "state": "pending", "labels": {**ALERT["labels"], "alertname": "DeadExperts"}}
+    resolved = {**ALERT, "state": "resolved"}
+    elsewhere = {**ALERT, "labels": {**ALERT["labels"], "business_line": "sql"}}
+    summed = {**ALERT, "labels": {k: v for k, v in ALERT["labels"].items() if k != "business_line"}}
+    result = run_js("[page.alertsOn([pending, alert, resolved, elsewhere], router, line),"
+                    " page.alertsOn([pending, resolved], router, line),"
+                    " page.alertsOn([resolved, elsewhere], router, line),"
+                    " page.alertsOn([summed], router, 'all'), page.alertsOn(null, router, line)]",
+                    alert=ALERT, pending=pending, resolved=resolved, elsewhere=elsewhere, summed=summed,
+                    router=router, line=line)
+    assert [r["state"] for r in result] == ["fire", "warn", None, "fire", None]
+    assert [a["labels"]["alertname"] for a in result[0]["alerts"]] == ["DeadExperts", "ExpertHotspot"]
+
+
+def test_the_state_of_a_row_alert_first_then_no_signal_then_the_value() -> None:
+    record = {"no_signal": None}
+    quiet = {"no_signal": "no query saw more than index_topk = 64 keys: the indexer selected every key"}
+    cases = [
+        {"metric": "max_violation", "value": 0.4, "band": BAND, "record": record, "alertState": "fire"},  # alert wins
+        {"metric": "entropy_bits", "value": 5.9, "band": BAND, "record": record, "alertState": "warn"},
+        {"metric": "entropy_bits", "value": 5.02, "band": BAND, "record": quiet, "alertState": "fire"},
+        {"metric": "entropy_bits", "value": 5.02, "band": BAND, "record": quiet, "alertState": None},  # greyed
+        {"metric": "max_violation", "value": 9.7, "band": BAND, "record": record, "alertState": None},  # no thresholds
+        {"metric": "js_divergence", "value": None, "band": BAND, "record": record, "alertState": None},
+        {"metric": "entropy_bits", "value": 4.2, "band": BAND, "record": record, "alertState": None},
+        {"metric": "entropy_bits", "value": 5.9, "band": BAND, "record": None, "alertState": None},
+        # normalized entropy against the entropy band, converted: floor 2.585, ceiling 6.0 (5.0 bits = 0.7072)
+        {"metric": "normalized_entropy", "value": 0.70, "band": BAND, "floor": 2.585, "ceiling": 6.0,
+         "record": record, "alertState": None},
+        {"metric": "normalized_entropy", "value": 0.9, "band": BAND, "floor": 2.585, "ceiling": 6.0,
+         "record": record, "alertState": None},
+    ]
+    assert run_js("cases.map(page.rowState)", cases=cases) == ["fire", "warn", "fire", "nosignal", "ok", "none",
+                                                               "fire", "ok", "fire", "ok"]
+    band = run_js("page.normalizedBand(band, 2.585, 6.0)", band=BAND)
+    assert band == {"fire_below": 0.7072, "resolve_above": 0.7657, "fire_above": 1.1464, "resolve_below": 1.0878}
+    assert set(run_js("page.normalizedBand(band, null, 6.0)", band=BAND).values()) == {None}
+
+
+def test_values_are_read_and_written_per_metric_and_a_baseline_says_healthy() -> None:
+    record = {"entropy_bits": 5.93123, "normalized_entropy": 0.98123, "max_violation": 9.6667, "dead_slots": 4,
+              "js_divergence": None, "locality": None}
+    metrics = ["entropy_bits", "normalized_entropy", "max_violation", "dead_slots", "js_divergence", "locality"]
+    assert run_js("metrics.map((m) => page.formatMetric(page.metricValue(record, m), m))", record=record,
+                  metrics=metrics) == ["5.93", "0.981", "9.67", "4", "–", "–"]
+    assert run_js("page.metricValue(null, 'dead_slots')") is None
+    baseline = {"max_violation": 0.61, "dead_slots": 0, "entropy_bits": 5.93, "normalized_entropy": 0.98,
+                "tokens": 4096, "taken_at": 1764662400.0}
+    texts = run_js("[page.healthyText({...record, baseline}, 'max_violation'), page.healthyText({...record, baseline},"
+                   " 'dead_slots'), page.healthyText({...record, baseline}, 'locality'),"
+                   " page.healthyText({...record, baseline: null}, 'max_violation'),"
+                   " page.healthyText(record, 'max_violation'), page.healthyText(null, 'max_violation')]",
+                   record=record, baseline=baseline)
+    assert texts == ["healthy 0.61", "healthy 0", None, None, None, None]
+    assert [m[0] for m in run_js("page.METRICS")] == metrics
+
+
+def test_a_metric_without_thresholds_is_drawn_on_a_ramp_brighter_when_higher() -> None:
+    s = series("g", "code", [])
+    colours = run_js("[0, 0.5, 1, 3, 9].map((v) => page.metricColour(v, 'max_violation', s))", s=s)
+    brightness = [sum(int(c) for c in colour[4:-1].split(",")) for colour in colours]
+    assert brightness == sorted(brightness) and len(set(brightness)) == 5
+    assert run_js("[page.rampPosition(16, 'dead_slots', 64), page.rampPosition(1, 'max_violation', 64),"
+                  " page.rampPosition(2, 'locality', 0)]") == [1, 0.5, 1]
+    # Entropy keeps the band's colours.
+    assert run_js("page.metricColour(4.0, 'entropy_bits', s) === page.colourOf(4.0, s)", s=s) is True
+
+
+def test_other_metrics_ask_the_durable_history_by_name_and_the_routing_of_the_shown_line() -> None:
+    urls = run_js("[page.historyUrl(300, 1800000000, 10, 'code', 'max_violation'),"
+                  " page.historyUrl(300, 1800000000, 10, 'code', 'entropy_bits'), page.routingUrl('all'),"
+                  " page.routingUrl(null), page.routingUrl('code assistant')]")
+    assert urls == ["v1/history?since=1799999700&until=1800000000&step=10&business_line=code&metric=max_violation",
+                    "v1/history?since=1799999700&until=1800000000&step=10&business_line=code",
+                    "v1/routing", "v1/routing", "v1/routing?business_line=code%20assistant"]
+
+
+def test_the_page_says_when_a_metric_has_no_history() -> None:
+    rows = [{"layer": 1, "kind": "expert", "series": {"values": [0.5, 0.7]}},
+            {"layer": 1, "kind": "indexer", "series": None},
+            {"layer": 2, "kind": "indexer", "series": {"values": [None, None]}}]
+    notes = run_js("""[
+        page.historyNote({ metric: "max_violation", durable: true, held: false, store: false, error: null, rows }),
+        page.historyNote({ metric: "max_violation", durable: true, held: false, store: true, error: null, rows }),
+        page.historyNote({ metric: "locality", durable: true, held: false, store: true, error: "HTTP 429", rows }),
+        page.historyNote({ metric: "locality", durable: true, held: true, store: true, error: null, rows }),
+        page.historyNote({ metric: "dead_slots", durable: true, held: true, store: true, error: null, rows: one }),
+        page.historyNote({ metric: "entropy_bits", durable: false, held: false, store: false, error: null, rows: one }),
+        page.historyNote({ metric: "entropy_bits", durable: true, held: false, store: false, error: null, rows }),
+    ]""", rows=rows, one=rows[:1])
+    assert notes[0].startswith("No history of MaxVio here: the live hour holds entropy only and the durable history "
+                               "is off") and notes[0].endswith("the rows show its value now.")
+    assert notes[1] == "Loading the history of MaxVio…"
+    assert notes[2] == "The history of locality did not load (HTTP 429); the rows show its value now."
+    assert notes[3] == ("locality (durable history): no history for 2 of 3 routers (layer 1 indexer, layer 2 indexer):"
+                        " no value in this span.")
+    assert notes[4] == "dead slots: value now, and its history (durable history)."
+    assert notes[5] == ""  # entropy from the live hour: nothing to say
+    assert notes[6].startswith("No history of entropy here") and notes[6].endswith("the live hour is drawn instead.")

@@ -4,8 +4,10 @@ the repository, `mla-watch serve` answers a completion under the shipped policie
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -14,6 +16,27 @@ import pytest
 from conftest import REPO, free_port, wait_until
 
 pytestmark = pytest.mark.slow
+
+
+def running_site_packages() -> list[str]:
+    """The site-packages directories this interpreter imports from: a venv's own (and its base's, with
+    --system-site-packages), or a system Python's, and the user's where Python reads them."""
+    directories = [*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+    if site.ENABLE_USER_SITE:
+        directories.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(directories) if Path(d).is_dir()]
+
+
+def inherit_site_packages(python: Path) -> None:
+    """Make the running interpreter's packages importable in the venv of ``python``, after its own.
+
+    Not ``venv --system-site-packages``: that inherits the base interpreter's site-packages, which,
+    run from a venv, lack what was installed there (uvicorn, say). A .pth file lists the directories
+    themselves: their own .pth files (an editable install of mla_watch, say) are not run.
+    """
+    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    (Path(own) / "_inherited_site_packages.pth").write_text("".join(d + "\n" for d in running_site_packages()))
 
 
 def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_policies_and_rules(tmp_path: Path) -> None:
@@ -28,8 +51,9 @@ def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_polici
     # The venv reuses this interpreter's dependencies (torch, transformers: no network needed) but
     # gets mla_watch only from the wheel; its own site-packages come before the inherited ones.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python, command = venv / "bin" / "python", venv / "bin" / "mla-watch"
+    inherit_site_packages(python)
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)], check=True,
                    timeout=600)
     elsewhere = tmp_path / "elsewhere"

@@ -95,13 +95,15 @@ class AlertInstance:
     resolved_at: float | None
     last_evaluated: float | None
     annotations: dict[str, str] = field(default_factory=dict)
+    metric: str | None = None  # the rule's metric (None once its rule is gone)
 
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.labels)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "labels": dict(self.labels), "state": self.state, "value": self.value,
+        return {"rule": self.rule, "metric": self.metric, "labels": dict(self.labels), "state": self.state,
+                "value": self.value,
                 "active_since": self.active_since, "firing_since": self.firing_since,
                 "resolved_at": self.resolved_at, "last_evaluated": self.last_evaluated,
                 "annotations": dict(self.annotations), "fingerprint": self.fingerprint}
@@ -110,8 +112,8 @@ class AlertInstance:
 class _Compiled:
     """A rule with its thresholds resolved, for the hot loop."""
 
-    __slots__ = ("above", "below", "for_s", "id", "keep_s", "metric", "min_tokens", "notify", "resolve_above",
-                 "resolve_below", "retune", "rule", "trend")
+    __slots__ = ("above", "below", "for_s", "id", "keep_s", "levels", "metric", "min_tokens", "notify",
+                 "resolve_above", "resolve_below", "retune", "rule", "trend")
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
         self.id = rule_id
@@ -127,6 +129,16 @@ class _Compiled:
         self.notify = "notify" in rule.actions
         self.retune = "retune" in rule.actions
         self.trend = rule.trend
+        # (below, above, resolve_above, resolve_below); None: relative to each series' healthy baseline
+        self.levels = None if rule.baseline else (self.below, self.above, self.resolve_above, self.resolve_below)
+
+    def series_levels(self, record: Mapping[str, object]) -> tuple[Any, Any, Any, Any] | None:
+        """The four levels for ``record``'s series; ``None`` when they need a healthy baseline it lacks."""
+        if self.levels is not None:
+            return self.levels
+        baseline = record.get("baseline")
+        healthy = baseline.get(self.metric) if isinstance(baseline, Mapping) else None
+        return self.rule.levels(healthy if isinstance(healthy, int | float) else None)
 
     def labels(self, key: _RecordKey) -> dict[str, str]:
         name, layer, kind, line = key
@@ -147,8 +159,8 @@ class _Compiled:
 
 class _Instance:
     __slots__ = ("active_since", "annotations", "firing_since", "hash_routed", "healthy_since", "json", "key",
-                 "labels", "last_evaluated", "notified", "num_slots", "record", "resolved_at", "rule_id", "state",
-                 "value")
+                 "labels", "last_evaluated", "levels", "notified", "num_slots", "record", "resolved_at", "rule_id",
+                 "state", "value")
 
     def __init__(self, rule_id: str, key: _RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -163,6 +175,7 @@ class _Instance:
         self.value: float | None = None
         self.notified = False  # a firing notify was emitted, so the resolution must be notified too
         self.record: Mapping[str, object] | None = None  # the latest judged record
+        self.levels: tuple[Any, Any, Any, Any] | None = None  # the levels it was judged by, latest
         self.annotations: dict[str, str] = {}  # as rendered at the latest transition
         self.json: str | None = None  # serialized at the latest save; None once a state or timer changed
         self.num_slots: int | None = None  # the router's geometry, which `slots` selectors judge
@@ -274,8 +287,11 @@ class AlertEngine:
                             value, record = judged
                         if value is None or value != value:  # no baseline / not an indexer / NaN: not judged
                             continue
+                        levels = rule.levels or rule.series_levels(record)
+                        if levels is None:  # relative to a healthy baseline this series has not learned yet
+                            continue
                         inst = by_rule.get(rule.id) if by_rule is not None else None
-                        below, above = rule.below, rule.above
+                        below, above = levels[0], levels[1]
                         breach = (below is not None and value < below) or (above is not None and value > above)
                         if inst is None:
                             if not breach:
@@ -290,7 +306,9 @@ class AlertEngine:
                             inst.value = value
                             inst.last_evaluated = now
                             inst.record = record
+                            inst.levels = levels
                             continue
+                        inst.levels = levels
                         if self._step(inst, rule, record, value, breach, now, actions):
                             inst.json = None
                             changed = True
@@ -329,7 +347,7 @@ class AlertEngine:
                         "alertname", inst.rule_id), labels=dict(inst.labels), state=inst.state, value=inst.value,
                         active_since=inst.active_since, firing_since=inst.firing_since,
                         resolved_at=inst.resolved_at, last_evaluated=inst.last_evaluated,
-                        annotations=annotations))
+                        annotations=annotations, metric=rule.metric if rule is not None else None))
         out.sort(key=lambda a: (order.get(a.state, 3), a.rule, a.labels.get("router", ""),
                                 a.labels.get("layer", ""), a.labels.get("business_line", "")))
         return out
@@ -424,9 +442,10 @@ class AlertEngine:
                     inst.healthy_since = None
                     return True
                 return False
-            below, above = rule.below, rule.above
-            healthy = ((below is None or value >= rule.resolve_above)
-                       and (above is None or value <= rule.resolve_below))
+            below, above, resolve_above, resolve_below = inst.levels or (rule.below, rule.above, rule.resolve_above,
+                                                                         rule.resolve_below)
+            healthy = ((below is None or value >= resolve_above)
+                       and (above is None or value <= resolve_below))
             if not healthy:  # hysteresis band: stays firing, and health is no longer continuous
                 if inst.healthy_since is not None:
                     inst.healthy_since = None
@@ -487,18 +506,28 @@ class AlertEngine:
     def _router_url(self, inst: _Instance) -> str:
         if not self._status_url:
             return ""
-        # The status page reads this anchor: it selects the business line and highlights the row.
-        anchor = urlencode({key: inst.labels.get(key, "") for key in ("router", "layer", "business_line")})
+        # The status page reads this anchor: it selects the business line and the rule's metric, and
+        # highlights the row and the alert.
+        rule = self._rules.get(inst.rule_id)
+        anchor = urlencode({"router": inst.labels.get("router", ""), "layer": inst.labels.get("layer", ""),
+                            "business_line": inst.labels.get("business_line", ""),
+                            "metric": rule.metric if rule is not None else "",
+                            "alertname": inst.labels.get("alertname", "")})
         return f"{self._status_url}#{anchor}"
 
     def _annotations(self, rule: _Compiled, inst: _Instance, record: Mapping[str, object]) -> dict[str, str]:
         value = inst.value
-        if rule.below is not None and (rule.above is None or value is None or value < rule.below):
-            threshold, resolve = rule.below, rule.resolve_above
+        below, above, resolve_above, resolve_below = inst.levels or (rule.below, rule.above, rule.resolve_above,
+                                                                     rule.resolve_below)
+        if below is not None and (above is None or value is None or value < below):
+            threshold, resolve = below, resolve_above
         else:
-            threshold, resolve = rule.above, rule.resolve_below
+            threshold, resolve = above, resolve_below
         labels = inst.labels
+        baseline = record.get("baseline")
+        healthy = baseline.get(rule.metric) if isinstance(baseline, Mapping) else None
         fields = {"alertname": rule.rule.name, "metric": rule.metric, "value": value, "threshold": threshold,
+                  "healthy": healthy,
                   "resolve_threshold": resolve, "router": labels.get("router"), "layer": labels.get("layer"),
                   "kind": labels.get("kind"), "business_line": labels.get("business_line"),
                   "floor_bits": record.get("floor_bits"), "ceiling_bits": record.get("ceiling_bits"),

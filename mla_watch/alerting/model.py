@@ -23,6 +23,7 @@ __all__ = [
     "TEMPLATE_FIELDS",
     "Alert",
     "AlertState",
+    "BaselineScale",
     "Notification",
     "Receiver",
     "Rule",
@@ -51,7 +52,9 @@ TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold",
                                     "min_tokens", "severity", "status_url",
                                     # trend rules (n/a for the others): the metric's latest value, the
                                     # fitted slope, the predicted value, and when the fit crosses the threshold
-                                    "current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
+                                    "current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in",
+                                    # the metric's healthy value learned for this router and line (n/a without one)
+                                    "healthy")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 
@@ -121,6 +124,30 @@ class Trend:
 
 
 @dataclass(frozen=True)
+class BaselineScale:
+    """A threshold relative to the healthy value learned for each router and line: ``times * healthy + plus``.
+
+    The rule's own number for that threshold bounds it (the level is never below an ``above`` rule's floor,
+    never above a ``below`` rule's ceiling): a healthy value near zero must not turn noise into a page.
+    """
+
+    times: float = 1.0
+    plus: float = 0.0
+
+    def level(self, healthy: float, bound: float, upper_side: bool) -> float:
+        """The threshold for a series whose healthy value is ``healthy``; ``upper_side``: an above-side threshold
+        (``above``, ``resolve_below``), bounded from below by ``bound``; else bounded from above."""
+        relative = self.times * healthy + self.plus
+        return max(relative, bound) if upper_side else min(relative, bound)
+
+    def describe(self, bound: float, upper_side: bool) -> str:
+        parts = [f"{self.times:g} x healthy" if self.times != 1.0 else "healthy"]
+        if self.plus:
+            parts.append(f"{'+' if self.plus > 0 else '-'} {abs(self.plus):g}")
+        return f"{' '.join(parts)}, {'at least' if upper_side else 'at most'} {bound:g}"
+
+
+@dataclass(frozen=True)
 class Rule:
     """One alert rule over one routing metric.
 
@@ -150,6 +177,31 @@ class Rule:
     receivers: tuple[str, ...] = ("oncall",)
     source: str = ""  # "rules/routing.yaml: rules[0]" - for messages
     trend: Trend | None = None
+    # Thresholds relative to each series' learned healthy value, by threshold key ("above", "resolve_below", ...);
+    # the key's own number above is then the bound. A rule with any is not judged where no baseline is learned.
+    baseline: Mapping[str, BaselineScale] = field(default_factory=dict)
+
+    def levels(self, healthy: float | None) -> tuple[float | None, float | None, float, float] | None:
+        """``(below, above, resolve_above, resolve_below)`` for a series whose healthy value of the metric is
+        ``healthy``; ``None`` when the rule is relative to a baseline and the series has none."""
+        below, above = self.below, self.above
+        resolve_above = below if self.resolve_above is None else self.resolve_above
+        resolve_below = above if self.resolve_below is None else self.resolve_below
+        if not self.baseline:
+            return below, above, resolve_above, resolve_below  # type: ignore[return-value]
+        if healthy is None or healthy != healthy:
+            return None
+        scaled = {key: scale.level(healthy, getattr(self, key), key in ("above", "resolve_below"))
+                  for key, scale in self.baseline.items()}
+        below, above = scaled.get("below", below), scaled.get("above", above)
+        resolve_above = scaled.get("resolve_above", below if self.resolve_above is None else self.resolve_above)
+        resolve_below = scaled.get("resolve_below", above if self.resolve_below is None else self.resolve_below)
+        # hysteresis never inverts: a level scaled up past its resolve companion drags it along no further
+        if below is not None and resolve_above is not None:
+            resolve_above = max(resolve_above, below)
+        if above is not None and resolve_below is not None:
+            resolve_below = min(resolve_below, above)
+        return below, above, resolve_above, resolve_below  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

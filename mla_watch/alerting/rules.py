@@ -49,6 +49,7 @@ from mla_watch.alerting.model import (
     METRICS,
     RETUNE_STRATEGIES,
     TEMPLATE_FIELDS,
+    BaselineScale,
     Receiver,
     Rule,
     RuleError,
@@ -121,6 +122,7 @@ _SAMPLE_FIELDS: dict[str, object] = {
     "business_line": "code_assistant", "floor_bits": 2.585, "ceiling_bits": 6.0, "tokens": 4096,
     "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
     "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
+    "healthy": 0.6,
 }
 
 
@@ -300,6 +302,48 @@ def _parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Tre
     return Trend("predict", over, ahead_seconds=ahead), where, wpath
 
 
+_UPPER_SIDE = ("above", "resolve_below")  # bounded from below by a floor; the others by a ceiling
+_SCALE_EXPECTED = ("a number, or a threshold relative to the healthy baseline such as "
+                   "{baseline_times: 2.0, floor: 1.0} (above / resolve_below) or "
+                   "{baseline_plus: -0.5, ceiling: 5.0} (below / resolve_above)")
+
+
+def _parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
+                               ) -> tuple[Mapping[str, Any], dict[str, BaselineScale]]:
+    """Thresholds written relative to the learned healthy baseline: ``(data with each such threshold replaced by
+    its bound, the scales by threshold key)``."""
+    scales: dict[str, BaselineScale] = {}
+    plain = dict(data)
+    for key in _THRESHOLD_KEYS:
+        raw = data.get(key)
+        if not isinstance(raw, dict):
+            continue
+        bound_key = "floor" if key in _UPPER_SIDE else "ceiling"
+        kpath = f"{path}.{key}"
+        block = chk.mapping(kpath, raw, ("baseline_times", "baseline_plus", bound_key), _SCALE_EXPECTED)
+        plain[key] = None
+        if block is None:
+            continue
+        if "baseline_times" not in block and "baseline_plus" not in block:
+            chk.missing(f"{kpath}.baseline_times", "baseline_times and/or baseline_plus: the threshold as "
+                        "times x healthy + plus")
+            continue
+        times = _number_key(chk, block, "baseline_times", kpath)
+        plus = _number_key(chk, block, "baseline_plus", kpath)
+        if times is not None and not times > 0:
+            chk.bad(f"{kpath}.baseline_times", times, "a number > 0 (how many times the healthy value)")
+            continue
+        if bound_key not in block:
+            side = "a floor the threshold never goes below" if key in _UPPER_SIDE else \
+                "a ceiling the threshold never goes above"
+            chk.missing(f"{kpath}.{bound_key}", f"{side} (a number): a healthy value near zero must not turn "
+                        "noise into a page")
+            continue
+        plain[key] = block[bound_key]
+        scales[key] = BaselineScale(times=1.0 if times is None else times, plus=0.0 if plus is None else plus)
+    return plain, scales
+
+
 def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     path = f"rules[{index}]"
     data = chk.mapping(path, raw, _RULE_KEYS, "a rule with keys " + ", ".join(_RULE_KEYS))
@@ -322,6 +366,10 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     selector = _parse_selector(chk, f"{path}.select", data.get("select"))
 
     trend, tdata, tpath = _parse_trend(chk, data, path)
+    tdata, scales = _parse_baseline_thresholds(chk, tdata, tpath)
+    if scales and trend is not None:
+        chk.bad(f"{tpath}.{next(iter(scales))}", data.get(next(iter(scales))) or "a baseline threshold",
+                "a number: a trend rule judges a slope or a prediction, not a level against the healthy baseline")
     below = _number_key(chk, tdata, "below", tpath)
     above = _number_key(chk, tdata, "above", tpath)
     resolve_above = _number_key(chk, tdata, "resolve_above", tpath)
@@ -348,6 +396,17 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         elif below is not None and resolve_below < below:
             chk.bad(f"{tpath}.resolve_below", resolve_below, f"a value >= below ({format_number(below)})")
 
+    for threshold, resolve in (("above", "resolve_below"), ("below", "resolve_above")):
+        if resolve in scales and threshold not in scales:
+            chk.bad(f"{tpath}.{resolve}", data.get(resolve), f"a number, as {threshold} is one (a resolve level "
+                    f"relative to the baseline could pass a fixed {threshold})")
+        elif resolve in scales and threshold in scales:
+            outer, inner = scales[threshold], scales[resolve]
+            wider = (inner.times > outer.times or inner.plus > outer.plus) if threshold == "above" else \
+                (inner.times < outer.times or inner.plus < outer.plus)
+            if wider:
+                chk.bad(f"{tpath}.{resolve}", data.get(resolve), f"baseline_times and baseline_plus on the healthy "
+                        f"side of {threshold}'s (hysteresis)")
     for_seconds = duration_key(chk, data, "for", path, 0.0)
     keep_seconds = duration_key(chk, data, "keep_firing_for", path, 0.0)
 
@@ -431,6 +490,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         receivers=receivers,
         source=f"{chk.label}: {path}",
         trend=trend,
+        baseline=scales,
     )
 
 

@@ -834,8 +834,10 @@ class Probe:
             # Keys each query could see: differences of a running sum at its keys' first and end position.
             edges = F.pad(allowed.cumsum(0), (1, 0)).index_select(0, bounds)
             visible = (edges[queries:] - edges[:queries]).view(count, 1, rows, seq, 1)
-            # Locality only means something for queries that saw more keys than they may pick.
-            had_choice = counted & (visible > columns.top_k)
+            # Locality only means something for queries that saw at least twice the keys they may pick: with
+            # fewer, even picks at random land mostly among the most recent top_k (top_k / visible > 1/2 of
+            # them), and a healthy indexer reads as a sliding window.
+            had_choice = counted & (visible >= 2 * columns.top_k)
             nearest = positions - columns.top_k
             local = had_choice & (clipped > nearest)
             # Per (kind, router, row): the companions are sums, so they are reduced before the scatter.

@@ -371,6 +371,11 @@ class RouterVersions:
         return sorted(name for name, tensor in recorded.items()
                       if name not in live or not torch.equal(live[name], tensor.to(live[name].dtype)))
 
+    def is_good(self, version: int) -> bool:
+        """Whether ``version`` is known to be good: its gates passed (version 0: its start-up health check), or
+        an operator marked it good."""
+        return self._good(version)
+
     def _good(self, version: int) -> bool:
         gates = self._manifest(version).get("gates")
         return (isinstance(gates, Mapping) and gates.get("passed") is True) or version in self.marked_good()

@@ -31,6 +31,7 @@ from mla_watch.alerting.engine import Action
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
+from mla_watch.baselines import Baselines
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.engines.geometry import load_geometry
@@ -83,6 +84,7 @@ class Sidecar:
         self.metrics.policy_version.set(self.policies.version)
         self.rules: DirectoryStore[RuleSet] | None = None
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
+        self.baselines = self._open_baselines()
         self.alerts = self._alert_service() if config.rules is not None else None
         self.model_name = "bundled" if config.model == "bundled" else Path(config.model).name
         self.engine: Engine | None = None
@@ -92,7 +94,7 @@ class Sidecar:
         if self.alerts is not None:
             self.alerts.on_retune(self._on_retune_action)
         self.remote = RemoteRouting(config.ingest_limits, window_tokens=config.window_tokens,
-                                    window_seconds=config.window_seconds, clock=clock)
+                                    window_seconds=config.window_seconds, clock=clock, baselines=self.baselines)
         self.engine_routing = self._engine_routing()  # beside vLLM / SGLang: their routers' windows
         self._decoder: RoutingDecoder | None = None
         self._recorder: Any = None
@@ -162,27 +164,56 @@ class Sidecar:
         self.engine_routing.collect()
         return self.engine_routing.windows
 
-    def baseline_path(self) -> Path:
-        return self.config.state_dir / "baseline.json"
+    # ------------------------------------------------------------------ healthy baselines
+    def _open_baselines(self) -> Baselines:
+        """STATE_DIR/baseline.json: learned from healthy traffic, or set by POST /admin/baseline; kept across
+        restarts. Learning waits until the routers served are known to be good (:meth:`_trust_baselines`)."""
+        config = self.config
+        learn = config.baseline_tokens if config.window_tokens is None else min(config.baseline_tokens,
+                                                                                config.window_tokens)
+        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn)
+        baselines.load()
+        return baselines
+
+    def _trust_baselines(self) -> None:
+        """Learn baselines only from routers known to be good: beside the model, the version served passed its
+        start-up health check or a quality gate. Beside an engine (or workers) no health check runs before
+        traffic: what is learned there is the first traffic no alert is pending or firing on."""
+        retune = self.retune
+        if self.probe is None or retune is None:
+            self.baselines.trust(None)
+            return
+        registry = retune.registry
+        live = registry.live_version()
+        if live is None:
+            self.baselines.trust("no router version is recorded yet")
+        elif registry.is_good(live):
+            self.baselines.trust(None)
+        else:
+            health = registry.manifest(live).get("health") or {}
+            self.baselines.trust(f"router version {live}, served now, is not known to be good "
+                                 f"({health.get('reason') or 'no start-up health check passed'}); "
+                                 "POST /admin/baseline sets the baselines by hand")
+
+    def _learn_baselines(self, snapshot: RoutingSnapshot) -> None:
+        def alerting() -> set[tuple[str, str]]:
+            if self.alerts is None:
+                return set()
+            return {(alert.labels.get("router", ""), alert.labels.get("business_line", ""))
+                    for alert in self.alerts.engine.alerts() if alert.state in ("pending", "firing")}
+
+        self.baselines.learn(snapshot.records, excluded=alerting)
 
     def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
-        """The routing now becomes the reference for drift (written to STATE_DIR/baseline.json)."""
+        """The windows now become the healthy baselines of their series (``business_line``'s, or every
+        line's and all lines summed), replacing what was learned; kept in STATE_DIR/baseline.json."""
         windows = self.own_windows()
         if windows is None:
             return None
-        document = windows.save_baseline(self.baseline_path(), business_line)
-        windows.load_baseline(self.baseline_path())
-        return {"path": str(self.baseline_path()), "business_line": business_line,
-                "routers": [entry["name"] for entry in document["routers"]]}
-
-    def _load_saved_baseline(self, windows: RouterWindows) -> None:
-        """A baseline saved by an earlier run (POST /admin/baseline) applies again after a restart."""
-        path = self.baseline_path()
-        if path.exists():
-            try:
-                windows.load_baseline(path)
-            except ValueError as error:
-                log.warning("the saved baseline is not used: %s", error)
+        lines = [business_line] if business_line is not None else [None, *windows.business_lines]
+        taken = self.baselines.replace(record for line in lines for record in windows.router_stats(line))
+        return {"path": str(self.baselines.path), "business_line": business_line,
+                "routers": list(dict.fromkeys(baseline.router for baseline in taken)), "series": len(taken)}
 
     def engine_routers(self) -> set[str]:
         return set(self.engine_routing.geometry.router_names) if self.engine_routing is not None else set()
@@ -223,7 +254,9 @@ class Sidecar:
         return service
 
     def _alert_records(self) -> list[dict[str, Any]]:
-        return self.routing_snapshot().as_dicts()
+        snapshot = self.routing_snapshot()
+        self._learn_baselines(snapshot)  # what it learns is judged from the next round on
+        return snapshot.as_dicts()
 
     def routing_snapshot(self) -> RoutingSnapshot:
         """Every router's statistics, per business line and summed: computed once per change of the
@@ -273,8 +306,9 @@ class Sidecar:
                                                     max((info.num_slots for info in experts), default=1))
             self.engine = Engine(model, tokenizer, self.probe, max_queue=self.config.max_queue, clock=self.clock,
                                  on_job_done=lambda job, seconds: self.metrics.queue_depth.set(self.engine.queue_depth))
+            self.probe.windows.baselines = self.baselines
             self._start_retune(model, tokenizer)
-            self._load_saved_baseline(self.probe.windows)
+            self._trust_baselines()
             gc.freeze()
             self.ready.set()
         except Exception as error:
@@ -457,6 +491,7 @@ class Sidecar:
             windows.reset(routers)
         self.metrics.router_promotions.labels(kind).inc()
         self.metrics.router_version.set(self.retune.registry.live_version() or 0)
+        self._trust_baselines()
 
     def _retune_rejected(self, spec: JobSpec, result: dict[str, Any]) -> None:
         if self.alerts is not None:
@@ -477,7 +512,8 @@ class Sidecar:
         # (measured by bench/attacks.py while /metrics built 27k series). Again once the model is in.
         gc.freeze()
         if self.engine_routing is not None:
-            self._load_saved_baseline(self.engine_routing.windows)
+            self.engine_routing.windows.baselines = self.baselines
+            self._trust_baselines()
         if self.config.upstream:
             # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
             self._decoder = RoutingDecoder(self.config.decode_workers)

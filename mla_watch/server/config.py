@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from mla_watch.baselines import DEFAULT_LEARN_TOKENS
 from mla_watch.engines.counting import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
@@ -64,6 +65,8 @@ class ServerConfig:
     max_body_bytes: int = 1_000_000
     window_tokens: int | None = 4096
     window_seconds: float | None = None
+    # A (router, business line) window is learned as that series' healthy baseline once it holds this many tokens.
+    baseline_tokens: int = DEFAULT_LEARN_TOKENS
     policy_poll_seconds: float | None = 1.0
     admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
     # Workers shipping routing counts hold this one, not the admin key (falls back to the admin token).

@@ -1,12 +1,20 @@
-// mla_watch status page: polls v1/status and draws routing entropy, alerts, policies and re-tuning.
-// No framework and no build step: this file is served as written.
+// mla_watch status page: polls v1/status (and v1/routing for the shown line) and draws each router's
+// routing health, alerts, policies and re-tuning. No framework and no build step: this file is served as written.
 //
-// The URL anchor (#router=...&layer=...&business_line=..., the link in every alert) selects the
-// business line and highlights the router's row. ?refresh=SECONDS sets the polling period and
+// The URL anchor (#router=...&layer=...&business_line=...&metric=...&alertname=..., the link in every
+// alert) selects the business line and the metric the rows show, and highlights the router's row and the
+// alert; an anchor without metric (older links) shows entropy. ?refresh=SECONDS sets the polling period and
 // ?window=SECONDS the time the heat map spans (default: the shortest of 5 min, 15 min, 1 h, ...
 // that holds all the history the sidecar has, so a young sidecar's history is not a sliver).
 // Past the live span, 24 h / 7 d / 30 d read the durable history (v1/history) at about COLUMNS
 // columns: fetched when chosen, and again once a column's worth of time has passed.
+//
+// The metric selector: entropy (bits) by default, or any other statistic of GET /v1/routing. The rows
+// show the chosen metric's value now (from v1/routing), "healthy X" where the record carries a learned
+// baseline, and its history where there is one: the live hour of v1/status holds entropy only, so the
+// other metrics are drawn from the durable history (v1/history?metric=...), and the page says so where
+// there is none. A row's state is the worst of the alerts firing or pending on its router and line,
+// whatever their metric; a window whose figures say nothing (`no_signal`) is greyed with the reason.
 "use strict";
 
 const QUERY = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
@@ -15,11 +23,21 @@ const WINDOWS = [[300, "5 min"], [900, "15 min"], [3600, "1 h"], [21600, "6 h"],
 const RANGES = [[86400, "24 h"], [604800, "7 d"], [2592000, "30 d"]];
 const COLUMNS = 720;
 const ROW_HEIGHT = 18;
-const COLOURS = { fire: "#e0463e", warn: "#e8a33d", ok: "#3fae6a", high: "#9b6ad6", none: "#2b303b" };
+const COLOURS = { fire: "#e0463e", warn: "#e8a33d", ok: "#3fae6a", high: "#9b6ad6", none: "#2b303b",
+                  nosignal: "#4a505c" };
+const ENTROPY = "entropy_bits";
+// The metrics a row can show: [key in the routing record, label, decimals, unit].
+const METRICS = [[ENTROPY, "entropy", 2, "bits"], ["normalized_entropy", "normalized entropy", 3, ""],
+  ["max_violation", "MaxVio", 2, ""], ["dead_slots", "dead slots", 0, ""], ["js_divergence", "JS divergence", 3, ""],
+  ["locality", "locality", 2, ""]];
+const RAMP = ["#1c2b45", "#9cc3ff"]; // a metric drawn without thresholds: darker lower, brighter higher
 
 const view = { history: null, status: null, line: null, focus: null, scrolled: false, updates: 0,
                window: Number(QUERY.get("window")) || null, windowChosen: Boolean(Number(QUERY.get("window"))),
-               range: null }; // range: {seconds, data, fetched} while a durable-history range is shown
+               metric: ENTROPY,
+               routing: null, // {line, records: Map(router -> v1/routing record)} of the shown line
+               range: null, // {seconds, line, metric, data, fetched} while the durable history is shown
+               rangeError: null }; // why the durable history of the shown metric did not load
 
 // ---------------------------------------------------------------- small helpers
 const $ = (id) => document.getElementById(id);
@@ -29,7 +47,9 @@ function el(tag, attrs = {}, ...children) {
   for (const [key, value] of Object.entries(attrs)) {
     if (value === null || value === undefined) continue;
     if (key === "class") node.className = value;
-    else if (key === "dataset") Object.assign(node.dataset, value);
+    else if (key === "dataset") {
+      for (const [name, item] of Object.entries(value)) if (item !== null && item !== undefined) node.dataset[name] = item;
+    }
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value);
   }
@@ -62,6 +82,116 @@ function ago(seconds) {
 
 function seriesKey(series) {
   return `${series.business_line}|${series.router}`;
+}
+
+// ---------------------------------------------------------------- metrics
+function metricInfo(metric) {
+  const found = METRICS.find(([key]) => key === metric) || METRICS[0];
+  return { key: found[0], label: found[1], decimals: found[2], unit: found[3] };
+}
+
+function isMetric(metric) {
+  return METRICS.some(([key]) => key === metric);
+}
+
+function formatMetric(value, metric) {
+  if (value === null || value === undefined || !Number.isFinite(Number(value))) return "–";
+  return Number(value).toFixed(metricInfo(metric).decimals);
+}
+
+// A record's value of a metric (null where it has none: js_divergence without a baseline, an expert's locality).
+function metricValue(record, metric) {
+  if (!record) return null;
+  const value = record[metric];
+  return value === null || value === undefined || !Number.isFinite(Number(value)) ? null : Number(value);
+}
+
+// "healthy X": the baseline's value of the metric, when the record carries a baseline that has it.
+function healthyText(record, metric) {
+  const baseline = record && record.baseline;
+  if (!baseline || typeof baseline !== "object") return null;
+  const value = metricValue(baseline, metric);
+  return value === null ? null : `healthy ${formatMetric(value, metric)}`;
+}
+
+// The metric an alert judges: its own field (v1/alerts, v1/status), else a `metric` label, else unknown.
+function alertMetric(alert) {
+  const metric = alert.metric ?? (alert.labels || {}).metric ?? null;
+  return isMetric(metric) || metric === "bits_below_ceiling" ? metric : null;
+}
+
+// The alerts of one router and line that are firing or pending, and the worst of their states
+// (fire for firing, warn for pending, null for none).
+function alertsOn(alerts, router, line) {
+  const on = (alerts || []).filter((a) => (a.state === "firing" || a.state === "pending") && a.labels
+    && a.labels.router === router && (a.labels.business_line || "all") === line);
+  const state = on.some((a) => a.state === "firing") ? "fire" : on.length ? "warn" : null;
+  return { alerts: on, state };
+}
+
+// The entropy band (bits) in normalized entropy: (bits - floor) / (ceiling - floor).
+function normalizedBand(band, floor, ceiling) {
+  const none = { fire_below: null, resolve_above: null, fire_above: null, resolve_below: null };
+  if (!band || floor === null || floor === undefined || ceiling === null || ceiling === undefined
+      || !(ceiling > floor)) return none;
+  const to = (bits) => (bits === null || bits === undefined ? null : +((bits - floor) / (ceiling - floor)).toFixed(4));
+  return { fire_below: to(band.fire_below), resolve_above: to(band.resolve_above), fire_above: to(band.fire_above),
+           resolve_below: to(band.resolve_below) };
+}
+
+// A row's state: an alert on it first (fire / warn), then no signal, then where the value lies:
+// against the entropy band for entropy and normalized entropy, "ok" for a metric the page has no
+// thresholds of (its rules judge it, and their alerts colour the row), "none" without a value.
+function rowState({ metric, value, band, floor, ceiling, record, alertState }) {
+  if (alertState) return alertState;
+  if (record && record.no_signal) return "nosignal";
+  if (value === null || value === undefined) return "none";
+  if (metric === ENTROPY && band) return stateOf(value, band);
+  if (metric === "normalized_entropy" && band) return stateOf(value, normalizedBand(band, floor, ceiling));
+  return "ok";
+}
+
+// Where a value of a metric without thresholds lies on the page's ramp: 0 (low) to 1 (high).
+function rampPosition(value, metric, numSlots) {
+  const v = Math.max(0, Number(value));
+  if (metric === "max_violation") return v / (v + 1); // 1 (twice the mean load) at the middle
+  if (metric === "dead_slots") return Math.min(1, (4 * v) / Math.max(1, numSlots || 64)); // a quarter dead: the top
+  if (metric === "js_divergence") return v / (v + 0.05);
+  return Math.min(1, v); // locality, normalized entropy: 0..1 already
+}
+
+// The colour of a heat-map cell of any metric: the band's for entropy (and normalized entropy,
+// its band converted), else the ramp.
+function metricColour(value, metric, series) {
+  if (metric === ENTROPY) return colourOf(value, series);
+  if (metric === "normalized_entropy" && series.band && series.band.rules && series.band.rules.length) {
+    const state = stateOf(value, normalizedBand(series.band, series.floor_bits, series.ceiling_bits));
+    if (state !== "ok") return COLOURS[state];
+    return mix("#1f5c38", COLOURS.ok, Math.max(0, Math.min(1, value)));
+  }
+  return mix(RAMP[0], RAMP[1], rampPosition(value, metric, series.num_slots));
+}
+
+// What the page reads from the anchor: the router to highlight, the line, the metric, the alert.
+function parseAnchor(hash) {
+  const params = new URLSearchParams(String(hash || "").replace(/^#/, ""));
+  const router = params.get("router");
+  const metric = params.get("metric");
+  // bits_below_ceiling is entropy counted down from the ceiling: its alerts open the entropy view.
+  return { focus: router ? { router, layer: params.get("layer"), alertname: params.get("alertname") || null } : null,
+           line: params.get("business_line") || null, metric: isMetric(metric) ? metric : ENTROPY };
+}
+
+// The anchor of an alert's link, as the alert engine writes it (mla_watch/alerting/engine.py, _router_url).
+function anchorOf(alert) {
+  const labels = alert.labels || {};
+  return "#" + new URLSearchParams({ router: labels.router || "", layer: labels.layer || "",
+                                     business_line: labels.business_line || "", metric: alertMetric(alert) || "",
+                                     alertname: labels.alertname || "" }).toString();
+}
+
+function routingUrl(line) {
+  return line && line !== "all" ? `v1/routing?business_line=${encodeURIComponent(line)}` : "v1/routing";
 }
 
 // Where a value lies against its band: fire (past a firing threshold), warn (fired side of the
@@ -132,34 +262,99 @@ function mergeHistory(old, fresh) {
 // finer than the sampling interval.
 // One business line, the one shown: every line of a wide fleet at COLUMNS columns is past the
 // answer's bound.
-function historyUrl(seconds, now, interval, line) {
+// A metric other than entropy is asked for by name (entropy is the default, left out).
+function historyUrl(seconds, now, interval, line, metric) {
   const step = Math.max(interval, Math.ceil(seconds / COLUMNS));
   const until = Math.floor(now);
   const only = line ? `&business_line=${encodeURIComponent(line)}` : "";
-  return `v1/history?since=${until - seconds}&until=${until}&step=${step}${only}`;
+  const which = metric && metric !== ENTROPY ? `&metric=${encodeURIComponent(metric)}` : "";
+  return `v1/history?since=${until - seconds}&until=${until}&step=${step}${only}${which}`;
 }
 
 function isRange(seconds) {
   return RANGES.some(([s]) => s === seconds) && seconds > (view.history ? view.history.span_seconds : 0);
 }
 
+// The durable history is drawn for a range past the live hour, and for any metric but entropy
+// (the live hour holds entropy only).
+function needsDurable(seconds) {
+  return isRange(seconds) || view.metric !== ENTROPY;
+}
+
 async function fetchRange(seconds) {
   const now = Date.now() / 1000;
-  const line = view.line;
-  const held = view.range && view.range.seconds === seconds && view.range.line === line ? view.range : null;
-  if (held && now - held.fetched < Math.max(60, held.data.step_seconds)) return;
-  const url = historyUrl(seconds, now, view.history.interval_seconds, line);
+  const { line, metric } = view;
+  const held = view.range && view.range.seconds === seconds && view.range.line === line
+    && view.range.metric === metric ? view.range : null;
+  // A range past the live hour: again once a column's worth of time has passed; a live window: every poll.
+  const fresh = isRange(seconds) ? Math.max(60, held ? held.data.step_seconds : 0) : REFRESH_MS / 1000 - 0.5;
+  if (held && now - held.fetched < fresh) return;
+  if (!held) view.rangeError = null; // a new choice: an older failure is not its own
+  const url = historyUrl(seconds, now, view.history.interval_seconds, line, metric);
   const response = await fetch(url, { cache: "no-store" });
   if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
   const data = await response.json();
-  if (view.window === seconds && view.line === line) view.range = { seconds, line, data, fetched: now };
+  if (view.window === seconds && view.line === line && view.metric === metric) {
+    view.range = { seconds, line, metric, data, fetched: now };
+    view.rangeError = null;
+  }
+}
+
+// The routing records of the shown line, now (a line nobody reported yet: none).
+async function fetchRouting() {
+  const line = view.line;
+  const url = routingUrl(line);
+  const response = await fetch(url, { cache: "no-store" });
+  if (response.status === 404) {
+    view.routing = { line, records: new Map() };
+    return;
+  }
+  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
+  const data = await response.json();
+  if (view.line === line) view.routing = { line, records: new Map(data.routers.map((r) => [r.name, r])) };
+}
+
+// What the shown line and metric need beside v1/status: its routing records and, where drawn from it,
+// the durable history. A failure of either is said on the page; the rest is still drawn.
+async function fetchShown() {
+  try {
+    await fetchRouting();
+  } catch (error) {
+    view.routing = null;
+    $("updated").dataset.state = "error";
+    $("updated").textContent = `the routing records did not load: ${error.message}`;
+  }
+  if (!view.status.history_store || !needsDurable(view.window)) return;
+  try {
+    await fetchRange(view.window);
+  } catch (error) {
+    view.rangeError = error.message;
+  }
 }
 
 function readAnchor() {
-  const params = new URLSearchParams(location.hash.slice(1));
-  view.focus = params.get("router") ? { router: params.get("router"), layer: params.get("layer") } : null;
-  if (params.get("business_line")) view.line = params.get("business_line");
+  const anchor = parseAnchor(location.hash);
+  view.focus = anchor.focus;
+  if (anchor.line) view.line = anchor.line;
+  view.metric = anchor.metric;
   view.scrolled = false;
+}
+
+// The chosen metric goes into the anchor (without a hashchange), so that a reload or a copied link keeps it.
+function chooseMetric(metric) {
+  view.metric = metric;
+  const params = new URLSearchParams(location.hash.slice(1));
+  if (metric === ENTROPY) params.delete("metric");
+  else params.set("metric", metric);
+  window.history.replaceState(null, "", `${location.pathname}${location.search}${params.toString() ? `#${params}` : ""}`);
+  reshow();
+}
+
+// Drawn at once with what is held, then again once what the new choice needs has loaded.
+async function reshow() {
+  render();
+  await fetchShown();
+  render();
 }
 
 async function refresh() {
@@ -171,12 +366,13 @@ async function refresh() {
     const status = await response.json();
     view.history = mergeHistory(view.history, status.history);
     view.status = status;
-    if (status.history_store && isRange(view.window)) await fetchRange(view.window);
+    if (view.line === null) pickLine(); // the anchor's line stands until the lines drawn are known
+    $("updated").dataset.state = "live";
+    $("updated").textContent = `live · updated ${clock(status.generated_at)}`;
+    await fetchShown();
     render();
     view.updates += 1;
     document.body.dataset.updates = String(view.updates);
-    $("updated").dataset.state = "live";
-    $("updated").textContent = `live · updated ${clock(status.generated_at)}`;
   } catch (error) {
     $("updated").dataset.state = "error";
     $("updated").textContent = `not updating: ${error.message} (showing the last data)`;
@@ -200,6 +396,7 @@ function render() {
     `${status.notifications_pending} notifications queued` +
     (status.retune ? ` · router version ${status.retune.live}` : "");
   renderLines(firing);
+  renderMetrics();
   renderWindows();
   renderHeatmap();
   renderOverview();
@@ -210,18 +407,34 @@ function render() {
 
 function businessLines() {
   // A range holds the shown line only: the lines to choose from are the live hour's, and the range's.
-  const lines = [...new Set([...view.history.series, ...shownHistory().series].map((s) => s.business_line))];
+  const lines = [...new Set([...view.history.series, ...(shownHistory() || view.history).series].map((s) => s.business_line))];
   return lines.sort((a, b) => (a === "all" ? -1 : b === "all" ? 1 : a.localeCompare(b)));
 }
 
-function renderLines(firing) {
+function pickLine() {
   const lines = businessLines();
-  if (view.line === null || !lines.includes(view.line)) view.line = lines.includes("all") ? "all" : lines[0] ?? null;
+  if (!lines.length) return; // nothing known yet (a range not loaded, no traffic): the anchor's line stands
+  if (view.line === null || !lines.includes(view.line)) view.line = lines.includes("all") ? "all" : lines[0];
+}
+
+function renderLines(firing) {
+  pickLine();
+  const lines = businessLines();
   const alerting = new Set(firing.map((a) => a.labels.business_line));
   $("lines").replaceChildren(...lines.map((line) => el("button", {
     type: "button", "aria-pressed": String(line === view.line), class: alerting.has(line) ? "alerting" : null,
-    dataset: { line }, onclick: () => { view.line = line; if (isRange(view.window)) choose(view.window); else render(); },
+    dataset: { line }, onclick: () => { view.line = line; reshow(); },
   }, line)));
+}
+
+// The metric selector; a metric an alert fires on (on the shown line) is marked.
+function renderMetrics() {
+  const alerting = new Set(view.status.alerts.filter((a) => a.state === "firing"
+    && (a.labels.business_line || "all") === view.line).map(alertMetric));
+  $("metrics").replaceChildren(...METRICS.map(([metric, label]) => el("button", {
+    type: "button", "aria-pressed": String(metric === view.metric), class: alerting.has(metric) ? "alerting" : null,
+    dataset: { metric }, onclick: () => chooseMetric(metric),
+  }, label)));
 }
 
 function renderWindows() {
@@ -234,7 +447,7 @@ function renderWindows() {
   }
   const isShownRange = ranges.some(([seconds]) => seconds === view.window);
   if (!view.window || (view.window > span && !isShownRange)) view.window = span;
-  if (!isShownRange) view.range = null;
+  if (!isShownRange && view.metric === ENTROPY) view.range = null;
   const named = WINDOWS.find(([seconds]) => seconds === span);
   const choices = WINDOWS.filter(([seconds]) => seconds < span).concat([[span, named ? named[1] : "all kept"]], ranges);
   $("windows").replaceChildren(...choices.map(([seconds, label]) => el("button", {
@@ -248,46 +461,118 @@ async function choose(seconds) {
   view.window = seconds;
   view.windowChosen = true;
   render();
-  if (!isRange(seconds)) return;
+  if (!needsDurable(seconds) || !view.status.history_store) return;
   try {
     await fetchRange(seconds);
-    render();
   } catch (error) {
-    $("updated").dataset.state = "error";
-    $("updated").textContent = `the history range did not load: ${error.message}`;
+    view.rangeError = error.message;
   }
+  render();
 }
 
-// What the heat map draws: the durable history's range when one is chosen and loaded, else the live hour.
+function heldRange() {
+  return view.range && view.range.seconds === view.window && view.range.line === view.line
+    && view.range.metric === view.metric ? view.range.data : null;
+}
+
+// What the heat map draws: the durable history's range or metric when chosen and loaded, else the
+// live hour for entropy; null for another metric until (or unless) the durable history has it.
 function shownHistory() {
-  return view.range && view.range.seconds === view.window && view.range.line === view.line ? view.range.data
-    : view.history;
+  const held = heldRange();
+  if (held) return held;
+  return view.metric === ENTROPY ? view.history : null;
 }
 
-function shownSeries(history) {
-  return history.series.filter((s) => s.business_line === view.line)
-    .sort((a, b) => a.layer - b.layer || a.router.localeCompare(b.router));
+// The rows of the shown line: every router of its routing records and of the drawn history, each with
+// its drawn series (or null), its record now (or null), its entropy band (from the live hour) and its alerts.
+function shownRows(history) {
+  const line = view.line;
+  const live = new Map(view.history.series.filter((s) => s.business_line === line).map((s) => [s.router, s]));
+  const records = view.routing && view.routing.line === line ? view.routing.records : new Map();
+  const rows = new Map();
+  const add = (router, layer, kind) => {
+    if (!rows.has(router)) rows.set(router, { router, layer, kind, series: null, record: records.get(router) || null });
+    return rows.get(router);
+  };
+  for (const s of history ? history.series.filter((x) => x.business_line === line) : []) {
+    add(s.router, s.layer, s.kind).series = s;
+  }
+  for (const s of live.values()) add(s.router, s.layer, s.kind);
+  for (const r of records.values()) add(r.name, r.layer, r.kind);
+  return [...rows.values()].map((row) => {
+    const band = (live.get(row.router) || row.series || {}).band || null;
+    const info = row.record || live.get(row.router) || row.series || {};
+    const latest = row.series && row.series.values.length ? row.series.values[row.series.values.length - 1] : null;
+    const value = row.record ? metricValue(row.record, view.metric) : latest;
+    const { alerts, state } = alertsOn(view.status.alerts, row.router, line);
+    return { ...row, band, value, alerts, floor: info.floor_bits ?? null, ceiling: info.ceiling_bits ?? null,
+             num_slots: info.num_slots ?? null,
+             state: rowState({ metric: view.metric, value, band, floor: info.floor_bits, ceiling: info.ceiling_bits,
+                               record: row.record, alertState: state }) };
+  }).sort((a, b) => a.layer - b.layer || a.router.localeCompare(b.router));
 }
 
-function isFocused(series) {
-  return view.focus !== null && series.router === view.focus.router;
+function isFocused(row) {
+  return view.focus !== null && row.router === view.focus.router;
+}
+
+// What the heat map draws of the chosen metric, and why it draws no history where it has none:
+// `durable` (the choice is drawn from v1/history), `held` (its answer is here), `store` (the sidecar
+// keeps one), `error` (why it did not load), `rows` (each with its drawn `series` or null).
+function historyNote({ metric, durable, held, store, error, rows }) {
+  const label = metricInfo(metric).label;
+  if (durable && !held) {
+    const now = metric === ENTROPY ? "the live hour is drawn instead" : "the rows show its value now";
+    if (!store) {
+      return `No history of ${label} here: the live hour holds entropy only and the durable history is off ` +
+        `(serve --history-retention); ${now}.`;
+    }
+    return error ? `The history of ${label} did not load (${error}); ${now}.` : `Loading the history of ${label}…`;
+  }
+  const without = rows.filter((row) => !row.series || row.series.values.every((v) => v === null));
+  const source = durable ? "durable history" : "live";
+  if (!without.length) return metric === ENTROPY ? "" : `${label}: value now, and its history (${source}).`;
+  return `${label} (${source}): no history for ${without.length} of ${rows.length} routers ` +
+    `(${without.map((row) => `layer ${row.layer} ${row.kind}`).join(", ")}): no value in this span.`;
+}
+
+function renderRow(row) {
+  const metric = view.metric;
+  const healthy = healthyText(row.record, metric);
+  const noSignal = row.record && row.record.no_signal;
+  const alertNames = row.alerts.map((a) => a.labels.alertname);
+  const marked = view.focus && view.focus.alertname && isFocused(row) && alertNames.includes(view.focus.alertname);
+  const title = [row.router, noSignal ? `no signal: ${noSignal}` : null,
+    ...row.alerts.map((a) => `${a.state}: ${a.labels.alertname} (${alertMetric(a) || "?"} ${formatMetric(a.value,
+      alertMetric(a) || metric)})`)].filter(Boolean).join("\n");
+  return el("div", {
+    class: `row${isFocused(row) ? " focus" : ""}${marked ? " alerted" : ""}`, title,
+    dataset: { router: row.router, layer: String(row.layer), line: view.line, kind: row.kind, metric,
+               value: row.value === null ? "" : String(row.value), state: row.state,
+               alerts: alertNames.join(","), noSignal: noSignal || null },
+  }, el("span", { class: "name" }, `layer ${row.layer} · ${row.router}`),
+  row.alerts.length ? el("span", { class: `alert ${row.state}` }, `⚠ ${row.alerts.map((a) => a.labels.alertname)
+    .join(", ")}`) : null,
+  noSignal ? el("span", { class: "value nosignal" }, `no signal: ${noSignal}`)
+    : el("span", { class: "value" }, formatMetric(row.value, metric)),
+  healthy && !noSignal ? el("span", { class: "healthy" }, healthy) : null);
 }
 
 function renderHeatmap() {
   const history = shownHistory();
-  const rows = shownSeries(history);
+  const rows = shownRows(history);
+  const metric = view.metric;
   const span = history === view.history ? Math.min(view.window, history.span_seconds) : view.window;
-  const end = history.times.length ? history.times[history.times.length - 1] : Date.now() / 1000;
+  const end = history && history.times.length ? history.times[history.times.length - 1] : Date.now() / 1000;
   const start = end - span;
 
-  $("heatmap-rows").replaceChildren(...rows.map((s) => {
-    const latest = s.values[s.values.length - 1];
-    return el("div", {
-      class: `row${isFocused(s) ? " focus" : ""}`, title: s.router,
-      dataset: { router: s.router, layer: String(s.layer), line: s.business_line, kind: s.kind,
-                 value: latest === null ? "" : String(latest), state: stateOf(latest, s.band) },
-    }, el("span", { class: "name" }, `layer ${s.layer} · ${s.router}`), el("span", { class: "value" }, bits(latest)));
-  }));
+  $("heatmap-rows").replaceChildren(...rows.map(renderRow));
+  const note = historyNote({ metric, durable: needsDurable(view.window), held: Boolean(heldRange()),
+                              store: Boolean(view.status.history_store), error: view.rangeError, rows });
+  $("metric-note").textContent = note;
+  $("metric-note").hidden = !note;
+  $("metric-note").dataset.metric = metric;
+  $("metric-note").dataset.history = history ? "yes" : "no";
 
   const canvas = $("heatmap-canvas");
   const width = Math.max(200, canvas.parentElement.clientWidth);
@@ -300,26 +585,45 @@ function renderHeatmap() {
   context.setTransform(ratio, 0, 0, ratio, 0, 0);
   context.fillStyle = COLOURS.none;
   context.fillRect(0, 0, width, height);
-  const cell = Math.max(1, (history.interval_seconds / span) * width);
-  rows.forEach((s, row) => {
-    s.values.forEach((value, i) => {
-      if (value === null) return;
-      const x = ((history.times[i] - start) / span) * width;
-      context.globalAlpha = s.too_small[i] ? 0.45 : 1; // a window below its trusted minimum reads low
-      context.fillStyle = colourOf(value, s);
-      context.fillRect(x - cell, row * ROW_HEIGHT + 1, cell + 0.5, ROW_HEIGHT - 2);
-    });
-    if (isFocused(s)) {
-      context.globalAlpha = 1;
+  const interval = history ? history.interval_seconds : view.history.interval_seconds;
+  const cell = Math.max(1, (interval / span) * width);
+  rows.forEach((row, index) => {
+    const s = row.series;
+    const noSignal = row.record && row.record.no_signal;
+    if (s) {
+      const drawn = { ...s, band: row.band || s.band, floor_bits: s.floor_bits ?? row.floor,
+                      ceiling_bits: s.ceiling_bits ?? row.ceiling, num_slots: s.num_slots ?? row.num_slots };
+      s.values.forEach((value, i) => {
+        if (value === null) return;
+        const x = ((history.times[i] - start) / span) * width;
+        context.globalAlpha = s.too_small[i] ? 0.45 : 1; // a window below its trusted minimum reads low
+        // A router whose window says nothing now is greyed: its figures are no reading of its health.
+        context.fillStyle = noSignal ? COLOURS.nosignal : metricColour(value, metric, drawn);
+        context.fillRect(x - cell, index * ROW_HEIGHT + 1, cell + 0.5, ROW_HEIGHT - 2);
+      });
+    }
+    context.globalAlpha = 1;
+    if (noSignal) {
+      context.fillStyle = "#c3c8d2";
+      context.font = "11px system-ui, sans-serif";
+      context.textBaseline = "middle";
+      context.fillText(`no signal: ${noSignal}`, 6, index * ROW_HEIGHT + ROW_HEIGHT / 2, width - 12);
+    }
+    if (row.alerts.length) { // a firing (pending) alert on the row: a red (amber) mark at its right end
+      context.fillStyle = COLOURS[row.state] || COLOURS.fire;
+      context.fillRect(width - 4, index * ROW_HEIGHT + 1, 4, ROW_HEIGHT - 2);
+    }
+    if (isFocused(row)) {
       context.strokeStyle = "#f5d142";
-      context.strokeRect(0.5, row * ROW_HEIGHT + 0.5, width - 1, ROW_HEIGHT - 1);
+      context.strokeRect(0.5, index * ROW_HEIGHT + 0.5, width - 1, ROW_HEIGHT - 1);
     }
   });
   context.globalAlpha = 1;
   canvas.dataset.rows = String(rows.length);
-  canvas.dataset.source = history === view.history ? "live" : "history";
+  canvas.dataset.source = !history ? "none" : history === view.history ? "live" : "history";
+  canvas.dataset.metric = metric;
   canvas.dataset.span = String(span);
-  canvas.dataset.columns = String(history.times.filter((t) => t >= start).length);
+  canvas.dataset.columns = String(history ? history.times.filter((t) => t >= start).length : 0);
   const box = canvas.getBoundingClientRect(); // where the cells are, for tests reading a screenshot
   canvas.dataset.box = [box.left, box.top, box.width, box.height].map(Math.round).join(",");
   canvas.onmousemove = (event) => showTooltip(event, history, rows, start, span, width);
@@ -329,9 +633,13 @@ function renderHeatmap() {
     : seconds >= 3600 ? `−${+(seconds / 3600).toFixed(1)} h` : `−${+(seconds / 60).toFixed(1)} min`);
   $("heatmap-axis").replaceChildren(...[0, 0.25, 0.5, 0.75, 1].map((f) => el("span", { style: `left:${f * 100}%` },
     f === 1 ? "now" : before(span * (1 - f)))));
-  $("legend").replaceChildren(...[["fire", "past a firing threshold"], ["warn", "not yet back past the resolve threshold"],
-    ["ok", "in band (brighter: nearer the ceiling)"], ["high", "above an upper threshold"], ["none", "no traffic"]]
-    .map(([state, text]) => el("span", {}, el("i", { style: `background:${COLOURS[state]}` }), text)));
+  const banded = metric === ENTROPY || metric === "normalized_entropy";
+  const legend = banded ? [["fire", "past a firing threshold"], ["warn", "not yet back past the resolve threshold"],
+    ["ok", "in band (brighter: nearer the ceiling)"], ["high", "above an upper threshold"]]
+    : [[RAMP[0], `low ${metricInfo(metric).label}`], [RAMP[1], `high ${metricInfo(metric).label} (no thresholds ` +
+      "drawn: its rules judge it)"], ["fire", "an alert fires on the row"]];
+  $("legend").replaceChildren(...legend.concat([["nosignal", "no signal (the reason is shown)"], ["none", "no value"]])
+    .map(([state, text]) => el("span", {}, el("i", { style: `background:${COLOURS[state] || state}` }), text)));
 
   const focused = document.querySelector(".row.focus");
   if (focused && !view.scrolled) {
@@ -342,20 +650,26 @@ function renderHeatmap() {
 
 function showTooltip(event, history, rows, start, span, width) {
   const box = event.target.getBoundingClientRect();
-  const series = rows[Math.floor((event.clientY - box.top) / ROW_HEIGHT)];
-  if (!series) return;
+  const row = rows[Math.floor((event.clientY - box.top) / ROW_HEIGHT)];
+  if (!row) return;
+  const series = row.series;
+  const metric = metricInfo(view.metric);
   const t = start + ((event.clientX - box.left) / width) * span;
   let index = -1;
-  history.times.forEach((time, i) => { if (time <= t + history.interval_seconds) index = i; });
+  if (history && series) history.times.forEach((time, i) => { if (time <= t + history.interval_seconds) index = i; });
   const value = index >= 0 ? series.values[index] : null;
-  const band = series.band;
-  const limits = [band.fire_below !== null ? `fires below ${band.fire_below}` : null,
-    band.resolve_above !== null ? `resolves at ${band.resolve_above}` : null,
-    band.fire_above !== null ? `fires above ${band.fire_above}` : null].filter(Boolean).join(", ");
+  const band = row.band || {};
+  const limits = metric.key !== ENTROPY ? "" : [band.fire_below !== null && band.fire_below !== undefined
+    ? `fires below ${band.fire_below}` : null,
+  band.resolve_above !== null && band.resolve_above !== undefined ? `resolves at ${band.resolve_above}` : null,
+  band.fire_above !== null && band.fire_above !== undefined ? `fires above ${band.fire_above}` : null]
+    .filter(Boolean).join(", ");
   const tooltip = $("tooltip");
-  tooltip.textContent = `${series.router} (layer ${series.layer}, ${series.business_line})\n` +
-    `${index >= 0 ? clock(history.times[index]) : "–"}: ${bits(value)} bits\n` +
-    `floor ${bits(series.floor_bits)} · ceiling ${bits(series.ceiling_bits)}${limits ? ` · ${limits}` : ""}`;
+  tooltip.textContent = `${row.router} (layer ${row.layer}, ${view.line})\n` +
+    `${index >= 0 ? clock(history.times[index]) : "–"}: ${formatMetric(value, metric.key)}` +
+    `${metric.unit ? ` ${metric.unit}` : ` ${metric.label}`}\n` +
+    `floor ${bits(row.floor)} · ceiling ${bits(row.ceiling)} bits${limits ? ` · ${limits}` : ""}` +
+    (row.record && row.record.no_signal ? `\nno signal now: ${row.record.no_signal}` : "");
   tooltip.style.left = `${event.clientX + 14}px`;
   tooltip.style.top = `${event.clientY + 10}px`;
   tooltip.hidden = false;
@@ -376,8 +690,12 @@ function renderOverview() {
       lines.map((line) => {
         const s = info.byLine[line];
         const latest = s ? s.values[s.values.length - 1] : null;
-        return el("td", { class: "cell", dataset: { router, line, state: s ? stateOf(latest, s.band) : "none" },
-                          title: `${router}, ${line}`, onclick: () => { view.line = line; render(); } }, bits(latest));
+        const alerted = alertsOn(view.status.alerts, router, line);
+        const state = alerted.state || (s ? stateOf(latest, s.band) : "none");
+        const names = alerted.alerts.map((a) => a.labels.alertname).join(", ");
+        return el("td", { class: "cell", dataset: { router, line, state },
+                          title: `${router}, ${line}${names ? `: ${names}` : ""}`,
+                          onclick: () => { view.line = line; reshow(); } }, bits(latest));
       })))));
 }
 
@@ -386,9 +704,11 @@ function safeHref(url) {
   return typeof url === "string" && /^https?:\/\//i.test(url.trim()) ? url.trim() : null;
 }
 
-function anchorOf(labels) {
-  return "#" + new URLSearchParams({ router: labels.router || "", layer: labels.layer || "",
-                                     business_line: labels.business_line || "" }).toString();
+// The alert the link named: its name, router and line.
+function isFocusedAlert(alert) {
+  const focus = view.focus;
+  return Boolean(focus && focus.alertname && alert.labels.alertname === focus.alertname
+    && alert.labels.router === focus.router && (alert.labels.business_line || "all") === view.line);
 }
 
 function renderAlerts(alerts) {
@@ -403,21 +723,23 @@ function renderAlerts(alerts) {
     .filter(([key]) => !["alertname", "severity", "router", "layer", "business_line", "kind"].includes(key))
     .map(([key, value]) => `${key}=${value}`).join(" ");
   $("alerts-body").replaceChildren(table(
-    ["state", "alert", "severity", "router", "layer", "business line", "value", "since", "summary", "links"],
-    shown.map((a) => el("tr", { dataset: { alertname: a.labels.alertname, state: a.state, router: a.labels.router || "",
-                                           line: a.labels.business_line || "" } },
+    ["state", "alert", "severity", "router", "layer", "business line", "metric", "value", "since", "summary", "links"],
+    shown.map((a) => el("tr", { class: isFocusedAlert(a) ? "focus" : null,
+                                dataset: { alertname: a.labels.alertname, state: a.state, router: a.labels.router || "",
+                                           line: a.labels.business_line || "", metric: alertMetric(a) || "" } },
       el("td", {}, el("span", { class: `state ${a.state}` }, a.state)),
       el("td", {}, a.labels.alertname, el("div", { class: "muted" }, extra(a.labels))),
       el("td", {}, a.labels.severity),
       el("td", {}, a.labels.router),
       el("td", { class: "num" }, a.labels.layer),
       el("td", {}, a.labels.business_line),
+      el("td", {}, alertMetric(a) ? metricInfo(alertMetric(a)).label : "–"),
       el("td", { class: "num" }, a.value === null ? "–" : Number(a.value).toFixed(3)),
       el("td", {}, ago(a.state === "resolved" ? a.resolved_at : a.firing_since || a.active_since)),
       el("td", {}, a.annotations.summary || ""),
       el("td", {}, safeHref(a.annotations.runbook_url)
         ? el("a", { href: safeHref(a.annotations.runbook_url), class: "runbook" }, "runbook") : null,
-         " ", el("a", { href: anchorOf(a.labels), class: "show" }, "show")),
+         " ", el("a", { href: anchorOf(a), class: "show" }, "show")),
     ))));
 }
 
@@ -507,5 +829,7 @@ if (typeof window !== "undefined") {
   readAnchor();
   refresh();
 } else if (typeof module !== "undefined") {
-  module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl }; // the pure parts, for tests under Node.js
+  module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
+                     parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
+                     normalizedBand, metricColour, rampPosition, routingUrl, historyNote, METRICS };
 }

@@ -1,0 +1,311 @@
+"""Healthy baselines: what each router's routing looks like for each business line when all is well (no torch).
+
+A threshold such as "MaxVio above 1.0" is a fact about one model's healthy balance, not a law: experts
+specialise per business line, and a healthy line may load its busiest expert at two or three times the
+mean. So the companion rules judge MaxVio, dead experts and drift against the values this router showed
+for this line while healthy (``above: {baseline_times: 2.0, floor: 1.0}`` in a rule file).
+
+A :class:`Baseline` is one series' healthy window: its counts (drift is the Jensen-Shannon divergence
+from them) and the metrics read over them. :class:`Baselines` holds one per (router, business line),
+learned or set:
+
+* **learned**: :meth:`Baselines.learn` takes a series' first window that holds ``learn_tokens`` tokens,
+  carries a signal (:attr:`~mla_watch.routing.RoutingStats.no_signal` is ``None``) and is not the
+  subject of an alert, once learning is trusted (the server trusts it once the routers it serves passed
+  their start-up health check, or a quality gate);
+* **set**: :meth:`Baselines.replace` (``POST /admin/baseline``) makes the windows now the baseline of
+  their series, replacing what was learned.
+
+Persisted as JSON (``mla_watch.baseline/2``, written atomically) and loaded again at start, so a
+restart neither forgets nor re-learns. A file of the older ``mla_watch.baseline/1`` (one set of counts
+per router, for every line) still loads: its counts then serve every line's drift.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
+           "Baseline", "BaselineError", "Baselines"]
+
+log = logging.getLogger("mla_watch.baselines")
+
+BASELINE_FORMAT = "mla_watch.baseline/2"
+LEGACY_BASELINE_FORMAT = "mla_watch.baseline/1"
+# The metrics a baseline keeps the healthy value of: the ones a rule may judge against it.
+BASELINE_METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation",
+                                     "dead_slots", "locality")
+# Twice the shipped companion rules' 1024-token minimum: a baseline is read over more tokens than the windows
+# judged against it, so its MaxVio and dead slots (which small windows overstate) err on the lenient side.
+DEFAULT_LEARN_TOKENS = 2048
+# The business line of a legacy baseline's counts: they serve every line that has none of its own.
+ANY_LINE = "*"
+MAX_SERIES = 100_000  # routers x lines a file may hold: a bound on what a planted file costs to load
+MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+class BaselineError(ValueError):
+    """A baseline file that cannot be used; the message names the file, the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One router's healthy window for one business line (``"all"``: every line summed)."""
+
+    router: str
+    business_line: str
+    counts: np.ndarray  # int64, one per slot
+    tokens: int
+    values: Mapping[str, float]  # of BASELINE_METRICS, those defined for this router
+    taken_at: float  # wall clock
+    source: str  # "learned" | "set" (POST /admin/baseline, the baseline command) | "legacy" (a /1 file)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What a routing record carries as its ``baseline``: the healthy values, without the counts."""
+        return {**self.values, "tokens": self.tokens, "taken_at": self.taken_at, "source": self.source}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"router": self.router, "business_line": self.business_line, "tokens": self.tokens,
+                "taken_at": self.taken_at, "source": self.source, "values": dict(self.values),
+                "counts": self.counts.tolist()}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> Baseline:
+        if not isinstance(data, dict):
+            raise BaselineError(f"{where}: expected an object with router, business_line, counts, tokens, values")
+        router, line = data.get("router"), data.get("business_line")
+        if not isinstance(router, str) or not router or len(router) > 512:
+            raise BaselineError(f"{where}.router = {_short(router)}: expected a router's module name")
+        if not isinstance(line, str) or not line or len(line) > 64:
+            raise BaselineError(f"{where}.business_line = {_short(line)}: expected a business line's name")
+        counts = data.get("counts")
+        if not isinstance(counts, list) or not counts or len(counts) > 1_000_000 or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise BaselineError(f"{where}.counts: expected a non-empty list of selection counts (integers >= 0)")
+        tokens = data.get("tokens")
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise BaselineError(f"{where}.tokens = {_short(tokens)}: expected an integer >= 0")
+        values = data.get("values")
+        if not isinstance(values, dict) or not all(
+                key in BASELINE_METRICS and _finite(value) for key, value in values.items()):
+            raise BaselineError(f"{where}.values: expected finite numbers for any of {', '.join(BASELINE_METRICS)}")
+        taken_at = data.get("taken_at")
+        if not _finite(taken_at):
+            raise BaselineError(f"{where}.taken_at = {_short(taken_at)}: expected a time (seconds since the epoch)")
+        source = data.get("source")
+        if source not in ("learned", "set", "legacy"):
+            raise BaselineError(f"{where}.source = {_short(source)}: expected learned or set")
+        return cls(router, line, np.asarray(counts, dtype=np.int64), tokens,
+                   {key: float(value) for key, value in values.items()}, float(taken_at), source)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Baselines:
+    """The healthy baseline of every (router, business line), learned or set, persisted at ``path``.
+
+    ``learn_tokens``: how many tokens a series' window must hold before it is taken as that series'
+    baseline. Thread-safe; :attr:`version` changes whenever a baseline is added or replaced.
+    """
+
+    def __init__(self, path: Path | None = None, *, learn_tokens: int = DEFAULT_LEARN_TOKENS,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not isinstance(learn_tokens, int) or isinstance(learn_tokens, bool) or learn_tokens < 1:
+            raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
+        self.path = path
+        self.learn_tokens = learn_tokens
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, str], Baseline] = {}
+        self._legacy: dict[str, np.ndarray] = {}  # router -> counts of a /1 file, for every line's drift
+        self.version = 0
+        self.not_learning: str | None = "learning has not started"  # why nothing is learned now, or None
+        self.load_error: str | None = None
+
+    # ------------------------------------------------------------------ reading
+    def get(self, router: str, business_line: str) -> Baseline | None:
+        """The baseline of ``router`` for ``business_line`` (``"all"`` for every line summed), if any."""
+        return self._series.get((router, business_line))
+
+    def legacy_counts(self, router: str) -> np.ndarray | None:
+        """The counts a ``mla_watch.baseline/1`` file gave ``router`` (for the drift of every line)."""
+        return self._legacy.get(router)
+
+    def __len__(self) -> int:
+        return len(self._series)
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /v1/baseline``: whether it learns, and each series' baseline (without counts)."""
+        with self._lock:
+            series = sorted(self._series.values(), key=lambda b: (b.router, b.business_line))
+        return {"learning": self.not_learning is None, "not_learning": self.not_learning,
+                "learn_tokens": self.learn_tokens, "path": None if self.path is None else str(self.path),
+                "load_error": self.load_error,
+                "series": [{"router": b.router, "business_line": b.business_line, **b.as_dict()} for b in series]}
+
+    # ------------------------------------------------------------------ learning and setting
+    def trust(self, reason_not: str | None) -> None:
+        """Learning goes ahead while ``reason_not`` is ``None``; otherwise it waits, and says why."""
+        if reason_not != self.not_learning:
+            log.info("healthy baselines: %s", "learning from healthy traffic" if reason_not is None
+                     else f"not learning: {reason_not}")
+        self.not_learning = reason_not
+
+    def learn(self, records: Iterable[Any], *, excluded: Callable[[], set[tuple[str, str]]] | None = None,
+              ) -> list[Baseline]:
+        """Take each series' first healthy window of ``learn_tokens`` tokens as its baseline; the new ones.
+
+        ``records`` are :class:`~mla_watch.windows.RouterStats`; ``excluded()``, asked only when a window
+        qualifies, gives the (router, line) pairs an alert is pending or firing on: never learned from.
+        """
+        if self.not_learning is not None:
+            return []
+        ready = [record for record in records
+                 if (record.router.name, record.line_label) not in self._series
+                 and record.stats.tokens >= self.learn_tokens and record.stats.no_signal is None]
+        if not ready:
+            return []
+        skip = excluded() if excluded is not None else set()
+        taken = [self._from_record(record, "learned") for record in ready
+                 if (record.router.name, record.line_label) not in skip]
+        if taken:
+            self._store(taken, replace=False)
+            log.info("healthy baselines learned for %d series (%s ...)", len(taken),
+                     f"{taken[0].router} / {taken[0].business_line}")
+        return taken
+
+    def replace(self, records: Iterable[Any]) -> list[Baseline]:
+        """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``)."""
+        taken = [self._from_record(record, "set") for record in records if record.stats.selections > 0]
+        self._store(taken, replace=True)
+        return taken
+
+    def _from_record(self, record: Any, source: str) -> Baseline:
+        stats = record.stats.as_dict()
+        values = {key: float(stats[key]) for key in BASELINE_METRICS if _finite(stats.get(key))}
+        return Baseline(record.router.name, record.line_label, np.asarray(record.counts, dtype=np.int64),
+                        int(record.stats.tokens), values, float(self._clock()), source)
+
+    def _store(self, taken: list[Baseline], *, replace: bool) -> None:
+        with self._lock:
+            for baseline in taken:
+                key = (baseline.router, baseline.business_line)
+                if replace or key not in self._series:
+                    if len(self._series) >= MAX_SERIES and key not in self._series:
+                        log.warning("healthy baselines: %d series kept already; %s / %s is not", MAX_SERIES,
+                                    baseline.router, baseline.business_line)
+                        continue
+                    self._series[key] = baseline
+            self.version += 1
+            document = self._document()
+        self._save(document)
+
+    # ------------------------------------------------------------------ files
+    def _document(self) -> dict[str, Any]:
+        return {"format": BASELINE_FORMAT, "series": [b.to_json() for b in self._series.values()],
+                **({"legacy": {name: counts.tolist() for name, counts in self._legacy.items()}}
+                   if self._legacy else {})}
+
+    def _save(self, document: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        write_json(self.path, document)
+
+    def load(self) -> None:
+        """Read ``path`` (a missing file is an empty store). On a bad file nothing is used, the error is kept
+        in :attr:`load_error` and logged, and the file is left for an operator: it is never overwritten
+        by learning until it is fixed or removed."""
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            series, legacy = read_baseline_file(self.path)
+        except BaselineError as error:
+            self.load_error = str(error)
+            log.error("the saved baselines are not used: %s", error)
+            self.path = None  # learning goes on in memory; the operator's file is not overwritten
+            return
+        self.adopt(series, legacy)
+
+    def adopt(self, series: Iterable[Baseline], legacy: Mapping[str, np.ndarray] | None = None) -> None:
+        """Hold exactly ``series`` (and a legacy file's counts) from now on, replacing everything held."""
+        with self._lock:
+            self._series = {(b.router, b.business_line): b for b in series}
+            self._legacy = dict(legacy or {})
+            self.version += 1
+
+
+def read_baseline_file(path: Path) -> tuple[list[Baseline], dict[str, np.ndarray]]:
+    """The series of a ``mla_watch.baseline/2`` file, or a ``/1`` file's counts per router (legacy)."""
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise BaselineError(f"baseline {path}: larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB: expected a "
+                                "file this sidecar wrote")
+        document = json.loads(path.read_text())
+    except OSError as error:
+        raise BaselineError(f"baseline {path}: cannot be read ({error.strerror or type(error).__name__})") from None
+    except ValueError as error:
+        raise BaselineError(f"baseline {path}: not JSON ({str(error)[:120]})") from None
+    if not isinstance(document, dict):
+        raise BaselineError(f"baseline {path}: expected a JSON object with key 'format'")
+    fmt = document.get("format")
+    if fmt == LEGACY_BASELINE_FORMAT:
+        return [], _legacy_counts(document, path)
+    if fmt != BASELINE_FORMAT:
+        raise BaselineError(f"baseline {path}: format = {_short(fmt)}: expected {BASELINE_FORMAT!r} "
+                            f"(or {LEGACY_BASELINE_FORMAT!r})")
+    entries = document.get("series")
+    if not isinstance(entries, list) or len(entries) > MAX_SERIES:
+        raise BaselineError(f"baseline {path}: series: expected a list of at most {MAX_SERIES} baselines")
+    series = [Baseline.from_json(entry, f"baseline {path}: series[{index}]") for index, entry in enumerate(entries)]
+    legacy = _legacy_counts({"routers": [{"name": name, "counts": counts}
+                                         for name, counts in (document.get("legacy") or {}).items()]}, path)
+    return series, legacy
+
+
+def _legacy_counts(document: dict[str, Any], path: Path) -> dict[str, np.ndarray]:
+    routers = document.get("routers", [])
+    if not isinstance(routers, list) or len(routers) > MAX_SERIES:
+        raise BaselineError(f"baseline {path}: routers: expected a list of at most {MAX_SERIES} routers")
+    counts: dict[str, np.ndarray] = {}
+    for index, entry in enumerate(routers):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        values = entry.get("counts") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not isinstance(values, list) or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in values):
+            raise BaselineError(f"baseline {path}: routers[{index}]: expected name and counts (integers >= 0)")
+        if sum(values) > 0:
+            counts[name] = np.asarray(values, dtype=np.int64)
+    return counts
+
+
+def write_json(path: Path, document: Mapping[str, Any]) -> None:
+    """``document`` to ``path`` atomically (a temporary file beside it, then ``os.replace``), mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(document, out)
+            out.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,410 @@
+"""The command line's start-up: flag values checked before anything loads or listens, and its plumbing.
+
+A flag value that cannot work is refused up front, in one line that names the flag, the value and
+what was expected (:class:`FlagError`; ``main`` prints it and exits 2): a model directory that is
+not there or holds no loadable checkpoint (read from the file system only, no weights), a device
+this machine does not have, a directory that does not exist, a port already taken. What passes
+these checks may still fail later (weights that do not load, a shape that does not match): that
+keeps its own reporting. Also here: the listening socket, bound before the app starts; the
+weight-loading progress bars, kept out of the command line's output for as long as a command
+runs (a library user's own program keeps transformers' setting); argparse help that shows every
+flag's default, and usage errors that show the usage of the subcommand that was mistyped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import errno
+import itertools
+import json
+import logging
+import logging.handlers
+import os
+import re
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FlagError", "HelpFormatter", "attn_problem", "bind_listener", "check_serve_flags", "device_problem",
+           "finish_parser", "held_logs", "model_problem", "parse_args", "quiet_progress_bars", "run_server"]
+
+MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_PARSER = "cli_parser"  # the namespace attribute naming the (sub)parser that parsed a command's flags
+
+
+class FlagError(Exception):
+    """A flag value that cannot work: ``main`` prints ``PROG: MESSAGE`` as one line on stderr and exits 2."""
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def bundled_dir() -> Path:
+    """Where the bundled model lives, found without importing torch (``mla_watch.models`` does)."""
+    return Path(__file__).resolve().parent / "models" / "bundled"
+
+
+def _close_path(value: str, path: Path) -> str:
+    """`` (did you mean "X"?)`` for a mistyped model name or directory, or ``""``."""
+    if difflib.get_close_matches(value, ["bundled"], n=1, cutoff=0.6):
+        return ' (did you mean "bundled"?)'
+    parent = path.parent
+    try:
+        with os.scandir(parent) as entries:
+            siblings = [entry.name for entry in itertools.islice(entries, 1000) if entry.is_dir()]
+    except OSError:
+        return ""
+    match = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.75)
+    if not match:
+        return ""
+    return f' (did you mean "{match[0] if str(parent) == "." else parent / match[0]}"?)'
+
+
+def model_problem(value: str | Path, *, full: bool = True) -> str | None:
+    """Why ``--model VALUE`` cannot be loaded, judged from the file system alone; ``None`` when it may.
+
+    ``full=False`` only asks that the directory exists (``check`` reports the rest as its findings).
+    Nothing is imported but, for the architecture, transformers' table of configuration classes.
+    """
+    text = str(value)
+    path = bundled_dir() if text == "bundled" else Path(text)
+    if not path.exists():
+        if text == "bundled":
+            return f"the bundled model is missing ({path}): run `python -m mla_watch.models.train` to build it"
+        return f"no such directory and not a bundled model name: {MODEL_EXPECTED}{_close_path(text, path)}"
+    if not path.is_dir():
+        hint = f' (did you mean "{path.parent}"?)' if path.name == "config.json" else ""
+        return f"not a directory: {MODEL_EXPECTED}{hint}"
+    if not full:
+        return None
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return f"no config.json in {path}: {MODEL_EXPECTED}"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except OSError as error:
+        return f"{config_file} cannot be read ({error.strerror or error}): {MODEL_EXPECTED}"
+    except ValueError as error:
+        return f"{config_file} is not JSON ({_shown(error, 80)}): expected the config.json save_pretrained writes"
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        return f'{config_file} has no "model_type": expected the config.json save_pretrained writes'
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING:  # registered types (AutoConfig.register) are in it too
+        match = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=1)
+        hint = f' (did you mean "{match[0]}"?)' if match else ""
+        return (f"{config_file}: model_type {_shown(model_type, 60)!r} is unknown to transformers "
+                f"{transformers.__version__}: expected the config of an architecture transformers implements{hint}")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+        return f"no weights in {path} (*.safetensors or pytorch_model.bin): {MODEL_EXPECTED}"
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return (f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json): expected a save_pretrained "
+                "directory the tokenizer was saved to as well")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- the device
+def device_problem(value: str) -> str | None:
+    """Why ``--device VALUE`` cannot be used on this machine; ``None`` when it can."""
+    if value in ("auto", "cpu"):
+        return None
+    import torch
+
+    match = re.fullmatch(r"cuda(?::(\d{1,4}))?", value)
+    if match is None:
+        mps = getattr(torch.backends, "mps", None)
+        if value == "mps" and mps is not None and mps.is_available():
+            return None
+        lowered = value.lower()
+        guess = "cuda" if lowered.startswith(("gpu", "nvidia", "cuda")) else next(
+            iter(difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1)), None)
+        hint = f" (did you mean {guess}?)" if guess else ""
+        return f"expected auto, cpu, cuda or cuda:N{hint}"
+    if not torch.cuda.is_available():
+        why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
+        return f"CUDA is not available on this machine ({why}): expected auto or cpu"
+    count = torch.cuda.device_count()
+    if match.group(1) is not None and int(match.group(1)) >= count:
+        devices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        return f"this machine has {count} CUDA device(s): expected {devices}, cuda, auto or cpu"
+    return None
+
+
+def attn_problem(value: str) -> str | None:
+    """Why ``--attn-implementation VALUE`` is no attention transformers knows; ``None`` when it may be."""
+    if value == "eager" or "/" in value:  # "org/name": a kernel from the hub, judged when it loads
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = ["eager", *ALL_ATTENTION_FUNCTIONS.keys()]
+    if value in known or value.removeprefix("paged|") in known:
+        return None
+    match = difflib.get_close_matches(value, known, n=1)
+    hint = f" (did you mean {match[0]}?)" if match else ""
+    return f"expected one of {', '.join(known)}, or a hub kernel (org/name){hint}"
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def _existing_dir(flag: str, path: Path, what: str) -> None:
+    if not path.exists():
+        raise FlagError(f"{flag} {_shown(path)}: no such directory: expected {what}")
+    if not path.is_dir():
+        raise FlagError(f"{flag} {_shown(path)}: not a directory: expected {what}")
+
+
+def _creatable_dir(flag: str, path: Path, what: str) -> None:
+    """``path`` is a writable directory, or one that can be created (nothing is created here)."""
+    if path.exists():
+        if not path.is_dir():
+            raise FlagError(f"{flag} {_shown(path)}: not a directory: expected {what}")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise FlagError(f"{flag} {_shown(path)}: not writable: expected {what}")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FlagError(f"{flag} {_shown(path)}: cannot be created, {_shown(ancestor)} is not a directory: "
+                        f"expected {what}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise FlagError(f"{flag} {_shown(path)}: cannot be created in {_shown(ancestor)} (not writable): "
+                        f"expected {what}")
+
+
+def _public_url(text: str) -> None:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise FlagError(f"--public-url {_shown(text)}: expected an http:// or https:// URL with a host, the one "
+                        "on-call opens (links in alerts point there)")
+
+
+def check_model_flags(args: argparse.Namespace, *, full: bool = True) -> None:
+    """``--model`` (and ``--device``, where the command has it), judged before anything loads."""
+    problem = model_problem(args.model, full=full)
+    if problem is not None:
+        raise FlagError(f"--model {_shown(args.model)}: {problem}")
+    device = getattr(args, "device", None)
+    if device is not None and (problem := device_problem(device)) is not None:
+        raise FlagError(f"--device {_shown(device)}: {problem}")
+
+
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """Every ``serve`` flag whose value can be wrong in a way that would only show once serving."""
+    _existing_dir("--policies", args.policies, "a directory of policy YAML files")
+    if args.rules is not None:
+        _existing_dir("--rules", args.rules, "a directory of alert rule YAML files")
+    if args.public_url:
+        _public_url(args.public_url)
+    if args.model_config is not None and not (args.model_config.is_file()
+                                              or (args.model_config / "config.json").is_file()):
+        raise FlagError(f"--model-config {_shown(args.model_config)}: "
+                        f"{'no config.json in it' if args.model_config.is_dir() else 'no such file or directory'}: "
+                        "expected the config.json the engine loaded, or its directory")
+    if args.reference_model is not None:
+        _existing_dir("--reference-model", args.reference_model, "the checkpoint directory of the served model")
+        if not any(args.reference_model.glob("*.safetensors")):
+            raise FlagError(f"--reference-model {_shown(args.reference_model)}: no *.safetensors file in it: "
+                            "expected the checkpoint directory of the served model (save_pretrained, safetensors)")
+    if args.sglang_recorder_dir is not None and args.sglang_recorder_dir.exists() \
+            and not args.sglang_recorder_dir.is_dir():
+        raise FlagError(f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)}: not a directory: expected the "
+                        "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
+    if args.dataset_dir is not None:
+        _creatable_dir("--dataset-dir", args.dataset_dir, "a directory re-tune datasets are read from (created if "
+                                                          "missing)")
+    if args.engine_swap_dir is not None:
+        _creatable_dir("--engine-swap-dir", args.engine_swap_dir, "a directory router checkpoints are written to "
+                                                                  "for the engine (created if missing)")
+    if not args.upstream:  # the model is served here: it must load
+        check_model_flags(args)
+        if (problem := attn_problem(args.attn_implementation)) is not None:
+            raise FlagError(f"--attn-implementation {_shown(args.attn_implementation)}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------- listening
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (connections wait in its backlog until served)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets it knows are TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses TIME_WAIT ports
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as error:
+        sock.close()
+        address = _address(host, port)
+        if isinstance(error, socket.gaierror):
+            raise FlagError(f"--host {_shown(host)}: cannot resolve it ({error.strerror}): expected an address of "
+                            "this machine (127.0.0.1, 0.0.0.0, ::) or a name that resolves to one") from None
+        if error.errno == errno.EADDRINUSE:
+            raise FlagError(f"--port {port}: {address} is in use: expected a free port (or --port 0 for any)") from None
+        if error.errno == errno.EACCES:
+            raise FlagError(f"--port {port}: binding {address} is not permitted: expected a port >= 1024 (or the "
+                            "privilege to bind a lower one)") from None
+        if error.errno == errno.EADDRNOTAVAIL:
+            raise FlagError(f"--host {_shown(host)}: not an address of this machine: expected one of its addresses "
+                            "(127.0.0.1, 0.0.0.0, ::)") from None
+        raise FlagError(f"--host {_shown(host)} --port {port}: cannot listen on {address} "
+                        f"({error.strerror or error}): expected a local address and a free port") from None
+    return sock
+
+
+def default_public_url(host: str, port: int) -> str:
+    return f"http://{_address(host, port)}"
+
+
+def run_server(app: Any, sock: socket.socket, **options: Any) -> None:
+    """Serve ``app`` with uvicorn on the socket already bound; ``options`` go to ``uvicorn.Config``.
+
+    As ``uvicorn.run``, with the one difference that the socket is not uvicorn's to bind: the app's
+    start-up (which logs the status page's URL) runs once the port is known to be this server's.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and sockets:  # uvicorn says it only for the sockets it binds itself
+                host, port = sockets[0].getsockname()[:2]
+                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s (Press CTRL+C to quit)",
+                                                        _address(host, port))
+
+    server = Server(uvicorn.Config(app, **options))
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE: the app's start-up failed, and said why
+
+
+@contextlib.contextmanager
+def held_logs() -> Iterator[None]:
+    """The root logger's records held back while the block runs, then let through in order.
+
+    A block that raises :class:`FlagError` drops them: its one line says what is wrong, and the
+    lines before it would only bury it. Any other exit (a ``SystemExit`` naming a setting) lets them through.
+    """
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    memory = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    root.handlers = [memory]
+    keep = True
+    try:
+        yield
+    except FlagError:
+        keep = False
+        raise
+    finally:
+        root.handlers = saved
+        for record in memory.buffer if keep else ():
+            for handler in saved:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+        memory.buffer.clear()
+
+
+# ---------------------------------------------------------------------------------------------- progress bars
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """No transformers / huggingface_hub progress bar ("Loading weights: 100%|...") while the block runs.
+
+    Both libraries keep the setting in a module global; it is put back as it was afterwards, so
+    that ``main`` called from a program leaves that program's progress bars as they were.
+    """
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    transformers_on = hf_logging.is_progress_bar_enabled()
+    hub_off = hub.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # and huggingface_hub's
+    try:
+        yield
+    finally:
+        if transformers_on:
+            hf_logging.enable_progress_bar()
+        if hub_off:
+            hub.disable_progress_bars()
+        elif hub.are_progress_bars_disabled():
+            hub.enable_progress_bars()
+
+
+# ---------------------------------------------------------------------------------------------- argparse
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it or there is none to say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or action.nargs == 0 or default is None or default is argparse.SUPPRESS
+                or default == [] or "default" in text.lower()):
+            return text
+        return f"{text} (default %(default)s)" if text else "(default %(default)s)"
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[argparse.ArgumentParser, str | None]]:
+    """``parser`` and every subparser below it, each with its help line in its parent's listing."""
+    yield parser, None
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                for found, text in _parsers(sub):
+                    yield found, helps.get(name) if found is sub else text
+
+
+def finish_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Defaults in every ``--help``, a description under each subcommand's usage, and the parser that
+    parsed each command recorded in its namespace (so that a mistyped flag gets that command's usage)."""
+    for sub, text in _parsers(parser):
+        sub.formatter_class = HelpFormatter
+        if sub.description is None and text:
+            sub.description = text[0].upper() + text[1:] + "."
+        for action in sub._actions:
+            if action.help is None and action.option_strings and action.nargs != 0 and action.default is not None:
+                action.help = "(default %(default)s)"  # argparse prints nothing for a flag without help
+        sub.set_defaults(**{_PARSER: sub})
+    return parser
+
+
+def _flag_hint(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    flags = [option for action in parser._actions for option in action.option_strings]
+    guesses = []
+    for extra in extras:
+        if extra.startswith("--"):
+            guesses += difflib.get_close_matches(extra.partition("=")[0], flags, n=1)
+    return f" (did you mean {' / '.join(dict.fromkeys(guesses))}?)" if guesses else ""
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but a flag no parser knows is refused by the subcommand's parser, with its usage."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        target = getattr(args, _PARSER, parser)
+        target.error(f"unrecognized arguments: {' '.join(extras)}{_flag_hint(target, extras)}")
+    return args
+
+
+def prog(args: argparse.Namespace) -> str:
+    parser = getattr(args, _PARSER, None)
+    return parser.prog if parser is not None else "mla-watch"
