@@ -29,7 +29,7 @@ def _read_prompts(path: Path) -> list[str]:
     try:
         lines = path.read_text().splitlines()
     except OSError as error:
-        raise SystemExit(f"--prompts {path}: cannot read it ({error.strerror})") from error
+        raise FlagError(f"--prompts {path}: cannot read it ({error.strerror})") from error
     prompts = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -38,15 +38,15 @@ def _read_prompts(path: Path) -> list[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise SystemExit(f"--prompts {path}:{number}: invalid JSON ({error.msg})") from error
+                raise FlagError(f"--prompts {path}:{number}: invalid JSON ({error.msg})") from error
             text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise SystemExit(f"--prompts {path}:{number}: expected a 'prompt' or 'text' string field")
+                raise FlagError(f"--prompts {path}:{number}: expected a 'prompt' or 'text' string field")
             prompts.append(text)
         else:
             prompts.append(line.replace("\\n", "\n"))
     if not prompts:
-        raise SystemExit(f"--prompts {path}: no prompts in the file")
+        raise FlagError(f"--prompts {path}: no prompts in the file")
     return prompts
 
 
@@ -58,7 +58,7 @@ def _traffic(args: argparse.Namespace) -> list[tuple[str, str]]:
         return [("prompts", text) for text in _read_prompts(args.prompts)]
     if args.domain is not None:
         if args.domain not in corpus.DOMAINS:
-            raise SystemExit(f"--domain {args.domain!r}: expected one of {', '.join(corpus.DOMAINS)}")
+            raise FlagError(f"--domain {args.domain!r}: expected one of {', '.join(corpus.DOMAINS)}")
         return [(args.domain, text) for text in corpus.generate(args.domain, args.samples, args.seed)]
     per_domain = max(1, args.samples // len(corpus.DOMAINS))
     return corpus.generate_mixed(per_domain * len(corpus.DOMAINS), args.seed)
@@ -133,7 +133,10 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     out = args.out or (args.state_dir / "baseline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     document = probe.save_baseline(out)
-    print(f"wrote the baseline of {len(document['routers'])} routers to {out}")
+    routers = {entry["router"] for entry in document["series"]}
+    lines = {entry["business_line"] for entry in document["series"]}
+    print(f"wrote the healthy baselines of {len(routers)} routers x {len(lines)} business lines "
+          f"({', '.join(sorted(lines))}) to {out}")
     return 0
 
 
@@ -271,22 +274,31 @@ def _cmd_check(args: argparse.Namespace) -> int:
                              ", hash-routed by token id" if info.hash_routed else ""])
             print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots}"
                   f"{notes})")
-        from mla_watch.retune.strategies import supported_strategies
+        from mla_watch.alerting.lint import applies_to
+        from mla_watch.retune.strategies import STRATEGIES, supported_strategies
 
         support = supported_strategies(model)
         for name, reason in support.items():
             print(f"ok: re-tune strategy {name} is supported" if reason is None
                   else f"info: re-tune strategy {name} is not supported: {reason}")
+        restoring_only: list[str] = []
         for rule in rules.rules if rules is not None else ():
-            if "retune" in rule.actions and not any(support.get(name) is None
-                                                    for name in rule.retune_strategies or support):
+            if "retune" not in rule.actions or not applies_to(rule, routers):  # a rule for other routers
+                continue
+            usable = [name for name in rule.retune_strategies or support if support.get(name) is None]
+            if not usable:
                 print(f"warning: rule {rule.name}: none of its re-tune strategies "
                       f"{list(rule.retune_strategies)} supports this model")
                 warnings += 1
-            if "retune" in rule.actions and not args.capture:
-                print(f"warning: rule {rule.name} asks for re-tuning, which cannot happen without data: serve with "
-                      f"--capture (an alert's job trains on captured traffic; it names no dataset)")
+            elif not args.capture and all(STRATEGIES[name].needs_traffic for name in usable):
+                print(f"warning: rule {rule.name} asks for re-tuning by {', '.join(usable)}, which fit on traffic: "
+                      f"serve with --capture (an alert's job trains on captured traffic; it names no dataset)")
                 warnings += 1
+            elif not args.capture and any(STRATEGIES[name].needs_traffic for name in usable):
+                restoring_only.append(rule.name)
+        if restoring_only:
+            print(f"info: without --capture the re-tune jobs of {', '.join(restoring_only)} can only restore a "
+                  "known-good router version (bias and router_finetune fit on captured traffic)")
         if args.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
             from mla_watch.retune.registry import router_state
@@ -827,11 +839,11 @@ def build_parser() -> argparse.ArgumentParser:
     listing = retune_commands.add_parser("list", help="recent jobs")
     sidecar_url(listing)
     listing.add_argument("--limit", type=_positive_int, default=20, help="the most recent jobs listed")
-    listing.add_argument("--json", action="store_true")
+    listing.add_argument("--json", action="store_true", help="print the jobs as JSON instead of a table")
     show = retune_commands.add_parser("show", help="one job, or one router version's manifest")
     sidecar_url(show)
     show.add_argument("job", nargs="?")
-    show.add_argument("--version", type=int)
+    show.add_argument("--version", type=int, help="instead of a job: this router version's manifest")
     promote = retune_commands.add_parser("promote", help="make a router version live")
     sidecar_url(promote)
     promote.add_argument("version", type=int)

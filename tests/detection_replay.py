@@ -248,12 +248,13 @@ def fault_replay(model: torch.nn.Module, tokenizer: Any, fault: Fault, limit_tok
             paged = replay.send(faulty, stop_when=wanted)
             first = next((p for p in replay.pages() if p.alertname == fault.alertname
                           and p.router == fault.router), None)
-            stats = {r["name"]: r for r in replay.probe.stats()}[fault.router]
+            lowest = min(record["entropy_bits"] for line in [None, *replay.probe.windows.business_lines]
+                         for record in replay.probe.stats(line) if record["name"] == fault.router)
             return {"fault": fault.name, "router": fault.router, "alertname": fault.alertname, "note": fault.note,
                     "paged": paged, "tokens_after_onset": None if first is None else first.tokens - onset,
                     "within_tokens": fault.within_tokens, "false_pages_before_onset": len(before),
                     "baselines_at_onset": learned, "summary": None if first is None else first.summary,
-                    "entropy_bits_then": round(stats["entropy_bits"], 3),
+                    "entropy_bits_then": round(lowest, 3),  # the lowest of its lines when it paged
                     "other_pages": sorted({p.alertname for p in replay.pages() if p.router == fault.router}),
                     "seconds": round(time.perf_counter() - started, 1)}
     finally:

@@ -102,7 +102,8 @@ def test_full_lifecycle_with_for_and_keep_firing_for() -> None:
                                   "layer": "3", "kind": "expert", "business_line": "code", "team": "ml-platform"}
     assert alert.annotations["summary"] == f"{GATE} layer 3 (code): 4.20 bits < 5.0 (resolves at 5.5)"
     assert alert.annotations["runbook_url"] == "https://runbooks/entropy"
-    url = f"http://sidecar:8000/v1/routing#router={GATE}&layer=3&business_line=code"
+    url = (f"http://sidecar:8000/v1/routing#router={GATE}&layer=3&business_line=code&metric=entropy_bits"
+           "&alertname=RoutingEntropyLow")  # the status page opens that row with the metric that fired
     assert alert.annotations["dashboard"] == url and alert.generator_url == url
     firing_since = clock.now
 
@@ -258,6 +259,32 @@ def test_none_metric_is_not_judged(caplog: pytest.LogCaptureFixture) -> None:
     assert states(engine) == ["firing"]
     assert engine.evaluate([rec(float("nan"), metric="js_divergence")]) == []
     assert states(engine) == ["firing"]
+
+
+def test_a_rule_relative_to_the_baseline_judges_each_series_against_its_own() -> None:
+    from mla_watch.alerting.model import BaselineScale
+
+    rule = high_rule(name="ExpertHotspot", metric="max_violation", above=1.0, resolve_below=0.7,
+                     baseline={"above": BaselineScale(times=2.0), "resolve_below": BaselineScale(times=1.5)},
+                     annotations={"summary": "MaxVio {value:.2f}, healthy {healthy:.2f}, threshold {threshold:.2f}"})
+    engine = AlertEngine(ruleset(rule), clock=FakeClock())
+    healthy = {"max_violation": 1.6, "dead_slots": 0.0, "tokens": 2048}
+    # no baseline learned for the line yet: not judged, however high
+    assert engine.evaluate([rec(9.0, metric="max_violation")]) == []
+    # a line whose healthy MaxVio is 1.6: 3.0 is under twice that, and does not page
+    assert engine.evaluate([rec(3.0, metric="max_violation", baseline=healthy)]) == []
+    # another line, healthy at 0.2: the floor of 1.0 holds, so 0.39 (twice its healthy value) does not page ...
+    calm = {**healthy, "max_violation": 0.2}
+    assert engine.evaluate([rec(0.39, metric="max_violation", line="sql", baseline=calm)]) == []
+    # ... while 1.2 does
+    (fired,) = engine.evaluate([rec(1.2, metric="max_violation", line="sql", baseline=calm)])
+    assert fired.alert.annotations["summary"] == "MaxVio 1.20, healthy 0.20, threshold 1.00"
+    (fired,) = engine.evaluate([rec(3.3, metric="max_violation", baseline=healthy)])
+    assert fired.alert.labels["business_line"] == "code"
+    assert fired.alert.annotations["summary"] == "MaxVio 3.30, healthy 1.60, threshold 3.20"
+    # 2.5 is in the band (resolves at 1.5 x 1.6 = 2.4): still firing; 2.3 resolves
+    assert engine.evaluate([rec(2.5, metric="max_violation", baseline=healthy)]) == []
+    assert kinds(engine.evaluate([rec(2.3, metric="max_violation", baseline=healthy)])) == [("notify", "resolved")]
 
 
 def test_missing_or_nan_values_do_not_end_a_pending_period() -> None:

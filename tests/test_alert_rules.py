@@ -383,11 +383,13 @@ def findings_for(rules_text: str, routers, tmp_path: Path) -> list[LintFinding]:
 def test_lint_shipped_rules_flag_entropy_high_on_64_experts_only():
     rules = load_rules_dir(SHIPPED_RULES, environ=ONCALL)
     findings = lint(rules, V2_LITE)
-    never = [f for f in findings if f.rule == "RoutingEntropyHigh" and f.severity == "warning"]
-    assert [f.router for f in never] == [r.name for r in V2_LITE]
-    assert "can never fire" in never[0].message and "6.000" in never[0].message
-    assert "above 6.5 bits can never fire on model.layers.1.mlp.gate: its ceiling is log2 64 = 6.000 bits" in (
-        never[0].message)
+    # one finding for every router it selects, an info: the rule says why it is expected
+    (never,) = [f for f in findings if f.rule == "RoutingEntropyHigh"]
+    assert never.severity == "info" and never.code == "never_fires" and never.router is None
+    assert ("above 6.5 bits can never fire on any of the 3 routers it selects (model.layers.1.mlp.gate, "
+            "model.layers.2.mlp.gate, model.layers.3.mlp.gate)") in never.message
+    assert "its ceiling is log2 64 = 6.000 bits. Expected: the seed's threshold" in never.message
+    assert not [f for f in findings if f.severity == "warning" and f.rule == "RoutingEntropyHigh"]
     assert not [f for f in findings if f.severity == "error"]  # the shipped rules are usable as they are
     # the indexer rule matches no router of this model
     assert any(f.rule == "IndexerDegenerate" and f.router is None and f.severity == "warning" for f in findings)
@@ -463,3 +465,56 @@ def test_lint_applies_layer_and_router_selectors(tmp_path):
     text = one_rule("alert: Seven\nmetric: entropy_bits\nbelow: 7\nselect: {layers: [2, 3], router: '*.mlp.gate'}")
     findings = findings_for(text, [*V2_LITE, *V3], tmp_path)
     assert [f.router for f in findings] == ["model.layers.2.mlp.gate", "model.layers.3.mlp.gate"]
+
+
+RECEIVER = "receivers:\n  - name: oncall\n    type: alertmanager_webhook\n    url: http://127.0.0.1:9/hook\n"
+
+
+def test_a_threshold_no_selected_router_can_reach_is_one_warning_unless_expected(tmp_path) -> None:
+    text = (RECEIVER + "rules:\n  - alert: High\n    metric: entropy_bits\n    select: {kind: expert}\n"
+            "    above: 6.5\n")
+    (warning,) = findings_for(text, V2_LITE, tmp_path)
+    assert warning.severity == "warning" and "any of the 3 routers it selects" in warning.message
+    (info,) = findings_for(text + "    lint_expect: {never_fires: kept for the record}\n", V2_LITE, tmp_path)
+    assert info.severity == "info" and info.message.endswith("Expected: kept for the record")
+    with pytest.raises(RuleError, match=r"rules\[0\]\.lint_expect = .*expected a mapping"):
+        findings_for(text + "    lint_expect: [never_fires]\n", V2_LITE, tmp_path)
+    with pytest.raises(RuleError, match=r"unknown key 'always_fires'|always_fires"):
+        findings_for(text + "    lint_expect: {always_fires: nope}\n", V2_LITE, tmp_path)
+
+
+def test_thresholds_relative_to_the_healthy_baseline(tmp_path) -> None:
+    write(tmp_path, RECEIVER + "rules:\n  - alert: Hot\n    metric: max_violation\n"
+                    "    above: {baseline_times: 2.0, floor: 1.0}\n"
+                    "    resolve_below: {baseline_times: 1.5, floor: 0.7}\n")
+    (rule,) = load_rules_dir(tmp_path, environ=ONCALL).rules
+    assert rule.above == 1.0 and rule.resolve_below == 0.7 and set(rule.baseline) == {"above", "resolve_below"}
+    assert rule.levels(None) is None  # no baseline learned: not judged
+    assert rule.levels(0.2) == (None, 1.0, None, 0.7)  # the floors hold a near-zero healthy value
+    assert rule.levels(1.5) == (None, 3.0, None, 2.25)
+    write(tmp_path, RECEIVER + "rules:\n  - alert: Dead\n    metric: dead_slots\n"
+                    "    above: {baseline_plus: 4, floor: 4}\n")
+    (dead,) = load_rules_dir(tmp_path, environ=ONCALL).rules
+    assert dead.levels(0.0)[1] == 4 and dead.levels(10.0)[1] == 14
+    write(tmp_path, RECEIVER + "rules:\n  - alert: Low\n    metric: entropy_bits\n"
+                    "    below: {baseline_plus: -0.5, ceiling: 5.0}\n")
+    (low,) = load_rules_dir(tmp_path, environ=ONCALL).rules
+    assert low.levels(5.9)[0] == 5.0 and low.levels(5.2)[0] == pytest.approx(4.7)
+
+
+@pytest.mark.parametrize(("threshold", "words"), [
+    ("above: {baseline_times: 2.0}", "rules[0].above.floor: missing: expected a floor"),
+    ("above: {baseline_times: -1, floor: 1}", "rules[0].above.baseline_times = -1.0: expected a number > 0"),
+    ("above: {baseline_times: 2, ceiling: 1}", "rules[0].above.ceiling: unknown key 'ceiling'"),
+    ("above: {floor: 1}", "rules[0].above.baseline_times: missing"),
+    ("above: 1.0\n    resolve_below: {baseline_times: 1.5, floor: 0.7}",
+     "rules[0].resolve_below = {'baseline_times': 1.5, 'floor': 0.7}: expected a number, as above is one"),
+    ("above: {baseline_times: 2, floor: 1}\n    resolve_below: {baseline_times: 3, floor: 0.7}",
+     "expected baseline_times and baseline_plus on the healthy side of above's"),
+    ("above: {baseline_times: 2, floor: 1}\n    trend: {over: 6h}", "a trend rule judges a slope"),
+])
+def test_a_bad_baseline_threshold_is_named(tmp_path, threshold: str, words: str) -> None:
+    write(tmp_path, RECEIVER + f"rules:\n  - alert: Hot\n    metric: max_violation\n    {threshold}\n")
+    with pytest.raises(RuleError) as caught:
+        load_rules_dir(tmp_path, environ=ONCALL)
+    assert words in str(caught.value), str(caught.value)

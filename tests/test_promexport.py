@@ -70,7 +70,9 @@ def test_export_of_the_shipped_rules(shipped):
     assert 'kind="expert"' in high["expr"]
 
     dead = rules["DeadExperts"]
-    assert "mla_watch_routing_dead_slots{" in dead["expr"] and "> 4" in dead["expr"]
+    assert "mla_watch_routing_dead_slots{" in dead["expr"]
+    # more than 4 beyond the line's healthy count: the healthy baseline's series, plus 4, at least 4
+    assert "> clamp_min(mla_watch_routing_baseline_dead_slots{" in dead["expr"] and "} + 4, 4)" in dead["expr"]
     assert 'mla_watch_routing_window_tokens{job="mla_watch"} >= 1024' in dead["expr"]
     assert "window_too_small" not in dead["expr"]
 
@@ -207,6 +209,39 @@ def test_promtool_unit_test_the_geometry_decides_which_collapse_rule_pages(shipp
                 "job": "mla_watch", "instance": "sidecar:8000", "router": small, "layer": "1", "kind": "expert",
                 "business_line": "chat", "severity": "critical", "team": "ml-platform"}}]},
         ]}]}
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
+    result = run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_unit_test_expert_hotspot_judges_each_line_against_its_healthy_baseline(shipped, tmp_path):
+    """MaxVio 3.0 pages the line healthy at 1.2 (threshold 2.4), not the line healthy at 1.6 (threshold 3.2),
+    nor a line without a baseline; a line healthy at 0.2 pages above the floor of 1.0."""
+    hotspot = next(r for r in shipped.rules if r.name == "ExpertHotspot")
+    hotspot = dataclasses.replace(hotspot, annotations={"summary": "{value:.2f}, healthy {healthy:.2f}, "
+                                                                   "threshold {threshold:.2f}"})
+    (tmp_path / "rules.yaml").write_text(export_prometheus(RuleSet(rules=(hotspot,), receivers={})))
+    router = "model.layers.3.mlp.gate"
+    input_series = []
+    for line, value, healthy in (("sql", "3", "1.2"), ("code", "3", "1.6"), ("chat", "9", None),
+                                 ("summaries", "1.1", "0.2")):
+        input_series += [
+            {"series": series("mla_watch_routing_max_violation", router, line), "values": f"{value}x20"},
+            {"series": series("mla_watch_routing_window_tokens", router, line), "values": "4096x20"},
+        ]
+        if healthy is not None:
+            input_series.append({"series": series("mla_watch_routing_baseline_max_violation", router, line),
+                                 "values": f"{healthy}x20"})
+    labels = {"job": "mla_watch", "instance": "sidecar:8000", "router": router, "layer": "1", "kind": "expert",
+              "severity": "warning"}
+    unit = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": input_series,
+        "alert_rule_test": [{"eval_time": "10m", "alertname": "ExpertHotspot", "exp_alerts": [
+            {"exp_labels": {**labels, "business_line": "sql"},
+             "exp_annotations": {"summary": "3.00, healthy 1.20, threshold 2.40"}},
+            {"exp_labels": {**labels, "business_line": "summaries"},
+             "exp_annotations": {"summary": "1.10, healthy 0.20, threshold 1.00"}},
+        ]}]}]}
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
     result = run_promtool("test", "rules", "test.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

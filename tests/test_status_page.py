@@ -534,6 +534,7 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
                          "document.querySelector('.row') && document.querySelector('.row').dataset.metric === '{}'")
                 assert browser.wait_for(drawn.format("history", "max_violation")), browser.dom().html[-3000:]
                 opened = browser.dom()
+                assert opened.find(tag="body")[0]["data-updates"] == "1"  # drawn from the first poll, not a later one
                 screenshot = artifacts / "status-page-maxvio.png"
                 browser.screenshot(screenshot)
                 (artifacts / "status-page-maxvio.html").write_text(opened.html)

@@ -20,7 +20,7 @@ from mla_watch.alerting.trend import MIN_POINTS
 from mla_watch.routing import entropy_bounds, minimum_window_tokens
 from mla_watch.windows import RouterInfo
 
-__all__ = ["HISTORY_INTERVAL_SECONDS", "HISTORY_RETENTION_SECONDS", "LintFinding", "lint"]
+__all__ = ["HISTORY_INTERVAL_SECONDS", "HISTORY_RETENTION_SECONDS", "LintFinding", "applies_to", "lint"]
 
 # The routing history's defaults that trend rules are linted against (its own settings may differ).
 HISTORY_INTERVAL_SECONDS = 10.0
@@ -35,6 +35,7 @@ class LintFinding:
     rule: str
     router: str | None
     message: str
+    code: str = ""  # "never_fires" for a threshold the router's range cannot reach
 
     def __str__(self) -> str:
         return f"{self.severity}: {self.message}"
@@ -110,7 +111,8 @@ def _lint_router(rule: Rule, info: RouterInfo, tolerance_bits: float) -> list[Li
     head = f"{rule.name} ({rule.source})" if rule.source else rule.name
 
     def add(severity: Literal["error", "warning"], text: str) -> None:
-        findings.append(LintFinding(severity, rule.name, info.name, f"{head}: {text}"))
+        code = "never_fires" if " can never fire on " in text else ""
+        findings.append(LintFinding(severity, rule.name, info.name, f"{head}: {text}", code))
 
     rng = _metric_range(rule.metric, info)
     where = _router_text(info)
@@ -277,6 +279,36 @@ def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float
                 f"routers (kinds: {', '.join(kinds) or 'none'}; {span}); this rule will never be evaluated",
             ))
             continue
-        for info in matched:
-            findings.extend(_lint_router(rule, info, tolerance_bits))
+        if rule.baseline:
+            head = f"{rule.name} ({rule.source})" if rule.source else rule.name
+            findings.append(LintFinding(
+                "info", rule.name, None, f"{head}: judges {rule.metric} against the healthy baseline learned for each "
+                "router and line (serve learns one once a window holds --baseline-tokens of healthy traffic); "
+                "silent where none is learned yet"))
+        found = [finding for info in matched for finding in _lint_router(rule, info, tolerance_bits)]
+        findings.extend(_merge_never_fires(rule, matched, found))
     return findings
+
+
+def applies_to(rule: Rule, routers: Sequence[RouterInfo]) -> bool:
+    """Whether ``rule``'s selector takes any of ``routers`` (business lines aside)."""
+    selector = dataclasses.replace(rule.selector, business_line=None)
+    return any(selector.matches(info.as_dict()) for info in routers)
+
+
+def _merge_never_fires(rule: Rule, matched: Sequence[RouterInfo], found: list[LintFinding]) -> list[LintFinding]:
+    """A threshold none of the selected routers can reach is one finding, not one per router; and an info, not a
+    warning, when the rule says why it is expected (``lint_expect: {never_fires: ...}``)."""
+    inert = [finding for finding in found if finding.code == "never_fires"]
+    if len(inert) < len(matched) or not inert:
+        return found
+    rest = [finding for finding in found if finding.code != "never_fires"]
+    first = inert[0].message.split(". Router: ")[0]
+    text = (first.replace(f" on {inert[0].router}:", f" on any of the {len(inert)} routers it selects "
+                                                       f"({', '.join(f.router or '' for f in inert[:4])}"
+                                                       f"{', ...' if len(inert) > 4 else ''}); on {inert[0].router}:")
+            if len(inert) > 1 else first)
+    why = rule.lint_expect.get("never_fires")
+    if why is not None:
+        return [LintFinding("info", rule.name, None, f"{text}. Expected: {why}", "never_fires"), *rest]
+    return [LintFinding("warning", rule.name, None, text, "never_fires"), *rest]

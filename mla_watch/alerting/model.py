@@ -180,6 +180,8 @@ class Rule:
     # Thresholds relative to each series' learned healthy value, by threshold key ("above", "resolve_below", ...);
     # the key's own number above is then the bound. A rule with any is not judged where no baseline is learned.
     baseline: Mapping[str, BaselineScale] = field(default_factory=dict)
+    # Linter findings the rule's author expects, by code ("never_fires"), with why: reported once, as info.
+    lint_expect: Mapping[str, str] = field(default_factory=dict)
 
     def levels(self, healthy: float | None) -> tuple[float | None, float | None, float, float] | None:
         """``(below, above, resolve_above, resolve_below)`` for a series whose healthy value of the metric is

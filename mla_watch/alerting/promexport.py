@@ -32,7 +32,7 @@ from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
 from mla_watch.windows import ALL_LINES
 
-__all__ = ["GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression",
+__all__ = ["BASELINE_NAMES", "GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression",
            "trend_expression"]
 
 GROUP_NAME = "mla_watch_routing"
@@ -45,6 +45,8 @@ METRIC_NAMES: dict[str, str] = {
     "js_divergence": "mla_watch_routing_js_divergence",
     "locality": "mla_watch_routing_indexer_locality",
 }
+# The healthy value learned per router and line (mla_watch.baselines), which relative thresholds scale.
+BASELINE_NAMES: dict[str, str] = {metric: f"mla_watch_routing_baseline_{metric}" for metric in METRIC_NAMES}
 WINDOW_TOKENS = "mla_watch_routing_window_tokens"
 WINDOW_TOO_SMALL = "mla_watch_routing_window_too_small"
 FLOOR_BITS = "mla_watch_routing_entropy_floor_bits"
@@ -150,15 +152,30 @@ def _enough_history(rule: Rule, series: str) -> str:
             f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
 
 
+def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str | None = None) -> str:
+    """A threshold of ``rule`` in PromQL: its number, or, relative to the healthy baseline, that scaled and
+    bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``)."""
+    bound = float(getattr(rule, key))
+    scale = rule.baseline.get(key)
+    if scale is None:
+        return _number(bound)
+    healthy = BASELINE_NAMES[rule.metric] + (_matchers(rule, job) if matchers is None else matchers)
+    scaled = healthy if scale.times == 1.0 else f"{_number(scale.times)} * {healthy}"
+    if scale.plus:
+        scaled = f"{scaled} {'+' if scale.plus > 0 else '-'} {_number(abs(scale.plus))}"
+    clamp = "clamp_min" if key in ("above", "resolve_below") else "clamp_max"
+    return f"{clamp}({scaled}, {_number(bound)})"
+
+
 def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
     """The PromQL expression of ``rule`` (what makes it fire)."""
     raw_series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
     series = trend_expression(rule, raw_series)
     conditions = []
     if rule.below is not None:
-        conditions.append(f"{series} < {_number(rule.below)}")
+        conditions.append(f"{series} < {level_expression(rule, 'below', job)}")
     if rule.above is not None:
-        conditions.append(f"{series} > {_number(rule.above)}")
+        conditions.append(f"{series} > {level_expression(rule, 'above', job)}")
     expr = conditions[0] if len(conditions) == 1 else "(" + ") or (".join(conditions) + ")"
     window_matchers = "{" + f"job={_promql_string(job)}" + "}" if job else ""
     if rule.min_tokens is not None:
@@ -261,7 +278,10 @@ def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
     not know render as ``n/a`` (``notes`` says which).
     """
     threshold: object
-    if rule.below is not None and rule.above is not None:
+    relative = next(iter(key for key in ("below", "above") if key in rule.baseline), None)
+    if relative is not None:
+        threshold = None  # read from Prometheus below: it differs per router and line
+    elif rule.below is not None and rule.above is not None:
         threshold = f"{_number(rule.below)} (below) / {_number(rule.above)} (above)"
     else:
         threshold = rule.below if rule.below is not None else rule.above
@@ -293,6 +313,11 @@ def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
             out.append(_go_query(WINDOW_TOKENS, spec or "d", ("router", "layer", "kind", "business_line")))
         elif field == "current":
             out.append(_go_query(METRIC_NAMES[rule.metric], spec, _LABEL_FIELDS))
+        elif field == "healthy":
+            out.append(_go_query(BASELINE_NAMES[rule.metric], spec, _LABEL_FIELDS))
+        elif field in ("threshold", "resolve_threshold") and relative is not None:
+            out.append(_go_query("", spec, _LABEL_FIELDS, lambda s, key=relative: level_expression(
+                rule, key, matchers=s)))
         elif field in ("slope_per_hour", "slope_per_day") and rule.trend is not None:
             per = 3600.0 if field == "slope_per_hour" else 86400.0
             window = format_duration(rule.trend.over_seconds)

@@ -85,7 +85,8 @@ RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", 
 _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
-              "receivers", "trend", "predict")
+              "receivers", "trend", "predict", "lint_expect")
+LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_expect)
 _THRESHOLD_KEYS = ("below", "above", "resolve_above", "resolve_below")
 # A trend block may hold the thresholds itself, as the issue wrote `predict: {over: 6h, ahead: 3d, below: 5.0}`.
 _TREND_KEYS = ("over", "per", *_THRESHOLD_KEYS)
@@ -366,6 +367,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     selector = _parse_selector(chk, f"{path}.select", data.get("select"))
 
     trend, tdata, tpath = _parse_trend(chk, data, path)
+    given_relative = any(isinstance(tdata.get(key), dict) for key in ("below", "above"))  # named if broken
     tdata, scales = _parse_baseline_thresholds(chk, tdata, tpath)
     if scales and trend is not None:
         chk.bad(f"{tpath}.{next(iter(scales))}", data.get(next(iter(scales))) or "a baseline threshold",
@@ -374,7 +376,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     above = _number_key(chk, tdata, "above", tpath)
     resolve_above = _number_key(chk, tdata, "resolve_above", tpath)
     resolve_below = _number_key(chk, tdata, "resolve_below", tpath)
-    if tdata.get("below") is None and tdata.get("above") is None:
+    if tdata.get("below") is None and tdata.get("above") is None and not scales and not given_relative:
         chk.missing(f"{tpath}.below", "a threshold: below and/or above (a number)")
     if below is not None and above is not None and not below < above:
         chk.bad(f"{tpath}.below", below,
@@ -469,6 +471,16 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         else:
             receivers = _names_list(chk, f"{path}.receivers", raw_receivers, None, "receiver names")
 
+    lint_expect: dict[str, str] = {}
+    if data.get("lint_expect") is not None:
+        raw_expect = chk.mapping(f"{path}.lint_expect", data["lint_expect"], LINT_CODES,
+                                 "finding -> why it is expected, e.g. {never_fires: \"kept as the seed wrote it\"}")
+        for key, value in (raw_expect or {}).items():
+            if not isinstance(value, str) or not value.strip() or len(value) > 300:
+                chk.bad(f"{path}.lint_expect.{key}", value, "a sentence (at most 300 characters) saying why")
+            else:
+                lint_expect[key] = value.strip()
+
     if len(chk.errors) != before:
         return None
     return Rule(
@@ -491,6 +503,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         source=f"{chk.label}: {path}",
         trend=trend,
         baseline=scales,
+        lint_expect=lint_expect,
     )
 
 

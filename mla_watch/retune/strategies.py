@@ -51,6 +51,8 @@ class Candidate:
 
 class Strategy(abc.ABC):
     name: ClassVar[str]
+    # Whether it fits on traffic (captured with --capture, or a dataset): an alert's job has no dataset.
+    needs_traffic: ClassVar[bool] = True
     # option -> (type, default, check, expectation); options a job may set for this strategy
     options: ClassVar[dict[str, tuple[type, Any, Any, str]]] = {}
 
@@ -145,6 +147,7 @@ class RouterFinetuneStrategy(Strategy):
 
 class RestoreStrategy(Strategy):
     name = "restore"
+    needs_traffic = False  # puts back a known-good version: nothing to fit
 
     def fit(self, context: FitContext) -> Candidate:
         prefixes = tuple(f"{name}." for name in context.routers)

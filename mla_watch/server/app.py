@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 __all__ = ["ServerConfig", "Sidecar"]
 
 log = logging.getLogger("mla_watch.server")
+BASELINE_VIEW_LIMIT = 5000  # series in one GET /v1/baseline (a fleet's workers may report many more)
 
 
 
@@ -594,6 +595,7 @@ class Sidecar:
             Route("/v1/models", self._models, methods=["GET"]),
             Route("/v1/routing", self._routing, methods=["GET"]),
             Route("/v1/routing/ingest", admin.ingest, methods=["POST"]),
+            Route("/v1/baseline", self._baseline, methods=["GET"]),
             Route("/v1/policies", self._policies, methods=["GET"]),
             Route("/v1/alerts", self._alerts, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
@@ -646,6 +648,19 @@ class Sidecar:
         body = await asyncio.get_running_loop().run_in_executor(self._monitoring,
                                                                 lambda: JSONResponse(self.routing(line)).body)
         return Response(body, media_type="application/json")
+
+    async def _baseline(self, request: Request) -> Response:
+        """``GET /v1/baseline``: whether healthy baselines are learned (and why not), and each series' healthy
+        values (no counts), at most :data:`BASELINE_VIEW_LIMIT` series."""
+        def body() -> bytes:
+            document = self.baselines.describe()
+            series = document["series"]
+            document["series"], document["truncated"] = series[:BASELINE_VIEW_LIMIT], max(
+                0, len(series) - BASELINE_VIEW_LIMIT)
+            return JSONResponse(document).body
+
+        return Response(await asyncio.get_running_loop().run_in_executor(self._monitoring, body),
+                        media_type="application/json")
 
     def routing(self, business_line: str | None = None) -> dict[str, Any]:
         """``GET /v1/routing``: every router's statistics for one line (every line summed for ``None``).

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from mla_watch.windows import RoutingSnapshot
 
-__all__ = ["ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
+__all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
 
 ROUTING_SLOTS = "routing_slots"
 
@@ -37,6 +37,18 @@ ROUTING_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# The healthy values of a router and line's learned baseline (mla_watch.baselines): rules relative to it, exported
+# to Prometheus, scale these.
+BASELINE_GAUGES: dict[str, str] = {
+    "entropy_bits": "Routing entropy of the healthy baseline, in bits.",
+    "normalized_entropy": "Normalized entropy of the healthy baseline.",
+    "bits_below_ceiling": "Ceiling minus entropy of the healthy baseline, in bits.",
+    "max_violation": "MaxVio of the healthy baseline.",
+    "dead_slots": "Slots never chosen in the healthy baseline.",
+    "locality": "Indexer locality of the healthy baseline.",
+}
+
+
 class RoutingCollector(Collector):
     """Exports the routing statistics of the snapshot ``snapshot()`` returns, at scrape time."""
 
@@ -48,6 +60,8 @@ class RoutingCollector(Collector):
         labels = ["router", "layer", "kind", "business_line"]
         families = {name: GaugeMetricFamily(self._prefix + name, text, labels=labels)
                     for name, (_, text) in ROUTING_GAUGES.items()}
+        baselines = {metric: GaugeMetricFamily(f"{self._prefix}routing_baseline_{metric}", text, labels=labels)
+                     for metric, text in BASELINE_GAUGES.items()}
         slots = GaugeMetricFamily(self._prefix + ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
                                   "positions counted (what a rule's `slots` selector matches).", labels=labels)
         for record in self._snapshot().records:
@@ -57,7 +71,11 @@ class RoutingCollector(Collector):
                 if value is not None:
                     families[name].add_metric(values, float(value))
             slots.add_metric(values, float(record.stats.num_slots))
-        return [*families.values(), slots]
+            if record.baseline is not None:
+                for metric, value in record.baseline.values.items():
+                    if metric in baselines:
+                        baselines[metric].add_metric(values, float(value))
+        return [*families.values(), slots, *baselines.values()]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []

@@ -367,6 +367,7 @@ async function refresh() {
     view.history = mergeHistory(view.history, status.history);
     view.status = status;
     if (view.line === null) pickLine(); // the anchor's line stands until the lines drawn are known
+    pickWindow(); // what fetchShown asks the durable history for
     $("updated").dataset.state = "live";
     $("updated").textContent = `live · updated ${clock(status.generated_at)}`;
     await fetchShown();
@@ -437,7 +438,8 @@ function renderMetrics() {
   }, label)));
 }
 
-function renderWindows() {
+// The window shown: the one chosen, else the shortest that holds all the live history there is.
+function pickWindow() {
   const span = view.history.span_seconds;
   const times = view.history.times;
   const ranges = view.status.history_store ? RANGES.filter(([seconds]) => seconds > span) : [];
@@ -448,6 +450,12 @@ function renderWindows() {
   const isShownRange = ranges.some(([seconds]) => seconds === view.window);
   if (!view.window || (view.window > span && !isShownRange)) view.window = span;
   if (!isShownRange && view.metric === ENTROPY) view.range = null;
+  return ranges;
+}
+
+function renderWindows() {
+  const span = view.history.span_seconds;
+  const ranges = pickWindow();
   const named = WINDOWS.find(([seconds]) => seconds === span);
   const choices = WINDOWS.filter(([seconds]) => seconds < span).concat([[span, named ? named[1] : "all kept"]], ranges);
   $("windows").replaceChildren(...choices.map(([seconds, label]) => el("button", {
@@ -824,7 +832,7 @@ function renderRetune(retune, engine) {
 }
 
 if (typeof window !== "undefined") {
-  window.addEventListener("hashchange", () => { readAnchor(); if (view.status) render(); });
+  window.addEventListener("hashchange", () => { readAnchor(); if (view.status) reshow(); });
   window.addEventListener("resize", () => { if (view.status) renderHeatmap(); });
   readAnchor();
   refresh();
