@@ -1,17 +1,25 @@
-"""How fast a router collapse reaches on-call, and how often healthy traffic pages anyone.
+"""How often healthy traffic pages anyone, and how fast each fault reaches on-call.
 
-    python bench/detection.py                          # about five minutes on 2 CPU cores
-    python bench/detection.py --healthy-tokens 40000   # a longer healthy replay
+    python bench/detection.py                          # about ten minutes on 2 CPU cores
+    python bench/detection.py --healthy-tokens 40000   # longer healthy replays
     python bench/detection.py --json figures.json      # also write the figures as JSON
     python bench/detection.py --scenario drift         # only the slow drift (about a minute)
 
-Replays held-out traffic of all four business lines through the bundled model with the probe
-attached (rolling windows of 512 tokens per line), evaluates the shipped rules (rules/) after
-every request, and delivers notifications through the real outbox to a real webhook receiver
-on loopback. First a long healthy replay (every page is a false alarm); then a collapse is
-injected into one MoE layer (+10 on the correction bias of six experts) and the replay goes on
-until the receiver holds the RoutingEntropyLow page for that layer. Rule `for:` durations are
-scaled to the replay (0 s), since the replay runs faster than wall-clock traffic would.
+The replays are tests/detection_replay.py's (shared with tests/test_detection.py): each starts afresh
+as `mla-watch serve` does, with the bundled model under the probe's real hooks, windows of 4096 tokens
+per line, healthy baselines learned per router and line at 2048 tokens (trusted after the start-up
+health check), the shipped rules with every `for:` at 0 s (any breach pages), judged after every
+request, and pages delivered by the real outbox to a real webhook receiver on loopback.
+
+Healthy replays (every page is a false page): the four lines mixed, each line alone, low-diversity
+traffic (three prompts per line, repeated) and chat-sized requests (the first minutes after start,
+when every window is small). For each it prints the pages and how close the baseline rules came
+(the highest MaxVio over its healthy value, JS divergence, dead experts beyond the healthy count).
+
+Faults, after a healthy warm-up that learns every line's baseline: a collapse (+10 on the correction
+bias of six experts: RoutingEntropyLow), a hotspot (one expert takes every token: ExpertHotspot,
+which entropy misses), dead experts (eight experts get none: DeadExperts). Each prints the tokens
+from the onset to its page, against the budget the tests hold it to.
 
 The drift scenario (tests/drift_replay.py, shared with tests/test_trend_drift.py) simulates days
 of one line's traffic with an injectable clock: the correction bias of four experts of one router
@@ -25,49 +33,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from detection_replay import FAULTS, fault_replay, healthy_replay  # the tests' replays, shared
 from drift_replay import DRIFTING_ROUTER  # the tests' simulated days of drift, shared
 from drift_replay import replay as drift_replay
-from receivers import running_receiver  # the tests' loopback webhook receiver
 
 import mla_watch
-from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.alerting.service import AlertService
 from mla_watch.models import corpus
-
-RULES = Path(__file__).resolve().parents[1] / "rules"
-COLLAPSED_ROUTER = "model.layers.2.mlp.gate"
-
-
-def replay(model, tokenizer, probe, service, samples, receiver, stop_when=None):
-    """Run samples through the model; evaluate after each; return (tokens, seconds, stopped)."""
-    tokens, started = 0, time.perf_counter()
-    for line, text in samples:
-        ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]][:256]
-        with torch.no_grad(), probe.attribute(line):
-            model(input_ids=torch.tensor([ids]))
-        tokens += len(ids)
-        probe.collect()
-        service.evaluate_once()
-        service.dispatcher.run_once()
-        if stop_when is not None and stop_when(receiver):
-            return tokens, time.perf_counter() - started, True
-    return tokens, time.perf_counter() - started, False
-
-
-def pages(receiver, router: str | None = None) -> list[dict]:
-    return [alert for request in list(receiver.requests) for alert in request.json().get("alerts", [])
-            if alert["status"] == "firing" and (router is None or alert["labels"].get("router") == router)]
-
 
 TREND_ALERTS = ("RoutingEntropyFalling", "RoutingCollapseForecast")
 
@@ -99,15 +75,51 @@ def drift_scenario(model, days: float, drift_per_hour: float) -> dict:
     return figures
 
 
+HEALTHY_KINDS = ("mixed", *corpus.DOMAINS, "low_diversity", "short")
+
+
+def healthy_scenarios(model, tokenizer, tokens: int) -> list[dict]:
+    figures = []
+    for kind in HEALTHY_KINDS:
+        replay = healthy_replay(model, tokenizer, kind, tokens)
+        figures.append(replay.as_dict())
+        peaks = replay.peaks
+        closest = (f"closest: MaxVio {peaks['max_violation_ratio']:.2f} x healthy (pages at 2), JS "
+                   f"{peaks['js_divergence']:.4f} bits (0.05), dead beyond healthy "
+                   f"{peaks['dead_slots_above_healthy']:g} (4)" if peaks else "no window judged against a baseline")
+        print(f"healthy {kind}: {replay.tokens} tokens, {replay.requests} requests, {replay.baselines} baselines "
+              f"learned; false pages: {len(replay.pages)} (goal: 0); {closest}")
+        for page in replay.pages[:5]:
+            print(f"    {page.alertname} {page.router} {page.business_line}: {page.summary}")
+    return figures
+
+
+def fault_scenarios(model, tokenizer) -> list[dict]:
+    figures = []
+    for fault in FAULTS:
+        result = fault_replay(model, tokenizer, fault, limit_tokens=fault.within_tokens * 2)
+        figures.append(result)
+        if not result["paged"]:
+            print(f"fault {fault.name} on {fault.router}: {fault.alertname} NOT paged within "
+                  f"{fault.within_tokens * 2} tokens")
+            continue
+        print(f"fault {fault.name} on {fault.router} ({fault.note}): {fault.alertname} paged "
+              f"{result['tokens_after_onset']} tokens after the onset (budget {fault.within_tokens}); lowest "
+              f"entropy of its lines then {result['entropy_bits_then']:.3f} bits; its pages: "
+              f"{', '.join(result['other_pages'])}; false pages before the onset: "
+              f"{result['false_pages_before_onset']}")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=("all", "collapse", "drift"), default="all")
+    parser.add_argument("--scenario", choices=("all", "healthy", "faults", "drift"), default="all")
     parser.add_argument("--drift-days", type=float, default=4.0)
     parser.add_argument("--drift-per-hour", type=float, default=0.003)
-    parser.add_argument("--healthy-tokens", type=int, default=20000)
+    parser.add_argument("--healthy-tokens", type=int, default=24000, help="tokens of each healthy replay")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
-    figures: dict = {"bench": "detection", "args": vars(args), "collapsed_router": COLLAPSED_ROUTER}
+    figures: dict = {"bench": "detection", "args": vars(args)}
 
     def write_json() -> None:
         if args.json:
@@ -116,59 +128,11 @@ def main() -> None:
     model, tokenizer = mla_watch.load_model("bundled", device="cpu")
     if args.scenario in ("all", "drift"):
         figures["drift"] = drift_scenario(model, args.drift_days, args.drift_per_hour)
-        if args.scenario == "drift":
-            write_json()
-            return
-    probe = mla_watch.attach(model, window_tokens=512)
-    per_domain = args.healthy_tokens // (150 * len(corpus.DOMAINS)) + 1
-    # The corpus domains stand for the four business lines: chat, code, SQL, summaries.
-    healthy = corpus.generate_mixed(per_domain * len(corpus.DOMAINS), seed=777)
-    faulty = corpus.generate_mixed(400, seed=778)
-
-    with running_receiver() as receiver, tempfile.TemporaryDirectory() as state:
-        os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"
-        rules = load_rules_dir(RULES)
-        rules = replace(rules, rules=tuple(replace(rule, for_seconds=0.0) for rule in rules.rules))
-        records = lambda: [r for line in [None, *probe.windows.business_lines]  # noqa: E731
-                           for r in probe.windows.stats(line)]
-        service = AlertService(rules, Path(state), records=records)
-
-        tokens, seconds, _ = replay(model, tokenizer, probe, service, healthy, receiver)
-        false_alarms = pages(receiver)
-        print(f"healthy replay: {tokens} tokens of 4 business lines in {seconds:.1f} s; "
-              f"false alarms: {len(false_alarms)} (goal: 0)")
-        for alert in false_alarms[:5]:
-            print(f"  {alert['labels']['alertname']} {alert['labels'].get('router')} "
-                  f"{alert['labels'].get('business_line')}: {alert['annotations'].get('summary')}")
-        figures.update(healthy_tokens=tokens, healthy_seconds=seconds, false_alarms=len(false_alarms),
-                       false_alarm_alerts=[{"alertname": a["labels"]["alertname"], "router": a["labels"].get("router"),
-                                            "business_line": a["labels"].get("business_line")}
-                                           for a in false_alarms])
-
-        gate = dict(model.named_modules())[COLLAPSED_ROUTER]
-        with torch.no_grad():
-            gate.e_score_correction_bias[:6] += 10.0
-        onset_requests = len(receiver.requests)
-        tokens, seconds, detected = replay(
-            model, tokenizer, probe, service, faulty, receiver,
-            stop_when=lambda rx: any(a["labels"]["alertname"] == "RoutingEntropyLow"
-                                     for a in pages(rx, COLLAPSED_ROUTER)),
-        )
-        figures.update(detected=detected, tokens_after_onset=tokens, seconds_after_onset=seconds)
-        if not detected:
-            print(f"collapse of {COLLAPSED_ROUTER}: NOT detected within {tokens} tokens")
-            write_json()
-            return
-        first = next(a for a in pages(receiver, COLLAPSED_ROUTER) if a["labels"]["alertname"] == "RoutingEntropyLow")
-        others = {a["labels"]["alertname"] for a in pages(receiver, COLLAPSED_ROUTER)}
-        print(f"collapse of {COLLAPSED_ROUTER}: the webhook received RoutingEntropyLow "
-              f"({first['labels']['business_line']}) {tokens} tokens and {seconds:.2f} s after the onset "
-              f"(all lines together; rolling windows of 512 tokens per line)")
-        print(f"  pages for that router so far: {sorted(others)}; requests to the receiver since onset: "
-              f"{len(receiver.requests) - onset_requests}")
-        figures.update(first_page_business_line=first["labels"]["business_line"], router_pages=sorted(others),
-                       receiver_requests_since_onset=len(receiver.requests) - onset_requests)
-        write_json()
+    if args.scenario in ("all", "healthy"):
+        figures["healthy"] = healthy_scenarios(model, tokenizer, args.healthy_tokens)
+    if args.scenario in ("all", "faults"):
+        figures["faults"] = fault_scenarios(model, tokenizer)
+    write_json()
 
 
 if __name__ == "__main__":

@@ -144,9 +144,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
     from mla_watch.cli_startup import bind_listener, check_serve_flags, default_public_url, held_logs, run_server
-    from mla_watch.server.app import build_sidecar
 
     check_serve_flags(args)  # before anything loads, binds or logs: a bad value is one line, exit 2
+    from mla_watch.server.app import build_sidecar
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.

@@ -29,6 +29,19 @@ def test_check_lints_the_shipped_rules_against_the_bundled_model(capsys, monkeyp
         assert f"ok: re-tune strategy {strategy} is supported" in out
 
 
+def test_check_warns_of_a_retune_that_needs_traffic_only_where_nothing_else_can_run(tmp_path, capsys) -> None:
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    rule = ("rules:\n  - alert: {name}\n    metric: entropy_bits\n    select: {{kind: expert{extra}}}\n"
+            "    below: 3.0\n    actions: [retune]\n    retune_strategy: [bias]\n")
+    (rules / "r.yaml").write_text(rule.format(name="BiasOnly", extra="") + rule.format(
+        name="OtherGeometry", extra=", slots: 8").split("rules:\n", 1)[1])
+    assert main(["check", "--rules", str(rules)]) == 0
+    out = capsys.readouterr().out
+    assert "warning: rule BiasOnly asks for re-tuning by bias, which fit on traffic: serve with --capture" in out
+    assert "rule OtherGeometry asks" not in out  # selects none of this model's routers: nothing to warn of
+
+
 def test_check_fails_on_a_broken_rule_file(tmp_path, capsys) -> None:
     rules = tmp_path / "rules"
     shutil.copytree(REPO / "rules", rules)

@@ -104,7 +104,8 @@ def proxy_counts(url: str, state: Path, line: str, geometry) -> np.ndarray:
     saved = httpx.post(url + "/admin/baseline", params={"business_line": line},
                        headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert saved.status_code == 200, saved.text
-    routers = {entry["name"]: entry["counts"] for entry in json.loads((state / "baseline.json").read_text())["routers"]}
+    series = json.loads((state / "baseline.json").read_text())["series"]
+    routers = {entry["router"]: entry["counts"] for entry in series if entry["business_line"] == line}
     return np.array([routers[name] for name in geometry.router_names], dtype=np.int64)
 
 

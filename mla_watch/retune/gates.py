@@ -80,7 +80,8 @@ class Band:
 
 
 def band_of_rule(rule: Any) -> Band:
-    """The band an alert rule's routers must return to: its resolve threshold (else its firing one)."""
+    """The band an alert rule's routers must return to: its resolve threshold (else its firing one); for a
+    threshold relative to the healthy baseline, its bound (the strictest level it can take)."""
     if rule.below is not None:
         return Band(rule.metric, low=rule.resolve_above if rule.resolve_above is not None else rule.below)
     if rule.above is not None:

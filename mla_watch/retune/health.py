@@ -31,8 +31,10 @@ _SEED = 20261201
 
 
 def threshold_rules(rules: Iterable[Any]) -> list[Any]:
-    # Trend and prediction rules judge a history, not one reading: not a start-up check.
-    return [rule for rule in rules if (rule.below is not None or rule.above is not None) and rule.trend is None]
+    # Trend and prediction rules judge a history, not one reading; rules relative to the healthy baseline judge
+    # a change from it, which a start-up check (before any baseline) has no reading of.
+    return [rule for rule in rules if (rule.below is not None or rule.above is not None) and rule.trend is None
+            and not getattr(rule, "baseline", None)]
 
 
 def health_batches(tokenizer: Any, *, samples_per_domain: int = HEALTH_SAMPLES_PER_DOMAIN) -> list[dict[str, Any]]:

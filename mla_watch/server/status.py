@@ -68,6 +68,8 @@ def _band(rules: list[Any], record: dict[str, Any], floor: float | None, ceiling
         # A trend rule's thresholds bound a slope or a forecast, not the value drawn
         if rule.trend is not None or to_bits is None or not rule.selector.matches(record):
             continue
+        if rule.baseline:  # levels of its own per router and line: no one band to draw
+            continue
         band["rules"].append(rule.name)
         below, above = rule.below, rule.above
         resolve_above, resolve_below = rule.resolve_above, rule.resolve_below
