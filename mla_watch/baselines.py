@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.routing import BASELINE_METRICS
+
 __all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
            "Baseline", "BaselineError", "Baselines"]
 
@@ -44,9 +46,6 @@ log = logging.getLogger("mla_watch.baselines")
 
 BASELINE_FORMAT = "mla_watch.baseline/2"
 LEGACY_BASELINE_FORMAT = "mla_watch.baseline/1"
-# The metrics a baseline keeps the healthy value of: the ones a rule may judge against it.
-BASELINE_METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation",
-                                     "dead_slots", "locality")
 # Twice the shipped companion rules' 1024-token minimum: a baseline is read over more tokens than the windows
 # judged against it, so its MaxVio and dead slots (which small windows overstate) err on the lenient side.
 DEFAULT_LEARN_TOKENS = 2048

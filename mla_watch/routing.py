@@ -46,10 +46,14 @@ from numpy.typing import ArrayLike
 from scipy.spatial.distance import jensenshannon
 
 __all__ = [
+    "BASELINE_METRICS",
     "KINDS",
+    "RULE_METRICS",
+    "STATISTICS",
     "Kind",
     "RollingWindow",
     "RoutingStats",
+    "Statistic",
     "WindowTotals",
     "compute_stats",
     "dead_slots",
@@ -255,6 +259,42 @@ def _effective_slots(counts: np.ndarray) -> int:
 # ---------------------------------------------------------------------------
 # combined statistics
 # ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """One statistic of :class:`RoutingStats`: its key (the attribute, and the key of every record), its Prometheus
+    gauge (``mla_watch_`` + ``gauge``) with its help, and whether an alert rule may watch it."""
+
+    key: str
+    gauge: str
+    help: str
+    judged: bool = True
+
+
+# The one list of routing statistics: records, alert rules, the metrics, the Prometheus export, the history and
+# the baselines all read it.
+STATISTICS: tuple[Statistic, ...] = (
+    Statistic("entropy_bits", "routing_entropy_bits", "Routing entropy over the current window, in bits."),
+    Statistic("floor_bits", "routing_entropy_floor_bits", "Lowest possible routing entropy: log2 of the top-k.",
+              judged=False),
+    Statistic("ceiling_bits", "routing_entropy_ceiling_bits", "Highest possible routing entropy: log2 of the slots.",
+              judged=False),
+    Statistic("normalized_entropy", "routing_normalized_entropy", "(entropy - floor) / (ceiling - floor)."),
+    Statistic("bits_below_ceiling", "routing_bits_below_ceiling", "Ceiling minus entropy, in bits."),
+    Statistic("max_violation", "routing_max_violation", "MaxVio: (max load - mean load) / mean load."),
+    Statistic("dead_slots", "routing_dead_slots", "Slots (experts or key positions) never chosen in the window."),
+    Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
+    Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
+    Statistic("locality", "routing_indexer_locality",
+              "Share of indexer choices within the most recent index_topk keys."),
+    Statistic("too_small", "routing_window_too_small",
+              "1 while the window holds fewer tokens than the trusted minimum.", judged=False),
+)
+# What an alert rule's `metric` may name.
+RULE_METRICS: tuple[str, ...] = tuple(statistic.key for statistic in STATISTICS if statistic.judged)
+# What a healthy baseline keeps the value of: the rule metrics but drift, which is measured from the baseline.
+BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS if key != "js_divergence")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.config import ConfigError
+from mla_watch.routing import RULE_METRICS
 from mla_watch.windows import ALL_LINES
 
 __all__ = [
@@ -38,8 +39,7 @@ __all__ = [
 # Routing statistics a rule may watch: keys of the records of RouterWindows.stats().
 # Relative to the router's geometry: normalized_entropy (0 at the floor, 1 at the ceiling), bits_below_ceiling,
 # js_divergence (from the saved baseline); absolute: entropy_bits, whose meaning depends on the slots and top-k.
-METRICS: tuple[str, ...] = ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation",
-                            "dead_slots", "js_divergence", "locality")
+METRICS: tuple[str, ...] = RULE_METRICS
 ACTIONS: tuple[str, ...] = ("notify", "retune")
 # A Prometheus label name, and so an alert name too (match it whole).
 LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -30,27 +30,21 @@ import yaml
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
+from mla_watch.routing import BASELINE_METRICS, RULE_METRICS, STATISTICS
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["BASELINE_NAMES", "GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression",
            "trend_expression"]
 
 GROUP_NAME = "mla_watch_routing"
-METRIC_NAMES: dict[str, str] = {
-    "entropy_bits": "mla_watch_routing_entropy_bits",
-    "normalized_entropy": "mla_watch_routing_normalized_entropy",
-    "bits_below_ceiling": "mla_watch_routing_bits_below_ceiling",
-    "max_violation": "mla_watch_routing_max_violation",
-    "dead_slots": "mla_watch_routing_dead_slots",
-    "js_divergence": "mla_watch_routing_js_divergence",
-    "locality": "mla_watch_routing_indexer_locality",
-}
+_GAUGES: dict[str, str] = {statistic.key: f"mla_watch_{statistic.gauge}" for statistic in STATISTICS}
+METRIC_NAMES: dict[str, str] = {key: _GAUGES[key] for key in RULE_METRICS}
 # The healthy value learned per router and line (mla_watch.baselines), which relative thresholds scale.
-BASELINE_NAMES: dict[str, str] = {metric: f"mla_watch_routing_baseline_{metric}" for metric in METRIC_NAMES}
-WINDOW_TOKENS = "mla_watch_routing_window_tokens"
-WINDOW_TOO_SMALL = "mla_watch_routing_window_too_small"
-FLOOR_BITS = "mla_watch_routing_entropy_floor_bits"
-CEILING_BITS = "mla_watch_routing_entropy_ceiling_bits"
+BASELINE_NAMES: dict[str, str] = {metric: f"mla_watch_routing_baseline_{metric}" for metric in BASELINE_METRICS}
+WINDOW_TOKENS = _GAUGES["tokens"]
+WINDOW_TOO_SMALL = _GAUGES["too_small"]
+FLOOR_BITS = _GAUGES["floor_bits"]
+CEILING_BITS = _GAUGES["ceiling_bits"]
 SLOTS = "mla_watch_routing_slots"
 _JOIN_LABELS = "job, instance, router, layer, kind, business_line"
 _LABEL_FIELDS = ("router", "layer", "kind", "business_line")

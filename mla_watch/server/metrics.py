@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mla_watch.routing import BASELINE_METRICS, STATISTICS
 from mla_watch.windows import RoutingSnapshot
 
 __all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
@@ -21,32 +22,13 @@ __all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollect
 ROUTING_SLOTS = "routing_slots"
 
 
-# metric suffix -> (stats key, help)
-ROUTING_GAUGES: dict[str, tuple[str, str]] = {
-    "routing_entropy_bits": ("entropy_bits", "Routing entropy over the current window, in bits."),
-    "routing_entropy_floor_bits": ("floor_bits", "Lowest possible routing entropy: log2 of the top-k."),
-    "routing_entropy_ceiling_bits": ("ceiling_bits", "Highest possible routing entropy: log2 of the slots."),
-    "routing_normalized_entropy": ("normalized_entropy", "(entropy - floor) / (ceiling - floor)."),
-    "routing_bits_below_ceiling": ("bits_below_ceiling", "Ceiling minus entropy, in bits."),
-    "routing_max_violation": ("max_violation", "MaxVio: (max load - mean load) / mean load."),
-    "routing_dead_slots": ("dead_slots", "Slots (experts or key positions) never chosen in the window."),
-    "routing_window_tokens": ("tokens", "Tokens in the current window."),
-    "routing_js_divergence": ("js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
-    "routing_indexer_locality": ("locality", "Share of indexer choices within the most recent index_topk keys."),
-    "routing_window_too_small": ("too_small", "1 while the window holds fewer tokens than the trusted minimum."),
-}
-
-
+# metric suffix -> (stats key, help), from the one list of statistics
+ROUTING_GAUGES: dict[str, tuple[str, str]] = {statistic.gauge: (statistic.key, statistic.help)
+                                              for statistic in STATISTICS}
 # The healthy values of a router and line's learned baseline (mla_watch.baselines): rules relative to it, exported
 # to Prometheus, scale these.
-BASELINE_GAUGES: dict[str, str] = {
-    "entropy_bits": "Routing entropy of the healthy baseline, in bits.",
-    "normalized_entropy": "Normalized entropy of the healthy baseline.",
-    "bits_below_ceiling": "Ceiling minus entropy of the healthy baseline, in bits.",
-    "max_violation": "MaxVio of the healthy baseline.",
-    "dead_slots": "Slots never chosen in the healthy baseline.",
-    "locality": "Indexer locality of the healthy baseline.",
-}
+BASELINE_GAUGES: dict[str, str] = {statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
+                                   for statistic in STATISTICS if statistic.key in BASELINE_METRICS}
 
 
 class RoutingCollector(Collector):
