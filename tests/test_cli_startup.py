@@ -79,10 +79,11 @@ def test_a_port_in_use_is_one_line_before_the_app_starts(tmp_path) -> None:
 
 
 def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
-    # Beside an upstream (nothing there): no model to load, the sidecar starts at once.
+    # Beside an upstream (nothing there): no model to load, the sidecar starts at once. --decode-workers 0:
+    # no worker process, which a stop this soon after the start could leave half-started.
     process = subprocess.Popen([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state"),
-                                "--upstream", "http://127.0.0.1:9"], cwd=REPO, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+                                "--upstream", "http://127.0.0.1:9", "--decode-workers", "0"], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: list[str] = []
     try:
         deadline = time.monotonic() + 90
@@ -101,7 +102,11 @@ def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
     finally:
         process.terminate()
-        process.communicate(timeout=60)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # still starting on a loaded machine: the test's verdict stands
+            process.kill()
+            process.communicate(timeout=30)
 
 
 def test_a_mistyped_flag_shows_the_subcommands_usage() -> None:
