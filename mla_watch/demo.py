@@ -9,7 +9,7 @@ job, its promotion, entropy back in band, the alert resolving. At the end it wri
 and exits 1 if any step of the loop did not happen.
 
 The rule is the shipped RoutingEntropyLow over every line summed, with ``for: 0s`` and windows of
-192 tokens per line, so that the loop fits in a few minutes on 2 CPU cores; the job trains on the
+192 tokens per line, so that the loop fits in about half a minute on 2 CPU cores; the job trains on the
 traffic captured from every line. Everything else is what ``mla-watch serve`` runs.
 """
 
