@@ -36,7 +36,7 @@ from conftest import serve_app
 
 MAX_BYTES = 8 << 20
 TIMEOUT = 3.0
-# mode -> the statuses documented for it (README "Security model")
+# mode -> the statuses documented for it (docs/security.md)
 ENGINE_ATTACKS = {
     "gzip_bomb": {502}, "huge_json": {502}, "huge_error": {500}, "html_error": {503}, "not_json": {502},
     "json_array": {502}, "lying_npy": {200}, "all_zero": {200}, "no_routing": {200}, "two_choices": {200},

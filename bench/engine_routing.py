@@ -1,7 +1,7 @@
 """Engine routing through the proxy: decode+count CPU, the latency the proxy adds, the event loop meanwhile.
 
     python bench/engine_routing.py                            # about a minute on 2 CPU cores
-    python bench/engine_routing.py --repeats 20 --requests 100  # the README's arguments
+    python bench/engine_routing.py --repeats 20 --requests 100  # bench/README.md's arguments
     python bench/engine_routing.py --json figures.json        # also write the figures as JSON
 
 Issue 13, item 7: beside vLLM or SGLang (``serve --upstream URL --engine vllm|sglang``), every

@@ -1,19 +1,19 @@
 """Run every benchmark of the project and print one table of figures against their anchors.
 
     python bench/run_all.py                        # quick arguments, 4-10 minutes on 2 shared CPU cores
-    python bench/run_all.py --full                 # the README's arguments (the "Measured" section)
+    python bench/run_all.py --full                 # bench/README.md's arguments
     python bench/run_all.py --only rule_eval --only detection
     python bench/run_all.py --json table.json      # also write the whole table (and raw figures) as JSON
 
 Each bench script runs as its own process (``sys.executable bench/NAME.py ... --json TMP``), one
 after the other; its figures are read back from the JSON it writes, its printed output goes to a
 log file (``--logs DIR`` keeps them; ``--verbose`` shows it as it runs). Every row gives the
-benchmark, the figure, the measured value, the anchor it is compared with, the goal where the
-README states one (with met / NOT met), and the command that reruns that benchmark alone. If a
-bench fails, its rows say so, the others still run, and the exit status is 1 at the end.
+benchmark, the figure, the measured value, the anchor it is compared with, the goal where
+bench/README.md states one (with met / NOT met), and the command that reruns that benchmark alone.
+If a bench fails, its rows say so, the others still run, and the exit status is 1 at the end.
 
-The quick arguments are smaller than the README's (fewer alternations, requests, tokens,
-scenarios), so their figures are noisier; ``--full`` regenerates the README's figures.
+The quick arguments are smaller than bench/README.md's (fewer alternations, requests, tokens,
+scenarios), so their figures are noisier; ``--full`` regenerates bench/README.md's figures.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ those, and picks outside ``[0, num_slots)`` that were dropped). The last row is 
 batch rows to lines is written in place into another preallocated tensor, so a captured CUDA
 graph or a compiled model keeps counting into the memory it was built against.
 
-How the counting is wired (each choice is a measured cost; see README "Measured"):
+How the counting is wired (each choice is a measured cost; see bench/README.md):
 
 * Routers and the model are watched by replacing the instance's ``forward`` with a small
   callable (restored exactly on :meth:`Probe.detach`), not with module hooks: a module with
