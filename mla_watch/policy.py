@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 from mla_watch.config import ConfigError
 from mla_watch.describe import describe_value
+from mla_watch.sampling_params import SAMPLING_PARAMS, Domain
 from mla_watch.yamlcheck import fmt as _fmt
 from mla_watch.yamlcheck import is_number as _is_number
 
@@ -64,8 +65,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GOVERNED_PARAMS: tuple[str, ...] = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "n")
-"""Sampling parameters a policy may govern, in the order :func:`enforce` checks them."""
+GOVERNED_PARAMS: tuple[str, ...] = tuple(param.name for param in SAMPLING_PARAMS.values() if param.governed)
+"""Sampling parameters a policy may govern, in the order :func:`enforce` checks them (those of
+:data:`~mla_watch.sampling_params.SAMPLING_PARAMS` marked ``governed``)."""
 
 DEFAULT_BUSINESS_LINE = "default"
 """The business line used when a request names none."""
@@ -261,33 +263,15 @@ class Decision:
 # --------------------------------------------------------------------------- parameter domains
 
 
-@dataclass(frozen=True)
-class ParamDomain:
-    integer: bool
-    low: float
-    low_inclusive: bool
-    high: float | None = None
-
-    def contains(self, value: float) -> bool:
-        if value < self.low or (value == self.low and not self.low_inclusive):
-            return False
-        return self.high is None or value <= self.high
-
-    def describe(self) -> str:
-        kind = "an integer" if self.integer else "a number"
-        low = f"{'[' if self.low_inclusive else '('}{_fmt(self.low)}"
-        high = f"{_fmt(self.high)}]" if self.high is not None else "inf)"
-        return f"{kind} in {low}, {high}"
-
+ParamDomain = Domain
+"""The range of values a parameter takes (:class:`mla_watch.sampling_params.Domain`)."""
 
 PARAM_DOMAINS: dict[str, ParamDomain] = {
-    "temperature": ParamDomain(integer=False, low=0.0, low_inclusive=True),
-    "top_p": ParamDomain(integer=False, low=0.0, low_inclusive=False, high=1.0),
-    "top_k": ParamDomain(integer=True, low=0, low_inclusive=True),  # 0 = off
-    "repetition_penalty": ParamDomain(integer=False, low=0.0, low_inclusive=False),
-    "max_tokens": ParamDomain(integer=True, low=1, low_inclusive=True),
-    "n": ParamDomain(integer=True, low=1, low_inclusive=True),
+    param.name: param.domain for param in SAMPLING_PARAMS.values() if param.governed and param.domain is not None
 }
+"""What the sampler can do with each governed parameter, from the table of sampling parameters; a
+policy value must also lie within what a client may send over HTTP
+(:attr:`~mla_watch.sampling_params.SamplingParam.policy_domain`)."""
 assert tuple(PARAM_DOMAINS) == GOVERNED_PARAMS
 
 
@@ -381,7 +365,7 @@ def enforce(policy: Policy, task: TaskPolicy, requested: Mapping[str, object]) -
     adjustments: list[Adjustment] = []
     for name, value in requested.items():
         if name not in task.params:
-            if name in PARAM_DOMAINS and value is None:
+            if name in GOVERNED_PARAMS and value is None:
                 continue
             applied[name] = value
     for param in GOVERNED_PARAMS:
@@ -394,9 +378,10 @@ def enforce(policy: Policy, task: TaskPolicy, requested: Mapping[str, object]) -
                 applied[param] = rule.default
                 adjustments.append(Adjustment(param, None, rule.default))
             continue
-        number = _as_number(param, value, PARAM_DOMAINS[param].integer)
+        integer = SAMPLING_PARAMS[param].integer
+        number = _as_number(param, value, integer)
         if rule.contains(number):
-            applied[param] = number if PARAM_DOMAINS[param].integer else value
+            applied[param] = number if integer else value
             continue
         if task.on_violation == "reject":
             raise PolicyRejection(param, value, rule.minimum, rule.maximum, policy.business_line, task.name)

@@ -28,6 +28,7 @@ from mla_watch.policy import (
     TaskPolicy,
     format_range,
 )
+from mla_watch.sampling_params import SAMPLING_PARAMS
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.yamlcheck import Checker as _Checker
 from mla_watch.yamlcheck import fmt as _fmt
@@ -63,7 +64,8 @@ def _number_hint(value: object) -> str:
 
 
 def _check_value(chk: _Checker, path: str, param: str, value: object) -> float | None:
-    """A rule value checked against the parameter's domain; ``None`` (after reporting) when invalid."""
+    """A rule value checked against the parameter's domain and what a client may send over HTTP (both
+    from :data:`~mla_watch.sampling_params.SAMPLING_PARAMS`); ``None`` (after reporting) when invalid."""
     domain = PARAM_DOMAINS[param]
     if not _is_number(value):
         chk.bad(path, value, f"{domain.describe()} for {param}{_number_hint(value)}")
@@ -77,6 +79,13 @@ def _check_value(chk: _Checker, path: str, param: str, value: object) -> float |
         return None
     if not domain.contains(value):
         chk.bad(path, value, f"{domain.describe()} for {param}")
+        return None
+    spec = SAMPLING_PARAMS[param]
+    if not spec.policy_domain.contains(value):  # the sampler could, but no client may ask for it over HTTP
+        assert spec.http is not None
+        chk.bad(path, value, f"{spec.policy_domain.describe()} for {param} (requests over HTTP may not send "
+                             f"{param} outside {spec.http.interval()}, "
+                             "so a policy cannot allow or default to it)")
         return None
     return int(value) if domain.integer else float(value)
 

@@ -5,8 +5,9 @@ reports as *applied* are the values the sampler really uses: with a fixed seed, 
 parameters were clamped generates exactly what a request made with the clamped values does.  So the
 sampler is owned here rather than hidden inside ``model.generate``:
 
-* :class:`SamplingParams` validates a request's sampling values (frozen, so the applied values cannot
-  drift after validation).
+* :class:`SamplingParams` (:class:`~mla_watch.sampling_params.SamplingValues`, whose defaults and limits
+  come from the table of sampling parameters) validates a request's sampling values (frozen, so the
+  applied values cannot drift after validation).
 * :class:`RepetitionPenalty`, :class:`Temperature`, :class:`TopK` and :class:`TopP` are pure logits
   processors that compute exactly what their ``transformers.generation.logits_process`` counterparts
   compute (``RepetitionPenaltyLogitsProcessor``, ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import numbers
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -34,12 +34,16 @@ from typing import Any
 
 import torch
 
+from mla_watch.sampling_params import GREEDY_BELOW, SamplingValues, _is_int, _is_real
+
 __all__ = [
+    "GREEDY_BELOW",
     "GenerationCancelled",
     "GenerationResult",
     "LogitsProcessor",
     "RepetitionPenalty",
     "SamplingParams",
+    "SamplingValues",
     "Temperature",
     "TokenEvent",
     "TopK",
@@ -52,77 +56,10 @@ __all__ = [
 ]
 
 _REPLACEMENT_CHAR = "\ufffd"
-GREEDY_BELOW = 1e-5
 
-
-# --------------------------------------------------------------------------------------------------
-# Parameters
-# --------------------------------------------------------------------------------------------------
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _invalid(name: str, value: object, expectation: str) -> ValueError:
-    return ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {expectation}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Validated sampling values of one request.
-
-    ``temperature == 0`` means greedy decoding (argmax); an explicit zero is a value, not "unset".
-    ``top_k == 0`` and ``top_p == 1.0`` switch those filters off; ``repetition_penalty == 1.0`` is no
-    penalty.  ``seed=None`` draws a fresh seed per request.  ``stop`` holds the stop strings (a single
-    string or a list is normalised to a tuple).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise _invalid("temperature", t, "a finite number >= 0 (0 means greedy)")
-        p = self.top_p
-        if not _is_real(p) or not math.isfinite(p) or not 0 < p <= 1:
-            raise _invalid("top_p", p, "a number in (0, 1] (1 disables nucleus filtering)")
-        k = self.top_k
-        if not _is_int(k) or k < 0:
-            raise _invalid("top_k", k, "an integer >= 0 (0 disables top-k filtering)")
-        rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            raise _invalid("repetition_penalty", rp, "a finite number > 0 (1 means no penalty)")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _invalid("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_int(self.n) or self.n < 1:
-            raise _invalid("n", self.n, "an integer >= 1")
-        s = self.seed
-        if s is not None and (not _is_int(s) or not 0 <= s < 2**64):
-            raise _invalid("seed", s, "None or an integer in [0, 2**64)")
-        stop: Any = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
-        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
-            raise _invalid("stop", self.stop, "a tuple of non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop))
-
-    @property
-    def greedy(self) -> bool:
-        """True when decoding takes the argmax: ``temperature`` 0, or so close to it (below
-        ``GREEDY_BELOW``, as vLLM does) that dividing the logits by it would overflow."""
-        return self.temperature < GREEDY_BELOW
+SamplingParams = SamplingValues
+"""The sampler's name for :class:`~mla_watch.sampling_params.SamplingValues` (defaults and limits from
+:data:`~mla_watch.sampling_params.SAMPLING_PARAMS`)."""
 
 
 # --------------------------------------------------------------------------------------------------

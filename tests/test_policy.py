@@ -344,6 +344,35 @@ def test_non_integer_top_k(tmp_path: Path) -> None:
     assert_one_error(path, "defaults.params.top_k.max", "2.5", "an integer")
 
 
+@pytest.mark.parametrize(
+    ("rule", "key", "value", "expected"),
+    [
+        ("temperature: {min: 0.1, max: 5, default: 0.2}", "temperature.max", "= 5", "a number in [0.0, 2.0]"),
+        ("temperature: {fixed: 2.5}", "temperature.fixed", "= 2.5", "outside [0.0, 2.0]"),
+        ("n: {min: 1, max: 17}", "n.max", "= 17", "an integer in [1, 16]"),
+        ("top_k: {default: 100001}", "top_k.default", "= 100001", "an integer in [0, 100000]"),
+        ("repetition_penalty: {max: 11}", "repetition_penalty.max", "= 11", "a number in (0.0, 10.0]"),
+    ],
+)
+def test_a_policy_cannot_allow_what_http_refuses(tmp_path: Path, rule: str, key: str, value: str,
+                                                 expected: str) -> None:
+    text = good().replace("      temperature: {min: 0.0, max: 1.2, default: 0.7}", "      " + rule)
+    path = write(tmp_path, "code_assistant.yaml", text)
+    assert_one_error(path, f"tasks.chat.params.{key}", value, expected, "HTTP")
+
+
+def test_policy_domains_and_http_limits_come_from_one_table() -> None:
+    from mla_watch.policy import PARAM_DOMAINS
+    from mla_watch.sampling_params import SAMPLING_PARAMS
+
+    assert tuple(p.name for p in SAMPLING_PARAMS.values() if p.governed) == GOVERNED_PARAMS
+    for name in GOVERNED_PARAMS:
+        param = SAMPLING_PARAMS[name]
+        assert PARAM_DOMAINS[name] is param.domain
+        assert param.http is not None and param.http.high is not None
+        assert param.policy_domain.high == param.http.high  # a policy can allow no more than a client may send
+
+
 def test_non_number_rule_value_hint(tmp_path: Path) -> None:
     text = good().replace("{min: 0.1, max: 0.3, default: 0.2}", "{min: 1e-3, max: 0.3, default: 0.2}")
     path = write(tmp_path, "code_assistant.yaml", text)

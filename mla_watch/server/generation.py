@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.policy import Decision, PolicyRejection, TaskPolicy, UnknownBusinessLine, UnknownTask, enforce
-from mla_watch.sampling import SamplingParams
+from mla_watch.sampling_params import SamplingValues
 from mla_watch.server.engine import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
 from mla_watch.server.responses import Answer, sse
@@ -80,7 +80,17 @@ class Generation:
         except TypeError as error:
             raise ApiError(400, str(error), code="invalid_value") from error
 
-    def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy) -> list[int]:
+    @staticmethod
+    def _values(parsed: GenerationRequest, decision: Decision) -> SamplingValues:
+        """The values the sampler uses, built once from the decision (defaults from the table of sampling
+        parameters) with the request's seed and stop strings."""
+        try:
+            return SamplingValues.from_applied(decision.applied, seed=parsed.seed, stop=parsed.stop)
+        except ValueError as error:  # should not happen: policy values lie in the sampler's domain
+            raise ApiError(400, str(error), code="invalid_value") from error
+
+    def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy,
+                    max_tokens: int) -> list[int]:
         """Tokenize the prompt (in a worker thread: it can take a while) and check it fits."""
         limit = int(self.sidecar.engine.model.config.max_position_embeddings)
         most_tokens = min(limit, task.max_prompt_tokens or limit)
@@ -100,7 +110,6 @@ class Generation:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
                                 f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
                            code="prompt_too_long")
-        max_tokens = int(decision.applied.get("max_tokens", 16))
         if len(ids) + max_tokens > limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
                                 f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens",
@@ -109,17 +118,8 @@ class Generation:
 
     async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Decision,
                                 task: TaskPolicy) -> Response:
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task)
-        applied = decision.applied
-        try:
-            params = SamplingParams(
-                temperature=float(applied.get("temperature", 1.0)), top_p=float(applied.get("top_p", 1.0)),
-                top_k=int(applied.get("top_k", 0)), repetition_penalty=float(applied.get("repetition_penalty", 1.0)),
-                max_tokens=int(applied.get("max_tokens", 16)), n=int(applied.get("n", 1)), seed=parsed.seed,
-                stop=parsed.stop,
-            )
-        except ValueError as error:  # a policy may allow what the sampler cannot do (top_p 0, say)
-            raise ApiError(400, str(error), code="invalid_value") from error
+        params = self._values(parsed, decision)
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task, params.max_tokens)
         job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
                   deadline=self.sidecar.clock() + self.sidecar.config.request_timeout, loop=asyncio.get_running_loop(),
                   prompt_tokens=len(prompt_ids), record_routing=self.sidecar.routing_layout is not None)

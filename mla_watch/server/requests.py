@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.describe import describe_value
+from mla_watch.sampling_params import SAMPLING_PARAMS, SamplingParam
 
 __all__ = ["ApiError", "GenerationRequest", "describe_value", "parse_body", "parse_generation_request"]
 
-MAX_STOP_SEQUENCES = 4
+_STOP = SAMPLING_PARAMS["stop"]
+MAX_STOP_SEQUENCES: int = _STOP.max_items  # type: ignore[assignment]  # from the table of sampling parameters
 MAX_MESSAGES = 1024
-MAX_STOP_LENGTH = 256
+MAX_STOP_LENGTH: int = _STOP.max_length  # type: ignore[assignment]
 ROLES = ("system", "user", "assistant")
 
 
@@ -46,6 +48,7 @@ class GenerationRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # governed params as requested (absent = not given)
+    # seed and stop are not governed by policies: they go to the sampler as sent
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -92,29 +95,42 @@ def _bad(param: str, value: Any, expected: str) -> ApiError:
                     code="invalid_value")
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
-    value = body.get(name)
+def _expected(param: SamplingParam) -> str:
+    limit = param.http
+    assert limit is not None and limit.high is not None
+    kind = "an integer" if limit.integer else "a number"
+    return (f"{kind} in {'[' if limit.low_inclusive else '('}{limit.low}, "
+            f"{limit.high}{']' if limit.high_inclusive else ')'}")
+
+
+def _number(body: dict[str, Any], param: SamplingParam) -> float | None:
+    """``body[param.name]`` within the parameter's HTTP limit (:data:`SAMPLING_PARAMS`), as a float."""
+    value = body.get(param.name)
     if value is None:
         return None
+    assert param.http is not None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(name, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
-    if value < low or value > high or (low_open and value == low):
-        raise _bad(name, value, f"a number in {'(' if low_open else '['}{low}, {high}]")
+        raise _bad(param.name, value, _expected(param))
+    if not param.http.contains(value):
+        raise _bad(param.name, value, _expected(param))
     return float(value)
 
 
-def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
-    value = body.get(name)
+def _integer(body: dict[str, Any], param: SamplingParam) -> int | None:
+    """``body[param.name]`` within the parameter's HTTP limit (an integral float is read as an int), with
+    the parameter's HTTP spellings read as what they mean (top_k -1 is 0)."""
+    value = body.get(param.name)
     if value is None:
         return None
+    assert param.http is not None
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise _bad(name, value, f"an integer in [{low}, {high}]")
-    if value < low or value > high:
-        raise _bad(name, value, f"an integer in [{low}, {high}]")
-    return value
+            raise _bad(param.name, value, _expected(param))
+    if not param.http.contains(value):
+        raise _bad(param.name, value, _expected(param))
+    return dict(param.http_aliases).get(value, value)
 
 
 def _string(body: dict[str, Any], name: str) -> str | None:
@@ -213,18 +229,14 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
         request.messages = _messages(body)
     else:
         request.prompt = _prompt(body)
-    sampling: dict[str, Any] = {
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
-        "top_k": _integer(body, "top_k", -1, 100_000),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
-        "n": _integer(body, "n", 1, 16),
+    params = SAMPLING_PARAMS
+    sampling: dict[str, Any] = {  # in the order errors have always been reported
+        name: (_integer if params[name].integer else _number)(body, params[name])
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty", "n")
     }
-    if sampling["top_k"] == -1:  # vLLM's spelling of "off"
-        sampling["top_k"] = 0
-    max_tokens = _integer(body, "max_tokens", 1, 1_000_000)
+    max_tokens = _integer(body, params["max_tokens"])
     if kind == "chat":
-        completion_tokens = _integer(body, "max_completion_tokens", 1, 1_000_000)
+        completion_tokens = _integer(body, params["max_completion_tokens"])
         if max_tokens is not None and completion_tokens is not None and max_tokens != completion_tokens:
             raise ApiError(400, f"max_tokens={max_tokens} and max_completion_tokens={completion_tokens} disagree; "
                                 "send one", param="max_completion_tokens", code="conflict")
@@ -233,7 +245,7 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
     request.sampling = {name: value for name, value in sampling.items() if value is not None}
     seed = body.get("seed")
     if seed is not None:
-        request.seed = _integer(body, "seed", 0, 2**63 - 1)
+        request.seed = _integer(body, params["seed"])
     request.stop = _stop(body)
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
