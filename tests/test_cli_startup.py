@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from mla_watch.cli import build_parser
-from mla_watch.cli_startup import HelpFormatter, quiet_progress_bars
+from mla_watch.cli_startup import HelpFormatter, device_problem, quiet_progress_bars
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mla_watch.cli"]
@@ -39,27 +39,33 @@ def assert_one_line(done: subprocess.CompletedProcess, expected: str) -> None:
     assert "Uvicorn running" not in done.stderr + done.stdout and "status page" not in done.stderr
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @pytest.mark.parametrize(("args", "expected"), [
     (["--model", "bundeld"],
      'mla-watch serve: --model bundeld: no such directory and not a bundled model name: expected "bundled" or a '
      'save_pretrained directory (did you mean "bundled"?)'),
     (["--device", "gpu"], "mla-watch serve: --device gpu: expected auto, cpu, cuda or cuda:N"),
-    (["--device", "cuda"], "mla-watch serve: --device cuda: CUDA is not available on this machine"),
     (["--policies", "no-such-policies"],
      "mla-watch serve: --policies no-such-policies: no such directory: expected a directory of policy YAML files"),
 ])
 def test_serve_refuses_a_bad_flag_in_one_line_before_it_listens(tmp_path, args, expected) -> None:
-    if args == ["--device", "cuda"] and cuda_available():
-        pytest.skip("this machine has CUDA: --device cuda is a good value here")
     done = cli("serve", "--port", "0", "--state-dir", str(tmp_path / "state"), *args)
     assert_one_line(done, expected)
     assert args[-1] in done.stderr and args[0] in done.stderr  # the flag and its value
+
+
+def test_cuda_is_refused_where_torch_sees_no_gpu_and_a_device_past_the_last_one_everywhere(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_problem("cuda").startswith("CUDA is not available on this machine (torch ")
+    assert device_problem("cuda:1").endswith(": expected auto or cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_problem("cuda") is None and device_problem("cuda:1") is None
+    assert device_problem("cuda:2") == ("this machine has 2 CUDA device(s): expected cuda:0 to cuda:1, cuda, auto "
+                                        "or cpu")
+    assert device_problem("cpu") is None
+    assert device_problem("gpu") == "expected auto, cpu, cuda or cuda:N (did you mean cuda?)"
 
 
 def test_routing_and_check_refuse_a_mistyped_model_in_one_line() -> None:
