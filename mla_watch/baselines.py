@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -38,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.routing import BASELINE_METRICS
+from mla_watch.statedir import replace_private, set_aside
 
 __all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
            "Baseline", "BaselineError", "Baselines"]
@@ -230,17 +229,22 @@ class Baselines:
         write_json(self.path, document)
 
     def load(self) -> None:
-        """Read ``path`` (a missing file is an empty store). On a bad file nothing is used, the error is kept
-        in :attr:`load_error` and logged, and the file is left for an operator: it is never overwritten
-        by learning until it is fixed or removed."""
+        """Read ``path`` (a missing file is an empty store). A file that cannot be used is moved aside to
+        ``baseline.json.corrupt`` for an operator (as the alert state and the history are), the error kept in
+        :attr:`load_error` and logged, and the store starts empty: what is learned or set next is saved."""
         if self.path is None or not self.path.exists():
             return
         try:
             series, legacy = read_baseline_file(self.path)
         except BaselineError as error:
             self.load_error = str(error)
-            log.error("the saved baselines are not used: %s", error)
-            self.path = None  # learning goes on in memory; the operator's file is not overwritten
+            try:
+                aside = set_aside(self.path)
+                log.error("the saved baselines are not used: %s; kept the file as %s", error, aside)
+            except OSError as moving:  # kept in memory only: never written over a file an operator must read
+                log.error("the saved baselines are not used: %s; cannot move the file aside (%s): baselines are "
+                          "kept in memory only", error, moving.strerror or type(moving).__name__)
+                self.path = None
             return
         self.adopt(series, legacy)
 
@@ -297,14 +301,5 @@ def _legacy_counts(document: dict[str, Any], path: Path) -> dict[str, np.ndarray
 
 
 def write_json(path: Path, document: Mapping[str, Any]) -> None:
-    """``document`` to ``path`` atomically (a temporary file beside it, then ``os.replace``), mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(document, out)
-            out.write("\n")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """``document`` to ``path`` atomically, mode 0600."""
+    replace_private(path, json.dumps(document) + "\n")

@@ -3,17 +3,22 @@
 :func:`ensure_private_dir` creates a directory (and its missing parents) and makes it 0700,
 tightening one that exists with a looser mode; :func:`ensure_private_file` does the same for a
 file (0600), creating it empty when it does not exist; :func:`write_private` writes a file that
-is 0600 from its first byte (``os.open(..., 0o600)``, never a chmod after the fact).
+is 0600 from its first byte (``os.open(..., 0o600)``, never a chmod after the fact), and
+:func:`replace_private` does so atomically: a reader sees the old file or the new one, never half.
+:func:`set_aside` moves a file that cannot be read out of the way (``NAME.corrupt``), for an operator.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
+import tempfile
 from pathlib import Path
 
-__all__ = ["PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file", "write_private"]
+__all__ = ["PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file", "replace_private",
+           "set_aside", "write_private"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +78,31 @@ def write_private(path: str | os.PathLike[str], data: str | bytes) -> Path:
         if fd >= 0:
             os.close(fd)
     return path
+
+
+def replace_private(path: str | os.PathLike[str], text: str) -> Path:
+    """Replace ``path`` with ``text`` atomically: a 0600 temporary file beside it (``mkstemp``), flushed to disk,
+    then ``os.replace``-d over it. On any error the temporary file is removed and the old file is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+    return path
+
+
+def set_aside(path: str | os.PathLike[str]) -> Path:
+    """Move a file that cannot be read to ``NAME.corrupt`` beside it (replacing an older one), so that a fresh one
+    can take its place while an operator can still read it; returns where it went (``OSError`` if it cannot)."""
+    path = Path(path)
+    aside = path.with_name(path.name + ".corrupt")
+    os.replace(path, aside)
+    return aside

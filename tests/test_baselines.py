@@ -86,7 +86,7 @@ def test_set_by_hand_replaces_what_was_learned(tmp_path) -> None:
     assert baselines.get(GATE.name, "chat").values["max_violation"] > 1.0
 
 
-def test_a_bad_or_planted_file_is_named_and_never_overwritten(tmp_path, caplog) -> None:
+def test_a_bad_or_planted_file_is_named_and_kept_aside_for_an_operator(tmp_path, caplog) -> None:
     path = tmp_path / "baseline.json"
     for text, words in ([("{nope", "not JSON"),
                          ('{"format": "mla_watch.baseline/9"}', "format = 'mla_watch.baseline/9': expected"),
@@ -103,8 +103,9 @@ def test_a_bad_or_planted_file_is_named_and_never_overwritten(tmp_path, caplog) 
         baselines.trust(None)
         windows = RouterWindows([GATE], window_tokens=4096, baselines=baselines)
         fed(windows, "chat", 1000)
-        assert baselines.learn(records(windows))  # learning goes on in memory ...
-        assert path.read_text() == text  # ... and the operator's file is left as it was
+        assert baselines.learn(records(windows))  # learning goes on, and is saved ...
+        assert json.loads(path.read_text())["format"] == BASELINE_FORMAT
+        assert (tmp_path / "baseline.json.corrupt").read_text() == text  # ... and the bad file is kept aside
 
 
 def test_a_legacy_file_serves_every_lines_drift(tmp_path) -> None:

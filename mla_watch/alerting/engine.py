@@ -39,13 +39,10 @@ pending one keeps its ``active_since``, and a resolution is notified normally.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -57,6 +54,7 @@ from urllib.parse import urlencode
 from mla_watch.alerting.model import Alert, AlertState, Rule, RuleSet, fingerprint
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
+from mla_watch.statedir import replace_private, set_aside
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
@@ -597,7 +595,6 @@ class AlertEngine:
         path = self._state_path
         if path is None:
             return
-        tmp = None
         try:
             # An instance is serialized again only when its state or a timer changed since the last
             # save (its latest value is refreshed then too), so a save during a storm of transitions
@@ -610,20 +607,9 @@ class AlertEngine:
                     fragments.append(inst.json)
             text = (f'{{"format":{json.dumps(STATE_FORMAT)},"saved_at":{json.dumps(self._clock())},'
                     f'"instances":[{",".join(fragments)}]}}')
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "w") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-            tmp = None
+            replace_private(path, text)
         except (OSError, TypeError, ValueError) as error:  # keep evaluating; the next change retries
             log.error("cannot write the alert state file %s: %s", path, error)
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
 
     def _load(self) -> None:
         path = self._state_path
@@ -674,7 +660,7 @@ class AlertEngine:
     def _set_aside(self, path: Path, why: str) -> None:
         aside = path.with_name(path.name + ".corrupt")
         try:
-            os.replace(path, aside)
+            set_aside(path)
             log.error("alert state file %s is corrupt (%s); starting with no alerts, kept it as %s", path, why, aside)
         except OSError as error:
             log.error("alert state file %s is corrupt (%s); starting with no alerts; could not move it to %s: %s",
