@@ -51,7 +51,10 @@ DEFAULT_LEARN_TOKENS = 2048
 # The business line of a legacy baseline's counts: they serve every line that has none of its own.
 ANY_LINE = "*"
 MAX_SERIES = 100_000  # routers x lines a file may hold: a bound on what a planted file costs to load
-MAX_FILE_BYTES = 256 * 1024 * 1024
+# Selection counts held in all (64 MiB as int64): workers that report routing come and go, and their series'
+# baselines outlive them, so the series bound alone would let wide indexers' position counts grow memory.
+MAX_COUNTS = 8 * 1024 * 1024
+MAX_FILE_BYTES = 128 * 1024 * 1024
 
 
 class BaselineError(ValueError):
@@ -186,16 +189,16 @@ class Baselines:
         taken = [self._from_record(record, "learned") for record in ready
                  if (record.router.name, record.line_label) not in skip]
         if taken:
-            self._store(taken, replace=False)
+            taken = self._store(taken, replace=False)
+        if taken:
             log.info("healthy baselines learned for %d series (%s ...)", len(taken),
                      f"{taken[0].router} / {taken[0].business_line}")
         return taken
 
     def replace(self, records: Iterable[Any]) -> list[Baseline]:
         """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``)."""
-        taken = [self._from_record(record, "set") for record in records if record.stats.selections > 0]
-        self._store(taken, replace=True)
-        return taken
+        return self._store([self._from_record(record, "set") for record in records if record.stats.selections > 0],
+                           replace=True)
 
     def _from_record(self, record: Any, source: str) -> Baseline:
         stats = record.stats.as_dict()
@@ -203,19 +206,36 @@ class Baselines:
         return Baseline(record.router.name, record.line_label, np.asarray(record.counts, dtype=np.int64),
                         int(record.stats.tokens), values, float(self._clock()), source)
 
-    def _store(self, taken: list[Baseline], *, replace: bool) -> None:
+    def _store(self, taken: list[Baseline], *, replace: bool) -> list[Baseline]:
+        """Keep ``taken`` within the bounds; the ones kept."""
+        kept: list[Baseline] = []
+        full: str | None = None
         with self._lock:
+            held = sum(b.counts.size for b in self._series.values())
             for baseline in taken:
                 key = (baseline.router, baseline.business_line)
-                if replace or key not in self._series:
-                    if len(self._series) >= MAX_SERIES and key not in self._series:
-                        log.warning("healthy baselines: %d series kept already; %s / %s is not", MAX_SERIES,
-                                    baseline.router, baseline.business_line)
-                        continue
-                    self._series[key] = baseline
-            self.version += 1
-            document = self._document()
-        self._save(document)
+                old = self._series.get(key)
+                if old is not None and not replace:
+                    continue
+                grown = held + baseline.counts.size - (0 if old is None else old.counts.size)
+                if (old is None and len(self._series) >= MAX_SERIES) or grown > MAX_COUNTS:
+                    full = (f"the baselines are full ({len(self._series)} series, {held} counts; at most "
+                            f"{MAX_SERIES} series and {MAX_COUNTS} counts): {baseline.router} / "
+                            f"{baseline.business_line} and the series after it are not kept")
+                    continue
+                self._series[key] = baseline
+                kept.append(baseline)
+                held = grown
+            if kept:
+                self.version += 1
+                document = self._document()
+        if full is not None and not replace:
+            self.trust(full)  # learning stops rather than retry every round; POST /admin/baseline still sets
+        elif full is not None:
+            log.warning("healthy baselines: %s", full)
+        if kept:
+            self._save(document)
+        return kept
 
     # ------------------------------------------------------------------ files
     def _document(self) -> dict[str, Any]:
@@ -279,6 +299,9 @@ def read_baseline_file(path: Path) -> tuple[list[Baseline], dict[str, np.ndarray
     if not isinstance(entries, list) or len(entries) > MAX_SERIES:
         raise BaselineError(f"baseline {path}: series: expected a list of at most {MAX_SERIES} baselines")
     series = [Baseline.from_json(entry, f"baseline {path}: series[{index}]") for index, entry in enumerate(entries)]
+    if sum(b.counts.size for b in series) > MAX_COUNTS:
+        raise BaselineError(f"baseline {path}: series: {sum(b.counts.size for b in series)} selection counts in all: "
+                            f"expected at most {MAX_COUNTS}")
     legacy = _legacy_counts({"routers": [{"name": name, "counts": counts}
                                          for name, counts in (document.get("legacy") or {}).items()]}, path)
     return series, legacy

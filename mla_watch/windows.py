@@ -289,11 +289,15 @@ class RouterWindows:
             for key in [key for key in self._windows if key[0] in names]:
                 del self._windows[key]
 
-    def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
-        """The windows now become the healthy baselines (of ``business_line``, or of every line and of all
-        lines summed), written to ``path`` as JSON (``mla_watch.baseline/2``); returns the document."""
+    def set_baselines(self, business_line: str | None = None) -> list[Baseline]:
+        """The windows now become the healthy baselines of their series: ``business_line``'s, or every line's and
+        all lines summed; what was learned for them is replaced."""
         lines = [business_line] if business_line is not None else [None, *self.business_lines]
-        taken = self._baselines.replace(record for line in lines for record in self.router_stats(line))
+        return self._baselines.replace(record for line in lines for record in self.router_stats(line))
+
+    def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
+        """:meth:`set_baselines`, written to ``path`` as JSON (``mla_watch.baseline/2``); returns the document."""
+        taken = self.set_baselines(business_line)
         document = {"format": BASELINE_FORMAT, "series": [baseline.to_json() for baseline in taken]}
         write_json(Path(path), document)
         return document

@@ -158,3 +158,19 @@ def test_serve_learns_baselines_from_healthy_traffic_and_keeps_them(tmp_path) ->
     with running_sidecar(state_dir=state) as (url, _):  # a restart keeps them
         series = httpx.get(url + "/v1/baseline", timeout=10).json()["series"]
         assert {s["source"] for s in series if s["business_line"] == "code_assistant"} == {"set"}
+
+
+def test_the_counts_held_are_bounded_whatever_reports_them(monkeypatch) -> None:
+    from mla_watch import baselines as module
+
+    monkeypatch.setattr(module, "MAX_COUNTS", 20)  # two 8-expert series fit, a third does not
+    baselines = Baselines(learn_tokens=100)
+    baselines.trust(None)
+    windows = RouterWindows([GATE], window_tokens=4096, baselines=baselines)
+    for line in ("a", "b", "c"):
+        fed(windows, line, 1000)
+    learned = baselines.learn(windows.router_stats("a") + windows.router_stats("b") + windows.router_stats("c"))
+    assert [b.business_line for b in learned] == ["a", "b"] and len(baselines) == 2
+    assert baselines.get(GATE.name, "c") is None
+    assert baselines.describe()["learning"] is False and "the baselines are full" in baselines.not_learning
+    assert baselines.learn(windows.router_stats("c")) == []  # no retry every round

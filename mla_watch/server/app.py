@@ -211,8 +211,7 @@ class Sidecar:
         windows = self.own_windows()
         if windows is None:
             return None
-        lines = [business_line] if business_line is not None else [None, *windows.business_lines]
-        taken = self.baselines.replace(record for line in lines for record in windows.router_stats(line))
+        taken = windows.set_baselines(business_line)  # windows.baselines is self.baselines, kept in STATE_DIR
         return {"path": str(self.baselines.path), "business_line": business_line,
                 "routers": list(dict.fromkeys(baseline.router for baseline in taken)), "series": len(taken)}
 
