@@ -105,9 +105,7 @@ class Watched:
     def _records(self) -> list[dict[str, Any]]:
         windows = self.probe.windows
         records = [record for line in [None, *windows.business_lines] for record in windows.router_stats(line)]
-        self.baselines.learn(records, excluded=lambda: {
-            (a.labels.get("router", ""), a.labels.get("business_line", ""))
-            for a in self.service.engine.alerts() if a.state in ("pending", "firing")})
+        self.baselines.learn(records, excluded=self.service.engine.active_series)  # as serve learns
         dicts = [record.as_dict() for record in records]
         for record in dicts:  # how close healthy traffic came to each baseline rule, for the figures
             healthy = record["baseline"]

@@ -282,6 +282,7 @@ def test_a_rule_relative_to_the_baseline_judges_each_series_against_its_own() ->
     (fired,) = engine.evaluate([rec(3.3, metric="max_violation", baseline=healthy)])
     assert fired.alert.labels["business_line"] == "code"
     assert fired.alert.annotations["summary"] == "MaxVio 3.30, healthy 1.60, threshold 3.20"
+    assert engine.active_series() == {(GATE, "sql"), (GATE, "code")}  # never learned as healthy while so
     # 2.5 is in the band (resolves at 1.5 x 1.6 = 2.4): still firing; 2.3 resolves
     assert engine.evaluate([rec(2.5, metric="max_violation", baseline=healthy)]) == []
     assert kinds(engine.evaluate([rec(2.3, metric="max_violation", baseline=healthy)])) == [("notify", "resolved")]

@@ -110,7 +110,7 @@ class AlertInstance:
 class _Compiled:
     """A rule with its thresholds resolved, for the hot loop."""
 
-    __slots__ = ("above", "below", "for_s", "id", "keep_s", "levels", "metric", "min_tokens", "notify",
+    __slots__ = ("above", "below", "bounds", "for_s", "id", "keep_s", "levels", "metric", "min_tokens", "notify",
                  "resolve_above", "resolve_below", "retune", "rule", "trend")
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
@@ -127,13 +127,13 @@ class _Compiled:
         self.notify = "notify" in rule.actions
         self.retune = "retune" in rule.actions
         self.trend = rule.trend
-        # (below, above, resolve_above, resolve_below); None: relative to each series' healthy baseline
-        self.levels = None if rule.baseline else (self.below, self.above, self.resolve_above, self.resolve_below)
+        # (below, above, resolve_above, resolve_below) as the rule writes them: for a rule relative to the
+        # healthy baseline, the bounds of its levels; `levels`, the same where they are the levels (else None)
+        self.bounds = (self.below, self.above, self.resolve_above, self.resolve_below)
+        self.levels = None if rule.baseline else self.bounds
 
     def series_levels(self, record: Mapping[str, object]) -> tuple[Any, Any, Any, Any] | None:
-        """The four levels for ``record``'s series; ``None`` when they need a healthy baseline it lacks."""
-        if self.levels is not None:
-            return self.levels
+        """The levels of a rule relative to the baseline for ``record``'s series; ``None`` without a baseline."""
         baseline = record.get("baseline")
         healthy = baseline.get(self.metric) if isinstance(baseline, Mapping) else None
         return self.rule.levels(healthy if isinstance(healthy, int | float) else None)
@@ -350,6 +350,13 @@ class AlertEngine:
                                 a.labels.get("layer", ""), a.labels.get("business_line", "")))
         return out
 
+    def active_series(self) -> set[tuple[str, str]]:
+        """(router, business line) of every instance pending or firing: series not to learn as healthy."""
+        with self._lock:
+            return {(inst.labels.get("router", ""), inst.labels.get("business_line", ""))
+                    for by_rule in self._instances.values() for inst in by_rule.values()
+                    if inst.state in ("pending", "firing")}
+
     def firing_counts(self) -> dict[tuple[str, str], int]:
         """(alertname, severity) -> number of firing instances; every current rule is present, 0 if quiet."""
         with self._lock:
@@ -440,8 +447,7 @@ class AlertEngine:
                     inst.healthy_since = None
                     return True
                 return False
-            below, above, resolve_above, resolve_below = inst.levels or (rule.below, rule.above, rule.resolve_above,
-                                                                         rule.resolve_below)
+            below, above, resolve_above, resolve_below = inst.levels or rule.bounds
             healthy = ((below is None or value >= resolve_above)
                        and (above is None or value <= resolve_below))
             if not healthy:  # hysteresis band: stays firing, and health is no longer continuous
@@ -515,8 +521,7 @@ class AlertEngine:
 
     def _annotations(self, rule: _Compiled, inst: _Instance, record: Mapping[str, object]) -> dict[str, str]:
         value = inst.value
-        below, above, resolve_above, resolve_below = inst.levels or (rule.below, rule.above, rule.resolve_above,
-                                                                     rule.resolve_below)
+        below, above, resolve_above, resolve_below = inst.levels or rule.bounds
         if below is not None and (above is None or value is None or value < below):
             threshold, resolve = below, resolve_above
         else:

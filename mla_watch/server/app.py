@@ -197,13 +197,8 @@ class Sidecar:
                                  "POST /admin/baseline sets the baselines by hand")
 
     def _learn_baselines(self, snapshot: RoutingSnapshot) -> None:
-        def alerting() -> set[tuple[str, str]]:
-            if self.alerts is None:
-                return set()
-            return {(alert.labels.get("router", ""), alert.labels.get("business_line", ""))
-                    for alert in self.alerts.engine.alerts() if alert.state in ("pending", "firing")}
-
-        self.baselines.learn(snapshot.records, excluded=alerting)
+        alerts = self.alerts
+        self.baselines.learn(snapshot.records, excluded=None if alerts is None else alerts.engine.active_series)
 
     def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
         """The windows now become the healthy baselines of their series (``business_line``'s, or every
@@ -513,8 +508,8 @@ class Sidecar:
         gc.freeze()
         if self.engine_routing is not None:
             self.engine_routing.windows.baselines = self.baselines
-            self._trust_baselines()
         if self.config.upstream:
+            self._trust_baselines()  # no local model to health-check: the engine's routers, or workers' reports
             # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
             self._decoder = RoutingDecoder(self.config.decode_workers)
             self._decoder.start()
