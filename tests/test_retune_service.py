@@ -4,6 +4,7 @@ a time, cooldowns, merging, restarts mid-job, missed jobs, gates, rejection, the
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 
 import pytest
@@ -97,6 +98,35 @@ def test_a_job_rejected_while_its_router_reads_in_band_ends_rejected_and_changes
     assert service.registry.live_version() == 0
     assert len(harness.rejected) == 1 and harness.outcomes == [("restore", "rejected")]
     service.stop()
+
+
+def test_stop_waits_for_a_running_job_that_reschedules_or_supersedes_without_deadlocking(tmp_path) -> None:
+    """A job still running when the service stops may call into the scheduler as it ends (a wait re-schedules
+    it, a promotion supersedes others); stop() waits for it and returns, and the store keeps what is due."""
+    harness = Harness(tmp_path, retry_seconds=600.0)
+    service = harness.start()
+    started, release = threading.Event(), threading.Event()
+
+    def blocked_run(job_spec, previous=None):
+        started.set()
+        release.wait(30)
+        return "waiting", {"needs": "more captured samples", "strategy": "bias", "attempts": []}
+
+    service.retuner.run = blocked_run
+    job_id = service.submit(spec())["id"]
+    assert started.wait(30)
+    stopper = threading.Thread(target=service.stop, daemon=True)
+    stopper.start()
+    time.sleep(0.5)  # let stop() reach the scheduler's shutdown while the job runs (where the deadlock was)
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop() deadlocked with the job it was waiting for"
+
+    restarted = harness.start()
+    record = restarted.store.get(job_id)
+    assert record["status"] == "waiting" and record["result"]["retry_at"] > time.time()
+    assert restarted.scheduler.get_job(job_id) is not None  # the next start schedules the retry it was due
+    restarted.stop()
 
 
 def test_restore_puts_back_the_last_version_that_passed_its_gates(tmp_path) -> None:

@@ -94,11 +94,13 @@ class RetuneService:
         self._health_check = health_check  # judges the routers the server starts with (router version 0)
         self._clock = clock
         self._submit_lock = threading.Lock()
+        self._stopping = threading.Event()
         self._key = str(self.state_dir.resolve())
         ensure_private_file(self.state_dir / "retune_schedule.sqlite")
+        self._executor = ThreadPoolExecutor(max_workers=1)
         self.scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{self.state_dir / 'retune_schedule.sqlite'}")},
-            executors={"default": ThreadPoolExecutor(max_workers=1)},
+            executors={"default": self._executor},
             job_defaults={"coalesce": True, "max_instances": 1,
                           "misfire_grace_time": int(settings.misfire_grace_seconds)},
             timezone="UTC",
@@ -158,10 +160,16 @@ class RetuneService:
     def stop(self) -> None:
         """Stop scheduling (a running job finishes first); pending jobs stay in the store for the next start."""
         if self.scheduler.running:
+            self._stopping.set()  # from now on the job store alone records what is due (start() schedules it)
+            self.scheduler.pause()
             # APScheduler 3's loop runs one more round after shutdown() even when paused; a job due
             # then fails to submit and is deleted from the store. Detach the store first.
             self.scheduler.remove_jobstore("default")
-            self.scheduler.shutdown(wait=True)
+            # The running job is waited for here, not in shutdown(wait=True): that holds the scheduler's
+            # job-store lock while it waits, and a finishing job that supersedes or re-schedules a job
+            # needs the same lock (a deadlock).
+            self._executor.shutdown(wait=True)
+            self.scheduler.shutdown(wait=False)
         _SERVICES.pop(self._key, None)
         self.store.close()
 
@@ -251,6 +259,8 @@ class RetuneService:
     # ------------------------------------------------------------------ running
     def _schedule(self, job_id: str, at: float | None = None) -> None:
         """Run ``job_id`` now, or at wall-clock time ``at`` (the scheduler's own clock is the wall clock)."""
+        if self._stopping.is_set():
+            return  # recorded pending or waiting (with its retry_at) in the job store: the next start() schedules it
         when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=UTC)
         self.scheduler.add_job(_run_scheduled, trigger="date", run_date=when, args=[self._key, job_id], id=job_id,
                                name=f"retune {job_id}", replace_existing=True)
