@@ -28,7 +28,15 @@ import numpy as np
 from mla_watch.baselines import Baselines
 from mla_watch.describe import describe_value
 from mla_watch.routing import KINDS
-from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows, parse_zero_slots
+from mla_watch.windows import (
+    DEFAULT_WINDOW_TOKENS,
+    NAME_RE,
+    NAME_RULE,
+    CountDelta,
+    RouterInfo,
+    RouterWindows,
+    parse_zero_slots,
+)
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]
@@ -299,7 +307,7 @@ class _Source:
 class RemoteRouting:
     """The rolling windows of every remote source, within :class:`IngestLimits`."""
 
-    def __init__(self, limits: IngestLimits | None = None, *, window_tokens: int | None = 4096,
+    def __init__(self, limits: IngestLimits | None = None, *, window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
                  window_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
                  baselines: Baselines | None = None) -> None:
         self.limits = limits or IngestLimits()

@@ -29,6 +29,7 @@ __all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta",
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
 # metrics, alerts and history, and so a name no policy may take.
 ALL_LINES = "all"
+DEFAULT_WINDOW_TOKENS = 4096  # the rolling window's length in tokens, wherever one is made without saying
 _SERIALS = itertools.count(1)
 # A business line's (or a worker's) name: a label value, short and printable (match it whole).
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -188,7 +189,7 @@ class RouterWindows:
         self,
         routers: Sequence[RouterInfo],
         *,
-        window_tokens: int | None = 4096,
+        window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
         window_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_buckets: int | None = None,

@@ -276,6 +276,28 @@ def mla_routing_skip() -> str | None:
             "routed-experts output needs it (vllm/platforms/cpu.py:516-527, vllm/config/vllm.py:1156)")
 
 
+def mla_reload_problem() -> str | None:
+    """Why vLLM cannot reload an MLA model's routers in place here (``None``: it can, on a CPU without AMX).
+
+    With AMX tiles, vLLM's CPU platform serves MLA with its AMX backend, and an in-place reload finalizes every
+    attention layer again (vllm/model_executor/model_loader/reload/layerwise.py:303): the AMX backend re-packs
+    weights a router-only checkpoint does not hold (vllm/v1/attention/backends/mla/amx_mla.py:288, "shape
+    '[512, 4, 64]' is invalid for input of size 0"), and the engine is left unusable.
+    """
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    return ("this CPU has AMX tiles: vLLM's AMX MLA backend re-packs attention weights a router-only reload does "
+            "not hold (vllm/v1/attention/backends/mla/amx_mla.py:288, via reload/layerwise.py:303)")
+
+
+def swap_family() -> str:
+    """The tiny family the swap tests serve: DeepSeek-V3 (MLA) where vLLM reloads its routers in place, else
+    Qwen3-MoE (the same router tensors, ``mlp.gate.weight``; no MLA attention to re-pack)."""
+    return "deepseek_v3" if mla_reload_problem() is None else "qwen3_moe"
+
+
 def checkpoint_name(family: str, collapsed_layer: int | None = None) -> str:
     return family if collapsed_layer is None else f"{family}-collapsed{collapsed_layer}"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port, wait_until
-from real_vllm import build_checkpoint, cache_root, mla_routing_skip, running_vllm
+from real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
 from receivers import running_receiver
 from test_reliability import sidecar_process
 
@@ -215,7 +215,11 @@ def bias_collapsed(healthy: Path, target: Path, layer: int, experts: int = 4, of
     return target
 
 
+# vLLM 0.32.0's CPU platform returns an MLA model's routing only with AMX, and reloads its routers in place only
+# without it: this test needs both, so no CPU runs it today. Each of its steps is the swap and engine-scored gate
+# the restore tests above run on Qwen3-MoE; the bias steps themselves run on the embedded model (test_retune_*).
 @pytest.mark.skipif(mla_routing_skip() is not None, reason=str(mla_routing_skip()))
+@pytest.mark.skipif(mla_reload_problem() is not None, reason=str(mla_reload_problem()))
 def test_bias_steps_a_deepseek_router_collapsed_by_its_correction_bias_back_into_band(tmp_path) -> None:
     """DeepSeek-V3 (noaux_tc) with +10 on four experts' correction bias in layer 2: the bias rule, each step a
     swap and a gate through the engine, until the engine routes it in band; the alert resolves by itself."""

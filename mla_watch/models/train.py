@@ -40,9 +40,9 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 from mla_watch.models import corpus
 from mla_watch.models.architecture import bundled_config
 from mla_watch.models.loading import BUNDLED_DIR
+from mla_watch.models.loss import next_token_loss
 from mla_watch.models.tokenizer import train_tokenizer
 from mla_watch.probe import attach
-from mla_watch.retune.loss import next_token_loss
 
 __all__ = ["TrainSettings", "main", "train"]
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from mla_watch.models.loss import next_token_losses
 from mla_watch.probe import attach, discover_routers
-from mla_watch.retune.loss import next_token_losses
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MIN_SAMPLES,

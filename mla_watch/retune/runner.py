@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mla_watch.models.loss import scored_targets
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import (
@@ -49,7 +50,6 @@ from mla_watch.retune.data import (
 from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, score_model
 from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.loss import scored_targets
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy

@@ -1,4 +1,4 @@
-"""The language-modelling loss the re-tune gates and router fine-tuning score with (and the bundled model trains on)."""
+"""The language-modelling loss the bundled model trains on, and the re-tune gates and router fine-tuning score with."""
 
 from __future__ import annotations
 
