@@ -44,7 +44,7 @@ from mla_watch.probe.counting import _CHOICE, _COMPANIONS, _DROPPED, _LOCAL, _TO
 from mla_watch.probe.deferral import _EagerDeferral, _Pass
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, discover_routers
 from mla_watch.probe.wrappers import _call_argument, _Router, _WatchedModel, _WatchedRouter
-from mla_watch.windows import CountDelta, RouterWindows
+from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
 
 __all__ = ["DEFAULT_LINE", "MAX_ATTRIBUTED_ROWS", "OVERFLOW_LINE", "Probe", "RoutingRecording", "attach"]
 
@@ -77,7 +77,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
         *,
         registry: RouterRegistry | None = None,
         ignore: Sequence[str] = (),
-        window_tokens: int | None = 4096,
+        window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
         window_seconds: float | None = None,
         max_indexer_slots: int | None = 8192,
         max_business_lines: int = 16,
