@@ -1,0 +1,193 @@
+"""``mla-watch check`` and ``mla-watch rules export``: the policy and rule files, judged offline.
+
+``check`` validates every policy and rule file and lints the rules against a model's routers (the
+model loaded here, or an engine's ``config.json``); ``rules export`` writes the rules as a
+Prometheus rule file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mla_watch.cli_flags import non_negative_float, positive_float
+from mla_watch.server.config import ServerConfig
+from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+
+__all__ = ["add_parsers"]
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    """Validate every policy and rule file and lint the rules against the model's routers."""
+    from mla_watch.alerting.rules import RuleError, load_rules_dir
+    from mla_watch.cli_startup import check_model_flags
+    from mla_watch.policy import PolicyError
+    from mla_watch.policy_files import load_policy_dir
+
+    if args.model_config is None and args.model is not None:
+        check_model_flags(args, full=False)  # a mistyped name; a model that does not load is a finding below
+    errors = warnings = 0
+    try:
+        policies = load_policy_dir(args.policies)
+    except PolicyError as error:
+        for message in error.errors:
+            print(f"error: {message}")
+        errors += len(error.errors)
+    else:
+        for name, policy in policies.lines.items():
+            print(f"ok: policy {name} ({policy.source}): tasks {', '.join(policy.tasks)}")
+    rules = None
+    try:
+        rules = load_rules_dir(args.rules)
+    except RuleError as error:
+        for message in error.errors:
+            print(f"error: {message}")
+        errors += len(error.errors)
+    else:
+        print(f"ok: {len(rules.rules)} rules, receivers {', '.join(rules.receivers) or '(none)'}")
+        for message in rules.warnings:
+            print(f"warning: {message}")
+            warnings += 1
+    if args.model_config is not None:  # beside an engine: its routers, from the config it loaded
+        from mla_watch.engines.geometry import GeometryError, load_geometry
+
+        try:
+            geometry = load_geometry(args.model_config)
+        except GeometryError as error:
+            for message in error.errors:
+                print(f"error: {message}")
+            errors += len(error.errors)
+        else:
+            print(f"ok: engine routers: {geometry.describe()}; re-tuning is not available for them")
+            found_errors, found_warnings = _lint(rules, geometry.routers(), args)
+            errors, warnings = errors + found_errors, warnings + found_warnings
+    elif args.model is not None:
+        import mla_watch
+
+        try:
+            model, _ = mla_watch.load_model(args.model, device="cpu")
+        except (OSError, ValueError, ImportError, KeyError, TypeError, RuntimeError) as error:
+            # A model that does not load is a finding of check, not a crash: one line, exit 1.
+            print(f"error: model {str(args.model)!r} does not load: {_one_line(error)}")
+            print(f"{errors + 1} error(s), {warnings} warning(s)")
+            return 1
+        try:
+            probe = mla_watch.attach(model)
+        except (mla_watch.UnknownRouterError, mla_watch.NoRoutersFoundError) as error:
+            print(f"error: model {str(args.model)!r}: {_one_line(error)}")
+            print(f"{errors + 1} error(s), {warnings} warning(s)")
+            return 1
+        routers = probe.routers
+        probe.detach()
+        for info in routers:
+            notes = "".join([f", zero-compute slots {list(info.zero_slots)}" if info.zero_slots else "",
+                             ", hash-routed by token id" if info.hash_routed else ""])
+            print(f"ok: router {info.name} (layer {info.layer}, {info.kind}, top-{info.top_k} of {info.num_slots}"
+                  f"{notes})")
+        from mla_watch.alerting.lint import applies_to
+        from mla_watch.retune.strategies import STRATEGIES, supported_strategies
+
+        support = supported_strategies(model)
+        for name, reason in support.items():
+            print(f"ok: re-tune strategy {name} is supported" if reason is None
+                  else f"info: re-tune strategy {name} is not supported: {reason}")
+        restoring_only: list[str] = []
+        for rule in rules.rules if rules is not None else ():
+            if "retune" not in rule.actions or not applies_to(rule, routers):  # a rule for other routers
+                continue
+            usable = [name for name in rule.retune_strategies or support if support.get(name) is None]
+            if not usable:
+                print(f"warning: rule {rule.name}: none of its re-tune strategies "
+                      f"{list(rule.retune_strategies)} supports this model")
+                warnings += 1
+            elif not args.capture and all(STRATEGIES[name].needs_traffic for name in usable):
+                print(f"warning: rule {rule.name} asks for re-tuning by {', '.join(usable)}, which fit on traffic: "
+                      f"serve with --capture (an alert's job trains on captured traffic; it names no dataset)")
+                warnings += 1
+            elif not args.capture and any(STRATEGIES[name].needs_traffic for name in usable):
+                restoring_only.append(rule.name)
+        if restoring_only:
+            print(f"info: without --capture the re-tune jobs of {', '.join(restoring_only)} can only restore a "
+                  "known-good router version (bias and router_finetune fit on captured traffic)")
+        if args.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+            from mla_watch.retune.registry import router_state
+
+            try:
+                reference = load_reference_routers(args.reference_model, router_state(model))
+            except ValueError as error:
+                print(f"error: {_one_line(error)}")
+                errors += 1
+            else:
+                print(f"ok: {reference.label}: {len(reference.tensors)} router tensors match the model's; "
+                      f"`restore` puts them back")
+        found_errors, found_warnings = _lint(rules, routers, args)
+        errors, warnings = errors + found_errors, warnings + found_warnings
+    print(f"{errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
+def _lint(rules: Any, routers: Sequence[Any], args: argparse.Namespace) -> tuple[int, int]:
+    """Print the rules' findings against ``routers`` (history as serve's ``args``); return (errors, warnings)."""
+    from mla_watch.alerting.lint import lint
+
+    errors = warnings = 0
+    findings = lint(rules, routers, history_interval_seconds=args.history_interval,
+                    history_retention_seconds=args.history_retention * 86400.0,
+                    with_history=args.history_retention > 0) if rules is not None else ()
+    for finding in findings:
+        print(f"{finding.severity}: rule {finding.rule}: {finding.message}")
+        errors += finding.severity == "error"
+        warnings += finding.severity == "warning"
+    return errors, warnings
+
+
+def _cmd_rules_export(args: argparse.Namespace) -> int:
+    from mla_watch.alerting.promexport import export_prometheus
+    from mla_watch.alerting.rules import RuleError, load_rules_dir
+
+    try:
+        rules = load_rules_dir(args.rules)
+    except RuleError as error:
+        raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
+    text = export_prometheus(rules)
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.write_text(text)
+        print(f"wrote {len(rules.rules)} rules to {args.out}", file=sys.stderr)
+    return 0
+
+
+def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``check`` subcommand and ``rules export``."""
+    check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
+    check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
+    check.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
+    check.add_argument("--model", default="bundled",
+                       help="lint the rules against this model's routers ('bundled' or a path)")
+    check.add_argument("--model-config", type=Path,
+                       help="instead: lint them against an engine's routers, from the config.json it loaded")
+    check.add_argument("--history-interval", type=positive_float, default=ServerConfig.history_interval_seconds,
+                       help="as serve --history-interval: trend rules need a look-back of several points")
+    check.add_argument("--history-retention", type=non_negative_float, default=ServerConfig.history_retention_days,
+                       help="as serve --history-retention (days; 0: none, and trend rules are never judged)")
+    check.add_argument("--capture", action="store_true",
+                       help="as serve --capture would run: rules asking for re-tuning have captured traffic to use")
+    check.add_argument("--reference-model", type=Path,
+                       help="as serve --reference-model: check that its router tensors match the model's")
+    check.set_defaults(handler=_cmd_check)
+
+    rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
+    export = rules.add_parser("export", help="write the rules as a Prometheus rule file")
+    export.add_argument("--format", choices=["prometheus"], default="prometheus", help="the rule file's format")
+    export.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
+    export.add_argument("--out", type=Path, help="file to write (default: standard output)")
+    export.set_defaults(handler=_cmd_rules_export)

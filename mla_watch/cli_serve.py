@@ -1,0 +1,219 @@
+"""``mla-watch serve``: its flags, and the sidecar built from them and served.
+
+The flag values are checked before anything loads, binds or logs (:mod:`mla_watch.cli_startup`);
+they become one :class:`~mla_watch.server.config.ServerConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mla_watch.cli_flags import (
+    byte_size,
+    history_retention,
+    non_negative_float,
+    non_negative_int,
+    parse_options,
+    perplexity_margin,
+    positive_float,
+    positive_int,
+    share,
+    tcp_port,
+    upstream_url,
+)
+from mla_watch.cli_startup import FlagError
+from mla_watch.engines.replay import ReplayBudget
+from mla_watch.ingest import INGEST_FLAGS, IngestLimits
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetuneSettings
+from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
+
+__all__ = ["add_parser"]
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from mla_watch.cli_startup import bind_listener, check_serve_flags, default_public_url, held_logs, run_server
+
+    check_serve_flags(args)  # before anything loads, binds or logs: a bad value is one line, exit 2
+    from mla_watch.server.app import build_sidecar
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
+    # switch interval would add up to that much latency to every handoff.
+    sys.setswitchinterval(0.0005)
+
+    try:
+        retune = RetuneSettings(cooldown_seconds=args.retune_cooldown, command=args.retune_command,
+                                max_perplexity_increase=args.max_perplexity_increase,
+                                gate_confidence=args.gate_confidence, min_held_out_tokens=args.min_held_out_tokens,
+                                retry_seconds=args.retune_retry, max_wait_seconds=args.retune_max_wait,
+                                min_samples=args.retune_min_samples, min_held_out_samples=args.min_held_out_samples,
+                                strategy_options=parse_options(args.retune_option, "--retune-option"))
+        from mla_watch.retune.strategies import get_strategy
+
+        for name, options in retune.strategy_options.items():
+            get_strategy(name).parse_options(options, f"--retune-option {name}")
+        ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
+        if args.history_interval > args.history_span:
+            raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
+                             f"({args.history_span!r})")
+    except ValueError as error:
+        raise FlagError(str(error)) from error
+    # --port 0: bound first, so that the status page's URL (in alerts) has the port; any other port once the
+    # sidecar is built: a setting it refuses is said whether or not the port is free.
+    sock = bind_listener(args.host, args.port) if args.port == 0 else None
+    port = args.port if sock is None else sock.getsockname()[1]
+    config = ServerConfig(model=args.model, device=args.device, policies=args.policies, rules=args.rules,
+                          state_dir=args.state_dir, dataset_dir=args.dataset_dir,
+                          public_url=args.public_url or default_public_url(args.host, port),
+                          upstream=args.upstream, upstream_max_bytes=args.upstream_max_bytes,
+                          attn_implementation=args.attn_implementation,
+                          max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
+                          capture_max_samples=args.capture_max_samples,
+                          capture_max_age_seconds=args.capture_max_age, retune=retune,
+                          reference_model=args.reference_model,
+                          history_interval_seconds=args.history_interval, history_span_seconds=args.history_span,
+                          history_retention_days=args.history_retention, history_max_series=args.history_max_series,
+                          ingest_limits=ingest_limits, body_timeout_seconds=args.body_timeout,
+                          engine=args.engine, model_config=args.model_config, decode_workers=args.decode_workers,
+                          count_queue_bytes=args.count_queue_bytes,
+                          replay=ReplayBudget(rate=args.replay_rate, concurrency=args.replay_concurrency,
+                                              tokens_per_second=args.replay_tokens_per_second),
+                          sglang_recorder_dir=args.sglang_recorder_dir,
+                          sglang_recorder_interval=args.sglang_recorder_interval,
+                          sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
+                          engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
+                          return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
+                          baseline_tokens=args.baseline_tokens)
+    with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
+        sidecar = build_sidecar(config)
+        if sock is None:
+            sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
+    run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``serve`` subcommand."""
+    serve = commands.add_parser("serve", help="serve the OpenAI API with policies enforced and routers watched")
+    serve.add_argument("--model", default=ServerConfig.model, help="'bundled' or a save_pretrained directory")
+    serve.add_argument("--device", default=ServerConfig.device, help="auto | cpu | cuda | cuda:N")
+    serve.add_argument("--policies", type=Path, default=ServerConfig.policies, help="directory of policy YAML files")
+    serve.add_argument("--rules", type=Path, default=ServerConfig.rules, help="directory of alert rule YAML files")
+    serve.add_argument("--state-dir", type=Path, default=ServerConfig.state_dir,
+                       help="alert state and the notification outbox (default ./mla-watch-state)")
+    serve.add_argument("--dataset-dir", type=Path, default=None,
+                       help="the only directory re-tune jobs from the admin API read JSONL datasets from, named by "
+                            "bare file name (default STATE_DIR/datasets; created 0700)")
+    serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=tcp_port, default=8000, help="the TCP port to listen on; 0: any free one")
+    serve.add_argument("--upstream", type=upstream_url,
+                       help="forward generation to this OpenAI-compatible server instead (user:password@ in it is "
+                            "sent as basic auth and never shown)")
+    serve.add_argument("--upstream-max-bytes", type=byte_size, default=ServerConfig.upstream_max_bytes,
+                       help="the largest upstream answer, or line of its stream, read after decompression; a larger "
+                            "one is a 502 (default 512M: DeepSeek-V3's routing at its whole context)")
+    beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream)")
+    beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
+                        help="read the routing the upstream returns in this engine's format; auto: ask its "
+                             "/v1/models (default %(default)s: read none)")
+    beside.add_argument("--model-config", type=Path,
+                        help="the config.json the engine loaded, or its directory: where the MoE layers are")
+    beside.add_argument("--decode-workers", type=non_negative_int, default=ServerConfig.decode_workers,
+                        help="processes decoding routing off the event loop; 0: a thread (default %(default)s)")
+    beside.add_argument("--count-queue-bytes", type=byte_size, default=ServerConfig.count_queue_bytes,
+                        help="engine answers waiting to have their routing counted, after the client has them; an "
+                             "answer that finds it full is not counted (default 256M)")
+    beside.add_argument("--replay-rate", type=share, default=ReplayBudget.rate,
+                        help="the share of vLLM streams replayed to count their routing (vLLM puts none in a "
+                             "stream); 0: none (default %(default)s)")
+    beside.add_argument("--replay-concurrency", type=positive_int, default=ReplayBudget.concurrency,
+                        help="stream replays sent to vLLM at once (default %(default)s)")
+    beside.add_argument("--replay-tokens-per-second", type=non_negative_float, default=ReplayBudget.tokens_per_second,
+                        help="tokens replayed per second at most, all replays together; a stream past it is not "
+                             "counted; 0: no limit (default %(default)g)")
+    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
+                        help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
+                             "reachable by the sidecar only; --model-config its checkpoint directory): propose pages "
+                             "on-call with the command that applies a candidate, apply swaps, gates and keeps or rolls "
+                             "back by itself (default %(default)s)")
+    beside.add_argument("--engine-swap-dir", type=Path,
+                        help="where router checkpoints are written for the engine to load, at the same path in both "
+                             "containers (a shared volume; default STATE_DIR/engine-swaps)")
+    beside.add_argument("--engine-gate-timeout", type=positive_float, default=ServerConfig.engine_gate_timeout,
+                        help="seconds a candidate may serve live traffic before its gate through the engine decides; "
+                             "past it the previous routers go back (default %(default)s)")
+    beside.add_argument("--sglang-recorder-dir", type=Path,
+                        help="SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine: count all its traffic "
+                             "from the expert distribution recorder (--expert-distribution-recorder-mode stat)")
+    beside.add_argument("--sglang-recorder-interval", type=positive_float,
+                        default=ServerConfig.sglang_recorder_interval,
+                        help="seconds between two recorder dumps (default %(default)s)")
+    beside.add_argument("--sglang-recorder-buffer", type=positive_int, default=ServerConfig.sglang_recorder_buffer,
+                        help="the engine's --expert-distribution-recorder-buffer-size (default %(default)s)")
+    serve.add_argument("--return-routed-experts", action="store_true",
+                       help="answer with the model's routing per token, in vLLM's and SGLang's fields")
+    serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,
+                       help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
+    serve.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,
+                       help="requests queued for the model before 429")
+    serve.add_argument("--request-timeout", type=positive_float, default=ServerConfig.request_timeout,
+                       help="seconds per request, queue included; with --upstream, for the whole answer (a stream: "
+                            "its headers, then each line)")
+    serve.add_argument("--capture", action="store_true",
+                       help="record recent traffic (token ids) per business line in STATE_DIR for re-tuning")
+    serve.add_argument("--capture-max-samples", type=positive_int, default=ServerConfig.capture_max_samples,
+                       help="captured samples kept per line")
+    serve.add_argument("--capture-max-age", type=positive_float, default=ServerConfig.capture_max_age_seconds,
+                       help="seconds a capture is kept")
+    serve.add_argument("--retune-command",
+                       help="run re-tuning fits with this external command template (see the README)")
+    serve.add_argument("--retune-cooldown", type=non_negative_float, default=RetuneSettings.cooldown_seconds,
+                       help="seconds between two re-tune jobs of one router (default %(default)s)")
+    serve.add_argument("--max-perplexity-increase", type=perplexity_margin,
+                       default=RetuneSettings.max_perplexity_increase,
+                       help="quality gate: how much worse than the live model a candidate's perplexity may be, "
+                            "relative (2%%) or absolute (0.3) (default %(default)s)")
+    serve.add_argument("--gate-confidence", type=float, default=RetuneSettings.gate_confidence,
+                       help="quality gate: one-sided confidence of a pass or a rejection (default %(default)s)")
+    serve.add_argument("--min-held-out-tokens", type=positive_int, default=RetuneSettings.min_held_out_tokens,
+                       help="quality gate: scored held-out tokens below which it does not decide; the job waits "
+                            "for more captured traffic (default %(default)s)")
+    serve.add_argument("--retune-retry", type=positive_float, default=RetuneSettings.retry_seconds,
+                       help="seconds between two tries of a re-tune job waiting for data (default %(default)s)")
+    serve.add_argument("--retune-max-wait", type=non_negative_float, default=RetuneSettings.max_wait_seconds,
+                       help="seconds a re-tune job may wait for data before it fails (default %(default)s)")
+    serve.add_argument("--reference-model", type=Path,
+                       help="the checkpoint the served model came from: `restore` puts its router tensors back "
+                            "(only those are read)")
+    serve.add_argument("--retune-option", action="append", default=[],
+                       help="default strategy option, STRATEGY.NAME=VALUE (repeat), e.g. router_finetune.lr=1e-3")
+    serve.add_argument("--min-held-out-samples", type=positive_int, default=RetuneSettings.min_held_out_samples,
+                       help="quality gate: distinct held-out texts below which it does not decide (a prompt repeated "
+                            "counts once) (default %(default)s)")
+    serve.add_argument("--retune-min-samples", type=positive_int, default=RetuneSettings.min_samples,
+                       help="samples a re-tune job needs at least (default %(default)s)")
+    serve.add_argument("--alert-interval", type=positive_float, default=ServerConfig.alert_interval,
+                       help="seconds between two evaluations of the alert rules (default %(default)s)")
+    serve.add_argument("--baseline-tokens", type=positive_int, default=ServerConfig.baseline_tokens,
+                       help="tokens a router's window of one business line holds before it is learned as that "
+                            "line's healthy baseline (once the routers served passed their health check)")
+    serve.add_argument("--history-interval", type=positive_float, default=ServerConfig.history_interval_seconds,
+                       help="status page: seconds between two points of the entropy heat map (default %(default)s)")
+    serve.add_argument("--history-span", type=positive_float, default=ServerConfig.history_span_seconds,
+                       help="status page: seconds of entropy history kept (default %(default)s)")
+    serve.add_argument("--history-retention", type=history_retention, default=ServerConfig.history_retention_days,
+                       help="days of routing history kept in STATE_DIR/history.sqlite (1-minute points for a day, "
+                            "15-minute ones beyond; 1 to 365, 0: none) (default %(default)s)")
+    serve.add_argument("--history-max-series", type=positive_int, default=ServerConfig.history_max_series,
+                       help="(router, business line) series the durable history keeps (default %(default)s)")
+    serve.add_argument("--body-timeout", type=positive_float, default=ServerConfig.body_timeout_seconds,
+                       help="seconds a request body may take to arrive before 408 (default %(default)s)")
+    for name, text in INGEST_FLAGS.items():
+        serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),
+                           default=getattr(IngestLimits, name), help=f"{text} (default %(default)s)")
+    serve.set_defaults(handler=_cmd_serve)
