@@ -33,7 +33,9 @@ __all__ = [
     "Selector",
     "SlotRange",
     "Trend",
+    "breached",
     "fingerprint",
+    "judged_window",
 ]
 
 # Routing statistics a rule may watch: keys of the records of RouterWindows.stats().
@@ -235,6 +237,17 @@ class RuleSet:
 _FNV64_OFFSET = 0xCBF29CE484222325
 _FNV64_PRIME = 0x100000001B3
 _LABEL_SEPARATOR = 0xFF
+
+
+def judged_window(tokens: int, rule_min_tokens: int | None, record_min_tokens: int | None) -> bool:
+    """Whether a window of ``tokens`` is judged at all: a rule's ``min_tokens``, else the window's own trusted
+    minimum. A smaller window is neither a breach nor a recovery."""
+    return tokens >= ((record_min_tokens or 0) if rule_min_tokens is None else rule_min_tokens)
+
+
+def breached(value: float, below: float | None, above: float | None) -> bool:
+    """A breach of a rule's firing levels: ``value < below`` or ``value > above``."""
+    return (below is not None and value < below) or (above is not None and value > above)
 
 
 def fingerprint(labels: Mapping[str, str]) -> str:

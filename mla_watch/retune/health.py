@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mla_watch.alerting.model import breached, judged_window
 from mla_watch.models import corpus
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.data import make_batches
@@ -58,10 +59,10 @@ def judge_health(score: ModelScore, rules: Iterable[Any]) -> dict[str, Any]:
             if not rule.selector.matches(described):
                 continue
             value = record.get(rule.metric)
-            minimum = rule.min_tokens if rule.min_tokens is not None else record.get("min_tokens") or 0
-            if value is None or value != value or (record.get("tokens") or 0) < minimum:
+            if value is None or value != value or not judged_window(record.get("tokens") or 0, rule.min_tokens,
+                                                                    record.get("min_tokens")):
                 continue
-            if (rule.below is not None and value < rule.below) or (rule.above is not None and value > rule.above):
+            if breached(value, rule.below, rule.above):
                 breaches.append({"rule": rule.name, "router": record["name"], "metric": rule.metric,
                                  "value": round(float(value), 4),
                                  "threshold": rule.below if rule.below is not None else rule.above})

@@ -1,0 +1,94 @@
+"""Alert instances rendered for people: their annotations, their status page link, their alerts.
+
+:class:`AlertRenderer` turns an instance and the record it was judged on into the
+:class:`~mla_watch.alerting.model.Alert` a transition sends (firing or resolved) and the
+annotations ``GET /v1/alerts`` shows; a template that fails to render never stops evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Literal
+from urllib.parse import urlencode
+
+from mla_watch.alerting.compiled import CompiledRule
+from mla_watch.alerting.instances import Action, InstanceState
+from mla_watch.alerting.model import Alert, Rule
+from mla_watch.alerting.templates import render_annotations
+
+__all__ = ["AlertRenderer", "Render"]
+
+log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
+
+_TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
+
+Render = Callable[[Rule, Mapping[str, object]], dict[str, str]]
+
+
+class AlertRenderer:
+    """Renders the alert engine's instances; ``rules`` gives the engine's current rules by id."""
+
+    def __init__(self, rules: Callable[[], Mapping[str, CompiledRule]], *, render: Render | None = None,
+                 status_url: str = "") -> None:
+        self._rules = rules
+        self._render = render or render_annotations
+        self._status_url = status_url
+
+    def resolved_action(self, inst: InstanceState, rule: CompiledRule, now: float) -> Action:
+        """The resolved ``notify`` of ``inst``, resolved at ``now``; its annotations are kept on it."""
+        record = inst.record if inst.record is not None else {}
+        alert = self.alert(inst, rule, record, "resolved", now)
+        inst.annotations = dict(alert.annotations)
+        return Action("notify", alert, rule.rule, record)
+
+    def alert(self, inst: InstanceState, rule: CompiledRule, record: Mapping[str, object],
+              status: Literal["firing", "resolved"], ends_at: float | None) -> Alert:
+        """The :class:`Alert` of ``inst`` (``ends_at``: when it resolved), annotated from ``record`` if any."""
+        annotations = self.annotations(rule, inst, record) if record else dict(inst.annotations)
+        value = inst.value
+        return Alert(labels=dict(inst.labels), annotations=annotations, status=status,
+                     starts_at=inst.firing_since if inst.firing_since is not None else inst.active_since or 0.0,
+                     ends_at=ends_at, value=float("nan") if value is None else float(value),
+                     generator_url=self.router_url(inst))
+
+    def router_url(self, inst: InstanceState) -> str:
+        """The status page's link to ``inst``'s router and alert; ``""`` without a status URL."""
+        if not self._status_url:
+            return ""
+        # The status page reads this anchor: it selects the business line and the rule's metric, and
+        # highlights the row and the alert.
+        rule = self._rules().get(inst.rule_id)
+        anchor = urlencode({"router": inst.labels.get("router", ""), "layer": inst.labels.get("layer", ""),
+                            "business_line": inst.labels.get("business_line", ""),
+                            "metric": rule.metric if rule is not None else "",
+                            "alertname": inst.labels.get("alertname", "")})
+        return f"{self._status_url}#{anchor}"
+
+    def annotations(self, rule: CompiledRule, inst: InstanceState, record: Mapping[str, object]) -> dict[str, str]:
+        """The rule's annotations rendered for ``inst`` judged on ``record``; a fallback summary if that fails."""
+        value = inst.value
+        below, above, resolve_above, resolve_below = inst.levels or rule.bounds
+        if below is not None and (above is None or value is None or value < below):
+            threshold, resolve = below, resolve_above
+        else:
+            threshold, resolve = above, resolve_below
+        labels = inst.labels
+        baseline = record.get("baseline")
+        healthy = baseline.get(rule.metric) if isinstance(baseline, Mapping) else None
+        fields = {"alertname": rule.rule.name, "metric": rule.metric, "value": value, "threshold": threshold,
+                  "healthy": healthy,
+                  "resolve_threshold": resolve, "router": labels.get("router"), "layer": labels.get("layer"),
+                  "kind": labels.get("kind"), "business_line": labels.get("business_line"),
+                  "floor_bits": record.get("floor_bits"), "ceiling_bits": record.get("ceiling_bits"),
+                  "tokens": record.get("tokens"), "min_tokens": (rule.min_tokens if rule.min_tokens is not None
+                                                                 else record.get("min_tokens")),
+                  "severity": labels.get("severity"), "status_url": self.router_url(inst),
+                  **{name: record.get(name) for name in _TREND_FIELDS}}
+        try:
+            rendered = self._render(rule.rule, fields)
+            return {str(k): str(v) for k, v in rendered.items()}
+        except Exception as error:  # a render bug must never stop evaluation
+            log.error("rendering the annotations of rule %r failed: %s", rule.rule.name, error)
+            return {"summary": f"{rule.rule.name}: {rule.metric} = {value} on {labels.get('router')} "
+                               f"(annotation rendering failed: {type(error).__name__}: {error})"}

@@ -1,0 +1,99 @@
+"""The alert state machine: one judged value moves one alert instance between its states.
+
+Each instance is judged once per :meth:`~mla_watch.alerting.engine.AlertEngine.evaluate` with the
+value of the rule's metric:
+
+* *breach*: ``value < below`` or ``value > above``;
+* *healthy*: a ``below`` rule's value is ``>= resolve_above`` (default ``below``) and an
+  ``above`` rule's value is ``<= resolve_below`` (default ``above``); a value that is neither
+  lies in the hysteresis band and causes no transition out of ``firing``;
+* ``inactive -> pending`` on a breach; ``pending -> firing`` once breached continuously for
+  ``for_seconds`` (at once for 0); ``pending -> inactive`` as soon as it is not breached
+  (silently: nothing was ever sent);
+* ``firing`` stays firing while breached or in the band; once healthy a ``keep_firing_for``
+  timer starts, and the alert resolves when healthy continuously for that long (at once for
+  0). A breach, or a value back in the band, during the timer cancels it;
+* ``resolved`` instances are kept for display for an hour; a new breach starts a new incident.
+
+The transition to firing emits one ``notify`` and/or one ``retune`` :class:`Action`
+(as the rule's ``actions`` ask); resolution emits one resolved ``notify`` (only for an
+instance whose firing was notified). Nothing repeats while firing: repeating is the
+notifier's job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from mla_watch.alerting.compiled import CompiledRule
+from mla_watch.alerting.instances import Action, InstanceState
+from mla_watch.alerting.rendering import AlertRenderer
+
+__all__ = ["RESOLVED_RETENTION_SECONDS", "step"]
+
+RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
+
+
+def step(inst: InstanceState, rule: CompiledRule, record: Mapping[str, object], value: Any, breach: bool,
+         now: float, actions: list[Action], alerts: AlertRenderer, schedule_prune: Callable[[float], None]) -> bool:
+    """Advance one judged instance; True when its state or a timer changed (worth persisting).
+
+    The transition's actions are appended to ``actions``, its alerts made by ``alerts``; a resolution
+    calls ``schedule_prune`` with the time its instance may be forgotten.
+    """
+    inst.value = value
+    inst.last_evaluated = now
+    inst.record = record
+    state = inst.state
+    if state == "firing":
+        if breach:
+            if inst.healthy_since is not None:
+                inst.healthy_since = None
+                return True
+            return False
+        below, above, resolve_above, resolve_below = inst.levels or rule.bounds
+        healthy = ((below is None or value >= resolve_above)
+                   and (above is None or value <= resolve_below))
+        if not healthy:  # hysteresis band: stays firing, and health is no longer continuous
+            if inst.healthy_since is not None:
+                inst.healthy_since = None
+                return True
+            return False
+        changed = False
+        if inst.healthy_since is None:
+            inst.healthy_since = now
+            changed = True
+        if now - inst.healthy_since >= rule.keep_s:
+            inst.state = "resolved"
+            inst.resolved_at = now
+            inst.healthy_since = None
+            schedule_prune(now + RESOLVED_RETENTION_SECONDS)
+            if inst.notified:
+                actions.append(alerts.resolved_action(inst, rule, now))
+            inst.notified = False
+            return True
+        return changed
+    if not breach:
+        if state == "pending":  # recovered before `for` elapsed: never notified, nothing to say
+            inst.state = "inactive"
+            return True
+        return False  # inactive or resolved stay so
+    if state != "pending":  # inactive or resolved: a new incident starts
+        inst.state = "pending"
+        inst.active_since = now
+        inst.firing_since = inst.resolved_at = inst.healthy_since = None
+        inst.notified = False
+    if now - inst.active_since >= rule.for_s:
+        inst.state = "firing"
+        inst.firing_since = now
+        inst.healthy_since = None
+        alert = alerts.alert(inst, rule, record, "firing", None)
+        inst.annotations = dict(alert.annotations)
+        if rule.notify:
+            actions.append(Action("notify", alert, rule.rule, record))
+            inst.notified = True
+        if rule.retune:
+            actions.append(Action("retune", alert, rule.rule, record))
+    return True
+
