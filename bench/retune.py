@@ -127,17 +127,17 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
         sidecar = Sidecar(config)
         with serve_app(sidecar.app) as url:
             assert sidecar.wait_ready(120), sidecar.load_error
-            model = sidecar.engine.model
+            model = sidecar.model_worker.model
 
             def ppl() -> float:
-                with sidecar.engine.model_lock:  # a hook-free copy: the evaluation must not count as traffic
+                with sidecar.model_worker.model_lock:  # a hook-free copy: the evaluation must not count as traffic
                     copy = copy_without_hooks(model)
                 with torch.no_grad():
                     return perplexity(copy, held_out)
 
             send(url, 14, 0)
             figures = {"strategy": strategy, "fault": fault, "bits_healthy": layer1_bits(url), "ppl_healthy": ppl()}
-            with sidecar.engine.model_lock:
+            with sidecar.model_worker.model_lock:
                 inject(model, fault)
             figures["ppl_fault"] = ppl()  # now: a fast job (restore) may be done by the time the alert fires
             fault_at = time.monotonic()

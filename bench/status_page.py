@@ -84,14 +84,15 @@ def sample_figures() -> dict:
     for line, domain in zip(LINES, ("customer_service", "code", "sql", "doc_summary"), strict=True):
         with sidecar.probe.attribute(line):
             for prompt in corpus.prompts(domain, 4, seed=1):
-                ids = sidecar.engine.tokenizer(prompt)["input_ids"]
-                generate(sidecar.engine.model, sidecar.engine.tokenizer, ids, SamplingParams(max_tokens=16, seed=1))
+                worker = sidecar.model_worker
+                ids = worker.tokenizer(prompt)["input_ids"]
+                generate(worker.model, worker.tokenizer, ids, SamplingParams(max_tokens=16, seed=1))
     times = []
     for _ in range(20):
         started = time.perf_counter()
         sidecar.history.record(sidecar._routing_records())
         times.append(time.perf_counter() - started)
-    sidecar.engine.close()
+    sidecar.model_worker.close()
     median = statistics.median(times)
     return {"sample_ms": median * 1000, "core_share_at_10s": median / 10.0,
             "series": len(sidecar.history.snapshot()["series"])}

@@ -361,8 +361,8 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                 request()
             view.say("healthy traffic served")
             if inject_fault:
-                with sidecar.engine.model_lock, torch.no_grad():
-                    sidecar.engine.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+                with sidecar.model_worker.model_lock, torch.no_grad():
+                    sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
                 events["fault injected"] = now()
                 view.say(f"fault injected: +10 on six experts' correction bias of {COLLAPSED}")
             if until(lambda: receiver.seen("firing"), "waiting for the page", 120):

@@ -48,7 +48,8 @@ from mla_watch.retune.paired import (
     parse_margin,
 )
 
-__all__ = ["Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates", "score_model"]
+__all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
+           "score_model"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,11 @@ class Band:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Band:
         return cls(metric=str(data.get("metric", "entropy_bits")), low=data.get("low"), high=data.get("high"))
+
+
+# The band of the shipped RoutingEntropyLow (fires below 5.0 bits, resolves at 5.2: band_of_rule takes the resolve
+# threshold): a job no rule asks for (an admin request while no rule has a `retune` action) must meet it.
+DEFAULT_BAND = Band("entropy_bits", low=5.2)
 
 
 def band_of_rule(rule: Any) -> Band:

@@ -44,10 +44,10 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from mla_watch.alerting.model import RETUNE_STRATEGIES
-from mla_watch.retune.gates import band_of_rule
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
 from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
+from mla_watch.retune.specs import alert_job_spec
 from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.statedir import ensure_private_dir, ensure_private_file
 
@@ -229,20 +229,8 @@ class RetuneService:
     def on_alert(self, action: Any) -> dict[str, Any] | None:
         """A rule's ``retune`` action: one job for the alert's router, in the band of its rule."""
         labels = action.alert.labels
-        line = labels.get("business_line")
-        rule = action.rule
-        spec = JobSpec(
-            routers=[labels["router"]],
-            watched=self.watched_by(rule),
-            strategies=list(rule.retune_strategies or DEFAULT_STRATEGIES),
-            business_line=None if line in (None, "", "all") else line,
-            band=band_of_rule(rule).as_dict(),
-            max_perplexity_increase=self.settings.max_perplexity_increase,
-            trigger={"source": "alert", "alertname": labels.get("alertname"), "rule": rule.name,
-                     "router": labels.get("router"), "layer": labels.get("layer"), "business_line": line,
-                     "value": action.alert.value, "fingerprint": action.alert.fingerprint,
-                     "receivers": list(rule.receivers), "at": self._clock()},
-        )
+        spec = alert_job_spec(action, watched=self.watched_by(action.rule), default_strategies=DEFAULT_STRATEGIES,
+                              max_perplexity_increase=self.settings.max_perplexity_increase, at=self._clock())
         try:
             return self.submit(spec)
         except Cooldown as error:

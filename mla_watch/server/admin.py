@@ -19,31 +19,29 @@ from mla_watch.describe import describe_value
 from mla_watch.engines.swap import SwapError
 from mla_watch.ingest import IngestError, parse_snapshot
 from mla_watch.retune.data import resolve_dataset
-from mla_watch.retune.gates import Band, band_of_rule
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.retune.service import DEFAULT_STRATEGIES, Cooldown, RetuneService
+from mla_watch.retune.specs import job_band, request_job_spec
 from mla_watch.retune.strategies import STRATEGIES, get_strategy
 from mla_watch.server.requests import ApiError
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 if TYPE_CHECKING:
-    from mla_watch.server.app import Sidecar
+    from mla_watch.server.context import HandlerContext
 
-__all__ = ["Admin", "rejected_notice"]
-
-RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md"
+__all__ = ["Admin"]
 
 
 class Admin:
     """Policy and rule reload, routing ingestion, and re-tuning jobs, versions and promotion."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, ctx: HandlerContext) -> None:
+        self.ctx = ctx
 
     async def reload(self, request: Request) -> Response:
-        self.sidecar.authorise_admin(request)
-        result = await asyncio.to_thread(self.sidecar.policies.reload)
-        rule_errors = await asyncio.to_thread(self.sidecar.reload_rules)
+        self.ctx.auth.authorise_admin(request)
+        result = await asyncio.to_thread(self.ctx.policies.reload)
+        rule_errors = await asyncio.to_thread(self.ctx.reload_rules)
         ok = result.ok and not rule_errors
         return JSONResponse({"ok": ok, "changed": result.changed, "errors": result.errors + rule_errors,
                              "version": result.version}, status_code=200 if ok else 422)
@@ -51,27 +49,27 @@ class Admin:
     async def baseline(self, request: Request) -> Response:
         """``POST /admin/baseline``: the routing now (one ``business_line``, or every line) becomes the
         healthy reference that ``js_divergence`` (drift) is measured from; kept in STATE_DIR."""
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         line = request.query_params.get("business_line")
-        lines = (await asyncio.to_thread(self.sidecar.routing_snapshot)).business_lines
+        lines = (await asyncio.to_thread(self.ctx.sources.routing_snapshot)).business_lines
         if line is not None and line not in lines:
             raise ApiError(404, f"business_line={describe_value(line)} has no routing counts here; known lines: "
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
-        document = await asyncio.to_thread(self.sidecar.save_baseline, line)
+        document = await asyncio.to_thread(self.ctx.sources.save_baseline, line)
         if document is None:
             raise ApiError(409, "no routers of this sidecar's own to take a baseline of yet (the model is loading, or "
                                 "no --engine is read)", code="not_ready")
         return JSONResponse(document)
 
     async def ingest(self, request: Request) -> Response:
-        self.sidecar.authorise_ingest(request)
-        body = await self.sidecar.read_json(request)
+        self.ctx.auth.authorise_ingest(request)
+        body = await self.ctx.read_json(request)
         try:
-            snapshot = await asyncio.to_thread(parse_snapshot, body, self.sidecar.config.ingest_limits)
-            evicted = self.sidecar.remote.ingest(snapshot)
+            snapshot = await asyncio.to_thread(parse_snapshot, body, self.ctx.config.ingest_limits)
+            evicted = self.ctx.sources.remote.ingest(snapshot)
         except IngestError as error:
             raise ApiError(error.status, str(error), param=error.field, code=error.code) from None
-        metrics = self.sidecar.metrics
+        metrics = self.ctx.metrics
         if evicted is not None:
             with contextlib.suppress(KeyError):
                 metrics.ingested.remove(evicted)
@@ -80,13 +78,14 @@ class Admin:
 
     # ------------------------------------------------------------------ re-tuning
     def _service(self) -> RetuneService:
-        sidecar = self.sidecar
-        if sidecar.retune is None:
-            raise ApiError(503, sidecar.load_error or (f"no re-tuning beside the engine at {sidecar.config.upstream}: "
-                                                       f"{sidecar.engine_retune_note}" if sidecar.config.upstream
+        ctx = self.ctx
+        if ctx.serving.retune is None:
+            serving = ctx.serving
+            raise ApiError(503, serving.load_error or (f"no re-tuning beside the engine at {ctx.config.upstream}: "
+                                                       f"{serving.engine_retune_note}" if ctx.config.upstream
                                                        else "the model is still loading"),
                            code="retune_unavailable", error_type="server_error")
-        return sidecar.retune
+        return ctx.serving.retune
 
     async def jobs(self, request: Request) -> Response:
         service = self._service()
@@ -109,9 +108,9 @@ class Admin:
                              "versions": registry.versions(), "promotions": registry.promotions()})
 
     async def retune(self, request: Request) -> Response:
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         service = self._service()
-        spec, force = self._retune_spec(await self.sidecar.read_json(request))
+        spec, force = self._retune_spec(await self.ctx.read_json(request))
         try:
             record = await asyncio.to_thread(service.submit, spec, force=force)
         except Cooldown as error:
@@ -121,7 +120,7 @@ class Admin:
         return JSONResponse(record, status_code=202)
 
     async def promote(self, request: Request) -> Response:
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         service = self._service()
         version = await self._version(request)
         try:  # refuses a version that is not saved (naming the versions there are) before any file access
@@ -134,7 +133,7 @@ class Admin:
         return JSONResponse({"ok": True, "live": service.registry.live_version()})
 
     async def mark_good(self, request: Request) -> Response:
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         service = self._service()
         version = await self._version(request)
         try:
@@ -144,7 +143,7 @@ class Admin:
         return JSONResponse({"ok": True, "marked_good": marked, "last_good": service.registry.last_good()})
 
     async def _version(self, request: Request) -> int:
-        version = (await self.sidecar.read_json(request)).get("version")
+        version = (await self.ctx.read_json(request)).get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
                            param="version", code="invalid_value")
@@ -152,7 +151,7 @@ class Admin:
 
     async def apply(self, request: Request) -> Response:
         """``mla-watch retune apply N``: gate a proposed version through the engine (a job; 202 with its record)."""
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         service = self._service()
         version = await self._version(request)
         try:
@@ -162,7 +161,7 @@ class Admin:
         return JSONResponse(record, status_code=202)
 
     async def rollback(self, request: Request) -> Response:
-        self.sidecar.authorise_admin(request)
+        self.ctx.auth.authorise_admin(request)
         service = self._service()
         try:
             live = await asyncio.to_thread(service.rollback)
@@ -176,7 +175,7 @@ class Admin:
     def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
         """A job from an admin request: ``routers`` (default: those out of band), ``business_line``,
         ``strategy`` (a name or a list), ``rule`` (whose band to meet), ``dataset``, ``options``, ``force``."""
-        sidecar, service = self.sidecar, self._service()
+        ctx, service = self.ctx, self._service()
         known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
         unknown = sorted(set(body) - known)
         if unknown:
@@ -186,7 +185,7 @@ class Admin:
         if line is not None and (not isinstance(line, str) or not NAME_RE.fullmatch(line)):
             raise ApiError(400, f"business_line={describe_value(line)} is invalid: expected a business line name of "
                                 f"{NAME_RULE}", param="business_line", code="invalid_value")
-        lines = sorted(sidecar.policies.current.lines)
+        lines = sorted(ctx.policies.current.lines)
         if line is not None and line not in lines:
             raise ApiError(400, f"business_line={describe_value(line)} is not a business line of the policies: "
                                 f"expected one of {lines}", param="business_line", code="invalid_value")
@@ -197,19 +196,19 @@ class Admin:
             raise ApiError(400, f"strategy={describe_value(body.get('strategy'))} is invalid: expected one of "
                                 f"{sorted(STRATEGIES)} or a list of them, tried in order", param="strategy",
                            code="invalid_value")
-        rules = sidecar.alerts.rules.rules if sidecar.alerts is not None else ()
+        rules = ctx.alerts.rules.rules if ctx.alerts is not None else ()
         rule_name = body.get("rule")
         candidates = [r for r in rules if (r.name == rule_name if rule_name else "retune" in r.actions)]
         if rule_name and not candidates:
             raise ApiError(400, f"rule={describe_value(rule_name)} is not a loaded rule; rules are "
                                 f"{[r.name for r in rules]}", param="rule", code="invalid_value")
         rule = candidates[0] if candidates else None
-        band = band_of_rule(rule) if rule is not None else Band("entropy_bits", low=5.2)
+        band = job_band(rule)
         watched = service.watched_by(rule)
         routers = body.get("routers")
         if routers is None:
-            sidecar.probe.collect()
-            records = sidecar.probe.windows.stats(line)
+            ctx.sources.probe.collect()
+            records = ctx.sources.probe.windows.stats(line)
             routers = [r["name"] for r in records if r["name"] in watched and not r.get("too_small")
                        and r.get(band.metric) is not None and not band.contains(float(r[band.metric]))]
             if not routers:
@@ -231,77 +230,22 @@ class Admin:
                                     f"options of the strategies {sorted(STRATEGIES)}",
                                param=f"options.{name[:40]}", code="invalid_value")
             try:
-                get_strategy(name).parse_options({**sidecar.config.retune.strategy_options.get(name, {}), **values},
+                get_strategy(name).parse_options({**ctx.config.retune.strategy_options.get(name, {}), **values},
                                                  f"options.{name}")
             except ValueError as error:
                 raise ApiError(400, str(error), param=f"options.{name}", code="invalid_value") from None
         dataset = body.get("dataset")
         if dataset is not None:
             try:  # a bare name of a file in the dataset directory; any other value gets the same answer
-                resolve_dataset(dataset, service.retuner.dataset_dir or sidecar.config.state_dir / "datasets")
+                resolve_dataset(dataset, service.retuner.dataset_dir or ctx.config.state_dir / "datasets")
             except ValueError as error:
                 raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)
         if not isinstance(force, bool):
             raise ApiError(400, f"force={describe_value(force)} is invalid: expected true or false", param="force",
                            code="invalid_value")
-        spec = JobSpec(routers=routers, watched=watched, strategies=strategies, business_line=line,
-                       band=band.as_dict(), dataset=dataset, options=options,
-                       max_perplexity_increase=sidecar.config.retune.max_perplexity_increase,
-                       trigger={"source": "api", "rule": rule.name if rule else None,
-                                "receivers": list(rule.receivers) if rule else None, "at": time.time()})
+        spec = request_job_spec(rule=rule, routers=routers, watched=watched, strategies=strategies, business_line=line,
+                                dataset=dataset, options=options,
+                                max_perplexity_increase=ctx.config.retune.max_perplexity_increase, at=time.time())
         return spec, force
 
-
-def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
-    """The labels and annotations of the ``RouterRetuneRejected`` event for on-call, with every
-    strategy's figures before -> after."""
-    figures = []
-    for attempt in result.get("attempts", []):
-        line = f"{attempt['strategy']}: {attempt.get('outcome')}"
-        gates = attempt.get("gates")
-        if gates:
-            metric = gates["band"]["metric"]
-            paired = gates.get("perplexity") or {}
-            interval = (f" [{paired.get('low')}, {paired.get('high')}] at {paired.get('confidence')} each side, "
-                        f"limit {paired.get('limit')}, {paired.get('decision')} on {paired.get('tokens')} held-out "
-                        f"tokens" if paired else "")
-            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}{interval}, "
-                     f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
-                                              for name, value in gates["after"][metric].items()) + ")")
-        if attempt.get("reason"):
-            line += f": {attempt['reason']}"
-        figures.append(line)
-    line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
-              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
-    annotations = {
-        "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
-                   "the live routers are unchanged" + ("; the job keeps trying on newer traffic"
-                                                      if result.get("rejected_while_outside_band") else ""),
-        "description": "; ".join(figures + ([result["needs"]] if result.get("needs") else [])),
-        "runbook_url": f"{RUNBOOK}#routerretunerejected",
-    }
-    return labels, annotations
-
-
-def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
-    """The ``RouterRetuneProposed`` event: a candidate for the engine's routers is saved; the one command that
-    swaps it in, gates it through the engine and keeps it or rolls it back."""
-    line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", "router": ",".join(spec.routers),
-              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
-    attempt = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
-    details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
-                        for a in result.get("attempts", []))
-    annotations = {
-        "summary": f"Re-tune job {spec.id} proposes router version {result.get('version')} "
-                   f"({result.get('strategy')}) for {', '.join(spec.routers)} ({line_name}); apply it with: "
-                   f"{result.get('command')}",
-        "description": f"{details}. The command swaps the candidate into the engine, has the engine score the "
-                       f"held-out captured traffic before and after, and keeps it only if it passes; else the "
-                       f"previous routers go back at once." + (f" Candidate: {attempt.get('version')}."
-                                                              if attempt else ""),
-        "runbook_url": f"{RUNBOOK}#routerretuneproposed",
-    }
-    return labels, annotations

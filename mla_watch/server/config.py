@@ -8,6 +8,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.baselines import DEFAULT_LEARN_TOKENS
+from mla_watch.config import ConfigError
 from mla_watch.engines.counting import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
@@ -15,7 +16,7 @@ from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
-           "ServerConfig", "split_credentials"]
+           "ServerConfig", "ServerConfigError", "check_tokens", "split_credentials"]
 
 # How `serve --engine` reads the upstream's routing (mla_watch.engines.formats.ENGINES, none, or auto).
 ENGINE_CHOICES = ("none", "vllm", "sglang", "auto")
@@ -102,3 +103,17 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
     netloc = host if parts.port is None else f"{host}:{parts.port}"
     public = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
     return public, (unquote(parts.username or ""), unquote(parts.password or ""))
+
+
+class ServerConfigError(ConfigError):
+    """A setting of the server itself (an environment variable, a flag) cannot be served."""
+
+    what = "server configuration"
+
+
+def check_tokens(config: ServerConfig) -> None:
+    """Refuse a bearer token anyone could guess (shorter than :data:`MIN_TOKEN_LENGTH`)."""
+    for variable, token in ((ADMIN_TOKEN_ENV, config.admin_token), (INGEST_TOKEN_ENV, config.ingest_token)):
+        if token is not None and len(token) < MIN_TOKEN_LENGTH:
+            raise ServerConfigError([f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
+                              "random (python -c 'import secrets; print(secrets.token_urlsafe())')"])

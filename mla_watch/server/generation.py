@@ -13,12 +13,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.policy import Decision, PolicyRejection, TaskPolicy, UnknownBusinessLine, UnknownTask, enforce
 from mla_watch.sampling_params import SamplingValues
-from mla_watch.server.engine import Job, JobTimedOut, Overloaded
+from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
 from mla_watch.server.responses import Answer, sse
 
 if TYPE_CHECKING:
-    from mla_watch.server.app import Sidecar
+    from mla_watch.server.context import HandlerContext
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "Generation"]
 
@@ -28,8 +28,8 @@ MAX_CHARS_PER_TOKEN = 32  # no tokenizer in use packs more characters into one t
 class Generation:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
 
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, ctx: HandlerContext) -> None:
+        self.ctx = ctx
 
     async def completions(self, request: Request) -> Response:
         return await self._serve(request, "completion")
@@ -42,40 +42,41 @@ class Generation:
         started = time.perf_counter()
         policy_label: str | None = None
         try:
-            if not self.sidecar.ready.is_set():
-                raise ApiError(503, self.sidecar.load_error or "the model is still loading", code="not_ready",
+            if not self.ctx.serving.ready.is_set():
+                raise ApiError(503, self.ctx.serving.load_error or "the model is still loading", code="not_ready",
                                error_type="server_error", headers={"Retry-After": "5"})
-            body = await self.sidecar.read_json(request)
+            body = await self.ctx.read_json(request)
             parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
             decision, task = self._decide(parsed)
             policy_label = decision.policy_label
-            self.sidecar.metrics.count_adjustments(decision)
-            if self.sidecar.upstream is not None:
-                response = await self.sidecar.upstream.forward(request, parsed, body, decision)
+            self.ctx.metrics.count_adjustments(decision)
+            if self.ctx.serving.upstream is not None:
+                response = await self.ctx.serving.upstream.forward(request, parsed, body, decision)
             else:
                 response = await self._generate_locally(request, parsed, decision, task)
         except ApiError as error:
-            response = self.sidecar.refused(request, error)
+            response = self.ctx.auth.refused(request, error)
         response.headers["X-MLA-Policy"] = policy_label or "none"
-        self.sidecar.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        self.sidecar.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        self.ctx.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        self.ctx.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
         return response
 
     def _decide(self, parsed: GenerationRequest) -> tuple[Decision, TaskPolicy]:
         """The policy decision and the task policy it came from (resolved once per request)."""
         try:
-            policy, task = self.sidecar.policies.current.resolve(parsed.business_line, parsed.task)
+            policy, task = self.ctx.policies.current.resolve(parsed.business_line, parsed.task)
         except UnknownBusinessLine as error:
             raise ApiError(400, str(error), param="X-Business-Line", code="unknown_business_line") from error
         except UnknownTask as error:
             raise ApiError(400, str(error), param="X-Task", code="unknown_task") from error
-        if parsed.model is not None and self.sidecar.upstream is None and parsed.model != self.sidecar.model_name:
-            raise ApiError(404, f"model={parsed.model!r} is not served here; expected {self.sidecar.model_name!r}",
+        serving = self.ctx.serving
+        if parsed.model is not None and serving.upstream is None and parsed.model != serving.model_name:
+            raise ApiError(404, f"model={parsed.model!r} is not served here; expected {serving.model_name!r}",
                            param="model", code="model_not_found")
         try:
             return enforce(policy, task, parsed.sampling), task
         except PolicyRejection as error:
-            self.sidecar.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
+            self.ctx.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
             raise ApiError(400, str(error), param=error.param, code="policy_violation") from error
         except TypeError as error:
             raise ApiError(400, str(error), code="invalid_value") from error
@@ -92,14 +93,14 @@ class Generation:
     def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy,
                     max_tokens: int) -> list[int]:
         """Tokenize the prompt (in a worker thread: it can take a while) and check it fits."""
-        limit = int(self.sidecar.engine.model.config.max_position_embeddings)
+        limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         most_tokens = min(limit, task.max_prompt_tokens or limit)
         chars = len(parsed.prompt) if parsed.kind != "chat" else sum(len(m["content"]) for m in parsed.messages)
         if chars > most_tokens * MAX_CHARS_PER_TOKEN:
             raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
                                 f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
                            param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
-        tokenizer = self.sidecar.engine.tokenizer
+        tokenizer = self.ctx.serving.model_worker.tokenizer
         if parsed.kind == "chat":
             encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
             ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
@@ -121,18 +122,18 @@ class Generation:
         params = self._values(parsed, decision)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task, params.max_tokens)
         job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
-                  deadline=self.sidecar.clock() + self.sidecar.config.request_timeout, loop=asyncio.get_running_loop(),
-                  prompt_tokens=len(prompt_ids), record_routing=self.sidecar.routing_layout is not None)
+                  deadline=self.ctx.clock() + self.ctx.config.request_timeout, loop=asyncio.get_running_loop(),
+                  prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None)
         try:
-            self.sidecar.engine.submit(job)
+            self.ctx.serving.model_worker.submit(job)
         except Overloaded as error:
-            self.sidecar.metrics.overloaded.inc()
+            self.ctx.metrics.overloaded.inc()
             raise ApiError(429, str(error), code="overloaded", error_type="rate_limit_error",
                            headers={"Retry-After": str(error.retry_after)}) from error
-        self.sidecar.metrics.queue_depth.set(self.sidecar.engine.queue_depth)
-        self.sidecar.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
-        answer = Answer(parsed, decision, self.sidecar.model_name, len(prompt_ids), params.n)
-        answer.routing_layout = self.sidecar.routing_layout
+        self.ctx.metrics.queue_depth.set(self.ctx.serving.model_worker.queue_depth)
+        self.ctx.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
+        answer = Answer(parsed, decision, self.ctx.serving.model_name, len(prompt_ids), params.n)
+        answer.routing_layout = self.ctx.serving.routing_layout
         if parsed.stream:
             return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -145,13 +146,13 @@ class Generation:
         except Exception as error:
             raise self._job_error(error) from error
         answer.routing = job.routing
-        self.sidecar.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
+        self.ctx.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
         return JSONResponse(answer.body())
 
     def _job_error(self, error: Exception) -> ApiError:
         if isinstance(error, JobTimedOut):
-            self.sidecar.metrics.timeouts.inc()
-            return ApiError(503, f"{error} (timeout {self.sidecar.config.request_timeout:g} s)", code="timeout",
+            self.ctx.metrics.timeouts.inc()
+            return ApiError(503, f"{error} (timeout {self.ctx.config.request_timeout:g} s)", code="timeout",
                             error_type="server_error", headers={"Retry-After": "1"})
         return ApiError(500, str(error), code="generation_failed", error_type="server_error")
 
@@ -171,7 +172,7 @@ class Generation:
                 yield sse(answer.usage_chunk())
             yield b"data: [DONE]\n\n"
             finished = True
-            self.sidecar.metrics.completion_tokens.labels(answer.decision.business_line).inc(sum(answer.completion_tokens))
+            self.ctx.metrics.completion_tokens.labels(answer.decision.business_line).inc(sum(answer.completion_tokens))
         except Exception as error:
             api_error = self._job_error(error)
             yield sse(api_error.body())
@@ -180,4 +181,4 @@ class Generation:
         finally:
             if not finished:  # the client went away mid-stream: free the model for others
                 job.cancelled.set()
-                self.sidecar.metrics.client_disconnects.inc()
+                self.ctx.metrics.client_disconnects.inc()

@@ -21,9 +21,9 @@ from typing import Any
 
 from mla_watch.sampling import GenerationCancelled, SamplingParams, TokenEvent, generate_stream
 
-__all__ = ["Engine", "GenerationFailed", "Job", "JobTimedOut", "Overloaded"]
+__all__ = ["GenerationFailed", "Job", "JobTimedOut", "ModelWorker", "Overloaded"]
 
-log = logging.getLogger("mla_watch.engine")
+log = logging.getLogger("mla_watch.model_worker")
 
 
 class Overloaded(Exception):
@@ -71,7 +71,7 @@ class Job:
         return item
 
 
-class Engine:
+class ModelWorker:
     """Runs generation jobs for one model on one worker thread."""
 
     def __init__(self, model: Any, tokenizer: Any, probe: Any, *, max_queue: int = 32,

@@ -1,0 +1,254 @@
+"""The sidecar's read endpoints: health, readiness, ``/metrics``, models, routing, baselines, policies,
+alerts, the status page and the JSON behind it (``/v1/status``), and the durable history (``/v1/history``).
+
+Monitoring reads (``/metrics``, ``/v1/routing``, ``/v1/baseline``) run on their own threads, never behind a
+heavy read; the heavy ones (``/v1/status``, ``/v1/history``) are bounded, 429 past it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mla_watch.alerting.service import AlertService
+from mla_watch.baselines import Baselines
+from mla_watch.policy_files import PolicyStore
+from mla_watch.server import status as status_page
+from mla_watch.server.config import ServerConfig
+from mla_watch.server.context import Serving
+from mla_watch.server.history import RoutingHistory
+from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
+from mla_watch.server.history_store import HistoryStore
+from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.reads import BoundedReads
+from mla_watch.server.requests import ApiError, describe_value
+from mla_watch.server.sources import RoutingSources
+from mla_watch.windows import NAME_RE, NAME_RULE
+
+__all__ = ["BASELINE_VIEW_LIMIT", "ReadViews", "static", "status_page_index"]
+
+BASELINE_VIEW_LIMIT = 5000  # series in one GET /v1/baseline (a fleet's workers may report many more)
+
+
+class ReadViews:
+    """The read endpoints, and the documents they answer with."""
+
+    def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, policies: PolicyStore,
+                 metrics: ServerMetrics, registry: CollectorRegistry, alerts: AlertService | None,
+                 history: RoutingHistory, history_store: HistoryStore | None, history_store_error: str | None,
+                 baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor) -> None:
+        self.config = config
+        self.serving = serving
+        self.sources = sources
+        self.policies = policies
+        self.metrics = metrics
+        self.registry = registry
+        self.alerts = alerts
+        self.history = history
+        self.history_store = history_store
+        self.history_store_error = history_store_error
+        self.baselines = baselines
+        self.heavy_reads = heavy_reads
+        self.monitoring = monitoring
+
+    # ------------------------------------------------------------------ health and monitoring
+    async def healthz(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        serving = self.serving
+        problems = []
+        if not serving.ready.is_set():
+            problems.append(serving.load_error or "the model is loading")
+        body: dict[str, Any] = {"ready": not problems, "problems": problems,
+                                "policies_version": self.policies.version}
+        if serving.self_test is not None:
+            body["attention"] = serving.self_test.as_dict()
+        return JSONResponse(body, status_code=200 if not problems else 503)
+
+    async def scrape(self, request: Request) -> Response:
+        """``GET /metrics``."""
+        if self.serving.model_worker is not None:
+            self.metrics.queue_depth.set(self.serving.model_worker.queue_depth)
+        body = await asyncio.get_running_loop().run_in_executor(self.monitoring, generate_latest, self.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> Response:
+        if self.serving.upstream is not None:
+            return await self.serving.upstream.models(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.serving.model_name, "object": "model", "created": 0, "owned_by": "mla_watch"}]})
+
+    # ------------------------------------------------------------------ routing and baselines
+    async def get_routing(self, request: Request) -> Response:
+        line = request.query_params.get("business_line")
+        # Encoded on the thread too: every router's record of a wide fleet is no job for the event loop.
+        body = await asyncio.get_running_loop().run_in_executor(self.monitoring,
+                                                                lambda: JSONResponse(self.routing(line)).body)
+        return Response(body, media_type="application/json")
+
+    def routing(self, business_line: str | None = None) -> dict[str, Any]:
+        """``GET /v1/routing``: every router's statistics for one line (every line summed for ``None``).
+
+        A line nobody has reported is answered with 404 naming the known ones: reading never
+        creates a window, so a query string cannot grow memory.
+        """
+        snapshot = self.sources.routing_snapshot()
+        lines = list(snapshot.business_lines)
+        if business_line is not None and business_line not in lines:
+            shown = describe_value(business_line)
+            if not NAME_RE.fullmatch(business_line):
+                raise ApiError(400, f"business_line={shown} is invalid: expected {NAME_RULE}",
+                               param="business_line", code="invalid_value")
+            raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
+                                f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
+        routers = [record.as_dict() for record in snapshot.for_line(business_line)]
+        return {"business_line": business_line, "business_lines": lines, "routers": routers}
+
+    async def get_baseline(self, request: Request) -> Response:
+        """``GET /v1/baseline``: whether healthy baselines are learned (and why not), and each series' healthy
+        values (no counts), at most :data:`BASELINE_VIEW_LIMIT` series."""
+        def body() -> bytes:
+            document = self.baselines.describe()
+            series = document["series"]
+            document["series"], document["truncated"] = series[:BASELINE_VIEW_LIMIT], max(
+                0, len(series) - BASELINE_VIEW_LIMIT)
+            return JSONResponse(document).body
+
+        return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
+                        media_type="application/json")
+
+    # ------------------------------------------------------------------ policies and alerts
+    def reload_errors(self) -> list[str] | None:
+        """Why the last policy reload was refused (``None`` if it was not)."""
+        error = self.policies.last_error
+        return None if error is None else error.errors
+
+    def alert_list(self) -> list[dict[str, Any]]:
+        return [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
+
+    def policies_view(self) -> list[dict[str, Any]]:
+        """Each line's tasks with what was clamped, refused and filled in by default, by parameter."""
+        return status_page.policies_view(self.policies.current.as_dict(),
+                                         status_page.counter_values(self.metrics.policy_adjustments),
+                                         status_page.counter_values(self.metrics.policy_rejections),
+                                         status_page.counter_values(self.metrics.policy_defaults))
+
+    async def get_policies(self, request: Request) -> Response:
+        counts = {line["business_line"]: {task["task"]: {"clamped": task["adjustments"], "refused": task["rejections"],
+                                                        "defaulted": task["defaults"]} for task in line["tasks"]}
+                  for line in self.policies_view()}
+        return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
+                             "counts": counts, "last_reload_error": self.reload_errors()})
+
+    async def get_alerts(self, request: Request) -> Response:
+        if self.alerts is None:
+            return JSONResponse({"alerts": [], "rules": 0})
+        return JSONResponse({"alerts": self.alert_list(), "rules": len(self.alerts.rules.rules),
+                             "notifications_pending": self.alerts.outbox.pending(),
+                             "notifications_unqueued": self.alerts.unqueued})
+
+    # ------------------------------------------------------------------ status page
+    async def get_status(self, request: Request) -> Response:
+        since = request.query_params.get("since")
+        try:
+            since_value = None if since is None else float(since)
+        except ValueError:
+            since_value = float("nan")
+        if since_value is not None and not np.isfinite(since_value):
+            raise ApiError(400, f"since={describe_value(since)} is invalid: expected a time in seconds since the "
+                                "epoch (the last `times` entry already shown)", param="since", code="invalid_value")
+        body = await self.heavy_reads.run("GET /v1/status", lambda: JSONResponse(self.status(since_value)).body)
+        return Response(body, media_type="application/json")
+
+    def status(self, since: float | None = None) -> dict[str, Any]:
+        """What the status page shows (``GET /v1/status``); ``since`` limits the history to newer points."""
+        serving = self.serving
+        rules = list(self.alerts.rules.rules) if self.alerts is not None else []
+        history = self.history.snapshot(since)
+        for series in history["series"]:
+            series["band"] = status_page.entropy_band(rules, series)
+        policies = self.policies_view()
+        body: dict[str, Any] = {
+            "generated_at": time.time(), "model": serving.model_name, "ready": serving.ready.is_set(),
+            "load_error": serving.load_error, "upstream": self.config.upstream, "engine": self.engine_status(),
+            "history": history,
+            "history_store": None if self.history_store is None else {
+                "retention_days": self.history_store.retention_days, "max_series": self.history_store.max_series,
+                "series_dropped": self.history_store.dropped_series},
+            "alerts": self.alert_list(), "rules": len(rules),
+            "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
+            "policies": {"version": self.policies.version, "lines": policies,
+                         "last_reload_error": self.reload_errors()},
+            "retune": None,
+        }
+        if serving.retune is not None:
+            registry = serving.retune.registry
+            body["retune"] = {"live": registry.live_version(), "last_good": registry.last_good(),
+                              "jobs": serving.retune.store.list(limit=20), "promotions": registry.promotions()[-50:]}
+        return body
+
+    def engine_status(self) -> dict[str, Any] | None:
+        """The engine beside (``None`` beside none): its routers, problems, re-tuning and counting."""
+        if self.sources.engine_routing is None:
+            return None
+        return self.sources.engine_status(retune_note=self.serving.engine_retune_note,
+                                          counting=self.counting_status())
+
+    def counting_status(self) -> dict[str, Any] | None:
+        """Answers still to count (they are counted after the client has them) and vLLM streams' replays."""
+        upstream = self.serving.upstream
+        if upstream is None or upstream.counter is None:
+            return None
+        replayer = upstream.replayer
+        budget = None if replayer is None else dataclasses.asdict(replayer.budget)
+        return {"queued": upstream.counter.queued, "queue_bytes": upstream.counter.max_bytes,
+                "replays_waiting": 0 if replayer is None else replayer.waiting, "replay": budget}
+
+    # ------------------------------------------------------------------ durable history
+    async def get_history(self, request: Request) -> Response:
+        store = self.history_store
+        if store is None:
+            raise ApiError(404, f"{self.history_store_error}: /v1/status holds the last hour", code="not_found")
+        query = parse_history_query(request.query_params, now=store.clock(), min_step=store.interval_seconds)
+        # Megabytes of JSON: built and encoded on the heavy reads' threads, bounded in bytes (MAX_ANSWER_BYTES).
+        body = await self.heavy_reads.run("GET /v1/history", lambda: encode_history(self.history_range(query)))
+        return Response(body, media_type="application/json")
+
+    def history_range(self, query: HistoryQuery) -> dict[str, Any]:
+        """``GET /v1/history``: a metric's series over a range, one column per ``step`` (with bands for entropy)."""
+        assert self.history_store is not None
+        try:
+            body = self.history_store.query(since=query.since, until=query.until, step=query.step,
+                                            metric=query.metric, business_line=query.business_line,
+                                            router=query.router, max_cells=MAX_CELLS)
+        except ValueError as error:
+            raise too_large(query.step, str(error)) from error
+        rules = list(self.alerts.rules.rules) if self.alerts is not None and query.metric == "entropy_bits" else []
+        for series in body["series"]:
+            series["band"] = status_page.entropy_band(rules, series)
+        return body
+
+
+async def status_page_index(request: Request) -> Response:
+    """``GET /``: the status page."""
+    content, media_type = status_page.static_file("index.html")
+    return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+
+
+async def static(request: Request) -> Response:
+    """``GET /static/{name}``: the status page's script and style."""
+    try:
+        content, media_type = status_page.static_file(request.path_params["name"])
+    except KeyError:
+        raise ApiError(404, f"no such file: {describe_value(request.path_params['name'])}: expected one of "
+                            f"{sorted(status_page.STATIC_FILES)}", code="not_found") from None
+    return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,283 @@
+"""Re-tuning as the sidecar starts it: the re-tune service for the local model's routers or for the engine's
+beside it (``--engine-retune propose|apply``), traffic capture, and the callbacks that connect it to the
+alerts (a rule's ``retune`` action; on-call hears of rejected and proposed candidates) and to the routing
+windows (restarted after a promotion or rollback).
+
+:class:`Retuning` writes ``serving.retune``; the handlers and the read views read it there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mla_watch.alerting.engine import Action
+from mla_watch.alerting.service import AlertService
+from mla_watch.retune.jobs import JobSpec
+from mla_watch.server.config import ServerConfig
+from mla_watch.server.context import Serving
+from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.sources import RoutingSources
+from mla_watch.statedir import ensure_private_dir
+from mla_watch.windows import ALL_LINES
+
+__all__ = ["Retuning", "proposed_notice", "rejected_notice"]
+
+log = logging.getLogger("mla_watch.server")
+RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md"
+
+
+class Retuning:
+    """Starts the re-tune service (beside the local model or the engine) and answers its callbacks."""
+
+    def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, metrics: ServerMetrics,
+                 alerts: AlertService | None) -> None:
+        self.config = config
+        self.serving = serving
+        self.sources = sources
+        self.metrics = metrics
+        self.alerts = alerts
+
+    # ------------------------------------------------------------------ beside the local model
+    def start_local(self, model: Any, tokenizer: Any) -> None:
+        """The re-tune service for the loaded model's routers (``serving.model_worker`` runs it), with capture if on."""
+        from mla_watch.retune.capture import TrafficCapture
+        from mla_watch.retune.registry import RouterVersions
+        from mla_watch.retune.runner import Retuner
+        from mla_watch.retune.service import RetuneService
+
+        state = ensure_private_dir(self.config.state_dir)  # 0700: it holds captured traffic
+        # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
+        datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / "datasets"
+        ensure_private_dir(datasets)
+        registry = RouterVersions(state / "routers")
+        capture = None
+        if self.config.capture:
+            capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,
+                                     max_age_seconds=self.config.capture_max_age_seconds)
+
+            def record(line: str, token_ids: list[int], prompt_tokens: int) -> None:
+                capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+                self.metrics.captured_samples.labels(line).inc()
+
+            self.serving.model_worker.capture = record
+        reference = None
+        if self.config.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+            from mla_watch.retune.registry import router_state
+
+            reference = load_reference_routers(self.config.reference_model, router_state(model))
+        retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
+                          workdir=state / "retune-work", promote=lambda version: self.serving.retune.promote(version),
+                          capture=capture, model_lock=self.serving.model_worker.model_lock, model_ref=self.config.model,
+                          dataset_dir=datasets, reference=reference,
+                          health_rules=None if self.alerts is None else lambda: self.alerts.rules.rules)
+        self.serving.retune = RetuneService(
+            state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
+            model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
+            on_rejected=self.rejected,
+            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
+            health_check=self._router_health(tokenizer),
+        )
+        self.serving.retune.start()
+        self.metrics.router_version.set(registry.live_version() or 0)
+
+    # ------------------------------------------------------------------ re-tuning beside an engine
+    def open_capture(self) -> Any:
+        """STATE_DIR/capture.sqlite (0600) when serving with --capture, else ``None``."""
+        if not self.config.capture:
+            return None
+        from mla_watch.retune.capture import TrafficCapture
+
+        return TrafficCapture(self.config.state_dir / "capture.sqlite",
+                              max_samples_per_line=self.config.capture_max_samples,
+                              max_age_seconds=self.config.capture_max_age_seconds)
+
+    def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]]], None]:
+        from mla_watch.retune.capture import CaptureError
+
+        def record(line: str, samples: list[tuple[list[int], int]]) -> None:
+            try:
+                for token_ids, prompt_tokens in samples:
+                    capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+                    self.metrics.captured_samples.labels(line).inc()
+            except CaptureError as error:  # the client has its answer: a full disk costs the capture, not it
+                log.warning("an answer of %s was not captured: %s", line, error)
+
+        return record
+
+    def start_engine(self, capture: Any) -> str:
+        """The re-tune service for the engine's routers (``--engine-retune propose|apply``); else why there is none."""
+        config = self.config
+        if self.sources.engine_routing is None:
+            return ("re-tuning needs a local model, or an engine's routing read (--engine vllm|sglang with "
+                    "--model-config) to re-tune the engine's routers")
+        if config.engine_retune == "off":
+            return "re-tuning the engine's routers is off (serve --engine-retune propose|apply)"
+        if config.engine not in ("vllm", "sglang"):
+            return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
+                    "endpoints differ")
+        from mla_watch.engines.weights import read_router_tensors
+        from mla_watch.retune.engine import EngineRetuner, EngineRouters
+        from mla_watch.retune.registry import RouterVersions
+        from mla_watch.retune.service import RetuneService
+
+        geometry = self.sources.engine_routing.geometry
+        checkpoint = Path(config.model_config)  # type: ignore[arg-type]
+        try:
+            if not checkpoint.is_dir():
+                raise ValueError(f"--model-config {checkpoint} is a file: expected the engine's checkpoint directory "
+                                 f"(config.json and its safetensors), where the routers' tensors are read")
+            initial = read_router_tensors(checkpoint, geometry.moe_layers)
+        except ValueError as error:
+            log.warning("re-tuning the engine's routers is not available: %s", error)
+            return f"re-tuning the engine's routers is not available: {error}"
+        if config.engine == "vllm":
+            from mla_watch.engines.weights import VllmWeights
+
+            weights: Any = VllmWeights(config.upstream, timeout=max(config.request_timeout, 60.0),
+                                       geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
+        else:
+            from mla_watch.engines.sglang_weights import SglangWeights
+
+            weights = SglangWeights(config.upstream, timeout=max(config.request_timeout, 60.0), geometry=geometry,
+                                    api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
+                                    admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
+        state = ensure_private_dir(config.state_dir)
+        swap_dir = config.engine_swap_dir or state / "engine-swaps"
+        host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir, config_json=checkpoint / "config.json")
+        registry = RouterVersions(state / "routers")
+        reference = None
+        if config.reference_model is not None:
+            from mla_watch.retune.reference import load_reference_routers
+
+            reference = load_reference_routers(config.reference_model, initial)
+        windows = self.sources.engine_routing
+
+        def loads(router: str, line: str | None) -> Any:
+            return windows.counts(line).get(router)
+
+        retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
+                                capture=capture, promote=lambda version: self.serving.retune.promote(version),
+                                rollback=lambda: self.serving.retune.rollback(), loads=loads, reference=reference,
+                                gate_timeout=config.engine_gate_timeout)
+        self.serving.retune = RetuneService(
+            state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
+            on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
+            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc())
+        self.serving.retune.start()
+        self.metrics.router_version.set(registry.live_version() or 0)
+
+        def check() -> None:  # an engine still starting must not hold up the sidecar's own start
+            problem = weights.problem()
+            if problem is not None:
+                log.warning("re-tuning the engine's routers: %s", problem)
+
+        threading.Thread(target=check, name="mla-watch-engine-check", daemon=True).start()
+        return f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
+
+    # ------------------------------------------------------------------ callbacks
+    def proposed(self, spec: JobSpec, result: dict[str, Any]) -> None:
+        if self.alerts is not None:
+            labels, annotations = proposed_notice(spec, result)
+            self.alerts.notify_event(labels=labels, annotations=annotations, receivers=spec.trigger.get("receivers"))
+
+    def _router_health(self, tokenizer: Any) -> Callable[[Any], dict[str, Any]] | None:
+        """The start-up health check of router version 0, by the loaded alert rules (none without rules)."""
+        if self.alerts is None:
+            return None
+        from mla_watch.retune.health import startup_health
+
+        rules = self.alerts.rules.rules
+        return lambda host: startup_health(host.model, tokenizer, rules)
+
+    def on_retune_action(self, action: Action) -> str:
+        """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
+        router = action.alert.labels.get("router", "")
+        if router in self.sources.engine_routers() and self.serving.retune is None:
+            return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; " \
+                   f"{self.serving.engine_retune_note}"
+        if self.serving.retune is None:
+            return "no re-tune job: this sidecar serves no local model to re-tune"
+        if router not in self.serving.retune.watched_by(None):
+            return (f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
+                    "another process is watched, not re-tuned here)")
+        if self.serving.retune.retuner.capture is None:
+            return ("no re-tune job: traffic capture is off, so the job would have no data (serve with --capture to "
+                    "record recent traffic per business line, or run `mla-watch retune run --dataset FILE`)")
+        record = self.serving.retune.on_alert(action)
+        if record is None:
+            return "no new re-tune job: this router is in its re-tune cooldown (see /v1/retune/jobs)"
+        return f"re-tune job {record['id']} {record.get('status', 'scheduled')}"
+
+    def routers_changed(self, kind: str, routers: list[str]) -> None:
+        """After a promotion or rollback: the windows restart, describing the routers now serving."""
+        windows = self.sources.own_windows()  # the counts so far collected first: they belong to the routers before
+        if windows is not None:
+            windows.reset(routers)
+        self.metrics.router_promotions.labels(kind).inc()
+        self.metrics.router_version.set(self.serving.retune.registry.live_version() or 0)
+        self.sources.trust_baselines(self.serving.retune)
+
+    def rejected(self, spec: JobSpec, result: dict[str, Any]) -> None:
+        if self.alerts is not None:
+            labels, annotations = rejected_notice(spec, result)
+            self.alerts.notify_event(labels=labels, annotations=annotations, receivers=spec.trigger.get("receivers"))
+
+
+def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations of the ``RouterRetuneRejected`` event for on-call, with every
+    strategy's figures before -> after."""
+    figures = []
+    for attempt in result.get("attempts", []):
+        line = f"{attempt['strategy']}: {attempt.get('outcome')}"
+        gates = attempt.get("gates")
+        if gates:
+            metric = gates["band"]["metric"]
+            paired = gates.get("perplexity") or {}
+            interval = (f" [{paired.get('low')}, {paired.get('high')}] at {paired.get('confidence')} each side, "
+                        f"limit {paired.get('limit')}, {paired.get('decision')} on {paired.get('tokens')} held-out "
+                        f"tokens" if paired else "")
+            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}{interval}, "
+                     f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
+                                              for name, value in gates["after"][metric].items()) + ")")
+        if attempt.get("reason"):
+            line += f": {attempt['reason']}"
+        figures.append(line)
+    line_name = spec.business_line or ALL_LINES
+    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
+              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    annotations = {
+        "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
+                   "the live routers are unchanged" + ("; the job keeps trying on newer traffic"
+                                                      if result.get("rejected_while_outside_band") else ""),
+        "description": "; ".join(figures + ([result["needs"]] if result.get("needs") else [])),
+        "runbook_url": f"{RUNBOOK}#routerretunerejected",
+    }
+    return labels, annotations
+
+
+def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The ``RouterRetuneProposed`` event: a candidate for the engine's routers is saved; the one command that
+    swaps it in, gates it through the engine and keeps it or rolls it back."""
+    line_name = spec.business_line or ALL_LINES
+    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", "router": ",".join(spec.routers),
+              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    attempt = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
+    details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
+                        for a in result.get("attempts", []))
+    annotations = {
+        "summary": f"Re-tune job {spec.id} proposes router version {result.get('version')} "
+                   f"({result.get('strategy')}) for {', '.join(spec.routers)} ({line_name}); apply it with: "
+                   f"{result.get('command')}",
+        "description": f"{details}. The command swaps the candidate into the engine, has the engine score the "
+                       f"held-out captured traffic before and after, and keeps it only if it passes; else the "
+                       f"previous routers go back at once." + (f" Candidate: {attempt.get('version')}."
+                                                              if attempt else ""),
+        "runbook_url": f"{RUNBOOK}#routerretuneproposed",
+    }
+    return labels, annotations
