@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from helpers import FakeClock
 
 import mla_watch
 from mla_watch.alerting.engine import AlertEngine
@@ -56,14 +57,6 @@ class Replay:
         return next((f for f in self.firings if f.alertname == alertname and f.router == router), None)
 
 
-class _Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def shipped_rules() -> RuleSet:
     return load_rules_dir(SHIPPED_RULES, environ={"MLA_WATCH_ONCALL_URL": "http://127.0.0.1:9/hook"})
 
@@ -87,7 +80,7 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
     trained = gate.e_score_correction_bias.detach().clone()
     generator = torch.Generator().manual_seed(seed)
     vocab = int(model.config.vocab_size)
-    clock = _Clock(START)
+    clock = FakeClock(START)
     out = Replay(hours=hours, steps=int(hours * 60 / step_minutes))
     state = tempfile.TemporaryDirectory(prefix="mla-watch-drift-")
     history = HistoryStore(Path(state.name) / HISTORY_FILE, interval_seconds=step_minutes * 60.0,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeClock, engine_record
 
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Rule, RuleSet, Selector
@@ -16,16 +18,7 @@ from mla_watch.alerting.templates import render_annotations
 GATE = "model.layers.3.mlp.gate"
 INDEXER = "model.layers.3.self_attn.indexer"
 
-
-class FakeClock:
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+rec = partial(engine_record, name=GATE, layer=3)
 
 
 def low_rule(**kw: Any) -> Rule:
@@ -51,19 +44,6 @@ def high_rule(**kw: Any) -> Rule:
 
 def ruleset(*rules: Rule) -> RuleSet:
     return RuleSet(rules=tuple(rules), receivers={})
-
-
-def rec(value: float | None = 5.9, *, metric: str = "entropy_bits", name: str = GATE, layer: int = 3,
-        kind: str = "expert", line: str | None = "code", tokens: int = 4096, min_tokens: int = 256,
-        **extra: Any) -> dict[str, Any]:
-    record: dict[str, Any] = {"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": tokens,
-                              "entropy_bits": 5.9, "floor_bits": 2.585, "ceiling_bits": 6.0,
-                              "normalized_entropy": 0.97, "max_violation": 0.1, "dead_slots": 0,
-                              "js_divergence": None, "locality": None, "min_tokens": min_tokens,
-                              "too_small": tokens < min_tokens}
-    record[metric] = value
-    record.update(extra)
-    return record
 
 
 def kinds(actions: list[Action]) -> list[tuple[str, str]]:

@@ -15,20 +15,13 @@ import httpx
 import pytest
 import torch
 from conftest import free_port, get_metrics, metric_value, running_sidecar, wait_until
+from helpers import write_rules
 from receivers import running_receiver
-
-from mla_watch.alerting.examples import entropy_low_rules
 
 pytestmark = pytest.mark.slow
 
 SUMMARY = "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line}), below {threshold}"
-
-
-def write_rules(directory: Path, below: float, resolve: float) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(entropy_low_rules(below=below, resolve_above=resolve, annotations={
-        "summary": SUMMARY, "dashboard": "{status_url}"}))
-    return directory
+ANNOTATIONS = {"summary": SUMMARY, "dashboard": "{status_url}"}
 
 
 def traffic(url: str, requests: int, tokens: int = 60) -> None:
@@ -46,14 +39,14 @@ def webhook_alerts(receiver, status: str) -> list[dict]:
 def test_a_collapsed_router_pages_oncall_once_and_resolves(tmp_path, monkeypatch) -> None:
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        rules = write_rules(tmp_path / "rules", below=5.0, resolve=5.2)
+        rules = write_rules(tmp_path / "rules", below=5.0, resolve_above=5.2, annotations=ANNOTATIONS)
         with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, public_url="http://sidecar.test",
                              state_dir=tmp_path / "state") as (url, sidecar):
             traffic(url, 3)
             sidecar.alerts.evaluate_once()
             assert webhook_alerts(receiver, "firing") == []  # healthy routing pages nobody
 
-            gate = sidecar.engine.model.model.layers[1].mlp.gate
+            gate = sidecar.model_worker.model.model.layers[1].mlp.gate
             healthy_bias = gate.e_score_correction_bias.clone()
             with torch.no_grad():
                 gate.e_score_correction_bias[:6] += 10.0  # every token now picks the same six experts
@@ -119,7 +112,7 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
 
 def test_notifications_survive_a_sigkill_while_the_receiver_is_down(tmp_path) -> None:
     # A threshold healthy traffic breaches, so the alert fires without touching the model.
-    rules = write_rules(tmp_path / "rules", below=6.5, resolve=6.6)
+    rules = write_rules(tmp_path / "rules", below=6.5, resolve_above=6.6, annotations=ANNOTATIONS)
     state = tmp_path / "state"
     receiver_port, sidecar_port = free_port(), free_port()
     oncall = f"http://127.0.0.1:{receiver_port}/hook"  # nothing listens there yet: on-call's endpoint is down

@@ -81,7 +81,7 @@ def test_prometheus_scrapes_the_sidecar_and_alertmanager_pages_oncall(tmp_path: 
             ], tmp_path / "prometheus.log"))
 
             # A collapse: push layer 1's correction bias towards six experts.
-            gate = sidecar.engine.model.model.layers[1].mlp.gate
+            gate = sidecar.model_worker.model.model.layers[1].mlp.gate
             with torch.no_grad():
                 gate.e_score_correction_bias[:6] += 10.0
             for _ in range(3):

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import metric_value, running_sidecar, wait_until
+from helpers import FakeClock
 
 from mla_watch.server import history_api
 from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
@@ -23,14 +24,6 @@ UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads n
 DAY = 86400.0
 QUARTER = 900.0
 ROUTERS, LINES = 128, 7  # x (7 lines + all) = 1,024 series: --history-max-series' default
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class BlockedQuery:

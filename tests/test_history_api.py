@@ -10,20 +10,13 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port, running_sidecar, wait_until
+from helpers import FakeClock
 from test_reliability import sidecar_process
 
 from mla_watch.server.history_store import HISTORY_FILE, HistoryStore
 
 GATE = "model.layers.1.mlp.gate"
 DAY = 86400.0
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def prefill(state: Path, end: float, days: float = 3.0, interval: float = 60.0) -> None:

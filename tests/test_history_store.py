@@ -9,29 +9,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FakeClock
+from helpers import history_record as record
 
 from mla_watch.alerting.model import METRICS
 from mla_watch.server.history_store import HISTORY_METRICS, HistoryStore, size_bound
 
 GATE = "model.layers.1.mlp.gate"
 T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it
-
-
-class FakeClock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def record(name: str = GATE, line: str | None = "code", bits: float | None = 5.0, tokens: int = 200,
-           too_small: bool = False, layer: int = 1) -> dict:
-    return {"name": name, "layer": layer, "kind": "expert", "business_line": line, "tokens": tokens,
-            "entropy_bits": bits, "normalized_entropy": None if bits is None else bits / 6.0,
-            "bits_below_ceiling": None if bits is None else 6.0 - bits, "max_violation": 1.5, "dead_slots": 2,
-            "js_divergence": None, "locality": 0.25, "too_small": too_small, "floor_bits": 2.585,
-            "ceiling_bits": 6.0, "num_slots": 64}
 
 
 def store_at(tmp_path: Path, clock: FakeClock, **options) -> HistoryStore:
@@ -43,7 +28,7 @@ def test_the_metrics_kept_are_the_rules_metrics_and_tokens() -> None:
 
 
 def test_minute_and_quarter_points_are_the_means_of_their_buckets(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock)
     # 10 s samples for 16 minutes: minute m holds six samples of 5 + m/10 (one of them NaN, one too small).
     for step in range(16 * 6 + 1):
@@ -72,7 +57,7 @@ def test_minute_and_quarter_points_are_the_means_of_their_buckets(tmp_path: Path
 
 
 def test_points_serve_the_finest_tier_for_each_part_of_the_range(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock, span_seconds=600)  # the full tier keeps 10 minutes
     for step in range(3 * 360):  # three hours of 10 s samples: entropy = the minute number
         clock.now = T0 + 10 * step
@@ -98,7 +83,7 @@ def test_points_serve_the_finest_tier_for_each_part_of_the_range(tmp_path: Path)
 
 
 def test_a_restart_keeps_every_tier_and_the_open_bucket(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock)
     for step in range(100):
         clock.now = T0 + 10 * step
@@ -116,7 +101,7 @@ def test_a_restart_keeps_every_tier_and_the_open_bucket(tmp_path: Path) -> None:
 
 
 def test_the_file_stays_within_its_documented_bound(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     series = 24
     store = store_at(tmp_path, clock, interval_seconds=60, span_seconds=600, retention_days=1.5)
     records = [record(name=f"model.layers.{layer}.mlp.gate", layer=layer, line=line, bits=5.0)
@@ -135,7 +120,7 @@ def test_the_file_stays_within_its_documented_bound(tmp_path: Path) -> None:
 
 
 def test_series_past_max_series_are_counted_and_logged_once(tmp_path: Path, caplog) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock, max_series=2)
     with caplog.at_level(logging.WARNING, logger="mla_watch.server.history_store"):
         for step in range(3):
@@ -149,7 +134,7 @@ def test_series_past_max_series_are_counted_and_logged_once(tmp_path: Path, capl
 
 
 def test_a_series_with_no_value_left_gives_its_slot_back(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock, max_series=1, span_seconds=120, retention_days=1)
     store.record([record(line="old")])
     step = 0
@@ -166,7 +151,7 @@ def test_a_series_with_no_value_left_gives_its_slot_back(tmp_path: Path) -> None
 
 
 def test_a_wall_clock_stepping_back_drops_the_points_after_it(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock)
     for step in range(30):
         clock.now = T0 + 10 * step
@@ -192,7 +177,7 @@ def test_a_wall_clock_stepping_back_drops_the_points_after_it(tmp_path: Path) ->
 def test_an_unreadable_file_is_set_aside_and_the_history_starts_empty(tmp_path: Path, caplog) -> None:
     path = tmp_path / "history.sqlite"
     path.write_bytes(b"this is not an SQLite file at all, and it is long enough to be looked at" * 100)
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with caplog.at_level(logging.ERROR, logger="mla_watch.server.history_store"):
         store = store_at(tmp_path, clock)
     messages = [r.getMessage() for r in caplog.records]
@@ -204,7 +189,7 @@ def test_an_unreadable_file_is_set_aside_and_the_history_starts_empty(tmp_path: 
 
 
 def test_a_database_with_bad_points_is_set_aside_too(tmp_path: Path, caplog) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     store = store_at(tmp_path, clock)
     store.record([record()])
     store.close()
@@ -224,4 +209,4 @@ def test_a_database_with_bad_points_is_set_aside_too(tmp_path: Path, caplog) -> 
 ])
 def test_bad_settings_are_refused_by_name(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        store_at(tmp_path, FakeClock(), **options)
+        store_at(tmp_path, FakeClock(T0), **options)

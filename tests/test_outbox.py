@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from conftest import free_port
+from helpers import FakeClock
 from receivers import Reply, running_receiver, status
 
 from mla_watch import sqlite as private_database
@@ -28,17 +29,6 @@ from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_d
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0
-
-
-class FakeClock:
-    def __init__(self, start: float = T0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class MaxRandom(random.Random):
@@ -106,7 +96,7 @@ def test_row_is_committed_before_the_receiver_sees_the_request(tmp_path):
 
 
 def test_500_then_200_is_delivered_after_a_retry_and_only_then_removed(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     db = tmp_path / "outbox.db"
     with running_receiver([status(500), status(502), status(200)]) as rx:
         r = receiver(rx.url, max_attempts=5)
@@ -129,7 +119,7 @@ def test_500_then_200_is_delivered_after_a_retry_and_only_then_removed(tmp_path)
 
 
 def test_failed_attempts_are_counted_with_the_error(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver(default=Reply(status=503, body=b"overloaded")) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url)
@@ -145,7 +135,7 @@ def test_failed_attempts_are_counted_with_the_error(tmp_path):
 
 
 def test_429_retry_after_seconds_is_honoured(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver([status(429, Retry_After="2"), status(200)]) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url)
@@ -190,7 +180,7 @@ def test_parse_retry_after():
 
 
 def test_400_is_a_dead_letter_and_never_retried(tmp_path, caplog):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver(default=Reply(status=400, body=b"invalid_payload")) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url)
@@ -212,7 +202,7 @@ def test_400_is_a_dead_letter_and_never_retried(tmp_path, caplog):
 
 
 def test_max_attempts_exhausted_is_a_dead_letter(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver(default=status(500)) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url, max_attempts=3)
@@ -232,7 +222,7 @@ def test_max_attempts_exhausted_is_a_dead_letter(tmp_path):
 
 
 def test_slow_receiver_times_out_and_is_retried(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver([Reply(delay=1.5), status(200)]) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url, timeout_seconds=0.3)
@@ -248,7 +238,7 @@ def test_slow_receiver_times_out_and_is_retried(tmp_path):
 
 
 def test_garbage_response_is_retried(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver([Reply(garbage=b"\x00\xffNOT HTTP AT ALL\r\n\r\n"), status(204)]) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url)
@@ -264,7 +254,7 @@ def test_garbage_response_is_retried(tmp_path):
 
 def test_connection_refused_is_retried(tmp_path):
     port = free_port()
-    clock = FakeClock()
+    clock = FakeClock(T0)
     ob = Outbox(tmp_path / "o.db", clock=clock)
     r = receiver(f"http://127.0.0.1:{port}/hook")
     ob.submit(r, notification())
@@ -316,7 +306,7 @@ def test_backoff_full_jitter_bounds_and_growth():
 
 
 def test_dispatcher_backoff_grows_exponentially(tmp_path):
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with running_receiver(default=status(500)) as rx:
         ob = Outbox(tmp_path / "o.db", clock=clock)
         r = receiver(rx.url, max_attempts=20)

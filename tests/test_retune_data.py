@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tmpfs
+from helpers import FakeClock
 
 from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
 from mla_watch.retune.data import (
@@ -24,13 +25,7 @@ from mla_watch.retune.data import (
     split_held_out,
 )
 
-
-class FakeClock:
-    def __init__(self, now: float = 1_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+T0 = 1_000_000.0
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +41,7 @@ def tokenizer():
 
 
 def test_add_and_read_back_in_order(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with TrafficCapture(tmp_path / "state" / "capture.sqlite", clock=clock) as cap:  # creates the directory
         for i in range(5):
             clock.now += 1
@@ -121,7 +116,7 @@ def test_limits_must_be_positive(tmp_path: Path, name: str) -> None:
 
 
 def test_age_expiry_with_a_fake_clock(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with TrafficCapture(tmp_path / "c.sqlite", max_age_seconds=100, clock=clock) as cap:
         cap.add("a", [1, 2])
         clock.now += 60
@@ -138,7 +133,7 @@ def test_age_expiry_with_a_fake_clock(tmp_path: Path) -> None:
 
 
 def test_expired_samples_are_dropped_on_add(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     path = tmp_path / "c.sqlite"
     with TrafficCapture(path, max_age_seconds=10, clock=clock) as cap:
         for _ in range(20):
@@ -151,7 +146,7 @@ def test_expired_samples_are_dropped_on_add(tmp_path: Path) -> None:
 
 
 def test_per_line_and_byte_bounds_hold_after_many_adds(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with TrafficCapture(tmp_path / "c.sqlite", max_samples_per_line=25, max_bytes=4000,
                         max_tokens_per_sample=16, clock=clock) as cap:
         for i in range(600):
@@ -175,7 +170,7 @@ def test_per_line_and_byte_bounds_hold_after_many_adds(tmp_path: Path) -> None:
 
 def test_prune_enforces_smaller_limits_of_a_reopened_file(tmp_path: Path) -> None:
     path = tmp_path / "c.sqlite"
-    clock = FakeClock()
+    clock = FakeClock(T0)
     with TrafficCapture(path, clock=clock) as cap:
         for i in range(30):
             clock.now += 1
@@ -257,7 +252,7 @@ def test_a_directory_in_place_of_the_file(tmp_path: Path) -> None:
 
 
 def test_token_content_never_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     caplog.set_level(logging.DEBUG, logger="mla_watch")
     with TrafficCapture(tmp_path / "c.sqlite", max_bytes=64, max_age_seconds=5, clock=clock) as cap:
         for _ in range(10):

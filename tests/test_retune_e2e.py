@@ -10,16 +10,15 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from conftest import get_metrics, metric_value, running_sidecar, wait_until
+from helpers import write_rules
 from receivers import running_receiver
 
 import mla_watch
-from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.jobs import RetuneSettings
@@ -29,14 +28,7 @@ pytestmark = pytest.mark.slow
 
 LAYER1 = "model.layers.1.mlp.gate"
 TOKEN = "retune-test-token"
-
-
-def write_rules(directory: Path, strategies: str, below: float = 5.0, resolve: float = 5.2) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(entropy_low_rules(below=below, resolve_above=resolve,
-                                                              actions=("notify", "retune"),
-                                                              strategies=(strategies,)))
-    return directory
+RETUNE = ("notify", "retune")  # the rule's actions
 
 
 PROMPTS = corpus.prompts("code", 64, seed=31)  # 64 distinct function signatures, ~18 tokens: what the gate scores
@@ -103,12 +95,12 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves(tmp_path, monkeypatch) -> None:
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        rules = write_rules(tmp_path / "rules", "bias")
+        rules = write_rules(tmp_path / "rules", actions=RETUNE, strategies=("bias",))
         settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
         with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
                              state_dir=tmp_path / "state") as (url, sidecar):
             traffic(url, 14)  # captured: the job's data
-            model = sidecar.engine.model
+            model = sidecar.model_worker.model
             with torch.no_grad():
                 model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0  # six experts win everything
             job, sent = finished_job(url, start=until_paged(url, receiver, 14))
@@ -133,7 +125,7 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
             # Within +0.3 of the healthy model, on held-out code the job never saw.
             sequences = held_out_texts()
             healthy, _ = mla_watch.load_model("bundled", device="cpu")
-            with torch.no_grad(), sidecar.engine.model_lock:
+            with torch.no_grad(), sidecar.model_worker.model_lock:
                 promoted = perplexity(model, sequences)
             with torch.no_grad():
                 assert promoted <= perplexity(healthy, sequences) + 0.3
@@ -152,12 +144,13 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
 def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_cli(tmp_path, monkeypatch) -> None:
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        rules = write_rules(tmp_path / "rules", "router_finetune", below=5.4, resolve=5.5)
+        rules = write_rules(tmp_path / "rules", below=5.4, resolve_above=5.5, actions=RETUNE,
+                            strategies=("router_finetune",))
         settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
         with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
                              admin_token=TOKEN, state_dir=tmp_path / "state") as (url, sidecar):
             traffic(url, 14)
-            model = sidecar.engine.model
+            model = sidecar.model_worker.model
             healthy = router_state(model)
             weight = model.model.layers[1].mlp.gate.weight
             with torch.no_grad():  # a bad deploy: noise on one router's weights

@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import FakeClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,16 +28,6 @@ from mla_watch.routing import (
 )
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-class FakeClock:
-    """Controllable clock: set ``now`` and the window reads it."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def simulate_topk(rng: np.random.Generator, num_slots: int, top_k: int, tokens: int,
@@ -393,7 +384,7 @@ def test_indexer_baseline_is_zero_padded() -> None:
 
 
 def test_window_cumulative_without_bounds() -> None:
-    window = RollingWindow(3, clock=FakeClock())
+    window = RollingWindow(3, clock=FakeClock(0.0))
     for _ in range(50):
         window.add([1, 0, 2], 1)
     totals = window.totals()
@@ -406,7 +397,7 @@ def test_window_cumulative_without_bounds() -> None:
 
 
 def test_window_token_eviction_at_bucket_granularity() -> None:
-    window = RollingWindow(2, max_tokens=10, clock=FakeClock())
+    window = RollingWindow(2, max_tokens=10, clock=FakeClock(0.0))
     window.add([4, 0], 4)
     window.add([0, 4], 4)
     window.add([1, 1], 4)  # 12 tokens; dropping the first would leave 8 < 10 -> keep all
@@ -425,7 +416,7 @@ def test_window_token_eviction_at_bucket_granularity() -> None:
 
 
 def test_window_token_eviction_boundary_is_inclusive() -> None:
-    window = RollingWindow(1, max_tokens=8, clock=FakeClock())
+    window = RollingWindow(1, max_tokens=8, clock=FakeClock(0.0))
     for _ in range(3):
         window.add([1], 4)
     # 12 tokens; without the oldest exactly 8 remain, which still reaches max_tokens -> drop it
@@ -468,7 +459,7 @@ def test_window_both_bounds() -> None:
 
 
 def test_window_ignores_empty_adds_and_clears() -> None:
-    window = RollingWindow(2, clock=FakeClock())
+    window = RollingWindow(2, clock=FakeClock(0.0))
     window.add([0, 0], 0)
     assert window.totals().buckets == 0
     window.add([0, 0], 3)  # tokens without selections still count
@@ -484,7 +475,7 @@ def test_window_ignores_empty_adds_and_clears() -> None:
 
 
 def test_window_totals_is_a_copy() -> None:
-    window = RollingWindow(2, clock=FakeClock())
+    window = RollingWindow(2, clock=FakeClock(0.0))
     window.add([1, 1], 1)
     window.totals().counts[:] = 99
     assert window.totals().counts.tolist() == [1, 1]
@@ -506,7 +497,7 @@ def test_window_rejects_bad_construction(kwargs: dict[str, object], pattern: str
 
 
 def test_window_rejects_bad_adds() -> None:
-    window = RollingWindow(3, clock=FakeClock())
+    window = RollingWindow(3, clock=FakeClock(0.0))
     with pytest.raises(ValueError, match=r"length 2.*num_slots=3"):
         window.add([1, 2], 1)
     with pytest.raises(ValueError, match="non-negative"):

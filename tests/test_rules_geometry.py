@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FakeClock
 from tiny_models import VOCAB, build
 
 import mla_watch
@@ -113,14 +114,6 @@ def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch
     assert "warning: rule RoutingEntropyFalling" in out and "never judges it" in out
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) -> None:
     from mla_watch.alerting.engine import AlertEngine
@@ -138,7 +131,7 @@ def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) ->
     for line in ("chat", "code"):
         with torch.no_grad(), probe.attribute(line):
             model(input_ids=torch.randint(1, VOCAB, (4, 40), generator=generator))
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     engine = AlertEngine(load_rules_dir(SHIPPED_RULES, environ=ONCALL), clock=clock)
 
     def records() -> list[dict]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 
 import httpx
 import pytest
 import torch
 from client import SQL, post, sse_events
 from conftest import get_metrics, metric_value, running_sidecar, serve_app, wait_until
+from helpers import FakeClock
 
 import mla_watch
 
@@ -75,26 +75,14 @@ def test_an_overloaded_server_answers_429_with_retry_after() -> None:
             statuses.count(200)
 
 
-class TickingClock:
-    """Half a second passes at every reading: a deadline of 0.3 s has passed by the next look at it, however
-    fast (or slow) the machine generates."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self) -> float:
-        with self.lock:
-            self.now += 0.5
-            return self.now
-
-
 def test_a_request_past_its_deadline_gets_503(tmp_path) -> None:
     from mla_watch.server.app import ServerConfig, Sidecar
 
     config = ServerConfig(device="cpu", policy_poll_seconds=None, admin_token=None, state_dir=tmp_path,
                           request_timeout=0.3, rules=None)
-    sidecar = Sidecar(config, clock=TickingClock())
+    # half a second passes at every reading: a deadline of 0.3 s has passed by the next look at it, however
+    # fast (or slow) the machine generates
+    sidecar = Sidecar(config, clock=FakeClock(0.0, tick=0.5))
     with serve_app(sidecar.app) as url:
         assert sidecar.wait_ready(120), sidecar.load_error
         response = post(url, "/v1/completions", {"prompt": "def f(", "max_tokens": 400}, {"X-Business-Line": "default"})
@@ -124,7 +112,7 @@ def test_an_attention_that_disagrees_with_eager_is_refused() -> None:
         attention = httpx.get(url + "/readyz").json()["attention"]
         assert attention["refused"] is True and attention["used"] == "eager"
         assert "disagrees with eager" in attention["message"]
-        assert sidecar.engine.model.config._attn_implementation == "eager"
+        assert sidecar.model_worker.model.config._attn_implementation == "eager"
         assert metric_value(get_metrics(url), "mla_watch_attention_fallback") == 1
         assert post(url, "/v1/completions", {"prompt": "def f(", "max_tokens": 2}).status_code == 200
 

@@ -6,6 +6,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from helpers import FakeClock
+from helpers import history_record as record
 from prometheus_client import CollectorRegistry, Counter
 
 from mla_watch.alerting.rules import load_rules_dir
@@ -14,24 +16,11 @@ from mla_watch.server.status import counter_values, entropy_band, policies_view,
 
 GATE = "model.layers.1.mlp.gate"
 INDEXER = "model.layers.1.self_attn.indexer"
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_800_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def record(name: str = GATE, line: str | None = "code", bits: float | None = 5.9, tokens: int = 200,
-           too_small: bool = False, kind: str = "expert", layer: int = 1) -> dict:
-    return {"name": name, "layer": layer, "kind": kind, "business_line": line, "entropy_bits": bits,
-            "tokens": tokens, "too_small": too_small, "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64}
+T0 = 1_800_000_000.0
 
 
 def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     history = RoutingHistory(span_seconds=30, interval_seconds=10, clock=clock)
     history.record([record(bits=5.91234), record(line=None, bits=5.95)])
     clock.now += 10
@@ -58,7 +47,7 @@ def test_points_are_aligned_per_series_and_expire_after_the_span() -> None:
 
 
 def test_since_returns_only_newer_points() -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     history = RoutingHistory(span_seconds=100, interval_seconds=1, clock=clock)
     for bits in (5.1, 5.2, 5.3):
         clock.now += 1
@@ -71,7 +60,7 @@ def test_since_returns_only_newer_points() -> None:
 
 
 def test_a_wall_clock_stepping_back_starts_the_history_over() -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     history = RoutingHistory(span_seconds=100, interval_seconds=1, clock=clock)
     history.record([record(bits=5.1)])
     clock.now -= 50
@@ -80,7 +69,7 @@ def test_a_wall_clock_stepping_back_starts_the_history_over() -> None:
 
 
 def test_memory_is_bounded_by_the_span() -> None:
-    clock = FakeClock()
+    clock = FakeClock(T0)
     history = RoutingHistory(span_seconds=60, interval_seconds=1, clock=clock)
     for step in range(1000):
         clock.now += 1

@@ -347,8 +347,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
                     if "data-metric" in b] == ["entropy_bits"]
             assert row[0]["data-metric"] == "entropy_bits"
 
-            with sidecar.engine.model_lock, torch.no_grad():  # the collapse: six experts win everywhere
-                sidecar.engine.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+            with sidecar.model_worker.model_lock, torch.no_grad():  # the collapse: six experts win everywhere
+                sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
 
             def paged() -> list[dict]:
                 return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]
@@ -509,8 +509,8 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
 
             for index in range(8):
                 request(index)
-            with sidecar.engine.model_lock, torch.no_grad():  # the hotspot: expert 0 of layer 2 takes every token
-                sidecar.engine.model.model.layers[2].mlp.gate.e_score_correction_bias[0] += 10.0
+            with sidecar.model_worker.model_lock, torch.no_grad():  # the hotspot: expert 0 of layer 2 takes every token
+                sidecar.model_worker.model.model.layers[2].mlp.gate.e_score_correction_bias[0] += 10.0
 
             def paged() -> list[dict]:
                 return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]

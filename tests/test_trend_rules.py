@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
-from pathlib import Path
+from functools import partial
 
 import pytest
+from helpers import FakeClock, engine_record, write_rules
 from memory_history import MemoryHistory
 
 from mla_watch.alerting.engine import AlertEngine
@@ -69,11 +70,10 @@ def test_the_memory_history_is_a_trend_source() -> None:
 # --------------------------------------------------------------------------- rule files
 
 
-def write_rules(tmp_path: Path, body: str) -> Path:
-    (tmp_path / "r.yaml").write_text(
-        "receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]\n"
-        f"rules:\n  - {{alert: Falling, metric: entropy_bits, {body}}}\n")
-    return tmp_path
+def rule_file(body: str) -> str:
+    """A rules file: receiver ``oncall`` and one rule, Falling, on entropy_bits, whose other keys are ``body``."""
+    return ("receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]\n"
+            f"rules:\n  - {{alert: Falling, metric: entropy_bits, {body}}}\n")
 
 
 @pytest.mark.parametrize(("body", "trend", "below"), [
@@ -84,7 +84,7 @@ def write_rules(tmp_path: Path, body: str) -> Path:
     ("predict: {over: 6h, ahead: 3d, below: 5.0}", Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0), 5.0),
 ])
 def test_trend_and_predict_blocks_parse(tmp_path, body, trend, below) -> None:
-    (rule,) = load_rules_dir(write_rules(tmp_path, body)).rules
+    (rule,) = load_rules_dir(write_rules(tmp_path, rule_file(body), name="r.yaml")).rules
     assert rule.trend == trend and rule.below == below
 
 
@@ -103,33 +103,23 @@ def test_trend_and_predict_blocks_parse(tmp_path, body, trend, below) -> None:
 ])
 def test_trend_errors_name_file_key_value_and_expectation(tmp_path, body, expected) -> None:
     with pytest.raises(RuleError) as caught:
-        load_rules_dir(write_rules(tmp_path, body))
+        load_rules_dir(write_rules(tmp_path, rule_file(body), name="r.yaml"))
     assert expected in str(caught.value) and "r.yaml" in str(caught.value), str(caught.value)
 
 
 def test_trend_template_fields_are_known_and_checked(tmp_path) -> None:
     assert {"current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in"} <= set(TEMPLATE_FIELDS)
     ok = "predict: {over: 6h, ahead: 3d, below: 5}, annotations: {summary: '{predicted:.2f} in {crossing_in}'}"
-    assert load_rules_dir(write_rules(tmp_path, ok)).rules[0].annotations
+    assert load_rules_dir(write_rules(tmp_path, rule_file(ok), name="r.yaml")).rules[0].annotations
     bad = "predict: {over: 6h, ahead: 3d, below: 5}, annotations: {summary: '{crossing_in:.1f}'}"
     with pytest.raises(RuleError, match="a format spec that suits each field"):
-        load_rules_dir(write_rules(tmp_path, bad))
+        load_rules_dir(write_rules(tmp_path, rule_file(bad), name="r.yaml"))
 
 
 # --------------------------------------------------------------------------- the engine
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def record(bits: float, tokens: int = 4096) -> dict:
-    return {"name": GATE, "layer": 2, "kind": "expert", "business_line": "code", "num_slots": 64, "tokens": tokens,
-            "min_tokens": 152, "entropy_bits": bits, "floor_bits": 2.585, "ceiling_bits": 6.0}
+record = partial(engine_record, name=GATE, layer=2, min_tokens=152, num_slots=64)
 
 
 def falling_rule(**kw) -> Rule:
@@ -141,20 +131,20 @@ def falling_rule(**kw) -> Rule:
     return Rule(**args)
 
 
-def drive(engine: AlertEngine, history: MemoryHistory, clock: Clock, bits_at, hours: float, start: float = 0.0,
+def drive(engine: AlertEngine, history: MemoryHistory, clock: FakeClock, bits_at, hours: float, start: float = 0.0,
           tokens: int = 4096) -> list:
     """Every 15 simulated minutes from ``start`` for ``hours``: record, evaluate; the notify actions."""
     actions = []
     for i in range(int(hours * 4)):
         clock.now = T0 + (start + i / 4) * HOUR
-        rec = record(bits_at(start + i / 4), tokens)
+        rec = record(bits_at(start + i / 4), tokens=tokens)
         history.add(clock.now, [rec])
         actions += [a for a in engine.evaluate([rec]) if a.kind == "notify"]
     return actions
 
 
 def test_a_predict_rule_warns_on_a_steady_fall_and_resolves_with_hysteresis(tmp_path) -> None:
-    clock, history = Clock(), MemoryHistory()
+    clock, history = FakeClock(T0), MemoryHistory()
     engine = AlertEngine(RuleSet((falling_rule(),), {}), clock=clock, trend_source=history,
                          state_path=tmp_path / "state.json")
     assert drive(engine, history, clock, lambda h: 5.9, 12) == []  # flat: predicted 5.9
@@ -176,7 +166,7 @@ def test_a_predict_rule_warns_on_a_steady_fall_and_resolves_with_hysteresis(tmp_
 
 
 def test_a_slope_rule_judges_the_slope_per_unit() -> None:
-    clock, history = Clock(), MemoryHistory()
+    clock, history = FakeClock(T0), MemoryHistory()
     rule = falling_rule(trend=Trend("slope", 6 * HOUR, per_seconds=86400.0), below=-0.2, resolve_above=None,
                         for_seconds=0.0, annotations={"summary": "{value:.2f} {slope_per_hour:.3f} {crossing_in}"})
     engine = AlertEngine(RuleSet((rule,), {}), clock=clock, trend_source=history)
@@ -186,7 +176,7 @@ def test_a_slope_rule_judges_the_slope_per_unit() -> None:
 
 
 def test_too_little_history_and_small_windows_are_not_judged() -> None:
-    clock, history = Clock(), MemoryHistory()
+    clock, history = FakeClock(T0), MemoryHistory()
     engine = AlertEngine(RuleSet((falling_rule(for_seconds=0.0),), {}), clock=clock, trend_source=history)
     # a steep fall, but only 2.75 hours of a 6-hour look-back: less than half of it
     assert drive(engine, history, clock, lambda h: 5.9 - 0.1 * h, 2.75) == []
@@ -197,7 +187,7 @@ def test_too_little_history_and_small_windows_are_not_judged() -> None:
 
 
 def test_without_a_trend_source_trend_rules_are_never_judged(caplog) -> None:
-    clock, history = Clock(), MemoryHistory()
+    clock, history = FakeClock(T0), MemoryHistory()
     with caplog.at_level(logging.WARNING, logger="mla_watch.alerting.engine"):
         engine = AlertEngine(RuleSet((falling_rule(for_seconds=0.0),), {}), clock=clock)
     assert "is a trend rule, and this alert engine has no routing history" in caplog.text

@@ -1,0 +1,93 @@
+"""Small shared test helpers: a fake clock, a rules-directory writer, and routing-record builders.
+
+Imported as a plain module (``from helpers import FakeClock``): ``tests/`` is on ``sys.path``, not a package.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+GATE = "model.layers.1.mlp.gate"  # the router the record builders describe unless told otherwise
+
+# --------------------------------------------------------------------------- the clock
+
+
+class FakeClock:
+    """An injectable clock: ``clock()`` returns ``clock.now``; a test sets ``now`` or calls ``advance``.
+
+    ``now`` starts at a plausible wall-clock time unless given (pass ``0.0`` for a monotonic-style clock).
+    ``tick``: seconds that pass at every reading, added before it is returned - for code that must see time
+    move while it runs (a deadline that has passed by the next look at it, however fast the machine is).
+    Reading and advancing are thread-safe.
+    """
+
+    def __init__(self, now: float = 1_700_000_000.0, *, tick: float = 0.0) -> None:
+        self.now = now
+        self.tick = tick
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            if self.tick:
+                self.now += self.tick
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+# --------------------------------------------------------------------------- rules files
+
+
+def write_rules(directory: Path, text: str | None = None, *, name: str = "routing.yaml", **example: Any) -> Path:
+    """Write one rules file ``name`` into ``directory`` (made if missing) and return the directory, which is
+    what ``--rules`` and ``load_rules_dir`` take.
+
+    ``text`` is the file; without it, ``entropy_low_rules(**example)``: receiver ``oncall`` at
+    ``${MLA_WATCH_ONCALL_URL}`` and one RoutingEntropyLow rule (``below``, ``resolve_above``, ``actions``,
+    ``strategies``, ``annotations``, ...: see :func:`mla_watch.alerting.examples.entropy_low_rules`).
+    """
+    if text is None:
+        from mla_watch.alerting.examples import entropy_low_rules
+
+        text = entropy_low_rules(**example)
+    elif example:
+        raise TypeError(f"write_rules: {sorted(example)} build the example rules, but a text was given")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text)
+    return directory
+
+
+# --------------------------------------------------------------------------- routing records
+# Two shapes, one per consumer: the history (RoutingHistory, HistoryStore) keeps the metrics it is given and the
+# router's geometry; the alert engine judges a window against its min_tokens and matches rules on geometry only
+# when the record states it (``num_slots=...``).
+
+
+def history_record(name: str = GATE, line: str | None = "code", bits: float | None = 5.0, tokens: int = 200,
+                   too_small: bool = False, *, kind: str = "expert", layer: int = 1) -> dict:
+    """A routing record as the history samples it: a 64-slot router (2.585..6 bits) whose metrics follow
+    ``bits`` (normalized entropy, bits below the ceiling) or are fixed (max violation, dead slots, locality)."""
+    return {"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": tokens,
+            "entropy_bits": bits, "normalized_entropy": None if bits is None else bits / 6.0,
+            "bits_below_ceiling": None if bits is None else 6.0 - bits, "max_violation": 1.5, "dead_slots": 2,
+            "js_divergence": None, "locality": 0.25, "too_small": too_small, "floor_bits": 2.585,
+            "ceiling_bits": 6.0, "num_slots": 64}
+
+
+def engine_record(value: float | None = 5.9, *, metric: str = "entropy_bits", name: str = GATE, layer: int = 1,
+                  kind: str = "expert", line: str | None = "code", tokens: int = 4096, min_tokens: int = 256,
+                  **extra: Any) -> dict[str, Any]:
+    """A routing record as the alert engine judges it: ``metric`` reads ``value`` (entropy 5.9 bits otherwise),
+    ``too_small`` follows ``tokens < min_tokens``; ``extra`` adds or overrides fields (``num_slots``, ...)."""
+    record: dict[str, Any] = {"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": tokens,
+                              "entropy_bits": 5.9, "floor_bits": 2.585, "ceiling_bits": 6.0,
+                              "normalized_entropy": 0.97, "max_violation": 0.1, "dead_slots": 0,
+                              "js_divergence": None, "locality": None, "min_tokens": min_tokens,
+                              "too_small": tokens < min_tokens}
+    record[metric] = value
+    record.update(extra)
+    return record
