@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.cli_flags import DEFAULT_STATE_DIR, parse_options, positive_int
+from mla_watch.statedir import DATASETS_DIR_NAME
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["add_parser"]
@@ -186,7 +187,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--dataset", type=Path,
                      help="a JSONL file to train on instead of captured traffic: a path here (copied into "
                           "--dataset-dir first) or the bare name of a file already in the sidecar's dataset directory")
-    run.add_argument("--dataset-dir", type=Path, default=DEFAULT_STATE_DIR / "datasets",
+    run.add_argument("--dataset-dir", type=Path, default=DEFAULT_STATE_DIR / DATASETS_DIR_NAME,
                      help="the sidecar's dataset directory (its serve --dataset-dir; default "
                           "./mla-watch-state/datasets), where a --dataset file is copied")
     run.add_argument("--option", action="append", default=[], help="STRATEGY.NAME=VALUE, e.g. router_finetune.lr=1e-3")

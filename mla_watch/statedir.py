@@ -17,13 +17,15 @@ import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file", "replace_private",
+__all__ = ["DATASETS_DIR_NAME", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file",
+           "replace_private",
            "set_aside", "write_private"]
 
 log = logging.getLogger(__name__)
 
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
+DATASETS_DIR_NAME = "datasets"  # the re-tune datasets' directory inside the state directory (unless --dataset-dir)
 
 
 def _tighten(path: Path, mode: int, what: str) -> None:

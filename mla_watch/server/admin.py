@@ -24,6 +24,7 @@ from mla_watch.retune.service import DEFAULT_STRATEGIES, Cooldown, RetuneService
 from mla_watch.retune.specs import job_band, request_job_spec
 from mla_watch.retune.strategies import STRATEGIES, get_strategy
 from mla_watch.server.requests import ApiError
+from mla_watch.statedir import DATASETS_DIR_NAME
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 if TYPE_CHECKING:
@@ -237,7 +238,7 @@ class Admin:
         dataset = body.get("dataset")
         if dataset is not None:
             try:  # a bare name of a file in the dataset directory; any other value gets the same answer
-                resolve_dataset(dataset, service.retuner.dataset_dir or ctx.config.state_dir / "datasets")
+                resolve_dataset(dataset, service.retuner.dataset_dir or ctx.config.state_dir / DATASETS_DIR_NAME)
             except ValueError as error:
                 raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)

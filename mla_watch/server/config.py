@@ -14,6 +14,7 @@ from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+from mla_watch.windows import DEFAULT_WINDOW_TOKENS
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
            "ServerConfig", "ServerConfigError", "check_tokens", "split_credentials"]
@@ -64,7 +65,7 @@ class ServerConfig:
     max_queue: int = 32
     request_timeout: float = 60.0
     max_body_bytes: int = 1_000_000
-    window_tokens: int | None = 4096
+    window_tokens: int | None = DEFAULT_WINDOW_TOKENS
     window_seconds: float | None = None
     # A (router, business line) window is learned as that series' healthy baseline once it holds this many tokens.
     baseline_tokens: int = DEFAULT_LEARN_TOKENS

@@ -22,7 +22,7 @@ from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.sources import RoutingSources
-from mla_watch.statedir import ensure_private_dir
+from mla_watch.statedir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.windows import ALL_LINES
 
 __all__ = ["Retuning", "proposed_notice", "rejected_notice"]
@@ -52,7 +52,7 @@ class Retuning:
 
         state = ensure_private_dir(self.config.state_dir)  # 0700: it holds captured traffic
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
-        datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / "datasets"
+        datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
         ensure_private_dir(datasets)
         registry = RouterVersions(state / "routers")
         capture = None
