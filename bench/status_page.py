@@ -90,7 +90,7 @@ def sample_figures() -> dict:
     times = []
     for _ in range(20):
         started = time.perf_counter()
-        sidecar.history.record(sidecar._routing_records())
+        sidecar.history.record(sidecar.routing_snapshot().as_dicts())
         times.append(time.perf_counter() - started)
     sidecar.model_worker.close()
     median = statistics.median(times)

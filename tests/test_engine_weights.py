@@ -494,3 +494,19 @@ def test_a_transport_can_be_given(router_dir: Path) -> None:
     engine.swap(router_dir)
     assert seen == [f"POST {path} Bearer secret" for path in ("/pause", "/collective_rpc", "/reset_prefix_cache",
                                                                "/resume")]
+
+
+# ---------------------------------------------------------------------------------------------- the admin API
+def test_a_retune_request_naming_no_router_beside_an_engine_asks_for_routers(url: str, tmp_path: Path,
+                                                                               config_json: Path) -> None:
+    """Beside an engine there is no local probe: the routers out of band are read from the engine's windows."""
+    from conftest import running_sidecar
+
+    checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
+    token = "engine-admin-token-0123"
+    with running_sidecar(upstream=url, engine="vllm", model_config=checkpoint, engine_retune="propose",
+                         capture=True, admin_token=token) as (sidecar_url, _):
+        answer = httpx.post(sidecar_url + "/admin/retune", json={}, timeout=30,
+                            headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 400, answer.text
+    assert "no watched router is out of band" in answer.json()["error"]["message"]

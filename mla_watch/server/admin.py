@@ -208,8 +208,8 @@ class Admin:
         watched = service.watched_by(rule)
         routers = body.get("routers")
         if routers is None:
-            ctx.sources.probe.collect()
-            records = ctx.sources.probe.windows.stats(line)
+            windows = ctx.sources.own_windows()  # the local model's, or the engine's beside one
+            records = windows.stats(line) if windows is not None else []
             routers = [r["name"] for r in records if r["name"] in watched and not r.get("too_small")
                        and r.get(band.metric) is not None and not band.contains(float(r[band.metric]))]
             if not routers:
