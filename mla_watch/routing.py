@@ -25,8 +25,9 @@ uniform 64/6 router reads about 5.49 bits over 16 tokens.
 :func:`minimum_window_tokens` gives the token count above which that bias is within a
 tolerance; readings over fewer tokens are flagged ``too_small`` (but still computed).
 
-:class:`RollingWindow` keeps the sum of the most recent count deltas, bounded by a
-token budget and/or an age limit.
+:class:`RollingWindow` (the sum of the most recent count deltas, bounded by a token
+budget and/or an age limit) and :class:`WindowTotals` live in :mod:`mla_watch.rolling`
+and are re-exported here; the shared argument checks live in :mod:`mla_watch.count_checks`.
 
 This module depends on numpy and scipy only (no torch): it is imported by processes
 that never load a model.
@@ -35,15 +36,15 @@ that never load a model.
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy.spatial.distance import jensenshannon
+
+from mla_watch.count_checks import _as_counts, _check_local_choice, _check_nonnegative_int, _check_positive_int
+from mla_watch.rolling import RollingWindow, WindowTotals
 
 __all__ = [
     "BASELINE_METRICS",
@@ -70,71 +71,6 @@ Kind = Literal["expert", "indexer"]
 
 KINDS: tuple[str, ...] = ("expert", "indexer")
 _LN2 = math.log(2.0)
-
-
-# ---------------------------------------------------------------------------
-# validation helpers
-# ---------------------------------------------------------------------------
-
-
-def _as_counts(counts: ArrayLike, name: str = "counts") -> np.ndarray:
-    """Return ``counts`` as a 1-D float64 array of finite, non-negative values."""
-    arr = np.asarray(counts, dtype=np.float64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D vector, got an array of shape {arr.shape}")
-    if arr.size and not np.all(np.isfinite(arr)):
-        raise ValueError(f"{name} must be finite, got non-finite values")
-    if arr.size and np.any(arr < 0):
-        raise ValueError(f"{name} must be non-negative, got minimum {float(arr.min())!r}")
-    return arr
-
-
-def _as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> np.ndarray:
-    """Return ``counts`` as a 1-D int64 array of length ``num_slots`` with values >= 0."""
-    raw = np.asarray(counts)
-    if raw.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D vector, got an array of shape {raw.shape}")
-    if raw.shape[0] != num_slots:
-        raise ValueError(f"{name} has length {raw.shape[0]}, expected num_slots={num_slots}")
-    if raw.dtype.kind in "iub":
-        arr = raw.astype(np.int64)
-    elif raw.dtype.kind == "f":
-        if raw.size and not np.all(np.isfinite(raw)):
-            raise ValueError(f"{name} must be finite, got non-finite values")
-        if raw.size and not np.all(raw == np.floor(raw)):
-            raise ValueError(f"{name} must hold whole numbers, got non-integral values")
-        arr = raw.astype(np.int64)
-    else:
-        raise ValueError(f"{name} must be numeric integers, got dtype {raw.dtype}")
-    if arr.size and np.any(arr < 0):
-        raise ValueError(f"{name} must be non-negative, got minimum {int(arr.min())}")
-    return arr
-
-
-def _check_positive_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
-def _check_nonnegative_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
-
-
-def _check_local_choice(local_selections: int, choice_selections: int) -> tuple[int, int]:
-    local = _check_nonnegative_int(local_selections, "local_selections")
-    choice = _check_nonnegative_int(choice_selections, "choice_selections")
-    if local > choice:
-        raise ValueError(
-            f"local_selections={local} cannot exceed choice_selections={choice}"
-        )
-    return local, choice
 
 
 # ---------------------------------------------------------------------------
@@ -463,175 +399,3 @@ def compute_stats(
         min_tokens=needed,
         too_small=n_tokens < needed,
     )
-
-
-# ---------------------------------------------------------------------------
-# rolling window
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WindowTotals:
-    """Sums over the buckets a :class:`RollingWindow` currently keeps."""
-
-    counts: np.ndarray  # int64, length num_slots
-    tokens: int
-    local_selections: int
-    choice_selections: int
-    buckets: int
-    oldest: float | None  # clock time of the oldest bucket kept
-    newest: float | None
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    timestamp: float
-    slots: np.ndarray  # the slots this delta touched; deltas are sparse for indexers over long contexts
-    counts: np.ndarray  # their counts
-    tokens: int
-    local_selections: int
-    choice_selections: int
-
-
-class RollingWindow:
-    """Sum of the most recent count deltas, bounded by tokens and/or by age.
-
-    Each :meth:`add` makes one bucket stamped with ``clock()``.  Eviction:
-
-    * by tokens: while more than one bucket is kept and the tokens without the oldest
-      bucket still reach ``max_tokens``, the oldest is dropped (so the window holds at
-      least ``max_tokens`` when history allows, at bucket granularity);
-    * by time: buckets stamped before ``clock() - max_seconds`` are dropped.
-
-    Both apply when both are given; with neither the window is cumulative.  A running
-    sum is kept, so :meth:`totals` costs O(evicted + num_slots).
-    """
-
-    def __init__(
-        self,
-        num_slots: int,
-        *,
-        max_tokens: int | None = None,
-        max_seconds: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        max_buckets: int | None = None,
-    ) -> None:
-        self._num_slots = _check_positive_int(num_slots, "num_slots")
-        # Past this many buckets the two oldest merge: memory stays bounded however small the deltas,
-        # and only the oldest part of the window loses its granularity.
-        self._max_buckets = None if max_buckets is None else max(2, _check_positive_int(max_buckets, "max_buckets"))
-        if max_tokens is not None:
-            max_tokens = _check_positive_int(max_tokens, "max_tokens")
-        if max_seconds is not None:
-            seconds = float(max_seconds)
-            if not (seconds > 0.0):
-                raise ValueError(f"max_seconds must be > 0, got {max_seconds!r}")
-            max_seconds = seconds
-        self._max_tokens = max_tokens
-        self._max_seconds = max_seconds
-        self._clock = clock
-        self._buckets: deque[_Bucket] = deque()
-        self._counts = np.zeros(self._num_slots, dtype=np.int64)
-        self._tokens = 0
-        self._local = 0
-        self._choice = 0
-        self._cumulative_adds = 0
-        self._cumulative_span: tuple[float, float] | None = None
-
-    @property
-    def num_slots(self) -> int:
-        """Number of slots each count delta covers."""
-        return self._num_slots
-
-    def add(
-        self,
-        counts: ArrayLike,
-        tokens: int,
-        *,
-        local_selections: int = 0,
-        choice_selections: int = 0,
-    ) -> None:
-        """Add one bucket: a count delta of length ``num_slots`` over ``tokens`` tokens."""
-        delta = _as_int_counts(counts, self._num_slots)
-        n_tokens = _check_nonnegative_int(tokens, "tokens")
-        local, choice = _check_local_choice(local_selections, choice_selections)
-        if n_tokens == 0 and local == 0 and choice == 0 and not np.any(delta):
-            return
-        self._counts += delta
-        self._tokens += n_tokens
-        self._local += local
-        self._choice += choice
-        stamp = float(self._clock())
-        if self._max_tokens is None and self._max_seconds is None:
-            # Cumulative: nothing is ever evicted, so the running sums are the whole window.
-            self._cumulative_adds += 1
-            self._cumulative_span = (self._cumulative_span[0] if self._cumulative_span else stamp, stamp)
-            return
-        slots = np.flatnonzero(delta)
-        self._buckets.append(_Bucket(stamp, slots, delta[slots], n_tokens, local, choice))
-        self._evict()
-        while self._max_buckets is not None and len(self._buckets) > self._max_buckets:
-            self._merge_oldest()
-
-    def totals(self) -> WindowTotals:
-        """Evict stale buckets, then return the sums over the buckets kept."""
-        self._evict()
-        if self._cumulative_span is not None:
-            buckets, (oldest, newest) = self._cumulative_adds, self._cumulative_span
-        elif self._buckets:
-            buckets, oldest, newest = len(self._buckets), self._buckets[0].timestamp, self._buckets[-1].timestamp
-        else:
-            buckets, oldest, newest = 0, None, None
-        return WindowTotals(
-            counts=self._counts.copy(),
-            tokens=self._tokens,
-            local_selections=self._local,
-            choice_selections=self._choice,
-            buckets=buckets,
-            oldest=oldest,
-            newest=newest,
-        )
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the running sums and the buckets' arrays."""
-        return self._counts.nbytes + sum(b.slots.nbytes + b.counts.nbytes for b in self._buckets)
-
-    def clear(self) -> None:
-        """Drop every bucket."""
-        self._buckets.clear()
-        self._cumulative_adds = 0
-        self._cumulative_span = None
-        self._counts[:] = 0
-        self._tokens = 0
-        self._local = 0
-        self._choice = 0
-
-    def _drop_oldest(self) -> None:
-        bucket = self._buckets.popleft()
-        self._counts[bucket.slots] -= bucket.counts
-        self._tokens -= bucket.tokens
-        self._local -= bucket.local_selections
-        self._choice -= bucket.choice_selections
-
-    def _merge_oldest(self) -> None:
-        first, second = self._buckets.popleft(), self._buckets.popleft()
-        dense = np.zeros(self._num_slots, dtype=np.int64)
-        dense[first.slots] += first.counts
-        dense[second.slots] += second.counts
-        slots = np.flatnonzero(dense)
-        self._buckets.appendleft(_Bucket(second.timestamp, slots, dense[slots], first.tokens + second.tokens,
-                                         first.local_selections + second.local_selections,
-                                         first.choice_selections + second.choice_selections))
-
-    def _evict(self) -> None:
-        if self._max_seconds is not None:
-            cutoff = float(self._clock()) - self._max_seconds
-            while self._buckets and self._buckets[0].timestamp < cutoff:
-                self._drop_oldest()
-        if self._max_tokens is not None:
-            while (
-                len(self._buckets) > 1
-                and self._tokens - self._buckets[0].tokens >= self._max_tokens
-            ):
-                self._drop_oldest()
