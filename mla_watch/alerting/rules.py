@@ -28,13 +28,15 @@ environment) never appear in errors or warnings.
 fire given the metric's true range on that router, minimum windows too small to trust,
 and selectors that match no router.
 
+The parsing of thresholds and trend/predict blocks lives in :mod:`mla_watch.alerting.thresholds`,
+that of selectors in :mod:`mla_watch.alerting.selector`.
+
 No torch here.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 import string
@@ -49,22 +51,18 @@ from mla_watch.alerting.model import (
     METRICS,
     RETUNE_STRATEGIES,
     TEMPLATE_FIELDS,
-    BaselineScale,
     Receiver,
     Rule,
     RuleError,
     RuleSet,
-    Selector,
-    SlotRange,
-    Trend,
 )
 from mla_watch.alerting.receivers import parse_receiver
+from mla_watch.alerting.selector import _NAME_RE, _parse_selector
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.thresholds import _number_key, _parse_baseline_thresholds, _parse_trend, format_number
 from mla_watch.config import config_files
-from mla_watch.routing import KINDS
 from mla_watch.yamlcheck import Checker as _Checker
 from mla_watch.yamlcheck import fmt as _fmt
-from mla_watch.yamlcheck import is_number as _is_number
 from mla_watch.yamlcheck import read_yaml
 
 __all__ = [
@@ -87,25 +85,6 @@ _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "r
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
               "receivers", "trend", "predict", "lint_expect")
 LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_expect)
-_THRESHOLD_KEYS = ("below", "above", "resolve_above", "resolve_below")
-# A trend block may hold the thresholds itself, as the issue wrote `predict: {over: 6h, ahead: 3d, below: 5.0}`.
-_TREND_KEYS = ("over", "per", *_THRESHOLD_KEYS)
-_PREDICT_KEYS = ("over", "ahead", *_THRESHOLD_KEYS)
-_PER_UNITS = {"hour": 3600.0, "day": 86400.0}
-_SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots", "hash_routed")
-_SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
-                   "under `not:` ({not: 64})")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def format_number(x: float) -> str:
-    """A threshold as people write it: 5.0 -> '5', 6.5 -> '6.5'."""
-    text = repr(float(x))
-    return text[:-2] if text.endswith(".0") else text
 
 
 # --------------------------------------------------------------------------- YAML
@@ -157,26 +136,6 @@ def _template_problem(template: str) -> str | None:
 # --------------------------------------------------------------------------- rules
 
 
-def _number_key(chk: _Checker, data: Mapping[str, Any], key: str, path: str) -> float | None:
-    if key not in data or data[key] is None:
-        return None
-    value = data[key]
-    if not _is_number(value):
-        hint = ""
-        if isinstance(value, str):
-            try:
-                float(value)
-                hint = " (YAML reads this as text; write it unquoted)"
-            except ValueError:
-                pass
-        chk.bad(f"{path}.{key}", value, f"a number{hint}")
-        return None
-    if not math.isfinite(value):
-        chk.bad(f"{path}.{key}", value, "a finite number")
-        return None
-    return float(value)
-
-
 def _names_list(chk: _Checker, path: str, raw: object, allowed: tuple[str, ...] | None, what: str) -> tuple[str, ...]:
     items = [raw] if isinstance(raw, str) else raw
     if not isinstance(items, list) or not items:
@@ -193,156 +152,6 @@ def _names_list(chk: _Checker, path: str, raw: object, allowed: tuple[str, ...] 
         else:
             out.append(item)
     return tuple(out)
-
-
-def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
-    if raw is None:
-        return Selector()
-    data = chk.mapping(path, raw, _SELECT_KEYS, "with keys " + ", ".join(_SELECT_KEYS))
-    if data is None:
-        return Selector()
-    kind = data.get("kind")
-    if kind is not None and kind not in KINDS:
-        chk.bad(f"{path}.kind", kind, "one of: expert, indexer (any other kind matches no router)")
-        kind = None
-    layers = None
-    raw_layers = data.get("layers")
-    if raw_layers is not None:
-        if isinstance(raw_layers, int) and not isinstance(raw_layers, bool):
-            raw_layers = [raw_layers, raw_layers]
-        if (not isinstance(raw_layers, list) or len(raw_layers) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_layers)):
-            chk.bad(f"{path}.layers", raw_layers, "[first, last]: two integers, an inclusive range of layer indices")
-        elif raw_layers[0] > raw_layers[1]:
-            chk.bad(f"{path}.layers", raw_layers,
-                    f"[first, last] with first <= last; [{raw_layers[0]}, {raw_layers[1]}] matches no layer")
-        elif raw_layers[1] < -1:
-            chk.bad(f"{path}.layers", raw_layers, "a range that includes layers >= -1; it matches no layer")
-        else:
-            layers = (raw_layers[0], raw_layers[1])
-    router = data.get("router")
-    if router is not None:
-        if not isinstance(router, str) or not router:
-            chk.bad(f"{path}.router", router, "a glob over router module names, e.g. '*.mlp.gate'")
-            router = None
-        elif router == "*":
-            router = None
-        elif router.count("[") != router.count("]"):
-            chk.bad(f"{path}.router", router, "a glob with balanced [ ] brackets")
-            router = None
-    line = data.get("business_line")
-    if line is not None and (not isinstance(line, str) or not (line == "*" or _NAME_RE.match(line))):
-        chk.bad(f"{path}.business_line", line, "a business line name or '*' (every line, one alert per line)")
-        line = None
-    slots = _parse_slots(chk, f"{path}.slots", data.get("slots")) if "slots" in data else None
-    hashed = data.get("hash_routed", False)
-    if not isinstance(hashed, bool):
-        chk.bad(f"{path}.hash_routed", hashed, "true (watch hash routers only) or false (the default: learned "
-                "routers only)")
-        hashed = False
-    return Selector(kind=kind, layers=layers, router=router, business_line=line, slots=slots, hash_routed=hashed)
-
-
-def _parse_slots(chk: _Checker, path: str, raw: object) -> SlotRange | None:
-    exclude = False
-    if isinstance(raw, dict):
-        if set(raw) != {"not"}:
-            chk.bad(path, raw, _SLOTS_EXPECTED)
-            return None
-        raw, exclude = raw["not"], True
-
-    def count(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-    if count(raw):
-        return SlotRange(raw, raw, exclude)  # type: ignore[arg-type]
-    if isinstance(raw, list) and len(raw) == 2 and count(raw[0]) and (raw[1] is None or count(raw[1])):
-        if raw[1] is not None and raw[1] < raw[0]:
-            chk.bad(path, raw, f"[low, high] with low <= high; {_fmt(raw)} matches no router")
-            return None
-        return SlotRange(raw[0], raw[1], exclude)
-    chk.bad(path, raw, _SLOTS_EXPECTED)
-    return None
-
-
-def _parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Trend | None, Mapping[str, Any], str]:
-    """A rule's ``trend:`` / ``predict:`` block, and where its thresholds are: ``(trend, mapping, path)``."""
-    given = [key for key in ("trend", "predict") if data.get(key) is not None]
-    if len(given) > 1:
-        chk.bad(f"{path}.predict", data["predict"], "at most one of trend and predict in a rule")
-        return None, data, path
-    if not given:
-        return None, data, path
-    key = given[0]
-    bpath = f"{path}.{key}"
-    allowed = _TREND_KEYS if key == "trend" else _PREDICT_KEYS
-    example = "{over: 6h, per: hour}" if key == "trend" else "{over: 6h, ahead: 3d}"
-    block = chk.mapping(bpath, data[key], allowed, f"a mapping such as {example} with keys " + ", ".join(allowed))
-    if block is None:
-        return None, data, path
-    where, wpath = data, path
-    inside = [k for k in _THRESHOLD_KEYS if k in block]
-    if inside:
-        outside = [k for k in _THRESHOLD_KEYS if k in data]
-        if outside:
-            chk.bad(f"{path}.{outside[0]}", data[outside[0]], f"the thresholds in one place: {bpath} holds "
-                    f"{', '.join(inside)} already")
-        where, wpath = block, bpath
-    if "over" not in block:
-        chk.missing(f"{bpath}.over", "the look-back, a duration such as 6h")
-    over = duration_key(chk, block, "over", bpath, 0.0, positive=True)
-    if key == "trend":
-        per = block.get("per", "hour")
-        if per not in _PER_UNITS:
-            chk.bad(f"{bpath}.per", per, "hour or day (below / above are the slope per that unit)")
-            per = "hour"
-        return Trend("slope", over, per_seconds=_PER_UNITS[per]), where, wpath
-    if "ahead" not in block:
-        chk.missing(f"{bpath}.ahead", "how far ahead to predict, a duration such as 3d")
-    ahead = duration_key(chk, block, "ahead", bpath, 0.0, positive=True)
-    return Trend("predict", over, ahead_seconds=ahead), where, wpath
-
-
-_UPPER_SIDE = ("above", "resolve_below")  # bounded from below by a floor; the others by a ceiling
-_SCALE_EXPECTED = ("a number, or a threshold relative to the healthy baseline such as "
-                   "{baseline_times: 2.0, floor: 1.0} (above / resolve_below) or "
-                   "{baseline_plus: -0.5, ceiling: 5.0} (below / resolve_above)")
-
-
-def _parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
-                               ) -> tuple[Mapping[str, Any], dict[str, BaselineScale]]:
-    """Thresholds written relative to the learned healthy baseline: ``(data with each such threshold replaced by
-    its bound, the scales by threshold key)``."""
-    scales: dict[str, BaselineScale] = {}
-    plain = dict(data)
-    for key in _THRESHOLD_KEYS:
-        raw = data.get(key)
-        if not isinstance(raw, dict):
-            continue
-        bound_key = "floor" if key in _UPPER_SIDE else "ceiling"
-        kpath = f"{path}.{key}"
-        block = chk.mapping(kpath, raw, ("baseline_times", "baseline_plus", bound_key), _SCALE_EXPECTED)
-        plain[key] = None
-        if block is None:
-            continue
-        if "baseline_times" not in block and "baseline_plus" not in block:
-            chk.missing(f"{kpath}.baseline_times", "baseline_times and/or baseline_plus: the threshold as "
-                        "times x healthy + plus")
-            continue
-        times = _number_key(chk, block, "baseline_times", kpath)
-        plus = _number_key(chk, block, "baseline_plus", kpath)
-        if times is not None and not times > 0:
-            chk.bad(f"{kpath}.baseline_times", times, "a number > 0 (how many times the healthy value)")
-            continue
-        if bound_key not in block:
-            side = "a floor the threshold never goes below" if key in _UPPER_SIDE else \
-                "a ceiling the threshold never goes above"
-            chk.missing(f"{kpath}.{bound_key}", f"{side} (a number): a healthy value near zero must not turn "
-                        "noise into a page")
-            continue
-        plain[key] = block[bound_key]
-        scales[key] = BaselineScale(times=1.0 if times is None else times, plus=0.0 if plus is None else plus)
-    return plain, scales
 
 
 def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
