@@ -32,24 +32,37 @@ With ``n > 1`` vLLM gives every choice the same prompt rows; they are counted on
 response (the first ``usage.prompt_tokens`` rows of every choice after the first are
 skipped). The proxy, not the client, decides ``routed_experts_prompt_start``: it asks for
 every row, and a client that sent the field gets its routing trimmed as vLLM would have.
+
+This module finds the fields in an answer and cuts them out; one field's ids are decoded, checked,
+counted and encoded in :mod:`mla_watch.engines.routing_ids` (its public names are re-exported here).
 """
 
 from __future__ import annotations
 
-import binascii
-import io
 import json
-import math
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this machine
 
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.routing_ids import (
+    DATA_ERRORS,
+    DataError,
+    _describe,
+    _encode_npy,
+    _nested_lists,
+    _npy_or_lists,
+    _raw_int32,
+    _refuse_duplicates,  # noqa: F401  (re-exported: tests import it from here)
+    _sglang_decoder,
+    encode_sglang,
+    encode_vllm,
+    every_layer,
+    routing_counts,
+)
 
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
            "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "answer_token_ids", "count_response",
@@ -66,26 +79,10 @@ ROUTING_REQUEST_FIELD = "return_routed_experts"
 PROMPT_START_FIELD = "routed_experts_prompt_start"
 # SGLang's (sglang/srt/managers/io_struct.py, `routed_experts_start_len`; checked in scheduler.py): the same.
 SGLANG_START_FIELD = "routed_experts_start_len"
-# Data-error reasons (a metric label): what was wrong with the routing an engine returned.
-# duplicate_ids: one token's top-k names an expert twice, which no router can do (vLLM's capture
-# returns all zeros when misconfigured, e.g. on CPU without --enforce-eager).
-DATA_ERRORS = ("encoding", "shape", "expert_id", "duplicate_ids", "decoder")
 # A base64 routing string, cut out of the raw body before parsing (see _parse). Inside a JSON string
 # every quote is escaped, so `s"` - and this pattern - can only match a key of the document.
 _ROUTING_STRING = re.compile(rb'"routed_experts"\s*:\s*"')
-_NPY_MAX_HEADER = 1 << 12  # numpy's own default is 10,000; a shape of three integers needs ~100 bytes
 _LIFTED = "\x00mla_watch:"  # stands in for a cut-out string: base64 and engines' text never hold NUL
-
-
-class DataError(ValueError):
-    """Routing that does not fit the model config; ``reason`` is one of :data:`DATA_ERRORS`."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self) -> tuple:  # it travels back from the decoding process
-        return (DataError, (self.reason, str(self)))
 
 
 @dataclass(frozen=True)
@@ -117,75 +114,6 @@ class Decoded:
     @property
     def found(self) -> bool:
         return self.counts is not None or self.error is not None
-
-
-def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarray, int]:
-    """Selections per (MoE layer, expert) of ``ids`` ``[tokens, layers, top_k]``, and the tokens; vectorised."""
-    if ids.ndim != 3 or ids.shape[2] != geometry.top_k:
-        raise DataError("shape", f"routing of shape {list(ids.shape)}: expected [tokens, layers, {geometry.top_k}] "
-                                 f"(top_k {geometry.top_k} from the model config)")
-    moe = len(geometry.moe_layers)
-    if ids.shape[1] == geometry.num_hidden_layers and ids.shape[1] != moe:
-        first, last = geometry.moe_layers[0], geometry.moe_layers[-1]
-        contiguous = last - first + 1 == moe  # DeepSeek's dense-first layers: a view, not a copy
-        ids = ids[:, first:last + 1, :] if contiguous else ids[:, list(geometry.moe_layers), :]
-    elif ids.shape[1] != moe:
-        raise DataError("shape", f"routing has {ids.shape[1]} layers: expected {geometry.num_hidden_layers} "
-                                 f"(every layer) or {moe} (MoE layers) from the model config")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= geometry.num_experts):
-        raise DataError("expert_id", f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
-                                     f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)")
-    _refuse_duplicates(ids)
-    # One bincount over (layer, expert) pairs, written into a reused intp buffer: bincount takes it
-    # as it is, and a fresh 8 MB array per response costs more in page faults than the count itself.
-    offsets = (np.arange(moe, dtype=np.intp) * geometry.num_experts)[None, :, None]
-    flat = _scratch(ids.size).reshape(ids.shape)
-    np.add(ids, offsets, out=flat, casting="unsafe")
-    counts = np.bincount(flat.reshape(-1), minlength=moe * geometry.num_experts).reshape(moe, geometry.num_experts)
-    return counts, int(ids.shape[0])
-
-
-_SCRATCH = threading.local()
-SCRATCH_KEPT = 1 << 24  # ids: a buffer of up to 128 MB is kept for the next response of this thread
-
-
-_PAIRWISE_TOP_K = 16
-
-
-def _refuse_duplicates(ids: np.ndarray) -> None:
-    """A token's top-k holds ``k`` distinct experts; one named twice is no routing at all."""
-    top_k = ids.shape[2]
-    if top_k < 2 or not ids.size:
-        return
-    if top_k <= _PAIRWISE_TOP_K:  # k(k-1)/2 compares of contiguous [tokens, layers]: ~20x faster than sorting
-        columns = np.moveaxis(ids, 2, 0).copy()
-        repeated = np.zeros(ids.shape[:2], dtype=bool)
-        equal = np.empty(ids.shape[:2], dtype=bool)
-        for first in range(top_k - 1):
-            for second in range(first + 1, top_k):
-                repeated |= np.equal(columns[first], columns[second], out=equal)
-    else:
-        ordered = np.sort(ids, axis=2)
-        repeated = (ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=2)
-    if repeated.any():
-        tokens = int(repeated.any(axis=1).sum())
-        token, layer = (int(i) for i in np.argwhere(repeated)[0])
-        chosen = ids[token, layer].tolist()
-        expert = next(e for e in chosen if chosen.count(e) > 1)
-        raise DataError("duplicate_ids", f"routing of {tokens} of {ids.shape[0]} tokens names one expert twice "
-                                         f"in its top-{ids.shape[2]} (first: token {token}, MoE layer {layer}, "
-                                         f"expert {expert}): expected {ids.shape[2]} distinct experts per token; "
-                                         "all-zero routing is what vLLM's capture returns when misconfigured "
-                                         "(without --enforce-eager on CPU, for one)")
-
-
-def _scratch(size: int) -> np.ndarray:
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.size < size:
-        buffer = np.empty(size, dtype=np.intp)
-        if size <= SCRATCH_KEPT:
-            _SCRATCH.buffer = buffer
-    return buffer[:size]
 
 
 def decode_response(plan: RoutingPlan, body: bytes) -> Decoded:
@@ -335,25 +263,6 @@ def _compact(document: dict[str, Any]) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-# ---------------------------------------------------------------------- writing (the embedded server)
-def every_layer(ids: np.ndarray, layers: list[int], num_hidden_layers: int) -> np.ndarray:
-    """``[tokens, moe_routers, top_k]`` spread on an axis of every decoder layer, dense ones zero (as the
-    engines return it)."""
-    spread = np.zeros((ids.shape[0], num_hidden_layers, ids.shape[2]), dtype=np.int32)
-    spread[:, layers, :] = ids
-    return spread
-
-
-def encode_vllm(ids: np.ndarray, num_experts: int) -> str:
-    """vLLM >= 0.22's ``routed_experts``: base64 of a ``.npy`` file, uint8 up to 256 experts, else uint16."""
-    return _encode_npy(ids.astype(np.uint8 if num_experts <= 256 else np.uint16))
-
-
-def encode_sglang(ids: np.ndarray) -> str:
-    """SGLang's ``sglext.routed_experts``: base64 of the raw little-endian int32 ids."""
-    return pybase64.b64encode(ids.astype("<i4").tobytes()).decode("ascii")
-
-
 # ---------------------------------------------------------------------- internals
 def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
             extra: dict[str, Any] | None, *, serialise: bool = True) -> Decoded:
@@ -491,15 +400,6 @@ def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
     return prompt
 
 
-def _describe(value: Any) -> str:
-    """A value an engine sent, for a message: a short number as it is, anything else by its type alone
-    (unlike :func:`mla_watch.describe.describe_value`, which encodes the whole value first: an engine's may
-    be megabytes)."""
-    if isinstance(value, bool) or value is None or (isinstance(value, int | float) and len(repr(value)) <= 24):
-        return repr(value)
-    return f"a {type(value).__name__}"
-
-
 _Field = tuple[dict[str, Any], str, Any]
 
 
@@ -535,120 +435,3 @@ def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
 
 
 _FIELDS = {"vllm": _vllm_fields, "sglang": _sglang_fields, "none": lambda document: []}
-
-
-def _npy_or_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
-    return _npy(value, geometry) if isinstance(value, str | bytes | memoryview) else _nested_lists(value, geometry)
-
-
-def _b64(value: Any) -> bytes:
-    if not isinstance(value, str | bytes | memoryview):
-        raise DataError("encoding", f"routing is a {type(value).__name__}: expected a base64 string")
-    try:
-        return pybase64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as error:
-        raise DataError("encoding", f"routing is not base64: {error}") from None
-
-
-def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarray:
-    """A ``.npy`` file's integer array, read in place; its header must describe exactly the bytes that follow
-    (``np.load`` would first allocate whatever shape a header claims)."""
-    raw = _b64(value)
-    stream = io.BytesIO(raw)
-    try:
-        version = np.lib.format.read_magic(stream)
-        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = reader(stream, max_header_size=_NPY_MAX_HEADER)
-    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as error:
-        raise DataError("encoding", f"routing is not a .npy array: {type(error).__name__}") from None
-    if dtype.hasobject or dtype.kind not in "iu":
-        raise DataError("encoding", f"routing has dtype {dtype.str}: expected integers")
-    if len(shape) != 3:
-        raise DataError("shape", f"routing has {len(shape)} dimensions: expected [tokens, layers, "
-                                 f"{geometry.top_k}]")
-    elements = math.prod(shape)
-    payload = len(raw) - stream.tell()
-    if elements * dtype.itemsize != payload:
-        raise DataError("encoding", f"routing's .npy header declares shape {list(shape)} of {dtype.str} "
-                                    f"({elements * dtype.itemsize} bytes) over {payload} bytes: expected them equal")
-    ids = np.frombuffer(raw, dtype=dtype, count=elements, offset=stream.tell())
-    return ids.reshape(shape, order="F" if fortran_order else "C")
-
-
-def _encode_npy(ids: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    np.save(buffer, ids, allow_pickle=False)
-    return pybase64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:
-    """SGLang's headerless int32 bytes, shaped ``[tokens, layers, top_k]`` by the model config."""
-    raw = _b64(value)
-    if len(raw) % 4:
-        raise DataError("encoding", f"routing has {len(raw)} bytes: expected whole int32 values")
-    ids = np.frombuffer(raw, dtype="<i4")
-    for layers in (geometry.num_hidden_layers, len(geometry.moe_layers)):
-        if ids.size % (layers * geometry.top_k) == 0:
-            return ids.reshape(-1, layers, geometry.top_k)
-    raise DataError("shape", f"routing holds {ids.size} ids: expected a multiple of layers x top_k = "
-                             f"{geometry.num_hidden_layers} x {geometry.top_k} from the model config")
-
-
-# SGLang sends the ids alone: no dtype, shape or offset beside them (SglExt, protocol.py:470-483; meta_info,
-# tokenizer_manager.py:2602-2609), always int32 (state_capturer/base.py:38-42, 68-72). A sibling named like one
-# is a format this decoder does not know: its ids are not read as int32 on a guess.
-_SGLANG_SIBLING = "routed_experts_"
-
-
-def _sglang_decoder(container: dict[str, Any], *, generated_only: bool = False, conflict: bool = False) -> Any:
-    """The decode of one SGLang routing field, which reads the fields beside it in ``container``."""
-    def decode(value: Any, geometry: EngineGeometry) -> np.ndarray:
-        if conflict:
-            raise DataError("shape", "routing is both at the response level and in choices[].meta_info: SGLang "
-                                     "sends one or the other; which rows repeat is not guessed")
-        for key in container:
-            if isinstance(key, str) and key.startswith(_SGLANG_SIBLING):
-                sibling = container[key]  # a dtype's name is short: shown as it is, anything else by its type
-                shown = repr(sibling) if isinstance(sibling, str) and len(sibling) <= 24 else _describe(sibling)
-                raise DataError("encoding", f"routing comes with {key[:40]}={shown}: a field SGLang (up to "
-                                            "0.5.23) does not send; ids of a dtype or offset it may name are not "
-                                            "guessed")
-        ids = _raw_int32(value, geometry)
-        if generated_only:
-            ids = ids[ids.shape[0] - _sglang_generated_rows(container, ids.shape[0]):]
-        return _without_padding_rows(ids, geometry)
-    return decode
-
-
-def _sglang_generated_rows(meta: dict[str, Any], rows: int) -> int:
-    """How many of a choice's ``rows`` are its generated tokens': the last ``completion_tokens - 1`` (the rows
-    are positions ``[routed_experts_start_len, prompt + completion - 1)``, batch_result_processor.py:154-163;
-    completion_tokens is ``len(output_ids_through_stop)``, output_streamer.py:490, 522-526). Counted from the
-    end, the prompt's length and the start the request set are not needed."""
-    completion = meta.get("completion_tokens")
-    if type(completion) is not int or not 0 <= completion <= rows + 1:
-        raise DataError("shape", f"a later choice's routing has {rows} rows and meta_info.completion_tokens is "
-                                 f"{_describe(completion)}: expected an integer in [0, {rows + 1}], to count the "
-                                 "generated rows only (the prompt's rows repeat the first choice's)")
-    return max(completion - 1, 0)
-
-
-def _without_padding_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarray:
-    """``ids`` less the rows whose every MoE entry is -1: SGLang's mark for a padded row, which is no token
-    (topk.py:1913-1934 ``_mask_topk_ids_padded_region``). 0.5.23 captures real tokens only (base.py:204-211), so
-    none reaches an answer; where one does, it is not counted. A -1 among real ids stays an ``expert_id`` error."""
-    if not ids.size or int(ids.min()) != -1:  # the usual answer: one pass, no copy
-        return ids
-    moe = ids[:, list(geometry.moe_layers)] if ids.shape[1] == geometry.num_hidden_layers else ids
-    padding = (moe == -1).all(axis=(1, 2))
-    return ids[~padding] if padding.any() else ids
-
-
-def _nested_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
-    try:
-        ids = np.asarray(value)
-    except ValueError:  # ragged
-        raise DataError("shape", "routing is a ragged list: expected [tokens, layers, top_k]") from None
-    if ids.size and ids.dtype.kind not in "iu":
-        raise DataError("encoding", f"routing holds {ids.dtype} values: expected integers")
-    return ids.astype(np.int64, copy=False)
