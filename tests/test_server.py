@@ -137,7 +137,7 @@ def test_the_official_openai_client_works_unchanged(sidecar) -> None:
 
 def test_prompts_longer_than_the_model_allows_get_a_clear_400(sidecar) -> None:
     url, sidecar_object = sidecar
-    limit = sidecar_object.engine.model.config.max_position_embeddings
+    limit = sidecar_object.model_worker.model.config.max_position_embeddings
     response = post(url, "/v1/completions", {"prompt": "SELECT a FROM t; " * 400, "max_tokens": 8},
                     {"X-Business-Line": "default"})
     assert response.status_code == 400
