@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from starlette.responses import JSONResponse
 
 from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.history.store import HISTORY_FILE, HISTORY_METRICS, VALUES, HistoryStore, size_bound
 from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
-from mla_watch.server.history_store import HISTORY_FILE, HISTORY_METRICS, VALUES, HistoryStore, size_bound
 from mla_watch.server.status import entropy_band
 
 DAY = 86400.0

@@ -7,7 +7,7 @@ its trained value plus ordinary noise (DeepSeek's balancing nudges it all the ti
 drift, ``drift_per_hour`` x hours on a few experts: those experts win a little more traffic each
 hour and the router's entropy sinks, over days, from healthy to below RoutingEntropyLow's 5.0 bits.
 The records go to an :class:`~mla_watch.alerting.engine.AlertEngine` with the shipped rules and to
-the sidecar's durable routing history (:class:`~mla_watch.server.history_store.HistoryStore`, in a
+the sidecar's durable routing history (:class:`~mla_watch.history.store.HistoryStore`, in a
 temporary directory, on the same simulated clock), which is the engine's trend source as in
 ``mla-watch serve``.
 """
@@ -27,7 +27,7 @@ import mla_watch
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.server.history_store import HISTORY_FILE, HistoryStore
+from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.shipped import SHIPPED_RULES
 
 __all__ = ["DRIFTING_ROUTER", "LINE", "Firing", "Replay", "replay", "shipped_rules"]

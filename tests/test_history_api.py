@@ -13,7 +13,7 @@ from conftest import free_port, running_sidecar, wait_until
 from helpers import FakeClock
 from test_reliability import sidecar_process
 
-from mla_watch.server.history_store import HISTORY_FILE, HistoryStore
+from mla_watch.history.store import HISTORY_FILE, HistoryStore
 
 GATE = "model.layers.1.mlp.gate"
 DAY = 86400.0

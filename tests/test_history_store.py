@@ -13,7 +13,7 @@ from helpers import FakeClock
 from helpers import history_record as record
 
 from mla_watch.alerting.model import METRICS
-from mla_watch.server.history_store import HISTORY_METRICS, HistoryStore, size_bound
+from mla_watch.history.store import HISTORY_METRICS, HistoryStore, size_bound
 
 GATE = "model.layers.1.mlp.gate"
 T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it
@@ -122,7 +122,7 @@ def test_the_file_stays_within_its_documented_bound(tmp_path: Path) -> None:
 def test_series_past_max_series_are_counted_and_logged_once(tmp_path: Path, caplog) -> None:
     clock = FakeClock(T0)
     store = store_at(tmp_path, clock, max_series=2)
-    with caplog.at_level(logging.WARNING, logger="mla_watch.server.history_store"):
+    with caplog.at_level(logging.WARNING, logger="mla_watch.history.store"):
         for step in range(3):
             clock.now = T0 + 10 * step
             store.record([record(line=line) for line in ("a", "b", "c", "d")])
@@ -178,7 +178,7 @@ def test_an_unreadable_file_is_set_aside_and_the_history_starts_empty(tmp_path: 
     path = tmp_path / "history.sqlite"
     path.write_bytes(b"this is not an SQLite file at all, and it is long enough to be looked at" * 100)
     clock = FakeClock(T0)
-    with caplog.at_level(logging.ERROR, logger="mla_watch.server.history_store"):
+    with caplog.at_level(logging.ERROR, logger="mla_watch.history.store"):
         store = store_at(tmp_path, clock)
     messages = [r.getMessage() for r in caplog.records]
     assert any(str(path) in m and "unreadable" in m and "history.sqlite.corrupt" in m for m in messages), messages
@@ -195,7 +195,7 @@ def test_a_database_with_bad_points_is_set_aside_too(tmp_path: Path, caplog) -> 
     store.close()
     with sqlite3.connect(tmp_path / "history.sqlite") as db:
         db.execute("UPDATE points SET data = x'0102'")  # not a whole number of float32 rows
-    with caplog.at_level(logging.ERROR, logger="mla_watch.server.history_store"):
+    with caplog.at_level(logging.ERROR, logger="mla_watch.history.store"):
         again = store_at(tmp_path, clock)
     assert any("expected a packed float32 array" in r.getMessage() for r in caplog.records)
     assert again.series() == [] and (tmp_path / "history.sqlite.corrupt").exists()

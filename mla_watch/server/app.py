@@ -33,6 +33,7 @@ from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import Baselines
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy_files import PolicyStore
 from mla_watch.server import read_views
 from mla_watch.server.admin import Admin
@@ -42,7 +43,6 @@ from mla_watch.server.context import HandlerContext, Serving
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler, RoutingHistory
 from mla_watch.server.history_api import HistoryQuery
-from mla_watch.server.history_store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
 from mla_watch.server.reads import BoundedReads, monitoring_executor

@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from mla_watch.server.history_store import HISTORY_METRICS
+from mla_watch.history.store import HISTORY_METRICS
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 

@@ -20,13 +20,13 @@ from starlette.responses import JSONResponse, Response
 
 from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import Baselines
+from mla_watch.history.store import HistoryStore
 from mla_watch.policy_files import PolicyStore
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
 from mla_watch.server.history import RoutingHistory
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
-from mla_watch.server.history_store import HistoryStore
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads
 from mla_watch.server.requests import ApiError, describe_value

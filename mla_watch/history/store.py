@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.alerting.model import METRICS
-from mla_watch.server.history_tiers import Tier, bucket_mean
+from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.sqlite import PrivateDatabase
 from mla_watch.windows import ALL_LINES
 
