@@ -33,6 +33,7 @@ from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.models import corpus
 from mla_watch.shipped import SHIPPED_RULES
+from mla_watch.windows import RouterStats
 
 __all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
            "watched"]
@@ -102,23 +103,22 @@ class Watched:
         self._seen = 0
         self.peaks: dict[str, float] = {}  # the highest value each baseline rule's metric reached
 
-    def _records(self) -> list[dict[str, Any]]:
+    def _records(self) -> list[RouterStats]:
         windows = self.probe.windows
         records = [record for line in [None, *windows.business_lines] for record in windows.router_stats(line)]
         self.baselines.learn(records, excluded=self.service.engine.active_series)  # as serve learns
-        dicts = [record.as_dict() for record in records]
-        for record in dicts:  # how close healthy traffic came to each baseline rule, for the figures
-            healthy = record["baseline"]
-            if healthy is None or record["tokens"] < 1024 or record["kind"] != "expert":
+        for record in records:  # how close healthy traffic came to each baseline rule, for the figures
+            stats, baseline = record.stats, record.baseline
+            if baseline is None or stats.tokens < 1024 or stats.kind != "expert":
                 continue
-            peaks = self.peaks
-            if record["js_divergence"] is not None:
-                peaks["js_divergence"] = max(peaks.get("js_divergence", 0.0), record["js_divergence"])
-            ratio = record["max_violation"] / max(healthy["max_violation"], 1e-9)
+            healthy, peaks = baseline.values, self.peaks
+            if stats.js_divergence is not None:
+                peaks["js_divergence"] = max(peaks.get("js_divergence", 0.0), stats.js_divergence)
+            ratio = stats.max_violation / max(healthy["max_violation"], 1e-9)
             peaks["max_violation_ratio"] = max(peaks.get("max_violation_ratio", 0.0), ratio)
             peaks["dead_slots_above_healthy"] = max(peaks.get("dead_slots_above_healthy", 0),
-                                                    record["dead_slots"] - int(healthy["dead_slots"]))
-        return dicts
+                                                    stats.dead_slots - int(healthy["dead_slots"]))
+        return records
 
     def send(self, samples: Sequence[tuple[str, str]], stop_when: Callable[[list[Page]], bool] | None = None,
              max_tokens: int = MAX_TOKENS) -> bool:

@@ -101,15 +101,15 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
                     model(input_ids=torch.randint(3, vocab, batch, generator=generator))
                 probe.collect()
                 clock.now = START + elapsed * 3600.0
-                records = [*probe.stats(None), *probe.stats(LINE)]
+                records = [*probe.router_stats(None), *probe.router_stats(LINE)]
                 history.record(records)
                 for action in engine.evaluate(records):
                     if action.kind == "notify" and action.alert.status == "firing":
                         labels = action.alert.labels
                         out.firings.append(Firing(labels["alertname"], labels["router"], labels["business_line"],
                                                   elapsed, action.alert.annotations.get("summary", "")))
-                out.entropy.extend((elapsed, float(r["entropy_bits"])) for r in records
-                                   if r["name"] == DRIFTING_ROUTER and r["business_line"] == LINE)
+                out.entropy.extend((elapsed, float(r.stats.entropy_bits)) for r in records
+                                   if r.router.name == DRIFTING_ROUTER and r.business_line == LINE)
     finally:
         gate.e_score_correction_bias.copy_(trained)
         probe.detach()

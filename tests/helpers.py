@@ -5,9 +5,17 @@ Imported as a plain module (``from helpers import FakeClock``): ``tests/`` is on
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from mla_watch.baselines import Baseline
+from mla_watch.routing import RoutingStats
+from mla_watch.windows import ALL_LINES, RouterInfo, RouterStats
 
 GATE = "model.layers.1.mlp.gate"  # the router the record builders describe unless told otherwise
 
@@ -62,32 +70,50 @@ def write_rules(directory: Path, text: str | None = None, *, name: str = "routin
 
 
 # --------------------------------------------------------------------------- routing records
-# Two shapes, one per consumer: the history (RoutingHistory, HistoryStore) keeps the metrics it is given and the
-# router's geometry; the alert engine judges a window against its min_tokens and matches rules on geometry only
-# when the record states it (``num_slots=...``).
+# Typed, as every consumer takes them (RouterStats: a router, a line, its RoutingStats, the healthy baseline). The
+# history keeps the metrics it is given and the router's geometry; the alert engine judges a window against its
+# min_tokens and matches rules on geometry only when the record states it (``num_slots=...``).
+
+
+def router_stats(*, name: str = GATE, layer: int = 1, kind: str = "expert", line: str | None = "code",
+                 num_slots: int | None = 64, top_k: int = 6, tokens: int = 4096, min_tokens: int = 256,
+                 baseline: Mapping[str, float] | None = None, hash_routed: bool = False,
+                 **values: Any) -> RouterStats:
+    """One router's statistics over one line's window: a 64-slot top-6 router (2.585..6 bits) reading 5.9 bits
+    unless ``values`` say otherwise (any :class:`RoutingStats` field: ``entropy_bits``, ``max_violation``, ...).
+    ``too_small`` follows ``tokens < min_tokens``; ``baseline``: the healthy values of the series, if learned.
+    ``num_slots=None``: a record that does not state its geometry (any ``slots`` selector matches it)."""
+    fields: dict[str, Any] = {"kind": kind, "num_slots": num_slots, "top_k": top_k, "tokens": tokens,
+                              "selections": tokens * top_k, "entropy_bits": 5.9, "floor_bits": 2.585,
+                              "ceiling_bits": 6.0, "normalized_entropy": 0.97, "max_violation": 0.1,
+                              "dead_slots": 0, "js_divergence": None, "locality": None, "min_tokens": min_tokens,
+                              "too_small": tokens < min_tokens}
+    fields.update(values)
+    info = RouterInfo(name=name, layer=layer, kind=kind, num_slots=num_slots or 64,  # type: ignore[arg-type]
+                      top_k=top_k, hash_routed=hash_routed)
+    healthy = None if baseline is None else Baseline(
+        router=name, business_line=line or ALL_LINES, counts=np.ones(info.num_slots, dtype=np.int64),
+        tokens=int(baseline.get("tokens", tokens)), values={k: v for k, v in baseline.items() if k != "tokens"},
+        taken_at=0.0, source="learned")
+    return RouterStats(router=info, business_line=line, stats=RoutingStats(**fields), baseline=healthy)
 
 
 def history_record(name: str = GATE, line: str | None = "code", bits: float | None = 5.0, tokens: int = 200,
-                   too_small: bool = False, *, kind: str = "expert", layer: int = 1) -> dict:
+                   too_small: bool = False, *, kind: str = "expert", layer: int = 1) -> RouterStats:
     """A routing record as the history samples it: a 64-slot router (2.585..6 bits) whose metrics follow
-    ``bits`` (normalized entropy, bits below the ceiling) or are fixed (max violation, dead slots, locality)."""
-    return {"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": tokens,
-            "entropy_bits": bits, "normalized_entropy": None if bits is None else bits / 6.0,
-            "bits_below_ceiling": None if bits is None else 6.0 - bits, "max_violation": 1.5, "dead_slots": 2,
-            "js_divergence": None, "locality": 0.25, "too_small": too_small, "floor_bits": 2.585,
-            "ceiling_bits": 6.0, "num_slots": 64}
+    ``bits`` (normalized entropy, bits below the ceiling; ``None``: NaN, no value) or are fixed (max violation, dead
+    slots, locality)."""
+    return router_stats(name=name, line=line, kind=kind, layer=layer, tokens=tokens, too_small=too_small,
+                        entropy_bits=math.nan if bits is None else bits,
+                        normalized_entropy=math.nan if bits is None else bits / 6.0,
+                        max_violation=1.5, dead_slots=2, locality=0.25)
 
 
 def engine_record(value: float | None = 5.9, *, metric: str = "entropy_bits", name: str = GATE, layer: int = 1,
                   kind: str = "expert", line: str | None = "code", tokens: int = 4096, min_tokens: int = 256,
-                  **extra: Any) -> dict[str, Any]:
+                  num_slots: int | None = None, **extra: Any) -> RouterStats:
     """A routing record as the alert engine judges it: ``metric`` reads ``value`` (entropy 5.9 bits otherwise),
-    ``too_small`` follows ``tokens < min_tokens``; ``extra`` adds or overrides fields (``num_slots``, ...)."""
-    record: dict[str, Any] = {"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": tokens,
-                              "entropy_bits": 5.9, "floor_bits": 2.585, "ceiling_bits": 6.0,
-                              "normalized_entropy": 0.97, "max_violation": 0.1, "dead_slots": 0,
-                              "js_divergence": None, "locality": None, "min_tokens": min_tokens,
-                              "too_small": tokens < min_tokens}
-    record[metric] = value
-    record.update(extra)
-    return record
+    ``too_small`` follows ``tokens < min_tokens``; ``extra`` adds or overrides fields (``baseline``, ...). Its
+    geometry is unstated unless ``num_slots`` is given."""
+    return router_stats(name=name, layer=layer, kind=kind, line=line, tokens=tokens, min_tokens=min_tokens,
+                        num_slots=num_slots, **{metric: value, **extra})

@@ -143,7 +143,7 @@ def test_the_engines_scores_and_routing_make_a_model_score() -> None:
     spread = np.array([[[t % 8, (t + 4) % 8], [t % 8, (t + 1) % 8]] for t in range(64)], dtype=np.int32)
     score = engine_score([SampleScore(10.0, 5, collapsed), SampleScore(20.0, 5, spread)], GEOMETRY)
     assert score.perplexity == pytest.approx(np.exp(3.0)) and score.tokens == 10 and score.counts == [5, 5]
-    assert score.routers[ROUTER]["tokens"] == 128
+    assert score.routers[ROUTER].stats.tokens == 128
     assert 1.0 < score.metric(ROUTER, "entropy_bits") < 3.0
     assert engine_score([SampleScore(1.0, 1, None)], GEOMETRY).routers == {}  # no routing returned: nothing read
 

@@ -23,7 +23,7 @@ from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.cli import main
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.shipped import SHIPPED_RULES
-from mla_watch.windows import RouterInfo
+from mla_watch.windows import RouterInfo, RouterStats
 
 # The keys that decide the routers' geometry, from each model's published config.json.
 REAL_CONFIGS = {
@@ -134,8 +134,8 @@ def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) ->
     clock = FakeClock(1_000_000.0)
     engine = AlertEngine(load_rules_dir(SHIPPED_RULES, environ=ONCALL), clock=clock)
 
-    def records() -> list[dict]:
-        return [record for line in (None, "chat", "code") for record in probe.stats(line)]
+    def records() -> list[RouterStats]:
+        return [record for line in (None, "chat", "code") for record in probe.router_stats(line)]
 
     assert [a for a in engine.evaluate(records()) if a.kind == "notify"] == []  # pending: for 2m
     clock.now += 121

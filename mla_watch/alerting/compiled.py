@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 from mla_watch.alerting.instances import RecordKey
 from mla_watch.alerting.model import Rule, RuleSet
-from mla_watch.windows import ALL_LINES
+from mla_watch.windows import ALL_LINES, RouterStats
 
 __all__ = ["CompiledRule", "compile_rules"]
 
@@ -46,11 +45,10 @@ class CompiledRule:
         self.bounds = (self.below, self.above, self.resolve_above, self.resolve_below)
         self.levels = None if rule.baseline else self.bounds
 
-    def series_levels(self, record: Mapping[str, object]) -> tuple[Any, Any, Any, Any] | None:
+    def series_levels(self, record: RouterStats) -> tuple[Any, Any, Any, Any] | None:
         """The levels of a rule relative to the baseline for ``record``'s series; ``None`` without a baseline."""
-        baseline = record.get("baseline")
-        healthy = baseline.get(self.metric) if isinstance(baseline, Mapping) else None
-        return self.rule.levels(healthy if isinstance(healthy, int | float) else None)
+        healthy = record.baseline.values.get(self.metric) if record.baseline is not None else None
+        return self.rule.levels(healthy)
 
     def labels(self, key: RecordKey) -> dict[str, str]:
         name, layer, kind, line = key

@@ -1,4 +1,5 @@
-"""The alert rule engine: routing statistics records in, alert transitions and actions out.
+"""The alert rule engine: typed routing statistics in (:class:`~mla_watch.windows.RouterStats`, one per
+router x business line), alert transitions and actions out.
 
 One *alert instance* exists per rule x (router name, layer, kind, business line) of a record
 the rule's selector matches. Its labels are ``alertname, severity, router, layer, kind,
@@ -35,7 +36,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
 from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
-from mla_watch.windows import ALL_LINES
+from mla_watch.routing import RoutingStats
+from mla_watch.windows import ALL_LINES, RouterStats
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
 
@@ -77,8 +79,8 @@ class AlertEngine:
             self._load()
 
     # ------------------------------------------------------------------ public API
-    def evaluate(self, records: Iterable[Mapping[str, object]]) -> list[Action]:
-        """Judge every record against every matching rule; return the actions of the transitions."""
+    def evaluate(self, records: Iterable[RouterStats]) -> list[Action]:
+        """Judge every router's statistics against every matching rule; return the actions of the transitions."""
         with self._lock:
             now = self._clock()
             actions, self._queued = self._queued, []
@@ -86,72 +88,61 @@ class AlertEngine:
             cache = self._selector_cache
             instances = self._instances
             series: dict[tuple[Any, ...], tuple[list[float], list[float]]] = {}  # history read once per evaluation
-            bad = 0
             for record in records:
-                try:
-                    key = (record["name"], record["layer"], record["kind"], record.get("business_line"))
-                    geometry = (record.get("num_slots"), bool(record.get("hash_routed", False)))
-                    matched = cache.get((*key, *geometry))
-                    if matched is None:
-                        matched = self._match(key, geometry)
-                    if not matched:
+                router, stats = record.router, record.stats
+                key = (router.name, router.layer, router.kind, record.business_line)
+                geometry = (stats.num_slots, router.hash_routed)
+                matched = cache.get((*key, *geometry))
+                if matched is None:
+                    matched = self._match(key, geometry)
+                if not matched:
+                    continue
+                by_rule = instances.get(key)
+                for rule in matched:
+                    # Small windows read low (the plug-in entropy estimator is biased downwards by
+                    # ~(N-1)/(2 n ln 2) bits, and MaxVio / dead slots are noisy over few tokens), so a
+                    # window under the minimum is not judged at all: no breach, but no recovery
+                    # either - the instance keeps its state and its timers.
+                    if not judged_window(stats.tokens, rule.min_tokens, stats.min_tokens):
                         continue
-                    tokens = record.get("tokens") or 0
-                    record_min = record.get("min_tokens") or 0
-                    by_rule = instances.get(key)
-                    for rule in matched:
-                        # Small windows read low (the plug-in entropy estimator is biased downwards by
-                        # ~(N-1)/(2 n ln 2) bits, and MaxVio / dead slots are noisy over few tokens), so a
-                        # window under the minimum is not judged at all: no breach, but no recovery
-                        # either - the instance keeps its state and its timers.
-                        if not judged_window(tokens, rule.min_tokens, record_min):
+                    trend = None
+                    if rule.trend is None:
+                        value = getattr(stats, rule.metric)
+                    else:
+                        judged = self._trend_value(rule, key, stats, now, series)
+                        if judged is None:  # no history, or too little of it: not judged
                             continue
-                        if rule.trend is None:
-                            value = record.get(rule.metric)
-                        else:
-                            judged = self._trend_value(rule, key, record, now, series)
-                            if judged is None:  # no history, or too little of it: not judged
-                                continue
-                            value, record = judged
-                        if value is None or value != value:  # no baseline / not an indexer / NaN: not judged
+                        value, trend = judged
+                    if value is None or value != value:  # no baseline / not an indexer / NaN: not judged
+                        continue
+                    levels = rule.levels or rule.series_levels(record)
+                    if levels is None:  # relative to a healthy baseline this series has not learned yet
+                        continue
+                    inst = by_rule.get(rule.id) if by_rule is not None else None
+                    below, above = levels[0], levels[1]
+                    breach = breached(value, below, above)
+                    if inst is None:
+                        if not breach:
                             continue
-                        levels = rule.levels or rule.series_levels(record)
-                        if levels is None:  # relative to a healthy baseline this series has not learned yet
-                            continue
-                        inst = by_rule.get(rule.id) if by_rule is not None else None
-                        below, above = levels[0], levels[1]
-                        breach = breached(value, below, above)
-                        if inst is None:
-                            if not breach:
-                                continue
-                            inst = InstanceState(rule.id, key, rule.labels(key))
-                            inst.num_slots, inst.hash_routed = geometry
-                            if by_rule is None:
-                                by_rule = instances[key] = {}
-                            by_rule[rule.id] = inst
-                        elif breach and inst.healthy_since is None and inst.state == "firing":
-                            # the common case of a long incident, inlined: still firing, nothing changes
-                            inst.value = value
-                            inst.last_evaluated = now
-                            inst.record = record
-                            inst.levels = levels
-                            continue
-                        inst.levels = levels
-                        if step(inst, rule, record, value, breach, now, actions, self._alerting, self._schedule_prune):
-                            inst.json = None
-                            changed = True
-                        if inst.state == "inactive":
-                            del by_rule[rule.id]
-                            if not by_rule:
-                                del instances[key]
-                                by_rule = None
-                except (KeyError, TypeError, ValueError) as error:
-                    bad += 1
-                    if bad == 1:
-                        log.error("alert evaluation skipped a malformed record (%s: %s): %r",
-                                  type(error).__name__, error, record)
-            if bad > 1:
-                log.error("alert evaluation skipped %d malformed records in all", bad)
+                        inst = InstanceState(rule.id, key, rule.labels(key))
+                        inst.num_slots, inst.hash_routed = geometry
+                        if by_rule is None:
+                            by_rule = instances[key] = {}
+                        by_rule[rule.id] = inst
+                    inst.record, inst.trend, inst.levels = record, trend, levels
+                    if breach and inst.healthy_since is None and inst.state == "firing":
+                        # the common case of a long incident, inlined: still firing, nothing changes
+                        inst.value = value
+                        inst.last_evaluated = now
+                        continue
+                    if step(inst, rule, value, breach, now, actions, self._alerting, self._schedule_prune):
+                        inst.json = None
+                        changed = True
+                    if inst.state == "inactive":
+                        del by_rule[rule.id]
+                        if not by_rule:
+                            del instances[key]
+                            by_rule = None
             if now >= self._next_prune and self._prune(now):
                 changed = True
             if changed:
@@ -229,11 +220,12 @@ class AlertEngine:
             return actions
 
     # ------------------------------------------------------------------ trend rules
-    def _trend_value(self, rule: CompiledRule, key: RecordKey, record: Mapping[str, object], now: float,
+    def _trend_value(self, rule: CompiledRule, key: RecordKey, stats: RoutingStats, now: float,
                      series: dict[tuple[Any, ...], tuple[list[float], list[float]]],
-                     ) -> tuple[float, Mapping[str, object]] | None:
-        """A trend rule's value (slope per unit, or the predicted value) and the record with the trend's
-        template fields added; ``None`` when the history cannot judge it (see :mod:`~mla_watch.alerting.trend`)."""
+                     ) -> tuple[float, dict[str, object]] | None:
+        """A trend rule's value (slope per unit, or the predicted value) and the trend's template fields
+        (:data:`~mla_watch.alerting.rendering.TREND_FIELDS`); ``None`` when the history cannot judge it (see
+        :mod:`~mla_watch.alerting.trend`)."""
         trend, source = rule.trend, self._trend_source
         if trend is None or source is None:
             return None
@@ -256,12 +248,12 @@ class AlertEngine:
             below = rule.below is not None and (rule.above is None or predicted < rule.below)
             threshold = rule.below if below else rule.above
             crossing = crossing_in(line_fit, float(threshold), now, below=below)  # type: ignore[arg-type]
-        # The template fields travel in the record the instance keeps, so a resolution renders them too.
-        judged = {**record, "current": record.get(rule.metric), "slope_per_hour": line_fit.slope * 3600.0,
+        # The template fields travel with the instance, so a resolution renders them too.
+        fields = {"current": getattr(stats, rule.metric), "slope_per_hour": line_fit.slope * 3600.0,
                   "slope_per_day": line_fit.slope * 86400.0,
                   "predicted": predicted if trend.kind == "predict" else None,
                   "crossing_in": format_crossing(crossing) if trend.kind == "predict" else None}
-        return value, judged
+        return value, fields
 
     # ------------------------------------------------------------------ rules and cache
     def _compile(self, rules: RuleSet) -> None:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.alerting.model import Alert, AlertState, Rule, fingerprint
+from mla_watch.windows import RouterStats
 
 __all__ = ["Action", "AlertInstance", "InstanceState", "RecordKey"]
 
-RecordKey = tuple[Any, Any, Any, Any]  # (router name, layer, kind, business_line) as the record has them
+RecordKey = tuple[Any, Any, Any, Any]  # (router name, layer, kind, business_line: None for every line summed)
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class Action:
     kind: Literal["notify", "retune"]
     alert: Alert
     rule: Rule
-    record: Mapping[str, object]  # the statistics record that triggered it ({} when there was none)
+    record: RouterStats | None  # the router statistics that triggered it (None when there were none)
 
 
 @dataclass
@@ -60,7 +61,7 @@ class InstanceState:
 
     __slots__ = ("active_since", "annotations", "firing_since", "hash_routed", "healthy_since", "json", "key",
                  "labels", "last_evaluated", "levels", "notified", "num_slots", "record", "resolved_at", "rule_id",
-                 "state", "value")
+                 "state", "trend", "value")
 
     def __init__(self, rule_id: str, key: RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -74,7 +75,8 @@ class InstanceState:
         self.healthy_since: float | None = None  # start of the keep_firing_for timer
         self.value: float | None = None
         self.notified = False  # a firing notify was emitted, so the resolution must be notified too
-        self.record: Mapping[str, object] | None = None  # the latest judged record
+        self.record: RouterStats | None = None  # the statistics it was judged on, latest
+        self.trend: Mapping[str, object] | None = None  # a trend rule's template fields of that judgement
         self.levels: tuple[Any, Any, Any, Any] | None = None  # the levels it was judged by, latest
         self.annotations: dict[str, str] = {}  # as rendered at the latest transition
         self.json: str | None = None  # serialized at the latest save; None once a state or timer changed

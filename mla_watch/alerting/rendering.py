@@ -16,12 +16,14 @@ from mla_watch.alerting.compiled import CompiledRule
 from mla_watch.alerting.instances import Action, InstanceState
 from mla_watch.alerting.model import Alert, Rule
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.windows import RouterStats
 
-__all__ = ["AlertRenderer", "Render"]
+__all__ = ["TREND_FIELDS", "AlertRenderer", "Render"]
 
 log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
 
-_TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
+# What a trend rule adds to its annotations' fields (AlertEngine fills them in).
+TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")
 
 Render = Callable[[Rule, Mapping[str, object]], dict[str, str]]
 
@@ -37,15 +39,16 @@ class AlertRenderer:
 
     def resolved_action(self, inst: InstanceState, rule: CompiledRule, now: float) -> Action:
         """The resolved ``notify`` of ``inst``, resolved at ``now``; its annotations are kept on it."""
-        record = inst.record if inst.record is not None else {}
-        alert = self.alert(inst, rule, record, "resolved", now)
+        alert = self.alert(inst, rule, "resolved", now)
         inst.annotations = dict(alert.annotations)
-        return Action("notify", alert, rule.rule, record)
+        return Action("notify", alert, rule.rule, inst.record)
 
-    def alert(self, inst: InstanceState, rule: CompiledRule, record: Mapping[str, object],
-              status: Literal["firing", "resolved"], ends_at: float | None) -> Alert:
-        """The :class:`Alert` of ``inst`` (``ends_at``: when it resolved), annotated from ``record`` if any."""
-        annotations = self.annotations(rule, inst, record) if record else dict(inst.annotations)
+    def alert(self, inst: InstanceState, rule: CompiledRule, status: Literal["firing", "resolved"],
+              ends_at: float | None) -> Alert:
+        """The :class:`Alert` of ``inst`` (``ends_at``: when it resolved), annotated from the statistics it was
+        judged on, or with the annotations it kept (an instance restored from the state file)."""
+        record = inst.record
+        annotations = self.annotations(rule, inst, record) if record is not None else dict(inst.annotations)
         value = inst.value
         return Alert(labels=dict(inst.labels), annotations=annotations, status=status,
                      starts_at=inst.firing_since if inst.firing_since is not None else inst.active_since or 0.0,
@@ -65,8 +68,9 @@ class AlertRenderer:
                             "alertname": inst.labels.get("alertname", "")})
         return f"{self._status_url}#{anchor}"
 
-    def annotations(self, rule: CompiledRule, inst: InstanceState, record: Mapping[str, object]) -> dict[str, str]:
-        """The rule's annotations rendered for ``inst`` judged on ``record``; a fallback summary if that fails."""
+    def annotations(self, rule: CompiledRule, inst: InstanceState, record: RouterStats) -> dict[str, str]:
+        """The rule's annotations rendered for ``inst`` judged on ``record`` (and, for a trend rule, ``inst.trend``);
+        a fallback summary if that fails."""
         value = inst.value
         below, above, resolve_above, resolve_below = inst.levels or rule.bounds
         if below is not None and (above is None or value is None or value < below):
@@ -74,17 +78,17 @@ class AlertRenderer:
         else:
             threshold, resolve = above, resolve_below
         labels = inst.labels
-        baseline = record.get("baseline")
-        healthy = baseline.get(rule.metric) if isinstance(baseline, Mapping) else None
+        stats = record.stats
+        healthy = record.baseline.values.get(rule.metric) if record.baseline is not None else None
+        trend = inst.trend or {}
         fields = {"alertname": rule.rule.name, "metric": rule.metric, "value": value, "threshold": threshold,
                   "healthy": healthy,
                   "resolve_threshold": resolve, "router": labels.get("router"), "layer": labels.get("layer"),
                   "kind": labels.get("kind"), "business_line": labels.get("business_line"),
-                  "floor_bits": record.get("floor_bits"), "ceiling_bits": record.get("ceiling_bits"),
-                  "tokens": record.get("tokens"), "min_tokens": (rule.min_tokens if rule.min_tokens is not None
-                                                                 else record.get("min_tokens")),
+                  "floor_bits": stats.floor_bits, "ceiling_bits": stats.ceiling_bits, "tokens": stats.tokens,
+                  "min_tokens": rule.min_tokens if rule.min_tokens is not None else stats.min_tokens,
                   "severity": labels.get("severity"), "status_url": self.router_url(inst),
-                  **{name: record.get(name) for name in _TREND_FIELDS}}
+                  **{name: trend.get(name) for name in TREND_FIELDS}}
         try:
             rendered = self._render(rule.rule, fields)
             return {str(k): str(v) for k, v in rendered.items()}

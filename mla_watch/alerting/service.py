@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
@@ -27,6 +26,7 @@ from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource
+from mla_watch.windows import RouterStats
 
 __all__ = ["AlertService"]
 
@@ -43,7 +43,7 @@ class _Group:
 
 
 class AlertService:
-    def __init__(self, rules: RuleSet, state_dir: Path, *, records: Callable[[], Iterable[Mapping[str, Any]]],
+    def __init__(self, rules: RuleSet, state_dir: Path, *, records: Callable[[], Iterable[RouterStats]],
                  interval: float = 15.0, status_url: str = "", external_url: str = "",
                  clock: Callable[[], float] = time.time,
                  on_notification: Callable[[str, str], None] | None = None,

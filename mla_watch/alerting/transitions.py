@@ -23,7 +23,7 @@ notifier's job.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from mla_watch.alerting.compiled import CompiledRule
@@ -35,16 +35,16 @@ __all__ = ["RESOLVED_RETENTION_SECONDS", "step"]
 RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
 
 
-def step(inst: InstanceState, rule: CompiledRule, record: Mapping[str, object], value: Any, breach: bool,
-         now: float, actions: list[Action], alerts: AlertRenderer, schedule_prune: Callable[[float], None]) -> bool:
-    """Advance one judged instance; True when its state or a timer changed (worth persisting).
+def step(inst: InstanceState, rule: CompiledRule, value: Any, breach: bool, now: float, actions: list[Action],
+         alerts: AlertRenderer, schedule_prune: Callable[[float], None]) -> bool:
+    """Advance one instance judged at ``value`` (on ``inst.record``); True when its state or a timer changed (worth
+    persisting).
 
     The transition's actions are appended to ``actions``, its alerts made by ``alerts``; a resolution
     calls ``schedule_prune`` with the time its instance may be forgotten.
     """
     inst.value = value
     inst.last_evaluated = now
-    inst.record = record
     state = inst.state
     if state == "firing":
         if breach:
@@ -88,12 +88,12 @@ def step(inst: InstanceState, rule: CompiledRule, record: Mapping[str, object], 
         inst.state = "firing"
         inst.firing_since = now
         inst.healthy_since = None
-        alert = alerts.alert(inst, rule, record, "firing", None)
+        alert = alerts.alert(inst, rule, "firing", None)
         inst.annotations = dict(alert.annotations)
         if rule.notify:
-            actions.append(Action("notify", alert, rule.rule, record))
+            actions.append(Action("notify", alert, rule.rule, inst.record))
             inst.notified = True
         if rule.retune:
-            actions.append(Action("retune", alert, rule.rule, record))
+            actions.append(Action("retune", alert, rule.rule, inst.record))
     return True
 

@@ -44,7 +44,7 @@ from mla_watch.probe.counting import _CHOICE, _COMPANIONS, _DROPPED, _LOCAL, _TO
 from mla_watch.probe.deferral import _EagerDeferral, _Pass
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, discover_routers
 from mla_watch.probe.wrappers import _call_argument, _Router, _WatchedModel, _WatchedRouter
-from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
+from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterStats, RouterWindows
 
 __all__ = ["DEFAULT_LINE", "MAX_ATTRIBUTED_ROWS", "OVERFLOW_LINE", "Probe", "RoutingRecording", "attach"]
 
@@ -219,8 +219,12 @@ class Probe(_EagerDeferral, _CompiledCounting):
 
     def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
         """One record per router for the current window (all lines summed when ``None``)."""
+        return [record.as_dict() for record in self.router_stats(business_line)]
+
+    def router_stats(self, business_line: str | None = None) -> list[RouterStats]:
+        """:meth:`stats`, typed: what the alert engine, the history and the gates take."""
         self.collect()
-        return self.windows.stats(business_line)
+        return self.windows.router_stats(business_line)
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """The selection counts of each router over the current window."""

@@ -49,7 +49,7 @@ from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import same_evidence
 from mla_watch.routing import compute_stats
-from mla_watch.windows import RouterInfo
+from mla_watch.windows import RouterInfo, RouterStats
 
 __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
            "bias_step", "engine_score"]
@@ -129,15 +129,15 @@ def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> Mod
     tokens = sum(counts)
     perplexity = math.exp(sum(losses) / tokens) if tokens else math.nan
     routed = [score.routing for score in scores if score.routing is not None]
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, RouterStats] = {}
     if routed:
         totals = [routing_counts(np.asarray(ids), geometry) for ids in routed]
         layer_counts = sum(total for total, _ in totals)
         routed_tokens = sum(rows for _, rows in totals)
         for index, info in enumerate(geometry.routers()):
             stats = compute_stats(layer_counts[index], kind="expert", top_k=info.top_k, tokens=routed_tokens)
-            records[info.name] = {"name": info.name, "layer": info.layer, "kind": "expert", **stats.as_dict(),
-                                  "_loads": layer_counts[index]}  # what the bias rule steps from
+            # the counts: what the bias rule steps from
+            records[info.name] = RouterStats(router=info, business_line=None, stats=stats, counts=layer_counts[index])
     return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts)
 
 
@@ -387,7 +387,7 @@ class EngineRetuner:
         known = None
         if known_good is not None and routed:
             known = KnownGood(source=known_good, health=_health_by_band(after, spec.routers, band), score=after,
-                              live_outside_band=_outside(before, spec.routers, band))
+                              live_outside_band=bool(before.outside(spec.routers, band)))
         report = evaluate_gates(before, after, routers=watched if routed else [], band=band,
                                 max_perplexity_increase=spec.max_perplexity_increase,
                                 confidence=self.settings.gate_confidence,
@@ -463,7 +463,7 @@ class EngineRetuner:
                    before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:
         result = self._result(spec, attempts, data, started, None, None)
         outcomes = {attempt.get("outcome") for attempt in attempts}
-        outside = _outside(before, spec.routers, band) or spec.trigger.get("source") == "alert"
+        outside = bool(before.outside(spec.routers, band)) or spec.trigger.get("source") == "alert"
         if outcomes & {"rejected", "insufficient"} and outside:
             result["needs"] = (f"a candidate that passes its gates through the engine: every one was rolled back "
                                f"while {spec.routers[0]} still reads outside its band ({band.describe()}); trying "
@@ -488,22 +488,13 @@ class EngineRetuner:
 def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:
     """A router's loads over the scored samples, from the engine's routing of them (``None``: not routed)."""
     record = score.routers.get(router)
-    return None if record is None else record.get("_loads")
-
-
-def _outside(score: ModelScore, routers: Sequence[str], band: Band) -> bool:
-    for router in routers:
-        value = score.metric(router, band.metric)
-        if value is not None and value == value and not score.routers.get(router, {}).get("too_small") \
-                and not band.contains(value):
-            return True
-    return False
+    return None if record is None else record.counts
 
 
 def _health_by_band(score: ModelScore, routers: Sequence[str], band: Band) -> dict[str, Any]:
     """A restored router's own health through the engine: its band reading on the held-out samples."""
     measured = [router for router in routers if score.metric(router, band.metric) is not None
-                and not score.routers.get(router, {}).get("too_small")]
+                and not score.too_small(router)]
     if len(measured) < len(routers):
         return {"passed": False, "checked": False, "tokens": score.tokens,
                 "reason": "the engine returned too little routing of the held-out samples to judge the routers"}

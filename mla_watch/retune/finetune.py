@@ -173,7 +173,7 @@ def _evaluate(model: torch.nn.Module, inputs: Sequence[_Inputs], line: str,
     """Mean LM loss per scored token and every expert router's entropy, from one pass over ``inputs``."""
     batches = [{"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask} for ids, mask, loss_mask in inputs]
     score = score_model(model, batches, business_line=line)  # the gates' own measurement
-    bits = {name: round(float(score.routers[name]["entropy_bits"]), 4) for name in experts if name in score.routers}
+    bits = {name: round(float(score.routers[name].stats.entropy_bits), 4) for name in experts if name in score.routers}
     return math.log(score.perplexity), bits
 
 

@@ -47,6 +47,7 @@ from mla_watch.retune.paired import (
     compare_perplexity,
     parse_margin,
 )
+from mla_watch.windows import RouterStats
 
 __all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
            "score_model"]
@@ -101,13 +102,29 @@ class ModelScore:
 
     perplexity: float
     tokens: int
-    routers: dict[str, dict[str, Any]]  # router name -> its statistics record over the held-out pass
+    routers: dict[str, RouterStats]  # router name -> its statistics over the held-out pass
     losses: list[float]  # per held-out sample, in order: summed next-token loss (nats) ...
     counts: list[int]  # ... over this many scored tokens
 
     def metric(self, router: str, name: str) -> float | None:
-        value = self.routers.get(router, {}).get(name)
+        """``router``'s statistic ``name`` over the pass; ``None`` when not measured (not routed, or undefined)."""
+        record = self.routers.get(router)
+        value = None if record is None else getattr(record.stats, name)
         return None if value is None else float(value)
+
+    def too_small(self, router: str) -> bool:
+        """Whether ``router``'s pass held fewer tokens than its trusted minimum (``False`` when not routed)."""
+        record = self.routers.get(router)
+        return record is not None and record.stats.too_small
+
+    def outside(self, routers: Sequence[str], band: Band) -> list[str]:
+        """The ``routers`` measured, on a trusted window, outside ``band``."""
+        outside = []
+        for router in routers:
+            value = self.metric(router, band.metric)
+            if value is not None and value == value and not self.too_small(router) and not band.contains(value):
+                outside.append(router)
+        return outside
 
     def as_dict(self, routers: Sequence[str], metric: str) -> dict[str, Any]:
         return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens,
@@ -158,7 +175,7 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
                                                 None if loss_mask is None else loss_mask.to(device))
                 losses.extend(loss.double().tolist())
                 counts.extend(int(n) for n in count.tolist())
-        records = {record["name"]: record for record in probe.stats(business_line)}
+        records = {record.router.name: record for record in probe.router_stats(business_line)}
     finally:
         probe.detach()
     total_tokens = sum(counts)
@@ -182,13 +199,14 @@ class KnownGood:
 def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple[Decision, str, float | None]:
     value = score.metric(router, band.metric)
     measured = value is not None and math.isfinite(value)
-    too_small = bool(score.routers.get(router, {}).get("too_small"))
+    too_small = score.too_small(router)
     if measured and band.contains(value):
         return "pass", f"{router}: {band.metric} {value:.3f} on {where} is inside the band ({band.describe()})", value
     if measured and not too_small:
         return "reject", (f"{router}: {band.metric} {value:.3f} on {where} is outside the band "
                           f"({band.describe()})"), value
-    tokens = score.routers.get(router, {}).get("tokens", 0)
+    record = score.routers.get(router)
+    tokens = 0 if record is None else record.stats.tokens
     return "insufficient", (f"{router}: {band.metric} is {'unmeasured' if not measured else f'{value:.3f}'} on "
                             f"{tokens} tokens of {where}, fewer than the router's trusted minimum "
                             f"({band.describe()} not judged)"), value

@@ -54,16 +54,16 @@ def judge_health(score: ModelScore, rules: Iterable[Any]) -> dict[str, Any]:
                 "reason": "no alert rule with a below / above threshold is loaded to judge the routers by"}
     breaches = []
     for record in score.routers.values():
-        described = {key: value for key, value in record.items() if key != "business_line"}  # any line's rule
+        stats = record.stats
+        described = {**record.router.as_dict(), "num_slots": stats.num_slots}  # no business line: any line's rule
         for rule in judged:
             if not rule.selector.matches(described):
                 continue
-            value = record.get(rule.metric)
-            if value is None or value != value or not judged_window(record.get("tokens") or 0, rule.min_tokens,
-                                                                    record.get("min_tokens")):
+            value = getattr(stats, rule.metric)
+            if value is None or value != value or not judged_window(stats.tokens, rule.min_tokens, stats.min_tokens):
                 continue
             if breached(value, rule.below, rule.above):
-                breaches.append({"rule": rule.name, "router": record["name"], "metric": rule.metric,
+                breaches.append({"rule": rule.name, "router": record.router.name, "metric": rule.metric,
                                  "value": round(float(value), 4),
                                  "threshold": rule.below if rule.below is not None else rule.above})
     reason = ("; ".join(f"{b['router']}: {b['rule']} ({b['metric']} {b['value']:g}, threshold {b['threshold']:g})"

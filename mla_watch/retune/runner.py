@@ -404,22 +404,11 @@ class _HealthText:
             self.live(model)
             apply_router_tensors(model, restored)
         return KnownGood(source=source, health=judge_health(candidate, self.rules), score=candidate,
-                         live_outside_band=bool(self._outside(self._live, routers, band)))
+                         live_outside_band=self._live is not None and bool(self._live.outside(routers, band)))
 
     def outside_band(self, model: torch.nn.Module, routers: Sequence[str], band: Band,
                      held_out: ModelScore) -> list[str]:
         """The routers that read outside ``band`` now (``model`` holds the live routers): on the health text when
         there are rules to judge it by, else on the held-out samples (``held_out``: the live model's score)."""
-        return self._outside(self.live(model) if self.judged else held_out, routers, band)
-
-    @staticmethod
-    def _outside(score: ModelScore | None, routers: Sequence[str], band: Band) -> list[str]:
-        if score is None:
-            return []
-        outside = []
-        for router in routers:
-            value = score.metric(router, band.metric)
-            if value is not None and value == value and not score.routers.get(router, {}).get("too_small") \
-                    and not band.contains(value):
-                outside.append(router)
-        return outside
+        score = self.live(model) if self.judged else held_out
+        return [] if score is None else score.outside(routers, band)

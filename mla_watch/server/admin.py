@@ -209,9 +209,9 @@ class Admin:
         routers = body.get("routers")
         if routers is None:
             windows = ctx.sources.own_windows()  # the local model's, or the engine's beside one
-            records = windows.stats(line) if windows is not None else []
-            routers = [r["name"] for r in records if r["name"] in watched and not r.get("too_small")
-                       and r.get(band.metric) is not None and not band.contains(float(r[band.metric]))]
+            records = windows.router_stats(line) if windows is not None else []
+            routers = [r.router.name for r in records if r.router.name in watched and not r.stats.too_small
+                       and (value := getattr(r.stats, band.metric)) is not None and not band.contains(float(value))]
             if not routers:
                 raise ApiError(400, f"no watched router is out of band ({band.describe()}) for business line "
                                     f"{line or ALL_LINES} in the current window; name the routers to re-tune",

@@ -51,7 +51,7 @@ from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
 from mla_watch.statedir import ensure_private_dir
-from mla_watch.windows import RouterWindows, RoutingSnapshot
+from mla_watch.windows import RouterStats, RouterWindows, RoutingSnapshot
 
 if TYPE_CHECKING:
     from mla_watch.engines.watch import EngineRouting
@@ -198,11 +198,11 @@ class Sidecar:
         self.metrics.watch_alerts(service.engine)
         return service
 
-    def _alert_records(self) -> list[dict[str, Any]]:
+    def _alert_records(self) -> tuple[RouterStats, ...]:
         snapshot = self.sources.routing_snapshot()
         alerts = self.alerts  # healthy baselines learned now are judged from the next round on
         self.baselines.learn(snapshot.records, excluded=None if alerts is None else alerts.engine.active_series)
-        return snapshot.as_dicts()
+        return snapshot.records
 
     def reload_rules(self) -> list[str]:
         """Load the rules again; on errors keep the rules in force and return the errors."""
