@@ -1,4 +1,5 @@
-"""Hostile requests of issue 11 replayed against a live sidecar, with ``/healthz`` watched meanwhile.
+"""Hostile requests replayed against a live sidecar (the bounds of docs/security.md put to the test), with
+``/healthz`` watched meanwhile.
 
     python bench/attacks.py                           # about two minutes on 2 CPU cores
     python bench/attacks.py --requests 1000 --rounds 3
@@ -6,7 +7,7 @@
 
 One ``mla-watch serve`` process on the bundled model, on a loopback port, as in production,
 with a short ``--body-timeout`` (2 s) so that a trickling body is cut off quickly. Every attack
-of issue 11 that can be sent over HTTP is replayed in turn, numbered as in the issue:
+below that can be sent over HTTP is replayed in turn:
 
 1. ``GET /v1/routing?business_line=<random>``, thousands of times (the sidecar's RSS growth
    per request);
@@ -24,7 +25,7 @@ of issue 11 that can be sent over HTTP is replayed in turn, numbered as in the i
 
 While an attack runs, a second thread polls ``/healthz`` every 20 ms. Per attack the bench
 prints the statuses it got against the documented ones, ``/healthz`` p50/p99 during the attack,
-at rest (before the first attack) and their difference (issue 11's goal: within 50 ms of the
+at rest (before the first attack) and their difference (the goal: within 50 ms of the
 usual latency). Requests go to 127.0.0.1 only; every attack is bounded in count and time.
 
 ``replay()`` is what tests/test_reliability.py runs (with :meth:`Plan.quick`) against a
@@ -61,8 +62,8 @@ from mla_watch.ingest import REMOTE_MAX_BUCKETS, IngestLimits
 
 HEALTHZ_POLL_SECONDS = 0.02
 MIN_ATTACK_SECONDS = 0.5  # a quick attack is repeated until it has lasted this long: /healthz is polled ~25 times
-HEALTHZ_GOAL_MS = 50.0  # issue 11: /healthz within 50 ms of its usual latency during any attack
-GET_GROWTH_LIMIT_BYTES = 8192  # per unknown-line GET (RSS grows in steps of ~1 MB); issue 11 measured 33 KB
+HEALTHZ_GOAL_MS = 50.0  # the goal: /healthz within 50 ms of its usual latency during any attack
+GET_GROWTH_LIMIT_BYTES = 8192  # per unknown-line GET (RSS grows in steps of ~1 MB); once measured at 33 KB
 LOCAL_ROUTER = "model.layers.2.mlp.gate"  # a router of the bundled model (64 experts, top-6)
 RETUNABLE_ROUTER = "model.layers.1.mlp.gate"
 MAX_BODY_BYTES = 1_000_000  # ServerConfig.max_body_bytes (serve has no flag for it)
@@ -182,13 +183,13 @@ def rss_kib(pid: int) -> int:
 
 @dataclass
 class AttackReport:
-    number: str  # the item of issue 11
+    number: str  # the attack's number below (the module docstring)
     name: str
     expected: str  # the documented answer
     requests: int = 0
     statuses: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)  # a wrong status, error body or effect
-    findings: list[str] = field(default_factory=list)  # figures past what the issue asks (not a wrong answer)
+    findings: list[str] = field(default_factory=list)  # figures past what the goal asks (not a wrong answer)
     notes: list[str] = field(default_factory=list)  # what was measured, in words
     figures: dict[str, float] = field(default_factory=dict)  # ... and as numbers (the JSON)
     seconds: float = 0.0
@@ -757,7 +758,7 @@ def main() -> None:
         started = time.monotonic()
         result = replay(target, plan, progress=lambda text: print(text, file=sys.stderr, flush=True))
         wall = time.monotonic() - started
-    print(f"issue 11 attacks against mla-watch serve (bundled model, --body-timeout {args.body_timeout:g}), "
+    print(f"hostile requests against mla-watch serve (bundled model, --body-timeout {args.body_timeout:g}), "
           f"{wall:.0f} s")
     print(render(result))
     documented = sum(1 for report in result.attacks if report.ok)

@@ -4,7 +4,7 @@
     python bench/engine_routing.py --repeats 20 --requests 100  # bench/README.md's arguments
     python bench/engine_routing.py --json figures.json        # also write the figures as JSON
 
-Issue 13, item 7: beside vLLM or SGLang (``serve --upstream URL --engine vllm|sglang``), every
+Beside vLLM or SGLang (``serve --upstream URL --engine vllm|sglang``), every
 response carries the routing of each of its tokens, which the proxy decodes, counts and strips.
 For DeepSeek-V3 (61 layers of which 58 MoE, 256 experts, top-8) 2,000 tokens are 928k expert
 ids: 1.3 MB of base64 in vLLM's field, 5.2 MB in SGLang's. The goal: decoding and counting
@@ -71,7 +71,7 @@ from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 # DeepSeek-V3's config.json, the keys that place its routers: layers 3..60 are MoE.
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                "n_routed_experts": 256, "num_experts_per_tok": 8}
-GOAL_CPU_MS = 5.0  # issue 13: decoding and counting 2,000 tokens of DeepSeek-V3 routing
+GOAL_CPU_MS = 5.0  # the goal: decoding and counting 2,000 tokens of DeepSeek-V3 routing
 GOAL_TOKENS = 2000
 GOAL_ADDED_MS = 3.0  # the latency routing adds through the proxy at p50: at or under a plain LiteLLM hop
 PROMPT_TOKENS = 16  # of the routing rows: the engines return prompt + generated - 1 rows

@@ -53,7 +53,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from broken_deploy import final_jobs, run_scenario  # the issue-15 scenario, shared with its test
+from broken_deploy import final_jobs, run_scenario  # the broken-deploy scenario, shared with its test
 from conftest import serve_app  # the tests' loopback server helpers
 from receivers import running_receiver
 

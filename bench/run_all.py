@@ -114,7 +114,7 @@ def probe_specs(args: list[str]) -> list[Spec]:
             return (f"{x(counted['ratio'], 4)} ({counted['probe_instructions'] / 1e6:.2f}M on "
                     f"{counted['model_instructions'] / 1e6:.0f}M per generation)")
 
-        # The issue's goal: the median of the per-alternation ratios at or below x1.01; where the instructions were
+        # The goal: the median of the per-alternation ratios at or below x1.01; where the instructions were
         # counted (the one figure noise cannot move), they must agree.
         def goal_met(f: Figures, key: str = key) -> bool:
             m = f["models"][key]
@@ -291,13 +291,13 @@ def attack_specs(args: list[str]) -> list[Spec]:
                 f"{a['figures']['metrics_seconds']:.2f} s to build")
 
     return [
-        Spec("hostile requests (issue 11): documented answers", "each attack of issue 11 sent over HTTP", answered,
+        Spec("hostile requests: documented answers", "each attack of bench/attacks.py sent over HTTP", answered,
              "all", lambda f: all(a["ok"] for a in f["attacks"])),
         Spec("hostile requests: /healthz p99 added, worst attack", "/healthz at rest, same sidecar",
              lambda f: added(f, "p99"), "<= +50 ms", lambda f: worst(f, "p99")["healthz_added_ms"]["p99"] <= 50.0),
         Spec("hostile requests: /healthz p50 added, worst attack", "/healthz at rest, same sidecar",
              lambda f: added(f, "p50")),
-        Spec("unknown-line GETs: sidecar RSS growth", "issue 11 before the fix: about 33 KB/request", get_growth),
+        Spec("unknown-line GETs: sidecar RSS growth", "before the bound: about 33 KB/request", get_growth),
         Spec("1-token deltas into wide windows: sidecar RSS growth", "646 kB requests; their windows' counts: 8 MiB",
              ingest_growth),
         Spec("/metrics of one source reporting many routers", "absolute (--series-routers x --series-lines)", series),
@@ -350,7 +350,7 @@ def history_size_specs(args: list[str]) -> list[Spec]:
         return f"{f['write_ms_per_sample']:.2f} ms per sample; points() over a day {f['points_us_day']:.0f} us"
 
     return [
-        Spec("durable history: 30 days, 58 routers x 6 lines", "the documented size bound (README)", size,
+        Spec("durable history: 30 days, 58 routers x 6 lines", "the size bound of mla_watch/history/store.py", size,
              goal="within the bound", met=lambda f: f["size_ratio"] <= 1.0),
         Spec("durable history: write per 10 s sample / read per rule", "348 series", write),
     ]

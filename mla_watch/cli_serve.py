@@ -201,7 +201,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="seconds between two evaluations of the alert rules (default %(default)s)")
     serve.add_argument("--baseline-tokens", type=positive_int, default=ServerConfig.baseline_tokens,
                        help="tokens a router's window of one business line holds before it is learned as that "
-                            "line's healthy baseline (once the routers served passed their health check)")
+                            "line's healthy baseline (once the routers served passed their health check; "
+                            "default %(default)s)")
     serve.add_argument("--history-interval", type=positive_float, default=ServerConfig.history_interval_seconds,
                        help="status page: seconds between two points of the entropy heat map (default %(default)s)")
     serve.add_argument("--history-span", type=positive_float, default=ServerConfig.history_span_seconds,

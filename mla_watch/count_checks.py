@@ -46,20 +46,20 @@ def _as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> n
     return arr
 
 
-def _check_positive_int(value: int, name: str) -> int:
+def _check_int_at_least(value: int, name: str, lowest: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if value < lowest:
+        raise ValueError(f"{name} must be >= {lowest}, got {value}")
     return int(value)
+
+
+def _check_positive_int(value: int, name: str) -> int:
+    return _check_int_at_least(value, name, 1)
 
 
 def _check_nonnegative_int(value: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return _check_int_at_least(value, name, 0)
 
 
 def _check_local_choice(local_selections: int, choice_selections: int) -> tuple[int, int]:

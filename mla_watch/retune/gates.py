@@ -37,6 +37,7 @@ import torch
 
 from mla_watch.models.loss import next_token_losses
 from mla_watch.probe import attach, discover_routers
+from mla_watch.retune.band import DEFAULT_BAND, Band
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MIN_SAMPLES,
@@ -51,39 +52,6 @@ from mla_watch.windows import RouterStats
 
 __all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
            "score_model"]
-
-
-@dataclass(frozen=True)
-class Band:
-    """Where a router metric must lie: ``low <= value <= high`` (either side may be open)."""
-
-    metric: str = "entropy_bits"
-    low: float | None = None
-    high: float | None = None
-
-    def contains(self, value: float) -> bool:
-        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
-
-    def describe(self) -> str:
-        if self.low is not None and self.high is not None:
-            return f"{self.low:g} <= {self.metric} <= {self.high:g}"
-        if self.low is not None:
-            return f"{self.metric} >= {self.low:g}"
-        if self.high is not None:
-            return f"{self.metric} <= {self.high:g}"
-        return f"any {self.metric}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "low": self.low, "high": self.high}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Band:
-        return cls(metric=str(data.get("metric", "entropy_bits")), low=data.get("low"), high=data.get("high"))
-
-
-# The band of the shipped RoutingEntropyLow (fires below 5.0 bits, resolves at 5.2: band_of_rule takes the resolve
-# threshold): a job no rule asks for (an admin request while no rule has a `retune` action) must meet it.
-DEFAULT_BAND = Band("entropy_bits", low=5.2)
 
 
 def band_of_rule(rule: Any) -> Band:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mla_watch.retune.band import DEFAULT_BAND
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MARGIN,
@@ -104,7 +105,7 @@ class JobSpec:
     strategies: list[str]  # tried in order until one passes the gates
     watched: list[str] = field(default_factory=list)  # routers the band gate checks besides ``routers``
     business_line: str | None = None  # whose traffic to train on (None: every line captured)
-    band: dict[str, Any] = field(default_factory=lambda: {"metric": "entropy_bits", "low": 5.2, "high": None})
+    band: dict[str, Any] = field(default_factory=DEFAULT_BAND.as_dict)
     trigger: dict[str, Any] = field(default_factory=dict)  # source (alert|cli|api), alert labels, value, at
     dataset: str | None = None  # a JSONL file instead of captured traffic
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # strategy -> its options
