@@ -226,6 +226,23 @@ def test_a_baseline_taken_beside_the_engine_measures_drift_and_survives_a_restar
         assert all(r["js_divergence"] > 0.1 for r in drifted)
 
 
+def test_beside_an_engine_without_alert_rules_baselines_are_learned_for_prometheus(tmp_path) -> None:
+    # Prometheus may run the rules instead of the sidecar (a fleet): its copies of the rules relative to a baseline
+    # read the learned values from /metrics, so learning must not wait for an alert evaluation that never comes.
+    with beside(FakeEngine("vllm"), tmp_path, baseline_tokens=100) as (url, _):
+        complete(url)
+        while (window := httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"},
+                                   timeout=10).json()["routers"][0])["too_small"] or window["tokens"] < 100:
+            complete(url)
+        get_metrics(url)  # a scrape reads the routing, as Prometheus would
+        view = httpx.get(url + "/v1/baseline", timeout=10).json()
+        learned = {s["router"] for s in view["series"] if s["business_line"] == "code_assistant"}
+        assert learned == set(ROUTERS) and {s["source"] for s in view["series"]} == {"learned"}, view
+        text = get_metrics(url)
+        assert all(metric_value(text, "mla_watch_routing_baseline_entropy_bits", router=router,
+                                business_line="code_assistant") > 0 for router in ROUTERS)
+
+
 def test_check_lints_the_rules_against_an_engines_routers(tmp_path, capsys) -> None:
     from mla_watch.cli import main
 

@@ -38,7 +38,7 @@ __all__ = [
     "judged_window",
 ]
 
-# Routing statistics a rule may watch: keys of the records of RouterWindows.stats().
+# Routing statistics a rule may watch: attributes of RoutingStats (mla_watch.routing.STATISTICS, judged ones).
 # Relative to the router's geometry: normalized_entropy (0 at the floor, 1 at the ceiling), bits_below_ceiling,
 # js_divergence (from the saved baseline); absolute: entropy_bits, whose meaning depends on the slots and top-k.
 METRICS: tuple[str, ...] = RULE_METRICS

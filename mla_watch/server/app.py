@@ -84,7 +84,8 @@ class Sidecar:
         self.alerts = self._alert_service() if config.rules is not None else None
         self.serving = Serving(model_name="bundled" if config.model == "bundled" else Path(config.model).name)
         # The local model's windows, the engine's (beside vLLM / SGLang), the workers' that report.
-        self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock)
+        self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
+                                      learn_excluded=self.alerts.engine.active_series if self.alerts else None)
         self.retuning = Retuning(config=config, serving=self.serving, sources=self.sources, metrics=self.metrics,
                                  alerts=self.alerts)
         if self.alerts is not None:
@@ -199,10 +200,7 @@ class Sidecar:
         return service
 
     def _alert_records(self) -> tuple[RouterStats, ...]:
-        snapshot = self.sources.routing_snapshot()
-        alerts = self.alerts  # healthy baselines learned now are judged from the next round on
-        self.baselines.learn(snapshot.records, excluded=None if alerts is None else alerts.engine.active_series)
-        return snapshot.records
+        return self.sources.routing_snapshot().records  # baselines it learns are judged from the next round on
 
     def reload_rules(self) -> list[str]:
         """Load the rules again; on errors keep the rules in force and return the errors."""

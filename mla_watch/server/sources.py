@@ -35,14 +35,18 @@ log = logging.getLogger("mla_watch.server")
 class RoutingSources:
     """The local model's windows (once it is loaded), the engine's (beside vLLM / SGLang) and the workers'.
 
-    Holds the healthy baselines every window is judged against (STATE_DIR/baseline.json).
+    Holds the healthy baselines every window is judged against (STATE_DIR/baseline.json), and learns them from
+    each new snapshot - with or without alert rules: Prometheus' copies of the rules relative to a baseline read
+    the learned values from /metrics. ``learn_excluded`` gives the (router, line) series an alert is pending or
+    firing on, never learned from.
     """
 
     def __init__(self, config: ServerConfig, registry: CollectorRegistry, baselines: Baselines, *,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], learn_excluded: Callable[[], set[tuple[str, str]]] | None = None) -> None:
         self.config = config
         self.clock = clock
         self.baselines = baselines
+        self._learn_excluded = learn_excluded
         self.probe: Probe | None = None  # once the local model is loaded
         self._snapshot: tuple[tuple, RoutingSnapshot] | None = None
         self._snapshot_lock = threading.Lock()
@@ -110,7 +114,9 @@ class RoutingSources:
                 return cached[1]
             snapshot = take_snapshot(sources, self.clock())
             self._snapshot = (key, snapshot)
-            return snapshot
+        # Learned now, carried by the next snapshot (the baselines' version is part of its key).
+        self.baselines.learn(snapshot.records, excluded=self._learn_excluded)
+        return snapshot
 
     # ------------------------------------------------------------------ beside an engine
     def engine_routers(self) -> set[str]:
