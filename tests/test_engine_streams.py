@@ -69,7 +69,7 @@ def test_a_streamed_request_counts_exactly_what_it_counts_unstreamed(tmp_path, c
         settled(sidecar, 2)
         unstreamed, streamed = counted(sidecar, "code_assistant"), counted(sidecar, "customer_service")
         assert streamed.sum() > 0 and np.array_equal(streamed, unstreamed)
-        tokens = {line: sidecar.engine_routing.windows.stats(line)[0]["tokens"]
+        tokens = {line: sidecar.engine_routing.windows.router_stats(line)[0].stats.tokens
                   for line in ("code_assistant", "customer_service")}
         assert tokens["customer_service"] == tokens["code_assistant"]
         metrics = get_metrics(url)

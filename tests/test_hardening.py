@@ -273,7 +273,7 @@ def test_exported_records_are_capped() -> None:
     with pytest.raises(IngestError, match="8 router x business line records"):
         remote.ingest(parse_snapshot(snapshot(source="b", routers=two_routers), remote.limits))
     remote.ingest(parse_snapshot(snapshot(source="b"), remote.limits))  # one router: 4 + 2 = 6 records
-    assert sum(len(windows.stats(line)) for windows in remote.windows()
+    assert sum(len(windows.router_stats(line)) for windows in remote.windows()
                for line in [None, *windows.business_lines]) == 6
 
 

@@ -156,7 +156,7 @@ def test_hash_routers_have_no_log2_k_floor_and_rules_skip_them_unless_asked(tmp_
     counts[0] = 200  # the lookup table gives every token expert 0, twice
     for info in (hashed, learned):
         windows.add(info.name, "chat", CountDelta(counts.copy(), 100))
-    by_name = {record["name"]: record for record in windows.stats("chat")}
+    by_name = {record.router.name: record.as_dict() for record in windows.router_stats("chat")}
     assert by_name[hashed.name]["floor_bits"] == 0.0 and by_name[hashed.name]["entropy_bits"] == 0.0
     assert by_name[hashed.name]["hash_routed"] is True and "hash_routed" not in by_name[learned.name]
     (rule,) = load_rules_dir(rules_file(tmp_path, "{kind: expert}")).rules
