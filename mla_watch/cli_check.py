@@ -2,7 +2,8 @@
 
 ``check`` validates every policy and rule file and lints the rules against a model's routers (the
 model loaded here, or an engine's ``config.json``); ``rules export`` writes the rules as a
-Prometheus rule file.
+Prometheus rule file, a Prometheus Operator PrometheusRule or a Mimir ruler namespace file, and with
+``--fleet`` adds the fleet's recording rules and alerts (:mod:`mla_watch.alerting.fleet`).
 """
 
 from __future__ import annotations
@@ -149,15 +150,77 @@ def _lint(rules: Any, routers: Sequence[Any], args: argparse.Namespace) -> tuple
     return errors, warnings
 
 
+def _export_command(args: argparse.Namespace) -> str:
+    """The command line that writes this export again (said in the file's header)."""
+    parts = ["mla-watch rules export", f"--format {args.format}"]
+    if args.fleet:
+        parts.append("--fleet")
+        for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-labels", args.fleet_labels),
+                            ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
+                            ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for)):
+            if value is not None:
+                parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
+def _fleet_options(args: argparse.Namespace) -> Any:
+    """The --fleet* flags as FleetOptions; exit 2 naming the flag, its value and what was expected."""
+    from mla_watch.alerting.durations import parse_duration
+    from mla_watch.alerting.fleet import FleetOptions, parse_label_list
+    from mla_watch.alerting.model import RuleError
+
+    fleet_only = {"--fleet-window": args.fleet_window, "--fleet-labels": args.fleet_labels,
+                  "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
+                  "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for}
+    if not args.fleet:
+        given = [f"{flag} {value}" for flag, value in fleet_only.items() if value is not None]
+        if given:
+            args.parser.error(f"{given[0]}: only used with --fleet; expected --fleet as well")
+        return None
+    values: dict[str, Any] = {}
+    try:
+        for flag, key, text in (("--fleet-window", "window_seconds", args.fleet_window),
+                                ("--outlier-for", "outlier_for_seconds", args.outlier_for)):
+            if text is not None:
+                try:
+                    values[key] = parse_duration(text, flag)
+                except RuleError as error:
+                    raise ValueError(error.errors[0].replace(f"{flag} =", flag)) from None
+        if args.fleet_labels is not None:
+            values["fleet_labels"] = parse_label_list(args.fleet_labels, "--fleet-labels")
+        if args.replica_label is not None:
+            values["replica_label"] = args.replica_label
+        for flag, key, text in (("--outlier-bits", "outlier_bits", args.outlier_bits),
+                                ("--outlier-factor", "outlier_factor", args.outlier_factor)):
+            if text is not None:
+                try:
+                    values[key] = float(text)
+                except ValueError:
+                    raise ValueError(f"{flag} {text[:80]!r}: expected a number") from None
+        return FleetOptions(**values)
+    except ValueError as error:
+        args.parser.error(str(error))
+
+
 def _cmd_rules_export(args: argparse.Namespace) -> int:
-    from mla_watch.alerting.promexport import export_prometheus
+    from mla_watch.alerting.promexport import export_prometheus, export_rules
     from mla_watch.alerting.rules import RuleError, load_rules_dir
 
+    fleet = _fleet_options(args)
     try:
         rules = load_rules_dir(args.rules)
     except RuleError as error:
         raise SystemExit("mla-watch: the rules do not load:\n  " + "\n  ".join(error.errors)) from error
-    text = export_prometheus(rules)
+    if args.format == "prometheus" and fleet is None:
+        text = export_prometheus(rules)  # what this command has always written
+    else:
+        from mla_watch.alerting.fleet import SCOPE_LABEL, fleet_groups, fleet_notes
+
+        text = export_rules(rules, command=_export_command(args), file_format=args.format,
+                            labels={SCOPE_LABEL: "replica"} if fleet is not None else None,
+                            extra_groups=fleet_groups(rules, fleet) if fleet is not None else (),
+                            notes=fleet_notes(fleet) if fleet is not None else (),
+                            source_root=args.rules.resolve())
     if args.out is None:
         sys.stdout.write(text)
     else:
@@ -187,7 +250,26 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
     export = rules.add_parser("export", help="write the rules as a Prometheus rule file")
-    export.add_argument("--format", choices=["prometheus"], default="prometheus", help="the rule file's format")
+    export.add_argument("--format", choices=["prometheus", "operator", "mimir"], default="prometheus",
+                        help="prometheus: a rule file (Prometheus, Thanos ruler); operator: a Prometheus Operator "
+                             "PrometheusRule; mimir: a Mimir / Cortex ruler namespace file (mimirtool rules load)")
     export.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
-    export.set_defaults(handler=_cmd_rules_export)
+    export.add_argument("--fleet", action="store_true",
+                        help="add the fleet's recording rules (from the per-expert counters of serve "
+                             "--export-expert-counts), a fleet twin of every alert, and the replica-outlier alert")
+    export.add_argument("--fleet-window", metavar="DURATION",
+                        help="with --fleet: the window the fleet statistics sum (default 1h)")
+    export.add_argument("--fleet-labels", metavar="LABEL[,LABEL...]",
+                        help="with --fleet: the target labels one fleet shares (default job)")
+    export.add_argument("--replica-label", metavar="LABEL",
+                        help="with --fleet: the target label that tells a fleet's replicas apart (default instance)")
+    export.add_argument("--outlier-bits", metavar="BITS",
+                        help="with --fleet: the least KL from the fleet, in bits, that makes a replica an outlier "
+                             "(default 0.1)")
+    export.add_argument("--outlier-factor", metavar="X",
+                        help="with --fleet: how many times the median replica's KL an outlier exceeds (default 3)")
+    export.add_argument("--outlier-for", metavar="DURATION",
+                        help="with --fleet: how long a replica must stay an outlier before the alert fires "
+                             "(default 10m)")
+    export.set_defaults(handler=_cmd_rules_export, parser=export)

@@ -299,3 +299,16 @@ def test_promtool_unit_test_fires_a_trend_and_a_predict_rule(tmp_path):
                                                                                 "layer": "1", "severity": "warning"}})
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(unit, sort_keys=False))
     assert run_promtool("test", "rules", "test.yaml", cwd=tmp_path).returncode != 0
+
+
+def test_export_rules_wraps_the_same_rules_in_each_format(shipped):
+    from mla_watch.alerting.promexport import export_rules
+
+    plain = yaml.safe_load(export_prometheus(shipped))
+    operator = yaml.safe_load(export_rules(shipped, command="mla-watch rules export --format operator",
+                                           file_format="operator"))
+    mimir = yaml.safe_load(export_rules(shipped, command="mla-watch rules export --format mimir", file_format="mimir"))
+    assert operator["spec"] == plain and operator["kind"] == "PrometheusRule"
+    assert mimir.pop("namespace") == "mla_watch" and mimir == plain
+    with pytest.raises(ValueError, match=r"'thanos'.*prometheus, operator, mimir"):
+        export_rules(shipped, command="x", file_format="thanos")

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import json
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import yaml
 
@@ -33,8 +34,25 @@ from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
 from mla_watch.routing import BASELINE_METRICS, RULE_METRICS, STATISTICS
 from mla_watch.windows import ALL_LINES
 
-__all__ = ["BASELINE_NAMES", "GROUP_NAME", "METRIC_NAMES", "export_prometheus", "glob_to_regex", "rule_expression",
-           "trend_expression"]
+__all__ = [
+    "BASELINE_NAMES",
+    "FORMATS",
+    "GROUP_NAME",
+    "METRIC_NAMES",
+    "MIMIR_NAMESPACE",
+    "OPERATOR_NAME",
+    "convert_template",
+    "export_prometheus",
+    "export_rules",
+    "glob_to_regex",
+    "level_expression",
+    "promql_number",
+    "promql_string",
+    "rule_expression",
+    "rule_matchers",
+    "trend_expression",
+    "yaml_entry",
+]
 
 GROUP_NAME = "mla_watch_routing"
 _GAUGES: dict[str, str] = {statistic.key: f"mla_watch_{statistic.gauge}" for statistic in STATISTICS}
@@ -49,6 +67,11 @@ SLOTS = "mla_watch_routing_slots"
 _JOIN_LABELS = "job, instance, router, layer, kind, business_line"
 _LABEL_FIELDS = ("router", "layer", "kind", "business_line")
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
+# The rule file formats: Prometheus' own (which Thanos ruler reads too), a Prometheus Operator PrometheusRule, and
+# a Mimir / Cortex ruler namespace file (what `mimirtool rules load` takes).
+FORMATS: tuple[str, ...] = ("prometheus", "operator", "mimir")
+OPERATOR_NAME = "mla-watch-routing"
+MIMIR_NAMESPACE = "mla_watch"
 
 
 # --------------------------------------------------------------------------- PromQL
@@ -62,6 +85,16 @@ def _promql_string(text: str) -> str:
 def _number(x: float) -> str:
     text = repr(float(x))
     return text[:-2] if text.endswith(".0") else text
+
+
+def promql_string(text: str) -> str:
+    """A double-quoted PromQL string literal."""
+    return _promql_string(text)
+
+
+def promql_number(x: float) -> str:
+    """``x`` as PromQL reads it back exactly (``5`` for 5.0, ``0.05``)."""
+    return _number(x)
 
 
 def glob_to_regex(pattern: str) -> str:
@@ -124,6 +157,11 @@ def _matchers(rule: Rule, job: str) -> str:
     return "{" + ", ".join(parts) + "}"
 
 
+def rule_matchers(rule: Rule, job: str) -> str:
+    """The label matchers (``{kind="expert", ...}``) of ``rule``'s selector; ``job=`` first unless ``job`` is empty."""
+    return _matchers(rule, job)
+
+
 def trend_expression(rule: Rule, series: str) -> str:
     """What a rule judges of ``series`` (a selector): itself, or for a trend rule its slope per unit
     (``deriv``) or its predicted value (``predict_linear``) over the look-back."""
@@ -146,14 +184,17 @@ def _enough_history(rule: Rule, series: str) -> str:
             f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
 
 
-def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str | None = None) -> str:
+def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str | None = None,
+                     healthy: str | None = None) -> str:
     """A threshold of ``rule`` in PromQL: its number, or, relative to the healthy baseline, that scaled and
-    bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``)."""
+    bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``). ``healthy``
+    replaces the baseline series (an aggregate of it, say)."""
     bound = float(getattr(rule, key))
     scale = rule.baseline.get(key)
     if scale is None:
         return _number(bound)
-    healthy = BASELINE_NAMES[rule.metric] + (_matchers(rule, job) if matchers is None else matchers)
+    if healthy is None:
+        healthy = BASELINE_NAMES[rule.metric] + (_matchers(rule, job) if matchers is None else matchers)
     scaled = healthy if scale.times == 1.0 else f"{_number(scale.times)} * {healthy}"
     if scale.plus:
         scaled = f"{scaled} {'+' if scale.plus > 0 else '-'} {_number(abs(scale.plus))}"
@@ -264,12 +305,16 @@ def _constant(value: object, spec: str) -> str:
         return str(value)
 
 
-def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
+def convert_template(template: str, rule: Rule, notes: list[str], *,
+                     queries: Mapping[str, Callable[[str], str]] | None = None,
+                     query_labels: tuple[str, ...] = _LABEL_FIELDS) -> str:
     """A ``str.format`` annotation template of ``rule`` as a Prometheus (Go) template.
 
     Labels become ``$labels.x``, ``value`` becomes ``$value``, floor/ceiling/tokens are
     read with ``query``, the rule's constants are substituted, and fields Prometheus does
-    not know render as ``n/a`` (``notes`` says which).
+    not know render as ``n/a`` (``notes`` says which). ``queries`` maps a field to the PromQL that reads
+    it, given the selector of the alert's ``query_labels`` (``{router="%s",...}``), instead of the
+    sidecar's own gauges.
     """
     threshold: object
     relative = next(iter(key for key in ("below", "above") if key in rule.baseline), None)
@@ -295,7 +340,9 @@ def convert_template(template: str, rule: Rule, notes: list[str]) -> str:
         if field is None:
             continue
         spec = spec or ""
-        if field == "value":
+        if queries is not None and field in queries:
+            out.append(_go_query("", spec or ("d" if field == "tokens" else ""), query_labels, queries[field]))
+        elif field == "value":
             out.append(_go_value("$value", spec))
         elif field in _LABEL_FIELDS:
             out.append(f"{{{{ $labels.{field} }}}}")
@@ -367,6 +414,45 @@ _HEADER = """\
 """
 
 
+def _rule_blocks(rules: RuleSet, job: str, labels: Mapping[str, str], source_root: Path | None) -> str:
+    """The group ``mla_watch_routing`` as an item of a top-level ``groups:`` list."""
+    if not rules.rules:
+        return f"  - name: {GROUP_NAME}\n    rules: []\n"
+    lines = [f"  - name: {GROUP_NAME}\n    rules:\n"]
+    root = None if source_root is None else str(source_root).rstrip("/") + "/"
+    for rule in rules.rules:
+        notes: list[str] = []
+        entry: dict[str, object] = {"alert": rule.name, "expr": rule_expression(rule, job=job)}
+        if rule.for_seconds > 0:
+            entry["for"] = format_duration(rule.for_seconds)
+        if rule.keep_firing_for_seconds > 0:
+            entry["keep_firing_for"] = format_duration(rule.keep_firing_for_seconds)
+        entry["labels"] = {"severity": rule.severity, **dict(rule.labels), **dict(labels)}
+        annotations = {key: convert_template(text, rule, notes) for key, text in rule.annotations.items()}
+        if annotations:
+            entry["annotations"] = annotations
+        source = rule.source
+        if root is not None and source.startswith(root):  # the same text wherever the rules directory lies
+            source = source[len(root):]
+        comments = [f"{rule.name}" + (f" (from {source})" if source else "")]
+        if rule.resolve_above is not None:
+            comments.append(f"hysteresis not exported: the sidecar resolves at >= {_number(rule.resolve_above)}")
+        if rule.resolve_below is not None:
+            comments.append(f"hysteresis not exported: the sidecar resolves at <= {_number(rule.resolve_below)}")
+        if "retune" in rule.actions:
+            strategies = ", ".join(rule.retune_strategies) or "default"
+            comments.append(f"retune ({strategies}) runs in the sidecar only")
+        comments.extend(notes)
+        lines.append("".join(f"      # {text}\n" for text in comments) + yaml_entry(entry))
+    return "".join(lines)
+
+
+def yaml_entry(entry: Mapping[str, object]) -> str:
+    """One rule (a ``record`` or ``alert`` mapping) as an item of a group's ``rules:`` list (6 spaces in)."""
+    body = yaml.dump([dict(entry)], Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10_000)
+    return "".join(f"      {line}\n" if line else "\n" for line in body.splitlines())
+
+
 def export_prometheus(rules: RuleSet, *, job: str = "mla_watch") -> str:
     """A Prometheus rule file (YAML text) with one group, ``mla_watch_routing``, of ``rules``' alerts.
 
@@ -376,32 +462,41 @@ def export_prometheus(rules: RuleSet, *, job: str = "mla_watch") -> str:
     lines = [_HEADER]
     if job:
         lines.append(f"# Series are selected with job={_promql_string(job)}.\n")
-    lines.append(f"groups:\n  - name: {GROUP_NAME}\n    rules:\n")
-    if not rules.rules:
-        lines[-1] = f"groups:\n  - name: {GROUP_NAME}\n    rules: []\n"
-    for rule in rules.rules:
-        notes: list[str] = []
-        entry: dict[str, object] = {"alert": rule.name, "expr": rule_expression(rule, job=job)}
-        if rule.for_seconds > 0:
-            entry["for"] = format_duration(rule.for_seconds)
-        if rule.keep_firing_for_seconds > 0:
-            entry["keep_firing_for"] = format_duration(rule.keep_firing_for_seconds)
-        entry["labels"] = {"severity": rule.severity, **dict(rule.labels)}
-        annotations = {key: convert_template(text, rule, notes) for key, text in rule.annotations.items()}
-        if annotations:
-            entry["annotations"] = annotations
-        comments = [f"{rule.name}" + (f" (from {rule.source})" if rule.source else "")]
-        if rule.resolve_above is not None:
-            comments.append(f"hysteresis not exported: the sidecar resolves at >= {_number(rule.resolve_above)}")
-        if rule.resolve_below is not None:
-            comments.append(f"hysteresis not exported: the sidecar resolves at <= {_number(rule.resolve_below)}")
-        if "retune" in rule.actions:
-            strategies = ", ".join(rule.retune_strategies) or "default"
-            comments.append(f"retune ({strategies}) runs in the sidecar only")
-        comments.extend(notes)
-        block = "".join(f"      # {text}\n" for text in comments)
-        body = yaml.dump([entry], Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=10_000)
-        block += "".join(f"      {line}\n" if line else "\n" for line in body.splitlines())
-        lines.append(block)
+    lines.append("groups:\n" + _rule_blocks(rules, job, {}, None))
     return "".join(lines)
 
+
+def _indent(text: str, spaces: int) -> str:
+    pad = " " * spaces
+    return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
+
+
+def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = "mla_watch",
+                 labels: Mapping[str, str] | None = None, extra_groups: Sequence[str] = (),
+                 notes: Sequence[str] = (), source_root: Path | None = None) -> str:
+    """``rules``' alerts (with ``labels`` added to each), then ``extra_groups`` (items of a ``groups:`` list, as
+    :func:`yaml_entry` indents them), as a rule file of ``file_format`` (one of :data:`FORMATS`).
+
+    ``command`` is what regenerates the file, said in its header with ``notes``; rule sources under
+    ``source_root`` are shown relative to it.
+    """
+    if file_format not in FORMATS:
+        raise ValueError(f"file_format {file_format!r}: expected one of {', '.join(FORMATS)}")
+    header = [f"# Prometheus alerting rules generated by `{command}`.\n",
+              "# Do not edit: change rules/*.yaml and run that command again. Check with `promtool check rules`"
+              + (" on its spec." if file_format == "operator" else
+                 " on its groups." if file_format == "mimir" else " FILE.") + "\n",
+              _HEADER.split("\n", 2)[2]]  # the differences from the sidecar's engine, as in export_prometheus
+    for note in notes:  # a note's own lines continue its bullet
+        first, *rest = note.split("\n")
+        header.append(f"#  * {first}\n" + "".join(f"#    {line}\n" for line in rest))
+    if job:
+        header.append(f"# Series are selected with job={_promql_string(job)}.\n")
+    groups = "groups:\n" + _rule_blocks(rules, job, labels or {}, source_root) + "".join(extra_groups)
+    if file_format == "prometheus":
+        return "".join(header) + groups
+    if file_format == "mimir":
+        return "".join(header) + f"namespace: {MIMIR_NAMESPACE}\n" + groups
+    return ("".join(header) + "apiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n"
+            f"  name: {OPERATOR_NAME}\n  labels:\n    app.kubernetes.io/name: mla-watch\n"
+            "    app.kubernetes.io/component: alert-rules\nspec:\n" + _indent(groups, 2))

@@ -1,0 +1,121 @@
+"""One page per problem: the shipped deploy/alertmanager.yaml, run by real Alertmanager, given the alerts
+Prometheus would send for a fleet-wide fault and for one broken replica.
+
+Alertmanager comes from Debian's prometheus-alertmanager package, which `.ci/run` installs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from conftest import free_port, wait_until
+from receivers import running_receiver
+
+from mla_watch.alerting.fleet import OUTLIER_ALERT, SCOPE_LABEL
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+GROUP_WAIT_SECONDS = 1
+ROUTER = {"job": "mla_watch", "router": "model.layers.1.mlp.gate", "layer": "1", "kind": "expert",
+          "business_line": "code_assistant"}
+REPLICAS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+
+
+def config_for(receiver_url: str, inhibit: bool = True) -> str:
+    """The shipped config, its webhook pointed at the test receiver and its group wait shortened."""
+    config = yaml.safe_load((REPO / "deploy" / "alertmanager.yaml").read_text())
+    if not inhibit:
+        del config["inhibit_rules"]
+    (receiver,) = config["receivers"]
+    receiver["webhook_configs"][0]["url"] = receiver_url
+    config["route"]["group_wait"] = f"{GROUP_WAIT_SECONDS}s"
+    return yaml.safe_dump(config)
+
+
+@contextmanager
+def alertmanager(tmp_path: Path, receiver_url: str, inhibit: bool = True) -> Iterator[str]:
+    binary = shutil.which("prometheus-alertmanager")
+    assert binary, "prometheus-alertmanager is not installed: .ci/run installs Debian's package"
+    (tmp_path / "alertmanager.yml").write_text(config_for(receiver_url, inhibit))
+    port = free_port()
+    log = tmp_path / "alertmanager.log"
+    process = subprocess.Popen([binary, f"--config.file={tmp_path / 'alertmanager.yml'}",
+                                f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{port}",
+                                "--cluster.listen-address="], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            try:
+                return httpx.get(url + "/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(ready, timeout=30, interval=0.2), log.read_text()[-2000:]
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def alert(alertname: str, severity: str, scope: str, **labels: str) -> dict:
+    """An alert as Prometheus posts it to /api/v2/alerts while it fires."""
+    now = datetime.now(UTC)
+    return {"labels": {"alertname": alertname, "severity": severity, SCOPE_LABEL: scope, **ROUTER, **labels},
+            "annotations": {"summary": f"{alertname} on {ROUTER['router']}"},
+            "startsAt": now.isoformat(), "endsAt": (now + timedelta(minutes=10)).isoformat(),
+            "generatorURL": "http://prometheus.example.internal/graph"}
+
+
+def notifications(alerts: list[dict], tmp_path: Path, inhibit: bool = True) -> list[dict]:
+    """Every webhook notification the shipped config sends for ``alerts``, posted at once."""
+    with running_receiver() as receiver, alertmanager(tmp_path, receiver.url + "/alerts", inhibit) as url:
+        response = httpx.post(url + "/api/v2/alerts", json=alerts, timeout=10)
+        assert response.status_code == 200, response.text
+        assert wait_until(lambda: len(receiver.requests) >= 1, timeout=30, interval=0.1), \
+            (tmp_path / "alertmanager.log").read_text()[-2000:]
+        # Every group of these alerts has flushed after a few group waits: anything more would have come by then.
+        time.sleep(4 * GROUP_WAIT_SECONDS)
+        return [request.json() for request in list(receiver.requests)]
+
+
+def test_a_fleet_wide_fault_pages_once(tmp_path: Path) -> None:
+    alerts = [alert("RoutingCollapse", "critical", "fleet", team="ml-platform"),
+              *(alert("RoutingCollapse", "critical", "replica", team="ml-platform", instance=replica)
+                for replica in REPLICAS)]
+    (body,) = notifications(alerts, tmp_path)
+    assert body["status"] == "firing"
+    (paged,) = body["alerts"]  # the replicas' own alerts are muted by the fleet's
+    assert paged["labels"][SCOPE_LABEL] == "fleet" and "instance" not in paged["labels"]
+
+
+def test_one_broken_replica_pages_once_naming_it(tmp_path: Path) -> None:
+    broken = REPLICAS[1]
+    alerts = [alert(OUTLIER_ALERT, "warning", "replica", instance=broken),
+              alert("RoutingCollapse", "critical", "replica", team="ml-platform", instance=broken)]
+    (body,) = notifications(alerts, tmp_path)
+    assert body["commonLabels"]["instance"] == broken
+    assert {a["labels"]["alertname"] for a in body["alerts"]} == {OUTLIER_ALERT, "RoutingCollapse"}
+
+
+def test_without_the_inhibit_rule_the_fleet_fault_lists_every_replica(tmp_path: Path) -> None:
+    """What the inhibit rule is for: the same alerts, the rule removed, name all four in the page."""
+    shipped = REPO / "deploy" / "alertmanager.yaml"
+    config = yaml.safe_load(shipped.read_text())
+    assert config["inhibit_rules"][0]["source_matchers"] == ['scope="fleet"']
+    alerts = [alert("RoutingCollapse", "critical", "fleet"),
+              *(alert("RoutingCollapse", "critical", "replica", instance=replica) for replica in REPLICAS)]
+    bodies = notifications(alerts, tmp_path, inhibit=False)
+    assert len(bodies) == 1 and len(bodies[0]["alerts"]) == 4
