@@ -19,6 +19,7 @@ the widest text a real router writes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sqlite3
@@ -35,8 +36,10 @@ from starlette.responses import JSONResponse
 
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.history.store import HISTORY_FILE, HISTORY_METRICS, VALUES, HistoryStore, size_bound
+from mla_watch.routing import RoutingStats
 from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
 from mla_watch.server.status import entropy_band
+from mla_watch.windows import RouterInfo, RouterStats
 
 DAY = 86400.0
 START = 1_800_000_000.0
@@ -51,24 +54,24 @@ class SimulatedClock:
         return self.now
 
 
-def records_for(routers: int, lines: int, rng: np.random.Generator) -> list[dict]:
+def records_for(routers: int, lines: int, rng: np.random.Generator) -> list[RouterStats]:
     records = []
     for layer in range(3, 3 + routers):
+        info = RouterInfo(name=f"model.layers.{layer}.mlp.gate", layer=layer, kind="expert", num_slots=256, top_k=8)
         for line in [None, *(f"line_{index}" for index in range(lines))]:
-            records.append(move({"name": f"model.layers.{layer}.mlp.gate", "layer": layer, "kind": "expert",
-                                 "business_line": line, "too_small": False, "floor_bits": 3.0, "ceiling_bits": 8.0,
-                                 "num_slots": 256}, rng))
+            records.append(RouterStats(info, line, moved(rng)))
     return records
 
 
-def move(record: dict, rng: np.random.Generator) -> dict:
-    """New statistics for ``record``, each in the range a 256-expert top-8 router gives it."""
+def moved(rng: np.random.Generator) -> RoutingStats:
+    """New statistics, each in the range a 256-expert top-8 router gives it (bits_below_ceiling follows)."""
     bits = float(rng.uniform(5.0, 7.5))
-    record.update(tokens=int(rng.integers(1024, 4097)), entropy_bits=bits, normalized_entropy=(bits - 3.0) / 5.0,
-                  bits_below_ceiling=8.0 - bits, max_violation=float(rng.uniform(1.0, 3.0)),
-                  dead_slots=int(rng.integers(0, 9)), js_divergence=float(rng.uniform(0.0, 0.1)),
-                  locality=float(rng.uniform(0.0, 1.0)))
-    return record
+    tokens = int(rng.integers(1024, 4097))
+    return RoutingStats(kind="expert", num_slots=256, top_k=8, tokens=tokens, selections=8 * tokens,
+                        entropy_bits=bits, floor_bits=3.0, ceiling_bits=8.0, normalized_entropy=(bits - 3.0) / 5.0,
+                        max_violation=float(rng.uniform(1.0, 3.0)), dead_slots=int(rng.integers(0, 9)),
+                        js_divergence=float(rng.uniform(0.0, 0.1)), locality=float(rng.uniform(0.0, 1.0)),
+                        min_tokens=1024, too_small=False)
 
 
 def largest_answer(store: HistoryStore, until: float) -> tuple[int, str, float]:
@@ -134,8 +137,8 @@ def main() -> None:
             clock.now = max(clock.now, start)
             stop = end if step == 10.0 else min(end - DAY if step == 900.0 else end - args.fine_hours * 3600, end)
             while clock.now < stop:
-                for record in records[int(clock.now // step) % 7:: 7]:  # movement, so means carry real floats
-                    move(record, rng)
+                for index in range(int(clock.now // step) % 7, series, 7):  # movement: means carry real floats
+                    records[index] = dataclasses.replace(records[index], stats=moved(rng))
                 tick = time.perf_counter()
                 store.record(records)
                 if step == 10.0:
@@ -152,7 +155,7 @@ def main() -> None:
         tick = time.perf_counter()
         again = HistoryStore(directory / HISTORY_FILE, interval_seconds=10.0, retention_days=args.days, clock=clock)
         load_s = time.perf_counter() - tick
-        router = records[0]["name"]
+        router = records[0].router.name
         calls = 1000
         tick = time.perf_counter()
         for _ in range(calls):

@@ -4,9 +4,11 @@
     python bench/status_page.py --rounds 6 --json figures.json
 
 * **History at DeepSeek-V3.2 scale**: 58 expert routers and 61 indexers, 4 business lines plus
-  their sum, one hour at the default 10 s (360 points): the memory it holds, the time to build
-  ``/v1/status``'s history and its JSON size, and the size of an incremental reply (``since``
-  the last point, what an open page fetches every 5 s), as a ratio of the full one.
+  their sum, one hour at the default 10 s (360 points): the memory the live hour holds without a
+  durable history (``--history-retention 0``: a store in memory; with one, the hour is the durable
+  store's ``full`` tier, whose bytes are given too), the time to build ``/v1/status``'s history
+  and its JSON size, and the size of an incremental reply (``since`` the last point, what an open
+  page fetches every 5 s), as a ratio of the full one.
 * **One history sample** on the bundled model's live windows (every router, every line): its
   time, and the share of one core it takes at the default 10 s interval.
 * **Serving while a page polls**: one ``mla-watch serve`` process with ``--history-interval 1``;
@@ -33,24 +35,34 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_overhead import sidecar_process
 
-from mla_watch.server.history import RoutingHistory
+from mla_watch.history.store import HISTORY_FILE, HistoryStore
+from mla_watch.routing import RoutingStats
+from mla_watch.windows import RouterInfo, RouterStats
 
 LINES = ("customer_service", "code_assistant", "sql", "doc_summary")
 
 
-def v3_records(rng: random.Random) -> list[dict]:
-    routers = [(f"model.layers.{i}.mlp.gate", i, "expert", 3.0, 8.0) for i in range(3, 61)]
-    routers += [(f"model.layers.{i}.self_attn.indexer", i, "indexer", 11.0, 17.0) for i in range(61)]
-    return [{"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": 4096,
-             "entropy_bits": rng.uniform(floor + 1, ceiling), "too_small": False, "floor_bits": floor,
-             "ceiling_bits": ceiling}
-            for line in (*LINES, None) for name, layer, kind, floor, ceiling in routers]
+def v3_records(rng: random.Random) -> list[RouterStats]:
+    routers = [(RouterInfo(f"model.layers.{i}.mlp.gate", i, "expert", 256, 8), 3.0, 8.0) for i in range(3, 61)]
+    routers += [(RouterInfo(f"model.layers.{i}.self_attn.indexer", i, "indexer", 131072, 2048), 11.0, 17.0)
+                for i in range(61)]
+    records = []
+    for line in (*LINES, None):
+        for info, floor, ceiling in routers:
+            bits = rng.uniform(floor + 1, ceiling)
+            stats = RoutingStats(kind=info.kind, num_slots=2 ** int(ceiling), top_k=info.top_k, tokens=4096,
+                                 selections=4096 * info.top_k, entropy_bits=bits, floor_bits=floor,
+                                 ceiling_bits=ceiling, normalized_entropy=(bits - floor) / (ceiling - floor),
+                                 max_violation=1.0, dead_slots=0, js_divergence=None, locality=None, min_tokens=1024,
+                                 too_small=False)
+            records.append(RouterStats(info, line, stats))
+    return records
 
 
 def history_figures() -> dict:
     rng = random.Random(7)
     now = [1_800_000_000.0]
-    history = RoutingHistory(span_seconds=3600, interval_seconds=10, clock=lambda: now[0])
+    history = HistoryStore(None, span_seconds=3600, interval_seconds=10, clock=lambda: now[0])
     batches = [v3_records(rng) for _ in range(8)]
     tracemalloc.start()
     for point in range(360):
@@ -61,13 +73,20 @@ def history_figures() -> dict:
     times = []
     for _ in range(5):
         started = time.perf_counter()
-        full = json.dumps(history.snapshot())
+        full = json.dumps(history.recent())
         times.append(time.perf_counter() - started)
-    last = history.snapshot()["times"][-1]
+    last = history.recent()["times"][-1]
     now[0] += 10
     history.record(batches[0])
-    incremental = json.dumps(history.snapshot(since=last))
-    return {"series": len(batches[0]), "points": len(history), "memory_mib": memory / 2**20,
+    incremental = json.dumps(history.recent(since=last))
+    with tempfile.TemporaryDirectory(prefix="mla-watch-bench-") as state:  # the hour inside the durable store
+        durable = HistoryStore(Path(state) / HISTORY_FILE, span_seconds=3600, interval_seconds=10,
+                               clock=lambda: now[0])
+        durable.record(batches[0])
+        full_tier = durable.tiers[0].nbytes()
+        durable.close()
+    return {"series": len(batches[0]), "points": len(history.recent()["times"]), "memory_mib": memory / 2**20,
+            "durable_full_tier_mib": full_tier / 2**20,
             "full_ms": statistics.median(times) * 1000, "full_bytes": len(full),
             "incremental_bytes": len(incremental), "incremental_ratio": len(incremental) / len(full)}
 
@@ -89,13 +108,14 @@ def sample_figures() -> dict:
                 generate(worker.model, worker.tokenizer, ids, SamplingParams(max_tokens=16, seed=1))
     times = []
     for _ in range(20):
+        time.sleep(0.01)  # samples are stamped to the millisecond: a second one in the same millisecond is none
         started = time.perf_counter()
-        sidecar.history.record(sidecar.routing_snapshot().as_dicts())
+        sidecar.history.record(sidecar.routing_snapshot().records)
         times.append(time.perf_counter() - started)
     sidecar.model_worker.close()
     median = statistics.median(times)
     return {"sample_ms": median * 1000, "core_share_at_10s": median / 10.0,
-            "series": len(sidecar.history.snapshot()["series"])}
+            "series": len(sidecar.history.recent()["series"])}
 
 
 def tempfile_dir() -> str:
@@ -154,7 +174,9 @@ def main() -> None:
 
     history = history_figures()
     print(f"history, DeepSeek-V3.2 scale ({history['series']} series x {history['points']} points): "
-          f"{history['memory_mib']:.1f} MiB held; /v1/status history {history['full_bytes'] / 2**20:.2f} MiB "
+          f"{history['memory_mib']:.1f} MiB held without a durable history (with one: its full tier, "
+          f"{history['durable_full_tier_mib']:.1f} MiB, nothing more); /v1/status history "
+          f"{history['full_bytes'] / 2**20:.2f} MiB "
           f"built in {history['full_ms']:.0f} ms; incremental reply {history['incremental_bytes'] / 1024:.1f} KiB "
           f"= x{history['incremental_ratio']:.4f} of the full one")
     sample = sample_figures()

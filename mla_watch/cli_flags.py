@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.server.config import ServerConfig
+from mla_watch.server.expert_counts import ExpertSelection
 
-__all__ = ["DEFAULT_STATE_DIR", "byte_size", "history_retention", "non_negative_float", "non_negative_int",
-           "number_at_least", "parse_options", "perplexity_margin", "positive_float", "positive_int", "share",
-           "tcp_port", "upstream_url"]
+__all__ = ["DEFAULT_STATE_DIR", "byte_size", "expert_selection", "history_retention", "non_negative_float",
+           "non_negative_int", "number_at_least", "parse_options", "perplexity_margin", "positive_float",
+           "positive_int", "share", "tcp_port", "upstream_url"]
 
 DEFAULT_STATE_DIR: Path = ServerConfig.state_dir
 
@@ -69,6 +70,14 @@ def history_retention(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected 0 (no durable history) or a number of days in [1, 365], "
                                          f"got {text!r}")
     return value
+
+
+def expert_selection(text: str) -> ExpertSelection:
+    """An argparse type for --export-expert-counts (the syntax lives in ExpertSelection.parse, the one parser)."""
+    try:
+        return ExpertSelection.parse(text, "")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def non_negative_int(text: str) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mla_watch.cli_flags import (
     byte_size,
+    expert_selection,
     history_retention,
     non_negative_float,
     non_negative_int,
@@ -28,6 +29,7 @@ from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetuneSettings
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
+from mla_watch.server.expert_counts import BUDGET_FLAG, EXPORT_FLAG, SELECTION_FORM
 
 __all__ = ["add_parser"]
 
@@ -87,7 +89,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
-                          baseline_tokens=args.baseline_tokens)
+                          baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
+                          expert_series_budget=args.expert_series_budget)
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
         sidecar = build_sidecar(config)
         if sock is None:
@@ -212,6 +215,15 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "15-minute ones beyond; 1 to 365, 0: none) (default %(default)s)")
     serve.add_argument("--history-max-series", type=positive_int, default=ServerConfig.history_max_series,
                        help="(router, business line) series the durable history keeps (default %(default)s)")
+    serve.add_argument(EXPORT_FLAG, type=expert_selection, metavar="SELECTION",
+                       help="export cumulative per-expert counters Prometheus can sum across replicas "
+                            "(mla_watch_expert_selections_total, mla_watch_expert_tokens_total) for the expert "
+                            f"routers and business lines chosen: {SELECTION_FORM.replace('%', '%%')}; "
+                            "default: none")
+    serve.add_argument(BUDGET_FLAG, type=positive_int, default=ServerConfig.expert_series_budget, metavar="N",
+                       help=f"the most per-expert series {EXPORT_FLAG} exports, one per expert and one of tokens per "
+                            "router and line; pairs past it count into mla_watch_expert_overflow_selections_total "
+                            "(default %(default)s: one business line of DeepSeek-V3)")
     serve.add_argument("--body-timeout", type=positive_float, default=ServerConfig.body_timeout_seconds,
                        help="seconds a request body may take to arrive before 408 (default %(default)s)")
     for name, text in INGEST_FLAGS.items():

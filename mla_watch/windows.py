@@ -135,7 +135,7 @@ class RouterStats:
         return self.business_line or ALL_LINES
 
     def as_dict(self) -> dict[str, Any]:
-        """The record of :meth:`RouterWindows.stats` (the Python API's and ``GET /v1/routing``'s shape)."""
+        """The JSON record of ``Probe.stats()`` and ``GET /v1/routing``; every other consumer reads the attributes."""
         record = {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
                   "business_line": self.business_line, **self.stats.as_dict(),
                   "baseline": None if self.baseline is None else self.baseline.as_dict()}
@@ -182,6 +182,12 @@ class _Totals:
     choice_selections: int
 
 
+@dataclass
+class _Cumulative:
+    counts: np.ndarray  # int64, one per slot
+    tokens: int = 0
+
+
 class RouterWindows:
     """Rolling windows of selection counts per (router, business line)."""
 
@@ -202,6 +208,9 @@ class RouterWindows:
         self._clock = clock
         self._windows: dict[tuple[str, str], RollingWindow] = {}
         self._lines: dict[str, None] = {}
+        # Since these windows were made, per (router, line): what counters summed across replicas read.
+        # Never rolled or reset, so a counter built on it only grows; one int64 vector per pair.
+        self._cumulative: dict[tuple[str, str], _Cumulative] = {}
         self._baselines = baselines if baselines is not None else Baselines()
         self._lock = threading.Lock()
         self._version = 0
@@ -246,17 +255,33 @@ class RouterWindows:
             self._window(router, business_line).add(delta.counts, delta.tokens,
                                                     local_selections=delta.local_selections,
                                                     choice_selections=delta.choice_selections)
+            # After the window took it: a delta the window refuses changes neither.
+            total = self._cumulative.get((router, business_line))
+            if total is None:
+                total = self._cumulative[(router, business_line)] = _Cumulative(
+                    np.zeros(self._routers[router].num_slots, dtype=np.int64))
+            total.counts += np.asarray(delta.counts, dtype=np.int64)
+            total.tokens += int(delta.tokens)
+
+    def cumulative(self, router: str, business_line: str) -> CountDelta | None:
+        """Selections and tokens of one router for one business line since these windows were made (windows
+        rolling or :meth:`reset` never lower them); ``None`` where that pair never reported."""
+        with self._lock:
+            total = self._cumulative.get((router, business_line))
+            return None if total is None else CountDelta(total.counts.copy(), total.tokens)
+
+    def cumulative_totals(self) -> dict[tuple[str, str], CountDelta]:
+        """:meth:`cumulative` of every (router, business line) pair at one instant, in the order the pairs first
+        reported (copies: the caller may keep them)."""
+        with self._lock:
+            return {key: CountDelta(total.counts.copy(), total.tokens) for key, total in self._cumulative.items()}
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """Selection counts of each router over its current window."""
         return {name: self._totals(name, business_line).counts for name in self._routers}
 
-    def stats(self, business_line: str | None = None) -> list[dict[str, Any]]:
-        """One record per router for the current window (every line summed when ``None``)."""
-        return [record.as_dict() for record in self.router_stats(business_line)]
-
     def router_stats(self, business_line: str | None = None) -> list[RouterStats]:
-        """:meth:`stats`, typed."""
+        """Each router's statistics over the current window (every line summed when ``None``)."""
         records = []
         line = business_line or ALL_LINES
         baselines = self._baselines

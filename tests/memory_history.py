@@ -1,16 +1,17 @@
 """An in-memory routing history for tests: a :class:`~mla_watch.alerting.trend.TrendSource` filled from records.
 
-Stands in for the durable history store (which implements the same protocol) until it is wired in.
+Lets a test of the alert engine's trend rules place each sample at the time it chooses, without a state directory;
+the durable history store (:class:`~mla_watch.history.store.HistoryStore`) implements the same protocol.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from mla_watch.alerting.model import METRICS
-from mla_watch.windows import ALL_LINES
+from mla_watch.windows import RouterStats
 
 __all__ = ["MemoryHistory"]
 
@@ -21,15 +22,14 @@ class MemoryHistory:
     def __init__(self) -> None:
         self._series: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
 
-    def add(self, at: float, records: Iterable[Mapping[str, object]]) -> None:
-        """Record ``records`` (RouterWindows.stats() records) as taken at ``at``; None / NaN values are skipped."""
+    def add(self, at: float, records: Iterable[RouterStats]) -> None:
+        """Record ``records`` as taken at ``at``; None / NaN values are skipped."""
         for record in records:
-            line = record.get("business_line") or ALL_LINES
             for metric in METRICS:
-                value = record.get(metric)
-                if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+                value = getattr(record.stats, metric)
+                if value is None or math.isnan(value):
                     continue
-                times, values = self._series.setdefault((str(record["name"]), str(line), metric), ([], []))
+                times, values = self._series.setdefault((record.router.name, record.line_label, metric), ([], []))
                 if times and at < times[-1]:
                     raise ValueError(f"points must come in time order: {at} after {times[-1]}")
                 times.append(at)

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import metric_value, running_sidecar, wait_until
-from helpers import FakeClock
+from helpers import FakeClock, router_stats
 
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.server import history_api
@@ -88,23 +88,24 @@ def test_heavy_reads_are_bounded_and_monitoring_answers_while_they_are_stuck(mon
         asyncio.run(reads.run("GET /v1/history", lambda: None))
 
 
-def fill(path: Path, end: float) -> None:
-    """1,024 series over 30 days up to ``end``, a sample every 15 min; tokens move, so means carry decimals."""
+def fill(path: Path, end: float, variants: int = 32) -> None:
+    """1,024 series over 30 days up to ``end``, a sample every 15 min; tokens move (each sample one of ``variants``
+    drawn at random), so means carry decimals."""
     rng = np.random.default_rng(0)
     clock = FakeClock(end - MAX_RANGE_SECONDS - QUARTER)
     store = HistoryStore(path, interval_seconds=60.0, clock=clock)
-    records = [{"name": f"model.layers.{layer}.mlp.gate", "layer": layer, "kind": "expert", "business_line": line,
-                "entropy_bits": bits, "normalized_entropy": (bits - 3.0) / 5.0, "bits_below_ceiling": 8.0 - bits,
-                "max_violation": 1.0 + bits / 7.0, "js_divergence": bits / 75.0, "locality": bits / 7.5,
-                "dead_slots": 0, "too_small": False, "floor_bits": 3.0, "ceiling_bits": 8.0, "num_slots": 256}
-               for layer in range(3, 3 + ROUTERS) for line in [None, *(f"line_{i}" for i in range(LINES))]
-               for bits in [float(rng.uniform(5.0, 7.5))]]
-    samples = math.ceil((end - clock.now) / QUARTER) + 1
-    tokens = rng.integers(1024, 4097, size=(samples, len(records))).tolist()
-    for row in tokens:
-        for record, count in zip(records, row, strict=True):
-            record["tokens"] = count
-        store.record(records)
+    series = [(f"model.layers.{layer}.mlp.gate", layer, line, float(rng.uniform(5.0, 7.5)))
+              for layer in range(3, 3 + ROUTERS) for line in [None, *(f"line_{i}" for i in range(LINES))]]
+    # bits_below_ceiling follows: 8 - bits
+    samples = [[router_stats(name=name, layer=layer, line=line, num_slots=256, top_k=8, tokens=int(count),
+                             entropy_bits=bits, normalized_entropy=(bits - 3.0) / 5.0, max_violation=1.0 + bits / 7.0,
+                             js_divergence=bits / 75.0, locality=bits / 7.5, dead_slots=0, too_small=False,
+                             floor_bits=3.0, ceiling_bits=8.0)
+                for (name, layer, line, bits), count in zip(series, rng.integers(1024, 4097, size=len(series)),
+                                                            strict=True)]
+               for _ in range(variants)]
+    for pick in rng.integers(0, variants, size=math.ceil((end - clock.now) / QUARTER) + 1):
+        store.record(samples[pick])
         clock.now += QUARTER
     store.close()
 

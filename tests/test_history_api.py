@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import free_port, running_sidecar, wait_until
-from helpers import FakeClock
+from helpers import FakeClock, router_stats
 from test_reliability import sidecar_process
 
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
@@ -24,14 +25,12 @@ def prefill(state: Path, end: float, days: float = 3.0, interval: float = 60.0) 
     state.mkdir(parents=True, exist_ok=True)
     clock = FakeClock(end - days * DAY)
     store = HistoryStore(state / HISTORY_FILE, interval_seconds=interval, clock=clock)
+    summed = router_stats(name=GATE, line=None, tokens=900, entropy_bits=4.0)
+    by_day = [router_stats(name=GATE, line="code", tokens=500, entropy_bits=5.0 + day / 10, dead_slots=1)
+              for day in range(math.ceil(days) + 1)]
     while clock.now < end:
         day = int((clock.now - (end - days * DAY)) // DAY)
-        store.record([{"name": GATE, "layer": 1, "kind": "expert", "business_line": "code", "tokens": 500,
-                       "entropy_bits": 5.0 + day / 10, "dead_slots": 1, "too_small": False, "floor_bits": 2.585,
-                       "ceiling_bits": 6.0, "num_slots": 64},
-                      {"name": GATE, "layer": 1, "kind": "expert", "business_line": None, "tokens": 900,
-                       "entropy_bits": 4.0, "too_small": False, "floor_bits": 2.585, "ceiling_bits": 6.0,
-                       "num_slots": 64}])
+        store.record([by_day[day], summed])
         clock.now += interval
     store.close()
 
@@ -92,13 +91,32 @@ def test_a_bad_parameter_is_a_400_naming_it(served, params, param, expected) -> 
     assert error["param"] == param and expected in error["message"], error
 
 
+def test_the_status_pages_hour_is_the_durable_historys_last_hour(served) -> None:
+    url, end = served
+    status = httpx.get(url + "/v1/status", timeout=10).json()
+    history = status["history"]
+    assert history["interval_seconds"] == 60 and history["span_seconds"] == 3600
+    times = history["times"]
+    assert 55 <= len(times) <= 61 and times == sorted(times)  # the samples written before it started
+    assert times[-1] <= end and end - 3600 - 60 <= times[0]
+    by_line = {s["business_line"]: s for s in history["series"]}
+    assert list(by_line) == ["all", "code"] and set(by_line["all"]["values"]) == {4.0}
+    assert set(by_line["code"]["values"]) == {5.2} and by_line["code"]["band"]["fire_below"] is not None
+    newer = httpx.get(url + "/v1/status", params={"since": times[-2]}, timeout=10).json()["history"]
+    assert newer["times"][0] == times[-1] and all(t > times[-2] for t in newer["times"])
+
+
 def test_status_says_the_durable_history_is_there_and_can_be_off(served, tmp_path: Path) -> None:
     url, _ = served
     assert httpx.get(url + "/v1/status", timeout=10).json()["history_store"]["retention_days"] == 30.0
-    with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path, history_retention_days=0) as (off, _):
+    with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path, history_retention_days=0,
+                         history_interval_seconds=0.2) as (off, sidecar):
         response = httpx.get(off + "/v1/history", timeout=10)
         assert response.status_code == 404 and "--history-retention 0" in response.json()["error"]["message"]
         assert httpx.get(off + "/v1/status", timeout=10).json()["history_store"] is None
+        # The live hour goes on in memory: the sampler's points, served as with the file.
+        assert sidecar.history_store is None and not sidecar.history.durable
+        assert wait_until(lambda: len(httpx.get(off + "/v1/status", timeout=10).json()["history"]["times"]) >= 2)
     assert not (tmp_path / HISTORY_FILE).exists()
 
 

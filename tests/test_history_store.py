@@ -13,7 +13,7 @@ from helpers import FakeClock
 from helpers import history_record as record
 
 from mla_watch.alerting.model import METRICS
-from mla_watch.history.store import HISTORY_METRICS, HistoryStore, size_bound
+from mla_watch.history.store import HISTORY_METRICS, LIVE_METRICS, HistoryStore, size_bound
 
 GATE = "model.layers.1.mlp.gate"
 T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it
@@ -200,6 +200,54 @@ def test_a_database_with_bad_points_is_set_aside_too(tmp_path: Path, caplog) -> 
     assert any("expected a packed float32 array" in r.getMessage() for r in caplog.records)
     assert again.series() == [] and (tmp_path / "history.sqlite.corrupt").exists()
     again.close()
+
+
+def test_the_live_hour_survives_a_restart_with_the_file(tmp_path: Path) -> None:
+    clock = FakeClock(T0)
+    store = store_at(tmp_path, clock)
+    for step in range(30):
+        clock.now = T0 + 10 * step
+        store.record([record(bits=5.0 + step / 100), record(line=None, bits=4.5, too_small=step % 2 == 0)])
+    before = store.recent()
+    store._db._db.close()  # as a SIGKILL leaves it
+    again = store_at(tmp_path, clock)
+    assert again.recent() == before and len(before["times"]) == 30
+    assert again.recent(since=before["times"][-2])["times"] == [clock.now]
+    again.close()
+
+
+def test_without_a_file_the_store_is_the_live_hour_alone(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    clock = FakeClock(T0)
+    store = HistoryStore(None, interval_seconds=10, span_seconds=120, clock=clock)
+    assert not store.durable and [tier.name for tier in store.tiers] == ["full"]
+    assert store.metrics == LIVE_METRICS and store.tiers[0].retention == 120  # no 2-minute floor: no minute tier
+    for step in range(40):
+        clock.now = T0 + 10 * step
+        store.record([record(bits=5.0 + step / 100)])
+    times, values = store.points(GATE, "code", "entropy_bits", 0, math.inf)
+    assert times == [T0 + 10 * k for k in range(27, 40)] and values[-1] == pytest.approx(5.39)
+    assert store.points(GATE, "code", "tokens", clock.now, clock.now) == ([clock.now], [200.0])
+    with pytest.raises(ValueError, match="metric = 'max_violation': expected one of entropy_bits, tokens"):
+        store.points(GATE, "code", "max_violation", 0, math.inf)
+    store.close()
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+
+
+def test_without_a_file_a_series_gives_its_slot_back_once_it_leaves_the_span() -> None:
+    clock = FakeClock(T0)
+    store = HistoryStore(None, interval_seconds=10, span_seconds=60, max_series=1, clock=clock)
+    store.record([record(line="old")])
+    for step in range(1, 7):  # "old" reports empty windows: its one value is within the span for 60 s
+        clock.now = T0 + 10 * step
+        store.record([record(line="old", tokens=0), record(line="new")])
+        assert [s.business_line for s in store.series()] == ["old"]
+    clock.now += 10
+    store.record([record(line="old", tokens=0), record(line="new")])  # the value left: the slot is free
+    clock.now += 10
+    store.record([record(line="new")])
+    assert [s.business_line for s in store.series()] == ["new"] and store.dropped_series == 7
+    assert [s["business_line"] for s in store.recent()["series"]] == ["new"]
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -60,8 +60,8 @@ def test_enough_data_needs_points_spanning_half_the_look_back() -> None:
 
 def test_the_memory_history_is_a_trend_source() -> None:
     history = MemoryHistory()
-    history.add(T0, [{"name": GATE, "business_line": None, "entropy_bits": 5.9, "js_divergence": None}])
-    history.add(T0 + 10, [{"name": GATE, "business_line": None, "entropy_bits": 5.8}])
+    history.add(T0, [engine_record(5.9, name=GATE, line=None)])  # js_divergence None: no baseline
+    history.add(T0 + 10, [engine_record(5.8, name=GATE, line=None)])
     assert isinstance(history, TrendSource)
     assert history.points(GATE, "all", "entropy_bits", T0 + 1, T0 + 10) == ([T0 + 10], [5.8])
     assert history.points(GATE, "all", "js_divergence", T0, T0 + 10) == ([], [])

@@ -1,4 +1,4 @@
-"""The durable routing history: every rule statistic per router and business line, for 30 days, in STATE_DIR.
+"""The routing history: every rule statistic per router and business line, for 30 days, in STATE_DIR.
 
 Three tiers, each the mean of the finer one over its bucket (NaN values skipped):
 
@@ -13,9 +13,16 @@ not summed: each sample's ``tokens`` is the token count of the routing window at
 level, not a flow), so a sum would count the same tokens once per sample. ``too_small`` is kept as
 the fraction of samples whose window was below the router's trusted minimum.
 
+The ``full`` tier is also the status page's live hour (:meth:`HistoryStore.recent`, ``GET /v1/status``
+-> ``history``): the last hour is held once. Without a file (``path=None``: ``serve --history-retention
+0``, or a state directory the store cannot open) the store is the live hour alone: the ``full`` tier for
+exactly the span, holding what the page draws (``entropy_bits``, ``tokens``, ``too_small``), nothing
+written anywhere.
+
 A point is stamped with its bucket's start (a minute point at 12:03:00 is the mean of the
 samples in [12:03:00, 12:04:00)) and written once its bucket is over: the first sample of the
-next bucket closes it.
+next bucket closes it. A sample is stamped to the millisecond; a second sample in the same
+millisecond is not a point.
 
 Storage: one SQLite row per (tier, time) holding the point of every series as one packed
 little-endian float32 array ``[series id, value]`` (NaN: no value), the series' names in a
@@ -31,7 +38,14 @@ rows per tier ``retention / step + 2``, so the file holds at most
 
 (``S``: series kept, at most ``max_series``; 1.25 for the SQLite pages a row's overflow chain
 leaves part-empty, 1 MiB for the schema, the series table and the WAL, whose size is limited).
-Memory holds the same arrays (all three tiers, for :meth:`points` to answer without a query).
+
+Memory: each tier preallocates ``retention / step + 2`` rows plus an eighth (at least 8) of slack for a
+sampler running a little fast, times the series seen (at most ``max_series``), times 4 bytes per value
+kept: 9 values with a file (all three tiers, for :meth:`HistoryStore.points` to answer without a query:
+about 190 KB per series at the defaults, 63 MiB for 348 series), 3 without one (about 4.9 KB per series
+for an hour at 10 s: 2.8 MiB for DeepSeek-V3.2's 119 routers x (4 lines + all)). A series with no statistic left
+in any tier gives its slot back (with a file: once its last value has left the quarter tier; without one:
+once it has left the span).
 
 Wall clock: a sample stamped before the newest point (the clock stepped back) first drops every
 point newer than it, from memory and from the file, so each tier stays in time order. A file
@@ -48,8 +62,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -58,19 +73,20 @@ import numpy as np
 from mla_watch.alerting.model import METRICS
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.sqlite import PrivateDatabase
-from mla_watch.windows import ALL_LINES
+from mla_watch.windows import ALL_LINES, RouterStats
 
-__all__ = ["HISTORY_FILE", "HISTORY_METRICS", "VALUES", "HistoryStore", "HistoryStoreError", "SeriesInfo",
-           "size_bound"]
+__all__ = ["HISTORY_FILE", "HISTORY_METRICS", "LIVE_METRICS", "VALUES", "HistoryStore", "HistoryStoreError",
+           "SeriesInfo", "size_bound"]
 
 log = logging.getLogger(__name__)
 
 HISTORY_FILE = "history.sqlite"
 # What a point holds per series: the statistics rules watch, the window's tokens, the too-small fraction.
+# Attributes of RoutingStats; "tokens" last: the columns before it are the statistics, a series' values.
 HISTORY_METRICS: tuple[str, ...] = (*METRICS, "tokens")
 VALUES: tuple[str, ...] = (*HISTORY_METRICS, "too_small")
-TOO_SMALL = VALUES.index("too_small")
-TOKENS = VALUES.index("tokens")
+# What a store without a file keeps: what the status page's live hour draws.
+LIVE_METRICS: tuple[str, ...] = ("entropy_bits", "tokens")
 MINUTE, QUARTER = 60.0, 900.0
 MINUTE_RETENTION = 86400.0
 MIN_FULL_SPAN = 2 * MINUTE  # a minute's samples must still be there when the next minute closes it
@@ -108,32 +124,43 @@ def size_bound(*, series: int, interval_seconds: float, span_seconds: float, ret
 
 
 class HistoryStore:
-    """Tiered routing statistics in ``path`` (SQLite), fed by :meth:`record`, read by :meth:`points` and :meth:`query`.
+    """Tiered routing statistics in ``path`` (SQLite), fed by :meth:`record`, read by :meth:`points`, :meth:`query`
+    and :meth:`recent`; ``path=None``: the live hour alone, in memory (see the module docstring).
 
     ``clock`` gives wall-clock seconds (injectable: tests and the bench simulate days).
     """
 
-    def __init__(self, path: Path, *, interval_seconds: float = 10.0, span_seconds: float = 3600.0,
+    def __init__(self, path: Path | None, *, interval_seconds: float = 10.0, span_seconds: float = 3600.0,
                  retention_days: float = 30.0, max_series: int = 1024,
                  clock: Callable[[], float] = time.time) -> None:
-        for name, value in (("interval_seconds", interval_seconds), ("span_seconds", span_seconds),
-                            ("retention_days", retention_days)):
+        checked = (("interval_seconds", interval_seconds), ("span_seconds", span_seconds),
+                   *((("retention_days", retention_days),) if path is not None else ()))
+        for name, value in checked:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} = {value!r}: expected a positive number")
-        if retention_days < 1:
+        if interval_seconds > span_seconds:
+            raise ValueError(f"interval_seconds = {interval_seconds!r}: expected at most span_seconds "
+                             f"({span_seconds!r})")
+        if path is not None and retention_days < 1:
             raise ValueError(f"retention_days = {retention_days!r}: expected at least 1 (the minute tier keeps a day)")
         if isinstance(max_series, bool) or not isinstance(max_series, int) or max_series < 1:
             raise ValueError(f"max_series = {max_series!r}: expected a positive integer")
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
         self.interval_seconds = float(interval_seconds)
         self.span_seconds = float(span_seconds)
-        self.retention_days = float(retention_days)
+        # Without a file nothing outlives the span.
+        self.retention_days = float(retention_days) if path is not None else self.span_seconds / 86400.0
         self.max_series = max_series
         self.clock = clock
-        width = len(VALUES)
-        self.tiers = (Tier("full", self.interval_seconds, max(self.span_seconds, MIN_FULL_SPAN), width, max_series),
-                      Tier("minute", MINUTE, MINUTE_RETENTION, width, max_series),
-                      Tier("quarter", QUARTER, self.retention_days * 86400.0, width, max_series))
+        self.metrics = HISTORY_METRICS if path is not None else LIVE_METRICS
+        self.values: tuple[str, ...] = (*self.metrics, "too_small")
+        self._tokens = self.values.index("tokens")  # the columns before it are the statistics
+        self._too_small = self.values.index("too_small")
+        self._read = attrgetter(*self.metrics)  # a RoutingStats' kept values, in one call
+        self.tiers = self._new_tiers()
+        # A statistic at t is gone from every tier once t is older than this (with a file: the quarter point of
+        # its bucket has expired too).
+        self._kept_seconds = self.tiers[-1].retention + (QUARTER if len(self.tiers) > 1 else 0.0)
         self._lock = threading.Lock()
         self._ids: dict[tuple[str, str], int] = {}
         self._info: dict[int, SeriesInfo] = {}
@@ -142,14 +169,28 @@ class HistoryStore:
         self._next_id = 0
         # Per series id, the newest sample with a statistic: a series none is left of gives its id back.
         self._last_value = np.full(max_series, -np.inf)
-        self._open: list[float | None] = [None, None]  # the minute / quarter bucket being filled
+        self._open: list[float | None] = [None] * (len(self.tiers) - 1)  # the minute / quarter bucket being filled
         self.dropped_series = 0  # samples of series past max_series that were not kept
         self._warned_full = False
         self._last_write_error: str | None = None
-        self._db = self._open_file()
+        self._db = self._open_file() if self.path is not None else None
+
+    @property
+    def durable(self) -> bool:
+        """Whether the history is kept in a file (and for the retention), not for the span in memory only."""
+        return self.path is not None
+
+    def _new_tiers(self) -> tuple[Tier, ...]:
+        width = len(self.values)
+        if self.path is None:
+            return (Tier("full", self.interval_seconds, self.span_seconds, width, self.max_series),)
+        return (Tier("full", self.interval_seconds, max(self.span_seconds, MIN_FULL_SPAN), width, self.max_series),
+                Tier("minute", MINUTE, MINUTE_RETENTION, width, self.max_series),
+                Tier("quarter", QUARTER, self.retention_days * 86400.0, width, self.max_series))
 
     # ------------------------------------------------------------------ the file
     def _open_file(self) -> PrivateDatabase:
+        assert self.path is not None
         try:
             db = PrivateDatabase(self.path, what="routing history", error=HistoryStoreError, schema=_SCHEMA)
         except HistoryStoreError as error:
@@ -167,6 +208,7 @@ class HistoryStore:
         return db
 
     def _set_aside(self, why: str) -> None:
+        assert self.path is not None
         aside = self.path.with_name(self.path.name + ".corrupt")
         try:
             os.replace(self.path, aside)
@@ -182,15 +224,14 @@ class HistoryStore:
             self.path.unlink(missing_ok=True)
 
     def _reset_memory(self) -> None:
-        width = len(VALUES)
-        self.tiers = tuple(Tier(t.name, t.step, t.retention, width, self.max_series) for t in self.tiers)
+        self.tiers = self._new_tiers()
         self._ids.clear()
         self._info.clear()
         self._meta.clear()
         self._free.clear()
         self._next_id = 0
         self._last_value[:] = -np.inf
-        self._open = [None, None]
+        self._open = [None] * (len(self.tiers) - 1)
 
     def _load(self, db: PrivateDatabase) -> None:
         series = db.execute("SELECT id, router, business_line, layer, kind, floor_bits, ceiling_bits, num_slots "
@@ -206,17 +247,17 @@ class HistoryStore:
             self._meta[sid] = (layer, kind, floor_bits, ceiling_bits, num_slots)
         self._next_id = max(self._info, default=-1) + 1
         self._free = [sid for sid in range(self._next_id) if sid not in self._info]
-        width = len(VALUES) * 4
+        width = len(self.values) * 4
         for tier in self.tiers:
             rows = db.execute("SELECT t, data FROM points WHERE tier = ? ORDER BY t", (tier.name,))
             for t, blob in rows:
                 if not isinstance(blob, bytes) or len(blob) % width or not isinstance(t, float | int):
                     raise ValueError(f"{tier.name} point at {t!r}: expected a packed float32 array of "
-                                     f"{len(VALUES)} values per series")
-                row = np.frombuffer(blob, dtype="<f4").reshape(-1, len(VALUES))[: self.max_series]
+                                     f"{len(self.values)} values per series")
+                row = np.frombuffer(blob, dtype="<f4").reshape(-1, len(self.values))[: self.max_series]
                 tier.append(float(t), row.astype(np.float32))
         for tier in self.tiers:
-            has = np.isfinite(tier.data[tier.start:tier.end, :, :TOKENS]).any(axis=2)  # [point, series]
+            has = np.isfinite(tier.data[tier.start:tier.end, :, :self._tokens]).any(axis=2)  # [point, series]
             if has.size:
                 newest = has.shape[0] - 1 - np.argmax(has[::-1], axis=0)
                 seen = np.where(has.any(axis=0), tier.times[tier.start + newest], -np.inf)
@@ -230,7 +271,7 @@ class HistoryStore:
 
     def _resume_buckets(self) -> None:
         # The bucket of the newest finer point is still open unless the coarser tier already holds it.
-        for index in range(2):
+        for index in range(len(self.tiers) - 1):
             finer, coarser = self.tiers[index], self.tiers[index + 1]
             last = finer.last
             bucket = None if last is None else math.floor(last / coarser.step) * coarser.step
@@ -238,27 +279,29 @@ class HistoryStore:
                 else None
 
     def close(self) -> None:
-        self._db.close()
+        if self._db is not None:
+            self._db.close()
 
     # ------------------------------------------------------------------ writing
-    def record(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """One sample of routing records (``RouterWindows.stats`` of every line and of None), stamped ``clock()``."""
-        now = float(self.clock())
+    def record(self, records: Iterable[RouterStats]) -> None:
+        """One sample of routing records (a :class:`~mla_watch.windows.RoutingSnapshot`'s: every line and all lines
+        summed), stamped ``clock()`` to the millisecond: a time shown is a time a client can pass back exactly."""
+        now = round(float(self.clock()), 3)
         if not math.isfinite(now):
             return
+        read = self._read
         keys: list[tuple[str, str]] = []
         metas: list[tuple] = []
-        rows: list[list[Any]] = []
+        rows: list[tuple] = []
         for record in records:  # the one Python loop over series per sample: attribute reads only
-            get = record.get
-            line = get("business_line") or ALL_LINES
-            keys.append((record["name"], line))
-            metas.append((get("layer", -1), get("kind", ""), get("floor_bits"), get("ceiling_bits"), get("num_slots")))
-            rows.append([*map(get, HISTORY_METRICS), 1.0 if get("too_small") else 0.0])
-        matrix = _matrix(rows)
-        empty = ~(matrix[:, TOKENS] > 0)  # a window without tokens has statistics of nothing
-        matrix[empty, :TOKENS] = np.nan
-        matrix[empty, TOO_SMALL] = np.nan
+            router, stats = record.router, record.stats
+            keys.append((router.name, record.business_line or ALL_LINES))
+            metas.append((router.layer, router.kind, stats.floor_bits, stats.ceiling_bits, stats.num_slots))
+            rows.append((*read(stats), stats.too_small))
+        matrix = _matrix(rows, len(self.values))
+        empty = ~(matrix[:, self._tokens] > 0)  # a window without tokens has statistics of nothing
+        matrix[empty, :self._tokens] = np.nan
+        matrix[empty, self._too_small] = np.nan
         values = {key: (meta, matrix[index]) for index, (key, meta) in enumerate(zip(keys, metas, strict=True))}
         with self._lock:
             writes = self._record(now, values)
@@ -277,12 +320,13 @@ class HistoryStore:
                         "it", last - now, dropped)
             self._resume_buckets()
         new_series: list[tuple[int, SeriesInfo]] = []
-        row = np.full((self._next_id, len(VALUES)), np.nan, dtype=np.float32)
+        width = len(self.values)
+        row = np.full((self._next_id, width), np.nan, dtype=np.float32)
         pending: list[tuple[int, np.ndarray]] = []
         for key, (meta, point) in values.items():
             sid = self._ids.get(key)
             if sid is None:
-                if not point[TOKENS] > 0:  # a series starts with its first token, as on the heat map
+                if not point[self._tokens] > 0:  # a series starts with its first token, as on the heat map
                     continue
                 sid = self._new_id(key)
                 if sid is None:
@@ -294,17 +338,18 @@ class HistoryStore:
                 new_series.append((sid, info))
             pending.append((sid, point))
         if self._next_id > row.shape[0]:
-            row = np.vstack([row, np.full((self._next_id - row.shape[0], len(VALUES)), np.nan, dtype=np.float32)])
+            row = np.vstack([row, np.full((self._next_id - row.shape[0], width), np.nan, dtype=np.float32)])
         for sid, point in pending:
             row[sid] = point
         if self._next_id:
-            self._last_value[: self._next_id][np.isfinite(row[:, :TOKENS]).any(axis=1)] = now
+            self._last_value[: self._next_id][np.isfinite(row[:, :self._tokens]).any(axis=1)] = now
         points = [*self._roll(now), ("full", now, row)]
         self.tiers[0].append(now, row)
         expired = [(tier.name, now - tier.retention) for tier in self.tiers]
         for tier in self.tiers:
             tier.expire(now - tier.retention)
-        freed = self._reap(now) if any(name == "quarter" for name, _, _ in points) else []
+        # Values leave the store when the coarsest tier moves on: a point there (every sample without a file).
+        freed = self._reap(now) if any(name == self.tiers[-1].name for name, _, _ in points) else []
         return truncate, new_series, points, expired, freed
 
     def _new_id(self, key: tuple[str, str]) -> int | None:
@@ -318,8 +363,8 @@ class HistoryStore:
             if not self._warned_full:
                 self._warned_full = True
                 log.warning("routing history %s: %d series kept, the most --history-max-series allows; %s on %s and "
-                            "any further series are not kept (counted in /v1/history's series_dropped)",
-                            self.path, self.max_series, key[0], key[1])
+                            "any further series are not kept (counted in series_dropped)",
+                            self.path or "(in memory)", self.max_series, key[0], key[1])
             return None
         self._ids[key] = sid
         self._last_value[sid] = self.clock()  # a new series is not reaped before its first statistic could age out
@@ -328,7 +373,7 @@ class HistoryStore:
     def _roll(self, now: float) -> list[tuple[str, float, np.ndarray]]:
         """Close the minute (and quarter) bucket ``now`` has left: their means, to be written."""
         closed: list[tuple[str, float, np.ndarray]] = []
-        for index in range(2):
+        for index in range(len(self.tiers) - 1):
             finer, coarser = self.tiers[index], self.tiers[index + 1]
             stamp = now if index == 0 else (closed[-1][1] if closed else None)
             if stamp is None:
@@ -350,9 +395,8 @@ class HistoryStore:
     def _reap(self, now: float) -> list[int]:
         """Free the ids of series with no statistic left in any tier (their line or router is gone, or has had no
         token for the whole retention): a bounded number of series slots serves lines that come and go."""
-        # A statistic at t lives in the quarter bucket of t, kept until that bucket is older than the retention.
-        cutoff = now - self.tiers[2].retention - QUARTER
-        freed = [sid for sid in self._info if self._last_value[sid] < cutoff]
+        stale = np.flatnonzero(self._last_value[: self._next_id] < now - self._kept_seconds).tolist()
+        freed = [sid for sid in stale if sid in self._info]
         for sid in freed:
             info = self._info.pop(sid)
             self._meta.pop(sid, None)
@@ -364,7 +408,7 @@ class HistoryStore:
 
     def _persist(self, truncate: list | None, new_series: list, points: list, expired: list,
                  freed: list[int]) -> None:
-        if truncate is None and not points:
+        if self._db is None or (truncate is None and not points):
             return
 
         def write(db: sqlite3.Connection) -> None:
@@ -424,14 +468,11 @@ class HistoryStore:
                until: float) -> tuple[list[float], list[float]]:
         """``(times, values)`` of one series in ``[since, until]``, finest resolution first, NaN skipped, by time.
 
-        ``business_line`` is ``"all"`` for every line summed; ``metric`` one of :data:`HISTORY_METRICS`.
-        From memory: a dict lookup, three binary searches and a numpy slice per tier (about 20 us plus
-        1 us per 100 points returned). Values are float32 (7 significant digits).
+        ``business_line`` is ``"all"`` for every line summed; ``metric`` one of :attr:`metrics`
+        (:data:`HISTORY_METRICS` with a file). From memory: a dict lookup, three binary searches and a numpy
+        slice per tier (about 20 us plus 1 us per 100 points returned). Values are float32 (7 significant digits).
         """
-        try:
-            column = HISTORY_METRICS.index(metric)
-        except ValueError:
-            raise ValueError(f"metric = {metric!r}: expected one of {', '.join(HISTORY_METRICS)}") from None
+        column = self._column(metric)
         times: list[float] = []
         values: list[float] = []
         with self._lock:
@@ -447,19 +488,55 @@ class HistoryStore:
                 values.extend(column_values[keep].tolist())
         return times, values
 
+    def recent(self, since: float | None = None) -> dict[str, Any]:
+        """The status page's live hour (``GET /v1/status`` -> ``history``): the entropy of every series at each point
+        of the ``full`` tier within the last ``span_seconds``, as ``{"interval_seconds", "span_seconds", "times",
+        "series": [...]}``.
+
+        ``since``: only the points stamped after it (the last time a client has shown; times are stamped as shown, so
+        it is passed back exactly): each point is returned once and none is skipped. A series is listed while it has
+        an entropy value within the span, even with no new point. Each series: ``router, layer, kind, business_line,
+        floor_bits, ceiling_bits, num_slots``, ``values`` (entropy bits to 4 decimals, or ``None``: no value, or a
+        window without tokens) and ``too_small`` (the window held fewer tokens than the router's trusted minimum),
+        sorted by business line (``all`` first), layer and router.
+        """
+        entropy = self.values.index("entropy_bits")
+        tier = self.tiers[0]
+        with self._lock:
+            newest = max(tier.last if tier.last is not None else -math.inf, float(self.clock()))
+            lo, hi = tier.index(newest - self.span_seconds, math.inf)
+            shown = lo if since is None else lo + int(np.searchsorted(tier.times[lo:hi], since, side="right"))
+            alive = np.flatnonzero(np.isfinite(tier.data[lo:hi, :, entropy]).any(axis=0)).tolist()
+            chosen = sorted(((sid, self._info[sid]) for sid in alive if sid in self._info), key=_shown_order)
+            ids = [sid for sid, _ in chosen]
+            values = tier.data[shown:hi, ids, entropy].T.astype(np.float64)  # [series, point], copies
+            flags = tier.data[shown:hi, ids, self._too_small].T == 1.0
+            times = tier.times[shown:hi].tolist()
+        missing = np.isnan(values)
+        cells = np.round(values, 4).astype(object)
+        cells[missing] = None
+        flags &= ~missing  # a point with no value was not too small: it was not a reading
+        series = [_series_entry(info, cells[index].tolist(), flags[index].tolist())
+                  for index, (_, info) in enumerate(chosen)]
+        return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds, "times": times,
+                "series": series}
+
+    def _column(self, metric: str) -> int:
+        if metric not in self.metrics:
+            raise ValueError(f"metric = {metric!r}: expected one of {', '.join(self.metrics)}")
+        return self.metrics.index(metric)
+
     def query(self, *, since: float, until: float, step: float, metric: str = "entropy_bits",
               business_line: str | None = None, router: str | None = None,
               max_cells: int | None = None) -> dict[str, Any]:
         """``GET /v1/history``: the matching series over ``[since, until]``, each bucket of ``step`` seconds the mean of
         the finest points in it (a coarser point than ``step`` keeps its own bucket). Buckets with no value in any
         series are left out. Raises :class:`ValueError` naming ``max_cells`` when the answer would be larger."""
-        column = HISTORY_METRICS.index(metric)
+        column = self._column(metric)
         with self._lock:
             chosen = sorted(((sid, info) for sid, info in self._info.items()
                              if (business_line is None or info.business_line == business_line)
-                             and (router is None or fnmatch.fnmatchcase(info.router, router))),
-                            key=lambda item: (item[1].business_line != ALL_LINES, item[1].business_line,
-                                              item[1].layer, item[1].router))
+                             and (router is None or fnmatch.fnmatchcase(info.router, router))), key=_shown_order)
             buckets = math.ceil((until - since) / step) + 1
             if max_cells is not None and buckets * len(chosen) > max_cells:
                 raise ValueError(f"{buckets} buckets x {len(chosen)} series exceed {max_cells} values")
@@ -470,7 +547,7 @@ class HistoryStore:
                     continue
                 width = np.minimum(ids, tier.columns - 1)
                 outside = ids >= tier.columns  # series that appeared after this tier's rows were made
-                for parts, index in ((value_parts, column), (small_parts, TOO_SMALL)):
+                for parts, index in ((value_parts, column), (small_parts, self._too_small)):
                     block = tier.data[lo:hi, :, index][:, width]  # [point, series]
                     block[:, outside] = np.nan
                     parts.append(block)
@@ -496,15 +573,24 @@ class HistoryStore:
             column_values = means[:, index]
             if not np.isfinite(column_values).any():
                 continue
-            series.append({"router": info.router, "layer": info.layer, "kind": info.kind,
-                           "business_line": info.business_line, "floor_bits": info.floor_bits,
-                           "ceiling_bits": info.ceiling_bits, "num_slots": info.num_slots,
-                           "values": [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
-                           "too_small": [bool(f >= 0.5) for f in small[:, index]]})
+            series.append(_series_entry(info, [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
+                                        [bool(f >= 0.5) for f in small[:, index]]))
         return {"metric": metric, "since": since, "until": until, "step_seconds": step, "interval_seconds": step,
                 "span_seconds": until - since, "times": times_out, "series": series, "series_dropped": dropped,
                 "tiers": [{"name": tier.name, "step_seconds": tier.step, "retention_seconds": tier.retention}
                           for tier in self.tiers]}
+
+
+def _shown_order(item: tuple[int, SeriesInfo]) -> tuple:
+    """Series as the status page and /v1/history list them: ``all`` first, then by line, layer and router."""
+    info = item[1]
+    return info.business_line != ALL_LINES, info.business_line, info.layer, info.router
+
+
+def _series_entry(info: SeriesInfo, values: list[float | None], too_small: list[bool]) -> dict[str, Any]:
+    return {"router": info.router, "layer": info.layer, "kind": info.kind, "business_line": info.business_line,
+            "floor_bits": info.floor_bits, "ceiling_bits": info.ceiling_bits, "num_slots": info.num_slots,
+            "values": values, "too_small": too_small}
 
 
 def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -516,22 +602,13 @@ def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return out
 
 
-def _matrix(rows: list[list[Any]]) -> np.ndarray:
-    """Records' values as float32 ``[series, value]``: NaN for None, infinities and anything not a number."""
-    cells = np.array(rows, dtype=object).reshape(len(rows), len(VALUES))
+def _matrix(rows: list[tuple], width: int) -> np.ndarray:
+    """Records' values as float32 ``[series, value]``: NaN for None (no baseline, no locality) and infinities."""
+    cells = np.array(rows, dtype=object).reshape(len(rows), width)
     cells[np.equal(cells, None)] = np.nan
-    try:
-        matrix = cells.astype(np.float32)
-    except (TypeError, ValueError):  # a string somewhere: value by value
-        matrix = np.array([[_number(v) for v in row] for row in rows], dtype=np.float32).reshape(cells.shape)
+    matrix = cells.astype(np.float32)
     matrix[~np.isfinite(matrix)] = np.nan
     return matrix
-
-
-def _number(value: Any) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    return math.nan
 
 
 def _series_info(key: tuple[str, str], meta: tuple) -> SeriesInfo:

@@ -41,7 +41,7 @@ from mla_watch.server.auth import Auth
 from mla_watch.server.config import ServerConfig, ServerConfigError, check_tokens
 from mla_watch.server.context import HandlerContext, Serving
 from mla_watch.server.generation import Generation
-from mla_watch.server.history import HistorySampler, RoutingHistory
+from mla_watch.server.history import HistorySampler
 from mla_watch.server.history_api import HistoryQuery
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
@@ -76,7 +76,10 @@ class Sidecar:
         ensure_private_dir(config.state_dir)  # 0700 before anything is written there: it holds traffic
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         self.registry = registry or CollectorRegistry()
-        self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot())
+        self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot(),
+                                     routing_windows=lambda: self.sources.windows(),
+                                     expert_counts=config.export_expert_counts,
+                                     expert_series_budget=config.expert_series_budget)
         self.metrics.policy_version.set(self.policies.version)
         self.rules: DirectoryStore[RuleSet] | None = None
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
@@ -94,10 +97,11 @@ class Sidecar:
         self._decoder: RoutingDecoder | None = None
         self._recorder: Any = None
         self._stop_watches: list[Callable[[], None]] = []
-        self.history = RoutingHistory(span_seconds=config.history_span_seconds,
-                                      interval_seconds=config.history_interval_seconds)
-        self._history_sampler = HistorySampler(self.history, lambda: self.sources.routing_snapshot().as_dicts(),
-                                               sinks=[self.history_store] if self.history_store is not None else [])
+        # The status page's live hour is the durable store's full tier; without that store, the same hour in memory.
+        self.history = self.history_store or HistoryStore(
+            None, interval_seconds=config.history_interval_seconds, span_seconds=config.history_span_seconds,
+            max_series=config.history_max_series)
+        self._history_sampler = HistorySampler(self.history, self.sources.routing_snapshot)
         # Off the default executor, which alert evaluation shares: public reads cannot starve monitoring.
         self.heavy_reads = BoundedReads()  # /v1/history, /v1/status: bounded, 429 past it
         self._monitoring = monitoring_executor()  # /metrics, /v1/routing: never behind a heavy read

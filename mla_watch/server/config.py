@@ -13,6 +13,7 @@ from mla_watch.engines.counting import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS
 
@@ -86,11 +87,24 @@ class ServerConfig:
     # 0: none (no file, no /v1/history).
     history_retention_days: float = 30.0
     history_max_series: int = 1024  # (router, business line) pairs it keeps; 119 routers x 6 lines fit
+    # Opt-in cumulative counters per expert (mla_watch.server.expert_counts): None exports none. The Python API
+    # may also give a selection's text, as --export-expert-counts takes it: it is parsed here.
+    export_expert_counts: ExpertSelection | None = None
+    expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET
 
     def __post_init__(self) -> None:
         if self.upstream:
             self.upstream, credentials = split_credentials(self.upstream)
             self.upstream_credentials = credentials or self.upstream_credentials
+        if self.export_expert_counts is not None and not isinstance(self.export_expert_counts, ExpertSelection):
+            try:
+                self.export_expert_counts = ExpertSelection.parse(self.export_expert_counts,
+                                                                  "export_expert_counts =")
+            except ValueError as error:
+                raise ServerConfigError([str(error)]) from None
+        budget = self.expert_series_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])
 
 
 def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:

@@ -15,7 +15,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mla_watch.routing import BASELINE_METRICS, STATISTICS
-from mla_watch.windows import RoutingSnapshot
+from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
+from mla_watch.windows import RouterWindows, RoutingSnapshot
 
 __all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
 
@@ -76,9 +77,16 @@ class _FiringCollector(Collector):
 
 
 class ServerMetrics:
-    """Every metric the server exports, registered on ``registry``."""
+    """Every metric the server exports, registered on ``registry``.
 
-    def __init__(self, registry: CollectorRegistry, routing_snapshot: Callable[[], RoutingSnapshot]) -> None:
+    With ``expert_counts`` (and ``routing_windows``, every source's windows), also the opt-in per-expert
+    counters of :mod:`mla_watch.server.expert_counts`, within ``expert_series_budget`` series.
+    """
+
+    def __init__(self, registry: CollectorRegistry, routing_snapshot: Callable[[], RoutingSnapshot], *,
+                 routing_windows: Callable[[], Iterable[RouterWindows]] | None = None,
+                 expert_counts: ExpertSelection | None = None,
+                 expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
         self.registry = registry
         p = "mla_watch_"
         self.requests = Counter(p + "requests", "Generation requests answered, by endpoint and HTTP status.",
@@ -126,6 +134,12 @@ class ServerMetrics:
                                         ["business_line"], registry=registry)
         self._registry = registry
         registry.register(RoutingCollector(routing_snapshot))
+        self.expert_counts: ExpertCountsCollector | None = None
+        if expert_counts is not None:
+            if routing_windows is None:
+                raise ValueError("expert_counts needs routing_windows: the windows whose counts it exports")
+            self.expert_counts = ExpertCountsCollector(routing_windows, expert_counts, expert_series_budget)
+            registry.register(self.expert_counts)
 
     def watch_alerts(self, engine: Any) -> None:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""

@@ -25,7 +25,6 @@ from mla_watch.policy_files import PolicyStore
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
-from mla_watch.server.history import RoutingHistory
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads
@@ -43,7 +42,7 @@ class ReadViews:
 
     def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, policies: PolicyStore,
                  metrics: ServerMetrics, registry: CollectorRegistry, alerts: AlertService | None,
-                 history: RoutingHistory, history_store: HistoryStore | None, history_store_error: str | None,
+                 history: HistoryStore, history_store: HistoryStore | None, history_store_error: str | None,
                  baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor) -> None:
         self.config = config
         self.serving = serving
@@ -52,7 +51,7 @@ class ReadViews:
         self.metrics = metrics
         self.registry = registry
         self.alerts = alerts
-        self.history = history
+        self.history = history  # the live hour: history_store itself, or a store in memory without it
         self.history_store = history_store
         self.history_store_error = history_store_error
         self.baselines = baselines
@@ -173,7 +172,7 @@ class ReadViews:
         """What the status page shows (``GET /v1/status``); ``since`` limits the history to newer points."""
         serving = self.serving
         rules = list(self.alerts.rules.rules) if self.alerts is not None else []
-        history = self.history.snapshot(since)
+        history = self.history.recent(since)
         for series in history["series"]:
             series["band"] = status_page.entropy_band(rules, series)
         policies = self.policies_view()

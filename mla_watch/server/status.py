@@ -4,7 +4,7 @@
 and polls ``GET /v1/status``. The JSON holds what on-call needs at a glance:
 
 * ``history``: routing entropy per router and business line over the last hour
-  (:class:`~mla_watch.server.history.RoutingHistory`), each series with its **band**: the
+  (:meth:`~mla_watch.history.store.HistoryStore.recent`), each series with its **band**: the
   thresholds of the alert rules on ``entropy_bits`` that watch it (see :func:`entropy_band`);
 * ``alerts``: the alert instances with their labels, annotations (runbook links) and their rule's
   ``metric`` (the page colours the alert's row and opens its link on that metric);
