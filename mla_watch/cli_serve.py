@@ -214,7 +214,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="days of routing history kept in STATE_DIR/history.sqlite (1-minute points for a day, "
                             "15-minute ones beyond; 1 to 365, 0: none) (default %(default)s)")
     serve.add_argument("--history-max-series", type=positive_int, default=ServerConfig.history_max_series,
-                       help="(router, business line) series the durable history keeps (default %(default)s)")
+                       help="(router, business line) series the routing history keeps, the status page's hour included "
+                            "(default %(default)s)")
     serve.add_argument(EXPORT_FLAG, type=expert_selection, metavar="SELECTION",
                        help="export cumulative per-expert counters Prometheus can sum across replicas "
                             "(mla_watch_expert_selections_total, mla_watch_expert_tokens_total) for the expert "

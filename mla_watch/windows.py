@@ -159,9 +159,6 @@ class RoutingSnapshot:
     def for_line(self, business_line: str | None) -> list[RouterStats]:
         return [record for record in self.records if record.business_line == business_line]
 
-    def as_dicts(self) -> list[dict[str, Any]]:
-        return [record.as_dict() for record in self.records]
-
 
 def take_snapshot(sources: Iterable[RouterWindows], taken_at: float) -> RoutingSnapshot:
     """The statistics of every window of ``sources``: all lines summed, then each line."""
