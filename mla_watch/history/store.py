@@ -24,7 +24,7 @@ samples in [12:03:00, 12:04:00)) and written once its bucket is over: the first 
 next bucket closes it. A sample is stamped to the millisecond; a second sample in the same
 millisecond is not a point.
 
-Storage: one SQLite row per (tier, time) holding the point of every series as one packed
+Storage (:mod:`mla_watch.history.file`): one SQLite row per (tier, time) holding the point of every series as one packed
 little-endian float32 array ``[series id, value]`` (NaN: no value), the series' names in a
 side table. One row per series per point repeats the key and a row header per value: 89 bytes a
 series-point measured by bench/history_size.py, against 36 here. Each sample
@@ -58,8 +58,6 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -71,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.alerting.model import METRICS
+from mla_watch.history.file import HISTORY_FILE, open_database, set_aside, write_sample
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.sqlite import PrivateDatabase
 from mla_watch.windows import ALL_LINES, RouterStats
@@ -80,7 +79,6 @@ __all__ = ["HISTORY_FILE", "HISTORY_METRICS", "LIVE_METRICS", "VALUES", "History
 
 log = logging.getLogger(__name__)
 
-HISTORY_FILE = "history.sqlite"
 # What a point holds per series: the statistics rules watch, the window's tokens, the too-small fraction.
 # Attributes of RoutingStats; "tokens" last: the columns before it are the statistics, a series' values.
 HISTORY_METRICS: tuple[str, ...] = (*METRICS, "tokens")
@@ -91,14 +89,6 @@ MINUTE, QUARTER = 60.0, 900.0
 MINUTE_RETENTION = 86400.0
 MIN_FULL_SPAN = 2 * MINUTE  # a minute's samples must still be there when the next minute closes it
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS series (
-    id INTEGER PRIMARY KEY, router TEXT NOT NULL, business_line TEXT NOT NULL, layer INTEGER NOT NULL,
-    kind TEXT NOT NULL, floor_bits REAL, ceiling_bits REAL, num_slots INTEGER, UNIQUE (router, business_line));
-CREATE TABLE IF NOT EXISTS points (tier TEXT NOT NULL, t REAL NOT NULL, data BLOB NOT NULL,
-    PRIMARY KEY (tier, t)) WITHOUT ROWID;
-PRAGMA journal_size_limit = 4194304;
-"""
 
 
 class HistoryStoreError(RuntimeError):
@@ -192,36 +182,20 @@ class HistoryStore:
     def _open_file(self) -> PrivateDatabase:
         assert self.path is not None
         try:
-            db = PrivateDatabase(self.path, what="routing history", error=HistoryStoreError, schema=_SCHEMA)
+            db = open_database(self.path, HistoryStoreError)
         except HistoryStoreError as error:
             if not self.path.exists() or self.path.stat().st_size == 0:
                 raise  # not a bad file: a state directory that cannot be written, said as such
-            self._set_aside(str(error))
-            return PrivateDatabase(self.path, what="routing history", error=HistoryStoreError, schema=_SCHEMA)
+            set_aside(self.path, str(error))
+            return open_database(self.path, HistoryStoreError)
         try:
             self._load(db)
         except (HistoryStoreError, ValueError) as error:
             db.close()
             self._reset_memory()
-            self._set_aside(str(error))
-            return PrivateDatabase(self.path, what="routing history", error=HistoryStoreError, schema=_SCHEMA)
+            set_aside(self.path, str(error))
+            return open_database(self.path, HistoryStoreError)
         return db
-
-    def _set_aside(self, why: str) -> None:
-        assert self.path is not None
-        aside = self.path.with_name(self.path.name + ".corrupt")
-        try:
-            os.replace(self.path, aside)
-            for suffix in ("-wal", "-shm"):  # a stale WAL would be replayed into the new file
-                companion = self.path.with_name(self.path.name + suffix)
-                if companion.exists():
-                    os.replace(companion, aside.with_name(aside.name + suffix))
-            log.error("routing history file %s is unreadable (%s); starting with an empty history, kept it as %s",
-                      self.path, why, aside)
-        except OSError as error:
-            log.error("routing history file %s is unreadable (%s); could not move it to %s (%s): removing it",
-                      self.path, why, aside, error)
-            self.path.unlink(missing_ok=True)
 
     def _reset_memory(self) -> None:
         self.tiers = self._new_tiers()
@@ -411,26 +385,8 @@ class HistoryStore:
         if self._db is None or (truncate is None and not points):
             return
 
-        def write(db: sqlite3.Connection) -> None:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                if truncate is not None:
-                    db.executemany("DELETE FROM points WHERE tier = ? AND t > ?", truncate)
-                if freed:
-                    db.executemany("DELETE FROM series WHERE id = ?", [(sid,) for sid in freed])
-                db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                               [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits,
-                                 i.num_slots) for sid, i in new_series])
-                db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
-                               [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
-                db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-
         try:
-            self._db.run(write)
+            self._db.run(lambda db: write_sample(db, truncate, new_series, points, expired, freed))
             self._last_write_error = None
         except HistoryStoreError as error:  # a full disk: the history goes on in memory, said once per cause
             if str(error) != self._last_write_error:

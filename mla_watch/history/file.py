@@ -1,0 +1,75 @@
+"""The durable routing history's SQLite file: its schema, one sample's write, an unreadable file set aside.
+
+One row per (tier, time) holds the point of every series as one packed little-endian float32 array
+``[series id, value]``; the series' names live in a side table (see :mod:`mla_watch.history.store`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mla_watch.sqlite import PrivateDatabase
+
+__all__ = ["HISTORY_FILE", "open_database", "set_aside", "write_sample"]
+
+log = logging.getLogger("mla_watch.history.store")  # the store's records keep their logger's name
+
+HISTORY_FILE = "history.sqlite"
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS series (
+    id INTEGER PRIMARY KEY, router TEXT NOT NULL, business_line TEXT NOT NULL, layer INTEGER NOT NULL,
+    kind TEXT NOT NULL, floor_bits REAL, ceiling_bits REAL, num_slots INTEGER, UNIQUE (router, business_line));
+CREATE TABLE IF NOT EXISTS points (tier TEXT NOT NULL, t REAL NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (tier, t)) WITHOUT ROWID;
+PRAGMA journal_size_limit = 4194304;
+"""
+
+
+def open_database(path: Path, error: type[Exception]) -> PrivateDatabase:
+    """The history file at ``path`` (created 0600 with its schema); ``error`` when it cannot be opened."""
+    return PrivateDatabase(path, what="routing history", error=error, schema=_SCHEMA)
+
+
+def set_aside(path: Path, why: str) -> None:
+    """Move an unreadable history file (and its WAL) to ``<name>.corrupt``, or remove it when that fails."""
+    aside = path.with_name(path.name + ".corrupt")
+    try:
+        os.replace(path, aside)
+        for suffix in ("-wal", "-shm"):  # a stale WAL would be replayed into the new file
+            companion = path.with_name(path.name + suffix)
+            if companion.exists():
+                os.replace(companion, aside.with_name(aside.name + suffix))
+        log.error("routing history file %s is unreadable (%s); starting with an empty history, kept it as %s",
+                  path, why, aside)
+    except OSError as error:
+        log.error("routing history file %s is unreadable (%s); could not move it to %s (%s): removing it",
+                  path, why, aside, error)
+        path.unlink(missing_ok=True)
+
+
+def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list[tuple[int, Any]],
+                 points: list[tuple[str, float, np.ndarray]], expired: list, freed: list[int]) -> None:
+    """One sample in one transaction: points dropped after a clock step back, freed and new series, the new
+    points of each tier, the expired ones."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        if truncate is not None:
+            db.executemany("DELETE FROM points WHERE tier = ? AND t > ?", truncate)
+        if freed:
+            db.executemany("DELETE FROM series WHERE id = ?", [(sid,) for sid in freed])
+        db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits,
+                         i.num_slots) for sid, i in new_series])
+        db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
+                       [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
+        db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
