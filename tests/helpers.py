@@ -1,4 +1,5 @@
-"""Small shared test helpers: a fake clock, a rules-directory writer, and routing-record builders.
+"""Small shared test helpers: a fake clock, a rules-directory writer, routing-record builders, and the outside
+tools (Prometheus, Alertmanager) run for real.
 
 Imported as a plain module (``from helpers import FakeClock``): ``tests/`` is on ``sys.path``, not a package.
 """
@@ -7,7 +8,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +119,55 @@ def engine_record(value: float | None = 5.9, *, metric: str = "entropy_bits", na
     geometry is unstated unless ``num_slots`` is given."""
     return router_stats(name=name, layer=layer, kind=kind, line=line, tokens=tokens, min_tokens=min_tokens,
                         num_slots=num_slots, **{metric: value, **extra})
+
+
+# --------------------------------------------------------------------------- outside tools
+# Prometheus, promtool and Alertmanager come from Debian's packages, which `.ci/run` installs.
+
+
+def binary(name: str) -> str:
+    """The path of an outside tool the tests run for real; a failure naming the package where it is missing."""
+    import shutil
+
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: .ci/run installs Debian's prometheus and prometheus-alertmanager"
+    return path
+
+
+@contextmanager
+def running_tool(name: str, tmp_path: Path, config: str, *flags: str) -> Iterator[str]:
+    """``prometheus`` or ``prometheus-alertmanager`` with ``config`` (the YAML text), on a free loopback port,
+    ready for the ``with`` block, stopped after it; yields its base URL. Its log is ``tmp_path / <name>.log``."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config_file, log = tmp_path / f"{name}.yml", tmp_path / f"{name}.log"
+    config_file.write_text(config)
+    data = "--storage.path" if name == "prometheus-alertmanager" else "--storage.tsdb.path"
+    command = [binary(name), f"--config.file={config_file}", f"{data}={tmp_path / (name + '-data')}",
+               f"--web.listen-address=127.0.0.1:{port}", *flags]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -6,18 +6,16 @@ Alertmanager comes from Debian's prometheus-alertmanager package, which `.ci/run
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from conftest import free_port, wait_until
+from conftest import wait_until
+from helpers import running_tool
 from receivers import running_receiver
 
 from mla_watch.alerting.fleet import OUTLIER_ALERT, SCOPE_LABEL
@@ -42,32 +40,9 @@ def config_for(receiver_url: str, inhibit: bool = True) -> str:
     return yaml.safe_dump(config)
 
 
-@contextmanager
-def alertmanager(tmp_path: Path, receiver_url: str, inhibit: bool = True) -> Iterator[str]:
-    binary = shutil.which("prometheus-alertmanager")
-    assert binary, "prometheus-alertmanager is not installed: .ci/run installs Debian's package"
-    (tmp_path / "alertmanager.yml").write_text(config_for(receiver_url, inhibit))
-    port = free_port()
-    log = tmp_path / "alertmanager.log"
-    process = subprocess.Popen([binary, f"--config.file={tmp_path / 'alertmanager.yml'}",
-                                f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{port}",
-                                "--cluster.listen-address="], stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        def ready() -> bool:
-            try:
-                return httpx.get(url + "/-/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, timeout=30, interval=0.2), log.read_text()[-2000:]
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def alertmanager(tmp_path: Path, receiver_url: str, inhibit: bool = True) -> AbstractContextManager[str]:
+    return running_tool("prometheus-alertmanager", tmp_path, config_for(receiver_url, inhibit),
+                        "--cluster.listen-address=")
 
 
 def alert(alertname: str, severity: str, scope: str, **labels: str) -> dict:
@@ -85,7 +60,7 @@ def notifications(alerts: list[dict], tmp_path: Path, inhibit: bool = True) -> l
         response = httpx.post(url + "/api/v2/alerts", json=alerts, timeout=10)
         assert response.status_code == 200, response.text
         assert wait_until(lambda: len(receiver.requests) >= 1, timeout=30, interval=0.1), \
-            (tmp_path / "alertmanager.log").read_text()[-2000:]
+            (tmp_path / "prometheus-alertmanager.log").read_text()[-2000:]
         # Every group of these alerts has flushed after a few group waits: anything more would have come by then.
         time.sleep(4 * GROUP_WAIT_SECONDS)
         return [request.json() for request in list(receiver.requests)]

@@ -6,14 +6,15 @@ Prometheus, promtool and Alertmanager come from Debian's packages, which `.ci/ru
 
 from __future__ import annotations
 
-import shutil
 import subprocess
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import free_port, running_sidecar, wait_until
+from conftest import running_sidecar, wait_until
+from helpers import binary, running_tool
 from receivers import running_receiver
 
 from mla_watch.alerting.examples import entropy_low_rules
@@ -28,18 +29,8 @@ RULES = entropy_low_rules(hold="1s", group_by=False, annotations={
 
 
 
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is not installed: .ci/run installs Debian's prometheus and prometheus-alertmanager"
-    return path
-
-
 def json_bodies(receiver) -> list[dict]:
     return [request.json() for request in list(receiver.requests)]
-
-
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def test_prometheus_scrapes_the_sidecar_and_alertmanager_pages_oncall(tmp_path: Path) -> None:
@@ -51,71 +42,49 @@ def test_prometheus_scrapes_the_sidecar_and_alertmanager_pages_oncall(tmp_path: 
     check = subprocess.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
-    processes: list[subprocess.Popen] = []
-    with running_receiver() as receiver, running_sidecar(rules=None) as (sidecar_url, sidecar):
-        try:
-            alertmanager_port, prometheus_port = free_port(), free_port()
-            (tmp_path / "alertmanager.yml").write_text(
-                "route:\n  receiver: oncall\n  group_by: [alertname, router, layer, business_line]\n"
-                "  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\n"
-                f"receivers:\n  - name: oncall\n    webhook_configs:\n      - url: {receiver.url}/alerts\n"
-                "        send_resolved: true\n"
-            )
-            processes.append(start([
-                binary("prometheus-alertmanager"), f"--config.file={tmp_path / 'alertmanager.yml'}",
-                f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{alertmanager_port}",
-                "--cluster.listen-address=",
-            ], tmp_path / "alertmanager.log"))
-            sidecar_host = sidecar_url.removeprefix("http://")
-            (tmp_path / "prometheus.yml").write_text(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                f"rule_files: [{exported}]\n"
-                "alerting:\n  alertmanagers:\n    - static_configs:\n"
-                f"        - targets: ['127.0.0.1:{alertmanager_port}']\n"
-                "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
-                f"      - targets: ['{sidecar_host}']\n"
-            )
-            processes.append(start([
-                binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            ], tmp_path / "prometheus.log"))
+    with running_receiver() as receiver, running_sidecar(rules=None) as (sidecar_url, sidecar), ExitStack() as tools:
+        alertmanager = tools.enter_context(running_tool("prometheus-alertmanager", tmp_path, (
+            "route:\n  receiver: oncall\n  group_by: [alertname, router, layer, business_line]\n"
+            "  group_wait: 1s\n  group_interval: 1s\n  repeat_interval: 1h\n"
+            f"receivers:\n  - name: oncall\n    webhook_configs:\n      - url: {receiver.url}/alerts\n"
+            "        send_resolved: true\n"), "--cluster.listen-address="))
+        sidecar_host = sidecar_url.removeprefix("http://")
+        tools.enter_context(running_tool("prometheus", tmp_path, (
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files: [{exported}]\n"
+            "alerting:\n  alertmanagers:\n    - static_configs:\n"
+            f"        - targets: ['{alertmanager.removeprefix('http://')}']\n"
+            "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
+            f"      - targets: ['{sidecar_host}']\n")))
+        # A collapse: push layer 1's correction bias towards six experts.
+        gate = sidecar.model_worker.model.model.layers[1].mlp.gate
+        with torch.no_grad():
+            gate.e_score_correction_bias[:6] += 10.0
+        for _ in range(3):
+            response = httpx.post(sidecar_url + "/v1/completions", timeout=120,
+                                  json={"prompt": "def parse_invoice(", "max_tokens": 40},
+                                  headers={"X-Business-Line": "code_assistant"})
+            assert response.status_code == 200
 
-            # A collapse: push layer 1's correction bias towards six experts.
-            gate = sidecar.model_worker.model.model.layers[1].mlp.gate
-            with torch.no_grad():
-                gate.e_score_correction_bias[:6] += 10.0
-            for _ in range(3):
-                response = httpx.post(sidecar_url + "/v1/completions", timeout=120,
-                                      json={"prompt": "def parse_invoice(", "max_tokens": 40},
-                                      headers={"X-Business-Line": "code_assistant"})
-                assert response.status_code == 200
-
-            def paged() -> bool:
-                return any(
-                    alert["labels"].get("alertname") == "RoutingEntropyLow"
-                    and alert["labels"].get("router") == "model.layers.1.mlp.gate"
-                    and alert["labels"].get("business_line") == "code_assistant"
-                    and body.get("status") == "firing"
-                    for body in json_bodies(receiver) for alert in body.get("alerts", [])
-                )
-
-            assert wait_until(paged, timeout=90, interval=0.5), (
-                (tmp_path / "prometheus.log").read_text()[-2000:] + (tmp_path / "alertmanager.log").read_text()[-2000:]
+        def paged() -> bool:
+            return any(
+                alert["labels"].get("alertname") == "RoutingEntropyLow"
+                and alert["labels"].get("router") == "model.layers.1.mlp.gate"
+                and alert["labels"].get("business_line") == "code_assistant"
+                and body.get("status") == "firing"
+                for body in json_bodies(receiver) for alert in body.get("alerts", [])
             )
-            body = next(b for b in json_bodies(receiver) if b.get("status") == "firing")
-            assert body["version"] == "4" and body["receiver"] == "oncall"
-            alert = body["alerts"][0]
-            assert alert["labels"]["severity"] == "critical" and alert["labels"]["layer"] == "1"
-            assert "Routing entropy" in alert["annotations"]["summary"]
-            assert alert["annotations"]["runbook_url"].startswith("https://")
-            healthy = [a for b in json_bodies(receiver) for a in b["alerts"]
-                       if a["labels"].get("router") != "model.layers.1.mlp.gate"]
-            assert not healthy  # the healthy layers never page
-        finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+
+        assert wait_until(paged, timeout=90, interval=0.5), (
+            (tmp_path / "prometheus.log").read_text()[-2000:]
+            + (tmp_path / "prometheus-alertmanager.log").read_text()[-2000:]
+        )
+        body = next(b for b in json_bodies(receiver) if b.get("status") == "firing")
+        assert body["version"] == "4" and body["receiver"] == "oncall"
+        alert = body["alerts"][0]
+        assert alert["labels"]["severity"] == "critical" and alert["labels"]["layer"] == "1"
+        assert "Routing entropy" in alert["annotations"]["summary"]
+        assert alert["annotations"]["runbook_url"].startswith("https://")
+        healthy = [a for b in json_bodies(receiver) for a in b["alerts"]
+                   if a["labels"].get("router") != "model.layers.1.mlp.gate"]
+        assert not healthy  # the healthy layers never page

@@ -14,7 +14,6 @@ Prometheus and Alertmanager come from Debian's packages, which `.ci/run` install
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 import time
 from contextlib import ExitStack
@@ -25,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import free_port, running_sidecar, wait_until
+from conftest import running_sidecar, wait_until
+from helpers import binary, running_tool
 from receivers import running_receiver
 
 from mla_watch import cli
@@ -51,16 +51,6 @@ PROMPTS = ["def parse_invoice(path):\n    with open(path) as handle:\n        ro
            "Dear customer, thank you for contacting support about your order. We are sorry that the parcel",
            "SELECT c.name, SUM(o.total) FROM customers c JOIN orders o ON o.customer_id = c.id GROUP BY",
            "Summary of the quarterly report: revenue grew in every region, while operating costs rose"]
-
-
-def binary(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is not installed: .ci/run installs Debian's prometheus and prometheus-alertmanager"
-    return path
-
-
-def start(command: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def send(url: str, line: str, requests: int, seed: int) -> None:
@@ -124,131 +114,110 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
     check = subprocess.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
 
-    processes: list[subprocess.Popen] = []
     with ExitStack() as stack, running_receiver() as receiver:
         replicas = [stack.enter_context(running_sidecar(rules=None, export_expert_counts="all"))
                     for _ in range(3)]
         urls = [url for url, _ in replicas]
         sidecars = [sidecar for _, sidecar in replicas]
         instances = [url.removeprefix("http://") for url in urls]
-        try:
-            alertmanager_port, prometheus_port = free_port(), free_port()
-            shipped = yaml.safe_load((REPO / "deploy" / "alertmanager.yaml").read_text())
-            for receiver_config in shipped["receivers"]:
-                for webhook in receiver_config.get("webhook_configs", []):
-                    webhook["url"] = receiver.url + "/alerts"
-            # The shipped routing, its wait shortened (30 s) so that the test does not sit through it: the alerts of
-            # one problem that fire within it page together; group_interval stays 5 m, so a later one would not
-            # page again within this test, and any second page seen here is a second problem.
-            shipped["route"]["group_wait"] = "10s"
-            (tmp_path / "alertmanager.yml").write_text(yaml.safe_dump(shipped))
-            processes.append(start([
-                binary("prometheus-alertmanager"), f"--config.file={tmp_path / 'alertmanager.yml'}",
-                f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{alertmanager_port}",
-                "--cluster.listen-address=",
-            ], tmp_path / "alertmanager.log"))
-            targets = ", ".join(f"'{instance}'" for instance in instances)
-            (tmp_path / "prometheus.yml").write_text(
-                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                f"rule_files: [{exported}]\n"
-                "alerting:\n  alertmanagers:\n    - static_configs:\n"
-                f"        - targets: ['127.0.0.1:{alertmanager_port}']\n"
-                "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
-                f"      - targets: [{targets}]\n"
-            )
-            processes.append(start([
-                binary("prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'prom-data'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            ], tmp_path / "prometheus.log"))
-            prometheus = Prometheus(f"http://127.0.0.1:{prometheus_port}")
+        shipped = yaml.safe_load((REPO / "deploy" / "alertmanager.yaml").read_text())
+        for receiver_config in shipped["receivers"]:
+            for webhook in receiver_config.get("webhook_configs", []):
+                webhook["url"] = receiver.url + "/alerts"
+        # The shipped routing, its wait shortened (30 s) so that the test does not sit through it: the alerts of
+        # one problem that fire within it page together; group_interval stays 5 m, so a later one would not
+        # page again within this test, and any second page seen here is a second problem.
+        shipped["route"]["group_wait"] = "10s"
+        alertmanager = stack.enter_context(running_tool("prometheus-alertmanager", tmp_path, yaml.safe_dump(shipped),
+                                                        "--cluster.listen-address="))
+        targets = ", ".join(f"'{instance}'" for instance in instances)
+        prometheus = Prometheus(stack.enter_context(running_tool("prometheus", tmp_path, (
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+            f"rule_files: [{exported}]\n"
+            "alerting:\n  alertmanagers:\n    - static_configs:\n"
+            f"        - targets: ['{alertmanager.removeprefix('http://')}']\n"
+            "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
+            f"      - targets: [{targets}]\n"))))
 
-            def logs() -> str:
-                return ((tmp_path / "prometheus.log").read_text()[-3000:]
-                        + (tmp_path / "alertmanager.log").read_text()[-3000:])
+        def logs() -> str:
+            return ((tmp_path / "prometheus.log").read_text()[-3000:]
+                    + (tmp_path / "prometheus-alertmanager.log").read_text()[-3000:])
 
-            # 1. Healthy traffic, a different amount on each replica: exact fleet statistics.
-            for index, url in enumerate(urls):
-                send(url, MIXED, 2 + 2 * index, seed=index)
-            routers = [info for info in sidecars[0].probe.routers if info.kind == "expert"]
-            sums = {info.name: summed(sidecars, info.name, MIXED) for info in routers}
-            want_tokens = {(info.name,): float(sum(sums[info.name][1])) for info in routers}
+        # 1. Healthy traffic, a different amount on each replica: exact fleet statistics.
+        for index, url in enumerate(urls):
+            send(url, MIXED, 2 + 2 * index, seed=index)
+        routers = [info for info in sidecars[0].probe.routers if info.kind == "expert"]
+        sums = {info.name: summed(sidecars, info.name, MIXED) for info in routers}
+        want_tokens = {(info.name,): float(sum(sums[info.name][1])) for info in routers}
 
-            def scraped() -> bool:
-                line = f'{{business_line="{MIXED}"}}'
-                return prometheus.values(FLEET_TOKENS + line, "router") == want_tokens
+        def scraped() -> bool:
+            line = f'{{business_line="{MIXED}"}}'
+            return prometheus.values(FLEET_TOKENS + line, "router") == want_tokens
 
-            assert wait_until(scraped, timeout=90, interval=0.5), logs()
-            by_router = {name: f'{{business_line="{MIXED}",router="{name}"}}' for name in sums}
-            for info in routers:
-                counts, tokens = sums[info.name]
-                fleet = np.sum(counts, axis=0)
-                stats = compute_stats(fleet, kind="expert", top_k=info.top_k, tokens=sum(tokens))
-                got = {name: prometheus.values(name + by_router[info.name], "router")[(info.name,)]
-                       for name in (FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_MAX_VIOLATION,
-                                    FLEET_DEAD_SLOTS)}
-                assert got[FLEET_ENTROPY_BITS] == pytest.approx(stats.entropy_bits, abs=1e-9)
-                assert got[FLEET_NORMALIZED_ENTROPY] == pytest.approx(stats.normalized_entropy, abs=1e-9)
-                assert got[FLEET_MAX_VIOLATION] == pytest.approx(stats.max_violation, abs=1e-9)
-                assert got[FLEET_DEAD_SLOTS] == stats.dead_slots
-                kl = prometheus.values(REPLICA_KL_BITS + by_router[info.name], "instance")
-                expected_kl = {(instance,): kl_bits(replica, fleet) for instance, replica in zip(instances, counts,
-                                                                                                strict=True)}
-                assert kl.keys() == expected_kl.keys()
-                for key, value in expected_kl.items():
-                    assert kl[key] == pytest.approx(value, abs=1e-9)
-                weights = [replica.sum() / fleet.sum() for replica in counts]
-                jsd = prometheus.values(FLEET_JS_DIVERGENCE + by_router[info.name], "router")[(info.name,)]
-                assert jsd == pytest.approx(sum(w * kl_bits(c, fleet) for w, c in zip(weights, counts, strict=True)),
-                                            abs=1e-9)
-                # fleet entropy = the replicas' weighted mean entropy + their generalized JS divergence
-                assert got[FLEET_ENTROPY_BITS] == pytest.approx(
-                    sum(w * entropy(c) for w, c in zip(weights, counts, strict=True)) + jsd, abs=1e-9)
-                assert math.isfinite(got[FLEET_ENTROPY_BITS]) and got[FLEET_ENTROPY_BITS] > 4.0  # healthy routing
-            assert not prometheus.vector(f'ALERTS{{alertstate="firing", business_line="{MIXED}"}}')
+        assert wait_until(scraped, timeout=90, interval=0.5), logs()
+        by_router = {name: f'{{business_line="{MIXED}",router="{name}"}}' for name in sums}
+        for info in routers:
+            counts, tokens = sums[info.name]
+            fleet = np.sum(counts, axis=0)
+            stats = compute_stats(fleet, kind="expert", top_k=info.top_k, tokens=sum(tokens))
+            got = {name: prometheus.values(name + by_router[info.name], "router")[(info.name,)]
+                   for name in (FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_MAX_VIOLATION,
+                                FLEET_DEAD_SLOTS)}
+            assert got[FLEET_ENTROPY_BITS] == pytest.approx(stats.entropy_bits, abs=1e-9)
+            assert got[FLEET_NORMALIZED_ENTROPY] == pytest.approx(stats.normalized_entropy, abs=1e-9)
+            assert got[FLEET_MAX_VIOLATION] == pytest.approx(stats.max_violation, abs=1e-9)
+            assert got[FLEET_DEAD_SLOTS] == stats.dead_slots
+            kl = prometheus.values(REPLICA_KL_BITS + by_router[info.name], "instance")
+            expected_kl = {(instance,): kl_bits(replica, fleet) for instance, replica in zip(instances, counts,
+                                                                                            strict=True)}
+            assert kl.keys() == expected_kl.keys()
+            for key, value in expected_kl.items():
+                assert kl[key] == pytest.approx(value, abs=1e-9)
+            weights = [replica.sum() / fleet.sum() for replica in counts]
+            jsd = prometheus.values(FLEET_JS_DIVERGENCE + by_router[info.name], "router")[(info.name,)]
+            assert jsd == pytest.approx(sum(w * kl_bits(c, fleet) for w, c in zip(weights, counts, strict=True)),
+                                        abs=1e-9)
+            # fleet entropy = the replicas' weighted mean entropy + their generalized JS divergence
+            assert got[FLEET_ENTROPY_BITS] == pytest.approx(
+                sum(w * entropy(c) for w, c in zip(weights, counts, strict=True)) + jsd, abs=1e-9)
+            assert math.isfinite(got[FLEET_ENTROPY_BITS]) and got[FLEET_ENTROPY_BITS] > 4.0  # healthy routing
+        assert not prometheus.vector(f'ALERTS{{alertstate="firing", business_line="{MIXED}"}}')
 
-            # 2. One replica's router collapses: the outlier rule names it, on-call hears once.
-            collapse(sidecars[2])
-            for index, url in enumerate(urls):
-                send(url, ONE_BROKEN, 4 if index < 2 else 3, seed=10 + index)
+        # 2. One replica's router collapses: the outlier rule names it, on-call hears once.
+        collapse(sidecars[2])
+        for index, url in enumerate(urls):
+            send(url, ONE_BROKEN, 4 if index < 2 else 3, seed=10 + index)
 
-            def outliers() -> set[str]:
-                return {sample["metric"]["instance"] for sample in prometheus.vector(
-                    f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing", business_line="{ONE_BROKEN}"}}')}
+        def outliers() -> set[str]:
+            return {sample["metric"]["instance"] for sample in prometheus.vector(
+                f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing", business_line="{ONE_BROKEN}"}}')}
 
-            assert wait_until(lambda: outliers() == {instances[2]}, timeout=90, interval=0.5), (outliers(), logs())
-            assert {s["metric"]["router"] for s in prometheus.vector(
-                f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing"}}')} == {COLLAPSED}
+        assert wait_until(lambda: outliers() == {instances[2]}, timeout=90, interval=0.5), (outliers(), logs())
+        assert {s["metric"]["router"] for s in prometheus.vector(
+            f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing"}}')} == {COLLAPSED}
 
-            def notifications(line: str) -> list[dict]:
-                return [body for body in (request.json() for request in list(receiver.requests))
-                        if body.get("status") == "firing"
-                        and any(alert["labels"].get("business_line") == line for alert in body["alerts"])]
+        def notifications(line: str) -> list[dict]:
+            return [body for body in (request.json() for request in list(receiver.requests))
+                    if body.get("status") == "firing"
+                    and any(alert["labels"].get("business_line") == line for alert in body["alerts"])]
 
-            assert wait_until(lambda: bool(notifications(ONE_BROKEN)), timeout=60, interval=0.5), logs()
-            time.sleep(12)  # a second group of the same fault would have paged by now
-            [page] = notifications(ONE_BROKEN)
-            assert page["commonLabels"].get("instance") == instances[2]  # the page names the broken replica
-            assert OUTLIER_ALERT in {alert["labels"]["alertname"] for alert in page["alerts"]}
+        assert wait_until(lambda: bool(notifications(ONE_BROKEN)), timeout=60, interval=0.5), logs()
+        time.sleep(12)  # a second group of the same fault would have paged by now
+        [page] = notifications(ONE_BROKEN)
+        assert page["commonLabels"].get("instance") == instances[2]  # the page names the broken replica
+        assert OUTLIER_ALERT in {alert["labels"]["alertname"] for alert in page["alerts"]}
 
-            # 3. Every replica's router collapses: one notification for the fleet, not three.
-            collapse(sidecars[0])
-            collapse(sidecars[1])
-            for index, url in enumerate(urls):
-                send(url, ALL_BROKEN, 3, seed=20 + index)
-            fleet_alerts = f'ALERTS{{alertname="RoutingEntropyLow", alertstate="firing", business_line="{ALL_BROKEN}"}}'
-            assert wait_until(lambda: any("instance" not in s["metric"] for s in prometheus.vector(fleet_alerts)),
-                              timeout=90, interval=0.5), logs()
-            assert not any(s["metric"].get("business_line") == ALL_BROKEN for s in prometheus.vector(
-                f'ALERTS{{alertname="{OUTLIER_ALERT}"}}'))  # everyone alike: no outlier
-            assert wait_until(lambda: bool(notifications(ALL_BROKEN)), timeout=60, interval=0.5), logs()
-            time.sleep(12)
-            [page] = notifications(ALL_BROKEN)
-            assert page["commonLabels"].get("scope") == "fleet"
-        finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        # 3. Every replica's router collapses: one notification for the fleet, not three.
+        collapse(sidecars[0])
+        collapse(sidecars[1])
+        for index, url in enumerate(urls):
+            send(url, ALL_BROKEN, 3, seed=20 + index)
+        fleet_alerts = f'ALERTS{{alertname="RoutingEntropyLow", alertstate="firing", business_line="{ALL_BROKEN}"}}'
+        assert wait_until(lambda: any("instance" not in s["metric"] for s in prometheus.vector(fleet_alerts)),
+                          timeout=90, interval=0.5), logs()
+        assert not any(s["metric"].get("business_line") == ALL_BROKEN for s in prometheus.vector(
+            f'ALERTS{{alertname="{OUTLIER_ALERT}"}}'))  # everyone alike: no outlier
+        assert wait_until(lambda: bool(notifications(ALL_BROKEN)), timeout=60, interval=0.5), logs()
+        time.sleep(12)
+        [page] = notifications(ALL_BROKEN)
+        assert page["commonLabels"].get("scope") == "fleet"
