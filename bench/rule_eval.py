@@ -26,6 +26,8 @@ from typing import Any
 
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.routing import RoutingStats
+from mla_watch.windows import RouterInfo, RouterStats
 
 GOAL_MS = 5.0
 LINES = ("customer_service", "code_assistant", "doc_summary", "default")
@@ -45,7 +47,7 @@ def rules() -> RuleSet:
     ), receivers={})
 
 
-def records(step: int, scenario: str) -> list[dict[str, Any]]:
+def records(step: int, scenario: str) -> list[RouterStats]:
     """480 records. ``steady``: one (router, line) in ten is persistently sick (firing on three
     rules), the rest healthy, values jittering without crossing a threshold: no transitions.
     ``churn``: every record cycles breached (3 steps) / band (2) / healthy (5) with a per-record
@@ -64,11 +66,12 @@ def records(step: int, scenario: str) -> list[dict[str, Any]]:
                     phase = (step + layer + i) % 10  # 0-2 breached, 3-4 band, 5-9 healthy
                     entropy = 4.6 if phase < 3 else 5.2 if phase < 5 else 5.9
                     maxvio, dead, drift = 0.1 + phase / 10, 3 if phase == 0 else 0, 0.02 * phase
-                out.append({"name": name, "layer": layer, "kind": kind, "business_line": line, "tokens": 4096,
-                            "entropy_bits": entropy, "floor_bits": 2.585, "ceiling_bits": 6.0,
-                            "normalized_entropy": (entropy - 2.585) / 3.415, "max_violation": maxvio,
-                            "dead_slots": dead, "js_divergence": drift,
-                            "locality": 0.5 if kind == "indexer" else None, "min_tokens": 256, "too_small": False})
+                stats = RoutingStats(kind=kind, num_slots=64, top_k=6, tokens=4096, selections=6 * 4096,
+                                     entropy_bits=entropy, floor_bits=2.585, ceiling_bits=6.0,
+                                     normalized_entropy=(entropy - 2.585) / 3.415, max_violation=maxvio,
+                                     dead_slots=dead, js_divergence=drift,
+                                     locality=0.5 if kind == "indexer" else None, min_tokens=256, too_small=False)
+                out.append(RouterStats(RouterInfo(name, layer, kind, 64, 6), line, stats))
     return out
 
 
