@@ -356,6 +356,31 @@ def history_size_specs(args: list[str]) -> list[Spec]:
     ]
 
 
+def fleet_rules_specs(args: list[str]) -> list[Spec]:
+    def evaluation(f: Figures) -> str:
+        return (f"{x(f['fleet_group_ratio_default'])} ({f['fleet_group_s']:.2f} s per evaluation, median of "
+                f"{f['rounds']} rounds evaluated every {f['evaluation_interval_s']:g} s: "
+                f"{x(f['fleet_group_ratio'])} of that; {f['fleet_iterations_missed']:.0f} of "
+                f"{f['fleet_iterations']:.0f} iterations missed)")
+
+    def series(f: Figures) -> str:
+        return (f"{f['series_per_replica']:,.0f} per replica, {f['series_fleet']:,.0f} in the fleet; "
+                f"{f['bytes_per_scrape_per_replica'] / 2**20:.2f} MiB per scrape per replica")
+
+    def prometheus(f: Figures) -> str:
+        return (f"{f['recorded_series_total']:,} recorded, {f['head_series']:,.0f} head series; RSS "
+                f"{f['prometheus_rss_bytes'] / 2**20:,.0f} MiB")
+
+    return [
+        Spec("fleet rules: mla_watch_fleet evaluation / its exported default interval, 10 DeepSeek-V3 replicas",
+             "the fleet group's interval", evaluation, "< x1 (Prometheus keeps up)",
+             lambda f: f["fleet_group_ratio_default"] < 1.0),
+        Spec("fleet rules: scraped series and bytes", "58 routers x 256 experts x lines, per-expert counters on",
+             series),
+        Spec("fleet rules: Prometheus' recorded and head series, memory", "absolute (real Prometheus)", prometheus),
+    ]
+
+
 BENCHES = [
     Bench("rule_eval", [], [], rule_specs),
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "20"],
@@ -365,6 +390,7 @@ BENCHES = [
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
     Bench("history_size", [], [], history_size_specs),
+    Bench("fleet_rules", ["--rounds", "3", "--warmup-rounds", "1"], [], fleet_rules_specs),
     Bench("attacks", ["--requests", "1000", "--rounds", "3", "--bucket-requests", "10"], [], attack_specs),
     Bench("engine_routing", ["--repeats", "5", "--requests", "20"],
           ["--repeats", "20", "--requests", "100", "--rest", "5"], engine_routing_specs),

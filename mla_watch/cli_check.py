@@ -14,6 +14,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from mla_watch.alerting.durations import format_duration
+from mla_watch.alerting.fleet import (
+    DEFAULT_FLEET_LABELS,
+    DEFAULT_INTERVAL_SECONDS,
+    DEFAULT_OUTLIER_BITS,
+    DEFAULT_OUTLIER_FACTOR,
+    DEFAULT_REPLICA_LABEL,
+    DEFAULT_WINDOW_SECONDS,
+    OUTLIER_FOR_SECONDS,
+    SCOPE_LABEL,
+    FleetOptions,
+    fleet_groups,
+    fleet_notes,
+    parse_label_list,
+)
 from mla_watch.cli_flags import non_negative_float, positive_float
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
@@ -155,7 +170,8 @@ def _export_command(args: argparse.Namespace) -> str:
     parts = ["mla-watch rules export", f"--format {args.format}"]
     if args.fleet:
         parts.append("--fleet")
-        for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-labels", args.fleet_labels),
+        for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-interval", args.fleet_interval),
+                            ("--fleet-labels", args.fleet_labels),
                             ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
                             ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for)):
             if value is not None:
@@ -163,13 +179,13 @@ def _export_command(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def _fleet_options(args: argparse.Namespace) -> Any:
+def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     """The --fleet* flags as FleetOptions; exit 2 naming the flag, its value and what was expected."""
     from mla_watch.alerting.durations import parse_duration
-    from mla_watch.alerting.fleet import FleetOptions, parse_label_list
     from mla_watch.alerting.model import RuleError
 
-    fleet_only = {"--fleet-window": args.fleet_window, "--fleet-labels": args.fleet_labels,
+    fleet_only = {"--fleet-window": args.fleet_window, "--fleet-interval": args.fleet_interval,
+                  "--fleet-labels": args.fleet_labels,
                   "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
                   "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for}
     if not args.fleet:
@@ -180,6 +196,7 @@ def _fleet_options(args: argparse.Namespace) -> Any:
     values: dict[str, Any] = {}
     try:
         for flag, key, text in (("--fleet-window", "window_seconds", args.fleet_window),
+                                ("--fleet-interval", "interval_seconds", args.fleet_interval),
                                 ("--outlier-for", "outlier_for_seconds", args.outlier_for)):
             if text is not None:
                 try:
@@ -214,7 +231,6 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
     if args.format == "prometheus" and fleet is None:
         text = export_prometheus(rules)  # what this command has always written
     else:
-        from mla_watch.alerting.fleet import SCOPE_LABEL, fleet_groups, fleet_notes
 
         text = export_rules(rules, command=_export_command(args), file_format=args.format,
                             labels={SCOPE_LABEL: "replica"} if fleet is not None else None,
@@ -258,18 +274,25 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     export.add_argument("--fleet", action="store_true",
                         help="add the fleet's recording rules (from the per-expert counters of serve "
                              "--export-expert-counts), a fleet twin of every alert, and the replica-outlier alert")
+    fleet_window = format_duration(DEFAULT_WINDOW_SECONDS)
     export.add_argument("--fleet-window", metavar="DURATION",
-                        help="with --fleet: the window the fleet statistics sum (default 1h)")
+                        help=f"with --fleet: the window the fleet statistics sum (default {fleet_window})")
+    export.add_argument("--fleet-interval", metavar="DURATION",
+                        help="with --fleet: how often Prometheus evaluates the fleet group "
+                             f"(default {format_duration(DEFAULT_INTERVAL_SECONDS)})")
     export.add_argument("--fleet-labels", metavar="LABEL[,LABEL...]",
-                        help="with --fleet: the target labels one fleet shares (default job)")
+                        help="with --fleet: the target labels one fleet shares "
+                             f"(default {','.join(DEFAULT_FLEET_LABELS)})")
     export.add_argument("--replica-label", metavar="LABEL",
-                        help="with --fleet: the target label that tells a fleet's replicas apart (default instance)")
+                        help="with --fleet: the target label that tells a fleet's replicas apart "
+                             f"(default {DEFAULT_REPLICA_LABEL})")
     export.add_argument("--outlier-bits", metavar="BITS",
                         help="with --fleet: the least KL from the fleet, in bits, that makes a replica an outlier "
-                             "(default 0.1)")
+                             f"(default {DEFAULT_OUTLIER_BITS:g})")
     export.add_argument("--outlier-factor", metavar="X",
-                        help="with --fleet: how many times the median replica's KL an outlier exceeds (default 3)")
+                        help="with --fleet: how many times the median replica's KL an outlier exceeds "
+                             f"(default {DEFAULT_OUTLIER_FACTOR:g})")
     export.add_argument("--outlier-for", metavar="DURATION",
                         help="with --fleet: how long a replica must stay an outlier before the alert fires "
-                             "(default 10m)")
+                             f"(default {format_duration(OUTLIER_FOR_SECONDS)})")
     export.set_defaults(handler=_cmd_rules_export, parser=export)

@@ -293,7 +293,7 @@ def groups_of(text: str, file_format: str) -> dict:
 @pytest.mark.parametrize("with_fleet", [False, True])
 def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None:
     args = ["--format", file_format, *(["--fleet", "--fleet-labels", "namespace,job", "--replica-label", "pod",
-                                        "--fleet-window", "2h"] if with_fleet else [])]
+                                        "--fleet-window", "2h", "--fleet-interval", "2m"] if with_fleet else [])]
     document = groups_of(export(*args), file_format)
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(document))
@@ -306,6 +306,7 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
         assert records == list(fleet.RECORDING_NAMES)
         assert "by (namespace, job, pod, router" in document["groups"][1]["rules"][0]["expr"]
         assert "offset 2h" in document["groups"][1]["rules"][0]["expr"]
+        assert document["groups"][1]["interval"] == "2m"
 
 
 def test_the_shipped_prometheusrule_is_the_export() -> None:
@@ -335,6 +336,10 @@ ERRORS: list[tuple[list[str], Callable[[str], bool]]] = [
     (["--fleet-window", "1h"], lambda e: "--fleet-window 1h" in e and "--fleet" in e),
     (["--fleet", "--fleet-window", "30s"], lambda e: "--fleet-window '30s'" in e and "1m to 31d" in e),
     (["--fleet", "--fleet-window", "soon"], lambda e: "--fleet-window 'soon'" in e and "duration" in e),
+    (["--fleet", "--fleet-interval", "0s"], lambda e: "--fleet-interval '0s'" in e and "1s to 1h" in e),
+    (["--fleet", "--fleet-window", "5m", "--fleet-interval", "10m"],
+     lambda e: "--fleet-interval '10m'" in e and "1s to 5m" in e),
+    (["--fleet-interval", "1m"], lambda e: "--fleet-interval 1m" in e and "--fleet" in e),
     (["--fleet", "--fleet-labels", "job,,pod"], lambda e: "--fleet-labels 'job,,pod'" in e and "label names" in e),
     (["--fleet", "--fleet-labels", "9lives"], lambda e: "'9lives' is not a Prometheus label name" in e),
     (["--fleet", "--fleet-labels", "router"], lambda e: "--fleet-labels 'router'" in e and "expected" in e),

@@ -50,6 +50,7 @@ from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
 
 __all__ = [
     "DEFAULT_FLEET_LABELS",
+    "DEFAULT_INTERVAL_SECONDS",
     "DEFAULT_OUTLIER_BITS",
     "DEFAULT_OUTLIER_FACTOR",
     "DEFAULT_REPLICA_LABEL",
@@ -77,7 +78,6 @@ __all__ = [
     "OUTLIER_FOR_SECONDS",
     "RECORDING_NAMES",
     "REPLICA_EXPERT_SELECTIONS",
-    "REPLICA_EXPERT_SHARE",
     "REPLICA_KL_BITS",
     "REPLICA_SELECTIONS",
     "REPLICA_TOKENS",
@@ -100,7 +100,6 @@ TOKENS_COUNTER = "mla_watch_expert_tokens_total"
 REPLICA_EXPERT_SELECTIONS = "replica:mla_watch_expert_selections:window_delta"
 REPLICA_TOKENS = "replica:mla_watch_expert_tokens:window_delta"
 REPLICA_SELECTIONS = "replica:mla_watch_expert_selections:window_delta_sum"
-REPLICA_EXPERT_SHARE = "replica:mla_watch_expert_selections:window_share"
 REPLICA_KL_BITS = "replica:mla_watch_routing_fleet_kl_bits:window"
 FLEET_EXPERT_SELECTIONS = "fleet:mla_watch_expert_selections:window_delta"
 FLEET_TOKENS = "fleet:mla_watch_expert_tokens:window_delta"
@@ -135,6 +134,9 @@ SCOPE_LABEL = "scope"  # "fleet" on the twins, "replica" on every per-replica al
 DEFAULT_FLEET_LABELS: tuple[str, ...] = ("job",)
 DEFAULT_REPLICA_LABEL = "instance"
 DEFAULT_WINDOW_SECONDS = 3600.0
+# An hour's window moves by 1/60 a minute: judging it more often buys nothing and costs, per evaluation, a pass
+# over every replica's per-expert series (bench/fleet_rules.py).
+DEFAULT_INTERVAL_SECONDS = 60.0
 # A replica whose routing carries 0.1 bits of its own against the fleet's mix, and 3 times its peers' median:
 # one collapsed replica of three (8 experts top-2, two experts left) reads 1 bit, its healthy peers 0.19.
 DEFAULT_OUTLIER_BITS = 0.1
@@ -148,13 +150,14 @@ _RESERVED = frozenset({*_ROUTER_LABELS, "expert", "le", "quantile", "alertname",
 _LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_LABELS = 8
 _MAX_LABEL_CHARS = 64
+_MAX_INTERVAL_SECONDS = 3600.0
 _MAX_WINDOW_SECONDS = 31 * 86400.0  # Prometheus keeps 15 days by default: a month is already beyond it
 
 RECORDING_NAMES: tuple[str, ...] = (
     REPLICA_EXPERT_SELECTIONS, REPLICA_TOKENS, REPLICA_SELECTIONS, FLEET_EXPERT_SELECTIONS, FLEET_TOKENS,
     FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS, FLEET_MIN_TOKENS, FLEET_EXPERT_SHARE,
     FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING, FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS,
-    REPLICA_EXPERT_SHARE, REPLICA_KL_BITS, FLEET_JS_DIVERGENCE, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,
+    REPLICA_KL_BITS, FLEET_JS_DIVERGENCE, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,
 )
 
 
@@ -191,6 +194,7 @@ class FleetOptions:
     outlier_bits: float = DEFAULT_OUTLIER_BITS
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     outlier_for_seconds: float = OUTLIER_FOR_SECONDS
+    interval_seconds: float = DEFAULT_INTERVAL_SECONDS
     job: str = "mla_watch"  # the counters are selected with job="<job>", as the per-replica rules are
 
     def __post_init__(self) -> None:
@@ -208,6 +212,11 @@ class FleetOptions:
             raise ValueError(f"--outlier-bits {self.outlier_bits!r}: expected a positive number of bits (e.g. 0.1)")
         if not (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1):
             raise ValueError(f"--outlier-factor {self.outlier_factor!r}: expected a number >= 1 (e.g. 3)")
+        i = self.interval_seconds
+        if not (math.isfinite(i) and 1.0 <= i <= min(w, _MAX_INTERVAL_SECONDS)):
+            raise ValueError(f"--fleet-interval {format_duration(i) if math.isfinite(i) else i!r}: expected a "
+                             f"duration from 1s to {format_duration(min(w, _MAX_INTERVAL_SECONDS))} "
+                             "(at most --fleet-window and 1h; e.g. 1m)")
         if not (math.isfinite(self.outlier_for_seconds) and 0 <= self.outlier_for_seconds <= _MAX_WINDOW_SECONDS):
             raise ValueError(f"--outlier-for {self.outlier_for_seconds!r}: expected a duration from 0s to 31d "
                              "(e.g. 10m)")
@@ -281,12 +290,13 @@ def _recordings(o: FleetOptions) -> list[tuple[str, str, str]]:
          "MaxVio = (max load - mean load) / mean load"),
         (FLEET_DEAD_SLOTS, f"count by ({fk}) ({FLEET_EXPERT_SELECTIONS} == 0)\nor\n{FLEET_SLOTS} * 0",
          "experts no replica selected in the window (0 is a sample)"),
-        (REPLICA_EXPERT_SHARE, f"{REPLICA_EXPERT_SELECTIONS} / on({rk}) group_left() ({REPLICA_SELECTIONS} > 0)",
-         "each expert's share of the replica's selections"),
+        # KL_r = sum_j p_rj log2(p_rj / q_j) with p_rj = s_rj / S_r, written as (1 / S_r) sum_j s_rj log2(s_rj / q_j)
+        # - log2 S_r: one pass over the replicas' per-expert deltas, and no replica share recorded per expert.
         (REPLICA_KL_BITS,
-         f"clamp_min(\n  sum by ({rk}) (\n    {REPLICA_EXPERT_SHARE}\n"
-         f"    * log2(({REPLICA_EXPERT_SHARE} > 0) / on({fk}, expert) group_left() {FLEET_EXPERT_SHARE})\n  ),\n"
-         "  0\n)", "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
+         f"clamp_min(\n  sum by ({rk}) (\n    {REPLICA_EXPERT_SELECTIONS}\n"
+         f"    * log2(({REPLICA_EXPERT_SELECTIONS} > 0) / on({fk}, expert) group_left() {FLEET_EXPERT_SHARE})\n  )\n"
+         f"  / on({rk}) ({REPLICA_SELECTIONS} > 0)\n  - on({rk}) log2({REPLICA_SELECTIONS}),\n  0\n)",
+         "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
         (FLEET_JS_DIVERGENCE, f"sum by ({fk}) (\n  {REPLICA_KL_BITS} * on({rk}) {replica_weight}\n)",
          "generalized Jensen-Shannon divergence of the replicas: sum_r w_r KL_r, w_r = share of selections"),
         (FLEET_REPLICAS, f"count by ({fk}) ({REPLICA_KL_BITS})", "replicas with selections in the window"),
@@ -438,7 +448,7 @@ def _outlier(o: FleetOptions) -> str:
 def fleet_groups(rules: RuleSet, options: FleetOptions) -> list[str]:
     """The group ``mla_watch_fleet`` (recordings, then the fleet twins of ``rules`` and the outlier alert) as an
     item of a top-level ``groups:`` list, for :func:`mla_watch.alerting.promexport.export_rules`."""
-    lines = [f"  - name: {FLEET_GROUP_NAME}\n    rules:\n"]
+    lines = [f"  - name: {FLEET_GROUP_NAME}\n    interval: {format_duration(options.interval_seconds)}\n    rules:\n"]
     for name, expr, meaning in _recordings(options):
         lines.append(f"      # {meaning}\n" + yaml_entry({"record": name, "expr": expr}))
     skipped = []
