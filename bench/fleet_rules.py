@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from server_overhead import wait_answering
 
 from mla_watch import cli
 from mla_watch.alerting.durations import format_duration
@@ -262,16 +263,7 @@ def running_prometheus(binary: str, workdir: Path, rules: Path, targets: list[st
         ], stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise SystemExit(f"prometheus exited {process.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"prometheus was not ready within 60 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        wait_answering(url + "/-/ready", process, 60, f"prometheus on port {port}")
         yield url
     except BaseException:
         print(f"prometheus' log, last lines:\n{log.read_text()[-3000:]}", file=sys.stderr)
