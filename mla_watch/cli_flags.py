@@ -111,6 +111,16 @@ positive_float = number_at_least(0, inclusive=False)
 non_negative_float = number_at_least(0, inclusive=True)
 
 
+def client_id_sources(text: str) -> tuple[str, ...]:
+    """``serve --client-id``: where a request's client is named (:func:`mla_watch.cause.clients.client_id`)."""
+    from mla_watch.cause.clients import parse_client_id_sources
+
+    try:
+        return parse_client_id_sources(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def share(text: str) -> float:
     """An argparse type for a share of all, from 0 to 1."""
     try:

@@ -10,8 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from mla_watch.cause.clients import DEFAULT_CLIENT_ID
+from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cli_flags import (
     byte_size,
+    client_id_sources,
     expert_selection,
     history_retention,
     non_negative_float,
@@ -27,7 +30,7 @@ from mla_watch.cli_flags import (
 from mla_watch.cli_startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import INGEST_FLAGS, IngestLimits
-from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetuneSettings
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.server.expert_counts import BUDGET_FLAG, EXPORT_FLAG, SELECTION_FORM
 
@@ -90,7 +93,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
                           baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
-                          expert_series_budget=args.expert_series_budget)
+                          expert_series_budget=args.expert_series_budget,
+                          reference_prompts=args.reference_prompts,
+                          reference=ReferenceSettings(
+                              interval_seconds=args.reference_interval, wait_seconds=args.reference_wait,
+                              tolerance_bits=args.reference_tolerance, rate=args.reference_rate),
+                          client_id=args.client_id, capture_max_client_share=args.capture_max_client_share,
+                          router_versions=RetentionPolicy(max_versions=args.router_versions_max,
+                                                          max_bytes=args.router_versions_max_bytes))
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
         sidecar = build_sidecar(config)
         if sock is None:
@@ -227,6 +237,33 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "(default %(default)s: one business line of DeepSeek-V3)")
     serve.add_argument("--body-timeout", type=positive_float, default=ServerConfig.body_timeout_seconds,
                        help="seconds a request body may take to arrive before 408 (default %(default)s)")
+    cause = serve.add_argument_group("traffic or model: reference prompts and clients (docs/alerting.md, \"Causes\")")
+    cause.add_argument("--reference-prompts", type=Path, default=ServerConfig.reference_prompts, metavar="DIR",
+                       help="directory of reference prompt files, one per business line and default.yaml (default: "
+                            "the shipped ones, references/)")
+    cause.add_argument("--reference-interval", type=non_negative_float, default=ReferenceSettings.interval_seconds,
+                       metavar="SECONDS", help="read every set of reference prompts this often; 0: only when a routing "
+                                               "alert goes pending (default %(default)s)")
+    cause.add_argument("--reference-wait", type=non_negative_float, default=ReferenceSettings.wait_seconds,
+                       metavar="SECONDS", help="an alert due to fire waits at most this long for the reading that "
+                                               "tells its cause, then fires as undetermined (default %(default)s)")
+    cause.add_argument("--reference-tolerance", type=share, default=ReferenceSettings.tolerance_bits, metavar="BITS",
+                       help="Jensen-Shannon divergence of the reference routing from its healthy baseline beyond which "
+                            "the model changed (default %(default)s)")
+    cause.add_argument("--reference-rate", type=positive_float, default=ReferenceSettings.rate, metavar="PER_SECOND",
+                       help="beside an engine: reference requests a second at most (default %(default)s)")
+    cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
+                       help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "
+                            "(the body's user field), api-key (a hash of the bearer key, never the key), remote "
+                            "(default %(default)s)")
+    cause.add_argument("--capture-max-client-share", type=share, default=ServerConfig.capture_max_client_share,
+                       metavar="SHARE", help="with --capture: one client fills at most this share of a business "
+                                             "line's captured samples (default %(default)s)")
+    cause.add_argument("--router-versions-max", type=positive_int, default=RetentionPolicy.max_versions, metavar="N",
+                       help="router versions kept in STATE_DIR/routers; older ones nothing needs are deleted "
+                            "(default %(default)s)")
+    cause.add_argument("--router-versions-max-bytes", type=byte_size, default=RetentionPolicy.max_bytes,
+                       metavar="BYTES", help="bytes of router versions kept (default %(default)s)")
     for name, text in INGEST_FLAGS.items():
         serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),
                            default=getattr(IngestLimits, name), help=f"{text} (default %(default)s)")

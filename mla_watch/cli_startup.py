@@ -210,6 +210,7 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     _existing_dir("--policies", args.policies, "a directory of policy YAML files")
     if args.rules is not None:
         _existing_dir("--rules", args.rules, "a directory of alert rule YAML files")
+    _existing_dir("--reference-prompts", args.reference_prompts, "a directory of reference prompt YAML files")
     if args.public_url:
         _public_url(args.public_url)
     if args.model_config is not None and not (args.model_config.is_file()

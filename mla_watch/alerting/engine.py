@@ -40,12 +40,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from mla_watch.alerting.causes import CauseJudge
 from mla_watch.alerting.compiled import CompiledRule, compile_rules
 from mla_watch.alerting.instances import Action, AlertInstance, InstanceState, RecordKey
 from mla_watch.alerting.model import RuleSet, breached, judged_window
 from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
-from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, step
+from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, recause, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
 from mla_watch.routing import RoutingStats
 from mla_watch.windows import ALL_LINES, RouterStats
@@ -61,9 +62,11 @@ class AlertEngine:
     """Evaluates a :class:`RuleSet` over routing statistics records; thread-safe."""
 
     def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
-                 render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None) -> None:
+                 render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None,
+                 causes: CauseJudge | None = None) -> None:
         self._clock = clock
         self._trend_source = trend_source
+        self.causes = causes  # tells the model from the traffic (mla_watch.alerting.causes); None: undetermined
         self._alerting = AlertRenderer(lambda: self._rules, render=render, status_url=status_url)
         self._state_path = Path(state_path) if state_path is not None else None
         self._lock = threading.RLock()
@@ -131,11 +134,15 @@ class AlertEngine:
                         by_rule[rule.id] = inst
                     inst.record, inst.trend, inst.levels = record, trend, levels
                     if breach and inst.healthy_since is None and inst.state == "firing":
-                        # the common case of a long incident, inlined: still firing, nothing changes
+                        # the common case of a long incident, inlined: still firing, nothing changes but its cause
                         inst.value = value
                         inst.last_evaluated = now
+                        if self.causes is not None and recause(inst, rule, now, actions, self._alerting, self.causes):
+                            inst.json = None
+                            changed = True
                         continue
-                    if step(inst, rule, value, breach, now, actions, self._alerting, self._schedule_prune):
+                    if step(inst, rule, value, breach, now, actions, self._alerting, self._schedule_prune,
+                            self.causes):
                         inst.json = None
                         changed = True
                     if inst.state == "inactive":
@@ -163,7 +170,8 @@ class AlertEngine:
                     annotations = (self._alerting.annotations(rule, inst, inst.record) if rule is not None
                                    and inst.record is not None else dict(inst.annotations))
                     out.append(AlertInstance(rule=rule.rule.name if rule is not None else inst.labels.get(
-                        "alertname", inst.rule_id), labels=dict(inst.labels), state=inst.state, value=inst.value,
+                        "alertname", inst.rule_id), labels=dict(inst.public_labels), state=inst.state,
+                        value=inst.value, cause=None if inst.cause is None else inst.cause.to_json(),
                         active_since=inst.active_since, firing_since=inst.firing_since,
                         resolved_at=inst.resolved_at, last_evaluated=inst.last_evaluated,
                         annotations=annotations, metric=rule.metric if rule is not None else None))
@@ -186,9 +194,20 @@ class AlertEngine:
             for by_rule in self._instances.values():
                 for inst in by_rule.values():
                     if inst.state == "firing":
-                        key = (inst.labels.get("alertname", ""), inst.labels.get("severity", ""))
+                        key = (inst.public_labels.get("alertname", ""), inst.public_labels.get("severity", ""))
                         counts[key] = counts.get(key, 0) + 1
             return counts
+
+    def firing_causes(self) -> dict[tuple[str, str], int]:
+        """(alertname, cause) -> number of firing instances."""
+        counts: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for by_rule in self._instances.values():
+                for inst in by_rule.values():
+                    if inst.state == "firing":
+                        key = (inst.labels.get("alertname", ""), inst.cause.name if inst.cause else "undetermined")
+                        counts[key] = counts.get(key, 0) + 1
+        return counts
 
     def replace_rules(self, rules: RuleSet) -> list[Action]:
         """Hot reload. Instances whose rule still exists (same name, same labels, selector still

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mla_watch.alerting.causes import CAUSE_LABEL, Cause
 from mla_watch.alerting.model import Alert, AlertState, Rule, fingerprint
 from mla_watch.windows import RouterStats
 
@@ -43,6 +44,7 @@ class AlertInstance:
     last_evaluated: float | None
     annotations: dict[str, str] = field(default_factory=dict)
     metric: str | None = None  # the rule's metric (None once its rule is gone)
+    cause: dict[str, Any] | None = None  # Cause.to_json(), once it fired
 
     @property
     def fingerprint(self) -> str:
@@ -53,15 +55,15 @@ class AlertInstance:
                 "value": self.value,
                 "active_since": self.active_since, "firing_since": self.firing_since,
                 "resolved_at": self.resolved_at, "last_evaluated": self.last_evaluated,
-                "annotations": dict(self.annotations), "fingerprint": self.fingerprint}
+                "annotations": dict(self.annotations), "fingerprint": self.fingerprint, "cause": self.cause}
 
 
 class InstanceState:
     """The mutable state of one alert instance: its state, timers, latest judgement and its JSON form."""
 
-    __slots__ = ("active_since", "annotations", "firing_since", "hash_routed", "healthy_since", "json", "key",
-                 "labels", "last_evaluated", "levels", "notified", "num_slots", "record", "resolved_at", "rule_id",
-                 "state", "trend", "value")
+    __slots__ = ("active_since", "annotations", "cause", "firing_since", "hash_routed", "healthy_since", "json",
+                 "key", "labels", "last_evaluated", "levels", "notified", "num_slots", "public_labels", "record",
+                 "resolved_at", "rule_id", "state", "trend", "value")
 
     def __init__(self, rule_id: str, key: RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -82,6 +84,19 @@ class InstanceState:
         self.json: str | None = None  # serialized at the latest save; None once a state or timer changed
         self.num_slots: int | None = None  # the router's geometry, which `slots` selectors judge
         self.hash_routed = False
+        self.cause: Cause | None = None  # decided when it fires (mla_watch.alerting.causes)
+        self.public_labels: dict[str, str] = labels  # what its alerts carry: labels, and its cause once decided
+
+    def set_cause(self, cause: Cause | None, rule: Rule) -> None:
+        """Decide (or forget, for ``None``) the cause; an alert caused by the traffic takes the rule's traffic
+        severity."""
+        self.cause = cause
+        if cause is None:
+            self.public_labels = self.labels
+            return
+        self.public_labels = {**self.labels, CAUSE_LABEL: cause.name}
+        if cause.name == "traffic":
+            self.public_labels["severity"] = rule.traffic_severity
 
     def to_json(self) -> dict[str, Any]:
         name, layer, kind, line = self.key
@@ -90,7 +105,9 @@ class InstanceState:
                 "firing_since": self.firing_since, "resolved_at": self.resolved_at,
                 "last_evaluated": self.last_evaluated, "healthy_since": self.healthy_since,
                 "value": self.value, "notified": self.notified, "annotations": self.annotations,
-                "num_slots": self.num_slots, "hash_routed": self.hash_routed}
+                "num_slots": self.num_slots, "hash_routed": self.hash_routed,
+                "cause": None if self.cause is None else self.cause.to_json(),
+                "public_labels": None if self.cause is None else self.public_labels}
 
     @classmethod
     def from_json(cls, data: Any) -> InstanceState:
@@ -121,6 +138,12 @@ class InstanceState:
         if not isinstance(annotations, dict):
             raise ValueError(f"instance: annotations {annotations!r} is not an object")
         inst.annotations = {str(k): str(v) for k, v in annotations.items()}
+        if data.get("cause") is not None:
+            inst.cause = Cause.from_json(data["cause"])
+            public = data.get("public_labels")
+            if not isinstance(public, dict):
+                raise ValueError("instance: a cause without public_labels")
+            inst.public_labels = {str(k): str(v) for k, v in public.items()}
         if state == "firing" and inst.firing_since is None:
             raise ValueError("instance: firing without firing_since")
         if state == "pending" and inst.active_since is None:

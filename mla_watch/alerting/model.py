@@ -56,7 +56,9 @@ TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold",
                                     # fitted slope, the predicted value, and when the fit crosses the threshold
                                     "current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in",
                                     # the metric's healthy value learned for this router and line (n/a without one)
-                                    "healthy")
+                                    "healthy",
+                                    # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
+                                    "cause")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 
@@ -184,6 +186,16 @@ class Rule:
     baseline: Mapping[str, BaselineScale] = field(default_factory=dict)
     # Linter findings the rule's author expects, by code ("never_fires"), with why: reported once, as info.
     lint_expect: Mapping[str, str] = field(default_factory=dict)
+    # An alert whose cause is the traffic, not the model (mla_watch.alerting.causes): its severity, and where it
+    # goes (None: the rule's own receivers). A client's traffic is never a page for the model's on-call.
+    traffic_severity: str = "warning"
+    traffic_receivers: tuple[str, ...] | None = None
+
+    def receivers_for(self, cause: str | None) -> tuple[str, ...]:
+        """Where an alert of this rule goes when its cause is ``cause``."""
+        if cause == "traffic" and self.traffic_receivers is not None:
+            return self.traffic_receivers
+        return self.receivers
 
     def levels(self, healthy: float | None) -> tuple[float | None, float | None, float, float] | None:
         """``(below, above, resolve_above, resolve_below)`` for a series whose healthy value of the metric is

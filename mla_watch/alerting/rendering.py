@@ -12,13 +12,14 @@ from collections.abc import Callable, Mapping
 from typing import Literal
 from urllib.parse import urlencode
 
+from mla_watch.alerting.causes import CAUSE_HEADLINES, Cause
 from mla_watch.alerting.compiled import CompiledRule
 from mla_watch.alerting.instances import Action, InstanceState
 from mla_watch.alerting.model import Alert, Rule
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.windows import RouterStats
 
-__all__ = ["TREND_FIELDS", "AlertRenderer", "Render"]
+__all__ = ["TREND_FIELDS", "AlertRenderer", "Render", "with_cause"]
 
 log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
 
@@ -50,7 +51,7 @@ class AlertRenderer:
         record = inst.record
         annotations = self.annotations(rule, inst, record) if record is not None else dict(inst.annotations)
         value = inst.value
-        return Alert(labels=dict(inst.labels), annotations=annotations, status=status,
+        return Alert(labels=dict(inst.public_labels), annotations=annotations, status=status,
                      starts_at=inst.firing_since if inst.firing_since is not None else inst.active_since or 0.0,
                      ends_at=ends_at, value=float("nan") if value is None else float(value),
                      generator_url=self.router_url(inst))
@@ -77,7 +78,7 @@ class AlertRenderer:
             threshold, resolve = below, resolve_above
         else:
             threshold, resolve = above, resolve_below
-        labels = inst.labels
+        labels = inst.public_labels
         stats = record.stats
         healthy = record.baseline.values.get(rule.metric) if record.baseline is not None else None
         trend = inst.trend or {}
@@ -88,11 +89,21 @@ class AlertRenderer:
                   "floor_bits": stats.floor_bits, "ceiling_bits": stats.ceiling_bits, "tokens": stats.tokens,
                   "min_tokens": rule.min_tokens if rule.min_tokens is not None else stats.min_tokens,
                   "severity": labels.get("severity"), "status_url": self.router_url(inst),
+                  "cause": None if inst.cause is None else inst.cause.name,
                   **{name: trend.get(name) for name in TREND_FIELDS}}
         try:
-            rendered = self._render(rule.rule, fields)
-            return {str(k): str(v) for k, v in rendered.items()}
+            rendered = {str(k): str(v) for k, v in self._render(rule.rule, fields).items()}
         except Exception as error:  # a render bug must never stop evaluation
             log.error("rendering the annotations of rule %r failed: %s", rule.rule.name, error)
-            return {"summary": f"{rule.rule.name}: {rule.metric} = {value} on {labels.get('router')} "
-                               f"(annotation rendering failed: {type(error).__name__}: {error})"}
+            rendered = {"summary": f"{rule.rule.name}: {rule.metric} = {value} on {labels.get('router')} "
+                                   f"(annotation rendering failed: {type(error).__name__}: {error})"}
+        return with_cause(rendered, inst.cause)
+
+
+def with_cause(annotations: dict[str, str], cause: Cause | None) -> dict[str, str]:
+    """The cause first: the summary starts with it, and the ``cause`` annotation says what decided it."""
+    if cause is None:
+        return annotations
+    summary = annotations.get("summary", "")
+    return {**annotations, "summary": f"{CAUSE_HEADLINES[cause.name]}: {summary}" if summary
+            else CAUSE_HEADLINES[cause.name], "cause": cause.summary}

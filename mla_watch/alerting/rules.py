@@ -78,12 +78,13 @@ __all__ = [
 ]
 
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", "kind", "business_line")
+RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", "kind", "business_line", "cause")
 
 _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
               "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
-              "receivers", "trend", "predict", "lint_expect")
+              "receivers", "trend", "predict", "lint_expect", "on_traffic")
+_ON_TRAFFIC_KEYS = ("severity", "receivers")
 LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_expect)
 
 
@@ -280,6 +281,8 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         else:
             receivers = _names_list(chk, f"{path}.receivers", raw_receivers, None, "receiver names")
 
+    traffic_severity, traffic_receivers = _parse_on_traffic(chk, f"{path}.on_traffic", data.get("on_traffic"))
+
     lint_expect: dict[str, str] = {}
     if data.get("lint_expect") is not None:
         raw_expect = chk.mapping(f"{path}.lint_expect", data["lint_expect"], LINT_CODES,
@@ -313,7 +316,26 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         trend=trend,
         baseline=scales,
         lint_expect=lint_expect,
+        traffic_severity=traffic_severity,
+        traffic_receivers=traffic_receivers,
     )
+
+
+def _parse_on_traffic(chk: _Checker, path: str, raw: object) -> tuple[str, tuple[str, ...] | None]:
+    """``on_traffic: {severity, receivers}``: what an alert caused by the traffic, not the model, is (its severity,
+    ``warning`` by default) and where it goes (by default where the rule's alerts go)."""
+    if raw is None:
+        return "warning", None
+    data = chk.mapping(path, raw, _ON_TRAFFIC_KEYS, "{severity: warning, receivers: [line_owners]}")
+    if data is None:
+        return "warning", None
+    severity = data.get("severity", "warning")
+    if severity not in SEVERITIES:
+        chk.bad(f"{path}.severity", severity, "one of: " + ", ".join(SEVERITIES))
+    receivers = None
+    if "receivers" in data:
+        receivers = _names_list(chk, f"{path}.receivers", data["receivers"], None, "receiver names")
+    return str(severity), receivers
 
 
 def load_rules_file(
@@ -421,6 +443,11 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
                 if name not in receivers:
                     known = ", ".join(sorted(receivers)) or "(none defined)"
                     errors.append(f"{rule.source}.receivers[{i}] = {name!r}: expected a defined receiver: {known}")
+            for i, name in enumerate(rule.traffic_receivers or ()):
+                if name not in receivers:
+                    known = ", ".join(sorted(receivers)) or "(none defined)"
+                    errors.append(f"{rule.source}.on_traffic.receivers[{i}] = {name!r}: expected a defined "
+                                  f"receiver: {known}")
     if errors:
         raise RuleError(errors)
     return RuleSet(rules=tuple(rules), receivers=receivers, warnings=tuple(warnings))

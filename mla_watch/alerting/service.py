@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mla_watch.alerting.causes import CAUSE_LABEL, CauseJudge
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
 from mla_watch.alerting.notifiers import group_key
@@ -48,7 +49,7 @@ class AlertService:
                  clock: Callable[[], float] = time.time,
                  on_notification: Callable[[str, str], None] | None = None,
                  before_round: Callable[[], object] | None = None,
-                 trend_source: TrendSource | None = None) -> None:
+                 trend_source: TrendSource | None = None, causes: CauseJudge | None = None) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.rules = rules
         self.interval = interval
@@ -57,7 +58,8 @@ class AlertService:
         self._before_round = before_round  # e.g. reload changed rule files, outside the service's lock
         self._clock = clock
         self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
-                                  render=render_annotations, status_url=status_url, trend_source=trend_source)
+                                  render=render_annotations, status_url=status_url, trend_source=trend_source,
+                                  causes=causes)
         self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock)
         self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
         self._groups: dict[tuple[str, str], _Group] = {}
@@ -150,7 +152,7 @@ class AlertService:
                 continue
             alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations), status="firing",
                           starts_at=instance.firing_since or now, ends_at=None, value=instance.value or 0.0)
-            for group in self._groups_of(rule.receivers, alert, now):
+            for group in self._groups_of(rule.receivers_for(alert.labels.get(CAUSE_LABEL)), alert, now):
                 group.alerts[alert.fingerprint] = alert
 
     def _groups_of(self, receivers: Iterable[str], alert: Alert, now: float) -> list[_Group]:
@@ -183,7 +185,7 @@ class AlertService:
                     alert = action.alert
                     if alert.fingerprint in notes:
                         alert = replace(alert, annotations={**alert.annotations, "retune": notes[alert.fingerprint]})
-                    self._notify(action.rule.receivers, alert, now)
+                    self._notify(action.rule.receivers_for(alert.labels.get(CAUSE_LABEL)), alert, now)
             except Exception:  # logged; the other actions of this round still run
                 log.exception("alert %s: its %s action failed", action.alert.labels.get("alertname"), action.kind)
 

@@ -58,7 +58,14 @@ import numpy as np
 
 from mla_watch.engines.formats import DataError, _sglang_decoder, routing_counts
 from mla_watch.engines.geometry import EngineGeometry
-from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
+from mla_watch.engines.swap import (
+    MAX_TOKENIZE_ANSWER_BYTES,
+    EngineWeights,
+    SampleScore,
+    SwapError,
+    SwapResult,
+    tokens_of_answer,
+)
 from mla_watch.engines.weights import checked_router_dir
 
 __all__ = ["PAUSE_MODE", "SglangWeights"]
@@ -186,6 +193,13 @@ class SglangWeights(EngineWeights):
         # Checked first: no request is sent for a list that cannot be scored whole.
         checked = [_token_ids(index, sample) for index, sample in enumerate(samples)]
         return [self._score_one(index, ids) for index, ids in enumerate(checked)]
+
+    def tokenize(self, text: str) -> list[int]:
+        status, body = self._call("POST", "/tokenize", {"prompt": text}, admin=False, limit=MAX_TOKENIZE_ANSWER_BYTES)
+        if status != 200:
+            raise SwapError(f"POST /tokenize at {self.base_url} answered {status}: {_message(body)!r}; expected 200 "
+                            f"with the prompt's token ids{_key_hint(status)}")
+        return tokens_of_answer(_json_object(body), f"POST /tokenize at {self.base_url}")
 
     # ------------------------------------------------------------------ internals
     def _call(self, method: str, path: str, payload: Any, *, admin: bool, limit: int) -> tuple[int, bytes]:

@@ -8,7 +8,9 @@ endpoints in :mod:`mla_watch.engines.sglang_weights`) implements :class:`EngineW
   engine, every other weight left as it is, with requests held while it happens;
 * :meth:`EngineWeights.score` scores token ids with the live engine (the log-probability of
   every token given the ones before it), for the paired perplexity gate, and returns the
-  routing the engine chose for those tokens where it returns any, for the band gate.
+  routing the engine chose for those tokens where it returns any, for the band gate;
+* :meth:`EngineWeights.tokenize` turns a text into the engine's token ids (``POST /tokenize``, the same
+  shape in vLLM and SGLang), so that reference prompts written as text can be scored.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineWeights", "SampleScore", "SwapError", "SwapResult"]
+__all__ = ["MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError", "SwapResult",
+           "tokens_of_answer"]
+
+MAX_TOKENIZE_ANSWER_BYTES = 4 << 20  # a reference prompt's ids (at most 8192 characters, ~10 bytes an id in JSON)
 
 
 class SwapError(RuntimeError):
@@ -69,3 +74,17 @@ class EngineWeights(abc.ABC):
     @abc.abstractmethod
     def score(self, samples: Sequence[Sequence[int]]) -> list[SampleScore]:
         """Each sample scored by the live engine, in order; ``SwapError`` if the engine cannot."""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids as the engine reads a prompt (special tokens added); ``SwapError`` if it cannot."""
+
+
+def tokens_of_answer(answer: Any, where: str) -> list[int]:
+    """The ``tokens`` of a ``POST /tokenize`` answer (vLLM ``entrypoints/serve/tokenize/protocol.py``, SGLang
+    ``entrypoints/openai/protocol.py`` ``TokenizeResponse``: ``{"tokens": [...], "count": n, ...}``)."""
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if (not isinstance(tokens, list) or len(tokens) < 2
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
+        raise SwapError(f"{where}: expected {{\"tokens\": [token ids, at least 2]}}")
+    return tokens

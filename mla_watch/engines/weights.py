@@ -66,7 +66,14 @@ from safetensors.torch import save_file
 
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
-from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
+from mla_watch.engines.swap import (
+    MAX_TOKENIZE_ANSWER_BYTES,
+    EngineWeights,
+    SampleScore,
+    SwapError,
+    SwapResult,
+    tokens_of_answer,
+)
 from mla_watch.retune.reference import checkpoint_files
 
 __all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
@@ -383,6 +390,13 @@ class VllmWeights(EngineWeights):
             answer = self._call("POST", "/v1/completions", json_body=body, limit=MAX_SCORE_ANSWER_BYTES)
             scores.append(self._sample_score(answer, ids, index))
         return scores
+
+    def tokenize(self, text: str) -> list[int]:
+        body: dict[str, Any] = {"prompt": text}
+        if self.model is not None:
+            body["model"] = self.model
+        answer = self._call("POST", "/tokenize", json_body=body, limit=MAX_TOKENIZE_ANSWER_BYTES)
+        return tokens_of_answer(answer, f"vLLM POST {self.base_url}/tokenize")
 
     # ------------------------------------------------------------------ swap steps
     def _reload(self, path: Path) -> Any:

@@ -6,6 +6,8 @@ in the state directory. It is bounded four ways: at most ``max_samples_per_line`
 line (the oldest go first), samples older than ``max_age_seconds`` are dropped (and never
 returned), the stored tokens take at most ``max_bytes`` (4 bytes per token; SQLite's own
 overhead comes on top), and a sample keeps at most its first ``max_tokens_per_sample`` tokens.
+It is fair: one client (:mod:`mla_watch.cause.clients`) fills at most ``max_client_share`` of a line's
+``max_samples_per_line``; past it, that client's own oldest sample of the line makes room.
 The file holds (tokenized) customer traffic, so it is created with mode 0600, and token content
 never appears in logs or error messages; counts do.
 """
@@ -42,12 +44,14 @@ CREATE TABLE IF NOT EXISTS samples (
     created_at REAL NOT NULL,
     n_tokens INTEGER NOT NULL,
     token_ids BLOB NOT NULL,
-    scored_tokens INTEGER
+    scored_tokens INTEGER,
+    client TEXT
 );
 CREATE INDEX IF NOT EXISTS samples_line_age ON samples (business_line, created_at, id);
 CREATE INDEX IF NOT EXISTS samples_age ON samples (created_at, id);
 """
-_COLUMNS = ("id", "business_line", "created_at", "n_tokens", "token_ids", "scored_tokens")
+_COLUMNS = ("id", "business_line", "created_at", "n_tokens", "token_ids", "scored_tokens", "client")
+_MAX_CLIENT_NAME = 200
 
 
 class TokenSample(list):
@@ -128,12 +132,16 @@ class TrafficCapture:
     """
 
     def __init__(self, path: Path, *, max_samples_per_line: int = 2000, max_age_seconds: float = 7 * 86400,
-                 max_bytes: int = 64 * 2**20, max_tokens_per_sample: int = 512,
+                 max_bytes: int = 64 * 2**20, max_tokens_per_sample: int = 512, max_client_share: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
         check_positive("max_samples_per_line", max_samples_per_line, int)
         check_positive("max_age_seconds", max_age_seconds)
         check_positive("max_bytes", max_bytes, int)
         check_positive("max_tokens_per_sample", max_tokens_per_sample, int)
+        check_positive("max_client_share", max_client_share)
+        if max_client_share > 1:
+            raise ValueError(f"max_client_share = {fmt(max_client_share)}: expected a share in (0, 1]")
+        self.max_client_samples = max(1, int(max_client_share * max_samples_per_line))
         self.path = Path(path)
         self.max_samples_per_line = int(max_samples_per_line)
         self.max_age_seconds = float(max_age_seconds)
@@ -158,14 +166,18 @@ class TrafficCapture:
         self._last_prune = self.clock()
 
     def _check_columns(self, db: sqlite3.Connection) -> int:
-        """Upgrade a file written before ``scored_tokens`` existed; the tokens it stores."""
+        """Upgrade a file written before ``scored_tokens`` or ``client`` existed; the tokens it stores."""
         columns = tuple(row[1] for row in db.execute("PRAGMA table_info(samples)"))
-        if columns == _COLUMNS[:-1]:  # those rows count whole
+        if columns == _COLUMNS[:-2]:  # those rows count whole
             db.execute("ALTER TABLE samples ADD COLUMN scored_tokens INTEGER")
+            columns = _COLUMNS[:-1]
+        if columns == _COLUMNS[:-1]:  # those rows' client is not known
+            db.execute("ALTER TABLE samples ADD COLUMN client TEXT")
             columns = _COLUMNS
         if columns != _COLUMNS:
             raise CaptureError(f"traffic capture {self.path}: table 'samples' has columns {', '.join(columns)}: "
                                f"expected {', '.join(_COLUMNS)} (a file written by something else?)")
+        db.execute("CREATE INDEX IF NOT EXISTS samples_line_client ON samples (business_line, client, created_at, id)")
         return db.execute("SELECT COALESCE(SUM(n_tokens), 0) FROM samples").fetchone()[0]
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -194,11 +206,16 @@ class TrafficCapture:
         return result
 
     # -- writing -----------------------------------------------------------------------------
-    def add(self, business_line: str, token_ids: Sequence[int], *, prompt_tokens: int | None = None) -> None:
+    def add(self, business_line: str, token_ids: Sequence[int], *, prompt_tokens: int | None = None,
+            client: str | None = None) -> None:
         """Store the prompt + completion ids of one request (its first ``max_tokens_per_sample``).
 
-        ``prompt_tokens``: how many of ``token_ids`` the client sent (``None``: all of them).
+        ``prompt_tokens``: how many of ``token_ids`` the client sent (``None``: all of them); ``client``: who sent
+        it (``None``: not known; such samples share one client's limit).
         """
+        if client is not None and (not isinstance(client, str) or len(client) > _MAX_CLIENT_NAME):
+            raise ValueError(f"client = {fmt(client)}: expected None or a string of at most {_MAX_CLIENT_NAME} "
+                             "characters")
         if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
                                           or prompt_tokens < 0):
             raise ValueError(f"prompt_tokens = {fmt(prompt_tokens)}: expected None or a non-negative int")
@@ -212,10 +229,10 @@ class TrafficCapture:
             now = self.clock()
 
             def body() -> tuple[int, int, int]:
-                db.execute("INSERT INTO samples (business_line, created_at, n_tokens, token_ids, scored_tokens) "
-                           "VALUES (?, ?, ?, ?, ?)", (business_line, now, n_tokens, blob, scored))
+                db.execute("INSERT INTO samples (business_line, created_at, n_tokens, token_ids, scored_tokens, "
+                           "client) VALUES (?, ?, ?, ?, ?, ?)", (business_line, now, n_tokens, blob, scored, client))
                 self._bytes += n_tokens * BYTES_PER_TOKEN
-                over_count = self._trim_line(db, business_line)
+                over_count = self._trim_client(db, business_line, client) + self._trim_line(db, business_line)
                 self._adds_since_prune += 1
                 expired = 0
                 if (self._adds_since_prune >= _PRUNE_EVERY_ADDS
@@ -238,6 +255,22 @@ class TrafficCapture:
             "SELECT id, n_tokens FROM samples WHERE business_line = ? ORDER BY created_at DESC, id DESC"
             " LIMIT ? OFFSET ?", (business_line, -1, self.max_samples_per_line)).fetchall()
         return self._delete(db, rows)
+
+    def _trim_client(self, db: sqlite3.Connection, business_line: str, client: str | None) -> int:
+        """Drop one client's oldest samples of one line beyond its share; how many."""
+        if self.max_client_samples >= self.max_samples_per_line:
+            return 0
+        rows = db.execute(
+            "SELECT id, n_tokens FROM samples WHERE business_line = ? AND client IS ? ORDER BY created_at DESC, id DESC"
+            " LIMIT ? OFFSET ?", (business_line, client, -1, self.max_client_samples)).fetchall()
+        return self._delete(db, rows)
+
+    def clients(self, business_line: str) -> dict[str, int]:
+        """Samples stored per client for one line (``""``: not known)."""
+        rows = self._run(lambda db: db.execute(
+            "SELECT COALESCE(client, ''), COUNT(*) FROM samples WHERE business_line = ? GROUP BY client",
+            (business_line,)).fetchall())
+        return {name: int(count) for name, count in rows}
 
     def _drop_expired(self, db: sqlite3.Connection, now: float) -> int:
         cutoff = now - self.max_age_seconds

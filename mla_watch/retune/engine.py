@@ -25,7 +25,6 @@ decision) is measured in each attempt (``live_seconds``) and bounded by ``--engi
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import threading
 import time
@@ -37,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_watch.engines.formats import routing_counts
+from mla_watch.cause.gate import ReferenceGate
+from mla_watch.cause.readers import ReferenceReader
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
 from mla_watch.retune.capture import TokenSample, TrafficCapture
@@ -48,8 +48,8 @@ from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import same_evidence
-from mla_watch.routing import compute_stats
-from mla_watch.windows import RouterInfo, RouterStats
+from mla_watch.retune.score import engine_score
+from mla_watch.windows import RouterInfo
 
 __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
            "bias_step", "engine_score"]
@@ -121,26 +121,6 @@ class EngineRouters(RouterHost):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> ModelScore:
-    """The engine's scores of the held-out samples as a :class:`ModelScore`: perplexity, per-sample losses and,
-    where the engine routed them, every router's statistics over their tokens."""
-    losses = [float(score.loss) for score in scores]
-    counts = [int(score.tokens) for score in scores]
-    tokens = sum(counts)
-    perplexity = math.exp(sum(losses) / tokens) if tokens else math.nan
-    routed = [score.routing for score in scores if score.routing is not None]
-    records: dict[str, RouterStats] = {}
-    if routed:
-        totals = [routing_counts(np.asarray(ids), geometry) for ids in routed]
-        layer_counts = sum(total for total, _ in totals)
-        routed_tokens = sum(rows for _, rows in totals)
-        for index, info in enumerate(geometry.routers()):
-            stats = compute_stats(layer_counts[index], kind="expert", top_k=info.top_k, tokens=routed_tokens)
-            # the counts: what the bias rule steps from
-            records[info.name] = RouterStats(router=info, business_line=None, stats=stats, counts=layer_counts[index])
-    return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts)
-
-
 class BiasSchedule:
     """The engine ``bias`` strategy's steps: ``gamma * decay ** step``, at most ``steps`` swaps.
 
@@ -182,7 +162,8 @@ class EngineRetuner:
                  capture: TrafficCapture | None, promote: Callable[[int], Any], rollback: Callable[[], int],
                  loads: Callable[[str, str | None], np.ndarray | None], reference: RouterReference | None = None,
                  bias_schedule: BiasSchedule | None = None, gate_timeout: float = 300.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, reference_prompts: ReferenceGate | None = None,
+                 reference_reader: ReferenceReader | None = None) -> None:
         if mode not in ENGINE_RETUNE_MODES[1:]:
             raise ValueError(f"--engine-retune {mode!r}: expected propose or apply")
         self.host = host
@@ -198,6 +179,10 @@ class EngineRetuner:
         self._rollback = rollback
         self._loads = loads
         self._clock = clock
+        # Every candidate is judged on the reference prompts too, read through the engine (mla_watch.cause.gate).
+        self.reference_prompts = reference_prompts if reference_reader is not None else None
+        self._reference_reader = reference_reader
+        self._reference_live: dict[str, ModelScore] = {}  # the line's reference prompts, before the job's swaps
 
     def remove_work(self, job_id: str | None = None) -> None:
         """Nothing to remove: an engine job writes no work files (its swaps live in ``--engine-swap-dir``)."""
@@ -224,6 +209,7 @@ class EngineRetuner:
             return "waiting", unchanged
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
+        self._reference_live = self._reference_scores(spec)
         attempts: list[dict[str, Any]] = []
         for name, attempt in self._attempts(spec, attempts):
             try:
@@ -231,6 +217,10 @@ class EngineRetuner:
                     outcome = self._bias_steps(spec, attempt, held_out, before, band, data)
                 else:
                     tensors, details = self._restore(spec)
+                    if self._serving_already(tensors):
+                        attempt.update(outcome="unchanged", reason=f"{details['source']} holds the tensors serving "
+                                                                   "now: nothing to restore")
+                        continue
                     version = self._save(spec, name, tensors, details, data)
                     outcome = self._gate(spec, attempt, version, held_out, before, band, known_good=details["source"])
             except Exception as error:  # one strategy failing must not stop the next one
@@ -250,6 +240,7 @@ class EngineRetuner:
         manifest = self.registry.manifest(version)
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
+        self._reference_live = self._reference_scores(spec)
         attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
         outcome = self._gate(spec, attempt, version, held_out, before, band,
                              known_good=(manifest.get("details") or {}).get("source"))
@@ -307,6 +298,11 @@ class EngineRetuner:
         if not tensors:
             raise ValueError(f"{source} holds no tensors of routers {spec.routers}")
         return tensors, {"source": source, "reference": source, "routers": list(spec.routers)}
+
+    def _serving_already(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        live = self.host.state()
+        return all(name in live and torch.equal(tensor.to(live[name].dtype), live[name])
+                   for name, tensor in tensors.items())
 
     def _bias_candidate(self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -377,6 +373,7 @@ class EngineRetuner:
         live_from = self._clock()
         try:
             after = self._score(held_out)
+            reference_after = self._reference_scores(spec)
         except Exception as error:  # an engine that cannot score: the candidate goes back, undecided
             self._rollback()
             attempt.update(outcome="failed", version=version, swap=taken,
@@ -392,7 +389,8 @@ class EngineRetuner:
                                 max_perplexity_increase=spec.max_perplexity_increase,
                                 confidence=self.settings.gate_confidence,
                                 min_tokens=self.settings.min_held_out_tokens,
-                                min_samples=self.settings.min_held_out_samples, known_good=known)
+                                min_samples=self.settings.min_held_out_samples, known_good=known,
+                                reference=self._reference_checks(spec, reference_after, watched, band))
         if not routed:  # the engine returns no routing (vLLM without --enable-return-routed-experts)
             report.checks.insert(0, {"gate": "band", "value": None, "limit": band.describe(),
                                      "decision": "insufficient", "passed": False, "binding": False,
@@ -415,6 +413,22 @@ class EngineRetuner:
         log.warning("re-tune job %s: version %d %s through the engine and rolled back: %s", spec.id, version,
                     attempt["outcome"], attempt["reason"])
         return attempt["outcome"]
+
+    def _reference_scores(self, spec: JobSpec) -> dict[str, ModelScore]:
+        """The reference prompts of the job's line read through the engine as it serves now."""
+        if self.reference_prompts is None or self._reference_reader is None:
+            return {}
+        return {reference.name: self._reference_reader.read(reference)
+                for reference in self.reference_prompts.sets_for(spec.business_line)}
+
+    def _reference_checks(self, spec: JobSpec, candidate: dict[str, ModelScore], watched: list[str],
+                          band: Band) -> list[dict[str, Any]]:
+        if self.reference_prompts is None:
+            return []
+        return self.reference_prompts.checks(
+            spec.business_line, self._reference_live, candidate, routers=watched, band=band,
+            margin=spec.max_perplexity_increase, confidence=self.settings.gate_confidence,
+            min_tokens=self.settings.min_held_out_tokens, min_samples=self.settings.min_held_out_samples)
 
     def _score(self, samples: Sequence[TokenSample]) -> ModelScore:
         deadline = self._clock() + self.gate_timeout

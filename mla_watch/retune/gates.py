@@ -1,5 +1,8 @@
 """Quality gates: a candidate router version goes live only if it is measurably better.
 
+Besides the held-out samples (captured traffic: what clients sent), every candidate is judged on the reference
+prompts the sidecar controls (:mod:`mla_watch.cause.gate`), so that captured traffic alone never promotes one.
+
 Both gates are measured on held-out samples (never trained on), in one pass per model state
 over a hook-free copy of the live model, so live traffic is never routed by a candidate:
 
@@ -48,7 +51,7 @@ from mla_watch.retune.paired import (
     compare_perplexity,
     parse_margin,
 )
-from mla_watch.windows import RouterStats
+from mla_watch.retune.score import ModelScore
 
 __all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
            "score_model"]
@@ -62,41 +65,6 @@ def band_of_rule(rule: Any) -> Band:
     if rule.above is not None:
         return Band(rule.metric, high=rule.resolve_below if rule.resolve_below is not None else rule.above)
     return Band(rule.metric)
-
-
-@dataclass
-class ModelScore:
-    """One model state measured on the held-out samples."""
-
-    perplexity: float
-    tokens: int
-    routers: dict[str, RouterStats]  # router name -> its statistics over the held-out pass
-    losses: list[float]  # per held-out sample, in order: summed next-token loss (nats) ...
-    counts: list[int]  # ... over this many scored tokens
-
-    def metric(self, router: str, name: str) -> float | None:
-        """``router``'s statistic ``name`` over the pass; ``None`` when not measured (not routed, or undefined)."""
-        record = self.routers.get(router)
-        value = None if record is None else getattr(record.stats, name)
-        return None if value is None else float(value)
-
-    def too_small(self, router: str) -> bool:
-        """Whether ``router``'s pass held fewer tokens than its trusted minimum (``False`` when not routed)."""
-        record = self.routers.get(router)
-        return record is not None and record.stats.too_small
-
-    def outside(self, routers: Sequence[str], band: Band) -> list[str]:
-        """The ``routers`` measured, on a trusted window, outside ``band``."""
-        outside = []
-        for router in routers:
-            value = self.metric(router, band.metric)
-            if value is not None and value == value and not self.too_small(router) and not band.contains(value):
-                outside.append(router)
-        return outside
-
-    def as_dict(self, routers: Sequence[str], metric: str) -> dict[str, Any]:
-        return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens,
-                metric: {name: _round(self.metric(name, metric)) for name in routers}}
 
 
 @dataclass
@@ -124,13 +92,15 @@ class GateReport:
 
 @torch.no_grad()
 def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
-                business_line: str = "gate") -> ModelScore:
-    """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded).
+                business_line: str = "gate", *, indexers: bool = False) -> ModelScore:
+    """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded); DSA indexers are
+    watched too with ``indexers`` (their key positions cost more to count, and gates judge expert routers).
 
     ``model`` must not carry another probe counting into live windows: pass a hook-free copy.
     """
-    indexers = {type(module).__name__ for module, info, _ in discover_routers(model) if info.kind != "expert"}
-    probe = attach(model, window_tokens=None, ignore=sorted(indexers))
+    ignored = set() if indexers else {type(module).__name__ for module, info, _ in discover_routers(model)
+                                      if info.kind != "expert"}
+    probe = attach(model, window_tokens=None, ignore=sorted(ignored))
     losses: list[float] = []
     counts: list[int] = []
     try:
@@ -183,9 +153,11 @@ def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple
 def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[str], band: Band,
                    max_perplexity_increase: PerplexityMargin | float | str = "2%",
                    confidence: float = DEFAULT_CONFIDENCE, min_tokens: int = DEFAULT_MIN_TOKENS,
-                   min_samples: int = DEFAULT_MIN_SAMPLES, known_good: KnownGood | None = None) -> GateReport:
+                   min_samples: int = DEFAULT_MIN_SAMPLES, known_good: KnownGood | None = None,
+                   reference: Sequence[dict[str, Any]] = ()) -> GateReport:
     """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples
-    (distinct texts); a restore from a known-good source also by ``known_good``."""
+    (distinct texts); a restore from a known-good source also by ``known_good``; ``reference``: the checks on the
+    reference prompts (:class:`mla_watch.cause.gate.ReferenceGate`), binding like the others."""
     checks: list[dict[str, Any]] = []
     for router in routers:
         decision, message, value = _band_check(after, router, band, "held-out samples")
@@ -211,6 +183,7 @@ def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[s
     checks.append({"gate": "perplexity", "value": round(comparison.candidate_perplexity, 4),
                    "limit": round(comparison.limit, 4), "decision": comparison.decision, "passed": comparison.passed,
                    "binding": binding, "message": message})
+    checks.extend(reference)
     decisions = {check["decision"] for check in checks if check.get("binding", True)}
     overall: Decision = "reject" if "reject" in decisions else "insufficient" if "insufficient" in decisions else "pass"
     return GateReport(decision=overall, checks=checks, before=before.as_dict(routers, band.metric),

@@ -31,7 +31,8 @@ from mla_watch.retune.paired import (
 )
 from mla_watch.sqlite import PrivateDatabase
 
-__all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetuneSettings"]
+__all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetentionPolicy",
+           "RetuneSettings"]
 
 # proposed: a candidate saved and gated as far as it could be without the engine, waiting for
 # `mla-watch retune apply N` (serve --engine-retune propose).
@@ -91,6 +92,22 @@ class RetuneSettings:
                 "retry_seconds > 0, max_wait_seconds >= 0, "
                 "min_samples >= 2, max_samples >= min_samples, 0 < held_out_fraction < 1, batch_size >= 1, "
                 "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How many router versions the registry keeps on disk, and in how many bytes: past either, the oldest versions
+    nothing needs (not version 0, not on the promotion stack, not marked good, not the newest good one, not a
+    proposal waiting to be applied) are deleted."""
+
+    max_versions: int = 100
+    max_bytes: int = 4 << 30  # DeepSeek-V3's full router state is ~0.2 GB a version; bias re-fits ~60 KB
+
+    def __post_init__(self) -> None:
+        for name, lowest in (("max_versions", 2), ("max_bytes", 1024)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"router version retention {name} = {value!r}: expected an integer >= {lowest}")
 
 
 class JobStoreError(Exception):

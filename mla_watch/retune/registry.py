@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from mla_watch.describe import describe_value
 from mla_watch.probe.discovery import discover_routers
 from mla_watch.retune.hosts import RouterHost, as_host
+from mla_watch.retune.jobs import RetentionPolicy
 
 __all__ = ["ROUTER_TENSOR_PATTERNS", "RouterVersions", "apply_router_tensors", "router_modules", "router_state"]
 
@@ -135,8 +136,9 @@ def _now() -> str:
 class RouterVersions:
     """Router checkpoints under ``directory`` (see the module docstring for the layout)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, retention: RetentionPolicy | None = None) -> None:
         self.directory = Path(directory)
+        self.retention = retention or RetentionPolicy()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -192,16 +194,37 @@ class RouterVersions:
         return 0
 
     def save(self, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> int:
-        """Write the next version (``tensors`` only) atomically; returns its number."""
+        """Write the next version (``tensors`` only) atomically; returns its number.
+
+        Tensors identical to a version already written (the same file, byte for byte) are not written again: that
+        version's number is returned, and the job is added to its manifest's ``candidate_of``. Past the retention
+        policy, the oldest versions nothing needs are deleted afterwards.
+        """
         if not tensors:
             raise ValueError("save(): no tensors given")
         with self._lock:
             numbers = self._version_numbers()
             version = (numbers[-1] + 1) if numbers else 1  # 0 is reserved for record_initial
-            self._write(version, tensors, manifest)
+            written = self._write(version, tensors, manifest)
+        if written != version:
+            log.info("router version %d holds these tensors already: not written again", written)
+            self.update_manifest(written, {"candidate_of": [*self._manifest(written).get("candidate_of", []),
+                                                            manifest.get("job")][-50:]})
+            return written
+        self.prune()
         return version
 
-    def _write(self, version: int, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> None:
+    def _same_file(self, sha256: str) -> int | None:
+        for number in self._version_numbers():
+            try:
+                if self._manifest(number).get("sha256") == sha256:
+                    return number
+            except ValueError:
+                continue
+        return None
+
+    def _write(self, version: int, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> int:
+        """Write ``version``; the number of a version holding the very same file instead, if there is one."""
         reserved = {"version", "created_at", "sha256", "tensors"} & set(manifest)
         if reserved:
             raise ValueError(f"manifest keys {sorted(reserved)} are written by the registry")
@@ -210,10 +233,14 @@ class RouterVersions:
         temp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version:04d}-", dir=self.directory))
         try:
             save_file(cpu, str(temp / _TENSORS_FILE))
+            digest = _sha256(temp / _TENSORS_FILE)
+            if version and (same := self._same_file(digest)) is not None:
+                shutil.rmtree(temp, ignore_errors=True)
+                return same
             record.update({
                 "version": version,
                 "created_at": _now(),
-                "sha256": _sha256(temp / _TENSORS_FILE),
+                "sha256": digest,
                 "tensors": sorted(cpu),
             })
             (temp / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -221,6 +248,37 @@ class RouterVersions:
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
             raise
+        return version
+
+    def prune(self) -> list[int]:
+        """Delete the oldest versions nothing needs while more than the retention policy's versions or bytes are
+        kept; the versions deleted. Kept always: version 0, every version on the promotion stack or in a snapshot
+        of it, versions marked good, the newest good version, and proposals no job decided yet."""
+        with self._lock:
+            numbers = self._version_numbers()
+            sizes = {number: _dir_bytes(self._dir(number)) for number in numbers}
+            kept = {0, *self._stack(), *self.marked_good()}
+            good = [number for number in numbers if self._good(number)]
+            if good:
+                kept.add(good[-1])
+            for number in numbers:  # a proposal waiting for `retune apply`, or a gate through the engine under way
+                if (self._manifest(number).get("gates") or {}).get("decision") == "pending":
+                    kept.add(number)
+            count, total = len(numbers), sum(sizes.values())
+            deleted = []
+            for number in numbers:
+                if count <= self.retention.max_versions and total <= self.retention.max_bytes:
+                    break
+                if number in kept:
+                    continue
+                shutil.rmtree(self._dir(number), ignore_errors=True)
+                deleted.append(number)
+                count -= 1
+                total -= sizes[number]
+        if deleted:
+            log.info("router versions %s deleted: the registry keeps at most %d versions in %d bytes",
+                     ", ".join(map(str, deleted)), self.retention.max_versions, self.retention.max_bytes)
+        return deleted
 
     def update_manifest(self, version: int, changes: Mapping[str, Any]) -> dict[str, Any]:
         """Merge ``changes`` into ``version``'s manifest (an engine gate decides after the version is saved)."""
@@ -424,6 +482,10 @@ class RouterVersions:
         host.apply(target)
         self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
         return stack[-2]
+
+
+def _dir_bytes(directory: Path) -> int:
+    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
 
 
 def _health_summary(health: Mapping[str, Any]) -> str:

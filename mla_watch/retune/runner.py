@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mla_watch.cause.gate import ReferenceGate
+from mla_watch.cause.readers import reference_batches
 from mla_watch.models.loss import scored_targets
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.capture import TokenSample, TrafficCapture
@@ -86,10 +88,13 @@ class Retuner:
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
                  clock: Callable[[], float] = time.time, dataset_dir: Path | None = None,
                  reference: RouterReference | None = None,
-                 health_rules: Callable[[], Sequence[Any]] | None = None) -> None:
+                 health_rules: Callable[[], Sequence[Any]] | None = None,
+                 reference_prompts: ReferenceGate | None = None) -> None:
         self.model = model
         self.host = ModelRouters(model)  # the service holds the model lock around its swaps
         self._health_rules = health_rules  # the loaded alert rules: a restore is judged by them on the health text
+        self.reference_prompts = reference_prompts  # every candidate is judged on them too (mla_watch.cause.gate)
+        self._reference_batches: dict[str, list[Any]] = {}  # by a set's digest
         self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)
         self.tokenizer = tokenizer
@@ -158,6 +163,7 @@ class Retuner:
         timings["score_before_seconds"] = round(self._clock() - mark, 3)
         band = Band.from_dict(spec.band)
         watched = list(dict.fromkeys([*spec.routers, *spec.watched]))
+        reference_live = self._reference_scores(work, spec.business_line)
         health = _HealthText(self.tokenizer, self._health_rules() if self._health_rules is not None else [])
         attempts: list[dict[str, Any]] = []
         for name in spec.strategies:
@@ -181,9 +187,16 @@ class Retuner:
                 attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
                 continue
             attempt["fit_seconds"] = round(self._clock() - mark, 3)
+            if all(name in original and torch.equal(tensor.to(original[name].dtype), original[name])
+                   for name, tensor in candidate.tensors.items()):
+                attempt.update(outcome="unchanged", reason="the candidate's tensors are the ones serving now: "
+                                                           "nothing to try")
+                continue
             mark = self._clock()
             apply_router_tensors(work, candidate.tensors)
             after = score_model(work, held_batches)
+            reference_checks = self._reference_checks(spec, reference_live, self._reference_scores(
+                work, spec.business_line), watched, band)
             known_good = None
             if name == "restore" and health.judged:
                 known_good = health.known_good(work, candidate.details.get("reference") or "the restored routers",
@@ -193,7 +206,8 @@ class Retuner:
                                     max_perplexity_increase=spec.max_perplexity_increase,
                                     confidence=self.settings.gate_confidence,
                                     min_tokens=self.settings.min_held_out_tokens,
-                                    min_samples=self.settings.min_held_out_samples, known_good=known_good)
+                                    min_samples=self.settings.min_held_out_samples, known_good=known_good,
+                                    reference=reference_checks)
             attempt["gate_seconds"] = round(self._clock() - mark, 3)
             manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": name,
                         "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
@@ -226,6 +240,27 @@ class Retuner:
             result["rejected_while_outside_band"] = True
             return "waiting", result
         return ("rejected" if "rejected" in outcomes else "failed"), result
+
+    def _reference_scores(self, model: torch.nn.Module, business_line: str | None) -> dict[str, ModelScore]:
+        """The reference prompts of the job's line scored by ``model`` (none without reference prompts)."""
+        if self.reference_prompts is None:
+            return {}
+        scores = {}
+        for reference in self.reference_prompts.sets_for(business_line):
+            batches = self._reference_batches.get(reference.digest)
+            if batches is None:
+                batches = self._reference_batches[reference.digest] = reference_batches(self.tokenizer, reference)
+            scores[reference.name] = score_model(model, batches, business_line=reference.name)
+        return scores
+
+    def _reference_checks(self, spec: JobSpec, live: dict[str, ModelScore], candidate: dict[str, ModelScore],
+                          watched: list[str], band: Band) -> list[dict[str, Any]]:
+        if self.reference_prompts is None:
+            return []
+        return self.reference_prompts.checks(
+            spec.business_line, live, candidate, routers=watched, band=band, margin=spec.max_perplexity_increase,
+            confidence=self.settings.gate_confidence, min_tokens=self.settings.min_held_out_tokens,
+            min_samples=self.settings.min_held_out_samples)
 
     def _short_of_evidence(self, tokens: int, samples: int) -> str | None:
         """Why the held-out samples cannot decide a perplexity gate (``None`` when they can)."""

@@ -31,6 +31,7 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import Baselines
+from mla_watch.cause.clients import ClientShares
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
@@ -46,12 +47,13 @@ from mla_watch.server.history_api import HistoryQuery
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.proxy import Upstream
 from mla_watch.server.reads import BoundedReads, monitoring_executor
+from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError
 from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
 from mla_watch.statedir import ensure_private_dir
-from mla_watch.windows import RouterStats, RouterWindows, RoutingSnapshot
+from mla_watch.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
 
 if TYPE_CHECKING:
     from mla_watch.engines.watch import EngineRouting
@@ -89,8 +91,15 @@ class Sidecar:
         # The local model's windows, the engine's (beside vLLM / SGLang), the workers' that report.
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None)
+        # Who sends each line's traffic, and the reference prompts that tell the traffic's changes from the model's.
+        self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
+        self.references = References(config, clients=self.clients, alerts=self.alerts,
+                                     history=lambda: self.history)  # ReferenceError at start-up
+        self.metrics.watch_reference(lambda: self.references.prober)
+        if self.alerts is not None:
+            self.alerts.engine.causes = self.references
         self.retuning = Retuning(config=config, serving=self.serving, sources=self.sources, metrics=self.metrics,
-                                 alerts=self.alerts)
+                                 alerts=self.alerts, references=self.references)
         if self.alerts is not None:
             self.alerts.on_retune(self.retuning.on_retune_action)
         self.auth = Auth(config, self.metrics)
@@ -109,10 +118,10 @@ class Sidecar:
             config=config, serving=self.serving, sources=self.sources, policies=self.policies, metrics=self.metrics,
             registry=self.registry, alerts=self.alerts, history=self.history, history_store=self.history_store,
             history_store_error=self.history_store_error, baselines=self.baselines, heavy_reads=self.heavy_reads,
-            monitoring=self._monitoring)
+            monitoring=self._monitoring, references=self.references, clients=self.clients)
         self.handlers = HandlerContext(config=config, clock=clock, auth=self.auth, policies=self.policies,
                                        metrics=self.metrics, sources=self.sources, alerts=self.alerts,
-                                       serving=self.serving, reload_rules=self.reload_rules)
+                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients)
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self.auth.api_error})
 
@@ -248,6 +257,7 @@ class Sidecar:
             probe.windows.baselines = self.baselines
             self.retuning.start_local(model, tokenizer)
             self.sources.trust_baselines(serving.retune)
+            self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
             gc.freeze()
             serving.ready.set()
         except Exception as error:
@@ -284,6 +294,8 @@ class Sidecar:
                 count_queue_bytes=config.count_queue_bytes,
                 capture=None if capture is None else self.retuning.capture_answers(capture))
             self.serving.engine_retune_note = self.retuning.start_engine(capture)
+            if engine_routing is not None:
+                self.references.start_engine(engine_routing.geometry, self.serving.retune)
             if config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller
 
@@ -296,7 +308,8 @@ class Sidecar:
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
         if config.policy_poll_seconds:
-            self._stop_watches = [self.policies.watch(config.policy_poll_seconds)]
+            self._stop_watches = [self.policies.watch(config.policy_poll_seconds),
+                                  self.references.sets.watch(config.policy_poll_seconds)]
         if self.alerts is not None:
             self.alerts.start()
         self._history_sampler.start()
@@ -317,6 +330,7 @@ class Sidecar:
             self._decoder.close()
         for stop in self._stop_watches:
             stop()
+        await asyncio.to_thread(self.references.stop)
         if self.alerts is not None:
             await asyncio.to_thread(self.alerts.stop)
         if self.serving.model_worker is not None:
@@ -334,6 +348,7 @@ class Sidecar:
             Route("/v1/routing", reads.get_routing, methods=["GET"]),
             Route("/v1/routing/ingest", admin.ingest, methods=["POST"]),
             Route("/v1/baseline", reads.get_baseline, methods=["GET"]),
+            Route("/v1/reference", reads.get_reference, methods=["GET"]),
             Route("/v1/policies", reads.get_policies, methods=["GET"]),
             Route("/v1/alerts", reads.get_alerts, methods=["GET"]),
             Route("/metrics", reads.scrape, methods=["GET"]),

@@ -8,13 +8,15 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.baselines import DEFAULT_LEARN_TOKENS
+from mla_watch.cause.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
+from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.config import ConfigError
 from mla_watch.engines.counting import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.ingest import IngestLimits
-from mla_watch.retune.jobs import RetuneSettings
+from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
-from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
+from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_REFERENCES, SHIPPED_RULES
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
@@ -37,6 +39,12 @@ class ServerConfig:
     device: str = "auto"
     policies: Path = SHIPPED_POLICIES
     rules: Path | None = SHIPPED_RULES  # None: no alerting
+    # Reference prompts per business line (mla_watch.cause): read through the model to tell the model's changes
+    # from the traffic's, on a schedule and whenever a routing alert goes pending.
+    reference_prompts: Path = SHIPPED_REFERENCES
+    reference: ReferenceSettings = field(default_factory=ReferenceSettings)
+    # Who sent a request (mla_watch.cause.clients): the first of these a request carries.
+    client_id: tuple[str, ...] = field(default_factory=lambda: parse_client_id_sources(DEFAULT_CLIENT_ID))
     state_dir: Path = Path("mla-watch-state")
     dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets
     alert_interval: float = 15.0
@@ -79,8 +87,10 @@ class ServerConfig:
     capture: bool = False  # opt-in: record recent traffic (token ids) per business line for re-tuning
     capture_max_samples: int = 2000  # per business line
     capture_max_age_seconds: float = 7 * 86400.0
+    capture_max_client_share: float = 0.25  # of a line's captured samples, one client's at most
     retune: RetuneSettings = field(default_factory=RetuneSettings)
     reference_model: Path | None = None  # a checkpoint whose router tensors `restore` puts back
+    router_versions: RetentionPolicy = field(default_factory=RetentionPolicy)  # STATE_DIR/routers kept within it
     history_interval_seconds: float = 10.0  # the status page's heat map: one point per interval ...
     history_span_seconds: float = 3600.0  # ... over this span
     # The durable history (STATE_DIR/history.sqlite): 1-minute points for a day, 15-minute ones for this many days;
@@ -102,6 +112,12 @@ class ServerConfig:
                                                                   "export_expert_counts =")
             except ValueError as error:
                 raise ServerConfigError([str(error)]) from None
+        problems = self.reference.problems()
+        share = self.capture_max_client_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")
+        if problems:
+            raise ServerConfigError(problems)
         budget = self.expert_series_budget
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])

@@ -18,6 +18,7 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
+    from mla_watch.cause.clients import ClientShares
     from mla_watch.policy_files import PolicyStore
     from mla_watch.retune.service import RetuneService
     from mla_watch.server.auth import Auth
@@ -62,6 +63,7 @@ class HandlerContext:
     alerts: AlertService | None
     serving: Serving
     reload_rules: Callable[[], list[str]]  # the errors of reloading the rules (none kept in force otherwise)
+    clients: ClientShares  # who sends each line's tokens
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request's JSON object: at most ``max_body_bytes``, arrived within ``body_timeout_seconds``."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from mla_watch.cause.clients import client_id
 from mla_watch.policy import Decision, PolicyRejection, TaskPolicy, UnknownBusinessLine, UnknownTask, enforce
 from mla_watch.sampling_params import SamplingValues
 from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
@@ -46,14 +47,17 @@ class Generation:
                 raise ApiError(503, self.ctx.serving.load_error or "the model is still loading", code="not_ready",
                                error_type="server_error", headers={"Retry-After": "5"})
             body = await self.ctx.read_json(request)
-            parsed = parse_generation_request(kind, body, {k.lower(): v for k, v in request.headers.items()})
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            parsed = parse_generation_request(kind, body, headers)
+            client = client_id(self.ctx.config.client_id, headers, body,
+                               request.client.host if request.client is not None else None)
             decision, task = self._decide(parsed)
             policy_label = decision.policy_label
             self.ctx.metrics.count_adjustments(decision)
             if self.ctx.serving.upstream is not None:
                 response = await self.ctx.serving.upstream.forward(request, parsed, body, decision)
             else:
-                response = await self._generate_locally(request, parsed, decision, task)
+                response = await self._generate_locally(request, parsed, decision, task, client)
         except ApiError as error:
             response = self.ctx.auth.refused(request, error)
         response.headers["X-MLA-Policy"] = policy_label or "none"
@@ -118,12 +122,13 @@ class Generation:
         return ids
 
     async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Decision,
-                                task: TaskPolicy) -> Response:
+                                task: TaskPolicy, client: str) -> Response:
         params = self._values(parsed, decision)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task, params.max_tokens)
         job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
                   deadline=self.ctx.clock() + self.ctx.config.request_timeout, loop=asyncio.get_running_loop(),
-                  prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None)
+                  prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None,
+                  client=client)
         try:
             self.ctx.serving.model_worker.submit(job)
         except Overloaded as error:
@@ -146,8 +151,15 @@ class Generation:
         except Exception as error:
             raise self._job_error(error) from error
         answer.routing = job.routing
-        self.ctx.metrics.completion_tokens.labels(decision.business_line).inc(sum(answer.completion_tokens))
+        self._served(answer, job)
         return JSONResponse(answer.body())
+
+    def _served(self, answer: Answer, job: Job) -> None:
+        """An answer given in full: its tokens, and who they were for."""
+        line = answer.decision.business_line
+        generated = sum(answer.completion_tokens)
+        self.ctx.metrics.completion_tokens.labels(line).inc(generated)
+        self.ctx.clients.add(line, job.client, job.prompt_tokens + generated)
 
     def _job_error(self, error: Exception) -> ApiError:
         if isinstance(error, JobTimedOut):
@@ -172,7 +184,7 @@ class Generation:
                 yield sse(answer.usage_chunk())
             yield b"data: [DONE]\n\n"
             finished = True
-            self.ctx.metrics.completion_tokens.labels(answer.decision.business_line).inc(sum(answer.completion_tokens))
+            self._served(answer, job)
         except Exception as error:
             api_error = self._job_error(error)
             yield sse(api_error.body())

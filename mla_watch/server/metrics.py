@@ -11,14 +11,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mla_watch.routing import BASELINE_METRICS, STATISTICS
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
 from mla_watch.windows import RouterWindows, RoutingSnapshot
 
-__all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "RoutingCollector", "ServerMetrics"]
+__all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "ReferenceCollector", "RoutingCollector",
+           "ServerMetrics"]
 
 ROUTING_SLOTS = "routing_slots"
 
@@ -73,7 +74,51 @@ class _FiringCollector(Collector):
                                    labels=["alertname", "severity"])
         for (alertname, severity), count in sorted(self._engine.firing_counts().items()):
             family.add_metric([alertname, severity], count)
-        return [family]
+        causes = GaugeMetricFamily("mla_watch_alerts_firing_by_cause", "Alert instances firing, by rule and cause "
+                                   "(model, traffic, undetermined).", labels=["alertname", "cause"])
+        for (alertname, cause), count in sorted(self._engine.firing_causes().items()):
+            causes.add_metric([alertname, cause], count)
+        return [family, causes]
+
+
+class ReferenceCollector(Collector):
+    """The routing of the reference prompts' latest readings (``business_line``: the set), apart from live traffic's
+    series: ``mla_watch_reference_routing_*``, with ``js_divergence`` from their healthy baseline."""
+
+    def __init__(self, prober: Callable[[], Any], prefix: str = "mla_watch_") -> None:
+        self._prober = prober
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        from mla_watch.cause.readings import compare
+
+        labels = ["router", "layer", "kind", "business_line"]
+        families = {name: GaugeMetricFamily(f"{self._prefix}reference_{name}", f"Over the reference prompts' latest "
+                                            f"reading. {text}", labels=labels)
+                    for name, (_, text) in ROUTING_GAUGES.items()}
+        taken = GaugeMetricFamily(f"{self._prefix}reference_reading_timestamp_seconds", "When the latest reading of "
+                                  "each set of reference prompts ended (seconds since the epoch).",
+                                  labels=["business_line"])
+        count = CounterMetricFamily(f"{self._prefix}reference_readings", "Readings of reference prompts taken.")
+        prober = self._prober()
+        if prober is not None:
+            count.add_metric([], prober.readings_taken)
+            for name, reading in sorted(prober.readings().items()):
+                taken.add_metric([name], reading.taken_at)
+                baseline = prober.baselines.get(name, reading.digest)
+                for record in reading.score.routers.values():
+                    comparison = compare(record.router, [reading], [baseline])
+                    if comparison is None:
+                        continue
+                    values = [record.router.name, str(record.router.layer), record.router.kind, name]
+                    for metric, (key, _) in ROUTING_GAUGES.items():
+                        value = getattr(comparison.stats, key)
+                        if value is not None:
+                            families[metric].add_metric(values, float(value))
+        return [*families.values(), taken, count]
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
 
 
 class ServerMetrics:
@@ -140,6 +185,10 @@ class ServerMetrics:
                 raise ValueError("expert_counts needs routing_windows: the windows whose counts it exports")
             self.expert_counts = ExpertCountsCollector(routing_windows, expert_counts, expert_series_budget)
             registry.register(self.expert_counts)
+
+    def watch_reference(self, prober: Callable[[], Any]) -> None:
+        """Export the reference prompts' readings (``prober()``: the prober, or ``None`` before it starts)."""
+        self._registry.register(ReferenceCollector(prober))
 
     def watch_alerts(self, engine: Any) -> None:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""

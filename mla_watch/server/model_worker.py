@@ -57,6 +57,7 @@ class Job:
     prompt_tokens: int = 0
     record_routing: bool = False  # keep the expert ids of each pass (serve --return-routed-experts)
     routing: list[Any] | None = None  # then: per choice, [tokens, expert routers, top_k], set before the end
+    client: str | None = None  # who sent it (mla_watch.cause.clients)
 
     def push(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
@@ -83,9 +84,9 @@ class ModelWorker:
         self._clock = clock
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._on_job_done = on_job_done
-        # Called with (business_line, prompt + first choice's token ids, prompt length) after each finished job,
-        # e.g. to record traffic for router re-tuning; set by the owner.
-        self.capture: Callable[[str, list[int], int], None] | None = None
+        # Called with (business_line, prompt + first choice's token ids, prompt length, client) after each finished
+        # job, e.g. to record traffic for router re-tuning; set by the owner.
+        self.capture: Callable[[str, list[int], int, str | None], None] | None = None
         self._busy = threading.Event()
         # Held around each forward pass: a router promotion takes it to swap tensors between two passes.
         self.model_lock = threading.Lock()
@@ -151,7 +152,7 @@ class ModelWorker:
             job.push(_DONE)
             if self.capture is not None:
                 try:
-                    self.capture(job.business_line, [*job.prompt_ids, *generated], len(job.prompt_ids))
+                    self.capture(job.business_line, [*job.prompt_ids, *generated], len(job.prompt_ids), job.client)
                 except Exception:  # recording traffic must never fail a request
                     log.exception("traffic capture failed")
         except GenerationCancelled:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import Baselines
+from mla_watch.cause.clients import ClientShares
 from mla_watch.history.store import HistoryStore
 from mla_watch.policy_files import PolicyStore
 from mla_watch.server import status as status_page
@@ -28,13 +29,15 @@ from mla_watch.server.context import Serving
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads
+from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.server.sources import RoutingSources
-from mla_watch.windows import NAME_RE, NAME_RULE
+from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["BASELINE_VIEW_LIMIT", "ReadViews", "static", "status_page_index"]
 
 BASELINE_VIEW_LIMIT = 5000  # series in one GET /v1/baseline (a fleet's workers may report many more)
+REFERENCE_VIEW_LINES = 64  # business lines whose clients one GET /v1/reference shows
 
 
 class ReadViews:
@@ -43,7 +46,8 @@ class ReadViews:
     def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, policies: PolicyStore,
                  metrics: ServerMetrics, registry: CollectorRegistry, alerts: AlertService | None,
                  history: HistoryStore, history_store: HistoryStore | None, history_store_error: str | None,
-                 baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor) -> None:
+                 baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor,
+                 references: References, clients: ClientShares) -> None:
         self.config = config
         self.serving = serving
         self.sources = sources
@@ -57,6 +61,8 @@ class ReadViews:
         self.baselines = baselines
         self.heavy_reads = heavy_reads
         self.monitoring = monitoring
+        self.references = references
+        self.clients = clients
 
     # ------------------------------------------------------------------ health and monitoring
     async def healthz(self, request: Request) -> Response:
@@ -111,6 +117,17 @@ class ReadViews:
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
         return {"business_line": business_line, "business_lines": lines, "routers": routers}
+
+    async def get_reference(self, request: Request) -> Response:
+        """``GET /v1/reference``: the reference prompt sets, their latest readings against their healthy baselines,
+        and each business line's clients (token shares now and over the long run)."""
+        def body() -> bytes:
+            lines = [None, *self.sources.routing_snapshot().business_lines]
+            clients = {line or ALL_LINES: self.clients.shares(line) for line in lines[:REFERENCE_VIEW_LINES]}
+            return JSONResponse({**self.references.describe(), "clients": clients}).body
+
+        return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
+                        media_type="application/json")
 
     async def get_baseline(self, request: Request) -> Response:
         """``GET /v1/baseline``: whether healthy baselines are learned (and why not), and each series' healthy

@@ -15,12 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.engine import Action
 from mla_watch.alerting.service import AlertService
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
 from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.reference import References
 from mla_watch.server.sources import RoutingSources
 from mla_watch.statedir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.windows import ALL_LINES
@@ -35,12 +37,13 @@ class Retuning:
     """Starts the re-tune service (beside the local model or the engine) and answers its callbacks."""
 
     def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, metrics: ServerMetrics,
-                 alerts: AlertService | None) -> None:
+                 alerts: AlertService | None, references: References) -> None:
         self.config = config
         self.serving = serving
         self.sources = sources
         self.metrics = metrics
         self.alerts = alerts
+        self.references = references
 
     # ------------------------------------------------------------------ beside the local model
     def start_local(self, model: Any, tokenizer: Any) -> None:
@@ -54,14 +57,15 @@ class Retuning:
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
         ensure_private_dir(datasets)
-        registry = RouterVersions(state / "routers")
+        registry = RouterVersions(state / "routers", self.config.router_versions)
         capture = None
         if self.config.capture:
             capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,
-                                     max_age_seconds=self.config.capture_max_age_seconds)
+                                     max_age_seconds=self.config.capture_max_age_seconds,
+                                     max_client_share=self.config.capture_max_client_share)
 
-            def record(line: str, token_ids: list[int], prompt_tokens: int) -> None:
-                capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+            def record(line: str, token_ids: list[int], prompt_tokens: int, client: str | None) -> None:
+                capture.add(line, token_ids, prompt_tokens=prompt_tokens, client=client)
                 self.metrics.captured_samples.labels(line).inc()
 
             self.serving.model_worker.capture = record
@@ -75,7 +79,8 @@ class Retuning:
                           workdir=state / "retune-work", promote=lambda version: self.serving.retune.promote(version),
                           capture=capture, model_lock=self.serving.model_worker.model_lock, model_ref=self.config.model,
                           dataset_dir=datasets, reference=reference,
-                          health_rules=None if self.alerts is None else lambda: self.alerts.rules.rules)
+                          health_rules=None if self.alerts is None else lambda: self.alerts.rules.rules,
+                          reference_prompts=self.references.gate)
         self.serving.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
             model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
@@ -95,7 +100,8 @@ class Retuning:
 
         return TrafficCapture(self.config.state_dir / "capture.sqlite",
                               max_samples_per_line=self.config.capture_max_samples,
-                              max_age_seconds=self.config.capture_max_age_seconds)
+                              max_age_seconds=self.config.capture_max_age_seconds,
+                              max_client_share=self.config.capture_max_client_share)
 
     def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]]], None]:
         from mla_watch.retune.capture import CaptureError
@@ -150,7 +156,7 @@ class Retuning:
         state = ensure_private_dir(config.state_dir)
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
         host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir, config_json=checkpoint / "config.json")
-        registry = RouterVersions(state / "routers")
+        registry = RouterVersions(state / "routers", self.config.router_versions)
         reference = None
         if config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
@@ -164,7 +170,8 @@ class Retuning:
         retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
                                 capture=capture, promote=lambda version: self.serving.retune.promote(version),
                                 rollback=lambda: self.serving.retune.rollback(), loads=loads, reference=reference,
-                                gate_timeout=config.engine_gate_timeout)
+                                gate_timeout=config.engine_gate_timeout, reference_prompts=self.references.gate,
+                                reference_reader=self.references.engine_reader(geometry))
         self.serving.retune = RetuneService(
             state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
             on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
@@ -198,6 +205,10 @@ class Retuning:
     def on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
         router = action.alert.labels.get("router", "")
+        cause = action.alert.labels.get(CAUSE_LABEL)
+        if cause != "model":  # the alert engine asks only for these; a guard all the same
+            return (f"no re-tune job: the cause is {cause or 'undetermined'}, not the model (a router is re-tuned only "
+                    "when its reference prompts show the model changed)")
         if router in self.sources.engine_routers() and self.serving.retune is None:
             return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; " \
                    f"{self.serving.engine_retune_note}"

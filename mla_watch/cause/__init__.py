@@ -1,0 +1,8 @@
+"""Traffic or damage: what changed when routing changed - the model, or what clients send.
+
+* :mod:`~mla_watch.cause.prompts`: reference prompts per business line, fixed and versioned (YAML);
+* :mod:`~mla_watch.cause.readers`: how they are read, through the model served here or the engine beside;
+* :mod:`~mla_watch.cause.readings`: a reading, its healthy baseline, how the two compare (no torch);
+* :mod:`~mla_watch.cause.prober`: readings on a schedule and on demand, and the cause of each routing alert;
+* :mod:`~mla_watch.cause.clients`: who sent the traffic, and each line's token shares per client.
+"""

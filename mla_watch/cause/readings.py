@@ -1,0 +1,221 @@
+"""Readings of the reference prompts, their healthy baselines, and how a reading compares with its baseline
+(numpy only).
+
+A :class:`ReferenceReading` is one pass of one set of reference prompts through the model (here, or in the
+engine): every router's statistics over the set's tokens, and the loss of each prompt. While the routers
+serving are known to be good, a reading becomes its set's :class:`ReferenceBaseline` (kept per set and per
+version of the set's prompts, in ``STATE_DIR/reference_baseline.json``). The same prompts through the same
+routers route the same way: a reading that departs from its baseline by more than a tolerance (Jensen-Shannon
+divergence, bits) says that the model changed, whatever the traffic did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mla_watch.baselines import write_json
+from mla_watch.retune.score import ModelScore
+from mla_watch.routing import RoutingStats, compute_stats
+from mla_watch.statedir import set_aside
+from mla_watch.windows import RouterInfo
+
+__all__ = ["BASELINE_FILE", "REFERENCE_BASELINE_FORMAT", "ReferenceBaseline", "ReferenceBaselines",
+           "ReferenceReading", "RouterComparison", "compare"]
+
+log = logging.getLogger("mla_watch.cause")
+
+BASELINE_FILE = "reference_baseline.json"
+REFERENCE_BASELINE_FORMAT = "mla_watch.reference_baseline/1"
+_MAX_FILE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ReferenceReading:
+    """One set of reference prompts read once through the routers serving at ``taken_at``."""
+
+    set_name: str
+    set_version: int
+    digest: str  # the set's prompts and version (ReferenceSet.digest)
+    taken_at: float  # wall clock, when the reading ended
+    router_version: int | None  # the router version serving (None: not known here)
+    score: ModelScore  # every router's statistics (business line: the set's name) and each prompt's loss
+    seconds: float = 0.0  # how long the reading took
+
+    @property
+    def tokens(self) -> int:
+        return self.score.tokens
+
+    def counts(self, router: str) -> tuple[np.ndarray, int] | None:
+        """``router``'s selection counts over the reading and the tokens they were made over."""
+        record = self.score.routers.get(router)
+        if record is None or record.counts is None:
+            return None
+        return np.asarray(record.counts, dtype=np.int64), int(record.stats.tokens)
+
+    def summary(self) -> dict[str, Any]:
+        return {"set": self.set_name, "set_version": self.set_version, "digest": self.digest,
+                "taken_at": self.taken_at, "router_version": self.router_version, "tokens": self.tokens,
+                "prompts": len(self.score.losses), "seconds": round(self.seconds, 3),
+                "perplexity": None if not math.isfinite(self.score.perplexity) else round(self.score.perplexity, 4)}
+
+
+@dataclass(frozen=True)
+class ReferenceBaseline:
+    """A set's reading while the routers serving were known to be good: what its readings are compared with."""
+
+    set_name: str
+    digest: str
+    router_version: int | None
+    taken_at: float
+    counts: Mapping[str, np.ndarray]  # router -> int64 counts
+    tokens: Mapping[str, int]
+    perplexity: float
+
+    @classmethod
+    def of(cls, reading: ReferenceReading) -> ReferenceBaseline:
+        counts, tokens = {}, {}
+        for name in reading.score.routers:
+            found = reading.counts(name)
+            if found is not None:
+                counts[name], tokens[name] = found
+        return cls(reading.set_name, reading.digest, reading.router_version, reading.taken_at, counts, tokens,
+                   reading.score.perplexity)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"set": self.set_name, "digest": self.digest, "router_version": self.router_version,
+                "taken_at": self.taken_at, "perplexity": self.perplexity if math.isfinite(self.perplexity) else None,
+                "routers": {name: {"counts": counts.tolist(), "tokens": self.tokens[name]}
+                            for name, counts in self.counts.items()}}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> ReferenceBaseline:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected an object with set, digest, router_version, taken_at, routers")
+        set_name, digest, routers = data.get("set"), data.get("digest"), data.get("routers")
+        if not isinstance(set_name, str) or not isinstance(digest, str) or not isinstance(routers, dict):
+            raise ValueError(f"{where}: expected set and digest (strings) and routers (an object)")
+        version, taken_at = data.get("router_version"), data.get("taken_at")
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            raise ValueError(f"{where}.router_version: expected an integer or null")
+        if isinstance(taken_at, bool) or not isinstance(taken_at, int | float):
+            raise ValueError(f"{where}.taken_at: expected a time (seconds since the epoch)")
+        counts, tokens = {}, {}
+        for name, entry in routers.items():
+            values = entry.get("counts") if isinstance(entry, dict) else None
+            n = entry.get("tokens") if isinstance(entry, dict) else None
+            if (not isinstance(values, list) or not values or len(values) > 1_000_000
+                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
+                    or isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                raise ValueError(f"{where}.routers[{name!r}]: expected counts (integers >= 0) and tokens")
+            counts[str(name)], tokens[str(name)] = np.asarray(values, dtype=np.int64), n
+        perplexity = data.get("perplexity")
+        return cls(set_name, digest, version, float(taken_at), counts, tokens,
+                   float(perplexity) if isinstance(perplexity, int | float) and not isinstance(perplexity, bool)
+                   else math.nan)
+
+
+class ReferenceBaselines:
+    """The healthy baseline of each reference set, kept in ``path`` (``None``: in memory only)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._baselines: dict[str, ReferenceBaseline] = {}  # set name -> baseline (of its current digest)
+        self.load_error: str | None = None
+        self._load()
+
+    def get(self, set_name: str, digest: str) -> ReferenceBaseline | None:
+        baseline = self._baselines.get(set_name)
+        return baseline if baseline is not None and baseline.digest == digest else None
+
+    def put(self, baseline: ReferenceBaseline) -> None:
+        with self._lock:
+            self._baselines[baseline.set_name] = baseline
+            document = {"format": REFERENCE_BASELINE_FORMAT,
+                        "sets": [b.to_json() for b in self._baselines.values()]}
+        if self.path is not None:
+            write_json(self.path, document)
+        log.info("reference prompts %s: healthy baseline learned on router version %s", baseline.set_name,
+                 baseline.router_version)
+
+    def all(self) -> list[ReferenceBaseline]:
+        return list(self._baselines.values())
+
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            if self.path.stat().st_size > _MAX_FILE_BYTES:
+                raise ValueError(f"larger than {_MAX_FILE_BYTES} bytes")
+            document = json.loads(self.path.read_text())
+            if not isinstance(document, dict) or document.get("format") != REFERENCE_BASELINE_FORMAT:
+                raise ValueError(f"format: expected {REFERENCE_BASELINE_FORMAT!r}")
+            sets = document.get("sets")
+            if not isinstance(sets, list):
+                raise ValueError("sets: expected a list")
+            loaded = [ReferenceBaseline.from_json(entry, f"sets[{index}]") for index, entry in enumerate(sets)]
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as error:
+            self.load_error = f"{self.path}: {error}"
+            try:
+                aside = set_aside(self.path)
+                log.error("the reference baselines are not used (%s); kept the file as %s", error, aside)
+            except OSError:
+                log.error("the reference baselines are not used (%s); kept in memory only from now on", error)
+                self.path = None
+            return
+        self._baselines = {baseline.set_name: baseline for baseline in loaded}
+
+
+@dataclass(frozen=True)
+class RouterComparison:
+    """One router's routing over the reference prompts against its healthy baseline (sets combined)."""
+
+    router: str
+    stats: RoutingStats  # over the reading; its js_divergence is from the baseline, where there is one
+    baseline: RoutingStats | None  # over the baseline
+    sets: tuple[str, ...]
+
+    def changed(self, tolerance_bits: float) -> bool | None:
+        """Whether the routing departed from the baseline by more than ``tolerance_bits`` (``None``: no baseline)."""
+        js = self.stats.js_divergence
+        return None if self.baseline is None or js is None else js > tolerance_bits
+
+
+def compare(info: RouterInfo, readings: Sequence[ReferenceReading],
+            baselines: Iterable[ReferenceBaseline | None]) -> RouterComparison | None:
+    """``info``'s routing over ``readings`` (summed) against their baselines (summed, only when every reading has
+    one); ``None`` when no reading holds that router."""
+    total, tokens = None, 0
+    for reading in readings:
+        found = reading.counts(info.name)
+        if found is None:
+            continue
+        total = found[0] if total is None else total + found[0]
+        tokens += found[1]
+    if total is None:
+        return None
+    healthy, healthy_tokens, complete = None, 0, True
+    for baseline in baselines:
+        counts = None if baseline is None else baseline.counts.get(info.name)
+        if counts is None or counts.shape != total.shape:
+            complete = False
+            break
+        healthy = counts if healthy is None else healthy + counts
+        healthy_tokens += baseline.tokens[info.name]  # type: ignore[union-attr]
+    if not complete or healthy is None:
+        healthy = None
+    distinct = not info.hash_routed
+    stats = compute_stats(total, kind=info.kind, top_k=info.top_k, tokens=tokens, baseline=healthy,
+                          distinct_picks=distinct)
+    base = None if healthy is None else compute_stats(healthy, kind=info.kind, top_k=info.top_k,
+                                                      tokens=healthy_tokens, distinct_picks=distinct)
+    return RouterComparison(info.name, stats, base, tuple(reading.set_name for reading in readings))

@@ -1,0 +1,175 @@
+"""The reference prompts as ``serve`` runs them: the sets in force, the prober reading them through the model
+served here or the engine beside, and what their readings feed (the alert engine's causes, the metrics, the
+routing history under the line ``reference:<set>``).
+
+:class:`References` is built with the sidecar (the sets are validated at start-up like policies) and starts its
+prober once a reader exists: after the model loaded, or at once beside vLLM / SGLang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from mla_watch.alerting.causes import Cause, undetermined
+from mla_watch.cause.clients import ClientShares
+from mla_watch.cause.gate import ReferenceGate
+from mla_watch.cause.prober import ReferenceProber
+from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
+from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
+from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
+from mla_watch.config import DirectoryStore
+from mla_watch.windows import RouterStats
+
+if TYPE_CHECKING:
+    from mla_watch.alerting.service import AlertService
+    from mla_watch.history.store import HistoryStore
+    from mla_watch.retune.service import RetuneService
+    from mla_watch.server.config import ServerConfig
+
+__all__ = ["REFERENCE_LINE_PREFIX", "References"]
+
+log = logging.getLogger("mla_watch.server")
+
+REFERENCE_LINE_PREFIX = "reference:"  # the history's line of a set's readings: no business line has a ':'
+
+
+class References:
+    """The reference prompts, their baselines and their prober (once started); the alert engine's cause judge
+    (:class:`~mla_watch.alerting.causes.CauseJudge`): the prober's answers once it runs, ``undetermined`` (and
+    why) before, or where none can run."""
+
+    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
+                 history: Callable[[], HistoryStore | None]) -> None:
+        self.config = config
+        self.clients = clients
+        self.alerts = alerts
+        self._history = history
+        self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(config.reference_prompts, load_reference_dir,
+                                                                  what="reference prompts")  # ReferenceError
+        self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE)
+        self.gate = ReferenceGate(lambda: self.sets.current, self.baselines)  # what every re-tune candidate meets
+        self.prober: ReferenceProber | None = None
+        self._engine_reader: EngineReader | None = None
+        self.unavailable: str | None = "the reference prompts are read once the model is loaded"
+
+    # ------------------------------------------------------------------ starting
+    def start_local(self, model: Any, tokenizer: Any, model_lock: Any, retune: RetuneService | None) -> None:
+        """Read them through the model served here; healthy while its router version is known good."""
+        def trusted(reading: ReferenceReading) -> str | None:
+            return _not_known_good(retune)
+
+        self._start(ModelReader(model, tokenizer, model_lock), retune, trusted)
+
+    def engine_reader(self, geometry: Any) -> EngineReader | None:
+        """The reader of the engine beside (vLLM or SGLang), made once: the prober and engine re-tune gates share its
+        pace; ``None`` beside another engine."""
+        config = self.config
+        if config.engine not in ("vllm", "sglang"):
+            return None
+        if self._engine_reader is None:
+            timeout = max(config.request_timeout, 60.0)
+            key = os.environ.get("MLA_WATCH_ENGINE_API_KEY")
+            if config.engine == "vllm":
+                from mla_watch.engines.weights import VllmWeights
+
+                weights: Any = VllmWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
+                                           geometry=geometry, api_key=key)
+            else:
+                from mla_watch.engines.sglang_weights import SglangWeights
+
+                weights = SglangWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
+                                        geometry=geometry, api_key=key)
+            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate)
+        return self._engine_reader
+
+    def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
+        """Read them through vLLM or SGLang beside; healthy while no threshold rule breaches on them (no start-up
+        check of the engine's routers runs otherwise) and, with engine re-tuning, the router version is good."""
+        reader = self.engine_reader(geometry)
+        if reader is None:
+            self.unavailable = (f"the reference prompts are read through vLLM or SGLang (--engine vllm|sglang), not "
+                                f"{self.config.engine}: the cause of a routing alert cannot be told")
+            log.warning(self.unavailable)
+            return
+        alerts = self.alerts
+
+        def trusted(reading: ReferenceReading) -> str | None:
+            from mla_watch.retune.health import judge_health
+
+            health = judge_health(reading.score, alerts.rules.rules if alerts is not None else [])
+            if health.get("checked") and not health.get("passed"):
+                return f"the engine's routers breach the alert rules on them: {health.get('reason')}"
+            return _not_known_good(retune) if retune is not None else None
+
+        self._start(reader, retune, trusted)
+
+    def _start(self, reader: ReferenceReader, retune: RetuneService | None,
+               trusted: Callable[[ReferenceReading], str | None]) -> None:
+        def version() -> int | None:
+            return None if retune is None else retune.registry.live_version()
+
+        self.prober = ReferenceProber(lambda: self.sets.current, reader, self.baselines,
+                                      settings=self.config.reference, router_version=version, trusted=trusted,
+                                      clients=self.clients, on_reading=self._recorded)
+        self.unavailable = None
+        self.prober.start()
+        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending",
+                 len(self.sets.current.sets), reader.where, self.config.reference.interval_seconds)
+
+    # ------------------------------------------------------------------ the cause judge
+    @property
+    def wait_seconds(self) -> float:
+        return self.config.reference.wait_seconds
+
+    def request(self, business_line: str | None, since: float) -> None:
+        if self.prober is not None:
+            self.prober.request(business_line, since)
+
+    def latest(self, business_line: str | None) -> float | None:
+        return None if self.prober is None else self.prober.latest(business_line)
+
+    def judge(self, rule: Any, record: RouterStats, since: float) -> Cause | None:
+        if self.prober is None:
+            return undetermined(self.unavailable or "no reference prompts are read here")
+        return self.prober.judge(rule, record, since)
+
+    def stop(self) -> None:
+        if self.prober is not None:
+            self.prober.stop()
+
+    # ------------------------------------------------------------------ what readings feed
+    def _recorded(self, reading: ReferenceReading) -> None:
+        """A reading into the routing history, apart from live traffic (its line: ``reference:<set>``)."""
+        history = self._history()
+        if history is None:
+            return
+        baseline = self.baselines.get(reading.set_name, reading.digest)
+        records = []
+        for record in reading.score.routers.values():
+            comparison = compare(record.router, [reading], [baseline])
+            if comparison is not None:
+                records.append(RouterStats(record.router, REFERENCE_LINE_PREFIX + reading.set_name, comparison.stats,
+                                           record.counts))
+        history.record(records)
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /v1/reference``: the sets, their latest readings and baselines, and how each router compares."""
+        if self.prober is None:
+            return {"available": False, "why": self.unavailable, "sets": self.sets.current.as_dict()}
+        return {"available": True, **self.prober.describe()}
+
+
+def _not_known_good(retune: RetuneService | None) -> str | None:
+    """Why the router version serving is not known good (``None``: it is)."""
+    if retune is None:
+        return "no router version is recorded here"
+    registry = retune.registry
+    live = registry.live_version()
+    if live is None:
+        return "no router version is recorded yet"
+    if registry.is_good(live):
+        return None
+    return f"router version {live}, served now, is not known to be good"
