@@ -84,10 +84,11 @@ def test_shipped_rules_load_with_the_oncall_url():
 
 def test_shipped_rules_without_the_oncall_url_warn_and_disable_the_receiver():
     rules = load_rules_dir(SHIPPED_RULES, environ={})
-    assert rules.receivers["oncall"].url is None
-    assert len(rules.warnings) == 1
+    assert rules.receivers["oncall"].url is None and rules.receivers["line_owners"].url is None
+    assert len(rules.warnings) == 2
     assert ("receiver 'oncall': MLA_WATCH_ONCALL_URL is unset; alerts are evaluated, exported and logged but not sent"
             in rules.warnings[0])
+    assert "receiver 'line_owners': MLA_WATCH_LINE_OWNERS_URL is unset" in rules.warnings[1]
 
 
 def test_every_shipped_rule_has_summary_description_and_runbook():

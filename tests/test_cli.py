@@ -18,12 +18,14 @@ pytestmark = pytest.mark.slow
 
 def test_check_lints_the_shipped_rules_against_the_bundled_model(capsys, monkeypatch) -> None:
     monkeypatch.delenv("MLA_WATCH_ONCALL_URL", raising=False)
+    monkeypatch.delenv("MLA_WATCH_LINE_OWNERS_URL", raising=False)
     assert main(["check"]) == 0
     out = capsys.readouterr().out
     assert "MLA_WATCH_ONCALL_URL is unset" in out  # says that no receiver is configured
+    assert "MLA_WATCH_LINE_OWNERS_URL is unset" in out
     # the seed's 6.5 bits cannot fire on these routers: said once, as expected, not warned of per router
     assert "can never fire on any of the 3 routers it selects" in out and "Expected: the seed's threshold" in out
-    assert "needs --capture" not in out and "0 error(s), 1 warning(s)" in out  # the warning: no receiver URL
+    assert "needs --capture" not in out and "0 error(s), 2 warning(s)" in out  # the warnings: no receiver URL
     assert "ok: policy code_assistant" in out and "0 error(s)" in out
     for strategy in ("bias", "router_finetune", "restore"):  # the bundled model supports every strategy
         assert f"ok: re-tune strategy {strategy} is supported" in out

@@ -218,3 +218,38 @@ def test_a_line_cut_short_by_a_crash_is_skipped_and_spoils_nothing_after_it(
     v2 = registry.save(perturbed(model, 2), {"gates": {"passed": True}})
     registry.promote(model, v2)
     assert registry.live_version() == v2 and registry.last_good() == v2
+
+
+def test_a_candidate_identical_to_a_saved_version_is_not_written_again(model: torch.nn.Module, tmp_path: Path) -> None:
+    registry = RouterVersions(tmp_path / "routers")
+    registry.record_initial(model)
+    tensors = perturbed(model, 3)
+    assert registry.save(tensors, {"job": "a", "gates": {"passed": False}}) == 1
+    assert registry.save({name: tensor.clone() for name, tensor in tensors.items()},
+                         {"job": "b", "gates": {"passed": False}}) == 1
+    assert registry.version_numbers() == [0, 1] and registry.manifest(1)["candidate_of"] == ["b"]
+    assert registry.save(perturbed(model, 4), {"job": "c", "gates": {"passed": False}}) == 2
+
+
+def test_versions_past_the_retention_policy_go_oldest_first_but_never_what_is_needed(model: torch.nn.Module,
+                                                                                     tmp_path: Path) -> None:
+    from mla_watch.retune.jobs import RetentionPolicy
+
+    registry = RouterVersions(tmp_path / "routers", RetentionPolicy(max_versions=4))
+    registry.record_initial(model)
+    good = registry.save(perturbed(model, 10), {"gates": {"passed": True}})  # 1: promoted, on the stack
+    registry.promote(model, good)
+    proposal = registry.save(perturbed(model, 11), {"gates": {"passed": False, "decision": "pending"}})  # 2
+    for seed in range(12, 18):  # 3..8: rejected candidates
+        registry.save(perturbed(model, seed), {"gates": {"passed": False, "decision": "reject"}})
+    kept = registry.version_numbers()
+    assert {0, good, proposal} <= set(kept) and len(kept) == 4 and kept[-1] == 8
+    assert registry.live_version() == good and registry.rollback(model) == 0  # the stack is whole
+
+    small = RouterVersions(tmp_path / "small", RetentionPolicy(max_versions=100, max_bytes=1024))
+    small.record_initial(model)
+    for seed in range(20, 24):
+        small.save(perturbed(model, seed), {"gates": {"passed": False}})
+    assert small.version_numbers() == [0, 4]  # the newest is kept whatever its size; the rest went for bytes
+    with pytest.raises(ValueError, match="max_versions = 1: expected an integer >= 2"):
+        RetentionPolicy(max_versions=1)

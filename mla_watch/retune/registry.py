@@ -253,11 +253,11 @@ class RouterVersions:
     def prune(self) -> list[int]:
         """Delete the oldest versions nothing needs while more than the retention policy's versions or bytes are
         kept; the versions deleted. Kept always: version 0, every version on the promotion stack or in a snapshot
-        of it, versions marked good, the newest good version, and proposals no job decided yet."""
+        of it, versions marked good, the newest good version, the newest version, and proposals no job decided yet."""
         with self._lock:
             numbers = self._version_numbers()
             sizes = {number: _dir_bytes(self._dir(number)) for number in numbers}
-            kept = {0, *self._stack(), *self.marked_good()}
+            kept = {0, *self._stack(), *self.marked_good(), *numbers[-1:]}  # the newest: a job is judging it
             good = [number for number in numbers if self._good(number)]
             if good:
                 kept.add(good[-1])

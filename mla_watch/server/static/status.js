@@ -719,6 +719,13 @@ function isFocusedAlert(alert) {
     && alert.labels.router === focus.router && (alert.labels.business_line || "all") === view.line);
 }
 
+// What an alert's cause says: the model changed, the traffic did, or neither can be told (yet: while pending).
+function causeText(alert) {
+  const cause = (alert.labels || {}).cause;
+  if (!cause) return alert.state === "pending" ? "reading…" : "–";
+  return { model: "model", traffic: "traffic", undetermined: "undetermined" }[cause] || cause;
+}
+
 function renderAlerts(alerts) {
   const order = { firing: 0, pending: 1, resolved: 2 };
   const shown = [...alerts].sort((a, b) => (order[a.state] ?? 3) - (order[b.state] ?? 3) ||
@@ -728,14 +735,18 @@ function renderAlerts(alerts) {
     return;
   }
   const extra = (labels) => Object.entries(labels)
-    .filter(([key]) => !["alertname", "severity", "router", "layer", "business_line", "kind"].includes(key))
+    .filter(([key]) => !["alertname", "severity", "router", "layer", "business_line", "kind", "cause"].includes(key))
     .map(([key, value]) => `${key}=${value}`).join(" ");
   $("alerts-body").replaceChildren(table(
-    ["state", "alert", "severity", "router", "layer", "business line", "metric", "value", "since", "summary", "links"],
+    ["state", "cause", "alert", "severity", "router", "layer", "business line", "metric", "value", "since", "summary",
+     "links"],
     shown.map((a) => el("tr", { class: isFocusedAlert(a) ? "focus" : null,
                                 dataset: { alertname: a.labels.alertname, state: a.state, router: a.labels.router || "",
-                                           line: a.labels.business_line || "", metric: alertMetric(a) || "" } },
+                                           line: a.labels.business_line || "", metric: alertMetric(a) || "",
+                                           cause: a.labels.cause || "" } },
       el("td", {}, el("span", { class: `state ${a.state}` }, a.state)),
+      el("td", { title: a.annotations.cause || "" },
+         el("span", { class: `cause ${a.labels.cause || "pending"}` }, causeText(a))),
       el("td", {}, a.labels.alertname, el("div", { class: "muted" }, extra(a.labels))),
       el("td", {}, a.labels.severity),
       el("td", {}, a.labels.router),
@@ -839,5 +850,5 @@ if (typeof window !== "undefined") {
 } else if (typeof module !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
-                     normalizedBand, metricColour, rampPosition, routingUrl, historyNote, METRICS };
+                     normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS };
 }
