@@ -251,7 +251,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="Jensen-Shannon divergence of the reference routing from its healthy baseline beyond which "
                             "the model changed (default %(default)s)")
     cause.add_argument("--reference-rate", type=positive_float, default=ReferenceSettings.rate, metavar="PER_SECOND",
-                       help="beside an engine: reference requests a second at most (default %(default)s)")
+                       help="beside an engine: reference prompts sent a second at most (default %(default)s)")
     cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
                        help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "
                             "(the body's user field), api-key (a hash of the bearer key, never the key), remote "

@@ -128,6 +128,9 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
              for job in jobs(url)]
         until_resolved(url, 24)
         assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
+        (page, *_) = [alert for alert in pages(receiver) if alert["labels"].get("router") == ROUTER]
+        assert page["labels"]["cause"] == "model"  # the engine's reference prompts read the collapse too
+        assert page["annotations"]["summary"].startswith("MODEL CHANGED")
 
         (promoted,) = [job for job in jobs(url) if job["status"] == "promoted"]
         assert promoted["spec"]["trigger"]["value"] < BELOW  # the collapsed router, as the page read it
@@ -135,6 +138,7 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
         checks = {check["gate"]: check for check in attempt["gates"]["checks"]}
         assert attempt["strategy"] == "restore" and checks["band"]["decision"] == "pass"
         assert checks["reference_health"]["decision"] == "pass"  # the engine routed the restored router in band
+        assert checks["reference_band"]["decision"] == "pass"  # and its reference prompts, through the engine
         assert attempt["swap"]["paused_seconds"] > 0 and attempt["live_seconds"] >= 0
         print(f"\nswap: paused {attempt['swap']['paused_seconds']:.3f} s, candidate live "
               f"{attempt['live_seconds']:.3f} s before its gate decided; trigger to promoted "
@@ -173,15 +177,49 @@ def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_
         assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
 
 
+def collapsed_otherwise(collapsed: Path, directory: Path) -> Path:
+    """The collapsed checkpoint with layer 2's gate rows all alike but not zero: other tensors, the same collapse
+    (every token's scores tie), so that restoring it is a candidate - and a bad one."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = directory / "collapsed-otherwise"
+    shutil.copytree(collapsed, target)
+    for file in target.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        name = f"{ROUTER}.weight"
+        if name in tensors:
+            tensors[name] = torch.full_like(tensors[name], 0.5)
+            save_file(tensors, str(file), metadata={"format": "pt"})
+    return target
+
+
+def test_restoring_the_routers_already_serving_is_no_candidate(collapsed_vllm, checkpoints, tmp_path) -> None:
+    """The reference handed to restore is the collapsed checkpoint itself: nothing is swapped or written."""
+    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "same", "apply",
+                                                 receiver.url, reference=checkpoints[0]) as url:
+        send(url, 0, 24)
+        assert wait_until(lambda: any((job["result"] or {}).get("attempts") for job in jobs(url)), timeout=240,
+                          interval=1), jobs(url)
+        job = next(job for job in jobs(url) if (job["result"] or {}).get("attempts"))
+        (attempt,) = job["result"]["attempts"]
+        assert attempt["outcome"] == "unchanged" and "nothing to restore" in attempt["reason"], attempt
+        versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
+        assert versions["live"] == 0 and [v["version"] for v in versions["versions"]] == [0]
+
+
 def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as_before(
         collapsed_vllm, checkpoints, tmp_path) -> None:
-    """The reference handed to restore is the collapsed checkpoint itself: the band gate rejects it through
-    the engine, and the engine is left exactly as it served."""
+    """The reference handed to restore collapses layer 2 too (other tensors, the same ties): the band gate rejects
+    it through the engine, and the engine is left exactly as it served."""
     prompts = [[1, *range(40 + i, 60 + i)] for i in range(4)]
     engine = VllmWeights(collapsed_vllm)
     before = [score.loss for score in engine.score(prompts)]
+    worse = collapsed_otherwise(checkpoints[0], tmp_path)
     with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "worse", "apply",
-                                                 receiver.url, reference=checkpoints[0]) as url:
+                                                 receiver.url, reference=worse) as url:
         send(url, 0, 24)
         assert wait_until(lambda: any(job["status"] == "waiting" and (job["result"] or {}).get("attempts")
                                       for job in jobs(url)), timeout=240, interval=1), jobs(url)

@@ -51,13 +51,13 @@ class ReferenceSettings:
     interval_seconds: float = 300.0  # every set read this often (0: at start, then only on demand)
     wait_seconds: float = 120.0  # an alert due to fire waits this long past its `for` for the reading it asked for
     tolerance_bits: float = DEFAULT_TOLERANCE_BITS  # JS from the set's baseline beyond which the model changed
-    rate: float = 4.0  # requests a second to an engine beside the sidecar
+    rate: float = 16.0  # reference prompts a second, at most, to an engine beside the sidecar
 
     def problems(self) -> list[str]:
         checks = [("--reference-interval", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
                   ("--reference-wait", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
                   ("--reference-tolerance", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
-                  ("--reference-rate", self.rate, self.rate > 0, "requests a second > 0")]
+                  ("--reference-rate", self.rate, self.rate > 0, "prompts a second > 0")]
         return [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
                 if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
                         and ok)]

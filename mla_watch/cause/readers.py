@@ -7,8 +7,8 @@ prompts through the routers serving now, scored (each prompt's loss) and routed 
   model lock between two forward passes, reads the prompts in batches outside the request path; live windows
   never see them.
 * :class:`EngineReader` (vLLM or SGLang beside): each prompt is one request to the engine (``prompt_logprobs``
-  / ``return_logprob`` and ``max_tokens`` 1: one prefill, with the routing it chose), at most ``rate``
-  requests a second; the prompts are tokenized once per set by the engine's own ``/tokenize``.
+  / ``return_logprob`` and ``max_tokens`` 1: one prefill, with the routing it chose), started at most ``rate``
+  a second, a few at a time; the prompts are tokenized once per set by the engine's own ``/tokenize``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import abc
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mla_watch.cause.prompts import ReferenceSet
@@ -83,15 +84,17 @@ class ModelReader(ReferenceReader):
 
 class EngineReader(ReferenceReader):
     """Reference prompts through the engine beside the sidecar (:class:`~mla_watch.engines.swap.EngineWeights`),
-    paced at ``rate`` requests a second at most: the engine serves clients first."""
+    started at ``rate`` prompts a second at most, ``concurrency`` at a time (the engine batches them): it serves
+    clients first."""
 
-    def __init__(self, weights: Any, geometry: Any, *, rate: float, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, weights: Any, geometry: Any, *, rate: float, concurrency: int = 4,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         if not rate > 0:
             raise ValueError(f"rate = {rate!r}: expected requests a second > 0")
         self.weights = weights
         self.geometry = geometry
         self.rate = float(rate)
+        self.concurrency = concurrency
         self.where = f"the {weights.name} engine at {getattr(weights, 'base_url', '?')}"
         self._clock = clock
         self._sleep = sleep
@@ -108,13 +111,19 @@ class EngineReader(ReferenceReader):
         self._next = max(now, self._next) + 1.0 / self.rate
         self.requests += 1
 
+    def _paced(self, call: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        """``call`` of each item, started at the pace, ``concurrency`` at a time; the results in order."""
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mla-watch-reference") as pool:
+            futures = []
+            for item in items:
+                self._pace()
+                futures.append(pool.submit(call, item))
+            return [future.result() for future in futures]
+
     def token_ids(self, reference: ReferenceSet) -> list[list[int]]:
         ids = self._ids.get(reference.digest)
         if ids is None:
-            ids = []
-            for text in reference.prompts:
-                self._pace()
-                ids.append(self.weights.tokenize(text)[:MAX_PROMPT_TOKENS])
+            ids = [tokens[:MAX_PROMPT_TOKENS] for tokens in self._paced(self.weights.tokenize, list(reference.prompts))]
             self._ids[reference.digest] = ids
         return ids
 
@@ -122,9 +131,8 @@ class EngineReader(ReferenceReader):
         from mla_watch.retune.score import engine_score
 
         with self._lock:  # one reading at a time: the pace is the engine's, not one thread's
-            scores = []
-            for ids in self.token_ids(reference):
-                self._pace()
-                scores.extend(self.weights.score([ids]))
-                self.tokens += len(ids)
+            ids = self.token_ids(reference)
+            scores = [score for scored in self._paced(lambda sample: self.weights.score([sample]), ids)
+                      for score in scored]
+            self.tokens += sum(len(sample) for sample in ids)
             return engine_score(scores, self.geometry)
