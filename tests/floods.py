@@ -188,7 +188,7 @@ def flood_scenario(flood: Flood, *, requests: int = 60, settle: float = 20.0) ->
         return _collect(url, sidecar, receiver, outcome, started)
 
 
-def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, requests: int = 400) -> Outcome:
+def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, requests: int = 800) -> Outcome:
     """A healthy warm-up, then ``bias`` added in place to ``experts`` of ``router``'s correction bias while healthy
     traffic goes on, until a re-tune job has ended and no alert on that router fires (or ``requests`` more)."""
     started = time.monotonic()

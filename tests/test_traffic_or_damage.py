@@ -47,5 +47,6 @@ def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repair
     (attempt,) = [a for a in promoted[0]["result"]["attempts"] if a.get("outcome") == "promoted"]
     gates = {check["gate"]: check["decision"] for check in attempt["gates"]["checks"]}
     assert gates["reference_band"] == gates["reference_drift"] == gates["reference_perplexity"] == "pass", gates
-    assert not any(alert["state"] == "firing" and alert["labels"].get("router") == router
-                   for alert in outcome.alerts)  # resolved after the repair
+    still = [(alert["labels"]["alertname"], alert["labels"]["business_line"]) for alert in outcome.alerts
+             if alert["state"] == "firing" and alert["labels"].get("router") == router]
+    assert still == [], still  # resolved after the repair
