@@ -5,6 +5,10 @@ SGLang's field). Parsing and counting that in a thread would still hold the GIL,
 event loop, for milliseconds. A large body goes to the worker as a file in a private directory
 (tmpfs where there is one): one write, instead of a pipe's many 64 KB writes, each of which
 makes the writing thread take the GIL back from the event loop.
+
+The processes follow the load: none is started before there is something to decode; another is
+started while every one is busy, up to ``workers``; all of them stop once none has had work for
+``idle_seconds``, and the next answer starts one again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -29,21 +34,36 @@ __all__ = ["FILE_HANDOFF_BYTES", "DecoderDied", "RoutingDecoder"]
 log = logging.getLogger("mla_watch.engines")
 
 FILE_HANDOFF_BYTES = 256 << 10  # bodies at least this large go to a worker process as a file
+IDLE_SECONDS = 60.0  # a pool with no work for this long stops its processes
 
 
 class RoutingDecoder:
-    """Runs :func:`decode_response`, :func:`count_response` and :func:`decode_chunk` in ``workers`` processes
-    (0: one thread)."""
+    """Runs :func:`decode_response`, :func:`count_response` and :func:`decode_chunk` in up to ``workers``
+    processes (0: one thread), started when there is work and stopped after ``idle_seconds`` without any."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, *, idle_seconds: float = IDLE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 0:
             raise ValueError(f"--decode-workers {workers}: expected an integer >= 0")
         self.workers = workers
+        self.idle_seconds = idle_seconds
+        self._clock = clock
         self._executor: Executor | None = None
         self._handoff: Path | None = None
         self._names = itertools.count()
+        self.submitted = 0  # calls handed to the pool since it was made: what left the event loop's process
+        self._busy = 0
+        self._idle_since = clock()
+        self._idle_check: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the pool is up (processes, or the thread, may be running)."""
+        return self._executor is not None
 
     def start(self) -> None:
+        """Make the pool; its processes start as work arrives (``ProcessPoolExecutor`` spawns one whenever none
+        is idle, up to ``workers``)."""
         if self._executor is not None:
             return
         if self.workers == 0:
@@ -55,10 +75,20 @@ class RoutingDecoder:
                                                   dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
         # spawn: the server has threads running; a forked child would inherit their locks mid-flight.
         self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-        for _ in range(self.workers):  # start the workers now, not on the first response
-            self._executor.submit(os.getpid)
+
+    def retire_idle(self) -> bool:
+        """Stop the pool's processes if none has had work for ``idle_seconds``; whether they were stopped."""
+        if self._executor is None or self._busy or self._clock() - self._idle_since < self.idle_seconds:
+            return False
+        log.debug("routing decoder idle for %g s: stopping its processes", self.idle_seconds)
+        self._executor.shutdown(wait=False)
+        self._executor = None
+        return True
 
     def close(self) -> None:
+        if self._idle_check is not None:
+            self._idle_check[1].cancel()
+            self._idle_check = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -96,12 +126,11 @@ class RoutingDecoder:
         return await self._run(function, data, *args, died=_raise_died)
 
     async def worker_pids(self) -> list[int]:
-        """The decoding processes (empty with ``workers=0``)."""
+        """The decoding processes running, one started if none was (empty with ``workers=0``)."""
         if self.workers == 0:
             return []
-        self.start()
-        loop = asyncio.get_running_loop()
-        return sorted({await loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)})
+        await self._run(os.getpid)
+        return sorted(self._executor._processes)  # type: ignore[union-attr]  # the pool's own record of them
 
     async def _via_file(self, body: bytes, function, plan: RoutingPlan, *args) -> Decoded:  # type: ignore[no-untyped-def]
         self.start()
@@ -119,21 +148,43 @@ class RoutingDecoder:
         if self._executor is None:
             self.start()
         loop = asyncio.get_running_loop()
+        self._busy += 1
         try:
-            future = loop.run_in_executor(self._executor, function, *args)
-        except BrokenProcessPool:  # broken before this answer reached it: not the answer's doing
-            self._restart()
-            future = loop.run_in_executor(self._executor, function, *args)
-        try:
-            return await future
-        except BrokenProcessPool:
-            log.warning("a routing decoder process died while decoding an engine answer; starting new ones, "
-                        "and that answer's routing is not counted")
-            self._restart()
-            if died is not None:
-                return died()
-            return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or out "
-                                                            "of memory); its routing is not counted"))
+            try:
+                future = loop.run_in_executor(self._executor, function, *args)
+            except BrokenProcessPool:  # broken before this answer reached it: not the answer's doing
+                self._restart()
+                future = loop.run_in_executor(self._executor, function, *args)
+            self.submitted += 1
+            try:
+                return await future
+            except BrokenProcessPool:
+                log.warning("a routing decoder process died while decoding an engine answer; starting new ones, "
+                            "and that answer's routing is not counted")
+                self._restart()
+                if died is not None:
+                    return died()
+                return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or "
+                                                                "out of memory); its routing is not counted"))
+        finally:
+            self._busy -= 1
+            if not self._busy:
+                self._idle_since = self._clock()
+                self._check_idle_later(loop, self.idle_seconds)
+
+    def _check_idle_later(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        """One pending check at a time, on the running loop (a check left on a closed loop never runs)."""
+        if self._idle_check is not None and self._idle_check[0] is loop:
+            return
+        self._idle_check = (loop, loop.call_later(delay, self._idle_check_due))
+
+    def _idle_check_due(self) -> None:
+        loop, _ = self._idle_check  # type: ignore[misc]
+        self._idle_check = None
+        if self._executor is None or self._busy:  # a pool at work checks again when it is idle
+            return
+        if not self.retire_idle():
+            self._check_idle_later(loop, max(0.0, self.idle_seconds - (self._clock() - self._idle_since)))
 
     def _restart(self) -> None:
         if self._executor is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from mla_watch.engines.formats import (
     SGLANG_START_FIELD,
     STRIP_ON_LOOP_BYTES,
     RoutingPlan,
+    add_extra,
     strip_chunk,
     strip_response,
 )
@@ -50,7 +50,13 @@ from mla_watch.engines.replay import (
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
-from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, EventLines, UnsupportedEncoding
+from mla_watch.server.upstream_io import (
+    AnswerTooLarge,
+    BoundedInflater,
+    EventLines,
+    UnsupportedEncoding,
+    by_deadline,
+)
 
 __all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]
 
@@ -130,6 +136,12 @@ class Upstream:
                                                              headers=headers)
         if status != 200:
             return _relayed_error(self.url, status, content_type, content)
+        if plan.engine == "none" and len(content) < STRIP_ON_LOOP_BYTES:
+            # No routing to read: checked and marked here, in ~0.1 ms; only a long answer goes to a decoding process.
+            marked = add_extra(content, plan.extra)
+            if marked is None:
+                raise _not_openai(self.url, path, content_type, len(content))
+            return Response(marked, media_type="application/json")
         counting = self.counter is not None and plan.engine != "none"
         stripped = strip_response(plan, content)  # the routing's base64 cut out, not decoded: ~0.1 ms
         if stripped is not None:
@@ -178,7 +190,8 @@ class Upstream:
         """Status, content type and decoded body of one request: at most ``limit`` bytes (an error answer at
         most :data:`ERROR_BODY_MAX_BYTES`), all of it within the request timeout."""
         try:
-            return await asyncio.wait_for(self._read(method, path, limit, **kwargs), self.timeout)
+            return await by_deadline(asyncio.get_running_loop().time() + self.timeout,
+                                     self._read(method, path, limit, **kwargs))
         except asyncio.TimeoutError:
             raise ApiError(504, f"{self.url}{path} did not answer in full within {self.timeout:g} s "
                                 "(--request-timeout)", code="upstream_timeout", error_type="server_error") from None
@@ -219,10 +232,10 @@ class Upstream:
     # ------------------------------------------------------------------ streams
     async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,
                       business_line: str, replay: _StreamReplay | None) -> Response:
-        deadline = time.monotonic() + self.timeout
+        deadline = asyncio.get_running_loop().time() + self.timeout
         request = self._client.build_request("POST", path, json=payload, headers=headers)
         try:
-            upstream = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout)
+            upstream = await by_deadline(deadline, self._client.send(request, stream=True))
         except asyncio.TimeoutError:
             raise ApiError(504, f"{self.url}{path} sent no answer within {self.timeout:g} s (--request-timeout)",
                            code="upstream_timeout", error_type="server_error") from None
@@ -232,8 +245,7 @@ class Upstream:
             try:
                 content_type = upstream.headers.get("content-type", "")
                 try:
-                    content = await asyncio.wait_for(self._inflate(upstream, ERROR_BODY_MAX_BYTES),
-                                                     max(0.0, deadline - time.monotonic()))
+                    content = await by_deadline(deadline, self._inflate(upstream, ERROR_BODY_MAX_BYTES))
                 except (AnswerTooLarge, asyncio.TimeoutError, httpx.HTTPError):
                     content = b""
             finally:
@@ -252,10 +264,14 @@ class Upstream:
         event saying which.
         """
         try:
-            async for line in self._stream_lines(upstream, path):
-                relayed = await self._relay_line(line, relay)
-                if relayed is not None:
-                    yield relayed + b"\n"
+            async for lines in self._stream_lines(upstream, path):
+                relayed = []
+                for line in lines:
+                    out = await self._relay_line(line, relay)
+                    if out is not None:
+                        relayed.append(out)
+                if relayed:  # the lines of one read in one write: a write per line costs the client's latency
+                    yield b"\n".join(relayed) + b"\n"
         except ApiError as error:
             log.warning("stream from %s%s cut: %s", self.url, path, error.message)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
@@ -320,12 +336,11 @@ class Upstream:
                 return line
             relay.first = False
             return b"data: " + decoded.body
-        chunk = _json_object(data)
-        if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
+        marked = add_extra(data, plan.extra)
+        if marked is None:  # not a JSON object: relayed as it came, the next chunk carries the object
             return line
         relay.first = False
-        chunk["mla_watch"] = plan.extra
-        return b"data: " + json.dumps(chunk).encode()
+        return b"data: " + marked
 
     async def _routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
         """SGLang's chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""
@@ -346,8 +361,9 @@ class Upstream:
         relay.first = False
         return b"data: " + stripped
 
-    async def _stream_lines(self, upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:
-        """The stream's lines, each whole within the request timeout and at most ``max_bytes``."""
+    async def _stream_lines(self, upstream: httpx.Response, path: str) -> AsyncIterator[list[bytes]]:
+        """The stream's lines, those of each read together, each line whole within the request timeout and at
+        most ``max_bytes``."""
         try:  # a stream is relayed line by line: a read, and a line, must fit; the whole need not
             inflater = BoundedInflater(upstream.headers.get("content-encoding"), self.max_bytes, per_read=True)
         except UnsupportedEncoding as error:
@@ -355,10 +371,11 @@ class Upstream:
                            error_type="server_error") from None
         lines = EventLines(self.max_bytes)
         raw = upstream.aiter_raw()
-        line_began = time.monotonic()  # a line dripped a byte at a time must still end within the timeout
+        loop = asyncio.get_running_loop()
+        line_began = loop.time()  # a line dripped a byte at a time must still end within the timeout
         while True:
             try:
-                data = await asyncio.wait_for(anext(raw), max(0.0, line_began + self.timeout - time.monotonic()))
+                data = await by_deadline(line_began + self.timeout, anext(raw))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
@@ -376,11 +393,11 @@ class Upstream:
                                     "(--upstream-max-bytes)", code="upstream_too_large",
                                error_type="server_error") from None
             if complete:
-                line_began = time.monotonic()
-            for line in complete:
-                yield line
-        for line in lines.finish():
-            yield line
+                line_began = loop.time()
+                yield complete
+        rest = lines.finish()
+        if rest:
+            yield rest
 
     # ------------------------------------------------------------------ routing plan
     async def _plan(self, request: Request, body: dict[str, Any], extra: dict[str, Any],

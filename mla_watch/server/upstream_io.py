@@ -9,10 +9,17 @@ specification): text that is legal inside JSON, U+2028 or U+0085, never splits a
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
 import zlib
+from collections.abc import Awaitable
+from typing import TypeVar
 
-__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "UnsupportedEncoding"]
+__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "UnsupportedEncoding",
+           "by_deadline"]
+
+T = TypeVar("T")
 
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
 _EOL = re.compile(rb"\r\n?|\n")
@@ -110,3 +117,13 @@ class EventLines:
         """What is left when the stream ends: a last line without its line end."""
         rest, self._buffer = bytes(self._buffer), bytearray()
         return [rest.rstrip(b"\r")] if rest else []
+
+
+async def by_deadline(deadline: float, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, raising :class:`asyncio.TimeoutError` once the event loop's clock (``loop.time()``,
+    monotonic) passes ``deadline``. Where the loop has ``asyncio.timeout_at`` (Python 3.11), a timer on the
+    task awaiting: about half what ``asyncio.wait_for`` costs, which wraps the awaitable in a task of its own."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
