@@ -10,14 +10,15 @@ specification): text that is legal inside JSON, U+2028 or U+0085, never splits a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sys
 import zlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "UnsupportedEncoding",
-           "by_deadline"]
+__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "LineDeadline",
+           "UnsupportedEncoding", "by_deadline"]
 
 T = TypeVar("T")
 
@@ -100,6 +101,8 @@ class EventLines:
         self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
 
     def feed(self, data: bytes) -> list[bytes]:
+        if not self._buffer and data.endswith(b"\n"):  # whole lines, as a stream's reads mostly are
+            return data.splitlines()  # bytes split at CR, LF and CRLF only
         self._buffer += data
         lines, start = [], 0
         while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
@@ -127,3 +130,60 @@ async def by_deadline(deadline: float, awaitable: Awaitable[T]) -> T:
         async with asyncio.timeout_at(deadline):
             return await awaitable
     return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
+
+
+class LineDeadline:
+    """How long each line of a stream may take, for the task that reads it: :meth:`read` raises
+    :class:`asyncio.TimeoutError` once a line has taken ``seconds`` (:meth:`restart` when one ends).
+
+    :func:`by_deadline` around every read would set and cancel a timer per read, and a stream is read
+    a few hundred bytes at a time; this keeps one timer per stream, which a line's end merely moves
+    (the timer, when it fires, looks at the deadline again). Only a read is ever cancelled: while the
+    task relays what it read, the deadline may pass, and the next read raises at once.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.seconds = seconds
+        self.deadline = self._loop.time() + seconds
+        self._reading: asyncio.Task | None = None
+        self._expired = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.deadline, self._due)
+
+    def restart(self) -> None:
+        """A line has ended: the next one has ``seconds`` from now."""
+        self.deadline = self._loop.time() + self.seconds
+        if self._timer is None:
+            self._timer = self._loop.call_at(self.deadline, self._due)
+
+    async def read(self, awaitable: Awaitable[T]) -> T:
+        if sys.version_info < (3, 11):  # no Task.uncancel() to tell this timeout from a cancellation
+            return await by_deadline(self.deadline, awaitable)
+        if self._loop.time() >= self.deadline:
+            with contextlib.suppress(AttributeError):
+                awaitable.close()  # type: ignore[attr-defined]  # never awaited: closed, without a warning
+            raise asyncio.TimeoutError
+        task = asyncio.current_task()
+        assert task is not None
+        self._reading, cancelling = task, task.cancelling()
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._expired and task.uncancel() <= cancelling:  # this timeout's, not the task's own
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            self._reading, self._expired = None, False
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._loop.time() < self.deadline:  # a line ended meanwhile
+            self._timer = self._loop.call_at(self.deadline, self._due)
+        elif self._reading is not None:
+            self._expired = True
+            self._reading.cancel()
