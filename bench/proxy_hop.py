@@ -126,9 +126,8 @@ def stream_events(routed: bool, token_ids: bool) -> list[bytes]:
     return [*events, b"data: [DONE]\n\n"]
 
 
-def serve_engine(kind: str, port: int) -> None:
-    """A fake engine (``--serve-engine plain|vllm``): answers at once with canned bodies."""
-    import uvicorn
+def engine_app(kind: str) -> Any:
+    """A fake engine, ``plain`` or ``vllm`` (a Starlette app): answers at once with canned bodies."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -159,10 +158,16 @@ def serve_engine(kind: str, port: int) -> None:
         return JSONResponse({"object": "list", "data": [{"id": "bench", "object": "model", "created": 1700000000,
                                                          "owned_by": "vllm" if routed else "bench"}]})
 
-    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                            Route("/v1/chat/completions", chat, methods=["POST"]),
-                            Route("/v1/models", models, methods=["GET"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/models", models, methods=["GET"])])
+
+
+def serve_engine(kind: str, port: int) -> None:
+    """The fake engine's process (``--serve-engine plain|vllm``)."""
+    import uvicorn
+
+    uvicorn.run(engine_app(kind), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def free_port() -> int:
