@@ -370,7 +370,7 @@ def figures_of(arms: dict[str, Arm]) -> dict[str, Any]:
             mine, base = arms[name].samples[kind], arms[baseline].samples[kind]
             figures[f"{name}_{kind}_added_p50_ms"] = (statistics.median(mine) - statistics.median(base)) * 1e3
             figures[f"{name}_{kind}_added_p95_ms"] = (p95(mine) - p95(base)) * 1e3
-            paired = sorted(a - b for a, b in zip(mine, base))  # same round, same kind
+            paired = sorted(a - b for a, b in zip(mine, base, strict=True))  # same round, same kind
             quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
             figures[f"{name}_{kind}_added_iqr_ms"] = [quartiles[0] * 1e3, quartiles[2] * 1e3]
     if "litellm" in arms:
@@ -381,38 +381,38 @@ def figures_of(arms: dict[str, Arm]) -> dict[str, Any]:
 
 
 def render(figures: dict[str, Any], arms: dict[str, Arm]) -> str:
-    lines = [f"{'arm':<15} {'kind':<13} {'p50 ms':>7} {'p95 ms':>7} {'added p50':>9} {'added p95':>9} "
-             f"{'IQR of per-round added':>22}"]
+    lines = [f"{'arm':<15} {'kind':<13} {'p50 ms':>7} {'p95 ms':>7} {'added p50':>9} {'added p95':>9}  "
+             "per-round added, IQR"]
     for arm in arms:
         for kind in KINDS:
-            row = f"{arm:<15} {kind:<13} {figures[f'{arm}_{kind}_p50_ms']:>7.2f} {figures[f'{arm}_{kind}_p95_ms']:>7.2f}"
+            n = f"{arm}_{kind}"
+            row = f"{arm:<15} {kind:<13} {figures[f'{n}_p50_ms']:>7.2f} {figures[f'{n}_p95_ms']:>7.2f}"
             if arm in BASELINES:
-                low, high = figures[f"{arm}_{kind}_added_iqr_ms"]
-                row += (f" {figures[f'{arm}_{kind}_added_p50_ms']:>+9.2f} {figures[f'{arm}_{kind}_added_p95_ms']:>+9.2f}"
-                        f" {low:>+10.2f} .. {high:<+8.2f}")
+                low, high = figures[f"{n}_added_iqr_ms"]
+                row += f" {figures[f'{n}_added_p50_ms']:>+9.2f} {figures[f'{n}_added_p95_ms']:>+9.2f}  "
+                row += f"{low:+.2f} .. {high:+.2f}"
             lines.append(row)
-    lines.append("")
-    goal = []
+    lines += ["", f"the plain hop (goal: at most +{GOAL_ADDED_MS:g} ms at p50 and at most {GOAL_SHARE_OF_LITELLM:g} "
+                  "of LiteLLM's added latency):"]
     for kind in KINDS:
         added = figures[f"mla_watch_{kind}_added_p50_ms"]
         share = figures.get(f"mla_watch_{kind}_share_of_litellm")
-        verdict = "met" if added <= GOAL_ADDED_MS and (share is None or share <= GOAL_SHARE_OF_LITELLM) else "NOT met"
-        goal.append(f"  {kind:<13} mla_watch adds {added:+.2f} ms at p50"
-                    + ("" if share is None else f", {share:.3f} of LiteLLM's {figures[f'litellm_{kind}_added_p50_ms']:+.2f} ms")
-                    + f": {verdict}")
-    lines += [f"the plain hop (goal: at most +{GOAL_ADDED_MS:g} ms at p50 and at most {GOAL_SHARE_OF_LITELLM:g} of "
-              "LiteLLM's added latency):", *goal]
+        met = added <= GOAL_ADDED_MS and (share is None or share <= GOAL_SHARE_OF_LITELLM)
+        theirs = "" if share is None else \
+            f", {share:.3f} of LiteLLM's {figures[f'litellm_{kind}_added_p50_ms']:+.2f} ms"
+        lines.append(f"  {kind:<13} mla_watch adds {added:+.2f} ms at p50{theirs}: {'met' if met else 'NOT met'}")
     if "throughput" in figures:
-        lines += ["", f"chat throughput, {figures['clients']} concurrent clients, {figures['load_requests']} requests:"]
+        lines += ["", f"chat throughput, {figures['clients']} concurrent clients, {figures['load_requests']} "
+                      "requests per arm:"]
+        litellm = figures["throughput"].get("litellm")
         for arm, rate in figures["throughput"].items():
-            ratio = figures["throughput"].get("litellm")
-            lines.append(f"  {arm:<15} {rate:8.1f} requests/s" + (f"  (x{rate / ratio:.2f} LiteLLM's)" if ratio else ""))
+            lines.append(f"  {arm:<15} {rate:8.1f} requests/s" + (f" (x{rate / litellm:.2f} LiteLLM's)" if litellm
+                                                                   else ""))
     lines += ["", "resident memory of each proxy's process tree after the run:"]
     for arm, (kib, count) in figures["rss"].items():
         lines.append(f"  {arm:<15} {kib / 1024:7.1f} MiB in {count} process{'es' if count != 1 else ''}")
     if "litellm" in figures["rss"]:
-        mine, theirs = figures["rss"]["mla_watch"][0], figures["rss"]["litellm"][0]
-        lines.append(f"  mla_watch / LiteLLM: x{mine / theirs:.2f}")
+        lines.append(f"  mla_watch / LiteLLM: x{figures['rss']['mla_watch'][0] / figures['rss']['litellm'][0]:.2f}")
     if "counted" in figures:
         lines.append(f"\nthe vLLM arm counted the routing of {figures['counted']:.0f} answers (expected "
                      f"{figures['expected_counted']}), {figures['replayed']:.0f} of them replayed streams")
