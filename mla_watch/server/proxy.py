@@ -48,6 +48,7 @@ from mla_watch.engines.replay import (
 )
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
+from mla_watch.server.http import by_deadline
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
 from mla_watch.server.upstream_http import Answer, UpstreamClient, UpstreamError
 from mla_watch.server.upstream_io import (
@@ -56,7 +57,6 @@ from mla_watch.server.upstream_io import (
     EventLines,
     LineDeadline,
     UnsupportedEncoding,
-    by_deadline,
 )
 
 __all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]

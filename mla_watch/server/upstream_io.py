@@ -17,8 +17,10 @@ import zlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from mla_watch.server.http import by_deadline
+
 __all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "LineDeadline",
-           "UnsupportedEncoding", "by_deadline"]
+           "UnsupportedEncoding"]
 
 T = TypeVar("T")
 
@@ -120,16 +122,6 @@ class EventLines:
         """What is left when the stream ends: a last line without its line end."""
         rest, self._buffer = bytes(self._buffer), bytearray()
         return [rest.rstrip(b"\r")] if rest else []
-
-
-async def by_deadline(deadline: float, awaitable: Awaitable[T]) -> T:
-    """``await awaitable``, raising :class:`asyncio.TimeoutError` once the event loop's clock (``loop.time()``,
-    monotonic) passes ``deadline``. Where the loop has ``asyncio.timeout_at`` (Python 3.11), a timer on the
-    task awaiting: about half what ``asyncio.wait_for`` costs, which wraps the awaitable in a task of its own."""
-    if sys.version_info >= (3, 11):
-        async with asyncio.timeout_at(deadline):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
 class LineDeadline:
