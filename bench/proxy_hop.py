@@ -24,12 +24,13 @@ answers a stream's replay with the routing of its tokens. The arms, each its own
   answer and counted after it, each stream replayed to count its routing.
 
 Every round sends one request of each kind - a completion, a chat, a streamed chat - to every
-arm, in an order rotated round by round, one request at a time (a sequential client), so the
-shared machine's drift hits the arms alike. Printed per arm and kind (completion, chat, a stream's
-end, a stream's first chunk): p50 and p95, the latency added over the arm's baseline at p50 and p95
-(and the interquartile range of the per-round differences), and mla_watch's added latency as a
-share of LiteLLM's. Then chat throughput with ``--clients`` concurrent clients per arm, and the
-resident memory of each proxy's process tree (the process and all its children) after the run.
+arm, in an order shuffled each time, one request at a time (a sequential client), so the shared
+machine's drift, and the work one arm leaves behind after its answer, hit the arms alike. Printed
+per arm and kind (completion, chat, a stream's end, a stream's first chunk): p50 and p95, the
+latency added over the arm's baseline at p50 and p95 (and the interquartile range of the per-round
+differences), and mla_watch's added latency as a share of LiteLLM's. Then chat throughput with
+``--clients`` concurrent clients per arm, and the resident memory of each proxy's process tree (the
+process and all its children) after the run.
 The proxies run with ``--alert-interval`` and ``--history-interval`` of an hour, so that a rule
 evaluation or a history sample does not land in the measured requests. Nothing is asserted:
 only figures of one run are compared with each other.
@@ -42,6 +43,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -282,10 +284,12 @@ def check_answers(client: httpx.Client, arms: list[Arm]) -> None:
 
 
 def run_rounds(client: httpx.Client, arms: list[Arm], rounds: int, warmup: int) -> None:
+    order = random.Random(0)
     for index in range(warmup + rounds):
         for kind in ("completion", "chat", "stream"):
-            shift = index % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
+            # Shuffled, not rotated: work an arm leaves behind (LiteLLM's logging after its answer, the
+            # counting after the vLLM arm's) lands before every other arm alike, not always before the same one.
+            for arm in order.sample(arms, len(arms)):
                 measured = send(client, arm, kind)
                 if index >= warmup:
                     for name, seconds in measured.items():
