@@ -58,7 +58,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from engine_routing import DEEPSEEK_V3, routing_ids
+from engine_routing import DEEPSEEK_V3, metric, routing_ids, wait_counted
 from server_overhead import sidecar_process, wait_answering
 
 from mla_watch.engines.formats import encode_vllm, every_layer
@@ -334,25 +334,6 @@ def process_tree(pid: int) -> tuple[int, int]:
     return total, count
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def wait_counted(url: str, expected: int, timeout: float = 60) -> tuple[float, float]:
-    """The vLLM arm's counted answers and replayed streams, once every answer it relayed is counted."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = httpx.get(url + "/metrics", timeout=30).text
-        counted = metric(text, "mla_watch_engine_responses_total", engine="vllm", outcome="counted")
-        replayed = metric(text, "mla_watch_engine_stream_replays_total", outcome="replayed")
-        if counted >= expected or time.monotonic() > deadline:
-            return counted, replayed
-        time.sleep(0.2)
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -468,14 +449,20 @@ def main() -> None:
         print(f"arms ready in {time.monotonic() - started:.0f} s: {', '.join(arms)}", file=sys.stderr, flush=True)
         with httpx.Client(timeout=60) as client:
             check_answers(client, list(arms.values()))
+            if "mla_watch_vllm" in arms:  # its decoding process starts with the first answer to count
+                wait_counted(client, arms["mla_watch_vllm"].url, "vllm", 1)
             run_rounds(client, list(arms.values()), args.rounds, args.warmup)
+            if "mla_watch_vllm" in arms:
+                url = arms["mla_watch_vllm"].url
+                expected = (args.warmup + args.rounds) * 3 + 1  # every request, and check_answers' chat
+                figures_counted = wait_counted(client, url, "vllm", expected)
+                replayed = metric(client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total",
+                                  outcome="replayed")
         figures = figures_of(arms)
         figures.update({"bench": "proxy_hop", "args": {k: v for k, v in vars(args).items()
                                                        if k not in ("serve_engine", "port")}})
         if "mla_watch_vllm" in arms:
-            expected = (args.warmup + args.rounds) * 3 + 1  # every request, and check_answers' chat
-            figures["counted"], figures["replayed"] = wait_counted(arms["mla_watch_vllm"].url, expected)
-            figures["expected_counted"] = expected
+            figures.update(counted=figures_counted, replayed=replayed, expected_counted=expected)
         if args.load_requests:
             figures.update(clients=args.clients, load_requests=args.load_requests, throughput={
                 name: throughput(arms[name], args.clients, args.load_requests)
