@@ -24,8 +24,9 @@ answers a stream's replay with the routing of its tokens. The arms, each its own
   answer and counted after it, each stream replayed to count its routing.
 
 Every round sends one request of each kind - a completion, a chat, a streamed chat - to every
-arm, in an order shuffled each time, one request at a time (a sequential client), so the shared
-machine's drift, and the work one arm leaves behind after its answer, hit the arms alike. Printed
+arm, in an order shuffled each time, one request at a time (a sequential client) and ``--gap``
+apart, so the shared machine's drift, and the work one arm leaves behind after its answer, hit the
+arms alike. Printed
 per arm and kind (completion, chat, a stream's end, a stream's first chunk): p50 and p95, the
 latency added over the arm's baseline at p50 and p95 (and the interquartile range of the per-round
 differences), and mla_watch's added latency as a share of LiteLLM's. Then chat throughput with
@@ -283,13 +284,14 @@ def check_answers(client: httpx.Client, arms: list[Arm]) -> None:
             raise RuntimeError("direct_routed: the engine's answer carries no routing")
 
 
-def run_rounds(client: httpx.Client, arms: list[Arm], rounds: int, warmup: int) -> None:
+def run_rounds(client: httpx.Client, arms: list[Arm], rounds: int, warmup: int, gap: float) -> None:
     order = random.Random(0)
     for index in range(warmup + rounds):
         for kind in ("completion", "chat", "stream"):
             # Shuffled, not rotated: work an arm leaves behind (LiteLLM's logging after its answer, the
             # counting after the vLLM arm's) lands before every other arm alike, not always before the same one.
             for arm in order.sample(arms, len(arms)):
+                time.sleep(gap)  # what the last arm does after its answer, it does before this request
                 measured = send(client, arm, kind)
                 if index >= warmup:
                     for name, seconds in measured.items():
@@ -408,6 +410,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=120, help="requests per arm and kind")
     parser.add_argument("--warmup", type=int, default=5, help="rounds sent first and not counted")
+    parser.add_argument("--gap", type=float, default=0.005, help="seconds between two requests (default 0.005): "
+                        "LiteLLM logs, and the vLLM arm counts, after the client has its answer")
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients of the throughput phase")
     parser.add_argument("--load-requests", type=int, default=400, help="chat requests per arm under load; 0: none")
     parser.add_argument("--litellm", default=os.environ.get(LITELLM_ENV),
@@ -427,6 +431,7 @@ def main() -> None:
         print(f"LiteLLM's arm is skipped: no `litellm` command at {args.litellm!r}" if args.litellm else
               f"LiteLLM's arm is skipped: give its command with --litellm PATH or ${LITELLM_ENV}", flush=True)
     started = time.monotonic()
+    load_before = f"{os.getloadavg()[0]:.2f}"  # the machine's own load: other work on a shared machine shows here
     quiet = ("--alert-interval", "3600", "--history-interval", "3600")
     with tempfile.TemporaryDirectory(prefix="mla-watch-proxy-hop-") as directory, contextlib.ExitStack() as stack:
         root = Path(directory)
@@ -451,7 +456,7 @@ def main() -> None:
             check_answers(client, list(arms.values()))
             if "mla_watch_vllm" in arms:  # its decoding process starts with the first answer to count
                 wait_counted(client, arms["mla_watch_vllm"].url, "vllm", 1)
-            run_rounds(client, list(arms.values()), args.rounds, args.warmup)
+            run_rounds(client, list(arms.values()), args.rounds, args.warmup, args.gap)
             if "mla_watch_vllm" in arms:
                 url = arms["mla_watch_vllm"].url
                 expected = (args.warmup + args.rounds) * 3 + 1  # every request, and check_answers' chat
@@ -469,7 +474,9 @@ def main() -> None:
                 for name in CONCURRENT_ARMS if name in arms})
         figures["rss"] = {arm.name: process_tree(arm.pid) for arm in arms.values() if arm.pid is not None}
     figures["wall_s"] = time.monotonic() - started
-    print(f"the proxy hop: {args.rounds} requests per arm and kind, arms alternated round by round; "
+    figures["load_before"] = load_before
+    print(f"the proxy hop: {args.rounds} requests per arm and kind, arms in a shuffled order, {args.gap * 1e3:g} ms "
+          f"apart; load average before and after {figures['load_before']} / {os.getloadavg()[0]:.2f}; "
           f"{figures['wall_s']:.0f} s")
     print(render(figures, arms))
     if args.json:
