@@ -23,18 +23,16 @@ answers a stream's replay with the routing of its tokens. The arms, each its own
 * ``mla_watch_vllm``: ``mla-watch serve --upstream URL --engine vllm``: the routing cut out of every
   answer and counted after it, each stream replayed to count its routing.
 
-Every round sends one request of each kind - a completion, a chat, a streamed chat - to every
-arm, in an order shuffled each time, one request at a time (a sequential client) and ``--gap``
-apart, so the shared machine's drift, and the work one arm leaves behind after its answer, hit the
-arms alike. Printed
-per arm and kind (completion, chat, a stream's end, a stream's first chunk): p50 and p95, the
-latency added over the arm's baseline at p50 and p95 (and the interquartile range of the per-round
-differences), and mla_watch's added latency as a share of LiteLLM's. Then chat throughput with
+Every round sends one request of each kind - a completion, a chat, a streamed chat - to every arm,
+in an order shuffled each time, one request at a time (a sequential client) and ``--gap`` apart, so
+the shared machine's drift, and the work one arm leaves behind after its answer, hit the arms alike.
+Printed per arm and kind (completion, chat, a stream's end, a stream's first chunk): p50 and p95,
+the latency added over the arm's baseline at p50 and p95 (and the interquartile range of the per-
+round differences), and mla_watch's added latency as a share of LiteLLM's. Then chat throughput with
 ``--clients`` concurrent clients per arm, and the resident memory of each proxy's process tree (the
-process and all its children) after the run.
-The proxies run with ``--alert-interval`` and ``--history-interval`` of an hour, so that a rule
-evaluation or a history sample does not land in the measured requests. Nothing is asserted:
-only figures of one run are compared with each other.
+process and all its children) after the run. The proxies run with ``--alert-interval`` and
+``--history-interval`` of an hour, so that a rule evaluation or a history sample does not land in
+the measured requests. Nothing is asserted: only figures of one run are compared with each other.
 """
 
 from __future__ import annotations
