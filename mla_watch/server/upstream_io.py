@@ -1,9 +1,9 @@
 """Reading an engine's answers within bounds: decompressed size, server-sent-event lines, time.
 
 An engine (or whatever answers at its address) decides how large its answers are. Nothing
-it sends is held past ``limit`` bytes after decompression: httpx's own decoders inflate a
-read whole (1 MB of gzip becomes 1 GB in one call), so the raw bytes are inflated here, a
-bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
+it sends is held past ``limit`` bytes after decompression: inflating a read whole (as httpx's
+decoders do) turns 1 MB of gzip into 1 GB in one call, so the proxy's client hands on the raw
+bytes and they are inflated here, a bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
 specification): text that is legal inside JSON, U+2028 or U+0085, never splits a line.
 """
 
