@@ -283,9 +283,8 @@ class Sidecar:
         if config.upstream:
             # No local model to health-check: the engine's routers, or workers' reports.
             self.sources.trust_baselines(self.serving.retune)
-            # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
+            # Its processes start when an answer needs one: routing to count, or an answer too long for the event loop.
             self._decoder = RoutingDecoder(config.decode_workers)
-            self._decoder.start()
             capture = self.retuning.open_capture() if engine_routing is not None else None
             self.serving.upstream = Upstream(
                 config.upstream, config.request_timeout, decoder=self._decoder,
