@@ -257,7 +257,8 @@ class Sidecar:
             probe.windows.baselines = self.baselines
             self.retuning.start_local(model, tokenizer)
             self.sources.trust_baselines(serving.retune)
-            self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
+            if self.alerts is not None:  # readings tell the causes of alerts
+                self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
             gc.freeze()
             serving.ready.set()
         except Exception as error:
@@ -280,6 +281,7 @@ class Sidecar:
         config, engine_routing = self.config, self.sources.engine_routing
         if engine_routing is not None:
             engine_routing.windows.baselines = self.baselines
+            engine_routing.clients = self.clients
         if config.upstream:
             # No local model to health-check: the engine's routers, or workers' reports.
             self.sources.trust_baselines(self.serving.retune)
@@ -293,7 +295,7 @@ class Sidecar:
                 count_queue_bytes=config.count_queue_bytes,
                 capture=None if capture is None else self.retuning.capture_answers(capture))
             self.serving.engine_retune_note = self.retuning.start_engine(capture)
-            if engine_routing is not None:
+            if engine_routing is not None and self.alerts is not None:  # readings tell the causes of alerts
                 self.references.start_engine(engine_routing.geometry, self.serving.retune)
             if config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller

@@ -116,7 +116,9 @@ class Upstream:
         return JSONResponse(document)
 
     async def forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
-                      decision: Decision) -> Response:
+                      decision: Decision, client: str | None = None) -> Response:
+        """The engine's answer to the request, with the policy applied; its routing counted for the business line
+        and ``client`` (:mod:`mla_watch.cause.clients`) once the client has it."""
         payload = parsed.upstream_body(body, decision.applied)
         prompt_start = _prompt_start(payload)  # the proxy counts every row
         headers = {"Content-Type": "application/json", **_forwarded_auth(request),
@@ -131,7 +133,7 @@ class Upstream:
             payload[TOKEN_IDS_FIELD] = True
         if parsed.stream:
             replay = self._stream_tokens(plan, parsed, body, payload)
-            return await self._stream(path, payload, headers, plan, decision.business_line, replay)
+            return await self._stream(path, payload, headers, plan, decision.business_line, replay, client)
         status, content_type, content = await self._exchange("POST", path, self.max_bytes, headers,
                                                              _json_body(payload))
         if status != 200:
@@ -145,7 +147,8 @@ class Upstream:
         counting = self.counter is not None and plan.engine != "none"
         stripped = strip_response(plan, content)  # the routing's base64 cut out, not decoded: ~0.1 ms
         if stripped is not None:
-            background = BackgroundTask(self._count_after, decision.business_line, plan, content) if counting else None
+            background = (BackgroundTask(self._count_after, decision.business_line, plan, content, client)
+                          if counting else None)
             return Response(stripped, media_type="application/json", background=background)
         # Kept routing, lists, a long answer: the decoding process reads it whole and counts it on the way.
         decoded = await self._decoder.response(plan, content)
@@ -153,17 +156,17 @@ class Upstream:
         if decoded.not_json:
             raise _not_openai(self.url, path, content_type, len(decoded.body or b""))
         if counting:
-            self.routing.count(decision.business_line, decoded, streamed=False)  # type: ignore[union-attr]
+            self.routing.count(decision.business_line, decoded, streamed=False, client=client)  # type: ignore[union-attr]
         if decoded.samples and self.capture is not None:
-            await asyncio.to_thread(self.capture, decision.business_line, decoded.samples)
+            await asyncio.to_thread(self.capture, decision.business_line, decoded.samples, client)
         if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
             raise ApiError(502, f"the answer of {self.url}{path} could not be read: {decoded.error}",
                            code="upstream_error", error_type="server_error")
         return Response(decoded.body, media_type="application/json")
 
-    async def _count_after(self, business_line: str, plan: RoutingPlan, content: bytes) -> None:
+    async def _count_after(self, business_line: str, plan: RoutingPlan, content: bytes, client: str | None) -> None:
         """Once the client has the answer (a coroutine: a starlette background function would run in a thread)."""
-        self.counter.submit(business_line, plan, content, streamed=False)  # type: ignore[union-attr]
+        self.counter.submit(business_line, plan, content, streamed=False, client=client)  # type: ignore[union-attr]
 
     def _stream_tokens(self, plan: RoutingPlan, parsed: GenerationRequest, body: dict[str, Any],
                        payload: dict[str, Any]) -> _StreamReplay | None:
@@ -233,7 +236,7 @@ class Upstream:
 
     # ------------------------------------------------------------------ streams
     async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,
-                      business_line: str, replay: _StreamReplay | None) -> Response:
+                      business_line: str, replay: _StreamReplay | None, client: str | None) -> Response:
         deadline = asyncio.get_running_loop().time() + self.timeout
         try:
             upstream = await by_deadline(deadline, self._client.send("POST", path, headers=headers,
@@ -253,7 +256,7 @@ class Upstream:
             finally:
                 await upstream.aclose()
             return _relayed_error(self.url, upstream.status_code, content_type, content)
-        relay = _StreamRelay(plan, business_line, replay, headers)
+        relay = _StreamRelay(plan, business_line, replay, headers, client)
         return StreamingResponse(self._relay_stream(upstream, relay, path), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -290,7 +293,8 @@ class Upstream:
         if replay is not None and replay.tokens is not None and self.capture is not None:
             samples = replay.tokens.samples()
             if samples:
-                task = asyncio.ensure_future(asyncio.to_thread(self.capture, relay.business_line, samples))
+                task = asyncio.ensure_future(asyncio.to_thread(self.capture, relay.business_line, samples,
+                                                               relay.client))
                 self._capturing.add(task)  # held until done: a task nobody holds may be collected
                 task.add_done_callback(self._capturing.discard)
         if replay is None:
@@ -302,7 +306,7 @@ class Upstream:
                 self.routing.count(relay.business_line, None, streamed=True)
         else:
             self.replayer.after_stream(relay.business_line, relay.plan, replay.model,  # type: ignore[union-attr]
-                                       relay.headers, replay.tokens)
+                                       relay.headers, replay.tokens, client=relay.client)
 
     async def _relay_line(self, line: bytes, relay: _StreamRelay) -> bytes | None:
         if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
@@ -351,12 +355,12 @@ class Upstream:
         if stripped is None:  # kept routing, or too long a chunk: the decoding process reads it, on the way
             decoded = await self._decoder.chunk(plan, data.decode("utf-8", "replace"), first=relay.first)
             if decoded.found and self.routing is not None:
-                self.routing.count(relay.business_line, decoded, streamed=True)
+                self.routing.count(relay.business_line, decoded, streamed=True, client=relay.client)
                 relay.counted = True
             relay.first = False
             return None if decoded.body is None else b"data: " + decoded.body
         if self.counter is not None:
-            self.counter.submit(relay.business_line, plan, bytes(data), streamed=True)
+            self.counter.submit(relay.business_line, plan, bytes(data), streamed=True, client=relay.client)
             relay.counted = True
         if stripped == DROP_CHUNK:
             return None
@@ -463,6 +467,7 @@ class _StreamRelay:
     business_line: str
     replay: _StreamReplay | None
     headers: dict[str, str]
+    client: str | None = None  # who sent it (mla_watch.cause.clients)
     first: bool = True  # no chunk has carried mla_watch's object yet
     counted: bool = False  # its routing was counted (or queued to be)
 
