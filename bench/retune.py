@@ -79,7 +79,7 @@ def inject(model: torch.nn.Module, fault: str) -> None:
             gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(5)))
 
 
-PROMPTS = corpus.prompts("code", 64, seed=31)  # function signatures, ~25 tokens each: what the gate scores
+PROMPTS = corpus.prompts("code", 128, seed=31)  # function signatures, ~20 tokens each: what the gate scores
 
 
 def send(url: str, count: int, start: int) -> None:

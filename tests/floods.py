@@ -77,6 +77,7 @@ class Outcome:
     requests: int = 0
     seconds: float = 0.0
     reference: dict[str, Any] = field(default_factory=dict)  # GET /v1/reference at the end
+    history_lines: set[str] = field(default_factory=set)  # the lines of the status page's live hour
 
     def causes(self) -> set[str]:
         return {alert["labels"].get("cause", "") for alert in self.alerts if alert["state"] == "firing"}
@@ -160,6 +161,8 @@ def _collect(url: str, sidecar: Any, receiver: Any, outcome: Outcome, started: f
                               if re.fullmatch(r"v\d{4,}", entry.name))
     outcome.entropy_after = _code_entropy(url)
     outcome.reference = httpx.get(f"{url}/v1/reference", timeout=30).json()
+    outcome.history_lines = {series["business_line"] for series in
+                             httpx.get(f"{url}/v1/status", timeout=30).json()["history"]["series"]}
     outcome.seconds = round(time.monotonic() - started, 1)
     return outcome
 

@@ -31,6 +31,10 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
     assert outcome.oncall == []  # on-call's pager stayed silent
     assert all(alert["labels"].get("cause") == "traffic" for alert in outcome.owners)
     assert outcome.jobs == [] and outcome.versions == [0]  # no re-tune job, no router version written
+    # the reference prompts' readings are series of their own, apart from live traffic
+    assert {"reference:code_assistant", "code_assistant"} <= outcome.history_lines
+    gauges = {entry["name"]: entry for entry in outcome.reference["sets"]}
+    assert gauges["code_assistant"]["reading"]["prompts"] == 32 and gauges["code_assistant"]["baseline"] is not None
 
 
 def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repaired() -> None:

@@ -93,8 +93,7 @@ class Sidecar:
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None)
         # Who sends each line's traffic, and the reference prompts that tell the traffic's changes from the model's.
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
-        self.references = References(config, clients=self.clients, alerts=self.alerts,
-                                     history=lambda: self.history)  # ReferenceError at start-up
+        self.references = References(config, clients=self.clients, alerts=self.alerts)  # ReferenceError at start-up
         self.metrics.watch_reference(lambda: self.references.prober)
         if self.alerts is not None:
             self.alerts.engine.causes = self.references
@@ -110,7 +109,8 @@ class Sidecar:
         self.history = self.history_store or HistoryStore(
             None, interval_seconds=config.history_interval_seconds, span_seconds=config.history_span_seconds,
             max_series=config.history_max_series)
-        self._history_sampler = HistorySampler(self.history, self.sources.routing_snapshot)
+        self._history_sampler = HistorySampler(self.history, lambda: [*self.sources.routing_snapshot().records,
+                                                                      *self.references.history_records()])
         # Off the default executor, which alert evaluation shares: public reads cannot starve monitoring.
         self.heavy_reads = BoundedReads()  # /v1/history, /v1/status: bounded, 429 past it
         self._monitoring = monitoring_executor()  # /metrics, /v1/routing: never behind a heavy read
