@@ -178,7 +178,7 @@ def strays() -> list[Stray]:
     """Every live process of every start in this interpreter: what the tests left running."""
     with _lock:
         records = list(_starts)
-    table = _table()
+    table = live_processes()
     members = _members(records, table)
     return [Stray(pid, table[pid].pgid, table[pid].command, record.command, record.number)
             for record in records for pid in members.get(record.number, ())]
@@ -200,7 +200,7 @@ def end_strays(grace: float = 5.0) -> list[Stray]:
 
 
 # --------------------------------------------------------------------------------------------- the process table
-def _table() -> dict[int, Seen]:
+def live_processes() -> dict[int, Seen]:
     """Every live process (zombies are dead: they only wait to be reaped), and this run's marker in each."""
     table: dict[int, Seen] = {}
     prefix = f"{MARKER}={RUN}-".encode()
@@ -289,7 +289,7 @@ def _record_of(process: subprocess.Popen) -> Start:
 
 
 def _live(record: Start) -> list[int]:
-    return _members([record], _table()).get(record.number, [])
+    return _members([record], live_processes()).get(record.number, [])
 
 
 def _signal(record: Start, sig: signal.Signals, pids: Sequence[int]) -> None:
@@ -318,7 +318,7 @@ def _kill(record: Start) -> list[Stray]:
     """SIGKILL to every process of ``record`` until none is left (or :data:`KILL_WAIT_S`); what is left."""
     deadline = time.monotonic() + KILL_WAIT_S
     while True:
-        table = _table()
+        table = live_processes()
         pids = _members([record], table).get(record.number, [])
         if not pids and record.process.poll() is not None:
             return []
