@@ -60,7 +60,8 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]
 
 
 def _check(session: pytest.Session) -> None:
-    quiet = {sig: signal.signal(sig, _unheeded) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    quiet = {sig: signal.signal(sig, _unheeded) for sig in signals}
     try:
         left = processes.end_strays()
     finally:

@@ -162,7 +162,9 @@ def run(command: Sequence[str | os.PathLike[str]], *, timeout: float, check: boo
         stdout, stderr = process.communicate(input, timeout=timeout)
     except subprocess.TimeoutExpired:
         stop(process, grace)
-        stdout, stderr = process.communicate()  # what it wrote before it was stopped; every writer is gone
+        stdout = stderr = None
+        with contextlib.suppress(subprocess.TimeoutExpired):  # a writer that escaped every mark holds the pipe
+            stdout, stderr = process.communicate(timeout=KILL_WAIT_S)  # what it wrote before it was stopped
         raise subprocess.TimeoutExpired(process.args, timeout, output=stdout, stderr=stderr) from None
     except BaseException:
         stop(process, grace)
