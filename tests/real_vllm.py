@@ -433,8 +433,9 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
 
     ``routing``: Model Runner V2 with the shim, ``--enable-return-routed-experts``. ``dev_mode``:
     ``VLLM_SERVER_DEV_MODE=1`` (the pause / reload / resume endpoints; loopback only). A start that dies is tried
-    again (``attempts``): about one V2 start in ten dies with "All-NaN slice encountered". On exit the whole
-    process group is terminated. The server's output goes to ``log_path`` (default: a file under the cache).
+    again (``attempts``): about one V2 start in ten dies with "All-NaN slice encountered". On exit the server is
+    stopped with everything it started (``processes.stop``). The server's output goes to ``log_path`` (default: a
+    file under the cache).
     """
     python = ensure_venv()
     model_dir = Path(model_dir)
