@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
+import processes
 import pytest
 
 from mla_watch.server.status import static_file
@@ -30,7 +30,7 @@ def run_js(expression: str, **inputs: object) -> object:
     program = (f"const module = {{ exports: {{}} }};\n{script}\nconst page = module.exports;\n"
                + "".join(f"const {name} = {json.dumps(value)};\n" for name, value in inputs.items())
                + f"process.stdout.write(JSON.stringify({expression}));\n")
-    run = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=False)
+    run = processes.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
