@@ -234,9 +234,24 @@ def _engine_healthy(index: int) -> tuple[str, str, str, str]:
     return ("code_assistant" if name == "sql" else name), task, text, f"app-{name}"
 
 
+def trimmed_references(directory: Path, prompts: int = 8) -> Path:
+    """The shipped reference sets cut to their first ``prompts`` prompts each: a CPU engine reads them in seconds."""
+    import yaml
+
+    from mla_watch.shipped import SHIPPED_REFERENCES
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in SHIPPED_REFERENCES.glob("*.yaml"):
+        document = yaml.safe_load(file.read_text())
+        document["prompts"] = document["prompts"][:prompts]
+        (directory / file.name).write_text(yaml.safe_dump(document, sort_keys=False))
+    return directory
+
+
 def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Flood, *, requests: int = 48) -> Outcome:
     """:func:`flood_scenario` beside a real vLLM at ``engine`` serving ``checkpoint``: a fresh ``mla-watch serve
-    --engine vllm --capture --engine-retune apply`` process (reference prompts read through the engine)."""
+    --engine vllm --capture --engine-retune apply`` process, its reference prompts (the shipped sets, 8 prompts
+    each) read through the engine."""
     from conftest import free_port
     from test_reliability import sidecar_process
 
@@ -248,6 +263,7 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
             port, work / "state", "--upstream", engine, "--engine", "vllm", "--model-config", str(checkpoint),
             "--capture", "--engine-retune", "apply", "--rules", str(_rules_without_waiting(work / "rules")),
             "--alert-interval", "0.5", "--reference-interval", "0",
+            "--reference-prompts", str(trimmed_references(work / "references")),
             env={"MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
                  "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners"},
             log=work / "sidecar.log"):
@@ -258,7 +274,8 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
             index += 1
         outcome.requests = index
         assert wait_until(lambda: all(entry["baseline"] for entry in httpx.get(
-            f"{url}/v1/reference", timeout=30).json()["sets"]), timeout=180, interval=1), "no reference baseline"
+            f"{url}/v1/reference", timeout=30).json()["sets"]), timeout=600, interval=1), httpx.get(
+            f"{url}/v1/reference", timeout=30).json()
         outcome.entropy_before = _code_entropy(url)
         for step in range(requests):
             _engine_post(url, "code_assistant", flood.task, flood.prompts[step % len(flood.prompts)], FLOOD_CLIENT)
