@@ -111,9 +111,12 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
         assert wait_until(paged, timeout=60, interval=0.25), (tmp_path / "sglang.log").read_text()[-3000:]
         alerts = [alert for body in (r.json() for r in list(receiver.requests)) for alert in body["alerts"]]
         assert {alert["labels"]["router"] for alert in alerts} == {COLLAPSED}  # healthy layers never page
-        # --model-config is the config.json alone: the routers' tensors cannot be read, so no job, and it says why
-        assert all("re-tuning the engine's routers is not available: --model-config" in alert["annotations"]["retune"]
-                   for alert in alerts)
+        # The upstream here is no vLLM: it cannot tokenize nor score the reference prompts, so the cause cannot be
+        # told, the page says so, and no router is re-tuned on a page whose cause is not the model.
+        assert all(alert["labels"]["cause"] == "undetermined" and "retune" not in alert["annotations"]
+                   for alert in alerts), alerts
+        assert all("could not be read through" in alert["annotations"]["cause"] for alert in alerts), alerts
+        # --model-config is the config.json alone: the routers' tensors cannot be read, and the status says why
         status = httpx.get(sglang + "/v1/status", timeout=10).json()
         assert status["engine"]["engine"] == "sglang" and "is a file: expected the engine's checkpoint directory" \
             in status["engine"]["retune"]

@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from receivers import running_receiver
 
+from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.config import ConfigError
 from mla_watch.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
@@ -186,13 +187,42 @@ def test_remote_routers_never_retune_the_local_model_and_a_failing_action_drops_
 
             assert wait_until(lambda: len({a["labels"]["router"] for a in paged()}) == 2, timeout=60)
             assert {a["labels"]["router"] for a in paged()} == {"w1/" + name for name in names}
-            for alert in paged():
-                note = alert["annotations"]["retune"]
-                assert "is not an expert router of this sidecar's model" in note
-                assert "the request failed (RuntimeError)" in note
+            for alert in paged():  # the local reference prompts cannot speak for a worker's routers
+                assert alert["labels"]["cause"] == "undetermined", alert
+                assert "holds no routing of w1/" in alert["annotations"]["cause"]
+                assert "retune" not in alert["annotations"]  # a cause that is not the model re-tunes nothing
             assert httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
             local = {r["name"]: r for r in running.probe.stats()}
             assert local[names[0]]["tokens"] == 0  # the worker's counts never reached the local router
+
+            # Were such an alert blamed on the model, the local model would still not be re-tuned for it, and a
+            # re-tuner that fails would still let its page out.
+            monkeypatch.setattr(running.alerts.engine, "causes", ModelCause())
+            other = "model.layers.3.mlp.gate"
+            body = snapshot(source="w2", routers=[router(other, 3)], deltas=[delta(other, tokens=100)])
+            assert ingest(url, body).status_code == 200
+            assert wait_until(lambda: any(a["labels"]["router"] == "w2/" + other for a in paged()), timeout=60)
+            alert = next(a for a in paged() if a["labels"]["router"] == "w2/" + other)
+            assert alert["labels"]["cause"] == "model"
+            note = alert["annotations"]["retune"]
+            assert "is not an expert router of this sidecar's model" in note
+            assert "the request failed (RuntimeError)" in note
+            assert httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
+
+
+class ModelCause:
+    """A cause judge that blames the model at once."""
+
+    wait_seconds = 0.0
+
+    def request(self, business_line, since) -> None:
+        pass
+
+    def latest(self, business_line):
+        return None
+
+    def judge(self, rule, record, since) -> Cause:
+        return Cause("model", "the reference prompts route differently now (a judge of the test)")
 
 
 # ---------------------------------------------------------------------- 7. the event loop

@@ -67,6 +67,27 @@ def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module,
     assert len(registry.versions()) == 3
 
 
+def test_version_0_recorded_unchecked_takes_its_first_health_check_once(model: torch.nn.Module,
+                                                                          tmp_path: Path) -> None:
+    registry = RouterVersions(tmp_path / "routers")
+    assert registry.record_initial_health({"passed": True, "checked": True}) is False  # no version 0 yet
+    registry.record_initial(model)  # beside an engine: recorded before the engine could be read
+    assert not registry.is_good(0)
+    assert registry.record_initial_health({"passed": False, "checked": True, "reason": "a breach"}) is True
+    assert not registry.is_good(0) and registry.manifest(0)["health"]["reason"] == "a breach"
+    assert registry.record_initial_health({"passed": True, "checked": True}) is False  # the first check stands
+    assert not registry.is_good(0)
+
+    healthy = RouterVersions(tmp_path / "healthy")
+    healthy.record_initial(model)
+    assert healthy.record_initial_health({"passed": True, "checked": True, "reason": "no rule breached"}) is True
+    assert healthy.is_good(0) and healthy.last_good() == 0
+    checked = RouterVersions(tmp_path / "checked")
+    checked.record_initial(model, {"passed": False, "checked": True, "reason": "a breach at start"})
+    assert checked.record_initial_health({"passed": True, "checked": True}) is False  # a start-up check stands
+    assert not checked.is_good(0)
+
+
 def test_record_initial_refuses_other_tensor_names(model: torch.nn.Module, tmp_path: Path) -> None:
     registry = RouterVersions(tmp_path)
     registry.record_initial(model)

@@ -290,6 +290,19 @@ class RouterVersions:
             os.replace(temporary, path)
         return manifest
 
+    def record_initial_health(self, health: Mapping[str, Any]) -> bool:
+        """Give version 0 the start-up health check it was recorded without (beside an engine the routers can be
+        judged only once the engine answers: on the first reading of the reference prompts). A check already
+        recorded is kept; True when ``health`` was recorded."""
+        with self._lock:
+            if not self._dir(0).is_dir():
+                return False
+            recorded = self._manifest(0).get("health")
+            if isinstance(recorded, Mapping) and recorded.get("checked") is not False:
+                return False
+        self.update_manifest(0, {"health": dict(health), "gates": {"passed": health.get("passed") is True}})
+        return True
+
     def manifest(self, version: int) -> dict[str, Any]:
         """The manifest of ``version`` (``ValueError`` naming the file if it cannot be read)."""
         return self._manifest(version)
