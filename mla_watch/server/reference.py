@@ -99,15 +99,13 @@ class References:
 
             health = judge_health(reading.score, alerts.rules.rules if alerts is not None else [])
             # Version 0 beside an engine is recorded before the engine can be read: its start-up health check is
-            # the first reading of the reference prompts, as the embedded model's is a scoring at start.
-            if retune is not None and reading.router_version == 0 and health.get("checked") \
+            # the first reading of a reference set on which no rule breaches (a set of odd texts that breaches on a
+            # healthy model must not condemn it; a damaged router breaches on every set).
+            if retune is not None and reading.router_version == 0 and health.get("passed") \
                     and retune.registry.record_initial_health(
                         {**health, "source": f"the reference prompts ({reading.set_name}) read through the engine"}):
-                log.log(logging.INFO if health.get("passed") else logging.WARNING,
-                        "router version 0 (the engine's routers served now) %s on the reference prompts (%s): %s",
-                        "passed its start-up health check" if health.get("passed") else
-                        "failed its start-up health check; `restore` will not put it back", reading.set_name,
-                        health.get("reason"))
+                log.info("router version 0 (the engine's routers served now) passed its start-up health check on the "
+                         "reference prompts (%s): %s", reading.set_name, health.get("reason"))
             if health.get("checked") and not health.get("passed"):
                 return f"the engine's routers breach the alert rules on them: {health.get('reason')}"
             return _not_known_good(retune) if retune is not None else None
