@@ -133,6 +133,12 @@ def _b64(value: Any) -> bytes:
         raise DataError("encoding", f"routing is not base64: {error}") from None
 
 
+# numpy parses a .npy header with ast.literal_eval, and CPython 3.11 (3.11.7 here) can fail two such parses running
+# in threads at once with "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905, seen
+# reading reference prompts 4 at a time through vLLM). One header at a time; the arrays are still read in parallel.
+_NPY_HEADER_LOCK = threading.Lock()
+
+
 def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarray:
     """A ``.npy`` file's integer array, read in place; its header must describe exactly the bytes that follow
     (``np.load`` would first allocate whatever shape a header claims)."""
@@ -141,7 +147,8 @@ def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarra
     try:
         version = np.lib.format.read_magic(stream)
         reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = reader(stream, max_header_size=_NPY_MAX_HEADER)
+        with _NPY_HEADER_LOCK:
+            shape, fortran_order, dtype = reader(stream, max_header_size=_NPY_MAX_HEADER)
     except (ValueError, OSError, EOFError, SyntaxError, TypeError) as error:
         raise DataError("encoding", f"routing is not a .npy array: {type(error).__name__}") from None
     if dtype.hasobject or dtype.kind not in "iu":
