@@ -384,6 +384,23 @@ def test_the_prober_runs_on_its_own_thread_and_stops() -> None:
     assert not any(thread.name == "mla-watch-reference" for thread in threading.enumerate())
 
 
+def test_a_set_whose_reading_failed_is_read_again_without_waiting_for_the_schedule() -> None:
+    reader = Routed()
+    reader.fail = "the engine is restarting"
+    judge = prober(reader, interval_seconds=0, retry_seconds=0.05)  # no schedule: at start and on demand only
+    judge.start()
+    try:
+        def failed() -> list:
+            return [entry["last_failure"] for entry in judge.describe()["sets"] if entry["last_failure"]]
+
+        assert wait(lambda: len(failed()) == 2)
+        reader.fail = None
+        assert wait(lambda: judge.latest("code_assistant") is not None)  # read again, unasked
+        assert failed() == []
+    finally:
+        judge.stop()
+
+
 def test_reference_prompts_that_come_back_without_routing_leave_the_band_unjudged_and_perplexity_decides() -> None:
     gate = ReferenceGate(lambda: sets("code_assistant"), ReferenceBaselines())
     unrouted = ModelScore(perplexity=2.0, tokens=480, routers={}, losses=[10.0] * 8, counts=[60] * 8)

@@ -4,7 +4,7 @@
 ``interval_seconds``, and the sets of a business line whenever an alert on that line goes pending
 (:meth:`ReferenceProber.request`, as the alert engine's :class:`~mla_watch.alerting.causes.CauseJudge`).
 While the routers serving are known to be good, a set's reading is its healthy baseline (learned again when
-another known-good router version serves).
+another known-good router version serves). A set whose reading failed is read again ``retry_seconds`` later.
 
 The cause of an alert on a router and a line (:meth:`ReferenceProber.judge`), from the line's sets read since
 the alert went pending:
@@ -52,6 +52,7 @@ class ReferenceSettings:
     wait_seconds: float = 120.0  # an alert due to fire waits this long past its `for` for the reading it asked for
     tolerance_bits: float = DEFAULT_TOLERANCE_BITS  # JS from the set's baseline beyond which the model changed
     rate: float = 16.0  # reference prompts a second, at most, to an engine beside the sidecar
+    retry_seconds: float = 30.0  # a set whose reading failed (an engine restarting, a full queue) is read again then
 
     def problems(self) -> list[str]:
         checks = [("--reference-interval", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
@@ -93,6 +94,7 @@ class ReferenceProber:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._retry_at: dict[str, float] = {}  # a set whose reading failed, read again then (monotonic)
         self.readings_taken = 0
 
     @property
@@ -115,20 +117,24 @@ class ReferenceProber:
         # Every set once at start, whatever the interval: a baseline learned while the routers are known good is what
         # later readings are compared with, and damage done in place later changes no router version.
         self._wanted |= set(self._sets().sets)
-        due = time.monotonic() + interval
+        due = time.monotonic() + interval if interval else math.inf
         while not self._stop.is_set():
-            timeout = None if not interval else max(0.0, due - time.monotonic())
+            with self._lock:
+                next_at = min([due, *self._retry_at.values()])
+            timeout = None if next_at == math.inf else max(0.0, next_at - time.monotonic())
             if not self._wanted and (timeout is None or timeout > 0):
                 self._wake.wait(timeout)
             self._wake.clear()
             if self._stop.is_set():
                 return
-            scheduled = bool(interval) and time.monotonic() >= due
+            now = time.monotonic()
             with self._lock:
                 names, self._wanted = set(self._wanted), set()
-            if scheduled:
+                retries = {name for name, at in self._retry_at.items() if at <= now}
+            names |= retries
+            if now >= due:
                 names |= set(self._sets().sets)
-                due = time.monotonic() + interval
+                due = now + interval
             try:
                 self.read_now(sorted(names))
             except Exception:  # the prober must outlive whatever one round hits
@@ -157,14 +163,16 @@ class ReferenceProber:
             why = f"{type(error).__name__}: {str(error)[:300]}"
             with self._lock:
                 self._failures[reference.name] = (self._clock(), why)
-            log.warning("the reference prompts of %s could not be read through %s: %s", reference.name,
-                        self.reader.where, why)
+                self._retry_at[reference.name] = time.monotonic() + self.settings.retry_seconds
+            log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
+                        reference.name, self.reader.where, self.settings.retry_seconds, why)
             return None
         reading = ReferenceReading(reference.name, reference.version, reference.digest, self._clock(), version,
                                    score, time.monotonic() - started)
         with self._lock:
             self._readings[reference.name] = reading
             self._failures.pop(reference.name, None)
+            self._retry_at.pop(reference.name, None)
             self.readings_taken += 1
         self._learn(reading)
         if self._on_reading is not None:
