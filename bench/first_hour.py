@@ -40,11 +40,12 @@ def environment(**extra: str) -> dict[str, str]:
     return {**keep, **extra}
 
 
-def timed(args: list[str], **extra: str) -> tuple[float, subprocess.CompletedProcess]:
+def timed(args: list[str], *, fails: bool = False, **extra: str) -> tuple[float, subprocess.CompletedProcess]:
+    """Seconds ``mla-watch ARGS`` took; a command that fails stops the run unless ``fails`` (then it is reported)."""
     started = time.monotonic()
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800, cwd=ROOT,
                           env=environment(**extra), check=False)
-    if done.returncode != 0:
+    if done.returncode != 0 and not fails:
         raise SystemExit(f"mla-watch {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return time.monotonic() - started, done
 
@@ -105,9 +106,11 @@ def measure(skip: set[str], work: Path) -> dict[str, Any]:
         figures["rules_export_s"], _ = timed(["rules", "export", "--fleet", "--out", str(work / "fleet.yml")])
         print(f"  rules export --fleet: {figures['rules_export_s']:.1f} s", flush=True)
     if "demo" not in skip:
-        figures["demo_s"], _ = timed(["demo", "--no-live", "--out", str(work / "demo")])
-        figures["demo_events_s"] = json.loads((work / "demo" / "summary.json").read_text())["events_seconds"]
-        print(f"  demo: {figures['demo_s']:.1f} s, {figures['demo_events_s']}", flush=True)
+        figures["demo_s"], done = timed(["demo", "--no-live", "--out", str(work / "demo")], fails=True)
+        summary = json.loads((work / "demo" / "summary.json").read_text())
+        figures["demo_ok"], figures["demo_events_s"] = summary["ok"], summary["events_seconds"]
+        figures["demo_job"] = summary["job"]
+        print(f"  demo: {figures['demo_s']:.1f} s, exit {done.returncode}, {figures['demo_events_s']}", flush=True)
     figures["load_after"] = os.getloadavg()
     return figures
 
@@ -134,8 +137,11 @@ def report(figures: dict[str, Any]) -> None:
     if "routing_s" in figures:
         print(f"  one intra-op thread / two, routing: x{figures['routing_s'] / figures['routing_2_threads_s']:.3f}")
     if "demo_events_s" in figures:
-        print("  demo steps (s after its start): " + ", ".join(f"{step} {seconds:g}"
-                                                                 for step, seconds in figures["demo_events_s"].items()))
+        print(f"  demo {'closed the loop' if figures['demo_ok'] else 'FAILED'}; its steps (s after its start): "
+              + ", ".join(f"{step} {seconds:g}" for step, seconds in figures["demo_events_s"].items()))
+        timings = (figures["demo_job"] or {}).get("timings") or {}
+        if timings:
+            print("  demo's re-tune job: " + ", ".join(f"{key} {value}" for key, value in timings.items()))
 
 
 def main() -> int:

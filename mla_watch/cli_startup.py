@@ -25,6 +25,7 @@ import os
 import re
 import socket
 import sys
+import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -367,7 +368,15 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help ends with its default, unless the help already says it or there is none to say."""
+    """Each flag's help ends with its default, unless the help already says it or there is none to say; lines
+    are never broken inside a word (argparse breaks at hyphens: a URL, a flag, ``docs/status-page.md``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,8 @@ def demo(out, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
-    run = demo(tmp_path)  # piped: every event line is there, without the live view's redraws
+    port = free_port()
+    run = demo(tmp_path, "--port", str(port))  # piped: every event line is there, without the live view's redraws
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] and all(summary["steps"].values())
@@ -43,7 +45,7 @@ def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
     assert "\x1b[" not in out and "None" not in out  # no cursor movement, no Python None
     urls = re.findall(r"^mla-watch demo: the status page, open while the demo runs: (http://127\.0\.0\.1:\d+/)$", out,
                       re.MULTILINE)
-    assert len(urls) == 1, out  # once, early, a line to open
+    assert urls == [f"http://127.0.0.1:{port}/"], out  # once, early, a line to open, on the port asked for
     assert out.index(urls[0]) < out.index("healthy traffic served")
     lines = out.splitlines()
     assert "mla-watch demo: policy: code_assistant/code: temperature 0.9 -> 0.3" in lines  # the clamp
@@ -54,6 +56,10 @@ def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
     resolved = [line for line in lines if line.startswith("mla-watch demo: resolved: RoutingEntropyLow on "
                                                           "model.layers.1.mlp.gate")]
     assert len(paged) == 1 and re.search(r": \d\.\d\d bits, below 5\.0$", paged[0]), out
+    # The summary's entropy at the page is the page's own, and the page's job is said after the page.
+    assert paged[0].endswith(f": {bits['at the page']:.2f} bits, below 5.0"), (paged[0], bits)
+    jobs = [line for line in lines if line.startswith("mla-watch demo: re-tune: job ")]
+    assert jobs and lines.index(paged[0]) < lines.index(jobs[0]), out
     assert len(resolved) == 1 and re.search(r": \d\.\d\d bits, back above 5\.2$", resolved[0]), out
     assert all("is below" not in line for line in lines if "resolved:" in line)
     assert lines.index(paged[0]) < lines.index(resolved[0])
