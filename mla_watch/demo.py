@@ -2,7 +2,7 @@
 
 It starts the sidecar (traffic capture on) and a local webhook receiver standing in for
 on-call, drives traffic for the four business lines (code and SQL requests ask for sampling
-the policies clamp or refuse), injects a router collapse into MoE layer 1 (+10 on the
+the policies clamp or refuse), injects a router collapse into MoE layer 1 (+2 on the
 correction bias of six experts), and shows live what follows: the page, the ``bias`` re-tune
 job, its promotion, entropy back in band, the alert resolving. At the end it writes
 ``timeline.png`` (entropy per layer with the thresholds and the events) and ``summary.json``,
@@ -42,6 +42,8 @@ from mla_watch.alerting.examples import entropy_low_rules
 __all__ = ["STEPS", "DemoResult", "run_demo"]
 
 COLLAPSED = "model.layers.1.mlp.gate"
+# Router scores are sigmoids, in (0, 1): +2 on six experts' correction bias makes them every token's choice.
+FAULT_BIAS = 2.0
 FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
 STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
                           "entropy back in band", "alert resolved")
@@ -272,6 +274,21 @@ def alert_line(alert: dict[str, Any]) -> str:
     return f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
 
 
+def job_line(job: dict[str, Any]) -> str:
+    """A re-tune job as the demo shows it: its status, the version it promoted, and why a candidate was rejected
+    (a job waiting after a rejection tries again on newer traffic)."""
+    result = job.get("result") or {}
+    line = f"job {job['id']} ({result.get('strategy') or '/'.join(job['spec']['strategies'])}): {job['status']}"
+    if result.get("version"):
+        line += f" -> router version {result['version']}"
+    rejected = [a for a in result.get("attempts") or [] if a.get("outcome") == "rejected"]
+    if rejected:
+        line += f", {rejected[0].get('strategy')} rejected: {' '.join(str(rejected[0].get('reason')).split())[:240]}"
+    elif job["status"] == "waiting":
+        line += " for more captured traffic"
+    return line
+
+
 def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
     """The adjustments that changed a value the request asked for ("requested -> applied"); the
     defaults a policy filled in where the request said nothing are no event."""
@@ -309,10 +326,13 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     job: dict[str, Any] | None = None
     prompts = {domain: itertools.cycle(corpus.prompts(domain, 40, seed=2024)) for domain in corpus.DOMAINS}
     # The job runs once 48 samples are captured (36 to train on, a quarter held out), trying again every second
-    # until then: a bias fitted on fewer lands farther from the healthy routing the reference prompts' gate
-    # compares with (0.061 bits of drift on 24 training samples here, over its 0.05; 0.023 on 36).
+    # until then, and re-fits the bias in steps of 0.02 (default 0.05): a bias fitted on fewer samples, or in
+    # coarser steps, lands farther from the healthy routing the reference prompts' gate compares with (its
+    # limit is 0.05 bits; 0.008-0.014 in steps of 0.02 on 36 samples, 0.018-0.024 in steps of 0.05, up to
+    # 0.061 on 24).
     config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
-                          window_tokens=192, capture=True, retune=RetuneSettings(min_samples=48, retry_seconds=1.0),
+                          window_tokens=192, capture=True, retune=RetuneSettings(
+                              min_samples=48, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
                           history_interval_seconds=1.0, policy_poll_seconds=None, admin_token=None, public_url=url)
     try:
         sidecar = Sidecar(config)
@@ -347,12 +367,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                 # The page's job is shown once on-call has the page that says it started.
                 jobs = client.get("/v1/retune/jobs").json()["jobs"] if receiver.seen("firing") else []
                 for job in reversed(jobs):  # oldest first
-                    result = job.get("result") or {}
-                    view.event("re-tune", f"job {job['id']} "
-                                          f"({result.get('strategy') or '/'.join(job['spec']['strategies'])}): "
-                                          f"{job['status']}"
-                               + (f" -> router version {result['version']}" if result.get("version") else "")
-                               + (" for more captured traffic" if job["status"] == "waiting" else ""))
+                    view.event("re-tune", job_line(job))
                 view.refresh()
 
             def request() -> None:
@@ -373,25 +388,43 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     view.event("policy", change, counted=True)
                 sample()
 
-            def until(condition: Any, phase: str, limit: float) -> bool:
+            def until(condition: Any, phase: str, limit: float, busy: Any = lambda: False) -> bool:
+                """Traffic until ``condition``; while ``busy()`` (the sidecar at work on what the phase waits for:
+                an alert's cause being read, a job fitting) none is sent, only the routing read: on 2 cores more
+                requests would only slow that work down."""
                 view.say(phase)
                 deadline = time.monotonic() + limit
                 while not condition():
                     if time.monotonic() > deadline or time.monotonic() - started > timeout:
                         notes.append(f"gave up waiting: {phase}")
                         return False
-                    request()
+                    if busy():
+                        sample()
+                        time.sleep(0.25)
+                    else:
+                        request()
                 return True
+
+            def references_learned() -> bool:  # every set of reference prompts read on the healthy routers
+                document = client.get("/v1/reference").json()
+                return bool(document.get("available")) and all(s["baseline"] for s in document["sets"])
 
             for _ in range(16):
                 request()
+            # A fault injected before the reference prompts' healthy routing is learned would be learned as healthy,
+            # and every candidate judged against it.
+            until(references_learned, "healthy traffic while the reference prompts' healthy routing is learned", 120)
             view.say("healthy traffic served")
             if inject_fault:
                 with sidecar.model_worker.model_lock, torch.no_grad():
-                    sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+                    sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += FAULT_BIAS
                 events["fault injected"] = now()
-                view.say(f"fault injected: +10 on six experts' correction bias of {COLLAPSED}")
-            if until(lambda: receiver.seen("firing"), "waiting for the page", 120):
+                view.say(f"fault injected: +{FAULT_BIAS:g} on six experts' correction bias of {COLLAPSED}")
+            def pending() -> bool:  # the alert is due: its cause is being read through the model
+                return any(a["state"] == "pending" and a["labels"].get("router") == COLLAPSED
+                           for a in client.get("/v1/alerts").json()["alerts"])
+
+            if until(lambda: receiver.seen("firing"), "waiting for the page", 120, busy=pending):
                 events["on-call paged"] = now()
 
                 def job_done() -> bool:  # one promoted, or every one ended (a job short of data waits: not yet)
@@ -399,7 +432,10 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     return bool(jobs) and (any(j["status"] == "promoted" for j in jobs)
                                            or all(j["status"] in FINAL_STATUSES for j in jobs))
 
-                if until(job_done, "the re-tune job runs (bias re-fit on the captured traffic)", 300):
+                def fitting() -> bool:  # a job has the data it needs and runs: traffic would only slow it down
+                    return any(j["status"] == "running" for j in client.get("/v1/retune/jobs").json()["jobs"])
+
+                if until(job_done, "the re-tune job runs (bias re-fit on the captured traffic)", 300, busy=fitting):
                     jobs = client.get("/v1/retune/jobs").json()["jobs"]
                     job = next((j for j in jobs if j["status"] == "promoted"), jobs[0])
                     if job["status"] == "promoted":
