@@ -387,6 +387,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 if evaluated is None or evaluated < measure_from or evaluated in rounds:
                     continue
                 group = prometheus.rule_groups()[FLEET_GROUP_NAME]
+                failed = [rule for rule in group["rules"] if rule.get("lastError")]
+                if failed:  # a recording that fails records nothing, and every rule after it reads nothing new
+                    raise SystemExit("rules that failed in Prometheus: " + "; ".join(
+                        f"{rule['name']}: {rule['lastError']} after {float(rule['evaluationTime']):.1f} s"
+                        for rule in failed) + f" (the fleet group took {group.get('evaluationTime', 0):.1f} s; "
+                        "Prometheus' --query.timeout, 2m by default, bounds each rule)")
                 rounds[evaluated] = {
                     "fleet_s": group_value(samples, "prometheus_rule_group_last_duration_seconds", FLEET_GROUP_NAME),
                     "replica_s": group_value(samples, "prometheus_rule_group_last_duration_seconds",
