@@ -22,6 +22,7 @@ from mla_watch.alerting.fleet import (
     DEFAULT_OUTLIER_FACTOR,
     DEFAULT_REPLICA_LABEL,
     DEFAULT_WINDOW_SECONDS,
+    FLEET_SCALE_NOTE,
     OUTLIER_FOR_SECONDS,
     SCOPE_LABEL,
     FleetOptions,
@@ -244,6 +245,8 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
         alerts, recordings = _rule_counts(text)
         print(f"wrote {alerts} alert{'s' * (alerts != 1)} and {recordings} recording rule{'s' * (recordings != 1)} "
               f"to {args.out}", file=sys.stderr)
+    if fleet is not None:  # the file's header says it too; a file written to stdout must stay a rule file
+        print(f"note: {' '.join(FLEET_SCALE_NOTE.split())}", file=sys.stderr)
     return 0
 
 
