@@ -87,7 +87,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
         import mla_watch
+        from mla_watch.progress import Progress
 
+        sys.stdout.flush()  # what was found so far, before the wait
+        Progress("mla-watch check").say(f"loading the model {args.model} to lint the rules against its routers")
         try:
             model, _ = mla_watch.load_model(args.model, device="cpu")
         except (OSError, ValueError, ImportError, KeyError, TypeError, RuntimeError) as error:

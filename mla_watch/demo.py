@@ -9,9 +9,10 @@ job, its promotion, entropy back in band, the alert resolving. At the end it wri
 and exits 1 if any step of the loop did not happen.
 
 The rule is the shipped RoutingEntropyLow over every line summed, with ``for: 0s`` and windows of
-192 tokens per line, and the job tries again every second until 48 samples are captured, so that the loop
-fits in about a minute on 2 CPU cores (docs/first-hour.md); it trains on the traffic captured from every line.
-Everything else is what ``mla-watch serve`` runs.
+192 tokens per line, the job's samples captured before the fault, and no traffic while the sidecar reads the
+alert's cause or fits the job, so that the loop takes two to three minutes on 2 shared CPU cores
+(docs/first-hour.md); the job trains on the traffic captured from every line. Everything else is what
+``mla-watch serve`` runs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ __all__ = ["STEPS", "DemoResult", "run_demo"]
 COLLAPSED = "model.layers.1.mlp.gate"
 # Router scores are sigmoids, in (0, 1): +2 on six experts' correction bias makes them every token's choice.
 FAULT_BIAS = 2.0
+JOB_SAMPLES = 48  # captured samples the re-tune job waits for (see run_demo)
 FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
 STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
                           "entropy back in band", "alert resolved")
@@ -325,14 +327,14 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     notes: list[str] = []
     job: dict[str, Any] | None = None
     prompts = {domain: itertools.cycle(corpus.prompts(domain, 40, seed=2024)) for domain in corpus.DOMAINS}
-    # The job runs once 48 samples are captured (36 to train on, a quarter held out), trying again every second
+    # The job runs once JOB_SAMPLES are captured (36 to train on, a quarter held out), trying again every second
     # until then, and re-fits the bias in steps of 0.02 (default 0.05): a bias fitted on fewer samples, or in
     # coarser steps, lands farther from the healthy routing the reference prompts' gate compares with (its
     # limit is 0.05 bits; 0.008-0.014 in steps of 0.02 on 36 samples, 0.018-0.024 in steps of 0.05, up to
     # 0.061 on 24).
     config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
                           window_tokens=192, capture=True, retune=RetuneSettings(
-                              min_samples=48, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
+                              min_samples=JOB_SAMPLES, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
                           history_interval_seconds=1.0, policy_poll_seconds=None, admin_token=None, public_url=url)
     try:
         sidecar = Sidecar(config)
@@ -413,7 +415,13 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                 request()
             # A fault injected before the reference prompts' healthy routing is learned would be learned as healthy,
             # and every candidate judged against it.
-            until(references_learned, "healthy traffic while the reference prompts' healthy routing is learned", 120)
+            def served() -> int:  # requests answered: each one captured
+                return sum(count for key, count in requests.items() if key.endswith(" 200"))
+
+            # The job's samples are captured before the fault too, while the reference prompts are read: once paged,
+            # it runs at once.
+            until(lambda: references_learned() and served() >= JOB_SAMPLES,
+                  "healthy traffic while the reference prompts' healthy routing is learned", 120)
             view.say("healthy traffic served")
             if inject_fault:
                 with sidecar.model_worker.model_lock, torch.no_grad():
