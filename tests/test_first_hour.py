@@ -220,11 +220,17 @@ def test_readyz_follows_whether_the_upstream_answers(tmp_path) -> None:
         assert status["ready"] is False and status["upstream_problem"] == sick["problems"][0]
         engine.sick = False
         assert wait_until(lambda: httpx.get(url + "/readyz", timeout=10).status_code == 200, 30)
-    # Stopped: nothing listens there any more.
-    with running_sidecar(upstream=upstream, rules=None, decode_workers=0, upstream_check_seconds=0.2) as (url, _):
+    # Stopped: nothing listens there any more. Beside vLLM, the status page's engine problems say it first.
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
+                                  "n_routed_experts": 8, "num_experts_per_tok": 2}))
+    with running_sidecar(upstream=upstream, rules=None, decode_workers=0, upstream_check_seconds=0.2,
+                         engine="vllm", model_config=config, engine_retune="off") as (url, _):
         dead = httpx.get(url + "/readyz", timeout=10)
         assert dead.status_code == 503 and dead.json()["status"] == "upstream_unavailable"
         assert dead.json()["problems"][0].startswith(f"the upstream at {upstream} cannot be reached (ConnectError")
+        engine = httpx.get(url + "/v1/status", timeout=10).json()["engine"]
+        assert engine["problems"][0] == dead.json()["problems"][0]
 
 
 # ---------------------------------------------------------------------------------------------- the command line
