@@ -20,7 +20,7 @@ from mla_watch.cli_startup import FlagError, Parser
 
 __all__ = ["DEMO_DURATION", "main"]
 
-DEMO_DURATION = "two to three minutes"  # measured on 2 shared CPU cores: docs/first-hour.md
+DEMO_DURATION = "about a minute"  # on 2 CPU cores, two to three when others share them (docs/first-hour.md)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -10,9 +10,9 @@ and exits 1 if any step of the loop did not happen.
 
 The rule is the shipped RoutingEntropyLow over every line summed, with ``for: 0s`` and windows of
 192 tokens per line, the job's samples captured before the fault, and no traffic while the sidecar reads the
-alert's cause or fits the job, so that the loop takes two to three minutes on 2 shared CPU cores
-(docs/first-hour.md); the job trains on the traffic captured from every line. Everything else is what
-``mla-watch serve`` runs.
+alert's cause or fits the job, so that the loop takes about a minute on 2 CPU cores (two to three when
+other work shares them: docs/first-hour.md); the job trains on the traffic captured from every line.
+Everything else is what ``mla-watch serve`` runs.
 """
 
 from __future__ import annotations
