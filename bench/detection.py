@@ -104,7 +104,8 @@ def fault_scenarios(model, tokenizer) -> list[dict]:
                   f"{fault.within_tokens * 2} tokens")
             continue
         print(f"fault {fault.name} on {fault.router} ({fault.note}): {fault.alertname} paged "
-              f"{result['tokens_after_onset']} tokens after the onset (budget {fault.within_tokens}); lowest "
+              f"{result['tokens_after_onset']} tokens after the onset (budget {fault.within_tokens}), cause "
+              f"{result['cause']}; lowest "
               f"entropy of its lines then {result['entropy_bits_then']:.3f} bits; its pages: "
               f"{', '.join(result['other_pages'])}; false pages before the onset: "
               f"{result['false_pages_before_onset']}")

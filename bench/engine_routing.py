@@ -22,7 +22,8 @@ ids: 1.3 MB of base64 in vLLM's field, 5.2 MB in SGLang's. The goal: decoding an
   routing on (``--engine vllm|sglang``, the engine returns the routing) and off (``--engine none``,
   the engine returns the same body without it), ``--requests`` sequential requests per variant,
   the four variants interleaved request by request so that the shared machine's drift hits them
-  alike; client-side p50, added = p50(on) - p50(off), and their ratio;
+  alike; client-side p50, added = p50(on) - p50(off), and their ratio. The decoding process starts
+  with the first answer to count: one is counted before anything is timed;
 * the event loop meanwhile: a thread polls the routing proxy's ``/healthz`` every 20 ms; its
   p50/p99 during the routing-on requests against at rest (before them), as bench/attacks.py
   does. Once more with ``--decode-workers 0`` (decoding in a thread, which holds the GIL) at the
@@ -262,6 +263,11 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
             "--history-interval", "3600"]
     with sidecar_process(*args) as (proxy, _), HealthPoller(proxy) as poller, \
             httpx.Client(timeout=60) as client:
+        # The decoding process starts with the first answer to count: started before anything is timed.
+        warm = client.post(proxy + "/v1/completions", json={"prompt": key(engine, min(sizes), True), "max_tokens": 16})
+        if warm.status_code != 200:
+            raise RuntimeError(f"the {engine} proxy's first answer: {warm.status_code} {warm.text[:300]}")
+        wait_counted(client, proxy, engine, 1)
         started = time.monotonic()
         time.sleep(rest_seconds)
         run.rest = poller.between(started, time.monotonic())
@@ -306,20 +312,26 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
                 f"healthz_added_p50_ms_{name}": during.p50_ms - run.rest.p50_ms,
                 f"healthz_added_p99_ms_{name}": during.p99_ms - run.rest.p99_ms,
             })
-        expected = len(sizes) * (requests + 3)
-        waited = time.monotonic()
-        while True:  # the routing is counted after each answer: the last ones may still be in the queue
-            counted = metric(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine,
-                             outcome="counted")
-            if counted >= expected or time.monotonic() - waited > 30:
-                break
-            time.sleep(0.1)
+        expected = len(sizes) * (requests + 3) + 1  # and the first answer
+        counted = wait_counted(client, proxy, engine, expected)
         if counted != expected:
             raise RuntimeError(f"the {engine} proxy counted the routing of {counted} responses, expected {expected}")
     suffix = "_thread" if workers == 0 else ""
     run.figures.update({f"healthz_rest_p50_ms_{engine}{suffix}": run.rest.p50_ms,
                         f"healthz_rest_p99_ms_{engine}{suffix}": run.rest.p99_ms})
     return run
+
+
+def wait_counted(client: httpx.Client, proxy: str, engine: str, expected: int, timeout: float = 60) -> float:
+    """The answers whose routing ``proxy`` counted, once there are ``expected`` (or ``timeout`` has passed): the
+    routing is counted after each answer, the last ones may still be in the queue."""
+    waited = time.monotonic()
+    while True:
+        counted = metric(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine,
+                         outcome="counted")
+        if counted >= expected or time.monotonic() - waited > timeout:
+            return counted
+        time.sleep(0.1)
 
 
 def check_stripped(document: dict[str, Any], engine: str) -> None:

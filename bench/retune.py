@@ -79,7 +79,7 @@ def inject(model: torch.nn.Module, fault: str) -> None:
             gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(5)))
 
 
-PROMPTS = corpus.prompts("code", 64, seed=31)  # function signatures, ~25 tokens each: what the gate scores
+PROMPTS = corpus.prompts("code", 128, seed=31)  # function signatures, ~20 tokens each: what the gate scores
 
 
 def send(url: str, count: int, start: int) -> None:
@@ -292,11 +292,11 @@ def main() -> None:
                   f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
     if broken is not None:
         print(f"\ndeployed_broken, four short chat prompts in turn: closed {broken['closed']} of {len(broken['runs'])}")
-        for number, run in enumerate(broken["runs"]):
-            print(f"  run {number}: first page {seconds(run['fired_after_s'])} s, every layer-1 alert resolved "
-                  f"{seconds(run['resolved_after_s'])} s after the first request ({run['requests']} requests); "
-                  f"layer 1 {run['bits_before'] or 0:.2f} -> {run['bits_after'] or 0:.2f} bits; jobs {run['jobs']}; "
-                  f"promoted by {run['promoted_by']} ({run['checks']})")
+        for number, replay in enumerate(broken["runs"]):
+            print(f"  run {number}: first page {seconds(replay['fired_after_s'])} s, every layer-1 alert resolved "
+                  f"{seconds(replay['resolved_after_s'])} s after the first request ({replay['requests']} requests); "
+                  f"layer 1 {replay['bits_before'] or 0:.2f} -> {replay['bits_after'] or 0:.2f} bits; "
+                  f"jobs {replay['jobs']}; promoted by {replay['promoted_by']} ({replay['checks']})")
     if engine is not None:
         print(f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic; alert -> promoted "
               f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s; the candidate "

@@ -169,6 +169,41 @@ def server_specs(args: list[str]) -> list[Spec]:
     ]
 
 
+# -- proxy_hop -----------------------------------------------------------------------------------------------------
+
+def proxy_hop_specs(args: list[str]) -> list[Spec]:
+    def added(arm: str, kind: str) -> Callable[[Figures], str]:
+        def value(f: Figures) -> str:
+            n = f"{arm}_{kind}"
+            text = f"{f[f'{n}_added_p50_ms']:+.2f} ms (p95 {f[f'{n}_added_p95_ms']:+.2f} ms)"
+            if arm == "mla_watch" and f"{n}_share_of_litellm" in f:
+                text += f", {f[f'{n}_share_of_litellm']:.3f} of LiteLLM's {f[f'litellm_{kind}_added_p50_ms']:+.2f} ms"
+            return text
+        return value
+
+    def plain_met(kind: str) -> Callable[[Figures], bool]:
+        def met(f: Figures) -> bool:
+            share = f.get(f"mla_watch_{kind}_share_of_litellm")
+            return f[f"mla_watch_{kind}_added_p50_ms"] <= 2.0 and (share is None or share <= 0.15)
+        return met
+
+    def memory(f: Figures) -> str:
+        rss = f["rss"]
+        text = ", ".join(f"{arm} {kib / 1024:.0f} MiB in {count}" for arm, (kib, count) in rss.items())
+        return text + (f" (x{rss['mla_watch'][0] / rss['litellm'][0]:.2f} LiteLLM's)" if "litellm" in rss else "")
+
+    specs = [Spec(f"plain hop added, {kind}", "straight to the same fake engine, same round", added("mla_watch", kind),
+                  "<= +2 ms at p50 and <= 0.15 of LiteLLM's", plain_met(kind))
+             for kind in ("completion", "chat", "stream_end", "stream_first")]
+    specs.append(Spec("resident memory after the run, process trees", "LiteLLM's proxy, same run", memory,
+                      "plain <= LiteLLM's", lambda f: "litellm" not in f["rss"]
+                      or f["rss"]["mla_watch"][0] <= f["rss"]["litellm"][0]))
+    if "--no-engine" not in args:
+        specs += [Spec(f"--engine vllm added, {kind}, 2,000 tokens of routing", "straight to the same fake vLLM engine",
+                       added("mla_watch_vllm", kind)) for kind in ("completion", "chat", "stream_end")]
+    return specs
+
+
 # -- detection -----------------------------------------------------------------------------------------------------
 
 def detection_specs(args: list[str]) -> list[Spec]:
@@ -386,6 +421,7 @@ BENCHES = [
     Bench("probe_overhead", ["--only", "bundled", "--alternations", "20"],
           ["--alternations", "40", "--instructions"], probe_specs),
     Bench("server_overhead", ["--requests", "50", "--load-requests", "16"], ["--requests", "150"], server_specs),
+    Bench("proxy_hop", ["--rounds", "40", "--load-requests", "100"], ["--rounds", "240"], proxy_hop_specs),
     Bench("detection", ["--healthy-tokens", "20000"], ["--healthy-tokens", "20000"], detection_specs),
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),

@@ -150,7 +150,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     beside.add_argument("--model-config", type=Path,
                         help="the config.json the engine loaded, or its directory: where the MoE layers are")
     beside.add_argument("--decode-workers", type=non_negative_int, default=ServerConfig.decode_workers,
-                        help="processes decoding routing off the event loop; 0: a thread (default %(default)s)")
+                        help="processes decoding routing off the event loop, at most: started when an answer needs "
+                             "one, stopped after 60 s without work; 0: a thread (default %(default)s)")
     beside.add_argument("--count-queue-bytes", type=byte_size, default=ServerConfig.count_queue_bytes,
                         help="engine answers waiting to have their routing counted, after the client has them; an "
                              "answer that finds it full is not counted (default 256M)")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -14,8 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 import uvicorn
+
+# Fails the run naming any process the tests started that is still running at its end (tests/processes.py).
+pytest_plugins = ["process_guard"]
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_POLICIES = REPO / "policies"
@@ -56,8 +59,8 @@ def tmpfs(directory: Path, options: str) -> Iterator[Path]:
     """
     directory.mkdir()
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-                                 capture_output=True, text=True, timeout=30, check=False)
+        mounted = processes.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+                                capture_output=True, text=True, timeout=30, check=False)
     except FileNotFoundError:
         pytest.fail("no mount command: these tests need root with CAP_SYS_ADMIN to mount a tmpfs")
     if mounted.returncode != 0:
@@ -65,8 +68,8 @@ def tmpfs(directory: Path, options: str) -> Iterator[Path]:
     try:
         yield directory
     finally:  # lazily where a file is still open there (an in-process sidecar's outbox)
-        if subprocess.run(["umount", str(directory)], capture_output=True, timeout=30, check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
+        if processes.run(["umount", str(directory)], capture_output=True, timeout=30, check=False).returncode != 0:
+            processes.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
 
 
 def free_port() -> int:

@@ -6,7 +6,9 @@ line (serve's default), a healthy baseline learned per router and line once a wi
 tokens (serve's default; learning trusted because the model passed the start-up health check, which
 runs here too), the shipped rules with every ``for:`` set to 0 s (a replay runs faster than traffic:
 any breach pages at once, the harshest setting), judged after every request, and pages delivered by
-the real outbox to a real webhook receiver on loopback. A page is a firing alert the receiver got.
+the real outbox to a real webhook receiver on loopback. A page is a firing alert the receiver got; its
+cause is judged from the shipped reference prompts, read through the model at start and whenever an alert
+goes pending.
 
 The business lines are the corpus' four domains (chat, code, SQL, summaries). Faults are injected on
 the correction bias of one router, DeepSeek's ``e_score_correction_bias`` (what a bad checkpoint or a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -31,8 +34,12 @@ import mla_watch
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.baselines import DEFAULT_LEARN_TOKENS, Baselines
+from mla_watch.cause.prober import ReferenceProber
+from mla_watch.cause.prompts import load_reference_dir
+from mla_watch.cause.readers import ModelReader
+from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.models import corpus
-from mla_watch.shipped import SHIPPED_RULES
+from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES
 from mla_watch.windows import RouterStats
 
 __all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
@@ -50,6 +57,15 @@ class Page:
     business_line: str
     tokens: int  # replayed before it reached the receiver, from the replay's start
     summary: str
+    cause: str = ""  # model, traffic or undetermined: the label the page carries
+
+
+class ReadAtOnce(ReferenceProber):
+    """The reference prompts read as serve reads them, but at once when an alert asks (a replay runs faster
+    than traffic, and judges after every request): no thread."""
+
+    def request(self, business_line: str | None, since: float) -> None:
+        self.read_now([reference.name for reference in self._sets().for_line(business_line)])
 
 
 @dataclass
@@ -96,7 +112,11 @@ class Watched:
         self.baselines = Baselines(learn_tokens=learn_tokens)
         self.baselines.trust(healthy_trusted(model, tokenizer, rules))
         self.probe.windows.baselines = self.baselines
-        self.service = AlertService(self.rules, state, records=self._records)
+        references = load_reference_dir(SHIPPED_REFERENCES)
+        self.prober = ReadAtOnce(lambda: references, ModelReader(model, tokenizer, threading.Lock()),
+                                 ReferenceBaselines(), trusted=lambda reading: self.baselines.not_learning)
+        self.prober.read_now()  # at start, as serve does: each set's healthy baseline
+        self.service = AlertService(self.rules, state, records=self._records, causes=self.prober)
         self.tokens = 0
         self.requests = 0
         self._pages: list[Page] = []
@@ -147,7 +167,7 @@ class Watched:
                     labels = alert["labels"]
                     self._pages.append(Page(labels["alertname"], labels.get("router", ""),
                                             labels.get("business_line", ""), self.tokens,
-                                            alert["annotations"].get("summary", "")))
+                                            alert["annotations"].get("summary", ""), labels.get("cause", "")))
         self._seen = len(requests)
         return list(self._pages)
 
@@ -252,6 +272,7 @@ def fault_replay(model: torch.nn.Module, tokenizer: Any, fault: Fault, limit_tok
                     "paged": paged, "tokens_after_onset": None if first is None else first.tokens - onset,
                     "within_tokens": fault.within_tokens, "false_pages_before_onset": len(before),
                     "baselines_at_onset": learned, "summary": None if first is None else first.summary,
+                    "cause": None if first is None else first.cause,
                     "entropy_bits_then": round(lowest, 3),  # the lowest of its lines when it paged
                     "other_pages": sorted({p.alertname for p in replay.pages() if p.router == fault.router}),
                     "seconds": round(time.perf_counter() - started, 1)}

@@ -28,7 +28,7 @@ from receivers import running_receiver
 from mla_watch.models import corpus
 from mla_watch.shipped import SHIPPED_RULES
 
-__all__ = ["FLOODS", "Flood", "Outcome", "damage_scenario", "flood_scenario"]
+__all__ = ["FLOODS", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario"]
 
 LINES = {"customer_service": ("customer_service", "chat"), "code_assistant": ("code", "code"),
          "sql": ("sql", "sql"), "doc_summary": ("doc_summary", "summarize")}
@@ -77,6 +77,7 @@ class Outcome:
     requests: int = 0
     seconds: float = 0.0
     reference: dict[str, Any] = field(default_factory=dict)  # GET /v1/reference at the end
+    history_lines: set[str] = field(default_factory=set)  # the lines of the status page's live hour
 
     def causes(self) -> set[str]:
         return {alert["labels"].get("cause", "") for alert in self.alerts if alert["state"] == "firing"}
@@ -160,6 +161,8 @@ def _collect(url: str, sidecar: Any, receiver: Any, outcome: Outcome, started: f
                               if re.fullmatch(r"v\d{4,}", entry.name))
     outcome.entropy_after = _code_entropy(url)
     outcome.reference = httpx.get(f"{url}/v1/reference", timeout=30).json()
+    outcome.history_lines = {series["business_line"] for series in
+                             httpx.get(f"{url}/v1/status", timeout=30).json()["history"]["series"]}
     outcome.seconds = round(time.monotonic() - started, 1)
     return outcome
 
@@ -188,7 +191,7 @@ def flood_scenario(flood: Flood, *, requests: int = 60, settle: float = 20.0) ->
         return _collect(url, sidecar, receiver, outcome, started)
 
 
-def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, requests: int = 400) -> Outcome:
+def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, requests: int = 800) -> Outcome:
     """A healthy warm-up, then ``bias`` added in place to ``experts`` of ``router``'s correction bias while healthy
     traffic goes on, until a re-tune job has ended and no alert on that router fires (or ``requests`` more)."""
     started = time.monotonic()
@@ -211,3 +214,86 @@ def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, reque
                 break
         time.sleep(2.0)
         return _collect(url, sidecar, receiver, outcome, started)
+
+
+# --------------------------------------------------------------------------- beside a real vLLM
+ENGINE_MAX_TOKENS = 8
+
+
+def _engine_post(url: str, line: str, task: str, prompt: str, client: str) -> None:
+    answer = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt,
+                                                       "max_tokens": ENGINE_MAX_TOKENS},
+                        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client}, timeout=120)
+    assert answer.status_code == 200, answer.text[:300]
+
+
+def _engine_healthy(index: int) -> tuple[str, str, str, str]:
+    name = ("customer_service", "code_assistant", "sql", "doc_summary")[index % 4]
+    domain, task = LINES[name]
+    text = corpus.generate(domain, index // 4 + 1, seed=20261204)[index // 4][:900]
+    return ("code_assistant" if name == "sql" else name), task, text, f"app-{name}"
+
+
+def trimmed_references(directory: Path, prompts: int = 8) -> Path:
+    """The shipped reference sets cut to their first ``prompts`` prompts each: a CPU engine reads them in seconds."""
+    import yaml
+
+    from mla_watch.shipped import SHIPPED_REFERENCES
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in SHIPPED_REFERENCES.glob("*.yaml"):
+        document = yaml.safe_load(file.read_text())
+        document["prompts"] = document["prompts"][:prompts]
+        (directory / file.name).write_text(yaml.safe_dump(document, sort_keys=False))
+    return directory
+
+
+def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Flood, *, requests: int = 48) -> Outcome:
+    """:func:`flood_scenario` beside a real vLLM at ``engine`` serving ``checkpoint``: a fresh ``mla-watch serve
+    --engine vllm --capture --engine-retune apply`` process, its reference prompts (the shipped sets, 8 prompts
+    each) read through the engine."""
+    from conftest import free_port
+    from test_reliability import sidecar_process
+
+    started = time.monotonic()
+    outcome = Outcome(flood.name)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with running_receiver() as receiver, sidecar_process(
+            port, work / "state", "--upstream", engine, "--engine", "vllm", "--model-config", str(checkpoint),
+            "--capture", "--engine-retune", "apply", "--rules", str(_rules_without_waiting(work / "rules")),
+            "--alert-interval", "0.5", "--reference-interval", "0",
+            "--reference-prompts", str(trimmed_references(work / "references")),
+            env={"MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
+                 "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners"},
+            log=work / "sidecar.log"):
+        index = 0
+        while not _learned(url):
+            assert index < 160, "no baseline learned for every line"
+            _engine_post(url, *_engine_healthy(index))
+            index += 1
+        outcome.requests = index
+        assert wait_until(lambda: all(entry["baseline"] for entry in httpx.get(
+            f"{url}/v1/reference", timeout=30).json()["sets"]), timeout=600, interval=1), httpx.get(
+            f"{url}/v1/reference", timeout=30).json()
+        outcome.entropy_before = _code_entropy(url)
+        for step in range(requests):
+            _engine_post(url, "code_assistant", flood.task, flood.prompts[step % len(flood.prompts)], FLOOD_CLIENT)
+            if step % 4 == 3:
+                _engine_post(url, *_engine_healthy(index))
+                index += 1
+            outcome.requests += 1
+        wait_until(lambda: bool(_code_alerts(url)) and all("cause" in a["labels"] for a in _code_alerts(url)),
+                   timeout=60, interval=0.5)
+        time.sleep(2.0)
+        outcome.alerts = httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
+        for request in receiver.requests:
+            for alert in request.json().get("alerts", []):
+                (outcome.oncall if request.path == "/oncall" else outcome.owners).append(alert)
+        outcome.jobs = httpx.get(f"{url}/v1/retune/jobs", timeout=30).json()["jobs"]
+        outcome.versions = [entry["version"] for entry in
+                            httpx.get(f"{url}/v1/retune/versions", timeout=30).json()["versions"]]
+        outcome.entropy_after = _code_entropy(url)
+        outcome.reference = httpx.get(f"{url}/v1/reference", timeout=30).json()
+        outcome.seconds = round(time.monotonic() - started, 1)
+        return outcome

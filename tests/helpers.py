@@ -7,6 +7,7 @@ Imported as a plain module (``from helpers import FakeClock``): ``tests/`` is on
 from __future__ import annotations
 
 import math
+import subprocess
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -139,10 +140,10 @@ def running_tool(name: str, tmp_path: Path, config: str, *flags: str) -> Iterato
     """``prometheus`` or ``prometheus-alertmanager`` with ``config`` (the YAML text), on a free loopback port,
     ready for the ``with`` block, stopped after it; yields its base URL. Its log is ``tmp_path / <name>.log``."""
     import socket
-    import subprocess
     import time
 
     import httpx
+    from processes import running
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -152,9 +153,8 @@ def running_tool(name: str, tmp_path: Path, config: str, *flags: str) -> Iterato
     data = "--storage.path" if name == "prometheus-alertmanager" else "--storage.tsdb.path"
     command = [binary(name), f"--config.file={config_file}", f"{data}={tmp_path / (name + '-data')}",
                f"--web.listen-address=127.0.0.1:{port}", *flags]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with log.open("w") as output, running(command, stdout=output, stderr=subprocess.STDOUT, grace=15) as process:
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -165,9 +165,3 @@ def running_tool(name: str, tmp_path: Path, config: str, *flags: str) -> Iterato
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.2)
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()

@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import processes
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "mla_watch" / "models" / "bundled"
@@ -52,6 +53,7 @@ TORCH_VERSION = "2.13.0"  # the local CPU wheel; never let pip choose torch
 REMOVED_PACKAGES = ("torchvision", "torchaudio", "torchcodec")  # CUDA builds that break vLLM's import
 SERVED_MODEL_NAME = "tiny"
 STARTUP_TIMEOUT_S = 600.0
+STOP_GRACE_S = 30.0  # for vLLM to shut down by itself before SIGKILL
 KV_CACHE_GIB = "1"
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 SEED = 0
@@ -229,11 +231,10 @@ def _step(what: str, command: Sequence[str], log: Path, env: dict[str, str] | No
         environment.pop(name, None)
     started = time.monotonic()
     try:
-        done = subprocess.run(list(command), capture_output=True, text=True, env=environment, timeout=timeout,
-                              check=False)
+        done = processes.run(command, capture_output=True, text=True, env=environment, timeout=timeout)
         output, code = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as error:
-        output = (error.stdout or b"").decode(errors="replace") + (error.stderr or b"").decode(errors="replace")
+        output = (error.stdout or "") + (error.stderr or "")
         code = f"timeout after {timeout:.0f} s"
     with open(log, "a") as handle:
         handle.write(f"=== {what} ({time.monotonic() - started:.1f} s): {' '.join(command)}\n{output}\n")
@@ -408,25 +409,6 @@ def _log_tail(log_path: Path, chars: int = TAIL_CHARS) -> str:
         return "(no log)"
 
 
-def _stop(process: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Terminate the server's whole process group (API server, engine core, worker, resource tracker)."""
-    group = process.pid  # start_new_session: the group's id is the leader's pid
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(group, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            process.poll()
-            try:
-                os.killpg(group, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-    process.wait(timeout=10)
-
-
 def _wait_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
     """True once ``/v1/models`` answers 200; False if the process died first; raises at the deadline."""
     import httpx
@@ -451,8 +433,9 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
 
     ``routing``: Model Runner V2 with the shim, ``--enable-return-routed-experts``. ``dev_mode``:
     ``VLLM_SERVER_DEV_MODE=1`` (the pause / reload / resume endpoints; loopback only). A start that dies is tried
-    again (``attempts``): about one V2 start in ten dies with "All-NaN slice encountered". On exit the whole
-    process group is terminated. The server's output goes to ``log_path`` (default: a file under the cache).
+    again (``attempts``): about one V2 start in ten dies with "All-NaN slice encountered". On exit the server is
+    stopped with everything it started (``processes.stop``). The server's output goes to ``log_path`` (default: a
+    file under the cache).
     """
     python = ensure_venv()
     model_dir = Path(model_dir)
@@ -472,8 +455,9 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
         with open(log_path, "a") as log:
             log.write(f"=== attempt {attempt}: {' '.join(command)}\n")
             log.flush()
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       env=env, cwd=str(cache_root()), start_new_session=True)
+            # Its own session, ended as a whole: the API server, its engine core, worker and resource tracker.
+            process = processes.start(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, cwd=str(cache_root()))
         try:
             try:
                 ready = _wait_ready(process, url, time.monotonic() + startup_timeout)
@@ -485,7 +469,7 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
                 return
             failures.append(f"attempt {attempt}: exited with {process.returncode}")
         finally:
-            _stop(process)
+            processes.stop(process, STOP_GRACE_S)
     raise RealEngineError(f"vLLM exited before it served ({'; '.join(failures)}); log {log_path}\n"
                           f"--- log (tail) ---\n{_log_tail(log_path)}")
 

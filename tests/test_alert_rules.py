@@ -27,7 +27,8 @@ SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "
                  "RoutingEntropyFalling", "RoutingCollapseForecast",
                  "ExpertHotspot", "DeadExperts", "RoutingDrift",
                  "IndexerDegenerate"}
-ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
+ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook",
+          "MLA_WATCH_LINE_OWNERS_URL": "https://owners.example.com/hook"}
 
 V2_LITE = [RouterInfo(f"model.layers.{i}.mlp.gate", i, "expert", 64, 6) for i in (1, 2, 3)]
 V3 = [RouterInfo("model.layers.3.mlp.gate", 3, "expert", 256, 8)]
@@ -65,6 +66,9 @@ def test_shipped_rules_load_with_the_oncall_url():
     assert (low.below, low.resolve_above, low.for_seconds, low.severity) == (5.0, 5.2, 120.0, "critical")
     assert low.actions == ("notify", "retune") and low.retune_strategies == ("bias", "restore")
     assert low.selector.kind == "expert" and low.receivers == ("oncall",)
+    assert (low.traffic_severity, low.receivers_for("traffic"), low.receivers_for("model")) == (
+        "warning", ("line_owners",), ("oncall",))
+    assert all(rule.traffic_receivers == ("line_owners",) for rule in rules.rules)
     assert low.annotations["runbook_url"].endswith("docs/runbooks.md#routingentropylow")
     high = next(r for r in rules.rules if r.name == "RoutingEntropyHigh")
     assert (high.above, high.resolve_below) == (6.5, 6.3)

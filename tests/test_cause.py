@@ -382,3 +382,14 @@ def test_the_prober_runs_on_its_own_thread_and_stops() -> None:
     finally:
         judge.stop()
     assert not any(thread.name == "mla-watch-reference" for thread in threading.enumerate())
+
+
+def test_reference_prompts_that_come_back_without_routing_leave_the_band_unjudged_and_perplexity_decides() -> None:
+    gate = ReferenceGate(lambda: sets("code_assistant"), ReferenceBaselines())
+    unrouted = ModelScore(perplexity=2.0, tokens=480, routers={}, losses=[10.0] * 8, counts=[60] * 8)
+    checks = gate.checks("code_assistant", {"code_assistant": unrouted}, {"code_assistant": unrouted},
+                         routers=[GATE.name], band=Band("entropy_bits", low=5.2), margin="2%", confidence=0.95,
+                         min_tokens=100, min_samples=4)
+    assert [(check["gate"], check["decision"], check.get("binding", True)) for check in checks] == [
+        ("reference_band", "insufficient", False), ("reference_perplexity", "pass", True)]
+    assert "without routing" in checks[0]["message"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
+import processes
 import pytest
 from conftest import REPO
 
@@ -61,7 +61,7 @@ def test_rules_export_is_accepted_by_promtool(tmp_path) -> None:
     assert main(["rules", "export", "--format", "prometheus", "--out", str(out)]) == 0
     promtool = shutil.which("promtool")
     assert promtool, "promtool is missing: .ci/run installs Debian's prometheus package"
-    checked = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True)
+    checked = processes.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
     shipped = len(load_rules_dir(SHIPPED_RULES, environ={}).rules)  # seeds, relative twins, companions, forecasts
     assert shipped == 10
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 
 from mla_watch.cli import build_parser
@@ -28,7 +29,7 @@ CLI = [sys.executable, "-m", "mla_watch.cli"]
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environ)
+    return processes.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environ)
 
 
 def assert_one_line(done: subprocess.CompletedProcess, expected: str) -> None:
@@ -88,11 +89,10 @@ def test_a_port_in_use_is_one_line_before_the_app_starts(tmp_path) -> None:
 def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
     # Beside an upstream (nothing there): no model to load, the sidecar starts at once. --decode-workers 0:
     # no worker process, which a stop this soon after the start could leave half-started.
-    process = subprocess.Popen([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state"),
-                                "--upstream", "http://127.0.0.1:9", "--decode-workers", "0"], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen: list[str] = []
-    try:
+    with processes.running([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state"),
+                            "--upstream", "http://127.0.0.1:9", "--decode-workers", "0"], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, grace=60) as process:
+        seen: list[str] = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             line = process.stderr.readline()
@@ -107,13 +107,7 @@ def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
         assert port != 0 and f"status page: http://127.0.0.1:{port}/" in text
         assert text.index("status page:") < text.index("Application startup complete")
         assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200
-    finally:
-        process.terminate()
-        try:
-            process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # still starting on a loaded machine: the test's verdict stands
-            process.kill()
-            process.communicate(timeout=30)
+    process.stderr.close()
 
 
 def test_a_mistyped_flag_shows_the_subcommands_usage_on_one_line() -> None:

@@ -6,10 +6,10 @@ import hashlib
 import json
 import random
 import re
-import subprocess
 import sys
 from functools import cache
 
+import processes
 import pytest
 
 from mla_watch.models import corpus
@@ -72,8 +72,8 @@ def test_determinism_across_processes() -> None:
         "print(hashlib.sha256(json.dumps(data).encode()).hexdigest())"
     )
     digests = {
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        processes.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
             env={"PYTHONHASHSEED": seed},
         ).stdout
         for seed in ("1", "2")

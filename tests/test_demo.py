@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import processes
 import pytest
 from conftest import free_port
 
@@ -20,9 +21,9 @@ COLUMNS = 72  # the terminal width the summary wraps to (stdout is a pipe: COLUM
 
 def demo(out, *extra: str) -> subprocess.CompletedProcess:
     """The demo with stdout piped: a live view asked for (the default) is left out, not its lines."""
-    return subprocess.run([sys.executable, "-m", "mla_watch.cli", "demo", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=900, check=False,
-                          env={**os.environ, "COLUMNS": str(COLUMNS)})
+    return processes.run([sys.executable, "-m", "mla_watch.cli", "demo", "--out", str(out), *extra],
+                         capture_output=True, text=True, timeout=900, check=False,
+                         env={**os.environ, "COLUMNS": str(COLUMNS)})
 
 
 def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:

@@ -40,6 +40,7 @@ def test_each_fault_pages_within_its_stated_tokens(bundled, fault) -> None:
     result = fault_replay(model, tokenizer, fault, limit_tokens=fault.within_tokens + 2000)
     assert result["false_pages_before_onset"] == 0
     assert result["paged"], result
+    assert result["cause"] == "model", result  # the reference prompts route differently too
     assert result["tokens_after_onset"] <= fault.within_tokens, result
     if fault.alertname != "RoutingEntropyLow":  # what entropy alone misses
         assert result["entropy_bits_then"] > 5.0 and "RoutingEntropyLow" not in result["other_pages"], result

@@ -4,11 +4,11 @@ and no page speaks of how the project was built."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import unicodedata
 from pathlib import Path
 
+import processes
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +74,8 @@ def test_slugs_follow_github_and_mkdocs():
 
 def test_the_site_builds_strictly(tmp_path):
     """Broken links, missing anchors and pages left out of the nav are warnings (mkdocs.yml), so --strict fails."""
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = processes.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     print(result.stdout, result.stderr)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()

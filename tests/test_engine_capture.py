@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import stat
 
+import httpx
 import pytest
 from conftest import wait_until
 from test_engine_streams import ask, beside_twin
@@ -66,3 +67,19 @@ def test_without_capture_no_token_ids_are_asked_for(tmp_path) -> None:
         ask(url, "code_assistant", chat=True, stream=True)
         assert all("return_token_ids" not in body for body in twin.bodies)
         assert not (sidecar.config.state_dir / "capture.sqlite").exists()
+
+
+def test_beside_the_engine_each_answer_counts_toward_its_clients_share_and_capture_is_fair(tmp_path) -> None:
+    with beside_twin(tmp_path, capture=True, capture_max_samples=8, replay=ReplayBudget(rate=0)) as (_, url, sidecar):
+        for index in range(10):
+            client = "flood-1" if index % 5 else "app-1"  # flood-1 sends 8 of 10
+            answer = httpx.post(url + "/v1/completions", json={"prompt": f"def f{index}(x):", "max_tokens": 6},
+                                headers={"X-Business-Line": "code_assistant", "X-Client-Id": client}, timeout=30)
+            assert answer.status_code == 200, answer.text
+        assert wait_until(lambda: sidecar.engine_routing.answers >= 10, timeout=10)
+        shares = httpx.get(url + "/v1/reference", timeout=10).json()["clients"]["code_assistant"]
+        by_client = {entry["client"]: entry["share"] for entry in shares["clients"]}
+        assert by_client["flood-1"] == pytest.approx(0.8, abs=0.05) and set(by_client) == {"flood-1", "app-1"}
+        capture = TrafficCapture(sidecar.config.state_dir / "capture.sqlite")
+        assert wait_until(lambda: sum(capture.clients("code_assistant").values()) >= 4, timeout=10)
+        assert capture.clients("code_assistant") == {"flood-1": 2, "app-1": 2}  # a quarter of 8 each at most

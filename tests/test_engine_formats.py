@@ -36,6 +36,7 @@ from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.engines.formats import (
     DataError,
     RoutingPlan,
+    add_extra,
     decode_chunk,
     decode_response,
     encode_sglang,
@@ -298,6 +299,18 @@ def test_sglang_bytes_that_fit_no_layer_count_are_a_shape_error() -> None:
 
 def test_a_body_that_is_not_json_is_relayed_as_it_came() -> None:
     assert decode_response(RoutingPlan("vllm", TINY, keep=False), b"<html>502</html>").body == b"<html>502</html>"
+
+
+@pytest.mark.parametrize(("body", "sent"), [
+    # as the engine wrote it, spaces and escapes included
+    (b' {"id": "a",  "text": "\\u00e9"}\n', b'{"id": "a",  "text": "\\u00e9","mla_watch":{"policy":"p"}}'),
+    (b"{}", b'{"mla_watch":{"policy":"p"}}'),
+    (b'{"mla_watch": 1, "x": 2}', b'{"mla_watch":{"policy":"p"},"x":2}'),  # one key, ours: written anew
+    ('{"x": "\u00e9"}'.encode("utf-16"), '{"x":"\u00e9","mla_watch":{"policy":"p"}}'.encode()),  # into UTF-8
+    (b"[1, 2]", None), (b"<html>ok</html>", None), (b'{"x": 1} {"y": 2}', None), (b"[" * 100_000, None),
+])
+def test_an_answer_without_routing_is_marked_as_the_engine_wrote_it_or_refused(body, sent) -> None:
+    assert add_extra(body, {"policy": "p"}) == sent
 
 
 def test_data_errors_survive_the_trip_back_from_the_decoding_process() -> None:

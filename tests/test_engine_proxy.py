@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import processes
 import pytest
 from conftest import (
     answers_counted,
@@ -182,7 +182,7 @@ def test_serve_refuses_an_engine_it_cannot_read_naming_the_flag(tmp_path, args, 
     config.write_text(json.dumps({**CONFIG, "num_experts_per_tok": 99}))
     command = [sys.executable, "-m", "mla_watch.cli", "serve", "--state-dir", str(tmp_path / "state"),
                *[arg.replace("{config}", str(config)) for arg in args]]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    done = processes.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
 

@@ -30,12 +30,14 @@ REPLICAS = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 
 
 def config_for(receiver_url: str, inhibit: bool = True) -> str:
-    """The shipped config, its webhook pointed at the test receiver and its group wait shortened."""
+    """The shipped config, its webhooks pointed at the test receiver (``/<receiver name>`` after ``receiver_url``)
+    and its group wait shortened."""
     config = yaml.safe_load((REPO / "deploy" / "alertmanager.yaml").read_text())
     if not inhibit:
         del config["inhibit_rules"]
-    (receiver,) = config["receivers"]
-    receiver["webhook_configs"][0]["url"] = receiver_url
+    assert [receiver["name"] for receiver in config["receivers"]] == ["oncall", "line_owners"]
+    for receiver in config["receivers"]:
+        receiver["webhook_configs"][0]["url"] = f"{receiver_url}/{receiver['name']}"
     config["route"]["group_wait"] = f"{GROUP_WAIT_SECONDS}s"
     return yaml.safe_dump(config)
 
@@ -63,7 +65,7 @@ def notifications(alerts: list[dict], tmp_path: Path, inhibit: bool = True) -> l
             (tmp_path / "prometheus-alertmanager.log").read_text()[-2000:]
         # Every group of these alerts has flushed after a few group waits: anything more would have come by then.
         time.sleep(4 * GROUP_WAIT_SECONDS)
-        return [request.json() for request in list(receiver.requests)]
+        return [{**request.json(), "path": request.path} for request in list(receiver.requests)]
 
 
 def test_a_fleet_wide_fault_pages_once(tmp_path: Path) -> None:
@@ -94,3 +96,16 @@ def test_without_the_inhibit_rule_the_fleet_fault_lists_every_replica(tmp_path: 
               *(alert("RoutingCollapse", "critical", "replica", instance=replica) for replica in REPLICAS)]
     bodies = notifications(alerts, tmp_path, inhibit=False)
     assert len(bodies) == 1 and len(bodies[0]["alerts"]) == 4
+
+
+def test_the_sidecars_alerts_go_by_their_cause_traffic_to_the_line_owners_the_model_to_on_call(tmp_path: Path) -> None:
+    """The sidecar's own alerts (alertmanager_api) carry `cause`; no scope label."""
+    def own(cause: str, router: str) -> dict:
+        sent = alert("RoutingDrift", "warning", "replica", cause=cause, router=router)
+        del sent["labels"][SCOPE_LABEL]
+        return sent
+
+    bodies = notifications([own("traffic", "model.layers.1.mlp.gate"), own("model", "model.layers.2.mlp.gate")],
+                           tmp_path)
+    routed = {body["path"]: [a["labels"]["cause"] for a in body["alerts"]] for body in bodies}
+    assert routed == {"/alerts/line_owners": ["traffic"], "/alerts/oncall": ["model"]}

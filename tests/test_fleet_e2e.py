@@ -6,11 +6,11 @@ Prometheus, promtool and Alertmanager come from Debian's packages, which `.ci/ru
 
 from __future__ import annotations
 
-import subprocess
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 import torch
 from conftest import running_sidecar, wait_until
@@ -39,7 +39,8 @@ def test_prometheus_scrapes_the_sidecar_and_alertmanager_pages_oncall(tmp_path: 
     (rules_dir / "routing.yaml").write_text(RULES)
     exported = tmp_path / "mla_watch.rules.yml"
     exported.write_text(export_prometheus(load_rules_dir(rules_dir, environ={})))
-    check = subprocess.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True)
+    check = processes.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True,
+                          timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
     with running_receiver() as receiver, running_sidecar(rules=None) as (sidecar_url, sidecar), ExitStack() as tools:

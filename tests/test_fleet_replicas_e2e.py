@@ -14,13 +14,13 @@ Prometheus and Alertmanager come from Debian's packages, which `.ci/run` install
 from __future__ import annotations
 
 import math
-import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import numpy as np
+import processes
 import pytest
 import torch
 import yaml
@@ -111,7 +111,8 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
     exported = tmp_path / "fleet.rules.yml"
     assert cli.main(["rules", "export", "--rules", str(rules_dir), "--fleet", "--fleet-window", "30m",
                      "--fleet-interval", "1s", "--outlier-for", "1s", "--out", str(exported)]) == 0
-    check = subprocess.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True)
+    check = processes.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True,
+                          timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
     with ExitStack() as stack, running_receiver() as receiver:

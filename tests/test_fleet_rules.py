@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import processes
 import pytest
 import yaml
 
@@ -121,13 +122,13 @@ def run_tests(tmp_path: Path, tests: list[dict], rule_file: Path) -> subprocess.
     path = tmp_path / "fleet_test.yml"
     path.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m", "tests": tests},
                                    sort_keys=False))
-    return subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120,
-                          check=False)
+    return processes.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120,
+                         check=False)
 
 
 def export(*args: str) -> str:
-    result = subprocess.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
-                            text=True, timeout=120, check=False, cwd=REPO)
+    result = processes.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
+                           text=True, timeout=120, check=False, cwd=REPO)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -297,7 +298,7 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
     document = groups_of(export(*args), file_format)
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(document))
-    result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, check=False)
+    result = processes.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     names = [group["name"] for group in document["groups"]]
     assert names == (["mla_watch_routing", fleet.FLEET_GROUP_NAME] if with_fleet else ["mla_watch_routing"])
@@ -354,8 +355,8 @@ ERRORS: list[tuple[list[str], Callable[[str], bool]]] = [
 
 @pytest.mark.parametrize(("args", "says"), ERRORS, ids=[" ".join(args) for args, _ in ERRORS])
 def test_bad_flags_name_the_flag_the_value_and_what_was_expected(args, says) -> None:
-    result = subprocess.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
-                            text=True, timeout=60, check=False, cwd=REPO)
+    result = processes.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
+                           text=True, timeout=60, check=False, cwd=REPO)
     assert result.returncode == 2 and not result.stdout
     assert says(result.stderr), result.stderr
 

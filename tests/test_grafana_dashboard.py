@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 
 import httpx
+import processes
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +81,6 @@ def test_every_dashboard_query_is_valid_promql(tmp_path) -> None:
              for index, (_, expr) in enumerate(dashboard_queries())]
     path = tmp_path / "dashboard_queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    checked = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False)
+    checked = processes.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert f"SUCCESS: {len(rules)} rules found" in checked.stdout

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import processes
 import pytest
 from conftest import free_port
 from helpers import FakeClock
@@ -457,8 +458,8 @@ CHILD = textwrap.dedent("""
 def run_child_until(db: Path, port: int, count: int, timeout: float, stop_when) -> list[str]:
     """Start the child, feed its output lines to ``stop_when`` until it says stop, then SIGKILL it."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(db), str(port), str(count), str(timeout)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO), env=env)
+    proc = processes.start([sys.executable, "-c", CHILD, str(db), str(port), str(count), str(timeout)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO), env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()
     seen: list[str] = []
@@ -472,9 +473,7 @@ def run_child_until(db: Path, port: int, count: int, timeout: float, stop_when) 
                     break
         assert stop_when(seen), f"child never got there: {seen[-5:]} {proc.poll()} {proc.stderr.read()[-2000:]}"
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        processes.stop(proc, grace=0)  # SIGKILL: the crash under test
     assert proc.returncode == -signal.SIGKILL
     return seen
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import processes
 import pytest
 import yaml
 
@@ -106,7 +107,7 @@ def test_glob_to_regex_agrees_with_fnmatch(pattern):
 
 
 def run_promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+    return processes.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
 
 
 def test_promtool_accepts_the_export(shipped, tmp_path):

@@ -13,13 +13,13 @@ after equal those before, to the last digit.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 from conftest import free_port, wait_until
 from real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
@@ -168,9 +168,9 @@ def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_
         assert bits(url) < BELOW
 
         version = command.rsplit(" ", 1)[1]
-        done = subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", "apply", version, "--url", url,
+        done = processes.run([sys.executable, "-m", "mla_watch.cli", "retune", "apply", version, "--url", url,
                                "--wait", "240"], capture_output=True, text=True, timeout=300,
-                              env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+                             env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
         assert done.returncode == 0, done.stdout + done.stderr
         assert httpx.get(url + "/v1/retune/versions", timeout=30).json()["live"] == int(version)
         until_resolved(url, 24)

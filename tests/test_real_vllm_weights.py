@@ -10,7 +10,6 @@ is printed (``-s``).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import processes
 import pytest
 import torch
 from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
@@ -209,11 +209,11 @@ def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(chec
                                 json={"model": SERVED_MODEL_NAME, "prompt": f"Order {3000 + index * 11} is late.",
                                       "max_tokens": 4}, timeout=REQUEST_TIMEOUT_S)
             assert answer.status_code == 200, answer.text
-        done = subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", "run", "--url", url, "--router",
+        done = processes.run([sys.executable, "-m", "mla_watch.cli", "retune", "run", "--url", url, "--router",
                                f"model.layers.{COLLAPSED_LAYER}.mlp.gate", "--strategy", "restore",
                                "--business-line", "customer_service", "--wait", "240"],
-                              capture_output=True, text=True, timeout=300,
-                              env={"MLA_WATCH_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"})
+                             capture_output=True, text=True, timeout=300,
+                             env={"MLA_WATCH_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"})
         assert done.returncode == 0, done.stdout + done.stderr
         (job,) = httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"]
         checks = {check["gate"]: check for check in job["result"]["attempts"][0]["gates"]["checks"]}

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 from client import sse_events
 from conftest import REPO, free_port, get_metrics, metric_value, running_sidecar, tmpfs, wait_until
@@ -50,10 +51,10 @@ def serve(port: int, state: Path, *options: str, env: dict[str, str] | None = No
     environ = {k: v for k, v in os.environ.items() if k not in ("MLA_WATCH_ONCALL_URL", "MLA_WATCH_ADMIN_TOKEN")}
     output = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
-        return subprocess.Popen(
+        return processes.start(
             [sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
              "--device", "cpu", "--state-dir", str(state), "--attn-implementation", "eager", *options],
-            env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
     finally:
         if log is not None:
             output.close()
@@ -62,7 +63,7 @@ def serve(port: int, state: Path, *options: str, env: dict[str, str] | None = No
 @contextlib.contextmanager
 def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
                     log: Path | None = None) -> Iterator[subprocess.Popen]:
-    """A ready sidecar process; killed (with its process group) if the test left it running."""
+    """A ready sidecar process; killed (with everything it started) if the test left it running."""
     process = serve(port, state, *options, env=env, log=log)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -77,9 +78,7 @@ def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] |
         assert wait_until(ready, timeout=180, interval=0.2), "the sidecar did not become ready"
         yield process
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
+        processes.stop(process, grace=0)
 
 
 def memory_kib(pid: int, field: str) -> int:
@@ -426,9 +425,9 @@ def fill(directory: Path) -> Path:
 def serve_until_exit(state: Path) -> subprocess.CompletedProcess:
     """``mla-watch serve --state-dir STATE``, expected to exit by itself (a server that starts would time out)."""
     environ = {k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"}
-    return subprocess.run([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(free_port()), "--device",
-                           "cpu", "--state-dir", str(state), "--attn-implementation", "eager"],
-                          env=environ, capture_output=True, text=True, timeout=120)
+    return processes.run([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(free_port()), "--device",
+                          "cpu", "--state-dir", str(state), "--attn-implementation", "eager"],
+                         env=environ, capture_output=True, text=True, timeout=120)
 
 
 def assert_refused(result: subprocess.CompletedProcess, state: Path, cause: str) -> None:

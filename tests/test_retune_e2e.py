@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import processes
 import pytest
 import torch
 from conftest import get_metrics, metric_value, running_sidecar, wait_until
@@ -88,8 +89,8 @@ def held_out_texts() -> list[list[int]]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mla_watch.cli", "retune", *args], capture_output=True, text=True,
-                          env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN}, timeout=300, check=False)
+    return processes.run([sys.executable, "-m", "mla_watch.cli", "retune", *args], capture_output=True, text=True,
+                         env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN}, timeout=300, check=False)
 
 
 def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves(tmp_path, monkeypatch) -> None:

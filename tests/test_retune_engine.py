@@ -199,11 +199,21 @@ def test_a_candidate_worse_by_perplexity_is_rolled_back_at_once(tmp_path) -> Non
 
 
 def test_a_rejection_while_the_router_reads_outside_its_band_waits(tmp_path) -> None:
-    retuner, engine = make(tmp_path, reference=collapsed_state())  # a "reference" as broken as the live router
+    broken = collapsed_state()
+    broken[BIAS] = torch.tensor([0.0, 0.0, 0, 0, 0, 0, 0, 1e-4])  # other tensors, the same collapse: as broken
+    retuner, engine = make(tmp_path, reference=broken)
     status, result = retuner.run(job())
     assert status == "waiting" and result["rejected_while_outside_band"] is True
     assert result["needs"].startswith("a candidate that passes its gates through the engine")
     assert torch.equal(engine.state[WEIGHT], torch.zeros(8, 4))
+
+
+def test_restoring_the_tensors_serving_now_is_no_candidate(tmp_path) -> None:
+    retuner, engine = make(tmp_path, reference=collapsed_state())
+    status, result = retuner.run(job(trigger={"source": "cli"}))
+    assert status == "failed" and result["attempts"][0]["outcome"] == "unchanged", result
+    assert "holds the tensors serving now: nothing to restore" in result["error"]
+    assert engine.swaps == [] and retuner.registry.version_numbers() == [0]
 
 
 def test_the_bias_strategy_steps_until_the_engines_routing_is_back_in_band(tmp_path) -> None:
@@ -245,7 +255,7 @@ def test_router_finetune_is_said_to_need_the_engines_weights(tmp_path) -> None:
 
 
 def test_an_engine_that_returns_no_routing_is_judged_by_perplexity_and_the_band_says_why(tmp_path) -> None:
-    retuner, engine = make(tmp_path, state=healthy_state(), reference=healthy_state())
+    retuner, engine = make(tmp_path, reference=healthy_state())
     unrouted = engine.score
 
     def without_routing(samples):

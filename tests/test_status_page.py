@@ -13,6 +13,7 @@ clicks on the metric selector switch what the rows show. The screenshots and the
 from __future__ import annotations
 
 import base64
+import contextlib
 import fcntl
 import json
 import os
@@ -25,6 +26,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 import torch
 from conftest import REPO, free_port, running_sidecar, serve_app, wait_until
@@ -167,13 +169,13 @@ def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
     """Load ``url`` in headless Chromium; return the DOM after ``budget_ms`` of virtual time and the console."""
     with tempfile.TemporaryDirectory(prefix="mla-watch-chromium-") as profile:
         # No background networking: on a closed network Chromium's own connections fail by the dozen.
-        run = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                              "--disable-quic", "--no-first-run", "--disable-background-networking",
-                              "--disable-component-update", "--disable-sync",
-                              "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={window}",
-                              "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
-                              f"--screenshot={screenshot}", "--dump-dom", url],
-                             capture_output=True, text=True, timeout=120, check=False)
+        run = processes.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                             "--disable-quic", "--no-first-run", "--disable-background-networking",
+                             "--disable-component-update", "--disable-sync",
+                             "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={window}",
+                             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
+                             f"--screenshot={screenshot}", "--dump-dom", url],
+                            capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     dom = _Elements()
     dom.feed(run.stdout)
@@ -201,7 +203,7 @@ class Browser:
             os.dup2(to_read, 3)
             os.dup2(from_write, 4)
 
-        self.process = subprocess.Popen(
+        self.process = processes.start(
             [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
              "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
              "--hide-scrollbars", f"--user-data-dir={self._profile.name}", f"--window-size={window[0]},{window[1]}",
@@ -213,13 +215,18 @@ class Browser:
         self._buffer = b""
         self._id = 0
         self.console: list[str] = []
-        page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
-        self._session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
-        self.call("Runtime.enable", page=True)
-        self.call("Page.enable", page=True)
-        # The viewport (and so the screenshot) is the window's size, as with --window-size and --screenshot.
-        self.call("Emulation.setDeviceMetricsOverride", page=True, width=window[0], height=window[1],
-                  deviceScaleFactor=1, mobile=False)
+        try:
+            page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
+            self._session = self.call("Target.attachToTarget", targetId=page["targetId"],
+                                      flatten=True)["sessionId"]
+            self.call("Runtime.enable", page=True)
+            self.call("Page.enable", page=True)
+            # The viewport (and so the screenshot) is the window's size, as with --window-size and --screenshot.
+            self.call("Emulation.setDeviceMetricsOverride", page=True, width=window[0], height=window[1],
+                      deviceScaleFactor=1, mobile=False)
+        except BaseException:
+            self.close()
+            raise
 
     def call(self, method: str, *, page: bool = False, timeout: float = 60, **params: object) -> dict:
         """One DevTools command (``page``: to the page's session, else to the browser); its result."""
@@ -281,11 +288,11 @@ class Browser:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", page=True, format="png")["data"]))
 
     def close(self) -> None:
-        try:
+        """Ask Chromium to close, give it 30 s, then stop whatever is left of it (renderers, crash handlers)."""
+        with contextlib.suppress(TimeoutError, AssertionError, OSError, subprocess.TimeoutExpired):
             self.call("Browser.close", timeout=10)
-        except (TimeoutError, AssertionError, OSError):
-            self.process.kill()
-        self.process.wait(30)
+            self.process.wait(30)
+        processes.stop(self.process)
         os.close(self._out)
         os.close(self._in)
         self._profile.cleanup()

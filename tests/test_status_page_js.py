@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
+import processes
 import pytest
 
 from mla_watch.server.status import static_file
@@ -30,7 +30,7 @@ def run_js(expression: str, **inputs: object) -> object:
     program = (f"const module = {{ exports: {{}} }};\n{script}\nconst page = module.exports;\n"
                + "".join(f"const {name} = {json.dumps(value)};\n" for name, value in inputs.items())
                + f"process.stdout.write(JSON.stringify({expression}));\n")
-    run = subprocess.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=False)
+    run = processes.run([node, "-e", program], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
@@ -226,3 +226,11 @@ def test_the_page_says_when_a_metric_has_no_history() -> None:
     assert notes[4] == "dead slots: value now, and its history (durable history)."
     assert notes[5] == ""  # entropy from the live hour: nothing to say
     assert notes[6].startswith("No history of entropy here") and notes[6].endswith("the live hour is drawn instead.")
+
+
+def test_an_alerts_cause_is_shown_as_the_engine_labels_it_and_a_pending_one_is_still_being_read() -> None:
+    alerts = [{**ALERT, "labels": {**ALERT["labels"], "cause": cause}} for cause in ("model", "traffic",
+                                                                                      "undetermined")]
+    pending = {**ALERT, "state": "pending"}
+    assert run_js("[...alerts, pending, old].map(page.causeText)", alerts=alerts, pending=pending,
+                  old=ALERT) == ["model", "traffic", "undetermined", "reading…", "–"]

@@ -31,6 +31,10 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
     assert outcome.oncall == []  # on-call's pager stayed silent
     assert all(alert["labels"].get("cause") == "traffic" for alert in outcome.owners)
     assert outcome.jobs == [] and outcome.versions == [0]  # no re-tune job, no router version written
+    # the reference prompts' readings are series of their own, apart from live traffic
+    assert {"reference:code_assistant", "code_assistant"} <= outcome.history_lines
+    gauges = {entry["name"]: entry for entry in outcome.reference["sets"]}
+    assert gauges["code_assistant"]["reading"]["prompts"] == 32 and gauges["code_assistant"]["baseline"] is not None
 
 
 def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repaired() -> None:
@@ -47,5 +51,6 @@ def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repair
     (attempt,) = [a for a in promoted[0]["result"]["attempts"] if a.get("outcome") == "promoted"]
     gates = {check["gate"]: check["decision"] for check in attempt["gates"]["checks"]}
     assert gates["reference_band"] == gates["reference_drift"] == gates["reference_perplexity"] == "pass", gates
-    assert not any(alert["state"] == "firing" and alert["labels"].get("router") == router
-                   for alert in outcome.alerts)  # resolved after the repair
+    still = [(alert["labels"]["alertname"], alert["labels"]["business_line"]) for alert in outcome.alerts
+             if alert["state"] == "firing" and alert["labels"].get("router") == router]
+    assert still == [], still  # resolved after the repair

@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import httpx
+import processes
 import pytest
 from conftest import REPO, free_port, wait_until
 
@@ -34,15 +35,15 @@ def inherit_site_packages(python: Path) -> None:
     run from a venv, lack what was installed there (uvicorn, say). A .pth file lists the directories
     themselves: their own .pth files (an editable install of mla_watch, say) are not run.
     """
-    own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    own = processes.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                        capture_output=True, text=True, check=True, timeout=120).stdout.strip()
     (Path(own) / "_inherited_site_packages.pth").write_text("".join(d + "\n" for d in running_site_packages()))
 
 
 def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_policies_and_rules(tmp_path: Path) -> None:
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(dist), str(REPO)], check=True, timeout=600, cwd=tmp_path)
+    processes.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                   "--wheel-dir", str(dist), str(REPO)], check=True, timeout=600, cwd=tmp_path)
     (wheel,) = dist.glob("mla_watch-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "mla_watch/shipped/policies/code_assistant.yaml" in names
@@ -51,25 +52,23 @@ def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_polici
     # The venv reuses this interpreter's dependencies (torch, transformers: no network needed) but
     # gets mla_watch only from the wheel; its own site-packages come before the inherited ones.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    processes.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python, command = venv / "bin" / "python", venv / "bin" / "mla-watch"
     inherit_site_packages(python)
-    subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)], check=True,
+    processes.run([str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)], check=True,
                    timeout=600)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    located = subprocess.run([str(python), "-c", "import mla_watch; print(mla_watch.__file__)"], cwd=elsewhere,
-                             capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    located = processes.run([str(python), "-c", "import mla_watch; print(mla_watch.__file__)"], cwd=elsewhere,
+                            capture_output=True, text=True, check=True, timeout=120).stdout.strip()
     assert located.startswith(str(venv)), located
 
     port = free_port()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}
-    log = (tmp_path / "serve.log").open("w")
-    process = subprocess.Popen([str(command), "serve", "--device", "cpu", "--port", str(port),
-                                "--state-dir", str(tmp_path / "state")],
-                               cwd=elsewhere, env=environ, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
+    with (tmp_path / "serve.log").open("w") as log, processes.running(
+            [str(command), "serve", "--device", "cpu", "--port", str(port), "--state-dir", str(tmp_path / "state")],
+            cwd=elsewhere, env=environ, stdout=log, stderr=subprocess.STDOUT, grace=30) as process:
         def ready() -> bool:
             try:
                 return httpx.get(url + "/readyz", timeout=5).status_code == 200
@@ -87,10 +86,3 @@ def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_polici
         assert applied["temperature"] == 0.3  # the shipped code policy, read from the wheel
         alerts = httpx.get(url + "/v1/alerts", timeout=30).json()
         assert alerts["rules"] >= 6  # the shipped rules, read from the wheel
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()

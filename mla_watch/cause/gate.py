@@ -57,6 +57,12 @@ class ReferenceGate:
         baselines = [self.baselines.get(reference.name, reference.digest) for reference in sets]
         names = ", ".join(f"{reference.name} v{reference.version}" for reference in sets)
         checks: list[dict[str, Any]] = []
+        if not any(candidate[reference.name].routers for reference in sets):  # an engine returning no routing
+            checks.append({"gate": "reference_band", "value": None, "limit": band.describe(),
+                           "decision": "insufficient", "passed": False, "binding": False,
+                           "message": f"the reference prompts ({names}) came back without routing (vLLM: "
+                                      "--enable-return-routed-experts): band and drift not judged on them"})
+            routers = []
         for router in routers:
             info = next((score.routers[router].router for score in candidate.values() if router in score.routers),
                         None)

@@ -30,8 +30,8 @@ COUNT_QUEUE_BYTES = 256 << 20  # 200 DeepSeek-V3 answers of 2,000 tokens in vLLM
 # Why an answer's routing was not counted (mla_watch_engine_count_dropped_total{reason}).
 DROP_REASONS = ("queue_full", "shutdown")
 SHUTDOWN_DRAIN_SECONDS = 2.0
-# (business line, [(prompt + completion ids, prompt length), ...]): one answer's choices, to capture
-Capture = Callable[[str, list[tuple[list[int], int]]], None]
+# (business line, [(prompt + completion ids, prompt length), ...], client): one answer's choices, to capture
+Capture = Callable[[str, list[tuple[list[int], int]], str | None], None]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class _Job:
     plan: RoutingPlan
     body: bytes
     streamed: bool
+    client: str | None = None
 
 
 class CountQueue:
@@ -63,18 +64,20 @@ class CountQueue:
         """Answers waiting, and being counted."""
         return len(self._jobs) + self._in_flight
 
-    def submit(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool) -> bool:
+    def submit(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool,
+               client: str | None = None) -> bool:
         """Queue one answer (on the event loop; never waits). False: the queue was full, the answer is dropped."""
         if self._jobs and (len(self._jobs) >= self.max_jobs or self._bytes + len(body) > self.max_bytes):
             self._dropped("queue_full")
             return False
         self._start()
-        self._jobs.append(_Job(business_line, plan, body, streamed))
+        self._jobs.append(_Job(business_line, plan, body, streamed, client))
         self._bytes += len(body)
         self._ready.set()  # type: ignore[union-attr]
         return True
 
-    async def count_replay(self, business_line: str, plan: RoutingPlan, bodies: list[bytes]) -> str:
+    async def count_replay(self, business_line: str, plan: RoutingPlan, bodies: list[bytes],
+                           client: str | None = None) -> str:
         """Count the replays of one stream's choices as one streamed response; returns the outcome
         (:meth:`EngineRouting.count`'s)."""
         decodes = [await self._decoder.count(plan, body) for body in bodies]
@@ -84,7 +87,7 @@ class CountQueue:
         if merged is None and all(decoded.counts is not None for decoded in decodes):
             merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[misc]
                              tokens=sum(decoded.tokens for decoded in decodes))
-        return self.routing.count(business_line, merged, streamed=True)
+        return self.routing.count(business_line, merged, streamed=True, client=client)
 
     async def close(self, drain_seconds: float = SHUTDOWN_DRAIN_SECONDS) -> None:
         """Count what is queued for at most ``drain_seconds``; what is left is dropped (``shutdown``)."""
@@ -120,9 +123,10 @@ class CountQueue:
             try:
                 decoded = await self._decoder.count(job.plan, job.body)
                 # An answer that was no JSON object carried no routing.
-                self.routing.count(job.business_line, None if decoded.not_json else decoded, streamed=job.streamed)
-                if decoded.samples and self.capture is not None:
-                    await asyncio.to_thread(self.capture, job.business_line, decoded.samples)  # SQLite: off the loop
+                self.routing.count(job.business_line, None if decoded.not_json else decoded, streamed=job.streamed,
+                                   client=job.client)
+                if decoded.samples and self.capture is not None:  # SQLite: off the loop
+                    await asyncio.to_thread(self.capture, job.business_line, decoded.samples, job.client)
             except asyncio.CancelledError:
                 self._dropped("shutdown")
                 raise

@@ -5,6 +5,10 @@ SGLang's field). Parsing and counting that in a thread would still hold the GIL,
 event loop, for milliseconds. A large body goes to the worker as a file in a private directory
 (tmpfs where there is one): one write, instead of a pipe's many 64 KB writes, each of which
 makes the writing thread take the GIL back from the event loop.
+
+The processes follow the load: none runs before there is something to decode; another starts when
+an answer finds every running one busy, up to ``workers``; each stops once it has had no work for
+``idle_seconds``, and a later answer starts one again.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -29,39 +34,80 @@ __all__ = ["FILE_HANDOFF_BYTES", "DecoderDied", "RoutingDecoder"]
 log = logging.getLogger("mla_watch.engines")
 
 FILE_HANDOFF_BYTES = 256 << 10  # bodies at least this large go to a worker process as a file
+IDLE_SECONDS = 60.0  # a decoding process without work for this long stops
+
+
+class _Process:
+    """One decoding process (a pool of one: how busy each process is stays known here) and its work in hand."""
+
+    def __init__(self) -> None:
+        # spawn: the server has threads running; a forked child would inherit their locks mid-flight.
+        self.executor = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        self.busy = 0
+        self.idle_since = 0.0
+
+    def stop(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
 
 class RoutingDecoder:
-    """Runs :func:`decode_response`, :func:`count_response` and :func:`decode_chunk` in ``workers`` processes
-    (0: one thread)."""
+    """Runs :func:`decode_response`, :func:`count_response` and :func:`decode_chunk` in up to ``workers``
+    processes (0: one thread). A process starts when an answer finds every running one busy, and stops
+    after ``idle_seconds`` without work; none runs before the first answer that needs one."""
 
-    def __init__(self, workers: int = 1) -> None:
+    def __init__(self, workers: int = 1, *, idle_seconds: float = IDLE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 0:
             raise ValueError(f"--decode-workers {workers}: expected an integer >= 0")
         self.workers = workers
-        self._executor: Executor | None = None
+        self.idle_seconds = idle_seconds
+        self._clock = clock
+        self._processes: list[_Process] = []
+        self._thread: ThreadPoolExecutor | None = None
         self._handoff: Path | None = None
         self._names = itertools.count()
+        self.submitted = 0  # calls handed to a process (or the thread): what left the event loop
+        self._idle_check: tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle] | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether a decoding process (or the thread) is up."""
+        return bool(self._processes) or self._thread is not None
 
     def start(self) -> None:
-        if self._executor is not None:
-            return
+        """Ready to take work: the thread, or the private directory large answers travel through; processes
+        start as work arrives."""
         if self.workers == 0:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mla-watch-decode")
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mla-watch-decode")
             return
         if self._handoff is None:  # 0700: the files hold the engine's answers
             shm = Path("/dev/shm")
             self._handoff = Path(tempfile.mkdtemp(prefix="mla-watch-decode-",
                                                   dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-        # spawn: the server has threads running; a forked child would inherit their locks mid-flight.
-        self._executor = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-        for _ in range(self.workers):  # start the workers now, not on the first response
-            self._executor.submit(os.getpid)
+
+    def retire_idle(self) -> int:
+        """Stop the processes that have had no work for ``idle_seconds``; how many were stopped."""
+        now = self._clock()
+        idle = [process for process in self._processes
+                if not process.busy and now - process.idle_since >= self.idle_seconds]
+        for process in idle:
+            self._processes.remove(process)
+            process.stop()
+        if idle:
+            log.debug("stopped %d routing decoder process(es) idle for %g s", len(idle), self.idle_seconds)
+        return len(idle)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        if self._idle_check is not None:
+            self._idle_check[1].cancel()
+            self._idle_check = None
+        for process in self._processes:
+            process.stop()
+        self._processes.clear()
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+            self._thread = None
         if self._handoff is not None:
             shutil.rmtree(self._handoff, ignore_errors=True)
             self._handoff = None
@@ -96,12 +142,14 @@ class RoutingDecoder:
         return await self._run(function, data, *args, died=_raise_died)
 
     async def worker_pids(self) -> list[int]:
-        """The decoding processes (empty with ``workers=0``)."""
+        """The decoding processes running, one started if none was (empty with ``workers=0``)."""
         if self.workers == 0:
             return []
-        self.start()
+        if not self._processes:
+            await self._run(os.getpid)
         loop = asyncio.get_running_loop()
-        return sorted({await loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)})
+        return sorted(await asyncio.gather(*(loop.run_in_executor(process.executor, os.getpid)
+                                             for process in self._processes)))
 
     async def _via_file(self, body: bytes, function, plan: RoutingPlan, *args) -> Decoded:  # type: ignore[no-untyped-def]
         self.start()
@@ -116,30 +164,65 @@ class RoutingDecoder:
         """``function(*args)`` in a worker. A worker that dies holding this answer (killed, out of memory)
         is replaced and the answer is a ``decoder`` data error: it is never decoded again, least of all
         here, where it would move the worker's memory into the server."""
-        if self._executor is None:
-            self.start()
         loop = asyncio.get_running_loop()
+        if self.workers == 0:
+            self.start()
+            self.submitted += 1
+            return await loop.run_in_executor(self._thread, function, *args)
+        process = self._process()
         try:
-            future = loop.run_in_executor(self._executor, function, *args)
-        except BrokenProcessPool:  # broken before this answer reached it: not the answer's doing
-            self._restart()
-            future = loop.run_in_executor(self._executor, function, *args)
+            future = loop.run_in_executor(process.executor, function, *args)
+        except BrokenProcessPool:  # it died before this answer reached it: not the answer's doing
+            self._forget(process)
+            process = self._process()
+            future = loop.run_in_executor(process.executor, function, *args)
+        self.submitted += 1
+        process.busy += 1
         try:
             return await future
         except BrokenProcessPool:
-            log.warning("a routing decoder process died while decoding an engine answer; starting new ones, "
-                        "and that answer's routing is not counted")
-            self._restart()
+            log.warning("a routing decoder process died while decoding an engine answer; the next answer starts a "
+                        "new one, and that answer's routing is not counted")
+            self._forget(process)
             if died is not None:
                 return died()
             return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or out "
                                                             "of memory); its routing is not counted"))
+        finally:
+            process.busy -= 1
+            if not process.busy:
+                process.idle_since = self._clock()
+                self._check_idle_later(loop, self.idle_seconds)
 
-    def _restart(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+    def _process(self) -> _Process:
+        """An idle process; else a new one, up to ``workers``; else the least busy (its work waits its turn)."""
         self.start()
+        for process in reversed(self._processes):  # the most recently started first: the others may retire
+            if not process.busy:
+                return process
+        if len(self._processes) < self.workers:
+            self._processes.append(_Process())
+            return self._processes[-1]
+        return min(self._processes, key=lambda process: process.busy)
+
+    def _forget(self, process: _Process) -> None:
+        if process in self._processes:
+            self._processes.remove(process)
+            process.stop()
+
+    def _check_idle_later(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        """One pending check at a time, on the running loop (a check left on a closed loop never runs)."""
+        if self._idle_check is not None and self._idle_check[0] is loop:
+            return
+        self._idle_check = (loop, loop.call_later(delay, self._idle_check_due))
+
+    def _idle_check_due(self) -> None:
+        loop, _ = self._idle_check  # type: ignore[misc]
+        self._idle_check = None
+        self.retire_idle()
+        waiting = [process.idle_since for process in self._processes if not process.busy]
+        if waiting:  # the next to become due (a busy process checks again when its work is done)
+            self._check_idle_later(loop, max(0.0, min(waiting) + self.idle_seconds - self._clock()))
 
 
 class DecoderDied(RuntimeError):

@@ -65,10 +65,9 @@ from mla_watch.engines.routing_ids import (
 )
 
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
-           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "answer_token_ids", "count_response",
-           "decode_chunk",
-           "decode_response", "encode_sglang", "encode_vllm", "every_layer", "routing_counts", "strip_chunk",
-           "strip_response"]
+           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "add_extra", "answer_token_ids",
+           "count_response", "decode_chunk", "decode_response", "encode_sglang", "encode_vllm", "every_layer",
+           "routing_counts", "strip_chunk", "strip_response"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -181,6 +180,27 @@ def strip_response(plan: RoutingPlan, body: bytes) -> bytes | None:
     document, _ = cut
     document["mla_watch"] = plan.extra
     return _compact(document)
+
+
+def add_extra(body: bytes, extra: dict[str, Any] | None) -> bytes | None:
+    """An answer (or stream chunk) that carries no routing to read, with mla_watch's object added; ``None`` where
+    it is no JSON object. For bodies short enough for the event loop (:data:`STRIP_ON_LOOP_BYTES`).
+
+    The object is parsed only to be checked: the engine's bytes go on as they came, the object written
+    in before their closing brace (re-serialised only where that cannot be done exactly: an object that
+    already has the key, or text that is not UTF-8 JSON).
+    """
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(document, dict):
+        return None
+    text = body.strip(b" \t\r\n")
+    if "mla_watch" in document or not text.startswith(b"{") or not text.endswith(b"}"):
+        document["mla_watch"] = extra
+        return _compact(document)
+    return b"".join((text[:-1], b',"mla_watch":' if document else b'"mla_watch":', _compact(extra), b"}"))
 
 
 def strip_chunk(plan: RoutingPlan, data: bytes, *, first: bool) -> bytes | None:

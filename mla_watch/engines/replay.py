@@ -219,6 +219,7 @@ class _Replay:
     model: str | None
     headers: dict[str, str]
     prompts: list[tuple[array, int]]
+    client: str | None = None
 
 
 # Sends one replay (a /v1/completions body, the request's headers) and returns the engine's answer;
@@ -257,14 +258,15 @@ class StreamReplayer:
         self._finish(business_line, outcome)
 
     def after_stream(self, business_line: str, plan: RoutingPlan, model: str | None, headers: dict[str, str],
-                     tokens: StreamTokens) -> str:
+                     tokens: StreamTokens, *, client: str | None = None) -> str:
         """A stream has ended: queue its replay, or say why not (the outcome, also counted). Never waits."""
         outcome = self._admit(tokens)
         if isinstance(outcome, str):
             self._finish(business_line, outcome)
             return outcome
         self._start()
-        self._waiting.put_nowait(_Replay(business_line, plan, model, headers, outcome))  # type: ignore[union-attr]
+        self._waiting.put_nowait(_Replay(business_line, plan, model, headers, outcome,  # type: ignore[union-attr]
+                                         client))
         self._waiting_tokens += sum(len(prompt) for prompt, _ in outcome)
         return "queued"
 
@@ -329,7 +331,7 @@ class StreamReplayer:
                 payload[PROMPT_START_FIELD] = start
             bodies.append(await self._send(payload, replay.headers))
             self.metrics.replay_tokens.inc(len(prompt))
-        counted = await self._counter.count_replay(replay.business_line, replay.plan, bodies)
+        counted = await self._counter.count_replay(replay.business_line, replay.plan, bodies, replay.client)
         return "replayed" if counted == "counted" else counted  # or vLLM's answer had no usable routing
 
     def _finish(self, business_line: str, outcome: str) -> None:

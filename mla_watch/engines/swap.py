@@ -75,9 +75,11 @@ class EngineWeights(abc.ABC):
     def score(self, samples: Sequence[Sequence[int]]) -> list[SampleScore]:
         """Each sample scored by the live engine, in order; ``SwapError`` if the engine cannot."""
 
-    @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
-        """``text``'s token ids as the engine reads a prompt (special tokens added); ``SwapError`` if it cannot."""
+        """``text``'s token ids as the engine reads a prompt (special tokens added); ``SwapError`` if it cannot
+        (an engine without a tokenizer endpoint: its reference prompts cannot be read, and causes are said to be
+        undetermined)."""
+        raise SwapError(f"the {self.name} engine cannot tokenize text here: its reference prompts cannot be read")
 
 
 def tokens_of_answer(answer: Any, where: str) -> list[int]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
+from mla_watch.cause.clients import ClientShares
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
@@ -86,6 +87,7 @@ class EngineRouting:
         self._problems: dict[str, float] = {}  # reason -> when last seen; cleared by counted routing
         self._without_routing = 0  # whole answers in a row that carried none
         self.answers = 0  # answers (and streams) counted in any outcome: what a test waits for
+        self.clients: ClientShares | None = None  # each line's clients' token shares, where kept
 
     def problems(self) -> list[str]:
         """What the engine's recent answers say is wrong with its routing set-up (for the status page)."""
@@ -110,8 +112,10 @@ class EngineRouting:
         self.collect()
         return self.windows.counts(business_line)
 
-    def count(self, business_line: str, decoded: Decoded | None, *, streamed: bool = False) -> str:
-        """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``)."""
+    def count(self, business_line: str, decoded: Decoded | None, *, streamed: bool = False,
+              client: str | None = None) -> str:
+        """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``). The
+        tokens it routed count toward ``client``'s share of the line (:attr:`clients`)."""
         if decoded is not None and decoded.error is not None:
             outcome = "data_error"
             self.metrics.data_errors.labels(self.engine, decoded.error.reason).inc()
@@ -125,6 +129,8 @@ class EngineRouting:
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
             self._problems.clear()  # the engine's routing works (again)
             self._without_routing = 0
+            if self.clients is not None and client is not None:
+                self.clients.add(business_line, client, int(decoded.tokens))
         else:
             outcome = "no_routing"
             # vLLM never puts routing in a stream, and a preempted request's is null; whole answers without

@@ -94,8 +94,7 @@ class Sidecar:
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None)
         # Who sends each line's traffic, and the reference prompts that tell the traffic's changes from the model's.
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
-        self.references = References(config, clients=self.clients, alerts=self.alerts,
-                                     history=lambda: self.history)  # ReferenceError at start-up
+        self.references = References(config, clients=self.clients, alerts=self.alerts)  # ReferenceError at start-up
         self.metrics.watch_reference(lambda: self.references.prober)
         if self.alerts is not None:
             self.alerts.engine.causes = self.references
@@ -111,7 +110,8 @@ class Sidecar:
         self.history = self.history_store or HistoryStore(
             None, interval_seconds=config.history_interval_seconds, span_seconds=config.history_span_seconds,
             max_series=config.history_max_series)
-        self._history_sampler = HistorySampler(self.history, self.sources.routing_snapshot)
+        self._history_sampler = HistorySampler(self.history, lambda: [*self.sources.routing_snapshot().records,
+                                                                      *self.references.history_records()])
         # Off the default executor, which alert evaluation shares: public reads cannot starve monitoring.
         self.heavy_reads = BoundedReads()  # /v1/history, /v1/status: bounded, 429 past it
         self._monitoring = monitoring_executor()  # /metrics, /v1/routing: never behind a heavy read
@@ -261,7 +261,8 @@ class Sidecar:
             probe.windows.baselines = self.baselines
             self.retuning.start_local(model, tokenizer)
             self.sources.trust_baselines(serving.retune)
-            self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
+            if self.alerts is not None:  # readings tell the causes of alerts
+                self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
             gc.freeze()
             serving.ready.set()
             log.info("ready: the model generates (loaded and checked in %.1f s); /readyz answers 200",
@@ -286,12 +287,12 @@ class Sidecar:
         config, engine_routing = self.config, self.sources.engine_routing
         if engine_routing is not None:
             engine_routing.windows.baselines = self.baselines
+            engine_routing.clients = self.clients
         if config.upstream:
             # No local model to health-check: the engine's routers, or workers' reports.
             self.sources.trust_baselines(self.serving.retune)
-            # Every answer is parsed there, routing or not: no engine answer is parsed on the event loop.
+            # Its processes start when an answer needs one: routing to count, or an answer too long for the event loop.
             self._decoder = RoutingDecoder(config.decode_workers)
-            self._decoder.start()
             capture = self.retuning.open_capture() if engine_routing is not None else None
             self.serving.upstream = Upstream(
                 config.upstream, config.request_timeout, decoder=self._decoder,
@@ -300,7 +301,7 @@ class Sidecar:
                 count_queue_bytes=config.count_queue_bytes,
                 capture=None if capture is None else self.retuning.capture_answers(capture))
             self.serving.engine_retune_note = self.retuning.start_engine(capture)
-            if engine_routing is not None:
+            if engine_routing is not None and self.alerts is not None:  # readings tell the causes of alerts
                 self.references.start_engine(engine_routing.geometry, self.serving.retune)
             if config.sglang_recorder_dir is not None:
                 from mla_watch.engines.recorder import RecorderPoller

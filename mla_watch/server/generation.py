@@ -64,7 +64,7 @@ class Generation:
             policy_label = decision.policy_label
             self.ctx.metrics.count_adjustments(decision)
             if self.ctx.serving.upstream is not None:
-                response = await self.ctx.serving.upstream.forward(request, parsed, body, decision)
+                response = await self.ctx.serving.upstream.forward(request, parsed, body, decision, client)
             else:
                 response = await self._generate_locally(request, parsed, decision, task, client)
         except ApiError as error:

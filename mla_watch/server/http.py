@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from mla_watch.server.requests import ApiError, parse_body
 
-__all__ = ["authorise", "error_response", "read_body", "read_json"]
+__all__ = ["authorise", "by_deadline", "error_response", "read_body", "read_json"]
+
+T = TypeVar("T")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -20,7 +25,7 @@ def error_response(error: ApiError) -> JSONResponse:
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body: at most ``limit`` bytes (413), arrived within ``timeout`` seconds (408)."""
     try:
-        return await asyncio.wait_for(_read_body(request, limit), timeout)
+        return await by_deadline(asyncio.get_running_loop().time() + timeout, _read_body(request, limit))
     except asyncio.TimeoutError as error:
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from error
 
@@ -28,6 +33,16 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
 async def read_json(request: Request, limit: int, timeout: float) -> dict:
     """The body's JSON object, read as :func:`read_body` reads it."""
     return parse_body(await read_body(request, limit, timeout))
+
+
+async def by_deadline(deadline: float, awaitable: Awaitable[T]) -> T:
+    """``await awaitable``, raising :class:`asyncio.TimeoutError` once the event loop's clock (``loop.time()``,
+    monotonic) passes ``deadline``. Where the loop has ``asyncio.timeout_at`` (Python 3.11), a timer on the
+    task awaiting: about half what ``asyncio.wait_for`` costs, which wraps the awaitable in a task of its own."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout_at(deadline):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
 def authorise(request: Request, token: str | None, *, what: str, variables: str) -> None:

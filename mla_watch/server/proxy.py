@@ -16,13 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +34,7 @@ from mla_watch.engines.formats import (
     SGLANG_START_FIELD,
     STRIP_ON_LOOP_BYTES,
     RoutingPlan,
+    add_extra,
     strip_chunk,
     strip_response,
 )
@@ -49,8 +48,16 @@ from mla_watch.engines.replay import (
 )
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy import Decision
+from mla_watch.server.http import by_deadline
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
-from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, EventLines, UnsupportedEncoding
+from mla_watch.server.upstream_http import Answer, UpstreamClient, UpstreamError
+from mla_watch.server.upstream_io import (
+    AnswerTooLarge,
+    BoundedInflater,
+    EventLines,
+    LineDeadline,
+    UnsupportedEncoding,
+)
 
 __all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]
 
@@ -72,9 +79,8 @@ class Upstream:
         self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
         # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
         # all the same is inflated here within max_bytes.
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
-                                         auth=httpx.BasicAuth(*credentials) if credentials else None,
-                                         headers={"Accept-Encoding": "identity"})
+        self._client = UpstreamClient(self.url, connect_timeout=min(timeout, 5.0), credentials=credentials,
+                                      headers={"Accept-Encoding": "identity"})
         self.timeout = timeout
         self.max_bytes = max_bytes
         self.routing = routing
@@ -101,7 +107,7 @@ class Upstream:
 
     async def models(self, request: Request) -> Response:
         status, content_type, content = await self._exchange("GET", "/v1/models", MODELS_MAX_BYTES,
-                                                             headers=_forwarded_auth(request))
+                                                             _forwarded_auth(request))
         if status != 200:
             return _relayed_error(self.url, status, content_type, content)
         document = _json_object(content)
@@ -110,7 +116,9 @@ class Upstream:
         return JSONResponse(document)
 
     async def forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
-                      decision: Decision) -> Response:
+                      decision: Decision, client: str | None = None) -> Response:
+        """The engine's answer to the request, with the policy applied; its routing counted for the business line
+        and ``client`` (:mod:`mla_watch.cause.clients`) once the client has it."""
         payload = parsed.upstream_body(body, decision.applied)
         prompt_start = _prompt_start(payload)  # the proxy counts every row
         headers = {"Content-Type": "application/json", **_forwarded_auth(request),
@@ -125,15 +133,22 @@ class Upstream:
             payload[TOKEN_IDS_FIELD] = True
         if parsed.stream:
             replay = self._stream_tokens(plan, parsed, body, payload)
-            return await self._stream(path, payload, headers, plan, decision.business_line, replay)
-        status, content_type, content = await self._exchange("POST", path, self.max_bytes, json=payload,
-                                                             headers=headers)
+            return await self._stream(path, payload, headers, plan, decision.business_line, replay, client)
+        status, content_type, content = await self._exchange("POST", path, self.max_bytes, headers,
+                                                             _json_body(payload))
         if status != 200:
             return _relayed_error(self.url, status, content_type, content)
+        if plan.engine == "none" and len(content) < STRIP_ON_LOOP_BYTES:
+            # No routing to read: checked and marked here, in ~0.1 ms; only a long answer goes to a decoding process.
+            marked = add_extra(content, plan.extra)
+            if marked is None:
+                raise _not_openai(self.url, path, content_type, len(content))
+            return Response(marked, media_type="application/json")
         counting = self.counter is not None and plan.engine != "none"
         stripped = strip_response(plan, content)  # the routing's base64 cut out, not decoded: ~0.1 ms
         if stripped is not None:
-            background = BackgroundTask(self._count_after, decision.business_line, plan, content) if counting else None
+            background = (BackgroundTask(self._count_after, decision.business_line, plan, content, client)
+                          if counting else None)
             return Response(stripped, media_type="application/json", background=background)
         # Kept routing, lists, a long answer: the decoding process reads it whole and counts it on the way.
         decoded = await self._decoder.response(plan, content)
@@ -141,17 +156,17 @@ class Upstream:
         if decoded.not_json:
             raise _not_openai(self.url, path, content_type, len(decoded.body or b""))
         if counting:
-            self.routing.count(decision.business_line, decoded, streamed=False)  # type: ignore[union-attr]
+            self.routing.count(decision.business_line, decoded, streamed=False, client=client)  # type: ignore[union-attr]
         if decoded.samples and self.capture is not None:
-            await asyncio.to_thread(self.capture, decision.business_line, decoded.samples)
+            await asyncio.to_thread(self.capture, decision.business_line, decoded.samples, client)
         if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
             raise ApiError(502, f"the answer of {self.url}{path} could not be read: {decoded.error}",
                            code="upstream_error", error_type="server_error")
         return Response(decoded.body, media_type="application/json")
 
-    async def _count_after(self, business_line: str, plan: RoutingPlan, content: bytes) -> None:
+    async def _count_after(self, business_line: str, plan: RoutingPlan, content: bytes, client: str | None) -> None:
         """Once the client has the answer (a coroutine: a starlette background function would run in a thread)."""
-        self.counter.submit(business_line, plan, content, streamed=False)  # type: ignore[union-attr]
+        self.counter.submit(business_line, plan, content, streamed=False, client=client)  # type: ignore[union-attr]
 
     def _stream_tokens(self, plan: RoutingPlan, parsed: GenerationRequest, body: dict[str, Any],
                        payload: dict[str, Any]) -> _StreamReplay | None:
@@ -166,27 +181,30 @@ class Upstream:
         return _StreamReplay(StreamTokens(parsed.kind, strip=not client_asked), parsed.model, replay=sampled)
 
     async def _send_replay(self, payload: dict[str, Any], headers: dict[str, str]) -> bytes:
-        status, content_type, content = await self._exchange("POST", "/v1/completions", self.max_bytes,
-                                                             json=payload, headers=headers)
+        status, content_type, content = await self._exchange("POST", "/v1/completions", self.max_bytes, headers,
+                                                             _json_body(payload))
         if status != 200:
             raise ApiError(502, f"{self.url}/v1/completions answered a replay with HTTP {status} "
                                 f"({_media_type(content_type)})", code="upstream_error")
         return content
 
     # ------------------------------------------------------------------ one bounded exchange
-    async def _exchange(self, method: str, path: str, limit: int, **kwargs: Any) -> tuple[int, str, bytes]:
+    async def _exchange(self, method: str, path: str, limit: int, headers: dict[str, str],
+                        body: bytes = b"") -> tuple[int, str, bytes]:
         """Status, content type and decoded body of one request: at most ``limit`` bytes (an error answer at
         most :data:`ERROR_BODY_MAX_BYTES`), all of it within the request timeout."""
         try:
-            return await asyncio.wait_for(self._read(method, path, limit, **kwargs), self.timeout)
+            return await by_deadline(asyncio.get_running_loop().time() + self.timeout,
+                                     self._read(method, path, limit, headers, body))
         except asyncio.TimeoutError:
             raise ApiError(504, f"{self.url}{path} did not answer in full within {self.timeout:g} s "
                                 "(--request-timeout)", code="upstream_timeout", error_type="server_error") from None
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             raise self._failed(error) from None
 
-    async def _read(self, method: str, path: str, limit: int, **kwargs: Any) -> tuple[int, str, bytes]:
-        async with self._client.stream(method, path, **kwargs) as answer:
+    async def _read(self, method: str, path: str, limit: int, headers: dict[str, str],
+                    body: bytes) -> tuple[int, str, bytes]:
+        async with await self._client.send(method, path, headers=headers, body=body) as answer:
             content_type = answer.headers.get("content-type", "")
             if answer.status_code != 200:
                 limit = min(limit, ERROR_BODY_MAX_BYTES)
@@ -200,7 +218,7 @@ class Upstream:
                                error_type="server_error") from None
             return answer.status_code, content_type, content
 
-    async def _inflate(self, answer: httpx.Response, limit: int) -> bytes:
+    async def _inflate(self, answer: Answer, limit: int) -> bytes:
         try:
             inflater = BoundedInflater(answer.headers.get("content-encoding"), limit)
             body = bytearray()  # grown in place: a list of pieces joined at the end fragments the heap
@@ -218,32 +236,31 @@ class Upstream:
 
     # ------------------------------------------------------------------ streams
     async def _stream(self, path: str, payload: dict[str, Any], headers: dict[str, str], plan: RoutingPlan,
-                      business_line: str, replay: _StreamReplay | None) -> Response:
-        deadline = time.monotonic() + self.timeout
-        request = self._client.build_request("POST", path, json=payload, headers=headers)
+                      business_line: str, replay: _StreamReplay | None, client: str | None) -> Response:
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            upstream = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout)
+            upstream = await by_deadline(deadline, self._client.send("POST", path, headers=headers,
+                                                                     body=_json_body(payload)))
         except asyncio.TimeoutError:
             raise ApiError(504, f"{self.url}{path} sent no answer within {self.timeout:g} s (--request-timeout)",
                            code="upstream_timeout", error_type="server_error") from None
-        except httpx.HTTPError as error:
+        except UpstreamError as error:
             raise self._failed(error) from None
         if upstream.status_code != 200:
             try:
                 content_type = upstream.headers.get("content-type", "")
                 try:
-                    content = await asyncio.wait_for(self._inflate(upstream, ERROR_BODY_MAX_BYTES),
-                                                     max(0.0, deadline - time.monotonic()))
-                except (AnswerTooLarge, asyncio.TimeoutError, httpx.HTTPError):
+                    content = await by_deadline(deadline, self._inflate(upstream, ERROR_BODY_MAX_BYTES))
+                except (AnswerTooLarge, asyncio.TimeoutError, UpstreamError):
                     content = b""
             finally:
                 await upstream.aclose()
             return _relayed_error(self.url, upstream.status_code, content_type, content)
-        relay = _StreamRelay(plan, business_line, replay, headers)
+        relay = _StreamRelay(plan, business_line, replay, headers, client)
         return StreamingResponse(self._relay_stream(upstream, relay, path), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _relay_stream(self, upstream: httpx.Response, relay: _StreamRelay, path: str) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: Answer, relay: _StreamRelay, path: str) -> AsyncIterator[bytes]:
         """Pass the upstream's server-sent events through, adding mla_watch's object to the first chunk.
 
         SGLang sends a stream's routing in a chunk of its own after the last token: it is cut out and
@@ -252,10 +269,14 @@ class Upstream:
         event saying which.
         """
         try:
-            async for line in self._stream_lines(upstream, path):
-                relayed = await self._relay_line(line, relay)
-                if relayed is not None:
-                    yield relayed + b"\n"
+            async for lines in self._stream_lines(upstream, path):
+                relayed = []
+                for line in lines:
+                    out = await self._relay_line(line, relay)
+                    if out is not None:
+                        relayed.append(out)
+                if relayed:  # the lines of one read in one write: a write per line costs the client's latency
+                    yield b"\n".join(relayed) + b"\n"
         except ApiError as error:
             log.warning("stream from %s%s cut: %s", self.url, path, error.message)
             yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
@@ -272,7 +293,8 @@ class Upstream:
         if replay is not None and replay.tokens is not None and self.capture is not None:
             samples = replay.tokens.samples()
             if samples:
-                task = asyncio.ensure_future(asyncio.to_thread(self.capture, relay.business_line, samples))
+                task = asyncio.ensure_future(asyncio.to_thread(self.capture, relay.business_line, samples,
+                                                               relay.client))
                 self._capturing.add(task)  # held until done: a task nobody holds may be collected
                 task.add_done_callback(self._capturing.discard)
         if replay is None:
@@ -284,7 +306,7 @@ class Upstream:
                 self.routing.count(relay.business_line, None, streamed=True)
         else:
             self.replayer.after_stream(relay.business_line, relay.plan, replay.model,  # type: ignore[union-attr]
-                                       relay.headers, replay.tokens)
+                                       relay.headers, replay.tokens, client=relay.client)
 
     async def _relay_line(self, line: bytes, relay: _StreamRelay) -> bytes | None:
         if not line.startswith(b"data:") or line[5:].strip() in (b"", b"[DONE]"):
@@ -320,12 +342,11 @@ class Upstream:
                 return line
             relay.first = False
             return b"data: " + decoded.body
-        chunk = _json_object(data)
-        if chunk is None:  # not a JSON object: relayed as it came, the next chunk carries the object
+        marked = add_extra(data, plan.extra)
+        if marked is None:  # not a JSON object: relayed as it came, the next chunk carries the object
             return line
         relay.first = False
-        chunk["mla_watch"] = plan.extra
-        return b"data: " + json.dumps(chunk).encode()
+        return b"data: " + marked
 
     async def _routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
         """SGLang's chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""
@@ -334,20 +355,21 @@ class Upstream:
         if stripped is None:  # kept routing, or too long a chunk: the decoding process reads it, on the way
             decoded = await self._decoder.chunk(plan, data.decode("utf-8", "replace"), first=relay.first)
             if decoded.found and self.routing is not None:
-                self.routing.count(relay.business_line, decoded, streamed=True)
+                self.routing.count(relay.business_line, decoded, streamed=True, client=relay.client)
                 relay.counted = True
             relay.first = False
             return None if decoded.body is None else b"data: " + decoded.body
         if self.counter is not None:
-            self.counter.submit(relay.business_line, plan, bytes(data), streamed=True)
+            self.counter.submit(relay.business_line, plan, bytes(data), streamed=True, client=relay.client)
             relay.counted = True
         if stripped == DROP_CHUNK:
             return None
         relay.first = False
         return b"data: " + stripped
 
-    async def _stream_lines(self, upstream: httpx.Response, path: str) -> AsyncIterator[bytes]:
-        """The stream's lines, each whole within the request timeout and at most ``max_bytes``."""
+    async def _stream_lines(self, upstream: Answer, path: str) -> AsyncIterator[list[bytes]]:
+        """The stream's lines, those of each read together, each line whole within the request timeout and at
+        most ``max_bytes``."""
         try:  # a stream is relayed line by line: a read, and a line, must fit; the whole need not
             inflater = BoundedInflater(upstream.headers.get("content-encoding"), self.max_bytes, per_read=True)
         except UnsupportedEncoding as error:
@@ -355,32 +377,36 @@ class Upstream:
                            error_type="server_error") from None
         lines = EventLines(self.max_bytes)
         raw = upstream.aiter_raw()
-        line_began = time.monotonic()  # a line dripped a byte at a time must still end within the timeout
-        while True:
-            try:
-                data = await asyncio.wait_for(anext(raw), max(0.0, line_began + self.timeout - time.monotonic()))
-            except StopAsyncIteration:
-                break
-            except asyncio.TimeoutError:
-                raise ApiError(504, f"the stream of {self.url}{path} sent no line end within {self.timeout:g} s "
-                                    "(--request-timeout)", code="upstream_timeout", error_type="server_error") from None
-            except httpx.HTTPError as error:
-                raise self._failed(error) from None
-            try:
-                complete = lines.feed(inflater.feed(data))
-            except zlib.error:
-                raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
-                               code="upstream_error", error_type="server_error") from None
-            except AnswerTooLarge as error:
-                raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} bytes "
-                                    "(--upstream-max-bytes)", code="upstream_too_large",
-                               error_type="server_error") from None
-            if complete:
-                line_began = time.monotonic()
-            for line in complete:
-                yield line
-        for line in lines.finish():
-            yield line
+        deadline = LineDeadline(self.timeout)  # a line dripped a byte at a time must still end within the timeout
+        try:
+            while True:
+                try:
+                    data = await deadline.read(anext(raw))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise ApiError(504, f"the stream of {self.url}{path} sent no line end within {self.timeout:g} s "
+                                        "(--request-timeout)", code="upstream_timeout",
+                                   error_type="server_error") from None
+                except UpstreamError as error:
+                    raise self._failed(error) from None
+                try:
+                    complete = lines.feed(inflater.feed(data))
+                except zlib.error:
+                    raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
+                                   code="upstream_error", error_type="server_error") from None
+                except AnswerTooLarge as error:
+                    raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} "
+                                        "bytes (--upstream-max-bytes)", code="upstream_too_large",
+                                   error_type="server_error") from None
+                if complete:
+                    deadline.restart()
+                    yield complete
+        finally:
+            deadline.close()
+        rest = lines.finish()
+        if rest:
+            yield rest
 
     # ------------------------------------------------------------------ routing plan
     async def _plan(self, request: Request, body: dict[str, Any], extra: dict[str, Any],
@@ -397,8 +423,7 @@ class Upstream:
     async def _detect(self, request: Request) -> str | None:
         """``--engine auto``: the format of the engine that owns the upstream's first model."""
         try:
-            status, _, content = await self._exchange("GET", "/v1/models", MODELS_MAX_BYTES,
-                                                      headers=_forwarded_auth(request))
+            status, _, content = await self._exchange("GET", "/v1/models", MODELS_MAX_BYTES, _forwarded_auth(request))
         except ApiError as error:
             log.warning("--engine auto: %s/v1/models did not answer (%s); no routing read yet", self.url,
                         error.message)
@@ -419,9 +444,9 @@ class Upstream:
             self.routing.engine = engine  # type: ignore[union-attr]
         return engine
 
-    def _failed(self, error: httpx.HTTPError) -> ApiError:
-        detail = " ".join(str(error).split())[:200]  # the URL in it has no credentials: they live in auth
-        return ApiError(502, f"upstream {self.url} failed: {type(error).__name__}" + (f": {detail}" if detail else ""),
+    def _failed(self, error: UpstreamError) -> ApiError:
+        detail = " ".join(str(error).split())[:200]  # no credentials in it: they travel in a header of their own
+        return ApiError(502, f"upstream {self.url} failed: {error.kind}" + (f": {detail}" if detail else ""),
                         code="upstream_error", error_type="server_error")
 
 
@@ -442,6 +467,7 @@ class _StreamRelay:
     business_line: str
     replay: _StreamReplay | None
     headers: dict[str, str]
+    client: str | None = None  # who sent it (mla_watch.cause.clients)
     first: bool = True  # no chunk has carried mla_watch's object yet
     counted: bool = False  # its routing was counted (or queued to be)
 
@@ -460,6 +486,11 @@ def _prompt_start(payload: dict[str, Any]) -> int:
         raise ApiError(400, f"{PROMPT_START_FIELD} and {SGLANG_START_FIELD} disagree; send one",
                        param=SGLANG_START_FIELD, code="conflict")
     return next(iter(given.values()), 0)
+
+
+def _json_body(payload: dict[str, Any]) -> bytes:
+    """A request's JSON as the engine receives it (compact, UTF-8; the request was parsed without NaN)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _json_object(content: bytes) -> dict[str, Any] | None:

@@ -25,7 +25,6 @@ from mla_watch.windows import RouterStats
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
-    from mla_watch.history.store import HistoryStore
     from mla_watch.retune.service import RetuneService
     from mla_watch.server.config import ServerConfig
 
@@ -41,12 +40,11 @@ class References:
     (:class:`~mla_watch.alerting.causes.CauseJudge`): the prober's answers once it runs, ``undetermined`` (and
     why) before, or where none can run."""
 
-    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
-                 history: Callable[[], HistoryStore | None]) -> None:
+    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None) -> None:
         self.config = config
         self.clients = clients
         self.alerts = alerts
-        self._history = history
+        self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
         self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(config.reference_prompts, load_reference_dir,
                                                                   what="reference prompts")  # ReferenceError
         self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE)
@@ -142,10 +140,6 @@ class References:
 
     # ------------------------------------------------------------------ what readings feed
     def _recorded(self, reading: ReferenceReading) -> None:
-        """A reading into the routing history, apart from live traffic (its line: ``reference:<set>``)."""
-        history = self._history()
-        if history is None:
-            return
         baseline = self.baselines.get(reading.set_name, reading.digest)
         records = []
         for record in reading.score.routers.values():
@@ -153,7 +147,12 @@ class References:
             if comparison is not None:
                 records.append(RouterStats(record.router, REFERENCE_LINE_PREFIX + reading.set_name, comparison.stats,
                                            record.counts))
-        history.record(records)
+        self._latest[reading.set_name] = records
+
+    def history_records(self) -> list[RouterStats]:
+        """The latest reading of each set, as the routing history samples it beside live traffic (its line:
+        ``reference:<set>``, which no business line can be)."""
+        return [record for records in list(self._latest.values()) for record in records]
 
     def describe(self) -> dict[str, Any]:
         """``GET /v1/reference``: the sets, their latest readings and baselines, and how each router compares."""

@@ -103,13 +103,13 @@ class Retuning:
                               max_age_seconds=self.config.capture_max_age_seconds,
                               max_client_share=self.config.capture_max_client_share)
 
-    def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]]], None]:
+    def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]], str | None], None]:
         from mla_watch.retune.capture import CaptureError
 
-        def record(line: str, samples: list[tuple[list[int], int]]) -> None:
+        def record(line: str, samples: list[tuple[list[int], int]], client: str | None = None) -> None:
             try:
                 for token_ids, prompt_tokens in samples:
-                    capture.add(line, token_ids, prompt_tokens=prompt_tokens)
+                    capture.add(line, token_ids, prompt_tokens=prompt_tokens, client=client)
                     self.metrics.captured_samples.labels(line).inc()
             except CaptureError as error:  # the client has its answer: a full disk costs the capture, not it
                 log.warning("an answer of %s was not captured: %s", line, error)

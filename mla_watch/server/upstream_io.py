@@ -1,18 +1,28 @@
 """Reading an engine's answers within bounds: decompressed size, server-sent-event lines, time.
 
 An engine (or whatever answers at its address) decides how large its answers are. Nothing
-it sends is held past ``limit`` bytes after decompression: httpx's own decoders inflate a
-read whole (1 MB of gzip becomes 1 GB in one call), so the raw bytes are inflated here, a
-bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
+it sends is held past ``limit`` bytes after decompression: inflating a read whole (as httpx's
+decoders do) turns 1 MB of gzip into 1 GB in one call, so the proxy's client hands on the raw
+bytes and they are inflated here, a bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
 specification): text that is legal inside JSON, U+2028 or U+0085, never splits a line.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+import sys
 import zlib
+from collections.abc import Awaitable
+from typing import TypeVar
 
-__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "UnsupportedEncoding"]
+from mla_watch.server.http import by_deadline
+
+__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "LineDeadline",
+           "UnsupportedEncoding"]
+
+T = TypeVar("T")
 
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
 _EOL = re.compile(rb"\r\n?|\n")
@@ -93,6 +103,8 @@ class EventLines:
         self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
 
     def feed(self, data: bytes) -> list[bytes]:
+        if not self._buffer and data.endswith(b"\n"):  # whole lines, as a stream's reads mostly are
+            return data.splitlines()  # bytes split at CR, LF and CRLF only
         self._buffer += data
         lines, start = [], 0
         while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
@@ -110,3 +122,60 @@ class EventLines:
         """What is left when the stream ends: a last line without its line end."""
         rest, self._buffer = bytes(self._buffer), bytearray()
         return [rest.rstrip(b"\r")] if rest else []
+
+
+class LineDeadline:
+    """How long each line of a stream may take, for the task that reads it: :meth:`read` raises
+    :class:`asyncio.TimeoutError` once a line has taken ``seconds`` (:meth:`restart` when one ends).
+
+    :func:`by_deadline` around every read would set and cancel a timer per read, and a stream is read
+    a few hundred bytes at a time; this keeps one timer per stream, which a line's end merely moves
+    (the timer, when it fires, looks at the deadline again). Only a read is ever cancelled: while the
+    task relays what it read, the deadline may pass, and the next read raises at once.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.seconds = seconds
+        self.deadline = self._loop.time() + seconds
+        self._reading: asyncio.Task | None = None
+        self._expired = False
+        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self.deadline, self._due)
+
+    def restart(self) -> None:
+        """A line has ended: the next one has ``seconds`` from now."""
+        self.deadline = self._loop.time() + self.seconds
+        if self._timer is None:
+            self._timer = self._loop.call_at(self.deadline, self._due)
+
+    async def read(self, awaitable: Awaitable[T]) -> T:
+        if sys.version_info < (3, 11):  # no Task.uncancel() to tell this timeout from a cancellation
+            return await by_deadline(self.deadline, awaitable)
+        if self._loop.time() >= self.deadline:
+            with contextlib.suppress(AttributeError):
+                awaitable.close()  # type: ignore[attr-defined]  # never awaited: closed, without a warning
+            raise asyncio.TimeoutError
+        task = asyncio.current_task()
+        assert task is not None
+        self._reading, cancelling = task, task.cancelling()
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._expired and task.uncancel() <= cancelling:  # this timeout's, not the task's own
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            self._reading, self._expired = None, False
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> None:
+        self._timer = None
+        if self._loop.time() < self.deadline:  # a line ended meanwhile
+            self._timer = self._loop.call_at(self.deadline, self._due)
+        elif self._reading is not None:
+            self._expired = True
+            self._reading.cancel()

@@ -1,0 +1,180 @@
+"""Traffic or damage: four floods of one client and a router damaged in place, and what each makes the sidecar do.
+
+    python bench/traffic_or_damage.py                    # the bundled model: four floods and a damage (~8 min)
+    python bench/traffic_or_damage.py --engine vllm      # also beside a real vLLM: the floods, and the reference
+                                                         # prompts' cost on the engine's throughput
+    python bench/traffic_or_damage.py --json figures.json
+
+The scenarios are tests/floods.py's (the tests assert what this prints): ``serve --capture`` with the shipped
+rules (every hold cut to 0 s) and reference prompts, on-call and the line owners on a loopback webhook
+receiver; healthy traffic of four lines until their baselines are learned; then one client (``flood-1``)
+floods ``code_assistant`` with one of four floods (a healthy request of another line in every four), or
+MoE layer 2's correction bias is damaged in place (+10 on six experts) under healthy traffic.
+
+Printed per scenario: code_assistant's entropy per MoE layer before and after, the alerts that fired and
+their causes, what on-call's pager received, the re-tune jobs and the router versions on disk; for the
+damage, the strategy promoted and its reference gates.
+
+With ``--engine vllm``, the reference prompts' cost on the engine: four clients generating 32 tokens each for
+``--seconds``, alternated with and without the shipped sets read through the engine back to back (every
+set, again and again, at the default pace: the most a sidecar ever asks), as tokens/s of the clients and
+the ratio in one run; and what the default schedule (every set every 300 s) sends: prompt tokens a second,
+against the engine's measured prompt throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
+
+from mla_watch.cause.prompts import load_reference_dir
+from mla_watch.cause.readers import EngineReader
+from mla_watch.shipped import SHIPPED_REFERENCES
+
+
+def summary(outcome: Outcome) -> dict[str, Any]:
+    firing = [alert for alert in outcome.alerts if alert["state"] in ("firing", "resolved")]
+    return {
+        "scenario": outcome.name, "requests": outcome.requests, "seconds": outcome.seconds,
+        "entropy_before": outcome.entropy_before, "entropy_after": outcome.entropy_after,
+        "alerts": sorted({f"{a['labels']['alertname']} {a['labels'].get('business_line')} "
+                          f"{a['labels'].get('router', '')} -> {a['labels'].get('cause')}" for a in firing}),
+        "causes": sorted({a["labels"].get("cause", "") for a in firing}),
+        "oncall_pages": len([a for a in outcome.oncall if a["status"] == "firing"]),
+        "oncall_causes": sorted({a["labels"].get("cause", "") for a in outcome.oncall}),
+        "owners_warnings": len([a for a in outcome.owners if a["status"] == "firing"]),
+        "jobs": [(job["status"], (job.get("result") or {}).get("strategy")) for job in outcome.jobs],
+        "versions": outcome.versions,
+        "clients": next((a["cause"]["details"].get("clients") for a in firing if a.get("cause")
+                         and a["cause"]["details"].get("clients")), None),
+    }
+
+
+def show(figures: dict[str, Any]) -> None:
+    print(f"\n== {figures['scenario']}: {figures['requests']} requests, {figures['seconds']} s")
+    print(f"   code_assistant entropy: {figures['entropy_before']} -> {figures['entropy_after']}")
+    print(f"   causes of the alerts: {figures['causes']}; on-call pages: {figures['oncall_pages']} "
+          f"{figures['oncall_causes']}; line owners' warnings: {figures['owners_warnings']}")
+    for alert in figures["alerts"]:
+        print(f"     {alert}")
+    print(f"   re-tune jobs: {figures['jobs']}; router versions on disk: {figures['versions']}")
+    if figures["clients"]:
+        print(f"   clients named: {figures['clients']}")
+
+
+def engine_cost(url: str, geometry: Any, seconds: float, rounds: int) -> dict[str, Any]:
+    """Clients' tokens/s with and without reference readings back to back, alternated ``rounds`` times."""
+    from mla_watch.engines.weights import VllmWeights
+
+    sets = list(load_reference_dir(SHIPPED_REFERENCES).sets.values())
+    reader = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=16.0)
+    for reference in sets:  # tokenized once, as the sidecar does
+        reader.token_ids(reference)
+
+    def clients(stop: threading.Event) -> int:
+        done = [0]
+
+        def client(index: int) -> None:
+            with httpx.Client(timeout=300) as http:
+                while not stop.is_set():
+                    answer = http.post(f"{url}/v1/completions", json={
+                        "model": "tiny", "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
+                        "max_tokens": 32, "ignore_eos": True})
+                    done[0] += answer.json()["usage"]["completion_tokens"]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        stop.wait(seconds)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        return done[0]
+
+    results: dict[str, list[float]] = {"without": [], "with": []}
+    reading_seconds: list[float] = []
+
+    def read_until(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for reference in sets:
+                started = time.monotonic()
+                reader.read(reference)
+                reading_seconds.append(time.monotonic() - started)
+
+    for _ in range(rounds):
+        for arm in ("without", "with"):
+            stop = threading.Event()
+            reading = None
+            if arm == "with":
+                reading = threading.Thread(target=read_until, args=(stop,))
+                reading.start()
+            started = time.monotonic()
+            tokens = clients(stop)
+            results[arm].append(tokens / (time.monotonic() - started))
+            if reading is not None:
+                reading.join()
+    without, with_ = (sorted(values)[len(values) // 2] for values in (results["without"], results["with"]))
+    set_tokens = sum(len(ids) for reference in sets for ids in reader.token_ids(reference))
+    prompt_rate = reader.tokens / (rounds * seconds)
+    return {"clients_tokens_per_second_without": round(without, 2),
+            "clients_tokens_per_second_with": round(with_, 2), "ratio": round(with_ / without, 3),
+            "reference_prompt_tokens_per_second_back_to_back": round(prompt_rate, 1),
+            "seconds_per_set_reading_median": round(sorted(reading_seconds)[len(reading_seconds) // 2], 2),
+            "tokens_per_round_of_every_set": set_tokens,
+            "default_schedule_prompt_tokens_per_second": round(set_tokens / 300.0, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=("none", "vllm"), default="none")
+    parser.add_argument("--seconds", type=float, default=30.0, help="per arm of the engine's cost (default 30)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the engine's cost (default 3)")
+    parser.add_argument("--skip-embedded", action="store_true", help="only the engine's part")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    figures: dict[str, Any] = {"bench": "traffic_or_damage", "embedded": [], "vllm": []}
+    if not args.skip_embedded:
+        for flood in FLOODS:
+            figures["embedded"].append(summary(flood_scenario(flood)))
+            show(figures["embedded"][-1])
+        damaged = damage_scenario("model.layers.2.mlp.gate", (0, 1, 2, 3, 4, 5), 10.0)
+        figures["embedded"].append(summary(damaged))
+        show(figures["embedded"][-1])
+        promoted = [job for job in damaged.jobs if job["status"] == "promoted"]
+        if promoted:
+            attempt = next(a for a in promoted[0]["result"]["attempts"] if a.get("outcome") == "promoted")
+            gates = {check["gate"] + (f" {check['router']}" if check.get("router") else ""): check["decision"]
+                     for check in attempt["gates"]["checks"] if check["gate"].startswith("reference")}
+            print(f"   promoted: {attempt['strategy']} (version {attempt['version']}); reference gates: {gates}")
+            print(f"   trigger to promoted: {promoted[0]['result']['timings'].get('trigger_to_promoted_seconds')} s")
+    if args.engine == "vllm":
+        from real_vllm import build_checkpoint, cache_root, running_vllm
+
+        from mla_watch.engines.geometry import load_geometry
+
+        checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
+        with tempfile.TemporaryDirectory() as work, running_vllm(checkpoint, routing=True,
+                                                                 log_path=Path(work) / "vllm.log") as url:
+            for index, flood in enumerate(FLOODS):
+                outcome = engine_flood_scenario(url, checkpoint, Path(work) / f"flood-{index}", flood)
+                figures["vllm"].append(summary(outcome))
+                show(figures["vllm"][-1])
+            cost = engine_cost(url, load_geometry(checkpoint / "config.json"), args.seconds, args.rounds)
+            figures["vllm_cost"] = cost
+            print(f"\n== the reference prompts' cost on the real vLLM: {json.dumps(cost)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
