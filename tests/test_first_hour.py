@@ -23,6 +23,7 @@ import threading
 import time
 
 import httpx
+import processes
 import pytest
 import yaml
 from conftest import REPO, running_sidecar, serve_app, wait_until
@@ -37,8 +38,8 @@ GATE = "model.layers.1.mlp.gate"
 
 def cli(*args: str, timeout: float = 300, **environment: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items() if not key.startswith("MLA_WATCH_")}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**environ, **environment}, check=False)
+    return processes.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                         env={**environ, **environment})
 
 
 # ---------------------------------------------------------------------------------------------- starting
@@ -82,11 +83,10 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
 
 @pytest.mark.slow
 def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path) -> None:
-    process = subprocess.Popen([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state")], cwd=REPO,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")})
     seen: list[str] = []
-    try:
+    with processes.running([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state")], cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}) as process:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = process.stderr.readline()
@@ -103,13 +103,6 @@ def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path)
                             timeout=120)
         assert answer.status_code == 200, answer.text
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()["status"] == "ready"
-    finally:
-        process.terminate()
-        try:
-            process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate(timeout=30)
     loading = next(i for i, line in enumerate(seen) if "loading the model bundled" in line)
     ready = next(i for i, line in enumerate(seen) if "ready: the model generates" in line)
     assert loading < ready
@@ -122,8 +115,7 @@ def test_the_python_api_loads_the_model_without_a_progress_bar() -> None:
     code = ("import mla_watch\nmodel, tokenizer = mla_watch.load_model('bundled', device='cpu')\n"
             "probe = mla_watch.attach(model)\nprint(len(probe.routers))\n"
             "from transformers.utils import logging\nprint(logging.is_progress_bar_enabled())\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          check=False)
+    done = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["7", "True"]  # the program's own bars are left as they were
     assert done.stderr == "", done.stderr[-3000:]
@@ -356,27 +348,25 @@ def test_long_commands_show_progress_on_stderr_when_piped() -> None:
 
 def test_a_long_command_draws_a_bar_on_a_terminal() -> None:
     main, child = pty.openpty()  # stderr is a terminal; stdout stays a pipe
-    process = subprocess.Popen([*CLI, "baseline", "--samples", "8", "--out", os.devnull], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=child, env={**os.environ, "COLUMNS": "100"})
-    os.close(child)
     seen = b""
     try:
-        while True:
-            ready, _, _ = select.select([main], [], [], 300)
-            if not ready:
-                break
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            seen += chunk
-        out, _ = process.communicate(timeout=300)
+        with processes.running([*CLI, "baseline", "--samples", "8", "--out", os.devnull], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=child, env={**os.environ, "COLUMNS": "100"}) as process:
+            os.close(child)
+            child = -1
+            while select.select([main], [], [], 300)[0]:
+                try:
+                    chunk = os.read(main, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            out, _ = process.communicate(timeout=300)
     finally:
         os.close(main)
-        if process.poll() is None:
-            process.kill()
+        if child >= 0:
+            os.close(child)
     text = seen.decode(errors="replace")
     assert process.returncode == 0, text[-3000:]
     assert "mla-watch baseline: loading the model bundled" in text
