@@ -5,10 +5,9 @@ what was expected (:class:`FlagError`; ``main`` prints it and exits 2): a model 
 not there or holds no loadable checkpoint (read from the file system only, no weights), a device
 this machine does not have, a directory that does not exist, a port already taken. What passes
 these checks may still fail later (weights that do not load, a shape that does not match): that
-keeps its own reporting. Also here: the listening socket, bound before the app starts; argparse help that
-shows every
-flag's default, and usage errors in two lines: the mistyped subcommand's usage on one line, then the error
-(no flag is taken by a prefix of its name).
+keeps its own reporting. Also here: the listening socket, bound before the app starts; argparse
+help that shows every flag's default, and usage errors in two lines: the mistyped subcommand's
+usage on one line, then the error (no flag is taken by a prefix of its name).
 """
 
 from __future__ import annotations

@@ -270,6 +270,7 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
     assert "README" not in serve
     assert 'external command template (docs/retuning.md, "Beyond one machine")' in serve
     pages = {page.name for page in (REPO / "docs").glob("*.md")}
+    texts = []  # every epilog and flag help, and the note rules export --fleet prints
     parsers = [build_parser()]
     while parsers:  # every command's help ends with the manual's page that covers it, a page that exists
         parser = parsers.pop()
@@ -281,9 +282,21 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
         assert named, parser.prog
         for page in named:
             assert page.split("#")[0] in pages, (parser.prog, page)
+        texts.append(parser.epilog or "")
         for action in parser._actions:  # and a flag's help names pages that exist
+            texts.append(action.help or "")
             for page in [word.strip(",;)\"") for word in (action.help or "").split() if word.startswith("docs/")]:
                 assert page.removeprefix("docs/").split("#")[0] in pages, (parser.prog, action.dest, page)
+    from mla_watch.alerting.fleet import FLEET_SCALE_NOTE
+
+    texts.append(FLEET_SCALE_NOTE)
+    # A section named beside its page ('docs/retuning.md, "Beyond one machine"') is a heading of that page.
+    sections = re.findall(r'([\w-]+\.md)(?:,\s*|\s*\()"([^"]+)"', " ".join(" ".join(texts).split()))
+    assert ("retuning.md", "Beyond one machine") in sections, sections
+    for page, section in sections:
+        headings = [line.lstrip("#").strip() for line in (REPO / "docs" / page).read_text().splitlines()
+                    if line.startswith("#")]
+        assert section in headings, (page, section)
 
 
 def test_rules_export_counts_the_alerts_and_recording_rules_it_wrote(tmp_path) -> None:
