@@ -132,6 +132,29 @@ def test_an_alert_line_says_what_the_value_is_now() -> None:
         "paged: RoutingEntropyLow on model.layers.2.mlp.gate (all lines): 3.50 bits, below 5.0"
     assert "None" not in alert_line({"status": "firing", "labels": labels, "annotations": {"value": "None"}})
 
+    # An event carries no value: its summary says what happened, never "? bits".
+    event = {"status": "firing", "annotations": {"summary": "Re-tune job j1 for  model.layers.1.mlp.gate (all) was "
+                                                            "rejected by its gates"},
+             "labels": {"alertname": "RouterRetuneRejected", "router": "model.layers.1.mlp.gate",
+                        "business_line": "all"}}
+    assert alert_line(event) == ("paged: RouterRetuneRejected on model.layers.1.mlp.gate (all lines): Re-tune job j1 "
+                                 "for model.layers.1.mlp.gate (all) was rejected by its gates")
+
+
+def test_a_job_line_says_the_version_it_promoted_or_why_it_waits() -> None:
+    from mla_watch.demo import job_line
+
+    spec = {"strategies": ["bias"]}
+    assert job_line({"id": "j1", "status": "pending", "spec": spec, "result": None}) == "job j1 (bias): pending"
+    assert job_line({"id": "j1", "status": "promoted", "spec": spec, "result": {"strategy": "bias", "version": 2}}) \
+        == "job j1 (bias): promoted -> router version 2"
+    assert job_line({"id": "j1", "status": "waiting", "spec": spec, "result": {"needs": "12 more samples"}}) \
+        == "job j1 (bias): waiting for more captured traffic"
+    rejected = {"attempts": [{"strategy": "bias", "outcome": "rejected",
+                              "reason": "reference prompts\n  moved 0.08 bits (limit 0.05)"}]}
+    assert job_line({"id": "j1", "status": "waiting", "spec": spec, "result": rejected}) == (
+        "job j1 (bias): waiting, bias rejected: reference prompts moved 0.08 bits (limit 0.05)")
+
 
 def test_the_summary_is_aligned_lines_wrapped_at_word_boundaries() -> None:
     from mla_watch.demo import STEPS, DemoResult, summary_lines
