@@ -85,7 +85,7 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
 def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path) -> None:
     seen: list[str] = []
     with processes.running([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state")], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, grace=60,
                            env={k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}) as process:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -103,6 +103,7 @@ def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path)
                             timeout=120)
         assert answer.status_code == 200, answer.text
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()["status"] == "ready"
+    process.stderr.close()
     loading = next(i for i, line in enumerate(seen) if "loading the model bundled" in line)
     ready = next(i for i, line in enumerate(seen) if "ready: the model generates" in line)
     assert loading < ready
