@@ -167,6 +167,28 @@ def test_a_policy_never_clamps_max_tokens_past_the_context(sidecar) -> None:
     assert "leaves no room for a completion" in full.json()["error"]["message"]
 
 
+
+@pytest.mark.slow
+def test_the_apis_default_max_tokens_is_fitted_too_where_no_policy_says(tmp_path) -> None:
+    """Neither the request nor a policy says max_tokens: the API's default of 16 is the sidecar's choice, lowered
+    to fit like a policy's, never quoted back as if the client had sent it."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "default.yaml").write_text("business_line: default\ndefault_task: general\n"
+                                           "tasks:\n  general:\n    params:\n      temperature: {min: 0.0, max: 2.0}\n")
+    with running_sidecar(policies=policies, rules=None) as (url, running):
+        tokenizer = running.model_worker.tokenizer
+        context = running.model_worker.model.config.max_position_embeddings
+        prompt = prompt_of(tokenizer, context - 8)
+        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        room = context - answer.json()["usage"]["prompt_tokens"]
+        assert 1 <= room < 16
+        assert {"param": "max_tokens", "requested": None, "applied": room} in answer.json()["mla_watch"]["adjustments"]
+        asked = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16}, timeout=60)
+        assert asked.status_code == 400 and asked.json()["error"]["code"] == "context_length_exceeded"
+        assert "max_tokens is 16: " in asked.json()["error"]["message"]  # this time the client's own
+
 def test_a_refused_request_names_the_policy_that_refused_it(sidecar) -> None:
     url, _ = sidecar
     refused = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "code_assistant", "X-Task": "sql"},

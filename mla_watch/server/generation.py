@@ -131,9 +131,10 @@ class Generation:
                      prompt_tokens: int) -> tuple[Decision, SamplingValues]:
         """``max_tokens`` within what the model's context leaves after the prompt.
 
-        A value the policy chose (its default, or its clamp of what the request asked) is lowered to fit, and the
-        response reports it with the other adjustments; a value the request asked for itself that does not fit
-        is a 400 that quotes it, as an engine would answer.
+        A value the request did not ask for itself (the policy's default or its clamp of what the request asked,
+        or the API's default of 16 where no policy says) is lowered to fit, and the response reports it with the
+        other adjustments; a value the request asked for itself that does not fit is a 400 that quotes it, as an
+        engine would answer.
         """
         limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         room = limit - prompt_tokens
@@ -144,12 +145,15 @@ class Generation:
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens: the model's context of {limit} tokens "
                                 "leaves no room for a completion", param=where, code="context_length_exceeded")
         chosen = next((a for a in decision.adjustments if a.param == "max_tokens"), None)
-        if chosen is None:  # the request's own value
+        if chosen is None and "max_tokens" in parsed.sampling:  # the request's own value
             raise ApiError(400, f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
                                 f"{prompt_tokens + params.max_tokens} exceeds the model's context of {limit} tokens",
                            param=where, code="context_length_exceeded")
-        adjustments = tuple(Adjustment("max_tokens", a.requested, room) if a is chosen else a
-                            for a in decision.adjustments)
+        if chosen is None:  # the API's default: no policy says, and the request did not ask
+            adjustments = (*decision.adjustments, Adjustment("max_tokens", None, room))
+        else:
+            adjustments = tuple(Adjustment("max_tokens", a.requested, room) if a is chosen else a
+                                for a in decision.adjustments)
         decision = replace(decision, applied={**decision.applied, "max_tokens": room}, adjustments=adjustments)
         return decision, replace(params, max_tokens=room)
 
