@@ -12,7 +12,9 @@ router (a Dirichlet draw around it); the last replica routes one router onto a f
 (its KL from the fleet) has something to find. A thread adds counts to every replica every second, so the
 counters keep growing between scrapes.
 
-Real Prometheus (--prometheus, default the one on PATH) scrapes the replicas as job mla_watch and loads what
+Real Prometheus (--prometheus, default the one on PATH) scrapes the replicas as job mla_watch every --interval
+seconds (5; raised to twice what one scrape round of them costs in this one process, when that is longer: the
+replicas' bodies are rendered one at a time here, where a fleet's replicas each render their own) and loads what
 `mla-watch rules export --rules mla_watch/shipped/rules --fleet --fleet-window W --fleet-interval E` writes
 (E: --evaluation-interval, 15 s by default, so that a run measures several rounds in minutes). W defaults to 1m, the
 shortest the exporter takes, so that after a warm-up of one window the window delta's `offset` side holds
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import shutil
 import socket
 import statistics
@@ -320,6 +323,28 @@ def single(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) ->
 
 # -- the measurement -----------------------------------------------------------------------------------------------
 
+def scrape_interval(replicas: list[Replica], asked: float) -> float:
+    """The scrape interval (and timeout) to use: ``asked``, or twice what one scrape round of every replica costs
+    here, whichever is longer.
+
+    The simulated replicas share this one Python process: Prometheus scrapes them at once, but their /metrics
+    bodies are rendered one at a time. With 4 lines of DeepSeek-V3 a body is 8.5 MB (62,631 lines), about half
+    a second to render on an idle core; ten take five, the default interval. Past it every scrape times out,
+    the counters go stale and the window deltas (``x - x offset W``) select nothing: the recordings stay empty.
+    A fleet's replicas each render their own.
+    """
+    started = time.monotonic()
+    for replica in replicas:
+        generate_latest(replica.registry)
+    round_s = time.monotonic() - started
+    interval = max(asked, float(math.ceil(2 * round_s)))
+    if interval > asked:
+        print(f"  one scrape round of the {len(replicas)} simulated replicas takes {round_s:.1f} s in this process: "
+              f"scraping every {interval:g} s instead of {asked:g} s (a fleet's replicas render their own /metrics)",
+              flush=True)
+    return interval
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     infos = router_infos(args.routers, args.experts, args.top_k)
@@ -327,6 +352,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     rules_path = workdir / "fleet.rules.yml"
     recordings = export_rules(rules_path, fleet_window, format_duration(args.evaluation_interval))
     replicas = build_replicas(args.replicas, infos, args.lines, args.initial_tokens, rng)
+    args.interval = scrape_interval(replicas, args.interval)
     for replica in replicas:
         serve(replica)
     feeder = Feeder(replicas, infos, args.tokens_per_second, args.seed + 1)
@@ -361,6 +387,12 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 if evaluated is None or evaluated < measure_from or evaluated in rounds:
                     continue
                 group = prometheus.rule_groups()[FLEET_GROUP_NAME]
+                failed = [rule for rule in group["rules"] if rule.get("lastError")]
+                if failed:  # a recording that fails records nothing, and every rule after it reads nothing new
+                    raise SystemExit("rules that failed in Prometheus: " + "; ".join(
+                        f"{rule['name']}: {rule['lastError']} after {float(rule['evaluationTime']):.1f} s"
+                        for rule in failed) + f" (the fleet group took {group.get('evaluationTime', 0):.1f} s; "
+                        "Prometheus' --query.timeout, 2m by default, bounds each rule)")
                 rounds[evaluated] = {
                     "fleet_s": group_value(samples, "prometheus_rule_group_last_duration_seconds", FLEET_GROUP_NAME),
                     "replica_s": group_value(samples, "prometheus_rule_group_last_duration_seconds",
@@ -411,6 +443,10 @@ def read_figures(prometheus: PrometheusClient, args: argparse.Namespace, recordi
         for s in prometheus.vector(f"count({name})"):
             recorded[name] = int(float(s["value"][1]))
     missing = [name for name, count in recorded.items() if count == 0]
+    if up and statistics.mean(up) < 0.99:  # stale counters: the window deltas select nothing, whatever the rules
+        raise SystemExit(f"the targets were up for {100 * statistics.mean(up):.0f}% of the scrapes only (scrape "
+                         f"timeout {args.interval:g} s, median scrape {statistics.median(durations.values()):.1f} s): "
+                         f"raise --interval; recordings with no series: {', '.join(missing) or 'none'}")
     if missing:
         raise SystemExit(f"recordings with no series after the warm-up: {', '.join(missing)}")
     pairs = args.routers * args.lines

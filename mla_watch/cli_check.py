@@ -22,6 +22,7 @@ from mla_watch.alerting.fleet import (
     DEFAULT_OUTLIER_FACTOR,
     DEFAULT_REPLICA_LABEL,
     DEFAULT_WINDOW_SECONDS,
+    FLEET_SCALE_NOTE,
     OUTLIER_FOR_SECONDS,
     SCOPE_LABEL,
     FleetOptions,
@@ -29,7 +30,7 @@ from mla_watch.alerting.fleet import (
     fleet_notes,
     parse_label_list,
 )
-from mla_watch.cli_flags import non_negative_float, positive_float
+from mla_watch.cli_flags import DOCS, non_negative_float, positive_float
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
@@ -86,7 +87,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
         import mla_watch
+        from mla_watch.progress import Progress
 
+        sys.stdout.flush()  # what was found so far, before the wait
+        Progress("mla-watch check").say(f"loading the model {args.model} to lint the rules against its routers")
         try:
             model, _ = mla_watch.load_model(args.model, device="cpu")
         except (OSError, ValueError, ImportError, KeyError, TypeError, RuntimeError) as error:
@@ -241,13 +245,40 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         args.out.write_text(text)
-        print(f"wrote {len(rules.rules)} rules to {args.out}", file=sys.stderr)
+        alerts, recordings = _rule_counts(text)
+        print(f"wrote {alerts} alert{'s' * (alerts != 1)} and {recordings} recording rule{'s' * (recordings != 1)} "
+              f"to {args.out}", file=sys.stderr)
+    if fleet is not None:  # the file's header says it too; a file written to stdout must stay a rule file
+        print(f"note: {' '.join(FLEET_SCALE_NOTE.split())}", file=sys.stderr)
     return 0
+
+
+def _rule_counts(text: str) -> tuple[int, int]:
+    """(alerts, recording rules) in an exported file, whatever its format: Prometheus' ``groups``, a
+    PrometheusRule's ``spec.groups``, a Mimir namespace file."""
+    import yaml
+
+    kinds: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if "expr" in node and ("alert" in node or "record" in node):
+                kinds.append("alert" if "alert" in node else "record")
+                return
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(yaml.safe_load(text))
+    return kinds.count("alert"), kinds.count("record")
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``check`` subcommand and ``rules export``."""
-    check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model")
+    check = commands.add_parser("check", help="validate policies and rules; lint the rules against the model",
+                                epilog=f"The manual: {DOCS}alerting.md (\"Lint: mla-watch check\")")
     check.add_argument("--policies", type=Path, default=SHIPPED_POLICIES, help="directory of policy YAML files")
     check.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     check.add_argument("--model", default="bundled",
@@ -265,7 +296,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     check.set_defaults(handler=_cmd_check)
 
     rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
-    export = rules.add_parser("export", help="write the rules as a Prometheus rule file")
+    export = rules.add_parser("export", help="write the rules as a Prometheus rule file",
+                              epilog=f"The manual: {DOCS}alerting.md (\"Prometheus export\"); --fleet: {DOCS}fleet.md")
     export.add_argument("--format", choices=["prometheus", "operator", "mimir"], default="prometheus",
                         help="prometheus: a rule file (Prometheus, Thanos ruler); operator: a Prometheus Operator "
                              "PrometheusRule; mimir: a Mimir / Cortex ruler namespace file (mimirtool rules load)")

@@ -16,11 +16,12 @@ from typing import Any
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.expert_counts import ExpertSelection
 
-__all__ = ["DEFAULT_STATE_DIR", "byte_size", "expert_selection", "history_retention", "non_negative_float",
+__all__ = ["DEFAULT_STATE_DIR", "DOCS", "byte_size", "expert_selection", "history_retention", "non_negative_float",
            "non_negative_int", "number_at_least", "parse_options", "perplexity_margin", "positive_float",
            "positive_int", "share", "tcp_port", "upstream_url"]
 
 DEFAULT_STATE_DIR: Path = ServerConfig.state_dir
+DOCS = "https://github.com/mla-watch/mla_watch/blob/main/docs/"  # the manual, where each command's --help points
 
 
 def positive_int(text: str) -> int:

@@ -1,7 +1,7 @@
 """``mla-watch retune``: a running sidecar's re-tune jobs and router versions, through its API.
 
 Every subcommand is one call to the sidecar (admin calls send ``MLA_WATCH_ADMIN_TOKEN``); ``run``
-and ``apply`` may follow the job they scheduled for ``--wait`` seconds.
+and ``apply`` may follow the job they scheduled for up to ``--wait`` seconds, until it ends or waits for data.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mla_watch.cli_flags import DEFAULT_STATE_DIR, parse_options, positive_int
+from mla_watch.cli_flags import DEFAULT_STATE_DIR, DOCS, non_negative_float, parse_options, positive_int
 from mla_watch.statedir import DATASETS_DIR_NAME
 from mla_watch.windows import ALL_LINES
 
-__all__ = ["add_parser"]
+__all__ = ["WAITING_EXIT", "add_parser"]
+
+WAITING_EXIT = 3  # retune run / apply --wait: the job waits for more data, and tries again by itself
 
 
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -118,22 +120,39 @@ def _cmd_retune(args: argparse.Namespace) -> int:
 
 
 def _wait_for_job(args: argparse.Namespace, job: dict[str, Any]) -> int:
-    """Follow ``job`` for ``--wait`` seconds; 0 once it promoted (or when not waiting at all)."""
+    """Follow ``job`` for at most ``--wait`` seconds, a line each time its status changes; return as soon as it
+    ended or parked waiting for data (it retries by itself: there is nothing to wait for here).
+
+    0: promoted (or not waiting at all); 1: it ended otherwise, or still ran at the end of ``--wait``;
+    :data:`WAITING_EXIT`: it waits for more data.
+    """
     import time
 
     if args.wait <= 0:
         return 0
-    deadline = time.monotonic() + args.wait
-    while job["status"] in ("pending", "running", "waiting") and time.monotonic() < deadline:
+    started = time.monotonic()
+    shown = None
+    while True:
+        if job["status"] != shown:
+            shown = job["status"]
+            print(f"job {job['id']}: {shown} ({time.monotonic() - started:.0f} s)", flush=True)
+        if job["status"] not in ("pending", "running") or time.monotonic() - started >= args.wait:
+            break
         time.sleep(0.5)
         job = _admin(args, "GET", f"/v1/retune/jobs/{job['id']}")
     _print_jobs([job])
     result = job.get("result") or {}
     if job["status"] == "waiting":
-        print(f"waiting for more data after --wait: {result.get('needs')}")
-    elif job["status"] != "promoted":
-        print(f"{job['status']}: {result.get('error') or 'still running after --wait'}")
-    return 0 if job["status"] == "promoted" else 1
+        retry_at = result.get("retry_at")
+        when = "" if not isinstance(retry_at, (int, float)) else (
+            f" at {time.strftime('%H:%M:%S UTC', time.gmtime(retry_at))} (in {max(0.0, retry_at - time.time()):.0f} s)")
+        print(f"job {job['id']} waits for more data and tries again by itself{when}: {result.get('needs')}")
+        return WAITING_EXIT
+    if job["status"] == "promoted":
+        return 0
+    status = job["status"]
+    print(f"{status}: {result.get('error') or f'still {status} after --wait {args.wait:g} s'}")
+    return 1
 
 
 def _retune_versions(args: argparse.Namespace) -> int:
@@ -171,7 +190,8 @@ def _retune_versions(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``retune`` subcommand and its own subcommands."""
-    retune = commands.add_parser("retune", help="router re-tuning jobs and versions of a running sidecar")
+    retune = commands.add_parser("retune", help="router re-tuning jobs and versions of a running sidecar",
+                                 epilog=f"The manual: {DOCS}retuning.md")
     retune_commands = retune.add_subparsers(dest="retune_command", required=True)
 
     def sidecar_url(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +212,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                           "./mla-watch-state/datasets), where a --dataset file is copied")
     run.add_argument("--option", action="append", default=[], help="STRATEGY.NAME=VALUE, e.g. router_finetune.lr=1e-3")
     run.add_argument("--force", action="store_true", help="ignore the per-router cooldown")
-    run.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless promoted)")
+    wait_help = ("seconds to follow the job; it returns as soon as the job ends (exit 0 if promoted, else 1) or "
+                 f"waits for more data, saying why and when it tries again (exit {WAITING_EXIT}); 0: do not follow")
+    run.add_argument("--wait", type=non_negative_float, default=0.0, help=wait_help)
     listing = retune_commands.add_parser("list", help="recent jobs")
     sidecar_url(listing)
     listing.add_argument("--limit", type=positive_int, default=20, help="the most recent jobs listed")
@@ -208,8 +230,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                                                       "through the engine, keep it or roll it back")
     sidecar_url(apply)
     apply.add_argument("version", type=int)
-    apply.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the outcome (exit 1 unless "
-                                                               "promoted)")
+    apply.add_argument("--wait", type=non_negative_float, default=0.0, help=wait_help)
     rollback = retune_commands.add_parser("rollback", help="undo the last promotion exactly")
     sidecar_url(rollback)
     mark_good = retune_commands.add_parser("mark-good", help="vouch for a router version: `restore` may put it back")

@@ -13,6 +13,7 @@ from pathlib import Path
 from mla_watch.cause.clients import DEFAULT_CLIENT_ID
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cli_flags import (
+    DOCS,
     byte_size,
     client_id_sources,
     expert_selection,
@@ -40,12 +41,22 @@ __all__ = ["add_parser"]
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from mla_watch.cli_startup import bind_listener, check_serve_flags, default_public_url, held_logs, run_server
+    from mla_watch.cli_startup import (
+        bind_listener,
+        check_serve_flags,
+        default_public_url,
+        held_logs,
+        one_thread_for_the_bundled_model,
+        run_server,
+    )
 
     check_serve_flags(args)  # before anything loads, binds or logs: a bad value is one line, exit 2
     from mla_watch.server.app import build_sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # "Scheduler started": the library's, not ours
+    if not args.upstream:
+        one_thread_for_the_bundled_model(args.model, args.device)
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
@@ -111,7 +122,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` subcommand."""
-    serve = commands.add_parser("serve", help="serve the OpenAI API with policies enforced and routers watched")
+    serve = commands.add_parser("serve", help="serve the OpenAI API with policies enforced and routers watched",
+                                epilog=f"The manual: {DOCS}serving.md; every flag: {DOCS}operations.md; what serve "
+                                       f"prints while it starts: {DOCS}first-hour.md")
     serve.add_argument("--model", default=ServerConfig.model, help="'bundled' or a save_pretrained directory")
     serve.add_argument("--device", default=ServerConfig.device, help="auto | cpu | cuda | cuda:N")
     serve.add_argument("--policies", type=Path, default=ServerConfig.policies, help="directory of policy YAML files")
@@ -130,7 +143,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--upstream-max-bytes", type=byte_size, default=ServerConfig.upstream_max_bytes,
                        help="the largest upstream answer, or line of its stream, read after decompression; a larger "
                             "one is a 502 (default 512M: DeepSeek-V3's routing at its whole context)")
-    beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream)")
+    beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream; docs/engines.md)")
     beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
                         help="read the routing the upstream returns in this engine's format; auto: ask its "
                              "/v1/models (default %(default)s: read none)")
@@ -152,9 +165,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                              "counted; 0: no limit (default %(default)g)")
     beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
                         help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
-                             "reachable by the sidecar only; --model-config its checkpoint directory): propose pages "
-                             "on-call with the command that applies a candidate, apply swaps, gates and keeps or rolls "
-                             "back by itself (default %(default)s)")
+                             "reachable by the sidecar only; --model-config in its checkpoint directory): propose "
+                             "pages on-call with the command that applies a candidate, apply swaps, gates and keeps or "
+                             "rolls back by itself; docs/retuning.md, \"Inside a running engine\" (default "
+                             "%(default)s)")
     beside.add_argument("--engine-swap-dir", type=Path,
                         help="where router checkpoints are written for the engine to load, at the same path in both "
                              "containers (a shared volume; default STATE_DIR/engine-swaps)")
@@ -185,7 +199,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--capture-max-age", type=positive_float, default=ServerConfig.capture_max_age_seconds,
                        help="seconds a capture is kept")
     serve.add_argument("--retune-command",
-                       help="run re-tuning fits with this external command template (see the README)")
+                       help="run re-tuning fits with this external command template (docs/retuning.md, \"Beyond one "
+                            "machine\")")
     serve.add_argument("--retune-cooldown", type=non_negative_float, default=RetuneSettings.cooldown_seconds,
                        help="seconds between two re-tune jobs of one router (default %(default)s)")
     serve.add_argument("--max-perplexity-increase", type=perplexity_margin,
@@ -223,7 +238,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="status page: seconds of entropy history kept (default %(default)s)")
     serve.add_argument("--history-retention", type=history_retention, default=ServerConfig.history_retention_days,
                        help="days of routing history kept in STATE_DIR/history.sqlite (1-minute points for a day, "
-                            "15-minute ones beyond; 1 to 365, 0: none) (default %(default)s)")
+                            "15-minute ones beyond; 1 to 365, 0: none; docs/status-page.md) (default %(default)s)")
     serve.add_argument("--history-max-series", type=positive_int, default=ServerConfig.history_max_series,
                        help="(router, business line) series the routing history keeps, the status page's hour included "
                             "(default %(default)s)")
@@ -231,7 +246,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="export cumulative per-expert counters Prometheus can sum across replicas "
                             "(mla_watch_expert_selections_total, mla_watch_expert_tokens_total) for the expert "
                             f"routers and business lines chosen: {SELECTION_FORM.replace('%', '%%')}; "
-                            "default: none")
+                            "docs/fleet.md; default: none")
     serve.add_argument(BUDGET_FLAG, type=positive_int, default=ServerConfig.expert_series_budget, metavar="N",
                        help=f"the most per-expert series {EXPORT_FLAG} exports, one per expert and one of tokens per "
                             "router and line; pairs past it count into mla_watch_expert_overflow_selections_total "

@@ -5,10 +5,9 @@ what was expected (:class:`FlagError`; ``main`` prints it and exits 2): a model 
 not there or holds no loadable checkpoint (read from the file system only, no weights), a device
 this machine does not have, a directory that does not exist, a port already taken. What passes
 these checks may still fail later (weights that do not load, a shape that does not match): that
-keeps its own reporting. Also here: the listening socket, bound before the app starts; the
-weight-loading progress bars, kept out of the command line's output for as long as a command
-runs (a library user's own program keeps transformers' setting); argparse help that shows every
-flag's default, and usage errors that show the usage of the subcommand that was mistyped.
+keeps its own reporting. Also here: the listening socket, bound before the app starts; argparse
+help that shows every flag's default, and usage errors in two lines: the mistyped subcommand's
+usage on one line, then the error (no flag is taken by a prefix of its name).
 """
 
 from __future__ import annotations
@@ -25,12 +24,14 @@ import os
 import re
 import socket
 import sys
+import textwrap
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["FlagError", "HelpFormatter", "attn_problem", "bind_listener", "check_serve_flags", "device_problem",
-           "finish_parser", "held_logs", "model_problem", "parse_args", "quiet_progress_bars", "run_server"]
+__all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
+           "device_problem", "finish_parser", "held_logs", "model_problem", "one_thread_for_the_bundled_model",
+           "parse_args", "run_server"]
 
 MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -195,6 +196,21 @@ def _public_url(text: str) -> None:
                         "on-call opens (links in alerts point there)")
 
 
+def one_thread_for_the_bundled_model(model: str, device: str) -> None:
+    """One intra-op torch thread for the bundled model on the CPU, unless ``OMP_NUM_THREADS`` says how many.
+
+    Its matrices are tiny (3M parameters): the threads of one operation gain little and wait for each other at
+    every operation, and on cores shared with other work (the sidecar's own threads, a neighbour) that wait
+    costs many times the operation (``bench/cpu_threads.py``).
+    """
+    if model != "bundled" or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        torch.set_num_threads(1)
+
+
 def check_model_flags(args: argparse.Namespace, *, full: bool = True) -> None:
     """``--model`` (and ``--device``, where the command has it), judged before anything loads."""
     problem = model_problem(args.model, full=full)
@@ -325,34 +341,41 @@ def held_logs() -> Iterator[None]:
         memory.buffer.clear()
 
 
-# ---------------------------------------------------------------------------------------------- progress bars
-@contextlib.contextmanager
-def quiet_progress_bars() -> Iterator[None]:
-    """No transformers / huggingface_hub progress bar ("Loading weights: 100%|...") while the block runs.
-
-    Both libraries keep the setting in a module global; it is put back as it was afterwards, so
-    that ``main`` called from a program leaves that program's progress bars as they were.
-    """
-    import huggingface_hub.utils as hub
-    from transformers.utils import logging as hf_logging
-
-    transformers_on = hf_logging.is_progress_bar_enabled()
-    hub_off = hub.are_progress_bars_disabled()
-    hf_logging.disable_progress_bar()  # and huggingface_hub's
-    try:
-        yield
-    finally:
-        if transformers_on:
-            hf_logging.enable_progress_bar()
-        if hub_off:
-            hub.disable_progress_bars()
-        elif hub.are_progress_bars_disabled():
-            hub.enable_progress_bars()
-
-
 # ---------------------------------------------------------------------------------------------- argparse
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with two differences: a flag is never taken by a prefix of its name (``--no-liv`` is
+    an error, not ``--no-live``), and a usage error is two lines, a one-line usage and the error, instead of the
+    whole usage (over fifty lines for ``serve``) above the one line that says what is wrong."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def short_usage(self) -> str:
+        """``usage: mla-watch retune promote [FLAGS] version (... --help lists them)``, on one line."""
+        words = [self.prog, "[FLAGS]"]
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                words.append("COMMAND ...")
+            elif not action.option_strings:
+                words.append(str(action.metavar or action.dest))
+        listed = "its commands and flags" if "COMMAND ..." in words else "its flags"
+        return f"usage: {' '.join(words)}  ({self.prog} --help lists {listed})"
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.short_usage()}\n{self.prog}: error: {message}\n")
+
+
 class HelpFormatter(argparse.HelpFormatter):
-    """Each flag's help ends with its default, unless the help already says it or there is none to say."""
+    """Each flag's help ends with its default, unless the help already says it or there is none to say; lines
+    are never broken inside a word (argparse breaks at hyphens: a URL, a flag, ``docs/status-page.md``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False, break_long_words=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -375,12 +398,17 @@ def _parsers(parser: argparse.ArgumentParser) -> Iterator[tuple[argparse.Argumen
 
 
 def finish_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Defaults in every ``--help``, a description under each subcommand's usage, and the parser that
-    parsed each command recorded in its namespace (so that a mistyped flag gets that command's usage)."""
+    """Defaults in every ``--help``, a description under each subcommand's usage, the manual's page under it
+    (a subcommand without one names its parent's), and the parser that parsed each command recorded in its
+    namespace (so that a mistyped flag gets that command's usage)."""
     for sub, text in _parsers(parser):
         sub.formatter_class = HelpFormatter
         if sub.description is None and text:
             sub.description = text[0].upper() + text[1:] + "."
+        for action in sub._actions:  # top-down: a parent's epilog is final before its subcommands are seen
+            if isinstance(action, argparse._SubParsersAction):
+                for child in action.choices.values():
+                    child.epilog = child.epilog or sub.epilog
         for action in sub._actions:
             if action.help is None and action.option_strings and action.nargs != 0 and action.default is not None:
                 action.help = "(default %(default)s)"  # argparse prints nothing for a flag without help
@@ -398,7 +426,8 @@ def _flag_hint(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser.parse_args``, but a flag no parser knows is refused by the subcommand's parser, with its usage."""
+    """``parser.parse_args``, but a flag no parser knows is refused by the subcommand's parser, with its usage and
+    the flag it may have meant."""
     args, extras = parser.parse_known_args(argv)
     if extras:
         target = getattr(args, _PARSER, parser)

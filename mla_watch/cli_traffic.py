@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mla_watch.cli_flags import DEFAULT_STATE_DIR
+from mla_watch.cli_flags import DEFAULT_STATE_DIR, DOCS
 from mla_watch.cli_startup import FlagError
 
 __all__ = ["add_parsers"]
@@ -62,13 +62,17 @@ def _run(args: argparse.Namespace) -> Any:
     import torch
 
     import mla_watch
-    from mla_watch.cli_startup import check_model_flags
+    from mla_watch.cli_startup import check_model_flags, one_thread_for_the_bundled_model
+    from mla_watch.progress import Progress
 
     check_model_flags(args)
     baseline = getattr(args, "baseline", None)
     if baseline is not None and not baseline.is_file():
         raise FlagError(f"--baseline {baseline}: no such file: expected a baseline file `mla-watch baseline` wrote")
     traffic = _traffic(args)  # a --prompts file that cannot be read is refused before the model loads
+    progress = Progress(f"mla-watch {args.command}")  # on stderr: stdout is the table or the JSON
+    one_thread_for_the_bundled_model(args.model, args.device)
+    progress.say(f"loading the model {args.model}")
     model, tokenizer = mla_watch.load_model(args.model, device=args.device)
     probe = mla_watch.attach(model, window_tokens=None)
     if baseline is not None:
@@ -76,7 +80,7 @@ def _run(args: argparse.Namespace) -> Any:
     device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
     with torch.no_grad():
-        for line, text in traffic:
+        for line, text in progress.track(traffic, "samples"):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [tokenizer.bos_token_id, *ids][: limit - args.generate]
             input_ids = torch.tensor([ids], device=device)
@@ -148,13 +152,17 @@ def _traffic_options(parser: argparse.ArgumentParser) -> None:
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``routing`` and ``baseline`` subcommands."""
-    routing = commands.add_parser("routing", help="run traffic through the model and print per-router statistics")
+    manual = f"The manual: {DOCS}serving.md (\"The command line beside the server\"); how long it takes: " \
+             f"{DOCS}first-hour.md"
+    routing = commands.add_parser("routing", help="run traffic through the model and print per-router statistics",
+                                  epilog=manual)
     _traffic_options(routing)
     routing.add_argument("--baseline", type=Path, help="a baseline file, to report drift (js)")
     routing.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     routing.set_defaults(handler=_cmd_routing)
 
-    baseline = commands.add_parser("baseline", help="save the routing counts that drift checks compare against")
+    baseline = commands.add_parser("baseline", help="save the routing counts that drift checks compare against",
+                                   epilog=manual)
     _traffic_options(baseline)
     baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                           help="where baseline.json is written unless --out says")

@@ -2,15 +2,17 @@
 
 It starts the sidecar (traffic capture on) and a local webhook receiver standing in for
 on-call, drives traffic for the four business lines (code and SQL requests ask for sampling
-the policies clamp or refuse), injects a router collapse into MoE layer 1 (+10 on the
+the policies clamp or refuse), injects a router collapse into MoE layer 1 (+2 on the
 correction bias of six experts), and shows live what follows: the page, the ``bias`` re-tune
 job, its promotion, entropy back in band, the alert resolving. At the end it writes
 ``timeline.png`` (entropy per layer with the thresholds and the events) and ``summary.json``,
 and exits 1 if any step of the loop did not happen.
 
 The rule is the shipped RoutingEntropyLow over every line summed, with ``for: 0s`` and windows of
-192 tokens per line, so that the loop fits in about half a minute on 2 CPU cores; the job trains on the
-traffic captured from every line. Everything else is what ``mla-watch serve`` runs.
+192 tokens per line, the job's samples captured before the fault, and no traffic while the sidecar reads the
+alert's cause or fits the job, so that the loop takes about a minute on 2 CPU cores (two to three when
+other work shares them: docs/first-hour.md); the job trains on the traffic captured from every line.
+Everything else is what ``mla-watch serve`` runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import shutil
 import socket
@@ -40,6 +43,9 @@ from mla_watch.alerting.examples import entropy_low_rules
 __all__ = ["STEPS", "DemoResult", "run_demo"]
 
 COLLAPSED = "model.layers.1.mlp.gate"
+# Router scores are sigmoids, in (0, 1): +2 on six experts' correction bias makes them every token's choice.
+FAULT_BIAS = 2.0
+JOB_SAMPLES = 48  # captured samples the re-tune job waits for (see run_demo)
 FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
 STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
                           "entropy back in band", "alert resolved")
@@ -73,6 +79,7 @@ class DemoResult:
     job: dict[str, Any] | None
     out_dir: Path
     notes: list[str] = field(default_factory=list)
+    paged_bits: float | None = None  # the router's entropy as the page said it
 
     @property
     def ok(self) -> bool:
@@ -85,7 +92,7 @@ class DemoResult:
                 "requests": self.requests, "adjustments": len(self.adjustments),
                 "job": {"id": job.get("id"), "status": job.get("status"), "strategy": result.get("strategy"),
                         "version": result.get("version"), "timings": result.get("timings")} if job else None,
-                "entropy_bits": _phase_bits(self.samples, self.events), "notes": self.notes}
+                "entropy_bits": _phase_bits(self.samples, self.events, self.paged_bits), "notes": self.notes}
 
 
 class _Receiver:
@@ -119,11 +126,9 @@ class _Receiver:
 
 
 @contextmanager
-def _serve(app: Any) -> Iterator[str]:
+def _serve(app: Any, sock: socket.socket) -> Iterator[str]:
     import uvicorn
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -242,11 +247,18 @@ def _value(value: Any) -> str:
     return str(value)
 
 
-def _bits(text: Any) -> str:
+def alert_bits(alert: dict[str, Any]) -> float | None:
+    """The value a notification carries (its ``value`` annotation), in bits; ``None`` if it carries none."""
     try:
-        return f"{float(text):.2f} bits"
+        value = float((alert.get("annotations") or {}).get("value"))
     except (TypeError, ValueError):
-        return "? bits"
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _bits(text: Any) -> str:
+    value = alert_bits({"annotations": {"value": text}})
+    return "? bits" if value is None else f"{value:.2f} bits"
 
 
 def alert_line(alert: dict[str, Any]) -> str:
@@ -255,9 +267,28 @@ def alert_line(alert: dict[str, Any]) -> str:
     line = labels.get("business_line")
     where = f"{labels.get('alertname', 'alert')} on {labels.get('router', '?')}" + (
         f" ({'all lines' if line == 'all' else line})" if line else "")
+    if alert_bits(alert) is None:  # an event (RouterRetuneRejected): its summary says what happened
+        summary = " ".join(str(notes.get("summary") or "").split())
+        return f"{'resolved' if alert.get('status') == 'resolved' else 'paged'}: {where}" + (
+            f": {summary[:200]}" if summary else "")
     if alert.get("status") == "resolved":
         return f"resolved: {where}: {_bits(notes.get('value'))}, back above {_value(notes.get('resolve_threshold'))}"
     return f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
+
+
+def job_line(job: dict[str, Any]) -> str:
+    """A re-tune job as the demo shows it: its status, the version it promoted, and why a candidate was rejected
+    (a job waiting after a rejection tries again on newer traffic)."""
+    result = job.get("result") or {}
+    line = f"job {job['id']} ({result.get('strategy') or '/'.join(job['spec']['strategies'])}): {job['status']}"
+    if result.get("version"):
+        line += f" -> router version {result['version']}"
+    rejected = [a for a in result.get("attempts") or [] if a.get("outcome") == "rejected"]
+    if rejected:
+        line += f", {rejected[0].get('strategy')} rejected: {' '.join(str(rejected[0].get('reason')).split())[:240]}"
+    elif job["status"] == "waiting":
+        line += " for more captured traffic"
+    return line
 
 
 def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
@@ -267,14 +298,20 @@ def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
             if a.get("requested") is not None and a.get("requested") != a.get("applied")]
 
 
-def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject_fault: bool = True) -> DemoResult:
-    """Run the loop; returns what happened (``result.ok`` when every step did)."""
+def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject_fault: bool = True,
+             port: int = 0) -> DemoResult:
+    """Run the loop; returns what happened (``result.ok`` when every step did). ``port``: the sidecar's on
+    127.0.0.1 (0: any free one); one in use is a :class:`~mla_watch.cli_startup.FlagError` before anything runs."""
     import torch
 
+    from mla_watch.cli_startup import bind_listener, one_thread_for_the_bundled_model
     from mla_watch.models import corpus
     from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
     from mla_watch.server.app import ServerConfig, Sidecar
 
+    sock = bind_listener("127.0.0.1", port)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    one_thread_for_the_bundled_model("bundled", "cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mla-watch-demo-"))
     (work / "rules").mkdir()
@@ -283,19 +320,25 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url
     started = time.monotonic()
     events: dict[str, float] = {}
+    paged_bits: float | None = None  # the value the page carried
     samples: list[dict[str, Any]] = []
     adjustments: list[str] = []
     requests: dict[str, int] = {}
     notes: list[str] = []
     job: dict[str, Any] | None = None
     prompts = {domain: itertools.cycle(corpus.prompts(domain, 40, seed=2024)) for domain in corpus.DOMAINS}
+    # The job runs once JOB_SAMPLES are captured (36 to train on, a quarter held out), trying again every second
+    # until then, and re-fits the bias in steps of 0.02 (default 0.05): a bias fitted on fewer samples, or in
+    # coarser steps, lands farther from the healthy routing the reference prompts' gate compares with (its
+    # limit is 0.05 bits; 0.008-0.014 in steps of 0.02 on 36 samples, 0.018-0.024 in steps of 0.05, up to
+    # 0.061 on 24).
     config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
-                          window_tokens=192, capture=True, retune=RetuneSettings(min_samples=12, retry_seconds=5.0),
-                          history_interval_seconds=1.0,
-                          policy_poll_seconds=None, admin_token=None, public_url="http://127.0.0.1/demo")
-    sidecar = Sidecar(config)
+                          window_tokens=192, capture=True, retune=RetuneSettings(
+                              min_samples=JOB_SAMPLES, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
+                          history_interval_seconds=1.0, policy_poll_seconds=None, admin_token=None, public_url=url)
     try:
-        with _serve(sidecar.app) as url, _View(live) as view:
+        sidecar = Sidecar(config)
+        with _serve(sidecar.app, sock), _View(live) as view:
             view.line(f"the status page, open while the demo runs: {url}/")
             view.say("loading the bundled model")
             if not sidecar.wait_ready(180):
@@ -311,7 +354,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             def sample() -> None:
                 records = client.get("/v1/routing").json()["routers"]
                 bits = {r["name"]: r["entropy_bits"] for r in records if r["kind"] == "expert" and r["tokens"] > 0}
-                nonlocal seen_alerts
+                nonlocal seen_alerts, paged_bits
                 samples.append({"t": now(), "bits": bits})
                 view.state["bits"] = bits
                 alerts = list(receiver.alerts)
@@ -320,13 +363,13 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     if alert_status.get(labels) != alert.get("status"):
                         alert_status[labels] = alert.get("status")
                         view.event("alert", alert_line(alert))
+                        if paged_bits is None and alert in receiver.seen("firing"):
+                            paged_bits = alert_bits(alert)
                 seen_alerts = len(alerts)
-                for job in reversed(client.get("/v1/retune/jobs").json()["jobs"]):  # oldest first
-                    result = job.get("result") or {}
-                    view.event("re-tune", f"job {job['id']} "
-                                          f"({result.get('strategy') or '/'.join(job['spec']['strategies'])}): "
-                                          f"{job['status']}"
-                               + (f" -> router version {result['version']}" if result.get("version") else ""))
+                # The page's job is shown once on-call has the page that says it started.
+                jobs = client.get("/v1/retune/jobs").json()["jobs"] if receiver.seen("firing") else []
+                for job in reversed(jobs):  # oldest first
+                    view.event("re-tune", job_line(job))
                 view.refresh()
 
             def request() -> None:
@@ -347,25 +390,49 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     view.event("policy", change, counted=True)
                 sample()
 
-            def until(condition: Any, phase: str, limit: float) -> bool:
+            def until(condition: Any, phase: str, limit: float, busy: Any = lambda: False) -> bool:
+                """Traffic until ``condition``; while ``busy()`` (the sidecar at work on what the phase waits for:
+                an alert's cause being read, a job fitting) none is sent, only the routing read: on 2 cores more
+                requests would only slow that work down."""
                 view.say(phase)
                 deadline = time.monotonic() + limit
                 while not condition():
                     if time.monotonic() > deadline or time.monotonic() - started > timeout:
                         notes.append(f"gave up waiting: {phase}")
                         return False
-                    request()
+                    if busy():
+                        sample()
+                        time.sleep(0.25)
+                    else:
+                        request()
                 return True
+
+            def references_learned() -> bool:  # every set of reference prompts read on the healthy routers
+                document = client.get("/v1/reference").json()
+                return bool(document.get("available")) and all(s["baseline"] for s in document["sets"])
 
             for _ in range(16):
                 request()
+            # A fault injected before the reference prompts' healthy routing is learned would be learned as healthy,
+            # and every candidate judged against it.
+            def served() -> int:  # requests answered: each one captured
+                return sum(count for key, count in requests.items() if key.endswith(" 200"))
+
+            # The job's samples are captured before the fault too, while the reference prompts are read: once paged,
+            # it runs at once.
+            until(lambda: references_learned() and served() >= JOB_SAMPLES,
+                  "healthy traffic while the reference prompts' healthy routing is learned", 120)
             view.say("healthy traffic served")
             if inject_fault:
                 with sidecar.model_worker.model_lock, torch.no_grad():
-                    sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
+                    sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += FAULT_BIAS
                 events["fault injected"] = now()
-                view.say(f"fault injected: +10 on six experts' correction bias of {COLLAPSED}")
-            if until(lambda: receiver.seen("firing"), "waiting for the page", 120):
+                view.say(f"fault injected: +{FAULT_BIAS:g} on six experts' correction bias of {COLLAPSED}")
+            def pending() -> bool:  # the alert is due: its cause is being read through the model
+                return any(a["state"] == "pending" and a["labels"].get("router") == COLLAPSED
+                           for a in client.get("/v1/alerts").json()["alerts"])
+
+            if until(lambda: receiver.seen("firing"), "waiting for the page", 120, busy=pending):
                 events["on-call paged"] = now()
 
                 def job_done() -> bool:  # one promoted, or every one ended (a job short of data waits: not yet)
@@ -373,7 +440,10 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     return bool(jobs) and (any(j["status"] == "promoted" for j in jobs)
                                            or all(j["status"] in FINAL_STATUSES for j in jobs))
 
-                if until(job_done, "the re-tune job runs (bias re-fit on the captured traffic)", 300):
+                def fitting() -> bool:  # a job has the data it needs and runs: traffic would only slow it down
+                    return any(j["status"] == "running" for j in client.get("/v1/retune/jobs").json()["jobs"])
+
+                if until(job_done, "the re-tune job runs (bias re-fit on the captured traffic)", 300, busy=fitting):
                     jobs = client.get("/v1/retune/jobs").json()["jobs"]
                     job = next((j for j in jobs if j["status"] == "promoted"), jobs[0])
                     if job["status"] == "promoted":
@@ -388,6 +458,8 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             client.close()
     finally:
         receiver.close()
+        sock.close()
+        shutil.rmtree(work, ignore_errors=True)  # the demo sidecar's state: its outputs are in out_dir
     steps = {
         "traffic served": any(key.endswith(" 200") for key in requests),
         "sampling clamped": any(" -> " in a and ": refused: " not in a for a in adjustments),
@@ -398,7 +470,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
         and samples[-1]["bits"].get(COLLAPSED, 0.0) >= RESOLVE_ABOVE,
         "alert resolved": "alert resolved" in events,
     }
-    result = DemoResult(steps, events, samples, requests, adjustments, job, out_dir, notes)
+    result = DemoResult(steps, events, samples, requests, adjustments, job, out_dir, notes, paged_bits)
     (out_dir / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
     write_timeline(result, out_dir / "timeline.png")
     return result
@@ -408,14 +480,17 @@ def _firing(client: httpx.Client) -> bool:
     return any(a["state"] == "firing" for a in client.get("/v1/alerts").json()["alerts"])
 
 
-def _phase_bits(samples: list[dict[str, Any]], events: dict[str, float]) -> dict[str, float | None]:
+def _phase_bits(samples: list[dict[str, Any]], events: dict[str, float],
+                paged_bits: float | None) -> dict[str, float | None]:
+    """The collapsed router's entropy before the fault, as the page said it, and at the end."""
     def at(t: float | None) -> float | None:
         if t is None:
             return None
         before = [s for s in samples if s["t"] <= t and COLLAPSED in s["bits"]]
         return round(before[-1]["bits"][COLLAPSED], 3) if before else None
 
-    return {"healthy": at(events.get("fault injected")), "at the page": at(events.get("on-call paged")),
+    return {"healthy": at(events.get("fault injected")),
+            "at the page": None if paged_bits is None else round(paged_bits, 3),
             "after": round(samples[-1]["bits"].get(COLLAPSED, 0.0), 3) if samples else None}
 
 
@@ -497,8 +572,8 @@ def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
     return lines
 
 
-def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True) -> int:
-    result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault)
+def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0) -> int:
+    result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port)
     print()
     for line in summary_lines(result):
         print(line)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import processes
 import pytest
+from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +27,8 @@ def demo(out, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
-    run = demo(tmp_path)  # piped: every event line is there, without the live view's redraws
+    port = free_port()
+    run = demo(tmp_path, "--port", str(port))  # piped: every event line is there, without the live view's redraws
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] and all(summary["steps"].values())
@@ -44,7 +46,7 @@ def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
     assert "\x1b[" not in out and "None" not in out  # no cursor movement, no Python None
     urls = re.findall(r"^mla-watch demo: the status page, open while the demo runs: (http://127\.0\.0\.1:\d+/)$", out,
                       re.MULTILINE)
-    assert len(urls) == 1, out  # once, early, a line to open
+    assert urls == [f"http://127.0.0.1:{port}/"], out  # once, early, a line to open, on the port asked for
     assert out.index(urls[0]) < out.index("healthy traffic served")
     lines = out.splitlines()
     assert "mla-watch demo: policy: code_assistant/code: temperature 0.9 -> 0.3" in lines  # the clamp
@@ -55,6 +57,10 @@ def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
     resolved = [line for line in lines if line.startswith("mla-watch demo: resolved: RoutingEntropyLow on "
                                                           "model.layers.1.mlp.gate")]
     assert len(paged) == 1 and re.search(r": \d\.\d\d bits, below 5\.0$", paged[0]), out
+    # The summary's entropy at the page is the page's own, and the page's job is said after the page.
+    assert paged[0].endswith(f": {bits['at the page']:.2f} bits, below 5.0"), (paged[0], bits)
+    jobs = [line for line in lines if line.startswith("mla-watch demo: re-tune: job ")]
+    assert jobs and lines.index(paged[0]) < lines.index(jobs[0]), out
     assert len(resolved) == 1 and re.search(r": \d\.\d\d bits, back above 5\.2$", resolved[0]), out
     assert all("is below" not in line for line in lines if "resolved:" in line)
     assert lines.index(paged[0]) < lines.index(resolved[0])
@@ -125,6 +131,29 @@ def test_an_alert_line_says_what_the_value_is_now() -> None:
     assert alert_line({"status": "firing", "labels": {**labels, "business_line": "all"}, "annotations": firing}) == \
         "paged: RoutingEntropyLow on model.layers.2.mlp.gate (all lines): 3.50 bits, below 5.0"
     assert "None" not in alert_line({"status": "firing", "labels": labels, "annotations": {"value": "None"}})
+
+    # An event carries no value: its summary says what happened, never "? bits".
+    event = {"status": "firing", "annotations": {"summary": "Re-tune job j1 for  model.layers.1.mlp.gate (all) was "
+                                                            "rejected by its gates"},
+             "labels": {"alertname": "RouterRetuneRejected", "router": "model.layers.1.mlp.gate",
+                        "business_line": "all"}}
+    assert alert_line(event) == ("paged: RouterRetuneRejected on model.layers.1.mlp.gate (all lines): Re-tune job j1 "
+                                 "for model.layers.1.mlp.gate (all) was rejected by its gates")
+
+
+def test_a_job_line_says_the_version_it_promoted_or_why_it_waits() -> None:
+    from mla_watch.demo import job_line
+
+    spec = {"strategies": ["bias"]}
+    assert job_line({"id": "j1", "status": "pending", "spec": spec, "result": None}) == "job j1 (bias): pending"
+    assert job_line({"id": "j1", "status": "promoted", "spec": spec, "result": {"strategy": "bias", "version": 2}}) \
+        == "job j1 (bias): promoted -> router version 2"
+    assert job_line({"id": "j1", "status": "waiting", "spec": spec, "result": {"needs": "12 more samples"}}) \
+        == "job j1 (bias): waiting for more captured traffic"
+    rejected = {"attempts": [{"strategy": "bias", "outcome": "rejected",
+                              "reason": "reference prompts\n  moved 0.08 bits (limit 0.05)"}]}
+    assert job_line({"id": "j1", "status": "waiting", "spec": spec, "result": rejected}) == (
+        "job j1 (bias): waiting, bias rejected: reference prompts moved 0.08 bits (limit 0.05)")
 
 
 def test_the_summary_is_aligned_lines_wrapped_at_word_boundaries() -> None:

@@ -142,3 +142,34 @@ def test_user_texts_never_speak_of_the_projects_history(path):
                 line = where.count("\n", 0, match.start()) + 1
                 found.append(f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}")
     assert not found, "\n".join(found)
+
+
+def test_every_place_that_says_how_long_the_demo_takes_agrees():
+    """The README, the manual and `demo --help` state the duration measured on 2 cores (docs/first-hour.md)."""
+    from mla_watch.cli import DEMO_DURATION, build_parser
+
+    demo = next(action.choices["demo"] for action in build_parser()._actions if hasattr(action, "choices")
+                and isinstance(action.choices, dict) and "demo" in action.choices)
+    stated = {"demo --help": demo.description or "", "README.md": README.read_text(encoding="utf-8"),
+              "docs/index.md": (ROOT / "docs" / "index.md").read_text(encoding="utf-8"),
+              "docs/first-hour.md": (ROOT / "docs" / "first-hour.md").read_text(encoding="utf-8")}
+    for where, text in stated.items():
+        assert DEMO_DURATION in " ".join(text.split()), f"{where} does not say {DEMO_DURATION!r}"
+        assert "half a minute" not in text, where
+
+
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    """`git status` stays clean after following the README: the demo's, the site's and serve's outputs."""
+    from mla_watch.cli import build_parser
+    from mla_watch.server.config import ServerConfig
+
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = [build_parser().parse_args(["demo"]).out, ServerConfig.state_dir, "site",  # mkdocs' default site_dir
+               "test-artifacts", "mla_watch.egg-info"]
+    for path in written:
+        ignored = processes.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=ROOT, timeout=60)
+        assert ignored.returncode == 0, f"{path}/ is not in .gitignore"
+    tracked = processes.run(["git", "ls-files", "--", "err.txt", "out.txt"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, timeout=60).stdout
+    assert tracked == "", tracked

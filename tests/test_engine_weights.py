@@ -510,3 +510,16 @@ def test_a_retune_request_naming_no_router_beside_an_engine_asks_for_routers(url
                             headers={"Authorization": f"Bearer {token}"})
     assert answer.status_code == 400, answer.text
     assert "no watched router is out of band" in answer.json()["error"]["message"]
+
+
+def test_model_config_naming_the_config_json_reads_the_routers_beside_it(url: str, tmp_path: Path,
+                                                                         config_json: Path) -> None:
+    """As the README and engines.md show it: --model-config /models/DeepSeek-V3/config.json, a file."""
+    from conftest import running_sidecar
+
+    checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
+    with running_sidecar(upstream=url, engine="vllm", model_config=checkpoint / "config.json",
+                         engine_retune="propose", capture=True) as (sidecar_url, sidecar):
+        retune = httpx.get(sidecar_url + "/v1/status", timeout=30).json()["engine"]["retune"]
+        assert sidecar.serving.retune is not None, retune
+        assert "not available" not in retune and retune.startswith("re-tuning the engine's routers: propose"), retune

@@ -63,7 +63,7 @@ def test_sql_rejects_and_names_parameter_value_and_range(sidecar) -> None:
     before = get_metrics(url)
     response = post(url, "/v1/completions", {"prompt": "SELECT", "temperature": 0.9}, SQL)
     assert response.status_code == 400
-    assert response.headers["X-MLA-Policy"] == "none"
+    assert response.headers["X-MLA-Policy"] == "code_assistant/sql"  # the policy that refused it
     error = response.json()["error"]
     assert error["param"] == "temperature" and error["code"] == "policy_violation"
     assert "0.9" in error["message"] and "[0.1, 0.3]" in error["message"]

@@ -635,6 +635,7 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
             assert response.status_code == 200, response.text
         routing = {r["name"]: r for r in httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"},
                                                    timeout=10).json()["routers"]}
+        series = httpx.get(url + "/v1/status", timeout=10).json()["history"]["series"]
         dom, console = open_in_browser(url + "/#business_line=doc_summary&metric=max_violation",
                                        artifacts_dir() / "status-page-no-history.png", 3000)
     assert "Uncaught" not in console, console
@@ -651,3 +652,11 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
         assert f"no signal: {record['no_signal']}" in r["text"]
         assert float(r["data-value"]) == pytest.approx(record["max_violation"])
         assert "healthy" not in r["text"]  # no baseline in the records yet
+    # The table of every line below says the same as the rows: no signal, with the reason, never a green cell.
+    line = {s["router"]: s["no_signal"] for s in series if s["business_line"] == "doc_summary"}
+    assert line == {name: record["no_signal"] for name, record in routing.items() if name in line} and line
+    cells = [c for c in dom.find(tag="td", class_="cell") if c["data-line"] == "doc_summary"]
+    assert {c["data-router"] for c in cells} == set(line)
+    for cell in cells:
+        reason = routing[cell["data-router"]]["no_signal"]
+        assert cell["data-state"] == "nosignal" and f"no signal: {reason}" in cell["title"], cell

@@ -70,6 +70,7 @@ __all__ = [
     "FLEET_MIN_TOKENS",
     "FLEET_NORMALIZED_ENTROPY",
     "FLEET_REPLICAS",
+    "FLEET_SCALE_NOTE",
     "FLEET_SELECTIONS",
     "FLEET_SLOTS",
     "FLEET_TOKENS",
@@ -144,6 +145,16 @@ DEFAULT_OUTLIER_FACTOR = 3.0
 # With two replicas the median is their midpoint, which no factor >= 2 lets one of them exceed: say so, not judge.
 MIN_OUTLIER_REPLICAS = 3
 OUTLIER_FOR_SECONDS = 600.0  # a replica's window is an hour long: ten minutes of it apart is no blip
+# What one fleet group can take, measured with real Prometheus on 2 cores (bench/fleet_rules.py, docs/fleet.md): its
+# replica-level recordings read every replica's per-expert series in one query each, and Prometheus stops a query
+# at its --query.timeout (2m by default); a recording stopped so records nothing.
+FLEET_SCALE_NOTE = (
+    f"One Prometheus evaluates {FLEET_GROUP_NAME} over every replica's per-expert series at once: on 2 cores,\n"
+    "10 replicas x 1 business line of DeepSeek-V3 (149,060 series) took 7 s a round; 10 x 4 lines (596,240)\n"
+    "ran past Prometheus' 2-minute --query.timeout and recorded nothing. Keep a group near 150,000\n"
+    "per-expert series per 2 cores: export fewer lines, split the fleet (--fleet-labels), or give Prometheus\n"
+    "more cores and a longer --query.timeout (docs/fleet.md, \"Series cost\")."
+)
 TOLERANCE_BITS = 0.05  # the sidecar's minimum_window_tokens tolerance
 _ROUTER_LABELS = ("router", "layer", "kind", "business_line")
 _RESERVED = frozenset({*_ROUTER_LABELS, "expert", "le", "quantile", "alertname", "severity", SCOPE_LABEL})
@@ -314,6 +325,7 @@ def fleet_notes(o: FleetOptions) -> list[str]:
         f"Each alert is judged on the fleet too ({SCOPE_LABEL}=\"fleet\"; per-replica alerts carry "
         f"{SCOPE_LABEL}=\"replica\"), and\n{OUTLIER_ALERT} names a replica that routes apart from its peers: "
         "route them with deploy/alertmanager.yaml.",
+        FLEET_SCALE_NOTE,
     ]
 
 

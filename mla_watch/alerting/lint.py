@@ -273,6 +273,12 @@ def lint(rules: RuleSet, routers: Sequence[RouterInfo], *, tolerance_bits: float
                     "info", rule.name, None, f"{head}: for routers of slots {rule.selector.slots}; this model's "
                     f"have {', '.join(map(str, slots))}, so it does not apply here"))
                 continue
+            if rule.selector.kind is not None and rule.selector.kind not in kinds:
+                # A rule for a kind of router this model has none of (DSA indexers on Mixtral): as it should be.
+                findings.append(LintFinding(
+                    "info", rule.name, None, f"{head}: for {rule.selector.kind} routers; this model has none "
+                    f"(kinds: {', '.join(kinds) or 'none'}), so it does not apply here"))
+                continue
             findings.append(LintFinding(
                 "warning", rule.name, None,
                 f"{head}: selector {_selector_text(rule.selector)} matches none of the model's {len(routers)} "

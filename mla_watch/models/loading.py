@@ -10,6 +10,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mla_watch.progress import quiet_progress_bars
+
 __all__ = ["BUNDLED_DIR", "load_model", "resolve_device"]
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "bundled"
@@ -43,7 +45,8 @@ def load_model(name_or_path: str | Path = "bundled", device: str = "auto",
         )
     target = resolve_device(device)
     dtype = torch.bfloat16 if target.type == "cuda" else torch.float32
-    model = _load_weights(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
+    with quiet_progress_bars():  # transformers' "Loading weights" bar: a library's output, not the caller's
+        model = _load_weights(path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model.to(target).eval()
     return model, tokenizer

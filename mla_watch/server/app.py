@@ -52,6 +52,7 @@ from mla_watch.server.requests import ApiError
 from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
+from mla_watch.server.upstream_health import UpstreamHealth
 from mla_watch.statedir import ensure_private_dir
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
 
@@ -235,6 +236,9 @@ class Sidecar:
         from mla_watch.server.selftest import attention_self_test
 
         serving, config = self.serving, self.config
+        started = time.monotonic()
+        log.info("loading the model %s (device %s): until it is ready, completions answer 503 and /readyz "
+                 "\"loading\"", config.model, config.device)
         try:
             model, tokenizer = mla_watch.load_model(config.model, device=config.device)
             serving.self_test = attention_self_test(model, config.attn_implementation)
@@ -261,6 +265,8 @@ class Sidecar:
                 self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
             gc.freeze()
             serving.ready.set()
+            log.info("ready: the model generates (loaded and checked in %.1f s); /readyz answers 200",
+                     time.monotonic() - started)
         except Exception as error:
             serving.load_error = f"{type(error).__name__}: {error}"
             log.exception("model failed to load")
@@ -305,6 +311,9 @@ class Sidecar:
                                                 buffer_size=config.sglang_recorder_buffer,
                                                 credentials=config.upstream_credentials)
                 self._recorder.start()
+            self.serving.upstream_health = UpstreamHealth(config.upstream, credentials=config.upstream_credentials,
+                                                          interval=config.upstream_check_seconds)
+            self.serving.upstream_health.start()  # /readyz: ready while the upstream answers
             self.serving.ready.set()
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
@@ -321,10 +330,10 @@ class Sidecar:
         self.heavy_reads.shutdown()
         self._monitoring.shutdown(wait=False, cancel_futures=True)
         self._history_sampler.stop()
-        if self.history_store is not None:
-            self.history_store.close()
         if self._recorder is not None:
             await asyncio.to_thread(self._recorder.stop)
+        if self.serving.upstream_health is not None:
+            await self.serving.upstream_health.close()
         if self.serving.upstream is not None:  # first: what it still has to count needs the decoder
             await self.serving.upstream.close()
         if self._decoder is not None:
@@ -334,6 +343,8 @@ class Sidecar:
         await asyncio.to_thread(self.references.stop)
         if self.alerts is not None:
             await asyncio.to_thread(self.alerts.stop)
+        if self.history_store is not None:  # once nothing writes (the reference readings) or reads it (trend rules)
+            self.history_store.close()
         if self.serving.model_worker is not None:
             await asyncio.to_thread(self.serving.model_worker.close)
         if self.serving.retune is not None:

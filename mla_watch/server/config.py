@@ -53,6 +53,7 @@ class ServerConfig:
     # Basic auth for the upstream, taken out of its URL so that no page, answer or log line shows it.
     upstream_credentials: tuple[str, str] | None = field(default=None, repr=False)
     upstream_max_bytes: int = UPSTREAM_MAX_BYTES  # one engine answer, or one line of its stream, decompressed
+    upstream_check_seconds: float = 5.0  # the upstream's GET /health, this often: /readyz says whether it answers
     # Beside vLLM or SGLang (mla_watch.engines): how the upstream returns routing, and where its routers sit.
     engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
     model_config: Path | None = None  # the config.json the engine loaded, or its directory
@@ -116,6 +117,9 @@ class ServerConfig:
         share = self.capture_max_client_share
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
             problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")
+        check = self.upstream_check_seconds
+        if isinstance(check, bool) or not isinstance(check, int | float) or not 0 < check < float("inf"):
+            problems.append(f"upstream_check_seconds = {check!r}: expected a number of seconds > 0")
         if problems:
             raise ServerConfigError(problems)
         budget = self.expert_series_budget

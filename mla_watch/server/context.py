@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from mla_watch.server.responses import RoutingLayout
     from mla_watch.server.selftest import SelfTestResult
     from mla_watch.server.sources import RoutingSources
+    from mla_watch.server.upstream_health import UpstreamHealth
 
 __all__ = ["ENGINE_RETUNE_NOTE", "HandlerContext", "Serving"]
 
@@ -44,6 +45,7 @@ class Serving:
     load_error: str | None = None
     model_worker: ModelWorker | None = None
     upstream: Upstream | None = None
+    upstream_health: UpstreamHealth | None = None  # whether the upstream answers (readiness), beside one
     retune: RetuneService | None = None  # once a local model is loaded (or beside an engine, --engine-retune)
     routing_layout: RoutingLayout | None = None  # with --return-routed-experts, once the model is in
     self_test: SelfTestResult | None = None

@@ -6,13 +6,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.cause.clients import client_id
-from mla_watch.policy import Decision, PolicyRejection, TaskPolicy, UnknownBusinessLine, UnknownTask, enforce
+from mla_watch.policy import (
+    Adjustment,
+    Decision,
+    PolicyRejection,
+    TaskPolicy,
+    UnknownBusinessLine,
+    UnknownTask,
+    enforce,
+)
 from mla_watch.sampling_params import SamplingValues
 from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
@@ -59,6 +68,7 @@ class Generation:
             else:
                 response = await self._generate_locally(request, parsed, decision, task, client)
         except ApiError as error:
+            policy_label = policy_label or error.policy
             response = self.ctx.auth.refused(request, error)
         response.headers["X-MLA-Policy"] = policy_label or "none"
         self.ctx.metrics.requests.labels(endpoint, str(response.status_code)).inc()
@@ -81,7 +91,8 @@ class Generation:
             return enforce(policy, task, parsed.sampling), task
         except PolicyRejection as error:
             self.ctx.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
-            raise ApiError(400, str(error), param=error.param, code="policy_violation") from error
+            raise ApiError(400, str(error), param=error.param, code="policy_violation",
+                           policy=f"{error.business_line}/{error.task}") from error
         except TypeError as error:
             raise ApiError(400, str(error), code="invalid_value") from error
 
@@ -94,9 +105,8 @@ class Generation:
         except ValueError as error:  # should not happen: policy values lie in the sampler's domain
             raise ApiError(400, str(error), code="invalid_value") from error
 
-    def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy,
-                    max_tokens: int) -> list[int]:
-        """Tokenize the prompt (in a worker thread: it can take a while) and check it fits."""
+    def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy) -> list[int]:
+        """Tokenize the prompt (in a worker thread: it can take a while) and check it fits the policy."""
         limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         most_tokens = min(limit, task.max_prompt_tokens or limit)
         chars = len(parsed.prompt) if parsed.kind != "chat" else sum(len(m["content"]) for m in parsed.messages)
@@ -115,16 +125,43 @@ class Generation:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
                                 f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
                            code="prompt_too_long")
-        if len(ids) + max_tokens > limit:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: "
-                                f"{len(ids) + max_tokens} exceeds the model's context of {limit} tokens",
-                           param="messages" if parsed.kind == "chat" else "prompt", code="context_length_exceeded")
         return ids
+
+    def _fit_context(self, parsed: GenerationRequest, decision: Decision, params: SamplingValues,
+                     prompt_tokens: int) -> tuple[Decision, SamplingValues]:
+        """``max_tokens`` within what the model's context leaves after the prompt.
+
+        A value the request did not ask for itself (the policy's default or its clamp of what the request asked,
+        or the API's default of 16 where no policy says) is lowered to fit, and the response reports it with the
+        other adjustments; a value the request asked for itself that does not fit is a 400 that quotes it, as an
+        engine would answer.
+        """
+        limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
+        room = limit - prompt_tokens
+        if params.max_tokens <= room:
+            return decision, params
+        where = "messages" if parsed.kind == "chat" else "prompt"
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens: the model's context of {limit} tokens "
+                                "leaves no room for a completion", param=where, code="context_length_exceeded")
+        chosen = next((a for a in decision.adjustments if a.param == "max_tokens"), None)
+        if chosen is None and "max_tokens" in parsed.sampling:  # the request's own value
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
+                                f"{prompt_tokens + params.max_tokens} exceeds the model's context of {limit} tokens",
+                           param=where, code="context_length_exceeded")
+        if chosen is None:  # the API's default: no policy says, and the request did not ask
+            adjustments = (*decision.adjustments, Adjustment("max_tokens", None, room))
+        else:
+            adjustments = tuple(Adjustment("max_tokens", a.requested, room) if a is chosen else a
+                                for a in decision.adjustments)
+        decision = replace(decision, applied={**decision.applied, "max_tokens": room}, adjustments=adjustments)
+        return decision, replace(params, max_tokens=room)
 
     async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Decision,
                                 task: TaskPolicy, client: str) -> Response:
         params = self._values(parsed, decision)
-        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task, params.max_tokens)
+        prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task)
+        decision, params = self._fit_context(parsed, decision, params, len(prompt_ids))
         job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
                   deadline=self.ctx.clock() + self.ctx.config.request_timeout, loop=asyncio.get_running_loop(),
                   prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None,

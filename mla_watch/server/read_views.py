@@ -69,11 +69,19 @@ class ReadViews:
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
+        """``GET /readyz``: 200 once the model generates (beside an engine: while the upstream answers), else 503;
+        ``status`` says which: ``ready``, ``loading``, ``failed`` (the model did not load: ``problems`` says why)
+        or ``upstream_unavailable``."""
         serving = self.serving
         problems = []
+        status = "ready"
         if not serving.ready.is_set():
+            status = "failed" if serving.load_error else "loading"
             problems.append(serving.load_error or "the model is loading")
-        body: dict[str, Any] = {"ready": not problems, "problems": problems,
+        elif serving.upstream_health is not None and (problem := await serving.upstream_health.current()):
+            status = "upstream_unavailable"
+            problems.append(problem)
+        body: dict[str, Any] = {"ready": not problems, "status": status, "problems": problems,
                                 "policies_version": self.policies.version}
         if serving.self_test is not None:
             body["attention"] = serving.self_test.as_dict()
@@ -190,12 +198,18 @@ class ReadViews:
         serving = self.serving
         rules = list(self.alerts.rules.rules) if self.alerts is not None else []
         history = self.history.recent(since)
+        # Whether each series' window says anything now: the page greys what does not, in every view of it.
+        no_signal = {(record.router.name, record.line_label): record.stats.no_signal
+                     for record in self.sources.routing_snapshot().records}
         for series in history["series"]:
             series["band"] = status_page.entropy_band(rules, series)
+            series["no_signal"] = no_signal.get((series["router"], series["business_line"]))
         policies = self.policies_view()
+        upstream_problem = serving.upstream_health.problem if serving.upstream_health is not None else None
         body: dict[str, Any] = {
-            "generated_at": time.time(), "model": serving.model_name, "ready": serving.ready.is_set(),
-            "load_error": serving.load_error, "upstream": self.config.upstream, "engine": self.engine_status(),
+            "generated_at": time.time(), "model": serving.model_name,
+            "ready": serving.ready.is_set() and upstream_problem is None, "load_error": serving.load_error,
+            "upstream": self.config.upstream, "upstream_problem": upstream_problem, "engine": self.engine_status(),
             "history": history,
             "history_store": None if self.history_store is None else {
                 "retention_days": self.history_store.retention_days, "max_series": self.history_store.max_series,
@@ -216,8 +230,12 @@ class ReadViews:
         """The engine beside (``None`` beside none): its routers, problems, re-tuning and counting."""
         if self.sources.engine_routing is None:
             return None
-        return self.sources.engine_status(retune_note=self.serving.engine_retune_note,
-                                          counting=self.counting_status())
+        status = self.sources.engine_status(retune_note=self.serving.engine_retune_note,
+                                            counting=self.counting_status())
+        health = self.serving.upstream_health
+        if status is not None and health is not None and health.problem is not None:
+            status["problems"] = [health.problem, *status["problems"]]
+        return status
 
     def counting_status(self) -> dict[str, Any] | None:
         """Answers still to count (they are counted after the client has them) and vLLM streams' replays."""

@@ -28,7 +28,8 @@ class ApiError(Exception):
     """An error answered to the client, in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None,
+                 policy: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,6 +37,7 @@ class ApiError(Exception):
         self.code = code
         self.error_type = error_type
         self.headers = headers or {}
+        self.policy = policy  # the policy that refused the request ("line/task"), for X-MLA-Policy
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}

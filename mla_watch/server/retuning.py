@@ -133,11 +133,11 @@ class Retuning:
         from mla_watch.retune.service import RetuneService
 
         geometry = self.sources.engine_routing.geometry
-        checkpoint = Path(config.model_config)  # type: ignore[arg-type]
+        # --model-config names the config.json or its directory: the router tensors are read from the safetensors
+        # beside it, in the checkpoint directory the engine loaded.
+        given = Path(config.model_config)  # type: ignore[arg-type]
+        checkpoint = given if given.is_dir() else given.parent
         try:
-            if not checkpoint.is_dir():
-                raise ValueError(f"--model-config {checkpoint} is a file: expected the engine's checkpoint directory "
-                                 f"(config.json and its safetensors), where the routers' tensors are read")
             initial = read_router_tensors(checkpoint, geometry.moe_layers)
         except ValueError as error:
             log.warning("re-tuning the engine's routers is not available: %s", error)
@@ -155,7 +155,8 @@ class Retuning:
                                     admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
         state = ensure_private_dir(config.state_dir)
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
-        host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir, config_json=checkpoint / "config.json")
+        host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,
+                             config_json=given if given.is_file() else checkpoint / "config.json")
         registry = RouterVersions(state / "routers", self.config.router_versions)
         reference = None
         if config.reference_model is not None:

@@ -239,6 +239,7 @@ function mergeHistory(old, fresh) {
       previous.values = previous.values.concat(s.values);
       previous.too_small = previous.too_small.concat(s.too_small);
       previous.band = s.band;
+      previous.no_signal = s.no_signal;
       previous.floor_bits = s.floor_bits;
       previous.ceiling_bits = s.ceiling_bits;
     } else {
@@ -389,7 +390,8 @@ function render() {
   // Beside an engine the model is the engine's, not the embedded one this sidecar would load.
   const served = status.engine ? `${status.engine.engine} engine at ${status.upstream} (${status.engine.routers})`
     : status.upstream ? `upstream ${status.upstream}` : `model ${status.model}`;
-  $("model").textContent = served + (status.ready ? "" : ` · ${status.load_error || "loading"}`);
+  $("model").textContent = served + (status.ready ? ""
+    : ` · ${status.load_error || status.upstream_problem || "loading"}`);
   const problems = status.engine ? status.engine.problems || [] : [];
   $("problems").hidden = !problems.length;
   $("problems").replaceChildren(...problems.map((text) => el("p", { class: "fail" }, `⚠ ${text}`)));
@@ -699,10 +701,12 @@ function renderOverview() {
         const s = info.byLine[line];
         const latest = s ? s.values[s.values.length - 1] : null;
         const alerted = alertsOn(view.status.alerts, router, line);
-        const state = alerted.state || (s ? stateOf(latest, s.band) : "none");
+        // As the rows above: an alert first, then a window that says nothing now (greyed, the reason in its title).
+        const noSignal = s ? s.no_signal : null;
+        const state = alerted.state || (noSignal ? "nosignal" : s ? stateOf(latest, s.band) : "none");
         const names = alerted.alerts.map((a) => a.labels.alertname).join(", ");
-        return el("td", { class: "cell", dataset: { router, line, state },
-                          title: `${router}, ${line}${names ? `: ${names}` : ""}`,
+        return el("td", { class: "cell", dataset: { router, line, state, noSignal: noSignal || null },
+                          title: `${router}, ${line}${names ? `: ${names}` : ""}${noSignal ? `\nno signal: ${noSignal}` : ""}`,
                           onclick: () => { view.line = line; reshow(); } }, bits(latest));
       })))));
 }
