@@ -28,6 +28,12 @@ def healthy_vllm(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         yield url, checkpoint
 
 
+# The tiny random engine routes by token identity more than by topic: a SQL template with varying constants and
+# customer-service text move its code_assistant routing less than any shipped rule's threshold (bench/README.md,
+# "Traffic or damage" beside vLLM), while repeated words move it past ExpertHotspot and RoutingDrift.
+LOUD = {"one word", "few words, many lengths"}
+
+
 @pytest.mark.parametrize("flood", FLOODS, ids=[flood.name.replace(" ", "-") for flood in FLOODS])
 def test_a_flood_beside_vllm_is_traffic_pages_no_one_for_the_model_and_re_tunes_nothing(
         healthy_vllm, tmp_path: Path, flood: Flood) -> None:
@@ -36,7 +42,11 @@ def test_a_flood_beside_vllm_is_traffic_pages_no_one_for_the_model_and_re_tunes_
     firing = [alert for alert in outcome.alerts if alert["state"] == "firing"]
     print(f"\n{flood.name}: " + ", ".join(sorted({f"{a['labels']['alertname']}/{a['labels'].get('cause')}"
                                                   for a in firing})))
-    assert [alert for alert in firing if alert["labels"]["business_line"] == "code_assistant"], outcome.alerts
+    if flood.name in LOUD:
+        assert [alert for alert in firing if alert["labels"]["business_line"] == "code_assistant"], outcome.alerts
+    # The flood reached the line and is its client's: the most of code_assistant's recent tokens.
+    clients = outcome.reference["clients"]["code_assistant"]["clients"]
+    assert clients[0]["client"] == FLOOD_CLIENT and clients[0]["share"] > 0.5, clients
     assert all(alert["labels"].get("cause") == "traffic" for alert in firing), [
         (a["labels"]["alertname"], a["labels"].get("cause"), a["annotations"].get("cause")) for a in firing]
     for alert in firing:
