@@ -68,9 +68,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                 retry_seconds=args.retune_retry, max_wait_seconds=args.retune_max_wait,
                                 min_samples=args.retune_min_samples, min_held_out_samples=args.min_held_out_samples,
                                 strategy_options=parse_options(args.retune_option, "--retune-option"))
-        from mla_watch.retune.strategies import get_strategy
-
         for name, options in retune.strategy_options.items():
+            from mla_watch.retune.strategies import get_strategy  # only when options are given
+
             get_strategy(name).parse_options(options, f"--retune-option {name}")
         ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
         if args.history_interval > args.history_span:
@@ -100,7 +100,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                               tokens_per_second=args.replay_tokens_per_second),
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
-                          sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
+                          sglang_recorder_buffer=args.sglang_recorder_buffer,
+                          engine_retune=args.engine_retune or ServerConfig.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
                           baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
@@ -163,12 +164,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     beside.add_argument("--replay-tokens-per-second", type=non_negative_float, default=ReplayBudget.tokens_per_second,
                         help="tokens replayed per second at most, all replays together; a stream past it is not "
                              "counted; 0: no limit (default %(default)g)")
-    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
+    # None: not given (the default below; without the [model] extra, re-tuning is off and the status page says why)
+    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=None,
                         help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
                              "reachable by the sidecar only; --model-config in its checkpoint directory): propose "
                              "pages on-call with the command that applies a candidate, apply swaps, gates and keeps or "
                              "rolls back by itself; docs/retuning.md, \"Inside a running engine\" (default "
-                             "%(default)s)")
+                             f"{ServerConfig.engine_retune})")
     beside.add_argument("--engine-swap-dir", type=Path,
                         help="where router checkpoints are written for the engine to load, at the same path in both "
                              "containers (a shared volume; default STATE_DIR/engine-swaps)")

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 __all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
            "device_problem", "finish_parser", "held_logs", "model_problem", "one_thread_for_the_bundled_model",
-           "parse_args", "run_server"]
+           "parse_args", "require_model_extra", "run_server"]
 
 MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -224,6 +224,7 @@ def check_model_flags(args: argparse.Namespace, *, full: bool = True) -> None:
 
 def check_serve_flags(args: argparse.Namespace) -> None:
     """Every ``serve`` flag whose value can be wrong in a way that would only show once serving."""
+    _check_serve_extras(args)
     _existing_dir("--policies", args.policies, "a directory of policy YAML files")
     if args.rules is not None:
         _existing_dir("--rules", args.rules, "a directory of alert rule YAML files")
@@ -254,6 +255,30 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         check_model_flags(args)
         if (problem := attn_problem(args.attn_implementation)) is not None:
             raise FlagError(f"--attn-implementation {_shown(args.attn_implementation)}: {problem}")
+
+
+def require_model_extra(what: str) -> None:
+    """A :class:`FlagError` naming ``what`` (a flag and its value) and the install that adds the ``[model]`` extra,
+    when torch or transformers is missing."""
+    from mla_watch.extras import needs_model_extra
+
+    if (problem := needs_model_extra(what)) is not None:
+        raise FlagError(problem)
+
+
+def _check_serve_extras(args: argparse.Namespace) -> None:
+    """The flags whose feature runs tensors: refused at start-up, in one line, without the ``[model]`` extra."""
+    if not args.upstream:
+        require_model_extra(f"--model {_shown(args.model)} (serving the model here, without --upstream)")
+        return
+    if args.engine_retune is not None and args.engine_retune != "off":  # given: the default says why it is off
+        require_model_extra(f"--engine-retune {args.engine_retune}")
+    if args.reference_model is not None:
+        require_model_extra(f"--reference-model {_shown(args.reference_model)}")
+    if args.sglang_recorder_dir is not None:
+        require_model_extra(f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)} (its .pt dumps)")
+    if args.retune_option:
+        require_model_extra("--retune-option")
 
 
 # ---------------------------------------------------------------------------------------------- listening
