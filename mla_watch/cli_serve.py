@@ -55,8 +55,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)  # "Scheduler started": the library's, not ours
-    if not args.upstream:
-        one_thread_for_the_bundled_model(args.model, args.device)
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
@@ -114,9 +112,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
                                                           max_bytes=args.router_versions_max_bytes))
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
-        sidecar = build_sidecar(config)
+        sidecar = build_sidecar(config)  # every configuration file judged here, before the model loads (at start)
         if sock is None:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
+    if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds
+        one_thread_for_the_bundled_model(args.model, args.device)
     run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 

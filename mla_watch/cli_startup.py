@@ -99,6 +99,8 @@ def model_problem(value: str | Path, *, full: bool = True) -> str | None:
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str) or not model_type:
         return f'{config_file} has no "model_type": expected the config.json save_pretrained writes'
+    if text == "bundled":  # shipped with its weights and tokenizer: nothing to import (transformers takes seconds)
+        return None
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
@@ -145,7 +147,9 @@ def device_problem(value: str) -> str | None:
 
 def attn_problem(value: str) -> str | None:
     """Why ``--attn-implementation VALUE`` is no attention transformers knows; ``None`` when it may be."""
-    if value == "eager" or "/" in value:  # "org/name": a kernel from the hub, judged when it loads
+    # "org/name": a kernel from the hub, judged when it loads; eager and sdpa are in every transformers 5 (and
+    # the default needs no import of it, which takes seconds, before the configuration is judged)
+    if value in ("eager", "sdpa") or "/" in value:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
