@@ -18,7 +18,7 @@ import json
 import logging
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.background import BackgroundTask
@@ -33,10 +33,14 @@ from mla_watch.engines.formats import (
     ROUTING_REQUEST_FIELD,
     SGLANG_START_FIELD,
     STRIP_ON_LOOP_BYTES,
+    DataError,
+    Decoded,
     RoutingPlan,
     add_extra,
+    routing_strings,
     strip_chunk,
     strip_response,
+    strip_routing,
 )
 from mla_watch.engines.replay import (
     TOKEN_IDS_FIELD,
@@ -297,7 +301,9 @@ class Upstream:
                                                                relay.client))
                 self._capturing.add(task)  # held until done: a task nobody holds may be collected
                 task.add_done_callback(self._capturing.discard)
-        if replay is None:
+        if relay.routing_bytes and self.counter is not None:  # the stream carried its routing: no replay
+            self._count_stream_routing(relay)
+        elif replay is None:
             self.routing.count(relay.business_line, None, streamed=True)
         elif replay.tokens is None or not replay.replay:
             if self.replayer is not None:
@@ -315,6 +321,12 @@ class Upstream:
         plan = relay.plan
         if plan.engine == "sglang" and b'"routed_experts"' in data:
             return await self._routing_chunk(data, relay)
+        if plan.engine == "vllm" and b'"routed_experts"' in data:
+            carried = await self._vllm_routing_chunk(data, relay)
+            if carried is None:
+                return None
+            data = carried
+            line = b"data: " + data
         tokens = relay.replay.tokens if relay.replay is not None else None
         if tokens is not None:
             extra = plan.extra if relay.first else None
@@ -347,6 +359,54 @@ class Upstream:
             return line
         relay.first = False
         return b"data: " + marked
+
+    async def _vllm_routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
+        """A vLLM chunk whose choice carries its routing (the terminal chunk of the stream that vLLM's RFC #56745
+        proposes; ``GenerateResponseStreamChoice.routed_experts``): the strings are held to be counted once the
+        stream has ended, and the chunk goes on without them (with them, trimmed to its prompt start, where the
+        client asked). ``None``: nothing is left of it to relay."""
+        plan = relay.plan
+        strings = routing_strings(data)
+        held = relay.routing_bytes + sum(map(len, strings))
+        if held > self.max_bytes:  # bounded as one answer is: past it, nothing of this stream is counted
+            relay.routing.clear()
+            relay.routing_bytes = self.max_bytes + 1
+        else:
+            relay.routing += strings
+            relay.routing_bytes = held
+        if plan.keep and not plan.prompt_start:
+            return data
+        stripped = None if plan.keep else strip_routing(plan, data)
+        if stripped is None:  # kept and trimmed, lists, or a long chunk: the decoding process, off the event loop
+            decoded = await self._decoder.chunk(replace(plan, extra=None), data.decode("utf-8", "replace"),
+                                                first=False)
+            if decoded.not_json:
+                return data
+            stripped = decoded.body
+        if stripped is not None and relay.prompt_tokens is None and b'"prompt_tokens"' in stripped \
+                and len(stripped) < STRIP_ON_LOOP_BYTES:
+            usage = (_json_object(stripped) or {}).get("usage")
+            tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            relay.prompt_tokens = tokens if type(tokens) is int and tokens >= 0 else None
+        return stripped
+
+    def _count_stream_routing(self, relay: _StreamRelay) -> None:
+        """What a vLLM stream's chunks carried, counted as the unstreamed answer's choices are."""
+        if relay.routing_bytes > self.max_bytes:
+            too_much = DataError("decoder", f"the routing a stream carried exceeds {self.max_bytes} bytes "
+                                            "(--upstream-max-bytes)")
+            self.routing.count(relay.business_line, Decoded(None, error=too_much), streamed=True,  # type: ignore[union-attr]
+                               client=relay.client)
+            return
+        prompt = relay.prompt_tokens
+        tokens = relay.replay.tokens if relay.replay is not None else None
+        if prompt is None and tokens is not None:
+            prompt = tokens.prompt_length()
+        body = b'{"choices":[' + b",".join(b'{"routed_experts":"' + text + b'"}' for text in relay.routing) + b"]"
+        body += b"}" if prompt is None else b',"usage":{"prompt_tokens":' + str(prompt).encode() + b"}}"
+        plan = RoutingPlan("vllm", relay.plan.geometry, keep=False)
+        self.counter.submit(relay.business_line, plan, body, streamed=True,  # type: ignore[union-attr]
+                            client=relay.client)
 
     async def _routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
         """SGLang's chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""
@@ -470,6 +530,11 @@ class _StreamRelay:
     client: str | None = None  # who sent it (mla_watch.cause.clients)
     first: bool = True  # no chunk has carried mla_watch's object yet
     counted: bool = False  # its routing was counted (or queued to be)
+    # vLLM routing its own chunks carried (base64, undecoded): counted together once the stream has ended, so that
+    # the prompt rows each choice repeats are counted once, as in an unstreamed answer
+    routing: list[bytes] = field(default_factory=list)
+    routing_bytes: int = 0
+    prompt_tokens: int | None = None  # usage.prompt_tokens of a chunk that carried routing
 
 
 START_FIELDS = (PROMPT_START_FIELD, SGLANG_START_FIELD)  # vLLM's and SGLang's spelling of one idea
