@@ -84,6 +84,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           state_dir=args.state_dir, dataset_dir=args.dataset_dir,
                           public_url=args.public_url or default_public_url(args.host, port),
                           upstream=args.upstream, upstream_max_bytes=args.upstream_max_bytes,
+                          upstream_max_line_bytes=args.upstream_max_line_bytes,
                           attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
@@ -144,6 +145,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--upstream-max-bytes", type=byte_size, default=ServerConfig.upstream_max_bytes,
                        help="the largest upstream answer, or line of its stream, read after decompression; a larger "
                             "one is a 502 (default 512M: DeepSeek-V3's routing at its whole context)")
+    serve.add_argument("--upstream-max-line-bytes", type=byte_size, default=ServerConfig.upstream_max_line_bytes,
+                       help="the longest line of an upstream stream that carries no routing (a line with routing "
+                            "may reach --upstream-max-bytes); a longer one ends the stream with an error event "
+                            "(default 16M)")
     beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream; docs/engines.md)")
     beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
                         help="read the routing the upstream returns in this engine's format; auto: ask its "

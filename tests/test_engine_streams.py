@@ -311,3 +311,15 @@ def test_streams_whose_chunks_carry_no_routing_are_still_replayed(tmp_path) -> N
         settled(sidecar, 1)
         assert len(twin.replays) == 1 and counted(sidecar, "customer_service").sum() > 0
         assert "routed_experts" not in json.dumps(events)
+
+
+def test_a_routing_chunk_may_be_longer_than_a_stream_line_without_routing(tmp_path) -> None:
+    """--upstream-max-line-bytes bounds chunks; the terminal chunk with the routing is bounded as an answer is."""
+    with beside_twin(tmp_path, upstream_max_line_bytes=1024) as (twin, url, sidecar):
+        twin.stream_routing = True
+        prompt = "where is my order " * 20  # its routing: ~5 KB of base64, past the 1 KB a line may have without it
+        ask(url, "code_assistant", chat=False, stream=False, prompt=prompt)
+        events = ask(url, "customer_service", chat=False, stream=True, prompt=prompt)
+        settled(sidecar, 2)
+        assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
+        assert np.array_equal(counted(sidecar, "customer_service"), counted(sidecar, "code_assistant"))

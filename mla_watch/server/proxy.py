@@ -78,7 +78,8 @@ class Upstream:
     """The engine behind the sidecar: requests go there with the policy's applied values."""
 
     def __init__(self, url: str, timeout: float, *, decoder: RoutingDecoder, routing: EngineRouting | None = None,
-                 max_bytes: int, credentials: tuple[str, str] | None = None, replay: ReplayBudget | None = None,
+                 max_bytes: int, max_line_bytes: int | None = None, credentials: tuple[str, str] | None = None,
+                 replay: ReplayBudget | None = None,
                  count_queue_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None) -> None:
         self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
         # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
@@ -87,6 +88,7 @@ class Upstream:
                                       headers={"Accept-Encoding": "identity"})
         self.timeout = timeout
         self.max_bytes = max_bytes
+        self.max_line_bytes = min(max_bytes, max_line_bytes or max_bytes)  # a stream line without routing
         self.routing = routing
         self._decoder = decoder
         # The routing format: fixed by --engine, or found on the first request (`auto`).
@@ -349,7 +351,7 @@ class Upstream:
             return line
         if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
             decoded = await self._decoder.chunk(RoutingPlan("none", None, keep=True, extra=plan.extra),
-                                                data.decode("utf-8", "replace"), first=True)
+                                                data, first=True)
             if decoded.not_json or decoded.body is None:
                 return line
             relay.first = False
@@ -378,7 +380,7 @@ class Upstream:
             return data
         stripped = None if plan.keep else strip_routing(plan, data)
         if stripped is None:  # kept and trimmed, lists, or a long chunk: the decoding process, off the event loop
-            decoded = await self._decoder.chunk(replace(plan, extra=None), data.decode("utf-8", "replace"),
+            decoded = await self._decoder.chunk(replace(plan, extra=None), data,
                                                 first=False)
             if decoded.not_json:
                 return data
@@ -413,7 +415,7 @@ class Upstream:
         plan = relay.plan
         stripped = strip_chunk(plan, data, first=relay.first)
         if stripped is None:  # kept routing, or too long a chunk: the decoding process reads it, on the way
-            decoded = await self._decoder.chunk(plan, data.decode("utf-8", "replace"), first=relay.first)
+            decoded = await self._decoder.chunk(plan, data, first=relay.first)
             if decoded.found and self.routing is not None:
                 self.routing.count(relay.business_line, decoded, streamed=True, client=relay.client)
                 relay.counted = True
@@ -435,7 +437,7 @@ class Upstream:
         except UnsupportedEncoding as error:
             raise ApiError(502, f"the stream of {self.url}{path} cannot be read: {error}", code="upstream_error",
                            error_type="server_error") from None
-        lines = EventLines(self.max_bytes)
+        lines = EventLines(self.max_line_bytes, routing_limit=self.max_bytes)
         raw = upstream.aiter_raw()
         deadline = LineDeadline(self.timeout)  # a line dripped a byte at a time must still end within the timeout
         try:
@@ -456,8 +458,10 @@ class Upstream:
                     raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
                                    code="upstream_error", error_type="server_error") from None
                 except AnswerTooLarge as error:
-                    raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} "
-                                        "bytes (--upstream-max-bytes)", code="upstream_too_large",
+                    flag = "--upstream-max-bytes" if error.limit == self.max_bytes else "--upstream-max-line-bytes"
+                    what = error.what if error.what.startswith("a line") else "a line of the stream"
+                    raise ApiError(502, f"{what} of {self.url}{path} is larger than {error.limit} "
+                                        f"bytes ({flag})", code="upstream_too_large",
                                    error_type="server_error") from None
                 if complete:
                     deadline.restart()
