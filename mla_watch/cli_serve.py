@@ -100,6 +100,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
                           sglang_recorder_buffer=args.sglang_recorder_buffer,
+                          sglang_recorder_settle=args.sglang_recorder_settle,
                           engine_retune=args.engine_retune or ServerConfig.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
@@ -190,6 +191,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="seconds between two recorder dumps (default %(default)s)")
     beside.add_argument("--sglang-recorder-buffer", type=positive_int, default=ServerConfig.sglang_recorder_buffer,
                         help="the engine's --expert-distribution-recorder-buffer-size (default %(default)s)")
+    beside.add_argument("--sglang-recorder-settle", type=non_negative_float,
+                        default=ServerConfig.sglang_recorder_settle,
+                        help="seconds a recorder dump that does not read whole must stay unchanged (size and mtime) "
+                             "before it is set aside as broken: a writer that stalls longer loses it "
+                             "(default %(default)s)")
     serve.add_argument("--return-routed-experts", action="store_true",
                        help="answer with the model's routing per token, in vLLM's and SGLang's fields")
     serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,

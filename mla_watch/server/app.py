@@ -310,6 +310,7 @@ class Sidecar:
                 self._recorder = RecorderPoller(config.sglang_recorder_dir, config.upstream, engine_routing,
                                                 interval=config.sglang_recorder_interval,
                                                 buffer_size=config.sglang_recorder_buffer,
+                                                settle_seconds=config.sglang_recorder_settle,
                                                 credentials=config.upstream_credentials)
                 self._recorder.start()
             self.serving.upstream_health = UpstreamHealth(config.upstream, credentials=config.upstream_credentials,

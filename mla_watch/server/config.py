@@ -68,6 +68,8 @@ class ServerConfig:
     sglang_recorder_dir: Path | None = None  # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine
     sglang_recorder_interval: float = 10.0  # seconds between dumps
     sglang_recorder_buffer: int = 1000  # the engine's --expert-distribution-recorder-buffer-size
+    # a dump that does not read whole is set aside only once unchanged (size, mtime) this long: a writer may stall
+    sglang_recorder_settle: float = 30.0
     # Re-tuning the engine's routers in place (vLLM's dev mode): off | propose | apply, the directory the
     # sidecar writes router checkpoints to and the engine reads at the same path (a shared volume; default
     # STATE_DIR/engine-swaps, right where both run on one host), and how long a candidate may serve live
