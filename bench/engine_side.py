@@ -40,6 +40,8 @@ from mla_watch.engines.geometry import parse_geometry
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_EXTRA = ("torch", "transformers", "tokenizers", "matplotlib")
+COUNTED = 'mla_watch_engine_responses_total{engine="vllm",outcome="counted"}'
+DROPPED = 'mla_watch_engine_count_dropped_total{reason="queue_full"}'
 
 
 def wall(command: list[str], repeats: int) -> float:
@@ -90,6 +92,10 @@ def distribution_mib(name: str) -> float | None:
     return sum(f.locate().stat().st_size for f in files if f.locate().is_file()) / (1 << 20)
 
 
+def metric(text: str, series: str) -> float:
+    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
 def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[str, float]:
     geometry = parse_geometry(DEEPSEEK_V3)
     engine_dir = root / "engine"
@@ -131,14 +137,14 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
                     answer = client.post(url + "/v1/completions", json=body, headers=line_header)
                     answer.raise_for_status()
                 deadline = time.monotonic() + 600
-                while time.monotonic() < deadline:
+                while time.monotonic() < deadline:  # every answer counted, or dropped at a full count queue
                     text = client.get(url + "/metrics").text
-                    line = next((ln for ln in text.splitlines() if ln.startswith(
-                        'mla_watch_engine_responses_total{engine="vllm",outcome="counted"}')), None)
-                    if line is not None and float(line.split()[-1]) >= answers:
+                    figures["counted"] = metric(text, COUNTED)
+                    figures["dropped"] = metric(text, DROPPED)
+                    if figures["counted"] + figures["dropped"] >= answers:
                         break
                     time.sleep(0.2)
-                figures["counted"] = float(line.split()[-1]) if line else 0.0
+                time.sleep(2.0)
                 figures["loaded_rss_mib"], figures["loaded_processes"], figures["loaded_main_mib"] = \
                     tree_rss_mib(process.pid)
         finally:
@@ -169,9 +175,10 @@ def main() -> None:
         figures = serve_figures(args.python, args.answers, args.tokens, Path(directory))
     print(f"serve beside a fake vLLM (DeepSeek-V3 geometry): /readyz 200 after {figures['ready_s']:.2f} s; "
           f"resident {figures['idle_rss_mib']:.0f} MiB idle ({figures['idle_processes']:.0f} process(es)), "
-          f"{figures['loaded_rss_mib']:.0f} MiB after {figures['counted']:.0f} answers of {args.tokens} tokens "
-          f"counted ({figures['loaded_processes']:.0f} process(es); the server's own {figures['idle_main_mib']:.0f} "
-          f"MiB idle, {figures['loaded_main_mib']:.0f} MiB loaded)")
+          f"{figures['loaded_rss_mib']:.0f} MiB after {args.answers} answers of {args.tokens} tokens, "
+          f"{figures['counted']:.0f} counted and {figures['dropped']:.0f} dropped at the full count queue "
+          f"({figures['loaded_processes']:.0f} process(es); the server's own {figures['idle_main_mib']:.0f} MiB "
+          f"idle, {figures['loaded_main_mib']:.0f} MiB once the queue drained)")
     if args.venv is not None:
         venv = tree_size_mib(args.venv)
         extra = {name: distribution_mib(name) for name in MODEL_EXTRA}
