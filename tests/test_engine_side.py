@@ -52,7 +52,7 @@ ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli_serve", "mla_watch.cli_check", "m
                "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.retune.score",
                "mla_watch.retune.gates", "mla_watch.retune.specs", "mla_watch.retune.data", "mla_watch.retune.capture",
-               "mla_watch.retune.reference", "mla_watch.ingest", "mla_watch.history.store"]
+               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.ingest", "mla_watch.history.store"]
 HEAVY = ("torch", "transformers", "scipy.stats", "scipy.spatial", "matplotlib")
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}
