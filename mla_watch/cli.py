@@ -26,6 +26,9 @@ DEMO_DURATION = "about a minute"  # on 2 CPU cores, two to three when others sha
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
 
+    from mla_watch.cli_startup import require_model_extra
+
+    require_model_extra("mla-watch demo (the bundled model, here)")
     from mla_watch.demo import main as demo
 
     logging.basicConfig(level=logging.ERROR)

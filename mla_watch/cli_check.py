@@ -50,6 +50,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     if args.model_config is None and args.model is not None:
         check_model_flags(args, full=False)  # a mistyped name; a model that does not load is a finding below
+        from mla_watch.cli_startup import require_model_extra
+
+        require_model_extra(f"--model {args.model} (loaded here to lint the rules; --model-config needs no model)")
     errors = warnings = 0
     try:
         policies = load_policy_dir(args.policies)

@@ -55,8 +55,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)  # "Scheduler started": the library's, not ours
-    if not args.upstream:
-        one_thread_for_the_bundled_model(args.model, args.device)
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
@@ -68,9 +66,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                 retry_seconds=args.retune_retry, max_wait_seconds=args.retune_max_wait,
                                 min_samples=args.retune_min_samples, min_held_out_samples=args.min_held_out_samples,
                                 strategy_options=parse_options(args.retune_option, "--retune-option"))
-        from mla_watch.retune.strategies import get_strategy
-
         for name, options in retune.strategy_options.items():
+            from mla_watch.retune.strategies import get_strategy  # only when options are given
+
             get_strategy(name).parse_options(options, f"--retune-option {name}")
         ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
         if args.history_interval > args.history_span:
@@ -86,6 +84,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           state_dir=args.state_dir, dataset_dir=args.dataset_dir,
                           public_url=args.public_url or default_public_url(args.host, port),
                           upstream=args.upstream, upstream_max_bytes=args.upstream_max_bytes,
+                          upstream_max_line_bytes=args.upstream_max_line_bytes,
                           attn_implementation=args.attn_implementation,
                           max_queue=args.max_queue, request_timeout=args.request_timeout, capture=args.capture,
                           capture_max_samples=args.capture_max_samples,
@@ -100,7 +99,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                               tokens_per_second=args.replay_tokens_per_second),
                           sglang_recorder_dir=args.sglang_recorder_dir,
                           sglang_recorder_interval=args.sglang_recorder_interval,
-                          sglang_recorder_buffer=args.sglang_recorder_buffer, engine_retune=args.engine_retune,
+                          sglang_recorder_buffer=args.sglang_recorder_buffer,
+                          sglang_recorder_settle=args.sglang_recorder_settle,
+                          engine_retune=args.engine_retune or ServerConfig.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
                           baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
@@ -113,9 +114,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
                                                           max_bytes=args.router_versions_max_bytes))
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
-        sidecar = build_sidecar(config)
+        sidecar = build_sidecar(config)  # every configuration file judged here, before the model loads (at start)
         if sock is None:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
+    if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds
+        one_thread_for_the_bundled_model(args.model, args.device)
     run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 
@@ -143,6 +146,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--upstream-max-bytes", type=byte_size, default=ServerConfig.upstream_max_bytes,
                        help="the largest upstream answer, or line of its stream, read after decompression; a larger "
                             "one is a 502 (default 512M: DeepSeek-V3's routing at its whole context)")
+    serve.add_argument("--upstream-max-line-bytes", type=byte_size, default=ServerConfig.upstream_max_line_bytes,
+                       help="the longest line of an upstream stream that carries no routing (a line with routing "
+                            "may reach --upstream-max-bytes); a longer one ends the stream with an error event "
+                            "(default 16M)")
     beside = serve.add_argument_group("beside vLLM or SGLang (with --upstream; docs/engines.md)")
     beside.add_argument("--engine", choices=ENGINE_CHOICES, default=ServerConfig.engine,
                         help="read the routing the upstream returns in this engine's format; auto: ask its "
@@ -163,12 +170,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     beside.add_argument("--replay-tokens-per-second", type=non_negative_float, default=ReplayBudget.tokens_per_second,
                         help="tokens replayed per second at most, all replays together; a stream past it is not "
                              "counted; 0: no limit (default %(default)g)")
-    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
+    # None: not given (the default below; without the [model] extra, re-tuning is off and the status page says why)
+    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=None,
                         help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
                              "reachable by the sidecar only; --model-config in its checkpoint directory): propose "
                              "pages on-call with the command that applies a candidate, apply swaps, gates and keeps or "
                              "rolls back by itself; docs/retuning.md, \"Inside a running engine\" (default "
-                             "%(default)s)")
+                             f"{ServerConfig.engine_retune})")
     beside.add_argument("--engine-swap-dir", type=Path,
                         help="where router checkpoints are written for the engine to load, at the same path in both "
                              "containers (a shared volume; default STATE_DIR/engine-swaps)")
@@ -183,6 +191,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         help="seconds between two recorder dumps (default %(default)s)")
     beside.add_argument("--sglang-recorder-buffer", type=positive_int, default=ServerConfig.sglang_recorder_buffer,
                         help="the engine's --expert-distribution-recorder-buffer-size (default %(default)s)")
+    beside.add_argument("--sglang-recorder-settle", type=non_negative_float,
+                        default=ServerConfig.sglang_recorder_settle,
+                        help="seconds a recorder dump that does not read whole must stay unchanged (size and mtime) "
+                             "before it is set aside as broken: a writer that stalls longer loses it "
+                             "(default %(default)s)")
     serve.add_argument("--return-routed-experts", action="store_true",
                        help="answer with the model's routing per token, in vLLM's and SGLang's fields")
     serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 __all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
            "device_problem", "finish_parser", "held_logs", "model_problem", "one_thread_for_the_bundled_model",
-           "parse_args", "run_server"]
+           "parse_args", "require_model_extra", "run_server"]
 
 MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -98,6 +98,8 @@ def model_problem(value: str | Path, *, full: bool = True) -> str | None:
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str) or not model_type:
         return f'{config_file} has no "model_type": expected the config.json save_pretrained writes'
+    if text == "bundled":  # shipped with its weights and tokenizer: nothing to import (transformers takes seconds)
+        return None
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
@@ -144,7 +146,9 @@ def device_problem(value: str) -> str | None:
 
 def attn_problem(value: str) -> str | None:
     """Why ``--attn-implementation VALUE`` is no attention transformers knows; ``None`` when it may be."""
-    if value == "eager" or "/" in value:  # "org/name": a kernel from the hub, judged when it loads
+    # "org/name": a kernel from the hub, judged when it loads; eager and sdpa are in every transformers 5 (and
+    # the default needs no import of it, which takes seconds, before the configuration is judged)
+    if value in ("eager", "sdpa") or "/" in value:
         return None
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -223,6 +227,7 @@ def check_model_flags(args: argparse.Namespace, *, full: bool = True) -> None:
 
 def check_serve_flags(args: argparse.Namespace) -> None:
     """Every ``serve`` flag whose value can be wrong in a way that would only show once serving."""
+    _check_serve_extras(args)
     _existing_dir("--policies", args.policies, "a directory of policy YAML files")
     if args.rules is not None:
         _existing_dir("--rules", args.rules, "a directory of alert rule YAML files")
@@ -253,6 +258,30 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         check_model_flags(args)
         if (problem := attn_problem(args.attn_implementation)) is not None:
             raise FlagError(f"--attn-implementation {_shown(args.attn_implementation)}: {problem}")
+
+
+def require_model_extra(what: str) -> None:
+    """A :class:`FlagError` naming ``what`` (a flag and its value) and the install that adds the ``[model]`` extra,
+    when torch or transformers is missing."""
+    from mla_watch.extras import needs_model_extra
+
+    if (problem := needs_model_extra(what)) is not None:
+        raise FlagError(problem)
+
+
+def _check_serve_extras(args: argparse.Namespace) -> None:
+    """The flags whose feature runs tensors: refused at start-up, in one line, without the ``[model]`` extra."""
+    if not args.upstream:
+        require_model_extra(f"--model {_shown(args.model)} (serving the model here, without --upstream)")
+        return
+    if args.engine_retune is not None and args.engine_retune != "off":  # given: the default says why it is off
+        require_model_extra(f"--engine-retune {args.engine_retune}")
+    if args.reference_model is not None:
+        require_model_extra(f"--reference-model {_shown(args.reference_model)}")
+    if args.sglang_recorder_dir is not None:
+        require_model_extra(f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)} (its .pt dumps)")
+    if args.retune_option:
+        require_model_extra("--retune-option")
 
 
 # ---------------------------------------------------------------------------------------------- listening

@@ -59,6 +59,9 @@ def _traffic(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _run(args: argparse.Namespace) -> Any:
+    from mla_watch.cli_startup import require_model_extra
+
+    require_model_extra(f"--model {args.model} (run here)")
     import torch
 
     import mla_watch

@@ -41,7 +41,6 @@ from typing import Literal
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.spatial.distance import jensenshannon
 
 from mla_watch.count_checks import _as_counts, _check_local_choice, _check_nonnegative_int, _check_positive_int
 from mla_watch.rolling import RollingWindow, WindowTotals
@@ -141,6 +140,8 @@ def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
         raise ValueError("counts has no selections; Jensen–Shannon divergence is undefined")
     if not q.sum() > 0:
         raise ValueError("baseline has no selections; Jensen–Shannon divergence is undefined")
+    from scipy.spatial.distance import jensenshannon  # here: scipy.spatial takes ~0.5 s to import, --help none
+
     with np.errstate(invalid="ignore", divide="ignore"):
         distance = float(jensenshannon(p, q, base=2))
     if not math.isfinite(distance):  # tiny negative sum under the square root

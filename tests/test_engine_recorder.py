@@ -655,6 +655,28 @@ def test_a_broken_file_is_set_aside_only_once_it_settled(tmp_path, routing, capl
     assert rejected(routing, "unreadable") == 2 and dumps(routing, "error") == 2
 
 
+def test_a_dump_whose_writer_stalls_mid_write_is_counted_once_it_is_whole(tmp_path, geometry, routing) -> None:
+    """Judged broken only after it stopped changing (size and mtime) for the settle time of serve's default."""
+    from mla_watch.server.config import ServerConfig
+
+    now = [time.time()]
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8,
+                            settle_seconds=ServerConfig.sglang_recorder_settle, clock=lambda: now[0])
+    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake.run_passes(3)
+    path = fake.dump()
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])  # the writer stalls half-way
+    for _ in range(4):  # 12 s without a change: a stall, not a broken file
+        assert poller.consume() == [] and path.exists()
+        now[0] += 3
+    with path.open("ab") as handle:
+        handle.write(whole[len(whole) // 2:])
+    assert poller.consume() == ["counted"] and not path.exists()
+    counts = routing.counts(None)
+    assert np.array_equal(np.stack([counts[name] for name in geometry.router_names]), fake.dumped)
+
+
 def test_a_dump_changed_while_read_is_left_for_the_next_poll(tmp_path, geometry, routing, monkeypatch) -> None:
     fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)

@@ -258,3 +258,68 @@ def test_a_replay_budget_out_of_range_stops_start_up_naming_the_flag(tmp_path) -
     with pytest.raises(ServerConfigError, match=r"--replay-rate 1.5: expected a share between 0 and 1"), \
             beside_twin(tmp_path, replay=ReplayBudget(rate=1.5)):
         pass
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_stream_that_carries_its_routing_is_counted_from_its_chunks_without_a_replay(tmp_path, chat, n) -> None:
+    """vLLM's stream routing (tests/vllm_twin.py, ``stream_routing``): counted as the unstreamed answer is, the
+    prompt rows every choice repeats once; the client's stream has none of it; nothing is replayed."""
+    with beside_twin(tmp_path) as (twin, url, sidecar):
+        twin.stream_routing = True
+        ask(url, "code_assistant", chat=chat, stream=False, n=n)
+        events = ask(url, "customer_service", chat=chat, stream=True, n=n)
+        settled(sidecar, 2)
+        unstreamed, streamed = counted(sidecar, "code_assistant"), counted(sidecar, "customer_service")
+        assert streamed.sum() > 0 and np.array_equal(streamed, unstreamed)
+        assert twin.replays == [] and "routed_experts" not in json.dumps(events)
+        metrics = get_metrics(url)
+        assert not metric_value(metrics, "mla_watch_engine_stream_replays_total", outcome="replayed")
+        assert metric_value(metrics, "mla_watch_engine_responses_total", engine="vllm", outcome="counted") == 2
+        assert events[-1] == "[DONE]" and events[0]["mla_watch"]["policy"].startswith("customer_service/")
+        finished = [choice for event in events[1:-1] for choice in event["choices"] if choice["finish_reason"]]
+        assert len(finished) == n  # the terminal chunks reach the client, without the routing
+
+
+def test_a_client_that_asks_for_stream_routing_gets_it_from_the_prompt_start_it_asked(tmp_path) -> None:
+    with beside_twin(tmp_path) as (twin, url, sidecar):
+        twin.stream_routing = True
+        events = ask(url, "customer_service", chat=False, stream=True, return_routed_experts=True,
+                     routed_experts_prompt_start=3)
+        settled(sidecar, 1)
+        (routed,) = [choice["routed_experts"] for event in events[1:-1] for choice in event["choices"]
+                     if "routed_experts" in choice]
+        prompt = list(b"where is my order")
+        generated = twin.generated(prompt, 0, 6)
+        expected = twin.routing(prompt + generated[:-1])[3:]
+        assert routed == encode_vllm(expected, GEOMETRY.num_experts)
+        assert counted(sidecar, "customer_service").sum() == (len(prompt) + 5) * len(ROUTERS) * GEOMETRY.top_k
+        assert twin.replays == []
+
+
+def test_streams_whose_chunks_carry_no_routing_are_still_replayed(tmp_path) -> None:
+    """``routed_experts: null`` on every chunk (a model field serialised without exclude_none) is no routing."""
+    with beside_twin(tmp_path) as (twin, url, sidecar):
+        original = twin._stream
+
+        async def with_nulls(*args, **kwargs):
+            async for event in original(*args, **kwargs):
+                yield event.replace(b'"logprobs":null', b'"logprobs":null,"routed_experts":null')
+
+        twin._stream = with_nulls
+        events = ask(url, "customer_service", chat=True, stream=True)
+        settled(sidecar, 1)
+        assert len(twin.replays) == 1 and counted(sidecar, "customer_service").sum() > 0
+        assert "routed_experts" not in json.dumps(events)
+
+
+def test_a_routing_chunk_may_be_longer_than_a_stream_line_without_routing(tmp_path) -> None:
+    """--upstream-max-line-bytes bounds chunks; the terminal chunk with the routing is bounded as an answer is."""
+    with beside_twin(tmp_path, upstream_max_line_bytes=1024) as (twin, url, sidecar):
+        twin.stream_routing = True
+        prompt = "where is my order " * 20  # its routing: ~5 KB of base64, past the 1 KB a line may have without it
+        ask(url, "code_assistant", chat=False, stream=False, prompt=prompt)
+        events = ask(url, "customer_service", chat=False, stream=True, prompt=prompt)
+        settled(sidecar, 2)
+        assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
+        assert np.array_equal(counted(sidecar, "customer_service"), counted(sidecar, "code_assistant"))

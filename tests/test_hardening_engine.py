@@ -161,6 +161,19 @@ def test_a_stream_line_without_an_end_is_cut_at_the_cap_with_an_error_event(engi
     assert figures["rss_growth"] < RSS_BOUND
 
 
+def test_a_stream_line_is_bounded_by_its_own_limit_far_below_the_answers(engine, tmp_path) -> None:
+    """A chunk is not an answer: a line without routing is cut at --upstream-max-line-bytes, named."""
+    hostile, _ = engine
+    hostile.mode = "endless_line"
+    with beside(engine, tmp_path, upstream_max_line_bytes=64 << 10) as (url, _), \
+            watched(url, "endless SSE line, line limit 64K") as figures:
+        (event,) = stream_events(url)
+    error = json.loads(event)["error"]
+    assert error["code"] == "upstream_too_large" and error["message"].endswith(
+        f"is larger than {64 << 10} bytes (--upstream-max-line-bytes)"), error
+    assert figures["rss_growth"] < RSS_BOUND
+
+
 def test_legal_json_in_a_stream_is_never_split_and_odd_chunks_do_not_cut_it(engine, sidecar) -> None:
     hostile, _ = engine
     url, _ = sidecar

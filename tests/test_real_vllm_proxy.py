@@ -24,6 +24,7 @@ from broken_deploy import scenario_rules
 from conftest import free_port, metric_value, settled_over_http, wait_until
 from real_vllm import build_checkpoint, cache_root, running_vllm
 from receivers import running_receiver
+from test_engine_side import MARK, without_model_extra
 from test_reliability import sidecar_process
 
 from mla_watch.engines.geometry import load_geometry
@@ -115,10 +116,12 @@ def agreement(counted: np.ndarray, truth: np.ndarray) -> float:
 
 
 def test_every_request_of_a_mixed_run_is_counted_for_its_line_as_the_engine_routed_it(vllm, qwen, tmp_path) -> None:
+    """The sidecar without the [model] extra (torch and transformers absent: tests/test_engine_side.py)."""
     geometry = load_geometry(qwen)
     state = tmp_path / "vllm-proxy"
     zeros = np.zeros((len(geometry.moe_layers), geometry.num_experts), dtype=np.int64)
-    with proxy("vllm", vllm, qwen, state) as url:
+    without = {k: v for k, v in without_model_extra(tmp_path).items() if k == "PYTHONPATH"}
+    with proxy("vllm", vllm, qwen, state, env=without) as url:
         truth = {line: zeros.copy() for line in (*LINES, "default")}
         requests = 0
         for index, (chat, n) in enumerate([(False, 1), (True, 1), (False, 2), (True, 2)]):
@@ -144,6 +147,7 @@ def test_every_request_of_a_mixed_run_is_counted_for_its_line_as_the_engine_rout
             shares[line] = agreement(counted, truth[line])
         print(f"per line, the share of selections equal to the engine's own routing (streams by replay): {shares}")
         assert min(shares.values()) >= AGREEMENT, shares
+    assert MARK not in (state.parent / f"{state.name}.log").read_text()  # nothing tried to import torch
 
 
 def test_auto_finds_vllm_and_counts_its_streams(vllm, qwen, tmp_path) -> None:

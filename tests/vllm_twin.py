@@ -6,6 +6,10 @@ Shapes follow vLLM 0.32's own source (the real engine runs in tests/test_real_vl
   num_hidden_layers, top_k]`` (vllm/v1/engine/output_processor.py), cut by ``routed_experts_prompt_start``;
   with ``return_token_ids``, a choice's ``token_ids`` and the prompt's ``prompt_token_ids`` (at the top for
   chat, per choice for completions: entrypoints/openai/chat_completion/protocol.py, completion/protocol.py);
+* with :attr:`VllmTwin.stream_routing`, a stream's terminal chunk of each choice carries that choice's
+  ``routed_experts`` as the unstreamed answer does (vLLM RFC #56745's proposal; the ``/inference/v1/generate``
+  stream's ``GenerateResponseStreamChoice.routed_experts``, entrypoints/serve/disagg/protocol.py and serving.py,
+  has the same field and format);
 * a stream with ``return_token_ids``: chat's first chunk of each choice carries the top-level
   ``prompt_token_ids`` and a ``role`` delta; completions carry ``prompt_token_ids`` on a choice's first
   chunk; every chunk carries that step's ``token_ids`` (entrypoints/openai/chat_completion/serving.py,
@@ -50,6 +54,10 @@ class VllmTwin:
         self.replay_status = 200  # what a replay (a prompt of token ids) is answered with
         self.url = ""  # where it listens, once it does
         self.step_seconds = 0.0  # between two chunks of a stream
+        # Routing on the terminal chunk of each choice of an OpenAI stream, as vLLM's RFC #56745 proposes: the
+        # field and format of the unstreamed choice (and of GenerateResponseStreamChoice.routed_experts, which
+        # vllm/entrypoints/serve/disagg/serving.py sets from output.routed_experts in its stream generator).
+        self.stream_routing = False
         self.app = Starlette(routes=[
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completion, methods=["POST"]),
@@ -152,6 +160,9 @@ class VllmTwin:
                         choice["prompt_token_ids"] = prompt
                 if ids:
                     choice["token_ids"] = [token]
+                if last and self.stream_routing:
+                    routing = self.routing(prompt + out[:-1])[body.get("routed_experts_prompt_start", 0):]
+                    choice["routed_experts"] = encode_vllm(routing, self.geometry.num_experts)
                 yield event({"choices": [choice]})
                 if self.step_seconds:
                     await asyncio.sleep(self.step_seconds)

@@ -123,10 +123,14 @@ class RoutingDecoder:
             return await self._via_file(body, _count_response_file, plan)
         return await self._run(count_response, plan, body)
 
-    async def chunk(self, plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
+    async def chunk(self, plan: RoutingPlan, data: bytes | str, *, first: bool) -> Decoded:
+        """One stream chunk's JSON; bytes are decoded as UTF-8 where the chunk is read (a long one's in a decoding
+        process: decoding megabytes would hold the event loop)."""
+        if isinstance(data, str):
+            data = data.encode()
         if self.workers and len(data) >= FILE_HANDOFF_BYTES:
-            return await self._via_file(data.encode(), _decode_chunk_file, plan, first)
-        return await self._run(_decode_chunk, plan, data, first)
+            return await self._via_file(data, _decode_chunk_file, plan, first)
+        return await self._run(_decode_chunk, plan, data.decode("utf-8", "replace"), first)
 
     async def offload(self, function: Callable[..., Any], data: bytes, *args: Any) -> Any:
         """``function(data, *args)`` in a decoding process (a module-level function: it travels by name).
@@ -260,7 +264,7 @@ def _count_response_file(plan: RoutingPlan, path: str) -> Decoded:
 
 
 def _decode_chunk_file(plan: RoutingPlan, path: str, first: bool) -> Decoded:
-    return decode_chunk(plan, _take_file(path).decode(), first=first)
+    return decode_chunk(plan, _take_file(path).decode("utf-8", "replace"), first=first)
 
 
 def _decode_chunk(plan: RoutingPlan, data: str, first: bool) -> Decoded:

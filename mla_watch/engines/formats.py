@@ -67,7 +67,7 @@ from mla_watch.engines.routing_ids import (
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
            "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "add_extra", "answer_token_ids",
            "count_response", "decode_chunk", "decode_response", "encode_sglang", "encode_vllm", "every_layer",
-           "routing_counts", "strip_chunk", "strip_response"]
+           "routing_counts", "routing_strings", "strip_chunk", "strip_response", "strip_routing"]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -215,6 +215,19 @@ def strip_chunk(plan: RoutingPlan, data: bytes, *, first: bool) -> bytes | None:
     if first:
         document["mla_watch"] = plan.extra
     return _compact(document)
+
+
+def strip_routing(plan: RoutingPlan, data: bytes) -> bytes | None:
+    """``data`` (an answer or a stream chunk) with its routing cut out, nothing else changed or added, nothing
+    decoded; ``None`` where :func:`strip_response` could not (then :func:`decode_chunk` does it)."""
+    cut = _without_routing(plan, data)
+    return None if cut is None else _compact(cut[0])
+
+
+def routing_strings(data: bytes) -> list[bytes]:
+    """The base64 routing strings of an answer or stream chunk, undecoded and unparsed (a memchr over each)."""
+    _, lifted = _lift(data, None)  # type: ignore[misc]
+    return [bytes(value) for value in lifted.values()]
 
 
 def _without_routing(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], int] | None:

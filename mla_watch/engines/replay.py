@@ -140,6 +140,11 @@ class StreamTokens:
             replays.append((choice.prompt + choice.generated[:-1], start))  # type: ignore[operator]
         return replays
 
+    def prompt_length(self) -> int | None:
+        """How many tokens the prompt had, where the stream's ids said (every choice shares it)."""
+        prompts = {len(choice.prompt) for choice in self._choices.values() if choice.prompt is not None}
+        return prompts.pop() if len(prompts) == 1 and self.unreadable is None else None
+
     def samples(self) -> list[tuple[list[int], int]]:
         """Each finished choice's prompt plus completion ids and the prompt's length, to capture (``[]`` when the
         stream's ids could not be read)."""

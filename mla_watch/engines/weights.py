@@ -56,13 +56,12 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.numpy import save_file as save_numpy
 
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
@@ -75,6 +74,9 @@ from mla_watch.engines.swap import (
     tokens_of_answer,
 )
 from mla_watch.retune.reference import checkpoint_files
+
+if TYPE_CHECKING:  # the router checkpoints (re-tuning the engine's routers) are read and written with torch
+    import torch
 
 __all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
 
@@ -130,6 +132,9 @@ def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor]
     A router is written whole: a layer's bias without its weight, or a bias for some layers and not others,
     is refused (vLLM fills what a layer's load left out with uninitialised memory, ``reload/layerwise.py:273-275``).
     """
+    import torch
+    from safetensors.torch import save_file
+
     directory = Path(directory)
     config_json = Path(config_json)
     if not tensors:
@@ -253,7 +258,7 @@ def _empty_checkpoint(parent: Path) -> Path:
     """A checkpoint with no tensor beside the swapped one: reloading it finishes a failed reload (see above)."""
     directory = Path(tempfile.mkdtemp(prefix=ROLLBACK_PREFIX, dir=parent))
     try:
-        save_file({}, str(directory / WEIGHTS_FILE))
+        save_numpy({}, str(directory / WEIGHTS_FILE))  # no tensor: the same file whichever framework writes it
         os.chmod(directory / WEIGHTS_FILE, FILE_MODE)
         os.chmod(directory, DIRECTORY_MODE)
     except BaseException:

@@ -29,14 +29,16 @@ import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from mla_watch.describe import describe_value
 from mla_watch.retune.capture import TokenSample, check_positive
 from mla_watch.yamlcheck import fmt
+
+if TYPE_CHECKING:  # datasets and samples are token ids; only make_batches builds tensors (the [model] extra)
+    import torch
 
 __all__ = [
     "DATASET_NAME_RE",
@@ -338,6 +340,8 @@ def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: i
     1 on the tokens a loss may predict: a :class:`TokenSample`'s first ``scored_tokens`` (all
     its real tokens when that is ``None``, as for a plain list).
     """
+    import torch
+
     check_positive("batch_size", batch_size, int)
     if max_tokens is not None:
         check_positive("max_tokens", max_tokens, int)

@@ -34,12 +34,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mla_watch.models.loss import next_token_losses
-from mla_watch.probe import attach, discover_routers
 from mla_watch.retune.band import DEFAULT_BAND, Band
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
@@ -52,6 +48,9 @@ from mla_watch.retune.paired import (
     parse_margin,
 )
 from mla_watch.retune.score import ModelScore
+
+if TYPE_CHECKING:  # the gates' rules are arithmetic; only score_model runs the model (the [model] extra)
+    import torch
 
 __all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
            "score_model"]
@@ -90,7 +89,6 @@ class GateReport:
                 "checks": self.checks, "before": self.before, "after": self.after}
 
 
-@torch.no_grad()
 def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
                 business_line: str = "gate", *, indexers: bool = False) -> ModelScore:
     """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded); DSA indexers are
@@ -98,6 +96,17 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
 
     ``model`` must not carry another probe counting into live windows: pass a hook-free copy.
     """
+    import torch
+
+    with torch.no_grad():
+        return _score_model(model, batches, business_line, indexers=indexers)
+
+
+def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], business_line: str, *,
+                 indexers: bool) -> ModelScore:
+    from mla_watch.models.loss import next_token_losses
+    from mla_watch.probe import attach, discover_routers
+
     ignored = set() if indexers else {type(module).__name__ for module, info, _ in discover_routers(model)
                                       if info.kind != "expert"}
     probe = attach(model, window_tokens=None, ignore=sorted(ignored))

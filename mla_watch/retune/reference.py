@@ -13,9 +13,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import SafetensorError, safe_open
+
+if TYPE_CHECKING:  # checkpoint_files lists files; only load_reference_routers reads tensors (framework "pt")
+    import torch
 
 __all__ = ["RouterReference", "checkpoint_files", "load_reference_routers"]
 

@@ -18,16 +18,14 @@ from starlette.responses import JSONResponse, Response
 from mla_watch.describe import describe_value
 from mla_watch.engines.swap import SwapError
 from mla_watch.ingest import IngestError, parse_snapshot
-from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.jobs import JobSpec
-from mla_watch.retune.service import DEFAULT_STRATEGIES, Cooldown, RetuneService
 from mla_watch.retune.specs import job_band, request_job_spec
-from mla_watch.retune.strategies import STRATEGIES, get_strategy
 from mla_watch.server.requests import ApiError
 from mla_watch.statedir import DATASETS_DIR_NAME
 from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the re-tuning service (and what it needs) is imported only where a request uses it
+    from mla_watch.retune.service import RetuneService
     from mla_watch.server.context import HandlerContext
 
 __all__ = ["Admin"]
@@ -112,6 +110,8 @@ class Admin:
         self.ctx.auth.authorise_admin(request)
         service = self._service()
         spec, force = self._retune_spec(await self.ctx.read_json(request))
+        from mla_watch.retune.service import Cooldown
+
         try:
             record = await asyncio.to_thread(service.submit, spec, force=force)
         except Cooldown as error:
@@ -176,6 +176,10 @@ class Admin:
     def _retune_spec(self, body: dict[str, Any]) -> tuple[JobSpec, bool]:
         """A job from an admin request: ``routers`` (default: those out of band), ``business_line``,
         ``strategy`` (a name or a list), ``rule`` (whose band to meet), ``dataset``, ``options``, ``force``."""
+        from mla_watch.retune.data import resolve_dataset
+        from mla_watch.retune.service import DEFAULT_STRATEGIES
+        from mla_watch.retune.strategies import STRATEGIES, get_strategy
+
         ctx, service = self.ctx, self._service()
         known = {"routers", "business_line", "strategy", "rule", "dataset", "options", "force"}
         unknown = sorted(set(body) - known)

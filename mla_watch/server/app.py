@@ -297,7 +297,8 @@ class Sidecar:
             self.serving.upstream = Upstream(
                 config.upstream, config.request_timeout, decoder=self._decoder,
                 routing=engine_routing if config.engine != "none" else None, max_bytes=config.upstream_max_bytes,
-                credentials=config.upstream_credentials, replay=config.replay if config.replay.rate > 0 else None,
+                max_line_bytes=config.upstream_max_line_bytes, credentials=config.upstream_credentials,
+                replay=config.replay if config.replay.rate > 0 else None,
                 count_queue_bytes=config.count_queue_bytes,
                 capture=None if capture is None else self.retuning.capture_answers(capture))
             self.serving.engine_retune_note = self.retuning.start_engine(capture)
@@ -309,6 +310,7 @@ class Sidecar:
                 self._recorder = RecorderPoller(config.sglang_recorder_dir, config.upstream, engine_routing,
                                                 interval=config.sglang_recorder_interval,
                                                 buffer_size=config.sglang_recorder_buffer,
+                                                settle_seconds=config.sglang_recorder_settle,
                                                 credentials=config.upstream_credentials)
                 self._recorder.start()
             self.serving.upstream_health = UpstreamHealth(config.upstream, credentials=config.upstream_credentials,

@@ -20,6 +20,7 @@ from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_REFERENCES, SHIPPED_RULE
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
+           "UPSTREAM_MAX_LINE_BYTES",
            "ServerConfig", "ServerConfigError", "check_tokens", "split_credentials"]
 
 # How `serve --engine` reads the upstream's routing (mla_watch.engines.formats.ENGINES, none, or auto).
@@ -31,6 +32,9 @@ MIN_TOKEN_LENGTH = 16  # a bearer token anyone could guess is refused at start-u
 # The largest engine answer read (after decompression): DeepSeek-V3's routing at its whole context,
 # 163,840 tokens x 61 layers x top-8, is 427 MB as SGLang's base64 int32 (107 MB as vLLM's uint8 .npy).
 UPSTREAM_MAX_BYTES = 512 << 20
+# One line of a stream: a chunk is not an answer. A line that carries routing (its key within its first
+# ROUTING_KEY_WINDOW bytes: SGLang's routing chunk, vLLM's terminal chunk) may be as long as an answer.
+UPSTREAM_MAX_LINE_BYTES = 16 << 20
 
 
 @dataclass
@@ -52,7 +56,8 @@ class ServerConfig:
     upstream: str | None = None  # credentials in it (user:password@) move to upstream_credentials
     # Basic auth for the upstream, taken out of its URL so that no page, answer or log line shows it.
     upstream_credentials: tuple[str, str] | None = field(default=None, repr=False)
-    upstream_max_bytes: int = UPSTREAM_MAX_BYTES  # one engine answer, or one line of its stream, decompressed
+    upstream_max_bytes: int = UPSTREAM_MAX_BYTES  # one engine answer (or a stream line with routing), decompressed
+    upstream_max_line_bytes: int = UPSTREAM_MAX_LINE_BYTES  # one line of its stream that carries no routing
     upstream_check_seconds: float = 5.0  # the upstream's GET /health, this often: /readyz says whether it answers
     # Beside vLLM or SGLang (mla_watch.engines): how the upstream returns routing, and where its routers sit.
     engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
@@ -63,6 +68,8 @@ class ServerConfig:
     sglang_recorder_dir: Path | None = None  # SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, shared with the engine
     sglang_recorder_interval: float = 10.0  # seconds between dumps
     sglang_recorder_buffer: int = 1000  # the engine's --expert-distribution-recorder-buffer-size
+    # a dump that does not read whole is set aside only once unchanged (size, mtime) this long: a writer may stall
+    sglang_recorder_settle: float = 30.0
     # Re-tuning the engine's routers in place (vLLM's dev mode): off | propose | apply, the directory the
     # sidecar writes router checkpoints to and the engine reads at the same path (a shared volume; default
     # STATE_DIR/engine-swaps, right where both run on one host), and how long a candidate may serve live

@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mla_watch.sampling import GenerationCancelled, SamplingParams, TokenEvent, generate_stream
+if TYPE_CHECKING:  # the sampler (torch) is imported where the embedded model generates, never beside an engine
+    from mla_watch.sampling import SamplingParams, TokenEvent
 
 __all__ = ["GenerationFailed", "Job", "JobTimedOut", "ModelWorker", "Overloaded"]
 
@@ -135,6 +136,8 @@ class ModelWorker:
                     self._on_job_done(job, elapsed)
 
     def _run(self, job: Job) -> None:
+        from mla_watch.sampling import GenerationCancelled, generate_stream
+
         def should_stop() -> bool:
             return job.cancelled.is_set() or self._clock() > job.deadline
 

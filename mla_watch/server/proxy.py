@@ -18,7 +18,7 @@ import json
 import logging
 import zlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.background import BackgroundTask
@@ -33,10 +33,14 @@ from mla_watch.engines.formats import (
     ROUTING_REQUEST_FIELD,
     SGLANG_START_FIELD,
     STRIP_ON_LOOP_BYTES,
+    DataError,
+    Decoded,
     RoutingPlan,
     add_extra,
+    routing_strings,
     strip_chunk,
     strip_response,
+    strip_routing,
 )
 from mla_watch.engines.replay import (
     TOKEN_IDS_FIELD,
@@ -74,7 +78,8 @@ class Upstream:
     """The engine behind the sidecar: requests go there with the policy's applied values."""
 
     def __init__(self, url: str, timeout: float, *, decoder: RoutingDecoder, routing: EngineRouting | None = None,
-                 max_bytes: int, credentials: tuple[str, str] | None = None, replay: ReplayBudget | None = None,
+                 max_bytes: int, max_line_bytes: int | None = None, credentials: tuple[str, str] | None = None,
+                 replay: ReplayBudget | None = None,
                  count_queue_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None) -> None:
         self.url = url.rstrip("/")  # without credentials: it is shown in errors and logs
         # identity: an engine on the pod's loopback gains nothing from compression, and one that compresses
@@ -83,6 +88,7 @@ class Upstream:
                                       headers={"Accept-Encoding": "identity"})
         self.timeout = timeout
         self.max_bytes = max_bytes
+        self.max_line_bytes = min(max_bytes, max_line_bytes or max_bytes)  # a stream line without routing
         self.routing = routing
         self._decoder = decoder
         # The routing format: fixed by --engine, or found on the first request (`auto`).
@@ -297,7 +303,9 @@ class Upstream:
                                                                relay.client))
                 self._capturing.add(task)  # held until done: a task nobody holds may be collected
                 task.add_done_callback(self._capturing.discard)
-        if replay is None:
+        if relay.routing_bytes and self.counter is not None:  # the stream carried its routing: no replay
+            self._count_stream_routing(relay)
+        elif replay is None:
             self.routing.count(relay.business_line, None, streamed=True)
         elif replay.tokens is None or not replay.replay:
             if self.replayer is not None:
@@ -315,6 +323,12 @@ class Upstream:
         plan = relay.plan
         if plan.engine == "sglang" and b'"routed_experts"' in data:
             return await self._routing_chunk(data, relay)
+        if plan.engine == "vllm" and b'"routed_experts"' in data:
+            carried = await self._vllm_routing_chunk(data, relay)
+            if carried is None:
+                return None
+            data = carried
+            line = b"data: " + data
         tokens = relay.replay.tokens if relay.replay is not None else None
         if tokens is not None:
             extra = plan.extra if relay.first else None
@@ -337,7 +351,7 @@ class Upstream:
             return line
         if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
             decoded = await self._decoder.chunk(RoutingPlan("none", None, keep=True, extra=plan.extra),
-                                                data.decode("utf-8", "replace"), first=True)
+                                                data, first=True)
             if decoded.not_json or decoded.body is None:
                 return line
             relay.first = False
@@ -348,12 +362,60 @@ class Upstream:
         relay.first = False
         return b"data: " + marked
 
+    async def _vllm_routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
+        """A vLLM chunk whose choice carries its routing (the terminal chunk of the stream that vLLM's RFC #56745
+        proposes; ``GenerateResponseStreamChoice.routed_experts``): the strings are held to be counted once the
+        stream has ended, and the chunk goes on without them (with them, trimmed to its prompt start, where the
+        client asked). ``None``: nothing is left of it to relay."""
+        plan = relay.plan
+        strings = routing_strings(data)
+        held = relay.routing_bytes + sum(map(len, strings))
+        if held > self.max_bytes:  # bounded as one answer is: past it, nothing of this stream is counted
+            relay.routing.clear()
+            relay.routing_bytes = self.max_bytes + 1
+        else:
+            relay.routing += strings
+            relay.routing_bytes = held
+        if plan.keep and not plan.prompt_start:
+            return data
+        stripped = None if plan.keep else strip_routing(plan, data)
+        if stripped is None:  # kept and trimmed, lists, or a long chunk: the decoding process, off the event loop
+            decoded = await self._decoder.chunk(replace(plan, extra=None), data,
+                                                first=False)
+            if decoded.not_json:
+                return data
+            stripped = decoded.body
+        if stripped is not None and relay.prompt_tokens is None and b'"prompt_tokens"' in stripped \
+                and len(stripped) < STRIP_ON_LOOP_BYTES:
+            usage = (_json_object(stripped) or {}).get("usage")
+            tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+            relay.prompt_tokens = tokens if type(tokens) is int and tokens >= 0 else None
+        return stripped
+
+    def _count_stream_routing(self, relay: _StreamRelay) -> None:
+        """What a vLLM stream's chunks carried, counted as the unstreamed answer's choices are."""
+        if relay.routing_bytes > self.max_bytes:
+            too_much = DataError("decoder", f"the routing a stream carried exceeds {self.max_bytes} bytes "
+                                            "(--upstream-max-bytes)")
+            self.routing.count(relay.business_line, Decoded(None, error=too_much), streamed=True,  # type: ignore[union-attr]
+                               client=relay.client)
+            return
+        prompt = relay.prompt_tokens
+        tokens = relay.replay.tokens if relay.replay is not None else None
+        if prompt is None and tokens is not None:
+            prompt = tokens.prompt_length()
+        body = b'{"choices":[' + b",".join(b'{"routed_experts":"' + text + b'"}' for text in relay.routing) + b"]"
+        body += b"}" if prompt is None else b',"usage":{"prompt_tokens":' + str(prompt).encode() + b"}}"
+        plan = RoutingPlan("vllm", relay.plan.geometry, keep=False)
+        self.counter.submit(relay.business_line, plan, body, streamed=True,  # type: ignore[union-attr]
+                            client=relay.client)
+
     async def _routing_chunk(self, data: bytes, relay: _StreamRelay) -> bytes | None:
         """SGLang's chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""
         plan = relay.plan
         stripped = strip_chunk(plan, data, first=relay.first)
         if stripped is None:  # kept routing, or too long a chunk: the decoding process reads it, on the way
-            decoded = await self._decoder.chunk(plan, data.decode("utf-8", "replace"), first=relay.first)
+            decoded = await self._decoder.chunk(plan, data, first=relay.first)
             if decoded.found and self.routing is not None:
                 self.routing.count(relay.business_line, decoded, streamed=True, client=relay.client)
                 relay.counted = True
@@ -375,7 +437,7 @@ class Upstream:
         except UnsupportedEncoding as error:
             raise ApiError(502, f"the stream of {self.url}{path} cannot be read: {error}", code="upstream_error",
                            error_type="server_error") from None
-        lines = EventLines(self.max_bytes)
+        lines = EventLines(self.max_line_bytes, routing_limit=self.max_bytes)
         raw = upstream.aiter_raw()
         deadline = LineDeadline(self.timeout)  # a line dripped a byte at a time must still end within the timeout
         try:
@@ -396,8 +458,10 @@ class Upstream:
                     raise ApiError(502, f"the stream of {self.url}{path} is not valid compressed data",
                                    code="upstream_error", error_type="server_error") from None
                 except AnswerTooLarge as error:
-                    raise ApiError(502, f"a line of the stream of {self.url}{path} is larger than {error.limit} "
-                                        "bytes (--upstream-max-bytes)", code="upstream_too_large",
+                    flag = "--upstream-max-bytes" if error.limit == self.max_bytes else "--upstream-max-line-bytes"
+                    what = error.what if error.what.startswith("a line") else "a line of the stream"
+                    raise ApiError(502, f"{what} of {self.url}{path} is larger than {error.limit} "
+                                        f"bytes ({flag})", code="upstream_too_large",
                                    error_type="server_error") from None
                 if complete:
                     deadline.restart()
@@ -470,6 +534,11 @@ class _StreamRelay:
     client: str | None = None  # who sent it (mla_watch.cause.clients)
     first: bool = True  # no chunk has carried mla_watch's object yet
     counted: bool = False  # its routing was counted (or queued to be)
+    # vLLM routing its own chunks carried (base64, undecoded): counted together once the stream has ended, so that
+    # the prompt rows each choice repeats are counted once, as in an unstreamed answer
+    routing: list[bytes] = field(default_factory=list)
+    routing_bytes: int = 0
+    prompt_tokens: int | None = None  # usage.prompt_tokens of a chunk that carried routing
 
 
 START_FIELDS = (PROMPT_START_FIELD, SGLANG_START_FIELD)  # vLLM's and SGLang's spelling of one idea

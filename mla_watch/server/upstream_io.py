@@ -27,6 +27,8 @@ T = TypeVar("T")
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
 _EOL = re.compile(rb"\r\n?|\n")
 _PIECE_BYTES = 1 << 20
+ROUTING_KEY = b'"routed_experts"'
+ROUTING_KEY_WINDOW = 64 << 10  # engines name it before the megabytes: after a chunk's ids and text
 
 
 class AnswerTooLarge(Exception):
@@ -95,10 +97,12 @@ class BoundedInflater:
 
 
 class EventLines:
-    """Splits a stream's decoded bytes into lines at CR, LF or CRLF, none longer than ``limit`` bytes."""
+    """Splits a stream's decoded bytes into lines at CR, LF or CRLF, none longer than ``limit`` bytes; one that
+    names routing (``"routed_experts"`` within its first :data:`ROUTING_KEY_WINDOW` bytes) within ``routing_limit``."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, routing_limit: int | None = None) -> None:
         self.limit = limit
+        self.routing_limit = max(limit, routing_limit or limit)
         self._buffer = bytearray()
         self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
 
@@ -110,12 +114,16 @@ class EventLines:
         while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
             if end.group() == b"\r" and end.end() == len(self._buffer):
                 break  # a CR last: its LF may be in the next read
-            lines.append(bytes(self._buffer[start:end.start()]))
+            lines.append(bytes(memoryview(self._buffer)[start:end.start()]))  # one copy, not two
             start = end.end()
         del self._buffer[:start]
         self._scanned = max(0, len(self._buffer) - 1)
         if len(self._buffer) > self.limit:
-            raise AnswerTooLarge(self.limit, "a line of the engine's stream")
+            routing = self._buffer.find(ROUTING_KEY, 0, ROUTING_KEY_WINDOW) >= 0
+            if not routing:
+                raise AnswerTooLarge(self.limit, "a line of the stream")
+            if len(self._buffer) > self.routing_limit:
+                raise AnswerTooLarge(self.routing_limit, "a line with routing of the stream")
         return lines
 
     def finish(self) -> list[bytes]:
