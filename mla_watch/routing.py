@@ -222,6 +222,9 @@ STATISTICS: tuple[Statistic, ...] = (
     Statistic("dead_slots", "routing_dead_slots", "Slots (experts or key positions) never chosen in the window."),
     Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
     Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
+    Statistic("long_context_drift", "routing_long_context_drift_bits",
+              "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range routing "
+              "(else the largest of the judged buckets); only where positions are counted."),
     Statistic("locality", "routing_indexer_locality",
               "Share of indexer choices within the most recent index_topk keys."),
     Statistic("too_small", "routing_window_too_small",
@@ -230,7 +233,7 @@ STATISTICS: tuple[Statistic, ...] = (
 # What an alert rule's `metric` may name.
 RULE_METRICS: tuple[str, ...] = tuple(statistic.key for statistic in STATISTICS if statistic.judged)
 # What a healthy baseline keeps the value of: the rule metrics but drift, which is measured from the baseline.
-BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS if key != "js_divergence")
+BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS if key not in ("js_divergence", "long_context_drift"))
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,10 @@ class RoutingStats:
     locality: float | None
     min_tokens: int
     too_small: bool
+    # Routing by position (mla_watch.positions), where it is counted: the drift of the first bucket that leaves the
+    # line's in-range routing, and that bucket ("256-511").
+    long_context_drift: float | None = None
+    long_context_edge: str | None = None
 
     @property
     def no_signal(self) -> str | None:
@@ -295,6 +302,8 @@ class RoutingStats:
             "min_tokens": int(self.min_tokens),
             "too_small": bool(self.too_small),
             "no_signal": self.no_signal,
+            **({} if self.long_context_drift is None and self.long_context_edge is None else
+               {"long_context_drift": self.long_context_drift, "long_context_edge": self.long_context_edge}),
         }
 
 

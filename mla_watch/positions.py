@@ -1,0 +1,219 @@
+"""Routing by context position: where in its sequence a token sat when a router chose for it (no torch).
+
+A checkpoint's context length is not the length its routers were trained on: past the trained length routing
+departs from the routing it learned, while every aggregate looks healthy because long requests are a minority of
+tokens. Each expert router's selections are therefore also counted per *position bucket*: power-of-two ranges of
+the token's index in its sequence (``0-63``, ``64-127``, ``128-255``, ... up to the model's context length, and one
+bucket past it).
+
+Memory is bounded and fixed by the geometry: one ``int64`` vector of ``num_slots`` per (router, business line,
+bucket), at most ``routers x lines x buckets x num_slots x 8`` bytes (the bundled model, 3 routers x 17 lines x 5
+buckets x 64 experts: 130 KiB). A bucket forgets by halving: once it holds more than ``max_bucket_tokens``
+tokens every count is halved, so old traffic weighs less and nothing grows without end.
+
+A line's *in-range routing* is the pooled routing of its buckets that stay within ``drift_bits`` of the buckets
+before them, scanned from the second bucket: the first bucket (a sequence's first 64 positions) routes the opening
+of every prompt - system prompts, headers - and differs from the rest by content, not by position, so it is shown
+but neither judged nor pooled. The first bucket that leaves in-range routing is the line's *edge*.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mla_watch.routing import entropy_bits, js_divergence_bits
+
+__all__ = ["DEFAULT_DRIFT_BITS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
+           "BucketStats", "PositionBuckets", "PositionCounts", "PositionProfile", "profile"]
+
+FIRST_EDGE = 64  # the first bucket's end: positions 0-63
+# Jensen-Shannon divergence, in bits, past which a bucket has left in-range routing. On the bundled model (64
+# experts, top-6) in-range buckets of a line differ from each other by 0.003-0.02 bits over a few thousand tokens
+# (prompts differ by position too: openings, bodies, closings), and the positions past its trained 256 by 0.03-0.09.
+DEFAULT_DRIFT_BITS = 0.025
+# Tokens a bucket needs before it is judged: fewer read a divergence of sampling noise (about 0.005 bits for 64
+# experts top-6 at 768 tokens against a large reference, several times that when the tokens come from few prompts).
+DEFAULT_MIN_BUCKET_TOKENS = 512
+DEFAULT_MAX_BUCKET_TOKENS = 1 << 20  # a bucket halves its counts past this many tokens
+
+
+class PositionBuckets:
+    """Power-of-two position buckets up to ``context_length``, and one bucket past it."""
+
+    def __init__(self, context_length: int) -> None:
+        if not isinstance(context_length, int) or isinstance(context_length, bool) or context_length < 1:
+            raise ValueError(f"context_length = {context_length!r}: expected an integer >= 1")
+        self.context_length = context_length
+        # bucket i covers [starts[i], edges[i]); the last edge is the context length
+        self.edges: tuple[int, ...] = (*_doubling(FIRST_EDGE, context_length), context_length)
+        self.starts: tuple[int, ...] = (0, *self.edges)
+
+    def __len__(self) -> int:
+        return len(self.edges) + 1
+
+    def label(self, bucket: int) -> str:
+        start = self.starts[bucket]
+        return f"{start}+" if bucket == len(self.edges) else f"{start}-{self.edges[bucket] - 1}"
+
+    @property
+    def labels(self) -> list[str]:
+        return [self.label(bucket) for bucket in range(len(self))]
+
+    def bucket_of(self, positions: np.ndarray) -> np.ndarray:
+        """The bucket of each position (non-negative integers)."""
+        return np.searchsorted(np.asarray(self.edges), np.asarray(positions), side="right")
+
+
+def _doubling(first: int, limit: int) -> Iterable[int]:
+    edge = first
+    while edge < limit:
+        yield edge
+        edge *= 2
+
+
+@dataclass(frozen=True)
+class BucketStats:
+    """One position bucket of one router and line."""
+
+    bucket: str
+    start: int
+    end: int | None  # exclusive; None past the context length
+    tokens: int
+    entropy_bits: float
+    js_divergence: float | None  # from the line's in-range routing; None for the first bucket or without one
+    judged: bool  # enough tokens, and not the first bucket
+    in_range: bool  # judged and within drift_bits of in-range routing (pooled into it)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bucket": self.bucket, "start": self.start, "end": self.end, "tokens": self.tokens,
+                "entropy_bits": self.entropy_bits, "js_divergence": self.js_divergence, "judged": self.judged,
+                "in_range": self.in_range}
+
+
+@dataclass(frozen=True)
+class PositionProfile:
+    """A router's routing by position for one line: each bucket, the edge, and the drift past it."""
+
+    buckets: tuple[BucketStats, ...]
+    edge: str | None  # the first bucket that leaves in-range routing
+    edge_start: int | None  # its first position: the longest prompt routing stayed in range for
+    drift: float | None  # JS of the edge bucket (or the largest JS of the judged buckets when none left)
+    drift_bits: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"edge": self.edge, "edge_start": self.edge_start, "long_context_drift": self.drift,
+                "drift_bits": self.drift_bits, "buckets": [bucket.as_dict() for bucket in self.buckets]}
+
+
+def profile(counts: np.ndarray, buckets: PositionBuckets, top_k: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
+            min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS) -> PositionProfile:
+    """The position profile of ``counts`` ``[buckets, slots]`` (one router, one line)."""
+    tokens = counts.sum(axis=1) // top_k
+    reference: np.ndarray | None = None
+    edge: int | None = None
+    drift: float | None = None
+    records = []
+    for index in range(len(buckets)):
+        row = counts[index]
+        judged = index > 0 and int(tokens[index]) >= min_tokens
+        js = None
+        in_range = False
+        if index > 0 and row.any() and reference is not None:
+            js = js_divergence_bits(row, reference)
+        if judged:
+            if reference is None:  # the first judged bucket is in-range routing's seed
+                in_range = True
+            elif edge is None:
+                in_range = js is not None and js < drift_bits
+                if not in_range:
+                    edge, drift = index, js
+                elif js is not None:
+                    drift = js if drift is None else max(drift, js)
+            elif js is not None and drift is not None:
+                drift = max(drift, js)
+            if in_range:
+                reference = row.copy() if reference is None else reference + row
+        end = buckets.edges[index] if index < len(buckets.edges) else None
+        records.append(BucketStats(buckets.label(index), buckets.starts[index], end, int(tokens[index]),
+                                   entropy_bits(row) if row.any() else 0.0, js, judged, in_range))
+    return PositionProfile(tuple(records), None if edge is None else buckets.label(edge),
+                           None if edge is None else buckets.starts[edge], drift, drift_bits)
+
+
+class PositionCounts:
+    """Selections per (router, business line, position bucket) of expert routers; thread-safe."""
+
+    def __init__(self, routers: Sequence[Any], context_length: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
+                 min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
+                 max_bucket_tokens: int = DEFAULT_MAX_BUCKET_TOKENS) -> None:
+        self.buckets = PositionBuckets(context_length)
+        self._routers = {info.name: info for info in routers if info.kind == "expert"}
+        self.drift_bits = drift_bits
+        self.min_tokens = min_tokens
+        self._max_bucket_tokens = max_bucket_tokens
+        self._counts: dict[tuple[str, str], np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def routers(self) -> list[str]:
+        return list(self._routers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self._counts.values())
+
+    def add(self, router: str, business_line: str, counts: np.ndarray) -> None:
+        """Add ``counts`` ``[buckets, num_slots]`` of one router for one line."""
+        info = self._routers.get(router)
+        if info is None:
+            raise KeyError(f"router {router!r} is not one of the {len(self._routers)} expert routers counted by position")
+        shape = (len(self.buckets), info.num_slots)
+        if counts.shape != shape:
+            raise ValueError(f"position counts of {router!r}: shape {list(counts.shape)}, expected {list(shape)}")
+        with self._lock:
+            total = self._counts.get((router, business_line))
+            if total is None:
+                total = self._counts[(router, business_line)] = np.zeros(shape, dtype=np.int64)
+            total += counts.astype(np.int64, copy=False)
+            full = total.sum(axis=1) > self._max_bucket_tokens * info.top_k
+            if full.any():
+                total[full] //= 2
+
+    def counts(self, router: str, business_line: str | None = None) -> np.ndarray:
+        """``[buckets, num_slots]`` of one router for one line (every line summed for ``None``)."""
+        info = self._routers[router]
+        with self._lock:
+            arrays = [array for (name, line), array in self._counts.items()
+                      if name == router and (business_line is None or line == business_line)]
+            total = np.zeros((len(self.buckets), info.num_slots), dtype=np.int64)
+            for array in arrays:
+                total += array
+        return total
+
+    @property
+    def business_lines(self) -> list[str]:
+        with self._lock:
+            return list(dict.fromkeys(line for _, line in self._counts))
+
+    def profile(self, router: str, business_line: str | None = None) -> PositionProfile:
+        return profile(self.counts(router, business_line), self.buckets, self._routers[router].top_k,
+                       drift_bits=self.drift_bits, min_tokens=self.min_tokens)
+
+    def profiles(self, business_line: str | None = None) -> dict[str, PositionProfile]:
+        return {name: self.profile(name, business_line) for name in self._routers}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()
+
+    def as_dict(self, business_line: str | None = None) -> dict[str, Any]:
+        """What ``GET /v1/routing/positions`` answers: every expert router's profile for one line (all summed)."""
+        return {"business_line": business_line, "context_length": self.buckets.context_length,
+                "buckets": self.buckets.labels, "drift_bits": self.drift_bits, "min_tokens": self.min_tokens,
+                "routers": [{"name": name, "layer": self._routers[name].layer, **found.as_dict()}
+                            for name, found in self.profiles(business_line).items()]}
