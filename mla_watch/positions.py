@@ -20,7 +20,8 @@ but neither judged nor pooled. The first bucket that leaves in-range routing is 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from mla_watch.routing import entropy_bits, js_divergence_bits
 
-__all__ = ["DEFAULT_DRIFT_BITS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
+__all__ = ["DEFAULT_DRIFT_BITS", "DEFAULT_HALF_LIFE_SECONDS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
            "BucketStats", "PositionBuckets", "PositionCounts", "PositionProfile", "profile"]
 
 FIRST_EDGE = 64  # the first bucket's end: positions 0-63
@@ -40,6 +41,7 @@ DEFAULT_DRIFT_BITS = 0.025
 # experts top-6 at 768 tokens against a large reference, several times that when the tokens come from few prompts).
 DEFAULT_MIN_BUCKET_TOKENS = 512
 DEFAULT_MAX_BUCKET_TOKENS = 1 << 20  # a bucket halves its counts past this many tokens
+DEFAULT_HALF_LIFE_SECONDS = 3600.0  # every count halves each hour: a line that stops sending long prompts recovers
 
 
 class PositionBuckets:
@@ -129,7 +131,7 @@ def profile(counts: np.ndarray, buckets: PositionBuckets, top_k: int, *, drift_b
             if reference is None:  # the first judged bucket is in-range routing's seed
                 in_range = True
             elif edge is None:
-                in_range = js is not None and js < drift_bits
+                in_range = js is not None and js <= drift_bits
                 if not in_range:
                     edge, drift = index, js
                 elif js is not None:
@@ -150,7 +152,9 @@ class PositionCounts:
 
     def __init__(self, routers: Sequence[Any], context_length: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
                  min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
-                 max_bucket_tokens: int = DEFAULT_MAX_BUCKET_TOKENS) -> None:
+                 max_bucket_tokens: int = DEFAULT_MAX_BUCKET_TOKENS,
+                 half_life_seconds: float | None = DEFAULT_HALF_LIFE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.buckets = PositionBuckets(context_length)
         self._routers = {info.name: info for info in routers if info.kind == "expert"}
         self.drift_bits = drift_bits
@@ -158,6 +162,21 @@ class PositionCounts:
         self._max_bucket_tokens = max_bucket_tokens
         self._counts: dict[tuple[str, str], np.ndarray] = {}
         self._lock = threading.Lock()
+        self._half_life = half_life_seconds
+        self._clock = clock
+        self._halved_at = clock()
+
+    def _age(self) -> None:
+        """Halve every count once per elapsed half-life (the lock held)."""
+        if self._half_life is None:
+            return
+        now = self._clock()
+        halvings = int((now - self._halved_at) // self._half_life)
+        if halvings <= 0:
+            return
+        self._halved_at += halvings * self._half_life
+        for array in self._counts.values():
+            array >>= min(halvings, 63)
 
     @property
     def routers(self) -> list[str]:
@@ -176,6 +195,7 @@ class PositionCounts:
         if counts.shape != shape:
             raise ValueError(f"position counts of {router!r}: shape {list(counts.shape)}, expected {list(shape)}")
         with self._lock:
+            self._age()
             total = self._counts.get((router, business_line))
             if total is None:
                 total = self._counts[(router, business_line)] = np.zeros(shape, dtype=np.int64)
@@ -188,6 +208,7 @@ class PositionCounts:
         """``[buckets, num_slots]`` of one router for one line (every line summed for ``None``)."""
         info = self._routers[router]
         with self._lock:
+            self._age()
             arrays = [array for (name, line), array in self._counts.items()
                       if name == router and (business_line is None or line == business_line)]
             total = np.zeros((len(self.buckets), info.num_slots), dtype=np.int64)

@@ -58,7 +58,9 @@ TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold",
                                     # the metric's healthy value learned for this router and line (n/a without one)
                                     "healthy",
                                     # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
-                                    "cause")
+                                    "cause",
+                                    # long-context rules: the first position bucket that left in-range routing
+                                    "position_bucket")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 

@@ -103,7 +103,7 @@ _SAMPLE_FIELDS: dict[str, object] = {
     "business_line": "code_assistant", "floor_bits": 2.585, "ceiling_bits": 6.0, "tokens": 4096,
     "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
     "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
-    "healthy": 0.6,
+    "healthy": 0.6, "position_bucket": "256-511",
 }
 
 

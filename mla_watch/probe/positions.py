@@ -9,6 +9,7 @@ compiled graphs and router calls outside a watched forward pass are counted in t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,13 +54,13 @@ class _PositionCounting:
     _routers: list[_Router]
     positions: PositionCounts | None
 
-    def _init_positions(self, rows: int, context_length: int | None) -> None:
+    def _init_positions(self, rows: int, context_length: int | None, clock: Callable[[], float]) -> None:
         self.positions = None
         self._position_buffer: torch.Tensor | None = None
         if context_length is None:
             return
         experts = [router for router in self._routers if router.expert]
-        self.positions = PositionCounts([router.info for router in experts], context_length)
+        self.positions = PositionCounts([router.info for router in experts], context_length, clock=clock)
         buckets = len(self.positions.buckets)
         self._position_offsets: dict[int, int] = {}
         width = 0

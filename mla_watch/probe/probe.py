@@ -140,7 +140,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
             if not isinstance(context_length, int) or context_length < 1:
                 raise ValueError("attach(count_positions=True): the model's config has no max_position_embeddings; "
                                  "pass context_length=")
-        self._init_positions(self._buffer.shape[0], context_length if count_positions else None)
+        self._init_positions(self._buffer.shape[0], context_length if count_positions else None, clock)
         self.windows.positions = self.positions
         for router in self._routers:
             router.watch = _WatchedRouter(router.module, self, router)

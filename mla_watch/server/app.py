@@ -249,7 +249,8 @@ class Sidecar:
             lines = max(16, 2 * len(self.policies.current.lines) + 1)
             probe = self.sources.probe = mla_watch.attach(model, window_tokens=config.window_tokens,
                                                           window_seconds=config.window_seconds, clock=self.clock,
-                                                          max_business_lines=lines)
+                                                          max_business_lines=lines,
+                                                          count_positions=config.routing_by_position)
             if config.return_routed_experts:
                 experts = [info for info in probe.routers if info.kind == "expert"]
                 serving.routing_layout = RoutingLayout([info.layer for info in experts],
