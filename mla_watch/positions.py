@@ -29,7 +29,7 @@ import numpy as np
 
 from mla_watch.routing import entropy_bits, js_divergence_bits
 
-__all__ = ["DEFAULT_DRIFT_BITS", "DEFAULT_HALF_LIFE_SECONDS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
+__all__ = ["DEFAULT_DRIFT_BITS", "Recommendation", "recommend", "DEFAULT_HALF_LIFE_SECONDS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
            "BucketStats", "PositionBuckets", "PositionCounts", "PositionProfile", "profile"]
 
 FIRST_EDGE = 64  # the first bucket's end: positions 0-63
@@ -110,6 +110,13 @@ class PositionProfile:
     def as_dict(self) -> dict[str, Any]:
         return {"edge": self.edge, "edge_start": self.edge_start, "long_context_drift": self.drift,
                 "drift_bits": self.drift_bits, "buckets": [bucket.as_dict() for bucket in self.buckets]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PositionProfile:
+        """Read back :meth:`as_dict` (a sidecar's ``/v1/routing`` answer); ``KeyError``/``TypeError`` if not one."""
+        buckets = tuple(BucketStats(**{key: bucket[key] for key in BucketStats.__dataclass_fields__})
+                        for bucket in data["buckets"])
+        return cls(buckets, data["edge"], data["edge_start"], data["long_context_drift"], float(data["drift_bits"]))
 
 
 def profile(counts: np.ndarray, buckets: PositionBuckets, top_k: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
@@ -238,3 +245,30 @@ class PositionCounts:
                 "buckets": self.buckets.labels, "drift_bits": self.drift_bits, "min_tokens": self.min_tokens,
                 "routers": [{"name": name, "layer": self._routers[name].layer, **found.as_dict()}
                             for name, found in self.profiles(business_line).items()]}
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """A line's ``max_prompt_tokens`` from its routing by position."""
+
+    max_prompt_tokens: int | None  # None: no router left in-range routing where there was traffic to judge
+    edge: str | None  # the earliest edge among the routers
+    routers: tuple[str, ...]  # the routers whose edge it is
+    judged_up_to: int  # the end of the last judged bucket: how far the traffic showed routing in range
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"max_prompt_tokens": self.max_prompt_tokens, "edge": self.edge, "routers": list(self.routers),
+                "judged_up_to": self.judged_up_to}
+
+
+def recommend(profiles: dict[str, PositionProfile]) -> Recommendation:
+    """The last healthy position before the earliest edge of any router: prompts up to it route as in range."""
+    edges = [(found.edge_start, name, found.edge) for name, found in profiles.items() if found.edge_start is not None]
+    judged = [bucket.end or bucket.start for found in profiles.values() for bucket in found.buckets if bucket.judged]
+    reach = max(judged, default=0)
+    if not edges:
+        return Recommendation(None, None, (), reach)
+    start = min(edge for edge, _, _ in edges)
+    names = tuple(name for edge, name, _ in edges if edge == start)
+    label = next(label for edge, _, label in edges if edge == start)
+    return Recommendation(start, label, names, reach)
