@@ -1,0 +1,211 @@
+"""Routing by context position: buckets, exact per-position counts on the real model, the shipped long-context
+rule and the recommended max_prompt_tokens on the bundled model (trained on 256-token sequences)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mla_watch
+from mla_watch.alerting.engine import AlertEngine
+from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.cli import main
+from mla_watch.models import corpus
+from mla_watch.positions import PositionBuckets, PositionCounts, profile
+from mla_watch.shipped import __file__ as shipped_init
+from mla_watch.windows import RouterInfo
+from tests.conftest import running_sidecar
+from tests.helpers import FakeClock
+
+SHIPPED_RULES = Path(shipped_init).parent / "rules"
+
+
+@cache
+def _bundled() -> tuple[torch.nn.Module, object]:
+    return mla_watch.load_model("bundled", device="cpu")
+
+
+def _long_texts(domain: str, count: int, tokens: int, seed: int) -> list[str]:
+    """Corpus samples joined until each text holds at least ``tokens`` tokens."""
+    _, tokenizer = _bundled()
+    texts, text = [], ""
+    for sample in corpus.generate(domain, 60 * count, seed):
+        text += sample + "\n"
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= tokens:
+            texts.append(text)
+            text = ""
+            if len(texts) == count:
+                return texts
+    raise AssertionError("the corpus ran out")
+
+
+def _ids(text: str, limit: int) -> list[int]:
+    _, tokenizer = _bundled()
+    return [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]][:limit]
+
+
+# --------------------------------------------------------------------------- buckets and profiles (no model)
+def test_buckets_are_powers_of_two_up_to_the_context_and_one_past_it() -> None:
+    buckets = PositionBuckets(512)
+    assert buckets.labels == ["0-63", "64-127", "128-255", "256-511", "512+"]
+    assert buckets.bucket_of(np.array([0, 63, 64, 127, 128, 511, 512, 10_000])).tolist() == [0, 0, 1, 1, 2, 3, 4, 4]
+    assert PositionBuckets(163_840).labels[-2:] == ["131072-163839", "163840+"]
+    assert PositionBuckets(32).labels == ["0-31", "32+"]
+    with pytest.raises(ValueError, match="context_length = 0: expected an integer >= 1"):
+        PositionBuckets(0)
+
+
+def test_the_edge_is_the_first_bucket_that_leaves_the_pooled_in_range_routing() -> None:
+    buckets = PositionBuckets(512)
+    rng = np.random.default_rng(0)
+    healthy = rng.dirichlet(np.ones(64) * 50)
+    shifted = healthy.copy()
+    shifted[:8] *= 3
+    shifted /= shifted.sum()
+    counts = np.stack([rng.multinomial(6000 * 6, p) for p in (healthy, healthy, healthy, shifted)]
+                      + [np.zeros(64, dtype=np.int64)])
+    found = profile(counts, buckets, top_k=6)
+    assert [bucket.judged for bucket in found.buckets] == [False, True, True, True, False]
+    assert [bucket.in_range for bucket in found.buckets] == [False, True, True, False, False]
+    assert found.edge == "256-511" and found.edge_start == 256
+    assert found.drift == found.buckets[3].js_divergence > found.drift_bits
+    assert found.buckets[2].js_divergence < 0.005  # same routing: sampling noise only
+    # Without the shifted bucket nothing leaves: the drift is the largest in-range divergence, under the threshold.
+    counts[3] = rng.multinomial(6000 * 6, healthy)
+    calm = profile(counts, buckets, top_k=6)
+    assert calm.edge is None and calm.drift is not None and calm.drift < calm.drift_bits
+
+
+def test_position_counts_forget_by_half_life_and_refuse_bad_shapes() -> None:
+    clock = FakeClock(0.0)
+    router = RouterInfo("gate", 1, "expert", 4, 2)
+    counts = PositionCounts([router], 128, half_life_seconds=60.0, clock=clock)
+    assert len(counts.buckets) == 3
+    counts.add("gate", "a", np.full((3, 4), 8))
+    clock.advance(125.0)  # two half-lives
+    assert counts.counts("gate", "a").tolist() == [[2] * 4] * 3
+    with pytest.raises(ValueError, match=r"position counts of 'gate': shape \[2, 4\], expected \[3, 4\]"):
+        counts.add("gate", "a", np.zeros((2, 4), dtype=np.int64))
+    with pytest.raises(KeyError, match="router 'other' is not one of the 1 expert routers"):
+        counts.add("other", "a", np.zeros((3, 4), dtype=np.int64))
+
+
+# --------------------------------------------------------------------------- the real model, real hooks
+def test_per_position_counts_agree_exactly_with_an_independent_count() -> None:
+    """Prefill and KV-cached decode steps of a batch, one row left-padded: each token counted in the bucket of its
+    index among its sequence's real tokens, padding never."""
+    model, tokenizer = _bundled()
+    probe = mla_watch.attach(model, count_positions=True, flush_every=4)
+    try:
+        texts = _long_texts("doc_summary", 2, 200, seed=3)
+        rows = [_ids(texts[0], 200), _ids(texts[1], 150)]
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+        mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+        with torch.no_grad(), probe.attribute(["a", "b"]), probe.record_routing() as recording:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False,
+                           pad_token_id=tokenizer.pad_token_id)
+        probe.collect()
+        assert probe.positions is not None
+        buckets = probe.positions.buckets
+        experts = [info for info in probe.routers if info.kind == "expert"]
+        for row, (line, length) in enumerate((("a", len(rows[0])), ("b", len(rows[1])))):
+            picks = recording.rows(row)  # [prompt width + 8 decode steps, routers, top_k]
+            padding = width - length
+            real = picks[padding:]  # the left padding is no token
+            positions = np.arange(real.shape[0])
+            for index, info in enumerate(experts):
+                expected = np.zeros((len(buckets), info.num_slots), dtype=np.int64)
+                np.add.at(expected, (np.repeat(buckets.bucket_of(positions), real.shape[2]),
+                                     real[:, index, :].reshape(-1)), 1)
+                assert np.array_equal(probe.positions.counts(info.name, line), expected), (info.name, line)
+            assert positions[-1] >= 128  # the decode steps crossed into the third bucket for both rows
+        assert probe.position_bytes == 17 * 3 * 5 * 64 * 8
+    finally:
+        probe.detach()
+
+
+def _count(probe: mla_watch.Probe, texts: list[str], line: str, limit: int) -> None:
+    model, _ = _bundled()
+    with torch.no_grad(), probe.attribute(line):
+        for text in texts:
+            model(input_ids=torch.tensor([_ids(text, limit)]))
+
+
+@pytest.mark.slow
+def test_long_prompts_fire_the_shipped_rule_naming_256_511_and_in_range_prompts_do_not(tmp_path: Path) -> None:
+    model, _ = _bundled()
+    clock = FakeClock()
+    probe = mla_watch.attach(model, count_positions=True, window_tokens=None, clock=clock)
+    engine = AlertEngine(load_rules_dir(SHIPPED_RULES, environ={}), clock=clock)
+    try:
+        _count(probe, _long_texts("customer_service", 24, 520, seed=1), "long", 512)
+        _count(probe, _long_texts("customer_service", 48, 256, seed=2), "short", 256)
+        for _ in range(2):  # pending, then firing once `for: 5m` has passed
+            engine.evaluate([record for line in ("long", "short") for record in probe.router_stats(line)])
+            clock.advance(301.0)
+        fired = [alert for alert in engine.alerts() if alert.rule == "LongContextDrift"]
+        assert fired and {alert.labels["business_line"] for alert in fired} == {"long"}
+        assert all(alert.state == "firing" for alert in fired)
+        assert all("from position bucket 256-511" in alert.annotations["summary"] for alert in fired)
+        short = {record.router.name: record.stats for record in probe.router_stats("short")
+                 if record.router.kind == "expert"}
+        assert all(stats.long_context_edge is None for stats in short.values())
+        assert all(stats.long_context_drift is not None for stats in short.values())  # judged, and in range
+    finally:
+        probe.detach()
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n"
+                               for text in _long_texts("doc_summary", 24, 520, seed=4)))
+    out = tmp_path / "context.json"
+    with out.open("w") as handle, _stdout(handle):
+        assert main(["context", "--prompts", str(prompts), "--business-line", "doc_summary", "--json"]) == 0
+    found = json.loads(out.read_text())["recommendation"]
+    assert found["edge"] == "256-511" and found["max_prompt_tokens"] == 256
+
+
+@pytest.mark.slow
+def test_a_sidecars_traffic_shows_the_edge_and_context_reads_it_over_http(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    texts = _long_texts("customer_service", 24, 470, seed=5)
+    with running_sidecar() as (url, _):
+        for text in texts:
+            request = urllib.request.Request(
+                f"{url}/v1/completions", data=json.dumps({"prompt": text, "max_tokens": 4}).encode(),
+                headers={"Content-Type": "application/json", "X-Business-Line": "customer_service"})
+            with urllib.request.urlopen(request, timeout=60) as answer:
+                assert answer.status == 200
+        with urllib.request.urlopen(f"{url}/v1/routing?business_line=customer_service", timeout=30) as answer:
+            routing = json.loads(answer.read())
+        assert routing["positions"]["buckets"] == ["0-63", "64-127", "128-255", "256-511", "512+"]
+        edges = {router["name"]: router["edge"] for router in routing["positions"]["routers"]}
+        assert "256-511" in edges.values() and set(edges.values()) <= {"256-511", None}
+        gates = [record for record in routing["routers"] if record["kind"] == "expert"]
+        assert {record["long_context_edge"] for record in gates} == set(edges.values())
+        capsys.readouterr()
+        assert main(["context", "--url", url, "--business-line", "customer_service"]) == 0
+        printed = capsys.readouterr().out
+        assert "recommended max_prompt_tokens: 256" in printed and "256-511" in printed
+        assert main(["context", "--url", url]) == 2
+        assert "--url needs --business-line" in capsys.readouterr().err
+
+
+class _stdout:
+    """Print into ``handle`` inside the block."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+
+    def __enter__(self) -> None:
+        import sys
+        self._saved, sys.stdout = sys.stdout, self._handle
+
+    def __exit__(self, *exc: object) -> None:
+        import sys
+        sys.stdout = self._saved
