@@ -29,8 +29,20 @@ import numpy as np
 
 from mla_watch.routing import entropy_bits, js_divergence_bits
 
-__all__ = ["DEFAULT_DRIFT_BITS", "Recommendation", "recommend", "DEFAULT_HALF_LIFE_SECONDS", "DEFAULT_MAX_BUCKET_TOKENS", "DEFAULT_MIN_BUCKET_TOKENS", "FIRST_EDGE",
-           "BucketStats", "PositionBuckets", "PositionCounts", "PositionProfile", "profile"]
+__all__ = [
+    "DEFAULT_DRIFT_BITS",
+    "DEFAULT_HALF_LIFE_SECONDS",
+    "DEFAULT_MAX_BUCKET_TOKENS",
+    "DEFAULT_MIN_BUCKET_TOKENS",
+    "FIRST_EDGE",
+    "BucketStats",
+    "PositionBuckets",
+    "PositionCounts",
+    "PositionProfile",
+    "Recommendation",
+    "profile",
+    "recommend",
+]
 
 FIRST_EDGE = 64  # the first bucket's end: positions 0-63
 # Jensen-Shannon divergence, in bits, past which a bucket has left in-range routing. On the bundled model (64
@@ -197,7 +209,8 @@ class PositionCounts:
         """Add ``counts`` ``[buckets, num_slots]`` of one router for one line."""
         info = self._routers.get(router)
         if info is None:
-            raise KeyError(f"router {router!r} is not one of the {len(self._routers)} expert routers counted by position")
+            raise KeyError(f"router {router!r} is not one of the {len(self._routers)} expert routers counted "
+                           "by position")
         shape = (len(self.buckets), info.num_slots)
         if counts.shape != shape:
             raise ValueError(f"position counts of {router!r}: shape {list(counts.shape)}, expected {list(shape)}")

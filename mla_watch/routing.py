@@ -223,8 +223,8 @@ STATISTICS: tuple[Statistic, ...] = (
     Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
     Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
     Statistic("long_context_drift", "routing_long_context_drift_bits",
-              "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range routing "
-              "(else the largest of the judged buckets); only where positions are counted."),
+              "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range "
+              "routing (else the largest of the judged buckets); only where positions are counted."),
     Statistic("locality", "routing_indexer_locality",
               "Share of indexer choices within the most recent index_topk keys."),
     Statistic("too_small", "routing_window_too_small",
@@ -232,8 +232,9 @@ STATISTICS: tuple[Statistic, ...] = (
 )
 # What an alert rule's `metric` may name.
 RULE_METRICS: tuple[str, ...] = tuple(statistic.key for statistic in STATISTICS if statistic.judged)
-# What a healthy baseline keeps the value of: the rule metrics but drift, which is measured from the baseline.
-BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS if key not in ("js_divergence", "long_context_drift"))
+# What a healthy baseline keeps the value of: the rule metrics but the drifts, which are measured from a reference.
+BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS
+                                          if key not in ("js_divergence", "long_context_drift"))
 
 
 @dataclass(frozen=True)

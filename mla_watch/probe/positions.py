@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_watch.positions import PositionBuckets, PositionCounts
+from mla_watch.positions import PositionCounts
 from mla_watch.probe.wrappers import _Router
 
 __all__ = ["PADDING_READ", "start_positions"]
