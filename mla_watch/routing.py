@@ -303,8 +303,8 @@ class RoutingStats:
             "min_tokens": int(self.min_tokens),
             "too_small": bool(self.too_small),
             "no_signal": self.no_signal,
-            **({} if self.long_context_drift is None and self.long_context_edge is None else
-               {"long_context_drift": self.long_context_drift, "long_context_edge": self.long_context_edge}),
+            "long_context_drift": None if self.long_context_drift is None else float(self.long_context_drift),
+            "long_context_edge": self.long_context_edge,
         }
 
 
