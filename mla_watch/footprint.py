@@ -116,12 +116,13 @@ class FootprintSampler:
         """Footprints per line and mixed: ``draws`` decode steps per batch size, from a ``seed``-ed generator."""
         with self._lock:
             pools = {line: list(requests) for line, requests in self._requests.items() if requests}
-        rng = np.random.default_rng(seed)
-        lines = {line: tuple(self._mean(pool, size, draws, rng) for size in batch_sizes)
-                 for line, pool in pools.items()}
+        # Every pool draws from the same seeded stream per batch size (common random numbers): the ratio's noise is
+        # the pools' difference, not the draws', and one line's pool reads exactly what all lines mixed read.
+        lines = {line: tuple(self._mean(pool, size, draws, np.random.default_rng([seed, size]))
+                             for size in batch_sizes) for line, pool in pools.items()}
         everything = [rows for pool in pools.values() for rows in pool]
-        mixed = tuple(self._mean(everything, size, draws, rng) for size in batch_sizes) if everything \
-            else tuple(0.0 for _ in batch_sizes)
+        mixed = tuple(self._mean(everything, size, draws, np.random.default_rng([seed, size])) if everything else 0.0
+                      for size in batch_sizes)
         total = sum(len(pool) for pool in pools.values())
         apart = tuple(sum(len(pools[line]) / total * lines[line][index] for line in pools) if total else 0.0
                       for index in range(len(batch_sizes)))

@@ -20,7 +20,7 @@ from mla_watch.models import corpus
 from mla_watch.positions import PositionBuckets, PositionCounts, profile
 from mla_watch.shipped import __file__ as shipped_init
 from mla_watch.windows import RouterInfo
-from tests.conftest import running_sidecar
+from tests.conftest import get_metrics, metric_value, running_sidecar
 from tests.helpers import FakeClock
 
 SHIPPED_RULES = Path(shipped_init).parent / "rules"
@@ -178,7 +178,7 @@ def test_context_recommends_at_most_256_prompt_tokens_from_a_dataset(tmp_path: P
 def test_a_sidecars_traffic_shows_the_edge_and_context_reads_it_over_http(tmp_path: Path,
                                                                             capsys: pytest.CaptureFixture) -> None:
     texts = _long_texts("customer_service", 24, 470, seed=5)
-    with running_sidecar() as (url, _):
+    with running_sidecar(position_metrics=True) as (url, _):
         for text in texts:
             request = urllib.request.Request(
                 f"{url}/v1/completions", data=json.dumps({"prompt": text, "max_tokens": 4}).encode(),
@@ -192,6 +192,18 @@ def test_a_sidecars_traffic_shows_the_edge_and_context_reads_it_over_http(tmp_pa
         assert "256-511" in edges.values() and set(edges.values()) <= {"256-511", None}
         gates = [record for record in routing["routers"] if record["kind"] == "expert"]
         assert {record["long_context_edge"] for record in gates} == set(edges.values())
+        metrics = get_metrics(url)
+        assert metric_value(metrics, "mla_watch_routing_position_tokens", router=gates[0]["name"], layer="1",
+                            business_line="customer_service", position_bucket="256-511") > 0
+        edge = next(record for record in gates if record["long_context_edge"] == "256-511")
+        assert metric_value(metrics, "mla_watch_routing_long_context_drift_bits", router=edge["name"],
+                            layer=str(edge["layer"]), kind="expert", business_line="customer_service") > 0.025
+        # The footprint of a batch, from every 4th request's decode tokens: one line, so apart is mixed.
+        for size in ("1", "8", "32", "64"):
+            footprint = metric_value(metrics, "mla_watch_batch_expert_footprint", business_line="customer_service",
+                                     batch_size=size)
+            assert 6 <= footprint <= 64 and (size != "1" or footprint == 6)
+            assert metric_value(metrics, "mla_watch_batch_footprint_ratio", batch_size=size) == 1.0
         capsys.readouterr()
         assert main(["context", "--url", url, "--business-line", "customer_service"]) == 0
         printed = capsys.readouterr().out
