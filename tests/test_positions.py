@@ -226,3 +226,49 @@ class _stdout:
     def __exit__(self, *exc: object) -> None:
         import sys
         sys.stdout = self._saved
+
+
+# --------------------------------------------------------------------------- beside an engine: vLLM's rows
+def test_vllm_rows_are_counted_per_position_exactly_with_the_prompt_once_and_each_choice_after_it() -> None:
+    from mla_watch.engines.formats import RoutingPlan, decode_response, encode_vllm, every_layer
+    from mla_watch.engines.geometry import parse_geometry
+    from mla_watch.engines.watch import EngineMetrics, EngineRouting
+    from prometheus_client import CollectorRegistry
+
+    geometry = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
+                               "n_routed_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 128})
+    assert geometry.context_length == 128
+    routing = EngineRouting("vllm", geometry, EngineMetrics(CollectorRegistry()))
+    assert routing.position_edges == (64, 128)
+    rng = np.random.default_rng(7)
+
+    def ids(tokens: int) -> np.ndarray:
+        return np.stack([[rng.choice(16, 4, replace=False) for _ in geometry.moe_layers]
+                         for _ in range(tokens)]).astype(np.int64)
+
+    prompt, first, second = ids(100), ids(40), ids(3)  # the first choice runs past the context length (128)
+    body = {"choices": [{"index": index, "text": "x", "routed_experts": encode_vllm(
+                every_layer(np.concatenate([prompt, generated]), list(geometry.moe_layers), 5), 16)}
+                        for index, generated in enumerate((first, second))],
+            "usage": {"prompt_tokens": 100, "completion_tokens": 43, "total_tokens": 143}}
+    plan = RoutingPlan("vllm", geometry, keep=False, position_edges=routing.position_edges)
+    decoded = decode_response(plan, json.dumps(body).encode())
+    assert decoded.error is None and decoded.tokens == 143
+    expected = np.zeros((3, 3, 16), dtype=np.int64)  # [MoE layers, buckets 0-63 / 64-127 / 128+, experts]
+    for rows in (np.concatenate([prompt, first]), np.concatenate([prompt, second])[100:]):
+        start = 0 if rows.shape[0] == 140 else 100
+        for offset, token in enumerate(rows):
+            bucket = min((start + offset) // 64, 2)
+            for layer, chosen in enumerate(token):
+                expected[layer, bucket, chosen] += 1
+    assert np.array_equal(decoded.position_counts, expected)
+    assert np.array_equal(decoded.position_counts.sum(axis=1), decoded.counts)
+    routing.count("code", decoded)
+    routing.collect()
+    assert routing.positions is not None
+    for layer, name in enumerate(geometry.router_names):
+        assert np.array_equal(routing.positions.counts(name, "code"), expected[layer])
+    # Without a context length in the config, nothing is counted by position.
+    unknown = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
+                              "n_routed_experts": 16, "num_experts_per_tok": 4})
+    assert EngineRouting("vllm", unknown, EngineMetrics(CollectorRegistry())).positions is None

@@ -125,9 +125,10 @@ class ReadViews:
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
         answer = {"business_line": business_line, "business_lines": lines, "routers": routers}
-        probe = self.sources.probe
-        if probe is not None and probe.positions is not None:
-            answer["positions"] = probe.positions.as_dict(business_line)
+        probe, engine = self.sources.probe, self.sources.engine_routing
+        positions = probe.positions if probe is not None else engine.positions if engine is not None else None
+        if positions is not None:
+            answer["positions"] = positions.as_dict(business_line)
         return answer
 
     async def get_reference(self, request: Request) -> Response:
