@@ -3,8 +3,10 @@
 A second preallocated ``int64`` buffer holds, per business line row, ``buckets x num_slots`` counters for each
 expert router. A token's position is its index in its sequence: ``position_ids`` when the forward pass was given
 them; else the running sum of the 2-D attention mask (left padding is not a position); else the cache's length
-(``cache_position``, or the KV cache's ``get_seq_length()``) plus the token's index in the pass. Eager passes only:
-compiled graphs and router calls outside a watched forward pass are counted in the windows, not by position.
+(``cache_position``, or the KV cache's ``get_seq_length()``) plus the token's index in the pass. An inference-mode
+mask (read at once, not kept) gives the pass's first position only: its length less the pass's, padding included.
+Eager passes only: compiled graphs and router calls outside a watched forward pass are counted in the windows,
+not by position.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def start_positions(kwargs: dict, seq: int) -> int | torch.Tensor:
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.shape[-1] == seq:
         return position_ids.view(-1, seq)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
+        return int(mask.shape[1]) - seq  # its running sum, at the count, also skips left padding
     cache_position = kwargs.get("cache_position")
     if isinstance(cache_position, torch.Tensor) and cache_position.dim() == 1 and cache_position.shape[0] == seq:
         return cache_position.view(1, seq)
@@ -41,9 +46,6 @@ def start_positions(kwargs: dict, seq: int) -> int | torch.Tensor:
                 return int(length())
             except Exception:  # a cache of another shape: its length is not known here
                 break
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
-        return int(mask.shape[1]) - seq
     return 0
 
 
