@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mla_watch  # noqa: E402
-from mla_watch.footprint import BATCH_SIZES, FootprintSampler  # noqa: E402
-from mla_watch.models import corpus  # noqa: E402
+import mla_watch
+from mla_watch.footprint import BATCH_SIZES, FootprintSampler
+from mla_watch.models import corpus
 
 
 def main() -> int:
@@ -59,8 +59,8 @@ def main() -> int:
           f"({time.perf_counter() - started:.0f} s); {args.draws} drawn steps per B")
     print(table.format(expert_bytes))
     index = BATCH_SIZES.index(32)
-    print(f"B = 32: lines batched apart read {table.apart[index]:.1f} experts per layer, mixed {table.mixed[index]:.1f}: "
-          f"x{table.ratio[index]:.3f} the expert weight bytes per decode step")
+    print(f"B = 32: lines batched apart read {table.apart[index]:.1f} experts per layer, mixed "
+          f"{table.mixed[index]:.1f}: x{table.ratio[index]:.3f} the expert weight bytes per decode step")
     if args.json is not None:
         args.json.write_text(json.dumps({**table.as_dict(), "expert_bytes": expert_bytes}, indent=1))
     return 0

@@ -133,9 +133,9 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     print(_format_table(records))
     footprint = probe.footprint
     if footprint is not None and footprint.business_lines:
-        print(f"\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B concurrent "
-              f"requests reads (each request's tokens stand in for its decode steps; {footprint.num_experts} experts "
-              "per layer)")
+        print("\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
+              "concurrent requests reads (each request's tokens stand in for its decode steps; "
+              f"{footprint.num_experts} experts per layer)")
         print(footprint.table().format())
     return 0
 

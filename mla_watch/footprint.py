@@ -126,7 +126,8 @@ class FootprintSampler:
         total = sum(len(pool) for pool in pools.values())
         apart = tuple(sum(len(pools[line]) / total * lines[line][index] for line in pools) if total else 0.0
                       for index in range(len(batch_sizes)))
-        return FootprintTable(tuple(batch_sizes), lines, mixed, apart, {line: len(pool) for line, pool in pools.items()})
+        requests = {line: len(pool) for line, pool in pools.items()}
+        return FootprintTable(tuple(batch_sizes), lines, mixed, apart, requests)
 
     def _mean(self, pool: list[np.ndarray], batch: int, draws: int, rng: np.random.Generator) -> float:
         """Mean distinct experts per layer of ``draws`` steps of ``batch`` requests of ``pool`` (one token each;

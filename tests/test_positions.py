@@ -230,10 +230,11 @@ class _stdout:
 
 # --------------------------------------------------------------------------- beside an engine: vLLM's rows
 def test_vllm_rows_are_counted_per_position_exactly_with_the_prompt_once_and_each_choice_after_it() -> None:
+    from prometheus_client import CollectorRegistry
+
     from mla_watch.engines.formats import RoutingPlan, decode_response, encode_vllm, every_layer
     from mla_watch.engines.geometry import parse_geometry
     from mla_watch.engines.watch import EngineMetrics, EngineRouting
-    from prometheus_client import CollectorRegistry
 
     geometry = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
                                "n_routed_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 128})
