@@ -4,6 +4,7 @@ and no page speaks of how the project was built."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import unicodedata
 from pathlib import Path
