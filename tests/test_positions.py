@@ -273,3 +273,11 @@ def test_vllm_rows_are_counted_per_position_exactly_with_the_prompt_once_and_eac
     unknown = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
                               "n_routed_experts": 16, "num_experts_per_tok": 4})
     assert EngineRouting("vllm", unknown, EngineMetrics(CollectorRegistry())).positions is None
+    # Each choice's decode rows (past the 100-token prompt) are kept for the footprint of a batch, 16 at most.
+    footprint_plan = RoutingPlan("vllm", geometry, keep=False, footprint_tokens=16)
+    rows = decode_response(footprint_plan, json.dumps(body).encode()).footprint_rows
+    assert [kept.shape for kept in rows] == [(16, 3, 4), (3, 3, 4)]
+    assert np.array_equal(rows[0][0], first[0]) and np.array_equal(rows[0][-1], first[-1])
+    assert np.array_equal(rows[1], second) and rows[1].dtype == np.uint16
+    routing.count("code", decode_response(footprint_plan, json.dumps(body).encode()))
+    assert routing.footprint.table((1, 2), draws=8).requests == {"code": 2}

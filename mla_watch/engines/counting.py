@@ -89,7 +89,8 @@ class CountQueue:
             merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[misc]
                              tokens=sum(decoded.tokens for decoded in decodes),
                              position_counts=sum(decoded.position_counts for decoded in decodes)  # type: ignore[misc]
-                             if positioned else None)
+                             if positioned else None,
+                             footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()])
         return self.routing.count(business_line, merged, streamed=True, client=client)
 
     async def close(self, drain_seconds: float = SHUTDOWN_DRAIN_SECONDS) -> None:

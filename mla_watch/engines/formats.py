@@ -61,6 +61,7 @@ from mla_watch.engines.routing_ids import (
     encode_sglang,
     encode_vllm,
     every_layer,
+    moe_rows,
     routing_counts,
     routing_position_counts,
 )
@@ -100,6 +101,8 @@ class RoutingPlan:
     strip_token_ids: bool = False
     # Routing by position (mla_watch.positions): the buckets' end positions, or None to count no positions.
     position_edges: tuple[int, ...] | None = None
+    # The expert footprint of a batch (mla_watch.footprint): decode rows kept per choice, at most; 0: none.
+    footprint_tokens: int = 0
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Decoded:
     not_json: bool = False  # the body was no JSON object: relayed as it came (a stream) or refused (a response)
     samples: list[tuple[list[int], int]] | None = None  # per choice: prompt + completion ids, the prompt's length
     position_counts: np.ndarray | None = None  # [moe_layers, position buckets, num_experts] where positions count
+    footprint_rows: list[np.ndarray] | None = None  # per choice: decode rows [tokens, moe_layers, top_k], uint16
 
     @property
     def found(self) -> bool:
@@ -304,10 +308,31 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
             if plan.position_edges is not None and starts is not None:
                 decoded.position_counts = sum(routing_position_counts(ids, plan.geometry, plan.position_edges, start)
                                               for ids, start in zip(arrays, starts, strict=True))
+            if plan.footprint_tokens and starts is not None:
+                decoded.footprint_rows = _decode_rows(document, arrays, starts, plan)
     if extra is not None:
         document["mla_watch"] = extra
     decoded.body = json.dumps(document, separators=(",", ":")).encode() if serialise else None
     return decoded
+
+
+def _decode_rows(document: dict[str, Any], arrays: list[np.ndarray], starts: list[int],
+                 plan: RoutingPlan) -> list[np.ndarray]:
+    """Each choice's decode steps' rows (past the prompt, whose rows a prefill routed), at most
+    ``plan.footprint_tokens`` evenly spaced ones, MoE layers only; a choice without any gives its prompt's."""
+    usage = document.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    kept = []
+    for ids, start in zip(arrays, starts, strict=True):
+        rows = moe_rows(ids, plan.geometry)  # type: ignore[arg-type]
+        cut = max(0, prompt - start) if type(prompt) is int else 0
+        if cut < rows.shape[0]:
+            rows = rows[cut:]
+        if rows.shape[0] > plan.footprint_tokens:
+            rows = rows[np.linspace(0, rows.shape[0] - 1, plan.footprint_tokens).astype(np.intp)]
+        if rows.shape[0]:
+            kept.append(rows.astype(np.uint16))
+    return kept
 
 
 def _parse_and_take(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], list[np.ndarray], DataError | None,

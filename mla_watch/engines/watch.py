@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 from mla_watch.cause.clients import ClientShares
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.footprint import FootprintSampler
 from mla_watch.positions import PositionCounts
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
 
@@ -66,6 +67,9 @@ class EngineMetrics:
                                          ["reason"], registry=registry)
 
 
+FOOTPRINT_TOKENS = 16  # decode rows of each answer's choice kept for the footprint of a batch
+
+
 class EngineRouting:
     """Rolling windows of an engine's routers, fed by decoded responses and recorder dumps."""
 
@@ -83,6 +87,8 @@ class EngineRouting:
         self.windows.positions = self.positions
         self.position_edges = None if self.positions is None else self.positions.buckets.edges
         self._pending_positions: dict[str, np.ndarray] = {}
+        # The expert footprint of a batch: the decode rows of every answer's choices, each a request.
+        self.footprint = FootprintSampler(geometry.num_experts, tokens_per_request=FOOTPRINT_TOKENS)
         self._names = geometry.router_names
         self._logged: dict[str, tuple[float, int]] = {}
         self._log_lock = threading.Lock()
@@ -139,6 +145,8 @@ class EngineRouting:
             with self._pending_lock:
                 counts, tokens = self._pending.get(business_line, (0, 0))
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
+                for rows in decoded.footprint_rows or ():
+                    self.footprint.add(business_line, rows)
                 if decoded.position_counts is not None and self.positions is not None:
                     earlier = self._pending_positions.get(business_line)
                     self._pending_positions[business_line] = (decoded.position_counts if earlier is None

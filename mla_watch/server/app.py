@@ -97,8 +97,7 @@ class Sidecar:
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
         self.references = References(config, clients=self.clients, alerts=self.alerts)  # ReferenceError at start-up
         self.metrics.watch_reference(lambda: self.references.prober)
-        self.metrics.watch_footprint(lambda: None if self.serving.model_worker is None
-                                     else self.serving.model_worker.footprint)
+        self.metrics.watch_footprint(self._footprint)
         if config.position_metrics:
             self.metrics.watch_positions(lambda: None if self.sources.probe is None else self.sources.probe.positions)
         if self.alerts is not None:
@@ -164,6 +163,13 @@ class Sidecar:
 
     def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
         return self.sources.save_baseline(business_line)
+
+    def _footprint(self) -> FootprintSampler | None:
+        """The footprint of a batch: the served model's requests, or the engine's answers beside one."""
+        if self.serving.model_worker is not None:
+            return self.serving.model_worker.footprint
+        engine = self.sources.engine_routing
+        return engine.footprint if engine is not None else None
 
     def routing(self, business_line: str | None = None) -> dict[str, Any]:
         return self.reads.routing(business_line)
