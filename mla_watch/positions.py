@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.routing import entropy_bits, js_divergence_bits
+from mla_watch.routing import entropy_rows, js_divergence_rows
 
 __all__ = [
     "DEFAULT_DRIFT_BITS",
@@ -41,6 +41,7 @@ __all__ = [
     "PositionProfile",
     "Recommendation",
     "profile",
+    "profiles",
     "recommend",
 ]
 
@@ -116,7 +117,7 @@ class PositionProfile:
     buckets: tuple[BucketStats, ...]
     edge: str | None  # the first bucket that leaves in-range routing
     edge_start: int | None  # its first position: the longest prompt routing stayed in range for
-    drift: float | None  # JS of the edge bucket (or the largest JS of the judged buckets when none left)
+    drift: float | None  # JS of the edge bucket (or, where none left, the largest of the judged buckets before it)
     drift_bits: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,36 +135,52 @@ class PositionProfile:
 def profile(counts: np.ndarray, buckets: PositionBuckets, top_k: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
             min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS) -> PositionProfile:
     """The position profile of ``counts`` ``[buckets, slots]`` (one router, one line)."""
-    tokens = counts.sum(axis=1) // top_k
-    reference: np.ndarray | None = None
-    edge: int | None = None
-    drift: float | None = None
-    records = []
-    for index in range(len(buckets)):
-        row = counts[index]
-        judged = index > 0 and int(tokens[index]) >= min_tokens
-        js = None
-        in_range = False
-        if index > 0 and row.any() and reference is not None:
-            js = js_divergence_bits(row, reference)
-        if judged:
-            if reference is None:  # the first judged bucket is in-range routing's seed
-                in_range = True
-            elif edge is None:
-                in_range = js is not None and js <= drift_bits
-                if not in_range:
-                    edge, drift = index, js
-                elif js is not None:
-                    drift = js if drift is None else max(drift, js)
-            elif js is not None and drift is not None:
-                drift = max(drift, js)
-            if in_range:
-                reference = row.copy() if reference is None else reference + row
-        end = buckets.edges[index] if index < len(buckets.edges) else None
-        records.append(BucketStats(buckets.label(index), buckets.starts[index], end, int(tokens[index]),
-                                   entropy_bits(row) if row.any() else 0.0, js, judged, in_range))
-    return PositionProfile(tuple(records), None if edge is None else buckets.label(edge),
-                           None if edge is None else buckets.starts[edge], drift, drift_bits)
+    return profiles(counts[None], buckets, [top_k], drift_bits=drift_bits, min_tokens=min_tokens)[0]
+
+
+def profiles(counts: np.ndarray, buckets: PositionBuckets, top_k: Sequence[int], *,
+             drift_bits: float = DEFAULT_DRIFT_BITS, min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS
+             ) -> list[PositionProfile]:
+    """The position profiles of routers of one size, ``counts`` ``[routers, buckets, slots]``, computed together.
+
+    Before the edge every judged bucket is in range, so the in-range routing a bucket is compared with is the sum
+    of the judged buckets before it; past the edge it stays what it was at the edge. So the divergences are two
+    vectorised computations, not a scan: a sidecar takes every router and line's profile at each read.
+    """
+    routers, count, slots = counts.shape
+    tokens = counts.sum(axis=2) // np.asarray(top_k, dtype=np.int64)[:, None]
+    judged = tokens >= min_tokens
+    judged[:, 0] = False  # the prompts' openings
+    pooled = np.cumsum(np.where(judged[:, :, None], counts, 0), axis=1)
+    before = np.concatenate([np.zeros_like(pooled[:, :1]), pooled[:, :-1]], axis=1)  # judged buckets before each
+    js = js_divergence_rows(counts.reshape(-1, slots), before.reshape(-1, slots)).reshape(routers, count)
+    # The first judged bucket seeds in-range routing; a later judged one past drift_bits is the edge.
+    seeded = np.cumsum(judged, axis=1) >= 2
+    leaving = judged & seeded & (js > drift_bits)
+    edges = np.where(leaving.any(axis=1), leaving.argmax(axis=1), -1)
+    positions = np.arange(count)
+    past = (edges[:, None] >= 0) & (positions[None, :] > edges[:, None])
+    if past.any():
+        frozen = before[np.arange(routers), np.maximum(edges, 0)]  # [routers, slots]
+        js[past] = js_divergence_rows(counts[past], np.broadcast_to(frozen[:, None], counts.shape)[past])
+    in_range = judged & ((edges[:, None] < 0) | (positions[None, :] < edges[:, None]))
+    entropy = entropy_rows(counts.reshape(-1, slots)).reshape(routers, count)
+    labels = buckets.labels
+    ends = [*buckets.edges, None]
+    found = []
+    for router in range(routers):
+        edge = int(edges[router])
+        compared = js[router][judged[router] & seeded[router] & in_range[router]]
+        drift = float(js[router, edge]) if edge >= 0 else (float(compared.max()) if compared.size else None)
+        records = tuple(
+            BucketStats(labels[index], buckets.starts[index], ends[index], int(tokens[router, index]),
+                        float(entropy[router, index]),
+                        None if index == 0 or np.isnan(js[router, index]) else float(js[router, index]),
+                        bool(judged[router, index]), bool(in_range[router, index]))
+            for index in range(count))
+        found.append(PositionProfile(records, None if edge < 0 else labels[edge],
+                                     None if edge < 0 else buckets.starts[edge], drift, drift_bits))
+    return found
 
 
 class PositionCounts:
@@ -179,7 +196,7 @@ class PositionCounts:
         self.drift_bits = drift_bits
         self.min_tokens = min_tokens
         self._max_bucket_tokens = max_bucket_tokens
-        self._counts: dict[tuple[str, str], np.ndarray] = {}
+        self._counts: dict[str, dict[str, np.ndarray]] = {}  # router -> business line -> [buckets, slots]
         self._lock = threading.Lock()
         self._half_life = half_life_seconds
         self._clock = clock
@@ -194,8 +211,9 @@ class PositionCounts:
         if halvings <= 0:
             return
         self._halved_at += halvings * self._half_life
-        for array in self._counts.values():
-            array >>= min(halvings, 63)
+        for lines in self._counts.values():
+            for array in lines.values():
+                array >>= min(halvings, 63)
 
     @property
     def routers(self) -> list[str]:
@@ -203,7 +221,8 @@ class PositionCounts:
 
     @property
     def nbytes(self) -> int:
-        return sum(array.nbytes for array in self._counts.values())
+        with self._lock:
+            return sum(array.nbytes for lines in self._counts.values() for array in lines.values())
 
     def add(self, router: str, business_line: str, counts: np.ndarray) -> None:
         """Add ``counts`` ``[buckets, num_slots]`` of one router for one line."""
@@ -216,9 +235,10 @@ class PositionCounts:
             raise ValueError(f"position counts of {router!r}: shape {list(counts.shape)}, expected {list(shape)}")
         with self._lock:
             self._age()
-            total = self._counts.get((router, business_line))
+            lines = self._counts.setdefault(router, {})
+            total = lines.get(business_line)
             if total is None:
-                total = self._counts[(router, business_line)] = np.zeros(shape, dtype=np.int64)
+                total = lines[business_line] = np.zeros(shape, dtype=np.int64)
             total += counts.astype(np.int64, copy=False)
             full = total.sum(axis=1) > self._max_bucket_tokens * info.top_k
             if full.any():
@@ -227,26 +247,36 @@ class PositionCounts:
     def counts(self, router: str, business_line: str | None = None) -> np.ndarray:
         """``[buckets, num_slots]`` of one router for one line (every line summed for ``None``)."""
         info = self._routers[router]
+        total = np.zeros((len(self.buckets), info.num_slots), dtype=np.int64)
         with self._lock:
             self._age()
-            arrays = [array for (name, line), array in self._counts.items()
-                      if name == router and (business_line is None or line == business_line)]
-            total = np.zeros((len(self.buckets), info.num_slots), dtype=np.int64)
-            for array in arrays:
-                total += array
+            lines = self._counts.get(router, {})
+            for line, array in lines.items():
+                if business_line is None or line == business_line:
+                    total += array
         return total
 
     @property
     def business_lines(self) -> list[str]:
         with self._lock:
-            return list(dict.fromkeys(line for _, line in self._counts))
+            return list(dict.fromkeys(line for lines in self._counts.values() for line in lines))
 
     def profile(self, router: str, business_line: str | None = None) -> PositionProfile:
         return profile(self.counts(router, business_line), self.buckets, self._routers[router].top_k,
                        drift_bits=self.drift_bits, min_tokens=self.min_tokens)
 
     def profiles(self, business_line: str | None = None) -> dict[str, PositionProfile]:
-        return {name: self.profile(name, business_line) for name in self._routers}
+        """Every expert router's profile for one line (all summed for ``None``), routers of one size together."""
+        by_size: dict[int, list[str]] = {}
+        for name, info in self._routers.items():
+            by_size.setdefault(info.num_slots, []).append(name)
+        found: dict[str, PositionProfile] = {}
+        for names in by_size.values():
+            stacked = np.stack([self.counts(name, business_line) for name in names])
+            top_k = [self._routers[name].top_k for name in names]
+            found.update(zip(names, profiles(stacked, self.buckets, top_k, drift_bits=self.drift_bits,
+                                             min_tokens=self.min_tokens), strict=True))
+        return {name: found[name] for name in self._routers}
 
     def reset(self) -> None:
         with self._lock:

@@ -60,8 +60,10 @@ __all__ = [
     "dead_slots",
     "entropy_bits",
     "entropy_bounds",
+    "entropy_rows",
     "expected_uniform_entropy_bits",
     "js_divergence_bits",
+    "js_divergence_rows",
     "max_violation",
     "minimum_window_tokens",
     "normalized_entropy",
@@ -146,6 +148,30 @@ def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
     if not math.isfinite(distance):  # tiny negative sum under the square root
         return 0.0
     return min(max(distance * distance, 0.0), 1.0)
+
+
+def js_divergence_rows(counts: np.ndarray, baselines: np.ndarray) -> np.ndarray:
+    """:func:`js_divergence_bits` of each row pair of two ``[n, slots]`` count arrays at once (bits); a row pair
+    where either row has no selection reads NaN."""
+    p = np.asarray(counts, dtype=np.float64)
+    q = np.asarray(baselines, dtype=np.float64)
+    p_sum, q_sum = p.sum(axis=1, keepdims=True), q.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p, q = p / p_sum, q / q_sum
+        m = (p + q) / 2
+        half = [np.where(x > 0, x * np.log2(np.where(x > 0, x, 1) / np.where(m > 0, m, 1)), 0.0).sum(axis=1)
+                for x in (p, q)]
+    divergence = np.clip((half[0] + half[1]) / 2, 0.0, 1.0)
+    return np.where((p_sum[:, 0] > 0) & (q_sum[:, 0] > 0), divergence, np.nan)
+
+
+def entropy_rows(counts: np.ndarray) -> np.ndarray:
+    """:func:`entropy_bits` of each row of a ``[n, slots]`` count array at once (0 for a row of no selection)."""
+    c = np.asarray(counts, dtype=np.float64)
+    total = c.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(total > 0, c / np.where(total > 0, total, 1), 0.0)
+        return -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1)), 0.0).sum(axis=1) + 0.0
 
 
 def minimum_window_tokens(num_slots: int, top_k: int, tolerance_bits: float = 0.05) -> int:

@@ -286,6 +286,7 @@ class RouterWindows:
         records = []
         line = business_line or ALL_LINES
         baselines = self._baselines
+        by_position = self.positions.profiles(business_line) if self.positions is not None else {}
         for info in self._routers.values():
             totals = self._totals(info.name, business_line)
             baseline = baselines.get(info.name, line)
@@ -302,9 +303,8 @@ class RouterWindows:
                 choice_selections=totals.choice_selections,
                 distinct_picks=not info.hash_routed,
             )
-            positions = self.positions
-            if positions is not None and info.name in positions.routers:
-                found = positions.profile(info.name, business_line)
+            found = by_position.get(info.name)
+            if found is not None:
                 stats = replace(stats, long_context_drift=found.drift, long_context_edge=found.edge)
             records.append(RouterStats(info, business_line, stats, totals.counts, baseline))
         return records

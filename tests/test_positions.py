@@ -82,6 +82,19 @@ def test_the_edge_is_the_first_bucket_that_leaves_the_pooled_in_range_routing() 
     assert calm.edge is None and calm.drift is not None and calm.drift < calm.drift_bits
 
 
+def test_the_row_wise_divergence_and_entropy_equal_the_scalar_ones() -> None:
+    from mla_watch.routing import entropy_bits, entropy_rows, js_divergence_bits, js_divergence_rows
+
+    rng = np.random.default_rng(1)
+    counts, baselines = rng.integers(0, 40, (6, 64)), rng.integers(0, 40, (6, 64))
+    counts[2, :60] = 0  # a sparse row
+    assert np.allclose(js_divergence_rows(counts, baselines),
+                       [js_divergence_bits(row, base) for row, base in zip(counts, baselines, strict=True)])
+    assert np.allclose(entropy_rows(counts), [entropy_bits(row) for row in counts])
+    empty = np.zeros((1, 64), dtype=np.int64)
+    assert np.isnan(js_divergence_rows(empty, baselines[:1])[0]) and entropy_rows(empty)[0] == 0.0
+
+
 def test_position_counts_forget_by_half_life_and_refuse_bad_shapes() -> None:
     clock = FakeClock(0.0)
     router = RouterInfo("gate", 1, "expert", 4, 2)
