@@ -140,6 +140,14 @@ def test_per_position_counts_agree_exactly_with_an_independent_count() -> None:
                 assert np.array_equal(probe.positions.counts(info.name, line), expected), (info.name, line)
             assert positions[-1] >= 128  # the decode steps crossed into the third bucket for both rows
         assert probe.position_bytes == 17 * 3 * 5 * 64 * 8
+        # A router called outside the model's forward pass: counted, but no position is known for it.
+        gate = experts[0]
+        before = probe.positions.counts(gate.name).sum()
+        with torch.no_grad():
+            model.get_submodule(gate.name)(torch.randn(1, 7, model.config.hidden_size))
+        probe.collect()
+        assert probe.counts()[gate.name].sum() >= 7 * gate.top_k
+        assert probe.positions.counts(gate.name).sum() == before
     finally:
         probe.detach()
 

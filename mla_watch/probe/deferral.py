@@ -57,7 +57,8 @@ class _Pass:
         self.last_mask: Any = None
         self.mask_elements = 0  # elements of the distinct indexer masks this pass keeps alive (a memory bound)
         self.key: tuple | None = None  # the layout, once the picks are read
-        self.positions: int | torch.Tensor = 0  # first position, or [B or 1, S] positions (counting positions)
+        # First position, or [B or 1, S] positions (counting positions); None: not known (a router called alone)
+        self.positions: int | torch.Tensor | None = 0
 
     def clear_picks(self) -> None:
         self.experts: list[torch.Tensor] = []
@@ -222,6 +223,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
             batch, seq = (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]),
                                                                                   int(indices.shape[1]))
             single = _Pass(batch, seq, (0,), None, 0)
+        single.positions = None  # no forward pass said where its tokens sit
         single.outputs.append((router, indices, mask))  # fits its own pass by construction
         self._count_group([single])
 
@@ -238,7 +240,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
             chosen = [item.experts[position] for item in passes for position in positions]
             columns = self._router_columns(routers, first.lines, batch)
             self._count_experts(columns, chosen, count, batch, seq, None, valid)
-            if self._position_buffer is not None:
+            if self._position_buffer is not None and first.positions is not None:
                 self._count_positions(routers, chosen, passes, batch, seq, first.lines, valid)
         if not first.indexers:
             return

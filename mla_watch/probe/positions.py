@@ -5,8 +5,8 @@ expert router. A token's position is its index in its sequence: ``position_ids``
 them; else the running sum of the 2-D attention mask (left padding is not a position); else the cache's length
 (``cache_position``, or the KV cache's ``get_seq_length()``) plus the token's index in the pass. An inference-mode
 mask (read at once, not kept) gives the pass's first position only: its length less the pass's, padding included.
-Eager passes only: compiled graphs and router calls outside a watched forward pass are counted in the windows,
-not by position.
+Eager passes only: compiled graphs, router calls outside a watched forward pass and router outputs that do not fit
+their pass's shape are counted in the windows, not by position.
 """
 
 from __future__ import annotations
@@ -143,5 +143,3 @@ class _PositionCounting:
             self._position_buffer.zero_()
             self._position_read = np.zeros_like(self._position_read)
             self.positions.reset()
-
-
