@@ -302,3 +302,18 @@ def test_vllm_rows_are_counted_per_position_exactly_with_the_prompt_once_and_eac
     assert np.array_equal(rows[1], second) and rows[1].dtype == np.uint16
     routing.count("code", decode_response(footprint_plan, json.dumps(body).encode()))
     assert routing.footprint.table((1, 2), draws=8).requests == {"code": 2}
+
+
+def test_the_history_file_keeps_its_width_and_a_trend_rule_cannot_watch_long_context_drift(tmp_path: Path) -> None:
+    from mla_watch.alerting.model import RuleError
+    from mla_watch.alerting.rules import load_rules_file
+    from mla_watch.history.store import VALUES
+
+    # The history's points are packed arrays of these values: one more would make every existing file unreadable.
+    assert VALUES == ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation", "dead_slots",
+                      "js_divergence", "locality", "tokens", "too_small")
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("rules:\n  - alert: X\n    metric: long_context_drift\n    predict: {over: 6h, ahead: 1d}\n"
+                     "    above: 0.05\n")
+    with pytest.raises(RuleError, match=r"metric = 'long_context_drift': expected a metric the routing history keeps"):
+        load_rules_file(rules, environ={})

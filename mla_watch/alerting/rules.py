@@ -51,6 +51,7 @@ from mla_watch.alerting.model import (
     METRICS,
     RETUNE_STRATEGIES,
     TEMPLATE_FIELDS,
+    TREND_METRICS,
     Receiver,
     Rule,
     RuleError,
@@ -177,6 +178,9 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     selector = _parse_selector(chk, f"{path}.select", data.get("select"))
 
     trend, tdata, tpath = _parse_trend(chk, data, path)
+    if trend is not None and metric in METRICS and metric not in TREND_METRICS:
+        chk.bad(f"{path}.metric", metric, "a metric the routing history keeps, for a trend rule: one of "
+                + ", ".join(TREND_METRICS))
     given_relative = any(isinstance(tdata.get(key), dict) for key in ("below", "above"))  # named if broken
     tdata, scales = _parse_baseline_thresholds(chk, tdata, tpath)
     if scales and trend is not None:
