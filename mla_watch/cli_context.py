@@ -15,8 +15,9 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from mla_watch.cli_flags import DOCS
+from mla_watch.cli_flags import DOCS, positive_float
 from mla_watch.cli_startup import FlagError
+from mla_watch.describe import describe_value
 from mla_watch.positions import PositionProfile, Recommendation, recommend
 
 __all__ = ["add_parser"]
@@ -54,6 +55,8 @@ def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
 def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile]]:
     if not args.business_line:
         raise FlagError("--url needs --business-line: the line whose traffic to read")
+    if urllib.parse.urlsplit(args.url).scheme not in ("http", "https"):
+        raise FlagError(f"--url {describe_value(args.url)}: expected the sidecar's http:// or https:// base URL")
     url = args.url.rstrip("/") + "/v1/routing?" + urllib.parse.urlencode({"business_line": args.business_line})
     try:
         with urllib.request.urlopen(url, timeout=args.timeout) as answer:
@@ -68,8 +71,9 @@ def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
         positions = json.loads(body)["positions"]
         profiles = {router["name"]: PositionProfile.from_dict(router) for router in positions["routers"]}
     except (ValueError, KeyError, TypeError):
-        raise FlagError(f"--url {args.url}: /v1/routing has no routing by position (a sidecar beside an engine, "
-                        "or serve --no-routing-by-position)") from None
+        raise FlagError(f"--url {args.url}: /v1/routing has no routing by position (serve "
+                        "--no-routing-by-position, or beside an engine whose --model-config gives no "
+                        "max_position_embeddings)") from None
     return args.business_line, profiles
 
 
@@ -127,6 +131,7 @@ def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
     _traffic_options(context)
     context.add_argument("--url", help="a running sidecar: read its traffic's routing by position instead")
     context.add_argument("--business-line", help="the line to read (--url), or to attribute the dataset to")
-    context.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for --url (default 10)")
+    context.add_argument("--timeout", type=positive_float, default=10.0,
+                         help="seconds to wait for --url (default 10)")
     context.add_argument("--json", action="store_true", help="print JSON instead of a table")
     context.set_defaults(handler=_cmd_context)

@@ -232,6 +232,9 @@ def test_a_sidecars_traffic_shows_the_edge_and_context_reads_it_over_http(tmp_pa
         with pytest.raises(SystemExit) as stopped:
             main(["context", "--url", url])
         assert stopped.value.code == 2 and "--url needs --business-line" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main(["context", "--url", "file:///etc/passwd", "--business-line", "a"])
+        assert "expected the sidecar's http:// or https:// base URL" in capsys.readouterr().err
 
 
 class _stdout:
