@@ -174,7 +174,7 @@ def test_long_prompts_fire_the_shipped_rule_naming_256_511_and_in_range_prompts_
         fired = [alert for alert in engine.alerts() if alert.rule == "LongContextDrift"]
         assert fired and {alert.labels["business_line"] for alert in fired} == {"long"}
         assert all(alert.state == "firing" for alert in fired)
-        assert all("from position bucket 256-511" in alert.annotations["summary"] for alert in fired)
+        assert all("(from bucket 256-511)" in alert.annotations["summary"] for alert in fired)
         short = {record.router.name: record.stats for record in probe.router_stats("short")
                  if record.router.kind == "expert"}
         assert all(stats.long_context_edge is None for stats in short.values())
