@@ -4,7 +4,6 @@ and no page speaks of how the project was built."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import unicodedata
 from pathlib import Path
@@ -169,8 +168,8 @@ def test_what_the_readmes_commands_write_is_ignored_by_git():
     written = [build_parser().parse_args(["demo"]).out, ServerConfig.state_dir, "site",  # mkdocs' default site_dir
                "test-artifacts", "mla_watch.egg-info"]
     for path in written:
-        ignored = subprocess.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=ROOT, check=False)
+        ignored = processes.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=ROOT, check=False, timeout=60)
         assert ignored.returncode == 0, f"{path}/ is not in .gitignore"
-    tracked = subprocess.run(["git", "ls-files", "--", "err.txt", "out.txt"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout
+    tracked = processes.run(["git", "ls-files", "--", "err.txt", "out.txt"], cwd=ROOT, capture_output=True,
+                            text=True, check=True, timeout=60).stdout
     assert tracked == "", tracked
