@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mla_watch import cli_check, cli_retune, cli_serve, cli_traffic
+from mla_watch import cli_check, cli_context, cli_retune, cli_serve, cli_traffic
 from mla_watch.cli_flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
 from mla_watch.cli_flags import DOCS, positive_float, tcp_port
 from mla_watch.cli_startup import FlagError, Parser
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_traffic.add_parsers(commands)  # routing, baseline
     cli_serve.add_parser(commands)
     cli_check.add_parsers(commands)  # check, rules export
+    cli_context.add_parser(commands)
     demo = commands.add_parser("demo", help=f"the whole loop in {DEMO_DURATION} on 2 CPU cores, offline, on the "
                                             "bundled model", epilog=f"The manual: {DOCS}first-hour.md")
     demo.add_argument("--out", type=Path, default=Path("mla-watch-demo"),

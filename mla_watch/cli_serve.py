@@ -103,7 +103,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_settle=args.sglang_recorder_settle,
                           engine_retune=args.engine_retune or ServerConfig.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
-                          return_routed_experts=args.return_routed_experts, alert_interval=args.alert_interval,
+                          return_routed_experts=args.return_routed_experts,
+                          routing_by_position=not args.no_routing_by_position,
+                          position_metrics=args.position_metrics, alert_interval=args.alert_interval,
                           baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
                           expert_series_budget=args.expert_series_budget,
                           reference_prompts=args.reference_prompts,
@@ -198,6 +200,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                              "(default %(default)s)")
     serve.add_argument("--return-routed-experts", action="store_true",
                        help="answer with the model's routing per token, in vLLM's and SGLang's fields")
+    serve.add_argument("--no-routing-by-position", action="store_true",
+                       help="do not count the embedded model's expert routing per position bucket (on by default: "
+                            "the long-context drift of each router and line)")
+    serve.add_argument("--position-metrics", action="store_true",
+                       help="export routing by position bucket on /metrics (routing_position_tokens and "
+                            "routing_position_js_divergence: routers x lines x buckets series each)")
     serve.add_argument("--attn-implementation", default=ServerConfig.attn_implementation,
                        help="attention to serve with, if the start-up self-test agrees with eager (default sdpa)")
     serve.add_argument("--max-queue", type=positive_int, default=ServerConfig.max_queue,

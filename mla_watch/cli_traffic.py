@@ -14,6 +14,7 @@ from typing import Any
 
 from mla_watch.cli_flags import DEFAULT_STATE_DIR, DOCS
 from mla_watch.cli_startup import FlagError
+from mla_watch.footprint import FootprintSampler
 
 __all__ = ["add_parsers"]
 
@@ -82,18 +83,25 @@ def _run(args: argparse.Namespace) -> Any:
         probe.load_baseline(baseline)
     device = next(model.parameters()).device
     limit = model.config.max_position_embeddings
+    experts = [info for info in probe.routers if info.kind == "expert"]
+    footprint = FootprintSampler(max(info.num_slots for info in experts)) if experts else None
     with torch.no_grad():
         for line, text in progress.track(traffic, "samples"):
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids = [tokenizer.bos_token_id, *ids][: limit - args.generate]
             input_ids = torch.tensor([ids], device=device)
-            with probe.attribute(line):
+            with probe.attribute(line), probe.record_routing() as recording:
                 if args.generate > 0:
                     model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                    max_new_tokens=args.generate, do_sample=False,
                                    pad_token_id=tokenizer.pad_token_id)
                 else:
                     model(input_ids=input_ids)
+            if footprint is not None:
+                # Every token of the request (prompt and generated) stands in for one of its decode steps: a
+                # request that stops early would otherwise leave nothing to draw from.
+                footprint.add(line, recording.rows(0))
+    probe.footprint = footprint  # type: ignore[attr-defined]
     return probe
 
 
@@ -124,8 +132,14 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     records = probe.stats()
     if args.json:
         print(json.dumps(records, indent=1))
-    else:
-        print(_format_table(records))
+        return 0
+    print(_format_table(records))
+    footprint = probe.footprint
+    if footprint is not None and footprint.business_lines:
+        print("\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
+              "concurrent requests reads (each request's tokens stand in for its decode steps; "
+              f"{footprint.num_experts} experts per layer)")
+        print(footprint.table().format())
     return 0
 
 

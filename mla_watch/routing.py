@@ -59,8 +59,10 @@ __all__ = [
     "dead_slots",
     "entropy_bits",
     "entropy_bounds",
+    "entropy_rows",
     "expected_uniform_entropy_bits",
     "js_divergence_bits",
+    "js_divergence_rows",
     "max_violation",
     "minimum_window_tokens",
     "normalized_entropy",
@@ -149,6 +151,30 @@ def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
     return min(max(distance * distance, 0.0), 1.0)
 
 
+def js_divergence_rows(counts: np.ndarray, baselines: np.ndarray) -> np.ndarray:
+    """:func:`js_divergence_bits` of each row pair of two ``[n, slots]`` count arrays at once (bits); a row pair
+    where either row has no selection reads NaN."""
+    p = np.asarray(counts, dtype=np.float64)
+    q = np.asarray(baselines, dtype=np.float64)
+    p_sum, q_sum = p.sum(axis=1, keepdims=True), q.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p, q = p / p_sum, q / q_sum
+        m = (p + q) / 2
+        half = [np.where(x > 0, x * np.log2(np.where(x > 0, x, 1) / np.where(m > 0, m, 1)), 0.0).sum(axis=1)
+                for x in (p, q)]
+    divergence = np.clip((half[0] + half[1]) / 2, 0.0, 1.0)
+    return np.where((p_sum[:, 0] > 0) & (q_sum[:, 0] > 0), divergence, np.nan)
+
+
+def entropy_rows(counts: np.ndarray) -> np.ndarray:
+    """:func:`entropy_bits` of each row of a ``[n, slots]`` count array at once (0 for a row of no selection)."""
+    c = np.asarray(counts, dtype=np.float64)
+    total = c.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(total > 0, c / np.where(total > 0, total, 1), 0.0)
+        return -np.where(p > 0, p * np.log2(np.where(p > 0, p, 1)), 0.0).sum(axis=1) + 0.0
+
+
 def minimum_window_tokens(num_slots: int, top_k: int, tolerance_bits: float = 0.05) -> int:
     """Smallest token count ``T >= 1`` with Miller–Madow bias ``(N-1)/(2 T k ln 2) <= tolerance_bits``.
 
@@ -223,6 +249,9 @@ STATISTICS: tuple[Statistic, ...] = (
     Statistic("dead_slots", "routing_dead_slots", "Slots (experts or key positions) never chosen in the window."),
     Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
     Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
+    Statistic("long_context_drift", "routing_long_context_drift_bits",
+              "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range "
+              "routing (else the largest of the judged buckets); only where positions are counted."),
     Statistic("locality", "routing_indexer_locality",
               "Share of indexer choices within the most recent index_topk keys."),
     Statistic("too_small", "routing_window_too_small",
@@ -230,8 +259,9 @@ STATISTICS: tuple[Statistic, ...] = (
 )
 # What an alert rule's `metric` may name.
 RULE_METRICS: tuple[str, ...] = tuple(statistic.key for statistic in STATISTICS if statistic.judged)
-# What a healthy baseline keeps the value of: the rule metrics but drift, which is measured from the baseline.
-BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS if key != "js_divergence")
+# What a healthy baseline keeps the value of: the rule metrics but the drifts, which are measured from a reference.
+BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS
+                                          if key not in ("js_divergence", "long_context_drift"))
 
 
 @dataclass(frozen=True)
@@ -253,6 +283,10 @@ class RoutingStats:
     locality: float | None
     min_tokens: int
     too_small: bool
+    # Routing by position (mla_watch.positions), where it is counted: the drift of the first bucket that leaves the
+    # line's in-range routing, and that bucket ("256-511").
+    long_context_drift: float | None = None
+    long_context_edge: str | None = None
 
     @property
     def no_signal(self) -> str | None:
@@ -296,6 +330,8 @@ class RoutingStats:
             "min_tokens": int(self.min_tokens),
             "too_small": bool(self.too_small),
             "no_signal": self.no_signal,
+            "long_context_drift": None if self.long_context_drift is None else float(self.long_context_drift),
+            "long_context_edge": self.long_context_edge,
         }
 
 

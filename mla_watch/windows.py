@@ -14,13 +14,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mla_watch.baselines import BASELINE_FORMAT, Baseline, BaselineError, Baselines, read_baseline_file, write_json
+from mla_watch.positions import PositionCounts
 from mla_watch.routing import KINDS, Kind, RollingWindow, RoutingStats, WindowTotals, compute_stats
 
 __all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "CountDelta", "RouterInfo", "RouterStats",
@@ -209,6 +210,9 @@ class RouterWindows:
         # Never rolled or reset, so a counter built on it only grows; one int64 vector per pair.
         self._cumulative: dict[tuple[str, str], _Cumulative] = {}
         self._baselines = baselines if baselines is not None else Baselines()
+        # Where a counter of routing by position feeds these windows (an embedded probe): its records carry the
+        # long-context drift of their router and line.
+        self.positions: PositionCounts | None = None
         self._lock = threading.Lock()
         self._version = 0
         self.serial = next(_SERIALS)  # unlike id(), never reused: a cache may key on (serial, version)
@@ -282,6 +286,7 @@ class RouterWindows:
         records = []
         line = business_line or ALL_LINES
         baselines = self._baselines
+        by_position = self.positions.profiles(business_line) if self.positions is not None else {}
         for info in self._routers.values():
             totals = self._totals(info.name, business_line)
             baseline = baselines.get(info.name, line)
@@ -298,6 +303,9 @@ class RouterWindows:
                 choice_selections=totals.choice_selections,
                 distinct_picks=not info.hash_routed,
             )
+            found = by_position.get(info.name)
+            if found is not None:
+                stats = replace(stats, long_context_drift=found.drift, long_context_edge=found.edge)
             records.append(RouterStats(info, business_line, stats, totals.counts, baseline))
         return records
 

@@ -26,7 +26,7 @@ SHIPPED_RULES = REPO / "rules"
 SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "RoutingEntropyNearCeiling",
                  "RoutingEntropyFalling", "RoutingCollapseForecast",
                  "ExpertHotspot", "DeadExperts", "RoutingDrift",
-                 "IndexerDegenerate"}
+                 "LongContextDrift", "IndexerDegenerate"}
 ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook",
           "MLA_WATCH_LINE_OWNERS_URL": "https://owners.example.com/hook"}
 

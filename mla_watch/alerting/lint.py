@@ -94,6 +94,12 @@ def _metric_range(metric: str, info: RouterInfo) -> _Range:
     if metric == "js_divergence":
         return _Range(0.0, 1.0, "Jensen–Shannon divergence is at least 0 bits",
                       "Jensen–Shannon divergence is at most 1 bit", " bits")
+    if metric == "long_context_drift":
+        if indexer:
+            return _Range(0.0, 1.0, "", "", applies=False,
+                          why_not="routing by position is counted for expert routers, and this is an indexer")
+        return _Range(0.0, 1.0, "Jensen–Shannon divergence is at least 0 bits",
+                      "Jensen–Shannon divergence is at most 1 bit", " bits")
     if metric == "locality":
         if not indexer:
             return _Range(0.0, 1.0, "", "", applies=False,

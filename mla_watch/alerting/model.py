@@ -22,6 +22,7 @@ __all__ = [
     "METRICS",
     "RETUNE_STRATEGIES",
     "TEMPLATE_FIELDS",
+    "TREND_METRICS",
     "Alert",
     "AlertState",
     "BaselineScale",
@@ -42,6 +43,9 @@ __all__ = [
 # Relative to the router's geometry: normalized_entropy (0 at the floor, 1 at the ceiling), bits_below_ceiling,
 # js_divergence (from the saved baseline); absolute: entropy_bits, whose meaning depends on the slots and top-k.
 METRICS: tuple[str, ...] = RULE_METRICS
+# What the routing history keeps, and so what a trend rule may watch: the metrics but long_context_drift, which the
+# history's file predates (its points are packed arrays of a fixed width; one more value would make them unreadable).
+TREND_METRICS: tuple[str, ...] = tuple(metric for metric in METRICS if metric != "long_context_drift")
 ACTIONS: tuple[str, ...] = ("notify", "retune")
 # A Prometheus label name, and so an alert name too (match it whole).
 LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -58,7 +62,9 @@ TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold",
                                     # the metric's healthy value learned for this router and line (n/a without one)
                                     "healthy",
                                     # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
-                                    "cause")
+                                    "cause",
+                                    # long-context rules: the first position bucket that left in-range routing
+                                    "position_bucket")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 

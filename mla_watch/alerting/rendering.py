@@ -90,6 +90,7 @@ class AlertRenderer:
                   "min_tokens": rule.min_tokens if rule.min_tokens is not None else stats.min_tokens,
                   "severity": labels.get("severity"), "status_url": self.router_url(inst),
                   "cause": None if inst.cause is None else inst.cause.name,
+                  "position_bucket": stats.long_context_edge,
                   **{name: trend.get(name) for name in TREND_FIELDS}}
         try:
             rendered = {str(k): str(v) for k, v in self._render(rule.rule, fields).items()}

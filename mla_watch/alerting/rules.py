@@ -51,6 +51,7 @@ from mla_watch.alerting.model import (
     METRICS,
     RETUNE_STRATEGIES,
     TEMPLATE_FIELDS,
+    TREND_METRICS,
     Receiver,
     Rule,
     RuleError,
@@ -103,7 +104,7 @@ _SAMPLE_FIELDS: dict[str, object] = {
     "business_line": "code_assistant", "floor_bits": 2.585, "ceiling_bits": 6.0, "tokens": 4096,
     "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
     "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
-    "healthy": 0.6,
+    "healthy": 0.6, "position_bucket": "256-511",
 }
 
 
@@ -177,6 +178,9 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     selector = _parse_selector(chk, f"{path}.select", data.get("select"))
 
     trend, tdata, tpath = _parse_trend(chk, data, path)
+    if trend is not None and metric in METRICS and metric not in TREND_METRICS:
+        chk.bad(f"{path}.metric", metric, "a metric the routing history keeps, for a trend rule: one of "
+                + ", ".join(TREND_METRICS))
     given_relative = any(isinstance(tdata.get(key), dict) for key in ("below", "above"))  # named if broken
     tdata, scales = _parse_baseline_thresholds(chk, tdata, tpath)
     if scales and trend is not None:

@@ -85,8 +85,12 @@ class CountQueue:
             raise ValueError("the engine's answer to a replay is not a JSON object")
         merged = next((decoded for decoded in decodes if decoded.error is not None), None)
         if merged is None and all(decoded.counts is not None for decoded in decodes):
+            positioned = all(decoded.position_counts is not None for decoded in decodes)
             merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[misc]
-                             tokens=sum(decoded.tokens for decoded in decodes))
+                             tokens=sum(decoded.tokens for decoded in decodes),
+                             position_counts=sum(decoded.position_counts for decoded in decodes)  # type: ignore[misc]
+                             if positioned else None,
+                             footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()])
         return self.routing.count(business_line, merged, streamed=True, client=client)
 
     async def close(self, drain_seconds: float = SHUTDOWN_DRAIN_SECONDS) -> None:

@@ -61,7 +61,9 @@ from mla_watch.engines.routing_ids import (
     encode_sglang,
     encode_vllm,
     every_layer,
+    moe_rows,
     routing_counts,
+    routing_position_counts,
 )
 
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
@@ -97,6 +99,10 @@ class RoutingPlan:
     # (where they sit), read into Decoded.samples; strip_token_ids: the client did not ask, so they go.
     token_ids: str | None = None
     strip_token_ids: bool = False
+    # Routing by position (mla_watch.positions): the buckets' end positions, or None to count no positions.
+    position_edges: tuple[int, ...] | None = None
+    # The expert footprint of a batch (mla_watch.footprint): decode rows kept per choice, at most; 0: none.
+    footprint_tokens: int = 0
 
 
 @dataclass
@@ -109,6 +115,8 @@ class Decoded:
     error: DataError | None = None
     not_json: bool = False  # the body was no JSON object: relayed as it came (a stream) or refused (a response)
     samples: list[tuple[list[int], int]] | None = None  # per choice: prompt + completion ids, the prompt's length
+    position_counts: np.ndarray | None = None  # [moe_layers, position buckets, num_experts] where positions count
+    footprint_rows: list[np.ndarray] | None = None  # per choice: decode rows [tokens, moe_layers, top_k], uint16
 
     @property
     def found(self) -> bool:
@@ -122,11 +130,11 @@ def decode_response(plan: RoutingPlan, body: bytes) -> Decoded:
     sends makes this raise.
     """
     try:
-        document, arrays, error = _parse_and_take(plan, body)
+        document, arrays, error, starts = _parse_and_take(plan, body)
     except (ValueError, RecursionError, MemoryError):
         return Decoded(body, not_json=True)
     try:
-        return _finish(plan, document, arrays, error, plan.extra)
+        return _finish(plan, document, arrays, error, plan.extra, starts=starts)
     except MemoryError:  # the decoding process's own limit, not the server's
         return Decoded(None, error=DataError("decoder", f"decoding a {len(body)}-byte answer ran out of memory"))
 
@@ -134,28 +142,28 @@ def decode_response(plan: RoutingPlan, body: bytes) -> Decoded:
 def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
     """One server-sent event's ``data:`` payload (JSON); the first one gets ``extra``."""
     try:
-        document, arrays, error = _parse_and_take(plan, data.encode())
+        document, arrays, error, starts = _parse_and_take(plan, data.encode())
     except (ValueError, RecursionError, MemoryError):
         return Decoded(data.encode(), not_json=True)
     # SGLang's sglext chunk also carries what else the client asked for (cached_tokens_details, ..., input_ids;
     # serving_chat.py:2725-2760): dropped only where nothing but the routing was in it.
     if (arrays or error is not None) and not plan.keep and document.get("choices") == [] \
             and not document.get("usage") and "sglext" not in document:
-        decoded = _finish(plan, document, arrays, error, None)
+        decoded = _finish(plan, document, arrays, error, None, starts=starts)
         decoded.body = None  # SGLang's routing-only chunk: the client did not ask for it
         return decoded
-    return _finish(plan, document, arrays, error, plan.extra if first else None)
+    return _finish(plan, document, arrays, error, plan.extra if first else None, starts=starts)
 
 
 def count_response(plan: RoutingPlan, body: bytes) -> Decoded:
     """The routing of a response body (or of one stream chunk's JSON) counted, nothing re-serialised
     (``body`` is ``None``): what the proxy runs after the client already has its answer."""
     try:
-        document, arrays, error = _parse_and_take(plan, body)
+        document, arrays, error, starts = _parse_and_take(plan, body)
     except (ValueError, RecursionError, MemoryError):
         return Decoded(None, not_json=True)
     try:
-        return _finish(plan, document, arrays, error, None, serialise=False)
+        return _finish(plan, document, arrays, error, None, starts=starts, serialise=False)
     except MemoryError:
         return Decoded(None, error=DataError("decoder", f"counting a {len(body)}-byte answer ran out of memory"))
 
@@ -298,7 +306,7 @@ def _compact(document: dict[str, Any]) -> bytes:
 
 # ---------------------------------------------------------------------- internals
 def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
-            extra: dict[str, Any] | None, *, serialise: bool = True) -> Decoded:
+            extra: dict[str, Any] | None, *, starts: list[int] | None = None, serialise: bool = True) -> Decoded:
     decoded = Decoded(b"", error=error)
     if plan.token_ids is not None:
         decoded.samples = answer_token_ids(document, plan.token_ids, strip=plan.strip_token_ids)
@@ -310,25 +318,51 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
         else:
             decoded.counts = sum(counts for counts, _ in totals)
             decoded.tokens = sum(tokens for _, tokens in totals)
+            if plan.position_edges is not None and starts is not None:
+                decoded.position_counts = sum(routing_position_counts(ids, plan.geometry, plan.position_edges, start)
+                                              for ids, start in zip(arrays, starts, strict=True))
+            if plan.footprint_tokens and starts is not None:
+                decoded.footprint_rows = _decode_rows(document, arrays, starts, plan)
     if extra is not None:
         document["mla_watch"] = extra
     decoded.body = json.dumps(document, separators=(",", ":")).encode() if serialise else None
     return decoded
 
 
-def _parse_and_take(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], list[np.ndarray], DataError | None]:
-    """The document and its routing arrays; raises ValueError when the body is not a JSON object."""
+def _decode_rows(document: dict[str, Any], arrays: list[np.ndarray], starts: list[int],
+                 plan: RoutingPlan) -> list[np.ndarray]:
+    """Each choice's decode steps' rows (past the prompt, whose rows a prefill routed), at most
+    ``plan.footprint_tokens`` evenly spaced ones, MoE layers only; a choice without any gives its prompt's."""
+    usage = document.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    kept = []
+    for ids, start in zip(arrays, starts, strict=True):
+        rows = moe_rows(ids, plan.geometry)  # type: ignore[arg-type]
+        cut = max(0, prompt - start) if type(prompt) is int else 0
+        if cut < rows.shape[0]:
+            rows = rows[cut:]
+        if rows.shape[0] > plan.footprint_tokens:
+            rows = rows[np.linspace(0, rows.shape[0] - 1, plan.footprint_tokens).astype(np.intp)]
+        if rows.shape[0]:
+            kept.append(rows.astype(np.uint16))
+    return kept
+
+
+def _parse_and_take(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], list[np.ndarray], DataError | None,
+                                                              list[int] | None]:
+    """The document, its routing arrays and each array's first position (``None``: not known); raises ValueError
+    when the body is not a JSON object."""
     document, lifted = _parse(body, lift=True)
     if isinstance(document, dict):
-        arrays, error, claimed = _take(plan, document, lifted)
+        arrays, error, claimed, starts = _take(plan, document, lifted)
         if claimed == len(lifted):
-            return document, arrays, error
+            return document, arrays, error, starts
         # A routing string where the engine's format has none: parse again, nothing cut out.
         document, lifted = _parse(body, lift=False)
     if not isinstance(document, dict):
         raise ValueError("not a JSON object")
-    arrays, error, _ = _take(plan, document, lifted)
-    return document, arrays, error
+    arrays, error, _, starts = _take(plan, document, lifted)
+    return document, arrays, error, starts
 
 
 def _parse(body: bytes, *, lift: bool) -> tuple[Any, dict[str, memoryview]]:
@@ -376,9 +410,10 @@ def _lift(body: bytes, budget: int | None) -> tuple[bytes, dict[str, memoryview]
 
 
 def _take(plan: RoutingPlan, document: dict[str, Any],
-          lifted: dict[str, memoryview]) -> tuple[list[np.ndarray], DataError | None, int]:
-    """The routing arrays of ``document``, removed from it unless the plan keeps them; and how many
-    cut-out strings were found in their place."""
+          lifted: dict[str, memoryview]) -> tuple[list[np.ndarray], DataError | None, int, list[int] | None]:
+    """The routing arrays of ``document``, removed from it unless the plan keeps them; how many cut-out strings
+    were found in their place; and the position of each array's first row (``None`` for vLLM 0.21's separate
+    prompt rows, whose choices' rows are not tied to them here)."""
     fields = _FIELDS[plan.engine](document)
     repeated_prompt = plan.engine == "vllm" and "prompt_routed_experts" not in document  # vLLM <= 0.21 sent it once
     arrays: list[np.ndarray] = []
@@ -409,6 +444,8 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
                     kept.append((container, key, _raw_int32(value, plan.geometry), encode_sglang))
     if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
         del document["sglext"]
+    # Every row from the sequence's first position (the proxy asks for every row): a choice repeats the prompt.
+    starts: list[int] | None = [0 for _ in arrays] if repeated_prompt or plan.engine == "sglang" else None
     if error is None and repeated_prompt and len(arrays) > 1:
         try:
             prompt = _prompt_rows(document, arrays)
@@ -416,9 +453,10 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
             error = failure
         else:
             arrays = [arrays[0], *(ids[prompt:] for ids in arrays[1:])]
+            starts = [0, *(prompt for _ in arrays[1:])]
     for container, key, ids, encode in kept:  # as the engine would have returned them to this client
         container[key] = encode(ids[plan.prompt_start:])
-    return arrays, error, claimed
+    return arrays, error, claimed, starts
 
 
 def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:

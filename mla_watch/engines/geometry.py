@@ -30,6 +30,7 @@ DEFAULT_ROUTER_PATH = "model.layers.{layer}.mlp.gate"
 MAX_CONFIG_BYTES = 4 << 20
 MAX_LAYERS = 4096
 MAX_EXPERTS = 1 << 16  # vLLM returns int16 expert ids
+MAX_CONTEXT = 1 << 24  # a context length past this is not believed: positions are then not counted
 
 
 class GeometryError(ConfigError):
@@ -48,6 +49,7 @@ class EngineGeometry:
     num_experts: int
     top_k: int
     router_path: str = DEFAULT_ROUTER_PATH
+    context_length: int | None = None  # max_position_embeddings, where the config says it
 
     @property
     def router_names(self) -> list[str]:
@@ -95,8 +97,10 @@ def parse_geometry(data: Any, where: str = "config.json") -> EngineGeometry:
     moe_layers = _moe_layers(data, layers, where)
     if not moe_layers:
         raise GeometryError([f"{where}: no layer of the {layers} is a MoE layer; expected a mixture-of-experts model"])
+    context = data.get("max_position_embeddings")
+    context_length = context if type(context) is int and 1 <= context <= MAX_CONTEXT else None
     return EngineGeometry(model_type, layers, moe_layers, experts, top_k,
-                          ROUTER_PATHS.get(model_type, DEFAULT_ROUTER_PATH))
+                          ROUTER_PATHS.get(model_type, DEFAULT_ROUTER_PATH), context_length)
 
 
 def _moe_layers(data: dict[str, Any], layers: int, where: str) -> tuple[int, ...]:

@@ -20,7 +20,8 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["DATA_ERRORS", "DataError", "encode_sglang", "encode_vllm", "every_layer", "routing_counts"]
+__all__ = ["DATA_ERRORS", "DataError", "encode_sglang", "encode_vllm", "every_layer", "moe_rows",
+           "routing_counts", "routing_position_counts"]
 
 
 # Data-error reasons (a metric label): what was wrong with the routing an engine returned.
@@ -57,9 +58,7 @@ def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarra
                                  f"(top_k {geometry.top_k} from the model config)")
     moe = len(geometry.moe_layers)
     if ids.shape[1] == geometry.num_hidden_layers and ids.shape[1] != moe:
-        first, last = geometry.moe_layers[0], geometry.moe_layers[-1]
-        contiguous = last - first + 1 == moe  # DeepSeek's dense-first layers: a view, not a copy
-        ids = ids[:, first:last + 1, :] if contiguous else ids[:, list(geometry.moe_layers), :]
+        ids = moe_rows(ids, geometry)
     elif ids.shape[1] != moe:
         raise DataError("shape", f"routing has {ids.shape[1]} layers: expected {geometry.num_hidden_layers} "
                                  f"(every layer) or {moe} (MoE layers) from the model config")
@@ -74,6 +73,31 @@ def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarra
     np.add(ids, offsets, out=flat, casting="unsafe")
     counts = np.bincount(flat.reshape(-1), minlength=moe * geometry.num_experts).reshape(moe, geometry.num_experts)
     return counts, int(ids.shape[0])
+
+
+def moe_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarray:
+    """``ids`` ``[tokens, layers, top_k]`` of every layer (or of the MoE layers already) cut to the MoE layers."""
+    moe = len(geometry.moe_layers)
+    if ids.shape[1] == moe:
+        return ids
+    first, last = geometry.moe_layers[0], geometry.moe_layers[-1]
+    contiguous = last - first + 1 == moe  # DeepSeek's dense-first layers: a view, not a copy
+    return ids[:, first:last + 1, :] if contiguous else ids[:, list(geometry.moe_layers), :]
+
+
+def routing_position_counts(ids: np.ndarray, geometry: EngineGeometry, edges: tuple[int, ...],
+                            start: int = 0) -> np.ndarray:
+    """Selections per (MoE layer, position bucket, expert) of ``ids`` ``[tokens, layers, top_k]`` whose first row is
+    the token at position ``start`` (row ``t``: position ``start + t``); ``edges`` are the buckets' end positions (a
+    last bucket holds every position past them). Called on ids :func:`routing_counts` accepted."""
+    moe = len(geometry.moe_layers)
+    ids = moe_rows(ids, geometry)
+    buckets = len(edges) + 1
+    bucket = np.searchsorted(np.asarray(edges), start + np.arange(ids.shape[0]), side="right")  # [tokens]
+    flat = (np.arange(moe, dtype=np.intp)[None, :, None] * buckets + bucket[:, None, None]) * geometry.num_experts \
+        + ids.astype(np.intp, copy=False)
+    counts = np.bincount(flat.reshape(-1), minlength=moe * buckets * geometry.num_experts)
+    return counts.reshape(moe, buckets, geometry.num_experts)
 
 
 _SCRATCH = threading.local()

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter
 from mla_watch.cause.clients import ClientShares
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.footprint import FootprintSampler
+from mla_watch.positions import PositionCounts
 from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
 
 __all__ = ["UNATTRIBUTED_LINE", "EngineMetrics", "EngineRouting"]
@@ -65,6 +67,9 @@ class EngineMetrics:
                                          ["reason"], registry=registry)
 
 
+FOOTPRINT_TOKENS = 16  # decode rows of each answer's choice kept for the footprint of a batch
+
+
 class EngineRouting:
     """Rolling windows of an engine's routers, fed by decoded responses and recorder dumps."""
 
@@ -76,6 +81,14 @@ class EngineRouting:
         self.metrics = metrics
         self.windows = RouterWindows(geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
+        # Routing by position from the answers' per-position rows, where the config says the context length.
+        self.positions = (PositionCounts(geometry.routers(), geometry.context_length, clock=clock)
+                          if geometry.context_length is not None else None)
+        self.windows.positions = self.positions
+        self.position_edges = None if self.positions is None else self.positions.buckets.edges
+        self._pending_positions: dict[str, np.ndarray] = {}
+        # The expert footprint of a batch: the decode rows of every answer's choices, each a request.
+        self.footprint = FootprintSampler(geometry.num_experts, tokens_per_request=FOOTPRINT_TOKENS)
         self._names = geometry.router_names
         self._logged: dict[str, tuple[float, int]] = {}
         self._log_lock = threading.Lock()
@@ -104,8 +117,13 @@ class EngineRouting:
         """Move the responses' counts into the windows (called by every reader before it reads)."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
+            positions, self._pending_positions = self._pending_positions, {}
         for line, (counts, tokens) in pending.items():
             self.add(line, counts, tokens)
+        if self.positions is not None:
+            for line, by_position in positions.items():
+                for name, layer in zip(self._names, by_position, strict=True):
+                    self.positions.add(name, line, layer)
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """Each router's counts over its window, the responses counted so far included."""
@@ -127,6 +145,12 @@ class EngineRouting:
             with self._pending_lock:
                 counts, tokens = self._pending.get(business_line, (0, 0))
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
+                for rows in decoded.footprint_rows or ():
+                    self.footprint.add(business_line, rows)
+                if decoded.position_counts is not None and self.positions is not None:
+                    earlier = self._pending_positions.get(business_line)
+                    self._pending_positions[business_line] = (decoded.position_counts if earlier is None
+                                                              else earlier + decoded.position_counts)
             self._problems.clear()  # the engine's routing works (again)
             self._without_routing = 0
             if self.clients is not None and client is not None:

@@ -68,7 +68,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.alerting.model import METRICS
+from mla_watch.alerting.model import TREND_METRICS
 from mla_watch.history.file import HISTORY_FILE, open_database, set_aside, write_sample
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.sqlite import PrivateDatabase
@@ -81,7 +81,7 @@ log = logging.getLogger(__name__)
 
 # What a point holds per series: the statistics rules watch, the window's tokens, the too-small fraction.
 # Attributes of RoutingStats; "tokens" last: the columns before it are the statistics, a series' values.
-HISTORY_METRICS: tuple[str, ...] = (*METRICS, "tokens")
+HISTORY_METRICS: tuple[str, ...] = (*TREND_METRICS, "tokens")
 VALUES: tuple[str, ...] = (*HISTORY_METRICS, "too_small")
 # What a store without a file keeps: what the status page's live hour draws.
 LIVE_METRICS: tuple[str, ...] = ("entropy_bits", "tokens")

@@ -22,12 +22,13 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from mla_watch.probe.counting import _CountingKernels, _usable_mask
+from mla_watch.probe.positions import PADDING_READ, _PositionCounting, start_positions
 from mla_watch.probe.wrappers import _Router, _tokens_input
 
 # Passes of at most this many tokens (decode steps) wait to be counted together; a bigger pass
 # pays for its own counting many times over, and holding its outputs would hold real memory.
 _DEFER_MAX_TOKENS = 256
-_PADDING_READ = -1  # a pass's attention is already the padding it marks (inference tensors have no version)
+_PADDING_READ = PADDING_READ  # a pass's attention is already the padding it marks (inference tensors have no version)
 _DEFER_MAX_MASK_ELEMENTS = 1 << 22  # indexer masks the pending passes may keep alive (16 MiB of float32)
 
 
@@ -40,7 +41,7 @@ class _Pass:
 
     __slots__ = ("attention", "attention_version", "batch", "expert_routers", "expert_shapes", "experts",
                  "indexer_routers", "indexer_shapes", "indexers", "key", "last_mask", "lines", "mask_elements",
-                 "mask_slots", "masks", "outputs", "seq", "tokens", "usable_masks")
+                 "mask_slots", "masks", "outputs", "positions", "seq", "tokens", "usable_masks")
 
     def __init__(self, batch: int, seq: int, lines: tuple[int, ...], attention: torch.Tensor | None,
                  attention_version: int) -> None:
@@ -56,6 +57,8 @@ class _Pass:
         self.last_mask: Any = None
         self.mask_elements = 0  # elements of the distinct indexer masks this pass keeps alive (a memory bound)
         self.key: tuple | None = None  # the layout, once the picks are read
+        # First position, or [B or 1, S] positions (counting positions); None: not known (a router called alone)
+        self.positions: int | torch.Tensor | None = 0
 
     def clear_picks(self) -> None:
         self.experts: list[torch.Tensor] = []
@@ -104,7 +107,7 @@ class _Pass:
         )
 
 
-class _EagerDeferral(_CountingKernels):
+class _EagerDeferral(_CountingKernels, _PositionCounting):
     """The probe's eager passes: begun and ended around the model's forward, kept, and counted at a flush
     (a base of :class:`~mla_watch.probe.Probe`, which sets this state)."""
 
@@ -120,6 +123,12 @@ class _EagerDeferral(_CountingKernels):
         tokens_input = _tokens_input(args, kwargs)
         if tokens_input is None:
             return None
+        started = self._started(tokens_input, kwargs)
+        if started is not None and self._position_buffer is not None:
+            started.positions = start_positions(kwargs, started.seq)
+        return started
+
+    def _started(self, tokens_input: torch.Tensor, kwargs: dict) -> _Pass | None:
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
         lines = self._attribution
         if batch % len(lines):
@@ -214,6 +223,7 @@ class _EagerDeferral(_CountingKernels):
             batch, seq = (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]),
                                                                                   int(indices.shape[1]))
             single = _Pass(batch, seq, (0,), None, 0)
+        single.positions = None  # no forward pass said where its tokens sit
         single.outputs.append((router, indices, mask))  # fits its own pass by construction
         self._count_group([single])
 
@@ -230,6 +240,8 @@ class _EagerDeferral(_CountingKernels):
             chosen = [item.experts[position] for item in passes for position in positions]
             columns = self._router_columns(routers, first.lines, batch)
             self._count_experts(columns, chosen, count, batch, seq, None, valid)
+            if self._position_buffer is not None and first.positions is not None:
+                self._count_positions(routers, chosen, passes, batch, seq, first.lines, valid)
         if not first.indexers:
             return
         # Indexers scored against the same mask are counted together; the masks of every pass

@@ -66,6 +66,11 @@ class Probe(_EagerDeferral, _CompiledCounting):
     what compiled models and CUDA graphs need. Eager decode steps are counted ``flush_every``
     passes at a time (and whenever anything reads the counts).
 
+    With ``count_positions``, expert routers' picks are also counted per position bucket (power-of-two ranges of
+    each token's index in its sequence, up to ``context_length``, default the model config's
+    ``max_position_embeddings``): :attr:`positions`, a :class:`~mla_watch.positions.PositionCounts` that the
+    windows' records read for their ``long_context_drift`` (eager passes only; not shipped with ``agent_url``).
+
     With ``agent_url`` (a running sidecar's base URL) the probe keeps no windows of its own:
     every ``ship_interval`` seconds it ships its counts to the sidecar's ingestion endpoint,
     authenticated with ``agent_token`` (default: ``$MLA_WATCH_ADMIN_TOKEN``).
@@ -87,6 +92,8 @@ class Probe(_EagerDeferral, _CompiledCounting):
         agent_token: str | None = None,
         agent_source: str | None = None,
         ship_interval: float = 5.0,
+        count_positions: bool = False,
+        context_length: int | None = None,
     ) -> None:
         if max_business_lines < 1:
             raise ValueError(f"max_business_lines={max_business_lines}; expected at least 1 (the default line)")
@@ -128,6 +135,13 @@ class Probe(_EagerDeferral, _CompiledCounting):
         self._dropped = np.zeros(len(self._routers), dtype=np.int64)
         self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
                                      clock=clock)
+        if count_positions and context_length is None:
+            context_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            if not isinstance(context_length, int) or context_length < 1:
+                raise ValueError("attach(count_positions=True): the model's config has no max_position_embeddings; "
+                                 "pass context_length=")
+        self._init_positions(self._buffer.shape[0], context_length if count_positions else None, clock)
+        self.windows.positions = self.positions
         for router in self._routers:
             router.watch = _WatchedRouter(router.module, self, router)
             router.watch.install()
@@ -254,6 +268,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
                               else companions[_TOKENS])
                     self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[_LOCAL]),
                                                                   int(companions[_CHOICE])))
+            self._collect_positions(self._lines)
 
     def count_pending(self) -> None:
         """Count now the eager passes still waiting to be counted together (every read does this first)."""
@@ -268,6 +283,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
             self._last_read = np.zeros_like(self._last_read)
             self._dropped[:] = 0
             self.windows.reset()
+            self._reset_positions()
 
     def flush(self) -> bool:
         """With ``agent_url``: collect and ship now; ``True`` once the sidecar has everything."""

@@ -34,6 +34,7 @@ from mla_watch.baselines import Baselines
 from mla_watch.cause.clients import ClientShares
 from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.footprint import FootprintSampler
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy_files import PolicyStore
 from mla_watch.server import read_views
@@ -96,6 +97,9 @@ class Sidecar:
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
         self.references = References(config, clients=self.clients, alerts=self.alerts)  # ReferenceError at start-up
         self.metrics.watch_reference(lambda: self.references.prober)
+        self.metrics.watch_footprint(self._footprint)
+        if config.position_metrics:
+            self.metrics.watch_positions(lambda: None if self.sources.probe is None else self.sources.probe.positions)
         if self.alerts is not None:
             self.alerts.engine.causes = self.references
         self.retuning = Retuning(config=config, serving=self.serving, sources=self.sources, metrics=self.metrics,
@@ -159,6 +163,13 @@ class Sidecar:
 
     def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
         return self.sources.save_baseline(business_line)
+
+    def _footprint(self) -> FootprintSampler | None:
+        """The footprint of a batch: the served model's requests, or the engine's answers beside one."""
+        if self.serving.model_worker is not None:
+            return self.serving.model_worker.footprint
+        engine = self.sources.engine_routing
+        return engine.footprint if engine is not None else None
 
     def routing(self, business_line: str | None = None) -> dict[str, Any]:
         return self.reads.routing(business_line)
@@ -249,7 +260,8 @@ class Sidecar:
             lines = max(16, 2 * len(self.policies.current.lines) + 1)
             probe = self.sources.probe = mla_watch.attach(model, window_tokens=config.window_tokens,
                                                           window_seconds=config.window_seconds, clock=self.clock,
-                                                          max_business_lines=lines)
+                                                          max_business_lines=lines,
+                                                          count_positions=config.routing_by_position)
             if config.return_routed_experts:
                 experts = [info for info in probe.routers if info.kind == "expert"]
                 serving.routing_layout = RoutingLayout([info.layer for info in experts],
@@ -259,6 +271,9 @@ class Sidecar:
                                     on_job_done=lambda job, seconds: self.metrics.queue_depth.set(
                                         serving.model_worker.queue_depth))
             probe.windows.baselines = self.baselines
+            experts = [info.num_slots for info in probe.routers if info.kind == "expert"]
+            if experts:
+                serving.model_worker.footprint = FootprintSampler(max(experts))
             self.retuning.start_local(model, tokenizer)
             self.sources.trust_baselines(serving.retune)
             if self.alerts is not None:  # readings tell the causes of alerts

@@ -77,6 +77,9 @@ class ServerConfig:
     engine_retune: str = "propose"
     engine_swap_dir: Path | None = None
     engine_gate_timeout: float = 300.0
+    # The embedded model's expert routing is also counted per position bucket (mla_watch.positions).
+    routing_by_position: bool = True
+    position_metrics: bool = False  # export it per position bucket on /metrics (routers x lines x buckets series)
     return_routed_experts: bool = False  # the embedded model answers with its routing, in vLLM's and SGLang's fields
     attn_implementation: str = "sdpa"
     max_queue: int = 32

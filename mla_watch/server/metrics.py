@@ -14,9 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mla_watch.footprint import FootprintSampler
+from mla_watch.positions import PositionCounts
 from mla_watch.routing import BASELINE_METRICS, STATISTICS
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
-from mla_watch.windows import RouterWindows, RoutingSnapshot
+from mla_watch.windows import ALL_LINES, RouterWindows, RoutingSnapshot
 
 __all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "ReferenceCollector", "RoutingCollector",
            "ServerMetrics"]
@@ -31,6 +33,65 @@ ROUTING_GAUGES: dict[str, tuple[str, str]] = {statistic.gauge: (statistic.key, s
 # to Prometheus, scale these.
 BASELINE_GAUGES: dict[str, str] = {statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
                                    for statistic in STATISTICS if statistic.key in BASELINE_METRICS}
+
+
+class _FootprintCollector(Collector):
+    """``batch_expert_footprint{business_line,batch_size}`` and ``batch_footprint_ratio{batch_size}`` at scrape time."""
+
+    DRAWS = 32  # decode steps drawn per line and batch size at each scrape (seeded: a scrape repeats its figures)
+
+    def __init__(self, sampler: Callable[[], FootprintSampler | None], prefix: str = "mla_watch_") -> None:
+        self._sampler = sampler
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        footprint = GaugeMetricFamily(
+            self._prefix + "batch_expert_footprint", "Mean distinct experts per MoE layer that one decode step of "
+            "batch_size concurrent requests of this business line (all: every line mixed) reads, drawn from recent "
+            "requests' routing.", labels=["business_line", "batch_size"])
+        ratio = GaugeMetricFamily(
+            self._prefix + "batch_footprint_ratio", "Expert weight bytes a decode step of batch_size requests reads "
+            "with business lines batched apart, over mixed (below 1: grouping by line reads less).",
+            labels=["batch_size"])
+        sampler = self._sampler()
+        if sampler is not None and sampler.business_lines:
+            table = sampler.table(draws=self.DRAWS)
+            for index, size in enumerate(table.batch_sizes):
+                for line, values in table.lines.items():
+                    footprint.add_metric([line, str(size)], values[index])
+                footprint.add_metric([ALL_LINES, str(size)], table.mixed[index])
+                ratio.add_metric([str(size)], table.ratio[index])
+        yield footprint
+        yield ratio
+
+
+class _PositionCollector(Collector):
+    """``routing_position_tokens`` and ``routing_position_js_divergence`` per router, line and position bucket
+    (serve --position-metrics: routers x lines x buckets series each, hence opt-in)."""
+
+    def __init__(self, positions: Callable[[], PositionCounts | None], prefix: str = "mla_watch_") -> None:
+        self._positions = positions
+        self._prefix = prefix
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        labels = ["router", "layer", "business_line", "position_bucket"]
+        tokens = GaugeMetricFamily(self._prefix + "routing_position_tokens", "Tokens this router routed at positions "
+                                   "of this bucket (counts halve every hour).", labels=labels)
+        drift = GaugeMetricFamily(self._prefix + "routing_position_js_divergence", "Jensen-Shannon divergence, in "
+                                  "bits, of this position bucket's routing from the line's in-range routing.",
+                                  labels=labels)
+        positions = self._positions()
+        if positions is not None:
+            for line in [None, *positions.business_lines]:
+                document = positions.as_dict(line)
+                for router in document["routers"]:
+                    for bucket in router["buckets"]:
+                        values = [router["name"], str(router["layer"]), line or ALL_LINES, bucket["bucket"]]
+                        tokens.add_metric(values, float(bucket["tokens"]))
+                        if bucket["js_divergence"] is not None:
+                            drift.add_metric(values, float(bucket["js_divergence"]))
+        yield tokens
+        yield drift
 
 
 class RoutingCollector(Collector):
@@ -189,6 +250,14 @@ class ServerMetrics:
     def watch_reference(self, prober: Callable[[], Any]) -> None:
         """Export the reference prompts' readings (``prober()``: the prober, or ``None`` before it starts)."""
         self._registry.register(ReferenceCollector(prober))
+
+    def watch_footprint(self, sampler: Callable[[], FootprintSampler | None]) -> None:
+        """Export the expert footprint of a batch (``sampler()``: the model worker's, or ``None`` before it starts)."""
+        self._registry.register(_FootprintCollector(sampler))
+
+    def watch_positions(self, positions: Callable[[], PositionCounts | None]) -> None:
+        """Export routing by position bucket (``positions()``: the probe's counts, or ``None`` before it starts)."""
+        self._registry.register(_PositionCollector(positions))
 
     def watch_alerts(self, engine: Any) -> None:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""

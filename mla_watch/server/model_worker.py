@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mla_watch.footprint import FootprintSampler
+
 if TYPE_CHECKING:  # the sampler (torch) is imported where the embedded model generates, never beside an engine
     from mla_watch.sampling import SamplingParams, TokenEvent
 
@@ -89,6 +91,11 @@ class ModelWorker:
         # job, e.g. to record traffic for router re-tuning; set by the owner.
         self.capture: Callable[[str, list[int], int, str | None], None] | None = None
         self._busy = threading.Event()
+        # The expert footprint of a batch (mla_watch.footprint): every `footprint_every`-th job's routing per token
+        # is recorded and its decode tokens kept; set by the owner.
+        self.footprint: FootprintSampler | None = None
+        self.footprint_every = 4
+        self._jobs_run = 0
         # Held around each forward pass: a router promotion takes it to swap tensors between two passes.
         self.model_lock = threading.Lock()
         self._recent_seconds = 1.0
@@ -96,6 +103,14 @@ class ModelWorker:
         self.collect_interval = 0.25
         self._thread = threading.Thread(target=self._work, name="mla-watch-model", daemon=True)
         self._thread.start()
+
+    def _sample_footprint(self, job: Job, rows: Any) -> None:
+        """Keep the job's decode tokens' routing (its prompt's when it decoded nothing) for the footprint."""
+        decoded = rows[job.prompt_tokens:]
+        try:
+            self.footprint.add(job.business_line, decoded if len(decoded) else rows)  # type: ignore[union-attr]
+        except Exception:  # the footprint must never fail a request
+            log.exception("keeping a request's routing for the batch footprint failed")
 
     @property
     def queue_depth(self) -> int:
@@ -142,16 +157,21 @@ class ModelWorker:
             return job.cancelled.is_set() or self._clock() > job.deadline
 
         generated: list[int] = []
+        sampled = self.footprint is not None and self._jobs_run % self.footprint_every == 0
+        self._jobs_run += 1
         try:
-            recording = self.probe.record_routing() if job.record_routing else contextlib.nullcontext()
+            recording = (self.probe.record_routing() if job.record_routing or sampled
+                         else contextlib.nullcontext())
             with self.probe.attribute(job.business_line), recording as recorded:
                 for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
                                              should_stop=should_stop, step_lock=self.model_lock):
                     if event.index == 0 and event.token_id is not None:
                         generated.append(event.token_id)
                     job.push(event)
-            if recorded is not None:
+            if recorded is not None and job.record_routing:
                 job.routing = [recorded.rows(row) for row in range(job.params.n)]
+            if recorded is not None and sampled:
+                self._sample_footprint(job, recorded.rows(0))
             job.push(_DONE)
             if self.capture is not None:
                 try:

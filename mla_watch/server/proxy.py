@@ -50,7 +50,7 @@ from mla_watch.engines.replay import (
     read_chunk,
     read_chunk_apart,
 )
-from mla_watch.engines.watch import EngineRouting
+from mla_watch.engines.watch import FOOTPRINT_TOKENS, EngineRouting
 from mla_watch.policy import Decision
 from mla_watch.server.http import by_deadline
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
@@ -482,7 +482,8 @@ class Upstream:
             return RoutingPlan("none", None, keep=True, extra=extra)
         # A client that sets vLLM's prompt start wants routing: it gets the rows it asked for.
         keep = body.get(ROUTING_REQUEST_FIELD) is True or any(field in body for field in START_FIELDS)
-        return RoutingPlan(self.engine, self.routing.geometry, keep=keep, extra=extra, prompt_start=prompt_start)
+        return RoutingPlan(self.engine, self.routing.geometry, keep=keep, extra=extra, prompt_start=prompt_start,
+                           position_edges=self.routing.position_edges, footprint_tokens=FOOTPRINT_TOKENS)
 
     async def _detect(self, request: Request) -> str | None:
         """``--engine auto``: the format of the engine that owns the upstream's first model."""

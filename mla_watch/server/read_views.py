@@ -124,7 +124,12 @@ class ReadViews:
             raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
-        return {"business_line": business_line, "business_lines": lines, "routers": routers}
+        answer = {"business_line": business_line, "business_lines": lines, "routers": routers}
+        probe, engine = self.sources.probe, self.sources.engine_routing
+        positions = probe.positions if probe is not None else engine.positions if engine is not None else None
+        if positions is not None:
+            answer["positions"] = positions.as_dict(business_line)
+        return answer
 
     async def get_reference(self, request: Request) -> Response:
         """``GET /v1/reference``: the reference prompt sets, their latest readings against their healthy baselines,

@@ -1,0 +1,137 @@
+"""``mla-watch context``: how long a line's prompts may be before its routing leaves in-range routing.
+
+From a dataset (``--prompts``, ``--domain``: run through the model here, every prompt up to the model's context
+length) or from a running sidecar's traffic (``--url``: its ``/v1/routing`` positions for ``--business-line``), it
+prints each expert router's routing by position bucket and recommends the line's ``max_prompt_tokens``: the first
+position of the earliest bucket where any router leaves in-range routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+from mla_watch.cli_flags import DOCS, positive_float
+from mla_watch.cli_startup import FlagError
+from mla_watch.describe import describe_value
+from mla_watch.positions import PositionProfile, Recommendation, recommend
+
+__all__ = ["add_parser"]
+
+_MAX_ANSWER_BYTES = 32 << 20  # a sidecar's /v1/routing answer read here, at most
+
+
+def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile]]:
+    import torch
+
+    import mla_watch
+    from mla_watch.cli_startup import check_model_flags, one_thread_for_the_bundled_model
+    from mla_watch.cli_traffic import _traffic
+    from mla_watch.progress import Progress
+
+    check_model_flags(args)
+    traffic = _traffic(args)
+    progress = Progress("mla-watch context")
+    one_thread_for_the_bundled_model(args.model, args.device)
+    progress.say(f"loading the model {args.model}")
+    model, tokenizer = mla_watch.load_model(args.model, device=args.device)
+    probe = mla_watch.attach(model, window_tokens=None, count_positions=True)
+    device = next(model.parameters()).device
+    limit = int(model.config.max_position_embeddings)
+    line = args.business_line or traffic[0][0]
+    with torch.no_grad(), probe.attribute(line):
+        for _, text in progress.track(traffic, "samples"):
+            ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]][:limit]
+            model(input_ids=torch.tensor([ids], device=device))
+    probe.collect()
+    assert probe.positions is not None
+    return line, probe.positions.profiles(line)
+
+
+def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile]]:
+    if not args.business_line:
+        raise FlagError("--url needs --business-line: the line whose traffic to read")
+    if urllib.parse.urlsplit(args.url).scheme not in ("http", "https"):
+        raise FlagError(f"--url {describe_value(args.url)}: expected the sidecar's http:// or https:// base URL")
+    url = args.url.rstrip("/") + "/v1/routing?" + urllib.parse.urlencode({"business_line": args.business_line})
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as answer:
+            body = answer.read(_MAX_ANSWER_BYTES + 1)
+    except urllib.error.HTTPError as error:
+        raise FlagError(f"--url {args.url}: GET /v1/routing answered {error.code}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise FlagError(f"--url {args.url}: cannot read /v1/routing ({getattr(error, 'reason', error)})") from None
+    if len(body) > _MAX_ANSWER_BYTES:
+        raise FlagError(f"--url {args.url}: /v1/routing answered more than {_MAX_ANSWER_BYTES} bytes")
+    try:
+        positions = json.loads(body)["positions"]
+        profiles = {router["name"]: PositionProfile.from_dict(router) for router in positions["routers"]}
+    except (ValueError, KeyError, TypeError):
+        raise FlagError(f"--url {args.url}: /v1/routing has no routing by position (serve "
+                        "--no-routing-by-position, or beside an engine whose --model-config gives no "
+                        "max_position_embeddings)") from None
+    return args.business_line, profiles
+
+
+def _table(profiles: dict[str, PositionProfile]) -> str:
+    names = list(profiles)
+    labels = [bucket.bucket for bucket in next(iter(profiles.values())).buckets] if profiles else []
+    rows = [["bucket", "tokens", *names]]
+    for index, label in enumerate(labels):
+        cells = []
+        for name in names:
+            bucket = profiles[name].buckets[index]
+            mark = "" if not bucket.judged else (" ok" if bucket.in_range else " LEFT")
+            if bucket.js_divergence is None:
+                cells.append("ref" if bucket.in_range else "-")
+            else:
+                cells.append(f"{bucket.js_divergence:.4f}{mark}")
+        tokens = profiles[names[0]].buckets[index].tokens
+        rows.append([label, str(tokens), *cells])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+
+
+def _advice(line: str, found: Recommendation) -> str:
+    if found.max_prompt_tokens is None:
+        return (f"{line}: no router left in-range routing up to position {found.judged_up_to} (the last bucket with "
+                "enough tokens to judge); nothing to recommend from this traffic")
+    return (f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}).\n"
+            f"recommended max_prompt_tokens: {found.max_prompt_tokens}\n"
+            f"  in policies/{line}.yaml:  defaults: {{max_prompt_tokens: {found.max_prompt_tokens}}}\n"
+            f"  then a request whose prompt has more tokens is refused with 400 prompt_too_long, naming the limit "
+            "(whatever the policy's on_violation): the client must shorten it")
+
+
+def _cmd_context(args: argparse.Namespace) -> int:
+    line, profiles = _from_sidecar(args) if args.url else _from_dataset(args)
+    found = recommend(profiles)
+    if args.json:
+        print(json.dumps({"business_line": line, "recommendation": found.as_dict(),
+                          "routers": {name: profile.as_dict() for name, profile in profiles.items()}}, indent=1))
+        return 0
+    print("JS divergence (bits) of each position bucket from the line's in-range routing "
+          "(ref: the first judged bucket; ok: in range; LEFT: left it; '-': not judged)")
+    print(_table(profiles))
+    print(_advice(line, found))
+    return 0
+
+
+def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
+    """Add the ``context`` subcommand."""
+    from mla_watch.cli_traffic import _traffic_options
+
+    context = commands.add_parser(
+        "context", help="recommend a line's max_prompt_tokens from its routing by position",
+        epilog=f"The manual: {DOCS}operations.md (\"Where the router stops generalizing\")")
+    _traffic_options(context)
+    context.add_argument("--url", help="a running sidecar: read its traffic's routing by position instead")
+    context.add_argument("--business-line", help="the line to read (--url), or to attribute the dataset to")
+    context.add_argument("--timeout", type=positive_float, default=10.0,
+                         help="seconds to wait for --url (default 10)")
+    context.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    context.set_defaults(handler=_cmd_context)

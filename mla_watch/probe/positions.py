@@ -1,0 +1,145 @@
+"""Counting expert picks per position bucket on the model's device (``attach(model, count_positions=True)``).
+
+A second preallocated ``int64`` buffer holds, per business line row, ``buckets x num_slots`` counters for each
+expert router. A token's position is its index in its sequence: ``position_ids`` when the forward pass was given
+them; else the running sum of the 2-D attention mask (left padding is not a position); else the cache's length
+(``cache_position``, or the KV cache's ``get_seq_length()``) plus the token's index in the pass. An inference-mode
+mask (read at once, not kept) gives the pass's first position only: its length less the pass's, padding included.
+Eager passes only: compiled graphs, router calls outside a watched forward pass and router outputs that do not fit
+their pass's shape are counted in the windows, not by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from mla_watch.positions import PositionCounts
+from mla_watch.probe.wrappers import _Router
+
+__all__ = ["PADDING_READ", "start_positions"]
+
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+PADDING_READ = -1  # a pass's attention is already the padding it marks (inference tensors have no version)
+
+
+def start_positions(kwargs: dict, seq: int) -> int | torch.Tensor:
+    """What a forward pass says about its tokens' positions, read without waiting for the device: a ``[B or 1,
+    S]`` tensor of positions, or the first position (an int) - the 2-D attention mask is read at the count."""
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() in (1, 2) and position_ids.shape[-1] == seq:
+        return position_ids.view(-1, seq)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= seq:
+        return int(mask.shape[1]) - seq  # its running sum, at the count, also skips left padding
+    cache_position = kwargs.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.dim() == 1 and cache_position.shape[0] == seq:
+        return cache_position.view(1, seq)
+    for keyword in _CACHE_KEYWORDS:
+        cache = kwargs.get(keyword)
+        length = getattr(cache, "get_seq_length", None)
+        if callable(length):
+            try:
+                return int(length())
+            except Exception:  # a cache of another shape: its length is not known here
+                break
+    return 0
+
+
+class _PositionCounting:
+    """Per-position counters of the expert routers (a base of :class:`~mla_watch.probe.Probe`)."""
+
+    _device: torch.device
+    _routers: list[_Router]
+    positions: PositionCounts | None
+
+    def _init_positions(self, rows: int, context_length: int | None, clock: Callable[[], float]) -> None:
+        self.positions = None
+        self._position_buffer: torch.Tensor | None = None
+        if context_length is None:
+            return
+        experts = [router for router in self._routers if router.expert]
+        self.positions = PositionCounts([router.info for router in experts], context_length, clock=clock)
+        buckets = len(self.positions.buckets)
+        self._position_offsets: dict[int, int] = {}
+        width = 0
+        for router in experts:
+            self._position_offsets[router.index] = width
+            width += buckets * router.info.num_slots
+        self._position_width = width
+        self._position_buffer = torch.zeros((rows, width), dtype=torch.int64, device=self._device)
+        self._position_edges = torch.tensor(self.positions.buckets.edges, dtype=torch.int64, device=self._device)
+        self._position_read = np.zeros((rows, width), dtype=np.int64)
+
+    @property
+    def position_bytes(self) -> int:
+        """Device memory held by the per-position counters (0 when positions are not counted)."""
+        buffer = self._position_buffer
+        return 0 if buffer is None else buffer.numel() * buffer.element_size()
+
+    def _pass_positions(self, passes: list[Any], batch: int, seq: int) -> torch.Tensor:
+        """Each token's position, ``[passes, B, S]``."""
+        steps = torch.arange(seq, dtype=torch.int64, device=self._device)
+        rows = []
+        for item in passes:
+            given = item.positions
+            if isinstance(given, torch.Tensor):
+                rows.append(given.to(self._device, torch.int64).expand(batch, seq))
+            elif item.attention is not None and item.attention_version != PADDING_READ:
+                running = (item.attention != 0).to(torch.int64).cumsum(-1)[:, -seq:] - 1
+                rows.append(running.clamp(min=0))
+            else:
+                rows.append((steps + int(given)).view(1, seq).expand(batch, seq))
+        return torch.stack(rows)
+
+    def _count_positions(self, routers: list[_Router], chosen: list[torch.Tensor], passes: list[Any], batch: int,
+                         seq: int, lines: tuple[int, ...], valid: torch.Tensor | None) -> None:
+        """Count the picks of ``routers`` (``chosen``: pass-major) into the per-position counters."""
+        buffer = self._position_buffer
+        if buffer is None:
+            return
+        count, routers_count = len(passes), len(routers)
+        picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
+            count, routers_count, batch, seq, -1)
+        bucket = torch.bucketize(self._pass_positions(passes, batch, seq), self._position_edges, right=True)
+        slots = torch.tensor([router.info.num_slots for router in routers], dtype=torch.int64,
+                             device=self._device).view(1, routers_count, 1, 1, 1)
+        offsets = torch.tensor([self._position_offsets[router.index] for router in routers], dtype=torch.int64,
+                               device=self._device).view(1, routers_count, 1, 1, 1)
+        row_lines = [line for line in lines for _ in range(batch // len(lines))]
+        rows = torch.tensor(row_lines, dtype=torch.int64, device=self._device).view(1, 1, batch, 1, 1)
+        inside = (picks >= 0) & (picks < slots)
+        index = rows * self._position_width + offsets + bucket.view(count, 1, batch, seq, 1) * slots + \
+            picks.clamp(min=0) % slots
+        weight = inside
+        if valid is not None:
+            weight = weight & valid.view(count, 1, batch, seq, 1)
+        buffer.view(-1).scatter_add_(0, index.reshape(-1), weight.reshape(-1).to(torch.int64))
+
+    def _collect_positions(self, lines: dict[str, int]) -> None:
+        """Move what the per-position counters counted since the last call into :attr:`positions` (host lock held)."""
+        if self._position_buffer is None or self.positions is None:
+            return
+        current = self._position_buffer.to("cpu", copy=True).numpy()
+        delta = current - self._position_read
+        self._position_read = current
+        buckets = len(self.positions.buckets)
+        for line, row in lines.items():
+            if not delta[row].any():
+                continue
+            for router in self._routers:
+                start = self._position_offsets.get(router.index)
+                if start is None:
+                    continue
+                size = buckets * router.info.num_slots
+                self.positions.add(router.info.name, line,
+                                   delta[row, start:start + size].reshape(buckets, router.info.num_slots))
+
+    def _reset_positions(self) -> None:
+        if self._position_buffer is not None and self.positions is not None:
+            self._position_buffer.zero_()
+            self._position_read = np.zeros_like(self._position_read)
+            self.positions.reset()
