@@ -635,7 +635,13 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
             assert response.status_code == 200, response.text
         routing = {r["name"]: r for r in httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"},
                                                    timeout=10).json()["routers"]}
-        series = httpx.get(url + "/v1/status", timeout=10).json()["history"]["series"]
+
+        def doc_summary_sampled() -> list[dict]:  # the history samples every 0.5 s: the line's first sample
+            series = httpx.get(url + "/v1/status", timeout=10).json()["history"]["series"]
+            return series if any(s["business_line"] == "doc_summary" for s in series) else []
+
+        assert wait_until(lambda: bool(doc_summary_sampled()), timeout=60, interval=0.2)
+        series = doc_summary_sampled()
         dom, console = open_in_browser(url + "/#business_line=doc_summary&metric=max_violation",
                                        artifacts_dir() / "status-page-no-history.png", 3000)
     assert "Uncaught" not in console, console
