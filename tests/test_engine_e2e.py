@@ -116,7 +116,9 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
         assert all(alert["labels"]["cause"] == "undetermined" and "retune" not in alert["annotations"]
                    for alert in alerts), alerts
         assert all("could not be read through" in alert["annotations"]["cause"] for alert in alerts), alerts
-        # --model-config is the config.json alone: the routers' tensors cannot be read, and the status says why
+        # --model-config names the checkpoint's config.json: the routers' tensors are read beside it, so re-tuning
+        # is available (proposals: the default) and waits for a page whose cause is the model
         status = httpx.get(sglang + "/v1/status", timeout=10).json()
-        assert status["engine"]["engine"] == "sglang" and "is a file: expected the engine's checkpoint directory" \
-            in status["engine"]["retune"]
+        assert status["engine"]["engine"] == "sglang" and status["engine"]["retune"].startswith(
+            "re-tuning the engine's routers: propose"), status["engine"]
+        assert httpx.get(sglang + "/v1/retune/jobs", timeout=10).json()["jobs"] == []
