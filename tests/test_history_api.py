@@ -137,7 +137,9 @@ def test_the_history_survives_a_sigkill(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     options = ("--upstream", "http://127.0.0.1:9", "--history-interval", "0.2")
     query = {"since": time.time() - 60, "until": time.time() + 300, "step": 0.2, "business_line": "code"}
-    with sidecar_process(port, state, *options, env={"MLA_WATCH_INGEST_TOKEN": token}) as process:
+    # nothing listens upstream: /readyz says so, and the process is up once /healthz answers
+    environ = {"MLA_WATCH_INGEST_TOKEN": token}
+    with sidecar_process(port, state, *options, env=environ, ready_path="/healthz") as process:
         ingest(url, token, 40)
 
         def history() -> list[float]:
@@ -147,7 +149,7 @@ def test_the_history_survives_a_sigkill(tmp_path: Path) -> None:
         seen = history()
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(30)
-    with sidecar_process(port, state, *options, env={"MLA_WATCH_INGEST_TOKEN": token}):
+    with sidecar_process(port, state, *options, env=environ, ready_path="/healthz"):
         body = httpx.get(url + "/v1/history", params=query, timeout=10).json()
     kept = set(body["times"])
     assert set(seen[:-1]) <= kept  # what was served before the kill is there, but for the point being written

@@ -62,8 +62,9 @@ def serve(port: int, state: Path, *options: str, env: dict[str, str] | None = No
 
 @contextlib.contextmanager
 def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                    log: Path | None = None) -> Iterator[subprocess.Popen]:
-    """A ready sidecar process; killed (with everything it started) if the test left it running."""
+                    log: Path | None = None, ready_path: str = "/readyz") -> Iterator[subprocess.Popen]:
+    """A ready sidecar process (``ready_path`` answers 200; ``/healthz`` for one whose upstream is nobody, which
+    ``/readyz`` reports); killed (with everything it started) if the test left it running."""
     process = serve(port, state, *options, env=env, log=log)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -71,7 +72,7 @@ def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] |
         def ready() -> bool:
             assert process.poll() is None, f"the sidecar exited with {process.returncode}"
             try:
-                return httpx.get(url + "/readyz", timeout=2).status_code == 200
+                return httpx.get(url + ready_path, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
 
