@@ -234,17 +234,17 @@ def _engine_healthy(index: int) -> tuple[str, str, str, str]:
     return ("code_assistant" if name == "sql" else name), task, text, f"app-{name}"
 
 
-def trimmed_references(directory: Path, prompts: int = 8) -> Path:
-    """The shipped reference sets of the lines the scenario sends, cut to their first ``prompts`` prompts each: a
-    CPU engine reads them in seconds. No default set: every line sent has its own, and each set read costs the
-    CPU engine about 15 s of every reading."""
+def trimmed_references(directory: Path, prompts: int = 8, *, default: bool = False) -> Path:
+    """The shipped reference sets cut to their first ``prompts`` prompts each: a CPU engine reads one in about
+    15 s, not the whole set's minute. The mixed default set only with ``default`` (the floods send lines that
+    have sets of their own: each set read costs every reading)."""
     import yaml
 
     from mla_watch.shipped import SHIPPED_REFERENCES
 
     directory.mkdir(parents=True, exist_ok=True)
     for file in SHIPPED_REFERENCES.glob("*.yaml"):
-        if file.stem == "default":
+        if file.stem == "default" and not default:
             continue
         document = yaml.safe_load(file.read_text())
         document["prompts"] = document["prompts"][:prompts]

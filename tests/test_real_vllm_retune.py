@@ -22,6 +22,7 @@ import httpx
 import processes
 import pytest
 from conftest import free_port, wait_until
+from floods import trimmed_references
 from real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
 from receivers import running_receiver
 from test_reliability import sidecar_process
@@ -69,6 +70,8 @@ def sidecar(upstream: str, checkpoints: tuple[Path, Path], state: Path, mode: st
     with sidecar_process(port, state, "--upstream", upstream, "--engine", "vllm", "--model-config", str(collapsed),
                          "--capture", "--engine-retune", mode, "--reference-model", str(reference or healthy),
                          "--rules", str(rules(state.parent / f"{state.name}-rules")), "--alert-interval", "0.5",
+                         "--reference-prompts", str(trimmed_references(state.parent / f"{state.name}-references",
+                                                                       default=True)),
                          *GATE, env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver_url},
                          log=state.parent / f"{state.name}.log"):
         yield f"http://127.0.0.1:{port}"
@@ -272,7 +275,8 @@ def test_bias_steps_a_deepseek_router_collapsed_by_its_correction_bias_back_into
         port = free_port()
         with sidecar_process(port, tmp_path / "state", "--upstream", engine, "--engine", "vllm", "--model-config",
                              str(collapsed), "--capture", "--engine-retune", "apply", "--rules",
-                             str(tmp_path / "rules"), "--alert-interval", "0.5", *GATE,
+                             str(tmp_path / "rules"), "--alert-interval", "0.5", *GATE, "--reference-prompts",
+                             str(trimmed_references(tmp_path / "references", default=True)),
                              env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url},
                              log=tmp_path / "sidecar.log"):
             url = f"http://127.0.0.1:{port}"

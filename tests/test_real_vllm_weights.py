@@ -22,6 +22,7 @@ import numpy as np
 import processes
 import pytest
 import torch
+from floods import trimmed_references
 from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
 from safetensors.torch import save_file
 
@@ -202,7 +203,9 @@ def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(chec
     with sidecar_process(port, tmp_path / "state", "--upstream", collapsed_url, "--engine", "vllm", "--model-config",
                          str(checkpoints["collapsed"]), "--capture", "--engine-retune", "apply", "--reference-model",
                          str(checkpoints["healthy"]), "--retune-min-samples", "12", "--min-held-out-tokens", "30",
-                         "--min-held-out-samples", "4", env={"MLA_WATCH_ADMIN_TOKEN": token},
+                         "--min-held-out-samples", "4", "--reference-prompts",
+                         str(trimmed_references(tmp_path / "references", default=True)),
+                         env={"MLA_WATCH_ADMIN_TOKEN": token},
                          log=tmp_path / "sidecar.log"):
         for index in range(24):  # 6 distinct prompts held out
             answer = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "customer_service"},
