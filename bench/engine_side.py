@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 from engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
+from proxy_hop import process_tree_rss
 
 from mla_watch.engines.geometry import parse_geometry
 
@@ -57,26 +58,8 @@ def wall(command: list[str], repeats: int) -> float:
 
 def tree_rss_mib(pid: int) -> tuple[float, int, float]:
     """VmRSS of ``pid`` and every process below it, in MiB, how many processes that is, and ``pid``'s own."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    total, count, own, todo = 0, 0, 0, [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            status = Path(f"/proc/{current}/status").read_text()
-        except OSError:
-            continue
-        rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        total, count = total + rss, count + 1
-        own = rss if current == pid else own
-        todo += children.get(current, [])
-    return total / 1024, count, own / 1024
+    rss = process_tree_rss(pid)
+    return sum(rss.values()) / 1024, len(rss), rss.get(pid, 0) / 1024
 
 
 def tree_size_mib(path: Path) -> float:

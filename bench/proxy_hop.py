@@ -312,8 +312,8 @@ def throughput(arm: Arm, clients: int, requests: int) -> float:
     return requests / elapsed
 
 
-def process_tree(pid: int) -> tuple[int, int]:
-    """The resident memory (KiB, VmRSS summed) and the number of processes of ``pid`` and all its descendants."""
+def process_tree_rss(pid: int) -> dict[int, int]:
+    """The resident memory (KiB, VmRSS) of ``pid`` and of each of its descendants, by pid."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -322,16 +322,22 @@ def process_tree(pid: int) -> tuple[int, int]:
             # /proc/PID/stat: "pid (comm) state ppid ...": comm may hold spaces and parentheses
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             children.setdefault(parent, []).append(int(entry.name))
-    total, count, todo = 0, 0, [pid]
+    rss: dict[int, int] = {}
+    todo = [pid]
     while todo:
         current = todo.pop()
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{current}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-                    count += 1
+                    rss[current] = int(line.split()[1])
         todo += children.get(current, [])
-    return total, count
+    return rss
+
+
+def process_tree(pid: int) -> tuple[int, int]:
+    """The resident memory (KiB, VmRSS summed) and the number of processes of ``pid`` and all its descendants."""
+    rss = process_tree_rss(pid)
+    return sum(rss.values()), len(rss)
 
 
 # --------------------------------------------------------------------------- report
