@@ -74,8 +74,9 @@ def test_a_failing_command_is_reported_and_the_next_strategy_runs(tmp_path) -> N
     first, second = result["attempts"]
     assert first["outcome"] == "failed"
     assert first["reason"] == "RuntimeError: the external command exited with status 3: no GPUs left"
-    assert second["strategy"] == "restore" and second["outcome"] == "promoted"  # restore never leaves the server
-    assert status == "promoted" and all(torch.equal(router_state(runner.model)[n], t) for n, t in before.items())
+    # restore never leaves the server; the routers serving are already its source: no candidate, nothing changed
+    assert second["strategy"] == "restore" and second["outcome"] == "unchanged", second
+    assert status == "failed" and all(torch.equal(router_state(runner.model)[n], t) for n, t in before.items())
 
 
 def test_a_bad_template_names_its_fields(tmp_path) -> None:
