@@ -156,6 +156,9 @@ class ReferenceProber:
 
     def _read(self, reference: ReferenceSet) -> ReferenceReading | None:
         started = time.monotonic()
+        # Stamped when it starts: the routers it reads are the ones serving then (the embedded reader copies them
+        # first), so a reading begun before an alert went pending never speaks for that alert.
+        taken_at = self._clock()
         version = self._router_version()
         try:
             score = self.reader.read(reference)
@@ -167,7 +170,7 @@ class ReferenceProber:
             log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
                         reference.name, self.reader.where, self.settings.retry_seconds, why)
             return None
-        reading = ReferenceReading(reference.name, reference.version, reference.digest, self._clock(), version,
+        reading = ReferenceReading(reference.name, reference.version, reference.digest, taken_at, version,
                                    score, time.monotonic() - started)
         with self._lock:
             self._readings[reference.name] = reading

@@ -45,7 +45,7 @@ class ReferenceReading:
     set_name: str
     set_version: int
     digest: str  # the set's prompts and version (ReferenceSet.digest)
-    taken_at: float  # wall clock, when the reading ended
+    taken_at: float  # wall clock, when the reading began (the routers it read were serving then)
     router_version: int | None  # the router version serving (None: not known here)
     score: ModelScore  # every router's statistics (business line: the set's name) and each prompt's loss
     seconds: float = 0.0  # how long the reading took
