@@ -58,7 +58,7 @@ import httpx
 import numpy as np
 from server_overhead import sidecar_process
 
-from mla_watch.ingest import REMOTE_MAX_BUCKETS, IngestLimits
+from mla_watch.routing.ingest import REMOTE_MAX_BUCKETS, IngestLimits
 
 HEALTHZ_POLL_SECONDS = 0.02
 MIN_ATTACK_SECONDS = 0.5  # a quick attack is repeated until it has lasted this long: /healthz is polled ~25 times

@@ -4,7 +4,7 @@
 
 Each business line's requests (the generated corpus, one domain per line) are decoded greedily, ``--decode``
 tokens each, with the probe recording every decode step's expert ids; decode steps of B concurrent requests are
-then drawn from those real decode tokens (``mla_watch.footprint``): B requests of one line (lines batched apart)
+then drawn from those real decode tokens (``mla_watch.routing.footprint``): B requests of one line (lines batched apart)
 or of all lines (mixed), one decode token of each. Printed: the mean distinct experts per MoE layer for B = 1, 8,
 32, 64, per line and mixed, and the ratio of expert weight bytes a step reads with lines batched apart versus
 mixed, with the expert size of the bundled model.
@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mla_watch
-from mla_watch.footprint import BATCH_SIZES, FootprintSampler
 from mla_watch.models import corpus
+from mla_watch.routing.footprint import BATCH_SIZES, FootprintSampler
 
 
 def main() -> int:

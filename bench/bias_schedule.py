@@ -21,7 +21,7 @@ from mla_watch.models import corpus
 from mla_watch.probe import attach
 from mla_watch.retune.data import make_batches
 from mla_watch.retune.engine import bias_step
-from mla_watch.routing import entropy_bits
+from mla_watch.routing.stats import entropy_bits
 
 ROUTER = "model.layers.1.mlp.gate"
 BAND = 5.2

@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import RouterWindows, take_snapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.windows import CountDelta, RouterInfo, RouterWindows, take_snapshot
 
 MIMIR_SERIES_PER_TENANT = 150_000  # Mimir's default -ingester.max-global-series-per-user
 FIRST_MOE_LAYER = 3  # DeepSeek-V3: layers 0-2 are dense

@@ -66,9 +66,10 @@ from mla_watch.alerting.fleet import (
     FLEET_GROUP_NAME,
     REPLICA_KL_BITS,
 )
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import RouterWindows, RoutingSnapshot, take_snapshot
 from mla_watch.server.expert_counts import ExpertSelection, pair_series
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.windows import CountDelta, RouterInfo, RouterWindows, RoutingSnapshot, take_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_MOE_LAYER = 3  # DeepSeek-V3: layers 0-2 are dense

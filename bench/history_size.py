@@ -36,10 +36,11 @@ from starlette.responses import JSONResponse
 
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.history.store import HISTORY_FILE, HISTORY_METRICS, VALUES, HistoryStore, size_bound
-from mla_watch.routing import RoutingStats
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import RoutingStats
+from mla_watch.routing.windows import RouterStats
 from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
 from mla_watch.server.status import entropy_band
-from mla_watch.windows import RouterInfo, RouterStats
 
 DAY = 86400.0
 START = 1_800_000_000.0

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mla_watch
-from mla_watch.sampling import SamplingParams, generate_stream
+from mla_watch.policy.sampling import SamplingParams, generate_stream
 
 PROMPT = "Hello, I would like to return my order number 12345 because it arrived damaged"
 

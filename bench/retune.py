@@ -191,7 +191,7 @@ def engine_vllm() -> dict:
     from real_vllm import build_checkpoint, cache_root, running_vllm
     from test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, send, sidecar, until_resolved
 
-    from mla_watch.engines.weights import VllmWeights, read_router_tensors, write_router_checkpoint
+    from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
 
     root = cache_root() / "checkpoints"
     collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)

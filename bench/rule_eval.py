@@ -26,8 +26,9 @@ from typing import Any
 
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.model import Rule, RuleSet, Selector
-from mla_watch.routing import RoutingStats
-from mla_watch.windows import RouterInfo, RouterStats
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import RoutingStats
+from mla_watch.routing.windows import RouterStats
 
 GOAL_MS = 5.0
 LINES = ("customer_service", "code_assistant", "doc_summary", "default")

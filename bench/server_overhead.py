@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 
 import mla_watch
-from mla_watch.policy import enforce
-from mla_watch.policy_files import PolicyStore
-from mla_watch.sampling import SamplingParams, generate
+from mla_watch.policy.files import PolicyStore
+from mla_watch.policy.model import enforce
+from mla_watch.policy.sampling import SamplingParams, generate
 from mla_watch.shipped import SHIPPED_POLICIES
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}

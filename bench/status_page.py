@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_overhead import sidecar_process
 
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
-from mla_watch.routing import RoutingStats
-from mla_watch.windows import RouterInfo, RouterStats
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import RoutingStats
+from mla_watch.routing.windows import RouterStats
 
 LINES = ("customer_service", "code_assistant", "sql", "doc_summary")
 
@@ -98,7 +99,7 @@ def sample_figures() -> dict:
                                    state_dir=Path(tempfile_dir())))
     sidecar.load_model()
     from mla_watch.models import corpus
-    from mla_watch.sampling import SamplingParams, generate
+    from mla_watch.policy.sampling import SamplingParams, generate
 
     for line, domain in zip(LINES, ("customer_service", "code", "sql", "doc_summary"), strict=True):
         with sidecar.probe.attribute(line):

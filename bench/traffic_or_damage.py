@@ -79,7 +79,7 @@ def show(figures: dict[str, Any]) -> None:
 def engine_cost(url: str, geometry: Any, seconds: float, rounds: int) -> dict[str, Any]:
     """Clients' tokens/s alone and while one round of every set is read, alternated ``rounds`` times; the engine's
     prompt tokens/s while it reads the sets alone; what the default schedule asks of it."""
-    from mla_watch.engines.weights import VllmWeights
+    from mla_watch.engines.vllm_weights import VllmWeights
 
     sets = list(load_reference_dir(SHIPPED_REFERENCES).sets.values())
     reader = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=16.0)

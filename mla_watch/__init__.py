@@ -1,6 +1,6 @@
 """mla_watch: a monitoring and guardrail sidecar for MLA/MoE language models.
 
-The public API is imported lazily, so that ``import mla_watch.routing`` (pure numpy) does
+The public API is imported lazily, so that ``import mla_watch.routing.stats`` (pure numpy) does
 not pull in torch and transformers.
 """
 

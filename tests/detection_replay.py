@@ -33,14 +33,14 @@ from receivers import running_receiver
 import mla_watch
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
-from mla_watch.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import ModelReader
 from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.models import corpus
+from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS, Baselines
+from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES
-from mla_watch.windows import RouterStats
 
 __all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
            "watched"]

@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.baselines import Baseline
-from mla_watch.routing import RoutingStats
-from mla_watch.windows import ALL_LINES, RouterInfo, RouterStats
+from mla_watch.routing.baselines import Baseline
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import RoutingStats
+from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 GATE = "model.layers.1.mlp.gate"  # the router the record builders describe unless told otherwise
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable
 
 from mla_watch.alerting.model import METRICS
-from mla_watch.windows import RouterStats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["MemoryHistory"]
 

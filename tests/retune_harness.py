@@ -14,9 +14,9 @@ from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.service import RetuneService
+from mla_watch.retune.versions import RouterVersions
 
 GATE = "model.layers.1.mlp.gate"
 BIAS = f"{GATE}.e_score_correction_bias"

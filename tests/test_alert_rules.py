@@ -19,7 +19,7 @@ from mla_watch.alerting.rules import (
     parse_duration,
     render_annotations,
 )
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_RULES = REPO / "rules"

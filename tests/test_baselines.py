@@ -1,4 +1,4 @@
-"""Healthy baselines: learned per router and business line, persisted, set by hand, served (mla_watch.baselines)."""
+"""Healthy baselines: learned per router and business line, persisted, set by hand, served (routing/baselines.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import get_metrics, metric_value, running_sidecar, wait_until
 
-from mla_watch.baselines import BASELINE_FORMAT, Baselines
-from mla_watch.windows import CountDelta, RouterInfo, RouterWindows
+from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import RouterWindows
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
 INDEXER = RouterInfo("model.layers.1.self_attn.indexer", 1, "indexer", 512, 64)
@@ -161,7 +162,7 @@ def test_serve_learns_baselines_from_healthy_traffic_and_keeps_them(tmp_path) ->
 
 
 def test_the_counts_held_are_bounded_whatever_reports_them(monkeypatch) -> None:
-    from mla_watch import baselines as module
+    from mla_watch.routing import baselines as module
 
     monkeypatch.setattr(module, "MAX_COUNTS", 20)  # two 8-expert series fit, a third does not
     baselines = Baselines(learn_tokens=100)

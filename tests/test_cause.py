@@ -27,9 +27,10 @@ from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.retune.band import Band
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.score import ModelScore
-from mla_watch.routing import compute_stats
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import compute_stats
+from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES
-from mla_watch.windows import RouterInfo, RouterStats
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 64, 6)
 BALANCED = np.full(64, 96, dtype=np.int64)  # 1024 tokens x top-6, every expert alike: 6 bits

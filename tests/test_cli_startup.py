@@ -20,8 +20,8 @@ import processes
 import pytest
 
 from mla_watch.cli import build_parser
-from mla_watch.cli_startup import HelpFormatter, device_problem
-from mla_watch.progress import quiet_progress_bars
+from mla_watch.cli.startup import HelpFormatter, device_problem
+from mla_watch.common.progress import quiet_progress_bars
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mla_watch.cli"]

@@ -84,7 +84,7 @@ def test_the_demo_fails_loudly_when_a_step_does_not_happen(tmp_path) -> None:
 def test_the_live_view_renders_routers_policy_changes_alerts_and_the_job() -> None:
     from rich.console import Console
 
-    from mla_watch.demo import _View
+    from mla_watch.cli.demo import _View
 
     view = _View(live=False)
     view.console = Console(record=True, width=140)
@@ -108,7 +108,7 @@ def test_the_live_view_renders_routers_policy_changes_alerts_and_the_job() -> No
 
 
 def test_only_changed_requested_values_are_policy_events() -> None:
-    from mla_watch.demo import policy_changes
+    from mla_watch.cli.demo import policy_changes
 
     adjustments = [{"param": "n", "requested": None, "applied": 1},  # a default filled in: no event
                    {"param": "temperature", "requested": 0.9, "applied": 0.3},
@@ -119,7 +119,7 @@ def test_only_changed_requested_values_are_policy_events() -> None:
 
 
 def test_an_alert_line_says_what_the_value_is_now() -> None:
-    from mla_watch.demo import alert_line
+    from mla_watch.cli.demo import alert_line
 
     labels = {"alertname": "RoutingEntropyLow", "router": "model.layers.2.mlp.gate",
               "business_line": "customer_service"}
@@ -142,7 +142,7 @@ def test_an_alert_line_says_what_the_value_is_now() -> None:
 
 
 def test_a_job_line_says_the_version_it_promoted_or_why_it_waits() -> None:
-    from mla_watch.demo import job_line
+    from mla_watch.cli.demo import job_line
 
     spec = {"strategies": ["bias"]}
     assert job_line({"id": "j1", "status": "pending", "spec": spec, "result": None}) == "job j1 (bias): pending"
@@ -157,7 +157,7 @@ def test_a_job_line_says_the_version_it_promoted_or_why_it_waits() -> None:
 
 
 def test_the_summary_is_aligned_lines_wrapped_at_word_boundaries() -> None:
-    from mla_watch.demo import STEPS, DemoResult, summary_lines
+    from mla_watch.cli.demo import STEPS, DemoResult, summary_lines
 
     result = DemoResult({step: True for step in STEPS}, {"fault injected": 11.2}, [],
                         {"code_assistant/code 200": 15, "code_assistant/sql 400": 14, "customer_service 200": 15,

@@ -54,7 +54,7 @@ from starlette.routing import Route
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.sglang_weights import MESSAGE_CHARS, SglangWeights
 from mla_watch.engines.swap import EngineWeights, SwapError
-from mla_watch.engines.weights import write_router_checkpoint
+from mla_watch.engines.vllm_weights import write_router_checkpoint
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "hidden_size": 8}

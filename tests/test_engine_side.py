@@ -22,8 +22,8 @@ from conftest import REPO, free_port, metric_value, serve_app, wait_until
 from test_reliability import sidecar_process
 from vllm_twin import VllmTwin
 
+from mla_watch.common.extras import MODEL_INSTALL
 from mla_watch.engines.geometry import parse_geometry
-from mla_watch.extras import MODEL_INSTALL
 
 MARK = "HEAVY IMPORT:"
 BLOCKER = f'''
@@ -44,15 +44,16 @@ sys.meta_path.insert(0, _WithoutTheModelExtra())
 '''
 # What stands beside an engine (docs/architecture.md): serving, proxy, counting, alerting, causes, the re-tuning
 # parts the engine path reads, the command line.
-ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli_serve", "mla_watch.cli_check", "mla_watch.cli_retune",
+ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "mla_watch.cli.retune",
                "mla_watch.server.app", "mla_watch.server.proxy", "mla_watch.server.admin", "mla_watch.server.reference",
-               "mla_watch.server.retuning", "mla_watch.engines.counting", "mla_watch.engines.decoder",
+               "mla_watch.server.retuning", "mla_watch.engines.count_queue", "mla_watch.engines.decoder",
                "mla_watch.engines.formats", "mla_watch.engines.replay", "mla_watch.engines.watch",
-               "mla_watch.engines.recorder", "mla_watch.engines.weights", "mla_watch.engines.sglang_weights",
+               "mla_watch.engines.recorder", "mla_watch.engines.vllm_weights", "mla_watch.engines.sglang_weights",
                "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.retune.score",
                "mla_watch.retune.gates", "mla_watch.retune.specs", "mla_watch.retune.data", "mla_watch.retune.capture",
-               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.ingest", "mla_watch.history.store"]
+               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.routing.ingest",
+               "mla_watch.history.store"]
 HEAVY = ("torch", "transformers", "scipy.stats", "scipy.spatial", "matplotlib")
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}

@@ -19,7 +19,7 @@ import pytest
 from conftest import get_metrics, metric_value, running_sidecar, serve_app, settled
 from vllm_twin import SILENT_TOKEN, VllmTwin
 
-from mla_watch.engines.counting import CountQueue
+from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, count_response, encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.replay import MAX_STREAM_TOKENS, ReplayBudget, StreamReplayer, StreamTokens

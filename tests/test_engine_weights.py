@@ -37,11 +37,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import mla_watch.engines.weights as weights_module
+import mla_watch.engines.vllm_weights as weights_module
 from mla_watch.engines.formats import encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.swap import SwapError
-from mla_watch.engines.weights import (
+from mla_watch.engines.vllm_weights import (
     ROUTER_TENSOR,
     VllmWeights,
     read_router_tensors,

@@ -14,10 +14,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mla_watch.cli import build_parser
-from mla_watch.ingest import snapshot_body
+from mla_watch.routing.ingest import snapshot_body
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import RouterWindows
 from mla_watch.server.config import ServerConfig, ServerConfigError
 from mla_watch.server.expert_counts import ExpertCountsCollector, ExpertSelection
-from mla_watch.windows import CountDelta, RouterInfo, RouterWindows
 
 SELECTIONS = "mla_watch_expert_selections_total"
 TOKENS = "mla_watch_expert_tokens_total"

@@ -285,7 +285,7 @@ def test_demo_on_a_port_in_use_is_one_line_before_anything_runs() -> None:
 def test_version_and_help_that_names_the_manuals_pages() -> None:
     from mla_watch import __version__
     from mla_watch.cli import build_parser
-    from mla_watch.cli_flags import DOCS
+    from mla_watch.cli.flags import DOCS
 
     version = cli("--version")
     assert version.returncode == 0 and version.stdout == f"mla-watch {__version__}\n"
@@ -414,7 +414,7 @@ def test_a_long_command_draws_a_bar_on_a_terminal() -> None:
 def test_progress_lines_on_a_pipe_come_at_tenths_at_most_every_two_seconds() -> None:
     import io
 
-    from mla_watch.progress import Progress
+    from mla_watch.common.progress import Progress
 
     now = [0.0]
     stream = io.StringIO()

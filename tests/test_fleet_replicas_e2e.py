@@ -40,7 +40,7 @@ from mla_watch.alerting.fleet import (
     OUTLIER_ALERT,
     REPLICA_KL_BITS,
 )
-from mla_watch.routing import compute_stats
+from mla_watch.routing.stats import compute_stats
 
 pytestmark = pytest.mark.slow
 

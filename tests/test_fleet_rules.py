@@ -21,7 +21,7 @@ import yaml
 
 from mla_watch.alerting import fleet
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.routing import compute_stats, entropy_bits, minimum_window_tokens
+from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "mla_watch"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mla_watch.cli import main
-from mla_watch.footprint import FootprintSampler, distinct_experts
+from mla_watch.routing.footprint import FootprintSampler, distinct_experts
 
 
 def test_distinct_experts_counts_each_layer_of_a_step() -> None:

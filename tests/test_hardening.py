@@ -17,8 +17,8 @@ from receivers import running_receiver
 
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.examples import entropy_low_rules
-from mla_watch.config import ConfigError
-from mla_watch.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
+from mla_watch.common.directory_store import ConfigError
+from mla_watch.routing.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
 from mla_watch.server.app import ServerConfig, Sidecar, build_sidecar
 
 ADMIN = "hardening-admin-token-0123"

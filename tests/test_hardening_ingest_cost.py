@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import running_sidecar
 
-from mla_watch.ingest import IngestError, IngestLimits, parse_snapshot
+from mla_watch.routing.ingest import IngestError, IngestLimits, parse_snapshot
 
 UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads no model
 INGEST = "ingest-cost-token-0123456789"

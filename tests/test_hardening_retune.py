@@ -15,12 +15,12 @@ import pytest
 from conftest import running_sidecar, wait_until
 from retune_harness import GATE, Harness, spec
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
+from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file, write_private
 from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
-from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
-from mla_watch.statedir import ensure_private_dir, ensure_private_file, write_private
+from mla_watch.retune.versions import RouterVersions
 
 TOKEN = "hardening-retune-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

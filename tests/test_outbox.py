@@ -23,10 +23,10 @@ from conftest import free_port
 from helpers import FakeClock
 from receivers import Reply, running_receiver, status
 
-from mla_watch import sqlite as private_database
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
+from mla_watch.common import sqlite as private_database
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0

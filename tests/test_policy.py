@@ -1,4 +1,4 @@
-"""Tests for mla_watch.policy: loading, validation errors, enforce, PolicyStore reload/watch."""
+"""Tests for mla_watch.policy.model: loading, validation errors, enforce, PolicyStore reload/watch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_watch.policy import (
+from mla_watch.policy.files import PolicyStore, load_policy_dir, load_policy_file
+from mla_watch.policy.model import (
     GOVERNED_PARAMS,
     Adjustment,
     ParamRule,
@@ -24,7 +25,6 @@ from mla_watch.policy import (
     UnknownTask,
     enforce,
 )
-from mla_watch.policy_files import PolicyStore, load_policy_dir, load_policy_file
 
 SHIPPED = Path(__file__).resolve().parent.parent / "policies"
 
@@ -362,8 +362,8 @@ def test_a_policy_cannot_allow_what_http_refuses(tmp_path: Path, rule: str, key:
 
 
 def test_policy_domains_and_http_limits_come_from_one_table() -> None:
-    from mla_watch.policy import PARAM_DOMAINS
-    from mla_watch.sampling_params import SAMPLING_PARAMS
+    from mla_watch.policy.model import PARAM_DOMAINS
+    from mla_watch.policy.params import SAMPLING_PARAMS
 
     assert tuple(p.name for p in SAMPLING_PARAMS.values() if p.governed) == GOVERNED_PARAMS
     for name in GOVERNED_PARAMS:

@@ -17,9 +17,9 @@ from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
 from mla_watch.models import corpus
-from mla_watch.positions import PositionBuckets, PositionCounts, profile
+from mla_watch.routing.positions import PositionBuckets, PositionCounts, profile
+from mla_watch.routing.routers import RouterInfo
 from mla_watch.shipped import __file__ as shipped_init
-from mla_watch.windows import RouterInfo
 from tests.conftest import get_metrics, metric_value, running_sidecar
 from tests.helpers import FakeClock
 
@@ -83,7 +83,7 @@ def test_the_edge_is_the_first_bucket_that_leaves_the_pooled_in_range_routing() 
 
 
 def test_the_row_wise_divergence_and_entropy_equal_the_scalar_ones() -> None:
-    from mla_watch.routing import entropy_bits, entropy_rows, js_divergence_bits, js_divergence_rows
+    from mla_watch.routing.stats import entropy_bits, entropy_rows, js_divergence_bits, js_divergence_rows
 
     rng = np.random.default_rng(1)
     counts, baselines = rng.integers(0, 40, (6, 64)), rng.integers(0, 40, (6, 64))

@@ -28,7 +28,7 @@ from receivers import running_receiver
 from test_reliability import sidecar_process
 
 from mla_watch.alerting.examples import entropy_low_rules
-from mla_watch.engines.weights import VllmWeights
+from mla_watch.engines.vllm_weights import VllmWeights
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

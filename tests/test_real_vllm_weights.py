@@ -26,9 +26,9 @@ from floods import trimmed_references
 from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
 from safetensors.torch import save_file
 
-from mla_watch.engines import weights
+from mla_watch.engines import vllm_weights
 from mla_watch.engines.swap import SwapError
-from mla_watch.engines.weights import VllmWeights, read_router_tensors, write_router_checkpoint
+from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -162,7 +162,7 @@ def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: d
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
     with monkeypatch.context() as unchecked, pytest.raises(SwapError) as caught:
         # past the sidecar's own checks, as if they had missed it: what a failed reload does to vLLM
-        unchecked.setattr(weights, "checked_router_dir", lambda path, engine_name: Path(path))
+        unchecked.setattr(vllm_weights, "checked_router_dir", lambda path, engine_name: Path(path))
         engine.swap(corrupt)
     FINDINGS["corrupt_swap_error"] = str(caught.value)
     assert "/collective_rpc (reload_weights of " in str(caught.value) and " answered 500: Call to collective_rpc " \

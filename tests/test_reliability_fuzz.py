@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from mla_watch.alerting.model import METRICS
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES
 from mla_watch.alerting.rules import SEVERITIES, RuleError, load_rules_dir
-from mla_watch.policy import GOVERNED_PARAMS, PolicyError
-from mla_watch.policy_files import load_policy_dir
+from mla_watch.policy.files import load_policy_dir
+from mla_watch.policy.model import GOVERNED_PARAMS, PolicyError
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Generating overly large repr")]
 

@@ -10,7 +10,7 @@ from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.retune import BiasRefitResult, refit_bias, router_state, supports_bias
-from mla_watch.routing import entropy_bits
+from mla_watch.routing.stats import entropy_bits
 
 GATE = "model.layers.1.mlp.gate"
 BIAS = f"{GATE}.e_score_correction_bias"

@@ -24,7 +24,7 @@ from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.engine import BiasSchedule, EngineRetuner, EngineRouters, bias_step, engine_score
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.registry import RouterVersions
+from mla_watch.retune.versions import RouterVersions
 
 GEOMETRY = EngineGeometry(model_type="deepseek_v3", num_hidden_layers=2, moe_layers=(0, 1), num_experts=8, top_k=2)
 ROUTER = "model.layers.1.mlp.gate"

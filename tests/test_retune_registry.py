@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import build
 
-import mla_watch.retune.registry as registry_module
+import mla_watch.retune.versions as registry_module
 from mla_watch.retune import RouterVersions, router_state
 
 GATE = "model.layers.1.mlp.gate"

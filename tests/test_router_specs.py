@@ -15,7 +15,7 @@ from torch import nn
 import mla_watch
 from mla_watch.cli import main
 from mla_watch.probe import RouterRegistry
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 FAMILIES = {family.module: family for family in router_families()}
 

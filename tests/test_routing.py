@@ -1,4 +1,4 @@
-"""Tests for mla_watch.routing: entropy figures, bounds, properties, indexers and rolling windows."""
+"""Tests for mla_watch.routing.stats: entropy figures, bounds, properties, indexers and rolling windows."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from helpers import FakeClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mla_watch.routing import (
+from mla_watch.routing.stats import (
     RollingWindow,
     RoutingStats,
     WindowTotals,

@@ -22,8 +22,9 @@ from mla_watch.alerting.lint import lint
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.cli import main
 from mla_watch.engines.geometry import parse_geometry
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_RULES
-from mla_watch.windows import RouterInfo, RouterStats
 
 # The keys that decide the routers' geometry, from each model's published config.json.
 REAL_CONFIGS = {
@@ -149,7 +150,8 @@ def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) ->
 
 
 def test_hash_routers_have_no_log2_k_floor_and_rules_skip_them_unless_asked(tmp_path) -> None:
-    from mla_watch.windows import CountDelta, RouterWindows
+    from mla_watch.routing.routers import CountDelta
+    from mla_watch.routing.windows import RouterWindows
 
     hashed = RouterInfo("model.layers.0.mlp.gate", 0, "expert", 8, 2, hash_routed=True)
     learned = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)

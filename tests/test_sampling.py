@@ -1,4 +1,4 @@
-"""Tests for mla_watch.sampling: processors against transformers, parameter validation, decode loop.
+"""Tests for mla_watch.policy.sampling: processors against transformers, parameter validation, decode loop.
 
 Two kinds of model are used:
 
@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from mla_watch.sampling import (
+from mla_watch.policy.sampling import (
     GenerationCancelled,
     GenerationResult,
     LogitsProcessor,
@@ -306,7 +306,7 @@ def test_sampling_params_defaults_and_normalisation() -> None:
 
 
 def test_sampling_values_from_a_decision_take_the_table_defaults() -> None:
-    from mla_watch.sampling_params import SAMPLING_PARAMS, SamplingValues
+    from mla_watch.policy.params import SAMPLING_PARAMS, SamplingValues
 
     assert SamplingParams is SamplingValues
     empty = SamplingValues.from_applied({})

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter
 
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
+from mla_watch.routing.windows import RoutingSnapshot
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.status import counter_values, entropy_band, policies_view, static_file
-from mla_watch.windows import RoutingSnapshot
 
 GATE = "model.layers.1.mlp.gate"
 INDEXER = "model.layers.1.self_attn.indexer"

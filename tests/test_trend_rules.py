@@ -15,7 +15,7 @@ from mla_watch.alerting.lint import lint
 from mla_watch.alerting.model import TEMPLATE_FIELDS, Rule, RuleSet, Selector, Trend
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.alerting.trend import MIN_POINTS, TrendSource, crossing_in, enough_data, fit, format_crossing
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 GATE = "model.layers.2.mlp.gate"
 T0 = 1_700_000_000.0

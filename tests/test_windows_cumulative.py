@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mla_watch.windows import CountDelta, RouterInfo, RouterWindows
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import RouterWindows
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
 INDEXER = RouterInfo("model.layers.1.self_attn.indexer", 1, "indexer", 16, 4)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from mla_watch.windows import RouterStats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["CAUSES", "CAUSE_HEADLINES", "CAUSE_LABEL", "Cause", "CauseJudge", "CauseName", "undetermined"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from mla_watch.alerting.instances import RecordKey
 from mla_watch.alerting.model import Rule, RuleSet
-from mla_watch.windows import ALL_LINES, RouterStats
+from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["CompiledRule", "compile_rules"]
 

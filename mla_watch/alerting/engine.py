@@ -48,8 +48,8 @@ from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
 from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, recause, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
-from mla_watch.routing import RoutingStats
-from mla_watch.windows import ALL_LINES, RouterStats
+from mla_watch.routing.stats import RoutingStats
+from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from mla_watch.alerting.causes import CAUSE_LABEL, Cause
 from mla_watch.alerting.model import Alert, AlertState, Rule, fingerprint
-from mla_watch.windows import RouterStats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["Action", "AlertInstance", "InstanceState", "RecordKey"]
 

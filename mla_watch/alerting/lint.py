@@ -17,8 +17,8 @@ from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet, Selector
 from mla_watch.alerting.rules import format_number as num
 from mla_watch.alerting.trend import MIN_POINTS
-from mla_watch.routing import entropy_bounds, minimum_window_tokens
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import entropy_bounds, minimum_window_tokens
 
 __all__ = ["HISTORY_INTERVAL_SECONDS", "HISTORY_RETENTION_SECONDS", "LintFinding", "applies_to", "lint"]
 

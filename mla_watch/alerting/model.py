@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mla_watch.config import ConfigError
-from mla_watch.routing import RULE_METRICS
-from mla_watch.windows import ALL_LINES
+from mla_watch.common.directory_store import ConfigError
+from mla_watch.routing.stats import RULE_METRICS
+from mla_watch.routing.windows import ALL_LINES
 
 __all__ = [
     "ACTIONS",

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from mla_watch.alerting.model import Notification, Receiver
 from mla_watch.alerting.notifiers import Notifier, OutgoingRequest, notifier_for, redact_url
-from mla_watch.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase
 
 __all__ = [
     "OUTCOMES",

@@ -31,8 +31,8 @@ import yaml
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
-from mla_watch.routing import BASELINE_METRICS, RULE_METRICS, STATISTICS
-from mla_watch.windows import ALL_LINES
+from mla_watch.routing.stats import BASELINE_METRICS, RULE_METRICS, STATISTICS
+from mla_watch.routing.windows import ALL_LINES
 
 __all__ = [
     "BASELINE_NAMES",
@@ -57,7 +57,7 @@ __all__ = [
 GROUP_NAME = "mla_watch_routing"
 _GAUGES: dict[str, str] = {statistic.key: f"mla_watch_{statistic.gauge}" for statistic in STATISTICS}
 METRIC_NAMES: dict[str, str] = {key: _GAUGES[key] for key in RULE_METRICS}
-# The healthy value learned per router and line (mla_watch.baselines), which relative thresholds scale.
+# The healthy value learned per router and line (mla_watch.routing.baselines), which relative thresholds scale.
 BASELINE_NAMES: dict[str, str] = {metric: f"mla_watch_routing_baseline_{metric}" for metric in BASELINE_METRICS}
 WINDOW_TOKENS = _GAUGES["tokens"]
 WINDOW_TOO_SMALL = _GAUGES["too_small"]

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from mla_watch.alerting.durations import duration_key
 from mla_watch.alerting.model import LABEL_NAME_RE, Receiver
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
-from mla_watch.windows import NAME_RE, NAME_RULE
-from mla_watch.yamlcheck import Checker
+from mla_watch.common.yamlcheck import Checker
+from mla_watch.routing.windows import NAME_RE, NAME_RULE
 
 __all__ = ["PAGERDUTY_EVENTS_URL", "parse_receiver"]
 

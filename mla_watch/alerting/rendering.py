@@ -17,7 +17,7 @@ from mla_watch.alerting.compiled import CompiledRule
 from mla_watch.alerting.instances import Action, InstanceState
 from mla_watch.alerting.model import Alert, Rule
 from mla_watch.alerting.templates import render_annotations
-from mla_watch.windows import RouterStats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["TREND_FIELDS", "AlertRenderer", "Render", "with_cause"]
 

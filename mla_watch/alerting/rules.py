@@ -61,10 +61,10 @@ from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.selector import _NAME_RE, _parse_selector
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.thresholds import _number_key, _parse_baseline_thresholds, _parse_trend, format_number
-from mla_watch.config import config_files
-from mla_watch.yamlcheck import Checker as _Checker
-from mla_watch.yamlcheck import fmt as _fmt
-from mla_watch.yamlcheck import read_yaml
+from mla_watch.common.directory_store import config_files
+from mla_watch.common.yamlcheck import Checker as _Checker
+from mla_watch.common.yamlcheck import fmt as _fmt
+from mla_watch.common.yamlcheck import read_yaml
 
 __all__ = [
     "RETUNE_STRATEGIES",

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 
 from mla_watch.alerting.model import Selector, SlotRange
-from mla_watch.routing import KINDS
-from mla_watch.yamlcheck import Checker as _Checker
-from mla_watch.yamlcheck import fmt as _fmt
+from mla_watch.common.yamlcheck import Checker as _Checker
+from mla_watch.common.yamlcheck import fmt as _fmt
+from mla_watch.routing.stats import KINDS
 
 __all__: list[str] = []
 

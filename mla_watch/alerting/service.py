@@ -27,7 +27,7 @@ from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource
-from mla_watch.windows import RouterStats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["AlertService"]
 

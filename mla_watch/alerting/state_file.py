@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from mla_watch.alerting.instances import InstanceState
-from mla_watch.statedir import replace_private, set_aside
+from mla_watch.common.state_dir import replace_private, set_aside
 
 __all__ = ["STATE_FORMAT", "read_state", "save_state"]
 

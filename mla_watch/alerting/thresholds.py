@@ -16,8 +16,8 @@ from typing import Any
 
 from mla_watch.alerting.durations import duration_key
 from mla_watch.alerting.model import BaselineScale, Trend
-from mla_watch.yamlcheck import Checker as _Checker
-from mla_watch.yamlcheck import is_number as _is_number
+from mla_watch.common.yamlcheck import Checker as _Checker
+from mla_watch.common.yamlcheck import is_number as _is_number
 
 __all__ = ["format_number"]
 

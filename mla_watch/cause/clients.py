@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mla_watch.windows import ALL_LINES
+from mla_watch.routing.windows import ALL_LINES
 
 __all__ = ["CLIENT_ID_SOURCES", "DEFAULT_CLIENT_ID", "OTHER", "UNKNOWN", "ClientShares", "Mover", "client_id",
            "parse_client_id_sources"]

@@ -34,7 +34,7 @@ from mla_watch.cause.clients import ClientShares
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
-from mla_watch.windows import ALL_LINES, RouterStats
+from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["DEFAULT_TOLERANCE_BITS", "ReferenceProber", "ReferenceSettings"]
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.config import ConfigError, config_files
-from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
-from mla_watch.yamlcheck import Checker, read_yaml
+from mla_watch.common.directory_store import ConfigError, config_files
+from mla_watch.common.yamlcheck import Checker, read_yaml
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_SET", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MIN_PROMPTS", "ReferenceError", "ReferenceSet",
            "ReferenceSets", "load_reference_dir"]

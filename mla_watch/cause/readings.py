@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.baselines import write_json
+from mla_watch.common.state_dir import set_aside
 from mla_watch.retune.score import ModelScore
-from mla_watch.routing import RoutingStats, compute_stats
-from mla_watch.statedir import set_aside
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.baselines import write_json
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import RoutingStats, compute_stats
 
 __all__ = ["BASELINE_FILE", "REFERENCE_BASELINE_FORMAT", "ReferenceBaseline", "ReferenceBaselines",
            "ReferenceReading", "RouterComparison", "compare"]

@@ -99,9 +99,9 @@ class RoutingPlan:
     # (where they sit), read into Decoded.samples; strip_token_ids: the client did not ask, so they go.
     token_ids: str | None = None
     strip_token_ids: bool = False
-    # Routing by position (mla_watch.positions): the buckets' end positions, or None to count no positions.
+    # Routing by position (mla_watch.routing.positions): the buckets' end positions, or None to count no positions.
     position_edges: tuple[int, ...] | None = None
-    # The expert footprint of a batch (mla_watch.footprint): decode rows kept per choice, at most; 0: none.
+    # The expert footprint of a batch (mla_watch.routing.footprint): decode rows kept per choice, at most; 0: none.
     footprint_tokens: int = 0
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mla_watch.config import ConfigError
-from mla_watch.describe import describe_value
-from mla_watch.windows import RouterInfo
+from mla_watch.common.describe import describe_value
+from mla_watch.common.directory_store import ConfigError
+from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["EngineGeometry", "GeometryError", "load_geometry", "parse_geometry"]
 

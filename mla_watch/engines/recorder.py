@@ -46,7 +46,7 @@ import numpy as np
 
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.watch import LOG_EVERY_SECONDS, UNATTRIBUTED_LINE, EngineRouting
-from mla_watch.windows import CountDelta
+from mla_watch.routing.routers import CountDelta
 
 __all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "MAX_DUMP_PASSES", "OUTCOMES", "REJECT_REASONS", "Dump", "DumpError",
            "RecorderPoller", "read_dump"]

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mla_watch.engines.counting import CountQueue
+from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
 
 __all__ = ["MAX_STREAM_TOKENS", "REPLAY_OUTCOMES", "TOKEN_IDS_FIELD", "ReplayBudget", "StreamReplayer",

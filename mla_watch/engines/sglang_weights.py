@@ -66,7 +66,7 @@ from mla_watch.engines.swap import (
     SwapResult,
     tokens_of_answer,
 )
-from mla_watch.engines.weights import checked_router_dir
+from mla_watch.engines.vllm_weights import checked_router_dir
 
 __all__ = ["PAUSE_MODE", "SglangWeights"]
 

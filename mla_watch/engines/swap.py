@@ -1,6 +1,6 @@
 """What mla_watch asks of an engine to repair a router in place: swap router tensors, score text.
 
-An engine backend (vLLM's dev mode in :mod:`mla_watch.engines.weights`, SGLang's weight-update
+An engine backend (vLLM's dev mode in :mod:`mla_watch.engines.vllm_weights`, SGLang's weight-update
 endpoints in :mod:`mla_watch.engines.sglang_weights`) implements :class:`EngineWeights`:
 
 * :meth:`EngineWeights.swap` loads the router tensors of a checkpoint directory the engine can

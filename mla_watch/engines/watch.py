@@ -20,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter
 from mla_watch.cause.clients import ClientShares
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
-from mla_watch.footprint import FootprintSampler
-from mla_watch.positions import PositionCounts
-from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterWindows
+from mla_watch.routing.footprint import FootprintSampler
+from mla_watch.routing.positions import PositionCounts
+from mla_watch.routing.routers import CountDelta
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterWindows
 
 __all__ = ["UNATTRIBUTED_LINE", "EngineMetrics", "EngineRouting"]
 

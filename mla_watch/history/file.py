@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase
 
 __all__ = ["HISTORY_FILE", "open_database", "set_aside", "write_sample"]
 

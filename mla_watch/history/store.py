@@ -69,10 +69,10 @@ from typing import Any
 import numpy as np
 
 from mla_watch.alerting.model import TREND_METRICS
+from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.history.file import HISTORY_FILE, open_database, set_aside, write_sample
 from mla_watch.history.tiers import Tier, bucket_mean
-from mla_watch.sqlite import PrivateDatabase
-from mla_watch.windows import ALL_LINES, RouterStats
+from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["HISTORY_FILE", "HISTORY_METRICS", "LIVE_METRICS", "VALUES", "HistoryStore", "HistoryStoreError",
            "SeriesInfo", "size_bound"]

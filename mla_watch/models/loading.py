@@ -10,7 +10,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mla_watch.progress import quiet_progress_bars
+from mla_watch.common.progress import quiet_progress_bars
 
 __all__ = ["BUNDLED_DIR", "load_model", "resolve_device"]
 

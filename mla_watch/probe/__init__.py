@@ -10,7 +10,7 @@ from mla_watch.probe.discovery import (
     register_router,
 )
 from mla_watch.probe.probe import DEFAULT_LINE, OVERFLOW_LINE, Probe, attach
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 __all__ = [
     "DEFAULT_LINE",

@@ -20,8 +20,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mla_watch.ingest import INGEST_PATH, snapshot_body
-from mla_watch.windows import NAME_RE, NAME_RULE, CountDelta, RouterInfo
+from mla_watch.routing.ingest import INGEST_PATH, snapshot_body
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import NAME_RE, NAME_RULE
 
 __all__ = ["Shipper"]
 

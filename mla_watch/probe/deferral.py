@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from mla_watch.probe.counting import _CountingKernels, _usable_mask
+from mla_watch.probe.count_kernels import _CountingKernels, _usable_mask
 from mla_watch.probe.positions import PADDING_READ, _PositionCounting, start_positions
 from mla_watch.probe.wrappers import _Router, _tokens_input
 

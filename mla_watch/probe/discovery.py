@@ -36,8 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mla_watch.routing import KINDS, Kind
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.stats import KINDS, Kind
 
 __all__ = [
     "BUILTIN_SPECS",

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_watch.positions import PositionCounts
 from mla_watch.probe.wrappers import _Router
+from mla_watch.routing.positions import PositionCounts
 
 __all__ = ["PADDING_READ", "start_positions"]
 

@@ -16,8 +16,8 @@ How the counting is wired (each choice is a measured cost; see bench/README.md),
   ``forward`` with a small callable (restored exactly on :meth:`Probe.detach`), not with module hooks.
 * :mod:`mla_watch.probe.deferral`: in eager mode a watched router only keeps a reference to its
   output; passes wait, ``flush_every`` at a time, and are counted together at the flush.
-* :mod:`mla_watch.probe.compiled`: under ``torch.compile`` every router counts in the graph itself.
-* :mod:`mla_watch.probe.counting`: the buffer's column layout and the batched kernels both count with.
+* :mod:`mla_watch.probe.graph_counting`: under ``torch.compile`` every router counts in the graph itself.
+* :mod:`mla_watch.probe.count_kernels`: the buffer's column layout and the batched kernels both count with.
 
 Nothing waits for the host inside a forward pass: no ``.item()``, ``.cpu()`` or ``.tolist()``.
 The host reads the buffer with one copy when statistics are asked for, and pushes the
@@ -39,12 +39,13 @@ import torch
 from torch import nn
 
 from mla_watch.probe.agent import Shipper
-from mla_watch.probe.compiled import _CompiledCounting
-from mla_watch.probe.counting import _CHOICE, _COMPANIONS, _DROPPED, _LOCAL, _TOKENS
+from mla_watch.probe.count_kernels import _CHOICE, _COMPANIONS, _DROPPED, _LOCAL, _TOKENS
 from mla_watch.probe.deferral import _EagerDeferral, _Pass
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, discover_routers
+from mla_watch.probe.graph_counting import _CompiledCounting
 from mla_watch.probe.wrappers import _call_argument, _Router, _WatchedModel, _WatchedRouter
-from mla_watch.windows import DEFAULT_WINDOW_TOKENS, CountDelta, RouterStats, RouterWindows
+from mla_watch.routing.routers import CountDelta
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows
 
 __all__ = ["DEFAULT_LINE", "MAX_ATTRIBUTED_ROWS", "OVERFLOW_LINE", "Probe", "RoutingRecording", "attach"]
 

@@ -13,17 +13,17 @@ _EXPORTS = {
     "BiasRefitResult": "mla_watch.retune.bias",
     "refit_bias": "mla_watch.retune.bias",
     "supports_bias": "mla_watch.retune.bias",
-    "ROUTER_TENSOR_PATTERNS": "mla_watch.retune.registry",
-    "RouterVersions": "mla_watch.retune.registry",
-    "router_modules": "mla_watch.retune.registry",
-    "router_state": "mla_watch.retune.registry",
+    "ROUTER_TENSOR_PATTERNS": "mla_watch.retune.versions",
+    "RouterVersions": "mla_watch.retune.versions",
+    "router_modules": "mla_watch.retune.versions",
+    "router_state": "mla_watch.retune.versions",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from mla_watch.retune.bias import BIAS_NAME, BiasRefitResult, refit_bias, supports_bias  # noqa: F401
-    from mla_watch.retune.registry import (  # noqa: F401
+    from mla_watch.retune.versions import (  # noqa: F401
         ROUTER_TENSOR_PATTERNS,
         RouterVersions,
         router_modules,

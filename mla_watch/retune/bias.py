@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from mla_watch.probe import attach, discover_routers
-from mla_watch.retune.registry import router_modules
-from mla_watch.routing import entropy_bits
+from mla_watch.retune.versions import router_modules
+from mla_watch.routing.stats import entropy_bits
 
 __all__ = ["BIAS_NAME", "BiasRefitResult", "copy_without_hooks", "refit_bias", "supports_bias"]
 

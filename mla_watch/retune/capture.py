@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.sqlite import PrivateDatabase
-from mla_watch.yamlcheck import fmt
+from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.yamlcheck import fmt
 
 __all__ = ["BYTES_PER_TOKEN", "CaptureError", "TokenSample", "TrafficCapture", "check_positive"]
 

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
+from mla_watch.common.yamlcheck import fmt
 from mla_watch.retune.capture import TokenSample, check_positive
-from mla_watch.yamlcheck import fmt
 
 if TYPE_CHECKING:  # datasets and samples are token ids; only make_batches builds tensors (the [model] extra)
     import torch

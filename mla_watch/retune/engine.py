@@ -46,10 +46,10 @@ from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, eval
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import same_evidence
 from mla_watch.retune.score import engine_score
-from mla_watch.windows import RouterInfo
+from mla_watch.retune.versions import RouterVersions
+from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
            "bias_step", "engine_score"]
@@ -91,7 +91,7 @@ class EngineRouters(RouterHost):
                     if prefixes is None or name.startswith(prefixes)}
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        from mla_watch.engines.weights import write_router_checkpoint
+        from mla_watch.engines.vllm_weights import write_router_checkpoint
 
         problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
         problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"

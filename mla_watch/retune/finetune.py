@@ -47,7 +47,7 @@ from torch.nn.utils import parametrize
 from mla_watch.models.loss import next_token_loss
 from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
 from mla_watch.retune.gates import score_model
-from mla_watch.retune.registry import router_modules
+from mla_watch.retune.versions import router_modules
 
 __all__ = ["FinetuneResult", "finetune_routers"]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mla_watch.windows import RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["ModelRouters", "RouterHost", "as_host"]
 
@@ -59,13 +59,13 @@ class ModelRouters(RouterHost):
         return [info for _, info, _ in discover_routers(self.model) if info.kind == "expert"]
 
     def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        from mla_watch.retune.registry import router_state
+        from mla_watch.retune.versions import router_state
 
         with self.lock if self.lock is not None else contextlib.nullcontext():
             return router_state(self.model, routers)
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        from mla_watch.retune.registry import apply_router_tensors
+        from mla_watch.retune.versions import apply_router_tensors
 
         apply_router_tensors(self.model, tensors, self.lock)
         return {}

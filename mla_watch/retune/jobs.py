@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.retune.band import DEFAULT_BAND
 from mla_watch.retune.paired import (
     DEFAULT_CONFIDENCE,
@@ -29,7 +30,6 @@ from mla_watch.retune.paired import (
     parse_confidence,
     parse_margin,
 )
-from mla_watch.sqlite import PrivateDatabase
 
 __all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetentionPolicy",
            "RetuneSettings"]

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
 
 __all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "DEFAULT_MIN_SAMPLES", "DEFAULT_MIN_TOKENS", "Decision",
            "PairedComparison", "PerplexityMargin", "compare_perplexity", "parse_confidence", "parse_margin"]

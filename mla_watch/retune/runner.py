@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import reference_batches
+from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
 from mla_watch.models.loss import scored_targets
 from mla_watch.retune.bias import copy_without_hooks
 from mla_watch.retune.capture import TokenSample, TrafficCapture
@@ -53,9 +54,8 @@ from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, 
 from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.registry import RouterVersions, apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
-from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
+from mla_watch.retune.versions import RouterVersions, apply_router_tensors, router_state
 
 __all__ = ["JobCannotRun", "Retuner", "same_evidence"]
 

@@ -17,8 +17,8 @@ from mla_watch.engines.formats import routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import SampleScore
 from mla_watch.retune.band import Band
-from mla_watch.routing import compute_stats
-from mla_watch.windows import RouterStats
+from mla_watch.routing.stats import compute_stats
+from mla_watch.routing.windows import RouterStats
 
 __all__ = ["ModelScore", "engine_score"]
 

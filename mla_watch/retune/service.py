@@ -44,12 +44,12 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from mla_watch.alerting.model import RETUNE_STRATEGIES
+from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
-from mla_watch.retune.registry import RouterVersions
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.specs import alert_job_spec
 from mla_watch.retune.strategies import STRATEGIES
-from mla_watch.statedir import ensure_private_dir, ensure_private_file
+from mla_watch.retune.versions import RouterVersions
 
 __all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
 

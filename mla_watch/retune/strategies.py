@@ -25,10 +25,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
 from mla_watch.retune.bias import refit_bias, supports_bias
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.registry import RouterVersions, router_modules
+from mla_watch.retune.versions import RouterVersions, router_modules
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
 

@@ -35,8 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import mla_watch
     from mla_watch.retune.data import load_jsonl_dataset, make_batches
-    from mla_watch.retune.registry import apply_router_tensors
     from mla_watch.retune.strategies import FitContext, get_strategy
+    from mla_watch.retune.versions import apply_router_tensors
 
     job = json.loads(args.job.read_text())
     strategy = get_strategy(job["strategy"])

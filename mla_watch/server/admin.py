@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
+from mla_watch.common.state_dir import DATASETS_DIR_NAME
 from mla_watch.engines.swap import SwapError
-from mla_watch.ingest import IngestError, parse_snapshot
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.retune.specs import job_band, request_job_spec
+from mla_watch.routing.ingest import IngestError, parse_snapshot
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server.requests import ApiError
-from mla_watch.statedir import DATASETS_DIR_NAME
-from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 if TYPE_CHECKING:  # the re-tuning service (and what it needs) is imported only where a request uses it
     from mla_watch.retune.service import RetuneService

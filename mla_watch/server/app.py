@@ -30,13 +30,15 @@ from starlette.routing import Route
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
-from mla_watch.baselines import Baselines
 from mla_watch.cause.clients import ClientShares
-from mla_watch.config import ConfigError, DirectoryStore, ReloadResult
+from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
+from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.engines.decoder import RoutingDecoder
-from mla_watch.footprint import FootprintSampler
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
-from mla_watch.policy_files import PolicyStore
+from mla_watch.policy.files import PolicyStore
+from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.footprint import FootprintSampler
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
 from mla_watch.server import read_views
 from mla_watch.server.admin import Admin
 from mla_watch.server.auth import Auth
@@ -54,14 +56,12 @@ from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
 from mla_watch.server.upstream_health import UpstreamHealth
-from mla_watch.statedir import ensure_private_dir
-from mla_watch.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
 
 if TYPE_CHECKING:
     from mla_watch.engines.watch import EngineRouting
-    from mla_watch.ingest import RemoteRouting
     from mla_watch.probe.probe import Probe
     from mla_watch.retune.service import RetuneService
+    from mla_watch.routing.ingest import RemoteRouting
     from mla_watch.server.model_worker import ModelWorker
 
 __all__ = ["ServerConfig", "ServerConfigError", "Sidecar", "build_sidecar"]

@@ -7,17 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from mla_watch.baselines import DEFAULT_LEARN_TOKENS
 from mla_watch.cause.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
 from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.config import ConfigError
-from mla_watch.engines.counting import COUNT_QUEUE_BYTES
+from mla_watch.common.directory_store import ConfigError
+from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
-from mla_watch.ingest import IngestLimits
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
+from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS
+from mla_watch.routing.ingest import IngestLimits
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_REFERENCES, SHIPPED_RULES
-from mla_watch.windows import DEFAULT_WINDOW_TOKENS
 
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
            "UPSTREAM_MAX_LINE_BYTES",
@@ -77,7 +77,7 @@ class ServerConfig:
     engine_retune: str = "propose"
     engine_swap_dir: Path | None = None
     engine_gate_timeout: float = 300.0
-    # The embedded model's expert routing is also counted per position bucket (mla_watch.positions).
+    # The embedded model's expert routing is also counted per position bucket (mla_watch.routing.positions).
     routing_by_position: bool = True
     position_metrics: bool = False  # export it per position bucket on /metrics (routers x lines x buckets series)
     return_routed_experts: bool = False  # the embedded model answers with its routing, in vLLM's and SGLang's fields

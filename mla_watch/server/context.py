@@ -19,7 +19,7 @@ from mla_watch.server.http import read_json
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
     from mla_watch.cause.clients import ClientShares
-    from mla_watch.policy_files import PolicyStore
+    from mla_watch.policy.files import PolicyStore
     from mla_watch.retune.service import RetuneService
     from mla_watch.server.auth import Auth
     from mla_watch.server.config import ServerConfig

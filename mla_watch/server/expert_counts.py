@@ -26,8 +26,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from mla_watch.describe import describe_value
-from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE, CountDelta, RouterInfo, RouterWindows
+from mla_watch.common.describe import describe_value
+from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterWindows
 
 __all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCountsCollector",
            "ExpertSelection", "pair_series"]

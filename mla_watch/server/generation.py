@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mla_watch.cause.clients import client_id
-from mla_watch.policy import (
+from mla_watch.policy.model import (
     Adjustment,
     Decision,
     PolicyRejection,
@@ -22,7 +22,7 @@ from mla_watch.policy import (
     UnknownTask,
     enforce,
 )
-from mla_watch.sampling_params import SamplingValues
+from mla_watch.policy.params import SamplingValues
 from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
 from mla_watch.server.responses import Answer, sse

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from mla_watch.history.store import HistoryStore
-from mla_watch.windows import RouterStats, RoutingSnapshot
+from mla_watch.routing.windows import RouterStats, RoutingSnapshot
 
 __all__ = ["HistorySampler"]
 

@@ -22,8 +22,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from mla_watch.history.store import HISTORY_METRICS
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server.requests import ApiError, describe_value
-from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_COLUMNS", "MAX_ANSWER_BYTES", "MAX_CELLS", "MAX_POINTS", "MAX_RANGE_SECONDS", "MAX_STEP_SECONDS",
            "HistoryQuery", "encode_history", "parse_history_query", "too_large"]

@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mla_watch.footprint import FootprintSampler
-from mla_watch.positions import PositionCounts
-from mla_watch.routing import BASELINE_METRICS, STATISTICS
+from mla_watch.routing.footprint import FootprintSampler
+from mla_watch.routing.positions import PositionCounts
+from mla_watch.routing.stats import BASELINE_METRICS, STATISTICS
+from mla_watch.routing.windows import ALL_LINES, RouterWindows, RoutingSnapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
-from mla_watch.windows import ALL_LINES, RouterWindows, RoutingSnapshot
 
 __all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "ReferenceCollector", "RoutingCollector",
            "ServerMetrics"]
@@ -29,7 +29,7 @@ ROUTING_SLOTS = "routing_slots"
 # metric suffix -> (stats key, help), from the one list of statistics
 ROUTING_GAUGES: dict[str, tuple[str, str]] = {statistic.gauge: (statistic.key, statistic.help)
                                               for statistic in STATISTICS}
-# The healthy values of a router and line's learned baseline (mla_watch.baselines): rules relative to it, exported
+# The healthy values of a router and line's learned baseline (routing/baselines.py): rules relative to it, exported
 # to Prometheus, scale these.
 BASELINE_GAUGES: dict[str, str] = {statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
                                    for statistic in STATISTICS if statistic.key in BASELINE_METRICS}

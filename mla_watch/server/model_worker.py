@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mla_watch.footprint import FootprintSampler
+from mla_watch.routing.footprint import FootprintSampler
 
 if TYPE_CHECKING:  # the sampler (torch) is imported where the embedded model generates, never beside an engine
-    from mla_watch.sampling import SamplingParams, TokenEvent
+    from mla_watch.policy.sampling import SamplingParams, TokenEvent
 
 __all__ = ["GenerationFailed", "Job", "JobTimedOut", "ModelWorker", "Overloaded"]
 
@@ -91,7 +91,7 @@ class ModelWorker:
         # job, e.g. to record traffic for router re-tuning; set by the owner.
         self.capture: Callable[[str, list[int], int, str | None], None] | None = None
         self._busy = threading.Event()
-        # The expert footprint of a batch (mla_watch.footprint): every `footprint_every`-th job's routing per token
+        # The expert footprint of a batch (routing/footprint.py): every `footprint_every`-th job's routing per token
         # is recorded and its decode tokens kept; set by the owner.
         self.footprint: FootprintSampler | None = None
         self.footprint_every = 4
@@ -151,7 +151,7 @@ class ModelWorker:
                     self._on_job_done(job, elapsed)
 
     def _run(self, job: Job) -> None:
-        from mla_watch.sampling import GenerationCancelled, generate_stream
+        from mla_watch.policy.sampling import GenerationCancelled, generate_stream
 
         def should_stop() -> bool:
             return job.cancelled.is_set() or self._clock() > job.deadline

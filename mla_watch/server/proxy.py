@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mla_watch.engines.counting import COUNT_QUEUE_BYTES, Capture, CountQueue
+from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES, Capture, CountQueue
 from mla_watch.engines.decoder import FILE_HANDOFF_BYTES, DecoderDied, RoutingDecoder
 from mla_watch.engines.formats import (
     DROP_CHUNK,
@@ -51,7 +51,7 @@ from mla_watch.engines.replay import (
     read_chunk_apart,
 )
 from mla_watch.engines.watch import FOOTPRINT_TOKENS, EngineRouting
-from mla_watch.policy import Decision
+from mla_watch.policy.model import Decision
 from mla_watch.server.http import by_deadline
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
 from mla_watch.server.upstream_http import Answer, UpstreamClient, UpstreamError

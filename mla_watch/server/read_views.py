@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mla_watch.alerting.service import AlertService
-from mla_watch.baselines import Baselines
 from mla_watch.cause.clients import ClientShares
 from mla_watch.history.store import HistoryStore
-from mla_watch.policy_files import PolicyStore
+from mla_watch.policy.files import PolicyStore
+from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
@@ -32,7 +33,6 @@ from mla_watch.server.reads import BoundedReads
 from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.server.sources import RoutingSources
-from mla_watch.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["BASELINE_VIEW_LIMIT", "ReadViews", "static", "status_page_index"]
 

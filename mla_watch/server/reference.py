@@ -20,8 +20,8 @@ from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
 from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
 from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
-from mla_watch.config import DirectoryStore
-from mla_watch.windows import RouterStats
+from mla_watch.common.directory_store import DirectoryStore
+from mla_watch.routing.windows import RouterStats
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
@@ -71,7 +71,7 @@ class References:
             timeout = max(config.request_timeout, 60.0)
             key = os.environ.get("MLA_WATCH_ENGINE_API_KEY")
             if config.engine == "vllm":
-                from mla_watch.engines.weights import VllmWeights
+                from mla_watch.engines.vllm_weights import VllmWeights
 
                 weights: Any = VllmWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
                                            geometry=geometry, api_key=key)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mla_watch.describe import describe_value
-from mla_watch.sampling_params import SAMPLING_PARAMS, SamplingParam
+from mla_watch.common.describe import describe_value
+from mla_watch.policy.params import SAMPLING_PARAMS, SamplingParam
 
 __all__ = ["ApiError", "GenerationRequest", "describe_value", "parse_body", "parse_generation_request"]
 

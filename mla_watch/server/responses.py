@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
-from mla_watch.policy import Decision
+from mla_watch.policy.model import Decision
 from mla_watch.server.requests import GenerationRequest
 
 __all__ = ["Answer", "RoutingLayout", "sse"]

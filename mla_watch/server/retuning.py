@@ -18,14 +18,14 @@ from typing import Any
 from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.engine import Action
 from mla_watch.alerting.service import AlertService
+from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.retune.jobs import JobSpec
+from mla_watch.routing.windows import ALL_LINES
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reference import References
 from mla_watch.server.sources import RoutingSources
-from mla_watch.statedir import DATASETS_DIR_NAME, ensure_private_dir
-from mla_watch.windows import ALL_LINES
 
 __all__ = ["Retuning", "proposed_notice", "rejected_notice"]
 
@@ -49,9 +49,9 @@ class Retuning:
     def start_local(self, model: Any, tokenizer: Any) -> None:
         """The re-tune service for the loaded model's routers (``serving.model_worker`` runs it), with capture if on."""
         from mla_watch.retune.capture import TrafficCapture
-        from mla_watch.retune.registry import RouterVersions
         from mla_watch.retune.runner import Retuner
         from mla_watch.retune.service import RetuneService
+        from mla_watch.retune.versions import RouterVersions
 
         state = ensure_private_dir(self.config.state_dir)  # 0700: it holds captured traffic
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
@@ -72,7 +72,7 @@ class Retuning:
         reference = None
         if self.config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
-            from mla_watch.retune.registry import router_state
+            from mla_watch.retune.versions import router_state
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
@@ -127,15 +127,15 @@ class Retuning:
         if config.engine not in ("vllm", "sglang"):
             return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
                     "endpoints differ")
-        from mla_watch.extras import needs_model_extra
+        from mla_watch.common.extras import needs_model_extra
 
         if (problem := needs_model_extra("re-tuning the engine's routers")) is not None:
             log.warning("%s", problem)
             return problem
-        from mla_watch.engines.weights import read_router_tensors
+        from mla_watch.engines.vllm_weights import read_router_tensors
         from mla_watch.retune.engine import EngineRetuner, EngineRouters
-        from mla_watch.retune.registry import RouterVersions
         from mla_watch.retune.service import RetuneService
+        from mla_watch.retune.versions import RouterVersions
 
         geometry = self.sources.engine_routing.geometry
         # --model-config names the config.json or its directory: the router tensors are read from the safetensors
@@ -148,7 +148,7 @@ class Retuning:
             log.warning("re-tuning the engine's routers is not available: %s", error)
             return f"re-tuning the engine's routers is not available: {error}"
         if config.engine == "vllm":
-            from mla_watch.engines.weights import VllmWeights
+            from mla_watch.engines.vllm_weights import VllmWeights
 
             weights: Any = VllmWeights(config.upstream, timeout=max(config.request_timeout, 60.0),
                                        geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))

@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from mla_watch.baselines import Baselines
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
-from mla_watch.ingest import RemoteRouting
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES
+from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.ingest import RemoteRouting
+from mla_watch.routing.windows import RouterWindows, RoutingSnapshot, take_snapshot
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig, ServerConfigError
 from mla_watch.server.requests import describe_value
-from mla_watch.windows import RouterWindows, RoutingSnapshot, take_snapshot
 
 if TYPE_CHECKING:
     from mla_watch.probe.probe import Probe

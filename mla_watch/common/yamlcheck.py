@@ -1,6 +1,6 @@
 """Reading configuration YAML with errors that name the file, the key, the value and the expectation.
 
-Shared by the sampling policies (``mla_watch.policy``) and the alert rules
+Shared by the sampling policies (``mla_watch.policy.model``) and the alert rules
 (``mla_watch.alerting.rules``): a strict YAML loader that refuses duplicate keys, and a
 checker that collects every problem of a file instead of stopping at the first.
 """

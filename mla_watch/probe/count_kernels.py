@@ -5,7 +5,7 @@ business line): ``num_slots`` selection counters followed by four companions (to
 made by queries that had a choice, the local ones among those, and picks outside ``[0, num_slots)``
 that were dropped). The kernels turn picks into flat offsets in that buffer and ``scatter_add_``
 them, with nothing that waits for the host; eager flushes (:mod:`mla_watch.probe.deferral`) and
-compiled graphs (:mod:`mla_watch.probe.compiled`) both count through them.
+compiled graphs (:mod:`mla_watch.probe.graph_counting`) both count through them.
 """
 
 from __future__ import annotations

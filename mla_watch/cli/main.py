@@ -1,9 +1,9 @@
 """The ``mla-watch`` command line: its parser, assembled from the subcommands' modules, and ``main``.
 
 Each subcommand's flags and handler live together: ``routing`` and ``baseline`` in
-:mod:`mla_watch.cli_traffic`, ``serve`` in :mod:`mla_watch.cli_serve`, ``check`` and ``rules export``
-in :mod:`mla_watch.cli_check`, ``retune`` in :mod:`mla_watch.cli_retune`; ``demo`` here. Flag value
-types are in :mod:`mla_watch.cli_flags`, start-up checks and plumbing in :mod:`mla_watch.cli_startup`.
+:mod:`mla_watch.cli.traffic`, ``serve`` in :mod:`mla_watch.cli.serve`, ``check`` and ``rules export``
+in :mod:`mla_watch.cli.check`, ``retune`` in :mod:`mla_watch.cli.retune`; ``demo`` here. Flag value
+types are in :mod:`mla_watch.cli.flags`, start-up checks and plumbing in :mod:`mla_watch.cli.startup`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mla_watch import cli_check, cli_context, cli_retune, cli_serve, cli_traffic
-from mla_watch.cli_flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
-from mla_watch.cli_flags import DOCS, positive_float, tcp_port
-from mla_watch.cli_startup import FlagError, Parser
+from mla_watch.cli import check, context, retune, serve, traffic
+from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
+from mla_watch.cli.flags import DOCS, positive_float, tcp_port
+from mla_watch.cli.startup import FlagError, Parser
 
 __all__ = ["DEMO_DURATION", "main"]
 
@@ -26,10 +26,10 @@ DEMO_DURATION = "about a minute"  # on 2 CPU cores, two to three when others sha
 def _cmd_demo(args: argparse.Namespace) -> int:
     import logging
 
-    from mla_watch.cli_startup import require_model_extra
+    from mla_watch.cli.startup import require_model_extra
 
     require_model_extra("mla-watch demo (the bundled model, here)")
-    from mla_watch.demo import main as demo
+    from mla_watch.cli.demo import main as demo
 
     logging.basicConfig(level=logging.ERROR)
     return demo(args.out, live=not args.no_live and sys.stdout.isatty(), timeout=args.timeout,
@@ -44,10 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                     epilog=f"The manual: {DOCS}index.md")
     parser.add_argument("--version", action="version", version=f"mla-watch {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    cli_traffic.add_parsers(commands)  # routing, baseline
-    cli_serve.add_parser(commands)
-    cli_check.add_parsers(commands)  # check, rules export
-    cli_context.add_parser(commands)
+    traffic.add_parsers(commands)  # routing, baseline
+    serve.add_parser(commands)
+    check.add_parsers(commands)  # check, rules export
+    context.add_parser(commands)
     demo = commands.add_parser("demo", help=f"the whole loop in {DEMO_DURATION} on 2 CPU cores, offline, on the "
                                             "bundled model", epilog=f"The manual: {DOCS}first-hour.md")
     demo.add_argument("--out", type=Path, default=Path("mla-watch-demo"),
@@ -59,15 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=positive_float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
     demo.set_defaults(handler=_cmd_demo)
-    cli_retune.add_parser(commands)
+    retune.add_parser(commands)
 
-    from mla_watch.cli_startup import finish_parser
+    from mla_watch.cli.startup import finish_parser
 
     return finish_parser(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from mla_watch.cli_startup import parse_args, prog
+    from mla_watch.cli.startup import parse_args, prog
 
     args = parse_args(build_parser(), argv)
     try:
@@ -80,6 +80,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog(args)}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from mla_watch.statedir import ensure_private_file
+from mla_watch.common.state_dir import ensure_private_file
 
 __all__ = ["PrivateDatabase"]
 

@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mla_watch.cli_flags import DEFAULT_STATE_DIR, DOCS
-from mla_watch.cli_startup import FlagError
-from mla_watch.footprint import FootprintSampler
+from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS
+from mla_watch.cli.startup import FlagError
+from mla_watch.routing.footprint import FootprintSampler
 
 __all__ = ["add_parsers"]
 
@@ -60,14 +60,14 @@ def _traffic(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _run(args: argparse.Namespace) -> Any:
-    from mla_watch.cli_startup import require_model_extra
+    from mla_watch.cli.startup import require_model_extra
 
     require_model_extra(f"--model {args.model} (run here)")
     import torch
 
     import mla_watch
-    from mla_watch.cli_startup import check_model_flags, one_thread_for_the_bundled_model
-    from mla_watch.progress import Progress
+    from mla_watch.cli.startup import check_model_flags, one_thread_for_the_bundled_model
+    from mla_watch.common.progress import Progress
 
     check_model_flags(args)
     baseline = getattr(args, "baseline", None)

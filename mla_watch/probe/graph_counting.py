@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mla_watch.probe.counting import _CountingKernels, _usable_mask
+from mla_watch.probe.count_kernels import _CountingKernels, _usable_mask
 from mla_watch.probe.wrappers import _call_argument, _Router, _tokens_input
 
 

@@ -1,7 +1,7 @@
 """Validation of count vectors and integer arguments, shared by the routing statistics and the rolling windows.
 
-Kept apart from :mod:`mla_watch.routing` and :mod:`mla_watch.rolling` so that both can use it without importing
-each other.  Depends on numpy only (no torch).
+Kept apart from :mod:`~mla_watch.routing.stats` and :mod:`~mla_watch.routing.rolling` so that both can use it
+without importing each other.  Depends on numpy only (no torch).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ def check_serve_flags(args: argparse.Namespace) -> None:
 def require_model_extra(what: str) -> None:
     """A :class:`FlagError` naming ``what`` (a flag and its value) and the install that adds the ``[model]`` extra,
     when torch or transformers is missing."""
-    from mla_watch.extras import needs_model_extra
+    from mla_watch.common.extras import needs_model_extra
 
     if (problem := needs_model_extra(what)) is not None:
         raise FlagError(problem)

@@ -1,6 +1,6 @@
 """``mla-watch serve``: its flags, and the sidecar built from them and served.
 
-The flag values are checked before anything loads, binds or logs (:mod:`mla_watch.cli_startup`);
+The flag values are checked before anything loads, binds or logs (:mod:`mla_watch.cli.startup`);
 they become one :class:`~mla_watch.server.config.ServerConfig`.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mla_watch.cause.clients import DEFAULT_CLIENT_ID
 from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.cli_flags import (
+from mla_watch.cli.flags import (
     DOCS,
     byte_size,
     client_id_sources,
@@ -28,10 +28,10 @@ from mla_watch.cli_flags import (
     tcp_port,
     upstream_url,
 )
-from mla_watch.cli_startup import FlagError
+from mla_watch.cli.startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
-from mla_watch.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
+from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.server.expert_counts import BUDGET_FLAG, EXPORT_FLAG, SELECTION_FORM
 
@@ -41,7 +41,7 @@ __all__ = ["add_parser"]
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from mla_watch.cli_startup import (
+    from mla_watch.cli.startup import (
         bind_listener,
         check_serve_flags,
         default_public_url,

@@ -5,7 +5,7 @@ defaults from here instead of writing its own:
 
 * :mod:`mla_watch.server.requests` validates a request against :attr:`SamplingParam.http` (what a
   client may send) and the stop-string limits;
-* :mod:`mla_watch.policy` / :mod:`mla_watch.policy_files` take the governed parameters, their
+* :mod:`mla_watch.policy.model` / :mod:`mla_watch.policy.files` take the governed parameters, their
   :attr:`SamplingParam.domain` and integer-ness from it, and refuse a policy value that the HTTP
   layer would refuse from a client (:attr:`SamplingParam.policy_domain`);
 * :class:`SamplingValues` (the sampler's ``SamplingParams``) takes its fields' defaults and its
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
-from mla_watch.yamlcheck import fmt as _fmt
+from mla_watch.common.yamlcheck import fmt as _fmt
 
 __all__ = [
     "GREEDY_BELOW",

@@ -2,7 +2,7 @@
 
 :class:`RollingWindow` keeps the sum of the most recent count deltas, bounded by a
 token budget and/or an age limit; :meth:`RollingWindow.totals` returns them as
-:class:`WindowTotals`.  Both are re-exported by :mod:`mla_watch.routing`.
+:class:`WindowTotals`.  Both are re-exported by :mod:`mla_watch.routing.stats`.
 
 This module depends on numpy only (no torch): it is imported by processes that never
 load a model.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mla_watch.count_checks import (
+from mla_watch.routing.checks import (
     _as_int_counts,
     _check_local_choice,
     _check_nonnegative_int,

@@ -20,7 +20,7 @@ the file's ``business_line``::
         on_violation: reject
 
 This module is the policies' vocabulary and :func:`enforce`, which applies a task policy to
-one request (a pure function). :mod:`mla_watch.policy_files` reads and validates the files (a
+one request (a pure function). :mod:`mla_watch.policy.files` reads and validates the files (a
 :class:`PolicyError` lists *every* problem, each naming the file, the key path, the offending
 value and what was expected) and holds the policies in force (``PolicyStore``).
 
@@ -37,11 +37,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from mla_watch.config import ConfigError
-from mla_watch.describe import describe_value
-from mla_watch.sampling_params import SAMPLING_PARAMS, Domain
-from mla_watch.yamlcheck import fmt as _fmt
-from mla_watch.yamlcheck import is_number as _is_number
+from mla_watch.common.describe import describe_value
+from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.yamlcheck import fmt as _fmt
+from mla_watch.common.yamlcheck import is_number as _is_number
+from mla_watch.policy.params import SAMPLING_PARAMS, Domain
 
 __all__ = [
     "DEFAULT_BUSINESS_LINE",

@@ -25,18 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.baselines import Baselines
-from mla_watch.describe import describe_value
-from mla_watch.routing import KINDS
-from mla_watch.windows import (
-    DEFAULT_WINDOW_TOKENS,
-    NAME_RE,
-    NAME_RULE,
-    CountDelta,
-    RouterInfo,
-    RouterWindows,
-    parse_zero_slots,
-)
+from mla_watch.common.describe import describe_value
+from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.routers import CountDelta, RouterInfo, parse_zero_slots
+from mla_watch.routing.stats import KINDS
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, NAME_RE, NAME_RULE, RouterWindows
 
 __all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
            "remote_name", "snapshot_body"]

@@ -26,8 +26,8 @@ uniform 64/6 router reads about 5.49 bits over 16 tokens.
 tolerance; readings over fewer tokens are flagged ``too_small`` (but still computed).
 
 :class:`RollingWindow` (the sum of the most recent count deltas, bounded by a token
-budget and/or an age limit) and :class:`WindowTotals` live in :mod:`mla_watch.rolling`
-and are re-exported here; the shared argument checks live in :mod:`mla_watch.count_checks`.
+budget and/or an age limit) and :class:`WindowTotals` live in :mod:`mla_watch.routing.rolling`
+and are re-exported here; the shared argument checks live in :mod:`mla_watch.routing.checks`.
 
 This module depends on numpy and scipy only (no torch): it is imported by processes
 that never load a model.
@@ -42,8 +42,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mla_watch.count_checks import _as_counts, _check_local_choice, _check_nonnegative_int, _check_positive_int
-from mla_watch.rolling import RollingWindow, WindowTotals
+from mla_watch.routing.checks import _as_counts, _check_local_choice, _check_nonnegative_int, _check_positive_int
+from mla_watch.routing.rolling import RollingWindow, WindowTotals
 
 __all__ = [
     "BASELINE_METRICS",
@@ -283,7 +283,7 @@ class RoutingStats:
     locality: float | None
     min_tokens: int
     too_small: bool
-    # Routing by position (mla_watch.positions), where it is counted: the drift of the first bucket that leaves the
+    # Routing by position (routing/positions.py), where it is counted: the drift of the first bucket that leaves the
     # line's in-range routing, and that bucket ("256-511").
     long_context_drift: float | None = None
     long_context_edge: str | None = None

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mla_watch.cli_flags import DEFAULT_STATE_DIR, DOCS, non_negative_float, parse_options, positive_int
-from mla_watch.statedir import DATASETS_DIR_NAME
-from mla_watch.windows import ALL_LINES
+from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS, non_negative_float, parse_options, positive_int
+from mla_watch.common.state_dir import DATASETS_DIR_NAME
+from mla_watch.routing.windows import ALL_LINES
 
 __all__ = ["WAITING_EXIT", "add_parser"]
 
@@ -68,8 +68,8 @@ def _dataset_name(path: Path, directory: Path) -> str:
     import os
     import shutil
 
+    from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir
     from mla_watch.retune.data import DATASET_NAME_RE
-    from mla_watch.statedir import PRIVATE_FILE_MODE, ensure_private_dir
 
     name = path.name
     if not DATASET_NAME_RE.fullmatch(name) or not name.endswith(".jsonl"):

@@ -30,7 +30,7 @@ from mla_watch.alerting.fleet import (
     fleet_notes,
     parse_label_list,
 )
-from mla_watch.cli_flags import DOCS, non_negative_float, positive_float
+from mla_watch.cli.flags import DOCS, non_negative_float, positive_float
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
@@ -44,13 +44,13 @@ def _one_line(error: BaseException) -> str:
 def _cmd_check(args: argparse.Namespace) -> int:
     """Validate every policy and rule file and lint the rules against the model's routers."""
     from mla_watch.alerting.rules import RuleError, load_rules_dir
-    from mla_watch.cli_startup import check_model_flags
-    from mla_watch.policy import PolicyError
-    from mla_watch.policy_files import load_policy_dir
+    from mla_watch.cli.startup import check_model_flags
+    from mla_watch.policy.files import load_policy_dir
+    from mla_watch.policy.model import PolicyError
 
     if args.model_config is None and args.model is not None:
         check_model_flags(args, full=False)  # a mistyped name; a model that does not load is a finding below
-        from mla_watch.cli_startup import require_model_extra
+        from mla_watch.cli.startup import require_model_extra
 
         require_model_extra(f"--model {args.model} (loaded here to lint the rules; --model-config needs no model)")
     errors = warnings = 0
@@ -90,7 +90,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
         import mla_watch
-        from mla_watch.progress import Progress
+        from mla_watch.common.progress import Progress
 
         sys.stdout.flush()  # what was found so far, before the wait
         Progress("mla-watch check").say(f"loading the model {args.model} to lint the rules against its routers")
@@ -141,7 +141,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                   "known-good router version (bias and router_finetune fit on captured traffic)")
         if args.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
-            from mla_watch.retune.registry import router_state
+            from mla_watch.retune.versions import router_state
 
             try:
                 reference = load_reference_routers(args.reference_model, router_state(model))

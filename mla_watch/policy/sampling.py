@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from mla_watch.sampling_params import GREEDY_BELOW, SamplingValues, _is_int, _is_real
+from mla_watch.policy.params import GREEDY_BELOW, SamplingValues, _is_int, _is_real
 
 __all__ = [
     "GREEDY_BELOW",

@@ -15,10 +15,10 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from mla_watch.cli_flags import DOCS, positive_float
-from mla_watch.cli_startup import FlagError
-from mla_watch.describe import describe_value
-from mla_watch.positions import PositionProfile, Recommendation, recommend
+from mla_watch.cli.flags import DOCS, positive_float
+from mla_watch.cli.startup import FlagError
+from mla_watch.common.describe import describe_value
+from mla_watch.routing.positions import PositionProfile, Recommendation, recommend
 
 __all__ = ["add_parser"]
 
@@ -29,9 +29,9 @@ def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
     import torch
 
     import mla_watch
-    from mla_watch.cli_startup import check_model_flags, one_thread_for_the_bundled_model
-    from mla_watch.cli_traffic import _traffic
-    from mla_watch.progress import Progress
+    from mla_watch.cli.startup import check_model_flags, one_thread_for_the_bundled_model
+    from mla_watch.cli.traffic import _traffic
+    from mla_watch.common.progress import Progress
 
     check_model_flags(args)
     traffic = _traffic(args)
@@ -123,7 +123,7 @@ def _cmd_context(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
     """Add the ``context`` subcommand."""
-    from mla_watch.cli_traffic import _traffic_options
+    from mla_watch.cli.traffic import _traffic_options
 
     context = commands.add_parser(
         "context", help="recommend a line's max_prompt_tokens from its routing by position",

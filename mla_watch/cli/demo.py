@@ -304,7 +304,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     127.0.0.1 (0: any free one); one in use is a :class:`~mla_watch.cli_startup.FlagError` before anything runs."""
     import torch
 
-    from mla_watch.cli_startup import bind_listener, one_thread_for_the_bundled_model
+    from mla_watch.cli.startup import bind_listener, one_thread_for_the_bundled_model
     from mla_watch.models import corpus
     from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
     from mla_watch.server.app import ServerConfig, Sidecar

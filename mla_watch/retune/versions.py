@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from mla_watch.describe import describe_value
+from mla_watch.common.describe import describe_value
 from mla_watch.probe.discovery import discover_routers
 from mla_watch.retune.hosts import RouterHost, as_host
 from mla_watch.retune.jobs import RetentionPolicy

@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.routing import BASELINE_METRICS
-from mla_watch.statedir import replace_private, set_aside
+from mla_watch.common.state_dir import replace_private, set_aside
+from mla_watch.routing.stats import BASELINE_METRICS
 
 __all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
            "Baseline", "BaselineError", "Baselines"]
 
-log = logging.getLogger("mla_watch.baselines")
+log = logging.getLogger("mla_watch.routing.baselines")
 
 BASELINE_FORMAT = "mla_watch.baseline/2"
 LEGACY_BASELINE_FORMAT = "mla_watch.baseline/1"
