@@ -194,7 +194,7 @@ def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(chec
     """The sidecar beside the collapsed swap model (no routing returned: the band says so, perplexity decides)
     restores the reference's routers inside the engine; the engine then scores exactly as one started healthy.
     Last in this module: it leaves the engine healthy."""
-    from conftest import free_port
+    from conftest import free_port, get_metrics, metric_value, wait_until
     from test_reliability import sidecar_process
 
     token = "real-engine-weights-token"
@@ -212,6 +212,13 @@ def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(chec
                                 json={"model": SERVED_MODEL_NAME, "prompt": f"Order {3000 + index * 11} is late.",
                                       "max_tokens": 4}, timeout=REQUEST_TIMEOUT_S)
             assert answer.status_code == 200, answer.text
+
+        def captured() -> float:  # an answer is captured after its client has it, with its routing counted
+            return metric_value(get_metrics(url), "mla_watch_retune_captured_samples_total",
+                                business_line="customer_service")
+
+        assert wait_until(lambda: captured() == 24, timeout=120), \
+            f"{captured():g} of 24 answers captured; sidecar log:\n{(tmp_path / 'sidecar.log').read_text()[-4000:]}"
         done = processes.run([sys.executable, "-m", "mla_watch.cli", "retune", "run", "--url", url, "--router",
                                f"model.layers.{COLLAPSED_LAYER}.mlp.gate", "--strategy", "restore",
                                "--business-line", "customer_service", "--wait", "240"],
