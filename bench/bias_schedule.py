@@ -19,7 +19,7 @@ import torch
 import mla_watch
 from mla_watch.models import corpus
 from mla_watch.probe import attach
-from mla_watch.retune.data import make_batches
+from mla_watch.quality.local_model import make_batches
 from mla_watch.retune.engine import bias_step
 from mla_watch.routing.stats import entropy_bits
 

@@ -61,7 +61,7 @@ import mla_watch
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
-from mla_watch.retune.bias import copy_without_hooks
+from mla_watch.quality.local_model import copy_without_hooks
 from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 

@@ -18,15 +18,15 @@ from helpers import FakeClock, engine_record
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.model import Rule, RuleSet, Selector
-from mla_watch.cause.clients import OTHER, UNKNOWN, ClientShares, client_id, parse_client_id_sources
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
 from mla_watch.cause.prompts import ReferenceError, ReferenceSet, ReferenceSets, load_reference_dir
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.cause.readings import ReferenceBaselines
-from mla_watch.retune.band import Band
+from mla_watch.quality.band import Band
+from mla_watch.quality.score import ModelScore
 from mla_watch.retune.capture import TrafficCapture
-from mla_watch.retune.score import ModelScore
+from mla_watch.routing.clients import OTHER, UNKNOWN, ClientShares, client_id, parse_client_id_sources
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import compute_stats
 from mla_watch.routing.windows import RouterStats

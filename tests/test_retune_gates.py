@@ -10,10 +10,9 @@ import torch
 
 import mla_watch
 from mla_watch.models import corpus
-from mla_watch.retune.bias import copy_without_hooks
-from mla_watch.retune.data import make_batches
-from mla_watch.retune.gates import Band, evaluate_gates, score_model
-from mla_watch.retune.paired import PerplexityMargin, compare_perplexity, parse_margin
+from mla_watch.quality.local_model import copy_without_hooks, make_batches, score_model
+from mla_watch.quality.paired import PerplexityMargin, compare_perplexity, parse_margin
+from mla_watch.retune.gates import Band, evaluate_gates
 
 RELATIVE_2 = PerplexityMargin(0.02, relative=True)
 

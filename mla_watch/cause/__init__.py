@@ -3,6 +3,8 @@
 * :mod:`~mla_watch.cause.prompts`: reference prompts per business line, fixed and versioned (YAML);
 * :mod:`~mla_watch.cause.readers`: how they are read, through the model served here or the engine beside;
 * :mod:`~mla_watch.cause.readings`: a reading, its healthy baseline, how the two compare (no torch);
-* :mod:`~mla_watch.cause.prober`: readings on a schedule and on demand, and the cause of each routing alert;
-* :mod:`~mla_watch.cause.clients`: who sent the traffic, and each line's token shares per client.
+* :mod:`~mla_watch.cause.prober`: readings on a schedule and on demand, and the cause of each routing alert.
+
+Who sent the traffic, and each line's token shares per client, is counted with the routing
+(:mod:`mla_watch.routing.clients`).
 """

@@ -8,7 +8,7 @@ job's business line (its own set, else the default one; every set for all lines)
 * ``reference_drift``: their routing is at most ``drift_bits`` (Jensen-Shannon) from its healthy baseline (not
   judged, and said, where no healthy baseline of them exists yet);
 * ``reference_perplexity``: their perplexity under the candidate is no worse than under the live routers by more
-  than the job's margin, paired per prompt (:mod:`mla_watch.retune.paired`).
+  than the job's margin, paired per prompt (:mod:`mla_watch.quality.paired`).
 
 The runners score the prompts - a hook-free copy here, the engine beside - and hand the scores in (no torch).
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.readings import ReferenceBaselines, ReferenceReading, compare
-from mla_watch.retune.band import Band
-from mla_watch.retune.paired import compare_perplexity, parse_margin
-from mla_watch.retune.score import ModelScore
+from mla_watch.quality.band import Band
+from mla_watch.quality.paired import compare_perplexity, parse_margin
+from mla_watch.quality.score import ModelScore
 
 __all__ = ["REFERENCE_DRIFT_BITS", "ReferenceGate"]
 

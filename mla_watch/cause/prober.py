@@ -30,10 +30,10 @@ from typing import Any
 
 from mla_watch.alerting.causes import Cause, undetermined
 from mla_watch.alerting.model import breached, judged_window
-from mla_watch.cause.clients import ClientShares
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
+from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["DEFAULT_TOLERANCE_BITS", "ReferenceProber", "ReferenceSettings"]

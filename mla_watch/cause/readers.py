@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mla_watch.cause.prompts import ReferenceSet
-from mla_watch.retune.score import ModelScore
+from mla_watch.quality.score import ModelScore
 
 __all__ = ["EngineReader", "ModelReader", "ReferenceReader", "reference_batches"]
 
@@ -39,8 +39,8 @@ class ReferenceReader(abc.ABC):
 
 
 def reference_batches(tokenizer: Any, reference: ReferenceSet, max_tokens: int = MAX_PROMPT_TOKENS) -> list[Any]:
-    """The prompts of ``reference`` as batches for :func:`mla_watch.retune.gates.score_model` (torch)."""
-    from mla_watch.retune.data import make_batches
+    """The prompts of ``reference`` as batches for :func:`mla_watch.quality.local_model.score_model` (torch)."""
+    from mla_watch.quality.local_model import make_batches
 
     ids = [tokenizer(text)["input_ids"][:max_tokens] for text in reference.prompts]
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
@@ -69,8 +69,7 @@ class ModelReader(ReferenceReader):
     def read(self, reference: ReferenceSet) -> ModelScore:
         import torch
 
-        from mla_watch.retune.bias import copy_without_hooks
-        from mla_watch.retune.gates import score_model
+        from mla_watch.quality.local_model import copy_without_hooks, score_model
 
         batches = self.batches(reference)
         with self._lock:
@@ -128,7 +127,7 @@ class EngineReader(ReferenceReader):
         return ids
 
     def read(self, reference: ReferenceSet) -> ModelScore:
-        from mla_watch.retune.score import engine_score
+        from mla_watch.quality.score import engine_score
 
         with self._lock:  # one reading at a time: the pace is the engine's, not one thread's
             ids = self.token_ids(reference)

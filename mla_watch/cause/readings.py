@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.state_dir import set_aside
-from mla_watch.retune.score import ModelScore
+from mla_watch.quality.score import ModelScore
 from mla_watch.routing.baselines import write_json
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats, compute_stats

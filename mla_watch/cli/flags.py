@@ -113,8 +113,8 @@ non_negative_float = number_at_least(0, inclusive=True)
 
 
 def client_id_sources(text: str) -> tuple[str, ...]:
-    """``serve --client-id``: where a request's client is named (:func:`mla_watch.cause.clients.client_id`)."""
-    from mla_watch.cause.clients import parse_client_id_sources
+    """``serve --client-id``: where a request's client is named (:func:`mla_watch.routing.clients.client_id`)."""
+    from mla_watch.routing.clients import parse_client_id_sources
 
     try:
         return parse_client_id_sources(text)
@@ -135,7 +135,7 @@ def share(text: str) -> float:
 
 def perplexity_margin(text: str) -> str | float:
     """The perplexity gate's margin: ``2%`` (kept as text) or ``0.3``."""
-    from mla_watch.retune.paired import parse_margin
+    from mla_watch.quality.paired import parse_margin
 
     try:
         margin = parse_margin(text[:40])

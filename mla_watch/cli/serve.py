@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from mla_watch.cause.clients import DEFAULT_CLIENT_ID
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cli.flags import (
     DOCS,
@@ -31,6 +30,7 @@ from mla_watch.cli.flags import (
 from mla_watch.cli.startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
+from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.server.expert_counts import BUDGET_FLAG, EXPORT_FLAG, SELECTION_FORM

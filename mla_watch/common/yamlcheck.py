@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Checker", "StrictLoader", "fmt", "is_number", "read_yaml"]
+__all__ = ["Checker", "StrictLoader", "check_positive", "fmt", "is_number", "read_yaml"]
 
 
 def fmt(value: object) -> str:
@@ -36,6 +36,12 @@ def is_number(value: object) -> bool:
 
 class StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def check_positive(name: str, value: object, kind: type | tuple[type, ...] = (int, float)) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+        expected = "a positive integer" if kind is int else "a positive number"
+        raise ValueError(f"{name} = {fmt(value)}: expected {expected}")
 
 
 def _construct_mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:

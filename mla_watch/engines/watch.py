@@ -17,9 +17,9 @@ from collections.abc import Callable
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
-from mla_watch.cause.clients import ClientShares
 from mla_watch.engines.formats import Decoded
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.routers import CountDelta

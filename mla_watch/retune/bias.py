@@ -15,7 +15,6 @@ costs one model's memory for the duration of the call. The biases are accumulate
 
 from __future__ import annotations
 
-import copy
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,17 +23,14 @@ from typing import Any
 import torch
 
 from mla_watch.probe import attach, discover_routers
+from mla_watch.quality.local_model import copy_without_hooks
 from mla_watch.retune.versions import router_modules
 from mla_watch.routing.stats import entropy_bits
 
-__all__ = ["BIAS_NAME", "BiasRefitResult", "copy_without_hooks", "refit_bias", "supports_bias"]
+__all__ = ["BIAS_NAME", "BiasRefitResult", "refit_bias", "supports_bias"]
 
 BIAS_NAME = "e_score_correction_bias"
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
 
 
 def supports_bias(model: torch.nn.Module) -> list[str]:
@@ -55,22 +51,6 @@ class BiasRefitResult:
         """A JSON-able summary (no tensors), e.g. for a registry manifest."""
         return {"routers": list(self.routers), "steps": self.steps, "before_bits": dict(self.before_bits),
                 "after_bits": dict(self.after_bits)}
-
-
-def copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
-    """``copy.deepcopy(model)`` with every module's hook dicts replaced by empty ones.
-
-    A live model may carry hooks (bound methods of objects holding locks, which cannot be
-    deep-copied, and which would count the copy's passes into live windows); a probe's forward
-    wrappers deep-copy as the original forwards themselves.
-    """
-    memo: dict[int, Any] = {}
-    for module in model.modules():
-        for attribute in _HOOK_DICTS:
-            hooks = module.__dict__.get(attribute)
-            if hooks is not None:
-                memo[id(hooks)] = type(hooks)()
-    return copy.deepcopy(model, memo)
 
 
 def _forward(model: torch.nn.Module, batch: Any) -> None:

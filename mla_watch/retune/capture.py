@@ -6,7 +6,7 @@ in the state directory. It is bounded four ways: at most ``max_samples_per_line`
 line (the oldest go first), samples older than ``max_age_seconds`` are dropped (and never
 returned), the stored tokens take at most ``max_bytes`` (4 bytes per token; SQLite's own
 overhead comes on top), and a sample keeps at most its first ``max_tokens_per_sample`` tokens.
-It is fair: one client (:mod:`mla_watch.cause.clients`) fills at most ``max_client_share`` of a line's
+It is fair: one client (:mod:`mla_watch.routing.clients`) fills at most ``max_client_share`` of a line's
 ``max_samples_per_line``; past it, that client's own oldest sample of the line makes room.
 The file holds (tokenized) customer traffic, so it is created with mode 0600, and token content
 never appears in logs or error messages; counts do.
@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.sqlite import PrivateDatabase
-from mla_watch.common.yamlcheck import fmt
+from mla_watch.common.yamlcheck import check_positive, fmt
 
-__all__ = ["BYTES_PER_TOKEN", "CaptureError", "TokenSample", "TrafficCapture", "check_positive"]
+__all__ = ["BYTES_PER_TOKEN", "CaptureError", "TokenSample", "TrafficCapture"]
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +79,6 @@ class TokenSample(list):
 
 class CaptureError(RuntimeError):
     """The traffic capture cannot be opened or written (bad state directory, not a database, ...)."""
-
-
-def check_positive(name: str, value: object, kind: type | tuple[type, ...] = (int, float)) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
-        expected = "a positive integer" if kind is int else "a positive number"
-        raise ValueError(f"{name} = {fmt(value)}: expected {expected}")
 
 
 def _pack(tokens: Sequence[int], limit: int) -> tuple[bytes, int]:

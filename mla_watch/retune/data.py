@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.yamlcheck import fmt
-from mla_watch.retune.capture import TokenSample, check_positive
+from mla_watch.common.yamlcheck import check_positive, fmt
+from mla_watch.retune.capture import TokenSample
 
 if TYPE_CHECKING:  # datasets and samples are token ids; only make_batches builds tensors (the [model] extra)
-    import torch
+    pass
 
 __all__ = [
     "DATASET_NAME_RE",
@@ -46,7 +46,6 @@ __all__ = [
     "distinct_count",
     "evidence_digest",
     "load_jsonl_dataset",
-    "make_batches",
     "resolve_dataset",
     "scored_text",
     "split_held_out",
@@ -329,43 +328,3 @@ def evidence_digest(samples: Sequence[Sequence[int]]) -> str:
 def distinct_count(samples: Sequence[Sequence[int]]) -> int:
     """How many different :func:`scored_text` the samples hold."""
     return len({scored_text(sample) for sample in samples})
-
-
-def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: int = 0,
-                 max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
-    """Consecutive batches in the given order: ``{"input_ids", "attention_mask", "loss_mask"}``, LongTensors ``[B, T]``.
-
-    Each sample is cut to its first ``max_tokens`` and right-padded with ``pad_id`` to the
-    longest in its batch; ``attention_mask`` is 1 on real tokens, 0 on padding; ``loss_mask`` is
-    1 on the tokens a loss may predict: a :class:`TokenSample`'s first ``scored_tokens`` (all
-    its real tokens when that is ``None``, as for a plain list).
-    """
-    import torch
-
-    check_positive("batch_size", batch_size, int)
-    if max_tokens is not None:
-        check_positive("max_tokens", max_tokens, int)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise ValueError(f"pad_id = {fmt(pad_id)}: expected an int")
-    batches = []
-    for start in range(0, len(samples), batch_size):
-        chunk = []
-        for index in range(start, min(start + batch_size, len(samples))):
-            sample = samples[index]
-            if isinstance(sample, torch.Tensor):
-                sample = sample.tolist()
-            ids = list(sample[:max_tokens] if max_tokens is not None else sample)
-            if not ids:
-                raise ValueError(f"samples[{index}]: empty: expected at least one token id")
-            scored = getattr(sample, "scored_tokens", None)
-            chunk.append((ids, len(ids) if scored is None else min(scored, len(ids))))
-        width = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        loss_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, (ids, scored) in enumerate(chunk):
-            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, : len(ids)] = 1
-            loss_mask[row, :scored] = 1
-        batches.append({"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask})
-    return batches

@@ -40,6 +40,7 @@ from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
+from mla_watch.quality.score import engine_score
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
 from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
@@ -47,7 +48,6 @@ from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.runner import same_evidence
-from mla_watch.retune.score import engine_score
 from mla_watch.retune.versions import RouterVersions
 from mla_watch.routing.routers import RouterInfo
 

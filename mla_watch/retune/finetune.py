@@ -45,8 +45,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from mla_watch.models.loss import next_token_loss
-from mla_watch.retune.bias import BIAS_NAME, copy_without_hooks
-from mla_watch.retune.gates import score_model
+from mla_watch.quality.local_model import copy_without_hooks, score_model
+from mla_watch.retune.bias import BIAS_NAME
 from mla_watch.retune.versions import router_modules
 
 __all__ = ["FinetuneResult", "finetune_routers"]

@@ -12,7 +12,7 @@ over a hook-free copy of the live model, so live traffic is never routed by a ca
   firing.
 * **perplexity**: the candidate is not worse than the live model before the job by more than
   the margin (``max_perplexity_increase``, 2 % by default), judged per held-out sample, paired,
-  at a stated confidence (:mod:`mla_watch.retune.paired`).
+  at a stated confidence (:mod:`mla_watch.quality.paired`).
 
 Each check decides ``pass``, ``reject`` or ``insufficient`` (too few held-out tokens or distinct
 texts to know), and so does the report: ``reject`` if any binding check rejects, else
@@ -32,12 +32,12 @@ router chose.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mla_watch.retune.band import DEFAULT_BAND, Band
-from mla_watch.retune.paired import (
+from mla_watch.quality.band import DEFAULT_BAND, Band
+from mla_watch.quality.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MIN_SAMPLES,
     DEFAULT_MIN_TOKENS,
@@ -47,13 +47,12 @@ from mla_watch.retune.paired import (
     compare_perplexity,
     parse_margin,
 )
-from mla_watch.retune.score import ModelScore
+from mla_watch.quality.score import ModelScore
 
 if TYPE_CHECKING:  # the gates' rules are arithmetic; only score_model runs the model (the [model] extra)
-    import torch
+    pass
 
-__all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates",
-           "score_model"]
+__all__ = ["DEFAULT_BAND", "Band", "GateReport", "KnownGood", "ModelScore", "band_of_rule", "evaluate_gates"]
 
 
 def band_of_rule(rule: Any) -> Band:
@@ -89,60 +88,6 @@ class GateReport:
                 "checks": self.checks, "before": self.before, "after": self.after}
 
 
-def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
-                business_line: str = "gate", *, indexers: bool = False) -> ModelScore:
-    """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded); DSA indexers are
-    watched too with ``indexers`` (their key positions cost more to count, and gates judge expert routers).
-
-    ``model`` must not carry another probe counting into live windows: pass a hook-free copy.
-    """
-    import torch
-
-    with torch.no_grad():
-        return _score_model(model, batches, business_line, indexers=indexers)
-
-
-def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], business_line: str, *,
-                 indexers: bool) -> ModelScore:
-    from mla_watch.models.loss import next_token_losses
-    from mla_watch.probe import attach, discover_routers
-
-    ignored = set() if indexers else {type(module).__name__ for module, info, _ in discover_routers(model)
-                                      if info.kind != "expert"}
-    probe = attach(model, window_tokens=None, ignore=sorted(ignored))
-    losses: list[float] = []
-    counts: list[int] = []
-    try:
-        device = next(model.parameters()).device
-        with probe.attribute(business_line):
-            for batch in batches:
-                loss_mask = batch.get("loss_mask")
-                loss, count = next_token_losses(model, batch["input_ids"].to(device),
-                                                batch["attention_mask"].to(device),
-                                                None if loss_mask is None else loss_mask.to(device))
-                losses.extend(loss.double().tolist())
-                counts.extend(int(n) for n in count.tolist())
-        records = {record.router.name: record for record in probe.router_stats(business_line)}
-    finally:
-        probe.detach()
-    total_tokens = sum(counts)
-    if total_tokens == 0:
-        raise ValueError("the samples hold no token to predict: a sample needs at least 2 scored tokens "
-                         "(captured traffic scores the prompt only)")
-    return ModelScore(perplexity=math.exp(sum(losses) / total_tokens), tokens=total_tokens, routers=records,
-                      losses=losses, counts=counts)
-
-
-@dataclass
-class KnownGood:
-    """What a restored candidate is judged by besides the held-out samples (see the module docstring)."""
-
-    source: str  # "reference model /models/v3", "router version 3 (marked good)"
-    health: dict[str, Any]  # judge_health of the candidate on the health text
-    score: ModelScore  # the candidate on the health text: the band gate's fallback
-    live_outside_band: bool  # the live router reads outside its band (on the health text)
-
-
 def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple[Decision, str, float | None]:
     value = score.metric(router, band.metric)
     measured = value is not None and math.isfinite(value)
@@ -157,6 +102,16 @@ def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple
     return "insufficient", (f"{router}: {band.metric} is {'unmeasured' if not measured else f'{value:.3f}'} on "
                             f"{tokens} tokens of {where}, fewer than the router's trusted minimum "
                             f"({band.describe()} not judged)"), value
+
+
+@dataclass
+class KnownGood:
+    """What a restored candidate is judged by besides the held-out samples (see the module docstring)."""
+
+    source: str  # "reference model /models/v3", "router version 3 (marked good)"
+    health: dict[str, Any]  # judge_health of the candidate on the health text
+    score: ModelScore  # the candidate on the health text: the band gate's fallback
+    live_outside_band: bool  # the live router reads outside its band (on the health text)
 
 
 def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[str], band: Band,

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.common.sqlite import PrivateDatabase
-from mla_watch.retune.band import DEFAULT_BAND
-from mla_watch.retune.paired import (
+from mla_watch.quality.band import DEFAULT_BAND
+from mla_watch.quality.paired import (
     DEFAULT_CONFIDENCE,
     DEFAULT_MARGIN,
     DEFAULT_MIN_SAMPLES,
@@ -45,7 +45,7 @@ STATUSES: tuple[str, ...] = ("pending", "running", "waiting", *FINAL_STATUSES)
 @dataclass
 class RetuneSettings:
     cooldown_seconds: float = 3600.0  # per router: a flapping alert cannot start a storm of jobs
-    # The perplexity gate (mla_watch.retune.paired): an absolute (0.3) or relative ("2%") margin, the
+    # The perplexity gate (mla_watch.quality.paired): an absolute (0.3) or relative ("2%") margin, the
     # one-sided confidence of its decisions, and the held-out tokens below which it does not decide.
     max_perplexity_increase: float | str = DEFAULT_MARGIN
     gate_confidence: float = DEFAULT_CONFIDENCE

@@ -40,17 +40,10 @@ from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import reference_batches
 from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
 from mla_watch.models.loss import scored_targets
-from mla_watch.retune.bias import copy_without_hooks
+from mla_watch.quality.local_model import copy_without_hooks, make_batches, score_model
 from mla_watch.retune.capture import TokenSample, TrafficCapture
-from mla_watch.retune.data import (
-    distinct_count,
-    evidence_digest,
-    load_jsonl_dataset,
-    make_batches,
-    resolve_dataset,
-    split_held_out,
-)
-from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, score_model
+from mla_watch.retune.data import distinct_count, evidence_digest, load_jsonl_dataset, resolve_dataset, split_held_out
+from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference

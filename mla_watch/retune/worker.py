@@ -33,8 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
-    import mla_watch
-    from mla_watch.retune.data import load_jsonl_dataset, make_batches
+    from mla_watch.models.loading import load_model
+    from mla_watch.quality.local_model import make_batches
+    from mla_watch.retune.data import load_jsonl_dataset
     from mla_watch.retune.strategies import FitContext, get_strategy
     from mla_watch.retune.versions import apply_router_tensors
 
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if strategy.name == "restore":
         print("worker: restore is a registry lookup and runs in the server, not here", file=sys.stderr)
         return 2
-    model, tokenizer = mla_watch.load_model(args.model, device=args.device)
+    model, tokenizer = load_model(args.model, device=args.device)
     apply_router_tensors(model, load_file(str(args.routers)))
     reason = strategy.unsupported_reason(model)
     if reason is not None:

@@ -30,13 +30,13 @@ from starlette.routing import Route
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
-from mla_watch.cause.clients import ClientShares
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
 from mla_watch.server import read_views
@@ -242,7 +242,8 @@ class Sidecar:
     # ------------------------------------------------------------------ life cycle
     def load_model(self) -> None:
         """Load the model, run the attention self-test, attach the probe, start the engine."""
-        import mla_watch
+        from mla_watch.models.loading import load_model
+        from mla_watch.probe import attach
         from mla_watch.server.model_worker import ModelWorker
         from mla_watch.server.selftest import attention_self_test
 
@@ -251,14 +252,14 @@ class Sidecar:
         log.info("loading the model %s (device %s): until it is ready, completions answer 503 and /readyz "
                  "\"loading\"", config.model, config.device)
         try:
-            model, tokenizer = mla_watch.load_model(config.model, device=config.device)
+            model, tokenizer = load_model(config.model, device=config.device)
             serving.self_test = attention_self_test(model, config.attn_implementation)
             (log.warning if serving.self_test.refused else log.info)(serving.self_test.message)
             self.metrics.attention_fallback.set(1 if serving.self_test.refused else 0)
             # The counting buffer is sized once (CUDA-graph safe): room for every policy's line and then some;
             # a line added by a later reload past it is counted as `overflow`, with a warning.
             lines = max(16, 2 * len(self.policies.current.lines) + 1)
-            probe = self.sources.probe = mla_watch.attach(model, window_tokens=config.window_tokens,
+            probe = self.sources.probe = attach(model, window_tokens=config.window_tokens,
                                                           window_seconds=config.window_seconds, clock=self.clock,
                                                           max_business_lines=lines,
                                                           count_positions=config.routing_by_position)

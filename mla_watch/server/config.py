@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from mla_watch.cause.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.common.directory_store import ConfigError
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS
+from mla_watch.routing.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
 from mla_watch.routing.ingest import IngestLimits
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
@@ -47,7 +47,7 @@ class ServerConfig:
     # from the traffic's, on a schedule and whenever a routing alert goes pending.
     reference_prompts: Path = SHIPPED_REFERENCES
     reference: ReferenceSettings = field(default_factory=ReferenceSettings)
-    # Who sent a request (mla_watch.cause.clients): the first of these a request carries.
+    # Who sent a request (mla_watch.routing.clients): the first of these a request carries.
     client_id: tuple[str, ...] = field(default_factory=lambda: parse_client_id_sources(DEFAULT_CLIENT_ID))
     state_dir: Path = Path("mla-watch-state")
     dataset_dir: Path | None = None  # re-tune datasets named over the admin API; None: STATE_DIR/datasets

@@ -18,9 +18,9 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
-    from mla_watch.cause.clients import ClientShares
     from mla_watch.policy.files import PolicyStore
     from mla_watch.retune.service import RetuneService
+    from mla_watch.routing.clients import ClientShares
     from mla_watch.server.auth import Auth
     from mla_watch.server.config import ServerConfig
     from mla_watch.server.metrics import ServerMetrics

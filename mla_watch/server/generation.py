@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from mla_watch.cause.clients import client_id
 from mla_watch.policy.model import (
     Adjustment,
     Decision,
@@ -23,6 +22,7 @@ from mla_watch.policy.model import (
     enforce,
 )
 from mla_watch.policy.params import SamplingValues
+from mla_watch.routing.clients import client_id
 from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
 from mla_watch.server.responses import Answer, sse

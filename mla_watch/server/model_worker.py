@@ -60,7 +60,7 @@ class Job:
     prompt_tokens: int = 0
     record_routing: bool = False  # keep the expert ids of each pass (serve --return-routed-experts)
     routing: list[Any] | None = None  # then: per choice, [tokens, expert routers, top_k], set before the end
-    client: str | None = None  # who sent it (mla_watch.cause.clients)
+    client: str | None = None  # who sent it (mla_watch.routing.clients)
 
     def push(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)

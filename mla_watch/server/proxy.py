@@ -124,7 +124,7 @@ class Upstream:
     async def forward(self, request: Request, parsed: GenerationRequest, body: dict[str, Any],
                       decision: Decision, client: str | None = None) -> Response:
         """The engine's answer to the request, with the policy applied; its routing counted for the business line
-        and ``client`` (:mod:`mla_watch.cause.clients`) once the client has it."""
+        and ``client`` (:mod:`mla_watch.routing.clients`) once the client has it."""
         payload = parsed.upstream_body(body, decision.applied)
         prompt_start = _prompt_start(payload)  # the proxy counts every row
         headers = {"Content-Type": "application/json", **_forwarded_auth(request),
@@ -532,7 +532,7 @@ class _StreamRelay:
     business_line: str
     replay: _StreamReplay | None
     headers: dict[str, str]
-    client: str | None = None  # who sent it (mla_watch.cause.clients)
+    client: str | None = None  # who sent it (mla_watch.routing.clients)
     first: bool = True  # no chunk has carried mla_watch's object yet
     counted: bool = False  # its routing was counted (or queued to be)
     # vLLM routing its own chunks carried (base64, undecoded): counted together once the stream has ended, so that

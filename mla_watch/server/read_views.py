@@ -19,10 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mla_watch.alerting.service import AlertService
-from mla_watch.cause.clients import ClientShares
 from mla_watch.history.store import HistoryStore
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig

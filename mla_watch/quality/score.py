@@ -16,7 +16,7 @@ import numpy as np
 from mla_watch.engines.formats import routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import SampleScore
-from mla_watch.retune.band import Band
+from mla_watch.quality.band import Band
 from mla_watch.routing.stats import compute_stats
 from mla_watch.routing.windows import RouterStats
 

@@ -1,0 +1,87 @@
+"""The package's layers as docs/architecture.md draws them: imports point down, never in a circle."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mla_watch"
+
+# Bottom to top: a module may import its own package and the ones listed before it, never one after.
+# "public" is the package root: mla_watch/__init__.py and the Python API's aliases beside it.
+LAYERS = ("shipped", "dashboards", "common", "routing", "probe", "engines", "policy", "models", "quality",
+          "alerting", "history", "cause", "retune", "server", "public", "cli")
+MAX_ROOT_MODULES = 8
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1 or not (PACKAGE / parts[1]).is_dir():
+        return "public"
+    return parts[1]
+
+
+def _imports(tree: ast.Module, modules: set[str] | dict[str, ast.Module]) -> Iterator[tuple[str, int]]:
+    """The mla_watch modules a module imports, at any depth (an import inside a function is one too):
+    ``from M import name`` is M.name where that is a module, else M."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((alias.name, node.lineno) for alias in node.names if alias.name.startswith("mla_watch"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mla_watch"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                yield (submodule if submodule in modules else node.module), node.lineno
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {_module_name(path): ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_package_sits_in_a_layer() -> None:
+    packages = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    assert packages <= set(LAYERS), f"packages in no layer: {sorted(packages - set(LAYERS))}"
+
+
+def test_imports_point_down_the_layers() -> None:
+    sources = _sources()
+    upward = []
+    for module, tree in sources.items():
+        rank = LAYERS.index(_layer(module))
+        for target, line in _imports(tree, sources):
+            if target in sources and LAYERS.index(_layer(target)) > rank:
+                upward.append(f"{module}:{line} imports {target} ({_layer(module)} -> {_layer(target)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle() -> None:
+    sources = _sources()
+    graph = {module: sorted({target for target, _ in _imports(tree, sources)
+                             if target in sources and target != module})
+             for module, tree in sources.items()}
+    state: dict[str, str] = {}
+    circles: list[list[str]] = []
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in graph[module]:
+            if state.get(target) == "open":
+                circles.append([*path[path.index(target):], target])
+            elif target not in state:
+                walk(target, [*path, target])
+        state[module] = "done"
+
+    for module in graph:
+        if module not in state:
+            walk(module, [module])
+    assert not circles, "\n".join(" -> ".join(circle) for circle in circles)
+
+
+def test_the_package_root_keeps_the_public_face_only() -> None:
+    root_modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(root_modules) <= MAX_ROOT_MODULES, root_modules
