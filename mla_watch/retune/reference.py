@@ -2,7 +2,7 @@
 
 ``serve --reference-model DIR`` names the checkpoint the served model came from (or any
 checkpoint of the same architecture whose routers are known to be healthy). Only the router
-tensors of the live model (:func:`mla_watch.retune.registry.router_state`'s names) are read, each
+tensors of the live model (:func:`mla_watch.retune.router_tensors.router_state`'s names) are read, each
 with ``safetensors``' lazy ``safe_open`` (no pickle, no expert weight loaded); the shapes must
 match the live ones. ``restore`` puts these back before any registry version.
 """

@@ -54,8 +54,9 @@ from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates, 
 from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
+from mla_watch.retune.router_tensors import apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
-from mla_watch.retune.versions import RouterVersions, apply_router_tensors, router_state
+from mla_watch.retune.versions import RouterVersions
 
 __all__ = ["JobCannotRun", "Retuner", "same_evidence"]
 
