@@ -40,6 +40,7 @@ from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
+from mla_watch.engines.vllm_weights import write_router_checkpoint
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
 from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
@@ -65,7 +66,7 @@ class EngineRouters(RouterHost):
     """The routers of a running engine: known by what was loaded at start-up and what was swapped in since.
 
     ``initial``: the router tensors of the engine's checkpoint (read once, with
-    :func:`mla_watch.engines.weights.read_router_tensors`). Each :meth:`apply` writes the whole router
+    :func:`mla_watch.engines.vllm_weights.read_router_tensors`). Each :meth:`apply` writes the whole router
     state (a layer's weight and bias together, every MoE layer) as a router-only checkpoint in a new
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
@@ -91,8 +92,6 @@ class EngineRouters(RouterHost):
                     if prefixes is None or name.startswith(prefixes)}
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        from mla_watch.engines.vllm_weights import write_router_checkpoint
-
         problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
         problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
                      for name, tensor in tensors.items()
