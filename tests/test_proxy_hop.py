@@ -69,7 +69,7 @@ def test_plain_answers_without_routing_never_leave_the_event_loops_process(tmp_p
             assert chat.json()["choices"][0]["message"]["content"] == " tok" * GENERATED
             assert events[-1] == b"[DONE]" and len(events) == GENERATED + 2
             assert b'"mla_watch"' in events[0] and all(b'"mla_watch"' not in event for event in events[1:])
-        decoder = sidecar._decoder
+        decoder = sidecar._upstream_side.decoder
         assert decoder.submitted == 0 and not decoder.running  # nothing was handed to a decoding process
         assert children() <= before  # and none was started
     assert not decoder.running
@@ -92,14 +92,14 @@ def test_a_long_plain_answer_is_read_in_a_decoding_process_started_for_it(tmp_pa
     with serve_app(long_engine()) as engine, running_sidecar(
             upstream=engine, rules=None, window_tokens=None, state_dir=tmp_path) as (url, sidecar), \
             httpx.Client(base_url=url, headers=HEADERS, timeout=60) as client:
-        assert not sidecar._decoder.running  # nothing starts before an answer needs it
+        assert not sidecar._upstream_side.decoder.running  # nothing starts before an answer needs it
         answer = client.post("/v1/completions", json={"prompt": "x"})
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["text"] == LONG_TEXT and answer.json()["mla_watch"]["policy"]
-        assert sidecar._decoder.submitted == 1 and children() - before
+        assert sidecar._upstream_side.decoder.submitted == 1 and children() - before
         refused = client.post("/v1/completions", json={"prompt": "html"})  # a long 200 that is no JSON: still a 502
         assert refused.status_code == 502 and "not a JSON object" in refused.json()["error"]["message"]
-        assert sidecar._decoder.submitted == 2
+        assert sidecar._upstream_side.decoder.submitted == 2
 
 
 # ---------------------------------------------------------------------- the decoding processes follow the load

@@ -23,7 +23,7 @@ import mla_watch
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.jobs import RetuneSettings
-from mla_watch.retune.versions import router_state
+from mla_watch.retune.router_tensors import router_state
 
 pytestmark = pytest.mark.slow
 

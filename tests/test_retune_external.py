@@ -15,8 +15,9 @@ from mla_watch.models import corpus
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.router_tensors import router_state
 from mla_watch.retune.runner import Retuner
-from mla_watch.retune.versions import RouterVersions, router_state
+from mla_watch.retune.versions import RouterVersions
 from mla_watch.shipped import SHIPPED_RULES
 
 pytestmark = pytest.mark.slow

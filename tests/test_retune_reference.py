@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tiny_models import build
 
 from mla_watch.retune.reference import load_reference_routers
-from mla_watch.retune.versions import router_state
+from mla_watch.retune.router_tensors import router_state
 
 RESTORE = {"strategies": ["restore"], "band": {"metric": "entropy_bits", "low": 2.3, "high": None}}
 

@@ -14,8 +14,8 @@ from retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, f
 from tiny_models import build
 
 from mla_watch.retune.reference import RouterReference
+from mla_watch.retune.router_tensors import router_state
 from mla_watch.retune.service import Cooldown
-from mla_watch.retune.versions import router_state
 
 
 def test_a_collapsed_router_is_refit_gated_promoted_and_rolled_back_exactly(tmp_path) -> None:

@@ -141,7 +141,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                   "known-good router version (bias and router_finetune fit on captured traffic)")
         if args.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
-            from mla_watch.retune.versions import router_state
+            from mla_watch.retune.router_tensors import router_state
 
             try:
                 reference = load_reference_routers(args.reference_model, router_state(model))

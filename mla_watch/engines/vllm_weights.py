@@ -63,6 +63,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as save_numpy
 
+from mla_watch.engines.checkpoints import checkpoint_files
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
 from mla_watch.engines.swap import (
@@ -73,7 +74,6 @@ from mla_watch.engines.swap import (
     SwapResult,
     tokens_of_answer,
 )
-from mla_watch.retune.reference import checkpoint_files
 
 if TYPE_CHECKING:  # the router checkpoints (re-tuning the engine's routers) are read and written with torch
     import torch

@@ -13,22 +13,18 @@ _EXPORTS = {
     "BiasRefitResult": "mla_watch.retune.bias",
     "refit_bias": "mla_watch.retune.bias",
     "supports_bias": "mla_watch.retune.bias",
-    "ROUTER_TENSOR_PATTERNS": "mla_watch.retune.versions",
+    "ROUTER_TENSOR_PATTERNS": "mla_watch.retune.router_tensors",
     "RouterVersions": "mla_watch.retune.versions",
-    "router_modules": "mla_watch.retune.versions",
-    "router_state": "mla_watch.retune.versions",
+    "router_modules": "mla_watch.retune.router_tensors",
+    "router_state": "mla_watch.retune.router_tensors",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from mla_watch.retune.bias import BIAS_NAME, BiasRefitResult, refit_bias, supports_bias  # noqa: F401
-    from mla_watch.retune.versions import (  # noqa: F401
-        ROUTER_TENSOR_PATTERNS,
-        RouterVersions,
-        router_modules,
-        router_state,
-    )
+    from mla_watch.retune.router_tensors import ROUTER_TENSOR_PATTERNS, router_modules, router_state  # noqa: F401
+    from mla_watch.retune.versions import RouterVersions  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ wrappers copy as the original forwards), so the live
 model's tensors never change and live traffic is never routed by a half-fitted bias. The copy
 costs one model's memory for the duration of the call. The biases are accumulated in float32
 (a bfloat16 bias near 10 cannot move by 0.05) and returned as float32 CPU tensors named as in
-:func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterVersions.save`.
+:func:`mla_watch.retune.router_tensors.router_state`, ready for :meth:`RouterVersions.save`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from mla_watch.probe import attach, discover_routers
 from mla_watch.quality.local_model import copy_without_hooks
-from mla_watch.retune.versions import router_modules
+from mla_watch.retune.router_tensors import router_modules
 from mla_watch.routing.stats import entropy_bits
 
 __all__ = ["BIAS_NAME", "BiasRefitResult", "refit_bias", "supports_bias"]

@@ -40,12 +40,13 @@ from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
+from mla_watch.engines.vllm_weights import write_router_checkpoint
 from mla_watch.quality.score import engine_score
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
 from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import RouterHost
-from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings
+from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings, job_result
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.runner import same_evidence
 from mla_watch.retune.versions import RouterVersions
@@ -65,7 +66,7 @@ class EngineRouters(RouterHost):
     """The routers of a running engine: known by what was loaded at start-up and what was swapped in since.
 
     ``initial``: the router tensors of the engine's checkpoint (read once, with
-    :func:`mla_watch.engines.weights.read_router_tensors`). Each :meth:`apply` writes the whole router
+    :func:`mla_watch.engines.vllm_weights.read_router_tensors`). Each :meth:`apply` writes the whole router
     state (a layer's weight and bias together, every MoE layer) as a router-only checkpoint in a new
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
@@ -91,8 +92,6 @@ class EngineRouters(RouterHost):
                     if prefixes is None or name.startswith(prefixes)}
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        from mla_watch.engines.vllm_weights import write_router_checkpoint
-
         problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
         problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
                      for name, tensor in tensors.items()
@@ -228,7 +227,8 @@ class EngineRetuner:
                 attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
                 continue
             if outcome == "promoted":
-                return "promoted", self._result(spec, attempts, data, started, attempt.get("version"), name)
+                return "promoted", self._result(spec, attempts, data, started, version=attempt.get("version"),
+                                                strategy=name)
         return self._undecided(spec, attempts, data, started, before, band)
 
     def _apply_version(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
@@ -244,8 +244,8 @@ class EngineRetuner:
         attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
         outcome = self._gate(spec, attempt, version, held_out, before, band,
                              known_good=(manifest.get("details") or {}).get("source"))
-        result = self._result(spec, [attempt], data, started, version if outcome == "promoted" else None,
-                              attempt["strategy"])
+        result = self._result(spec, [attempt], data, started, version=version if outcome == "promoted" else None,
+                              strategy=attempt["strategy"])
         if outcome == "promoted":
             return "promoted", result
         # The version an operator named was judged and rolled back: the end (a retry would swap it in again).
@@ -265,10 +265,10 @@ class EngineRetuner:
             version = self._save(spec, name, tensors, {**details, "proposed": True}, {})
             command = f"mla-watch retune apply {version}"
             attempt.update(outcome="proposed", version=version, command=command)
-            result = self._result(spec, attempts, {}, started, version, name)
+            result = self._result(spec, attempts, {}, started, version=version, strategy=name)
             result.update(error=None, command=command)
             return "proposed", result
-        return "failed", self._result(spec, attempts, {}, started, None, None)
+        return "failed", self._result(spec, attempts, {}, started)
 
     def _attempts(self, spec: JobSpec, attempts: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
         """Each strategy the engine can use, with its attempt record (added to ``attempts``; the others are
@@ -475,7 +475,7 @@ class EngineRetuner:
 
     def _undecided(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
                    before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:
-        result = self._result(spec, attempts, data, started, None, None)
+        result = self._result(spec, attempts, data, started)
         outcomes = {attempt.get("outcome") for attempt in attempts}
         outside = bool(before.outside(spec.routers, band)) or spec.trigger.get("source") == "alert"
         if outcomes & {"rejected", "insufficient"} and outside:
@@ -486,17 +486,10 @@ class EngineRetuner:
             return "waiting", result
         return ("rejected" if "rejected" in outcomes else "failed"), result
 
-    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
-                version: int | None, strategy: str | None) -> dict[str, Any]:
-        finished = self._clock()
-        timings = {"total_seconds": round(finished - started, 3)}
-        trigger_at = spec.trigger.get("at")
-        if version is not None and isinstance(trigger_at, int | float):
-            timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
-        reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
-        return {"version": version, "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
-                "attempts": attempts, "data": data, "timings": timings, "engine": True,
-                "error": None if version is not None else ("; ".join(reasons) or "no strategy was tried")}
+    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float, *,
+                version: int | None = None, strategy: str | None = None) -> dict[str, Any]:
+        return job_result(spec, attempts, data, started=started, finished=self._clock(), version=version,
+                          strategy=strategy, engine=True)
 
 
 def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:

@@ -31,7 +31,7 @@ training passes, and live traffic is never routed by a half-trained gate. The co
 model's memory for the duration of the call (plus gradients and activations of one batch).
 The run is deterministic: the epoch order and the LoRA init come from a generator seeded with
 ``seed``, never from the global RNG. The trained weights are returned as float32 CPU tensors
-named as in :func:`mla_watch.retune.registry.router_state`, ready for :meth:`RouterVersions.save`.
+named as in :func:`mla_watch.retune.router_tensors.router_state`, ready for :meth:`RouterVersions.save`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from torch.nn.utils import parametrize
 from mla_watch.models.loss import next_token_loss
 from mla_watch.quality.local_model import copy_without_hooks, score_model
 from mla_watch.retune.bias import BIAS_NAME
-from mla_watch.retune.versions import router_modules
+from mla_watch.retune.router_tensors import router_modules
 
 __all__ = ["FinetuneResult", "finetune_routers"]
 

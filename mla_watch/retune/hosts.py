@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mla_watch.probe.discovery import discover_routers
+from mla_watch.retune.router_tensors import apply_router_tensors, router_state
 from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["ModelRouters", "RouterHost", "as_host"]
@@ -54,19 +56,13 @@ class ModelRouters(RouterHost):
         self.lock = lock
 
     def routers(self) -> list[RouterInfo]:
-        from mla_watch.probe.discovery import discover_routers
-
         return [info for _, info, _ in discover_routers(self.model) if info.kind == "expert"]
 
     def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        from mla_watch.retune.versions import router_state
-
         with self.lock if self.lock is not None else contextlib.nullcontext():
             return router_state(self.model, routers)
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        from mla_watch.retune.versions import apply_router_tensors
-
         apply_router_tensors(self.model, tensors, self.lock)
         return {}
 

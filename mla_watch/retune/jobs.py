@@ -32,7 +32,7 @@ from mla_watch.quality.paired import (
 )
 
 __all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetentionPolicy",
-           "RetuneSettings"]
+           "RetuneSettings", "job_result"]
 
 # proposed: a candidate saved and gated as far as it could be without the engine, waiting for
 # `mla-watch retune apply N` (serve --engine-retune propose).
@@ -138,6 +138,30 @@ class JobSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
         known = {name for name in cls.__dataclass_fields__}
         return cls(**{key: value for key, value in data.items() if key in known})
+
+
+def job_result(spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], *, started: float,
+               finished: float, version: int | None = None, strategy: str | None = None,
+               timings: Mapping[str, float] | None = None, engine: bool = False) -> dict[str, Any]:
+    """The result a try of a job records (the job store's ``result``, the admin API's answer).
+
+    ``version``: the router version it promoted or proposed (``None``: none, and ``error`` says why from the
+    attempts' reasons); ``strategy``: the one that did, else the last one tried; ``timings``: the phases measured,
+    to which the total and, for a promotion after a triggered job, the seconds from the trigger are added;
+    ``engine``: the routers re-tuned are an engine's.
+    """
+    timings = {**(timings or {}), "total_seconds": round(finished - started, 3)}
+    trigger_at = spec.trigger.get("at")
+    if version is not None and isinstance(trigger_at, int | float):
+        timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
+    reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
+    result: dict[str, Any] = {"version": version,
+                              "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
+                              "attempts": attempts, "data": data, "timings": timings}
+    if engine:
+        result["engine"] = True
+    result["error"] = None if version is not None else ("; ".join(reasons) or "no strategy was tried")
+    return result
 
 
 _JOBS_SCHEMA = """

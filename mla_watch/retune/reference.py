@@ -2,14 +2,13 @@
 
 ``serve --reference-model DIR`` names the checkpoint the served model came from (or any
 checkpoint of the same architecture whose routers are known to be healthy). Only the router
-tensors of the live model (:func:`mla_watch.retune.registry.router_state`'s names) are read, each
+tensors of the live model (:func:`mla_watch.retune.router_tensors.router_state`'s names) are read, each
 with ``safetensors``' lazy ``safe_open`` (no pickle, no expert weight loaded); the shapes must
 match the live ones. ``restore`` puts these back before any registry version.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,51 +16,18 @@ from typing import TYPE_CHECKING
 
 from safetensors import SafetensorError, safe_open
 
-if TYPE_CHECKING:  # checkpoint_files lists files; only load_reference_routers reads tensors (framework "pt")
+from mla_watch.engines.checkpoints import checkpoint_files
+
+if TYPE_CHECKING:  # only load_reference_routers reads tensors (framework "pt")
     import torch
 
-__all__ = ["RouterReference", "checkpoint_files", "load_reference_routers"]
-
-_INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["RouterReference", "load_reference_routers"]
 
 
 @dataclass(frozen=True)
 class RouterReference:
     label: str  # "reference model /models/v3-base": what a job record says it restored from
     tensors: dict[str, torch.Tensor]
-
-
-def checkpoint_files(directory: Path, label: str = "--reference-model") -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (the index file's map where there is one, else every
-    ``*.safetensors`` file's names, read from its header). ``ValueError`` naming ``label`` (the option or
-    argument that gave the directory) and the directory when neither can be read."""
-    index = directory / _INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (OSError, ValueError, KeyError, TypeError):
-            raise ValueError(f"{label} {directory}: {_INDEX_FILE} is unreadable: expected JSON with a "
-                             f"\"weight_map\" object of tensor name -> file") from None
-        files: dict[str, Path] = {}
-        for name, file in weight_map.items():
-            path = (directory / str(file)).resolve()
-            if path.parent != directory.resolve():  # the index must not point outside the checkpoint
-                raise ValueError(f"{label} {directory}: {_INDEX_FILE} maps {str(name)[:200]!r} to a file "
-                                 f"outside the directory: expected a file name in it")
-            files[str(name)] = path
-        return files
-    shards = sorted(directory.glob("*.safetensors"))
-    if not shards:
-        raise ValueError(f"{label} {directory}: no *.safetensors file: expected a checkpoint saved with "
-                         f"save_pretrained (safetensors)")
-    files = {}
-    for shard in shards:
-        with safe_open(str(shard), framework="pt") as handle:
-            names = handle.keys()  # the handle itself is not iterable
-            files.update((name, shard) for name in names)
-    return files
 
 
 def load_reference_routers(directory: str | Path, live: Mapping[str, torch.Tensor]) -> RouterReference:

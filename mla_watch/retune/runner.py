@@ -45,10 +45,11 @@ from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, load_jsonl_dataset, resolve_dataset, split_held_out
 from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import ModelRouters
-from mla_watch.retune.jobs import JobSpec, RetuneSettings
+from mla_watch.retune.jobs import JobSpec, RetuneSettings, job_result
 from mla_watch.retune.reference import RouterReference
+from mla_watch.retune.router_tensors import apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
-from mla_watch.retune.versions import RouterVersions, apply_router_tensors, router_state
+from mla_watch.retune.versions import RouterVersions
 
 __all__ = ["JobCannotRun", "Retuner", "same_evidence"]
 
@@ -218,9 +219,10 @@ class Retuner:
             self._promote(version)
             attempt.update(outcome="promoted", promote_seconds=round(self._clock() - mark, 3))
             log.info("re-tune job %s: %s promoted as router version %d", spec.id, name, version)
-            return "promoted", self._result(spec, attempts, data, timings, started, version=version, strategy=name)
+            return "promoted", job_result(spec, attempts, data, started=started, finished=self._clock(),
+                                          timings=timings, version=version, strategy=name)
         outcomes = {attempt.get("outcome") for attempt in attempts}
-        result = self._result(spec, attempts, data, timings, started)
+        result = job_result(spec, attempts, data, started=started, finished=self._clock(), timings=timings)
         if "insufficient" in outcomes:  # a candidate the held-out data could not judge: more data decides
             result["needs"] = "more held-out data: " + "; ".join(
                 f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("outcome") == "insufficient")
@@ -264,19 +266,6 @@ class Retuner:
                 f"samples (let more traffic be captured: a repeated prompt counts once)")
 
     # ------------------------------------------------------------------ parts
-    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any],
-                timings: dict[str, float], started: float, *, version: int | None = None,
-                strategy: str | None = None) -> dict[str, Any]:
-        finished = self._clock()
-        timings = {**timings, "total_seconds": round(finished - started, 3)}
-        trigger_at = spec.trigger.get("at")
-        if version is not None and isinstance(trigger_at, (int, float)):
-            timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
-        reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
-        return {"version": version, "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
-                "attempts": attempts, "data": data, "timings": timings,
-                "error": None if version is not None else ("; ".join(reasons) or "no strategy was tried")}
-
     def _samples(self, spec: JobSpec) -> tuple[list[list[int]], dict[str, Any]]:
         line = spec.business_line
         if spec.dataset:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from apscheduler.events import EVENT_JOB_MISSED, JobEvent
 from apscheduler.executors.pool import ThreadPoolExecutor
@@ -45,13 +45,14 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from mla_watch.alerting.model import RETUNE_STRATEGIES
 from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
+from mla_watch.retune.capture import TrafficCapture
+from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
-from mla_watch.retune.runner import Retuner
 from mla_watch.retune.specs import alert_job_spec
 from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.retune.versions import RouterVersions
 
-__all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
+__all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneRunner", "RetuneService"]
 
 log = logging.getLogger("mla_watch.retune")
 
@@ -69,12 +70,31 @@ def _run_scheduled(service_key: str, job_id: str) -> None:
     service.execute(job_id)
 
 
+class RetuneRunner(Protocol):
+    """What runs the jobs of a :class:`RetuneService`: :class:`mla_watch.retune.runner.Retuner` (a model in this
+    process) or :class:`mla_watch.retune.engine.EngineRetuner` (the routers of an engine beside the sidecar)."""
+
+    @property
+    def host(self) -> RouterHost:
+        """The routers the jobs re-tune; promotions and rollbacks swap them."""
+
+    @property
+    def capture(self) -> TrafficCapture | None:
+        """The captured traffic the jobs fit and gate on (``None``: capture is off, a job needs a dataset)."""
+
+    def run(self, spec: JobSpec, previous: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        """Run ``spec`` (``previous``: the result it waited with); ``(status, result)``."""
+
+    def remove_work(self, job_id: str | None = None) -> None:
+        """Delete the work files of job ``job_id`` (of every job for ``None``)."""
+
+
 class Cooldown(Exception):
     """A router had a job too recently; the message says which, and until when."""
 
 
 class RetuneService:
-    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner, registry: RouterVersions,
+    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: RetuneRunner, registry: RouterVersions,
                  model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,

@@ -1,7 +1,7 @@
 """Re-tuning strategies: plugins chosen by name, each with one abstract method, :meth:`Strategy.fit`.
 
 A strategy turns the job's training batches into a *candidate*: router tensors (named as in
-:func:`mla_watch.retune.registry.router_state`) that the gates judge before anything goes live.
+:func:`mla_watch.retune.router_tensors.router_state`) that the gates judge before anything goes live.
 No strategy ever writes into the live model.
 
 * ``bias``: DeepSeek-V3's auxiliary-loss-free re-fit of ``e_score_correction_bias``
@@ -28,7 +28,8 @@ import torch
 from mla_watch.common.describe import describe_value
 from mla_watch.retune.bias import refit_bias, supports_bias
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.versions import RouterVersions, router_modules
+from mla_watch.retune.router_tensors import router_modules
+from mla_watch.retune.versions import RouterVersions
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
 

@@ -9,10 +9,9 @@ Layout under the registry directory (``STATE_DIR/routers``)::
     marked_good.jsonl           one line per version an operator marked good: version, at
     snapshots/pNNNNN-vMMMM.safetensors   the values a promotion overwrote, for an exact rollback
 
-Only router tensors ever enter the registry: the direct parameters and buffers named in
-:data:`ROUTER_TENSOR_PATTERNS` of every *expert* router that :func:`mla_watch.probe.discover_routers`
-finds (gate weight, gate bias, ``e_score_correction_bias``). Expert weights, indexers and
-everything else are never saved and never overwritten by :meth:`RouterVersions.promote`.
+Only router tensors (:mod:`mla_watch.retune.router_tensors`: gate weight, gate bias,
+``e_score_correction_bias`` of every expert router) ever enter the registry. Expert weights,
+indexers and everything else are never saved and never overwritten by :meth:`RouterVersions.promote`.
 
 A version may hold a subset of the router tensors (e.g. only the re-fitted biases of one
 router). The live router state is therefore the overlay of the versions on the promotion
@@ -29,7 +28,6 @@ and must not be what ``restore`` puts back.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import hashlib
 import json
 import logging
@@ -47,16 +45,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_watch.common.describe import describe_value
-from mla_watch.probe.discovery import discover_routers
 from mla_watch.retune.hosts import RouterHost, as_host
 from mla_watch.retune.jobs import RetentionPolicy
 
-__all__ = ["ROUTER_TENSOR_PATTERNS", "RouterVersions", "apply_router_tensors", "router_modules", "router_state"]
-
-# Leaf names (fnmatch patterns) of the tensors of an expert-router module that are router state.
-# Matched against the module's *direct* parameters and buffers only (recurse=False), so nothing
-# below a router module -- and no expert weight -- can ever be taken.
-ROUTER_TENSOR_PATTERNS: tuple[str, ...] = ("weight", "bias", "e_score_correction_bias")
+__all__ = ["RouterVersions"]
 
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 _TENSORS_FILE = "routers.safetensors"
@@ -66,59 +58,6 @@ log = logging.getLogger(__name__)
 _PROMOTIONS_FILE = "promotions.jsonl"
 _MARKS_FILE = "marked_good.jsonl"
 _SNAPSHOT_DIR = "snapshots"
-
-
-def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``name -> module`` of every expert router found by probe discovery, in module order."""
-    return {info.name: module for module, info, _ in discover_routers(model) if info.kind == "expert"}
-
-
-def _router_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    found: dict[str, torch.Tensor] = {}
-    for leaf, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
-        if tensor is not None and any(fnmatch.fnmatchcase(leaf, p) for p in ROUTER_TENSOR_PATTERNS):
-            found[leaf] = tensor
-    return found
-
-
-def _live_router_tensors(model: torch.nn.Module, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """``full name -> the model's own tensor`` (not a copy) for the router tensors of ``routers``."""
-    modules = router_modules(model)
-    if routers is not None:
-        unknown = [name for name in routers if name not in modules]
-        if unknown:
-            raise ValueError(f"not expert routers of {type(model).__name__}: {unknown}; routers are {list(modules)}")
-        modules = {name: modules[name] for name in routers}
-    return {f"{name}.{leaf}": tensor for name, module in modules.items()
-            for leaf, tensor in _router_tensors(module).items()}
-
-
-def router_state(model: torch.nn.Module, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """``name -> detached CPU clone`` of every router tensor (optionally only of the named routers)."""
-    return {name: tensor.detach().to("cpu", copy=True).contiguous()
-            for name, tensor in _live_router_tensors(model, routers).items()}
-
-
-def apply_router_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                         lock: threading.Lock | None = None) -> None:
-    """Copy ``tensors`` into the model's router tensors in place, holding ``lock`` only for the copy.
-
-    Every name and shape is checked (and every tensor staged on the model's device and dtype)
-    before anything is written, so a bad checkpoint changes nothing.
-    """
-    live = _live_router_tensors(model)
-    problems = []
-    for name, tensor in tensors.items():
-        if name not in live:
-            problems.append(f"{name} is not a router tensor of the model")
-        elif tuple(tensor.shape) != tuple(live[name].shape):
-            problems.append(f"{name} has shape {tuple(tensor.shape)}, the model's is {tuple(live[name].shape)}")
-    if problems:
-        raise ValueError(f"cannot load router tensors into {type(model).__name__}: " + "; ".join(problems))
-    staged = {name: tensor.to(device=live[name].device, dtype=live[name].dtype) for name, tensor in tensors.items()}
-    with lock if lock is not None else contextlib.nullcontext(), torch.no_grad():
-        for name, tensor in staged.items():
-            live[name].data.copy_(tensor)
 
 
 def _sha256(path: Path) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+from mla_watch.retune.router_tensors import apply_router_tensors
+
 __all__ = ["main"]
 
 
@@ -37,7 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mla_watch.quality.local_model import make_batches
     from mla_watch.retune.data import load_jsonl_dataset
     from mla_watch.retune.strategies import FitContext, get_strategy
-    from mla_watch.retune.versions import apply_router_tensors
 
     job = json.loads(args.job.read_text())
     strategy = get_strategy(job["strategy"])

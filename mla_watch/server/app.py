@@ -7,8 +7,9 @@ status page at ``/`` and the JSON behind it (``/v1/status``).
 
 The parts live in their own modules: the routing sources (:mod:`.sources`), the read endpoints
 (:mod:`.read_views`), generation (:mod:`.generation`), the admin and re-tuning API (:mod:`.admin`),
-bearer tokens (:mod:`.auth`), re-tuning's start and callbacks (:mod:`.retuning`). :class:`Sidecar`
-builds them, connects their callbacks, and builds the routes and the lifespan.
+bearer tokens (:mod:`.auth`), re-tuning's start and callbacks (:mod:`.retuning`), what faces the
+upstream engine (:mod:`.upstream_side`). :class:`Sidecar` builds them, connects their callbacks,
+and builds the routes and the lifespan.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
-from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.footprint import FootprintSampler
-from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows, RoutingSnapshot
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RoutingSnapshot
 from mla_watch.server import read_views
 from mla_watch.server.admin import Admin
 from mla_watch.server.auth import Auth
@@ -46,16 +46,14 @@ from mla_watch.server.config import ServerConfig, ServerConfigError, check_token
 from mla_watch.server.context import HandlerContext, Serving
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler
-from mla_watch.server.history_api import HistoryQuery
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.server.proxy import Upstream
 from mla_watch.server.reads import BoundedReads, monitoring_executor
 from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError
 from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
-from mla_watch.server.upstream_health import UpstreamHealth
+from mla_watch.server.upstream_side import UpstreamSide, build_upstream_side
 
 if TYPE_CHECKING:
     from mla_watch.engines.watch import EngineRouting
@@ -107,8 +105,7 @@ class Sidecar:
         if self.alerts is not None:
             self.alerts.on_retune(self.retuning.on_retune_action)
         self.auth = Auth(config, self.metrics)
-        self._decoder: RoutingDecoder | None = None
-        self._recorder: Any = None
+        self._upstream_side: UpstreamSide | None = None
         self._stop_watches: list[Callable[[], None]] = []
         # The status page's live hour is the durable store's full tier; without that store, the same hour in memory.
         self.history = self.history_store or HistoryStore(
@@ -158,27 +155,12 @@ class Sidecar:
     def routing_snapshot(self) -> RoutingSnapshot:
         return self.sources.routing_snapshot()
 
-    def own_windows(self) -> RouterWindows | None:
-        return self.sources.own_windows()
-
-    def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
-        return self.sources.save_baseline(business_line)
-
     def _footprint(self) -> FootprintSampler | None:
         """The footprint of a batch: the served model's requests, or the engine's answers beside one."""
         if self.serving.model_worker is not None:
             return self.serving.model_worker.footprint
         engine = self.sources.engine_routing
         return engine.footprint if engine is not None else None
-
-    def routing(self, business_line: str | None = None) -> dict[str, Any]:
-        return self.reads.routing(business_line)
-
-    def status(self, since: float | None = None) -> dict[str, Any]:
-        return self.reads.status(since)
-
-    def history_range(self, query: HistoryQuery) -> dict[str, Any]:
-        return self.reads.history_range(query)
 
     def wait_ready(self, timeout: float) -> bool:
         return self.serving.ready.wait(timeout)
@@ -307,31 +289,14 @@ class Sidecar:
         if config.upstream:
             # No local model to health-check: the engine's routers, or workers' reports.
             self.sources.trust_baselines(self.serving.retune)
-            # Its processes start when an answer needs one: routing to count, or an answer too long for the event loop.
-            self._decoder = RoutingDecoder(config.decode_workers)
             capture = self.retuning.open_capture() if engine_routing is not None else None
-            self.serving.upstream = Upstream(
-                config.upstream, config.request_timeout, decoder=self._decoder,
-                routing=engine_routing if config.engine != "none" else None, max_bytes=config.upstream_max_bytes,
-                max_line_bytes=config.upstream_max_line_bytes, credentials=config.upstream_credentials,
-                replay=config.replay if config.replay.rate > 0 else None,
-                count_queue_bytes=config.count_queue_bytes,
-                capture=None if capture is None else self.retuning.capture_answers(capture))
+            side = self._upstream_side = build_upstream_side(
+                config, engine_routing, None if capture is None else self.retuning.capture_answers(capture))
+            self.serving.upstream, self.serving.upstream_health = side.upstream, side.health
             self.serving.engine_retune_note = self.retuning.start_engine(capture)
             if engine_routing is not None and self.alerts is not None:  # readings tell the causes of alerts
                 self.references.start_engine(engine_routing.geometry, self.serving.retune)
-            if config.sglang_recorder_dir is not None:
-                from mla_watch.engines.recorder import RecorderPoller
-
-                self._recorder = RecorderPoller(config.sglang_recorder_dir, config.upstream, engine_routing,
-                                                interval=config.sglang_recorder_interval,
-                                                buffer_size=config.sglang_recorder_buffer,
-                                                settle_seconds=config.sglang_recorder_settle,
-                                                credentials=config.upstream_credentials)
-                self._recorder.start()
-            self.serving.upstream_health = UpstreamHealth(config.upstream, credentials=config.upstream_credentials,
-                                                          interval=config.upstream_check_seconds)
-            self.serving.upstream_health.start()  # /readyz: ready while the upstream answers
+            side.start()
             self.serving.ready.set()
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
@@ -348,14 +313,8 @@ class Sidecar:
         self.heavy_reads.shutdown()
         self._monitoring.shutdown(wait=False, cancel_futures=True)
         self._history_sampler.stop()
-        if self._recorder is not None:
-            await asyncio.to_thread(self._recorder.stop)
-        if self.serving.upstream_health is not None:
-            await self.serving.upstream_health.close()
-        if self.serving.upstream is not None:  # first: what it still has to count needs the decoder
-            await self.serving.upstream.close()
-        if self._decoder is not None:
-            self._decoder.close()
+        if self._upstream_side is not None:
+            await self._upstream_side.close()
         for stop in self._stop_watches:
             stop()
         await asyncio.to_thread(self.references.stop)

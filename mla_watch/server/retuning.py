@@ -72,7 +72,7 @@ class Retuning:
         reference = None
         if self.config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
-            from mla_watch.retune.versions import router_state
+            from mla_watch.retune.router_tensors import router_state
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
