@@ -50,7 +50,7 @@ def _shown(value: Any, limit: int = 200) -> str:
 # ---------------------------------------------------------------------------------------------- the model
 def bundled_dir() -> Path:
     """Where the bundled model lives, found without importing torch (``mla_watch.models`` does)."""
-    return Path(__file__).resolve().parent / "models" / "bundled"
+    return Path(__file__).resolve().parents[1] / "models" / "bundled"
 
 
 def _close_path(value: str, path: Path) -> str:
