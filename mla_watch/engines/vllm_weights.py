@@ -74,13 +74,14 @@ from mla_watch.engines.swap import (
     tokens_of_answer,
 )
 from mla_watch.retune.reference import checkpoint_files
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 if TYPE_CHECKING:  # the router checkpoints (re-tuning the engine's routers) are read and written with torch
     import torch
 
 __all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
 
-ROUTER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)$")
+ROUTER_TENSOR = re.compile(rf"^model\.layers\.(\d+)\.mlp\.gate\.(weight|{CORRECTION_BIAS})$")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 DIRECTORY_MODE = 0o755  # the engine (maybe another user in the pod) reads them; they hold no customer data
@@ -119,7 +120,7 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
     if not tensors:
         which = "" if wanted is None else f" of layers {sorted(wanted)}"
         raise ValueError(f"checkpoint_dir {directory}: no router tensor{which}: expected "
-                         "model.layers.N.mlp.gate.weight (and .e_score_correction_bias) in a MoE checkpoint")
+                         f"model.layers.N.mlp.gate.weight (and .{CORRECTION_BIAS}) in a MoE checkpoint")
     return dict(sorted(tensors.items(), key=lambda item: _sort_key(item[0])))
 
 
@@ -142,7 +143,7 @@ def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor]
     for name, tensor in tensors.items():
         if not ROUTER_TENSOR.match(str(name)):
             raise ValueError(f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
-                             "model.layers.N.mlp.gate.weight or .e_score_correction_bias (a router checkpoint "
+                             f"model.layers.N.mlp.gate.weight or .{CORRECTION_BIAS} (a router checkpoint "
                              "holds router tensors only)")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a torch.Tensor")
@@ -230,12 +231,12 @@ def _check_routers(shapes: Mapping[str, tuple[int, ...]], config: dict[str, Any]
         kinds.setdefault(layer, set()).add(kind)
     without_weight = sorted(layer for layer, found in kinds.items() if "weight" not in found)
     if without_weight:
-        raise ValueError(f"{where}: layer {without_weight[0]} has e_score_correction_bias without its gate weight: "
+        raise ValueError(f"{where}: layer {without_weight[0]} has {CORRECTION_BIAS} without its gate weight: "
                          "expected whole routers")
-    with_bias = sorted(layer for layer, found in kinds.items() if "e_score_correction_bias" in found)
+    with_bias = sorted(layer for layer, found in kinds.items() if CORRECTION_BIAS in found)
     if with_bias and len(with_bias) != len(kinds):
         missing = sorted(set(kinds) - set(with_bias))
-        raise ValueError(f"{where}: layer {missing[0]} has no e_score_correction_bias while layer {with_bias[0]} "
+        raise ValueError(f"{where}: layer {missing[0]} has no {CORRECTION_BIAS} while layer {with_bias[0]} "
                          "has one: expected whole routers (every layer's bias, or none)")
 
 
