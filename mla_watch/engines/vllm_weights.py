@@ -63,14 +63,17 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as save_numpy
 
+from mla_watch.common.describe import describe_value
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
 from mla_watch.engines.swap import (
+    ENGINE_MESSAGE_CHARS,
     MAX_TOKENIZE_ANSWER_BYTES,
     EngineWeights,
     SampleScore,
     SwapError,
     SwapResult,
+    engine_said,
     tokens_of_answer,
 )
 from mla_watch.retune.reference import checkpoint_files
@@ -88,7 +91,6 @@ DIRECTORY_MODE = 0o755  # the engine (maybe another user in the pod) reads them;
 FILE_MODE = 0o644
 MAX_DEV_ANSWER_BYTES = 1 << 20
 MAX_SCORE_ANSWER_BYTES = 64 << 20  # prompt_logprobs ~100 B a token, routing ~0.7 KB a token (61 layers x top-8)
-ENGINE_MESSAGE_CHARS = 200
 DETAIL_CHARS = 1000
 ROLLBACK_PREFIX = ".mla-watch-rollback-"
 
@@ -411,9 +413,9 @@ class VllmWeights(EngineWeights):
         results = answer.get("results") if isinstance(answer, dict) else None
         # reload_weights returns nothing: one null per worker (a failure is a 500, not a result)
         if not isinstance(results, list) or not results or any(result is not None for result in results):
+            shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
             raise SwapError(f"vLLM POST {self.base_url}/collective_rpc (reload_weights of {path}) answered "
-                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)}: expected {{\"results\": [null, ...]}}, "
-                            "one null per worker")
+                            f"{shown}: expected {{\"results\": [null, ...]}}, one null per worker")
         return answer
 
     def _roll_back(self, rollback: Path, answers: dict[str, Any]) -> str:
@@ -430,9 +432,10 @@ class VllmWeights(EngineWeights):
         # requests held by the pause hold blocks: without reset_running_requests the reset fails under load
         answer = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not (isinstance(answer, dict) and answer.get("success") is True):
-            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered "
-                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)} after the routers were reloaded: expected "
-                            "{\"success\": true}; keys and values cached under the old routers may still be served")
+            shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
+            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered {shown} after the routers were "
+                            "reloaded: expected {\"success\": true}; keys and values cached under the old routers may "
+                            "still be served")
         return answer
 
     # ------------------------------------------------------------------ scores
@@ -485,7 +488,7 @@ class VllmWeights(EngineWeights):
             with client.stream(method, path, params=params, json=json_body) as response:
                 body = _read_bounded(response, limit, endpoint)
         except httpx.HTTPError as error:
-            raise SwapError(f"{endpoint}: {type(error).__name__}: {str(error)[:ENGINE_MESSAGE_CHARS]}: expected "
+            raise SwapError(f"{endpoint}: {type(error).__name__}: {engine_said(str(error))}: expected "
                             f"an answer within {self.timeout:g} s") from None
         if not 200 <= response.status_code < 300:
             raise SwapError(f"{endpoint} answered {response.status_code}: {_engine_message(body)}: expected 2xx")
@@ -528,18 +531,13 @@ def _engine_message(body: bytes) -> str:
         message = error.get("message", error) if isinstance(error, dict) else error
     if message is None or (isinstance(message, dict | list) and not message):
         message = body.decode("utf-8", errors="replace") or "(empty body)"
-    text = message if isinstance(message, str) else json.dumps(message)
-    return text[:ENGINE_MESSAGE_CHARS]
+    return engine_said(message if isinstance(message, str) else json.dumps(message))
 
 
 def _detail(answer: Any) -> Any:
     """An answer for :attr:`SwapResult.detail`: as it came when short, else the start of its JSON."""
-    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else _bounded(answer)
-
-
-def _bounded(value: Any, chars: int = DETAIL_CHARS) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= chars else text[:chars] + "..."
+    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else describe_value(answer, DETAIL_CHARS,
+                                                                                   ellipsis_after_limit=True)
 
 
 def _token_ids(sample: Iterable[int], index: int) -> list[int]:
