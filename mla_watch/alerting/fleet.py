@@ -50,6 +50,7 @@ from mla_watch.alerting.promexport import (
 )
 from mla_watch.routing.series import (
     BUSINESS_LINE,
+    DEFAULT_JOB,
     EXPERT,
     EXPERT_SELECTIONS,
     EXPERT_TOKENS,
@@ -234,7 +235,7 @@ class FleetOptions:
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     outlier_for_seconds: float = OUTLIER_FOR_SECONDS
     interval_seconds: float = DEFAULT_INTERVAL_SECONDS
-    job: str = "mla_watch"  # the counters are selected with job="<job>", as the per-replica rules are
+    job: str = DEFAULT_JOB  # the counters are selected with job="<job>", as the per-replica rules are
 
     def __post_init__(self) -> None:
         w = self.window_seconds

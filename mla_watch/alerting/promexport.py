@@ -33,6 +33,7 @@ from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
 from mla_watch.routing.series import (
     BUSINESS_LINE,
+    DEFAULT_JOB,
     INSTANCE,
     JOB,
     KIND,
@@ -207,7 +208,7 @@ def enough_history(rule: Rule, series: str, key: str = _JOIN_LABELS) -> str:
             f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
 
 
-def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str | None = None,
+def level_expression(rule: Rule, key: str, job: str = DEFAULT_JOB, matchers: str | None = None,
                      healthy: str | None = None) -> str:
     """A threshold of ``rule`` in PromQL: its number, or, relative to the healthy baseline, that scaled and
     bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``). ``healthy``
@@ -225,7 +226,7 @@ def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str
     return f"{clamp}({scaled}, {_number(bound)})"
 
 
-def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
+def rule_expression(rule: Rule, *, job: str = DEFAULT_JOB) -> str:
     """The PromQL expression of ``rule`` (what makes it fire)."""
     raw_series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
     series = trend_expression(rule, raw_series)
@@ -481,7 +482,7 @@ def yaml_entry(entry: Mapping[str, object]) -> str:
     return "".join(f"      {line}\n" if line else "\n" for line in body.splitlines())
 
 
-def export_prometheus(rules: RuleSet, *, job: str = "mla_watch") -> str:
+def export_prometheus(rules: RuleSet, *, job: str = DEFAULT_JOB) -> str:
     """A Prometheus rule file (YAML text) with one group, ``mla_watch_routing``, of ``rules``' alerts.
 
     Series are selected with ``job="<job>"``; pass the job name of your scrape config, or ``""``
@@ -499,7 +500,7 @@ def _indent(text: str, spaces: int) -> str:
     return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = "mla_watch",
+def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = DEFAULT_JOB,
                  labels: Mapping[str, str] | None = None, extra_groups: Sequence[str] = (),
                  notes: Sequence[str] = (), source_root: Path | None = None) -> str:
     """``rules``' alerts (with ``labels`` added to each), then ``extra_groups`` (items of a ``groups:`` list, as

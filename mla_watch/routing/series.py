@@ -15,6 +15,7 @@ from mla_watch.routing.stats import STATISTICS
 
 __all__ = [
     "BUSINESS_LINE",
+    "DEFAULT_JOB",
     "EXPERT",
     "EXPERT_LABELS",
     "EXPERT_OVERFLOW_SELECTIONS",
@@ -45,6 +46,9 @@ EXPERT = "expert"  # an expert slot's index, on the per-expert counters
 # The labels Prometheus puts on every series it scrapes: the scrape config (job) and the target (instance).
 JOB = "job"
 INSTANCE = "instance"
+# The job the exported rules select unless told otherwise: what deploy/servicemonitor.yaml and podmonitor.yaml name
+# the sidecars' targets.
+DEFAULT_JOB = "mla_watch"
 
 ROUTER_LABELS: tuple[str, ...] = (ROUTER, LAYER, KIND)  # one router whatever the line: its floor and ceiling
 SERIES_LABELS: tuple[str, ...] = (*ROUTER_LABELS, BUSINESS_LINE)  # one router's routing of one business line
