@@ -52,8 +52,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mla_watch.engines.geometry import parse_geometry
-from mla_watch.engines.sglang_weights import MESSAGE_CHARS, SglangWeights
-from mla_watch.engines.swap import EngineWeights, SwapError
+from mla_watch.engines.sglang_weights import SglangWeights
+from mla_watch.engines.swap import ENGINE_MESSAGE_CHARS, EngineWeights, SwapError
 from mla_watch.engines.vllm_weights import write_router_checkpoint
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
@@ -299,8 +299,8 @@ def test_continue_is_sent_when_the_update_fails_and_the_error_names_it(engine, r
     assert "POST /update_weights_from_disk" in message and "answered 400" in message
     assert str(router_dir) in message and "expected 200 with success true" in message
     engine_said = (f"Failed to get weights iterator: Cannot find any model weights with `{router_dir}`." + " x" * 200)
-    assert repr(engine_said[:MESSAGE_CHARS]) in message  # the engine's message, cut at 200 characters
-    assert engine_said[:MESSAGE_CHARS + 2] not in message
+    assert repr(engine_said[:ENGINE_MESSAGE_CHARS]) in message  # the engine's message, cut at 200 characters
+    assert engine_said[:ENGINE_MESSAGE_CHARS + 2] not in message
 
 
 def test_continue_is_sent_when_the_pause_is_refused(engine, router_dir) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from mla_watch.alerting.instances import RecordKey
 from mla_watch.alerting.model import Rule, RuleSet
+from mla_watch.routing.series import SERIES_LABELS
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["CompiledRule", "compile_rules"]
@@ -52,8 +53,9 @@ class CompiledRule:
 
     def labels(self, key: RecordKey) -> dict[str, str]:
         name, layer, kind, line = key
-        return {"alertname": self.rule.name, "severity": self.rule.severity, "router": str(name),
-                "layer": str(layer), "kind": str(kind), "business_line": ALL_LINES if line is None else str(line),
+        values = (str(name), str(layer), str(kind), ALL_LINES if line is None else str(line))
+        series = dict(zip(SERIES_LABELS, values, strict=True))
+        return {"alertname": self.rule.name, "severity": self.rule.severity, **series,
                 **{str(k): str(v) for k, v in self.rule.labels.items()}}
 
     def matches(self, key: RecordKey, num_slots: int | None = None, hash_routed: bool = False) -> bool:

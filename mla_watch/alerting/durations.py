@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from mla_watch.alerting.model import RuleError
-from mla_watch.common.yamlcheck import Checker, is_number
+from mla_watch.common.values import is_number
+from mla_watch.common.yamlcheck import Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 
 __all__ = ["duration_key", "format_duration", "parse_duration"]

@@ -39,6 +39,8 @@ from mla_watch.alerting.promexport import (
     BASELINE_NAMES,
     FLOOR_BITS,
     convert_template,
+    enough_history,
+    label_value,
     level_expression,
     promql_number,
     promql_string,
@@ -46,7 +48,24 @@ from mla_watch.alerting.promexport import (
     trend_expression,
     yaml_entry,
 )
-from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
+from mla_watch.routing.series import (
+    BUSINESS_LINE,
+    DEFAULT_JOB,
+    EXPERT,
+    EXPERT_SELECTIONS,
+    EXPERT_TOKENS,
+    INSTANCE,
+    JOB,
+    KIND,
+    LAYER,
+    PREFIX,
+    ROUTER,
+    ROUTER_LABELS,
+    ROUTING_SLOTS,
+    SERIES_LABELS,
+    routing_gauge,
+    total_name,
+)
 
 __all__ = [
     "DEFAULT_FLEET_LABELS",
@@ -93,31 +112,42 @@ __all__ = [
 ]
 
 # The per-expert counters a sidecar exports with --export-expert-counts (the inputs).
-SELECTIONS_COUNTER = "mla_watch_expert_selections_total"
-TOKENS_COUNTER = "mla_watch_expert_tokens_total"
+SELECTIONS_COUNTER = total_name(EXPERT_SELECTIONS)
+TOKENS_COUNTER = total_name(EXPERT_TOKENS)
+# What only the fleet's recordings compute: no sidecar exports these.
+_KL_BITS = PREFIX + "routing_fleet_kl_bits"
+_MIN_WINDOW_TOKENS = PREFIX + "routing_min_window_tokens"
+_REPLICA_JSD_BITS = PREFIX + "routing_replica_jsd_bits"
+_REPLICAS = PREFIX + "routing_replicas"
 
-# Recording names, `level:metric:operations`: `replica` keeps the fleet labels and the replica label, `fleet` the
-# fleet labels; both keep router, layer, kind and business_line (and expert, for the per-expert ones).
-REPLICA_EXPERT_SELECTIONS = "replica:mla_watch_expert_selections:window_delta"
-REPLICA_TOKENS = "replica:mla_watch_expert_tokens:window_delta"
-REPLICA_SELECTIONS = "replica:mla_watch_expert_selections:window_delta_sum"
-REPLICA_KL_BITS = "replica:mla_watch_routing_fleet_kl_bits:window"
-FLEET_EXPERT_SELECTIONS = "fleet:mla_watch_expert_selections:window_delta"
-FLEET_TOKENS = "fleet:mla_watch_expert_tokens:window_delta"
-FLEET_SELECTIONS = "fleet:mla_watch_expert_selections:window_delta_sum"
-FLEET_SLOTS = "fleet:mla_watch_routing_slots:count"
-FLEET_CEILING_BITS = "fleet:mla_watch_routing_entropy_ceiling_bits:log2_slots"
-FLEET_FLOOR_BITS = "fleet:mla_watch_routing_entropy_floor_bits:max"
-FLEET_MIN_TOKENS = "fleet:mla_watch_routing_min_window_tokens:bias_bound"
-FLEET_EXPERT_SHARE = "fleet:mla_watch_expert_selections:window_share"
-FLEET_ENTROPY_BITS = "fleet:mla_watch_routing_entropy_bits:window"
-FLEET_NORMALIZED_ENTROPY = "fleet:mla_watch_routing_normalized_entropy:window"
-FLEET_BITS_BELOW_CEILING = "fleet:mla_watch_routing_bits_below_ceiling:window"
-FLEET_MAX_VIOLATION = "fleet:mla_watch_routing_max_violation:window"
-FLEET_DEAD_SLOTS = "fleet:mla_watch_routing_dead_slots:window"
-FLEET_JS_DIVERGENCE = "fleet:mla_watch_routing_replica_jsd_bits:window"
-FLEET_REPLICAS = "fleet:mla_watch_routing_replicas:count"
-FLEET_MEDIAN_REPLICA_KL = "fleet:mla_watch_routing_fleet_kl_bits:median"
+
+def _recording(level: str, metric: str, operations: str) -> str:
+    """A recording's name, ``level:metric:operations`` (Prometheus' convention)."""
+    return f"{level}:{metric}:{operations}"
+
+
+# Recording names: `replica` keeps the fleet labels and the replica label, `fleet` the fleet labels; both keep
+# router, layer, kind and business_line (and expert, for the per-expert ones).
+REPLICA_EXPERT_SELECTIONS = _recording("replica", EXPERT_SELECTIONS, "window_delta")
+REPLICA_TOKENS = _recording("replica", EXPERT_TOKENS, "window_delta")
+REPLICA_SELECTIONS = _recording("replica", EXPERT_SELECTIONS, "window_delta_sum")
+REPLICA_KL_BITS = _recording("replica", _KL_BITS, "window")
+FLEET_EXPERT_SELECTIONS = _recording("fleet", EXPERT_SELECTIONS, "window_delta")
+FLEET_TOKENS = _recording("fleet", EXPERT_TOKENS, "window_delta")
+FLEET_SELECTIONS = _recording("fleet", EXPERT_SELECTIONS, "window_delta_sum")
+FLEET_SLOTS = _recording("fleet", ROUTING_SLOTS, "count")
+FLEET_CEILING_BITS = _recording("fleet", routing_gauge("ceiling_bits"), "log2_slots")
+FLEET_FLOOR_BITS = _recording("fleet", routing_gauge("floor_bits"), "max")
+FLEET_MIN_TOKENS = _recording("fleet", _MIN_WINDOW_TOKENS, "bias_bound")
+FLEET_EXPERT_SHARE = _recording("fleet", EXPERT_SELECTIONS, "window_share")
+FLEET_ENTROPY_BITS = _recording("fleet", routing_gauge("entropy_bits"), "window")
+FLEET_NORMALIZED_ENTROPY = _recording("fleet", routing_gauge("normalized_entropy"), "window")
+FLEET_BITS_BELOW_CEILING = _recording("fleet", routing_gauge("bits_below_ceiling"), "window")
+FLEET_MAX_VIOLATION = _recording("fleet", routing_gauge("max_violation"), "window")
+FLEET_DEAD_SLOTS = _recording("fleet", routing_gauge("dead_slots"), "window")
+FLEET_JS_DIVERGENCE = _recording("fleet", _REPLICA_JSD_BITS, "window")
+FLEET_REPLICAS = _recording("fleet", _REPLICAS, "count")
+FLEET_MEDIAN_REPLICA_KL = _recording("fleet", _KL_BITS, "median")
 
 # What a fleet twin judges, per rule metric. Drift from a baseline and indexer locality have no fleet form: the
 # baselines' counts stay in each sidecar, and indexers export no per-slot counters.
@@ -132,8 +162,8 @@ FLEET_METRICS: dict[str, str] = {
 FLEET_GROUP_NAME = "mla_watch_fleet"
 OUTLIER_ALERT = "RoutingReplicaOutlier"
 SCOPE_LABEL = "scope"  # "fleet" on the twins, "replica" on every per-replica alert: Alertmanager routes on it
-DEFAULT_FLEET_LABELS: tuple[str, ...] = ("job",)
-DEFAULT_REPLICA_LABEL = "instance"
+DEFAULT_FLEET_LABELS: tuple[str, ...] = (JOB,)
+DEFAULT_REPLICA_LABEL = INSTANCE
 DEFAULT_WINDOW_SECONDS = 3600.0
 # An hour's window moves by 1/60 a minute: judging it more often buys nothing and costs, per evaluation, a pass
 # over every replica's per-expert series (bench/fleet_rules.py).
@@ -156,8 +186,7 @@ FLEET_SCALE_NOTE = (
     "more cores and a longer --query.timeout (docs/fleet.md, \"Series cost\")."
 )
 TOLERANCE_BITS = 0.05  # the sidecar's minimum_window_tokens tolerance
-_ROUTER_LABELS = ("router", "layer", "kind", "business_line")
-_RESERVED = frozenset({*_ROUTER_LABELS, "expert", "le", "quantile", "alertname", "severity", SCOPE_LABEL})
+_RESERVED = frozenset({*SERIES_LABELS, EXPERT, "le", "quantile", "alertname", "severity", SCOPE_LABEL})
 _LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_LABELS = 8
 _MAX_LABEL_CHARS = 64
@@ -206,7 +235,7 @@ class FleetOptions:
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     outlier_for_seconds: float = OUTLIER_FOR_SECONDS
     interval_seconds: float = DEFAULT_INTERVAL_SECONDS
-    job: str = "mla_watch"  # the counters are selected with job="<job>", as the per-replica rules are
+    job: str = DEFAULT_JOB  # the counters are selected with job="<job>", as the per-replica rules are
 
     def __post_init__(self) -> None:
         w = self.window_seconds
@@ -239,16 +268,16 @@ class FleetOptions:
     @property
     def fleet_key(self) -> str:
         """The labels of a fleet series (``job, router, layer, kind, business_line``)."""
-        return ", ".join((*self.fleet_labels, *_ROUTER_LABELS))
+        return ", ".join((*self.fleet_labels, *SERIES_LABELS))
 
     @property
     def replica_key(self) -> str:
         """The labels of a replica series: the fleet's and the replica label."""
-        return ", ".join((*self.fleet_labels, self.replica_label, *_ROUTER_LABELS))
+        return ", ".join((*self.fleet_labels, self.replica_label, *SERIES_LABELS))
 
     @property
     def router_key(self) -> str:
-        return ", ".join((*self.fleet_labels, "router", "layer", "kind"))
+        return ", ".join((*self.fleet_labels, *ROUTER_LABELS))
 
 
 def window_delta(series: str, window: str) -> str:
@@ -259,10 +288,10 @@ def window_delta(series: str, window: str) -> str:
 
 def _recordings(o: FleetOptions) -> list[tuple[str, str, str]]:
     """(name, expression, what it means) of every recording, in evaluation order."""
-    job = f"job={promql_string(o.job)}, " if o.job else ""
-    selections = f'{SELECTIONS_COUNTER}{{{job}kind="expert"}}'
-    tokens = f'{TOKENS_COUNTER}{{{job}kind="expert"}}'
-    floor = f'{FLOOR_BITS}{{{job}kind="expert"}}'
+    experts = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}"])
+    selections = f"{SELECTIONS_COUNTER}{{{experts}}}"
+    tokens = f"{TOKENS_COUNTER}{{{experts}}}"
+    floor = f"{FLOOR_BITS}{{{experts}}}"
     fk, rk = o.fleet_key, o.replica_key
     w = o.window
     # minimum_window_tokens: the smallest T with (N - 1) / (2 T k ln 2) <= tolerance, k = min(top_k, N) = 2^floor
@@ -271,11 +300,11 @@ def _recordings(o: FleetOptions) -> list[tuple[str, str, str]]:
     mean = f"(({FLEET_SELECTIONS} > 0) / on({fk}) {FLEET_SLOTS})"
     replica_weight = f"({REPLICA_SELECTIONS} / on({fk}) group_left() ({FLEET_SELECTIONS} > 0))"
     return [
-        (REPLICA_EXPERT_SELECTIONS, f"sum by ({rk}, expert) (\n  {window_delta(selections, w)}\n)",
+        (REPLICA_EXPERT_SELECTIONS, f"sum by ({rk}, {EXPERT}) (\n  {window_delta(selections, w)}\n)",
          f"selections of each expert by each replica over the last {w}"),
         (REPLICA_TOKENS, f"sum by ({rk}) (\n  {window_delta(tokens, w)}\n)", f"tokens of each replica over {w}"),
         (REPLICA_SELECTIONS, f"sum by ({rk}) ({REPLICA_EXPERT_SELECTIONS})", "selections of each replica"),
-        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, expert) ({REPLICA_EXPERT_SELECTIONS})",
+        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({REPLICA_EXPERT_SELECTIONS})",
          "selections of each expert, every replica summed"),
         (FLEET_TOKENS, f"sum by ({fk}) ({REPLICA_TOKENS})", "tokens of the fleet: routing_window_tokens"),
         (FLEET_SELECTIONS, f"sum by ({fk}) ({FLEET_EXPERT_SELECTIONS})", "selections of the fleet"),
@@ -305,7 +334,7 @@ def _recordings(o: FleetOptions) -> list[tuple[str, str, str]]:
         # - log2 S_r: one pass over the replicas' per-expert deltas, and no replica share recorded per expert.
         (REPLICA_KL_BITS,
          f"clamp_min(\n  sum by ({rk}) (\n    {REPLICA_EXPERT_SELECTIONS}\n"
-         f"    * log2(({REPLICA_EXPERT_SELECTIONS} > 0) / on({fk}, expert) group_left() {FLEET_EXPERT_SHARE})\n  )\n"
+         f"    * log2(({REPLICA_EXPERT_SELECTIONS} > 0) / on({fk}, {EXPERT}) group_left() {FLEET_EXPERT_SHARE})\n  )\n"
          f"  / on({rk}) ({REPLICA_SELECTIONS} > 0)\n  - on({rk}) log2({REPLICA_SELECTIONS}),\n  0\n)",
          "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
         (FLEET_JS_DIVERGENCE, f"sum by ({fk}) (\n  {REPLICA_KL_BITS} * on({rk}) {replica_weight}\n)",
@@ -327,14 +356,6 @@ def fleet_notes(o: FleetOptions) -> list[str]:
         "route them with deploy/alertmanager.yaml.",
         FLEET_SCALE_NOTE,
     ]
-
-
-def _enough_history(rule: Rule, series: str, key: str) -> str:
-    assert rule.trend is not None
-    over = rule.trend.over_seconds
-    half = format_duration(over * MIN_COVERAGE)
-    return (f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({key})\n"
-            f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
 
 
 def _fleet_healthy(rule: Rule, o: FleetOptions, by: str | None, matchers: str) -> str:
@@ -370,7 +391,7 @@ def _twin_expression(rule: Rule, o: FleetOptions) -> str:
                 [f"{s} >= {slots.low}", *([f"{s} <= {slots.high}"] if slots.high is not None else [])])
         expr = f"{expr}\nand on({fk})\n({test})"
     if rule.trend is not None:
-        expr = f"{expr}\nand on({fk})\n{_enough_history(rule, raw, fk)}"
+        expr = f"{expr}\nand on({fk})\n{enough_history(rule, raw, fk)}"
     guard = (f"{FLEET_TOKENS} >= {rule.min_tokens}" if rule.min_tokens is not None
              else f"{FLEET_TOKENS} >= on({fk}) {FLEET_MIN_TOKENS}")
     return f"{expr}\nand on({fk})\n{guard}"
@@ -406,11 +427,11 @@ def _twin(rule: Rule, o: FleetOptions) -> str:
     if rule.keep_firing_for_seconds > 0:
         entry["keep_firing_for"] = format_duration(rule.keep_firing_for_seconds)
     entry["labels"] = {"severity": rule.severity, **dict(rule.labels), SCOPE_LABEL: "fleet"}
-    labels = (*o.fleet_labels, *_ROUTER_LABELS)
+    labels = (*o.fleet_labels, *SERIES_LABELS)
     queries = _twin_queries(rule, o)
     annotations = {key: convert_template(text, rule, notes, queries=queries, query_labels=labels)
                    for key, text in rule.annotations.items()}
-    annotations["fleet"] = (f"Every replica of {' / '.join('{{ $labels.' + label + ' }}' for label in o.fleet_labels)}"
+    annotations["fleet"] = (f"Every replica of {' / '.join(label_value(label) for label in o.fleet_labels)}"
                             f" summed over the last {o.window}.")
     entry["annotations"] = annotations
     comments = [f"{rule.name} on the fleet: every replica's counts summed over {o.window}"]
@@ -428,10 +449,10 @@ def _outlier(o: FleetOptions) -> str:
             f"{promql_number(o.outlier_bits)})\n"
             f"and on({rk})\n({REPLICA_TOKENS} >= on({fk}) group_left() {FLEET_MIN_TOKENS})\n"
             f"and on({fk})\n({FLEET_REPLICAS} >= {MIN_OUTLIER_REPLICAS})")
-    replica = f"{{{{ $labels.{o.replica_label} }}}}"
-    where = "{{ $labels.router }} (layer {{ $labels.layer }}, {{ $labels.business_line }})"
-    selector = ",".join(f'{label}="%s"' for label in (*o.fleet_labels, *_ROUTER_LABELS))
-    args = " ".join(f"$labels.{label}" for label in (*o.fleet_labels, *_ROUTER_LABELS))
+    replica = label_value(o.replica_label)
+    where = f"{label_value(ROUTER)} (layer {label_value(LAYER)}, {label_value(BUSINESS_LINE)})"
+    selector = ",".join(f'{label}="%s"' for label in (*o.fleet_labels, *SERIES_LABELS))
+    args = " ".join(f"$labels.{label}" for label in (*o.fleet_labels, *SERIES_LABELS))
     median = (f"{{{{ with printf `{FLEET_MEDIAN_REPLICA_KL}{{{selector}}}` {args} | query }}}}"
               '{{ . | first | value | printf "%.3f" }}{{ else }}n/a{{ end }}')
     entry: dict[str, object] = {

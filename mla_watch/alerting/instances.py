@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from mla_watch.alerting.causes import CAUSE_LABEL, Cause
 from mla_watch.alerting.model import Alert, AlertState, Rule, fingerprint
+from mla_watch.common.values import is_number
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["Action", "AlertInstance", "InstanceState", "RecordKey"]
@@ -125,7 +126,7 @@ class InstanceState:
         inst.state = state
         for name in ("active_since", "firing_since", "resolved_at", "last_evaluated", "healthy_since", "value"):
             value = data.get(name)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            if value is not None and not is_number(value):
                 raise ValueError(f"instance: {name} = {value!r} is not a number")
             setattr(inst, name, None if value is None else float(value))
         inst.notified = bool(data.get("notified", False))

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.common.directory_store import ConfigError
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.stats import RULE_METRICS
 from mla_watch.routing.windows import ALL_LINES
 
 __all__ = [
     "ACTIONS",
+    "DEFAULT_GROUP_BY",
     "LABEL_NAME_RE",
     "METRICS",
     "RETUNE_STRATEGIES",
@@ -49,6 +51,8 @@ TREND_METRICS: tuple[str, ...] = tuple(metric for metric in METRICS if metric !=
 ACTIONS: tuple[str, ...] = ("notify", "retune")
 # A Prometheus label name, and so an alert name too (match it whole).
 LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The labels a receiver groups alerts by unless its file says otherwise: one group per alert, router and line.
+DEFAULT_GROUP_BY: tuple[str, ...] = ("alertname", ROUTER, LAYER, BUSINESS_LINE)
 # The re-tuning strategies a rule's `retune_strategy` may name, in the order tried by default.
 # Named here, not imported from the re-tuner: alerting never imports it (tests check the two agree).
 RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
@@ -238,7 +242,7 @@ class Receiver:
     routing_key: str | None = None  # PagerDuty Events v2
     timeout_seconds: float = 5.0
     max_attempts: int = 12
-    group_by: tuple[str, ...] = ("alertname", "router", "layer", "business_line")
+    group_by: tuple[str, ...] = DEFAULT_GROUP_BY
     repeat_interval_seconds: float = 4 * 3600.0
     send_resolved: bool = True
     resend_interval_seconds: float = 60.0  # alertmanager_api: re-post firing alerts this often

@@ -31,7 +31,21 @@ import yaml
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
-from mla_watch.routing.stats import BASELINE_METRICS, RULE_METRICS, STATISTICS
+from mla_watch.routing.series import (
+    BUSINESS_LINE,
+    DEFAULT_JOB,
+    INSTANCE,
+    JOB,
+    KIND,
+    LAYER,
+    ROUTER,
+    ROUTER_LABELS,
+    ROUTING_SLOTS,
+    SERIES_LABELS,
+    baseline_gauge,
+    routing_gauge,
+)
+from mla_watch.routing.stats import BASELINE_METRICS, RULE_METRICS
 from mla_watch.routing.windows import ALL_LINES
 
 __all__ = [
@@ -42,6 +56,7 @@ __all__ = [
     "MIMIR_NAMESPACE",
     "OPERATOR_NAME",
     "convert_template",
+    "enough_history",
     "export_prometheus",
     "export_rules",
     "glob_to_regex",
@@ -55,17 +70,15 @@ __all__ = [
 ]
 
 GROUP_NAME = "mla_watch_routing"
-_GAUGES: dict[str, str] = {statistic.key: f"mla_watch_{statistic.gauge}" for statistic in STATISTICS}
-METRIC_NAMES: dict[str, str] = {key: _GAUGES[key] for key in RULE_METRICS}
+METRIC_NAMES: dict[str, str] = {key: routing_gauge(key) for key in RULE_METRICS}
 # The healthy value learned per router and line (mla_watch.routing.baselines), which relative thresholds scale.
-BASELINE_NAMES: dict[str, str] = {metric: f"mla_watch_routing_baseline_{metric}" for metric in BASELINE_METRICS}
-WINDOW_TOKENS = _GAUGES["tokens"]
-WINDOW_TOO_SMALL = _GAUGES["too_small"]
-FLOOR_BITS = _GAUGES["floor_bits"]
-CEILING_BITS = _GAUGES["ceiling_bits"]
-SLOTS = "mla_watch_routing_slots"
-_JOIN_LABELS = "job, instance, router, layer, kind, business_line"
-_LABEL_FIELDS = ("router", "layer", "kind", "business_line")
+BASELINE_NAMES: dict[str, str] = {metric: baseline_gauge(metric) for metric in BASELINE_METRICS}
+WINDOW_TOKENS = routing_gauge("tokens")
+WINDOW_TOO_SMALL = routing_gauge("too_small")
+FLOOR_BITS = routing_gauge("floor_bits")
+CEILING_BITS = routing_gauge("ceiling_bits")
+# One sidecar's series of one router and line: the labels an `and on(...)` joins its conditions by.
+_JOIN_LABELS = ", ".join((JOB, INSTANCE, *SERIES_LABELS))
 _REGEX_SPECIAL = set("\\.+*?()|[]{}^$")
 # The rule file formats: Prometheus' own (which Thanos ruler reads too), a Prometheus Operator PrometheusRule, and
 # a Mimir / Cortex ruler namespace file (what `mimirtool rules load` takes).
@@ -135,26 +148,36 @@ def glob_to_regex(pattern: str) -> str:
     return "".join(out)
 
 
+def _matcher(label: str, op: str, value: str) -> str:
+    """One label matcher: ``label="value"`` (``op``: ``=``, ``!=``, ``=~``)."""
+    return f"{label}{op}{_promql_string(value)}"
+
+
 def _matchers(rule: Rule, job: str) -> str:
     parts: list[str] = []
     if job:
-        parts.append(f"job={_promql_string(job)}")
+        parts.append(_matcher(JOB, "=", job))
     selector = rule.selector
     if selector.kind is not None:
-        parts.append(f"kind={_promql_string(selector.kind)}")
+        parts.append(_matcher(KIND, "=", selector.kind))
     if selector.layers is not None:
         first, last = selector.layers
         if first == last:
-            parts.append(f"layer={_promql_string(str(first))}")
+            parts.append(_matcher(LAYER, "=", str(first)))
         else:
-            parts.append(f"layer=~{_promql_string('|'.join(str(x) for x in range(first, last + 1)))}")
+            parts.append(_matcher(LAYER, "=~", "|".join(str(x) for x in range(first, last + 1))))
     if selector.router is not None:
-        parts.append(f"router=~{_promql_string(glob_to_regex(selector.router))}")
+        parts.append(_matcher(ROUTER, "=~", glob_to_regex(selector.router)))
     if selector.business_line in (None, "*"):
-        parts.append(f"business_line!={_promql_string(ALL_LINES)}")
+        parts.append(_matcher(BUSINESS_LINE, "!=", ALL_LINES))
     else:
-        parts.append(f"business_line={_promql_string(selector.business_line)}")
+        parts.append(_matcher(BUSINESS_LINE, "=", selector.business_line))
     return "{" + ", ".join(parts) + "}"
+
+
+def job_matchers(job: str) -> str:
+    """``{job="<job>"}``, or nothing where ``job`` is empty (series selected by their names alone)."""
+    return "{" + _matcher(JOB, "=", job) + "}" if job else ""
 
 
 def rule_matchers(rule: Rule, job: str) -> str:
@@ -174,17 +197,18 @@ def trend_expression(rule: Rule, series: str) -> str:
     return f"predict_linear({window}, {_number(trend.ahead_seconds)})"
 
 
-def _enough_history(rule: Rule, series: str) -> str:
+def enough_history(rule: Rule, series: str, key: str = _JOIN_LABELS) -> str:
     """The sidecar's "enough data to judge" (mla_watch.alerting.trend) in PromQL: at least MIN_POINTS
-    samples in the look-back, one of them in its older half (so that they span at least half of it)."""
+    samples in the look-back, one of them in its older half (so that they span at least half of it); ``key``: the
+    labels the two counts are joined on (one sidecar's series by default)."""
     assert rule.trend is not None
     over = rule.trend.over_seconds
     half = format_duration(over * MIN_COVERAGE)
-    return (f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({_JOIN_LABELS})\n"
+    return (f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({key})\n"
             f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
 
 
-def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str | None = None,
+def level_expression(rule: Rule, key: str, job: str = DEFAULT_JOB, matchers: str | None = None,
                      healthy: str | None = None) -> str:
     """A threshold of ``rule`` in PromQL: its number, or, relative to the healthy baseline, that scaled and
     bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``). ``healthy``
@@ -202,7 +226,7 @@ def level_expression(rule: Rule, key: str, job: str = "mla_watch", matchers: str
     return f"{clamp}({scaled}, {_number(bound)})"
 
 
-def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
+def rule_expression(rule: Rule, *, job: str = DEFAULT_JOB) -> str:
     """The PromQL expression of ``rule`` (what makes it fire)."""
     raw_series = METRIC_NAMES[rule.metric] + _matchers(rule, job)
     series = trend_expression(rule, raw_series)
@@ -212,7 +236,7 @@ def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
     if rule.above is not None:
         conditions.append(f"{series} > {level_expression(rule, 'above', job)}")
     expr = conditions[0] if len(conditions) == 1 else "(" + ") or (".join(conditions) + ")"
-    window_matchers = "{" + f"job={_promql_string(job)}" + "}" if job else ""
+    window_matchers = job_matchers(job)
     if rule.min_tokens is not None:
         guard = f"{WINDOW_TOKENS}{window_matchers} >= {rule.min_tokens}"
     else:
@@ -221,7 +245,7 @@ def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
         expr = f"({expr})"
     slots = rule.selector.slots
     if slots is not None:  # the geometry the threshold is a fact about: a join on the slots gauge
-        series = SLOTS + _matchers(rule, job)
+        series = ROUTING_SLOTS + _matchers(rule, job)
         inside = ([f"{series} == {slots.low}"] if slots.high == slots.low
                   else [f"{series} >= {slots.low}", *([f"{series} <= {slots.high}"] if slots.high is not None else [])])
         if slots.exclude:
@@ -231,7 +255,7 @@ def rule_expression(rule: Rule, *, job: str = "mla_watch") -> str:
             test = f"\nand on({_JOIN_LABELS})\n".join(inside)
         expr = f"{expr}\nand on({_JOIN_LABELS})\n({test})"
     if rule.trend is not None:
-        expr = f"{expr}\nand on({_JOIN_LABELS})\n{_enough_history(rule, raw_series)}"
+        expr = f"{expr}\nand on({_JOIN_LABELS})\n{enough_history(rule, raw_series)}"
     return f"{expr}\nand on({_JOIN_LABELS})\n{guard}"
 
 
@@ -290,6 +314,11 @@ def _go_query(metric: str, spec: str, labels: tuple[str, ...], wrap: Callable[[s
     return f"{query}{{{{ {value} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
 
 
+def label_value(label: str) -> str:
+    """A Go template that writes the alert's ``label`` (``{{ $labels.router }}``)."""
+    return f"{{{{ $labels.{label} }}}}"
+
+
 def _go_literal(text: str) -> str:
     if "{{" in text or text.endswith("{") or "}}" in text:
         return f"{{{{ {json.dumps(text)} }}}}"
@@ -307,7 +336,7 @@ def _constant(value: object, spec: str) -> str:
 
 def convert_template(template: str, rule: Rule, notes: list[str], *,
                      queries: Mapping[str, Callable[[str], str]] | None = None,
-                     query_labels: tuple[str, ...] = _LABEL_FIELDS) -> str:
+                     query_labels: tuple[str, ...] = SERIES_LABELS) -> str:
     """A ``str.format`` annotation template of ``rule`` as a Prometheus (Go) template.
 
     Labels become ``$labels.x``, ``value`` becomes ``$value``, floor/ceiling/tokens are
@@ -344,25 +373,25 @@ def convert_template(template: str, rule: Rule, notes: list[str], *,
             out.append(_go_query("", spec or ("d" if field == "tokens" else ""), query_labels, queries[field]))
         elif field == "value":
             out.append(_go_value("$value", spec))
-        elif field in _LABEL_FIELDS:
-            out.append(f"{{{{ $labels.{field} }}}}")
+        elif field in SERIES_LABELS:
+            out.append(label_value(field))
         elif field == "floor_bits":
-            out.append(_go_query(FLOOR_BITS, spec, ("router", "layer", "kind")))
+            out.append(_go_query(FLOOR_BITS, spec, ROUTER_LABELS))
         elif field == "ceiling_bits":
-            out.append(_go_query(CEILING_BITS, spec, ("router", "layer", "kind")))
+            out.append(_go_query(CEILING_BITS, spec, ROUTER_LABELS))
         elif field == "tokens":
-            out.append(_go_query(WINDOW_TOKENS, spec or "d", ("router", "layer", "kind", "business_line")))
+            out.append(_go_query(WINDOW_TOKENS, spec or "d", SERIES_LABELS))
         elif field == "current":
-            out.append(_go_query(METRIC_NAMES[rule.metric], spec, _LABEL_FIELDS))
+            out.append(_go_query(METRIC_NAMES[rule.metric], spec, SERIES_LABELS))
         elif field == "healthy":
-            out.append(_go_query(BASELINE_NAMES[rule.metric], spec, _LABEL_FIELDS))
+            out.append(_go_query(BASELINE_NAMES[rule.metric], spec, SERIES_LABELS))
         elif field in ("threshold", "resolve_threshold") and relative is not None:
-            out.append(_go_query("", spec, _LABEL_FIELDS, lambda s, key=relative: level_expression(
+            out.append(_go_query("", spec, SERIES_LABELS, lambda s, key=relative: level_expression(
                 rule, key, matchers=s)))
         elif field in ("slope_per_hour", "slope_per_day") and rule.trend is not None:
             per = 3600.0 if field == "slope_per_hour" else 86400.0
             window = format_duration(rule.trend.over_seconds)
-            out.append(_go_query(METRIC_NAMES[rule.metric], spec, _LABEL_FIELDS,
+            out.append(_go_query(METRIC_NAMES[rule.metric], spec, SERIES_LABELS,
                                  lambda s, w=window, p=per: f"deriv({s}[{w}]) * {_number(p)}"))
         elif field == "predicted" and rule.trend is not None and rule.trend.kind == "predict":
             out.append(_go_value("$value", spec))
@@ -391,7 +420,7 @@ def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
 
 _Dumper.add_representer(str, _str_representer)
 
-_HEADER = """\
+_HEADER = f"""\
 # Prometheus alerting rules generated by `mla-watch rules export --format prometheus`.
 # Do not edit: change rules/*.yaml and export again. Check with `promtool check rules FILE`.
 #
@@ -399,11 +428,11 @@ _HEADER = """\
 #  * Prometheus has no hysteresis. The sidecar resolves a "below" alert only once the metric is
 #    back at or above resolve_above (resp. at or below resolve_below for "above" alerts);
 #    here the alert resolves as soon as the expression stops matching, and `keep_firing_for`
-#    (Prometheus >= 2.42) holds it for a while instead. {{resolve_threshold}} renders as the
+#    (Prometheus >= 2.42) holds it for a while instead. {{{{resolve_threshold}}}} renders as the
 #    firing threshold.
-#  * Windows too small to trust are excluded with mla_watch_routing_window_too_small == 0
-#    (the router's own minimum) or mla_watch_routing_window_tokens >= min_tokens.
-#  * Every-line rules exclude the aggregate series business_line="all".
+#  * Windows too small to trust are excluded with {WINDOW_TOO_SMALL} == 0
+#    (the router's own minimum) or {WINDOW_TOKENS} >= min_tokens.
+#  * Every-line rules exclude the aggregate series {_matcher(BUSINESS_LINE, "=", ALL_LINES)}.
 #  * Only notifications: `retune` actions are run by the sidecar, never by Prometheus; route
 #    these alerts with Alertmanager (the sidecar's receivers are not exported).
 #  * Floor, ceiling and window tokens in annotations are queried from the sidecar's gauges.
@@ -453,7 +482,7 @@ def yaml_entry(entry: Mapping[str, object]) -> str:
     return "".join(f"      {line}\n" if line else "\n" for line in body.splitlines())
 
 
-def export_prometheus(rules: RuleSet, *, job: str = "mla_watch") -> str:
+def export_prometheus(rules: RuleSet, *, job: str = DEFAULT_JOB) -> str:
     """A Prometheus rule file (YAML text) with one group, ``mla_watch_routing``, of ``rules``' alerts.
 
     Series are selected with ``job="<job>"``; pass the job name of your scrape config, or ``""``
@@ -471,7 +500,7 @@ def _indent(text: str, spaces: int) -> str:
     return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = "mla_watch",
+def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = DEFAULT_JOB,
                  labels: Mapping[str, str] | None = None, extra_groups: Sequence[str] = (),
                  notes: Sequence[str] = (), source_root: Path | None = None) -> str:
     """``rules``' alerts (with ``labels`` added to each), then ``extra_groups`` (items of a ``groups:`` list, as

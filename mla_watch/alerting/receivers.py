@@ -7,7 +7,7 @@ import urllib.parse
 from collections.abc import Mapping
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import LABEL_NAME_RE, Receiver
+from mla_watch.alerting.model import DEFAULT_GROUP_BY, LABEL_NAME_RE, Receiver
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
 from mla_watch.common.yamlcheck import Checker
 from mla_watch.routing.windows import NAME_RE, NAME_RULE
@@ -164,7 +164,7 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
         chk.bad(f"{path}.max_attempts", max_attempts, "an integer >= 1")
         max_attempts = 12
 
-    group_by: tuple[str, ...] = ("alertname", "router", "layer", "business_line")
+    group_by: tuple[str, ...] = DEFAULT_GROUP_BY
     if "group_by" in data:
         raw_group = data["group_by"]
         if not isinstance(raw_group, list) or not raw_group:

@@ -65,6 +65,7 @@ from mla_watch.common.directory_store import config_files
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.common.yamlcheck import read_yaml
+from mla_watch.routing.series import SERIES_LABELS
 
 __all__ = [
     "RETUNE_STRATEGIES",
@@ -79,7 +80,7 @@ __all__ = [
 ]
 
 SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
-RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", "router", "layer", "kind", "business_line", "cause")
+RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", *SERIES_LABELS, "cause")
 
 _TOP_KEYS = ("receivers", "rules")
 _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",

@@ -16,8 +16,8 @@ from typing import Any
 
 from mla_watch.alerting.durations import duration_key
 from mla_watch.alerting.model import BaselineScale, Trend
+from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
-from mla_watch.common.yamlcheck import is_number as _is_number
 
 __all__ = ["format_number"]
 
@@ -39,7 +39,7 @@ def _number_key(chk: _Checker, data: Mapping[str, Any], key: str, path: str) -> 
     if key not in data or data[key] is None:
         return None
     value = data[key]
-    if not _is_number(value):
+    if not is_number(value):
         hint = ""
         if isinstance(value, str):
             try:

@@ -33,6 +33,7 @@ from mla_watch.alerting.model import breached, judged_window
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
+from mla_watch.common.values import is_number
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
@@ -60,8 +61,7 @@ class ReferenceSettings:
                   ("--reference-tolerance", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
                   ("--reference-rate", self.rate, self.rate > 0, "prompts a second > 0")]
         return [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
-                if not (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-                        and ok)]
+                if not (is_number(value, finite=True) and ok)]
 
 
 class ReferenceProber:

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from mla_watch.common.describe import describe_value
+
 __all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
            "device_problem", "finish_parser", "held_logs", "model_problem", "one_thread_for_the_bundled_model",
            "parse_args", "require_model_extra", "run_server"]
@@ -43,14 +45,14 @@ class FlagError(Exception):
 
 
 def _shown(value: Any, limit: int = 200) -> str:
-    text = " ".join(str(value).split())
-    return text if len(text) <= limit else text[:limit] + "..."
+    """A flag's value (a path, mostly) as a message shows it: its words, ``limit`` characters of them at most."""
+    return describe_value(value, limit, form="words", ellipsis_after_limit=True)
 
 
 # ---------------------------------------------------------------------------------------------- the model
 def bundled_dir() -> Path:
     """Where the bundled model lives, found without importing torch (``mla_watch.models`` does)."""
-    return Path(__file__).resolve().parent.parent / "models" / "bundled"
+    return Path(__file__).resolve().parents[1] / "models" / "bundled"
 
 
 def _close_path(value: str, path: Path) -> str:

@@ -15,23 +15,14 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Checker", "StrictLoader", "check_positive", "fmt", "is_number", "read_yaml"]
+from mla_watch.common.describe import describe_value
+
+__all__ = ["Checker", "StrictLoader", "check_positive", "fmt", "read_yaml"]
 
 
 def fmt(value: object) -> str:
-    """A short, YAML-flavoured rendering of a value for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A value as a message about a YAML file shows it (null, true, false), cut short."""
+    return describe_value(value, form="yaml")
 
 
 class StrictLoader(yaml.SafeLoader):

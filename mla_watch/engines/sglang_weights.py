@@ -59,11 +59,13 @@ import numpy as np
 from mla_watch.engines.formats import DataError, _sglang_decoder, routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import (
+    ENGINE_MESSAGE_CHARS,
     MAX_TOKENIZE_ANSWER_BYTES,
     EngineWeights,
     SampleScore,
     SwapError,
     SwapResult,
+    engine_said,
     tokens_of_answer,
 )
 from mla_watch.engines.vllm_weights import checked_router_dir
@@ -76,7 +78,6 @@ PAUSE_MODE = "retract"
 # (tokenizer_manager.py:2295-2296) may name a loader that cannot read a plain directory (dummy, gguf, mistral's
 # consolidated*.safetensors, remote ...), and the router checkpoint is one model.safetensors.
 LOAD_FORMAT = "safetensors"
-MESSAGE_CHARS = 200  # of an engine's message, in an error
 CONTROL_MAX_BYTES = 64 << 10  # a control answer is one short JSON object
 INFO_MAX_BYTES = 4 << 20  # /server_info: every server argument and the scheduler's state
 SCORE_BASE_BYTES = 64 << 10  # /generate's answer beside its per-token parts
@@ -183,7 +184,7 @@ class SglangWeights(EngineWeights):
                                     f"to it); before that: {failure}") from failure
         paused_seconds = time.perf_counter() - paused_at
         detail: dict[str, Any] = {"engine": self.name, "pause_mode": PAUSE_MODE, "load_format": LOAD_FORMAT,
-                                  "engine_message": _clip(answer.get("message"))}
+                                  "engine_message": engine_said(answer.get("message"))}
         paused = answer.get("num_paused_requests")
         if isinstance(paused, int) or (isinstance(paused, list) and all(isinstance(n, int) for n in paused)):
             detail["num_paused_requests"] = paused
@@ -219,7 +220,7 @@ class SglangWeights(EngineWeights):
                             f"({type(error).__name__}); the engine may still be working on it") from None
         except httpx.HTTPError as error:
             raise SwapError(f"{method} {path} at {self.base_url}: {type(error).__name__}: "
-                            f"{_clip(str(error))}") from None
+                            f"{engine_said(str(error))}") from None
 
     def _control(self, path: str, payload: dict[str, Any], *, expected: str) -> None:
         status, body = self._call("POST", path, payload, admin=True, limit=CONTROL_MAX_BYTES)
@@ -256,7 +257,8 @@ class SglangWeights(EngineWeights):
             raise SwapError(f"{where}: the answer has no meta_info object: expected SGLang's /generate answer")
         finish = meta.get("finish_reason")
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise SwapError(f"{where}: the engine aborted it ({_clip(finish.get('message'))!r}); expected it scored")
+            raise SwapError(f"{where}: the engine aborted it ({engine_said(finish.get('message'))!r}); expected it "
+                            "scored")
         entries = meta.get("input_token_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
             got = f"{len(entries)} entries" if isinstance(entries, list) else f"a {type(entries).__name__}"
@@ -328,24 +330,20 @@ def _json_object(body: bytes) -> dict[str, Any] | None:
 
 
 def _message(body: bytes) -> str:
-    """What an engine said, in at most :data:`MESSAGE_CHARS` characters: SGLang answers ``{"error": {"message"}}``,
-    ``{"error": "..."}``, ``{"message"}`` (weight endpoints), FastAPI's ``{"detail"}`` or plain text
-    (/flush_cache)."""
+    """What an engine said, in at most :data:`~mla_watch.engines.swap.ENGINE_MESSAGE_CHARS` characters: SGLang
+    answers ``{"error": {"message"}}``, ``{"error": "..."}``, ``{"message"}`` (weight endpoints), FastAPI's
+    ``{"detail"}`` or plain text (/flush_cache)."""
     document = _json_object(body)
     if document is None:
-        return _clip(body[:4 * MESSAGE_CHARS].decode("utf-8", errors="replace").strip())
+        return engine_said(body[:4 * ENGINE_MESSAGE_CHARS].decode("utf-8", errors="replace").strip())
     error = document.get("error")
     for said in (error.get("message") if isinstance(error, dict) else error, document.get("message"),
                  document.get("detail")):
         if isinstance(said, str) and said:
-            return _clip(said)
+            return engine_said(said)
         if said is not None and not isinstance(said, str):
-            return _clip(json.dumps(said)[:4 * MESSAGE_CHARS])
-    return _clip(json.dumps(document)[:4 * MESSAGE_CHARS])
-
-
-def _clip(text: Any) -> str:
-    return text[:MESSAGE_CHARS] if isinstance(text, str) else ""
+            return engine_said(json.dumps(said)[:4 * ENGINE_MESSAGE_CHARS])
+    return engine_said(json.dumps(document)[:4 * ENGINE_MESSAGE_CHARS])
 
 
 def _key_hint(status: int) -> str:

@@ -21,10 +21,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError", "SwapResult",
-           "tokens_of_answer"]
+from mla_watch.common.describe import describe_value
+
+__all__ = ["ENGINE_MESSAGE_CHARS", "MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError",
+           "SwapResult", "engine_said", "tokens_of_answer"]
 
 MAX_TOKENIZE_ANSWER_BYTES = 4 << 20  # a reference prompt's ids (at most 8192 characters, ~10 bytes an id in JSON)
+ENGINE_MESSAGE_CHARS = 200  # of an engine's own message, in an error
+
+
+def engine_said(message: object) -> str:
+    """An engine's message as an error quotes it: its first :data:`ENGINE_MESSAGE_CHARS` characters (``""`` when it
+    sent no text)."""
+    if not isinstance(message, str):
+        return ""
+    return describe_value(message, ENGINE_MESSAGE_CHARS, form="text", ellipsis="")
 
 
 class SwapError(RuntimeError):

@@ -63,31 +63,34 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as save_numpy
 
+from mla_watch.common.describe import describe_value
 from mla_watch.engines.checkpoints import checkpoint_files
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
 from mla_watch.engines.swap import (
+    ENGINE_MESSAGE_CHARS,
     MAX_TOKENIZE_ANSWER_BYTES,
     EngineWeights,
     SampleScore,
     SwapError,
     SwapResult,
+    engine_said,
     tokens_of_answer,
 )
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 if TYPE_CHECKING:  # the router checkpoints (re-tuning the engine's routers) are read and written with torch
     import torch
 
 __all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
 
-ROUTER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.(weight|e_score_correction_bias)$")
+ROUTER_TENSOR = re.compile(rf"^model\.layers\.(\d+)\.mlp\.gate\.(weight|{CORRECTION_BIAS})$")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 DIRECTORY_MODE = 0o755  # the engine (maybe another user in the pod) reads them; they hold no customer data
 FILE_MODE = 0o644
 MAX_DEV_ANSWER_BYTES = 1 << 20
 MAX_SCORE_ANSWER_BYTES = 64 << 20  # prompt_logprobs ~100 B a token, routing ~0.7 KB a token (61 layers x top-8)
-ENGINE_MESSAGE_CHARS = 200
 DETAIL_CHARS = 1000
 ROLLBACK_PREFIX = ".mla-watch-rollback-"
 
@@ -119,7 +122,7 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
     if not tensors:
         which = "" if wanted is None else f" of layers {sorted(wanted)}"
         raise ValueError(f"checkpoint_dir {directory}: no router tensor{which}: expected "
-                         "model.layers.N.mlp.gate.weight (and .e_score_correction_bias) in a MoE checkpoint")
+                         f"model.layers.N.mlp.gate.weight (and .{CORRECTION_BIAS}) in a MoE checkpoint")
     return dict(sorted(tensors.items(), key=lambda item: _sort_key(item[0])))
 
 
@@ -142,7 +145,7 @@ def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor]
     for name, tensor in tensors.items():
         if not ROUTER_TENSOR.match(str(name)):
             raise ValueError(f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
-                             "model.layers.N.mlp.gate.weight or .e_score_correction_bias (a router checkpoint "
+                             f"model.layers.N.mlp.gate.weight or .{CORRECTION_BIAS} (a router checkpoint "
                              "holds router tensors only)")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a torch.Tensor")
@@ -230,12 +233,12 @@ def _check_routers(shapes: Mapping[str, tuple[int, ...]], config: dict[str, Any]
         kinds.setdefault(layer, set()).add(kind)
     without_weight = sorted(layer for layer, found in kinds.items() if "weight" not in found)
     if without_weight:
-        raise ValueError(f"{where}: layer {without_weight[0]} has e_score_correction_bias without its gate weight: "
+        raise ValueError(f"{where}: layer {without_weight[0]} has {CORRECTION_BIAS} without its gate weight: "
                          "expected whole routers")
-    with_bias = sorted(layer for layer, found in kinds.items() if "e_score_correction_bias" in found)
+    with_bias = sorted(layer for layer, found in kinds.items() if CORRECTION_BIAS in found)
     if with_bias and len(with_bias) != len(kinds):
         missing = sorted(set(kinds) - set(with_bias))
-        raise ValueError(f"{where}: layer {missing[0]} has no e_score_correction_bias while layer {with_bias[0]} "
+        raise ValueError(f"{where}: layer {missing[0]} has no {CORRECTION_BIAS} while layer {with_bias[0]} "
                          "has one: expected whole routers (every layer's bias, or none)")
 
 
@@ -410,9 +413,9 @@ class VllmWeights(EngineWeights):
         results = answer.get("results") if isinstance(answer, dict) else None
         # reload_weights returns nothing: one null per worker (a failure is a 500, not a result)
         if not isinstance(results, list) or not results or any(result is not None for result in results):
+            shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
             raise SwapError(f"vLLM POST {self.base_url}/collective_rpc (reload_weights of {path}) answered "
-                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)}: expected {{\"results\": [null, ...]}}, "
-                            "one null per worker")
+                            f"{shown}: expected {{\"results\": [null, ...]}}, one null per worker")
         return answer
 
     def _roll_back(self, rollback: Path, answers: dict[str, Any]) -> str:
@@ -429,9 +432,10 @@ class VllmWeights(EngineWeights):
         # requests held by the pause hold blocks: without reset_running_requests the reset fails under load
         answer = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not (isinstance(answer, dict) and answer.get("success") is True):
-            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered "
-                            f"{_bounded(answer, ENGINE_MESSAGE_CHARS)} after the routers were reloaded: expected "
-                            "{\"success\": true}; keys and values cached under the old routers may still be served")
+            shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
+            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered {shown} after the routers were "
+                            "reloaded: expected {\"success\": true}; keys and values cached under the old routers may "
+                            "still be served")
         return answer
 
     # ------------------------------------------------------------------ scores
@@ -484,7 +488,7 @@ class VllmWeights(EngineWeights):
             with client.stream(method, path, params=params, json=json_body) as response:
                 body = _read_bounded(response, limit, endpoint)
         except httpx.HTTPError as error:
-            raise SwapError(f"{endpoint}: {type(error).__name__}: {str(error)[:ENGINE_MESSAGE_CHARS]}: expected "
+            raise SwapError(f"{endpoint}: {type(error).__name__}: {engine_said(str(error))}: expected "
                             f"an answer within {self.timeout:g} s") from None
         if not 200 <= response.status_code < 300:
             raise SwapError(f"{endpoint} answered {response.status_code}: {_engine_message(body)}: expected 2xx")
@@ -527,18 +531,13 @@ def _engine_message(body: bytes) -> str:
         message = error.get("message", error) if isinstance(error, dict) else error
     if message is None or (isinstance(message, dict | list) and not message):
         message = body.decode("utf-8", errors="replace") or "(empty body)"
-    text = message if isinstance(message, str) else json.dumps(message)
-    return text[:ENGINE_MESSAGE_CHARS]
+    return engine_said(message if isinstance(message, str) else json.dumps(message))
 
 
 def _detail(answer: Any) -> Any:
     """An answer for :attr:`SwapResult.detail`: as it came when short, else the start of its JSON."""
-    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else _bounded(answer)
-
-
-def _bounded(value: Any, chars: int = DETAIL_CHARS) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= chars else text[:chars] + "..."
+    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else describe_value(answer, DETAIL_CHARS,
+                                                                                   ellipsis_after_limit=True)
 
 
 def _token_ids(sample: Iterable[int], index: int) -> list[int]:

@@ -23,6 +23,7 @@ from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.routers import CountDelta
+from mla_watch.routing.series import PREFIX
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterWindows
 
 __all__ = ["UNATTRIBUTED_LINE", "EngineMetrics", "EngineRouting"]
@@ -47,7 +48,7 @@ class EngineMetrics:
     """What happened to the routing of each response (``mla_watch_engine_*``)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        p = "mla_watch_engine_"
+        p = PREFIX + "engine_"
         self.responses = Counter(p + "responses", "Engine responses by what became of their routing: counted, "
                                  "no_routing (none returned: a stream vLLM cannot annotate, a flag not set), "
                                  "data_error (not counted).", ["engine", "outcome"], registry=registry)

@@ -39,10 +39,12 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
 from mla_watch.models import corpus
 from mla_watch.models.architecture import bundled_config
+from mla_watch.models.balance import sign_step
 from mla_watch.models.loading import BUNDLED_DIR
 from mla_watch.models.loss import next_token_loss
 from mla_watch.models.tokenizer import train_tokenizer
 from mla_watch.probe import attach
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 __all__ = ["TrainSettings", "main", "train"]
 
@@ -157,17 +159,18 @@ def _indexer_loss(inputs: _IndexerInputs, attentions: Sequence[torch.Tensor]) ->
 
 
 def _rebalance(model: torch.nn.Module, probe: Any, gamma: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free step: ``b_i += gamma * sign(mean_load - load_i)``."""
+    """DeepSeek-V3's auxiliary-loss-free step (:func:`~mla_watch.models.balance.sign_step`) on every router with a
+    correction bias."""
     counts = probe.counts()
     probe.reset()
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, load in counts.items():
             router = modules[name]
-            if not hasattr(router, "e_score_correction_bias"):
+            if not hasattr(router, CORRECTION_BIAS):
                 continue
             load_tensor = torch.as_tensor(load, dtype=torch.float32)
-            router.e_score_correction_bias += gamma * torch.sign(load_tensor.mean() - load_tensor)
+            router.e_score_correction_bias += sign_step(load_tensor, gamma)
 
 
 @torch.no_grad()

@@ -16,9 +16,9 @@ from types import MappingProxyType
 from typing import Any
 
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult, config_files
+from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
-from mla_watch.common.yamlcheck import is_number as _is_number
 from mla_watch.common.yamlcheck import read_yaml
 from mla_watch.policy.model import (
     DEFAULT_BUSINESS_LINE,
@@ -67,7 +67,7 @@ def _check_value(chk: _Checker, path: str, param: str, value: object) -> float |
     """A rule value checked against the parameter's domain and what a client may send over HTTP (both
     from :data:`~mla_watch.sampling_params.SAMPLING_PARAMS`); ``None`` (after reporting) when invalid."""
     domain = PARAM_DOMAINS[param]
-    if not _is_number(value):
+    if not is_number(value):
         chk.bad(path, value, f"{domain.describe()} for {param}{_number_hint(value)}")
         return None
     assert isinstance(value, int | float)

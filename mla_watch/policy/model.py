@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import fmt as _fmt
-from mla_watch.common.yamlcheck import is_number as _is_number
 from mla_watch.policy.params import SAMPLING_PARAMS, Domain
 
 __all__ = [
@@ -334,7 +334,7 @@ class PolicySet:
 
 
 def _as_number(param: str, value: object, integer: bool) -> float:
-    if not _is_number(value):
+    if not is_number(value):
         raise TypeError(f"{param}={value!r}: expected a number, got {type(value).__name__}")
     assert isinstance(value, int | float)
     if isinstance(value, float) and math.isnan(value):

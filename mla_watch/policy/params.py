@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
+from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import fmt as _fmt
 
 __all__ = [
@@ -190,10 +191,6 @@ def _default(name: str) -> Any:
 # --------------------------------------------------------------------------- the applied values
 
 
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -211,7 +208,7 @@ def _checked(param: SamplingParam, value: Any) -> Any:
         if param.integer:
             if _is_int(value) and param.domain.contains(value):
                 return value
-        elif _is_real(value) and math.isfinite(value) and param.domain.contains(value):
+        elif is_number(value) and math.isfinite(value) and param.domain.contains(value):
             return value
     raise ValueError(f"SamplingParams.{param.name}={value!r} is invalid: expected {param.sampler_expectation}")
 
@@ -257,9 +254,9 @@ class SamplingValues:
             value = applied.get(name)
             if value is None:
                 values[name] = param.default
-            elif param.integer and _is_real(value) and float(value).is_integer():
+            elif param.integer and is_number(value) and float(value).is_integer():
                 values[name] = int(value)  # type: ignore[arg-type]
-            elif not param.integer and _is_real(value):
+            elif not param.integer and is_number(value):
                 values[name] = float(value)  # type: ignore[arg-type]
             else:
                 values[name] = value  # refused by __post_init__, naming it

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from mla_watch.policy.params import GREEDY_BELOW, SamplingValues, _is_int, _is_real
+from mla_watch.common.values import is_number
+from mla_watch.policy.params import GREEDY_BELOW, SamplingValues, _is_int
 
 __all__ = [
     "GREEDY_BELOW",
@@ -91,7 +92,7 @@ class RepetitionPenalty(LogitsProcessor):
     """
 
     def __init__(self, penalty: float) -> None:
-        if not _is_real(penalty) or not math.isfinite(penalty) or penalty <= 0:
+        if not is_number(penalty, finite=True) or penalty <= 0:
             raise ValueError(f"penalty={penalty!r} is invalid: expected a finite number > 0")
         self.penalty = float(penalty)
 
@@ -110,7 +111,7 @@ class Temperature(LogitsProcessor):
     """Divide scores by ``temperature`` (> 0), identical to ``TemperatureLogitsWarper``."""
 
     def __init__(self, temperature: float) -> None:
-        if not _is_real(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        if not is_number(temperature, finite=True) or temperature <= 0:
             raise ValueError(f"temperature={temperature!r} is invalid: expected a finite number > 0")
         self.temperature = float(temperature)
 
@@ -141,7 +142,7 @@ class TopP(LogitsProcessor):
     tokens whose probabilities add up to at least ``top_p`` (and at least ``min_tokens_to_keep``)."""
 
     def __init__(self, top_p: float, filter_value: float = -math.inf, min_tokens_to_keep: int = 1) -> None:
-        if not _is_real(top_p) or not 0 < top_p <= 1:
+        if not is_number(top_p) or not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p!r} is invalid: expected a number in (0, 1]")
         if not _is_int(min_tokens_to_keep) or min_tokens_to_keep < 1:
             raise ValueError(f"min_tokens_to_keep={min_tokens_to_keep!r} is invalid: expected an integer >= 1")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_number
 
 __all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "DEFAULT_MIN_SAMPLES", "DEFAULT_MIN_TOKENS", "Decision",
            "PairedComparison", "PerplexityMargin", "compare_perplexity", "parse_confidence", "parse_margin"]
@@ -73,7 +74,7 @@ def parse_margin(value: object, where: str = "max_perplexity_increase") -> Perpl
     """``0.3`` (absolute) or ``"2%"`` (relative); ``ValueError`` naming ``where``, the value and the forms."""
     if isinstance(value, PerplexityMargin):
         return value
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+    if is_number(value, finite=True) and value >= 0:
         return PerplexityMargin(float(value), relative=False)
     if isinstance(value, str):
         match = _PERCENT.match(value)

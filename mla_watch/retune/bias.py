@@ -2,7 +2,7 @@
 
 Each step forwards one batch, counts every expert router's loads with an mla_watch probe and
 moves the bias of each selected router by ``b_i += gamma * sign(mean_load - load_i)``
-(the training-time rule of :func:`mla_watch.models.train._rebalance`, with a γ for the job:
+(:func:`mla_watch.models.balance.sign_step`, the training-time rule, with a γ for the job:
 0.05 undoes a +10 collapse in ~100 batches, the training value 0.001 would take ~10,000).
 
 The re-fit runs on a **deep copy** of the model (its hooks left behind; a probe's forward
@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
+from mla_watch.models.balance import sign_step
 from mla_watch.probe import attach, discover_routers
 from mla_watch.quality.local_model import copy_without_hooks
 from mla_watch.retune.router_tensors import router_modules
+from mla_watch.routing.routers import CORRECTION_BIAS as BIAS_NAME
 from mla_watch.routing.stats import entropy_bits
 
 __all__ = ["BIAS_NAME", "BiasRefitResult", "refit_bias", "supports_bias"]
 
-BIAS_NAME = "e_score_correction_bias"
 
 
 
@@ -123,7 +124,7 @@ def refit_bias(
             probe.reset()
             for name in selected:
                 load = torch.as_tensor(counts[name], dtype=torch.float32, device=fitted[name].device)
-                fitted[name] += gamma * torch.sign(load.mean() - load)
+                fitted[name] += sign_step(load, gamma)
                 biases[name].copy_(fitted[name])
         after = _entropies(work, probe, batches, business_line, list(modules))
     finally:

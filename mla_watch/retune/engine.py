@@ -50,7 +50,7 @@ from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings, 
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.runner import same_evidence
 from mla_watch.retune.versions import RouterVersions
-from mla_watch.routing.routers import RouterInfo
+from mla_watch.routing.routers import CORRECTION_BIAS, RouterInfo
 
 __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
            "bias_step", "engine_score"]
@@ -58,7 +58,6 @@ __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters"
 log = logging.getLogger("mla_watch.retune")
 
 ENGINE_STRATEGIES = ("restore", "bias")  # router_finetune needs the model's weights, which the engine holds
-BIAS_LEAF = "e_score_correction_bias"
 KEEP_SWAP_DIRS = 2  # the one serving and the one before it: what a rollback reloads from is written anew
 
 
@@ -190,8 +189,8 @@ class EngineRetuner:
         """Why strategy ``name`` cannot re-tune this engine's routers (``None``: it can)."""
         if name not in ENGINE_STRATEGIES:
             return f"{name} needs the model's weights, which the engine holds (engine strategies: restore, bias)"
-        if name == "bias" and not any(key.endswith(f".{BIAS_LEAF}") for key in self.host.state()):
-            return f"the engine's routers have no {BIAS_LEAF} (DeepSeek-V3's noaux_tc and kin have one)"
+        if name == "bias" and not any(key.endswith(f".{CORRECTION_BIAS}") for key in self.host.state()):
+            return f"the engine's routers have no {CORRECTION_BIAS} (DeepSeek-V3's noaux_tc and kin have one)"
         return None
 
     # ------------------------------------------------------------------ a job
@@ -311,7 +310,7 @@ class EngineRetuner:
         tensors = {}
         for router in spec.routers:
             load = loads.get(router)
-            key = f"{router}.{BIAS_LEAF}"
+            key = f"{router}.{CORRECTION_BIAS}"
             if key not in state:
                 continue
             if load is None or float(np.sum(load)) <= 0:
@@ -319,7 +318,7 @@ class EngineRetuner:
                                  f"(the engine must return routing: vLLM --enable-return-routed-experts)")
             tensors[key] = bias_step(state[key], load, gamma)
         if not tensors:
-            raise ValueError(f"none of the routers {spec.routers} has an {BIAS_LEAF}")
+            raise ValueError(f"none of the routers {spec.routers} has an {CORRECTION_BIAS}")
         return tensors, {"step": step, "gamma": round(gamma, 6), "rule": "b += gamma * min(1, 1 - load / mean)",
                          "routers": list(spec.routers)}
 

@@ -46,8 +46,8 @@ from torch.nn.utils import parametrize
 
 from mla_watch.models.loss import next_token_loss
 from mla_watch.quality.local_model import copy_without_hooks, score_model
-from mla_watch.retune.bias import BIAS_NAME
 from mla_watch.retune.router_tensors import router_modules
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 __all__ = ["FinetuneResult", "finetune_routers"]
 
@@ -267,7 +267,8 @@ def finetune_routers(
             delta = _LowRankDelta(module.weight, lora_rank, alpha / lora_rank, generator)
             parametrize.register_parametrization(module, "weight", delta)
             params.extend([delta.A, delta.B])
-    sigmoid = {name: isinstance(getattr(module, BIAS_NAME, None), torch.Tensor) for name, module in trained.items()}
+    sigmoid = {name: isinstance(getattr(module, CORRECTION_BIAS, None), torch.Tensor)
+               for name, module in trained.items()}
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     steps = 0

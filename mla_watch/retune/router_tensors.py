@@ -16,13 +16,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mla_watch.probe.discovery import discover_routers
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 __all__ = ["ROUTER_TENSOR_PATTERNS", "apply_router_tensors", "router_modules", "router_state"]
 
 # Leaf names (fnmatch patterns) of the tensors of an expert-router module that are router state.
 # Matched against the module's *direct* parameters and buffers only (recurse=False), so nothing
 # below a router module -- and no expert weight -- can ever be taken.
-ROUTER_TENSOR_PATTERNS: tuple[str, ...] = ("weight", "bias", "e_score_correction_bias")
+ROUTER_TENSOR_PATTERNS: tuple[str, ...] = ("weight", "bias", CORRECTION_BIAS)
 
 
 def router_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -30,6 +30,7 @@ from mla_watch.retune.bias import refit_bias, supports_bias
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.router_tensors import router_modules
 from mla_watch.retune.versions import RouterVersions
+from mla_watch.routing.routers import CORRECTION_BIAS
 
 __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
 
@@ -102,13 +103,13 @@ class BiasStrategy(Strategy):
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:
         if supports_bias(model):
             return None
-        return f"{type(model).__name__} has no expert router with an e_score_correction_bias"
+        return f"{type(model).__name__} has no expert router with an {CORRECTION_BIAS}"
 
     def fit(self, context: FitContext) -> Candidate:
         capable = set(supports_bias(context.model))
         routers = [name for name in context.routers if name in capable]
         if not routers:
-            raise ValueError(f"none of the routers {context.routers} has an e_score_correction_bias")
+            raise ValueError(f"none of the routers {context.routers} has an {CORRECTION_BIAS}")
         options = self.parse_options(context.options, "bias")
         result = refit_bias(context.model, context.batches, routers=routers, gamma=options["gamma"],
                             steps=options["steps"])

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -35,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.common.describe import describe_value
 from mla_watch.common.state_dir import replace_private, set_aside
+from mla_watch.common.values import is_number
 from mla_watch.routing.stats import BASELINE_METRICS
 
 __all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
@@ -88,37 +89,31 @@ class Baseline:
             raise BaselineError(f"{where}: expected an object with router, business_line, counts, tokens, values")
         router, line = data.get("router"), data.get("business_line")
         if not isinstance(router, str) or not router or len(router) > 512:
-            raise BaselineError(f"{where}.router = {_short(router)}: expected a router's module name")
+            raise BaselineError(f"{where}.router = {describe_value(router, form='repr')}: expected a router's "
+                                "module name")
         if not isinstance(line, str) or not line or len(line) > 64:
-            raise BaselineError(f"{where}.business_line = {_short(line)}: expected a business line's name")
+            raise BaselineError(f"{where}.business_line = {describe_value(line, form='repr')}: expected a business "
+                                "line's name")
         counts = data.get("counts")
         if not isinstance(counts, list) or not counts or len(counts) > 1_000_000 or not all(
                 isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
             raise BaselineError(f"{where}.counts: expected a non-empty list of selection counts (integers >= 0)")
         tokens = data.get("tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
-            raise BaselineError(f"{where}.tokens = {_short(tokens)}: expected an integer >= 0")
+            raise BaselineError(f"{where}.tokens = {describe_value(tokens, form='repr')}: expected an integer >= 0")
         values = data.get("values")
         if not isinstance(values, dict) or not all(
-                key in BASELINE_METRICS and _finite(value) for key, value in values.items()):
+                key in BASELINE_METRICS and is_number(value, finite=True) for key, value in values.items()):
             raise BaselineError(f"{where}.values: expected finite numbers for any of {', '.join(BASELINE_METRICS)}")
         taken_at = data.get("taken_at")
-        if not _finite(taken_at):
-            raise BaselineError(f"{where}.taken_at = {_short(taken_at)}: expected a time (seconds since the epoch)")
+        if not is_number(taken_at, finite=True):
+            raise BaselineError(f"{where}.taken_at = {describe_value(taken_at, form='repr')}: expected a time "
+                                "(seconds since the epoch)")
         source = data.get("source")
         if source not in ("learned", "set", "legacy"):
-            raise BaselineError(f"{where}.source = {_short(source)}: expected learned or set")
+            raise BaselineError(f"{where}.source = {describe_value(source, form='repr')}: expected learned or set")
         return cls(router, line, np.asarray(counts, dtype=np.int64), tokens,
                    {key: float(value) for key, value in values.items()}, float(taken_at), source)
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class Baselines:
@@ -202,7 +197,7 @@ class Baselines:
 
     def _from_record(self, record: Any, source: str) -> Baseline:
         stats = record.stats.as_dict()
-        values = {key: float(stats[key]) for key in BASELINE_METRICS if _finite(stats.get(key))}
+        values = {key: float(stats[key]) for key in BASELINE_METRICS if is_number(stats.get(key), finite=True)}
         return Baseline(record.router.name, record.line_label, np.asarray(record.counts, dtype=np.int64),
                         int(record.stats.tokens), values, float(self._clock()), source)
 
@@ -293,8 +288,8 @@ def read_baseline_file(path: Path) -> tuple[list[Baseline], dict[str, np.ndarray
     if fmt == LEGACY_BASELINE_FORMAT:
         return [], _legacy_counts(document, path)
     if fmt != BASELINE_FORMAT:
-        raise BaselineError(f"baseline {path}: format = {_short(fmt)}: expected {BASELINE_FORMAT!r} "
-                            f"(or {LEGACY_BASELINE_FORMAT!r})")
+        raise BaselineError(f"baseline {path}: format = {describe_value(fmt, form='repr')}: expected "
+                            f"{BASELINE_FORMAT!r} (or {LEGACY_BASELINE_FORMAT!r})")
     entries = document.get("series")
     if not isinstance(entries, list) or len(entries) > MAX_SERIES:
         raise BaselineError(f"baseline {path}: series: expected a list of at most {MAX_SERIES} baselines")

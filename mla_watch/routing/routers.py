@@ -1,4 +1,5 @@
-"""What a router is (:class:`RouterInfo`) and the one shape its counts travel in (:class:`CountDelta`); no torch."""
+"""What a router is (:class:`RouterInfo`), the one shape its counts travel in (:class:`CountDelta`) and the name of
+its correction bias (:data:`CORRECTION_BIAS`); no torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import numpy as np
 
 from mla_watch.routing.stats import KINDS, Kind
 
-__all__ = ["CountDelta", "RouterInfo", "parse_zero_slots"]
+__all__ = ["CORRECTION_BIAS", "CountDelta", "RouterInfo", "parse_zero_slots"]
+
+# DeepSeek-V3's per-expert bias beside a gate's weight (auxiliary-loss-free balancing): added to the scores for the
+# top-k choice only. The leaf name of that tensor in a model, a checkpoint and an engine.
+CORRECTION_BIAS = "e_score_correction_bias"
 
 
 @dataclass(frozen=True)

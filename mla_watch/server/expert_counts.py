@@ -28,6 +28,16 @@ from prometheus_client.samples import Sample
 
 from mla_watch.common.describe import describe_value
 from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.series import (
+    EXPERT,
+    EXPERT_LABELS,
+    EXPERT_OVERFLOW_SELECTIONS,
+    EXPERT_SELECTIONS,
+    EXPERT_TOKENS,
+    PREFIX,
+    SERIES_LABELS,
+    total_name,
+)
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterWindows
 
 __all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCountsCollector",
@@ -41,7 +51,6 @@ SELECTION_FORM = ("'all', or routers=GLOB[,GLOB...] and/or lines=LINE[,LINE...] 
                   "(e.g. routers=*.mlp.gate;lines=code_assistant,doc_summary)")
 _MAX_SELECTION_CHARS = 4096  # a selection is typed by an operator; anything longer is a mistake
 _MAX_ITEMS = 256  # globs or lines in one clause
-_LABELS = ("router", "layer", "kind", "business_line")
 
 log = logging.getLogger("mla_watch.server")
 
@@ -126,13 +135,12 @@ class ExpertCountsCollector(Collector):
     within a budget of series, at scrape time."""
 
     def __init__(self, windows: Callable[[], Iterable[RouterWindows]], selection: ExpertSelection,
-                 budget: int = DEFAULT_EXPERT_SERIES_BUDGET, prefix: str = "mla_watch_") -> None:
+                 budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"{BUDGET_FLAG} {describe_value(budget)}: expected an integer >= 1")
         self._windows = windows
         self._selection = selection
         self._budget = budget
-        self._prefix = prefix
         self._lock = threading.Lock()  # scrapes may overlap; admission must be decided once
         self._admitted: dict[tuple[str, str], _Admitted] = {}
         self._used = 0
@@ -146,13 +154,12 @@ class ExpertCountsCollector(Collector):
         return self._budget
 
     def collect(self) -> Iterable[Metric]:
-        p = self._prefix
-        selections = CounterMetricFamily(p + "expert_selections", "Selections of each expert slot by this router "
+        selections = CounterMetricFamily(EXPERT_SELECTIONS, "Selections of each expert slot by this router "
                                          "for this business line since the sidecar started (sum across replicas).",
-                                         labels=[*_LABELS, "expert"])
-        tokens = CounterMetricFamily(p + "expert_tokens", "Tokens this router routed for this business line since "
-                                     "the sidecar started (sum across replicas).", labels=list(_LABELS))
-        selections_name, tokens_name = selections.name + "_total", tokens.name + "_total"
+                                         labels=list(EXPERT_LABELS))
+        tokens = CounterMetricFamily(EXPERT_TOKENS, "Tokens this router routed for this business line since "
+                                     "the sidecar started (sum across replicas).", labels=list(SERIES_LABELS))
+        selections_name, tokens_name = total_name(EXPERT_SELECTIONS), total_name(EXPERT_TOKENS)
         sources = list(self._windows())
         with self._lock:
             seen: set[tuple[str, str]] = set()
@@ -176,11 +183,11 @@ class ExpertCountsCollector(Collector):
                     tokens.samples.append(Sample(tokens_name, pair.labels, total.tokens))
             self._forget_gone(seen)
             used, overflow = self._used, self._overflow
-        series = GaugeMetricFamily(p + "expert_series", "Per-expert series exported now (selections and tokens).",
+        series = GaugeMetricFamily(PREFIX + "expert_series", "Per-expert series exported now (selections and tokens).",
                                    value=used)
-        budget = GaugeMetricFamily(p + "expert_series_budget", "The most per-expert series exported "
+        budget = GaugeMetricFamily(PREFIX + "expert_series_budget", "The most per-expert series exported "
                                    f"({BUDGET_FLAG}).", value=self._budget)
-        refused = CounterMetricFamily(p + "expert_overflow_selections", "Selections counted for (router, business "
+        refused = CounterMetricFamily(EXPERT_OVERFLOW_SELECTIONS, "Selections counted for (router, business "
                                       "line) pairs the per-expert series budget left out.", value=overflow)
         return [selections, tokens, series, budget, refused]
 
@@ -205,13 +212,13 @@ class ExpertCountsCollector(Collector):
             if not self._warned:
                 self._warned = True
                 log.warning("per-expert counters: router %r, business line %r left out: its %d series do not fit "
-                            "the budget of %d (%d in use); its selections count into "
-                            "%sexpert_overflow_selections_total, and %s raises the budget",
-                            key[0], key[1], cost, self._budget, self._used, self._prefix, BUDGET_FLAG)
+                            "the budget of %d (%d in use); its selections count into %s, and %s raises the budget",
+                            key[0], key[1], cost, self._budget, self._used, total_name(EXPERT_OVERFLOW_SELECTIONS),
+                            BUDGET_FLAG)
             return None
         router, line = key
-        labels = {"router": router, "layer": str(info.layer), "kind": info.kind, "business_line": line}
-        pair = _Admitted(tuple({**labels, "expert": str(slot)} for slot in range(info.num_slots)), labels, cost)
+        labels = dict(zip(SERIES_LABELS, (router, str(info.layer), info.kind, line), strict=True))
+        pair = _Admitted(tuple({**labels, EXPERT: str(slot)} for slot in range(info.num_slots)), labels, cost)
         self._admitted[key] = pair
         self._used += cost
         return pair

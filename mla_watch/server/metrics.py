@@ -16,19 +16,22 @@ from prometheus_client.registry import Collector
 
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
+from mla_watch.routing.series import (
+    BUSINESS_LINE,
+    LAYER,
+    PREFIX,
+    ROUTER,
+    ROUTING_SLOTS,
+    SERIES_LABELS,
+    baseline_gauge,
+    routing_gauge,
+)
 from mla_watch.routing.stats import BASELINE_METRICS, STATISTICS
 from mla_watch.routing.windows import ALL_LINES, RouterWindows, RoutingSnapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
 
-__all__ = ["BASELINE_GAUGES", "ROUTING_GAUGES", "ROUTING_SLOTS", "ReferenceCollector", "RoutingCollector",
-           "ServerMetrics"]
+__all__ = ["BASELINE_GAUGES", "ReferenceCollector", "RoutingCollector", "ServerMetrics"]
 
-ROUTING_SLOTS = "routing_slots"
-
-
-# metric suffix -> (stats key, help), from the one list of statistics
-ROUTING_GAUGES: dict[str, tuple[str, str]] = {statistic.gauge: (statistic.key, statistic.help)
-                                              for statistic in STATISTICS}
 # The healthy values of a router and line's learned baseline (routing/baselines.py): rules relative to it, exported
 # to Prometheus, scale these.
 BASELINE_GAUGES: dict[str, str] = {statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
@@ -40,17 +43,16 @@ class _FootprintCollector(Collector):
 
     DRAWS = 32  # decode steps drawn per line and batch size at each scrape (seeded: a scrape repeats its figures)
 
-    def __init__(self, sampler: Callable[[], FootprintSampler | None], prefix: str = "mla_watch_") -> None:
+    def __init__(self, sampler: Callable[[], FootprintSampler | None]) -> None:
         self._sampler = sampler
-        self._prefix = prefix
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         footprint = GaugeMetricFamily(
-            self._prefix + "batch_expert_footprint", "Mean distinct experts per MoE layer that one decode step of "
+            PREFIX + "batch_expert_footprint", "Mean distinct experts per MoE layer that one decode step of "
             "batch_size concurrent requests of this business line (all: every line mixed) reads, drawn from recent "
-            "requests' routing.", labels=["business_line", "batch_size"])
+            "requests' routing.", labels=[BUSINESS_LINE, "batch_size"])
         ratio = GaugeMetricFamily(
-            self._prefix + "batch_footprint_ratio", "Expert weight bytes a decode step of batch_size requests reads "
+            PREFIX + "batch_footprint_ratio", "Expert weight bytes a decode step of batch_size requests reads "
             "with business lines batched apart, over mixed (below 1: grouping by line reads less).",
             labels=["batch_size"])
         sampler = self._sampler()
@@ -69,15 +71,14 @@ class _PositionCollector(Collector):
     """``routing_position_tokens`` and ``routing_position_js_divergence`` per router, line and position bucket
     (serve --position-metrics: routers x lines x buckets series each, hence opt-in)."""
 
-    def __init__(self, positions: Callable[[], PositionCounts | None], prefix: str = "mla_watch_") -> None:
+    def __init__(self, positions: Callable[[], PositionCounts | None]) -> None:
         self._positions = positions
-        self._prefix = prefix
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        labels = ["router", "layer", "business_line", "position_bucket"]
-        tokens = GaugeMetricFamily(self._prefix + "routing_position_tokens", "Tokens this router routed at positions "
+        labels = [ROUTER, LAYER, BUSINESS_LINE, "position_bucket"]
+        tokens = GaugeMetricFamily(PREFIX + "routing_position_tokens", "Tokens this router routed at positions "
                                    "of this bucket (counts halve every hour).", labels=labels)
-        drift = GaugeMetricFamily(self._prefix + "routing_position_js_divergence", "Jensen-Shannon divergence, in "
+        drift = GaugeMetricFamily(PREFIX + "routing_position_js_divergence", "Jensen-Shannon divergence, in "
                                   "bits, of this position bucket's routing from the line's in-range routing.",
                                   labels=labels)
         positions = self._positions()
@@ -97,24 +98,23 @@ class _PositionCollector(Collector):
 class RoutingCollector(Collector):
     """Exports the routing statistics of the snapshot ``snapshot()`` returns, at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], RoutingSnapshot], prefix: str = "mla_watch_") -> None:
+    def __init__(self, snapshot: Callable[[], RoutingSnapshot]) -> None:
         self._snapshot = snapshot
-        self._prefix = prefix
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        labels = ["router", "layer", "kind", "business_line"]
-        families = {name: GaugeMetricFamily(self._prefix + name, text, labels=labels)
-                    for name, (_, text) in ROUTING_GAUGES.items()}
-        baselines = {metric: GaugeMetricFamily(f"{self._prefix}routing_baseline_{metric}", text, labels=labels)
+        labels = list(SERIES_LABELS)
+        families = {statistic.key: GaugeMetricFamily(routing_gauge(statistic.key), statistic.help, labels=labels)
+                    for statistic in STATISTICS}
+        baselines = {metric: GaugeMetricFamily(baseline_gauge(metric), text, labels=labels)
                      for metric, text in BASELINE_GAUGES.items()}
-        slots = GaugeMetricFamily(self._prefix + ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
+        slots = GaugeMetricFamily(ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
                                   "positions counted (what a rule's `slots` selector matches).", labels=labels)
         for record in self._snapshot().records:
             values = [record.router.name, str(record.router.layer), record.router.kind, record.line_label]
-            for name, (key, _) in ROUTING_GAUGES.items():
+            for key, family in families.items():
                 value = getattr(record.stats, key)
                 if value is not None:
-                    families[name].add_metric(values, float(value))
+                    family.add_metric(values, float(value))
             slots.add_metric(values, float(record.stats.num_slots))
             if record.baseline is not None:
                 for metric, value in record.baseline.values.items():
@@ -131,11 +131,11 @@ class _FiringCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily("mla_watch_alerts_firing", "Alert instances firing, by rule and severity.",
+        family = GaugeMetricFamily(PREFIX + "alerts_firing", "Alert instances firing, by rule and severity.",
                                    labels=["alertname", "severity"])
         for (alertname, severity), count in sorted(self._engine.firing_counts().items()):
             family.add_metric([alertname, severity], count)
-        causes = GaugeMetricFamily("mla_watch_alerts_firing_by_cause", "Alert instances firing, by rule and cause "
+        causes = GaugeMetricFamily(PREFIX + "alerts_firing_by_cause", "Alert instances firing, by rule and cause "
                                    "(model, traffic, undetermined).", labels=["alertname", "cause"])
         for (alertname, cause), count in sorted(self._engine.firing_causes().items()):
             causes.add_metric([alertname, cause], count)
@@ -146,21 +146,20 @@ class ReferenceCollector(Collector):
     """The routing of the reference prompts' latest readings (``business_line``: the set), apart from live traffic's
     series: ``mla_watch_reference_routing_*``, with ``js_divergence`` from their healthy baseline."""
 
-    def __init__(self, prober: Callable[[], Any], prefix: str = "mla_watch_") -> None:
+    def __init__(self, prober: Callable[[], Any]) -> None:
         self._prober = prober
-        self._prefix = prefix
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         from mla_watch.cause.readings import compare
 
-        labels = ["router", "layer", "kind", "business_line"]
-        families = {name: GaugeMetricFamily(f"{self._prefix}reference_{name}", f"Over the reference prompts' latest "
-                                            f"reading. {text}", labels=labels)
-                    for name, (_, text) in ROUTING_GAUGES.items()}
-        taken = GaugeMetricFamily(f"{self._prefix}reference_reading_timestamp_seconds", "When the latest reading of "
+        labels = list(SERIES_LABELS)
+        families = {statistic.key: GaugeMetricFamily(f"{PREFIX}reference_{statistic.gauge}", "Over the reference "
+                                                     f"prompts' latest reading. {statistic.help}", labels=labels)
+                    for statistic in STATISTICS}
+        taken = GaugeMetricFamily(f"{PREFIX}reference_reading_timestamp_seconds", "When the latest reading of "
                                   "each set of reference prompts ended (seconds since the epoch).",
-                                  labels=["business_line"])
-        count = CounterMetricFamily(f"{self._prefix}reference_readings", "Readings of reference prompts taken.")
+                                  labels=[BUSINESS_LINE])
+        count = CounterMetricFamily(f"{PREFIX}reference_readings", "Readings of reference prompts taken.")
         prober = self._prober()
         if prober is not None:
             count.add_metric([], prober.readings_taken)
@@ -172,10 +171,10 @@ class ReferenceCollector(Collector):
                     if comparison is None:
                         continue
                     values = [record.router.name, str(record.router.layer), record.router.kind, name]
-                    for metric, (key, _) in ROUTING_GAUGES.items():
+                    for key, family in families.items():
                         value = getattr(comparison.stats, key)
                         if value is not None:
-                            families[metric].add_metric(values, float(value))
+                            family.add_metric(values, float(value))
         return [*families.values(), taken, count]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -194,24 +193,24 @@ class ServerMetrics:
                  expert_counts: ExpertSelection | None = None,
                  expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
         self.registry = registry
-        p = "mla_watch_"
+        p = PREFIX
         self.requests = Counter(p + "requests", "Generation requests answered, by endpoint and HTTP status.",
                                 ["endpoint", "status"], registry=registry)
         self.bad_requests = Counter(p + "bad_requests", "Requests refused for bad input, by reason.",
                                     ["endpoint", "reason"], registry=registry)
         self.policy_adjustments = Counter(p + "policy_adjustments", "Sampling values the policy clamped into its "
-                                          "range.", ["business_line", "task", "param"], registry=registry)
+                                          "range.", [BUSINESS_LINE, "task", "param"], registry=registry)
         self.policy_defaults = Counter(p + "policy_defaults", "Sampling parameters a request left out, filled in "
-                                       "with the policy's default.", ["business_line", "task", "param"],
+                                       "with the policy's default.", [BUSINESS_LINE, "task", "param"],
                                        registry=registry)
         self.policy_rejections = Counter(p + "policy_rejections", "Requests a reject policy refused.",
-                                         ["business_line", "task", "param"], registry=registry)
+                                         [BUSINESS_LINE, "task", "param"], registry=registry)
         self.policy_reloads = Counter(p + "policy_reloads", "Policy reload attempts by outcome.", ["outcome"],
                                       registry=registry)
         self.policy_version = Gauge(p + "policy_version", "Version of the policies in force.", registry=registry)
-        self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated.", ["business_line"],
+        self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated.", [BUSINESS_LINE],
                                          registry=registry)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", ["business_line"],
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", [BUSINESS_LINE],
                                      registry=registry)
         self.request_seconds = Histogram(p + "request_duration_seconds", "Time to answer a generation request.",
                                          ["endpoint"], registry=registry,
@@ -237,7 +236,7 @@ class ServerMetrics:
         self.router_version = Gauge(p + "router_version", "Router version live in the model (0: as started).",
                                     registry=registry)
         self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
-                                        ["business_line"], registry=registry)
+                                        [BUSINESS_LINE], registry=registry)
         self._registry = registry
         registry.register(RoutingCollector(routing_snapshot))
         self.expert_counts: ExpertCountsCollector | None = None

@@ -1,0 +1,78 @@
+"""The sidecar's Prometheus series: names and label sets.
+
+What a sidecar exports on ``/metrics`` (:mod:`mla_watch.server.metrics`, :mod:`mla_watch.server.expert_counts`)
+and what the rule files exported for Prometheus select (:mod:`mla_watch.alerting.promexport`,
+:mod:`mla_watch.alerting.fleet`) are named here, once, so that an exported rule always selects a series a sidecar
+writes. A routing statistic names its own gauge in :data:`mla_watch.routing.stats.STATISTICS`;
+:func:`routing_gauge` puts the prefix on it.
+
+Names only: no ``prometheus_client`` here, so the rule export imports nothing of the server.
+"""
+
+from __future__ import annotations
+
+from mla_watch.routing.stats import STATISTICS
+
+__all__ = [
+    "BUSINESS_LINE",
+    "DEFAULT_JOB",
+    "EXPERT",
+    "EXPERT_LABELS",
+    "EXPERT_OVERFLOW_SELECTIONS",
+    "EXPERT_SELECTIONS",
+    "EXPERT_TOKENS",
+    "INSTANCE",
+    "JOB",
+    "KIND",
+    "LAYER",
+    "PREFIX",
+    "ROUTER",
+    "ROUTER_LABELS",
+    "ROUTING_SLOTS",
+    "SERIES_LABELS",
+    "baseline_gauge",
+    "routing_gauge",
+    "total_name",
+]
+
+PREFIX = "mla_watch_"
+
+# The labels of a routing series.
+ROUTER = "router"  # the router's module name
+LAYER = "layer"
+KIND = "kind"  # expert or indexer
+BUSINESS_LINE = "business_line"  # a line's name, or "all" for every line summed
+EXPERT = "expert"  # an expert slot's index, on the per-expert counters
+# The labels Prometheus puts on every series it scrapes: the scrape config (job) and the target (instance).
+JOB = "job"
+INSTANCE = "instance"
+# The job the exported rules select unless told otherwise: what deploy/servicemonitor.yaml and podmonitor.yaml name
+# the sidecars' targets.
+DEFAULT_JOB = "mla_watch"
+
+ROUTER_LABELS: tuple[str, ...] = (ROUTER, LAYER, KIND)  # one router whatever the line: its floor and ceiling
+SERIES_LABELS: tuple[str, ...] = (*ROUTER_LABELS, BUSINESS_LINE)  # one router's routing of one business line
+EXPERT_LABELS: tuple[str, ...] = (*SERIES_LABELS, EXPERT)  # one expert slot of that
+
+ROUTING_SLOTS = PREFIX + "routing_slots"
+# The opt-in per-expert counters (serve --export-expert-counts); a counter's samples are named total_name(name).
+EXPERT_SELECTIONS = PREFIX + "expert_selections"
+EXPERT_TOKENS = PREFIX + "expert_tokens"
+EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_selections"
+
+_ROUTING_GAUGES: dict[str, str] = {statistic.key: PREFIX + statistic.gauge for statistic in STATISTICS}
+
+
+def routing_gauge(key: str) -> str:
+    """The gauge of the routing statistic ``key`` (``entropy_bits``: ``mla_watch_routing_entropy_bits``)."""
+    return _ROUTING_GAUGES[key]
+
+
+def baseline_gauge(key: str) -> str:
+    """The gauge of the healthy baseline of the statistic ``key`` per router and line (routing/baselines.py)."""
+    return f"{PREFIX}routing_baseline_{key}"
+
+
+def total_name(counter: str) -> str:
+    """The name of a counter's samples, as Prometheus scrapes them."""
+    return counter + "_total"
