@@ -19,16 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
-from conftest import free_port, wait_until
-from floods import trimmed_references
-from real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
-from receivers import running_receiver
-from test_reliability import sidecar_process
 
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.engines.vllm_weights import VllmWeights
+from tests import processes
+from tests.floods import trimmed_references
+from tests.real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
+from tests.receivers import running_receiver
+from tests.support import free_port, sidecar_process, wait_until
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

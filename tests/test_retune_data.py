@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tmpfs
-from helpers import FakeClock
 
 from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
 from mla_watch.retune.data import (
@@ -24,6 +22,8 @@ from mla_watch.retune.data import (
     scored_text,
     split_held_out,
 )
+from tests.helpers import FakeClock
+from tests.support import tmpfs
 
 T0 = 1_000_000.0
 
