@@ -320,8 +320,8 @@ def wait_counted(client: httpx.Client, proxy: str, engine: str, expected: int, t
     routing is counted after each answer, the last ones may still be in the queue."""
     waited = time.monotonic()
     while True:
-        counted = metric_value(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine,
-                         outcome="counted")
+        counted = metric_value(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total",
+                               engine=engine, outcome="counted")
         if counted >= expected or time.monotonic() - waited > timeout:
             return counted
         time.sleep(0.1)

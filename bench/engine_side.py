@@ -38,10 +38,7 @@ from bench.engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
 from mla_watch.engines.geometry import parse_geometry
 from tests.support import end_process, free_port, metric_value, process_tree_rss
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL_EXTRA = ("torch", "transformers", "tokenizers", "matplotlib")
-COUNTED = ("mla_watch_engine_responses_total", {"engine": "vllm", "outcome": "counted"})
-DROPPED = ("mla_watch_engine_count_dropped_total", {"reason": "queue_full"})
 
 
 def wall(command: list[str], repeats: int) -> float:
@@ -115,8 +112,9 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
                 deadline = time.monotonic() + 600
                 while time.monotonic() < deadline:  # every answer counted, or dropped at a full count queue
                     text = client.get(url + "/metrics").text
-                    figures["counted"] = metric_value(text, COUNTED[0], **COUNTED[1])
-                    figures["dropped"] = metric_value(text, DROPPED[0], **DROPPED[1])
+                    figures["counted"] = metric_value(text, "mla_watch_engine_responses_total", engine="vllm",
+                                                      outcome="counted")
+                    figures["dropped"] = metric_value(text, "mla_watch_engine_count_dropped_total", reason="queue_full")
                     if figures["counted"] + figures["dropped"] >= answers:
                         break
                     time.sleep(0.2)

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.attacks import Plan, Target, render, replay
 from tests import processes
 from tests.client import sse_events
 from tests.receivers import OK, Reply, running_receiver, status
@@ -144,8 +145,6 @@ def test_the_attacks_of_issue_11_get_their_documented_answers_while_healthz_keep
     attack gets its documented answer (404 for unknown lines, 400 naming the field, 413, 429, 408 for a
     trickling body) or has no effect, an unknown-line GET grows nothing, and /healthz answers 200
     throughout. The /healthz latency during each attack against rest is printed, not asserted."""
-    from bench.attacks import Plan, Target, render, replay
-
     port, log = free_port(), tmp_path / "sidecar.log"
     tokens = {"MLA_WATCH_ADMIN_TOKEN": ATTACK_ADMIN_TOKEN, "MLA_WATCH_INGEST_TOKEN": ATTACK_INGEST_TOKEN}
     with sidecar_process(port, tmp_path / "state", "--body-timeout", "1", env=tokens, log=log) as process:
