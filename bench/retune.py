@@ -187,7 +187,7 @@ def engine_vllm() -> dict:
 
     from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
     from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-    from tests.test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, send, sidecar, until_resolved
+    from tests.test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, retuning_sidecar, send, until_resolved
 
     root = cache_root() / "checkpoints"
     collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)
@@ -195,8 +195,8 @@ def engine_vllm() -> dict:
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-engine-"))
     figures: dict = {"router": ROUTER}
     with running_vllm(collapsed, routing=True, dev_mode=True, log_path=work / "vllm.log") as engine_url:
-        with running_receiver() as receiver, sidecar(engine_url, (collapsed, healthy), work / "state", "apply",
-                                                     receiver.url) as url:
+        with running_receiver() as receiver, retuning_sidecar(
+                engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url:
             start = time.monotonic()
             index = 0
             while alert_state(url) is None and index < 60:
