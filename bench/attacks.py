@@ -1,9 +1,9 @@
 """Hostile requests replayed against a live sidecar (the bounds of docs/security.md put to the test), with
 ``/healthz`` watched meanwhile.
 
-    python bench/attacks.py                           # about two minutes on 2 CPU cores
-    python bench/attacks.py --requests 1000 --rounds 3
-    python bench/attacks.py --json figures.json       # also write the figures as JSON
+    python -m bench.attacks                           # about two minutes on 2 CPU cores
+    python -m bench.attacks --requests 1000 --rounds 3
+    python -m bench.attacks --json figures.json       # also write the figures as JSON
 
 One ``mla-watch serve`` process on the bundled model, on a loopback port, as in production,
 with a short ``--body-timeout`` (2 s) so that a trickling body is cut off quickly. Every attack
@@ -56,9 +56,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
-from server_overhead import sidecar_process
 
+from bench.server_overhead import sidecar_process
 from mla_watch.routing.ingest import REMOTE_MAX_BUCKETS, IngestLimits
+from tests.support import memory_kib
 
 HEALTHZ_POLL_SECONDS = 0.02
 MIN_ATTACK_SECONDS = 0.5  # a quick attack is repeated until it has lasted this long: /healthz is polled ~25 times
@@ -168,14 +169,6 @@ class HealthPoller:
             chosen = [(seconds, ok) for sent, seconds, ok in self._samples
                       if any(start <= sent <= end for start, end in spans)]
         return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
-
-
-def rss_kib(pid: int) -> int:
-    """The process's resident set now (Linux: VmRSS), in KiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 # --------------------------------------------------------------------------- results
@@ -421,12 +414,12 @@ class Attacker:
             names = [f"nobody-{secrets.token_hex(6)}" for _ in range(self.plan.routing_gets + 50)]
             for name in names[:50]:  # warm-up, not counted
                 self.http.get("/v1/routing", params={"business_line": name})
-            before = rss_kib(self.target.pid)
+            before = memory_kib(self.target.pid)
             with self.sending():
                 for name in names[50:]:
                     self.expect(self.routing(name), {404}, f"business_line={name}", param="business_line",
                                 code="not_found")
-            growth = (rss_kib(self.target.pid) - before) * 1024 / self.plan.routing_gets
+            growth = (memory_kib(self.target.pid) - before) * 1024 / self.plan.routing_gets
             report.notes.append(f"sidecar RSS growth {growth:+.0f} B/request over {self.plan.routing_gets} requests")
             report.figures["rss_growth_bytes_per_request"] = round(growth, 1)
             if growth > GET_GROWTH_LIMIT_BYTES:
@@ -464,11 +457,11 @@ class Attacker:
         requests = self.plan.bucket_requests
         with self.attack("2", "16 deltas x 4,096 slots per request into 16 wide windows", "200") as report:
             bodies = wide_window_bodies(requests)
-            before = rss_kib(self.target.pid)
+            before = memory_kib(self.target.pid)
             with self.sending():
                 for body in bodies:
                     self.expect(self.ingest(body), {200}, "wide windows")
-            growth_mib = (rss_kib(self.target.pid) - before) / 1024
+            growth_mib = (memory_kib(self.target.pid) - before) / 1024
             dense_mib = 16 * WIDE_SLOTS * 8 / 2**20  # what --ingest-max-window-slots accounts for these windows
             # ... and what their buckets can hold at most: REMOTE_MAX_BUCKETS of 16 bytes a slot each
             bucket_mib = 16 * WIDE_SLOTS * 16 * REMOTE_MAX_BUCKETS / 2**20
@@ -719,7 +712,7 @@ def replay(target: Target, plan: Plan, *, progress: Callable[[str], None] = lamb
                  "/readyz": attacker.http.get("/readyz").status_code,
                  "/metrics": attacker.http.get("/metrics").status_code,
                  "/v1/routing": attacker.routing().status_code,
-                 "sidecar RSS": f"{rss_kib(target.pid) / 1024:.0f} MiB"}
+                 "sidecar RSS": f"{memory_kib(target.pid) / 1024:.0f} MiB"}
         attacker.http.close()
     return Replay(rest, reports, final)
 

@@ -1,6 +1,6 @@
 """The expert footprint of a batch on the bundled model: distinct experts per MoE layer of one decode step.
 
-    python bench/batch_footprint.py --requests 48 --decode 16
+    python -m bench.batch_footprint --requests 48 --decode 16
 
 Each business line's requests (the generated corpus, one domain per line) are decoded greedily, ``--decode``
 tokens each, with the probe recording every decode step's expert ids; decode steps of B concurrent requests are
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mla_watch
 from mla_watch.models import corpus

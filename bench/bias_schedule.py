@@ -1,6 +1,6 @@
 """Which step size and schedule of the bias rule bring a collapsed router back, swap after swap?
 
-    python bench/bias_schedule.py            # about a minute on 2 CPU cores
+    python -m bench.bias_schedule            # about a minute on 2 CPU cores
 
 The engine ``bias`` strategy (:mod:`mla_watch.retune.engine`) steps an ``e_score_correction_bias``
 from the loads the engine routed, one swap per step. This replays that loop on the bundled model

@@ -1,9 +1,9 @@
 """How often healthy traffic pages anyone, and how fast each fault reaches on-call.
 
-    python bench/detection.py                          # about ten minutes on 2 CPU cores
-    python bench/detection.py --healthy-tokens 40000   # longer healthy replays
-    python bench/detection.py --json figures.json      # also write the figures as JSON
-    python bench/detection.py --scenario drift         # only the slow drift (about a minute)
+    python -m bench.detection                          # about ten minutes on 2 CPU cores
+    python -m bench.detection --healthy-tokens 40000   # longer healthy replays
+    python -m bench.detection --json figures.json      # also write the figures as JSON
+    python -m bench.detection --scenario drift         # only the slow drift (about a minute)
 
 The replays are tests/detection_replay.py's (shared with tests/test_detection.py): each starts afresh
 as `mla-watch serve` does, with the bundled model under the probe's real hooks, windows of 4096 tokens
@@ -33,17 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from detection_replay import FAULTS, fault_replay, healthy_replay  # the tests' replays, shared
-from drift_replay import DRIFTING_ROUTER  # the tests' simulated days of drift, shared
-from drift_replay import replay as drift_replay
-
 import mla_watch
 from mla_watch.models import corpus
+from tests.detection_replay import FAULTS, fault_replay, healthy_replay  # the tests' replays, shared
+from tests.drift_replay import DRIFTING_ROUTER  # the tests' simulated days of drift, shared
+from tests.drift_replay import replay as drift_replay
 
 TREND_ALERTS = ("RoutingEntropyFalling", "RoutingCollapseForecast")
 

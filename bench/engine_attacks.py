@@ -1,8 +1,8 @@
 """A hostile engine behind ``mla-watch serve``, and a hostile co-tenant of its recorder volume, with ``/healthz``
 and the sidecar's memory watched meanwhile.
 
-    python bench/engine_attacks.py                  # about a minute on 2 CPU cores
-    python bench/engine_attacks.py --rounds 5 --json figures.json
+    python -m bench.engine_attacks                  # about a minute on 2 CPU cores
+    python -m bench.engine_attacks --rounds 5 --json figures.json
 
 One ``mla-watch serve --engine vllm`` process on a loopback port, beside bench/hostile_engine.py
 (our own server: it sends what no engine should), with ``--upstream-max-bytes 8M`` and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -27,12 +26,11 @@ from pathlib import Path
 
 import httpx
 import torch
-from attacks import HEALTHZ_GOAL_MS, HealthPoller, rss_kib
-from hostile_engine import CONFIG, HostileEngine
-from server_overhead import sidecar_process
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import serve_app
+from bench.attacks import HEALTHZ_GOAL_MS, HealthPoller
+from bench.hostile_engine import CONFIG, HostileEngine
+from bench.server_overhead import sidecar_process
+from tests.support import memory_kib, serve_app
 
 MAX_BYTES = 8 << 20
 TIMEOUT = 3.0
@@ -53,7 +51,7 @@ def engine_attacks(url: str, pid: int, hostile: HostileEngine, poller: HealthPol
         for mode, documented in ENGINE_ATTACKS.items():
             hostile.mode = mode
             statuses: Counter[int] = Counter()
-            rss_before, peak = rss_kib(pid), 0
+            rss_before, peak = memory_kib(pid), 0
             start, sent = time.monotonic(), 0
             while sent < rounds or time.monotonic() - start < MIN_SECONDS:  # long enough for /healthz polls
                 sent += 1
@@ -61,11 +59,11 @@ def engine_attacks(url: str, pid: int, hostile: HostileEngine, poller: HealthPol
                 if mode in STREAMED:
                     with client.stream("POST", "/v1/completions", json=body) as answer:
                         for _ in answer.iter_bytes():
-                            peak = max(peak, rss_kib(pid))
+                            peak = max(peak, memory_kib(pid))
                         statuses[answer.status_code] += 1
                 else:
                     statuses[client.post("/v1/completions", json=body).status_code] += 1
-                peak = max(peak, rss_kib(pid))
+                peak = max(peak, memory_kib(pid))
             reports.append(report(mode, statuses, documented, poller, start, peak - rss_before))
     return reports
 
@@ -80,14 +78,14 @@ def volume_attacks(directory: Path, url: str, pid: int, poller: HealthPoller, in
     }
     reports = []
     for index, (name, build) in enumerate(cases.items()):
-        before, rss_before, start = rejected(url), rss_kib(pid), time.monotonic()
+        before, rss_before, start = rejected(url), memory_kib(pid), time.monotonic()
         torch.save(build(), directory / f"expert_distribution_recorder_{1_700_000_000 + index}.0.pt")
         deadline = time.monotonic() + 30 + 4 * interval
         while rejected(url) == before and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(3 * interval)  # later polls: set aside once, never counted again
         statuses = Counter({"rejected once": int(rejected(url) - before)})
-        reports.append(report(name, statuses, {"rejected once"}, poller, start, rss_kib(pid) - rss_before,
+        reports.append(report(name, statuses, {"rejected once"}, poller, start, memory_kib(pid) - rss_before,
                               expect_count=1))
     start, before = time.monotonic(), rejected(url)
     for number in range(1000):

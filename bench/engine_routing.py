@@ -1,8 +1,8 @@
 """Engine routing through the proxy: decode+count CPU, the latency the proxy adds, the event loop meanwhile.
 
-    python bench/engine_routing.py                            # about a minute on 2 CPU cores
-    python bench/engine_routing.py --repeats 20 --requests 100  # bench/README.md's arguments
-    python bench/engine_routing.py --json figures.json        # also write the figures as JSON
+    python -m bench.engine_routing                            # about a minute on 2 CPU cores
+    python -m bench.engine_routing --repeats 20 --requests 100  # bench/README.md's arguments
+    python -m bench.engine_routing --json figures.json        # also write the figures as JSON
 
 Beside vLLM or SGLang (``serve --upstream URL --engine vllm|sglang``), every
 response carries the routing of each of its tokens, which the proxy decodes, counts and strips.
@@ -41,7 +41,6 @@ import base64
 import contextlib
 import io
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,9 +53,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from attacks import HealthPoller, Latency
-from server_overhead import sidecar_process, wait_answering
 
+from bench.attacks import HealthPoller, Latency
+from bench.server_overhead import sidecar_process, wait_answering
 from mla_watch.engines.formats import (
     ENGINES,
     RoutingPlan,
@@ -68,6 +67,7 @@ from mla_watch.engines.formats import (
     strip_response,
 )
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
+from tests.support import REPO, end_process, free_port, metric_value
 
 # DeepSeek-V3's config.json, the keys that place its routers: layers 3..60 are MoE.
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
@@ -154,22 +154,15 @@ def serve_engine(directory: Path, port: int) -> None:
 @contextlib.contextmanager
 def fake_engine(directory: Path) -> Iterator[str]:
     """The fake engine in its own process (its CPU stays out of the proxy's), ready; stopped afterwards."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, __file__, "--serve-engine", str(directory), "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "bench.engine_routing", "--serve-engine", str(directory),
+                                "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_answering(url + "/v1/models", process, 60, f"the fake engine on port {port}")
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        end_process(process, grace=10)
 
 
 # --------------------------------------------------------------------------- decode+count CPU, in-process
@@ -327,8 +320,8 @@ def wait_counted(client: httpx.Client, proxy: str, engine: str, expected: int, t
     routing is counted after each answer, the last ones may still be in the queue."""
     waited = time.monotonic()
     while True:
-        counted = metric(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine,
-                         outcome="counted")
+        counted = metric_value(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total",
+                               engine=engine, outcome="counted")
         if counted >= expected or time.monotonic() - waited > timeout:
             return counted
         time.sleep(0.1)
@@ -339,13 +332,6 @@ def check_stripped(document: dict[str, Any], engine: str) -> None:
     if "mla_watch" not in document or "sglext" in document or "routed_experts" in document["choices"][0]:
         raise RuntimeError(f"{engine}: the proxy's answer still carries routing or lacks mla_watch: "
                            f"{sorted(document)}")
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """The sidecar beside an engine, as light as a sidecar: --help, start-up, resident memory, install size.
 
-    python bench/engine_side.py                                        # this interpreter
-    python bench/engine_side.py --python /work/venvs/engine-side/bin/python --venv /work/venvs/engine-side
-    python bench/engine_side.py --answers 1000 --tokens 2000           # the issue's load (minutes on 2 cores)
+    python -m bench.engine_side                                        # this interpreter
+    python -m bench.engine_side --python /work/venvs/engine-side/bin/python --venv /work/venvs/engine-side
+    python -m bench.engine_side --answers 1000 --tokens 2000           # the issue's load (minutes on 2 cores)
 
 Measured in one run, with ``--python`` (an interpreter where mla_watch is installed; by default this one,
 whose torch is installed but must not be imported):
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,12 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
-from engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
-from proxy_hop import process_tree_rss
 
+from bench.engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
 from mla_watch.engines.geometry import parse_geometry
+from tests.support import end_process, free_port, metric_value, process_tree_rss
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL_EXTRA = ("torch", "transformers", "tokenizers", "matplotlib")
-COUNTED = 'mla_watch_engine_responses_total{engine="vllm",outcome="counted"}'
-DROPPED = 'mla_watch_engine_count_dropped_total{reason="queue_full"}'
 
 
 def wall(command: list[str], repeats: int) -> float:
@@ -75,10 +71,6 @@ def distribution_mib(name: str) -> float | None:
     return sum(f.locate().stat().st_size for f in files if f.locate().is_file()) / (1 << 20)
 
 
-def metric(text: str, series: str) -> float:
-    return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
-
-
 def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[str, float]:
     geometry = parse_geometry(DEEPSEEK_V3)
     engine_dir = root / "engine"
@@ -89,9 +81,7 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
     (engine_dir / "config.json").write_text(json.dumps(DEEPSEEK_V3))
     figures: dict[str, float] = {}
     with fake_engine(engine_dir) as upstream:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}
         started = time.perf_counter()
@@ -122,8 +112,9 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
                 deadline = time.monotonic() + 600
                 while time.monotonic() < deadline:  # every answer counted, or dropped at a full count queue
                     text = client.get(url + "/metrics").text
-                    figures["counted"] = metric(text, COUNTED)
-                    figures["dropped"] = metric(text, DROPPED)
+                    figures["counted"] = metric_value(text, "mla_watch_engine_responses_total", engine="vllm",
+                                                      outcome="counted")
+                    figures["dropped"] = metric_value(text, "mla_watch_engine_count_dropped_total", reason="queue_full")
                     if figures["counted"] + figures["dropped"] >= answers:
                         break
                     time.sleep(0.2)
@@ -131,12 +122,7 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
                 figures["loaded_rss_mib"], figures["loaded_processes"], figures["loaded_main_mib"] = \
                     tree_rss_mib(process.pid)
         finally:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+            end_process(process)
     return figures
 
 

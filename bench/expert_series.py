@@ -1,8 +1,8 @@
 """The cost of per-expert counters (serve --export-expert-counts) at DeepSeek-V3 scale, per replica and per fleet.
 
-    python bench/expert_series.py                       # 58 routers x 256 experts, top-8; 1 and 4 lines
-    python bench/expert_series.py --lines 1 2 8 --rounds 50
-    python bench/expert_series.py --json figures.json
+    python -m bench.expert_series                       # 58 routers x 256 experts, top-8; 1 and 4 lines
+    python -m bench.expert_series --lines 1 2 8 --rounds 50
+    python -m bench.expert_series --json figures.json
 
 No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line, so the
 counters carry the digits of a replica that has served a while). For each number of business lines, two
@@ -20,14 +20,10 @@ import argparse
 import gzip
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -1,8 +1,8 @@
 """How long each command of the first hour takes here, as a new user runs them (docs/first-hour.md).
 
-    python bench/first_hour.py                  # about four minutes on 2 CPU cores
-    python bench/first_hour.py --skip demo      # without the demo
-    python bench/first_hour.py --json hour.json
+    python -m bench.first_hour                  # about four minutes on 2 CPU cores
+    python -m bench.first_hour --skip demo      # without the demo
+    python -m bench.first_hour --json hour.json
 
 Each command runs as its own process, piped, from a fresh interpreter: ``mla-watch serve`` (seconds until
 uvicorn listens, until the log line that says it generates, and the first completion's answer after it),
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tests.support import end_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mla_watch.cli"]
@@ -50,12 +51,6 @@ def timed(args: list[str], *, fails: bool = False, **extra: str) -> tuple[float,
     return time.monotonic() - started, done
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def serve(state: Path) -> dict[str, float]:
     """Seconds from the command to uvicorn listening, to the line saying it generates, and to the first answer."""
     port = free_port()
@@ -77,12 +72,7 @@ def serve(state: Path) -> dict[str, float]:
         answer.raise_for_status()
         figures["first_answer_s"] = time.monotonic() - started
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(30)
+        end_process(process, grace=60, kill_wait=30)
     return figures
 
 

@@ -1,8 +1,8 @@
 """What the fleet recording rules cost real Prometheus: 10 simulated DeepSeek-V3 replicas scraped and judged.
 
-    python bench/fleet_rules.py                          # 10 replicas, 1 line, ~4 min
-    python bench/fleet_rules.py --lines 4 --evaluation-interval 60
-    python bench/fleet_rules.py --replicas 5 --json five.json
+    python -m bench.fleet_rules                          # 10 replicas, 1 line, ~4 min
+    python -m bench.fleet_rules --lines 4 --evaluation-interval 60
+    python -m bench.fleet_rules --replicas 5 --json five.json
 
 No model. Each replica is a RouterWindows of DeepSeek-V3's geometry (58 MoE routers x 256 experts, top-8, kind
 expert) with the sidecar's own metrics - ServerMetrics on a registry of its own, so the real RoutingCollector and
@@ -35,7 +35,6 @@ import contextlib
 import json
 import math
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,13 +50,10 @@ from typing import Any
 import httpx
 import numpy as np
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from server_overhead import wait_answering
 
+from bench.server_overhead import wait_answering
 from mla_watch import cli
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.fleet import (
@@ -70,6 +66,7 @@ from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows, RoutingSnapshot, take_snapshot
 from mla_watch.server.expert_counts import ExpertSelection, pair_series
 from mla_watch.server.metrics import ServerMetrics
+from tests.support import end_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_MOE_LAYER = 3  # DeepSeek-V3: layers 0-2 are dense
@@ -231,12 +228,6 @@ def serve(replica: Replica) -> None:
 
 # -- Prometheus ----------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def export_rules(path: Path, fleet_window: str, fleet_interval: str) -> list[str]:
     """Write the shipped rules with --fleet to ``path`` through the CLI; the recording names it holds."""
     code = cli.main(["rules", "export", "--rules", str(SHIPPED_RULES), "--fleet", "--fleet-window", fleet_window,
@@ -273,12 +264,7 @@ def running_prometheus(binary: str, workdir: Path, rules: Path, targets: list[st
         print(f"prometheus' log, last lines:\n{log.read_text()[-3000:]}", file=sys.stderr)
         raise
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        end_process(process)
 
 
 class PrometheusClient:

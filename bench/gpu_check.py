@@ -1,7 +1,7 @@
 """Counts exact under torch.compile and CUDA graphs, and what the probe costs there (see bench/gpu_check.sh).
 
-    python bench/gpu_check.py                      # CUDA when there is one (bf16), else the CPU part
-    python bench/gpu_check.py --device cpu         # the CPU part: inductor, float32, no timing of graphs
+    python -m bench.gpu_check                      # CUDA when there is one (bf16), else the CPU part
+    python -m bench.gpu_check --device cpu         # the CPU part: inductor, float32, no timing of graphs
 
 1. ``generate`` with a static cache and compilation (on CUDA: ``mode="reduce-overhead"``, i.e. CUDA
    graphs; on a CPU: inductor) on the watched bundled model, attributed to one business line.

@@ -15,15 +15,15 @@ python="${PYTHON:-python3}"
 if [[ "${1:-}" != "--cpu" ]] && "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     "$python" -c 'import torch; print("gpu_check.sh:", torch.cuda.get_device_name(0))'
     echo "== eager: decode overhead, bf16 CUDA (probe vs no hooks vs naive hook)"
-    "$python" bench/probe_overhead.py --device cuda --dtype bfloat16 --alternations 15 --tokens 48
+    "$python" -m bench.probe_overhead --device cuda --dtype bfloat16 --alternations 15 --tokens 48
     echo "== CUDA graphs: counts vs an eager reference, then compiled decode overhead"
-    "$python" bench/gpu_check.py --device cuda --dtype bfloat16 --time
+    "$python" -m bench.gpu_check --device cuda --dtype bfloat16 --time
     echo "== CUDA graphs, float32 (exactness without bf16 ties)"
-    "$python" bench/gpu_check.py --device cuda --dtype float32 --no-time
+    "$python" -m bench.gpu_check --device cuda --dtype float32 --no-time
 else
     echo "gpu_check.sh: no CUDA device (or --cpu): running the CPU part"
     echo "== eager: decode overhead on the bundled model (short run; the full one is bench/probe_overhead.py)"
-    "$python" bench/probe_overhead.py --only bundled --alternations 5 --tokens 16
+    "$python" -m bench.probe_overhead --only bundled --alternations 5 --tokens 16
     echo "== torch.compile (inductor, CPU): counts vs an eager reference"
-    "$python" bench/gpu_check.py --device cpu --tokens 12 --prompt 8 --no-time
+    "$python" -m bench.gpu_check --device cpu --tokens 12 --prompt 8 --no-time
 fi

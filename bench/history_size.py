@@ -1,8 +1,8 @@
 """The durable routing history at DeepSeek-V3 scale: file size against its documented bound, write and read costs.
 
-    python bench/history_size.py                 # 30 simulated days, 58 routers x (5 lines + all)
-    python bench/history_size.py --routers 128 --lines 7   # 1,024 series: --history-max-series' default
-    python bench/history_size.py --json figures.json
+    python -m bench.history_size                 # 30 simulated days, 58 routers x (5 lines + all)
+    python -m bench.history_size --routers 128 --lines 7   # 1,024 series: --history-max-series' default
+    python -m bench.history_size --json figures.json
 
 The clock is simulated: days 1-29 are sampled every 15 min, the last day every minute and the last
 ``--fine-hours`` at the 10 s default (the tiers hold the same points either way: the final file is
@@ -23,15 +23,11 @@ import dataclasses
 import json
 import math
 import sqlite3
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from starlette.responses import JSONResponse
 
 from mla_watch.alerting.rules import load_rules_dir

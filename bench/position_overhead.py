@@ -1,6 +1,6 @@
 """What counting routing by position adds to the probe, on the bundled model.
 
-    python bench/position_overhead.py --alternations 30
+    python -m bench.position_overhead --alternations 30
 
 Two copies of the bundled model in one process, both watched by the probe, one with ``count_positions=True``
 (what ``serve`` runs by default). An alternation is 8 greedy 16-token generations of one prompt by each copy
@@ -15,14 +15,11 @@ import argparse
 import copy
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mla_watch
 from mla_watch.policy.sampling import SamplingParams, generate_stream

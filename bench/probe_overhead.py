@@ -1,10 +1,10 @@
 """What the probe costs: decode throughput with the probe, without it, and with a naive hook.
 
-    python bench/probe_overhead.py                       # bundled model and a ~100M config
-    python bench/probe_overhead.py --only bundled --alternations 40 --generations 1
-    python bench/probe_overhead.py --only bundled --instructions   # also count instructions (valgrind)
-    python bench/probe_overhead.py --device cuda --dtype bfloat16   # where there is a GPU
-    python bench/probe_overhead.py --json figures.json   # also write the figures as JSON
+    python -m bench.probe_overhead                       # bundled model and a ~100M config
+    python -m bench.probe_overhead --only bundled --alternations 40 --generations 1
+    python -m bench.probe_overhead --only bundled --instructions   # also count instructions (valgrind)
+    python -m bench.probe_overhead --device cuda --dtype bfloat16   # where there is a GPU
+    python -m bench.probe_overhead --json figures.json   # also write the figures as JSON
 
 The estimator. Four copies of the model run in one process: no hooks (the anchor), no hooks
 again (the A/A control), one watched by mla_watch's probe for the whole run, and one with the

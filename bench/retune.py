@@ -1,9 +1,9 @@
 """From alert to promoted router: the re-tuning loop of a running sidecar, per strategy.
 
-    python bench/retune.py                 # three scenarios, about five minutes on 2 CPU cores
-    python bench/retune.py --scenario bias
-    python bench/retune.py --json figures.json   # also write the figures as JSON
-    python bench/retune.py --scenario deployed_broken --engine vllm   # the replay, and a real vLLM
+    python -m bench.retune                 # three scenarios, about five minutes on 2 CPU cores
+    python -m bench.retune --scenario bias
+    python -m bench.retune --json figures.json   # also write the figures as JSON
+    python -m bench.retune --scenario deployed_broken --engine vllm   # the replay, and a real vLLM
 
 Each scenario starts a real sidecar on the bundled model (traffic capture on, a loopback webhook
 receiver as on-call), sends healthy code-assistant traffic, injects a fault into MoE layer 1,
@@ -44,18 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from broken_deploy import final_jobs, run_scenario  # the broken-deploy scenario, shared with its test
-from conftest import serve_app  # the tests' loopback server helpers
-from receivers import running_receiver
 
 import mla_watch
 from mla_watch.alerting.examples import entropy_low_rules
@@ -64,6 +58,9 @@ from mla_watch.models.train import perplexity
 from mla_watch.quality.local_model import copy_without_hooks
 from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
+from tests.broken_deploy import final_jobs, run_scenario  # the broken-deploy scenario, shared with its test
+from tests.receivers import running_receiver
+from tests.support import serve_app  # the tests' loopback server helpers
 
 LAYER1 = "model.layers.1.mlp.gate"
 FINETUNE: dict[str, float] = {}  # the recipe's defaults: lr 1e-4, 2 epochs, balance weight 0.1
@@ -188,10 +185,9 @@ def engine_vllm() -> dict:
     pause of each swap, and the engine's throughput while swaps happen against without (one run, a ratio)."""
     import threading
 
-    from real_vllm import build_checkpoint, cache_root, running_vllm
-    from test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, send, sidecar, until_resolved
-
     from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
+    from tests.real_vllm import build_checkpoint, cache_root, running_vllm
+    from tests.test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, retuning_sidecar, send, until_resolved
 
     root = cache_root() / "checkpoints"
     collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)
@@ -199,8 +195,8 @@ def engine_vllm() -> dict:
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-engine-"))
     figures: dict = {"router": ROUTER}
     with running_vllm(collapsed, routing=True, dev_mode=True, log_path=work / "vllm.log") as engine_url:
-        with running_receiver() as receiver, sidecar(engine_url, (collapsed, healthy), work / "state", "apply",
-                                                     receiver.url) as url:
+        with running_receiver() as receiver, retuning_sidecar(
+                engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url:
             start = time.monotonic()
             index = 0
             while alert_state(url) is None and index < 60:

@@ -1,8 +1,8 @@
 """What one alert evaluation costs: 60 layers x 2 routers x 4 business lines x 6 rules.
 
-    python bench/rule_eval.py                 # 200 evaluations
-    python bench/rule_eval.py --evaluations 1000
-    python bench/rule_eval.py --json figures.json   # also write the figures as JSON
+    python -m bench.rule_eval                 # 200 evaluations
+    python -m bench.rule_eval --evaluations 1000
+    python -m bench.rule_eval --json figures.json   # also write the figures as JSON
 
 Builds a RuleSet of six rules that all select every router (2,880 instance checks per
 evaluation) and 480 statistics records, then times ``AlertEngine.evaluate`` with

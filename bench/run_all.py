@@ -1,11 +1,11 @@
 """Run every benchmark of the project and print one table of figures against their anchors.
 
-    python bench/run_all.py                        # quick arguments, 4-10 minutes on 2 shared CPU cores
-    python bench/run_all.py --full                 # bench/README.md's arguments
-    python bench/run_all.py --only rule_eval --only detection
-    python bench/run_all.py --json table.json      # also write the whole table (and raw figures) as JSON
+    python -m bench.run_all                        # quick arguments, 4-10 minutes on 2 shared CPU cores
+    python -m bench.run_all --full                 # bench/README.md's arguments
+    python -m bench.run_all --only rule_eval --only detection
+    python -m bench.run_all --json table.json      # also write the whole table (and raw figures) as JSON
 
-Each bench script runs as its own process (``sys.executable bench/NAME.py ... --json TMP``), one
+Each bench script runs as its own process (``sys.executable -m bench.NAME ... --json TMP``), one
 after the other; its figures are read back from the JSON it writes, its printed output goes to a
 log file (``--logs DIR`` keeps them; ``--verbose`` shows it as it runs). Every row gives the
 benchmark, the figure, the measured value, the anchor it is compared with, the goal where
@@ -434,7 +434,7 @@ BENCHES = [
 
 
 def command_line(name: str, args: list[str]) -> str:
-    return " ".join(["python", f"bench/{name}.py", *args])
+    return " ".join(["python", "-m", f"bench.{name}", *args])
 
 
 def run_bench(bench: Bench, args: list[str], logs: Path, verbose: bool, timeout: float | None) -> Result:
@@ -443,7 +443,7 @@ def run_bench(bench: Bench, args: list[str], logs: Path, verbose: bool, timeout:
     log = logs / f"{bench.name}.log"
     result.log = str(log)
     out.unlink(missing_ok=True)
-    argv = [sys.executable, str(ROOT / "bench" / f"{bench.name}.py"), *args, "--json", str(out)]
+    argv = [sys.executable, "-m", f"bench.{bench.name}", *args, "--json", str(out)]
     start = time.monotonic()
     with log.open("w") as handle:
         # Its own session, so that a timeout or Ctrl-C stops the sidecars it started as well.

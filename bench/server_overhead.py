@@ -1,8 +1,8 @@
 """What serving through mla_watch costs: policy enforcement, the HTTP layer, the proxy, throughput.
 
-    python bench/server_overhead.py                 # about two minutes on 2 CPU cores
-    python bench/server_overhead.py --requests 400
-    python bench/server_overhead.py --json figures.json   # also write the figures as JSON
+    python -m bench.server_overhead                 # about two minutes on 2 CPU cores
+    python -m bench.server_overhead --requests 400
+    python -m bench.server_overhead --json figures.json   # also write the figures as JSON
 
 The sidecars run as their own processes (``mla-watch serve``), as in production; the
 in-process baseline runs in this one. One run, alternating the variants request by request
@@ -23,7 +23,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from mla_watch.policy.files import PolicyStore
 from mla_watch.policy.model import enforce
 from mla_watch.policy.sampling import SamplingParams, generate
 from mla_watch.shipped import SHIPPED_POLICIES
+from tests.support import end_process, free_port, memory_kib
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, "seed": 1}
@@ -47,9 +47,7 @@ REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, 
 def sidecar_process(*extra: str, env: dict[str, str] | None = None,
                     ready_timeout: float = 180.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``mla-watch serve`` on a free loopback port, ready; stopped afterwards."""
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port = probe_socket.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port",
                                 str(port), "--device", "cpu", *extra], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -58,12 +56,7 @@ def sidecar_process(*extra: str, env: dict[str, str] | None = None,
         wait_answering(url + "/readyz", process, ready_timeout, f"the sidecar on port {port}")
         yield url, process
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        end_process(process)
 
 
 def wait_answering(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
@@ -76,14 +69,6 @@ def wait_answering(url: str, process: subprocess.Popen, timeout: float, what: st
         if time.monotonic() > deadline or process.poll() is not None:
             raise RuntimeError(f"{what} did not become ready")
         time.sleep(0.1)
-
-
-def peak_rss_kib(pid: int) -> int:
-    """The process's peak resident set (Linux: VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    return 0
 
 
 def percentiles(samples: list[float]) -> tuple[float, float]:
@@ -157,7 +142,7 @@ def main() -> None:
                 if response.status_code == 200:
                     tokens += response.json()["usage"]["completion_tokens"]
         elapsed = time.perf_counter() - start
-        peak = peak_rss_kib(upstream.pid) / 1024
+        peak = memory_kib(upstream.pid, "VmHWM") / 1024
         print(f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
               f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
               f"statuses {sorted(set(statuses))}; sidecar peak RSS {peak:.0f} MiB")

@@ -1,7 +1,7 @@
 """What the status page costs: the history's memory and payload, and serving while a page polls.
 
-    python bench/status_page.py                 # about two minutes on 2 CPU cores
-    python bench/status_page.py --rounds 6 --json figures.json
+    python -m bench.status_page                 # about two minutes on 2 CPU cores
+    python -m bench.status_page --rounds 6 --json figures.json
 
 * **History at DeepSeek-V3.2 scale**: 58 expert routers and 61 indexers, 4 business lines plus
   their sum, one hour at the default 10 s (360 points): the memory the live hour holds without a
@@ -23,7 +23,6 @@ import contextlib
 import json
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -32,9 +31,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_overhead import sidecar_process
-
+from bench.server_overhead import sidecar_process
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats

@@ -1,9 +1,9 @@
 """Traffic or damage: four floods of one client and a router damaged in place, and what each makes the sidecar do.
 
-    python bench/traffic_or_damage.py                    # the bundled model: four floods and a damage (~8 min)
-    python bench/traffic_or_damage.py --engine vllm      # also beside a real vLLM: the floods, and the reference
+    python -m bench.traffic_or_damage                    # the bundled model: four floods and a damage (~8 min)
+    python -m bench.traffic_or_damage --engine vllm      # also beside a real vLLM: the floods, and the reference
                                                          # prompts' cost on the engine's throughput
-    python bench/traffic_or_damage.py --json figures.json
+    python -m bench.traffic_or_damage --json figures.json
 
 The scenarios are tests/floods.py's (the tests assert what this prints): ``serve --capture`` with the shipped
 rules (every hold cut to 0 s) and reference prompts, on-call and the line owners on a loopback webhook
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
@@ -35,12 +34,10 @@ from typing import Any
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
-
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import EngineReader
 from mla_watch.shipped import SHIPPED_REFERENCES
+from tests.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
 
 
 def summary(outcome: Outcome) -> dict[str, Any]:
@@ -164,9 +161,8 @@ def main() -> None:
             print(f"   promoted: {attempt['strategy']} (version {attempt['version']}); reference gates: {gates}")
             print(f"   trigger to promoted: {promoted[0]['result']['timings'].get('trigger_to_promoted_seconds')} s")
     if args.engine == "vllm":
-        from real_vllm import build_checkpoint, cache_root, running_vllm
-
         from mla_watch.engines.geometry import load_geometry
+        from tests.real_vllm import build_checkpoint, cache_root, running_vllm
 
         checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
         with tempfile.TemporaryDirectory() as work, running_vllm(checkpoint, routing=True,

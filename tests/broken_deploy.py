@@ -21,13 +21,13 @@ from typing import Any
 
 import httpx
 import torch
-from conftest import serve_app
-from receivers import running_receiver
 
 import mla_watch
 from mla_watch.models import corpus
 from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
+from tests.receivers import running_receiver
+from tests.support import serve_app
 
 LAYER1 = "model.layers.1.mlp.gate"
 BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from receivers import running_receiver
 
 import mla_watch
 from mla_watch.alerting.rules import load_rules_dir
@@ -41,6 +40,7 @@ from mla_watch.models import corpus
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES
+from tests.receivers import running_receiver
 
 __all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
            "watched"]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from helpers import FakeClock
 
 import mla_watch
 from mla_watch.alerting.engine import AlertEngine
@@ -29,6 +28,7 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.shipped import SHIPPED_RULES
+from tests.helpers import FakeClock
 
 __all__ = ["DRIFTING_ROUTER", "LINE", "Firing", "Replay", "replay", "shipped_rules"]
 

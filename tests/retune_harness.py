@@ -6,8 +6,6 @@ import threading
 from pathlib import Path
 
 import torch
-from conftest import wait_until
-from tiny_models import VOCAB, build
 
 from mla_watch.alerting.model import Rule, Selector
 from mla_watch.retune.capture import TrafficCapture
@@ -17,6 +15,8 @@ from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.service import RetuneService
 from mla_watch.retune.versions import RouterVersions
+from tests.support import wait_until
+from tests.tiny_models import VOCAB, build
 
 GATE = "model.layers.1.mlp.gate"
 BIAS = f"{GATE}.e_score_correction_bias"

@@ -20,8 +20,8 @@ from mla_watch.alerting.rules import (
     render_annotations,
 )
 from mla_watch.routing.routers import RouterInfo
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SHIPPED_RULES = REPO / "rules"
 SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "RoutingEntropyNearCeiling",
                  "RoutingEntropyFalling", "RoutingCollapseForecast",

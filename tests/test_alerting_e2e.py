@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
 import torch
-from conftest import free_port, get_metrics, metric_value, running_sidecar, wait_until
-from helpers import write_rules
-from receivers import running_receiver
+
+from tests import processes
+from tests.helpers import write_rules
+from tests.receivers import running_receiver
+from tests.support import free_port, get_metrics, metric_value, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

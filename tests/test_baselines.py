@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import get_metrics, metric_value, running_sidecar, wait_until
 
 from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows
+from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
 INDEXER = RouterInfo("model.layers.1.self_attn.indexer", 1, "indexer", 512, 64)

@@ -15,11 +15,6 @@ from mla_watch.models.train import perplexity
 REPORT = json.loads((BUNDLED_DIR / "training_report.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def bundled():
-    return mla_watch.load_model("bundled", device="cpu")
-
-
 def run(model, tokenizer, probe, texts_by_line: dict[str, list[str]]) -> None:
     with torch.no_grad():
         for line, texts in texts_by_line.items():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import processes
 import pytest
-from conftest import REPO
 
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
 from mla_watch.shipped import SHIPPED_RULES
+from tests import processes
+from tests.support import REPO
 
 pytestmark = pytest.mark.slow
 

@@ -13,17 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
-import processes
 import pytest
 
 from mla_watch.cli import build_parser
 from mla_watch.cli.startup import HelpFormatter, device_problem
 from mla_watch.common.progress import quiet_progress_bars
+from tests import processes
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 
 

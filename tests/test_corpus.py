@@ -9,10 +9,10 @@ import re
 import sys
 from functools import cache
 
-import processes
 import pytest
 
 from mla_watch.models import corpus
+from tests import processes
 
 VARIETY_COUNT = 2000
 FORMAT_COUNT = 300

@@ -9,9 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import processes
 import pytest
-from conftest import free_port
+
+from tests import processes
+from tests.support import free_port
 
 pytestmark = pytest.mark.slow
 

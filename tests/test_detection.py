@@ -9,17 +9,11 @@ baseline to be learned and judged against.
 from __future__ import annotations
 
 import pytest
-from detection_replay import FAULTS, fault_replay, healthy_replay
 
-import mla_watch
 from mla_watch.models import corpus
+from tests.detection_replay import FAULTS, fault_replay, healthy_replay
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    return mla_watch.load_model("bundled", device="cpu")
 
 
 @pytest.mark.parametrize(("kind", "tokens"), [("mixed", 14000), ("low_diversity", 12000), ("short", 6000),

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
 
 from mla_watch.cli import build_parser
+from tests.support import REPO
 
 
 def instructions() -> list[tuple[str, str]]:

@@ -8,8 +8,9 @@ import sys
 import unicodedata
 from pathlib import Path
 
-import processes
 import pytest
+
+from tests import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -12,11 +12,11 @@ import stat
 
 import httpx
 import pytest
-from conftest import wait_until
-from test_engine_streams import ask, beside_twin
 
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.retune.capture import TrafficCapture
+from tests.support import wait_until
+from tests.test_engine_streams import ask, beside_twin
 
 
 def captured(sidecar, line: str) -> list:

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from broken_deploy import collapsed_checkpoint
-from client import post, sse_events
-from conftest import free_port, metric_value, settled_over_http, wait_until
-from receivers import running_receiver
-from test_reliability import sidecar_process
 
 from mla_watch.alerting.examples import entropy_low_rules
+from tests.broken_deploy import collapsed_checkpoint
+from tests.client import post, sse_events
+from tests.receivers import running_receiver
+from tests.support import free_port, metric_value, settled_over_http, sidecar_process, wait_until
 
 pytestmark = pytest.mark.slow
 

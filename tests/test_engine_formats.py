@@ -29,7 +29,6 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, build
 
 import mla_watch
 from mla_watch.engines.decoder import RoutingDecoder
@@ -44,6 +43,7 @@ from mla_watch.engines.formats import (
     every_layer,
 )
 from mla_watch.engines.geometry import GeometryError, load_geometry, parse_geometry
+from tests.tiny_models import FAMILIES, build
 
 # DeepSeek-V3's own config.json (the keys that matter): 61 layers, the first 3 dense, 256 experts, top-8.
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,

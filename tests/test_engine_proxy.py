@@ -15,9 +15,18 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import processes
 import pytest
-from conftest import (
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
+from mla_watch.engines.geometry import parse_geometry
+from mla_watch.engines.recorder import DUMP_PATH, START_PATH
+from mla_watch.engines.watch import UNATTRIBUTED_LINE
+from tests import processes
+from tests.support import (
     answers_counted,
     get_metrics,
     metric_value,
@@ -26,16 +35,7 @@ from conftest import (
     settled_over_http,
     wait_until,
 )
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-from test_engine_recorder import FakeSGLang
-
-from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
-from mla_watch.engines.geometry import parse_geometry
-from mla_watch.engines.recorder import DUMP_PATH, START_PATH
-from mla_watch.engines.watch import UNATTRIBUTED_LINE
+from tests.test_engine_recorder import FakeSGLangRecorder
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}
@@ -51,7 +51,7 @@ def ids(tokens: int, seed: int = 0) -> np.ndarray:
 class FakeEngine:
     """An OpenAI-compatible engine that answers each completion with ``routing`` in ``style``'s fields."""
 
-    def __init__(self, style: str, owner: str = "vllm", recorder: FakeSGLang | None = None) -> None:
+    def __init__(self, style: str, owner: str = "vllm", recorder: FakeSGLangRecorder | None = None) -> None:
         self.style = style
         self.owner = owner
         self.recorder = recorder
@@ -158,7 +158,7 @@ def test_auto_asks_the_engine_who_it_is(tmp_path, owner, style) -> None:
 def test_the_recorder_counts_all_traffic_as_the_unattributed_line(tmp_path) -> None:
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    recorder = FakeSGLang(dumps, GEOMETRY, buffer_size=50, passes_per_dump=5)
+    recorder = FakeSGLangRecorder(dumps, GEOMETRY, buffer_size=50, passes_per_dump=5)
     engine = FakeEngine("sglang", owner="sglang", recorder=recorder)
     with beside(engine, tmp_path, engine="none", sglang_recorder_dir=dumps, sglang_recorder_interval=0.05) as (
             url, _):

@@ -34,7 +34,7 @@ from mla_watch.engines import recorder
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 from mla_watch.engines.recorder import DUMP_PATH, START_PATH, RecorderPoller
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
-from tests.conftest import free_port, wait_until
+from tests.support import free_port, wait_until
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": LAYERS, "first_k_dense_replace": 1,
@@ -70,7 +70,7 @@ def rejected(routing: EngineRouting, reason: str) -> float:
     return 0.0
 
 
-class FakeSGLang:
+class FakeSGLangRecorder:
     """SGLang's stat-mode recorder: a ring buffer of per-pass counts, dumped to a file and reset on request."""
 
     def __init__(self, directory: Path, geometry: EngineGeometry, buffer_size: int, *, moe_axis: bool = False,
@@ -141,10 +141,10 @@ class FakeSGLang:
 
 
 @pytest.fixture()
-def engine_server() -> Iterator[Callable[[FakeSGLang], str]]:
+def engine_server() -> Iterator[Callable[[FakeSGLangRecorder], str]]:
     servers: list[ThreadingHTTPServer] = []
 
-    def serve(fake: FakeSGLang) -> str:
+    def serve(fake: FakeSGLangRecorder) -> str:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 status = fake.handle(self.path)
@@ -184,7 +184,7 @@ def recorder_files(directory: Path) -> list[str]:
 
 @pytest.mark.parametrize("moe_axis", [False, True], ids=["every-hidden-layer", "moe-layers-only"])
 def test_a_dump_of_known_routing_is_counted_exactly(tmp_path, geometry, routing, engine_server, moe_axis) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, moe_axis=moe_axis)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, moe_axis=moe_axis)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, buffer_size=8)
     fake.run_passes(5)
     counts, tokens = fake.expected()
@@ -205,7 +205,7 @@ def test_a_dump_of_known_routing_is_counted_exactly(tmp_path, geometry, routing,
 
 
 def test_an_empty_dump_adds_nothing(tmp_path, geometry, routing, engine_server) -> None:
-    poller = RecorderPoller(tmp_path, engine_server(FakeSGLang(tmp_path, geometry, 8)), routing, buffer_size=8)
+    poller = RecorderPoller(tmp_path, engine_server(FakeSGLangRecorder(tmp_path, geometry, 8)), routing, buffer_size=8)
     assert poller.poll_once() == ["empty"]
     assert recorder_files(tmp_path) == []
     assert dumps(routing, "empty") == 1
@@ -215,7 +215,7 @@ def test_an_empty_dump_adds_nothing(tmp_path, geometry, routing, engine_server) 
 
 def test_a_wrapped_ring_is_reported_and_what_it_held_is_counted(tmp_path, geometry, routing, engine_server,
                                                                 caplog) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=4)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=4)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, buffer_size=4, interval=7)
     fake.run_passes(7)  # passes 0-2 were overwritten by 4-6
     counts, tokens = fake.expected()
@@ -229,7 +229,7 @@ def test_a_wrapped_ring_is_reported_and_what_it_held_is_counted(tmp_path, geomet
 
 
 def test_a_buffer_size_unlike_the_engines_is_reported(tmp_path, geometry, routing, caplog) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=6)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=6)
     fake.run_passes(2)
     fake.dump()
     fake.run_passes(2)
@@ -296,7 +296,7 @@ def test_a_dump_that_cannot_be_counted_is_an_error_and_is_deleted(tmp_path, rout
 
 
 def test_a_file_too_large_is_left_and_not_retried(tmp_path, geometry, routing, caplog, monkeypatch) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(2)
     path = fake.dump()
     monkeypatch.setattr(recorder, "MAX_DUMP_BYTES", path.stat().st_size - 1)
@@ -311,7 +311,7 @@ def test_a_file_too_large_is_left_and_not_retried(tmp_path, geometry, routing, c
 
 
 def test_a_file_that_cannot_be_deleted_is_counted_once(tmp_path, geometry, routing, caplog, monkeypatch) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)
     path = fake.dump()
     poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8)
@@ -335,7 +335,7 @@ def test_per_rank_files_symlinks_and_other_names_are_left_alone(tmp_path, geomet
     outside.mkdir()
     directory = tmp_path / "dumps"
     directory.mkdir()
-    fake = FakeSGLang(outside, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(outside, geometry, buffer_size=8)
     fake.run_passes(2)
     valid = fake.dump()
     (directory / "expert_distribution_recorder_1700000000.5_0.pt").write_bytes(valid.read_bytes())
@@ -357,7 +357,7 @@ def test_per_rank_files_symlinks_and_other_names_are_left_alone(tmp_path, geomet
 
 
 def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry, routing, monkeypatch) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     order = []
     # By name "10000..." < "999.5", by time 999.5 is first: the order must be the time's.
     for when, passes in ((999.5, 1), (1000.25, 2), (10000.0, 3)):
@@ -378,7 +378,7 @@ def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry, routing,
 
 
 def test_an_unreachable_engine_still_has_its_files_counted(tmp_path, geometry, routing, caplog) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(2)
     fake.dump()
     poller = RecorderPoller(tmp_path, f"http://127.0.0.1:{free_port()}", routing, buffer_size=8, timeout=5)
@@ -391,7 +391,7 @@ def test_an_unreachable_engine_still_has_its_files_counted(tmp_path, geometry, r
 
 
 def test_the_thread_starts_recording_once_then_polls(tmp_path, geometry, routing, engine_server, caplog) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=64, passes_per_dump=3, start_failures=2)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=64, passes_per_dump=3, start_failures=2)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, interval=0.05, buffer_size=64)
     with caplog.at_level(logging.WARNING, LOGGER):
         poller.start()
@@ -427,7 +427,7 @@ def test_bad_settings_are_refused_by_name(tmp_path, routing, option, value) -> N
 
 
 def test_an_unbounded_buffer_never_wraps(tmp_path, geometry, routing) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=5)  # _InfiniteBuffer.get_all(): exactly the passes held
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=5)  # _InfiniteBuffer.get_all(): exactly the passes held
     fake.run_passes(5)
     fake.dump()
     poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=-1)
@@ -464,7 +464,7 @@ def _status_kb(field: str) -> int:
 
 
 def hostile(directory: Path, content: object, when: float = 1_600_000_000.5) -> Path:
-    """A file under a dump's name, older than any FakeSGLang writes (so it is read first)."""
+    """A file under a dump's name, older than any FakeSGLangRecorder writes (so it is read first)."""
     path = directory / f"expert_distribution_recorder_{when}.pt"
     torch.save(content, path)
     return path
@@ -480,7 +480,7 @@ def test_a_stride_zero_tensor_is_refused_without_being_materialised(tmp_path, ge
     assert path.stat().st_size < 4096
     if max_passes is not None:  # let it past the pass cap (768 MB < MAX_DUMP_BYTES): the strides refuse it
         monkeypatch.setattr(recorder, "MAX_DUMP_PASSES", max_passes)
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=3)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=3)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
     with caplog.at_level(logging.WARNING, LOGGER):
         outcomes, growth = peak_rss_growth(poller.poll_once)
@@ -498,7 +498,7 @@ def test_a_sparse_tensor_is_set_aside_and_the_dumps_after_it_are_counted(tmp_pat
     dense = torch.zeros((3, LAYERS, EXPERTS), dtype=torch.int32)
     dense[0, 1, :TOP_K] = 1
     path = hostile(tmp_path, {"rank": 0, "logical_count": dense.to_sparse()})
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=4)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=4)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.poll_once() == ["error", "counted"]
@@ -532,7 +532,7 @@ def test_an_overflowing_dump_adds_nothing_and_is_counted_once(tmp_path, geometry
             unlink(target)  # type: ignore[arg-type]
 
         monkeypatch.setattr(recorder.os, "unlink", refuse)
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)  # no passes: each poll dumps an empty file
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)  # no passes: each poll dumps an empty file
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.poll_once() == ["error", "empty"]
@@ -590,7 +590,7 @@ def test_an_unexpected_failure_sets_the_file_aside_and_polling_goes_on(tmp_path,
         return read(handle, where, geometry, **kwargs)
 
     monkeypatch.setattr(recorder, "read_dump", explode)
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8, passes_per_dump=2)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=2)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.poll_once() == ["error", "counted"]
@@ -607,12 +607,12 @@ def test_a_dump_being_written_is_left_until_it_is_whole(tmp_path, geometry, rout
     engine.mkdir()
     directory = tmp_path / "dumps"
     directory.mkdir()
-    fake = FakeSGLang(engine, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(engine, geometry, buffer_size=8)
     fake.run_passes(5)
     content = fake.dump().read_bytes()
     counts, tokens = fake.dumped.copy(), fake.dumped_tokens
     now = [time.time()]
-    live = FakeSGLang(directory, geometry, buffer_size=8)  # the engine polled: its own dumps are empty
+    live = FakeSGLangRecorder(directory, geometry, buffer_size=8)  # the engine polled: its own dumps are empty
     poller = RecorderPoller(directory, engine_server(live), routing, settle_seconds=2, buffer_size=8,
                             clock=lambda: now[0])
     path = directory / "expert_distribution_recorder_1600000009.5.pt"
@@ -662,7 +662,7 @@ def test_a_dump_whose_writer_stalls_mid_write_is_counted_once_it_is_whole(tmp_pa
     now = [time.time()]
     poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8,
                             settle_seconds=ServerConfig.sglang_recorder_settle, clock=lambda: now[0])
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)
     path = fake.dump()
     whole = path.read_bytes()
@@ -678,7 +678,7 @@ def test_a_dump_whose_writer_stalls_mid_write_is_counted_once_it_is_whole(tmp_pa
 
 
 def test_a_dump_changed_while_read_is_left_for_the_next_poll(tmp_path, geometry, routing, monkeypatch) -> None:
-    fake = FakeSGLang(tmp_path, geometry, buffer_size=8)
+    fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)
     path = fake.dump()
     read = recorder.read_dump

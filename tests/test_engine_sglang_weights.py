@@ -44,7 +44,6 @@ import numpy as np
 import pybase64
 import pytest
 import torch
-from conftest import free_port, serve_app
 from safetensors.torch import save_file
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -55,6 +54,7 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.sglang_weights import SglangWeights
 from mla_watch.engines.swap import ENGINE_MESSAGE_CHARS, EngineWeights, SwapError
 from mla_watch.engines.vllm_weights import write_router_checkpoint
+from tests.support import free_port, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "hidden_size": 8}
@@ -82,7 +82,7 @@ def routed(ids: list[int]) -> np.ndarray:
     return rows
 
 
-class FakeSGLang:
+class FakeSGLangServer:
     """SGLang 0.5.23's HTTP answers (see the module docstring), with its scheduler's queues as two counters."""
 
     def __init__(self, *, api_key: str | None = None, admin_api_key: str | None = None) -> None:
@@ -248,8 +248,8 @@ def router_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture()
-def engine() -> Iterator[tuple[FakeSGLang, str]]:
-    fake = FakeSGLang()
+def engine() -> Iterator[tuple[FakeSGLangServer, str]]:
+    fake = FakeSGLangServer()
     with serve_app(fake.app) as url:
         yield fake, url
 
@@ -344,7 +344,7 @@ def test_a_failed_update_and_continue_name_both(engine, router_dir) -> None:
 
 
 def test_admin_key_opens_the_weight_endpoints_and_api_key_generate(router_dir) -> None:
-    fake = FakeSGLang(api_key="user-key-000000", admin_api_key="admin-key-00000")
+    fake = FakeSGLangServer(api_key="user-key-000000", admin_api_key="admin-key-00000")
     with serve_app(fake.app) as url:
         with weights(url, api_key="user-key-000000") as client, pytest.raises(SwapError, match="answered 401"):
             client.swap(router_dir)  # the api key does not open ADMIN_OPTIONAL endpoints beside an admin key

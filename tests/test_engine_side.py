@@ -16,14 +16,13 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import processes
 import pytest
-from conftest import REPO, free_port, metric_value, serve_app, wait_until
-from test_reliability import sidecar_process
-from vllm_twin import VllmTwin
 
 from mla_watch.common.extras import MODEL_INSTALL
 from mla_watch.engines.geometry import parse_geometry
+from tests import processes
+from tests.support import REPO, free_port, metric_value, serve_app, sidecar_process, wait_until
+from tests.vllm_twin import VllmTwin
 
 MARK = "HEAVY IMPORT:"
 BLOCKER = f'''

@@ -16,14 +16,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from conftest import get_metrics, metric_value, running_sidecar, serve_app, settled
-from vllm_twin import SILENT_TOKEN, VllmTwin
 
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, count_response, encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.replay import MAX_STREAM_TOKENS, ReplayBudget, StreamReplayer, StreamTokens
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
+from tests.support import get_metrics, metric_value, running_sidecar, serve_app, settled
+from tests.vllm_twin import SILENT_TOKEN, VllmTwin
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}

@@ -29,7 +29,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, serve_app
 from safetensors import safe_open
 from safetensors.torch import save_file
 from starlette.applications import Starlette
@@ -47,6 +46,7 @@ from mla_watch.engines.vllm_weights import (
     read_router_tensors,
     write_router_checkpoint,
 )
+from tests.support import free_port, running_sidecar, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 8,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_method": "noaux_tc"}
@@ -500,8 +500,6 @@ def test_a_transport_can_be_given(router_dir: Path) -> None:
 def test_a_retune_request_naming_no_router_beside_an_engine_asks_for_routers(url: str, tmp_path: Path,
                                                                                config_json: Path) -> None:
     """Beside an engine there is no local probe: the routers out of band are read from the engine's windows."""
-    from conftest import running_sidecar
-
     checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
     token = "engine-admin-token-0123"
     with running_sidecar(upstream=url, engine="vllm", model_config=checkpoint, engine_retune="propose",
@@ -515,8 +513,6 @@ def test_a_retune_request_naming_no_router_beside_an_engine_asks_for_routers(url
 def test_model_config_naming_the_config_json_reads_the_routers_beside_it(url: str, tmp_path: Path,
                                                                          config_json: Path) -> None:
     """As the README and engines.md show it: --model-config /models/DeepSeek-V3/config.json, a file."""
-    from conftest import running_sidecar
-
     checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
     with running_sidecar(upstream=url, engine="vllm", model_config=checkpoint / "config.json",
                          engine_retune="propose", capture=True) as (sidecar_url, sidecar):

@@ -8,8 +8,6 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from client import post
-from conftest import get_metrics, running_sidecar
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +17,8 @@ from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows
 from mla_watch.server.config import ServerConfig, ServerConfigError
 from mla_watch.server.expert_counts import ExpertCountsCollector, ExpertSelection
+from tests.client import post
+from tests.support import get_metrics, running_sidecar
 
 SELECTIONS = "mla_watch_expert_selections_total"
 TOKENS = "mla_watch_expert_tokens_total"

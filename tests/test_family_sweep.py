@@ -18,10 +18,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from family_sweep_models import VOCAB, Family, router_families, tiny_model
 
 import mla_watch
 from mla_watch.probe import DEFAULT_REGISTRY
+from tests.family_sweep_models import VOCAB, Family, router_families, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ BATCH, SEQ = 2, 6
 def _cases() -> list:
     cases = []
     for family in FAMILIES:
-        marks = [pytest.mark.xfail(reason=CANNOT_BUILD[family.module], strict=False)] \
+        marks = [pytest.mark.xfail(reason=CANNOT_BUILD[family.module])] \
             if family.module in CANNOT_BUILD else []
         cases.append(pytest.param(family, id=family.module, marks=marks))
     return cases

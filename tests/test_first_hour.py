@@ -23,14 +23,15 @@ import threading
 import time
 
 import httpx
-import processes
 import pytest
 import yaml
-from conftest import REPO, running_sidecar, serve_app, wait_until
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from tests import processes
+from tests.support import REPO, running_sidecar, serve_app, wait_until
 
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 GATE = "model.layers.1.mlp.gate"

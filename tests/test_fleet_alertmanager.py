@@ -14,15 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import wait_until
-from helpers import running_tool
-from receivers import running_receiver
 
 from mla_watch.alerting.fleet import OUTLIER_ALERT, SCOPE_LABEL
+from tests.helpers import running_tool
+from tests.receivers import running_receiver
+from tests.support import REPO, wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 GROUP_WAIT_SECONDS = 1
 ROUTER = {"job": "mla_watch", "router": "model.layers.1.mlp.gate", "layer": "1", "kind": "expert",
           "business_line": "code_assistant"}

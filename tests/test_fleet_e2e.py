@@ -10,16 +10,16 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
 import torch
-from conftest import running_sidecar, wait_until
-from helpers import binary, running_tool
-from receivers import running_receiver
 
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.alerting.promexport import export_prometheus
 from mla_watch.alerting.rules import load_rules_dir
+from tests import processes
+from tests.helpers import binary, running_tool
+from tests.receivers import running_receiver
+from tests.support import running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -20,13 +20,9 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import processes
 import pytest
 import torch
 import yaml
-from conftest import running_sidecar, wait_until
-from helpers import binary, running_tool
-from receivers import running_receiver
 
 from mla_watch import cli
 from mla_watch.alerting.examples import entropy_low_rules
@@ -41,10 +37,13 @@ from mla_watch.alerting.fleet import (
     REPLICA_KL_BITS,
 )
 from mla_watch.routing.stats import compute_stats
+from tests import processes
+from tests.helpers import binary, running_tool
+from tests.receivers import running_receiver
+from tests.support import REPO, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 COLLAPSED = "model.layers.1.mlp.gate"
 MIXED, ONE_BROKEN, ALL_BROKEN = "code_assistant", "customer_service", "doc_summary"
 PROMPTS = ["def parse_invoice(path):\n    with open(path) as handle:\n        rows = [line.split(',') for line in",

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import processes
 import pytest
 import yaml
 
 from mla_watch.alerting import fleet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
+from tests import processes
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 JOB = "mla_watch"
 ROUTER = "model.layers.1.mlp.gate"
 LAYER = "1"

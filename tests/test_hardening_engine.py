@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +20,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, answers_counted, get_metrics, metric_value, running_sidecar, serve_app, settled_over_http
 
-sys.path.insert(0, str(REPO / "bench"))
-from hostile_engine import CONFIG, GEOMETRY, HostileEngine, ids, vllm_routing
+from bench.hostile_engine import CONFIG, GEOMETRY, HostileEngine, ids, vllm_routing
+from tests.support import (
+    answers_counted,
+    get_metrics,
+    metric_value,
+    running_sidecar,
+    serve_app,
+    settled_over_http,
+)
 
 MAX_BYTES = 4 << 20  # --upstream-max-bytes of the sidecars here
 TIMEOUT = 2.0  # --request-timeout
@@ -82,22 +87,27 @@ def engine() -> Iterator[tuple[HostileEngine, str]]:
         yield hostile, url
 
 
-@contextmanager
-def beside(hostile: tuple[HostileEngine, str], tmp_path: Path, **overrides) -> Iterator[tuple[str, object]]:
+def beside_settings(hostile: tuple[HostileEngine, str], tmp_path: Path, **overrides) -> dict:
+    """The ``ServerConfig`` overrides of a sidecar in front of the hostile engine (its config written to
+    ``tmp_path``)."""
     _, engine_url = hostile
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    settings = {"upstream": engine_url, "model_config": config, "decode_workers": 0, "rules": None,
-                "window_tokens": None, "engine": "vllm", "upstream_max_bytes": MAX_BYTES,
-                "request_timeout": TIMEOUT, **overrides}
-    with running_sidecar(**settings) as running:
+    return {"upstream": engine_url, "model_config": config, "decode_workers": 0, "rules": None,
+            "window_tokens": None, "engine": "vllm", "upstream_max_bytes": MAX_BYTES,
+            "request_timeout": TIMEOUT, **overrides}
+
+
+@contextmanager
+def beside(hostile: tuple[HostileEngine, str], tmp_path: Path, **overrides) -> Iterator[tuple[str, object]]:
+    with running_sidecar(**beside_settings(hostile, tmp_path, **overrides)) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
-def sidecar(engine, tmp_path_factory) -> Iterator[tuple[str, object]]:
-    with beside(engine, tmp_path_factory.mktemp("hostile")) as running:
-        yield running
+def sidecar(engine, make_sidecar, tmp_path_factory) -> tuple[str, object]:
+    # engine first: set up before the sidecar factory, so torn down after the sidecar stops
+    return make_sidecar(**beside_settings(engine, tmp_path_factory.mktemp("hostile")))
 
 
 def complete(url: str, *, counted: bool = True, **extra) -> httpx.Response:

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
-from conftest import running_sidecar, serve_app
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -25,6 +24,7 @@ from starlette.routing import Route
 from mla_watch.engines.formats import RoutingPlan, decode_chunk, decode_response, encode_sglang, encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, EventLines
+from tests.support import running_sidecar, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}

@@ -29,13 +29,13 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-from conftest import running_sidecar
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mla_watch.routing.ingest import IngestLimits
+from tests.support import running_sidecar
 
-# Over 20 s: a request to an in-process sidecar takes ~45 ms here (conftest.serve_app's socket is made
+# Over 20 s: a request to an in-process sidecar takes ~45 ms here (tests.support.serve_app's socket is made
 # with proto 0, so asyncio leaves Nagle's algorithm on and each answer waits for a delayed ACK).
 pytestmark = pytest.mark.slow
 

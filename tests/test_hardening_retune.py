@@ -12,8 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import running_sidecar, wait_until
-from retune_harness import GATE, Harness, spec
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file, write_private
@@ -21,6 +19,8 @@ from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.versions import RouterVersions
+from tests.retune_harness import GATE, Harness, spec
+from tests.support import wait_until
 
 TOKEN = "hardening-retune-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -34,11 +34,11 @@ def mode(path: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory):
+def sidecar(make_sidecar, tmp_path_factory):
+    """The module's sidecar, with its state directory: ``(url, sidecar, state)``."""
     state = tmp_path_factory.mktemp("state")
     os.chmod(state, 0o755)  # as an operator's mkdir would leave it
-    with running_sidecar(admin_token=TOKEN, state_dir=state) as (url, running):
-        yield url, running, state
+    return (*make_sidecar(admin_token=TOKEN, state_dir=state), state)
 
 
 def retune(url: str, body: dict) -> httpx.Response:
@@ -105,7 +105,7 @@ def test_a_dataset_job_never_publishes_or_logs_what_the_file_holds(sidecar, capl
 
 def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None:
     """Accepted by name, then swapped for a link out of the directory: the job fails with the same words."""
-    from tiny_models import build
+    from tests.tiny_models import build
 
     datasets = ensure_private_dir(tmp_path / "datasets")
     outside = tmp_path / "outside.jsonl"

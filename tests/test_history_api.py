@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import time
@@ -10,36 +9,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import free_port, running_sidecar, wait_until
-from helpers import FakeClock, router_stats
-from test_reliability import sidecar_process
 
-from mla_watch.history.store import HISTORY_FILE, HistoryStore
+from mla_watch.history.store import HISTORY_FILE
+from tests.helpers import DAY, prefill_history
+from tests.support import free_port, running_sidecar, sidecar_process, wait_until
 
 GATE = "model.layers.1.mlp.gate"
-DAY = 86400.0
-
-
-def prefill(state: Path, end: float, days: float = 3.0, interval: float = 60.0) -> None:
-    """``days`` of samples up to ``end``: entropy 5 + the day number / 10 on "code", 4.0 summed."""
-    state.mkdir(parents=True, exist_ok=True)
-    clock = FakeClock(end - days * DAY)
-    store = HistoryStore(state / HISTORY_FILE, interval_seconds=interval, clock=clock)
-    summed = router_stats(name=GATE, line=None, tokens=900, entropy_bits=4.0)
-    by_day = [router_stats(name=GATE, line="code", tokens=500, entropy_bits=5.0 + day / 10, dead_slots=1)
-              for day in range(math.ceil(days) + 1)]
-    while clock.now < end:
-        day = int((clock.now - (end - days * DAY)) // DAY)
-        store.record([by_day[day], summed])
-        clock.now += interval
-    store.close()
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     state = tmp_path_factory.mktemp("state")
     end = time.time()
-    prefill(state, end)
+    prefill_history(state, end)
     with running_sidecar(upstream="http://127.0.0.1:9", state_dir=state, history_interval_seconds=60.0) as running:
         yield running[0], end
 

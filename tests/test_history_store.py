@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FakeClock
-from helpers import history_record as record
 
 from mla_watch.alerting.model import METRICS
 from mla_watch.history.store import HISTORY_METRICS, LIVE_METRICS, HistoryStore, size_bound
+from tests.helpers import FakeClock
+from tests.helpers import history_record as record
 
 GATE = "model.layers.1.mlp.gate"
 T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it

@@ -9,7 +9,6 @@ import logging
 from datetime import datetime, timezone
 
 import pytest
-from receivers import running_receiver
 
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import (
@@ -26,6 +25,7 @@ from mla_watch.alerting.notifiers import (
     sign,
 )
 from mla_watch.alerting.outbox import Dispatcher, Outbox
+from tests.receivers import Reply, running_receiver, status
 
 T0 = datetime(2026, 11, 29, 8, 1, 2, 345000, tzinfo=timezone.utc).timestamp()
 T1 = T0 + 600.0
@@ -302,8 +302,6 @@ def test_secrets_absent_from_logs_reprs_and_errors(tmp_path, caplog):
     token, header_secret, hmac_secret = "SUPERSECRETTOKEN123", "Bearer HDRSECRET456", "HMACSECRET789"
     routing_key = "ROUTINGKEYSECRET000"
     secrets = (token, header_secret, "HDRSECRET456", hmac_secret, routing_key)
-    from receivers import Reply, status
-
     # the receiver echoes the secrets of each request back in its error bodies
     echo_slack = Reply(status=500, body=f"bad {token} {header_secret}".encode())
     echo_pd = Reply(status=503, body=f"bad {token} {header_secret} routing_key={routing_key}".encode())

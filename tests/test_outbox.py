@@ -17,18 +17,17 @@ import threading
 import time
 from pathlib import Path
 
-import processes
 import pytest
-from conftest import free_port
-from helpers import FakeClock
-from receivers import Reply, running_receiver, status
 
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
 from mla_watch.common import sqlite as private_database
+from tests import processes
+from tests.helpers import FakeClock
+from tests.receivers import Reply, running_receiver, status
+from tests.support import REPO, free_port
 
-REPO = Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0
 
 

@@ -20,8 +20,8 @@ from mla_watch.models import corpus
 from mla_watch.routing.positions import PositionBuckets, PositionCounts, profile
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.shipped import __file__ as shipped_init
-from tests.conftest import get_metrics, metric_value, running_sidecar
 from tests.helpers import FakeClock
+from tests.support import get_metrics, metric_value, running_sidecar
 
 SHIPPED_RULES = Path(shipped_init).parent / "rules"
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, VOCAB, build
 
 import mla_watch
+from tests.tiny_models import FAMILIES, VOCAB, build
 
 
 class Recorder:

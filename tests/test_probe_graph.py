@@ -13,11 +13,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_probe_discovery import FakeTopKRouter, TinyMoE
-from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.probe import OVERFLOW_LINE
+from tests.test_probe_discovery import FakeTopKRouter, TinyMoE
+from tests.tiny_models import VOCAB, build
 
 
 def test_lines_past_the_capacity_count_as_overflow_with_one_warning() -> None:

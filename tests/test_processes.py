@@ -18,9 +18,10 @@ import sys
 import uuid
 from pathlib import Path
 
-import processes
 import pytest
-from conftest import REPO, wait_until
+
+from tests import processes
+from tests.support import REPO, wait_until
 
 TESTS = Path(__file__).resolve().parent
 SAYS_READY = "print('ready', flush=True); "
@@ -32,9 +33,9 @@ SLEEPS = "import time; time.sleep(600)"
 # What every inner session's test file starts with; GUARD_TOKEN and GUARD_READY come from the outer test.
 INNER = """
 import contextlib, os, pathlib, subprocess, time
-import processes
 import pytest
-from test_processes import sleeper
+from tests import processes
+from tests.test_processes import sleeper
 
 TOKEN = os.environ["GUARD_TOKEN"]
 
@@ -77,8 +78,8 @@ def inner_session(tmp_path: Path, token: str, source: str, *args: str) -> tuple[
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: none of the suite's settings
     (tmp_path / "test_inner.py").write_text(INNER + source)
     environment = {**os.environ, "GUARD_TOKEN": token, "GUARD_READY": str(tmp_path / "ready"),
-                   "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "process_guard", "-p", "no:cacheprovider",
+                   "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.process_guard", "-p", "no:cacheprovider",
                "test_inner.py", *args]
     return command, environment
 

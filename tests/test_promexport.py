@@ -9,15 +9,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import processes
 import pytest
 import yaml
 
 from mla_watch.alerting.model import Rule, RuleSet, Selector, Trend
 from mla_watch.alerting.promexport import export_prometheus, glob_to_regex, rule_expression
 from mla_watch.alerting.rules import load_rules_dir
+from tests import processes
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
 
 

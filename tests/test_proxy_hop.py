@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import REPO, running_sidecar, serve_app
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from bench.proxy_hop import GENERATED, engine_app
 from mla_watch.engines.decoder import RoutingDecoder
-
-sys.path.insert(0, str(REPO / "bench"))
-from proxy_hop import GENERATED, engine_app
+from tests.support import running_sidecar, serve_app
 
 HEADERS = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 LONG_TEXT = "w" * 100_000  # longer than the event loop reads (STRIP_ON_LOOP_BYTES)

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from floods import FLOOD_CLIENT, FLOODS, Flood, engine_flood_scenario
-from real_vllm import build_checkpoint, cache_root, running_vllm
+
+from tests.floods import FLOOD_CLIENT, FLOODS, Flood, engine_flood_scenario
+from tests.real_vllm import build_checkpoint, cache_root, running_vllm
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

@@ -25,10 +25,17 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, mla_routing_skip, model_config, running_vllm
 
 from mla_watch.engines.formats import RoutingPlan, decode_response
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
+from tests.real_vllm import (
+    SERVED_MODEL_NAME,
+    build_checkpoint,
+    cache_root,
+    mla_routing_skip,
+    model_config,
+    running_vllm,
+)
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

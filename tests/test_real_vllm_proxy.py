@@ -20,14 +20,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from broken_deploy import scenario_rules
-from conftest import free_port, metric_value, settled_over_http, wait_until
-from real_vllm import build_checkpoint, cache_root, running_vllm
-from receivers import running_receiver
-from test_engine_side import MARK, without_model_extra
-from test_reliability import sidecar_process
 
 from mla_watch.engines.geometry import load_geometry
+from tests.broken_deploy import scenario_rules
+from tests.real_vllm import build_checkpoint, cache_root, running_vllm
+from tests.receivers import running_receiver
+from tests.support import free_port, metric_value, settled_over_http, sidecar_process, wait_until
+from tests.test_engine_side import MARK, without_model_extra
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

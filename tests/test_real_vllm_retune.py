@@ -19,16 +19,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
-from conftest import free_port, wait_until
-from floods import trimmed_references
-from real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
-from receivers import running_receiver
-from test_reliability import sidecar_process
 
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.engines.vllm_weights import VllmWeights
+from tests import processes
+from tests.floods import trimmed_references
+from tests.real_vllm import build_checkpoint, cache_root, mla_reload_problem, mla_routing_skip, running_vllm
+from tests.receivers import running_receiver
+from tests.support import free_port, sidecar_process, wait_until
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -63,8 +62,8 @@ def rules(directory: Path) -> Path:
 
 
 @contextmanager
-def sidecar(upstream: str, checkpoints: tuple[Path, Path], state: Path, mode: str, receiver_url: str,
-            reference: Path | None = None) -> Iterator[str]:
+def retuning_sidecar(upstream: str, checkpoints: tuple[Path, Path], state: Path, mode: str, receiver_url: str,
+                     reference: Path | None = None) -> Iterator[str]:
     port = free_port()
     collapsed, healthy = checkpoints
     with sidecar_process(port, state, "--upstream", upstream, "--engine", "vllm", "--model-config", str(collapsed),
@@ -122,8 +121,8 @@ def until_resolved(url: str, start: int, limit: int = 80) -> int:
 
 def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resolves_by_itself(
         collapsed_vllm, checkpoints, tmp_path) -> None:
-    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "apply", "apply",
-                                                 receiver.url) as url:
+    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "apply", "apply",
+                                                          receiver.url) as url:
         send(url, 0, 24)  # captured, counted; pages once the window holds the router's trusted minimum
         assert wait_until(lambda: alert_state(url) in ("firing", "resolved"), timeout=60), alert_state(url)
         assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=240, interval=1), \
@@ -155,8 +154,8 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
 
 def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_vllm, checkpoints,
                                                                       tmp_path) -> None:
-    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "propose", "propose",
-                                                 receiver.url) as url:
+    with running_receiver() as receiver, retuning_sidecar(
+            collapsed_vllm, checkpoints, tmp_path / "propose", "propose", receiver.url) as url:
         send(url, 0, 24)
 
         def proposal() -> dict | None:
@@ -201,8 +200,8 @@ def collapsed_otherwise(collapsed: Path, directory: Path) -> Path:
 
 def test_restoring_the_routers_already_serving_is_no_candidate(collapsed_vllm, checkpoints, tmp_path) -> None:
     """The reference handed to restore is the collapsed checkpoint itself: nothing is swapped or written."""
-    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "same", "apply",
-                                                 receiver.url, reference=checkpoints[0]) as url:
+    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "same", "apply",
+                                                          receiver.url, reference=checkpoints[0]) as url:
         send(url, 0, 24)
         assert wait_until(lambda: any((job["result"] or {}).get("attempts") for job in jobs(url)), timeout=240,
                           interval=1), jobs(url)
@@ -221,8 +220,8 @@ def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as
     engine = VllmWeights(collapsed_vllm)
     before = [score.loss for score in engine.score(prompts)]
     worse = collapsed_otherwise(checkpoints[0], tmp_path)
-    with running_receiver() as receiver, sidecar(collapsed_vllm, checkpoints, tmp_path / "worse", "apply",
-                                                 receiver.url, reference=worse) as url:
+    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "worse", "apply",
+                                                          receiver.url, reference=worse) as url:
         send(url, 0, 24)
         assert wait_until(lambda: any(job["status"] == "waiting" and (job["result"] or {}).get("attempts")
                                       for job in jobs(url)), timeout=240, interval=1), jobs(url)

@@ -19,16 +19,17 @@ from typing import Any
 
 import httpx
 import numpy as np
-import processes
 import pytest
 import torch
-from floods import trimmed_references
-from real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
 from safetensors.torch import save_file
 
 from mla_watch.engines import vllm_weights
 from mla_watch.engines.swap import SwapError
 from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
+from tests import processes
+from tests.floods import trimmed_references
+from tests.real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
+from tests.support import free_port, get_metrics, metric_value, sidecar_process, wait_until
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
@@ -194,9 +195,6 @@ def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(chec
     """The sidecar beside the collapsed swap model (no routing returned: the band says so, perplexity decides)
     restores the reference's routers inside the engine; the engine then scores exactly as one started healthy.
     Last in this module: it leaves the engine healthy."""
-    from conftest import free_port, get_metrics, metric_value, wait_until
-    from test_reliability import sidecar_process
-
     token = "real-engine-weights-token"
     port = free_port()
     url = f"http://127.0.0.1:{port}"

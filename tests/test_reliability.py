@@ -17,15 +17,26 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
-from client import sse_events
-from conftest import REPO, free_port, get_metrics, metric_value, running_sidecar, tmpfs, wait_until
-from receivers import OK, Reply, running_receiver, status
+
+from bench.attacks import Plan, Target, render, replay
+from tests import processes
+from tests.client import sse_events
+from tests.receivers import OK, Reply, running_receiver, status
+from tests.support import (
+    free_port,
+    get_metrics,
+    memory_kib,
+    metric_sum,
+    metric_value,
+    running_sidecar,
+    sidecar_process,
+    tmpfs,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,59 +46,6 @@ MIX = [("customer_service", None), ("code_assistant", "code"), ("code_assistant"
        ("doc_summary", None)]
 PROMPTS = {"customer_service": "Customer: my parcel has not arrived, order", "code_assistant": "def parse_invoice_",
            "doc_summary": "Summarise the quarterly report number"}
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of every sample of ``name`` whose labels include ``labels`` (0.0 when there is none)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
-
-
-def serve(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-          log: Path | None = None) -> subprocess.Popen:
-    """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``."""
-    environ = {k: v for k, v in os.environ.items() if k not in ("MLA_WATCH_ONCALL_URL", "MLA_WATCH_ADMIN_TOKEN")}
-    output = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
-    try:
-        return processes.start(
-            [sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--device", "cpu", "--state-dir", str(state), "--attn-implementation", "eager", *options],
-            env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
-    finally:
-        if log is not None:
-            output.close()
-
-
-@contextlib.contextmanager
-def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                    log: Path | None = None, ready_path: str = "/readyz") -> Iterator[subprocess.Popen]:
-    """A ready sidecar process (``ready_path`` answers 200; ``/healthz`` for one whose upstream is nobody, which
-    ``/readyz`` reports); killed (with everything it started) if the test left it running."""
-    process = serve(port, state, *options, env=env, log=log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            assert process.poll() is None, f"the sidecar exited with {process.returncode}"
-            try:
-                return httpx.get(url + ready_path, timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, timeout=180, interval=0.2), "the sidecar did not become ready"
-        yield process
-    finally:
-        processes.stop(process, grace=0)
-
-
-def memory_kib(pid: int, field: str) -> int:
-    """A ``Vm*`` figure of /proc/PID/status, in KiB (``VmHWM``: the peak resident set size)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 # --------------------------------------------------------------------------- load
@@ -187,9 +145,6 @@ def test_the_attacks_of_issue_11_get_their_documented_answers_while_healthz_keep
     attack gets its documented answer (404 for unknown lines, 400 naming the field, 413, 429, 408 for a
     trickling body) or has no effect, an unknown-line GET grows nothing, and /healthz answers 200
     throughout. The /healthz latency during each attack against rest is printed, not asserted."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from attacks import Plan, Target, render, replay
-
     port, log = free_port(), tmp_path / "sidecar.log"
     tokens = {"MLA_WATCH_ADMIN_TOKEN": ATTACK_ADMIN_TOKEN, "MLA_WATCH_INGEST_TOKEN": ATTACK_INGEST_TOKEN}
     with sidecar_process(port, tmp_path / "state", "--body-timeout", "1", env=tokens, log=log) as process:

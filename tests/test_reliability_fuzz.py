@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import REPO, running_sidecar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,6 +27,7 @@ from mla_watch.alerting.notifiers import NOTIFIER_TYPES
 from mla_watch.alerting.rules import SEVERITIES, RuleError, load_rules_dir
 from mla_watch.policy.files import load_policy_dir
 from mla_watch.policy.model import GOVERNED_PARAMS, PolicyError
+from tests.support import REPO, running_sidecar
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Generating overly large repr")]
 

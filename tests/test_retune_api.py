@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import running_sidecar
+
+from tests.support import running_sidecar
 
 TOKEN = "api-test-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory):
-    with running_sidecar(admin_token=TOKEN, state_dir=tmp_path_factory.mktemp("state")) as running:
-        yield running
+def sidecar(make_sidecar, tmp_path_factory):
+    return make_sidecar(admin_token=TOKEN, state_dir=tmp_path_factory.mktemp("state"))
 
 
 def error(response: httpx.Response) -> dict:

@@ -6,11 +6,11 @@ import time
 
 import pytest
 import torch
-from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.retune import BiasRefitResult, refit_bias, router_state, supports_bias
 from mla_watch.routing.stats import entropy_bits
+from tests.tiny_models import VOCAB, build
 
 GATE = "model.layers.1.mlp.gate"
 BIAS = f"{GATE}.e_score_correction_bias"

@@ -4,9 +4,9 @@ shipped rules, short repeated prompts - the loop closes by itself (see tests/bro
 from __future__ import annotations
 
 import pytest
-from broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, final_jobs, run_scenario
 
 from mla_watch.retune.jobs import RetuneSettings
+from tests.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, final_jobs, run_scenario
 
 pytestmark = pytest.mark.slow
 

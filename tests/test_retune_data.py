@@ -12,12 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tmpfs
-from helpers import FakeClock
 
 from mla_watch.quality.local_model import make_batches
 from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
-from mla_watch.retune.data import DatasetError, distinct_count, load_jsonl_dataset, scored_text, split_held_out
+from mla_watch.retune.data import (
+    DatasetError,
+    distinct_count,
+    load_jsonl_dataset,
+    scored_text,
+    split_held_out,
+)
+from tests.helpers import FakeClock
+from tests.support import tmpfs
 
 T0 = 1_000_000.0
 

@@ -12,18 +12,18 @@ import sys
 import time
 
 import httpx
-import processes
 import pytest
 import torch
-from conftest import get_metrics, metric_value, running_sidecar, wait_until
-from helpers import write_rules
-from receivers import running_receiver
 
 import mla_watch
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.retune.router_tensors import router_state
+from tests import processes
+from tests.helpers import write_rules
+from tests.receivers import running_receiver
+from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.retune import router_state
 from mla_watch.retune.finetune import FinetuneResult, finetune_routers
 from mla_watch.routing.stats import entropy_bits
+from tests.tiny_models import VOCAB, build
 
 GATE = "model.layers.1.mlp.gate"
 WEIGHT = f"{GATE}.weight"

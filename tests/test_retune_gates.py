@@ -74,15 +74,16 @@ def test_too_few_tokens_or_an_interval_across_the_margin_is_not_enough_data_neve
 
 
 @pytest.fixture(scope="module")
-def bundled() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
+def bundled_batches() -> tuple[torch.nn.Module, list[dict[str, torch.Tensor]]]:
+    """A hook-free copy of the bundled model and held-out batches of every corpus domain to score it on."""
     model, tokenizer = mla_watch.load_model("bundled", device="cpu")
     texts = [text for domain in corpus.DOMAINS for text in corpus.generate(domain, 12, seed=4242)]
     ids = [tokenizer(text)["input_ids"][:48] for text in texts]
     return copy_without_hooks(model).eval(), make_batches(ids, batch_size=8, pad_id=tokenizer.pad_token_id or 0)
 
 
-def test_the_real_model_rejects_router_noise_with_its_interval_and_passes_its_own_routers(bundled) -> None:
-    model, batches = bundled
+def test_the_real_model_rejects_router_noise_with_its_interval_and_passes_its_own_routers(bundled_batches) -> None:
+    model, batches = bundled_batches
     live = score_model(model, batches)
     gate = model.model.layers[1].mlp.gate
     routers = ["model.layers.1.mlp.gate"]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from retune_harness import BIAS, GATE, Harness, collapse, final, spec
 from safetensors.torch import save_file
-from tiny_models import build
 
 from mla_watch.retune.reference import load_reference_routers
 from mla_watch.retune.router_tensors import router_state
+from tests.retune_harness import BIAS, GATE, Harness, collapse, final, spec
+from tests.tiny_models import build
 
 RESTORE = {"strategies": ["restore"], "band": {"metric": "entropy_bits", "low": 2.3, "high": None}}
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import build
 
 import mla_watch.retune.versions as registry_module
 from mla_watch.retune import RouterVersions, router_state
+from tests.tiny_models import build
 
 GATE = "model.layers.1.mlp.gate"
 

@@ -9,13 +9,13 @@ import time
 
 import pytest
 import torch
-from conftest import wait_until
-from retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
-from tiny_models import build
 
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.router_tensors import router_state
 from mla_watch.retune.service import Cooldown
+from tests.retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
+from tests.support import wait_until
+from tests.tiny_models import build
 
 
 def test_a_collapsed_router_is_refit_gated_promoted_and_rolled_back_exactly(tmp_path) -> None:

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 import torch
-from family_sweep_models import VOCAB, router_families, tiny_model
-from test_probe_discovery import RoutedBlock
 from torch import nn
 
 import mla_watch
 from mla_watch.cli import main
 from mla_watch.probe import RouterRegistry
 from mla_watch.routing.routers import RouterInfo
+from tests.family_sweep_models import VOCAB, router_families, tiny_model
+from tests.test_probe_discovery import RoutedBlock
 
 FAMILIES = {family.module: family for family in router_families()}
 

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import FakeClock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ from mla_watch.routing.stats import (
     minimum_window_tokens,
     normalized_entropy,
 )
+from tests.helpers import FakeClock
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FakeClock
-from tiny_models import VOCAB, build
 
 import mla_watch
 from mla_watch.alerting.lint import lint
@@ -25,6 +23,8 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_RULES
+from tests.helpers import FakeClock
+from tests.tiny_models import VOCAB, build
 
 # The keys that decide the routers' geometry, from each model's published config.json.
 REAL_CONFIGS = {

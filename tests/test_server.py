@@ -5,8 +5,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from client import SQL, post, sse_events
-from conftest import get_metrics, metric_value
+
+from tests.client import SQL, post, sse_events
+from tests.support import get_metrics, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -195,8 +196,6 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(sidecar) -> None:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
-    from conftest import wait_until
-
     assert wait_until(lambda: metric_value(get_metrics(url), "mla_watch_client_disconnects_total") > before, 30)
     assert post(url, "/v1/completions", {"prompt": "def f(", "max_tokens": 2}).status_code == 200
 

@@ -7,11 +7,11 @@ import concurrent.futures
 import httpx
 import pytest
 import torch
-from client import SQL, post, sse_events
-from conftest import get_metrics, metric_value, running_sidecar, serve_app, wait_until
-from helpers import FakeClock
 
 import mla_watch
+from tests.client import SQL, post, sse_events
+from tests.helpers import FakeClock
+from tests.support import REPO, get_metrics, metric_value, running_sidecar, serve_app, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -140,7 +140,7 @@ def test_the_proxy_enforces_policies_in_front_of_another_server_streaming_includ
 
 
 def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
-    from tiny_models import build
+    from tests.tiny_models import build
 
     with running_sidecar(upstream="http://127.0.0.1:9", admin_token=TOKEN, history_interval_seconds=0.1) as (url, _):
         model = build("deepseek_v32")
@@ -181,9 +181,8 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
 
 
 def test_undelivered_counts_wait_for_the_sidecar() -> None:
-    from tiny_models import build
-
     from mla_watch.server.app import ServerConfig, Sidecar
+    from tests.tiny_models import build
 
     def sidecar() -> Sidecar:
         return Sidecar(ServerConfig(upstream="http://127.0.0.1:9", admin_token=TOKEN, policy_poll_seconds=None))
@@ -207,10 +206,7 @@ def test_undelivered_counts_wait_for_the_sidecar() -> None:
 def test_a_broken_rule_file_on_reload_keeps_the_last_good_rules(tmp_path, policies_copy) -> None:
     import shutil
 
-    from conftest import REPO
-
     from mla_watch.alerting.rules import load_rules_dir
-
     rules = tmp_path / "rules"
     shutil.copytree(REPO / "rules", rules)
     shipped = len(load_rules_dir(rules, environ={}).rules)

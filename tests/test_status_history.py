@@ -9,8 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import FakeClock
-from helpers import history_record as record
 from prometheus_client import CollectorRegistry, Counter
 
 from mla_watch.alerting.rules import load_rules_dir
@@ -18,6 +16,8 @@ from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.routing.windows import RoutingSnapshot
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.status import counter_values, entropy_band, policies_view, static_file
+from tests.helpers import FakeClock
+from tests.helpers import history_record as record
 
 GATE = "model.layers.1.mlp.gate"
 INDEXER = "model.layers.1.self_attn.indexer"

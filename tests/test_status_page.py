@@ -26,15 +26,16 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
 import torch
-from conftest import REPO, free_port, running_sidecar, serve_app, wait_until
-from receivers import running_receiver
 
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
+from tests import processes
+from tests.helpers import prefill_history
+from tests.receivers import running_receiver
+from tests.support import REPO, free_port, running_sidecar, serve_app, wait_until
 
 GATE = "model.layers.1.mlp.gate"
 HOT_GATE = "model.layers.2.mlp.gate"
@@ -470,10 +471,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
 
 
 def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path) -> None:
-    from test_history_api import prefill
-
     state = tmp_path / "state"
-    prefill(state, time.time(), days=7.0, interval=300.0)  # a week: entropy 5.0 + day / 10 on "code"
+    prefill_history(state, time.time(), days=7.0, interval=300.0)  # a week: entropy 5.0 + day / 10 on "code"
     with running_sidecar(upstream="http://127.0.0.1:9", state_dir=state) as (url, _):
         dom, console = open_in_browser(url + "/?window=604800#business_line=code",
                                        artifacts_dir() / "status-page-week.png", 4000)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import shutil
 
-import processes
 import pytest
 
 from mla_watch.server.status import static_file
+from tests import processes
 
 BAND = {"fire_below": 5.0, "resolve_above": 5.2, "fire_above": 6.5, "resolve_below": 6.3}
 

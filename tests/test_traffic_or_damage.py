@@ -9,7 +9,8 @@ webhook receiver; healthy traffic of four lines until their baselines are learne
 from __future__ import annotations
 
 import pytest
-from floods import FLOOD_CLIENT, FLOODS, damage_scenario, flood_scenario
+
+from tests.floods import FLOOD_CLIENT, FLOODS, damage_scenario, flood_scenario
 
 pytestmark = pytest.mark.slow
 

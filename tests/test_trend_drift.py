@@ -9,9 +9,9 @@ alone raise no trend alert at all.
 from __future__ import annotations
 
 import pytest
-from drift_replay import DRIFTING_ROUTER, replay
 
 import mla_watch
+from tests.drift_replay import DRIFTING_ROUTER, replay
 
 TREND_ALERTS = ("RoutingEntropyFalling", "RoutingCollapseForecast")
 DAYS = 4

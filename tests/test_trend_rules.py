@@ -7,8 +7,6 @@ import re
 from functools import partial
 
 import pytest
-from helpers import FakeClock, engine_record, write_rules
-from memory_history import MemoryHistory
 
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.lint import lint
@@ -16,6 +14,8 @@ from mla_watch.alerting.model import TEMPLATE_FIELDS, Rule, RuleSet, Selector, T
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.alerting.trend import MIN_POINTS, TrendSource, crossing_in, enough_data, fit, format_crossing
 from mla_watch.routing.routers import RouterInfo
+from tests.helpers import FakeClock, engine_record, write_rules
+from tests.memory_history import MemoryHistory
 
 GATE = "model.layers.2.mlp.gate"
 T0 = 1_700_000_000.0

@@ -17,13 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from conftest import running_sidecar
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mla_watch.server.upstream_http import HEAD_MAX_BYTES, UpstreamClient, UpstreamError
+from tests.support import running_sidecar
 
 Script = Callable[[socket.socket, int], None]  # one accepted connection, and how many came before it
 

@@ -12,9 +12,10 @@ import zipfile
 from pathlib import Path
 
 import httpx
-import processes
 import pytest
-from conftest import REPO, free_port, wait_until
+
+from tests import processes
+from tests.support import REPO, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 
