@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class Baseline:
                    {key: float(value) for key, value in values.items()}, float(taken_at), source)
 
 
-def _finite(value: object) -> bool:
+def _finite(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
