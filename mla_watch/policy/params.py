@@ -24,7 +24,7 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from mla_watch.common.yamlcheck import fmt as _fmt
 
@@ -190,7 +190,7 @@ def _default(name: str) -> Any:
 # --------------------------------------------------------------------------- the applied values
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[float]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -258,9 +258,9 @@ class SamplingValues:
             if value is None:
                 values[name] = param.default
             elif param.integer and _is_real(value) and float(value).is_integer():
-                values[name] = int(value)  # type: ignore[arg-type]
+                values[name] = int(value)
             elif not param.integer and _is_real(value):
-                values[name] = float(value)  # type: ignore[arg-type]
+                values[name] = float(value)
             else:
                 values[name] = value  # refused by __post_init__, naming it
         return cls(**values)
