@@ -20,7 +20,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -82,7 +82,7 @@ class CaptureError(RuntimeError):
 
 
 def check_positive(name: str, value: object, kind: type | tuple[type, ...] = (int, float)) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, kind) or not cast(float, value) > 0:
         expected = "a positive integer" if kind is int else "a positive number"
         raise ValueError(f"{name} = {fmt(value)}: expected {expected}")
 
@@ -243,7 +243,7 @@ class TrafficCapture:
                 over_bytes = self._trim_bytes(db) if self._bytes > self.max_bytes else 0
                 return expired, over_count, over_bytes
 
-            dropped = self._transaction(db, body)
+            dropped: tuple[int, int, int] = self._transaction(db, body)
             if dropped[0] or dropped[2]:
                 self._log_pruned(*dropped, level=logging.DEBUG)  # steady state at the byte budget: every add
 
@@ -335,7 +335,8 @@ class TrafficCapture:
         if limit == 0:
             return []
         cutoff = self.clock() - self.max_age_seconds
-        where, params = "created_at >= ?", [cutoff]
+        where = "created_at >= ?"
+        params: list[object] = [cutoff]
         if business_line is not None:
             where += " AND business_line = ?"
             params.append(business_line)

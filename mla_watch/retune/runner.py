@@ -284,7 +284,7 @@ class Retuner:
                 "attempts": attempts, "data": data, "timings": timings,
                 "error": None if version is not None else ("; ".join(reasons) or "no strategy was tried")}
 
-    def _samples(self, spec: JobSpec) -> tuple[list[list[int]], dict[str, Any]]:
+    def _samples(self, spec: JobSpec) -> tuple[list[TokenSample], dict[str, Any]]:
         line = spec.business_line
         if spec.dataset:
             try:

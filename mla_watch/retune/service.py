@@ -33,9 +33,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apscheduler.events import EVENT_JOB_MISSED, JobEvent
 from apscheduler.executors.pool import ThreadPoolExecutor
@@ -50,6 +50,9 @@ from mla_watch.retune.runner import Retuner
 from mla_watch.retune.specs import alert_job_spec
 from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.retune.versions import RouterVersions
+
+if TYPE_CHECKING:
+    from mla_watch.retune.engine import EngineRetuner
 
 __all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneService"]
 
@@ -74,8 +77,8 @@ class Cooldown(Exception):
 
 
 class RetuneService:
-    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner, registry: RouterVersions,
-                 model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
+    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: Retuner | EngineRetuner,
+                 registry: RouterVersions, model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
                  on_proposed: Callable[[JobSpec, dict[str, Any]], None] | None = None,
@@ -249,7 +252,7 @@ class RetuneService:
         """Run ``job_id`` now, or at wall-clock time ``at`` (the scheduler's own clock is the wall clock)."""
         if self._stopping.is_set():
             return  # recorded pending or waiting (with its retry_at) in the job store: the next start() schedules it
-        when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=UTC)
+        when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=timezone.utc)
         self.scheduler.add_job(_run_scheduled, trigger="date", run_date=when, args=[self._key, job_id], id=job_id,
                                name=f"retune {job_id}", replace_existing=True)
 
