@@ -242,7 +242,9 @@ class Admin:
         dataset = body.get("dataset")
         if dataset is not None:
             try:  # a bare name of a file in the dataset directory; any other value gets the same answer
-                resolve_dataset(dataset, service.retuner.dataset_dir or ctx.config.state_dir / DATASETS_DIR_NAME)
+                # An EngineRetuner has no dataset_dir: beside an engine this raises AttributeError
+                resolve_dataset(dataset, service.retuner.dataset_dir  # type: ignore[union-attr]
+                                or ctx.config.state_dir / DATASETS_DIR_NAME)
             except ValueError as error:
                 raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)

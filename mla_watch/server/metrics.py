@@ -150,7 +150,7 @@ class ReferenceCollector(Collector):
         self._prober = prober
         self._prefix = prefix
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         from mla_watch.cause.readings import compare
 
         labels = ["router", "layer", "kind", "business_line"]
