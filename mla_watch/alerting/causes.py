@@ -66,7 +66,9 @@ def undetermined(why: str) -> Cause:
 class CauseJudge(Protocol):
     """What the alert engine asks of a source of reference readings."""
 
-    wait_seconds: float  # how long past its `for` an instance waits for the reading it asked for
+    @property
+    def wait_seconds(self) -> float:
+        """How long past its `for` an instance waits for the reading it asked for."""
 
     def request(self, business_line: str | None, since: float) -> None:
         """A reading of ``business_line``'s reference prompts (every line's for ``None``) newer than ``since`` is

@@ -83,8 +83,8 @@ def compile_rules(rules: RuleSet, *, with_trend_source: bool) -> dict[str, Compi
                         rule.name, rule.source or "?", rule_id)
         compiled[rule_id] = CompiledRule(rule_id, rule)
     if not with_trend_source:
-        for rule in compiled.values():
-            if rule.trend is not None:
+        for entry in compiled.values():
+            if entry.trend is not None:
                 log.warning("rule %r (%s) is a trend rule, and this alert engine has no routing history "
-                            "(trend_source): it is never judged", rule.rule.name, rule.rule.source or "?")
+                            "(trend_source): it is never judged", entry.rule.name, entry.rule.source or "?")
     return compiled

@@ -28,7 +28,7 @@ def parse_duration(text: str | int | float, where: str) -> float:
     Raises :class:`RuleError` naming ``where`` for anything else, including negative durations.
     """
     if is_number(text):
-        value = float(text)  # type: ignore[arg-type]
+        value = float(text)
         if not math.isfinite(value):
             raise RuleError([f"{where} = {_fmt(text)}: expected a finite {_DURATION_HINT}"])
         if value < 0:

@@ -146,6 +146,7 @@ class AlertEngine:
                         inst.json = None
                         changed = True
                     if inst.state == "inactive":
+                        assert by_rule is not None  # it holds inst
                         del by_rule[rule.id]
                         if not by_rule:
                             del instances[key]
@@ -285,7 +286,8 @@ class AlertEngine:
         slots, hashed = geometry
         matched = tuple(rule for rule in self._rules.values()
                         if rule.matches(key, None if slots is None else int(slots), hashed))
-        self._selector_cache[(*key, *geometry)] = matched
+        cache_key = (*key, *geometry)
+        self._selector_cache[cache_key] = matched
         return matched
 
     def _prune(self, now: float) -> bool:

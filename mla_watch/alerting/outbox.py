@@ -153,7 +153,7 @@ class Outbox:
                 " ON CONFLICT (receiver, idempotency_key) DO NOTHING",
                 (receiver, request.idempotency_key, request.url, json.dumps(dict(request.headers)),
                  bytes(request.body), now, now))
-            return int(cur.lastrowid) if cur.rowcount == 1 else None
+            return cur.lastrowid if cur.rowcount == 1 else None  # a row inserted: lastrowid is its id
 
         item_id = self._run(insert)
         if item_id is None:

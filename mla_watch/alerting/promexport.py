@@ -303,7 +303,9 @@ def _go_value(expr: str, spec: str) -> str:
     return f"{{{{ {expr} | printf {json.dumps(verb)} }}}}"
 
 
-def _go_query(metric: str, spec: str, labels: tuple[str, ...], wrap: Callable[[str], str] = str) -> str:
+# wrap is called with one str. Callable[..., str]: the callers' lambdas bind loop values as default parameters,
+# and mypy infers no such lambda against Callable[[str], str].
+def _go_query(metric: str, spec: str, labels: tuple[str, ...], wrap: Callable[..., str] = str) -> str:
     """A Go template that reads ``metric`` (``wrap``-ped in a PromQL function) for the alert's router from
     Prometheus (``n/a`` when absent)."""
     selector = ",".join(f'{label}="%s"' for label in labels)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import urllib.parse
 from collections.abc import Mapping
+from typing import cast
 
 from mla_watch.alerting.durations import duration_key
 from mla_watch.alerting.model import DEFAULT_GROUP_BY, LABEL_NAME_RE, Receiver
@@ -182,9 +183,9 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
 
     if len(chk.errors) != before:
         return None
-    return Receiver(
-        name=name,
-        type=rtype,
+    return Receiver(  # no error: name and type are checked strings
+        name=cast(str, name),
+        type=cast(str, rtype),
         url=url,
         headers=headers,
         hmac_secret=hmac_secret,

@@ -42,7 +42,7 @@ import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mla_watch.alerting.durations import duration_key, format_duration, parse_duration
 from mla_watch.alerting.model import (
@@ -300,9 +300,9 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
 
     if len(chk.errors) != before:
         return None
-    return Rule(
-        name=name,
-        metric=metric,
+    return Rule(  # no error: name and metric are checked strings
+        name=cast(str, name),
+        metric=cast(str, metric),
         selector=selector,
         below=below,
         above=above,

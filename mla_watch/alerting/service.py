@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 from mla_watch.alerting.causes import CAUSE_LABEL, CauseJudge
 from mla_watch.alerting.engine import Action, AlertEngine
@@ -228,7 +229,8 @@ class AlertService:
                 self._send(group, list(group.alerts.values()), now)
 
     def _send(self, group: _Group, alerts: list[Alert], now: float) -> None:
-        status = "firing" if any(alert.status == "firing" for alert in alerts) else "resolved"
+        firing = any(alert.status == "firing" for alert in alerts)
+        status: Literal["firing", "resolved"] = "firing" if firing else "resolved"
         notification = Notification(receiver=group.receiver.name, group_key=group.key, group_labels=group.labels,
                                     alerts=tuple(alerts), status=status, external_url=self.external_url)
         group.last_sent = now

@@ -96,6 +96,7 @@ def step(inst: InstanceState, rule: CompiledRule, value: Any, breach: bool, now:
         inst.set_cause(None, rule.rule)
         if causes is not None:
             causes.request(inst.key[3], now)
+    assert inst.active_since is not None  # pending: set when the incident started
     if now - inst.active_since >= rule.for_s:
         cause = None if causes is None else _decide(inst, rule, now, causes)
         if causes is not None and cause is None:  # its reading is on its way: pending a little longer

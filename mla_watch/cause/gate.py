@@ -94,12 +94,12 @@ class ReferenceGate:
         live_losses = [loss for reference in sets for loss in live[reference.name].losses]
         candidate_losses = [loss for reference in sets for loss in candidate[reference.name].losses]
         counts = [count for reference in sets for count in live[reference.name].counts]
-        comparison = compare_perplexity(live_losses, candidate_losses, counts, margin=parse_margin(margin),
-                                        confidence=confidence, min_tokens=min_tokens, min_samples=min_samples)
-        checks.append({"gate": "reference_perplexity", "value": round(comparison.candidate_perplexity, 4),
-                       "limit": round(comparison.limit, 4), "decision": comparison.decision,
-                       "passed": comparison.passed, "message": f"on the reference prompts ({names}): "
-                                                               f"{comparison.message()}"})
+        paired = compare_perplexity(live_losses, candidate_losses, counts, margin=parse_margin(margin),
+                                    confidence=confidence, min_tokens=min_tokens, min_samples=min_samples)
+        checks.append({"gate": "reference_perplexity", "value": round(paired.candidate_perplexity, 4),
+                       "limit": round(paired.limit, 4), "decision": paired.decision,
+                       "passed": paired.passed, "message": f"on the reference prompts ({names}): "
+                                                           f"{paired.message()}"})
         return checks
 
 

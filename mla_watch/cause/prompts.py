@@ -81,7 +81,7 @@ class ReferenceSets:
         lines summed (``None`` or ``"all"``)."""
         if business_line in (None, ALL_LINES):
             return list(self.sets.values())
-        chosen = self.sets.get(business_line) or self.sets.get(DEFAULT_SET)  # type: ignore[arg-type]
+        chosen = self.sets.get(business_line) or self.sets.get(DEFAULT_SET)
         return [chosen] if chosen is not None else []
 
     def as_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.fleet import (
@@ -223,7 +223,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
                     raise ValueError(f"{flag} {text[:80]!r}: expected a number") from None
         return FleetOptions(**values)
     except ValueError as error:
-        args.parser.error(str(error))
+        cast(argparse.ArgumentParser, args.parser).error(str(error))  # exits
 
 
 def _cmd_rules_export(args: argparse.Namespace) -> int:

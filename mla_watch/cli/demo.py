@@ -250,7 +250,10 @@ def _value(value: Any) -> str:
 def alert_bits(alert: dict[str, Any]) -> float | None:
     """The value a notification carries (its ``value`` annotation), in bits; ``None`` if it carries none."""
     try:
-        value = float((alert.get("annotations") or {}).get("value"))
+        text = (alert.get("annotations") or {}).get("value")
+        if text is None:
+            return None
+        value = float(text)
     except (TypeError, ValueError):
         return None
     return value if math.isfinite(value) else None
@@ -346,7 +349,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
             client = httpx.Client(base_url=url, timeout=120)
             counter = itertools.count()
             seen_alerts = 0
-            alert_status: dict[tuple, str] = {}
+            alert_status: dict[tuple, str | None] = {}
 
             def now() -> float:
                 return time.monotonic() - started
@@ -424,6 +427,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                   "healthy traffic while the reference prompts' healthy routing is learned", 120)
             view.say("healthy traffic served")
             if inject_fault:
+                assert sidecar.model_worker is not None  # the demo serves its bundled model
                 with sidecar.model_worker.model_lock, torch.no_grad():
                     sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += FAULT_BIAS
                 events["fault injected"] = now()

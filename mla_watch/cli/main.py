@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from mla_watch.cli import check, context, retune, serve, traffic
 from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
@@ -43,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mla-watch", description="Watch the routers of an MLA/MoE model.",
                     epilog=f"The manual: {DOCS}index.md")
     parser.add_argument("--version", action="version", version=f"mla-watch {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # [Any]: the subcommand modules are typed for ArgumentParser's subparsers; these make Parser ones (its subclass)
+    commands: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True,
+                                                                      metavar="COMMAND")
     traffic.add_parsers(commands)  # routing, baseline
     serve.add_parser(commands)
     check.add_parsers(commands)  # check, rules export

@@ -11,7 +11,7 @@ import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -30,7 +30,7 @@ class StrictLoader(yaml.SafeLoader):
 
 
 def check_positive(name: str, value: object, kind: type | tuple[type, ...] = (int, float)) -> None:
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, kind) or not cast(float, value) > 0:
         expected = "a positive integer" if kind is int else "a positive number"
         raise ValueError(f"{name} = {fmt(value)}: expected {expected}")
 

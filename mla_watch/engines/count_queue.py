@@ -86,9 +86,12 @@ class CountQueue:
         merged = next((decoded for decoded in decodes if decoded.error is not None), None)
         if merged is None and all(decoded.counts is not None for decoded in decodes):
             positioned = all(decoded.position_counts is not None for decoded in decodes)
-            merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[misc]
+            # every one counted (checked above), so no None; mypy also types the 0 of an empty sum, which a replay's
+            # prompts never give
+            merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[arg-type, misc]
                              tokens=sum(decoded.tokens for decoded in decodes),
-                             position_counts=sum(decoded.position_counts for decoded in decodes)  # type: ignore[misc]
+                             position_counts=sum(decoded.position_counts  # type: ignore[arg-type, misc]
+                                                 for decoded in decodes)
                              if positioned else None,
                              footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()])
         return self.routing.count(business_line, merged, streamed=True, client=client)

@@ -137,6 +137,7 @@ class RoutingDecoder:
         Raises :class:`DecoderDied` where the process died doing it."""
         if self.workers and len(data) >= FILE_HANDOFF_BYTES:
             self.start()
+            assert self._handoff is not None  # start() made it: workers > 0
             path = self._handoff / f"{os.getpid()}-{next(self._names)}"
             try:
                 await asyncio.to_thread(_write_private, path, data)
@@ -155,8 +156,9 @@ class RoutingDecoder:
         return sorted(await asyncio.gather(*(loop.run_in_executor(process.executor, os.getpid)
                                              for process in self._processes)))
 
-    async def _via_file(self, body: bytes, function, plan: RoutingPlan, *args) -> Decoded:  # type: ignore[no-untyped-def]
+    async def _via_file(self, body: bytes, function: Callable[..., Any], plan: RoutingPlan, *args: Any) -> Decoded:
         self.start()
+        assert self._handoff is not None  # start() made it: workers > 0
         path = self._handoff / f"{os.getpid()}-{next(self._names)}"
         try:
             await asyncio.to_thread(_write_private, path, body)
@@ -164,7 +166,7 @@ class RoutingDecoder:
         finally:
             path.unlink(missing_ok=True)  # the worker removes it first; this covers a worker that died
 
-    async def _run(self, function, *args, died: Callable[[], Any] | None = None) -> Any:  # type: ignore[no-untyped-def]
+    async def _run(self, function: Callable[..., Any], *args: Any, died: Callable[[], Any] | None = None) -> Any:
         """``function(*args)`` in a worker. A worker that dies holding this answer (killed, out of memory)
         is replaced and the answer is a ``decoder`` data error: it is never decoded again, least of all
         here, where it would move the worker's memory into the server."""

@@ -43,7 +43,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
@@ -296,11 +296,11 @@ def answer_token_ids(document: dict[str, Any], kind: str, *, strip: bool) -> lis
 MAX_CAPTURED_TOKENS = 1 << 20  # per choice; the capture keeps far fewer (--capture's own bound)
 
 
-def _token_ids(value: Any) -> bool:
+def _token_ids(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and all(type(i) is int and 0 <= i < 1 << 31 for i in value)
 
 
-def _compact(document: dict[str, Any]) -> bytes:
+def _compact(document: dict[str, Any] | None) -> bytes:
     return json.dumps(document, separators=(",", ":"), ensure_ascii=False).encode()
 
 
@@ -311,16 +311,18 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
     if plan.token_ids is not None:
         decoded.samples = answer_token_ids(document, plan.token_ids, strip=plan.strip_token_ids)
     if arrays and error is None:
+        assert plan.geometry is not None  # arrays were read: the plan reads routing
         try:
             totals = [routing_counts(ids, plan.geometry) for ids in arrays]
         except DataError as failure:
             decoded.error = failure
         else:
-            decoded.counts = sum(counts for counts, _ in totals)
+            decoded.counts = cast(np.ndarray, sum(counts for counts, _ in totals))  # arrays: never the empty 0
             decoded.tokens = sum(tokens for _, tokens in totals)
             if plan.position_edges is not None and starts is not None:
-                decoded.position_counts = sum(routing_position_counts(ids, plan.geometry, plan.position_edges, start)
-                                              for ids, start in zip(arrays, starts, strict=True))
+                decoded.position_counts = cast(np.ndarray, sum(
+                    routing_position_counts(ids, plan.geometry, plan.position_edges, start)
+                    for ids, start in zip(arrays, starts, strict=True)))
             if plan.footprint_tokens and starts is not None:
                 decoded.footprint_rows = _decode_rows(document, arrays, starts, plan)
     if extra is not None:
@@ -441,6 +443,7 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
                 if decode is _npy_or_lists:
                     kept.append((container, key, ids, _encode_npy))
                 elif plan.engine == "sglang":
+                    assert plan.geometry is not None  # routing decoded: the plan reads it
                     kept.append((container, key, _raw_int32(value, plan.geometry), encode_sglang))
     if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
         del document["sglext"]

@@ -87,10 +87,10 @@ def parse_geometry(data: Any, where: str = "config.json") -> EngineGeometry:
     """The geometry of a parsed ``config.json`` (a multimodal one's ``text_config`` when it has one)."""
     if not isinstance(data, dict):
         raise GeometryError([f"{where}: expected a JSON object"])
-    model_type = data.get("model_type") if isinstance(data.get("model_type"), str) else "unknown"
+    model_type = name if isinstance(name := data.get("model_type"), str) else "unknown"
     if "num_hidden_layers" not in data and isinstance(data.get("text_config"), dict):
         data, where = data["text_config"], f"{where}: text_config"
-        model_type = data.get("model_type") if isinstance(data.get("model_type"), str) else model_type
+        model_type = name if isinstance(name := data.get("model_type"), str) else model_type
     layers = _integer(data, "num_hidden_layers", where, 1, MAX_LAYERS)
     experts = _first_integer(data, EXPERT_KEYS, where, 1, MAX_EXPERTS)
     top_k = _first_integer(data, TOP_K_KEYS, where, 1, experts)

@@ -29,6 +29,7 @@ from typing import Any
 
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
+from mla_watch.engines.watch import EngineMetrics
 
 __all__ = ["MAX_STREAM_TOKENS", "REPLAY_OUTCOMES", "TOKEN_IDS_FIELD", "ReplayBudget", "StreamReplayer",
            "StreamTokens", "read_chunk", "read_chunk_apart"]
@@ -250,7 +251,7 @@ class StreamReplayer:
         self._logged_at = float("-inf")
 
     @property
-    def metrics(self):  # type: ignore[no-untyped-def]
+    def metrics(self) -> EngineMetrics:
         return self._counter.routing.metrics
 
     def sampled(self) -> bool:

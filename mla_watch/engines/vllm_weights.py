@@ -56,7 +56,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 import numpy as np
@@ -458,7 +458,7 @@ class VllmWeights(EngineWeights):
                 raise SwapError(f"{where}: prompt_logprobs[{position}] has no log-probability for token "
                                 f"{ids[position]}: expected the prompt token's own (vLLM always sends it)")
             logprobs.append(float(value))
-        routing = self._routing(choice, len(ids), where)
+        routing = self._routing(cast(dict[str, Any], choice), len(ids), where)  # positions came from it
         return SampleScore(loss=-math.fsum(logprobs), tokens=len(ids) - 1, routing=routing)
 
     def _routing(self, choice: dict[str, Any], rows: int, where: str) -> np.ndarray | None:

@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -231,7 +231,8 @@ class HistoryStore:
                 row = np.frombuffer(blob, dtype="<f4").reshape(-1, len(self.values))[: self.max_series]
                 tier.append(float(t), row.astype(np.float32))
         for tier in self.tiers:
-            has = np.isfinite(tier.data[tier.start:tier.end, :, :self._tokens]).any(axis=2)  # [point, series]
+            # [point, series]; any() over an axis of a 3-D array is an array (numpy's types allow a scalar)
+            has = cast(np.ndarray, np.isfinite(tier.data[tier.start:tier.end, :, :self._tokens]).any(axis=2))
             if has.size:
                 newest = has.shape[0] - 1 - np.argmax(has[::-1], axis=0)
                 seen = np.where(has.any(axis=0), tier.times[tier.start + newest], -np.inf)
@@ -497,7 +498,9 @@ class HistoryStore:
             if max_cells is not None and buckets * len(chosen) > max_cells:
                 raise ValueError(f"{buckets} buckets x {len(chosen)} series exceed {max_cells} values")
             ids = np.array([sid for sid, _ in chosen], dtype=np.int64)
-            times_parts, value_parts, small_parts = [], [], []
+            times_parts: list[np.ndarray] = []
+            value_parts: list[np.ndarray] = []
+            small_parts: list[np.ndarray] = []
             for tier, lo, hi in self._parts(since, until):
                 if not tier.columns:  # points taken before any series had a token
                     continue
@@ -561,7 +564,8 @@ def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
 def _matrix(rows: list[tuple], width: int) -> np.ndarray:
     """Records' values as float32 ``[series, value]``: NaN for None (no baseline, no locality) and infinities."""
     cells = np.array(rows, dtype=object).reshape(len(rows), width)
-    cells[np.equal(cells, None)] = np.nan
+    # numpy's types leave None out of what a ufunc takes; on an object array it compares each cell
+    cells[np.equal(cells, None)] = np.nan  # type: ignore[call-overload]
     matrix = cells.astype(np.float32)
     matrix[~np.isfinite(matrix)] = np.nan
     return matrix

@@ -9,6 +9,8 @@ then MoE layers of 64 routed experts (top-6) plus one shared expert, with DeepSe
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import DeepseekV32Config
 
 __all__ = ["BUNDLED_ARCHITECTURE", "bundled_config"]
@@ -44,7 +46,7 @@ BUNDLED_ARCHITECTURE: dict[str, object] = {
 def bundled_config(vocab_size: int, *, pad_token_id: int, bos_token_id: int, eos_token_id: int,
                    **overrides: object) -> DeepseekV32Config:
     """The bundled architecture for a tokenizer of ``vocab_size`` tokens."""
-    values = {**BUNDLED_ARCHITECTURE, **overrides}
+    values: dict[str, Any] = {**BUNDLED_ARCHITECTURE, **overrides}
     config = DeepseekV32Config(
         vocab_size=vocab_size,
         pad_token_id=pad_token_id,

@@ -174,10 +174,11 @@ def _rebalance(model: torch.nn.Module, probe: Any, gamma: float) -> None:
 
 
 @torch.no_grad()
-def perplexity(model: torch.nn.Module, sequences: Sequence[list[int]], batch_size: int = 16) -> float:
+def perplexity(model: DeepseekV32ForCausalLM, sequences: Sequence[list[int]], batch_size: int = 16) -> float:
     """Per-token perplexity of ``sequences`` (right-padded batches, padding excluded)."""
     total_loss, total_tokens = 0.0, 0
     pad = model.config.pad_token_id
+    assert pad is not None  # bundled_config sets it
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start : start + batch_size]
         width = max(len(s) for s in chunk)
@@ -215,7 +216,7 @@ def routing_by_domain(model: torch.nn.Module, encoded: dict[str, list[list[int]]
 
 
 @torch.no_grad()
-def sample_completions(model: torch.nn.Module, tokenizer: Any, seed: int,
+def sample_completions(model: DeepseekV32ForCausalLM, tokenizer: Any, seed: int,
                        max_new_tokens: int = 80) -> dict[str, dict[str, str]]:
     samples = {}
     for domain in corpus.DOMAINS:

@@ -255,9 +255,9 @@ class SamplingValues:
             if value is None:
                 values[name] = param.default
             elif param.integer and is_number(value) and float(value).is_integer():
-                values[name] = int(value)  # type: ignore[arg-type]
+                values[name] = int(value)
             elif not param.integer and is_number(value):
-                values[name] = float(value)  # type: ignore[arg-type]
+                values[name] = float(value)
             else:
                 values[name] = value  # refused by __post_init__, naming it
         return cls(**values)

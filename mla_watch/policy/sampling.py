@@ -76,7 +76,7 @@ class LogitsProcessor(ABC):
     """
 
     @abstractmethod
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Return processed scores (a new tensor)."""
 
     def __repr__(self) -> str:
@@ -96,7 +96,7 @@ class RepetitionPenalty(LogitsProcessor):
             raise ValueError(f"penalty={penalty!r} is invalid: expected a finite number > 0")
         self.penalty = float(penalty)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(1)
         vocab_size = scores.shape[-1]
@@ -115,7 +115,7 @@ class Temperature(LogitsProcessor):
             raise ValueError(f"temperature={temperature!r} is invalid: expected a finite number > 0")
         self.temperature = float(temperature)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         return scores / self.temperature
 
 
@@ -131,7 +131,7 @@ class TopK(LogitsProcessor):
         self.filter_value = float(filter_value)
         self.min_tokens_to_keep = int(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         k = min(self.top_k, scores.size(-1))
         kth = torch.topk(scores, k)[0][..., -1, None]
         return scores.masked_fill(scores < kth, self.filter_value)
@@ -150,7 +150,7 @@ class TopP(LogitsProcessor):
         self.filter_value = float(filter_value)
         self.min_tokens_to_keep = int(min_tokens_to_keep)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         sorted_logits, sorted_indices = torch.sort(scores, descending=False)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         sorted_remove = cumulative <= (1 - self.top_p)
@@ -175,8 +175,8 @@ def build_processors(params: SamplingParams) -> list[LogitsProcessor]:
 
 
 def apply_processors(
-    processors: Sequence[LogitsProcessor], input_ids: torch.LongTensor, scores: torch.FloatTensor
-) -> torch.FloatTensor:
+    processors: Sequence[LogitsProcessor], input_ids: torch.Tensor, scores: torch.Tensor
+) -> torch.Tensor:
     """Apply ``processors`` in order; the inputs are not modified."""
     for processor in processors:
         scores = processor(input_ids, scores)
@@ -184,8 +184,8 @@ def apply_processors(
 
 
 def choose_next(
-    scores: torch.FloatTensor, params: SamplingParams, generator: torch.Generator | None
-) -> torch.LongTensor:
+    scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """Pick one token per row of ``scores`` ``(batch, vocab)``; returns ``(batch,)`` token ids.
 
     Greedy (``temperature == 0``) takes the argmax; otherwise one draw from ``softmax(scores)`` with

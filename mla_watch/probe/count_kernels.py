@@ -124,15 +124,15 @@ class _CountingKernels:
                          for value, shape in zip(values, shapes, strict=True))
         array = np.asarray(keys, dtype=np.int64)
         blocks = rows * seq * array
-        firsts = ((np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]).ravel()
-        parts = [array - 1, firsts, np.concatenate([firsts, firsts + np.repeat(array, rows * seq)]),
+        starts = ((np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]).ravel()
+        parts = [array - 1, starts, np.concatenate([starts, starts + np.repeat(array, rows * seq)]),
                  (array[:, None] - seq + np.arange(seq)[None, :]).ravel()]
         if self._device.type == "cpu":
             return tuple(torch.from_numpy(part.reshape(shape))  # type: ignore[return-value]
                          for part, shape in zip(parts, shapes, strict=True))
         sizes = [part.size for part in parts]
         together = torch.from_numpy(np.concatenate(parts)).to(self._device)
-        return tuple(piece.view(shape)  # type: ignore[return-value]
+        return tuple(piece.view(shape)
                      for piece, shape in zip(together.split(sizes), shapes, strict=True))
 
     def _count_experts(self, columns: _Columns, chosen: list[torch.Tensor], count: int, batch: int,

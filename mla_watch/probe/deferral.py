@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -263,8 +263,10 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         """Which tokens of each pass are real, ``[passes, B, S]``: the last ``S`` columns of its 2-D attention
         mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
         wanted columns taken at offsets computed on the host."""
+        masks = cast(list[torch.Tensor], [item.attention for item in passes])  # one layout: every pass has its mask
         if not self._mask_warned and any(item.attention_version != _PADDING_READ
-                                         and item.attention._version != item.attention_version for item in passes):
+                                         and mask._version != item.attention_version
+                                         for item, mask in zip(passes, masks, strict=True)):
             self._mask_warned = True
             warnings.warn(
                 "mla_watch probe: an attention_mask was changed in place after the forward pass that used it and "
@@ -276,15 +278,15 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         first = passes[0]
         batch, seq = first.batch, first.seq
         if any(item.attention_version == _PADDING_READ for item in passes):
-            return torch.stack([item.attention if item.attention_version == _PADDING_READ
-                                else item.attention[:, -seq:] != 0 for item in passes])
+            return torch.stack([mask if item.attention_version == _PADDING_READ else mask[:, -seq:] != 0
+                                for item, mask in zip(passes, masks, strict=True)])
         if len(passes) == 1:
-            return (first.attention[:, -seq:] != 0).unsqueeze(0)
-        blocks = batch * np.asarray([item.attention.shape[1] for item in passes], dtype=np.int64)
+            return (masks[0][:, -seq:] != 0).unsqueeze(0)
+        blocks = batch * np.asarray([mask.shape[1] for mask in masks], dtype=np.int64)
         starts = (np.cumsum(blocks) - blocks)[:, None, None]
         lengths = blocks[:, None, None] // batch
         columns = starts + np.arange(batch)[None, :, None] * lengths + lengths - seq + np.arange(seq)[None, None, :]
-        flat = _flatten_dense_tensors([item.attention for item in passes])
+        flat = _flatten_dense_tensors(masks)
         index = torch.from_numpy(columns.reshape(-1))
         return flat.take(index if self._device.type == "cpu" else index.to(self._device)).view(
             len(passes), batch, seq) != 0

@@ -27,11 +27,12 @@ unless ``indices(output)`` is an integer tensor of shape ``[..., top_k]`` with v
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -66,6 +67,11 @@ class UnknownRouterError(ValueError):
     """A module looks like a router but no rule knows how to read it."""
 
 
+# A router module of the model's own class: its attributes (num_experts, top_k, ...) are the model's, which
+# torch's types know only as Tensor | Module.
+RouterModule: TypeAlias = Any
+
+
 def _last_of_tuple(output: Any) -> torch.Tensor:
     return output[-1] if isinstance(output, tuple | list) else output
 
@@ -85,12 +91,12 @@ class RouterSpec:
     """
 
     kind: Kind
-    num_slots: Callable[[nn.Module, Any], int]
-    top_k: Callable[[nn.Module, Any], int]
+    num_slots: Callable[[RouterModule, Any], int]
+    top_k: Callable[[RouterModule, Any], int]
     indices: Callable[[Any], torch.Tensor] = _last_of_tuple
     mask_argument: tuple[str, int] | None = None
     may_pad: bool = False
-    zero_slots: Callable[[nn.Module, Any], Sequence[int]] | None = None
+    zero_slots: Callable[[RouterModule, Any], Sequence[int]] | None = None
     hash_routed: bool = False
 
 
@@ -140,7 +146,7 @@ def _topk_of(k: int, *, position: int = -1, softmax_first: bool = False) -> Call
     return indices
 
 
-def _llama4_spec(module: nn.Module, config: Any) -> RouterSpec:
+def _llama4_spec(module: RouterModule, config: Any) -> RouterSpec:
     # forward returns (scores, logits); Llama4TextMoe's experts use topk(logits, top_k, dim=1) - the router's
     # own call - whose indices it scattered into the scores and did not return.
     return RouterSpec("expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k),
@@ -176,7 +182,7 @@ def _dbrx_spec(module: nn.Module, config: Any) -> RouterSpec:
                       indices=_topk_of(_dbrx_top_k(module, config), softmax_first=True))
 
 
-def _jetmoe_spec(module: nn.Module, config: Any) -> RouterSpec:
+def _jetmoe_spec(module: RouterModule, config: Any) -> RouterSpec:
     # forward returns (sorted expert order, batch index, gates, expert sizes, logits): the per-token picks are
     # logits.topk(top_k, dim=1), recomputed on the same float32 logits.
     return RouterSpec("expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k),
@@ -487,7 +493,7 @@ def _check_at_attach(module: nn.Module, config: Any, info: RouterInfo, spec: Rou
         try:
             chosen = spec.indices(output)
         except Exception as error:  # the spec itself failed on the module's real output type
-            problem = f"indices(output) raised {type(error).__name__}: {error} on {_describe(output)}"
+            problem: str | None = f"indices(output) raised {type(error).__name__}: {error} on {_describe(output)}"
         else:
             problem = indices_problem(chosen, info, spec.may_pad)
         if problem is not None:
@@ -517,7 +523,8 @@ def _checked_on_first_output(spec: RouterSpec, info: RouterInfo, path: str, clas
             pending.clear()
         return chosen
 
-    indices.__wrapped__ = inner  # what the probe reads once the first output passed
+    # __wrapped__ alone (no name or docstring copied): what the probe reads once the first output passed
+    functools.update_wrapper(indices, inner, assigned=(), updated=())
     return replace(spec, indices=indices)
 
 

@@ -149,7 +149,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
         self._model_watch = _WatchedModel(model, self)
         self._model_watch.install()
         self.shipper: Shipper | None = None
-        self._sink = self.windows.add
+        self._sink: Callable[[str, str, CountDelta], None] = self.windows.add
         if agent_url is not None:
             self.shipper = Shipper(agent_url, self.routers, token=agent_token, source=agent_source)
             self._sink = self.shipper.add

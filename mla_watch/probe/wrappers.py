@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ class _WatchedForward:
         return copy.deepcopy(self.original, memo)
 
     def install(self) -> None:
-        self.module.forward = self
+        self.module.forward = cast(Callable[..., Any], self)  # the subclasses are callable
 
     def restore(self) -> None:
         current = self.module.__dict__.get("forward")
@@ -129,6 +129,7 @@ class _WatchedRouter(_WatchedForward):
         current = self.probe._current
         if (current is None or self.unchecked) and self.probe._router_call(self, output, args, kwargs):
             return output
+        assert current is not None  # _router_call kept it only inside a watched pass
         if self.mask_argument is None:
             # The picks, not the output: a router's logits are many times the size of its choices.
             current.outputs.append((self.router, self.read(output), None))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> Mod
     records: dict[str, RouterStats] = {}
     if routed:
         totals = [routing_counts(np.asarray(ids), geometry) for ids in routed]
-        layer_counts = sum(total for total, _ in totals)
+        layer_counts = cast(np.ndarray, sum(total for total, _ in totals))  # routed: never the empty 0
         routed_tokens = sum(rows for _, rows in totals)
         for index, info in enumerate(geometry.routers()):
             stats = compute_stats(layer_counts[index], kind="expert", top_k=info.top_k, tokens=routed_tokens)

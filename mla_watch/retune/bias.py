@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +56,8 @@ class BiasRefitResult:
 
 def _forward(model: torch.nn.Module, batch: Any) -> None:
     if isinstance(batch, torch.Tensor):
-        model(input_ids=batch.to(model.device) if hasattr(model, "device") else batch)
+        # a transformers model's device: torch's types know it only as Tensor | Module
+        model(input_ids=batch.to(cast(torch.device, model.device)) if hasattr(model, "device") else batch)
     elif isinstance(batch, Mapping):
         device = getattr(model, "device", None)
         model(**{key: value.to(device) if isinstance(value, torch.Tensor) and device is not None else value

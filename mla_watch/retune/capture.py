@@ -237,7 +237,7 @@ class TrafficCapture:
                 over_bytes = self._trim_bytes(db) if self._bytes > self.max_bytes else 0
                 return expired, over_count, over_bytes
 
-            dropped = self._transaction(db, body)
+            dropped: tuple[int, int, int] = self._transaction(db, body)
             if dropped[0] or dropped[2]:
                 self._log_pruned(*dropped, level=logging.DEBUG)  # steady state at the byte budget: every add
 
@@ -329,7 +329,8 @@ class TrafficCapture:
         if limit == 0:
             return []
         cutoff = self.clock() - self.max_age_seconds
-        where, params = "created_at >= ?", [cutoff]
+        where = "created_at >= ?"
+        params: list[object] = [cutoff]
         if business_line is not None:
             where += " AND business_line = ?"
             params.append(business_line)

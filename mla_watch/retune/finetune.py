@@ -200,7 +200,7 @@ def _check_settings(lr: float, epochs: int, balance_weight: float, lora_rank: in
 def _select(model: torch.nn.Module, routers: Sequence[str] | None) -> list[str]:
     modules = router_modules(model)
     trainable = [name for name, module in modules.items()
-                 if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2]
+                 if isinstance(weight := getattr(module, "weight", None), torch.Tensor) and weight.dim() == 2]
     if isinstance(routers, str):
         routers = [routers]  # one name, not its characters
     selected = list(dict.fromkeys(trainable if routers is None else routers))
@@ -250,7 +250,8 @@ def finetune_routers(
     inputs = [_inputs(batch, position, device) for position, batch in enumerate(batches)]
     modules = router_modules(work)
     experts = list(modules)
-    trained = {name: modules[name] for name in selected}
+    # routers of the model's own classes, whose weight torch's types know only as Tensor | Module
+    trained: dict[str, Any] = {name: modules[name] for name in selected}
     generator = torch.Generator().manual_seed(seed)
     alpha = None if lora_rank is None else float(lora_rank if lora_alpha is None else lora_alpha)
 
@@ -264,6 +265,7 @@ def finetune_routers(
             module.weight.requires_grad_(True)
             params.append(module.weight)
         else:
+            assert alpha is not None  # set with lora_rank
             delta = _LowRankDelta(module.weight, lora_rank, alpha / lora_rank, generator)
             parametrize.register_parametrization(module, "weight", delta)
             params.extend([delta.A, delta.B])

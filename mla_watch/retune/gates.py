@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mla_watch.quality.band import DEFAULT_BAND, Band
 from mla_watch.quality.paired import (
@@ -92,7 +92,7 @@ def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple
     value = score.metric(router, band.metric)
     measured = value is not None and math.isfinite(value)
     too_small = score.too_small(router)
-    if measured and band.contains(value):
+    if measured and band.contains(cast(float, value)):  # measured: not None
         return "pass", f"{router}: {band.metric} {value:.3f} on {where} is inside the band ({band.describe()})", value
     if measured and not too_small:
         return "reject", (f"{router}: {band.metric} {value:.3f} on {where} is outside the band "

@@ -266,7 +266,7 @@ class Retuner:
                 f"samples (let more traffic be captured: a repeated prompt counts once)")
 
     # ------------------------------------------------------------------ parts
-    def _samples(self, spec: JobSpec) -> tuple[list[list[int]], dict[str, Any]]:
+    def _samples(self, spec: JobSpec) -> tuple[list[TokenSample], dict[str, Any]]:
         line = spec.business_line
         if spec.dataset:
             try:

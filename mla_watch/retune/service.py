@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -269,7 +269,7 @@ class RetuneService:
         """Run ``job_id`` now, or at wall-clock time ``at`` (the scheduler's own clock is the wall clock)."""
         if self._stopping.is_set():
             return  # recorded pending or waiting (with its retry_at) in the job store: the next start() schedules it
-        when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=UTC)
+        when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=timezone.utc)
         self.scheduler.add_job(_run_scheduled, trigger="date", run_date=when, args=[self._key, job_id], id=job_id,
                                name=f"retune {job_id}", replace_existing=True)
 

@@ -38,7 +38,7 @@ __all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", 
 @dataclass
 class FitContext:
     model: torch.nn.Module  # the live model: read it, never write it
-    batches: list[Mapping[str, torch.Tensor]]  # training batches (input_ids, attention_mask)
+    batches: Sequence[Mapping[str, torch.Tensor]]  # training batches (input_ids, attention_mask)
     routers: list[str]  # the routers the job may change
     registry: RouterVersions | None  # None outside the server (an external worker cannot restore)
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -131,8 +131,8 @@ class RouterFinetuneStrategy(Strategy):
         if not modules:
             return f"{type(model).__name__} has no expert router"
         without = [name for name, module in modules.items()
-                   if not isinstance(getattr(module, "weight", None), torch.nn.Parameter)
-                   or module.weight.dim() != 2]
+                   if not isinstance(weight := getattr(module, "weight", None), torch.nn.Parameter)
+                   or weight.dim() != 2]
         if without:
             return f"routers {without} have no 2-D weight parameter to train"
         return None

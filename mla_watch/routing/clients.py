@@ -167,7 +167,7 @@ class ClientShares:
     def _totals(self, business_line: str | None) -> tuple[dict[str, int], dict[str, float], int]:
         with self._lock:
             lines = list(self._lines.values()) if business_line in (None, ALL_LINES) else (
-                [self._lines[business_line]] if business_line in self._lines else [])  # type: ignore[index]
+                [self._lines[business_line]] if business_line in self._lines else [])
             window: dict[str, int] = {}
             long_run: dict[str, float] = {}
             for line in lines:

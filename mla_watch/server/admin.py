@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -241,8 +242,12 @@ class Admin:
                 raise ApiError(400, str(error), param=f"options.{name}", code="invalid_value") from None
         dataset = body.get("dataset")
         if dataset is not None:
+            if not hasattr(service.retuner, "dataset_dir"):  # an engine's routers: fitted and gated on captured traffic
+                raise ApiError(400, "dataset: re-tuning an engine's routers reads captured traffic, not a dataset: "
+                               "expected no 'dataset'", param="dataset", code="invalid_value")
             try:  # a bare name of a file in the dataset directory; any other value gets the same answer
-                resolve_dataset(dataset, service.retuner.dataset_dir or ctx.config.state_dir / DATASETS_DIR_NAME)
+                dataset_dir: Path | None = getattr(service.retuner, "dataset_dir", None)  # a local Retuner's
+                resolve_dataset(dataset, dataset_dir or ctx.config.state_dir / DATASETS_DIR_NAME)
             except ValueError as error:
                 raise ApiError(400, str(error), param="dataset", code="invalid_value") from None
         force = body.get("force", False)

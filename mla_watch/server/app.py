@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
@@ -193,6 +193,7 @@ class Sidecar:
 
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> AlertService:
+        assert self.config.rules is not None  # made only with rules
         self.rules = DirectoryStore(self.config.rules, load_rules_dir, what="rules",  # RuleError at start-up
                                     on_reload=self._on_rules_reload)
         service = AlertService(
@@ -252,11 +253,11 @@ class Sidecar:
                                                        max((info.num_slots for info in experts), default=1))
             serving.model_worker = ModelWorker(model, tokenizer, probe, max_queue=config.max_queue, clock=self.clock,
                                     on_job_done=lambda job, seconds: self.metrics.queue_depth.set(
-                                        serving.model_worker.queue_depth))
+                                        cast(ModelWorker, serving.model_worker).queue_depth))  # this worker
             probe.windows.baselines = self.baselines
-            experts = [info.num_slots for info in probe.routers if info.kind == "expert"]
-            if experts:
-                serving.model_worker.footprint = FootprintSampler(max(experts))
+            expert_slots = [info.num_slots for info in probe.routers if info.kind == "expert"]
+            if expert_slots:
+                serving.model_worker.footprint = FootprintSampler(max(expert_slots))
             self.retuning.start_local(model, tokenizer)
             self.sources.trust_baselines(serving.retune)
             if self.alerts is not None:  # readings tell the causes of alerts

@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -47,7 +47,7 @@ class Generation:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, "chat")
 
-    async def _serve(self, request: Request, kind: str) -> Response:
+    async def _serve(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
         endpoint = request.url.path
         started = time.perf_counter()
         policy_label: str | None = None
@@ -107,9 +107,12 @@ class Generation:
 
     def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy) -> list[int]:
         """Tokenize the prompt (in a worker thread: it can take a while) and check it fits the policy."""
+        assert self.ctx.serving.model_worker is not None  # generating locally: the model is in
         limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         most_tokens = min(limit, task.max_prompt_tokens or limit)
-        chars = len(parsed.prompt) if parsed.kind != "chat" else sum(len(m["content"]) for m in parsed.messages)
+        # the request parser gives a completion its prompt and a chat its messages
+        chars = (len(cast(str, parsed.prompt)) if parsed.kind != "chat"
+                 else sum(len(m["content"]) for m in cast(list[dict[str, str]], parsed.messages)))
         if chars > most_tokens * MAX_CHARS_PER_TOKEN:
             raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
                                 f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
@@ -136,6 +139,7 @@ class Generation:
         other adjustments; a value the request asked for itself that does not fit is a 400 that quotes it, as an
         engine would answer.
         """
+        assert self.ctx.serving.model_worker is not None  # generating locally: the model is in
         limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         room = limit - prompt_tokens
         if params.max_tokens <= room:
@@ -166,6 +170,7 @@ class Generation:
                   deadline=self.ctx.clock() + self.ctx.config.request_timeout, loop=asyncio.get_running_loop(),
                   prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None,
                   client=client)
+        assert self.ctx.serving.model_worker is not None  # generating locally: the model is in
         try:
             self.ctx.serving.model_worker.submit(job)
         except Overloaded as error:
@@ -196,7 +201,7 @@ class Generation:
         line = answer.decision.business_line
         generated = sum(answer.completion_tokens)
         self.ctx.metrics.completion_tokens.labels(line).inc(generated)
-        self.ctx.clients.add(line, job.client, job.prompt_tokens + generated)
+        self.ctx.clients.add(line, cast(str, job.client), job.prompt_tokens + generated)  # a request's job: set
 
     def _job_error(self, error: Exception) -> ApiError:
         if isinstance(error, JobTimedOut):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from starlette.responses import JSONResponse
 
@@ -115,7 +115,7 @@ def too_large(step: float, why: str) -> ApiError:
 
 def encode_history(body: Mapping[str, Any]) -> bytes:
     """``body`` as the JSON sent, refused (:func:`too_large`) past :data:`MAX_ANSWER_BYTES`."""
-    encoded = JSONResponse(body).body
+    encoded = cast(bytes, JSONResponse(body).body)  # render() gives bytes; starlette's types allow a memoryview
     if len(encoded) > MAX_ANSWER_BYTES:
         raise too_large(body["step_seconds"], f"{len(encoded)} bytes of JSON exceed {MAX_ANSWER_BYTES}")
     return encoded

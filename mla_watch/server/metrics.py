@@ -149,7 +149,7 @@ class ReferenceCollector(Collector):
     def __init__(self, prober: Callable[[], Any]) -> None:
         self._prober = prober
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         from mla_watch.cause.readings import compare
 
         labels = list(SERIES_LABELS)

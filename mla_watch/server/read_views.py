@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -124,7 +124,7 @@ class ReadViews:
             raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
                                 f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
-        answer = {"business_line": business_line, "business_lines": lines, "routers": routers}
+        answer: dict[str, Any] = {"business_line": business_line, "business_lines": lines, "routers": routers}
         probe, engine = self.sources.probe, self.sources.engine_routing
         positions = probe.positions if probe is not None else engine.positions if engine is not None else None
         if positions is not None:
@@ -137,7 +137,8 @@ class ReadViews:
         def body() -> bytes:
             lines = [None, *self.sources.routing_snapshot().business_lines]
             clients = {line or ALL_LINES: self.clients.shares(line) for line in lines[:REFERENCE_VIEW_LINES]}
-            return JSONResponse({**self.references.describe(), "clients": clients}).body
+            # render() gives bytes; starlette's types allow a memoryview
+            return cast(bytes, JSONResponse({**self.references.describe(), "clients": clients}).body)
 
         return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
                         media_type="application/json")
@@ -150,7 +151,7 @@ class ReadViews:
             series = document["series"]
             document["series"], document["truncated"] = series[:BASELINE_VIEW_LIMIT], max(
                 0, len(series) - BASELINE_VIEW_LIMIT)
-            return JSONResponse(document).body
+            return cast(bytes, JSONResponse(document).body)  # render() gives bytes
 
         return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
                         media_type="application/json")

@@ -74,6 +74,7 @@ class Answer:
         return {**self._envelope(chunk=True), "choices": [self._choice(index, event.text, event.finish_reason, True)]}
 
     def first_chunk(self) -> dict[str, Any]:
+        choices: list[dict[str, Any]]
         if self.parsed.kind == "chat":
             choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                         "logprobs": None} for i in range(len(self.texts))]

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.engine import Action
@@ -53,6 +53,7 @@ class Retuning:
         from mla_watch.retune.service import RetuneService
         from mla_watch.retune.versions import RouterVersions
 
+        assert self.serving.model_worker is not None  # the loaded model's worker starts first
         state = ensure_private_dir(self.config.state_dir)  # 0700: it holds captured traffic
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
@@ -76,10 +77,13 @@ class Retuning:
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
         retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
-                          workdir=state / "retune-work", promote=lambda version: self.serving.retune.promote(version),
+                          workdir=state / "retune-work",
+                          # the service is made below, before any job runs
+                          promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
                           capture=capture, model_lock=self.serving.model_worker.model_lock, model_ref=self.config.model,
                           dataset_dir=datasets, reference=reference,
-                          health_rules=None if self.alerts is None else lambda: self.alerts.rules.rules,
+                          health_rules=None if self.alerts is None
+                          else lambda: cast(AlertService, self.alerts).rules.rules,
                           reference_prompts=self.references.gate)
         self.serving.retune = RetuneService(
             state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
@@ -147,6 +151,7 @@ class Retuning:
         except ValueError as error:
             log.warning("re-tuning the engine's routers is not available: %s", error)
             return f"re-tuning the engine's routers is not available: {error}"
+        assert config.upstream is not None  # beside an engine: --upstream
         if config.engine == "vllm":
             from mla_watch.engines.vllm_weights import VllmWeights
 
@@ -174,8 +179,10 @@ class Retuning:
             return windows.counts(line).get(router)
 
         retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
-                                capture=capture, promote=lambda version: self.serving.retune.promote(version),
-                                rollback=lambda: self.serving.retune.rollback(), loads=loads, reference=reference,
+                                capture=capture,  # the service is made below, before any job runs
+                                promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
+                                rollback=lambda: cast(RetuneService, self.serving.retune).rollback(), loads=loads,
+                                reference=reference,
                                 gate_timeout=config.engine_gate_timeout, reference_prompts=self.references.gate,
                                 reference_reader=self.references.engine_reader(geometry))
         self.serving.retune = RetuneService(
@@ -237,6 +244,7 @@ class Retuning:
         if windows is not None:
             windows.reset(routers)
         self.metrics.router_promotions.labels(kind).inc()
+        assert self.serving.retune is not None  # a promotion or rollback is the service's
         self.metrics.router_version.set(self.serving.retune.registry.live_version() or 0)
         self.sources.trust_baselines(self.serving.retune)
 
@@ -284,7 +292,7 @@ def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
     line_name = spec.business_line or ALL_LINES
     labels = {"alertname": "RouterRetuneProposed", "severity": "warning", "router": ",".join(spec.routers),
               "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
-    attempt = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
+    attempt: dict[str, Any] = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
     details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
                         for a in result.get("attempts", []))
     annotations = {

@@ -19,6 +19,7 @@ import re
 import ssl
 import time
 from collections.abc import AsyncIterator
+from typing import overload
 from urllib.parse import urlsplit
 
 __all__ = ["HEAD_MAX_BYTES", "Answer", "Headers", "UpstreamClient", "UpstreamError"]
@@ -52,6 +53,12 @@ class Headers:
         self._values: dict[str, str] = {}
         for name, value in fields:
             self._values[name] = f"{self._values[name]}, {value}" if name in self._values else value
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+
+    @overload
+    def get(self, name: str, default: str) -> str: ...
 
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._values.get(name.lower(), default)

@@ -70,7 +70,7 @@ class BoundedInflater:
             self.size = 0
         if self._inflater is None:
             return self._count(data)
-        pieces = []
+        pieces: list[bytes] = []
         while data:
             # One byte past the limit tells "too large" from "exactly full"; pieces of at most 1 MiB keep
             # zlib's output buffers small whatever the cap.
@@ -161,7 +161,9 @@ class LineDeadline:
             return await by_deadline(self.deadline, awaitable)
         if self._loop.time() >= self.deadline:
             with contextlib.suppress(AttributeError):
-                awaitable.close()  # type: ignore[attr-defined]  # never awaited: closed, without a warning
+                # never awaited: closed, without a warning (unused-ignore: checked as Python 3.10, mypy skips what
+                # follows the return above)
+                awaitable.close()  # type: ignore[attr-defined, unused-ignore]
             raise asyncio.TimeoutError
         task = asyncio.current_task()
         assert task is not None

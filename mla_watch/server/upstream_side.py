@@ -46,6 +46,7 @@ def build_upstream_side(config: ServerConfig, routing: EngineRouting | None,
                         capture: Capture | None) -> UpstreamSide:
     """The parts for ``config.upstream``, none started; ``routing``: the engine's routers' windows (beside vLLM or
     SGLang), ``capture``: where the token ids of its answers go (``serve --capture``)."""
+    assert config.upstream is not None  # the upstream side exists only with --upstream
     # Its processes start when an answer needs one: routing to count, or an answer too long for the event loop.
     decoder = RoutingDecoder(config.decode_workers)
     upstream = Upstream(
@@ -56,6 +57,7 @@ def build_upstream_side(config: ServerConfig, routing: EngineRouting | None,
         count_queue_bytes=config.count_queue_bytes, capture=capture)
     recorder = None
     if config.sglang_recorder_dir is not None:
+        assert routing is not None  # a recorder's dumps are an engine's routing read (checked with the flags)
         recorder = RecorderPoller(config.sglang_recorder_dir, config.upstream, routing,
                                   interval=config.sglang_recorder_interval,
                                   buffer_size=config.sglang_recorder_buffer,
