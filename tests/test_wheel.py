@@ -49,6 +49,7 @@ def test_a_wheel_installed_outside_the_repository_serves_with_the_shipped_polici
     names = zipfile.ZipFile(wheel).namelist()
     assert "mla_watch/shipped/policies/code_assistant.yaml" in names
     assert "mla_watch/shipped/rules/routing.yaml" in names
+    assert "mla_watch/py.typed" in names  # type checkers read the Python API's hints
 
     # The venv reuses this interpreter's dependencies (torch, transformers: no network needed) but
     # gets mla_watch only from the wheel; its own site-packages come before the inherited ones.
