@@ -510,6 +510,22 @@ def test_a_retune_request_naming_no_router_beside_an_engine_asks_for_routers(url
     assert "no watched router is out of band" in answer.json()["error"]["message"]
 
 
+
+def test_a_retune_request_naming_a_dataset_beside_an_engine_is_refused_naming_it(url: str, tmp_path: Path,
+                                                                                   config_json: Path) -> None:
+    """An engine's routers are fitted and gated on captured traffic: a dataset is refused, not a server error."""
+    checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
+    token = "engine-admin-token-0123"
+    router = f"model.layers.{GEOMETRY.moe_layers[0]}.mlp.gate"
+    with running_sidecar(upstream=url, engine="vllm", model_config=checkpoint, engine_retune="propose",
+                         capture=True, admin_token=token) as (sidecar_url, _):
+        answer = httpx.post(sidecar_url + "/admin/retune", json={"routers": [router], "dataset": "mine.jsonl",
+                                                                 "force": True},
+                            timeout=30, headers={"Authorization": f"Bearer {token}"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "dataset" and "reads captured traffic, not a dataset" in error["message"]
+
 def test_model_config_naming_the_config_json_reads_the_routers_beside_it(url: str, tmp_path: Path,
                                                                          config_json: Path) -> None:
     """As the README and engines.md show it: --model-config /models/DeepSeek-V3/config.json, a file."""
