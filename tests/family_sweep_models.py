@@ -190,6 +190,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "glm4v_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                       "partial_rotary_factor": 0.5}},
     "hy_v4_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
+    "kolibri1_1": {"index_num_heads": 2},  # at most the query heads of one key head (4 // 2)
 }
 
 

@@ -39,7 +39,6 @@ CANNOT_BUILD = {
     "dots3_note": "per-layer configs (per_layer_config) cannot be shrunk by the generic rule",
     "ernie4_5_vl_moe": "text and vision experts split by modality ids the text-only forward does not give",
     "mistral4": "tiny config: its rotary embedding pairs dims that the shrunk MLA head does not have",
-    "mistral_large4": "per-layer KV-sharing map sized for the full model cannot be cut to 2 layers",
     "qwen3_omni_moe": "no text-only model class in the auto mappings (thinker/talker need the omni config)",
     "unlimited_ocr": "no text-only model class: the model needs image inputs",
 }

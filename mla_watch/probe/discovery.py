@@ -118,13 +118,22 @@ def _indexer_slots(module: nn.Module, config: Any) -> int:
     return positions
 
 
+def _attention_mask_argument(module: nn.Module) -> tuple[str, int] | None:
+    """``("attention_mask", its position in forward)``: DeepSeek-V3.2 passes the mask 4th, Mistral-Large-4 3rd."""
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):  # a forward without a readable signature: DeepSeek-V3.2's order
+        return ("attention_mask", 3)
+    return ("attention_mask", names.index("attention_mask")) if "attention_mask" in names else None
+
+
 def _indexer_spec(module: nn.Module) -> RouterSpec:
     return RouterSpec(
         kind="indexer",
         num_slots=_indexer_slots,
         top_k=lambda module, config: int(module.index_topk),
         indices=lambda output: output,
-        mask_argument=("attention_mask", 3),
+        mask_argument=_attention_mask_argument(module),
         # DeepSeek-V4's compressed-attention indexer pads its choices with -1.
         may_pad=hasattr(module, "compress_rate"),
     )
@@ -207,6 +216,11 @@ def _gemma4_spec(module: nn.Module, config: Any) -> RouterSpec:
     return RouterSpec("expert", lambda m, c: int(m.proj.out_features), lambda m, c: int(m.config.top_k_experts))
 
 
+def _projection_spec(module: nn.Module, config: Any) -> RouterSpec:
+    # Ergo: (logits, weights, indices) with top_k but no expert count: the projection's width is the count.
+    return RouterSpec("expert", lambda m, c: int(m.linear.out_features), lambda m, c: int(m.top_k))
+
+
 def _hash_spec(module: nn.Module, config: Any) -> RouterSpec:
     # (logits, weights, indices) where indices = tid2eid[input_ids]: counted as chosen, flagged as hash-routed.
     return replace(_expert_spec(), hash_routed=True)
@@ -230,6 +244,14 @@ def _qsa_indexer_spec(module: nn.Module, config: Any) -> RouterSpec:
                       indices=_mask_positions, may_pad=True)
 
 
+def _budget_mask_indexer_spec(module: nn.Module, config: Any) -> RouterSpec:
+    # Kolibri 1.1's indexer returns (mask of the keys each query attends to, the pool it chose them from); each
+    # query keeps at most index_topk scored keys plus its sink and local tokens, so that budget is its top-k.
+    return RouterSpec("indexer", _indexer_slots,
+                      lambda m, c: int(m.topk) + int(m.num_local_tokens) + int(m.num_sink_tokens),
+                      indices=lambda output: _mask_positions(output[0]), may_pad=True)
+
+
 BUILTIN_SPECS: dict[str, Callable[[nn.Module, Any], RouterSpec]] = {
     "Llama4Router": _llama4_spec,
     "ZayaRouter": _zaya_spec,
@@ -239,11 +261,13 @@ BUILTIN_SPECS: dict[str, Callable[[nn.Module, Any], RouterSpec]] = {
     "LongcatFlashTopkRouter": _longcat_spec,
     "InklingTopkRouter": _third_of_four_spec,
     "Gemma4TextRouter": _gemma4_spec,
+    "ErgoTopkRouter": _projection_spec,
     "DiffusionGemmaTextRouter": _gemma4_spec,
     "DeepseekV4HashRouter": _hash_spec,
     "Glm5NextTextIndexer": _padded_indexer_spec,
     "MiniMaxM3VLIndexer": _padded_indexer_spec,
     "Qwen4ExpTextQSAIndexer": _qsa_indexer_spec,
+    "Kolibri1_1Indexer": _budget_mask_indexer_spec,
 }
 
 
