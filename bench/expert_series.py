@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.series import EXPERT_SELECTIONS, EXPERT_TOKENS
 from mla_watch.routing.windows import RouterWindows, take_snapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.server.metrics import ServerMetrics
@@ -57,7 +58,7 @@ def series_of(body: bytes) -> int:
 
 def expert_series_of(body: bytes) -> int:
     return sum(len(family.samples) for family in text_string_to_metric_families(body.decode())
-               if family.name in ("mla_watch_expert_selections", "mla_watch_expert_tokens"))
+               if family.name in (EXPERT_SELECTIONS, EXPERT_TOKENS))
 
 
 def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float]:

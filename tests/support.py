@@ -42,14 +42,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Run an ASGI app with uvicorn on a loopback port (a free one by default); yield its base URL."""
+def serve_app(app, *, host: str = "127.0.0.1", port: int = 0,
+              tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a loopback port (a free one by default); yield its base URL.
+
+    ``tls``: ``(certificate file, key file)`` to serve HTTPS instead.
+    """
     # IPPROTO_TCP, not 0: asyncio turns Nagle off only for sockets it knows are TCP (45 ms a request otherwise)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    certificates = {} if tls is None else {"ssl_certfile": str(tls[0]), "ssl_keyfile": str(tls[1])}
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5, **certificates)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
@@ -59,7 +64,7 @@ def serve_app(app, *, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://{host}:{port}"
+        yield f"{'http' if tls is None else 'https'}://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(30)

@@ -85,3 +85,42 @@ def test_no_import_circle() -> None:
 def test_the_package_root_keeps_the_public_face_only() -> None:
     root_modules = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(root_modules) <= MAX_ROOT_MODULES, root_modules
+
+
+# Rule-group names share the prefix but name no series.
+GROUP_NAMES = {"mla_watch.alerting.promexport": {"mla_watch_routing"}, "mla_watch.alerting.fleet": {"mla_watch_fleet"}}
+
+
+def test_series_names_are_written_in_their_home_only() -> None:
+    """A metric name spelled out anywhere but where it is defined drifts from it the day one is renamed."""
+    spelled = []
+    for module, tree in _sources().items():
+        if module == "mla_watch.routing.series":
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mla_watch_")
+                    and node.value.isidentifier() and node.value not in GROUP_NAMES.get(module, set())):
+                spelled.append(f"{module}:{node.lineno} {node.value!r}")
+    assert not spelled, spelled
+
+
+def test_alert_and_series_labels_are_read_by_their_constant() -> None:
+    """``labels.get("router")`` and ``labels["layer"]`` read a series label: by mla_watch.routing.series's name."""
+    from mla_watch.routing.series import EXPERT_LABELS
+
+    def is_labels(node: ast.expr) -> bool:
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        return name.endswith("labels")
+
+    spelled = []
+    for module, tree in _sources().items():
+        for node in ast.walk(tree):
+            key: ast.expr | None = None
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                    and is_labels(node.func.value) and node.args):
+                key = node.args[0]
+            elif isinstance(node, ast.Subscript) and is_labels(node.value):
+                key = node.slice
+            if isinstance(key, ast.Constant) and key.value in EXPERT_LABELS:
+                spelled.append(f"{module}:{node.lineno} {key.value!r}")
+    assert not spelled, spelled

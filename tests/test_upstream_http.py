@@ -11,19 +11,18 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from mla_watch.server.upstream_http import HEAD_MAX_BYTES, UpstreamClient, UpstreamError
-from tests.support import running_sidecar
+from tests.support import running_sidecar, serve_app
 
 Script = Callable[[socket.socket, int], None]  # one accepted connection, and how many came before it
 
@@ -225,28 +224,12 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
     return cert_file, key_file
 
 
-@contextmanager
-def tls_engine(cert_file: Path, key_file: Path) -> Iterator[str]:
+def tls_engine(cert_file: Path, key_file: Path) -> AbstractContextManager[str]:
     async def complete(request: Request) -> JSONResponse:
         return JSONResponse({"echo": await request.json()})
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])]),
-                            log_level="warning", ssl_certfile=str(cert_file), ssl_keyfile=str(key_file),
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"https://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    return serve_app(Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])]),
+                     tls=(cert_file, key_file))
 
 
 def test_an_https_engine_is_reached_with_the_certificates_httpx_trusts(tmp_path, monkeypatch) -> None:

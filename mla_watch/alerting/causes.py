@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from mla_watch.common.values import is_number
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["CAUSES", "CAUSE_HEADLINES", "CAUSE_LABEL", "Cause", "CauseJudge", "CauseName", "undetermined"]
@@ -52,7 +53,7 @@ class Cause:
         if not isinstance(data, dict) or data.get("name") not in CAUSES or not isinstance(data.get("summary"), str):
             raise ValueError("cause: expected an object with name (model, traffic or undetermined) and summary")
         reading_at = data.get("reading_at")
-        if reading_at is not None and (isinstance(reading_at, bool) or not isinstance(reading_at, int | float)):
+        if reading_at is not None and (not is_number(reading_at)):
             raise ValueError("cause: reading_at is not a number")
         details = data.get("details") or {}
         return cls(data["name"], data["summary"], None if reading_at is None else float(reading_at),

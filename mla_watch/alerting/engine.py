@@ -48,6 +48,7 @@ from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
 from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, recause, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.stats import RoutingStats
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
@@ -176,14 +177,14 @@ class AlertEngine:
                         active_since=inst.active_since, firing_since=inst.firing_since,
                         resolved_at=inst.resolved_at, last_evaluated=inst.last_evaluated,
                         annotations=annotations, metric=rule.metric if rule is not None else None))
-        out.sort(key=lambda a: (order.get(a.state, 3), a.rule, a.labels.get("router", ""),
-                                a.labels.get("layer", ""), a.labels.get("business_line", "")))
+        out.sort(key=lambda a: (order.get(a.state, 3), a.rule, a.labels.get(ROUTER, ""),
+                                a.labels.get(LAYER, ""), a.labels.get(BUSINESS_LINE, "")))
         return out
 
     def active_series(self) -> set[tuple[str, str]]:
         """(router, business line) of every instance pending or firing: series not to learn as healthy."""
         with self._lock:
-            return {(inst.labels.get("router", ""), inst.labels.get("business_line", ""))
+            return {(inst.labels.get(ROUTER, ""), inst.labels.get(BUSINESS_LINE, ""))
                     for by_rule in self._instances.values() for inst in by_rule.values()
                     if inst.state in ("pending", "firing")}
 

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.model import fingerprint as am_fingerprint
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 
 __all__ = [
     "NOTIFIER_TYPES",
@@ -342,7 +343,7 @@ class SlackNotifier(Notifier):
     @staticmethod
     def _one_line(alert: Alert) -> str:
         labels = alert.labels
-        bits = [f"{k} {labels[k]}" for k in ("router", "layer", "business_line") if labels.get(k) not in (None, "")]
+        bits = [f"{k} {labels[k]}" for k in (ROUTER, LAYER, BUSINESS_LINE) if labels.get(k) not in (None, "")]
         bits.append(f"value {_fmt_value(alert.value)}")
         return ", ".join(bits)
 
@@ -355,7 +356,7 @@ class SlackNotifier(Notifier):
         summary = alert.annotations.get("summary") or alert.annotations.get("description")
         if summary:
             lines.append(_slack_escape(summary))
-        for key, title in (("router", "Router"), ("layer", "Layer"), ("business_line", "Business line")):
+        for key, title in ((ROUTER, "Router"), (LAYER, "Layer"), (BUSINESS_LINE, "Business line")):
             if labels.get(key) not in (None, ""):
                 lines.append(f"{title}: `{_slack_escape(labels[key])}`")
         lines.append(f"Value: {_fmt_value(alert.value)}")
@@ -414,8 +415,8 @@ class PagerDutyNotifier(Notifier):
                     "source": "mla_watch",
                     "severity": pagerduty_severity(labels.get("severity")),
                     "timestamp": format_time(alert.starts_at),
-                    "component": labels.get("router", ""),
-                    "group": labels.get("business_line", ""),
+                    "component": labels.get(ROUTER, ""),
+                    "group": labels.get(BUSINESS_LINE, ""),
                     "class": labels.get("alertname", ""),
                     "custom_details": {
                         "labels": labels,

@@ -17,6 +17,7 @@ from mla_watch.alerting.compiled import CompiledRule
 from mla_watch.alerting.instances import Action, InstanceState
 from mla_watch.alerting.model import Alert, Rule
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.routing.series import BUSINESS_LINE, KIND, LAYER, ROUTER
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["TREND_FIELDS", "AlertRenderer", "Render", "with_cause"]
@@ -63,8 +64,8 @@ class AlertRenderer:
         # The status page reads this anchor: it selects the business line and the rule's metric, and
         # highlights the row and the alert.
         rule = self._rules().get(inst.rule_id)
-        anchor = urlencode({"router": inst.labels.get("router", ""), "layer": inst.labels.get("layer", ""),
-                            "business_line": inst.labels.get("business_line", ""),
+        anchor = urlencode({"router": inst.labels.get(ROUTER, ""), "layer": inst.labels.get(LAYER, ""),
+                            "business_line": inst.labels.get(BUSINESS_LINE, ""),
                             "metric": rule.metric if rule is not None else "",
                             "alertname": inst.labels.get("alertname", "")})
         return f"{self._status_url}#{anchor}"
@@ -84,8 +85,8 @@ class AlertRenderer:
         trend = inst.trend or {}
         fields = {"alertname": rule.rule.name, "metric": rule.metric, "value": value, "threshold": threshold,
                   "healthy": healthy,
-                  "resolve_threshold": resolve, "router": labels.get("router"), "layer": labels.get("layer"),
-                  "kind": labels.get("kind"), "business_line": labels.get("business_line"),
+                  "resolve_threshold": resolve, "router": labels.get(ROUTER), "layer": labels.get(LAYER),
+                  "kind": labels.get(KIND), "business_line": labels.get(BUSINESS_LINE),
                   "floor_bits": stats.floor_bits, "ceiling_bits": stats.ceiling_bits, "tokens": stats.tokens,
                   "min_tokens": rule.min_tokens if rule.min_tokens is not None else stats.min_tokens,
                   "severity": labels.get("severity"), "status_url": self.router_url(inst),
@@ -96,7 +97,7 @@ class AlertRenderer:
             rendered = {str(k): str(v) for k, v in self._render(rule.rule, fields).items()}
         except Exception as error:  # a render bug must never stop evaluation
             log.error("rendering the annotations of rule %r failed: %s", rule.rule.name, error)
-            rendered = {"summary": f"{rule.rule.name}: {rule.metric} = {value} on {labels.get('router')} "
+            rendered = {"summary": f"{rule.rule.name}: {rule.metric} = {value} on {labels.get(ROUTER)} "
                                    f"(annotation rendering failed: {type(error).__name__}: {error})"}
         return with_cause(rendered, inst.cause)
 

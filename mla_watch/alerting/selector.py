@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from mla_watch.alerting.model import Selector, SlotRange
+from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.routing.stats import KINDS
@@ -35,10 +36,10 @@ def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     layers = None
     raw_layers = data.get("layers")
     if raw_layers is not None:
-        if isinstance(raw_layers, int) and not isinstance(raw_layers, bool):
+        if is_integer(raw_layers):
             raw_layers = [raw_layers, raw_layers]
         if (not isinstance(raw_layers, list) or len(raw_layers) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw_layers)):
+                or not all(is_integer(x) for x in raw_layers)):
             chk.bad(f"{path}.layers", raw_layers, "[first, last]: two integers, an inclusive range of layer indices")
         elif raw_layers[0] > raw_layers[1]:
             chk.bad(f"{path}.layers", raw_layers,
@@ -79,7 +80,7 @@ def _parse_slots(chk: _Checker, path: str, raw: object) -> SlotRange | None:
         raw, exclude = raw["not"], True
 
     def count(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        return is_integer(value) and value >= 1
 
     if count(raw):
         return SlotRange(raw, raw, exclude)  # type: ignore[arg-type]

@@ -28,6 +28,7 @@ from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["AlertService"]
@@ -193,7 +194,7 @@ class AlertService:
     def _request_retune(self, action: Action) -> str:
         labels = action.alert.labels
         log.warning("alert %s asks for a router re-tune of %s (layer %s, %s)", labels.get("alertname"),
-                    labels.get("router"), labels.get("layer"), labels.get("business_line"))
+                    labels.get(ROUTER), labels.get(LAYER), labels.get(BUSINESS_LINE))
         notes = []
         for callback in self._retune_callbacks:
             try:

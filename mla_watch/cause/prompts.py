@@ -30,6 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mla_watch.common.directory_store import ConfigError, config_files
+from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import Checker, read_yaml
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
@@ -103,7 +104,7 @@ def _load_file(path: Path) -> ReferenceSet:
     if not NAME_RE.fullmatch(path.stem) or path.stem == ALL_LINES:
         chk.bad("business_line", path.stem, f"a business line's name ({NAME_RULE}; not {ALL_LINES!r})")
     version = data.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_integer(version) or version < 1:
         chk.bad("version", version, "an integer >= 1 (bump it when the prompts change)")
     description = data.get("description") or ""
     if not isinstance(description, str):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.state_dir import set_aside
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.quality.score import ModelScore
 from mla_watch.routing.baselines import write_json
 from mla_watch.routing.routers import RouterInfo
@@ -104,17 +105,17 @@ class ReferenceBaseline:
         if not isinstance(set_name, str) or not isinstance(digest, str) or not isinstance(routers, dict):
             raise ValueError(f"{where}: expected set and digest (strings) and routers (an object)")
         version, taken_at = data.get("router_version"), data.get("taken_at")
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        if version is not None and (not is_integer(version)):
             raise ValueError(f"{where}.router_version: expected an integer or null")
-        if isinstance(taken_at, bool) or not isinstance(taken_at, int | float):
+        if not is_number(taken_at):
             raise ValueError(f"{where}.taken_at: expected a time (seconds since the epoch)")
         counts, tokens = {}, {}
         for name, entry in routers.items():
             values = entry.get("counts") if isinstance(entry, dict) else None
             n = entry.get("tokens") if isinstance(entry, dict) else None
             if (not isinstance(values, list) or not values or len(values) > 1_000_000
-                    or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
-                    or isinstance(n, bool) or not isinstance(n, int) or n < 0):
+                    or not all(is_integer(v) and v >= 0 for v in values)
+                    or not is_integer(n) or n < 0):
                 raise ValueError(f"{where}.routers[{name!r}]: expected counts (integers >= 0) and tokens")
             counts[str(name)], tokens[str(name)] = np.asarray(values, dtype=np.int64), n
         perplexity = data.get("perplexity")

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from mla_watch.alerting.examples import entropy_low_rules
+from mla_watch.routing.series import BUSINESS_LINE, ROUTER
 
 __all__ = ["STEPS", "DemoResult", "run_demo"]
 
@@ -267,8 +268,8 @@ def _bits(text: Any) -> str:
 def alert_line(alert: dict[str, Any]) -> str:
     """One notification as on-call reads it: what fired (or resolved), where, and what the value is now."""
     labels, notes = alert.get("labels") or {}, alert.get("annotations") or {}
-    line = labels.get("business_line")
-    where = f"{labels.get('alertname', 'alert')} on {labels.get('router', '?')}" + (
+    line = labels.get(BUSINESS_LINE)
+    where = f"{labels.get('alertname', 'alert')} on {labels.get(ROUTER, '?')}" + (
         f" ({'all lines' if line == 'all' else line})" if line else "")
     if alert_bits(alert) is None:  # an event (RouterRetuneRejected): its summary says what happened
         summary = " ".join(str(notes.get("summary") or "").split())

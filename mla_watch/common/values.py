@@ -6,7 +6,7 @@ import math
 import numbers
 from typing import TypeGuard
 
-__all__ = ["is_number"]
+__all__ = ["is_integer", "is_number"]
 
 
 def is_number(value: object, *, finite: bool = False) -> TypeGuard[float]:
@@ -14,3 +14,8 @@ def is_number(value: object, *, finite: bool = False) -> TypeGuard[float]:
     bool, which Python counts as an int but no document means as one; with ``finite``, not NaN or infinite either."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)
             and (not finite or math.isfinite(value)))
+
+
+def is_integer(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (an int, a numpy integer) and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -56,6 +56,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from mla_watch.common.values import is_number
 from mla_watch.engines.formats import DataError, _sglang_decoder, routing_counts
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import (
@@ -101,7 +102,7 @@ class SglangWeights(EngineWeights):
                  transport: httpx.BaseTransport | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url is {base_url!r}: expected SGLang's http:// or https:// address")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) \
+        if not is_number(timeout, finite=True) \
                 or timeout <= 0:
             raise ValueError(f"timeout is {timeout!r}: expected a finite number of seconds above 0")
         for field, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
@@ -269,7 +270,7 @@ class SglangWeights(EngineWeights):
             entry = entries[position]
             logprob = entry[0] if isinstance(entry, list) and len(entry) >= 2 else None
             token = entry[1] if isinstance(entry, list) and len(entry) >= 2 else None
-            if isinstance(logprob, bool) or not isinstance(logprob, int | float) or not math.isfinite(logprob):
+            if not is_number(logprob, finite=True):
                 shown = repr(logprob) if logprob is None or isinstance(logprob, int | float) else type(logprob).__name__
                 raise SwapError(f"{where}: input_token_logprobs[{position}] has logprob {shown}: expected a finite "
                                 "number (SGLang sends -inf and NaN as null)")

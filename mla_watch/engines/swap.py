@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer
 
 __all__ = ["ENGINE_MESSAGE_CHARS", "MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError",
            "SwapResult", "engine_said", "tokens_of_answer"]
@@ -98,6 +99,6 @@ def tokens_of_answer(answer: Any, where: str) -> list[int]:
     ``entrypoints/openai/protocol.py`` ``TokenizeResponse``: ``{"tokens": [...], "count": n, ...}``)."""
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
     if (not isinstance(tokens, list) or len(tokens) < 2
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
+            or not all(is_integer(t) and t >= 0 for t in tokens)):
         raise SwapError(f"{where}: expected {{\"tokens\": [token ids, at least 2]}}")
     return tokens

@@ -64,6 +64,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as save_numpy
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_number
 from mla_watch.engines.checkpoints import checkpoint_files
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
@@ -453,7 +454,7 @@ class VllmWeights(EngineWeights):
             entries = positions[position]
             entry = entries.get(str(ids[position])) if isinstance(entries, dict) else None
             value = entry.get("logprob") if isinstance(entry, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) \
+            if not is_number(value) or math.isnan(value) \
                     or value == math.inf:
                 raise SwapError(f"{where}: prompt_logprobs[{position}] has no log-probability for token "
                                 f"{ids[position]}: expected the prompt token's own (vLLM always sends it)")

@@ -70,6 +70,7 @@ import numpy as np
 
 from mla_watch.alerting.model import TREND_METRICS
 from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.history.file import HISTORY_FILE, open_database, set_aside, write_sample
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.routing.windows import ALL_LINES, RouterStats
@@ -126,14 +127,14 @@ class HistoryStore:
         checked = (("interval_seconds", interval_seconds), ("span_seconds", span_seconds),
                    *((("retention_days", retention_days),) if path is not None else ()))
         for name, value in checked:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            if not is_number(value, finite=True) or value <= 0:
                 raise ValueError(f"{name} = {value!r}: expected a positive number")
         if interval_seconds > span_seconds:
             raise ValueError(f"interval_seconds = {interval_seconds!r}: expected at most span_seconds "
                              f"({span_seconds!r})")
         if path is not None and retention_days < 1:
             raise ValueError(f"retention_days = {retention_days!r}: expected at least 1 (the minute tier keeps a day)")
-        if isinstance(max_series, bool) or not isinstance(max_series, int) or max_series < 1:
+        if not is_integer(max_series) or max_series < 1:
             raise ValueError(f"max_series = {max_series!r}: expected a positive integer")
         self.path = None if path is None else Path(path)
         self.interval_seconds = float(interval_seconds)

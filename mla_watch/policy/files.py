@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Any
 
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult, config_files
-from mla_watch.common.values import is_number
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.common.yamlcheck import read_yaml
@@ -145,7 +145,7 @@ def _parse_section(chk: _Checker, path: str, raw: object) -> _Section:
             chk.bad(f"{path}.on_violation", value, "one of: clamp, reject")
     if "max_prompt_tokens" in data:
         value = data["max_prompt_tokens"]
-        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if value is None or (is_integer(value) and value >= 1):
             section.max_prompt_tokens = value
         else:
             chk.bad(f"{path}.max_prompt_tokens", value, "an integer >= 1 (or null for no limit)")

@@ -19,14 +19,12 @@ This module does not import torch.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, Literal
 
-from mla_watch.common.values import is_number
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.common.yamlcheck import fmt as _fmt
 
 __all__ = [
@@ -191,10 +189,6 @@ def _default(name: str) -> Any:
 # --------------------------------------------------------------------------- the applied values
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _checked(param: SamplingParam, value: Any) -> Any:
     """``value`` as the sampler takes it (stop normalised to a tuple); ``ValueError`` when it cannot."""
     if param.kind == "strings":
@@ -206,9 +200,9 @@ def _checked(param: SamplingParam, value: Any) -> Any:
     else:
         assert param.domain is not None
         if param.integer:
-            if _is_int(value) and param.domain.contains(value):
+            if is_integer(value) and param.domain.contains(value):
                 return value
-        elif is_number(value) and math.isfinite(value) and param.domain.contains(value):
+        elif is_number(value, finite=True) and param.domain.contains(value):
             return value
     raise ValueError(f"SamplingParams.{param.name}={value!r} is invalid: expected {param.sampler_expectation}")
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from mla_watch.common.values import is_number
-from mla_watch.policy.params import GREEDY_BELOW, SamplingValues, _is_int
+from mla_watch.common.values import is_integer, is_number
+from mla_watch.policy.params import GREEDY_BELOW, SamplingValues
 
 __all__ = [
     "GREEDY_BELOW",
@@ -123,9 +123,9 @@ class TopK(LogitsProcessor):
     """Keep the ``top_k`` highest scores (ties with the k-th kept), identical to ``TopKLogitsWarper``."""
 
     def __init__(self, top_k: int, filter_value: float = -math.inf, min_tokens_to_keep: int = 1) -> None:
-        if not _is_int(top_k) or top_k <= 0:
+        if not is_integer(top_k) or top_k <= 0:
             raise ValueError(f"top_k={top_k!r} is invalid: expected an integer >= 1")
-        if not _is_int(min_tokens_to_keep) or min_tokens_to_keep < 1:
+        if not is_integer(min_tokens_to_keep) or min_tokens_to_keep < 1:
             raise ValueError(f"min_tokens_to_keep={min_tokens_to_keep!r} is invalid: expected an integer >= 1")
         self.top_k = max(int(top_k), int(min_tokens_to_keep))
         self.filter_value = float(filter_value)
@@ -144,7 +144,7 @@ class TopP(LogitsProcessor):
     def __init__(self, top_p: float, filter_value: float = -math.inf, min_tokens_to_keep: int = 1) -> None:
         if not is_number(top_p) or not 0 < top_p <= 1:
             raise ValueError(f"top_p={top_p!r} is invalid: expected a number in (0, 1]")
-        if not _is_int(min_tokens_to_keep) or min_tokens_to_keep < 1:
+        if not is_integer(min_tokens_to_keep) or min_tokens_to_keep < 1:
             raise ValueError(f"min_tokens_to_keep={min_tokens_to_keep!r} is invalid: expected an integer >= 1")
         self.top_p = float(top_p)
         self.filter_value = float(filter_value)

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import check_positive, fmt
 from mla_watch.quality.score import ModelScore
 
@@ -56,7 +57,7 @@ def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: i
     check_positive("batch_size", batch_size, int)
     if max_tokens is not None:
         check_positive("max_tokens", max_tokens, int)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+    if not is_integer(pad_id):
         raise ValueError(f"pad_id = {fmt(pad_id)}: expected an int")
     batches = []
     for start in range(0, len(samples), batch_size):

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import check_positive, fmt
 
 __all__ = ["BYTES_PER_TOKEN", "CaptureError", "TokenSample", "TrafficCapture"]
@@ -210,7 +211,7 @@ class TrafficCapture:
         if client is not None and (not isinstance(client, str) or len(client) > _MAX_CLIENT_NAME):
             raise ValueError(f"client = {fmt(client)}: expected None or a string of at most {_MAX_CLIENT_NAME} "
                              "characters")
-        if prompt_tokens is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+        if prompt_tokens is not None and (not is_integer(prompt_tokens)
                                           or prompt_tokens < 0):
             raise ValueError(f"prompt_tokens = {fmt(prompt_tokens)}: expected None or a non-negative int")
         if not isinstance(business_line, str) or not business_line or len(business_line) > _MAX_LINE_NAME:
@@ -324,7 +325,7 @@ class TrafficCapture:
     # -- reading -----------------------------------------------------------------------------
     def samples(self, business_line: str | None = None, *, limit: int | None = None) -> list[TokenSample]:
         """The newest ``limit`` unexpired samples (of one line, or of every line for None), oldest first."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        if limit is not None and (not is_integer(limit) or limit < 0):
             raise ValueError(f"limit = {fmt(limit)}: expected None or a non-negative integer")
         if limit == 0:
             return []

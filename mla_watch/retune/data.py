@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.common.yamlcheck import check_positive, fmt
 from mla_watch.retune.capture import TokenSample
 
@@ -225,7 +226,7 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
         scored = record["scored_tokens"]
         if "input_ids" not in record:
             bad("scored_tokens", scored, "it only next to 'input_ids'")
-        elif isinstance(scored, bool) or not isinstance(scored, int) or scored < 0:
+        elif not is_integer(scored) or scored < 0:
             bad("scored_tokens", scored, "a non-negative int (how many of the first input_ids count towards a loss)")
     present = [key for key in ("input_ids", "text", "prompt") if key in record]
     if "completion" in record and "prompt" not in record:
@@ -250,8 +251,8 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
             bad("input_ids", value, "a list of token ids (ints)")
             return None
         for index, token in enumerate(value):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                got = "an integer out of that range" if isinstance(token, int) and not isinstance(token, bool) else None
+            if not is_integer(token) or not 0 <= token < vocab:
+                got = "an integer out of that range" if is_integer(token) else None
                 bad(f"input_ids[{index}]", token, f"an int token id in [0, {vocab}) (the tokenizer's vocabulary)",
                     got)
                 break
@@ -293,7 +294,7 @@ def split_held_out(samples: Sequence[list[int]], fraction: float = 0.2, *,
     the held-out set spans the whole capture rather than its newest end. At least ``minimum`` are
     held out and at least one distinct text is left to train on. Both keep the input order.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
+    if not is_number(fraction) or not 0 < fraction < 1:
         raise ValueError(f"fraction = {fmt(fraction)}: expected a number strictly between 0 and 1")
     check_positive("minimum", minimum, int)
     copies = [TokenSample(s, getattr(s, "scored_tokens", None)) for s in samples]

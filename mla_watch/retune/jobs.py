@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.values import is_integer
 from mla_watch.quality.band import DEFAULT_BAND
 from mla_watch.quality.paired import (
     DEFAULT_CONFIDENCE,
@@ -106,7 +107,7 @@ class RetentionPolicy:
     def __post_init__(self) -> None:
         for name, lowest in (("max_versions", 2), ("max_bytes", 1024)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            if not is_integer(value) or value < lowest:
                 raise ValueError(f"router version retention {name} = {value!r}: expected an integer >= {lowest}")
 
 

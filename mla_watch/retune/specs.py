@@ -13,6 +13,7 @@ from typing import Any
 
 from mla_watch.retune.gates import DEFAULT_BAND, Band, band_of_rule
 from mla_watch.retune.jobs import JobSpec
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 
 __all__ = ["alert_job_spec", "job_band", "job_spec", "request_job_spec"]
 
@@ -37,15 +38,15 @@ def alert_job_spec(action: Any, *, watched: Sequence[str], default_strategies: S
     """A rule's ``retune`` action: one job for the alert's router, in the band of its rule, with the rule's
     strategies (else ``default_strategies``); the alert's business line (none for every line summed)."""
     labels = action.alert.labels
-    line = labels.get("business_line")
+    line = labels.get(BUSINESS_LINE)
     rule = action.rule
     return job_spec(
-        rule=rule, routers=[labels["router"]], watched=watched,
+        rule=rule, routers=[labels[ROUTER]], watched=watched,
         strategies=list(rule.retune_strategies or default_strategies),
         business_line=None if line in (None, "", "all") else line,
         max_perplexity_increase=max_perplexity_increase,
         trigger={"source": "alert", "alertname": labels.get("alertname"), "rule": rule.name,
-                 "router": labels.get("router"), "layer": labels.get("layer"), "business_line": line,
+                 "router": labels.get(ROUTER), "layer": labels.get(LAYER), "business_line": line,
                  "value": action.alert.value, "fingerprint": action.alert.fingerprint,
                  "receivers": list(rule.receivers), "at": at})
 

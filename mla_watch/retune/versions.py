@@ -45,6 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer
 from mla_watch.retune.hosts import RouterHost, as_host
 from mla_watch.retune.jobs import RetentionPolicy
 
@@ -257,7 +258,7 @@ class RouterVersions:
     def check_version(self, version: object) -> int:
         """``version`` if it is a saved version; else ``ValueError`` naming the value and the versions there are."""
         numbers = self._version_numbers()
-        if isinstance(version, bool) or not isinstance(version, int) or version not in numbers:
+        if not is_integer(version) or version not in numbers:
             there = f"one of the versions {numbers[0]} to {numbers[-1]}" if numbers else "a version (none saved yet)"
             raise ValueError(f"router version {describe_value(version)} does not exist: expected {there}")
         return version

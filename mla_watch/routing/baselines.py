@@ -36,7 +36,7 @@ import numpy as np
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.state_dir import replace_private, set_aside
-from mla_watch.common.values import is_number
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.stats import BASELINE_METRICS
 
 __all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
@@ -96,7 +96,7 @@ class Baseline:
                                 "line's name")
         counts = data.get("counts")
         if not isinstance(counts, list) or not counts or len(counts) > 1_000_000 or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+                is_integer(c) and c >= 0 for c in counts):
             raise BaselineError(f"{where}.counts: expected a non-empty list of selection counts (integers >= 0)")
         tokens = data.get("tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
@@ -311,7 +311,7 @@ def _legacy_counts(document: dict[str, Any], path: Path) -> dict[str, np.ndarray
         name = entry.get("name") if isinstance(entry, dict) else None
         values = entry.get("counts") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not isinstance(values, list) or not all(
-                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in values):
+                is_integer(c) and c >= 0 for c in values):
             raise BaselineError(f"baseline {path}: routers[{index}]: expected name and counts (integers >= 0)")
         if sum(values) > 0:
             counts[name] = np.asarray(values, dtype=np.int64)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
+from mla_watch.common.values import is_integer
+
 __all__: list[str] = []  # package-private helpers
 
 
@@ -47,7 +49,7 @@ def _as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> n
 
 
 def _check_int_at_least(value: int, name: str, lowest: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < lowest:
         raise ValueError(f"{name} must be >= {lowest}, got {value}")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.routers import CountDelta, RouterInfo, parse_zero_slots
 from mla_watch.routing.stats import KINDS
@@ -79,7 +80,7 @@ class IngestLimits:
         for name in ("max_slots", "max_top_k", "max_routers", "max_sources", "max_lines", "max_window_slots",
                      "max_records", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"--ingest-{name.replace('_', '-')} {value!r}: expected an integer >= 1")
         if self.max_tokens * self.max_top_k > 2**48:
             raise ValueError(f"--ingest-max-tokens × --ingest-max-top-k = {self.max_tokens * self.max_top_k}: "
@@ -130,7 +131,7 @@ def _label(value: Any, field: str) -> str:
 
 
 def _integer(value: Any, field: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_integer(value) or not low <= value <= high:
         raise IngestError(f"{field}={describe_value(value)} is invalid: expected an integer in [{low}, {high}]", field)
     return value
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.common.values import is_integer
 from mla_watch.routing.stats import KINDS, Kind
 
 __all__ = ["CORRECTION_BIAS", "CountDelta", "RouterInfo", "parse_zero_slots"]
@@ -74,7 +75,7 @@ class RouterInfo:
 def parse_zero_slots(value: Any, num_slots: int, where: str) -> tuple[int, ...]:
     """A list of distinct slot numbers in ``[0, num_slots)``, as :attr:`RouterInfo.zero_slots` keeps them."""
     if not isinstance(value, list | tuple) or not all(
-            isinstance(slot, int) and not isinstance(slot, bool) and 0 <= slot < num_slots for slot in value):
+            is_integer(slot) and 0 <= slot < num_slots for slot in value):
         raise ValueError(f"{where} = {value!r}: expected a list of slot numbers in [0, {num_slots})")
     if len(set(value)) != len(value):
         raise ValueError(f"{where} = {value!r}: expected distinct slot numbers")

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.state_dir import DATASETS_DIR_NAME
+from mla_watch.common.values import is_integer
 from mla_watch.engines.swap import SwapError
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.retune.specs import job_band, request_job_spec
@@ -146,7 +147,7 @@ class Admin:
 
     async def _version(self, request: Request) -> int:
         version = (await self.ctx.read_json(request)).get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        if not is_integer(version) or version < 0:
             raise ApiError(400, f"version={describe_value(version)} is invalid: expected a router version number",
                            param="version", code="invalid_value")
         return version

@@ -9,6 +9,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
@@ -125,15 +126,15 @@ class ServerConfig:
                 raise ServerConfigError([str(error)]) from None
         problems = self.reference.problems()
         share = self.capture_max_client_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        if not is_number(share) or not 0 < share <= 1:
             problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")
         check = self.upstream_check_seconds
-        if isinstance(check, bool) or not isinstance(check, int | float) or not 0 < check < float("inf"):
+        if not is_number(check) or not 0 < check < float("inf"):
             problems.append(f"upstream_check_seconds = {check!r}: expected a number of seconds > 0")
         if problems:
             raise ServerConfigError(problems)
         budget = self.expert_series_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        if not is_integer(budget) or budget < 1:
             raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])
 
 

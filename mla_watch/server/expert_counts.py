@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.series import (
     EXPERT,
@@ -136,7 +137,7 @@ class ExpertCountsCollector(Collector):
 
     def __init__(self, windows: Callable[[], Iterable[RouterWindows]], selection: ExpertSelection,
                  budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        if not is_integer(budget) or budget < 1:
             raise ValueError(f"{BUDGET_FLAG} {describe_value(budget)}: expected an integer >= 1")
         self._windows = windows
         self._selection = selection

@@ -8,11 +8,11 @@ value received and what was expected. Sampling fields follow vLLM's names.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.policy.params import SAMPLING_PARAMS, SamplingParam
 
 __all__ = ["ApiError", "GenerationRequest", "describe_value", "parse_body", "parse_generation_request"]
@@ -111,7 +111,7 @@ def _number(body: dict[str, Any], param: SamplingParam) -> float | None:
     if value is None:
         return None
     assert param.http is not None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if not is_number(value, finite=True):
         raise _bad(param.name, value, _expected(param))
     if not param.http.contains(value):
         raise _bad(param.name, value, _expected(param))
@@ -125,7 +125,7 @@ def _integer(body: dict[str, Any], param: SamplingParam) -> int | None:
     if value is None:
         return None
     assert param.http is not None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_integer(value):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:

@@ -20,6 +20,7 @@ from mla_watch.alerting.engine import Action
 from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.retune.jobs import JobSpec
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
@@ -217,7 +218,7 @@ class Retuning:
 
     def on_retune_action(self, action: Action) -> str:
         """Schedule the job a rule's ``retune`` action asks for; say what became of it (for the page)."""
-        router = action.alert.labels.get("router", "")
+        router = action.alert.labels.get(ROUTER, "")
         cause = action.alert.labels.get(CAUSE_LABEL)
         if cause != "model":  # the alert engine asks only for these; a guard all the same
             return (f"no re-tune job: the cause is {cause or 'undetermined'}, not the model (a router is re-tuned only "
@@ -274,8 +275,8 @@ def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
             line += f": {attempt['reason']}"
         figures.append(line)
     line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", "router": ",".join(spec.routers),
-              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", ROUTER: ",".join(spec.routers),
+              LAYER: str(spec.trigger.get("layer", "")), BUSINESS_LINE: line_name, "job": spec.id}
     annotations = {
         "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
                    "the live routers are unchanged" + ("; the job keeps trying on newer traffic"
@@ -290,8 +291,8 @@ def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
     """The ``RouterRetuneProposed`` event: a candidate for the engine's routers is saved; the one command that
     swaps it in, gates it through the engine and keeps it or rolls it back."""
     line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", "router": ",".join(spec.routers),
-              "layer": str(spec.trigger.get("layer", "")), "business_line": line_name, "job": spec.id}
+    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", ROUTER: ",".join(spec.routers),
+              LAYER: str(spec.trigger.get("layer", "")), BUSINESS_LINE: line_name, "job": spec.id}
     attempt: dict[str, Any] = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
     details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
                         for a in result.get("attempts", []))
