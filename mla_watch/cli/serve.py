@@ -102,7 +102,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           sglang_recorder_interval=args.sglang_recorder_interval,
                           sglang_recorder_buffer=args.sglang_recorder_buffer,
                           sglang_recorder_settle=args.sglang_recorder_settle,
-                          engine_retune=args.engine_retune or ServerConfig.engine_retune,
+                          engine_retune=args.engine_retune,
                           engine_swap_dir=args.engine_swap_dir, engine_gate_timeout=args.engine_gate_timeout,
                           return_routed_experts=args.return_routed_experts,
                           routing_by_position=not args.no_routing_by_position,
@@ -173,8 +173,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     beside.add_argument("--replay-tokens-per-second", type=non_negative_float, default=ReplayBudget.tokens_per_second,
                         help="tokens replayed per second at most, all replays together; a stream past it is not "
                              "counted; 0: no limit (default %(default)g)")
-    # None: not given (the default below; without the [model] extra, re-tuning is off and the status page says why)
-    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=None,
+    beside.add_argument("--engine-retune", choices=ENGINE_RETUNE_MODES, default=ServerConfig.engine_retune,
                         help="re-tune the engine's routers in place (vLLM: VLLM_SERVER_DEV_MODE=1, its port "
                              "reachable by the sidecar only; --model-config in its checkpoint directory): propose "
                              "pages on-call with the command that applies a candidate, apply swaps, gates and keeps or "

@@ -276,10 +276,6 @@ def _check_serve_extras(args: argparse.Namespace) -> None:
     if not args.upstream:
         require_model_extra(f"--model {_shown(args.model)} (serving the model here, without --upstream)")
         return
-    if args.engine_retune is not None and args.engine_retune != "off":  # given: the default says why it is off
-        require_model_extra(f"--engine-retune {args.engine_retune}")
-    if args.reference_model is not None:
-        require_model_extra(f"--reference-model {_shown(args.reference_model)}")
     if args.sglang_recorder_dir is not None:
         require_model_extra(f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)} (its .pt dumps)")
     if args.retune_option:

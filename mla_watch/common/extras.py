@@ -2,8 +2,9 @@
 
 ``pip install mla-watch`` is the sidecar that stands beside an engine (proxy, counting, policies, rules, alerting,
 history, status page): it never runs a tensor, so it needs neither torch nor transformers. The embedded model
-(``serve`` without ``--upstream``), the probe and :func:`mla_watch.attach`, local re-tuning, the demo, the
-SGLang recorder's ``.pt`` dumps and re-tuning an engine's routers come with ``pip install 'mla-watch[model]'``.
+(``serve`` without ``--upstream``), the probe and :func:`mla_watch.attach`, local re-tuning, the demo and the
+SGLang recorder's ``.pt`` dumps come with ``pip install 'mla-watch[model]'``. Re-tuning an engine's routers needs
+neither: it holds router tensors as numpy arrays (:mod:`mla_watch.common.tensor_files`).
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import httpx
 import numpy as np
@@ -64,6 +64,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file as save_numpy
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.tensor_files import as_array, is_floating, is_torch_tensor, read_tensors, save_tensors
 from mla_watch.common.values import is_number
 from mla_watch.engines.checkpoints import checkpoint_files
 from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
@@ -80,9 +81,6 @@ from mla_watch.engines.swap import (
 )
 from mla_watch.routing.routers import CORRECTION_BIAS
 
-if TYPE_CHECKING:  # the router checkpoints (re-tuning the engine's routers) are read and written with torch
-    import torch
-
 __all__ = ["ROUTER_TENSOR", "VllmWeights", "checked_router_dir", "read_router_tensors", "write_router_checkpoint"]
 
 ROUTER_TENSOR = re.compile(rf"^model\.layers\.(\d+)\.mlp\.gate\.(weight|{CORRECTION_BIAS})$")
@@ -97,10 +95,11 @@ ROLLBACK_PREFIX = ".mla-watch-rollback-"
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = None) -> dict[str, np.ndarray]:
     """The router tensors (:data:`ROUTER_TENSOR`) of the safetensors checkpoint in ``checkpoint_dir``, of the
-    decoder ``layers`` given (all by default), read lazily: no other tensor is loaded. ``ValueError`` naming
-    the directory and what was expected when it has none, or cannot be read."""
+    decoder ``layers`` given (all by default), read lazily: no other tensor is loaded. Numpy arrays in the
+    checkpoint's dtypes (bf16 as ``ml_dtypes.bfloat16``). ``ValueError`` naming the directory and what was
+    expected when it has none, or cannot be read."""
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise ValueError(f"checkpoint_dir {directory}: not a directory: expected a safetensors checkpoint")
@@ -112,11 +111,9 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
             match = ROUTER_TENSOR.match(name)
             if match and (wanted is None or int(match[1]) in wanted):
                 by_file.setdefault(path, []).append(name)
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, np.ndarray] = {}
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for name in names:
-                    tensors[name] = handle.get_tensor(name)
+            tensors.update(read_tensors(path, names))
     except (OSError, SafetensorError) as error:
         raise ValueError(f"checkpoint_dir {directory}: cannot read the checkpoint: {type(error).__name__}: "
                          f"{str(error)[:200]}") from None
@@ -127,33 +124,32 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
     return dict(sorted(tensors.items(), key=lambda item: _sort_key(item[0])))
 
 
-def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor], config_json: Path) -> Path:
+def write_router_checkpoint(directory: Path, tensors: Mapping[str, np.ndarray], config_json: Path) -> Path:
     """``directory`` made anew, atomically, holding ``model.safetensors`` (these router tensors only,
-    contiguous, in their dtype) and a copy of ``config_json`` (the engine's config): what
-    :meth:`VllmWeights.swap` loads. ``ValueError`` for a tensor that is no router's, one that does not fit
-    the config, or a directory that exists.
+    contiguous, in their dtype: numpy arrays, a torch tensor copied to one) and a copy of ``config_json`` (the
+    engine's config): what :meth:`VllmWeights.swap` loads. ``ValueError`` for a tensor that is no router's, one
+    that does not fit the config, or a directory that exists.
 
     A router is written whole: a layer's bias without its weight, or a bias for some layers and not others,
     is refused (vLLM fills what a layer's load left out with uninitialised memory, ``reload/layerwise.py:273-275``).
     """
-    import torch
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     config_json = Path(config_json)
     if not tensors:
         raise ValueError("tensors: empty: expected the router tensors to write")
+    arrays: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
         if not ROUTER_TENSOR.match(str(name)):
             raise ValueError(f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
                              f"model.layers.N.mlp.gate.weight or .{CORRECTION_BIAS} (a router checkpoint "
                              "holds router tensors only)")
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a torch.Tensor")
-        if not tensor.is_floating_point() or not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"tensors: {name} ({tensor.dtype}) is not all finite floats: expected router values")
+        if not isinstance(tensor, np.ndarray) and not is_torch_tensor(tensor):
+            raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a numpy array")
+        array = arrays[name] = as_array(tensor)
+        if not is_floating(array.dtype) or not bool(np.isfinite(array).all()):
+            raise ValueError(f"tensors: {name} ({array.dtype}) is not all finite floats: expected router values")
     config = _read_config(config_json, "config_json")
-    shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    shapes = {name: tuple(array.shape) for name, array in arrays.items()}
     _check_routers(shapes, config, f"tensors for {config_json}")
     if directory.exists() or directory.is_symlink():
         raise ValueError(f"directory {directory}: exists: expected a new path (a router checkpoint is written once)")
@@ -161,10 +157,7 @@ def write_router_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor]
         raise ValueError(f"directory {directory}: its parent is not a directory: expected an existing one")
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
-        # clone: safetensors refuses views and tensors sharing storage; routers are small
-        state = {name: tensor.detach().cpu().clone(memory_format=torch.contiguous_format)
-                 for name, tensor in sorted(tensors.items(), key=lambda item: _sort_key(item[0]))}
-        save_file(state, str(staging / WEIGHTS_FILE))
+        save_tensors(dict(sorted(arrays.items(), key=lambda item: _sort_key(item[0]))), staging / WEIGHTS_FILE)
         shutil.copyfile(config_json, staging / CONFIG_FILE)
         for name in (WEIGHTS_FILE, CONFIG_FILE):
             os.chmod(staging / name, FILE_MODE)

@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "evidence_digest",
     "load_jsonl_dataset",
     "resolve_dataset",
+    "same_evidence",
     "scored_text",
     "split_held_out",
 ]
@@ -329,3 +330,16 @@ def evidence_digest(samples: Sequence[Sequence[int]]) -> str:
 def distinct_count(samples: Sequence[Sequence[int]]) -> int:
     """How many different :func:`scored_text` the samples hold."""
     return len({scored_text(sample) for sample in samples})
+
+
+def same_evidence(previous: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any] | None:
+    """After a rejection while the router read outside its band, the job's previous result again when the data
+    holds the same distinct texts as then (``data["evidence"]``): the same candidates would be fitted and
+    rejected anew, so the job goes on waiting for traffic it has not seen. ``None``: run the job."""
+    if not previous.get("rejected_while_outside_band"):
+        return None
+    if (previous.get("data") or {}).get("evidence") != data.get("evidence"):
+        return None
+    return {**previous, "unchanged": True,
+            "needs": str(previous.get("needs") or "new traffic").split(" (no new traffic since")[0]
+            + " (no new traffic since the last try)"}

@@ -20,6 +20,8 @@ it wrote (:class:`EngineRouters`). A job, for each strategy it names:
 
 The time a candidate serves live traffic before its gate decides (from the end of its swap to the
 decision) is measured in each attempt (``live_seconds``) and bounded by ``--engine-gate-timeout``.
+
+The router tensors are numpy arrays (bf16 as ``ml_dtypes.bfloat16``): beside an engine no torch is needed.
 """
 
 from __future__ import annotations
@@ -34,21 +36,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
+from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
 from mla_watch.engines.vllm_weights import write_router_checkpoint
 from mla_watch.quality.score import engine_score
 from mla_watch.retune.capture import TokenSample, TrafficCapture
-from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
+from mla_watch.retune.data import distinct_count, evidence_digest, same_evidence, split_held_out
 from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings, job_result
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.runner import same_evidence
 from mla_watch.retune.versions import RouterVersions
 from mla_watch.routing.routers import CORRECTION_BIAS, RouterInfo
 
@@ -70,7 +71,7 @@ class EngineRouters(RouterHost):
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
 
-    def __init__(self, weights: EngineWeights, geometry: EngineGeometry, initial: Mapping[str, torch.Tensor], *,
+    def __init__(self, weights: EngineWeights, geometry: EngineGeometry, initial: Mapping[str, np.ndarray], *,
                  swap_dir: Path, config_json: Path) -> None:
         if not initial:
             raise ValueError("the engine's checkpoint holds no router tensor")
@@ -78,19 +79,20 @@ class EngineRouters(RouterHost):
         self.geometry = geometry
         self.swap_dir = Path(swap_dir)
         self.config_json = Path(config_json)
-        self._state = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in initial.items()}
+        self._state = as_arrays(initial)
         self._lock = threading.Lock()  # one swap in flight at a time
 
     def routers(self) -> list[RouterInfo]:
         return self.geometry.routers()
 
-    def state(self, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    def state(self, routers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         prefixes = None if routers is None else tuple(f"{name}." for name in routers)
         with self._lock:
-            return {name: tensor.clone() for name, tensor in self._state.items()
+            return {name: array.copy() for name, array in self._state.items()
                     if prefixes is None or name.startswith(prefixes)}
 
-    def apply(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def apply(self, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        tensors = {name: as_array(value) for name, value in tensors.items()}
         problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
         problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
                      for name, tensor in tensors.items()
@@ -98,7 +100,7 @@ class EngineRouters(RouterHost):
         if problems:
             raise ValueError("cannot swap router tensors into the engine: " + "; ".join(problems))
         with self._lock:
-            whole = {**self._state, **{name: tensor.to(self._state[name].dtype).contiguous()
+            whole = {**self._state, **{name: np.ascontiguousarray(tensor, dtype=self._state[name].dtype)
                                        for name, tensor in tensors.items()}}
             self.swap_dir.mkdir(parents=True, exist_ok=True)
             directory = self.swap_dir / f"routers-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -136,16 +138,18 @@ class BiasSchedule:
         return self.gamma * self.decay ** step
 
 
-def bias_step(bias: torch.Tensor, loads: np.ndarray, gamma: float) -> torch.Tensor:
+def bias_step(bias: np.ndarray, loads: np.ndarray, gamma: float) -> np.ndarray:
     """DeepSeek's auxiliary-loss-free rule applied at inference, proportional: the bias of an expert loaded
     ``load_i`` against a mean of ``mean`` moves by ``gamma * min(1, 1 - load_i / mean)`` (an idle expert up
-    by ``gamma``, an expert loaded ten times the mean down by ``9 gamma``)."""
+    by ``gamma``, an expert loaded ten times the mean down by ``9 gamma``). Computed in float32 and rounded to
+    the bias's dtype (bf16: to nearest even), as the engine's own float32 arithmetic would."""
+    bias = as_array(bias)
     loads = np.asarray(loads, dtype=np.float64)
     if loads.shape != tuple(bias.shape) or loads.sum() <= 0:
         raise ValueError(f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
                          f"positive count per expert ({list(bias.shape)})")
     step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
-    return (bias.to(torch.float32) + torch.as_tensor(step, dtype=torch.float32)).to(bias.dtype)
+    return (bias.astype(np.float32) + step.astype(np.float32)).astype(bias.dtype)
 
 
 class EngineRetuner:
@@ -282,7 +286,7 @@ class EngineRetuner:
             yield name, attempt
 
     # ------------------------------------------------------------------ candidates
-    def _restore(self, spec: JobSpec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def _restore(self, spec: JobSpec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         prefixes = tuple(f"{name}." for name in spec.routers)
         if self.reference is not None:
             tensors = {name: tensor for name, tensor in self.reference.tensors.items() if name.startswith(prefixes)}
@@ -298,13 +302,14 @@ class EngineRetuner:
             raise ValueError(f"{source} holds no tensors of routers {spec.routers}")
         return tensors, {"source": source, "reference": source, "routers": list(spec.routers)}
 
-    def _serving_already(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+    def _serving_already(self, tensors: Mapping[str, np.ndarray]) -> bool:
         live = self.host.state()
-        return all(name in live and torch.equal(tensor.to(live[name].dtype), live[name])
+        return all(name in live and tensor.shape == live[name].shape
+                   and bool(np.array_equal(tensor.astype(live[name].dtype), live[name]))
                    for name, tensor in tensors.items())
 
     def _bias_candidate(self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
-                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                        ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         state = self.host.state(spec.routers)
         gamma = self.bias_schedule.gamma_at(step)
         tensors = {}
@@ -465,7 +470,7 @@ class EngineRetuner:
                     f"distinct samples (let more traffic be captured: a repeated prompt counts once)"), data
         return held_out, data
 
-    def _save(self, spec: JobSpec, strategy: str, tensors: dict[str, torch.Tensor], details: dict[str, Any],
+    def _save(self, spec: JobSpec, strategy: str, tensors: dict[str, np.ndarray], details: dict[str, Any],
               data: dict[str, Any]) -> int:
         manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": strategy,
                     "routers": spec.routers, "details": details, "engine": self.host.describe(),

@@ -4,7 +4,8 @@
 checkpoint of the same architecture whose routers are known to be healthy). Only the router
 tensors of the live model (:func:`mla_watch.retune.router_tensors.router_state`'s names) are read, each
 with ``safetensors``' lazy ``safe_open`` (no pickle, no expert weight loaded); the shapes must
-match the live ones. ``restore`` puts these back before any registry version.
+match the live ones. ``restore`` puts these back before any registry version. They are numpy arrays in the
+live tensors' dtypes (bf16 as ``ml_dtypes.bfloat16``): reading them needs no torch.
 """
 
 from __future__ import annotations
@@ -12,14 +13,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from safetensors import SafetensorError, safe_open
+import numpy as np
+from safetensors import SafetensorError
 
+from mla_watch.common.tensor_files import as_array, read_tensors
 from mla_watch.engines.checkpoints import checkpoint_files
-
-if TYPE_CHECKING:  # only load_reference_routers reads tensors (framework "pt")
-    import torch
 
 __all__ = ["RouterReference", "load_reference_routers"]
 
@@ -27,11 +27,12 @@ __all__ = ["RouterReference", "load_reference_routers"]
 @dataclass(frozen=True)
 class RouterReference:
     label: str  # "reference model /models/v3-base": what a job record says it restored from
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, np.ndarray]
 
 
-def load_reference_routers(directory: str | Path, live: Mapping[str, torch.Tensor]) -> RouterReference:
-    """The tensors named in ``live`` (the live router state), read from the checkpoint in ``directory``.
+def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> RouterReference:
+    """The tensors named in ``live`` (the live router state: numpy arrays, or a torch model's tensors), read from
+    the checkpoint in ``directory``, in the live tensors' dtypes.
 
     ``ValueError`` naming the directory, the tensor and what was expected when one is missing or
     has another shape, or the checkpoint cannot be read.
@@ -46,18 +47,17 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, torch.Tenso
         if missing:
             raise ValueError(f"--reference-model {directory}: router tensor {missing[0]} is not in the checkpoint "
                              f"({len(missing)} of {len(live)} missing): expected a checkpoint of the served model")
-        tensors: dict[str, torch.Tensor] = {}
+        served = {name: as_array(value) for name, value in live.items()}
+        tensors: dict[str, np.ndarray] = {}
         by_file: dict[Path, list[str]] = {}
         for name in live:
             by_file.setdefault(files[name], []).append(name)
         for path, names in by_file.items():
-            with safe_open(str(path), framework="pt") as handle:
-                for name in names:
-                    tensor = handle.get_tensor(name)
-                    if tuple(tensor.shape) != tuple(live[name].shape):
-                        raise ValueError(f"--reference-model {directory}: {name} has shape {tuple(tensor.shape)} in "
-                                         f"{path.name}: expected {tuple(live[name].shape)}, as served")
-                    tensors[name] = tensor.to(live[name].dtype)
+            for name, tensor in read_tensors(path, names).items():
+                if tuple(tensor.shape) != tuple(served[name].shape):
+                    raise ValueError(f"--reference-model {directory}: {name} has shape {tuple(tensor.shape)} in "
+                                     f"{path.name}: expected {tuple(served[name].shape)}, as served")
+                tensors[name] = tensor.astype(served[name].dtype)
     except (OSError, SafetensorError) as error:
         raise ValueError(f"--reference-model {directory}: cannot read the checkpoint: {type(error).__name__}: "
                          f"{str(error)[:200]}") from None

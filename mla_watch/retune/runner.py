@@ -39,10 +39,18 @@ from safetensors.torch import load_file, save_file
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import reference_batches
 from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
+from mla_watch.common.tensor_files import as_arrays
 from mla_watch.models.loss import scored_targets
 from mla_watch.quality.local_model import copy_without_hooks, make_batches, score_model
 from mla_watch.retune.capture import TokenSample, TrafficCapture
-from mla_watch.retune.data import distinct_count, evidence_digest, load_jsonl_dataset, resolve_dataset, split_held_out
+from mla_watch.retune.data import (
+    distinct_count,
+    evidence_digest,
+    load_jsonl_dataset,
+    resolve_dataset,
+    same_evidence,
+    split_held_out,
+)
 from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import ModelRouters
 from mla_watch.retune.jobs import JobSpec, RetuneSettings, job_result
@@ -51,7 +59,7 @@ from mla_watch.retune.router_tensors import apply_router_tensors, router_state
 from mla_watch.retune.strategies import Candidate, FitContext, get_strategy
 from mla_watch.retune.versions import RouterVersions
 
-__all__ = ["JobCannotRun", "Retuner", "same_evidence"]
+__all__ = ["JobCannotRun", "Retuner"]
 
 log = logging.getLogger("mla_watch.retune")
 
@@ -207,7 +215,7 @@ class Retuner:
                         "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
                         "timings": {**timings, "fit_seconds": attempt["fit_seconds"],
                                     "gate_seconds": attempt["gate_seconds"]}}
-            version = self.registry.save(candidate.tensors, manifest)
+            version = self.registry.save(as_arrays(candidate.tensors), manifest)
             attempt.update(version=version, gates=report.as_dict())
             if not report.passed:
                 outcome = "rejected" if report.decision == "reject" else "insufficient"
@@ -369,19 +377,6 @@ class Retuner:
             except ValueError as error:
                 raise RuntimeError(f"{result_file.name} of the external command is not JSON: {error}") from error
         return Candidate(tensors, details)
-
-
-def same_evidence(previous: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any] | None:
-    """After a rejection while the router read outside its band, the job's previous result again when the data
-    holds the same distinct texts as then (``data["evidence"]``): the same candidates would be fitted and
-    rejected anew, so the job goes on waiting for traffic it has not seen. ``None``: run the job."""
-    if not previous.get("rejected_while_outside_band"):
-        return None
-    if (previous.get("data") or {}).get("evidence") != data.get("evidence"):
-        return None
-    return {**previous, "unchanged": True,
-            "needs": str(previous.get("needs") or "new traffic").split(" (no new traffic since")[0]
-            + " (no new traffic since the last try)"}
 
 
 class _HealthText:

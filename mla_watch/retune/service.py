@@ -49,7 +49,6 @@ from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
 from mla_watch.retune.specs import alert_job_spec
-from mla_watch.retune.strategies import STRATEGIES
 from mla_watch.retune.versions import RouterVersions
 
 __all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneRunner", "RetuneService"]
@@ -211,9 +210,10 @@ class RetuneService:
         While a job for the same business line and strategies is still pending, its routers are
         added to that job instead of scheduling another one.
         """
-        unknown = [name for name in spec.strategies if name not in STRATEGIES]
+        unknown = [name for name in spec.strategies if name not in RETUNE_STRATEGIES]
         if not spec.strategies or unknown:
-            raise ValueError(f"strategies={spec.strategies!r}: expected a non-empty list of {sorted(STRATEGIES)}")
+            raise ValueError(f"strategies={spec.strategies!r}: expected a non-empty list of "
+                             f"{sorted(RETUNE_STRATEGIES)}")
         routers = self.retuner.host.router_names()
         bad = [name for name in spec.routers if name not in routers]
         if not spec.routers or bad:

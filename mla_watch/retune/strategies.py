@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.tensor_files import to_torch
 from mla_watch.retune.bias import refit_bias, supports_bias
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.router_tensors import router_modules
@@ -157,15 +158,17 @@ class RestoreStrategy(Strategy):
             tensors = {name: tensor for name, tensor in context.reference.tensors.items() if name.startswith(prefixes)}
             if not tensors:
                 raise ValueError(f"the {context.reference.label} holds no tensors of routers {context.routers}")
-            return Candidate(tensors, {"reference": context.reference.label, "restored_from": None,
-                                       "routers": list(context.routers)})
+            return Candidate({name: to_torch(array) for name, array in tensors.items()},
+                             {"reference": context.reference.label, "restored_from": None,
+                              "routers": list(context.routers)})
         if context.registry is None:
             raise ValueError("restore needs the router registry of the server, or a --reference-model")
         version, tensors, why = context.registry.last_good_state(context.routers)
         if not tensors:
             raise ValueError(f"the registry holds no tensors of routers {context.routers}")
-        return Candidate(tensors, {"reference": f"router version {version} ({why})", "restored_from": version,
-                                   "routers": list(context.routers)})
+        return Candidate({name: to_torch(array) for name, array in tensors.items()},
+                         {"reference": f"router version {version} ({why})", "restored_from": version,
+                          "routers": list(context.routers)})
 
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BiasStrategy, RouterFinetuneStrategy,

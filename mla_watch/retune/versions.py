@@ -10,7 +10,9 @@ Layout under the registry directory (``STATE_DIR/routers``)::
     snapshots/pNNNNN-vMMMM.safetensors   the values a promotion overwrote, for an exact rollback
 
 Only router tensors (:mod:`mla_watch.retune.router_tensors`: gate weight, gate bias,
-``e_score_correction_bias`` of every expert router) ever enter the registry. Expert weights,
+``e_score_correction_bias`` of every expert router) ever enter the registry. They are numpy arrays
+(:mod:`mla_watch.common.tensor_files`: bf16 as ``ml_dtypes.bfloat16``), so the registry runs without torch
+beside an engine; the files are the safetensors torch writes, byte for byte. Expert weights,
 indexers and everything else are never saved and never overwritten by :meth:`RouterVersions.promote`.
 
 A version may hold a subset of the router tensors (e.g. only the re-fitted biases of one
@@ -39,15 +41,18 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
+import numpy as np
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.tensor_files import as_arrays, load_tensors, save_tensors
 from mla_watch.common.values import is_integer
 from mla_watch.retune.hosts import RouterHost, as_host
 from mla_watch.retune.jobs import RetentionPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RouterVersions"]
 
@@ -133,7 +138,7 @@ class RouterVersions:
             self._append_promotion({"kind": "initial", "version": 0, "previous": None, "at": _now()})
         return 0
 
-    def save(self, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> int:
+    def save(self, tensors: Mapping[str, np.ndarray], manifest: Mapping[str, object]) -> int:
         """Write the next version (``tensors`` only) atomically; returns its number.
 
         Tensors identical to a version already written (the same file, byte for byte) are not written again: that
@@ -163,16 +168,16 @@ class RouterVersions:
                 continue
         return None
 
-    def _write(self, version: int, tensors: Mapping[str, torch.Tensor], manifest: Mapping[str, object]) -> int:
+    def _write(self, version: int, tensors: Mapping[str, np.ndarray], manifest: Mapping[str, object]) -> int:
         """Write ``version``; the number of a version holding the very same file instead, if there is one."""
         reserved = {"version", "created_at", "sha256", "tensors"} & set(manifest)
         if reserved:
             raise ValueError(f"manifest keys {sorted(reserved)} are written by the registry")
         record: dict[str, Any] = dict(manifest)
-        cpu = {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
+        cpu = as_arrays(tensors)  # a torch tensor a caller passes is copied too
         temp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version:04d}-", dir=self.directory))
         try:
-            save_file(cpu, str(temp / _TENSORS_FILE))
+            save_tensors(cpu, temp / _TENSORS_FILE)
             digest = _sha256(temp / _TENSORS_FILE)
             if version and (same := self._same_file(digest)) is not None:
                 shutil.rmtree(temp, ignore_errors=True)
@@ -263,7 +268,7 @@ class RouterVersions:
             raise ValueError(f"router version {describe_value(version)} does not exist: expected {there}")
         return version
 
-    def load(self, version: int) -> dict[str, torch.Tensor]:
+    def load(self, version: int) -> dict[str, np.ndarray]:
         """The tensors of ``version``, after checking the file's sha256 against the manifest."""
         self.check_version(version)
         path = self._dir(version) / _TENSORS_FILE
@@ -273,7 +278,7 @@ class RouterVersions:
         actual = _sha256(path)
         if actual != expected:
             raise ValueError(f"router version {version}: sha256 of {path} is {actual}, manifest says {expected}")
-        return load_file(str(path))
+        return load_tensors(path)
 
     def last_good(self) -> int | None:
         """The newest good version (gates passed, marked good, or version 0 healthy at start-up), or ``None``."""
@@ -335,7 +340,7 @@ class RouterVersions:
         stack = self._stack()
         return stack[-1] if stack else None
 
-    def last_good_state(self, routers: Sequence[str] | None = None) -> tuple[int, dict[str, torch.Tensor], str]:
+    def last_good_state(self, routers: Sequence[str] | None = None) -> tuple[int, dict[str, np.ndarray], str]:
         """The known-good router state ``restore`` puts back: ``(version, tensors, why it is good)``.
 
         The live stack's newest version an operator marked good, else its newest good version
@@ -360,7 +365,7 @@ class RouterVersions:
                              f"gates or was marked good (serve with --reference-model DIR, or mark a version good "
                              f"with `mla-watch retune mark-good N`)")
         top = chosen[-1]
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, np.ndarray] = {}
         for version in stack[: top + 1]:
             state.update(self.load(version))
         if routers is not None:
@@ -368,9 +373,9 @@ class RouterVersions:
             state = {name: tensor for name, tensor in state.items() if name.startswith(prefixes)}
         return stack[top], state, why
 
-    def live_state(self) -> dict[str, torch.Tensor]:
+    def live_state(self) -> dict[str, np.ndarray]:
         """The router state the promotion stack makes (version 0 overlaid with every promoted version)."""
-        state: dict[str, torch.Tensor] = {}
+        state: dict[str, np.ndarray] = {}
         for version in self._stack():
             state.update(self.load(version))
         return state
@@ -380,7 +385,7 @@ class RouterVersions:
         recorded = self.load(0)
         live = as_host(model).state()
         return sorted(name for name, tensor in recorded.items()
-                      if name not in live or not torch.equal(live[name], tensor.to(live[name].dtype)))
+                      if name not in live or not _same_values(live[name], tensor))
 
     def is_good(self, version: int) -> bool:
         """Whether ``version`` is known to be good: its gates passed (version 0: its start-up health check), or
@@ -404,7 +409,7 @@ class RouterVersions:
         snapshots.mkdir(exist_ok=True)
         snapshot = snapshots / f"p{len(self.promotions()):05d}-v{version:04d}.safetensors"
         with lock if lock is not None else contextlib.nullcontext():
-            save_file({name: value for name, value in host.state().items() if name in tensors}, str(snapshot))
+            save_tensors({name: value for name, value in host.state().items() if name in tensors}, snapshot)
             taken = host.apply(tensors)
         self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
                                 "at": _now(), "snapshot": snapshot.name, "snapshot_sha256": _sha256(snapshot)})
@@ -422,11 +427,11 @@ class RouterVersions:
             path = self.directory / _SNAPSHOT_DIR / snapshot
             if not path.is_file() or _sha256(path) != entries[-1].get("snapshot_sha256"):
                 raise ValueError(f"cannot roll back version {stack[-1]} exactly: {path} is missing or altered")
-            host.apply(load_file(str(path)))
+            host.apply(load_tensors(path))
             self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
             return stack[-2]
         current_names = set(self.load(stack[-1]))
-        target: dict[str, torch.Tensor] = {}
+        target: dict[str, np.ndarray] = {}
         for version in stack[:-1]:
             target.update(self.load(version))
         missing = sorted(current_names - set(target))
@@ -435,6 +440,11 @@ class RouterVersions:
         host.apply(target)
         self._append_promotion({"kind": "rollback", "version": stack[-2], "previous": stack[-1], "at": _now()})
         return stack[-2]
+
+
+def _same_values(live: np.ndarray, recorded: np.ndarray) -> bool:
+    """``recorded`` (cast to ``live``'s dtype) holds ``live``'s values, shape and all."""
+    return live.shape == recorded.shape and bool(np.array_equal(live, recorded.astype(live.dtype)))
 
 
 def _dir_bytes(directory: Path) -> int:

@@ -132,11 +132,6 @@ class Retuning:
         if config.engine not in ("vllm", "sglang"):
             return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
                     "endpoints differ")
-        from mla_watch.common.extras import needs_model_extra
-
-        if (problem := needs_model_extra("re-tuning the engine's routers")) is not None:
-            log.warning("%s", problem)
-            return problem
         from mla_watch.engines.vllm_weights import read_router_tensors
         from mla_watch.retune.engine import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService

@@ -1,0 +1,84 @@
+"""Router tensors as numpy arrays, and their safetensors files, without torch.
+
+Beside an engine the sidecar holds router tensors (bf16, f16, f32) it never runs: numpy with ``ml_dtypes``'
+``bfloat16`` holds them, and safetensors reads and writes them byte for byte as torch does (the same header,
+the same dtype names). Where a torch model is served in this process, :func:`from_torch` and :func:`to_torch`
+cross between the two; only they import torch, and only when called.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes  # gives numpy the bfloat16 that safetensors' numpy framework reads and writes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BFLOAT16", "as_array", "as_arrays", "from_torch", "is_floating", "is_torch_tensor", "load_tensors",
+           "read_tensors", "save_tensors", "to_torch"]
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` holds floats: numpy's own, or ``bfloat16`` (which numpy files under kind ``V``)."""
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
+def is_torch_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (torch never imported: it cannot be one)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(value, torch_module.Tensor)
+
+
+def from_torch(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU numpy copy of ``tensor``, of its dtype (``bfloat16`` as ``ml_dtypes.bfloat16``)."""
+    import torch
+
+    cpu = tensor.detach().to("cpu").contiguous()
+    if cpu.dtype == torch.bfloat16:  # numpy has no bf16 of its own: the same 16 bits, read by ml_dtypes
+        return cpu.view(torch.int16).numpy().view(BFLOAT16).copy()
+    return cpu.numpy().copy()
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor holding a copy of ``array``, of its dtype (``ml_dtypes.bfloat16`` as ``torch.bfloat16``)."""
+    import torch
+
+    contiguous = np.ascontiguousarray(array)
+    if contiguous.dtype == BFLOAT16:
+        return torch.from_numpy(contiguous.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(contiguous.copy())
+
+
+def as_array(value: Any) -> np.ndarray:
+    """``value`` as a numpy array: a torch tensor copied (:func:`from_torch`), anything else as numpy reads it."""
+    return from_torch(value) if is_torch_tensor(value) else np.asarray(value)
+
+
+def as_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Each of ``tensors`` as a contiguous numpy array of its own (:func:`as_array`), in the same order."""
+    return {name: np.array(as_array(value), copy=True, order="C") for name, value in tensors.items()}
+
+
+def save_tensors(tensors: Mapping[str, np.ndarray], path: str | Path) -> None:
+    """``tensors`` written as one safetensors file (each contiguous, in its dtype)."""
+    save_file({name: np.ascontiguousarray(array) for name, array in tensors.items()}, str(path))
+
+
+def load_tensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors file ``path``."""
+    return load_file(str(path))
+
+
+def read_tensors(path: str | Path, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The tensors ``names`` of the safetensors file ``path``, read lazily: no other tensor is loaded."""
+    with safe_open(str(path), framework="numpy") as handle:
+        return {name: handle.get_tensor(name) for name in names}
