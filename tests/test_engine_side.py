@@ -51,8 +51,9 @@ ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "m
                "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.quality.score",
                "mla_watch.retune.gates", "mla_watch.retune.specs", "mla_watch.retune.data", "mla_watch.retune.capture",
-               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.routing.ingest",
-               "mla_watch.history.store"]
+               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.retune.engine",
+               "mla_watch.retune.versions", "mla_watch.retune.hosts", "mla_watch.retune.service",
+               "mla_watch.common.tensor_files", "mla_watch.routing.ingest", "mla_watch.history.store"]
 HEAVY = ("torch", "transformers", "scipy.stats", "scipy.spatial", "matplotlib")
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}
@@ -119,14 +120,12 @@ def test_a_bad_policy_is_reported_before_anything_heavy_is_imported(tmp_path: Pa
 
 @pytest.mark.parametrize(("args", "named"), [
     (["serve"], "--model bundled (serving the model here, without --upstream)"),
-    (["serve", "--upstream", "http://127.0.0.1:9", "--engine", "vllm", "--engine-retune", "apply"],
-     "--engine-retune apply"),
     (["serve", "--upstream", "http://127.0.0.1:9", "--engine", "sglang", "--sglang-recorder-dir", "/tmp"],
      "--sglang-recorder-dir /tmp (its .pt dumps)"),
     (["demo"], "mla-watch demo"),
     (["routing"], "--model bundled (run here)"),
     (["check"], "--model bundled (loaded here to lint the rules"),
-], ids=["serve-model", "engine-retune", "sglang-recorder", "demo", "routing", "check"])
+], ids=["serve-model", "sglang-recorder", "demo", "routing", "check"])
 def test_a_feature_whose_extra_is_missing_fails_at_start_up_in_one_line(tmp_path: Path, args: list[str],
                                                                         named: str) -> None:
     done = processes.run([sys.executable, "-m", "mla_watch.cli", *args, "--state-dir", str(tmp_path / "state")]

@@ -30,13 +30,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import mla_watch.engines.vllm_weights as weights_module
+from mla_watch.common.tensor_files import BFLOAT16, from_torch, to_torch
 from mla_watch.engines.formats import encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.swap import SwapError
@@ -55,12 +56,14 @@ RELOAD_FAILED = ("Call to collective_rpc method failed: Worker failed with error
                  "invalid header length', please check the stack trace above for the root cause")
 
 
-def routers(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def routers(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, np.ndarray]:
+    """Router tensors as the engine path holds them: numpy arrays (bf16 as ml_dtypes.bfloat16)."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in GEOMETRY.moe_layers:
-        tensors[f"model.layers.{layer}.mlp.gate.weight"] = torch.randn(16, 8, generator=generator).to(dtype)
-        tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = torch.randn(16, generator=generator)
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = from_torch(torch.randn(16, 8, generator=generator).to(dtype))
+        tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = from_torch(
+            torch.randn(16, generator=generator))
     return tensors
 
 
@@ -74,7 +77,7 @@ def config_json(tmp_path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- checkpoints
 def test_a_router_checkpoint_round_trips_with_its_dtypes_and_modes(tmp_path: Path, config_json: Path) -> None:
     tensors = routers(dtype=torch.bfloat16)
-    tensors["model.layers.1.mlp.gate.weight"] = tensors["model.layers.1.mlp.gate.weight"].t().contiguous().t()
+    tensors["model.layers.1.mlp.gate.weight"] = np.asfortranarray(tensors["model.layers.1.mlp.gate.weight"])
     previous = os.umask(0o077)  # a pod's strict umask must not keep the engine out
     try:
         written = write_router_checkpoint(tmp_path / "step-1", tensors, config_json)
@@ -91,7 +94,18 @@ def test_a_router_checkpoint_round_trips_with_its_dtypes_and_modes(tmp_path: Pat
     back = read_router_tensors(written)
     assert list(back) == sorted(tensors, key=lambda name: (int(ROUTER_TENSOR.match(name)[1]), name))
     for name, tensor in tensors.items():
-        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor)
+        assert back[name].dtype == tensor.dtype and np.array_equal(back[name], tensor)
+    in_torch = load_file(str(written / "model.safetensors"))  # what the engine reads: torch's bf16, bit for bit
+    assert in_torch["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert back["model.layers.1.mlp.gate.weight"].dtype == BFLOAT16
+    assert all(torch.equal(in_torch[name], to_torch(tensor)) for name, tensor in tensors.items())
+    with pytest.raises(ValueError, match=r"tensors: model\.layers\.1\.mlp\.gate\.weight is a list: expected a numpy "
+                                         r"array"):
+        write_router_checkpoint(tmp_path / "step-2", {**tensors, "model.layers.1.mlp.gate.weight": [[0.0]]},
+                                config_json)
+    torch_written = write_router_checkpoint(tmp_path / "step-3", {name: to_torch(tensor) for name, tensor
+                                                                  in tensors.items()}, config_json)
+    assert (torch_written / "model.safetensors").read_bytes() == (written / "model.safetensors").read_bytes()
     assert list(read_router_tensors(written, layers=[2])) == ["model.layers.2.mlp.gate.e_score_correction_bias",
                                                               "model.layers.2.mlp.gate.weight"]
 
@@ -116,7 +130,7 @@ def test_router_tensors_are_read_alone_and_through_the_index(tmp_path: Path) -> 
     tensors = read_router_tensors(checkpoint)
 
     assert list(tensors) == ["model.layers.1.mlp.gate.weight", "model.layers.2.mlp.gate.weight"]
-    assert torch.equal(tensors["model.layers.2.mlp.gate.weight"], gate * 2)
+    assert np.array_equal(tensors["model.layers.2.mlp.gate.weight"], (gate * 2).numpy())
     with pytest.raises(ValueError, match=r"checkpoint_dir .*model: no router tensor of layers \[7\]: expected "):
         read_router_tensors(checkpoint, layers=[7])
 
@@ -148,7 +162,7 @@ def test_reading_names_the_directory_and_what_was_expected(tmp_path: Path) -> No
     (lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"),
      r"layer 1 has no e_score_correction_bias while layer 2 has one: expected whole routers"),
     (lambda t: t["model.layers.1.mlp.gate.weight"].__setitem__((0, 0), math.nan),
-     r"model\.layers\.1\.mlp\.gate\.weight \(torch\.float32\) is not all finite floats"),
+     r"model\.layers\.1\.mlp\.gate\.weight \(float32\) is not all finite floats"),
     (lambda t: t.clear(), r"tensors: empty: expected the router tensors to write"),
 ])
 def test_a_router_checkpoint_refuses_what_is_no_whole_router(tmp_path: Path, config_json: Path, change,
@@ -165,8 +179,8 @@ def test_a_router_checkpoint_is_written_once_and_whole_or_not_at_all(tmp_path: P
     write_router_checkpoint(tmp_path / "step-1", routers(), config_json)
     with pytest.raises(ValueError, match=r"directory .*step-1: exists: expected a new path"):
         write_router_checkpoint(tmp_path / "step-1", routers(1), config_json)
-    assert torch.equal(read_router_tensors(tmp_path / "step-1")["model.layers.1.mlp.gate.weight"],
-                       routers()["model.layers.1.mlp.gate.weight"])
+    assert np.array_equal(read_router_tensors(tmp_path / "step-1")["model.layers.1.mlp.gate.weight"],
+                          routers()["model.layers.1.mlp.gate.weight"])
     with pytest.raises(ValueError, match=r"config_json .*absent\.json: cannot be read \(No such file"):
         write_router_checkpoint(tmp_path / "step-2", routers(), tmp_path / "absent.json")
 
@@ -390,7 +404,8 @@ def test_a_swap_checks_the_checkpoint_before_the_engine_sees_it(fake: FakeVllm, 
     full = tmp_path / "full"
     full.mkdir()
     (full / "config.json").write_text(json.dumps(CONFIG))
-    save_file({**routers(), "model.embed_tokens.weight": torch.zeros(4, 8)}, str(full / "model.safetensors"))
+    save_file({**{name: to_torch(array) for name, array in routers().items()},
+               "model.embed_tokens.weight": torch.zeros(4, 8)}, str(full / "model.safetensors"))
     with pytest.raises(SwapError, match=r"'model\.embed_tokens\.weight' is no router tensor"):
         engine.swap(full)
     (router_dir / "model.safetensors").write_bytes((router_dir / "model.safetensors").read_bytes()[:-8])

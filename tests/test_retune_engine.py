@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -126,16 +127,32 @@ def job(**overrides) -> JobSpec:
 
 
 def test_the_bias_rule_moves_idle_experts_up_and_busy_ones_down_in_proportion() -> None:
-    bias = torch.zeros(4)
+    bias = np.zeros(4, dtype=np.float32)
     moved = bias_step(bias, np.array([0, 10, 10, 20]), gamma=0.5)
     assert moved.tolist() == pytest.approx([0.5, 0.0, 0.0, -0.5])  # mean 10: idle +gamma, twice the mean -gamma
-    assert bias_step(torch.zeros(2), np.array([0, 100]), 1.0).tolist() == pytest.approx([1.0, -1.0])
-    assert bias_step(torch.zeros(2, dtype=torch.bfloat16), np.array([1, 3]), 1.0).dtype == torch.bfloat16
+    assert bias_step(np.zeros(2, dtype=np.float32), np.array([0, 100]), 1.0).tolist() == pytest.approx([1.0, -1.0])
+    assert bias_step(np.zeros(2, dtype=ml_dtypes.bfloat16), np.array([1, 3]), 1.0).dtype == ml_dtypes.bfloat16
     with pytest.raises(ValueError, match=r"loads of shape \[3\] summing to 3: expected one positive count per "
                                          r"expert \(\[4\]\)"):
-        bias_step(torch.zeros(4), np.array([1, 1, 1]), 1.0)
+        bias_step(np.zeros(4, dtype=np.float32), np.array([1, 1, 1]), 1.0)
     schedule = BiasSchedule(gamma=1.0, decay=0.5, steps=3)
     assert [schedule.gamma_at(step) for step in range(3)] == [1.0, 0.5, 0.25]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bias_rule_on_numpy_is_bit_for_bit_torchs_float32_step_rounded_to_the_bias_dtype(dtype) -> None:
+    from mla_watch.common.tensor_files import from_torch
+
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        bias = (torch.randn(64, generator=generator) * 3).to(dtype)
+        loads = torch.randint(0, 1000, (64,), generator=generator).numpy()
+        gamma = float(torch.rand(1, generator=generator)) * 2
+        step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
+        expected = (bias.to(torch.float32) + torch.as_tensor(step, dtype=torch.float32)).to(dtype)
+        moved = bias_step(from_torch(bias), loads, gamma)
+        assert moved.dtype == from_torch(expected).dtype
+        assert moved.tobytes() == from_torch(expected).tobytes()
 
 
 def test_the_engines_scores_and_routing_make_a_model_score() -> None:
@@ -167,7 +184,7 @@ def test_a_swap_writes_the_whole_router_state_and_refuses_what_is_no_router(tmp_
     before = host.state()
     with pytest.raises(SwapError, match="reload failed"):
         host.apply({WEIGHT: healthy_state()[WEIGHT]})
-    assert all(torch.equal(before[name], tensor) for name, tensor in host.state().items())  # knows what serves
+    assert all(np.array_equal(before[name], array) for name, array in host.state().items())  # knows what serves
 
 
 def test_restore_from_the_reference_is_swapped_scored_by_the_engine_and_kept(tmp_path) -> None:

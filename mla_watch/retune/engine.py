@@ -289,7 +289,8 @@ class EngineRetuner:
     def _restore(self, spec: JobSpec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         prefixes = tuple(f"{name}." for name in spec.routers)
         if self.reference is not None:
-            tensors = {name: tensor for name, tensor in self.reference.tensors.items() if name.startswith(prefixes)}
+            tensors = as_arrays({name: tensor for name, tensor in self.reference.tensors.items()
+                                 if name.startswith(prefixes)})
             source = self.reference.label
         else:
             try:
