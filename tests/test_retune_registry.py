@@ -6,10 +6,12 @@ import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import mla_watch.retune.versions as registry_module
+from mla_watch.common.tensor_files import from_torch
 from mla_watch.retune import RouterVersions, router_state
 from tests.tiny_models import build
 
@@ -48,14 +50,15 @@ def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module,
     assert registry.record_initial(model) == 0
     assert registry.live_version() == 0
     initial = router_state(model)
-    assert all(torch.equal(initial[n], t) for n, t in registry.load(0).items())
+    assert all(np.array_equal(from_torch(initial[n]), t) for n, t in registry.load(0).items())  # numpy arrays
     assert set(registry.load(0)) == set(initial)
 
     tensors = perturbed(model, 1)
     version = registry.save(tensors, {"source": "test", "gates": {"passed": False}})
     assert version == 1
     loaded = registry.load(1)
-    assert set(loaded) == set(tensors) and all(torch.equal(loaded[n], tensors[n]) for n in tensors)
+    assert set(loaded) == set(tensors) and all(np.array_equal(loaded[n], from_torch(tensors[n])) for n in tensors)
+    assert all(loaded[n].dtype == from_torch(tensors[n]).dtype for n in tensors)
     manifests = registry.versions()
     assert [m["version"] for m in manifests] == [0, 1]
     assert manifests[1]["source"] == "test" and len(manifests[1]["sha256"]) == 64 and manifests[1]["created_at"]
@@ -177,7 +180,7 @@ def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(registry_module, "save_file", broken)
+    monkeypatch.setattr(registry_module, "save_tensors", broken)
     with pytest.raises(OSError, match="disk full"):
         registry.save(perturbed(model, 1), {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["promotions.jsonl", "v0000"]
