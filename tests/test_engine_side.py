@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
 
 from mla_watch.common.extras import MODEL_INSTALL
 from mla_watch.engines.geometry import parse_geometry
@@ -57,6 +58,18 @@ ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "m
 HEAVY = ("torch", "transformers", "scipy.stats", "scipy.spatial", "matplotlib")
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}
+
+
+def router_arrays(value: float = 0.0) -> dict[str, np.ndarray]:
+    """The routers of :data:`CONFIG`'s MoE layers (hidden size 8), bf16 weights and f32 biases, as numpy holds them."""
+    import ml_dtypes
+
+    geometry = parse_geometry(CONFIG)
+    tensors: dict[str, np.ndarray] = {}
+    for layer in geometry.moe_layers:
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = np.full((16, 8), value, dtype=ml_dtypes.bfloat16)
+        tensors[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = np.full(16, value, dtype=np.float32)
+    return tensors
 
 
 def without_model_extra(tmp_path: Path) -> dict[str, str]:
@@ -141,13 +154,14 @@ def test_a_feature_whose_extra_is_missing_fails_at_start_up_in_one_line(tmp_path
 def test_serve_beside_vllm_without_the_model_extra_counts_streamed_and_unstreamed_alike(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
+    save_file(router_arrays(), str(tmp_path / "model.safetensors"))  # the engine's checkpoint: its routers
     twin = VllmTwin(parse_geometry(CONFIG))
     port, log = free_port(), tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in without_model_extra(tmp_path).items() if not k.startswith("MLA_WATCH_")}
     with serve_app(twin.app) as twin.url, sidecar_process(
             port, tmp_path / "state", "--upstream", twin.url, "--engine", "vllm", "--model-config", str(config),
-            "--decode-workers", "1", env=env, log=log):
+            "--decode-workers", "1", "--engine-retune", "propose", env=env, log=log):
         for line, stream in (("code_assistant", False), ("customer_service", True)):
             for chat in (False, True):
                 body: dict = {"max_tokens": 6, "stream": stream}
@@ -168,5 +182,76 @@ def test_serve_beside_vllm_without_the_model_extra_counts_streamed_and_unstreame
         assert routing["code_assistant"] == routing["customer_service"] and all(
             np.array(list(routing["code_assistant"].values())) > 0)
         status = httpx.get(url + "/v1/status", timeout=10).json()
-        assert f"needs torch (the [model] extra): {MODEL_INSTALL}" in status["engine"]["retune"]
+        assert status["engine"]["retune"].startswith("re-tuning the engine's routers: propose"), status["engine"]
     assert MARK not in log.read_text(), log.read_text()[-3000:]
+
+
+ENGINE_JOB = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from mla_watch.engines.geometry import parse_geometry
+from mla_watch.engines.swap import EngineWeights, SwapResult
+from mla_watch.engines.vllm_weights import read_router_tensors
+from mla_watch.retune.engine import EngineRouters, bias_step
+from mla_watch.retune.versions import RouterVersions
+
+work = Path(sys.argv[1])
+geometry = parse_geometry(json.loads((work / "engine" / "config.json").read_text()))
+
+
+class Engine(EngineWeights):
+    name = "recorded"
+
+    def __init__(self):
+        self.loaded = []
+
+    def problem(self):
+        return None
+
+    def swap(self, weights_path):
+        self.loaded.append(read_router_tensors(weights_path))  # what the engine was asked to load
+        return SwapResult(str(weights_path), paused_seconds=0.0, reload_seconds=0.0)
+
+    def score(self, samples):
+        return []
+
+
+engine = Engine()
+initial = read_router_tensors(work / "engine")
+host = EngineRouters(engine, geometry, initial, swap_dir=work / "swaps", config_json=work / "engine" / "config.json")
+registry = RouterVersions(work / "routers")
+registry.record_initial(host, {"passed": True})
+bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+stepped = bias_step(host.state()[bias], np.arange(16), 1.0)
+version = registry.save({bias: stepped}, {"strategy": "bias"})
+registry.promote(host, version)
+promoted = engine.loaded[-1]
+registry.rollback(host)
+rolled_back = engine.loaded[-1]
+print(json.dumps({"version": version, "promoted": {name: array.astype(np.float32).tolist()
+                                                   for name, array in promoted.items()},
+                  "dtypes": {name: str(array.dtype) for name, array in promoted.items()},
+                  "rolled_back": all(np.array_equal(rolled_back[name], initial[name]) for name in initial)}))
+"""
+
+
+def test_a_router_version_is_saved_promoted_into_the_engine_and_rolled_back_without_torch(tmp_path: Path) -> None:
+    """The engine path's registry, host, bias rule and router checkpoints run where torch cannot be imported."""
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps(CONFIG))
+    save_file(router_arrays(0.5), str(engine / "model.safetensors"))
+    done = processes.run([sys.executable, "-c", ENGINE_JOB, str(tmp_path)], env=without_model_extra(tmp_path),
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0 and MARK not in done.stderr, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    promoted, dtypes = result["promoted"], result["dtypes"]
+    assert result["version"] == 1 and result["rolled_back"] is True
+    loads = np.arange(16)
+    expected = (np.float32(0.5) + np.minimum(1.0, 1.0 - loads / loads.mean()).astype(np.float32)).tolist()
+    assert promoted["model.layers.2.mlp.gate.e_score_correction_bias"] == expected  # the stepped bias
+    assert promoted["model.layers.1.mlp.gate.e_score_correction_bias"] == [0.5] * 16  # the rest as it was
+    assert promoted["model.layers.3.mlp.gate.weight"] == [[0.5] * 8] * 16  # every router whole
+    assert dtypes["model.layers.1.mlp.gate.weight"] == "bfloat16" and dtypes[
+        "model.layers.2.mlp.gate.e_score_correction_bias"] == "float32"

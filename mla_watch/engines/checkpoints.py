@@ -39,7 +39,7 @@ def checkpoint_files(directory: Path, label: str = "--reference-model") -> dict[
                          f"save_pretrained (safetensors)")
     files = {}
     for shard in shards:
-        with safe_open(str(shard), framework="pt") as handle:
+        with safe_open(str(shard), framework="numpy") as handle:
             names = handle.keys()  # the handle itself is not iterable
             files.update((name, shard) for name in names)
     return files

@@ -245,7 +245,7 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     for path, names in by_file.items():
-        with safe_open(str(path), framework="pt") as handle:
+        with safe_open(str(path), framework="numpy") as handle:
             for name in names:
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
