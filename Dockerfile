@@ -1,6 +1,7 @@
 # The sidecar that stands beside an engine (vLLM, SGLang): proxy, counting, policies, rules, alerting,
 # history, status page. No torch, no transformers: the [model] extra (the embedded model, the probe,
-# local re-tuning, the demo, SGLang recorder dumps, re-tuning an engine's routers) is not installed.
+# local re-tuning, the demo, SGLang recorder dumps) is not installed; re-tuning an engine's routers needs
+# none of it.
 #
 #   docker build -t mla-watch:engine-side .
 #   docker run -p 8000:8000 -v mla-watch-state:/state -v /models:/models:ro mla-watch:engine-side \
@@ -16,7 +17,7 @@ RUN useradd --create-home --uid 10001 --user-group mla-watch \
 WORKDIR /opt/mla-watch
 COPY pyproject.toml README.md ./
 COPY mla_watch ./mla_watch
-# EXTRAS="[model]" for what runs tensors (the SGLang recorder's .pt dumps, re-tuning an engine's routers); without a
+# EXTRAS="[model]" for what runs tensors (the SGLang recorder's .pt dumps); without a
 # GPU in the sidecar, put the CPU build of torch first (see README.md): the default one is several GB.
 ARG EXTRAS=""
 RUN pip install --no-cache-dir ".${EXTRAS}" && rm -rf /opt/mla-watch

@@ -84,5 +84,5 @@ def test_each_pod_example_runs_the_image_as_its_user_and_its_args_complete_serve
     user = int(only("USER").split(":")[0])
     assert sidecar["securityContext"]["runAsUser"] == user and sidecar["securityContext"]["runAsNonRoot"]
     assert document["spec"]["securityContext"]["fsGroup"] == user  # the state volume writable by that user
-    needs_model = args.sglang_recorder_dir is not None or args.engine_retune not in (None, "off")
+    needs_model = args.sglang_recorder_dir is not None
     assert sidecar["image"].endswith("-model") == needs_model  # the [model] extra only where a flag needs it
