@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,14 +102,18 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
             shutil.rmtree(state_dir, ignore_errors=True)
 
 
+SIDECAR_COMMAND: tuple[str, ...] = (sys.executable, "-m", "mla_watch.cli")
+
+
 def start_sidecar(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                  log: Path | None = None) -> subprocess.Popen:
-    """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``."""
+                  log: Path | None = None, command: Sequence[str] = SIDECAR_COMMAND) -> subprocess.Popen:
+    """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``.
+    ``command``: the ``mla-watch`` to run (another install's console script, say)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("MLA_WATCH_ONCALL_URL", "MLA_WATCH_ADMIN_TOKEN")}
     output = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
         return processes.start(
-            [sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(port),
              "--device", "cpu", "--state-dir", str(state), "--attn-implementation", "eager", *options],
             env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
     finally:
@@ -119,10 +123,11 @@ def start_sidecar(port: int, state: Path, *options: str, env: dict[str, str] | N
 
 @contextlib.contextmanager
 def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                    log: Path | None = None, ready_path: str = "/readyz") -> Iterator[subprocess.Popen]:
+                    log: Path | None = None, ready_path: str = "/readyz",
+                    command: Sequence[str] = SIDECAR_COMMAND) -> Iterator[subprocess.Popen]:
     """A ready sidecar process (``ready_path`` answers 200; ``/healthz`` for one whose upstream is nobody, which
     ``/readyz`` reports); killed (with everything it started) if the test left it running."""
-    process = start_sidecar(port, state, *options, env=env, log=log)
+    process = start_sidecar(port, state, *options, env=env, log=log, command=command)
     try:
         url = f"http://127.0.0.1:{port}"
 
