@@ -1,5 +1,6 @@
 // mla_watch status page: polls v1/status (and v1/routing for the shown line) and draws each router's
-// routing health, alerts, policies and re-tuning. No framework and no build step: this file is served as written.
+// routing health, its routing by position bucket, alerts, policies and re-tuning. No framework and no build
+// step: this file is served as written.
 //
 // The URL anchor (#router=...&layer=...&business_line=...&metric=...&alertname=..., the link in every
 // alert) selects the business line and the metric the rows show, and highlights the router's row and the
