@@ -32,12 +32,13 @@ from pathlib import Path
 
 import httpx
 
+from bench.real_vllm_replay import wait_counted
 from bench.server_overhead import sidecar_process
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.models import corpus
 from mla_watch.routing.footprint import BATCH_SIZES
 from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-from tests.support import answers_counted, get_metrics, metric_value
+from tests.support import get_metrics, metric_value
 
 Request = tuple[str, str]  # (business line, prompt)
 FOOTPRINT_CLIENTS = 8
@@ -90,14 +91,6 @@ def footprint_figures(metrics: str) -> dict[str, dict[str, float]]:
     figures["apart/mixed"] = {str(size): metric_value(metrics, "mla_watch_batch_footprint_ratio",
                                                       batch_size=str(size)) for size in BATCH_SIZES}
     return figures
-
-
-def wait_counted(url: str, answers: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while answers_counted(url) < answers:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not count {answers} answers within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 def main() -> None:

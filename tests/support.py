@@ -256,3 +256,20 @@ def tmpfs(directory: Path, options: str) -> Iterator[Path]:
     finally:  # lazily where a file is still open there (an in-process sidecar's outbox)
         if processes.run(["umount", str(directory)], capture_output=True, timeout=30, check=False).returncode != 0:
             processes.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
+
+
+# --------------------------------------------------------------------------------------------- traffic
+def long_texts(tokenizer, domain: str, count: int, tokens: int, seed: int) -> list[str]:
+    """Corpus samples joined until each text holds ``tokens`` tokens, cut there (past the bundled model's trained
+    256, say)."""
+    from mla_watch.models import corpus
+
+    texts, ids = [], []
+    for sample in corpus.generate(domain, 60 * count, seed):
+        ids += tokenizer(sample + "\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            texts.append(tokenizer.decode(ids[:tokens]))
+            ids = []
+            if len(texts) == count:
+                return texts
+    raise AssertionError("the corpus ran out")

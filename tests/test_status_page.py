@@ -30,13 +30,12 @@ import pytest
 import torch
 
 from mla_watch.alerting.examples import entropy_low_rules
-from mla_watch.models import corpus
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 from tests import processes
 from tests.helpers import prefill_history
 from tests.receivers import running_receiver
-from tests.support import REPO, free_port, running_sidecar, serve_app, wait_until
+from tests.support import REPO, free_port, long_texts, running_sidecar, serve_app, wait_until
 
 GATE = "model.layers.1.mlp.gate"
 HOT_GATE = "model.layers.2.mlp.gate"
@@ -671,19 +670,6 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
 # ---------------------------------------------------------------- routing by position
 
 
-def long_prompts(tokenizer, domain: str, count: int, tokens: int, seed: int) -> list[str]:
-    """Corpus samples joined until each prompt holds ``tokens`` tokens: past the bundled model's trained 256."""
-    texts, ids = [], []
-    for sample in corpus.generate(domain, 60 * count, seed):
-        ids += tokenizer(sample + "\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= tokens:
-            texts.append(tokenizer.decode(ids[:tokens]))
-            ids = []
-            if len(texts) == count:
-                return texts
-    raise AssertionError("the corpus ran out")
-
-
 def strips_of(dom: _Elements) -> dict[str, tuple[dict, list[dict]]]:
     """Each drawn position strip by router: the strip and its cells, in order."""
     found = {}
@@ -708,7 +694,7 @@ def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_coun
             response = client.post("/v1/completions", headers={"X-Business-Line": short_line},
                                    json={"prompt": f"Summarise report {index}:", "max_tokens": 4, "seed": index})
             assert response.status_code == 200, response.text
-        for text in long_prompts(app.model_worker.tokenizer, long_line, 24, 470, seed=5):
+        for text in long_texts(app.model_worker.tokenizer, long_line, 24, 470, seed=5):
             response = client.post("/v1/completions", headers={"X-Business-Line": long_line},
                                    json={"prompt": text, "max_tokens": 1})
             assert response.status_code == 200, response.text
