@@ -32,18 +32,30 @@ from pathlib import Path
 
 import httpx
 
+from bench.real_vllm_replay import wait_counted
 from bench.server_overhead import sidecar_process
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.models import corpus
 from mla_watch.routing.footprint import BATCH_SIZES
 from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-from tests.support import answers_counted, get_metrics, metric_value
+from tests.support import get_metrics, metric_value
 
 Request = tuple[str, str]  # (business line, prompt)
+FOOTPRINT_CLIENTS = 8
 
 
 def requests_of(count: int, seed: int) -> dict[str, list[Request]]:
     return {line: [(line, text) for text in corpus.prompts(line, count, seed)] for line in corpus.DOMAINS}
+
+
+def line_policies(directory: Path) -> Path:
+    """One permissive policy per corpus domain, each its own business line (the shipped files group code and SQL)."""
+    directory.mkdir()
+    for line in ("default", *corpus.DOMAINS):
+        (directory / f"{line}.yaml").write_text(
+            f"business_line: {line}\ndefault_task: general\ndefaults:\n  on_violation: clamp\ntasks:\n"
+            "  general:\n    params:\n      temperature: {min: 0.0, max: 2.0, default: 0.7}\n")
+    return directory
 
 
 def complete(url: str, request: Request, max_tokens: int) -> int:
@@ -81,14 +93,6 @@ def footprint_figures(metrics: str) -> dict[str, dict[str, float]]:
     return figures
 
 
-def wait_counted(url: str, answers: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while answers_counted(url) < answers:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url} did not count {answers} answers within {timeout:.0f} s")
-        time.sleep(0.5)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32, help="requests per business line (default 32)")
@@ -106,13 +110,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mla-watch-real-vllm-") as directory:
         root = Path(directory)
         largest = str(max(BATCH_SIZES))
+        policies = line_policies(root / "policies")
         with running_vllm(model, routing=True, extra_args=["--max-num-seqs", largest],
                           log_path=root / "vllm.log") as vllm:
             with sidecar_process("--upstream", vllm, "--engine", "vllm", "--model-config", str(model),
-                                 "--alert-interval", "3600", "--history-interval", "3600",
-                                 "--state-dir", str(root / "state"), env=dict(os.environ)) as (sidecar, _):
-                order = interleaved(by_line)
-                seconds, tokens = send(sidecar, order, args.clients, args.max_tokens)
+                                 "--alert-interval", "3600", "--history-interval", "3600", "--request-timeout", "600",
+                                 "--state-dir", str(root / "state"), "--policies", str(policies),
+                                 env=dict(os.environ)) as (sidecar, _):
+                order = interleaved(by_line)  # the footprint does not depend on how many were sent at once
+                seconds, tokens = send(sidecar, order, FOOTPRINT_CLIENTS, args.max_tokens)
                 print(f"through the sidecar: {len(order)} requests, {tokens} tokens in {seconds:.1f} s",
                       file=sys.stderr, flush=True)
                 wait_counted(sidecar, len(order))
@@ -135,7 +141,7 @@ def main() -> None:
     print("  " + " | ".join(["B", *(str(size) for size in BATCH_SIZES)]))
     for line, values in figures["footprint"].items():
         print("  " + " | ".join([line, *(f"{values[str(size)]:.3f}" if line == "apart/mixed"
-                                         else f"{values[str(size)]:.1f}" for size in BATCH_SIZES)]))
+                                         else f"{values[str(size)]:.2f}" for size in BATCH_SIZES)]))
     print(f"  decode throughput, {args.clients} clients, {args.rounds} rounds: grouped by line "
           f"{figures['tokens_per_second_grouped']:.1f} tokens/s, interleaved "
           f"{figures['tokens_per_second_interleaved']:.1f} tokens/s: grouped/interleaved "

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,14 +102,18 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
             shutil.rmtree(state_dir, ignore_errors=True)
 
 
+SIDECAR_COMMAND: tuple[str, ...] = (sys.executable, "-m", "mla_watch.cli")
+
+
 def start_sidecar(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                  log: Path | None = None) -> subprocess.Popen:
-    """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``."""
+                  log: Path | None = None, command: Sequence[str] = SIDECAR_COMMAND) -> subprocess.Popen:
+    """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``.
+    ``command``: the ``mla-watch`` to run (another install's console script, say)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("MLA_WATCH_ONCALL_URL", "MLA_WATCH_ADMIN_TOKEN")}
     output = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
         return processes.start(
-            [sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(port),
              "--device", "cpu", "--state-dir", str(state), "--attn-implementation", "eager", *options],
             env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
     finally:
@@ -119,10 +123,11 @@ def start_sidecar(port: int, state: Path, *options: str, env: dict[str, str] | N
 
 @contextlib.contextmanager
 def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                    log: Path | None = None, ready_path: str = "/readyz") -> Iterator[subprocess.Popen]:
+                    log: Path | None = None, ready_path: str = "/readyz",
+                    command: Sequence[str] = SIDECAR_COMMAND) -> Iterator[subprocess.Popen]:
     """A ready sidecar process (``ready_path`` answers 200; ``/healthz`` for one whose upstream is nobody, which
     ``/readyz`` reports); killed (with everything it started) if the test left it running."""
-    process = start_sidecar(port, state, *options, env=env, log=log)
+    process = start_sidecar(port, state, *options, env=env, log=log, command=command)
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -251,3 +256,20 @@ def tmpfs(directory: Path, options: str) -> Iterator[Path]:
     finally:  # lazily where a file is still open there (an in-process sidecar's outbox)
         if processes.run(["umount", str(directory)], capture_output=True, timeout=30, check=False).returncode != 0:
             processes.run(["umount", "-l", str(directory)], capture_output=True, timeout=30, check=False)
+
+
+# --------------------------------------------------------------------------------------------- traffic
+def long_texts(tokenizer, domain: str, count: int, tokens: int, seed: int) -> list[str]:
+    """Corpus samples joined until each text holds ``tokens`` tokens, cut there (past the bundled model's trained
+    256, say)."""
+    from mla_watch.models import corpus
+
+    texts, ids = [], []
+    for sample in corpus.generate(domain, 60 * count, seed):
+        ids += tokenizer(sample + "\n", add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            texts.append(tokenizer.decode(ids[:tokens]))
+            ids = []
+            if len(texts) == count:
+                return texts
+    raise AssertionError("the corpus ran out")

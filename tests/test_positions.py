@@ -16,12 +16,11 @@ import mla_watch
 from mla_watch.alerting.engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
-from mla_watch.models import corpus
 from mla_watch.routing.positions import PositionBuckets, PositionCounts, profile
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.shipped import __file__ as shipped_init
 from tests.helpers import FakeClock
-from tests.support import get_metrics, metric_value, running_sidecar
+from tests.support import get_metrics, long_texts, metric_value, running_sidecar
 
 SHIPPED_RULES = Path(shipped_init).parent / "rules"
 
@@ -32,17 +31,7 @@ def _bundled() -> tuple[torch.nn.Module, object]:
 
 
 def _long_texts(domain: str, count: int, tokens: int, seed: int) -> list[str]:
-    """Corpus samples joined until each text holds ``tokens`` tokens, cut there."""
-    _, tokenizer = _bundled()
-    texts, ids = [], []
-    for sample in corpus.generate(domain, 60 * count, seed):
-        ids += tokenizer(sample + "\n", add_special_tokens=False)["input_ids"]
-        if len(ids) >= tokens:
-            texts.append(tokenizer.decode(ids[:tokens]))
-            ids = []
-            if len(texts) == count:
-                return texts
-    raise AssertionError("the corpus ran out")
+    return long_texts(_bundled()[1], domain, count, tokens, seed)
 
 
 def _ids(text: str, limit: int) -> list[int]:

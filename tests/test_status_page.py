@@ -35,7 +35,7 @@ from mla_watch.server.app import ServerConfig, Sidecar
 from tests import processes
 from tests.helpers import prefill_history
 from tests.receivers import running_receiver
-from tests.support import REPO, free_port, running_sidecar, serve_app, wait_until
+from tests.support import REPO, free_port, long_texts, running_sidecar, serve_app, wait_until
 
 GATE = "model.layers.1.mlp.gate"
 HOT_GATE = "model.layers.2.mlp.gate"
@@ -665,3 +665,100 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
     for cell in cells:
         reason = routing[cell["data-router"]]["no_signal"]
         assert cell["data-state"] == "nosignal" and f"no signal: {reason}" in cell["title"], cell
+
+
+# ---------------------------------------------------------------- routing by position
+
+
+def strips_of(dom: _Elements) -> dict[str, tuple[dict, list[dict]]]:
+    """Each drawn position strip by router: the strip and its cells, in order."""
+    found = {}
+    for strip in dom.find(tag="div", class_="strip"):
+        at = dom.elements.index(strip)
+        cells = []
+        for element in dom.elements[at + 1:]:
+            if element["tag"] == "div" and "strip" in element.get("class", "").split():
+                break
+            if element["tag"] == "span" and "cell" in element.get("class", "").split():
+                cells.append(element)
+        found[strip["data-router"]] = (strip, cells)
+    return found
+
+
+@pytest.mark.slow
+def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_counts_them(sidecar) -> None:
+    url, app = sidecar
+    long_line, short_line = "customer_service", "doc_summary"
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for index in range(3):
+            response = client.post("/v1/completions", headers={"X-Business-Line": short_line},
+                                   json={"prompt": f"Summarise report {index}:", "max_tokens": 4, "seed": index})
+            assert response.status_code == 200, response.text
+        for text in long_texts(app.model_worker.tokenizer, long_line, 24, 470, seed=5):
+            response = client.post("/v1/completions", headers={"X-Business-Line": long_line},
+                                   json={"prompt": text, "max_tokens": 1})
+            assert response.status_code == 200, response.text
+
+        def both_lines_sampled() -> bool:  # the page offers the lines of its history (sampled every 10 s)
+            series = client.get("/v1/status").json()["history"]["series"]
+            return {long_line, short_line} <= {s["business_line"] for s in series}
+
+        assert wait_until(both_lines_sampled, 30)
+        answers = {line: client.get("/v1/routing", params={"business_line": line}).json()["positions"]
+                   for line in (long_line, short_line)}
+    browser = Browser()
+    try:
+        browser.open(f"{url}/#business_line={long_line}")
+        assert browser.wait_for(f"document.querySelector('#positions-body').dataset.line === '{long_line}' && "
+                                "document.querySelector('#positions-body .strip')"), browser.dom().html[-3000:]
+        long_dom = browser.dom()
+        browser.screenshot(artifacts_dir() / "status-page-positions.png")
+        # The strip follows the line chosen above the heat map.
+        browser.evaluate(f"document.querySelector('#lines button[data-line={short_line}]').click()")
+        assert browser.wait_for(f"document.querySelector('#positions-body').dataset.line === '{short_line}' && "
+                                "document.querySelector('#positions-body .strip')")
+        short_dom = browser.dom()
+        console = "\n".join(browser.console)
+    finally:
+        browser.close()
+
+    assert "Uncaught" not in console, console
+    assert answers[long_line]["buckets"] == ["0-63", "64-127", "128-255", "256-511", "512+"]
+    # Past the trained 256 positions the long line's routing departs: the page outlines the bucket the sidecar
+    # names as each router's edge, and says so beside the strip.
+    assert "256-511" in {router["edge"] for router in answers[long_line]["routers"]}
+    for line, dom in ((long_line, long_dom), (short_line, short_dom)):
+        strips = strips_of(dom)
+        routers = answers[line]["routers"]
+        assert set(strips) == {router["name"] for router in routers}  # one strip per expert router
+        for router in routers:
+            strip, cells = strips[router["name"]]
+            assert [c["data-bucket"] for c in cells] == [b["bucket"] for b in router["buckets"]]
+            for cell, counted in zip(cells, router["buckets"], strict=True):
+                js = counted["js_divergence"]
+                assert cell["title"].startswith(
+                    f"{counted['bucket']}: {counted['tokens']} tokens · entropy {counted['entropy_bits']:.2f} bits"
+                    f" · JS {'–' if js is None else f'{js:.4f}'} bits from in-range routing"), (cell, counted)
+                assert int(cell["data-tokens"]) == counted["tokens"]
+                if js is None or counted["tokens"] == 0:
+                    assert cell["data-state"] == "none"
+                else:
+                    assert float(cell["data-js"]) == pytest.approx(js)
+            outlined = [c["data-bucket"] for c in cells if "edge" in c["class"].split()]
+            assert outlined == ([router["edge"]] if router["edge"] else []), (router["name"], outlined)
+            assert strip.get("data-edge") == (router["edge"] or None)
+            if router["edge"]:
+                assert f"leaves in-range routing at {router['edge']}" in strip["text"]
+    short_tokens = {r["name"]: [b["tokens"] for b in r["buckets"]] for r in answers[short_line]["routers"]}
+    assert all(tokens[0] > 0 and not any(tokens[2:]) for tokens in short_tokens.values())  # short prompts only
+
+
+def test_without_routing_by_position_the_section_says_so_in_one_line() -> None:
+    with running_sidecar(upstream="http://127.0.0.1:9") as (url, _):
+        assert "positions" not in httpx.get(url + "/v1/routing", timeout=10).json()
+        dom, console = open_in_browser(url + "/", artifacts_dir() / "status-page-no-positions.png", 3000)
+    assert "Uncaught" not in console, console
+    (body,) = dom.find(tag="div", id="positions-body")
+    assert not dom.find(tag="div", class_="strip")
+    (note,) = [p for p in dom.find(tag="p") if p["text"].startswith("No routing by position here")]
+    assert "--no-routing-by-position" in note["text"] and note["text"] in body["text"]

@@ -234,3 +234,86 @@ def test_an_alerts_cause_is_shown_as_the_engine_labels_it_and_a_pending_one_is_s
     pending = {**ALERT, "state": "pending"}
     assert run_js("[...alerts, pending, old].map(page.causeText)", alerts=alerts, pending=pending,
                   old=ALERT) == ["model", "traffic", "undetermined", "reading…", "–"]
+
+
+# ---------------------------------------------------------------- routing by position
+
+
+def bucket(label: str, tokens: int, js: float | None, judged: bool, entropy: float = 5.5) -> dict:
+    return {"bucket": label, "start": 0, "end": None, "tokens": tokens, "entropy_bits": entropy,
+            "js_divergence": js, "judged": judged, "in_range": judged and (js is None or js <= 0.025)}
+
+
+LABELS = ["0-63", "64-127", "128-255", "256-511", "512+"]
+
+
+def positions(drift_bits: float = 0.025) -> dict:
+    """A positions document as PositionCounts.as_dict writes it: three expert routers, given out of layer order."""
+    departing = [bucket("0-63", 4096, None, False, 5.81), bucket("64-127", 2048, None, True),  # seeds in-range
+                 bucket("128-255", 3000, 0.0104, True), bucket("256-511", 2800, 0.04321, True, 5.123),
+                 bucket("512+", 900, 0.061, True)]
+    # Noise past the threshold in a bucket under its minimum is no edge; an empty bucket has nothing to show.
+    staying = [bucket("0-63", 4096, None, False), bucket("64-127", 2048, None, True),
+               bucket("128-255", 40, 0.31, False), bucket("256-511", 0, None, False),
+               bucket("512+", 700, 0.02, True)]
+    unjudged = [bucket(label, 8, None if index < 2 else 0.2, False) for index, label in enumerate(LABELS)]
+    return {"business_line": "code", "context_length": 512, "buckets": LABELS, "drift_bits": drift_bits,
+            "min_tokens": 512, "routers": [{"name": "model.layers.2.mlp.gate", "layer": 2, "buckets": departing},
+                                           {"name": "model.layers.1.mlp.gate", "layer": 1, "buckets": staying},
+                                           {"name": "model.layers.3.mlp.gate", "layer": 3, "buckets": unjudged}]}
+
+
+def test_the_position_strip_marks_the_first_judged_bucket_past_the_documents_drift_bits() -> None:
+    strips = run_js("page.positionStrips(doc)", doc=positions())
+    assert [(s["router"], s["layer"]) for s in strips] == [("model.layers.1.mlp.gate", 1),
+                                                           ("model.layers.2.mlp.gate", 2),
+                                                           ("model.layers.3.mlp.gate", 3)]
+    staying, departing, unjudged = strips
+    assert [[c["bucket"] for c in s["cells"]] for s in strips] == [LABELS] * 3  # one cell per bucket, in order
+    # The first bucket past 0.025 bits is the edge; the one after it, further still, is not marked again.
+    assert departing["edge"] == "256-511" and departing["text"] == "leaves in-range routing at 256-511"
+    assert [c["edge"] for c in departing["cells"]] == [False, False, False, True, False]
+    assert [c["state"] for c in departing["cells"]] == ["none", "none", "ok", "fire", "fire"]
+    assert staying["edge"] is None and staying["text"] == "in range where judged (within 0.025 bits)"
+    assert [c["state"] for c in staying["cells"]] == ["none", "none", "fire", "none", "ok"]  # 40 tokens: faded
+    assert [c["judged"] for c in staying["cells"]] == [False, True, False, False, True]
+    assert unjudged["edge"] is None and unjudged["text"] == "too few tokens to judge (a bucket needs 512)"
+    # The threshold is the document's: at 0.05 bits the edge is the bucket past 0.05.
+    assert [s["edge"] for s in run_js("page.positionStrips(doc)", doc=positions(0.05))] == [None, "512+", None]
+    assert run_js("[page.firstDeparture(b, 0.025), page.firstDeparture([], 0.025), page.firstDeparture(null, 1)]",
+                  b=positions()["routers"][0]["buckets"]) == [3, -1, -1]
+
+
+def test_a_position_cell_is_coloured_by_its_drift_and_titled_with_its_numbers() -> None:
+    (_, departing, _) = run_js("page.positionStrips(doc)", doc=positions())
+    cells = departing["cells"]
+    assert cells[3]["title"] == ("256-511: 2800 tokens · entropy 5.12 bits · JS 0.0432 bits from in-range routing\n"
+                                 "past 0.025 bits: leaves in-range routing here")
+    assert cells[0]["title"] == ("0-63: 4096 tokens · entropy 5.81 bits · JS – bits from in-range routing\n"
+                                 "the prompts' openings: shown, not judged")
+    assert cells[2]["tokens"] == 3000 and cells[2]["js"] == 0.0104 and cells[2]["entropy_bits"] == 5.5
+    # Neutral without a divergence or tokens; green within the threshold (brighter nearer 0), red past it (darker
+    # further).
+    neutral = run_js("page.positionCell(b, 1, 0.025, 512, false).colour", b=bucket("64-127", 0, 0.01, False))
+    assert neutral == cells[0]["colour"] == cells[1]["colour"]
+    rgb = [tuple(int(v) for v in run_js("page.positionCell(b, 2, 0.025, 512, false).colour",
+                                         b=bucket("128-255", 1000, js, True))[4:-1].split(","))
+           for js in (0.001, 0.02, 0.03, 0.09)]
+    near, far, past, deep = rgb
+    assert near[1] > far[1] and all(c[1] > c[0] for c in (near, far))
+    assert past[0] > deep[0] and all(c[0] > 2 * c[1] for c in (past, deep))
+    under = run_js("page.positionCell(b, 2, 0.025, 512, false)", b=bucket("128-255", 40, 0.31, False))
+    assert under["title"].endswith("\nnot judged: fewer than 512 tokens") and under["judged"] is False
+
+
+def test_the_position_section_says_why_it_draws_no_strip() -> None:
+    notes = run_js("[page.positionsNote(null), page.positionsNote({ missing: true, positions: null }),"
+                   " page.positionsNote({ missing: false, positions: null }),"
+                   " page.positionsNote({ missing: false, positions: { routers: [] } }),"
+                   " page.positionsNote({ missing: false, positions: doc })]", doc=positions())
+    assert notes[0] == "Loading the routing by position…"
+    assert notes[1] == "No routing counts for this business line yet."
+    assert notes[2].startswith("No routing by position here: counting by position is off")
+    assert "SGLang" in notes[2] and "\n" not in notes[2]
+    assert notes[3] == "No expert router is counted by position."
+    assert notes[4] is None

@@ -53,7 +53,7 @@ class Cause:
         if not isinstance(data, dict) or data.get("name") not in CAUSES or not isinstance(data.get("summary"), str):
             raise ValueError("cause: expected an object with name (model, traffic or undetermined) and summary")
         reading_at = data.get("reading_at")
-        if reading_at is not None and (not is_number(reading_at)):
+        if reading_at is not None and not is_number(reading_at):
             raise ValueError("cause: reading_at is not a number")
         details = data.get("details") or {}
         return cls(data["name"], data["summary"], None if reading_at is None else float(reading_at),

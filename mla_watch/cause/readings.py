@@ -105,7 +105,7 @@ class ReferenceBaseline:
         if not isinstance(set_name, str) or not isinstance(digest, str) or not isinstance(routers, dict):
             raise ValueError(f"{where}: expected set and digest (strings) and routers (an object)")
         version, taken_at = data.get("router_version"), data.get("taken_at")
-        if version is not None and (not is_integer(version)):
+        if version is not None and not is_integer(version):
             raise ValueError(f"{where}.router_version: expected an integer or null")
         if not is_number(taken_at):
             raise ValueError(f"{where}.taken_at: expected a time (seconds since the epoch)")

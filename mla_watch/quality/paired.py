@@ -91,8 +91,7 @@ def parse_margin(value: object, where: str = "max_perplexity_increase") -> Perpl
 
 
 def parse_confidence(value: object, where: str = "gate_confidence") -> float:
-    if (not is_number(value, finite=True)
-            or not 0.5 <= value < 1):
+    if not is_number(value, finite=True) or not 0.5 <= value < 1:
         raise ValueError(f"{where} = {describe_value(value)}: expected a one-sided confidence in [0.5, 1), e.g. 0.95")
     return float(value)
 

@@ -211,8 +211,7 @@ class TrafficCapture:
         if client is not None and (not isinstance(client, str) or len(client) > _MAX_CLIENT_NAME):
             raise ValueError(f"client = {fmt(client)}: expected None or a string of at most {_MAX_CLIENT_NAME} "
                              "characters")
-        if prompt_tokens is not None and (not is_integer(prompt_tokens)
-                                          or prompt_tokens < 0):
+        if prompt_tokens is not None and (not is_integer(prompt_tokens) or prompt_tokens < 0):
             raise ValueError(f"prompt_tokens = {fmt(prompt_tokens)}: expected None or a non-negative int")
         if not isinstance(business_line, str) or not business_line or len(business_line) > _MAX_LINE_NAME:
             raise ValueError(f"business_line = {fmt(business_line)}: expected a non-empty string of at most "

@@ -1,5 +1,6 @@
 // mla_watch status page: polls v1/status (and v1/routing for the shown line) and draws each router's
-// routing health, alerts, policies and re-tuning. No framework and no build step: this file is served as written.
+// routing health, its routing by position bucket, alerts, policies and re-tuning. No framework and no build
+// step: this file is served as written.
 //
 // The URL anchor (#router=...&layer=...&business_line=...&metric=...&alertname=..., the link in every
 // alert) selects the business line and the metric the rows show, and highlights the router's row and the
@@ -226,6 +227,78 @@ function mix(from, to, t) {
   return `rgb(${a.map((v, i) => Math.round(v + (b[i] - v) * t)).join(",")})`;
 }
 
+// ---------------------------------------------------------------- routing by position
+// v1/routing's `positions` (PositionCounts.as_dict in mla_watch/routing/positions.py): per expert router its
+// position buckets, each with its JS divergence from the line's in-range routing. The threshold is the
+// document's own `drift_bits`: the one its edges are found with, and the one the shipped LongContextDrift rule
+// fires past, so the page never carries a copy that could disagree with the sidecar.
+
+// A bucket's JS divergence in bits, or null where it has none (the first bucket, nothing in range to compare).
+function driftOf(bucket) {
+  const value = bucket ? bucket.js_divergence : null;
+  return value === null || value === undefined || !Number.isFinite(Number(value)) ? null : Number(value);
+}
+
+// The index of the first bucket that leaves in-range routing (-1: none): judged (enough tokens, not the
+// prompts' openings) and past driftBits. A bucket below its minimum reads sampling noise, so it is no edge.
+function firstDeparture(buckets, driftBits) {
+  return (buckets || []).findIndex((b) => b.judged === true && driftOf(b) !== null && driftOf(b) > driftBits);
+}
+
+// A cell's state and colour: "none" without tokens or a divergence (neutral), "ok" within driftBits (brighter:
+// nearer in-range routing), "fire" past it (darker: deeper), as the heat map's cells.
+function driftColour(js, tokens, driftBits) {
+  if (js === null || !(tokens > 0)) return { state: "none", colour: COLOURS.none };
+  if (js <= driftBits) return { state: "ok", colour: mix("#1f5c38", COLOURS.ok, 1 - js / Math.max(1e-9, driftBits)) };
+  const depth = Math.min(1, (js - driftBits) / Math.max(1e-9, 3 * driftBits));
+  return { state: "fire", colour: mix("#7a2420", COLOURS.fire, 1 - depth) };
+}
+
+// One strip cell: its numbers, state, colour and title (bucket, tokens, entropy and JS bits).
+function positionCell(bucket, index, driftBits, minTokens, isEdge) {
+  const js = driftOf(bucket);
+  const tokens = Number(bucket.tokens) || 0;
+  const { state, colour } = driftColour(js, tokens, driftBits);
+  const why = index === 0 ? "the prompts' openings: shown, not judged"
+    : !bucket.judged && tokens > 0 ? `not judged: fewer than ${minTokens} tokens` : null;
+  const title = `${bucket.bucket}: ${tokens} tokens · entropy ${bits(bucket.entropy_bits)} bits · ` +
+    `JS ${js === null ? "–" : js.toFixed(4)} bits from in-range routing` + (why ? `\n${why}` : "") +
+    (isEdge ? `\npast ${driftBits} bits: leaves in-range routing here` : "");
+  return { bucket: bucket.bucket, tokens, entropy_bits: bucket.entropy_bits, js, judged: Boolean(bucket.judged),
+           state, colour, edge: isEdge, title };
+}
+
+// The strips of a positions document, by layer: each expert router's cells in bucket order, the first bucket
+// that leaves in-range routing (or null) and the line said beside the strip.
+function positionStrips(positions) {
+  const driftBits = Number(positions.drift_bits);
+  const minTokens = positions.min_tokens;
+  return [...(positions.routers || [])].sort((a, b) => a.layer - b.layer || a.name.localeCompare(b.name))
+    .map((router) => {
+      const buckets = router.buckets || [];
+      const edge = firstDeparture(buckets, driftBits);
+      const cells = buckets.map((bucket, index) => positionCell(bucket, index, driftBits, minTokens, index === edge));
+      const judged = buckets.some((b) => b.judged);
+      const text = edge >= 0 ? `leaves in-range routing at ${buckets[edge].bucket}`
+        : judged ? `in range where judged (within ${driftBits} bits)`
+          : `too few tokens to judge (a bucket needs ${minTokens})`;
+      return { router: router.name, layer: router.layer, edge: edge >= 0 ? buckets[edge].bucket : null, cells, text };
+    });
+}
+
+// What the section says instead of strips (null: draw the strips): the routing not loaded, the line unknown,
+// or an answer without `positions`.
+function positionsNote(routing) {
+  if (!routing) return "Loading the routing by position…";
+  if (routing.missing) return "No routing counts for this business line yet.";
+  if (!routing.positions) {
+    return "No routing by position here: counting by position is off (serve --no-routing-by-position), or the " +
+      "routing source cannot tell positions apart (SGLang's expert-distribution recorder).";
+  }
+  if (!(routing.positions.routers || []).length) return "No expert router is counted by position.";
+  return null;
+}
+
 // ---------------------------------------------------------------- data
 // Appends the points of an incremental reply (v1/status?since=...) to what is shown, and drops
 // the points older than the span.
@@ -307,12 +380,15 @@ async function fetchRouting() {
   const url = routingUrl(line);
   const response = await fetch(url, { cache: "no-store" });
   if (response.status === 404) {
-    view.routing = { line, records: new Map() };
+    view.routing = { line, records: new Map(), positions: null, missing: true };
     return;
   }
   if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
   const data = await response.json();
-  if (view.line === line) view.routing = { line, records: new Map(data.routers.map((r) => [r.name, r])) };
+  if (view.line === line) {
+    view.routing = { line, records: new Map(data.routers.map((r) => [r.name, r])), positions: data.positions || null,
+                     missing: false };
+  }
 }
 
 // What the shown line and metric need beside v1/status: its routing records and, where drawn from it,
@@ -403,6 +479,7 @@ function render() {
   renderWindows();
   renderHeatmap();
   renderOverview();
+  renderPositions();
   renderAlerts(status.alerts);
   renderPolicies(status.policies);
   renderRetune(status.retune, status.engine);
@@ -711,6 +788,37 @@ function renderOverview() {
       })))));
 }
 
+// Routing by position of the shown line: one strip per expert router, its first departing bucket outlined.
+function renderPositions() {
+  const routing = view.routing && view.routing.line === view.line ? view.routing : null;
+  const note = positionsNote(routing);
+  const body = $("positions-body");
+  body.dataset.line = view.line || "";
+  if (note) {
+    body.replaceChildren(el("p", { class: "empty" }, note));
+    return;
+  }
+  const positions = routing.positions;
+  const strips = positionStrips(positions);
+  body.replaceChildren(
+    el("p", { class: "muted" }, `JS divergence of each position bucket from the line's in-range routing; outlined: ` +
+      `the first bucket past ${positions.drift_bits} bits (the edge LongContextDrift judges), context length ` +
+      `${positions.context_length}.`),
+    ...strips.map((strip) => el("div", { class: "strip", dataset: { router: strip.router, layer: String(strip.layer),
+                                                                     edge: strip.edge } },
+      el("span", { class: "name" }, `layer ${strip.layer} · ${strip.router}`),
+      el("span", { class: "cells" }, strip.cells.map((cell) => el("span", {
+        class: `cell${cell.edge ? " edge" : ""}${cell.judged ? "" : " unjudged"}`, title: cell.title,
+        style: `background:${cell.colour}`,
+        dataset: { bucket: cell.bucket, tokens: String(cell.tokens), js: cell.js === null ? "" : String(cell.js),
+                   state: cell.state, judged: String(cell.judged) } }, cell.bucket))),
+      el("span", { class: `edge-text${strip.edge ? " fail" : " muted"}` }, strip.text))),
+    el("div", { class: "legend" }, [["ok", `within ${positions.drift_bits} bits (brighter: nearer in-range routing)`],
+      ["fire", `past ${positions.drift_bits} bits (darker: further)`], ["none", "no tokens, or nothing to compare"]]
+      .map(([state, text]) => el("span", {}, el("i", { style: `background:${COLOURS[state]}` }), text)),
+    el("span", {}, `faded: fewer than ${positions.min_tokens} tokens, not judged`)));
+}
+
 // Links come from rule annotations: only http(s) ones become links (never javascript: or data:).
 function safeHref(url) {
   return typeof url === "string" && /^https?:\/\//i.test(url.trim()) ? url.trim() : null;
@@ -854,5 +962,6 @@ if (typeof window !== "undefined") {
 } else if (typeof module !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
-                     normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS };
+                     normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS,
+                     firstDeparture, positionCell, positionStrips, positionsNote };
 }
