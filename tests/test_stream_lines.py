@@ -32,3 +32,22 @@ def test_the_routing_key_counts_only_near_the_start_of_a_line() -> None:
     with pytest.raises(AnswerTooLarge) as raised:
         lines.feed(b'"routed_experts":"' + b"A" * limit)
     assert raised.value.limit == limit
+
+
+@pytest.mark.parametrize("reads", [
+    [b"data: " + b"y" * 2000 + b"\n\n"],  # one read, whole lines
+    [b"data: " + b"y" * 900, b"y" * 200 + b'\ndata: {"t": 1}\n'],  # the line ends in the read that passes the limit
+    [b"data: " + b"y" * 900, b"y" * 200 + b"\r"],
+])
+def test_a_line_over_the_limit_is_cut_however_its_end_arrives(reads: list[bytes]) -> None:
+    lines = EventLines(1000, routing_limit=10_000)
+    with pytest.raises(AnswerTooLarge) as raised:
+        for read in reads:
+            lines.feed(read)
+    assert raised.value.limit == 1000
+
+
+def test_lines_within_the_limit_pass_in_one_long_read() -> None:
+    lines = EventLines(1000, routing_limit=10_000)
+    read = b"".join(b"data: " + bytes([65 + i % 26]) * 900 + b"\n\n" for i in range(5))
+    assert lines.feed(read) == [line for i in range(5) for line in (b"data: " + bytes([65 + i % 26]) * 900, b"")]

@@ -107,24 +107,29 @@ class EventLines:
         self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
 
     def feed(self, data: bytes) -> list[bytes]:
-        if not self._buffer and data.endswith(b"\n"):  # whole lines, as a stream's reads mostly are
-            return data.splitlines()  # bytes split at CR, LF and CRLF only
+        if not self._buffer and data.endswith(b"\n") and len(data) <= self.limit:
+            return data.splitlines()  # whole lines, as a stream's reads mostly are; none can be over the limit
         self._buffer += data
         lines, start = [], 0
         while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
             if end.group() == b"\r" and end.end() == len(self._buffer):
                 break  # a CR last: its LF may be in the next read
+            self._bound(start, end.start())  # a line that ends within this read is bounded too
             lines.append(bytes(memoryview(self._buffer)[start:end.start()]))  # one copy, not two
             start = end.end()
         del self._buffer[:start]
         self._scanned = max(0, len(self._buffer) - 1)
-        if len(self._buffer) > self.limit:
-            routing = self._buffer.find(ROUTING_KEY, 0, ROUTING_KEY_WINDOW) >= 0
-            if not routing:
-                raise AnswerTooLarge(self.limit, "a line of the stream")
-            if len(self._buffer) > self.routing_limit:
-                raise AnswerTooLarge(self.routing_limit, "a line with routing of the stream")
+        self._bound(0, len(self._buffer))
         return lines
+
+    def _bound(self, start: int, end: int) -> None:
+        """Raises :class:`AnswerTooLarge` if the buffer's ``[start, end)``, one line, is over its limit."""
+        if end - start <= self.limit:
+            return
+        if self._buffer.find(ROUTING_KEY, start, min(end, start + ROUTING_KEY_WINDOW)) < 0:
+            raise AnswerTooLarge(self.limit, "a line of the stream")
+        if end - start > self.routing_limit:
+            raise AnswerTooLarge(self.routing_limit, "a line with routing of the stream")
 
     def finish(self) -> list[bytes]:
         """What is left when the stream ends: a last line without its line end."""
