@@ -6,6 +6,8 @@ the client, and only then queues the answer here. Consumers hand it to the decod
 count what they return per business line. The queue holds at most ``max_jobs`` answers and
 ``max_bytes`` of them (one answer is always admitted into an empty queue: it fits
 ``--upstream-max-bytes``); an answer that finds it full is not counted, and is counted as dropped.
+When it drains after at least ``release_after_bytes`` of answers, the C heap's free pages go back to
+the system (:mod:`mla_watch.common.heap`): a burst does not stay resident once it is counted.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mla_watch.common import heap
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.engines.formats import Decoded, RoutingPlan
 from mla_watch.engines.watch import EngineRouting
@@ -30,6 +33,9 @@ COUNT_QUEUE_BYTES = 256 << 20  # 200 DeepSeek-V3 answers of 2,000 tokens in vLLM
 # Why an answer's routing was not counted (mla_watch_engine_count_dropped_total{reason}).
 DROP_REASONS = ("queue_full", "shutdown")
 SHUTDOWN_DRAIN_SECONDS = 2.0
+# Once this much has passed through the queue, its draining returns the heap's free pages to the system
+# (mla_watch.common.heap): often enough that a burst does not stay resident, seldom enough to cost nothing.
+RELEASE_AFTER_BYTES = 64 << 20
 # (business line, [(prompt + completion ids, prompt length), ...], client): one answer's choices, to capture
 Capture = Callable[[str, list[tuple[list[int], int]], str | None], None]
 
@@ -47,7 +53,8 @@ class CountQueue:
     """Answers whose routing is still to be counted, and the tasks that count them."""
 
     def __init__(self, routing: EngineRouting, decoder: RoutingDecoder, *, max_jobs: int = COUNT_QUEUE_JOBS,
-                 max_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None) -> None:
+                 max_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None,
+                 release_after_bytes: int = RELEASE_AFTER_BYTES) -> None:
         self.routing = routing
         self.capture = capture  # where the token ids of answers asked for them go (serve --capture)
         self._decoder = decoder
@@ -58,6 +65,8 @@ class CountQueue:
         self._ready: asyncio.Event | None = None
         self._consumers: list[asyncio.Task[None]] = []
         self._in_flight = 0
+        self.release_after_bytes = release_after_bytes
+        self._passed = 0  # bytes of answers counted since the heap's free pages were last returned
 
     @property
     def queued(self) -> int:
@@ -141,6 +150,10 @@ class CountQueue:
                 log.exception("counting an engine answer's routing failed; it is not counted")
             finally:
                 self._in_flight -= 1
+                self._passed += len(job.body)
+            if not self._jobs and not self._in_flight and self._passed >= self.release_after_bytes:
+                self._passed = 0
+                await asyncio.to_thread(heap.release_free_memory)
 
     async def _drained(self) -> None:
         while self._jobs or self._in_flight:
