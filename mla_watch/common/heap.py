@@ -20,13 +20,16 @@ __all__ = ["release_free_memory"]
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"; musl and macOS have no such name
-    except (ValueError, OSError):
+    try:  # "glibc 2.36"; musl and macOS have no such name, Windows no confstr
+        libc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (AttributeError, ValueError, OSError):
         return None
     if not libc or not libc.startswith("glibc"):
         return None
-    trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
+    except (AttributeError, OSError):
+        return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
 
