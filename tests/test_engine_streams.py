@@ -315,9 +315,11 @@ def test_streams_whose_chunks_carry_no_routing_are_still_replayed(tmp_path) -> N
 
 def test_a_routing_chunk_may_be_longer_than_a_stream_line_without_routing(tmp_path) -> None:
     """--upstream-max-line-bytes bounds chunks; the terminal chunk with the routing is bounded as an answer is."""
-    with beside_twin(tmp_path, upstream_max_line_bytes=1024) as (twin, url, sidecar):
+    # The first chunk carries the prompt's token ids (1.5 KB), the last the routing (8 KB of base64 for this
+    # prompt): past the 4 KB a line may have without routing.
+    with beside_twin(tmp_path, upstream_max_line_bytes=4096) as (twin, url, sidecar):
         twin.stream_routing = True
-        prompt = "where is my order " * 20  # its routing: ~5 KB of base64, past the 1 KB a line may have without it
+        prompt = "where is my order " * 20
         ask(url, "code_assistant", chat=False, stream=False, prompt=prompt)
         events = ask(url, "customer_service", chat=False, stream=True, prompt=prompt)
         settled(sidecar, 2)
