@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ from mla_watch.common import heap
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, encode_vllm
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
+from tests import processes
 from tests.test_engine_streams import GEOMETRY, SlowDecoder
 from tests.vllm_twin import VllmTwin
 
@@ -44,7 +44,7 @@ print(json.dumps({"before": before, "freed": freed, "released": rss(), "returned
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc_trim")
 def test_the_heaps_free_pages_go_back_to_the_system() -> None:
-    run = subprocess.run([sys.executable, "-c", BURST], capture_output=True, text=True, timeout=60, check=True)
+    run = processes.run([sys.executable, "-c", BURST], capture_output=True, text=True, timeout=60, check=True)
     figures = json.loads(run.stdout)
     assert figures["freed"] - figures["before"] > 150  # MiB: 260 MB of answers freed, kept by glibc
     assert figures["returned"] is True
