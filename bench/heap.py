@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench.engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
+from bench.server_overhead import wait_answering
 from mla_watch.engines.geometry import parse_geometry
 from tests.support import end_process, free_port, memory_kib, metric_value
 
@@ -62,20 +63,6 @@ def start(how: list[str], extra_env: dict[str, str], upstream: str, config: Path
                                 "--history-interval", "3600"],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
     return process, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(client: httpx.Client, process: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the sidecar at {url} exited with {process.returncode}")
-        try:
-            if client.get(url + "/readyz").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"the sidecar at {url} was not ready within 120 s")
 
 
 def wait_drained(client: httpx.Client, url: str, answers: int) -> None:
@@ -132,7 +119,7 @@ def main() -> None:
                     state.mkdir()
                     sidecars[name] = start(how, extra_env, upstream, engine_dir / "config.json", state)
                 for process, url in sidecars.values():
-                    wait_ready(client, process, url)
+                    wait_answering(url + "/readyz", process, 120, f"the sidecar at {url}")
                 time.sleep(2.0)
                 figures: dict[str, dict[str, float]] = {name: {} for name in sidecars}
                 for name, (process, _) in sidecars.items():
