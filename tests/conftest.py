@@ -59,3 +59,18 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_sep("-", f"MoE family sweep: {total} families read from transformers")
         for outcome, families in by_outcome.items():
             terminalreporter.write_line(f"{outcome} ({len(families)}): {', '.join(sorted(families))}")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL cluster for the session (tests/postgres.py); each test takes a database of its own."""
+    from tests.postgres import running_cluster
+
+    with running_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture()
+def fleet_url(postgres) -> str:
+    """An empty database of the session's cluster: one fleet's store."""
+    return postgres.create_database()

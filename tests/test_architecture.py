@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "mla_watch"
 # Bottom to top: a module may import its own package and the ones listed before it, never one after.
 # "public" is the package root: mla_watch/__init__.py and the Python API's aliases beside it.
 LAYERS = ("shipped", "dashboards", "common", "routing", "probe", "engines", "policy", "models", "quality",
-          "alerting", "history", "cause", "retune", "server", "public", "cli")
+          "alerting", "history", "cause", "retune", "fleet", "server", "public", "cli")
 MAX_ROOT_MODULES = 8
 
 

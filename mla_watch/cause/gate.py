@@ -52,19 +52,36 @@ class ReferenceGate:
             return [{"gate": "reference_band", "value": None, "limit": band.describe(), "decision": "insufficient",
                      "passed": False, "message": f"no reference prompts describe {business_line or 'all lines'}: "
                                                  "a candidate is not judged on captured traffic alone"}]
+        checks = self.router_checks(sets, candidate, routers=routers, band=band)
+        names = _names(sets)
+        live_losses = [loss for reference in sets for loss in live[reference.name].losses]
+        candidate_losses = [loss for reference in sets for loss in candidate[reference.name].losses]
+        counts = [count for reference in sets for count in live[reference.name].counts]
+        paired = compare_perplexity(live_losses, candidate_losses, counts, margin=parse_margin(margin),
+                                    confidence=confidence, min_tokens=min_tokens, min_samples=min_samples)
+        checks.append({"gate": "reference_perplexity", "value": round(paired.candidate_perplexity, 4),
+                       "limit": round(paired.limit, 4), "decision": paired.decision,
+                       "passed": paired.passed, "message": f"on the reference prompts ({names}): "
+                                                           f"{paired.message()}"})
+        return checks
+
+    def router_checks(self, sets: Sequence[ReferenceSet], scores: Mapping[str, ModelScore], *,
+                      routers: Sequence[str], band: Band) -> list[dict[str, Any]]:
+        """``reference_band`` and ``reference_drift`` of each of ``routers`` on the scores of ``sets`` (by set name):
+        the checks a candidate meets here, and a rollout step on every replica that takes a version."""
         readings = [ReferenceReading(reference.name, reference.version, reference.digest, time.time(), None,
-                                     candidate[reference.name]) for reference in sets]
+                                     scores[reference.name]) for reference in sets]
         baselines = [self.baselines.get(reference.name, reference.digest) for reference in sets]
-        names = ", ".join(f"{reference.name} v{reference.version}" for reference in sets)
+        names = _names(sets)
         checks: list[dict[str, Any]] = []
-        if not any(candidate[reference.name].routers for reference in sets):  # an engine returning no routing
+        if not any(scores[reference.name].routers for reference in sets):  # an engine returning no routing
             checks.append({"gate": "reference_band", "value": None, "limit": band.describe(),
                            "decision": "insufficient", "passed": False, "binding": False,
                            "message": f"the reference prompts ({names}) came back without routing (vLLM: "
                                       "--enable-return-routed-experts): band and drift not judged on them"})
             routers = []
         for router in routers:
-            info = next((score.routers[router].router for score in candidate.values() if router in score.routers),
+            info = next((score.routers[router].router for score in scores.values() if router in score.routers),
                         None)
             comparison = None if info is None else compare(info, readings, baselines)
             if comparison is None:
@@ -91,16 +108,11 @@ class ReferenceGate:
                            "limit": self.drift_bits, "decision": "pass" if near else "reject", "passed": near,
                            "message": f"{router}: {js:.4f} bits (Jensen-Shannon) from the healthy routing of the "
                                       f"reference prompts ({names}); at most {self.drift_bits:g}"})
-        live_losses = [loss for reference in sets for loss in live[reference.name].losses]
-        candidate_losses = [loss for reference in sets for loss in candidate[reference.name].losses]
-        counts = [count for reference in sets for count in live[reference.name].counts]
-        paired = compare_perplexity(live_losses, candidate_losses, counts, margin=parse_margin(margin),
-                                    confidence=confidence, min_tokens=min_tokens, min_samples=min_samples)
-        checks.append({"gate": "reference_perplexity", "value": round(paired.candidate_perplexity, 4),
-                       "limit": round(paired.limit, 4), "decision": paired.decision,
-                       "passed": paired.passed, "message": f"on the reference prompts ({names}): "
-                                                           f"{paired.message()}"})
         return checks
+
+
+def _names(sets: Sequence[ReferenceSet]) -> str:
+    return ", ".join(f"{reference.name} v{reference.version}" for reference in sets)
 
 
 def _round(value: float | None) -> float | None:

@@ -16,7 +16,8 @@ from typing import Any
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.expert_counts import ExpertSelection
 
-__all__ = ["DEFAULT_STATE_DIR", "DOCS", "byte_size", "expert_selection", "history_retention", "non_negative_float",
+__all__ = ["DEFAULT_STATE_DIR", "DOCS", "byte_size", "expert_selection", "fleet_url", "history_retention",
+           "non_negative_float",
            "non_negative_int", "number_at_least", "parse_options", "perplexity_margin", "positive_float",
            "positive_int", "share", "tcp_port", "upstream_url"]
 
@@ -48,6 +49,16 @@ def upstream_url(text: str) -> str:
         raise argparse.ArgumentTypeError("expected an http:// or https:// URL with a host (and a port number in "
                                          "[1, 65535] if any); the value given is not shown, it may hold a password")
     del port
+    return text
+
+
+def fleet_url(text: str) -> str:
+    """An argparse type for --fleet; its errors never repeat the URL, which may hold a password."""
+    from mla_watch.fleet.settings import fleet_url_problem
+
+    problem = fleet_url_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}; the value given is not shown, it may hold a password")
     return text
 
 

@@ -7,6 +7,7 @@ they become one :class:`~mla_watch.server.config.ServerConfig`.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from mla_watch.cli.flags import (
     byte_size,
     client_id_sources,
     expert_selection,
+    fleet_url,
     history_retention,
     non_negative_float,
     non_negative_int,
@@ -29,6 +31,7 @@ from mla_watch.cli.flags import (
 )
 from mla_watch.cli.startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
+from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
@@ -77,6 +80,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              f"({args.history_span!r})")
     except ValueError as error:
         raise FlagError(str(error)) from error
+    fleet = None
+    if args.fleet is not None:
+        from mla_watch.fleet.settings import FleetSettings
+
+        fleet = FleetSettings(url=args.fleet, name=args.fleet_name or f"{socket.gethostname()}:{args.port}",
+                              rollout_batch=args.fleet_rollout_batch, lease_seconds=args.fleet_lease,
+                              poll_seconds=args.fleet_poll)
+        problems = fleet.problems()
+        if problems:
+            raise FlagError(_fleet_flag(problems[0]))
     # --port 0: bound first, so that the status page's URL (in alerts) has the port; any other port once the
     # sidecar is built: a setting it refuses is said whether or not the port is free.
     sock = bind_listener(args.host, args.port) if args.port == 0 else None
@@ -115,7 +128,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               tolerance_bits=args.reference_tolerance, rate=args.reference_rate),
                           client_id=args.client_id, capture_max_client_share=args.capture_max_client_share,
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
-                                                          max_bytes=args.router_versions_max_bytes))
+                                                          max_bytes=args.router_versions_max_bytes),
+                          fleet=fleet)
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
         sidecar = build_sidecar(config)  # every configuration file judged here, before the model loads (at start)
         if sock is None:
@@ -124,6 +138,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         one_thread_for_the_bundled_model(args.model, args.device)
     run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
     return 0
+
+
+_FLEET_FLAGS = {"url": "--fleet", "name": "--fleet-name", "rollout_batch": "--fleet-rollout-batch",
+                "lease_seconds": "--fleet-lease", "poll_seconds": "--fleet-poll"}
+
+
+def _fleet_flag(problem: str) -> str:
+    """A fleet setting's problem (``field ...``) worded by its flag."""
+    field, _, rest = problem.partition(" ")
+    return f"{_FLEET_FLAGS.get(field.rstrip(':'), field)}{':' if field.endswith(':') else ''} {rest}"
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -301,6 +325,21 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "(default %(default)s)")
     cause.add_argument("--router-versions-max-bytes", type=byte_size, default=RetentionPolicy.max_bytes,
                        metavar="BYTES", help="bytes of router versions kept (default %(default)s)")
+    fleet = serve.add_argument_group("a fleet of sidecars repaired as one (docs/fleet.md, \"Repairing a fleet\")")
+    fleet.add_argument("--fleet", type=fleet_url, metavar="URL",
+                       help="join the fleet whose shared state lives in this PostgreSQL database "
+                            "(postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE; never logged): one re-tuning decision "
+                            "for the fleet, tried on one replica, then rolled out and checked on each")
+    fleet.add_argument("--fleet-name", metavar="NAME",
+                       help="this replica's name in the fleet (default: the host name and the port)")
+    fleet.add_argument("--fleet-rollout-batch", type=positive_int, default=FleetSettings.rollout_batch, metavar="N",
+                       help="replicas taking a new router version at once (default %(default)s)")
+    fleet.add_argument("--fleet-lease", type=positive_float, default=FleetSettings.lease_seconds, metavar="SECONDS",
+                       help="the fleet's re-tuning lease lasts this long past its holder's last renewal: a holder that "
+                            "stops is replaced after it (default %(default)s)")
+    fleet.add_argument("--fleet-poll", type=positive_float, default=FleetSettings.poll_seconds, metavar="SECONDS",
+                       help="seconds between two rounds of a member (heartbeat, its rollout step, the lease; at most "
+                            "half of --fleet-lease) (default %(default)s)")
     for name, text in INGEST_FLAGS.items():
         serve.add_argument("--ingest-" + name.replace("_", "-"), type=type(getattr(IngestLimits, name)),
                            default=getattr(IngestLimits, name), help=f"{text} (default %(default)s)")

@@ -8,6 +8,7 @@ cross between the two; only they import torch, and only when called.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -15,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import ml_dtypes  # gives numpy the bfloat16 that safetensors' numpy framework reads and writes
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors import deserialize, safe_open
+from safetensors.numpy import load_file, save, save_file
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["BFLOAT16", "as_array", "as_arrays", "from_torch", "is_floating", "is_torch_tensor", "load_tensors",
-           "read_tensors", "save_tensors", "to_torch"]
+           "read_tensors", "router_digest", "save_tensors", "tensors_from_bytes", "tensors_to_bytes", "to_torch"]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -82,3 +83,39 @@ def read_tensors(path: str | Path, names: Iterable[str]) -> dict[str, np.ndarray
     """The tensors ``names`` of the safetensors file ``path``, read lazily: no other tensor is loaded."""
     with safe_open(str(path), framework="numpy") as handle:
         return {name: handle.get_tensor(name) for name in names}
+
+
+def tensors_to_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
+    """``tensors`` as the bytes of one safetensors file (what :func:`save_tensors` writes)."""
+    return save({name: np.ascontiguousarray(array) for name, array in tensors.items()})
+
+
+# safetensors' dtype names as numpy reads them (its numpy loader of bytes knows no BF16; its file loader does).
+_SAFETENSORS_DTYPES = {"BF16": BFLOAT16, "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+                       "F64": np.dtype(np.float64), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+                       "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
+                       "BOOL": np.dtype(np.bool_)}
+
+
+def tensors_from_bytes(data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of the safetensors bytes ``data`` (``ValueError`` for a dtype a router tensor never has)."""
+    out = {}
+    for name, entry in deserialize(data):
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name}: dtype {entry['dtype']} is not one of {sorted(_SAFETENSORS_DTYPES)}")
+        out[name] = np.frombuffer(bytes(entry["data"]), dtype=dtype).reshape(entry["shape"]).copy()
+    return out
+
+
+def router_digest(tensors: Mapping[str, Any]) -> str:
+    """A content hash of router tensors: sha256 over each tensor's name, dtype, shape and bytes, in name order.
+
+    Two replicas serving the same router values read the same digest whatever their file layout or the order the
+    tensors were applied in; a single changed value changes it."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(as_array(tensors[name]))
+        digest.update(f"{name}\0{array.dtype.name}\0{array.shape}\0".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()

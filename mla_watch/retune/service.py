@@ -99,7 +99,7 @@ class RetuneService:
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
                  on_proposed: Callable[[JobSpec, dict[str, Any]], None] | None = None,
                  health_check: Callable[[Any], dict[str, Any]] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 resume_jobs: bool = True, clock: Callable[[], float] = time.time) -> None:
         self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
         self.settings = settings
         self.retuner = retuner
@@ -111,6 +111,8 @@ class RetuneService:
         self._on_rejected = on_rejected
         self._on_proposed = on_proposed  # serve --engine-retune propose: on-call hears the command that applies it
         self._health_check = health_check  # judges the routers the server starts with (router version 0)
+        # In a fleet the fleet decides again after a restart: a job left unfinished here is ended, not resumed.
+        self._resume_jobs = resume_jobs
         self._clock = clock
         self._submit_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -163,6 +165,11 @@ class RetuneService:
                               str(error)[:200], live)
         _SERVICES[self._key] = self
         self.retuner.remove_work()  # left by a job that a crash interrupted (it starts afresh if retried)
+        if not self._resume_jobs:
+            for record in self.store.list(limit=1000, statuses=["running", "pending", "waiting"]):
+                self.store.finish(record["id"], "failed", {
+                    "error": "interrupted by a restart; in a fleet the fleet decides again", "attempts": [],
+                    "cannot_run": True})
         for record in self.store.list(limit=1000, statuses=["running"]):
             self._recover(record)
         # Paused first: a pending job the schedule lost (a crash between recording and scheduling it)
@@ -246,11 +253,15 @@ class RetuneService:
                  ", ".join(spec.routers), spec.trigger.get("source", "?"))
         return record
 
+    def alert_spec(self, action: Any) -> JobSpec:
+        """The job a rule's ``retune`` action asks for: the alert's router, in the band of its rule."""
+        return alert_job_spec(action, watched=self.watched_by(action.rule), default_strategies=DEFAULT_STRATEGIES,
+                              max_perplexity_increase=self.settings.max_perplexity_increase, at=self._clock())
+
     def on_alert(self, action: Any) -> dict[str, Any] | None:
         """A rule's ``retune`` action: one job for the alert's router, in the band of its rule."""
         labels = action.alert.labels
-        spec = alert_job_spec(action, watched=self.watched_by(action.rule), default_strategies=DEFAULT_STRATEGIES,
-                              max_perplexity_increase=self.settings.max_perplexity_increase, at=self._clock())
+        spec = self.alert_spec(action)
         try:
             return self.submit(spec)
         except Cooldown as error:
@@ -371,9 +382,9 @@ class RetuneService:
         log.info("router version %d promoted (%s)", version, ", ".join(names))
         return taken
 
-    def apply(self, version: int) -> dict[str, Any]:
-        """Schedule the gate of a proposed ``version`` through the engine (``mla-watch retune apply N``): swapped
-        in, scored, kept or rolled back, as the job of its proposal would have; the new job's record."""
+    def apply_spec(self, version: int) -> JobSpec:
+        """The job that gates a proposed ``version`` through the engine (``mla-watch retune apply N``): swapped in,
+        scored, kept or rolled back, as the job of its proposal would have."""
         manifest = self.registry.manifest(self.registry.check_version(version))
         if version == 0 or not manifest.get("routers"):
             raise ValueError(f"router version {version} is not a candidate a job proposed: expected one of "
@@ -382,11 +393,14 @@ class RetuneService:
             proposal = JobSpec.from_dict(self.store.get(str(manifest.get("job")))["spec"])
         except KeyError:
             proposal = JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy"))])
-        spec = JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy") or "restore")],
+        return JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy") or "restore")],
                        watched=proposal.watched, business_line=proposal.business_line, band=proposal.band,
                        max_perplexity_increase=proposal.max_perplexity_increase, version=version,
                        trigger={**proposal.trigger, "source": "apply", "proposed_by": manifest.get("job")})
-        return self.submit(spec, force=True)
+
+    def apply(self, version: int) -> dict[str, Any]:
+        """Schedule the gate of a proposed ``version`` (:meth:`apply_spec`); the new job's record."""
+        return self.submit(self.apply_spec(version), force=True)
 
     def mark_good(self, version: int) -> int:
         """An operator vouches for ``version`` (see :meth:`RouterVersions.mark_good`)."""

@@ -21,6 +21,8 @@ __all__ = [
     "EXPERT_OVERFLOW_SELECTIONS",
     "EXPERT_SELECTIONS",
     "EXPERT_TOKENS",
+    "FLEET_ROLLOUT_STEPS",
+    "FLEET_STORE_UP",
     "INSTANCE",
     "JOB",
     "KIND",
@@ -28,6 +30,9 @@ __all__ = [
     "PREFIX",
     "ROUTER",
     "ROUTER_LABELS",
+    "ROUTER_VERSION_DIGEST",
+    "ROUTER_VERSION_INFO",
+    "ROUTER_VERSION_NUMBER",
     "ROUTING_SLOTS",
     "SERIES_LABELS",
     "baseline_gauge",
@@ -59,6 +64,16 @@ ROUTING_SLOTS = PREFIX + "routing_slots"
 EXPERT_SELECTIONS = PREFIX + "expert_selections"
 EXPERT_TOKENS = PREFIX + "expert_tokens"
 EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_selections"
+
+# The router version a sidecar serves (value 1; every sidecar, in a fleet or not): its number and a content hash of
+# the router tensors serving (mla_watch.common.tensor_files.router_digest), so that a fleet's replicas can be told
+# apart by what they serve.
+ROUTER_VERSION_INFO = PREFIX + "router_version_info"
+ROUTER_VERSION_NUMBER = "version"
+ROUTER_VERSION_DIGEST = "digest"
+# A fleet member (serve --fleet): whether its store answers, and the rollout steps it took by outcome.
+FLEET_STORE_UP = PREFIX + "fleet_store_up"
+FLEET_ROLLOUT_STEPS = PREFIX + "fleet_rollout_steps"
 
 _ROUTING_GAUGES: dict[str, str] = {statistic.key: PREFIX + statistic.gauge for statistic in STATISTICS}
 

@@ -115,16 +115,40 @@ class Admin:
         from mla_watch.retune.service import Cooldown
 
         try:
-            record = await asyncio.to_thread(service.submit, spec, force=force)
+            record = await asyncio.to_thread(self._submit, service, spec, force)
         except Cooldown as error:
             raise ApiError(409, str(error), code="cooldown", param="force") from None
         except ValueError as error:
             raise ApiError(400, str(error), code="invalid_value") from None
         return JSONResponse(record, status_code=202)
 
+    def _submit(self, service: RetuneService, spec: JobSpec, force: bool) -> dict[str, Any]:
+        """Schedule ``spec`` here; in a fleet, as the fleet's canary under its lease (409 while it has re-tuning
+        under way)."""
+        fleet = self.ctx.serving.fleet
+        if fleet is None:
+            return service.submit(spec, force=force)
+        from mla_watch.fleet.member import FleetRefusal
+        from mla_watch.fleet.store import FleetStoreError
+
+        try:
+            return fleet.submit(spec, force=force)
+        except FleetRefusal as error:
+            raise ApiError(409, str(error), code="fleet_busy") from None
+        except FleetStoreError as error:
+            raise ApiError(503, f"{error}; in a fleet, re-tuning waits for its store", code="fleet_store_unavailable",
+                           error_type="server_error") from None
+
+    def _not_in_a_fleet(self, what: str) -> None:
+        if self.ctx.serving.fleet is not None:
+            raise ApiError(409, f"this replica is in a fleet: its routers follow the fleet's versions, so {what} is "
+                                "refused here; POST /admin/fleet/rollout {\"version\": N} rolls a fleet version out "
+                                "(GET /v1/fleet lists them)", code="in_a_fleet")
+
     async def promote(self, request: Request) -> Response:
         self.ctx.auth.authorise_admin(request)
         service = self._service()
+        self._not_in_a_fleet("promoting a router version on one replica")
         version = await self._version(request)
         try:  # refuses a version that is not saved (naming the versions there are) before any file access
             await asyncio.to_thread(service.promote, version)
@@ -158,14 +182,16 @@ class Admin:
         service = self._service()
         version = await self._version(request)
         try:
-            record = await asyncio.to_thread(service.apply, version)
+            spec = service.apply_spec(version)
         except ValueError as error:
             raise ApiError(400, str(error), param="version", code="invalid_value") from None
+        record = await asyncio.to_thread(self._submit, service, spec, True)
         return JSONResponse(record, status_code=202)
 
     async def rollback(self, request: Request) -> Response:
         self.ctx.auth.authorise_admin(request)
         service = self._service()
+        self._not_in_a_fleet("rolling one replica's routers back")
         try:
             live = await asyncio.to_thread(service.rollback)
         except ValueError as error:

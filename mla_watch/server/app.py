@@ -44,6 +44,7 @@ from mla_watch.server.admin import Admin
 from mla_watch.server.auth import Auth
 from mla_watch.server.config import ServerConfig, ServerConfigError, check_tokens
 from mla_watch.server.context import HandlerContext, Serving
+from mla_watch.server.fleet_api import FleetApi
 from mla_watch.server.generation import Generation
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.metrics import ServerMetrics
@@ -325,12 +326,15 @@ class Sidecar:
             self.history_store.close()
         if self.serving.model_worker is not None:
             await asyncio.to_thread(self.serving.model_worker.close)
+        if self.serving.fleet is not None:  # before the re-tune service: a round may promote through it
+            await asyncio.to_thread(self.serving.fleet.stop)
         if self.serving.retune is not None:
             await asyncio.to_thread(self.serving.retune.stop)
 
     # ------------------------------------------------------------------ routes
     def _routes(self) -> list[Route]:
         generation, admin, reads = Generation(self.handlers), Admin(self.handlers), self.reads
+        fleet = FleetApi(self.handlers)
         return [
             Route("/v1/completions", generation.completions, methods=["POST"]),
             Route("/v1/chat/completions", generation.chat_completions, methods=["POST"]),
@@ -354,6 +358,9 @@ class Sidecar:
             Route("/admin/retune/rollback", admin.rollback, methods=["POST"]),
             Route("/admin/retune/apply", admin.apply, methods=["POST"]),
             Route("/admin/retune/mark-good", admin.mark_good, methods=["POST"]),
+            Route("/v1/fleet", fleet.get_fleet, methods=["GET"]),
+            Route("/admin/fleet/rollout", fleet.rollout, methods=["POST"]),
+            Route("/admin/fleet/abort", fleet.abort, methods=["POST"]),
             Route("/", read_views.status_page_index, methods=["GET"]),
             Route("/static/{name}", read_views.static, methods=["GET"]),
             Route("/v1/status", reads.get_status, methods=["GET"]),

@@ -12,6 +12,7 @@ from mla_watch.common.directory_store import ConfigError
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.replay import ReplayBudget
+from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
@@ -113,6 +114,8 @@ class ServerConfig:
     # may also give a selection's text, as --export-expert-counts takes it: it is parsed here.
     export_expert_counts: ExpertSelection | None = None
     expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET
+    # A fleet of sidecars sharing a PostgreSQL store (serve --fleet URL): one re-tuning decision, a canary, a rollout.
+    fleet: FleetSettings | None = None
 
     def __post_init__(self) -> None:
         if self.upstream:
@@ -125,6 +128,8 @@ class ServerConfig:
             except ValueError as error:
                 raise ServerConfigError([str(error)]) from None
         problems = self.reference.problems()
+        if self.fleet is not None:
+            problems += [f"fleet.{problem}" for problem in self.fleet.problems()]
         share = self.capture_max_client_share
         if not is_number(share) or not 0 < share <= 1:
             problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")

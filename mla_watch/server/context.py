@@ -18,6 +18,7 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
+    from mla_watch.fleet.member import FleetMember
     from mla_watch.policy.files import PolicyStore
     from mla_watch.retune.service import RetuneService
     from mla_watch.routing.clients import ClientShares
@@ -50,6 +51,7 @@ class Serving:
     routing_layout: RoutingLayout | None = None  # with --return-routed-experts, once the model is in
     self_test: SelfTestResult | None = None
     engine_retune_note: str = ENGINE_RETUNE_NOTE  # what re-tuning the engine's routers can do, once started
+    fleet: FleetMember | None = None  # serve --fleet: this replica's part in the fleet, once re-tuning started
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ so a scrape always sees the current window and never a stale copy. Series per ro
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,9 +19,14 @@ from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.series import (
     BUSINESS_LINE,
+    FLEET_ROLLOUT_STEPS,
+    FLEET_STORE_UP,
     LAYER,
     PREFIX,
     ROUTER,
+    ROUTER_VERSION_DIGEST,
+    ROUTER_VERSION_INFO,
+    ROUTER_VERSION_NUMBER,
     ROUTING_SLOTS,
     SERIES_LABELS,
     baseline_gauge,
@@ -235,6 +241,15 @@ class ServerMetrics:
                                          "by kind (promote, rollback).", ["kind"], registry=registry)
         self.router_version = Gauge(p + "router_version", "Router version live in the model (0: as started).",
                                     registry=registry)
+        self.router_version_info = Gauge(ROUTER_VERSION_INFO, "The router version serving (1): its number (in a "
+                                         "fleet, the fleet's) and a content hash of its router tensors.",
+                                         [ROUTER_VERSION_NUMBER, ROUTER_VERSION_DIGEST], registry=registry)
+        self._version_info: tuple[str, str] | None = None
+        self._version_lock = threading.Lock()
+        self.fleet_store_up = Gauge(FLEET_STORE_UP, "1 while the fleet's store answers (serve --fleet), else 0.",
+                                    registry=registry)
+        self.fleet_rollout_steps = Counter(FLEET_ROLLOUT_STEPS, "Fleet rollout steps this replica took, by outcome "
+                                           "(passed, failed).", ["outcome"], registry=registry)
         self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
                                         [BUSINESS_LINE], registry=registry)
         self._registry = registry
@@ -245,6 +260,17 @@ class ServerMetrics:
                 raise ValueError("expert_counts needs routing_windows: the windows whose counts it exports")
             self.expert_counts = ExpertCountsCollector(routing_windows, expert_counts, expert_series_budget)
             registry.register(self.expert_counts)
+
+    def serving_version(self, version: int | str | None, digest: str) -> None:
+        """``router_version_info``: one series, for the version and digest serving now."""
+        labels = ("" if version is None else str(version), digest)
+        with self._version_lock:
+            if labels == self._version_info:
+                return
+            if self._version_info is not None:
+                self.router_version_info.remove(*self._version_info)
+            self.router_version_info.labels(*labels).set(1)
+            self._version_info = labels
 
     def watch_reference(self, prober: Callable[[], Any]) -> None:
         """Export the reference prompts' readings (``prober()``: the prober, or ``None`` before it starts)."""

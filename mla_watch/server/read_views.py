@@ -85,6 +85,12 @@ class ReadViews:
                                 "policies_version": self.policies.version}
         if serving.self_test is not None:
             body["attention"] = serving.self_test.as_dict()
+        if serving.fleet is not None:  # the store down stops re-tuning, not serving: said, not unready
+            fleet = serving.fleet.status()
+            body["fleet"] = {"name": fleet["name"], "store": fleet["store"], "store_up": fleet["store_up"],
+                             "version": fleet["version"], "digest": fleet["digest"],
+                             "detail": "the fleet's store answers" if fleet["store_up"] else
+                             f"re-tuning waits: {fleet['store_error'] or 'the fleet store was not reached yet'}"}
         return JSONResponse(body, status_code=200 if not problems else 503)
 
     async def scrape(self, request: Request) -> Response:

@@ -157,6 +157,38 @@ class References:
                                            record.counts))
         self._latest[reading.set_name] = records
 
+    def router_health(self) -> dict[str, dict[str, Any]]:
+        """Each expert router as the latest readings of every set show it: ``{"state", "at"}``, where ``state`` is
+        ``damaged`` (a set's routing departed from its healthy baseline, or a threshold rule breaches on it),
+        ``healthy`` (every set routes as while healthy and no rule breaches) or ``unknown`` (no baseline to
+        compare with), and ``at`` the oldest reading's time. What a fleet's members tell each other."""
+        from mla_watch.retune.health import judge_health
+
+        if self.prober is None:
+            return {}
+        rules = self.alerts.rules.rules if self.alerts is not None else []
+        tolerance = self.config.reference.tolerance_bits
+        sets = self.sets.current.sets
+        states: dict[str, list[str]] = {}
+        times: dict[str, float] = {}
+        for name, reading in self.prober.readings().items():
+            reference = sets.get(name)
+            if reference is None or reading.digest != reference.digest:
+                continue
+            breached = {breach["router"] for breach in judge_health(reading.score, rules).get("breaches", [])}
+            baseline = self.baselines.get(name, reading.digest)
+            for record in reading.score.routers.values():
+                if record.router.kind != "expert":
+                    continue
+                comparison = compare(record.router, [reading], [baseline])
+                changed = None if comparison is None else comparison.changed(tolerance)
+                state = "damaged" if changed or record.router.name in breached else (
+                    "healthy" if changed is False else "unknown")
+                states.setdefault(record.router.name, []).append(state)
+                times[record.router.name] = min(times.get(record.router.name, reading.taken_at), reading.taken_at)
+        return {router: {"state": "damaged" if "damaged" in found else "unknown" if "unknown" in found else "healthy",
+                         "at": times[router]} for router, found in states.items()}
+
     def history_records(self) -> list[RouterStats]:
         """The latest reading of each set, as the routing history samples it beside live traffic (its line:
         ``reference:<set>``, which no business line can be)."""

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.engine import Action
@@ -27,6 +27,9 @@ from mla_watch.server.context import Serving
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reference import References
 from mla_watch.server.sources import RoutingSources
+
+if TYPE_CHECKING:
+    from mla_watch.retune.service import RetuneService
 
 __all__ = ["Retuning", "proposed_notice", "rejected_notice"]
 
@@ -91,10 +94,10 @@ class Retuning:
             model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
             on_rejected=self.rejected,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
-            health_check=self._router_health(tokenizer),
+            health_check=self._router_health(tokenizer), resume_jobs=self.config.fleet is None,
         )
         self.serving.retune.start()
-        self.metrics.router_version.set(registry.live_version() or 0)
+        self._started(self.serving.retune)
 
     # ------------------------------------------------------------------ re-tuning beside an engine
     def open_capture(self) -> Any:
@@ -184,9 +187,10 @@ class Retuning:
         self.serving.retune = RetuneService(
             state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
             on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
-            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc())
+            on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
+            resume_jobs=config.fleet is None)
         self.serving.retune.start()
-        self.metrics.router_version.set(registry.live_version() or 0)
+        self._started(self.serving.retune)
 
         def check() -> None:  # an engine still starting must not hold up the sidecar's own start
             problem = weights.problem()
@@ -195,6 +199,54 @@ class Retuning:
 
         threading.Thread(target=check, name="mla-watch-engine-check", daemon=True).start()
         return f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
+
+    # ------------------------------------------------------------------ the fleet
+    def _started(self, service: RetuneService) -> None:
+        """The re-tune service runs: say which router version serves, and join the fleet (``--fleet``), adopting its
+        version before the routers are judged."""
+        self.metrics.router_version.set(service.registry.live_version() or 0)
+        if self.config.fleet is None:
+            self._version_changed(service)
+            return
+        from mla_watch.fleet.check import StepCheck
+        from mla_watch.fleet.member import FleetMember
+        from mla_watch.fleet.store import FleetStore
+
+        settings = self.config.fleet
+        references, alerts = self.references, self.alerts
+        member = FleetMember(
+            FleetStore(settings.url), settings, retune=service,
+            check=StepCheck(references.gate, lambda: None if references.prober is None else references.prober.reader,
+                            lambda: alerts.rules.rules if alerts is not None else []),
+            health=references.router_health, still_wanted=self._still_wanted, page=self._page,
+            on_store=self._fleet_store, on_step=lambda outcome: self.metrics.fleet_rollout_steps.labels(outcome).inc(),
+            on_serving=lambda version, digest: self.metrics.serving_version(
+                "unknown" if version is None else version, digest),
+            url=self.config.public_url or None)
+        self.serving.fleet = member
+        member.join()
+        member.start()
+        log.info("fleet member %s of %s: serving fleet version %s (digest %s)", settings.name, member.store.where,
+                 member.version, member.digest[:12])
+
+    def _version_changed(self, service: RetuneService) -> None:
+        from mla_watch.common.tensor_files import router_digest
+
+        self.metrics.serving_version(service.registry.live_version(), router_digest(service.retuner.host.state()))
+
+    def _fleet_store(self, up: bool, why: str | None) -> None:
+        self.metrics.fleet_store_up.set(1 if up else 0)
+
+    def _still_wanted(self, router: str, business_line: str | None) -> bool:
+        """Whether a model-caused alert on ``router`` still fires here (the fleet asks before deciding again)."""
+        if self.alerts is None:
+            return False
+        return any(alert.state == "firing" and alert.labels.get(ROUTER) == router
+                   and (alert.cause or {}).get("name") == "model" for alert in self.alerts.engine.alerts())
+
+    def _page(self, labels: dict[str, str], annotations: dict[str, str]) -> None:
+        if self.alerts is not None:
+            self.alerts.notify_event(labels=labels, annotations=annotations)
 
     # ------------------------------------------------------------------ callbacks
     def proposed(self, spec: JobSpec, result: dict[str, Any]) -> None:
@@ -229,6 +281,8 @@ class Retuning:
         if self.serving.retune.retuner.capture is None:
             return ("no re-tune job: traffic capture is off, so the job would have no data (serve with --capture to "
                     "record recent traffic per business line, or run `mla-watch retune run --dataset FILE`)")
+        if self.serving.fleet is not None:
+            return self.serving.fleet.on_model_alert(action)
         record = self.serving.retune.on_alert(action)
         if record is None:
             return "no new re-tune job: this router is in its re-tune cooldown (see /v1/retune/jobs)"
@@ -242,6 +296,8 @@ class Retuning:
         self.metrics.router_promotions.labels(kind).inc()
         assert self.serving.retune is not None  # a promotion or rollback is the service's
         self.metrics.router_version.set(self.serving.retune.registry.live_version() or 0)
+        if self.serving.fleet is None:  # a fleet member says its fleet version itself
+            self._version_changed(self.serving.retune)
         self.sources.trust_baselines(self.serving.retune)
 
     def rejected(self, spec: JobSpec, result: dict[str, Any]) -> None:

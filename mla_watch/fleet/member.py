@@ -1,0 +1,609 @@
+"""A sidecar as a member of a fleet: one re-tuning decision for the fleet, a canary, a checked rollout.
+
+Every replica of a checkpoint runs its own sidecar; with ``serve --fleet URL`` they share a PostgreSQL store
+(:mod:`mla_watch.fleet.store`) and repair as one:
+
+1. **One decision.** A model-caused alert asks the fleet (:meth:`FleetMember.on_model_alert`). A replica whose
+   routers are not the fleet's version restores that version (its routers were changed here alone). A replica
+   whose peers, serving the same version, read healthy on their reference prompts re-applies the version (a
+   reload gone wrong here). Otherwise, unless a fleet job for that router is running or in its cooldown, it takes
+   the fleet's re-tuning lease and runs the job on its own model or engine: it is the canary. The others wait.
+2. **Canary, then rollout.** Once the canary's job promotes (its gates, the reference prompts among them, passed
+   there), the version's changed tensors are written to the store and a rollout starts. Each member takes its
+   step in turn (``rollout_batch`` at a time): swaps the version in and checks it on its own reference prompts and
+   rules (:class:`~mla_watch.fleet.check.StepCheck`). A failed check rolls that replica back and halts the
+   rollout (on-call is paged, naming it); the replicas not reached keep the fleet's last good version. The lease
+   holder coordinates: when every live member has passed, the version becomes the fleet's current one.
+3. **Joining and crashing.** A member that starts adopts the fleet's current version before it judges its
+   routers, and at every round converges on the version the fleet says it serves: a replica is never left on
+   routers the store does not know. A lease holder that stops renewing loses the lease at its expiry; another
+   member then takes over a rollout, or a job without a version is abandoned and decided again.
+4. **The store down.** Serving, counting, alerting and notifying go on; re-tuning waits (no member repairs
+   alone), and the alerts that asked are asked again once the store answers.
+
+One thread per member runs the rounds (every ``poll_seconds``); a decision asked by an alert is made at once
+when the member is free, else by the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mla_watch.common.tensor_files import router_digest
+from mla_watch.fleet.check import StepResult
+from mla_watch.fleet.settings import FleetSettings
+from mla_watch.fleet.store import FleetStore, FleetStoreError, FleetView, VersionRow
+from mla_watch.retune.jobs import FINAL_STATUSES
+from mla_watch.retune.service import RetuneService
+from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
+
+__all__ = ["FLEET_HALTED_ALERT", "FleetMember", "FleetRefusal", "router_of"]
+
+log = logging.getLogger("mla_watch.fleet")
+
+FLEET_HALTED_ALERT = "FleetRolloutHalted"
+RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#fleetrollouthalted"
+_DECIDE_WAIT_SECONDS = 0.5  # an alert's decision waits this long for a member busy with a step, then a round makes it
+
+
+class FleetRefusal(Exception):
+    """What an operator asked of the fleet cannot be done now (the lease is held, a job runs here); says why."""
+
+
+def router_of(tensor: str) -> str:
+    """The router a router tensor belongs to (``model.layers.1.mlp.gate.weight`` -> ``model.layers.1.mlp.gate``)."""
+    return tensor.rsplit(".", 1)[0]
+
+
+@dataclass
+class _Want:
+    router: str
+    business_line: str | None
+    action: Any  # the alert engine's retune Action
+    note: str = ""
+
+
+@dataclass
+class _CanaryJob:
+    fleet_job: str
+    local_job: str
+    parent: int  # the fleet version this replica served when the job began
+
+
+class FleetMember:
+    """This sidecar's part in a fleet (see the module docstring)."""
+
+    def __init__(self, store: FleetStore, settings: FleetSettings, *, retune: RetuneService,
+                 check: Callable[[Mapping[str, Any]], StepResult], health: Callable[[], dict[str, dict[str, Any]]],
+                 still_wanted: Callable[[str, str | None], bool],
+                 page: Callable[[dict[str, str], dict[str, str]], None],
+                 on_store: Callable[[bool, str | None], None] = lambda up, why: None,
+                 on_step: Callable[[str], None] = lambda outcome: None,
+                 on_serving: Callable[[int | None, str], None] = lambda version, digest: None,
+                 url: str | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.name = settings.name
+        self.retune = retune
+        self._check = check
+        self._health = health
+        self._still_wanted = still_wanted
+        self._page = page
+        self._on_store = on_store
+        self._on_step = on_step
+        self._on_serving = on_serving
+        self._url = url
+        self._lock = threading.RLock()  # one decision, adoption or step at a time
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.base = router_digest(retune.registry.load(0))
+        self.digest = self._serving_digest()
+        self.version: int | None = None  # the fleet's number of the version served, once known
+        self.joined = False
+        self.store_up: bool | None = None
+        self.store_error: str | None = None
+        self.view: FleetView | None = None  # the latest read of the store
+        self._wants: dict[str, _Want] = {}
+        self._canary: _CanaryJob | None = None
+        self._unrecorded: tuple[int, str, dict[str, Any]] | None = None  # a step whose outcome the store missed
+
+    # ------------------------------------------------------------------ life cycle
+    def join(self) -> None:
+        """Join the fleet and adopt its current version (before the routers are judged); a store that cannot be
+        reached is joined by a later round."""
+        with self._lock:
+            try:
+                self._join()
+            except FleetStoreError as error:
+                self._store_down(error)
+
+    def _join(self) -> None:
+        self.store.join(self.name, self.base, self.digest, self._url)
+        self.store.release(self.name)  # a lease held under this name was held by this replica before a restart
+        self.joined = True
+        view = self._read()
+        self._converge(view, why="joining the fleet")
+        self._heartbeat(self._read())
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mla-watch-fleet", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        try:
+            if self._canary is None:  # a canary's job ends with the process: its lease expires, another decides
+                self.store.release(self.name)
+        except FleetStoreError:
+            pass
+        self.store.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            self._wake.wait(self.settings.poll_seconds)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """One round: heartbeat, converge, the canary's job, coordination, this member's step, waiting alerts."""
+        with self._lock:
+            try:
+                if not self.joined:
+                    self._join()
+                view = self._read()
+                self._record_unrecorded()
+                if self._converge(view, why="the fleet's version"):
+                    view = self._read()
+                self._heartbeat(view)
+                self._watch_canary()
+                self._coordinate(view)
+                self._step(self._read())
+                self._retry_wants()
+            except FleetStoreError as error:
+                self._store_down(error)
+            except Exception:  # a round must never end the member's thread
+                log.exception("a fleet round failed")
+
+    # ------------------------------------------------------------------ the store's state
+    def _read(self) -> FleetView:
+        view = self.store.view(self.base)
+        self.view = view
+        if self.store_up is not True:
+            if self.store_up is False:
+                log.warning("the fleet store %s answers again: re-tuning goes on", self.store.where)
+            self.store_up, self.store_error = True, None
+            self._on_store(True, None)
+        return view
+
+    def _store_down(self, error: FleetStoreError) -> None:
+        if self.store_up is not False:
+            log.error("%s; serving, counting and alerting go on, re-tuning waits for the store (no replica repairs "
+                      "alone)", error)
+        self.store_up, self.store_error = False, str(error)
+        self._on_store(False, str(error))
+
+    def status(self) -> dict[str, Any]:
+        """What ``/readyz`` and ``/v1/status`` say of this member."""
+        return {"name": self.name, "store": self.store.where, "store_up": self.store_up,
+                "store_error": self.store_error, "joined": self.joined, "base": self.base, "digest": self.digest,
+                "version": self.version, "waiting_alerts": sorted(self._wants),
+                "canary_job": None if self._canary is None else self._canary.fleet_job}
+
+    def _serving_digest(self) -> str:
+        return router_digest(self.retune.retuner.host.state())
+
+    def _heartbeat(self, view: FleetView) -> None:
+        self.version = view.version_of(self.digest)
+        self.store.heartbeat(self.name, self.digest, self.version, self._health())
+        self._on_serving(self.version, self.digest)
+
+    def _target(self, view: FleetView) -> VersionRow:
+        """The version the fleet says this member serves: a rollout's version once it passed its step there (unless
+        the rollout was aborted), else the base's current version."""
+        rollout = view.rollout
+        if rollout is not None and rollout.state in ("rolling", "halted", "done") and rollout.version not in view.bad:
+            step = rollout.step(self.name)
+            if step is not None and step.outcome == "passed" and rollout.version != view.current.number:
+                found = self.store.version(self.base, rollout.version)
+                if found is not None:
+                    return found
+        return view.current
+
+    def _busy(self) -> bool:
+        return self._canary is not None
+
+    # ------------------------------------------------------------------ versions: full state, adopting
+    def full_state(self, number: int) -> dict[str, np.ndarray]:
+        """The router tensors of fleet version ``number``: this replica's version 0 (the base) overlaid with what
+        each version from the base up to it changes."""
+        state = dict(self.retune.registry.load(0))
+        for _, changes in reversed(self.store.changes(self.base, number)):
+            state.update(changes)
+        return state
+
+    def _adopt(self, version: VersionRow, *, checked: bool, why: str,
+               force_routers: tuple[str, ...] = ()) -> int | None:
+        """Serve fleet version ``version`` here: the tensors that differ from what serves now (and every tensor of
+        ``force_routers``) are saved as a local router version and promoted. The local version promoted, or
+        ``None`` when nothing differed."""
+        full = self.full_state(version.number)
+        live = self.retune.retuner.host.state()
+        changed = {name: tensor for name, tensor in full.items()
+                   if name not in live or not _same(live[name], tensor) or router_of(name) in force_routers}
+        if not changed:
+            self.digest = self._serving_digest()
+            return None
+        local = self.retune.registry.save(changed, {
+            "source": "fleet", "fleet_version": version.number, "fleet_digest": version.digest, "why": why,
+            "strategy": version.manifest.get("strategy"), "routers": sorted({router_of(name) for name in changed}),
+            "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"}})
+        self.retune.promote(local)
+        self.digest = self._serving_digest()
+        if self.digest != version.digest:
+            log.error("fleet version %d was promoted here as router version %d, but the routers serving read digest "
+                      "%s, not the version's %s", version.number, local, self.digest[:12], version.digest[:12])
+        else:
+            log.info("fleet version %d serves here (router version %d): %s", version.number, local, why)
+        return local
+
+    def _converge(self, view: FleetView, *, why: str) -> bool:
+        """Adopt the version the fleet says this member serves, if it serves another; whether it changed."""
+        if self._busy():
+            return False
+        target = self._target(view)
+        if self.digest == target.digest:
+            return False
+        known = view.version_of(self.digest)
+        reason = (f"{why}: this replica served routers the fleet does not know (digest {self.digest[:12]})"
+                  if known is None else f"{why}: this replica served fleet version {known}")
+        self._adopt(target, checked=True, why=reason)
+        return True
+
+    # ------------------------------------------------------------------ one decision
+    def on_model_alert(self, action: Any) -> str:
+        """A model-caused alert's ``retune`` action: the fleet decides; what became of it (the page's ``retune``)."""
+        labels = action.alert.labels
+        router, line = labels.get(ROUTER, ""), labels.get(BUSINESS_LINE)
+        want = _Want(router, None if line in (None, "", "all") else line, action)
+        if not self._lock.acquire(timeout=_DECIDE_WAIT_SECONDS):
+            self._wants[router] = want
+            self._wake.set()
+            want.note = (f"the fleet decides at its next round (this replica is taking a rollout step): {router} is "
+                         "re-tuned once for the whole fleet")
+            return want.note
+        try:
+            return self._decide(want)
+        finally:
+            self._lock.release()
+
+    def _decide(self, want: _Want) -> str:
+        self._wants[want.router] = want
+        try:
+            view = self._read()
+            want.note = self._decide_with(view, want)
+        except FleetStoreError as error:
+            self._store_down(error)
+            want.note = (f"no re-tune job yet: the fleet store cannot be reached ({error}); re-tuning waits for it "
+                         "(no replica repairs alone) and is asked again when it answers")
+        return want.note
+
+    def _decide_with(self, view: FleetView, want: _Want) -> str:
+        router = want.router
+        if self._canary is not None:
+            return f"fleet re-tune job {self._canary.fleet_job} runs on this replica"
+        self.digest = self._serving_digest()  # damage done in place shows here, not in any version
+        target = self._target(view)
+        if self.digest != target.digest:
+            self._adopt(target, checked=True, why=f"{router} read damaged here, on routers that are not the fleet's "
+                                                   f"version {target.number}")
+            self._wants.pop(router, None)
+            self._heartbeat(self._read())
+            return (f"no re-tune job: this replica's routers differed from the fleet's version {target.number}, which "
+                    f"was restored here (digest {target.digest[:12]})")
+        healthy, damaged = self._peers(view, router)
+        if healthy and not damaged:
+            self._adopt(target, checked=True, force_routers=(router,),
+                        why=f"{router} read damaged here while {len(healthy)} replica(s) serving the same version "
+                            f"read healthy")
+            self._wants.pop(router, None)
+            return (f"no re-tune job: the fleet's version {target.number} was applied again on this replica alone "
+                    f"({', '.join(healthy[:3])} serving it read healthy on their reference prompts)")
+        spec = self.retune.alert_spec(want.action)
+        decision = self.store.decide(self.name, self.base, spec.id, spec.routers, spec.business_line,
+                                     cooldown_seconds=self.retune.settings.cooldown_seconds,
+                                     lease_seconds=self.settings.lease_seconds)
+        if decision["decision"] == "lease":
+            try:
+                record = self.retune.submit(spec, force=True)
+            except ValueError as error:
+                self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
+                return f"no re-tune job: {error}"
+            self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            self._wants.pop(router, None)
+            log.info("fleet re-tune job %s runs here (the canary) for %s; the other replicas take its version once "
+                     "it passes here", spec.id, router)
+            return (f"fleet re-tune job {spec.id} runs on this replica, the fleet's canary ({record.get('status')}); "
+                    "the other replicas take its version once it passes here")
+        job = decision.get("job") or {}
+        if decision["decision"] == "cooldown":
+            until = time.strftime("%H:%M:%S UTC", time.gmtime(decision["until"]))
+            return (f"no new re-tune job: fleet job {job.get('id')} for {', '.join(job.get('routers', []))} ended "
+                    f"{job.get('state')} on {job.get('canary')}; the fleet's cooldown lasts until {until}")
+        if job and job.get("state") == "rolling":
+            return (f"no re-tune job here: fleet job {job.get('id')} (canary {job.get('canary')}) is rolling out "
+                    f"version {job.get('version')}; this replica takes it in turn")
+        if job:
+            return (f"no re-tune job here: fleet job {job.get('id')} on {decision.get('holder')} re-tunes "
+                    f"{', '.join(job.get('routers', []))}; this replica takes its version in the rollout")
+        return "no re-tune job here: a rollout is under way; this replica takes its version in turn"
+
+    def _peers(self, view: FleetView, router: str) -> tuple[list[str], list[str]]:
+        """Members serving this replica's routers, seen lately, whose recent readings of ``router`` say healthy or
+        damaged."""
+        healthy, damaged = [], []
+        for member in view.members:
+            if member["name"] == self.name or member["base"] != self.base or member["digest"] != self.digest:
+                continue
+            if view.now - float(member["last_seen"]) > self.settings.member_seconds:
+                continue
+            reading = (member.get("health") or {}).get(router) or {}
+            at = reading.get("at")
+            if not isinstance(at, int | float) or view.now - at > self.settings.evidence_seconds:
+                continue
+            if reading.get("state") == "healthy":
+                healthy.append(member["name"])
+            elif reading.get("state") == "damaged":
+                damaged.append(member["name"])
+        return healthy, damaged
+
+    def _retry_wants(self) -> None:
+        for router, want in list(self._wants.items()):
+            if not self._still_wanted(router, want.business_line):
+                self._wants.pop(router, None)
+                continue
+            if self._canary is None:
+                self._decide(want)
+
+    # ------------------------------------------------------------------ the canary
+    def _watch_canary(self) -> None:
+        canary = self._canary
+        if canary is None:
+            return
+        if not self.store.renew(self.name, canary.fleet_job, self.settings.lease_seconds):
+            log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time); its result "
+                      "will not be rolled out", canary.fleet_job)
+            self._canary = None
+            return
+        record = self.retune.store.get(canary.local_job)
+        if record["status"] not in FINAL_STATUSES:
+            return
+        result = record.get("result") or {}
+        if record["status"] != "promoted" or result.get("version") is None:
+            tried = bool(result.get("attempts")) and not result.get("cannot_run")
+            self.store.finish_job(self.name, canary.fleet_job, str(record["status"]), tried=tried,
+                                  detail={"local_job": canary.local_job, "error": result.get("error"),
+                                          "strategy": result.get("strategy")})
+            log.info("fleet job %s ended %s on this replica, the canary: nothing is rolled out", canary.fleet_job,
+                     record["status"])
+            self._canary = None
+            return
+        self._publish(canary, record)
+
+    def _publish(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
+        result = record["result"]
+        tensors = self.retune.registry.load(int(result["version"]))
+        parent_state = self.full_state(canary.parent)
+        changes: dict[str, dict[str, np.ndarray]] = {}
+        for name, tensor in tensors.items():
+            if name not in parent_state or not _same(parent_state[name], tensor):
+                changes.setdefault(router_of(name), {})[name] = tensor
+        digest = router_digest({**parent_state, **{name: t for group in changes.values() for name, t in group.items()}})
+        spec = record["spec"]
+        manifest = {"strategy": result.get("strategy"), "routers": sorted(changes), "business_line":
+                    spec.get("business_line"), "band": spec.get("band"), "watched": spec.get("watched", []),
+                    "job": canary.fleet_job, "canary": self.name, "local_version": result["version"],
+                    "trigger": {key: spec.get("trigger", {}).get(key) for key in ("alertname", "router", "layer")}}
+        number, rollout = self.store.publish(
+            self.name, canary.fleet_job, self.base, parent=canary.parent, digest=digest, changes=changes,
+            manifest=manifest, batch=self.settings.rollout_batch, lease_seconds=self.settings.lease_seconds,
+            canary_detail={"reason": f"the canary: job {canary.local_job} passed its gates here", "local_job":
+                           canary.local_job, "local_version": result["version"]})
+        self._canary = None
+        self._on_step("passed")
+        self.digest = self._serving_digest()
+        log.info("fleet version %d (%s) written by the canary; rollout %d starts (%d replica(s) at a time)",
+                 number, result.get("strategy"), rollout, self.settings.rollout_batch)
+
+    # ------------------------------------------------------------------ rollouts
+    def _coordinate(self, view: FleetView) -> None:
+        lease, job = view.lease, view.lease_job
+        if lease.expired:
+            taken = self.store.take_over(self.name, self.settings.lease_seconds)
+            if taken is None:
+                return
+            log.warning("took over the rollout of fleet job %s from %s, whose lease expired", taken["id"],
+                        lease.holder)
+            job = taken
+        elif not (lease.held and lease.holder == self.name and job is not None and job["state"] == "rolling"
+                  and self.store.renew(self.name, job["id"], self.settings.lease_seconds)):
+            return
+        state = self.store.coordinate(self.name, job["id"], member_seconds=self.settings.member_seconds)
+        if state == "done":
+            log.info("fleet job %s: every replica serves its version; it is the fleet's current version", job["id"])
+        elif state in ("halted", "aborted"):
+            log.warning("fleet job %s ended: its rollout was %s", job["id"], state)
+
+    def _step(self, view: FleetView) -> None:
+        rollout = view.rollout
+        if (rollout is None or rollout.state != "rolling" or rollout.step(self.name) is not None or self._busy()
+                or rollout.version in view.bad):
+            return
+        version = self.store.version(self.base, rollout.version)
+        if version is None or not self.store.claim_step(self.name, rollout.id):
+            return
+        started = time.monotonic()
+        log.info("rollout %d: this replica takes fleet version %d", rollout.id, version.number)
+        previous_digest = self.digest
+        try:
+            local = self._adopt(version, checked=False, why=f"rollout {rollout.id}")
+        except Exception as error:  # a swap the engine refused: the step fails, nothing changed here
+            self._end_step(rollout.id, version, "failed", {"reason": f"the swap failed: {type(error).__name__}: "
+                                                                      f"{str(error)[:300]}"}, started)
+            return
+        result = self._check(version.manifest)
+        detail = {**result.as_dict(), "local_version": local, "seconds": round(time.monotonic() - started, 3)}
+        if result.passed:
+            if local is not None:
+                self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
+            self._end_step(rollout.id, version, "passed", detail, started)
+            return
+        if local is not None:
+            self.retune.rollback()
+            self.digest = self._serving_digest()
+            if self.digest != previous_digest:
+                log.error("rollout %d: the rollback left digest %s, not %s", rollout.id, self.digest[:12],
+                          previous_digest[:12])
+        self._end_step(rollout.id, version, "failed", detail, started)
+
+    def _end_step(self, rollout: int, version: VersionRow, outcome: str, detail: dict[str, Any],
+                  started: float) -> None:
+        self._on_step(outcome)
+        if outcome == "failed":
+            log.error("rollout %d halted: fleet version %d failed its check on this replica (%s): %s; the replicas "
+                      "not reached keep the fleet's current version", rollout, version.number, self.name,
+                      detail.get("reason"))
+            self._page_halted(rollout, version, str(detail.get("reason")))
+        else:
+            log.info("rollout %d: fleet version %d passed its check here in %.1f s", rollout, version.number,
+                     time.monotonic() - started)
+        self._unrecorded = (rollout, outcome, detail)
+        self._record_unrecorded()
+        try:
+            self._heartbeat(self._read())
+        except FleetStoreError as error:
+            self._store_down(error)
+
+    def _record_unrecorded(self) -> None:
+        if self._unrecorded is None:
+            return
+        rollout, outcome, detail = self._unrecorded
+        try:
+            self.store.end_step(self.name, rollout, outcome, detail)
+        except FleetStoreError as error:
+            self._store_down(error)
+            return
+        self._unrecorded = None
+
+    def _page_halted(self, rollout: int, version: VersionRow, reason: str) -> None:
+        routers = [str(router) for router in version.manifest.get("routers", [])]
+        trigger = version.manifest.get("trigger") or {}
+        current = self.view.current.number if self.view is not None else "the last good one"
+        labels = {"alertname": FLEET_HALTED_ALERT, "severity": "critical", "replica": self.name,
+                  ROUTER: ",".join(routers), LAYER: str(trigger.get("layer") or ""),
+                  BUSINESS_LINE: str(version.manifest.get("business_line") or "all"),
+                  "version": str(version.number)}
+        annotations = {
+            "summary": f"Rollout {rollout} of router version {version.number} halted: replica {self.name} failed its "
+                       f"check and rolled back; the replicas not reached keep version {current}",
+            "description": f"{reason}. The canary {version.manifest.get('canary')} and the replicas that passed "
+                           f"serve version {version.number}. Look at {self.name} (GET /v1/fleet, its /v1/reference), "
+                           "then resume the rollout (POST /admin/fleet/rollout with the version) or abort it "
+                           "(POST /admin/fleet/abort: every replica goes back to the fleet's current version).",
+            "runbook_url": RUNBOOK,
+        }
+        try:
+            self._page(labels, annotations)
+        except Exception:
+            log.exception("the page for halted rollout %d could not be queued", rollout)
+
+    # ------------------------------------------------------------------ an operator's job or rollout
+    def submit(self, spec: Any, *, force: bool) -> dict[str, Any]:
+        """A job an operator asked for (``POST /admin/retune``, ``retune apply``): run here as the fleet's canary,
+        under the fleet's lease (``force``: whatever the cooldown); :class:`FleetRefusal` when the fleet has a job or
+        a rollout under way. The local job's record."""
+        with self._lock:
+            if self._canary is not None:
+                raise FleetRefusal(f"fleet re-tune job {self._canary.fleet_job} runs on this replica: one at a time")
+            target = self._target(self._read())
+            decision = self.store.decide(self.name, self.base, spec.id, spec.routers, spec.business_line,
+                                         cooldown_seconds=0 if force else self.retune.settings.cooldown_seconds,
+                                         lease_seconds=self.settings.lease_seconds)
+            if decision["decision"] != "lease":
+                job = decision.get("job") or {}
+                raise FleetRefusal(f"the fleet has re-tuning under way or cooling down ({decision['decision']}: job "
+                                   f"{job.get('id')}, {job.get('state')}, on {job.get('canary')}): see GET /v1/fleet")
+            try:
+                record = self.retune.submit(spec, force=True)
+            except ValueError as error:
+                self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
+                raise
+            self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            return record
+
+    def start_rollout(self, number: int) -> dict[str, Any]:
+        """Roll fleet version ``number`` out from this replica (an operator's choice: a halted rollout resumed, or
+        an earlier version put back): this replica takes it and checks it first, as a canary would. The rollout."""
+        with self._lock:
+            if self._busy():
+                raise ValueError("this replica runs a fleet job now: try again once it ends")
+            view = self._read()
+            version = self.store.version(self.base, number)
+            if version is None:
+                raise ValueError(f"fleet version {number} does not exist for this replica's checkpoint")
+            local = self._adopt(version, checked=False, why=f"an operator's rollout of version {number}")
+            result = self._check(version.manifest) if number else StepResult(True, "version 0 is the checkpoint")
+            if not result.passed:
+                if local is not None:
+                    self.retune.rollback()
+                    self.digest = self._serving_digest()
+                raise ValueError(f"fleet version {number} failed its check on this replica: {result.reason}")
+            if local is not None:
+                self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
+            parent = view.version_of(self.digest) if version.parent is None else version.parent
+            self.store.publish(
+                self.name, None, self.base, parent=parent or 0, digest=version.digest, changes={},
+                manifest=dict(version.manifest), batch=self.settings.rollout_batch,
+                canary_detail={"reason": f"an operator's rollout: {result.reason}"},
+                lease_seconds=self.settings.lease_seconds)
+            self._on_step("passed")
+            self._heartbeat(self._read())
+            assert self.view is not None and self.view.rollout is not None
+            return self.view.rollout.as_dict()
+
+    def abort(self, reason: str) -> dict[str, Any] | None:
+        with self._lock:
+            rollout = self.store.abort(self.base, reason)
+            self._wake.set()
+            return None if rollout is None else rollout.as_dict()
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /v1/fleet``: the members, the current or last rollout, the lease, the versions."""
+        view = self.store.view(self.base)
+        members = []
+        for member in view.members:
+            members.append({"name": member["name"], "version": member["version"], "digest": member["digest"],
+                            "base": member["base"], "url": member["url"], "last_seen": member["last_seen"],
+                            "started_at": member["started_at"],
+                            "alive": view.now - float(member["last_seen"]) <= self.settings.member_seconds,
+                            "health": member.get("health") or {}})
+        return {"name": self.name, "store": self.store.where, "now": view.now, "base": self.base,
+                "current": view.current.as_dict(), "members": members,
+                "rollout": None if view.rollout is None else view.rollout.as_dict(),
+                "lease": {**view.lease.as_dict(), "job_record": view.lease_job},
+                "versions": [row.as_dict() for row in self.store.versions(self.base, limit=20)],
+                "jobs": self.store.jobs(limit=20)}
+
+
+def _same(left: np.ndarray, right: np.ndarray) -> bool:
+    return left.shape == right.shape and left.dtype == right.dtype and left.tobytes() == right.tobytes()
