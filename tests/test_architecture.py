@@ -88,7 +88,8 @@ def test_the_package_root_keeps_the_public_face_only() -> None:
 
 
 # Rule-group names share the prefix but name no series.
-GROUP_NAMES = {"mla_watch.alerting.promexport": {"mla_watch_routing"}, "mla_watch.alerting.fleet": {"mla_watch_fleet"}}
+GROUP_NAMES = {"mla_watch.alerting.promexport": {"mla_watch_routing"}, "mla_watch.alerting.fleet": {"mla_watch_fleet"},
+               "mla_watch.alerting.fleet_versions": {"mla_watch_fleet_versions"}}
 
 
 def test_series_names_are_written_in_their_home_only() -> None:

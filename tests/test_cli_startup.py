@@ -120,6 +120,15 @@ def test_a_mistyped_flag_shows_the_subcommands_usage_on_one_line() -> None:
     assert "mla-watch retune run: error: unrecognized arguments: --forse (did you mean --force?)" in nested.stderr
 
 
+def test_serve_refuses_a_fleet_url_that_is_not_postgresql_without_showing_it() -> None:
+    done = cli("serve", "--fleet", "https://user:hunter2@db/fleet")
+    assert done.returncode == 2 and "hunter2" not in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith("mla-watch serve: error: argument --fleet: expected a "
+                                                   "postgresql:// URL"), done.stderr
+    done = cli("serve", "--fleet", "postgresql://db/fleet", "--fleet-lease", "10", "--fleet-poll", "6")
+    assert_one_line(done, "--fleet-poll 6.0: expected seconds > 0, at most half of the lease")
+
+
 def test_serve_help_shows_the_defaults() -> None:
     done = cli("serve", "--help")
     assert done.returncode == 0

@@ -30,6 +30,7 @@ from mla_watch.alerting.fleet import (
     fleet_notes,
     parse_label_list,
 )
+from mla_watch.alerting.fleet_versions import DEFAULT_SKEW_FOR_SECONDS, VERSION_SKEW_ALERT, version_group
 from mla_watch.cli.flags import DOCS, non_negative_float, positive_float
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
@@ -180,7 +181,8 @@ def _export_command(args: argparse.Namespace) -> str:
         for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-interval", args.fleet_interval),
                             ("--fleet-labels", args.fleet_labels),
                             ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
-                            ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for)):
+                            ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for),
+                            ("--version-skew-for", args.version_skew_for)):
             if value is not None:
                 parts.append(f"{flag} {value}")
     return " ".join(parts)
@@ -194,7 +196,8 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     fleet_only = {"--fleet-window": args.fleet_window, "--fleet-interval": args.fleet_interval,
                   "--fleet-labels": args.fleet_labels,
                   "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
-                  "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for}
+                  "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for,
+                  "--version-skew-for": args.version_skew_for}
     if not args.fleet:
         given = [f"{flag} {value}" for flag, value in fleet_only.items() if value is not None]
         if given:
@@ -226,6 +229,25 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
         cast(argparse.ArgumentParser, args.parser).error(str(error))  # exits
 
 
+def _skew_for(args: argparse.Namespace) -> float:
+    """--version-skew-for in seconds (1m to 31d); exit 2 naming the flag."""
+    from mla_watch.alerting.durations import parse_duration
+    from mla_watch.alerting.model import RuleError
+
+    if args.version_skew_for is None:
+        return DEFAULT_SKEW_FOR_SECONDS
+    try:
+        seconds = parse_duration(args.version_skew_for, "--version-skew-for")
+    except RuleError as error:
+        cast(argparse.ArgumentParser, args.parser).error(error.errors[0].replace("--version-skew-for =",
+                                                                                 "--version-skew-for"))
+    if not 60 <= seconds <= 31 * 86400:
+        cast(argparse.ArgumentParser, args.parser).error(
+            f"--version-skew-for {args.version_skew_for[:40]!r}: expected a duration from 1m to 31d, longer than a "
+            "rollout takes (e.g. 30m)")
+    return seconds
+
+
 def _cmd_rules_export(args: argparse.Namespace) -> int:
     from mla_watch.alerting.promexport import export_prometheus, export_rules
     from mla_watch.alerting.rules import RuleError, load_rules_dir
@@ -241,7 +263,9 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
 
         text = export_rules(rules, command=_export_command(args), file_format=args.format,
                             labels={SCOPE_LABEL: "replica"} if fleet is not None else None,
-                            extra_groups=fleet_groups(rules, fleet) if fleet is not None else (),
+                            extra_groups=[*fleet_groups(rules, fleet),
+                                          version_group(fleet.fleet_labels, fleet.job, _skew_for(args))]
+                            if fleet is not None else (),
                             notes=fleet_notes(fleet) if fleet is not None else (),
                             source_root=args.rules.resolve())
     if args.out is None:
@@ -330,4 +354,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     export.add_argument("--outlier-for", metavar="DURATION",
                         help="with --fleet: how long a replica must stay an outlier before the alert fires "
                              f"(default {format_duration(OUTLIER_FOR_SECONDS)})")
+    export.add_argument("--version-skew-for", metavar="DURATION",
+                        help="with --fleet: how long the replicas may serve different router versions before "
+                             f"{VERSION_SKEW_ALERT} fires; longer than a rollout takes "
+                             f"(default {format_duration(DEFAULT_SKEW_FOR_SECONDS)})")
     export.set_defaults(handler=_cmd_rules_export, parser=export)

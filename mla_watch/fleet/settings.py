@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mla_watch.common.values import is_integer, is_number
 
@@ -21,7 +21,7 @@ def fleet_url_problem(url: object) -> str | None:
 
 @dataclass(frozen=True)
 class FleetSettings:
-    url: str  # postgresql://...
+    url: str = field(repr=False)  # postgresql://...; it may hold a password: never shown
     name: str  # this replica's name in the fleet
     rollout_batch: int = 1  # members taking their step at once
     lease_seconds: float = 60.0  # the re-tuning lease expires this long after its last renewal
