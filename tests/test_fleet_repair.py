@@ -9,8 +9,11 @@ nothing else; a replica damaged alone restores the fleet's version without a job
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -144,6 +147,11 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
         assert not any(replica.errors for replica in replicas), [replica.errors for replica in replicas]
 
 
+def fleet_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return processes.run([sys.executable, "-m", "mla_watch.cli", "fleet", *args], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": "fleet-admin-token-0123456789"})
+
+
 def _strict_rules(rules: Path, target: Path) -> Path:
     """The scenario's rules on a replica that asks for no re-tune and holds layer 1 to a band no router meets."""
     target.mkdir(parents=True)
@@ -197,10 +205,15 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
         assert len(pages) == 1 and pages[0]["labels"]["replica"] == "replica-c", pages
         assert "replica-c failed its check" in pages[0]["annotations"]["summary"]
 
+        assert "mla-watch fleet abort" in pages[0]["annotations"]["description"]
+        shown = fleet_cli("show", "--url", urls["replica-a"])
+        assert shown.returncode == 0 and f"rollout {rollout['id']} of version 1 (from 0): halted by replica-c" in \
+            shown.stdout, shown.stdout + shown.stderr
+
         # Aborted: every replica that took the version goes back to the fleet's current one.
         token = {"Authorization": "Bearer fleet-admin-token-0123456789"}
-        answer = httpx.post(urls["replica-b"] + "/admin/fleet/abort", headers=token, json={}, timeout=30)
-        assert answer.status_code == 200 and answer.json()["rollout"]["state"] == "aborted", answer.text
+        aborted = fleet_cli("abort", "--url", urls["replica-b"])
+        assert aborted.returncode == 0 and "aborted: version 1 is marked bad" in aborted.stdout, aborted.stderr
         assert wait_for(lambda: {serving(u) for u in urls.values()} == {base}, 60), \
             {name: serving(u) for name, u in urls.items()}
         view = fleet_view(urls["replica-a"])

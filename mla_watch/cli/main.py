@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mla_watch.cli import check, context, retune, serve, traffic
+from mla_watch.cli import check, context, fleet, retune, serve, traffic
 from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
 from mla_watch.cli.flags import DOCS, positive_float, tcp_port
 from mla_watch.cli.startup import FlagError, Parser
@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
     demo.set_defaults(handler=_cmd_demo)
     retune.add_parser(commands)
+    fleet.add_parser(commands)
 
     from mla_watch.cli.startup import finish_parser
 

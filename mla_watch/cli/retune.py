@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS, non_negative_float, parse_options, positive_int
+from mla_watch.cli.sidecar_api import call_sidecar
 from mla_watch.common.state_dir import DATASETS_DIR_NAME
 from mla_watch.routing.windows import ALL_LINES
 
@@ -22,25 +23,7 @@ WAITING_EXIT = 3  # retune run / apply --wait: the job waits for more data, and 
 
 
 def _admin(args: argparse.Namespace, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    """Call the sidecar's API; exit with its error message on a 4xx/5xx."""
-    import os
-
-    import httpx
-
-    token = os.environ.get("MLA_WATCH_ADMIN_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        response = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=60)
-    except httpx.HTTPError as error:
-        raise SystemExit(f"mla-watch retune: cannot reach the sidecar at {args.url}: {error}") from error
-    try:
-        document = response.json()
-    except ValueError:
-        document = {"error": {"message": response.text[:500]}}
-    if response.status_code >= 400:
-        message = document.get("error", {}).get("message", response.text[:500])
-        raise SystemExit(f"mla-watch retune: {method} {path} answered {response.status_code}: {message}")
-    return document
+    return call_sidecar("mla-watch retune", args.url, method, path, body)
 
 
 def _print_jobs(jobs: list[dict[str, Any]]) -> None:

@@ -517,9 +517,10 @@ class FleetMember:
             "summary": f"Rollout {rollout} of router version {version.number} halted: replica {self.name} failed its "
                        f"check and rolled back; the replicas not reached keep version {current}",
             "description": f"{reason}. The canary {version.manifest.get('canary')} and the replicas that passed "
-                           f"serve version {version.number}. Look at {self.name} (GET /v1/fleet, its /v1/reference), "
-                           "then resume the rollout (POST /admin/fleet/rollout with the version) or abort it "
-                           "(POST /admin/fleet/abort: every replica goes back to the fleet's current version).",
+                           f"serve version {version.number}. Look at {self.name} (`mla-watch fleet show`, its "
+                           f"/v1/reference), then resume the rollout from a member (`mla-watch fleet rollout "
+                           f"{version.number} --url MEMBER`) or abort it (`mla-watch fleet abort`: every replica goes "
+                           "back to the fleet's current version).",
             "runbook_url": RUNBOOK,
         }
         try:
