@@ -129,3 +129,120 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
             return True
         time.sleep(interval)
     return predicate()
+
+
+# --------------------------------------------------------------------------------------------- beside real vLLM
+@dataclass
+class EngineFleetOutcome:
+    """Two real vLLM replicas deployed with a collapsed router, each with its sidecar, one fleet."""
+
+    first_page_s: float | None = None  # from the first request
+    one_version_s: float | None = None  # every sidecar serves the fleet's new version, its routers in band
+    resolved_s: float | None = None  # and every alert of the router resolved
+    requests: int = 0
+    fleet: dict[str, Any] = field(default_factory=dict)  # GET /v1/fleet at the end
+    healthy_losses: list[float] = field(default_factory=list)  # a healthy engine's loss of each fixed prompt
+    repaired_losses: dict[str, list[float]] = field(default_factory=dict)  # each repaired engine's
+    store_load: dict[str, int] = field(default_factory=dict)
+    transactions_per_minute: float | None = None
+
+
+ENGINE_LAYER = 2
+ENGINE_ROUTER = f"model.layers.{ENGINE_LAYER}.mlp.gate"
+ENGINE_LINE = "customer_service"
+# 16 experts, top-4 (2 to 4 bits): on these prompts the healthy gates read ~2.6 to 2.7, the zeroed one 2.0.
+ENGINE_BELOW, ENGINE_RESOLVE = 2.3, 2.45
+FIXED_PROMPTS = [[1, *range(40 + i, 60 + i)] for i in range(4)]
+ENGINE_TOKEN = "real-engine-fleet-token"
+
+
+def _engine_rules(directory: Path) -> Path:
+    from mla_watch.alerting.examples import entropy_low_rules
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "routing.yaml").write_text(entropy_low_rules(
+        below=ENGINE_BELOW, resolve_above=ENGINE_RESOLVE, min_tokens=64, actions=("notify", "retune"),
+        strategies=("restore",), group_by=False))
+    return directory
+
+
+def _engine_alerts(url: str) -> list[dict[str, Any]]:
+    return [alert for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
+            if alert["labels"].get("router") == ENGINE_ROUTER and alert["labels"].get("business_line") == ENGINE_LINE]
+
+
+def _engine_bits(url: str) -> float | None:
+    routing = httpx.get(url + "/v1/routing", params={"business_line": ENGINE_LINE}, timeout=30).json()
+    return next((r["entropy_bits"] for r in routing["routers"] if r["name"] == ENGINE_ROUTER), None)
+
+
+def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
+                          measure_store: Callable[[], tuple[dict[str, int], float]] | None = None
+                          ) -> EngineFleetOutcome:
+    """Two vLLM engines serving a Qwen3-MoE with layer 2's gate zeroed (dev mode, routing returned), each with a
+    sidecar (``--engine vllm --capture --engine-retune apply --reference-model`` the healthy checkpoint,
+    ``--fleet``): customer-service traffic to both until both serve the fleet's new version, in band, and the
+    alerts resolved. A healthy engine scores the fixed prompts first; each repaired engine scores them at the end.
+    ``measure_store``: the store's rows and bytes, and its transactions a minute, read at the end."""
+    from mla_watch.engines.vllm_weights import VllmWeights
+    from tests.floods import trimmed_references
+    from tests.real_vllm import build_checkpoint, cache_root, running_vllm
+    from tests.receivers import running_receiver
+    from tests.support import free_port, sidecar_process
+
+    root = cache_root() / "checkpoints"
+    collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=ENGINE_LAYER)
+    healthy = build_checkpoint(root, "qwen3_moe")
+    outcome = EngineFleetOutcome()
+    with running_vllm(healthy, routing=True, log_path=work / "vllm-healthy.log") as engine:
+        scorer = VllmWeights(engine)
+        outcome.healthy_losses = [score.loss for score in scorer.score(FIXED_PROMPTS)]
+        scorer.close()
+    rules = _engine_rules(work / "rules")
+    references = trimmed_references(work / "references", default=True)
+    names = ("vllm-a", "vllm-b")
+    with contextlib.ExitStack() as stack, running_receiver() as receiver:
+        engines = {name: stack.enter_context(running_vllm(collapsed, routing=True, dev_mode=True,
+                                                          log_path=work / f"{name}-engine.log")) for name in names}
+        ports = {name: free_port() for name in names}
+        for name in names:
+            stack.enter_context(sidecar_process(
+                ports[name], work / name, "--upstream", engines[name], "--engine", "vllm", "--model-config",
+                str(collapsed), "--capture", "--engine-retune", "apply", "--reference-model", str(healthy),
+                "--rules", str(rules), "--alert-interval", "0.5", "--reference-prompts", str(references),
+                "--retune-min-samples", "12", "--min-held-out-tokens", "60", "--min-held-out-samples", "4",
+                "--retune-retry", "2", "--fleet", fleet_url, "--fleet-name", name, "--fleet-poll", str(POLL_SECONDS),
+                "--fleet-lease", str(max(LEASE_SECONDS, 20.0)),
+                env={"MLA_WATCH_ADMIN_TOKEN": ENGINE_TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url + "/hook"},
+                log=work / f"{name}.log"))
+        urls = [f"http://127.0.0.1:{ports[name]}" for name in names]
+        started = time.monotonic()
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            for url in urls:
+                question = f"Where is my parcel, order {4400 + outcome.requests * 7}?"
+                body = {"model": "tiny", "max_tokens": 6, "seed": outcome.requests,
+                        "messages": [{"role": "user", "content": question}]}
+                answer = httpx.post(url + "/v1/chat/completions", json=body,
+                                    headers={"X-Business-Line": ENGINE_LINE}, timeout=120)
+                answer.raise_for_status()
+                outcome.requests += 1
+            alerts = [alert for url in urls for alert in _engine_alerts(url)]
+            if outcome.first_page_s is None and any(alert["state"] == "firing" for alert in alerts):
+                outcome.first_page_s = time.monotonic() - started
+            versions = {serving(url) for url in urls}
+            if outcome.one_version_s is None and len(versions) == 1 and None not in versions and \
+                    next(iter(versions))[0] not in ("0", "unknown") and all(
+                        (bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls):
+                outcome.one_version_s = time.monotonic() - started
+            if outcome.one_version_s is not None and alerts and all(alert["state"] == "resolved" for alert in alerts):
+                outcome.resolved_s = time.monotonic() - started
+                break
+        outcome.fleet = httpx.get(urls[0] + "/v1/fleet", timeout=30).json()
+        for name in names:
+            scorer = VllmWeights(engines[name])
+            outcome.repaired_losses[name] = [score.loss for score in scorer.score(FIXED_PROMPTS)]
+            scorer.close()
+        if measure_store is not None:
+            outcome.store_load, outcome.transactions_per_minute = measure_store()
+    return outcome

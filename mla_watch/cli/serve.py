@@ -7,6 +7,7 @@ they become one :class:`~mla_watch.server.config.ServerConfig`.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from mla_watch.cli.flags import (
 )
 from mla_watch.cli.startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
-from mla_watch.fleet.settings import FleetSettings
+from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
@@ -326,10 +327,11 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cause.add_argument("--router-versions-max-bytes", type=byte_size, default=RetentionPolicy.max_bytes,
                        metavar="BYTES", help="bytes of router versions kept (default %(default)s)")
     fleet = serve.add_argument_group("a fleet of sidecars repaired as one (docs/fleet.md, \"Repairing a fleet\")")
-    fleet.add_argument("--fleet", type=fleet_url, metavar="URL",
+    fleet.add_argument("--fleet", type=fleet_url, metavar="URL", default=os.environ.get(FLEET_URL_ENV) or None,
                        help="join the fleet whose shared state lives in this PostgreSQL database "
                             "(postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE; never logged): one re-tuning decision "
-                            "for the fleet, tried on one replica, then rolled out and checked on each")
+                            "for the fleet, tried on one replica, then rolled out and checked on each (default: "
+                            f"${FLEET_URL_ENV}, which keeps a password out of process listings; none: no fleet)")
     fleet.add_argument("--fleet-name", metavar="NAME",
                        help="this replica's name in the fleet (default: the host name and the port)")
     fleet.add_argument("--fleet-rollout-batch", type=positive_int, default=FleetSettings.rollout_batch, metavar="N",

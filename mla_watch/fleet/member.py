@@ -27,6 +27,7 @@ when the member is free, else by the next round.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -113,6 +114,8 @@ class FleetMember:
         self.view: FleetView | None = None  # the latest read of the store
         self._wants: dict[str, _Want] = {}
         self._canary: _CanaryJob | None = None
+        self._held: str | None = None  # the fleet job whose lease this member holds: renewed by its own thread
+        self._keeper: threading.Thread | None = None
         self._unrecorded: tuple[int, str, dict[str, Any]] | None = None  # a step whose outcome the store missed
 
     # ------------------------------------------------------------------ life cycle
@@ -136,18 +139,33 @@ class FleetMember:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mla-watch-fleet", daemon=True)
         self._thread.start()
+        # Renewals apart from the rounds: a round taking a rollout step (a swap, a reading through an engine) may
+        # run past the lease.
+        self._keeper = threading.Thread(target=self._keep_lease, name="mla-watch-fleet-lease", daemon=True)
+        self._keeper.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-        try:
-            if self._canary is None:  # a canary's job ends with the process: its lease expires, another decides
-                self.store.release(self.name)
-        except FleetStoreError:
-            pass
+        for thread in (self._thread, self._keeper):
+            if thread is not None:
+                thread.join(timeout=30)
+        # A job of this replica is abandoned, a rollout it coordinates is taken over: at once, not at expiry.
+        with contextlib.suppress(FleetStoreError):
+            self.store.release(self.name)
         self.store.close()
+
+    def _keep_lease(self) -> None:
+        while not self._stop.wait(self.settings.poll_seconds):
+            job = self._held
+            if job is None:
+                continue
+            try:
+                if not self.store.renew(self.name, job, self.settings.lease_seconds) and self._held == job:
+                    log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time)", job)
+                    self._held = None
+            except FleetStoreError as error:
+                self._store_down(error)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -168,7 +186,7 @@ class FleetMember:
                 self._heartbeat(view)
                 self._watch_canary()
                 self._coordinate(view)
-                self._step(self._read())
+                self._step(view)  # its claim is checked against the rollout as stored: an older view is safe
                 self._retry_wants()
             except FleetStoreError as error:
                 self._store_down(error)
@@ -330,6 +348,7 @@ class FleetMember:
                 self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
                 return f"no re-tune job: {error}"
             self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            self._held = spec.id
             self._wants.pop(router, None)
             log.info("fleet re-tune job %s runs here (the canary) for %s; the other replicas take its version once "
                      "it passes here", spec.id, router)
@@ -380,10 +399,11 @@ class FleetMember:
         canary = self._canary
         if canary is None:
             return
-        if not self.store.renew(self.name, canary.fleet_job, self.settings.lease_seconds):
+        if self._held != canary.fleet_job or not self.store.renew(self.name, canary.fleet_job,
+                                                                    self.settings.lease_seconds):
             log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time); its result "
                       "will not be rolled out", canary.fleet_job)
-            self._canary = None
+            self._canary = self._held = None
             return
         record = self.retune.store.get(canary.local_job)
         if record["status"] not in FINAL_STATUSES:
@@ -396,7 +416,7 @@ class FleetMember:
                                           "strategy": result.get("strategy")})
             log.info("fleet job %s ended %s on this replica, the canary: nothing is rolled out", canary.fleet_job,
                      record["status"])
-            self._canary = None
+            self._canary = self._held = None
             return
         self._publish(canary, record)
 
@@ -435,10 +455,12 @@ class FleetMember:
             log.warning("took over the rollout of fleet job %s from %s, whose lease expired", taken["id"],
                         lease.holder)
             job = taken
-        elif not (lease.held and lease.holder == self.name and job is not None and job["state"] == "rolling"
-                  and self.store.renew(self.name, job["id"], self.settings.lease_seconds)):
+        elif not (lease.held and lease.holder == self.name and job is not None and job["state"] == "rolling"):
             return
+        self._held = job["id"]
         state = self.store.coordinate(self.name, job["id"], member_seconds=self.settings.member_seconds)
+        if state != "rolling":
+            self._held = None
         if state == "done":
             log.info("fleet job %s: every replica serves its version; it is the fleet's current version", job["id"])
         elif state in ("halted", "aborted"):
@@ -550,6 +572,7 @@ class FleetMember:
                 self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
                 raise
             self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            self._held = spec.id
             return record
 
     def start_rollout(self, number: int) -> dict[str, Any]:
@@ -572,6 +595,7 @@ class FleetMember:
             if local is not None:
                 self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
             parent = view.version_of(self.digest) if version.parent is None else version.parent
+            self._held = None  # the operator's rollout takes the lease: its job is made by the store
             self.store.publish(
                 self.name, None, self.base, parent=parent or 0, digest=version.digest, changes={},
                 manifest=dict(version.manifest), batch=self.settings.rollout_batch,

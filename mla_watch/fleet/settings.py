@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 from mla_watch.common.values import is_integer, is_number
 
-__all__ = ["FleetSettings", "fleet_url_problem"]
+__all__ = ["FLEET_URL_ENV", "FleetSettings", "fleet_url_problem"]
+
+# Where `serve` takes --fleet from when the flag is not given: a password in a URL on the command line is in every
+# process listing of the host, one in the environment is not.
+FLEET_URL_ENV = "MLA_WATCH_FLEET_URL"
 
 
 def fleet_url_problem(url: object) -> str | None:
