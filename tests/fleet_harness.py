@@ -60,13 +60,14 @@ def serving(url: str) -> tuple[str, str] | None:
 @contextlib.contextmanager
 def fleet_replica(name: str, work: Path, fleet_url: str, *, checkpoint: Path, rules: Path, oncall_url: str,
                   retune: RetuneSettings | None = None, reference_interval: float = 30.0,
+                  poll_seconds: float = POLL_SECONDS, lease_seconds: float = LEASE_SECONDS,
                   **overrides: Any) -> Iterator[Replica]:
     """One ready replica of the fleet at ``fleet_url`` (its own state directory under ``work``)."""
     config = ServerConfig(model=str(checkpoint), device="cpu", rules=rules, state_dir=work / name, alert_interval=0.5,
                           window_tokens=512, capture=True, retune=retune or RetuneSettings(retry_seconds=5.0),
                           reference_model=BUNDLED, policy_poll_seconds=None, admin_token="fleet-admin-token-0123456789",
-                          fleet=FleetSettings(url=fleet_url, name=name, poll_seconds=POLL_SECONDS,
-                                              lease_seconds=LEASE_SECONDS),
+                          fleet=FleetSettings(url=fleet_url, name=name, poll_seconds=poll_seconds,
+                                              lease_seconds=lease_seconds),
                           **{"reference": _reference_settings(reference_interval), **overrides})
     previous = os.environ.get("MLA_WATCH_ONCALL_URL")
     os.environ["MLA_WATCH_ONCALL_URL"] = oncall_url  # the rules are read when the sidecar is made
@@ -136,9 +137,9 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 class EngineFleetOutcome:
     """Two real vLLM replicas deployed with a collapsed router, each with its sidecar, one fleet."""
 
-    first_page_s: float | None = None  # from the first request
-    one_version_s: float | None = None  # every sidecar serves the fleet's new version, its routers in band
-    resolved_s: float | None = None  # and every alert of the router resolved
+    first_page_s: float | None = None  # from the first request to the first alert firing
+    one_version_s: float | None = None  # to the rollout's end: every replica on the new version, checked in band
+    resolved_s: float | None = None  # to the last alert of the router resolved
     requests: int = 0
     fleet: dict[str, Any] = field(default_factory=dict)  # GET /v1/fleet at the end
     healthy_losses: list[float] = field(default_factory=list)  # a healthy engine's loss of each fixed prompt
@@ -216,8 +217,7 @@ def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
                 env={"MLA_WATCH_ADMIN_TOKEN": ENGINE_TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url + "/hook"},
                 log=work / f"{name}.log"))
         urls = [f"http://127.0.0.1:{ports[name]}" for name in names]
-        started = time.monotonic()
-        deadline = started + timeout
+        started, deadline = time.time(), time.monotonic() + timeout
         while time.monotonic() < deadline:
             for url in urls:
                 question = f"Where is my parcel, order {4400 + outcome.requests * 7}?"
@@ -228,17 +228,13 @@ def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
                 answer.raise_for_status()
                 outcome.requests += 1
             alerts = [alert for url in urls for alert in _engine_alerts(url)]
-            if outcome.first_page_s is None and any(alert["state"] == "firing" for alert in alerts):
-                outcome.first_page_s = time.monotonic() - started
             versions = {serving(url) for url in urls}
-            if outcome.one_version_s is None and len(versions) == 1 and None not in versions and \
-                    next(iter(versions))[0] not in ("0", "unknown") and all(
-                        (bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls):
-                outcome.one_version_s = time.monotonic() - started
-            if outcome.one_version_s is not None and alerts and all(alert["state"] == "resolved" for alert in alerts):
-                outcome.resolved_s = time.monotonic() - started
+            if (len(versions) == 1 and None not in versions and next(iter(versions))[0] not in ("0", "unknown")
+                    and all((bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls)
+                    and alerts and all(alert["state"] == "resolved" for alert in alerts)):
                 break
         outcome.fleet = httpx.get(urls[0] + "/v1/fleet", timeout=30).json()
+        _times_from_records(outcome, [alert for url in urls for alert in _engine_alerts(url)], started)
         for name in names:
             scorer = VllmWeights(engines[name])
             outcome.repaired_losses[name] = [score.loss for score in scorer.score(FIXED_PROMPTS)]
@@ -246,3 +242,59 @@ def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
         if measure_store is not None:
             outcome.store_load, outcome.transactions_per_minute = measure_store()
     return outcome
+
+
+# --------------------------------------------------------------------------------------------- embedded, timed
+@dataclass
+class EmbeddedFleetOutcome:
+    replicas: int
+    first_page_s: float | None = None  # from the first request to the first alert firing
+    one_version_s: float | None = None  # to the rollout's end: every replica on the new version, checked in band
+    resolved_s: float | None = None  # to the last layer-1 alert resolved
+    requests: int = 0
+    fleet: dict[str, Any] = field(default_factory=dict)
+
+
+def embedded_fleet_scenario(work: Path, fleet_url: str, *, replicas: int = 3, timeout: float = 600.0,
+                            oncall_url: str) -> EmbeddedFleetOutcome:
+    """``replicas`` embedded sidecars deployed with layer 1 collapsed, one fleet, chat traffic until every replica
+    serves the fleet's new version in band and every layer-1 alert has resolved."""
+    checkpoint, rules = broken_fleet_parts(work)
+    outcome = EmbeddedFleetOutcome(replicas)
+    with contextlib.ExitStack() as stack:
+        fleet = [stack.enter_context(fleet_replica(f"replica-{index}", work, fleet_url, checkpoint=checkpoint,
+                                                   rules=rules, oncall_url=oncall_url)) for index in range(replicas)]
+        urls = [replica.url for replica in fleet]
+        started = time.time()
+
+        def done() -> bool:
+            versions = {serving(url) for url in urls}
+            alerts = [alert for url in urls for alert in layer1_alerts(url)]
+            return (len(versions) == 1 and None not in versions and next(iter(versions))[0] not in ("0", "unknown")
+                    and all(_layer1_bits(url) >= 5.2 for url in urls)
+                    and bool(alerts) and all(alert["state"] == "resolved" for alert in alerts))
+
+        drive(fleet, done, timeout=timeout)
+        outcome.requests = sum(replica.requests for replica in fleet)
+        outcome.fleet = httpx.get(urls[0] + "/v1/fleet", timeout=30).json()
+        _times_from_records(outcome, [alert for url in urls for alert in layer1_alerts(url)], started)
+    return outcome
+
+
+def _times_from_records(outcome: Any, alerts: list[dict[str, Any]], started: float) -> None:
+    """The outcome's times from the sidecars' and the store's own records (wall clock), not from when a poll saw
+    them: the first alert firing, the rollout's end (every replica passed its check: the routers in band on its
+    reference prompts), the last alert resolved."""
+    fired = [alert["firing_since"] for alert in alerts if alert.get("firing_since")]
+    resolved = [alert["resolved_at"] for alert in alerts if alert.get("resolved_at")]
+    rollout = outcome.fleet.get("rollout") or {}
+    outcome.first_page_s = min(fired) - started if fired else None
+    outcome.one_version_s = (rollout["ended_at"] - started if rollout.get("state") == "done" and rollout.get("ended_at")
+                             else None)
+    outcome.resolved_s = (max(resolved) - started if resolved and all(a["state"] == "resolved" for a in alerts)
+                          else None)
+
+
+def _layer1_bits(url: str) -> float:
+    records = httpx.get(url + "/v1/routing", timeout=30).json()["routers"]
+    return float(next(r["entropy_bits"] for r in records if r["name"] == LAYER1))

@@ -108,7 +108,7 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
             assert ready.status_code == 200, ready.text  # the store down stops re-tuning, not serving
             fleet = ready.json()["fleet"]
             assert fleet["store_up"] is False and "re-tuning waits" in fleet["detail"], fleet
-            assert "postgresql://postgres@127.0.0.1" in fleet["detail"] and "password" not in fleet["detail"]
+            assert "postgresql://127.0.0.1" in fleet["detail"] and "postgres@" not in fleet["detail"]
             assert metric_sum(metrics(u), total_name("mla_watch_retune_jobs")) == 0
             assert httpx.get(u + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
             assert httpx.get(u + "/v1/fleet", timeout=30).status_code == 503
@@ -224,6 +224,10 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
 
 
 def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_path: Path, fleet_url: str) -> None:
+    """Two replicas damaged alone, one after the other: B's router tensors changed in place (its routers are not the
+    fleet's version: restored); then C's routing damaged where its router tensors do not show it, as an engine
+    whose reload went wrong looks to its sidecar (its peers serving the same version read healthy: the version is
+    applied again). No job runs in either case."""
     _, rules = broken_fleet_parts(tmp_path)
     with running_receiver() as receiver, contextlib.ExitStack() as stack:
         replicas = [stack.enter_context(fleet_replica(name, tmp_path, fleet_url, checkpoint=BUNDLED, rules=rules,
@@ -231,11 +235,11 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
         urls = [replica.url for replica in replicas]
         healthy = serving(urls[0])
 
-        def learned() -> bool:  # every replica holds healthy readings of its reference prompts
-            return all(all(member["health"].get(LAYER1, {}).get("state") == "healthy"
-                           for member in fleet_view(u)["members"]) for u in urls)
+        def members_healthy() -> bool:  # every replica holds healthy readings of its reference prompts
+            return all(member["health"].get(LAYER1, {}).get("state") == "healthy"
+                       for member in fleet_view(urls[0])["members"])
 
-        assert wait_for(learned, 180), fleet_view(urls[0])["members"]
+        assert wait_for(members_healthy, 180), fleet_view(urls[0])["members"]
         damaged = replicas[1]
         worker = damaged.sidecar.model_worker
         assert worker is not None
@@ -254,9 +258,25 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
         view = fleet_view(urls[0])
         assert view["jobs"] == [] and view["rollout"] is None, view
         assert {serving(u) for u in urls} == {healthy}
+
+        # C's routing damaged before its router (the norm that feeds layer 1's gate): its router tensors still
+        # read the fleet's version, its peers read healthy, so the version is applied to it again - and no job.
+        assert wait_for(members_healthy, 120), fleet_view(urls[0])["members"]
+        third = replicas[2]
+        assert third.sidecar.model_worker is not None
+        with third.sidecar.model_worker.model_lock, torch.no_grad():
+            third.sidecar.model_worker.model.model.layers[1].post_attention_layernorm.weight.mul_(0.05)
+        seen = len(notes)
+        assert drive(replicas, lambda: len(retune_notes(receiver)) > seen, timeout=300), layer1_alerts(third.url)
+        again = retune_notes(receiver)[seen:]
+        assert all("applied again on this replica alone" in note and "read healthy" in note for note in again), again
+        assert "replica-a" in again[0] or "replica-b" in again[0]
+        versions = httpx.get(third.url + "/v1/retune/versions", timeout=30).json()
+        assert versions["versions"][-1]["source"] == "fleet" and versions["versions"][-1]["routers"] == [LAYER1]
+        view = fleet_view(urls[0])
+        assert view["jobs"] == [] and view["rollout"] is None, view
         for u in urls:
             assert httpx.get(u + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
-            assert not [alert for alert in layer1_alerts(u) if alert["state"] == "firing"]
 
 
 def _serve(port: int, state: Path, name: str, url: str, checkpoint: Path, rules: Path, log: Path,

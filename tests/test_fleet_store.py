@@ -64,6 +64,11 @@ def test_a_rollout_takes_one_member_at_a_time_and_ends_when_every_live_member_pa
                                     lease_seconds=30)
     assert number == 1
     assert store.claim_step("b", rollout) and not store.claim_step("c", rollout)  # batch 1
+    assert not store.claim_step("b", rollout)  # its step is under way
+    store.join("b", BASE, BASE, None)  # b started again mid-step: the step is lost and b takes it again
+    steps = {step.member: step.outcome for step in store.view(BASE).rollout.steps}  # type: ignore[union-attr]
+    assert steps == {"a": "passed", "b": "lost"}
+    assert store.claim_step("b", rollout)
     assert store.coordinate("a", "job-1", member_seconds=60) == "rolling"
     store.end_step("b", rollout, "passed", {})
     store.heartbeat("b", "v1", 1, {})
@@ -114,7 +119,7 @@ def test_the_store_unreachable_is_one_error_naming_it_without_its_password() -> 
     with pytest.raises(FleetStoreError) as raised:
         store.ping()
     message = str(raised.value)
-    assert message.startswith("postgresql://fleet@127.0.0.1:1/fleet cannot be reached")
+    assert message.startswith("postgresql://127.0.0.1:1/fleet cannot be reached")
     assert "s3cret" not in message and "\n" not in message
     assert describe_url("not a url ?=") == "the fleet store (an unreadable URL)"
 

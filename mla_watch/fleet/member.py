@@ -88,7 +88,7 @@ class FleetMember:
                  on_store: Callable[[bool, str | None], None] = lambda up, why: None,
                  on_step: Callable[[str], None] = lambda outcome: None,
                  on_serving: Callable[[int | None, str], None] = lambda version, digest: None,
-                 url: str | None = None) -> None:
+                 read_again: Callable[[], None] = lambda: None, url: str | None = None) -> None:
         self.store = store
         self.settings = settings
         self.name = settings.name
@@ -100,6 +100,7 @@ class FleetMember:
         self._on_store = on_store
         self._on_step = on_step
         self._on_serving = on_serving
+        self._read_again = read_again  # the reference prompts, once other routers serve: the peers hear of these
         self._url = url
         self._lock = threading.RLock()  # one decision, adoption or step at a time
         self._stop = threading.Event()
@@ -115,6 +116,8 @@ class FleetMember:
         self._wants: dict[str, _Want] = {}
         self._canary: _CanaryJob | None = None
         self._held: str | None = None  # the fleet job whose lease this member holds: renewed by its own thread
+        self._stepping = False  # a rollout step under way: the keeper says this member is alive meanwhile
+        self._failed_target: str | None = None  # a version this member could not adopt: said once, not every round
         self._keeper: threading.Thread | None = None
         self._unrecorded: tuple[int, str, dict[str, Any]] | None = None  # a step whose outcome the store missed
 
@@ -158,10 +161,11 @@ class FleetMember:
     def _keep_lease(self) -> None:
         while not self._stop.wait(self.settings.poll_seconds):
             job = self._held
-            if job is None:
-                continue
             try:
-                if not self.store.renew(self.name, job, self.settings.lease_seconds) and self._held == job:
+                if self._stepping:
+                    self.store.touch(self.name)
+                if job is not None and not self.store.renew(self.name, job, self.settings.lease_seconds) \
+                        and self._held == job:
                     log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time)", job)
                     self._held = None
             except FleetStoreError as error:
@@ -244,9 +248,15 @@ class FleetMember:
     # ------------------------------------------------------------------ versions: full state, adopting
     def full_state(self, number: int) -> dict[str, np.ndarray]:
         """The router tensors of fleet version ``number``: this replica's version 0 (the base) overlaid with what
-        each version from the base up to it changes."""
+        each version from the base up to it changes; ``ValueError`` for a tensor its routers do not hold so."""
         state = dict(self.retune.registry.load(0))
-        for _, changes in reversed(self.store.changes(self.base, number)):
+        for version, changes in reversed(self.store.changes(self.base, number)):
+            for name, tensor in changes.items():
+                known = state.get(name)
+                if known is None or known.shape != tensor.shape or known.dtype != tensor.dtype:
+                    here = "lack" if known is None else f"hold as {tuple(known.shape)} {known.dtype}"
+                    raise ValueError(f"fleet version {version} holds {name[:200]} {tuple(tensor.shape)} "
+                                     f"{tensor.dtype}, which this replica's routers {here}")
             state.update(changes)
         return state
 
@@ -268,6 +278,8 @@ class FleetMember:
             "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"}})
         self.retune.promote(local)
         self.digest = self._serving_digest()
+        if checked:  # a step's own check reads the prompts; a version taken on trust is read again for the peers
+            self._read_again()
         if self.digest != version.digest:
             log.error("fleet version %d was promoted here as router version %d, but the routers serving read digest "
                       "%s, not the version's %s", version.number, local, self.digest[:12], version.digest[:12])
@@ -285,7 +297,17 @@ class FleetMember:
         known = view.version_of(self.digest)
         reason = (f"{why}: this replica served routers the fleet does not know (digest {self.digest[:12]})"
                   if known is None else f"{why}: this replica served fleet version {known}")
-        self._adopt(target, checked=True, why=reason)
+        try:
+            self._adopt(target, checked=True, why=reason)
+        except FleetStoreError:
+            raise
+        except Exception as error:  # an engine not up yet, a swap refused: tried again every round, said once
+            if self._failed_target != target.digest:
+                log.error("fleet version %d could not be adopted here (%s: %s); trying again every round",
+                          target.number, type(error).__name__, str(error)[:300])
+                self._failed_target = target.digest
+            return False
+        self._failed_target = None
         return True
 
     # ------------------------------------------------------------------ one decision
@@ -305,22 +327,31 @@ class FleetMember:
         finally:
             self._lock.release()
 
-    def _decide(self, want: _Want) -> str:
+    def _decide(self, want: _Want, *, first: bool = True) -> str:
         self._wants[want.router] = want
+        if self.store_up is False and first:  # no connection attempt in the alert's path: the rounds retry
+            want.note = (f"no re-tune job yet: the fleet store cannot be reached ({self.store_error}); re-tuning "
+                         "waits for it (no replica repairs alone) and is asked again when it answers")
+            self._wake.set()
+            return want.note
         try:
             view = self._read()
-            want.note = self._decide_with(view, want)
+            want.note = self._decide_with(view, want, recompute_digest=first)
         except FleetStoreError as error:
             self._store_down(error)
             want.note = (f"no re-tune job yet: the fleet store cannot be reached ({error}); re-tuning waits for it "
                          "(no replica repairs alone) and is asked again when it answers")
+        except Exception as error:  # a swap refused, a version this replica cannot take: the page says so
+            log.exception("the fleet's decision for %s failed", want.router)
+            want.note = f"no re-tune job: the fleet's decision failed here: {type(error).__name__}: {str(error)[:300]}"
         return want.note
 
-    def _decide_with(self, view: FleetView, want: _Want) -> str:
+    def _decide_with(self, view: FleetView, want: _Want, *, recompute_digest: bool) -> str:
         router = want.router
         if self._canary is not None:
             return f"fleet re-tune job {self._canary.fleet_job} runs on this replica"
-        self.digest = self._serving_digest()  # damage done in place shows here, not in any version
+        if recompute_digest:  # damage done in place shows here, not in any version (a round reuses it: hashing
+            self.digest = self._serving_digest()  # every router tensor each round would cost a large model)
         target = self._target(view)
         if self.digest != target.digest:
             self._adopt(target, checked=True, why=f"{router} read damaged here, on routers that are not the fleet's "
@@ -392,7 +423,7 @@ class FleetMember:
                 self._wants.pop(router, None)
                 continue
             if self._canary is None:
-                self._decide(want)
+                self._decide(want, first=False)
 
     # ------------------------------------------------------------------ the canary
     def _watch_canary(self) -> None:
@@ -468,19 +499,28 @@ class FleetMember:
 
     def _step(self, view: FleetView) -> None:
         rollout = view.rollout
-        if (rollout is None or rollout.state != "rolling" or rollout.step(self.name) is not None or self._busy()
-                or rollout.version in view.bad):
+        if rollout is None or rollout.state != "rolling" or self._busy() or rollout.version in view.bad:
+            return
+        mine = rollout.step(self.name)
+        if mine is not None and mine.outcome != "lost":
             return
         version = self.store.version(self.base, rollout.version)
         if version is None or not self.store.claim_step(self.name, rollout.id):
             return
+        self._stepping = True
+        try:
+            self._take_step(rollout.id, version)
+        finally:
+            self._stepping = False
+
+    def _take_step(self, rollout_id: int, version: VersionRow) -> None:
         started = time.monotonic()
-        log.info("rollout %d: this replica takes fleet version %d", rollout.id, version.number)
+        log.info("rollout %d: this replica takes fleet version %d", rollout_id, version.number)
         previous_digest = self.digest
         try:
-            local = self._adopt(version, checked=False, why=f"rollout {rollout.id}")
+            local = self._adopt(version, checked=False, why=f"rollout {rollout_id}")
         except Exception as error:  # a swap the engine refused: the step fails, nothing changed here
-            self._end_step(rollout.id, version, "failed", {"reason": f"the swap failed: {type(error).__name__}: "
+            self._end_step(rollout_id, version, "failed", {"reason": f"the swap failed: {type(error).__name__}: "
                                                                       f"{str(error)[:300]}"}, started)
             return
         result = self._check(version.manifest)
@@ -488,15 +528,16 @@ class FleetMember:
         if result.passed:
             if local is not None:
                 self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
-            self._end_step(rollout.id, version, "passed", detail, started)
+                self._read_again()  # now a good version: its readings become the baselines, and the peers hear
+            self._end_step(rollout_id, version, "passed", detail, started)
             return
         if local is not None:
             self.retune.rollback()
             self.digest = self._serving_digest()
             if self.digest != previous_digest:
-                log.error("rollout %d: the rollback left digest %s, not %s", rollout.id, self.digest[:12],
+                log.error("rollout %d: the rollback left digest %s, not %s", rollout_id, self.digest[:12],
                           previous_digest[:12])
-        self._end_step(rollout.id, version, "failed", detail, started)
+        self._end_step(rollout_id, version, "failed", detail, started)
 
     def _end_step(self, rollout: int, version: VersionRow, outcome: str, detail: dict[str, Any],
                   started: float) -> None:

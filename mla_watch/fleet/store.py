@@ -133,16 +133,15 @@ class FleetStoreError(Exception):
 
 
 def describe_url(url: str) -> str:
-    """``url`` as messages show it: ``postgresql://user@host:port/db``, never its password."""
+    """``url`` as messages and answers show it: ``postgresql://host:port/db``, never its user or password."""
     from psycopg.conninfo import conninfo_to_dict
 
     try:
         parts = conninfo_to_dict(url)
     except Exception:  # a URL psycopg cannot parse: nothing of it is repeated
         return "the fleet store (an unreadable URL)"
-    user = f"{parts['user']}@" if parts.get("user") else ""
     port = f":{parts['port']}" if parts.get("port") else ""
-    return f"postgresql://{user}{parts.get('host') or 'localhost'}{port}/{parts.get('dbname') or ''}"
+    return f"postgresql://{parts.get('host') or 'localhost'}{port}/{parts.get('dbname') or ''}"
 
 
 @dataclass(frozen=True)
@@ -307,6 +306,10 @@ class FleetStore:
             cursor.execute("INSERT INTO mla_watch_fleet_versions (base, number, digest, parent, manifest) "
                            "VALUES (%s, 0, %s, NULL, %s) ON CONFLICT DO NOTHING",
                            (base, base, _json({"source": "base", "routers": []})))
+            # A step this member was taking when it stopped is gone with it: lost, to be taken again.
+            cursor.execute("UPDATE mla_watch_fleet_steps SET outcome = 'lost', ended_at = now(), detail = %s "
+                           "WHERE member = %s AND outcome = 'taking'",
+                           (_json({"reason": "the member started again while it took this step"}), name))
             cursor.execute(
                 "INSERT INTO mla_watch_fleet_members (name, base, digest, url, started_at, last_seen) "
                 "VALUES (%s, %s, %s, %s, now(), now()) ON CONFLICT (name) DO UPDATE SET base = EXCLUDED.base, "
@@ -317,6 +320,11 @@ class FleetStore:
         with self._transaction() as cursor:
             cursor.execute("UPDATE mla_watch_fleet_members SET digest = %s, version = %s, health = %s, "
                            "last_seen = now() WHERE name = %s", (digest, version, _json(health), name))
+
+    def touch(self, name: str) -> None:
+        """This member is alive (while a long rollout step keeps its round from the heartbeat)."""
+        with self._transaction() as cursor:
+            cursor.execute("UPDATE mla_watch_fleet_members SET last_seen = now() WHERE name = %s", (name,))
 
     def view(self, base: str) -> FleetView:
         """The fleet as the members of ``base`` see it now."""
@@ -579,7 +587,8 @@ class FleetStore:
                        row["ended_at"], row["halted_by"], row["reason"], steps)
 
     def claim_step(self, name: str, rollout: int) -> bool:
-        """Take this member's step of a rolling ``rollout`` when fewer than its batch are under way."""
+        """Take this member's step of a rolling ``rollout`` when fewer than its batch are under way (again, where
+        its step was lost)."""
         with self._transaction() as cursor:
             cursor.execute("SELECT state, batch FROM mla_watch_fleet_rollouts WHERE id = %s FOR UPDATE", (rollout,))
             row = cursor.fetchone()
@@ -590,7 +599,9 @@ class FleetStore:
             if int(cursor.fetchone()["n"]) >= int(row["batch"]):
                 return False
             cursor.execute("INSERT INTO mla_watch_fleet_steps (rollout, member, outcome) VALUES (%s, %s, 'taking') "
-                           "ON CONFLICT DO NOTHING RETURNING member", (rollout, name))
+                           "ON CONFLICT (rollout, member) DO UPDATE SET outcome = 'taking', started_at = now(), "
+                           "ended_at = NULL, detail = '{}'::jsonb WHERE mla_watch_fleet_steps.outcome = 'lost' "
+                           "RETURNING member", (rollout, name))
             return cursor.fetchone() is not None
 
     def end_step(self, name: str, rollout: int, outcome: str, detail: Mapping[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ class References:
         self.prober: ReferenceProber | None = None
         self._engine_reader: EngineReader | None = None
         self.unavailable: str | None = "the reference prompts are read once the model is loaded"
+        self._router_version: Callable[[], int | None] = lambda: None
 
     # ------------------------------------------------------------------ starting
     def start_local(self, model: Any, tokenizer: Any, model_lock: Any, retune: RetuneService | None) -> None:
@@ -117,6 +119,7 @@ class References:
         def version() -> int | None:
             return None if retune is None else retune.registry.live_version()
 
+        self._router_version = version
         self.prober = ReferenceProber(lambda: self.sets.current, reader, self.baselines,
                                       settings=self.config.reference, router_version=version, trusted=trusted,
                                       clients=self.clients, on_reading=self._recorded)
@@ -161,7 +164,8 @@ class References:
         """Each expert router as the latest readings of every set show it: ``{"state", "at"}``, where ``state`` is
         ``damaged`` (a set's routing departed from its healthy baseline, or a threshold rule breaches on it),
         ``healthy`` (every set routes as while healthy and no rule breaches) or ``unknown`` (no baseline to
-        compare with), and ``at`` the oldest reading's time. What a fleet's members tell each other."""
+        compare with), and ``at`` the oldest reading's time. Readings of another router version than the one
+        serving now say nothing of it and are left out. What a fleet's members tell each other."""
         from mla_watch.retune.health import judge_health
 
         if self.prober is None:
@@ -171,9 +175,10 @@ class References:
         sets = self.sets.current.sets
         states: dict[str, list[str]] = {}
         times: dict[str, float] = {}
+        live = self._router_version()
         for name, reading in self.prober.readings().items():
             reference = sets.get(name)
-            if reference is None or reading.digest != reference.digest:
+            if reference is None or reading.digest != reference.digest or reading.router_version != live:
                 continue
             breached = {breach["router"] for breach in judge_health(reading.score, rules).get("breaches", [])}
             baseline = self.baselines.get(name, reading.digest)
@@ -188,6 +193,11 @@ class References:
                 times[record.router.name] = min(times.get(record.router.name, reading.taken_at), reading.taken_at)
         return {router: {"state": "damaged" if "damaged" in found else "unknown" if "unknown" in found else "healthy",
                          "at": times[router]} for router, found in states.items()}
+
+    def read_again(self) -> None:
+        """Read every set again soon (the routers serving changed: what a fleet's peers are told must be of them)."""
+        if self.prober is not None:
+            self.prober.request(None, time.time())
 
     def history_records(self) -> list[RouterStats]:
         """The latest reading of each set, as the routing history samples it beside live traffic (its line:

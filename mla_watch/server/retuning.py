@@ -222,7 +222,7 @@ class Retuning:
             on_store=self._fleet_store, on_step=lambda outcome: self.metrics.fleet_rollout_steps.labels(outcome).inc(),
             on_serving=lambda version, digest: self.metrics.serving_version(
                 "unknown" if version is None else version, digest),
-            url=self.config.public_url or None)
+            read_again=references.read_again, url=self.config.public_url or None)
         self.serving.fleet = member
         member.join()
         member.start()
