@@ -21,15 +21,19 @@ __all__ = [
     "EXPERT_OVERFLOW_SELECTIONS",
     "EXPERT_SELECTIONS",
     "EXPERT_TOKENS",
+    "FILE",
     "INSTANCE",
     "JOB",
     "KIND",
     "LAYER",
+    "NOTIFICATIONS_HELD",
     "PREFIX",
     "ROUTER",
     "ROUTER_LABELS",
     "ROUTING_SLOTS",
     "SERIES_LABELS",
+    "STATE_WRITE_ERRORS",
+    "STATE_WRITE_FAILING",
     "baseline_gauge",
     "routing_gauge",
     "total_name",
@@ -59,6 +63,14 @@ ROUTING_SLOTS = PREFIX + "routing_slots"
 EXPERT_SELECTIONS = PREFIX + "expert_selections"
 EXPERT_TOKENS = PREFIX + "expert_tokens"
 EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_selections"
+
+# The state directory's writes (mla_watch.common.state_writes): per file (its name inside the state directory, such
+# as alerts.json or routers), whether it cannot be written now and how many writes failed; and the notifications
+# held in memory because the outbox's file could not take them.
+FILE = "file"
+STATE_WRITE_FAILING = PREFIX + "state_write_failing"
+STATE_WRITE_ERRORS = PREFIX + "state_write_errors"  # a counter: its samples are total_name(STATE_WRITE_ERRORS)
+NOTIFICATIONS_HELD = PREFIX + "notifications_held"
 
 _ROUTING_GAUGES: dict[str, str] = {statistic.key: PREFIX + statistic.gauge for statistic in STATISTICS}
 
