@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 from mla_watch.alerting.model import Notification, Receiver
 from mla_watch.alerting.notifiers import Notifier, OutgoingRequest, notifier_for, redact_url
-from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase, rollback
 from mla_watch.common.state_writes import StateWrites
 
 __all__ = [
@@ -380,7 +380,7 @@ class Outbox:
                 row = db.execute("SELECT receiver, idempotency_key, url, body, attempts, created_at"
                                  " FROM outbox WHERE id = ?", (item_id,)).fetchone()
                 if row is None:
-                    db.execute("ROLLBACK")
+                    rollback(db)
                     return None
                 receiver, key, url, body, attempts, created = row
                 attempts = int(attempts) + (1 if attempted else 0)
@@ -390,7 +390,7 @@ class Outbox:
                 db.execute("DELETE FROM outbox WHERE id = ?", (item_id,))
                 db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                rollback(db)
                 raise
             return receiver, attempts
 

@@ -25,13 +25,20 @@ from mla_watch.common.output_file import write_error
 from mla_watch.common.state_dir import ensure_private_file
 from mla_watch.common.state_writes import StateWrites
 
-__all__ = ["PrivateDatabase"]
+__all__ = ["PrivateDatabase", "rollback"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # The result codes of a write the disk refused (sqlite3.Error.sqlite_errorname, up to its second "_")
 _DISK_ERRORS = frozenset({"SQLITE_FULL", "SQLITE_READONLY", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_PERM"})
+
+
+def rollback(db: sqlite3.Connection) -> None:
+    """End a failed transaction: SQLite has already rolled it back itself after some errors (a full disk, an I/O
+    error), and a ROLLBACK then would fail and hide the error that matters."""
+    if db.in_transaction:
+        db.execute("ROLLBACK")
 
 
 def _refused_by_the_disk(error: sqlite3.Error) -> bool:
@@ -42,12 +49,14 @@ class PrivateDatabase:
     """One SQLite file, thread-safe. ``what`` names it in messages (``"outbox"``); ``error`` is raised."""
 
     def __init__(self, path: Path, *, what: str, error: type[Exception], schema: str,
-                 synchronous: Literal["NORMAL", "FULL"] = "NORMAL", writes: StateWrites | None = None) -> None:
+                 synchronous: Literal["NORMAL", "FULL"] = "NORMAL", writes: StateWrites | None = None,
+                 kept: str | None = None) -> None:
         self.path = Path(path)
         self._what = what
         self._error = error
         self._synchronous = synchronous
         self.writes = writes
+        self._kept = kept  # what becomes of a write the disk refused, in the line logged (default: kept in memory)
         self._lock = threading.Lock()
         self._closed = False
         self._reopen = False  # an I/O error: open the connection afresh before the next statement
@@ -105,7 +114,8 @@ class PrivateDatabase:
                 if str(getattr(exc, "sqlite_errorname", "")).startswith("SQLITE_IOERR"):
                     self._reopen = True
                 if self.writes is not None:
-                    message = self.writes.failed(self.path, exc, what=self._what)
+                    message = (self.writes.failed(self.path, exc, what=self._what) if self._kept is None
+                               else self.writes.failed(self.path, exc, what=self._what, kept=self._kept))
                 else:
                     message = str(write_error(f"{self._what} {self.path}", exc))
                 raise self._error(message) from exc

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase, rollback
 from mla_watch.common.state_writes import StateWrites
 
 __all__ = ["HISTORY_FILE", "open_database", "rewrite_since", "set_aside", "write_sample"]
@@ -72,7 +72,7 @@ def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list
         db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        rollback(db)
         raise
 
 
@@ -93,5 +93,5 @@ def rewrite_since(db: sqlite3.Connection, since: dict[str, float], series: list[
         db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        rollback(db)
         raise

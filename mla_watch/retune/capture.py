@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase, rollback
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import check_positive, fmt
@@ -152,7 +152,8 @@ class TrafficCapture:
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
         # Losing the last few samples in a power cut is fine: synchronous NORMAL.
         self._store = PrivateDatabase(self.path, what="traffic capture", error=CaptureError, schema=_SCHEMA,
-                                      writes=writes)  # a sample the disk refuses is not captured: said once
+                                      writes=writes, kept="the traffic is not captured until it can be: serving "
+                                      "goes on")
         try:
             stored = self._store.run(self._check_columns)
         except CaptureError:
@@ -195,11 +196,11 @@ class TrafficCapture:
         db.execute("BEGIN IMMEDIATE")
         try:
             result = fn()
+            db.execute("COMMIT")
         except BaseException:
             self._bytes = stored
-            db.execute("ROLLBACK")
+            rollback(db)
             raise
-        db.execute("COMMIT")
         return result
 
     # -- writing -----------------------------------------------------------------------------
