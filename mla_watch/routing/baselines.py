@@ -18,9 +18,10 @@ learned or set:
 
 Persisted as JSON (``mla_watch.baseline/2``, written atomically) and loaded again at start, so a
 restart neither forgets nor re-learns. A save the disk refuses (full, read-only) keeps the baselines in
-memory and is made again by :meth:`Baselines.learn` (every new snapshot), at most every few seconds,
-until the file is written. A file of the older ``mla_watch.baseline/1`` (one set of counts
-per router, for every line) still loads: its counts then serve every line's drift.
+memory and is made again by :meth:`Baselines.save_again` (the server calls it with every routing
+snapshot it takes), at most every few seconds, until the file is written. A file of the older
+``mla_watch.baseline/1`` (one set of counts per router, for every line) still loads: its counts then serve
+every line's drift.
 """
 
 from __future__ import annotations
@@ -182,10 +183,7 @@ class Baselines:
         ``records`` are :class:`~mla_watch.windows.RouterStats`; ``excluded()``, asked only when a window
         qualifies, gives the (router, line) pairs an alert is pending or firing on: never learned from.
         """
-        if self._unsaved and self._clock() >= self._save_again_at:
-            with self._lock:
-                document = self._document()
-            self._save(document)
+        self.save_again()
         if self.not_learning is not None:
             return []
         ready = [record for record in records
@@ -202,6 +200,13 @@ class Baselines:
             log.info("healthy baselines learned for %d series (%s ...)", len(taken),
                      f"{taken[0].router} / {taken[0].business_line}")
         return taken
+
+    def save_again(self) -> None:
+        """Save the baselines if the disk refused the last save (at most every ``SAVE_AGAIN_SECONDS``)."""
+        if self._unsaved and self._clock() >= self._save_again_at:
+            with self._lock:
+                document = self._document()
+            self._save(document)
 
     def replace(self, records: Iterable[Any]) -> list[Baseline]:
         """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``)."""
