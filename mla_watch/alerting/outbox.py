@@ -182,6 +182,12 @@ class Outbox:
     def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
         return self._store.run(fn)
 
+    def write_held(self) -> int:
+        """Write what is held in memory to the file where the disk takes it now; how many are still held."""
+        with self._lock:
+            self._flush()
+            return len(self._held)
+
     @property
     def held(self) -> int:
         """Requests held in memory because the file could not take them."""

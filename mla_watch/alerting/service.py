@@ -141,6 +141,10 @@ class AlertService:
             self._thread.join()
         self.dispatcher.run_once()  # flush what can be flushed before exiting
         self.dispatcher.stop()
+        lost = self.outbox.write_held()
+        if lost:  # the disk still refuses the outbox's file: these never reach a file that outlives the process
+            log.error("stopping with %d notification(s) held in memory that the outbox's file %s could not take: "
+                      "they are lost", lost, self.outbox.path)
 
     # ------------------------------------------------------------------ internals
     def _restore_groups(self) -> None:
