@@ -223,6 +223,14 @@ def test_rules_export_writes_into_a_fifo(tmp_path: Path) -> None:
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
 
 
+def test_rules_export_to_dev_stdout_prints_it_through_a_pipe() -> None:
+    """/dev/stdout is a link to the process' own standard output, here a pipe: written through, as cp would."""
+    run = processes.run([*CLI, "rules", "export", "--out", "/dev/stdout"], capture_output=True, text=True,
+                        timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "groups:" in run.stdout and "to /dev/stdout" in run.stderr
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_rules_export_refuses_in_one_line(tmp_path: Path, case: str) -> None:
     make, words = REFUSED[case]

@@ -156,19 +156,19 @@ def write_file(path: str | os.PathLike[str], data: str | bytes, *, private: bool
     label = label or str(path)
     payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     try:
-        target = Path(os.path.realpath(path))  # every link followed; a dangling one: where it points
-        try:
-            found: os.stat_result | None = os.stat(target)
+        try:  # every link followed, /dev/stdout's to a pipe included (which realpath cannot name)
+            found: os.stat_result | None = os.stat(path)
         except FileNotFoundError:
             found = None
         if found is not None and not stat.S_ISREG(found.st_mode):
             if stat.S_ISCHR(found.st_mode) or stat.S_ISBLK(found.st_mode) or stat.S_ISFIFO(found.st_mode):
-                _write_through(target, payload)
-                return target
+                _write_through(path, payload)
+                return path
             if stat.S_ISDIR(found.st_mode):
                 raise OutputError(label, "is a directory", "name a file (in that directory, say), not the directory",
                                   errno.EISDIR)
             raise OutputError(label, f"is {_kind(found.st_mode)}", "name a regular file, a device or a FIFO")
+        target = Path(os.path.realpath(path))  # the file a link points to (a dangling one: where it points)
         if parents:
             target.parent.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
         mode = (PRIVATE_FILE_MODE if private else stat.S_IMODE(found.st_mode) if found is not None
@@ -221,7 +221,7 @@ def check_output_file(path: str | os.PathLike[str], *, label: str | None = None,
     try:
         target = Path(os.path.realpath(path))
         try:
-            found: os.stat_result | None = os.stat(target)
+            found: os.stat_result | None = os.stat(path)
         except FileNotFoundError:
             found = None
         if found is not None:
