@@ -55,6 +55,7 @@ class PrivateDatabase:
         self._what = what
         self._error = error
         self._synchronous = synchronous
+        self._schema = schema  # run again on a fresh connection: it holds per-connection pragmas too
         self.writes = writes
         self._kept = kept  # what becomes of a write the disk refused, in the line logged (default: kept in memory)
         self._lock = threading.Lock()
@@ -104,6 +105,11 @@ class PrivateDatabase:
             try:
                 if self._reopen:
                     fresh = self._connect()
+                    try:
+                        fresh.executescript(self._schema)
+                    except sqlite3.Error:
+                        fresh.close()
+                        raise
                     self._db.close()
                     self._db, self._reopen = fresh, False
                 changes = self._db.total_changes
