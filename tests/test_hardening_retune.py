@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file, write_private
+from mla_watch.common.output_file import write_file
+from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
 from mla_watch.retune.data import resolve_dataset
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.runner import Retuner
@@ -275,9 +276,9 @@ def test_private_dir_and_file_helpers(tmp_path) -> None:
     file.write_text("")
     os.chmod(file, 0o644)
     assert mode(ensure_private_file(file)) == 0o600
-    written = write_private(tmp_path / "w.json", "{}")
+    written = write_file(tmp_path / "w.json", "{}", private=True)
     assert written.read_text() == "{}" and mode(written) == 0o600
     os.chmod(written, 0o666)
-    assert mode(write_private(written, b"[]")) == 0o600
+    assert mode(write_file(written, b"[]", private=True)) == 0o600
     with pytest.raises(OSError):
         ensure_private_dir(file)

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from mla_watch.alerting.model import METRICS
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HISTORY_METRICS, LIVE_METRICS, HistoryStore, size_bound
 from tests.helpers import FakeClock
 from tests.helpers import history_record as record
+from tests.mounts import fill, small_tmpfs
 
 GATE = "model.layers.1.mlp.gate"
 T0 = 1_800_000_000.0  # a multiple of 900: buckets start on it
@@ -259,3 +261,40 @@ def test_without_a_file_a_series_gives_its_slot_back_once_it_leaves_the_span() -
 def test_bad_settings_are_refused_by_name(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         store_at(tmp_path, FakeClock(T0), **options)
+
+
+def test_samples_the_disk_refused_are_written_from_memory_once_there_is_room(tmp_path: Path) -> None:
+    """A full disk costs the file nothing: the tiers go on in memory, and the first sample the disk takes again
+    brings the file level with them (a store opened on it afterwards reads every point memory held)."""
+    clock = FakeClock(T0)
+    routers = [f"model.layers.{layer}.mlp.gate" for layer in range(1, 61)]  # rows of some KB: the WAL must grow
+
+    def sample() -> None:
+        store.record([record(name, line=line, bits=5.0 + (clock.now - T0) / 1e4) for name in routers
+                      for line in ("code", "sql", None)])
+        clock.now += 10
+
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        writes = StateWrites(disk)
+        store = HistoryStore(disk / "history.sqlite", interval_seconds=10.0, clock=clock, writes=writes)
+        for _ in range(3):
+            sample()
+        filler = fill(disk)
+        for _ in range(15):  # across a minute boundary: a minute point is refused too
+            sample()
+        assert [entry["file"] for entry in writes.failing()] == ["history.sqlite"]
+        assert writes.failing()[0]["problem"] == "the disk is full"
+        held = {tier.name: tier.live_times().tolist() for tier in store.tiers}
+        assert len(held["full"]) == 18 and held["minute"]
+        filler.unlink()
+        sample()
+        assert writes.failing() == []
+        expected = store.points(routers[0], "code", "entropy_bits", T0, clock.now)
+        kept = {tier.name: tier.live_times().tolist() for tier in store.tiers}
+        assert all(set(times) <= set(kept[name]) for name, times in held.items())
+        store.close()
+        reopened = HistoryStore(disk / "history.sqlite", interval_seconds=10.0, clock=clock)
+        assert {tier.name: tier.live_times().tolist() for tier in reopened.tiers} == kept
+        times, values = reopened.points(routers[0], "code", "entropy_bits", T0, clock.now)
+        assert list(times) == list(expected[0]) and len(times) == 19 and np.allclose(values, expected[1])
+        reopened.close()

@@ -23,8 +23,10 @@ from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
 from mla_watch.common import sqlite as private_database
+from mla_watch.common.state_writes import StateWrites
 from tests import processes
 from tests.helpers import FakeClock
+from tests.mounts import fill, small_tmpfs
 from tests.receivers import Reply, running_receiver, status
 from tests.support import REPO, free_port
 
@@ -530,3 +532,42 @@ def test_crash_mid_delivery_resends_with_the_same_key(tmp_path):
     by_group = check_duplicates_share_keys(rx)
     assert len(by_group) == 3
     assert sorted(len(v) for v in by_group.values()) == [1, 1, 2]  # exactly one resent, identically
+
+
+# -- a disk that refuses the file -------------------------------------------------------------------
+
+
+def test_what_a_full_disk_refuses_is_held_within_a_bound_and_written_once_there_is_room(tmp_path):
+    """Requests the file cannot take are held in memory (the oldest dropped past the bound, counted), delivered
+    from there, and written to the file with the outcomes it could not record once the disk has room: a restart
+    then finds everything still undelivered."""
+    clock = FakeClock(T0)
+    holds = Outcomes()
+    with small_tmpfs(tmp_path / "disk", "256k") as disk:
+        writes = StateWrites(disk)
+        ob = Outbox(disk / "outbox.sqlite", clock=clock, writes=writes, max_held=3, on_hold=holds)
+        stored = ob.enqueue("rx", request("http://127.0.0.1:9/a", key="a"))
+        assert stored is not None and stored > 0
+        filler = fill(disk)
+        held = [ob.enqueue("rx", request("http://127.0.0.1:9/b", key=key)) for key in "bcde"]
+        assert all(item_id is not None and item_id < 0 for item_id in held)
+        assert ob.enqueue("rx", request("http://127.0.0.1:9/b", key="e")) is None  # pending already, in memory
+        assert ob.held == 3 and ob.dropped == 1 and holds.outcomes == ["held"] * 4 + ["dropped"]
+        assert [entry["file"] for entry in writes.failing()] == ["outbox.sqlite"]
+        due = ob.due()
+        assert [item.request.idempotency_key for item in due] == ["a", "c", "d", "e"]  # "b" was the oldest held
+        ob.delivered(stored)  # the file cannot record it: memory does, and it is not sent again
+        ob.retry_later(held[1], 30.0, "HTTP 503")  # "c"
+        ob.delivered(held[2])  # "d"
+        assert [item.request.idempotency_key for item in ob.due()] == ["e"]
+        assert ob.pending() == 2 and rows(disk / "outbox.sqlite") == [(stored, "a")]
+        filler.unlink()
+        assert [item.request.idempotency_key for item in ob.due()] == ["e"]  # and the file holds what memory did
+        assert ob.held == 0 and writes.failing() == []
+        assert [key for _, key in rows(disk / "outbox.sqlite")] == ["c", "e"]
+        ob.close()
+        reopened = Outbox(disk / "outbox.sqlite", clock=clock)
+        clock.advance(31.0)
+        assert [(item.request.idempotency_key, item.attempts, item.last_error) for item in reopened.due()] == [
+            ("e", 0, None), ("c", 1, "HTTP 503")]  # oldest due first
+        reopened.close()

@@ -21,7 +21,8 @@ on the record's own window, and the state machine is the same.
 With a ``state_path``, every instance that is not inactive is persisted after each evaluation
 that changed a state or a timer, and loaded again at start (:mod:`mla_watch.alerting.state_file`):
 after a restart a firing alert stays firing without paging again, a pending one keeps its
-``active_since``, and a resolution is notified normally.
+``active_since``, and a resolution is notified normally. A save the disk refused is made again at
+every evaluation until one goes through.
 
 Here: the evaluation loop, the instances it keeps and their pruning, hot reloads of the rules,
 and the restore of the state file against the current rules. Elsewhere: the rules compiled for
@@ -48,6 +49,7 @@ from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
 from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, recause, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.stats import RoutingStats
 from mla_watch.routing.windows import ALL_LINES, RouterStats
@@ -64,12 +66,14 @@ class AlertEngine:
 
     def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
                  render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None,
-                 causes: CauseJudge | None = None) -> None:
+                 causes: CauseJudge | None = None, writes: StateWrites | None = None) -> None:
         self._clock = clock
         self._trend_source = trend_source
         self.causes = causes  # tells the model from the traffic (mla_watch.alerting.causes); None: undetermined
         self._alerting = AlertRenderer(lambda: self._rules, render=render, status_url=status_url)
         self._state_path = Path(state_path) if state_path is not None else None
+        self._writes = writes
+        self._unsaved = False  # the last save failed (a full disk): save at every evaluation until one goes through
         self._lock = threading.RLock()
         self._rules: dict[str, CompiledRule] = {}
         # record key -> {rule id -> instance}: one dict lookup per record, no allocation per check
@@ -154,7 +158,7 @@ class AlertEngine:
                             by_rule = None
             if now >= self._next_prune and self._prune(now):
                 changed = True
-            if changed:
+            if changed or self._unsaved:
                 self._save()
             return actions
 
@@ -320,7 +324,7 @@ class AlertEngine:
         path = self._state_path
         if path is None:
             return
-        save_state(path, self._instances.values(), self._clock)
+        self._unsaved = not save_state(path, self._instances.values(), self._clock, self._writes)
 
     def _load(self) -> None:
         path = self._state_path

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,9 +24,10 @@ from mla_watch.alerting.causes import CAUSE_LABEL, CauseJudge
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
 from mla_watch.alerting.notifiers import group_key
-from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError
+from mla_watch.alerting.outbox import Dispatcher, Outbox
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import RouterStats
 
@@ -51,7 +51,8 @@ class AlertService:
                  clock: Callable[[], float] = time.time,
                  on_notification: Callable[[str, str], None] | None = None,
                  before_round: Callable[[], object] | None = None,
-                 trend_source: TrendSource | None = None, causes: CauseJudge | None = None) -> None:
+                 trend_source: TrendSource | None = None, causes: CauseJudge | None = None,
+                 writes: StateWrites | None = None) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.rules = rules
         self.interval = interval
@@ -61,13 +62,12 @@ class AlertService:
         self._clock = clock
         self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
                                   render=render_annotations, status_url=status_url, trend_source=trend_source,
-                                  causes=causes)
-        self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock)
+                                  causes=causes, writes=writes)
+        # A notification the outbox's file cannot take (a full or read-only disk) is held in memory there and
+        # delivered all the same; it is written to the file once the disk takes it again.
+        self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock, writes=writes, on_hold=on_notification)
         self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
         self._groups: dict[tuple[str, str], _Group] = {}
-        # Notifications the outbox could not take (a full or failing disk): kept in memory and
-        # offered again at every evaluation, oldest first, so a page due during the fault is not lost.
-        self._unqueued: deque[tuple[Receiver, Notification]] = deque(maxlen=10_000)
         self._on_notification = on_notification
         self._retune_callbacks: list[Callable[[Action], str | None]] = []
         self._restore_groups()
@@ -115,7 +115,6 @@ class AlertService:
     def evaluate_once(self) -> list[Action]:
         """One evaluation: transitions, notifications into the outbox, repeats, retune requests."""
         with self._lock:
-            self._retry_unqueued()
             actions = self.engine.evaluate(self._records())
             self._dispatch(actions)
             self._repeat()
@@ -142,6 +141,10 @@ class AlertService:
             self._thread.join()
         self.dispatcher.run_once()  # flush what can be flushed before exiting
         self.dispatcher.stop()
+        lost = self.outbox.write_held()
+        if lost:  # the disk still refuses the outbox's file: these never reach a file that outlives the process
+            log.error("stopping with %d notification(s) held in memory that the outbox's file %s could not take: "
+                      "they are lost", lost, self.outbox.path)
 
     # ------------------------------------------------------------------ internals
     def _restore_groups(self) -> None:
@@ -237,31 +240,5 @@ class AlertService:
         group.last_sent = now
         self._submit(group.receiver, notification)
 
-    @property
-    def unqueued(self) -> int:
-        """Notifications waiting in memory because the outbox could not store them."""
-        return len(self._unqueued)
-
     def _submit(self, receiver: Receiver, notification: Notification) -> None:
-        if self._unqueued:  # keep the order: older notifications first
-            self._retry_unqueued()
-        if not self._unqueued:
-            try:
-                self.outbox.submit(receiver, notification)
-                return
-            except (OutboxError, OSError) as error:
-                log.error("a notification for %s could not be stored in the outbox (%s); it is kept in memory "
-                          "and offered again at every evaluation", receiver.name, error)
-        self._unqueued.append((receiver, notification))
-        if self._on_notification is not None:
-            self._on_notification(receiver.name, "unqueued")
-
-    def _retry_unqueued(self) -> None:
-        while self._unqueued:
-            receiver, notification = self._unqueued[0]
-            try:
-                self.outbox.submit(receiver, notification)
-            except (OutboxError, OSError):
-                return
-            self._unqueued.popleft()
-            log.info("a notification for %s kept in memory is now in the outbox", receiver.name)
+        self.outbox.submit(receiver, notification)  # held in memory there when its file cannot take it

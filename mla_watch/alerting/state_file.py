@@ -5,7 +5,9 @@ Every instance that is not inactive is persisted (JSON, written to a temporary f
 value is saved with its changes, not on every evaluation), and loaded again at start: after a
 restart a firing alert stays firing without paging again, a pending one keeps its
 ``active_since``, and a resolution is notified normally. A file that cannot be read or parsed is
-set aside as ``NAME.corrupt`` and the engine starts with no alerts.
+set aside as ``NAME.corrupt`` and the engine starts with no alerts. A save the disk refuses (full,
+read-only) leaves the file as it was: the engine keeps its state in memory and saves it again at its
+next evaluation, and the state directory's writes say so once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from mla_watch.alerting.instances import InstanceState
-from mla_watch.common.state_dir import replace_private, set_aside
+from mla_watch.common.output_file import write_file
+from mla_watch.common.state_dir import set_aside
+from mla_watch.common.state_writes import StateWrites
 
 __all__ = ["STATE_FORMAT", "read_state", "save_state"]
 
@@ -25,9 +29,13 @@ log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's recor
 STATE_FORMAT = "mla_watch.alert_state/1"
 
 
-def save_state(path: Path, instances: Iterable[Mapping[str, InstanceState]], clock: Callable[[], float]) -> None:
-    """Write every instance of ``instances`` (record key -> {rule id -> instance}) to ``path``; an error is
-    logged, not raised (the next change retries)."""
+WHAT = "alert state file"
+
+
+def save_state(path: Path, instances: Iterable[Mapping[str, InstanceState]], clock: Callable[[], float],
+               writes: StateWrites | None = None) -> bool:
+    """Write every instance of ``instances`` (record key -> {rule id -> instance}) to ``path``; whether it was
+    written. An error is logged (by ``writes``, once per change), not raised: the caller saves again later."""
     try:
         # An instance is serialized again only when its state or a timer changed since the last
         # save (its latest value is refreshed then too), so a save during a storm of transitions
@@ -40,9 +48,19 @@ def save_state(path: Path, instances: Iterable[Mapping[str, InstanceState]], clo
                 fragments.append(inst.json)
         text = (f'{{"format":{json.dumps(STATE_FORMAT)},"saved_at":{json.dumps(clock())},'
                 f'"instances":[{",".join(fragments)}]}}')
-        replace_private(path, text)
-    except (OSError, TypeError, ValueError) as error:  # keep evaluating; the next change retries
-        log.error("cannot write the alert state file %s: %s", path, error)
+        write_file(path, text, private=True, parents=True, label=f"{WHAT} {path}")
+    except OSError as error:  # keep evaluating; the next evaluation saves again
+        if writes is not None:
+            writes.failed(path, error, what=WHAT)
+        else:
+            log.error("%s", error)
+        return False
+    except (TypeError, ValueError) as error:
+        log.error("cannot write the %s %s: %s", WHAT, path, error)
+        return False
+    if writes is not None:
+        writes.written(path, what=WHAT)
+    return True
 
 
 def read_state(path: Path) -> list[InstanceState] | None:

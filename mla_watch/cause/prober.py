@@ -186,6 +186,7 @@ class ReferenceProber:
         return reading
 
     def _learn(self, reading: ReferenceReading) -> None:
+        self.baselines.save_again()  # a save the disk refused earlier
         known = self.baselines.get(reading.set_name, reading.digest)
         if known is not None and known.router_version == reading.router_version:
             return

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from mla_watch.common.output_file import write_error
 from mla_watch.common.state_dir import set_aside
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.quality.score import ModelScore
 from mla_watch.routing.baselines import write_json
@@ -125,10 +127,15 @@ class ReferenceBaseline:
 
 
 class ReferenceBaselines:
-    """The healthy baseline of each reference set, kept in ``path`` (``None``: in memory only)."""
+    """The healthy baseline of each reference set, kept in ``path`` (``None``: in memory only). A save the disk
+    refuses keeps them in memory; :meth:`save_again` (at every reading) writes them once it can."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    WHAT = "reference baseline file"
+
+    def __init__(self, path: Path | None = None, *, writes: StateWrites | None = None) -> None:
         self.path = path
+        self.writes = writes
+        self._unsaved = False
         self._lock = threading.Lock()
         self._baselines: dict[str, ReferenceBaseline] = {}  # set name -> baseline (of its current digest)
         self.load_error: str | None = None
@@ -141,15 +148,35 @@ class ReferenceBaselines:
     def put(self, baseline: ReferenceBaseline) -> None:
         with self._lock:
             self._baselines[baseline.set_name] = baseline
-            document = {"format": REFERENCE_BASELINE_FORMAT,
-                        "sets": [b.to_json() for b in self._baselines.values()]}
-        if self.path is not None:
-            write_json(self.path, document)
+        self._save()
         log.info("reference prompts %s: healthy baseline learned on router version %s", baseline.set_name,
                  baseline.router_version)
 
     def all(self) -> list[ReferenceBaseline]:
         return list(self._baselines.values())
+
+    def save_again(self) -> None:
+        """Write the file if the last save was refused."""
+        if self._unsaved:
+            self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            document = {"format": REFERENCE_BASELINE_FORMAT, "sets": [b.to_json() for b in self._baselines.values()]}
+        try:
+            write_json(self.path, document, label=f"{self.WHAT} {self.path}")
+        except OSError as error:
+            self._unsaved = True
+            if self.writes is not None:
+                self.writes.failed(self.path, error, what=self.WHAT)
+            else:
+                log.error("%s", write_error(f"{self.WHAT} {self.path}", error))
+            return
+        self._unsaved = False
+        if self.writes is not None:
+            self.writes.written(self.path, what=self.WHAT)
 
     def _load(self) -> None:
         if self.path is None or not self.path.exists():

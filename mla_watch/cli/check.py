@@ -32,6 +32,7 @@ from mla_watch.alerting.fleet import (
 )
 from mla_watch.alerting.fleet_versions import DEFAULT_SKEW_FOR_SECONDS, VERSION_SKEW_ALERT, version_group
 from mla_watch.cli.flags import DOCS, non_negative_float, positive_float
+from mla_watch.common.output_file import write_file, write_stdout
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
 
@@ -269,9 +270,9 @@ def _cmd_rules_export(args: argparse.Namespace) -> int:
                             notes=fleet_notes(fleet) if fleet is not None else (),
                             source_root=args.rules.resolve())
     if args.out is None:
-        sys.stdout.write(text)
-    else:
-        args.out.write_text(text)
+        write_stdout(text)
+    else:  # a file replaced atomically; a device or a FIFO written through; a directory refused; one line on error
+        write_file(args.out, text, label=f"--out {args.out}")
         alerts, recordings = _rule_counts(text)
         print(f"wrote {alerts} alert{'s' * (alerts != 1)} and {recordings} recording rule{'s' * (recordings != 1)} "
               f"to {args.out}", file=sys.stderr)

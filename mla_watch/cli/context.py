@@ -18,6 +18,7 @@ from typing import Any
 from mla_watch.cli.flags import DOCS, positive_float
 from mla_watch.cli.startup import FlagError
 from mla_watch.common.describe import describe_value
+from mla_watch.common.output_file import write_stdout
 from mla_watch.routing.positions import PositionProfile, Recommendation, recommend
 
 __all__ = ["add_parser"]
@@ -110,14 +111,14 @@ def _advice(line: str, found: Recommendation) -> str:
 def _cmd_context(args: argparse.Namespace) -> int:
     line, profiles = _from_sidecar(args) if args.url else _from_dataset(args)
     found = recommend(profiles)
-    if args.json:
-        print(json.dumps({"business_line": line, "recommendation": found.as_dict(),
-                          "routers": {name: profile.as_dict() for name, profile in profiles.items()}}, indent=1))
+    if args.json:  # a full disk or a closed pipe on stdout: one line, no traceback
+        write_stdout(json.dumps({"business_line": line, "recommendation": found.as_dict(),
+                                 "routers": {name: profile.as_dict() for name, profile in profiles.items()}},
+                                indent=1) + "\n")
         return 0
-    print("JS divergence (bits) of each position bucket from the line's in-range routing "
-          "(ref: the first judged bucket; ok: in range; LEFT: left it; '-': not judged)")
-    print(_table(profiles))
-    print(_advice(line, found))
+    write_stdout("JS divergence (bits) of each position bucket from the line's in-range routing "
+                 "(ref: the first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
+                 f"{_table(profiles)}\n{_advice(line, found)}\n")
     return 0
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from mla_watch.alerting.examples import entropy_low_rules
+from mla_watch.common.output_file import OutputError, check_output_dir, write_file
 from mla_watch.routing.series import BUSINESS_LINE, ROUTER
 
 __all__ = ["STEPS", "DemoResult", "run_demo"]
@@ -316,10 +317,9 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     sock = bind_listener("127.0.0.1", port)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     one_thread_for_the_bundled_model("bundled", "cpu")
-    out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mla-watch-demo-"))
     (work / "rules").mkdir()
-    (work / "rules" / "routing.yaml").write_text(RULES)
+    write_file(work / "rules" / "routing.yaml", RULES)
     receiver = _Receiver()
     os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url
     started = time.monotonic()
@@ -475,10 +475,17 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
         and samples[-1]["bits"].get(COLLAPSED, 0.0) >= RESOLVE_ABOVE,
         "alert resolved": "alert resolved" in events,
     }
-    result = DemoResult(steps, events, samples, requests, adjustments, job, out_dir, notes, paged_bits)
-    (out_dir / "summary.json").write_text(json.dumps(result.as_dict(), indent=2) + "\n")
-    write_timeline(result, out_dir / "timeline.png")
-    return result
+    return DemoResult(steps, events, samples, requests, adjustments, job, out_dir, notes, paged_bits)
+
+
+OUTPUT_ROOM = 1 << 20  # bytes summary.json and timeline.png take at most (about 100 KB): checked free before the run
+
+
+def write_outputs(result: DemoResult) -> None:
+    """``summary.json`` and ``timeline.png`` into ``result.out_dir``; an ``OutputError`` in one line if refused."""
+    write_file(result.out_dir / "summary.json", json.dumps(result.as_dict(), indent=2) + "\n",
+               label=f"--out {result.out_dir / 'summary.json'}")
+    write_file(result.out_dir / "timeline.png", timeline_png(result), label=f"--out {result.out_dir / 'timeline.png'}")
 
 
 def _firing(client: httpx.Client) -> bool:
@@ -499,8 +506,10 @@ def _phase_bits(samples: list[dict[str, Any]], events: dict[str, float],
             "after": round(samples[-1]["bits"].get(COLLAPSED, 0.0), 3) if samples else None}
 
 
-def write_timeline(result: DemoResult, path: Path) -> None:
-    """Entropy per layer over the run, the thresholds, and the events, as a PNG."""
+def timeline_png(result: DemoResult) -> bytes:
+    """Entropy per layer over the run, the thresholds, and the events: a PNG's bytes."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -528,8 +537,10 @@ def write_timeline(result: DemoResult, path: Path) -> None:
     axis.set_title("mla-watch demo: a router collapses, on-call is paged, a re-tune is promoted, the alert resolves")
     axis.legend(loc="lower left", fontsize=8, ncol=3, framealpha=0.9)
     figure.tight_layout()
-    figure.savefig(path)
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
     plt.close(figure)
+    return png.getvalue()
 
 
 def _seconds(timings: dict[str, Any]) -> list[str]:
@@ -578,10 +589,19 @@ def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
 
 
 def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0) -> int:
+    # A directory that cannot take the outputs is said now, not after the run: a device, a read-only or full disk.
+    check_output_dir(out_dir, label=f"--out {out_dir}", room=OUTPUT_ROOM)
     result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port)
+    unwritten: OutputError | None = None
+    try:
+        write_outputs(result)
+    except OutputError as error:  # the disk filled during the run: the summary is still worth printing
+        unwritten = error
     print()
     for line in summary_lines(result):
         print(line)
+    if unwritten is not None:
+        raise unwritten
     if not result.ok:
         missing = [step for step, done in result.steps.items() if not done]
         print(f"mla-watch demo: FAILED, these steps did not happen: {', '.join(missing)}")

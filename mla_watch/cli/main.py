@@ -9,6 +9,7 @@ types are in :mod:`mla_watch.cli.flags`, start-up checks and plumbing in :mod:`m
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from mla_watch.cli import check, context, fleet, retune, serve, traffic
 from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
 from mla_watch.cli.flags import DOCS, positive_float, tcp_port
 from mla_watch.cli.startup import FlagError, Parser
+from mla_watch.common.output_file import OutputError
 
 __all__ = ["DEMO_DURATION", "main"]
 
@@ -83,4 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlagError as error:  # one line naming the flag, its value and what was expected: no traceback
         print(f"{prog(args)}: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OutputError as error:  # a file it could not write: the path, what went wrong, what to do
+        if not (error.label == "standard output" and error.errno == errno.EPIPE):  # `| head`: the reader is done
+            print(f"{prog(args)}: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 

@@ -51,6 +51,7 @@ def _dataset_name(path: Path, directory: Path) -> str:
     import os
     import shutil
 
+    from mla_watch.common.output_file import write_error
     from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir
     from mla_watch.retune.data import DATASET_NAME_RE
 
@@ -74,9 +75,10 @@ def _dataset_name(path: Path, directory: Path) -> str:
         with path.open("rb") as source, os.fdopen(
                 os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE), "wb") as copy:
             shutil.copyfileobj(source, copy)
-    except OSError as error:
+    except OSError as error:  # the words of every write error: the disk is full, read-only file system, ...
+        failure = write_error(f"--dataset-dir {directory}", error)
         raise SystemExit(f"mla-watch retune run: --dataset {str(path)[:200]}: cannot copy it into --dataset-dir "
-                         f"{directory}: [Errno {error.errno}] {error.strerror}") from None
+                         f"{directory}: {failure.problem}; {failure.advice}") from None
     print(f"copied {path} to {target} (the sidecar reads it there if that is its --dataset-dir)", file=sys.stderr)
     return name
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS
 from mla_watch.cli.startup import FlagError
+from mla_watch.common.output_file import check_output_file, write_error, write_stdout
 from mla_watch.routing.footprint import FootprintSampler
 
 __all__ = ["add_parsers"]
@@ -131,23 +132,28 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     probe = _run(args)
     records = probe.stats()
     if args.json:
-        print(json.dumps(records, indent=1))
+        write_stdout(json.dumps(records, indent=1) + "\n")
         return 0
-    print(_format_table(records))
+    text = _format_table(records) + "\n"
     footprint = probe.footprint
     if footprint is not None and footprint.business_lines:
-        print("\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
-              "concurrent requests reads (each request's tokens stand in for its decode steps; "
-              f"{footprint.num_experts} experts per layer)")
-        print(footprint.table().format())
+        text += ("\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
+                 "concurrent requests reads (each request's tokens stand in for its decode steps; "
+                 f"{footprint.num_experts} experts per layer)\n" + footprint.table().format() + "\n")
+    write_stdout(text)
     return 0
 
 
 def _cmd_baseline(args: argparse.Namespace) -> int:
-    probe = _run(args)
     out = args.out or (args.state_dir / "baseline.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    document = probe.save_baseline(out)
+    label = f"--out {out}" if args.out is not None else f"{out} (--state-dir)"
+    check_output_file(out, label=label, parents=True)  # a directory, say, is refused before the model loads
+    probe = _run(args)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        document = probe.save_baseline(out)
+    except OSError as error:  # a full disk, say: one line (a device is written through, never replaced)
+        raise write_error(label, error) from None
     routers = {entry["router"] for entry in document["series"]}
     lines = {entry["business_line"] for entry in document["series"]}
     print(f"wrote the healthy baselines of {len(routers)} routers x {len(lines)} business lines "

@@ -2,24 +2,20 @@
 
 :func:`ensure_private_dir` creates a directory (and its missing parents) and makes it 0700,
 tightening one that exists with a looser mode; :func:`ensure_private_file` does the same for a
-file (0600), creating it empty when it does not exist; :func:`write_private` writes a file that
-is 0600 from its first byte (``os.open(..., 0o600)``, never a chmod after the fact), and
-:func:`replace_private` does so atomically: a reader sees the old file or the new one, never half.
-:func:`set_aside` moves a file that cannot be read out of the way (``NAME.corrupt``), for an operator.
+file (0600), creating it empty when it does not exist. Files are written by
+:func:`mla_watch.common.output_file.write_file` (``private=True``: 0600 from the first byte, replaced
+atomically). :func:`set_aside` moves a file that cannot be read out of the way (``NAME.corrupt``), for an operator.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 __all__ = ["DATASETS_DIR_NAME", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file",
-           "replace_private",
-           "set_aside", "write_private"]
+           "set_aside"]
 
 log = logging.getLogger(__name__)
 
@@ -64,40 +60,6 @@ def ensure_private_file(path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     os.close(os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE))
     _tighten(path, PRIVATE_FILE_MODE, "file")
-    return path
-
-
-def write_private(path: str | os.PathLike[str], data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` as an owner-only file (0600 from creation; an existing file is truncated)."""
-    path = Path(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    try:
-        os.fchmod(fd, PRIVATE_FILE_MODE)  # an existing file keeps its mode through O_CREAT
-        with os.fdopen(fd, "wb") as handle:
-            fd = -1
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return path
-
-
-def replace_private(path: str | os.PathLike[str], text: str) -> Path:
-    """Replace ``path`` with ``text`` atomically: a 0600 temporary file beside it (``mkstemp``), flushed to disk,
-    then ``os.replace``-d over it. On any error the temporary file is removed and the old file is untouched."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
     return path
 
 

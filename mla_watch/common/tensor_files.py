@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes  # gives numpy the bfloat16 that safetensors' numpy framework reads and writes
 import numpy as np
 from safetensors import deserialize, safe_open
-from safetensors.numpy import load_file, save, save_file
+from safetensors.numpy import load_file, save
+
+from mla_watch.common.output_file import write_file
 
 if TYPE_CHECKING:
     import torch
@@ -70,8 +72,9 @@ def as_arrays(tensors: Mapping[str, Any]) -> dict[str, np.ndarray]:
 
 
 def save_tensors(tensors: Mapping[str, np.ndarray], path: str | Path) -> None:
-    """``tensors`` written as one safetensors file (each contiguous, in its dtype)."""
-    save_file({name: np.ascontiguousarray(array) for name, array in tensors.items()}, str(path))
+    """``tensors`` written as one safetensors file (each contiguous, in its dtype), by
+    :func:`~mla_watch.common.output_file.write_file` (an ``OutputError`` in one line when the disk refuses)."""
+    write_file(path, save({name: np.ascontiguousarray(array) for name, array in tensors.items()}))
 
 
 def load_tensors(path: str | Path) -> dict[str, np.ndarray]:

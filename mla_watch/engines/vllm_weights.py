@@ -61,7 +61,6 @@ from typing import Any, cast
 import httpx
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file as save_numpy
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.tensor_files import as_array, is_floating, is_torch_tensor, read_tensors, save_tensors
@@ -255,7 +254,7 @@ def _empty_checkpoint(parent: Path) -> Path:
     """A checkpoint with no tensor beside the swapped one: reloading it finishes a failed reload (see above)."""
     directory = Path(tempfile.mkdtemp(prefix=ROLLBACK_PREFIX, dir=parent))
     try:
-        save_numpy({}, str(directory / WEIGHTS_FILE))  # no tensor: the same file whichever framework writes it
+        save_tensors({}, directory / WEIGHTS_FILE)  # no tensor: the same file whichever framework writes it
         os.chmod(directory / WEIGHTS_FILE, FILE_MODE)
         os.chmod(directory, DIRECTORY_MODE)
     except BaseException:

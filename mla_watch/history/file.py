@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase, rollback
+from mla_watch.common.state_writes import StateWrites
 
-__all__ = ["HISTORY_FILE", "open_database", "set_aside", "write_sample"]
+__all__ = ["HISTORY_FILE", "open_database", "rewrite_since", "set_aside", "write_sample"]
 
 log = logging.getLogger("mla_watch.history.store")  # the store's records keep their logger's name
 
@@ -31,9 +32,9 @@ PRAGMA journal_size_limit = 4194304;
 """
 
 
-def open_database(path: Path, error: type[Exception]) -> PrivateDatabase:
+def open_database(path: Path, error: type[Exception], writes: StateWrites | None = None) -> PrivateDatabase:
     """The history file at ``path`` (created 0600 with its schema); ``error`` when it cannot be opened."""
-    return PrivateDatabase(path, what="routing history", error=error, schema=_SCHEMA)
+    return PrivateDatabase(path, what="routing history", error=error, schema=_SCHEMA, writes=writes)
 
 
 def set_aside(path: Path, why: str) -> None:
@@ -71,5 +72,26 @@ def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list
         db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
         db.execute("COMMIT")
     except BaseException:
-        db.execute("ROLLBACK")
+        rollback(db)
+        raise
+
+
+def rewrite_since(db: sqlite3.Connection, since: dict[str, float], series: list[tuple[int, Any]],
+                  points: list[tuple[str, float, np.ndarray]], expired: list) -> None:
+    """After writes the disk refused: make the file hold what memory holds, in one transaction. Per tier, the
+    points from ``since[tier]`` on are replaced by ``points``; the series table becomes ``series``."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.executemany("DELETE FROM points WHERE tier = ? AND t >= ?", list(since.items()))
+        kept = [sid for sid, _ in series]
+        db.execute(f"DELETE FROM series WHERE id NOT IN ({', '.join('?' * len(kept))})", kept)
+        db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits,
+                         i.num_slots) for sid, i in series])
+        db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
+                       [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
+        db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
+        db.execute("COMMIT")
+    except BaseException:
+        rollback(db)
         raise

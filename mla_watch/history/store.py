@@ -51,6 +51,11 @@ Wall clock: a sample stamped before the newest point (the clock stepped back) fi
 point newer than it, from memory and from the file, so each tier stays in time order. A file
 that cannot be read is moved aside (``history.sqlite.corrupt``, logged with the reason) and the
 history starts empty: serving never depends on it.
+
+A write the disk refuses (full, read-only) costs the file nothing and memory nothing: the tiers go on in
+memory, and the first sample the disk takes again rewrites, in one transaction, every point since the
+earliest one refused (per tier) and the series table, so that the file holds what memory holds. The
+state directory's writes (``writes``) say it once per change.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ import numpy as np
 
 from mla_watch.alerting.model import TREND_METRICS
 from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
-from mla_watch.history.file import HISTORY_FILE, open_database, set_aside, write_sample
+from mla_watch.history.file import HISTORY_FILE, open_database, rewrite_since, set_aside, write_sample
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
@@ -123,7 +129,7 @@ class HistoryStore:
 
     def __init__(self, path: Path | None, *, interval_seconds: float = 10.0, span_seconds: float = 3600.0,
                  retention_days: float = 30.0, max_series: int = 1024,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
         checked = (("interval_seconds", interval_seconds), ("span_seconds", span_seconds),
                    *((("retention_days", retention_days),) if path is not None else ()))
         for name, value in checked:
@@ -164,6 +170,9 @@ class HistoryStore:
         self.dropped_series = 0  # samples of series past max_series that were not kept
         self._warned_full = False
         self._last_write_error: str | None = None
+        self.writes = writes
+        # Per tier, the stamp of the earliest point the disk refused since the file last held everything.
+        self._unsynced: dict[str, float] = {}
         self._db = self._open_file() if self.path is not None else None
 
     @property
@@ -183,19 +192,19 @@ class HistoryStore:
     def _open_file(self) -> PrivateDatabase:
         assert self.path is not None
         try:
-            db = open_database(self.path, HistoryStoreError)
+            db = open_database(self.path, HistoryStoreError, self.writes)
         except HistoryStoreError as error:
             if not self.path.exists() or self.path.stat().st_size == 0:
                 raise  # not a bad file: a state directory that cannot be written, said as such
             set_aside(self.path, str(error))
-            return open_database(self.path, HistoryStoreError)
+            return open_database(self.path, HistoryStoreError, self.writes)
         try:
             self._load(db)
         except (HistoryStoreError, ValueError) as error:
             db.close()
             self._reset_memory()
             set_aside(self.path, str(error))
-            return open_database(self.path, HistoryStoreError)
+            return open_database(self.path, HistoryStoreError, self.writes)
         return db
 
     def _reset_memory(self) -> None:
@@ -384,16 +393,40 @@ class HistoryStore:
 
     def _persist(self, truncate: list | None, new_series: list, points: list, expired: list,
                  freed: list[int]) -> None:
-        if self._db is None or (truncate is None and not points):
+        db = self._db
+        if db is None or (truncate is None and not points):
             return
-
         try:
-            self._db.run(lambda db: write_sample(db, truncate, new_series, points, expired, freed))
+            if self._unsynced:  # the disk refused earlier samples: write what memory holds since then
+                since, series, held = self._since_unsynced()
+                db.run(lambda connection: rewrite_since(connection, since, series, held, expired))
+                log.info("routing history %s: the %d point(s) kept in memory while the disk refused them are "
+                         "written", self.path, len(held))
+                self._unsynced = {}
+            else:
+                db.run(lambda connection: write_sample(connection, truncate, new_series, points, expired, freed))
             self._last_write_error = None
         except HistoryStoreError as error:  # a full disk: the history goes on in memory, said once per cause
-            if str(error) != self._last_write_error:
+            for tier, t, _ in points:
+                self._unsynced[tier] = min(self._unsynced.get(tier, t), t)
+            for tier, after in truncate or ():  # points the file still holds past a step back of the clock
+                self._unsynced[tier] = min(self._unsynced.get(tier, after), after)
+            if self.writes is None and str(error) != self._last_write_error:
                 log.error("routing history: writing a point failed (kept in memory only): %s", error)
             self._last_write_error = str(error)
+
+    def _since_unsynced(self) -> tuple[dict[str, float], list[tuple[int, SeriesInfo]], list]:
+        """What memory holds that the file may not: per tier, the points since the earliest refused."""
+        with self._lock:
+            series = sorted(self._info.items())
+            held = []
+            for tier in self.tiers:
+                since = self._unsynced.get(tier.name)
+                if since is None:
+                    continue
+                lo, hi = tier.index(since, math.inf)
+                held += [(tier.name, float(tier.times[i]), tier.data[i].copy()) for i in range(lo, hi)]
+            return dict(self._unsynced), series, held
 
     # ------------------------------------------------------------------ reading
     def series(self) -> list[SeriesInfo]:

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 from transformers import DeepseekV32ForCausalLM
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
+from mla_watch.common.output_file import write_file
 from mla_watch.models import corpus
 from mla_watch.models.architecture import bundled_config
 from mla_watch.models.balance import sign_step
@@ -317,8 +318,8 @@ def _save(model: Any, tokenizer: Any, out_dir: Path, report: dict[str, Any]) -> 
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "training_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out_dir / "MODEL_CARD.md").write_text(model_card(report))
+    write_file(out_dir / "training_report.json", json.dumps(report, indent=1) + "\n")
+    write_file(out_dir / "MODEL_CARD.md", model_card(report))
 
 
 def model_card(report: dict[str, Any]) -> str:

@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.common.sqlite import PrivateDatabase
+from mla_watch.common.sqlite import PrivateDatabase, rollback
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import check_positive, fmt
 
@@ -128,7 +129,7 @@ class TrafficCapture:
 
     def __init__(self, path: Path, *, max_samples_per_line: int = 2000, max_age_seconds: float = 7 * 86400,
                  max_bytes: int = 64 * 2**20, max_tokens_per_sample: int = 512, max_client_share: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
         check_positive("max_samples_per_line", max_samples_per_line, int)
         check_positive("max_age_seconds", max_age_seconds)
         check_positive("max_bytes", max_bytes, int)
@@ -150,7 +151,9 @@ class TrafficCapture:
             raise CaptureError(f"traffic capture {self.path}: cannot create the state directory {directory}: "
                                f"[Errno {exc.errno}] {exc.strerror}") from exc
         # Losing the last few samples in a power cut is fine: synchronous NORMAL.
-        self._store = PrivateDatabase(self.path, what="traffic capture", error=CaptureError, schema=_SCHEMA)
+        self._store = PrivateDatabase(self.path, what="traffic capture", error=CaptureError, schema=_SCHEMA,
+                                      writes=writes, kept="the traffic is not captured until it can be: serving "
+                                      "goes on")
         try:
             stored = self._store.run(self._check_columns)
         except CaptureError:
@@ -193,11 +196,11 @@ class TrafficCapture:
         db.execute("BEGIN IMMEDIATE")
         try:
             result = fn()
+            db.execute("COMMIT")
         except BaseException:
             self._bytes = stored
-            db.execute("ROLLBACK")
+            rollback(db)
             raise
-        db.execute("COMMIT")
         return result
 
     # -- writing -----------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import numpy as np
 
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
+from mla_watch.common.output_file import write_error
 from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
@@ -102,9 +103,12 @@ class EngineRouters(RouterHost):
         with self._lock:
             whole = {**self._state, **{name: np.ascontiguousarray(tensor, dtype=self._state[name].dtype)
                                        for name, tensor in tensors.items()}}
-            self.swap_dir.mkdir(parents=True, exist_ok=True)
             directory = self.swap_dir / f"routers-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-            write_router_checkpoint(directory, whole, self.config_json)
+            try:  # nothing half-written stays: the checkpoint is renamed into place once whole
+                self.swap_dir.mkdir(parents=True, exist_ok=True)
+                write_router_checkpoint(directory, whole, self.config_json)
+            except OSError as error:  # a full or read-only --engine-swap-dir: one line, the engine untouched
+                raise write_error(f"engine swap directory {self.swap_dir}", error) from None
             result = self.weights.swap(directory.resolve())  # SwapError: the engine kept what it served
             self._state = whole
             self._prune(keep=directory)

@@ -34,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import reference_batches
-from mla_watch.common.state_dir import PRIVATE_FILE_MODE, ensure_private_dir, write_private
+from mla_watch.common.output_file import write_file
+from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.tensor_files import as_arrays
 from mla_watch.models.loss import scored_targets
 from mla_watch.quality.local_model import copy_without_hooks, make_batches, score_model
@@ -337,12 +338,12 @@ class Retuner:
         output.mkdir(mode=0o700)
         job_file, data_file = directory / "job.json", directory / "data.jsonl"
         routers_file = directory / "routers.safetensors"
-        write_private(job_file, json.dumps({**spec.as_dict(), "strategy": name, "options": options,
-                                            "batch_size": self.settings.batch_size,
-                                            "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2))
-        write_private(data_file, "".join(json.dumps(sample.as_record()) + "\n" for sample in train))
-        save_file(router_state(self.model), str(routers_file))
-        routers_file.chmod(PRIVATE_FILE_MODE)
+        write_file(job_file, json.dumps({**spec.as_dict(), "strategy": name, "options": options,
+                                         "batch_size": self.settings.batch_size,
+                                         "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2),
+                   private=True)
+        write_file(data_file, "".join(json.dumps(sample.as_record()) + "\n" for sample in train), private=True)
+        write_file(routers_file, save(router_state(self.model)), private=True)
         fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
                   "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
         try:

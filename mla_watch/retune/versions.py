@@ -25,6 +25,10 @@ A version is *good* when its gates passed, when an operator marked it good
 (:meth:`RouterVersions.mark_good`), or, for version 0, when the routers the server started
 with passed the start-up health check: a model deployed broken is recorded as version 0 too,
 and must not be what ``restore`` puts back.
+
+A write the disk refuses (full, read-only) leaves no half version behind (a version is a directory
+renamed into place once whole) and fails the operation with one line naming the file and the cause
+(:func:`mla_watch.common.output_file.write_error`); ``writes`` is told, for ``/readyz`` and the metrics.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.output_file import write_error, write_file
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.tensor_files import as_arrays, load_tensors, save_tensors
 from mla_watch.common.values import is_integer
 from mla_watch.retune.hosts import RouterHost, as_host
@@ -81,9 +87,13 @@ def _now() -> str:
 class RouterVersions:
     """Router checkpoints under ``directory`` (see the module docstring for the layout)."""
 
-    def __init__(self, directory: str | Path, retention: RetentionPolicy | None = None) -> None:
+    WHAT = "router versions"
+
+    def __init__(self, directory: str | Path, retention: RetentionPolicy | None = None, *,
+                 writes: StateWrites | None = None) -> None:
         self.directory = Path(directory)
         self.retention = retention or RetentionPolicy()
+        self.writes = writes
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
@@ -91,6 +101,20 @@ class RouterVersions:
         if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
             raise OSError(f"router registry {self.directory}: not a writable directory")
         self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path) -> Any:
+        """Writes to ``path``: one the disk refuses becomes one line naming it (:class:`OutputError`)."""
+        try:
+            yield
+        except OSError as error:
+            failure = write_error(f"{self.WHAT} {path}", error)
+            if self.writes is not None:
+                self.writes.failed(path, error, what=self.WHAT, kept="nothing half-written is kept: the operation "
+                                   "failed, and the next one tries again")
+            raise failure from None
+        if self.writes is not None:
+            self.writes.written(path, what=self.WHAT)
 
     # ------------------------------------------------------------------ versions
     def _dir(self, version: int) -> Path:
@@ -175,6 +199,10 @@ class RouterVersions:
             raise ValueError(f"manifest keys {sorted(reserved)} are written by the registry")
         record: dict[str, Any] = dict(manifest)
         cpu = as_arrays(tensors)  # a torch tensor a caller passes is copied too
+        with self._writing(self._dir(version)):
+            return self._write_files(version, cpu, record)
+
+    def _write_files(self, version: int, cpu: Mapping[str, np.ndarray], record: dict[str, Any]) -> int:
         temp = Path(tempfile.mkdtemp(prefix=f".tmp-v{version:04d}-", dir=self.directory))
         try:
             save_tensors(cpu, temp / _TENSORS_FILE)
@@ -188,7 +216,7 @@ class RouterVersions:
                 "sha256": digest,
                 "tensors": sorted(cpu),
             })
-            (temp / _MANIFEST_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            write_file(temp / _MANIFEST_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n", private=True)
             os.rename(temp, self._dir(version))  # fails if the version exists: nothing is overwritten
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
@@ -230,9 +258,8 @@ class RouterVersions:
         with self._lock:
             manifest = {**self._manifest(version), **changes}
             path = self._dir(version) / _MANIFEST_FILE
-            temporary = path.with_suffix(".tmp")
-            temporary.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            os.replace(temporary, path)
+            with self._writing(path):
+                write_file(path, json.dumps(manifest, indent=2, sort_keys=True), private=True)
         return manifest
 
     def record_initial_health(self, health: Mapping[str, Any]) -> bool:
@@ -299,7 +326,8 @@ class RouterVersions:
             if number not in stack:
                 raise ValueError(f"router version {number} is not on the promotion stack {stack}: expected the live "
                                  f"version or one beneath it (promote it first)")
-            _append_line(self.directory / _MARKS_FILE, {"version": number, "at": _now()})
+            with self._writing(self.directory / _MARKS_FILE):
+                _append_line(self.directory / _MARKS_FILE, {"version": number, "at": _now()})
         return number
 
     def marked_good(self) -> list[int]:
@@ -311,7 +339,8 @@ class RouterVersions:
 
     # ------------------------------------------------------------------ promotions
     def _append_promotion(self, entry: dict[str, Any]) -> None:
-        _append_line(self.directory / _PROMOTIONS_FILE, entry)
+        with self._writing(self.directory / _PROMOTIONS_FILE):
+            _append_line(self.directory / _PROMOTIONS_FILE, entry)
 
     def promotions(self) -> list[dict[str, Any]]:
         """Every line of ``promotions.jsonl``, oldest first."""
@@ -406,10 +435,11 @@ class RouterVersions:
         host = as_host(model)
         tensors = self.load(version)
         snapshots = self.directory / _SNAPSHOT_DIR
-        snapshots.mkdir(exist_ok=True)
         snapshot = snapshots / f"p{len(self.promotions()):05d}-v{version:04d}.safetensors"
         with lock if lock is not None else contextlib.nullcontext():
-            save_tensors({name: value for name, value in host.state().items() if name in tensors}, snapshot)
+            with self._writing(snapshot):  # before the swap: a promotion that cannot be rolled back is none
+                snapshots.mkdir(exist_ok=True)
+                save_tensors({name: value for name, value in host.state().items() if name in tensors}, snapshot)
             taken = host.apply(tensors)
         self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
                                 "at": _now(), "snapshot": snapshot.name, "snapshot_sha256": _sha256(snapshot)})

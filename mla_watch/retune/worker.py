@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
+from mla_watch.common.output_file import write_file
 from mla_watch.retune.router_tensors import apply_router_tensors
 
 __all__ = ["main"]
@@ -59,9 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     candidate = strategy.fit(FitContext(model=model, batches=batches, routers=list(job["routers"]), registry=None,
                                         options=options))
     args.output.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in candidate.tensors.items()},
-              str(args.output / "routers.safetensors"))
-    (args.output / "result.json").write_text(json.dumps({**candidate.details, "worker": "mla_watch.retune.worker"}))
+    write_file(args.output / "routers.safetensors",
+               save({name: tensor.contiguous() for name, tensor in candidate.tensors.items()}), private=True)
+    write_file(args.output / "result.json", json.dumps({**candidate.details, "worker": "mla_watch.retune.worker"}),
+               private=True)
     return 0
 
 

@@ -17,8 +17,11 @@ learned or set:
   their series, replacing what was learned.
 
 Persisted as JSON (``mla_watch.baseline/2``, written atomically) and loaded again at start, so a
-restart neither forgets nor re-learns. A file of the older ``mla_watch.baseline/1`` (one set of counts
-per router, for every line) still loads: its counts then serve every line's drift.
+restart neither forgets nor re-learns. A save the disk refuses (full, read-only) keeps the baselines in
+memory and is made again by :meth:`Baselines.save_again` (the server calls it with every routing
+snapshot it takes), at most every few seconds, until the file is written. A file of the older
+``mla_watch.baseline/1`` (one set of counts per router, for every line) still loads: its counts then serve
+every line's drift.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.state_dir import replace_private, set_aside
+from mla_watch.common.output_file import write_error, write_file
+from mla_watch.common.state_dir import set_aside
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.stats import BASELINE_METRICS
 
@@ -56,6 +61,8 @@ MAX_SERIES = 100_000  # routers x lines a file may hold: a bound on what a plant
 # baselines outlive them, so the series bound alone would let wide indexers' position counts grow memory.
 MAX_COUNTS = 8 * 1024 * 1024
 MAX_FILE_BYTES = 128 * 1024 * 1024
+SAVE_AGAIN_SECONDS = 5.0  # a save the disk refused is made again this long after, at the earliest
+_WHAT = "baseline file"
 
 
 class BaselineError(ValueError):
@@ -124,12 +131,15 @@ class Baselines:
     """
 
     def __init__(self, path: Path | None = None, *, learn_tokens: int = DEFAULT_LEARN_TOKENS,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
         if not isinstance(learn_tokens, int) or isinstance(learn_tokens, bool) or learn_tokens < 1:
             raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
         self.path = path
         self.learn_tokens = learn_tokens
         self._clock = clock
+        self.writes = writes
+        self._unsaved = False  # the last save was refused: save again at the next learn() past _save_again_at
+        self._save_again_at = 0.0
         self._lock = threading.Lock()
         self._series: dict[tuple[str, str], Baseline] = {}
         self._legacy: dict[str, np.ndarray] = {}  # router -> counts of a /1 file, for every line's drift
@@ -173,6 +183,7 @@ class Baselines:
         ``records`` are :class:`~mla_watch.windows.RouterStats`; ``excluded()``, asked only when a window
         qualifies, gives the (router, line) pairs an alert is pending or firing on: never learned from.
         """
+        self.save_again()
         if self.not_learning is not None:
             return []
         ready = [record for record in records
@@ -189,6 +200,13 @@ class Baselines:
             log.info("healthy baselines learned for %d series (%s ...)", len(taken),
                      f"{taken[0].router} / {taken[0].business_line}")
         return taken
+
+    def save_again(self) -> None:
+        """Save the baselines if the disk refused the last save (at most every ``SAVE_AGAIN_SECONDS``)."""
+        if self._unsaved and self._clock() >= self._save_again_at:
+            with self._lock:
+                document = self._document()
+            self._save(document)
 
     def replace(self, records: Iterable[Any]) -> list[Baseline]:
         """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``)."""
@@ -241,7 +259,18 @@ class Baselines:
     def _save(self, document: dict[str, Any]) -> None:
         if self.path is None:
             return
-        write_json(self.path, document)
+        try:
+            write_json(self.path, document, label=f"{_WHAT} {self.path}")
+        except OSError as error:  # kept in memory; learn() saves again
+            self._unsaved, self._save_again_at = True, self._clock() + SAVE_AGAIN_SECONDS
+            if self.writes is not None:
+                self.writes.failed(self.path, error, what=_WHAT)
+            else:
+                log.error("%s", write_error(f"{_WHAT} {self.path}", error))
+            return
+        self._unsaved = False
+        if self.writes is not None:
+            self.writes.written(self.path, what=_WHAT)
 
     def load(self) -> None:
         """Read ``path`` (a missing file is an empty store). A file that cannot be used is moved aside to
@@ -318,6 +347,7 @@ def _legacy_counts(document: dict[str, Any], path: Path) -> dict[str, np.ndarray
     return counts
 
 
-def write_json(path: Path, document: Mapping[str, Any]) -> None:
-    """``document`` to ``path`` atomically, mode 0600."""
-    replace_private(path, json.dumps(document) + "\n")
+def write_json(path: Path, document: Mapping[str, Any], *, label: str | None = None) -> None:
+    """``document`` to ``path`` (:func:`~mla_watch.common.output_file.write_file`: atomically, mode 0600, a device
+    written through); :class:`~mla_watch.common.output_file.OutputError` naming ``label`` (default the path)."""
+    write_file(path, json.dumps(document) + "\n", private=True, parents=True, label=label)

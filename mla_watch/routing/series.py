@@ -21,12 +21,14 @@ __all__ = [
     "EXPERT_OVERFLOW_SELECTIONS",
     "EXPERT_SELECTIONS",
     "EXPERT_TOKENS",
+    "FILE",
     "FLEET_ROLLOUT_STEPS",
     "FLEET_STORE_UP",
     "INSTANCE",
     "JOB",
     "KIND",
     "LAYER",
+    "NOTIFICATIONS_HELD",
     "PREFIX",
     "ROUTER",
     "ROUTER_LABELS",
@@ -35,6 +37,8 @@ __all__ = [
     "ROUTER_VERSION_NUMBER",
     "ROUTING_SLOTS",
     "SERIES_LABELS",
+    "STATE_WRITE_ERRORS",
+    "STATE_WRITE_FAILING",
     "baseline_gauge",
     "routing_gauge",
     "total_name",
@@ -74,6 +78,13 @@ ROUTER_VERSION_DIGEST = "digest"
 # A fleet member (serve --fleet): whether its store answers, and the rollout steps it took by outcome.
 FLEET_STORE_UP = PREFIX + "fleet_store_up"
 FLEET_ROLLOUT_STEPS = PREFIX + "fleet_rollout_steps"
+# The state directory's writes (mla_watch.common.state_writes): per file (its name inside the state directory, such
+# as alerts.json or routers), whether it cannot be written now and how many writes failed; and the notifications
+# held in memory because the outbox's file could not take them.
+FILE = "file"
+STATE_WRITE_FAILING = PREFIX + "state_write_failing"
+STATE_WRITE_ERRORS = PREFIX + "state_write_errors"  # a counter: its samples are total_name(STATE_WRITE_ERRORS)
+NOTIFICATIONS_HELD = PREFIX + "notifications_held"
 
 _ROUTING_GAUGES: dict[str, str] = {statistic.key: PREFIX + statistic.gauge for statistic in STATISTICS}
 

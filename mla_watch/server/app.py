@@ -33,6 +33,7 @@ from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
@@ -77,6 +78,9 @@ class Sidecar:
         self.clock = clock
         check_tokens(config)
         ensure_private_dir(config.state_dir)  # 0700 before anything is written there: it holds traffic
+        # Which of its files cannot be written (a full or read-only disk): every store tells it; /readyz and
+        # /metrics read it; the log says it once per change.
+        self.state_writes = StateWrites(config.state_dir)
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot(),
@@ -88,13 +92,16 @@ class Sidecar:
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
         self.baselines = self._open_baselines()
         self.alerts = self._alert_service() if config.rules is not None else None
+        self.metrics.watch_state_writes(self.state_writes, None if self.alerts is None
+                                        else lambda: cast(AlertService, self.alerts).outbox.held)
         self.serving = Serving(model_name="bundled" if config.model == "bundled" else Path(config.model).name)
         # The local model's windows, the engine's (beside vLLM / SGLang), the workers' that report.
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None)
         # Who sends each line's traffic, and the reference prompts that tell the traffic's changes from the model's.
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
-        self.references = References(config, clients=self.clients, alerts=self.alerts)  # ReferenceError at start-up
+        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceError at start-up
+                                     writes=self.state_writes)
         self.metrics.watch_reference(lambda: self.references.prober)
         self.metrics.watch_footprint(self._footprint)
         if config.position_metrics:
@@ -102,7 +109,7 @@ class Sidecar:
         if self.alerts is not None:
             self.alerts.engine.causes = self.references
         self.retuning = Retuning(config=config, serving=self.serving, sources=self.sources, metrics=self.metrics,
-                                 alerts=self.alerts, references=self.references)
+                                 alerts=self.alerts, references=self.references, writes=self.state_writes)
         if self.alerts is not None:
             self.alerts.on_retune(self.retuning.on_retune_action)
         self.auth = Auth(config, self.metrics)
@@ -121,7 +128,8 @@ class Sidecar:
             config=config, serving=self.serving, sources=self.sources, policies=self.policies, metrics=self.metrics,
             registry=self.registry, alerts=self.alerts, history=self.history, history_store=self.history_store,
             history_store_error=self.history_store_error, baselines=self.baselines, heavy_reads=self.heavy_reads,
-            monitoring=self._monitoring, references=self.references, clients=self.clients)
+            monitoring=self._monitoring, references=self.references, clients=self.clients,
+            state_writes=self.state_writes)
         self.handlers = HandlerContext(config=config, clock=clock, auth=self.auth, policies=self.policies,
                                        metrics=self.metrics, sources=self.sources, alerts=self.alerts,
                                        serving=self.serving, reload_rules=self.reload_rules, clients=self.clients)
@@ -176,7 +184,8 @@ class Sidecar:
         try:
             store = HistoryStore(path, interval_seconds=config.history_interval_seconds,
                                  span_seconds=config.history_span_seconds,
-                                 retention_days=config.history_retention_days, max_series=config.history_max_series)
+                                 retention_days=config.history_retention_days, max_series=config.history_max_series,
+                                 writes=self.state_writes)
         except HistoryStoreError as error:  # a state directory it cannot write: a corrupt file is set aside inside
             log.error("no durable routing history: %s", error)
             return None, f"the durable routing history could not be opened: {error}"
@@ -188,7 +197,7 @@ class Sidecar:
         config = self.config
         learn = config.baseline_tokens if config.window_tokens is None else min(config.baseline_tokens,
                                                                                 config.window_tokens)
-        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn)
+        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn, writes=self.state_writes)
         baselines.load()
         return baselines
 
@@ -203,7 +212,7 @@ class Sidecar:
             external_url=self.config.public_url,
             on_notification=lambda receiver, outcome: self.metrics.notifications.labels(receiver, outcome).inc(),
             before_round=self.rules.check_for_changes,  # a changed rule file is loaded by the next round
-            trend_source=self.history_store,
+            trend_source=self.history_store, writes=self.state_writes,
         )
         self.metrics.watch_alerts(service.engine)
         return service

@@ -15,13 +15,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.series import (
     BUSINESS_LINE,
+    FILE,
     FLEET_ROLLOUT_STEPS,
     FLEET_STORE_UP,
     LAYER,
+    NOTIFICATIONS_HELD,
     PREFIX,
     ROUTER,
     ROUTER_VERSION_DIGEST,
@@ -29,6 +32,8 @@ from mla_watch.routing.series import (
     ROUTER_VERSION_NUMBER,
     ROUTING_SLOTS,
     SERIES_LABELS,
+    STATE_WRITE_ERRORS,
+    STATE_WRITE_FAILING,
     baseline_gauge,
     routing_gauge,
 )
@@ -146,6 +151,36 @@ class _FiringCollector(Collector):
         for (alertname, cause), count in sorted(self._engine.firing_causes().items()):
             causes.add_metric([alertname, cause], count)
         return [family, causes]
+
+
+class _StateWritesCollector(Collector):
+    """Which files of the state directory cannot be written now (1), or could not be before (0); failed writes per
+    file; notifications held in memory because the outbox's file could not take them."""
+
+    def __init__(self, writes: StateWrites, held: Callable[[], int] | None) -> None:
+        self._writes = writes
+        self._held = held
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        failing = GaugeMetricFamily(STATE_WRITE_FAILING, "1 while this file of the state directory cannot be "
+                                    "written (a full or read-only disk): what it holds is kept in memory.",
+                                    labels=[FILE])
+        errors = CounterMetricFamily(STATE_WRITE_ERRORS, "Writes of this file of the state directory that failed.",
+                                     labels=[FILE])
+        now_failing = {entry["file"] for entry in self._writes.failing()}
+        for name, count in sorted(self._writes.error_counts().items()):
+            failing.add_metric([name], 1.0 if name in now_failing else 0.0)
+            errors.add_metric([name], count)
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [failing, errors]
+        if self._held is not None:
+            held = GaugeMetricFamily(NOTIFICATIONS_HELD, "Notifications held in memory because the outbox's file "
+                                     "could not take them (a full or read-only disk); delivered all the same.")
+            held.add_metric([], self._held())
+            families.append(held)
+        return families
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []
 
 
 class ReferenceCollector(Collector):
@@ -283,6 +318,10 @@ class ServerMetrics:
     def watch_positions(self, positions: Callable[[], PositionCounts | None]) -> None:
         """Export routing by position bucket (``positions()``: the probe's counts, or ``None`` before it starts)."""
         self._registry.register(_PositionCollector(positions))
+
+    def watch_state_writes(self, writes: StateWrites, held: Callable[[], int] | None = None) -> None:
+        """Export the state directory's write health (``held()``: notifications the outbox holds in memory)."""
+        self._registry.register(_StateWritesCollector(writes, held))
 
     def watch_alerts(self, engine: Any) -> None:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""

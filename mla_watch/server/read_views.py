@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mla_watch.alerting.service import AlertService
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HistoryStore
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
@@ -47,7 +48,7 @@ class ReadViews:
                  metrics: ServerMetrics, registry: CollectorRegistry, alerts: AlertService | None,
                  history: HistoryStore, history_store: HistoryStore | None, history_store_error: str | None,
                  baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor,
-                 references: References, clients: ClientShares) -> None:
+                 references: References, clients: ClientShares, state_writes: StateWrites | None = None) -> None:
         self.config = config
         self.serving = serving
         self.sources = sources
@@ -63,6 +64,7 @@ class ReadViews:
         self.monitoring = monitoring
         self.references = references
         self.clients = clients
+        self.state_writes = state_writes
 
     # ------------------------------------------------------------------ health and monitoring
     async def healthz(self, request: Request) -> Response:
@@ -71,7 +73,9 @@ class ReadViews:
     async def readyz(self, request: Request) -> Response:
         """``GET /readyz``: 200 once the model generates (beside an engine: while the upstream answers), else 503;
         ``status`` says which: ``ready``, ``loading``, ``failed`` (the model did not load: ``problems`` says why)
-        or ``upstream_unavailable``."""
+        or ``upstream_unavailable``. ``state_unwritable`` lists the files of the state directory that cannot be
+        written now (a full or read-only disk): the sidecar still serves, alerts and pages, holding what it could
+        not write in memory, so they do not make it unready."""
         serving = self.serving
         problems = []
         status = "ready"
@@ -82,7 +86,8 @@ class ReadViews:
             status = "upstream_unavailable"
             problems.append(problem)
         body: dict[str, Any] = {"ready": not problems, "status": status, "problems": problems,
-                                "policies_version": self.policies.version}
+                                "policies_version": self.policies.version,
+                                "state_unwritable": self.state_writes.failing() if self.state_writes else []}
         if serving.self_test is not None:
             body["attention"] = serving.self_test.as_dict()
         if serving.fleet is not None:  # the store down stops re-tuning, not serving: said, not unready
@@ -190,7 +195,7 @@ class ReadViews:
             return JSONResponse({"alerts": [], "rules": 0})
         return JSONResponse({"alerts": self.alert_list(), "rules": len(self.alerts.rules.rules),
                              "notifications_pending": self.alerts.outbox.pending(),
-                             "notifications_unqueued": self.alerts.unqueued})
+                             "notifications_held": self.alerts.outbox.held})
 
     # ------------------------------------------------------------------ status page
     async def get_status(self, request: Request) -> Response:
@@ -228,6 +233,7 @@ class ReadViews:
                 "series_dropped": self.history_store.dropped_series},
             "alerts": self.alert_list(), "rules": len(rules),
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
+            "state_unwritable": self.state_writes.failing() if self.state_writes else [],
             "policies": {"version": self.policies.version, "lines": policies,
                          "last_reload_error": self.reload_errors()},
             "retune": None,

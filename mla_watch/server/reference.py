@@ -21,6 +21,7 @@ from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
 from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
 from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
 from mla_watch.common.directory_store import DirectoryStore
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 
@@ -41,14 +42,15 @@ class References:
     (:class:`~mla_watch.alerting.causes.CauseJudge`): the prober's answers once it runs, ``undetermined`` (and
     why) before, or where none can run."""
 
-    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None) -> None:
+    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
+                 writes: StateWrites | None = None) -> None:
         self.config = config
         self.clients = clients
         self.alerts = alerts
         self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
         self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(config.reference_prompts, load_reference_dir,
                                                                   what="reference prompts")  # ReferenceError
-        self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE)
+        self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE, writes=writes)
         self.gate = ReferenceGate(lambda: self.sets.current, self.baselines)  # what every re-tune candidate meets
         self.prober: ReferenceProber | None = None
         self._engine_reader: EngineReader | None = None

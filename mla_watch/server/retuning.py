@@ -19,6 +19,7 @@ from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.engine import Action
 from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
+from mla_watch.common.state_writes import StateWrites
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
@@ -41,8 +42,9 @@ class Retuning:
     """Starts the re-tune service (beside the local model or the engine) and answers its callbacks."""
 
     def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, metrics: ServerMetrics,
-                 alerts: AlertService | None, references: References) -> None:
+                 alerts: AlertService | None, references: References, writes: StateWrites | None = None) -> None:
         self.config = config
+        self.writes = writes  # told by the router versions and the capture whether they can write
         self.serving = serving
         self.sources = sources
         self.metrics = metrics
@@ -52,7 +54,6 @@ class Retuning:
     # ------------------------------------------------------------------ beside the local model
     def start_local(self, model: Any, tokenizer: Any) -> None:
         """The re-tune service for the loaded model's routers (``serving.model_worker`` runs it), with capture if on."""
-        from mla_watch.retune.capture import TrafficCapture
         from mla_watch.retune.runner import Retuner
         from mla_watch.retune.service import RetuneService
         from mla_watch.retune.versions import RouterVersions
@@ -62,18 +63,12 @@ class Retuning:
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
         ensure_private_dir(datasets)
-        registry = RouterVersions(state / "routers", self.config.router_versions)
-        capture = None
-        if self.config.capture:
-            capture = TrafficCapture(state / "capture.sqlite", max_samples_per_line=self.config.capture_max_samples,
-                                     max_age_seconds=self.config.capture_max_age_seconds,
-                                     max_client_share=self.config.capture_max_client_share)
-
-            def record(line: str, token_ids: list[int], prompt_tokens: int, client: str | None) -> None:
-                capture.add(line, token_ids, prompt_tokens=prompt_tokens, client=client)
-                self.metrics.captured_samples.labels(line).inc()
-
-            self.serving.model_worker.capture = record
+        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
+        capture = self.open_capture()
+        if capture is not None:
+            record = self.capture_answers(capture)
+            self.serving.model_worker.capture = lambda line, token_ids, prompt_tokens, client: record(
+                line, [(token_ids, prompt_tokens)], client)
         reference = None
         if self.config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
@@ -109,7 +104,7 @@ class Retuning:
         return TrafficCapture(self.config.state_dir / "capture.sqlite",
                               max_samples_per_line=self.config.capture_max_samples,
                               max_age_seconds=self.config.capture_max_age_seconds,
-                              max_client_share=self.config.capture_max_client_share)
+                              max_client_share=self.config.capture_max_client_share, writes=self.writes)
 
     def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]], str | None], None]:
         from mla_watch.retune.capture import CaptureError
@@ -120,7 +115,8 @@ class Retuning:
                     capture.add(line, token_ids, prompt_tokens=prompt_tokens, client=client)
                     self.metrics.captured_samples.labels(line).inc()
             except CaptureError as error:  # the client has its answer: a full disk costs the capture, not it
-                log.warning("an answer of %s was not captured: %s", line, error)
+                if self.writes is None:  # else the state directory's writes said it, once per change
+                    log.warning("an answer of %s was not captured: %s", line, error)
 
         return record
 
@@ -166,7 +162,7 @@ class Retuning:
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
         host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,
                              config_json=given if given.is_file() else checkpoint / "config.json")
-        registry = RouterVersions(state / "routers", self.config.router_versions)
+        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         reference = None
         if config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers

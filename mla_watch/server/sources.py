@@ -105,6 +105,7 @@ class RoutingSources:
         """Every router's statistics, per business line and summed: computed once per change of the
         counts, and shared by the metrics, alert evaluation, the history and the APIs."""
         sources = self.windows()  # collects the local probe's counts first
+        self.baselines.save_again()  # a save the disk refused: made again once it has room, traffic or not
         key = tuple((windows.serial, windows.version) for windows in sources)
         with self._snapshot_lock:
             cached = self._snapshot
