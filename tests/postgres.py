@@ -9,12 +9,12 @@ import contextlib
 import glob
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests import processes
 from tests.support import free_port
 
 __all__ = ["PostgresCluster", "postgres_bin", "running_cluster"]
@@ -51,7 +51,7 @@ class PostgresCluster:
 
     def _run(self, *command: str) -> None:
         prefix = ["runuser", "-u", "postgres", "--"] if self._as_postgres else []
-        done = subprocess.run([*prefix, *command], capture_output=True, text=True, timeout=120, cwd=self.root)
+        done = processes.run([*prefix, *command], capture_output=True, text=True, timeout=120, cwd=self.root)
         assert done.returncode == 0, f"{command[0]} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}"
 
     @property

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -270,14 +271,14 @@ def test_a_mistyped_flag_is_two_lines_and_no_flag_is_taken_by_a_prefix() -> None
         "usage: mla-watch [FLAGS] COMMAND ...  (mla-watch --help lists its commands and flags)")
 
 
-def test_demo_on_a_port_in_use_is_one_line_before_anything_runs() -> None:
+def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tmp_path: Path) -> None:
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = cli("demo", "--port", str(port), "--out", os.devnull)
+        done = cli("demo", "--port", str(port), "--out", str(tmp_path / "demo"))
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"mla-watch demo: --port {port}: 127.0.0.1:{port} is in use: expected a free port (or --port 0 for any)"]
     assert done.stdout == ""

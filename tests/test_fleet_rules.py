@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from mla_watch.alerting import fleet
+from mla_watch.alerting.fleet_versions import VERSION_GROUP_NAME, VERSION_SKEW_ALERT
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
 from tests import processes
@@ -301,7 +302,8 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
     result = processes.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     names = [group["name"] for group in document["groups"]]
-    assert names == (["mla_watch_routing", fleet.FLEET_GROUP_NAME] if with_fleet else ["mla_watch_routing"])
+    assert names == (["mla_watch_routing", fleet.FLEET_GROUP_NAME, VERSION_GROUP_NAME] if with_fleet
+                     else ["mla_watch_routing"])
     if with_fleet:
         records = [r["record"] for r in document["groups"][1]["rules"] if "record" in r]
         assert records == list(fleet.RECORDING_NAMES)
@@ -318,7 +320,8 @@ def test_the_shipped_prometheusrule_is_the_export() -> None:
 
 def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
     document = yaml.safe_load(export("--fleet"))
-    replica, fleet_group = document["groups"]
+    replica, fleet_group, versions = document["groups"]
+    assert [rule["alert"] for rule in versions["rules"]] == [VERSION_SKEW_ALERT]
     assert all(rule["labels"]["scope"] == "replica" for rule in replica["rules"])
     alerts = {rule["alert"]: rule for rule in fleet_group["rules"] if "alert" in rule}
     shipped = load_rules_dir(REPO / "rules", environ={})
