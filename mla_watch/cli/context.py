@@ -105,7 +105,7 @@ def _table(profiles: dict[str, PositionProfile]) -> str:
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfile]) -> str:
+def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfile], *, dataset: bool) -> str:
     if found.max_prompt_tokens is None:
         alone = sorted({client.client for profile in profiles.values() for client in profile.clients
                         if client.edge is not None})
@@ -113,10 +113,11 @@ def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfil
                 "enough tokens from enough clients to judge); nothing to recommend from this traffic"
                 + (f". Alone, without a second client's routing leaving there too: {', '.join(alone[:5])} (one "
                    "client's texts, not the position: no cap is drawn from them)" if alone else ""))
+    seen = f"the dataset's {found.prompts} prompts" if dataset else f"the line's last {found.prompts} prompts"
     refused = ("" if found.refused_share is None else
-               f"; it would refuse {found.refused_share:.1%} of the line's last {found.prompts} prompts (those longer "
-               f"than {found.max_prompt_tokens} tokens)")
-    who = f", across the clients {', '.join(found.clients)}" if found.clients else ""
+               f"; it would refuse {found.refused_share:.1%} of {seen} (those longer than {found.max_prompt_tokens} "
+               "tokens)")
+    who = f", across the clients {', '.join(found.clients)}" if found.clients and not dataset else ""
     return (f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}){who}.\n"
             f"recommended max_prompt_tokens: {found.max_prompt_tokens}{refused}\n"
             f"  in policies/{line}.yaml:  defaults: {{max_prompt_tokens: {found.max_prompt_tokens}}}\n"
@@ -132,9 +133,10 @@ def _cmd_context(args: argparse.Namespace) -> int:
                                  "routers": {name: profile.as_dict() for name, profile in profiles.items()}},
                                 indent=1) + "\n")
         return 0
-    write_stdout("JS divergence (bits) of each position bucket's prompt tokens from in-range routing, held across "
-                 "clients (ref: the first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
-                 f"{_table(profiles)}\n{_advice(line, found, profiles)}\n")
+    held = ", held across clients" if args.url else ""
+    write_stdout(f"JS divergence (bits) of each position bucket's prompt tokens from in-range routing{held} (ref: the "
+                 "first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
+                 f"{_table(profiles)}\n{_advice(line, found, profiles, dataset=not args.url)}\n")
     return 0
 
 

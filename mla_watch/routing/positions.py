@@ -281,17 +281,18 @@ def line_profiles(by_client: Mapping[str, np.ndarray], buckets: PositionBuckets,
         line_js: list[float | None] = [None] * count
         judged = [False] * count
         for index in range(1, count):
-            values = sorted((js for found_client in per_client.values()
-                             if found_client[router].buckets[index].judged
-                             and (js := found_client[router].buckets[index].js_divergence) is not None), reverse=True)
+            enough = [found_client[router].buckets[index] for found_client in per_client.values()
+                      if found_client[router].buckets[index].judged]
+            values = sorted((js for bucket in enough if (js := bucket.js_divergence) is not None), reverse=True)
+            judged[index] = len(enough) >= min_clients  # the first judged bucket of its clients: a reference
             if len(values) >= min_clients:
-                judged[index] = True
                 line_js[index] = float(values[min_clients - 1])
-        edge = next((index for index in range(count) if judged[index] and (line_js[index] or 0.0) > drift_bits), -1)
+        edge = next((index for index in range(count) if (line_js[index] or 0.0) > drift_bits), -1)
         in_range = [judged[index] and (edge < 0 or index < edge) for index in range(count)]
         compared = [js for index in range(count) if in_range[index] and (js := line_js[index]) is not None]
         drift = line_js[edge] if edge >= 0 else (max(compared) if compared else None)
-        read_at = edge if edge >= 0 else max((index for index in range(count) if judged[index]), default=-1)
+        read_at = edge if edge >= 0 else max((index for index in range(count) if line_js[index] is not None),
+                                             default=-1)
         held = tuple(client for client, found_client in per_client.items()
                      if edge >= 0 and found_client[router].buckets[edge].judged
                      and (found_client[router].buckets[edge].js_divergence or 0.0) > drift_bits)
