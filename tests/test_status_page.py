@@ -694,8 +694,10 @@ def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_coun
             response = client.post("/v1/completions", headers={"X-Business-Line": short_line},
                                    json={"prompt": f"Summarise report {index}:", "max_tokens": 4, "seed": index})
             assert response.status_code == 200, response.text
-        for text in long_texts(app.model_worker.tokenizer, long_line, 24, 470, seed=5):
-            response = client.post("/v1/completions", headers={"X-Business-Line": long_line},
+        for index, text in enumerate(long_texts(app.model_worker.tokenizer, long_line, 24, 470, seed=5)):
+            # three clients: a departure by position must hold across clients (one client's texts are content)
+            response = client.post("/v1/completions", headers={"X-Business-Line": long_line,
+                                                               "X-Client-Id": f"client-{index % 3}"},
                                    json={"prompt": text, "max_tokens": 1})
             assert response.status_code == 200, response.text
 

@@ -67,8 +67,9 @@ TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold",
                                     "healthy",
                                     # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
                                     "cause",
-                                    # long-context rules: the first position bucket that left in-range routing
-                                    "position_bucket")
+                                    # long-context rules: the first position bucket that left in-range routing,
+                                    # what the drift compares, and who sent the tokens it was read on
+                                    "position_bucket", "position_compared", "position_clients")
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 

@@ -92,6 +92,7 @@ class AlertRenderer:
                   "severity": labels.get("severity"), "status_url": self.router_url(inst),
                   "cause": None if inst.cause is None else inst.cause.name,
                   "position_bucket": stats.long_context_edge,
+                  "position_compared": stats.long_context_compared, "position_clients": stats.long_context_clients,
                   **{name: trend.get(name) for name in TREND_FIELDS}}
         try:
             rendered = {str(k): str(v) for k, v in self._render(rule.rule, fields).items()}

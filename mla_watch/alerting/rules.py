@@ -106,6 +106,8 @@ _SAMPLE_FIELDS: dict[str, object] = {
     "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
     "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
     "healthy": 0.6, "position_bucket": "256-511",
+    "position_compared": "each client's prompt tokens at 256-511 against its own at 64-255",
+    "position_clients": "client-a 61%, client-b 39%",
 }
 
 

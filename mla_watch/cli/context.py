@@ -3,7 +3,10 @@
 From a dataset (``--prompts``, ``--domain``: run through the model here, every prompt up to the model's context
 length) or from a running sidecar's traffic (``--url``: its ``/v1/routing`` positions for ``--business-line``), it
 prints each expert router's routing by position bucket and recommends the line's ``max_prompt_tokens``: the first
-position of the earliest bucket where any router leaves in-range routing.
+position of the earliest bucket where any router leaves in-range routing. From a sidecar's traffic a departure
+counts only where it holds across clients (each judged against its own shorter prompts,
+:mod:`mla_watch.routing.positions`), and the recommendation names them and the share of the line's prompts the
+cap would refuse; a dataset is the operator's own prompts, one source.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ __all__ = ["add_parser"]
 _MAX_ANSWER_BYTES = 32 << 20  # a sidecar's /v1/routing answer read here, at most
 
 
-def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile]]:
+def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile], list[int] | None]:
     import torch
 
     import mla_watch
@@ -41,19 +44,20 @@ def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
     progress.say(f"loading the model {args.model}")
     model, tokenizer = mla_watch.load_model(args.model, device=args.device)
     probe = mla_watch.attach(model, window_tokens=None, count_positions=True)
+    assert probe.positions is not None
+    probe.positions.min_clients = 1  # the operator's own prompts: one source, no client's texts to mistake
     device = next(model.parameters()).device
     limit = int(model.config.max_position_embeddings)
     line = args.business_line or traffic[0][0]
-    with torch.no_grad(), probe.attribute(line):
-        for _, text in progress.track(traffic, "samples"):
-            ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]][:limit]
+    for _, text in progress.track(traffic, "samples"):
+        ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]][:limit]
+        with torch.no_grad(), probe.attribute(line, clients="dataset", prompt_tokens=len(ids)):
             model(input_ids=torch.tensor([ids], device=device))
     probe.collect()
-    assert probe.positions is not None
-    return line, probe.positions.profiles(line)
+    return line, probe.positions.profiles(line), probe.positions.prompts(line).tolist()
 
 
-def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile]]:
+def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile], list[int] | None]:
     if not args.business_line:
         raise FlagError("--url needs --business-line: the line whose traffic to read")
     if urllib.parse.urlsplit(args.url).scheme not in ("http", "https"):
@@ -71,11 +75,15 @@ def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
     try:
         positions = json.loads(body)["positions"]
         profiles = {router["name"]: PositionProfile.from_dict(router) for router in positions["routers"]}
+        prompts = positions.get("prompts")
+        if prompts is not None and (not isinstance(prompts, list) or not all(
+                isinstance(count, int) and not isinstance(count, bool) and count >= 0 for count in prompts)):
+            raise ValueError("prompts")
     except (ValueError, KeyError, TypeError):
         raise FlagError(f"--url {args.url}: /v1/routing has no routing by position (serve "
                         "--no-routing-by-position, or beside an engine whose --model-config gives no "
                         "max_position_embeddings)") from None
-    return args.business_line, profiles
+    return args.business_line, profiles, prompts
 
 
 def _table(profiles: dict[str, PositionProfile]) -> str:
@@ -97,28 +105,38 @@ def _table(profiles: dict[str, PositionProfile]) -> str:
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
 
 
-def _advice(line: str, found: Recommendation) -> str:
+def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfile], *, dataset: bool) -> str:
     if found.max_prompt_tokens is None:
+        alone = sorted({client.client for profile in profiles.values() for client in profile.clients
+                        if client.edge is not None})
         return (f"{line}: no router left in-range routing up to position {found.judged_up_to} (the last bucket with "
-                "enough tokens to judge); nothing to recommend from this traffic")
-    return (f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}).\n"
-            f"recommended max_prompt_tokens: {found.max_prompt_tokens}\n"
+                "enough tokens from enough clients to judge); nothing to recommend from this traffic"
+                + (f". Alone, without a second client's routing leaving there too: {', '.join(alone[:5])} (one "
+                   "client's texts, not the position: no cap is drawn from them)" if alone else ""))
+    seen = f"the dataset's {found.prompts} prompts" if dataset else f"the line's last {found.prompts} prompts"
+    refused = ("" if found.refused_share is None else
+               f"; it would refuse {found.refused_share:.1%} of {seen} (those longer than {found.max_prompt_tokens} "
+               "tokens)")
+    who = f", across the clients {', '.join(found.clients)}" if found.clients and not dataset else ""
+    return (f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}){who}.\n"
+            f"recommended max_prompt_tokens: {found.max_prompt_tokens}{refused}\n"
             f"  in policies/{line}.yaml:  defaults: {{max_prompt_tokens: {found.max_prompt_tokens}}}\n"
             f"  then a request whose prompt has more tokens is refused with 400 prompt_too_long, naming the limit "
             "(whatever the policy's on_violation): the client must shorten it")
 
 
 def _cmd_context(args: argparse.Namespace) -> int:
-    line, profiles = _from_sidecar(args) if args.url else _from_dataset(args)
-    found = recommend(profiles)
+    line, profiles, prompts = _from_sidecar(args) if args.url else _from_dataset(args)
+    found = recommend(profiles, prompts)
     if args.json:  # a full disk or a closed pipe on stdout: one line, no traceback
         write_stdout(json.dumps({"business_line": line, "recommendation": found.as_dict(),
                                  "routers": {name: profile.as_dict() for name, profile in profiles.items()}},
                                 indent=1) + "\n")
         return 0
-    write_stdout("JS divergence (bits) of each position bucket from the line's in-range routing "
-                 "(ref: the first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
-                 f"{_table(profiles)}\n{_advice(line, found)}\n")
+    held = ", held across clients" if args.url else ""
+    write_stdout(f"JS divergence (bits) of each position bucket's prompt tokens from in-range routing{held} (ref: the "
+                 "first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
+                 f"{_table(profiles)}\n{_advice(line, found, profiles, dataset=not args.url)}\n")
     return 0
 
 

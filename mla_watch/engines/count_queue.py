@@ -102,6 +102,7 @@ class CountQueue:
                              position_counts=sum(decoded.position_counts  # type: ignore[arg-type, misc]
                                                  for decoded in decodes)
                              if positioned else None,
+                             prompt_tokens=plan.prompt_tokens if positioned else None,
                              footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()])
         return self.routing.count(business_line, merged, streamed=True, client=client)
 

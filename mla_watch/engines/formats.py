@@ -103,6 +103,9 @@ class RoutingPlan:
     position_edges: tuple[int, ...] | None = None
     # The expert footprint of a batch (mla_watch.routing.footprint): decode rows kept per choice, at most; 0: none.
     footprint_tokens: int = 0
+    # The client's prompt length where the answer's own usage would not say it: a stream's replay sends its prompt
+    # and generated tokens as one prompt, of which only the first prompt_tokens were the client's.
+    prompt_tokens: int | None = None
 
 
 @dataclass
@@ -115,7 +118,10 @@ class Decoded:
     error: DataError | None = None
     not_json: bool = False  # the body was no JSON object: relayed as it came (a stream) or refused (a response)
     samples: list[tuple[list[int], int]] | None = None  # per choice: prompt + completion ids, the prompt's length
-    position_counts: np.ndarray | None = None  # [moe_layers, position buckets, num_experts] where positions count
+    # [moe_layers, position buckets, num_experts] of the prompt's rows, where positions count and the answer says its
+    # prompt's length (prompt_tokens)
+    position_counts: np.ndarray | None = None
+    prompt_tokens: int | None = None
     footprint_rows: list[np.ndarray] | None = None  # per choice: decode rows [tokens, moe_layers, top_k], uint16
 
     @property
@@ -319,9 +325,12 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
         else:
             decoded.counts = cast(np.ndarray, sum(counts for counts, _ in totals))  # arrays: never the empty 0
             decoded.tokens = sum(tokens for _, tokens in totals)
-            if plan.position_edges is not None and starts is not None:
+            prompt = plan.prompt_tokens if plan.prompt_tokens is not None else _prompt_tokens(document)
+            if plan.position_edges is not None and starts is not None and prompt is not None:
+                # The prompt's rows only: a generated token's routing follows what the model writes, not where.
+                decoded.prompt_tokens = prompt
                 decoded.position_counts = cast(np.ndarray, sum(
-                    routing_position_counts(ids, plan.geometry, plan.position_edges, start)
+                    routing_position_counts(ids, plan.geometry, plan.position_edges, start, stop=prompt)
                     for ids, start in zip(arrays, starts, strict=True)))
             if plan.footprint_tokens and starts is not None:
                 decoded.footprint_rows = _decode_rows(document, arrays, starts, plan)
@@ -329,6 +338,13 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
         document["mla_watch"] = extra
     decoded.body = json.dumps(document, separators=(",", ":")).encode() if serialise else None
     return decoded
+
+
+def _prompt_tokens(document: dict[str, Any]) -> int | None:
+    """The answer's prompt length (``usage.prompt_tokens``), or ``None`` where it does not say."""
+    usage = document.get("usage")
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return prompt if type(prompt) is int and prompt >= 0 else None
 
 
 def _decode_rows(document: dict[str, Any], arrays: list[np.ndarray], starts: list[int],

@@ -18,6 +18,7 @@ debt, so a long request is not starved). Every stream is counted once in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -271,6 +272,11 @@ class StreamReplayer:
             self._finish(business_line, outcome)
             return outcome
         self._start()
+        # Counted by position as the client's prompt, not as the replay's (its prompt carries the generated tokens);
+        # not by position where the stream did not say its prompt's length.
+        prompt = tokens.prompt_length()
+        plan = dataclasses.replace(plan, prompt_tokens=prompt) if prompt is not None else \
+            dataclasses.replace(plan, position_edges=None)
         self._waiting.put_nowait(_Replay(business_line, plan, model, headers, outcome,  # type: ignore[union-attr]
                                          client))
         self._waiting_tokens += sum(len(prompt) for prompt, _ in outcome)

@@ -86,12 +86,15 @@ def moe_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarray:
 
 
 def routing_position_counts(ids: np.ndarray, geometry: EngineGeometry, edges: tuple[int, ...],
-                            start: int = 0) -> np.ndarray:
+                            start: int = 0, stop: int | None = None) -> np.ndarray:
     """Selections per (MoE layer, position bucket, expert) of ``ids`` ``[tokens, layers, top_k]`` whose first row is
-    the token at position ``start`` (row ``t``: position ``start + t``); ``edges`` are the buckets' end positions (a
-    last bucket holds every position past them). Called on ids :func:`routing_counts` accepted."""
+    the token at position ``start`` (row ``t``: position ``start + t``), rows at positions before ``stop`` only (the
+    prompt's; ``None``: every row); ``edges`` are the buckets' end positions (a last bucket holds every position past
+    them). Called on ids :func:`routing_counts` accepted."""
     moe = len(geometry.moe_layers)
     ids = moe_rows(ids, geometry)
+    if stop is not None:
+        ids = ids[:max(0, stop - start)]
     buckets = len(edges) + 1
     bucket = np.searchsorted(np.asarray(edges), start + np.arange(ids.shape[0]), side="right")  # [tokens]
     flat = (np.arange(moe, dtype=np.intp)[None, :, None] * buckets + bucket[:, None, None]) * geometry.num_experts \

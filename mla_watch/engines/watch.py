@@ -88,7 +88,7 @@ class EngineRouting:
                           if geometry.context_length is not None else None)
         self.windows.positions = self.positions
         self.position_edges = None if self.positions is None else self.positions.buckets.edges
-        self._pending_positions: dict[str, np.ndarray] = {}
+        self._pending_positions: dict[tuple[str, str], np.ndarray] = {}  # (line, client key) -> counts
         # The expert footprint of a batch: the decode rows of every answer's choices, each a request.
         self.footprint = FootprintSampler(geometry.num_experts, tokens_per_request=FOOTPRINT_TOKENS)
         self._names = geometry.router_names
@@ -123,9 +123,9 @@ class EngineRouting:
         for line, (counts, tokens) in pending.items():
             self.add(line, counts, tokens)
         if self.positions is not None:
-            for line, by_position in positions.items():
+            for (line, client), by_position in positions.items():
                 for name, layer in zip(self._names, by_position, strict=True):
-                    self.positions.add(name, line, layer)
+                    self.positions.add(name, line, layer, client=client)
 
     def counts(self, business_line: str | None = None) -> dict[str, np.ndarray]:
         """Each router's counts over its window, the responses counted so far included."""
@@ -149,10 +149,13 @@ class EngineRouting:
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
                 for rows in decoded.footprint_rows or ():
                     self.footprint.add(business_line, rows)
-                if decoded.position_counts is not None and self.positions is not None:
-                    earlier = self._pending_positions.get(business_line)
-                    self._pending_positions[business_line] = (decoded.position_counts if earlier is None
-                                                              else earlier + decoded.position_counts)
+                if decoded.position_counts is not None and self.positions is not None \
+                        and decoded.prompt_tokens is not None:
+                    self.positions.add_prompt(business_line, decoded.prompt_tokens)
+                    key = (business_line, self.positions.client_key(business_line, client, decoded.prompt_tokens))
+                    earlier = self._pending_positions.get(key)
+                    self._pending_positions[key] = (decoded.position_counts if earlier is None
+                                                    else earlier + decoded.position_counts)
             self._problems.clear()  # the engine's routing works (again)
             self._without_routing = 0
             if self.clients is not None and client is not None:

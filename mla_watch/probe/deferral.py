@@ -41,7 +41,7 @@ class _Pass:
 
     __slots__ = ("attention", "attention_version", "batch", "expert_routers", "expert_shapes", "experts",
                  "indexer_routers", "indexer_shapes", "indexers", "key", "last_mask", "lines", "mask_elements",
-                 "mask_slots", "masks", "outputs", "positions", "seq", "tokens", "usable_masks")
+                 "mask_slots", "masks", "outputs", "placed", "positions", "seq", "tokens", "usable_masks")
 
     def __init__(self, batch: int, seq: int, lines: tuple[int, ...], attention: torch.Tensor | None,
                  attention_version: int) -> None:
@@ -59,6 +59,7 @@ class _Pass:
         self.key: tuple | None = None  # the layout, once the picks are read
         # First position, or [B or 1, S] positions (counting positions); None: not known (a router called alone)
         self.positions: int | torch.Tensor | None = 0
+        self.placed: tuple[tuple[int, int], ...] = ()  # per attributed row: its per-position row and prompt length
 
     def clear_picks(self) -> None:
         self.experts: list[torch.Tensor] = []
@@ -97,6 +98,7 @@ class _Pass:
             self.batch,
             self.seq,
             self.lines,
+            self.placed,
             self.attention is None,
             tuple(self.expert_routers),
             tuple(self.expert_shapes),
@@ -112,6 +114,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
     (a base of :class:`~mla_watch.probe.Probe`, which sets this state)."""
 
     _attribution: tuple[int, ...]  # line per batch row, as attribute() set it
+    _position_attribution: tuple[tuple[int, int], ...]  # per batch row: per-position row and prompt length
     _flush_every: int
     _pending: list[_Pass]  # passes waiting to be counted
     _pending_mask_elements: int  # indexer mask elements the pending passes keep alive
@@ -126,6 +129,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         started = self._started(tokens_input, kwargs)
         if started is not None and self._position_buffer is not None:
             started.positions = start_positions(kwargs, started.seq)
+            started.placed = self._position_attribution
         return started
 
     def _started(self, tokens_input: torch.Tensor, kwargs: dict) -> _Pass | None:
@@ -241,7 +245,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
             columns = self._router_columns(routers, first.lines, batch)
             self._count_experts(columns, chosen, count, batch, seq, None, valid)
             if self._position_buffer is not None and first.positions is not None:
-                self._count_positions(routers, chosen, passes, batch, seq, first.lines, valid)
+                self._count_positions(routers, chosen, passes, batch, seq, first.placed, valid)
         if not first.indexers:
             return
         # Indexers scored against the same mask are counted together; the masks of every pass

@@ -196,12 +196,19 @@ class Probe(_EagerDeferral, _CompiledCounting):
         return {router.info.name: int(self._dropped[router.index]) for router in self._routers if router.expert}
 
     @contextmanager
-    def attribute(self, business_lines: str | Sequence[str]) -> Iterator[None]:
+    def attribute(self, business_lines: str | Sequence[str], *, clients: str | Sequence[str] | None = None,
+                  prompt_tokens: int | Sequence[int] | None = None) -> Iterator[None]:
         """Attribute the forward passes inside the block to business lines.
 
         One name attributes every sequence; a list names the line of each row of the batch
         (a batch expanded by ``num_return_sequences`` repeats each row's line). Lines past
         ``max_business_lines`` are counted as ``overflow`` (with one warning).
+
+        Routing by position (``count_positions``) also takes, each one value or one per row: ``clients``, who sent
+        the sequence (each client's routing by position is judged against its own), and ``prompt_tokens``, the
+        length of its prompt (only the prompt's tokens are counted by position: a generated token's routing follows
+        what the model writes; each prompt given counts once towards the line's prompts by length). Without them
+        every token counts, under one unnamed client.
         """
         names = [business_lines] if isinstance(business_lines, str) else list(business_lines)
         if not names:
@@ -209,12 +216,15 @@ class Probe(_EagerDeferral, _CompiledCounting):
         if len(names) > MAX_ATTRIBUTED_ROWS:
             raise ValueError(f"attribute(): {len(names)} business lines; at most {MAX_ATTRIBUTED_ROWS} rows per batch")
         ids = tuple(self._line_id(name) for name in names)
-        previous = self._attribution
+        placed = self._position_attribution_of(names, ids, clients, prompt_tokens)
+        previous, previous_placed = self._attribution, self._position_attribution
         self._set_attribution(ids)
+        self._position_attribution = placed
         try:
             yield
         finally:
             self._set_attribution(previous)
+            self._position_attribution = previous_placed
 
     @contextmanager
     def record_routing(self) -> Iterator[RoutingRecording]:

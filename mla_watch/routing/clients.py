@@ -21,13 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mla_watch.routing.client_names import OTHER, UNKNOWN
 from mla_watch.routing.windows import ALL_LINES
 
 __all__ = ["CLIENT_ID_SOURCES", "DEFAULT_CLIENT_ID", "OTHER", "UNKNOWN", "ClientShares", "Mover", "client_id",
            "parse_client_id_sources"]
 
-OTHER = "(other)"  # clients past max_clients in a line
-UNKNOWN = "(unknown)"  # a request none of the sources names
 DEFAULT_CLIENT_ID = "header:X-Client-Id,user,api-key,remote"
 CLIENT_ID_SOURCES = ("header:NAME", "user", "api-key", "remote")
 _SHOWN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}")

@@ -287,6 +287,9 @@ class RoutingStats:
     # line's in-range routing, and that bucket ("256-511").
     long_context_drift: float | None = None
     long_context_edge: str | None = None
+    # What that drift compares, and who sent the tokens it was read on (``client-a 61%, client-b 39%``).
+    long_context_compared: str | None = None
+    long_context_clients: str | None = None
 
     @property
     def no_signal(self) -> str | None:
@@ -332,6 +335,8 @@ class RoutingStats:
             "no_signal": self.no_signal,
             "long_context_drift": None if self.long_context_drift is None else float(self.long_context_drift),
             "long_context_edge": self.long_context_edge,
+            "long_context_compared": self.long_context_compared,
+            "long_context_clients": self.long_context_clients,
         }
 
 

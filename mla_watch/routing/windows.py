@@ -231,7 +231,9 @@ class RouterWindows:
             )
             found = by_position.get(info.name)
             if found is not None:
-                stats = replace(stats, long_context_drift=found.drift, long_context_edge=found.edge)
+                stats = replace(stats, long_context_drift=found.drift, long_context_edge=found.edge,
+                                long_context_compared=found.compared() if found.drift is not None else None,
+                                long_context_clients=found.senders() if found.shares else None)
             records.append(RouterStats(info, business_line, stats, totals.counts, baseline))
         return records
 

@@ -162,7 +162,9 @@ class ModelWorker:
         try:
             recording = (self.probe.record_routing() if job.record_routing or sampled
                          else contextlib.nullcontext())
-            with self.probe.attribute(job.business_line), recording as recorded:
+            # Routing by position counts the prompt's tokens, each client's apart (mla_watch.routing.positions).
+            with self.probe.attribute(job.business_line, clients=job.client,
+                                      prompt_tokens=len(job.prompt_ids)), recording as recorded:
                 for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
                                              should_stop=should_stop, step_lock=self.model_lock):
                     if event.index == 0 and event.token_id is not None:
