@@ -51,6 +51,7 @@ log = logging.getLogger("mla_watch.fleet")
 
 FLEET_HALTED_ALERT = "FleetRolloutHalted"
 RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#fleetrollouthalted"
+DESCRIBE_SECONDS = 1.0  # GET /v1/fleet answers from what it read within this long
 _DECIDE_WAIT_SECONDS = 0.5  # an alert's decision waits this long for a member busy with a step, then a round makes it
 
 
@@ -120,6 +121,8 @@ class FleetMember:
         self._failed_target: str | None = None  # a version this member could not adopt: said once, not every round
         self._keeper: threading.Thread | None = None
         self._unrecorded: tuple[int, str, dict[str, Any]] | None = None  # a step whose outcome the store missed
+        self._describe_lock = threading.Lock()
+        self._described: tuple[float, dict[str, Any]] | None = None  # (when, what) GET /v1/fleet answered last
 
     # ------------------------------------------------------------------ life cycle
     def join(self) -> None:
@@ -654,7 +657,17 @@ class FleetMember:
             return None if rollout is None else rollout.as_dict()
 
     def describe(self) -> dict[str, Any]:
-        """``GET /v1/fleet``: the members, the current or last rollout, the lease, the versions."""
+        """``GET /v1/fleet``: the members, the current or last rollout, the lease, the versions. Read from the store
+        at most once a second, whoever asks how often: an open endpoint must not become the store's load."""
+        with self._describe_lock:
+            now = time.monotonic()
+            if self._described is not None and now - self._described[0] < DESCRIBE_SECONDS:
+                return self._described[1]
+            described = self._describe()
+            self._described = (time.monotonic(), described)
+            return described
+
+    def _describe(self) -> dict[str, Any]:
         view = self.store.view(self.base)
         members = []
         for member in view.members:
