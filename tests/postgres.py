@@ -1,6 +1,9 @@
-"""A throwaway PostgreSQL cluster for the tests: ``initdb -A trust`` in a temporary directory, ``pg_ctl`` on a
+"""A throwaway PostgreSQL cluster for the tests: ``initdb -A trust`` in a temporary directory, the server on a
 loopback port with its socket in that directory, as the ``postgres`` user when the tests run as root (PostgreSQL
 refuses to run as root). ``./test`` and ``.ci/run`` install Debian's ``postgresql`` where ``initdb`` is missing.
+
+The server runs in the foreground as a process of :mod:`tests.processes` (not daemonised by ``pg_ctl``), so it ends
+with the fixture that started it, and the run's process guard knows it.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ import contextlib
 import glob
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -42,16 +47,19 @@ class PostgresCluster:
         self._databases = 0
         initdb = postgres_bin("initdb")
         assert initdb, "initdb is missing: ./test installs Debian's postgresql"
-        self._pg_ctl = postgres_bin("pg_ctl")
+        self._postgres = postgres_bin("postgres") or "postgres"
+        self._server: subprocess.Popen | None = None
         self.socket_dir.mkdir(parents=True)
         if self._as_postgres:
             shutil.chown(root, "postgres")
             shutil.chown(self.socket_dir, "postgres")
         self._run(initdb, "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8")
 
+    def _command(self, *command: str) -> list[str]:
+        return [*(["runuser", "-u", "postgres", "--"] if self._as_postgres else []), *command]
+
     def _run(self, *command: str) -> None:
-        prefix = ["runuser", "-u", "postgres", "--"] if self._as_postgres else []
-        done = processes.run([*prefix, *command], capture_output=True, text=True, timeout=120, cwd=self.root)
+        done = processes.run(self._command(*command), capture_output=True, text=True, timeout=120, cwd=self.root)
         assert done.returncode == 0, f"{command[0]} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}"
 
     @property
@@ -62,13 +70,34 @@ class PostgresCluster:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
 
     def start(self) -> None:
-        options = f"-p {self.port} -k {self.socket_dir} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run(self._pg_ctl or "pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.log), "-w", "-t",
-                  "60", "start")
+        """Start the server and wait until it takes connections."""
+        import psycopg
+
+        with open(self.log, "ab") as log:
+            self._server = processes.start(
+                self._command(self._postgres, "-D", str(self.data), "-p", str(self.port), "-k", str(self.socket_dir),
+                              "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"),
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+        deadline = time.monotonic() + 60
+        while True:
+            assert self._server.poll() is None, f"postgres exited: {self.log.read_text()[-2000:]}"
+            try:
+                psycopg.connect(self.url, connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                assert time.monotonic() < deadline, f"postgres did not answer: {self.log.read_text()[-2000:]}"
+                time.sleep(0.1)
 
     def stop(self) -> None:
-        with contextlib.suppress(AssertionError):
-            self._run(self._pg_ctl or "pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "60", "stop")
+        """Stop the server: a fast shutdown (SIGINT: clients are cut off, not waited for), then
+        :func:`tests.processes.stop` for whatever is left."""
+        if self._server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._server.pid, signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._server.wait(timeout=30)
+            processes.stop(self._server, grace=5)
+            self._server = None
 
     def create_database(self) -> str:
         """A new, empty database; its URL."""
@@ -79,11 +108,6 @@ class PostgresCluster:
         with psycopg.connect(self.url, autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.database_url(name)
-
-    def wait_down(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self.data / "postmaster.pid").exists():
-            time.sleep(0.1)
 
 
 @contextlib.contextmanager
