@@ -37,6 +37,19 @@ TRAFFIC = {("customer_service", "chat"): "customer_service", ("code_assistant", 
            ("code_assistant", "sql"): "sql", ("doc_summary", "summarize"): "doc_summary"}
 
 
+def sidecar_paging(config: ServerConfig, oncall_url: str) -> Sidecar:
+    """A sidecar whose shipped rules page ``oncall_url`` (the rules read MLA_WATCH_ONCALL_URL when it is made)."""
+    previous = os.environ.get("MLA_WATCH_ONCALL_URL")
+    os.environ["MLA_WATCH_ONCALL_URL"] = oncall_url
+    try:
+        return Sidecar(config)
+    finally:
+        if previous is None:
+            del os.environ["MLA_WATCH_ONCALL_URL"]
+        else:
+            os.environ["MLA_WATCH_ONCALL_URL"] = previous
+
+
 def collapsed_checkpoint(directory: Path) -> Path:
     """The bundled model with layer 1's router pushed towards six experts (DESIGN: reads 2.585 bits), saved as a
     checkpoint in ``directory``."""
@@ -110,15 +123,7 @@ def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeo
                               alert_interval=0.5, window_tokens=512, capture=True, retune=settings,
                               reference_model=BUNDLED if reference else None, policy_poll_seconds=None,
                               admin_token=None)
-        previous = os.environ.get("MLA_WATCH_ONCALL_URL")
-        os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"  # the rules are read when the sidecar is made
-        try:
-            sidecar = Sidecar(config)
-        finally:
-            if previous is None:
-                del os.environ["MLA_WATCH_ONCALL_URL"]
-            else:
-                os.environ["MLA_WATCH_ONCALL_URL"] = previous
+        sidecar = sidecar_paging(config, receiver.url + "/hook")
         with serve_app(sidecar.app) as url:
             assert sidecar.wait_ready(180), sidecar.load_error
             start = time.monotonic()

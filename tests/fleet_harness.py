@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +23,10 @@ from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.routing.series import ROUTER_VERSION_INFO
 from mla_watch.server.app import ServerConfig, Sidecar
-from tests.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, collapsed_checkpoint, scenario_rules
+from tests.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, collapsed_checkpoint, scenario_rules, sidecar_paging
 from tests.support import serve_app
 
-__all__ = ["LAYER1", "Replica", "drive", "fleet_replica", "layer1_alerts", "serving", "wait_for"]
+__all__ = ["LAYER1", "Replica", "drive", "fleet_replica", "layer1_alerts", "serving"]
 
 # Short rounds and lease: a test cannot wait minutes for a holder's lease to expire.
 POLL_SECONDS = 0.5
@@ -69,15 +68,7 @@ def fleet_replica(name: str, work: Path, fleet_url: str, *, checkpoint: Path, ru
                           fleet=FleetSettings(url=fleet_url, name=name, poll_seconds=poll_seconds,
                                               lease_seconds=lease_seconds),
                           **{"reference": _reference_settings(reference_interval), **overrides})
-    previous = os.environ.get("MLA_WATCH_ONCALL_URL")
-    os.environ["MLA_WATCH_ONCALL_URL"] = oncall_url  # the rules are read when the sidecar is made
-    try:
-        sidecar = Sidecar(config)
-    finally:
-        if previous is None:
-            del os.environ["MLA_WATCH_ONCALL_URL"]
-        else:
-            os.environ["MLA_WATCH_ONCALL_URL"] = previous
+    sidecar = sidecar_paging(config, oncall_url)
     with serve_app(sidecar.app) as url:
         assert sidecar.wait_ready(180), sidecar.load_error
         yield Replica(name, url, sidecar)
@@ -121,15 +112,6 @@ def drive(replicas: Sequence[Replica], until: Callable[[], bool], *, timeout: fl
         for client in clients.values():
             client.close()
     return False
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.25) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 # --------------------------------------------------------------------------------------------- beside real vLLM

@@ -35,11 +35,10 @@ from tests.fleet_harness import (
     fleet_replica,
     layer1_alerts,
     serving,
-    wait_for,
 )
 from tests.postgres import running_cluster
 from tests.receivers import running_receiver
-from tests.support import free_port, metric_sum, start_sidecar
+from tests.support import free_port, metric_sum, start_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +94,7 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
 
         # The store down: serving, counting, alerting and notifying go on; no replica re-tunes alone.
         cluster.stop()
-        assert wait_for(lambda: all(metric_sum(metrics(u), FLEET_STORE_UP) == 0 for u in urls), 30)
+        assert wait_until(lambda: all(metric_sum(metrics(u), FLEET_STORE_UP) == 0 for u in urls), 30)
 
         def paged_everywhere() -> bool:
             return all(any(alert["state"] == "firing" and (alert["cause"] or {}).get("name") == "model"
@@ -112,7 +111,7 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
             assert metric_sum(metrics(u), total_name("mla_watch_retune_jobs")) == 0
             assert httpx.get(u + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
             assert httpx.get(u + "/v1/fleet", timeout=30).status_code == 503
-        assert wait_for(lambda: len(retune_notes(receiver)) >= len(urls), 30)
+        assert wait_until(lambda: len(retune_notes(receiver)) >= len(urls), 30)
         notes = retune_notes(receiver)
         assert all("fleet store" in note and "cannot be reached" in note and "re-tuning waits" in note
                    for note in notes), notes
@@ -180,7 +179,7 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
             return rollout is not None and rollout["state"] == "halted"
 
         assert drive(replicas, halted, timeout=400), fleet_view(urls["replica-a"])
-        assert wait_for(lambda: fleet_view(urls["replica-a"])["lease"]["holder"] is None, 30)
+        assert wait_until(lambda: fleet_view(urls["replica-a"])["lease"]["holder"] is None, 30)
         view = fleet_view(urls["replica-a"])
         rollout = view["rollout"]
         assert rollout["halted_by"] == "replica-c" and "LayerOneNearCeiling" in rollout["reason"], rollout
@@ -198,7 +197,7 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
         assert httpx.get(urls["replica-c"] + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
 
         # On-call is paged once, naming the replica.
-        assert wait_for(lambda: any(alert["labels"].get("alertname") == "FleetRolloutHalted"
+        assert wait_until(lambda: any(alert["labels"].get("alertname") == "FleetRolloutHalted"
                                     for request in receiver.requests for alert in request.json().get("alerts", [])), 30)
         pages = [alert for request in receiver.requests for alert in request.json().get("alerts", [])
                  if alert["labels"].get("alertname") == "FleetRolloutHalted"]
@@ -214,7 +213,7 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
         token = {"Authorization": "Bearer fleet-admin-token-0123456789"}
         aborted = fleet_cli("abort", "--url", urls["replica-b"])
         assert aborted.returncode == 0 and "aborted: version 1 is marked bad" in aborted.stdout, aborted.stderr
-        assert wait_for(lambda: {serving(u) for u in urls.values()} == {base}, 60), \
+        assert wait_until(lambda: {serving(u) for u in urls.values()} == {base}, 60), \
             {name: serving(u) for name, u in urls.items()}
         view = fleet_view(urls["replica-a"])
         assert view["versions"][0]["bad"] is True and view["lease"]["holder"] is None
@@ -239,7 +238,7 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
             return all(member["health"].get(LAYER1, {}).get("state") == "healthy"
                        for member in fleet_view(urls[0])["members"])
 
-        assert wait_for(members_healthy, 180), fleet_view(urls[0])["members"]
+        assert wait_until(members_healthy, 180), fleet_view(urls[0])["members"]
         damaged = replicas[1]
         worker = damaged.sidecar.model_worker
         assert worker is not None
@@ -252,7 +251,7 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
                     and all(alert["state"] == "resolved" for alert in alerts) and serving(damaged.url) == healthy)
 
         assert drive(replicas, restored, timeout=300), layer1_alerts(damaged.url)
-        assert wait_for(lambda: retune_notes(receiver), 30)
+        assert wait_until(lambda: retune_notes(receiver), 30)
         notes = retune_notes(receiver)
         assert notes and all("no re-tune job" in note and "restored here" in note for note in notes), notes
         view = fleet_view(urls[0])
@@ -261,7 +260,7 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
 
         # C's routing damaged before its router (the norm that feeds layer 1's gate): its router tensors still
         # read the fleet's version, its peers read healthy, so the version is applied to it again - and no job.
-        assert wait_for(members_healthy, 120), fleet_view(urls[0])["members"]
+        assert wait_until(members_healthy, 120), fleet_view(urls[0])["members"]
         third = replicas[2]
         assert third.sidecar.model_worker is not None
         with third.sidecar.model_worker.model_lock, torch.no_grad():
@@ -306,7 +305,7 @@ def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_v
                 except httpx.HTTPError:
                     return False
 
-            assert wait_for(lambda: all(ready(u) for u in urls.values()), 180)
+            assert wait_until(lambda: all(ready(u) for u in urls.values()), 180)
             replicas = [Replica(name, urls[name], None) for name in NAMES]  # type: ignore[arg-type]
 
             holder: list[str] = []
@@ -345,7 +344,7 @@ def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_v
             # The killed replica starts again: it adopts the fleet's current version before it judges its routers.
             started[killed] = _serve(ports[killed], tmp_path / killed, killed, fleet_url, checkpoint, rules,
                                      tmp_path / f"{killed}-again.log", receiver.url + "/hook")
-            assert wait_for(lambda: ready(urls[killed]), 180)
+            assert wait_until(lambda: ready(urls[killed]), 180)
             assert serving(urls[killed]) == (str(current["version"]), current["digest"])
             assert {serving(u) for u in urls.values()} == {(str(current["version"]), current["digest"])}
             known = {version["digest"] for version in fleet_view(urls[killed])["versions"]}

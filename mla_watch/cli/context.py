@@ -20,6 +20,7 @@ from typing import Any
 
 from mla_watch.cli.flags import DOCS, positive_float
 from mla_watch.cli.startup import FlagError
+from mla_watch.cli.tables import format_table
 from mla_watch.common.describe import describe_value
 from mla_watch.common.output_file import write_stdout
 from mla_watch.routing.positions import PositionProfile, Recommendation, recommend
@@ -101,8 +102,7 @@ def _table(profiles: dict[str, PositionProfile]) -> str:
                 cells.append(f"{bucket.js_divergence:.4f}{mark}")
         tokens = profiles[names[0]].buckets[index].tokens
         rows.append([label, str(tokens), *cells])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
+    return format_table(rows, numbers=True)
 
 
 def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfile], *, dataset: bool) -> str:

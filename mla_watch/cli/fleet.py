@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from mla_watch.cli.flags import DOCS
-from mla_watch.cli.sidecar_api import call_sidecar
+from mla_watch.cli.sidecar_api import call_sidecar, sidecar_url_flag
+from mla_watch.cli.tables import format_table
 
 __all__ = ["add_parser"]
 
@@ -22,11 +23,6 @@ _COMMAND = "mla-watch fleet"
 
 def _when(seconds: float | None) -> str:
     return "-" if seconds is None else time.strftime("%H:%M:%S", time.gmtime(seconds))
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def describe(view: dict[str, Any]) -> str:
@@ -38,7 +34,7 @@ def describe(view: dict[str, Any]) -> str:
     for member in view["members"]:
         rows.append([member["name"], "-" if member["version"] is None else str(member["version"]),
                      member["digest"][:12], _when(member["last_seen"]), "yes" if member["alive"] else "no"])
-    lines.append(_table(rows))
+    lines.append(format_table(rows))
     rollout = view.get("rollout")
     if rollout is not None:
         state = (f"halted by {rollout['halted_by']}: {rollout['reason']}" if rollout["state"] == "halted"
@@ -48,7 +44,7 @@ def describe(view: dict[str, Any]) -> str:
         for step in rollout["steps"]:
             steps.append([step["member"], step["outcome"], _when(step["started_at"]), _when(step["ended_at"]),
                           str((step.get("detail") or {}).get("reason") or "")[:100]])
-        lines.append(_table(steps))
+        lines.append(format_table(steps))
     lease = view["lease"]
     lines.append(f"re-tuning lease: held by {lease['holder']} for job {lease['job']} until "
                  f"{_when(lease['expires_at'])}" if lease["holder"] else "re-tuning lease: free")
@@ -79,8 +75,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True)
 
     def member_url(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--url", default="http://127.0.0.1:8000",
-                            help="any member of the fleet (rollout and abort need MLA_WATCH_ADMIN_TOKEN)")
+        sidecar_url_flag(parser, "any member of the fleet (rollout and abort need MLA_WATCH_ADMIN_TOKEN)")
 
     show = fleet_commands.add_parser("show", help="the members, the version each serves, the rollout, the lease")
     member_url(show)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS, non_negative_float, parse_options, positive_int
-from mla_watch.cli.sidecar_api import call_sidecar
+from mla_watch.cli.sidecar_api import call_sidecar, sidecar_url_flag
+from mla_watch.cli.tables import format_table
 from mla_watch.common.state_dir import DATASETS_DIR_NAME
 from mla_watch.routing.windows import ALL_LINES
 
@@ -36,8 +37,7 @@ def _print_jobs(jobs: list[dict[str, Any]]) -> None:
                      str(result.get("strategy") or "/".join(job["spec"]["strategies"])),
                      "-" if result.get("version") is None else str(result["version"]), str(job["attempts"]),
                      job["spec"].get("business_line") or ALL_LINES, ", ".join(job["spec"]["routers"])])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    print("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows))
+    print(format_table(rows))
 
 
 def _dataset_name(path: Path, directory: Path) -> str:
@@ -180,8 +180,7 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     retune_commands = retune.add_subparsers(dest="retune_command", required=True)
 
     def sidecar_url(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--url", default="http://127.0.0.1:8000",
-                            help="the sidecar (admin calls need MLA_WATCH_ADMIN_TOKEN)")
+        sidecar_url_flag(parser, "the sidecar (admin calls need MLA_WATCH_ADMIN_TOKEN)")
 
     run = retune_commands.add_parser("run", help="schedule a re-tune job now")
     sidecar_url(run)

@@ -3,9 +3,17 @@ admin token from ``MLA_WATCH_ADMIN_TOKEN``, and an error answer turned into one 
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
-__all__ = ["call_sidecar"]
+__all__ = ["DEFAULT_SIDECAR_URL", "call_sidecar", "sidecar_url_flag"]
+
+DEFAULT_SIDECAR_URL = "http://127.0.0.1:8000"
+
+
+def sidecar_url_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """The ``--url`` of a command that talks to a running sidecar."""
+    parser.add_argument("--url", default=DEFAULT_SIDECAR_URL, help=text)
 
 
 def call_sidecar(command: str, url: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

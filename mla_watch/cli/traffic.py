@@ -14,6 +14,7 @@ from typing import Any
 
 from mla_watch.cli.flags import DEFAULT_STATE_DIR, DOCS
 from mla_watch.cli.startup import FlagError
+from mla_watch.cli.tables import format_table
 from mla_watch.common.output_file import check_output_file, write_error, write_stdout
 from mla_watch.routing.footprint import FootprintSampler
 
@@ -121,8 +122,7 @@ def _format_table(records: list[dict[str, Any]]) -> str:
         if record.get("too_small"):
             row[3] += "*"
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    text = "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+    text = format_table(rows, numbers=True)
     if any(record.get("too_small") for record in records):
         text += "\n* fewer tokens than the router's minimum window: the entropy reads low by chance"
     return text
