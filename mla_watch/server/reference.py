@@ -84,7 +84,8 @@ class References:
 
                 weights = SglangWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
                                         geometry=geometry, api_key=key)
-            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate)
+            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
+                                               max_tokens=config.reference.max_tokens)
         return self._engine_reader
 
     def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
@@ -153,7 +154,7 @@ class References:
 
     # ------------------------------------------------------------------ what readings feed
     def _recorded(self, reading: ReferenceReading) -> None:
-        baseline = self.baselines.get(reading.set_name, reading.digest)
+        baseline = self.baselines.of(reading)
         records = []
         for record in reading.score.routers.values():
             comparison = compare(record.router, [reading], [baseline])
@@ -183,7 +184,7 @@ class References:
             if reference is None or reading.digest != reference.digest or reading.router_version != live:
                 continue
             breached = {breach["router"] for breach in judge_health(reading.score, rules).get("breaches", [])}
-            baseline = self.baselines.get(name, reading.digest)
+            baseline = self.baselines.of(reading)
             for record in reading.score.routers.values():
                 if record.router.kind != "expert":
                     continue
