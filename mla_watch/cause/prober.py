@@ -334,16 +334,23 @@ class ReferenceProber:
             return undetermined(f"the reference prompts that may reach {need.what} could not be read through "
                                 f"{self.reader.where}: {failed[0][1]}")
         if coming:
-            if self._thread is None or not self._thread.is_alive():
-                return undetermined("no reference prompts are being read")
             wait = self._long_wait([reference for reference in coming if reference.long])
             if wait is not None:
                 return undetermined(wait)
-            with self._lock:
-                self._wanted |= {reference.name for reference in coming}
-            self._wake.set()
+            if not self.read_soon({reference.name for reference in coming}):
+                return undetermined("no reference prompts are being read")
             return None
         return undetermined(self._unreached(need, sets, current))
+
+    def read_soon(self, names: set[str]) -> bool:
+        """Have the sets ``names`` read soon, on the prober's thread (long ones within their share of the reader's
+        time); ``False`` where no thread reads them."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        with self._lock:
+            self._wanted |= names
+        self._wake.set()
+        return True
 
     def _long_wait(self, long_sets: list[ReferenceSet]) -> str | None:
         """Why ``long_sets`` cannot be read within the wait an alert is given (``None``: they can)."""

@@ -65,7 +65,14 @@ def reference_batches(tokenizer: Any, reference: ReferenceSet, limit: int) -> li
 
 
 def _plan(tokenizer: Any, reference: ReferenceSet, limit: int) -> ReadPlan:
-    return plan_reading(reference, lambda texts: [list(tokenizer(text)["input_ids"]) for text in texts], limit)
+    return plan_reading(reference, lambda texts: [_token_ids(tokenizer, text) for text in texts], limit)
+
+
+def _token_ids(tokenizer: Any, text: str) -> list[int]:
+    try:  # a text longer than the model's context is cut after: transformers' warning about it says nothing here
+        return list(tokenizer(text, verbose=False)["input_ids"])
+    except TypeError:  # a tokenizer without the keyword
+        return list(tokenizer(text)["input_ids"])
 
 
 def _batches(tokenizer: Any, plan: ReadPlan) -> list[Any]:
