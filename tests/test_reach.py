@@ -82,7 +82,7 @@ def test_bad_long_sets_name_the_file_the_key_the_value_and_the_expectation(tmp_p
         load_reference_dir(tmp_path)
     errors = raised.value.errors
     expected = [
-        "default.yaml: long = true: expected false in default.yaml, the mixed set of the lines without a set of their own",
+        "default.yaml: long = true: expected false in default.yaml, the mixed set of the lines without a set of",
         "far.yaml: long = 'yes': expected true (a long set",
         "far.yaml: generate = '<with prompts>': expected either prompts or generate, not both",
         "far.yaml: generate = '<in a set without long: true>': expected generated documents in a long set only",

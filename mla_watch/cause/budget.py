@@ -24,7 +24,7 @@ __all__ = ["CHARS_PER_TOKEN", "MAX_CHARS_PER_TOKEN", "ReadPlan", "plan_reading"]
 # and twice as long while it tokenizes short, up to MAX_CHARS_PER_TOKEN; a given prompt's text is cut there too
 # before it is tokenized, which bounds the tokenizer's work by the limit, not by the file.
 CHARS_PER_TOKEN = 6
-MAX_CHARS_PER_TOKEN = 32
+MAX_CHARS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from typing import Any
 
 from mla_watch.alerting.causes import Cause, undetermined
 from mla_watch.alerting.model import breached, judged_window
-from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet, ReferenceSets
+from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
-from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, ReferenceReader
+from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.clients import ClientShares
@@ -78,9 +78,9 @@ class ReferenceSettings:
                    "a share of the reader's time in (0, 1]")]
         found = [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
                  if not (is_number(value, finite=True) and ok)]
-        if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_SET_TOKENS):
+        if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
             found.append(f"--reference-max-tokens {self.max_tokens!r}: expected tokens a prompt from 16 to "
-                         f"{MAX_SET_TOKENS}")
+                         f"{MAX_ENGINE_PROMPT_TOKENS}")
         return found
 
 

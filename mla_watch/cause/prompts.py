@@ -144,7 +144,7 @@ class ReferenceSets:
         lines = {name: reference for name, reference in self.sets.items() if not reference.long}
         if business_line in (None, ALL_LINES):
             return list(lines.values())
-        chosen = lines.get(business_line) or lines.get(DEFAULT_SET)  # type: ignore[arg-type]
+        chosen = lines.get(business_line) or lines.get(DEFAULT_SET)
         return [chosen] if chosen is not None else []
 
     def long_sets(self) -> list[ReferenceSet]:

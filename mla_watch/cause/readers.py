@@ -28,10 +28,13 @@ from mla_watch.cause.budget import ReadPlan, plan_reading
 from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
 
-__all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "EngineReader", "ModelReader", "ReferenceReader",
-           "model_context", "reference_batches"]
+__all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "MAX_ENGINE_PROMPT_TOKENS", "EngineReader",
+           "ModelReader", "ReferenceReader", "model_context", "reference_batches"]
 
 DEFAULT_ENGINE_PROMPT_TOKENS = 8192  # --reference-max-tokens: a prompt's tokens read through an engine
+# At most: the engine's answer to one prompt (a log-probability and every MoE layer's routing a token, ~0.8 KB on
+# DeepSeek-V3) must fit the 64 MiB an answer may hold (engines/vllm_weights.py).
+MAX_ENGINE_PROMPT_TOKENS = 65_536
 DEFAULT_MODEL_CONTEXT = 4096  # a model whose config names no context length
 BATCH_TOKENS = 16_384  # the positions of one batch of the model here: long prompts go a few at a time
 

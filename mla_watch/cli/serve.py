@@ -317,16 +317,16 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cause.add_argument("--reference-rate", type=positive_float, default=ReferenceSettings.rate, metavar="PER_SECOND",
                        help="beside an engine: reference prompts sent a second at most (default %(default)s)")
     cause.add_argument("--reference-max-tokens", type=positive_int, default=ReferenceSettings.max_tokens,
-                       metavar="TOKENS", help="beside an engine: a reference prompt's tokens read at most, and how long "
-                                              "the generated documents of a long set are (the model served here: its "
-                                              "context) (default %(default)s)")
+                       metavar="TOKENS", help="beside an engine: a reference prompt's tokens read at most, and how "
+                                              "long the generated documents of a long set are (the model served "
+                                              "here: its context) (default %(default)s)")
     cause.add_argument("--reference-long-interval", type=non_negative_float,
                        default=ReferenceSettings.long_interval_seconds, metavar="SECONDS",
-                       help="read the long sets (long: true) this often; 0: at start and when an alert on far positions "
-                            "asks (default %(default)s)")
+                       help="read the long sets (long: true) this often; 0: at start and when an alert on far "
+                            "positions asks (default %(default)s)")
     cause.add_argument("--reference-long-share", type=share, default=ReferenceSettings.long_share, metavar="SHARE",
-                       help="long sets take at most this share of the reader's time (the engine's prefill, or the model "
-                            "served here): after a reading of T seconds the next waits T x (1 / SHARE - 1) "
+                       help="long sets take at most this share of the reader's time (the engine's prefill, or the "
+                            "model served here): after a reading of T seconds the next waits T x (1 / SHARE - 1) "
                             "(default %(default)s)")
     cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
                        help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "

@@ -14,8 +14,8 @@ from typing import Any, cast
 import numpy as np
 
 from mla_watch.engines.formats import routing_counts
-from mla_watch.engines.routing_ids import routing_position_counts
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.routing_ids import routing_position_counts
 from mla_watch.engines.swap import SampleScore
 from mla_watch.quality.band import Band
 from mla_watch.routing.stats import compute_stats
