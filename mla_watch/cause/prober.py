@@ -371,6 +371,9 @@ class ReferenceProber:
                           for reference in sets if reference.name in readings)
         said = (f"no reading of the reference prompts reached {need.what}: the longest prompt each set read "
                 f"({reach or 'none read'})")
+        if any(reading.reach > need.start for reading in readings.values()):
+            return (f"{said}; the routing of {self.reader.where} was not counted by position (its context length is "
+                    "not known: --model-config's max_position_embeddings)")
         limit = self.reader.limit
         if need.start >= limit:
             return (f"{said}; those positions lie past what {self.reader.where} reads of a prompt ({limit} tokens: the "
