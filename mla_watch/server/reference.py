@@ -128,8 +128,11 @@ class References:
                                       clients=self.clients, on_reading=self._recorded)
         self.unavailable = None
         self.prober.start()
-        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending",
-                 len(self.sets.current.sets), reader.where, self.config.reference.interval_seconds)
+        sets, settings = self.sets.current, self.config.reference
+        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending; "
+                 "the long sets (%d) every %g s and when an alert on far positions is due, within %g of its time; "
+                 "%d tokens a prompt", len(sets.for_line(None)), reader.where, settings.interval_seconds,
+                 len(sets.long_sets()), settings.long_interval_seconds, settings.long_share, reader.limit)
 
     # ------------------------------------------------------------------ the cause judge
     @property
