@@ -78,7 +78,7 @@ def engine_cost(url: str, geometry: Any, seconds: float, rounds: int) -> dict[st
     prompt tokens/s while it reads the sets alone; what the default schedule asks of it."""
     from mla_watch.engines.vllm_weights import VllmWeights
 
-    sets = list(load_reference_dir(SHIPPED_REFERENCES).sets.values())
+    sets = load_reference_dir(SHIPPED_REFERENCES).for_line(None)  # the long set: bench/long_references.py
     reader = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=16.0)
     for reference in sets:  # tokenized once, as the sidecar does
         reader.token_ids(reference)

@@ -67,6 +67,10 @@ class ReadAtOnce(ReferenceProber):
     def request(self, business_line: str | None, since: float) -> None:
         self.read_now([reference.name for reference in self._sets().for_line(business_line)])
 
+    def read_soon(self, names: set[str]) -> bool:
+        self.read_now(sorted(names))
+        return True
+
 
 @dataclass
 class Replay:

@@ -237,7 +237,7 @@ def _engine_healthy(index: int) -> tuple[str, str, str, str]:
 def trimmed_references(directory: Path, prompts: int = 8, *, default: bool = False) -> Path:
     """The shipped reference sets cut to their first ``prompts`` prompts each: a CPU engine reads one in about
     15 s, not the whole set's minute. The mixed default set only with ``default`` (the floods send lines that
-    have sets of their own: each set read costs every reading)."""
+    have sets of their own: each set read costs every reading); no long set (no flood sends long prompts)."""
     import yaml
 
     from mla_watch.shipped import SHIPPED_REFERENCES
@@ -247,6 +247,8 @@ def trimmed_references(directory: Path, prompts: int = 8, *, default: bool = Fal
         if file.stem == "default" and not default:
             continue
         document = yaml.safe_load(file.read_text())
+        if document.get("long"):
+            continue
         document["prompts"] = document["prompts"][:prompts]
         (directory / file.name).write_text(yaml.safe_dump(document, sort_keys=False))
     return directory

@@ -75,13 +75,15 @@ LOW = Rule(name="RoutingEntropyLow", metric="entropy_bits", selector=Selector(ki
 
 
 # --------------------------------------------------------------------------- files
-def test_the_shipped_sets_load_one_per_line_and_a_mixed_default() -> None:
+def test_the_shipped_sets_load_one_per_line_a_mixed_default_and_a_long_set() -> None:
     loaded = load_reference_dir(SHIPPED_REFERENCES)
-    assert set(loaded.sets) == {"code_assistant", "customer_service", "doc_summary", "default"}
-    assert all(len(reference.prompts) == 32 for reference in loaded.sets.values())
+    assert set(loaded.sets) == {"code_assistant", "customer_service", "doc_summary", "default", "long_documents"}
+    assert all(len(reference.prompts) == 32 for reference in loaded.for_line(None))
     assert [r.name for r in loaded.for_line("code_assistant")] == ["code_assistant"]
     assert [r.name for r in loaded.for_line("sql_reports")] == ["default"]  # a line without a set of its own
-    assert len(loaded.for_line(None)) == len(loaded.for_line("all")) == 4
+    assert len(loaded.for_line(None)) == len(loaded.for_line("all")) == 4  # a long set describes no line
+    (long,) = loaded.long_sets()
+    assert long.name == "long_documents" and long.generate is not None and long.count == 4
 
 
 def test_a_set_is_kept_apart_by_its_version_and_prompts() -> None:
@@ -102,12 +104,14 @@ def test_bad_reference_files_name_the_file_the_key_the_value_and_the_expectation
     assert any("code_assistant.yaml: prompts = " in e and "expected a list of 4 to 256 texts" in e for e in errors)
     assert any("unknown key 'extra'" in e for e in errors)
     assert any("default.yaml: prompts = '<1 repeated>': expected distinct texts" in e for e in errors), errors
-    secret = "token-abcdef-do-not-show" * 400  # a prompt too long is named by its size, not shown
+    secret = "token-abcdef-do-not-show" * 400  # a prompt refused is named by its size, not shown
     (tmp_path / "code_assistant.yaml").write_text(f"business_line: code_assistant\nversion: 1\nprompts: [a, b, c, "
-                                                  f"'{secret}']\n")
+                                                  f"'{secret}', '   ']\nmax_tokens: 10\n")
     with pytest.raises(ReferenceError) as raised:
         load_reference_dir(tmp_path)
-    assert "token-abcdef" not in str(raised.value) and "<text of 9600 characters>" in str(raised.value)
+    assert "token-abcdef" not in str(raised.value) and "prompts[4] = '<text of 3 characters>': expected a non-empty " \
+        "text" in str(raised.value)
+    assert "max_tokens = 10: expected an integer from 16 to 1048576" in str(raised.value)
 
 
 # --------------------------------------------------------------------------- readings and causes

@@ -51,6 +51,7 @@ ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "m
                "mla_watch.engines.recorder", "mla_watch.engines.vllm_weights", "mla_watch.engines.sglang_weights",
                "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.quality.score",
+               "mla_watch.models.corpus",
                "mla_watch.retune.gates", "mla_watch.retune.specs", "mla_watch.retune.data", "mla_watch.retune.capture",
                "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.retune.engine",
                "mla_watch.retune.versions", "mla_watch.retune.hosts", "mla_watch.retune.service",

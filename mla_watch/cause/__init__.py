@@ -1,7 +1,10 @@
 """Traffic or damage: what changed when routing changed - the model, or what clients send.
 
-* :mod:`~mla_watch.cause.prompts`: reference prompts per business line, fixed and versioned (YAML);
+* :mod:`~mla_watch.cause.prompts`: reference prompts per business line, fixed and versioned (YAML), and the long
+  sets that reach far positions;
+* :mod:`~mla_watch.cause.budget`: how much of a set one reading reads (a prompt's limit, the set's token budget);
 * :mod:`~mla_watch.cause.readers`: how they are read, through the model served here or the engine beside;
+* :mod:`~mla_watch.cause.reach`: which positions an alert concerns, and whether a reading reached them;
 * :mod:`~mla_watch.cause.readings`: a reading, its healthy baseline, how the two compare (no torch);
 * :mod:`~mla_watch.cause.prober`: readings on a schedule and on demand, and the cause of each routing alert.
 

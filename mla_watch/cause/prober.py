@@ -16,6 +16,14 @@ the alert went pending:
 * ``traffic``: they route as they did while healthy, and the rule holds on them: only what clients send
   changed; the clients whose share of the line moved most are named;
 * ``undetermined``: no set describes the line, or no reading could be taken (the reason is said).
+
+An alert that concerns positions short prompts do not reach (:mod:`mla_watch.cause.reach`: a rule on
+``long_context_drift``, any alert on a DSA indexer) is judged only by readings that reached them - the line's
+sets or the long sets (``long: true``) - at those positions; while none reached them its cause is
+``undetermined``, saying how far each set reaches. Long sets are read at start, every
+``long_interval_seconds``, and when such an alert is due; a long reading that took ``T`` seconds is followed
+by no other for ``T x (1 / long_share - 1)`` seconds, so that long sets take at most ``long_share`` of the
+reader's time (the engine's prefill beside vLLM or SGLang; the model's here).
 """
 
 from __future__ import annotations
@@ -31,9 +39,10 @@ from typing import Any
 from mla_watch.alerting.causes import Cause, undetermined
 from mla_watch.alerting.model import breached, judged_window
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
-from mla_watch.cause.readers import ReferenceReader
+from mla_watch.cause.reach import Need, needed, reaches
+from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
-from mla_watch.common.values import is_number
+from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
@@ -54,14 +63,25 @@ class ReferenceSettings:
     tolerance_bits: float = DEFAULT_TOLERANCE_BITS  # JS from the set's baseline beyond which the model changed
     rate: float = 16.0  # reference prompts a second, at most, to an engine beside the sidecar
     retry_seconds: float = 30.0  # a set whose reading failed (an engine restarting, a full queue) is read again then
+    max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS  # beside an engine: a prompt's tokens read at most
+    long_interval_seconds: float = 1800.0  # the long sets read this often (0: at start, then only when an alert asks)
+    long_share: float = 0.05  # of the reader's time, at most, spent reading long sets
 
     def problems(self) -> list[str]:
         checks = [("--reference-interval", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
                   ("--reference-wait", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
                   ("--reference-tolerance", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
-                  ("--reference-rate", self.rate, self.rate > 0, "prompts a second > 0")]
-        return [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
-                if not (is_number(value, finite=True) and ok)]
+                  ("--reference-rate", self.rate, self.rate > 0, "prompts a second > 0"),
+                  ("--reference-long-interval", self.long_interval_seconds, self.long_interval_seconds >= 0,
+                   "seconds >= 0"),
+                  ("--reference-long-share", self.long_share, 0 < self.long_share <= 1,
+                   "a share of the reader's time in (0, 1]")]
+        found = [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
+                 if not (is_number(value, finite=True) and ok)]
+        if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
+            found.append(f"--reference-max-tokens {self.max_tokens!r}: expected tokens a prompt from 16 to "
+                         f"{MAX_ENGINE_PROMPT_TOKENS}")
+        return found
 
 
 class ReferenceProber:
@@ -90,11 +110,15 @@ class ReferenceProber:
         self._readings: dict[str, ReferenceReading] = {}
         self._failures: dict[str, tuple[float, str]] = {}  # set -> (when, why) of its last failed reading
         self._not_learning: dict[str, str] = {}  # set -> why its latest reading was not learned
+        self._noted: dict[str, str] = {}  # set -> what its reading cuts or leaves out, said once
         self._wanted: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._retry_at: dict[str, float] = {}  # a set whose reading failed, read again then (monotonic)
+        self._long_free_at = 0.0  # no long set is read before then (monotonic): long_share of the reader's time
+        self._long_last_seconds = 0.0  # how long the last round of long readings took
+        self._deferred: set[str] = set()  # long sets asked for, read once they may be
         self.readings_taken = 0
 
     @property
@@ -113,14 +137,17 @@ class ReferenceProber:
             self._thread.join(timeout=60)
 
     def _run(self) -> None:
-        interval = self.settings.interval_seconds
+        interval, long_interval = self.settings.interval_seconds, self.settings.long_interval_seconds
         # Every set once at start, whatever the interval: a baseline learned while the routers are known good is what
         # later readings are compared with, and damage done in place later changes no router version.
         self._wanted |= set(self._sets().sets)
-        due = time.monotonic() + interval if interval else math.inf
+        started = time.monotonic()
+        due = started + interval if interval else math.inf
+        long_due = started + long_interval if long_interval else math.inf
         while not self._stop.is_set():
             with self._lock:
-                next_at = min([due, *self._retry_at.values()])
+                next_at = min([due, long_due, *self._retry_at.values(),
+                               *([self._long_free_at] if self._deferred else [])])
             timeout = None if next_at == math.inf else max(0.0, next_at - time.monotonic())
             if not self._wanted and (timeout is None or timeout > 0):
                 self._wake.wait(timeout)
@@ -128,30 +155,53 @@ class ReferenceProber:
             if self._stop.is_set():
                 return
             now = time.monotonic()
+            sets = self._sets()
             with self._lock:
                 names, self._wanted = set(self._wanted), set()
                 retries = {name for name, at in self._retry_at.items() if at <= now}
             names |= retries
             if now >= due:
-                names |= set(self._sets().sets)
+                names |= {reference.name for reference in sets.for_line(None)}
                 due = now + interval
+            if now >= long_due:
+                names |= {reference.name for reference in sets.long_sets()}
+                long_due = now + long_interval
+            names = self._pace_long(names, sets, now)
             try:
                 self.read_now(sorted(names))
             except Exception:  # the prober must outlive whatever one round hits
                 log.exception("reading the reference prompts failed")
+
+    def _pace_long(self, names: set[str], sets: ReferenceSets, now: float) -> set[str]:
+        """``names`` less the long sets that may not be read yet (kept for when they may), plus those that now may."""
+        long = {reference.name for reference in sets.long_sets()}
+        with self._lock:
+            if now < self._long_free_at:
+                self._deferred |= names & long
+                return names - long
+            names, self._deferred = names | (self._deferred & long), set()
+        return names
 
     # ------------------------------------------------------------------ readings
     def read_now(self, names: Sequence[str] | None = None) -> list[ReferenceReading]:
         """Read the sets ``names`` (every set for ``None``) now, in this thread; the readings taken."""
         sets = self._sets().sets
         taken = []
+        long_seconds = 0.0
         for name in (list(sets) if names is None else names):
             reference = sets.get(name)
             if reference is None:
                 continue
+            started = time.monotonic()
             reading = self._read(reference)
+            if reference.long:
+                long_seconds += time.monotonic() - started
             if reading is not None:
                 taken.append(reading)
+        if long_seconds:
+            with self._lock:  # long readings take at most long_share of the reader's time
+                self._long_last_seconds = long_seconds
+                self._long_free_at = time.monotonic() + long_seconds * (1.0 / self.settings.long_share - 1.0)
         return taken
 
     def _read(self, reference: ReferenceSet) -> ReferenceReading | None:
@@ -170,8 +220,13 @@ class ReferenceProber:
             log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
                         reference.name, self.reader.where, self.settings.retry_seconds, why)
             return None
+        plan = self.reader.plan(reference)
+        note = None if plan is None else plan.note
+        if note is not None and note != self._noted.get(reference.name):
+            self._noted[reference.name] = note
+            log.warning("reference prompts %s read through %s: %s", reference.name, self.reader.where, note)
         reading = ReferenceReading(reference.name, reference.version, reference.digest, taken_at, version,
-                                   score, time.monotonic() - started)
+                                   score, time.monotonic() - started, note, reference.long)
         with self._lock:
             self._readings[reference.name] = reading
             self._failures.pop(reference.name, None)
@@ -187,7 +242,7 @@ class ReferenceProber:
 
     def _learn(self, reading: ReferenceReading) -> None:
         self.baselines.save_again()  # a save the disk refused earlier
-        known = self.baselines.get(reading.set_name, reading.digest)
+        known = self.baselines.of(reading)
         if known is not None and known.router_version == reading.router_version:
             return
         why_not = self._trusted(reading)
@@ -225,6 +280,9 @@ class ReferenceProber:
     def judge(self, rule: Any, record: RouterStats, since: float) -> Cause | None:
         line = record.line_label
         sets = self._sets().for_line(record.business_line)
+        need = needed(rule, record)
+        if need is not None:
+            return self._judge_reach(rule, record, since, need, sets)
         if not sets:
             return undetermined(f"no reference prompts describe {line} (add {line}.yaml, or default.yaml, to the "
                                 "reference prompt directory)")
@@ -242,29 +300,111 @@ class ReferenceProber:
                 return undetermined("no reference prompts are being read")
             self.request(record.business_line, since)
             return None
-        comparison = compare(record.router, fresh, [self.baselines.get(r.set_name, r.digest) for r in fresh])
+        comparison = compare(record.router, fresh, [self.baselines.of(r) for r in fresh])
         if comparison is None:
             return undetermined(f"the reading of the reference prompts holds no routing of {record.router.name}")
         return self._cause(rule, record, comparison, fresh)
 
+    def _judge_reach(self, rule: Any, record: RouterStats, since: float, need: Need,
+                     line_sets: list[ReferenceSet]) -> Cause | None:
+        """The cause of an alert that concerns the positions ``need`` names: from the readings since ``since``, of
+        the line's sets and the long sets, that reached them; ``None`` while one that may reach them is coming."""
+        sets = [*line_sets, *self._sets().long_sets()]
+        with self._lock:
+            readings = {reference.name: self._readings.get(reference.name) for reference in sets}
+            failures = {reference.name: self._failures.get(reference.name) for reference in sets}
+        current = {name: reading for name, reading in readings.items() if reading is not None
+                   and any(reading.digest == reference.digest for reference in sets if reference.name == name)}
+        fresh = [reading for reading in current.values() if reading.taken_at >= since]
+        reached = [reading for reading in fresh if reaches(reading, need)]
+        if reached:
+            comparison = compare(record.router, reached, [self.baselines.of(r) for r in reached],
+                                 from_position=need.start if need.by_position else None)
+            if comparison is None:
+                return undetermined(f"the readings of the reference prompts that reached {need.what} hold no "
+                                    f"routing of {record.router.name}")
+            return self._cause(rule, record, comparison, reached, need)
+        # A set not read since the alert began may reach them, unless its last reading, of the same prompts, did not.
+        coming = [reference for reference in sets
+                  if not ((reading := current.get(reference.name)) is not None
+                          and (reading.taken_at >= since or not reaches(reading, need)))]
+        failed = [failure for reference in coming if (failure := failures.get(reference.name)) is not None
+                  and failure[0] >= since]
+        if failed:
+            return undetermined(f"the reference prompts that may reach {need.what} could not be read through "
+                                f"{self.reader.where}: {failed[0][1]}")
+        if coming:
+            wait = self._long_wait([reference for reference in coming if reference.long])
+            if wait is not None:
+                return undetermined(wait)
+            if not self.read_soon({reference.name for reference in coming}):
+                return undetermined("no reference prompts are being read")
+            return None
+        return undetermined(self._unreached(need, sets, current))
+
+    def read_soon(self, names: set[str]) -> bool:
+        """Have the sets ``names`` read soon, on the prober's thread (long ones within their share of the reader's
+        time); ``False`` where no thread reads them."""
+        if self._thread is None or not self._thread.is_alive():
+            return False
+        with self._lock:
+            self._wanted |= names
+        self._wake.set()
+        return True
+
+    def _long_wait(self, long_sets: list[ReferenceSet]) -> str | None:
+        """Why ``long_sets`` cannot be read within the wait an alert is given (``None``: they can)."""
+        if not long_sets:
+            return None
+        with self._lock:
+            left, took = self._long_free_at - time.monotonic(), self._long_last_seconds
+        if left <= self.settings.wait_seconds:
+            return None
+        names = ", ".join(f"{reference.name} v{reference.version}" for reference in long_sets)
+        return (f"no reading since the alert began reached the positions it concerns, and the long reference prompts "
+                f"({names}) are next read in {left:.0f} s: their last reading took {took:.1f} s, and long sets take "
+                f"at most {self.settings.long_share:.0%} of {self.reader.where}'s time (--reference-long-share)")
+
+    def _unreached(self, need: Need, sets: list[ReferenceSet], readings: dict[str, ReferenceReading]) -> str:
+        """Why no reading reached ``need``'s positions: how far each set reaches, and what would reach them."""
+        reach = ", ".join(f"{reference.name} v{reference.version} {readings[reference.name].reach} tokens"
+                          for reference in sets if reference.name in readings)
+        said = (f"no reading of the reference prompts reached {need.what}: the longest prompt each set read "
+                f"({reach or 'none read'})")
+        if any(reading.reach > need.start for reading in readings.values()):
+            return (f"{said}; the routing of {self.reader.where} was not counted by position (its context length is "
+                    "not known: --model-config's max_position_embeddings)")
+        limit = self.reader.limit
+        if need.start >= limit:
+            return (f"{said}; those positions lie past what {self.reader.where} reads of a prompt ({limit} tokens: the "
+                    "model's context, or --reference-max-tokens beside an engine)")
+        if not any(reference.long for reference in sets):
+            return (f"{said}; add a long set (long: true, with prompts past position {need.start}, or generate) to "
+                    "the reference prompt directory")
+        return f"{said}; give a long set prompts past position {need.start}, or raise its max_tokens"
+
     def _cause(self, rule: Any, record: RouterStats, comparison: RouterComparison,
-               readings: list[ReferenceReading]) -> Cause:
+               readings: list[ReferenceReading], need: Need | None = None) -> Cause:
         tolerance = self.settings.tolerance_bits
         changed = comparison.changed(tolerance)
-        breach = _rule_breach(rule, comparison)
+        breach = None if need is not None and need.by_position else _rule_breach(rule, comparison)
         metric = rule.metric
         value = getattr(comparison.stats, metric)
         healthy = None if comparison.baseline is None else getattr(comparison.baseline, metric)
         js = comparison.stats.js_divergence if comparison.baseline is not None else None
         sets = ", ".join(f"{reading.set_name} v{reading.set_version}" for reading in readings)
-        figures = (f"{record.router.name} reads {metric} {_number(value)} on them"
-                   + (f" ({_number(healthy)} while healthy)" if healthy is not None else "")
-                   + (f", {js:.4f} bits (Jensen-Shannon) from their healthy routing, tolerance {tolerance:g}"
-                      if js is not None else ", with no healthy baseline of them yet"))
+        if need is not None:
+            sets += f"; {need.what}, {comparison.stats.tokens} tokens there"
+        figures = (f"{record.router.name} reads {metric} {_number(value)} on them" if value is not None
+                   or need is None or not need.by_position else f"{record.router.name}'s routing there")
+        figures += ((f" ({_number(healthy)} while healthy)" if healthy is not None else "")
+                    + (f", {js:.4f} bits (Jensen-Shannon) from their healthy routing, tolerance {tolerance:g}"
+                       if js is not None else ", with no healthy baseline of them yet"))
         details: dict[str, Any] = {
             "sets": [reading.summary() for reading in readings], "router": record.router.name, "metric": metric,
             "value": _json_number(value), "healthy": _json_number(healthy), "js_bits": _json_number(js),
-            "tolerance_bits": tolerance, "rule_breached": breach, "changed": changed}
+            "tolerance_bits": tolerance, "rule_breached": breach, "changed": changed,
+            "reach": None if need is None else need.as_dict()}
         reading_at = min(reading.taken_at for reading in readings)
         if changed or breach:
             why = "route differently now" if changed else f"breach {rule.name} too"
@@ -288,7 +428,7 @@ class ReferenceProber:
         out = []
         for name, reference in sets.sets.items():
             reading = readings.get(name)
-            baseline = self.baselines.get(name, reference.digest)
+            baseline = self.baselines.of(reading) if reading is not None else self.baselines.get(name, reference.digest)
             routers = []
             if reading is not None and reading.digest == reference.digest:
                 for router in reading.score.routers.values():
@@ -307,9 +447,14 @@ class ReferenceProber:
                         "not_learning": self._not_learning.get(name),
                         "last_failure": None if failure is None else {"at": failure[0], "error": failure[1]},
                         "routers": routers})
+        with self._lock:
+            free_in = self._long_free_at - time.monotonic()
         return {"reader": self.reader.where, "interval_seconds": self.settings.interval_seconds,
                 "wait_seconds": self.settings.wait_seconds, "tolerance_bits": self.settings.tolerance_bits,
                 "rate": self.settings.rate, "readings_taken": self.readings_taken, "all_lines": ALL_LINES,
+                "prompt_tokens": self.reader.limit, "long_interval_seconds": self.settings.long_interval_seconds,
+                "long_share": self.settings.long_share,
+                "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),
                 "sets": out}
 
 

@@ -11,9 +11,18 @@ line, and ``default.yaml``, the mixed set of the lines that have none of their o
     business_line: code_assistant     # the file name's stem
     version: 1                         # bump it when the prompts change: baselines are kept per version
     description: code and SQL completion
+    max_tokens: 65536                  # the set's token budget (optional; this default, at most 1048576)
     prompts:
       - "def parse_invoice(text: str) -> dict:"
       - ...
+
+A *long set* (``long: true``) describes no one line: it reaches the positions the other sets do not (past a
+model's trained length, past a DSA indexer's ``index_topk``), judges the position-localized and indexer alerts
+of every line, and is read less often (:mod:`mla_watch.cause.prober`). Its prompts are given, or generated
+(``generate: {documents: N, seed: S}``): N documents of the shipped corpus (:mod:`mla_watch.models.corpus`),
+as long as the reader reads - the model's context embedded, ``--reference-max-tokens`` beside an engine.
+Generated rather than shipped as text because their length follows the reader, from a 512-token model to a
+128k one, and the generator is deterministic: the same documents, to the character, in every process.
 
 Validated at start-up like policies (every problem of every file at once, naming the file, the key, the
 value and what was expected); a reload that fails keeps the sets in force.
@@ -25,6 +34,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -34,14 +44,20 @@ from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import Checker, read_yaml
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
-__all__ = ["DEFAULT_SET", "MAX_PROMPTS", "MAX_PROMPT_CHARS", "MIN_PROMPTS", "ReferenceError", "ReferenceSet",
-           "ReferenceSets", "load_reference_dir"]
+__all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
+           "MIN_PROMPTS", "Generated", "ReferenceError", "ReferenceSet", "ReferenceSets", "load_reference_dir"]
 
 DEFAULT_SET = "default"  # the mixed set of every line without a set of its own
 MIN_PROMPTS = 4  # fewer reads too few tokens for a router's statistics to mean much
 MAX_PROMPTS = 256  # a reading costs one prefill per prompt: bounded, for the engine's sake
-MAX_PROMPT_CHARS = 8192
-_KEYS = ("business_line", "version", "description", "prompts")
+# A set's token budget: the tokens one reading of it reads, all its prompts together. The default is what the
+# former limits let a set read (256 prompts of at most 256 tokens each); a file may raise it to the maximum.
+DEFAULT_SET_TOKENS = 65_536
+MAX_SET_TOKENS = 1_048_576
+MAX_DOCUMENTS = 64  # a generated set's documents
+MAX_FILE_BYTES = 16 * 1024 * 1024  # a reference file: 256 prompts of 8192 characters of 4-byte UTF-8, and more
+_KEYS = ("business_line", "version", "description", "long", "max_tokens", "prompts", "generate")
+_GENERATE_KEYS = ("documents", "seed")
 
 
 class ReferenceError(ConfigError):
@@ -51,24 +67,69 @@ class ReferenceError(ConfigError):
 
 
 @dataclass(frozen=True)
-class ReferenceSet:
-    """The reference prompts of one business line (or :data:`DEFAULT_SET`)."""
+class Generated:
+    """The prompts of a generated set: ``documents`` texts of the shipped corpus, seeded by ``seed``."""
 
-    name: str  # the business line, or "default"
+    documents: int
+    seed: int = 0
+
+    def texts(self, characters: int) -> list[str]:
+        """Each document, at least ``characters`` long (then cut there): deterministic in the seed and the
+        document, and each a prefix of its longer self."""
+        from mla_watch.models.corpus import generate_mixed
+
+        out = []
+        for document in range(self.documents):
+            seed = self.seed * MAX_DOCUMENTS + document
+            count = max(4, characters // 400 + 4)
+            while True:
+                text = "\n\n".join(sample for _, sample in generate_mixed(count, seed))
+                if len(text) >= characters:
+                    out.append(text[:characters])
+                    break
+                count *= 2
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {"documents": self.documents, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class ReferenceSet:
+    """The reference prompts of one business line (or :data:`DEFAULT_SET`), or a long set."""
+
+    name: str  # the business line, or "default"; a long set's own name
     version: int
-    prompts: tuple[str, ...]
+    prompts: tuple[str, ...]  # empty for a generated set
     description: str = ""
     source: str = ""
+    long: bool = False  # reaches far: judges every line's position-localized and indexer alerts
+    max_tokens: int = DEFAULT_SET_TOKENS  # the token budget of one reading
+    generate: Generated | None = None
 
-    @property
+    @cached_property
     def digest(self) -> str:
         """What a healthy baseline of this set is kept under: a new version or new prompts learn anew."""
-        text = json.dumps([self.name, self.version, list(self.prompts)], ensure_ascii=False)
+        if self.generate is None:  # the form of every set before long sets: their baselines stay valid
+            parts: list[Any] = [self.name, self.version, list(self.prompts)]
+        else:  # the generator's texts themselves: a corpus that changed is new prompts
+            parts = [self.name, self.version, self.generate.as_dict(), self.generate.texts(4096)]
+        text = json.dumps(parts, ensure_ascii=False)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def texts(self, characters: int) -> list[str]:
+        """The prompts' texts; a generated set's documents ``characters`` long."""
+        return list(self.prompts) if self.generate is None else self.generate.texts(characters)
+
+    @property
+    def count(self) -> int:
+        return len(self.prompts) if self.generate is None else self.generate.documents
+
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "prompts": len(self.prompts), "digest": self.digest,
-                "description": self.description, "source": self.source}
+        return {"name": self.name, "version": self.version, "prompts": self.count, "digest": self.digest,
+                "description": self.description, "source": self.source, "long": self.long,
+                "max_tokens": self.max_tokens,
+                "generate": None if self.generate is None else self.generate.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -79,11 +140,16 @@ class ReferenceSets:
 
     def for_line(self, business_line: str | None) -> list[ReferenceSet]:
         """The sets whose routing describes ``business_line``: its own, else the default one; every set for all
-        lines summed (``None`` or ``"all"``)."""
+        lines summed (``None`` or ``"all"``). Long sets describe no line (:meth:`long_sets`)."""
+        lines = {name: reference for name, reference in self.sets.items() if not reference.long}
         if business_line in (None, ALL_LINES):
-            return list(self.sets.values())
-        chosen = self.sets.get(business_line) or self.sets.get(DEFAULT_SET)
+            return list(lines.values())
+        chosen = lines.get(business_line) or lines.get(DEFAULT_SET)
         return [chosen] if chosen is not None else []
+
+    def long_sets(self) -> list[ReferenceSet]:
+        """The sets that reach far, for every line's position-localized and indexer alerts."""
+        return [reference for reference in self.sets.values() if reference.long]
 
     def as_dict(self) -> dict[str, Any]:
         return {name: reference.as_dict() for name, reference in self.sets.items()}
@@ -91,6 +157,13 @@ class ReferenceSets:
 
 def _load_file(path: Path) -> ReferenceSet:
     label = str(path)
+    try:
+        size = path.stat().st_size
+    except OSError as error:
+        raise ReferenceError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
+                              "YAML file"]) from None
+    if size > MAX_FILE_BYTES:
+        raise ReferenceError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
     data = read_yaml(path, label, ReferenceError)
     chk = Checker(label)
     if not isinstance(data, dict):
@@ -110,23 +183,58 @@ def _load_file(path: Path) -> ReferenceSet:
     if not isinstance(description, str):
         chk.bad("description", description, "a string")
         description = ""
-    prompts = data.get("prompts")
+    long = data.get("long", False)
+    if not isinstance(long, bool):
+        chk.bad("long", long, "true (a long set, for every line's position-localized and indexer alerts) or false")
+        long = False
+    if long and path.stem == DEFAULT_SET:
+        chk.bad("long", long, f"false in {DEFAULT_SET}.yaml, the mixed set of the lines without a set of their own")
+    max_tokens = data.get("max_tokens", DEFAULT_SET_TOKENS)
+    if not is_integer(max_tokens) or not 16 <= max_tokens <= MAX_SET_TOKENS:
+        chk.bad("max_tokens", max_tokens, f"an integer from 16 to {MAX_SET_TOKENS} (the tokens one reading of the "
+                                          "set reads, its prompts together)")
+        max_tokens = DEFAULT_SET_TOKENS
+    kept, generated = _prompts(chk, data, long)
+    if chk.errors:
+        raise ReferenceError(chk.errors)
+    return ReferenceSet(path.stem, int(version), tuple(kept), description.strip(), label,  # type: ignore[arg-type]
+                        long, int(max_tokens), generated)
+
+
+def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str], Generated | None]:
+    """The file's prompts, or how they are generated (a long set's only)."""
+    prompts, generate = data.get("prompts"), data.get("generate")
+    if generate is not None:
+        if prompts is not None:
+            chk.bad("generate", "<with prompts>", "either prompts or generate, not both")
+        if not long:
+            chk.bad("generate", "<in a set without long: true>", "generated documents in a long set only (long: "
+                                                                 "true): they are as long as the reader reads")
+        spec = chk.mapping("generate", generate, _GENERATE_KEYS, "documents and seed")
+        if spec is None:
+            return [], None
+        documents, seed = spec.get("documents"), spec.get("seed", 0)
+        if not is_integer(documents) or not 1 <= documents <= MAX_DOCUMENTS:
+            chk.bad("generate.documents", documents, f"an integer from 1 to {MAX_DOCUMENTS}")
+        if not is_integer(seed) or not 0 <= seed < 2**31:
+            chk.bad("generate.seed", seed, "an integer from 0 to 2147483647")
+        if chk.errors:
+            return [], None
+        return [], Generated(int(documents), int(seed))  # type: ignore[arg-type]
     kept: list[str] = []
     if not isinstance(prompts, list) or not MIN_PROMPTS <= len(prompts) <= MAX_PROMPTS:
         chk.bad("prompts", f"<{type(prompts).__name__} of {len(prompts)}>" if isinstance(prompts, list) else prompts,
-                f"a list of {MIN_PROMPTS} to {MAX_PROMPTS} texts")
-    else:
-        for index, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > MAX_PROMPT_CHARS:
-                shown = f"<text of {len(prompt)} characters>" if isinstance(prompt, str) else prompt
-                chk.bad(f"prompts[{index}]", shown, f"a non-empty text of at most {MAX_PROMPT_CHARS} characters")
-            else:
-                kept.append(prompt)
-        if len(set(kept)) != len(kept):
-            chk.bad("prompts", f"<{len(kept) - len(set(kept))} repeated>", "distinct texts")
-    if chk.errors:
-        raise ReferenceError(chk.errors)
-    return ReferenceSet(path.stem, int(version), tuple(kept), description.strip(), label)  # type: ignore[arg-type]
+                f"a list of {MIN_PROMPTS} to {MAX_PROMPTS} texts (or, in a long set, generate)")
+        return kept, None
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            shown = f"<text of {len(prompt)} characters>" if isinstance(prompt, str) else prompt
+            chk.bad(f"prompts[{index}]", shown, "a non-empty text")
+        else:
+            kept.append(prompt)
+    if len(set(kept)) != len(kept):
+        chk.bad("prompts", f"<{len(kept) - len(set(kept))} repeated>", "distinct texts")
+    return kept, None
 
 
 def load_reference_dir(directory: Path) -> ReferenceSets:

@@ -9,6 +9,10 @@ prompts through the routers serving now, scored (each prompt's loss) and routed 
 * :class:`EngineReader` (vLLM or SGLang beside): each prompt is one request to the engine (``prompt_logprobs``
   / ``return_logprob`` and ``max_tokens`` 1: one prefill, with the routing it chose), started at most ``rate``
   a second, a few at a time; the prompts are tokenized once per set by the engine's own ``/tokenize``.
+
+Each reads a prompt up to its ``limit`` (the model's context here, ``--reference-max-tokens`` beside an
+engine) and a set within its token budget (:mod:`mla_watch.cause.budget`); the routing of expert routers is
+counted by position too, where the model's context is known, so that a reading says which positions it reached.
 """
 
 from __future__ import annotations
@@ -20,32 +24,66 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mla_watch.cause.prompts import ReferenceSet
+from mla_watch.cause.budget import ReadPlan, plan_reading
+from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
 
-__all__ = ["EngineReader", "ModelReader", "ReferenceReader", "reference_batches"]
+__all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "MAX_ENGINE_PROMPT_TOKENS", "EngineReader",
+           "ModelReader", "ReferenceReader", "model_context", "reference_batches"]
 
-MAX_PROMPT_TOKENS = 256  # a prompt's tokens read (the shipped prompts are shorter); bounds a reading's cost
+DEFAULT_ENGINE_PROMPT_TOKENS = 8192  # --reference-max-tokens: a prompt's tokens read through an engine
+# At most: the engine's answer to one prompt (a log-probability and every MoE layer's routing a token, ~0.8 KB on
+# DeepSeek-V3) must fit the 64 MiB an answer may hold (engines/vllm_weights.py).
+MAX_ENGINE_PROMPT_TOKENS = 65_536
+DEFAULT_MODEL_CONTEXT = 4096  # a model whose config names no context length
+BATCH_TOKENS = 16_384  # the positions of one batch of the model here: long prompts go a few at a time
 
 
 class ReferenceReader(abc.ABC):
     """Reads reference prompts through the routers serving now."""
 
     where: str = "the model"  # for messages: "the model", "the vLLM engine at URL"
+    limit: int = MAX_SET_TOKENS  # the tokens of a prompt read at most
 
     @abc.abstractmethod
     def read(self, reference: ReferenceSet) -> ModelScore:
         """``reference``'s prompts scored and routed by the routers serving now (blocks while it runs)."""
 
+    def plan(self, reference: ReferenceSet) -> ReadPlan | None:
+        """What :meth:`read` reads of ``reference`` (``None``: a reader that reads every prompt whole)."""
+        return None
 
-def reference_batches(tokenizer: Any, reference: ReferenceSet, max_tokens: int = MAX_PROMPT_TOKENS) -> list[Any]:
-    """The prompts of ``reference`` as batches for :func:`mla_watch.quality.local_model.score_model` (torch)."""
+
+def model_context(model: Any) -> int:
+    """The context length of a model loaded here: what the reference prompts are read up to."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return context if isinstance(context, int) and not isinstance(context, bool) and context >= 2 \
+        else DEFAULT_MODEL_CONTEXT
+
+
+def reference_batches(tokenizer: Any, reference: ReferenceSet, limit: int) -> list[Any]:
+    """The prompts of ``reference`` read ``limit`` tokens a prompt at most, as batches for
+    :func:`mla_watch.quality.local_model.score_model` (torch)."""
+    return _batches(tokenizer, _plan(tokenizer, reference, limit))
+
+
+def _plan(tokenizer: Any, reference: ReferenceSet, limit: int) -> ReadPlan:
+    return plan_reading(reference, lambda texts: [_token_ids(tokenizer, text) for text in texts], limit)
+
+
+def _token_ids(tokenizer: Any, text: str) -> list[int]:
+    try:  # a text longer than the model's context is cut after: transformers' warning about it says nothing here
+        return list(tokenizer(text, verbose=False)["input_ids"])
+    except TypeError:  # a tokenizer without the keyword
+        return list(tokenizer(text)["input_ids"])
+
+
+def _batches(tokenizer: Any, plan: ReadPlan) -> list[Any]:
     from mla_watch.quality.local_model import make_batches
 
-    ids = [tokenizer(text)["input_ids"][:max_tokens] for text in reference.prompts]
     pad = tokenizer.pad_token_id if getattr(tokenizer, "pad_token_id", None) is not None else 0
-    return make_batches([sample for sample in ids if len(sample) >= 2], batch_size=8, pad_id=pad,
-                        max_tokens=max_tokens)
+    size = max(1, min(8, BATCH_TOKENS // max(plan.lengths, default=1)))
+    return make_batches([list(ids) for ids in plan.ids], batch_size=size, pad_id=pad)
 
 
 class ModelReader(ReferenceReader):
@@ -58,13 +96,21 @@ class ModelReader(ReferenceReader):
         self.model = model
         self.tokenizer = tokenizer
         self._lock = model_lock
-        self._batches: dict[str, list[Any]] = {}  # by the set's digest
+        self.limit = model_context(model)  # a prompt up to the model's context
+        self._plans: dict[str, tuple[ReadPlan, list[Any]]] = {}  # by the set's digest
+
+    def _planned(self, reference: ReferenceSet) -> tuple[ReadPlan, list[Any]]:
+        found = self._plans.get(reference.digest)
+        if found is None:
+            plan = _plan(self.tokenizer, reference, self.limit)
+            found = self._plans[reference.digest] = (plan, _batches(self.tokenizer, plan))
+        return found
+
+    def plan(self, reference: ReferenceSet) -> ReadPlan:
+        return self._planned(reference)[0]
 
     def batches(self, reference: ReferenceSet) -> list[Any]:
-        batches = self._batches.get(reference.digest)
-        if batches is None:
-            batches = self._batches[reference.digest] = reference_batches(self.tokenizer, reference)
-        return batches
+        return self._planned(reference)[1]
 
     def read(self, reference: ReferenceSet) -> ModelScore:
         import torch
@@ -76,7 +122,8 @@ class ModelReader(ReferenceReader):
             copy = copy_without_hooks(self.model).eval()
         try:
             with torch.no_grad():
-                return score_model(copy, batches, business_line=reference.name, indexers=True)
+                return score_model(copy, batches, business_line=reference.name, indexers=True,
+                                   context_length=self.limit)
         finally:
             del copy
 
@@ -86,10 +133,14 @@ class EngineReader(ReferenceReader):
     started at ``rate`` prompts a second at most, ``concurrency`` at a time (the engine batches them): it serves
     clients first."""
 
-    def __init__(self, weights: Any, geometry: Any, *, rate: float, concurrency: int = 4,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(self, weights: Any, geometry: Any, *, rate: float, max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS,
+                 concurrency: int = 4, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         if not rate > 0:
             raise ValueError(f"rate = {rate!r}: expected requests a second > 0")
+        context = getattr(geometry, "context_length", None)
+        # The engine generates one token after the prompt: a prompt fills its context but one position.
+        self.limit = min(max_tokens, context - 1) if isinstance(context, int) and context > 2 else max_tokens
         self.weights = weights
         self.geometry = geometry
         self.rate = float(rate)
@@ -98,7 +149,7 @@ class EngineReader(ReferenceReader):
         self._clock = clock
         self._sleep = sleep
         self._next = 0.0
-        self._ids: dict[str, list[list[int]]] = {}  # by the set's digest
+        self._plans: dict[str, ReadPlan] = {}  # by the set's digest
         self._lock = threading.Lock()
         self.requests = 0  # sent to the engine, tokenizing included
         self.tokens = 0  # prompt tokens scored by the engine
@@ -119,12 +170,15 @@ class EngineReader(ReferenceReader):
                 futures.append(pool.submit(call, item))
             return [future.result() for future in futures]
 
+    def plan(self, reference: ReferenceSet) -> ReadPlan:
+        found = self._plans.get(reference.digest)
+        if found is None:
+            found = self._plans[reference.digest] = plan_reading(
+                reference, lambda texts: self._paced(self.weights.tokenize, list(texts)), self.limit)
+        return found
+
     def token_ids(self, reference: ReferenceSet) -> list[list[int]]:
-        ids = self._ids.get(reference.digest)
-        if ids is None:
-            ids = [tokens[:MAX_PROMPT_TOKENS] for tokens in self._paced(self.weights.tokenize, list(reference.prompts))]
-            self._ids[reference.digest] = ids
-        return ids
+        return [list(ids) for ids in self.plan(reference).ids]
 
     def read(self, reference: ReferenceSet) -> ModelScore:
         from mla_watch.quality.score import engine_score
@@ -134,4 +188,4 @@ class EngineReader(ReferenceReader):
             scores = [score for scored in self._paced(lambda sample: self.weights.score([sample]), ids)
                       for score in scored]
             self.tokens += sum(len(sample) for sample in ids)
-            return engine_score(scores, self.geometry)
+            return engine_score(scores, self.geometry, positions=True)

@@ -17,9 +17,8 @@ from mla_watch.server.config import ServerConfig
 from mla_watch.server.expert_counts import ExpertSelection
 
 __all__ = ["DEFAULT_STATE_DIR", "DOCS", "byte_size", "expert_selection", "fleet_url", "history_retention",
-           "non_negative_float",
-           "non_negative_int", "number_at_least", "parse_options", "perplexity_margin", "positive_float",
-           "positive_int", "share", "tcp_port", "upstream_url"]
+           "integer_in", "non_negative_float", "non_negative_int", "number_at_least", "parse_options",
+           "perplexity_margin", "positive_float", "positive_int", "positive_share", "share", "tcp_port", "upstream_url"]
 
 DEFAULT_STATE_DIR: Path = ServerConfig.state_dir
 DOCS = "https://github.com/mla-watch/mla_watch/blob/main/docs/"  # the manual, where each command's --help points
@@ -34,6 +33,20 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def integer_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type for an integer from ``low`` to ``high``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text[:40])
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {text[:40]!r}")
+        return value
+
+    return parse
 
 
 def upstream_url(text: str) -> str:
@@ -141,6 +154,17 @@ def share(text: str) -> float:
         value = math.nan
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"expected a share from 0 to 1 (0.25: one in four), got {text[:40]!r}")
+    return value
+
+
+def positive_share(text: str) -> float:
+    """An argparse type for a share of all above 0, up to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share above 0, up to 1 (0.05: one twentieth), got {text[:40]!r}")
     return value
 
 

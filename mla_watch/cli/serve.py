@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mla_watch.cause.prober import ReferenceSettings
+from mla_watch.cause.readers import MAX_ENGINE_PROMPT_TOKENS
 from mla_watch.cli.flags import (
     DOCS,
     byte_size,
@@ -20,12 +21,14 @@ from mla_watch.cli.flags import (
     expert_selection,
     fleet_url,
     history_retention,
+    integer_in,
     non_negative_float,
     non_negative_int,
     parse_options,
     perplexity_margin,
     positive_float,
     positive_int,
+    positive_share,
     share,
     tcp_port,
     upstream_url,
@@ -126,7 +129,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           reference_prompts=args.reference_prompts,
                           reference=ReferenceSettings(
                               interval_seconds=args.reference_interval, wait_seconds=args.reference_wait,
-                              tolerance_bits=args.reference_tolerance, rate=args.reference_rate),
+                              tolerance_bits=args.reference_tolerance, rate=args.reference_rate,
+                              max_tokens=args.reference_max_tokens, long_interval_seconds=args.reference_long_interval,
+                              long_share=args.reference_long_share),
                           client_id=args.client_id, capture_max_client_share=args.capture_max_client_share,
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
                                                           max_bytes=args.router_versions_max_bytes),
@@ -314,6 +319,20 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "the model changed (default %(default)s)")
     cause.add_argument("--reference-rate", type=positive_float, default=ReferenceSettings.rate, metavar="PER_SECOND",
                        help="beside an engine: reference prompts sent a second at most (default %(default)s)")
+    cause.add_argument("--reference-max-tokens", type=integer_in(16, MAX_ENGINE_PROMPT_TOKENS),
+                       default=ReferenceSettings.max_tokens,
+                       metavar="TOKENS", help="beside an engine: a reference prompt's tokens read at most, and how "
+                                              "long the generated documents of a long set are (the model served "
+                                              "here: its context) (default %(default)s)")
+    cause.add_argument("--reference-long-interval", type=non_negative_float,
+                       default=ReferenceSettings.long_interval_seconds, metavar="SECONDS",
+                       help="read the long sets (long: true) this often; 0: at start and when an alert on far "
+                            "positions asks (default %(default)s)")
+    cause.add_argument("--reference-long-share", type=positive_share, default=ReferenceSettings.long_share,
+                       metavar="SHARE",
+                       help="long sets take at most this share of the reader's time (the engine's prefill, or the "
+                            "model served here): after a reading of T seconds the next waits T x (1 / SHARE - 1) "
+                            "(default %(default)s)")
     cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
                        help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "
                             "(the body's user field), api-key (a hash of the bearer key, never the key), remote "

@@ -27,7 +27,7 @@ from mla_watch.common.values import is_integer
 __all__ = ["ENGINE_MESSAGE_CHARS", "MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError",
            "SwapResult", "engine_said", "tokens_of_answer"]
 
-MAX_TOKENIZE_ANSWER_BYTES = 4 << 20  # a reference prompt's ids (at most 8192 characters, ~10 bytes an id in JSON)
+MAX_TOKENIZE_ANSWER_BYTES = 16 << 20  # a reference prompt's ids (its text cut at 16 characters a token, ~10 B an id)
 ENGINE_MESSAGE_CHARS = 200  # of an engine's own message, in an error
 
 

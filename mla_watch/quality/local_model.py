@@ -84,26 +84,31 @@ def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: i
 
 
 def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
-                business_line: str = "gate", *, indexers: bool = False) -> ModelScore:
+                business_line: str = "gate", *, indexers: bool = False,
+                context_length: int | None = None) -> ModelScore:
     """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded); DSA indexers are
-    watched too with ``indexers`` (their key positions cost more to count, and gates judge expert routers).
+    watched too with ``indexers`` (their key positions cost more to count, and gates judge expert routers); with
+    ``context_length``, expert routers' selections are counted per position bucket up to it too.
 
     ``model`` must not carry another probe counting into live windows: pass a hook-free copy.
     """
     import torch
 
     with torch.no_grad():
-        return _score_model(model, batches, business_line, indexers=indexers)
+        return _score_model(model, batches, business_line, indexers=indexers, context_length=context_length)
 
 
 def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], business_line: str, *,
-                 indexers: bool) -> ModelScore:
+                 indexers: bool, context_length: int | None) -> ModelScore:
     from mla_watch.models.loss import next_token_losses
     from mla_watch.probe import attach, discover_routers
 
     ignored = set() if indexers else {type(module).__name__ for module, info, _ in discover_routers(model)
                                       if info.kind != "expert"}
-    probe = attach(model, window_tokens=None, ignore=sorted(ignored))
+    probe = attach(model, window_tokens=None, ignore=sorted(ignored), count_positions=context_length is not None,
+                   context_length=context_length)
+    # The records stay statistics of the whole pass (what rules and gates judge); the counts by position are apart.
+    probe.windows.positions = None
     losses: list[float] = []
     counts: list[int] = []
     try:
@@ -117,6 +122,9 @@ def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Te
                 losses.extend(loss.double().tolist())
                 counts.extend(int(n) for n in count.tolist())
         records = {record.router.name: record for record in probe.router_stats(business_line)}
+        counted = probe.positions
+        positions = {} if counted is None else {name: counted.counts(name, business_line) for name in counted.routers}
+        edges = () if counted is None else counted.buckets.edges
     finally:
         probe.detach()
     total_tokens = sum(counts)
@@ -124,4 +132,4 @@ def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Te
         raise ValueError("the samples hold no token to predict: a sample needs at least 2 scored tokens "
                          "(captured traffic scores the prompt only)")
     return ModelScore(perplexity=math.exp(sum(losses) / total_tokens), tokens=total_tokens, routers=records,
-                      losses=losses, counts=counts)
+                      losses=losses, counts=counts, positions=positions, position_edges=edges)

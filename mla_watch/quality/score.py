@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
 
 from mla_watch.engines.formats import routing_counts
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.routing_ids import routing_position_counts
 from mla_watch.engines.swap import SampleScore
 from mla_watch.quality.band import Band
 from mla_watch.routing.stats import compute_stats
@@ -32,6 +33,10 @@ class ModelScore:
     routers: dict[str, RouterStats]  # router name -> its statistics over the held-out pass
     losses: list[float]  # per held-out sample, in order: summed next-token loss (nats) ...
     counts: list[int]  # ... over this many scored tokens
+    # Expert routers' selections per position bucket (router name -> [buckets, slots]), where they were counted by
+    # position: buckets end at ``position_edges`` (routing/positions.py), the last holding every position past them.
+    positions: dict[str, np.ndarray] = field(default_factory=dict)
+    position_edges: tuple[int, ...] = ()
 
     def metric(self, router: str, name: str) -> float | None:
         """``router``'s statistic ``name`` over the pass; ``None`` when not measured (not routed, or undefined)."""
@@ -62,9 +67,10 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
 
-def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> ModelScore:
+def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry, *, positions: bool = False) -> ModelScore:
     """The engine's scores of the held-out samples as a :class:`ModelScore`: perplexity, per-sample losses and,
-    where the engine routed them, every router's statistics over their tokens."""
+    where the engine routed them, every router's statistics over their tokens (and, with ``positions`` where the
+    geometry knows its context length, their selections per position bucket)."""
     losses = [float(score.loss) for score in scores]
     counts = [int(score.tokens) for score in scores]
     tokens = sum(counts)
@@ -79,4 +85,13 @@ def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry) -> Mod
             stats = compute_stats(layer_counts[index], kind="expert", top_k=info.top_k, tokens=routed_tokens)
             # the counts: what the bias rule steps from
             records[info.name] = RouterStats(router=info, business_line=None, stats=stats, counts=layer_counts[index])
-    return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts)
+    by_position: dict[str, np.ndarray] = {}
+    edges: tuple[int, ...] = ()
+    if routed and positions and geometry.context_length is not None:
+        from mla_watch.routing.positions import PositionBuckets
+
+        edges = PositionBuckets(geometry.context_length).edges
+        stacked = cast(np.ndarray, sum(routing_position_counts(np.asarray(ids), geometry, edges) for ids in routed))
+        by_position = {info.name: stacked[index] for index, info in enumerate(geometry.routers())}
+    return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts,
+                      positions=by_position, position_edges=edges)

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.readers import reference_batches
+from mla_watch.cause.readers import model_context, reference_batches
 from mla_watch.common.output_file import write_file
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.tensor_files import as_arrays
@@ -253,7 +253,8 @@ class Retuner:
         for reference in self.reference_prompts.sets_for(business_line):
             batches = self._reference_batches.get(reference.digest)
             if batches is None:
-                batches = self._reference_batches[reference.digest] = reference_batches(self.tokenizer, reference)
+                batches = self._reference_batches[reference.digest] = reference_batches(
+                    self.tokenizer, reference, model_context(self.model))  # read as the prober reads them
             scores[reference.name] = score_model(model, batches, business_line=reference.name)
         return scores
 

@@ -59,6 +59,7 @@ __all__ = [
     "PositionCounts",
     "PositionProfile",
     "Recommendation",
+    "bucket_start",
     "line_profiles",
     "profile",
     "profiles",
@@ -111,6 +112,12 @@ class PositionBuckets:
     def bucket_of(self, positions: np.ndarray) -> np.ndarray:
         """The bucket of each position (non-negative integers)."""
         return np.searchsorted(np.asarray(self.edges), np.asarray(positions), side="right")
+
+
+def bucket_start(label: str) -> int | None:
+    """The first position of the bucket :meth:`PositionBuckets.label` named ``label`` (``None``: not such a label)."""
+    first, _, _ = label.rstrip("+").partition("-")
+    return int(first) if first.isdigit() else None
 
 
 def _doubling(first: int, limit: int) -> Iterable[int]:

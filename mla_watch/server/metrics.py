@@ -206,7 +206,7 @@ class ReferenceCollector(Collector):
             count.add_metric([], prober.readings_taken)
             for name, reading in sorted(prober.readings().items()):
                 taken.add_metric([name], reading.taken_at)
-                baseline = prober.baselines.get(name, reading.digest)
+                baseline = prober.baselines.of(reading)
                 for record in reading.score.routers.values():
                     comparison = compare(record.router, [reading], [baseline])
                     if comparison is None:

@@ -84,7 +84,8 @@ class References:
 
                 weights = SglangWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
                                         geometry=geometry, api_key=key)
-            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate)
+            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
+                                               max_tokens=config.reference.max_tokens)
         return self._engine_reader
 
     def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
@@ -127,8 +128,11 @@ class References:
                                       clients=self.clients, on_reading=self._recorded)
         self.unavailable = None
         self.prober.start()
-        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending",
-                 len(self.sets.current.sets), reader.where, self.config.reference.interval_seconds)
+        sets, settings = self.sets.current, self.config.reference
+        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending; "
+                 "the long sets (%d) every %g s and when an alert on far positions is due, within %g of its time; "
+                 "%d tokens a prompt", len(sets.for_line(None)), reader.where, settings.interval_seconds,
+                 len(sets.long_sets()), settings.long_interval_seconds, settings.long_share, reader.limit)
 
     # ------------------------------------------------------------------ the cause judge
     @property
@@ -153,7 +157,7 @@ class References:
 
     # ------------------------------------------------------------------ what readings feed
     def _recorded(self, reading: ReferenceReading) -> None:
-        baseline = self.baselines.get(reading.set_name, reading.digest)
+        baseline = self.baselines.of(reading)
         records = []
         for record in reading.score.routers.values():
             comparison = compare(record.router, [reading], [baseline])
@@ -183,7 +187,7 @@ class References:
             if reference is None or reading.digest != reference.digest or reading.router_version != live:
                 continue
             breached = {breach["router"] for breach in judge_health(reading.score, rules).get("breaches", [])}
-            baseline = self.baselines.get(name, reading.digest)
+            baseline = self.baselines.of(reading)
             for record in reading.score.routers.values():
                 if record.router.kind != "expert":
                     continue
