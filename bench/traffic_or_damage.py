@@ -51,6 +51,7 @@ def summary(outcome: Outcome) -> dict[str, Any]:
         "oncall_pages": len([a for a in outcome.oncall if a["status"] == "firing"]),
         "oncall_causes": sorted({a["labels"].get("cause", "") for a in outcome.oncall}),
         "owners_warnings": len([a for a in outcome.owners if a["status"] == "firing"]),
+        "owners_notifications": len(outcome.owner_notifications),
         "jobs": [(job["status"], (job.get("result") or {}).get("strategy")) for job in outcome.jobs],
         "versions": outcome.versions,
         "clients": next((a["cause"]["details"].get("clients") for a in firing if a.get("cause")
@@ -63,7 +64,8 @@ def show(figures: dict[str, Any]) -> None:
     print(f"\n== {figures['scenario']}: {figures['requests']} requests, {figures['seconds']} s")
     print(f"   code_assistant entropy: {figures['entropy_before']} -> {figures['entropy_after']}")
     print(f"   causes of the alerts: {figures['causes']}; on-call pages: {figures['oncall_pages']} "
-          f"{figures['oncall_causes']}; line owners' warnings: {figures['owners_warnings']}")
+          f"{figures['oncall_causes']}; line owners' warnings: {figures['owners_warnings']} "
+          f"in {figures['owners_notifications']} notification(s)")
     for alert in figures["alerts"]:
         print(f"     {alert}")
     print(f"   re-tune jobs: {figures['jobs']}; router versions on disk: {figures['versions']}")
