@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 
 from mla_watch.alerting.causes import Cause
-from mla_watch.alerting.model import DEFAULT_GROUP_INTERVAL_SECONDS, DEFAULT_GROUP_WAIT_SECONDS, RuleError
+from mla_watch.alerting.groups import NotificationGroup
+from mla_watch.alerting.model import (
+    DEFAULT_GROUP_INTERVAL_SECONDS,
+    DEFAULT_GROUP_WAIT_SECONDS,
+    Alert,
+    Notification,
+    Receiver,
+    RuleError,
+)
 from mla_watch.alerting.rules import load_rules_dir, load_rules_file
 from mla_watch.alerting.service import AlertService
 from mla_watch.routing.windows import RouterStats
@@ -241,6 +249,32 @@ def test_a_restart_pages_neither_again_nor_never(tmp_path) -> None:
         (page,) = [body for body in sidecar.bodies("/team") if body["groupLabels"] == {"business_line": "sql"}]
         assert [a["labels"]["router"] for a in page["alerts"]] == [GATES[2]]
         sidecar.service.stop()
+
+
+def test_without_send_resolved_a_resolution_is_not_sent_and_an_alert_firing_again_is_news() -> None:
+    receiver = Receiver(name="team", type="alertmanager_webhook", url="http://127.0.0.1:9/hook", send_resolved=False,
+                        group_wait_seconds=0.0, group_interval_seconds=60.0)
+    group = NotificationGroup.new(receiver, "{}:{}", {}, 0.0)
+    sent: list[Notification] = []
+
+    def alert(router: str, status: str = "firing") -> Alert:
+        return Alert({"alertname": "Low", "router": router}, {}, status, 0.0, None if status == "firing" else 1.0, 4.0)
+
+    group.add(alert("a"), 0.0)
+    group.add(alert("b"), 0.0)
+    assert group.flush(0.0, "", sent.append) and [len(n.alerts) for n in sent] == [2]
+    group.add(alert("a", "resolved"), 30.0)
+    assert not group.flush(60.0, "", sent.append) and list(group.alerts) == [alert("b").fingerprint]
+    group.add(alert("a"), 90.0)  # a fires again: the receiver, never told it resolved, hears it fire again
+    assert group.flush(120.0, "", sent.append) and [a.labels["router"] for a in sent[-1].alerts] == ["a", "b"]
+
+    def refused(notification: Notification) -> None:
+        raise OSError("no room")
+
+    group.add(alert("c"), 130.0)
+    with pytest.raises(OSError):
+        group.flush(180.0, "", refused)
+    assert group.flush(240.0, "", sent.append) and len(sent[-1].alerts) == 3  # kept, and sent at the next flush
 
 
 def test_receivers_say_their_group_timing_and_refuse_what_cannot_be_one(tmp_path) -> None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,24 +117,28 @@ class NotificationGroup:
         if not self.flushed and alert.status == "firing" and alert.starts_at + timing(self.receiver)[0] <= now:
             self.flush_at = min(self.flush_at, now)
 
-    def flush(self, now: float, external_url: str) -> Notification | None:
-        """The notification due now, if the group changed or its repeat is due; forgets what resolved."""
+    def flush(self, now: float, external_url: str, send: Callable[[Notification], object]) -> bool:
+        """``send`` the notification due now, if the group changed or its repeat is due, and forget what resolved;
+        whether one was sent. Should ``send`` raise, the group stays as it was, to be flushed again at its next
+        flush."""
         _, interval, repeat, send_resolved = timing(self.receiver)
+        self.flush_at = now + interval
         firing = frozenset(fp for fp, alert in self.alerts.items() if alert.status == "firing")
         resolved = frozenset(self.alerts) - firing
-        notification = None
-        if self.alerts and needs_update(firing, resolved, self.record, now, repeat, send_resolved):
+        sent = bool(self.alerts) and needs_update(firing, resolved, self.record, now, repeat, send_resolved)
+        if sent:
             status: Literal["firing", "resolved"] = "firing" if firing else "resolved"
             ordered = sorted(self.alerts.values(), key=lambda alert: sorted(alert.labels.items()))
-            notification = Notification(receiver=self.receiver.name, group_key=self.key, group_labels=self.labels,
-                                        alerts=tuple(ordered), status=status, external_url=external_url)
+            send(Notification(receiver=self.receiver.name, group_key=self.key, group_labels=self.labels,
+                              alerts=tuple(ordered), status=status, external_url=external_url))
             self.record = GroupRecord(firing, resolved, now)
+        elif resolved:  # unsent (send_resolved: false): should one fire again, it is news again
+            self.record = replace(self.record, firing=self.record.firing - resolved)
         for fingerprint in resolved:  # notified (or news to nobody): a resolution is sent once
             del self.alerts[fingerprint]
         self.flushed = True
-        self.flush_at = now + interval
         self.record.flush_at = self.flush_at
-        return notification
+        return sent
 
 
 class NotificationLog:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -277,10 +278,11 @@ class AlertService:
                 changed = True
                 continue
             group.receiver = receiver  # a reload may have changed its timing
-            notification = group.flush(now, self.external_url)
-            if notification is not None:
-                self._submit(receiver, notification)
-                changed = True
+            try:
+                changed |= group.flush(now, self.external_url, partial(self._submit, receiver))
+            except Exception:  # logged; the group is flushed again at its next flush, the others now
+                log.exception("receiver %s: the notification of group %s failed", receiver.name, group.key)
+                continue
             if not group.alerts:
                 del self._groups[ident]
                 changed = True
