@@ -122,9 +122,9 @@ class AlertService:
 
     def alert_views(self) -> list[dict[str, Any]]:
         """The engine's alerts (``GET /v1/alerts``), each with its ``incident``: the notification group it is in
-        (or, pending, would be in) at its first receiver - ``receiver``, ``key`` (the groupKey), ``labels`` and
-        ``notified_at`` (the group's last notification; ``None`` before one) -, ``None`` where no receiver takes
-        it. The status page shows each incident as one row."""
+        at its first receiver (pending, its cause undecided: the one it would join at the rule's own receivers) -
+        ``receiver``, ``key`` (the groupKey), ``labels`` and ``notified_at`` (the group's last notification;
+        ``None`` before one) -, ``None`` where no receiver takes it. The status page shows each as one row."""
         alerts = self.engine.alerts()
         with self._lock:
             rules = {rule.name: rule for rule in self.rules.rules}
