@@ -76,6 +76,7 @@ class Outcome:
     oncall: list[dict[str, Any]] = field(default_factory=list)  # alerts on-call's webhook received
     owners: list[dict[str, Any]] = field(default_factory=list)  # alerts the line owners' webhook received
     owner_notifications: list[dict[str, Any]] = field(default_factory=list)  # the bodies the line owners received
+    oncall_notifications: list[dict[str, Any]] = field(default_factory=list)  # the bodies on-call received
     jobs: list[dict[str, Any]] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # router versions on disk
     entropy_before: dict[str, float] = field(default_factory=dict)  # code_assistant, per MoE router
@@ -175,8 +176,7 @@ def _collect(url: str, sidecar: Any, receiver: Any, outcome: Outcome, started: f
 def _received(receiver: Any, outcome: Outcome) -> None:
     for request in list(receiver.requests):
         body = request.json()
-        if request.path != "/oncall":
-            outcome.owner_notifications.append(body)
+        (outcome.oncall_notifications if request.path == "/oncall" else outcome.owner_notifications).append(body)
         for alert in body.get("alerts", []):
             (outcome.oncall if request.path == "/oncall" else outcome.owners).append(alert)
 
