@@ -85,12 +85,20 @@ def shipped(receiver: TestReceiver) -> Any:
                                                   "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners"})
 
 
-def flood(gates: tuple[str, ...] = GATES) -> list[RouterStats]:
-    """What a client flooding the line makes each of ``gates`` read: a hotspot (MaxVio 3.0 against a healthy 0.5)
-    and departed long-position routing (0.05 bits): ExpertHotspot and LongContextDrift, both `for: 5m`."""
-    return [engine_record(3.0, metric="max_violation", name=gate, layer=int(gate.split(".")[2]), line=LINE,
-                          num_slots=64, baseline={"max_violation": 0.5}, long_context_drift=0.05,
-                          long_context_edge="256-511") for gate in gates]
+def gate_record(gate: str, **values: Any) -> RouterStats:
+    """``gate``'s window on the line (a 64-expert router, healthy MaxVio 0.5 and no dead expert), reading ``values``
+    (healthy ones otherwise)."""
+    return engine_record(values.pop("max_violation", 0.4), metric="max_violation", name=gate,
+                         layer=int(gate.split(".")[2]), line=LINE, num_slots=64,
+                         baseline={"max_violation": 0.5, "dead_slots": 0.0},
+                         **{"dead_slots": 0, "long_context_drift": 0.001, **values})
+
+
+# What each router of the line reads (every rule `for: 5m`): one client's flood inside the trained length, a hotspot
+# (MaxVio 3.0 against a healthy 0.5) and 10 experts left without a token; long documents past the trained length,
+# sent by the line's clients, routing that departs from in-range routing at 256-511 (0.05 bits).
+INCIDENTS = {"flood": ({"max_violation": 3.0, "dead_slots": 10}, ("ExpertHotspot", "DeadExperts")),
+             "long documents": ({"long_context_drift": 0.05, "long_context_edge": "256-511"}, ("LongContextDrift",))}
 
 
 @contextmanager
@@ -103,13 +111,16 @@ def watched(tmp_path: Path, judge: Judge, rules: Any = None) -> Iterator[Watched
             service.service.stop()
 
 
-def test_a_flood_reaches_the_line_owners_as_one_notification_with_every_alert_and_on_call_none(tmp_path) -> None:
+@pytest.mark.parametrize("incident", INCIDENTS)
+def test_a_traffic_incident_reaches_the_line_owners_as_one_notification_with_every_alert_and_on_call_none(
+        tmp_path, incident: str) -> None:
+    values, rules = INCIDENTS[incident]
     with watched(tmp_path, Judge("traffic")) as sidecar:
-        sidecar.records = flood()
+        sidecar.records = [gate_record(gate, **values) for gate in GATES]
         sidecar.run(ROUND)  # pending
-        sidecar.run(300.0)  # `for: 5m`: all six fire together, into one group of the line owners
+        sidecar.run(300.0)  # `for: 5m`: they fire together, into one group of the line owners
         fired = [a for a in sidecar.service.engine.alerts() if a.state == "firing"]
-        assert len(fired) == 6 and {a.labels["cause"] for a in fired} == {"traffic"}
+        assert len(fired) == 3 * len(rules) and {a.labels["cause"] for a in fired} == {"traffic"}
         assert sidecar.receiver.requests == []  # the group waits group_wait (1 m) for the rest of the incident
         sidecar.run(45.0)
         assert sidecar.receiver.requests == []
@@ -118,21 +129,19 @@ def test_a_flood_reaches_the_line_owners_as_one_notification_with_every_alert_an
         assert told["groupLabels"] == {"business_line": LINE, "cause": "traffic"} and told["status"] == "firing"
         assert {a["fingerprint"] for a in told["alerts"]} == {a.fingerprint for a in fired}
         assert {(a["labels"]["alertname"], a["labels"]["router"]) for a in told["alerts"]} == {
-            (name, gate) for name in ("ExpertHotspot", "LongContextDrift") for gate in GATES}
+            (name, gate) for name in rules for gate in GATES}
         assert told["commonLabels"]["severity"] == "warning"
-        # The status page's incident: all six in the group that notified, under its key.
+        # The status page's incident: every alert in the group that notified, under its key.
         incidents = {(view["incident"]["receiver"], view["incident"]["key"], view["incident"]["notified_at"])
                      for view in sidecar.service.alert_views()}
         assert incidents == {("line_owners", told["groupKey"], sidecar.clock.now)}
         sidecar.run(1800.0)  # nothing changes: no update, and the repeat is 4 h away
         assert sidecar.bodies("/oncall") == [] and len(sidecar.receiver.requests) == 1
-        # The flood stops: one resolved notification for the incident, group_interval (10 m) after the last one.
-        sidecar.records = [engine_record(0.4, metric="max_violation", name=gate, layer=int(gate.split(".")[2]),
-                                         line=LINE, num_slots=64, baseline={"max_violation": 0.5},
-                                         long_context_drift=0.001) for gate in GATES]
+        # It ends: one resolved notification for the incident, group_interval (10 m) after the last one.
+        sidecar.records = [gate_record(gate) for gate in GATES]
         sidecar.run(600.0)
         (_, resolved) = sidecar.bodies("/owners")
-        assert resolved["status"] == "resolved" and len(resolved["alerts"]) == 6
+        assert resolved["status"] == "resolved" and len(resolved["alerts"]) == len(fired)
         assert resolved["groupKey"] == told["groupKey"] and sidecar.bodies("/oncall") == []
 
 
