@@ -40,6 +40,12 @@ from mla_watch.shipped import SHIPPED_REFERENCES
 from tests.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
 
 
+def spread(alerts: list[dict[str, Any]]) -> float | None:
+    """Seconds between the first and the last of ``alerts`` to fire."""
+    times = [alert["firing_since"] for alert in alerts if alert.get("firing_since")]
+    return round(max(times) - min(times), 1) if times else None
+
+
 def summary(outcome: Outcome) -> dict[str, Any]:
     firing = [alert for alert in outcome.alerts if alert["state"] in ("firing", "resolved")]
     return {
@@ -51,6 +57,14 @@ def summary(outcome: Outcome) -> dict[str, Any]:
         "oncall_pages": len([a for a in outcome.oncall if a["status"] == "firing"]),
         "oncall_causes": sorted({a["labels"].get("cause", "") for a in outcome.oncall}),
         "owners_warnings": len([a for a in outcome.owners if a["status"] == "firing"]),
+        "oncall_notifications": len(outcome.oncall_notifications),
+        # per line: the alerts of each notification the line owners received
+        "owners_by_line": {line: [len(body["alerts"]) for body in outcome.owner_notifications
+                                  if body["groupLabels"].get("business_line") == line]
+                           for line in sorted({body["groupLabels"].get("business_line", "")
+                                               for body in outcome.owner_notifications})},
+        # how far apart the line's alerts fired: what a group's wait has to collect
+        "code_assistant_spread_s": spread([a for a in firing if a["labels"].get("business_line") == "code_assistant"]),
         "jobs": [(job["status"], (job.get("result") or {}).get("strategy")) for job in outcome.jobs],
         "versions": outcome.versions,
         "clients": next((a["cause"]["details"].get("clients") for a in firing if a.get("cause")
@@ -63,7 +77,12 @@ def show(figures: dict[str, Any]) -> None:
     print(f"\n== {figures['scenario']}: {figures['requests']} requests, {figures['seconds']} s")
     print(f"   code_assistant entropy: {figures['entropy_before']} -> {figures['entropy_after']}")
     print(f"   causes of the alerts: {figures['causes']}; on-call pages: {figures['oncall_pages']} "
-          f"{figures['oncall_causes']}; line owners' warnings: {figures['owners_warnings']}")
+          f"{figures['oncall_causes']} in {figures['oncall_notifications']} notification(s); line owners' "
+          f"warnings: {figures['owners_warnings']}")
+    by_line = "; ".join(f"{line}: {len(sizes)} notification(s) of {sizes} alerts"
+                        for line, sizes in figures["owners_by_line"].items())
+    print(f"   line owners' notifications by line: {by_line or 'none'}; code_assistant's alerts fired within "
+          f"{figures['code_assistant_spread_s']} s")
     for alert in figures["alerts"]:
         print(f"     {alert}")
     print(f"   re-tune jobs: {figures['jobs']}; router versions on disk: {figures['versions']}")

@@ -78,11 +78,13 @@ def prompts(per_kind: int = 6) -> list[tuple[str, str, str]]:
 
 
 def scenario_rules(directory: Path) -> Path:
-    """The shipped rules with their hold times cut to 0 s (a test cannot wait 7 minutes per incident)."""
+    """The shipped rules with their hold times and their receivers' waits cut to 0 s (a test cannot wait 7 minutes
+    per incident)."""
     directory.mkdir(parents=True, exist_ok=True)
     text = SHIPPED_RULES.read_text()
     text = re.sub(r"(?m)^(\s+)for: 2m$", r"\1for: 0s", text)
     text = re.sub(r"(?m)^(\s+)keep_firing_for: 5m$", r"\1keep_firing_for: 0s", text)
+    text = re.sub(r"(?m)^(\s+)(group_wait|group_interval): \S+$", r"\1\2: 0s", text)
     (directory / "routing.yaml").write_text(text)
     return directory
 

@@ -111,7 +111,9 @@ class Watched:
         self.model, self.tokenizer, self.receiver = model, tokenizer, receiver
         rules = load_rules_dir(SHIPPED_RULES)
         self.rules = replace(rules, rules=tuple(replace(rule, for_seconds=0.0, keep_firing_for_seconds=0.0)
-                                                for rule in rules.rules))
+                                                for rule in rules.rules),
+                             receivers={name: replace(receiver, group_wait_seconds=0.0, group_interval_seconds=0.0)
+                                        for name, receiver in rules.receivers.items()})
         self.probe = mla_watch.attach(model, window_tokens=WINDOW_TOKENS)
         self.baselines = Baselines(learn_tokens=learn_tokens)
         self.baselines.trust(healthy_trusted(model, tokenizer, rules))

@@ -171,6 +171,8 @@ receivers:
     timeout: 0.3
     max_attempts: 50
     group_by: [alertname, router, layer, business_line]
+    group_wait: 0s  # every alert of the storm notified at once, as it fires
+    group_interval: 0s
 rules:
   # Always true (64 experts top-6 read at most 6.0 bits): every expert router of every line fires at once.
   - alert: Storm_%(name)s
@@ -290,6 +292,7 @@ receivers:
     url: ${MLA_WATCH_ONCALL_URL}
     timeout: 1s
     max_attempts: 100
+    group_wait: 0s
 rules:
   - alert: StormOnStop
     metric: entropy_bits

@@ -36,6 +36,8 @@ receivers:
     timeout: 0.5
     max_attempts: 1000
     group_by: [alertname, router, layer, business_line]
+    group_wait: 0s  # every alert of the storm notified at once, as it fires
+    group_interval: 0s
 rules:
   # Always true (64 experts top-6 read at most 6.0 bits): every expert router of every line fires at once.
   - alert: Storm_%(name)s

@@ -6,7 +6,8 @@ The page must select the line and highlight the router the link names, show the 
 alert and the policies with the values the sidecar serves, and keep polling. A second one: an
 expert hotspot pages on MaxVio while entropy stays in band; its link opens the page on MaxVio with
 the row marked by its alert, the bundled model's indexers (short contexts) read "no signal", and
-clicks on the metric selector switch what the rows show. The screenshots and the DOM are kept in
+clicks on the metric selector switch what the rows show. A third: the alerts of one incident (one
+notification group) are one row that opens into them. The screenshots and the DOM are kept in
 ``test-artifacts/`` (``MLA_WATCH_ARTIFACTS`` to put them elsewhere).
 """
 
@@ -33,7 +34,7 @@ from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
 from tests import processes
-from tests.helpers import prefill_history
+from tests.helpers import engine_record, prefill_history, write_rules
 from tests.receivers import running_receiver
 from tests.support import REPO, free_port, long_texts, running_sidecar, serve_app, wait_until
 
@@ -764,3 +765,68 @@ def test_without_routing_by_position_the_section_says_so_in_one_line() -> None:
     assert not dom.find(tag="div", class_="strip")
     (note,) = [p for p in dom.find(tag="p") if p["text"].startswith("No routing by position here")]
     assert "--no-routing-by-position" in note["text"] and note["text"] in body["text"]
+
+
+# ---------------------------------------------------------------- incidents
+
+INCIDENT_RULES = """\
+receivers:
+  - {name: owners, type: alertmanager_webhook, url: "http://127.0.0.1:9/hook", group_by: [business_line]}
+rules:
+  - alert: RoutingEntropyLow
+    metric: entropy_bits
+    select: {kind: expert, business_line: "*"}
+    below: 5.0
+    min_tokens: 64
+    receivers: [owners]
+    annotations: {summary: "{value:.2f} bits on {router}"}
+"""
+
+
+def test_an_incident_is_one_row_that_opens_into_its_alerts(tmp_path: Path) -> None:
+    gates = [f"model.layers.{layer}.mlp.gate" for layer in (1, 2, 3)]
+    with running_sidecar(upstream="http://127.0.0.1:9", rules=write_rules(tmp_path / "rules", INCIDENT_RULES)) \
+            as (url, sidecar):
+        # Three routers of one line and one of another fall below the threshold: two groups of the receiver.
+        sidecar.alerts.engine.evaluate([
+            *(engine_record(4.0, name=gate, layer=layer, line="code_assistant") for layer, gate in enumerate(gates, 1)),
+            engine_record(4.2, name=gates[0], layer=1, line="sql")])
+        views = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
+        browser = Browser()
+        try:
+            browser.open(url + "/?refresh=1")
+            assert browser.wait_for("document.querySelector('#alerts-body tr.incident')"), browser.dom().html[-3000:]
+            closed = browser.dom()
+            browser.evaluate("document.querySelector('#alerts-body tr.incident button.toggle').click()")
+            updates = int(browser.evaluate("document.body.dataset.updates"))
+            # opened, and still open after the next poll redrew the table
+            assert browser.wait_for(f"Number(document.body.dataset.updates) > {updates} && "
+                                    "document.querySelector('#alerts-body tr.incident').dataset.open === 'true'")
+            opened = browser.dom()
+            browser.screenshot(artifacts_dir() / "status-page-incident.png")
+            # A link to one of its alerts opens the incident by itself.
+            browser.open(url + f"/?refresh=1#router={gates[1]}&layer=2&business_line=code_assistant"
+                         "&alertname=RoutingEntropyLow")
+            assert browser.wait_for("document.querySelector('#alerts-body tr.incident')")
+            linked = browser.dom()
+            console = "\n".join(browser.console)
+        finally:
+            browser.close()
+
+    assert "Uncaught" not in console, console
+    keys = {view["incident"]["key"] for view in views}
+    assert keys == {'{}:{business_line="code_assistant"}', '{}:{business_line="sql"}'}
+    assert {view["incident"]["receiver"] for view in views} == {"owners"}
+    (incident,) = closed.find(tag="tr", class_="incident")
+    assert incident["data-count"] == "3" and incident["data-open"] == "false" and incident["data-state"] == "firing"
+    assert "3 alerts" in incident["text"] and "RoutingEntropyLow ×3" in incident["text"]
+    assert "3 routers" in incident["text"] and "one notification to owners" in incident["text"]
+    members = closed.find(tag="tr", class_="member")
+    assert sorted(m["data-router"] for m in members) == gates and all("hidden" in m for m in members)
+    (alone,) = [row for row in closed.find(tag="tr", **{"data-line": "sql"})]
+    assert "member" not in alone.get("class", "").split() and "hidden" not in alone  # an incident of one alert
+    assert opened.find(tag="tr", class_="incident")[0]["data-open"] == "true"
+    assert all("hidden" not in m for m in opened.find(tag="tr", class_="member"))
+    assert linked.find(tag="tr", class_="incident")[0]["data-open"] == "true"
+    (focused,) = [m for m in linked.find(tag="tr", class_="member") if "focus" in m["class"].split()]
+    assert focused["data-router"] == gates[1] and "hidden" not in focused

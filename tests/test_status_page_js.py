@@ -317,3 +317,39 @@ def test_the_position_section_says_why_it_draws_no_strip() -> None:
     assert "SGLang" in notes[2] and "\n" not in notes[2]
     assert notes[3] == "No expert router is counted by position."
     assert notes[4] is None
+
+
+def alert(alertname: str, router: str, state: str, since: float, incident: dict | None, **labels: str) -> dict:
+    return {"rule": alertname, "metric": "max_violation", "state": state, "value": 2.0, "active_since": since - 1,
+            "firing_since": since if state == "firing" else None, "resolved_at": since if state == "resolved" else None,
+            "labels": {"alertname": alertname, "router": router, "layer": router.split(".")[2],
+                       "business_line": "code_assistant", "severity": "warning", **labels},
+            "annotations": {}, "fingerprint": f"{alertname}-{router}", "incident": incident}
+
+
+def test_alerts_become_one_incident_per_notification_group_worst_state_first() -> None:
+    flood = {"receiver": "line_owners", "key": '{}:{business_line="code_assistant", cause="traffic"}',
+             "labels": {"business_line": "code_assistant", "cause": "traffic"}, "notified_at": 1000.0}
+    page = {"receiver": "oncall", "key": '{}:{alertname="RoutingEntropyLow", router="g"}',
+            "labels": {"alertname": "RoutingEntropyLow"}, "notified_at": None}
+    alerts = [alert("ExpertHotspot", "model.layers.1.mlp.gate", "firing", 900, flood, cause="traffic"),
+              alert("LongContextDrift", "model.layers.1.mlp.gate", "resolved", 990, flood, cause="traffic"),
+              alert("ExpertHotspot", "model.layers.2.mlp.gate", "firing", 950, flood, cause="traffic"),
+              alert("RoutingEntropyLow", "model.layers.3.mlp.gate", "pending", 980, page, severity="critical"),
+              alert("DeadExperts", "model.layers.3.mlp.gate", "firing", 800, None, cause="model")]
+    incidents = run_js("page.incidentsOf(alerts).map((i) => ({ ...i, names: page.incidentNames(i),"
+                       " alerts: i.alerts.map((a) => a.fingerprint) }))", alerts=alerts)
+    assert [i["key"] for i in incidents] == [f"line_owners|{flood['key']}", "alert|DeadExperts-model.layers.3.mlp.gate",
+                                             f"oncall|{page['key']}"]  # firing (newest first), then pending
+    flooded, alone, pending = incidents
+    assert flooded["alerts"] == ["ExpertHotspot-model.layers.2.mlp.gate", "ExpertHotspot-model.layers.1.mlp.gate",
+                                 "LongContextDrift-model.layers.1.mlp.gate"]  # firing newest first, then resolved
+    assert (flooded["state"], flooded["cause"], flooded["severity"], flooded["since"], flooded["notified_at"]) == (
+        "firing", "traffic", "warning", 900, 1000.0)
+    assert flooded["names"] == "ExpertHotspot ×2, LongContextDrift" and flooded["receiver"] == "line_owners"
+    assert (alone["receiver"], alone["cause"], len(alone["alerts"])) == (None, "model", 1)
+    assert (pending["state"], pending["cause"], pending["severity"]) == ("pending", "", "critical")
+    mixed = run_js("page.incidentsOf(alerts)[0].cause", alerts=[
+        alert("A", "model.layers.1.mlp.gate", "firing", 1, flood, cause="traffic"),
+        alert("B", "model.layers.2.mlp.gate", "firing", 2, flood, cause="model")])
+    assert mixed == "mixed" and run_js("page.incidentsOf([])") == []

@@ -2,8 +2,9 @@
 and re-fits nothing; a router damaged in place pages on-call as a model change and is repaired.
 
 The scenarios (tests/floods.py, shared with bench/traffic_or_damage.py): ``serve --capture`` in this process,
-the shipped rules and reference prompts with every hold cut to 0 s, on-call and the line owners on a real
-webhook receiver; healthy traffic of four lines until their baselines are learned, then the flood or the damage.
+the shipped rules and reference prompts with every hold cut to 0 s (the receivers' group wait to 30 s), on-call and
+the line owners on a real webhook receiver; healthy traffic of four lines until their baselines are learned, then
+the flood or the damage.
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
             assert alert["cause"]["details"]["clients"][0]["client"] == FLOOD_CLIENT
     assert outcome.oncall == []  # on-call's pager stayed silent
     assert all(alert["labels"].get("cause") == "traffic" for alert in outcome.owners)
+    # One notification per incident: the line owners heard of the flood once, with every alert of it.
+    told = [body for body in outcome.owner_notifications
+            if body["groupLabels"].get("business_line") == "code_assistant"]
+    assert len(told) == 1, [(body["status"], len(body["alerts"])) for body in told]
+    assert told[0]["groupLabels"] == {"business_line": "code_assistant", "cause": "traffic"}
+    notified = {alert["fingerprint"] for alert in told[0]["alerts"]}
+    code = [alert for alert in outcome.alerts if alert["labels"]["business_line"] == "code_assistant"]
+    assert {a["fingerprint"] for a in code if a["state"] == "firing"} <= notified <= {a["fingerprint"] for a in code}
+    assert len(notified) > 1  # rules and routers moved by one flood
     assert outcome.jobs == [] and outcome.versions == [0]  # no re-tune job, no router version written
     # the reference prompts' readings are series of their own, apart from live traffic
     assert {"reference:code_assistant", "code_assistant"} <= outcome.history_lines

@@ -20,6 +20,8 @@ from mla_watch.routing.windows import ALL_LINES
 __all__ = [
     "ACTIONS",
     "DEFAULT_GROUP_BY",
+    "DEFAULT_GROUP_INTERVAL_SECONDS",
+    "DEFAULT_GROUP_WAIT_SECONDS",
     "LABEL_NAME_RE",
     "METRICS",
     "RETUNE_STRATEGIES",
@@ -53,6 +55,10 @@ ACTIONS: tuple[str, ...] = ("notify", "retune")
 LABEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The labels a receiver groups alerts by unless its file says otherwise: one group per alert, router and line.
 DEFAULT_GROUP_BY: tuple[str, ...] = ("alertname", ROUTER, LAYER, BUSINESS_LINE)
+# How long a receiver's new group collects alerts before its first notification, and how long a group waits
+# between later ones: Alertmanager's defaults, so that a rule file reads as an Alertmanager route does.
+DEFAULT_GROUP_WAIT_SECONDS = 30.0
+DEFAULT_GROUP_INTERVAL_SECONDS = 300.0
 # The re-tuning strategies a rule's `retune_strategy` may name, in the order tried by default.
 # Named here, not imported from the re-tuner: alerting never imports it (tests check the two agree).
 RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
@@ -248,6 +254,15 @@ class Receiver:
     send_resolved: bool = True
     resend_interval_seconds: float = 60.0  # alertmanager_api: re-post firing alerts this often
     source: str = ""
+    # A new group's first notification waits group_wait (collecting the incident's alerts); every later change
+    # of the group waits group_interval from the last flush. 0 s: at the next evaluation.
+    group_wait_seconds: float = DEFAULT_GROUP_WAIT_SECONDS
+    group_interval_seconds: float = DEFAULT_GROUP_INTERVAL_SECONDS
+
+    def group_of(self, labels: Mapping[str, str]) -> dict[str, str]:
+        """The labels of ``labels``' notification group here: those of ``group_by`` it carries, as Alertmanager
+        takes them (a label an alert lacks is left out, not grouped as empty)."""
+        return {name: str(labels[name]) for name in self.group_by if name in labels}
 
 
 @dataclass(frozen=True)

@@ -205,7 +205,11 @@ class Notifier(ABC):
 
 
 def _idempotency_key(gkey: str, status: str, alerts: Iterable[Alert]) -> str:
-    return f"{gkey}|{status}|{','.join(sorted(am_fingerprint(a.labels) for a in alerts))}"
+    """The group, its status and its alerts; an alert resolved in a group still firing is marked, so that the
+    group's notification of that resolution is no duplicate of the one that said it fired."""
+    marked = (am_fingerprint(a.labels) + (":resolved" if status == "firing" and a.status == "resolved" else "")
+              for a in alerts)
+    return f"{gkey}|{status}|{','.join(sorted(marked))}"
 
 
 class AlertmanagerWebhookNotifier(Notifier):

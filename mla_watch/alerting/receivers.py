@@ -8,7 +8,13 @@ from collections.abc import Mapping
 from typing import cast
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import DEFAULT_GROUP_BY, LABEL_NAME_RE, Receiver
+from mla_watch.alerting.model import (
+    DEFAULT_GROUP_BY,
+    DEFAULT_GROUP_INTERVAL_SECONDS,
+    DEFAULT_GROUP_WAIT_SECONDS,
+    LABEL_NAME_RE,
+    Receiver,
+)
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
 from mla_watch.common.yamlcheck import Checker
 from mla_watch.routing.windows import NAME_RE, NAME_RULE
@@ -17,7 +23,10 @@ __all__ = ["PAGERDUTY_EVENTS_URL", "parse_receiver"]
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 _RECEIVER_KEYS = ("name", "type", "url", "headers", "hmac_secret", "routing_key", "timeout", "max_attempts",
-                  "group_by", "repeat_interval", "send_resolved", "resend_interval")
+                  "group_by", "group_wait", "group_interval", "repeat_interval", "send_resolved",
+                  "resend_interval")
+# Alertmanager's API takes alerts, not notifications: Alertmanager groups and waits itself (its route's group_wait).
+_API_TYPE = "alertmanager_api"
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -155,10 +164,16 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
 
     timeout = duration_key(chk, data, "timeout", path, 5.0, positive=True)
     repeat = duration_key(chk, data, "repeat_interval", path, 4 * 3600.0, positive=True)
-    if "resend_interval" in data and rtype != "alertmanager_api":
+    if "resend_interval" in data and rtype != _API_TYPE:
         chk.bad(f"{path}.resend_interval", data["resend_interval"],
-                f"no resend_interval: it is only used by type alertmanager_api, not {rtype!r}")
+                f"no resend_interval: it is only used by type {_API_TYPE}, not {rtype!r}")
     resend = duration_key(chk, data, "resend_interval", path, 60.0, positive=True)
+    for key in ("group_wait", "group_interval"):
+        if key in data and rtype == _API_TYPE:
+            chk.bad(f"{path}.{key}", data[key], f"no {key} for type {_API_TYPE}: Alertmanager groups the alerts "
+                    f"posted to it (set {key} in its route)")
+    group_wait = duration_key(chk, data, "group_wait", path, DEFAULT_GROUP_WAIT_SECONDS)
+    group_interval = duration_key(chk, data, "group_interval", path, DEFAULT_GROUP_INTERVAL_SECONDS)
 
     max_attempts = data.get("max_attempts", 12)
     if not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1:
@@ -197,4 +212,6 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
         send_resolved=send_resolved,
         resend_interval_seconds=resend,
         source=f"{chk.label}: {path}",
+        group_wait_seconds=group_wait,
+        group_interval_seconds=group_interval,
     )

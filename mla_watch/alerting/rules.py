@@ -8,6 +8,8 @@ A rules file has two optional top-level keys, ``receivers`` and ``rules``::
         url: ${MLA_WATCH_ONCALL_URL}    # ${VAR} is expanded from the environment
         headers: {Authorization: "Bearer ${ONCALL_TOKEN}"}
         timeout: 5s
+        group_by: [alertname, router, layer, business_line]
+        group_wait: 30s                 # then group_interval (5m) between a group's notifications
     rules:
       - alert: RoutingEntropyLow
         metric: entropy_bits

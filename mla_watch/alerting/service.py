@@ -2,12 +2,15 @@
 
 The service owns the rule engine, the outbox and its dispatcher. Every ``interval`` seconds
 it reads the routing records of each business line, lets the engine decide transitions,
-groups the resulting notifications per receiver (``group_by``), renders them with the
-receiver's notifier and writes them to the outbox, from which the dispatcher thread delivers
-them. Firing groups are sent again every ``repeat_interval`` (and every ``resend_interval``
-to Alertmanager's API, so that alerts expire there if this sidecar dies). ``retune`` actions
-go to the callbacks registered with :meth:`AlertService.on_retune`; the engine never imports
-a re-tuner.
+puts the alerts of the resulting notifications into each receiver's groups (``group_by``), and
+flushes the groups that are due as Alertmanager does (``group_wait``, ``group_interval``,
+:mod:`mla_watch.alerting.groups`): one notification per group, rendered with the receiver's
+notifier and written to the outbox, from which the dispatcher thread delivers them. Firing groups
+are sent again every ``repeat_interval`` (and every ``resend_interval`` to Alertmanager's API, so
+that alerts expire there if this sidecar dies). What each group notified is kept in the state
+directory, so a restart neither pages again nor loses a page still waiting. ``retune`` actions go
+to the callbacks registered with :meth:`AlertService.on_retune`; the engine never imports a
+re-tuner.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 from mla_watch.alerting.causes import CAUSE_LABEL, CauseJudge
 from mla_watch.alerting.engine import Action, AlertEngine
-from mla_watch.alerting.model import Alert, Notification, Receiver, RuleSet
+from mla_watch.alerting.groups import LOG_FILE, GroupRecord, NotificationGroup, NotificationLog, timing
+from mla_watch.alerting.instances import AlertInstance
+from mla_watch.alerting.model import Alert, Notification, Receiver, Rule, RuleSet
 from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox
 from mla_watch.alerting.templates import render_annotations
@@ -34,15 +40,6 @@ from mla_watch.routing.windows import RouterStats
 __all__ = ["AlertService"]
 
 log = logging.getLogger("mla_watch.alerting")
-
-
-@dataclass
-class _Group:
-    receiver: Receiver
-    key: str
-    labels: dict[str, str]
-    alerts: dict[str, Alert]  # fingerprint -> latest firing alert
-    last_sent: float
 
 
 class AlertService:
@@ -67,7 +64,9 @@ class AlertService:
         # delivered all the same; it is written to the file once the disk takes it again.
         self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock, writes=writes, on_hold=on_notification)
         self.dispatcher = Dispatcher(self.outbox, rules.receivers, on_result=on_notification, clock=clock)
-        self._groups: dict[tuple[str, str], _Group] = {}
+        self._groups: dict[tuple[str, str], NotificationGroup] = {}
+        self._log = NotificationLog(state_dir / LOG_FILE, writes=writes)
+        self._log_unsaved = False  # the last save of the log failed (a full disk): save again at every round
         self._on_notification = on_notification
         self._retune_callbacks: list[Callable[[Action], str | None]] = []
         self._restore_groups()
@@ -98,7 +97,7 @@ class AlertService:
                 receiver = self.rules.receivers.get(name)
                 if receiver is None or receiver.url is None:
                     continue
-                group_labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
+                group_labels = receiver.group_of(alert.labels)
                 self._submit(receiver, Notification(
                     receiver=name, group_key=group_key(group_labels), group_labels=group_labels, alerts=(alert,),
                     status="firing", external_url=self.external_url))
@@ -113,12 +112,35 @@ class AlertService:
             self._dispatch(self.engine.replace_rules(rules))
 
     def evaluate_once(self) -> list[Action]:
-        """One evaluation: transitions, notifications into the outbox, repeats, retune requests."""
+        """One evaluation: transitions, their alerts into the groups, the groups due flushed into the outbox,
+        retune requests."""
         with self._lock:
             actions = self.engine.evaluate(self._records())
             self._dispatch(actions)
-            self._repeat()
+            self._flush_due()
             return actions
+
+    def alert_views(self) -> list[dict[str, Any]]:
+        """The engine's alerts (``GET /v1/alerts``), each with its ``incident``: the notification group it is in
+        at its first receiver (pending, its cause undecided: the one it would join at the rule's own receivers) -
+        ``receiver``, ``key`` (the groupKey), ``labels`` and ``notified_at`` (the group's last notification;
+        ``None`` before one) -, ``None`` where no receiver takes it. The status page shows each as one row."""
+        alerts = self.engine.alerts()
+        with self._lock:
+            rules = {rule.name: rule for rule in self.rules.rules}
+            return [{**alert.as_dict(), "incident": self._incident(rules.get(alert.rule), alert)} for alert in alerts]
+
+    def _incident(self, rule: Rule | None, alert: AlertInstance) -> dict[str, Any] | None:
+        for name in rule.receivers_for(alert.labels.get(CAUSE_LABEL)) if rule is not None else ():
+            receiver = self.rules.receivers.get(name)
+            if receiver is None:
+                continue
+            labels = receiver.group_of(alert.labels)
+            key = group_key(labels)
+            group = self._groups.get((name, key))
+            return {"receiver": name, "key": key, "labels": labels,
+                    "notified_at": None if group is None else group.record.notified_at}
+        return None
 
     def start(self, dispatch_interval: float = 1.0) -> None:
         self.dispatcher.start(dispatch_interval)
@@ -148,29 +170,53 @@ class AlertService:
 
     # ------------------------------------------------------------------ internals
     def _restore_groups(self) -> None:
-        """After a restart, alerts still firing keep being repeated (they are not paged again now)."""
+        """After a restart, each group keeps what it notified (the notification log): alerts still firing that it
+        notified are repeated, not paged again; those it had not notified yet (a restart during the group's wait)
+        are, and a resolution it had not sent is sent. Without a log (a state directory from before it), every
+        alert still firing is taken as notified."""
         now = self._clock()
+        logged = self._log.load()
         rules = {rule.name: rule for rule in self.rules.rules}
-        for instance in self.engine.alerts():
-            rule = rules.get(instance.rule)
-            if instance.state != "firing" or rule is None:
-                continue
-            alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations), status="firing",
-                          starts_at=instance.firing_since or now, ends_at=None, value=instance.value or 0.0)
-            for group in self._groups_of(rule.receivers_for(alert.labels.get(CAUSE_LABEL)), alert, now):
-                group.alerts[alert.fingerprint] = alert
-
-    def _groups_of(self, receivers: Iterable[str], alert: Alert, now: float) -> list[_Group]:
-        """The notification group of ``alert`` at each receiver that has a URL (created if new)."""
-        groups = []
-        for name in receivers:
+        for (name, key), (labels, record) in (logged or {}).items():
             receiver = self.rules.receivers.get(name)
             if receiver is None or receiver.url is None:
-                continue  # no URL configured: evaluated, exported and logged, not sent
-            labels = {k: alert.labels[k] for k in receiver.group_by if k in alert.labels}
-            key = group_key(labels)
-            groups.append(self._groups.setdefault((name, key), _Group(receiver, key, labels, {}, now)))
-        return groups
+                continue
+            self._groups[(name, key)] = NotificationGroup(receiver, key, labels, flush_at=max(
+                record.flush_at if record.flush_at is not None else now, now), flushed=True, record=record)
+        for instance in self.engine.alerts():
+            rule = rules.get(instance.rule)
+            if rule is None or instance.state not in ("firing", "resolved"):
+                continue
+            firing = instance.state == "firing"
+            alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations),
+                          status="firing" if firing else "resolved",
+                          starts_at=instance.firing_since or instance.resolved_at or now,
+                          ends_at=None if firing else instance.resolved_at, value=instance.value or 0.0)
+            for name in rule.receivers_for(alert.labels.get(CAUSE_LABEL)):
+                group = self._group_of(name, alert, now, create=firing)
+                if group is None:
+                    continue
+                if logged is None and firing:  # notified by the sidecar before this one: repeated, not paged again
+                    group.flushed = True
+                    group.flush_at = now + timing(group.receiver)[1]
+                    group.record = GroupRecord(group.record.firing | {alert.fingerprint}, frozenset(), now,
+                                               group.flush_at)
+                if firing or alert.fingerprint in group.record.firing:  # a resolution only the receiver awaits
+                    group.add(alert, now)
+        self._log_unsaved = not self._log.save(self._groups.values(), now)
+
+    def _group_of(self, name: str, alert: Alert, now: float, *, create: bool = True) -> NotificationGroup | None:
+        """``alert``'s group at the receiver ``name`` (made when new and ``create``); ``None`` for a receiver
+        without a URL (its alerts are evaluated, exported and logged, not sent)."""
+        receiver = self.rules.receivers.get(name)
+        if receiver is None or receiver.url is None:
+            return None
+        labels = receiver.group_of(alert.labels)
+        key = group_key(labels)
+        group = self._groups.get((name, key))
+        if group is None and create:
+            group = self._groups[(name, key)] = NotificationGroup.new(receiver, key, labels, now)
+        return group
 
     def _dispatch(self, actions: Iterable[Action]) -> None:
         """Run every action, each isolated: one that fails never keeps another from running.
@@ -213,32 +259,35 @@ class AlertService:
     def _notify(self, receivers: Iterable[str], alert: Alert, now: float) -> None:
         log.warning("alert %s %s: %s", alert.labels.get("alertname"), alert.status,
                     alert.annotations.get("summary", dict(alert.labels)))
-        for group in self._groups_of(receivers, alert, now):
-            if alert.status == "firing":
-                group.alerts[alert.fingerprint] = alert
-                self._send(group, [alert], now)
-            else:
-                group.alerts.pop(alert.fingerprint, None)
-                if group.receiver.send_resolved:
-                    self._send(group, [alert], now)
-                if not group.alerts:
-                    del self._groups[(group.receiver.name, group.key)]
+        for name in receivers:
+            # A resolution joins the group that holds its alert; one no group holds was never notified.
+            group = self._group_of(name, alert, now, create=alert.status == "firing")
+            if group is not None:
+                group.add(alert, now)
 
-    def _repeat(self) -> None:
+    def _flush_due(self) -> None:
+        """Flush every group whose time has come; forget those left empty; write the log when it changed."""
         now = self._clock()
-        for group in list(self._groups.values()):
-            every = (group.receiver.resend_interval_seconds if group.receiver.type == "alertmanager_api"
-                     else group.receiver.repeat_interval_seconds)
-            if group.alerts and now - group.last_sent >= every:
-                self._send(group, list(group.alerts.values()), now)
-
-    def _send(self, group: _Group, alerts: list[Alert], now: float) -> None:
-        firing = any(alert.status == "firing" for alert in alerts)
-        status: Literal["firing", "resolved"] = "firing" if firing else "resolved"
-        notification = Notification(receiver=group.receiver.name, group_key=group.key, group_labels=group.labels,
-                                    alerts=tuple(alerts), status=status, external_url=self.external_url)
-        group.last_sent = now
-        self._submit(group.receiver, notification)
+        changed = False
+        for ident, group in list(self._groups.items()):
+            if group.flush_at > now:
+                continue
+            receiver = self.rules.receivers.get(group.receiver.name)
+            if receiver is None or receiver.url is None:  # removed or disabled by a reload: nowhere to send
+                del self._groups[ident]
+                changed = True
+                continue
+            group.receiver = receiver  # a reload may have changed its timing
+            try:
+                changed |= group.flush(now, self.external_url, partial(self._submit, receiver))
+            except Exception:  # logged; the group is flushed again at its next flush, the others now
+                log.exception("receiver %s: the notification of group %s failed", receiver.name, group.key)
+                continue
+            if not group.alerts:
+                del self._groups[ident]
+                changed = True
+        if changed or self._log_unsaved:
+            self._log_unsaved = not self._log.save(self._groups.values(), now)
 
     def _submit(self, receiver: Receiver, notification: Notification) -> None:
         self.outbox.submit(receiver, notification)  # held in memory there when its file cannot take it

@@ -174,7 +174,7 @@ class ReadViews:
         return None if error is None else error.errors
 
     def alert_list(self) -> list[dict[str, Any]]:
-        return [alert.as_dict() for alert in self.alerts.engine.alerts()] if self.alerts is not None else []
+        return self.alerts.alert_views() if self.alerts is not None else []
 
     def policies_view(self) -> list[dict[str, Any]]:
         """Each line's tasks with what was clamped, refused and filled in by default, by parameter."""

@@ -6,8 +6,10 @@ and polls ``GET /v1/status``. The JSON holds what on-call needs at a glance:
 * ``history``: routing entropy per router and business line over the last hour
   (:meth:`~mla_watch.history.store.HistoryStore.recent`), each series with its **band**: the
   thresholds of the alert rules on ``entropy_bits`` that watch it (see :func:`entropy_band`);
-* ``alerts``: the alert instances with their labels, annotations (runbook links) and their rule's
-  ``metric`` (the page colours the alert's row and opens its link on that metric);
+* ``alerts``: the alert instances with their labels, annotations (runbook links), their rule's
+  ``metric`` (the page colours the alert's row and opens its link on that metric) and their
+  ``incident``, the notification group they are in (the page shows each as one row that opens into
+  its alerts);
 * ``policies``: the sampling policies in force, each task with its adjustment and refusal counts;
 * ``retune``: the re-tuning jobs with their gates, the live router version and the promote /
   rollback history.

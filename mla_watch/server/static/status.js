@@ -38,7 +38,8 @@ const view = { history: null, status: null, line: null, focus: null, scrolled: f
                metric: ENTROPY,
                routing: null, // {line, records: Map(router -> v1/routing record)} of the shown line
                range: null, // {seconds, line, metric, data, fetched} while the durable history is shown
-               rangeError: null }; // why the durable history of the shown metric did not load
+               rangeError: null, // why the durable history of the shown metric did not load
+               openIncidents: new Set() }; // the incidents (keys) on-call opened in the alerts table
 
 // ---------------------------------------------------------------- small helpers
 const $ = (id) => document.getElementById(id);
@@ -838,40 +839,133 @@ function causeText(alert) {
   return { model: "model", traffic: "traffic", undetermined: "undetermined" }[cause] || cause;
 }
 
+// ---------------------------------------------------------------- incidents
+// The alerts as their notifications group them: v1/status gives each alert its `incident` (the receiver and the
+// groupKey of its notification group), and the page shows each incident as one row that opens into its alerts,
+// the way the receiver heard of it. An alert no receiver takes is an incident of its own.
+const STATE_ORDER = { firing: 0, pending: 1, resolved: 2 };
+const SEVERITY_ORDER = { critical: 0, warning: 1, info: 2 };
+
+function alertSince(alert) {
+  return alert.state === "resolved" ? alert.resolved_at || 0 : alert.firing_since || alert.active_since || 0;
+}
+
+// The incidents of `alerts`, worst state first, then the newest: each {key, receiver, labels, notified_at,
+// alerts (worst state first, then the newest), state (its worst alert's), cause (the one its alerts share,
+// "mixed", or "" before any is known), severity (the worst), since (its oldest alert's)}.
+function incidentsOf(alerts) {
+  const groups = new Map();
+  for (const alert of alerts || []) {
+    const incident = alert.incident || null;
+    const key = incident ? `${incident.receiver}|${incident.key}` : `alert|${alert.fingerprint}`;
+    if (!groups.has(key)) {
+      groups.set(key, { key, receiver: incident ? incident.receiver : null, labels: incident ? incident.labels : {},
+                        notified_at: null, alerts: [] });
+    }
+    const group = groups.get(key);
+    group.alerts.push(alert);
+    if (incident && incident.notified_at) group.notified_at = Math.max(group.notified_at || 0, incident.notified_at);
+  }
+  const byState = (a, b) => (STATE_ORDER[a.state] ?? 3) - (STATE_ORDER[b.state] ?? 3);
+  const incidents = [...groups.values()].map((group) => {
+    group.alerts.sort((a, b) => byState(a, b) || alertSince(b) - alertSince(a));
+    const causes = [...new Set(group.alerts.map((a) => (a.labels || {}).cause).filter(Boolean))];
+    const severities = group.alerts.map((a) => (a.labels || {}).severity || "")
+      .sort((a, b) => (SEVERITY_ORDER[a] ?? 3) - (SEVERITY_ORDER[b] ?? 3));
+    const times = group.alerts.map(alertSince).filter(Boolean);
+    return { ...group, state: group.alerts[0].state, cause: causes.length > 1 ? "mixed" : causes[0] || "",
+             severity: severities[0] || "", since: times.length ? Math.min(...times) : null,
+             latest: times.length ? Math.max(...times) : 0 };
+  });
+  return incidents.sort((a, b) => byState(a, b) || b.latest - a.latest);
+}
+
+// "ExpertHotspot ×3, LongContextDrift ×3": what an incident holds, by alert name.
+function incidentNames(incident) {
+  const counts = new Map();
+  for (const alert of incident.alerts) counts.set(alert.labels.alertname, (counts.get(alert.labels.alertname) || 0) + 1);
+  return [...counts].map(([name, n]) => (n > 1 ? `${name} ×${n}` : name)).join(", ");
+}
+
+// What the incident's alerts have: one value, or "N <what>" when they differ.
+function shared(incident, valueOf, what) {
+  const values = [...new Set(incident.alerts.map(valueOf).filter((v) => v !== "" && v !== null && v !== undefined))];
+  return values.length === 1 ? String(values[0]) : values.length ? `${values.length} ${what}` : "–";
+}
+
 function renderAlerts(alerts) {
-  const order = { firing: 0, pending: 1, resolved: 2 };
-  const shown = [...alerts].sort((a, b) => (order[a.state] ?? 3) - (order[b.state] ?? 3) ||
-                                          (b.firing_since || b.active_since || 0) - (a.firing_since || a.active_since || 0));
-  if (!shown.length) {
+  const incidents = incidentsOf(alerts);
+  if (!incidents.length) {
     $("alerts-body").replaceChildren(el("p", { class: "empty" }, "No alerts: every watched router is in band."));
     return;
   }
+  const rows = [];
+  for (const incident of incidents) {
+    if (incident.alerts.length === 1) {
+      rows.push(alertRow(incident.alerts[0], null, false));
+      continue;
+    }
+    // Closed unless on-call opened it, or the alert the link names is in it.
+    const open = view.openIncidents.has(incident.key) || incident.alerts.some(isFocusedAlert);
+    rows.push(incidentRow(incident, open), ...incident.alerts.map((a) => alertRow(a, incident.key, !open)));
+  }
+  $("alerts-body").replaceChildren(table(
+    ["state", "cause", "alert", "severity", "router", "layer", "business line", "metric", "value", "since", "summary",
+     "links"], rows));
+}
+
+function incidentRow(incident, open) {
+  const toggle = () => {
+    if (view.openIncidents.has(incident.key)) view.openIncidents.delete(incident.key);
+    else view.openIncidents.add(incident.key);
+    renderAlerts(view.status.alerts);
+  };
+  const grouped = Object.entries(incident.labels || {}).map(([key, value]) => `${key}=${value}`).join(" ");
+  const told = incident.receiver ? `one notification to ${incident.receiver}` +
+    (incident.notified_at ? `, sent ${ago(incident.notified_at)}` : "") : "";
+  return el("tr", { class: "incident", dataset: { incident: incident.key, state: incident.state, cause: incident.cause,
+                                                  count: String(incident.alerts.length), open: String(open) } },
+    el("td", {}, el("span", { class: `state ${incident.state}` }, incident.state)),
+    el("td", {}, el("span", { class: `cause ${incident.cause || "pending"}` }, incident.cause || "–")),
+    el("td", {}, el("button", { type: "button", class: "toggle", "aria-expanded": String(open), onclick: toggle },
+                    `${open ? "▾" : "▸"} ${incident.alerts.length} alerts`), " ", incidentNames(incident),
+       el("div", { class: "muted" }, grouped)),
+    el("td", {}, incident.severity),
+    el("td", {}, shared(incident, (a) => a.labels.router, "routers")),
+    el("td", { class: "num" }, shared(incident, (a) => a.labels.layer, "layers")),
+    el("td", {}, shared(incident, (a) => a.labels.business_line, "lines")),
+    el("td", {}, shared(incident, (a) => (alertMetric(a) ? metricInfo(alertMetric(a)).label : ""), "metrics")),
+    el("td", { class: "num" }, "–"),
+    el("td", {}, ago(incident.since)),
+    el("td", {}, told),
+    el("td", {}));
+}
+
+// One alert's row; `incident`: the key of the incident it belongs to when shown under that incident's row.
+function alertRow(a, incident, hidden) {
   const extra = (labels) => Object.entries(labels)
     .filter(([key]) => !["alertname", "severity", "router", "layer", "business_line", "kind", "cause"].includes(key))
     .map(([key, value]) => `${key}=${value}`).join(" ");
-  $("alerts-body").replaceChildren(table(
-    ["state", "cause", "alert", "severity", "router", "layer", "business line", "metric", "value", "since", "summary",
-     "links"],
-    shown.map((a) => el("tr", { class: isFocusedAlert(a) ? "focus" : null,
-                                dataset: { alertname: a.labels.alertname, state: a.state, router: a.labels.router || "",
-                                           line: a.labels.business_line || "", metric: alertMetric(a) || "",
-                                           cause: a.labels.cause || "" } },
-      el("td", {}, el("span", { class: `state ${a.state}` }, a.state)),
-      el("td", { title: a.annotations.cause || "" },
-         el("span", { class: `cause ${a.labels.cause || "pending"}` }, causeText(a))),
-      el("td", {}, a.labels.alertname, el("div", { class: "muted" }, extra(a.labels))),
-      el("td", {}, a.labels.severity),
-      el("td", {}, a.labels.router),
-      el("td", { class: "num" }, a.labels.layer),
-      el("td", {}, a.labels.business_line),
-      el("td", {}, alertMetric(a) ? metricInfo(alertMetric(a)).label : "–"),
-      el("td", { class: "num" }, a.value === null ? "–" : Number(a.value).toFixed(3)),
-      el("td", {}, ago(a.state === "resolved" ? a.resolved_at : a.firing_since || a.active_since)),
-      el("td", {}, a.annotations.summary || ""),
-      el("td", {}, safeHref(a.annotations.runbook_url)
-        ? el("a", { href: safeHref(a.annotations.runbook_url), class: "runbook" }, "runbook") : null,
-         " ", el("a", { href: anchorOf(a), class: "show" }, "show")),
-    ))));
+  const classes = [incident ? "member" : null, isFocusedAlert(a) ? "focus" : null].filter(Boolean).join(" ");
+  return el("tr", { class: classes || null, hidden: hidden ? "" : null,
+                    dataset: { alertname: a.labels.alertname, state: a.state, router: a.labels.router || "",
+                               line: a.labels.business_line || "", metric: alertMetric(a) || "",
+                               cause: a.labels.cause || "", incident } },
+    el("td", {}, el("span", { class: `state ${a.state}` }, a.state)),
+    el("td", { title: a.annotations.cause || "" },
+       el("span", { class: `cause ${a.labels.cause || "pending"}` }, causeText(a))),
+    el("td", {}, a.labels.alertname, el("div", { class: "muted" }, extra(a.labels))),
+    el("td", {}, a.labels.severity),
+    el("td", {}, a.labels.router),
+    el("td", { class: "num" }, a.labels.layer),
+    el("td", {}, a.labels.business_line),
+    el("td", {}, alertMetric(a) ? metricInfo(alertMetric(a)).label : "–"),
+    el("td", { class: "num" }, a.value === null ? "–" : Number(a.value).toFixed(3)),
+    el("td", {}, ago(alertSince(a))),
+    el("td", {}, a.annotations.summary || ""),
+    el("td", {}, safeHref(a.annotations.runbook_url)
+      ? el("a", { href: safeHref(a.annotations.runbook_url), class: "runbook" }, "runbook") : null,
+       " ", el("a", { href: anchorOf(a), class: "show" }, "show")));
 }
 
 function renderPolicies(policies) {
@@ -963,5 +1057,5 @@ if (typeof window !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
                      normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS,
-                     firstDeparture, positionCell, positionStrips, positionsNote };
+                     firstDeparture, positionCell, positionStrips, positionsNote, incidentsOf, incidentNames };
 }
