@@ -144,6 +144,16 @@ def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] |
         processes.stop(process, grace=0)
 
 
+def wait_for_first_readings(url: str, timeout: float = 300.0) -> None:
+    """Wait until every reference set has been read once (or failed): a sidecar reads them all at start, the long
+    sets included, and a test that measures what requests cost must not count that reading's memory or time."""
+    def read_once() -> bool:
+        sets = httpx.get(url + "/v1/reference", timeout=10).json().get("sets", [])
+        return all(entry["reading"] is not None or entry["last_failure"] is not None for entry in sets)
+
+    assert wait_until(read_once, timeout=timeout, interval=0.5), "the reference sets were not all read"
+
+
 # --------------------------------------------------------------------------------------------- metrics
 def get_metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text

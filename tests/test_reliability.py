@@ -35,6 +35,7 @@ from tests.support import (
     running_sidecar,
     sidecar_process,
     tmpfs,
+    wait_for_first_readings,
     wait_until,
 )
 
@@ -110,6 +111,7 @@ def test_32_clients_get_answers_or_documented_refusals_and_memory_stays_flat(tmp
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with sidecar_process(port, tmp_path / "state", "--max-queue", "8", log=tmp_path / "sidecar.log") as process:
+        wait_for_first_readings(url)
         peak_ready = memory_kib(process.pid, "VmHWM")
         totals: Counter = Counter()
         peaks = []
@@ -148,6 +150,7 @@ def test_the_attacks_of_issue_11_get_their_documented_answers_while_healthz_keep
     port, log = free_port(), tmp_path / "sidecar.log"
     tokens = {"MLA_WATCH_ADMIN_TOKEN": ATTACK_ADMIN_TOKEN, "MLA_WATCH_INGEST_TOKEN": ATTACK_INGEST_TOKEN}
     with sidecar_process(port, tmp_path / "state", "--body-timeout", "1", env=tokens, log=log) as process:
+        wait_for_first_readings(f"http://127.0.0.1:{port}")
         target = Target(f"http://127.0.0.1:{port}", process.pid, ATTACK_ADMIN_TOKEN, ATTACK_INGEST_TOKEN,
                         body_timeout=1.0)
         result = replay(target, Plan.quick())
