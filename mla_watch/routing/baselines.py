@@ -242,17 +242,15 @@ class Baselines:
         taken = []
         skip = excluded() if ready and excluded is not None else set()
         for record in ready:
-            if (record.router.name, record.line_label) in skip:
-                continue
             mix = clients(record) if clients is not None else None
             why_not = None if mix is None else self.gate.judge(mix)
-            if why_not is None:
+            if why_not is not None:  # said whether or not an alert is pending on it too: whose window it is
+                assert mix is not None
+                entry = waiting.setdefault((record.line_label, mix.keys_seen), {
+                    "business_line": record.line_label, "reason": why_not, "clients": mix.to_json(), "routers": []})
+                entry["routers"].append(record.router.name)
+            elif (record.router.name, record.line_label) not in skip:
                 taken.append(self._from_record(record, "learned", mix))
-                continue
-            assert mix is not None
-            entry = waiting.setdefault((record.line_label, mix.keys_seen), {
-                "business_line": record.line_label, "reason": why_not, "clients": mix.to_json(), "routers": []})
-            entry["routers"].append(record.router.name)
         self._report_waiting(waiting)
         if taken:
             taken = self._store(taken, replace=False)
