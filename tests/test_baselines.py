@@ -10,12 +10,14 @@ import httpx
 import numpy as np
 import pytest
 
+from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
 from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
 from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows
+from tests.floods import trimmed_references
 from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
@@ -328,3 +330,71 @@ def test_a_file_written_before_baselines_recorded_their_clients_still_loads(tmp_
     planted = Baselines(tmp_path / "baseline.json")
     planted.load()
     assert "series[0].clients.clients[0]: expected client (a name) and share (from 0 to 1)" in planted.load_error
+
+
+@pytest.mark.slow
+def test_a_baseline_the_reference_prompts_find_unrepresentative_is_reported_and_learned_again(tmp_path) -> None:
+    state = tmp_path / "state"
+    # The flood leaves the window in a few requests; the shipped reference sets cut to 16 prompts each read faster.
+    small = {"window_tokens": 1024, "baseline_tokens": 512,
+             "reference_prompts": trimmed_references(tmp_path / "references", 16)}
+
+    def post(url: str, prompt: str, client: str) -> None:
+        answer = httpx.post(url + "/v1/completions", json={"model": "bundled", "max_tokens": 4, "prompt": prompt},
+                            headers={"X-Business-Line": "code_assistant", "X-Task": "code", "X-Client-Id": client},
+                            timeout=60)
+        assert answer.status_code == 200, answer.text[:300]
+
+    def learned(url: str) -> dict[str, dict]:
+        return {s["router"]: s for s in httpx.get(url + "/v1/baseline", timeout=10).json()["series"]
+                if s["business_line"] == "code_assistant" and s["router"] in GATES}
+
+    # Learned from one client's flood: with the bar off, or by a version that recorded no clients.
+    # (No alert round during it: a series an alert is pending on is never learned.)
+    with running_sidecar(state_dir=state, alert_interval=3600, baseline_max_client_share=1.0, baseline_min_clients=1,
+                         **small) as (url, _):
+        for _ in range(4):
+            post(url, FLOOD, "flood-1")
+        assert wait_until(lambda: httpx.get(url + "/v1/routing", timeout=10).status_code == 200 and set(
+            learned(url)) == set(GATES), timeout=30)
+    path = state / "baseline.json"
+    document = json.loads(path.read_text())
+    for entry in document["series"]:
+        del entry["clients"]  # as written before baselines recorded their clients: it still loads
+    path.write_text(json.dumps(document))
+    with running_sidecar(state_dir=state, alert_interval=0.2, reference=ReferenceSettings(interval_seconds=0),
+                         **small) as (url, sidecar):
+        flood = learned(url)
+        assert set(flood) == set(GATES) and all(entry["clients"] is None for entry in flood.values())
+        assert wait_until(lambda: next(s for s in httpx.get(url + "/v1/reference", timeout=10).json()["sets"]
+                                       if s["name"] == "code_assistant")["baseline"], timeout=120)
+        for index, text in enumerate(corpus.generate("code", 12, seed=47)):  # the line's traffic, three clients
+            post(url, text[:600], f"app-{index % 3}")
+        # A later reading of its prompts (this one, or one an alert going pending asked for first)
+        (reading,) = sidecar.references.prober.read_now(["code_assistant"])
+        found = [entry for entry in httpx.get(url + "/v1/baseline", timeout=10).json()["unrepresentative"]
+                 if entry["business_line"] == "code_assistant"]
+        assert sorted(entry["router"] for entry in found) == list(GATES), found
+        for entry in found:
+            details = entry["details"]
+            assert entry["reason"] == "reference" and entry["baseline"]["taken_at"] == flood[entry["router"]][
+                "taken_at"]
+            assert details["baseline_bits"] > 0.3 and details["baseline_bits"] > 4 * details["window_bits"], details
+            assert details["set"] == "code_assistant" and entry["baseline"]["taken_at"] < details["reading_at"] <= \
+                reading.taken_at
+            assert f"sit {details['baseline_bits']:.3f} bits" in entry["why"]
+        # learned again from the line's traffic, and said on /metrics and to the status page
+        # Learned though drift judged against the flood may still be pending on them: the new baseline judges it.
+        assert wait_until(lambda: set(learned(url)) == set(GATES), timeout=30)
+        assert wait_until(lambda: not [alert for alert in httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
+                                       if alert["labels"]["router"] in GATES and alert["state"] != "resolved"
+                                       and alert["labels"]["business_line"] == "code_assistant"], timeout=30)
+        for entry in learned(url).values():
+            assert entry["taken_at"] > flood[entry["router"]]["taken_at"]
+            assert {c["client"] for c in entry["clients"]["clients"]} == {"app-0", "app-1", "app-2"}
+        assert metric_value(get_metrics(url), "mla_watch_baselines_unrepresentative_total",
+                            business_line="code_assistant", reason="reference") == 3
+        status = httpx.get(url + "/v1/status", timeout=30).json()["baselines"]
+        assert {entry["router"] for entry in status["unrepresentative"]} >= set(GATES)
+        sidecar.references.prober.read_now(["code_assistant"])  # the new ones are the line's traffic
+        assert len(httpx.get(url + "/v1/baseline", timeout=10).json()["unrepresentative"]) == len(found)
