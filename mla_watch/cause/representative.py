@@ -112,11 +112,12 @@ class BaselineCheck:
             finding = Finding(record.router.name, line, js_divergence_bits(found[0], baseline.counts),
                               js_divergence_bits(found[0], window))
             findings.append((finding, baseline))
-        dropped = [finding for finding, baseline in findings if finding.unrepresentative
-                   and self.baselines.found_unrepresentative(baseline, BY_REFERENCE, finding.describe(line),
-                                                             {**finding.as_dict(), "set": line,
-                                                              "set_version": reading.set_version,
-                                                              "reading_at": reading.taken_at})]
+        gone = {id(baseline) for baseline in self.baselines.found_unrepresentative(
+            (baseline, BY_REFERENCE, finding.describe(line), {**finding.as_dict(), "set": line,
+                                                               "set_version": reading.set_version,
+                                                               "reading_at": reading.taken_at})
+            for finding, baseline in findings if finding.unrepresentative)}
+        dropped = [finding for finding, baseline in findings if id(baseline) in gone]
         if dropped:
             log.warning("healthy baselines of %s are not the line's traffic: %s; learned again from the line's "
                         "traffic (%s)", line, dropped[0].describe(line),

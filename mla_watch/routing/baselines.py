@@ -73,6 +73,7 @@ MAX_COUNTS = 8 * 1024 * 1024
 MAX_FILE_BYTES = 128 * 1024 * 1024
 SAVE_AGAIN_SECONDS = 5.0  # a save the disk refused is made again this long after, at the earliest
 FOUND_KEPT = 256  # baselines found unrepresentative that GET /v1/baseline still shows (the latest)
+FOUND_SHOWN = 64  # ... and GET /v1/status, for the status page
 # Why a learned baseline was found not to be its line's traffic (a label of the counter of them).
 BY_CLIENTS, BY_REFERENCE = "clients", "reference"
 _WHAT = "baseline file"
@@ -197,13 +198,17 @@ class Baselines:
                 "path": None if self.path is None else str(self.path), "load_error": self.load_error,
                 "series": [{"router": b.router, "business_line": b.business_line, **b.as_dict()} for b in series]}
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, *, brief: bool = False) -> dict[str, Any]:
         """Whether baselines are learned, and what is not and why: ``not_learning`` is why nothing is (learning not
         trusted), else what the latest round refused for its clients (``waiting``, per line and the tokens judged),
-        else ``None``; ``unrepresentative``: the learned baselines found not to be their line's traffic."""
+        else ``None``; ``unrepresentative``: the learned baselines found not to be their line's traffic (``brief``:
+        the latest :data:`FOUND_SHOWN`, without their details and dropped baselines: what the status page polls)."""
         with self._lock:
             waiting = [dict(entry, routers=list(entry["routers"])) for entry in self._waiting.values()]
             found = list(self._found)
+        if brief:
+            found = [{key: entry[key] for key in ("router", "business_line", "reason", "why", "found_at")}
+                     for entry in found[-FOUND_SHOWN:]]
         not_learning = self.not_learning
         if not_learning is None and waiting:
             not_learning = "; ".join(f"{entry['business_line']} ({len(entry['routers'])} router"
@@ -268,26 +273,33 @@ class Baselines:
                 log.info("healthy baselines of %s (%d router%s) not learned: %s", entry["business_line"],
                          len(entry["routers"]), "s" if len(entry["routers"]) != 1 else "", entry["reason"])
 
-    def found_unrepresentative(self, baseline: Baseline, reason: str, why: str,
-                               details: Mapping[str, Any] | None = None) -> bool:
-        """``baseline`` (learned) is not its line's traffic: drop it so that the series is learned again, and keep
-        the finding for GET /v1/baseline and the metrics. ``reason``: :data:`BY_CLIENTS` or :data:`BY_REFERENCE`;
-        ``why`` in words. False (nothing done) where the series holds another baseline by now."""
-        key = (baseline.router, baseline.business_line)
+    def found_unrepresentative(self, found: Iterable[tuple[Baseline, str, str, Mapping[str, Any] | None]],
+                               ) -> list[Baseline]:
+        """Each ``(baseline, reason, why, details)``: a learned baseline that is not its line's traffic. Drop it so
+        that the series is learned again, and keep the finding for GET /v1/baseline and the metrics (``reason``:
+        :data:`BY_CLIENTS` or :data:`BY_REFERENCE`; ``why`` in words). The ones dropped: not those whose series
+        holds another baseline by now."""
+        dropped = []
         with self._lock:
-            if self._series.get(key) is not baseline or baseline.source != "learned":
-                return False
-            del self._series[key]
-            self.version += 1
-            self._found.append({"router": baseline.router, "business_line": baseline.business_line,
-                                "reason": reason, "why": why, "found_at": float(self._clock()),
-                                "details": dict(details or {}), "baseline": baseline.as_dict()})
+            now = float(self._clock())
+            for baseline, reason, why, details in found:
+                key = (baseline.router, baseline.business_line)
+                if self._series.get(key) is not baseline or baseline.source != "learned":
+                    continue
+                del self._series[key]
+                dropped.append(baseline)
+                self._found.append({"router": baseline.router, "business_line": baseline.business_line,
+                                    "reason": reason, "why": why, "found_at": now, "details": dict(details or {}),
+                                    "baseline": baseline.as_dict()})
+                counted = (baseline.business_line, reason)
+                self._found_counts[counted] = self._found_counts.get(counted, 0) + 1
+            if not dropped:
+                return []
             del self._found[:-FOUND_KEPT]
-            counted = (baseline.business_line, reason)
-            self._found_counts[counted] = self._found_counts.get(counted, 0) + 1
+            self.version += 1
             document = self._document()
         self._save(document)
-        return True
+        return dropped
 
     def found_counts(self) -> dict[tuple[str, str], int]:
         """How many learned baselines were found unrepresentative, per (line, reason), since this store was made."""
@@ -395,8 +407,7 @@ class Baselines:
             refused = [(baseline, why) for baseline in self._series.values()
                        if baseline.source == "learned" and baseline.clients is not None
                        and (why := self.gate.judge(baseline.clients)) is not None]
-        for baseline, why in refused:
-            self.found_unrepresentative(baseline, BY_CLIENTS, why)
+        self.found_unrepresentative((baseline, BY_CLIENTS, why, None) for baseline, why in refused)
         if refused:
             lines = sorted({baseline.business_line for baseline, _ in refused})
             log.warning("healthy baselines of %d series (%s) are not their line's traffic by the clients they were "
