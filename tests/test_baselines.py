@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -278,14 +279,18 @@ def test_an_indexers_window_is_whose_long_contexts_it_holds() -> None:
         "--baseline-min-clients 0: expected an integer >= 1"]
 
 
-def test_one_clients_window_is_not_learned_and_says_whose_it_is(tmp_path) -> None:
+def test_one_clients_window_is_not_learned_and_says_whose_it_is(tmp_path, caplog) -> None:
     baselines = Baselines(tmp_path / "baseline.json", learn_tokens=1000, clock=lambda: 1234.0)
     baselines.trust(None)
     windows = RouterWindows([GATE], window_tokens=4096, baselines=baselines)
     shares = ClientShares(window_tokens=4096)
     fed(windows, "chat", 2000)
     shares.add("chat", "flood-1", 2000)
-    assert baselines.learn(records(windows), clients=by_clients(shares)) == []
+    with caplog.at_level(logging.INFO, logger="mla_watch.routing.baselines"):
+        for _ in range(3):  # every round refuses it; the log says it once per line
+            assert baselines.learn(records(windows), clients=by_clients(shares)) == []
+    said = [r.getMessage() for r in caplog.records if "not learned: client flood-1 sent 100%" in r.getMessage()]
+    assert [message.split(" (")[0] for message in said] == ["healthy baselines of all", "healthy baselines of chat"]
     view = baselines.describe()
     assert view["learning"] is True and view["series"] == []
     assert view["not_learning"] == ("all (1 router): client flood-1 sent 100% of the line's tokens (2000 in the "

@@ -175,6 +175,7 @@ class Baselines:
         # The latest learning round's windows refused for their clients: (line, keys seen) -> what GET /v1/baseline
         # shows under `waiting`.
         self._waiting: dict[tuple[str, int], dict[str, Any]] = {}
+        self._said: set[tuple[str, int]] = set()  # ... of which the log said it, until the line learns one
         self._found: list[dict[str, Any]] = []  # baselines found unrepresentative, the latest FOUND_KEPT
         self._found_counts: dict[tuple[str, str], int] = {}  # (line, BY_CLIENTS | BY_REFERENCE) -> how many
 
@@ -256,22 +257,26 @@ class Baselines:
                 entry["routers"].append(record.router.name)
             elif (record.router.name, record.line_label) not in skip:
                 taken.append(self._from_record(record, "learned", mix))
-        self._report_waiting(waiting)
         if taken:
             taken = self._store(taken, replace=False)
+        self._report_waiting(waiting, taken)
         if taken:
             log.info("healthy baselines learned for %d series (%s ...)", len(taken),
                      f"{taken[0].router} / {taken[0].business_line}")
         return taken
 
-    def _report_waiting(self, waiting: dict[tuple[str, int], dict[str, Any]]) -> None:
-        """Keep the round's refusals for GET /v1/baseline; say in the log when a line starts waiting."""
+    def _report_waiting(self, waiting: dict[tuple[str, int], dict[str, Any]], learned: Iterable[Baseline]) -> None:
+        """Keep the round's refusals for GET /v1/baseline; say in the log once a line waits (again once it learned
+        one: a window that comes and goes, as an indexer's signal does, is said once)."""
         with self._lock:
-            before, self._waiting = self._waiting, waiting
-        for key, entry in waiting.items():
-            if key not in before:
-                log.info("healthy baselines of %s (%d router%s) not learned: %s", entry["business_line"],
-                         len(entry["routers"]), "s" if len(entry["routers"]) != 1 else "", entry["reason"])
+            self._waiting = waiting
+            lines = {baseline.business_line for baseline in learned}
+            self._said = {key for key in self._said if key[0] not in lines}
+            new = [entry for key, entry in waiting.items() if key not in self._said]
+            self._said.update(waiting)
+        for entry in new:
+            log.info("healthy baselines of %s (%d router%s) not learned: %s", entry["business_line"],
+                     len(entry["routers"]), "s" if len(entry["routers"]) != 1 else "", entry["reason"])
 
     def found_unrepresentative(self, found: Iterable[tuple[Baseline, str, str, Mapping[str, Any] | None]],
                                ) -> list[Baseline]:
