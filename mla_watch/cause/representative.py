@@ -11,10 +11,11 @@ be learned again (:meth:`~mla_watch.routing.baselines.Baselines.found_unrepresen
 
 Only expert routers are judged, on lines with a set of their own (the mixed default set describes no one
 line). Measured on the bundled model (``python -m bench.baselines``): a line's reference prompts sit
-0.002-0.005 bits (Jensen-Shannon) from healthy windows of the line's traffic, and 0.50-0.66 bits from a window
-of one client's flood. An indexer's choices over positions follow how long the texts are, which the reference
-prompts do not share with the traffic: 0.01-0.14 bits from healthy windows, and a flood's window may sit closer
-to them than healthy traffic does - so an indexer's baseline rests on the client bar alone.
+0.0015-0.005 bits (Jensen-Shannon) from healthy windows of the line's traffic and from the baselines learned
+from them, and 0.44-0.65 bits from a window of one client's flood. An indexer's choices over positions follow
+how long the texts are, which the reference prompts do not share with the traffic: a healthy baseline of
+doc_summary's indexers sits 2.4 times as far from them as the live window does, a window of one client's flood
+of customer_service as little as 1.1 times - so an indexer's baseline rests on the client bar alone.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ __all__ = ["UNREPRESENTATIVE_MARGIN_BITS", "UNREPRESENTATIVE_RATIO", "BaselineCh
 log = logging.getLogger("mla_watch.cause")
 
 # A baseline is not its line's traffic when the reference prompts sit more than RATIO times as far from it as from
-# the live window, and MARGIN bits further. Healthy baselines read 0.6-1.6 times the live window's distance (both
-# under 0.005 bits), a flood's 100 times and more; the margin is RoutingDrift's own threshold: a baseline that
-# far off would page healthy traffic as drift.
+# the live window, and MARGIN bits further. Healthy baselines read 0.66-1.42 times the live window's distance (both
+# under 0.005 bits), a flood's window 108 times and more; the margin is RoutingDrift's own threshold: a baseline
+# that far off would page healthy traffic as drift.
 UNREPRESENTATIVE_RATIO = 4.0
 UNREPRESENTATIVE_MARGIN_BITS = 0.05
 
