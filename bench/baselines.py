@@ -1,6 +1,6 @@
 """Healthy baselines no single client writes: the client bar and the reference prompts on the bundled model.
 
-    python -m bench.baselines                    # about 6 minutes on 2 CPU cores
+    python -m bench.baselines                    # about 4 minutes on 2 CPU cores
     python -m bench.baselines --json baselines.json
 
 One ``serve`` in this process on the bundled model, the shipped rules and reference prompts, defaults otherwise
