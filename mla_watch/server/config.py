@@ -148,7 +148,6 @@ class ServerConfig:
         if not is_integer(budget) or budget < 1:
             raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])
 
-
     @property
     def baseline_gate(self) -> ClientGate:
         """Which windows' clients may make a healthy baseline."""
