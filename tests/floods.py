@@ -4,9 +4,9 @@ Shared by tests/test_traffic_or_damage.py and bench/traffic_or_damage.py. Each s
 this process on the bundled model (``--capture``, the shipped rules and reference prompts, every ``for:`` and
 ``keep_firing_for:`` cut to 0 s, each receiver's ``group_wait`` cut to :data:`GROUP_WAIT`, alerts judged every
 0.5 s), with on-call's and the line owners' webhooks on a real receiver on loopback. Healthy traffic of the four
-lines (each from a client of its own) runs until every line's baseline is learned; then either one client floods
-``code_assistant`` (with healthy traffic going on beside it, one request in four), or a router's correction bias
-is damaged in place.
+lines (each from three clients of its own: a baseline is learned from a line's traffic, never one client's) runs
+until every line's baseline is learned; then either one client floods ``code_assistant`` (with healthy traffic
+going on beside it, one request in four), or a router's correction bias is damaged in place.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from mla_watch.shipped import SHIPPED_RULES
 from tests.receivers import running_receiver
 from tests.support import free_port, running_sidecar, sidecar_process, wait_until
 
-__all__ = ["FLOODS", "GROUP_WAIT", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario"]
+__all__ = ["FLOODS", "GROUP_WAIT", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario",
+           "rules_without_waiting", "trimmed_references"]
 
 LINES = {"customer_service": ("customer_service", "chat"), "code_assistant": ("code", "code"),
          "sql": ("sql", "sql"), "doc_summary": ("doc_summary", "summarize")}
@@ -39,6 +40,7 @@ FLOOD_CLIENT = "flood-1"
 # fired within 11 s of each other here (each waits for a reference reading taken since it went pending).
 # The receivers' group_interval stays as shipped (5 m, 10 m): nothing more reaches them during a scenario.
 GROUP_WAIT = 30.0
+HEALTHY_CLIENTS = 3  # per line: the fewest whose traffic a baseline is learned from (serve --baseline-min-clients)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ class Outcome:
         return {alert["labels"].get("cause", "") for alert in self.alerts if alert["state"] == "firing"}
 
 
-def _rules_without_waiting(directory: Path) -> Path:
+def rules_without_waiting(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     text = (SHIPPED_RULES / "routing.yaml").read_text()
     text = re.sub(r"^(\s+)(for|keep_firing_for): \S+$", r"\1\2: 0s", text, flags=re.M)
@@ -112,7 +114,7 @@ def _healthy(seed: int) -> Iterator[tuple[str, str, str, str]]:
         for name, (domain, task) in LINES.items():
             text = corpus.generate(domain, round_ + 1, seed=seed)[round_]
             line = "code_assistant" if name == "sql" else name
-            yield line, task, text[:700], f"app-{name}"
+            yield line, task, text[:700], f"app-{name}-{round_ % HEALTHY_CLIENTS}"
         round_ += 1
 
 
@@ -135,7 +137,7 @@ def _sidecar(work: Path) -> Iterator[tuple[str, Any, Any]]:
         os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/oncall"
         os.environ["MLA_WATCH_LINE_OWNERS_URL"] = receiver.url + "/owners"
         try:
-            with running_sidecar(state_dir=work / "state", rules=_rules_without_waiting(work / "rules"), capture=True,
+            with running_sidecar(state_dir=work / "state", rules=rules_without_waiting(work / "rules"), capture=True,
                                  alert_interval=0.5) as (url, sidecar):
                 yield url, sidecar, receiver
         finally:
@@ -252,7 +254,7 @@ def _engine_healthy(index: int) -> tuple[str, str, str, str]:
     name = ("customer_service", "code_assistant", "sql", "doc_summary")[index % 4]
     domain, task = LINES[name]
     text = corpus.generate(domain, index // 4 + 1, seed=20261204)[index // 4][:900]
-    return ("code_assistant" if name == "sql" else name), task, text, f"app-{name}"
+    return ("code_assistant" if name == "sql" else name), task, text, f"app-{name}-{index // 4 % HEALTHY_CLIENTS}"
 
 
 def trimmed_references(directory: Path, prompts: int = 8, *, default: bool = False) -> Path:
@@ -285,7 +287,7 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
     url = f"http://127.0.0.1:{port}"
     with running_receiver() as receiver, sidecar_process(
             port, work / "state", "--upstream", engine, "--engine", "vllm", "--model-config", str(checkpoint),
-            "--capture", "--engine-retune", "apply", "--rules", str(_rules_without_waiting(work / "rules")),
+            "--capture", "--engine-retune", "apply", "--rules", str(rules_without_waiting(work / "rules")),
             "--alert-interval", "0.5", "--reference-interval", "0",
             "--reference-prompts", str(trimmed_references(work / "references")),
             env={"MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",

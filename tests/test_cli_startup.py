@@ -47,6 +47,8 @@ def assert_one_line(done: subprocess.CompletedProcess, expected: str) -> None:
     (["--device", "gpu"], "mla-watch serve: --device gpu: expected auto, cpu, cuda or cuda:N"),
     (["--policies", "no-such-policies"],
      "mla-watch serve: --policies no-such-policies: no such directory: expected a directory of policy YAML files"),
+    (["--baseline-max-client-share", "0"],
+     "mla-watch serve: --baseline-max-client-share 0.0: expected a share in (0, 1]"),
 ])
 def test_serve_refuses_a_bad_flag_in_one_line_before_it_listens(tmp_path, args, expected) -> None:
     done = cli("serve", "--port", "0", "--state-dir", str(tmp_path / "state"), *args)

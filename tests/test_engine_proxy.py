@@ -230,14 +230,18 @@ def test_beside_an_engine_without_alert_rules_baselines_are_learned_for_promethe
     # Prometheus may run the rules instead of the sidecar (a fleet): its copies of the rules relative to a baseline
     # read the learned values from /metrics, so learning must not wait for an alert evaluation that never comes.
     with beside(FakeEngine("vllm"), tmp_path, baseline_tokens=100) as (url, _):
-        complete(url)
-        while (window := httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"},
-                                   timeout=10).json()["routers"][0])["too_small"] or window["tokens"] < 100:
-            complete(url)
+        for sent in range(200):  # from three clients (the body's user field): the line's traffic, not one client's
+            complete(url, user=f"app-{sent % 3}")
+            window = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"},
+                               timeout=10).json()["routers"][0]
+            if sent >= 2 and not window["too_small"] and window["tokens"] >= 100:
+                break
         get_metrics(url)  # a scrape reads the routing, as Prometheus would
         view = httpx.get(url + "/v1/baseline", timeout=10).json()
         learned = {s["router"] for s in view["series"] if s["business_line"] == "code_assistant"}
         assert learned == set(ROUTERS) and {s["source"] for s in view["series"]} == {"learned"}, view
+        assert {c["client"] for c in view["series"][0]["clients"]["clients"]} == {"user:app-0", "user:app-1",
+                                                                                 "user:app-2"}
         text = get_metrics(url)
         assert all(metric_value(text, "mla_watch_routing_baseline_entropy_bits", router=router,
                                 business_line="code_assistant") > 0 for router in ROUTERS)

@@ -353,3 +353,27 @@ def test_alerts_become_one_incident_per_notification_group_worst_state_first() -
         alert("A", "model.layers.1.mlp.gate", "firing", 1, flood, cause="traffic"),
         alert("B", "model.layers.2.mlp.gate", "firing", 2, flood, cause="model")])
     assert mixed == "mixed" and run_js("page.incidentsOf([])") == []
+
+
+def test_a_baseline_says_whose_traffic_it_was_and_the_line_what_is_not_learned() -> None:
+    mix = {"tokens": 4096, "count": 4, "keys_seen": 0,
+           "clients": [{"client": "app-1", "share": 0.31}, {"client": "app-2", "share": 0.3}]}
+    assert run_js("[page.baselineClients({clients: m}), page.baselineClients({clients: null}), "
+                  "page.baselineClients(null)]", m=mix) == ["4 clients, largest app-1 31%", None, None]
+    waiting = {"business_line": "code_assistant", "routers": ["g1", "g2", "g3"], "clients": mix,
+               "reason": "client flood-1 sent 100% of the line's tokens (4096 in the window): a baseline takes at "
+                         "most 50% from one client"}
+    found = [{"router": router, "business_line": "sql", "reason": "reference", "found_at": 0,
+              "why": "the reference prompts of sql sit 0.6 bits from it"} for router in ("g1", "g2")]
+    summary = {"learning": True, "not_learning": "...", "waiting": [waiting], "unrepresentative": found}
+    notes = run_js("['code_assistant', 'sql', 'all', 'doc'].map((line) => page.baselineNotes(s, line))", s=summary)
+    refused = ("No healthy baseline for code_assistant (3 routers): client flood-1 sent 100% of the line's tokens "
+               "(4096 in the window): a baseline takes at most 50% from one client.")
+    relearned = ("2 healthy baselines of sql found not to be the line's traffic at –, and learned again: the "
+                 "reference prompts of sql sit 0.6 bits from it.")  # found_at 0: no time to show
+    assert notes == [[refused], [relearned], [refused, relearned], []]
+    untrusted = {"learning": False, "not_learning": "router version 0 is not known to be good", "waiting": [],
+                 "unrepresentative": []}
+    assert run_js("page.baselineNotes(s, 'sql')", s=untrusted) == [
+        "No healthy baselines are learned: router version 0 is not known to be good"]
+    assert run_js("page.baselineNotes(null, 'sql')") == []

@@ -25,7 +25,7 @@ class CompiledRule:
     """A rule with its thresholds resolved, for the hot loop."""
 
     __slots__ = ("above", "below", "bounds", "for_s", "id", "keep_s", "levels", "metric", "min_tokens", "notify",
-                 "resolve_above", "resolve_below", "retune", "rule", "trend")
+                 "of_the_baseline", "resolve_above", "resolve_below", "retune", "rule", "trend")
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
         self.id = rule_id
@@ -45,6 +45,8 @@ class CompiledRule:
         # healthy baseline, the bounds of its levels; `levels`, the same where they are the levels (else None)
         self.bounds = (self.below, self.above, self.resolve_above, self.resolve_below)
         self.levels = None if rule.baseline else self.bounds
+        # Judged against the series' healthy baseline: a level relative to it, or the drift measured from it.
+        self.of_the_baseline = bool(rule.baseline) or rule.metric == "js_divergence"
 
     def series_levels(self, record: RouterStats) -> tuple[Any, Any, Any, Any] | None:
         """The levels of a rule relative to the baseline for ``record``'s series; ``None`` without a baseline."""

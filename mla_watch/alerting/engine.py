@@ -186,11 +186,17 @@ class AlertEngine:
         return out
 
     def active_series(self) -> set[tuple[str, str]]:
-        """(router, business line) of every instance pending or firing: series not to learn as healthy."""
+        """(router, business line) of every instance pending or firing: series not to learn as healthy.
+
+        Left out: the instances of rules judged against the series' healthy baseline (its drift, or a level relative
+        to it). A series is learned only while it has no baseline - the one such an alert was judged against was
+        found not to be the line's traffic and dropped - so they stand unjudged and say nothing of its window; the
+        baseline learned again judges them."""
         with self._lock:
             return {(inst.labels.get(ROUTER, ""), inst.labels.get(BUSINESS_LINE, ""))
                     for by_rule in self._instances.values() for inst in by_rule.values()
-                    if inst.state in ("pending", "firing")}
+                    if inst.state in ("pending", "firing")
+                    and not ((rule := self._rules.get(inst.rule_id)) is not None and rule.of_the_baseline)}
 
     def firing_counts(self) -> dict[tuple[str, str], int]:
         """(alertname, severity) -> number of firing instances; every current rule is present, 0 if quiet."""

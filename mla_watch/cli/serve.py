@@ -37,6 +37,7 @@ from mla_watch.cli.startup import FlagError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
+from mla_watch.routing.client_mix import ClientGate
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
 from mla_watch.routing.series import EXPERT_OVERFLOW_SELECTIONS, EXPERT_SELECTIONS, EXPERT_TOKENS, total_name
@@ -79,6 +80,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
             get_strategy(name).parse_options(options, f"--retune-option {name}")
         ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
+        if problems := ClientGate(args.baseline_max_client_share, args.baseline_min_clients).problems():
+            raise ValueError(problems[0])
         if args.history_interval > args.history_span:
             raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
                              f"({args.history_span!r})")
@@ -124,7 +127,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           return_routed_experts=args.return_routed_experts,
                           routing_by_position=not args.no_routing_by_position,
                           position_metrics=args.position_metrics, alert_interval=args.alert_interval,
-                          baseline_tokens=args.baseline_tokens, export_expert_counts=args.export_expert_counts,
+                          baseline_tokens=args.baseline_tokens,
+                          baseline_max_client_share=args.baseline_max_client_share,
+                          baseline_min_clients=args.baseline_min_clients,
+                          export_expert_counts=args.export_expert_counts,
                           expert_series_budget=args.expert_series_budget,
                           reference_prompts=args.reference_prompts,
                           reference=ReferenceSettings(
@@ -283,6 +289,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="tokens a router's window of one business line holds before it is learned as that "
                             "line's healthy baseline (once the routers served passed their health check; "
                             "default %(default)s)")
+    serve.add_argument("--baseline-max-client-share", type=share, default=ServerConfig.baseline_max_client_share,
+                       metavar="SHARE", help="a window is learned as a healthy baseline only if no client sent more "
+                                             "than this share of its tokens (of an indexer's, those that carry its "
+                                             "signal) (default %(default)s)")
+    serve.add_argument("--baseline-min-clients", type=positive_int, default=ServerConfig.baseline_min_clients,
+                       metavar="N", help="a window is learned as a healthy baseline only if at least this many "
+                                         "clients sent its tokens (default %(default)s)")
     serve.add_argument("--history-interval", type=positive_float, default=ServerConfig.history_interval_seconds,
                        help="status page: seconds between two points of the entropy heat map (default %(default)s)")
     serve.add_argument("--history-span", type=positive_float, default=ServerConfig.history_span_seconds,

@@ -10,14 +10,23 @@ from them) and the metrics read over them. :class:`Baselines` holds one per (rou
 learned or set:
 
 * **learned**: :meth:`Baselines.learn` takes a series' first window that holds ``learn_tokens`` tokens,
-  carries a signal (:attr:`~mla_watch.routing.RoutingStats.no_signal` is ``None``) and is not the
-  subject of an alert, once learning is trusted (the server trusts it once the routers it serves passed
-  their start-up health check, or a quality gate);
+  carries a signal (:attr:`~mla_watch.routing.RoutingStats.no_signal` is ``None``), is not the
+  subject of an alert and, where the clients that sent it are seen here, is its line's traffic rather than
+  one client's (:class:`~mla_watch.routing.client_mix.ClientGate`), once learning is trusted (the server
+  trusts it once the routers it serves passed their start-up health check, or a quality gate). The baseline
+  records those clients' shares; a window refused for its clients is reported (:meth:`Baselines.describe`,
+  ``waiting``) until one is learned;
 * **set**: :meth:`Baselines.replace` (``POST /admin/baseline``) makes the windows now the baseline of
   their series, replacing what was learned.
 
+A learned baseline found not to be its line's traffic - its recorded clients fail the gate in force (at load),
+or a later reading of the line's reference prompts says so (:mod:`mla_watch.cause.representative`) - is
+dropped, reported once (:meth:`Baselines.found_unrepresentative`) and learned again from the next window that
+qualifies.
+
 Persisted as JSON (``mla_watch.baseline/2``, written atomically) and loaded again at start, so a
-restart neither forgets nor re-learns. A save the disk refuses (full, read-only) keeps the baselines in
+restart neither forgets nor re-learns (a series' ``clients`` is an optional key: files written before it
+load, their baselines' clients unknown). A save the disk refuses (full, read-only) keeps the baselines in
 memory and is made again by :meth:`Baselines.save_again` (the server calls it with every routing
 snapshot it takes), at most every few seconds, until the file is written. A file of the older
 ``mla_watch.baseline/1`` (one set of counts per router, for every line) still loads: its counts then serve
@@ -42,10 +51,11 @@ from mla_watch.common.output_file import write_error, write_file
 from mla_watch.common.state_dir import set_aside
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
+from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.stats import BASELINE_METRICS
 
-__all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "DEFAULT_LEARN_TOKENS", "LEGACY_BASELINE_FORMAT",
-           "Baseline", "BaselineError", "Baselines"]
+__all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "BY_CLIENTS", "BY_REFERENCE", "DEFAULT_LEARN_TOKENS",
+           "LEGACY_BASELINE_FORMAT", "Baseline", "BaselineError", "Baselines"]
 
 log = logging.getLogger("mla_watch.routing.baselines")
 
@@ -62,6 +72,10 @@ MAX_SERIES = 100_000  # routers x lines a file may hold: a bound on what a plant
 MAX_COUNTS = 8 * 1024 * 1024
 MAX_FILE_BYTES = 128 * 1024 * 1024
 SAVE_AGAIN_SECONDS = 5.0  # a save the disk refused is made again this long after, at the earliest
+FOUND_KEPT = 256  # baselines found unrepresentative that GET /v1/baseline still shows (the latest)
+FOUND_SHOWN = 64  # ... and GET /v1/status, for the status page
+# Why a learned baseline was found not to be its line's traffic (a label of the counter of them).
+BY_CLIENTS, BY_REFERENCE = "clients", "reference"
 _WHAT = "baseline file"
 
 
@@ -80,15 +94,18 @@ class Baseline:
     values: Mapping[str, float]  # of BASELINE_METRICS, those defined for this router
     taken_at: float  # wall clock
     source: str  # "learned" | "set" (POST /admin/baseline, the baseline command) | "legacy" (a /1 file)
+    clients: ClientMix | None = None  # whose tokens the window was; None: not seen here (or not recorded then)
 
     def as_dict(self) -> dict[str, Any]:
         """What a routing record carries as its ``baseline``: the healthy values, without the counts."""
-        return {**self.values, "tokens": self.tokens, "taken_at": self.taken_at, "source": self.source}
+        return {**self.values, "tokens": self.tokens, "taken_at": self.taken_at, "source": self.source,
+                "clients": None if self.clients is None else self.clients.to_json()}
 
     def to_json(self) -> dict[str, Any]:
         return {"router": self.router, "business_line": self.business_line, "tokens": self.tokens,
                 "taken_at": self.taken_at, "source": self.source, "values": dict(self.values),
-                "counts": self.counts.tolist()}
+                "counts": self.counts.tolist(),
+                **({"clients": self.clients.to_json()} if self.clients is not None else {})}
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Baseline:
@@ -119,21 +136,30 @@ class Baseline:
         source = data.get("source")
         if source not in ("learned", "set", "legacy"):
             raise BaselineError(f"{where}.source = {describe_value(source, form='repr')}: expected learned or set")
+        try:  # optional: files written before baselines recorded their clients have none
+            clients = None if data.get("clients") is None else ClientMix.from_json(data["clients"], f"{where}.clients")
+        except ValueError as error:
+            raise BaselineError(str(error)) from None
         return cls(router, line, np.asarray(counts, dtype=np.int64), tokens,
-                   {key: float(value) for key, value in values.items()}, float(taken_at), source)
+                   {key: float(value) for key, value in values.items()}, float(taken_at), source, clients)
 
 
 class Baselines:
     """The healthy baseline of every (router, business line), learned or set, persisted at ``path``.
 
     ``learn_tokens``: how many tokens a series' window must hold before it is taken as that series'
-    baseline. Thread-safe; :attr:`version` changes whenever a baseline is added or replaced.
+    baseline; ``gate``: which windows' clients may make one. Thread-safe; :attr:`version` changes whenever a
+    baseline is added, replaced or dropped.
     """
 
     def __init__(self, path: Path | None = None, *, learn_tokens: int = DEFAULT_LEARN_TOKENS,
-                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
+                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None,
+                 gate: ClientGate | None = None) -> None:
         if not isinstance(learn_tokens, int) or isinstance(learn_tokens, bool) or learn_tokens < 1:
             raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
+        self.gate = gate or ClientGate()
+        if problems := self.gate.problems():
+            raise ValueError("; ".join(problems))
         self.path = path
         self.learn_tokens = learn_tokens
         self._clock = clock
@@ -146,6 +172,12 @@ class Baselines:
         self.version = 0
         self.not_learning: str | None = "learning has not started"  # why nothing is learned now, or None
         self.load_error: str | None = None
+        # The latest learning round's windows refused for their clients: (line, keys seen) -> what GET /v1/baseline
+        # shows under `waiting`.
+        self._waiting: dict[tuple[str, int], dict[str, Any]] = {}
+        self._said: set[tuple[str, int]] = set()  # ... of which the log said it, until the line learns one
+        self._found: list[dict[str, Any]] = []  # baselines found unrepresentative, the latest FOUND_KEPT
+        self._found_counts: dict[tuple[str, str], int] = {}  # (line, BY_CLIENTS | BY_REFERENCE) -> how many
 
     # ------------------------------------------------------------------ reading
     def get(self, router: str, business_line: str) -> Baseline | None:
@@ -163,10 +195,28 @@ class Baselines:
         """``GET /v1/baseline``: whether it learns, and each series' baseline (without counts)."""
         with self._lock:
             series = sorted(self._series.values(), key=lambda b: (b.router, b.business_line))
-        return {"learning": self.not_learning is None, "not_learning": self.not_learning,
-                "learn_tokens": self.learn_tokens, "path": None if self.path is None else str(self.path),
-                "load_error": self.load_error,
+        return {**self.summary(), "learn_tokens": self.learn_tokens,
+                "path": None if self.path is None else str(self.path), "load_error": self.load_error,
                 "series": [{"router": b.router, "business_line": b.business_line, **b.as_dict()} for b in series]}
+
+    def summary(self, *, brief: bool = False) -> dict[str, Any]:
+        """Whether baselines are learned, and what is not and why: ``not_learning`` is why nothing is (learning not
+        trusted), else what the latest round refused for its clients (``waiting``, per line and the tokens judged),
+        else ``None``; ``unrepresentative``: the learned baselines found not to be their line's traffic (``brief``:
+        the latest :data:`FOUND_SHOWN`, without their details and dropped baselines: what the status page polls)."""
+        with self._lock:
+            waiting = [dict(entry, routers=list(entry["routers"])) for entry in self._waiting.values()]
+            found = list(self._found)
+        if brief:
+            found = [{key: entry[key] for key in ("router", "business_line", "reason", "why", "found_at")}
+                     for entry in found[-FOUND_SHOWN:]]
+        not_learning = self.not_learning
+        if not_learning is None and waiting:
+            not_learning = "; ".join(f"{entry['business_line']} ({len(entry['routers'])} router"
+                                     f"{'s' if len(entry['routers']) != 1 else ''}): {entry['reason']}"
+                                     for entry in waiting[:8])
+        return {"learning": self.not_learning is None, "not_learning": not_learning, **self.gate.as_dict(),
+                "waiting": waiting, "unrepresentative": found}
 
     # ------------------------------------------------------------------ learning and setting
     def trust(self, reason_not: str | None) -> None:
@@ -175,13 +225,18 @@ class Baselines:
             log.info("healthy baselines: %s", "learning from healthy traffic" if reason_not is None
                      else f"not learning: {reason_not}")
         self.not_learning = reason_not
+        if reason_not is not None:
+            with self._lock:
+                self._waiting = {}
 
     def learn(self, records: Iterable[Any], *, excluded: Callable[[], set[tuple[str, str]]] | None = None,
-              ) -> list[Baseline]:
+              clients: Callable[[Any], ClientMix | None] | None = None) -> list[Baseline]:
         """Take each series' first healthy window of ``learn_tokens`` tokens as its baseline; the new ones.
 
         ``records`` are :class:`~mla_watch.windows.RouterStats`; ``excluded()``, asked only when a window
         qualifies, gives the (router, line) pairs an alert is pending or firing on: never learned from.
+        ``clients(record)`` says whose tokens the record's window holds (``None``: not seen here); a window
+        :attr:`gate` refuses is not learned, and the refusal is reported until one is.
         """
         self.save_again()
         if self.not_learning is not None:
@@ -189,17 +244,72 @@ class Baselines:
         ready = [record for record in records
                  if (record.router.name, record.line_label) not in self._series
                  and record.stats.tokens >= self.learn_tokens and record.stats.no_signal is None]
-        if not ready:
-            return []
-        skip = excluded() if excluded is not None else set()
-        taken = [self._from_record(record, "learned") for record in ready
-                 if (record.router.name, record.line_label) not in skip]
+        waiting: dict[tuple[str, int], dict[str, Any]] = {}
+        taken = []
+        skip = excluded() if ready and excluded is not None else set()
+        for record in ready:
+            mix = clients(record) if clients is not None else None
+            why_not = None if mix is None else self.gate.judge(mix)
+            if why_not is not None:  # said whether or not an alert is pending on it too: whose window it is
+                assert mix is not None
+                entry = waiting.setdefault((record.line_label, mix.keys_seen), {
+                    "business_line": record.line_label, "reason": why_not, "clients": mix.to_json(), "routers": []})
+                entry["routers"].append(record.router.name)
+            elif (record.router.name, record.line_label) not in skip:
+                taken.append(self._from_record(record, "learned", mix))
         if taken:
             taken = self._store(taken, replace=False)
+        self._report_waiting(waiting, taken)
         if taken:
             log.info("healthy baselines learned for %d series (%s ...)", len(taken),
                      f"{taken[0].router} / {taken[0].business_line}")
         return taken
+
+    def _report_waiting(self, waiting: dict[tuple[str, int], dict[str, Any]], learned: Iterable[Baseline]) -> None:
+        """Keep the round's refusals for GET /v1/baseline; say in the log once a line waits (again once it learned
+        one: a window that comes and goes, as an indexer's signal does, is said once)."""
+        with self._lock:
+            self._waiting = waiting
+            lines = {baseline.business_line for baseline in learned}
+            self._said = {key for key in self._said if key[0] not in lines}
+            new = [entry for key, entry in waiting.items() if key not in self._said]
+            self._said.update(waiting)
+        for entry in new:
+            log.info("healthy baselines of %s (%d router%s) not learned: %s", entry["business_line"],
+                     len(entry["routers"]), "s" if len(entry["routers"]) != 1 else "", entry["reason"])
+
+    def found_unrepresentative(self, found: Iterable[tuple[Baseline, str, str, Mapping[str, Any] | None]],
+                               ) -> list[Baseline]:
+        """Each ``(baseline, reason, why, details)``: a learned baseline that is not its line's traffic. Drop it so
+        that the series is learned again, and keep the finding for GET /v1/baseline and the metrics (``reason``:
+        :data:`BY_CLIENTS` or :data:`BY_REFERENCE`; ``why`` in words). The ones dropped: not those whose series
+        holds another baseline by now."""
+        dropped = []
+        with self._lock:
+            now = float(self._clock())
+            for baseline, reason, why, details in found:
+                key = (baseline.router, baseline.business_line)
+                if self._series.get(key) is not baseline or baseline.source != "learned":
+                    continue
+                del self._series[key]
+                dropped.append(baseline)
+                self._found.append({"router": baseline.router, "business_line": baseline.business_line,
+                                    "reason": reason, "why": why, "found_at": now, "details": dict(details or {}),
+                                    "baseline": baseline.as_dict()})
+                counted = (baseline.business_line, reason)
+                self._found_counts[counted] = self._found_counts.get(counted, 0) + 1
+            if not dropped:
+                return []
+            del self._found[:-FOUND_KEPT]
+            self.version += 1
+            document = self._document()
+        self._save(document)
+        return dropped
+
+    def found_counts(self) -> dict[tuple[str, str], int]:
+        """How many learned baselines were found unrepresentative, per (line, reason), since this store was made."""
+        with self._lock:
+            return dict(self._found_counts)
 
     def save_again(self) -> None:
         """Save the baselines if the disk refused the last save (at most every ``SAVE_AGAIN_SECONDS``)."""
@@ -208,16 +318,18 @@ class Baselines:
                 document = self._document()
             self._save(document)
 
-    def replace(self, records: Iterable[Any]) -> list[Baseline]:
-        """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``)."""
-        return self._store([self._from_record(record, "set") for record in records if record.stats.selections > 0],
-                           replace=True)
+    def replace(self, records: Iterable[Any], *, clients: Callable[[Any], ClientMix | None] | None = None,
+                ) -> list[Baseline]:
+        """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``), whoever sent
+        them (an operator's decision: ``clients(record)`` is only recorded)."""
+        return self._store([self._from_record(record, "set", clients(record) if clients is not None else None)
+                            for record in records if record.stats.selections > 0], replace=True)
 
-    def _from_record(self, record: Any, source: str) -> Baseline:
+    def _from_record(self, record: Any, source: str, clients: ClientMix | None = None) -> Baseline:
         stats = record.stats.as_dict()
         values = {key: float(stats[key]) for key in BASELINE_METRICS if is_number(stats.get(key), finite=True)}
         return Baseline(record.router.name, record.line_label, np.asarray(record.counts, dtype=np.int64),
-                        int(record.stats.tokens), values, float(self._clock()), source)
+                        int(record.stats.tokens), values, float(self._clock()), source, clients)
 
     def _store(self, taken: list[Baseline], *, replace: bool) -> list[Baseline]:
         """Keep ``taken`` within the bounds; the ones kept."""
@@ -291,6 +403,20 @@ class Baselines:
                 self.path = None
             return
         self.adopt(series, legacy)
+        self._judge_clients()
+
+    def _judge_clients(self) -> None:
+        """Drop the learned baselines whose recorded clients the gate in force refuses (learned under a looser one):
+        each is reported once and learned again."""
+        with self._lock:
+            refused = [(baseline, why) for baseline in self._series.values()
+                       if baseline.source == "learned" and baseline.clients is not None
+                       and (why := self.gate.judge(baseline.clients)) is not None]
+        self.found_unrepresentative((baseline, BY_CLIENTS, why, None) for baseline, why in refused)
+        if refused:
+            lines = sorted({baseline.business_line for baseline, _ in refused})
+            log.warning("healthy baselines of %d series (%s) are not their line's traffic by the clients they were "
+                        "learned from (%s): learned again", len(refused), ", ".join(lines), refused[0][1])
 
     def adopt(self, series: Iterable[Baseline], legacy: Mapping[str, np.ndarray] | None = None) -> None:
         """Hold exactly ``series`` (and a legacy file's counts) from now on, replacing everything held."""

@@ -7,8 +7,9 @@ a log line or a page never carries what a client chose to put there.
 
 :class:`ClientShares` keeps, per business line, the tokens each client sent over the last ``window_tokens``
 of that line (as the routing windows do) and over a long run (``long_run_tokens``, decayed): a traffic-caused
-alert names the clients whose share moved most. At most ``max_clients`` clients are kept per line; the others
-are counted as :data:`OTHER`.
+alert names the clients whose share moved most, and :meth:`ClientShares.mix` says whose traffic a line's window
+is before it becomes a healthy baseline (:mod:`mla_watch.routing.client_mix`). At most ``max_clients`` clients are
+kept per line; the others are counted as :data:`OTHER`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.client_names import OTHER, UNKNOWN
 from mla_watch.routing.windows import ALL_LINES
 
@@ -99,7 +101,8 @@ class Mover:
 
 class _Line:
     def __init__(self) -> None:
-        self.window: deque[tuple[str, int]] = deque()  # (client, tokens), oldest first
+        # (client, tokens, context: the longest sequence's length, which the latest of its queries saw), oldest first
+        self.window: deque[tuple[str, int, int]] = deque()
         self.window_tokens = 0
         self.in_window: dict[str, int] = {}
         self.long_run: dict[str, float] = {}  # decayed tokens per client
@@ -117,8 +120,9 @@ class ClientShares:
         self._lines: dict[str, _Line] = {}
         self._lock = threading.Lock()
 
-    def add(self, business_line: str, client: str, tokens: int) -> None:
-        """``client`` sent ``tokens`` tokens of ``business_line`` (prompt and answer)."""
+    def add(self, business_line: str, client: str, tokens: int, *, context: int | None = None) -> None:
+        """``client`` sent ``tokens`` tokens of ``business_line`` (prompt and answer), the longest of its sequences
+        ``context`` tokens long (default ``tokens``: one sequence)."""
         if tokens <= 0:
             return
         with self._lock:
@@ -133,11 +137,11 @@ class ClientShares:
             for name in line.long_run:
                 line.long_run[name] *= decay
             line.long_run[client] = line.long_run.get(client, 0.0) + tokens
-            line.window.append((client, tokens))
+            line.window.append((client, tokens, tokens if context is None else max(0, int(context))))
             line.window_tokens += tokens
             line.in_window[client] = line.in_window.get(client, 0) + tokens
             while len(line.window) > 1 and line.window_tokens - line.window[0][1] >= self.window_tokens:
-                old, count = line.window.popleft()
+                old, count, _ = line.window.popleft()
                 line.window_tokens -= count
                 line.in_window[old] -= count
                 if not line.in_window[old]:
@@ -151,6 +155,28 @@ class ClientShares:
             {"client": name, "share": round(count / tokens, 4) if tokens else 0.0,
              "long_run_share": round(long_run.get(name, 0.0) / total, 4)}
             for name, count in sorted(window.items(), key=lambda item: -item[1])]}
+
+    def mix(self, business_line: str | None, *, keys_seen: int = 0) -> ClientMix | None:
+        """Whose tokens a line's window holds (every line's for ``None``); ``keys_seen`` > 1: only the tokens of
+        queries that saw at least that many keys (positions ``keys_seen - 1`` on of each sequence). ``None`` where
+        no client's tokens of the line were recorded here (routing reported by workers, or counted from an engine's
+        recorder: its clients are not seen)."""
+        with self._lock:
+            lines = list(self._lines.values()) if business_line in (None, ALL_LINES) else (
+                [self._lines[business_line]] if business_line in self._lines else [])
+            if not any(line.window for line in lines):
+                return None
+            sent: dict[str, int] = {}
+            for line in lines:
+                if keys_seen <= 1:
+                    for name, count in line.in_window.items():
+                        sent[name] = sent.get(name, 0) + count
+                    continue
+                for name, count, context in line.window:
+                    reached = min(count, context - keys_seen + 1)
+                    if reached > 0:
+                        sent[name] = sent.get(name, 0) + reached
+        return ClientMix.of(sent, keys_seen=keys_seen if keys_seen > 1 else 0)
 
     def movers(self, business_line: str | None, top: int = 3) -> list[Mover]:
         """The clients whose share of the line now exceeds their long-run share most (at most ``top``)."""

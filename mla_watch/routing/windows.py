@@ -248,11 +248,14 @@ class RouterWindows:
             for key in [key for key in self._windows if key[0] in names]:
                 del self._windows[key]
 
-    def set_baselines(self, business_line: str | None = None) -> list[Baseline]:
+    def set_baselines(self, business_line: str | None = None, *,
+                      clients: Callable[[RouterStats], Any] | None = None) -> list[Baseline]:
         """The windows now become the healthy baselines of their series: ``business_line``'s, or every line's and
-        all lines summed; what was learned for them is replaced."""
+        all lines summed; what was learned for them is replaced. ``clients(record)``: whose tokens a window holds
+        (:meth:`Baselines.replace`)."""
         lines = [business_line] if business_line is not None else [None, *self.business_lines]
-        return self._baselines.replace(record for line in lines for record in self.router_stats(line))
+        return self._baselines.replace((record for line in lines for record in self.router_stats(line)),
+                                       clients=clients)
 
     def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
         """:meth:`set_baselines`, written to ``path`` as JSON (``mla_watch.baseline/2``); returns the document."""

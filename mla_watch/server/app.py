@@ -31,6 +31,7 @@ from starlette.routing import Route
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
+from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
@@ -91,18 +92,26 @@ class Sidecar:
         self.rules: DirectoryStore[RuleSet] | None = None
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
         self.baselines = self._open_baselines()
+        self.metrics.watch_baselines(self.baselines)
         self.alerts = self._alert_service() if config.rules is not None else None
         self.metrics.watch_state_writes(self.state_writes, None if self.alerts is None
                                         else lambda: cast(AlertService, self.alerts).outbox.held)
         self.serving = Serving(model_name="bundled" if config.model == "bundled" else Path(config.model).name)
+        # Who sends each line's traffic: a baseline is learned from a line's traffic, never one client's; the
+        # reference prompts tell the traffic's changes from the model's.
+        self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
         # The local model's windows, the engine's (beside vLLM / SGLang), the workers' that report.
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
-                                      learn_excluded=self.alerts.engine.active_series if self.alerts else None)
-        # Who sends each line's traffic, and the reference prompts that tell the traffic's changes from the model's.
-        self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
+                                      learn_excluded=self.alerts.engine.active_series if self.alerts else None,
+                                      clients=self.clients)
         self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceError at start-up
                                      writes=self.state_writes)
         self.metrics.watch_reference(lambda: self.references.prober)
+        # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the
+        # line's traffic is dropped and learned again.
+        self.references.baseline_check = BaselineCheck(
+            self.baselines, lambda line: self.sources.routing_snapshot().for_line(line), self.sources.window_clients,
+            tolerance_bits=config.reference.tolerance_bits)
         self.metrics.watch_footprint(self._footprint)
         if config.position_metrics:
             self.metrics.watch_positions(lambda: None if self.sources.probe is None else self.sources.probe.positions)
@@ -197,7 +206,8 @@ class Sidecar:
         config = self.config
         learn = config.baseline_tokens if config.window_tokens is None else min(config.baseline_tokens,
                                                                                 config.window_tokens)
-        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn, writes=self.state_writes)
+        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn, writes=self.state_writes,
+                              gate=config.baseline_gate)
         baselines.load()
         return baselines
 

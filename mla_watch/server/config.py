@@ -15,6 +15,7 @@ from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS
+from mla_watch.routing.client_mix import DEFAULT_MAX_CLIENT_SHARE, DEFAULT_MIN_CLIENTS, ClientGate
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID, parse_client_id_sources
 from mla_watch.routing.ingest import IngestLimits
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
@@ -91,6 +92,10 @@ class ServerConfig:
     window_seconds: float | None = None
     # A (router, business line) window is learned as that series' healthy baseline once it holds this many tokens.
     baseline_tokens: int = DEFAULT_LEARN_TOKENS
+    # ... and only where it is the line's traffic, not one client's: no client sent more than this share of its tokens
+    # (of an indexer's, those that carry its signal), and at least this many clients sent some.
+    baseline_max_client_share: float = DEFAULT_MAX_CLIENT_SHARE
+    baseline_min_clients: int = DEFAULT_MIN_CLIENTS
     policy_poll_seconds: float | None = 1.0
     admin_token: str | None = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV) or None)
     # Workers shipping routing counts hold this one, not the admin key (falls back to the admin token).
@@ -130,6 +135,7 @@ class ServerConfig:
         problems = self.reference.problems()
         if self.fleet is not None:
             problems += [f"fleet.{problem}" for problem in self.fleet.problems()]
+        problems += self.baseline_gate.problems()
         share = self.capture_max_client_share
         if not is_number(share) or not 0 < share <= 1:
             problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")
@@ -141,6 +147,11 @@ class ServerConfig:
         budget = self.expert_series_budget
         if not is_integer(budget) or budget < 1:
             raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])
+
+    @property
+    def baseline_gate(self) -> ClientGate:
+        """Which windows' clients may make a healthy baseline."""
+        return ClientGate(self.baseline_max_client_share, self.baseline_min_clients)
 
 
 def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:

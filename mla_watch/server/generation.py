@@ -201,7 +201,8 @@ class Generation:
         line = answer.decision.business_line
         generated = sum(answer.completion_tokens)
         self.ctx.metrics.completion_tokens.labels(line).inc(generated)
-        self.ctx.clients.add(line, cast(str, job.client), job.prompt_tokens + generated)  # a request's job: set
+        self.ctx.clients.add(line, cast(str, job.client), job.prompt_tokens + generated,  # a request's job: set
+                             context=job.prompt_tokens + max(answer.completion_tokens, default=0))
 
     def _job_error(self, error: Exception) -> ApiError:
         if isinstance(error, JobTimedOut):

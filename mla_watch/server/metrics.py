@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.series import (
@@ -183,6 +184,25 @@ class _StateWritesCollector(Collector):
         return []
 
 
+class _BaselinesCollector(Collector):
+    """Healthy baselines found not to be their line's traffic (and so learned again), by line and by what said so."""
+
+    def __init__(self, baselines: Baselines) -> None:
+        self._baselines = baselines
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        found = CounterMetricFamily(PREFIX + "baselines_unrepresentative", "Learned healthy baselines found not to be "
+                                    "their line's traffic and dropped to be learned again, by line and by what found "
+                                    "it: clients (the clients it was learned from fail the bar in force) or reference "
+                                    "(the line's reference prompts).", labels=[BUSINESS_LINE, "reason"])
+        for (line, reason), count in sorted(self._baselines.found_counts().items()):
+            found.add_metric([line, reason], count)
+        return [found]
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return []
+
+
 class ReferenceCollector(Collector):
     """The routing of the reference prompts' latest readings (``business_line``: the set), apart from live traffic's
     series: ``mla_watch_reference_routing_*``, with ``js_divergence`` from their healthy baseline."""
@@ -310,6 +330,10 @@ class ServerMetrics:
     def watch_reference(self, prober: Callable[[], Any]) -> None:
         """Export the reference prompts' readings (``prober()``: the prober, or ``None`` before it starts)."""
         self._registry.register(ReferenceCollector(prober))
+
+    def watch_baselines(self, baselines: Baselines) -> None:
+        """Export the healthy baselines found unrepresentative (``baselines_unrepresentative_total``)."""
+        self._registry.register(_BaselinesCollector(baselines))
 
     def watch_footprint(self, sampler: Callable[[], FootprintSampler | None]) -> None:
         """Export the expert footprint of a batch (``sampler()``: the model worker's, or ``None`` before it starts)."""

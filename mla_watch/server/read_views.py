@@ -232,6 +232,7 @@ class ReadViews:
                 "retention_days": self.history_store.retention_days, "max_series": self.history_store.max_series,
                 "series_dropped": self.history_store.dropped_series},
             "alerts": self.alert_list(), "rules": len(rules),
+            "baselines": self.baselines.summary(brief=True),  # what is not learned and why, what was learned again
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
             "state_unwritable": self.state_writes.failing() if self.state_writes else [],
             "policies": {"version": self.policies.version, "lines": policies,

@@ -20,6 +20,7 @@ from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
 from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
 from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
+from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.clients import ClientShares
@@ -53,6 +54,7 @@ class References:
         self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE, writes=writes)
         self.gate = ReferenceGate(lambda: self.sets.current, self.baselines)  # what every re-tune candidate meets
         self.prober: ReferenceProber | None = None
+        self.baseline_check: BaselineCheck | None = None  # the learned baselines judged after each reading
         self._engine_reader: EngineReader | None = None
         self.unavailable: str | None = "the reference prompts are read once the model is loaded"
         self._router_version: Callable[[], int | None] = lambda: None
@@ -165,6 +167,8 @@ class References:
                 records.append(RouterStats(record.router, REFERENCE_LINE_PREFIX + reading.set_name, comparison.stats,
                                            record.counts))
         self._latest[reading.set_name] = records
+        if self.baseline_check is not None:
+            self.baseline_check.after(reading, baseline)
 
     def router_health(self) -> dict[str, dict[str, Any]]:
         """Each expert router as the latest readings of every set show it: ``{"state", "at"}``, where ``state`` is

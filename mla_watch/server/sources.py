@@ -18,8 +18,10 @@ from mla_watch.engines.geometry import load_geometry
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES
 from mla_watch.routing.baselines import Baselines
+from mla_watch.routing.client_mix import ClientMix
+from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.ingest import RemoteRouting
-from mla_watch.routing.windows import RouterWindows, RoutingSnapshot, take_snapshot
+from mla_watch.routing.windows import RouterStats, RouterWindows, RoutingSnapshot, take_snapshot
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig, ServerConfigError
 from mla_watch.server.requests import describe_value
 
@@ -38,15 +40,18 @@ class RoutingSources:
     Holds the healthy baselines every window is judged against (STATE_DIR/baseline.json), and learns them from
     each new snapshot - with or without alert rules: Prometheus' copies of the rules relative to a baseline read
     the learned values from /metrics. ``learn_excluded`` gives the (router, line) series an alert is pending or
-    firing on, never learned from.
+    firing on, never learned from; ``clients`` who sent each line's tokens through this sidecar: a window of its own
+    routers is learned only where it is its line's traffic, not one client's (``Baselines.gate``).
     """
 
     def __init__(self, config: ServerConfig, registry: CollectorRegistry, baselines: Baselines, *,
-                 clock: Callable[[], float], learn_excluded: Callable[[], set[tuple[str, str]]] | None = None) -> None:
+                 clock: Callable[[], float], learn_excluded: Callable[[], set[tuple[str, str]]] | None = None,
+                 clients: ClientShares | None = None) -> None:
         self.config = config
         self.clock = clock
         self.baselines = baselines
         self._learn_excluded = learn_excluded
+        self.clients = clients
         self.probe: Probe | None = None  # once the local model is loaded
         self._snapshot: tuple[tuple, RoutingSnapshot] | None = None
         self._snapshot_lock = threading.Lock()
@@ -116,8 +121,27 @@ class RoutingSources:
             snapshot = take_snapshot(sources, self.clock())
             self._snapshot = (key, snapshot)
         # Learned now, carried by the next snapshot (the baselines' version is part of its key).
-        self.baselines.learn(snapshot.records, excluded=self._learn_excluded)
+        self.baselines.learn(snapshot.records, excluded=self._learn_excluded, clients=self.window_clients())
         return snapshot
+
+    def window_clients(self) -> Callable[[RouterStats], ClientMix | None]:
+        """Whose tokens a record's window holds, where this sidecar sees them: its own routers' (the model's, the
+        engine's), not the workers' that report their counts. For an indexer, the tokens that carry its signal:
+        those of queries that saw at least 2 x index_topk keys (``RoutingStats.no_signal``)."""
+        own = {info.name for windows in (self.probe.windows if self.probe is not None else None,
+                                         self.engine_routing.windows if self.engine_routing is not None else None)
+               if windows is not None for info in windows.routers}
+        mixes: dict[tuple[str | None, int], ClientMix | None] = {}
+
+        def mix(record: RouterStats) -> ClientMix | None:
+            if self.clients is None or record.router.name not in own:
+                return None
+            key = (record.business_line, 2 * record.router.top_k if record.router.kind == "indexer" else 0)
+            if key not in mixes:
+                mixes[key] = self.clients.mix(key[0], keys_seen=key[1])
+            return mixes[key]
+
+        return mix
 
     # ------------------------------------------------------------------ beside an engine
     def engine_routers(self) -> set[str]:
@@ -160,6 +184,7 @@ class RoutingSources:
         windows = self.own_windows()
         if windows is None:
             return None
-        taken = windows.set_baselines(business_line)  # windows.baselines is self.baselines, kept in STATE_DIR
+        # windows.baselines is self.baselines, kept in STATE_DIR; each records whose traffic it was, as a learned one
+        taken = windows.set_baselines(business_line, clients=self.window_clients())
         return {"path": str(self.baselines.path), "business_line": business_line,
                 "routers": list(dict.fromkeys(baseline.router for baseline in taken)), "series": len(taken)}

@@ -16,6 +16,9 @@
 // other metrics are drawn from the durable history (v1/history?metric=...), and the page says so where
 // there is none. A row's state is the worst of the alerts firing or pending on its router and line,
 // whatever their metric; a window whose figures say nothing (`no_signal`) is greyed with the reason.
+// Beside "healthy X" a row says whose traffic its baseline was (its clients, the largest share), and the
+// line's baselines note says what is not learned and why (one client's window), and which baselines were
+// found not to be the line's traffic and are learned again (v1/status `baselines`).
 "use strict";
 
 const QUERY = new URLSearchParams(typeof location === "undefined" ? "" : location.search);
@@ -114,6 +117,50 @@ function healthyText(record, metric) {
   if (!baseline || typeof baseline !== "object") return null;
   const value = metricValue(baseline, metric);
   return value === null ? null : `healthy ${formatMetric(value, metric)}`;
+}
+
+function percent(share) {
+  return `${Math.round(100 * Number(share))}%`;
+}
+
+// Whose traffic a baseline was: "4 clients, largest app-1 31%"; null where not recorded (before clients were, or a
+// worker's routing, whose clients this sidecar does not see).
+function baselineClients(baseline) {
+  const mix = baseline && baseline.clients;
+  if (!mix || !Array.isArray(mix.clients)) return null;
+  if (!mix.count || !mix.clients.length) return "no client";
+  const [largest] = mix.clients;
+  return `${mix.count} client${mix.count === 1 ? "" : "s"}, largest ${largest.client} ${percent(largest.share)}`;
+}
+
+// What the page says of one line's baselines (v1/status `baselines`): why nothing is learned, what of the line is
+// not learned and why, and the baselines found not to be its traffic (grouped by line and reason). Every line's
+// for "all".
+function baselineNotes(summary, line) {
+  if (!summary) return [];
+  if (!summary.learning) return summary.not_learning ? [`No healthy baselines are learned: ${summary.not_learning}`] : [];
+  const ours = (entry) => line === "all" || entry.business_line === line;
+  const notes = (summary.waiting || []).filter(ours).map((entry) => `No healthy baseline for ${entry.business_line} ` +
+    `(${entry.routers.length} router${entry.routers.length === 1 ? "" : "s"}): ${entry.reason}.`);
+  const found = new Map();
+  for (const entry of (summary.unrepresentative || []).filter(ours)) {
+    const key = `${entry.business_line}|${entry.reason}`;
+    const group = found.get(key) || { line: entry.business_line, routers: new Set(), why: entry.why, at: 0 };
+    group.routers.add(entry.router);
+    group.at = Math.max(group.at, entry.found_at || 0);
+    found.set(key, group);
+  }
+  for (const group of found.values()) {
+    notes.push(`${group.routers.size} healthy baseline${group.routers.size === 1 ? "" : "s"} of ${group.line} ` +
+      `found not to be the line's traffic at ${clock(group.at)}, and learned again: ${group.why}.`);
+  }
+  return notes;
+}
+
+function renderBaselines() {
+  const notes = baselineNotes(view.status.baselines, view.line);
+  $("baselines-note").hidden = !notes.length;
+  $("baselines-note").replaceChildren(...notes.map((text) => el("p", {}, text)));
 }
 
 // The metric an alert judges: its own field (v1/alerts, v1/status), else a `metric` label, else unknown.
@@ -478,6 +525,7 @@ function render() {
   renderLines(firing);
   renderMetrics();
   renderWindows();
+  renderBaselines();
   renderHeatmap();
   renderOverview();
   renderPositions();
@@ -627,23 +675,25 @@ function historyNote({ metric, durable, held, store, error, rows }) {
 function renderRow(row) {
   const metric = view.metric;
   const healthy = healthyText(row.record, metric);
+  const who = healthy ? baselineClients(row.record.baseline) : null;
   const noSignal = row.record && row.record.no_signal;
   const alertNames = row.alerts.map((a) => a.labels.alertname);
   const marked = view.focus && view.focus.alertname && isFocused(row) && alertNames.includes(view.focus.alertname);
   const title = [row.router, noSignal ? `no signal: ${noSignal}` : null,
+    who ? `healthy baseline (${row.record.baseline.source}): ${who}` : null,
     ...row.alerts.map((a) => `${a.state}: ${a.labels.alertname} (${alertMetric(a) || "?"} ${formatMetric(a.value,
       alertMetric(a) || metric)})`)].filter(Boolean).join("\n");
   return el("div", {
     class: `row${isFocused(row) ? " focus" : ""}${marked ? " alerted" : ""}`, title,
     dataset: { router: row.router, layer: String(row.layer), line: view.line, kind: row.kind, metric,
                value: row.value === null ? "" : String(row.value), state: row.state,
-               alerts: alertNames.join(","), noSignal: noSignal || null },
+               alerts: alertNames.join(","), noSignal: noSignal || null, baselineClients: who },
   }, el("span", { class: "name" }, `layer ${row.layer} · ${row.router}`),
   row.alerts.length ? el("span", { class: `alert ${row.state}` }, `⚠ ${row.alerts.map((a) => a.labels.alertname)
     .join(", ")}`) : null,
   noSignal ? el("span", { class: "value nosignal" }, `no signal: ${noSignal}`)
     : el("span", { class: "value" }, formatMetric(row.value, metric)),
-  healthy && !noSignal ? el("span", { class: "healthy" }, healthy) : null);
+  healthy && !noSignal ? el("span", { class: "healthy" }, who ? `${healthy} · ${who}` : healthy) : null);
 }
 
 function renderHeatmap() {
@@ -1056,6 +1106,7 @@ if (typeof window !== "undefined") {
 } else if (typeof module !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
+                     baselineClients, baselineNotes,
                      normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS,
                      firstDeparture, positionCell, positionStrips, positionsNote, incidentsOf, incidentNames };
 }
