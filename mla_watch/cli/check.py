@@ -21,7 +21,7 @@ from mla_watch.alerting.fleet import (
     DEFAULT_OUTLIER_BITS,
     DEFAULT_OUTLIER_FACTOR,
     DEFAULT_REPLICA_LABEL,
-    DEFAULT_WINDOW_SECONDS,
+    DEFAULT_SHARDS,
     FLEET_SCALE_NOTE,
     OUTLIER_FOR_SECONDS,
     SCOPE_LABEL,
@@ -177,7 +177,7 @@ def _export_command(args: argparse.Namespace) -> str:
     parts = ["mla-watch rules export", f"--format {args.format}"]
     if args.fleet:
         parts.append("--fleet")
-        for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-interval", args.fleet_interval),
+        for flag, value in (("--fleet-interval", args.fleet_interval), ("--fleet-shards", args.fleet_shards),
                             ("--fleet-labels", args.fleet_labels),
                             ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
                             ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for)):
@@ -191,7 +191,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     from mla_watch.alerting.durations import parse_duration
     from mla_watch.alerting.model import RuleError
 
-    fleet_only = {"--fleet-window": args.fleet_window, "--fleet-interval": args.fleet_interval,
+    fleet_only = {"--fleet-interval": args.fleet_interval, "--fleet-shards": args.fleet_shards,
                   "--fleet-labels": args.fleet_labels,
                   "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
                   "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for}
@@ -202,14 +202,18 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
         return None
     values: dict[str, Any] = {}
     try:
-        for flag, key, text in (("--fleet-window", "window_seconds", args.fleet_window),
-                                ("--fleet-interval", "interval_seconds", args.fleet_interval),
+        for flag, key, text in (("--fleet-interval", "interval_seconds", args.fleet_interval),
                                 ("--outlier-for", "outlier_for_seconds", args.outlier_for)):
             if text is not None:
                 try:
                     values[key] = parse_duration(text, flag)
                 except RuleError as error:
                     raise ValueError(error.errors[0].replace(f"{flag} =", flag)) from None
+        if args.fleet_shards is not None:
+            if not args.fleet_shards.isdigit() or not args.fleet_shards.isascii():
+                raise ValueError(f"--fleet-shards {args.fleet_shards[:80]!r}: expected a whole number, a divisor of "
+                                 "100 (e.g. 2 or 10)")
+            values["shards"] = int(args.fleet_shards)
         if args.fleet_labels is not None:
             values["fleet_labels"] = parse_label_list(args.fleet_labels, "--fleet-labels")
         if args.replica_label is not None:
@@ -307,14 +311,15 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     export.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
     export.add_argument("--fleet", action="store_true",
-                        help="add the fleet's recording rules (from the per-expert counters of serve "
+                        help="add the fleet's recording rules (from the per-expert window counts of serve "
                              "--export-expert-counts), a fleet twin of every alert, and the replica-outlier alert")
-    fleet_window = format_duration(DEFAULT_WINDOW_SECONDS)
-    export.add_argument("--fleet-window", metavar="DURATION",
-                        help=f"with --fleet: the window the fleet statistics sum (default {fleet_window})")
     export.add_argument("--fleet-interval", metavar="DURATION",
-                        help="with --fleet: how often Prometheus evaluates the fleet group "
+                        help="with --fleet: how often Prometheus evaluates the fleet group(s) "
                              f"(default {format_duration(DEFAULT_INTERVAL_SECONDS)})")
+    export.add_argument("--fleet-shards", metavar="N",
+                        help="with --fleet: split the fleet group by layer into N groups (a divisor of 100), each "
+                             "exact for its routers: evaluated side by side, spread by a ruler, or one per Prometheus "
+                             f"server scraping /metrics?shard=K/N (default {DEFAULT_SHARDS})")
     export.add_argument("--fleet-labels", metavar="LABEL[,LABEL...]",
                         help="with --fleet: the target labels one fleet shares "
                              f"(default {','.join(DEFAULT_FLEET_LABELS)})")

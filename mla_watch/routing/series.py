@@ -19,8 +19,10 @@ __all__ = [
     "EXPERT",
     "EXPERT_LABELS",
     "EXPERT_OVERFLOW_SELECTIONS",
-    "EXPERT_SELECTIONS",
-    "EXPERT_TOKENS",
+    "EXPERT_SERIES",
+    "EXPERT_SERIES_BUDGET",
+    "EXPERT_WINDOW_SELECTIONS",
+    "EXPERT_WINDOW_TOKENS",
     "INSTANCE",
     "JOB",
     "KIND",
@@ -32,7 +34,6 @@ __all__ = [
     "SERIES_LABELS",
     "baseline_gauge",
     "routing_gauge",
-    "total_name",
 ]
 
 PREFIX = "mla_watch_"
@@ -55,10 +56,12 @@ SERIES_LABELS: tuple[str, ...] = (*ROUTER_LABELS, BUSINESS_LINE)  # one router's
 EXPERT_LABELS: tuple[str, ...] = (*SERIES_LABELS, EXPERT)  # one expert slot of that
 
 ROUTING_SLOTS = PREFIX + "routing_slots"
-# The opt-in per-expert counters (serve --export-expert-counts); a counter's samples are named total_name(name).
-EXPERT_SELECTIONS = PREFIX + "expert_selections"
-EXPERT_TOKENS = PREFIX + "expert_tokens"
-EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_selections"
+# The opt-in per-expert window counts (serve --export-expert-counts), gauges of each router and line's window.
+EXPERT_WINDOW_SELECTIONS = PREFIX + "expert_window_selections"
+EXPERT_WINDOW_TOKENS = PREFIX + "expert_window_tokens"
+EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_window_selections"
+EXPERT_SERIES = PREFIX + "expert_series"
+EXPERT_SERIES_BUDGET = PREFIX + "expert_series_budget"
 
 _ROUTING_GAUGES: dict[str, str] = {statistic.key: PREFIX + statistic.gauge for statistic in STATISTICS}
 
@@ -71,8 +74,3 @@ def routing_gauge(key: str) -> str:
 def baseline_gauge(key: str) -> str:
     """The gauge of the healthy baseline of the statistic ``key`` per router and line (routing/baselines.py)."""
     return f"{PREFIX}routing_baseline_{key}"
-
-
-def total_name(counter: str) -> str:
-    """The name of a counter's samples, as Prometheus scrapes them."""
-    return counter + "_total"

@@ -28,7 +28,7 @@ from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
-from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 from mla_watch.server.reads import BoundedReads
 from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError, describe_value
@@ -88,10 +88,19 @@ class ReadViews:
         return JSONResponse(body, status_code=200 if not problems else 503)
 
     async def scrape(self, request: Request) -> Response:
-        """``GET /metrics``."""
+        """``GET /metrics``; ``?shard=K/N`` answers one router shard's series alone, ``?experts=none`` leaves out
+        the per-expert window counts (a fleet's Prometheus servers each take a share: docs/fleet.md)."""
         if self.serving.model_worker is not None:
             self.metrics.queue_depth.set(self.serving.model_worker.queue_depth)
-        body = await asyncio.get_running_loop().run_in_executor(self.monitoring, generate_latest, self.registry)
+        params = dict(request.query_params)
+        if not params:
+            body = await asyncio.get_running_loop().run_in_executor(self.monitoring, generate_latest, self.registry)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
+        try:
+            view = metrics_view(self.metrics, params)
+        except BadMetricsParam as error:
+            raise ApiError(400, str(error), param=error.param, code="invalid_value") from None
+        body = await asyncio.get_running_loop().run_in_executor(self.monitoring, generate_latest, view)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
