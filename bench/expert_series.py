@@ -1,12 +1,12 @@
-"""The cost of per-expert counters (serve --export-expert-counts) at DeepSeek-V3 scale, per replica and per fleet.
+"""The cost of per-expert window counts (serve --export-expert-counts) at DeepSeek-V3 scale, per replica and fleet.
 
     python -m bench.expert_series                       # 58 routers x 256 experts, top-8; 1 and 4 lines
     python -m bench.expert_series --lines 1 2 8 --rounds 50
     python -m bench.expert_series --json figures.json
 
-No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line, so the
-counters carry the digits of a replica that has served a while). For each number of business lines, two
-registries of the sidecar's metrics over the same windows - per-expert counters off, and on (every router and
+No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line: the default
+window's 4096 tokens; more carry the digits of a longer window). For each number of business lines, two
+registries of the sidecar's metrics over the same windows - per-expert counts off, and on (every router and
 line, with a budget that fits them) - are scraped with prometheus_client.generate_latest in alternation; the
 routing snapshot is computed once beforehand, as the sidecar caches it between count changes. Printed per
 replica: series, bytes per scrape (plain, and gzip as a compressing hop would send them), median scrape time
@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mla_watch.routing.routers import CountDelta, RouterInfo
-from mla_watch.routing.series import EXPERT_SELECTIONS, EXPERT_TOKENS
-from mla_watch.routing.windows import RouterWindows, take_snapshot
+from mla_watch.routing.series import EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterWindows, take_snapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.server.metrics import ServerMetrics
 
@@ -58,7 +58,7 @@ def series_of(body: bytes) -> int:
 
 def expert_series_of(body: bytes) -> int:
     return sum(len(family.samples) for family in text_string_to_metric_families(body.decode())
-               if family.name in (EXPERT_SELECTIONS, EXPERT_TOKENS))
+               if family.name in (EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS))
 
 
 def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float]:
@@ -66,8 +66,7 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
     off = CollectorRegistry()
     ServerMetrics(off, lambda: snapshot)
     on = CollectorRegistry()
-    metrics = ServerMetrics(on, lambda: snapshot, routing_windows=lambda: [windows], expert_counts=ExpertSelection(),
-                  expert_series_budget=budget)
+    metrics = ServerMetrics(on, lambda: snapshot, expert_counts=ExpertSelection(), expert_series_budget=budget)
     bodies = {"off": generate_latest(off), "on": generate_latest(on)}  # also the warm-up: admission happens here
     times: dict[str, list[float]] = {"off": [], "on": []}
     for index in range(rounds):
@@ -76,11 +75,11 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
             tick = time.perf_counter()
             generate_latest(registry)
             times[arm].append(time.perf_counter() - tick)
-    collector = metrics.expert_counts
-    assert collector is not None
+    counts = metrics.expert_counts
+    assert counts is not None
     tick = time.perf_counter()
     for _ in range(rounds):
-        list(collector.collect())  # the families built; the rest of a scrape is prometheus_client's text
+        counts.families(snapshot.records)  # the families built; the rest of a scrape is prometheus_client's text
     collect_ms = (time.perf_counter() - tick) / rounds * 1e3
     ratios = [on_s / off_s for on_s, off_s in zip(times["on"], times["off"], strict=True)]
     return {
@@ -100,7 +99,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256, help="experts per router (DeepSeek-V3: 256)")
     parser.add_argument("--top-k", type=int, default=8, help="experts per token (DeepSeek-V3: 8)")
     parser.add_argument("--lines", type=int, nargs="+", default=[1, 4], help="business lines to measure")
-    parser.add_argument("--tokens", type=int, default=10_000_000, help="tokens counted per line and router")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
+                        help="tokens in each router and line's window (default: the sidecar's default window)")
     parser.add_argument("--rounds", type=int, default=30, help="scrapes of each arm, alternating")
     parser.add_argument("--replicas", type=int, nargs="+", default=[10, 100], help="fleet sizes to derive")
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between scrapes")

@@ -327,17 +327,21 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
     result = processes.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     names = [group["name"] for group in document["groups"]]
-    shards = [f"{fleet.FLEET_GROUP_NAME}_{k}_of_4" for k in range(4)]
+    shards = [f"{base}_{k}_of_4" for k in range(4) for base in (fleet.FLEET_GROUP_NAME, fleet.REPLICA_GROUP_NAME)]
     assert names == (["mla_watch_routing", *shards] if with_fleet else ["mla_watch_routing"])
     if with_fleet:
-        for k, group in enumerate(document["groups"][1:]):
+        for index, group in enumerate(document["groups"][1:]):
+            shard = f"{index // 2}/4"
             records = [r["record"] for r in group["rules"] if "record" in r]
-            assert records == list(fleet.RECORDING_NAMES)
-            assert all(r["labels"] == {fleet.SHARD_LABEL: f"{k}/4"} for r in group["rules"] if "record" in r)
-            assert "by (namespace, job, router" in group["rules"][0]["expr"]
-            kl = next(r for r in group["rules"] if r.get("record") == fleet.REPLICA_KL_BITS)
-            assert "by (namespace, job, pod, router" in kl["expr"]
-            assert group["interval"] == "2m"
+            assert all(r["labels"] == {fleet.SHARD_LABEL: shard} for r in group["rules"] if "record" in r)
+            assert all(r["labels"][fleet.SHARD_LABEL] == shard for r in group["rules"] if "alert" in r)
+            if index % 2 == 0:  # the fleet group
+                assert "by (namespace, job, router" in group["rules"][0]["expr"] and group["interval"] == "2m"
+            else:  # the replica group
+                assert "by (namespace, job, pod, router" in group["rules"][0]["expr"] and group["interval"] == "5m"
+                assert records == list(fleet.RECORDING_NAMES[-len(records):])
+        assert [r["record"] for group in document["groups"][1:3] for r in group["rules"] if "record" in r] == list(
+            fleet.RECORDING_NAMES)
         assert not any("offset" in rule["expr"] or re.search(r"\[[0-9]+[smhdwy]", rule["expr"])
                        for group in document["groups"][1:] for rule in group["rules"] if "record" in rule)
         # (instant samples: no range, no offset)
@@ -351,9 +355,11 @@ def test_the_shipped_prometheusrule_is_the_export() -> None:
 
 def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
     document = yaml.safe_load(export("--fleet"))
-    replica, fleet_group = document["groups"]
+    replica, fleet_group, replicas_group = document["groups"]
     assert all(rule["labels"]["scope"] == "replica" for rule in replica["rules"])
-    alerts = {rule["alert"]: rule for rule in fleet_group["rules"] if "alert" in rule}
+    alerts = {rule["alert"]: rule for group in (fleet_group, replicas_group) for rule in group["rules"]
+              if "alert" in rule}
+    assert [rule["alert"] for rule in replicas_group["rules"] if "alert" in rule] == [fleet.OUTLIER_ALERT]
     shipped = load_rules_dir(REPO / "rules", environ={})
     for rule in shipped.rules:
         if rule.metric not in fleet.FLEET_METRICS or rule.selector.kind == "indexer":
@@ -369,6 +375,8 @@ def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
 ERRORS: list[tuple[list[str], Callable[[str], bool]]] = [
     (["--fleet", "--fleet-interval", "0s"], lambda e: "--fleet-interval '0s'" in e and "1s to 1h" in e),
     (["--fleet", "--fleet-interval", "2h"], lambda e: "--fleet-interval '2h'" in e and "1s to 1h" in e),
+    (["--fleet", "--outlier-interval", "0s"], lambda e: "--outlier-interval '0s'" in e and "1s to 1h" in e),
+    (["--outlier-interval", "5m"], lambda e: "--outlier-interval 5m" in e and "--fleet" in e),
     (["--fleet-interval", "1m"], lambda e: "--fleet-interval 1m" in e and "--fleet" in e),
     (["--fleet-shards", "2"], lambda e: "--fleet-shards 2" in e and "--fleet" in e),
     (["--fleet", "--fleet-shards", "3"], lambda e: "--fleet-shards 3" in e and "1, 2, 4, 5, 10, 20, 25, 50, 100" in e),

@@ -78,6 +78,7 @@ __all__ = [
     "DEFAULT_INTERVAL_SECONDS",
     "DEFAULT_OUTLIER_BITS",
     "DEFAULT_OUTLIER_FACTOR",
+    "DEFAULT_OUTLIER_INTERVAL_SECONDS",
     "DEFAULT_REPLICA_LABEL",
     "DEFAULT_SHARDS",
     "ENTROPY_GAUGE",
@@ -104,6 +105,7 @@ __all__ = [
     "OUTLIER_ALERT",
     "OUTLIER_FOR_SECONDS",
     "RECORDING_NAMES",
+    "REPLICA_GROUP_NAME",
     "REPLICA_KL_BITS",
     "SCOPE_LABEL",
     "SELECTIONS_GAUGE",
@@ -166,15 +168,19 @@ FLEET_METRICS: dict[str, str] = {
 }
 
 FLEET_GROUP_NAME = "mla_watch_fleet"
+REPLICA_GROUP_NAME = FLEET_GROUP_NAME + "_replicas"  # each replica's divergence and the outlier alert
 OUTLIER_ALERT = "RoutingReplicaOutlier"
 SCOPE_LABEL = "scope"  # "fleet" on the twins, "replica" on every per-replica alert: Alertmanager routes on it
 SHARD_LABEL = "fleet_shard"  # "K/N" on what a shard's group records and fires, where the fleet is split
 DEFAULT_FLEET_LABELS: tuple[str, ...] = (JOB,)
 DEFAULT_REPLICA_LABEL = INSTANCE
 DEFAULT_SHARDS = 1
-# Each evaluation passes over every replica's per-expert series twice (bench/fleet_rules.py); the windows it sums
-# move by what a minute of traffic adds.
+# The fleet group passes over every replica's per-expert series once an evaluation, the replica group twice (its
+# own fleet shares, then each replica's cross-entropy with them: bench/fleet_rules.py). The fleet's statistics
+# follow the windows minute by minute; a replica apart from its peers is judged over ten minutes, so its group
+# runs less often.
 DEFAULT_INTERVAL_SECONDS = 60.0
+DEFAULT_OUTLIER_INTERVAL_SECONDS = 300.0
 # A replica whose routing carries 0.1 bits of its own against the fleet's mix, and 3 times its peers' median:
 # one collapsed replica of three (8 experts top-2, two experts left) reads 1 bit, its healthy peers 0.19.
 DEFAULT_OUTLIER_BITS = 0.1
@@ -199,8 +205,8 @@ _MAX_INTERVAL_SECONDS = 3600.0
 RECORDING_NAMES: tuple[str, ...] = (
     FLEET_EXPERT_SELECTIONS, FLEET_TOKENS, FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS,
     FLEET_MIN_TOKENS, FLEET_EXPERT_SHARE, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
-    FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, REPLICA_KL_BITS, FLEET_JS_DIVERGENCE, FLEET_REPLICAS,
-    FLEET_MEDIAN_REPLICA_KL,
+    FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, FLEET_JS_DIVERGENCE,  # the fleet group's
+    REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
 )
 
 
@@ -237,6 +243,7 @@ class FleetOptions:
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     outlier_for_seconds: float = OUTLIER_FOR_SECONDS
     interval_seconds: float = DEFAULT_INTERVAL_SECONDS
+    outlier_interval_seconds: float = DEFAULT_OUTLIER_INTERVAL_SECONDS
     shards: int = DEFAULT_SHARDS
     job: str = DEFAULT_JOB  # the series are selected with job="<job>", as the per-replica rules' are
 
@@ -251,10 +258,11 @@ class FleetOptions:
             raise ValueError(f"--outlier-bits {self.outlier_bits!r}: expected a positive number of bits (e.g. 0.1)")
         if not (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1):
             raise ValueError(f"--outlier-factor {self.outlier_factor!r}: expected a number >= 1 (e.g. 3)")
-        i = self.interval_seconds
-        if not (math.isfinite(i) and 1.0 <= i <= _MAX_INTERVAL_SECONDS):
-            raise ValueError(f"--fleet-interval {format_duration(i) if math.isfinite(i) else i!r}: expected a "
-                             "duration from 1s to 1h (e.g. 1m)")
+        for flag, i, example in (("--fleet-interval", self.interval_seconds, "1m"),
+                                 ("--outlier-interval", self.outlier_interval_seconds, "5m")):
+            if not (math.isfinite(i) and 1.0 <= i <= _MAX_INTERVAL_SECONDS):
+                raise ValueError(f"{flag} {format_duration(i) if math.isfinite(i) else i!r}: expected a duration "
+                                 f"from 1s to 1h (e.g. {example})")
         if not (math.isfinite(self.outlier_for_seconds) and 0 <= self.outlier_for_seconds <= 31 * 86400.0):
             raise ValueError(f"--outlier-for {self.outlier_for_seconds!r}: expected a duration from 0s to 31d "
                              "(e.g. 10m)")
@@ -300,38 +308,57 @@ def _with_shard(matchers: str, shard: RouterShard | None, recorded: bool = False
     return "{" + ", ".join(part for part in (matchers.strip("{}"), extra) if part) + "}"
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What one group selects: the sidecars' series of its shard (``selections`` ...), its own recordings (``r``)."""
+
+    selections: str
+    tokens: str
+    floor: str
+    entropy: str
+    replica_selections: str  # the routing gauge, of the pairs that export per-expert counts only
+    recorded: str
+
+    def r(self, name: str) -> str:
+        """A recording of this shard: every shard's group records the same names for its layers."""
+        return _selector(name, self.recorded)
+
+
+def _inputs(o: FleetOptions, shard: RouterShard | None) -> _Inputs:
+    layers = _shard_matcher(shard)
+    matchers = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}",
+                          *([layers] if layers else [])])
+    tokens = _selector(WINDOW_TOKENS, matchers)
+    return _Inputs(
+        selections=_selector(WINDOW_SELECTIONS, matchers), tokens=tokens,
+        floor=_selector(FLOOR_BITS, matchers), entropy=_selector(ENTROPY_GAUGE, matchers),
+        # A replica whose budget left a pair out has its routing gauges, not its per-expert counts: it is no part
+        # of that pair's fleet.
+        replica_selections=f"({_selector(SELECTIONS_GAUGE, matchers)} and on({o.replica_key}) {tokens})",
+        recorded=_shard_matcher(shard, recorded=True))
+
+
 def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
-    """(name, expression, what it means) of every recording of ``shard``'s group (the only one when ``None``), in
-    evaluation order."""
-    here = _shard_matcher(shard)
-    inputs = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}",
-                        *([here] if here else [])])
-    selections = _selector(WINDOW_SELECTIONS, inputs)
-    tokens = _selector(WINDOW_TOKENS, inputs)
-    floor = _selector(FLOOR_BITS, inputs)
-    entropy = _selector(ENTROPY_GAUGE, inputs)
-    replica_selections = _selector(SELECTIONS_GAUGE, inputs)
-    recorded = _shard_matcher(shard, recorded=True)
-
-    def r(name: str) -> str:  # a recording of this group: other groups record the same names for their layers
-        return _selector(name, recorded)
-
+    """(name, expression, what it means) of every recording of ``shard``'s fleet group (the only one when ``None``),
+    in evaluation order: one pass over the replicas' per-expert series, then fleet-level series only."""
+    i = _inputs(o, shard)
+    r = i.r
     fk, rk = o.fleet_key, o.replica_key
     # minimum_window_tokens: the smallest T with (N - 1) / (2 T k ln 2) <= tolerance, k = min(top_k, N) = 2^floor
     min_tokens = (f"clamp_min(ceil(({r(FLEET_SLOTS)} - 1) / on({fk}) (2 * round(2 ^ {r(FLEET_FLOOR_BITS)}) * "
                   f"{promql_number(math.log(2.0))} * {promql_number(TOLERANCE_BITS)})), 1)")
     mean = f"(({r(FLEET_SELECTIONS)} > 0) / on({fk}) {r(FLEET_SLOTS)})"
-    replica_weight = f"({replica_selections} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0))"
     share = r(FLEET_EXPERT_SHARE)
+    weight = f"({i.replica_selections} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0))"
     return [
-        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({selections})",
+        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({i.selections})",
          "selections of each expert in the replicas' windows, summed"),
-        (FLEET_TOKENS, f"sum by ({fk}) ({tokens})", "tokens of the fleet's window: its replicas' windows together"),
+        (FLEET_TOKENS, f"sum by ({fk}) ({i.tokens})", "tokens of the fleet's window: its replicas' windows together"),
         (FLEET_SELECTIONS, f"sum by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)})", "selections of the fleet's window"),
         (FLEET_SLOTS, f"count by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)})", "experts (every slot is exported): N"),
         (FLEET_CEILING_BITS, f"log2({r(FLEET_SLOTS)})", "entropy ceiling log2 N"),
         (FLEET_FLOOR_BITS, f"{r(FLEET_SLOTS)} * 0 + on({o.router_key}) group_left()\n"
-                           f"  max by ({o.router_key}) ({floor})",
+                           f"  max by ({o.router_key}) ({i.floor})",
          "entropy floor log2 min(top_k, N), from the replicas' floor gauge"),
         (FLEET_MIN_TOKENS, min_tokens, "the trusted minimum of tokens (the sidecar's minimum_window_tokens)"),
         (FLEET_EXPERT_SHARE, f"{r(FLEET_EXPERT_SELECTIONS)} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0)",
@@ -351,17 +378,34 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
          "MaxVio = (max load - mean load) / mean load"),
         (FLEET_DEAD_SLOTS, f"count by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
          "experts no replica selected in its window (0 is a sample)"),
+        # JSD = H_fleet - sum_r w_r H_r: each replica's entropy is its sidecar's gauge of the same window, so the
+        # divergence costs no second pass over the per-expert series (each replica's own, KL_r, has its group).
+        (FLEET_JS_DIVERGENCE,
+         f"clamp_min(\n  {r(FLEET_ENTROPY_BITS)}\n  - on({fk})\n"
+         f"  sum by ({fk}) ({i.entropy} * on({rk}) group_left() {weight}),\n  0\n)",
+         "generalized Jensen-Shannon divergence of the replicas: H_fleet - sum_r w_r H_r = sum_r w_r KL_r, "
+         "w_r = share of selections"),
+    ]
+
+
+def _replica_recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
+    """(name, expression, what it means) of the recordings of ``shard``'s replica group: each replica's divergence
+    from the fleet, from the fleet's shares taken at the same instant (not the fleet group's last recording of
+    them, which may be of other windows)."""
+    i = _inputs(o, shard)
+    r = i.r
+    fk, rk = o.fleet_key, o.replica_key
+    share = (f"(\n      sum by ({fk}, {EXPERT}) ({i.selections})\n"
+             f"      / on({fk}) group_left() sum by ({fk}) ({i.replica_selections})\n    )")
+    return [
         # KL_r = sum_j p_rj log2(p_rj / q_j) = -sum_j p_rj log2 q_j - H_r: the cross-entropy with the fleet's mix
-        # (one pass over the replicas' per-expert counts, joined with the fleet's shares) less the replica's own
-        # entropy, which its sidecar exports of the same window. An expert no replica chose has no share, and no
-        # replica's count to weigh it.
+        # (the replicas' per-expert counts joined with the fleet's shares) less the replica's own entropy, which its
+        # sidecar exports of the same window. An expert no replica chose has no share, and no count to weigh it.
         (REPLICA_KL_BITS,
-         f"clamp_min(\n  sum by ({rk}) (\n    {selections}\n"
+         f"clamp_min(\n  sum by ({rk}) (\n    {i.selections}\n"
          f"    * on({fk}, {EXPERT}) group_left() -log2({share} > 0)\n  )\n"
-         f"  / on({rk}) ({replica_selections} > 0)\n  - on({rk}) {entropy},\n  0\n)",
+         f"  / on({rk}) ({i.replica_selections} > 0)\n  - on({rk}) {i.entropy},\n  0\n)",
          "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
-        (FLEET_JS_DIVERGENCE, f"sum by ({fk}) (\n  {r(REPLICA_KL_BITS)} * on({rk}) group_left() {replica_weight}\n)",
-         "generalized Jensen-Shannon divergence of the replicas: sum_r w_r KL_r, w_r = share of selections"),
         (FLEET_REPLICAS, f"count by ({fk}) ({r(REPLICA_KL_BITS)})", "replicas with selections in their windows"),
         (FLEET_MEDIAN_REPLICA_KL, f"quantile by ({fk}) (0.5, {r(REPLICA_KL_BITS)})", "the median replica's KL"),
     ]
@@ -369,13 +413,15 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
 
 def fleet_notes(o: FleetOptions) -> list[str]:
     """What the header of a rule file with the fleet rules says about them (one bullet each)."""
-    groups = (f"The group {FLEET_GROUP_NAME} records" if o.shards == 1 else
-              f"The groups {', '.join(fleet_group_names(o))} (one per shard of the layers,\n"
-              f"{SHARD_LABEL}=\"K/N\") record")
+    split = (f" Split by layer into {o.shards} shards: each group name ends in _K_of_{o.shards}, and what it records "
+             f"and fires\ncarries {SHARD_LABEL}=\"K/{o.shards}\"." if o.shards > 1 else "")
     return [
-        f"{groups} each fleet's routing statistics over its replicas' windows, from the\n"
+        f"The group {FLEET_GROUP_NAME} records each fleet's routing statistics over its replicas' windows, from the\n"
         f"per-expert window counts (serve --export-expert-counts), summed by ({', '.join(o.fleet_labels)}) over "
-        f"the replicas ({o.replica_label}).\nA fleet window under the trusted minimum of tokens is not judged.",
+        f"the replicas ({o.replica_label}),\nevery {format_duration(o.interval_seconds)}; "
+        f"{REPLICA_GROUP_NAME} each replica's divergence from its fleet, every "
+        f"{format_duration(o.outlier_interval_seconds)}.\nA fleet window under the trusted minimum of tokens is not "
+        f"judged.{split}",
         f"Each alert is judged on the fleet too ({SCOPE_LABEL}=\"fleet\"; per-replica alerts carry "
         f"{SCOPE_LABEL}=\"replica\"), and\n{OUTLIER_ALERT} names a replica that routes apart from its peers: "
         "route them with deploy/alertmanager.yaml.",
@@ -470,15 +516,13 @@ def _twin(rule: Rule, o: FleetOptions, shard: RouterShard | None) -> str:
 
 def _outlier(o: FleetOptions, shard: RouterShard | None) -> str:
     fk, rk = o.fleet_key, o.replica_key
-    layers, here = _shard_matcher(shard), _shard_matcher(shard, recorded=True)
-    inputs = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}",
-                        *([layers] if layers else [])])
-    expr = (f"{_selector(REPLICA_KL_BITS, here)}\n  > on({fk}) group_left()\n"
-            f"  clamp_min({promql_number(o.outlier_factor)} * {_selector(FLEET_MEDIAN_REPLICA_KL, here)}, "
+    i = _inputs(o, shard)
+    # The trusted minimum is the fleet group's (of the routers' geometry alone, whenever it was recorded).
+    expr = (f"{i.r(REPLICA_KL_BITS)}\n  > on({fk}) group_left()\n"
+            f"  clamp_min({promql_number(o.outlier_factor)} * {i.r(FLEET_MEDIAN_REPLICA_KL)}, "
             f"{promql_number(o.outlier_bits)})\n"
-            f"and on({rk})\n({_selector(WINDOW_TOKENS, inputs)} >= on({fk}) group_left() "
-            f"{_selector(FLEET_MIN_TOKENS, here)})\n"
-            f"and on({fk})\n({_selector(FLEET_REPLICAS, here)} >= {MIN_OUTLIER_REPLICAS})")
+            f"and on({rk})\n({i.tokens} >= on({fk}) group_left() {i.r(FLEET_MIN_TOKENS)})\n"
+            f"and on({fk})\n({i.r(FLEET_REPLICAS)} >= {MIN_OUTLIER_REPLICAS})")
     replica = label_value(o.replica_label)
     where = f"{label_value(ROUTER)} (layer {label_value(LAYER)}, {label_value(BUSINESS_LINE)})"
     selector = ",".join(f'{label}="%s"' for label in (*o.fleet_labels, *SERIES_LABELS))
@@ -517,33 +561,43 @@ def _shards(o: FleetOptions) -> tuple[RouterShard | None, ...]:
     return (None,) if o.shards == 1 else RouterShard.split(o.shards)
 
 
+def _group_name(base: str, shard: RouterShard | None) -> str:
+    return base if shard is None else f"{base}_{shard.index}_of_{shard.count}"
+
+
 def fleet_group_names(o: FleetOptions) -> list[str]:
-    """The fleet groups' names: ``mla_watch_fleet``, or one ``mla_watch_fleet_K_of_N`` per shard."""
-    return [FLEET_GROUP_NAME if shard is None else f"{FLEET_GROUP_NAME}_{shard.index}_of_{shard.count}"
-            for shard in _shards(o)]
+    """The groups' names: ``mla_watch_fleet`` and ``mla_watch_fleet_replicas``, or each with ``_K_of_N`` per shard."""
+    return [_group_name(base, shard) for shard in _shards(o) for base in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)]
+
+
+def _group(name: str, interval: float, recordings: list[tuple[str, str, str]], shard: RouterShard | None,
+           alerts: list[str]) -> str:
+    lines = [f"  - name: {name}\n    interval: {format_duration(interval)}\n    rules:\n"]
+    labels = _shard_label(shard)
+    for record, expr, meaning in recordings:
+        lines.append(f"      # {meaning}\n" + yaml_entry({"record": record, "expr": expr,
+                                                           **({"labels": labels} if labels else {})}))
+    return "".join(lines + alerts)
 
 
 def fleet_groups(rules: RuleSet, options: FleetOptions) -> list[str]:
-    """The fleet groups (recordings, then the fleet twins of ``rules`` and the outlier alert): ``mla_watch_fleet``,
-    or one per shard of the layers, each an item of a top-level ``groups:`` list, for
-    :func:`mla_watch.alerting.promexport.export_rules`."""
-    interval = format_duration(options.interval_seconds)
+    """The fleet groups, each an item of a top-level ``groups:`` list, for
+    :func:`mla_watch.alerting.promexport.export_rules`: per shard of the layers (one when not split), the fleet group
+    (its recordings, then the fleet twins of ``rules``) and the replica group (each replica's divergence and the
+    outlier alert)."""
     groups = []
-    for shard, name in zip(_shards(options), fleet_group_names(options), strict=True):
-        lines = [f"  - name: {name}\n    interval: {interval}\n    rules:\n"]
-        labels = _shard_label(shard)
-        for record, expr, meaning in _recordings(options, shard):
-            lines.append(f"      # {meaning}\n" + yaml_entry({"record": record, "expr": expr,
-                                                               **({"labels": labels} if labels else {})}))
-        skipped = []
+    for shard in _shards(options):
+        twins, skipped = [], []
         for rule in rules.rules:
             if rule.metric not in FLEET_METRICS or rule.selector.kind == "indexer":
                 skipped.append(rule.name)
                 continue
-            lines.append(_twin(rule, options, shard))
+            twins.append(_twin(rule, options, shard))
         if skipped:
-            lines.append(f"      # no fleet form (drift from a sidecar's baseline, or indexers): "
+            twins.append(f"      # no fleet form (drift from a sidecar's baseline, or indexers): "
                          f"{', '.join(skipped)}\n")
-        lines.append(_outlier(options, shard))
-        groups.append("".join(lines))
+        groups.append(_group(_group_name(FLEET_GROUP_NAME, shard), options.interval_seconds,
+                             _recordings(options, shard), shard, twins))
+        groups.append(_group(_group_name(REPLICA_GROUP_NAME, shard), options.outlier_interval_seconds,
+                             _replica_recordings(options, shard), shard, [_outlier(options, shard)]))
     return groups

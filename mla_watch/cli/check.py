@@ -20,6 +20,7 @@ from mla_watch.alerting.fleet import (
     DEFAULT_INTERVAL_SECONDS,
     DEFAULT_OUTLIER_BITS,
     DEFAULT_OUTLIER_FACTOR,
+    DEFAULT_OUTLIER_INTERVAL_SECONDS,
     DEFAULT_REPLICA_LABEL,
     DEFAULT_SHARDS,
     FLEET_SCALE_NOTE,
@@ -179,7 +180,8 @@ def _export_command(args: argparse.Namespace) -> str:
         parts.append("--fleet")
         for flag, value in (("--fleet-interval", args.fleet_interval), ("--fleet-shards", args.fleet_shards),
                             ("--fleet-labels", args.fleet_labels),
-                            ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
+                            ("--replica-label", args.replica_label), ("--outlier-interval", args.outlier_interval),
+                            ("--outlier-bits", args.outlier_bits),
                             ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for)):
             if value is not None:
                 parts.append(f"{flag} {value}")
@@ -193,7 +195,8 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
 
     fleet_only = {"--fleet-interval": args.fleet_interval, "--fleet-shards": args.fleet_shards,
                   "--fleet-labels": args.fleet_labels,
-                  "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
+                  "--replica-label": args.replica_label, "--outlier-interval": args.outlier_interval,
+                  "--outlier-bits": args.outlier_bits,
                   "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for}
     if not args.fleet:
         given = [f"{flag} {value}" for flag, value in fleet_only.items() if value is not None]
@@ -203,6 +206,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     values: dict[str, Any] = {}
     try:
         for flag, key, text in (("--fleet-interval", "interval_seconds", args.fleet_interval),
+                                ("--outlier-interval", "outlier_interval_seconds", args.outlier_interval),
                                 ("--outlier-for", "outlier_for_seconds", args.outlier_for)):
             if text is not None:
                 try:
@@ -326,6 +330,9 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     export.add_argument("--replica-label", metavar="LABEL",
                         help="with --fleet: the target label that tells a fleet's replicas apart "
                              f"(default {DEFAULT_REPLICA_LABEL})")
+    export.add_argument("--outlier-interval", metavar="DURATION",
+                        help="with --fleet: how often Prometheus evaluates each replica's divergence from its fleet "
+                             f"and the outlier alert (default {format_duration(DEFAULT_OUTLIER_INTERVAL_SECONDS)})")
     export.add_argument("--outlier-bits", metavar="BITS",
                         help="with --fleet: the least KL from the fleet, in bits, that makes a replica an outlier "
                              f"(default {DEFAULT_OUTLIER_BITS:g})")
