@@ -82,7 +82,7 @@ class Replica:
     def target(self) -> str:
         assert self.server is not None
         host, port = self.server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def snapshot(self) -> RoutingSnapshot:
         # As the sidecar does: the statistics are recomputed only when the counts changed since the last scrape.

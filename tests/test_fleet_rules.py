@@ -22,7 +22,7 @@ import yaml
 
 from mla_watch.alerting import fleet
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.routing.series import routing_gauge
+from mla_watch.routing.series import ROUTING_SLOTS, routing_gauge
 from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
 from tests import processes
 from tests.support import REPO
@@ -93,7 +93,8 @@ def sidecar_series(instance: str, line: str, window: Window, router: str = ROUTE
     out += [per_pair(fleet.WINDOW_TOKENS, lambda c: float(c.sum() // TOP_K)),
             per_pair(fleet.SELECTIONS_GAUGE, lambda c: float(c.sum())),
             per_pair(fleet.ENTROPY_GAUGE, entropy_bits),
-            per_pair(routing_gauge("floor_bits"), lambda c: math.log2(TOP_K))]
+            per_pair(routing_gauge("floor_bits"), lambda c: math.log2(TOP_K)),
+            per_pair(ROUTING_SLOTS, lambda c: float(c.size))]
     return out
 
 
@@ -247,12 +248,12 @@ def test_minimum_tokens_follow_the_geometry(tmp_path, fleet_rule_file) -> None:
     """The fleet's trusted minimum is the sidecar's, computed in PromQL from the slots and the floor gauge."""
     tests = []
     for experts, top_k in ((8, 2), (64, 6), (16, 20), (1, 1)):
-        lines = []
-        for expert in range(experts):
-            lines.append({"series": fleet.WINDOW_SELECTIONS + labels("r0", "doc_summary", expert=str(expert)),
-                          "values": f"1x{STEPS}"})
-        lines.append({"series": "mla_watch_routing_entropy_floor_bits" + labels("r0", "doc_summary"),
-                      "values": f"{math.log2(min(top_k, experts))!r}+0x{STEPS}"})
+        where = labels("r0", "doc_summary")
+        lines = [{"series": fleet.WINDOW_SELECTIONS + labels("r0", "doc_summary", expert=str(expert)),
+                  "values": f"1x{STEPS}"} for expert in range(experts)]
+        lines += [{"series": name + where, "values": f"{value!r}x{STEPS}"} for name, value in (
+            (routing_gauge("floor_bits"), math.log2(min(top_k, experts))), (ROUTING_SLOTS, float(experts)),
+            (fleet.WINDOW_TOKENS, 1.0), (fleet.SELECTIONS_GAUGE, float(experts)))]
         tests.append({"interval": "1m", "input_series": lines, "promql_expr_test": [
             exact(fleet.FLEET_MIN_TOKENS, fleet_labels("doc_summary"), minimum_window_tokens(experts, top_k))]})
     result = run_tests(tmp_path, tests, fleet_rule_file)

@@ -87,7 +87,6 @@ __all__ = [
     "FLEET_DEAD_SLOTS",
     "FLEET_ENTROPY_BITS",
     "FLEET_EXPERT_SELECTIONS",
-    "FLEET_EXPERT_SHARE",
     "FLEET_FLOOR_BITS",
     "FLEET_GROUP_NAME",
     "FLEET_JS_DIVERGENCE",
@@ -146,7 +145,6 @@ FLEET_SLOTS = _recording("fleet", ROUTING_SLOTS, "count")
 FLEET_CEILING_BITS = _recording("fleet", routing_gauge("ceiling_bits"), "log2_slots")
 FLEET_FLOOR_BITS = _recording("fleet", routing_gauge("floor_bits"), "max")
 FLEET_MIN_TOKENS = _recording("fleet", _MIN_WINDOW_TOKENS, "bias_bound")
-FLEET_EXPERT_SHARE = _recording("fleet", WINDOW_SELECTIONS, "share")
 FLEET_ENTROPY_BITS = _recording("fleet", routing_gauge("entropy_bits"), "window")
 FLEET_NORMALIZED_ENTROPY = _recording("fleet", routing_gauge("normalized_entropy"), "window")
 FLEET_BITS_BELOW_CEILING = _recording("fleet", routing_gauge("bits_below_ceiling"), "window")
@@ -204,7 +202,7 @@ _MAX_INTERVAL_SECONDS = 3600.0
 
 RECORDING_NAMES: tuple[str, ...] = (
     FLEET_EXPERT_SELECTIONS, FLEET_TOKENS, FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS,
-    FLEET_MIN_TOKENS, FLEET_EXPERT_SHARE, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
+    FLEET_MIN_TOKENS, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
     FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, FLEET_JS_DIVERGENCE,  # the fleet group's
     REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
 )
@@ -316,7 +314,8 @@ class _Inputs:
     tokens: str
     floor: str
     entropy: str
-    replica_selections: str  # the routing gauge, of the pairs that export per-expert counts only
+    replica_selections: str  # the routing gauges, of the pairs that export per-expert counts only
+    replica_slots: str
     recorded: str
 
     def r(self, name: str) -> str:
@@ -335,6 +334,7 @@ def _inputs(o: FleetOptions, shard: RouterShard | None) -> _Inputs:
         # A replica whose budget left a pair out has its routing gauges, not its per-expert counts: it is no part
         # of that pair's fleet.
         replica_selections=f"({_selector(SELECTIONS_GAUGE, matchers)} and on({o.replica_key}) {tokens})",
+        replica_slots=f"({_selector(ROUTING_SLOTS, matchers)} and on({o.replica_key}) {tokens})",
         recorded=_shard_matcher(shard, recorded=True))
 
 
@@ -348,24 +348,26 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
     min_tokens = (f"clamp_min(ceil(({r(FLEET_SLOTS)} - 1) / on({fk}) (2 * round(2 ^ {r(FLEET_FLOOR_BITS)}) * "
                   f"{promql_number(math.log(2.0))} * {promql_number(TOLERANCE_BITS)})), 1)")
     mean = f"(({r(FLEET_SELECTIONS)} > 0) / on({fk}) {r(FLEET_SLOTS)})"
-    share = r(FLEET_EXPERT_SHARE)
+    counts = r(FLEET_EXPERT_SELECTIONS)
     weight = f"({i.replica_selections} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0))"
+    # What each evaluation reads of the fleet's per-expert sums (one replica's worth of series): the entropy twice,
+    # MaxVio and the dead experts once; selections and slots come from the replicas' gauges of the same windows.
     return [
         (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({i.selections})",
          "selections of each expert in the replicas' windows, summed"),
         (FLEET_TOKENS, f"sum by ({fk}) ({i.tokens})", "tokens of the fleet's window: its replicas' windows together"),
-        (FLEET_SELECTIONS, f"sum by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)})", "selections of the fleet's window"),
-        (FLEET_SLOTS, f"count by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)})", "experts (every slot is exported): N"),
+        (FLEET_SELECTIONS, f"sum by ({fk}) {i.replica_selections}", "selections of the fleet's window"),
+        (FLEET_SLOTS, f"max by ({fk}) {i.replica_slots}", "experts N (every slot is exported, zeros included)"),
         (FLEET_CEILING_BITS, f"log2({r(FLEET_SLOTS)})", "entropy ceiling log2 N"),
         (FLEET_FLOOR_BITS, f"{r(FLEET_SLOTS)} * 0 + on({o.router_key}) group_left()\n"
                            f"  max by ({o.router_key}) ({i.floor})",
          "entropy floor log2 min(top_k, N), from the replicas' floor gauge"),
         (FLEET_MIN_TOKENS, min_tokens, "the trusted minimum of tokens (the sidecar's minimum_window_tokens)"),
-        (FLEET_EXPERT_SHARE, f"{r(FLEET_EXPERT_SELECTIONS)} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0)",
-         "p_j: each expert's share of the fleet's selections"),
-        # Only nonzero shares enter the sum: 0 * log2 0 is 0, where PromQL would give NaN.
-        (FLEET_ENTROPY_BITS, f"clamp_min(\n  -sum by ({fk}) ({share} * log2({share} > 0)),\n  0\n)",
-         "routing entropy H = -sum p_j log2 p_j, in bits"),
+        # H = log2 S - (1/S) sum_j s_j log2 s_j; only chosen experts enter the sum (0 log2 0 is 0, not PromQL's NaN).
+        (FLEET_ENTROPY_BITS,
+         f"clamp_min(\n  log2({r(FLEET_SELECTIONS)} > 0)\n"
+         f"  - on({fk}) sum by ({fk}) ({counts} * log2({counts} > 0)) / on({fk}) {r(FLEET_SELECTIONS)},\n  0\n)",
+         "routing entropy H = -sum p_j log2 p_j of the summed counts, in bits"),
         (FLEET_NORMALIZED_ENTROPY,
          f"clamp(\n  ({r(FLEET_ENTROPY_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)})\n"
          f"  / on({fk}) (({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)}) > 0),\n  0, 1\n)\n"
@@ -374,9 +376,9 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
         (FLEET_BITS_BELOW_CEILING, f"clamp_min({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_ENTROPY_BITS)}, 0)",
          "ceiling - H"),
         (FLEET_MAX_VIOLATION,
-         f"clamp_min(\n  (max by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
+         f"clamp_min(\n  (max by ({fk}) ({counts}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
          "MaxVio = (max load - mean load) / mean load"),
-        (FLEET_DEAD_SLOTS, f"count by ({fk}) ({r(FLEET_EXPERT_SELECTIONS)} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
+        (FLEET_DEAD_SLOTS, f"count by ({fk}) ({counts} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
          "experts no replica selected in its window (0 is a sample)"),
         # JSD = H_fleet - sum_r w_r H_r: each replica's entropy is its sidecar's gauge of the same window, so the
         # divergence costs no second pass over the per-expert series (each replica's own, KL_r, has its group).
