@@ -10,7 +10,8 @@ router the outlier skews): every replica is scraped as ``/metrics?shard=K/N`` an
 ``rules export --fleet --fleet-shards N``, whose other shards' groups find nothing there.
 
 No model: the replicas are tests/simulated_fleet.py's DeepSeek-V3 sidecars (58 MoE routers x 256 experts, top-8),
-each a RouterWindows with the sidecar's own metrics and its per-expert window counts, served over HTTP on 127.0.0.1.
+each a RouterWindows with the sidecar's own metrics and its per-expert window counts, served over HTTP on 127.0.0.1
+(for a shard, with that shard's routers only: what they serve its Prometheus is the same).
 Every --feed-seconds (the scrape interval) each replica's windows take --tokens more per router and line (the
 default window holds 4096) and its /metrics is rendered for the scrape to come: these replicas share this one
 process, where a fleet's replicas each render their own.
@@ -217,11 +218,11 @@ def group_total(samples: dict[str, list[tuple[dict[str, str], float]]], name: st
 
 def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
-    infos = DEEPSEEK_V3.infos()
+    if args.shard is not None and args.shard >= chosen.shards > 1:
+        raise SystemExit(f"--shard {args.shard}: expected 0 to {chosen.shards - 1} for layout {chosen.name}")
+    first = DEEPSEEK_V3.first_layer
     shard = None if chosen.shards == 1 else RouterShard(
-        infos[0].layer % chosen.shards if args.shard is None else args.shard, chosen.shards)
-    if shard is not None and shard.index >= chosen.shards:
-        raise SystemExit(f"--shard {shard.index}: expected 0 to {chosen.shards - 1} for layout {chosen.name}")
+        first % chosen.shards if args.shard is None else args.shard, chosen.shards)
     names = [name if shard is None else f"{name}_{shard.index}_of_{shard.count}"
              for name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)]
     intervals = {names[0]: args.fleet_interval, names[1]: args.outlier_interval}
@@ -230,7 +231,8 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
     export_rules(rules, chosen.shards, args.fleet_interval, args.outlier_interval)
     load_before = os.getloadavg()
     built = time.monotonic()
-    replicas = build_replicas(chosen.replicas, DEEPSEEK_V3, chosen.lines, args.tokens, rng)
+    replicas = build_replicas(chosen.replicas, DEEPSEEK_V3, chosen.lines, args.tokens, rng, shard=shard)
+    infos = replicas[0].windows.routers
     query = "" if shard is None else f"{SHARD_PARAM}={shard}"
     rendered = time.monotonic()
     for replica in replicas:

@@ -24,13 +24,14 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.shards import RouterShard
 from mla_watch.routing.stats import RoutingStats, compute_stats
 from mla_watch.routing.windows import RouterWindows, RoutingSnapshot, take_snapshot
 from mla_watch.server.expert_counts import ExpertSelection, pair_series
+from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 
 __all__ = ["DEEPSEEK_V3", "Expected", "Feeder", "Geometry", "Replica", "build_replicas", "expected", "feed",
@@ -94,23 +95,24 @@ class Replica:
 
     def render(self, query: str) -> bytes:
         """What ``GET /metrics?<query>`` answers (``BadMetricsParam`` for a bad parameter). Kept until the windows
-        change: a fleet's replicas each render their own, where these share one process and its GIL, so that a
-        round of them would otherwise take longer than Prometheus waits (the first render of each is the cost)."""
+        change: a fleet's replicas each render their own, where these share one process and its GIL."""
         assert self.metrics is not None
         version = self.windows.version
         cached = self._bodies.get(query)
         if cached is not None and cached[0] == version:
             return cached[1]
         params = dict(parse_qsl(query))
-        body = generate_latest(metrics_view(self.metrics, params) if params else self.registry)
+        body = exposition(metrics_view(self.metrics, params) if params else self.registry)
         self._bodies[query] = (version, body)
         return body
 
 
 def build_replicas(count: int, geometry: Geometry, lines: int, tokens: int, rng: np.random.Generator,
-                   outlier: bool = True) -> list[Replica]:
-    """``count`` replicas, each with ``tokens`` per router and line counted into its windows."""
-    infos = geometry.infos()
+                   outlier: bool = True, shard: RouterShard | None = None) -> list[Replica]:
+    """``count`` replicas, each with ``tokens`` per router and line counted into its windows; with ``shard``, only
+    the routers of that shard (what a replica serves one shard's Prometheus is the same, and the rest would cost
+    this one process its statistics at every change)."""
+    infos = [info for info in geometry.infos() if shard is None or shard.holds(info.layer)]
     names = line_names(lines)
     common: dict[tuple[str, str], np.ndarray] = {}
     for info in infos:

@@ -28,6 +28,7 @@ from mla_watch.routing.stats import entropy_bits
 from mla_watch.routing.windows import RouterWindows, take_snapshot
 from mla_watch.server.config import ServerConfig, ServerConfigError
 from mla_watch.server.expert_counts import ExpertCounts, ExpertSelection
+from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import RoutingCollector
 from tests.client import post
 from tests.support import get_metrics, running_sidecar
@@ -345,3 +346,21 @@ def test_good_selections_parse_through_the_flag() -> None:
     assert build_parser().parse_args(["serve"]).export_expert_counts is None
     assert ExpertSelection(routers=("w-1/*",)).matches_router("w-1/model.layers.1.mlp.gate")
     assert not ExpertSelection(lines=("x",)).matches_line("all")
+
+
+def test_the_prewritten_text_reads_as_prometheus_clients_own() -> None:
+    """/metrics writes the per-expert families from label strings made once; parsed, they are the very samples
+    prometheus_client writes of the same families, label values that need escaping included."""
+    gate = RouterInfo('w-1/model.layers.3.mlp."gate"\\x', 3, "expert", 8, 2)
+    windows = RouterWindows([gate], window_tokens=None)
+    windows.add(gate.name, "code_assistant", CountDelta(np.array([2, 0, 0, 1, 0, 0, 1, 0]), 2))
+    windows.add(gate.name, "doc_summary", CountDelta(np.array([0, 0, 5, 1, 0, 0, 0, 0]), 3))
+    registry = registry_of([windows], ExpertCounts(ExpertSelection()))
+
+    def parsed(text: str) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    written = exposition(registry).decode()
+    assert parsed(written) == parsed(scrape(registry))
+    assert exported(written)[0][(gate.name, "doc_summary")] == {0: 0, 1: 0, 2: 5, 3: 1, 4: 0, 5: 0, 6: 0, 7: 0}

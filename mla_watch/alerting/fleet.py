@@ -10,9 +10,10 @@ window counts (``serve --export-expert-counts``):
   selections and its floor (``mla_watch_routing_entropy_bits``, ``..._window_selections``, ``..._entropy_floor_bits``).
 
 The fleet's window is its replicas' windows together: the rules sum instant samples, one per series, with no
-range, offset or recorded copy of a replica's per-expert series. A replica's divergence from the fleet needs
-its own per-expert counts once more, joined with the fleet's shares; everything else reads fleet-level series.
-What one evaluation reads is then two samples per per-expert series (bench/fleet_rules.py measures it).
+range, offset or recorded copy of a replica's per-expert series. Two groups: ``mla_watch_fleet`` (the fleet's
+statistics and the alerts' fleet twins) passes over the replicas' per-expert series once per evaluation;
+``mla_watch_fleet_replicas`` (each replica's divergence and the outlier alert) twice - the fleet's shares, then
+each replica's cross-entropy with them - and runs less often (bench/fleet_rules.py measures both).
 
 The fleet is every replica sharing the fleet labels (``job`` by default); a replica is told apart by the
 replica label (``instance``). The statistics are :func:`mla_watch.routing.compute_stats`' own definitions
@@ -20,14 +21,15 @@ over the summed counts, recorded only while the fleet's window holds a selection
 entropy); dead slots are recorded always (0 is a sample, not an absent series). Beside them, each
 replica's divergence from the fleet, ``KL(p_replica || p_fleet)`` in bits, computed as its cross-entropy with the
 fleet's mix less its own entropy (the sidecar's gauge), whose selection-weighted sum is the generalized
-Jensen-Shannon divergence of the replicas (``H_fleet = sum_r w_r H_r + JSD``).
+Jensen-Shannon divergence of the replicas, ``JSD = H_fleet - sum_r w_r H_r``, which the fleet group records from
+the replicas' entropy gauges alone.
 
-Shards: with ``shards`` > 1 the fleet group is split by layer (:class:`mla_watch.routing.shards.RouterShard`),
-one group per shard, each exact for its routers: one Prometheus evaluates them side by side, a ruler spreads
-them over its replicas, and several Prometheus servers each scraping ``/metrics?shard=K/N`` each find one.
+Shards: with ``shards`` > 1 both groups are split by layer (:class:`mla_watch.routing.shards.RouterShard`),
+one pair of groups per shard, each exact for its routers: one Prometheus evaluates them side by side, a ruler
+spreads them over its replicas, and several Prometheus servers each scraping ``/metrics?shard=K/N`` each find one.
 
 Trust: the fleet's trusted minimum of tokens is the sidecar's :func:`~mla_watch.routing.minimum_window_tokens`
-(Miller-Madow bias within 0.05 bits), computed in PromQL from the slots (the exported experts) and the
+(Miller-Madow bias within 0.05 bits), computed in PromQL from the slots (the replicas' slots gauge) and the
 floor gauge (``log2 min(top_k, slots)``), or a rule's own ``min_tokens``. A router whose picks need not be
 distinct (floor 0) is taken as one pick per token: a stricter minimum than its sidecar's.
 """

@@ -27,10 +27,8 @@ import logging
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
 
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.samples import Sample
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.values import is_integer
@@ -47,6 +45,7 @@ from mla_watch.routing.series import (
 )
 from mla_watch.routing.shards import RouterShard
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterStats
+from mla_watch.server.exposition import PrewrittenFamily, sample_prefix
 
 __all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCounts",
            "ExpertSelection", "pair_series"]
@@ -131,10 +130,13 @@ def pair_series(info: RouterInfo) -> int:
 
 @dataclass(frozen=True)
 class _Admitted:
-    """An exported pair's label sets, built once at admission so a scrape makes no label dicts."""
+    """An exported pair's label sets and sample lines up to their values, built once at admission so a scrape makes
+    no label dicts and formats no labels."""
 
     slot_labels: tuple[dict[str, str], ...]
     labels: dict[str, str]
+    slot_prefixes: tuple[str, ...]
+    prefix: str
     layer: int
     series: int
 
@@ -164,12 +166,11 @@ class ExpertCounts:
     def families(self, records: Iterable[RouterStats], shard: RouterShard | None = None) -> list[Metric]:
         """The per-expert gauges of ``records`` (one snapshot's); of ``shard``'s routers only when given, and then
         without the budget's figures, which are no router's."""
-        selections = GaugeMetricFamily(EXPERT_WINDOW_SELECTIONS, "Selections of each expert slot by this router "
-                                       "for this business line in its current window (sum across replicas).",
-                                       labels=list(EXPERT_LABELS))
-        tokens = GaugeMetricFamily(EXPERT_WINDOW_TOKENS, "Tokens in this router's current window for this business "
-                                   "line, exported with its per-expert selections (sum across replicas).",
-                                   labels=list(SERIES_LABELS))
+        selections = PrewrittenFamily(EXPERT_WINDOW_SELECTIONS, "Selections of each expert slot by this router "
+                                      "for this business line in its current window (sum across replicas).",
+                                      EXPERT_LABELS)
+        tokens = PrewrittenFamily(EXPERT_WINDOW_TOKENS, "Tokens in this router's current window for this business "
+                                  "line, exported with its per-expert selections (sum across replicas).", SERIES_LABELS)
         overflow = 0
         with self._lock:
             seen: set[tuple[str, str]] = set()
@@ -190,9 +191,8 @@ class ExpertCounts:
                         continue
                 if shard is not None and not shard.holds(pair.layer):
                     continue
-                selections.samples.extend(map(Sample, repeat(EXPERT_WINDOW_SELECTIONS), pair.slot_labels,
-                                              record.counts.tolist()))
-                tokens.samples.append(Sample(EXPERT_WINDOW_TOKENS, pair.labels, record.stats.tokens))
+                selections.write(pair.slot_labels, pair.slot_prefixes, record.counts.tolist())
+                tokens.write((pair.labels,), (pair.prefix,), (record.stats.tokens,))
             self._forget_gone(seen)
             used = self._used
         if shard is not None:
@@ -221,8 +221,9 @@ class ExpertCounts:
             return None
         router, line = key
         labels = dict(zip(SERIES_LABELS, (router, str(info.layer), info.kind, line), strict=True))
-        pair = _Admitted(tuple({**labels, EXPERT: str(slot)} for slot in range(info.num_slots)), labels, info.layer,
-                         cost)
+        slot_labels = tuple({**labels, EXPERT: str(slot)} for slot in range(info.num_slots))
+        prefixes = tuple(sample_prefix(EXPERT_WINDOW_SELECTIONS, each) for each in slot_labels)
+        pair = _Admitted(slot_labels, labels, prefixes, sample_prefix(EXPERT_WINDOW_TOKENS, labels), info.layer, cost)
         self._admitted[key] = pair
         self._used += cost
         return pair
