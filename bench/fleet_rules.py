@@ -12,19 +12,21 @@ router the outlier skews): every replica is scraped as ``/metrics?shard=K/N`` an
 No model: the replicas are tests/simulated_fleet.py's DeepSeek-V3 sidecars (58 MoE routers x 256 experts, top-8),
 each a RouterWindows with the sidecar's own metrics and its per-expert window counts, served over HTTP on 127.0.0.1
 (for a shard, with that shard's routers only: what they serve its Prometheus is the same).
-Every --feed-seconds (the scrape interval) each replica's windows take --tokens more per router and line (the
+Every --scrape-interval each replica's windows take --tokens more per router and line (the
 default window holds 4096) and its /metrics is rendered for the scrape to come: these replicas share this one
 process, where a fleet's replicas each render their own.
 
 Real Prometheus (--prometheus, default the one on PATH; Debian's 2.42 here) scrapes them every --scrape-interval
 (15 s) and loads what ``mla-watch rules export --rules mla_watch/shipped/rules --fleet`` writes, with the fleet
-group at its exported interval (1m) and the replica group at --outlier-interval (1m here, so that a run measures
-several of its rounds; 5m exported). After a warm-up the bench reads, for each of --rounds evaluations of each
-group, its evaluation time and every rule's health from Prometheus' rule API (/api/v1/rules), and Prometheus' RSS
-and CPU from its /metrics; then the samples one evaluation reads (each rule's query run with stats=all, the
-engine's totalQueryableSamples). Last, the replicas stop routing; once a scrape and an evaluation of each group
-have seen them still, every router and line's recordings are compared with compute_stats of the replicas'
-windows summed (each replica's KL from the fleet, the Jensen-Shannon divergence included).
+group at its exported interval (1m) and the replica group at --outlier-interval (2m here, so that a run measures
+several of its rounds; 5m exported). This machine is shared: before each layout the bench waits (--quiet-wait)
+until its load average is at most --quiet-load. After a warm-up the bench reads, for --rounds evaluations of the
+fleet group and --replica-rounds of the replica group, the evaluation time and every rule's health from
+Prometheus' rule API (/api/v1/rules), and Prometheus' RSS and CPU from its /metrics; then the samples one
+evaluation reads (each rule's query run with stats=all, the engine's totalQueryableSamples). Last, the replicas
+stop routing; once a scrape and an evaluation of each group have seen them still, every router and line's
+recordings are compared with compute_stats of the replicas' windows summed (each replica's KL from the fleet, the
+Jensen-Shannon divergence included).
 
 Printed per layout: series per replica and in the Prometheus, bytes per scrape, each group's evaluation time
 (median of the rounds) against its interval and against the exported one (below 0.5: within half of it, the
@@ -276,16 +278,18 @@ def watch_rounds(prometheus: PrometheusClient, names: list[str], intervals: dict
     rule's; Prometheus' RSS and CPU seconds when it was read. Stops at a rule in error."""
     measure_from = {name: up_at + args.scrape_interval + args.warmup_rounds * intervals[name] for name in names}
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    wanted = dict(zip(names, (args.rounds, args.replica_rounds), strict=True))
     seen: set[tuple[str, str]] = set()
-    while any(len(found) < args.rounds for found in rounds.values()):
+    while any(len(found) < wanted[name] for name, found in rounds.items()):
         if time.monotonic() > deadline:
-            raise SystemExit(f"{ {name: len(found) for name, found in rounds.items()} } of {args.rounds} measured "
+            raise SystemExit(f"{ {name: len(found) for name, found in rounds.items()} } of {wanted} measured "
                              f"rounds within --max-seconds {args.max_seconds:g}: raise it, or lower --rounds")
         time.sleep(2)
         groups = prometheus.rule_groups()
         for name in names:
             group = groups[name]
-            if evaluated_at(group) < measure_from[name] or (name, group["lastEvaluation"]) in seen:
+            if (evaluated_at(group) < measure_from[name] or (name, group["lastEvaluation"]) in seen
+                    or len(rounds[name]) >= wanted[name]):
                 continue
             seen.add((name, group["lastEvaluation"]))
             failed = [rule for rule in group["rules"] if rule.get("health") != "ok" or rule.get("lastError")]
@@ -428,6 +432,14 @@ def report(f: dict[str, Any]) -> None:
           f"peers' median {e['peer_kl_bits_median']:.4f}")
 
 
+def wait_quiet(load: float, longest: float) -> float:
+    """Seconds waited until the 1-minute load average is at most ``load`` (at most ``longest``)."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > load and time.monotonic() - started < longest:
+        time.sleep(10)
+    return time.monotonic() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", type=layout, nargs="+", default=[layout(text) for text in DEFAULT_LAYOUTS],
@@ -441,16 +453,23 @@ def main() -> None:
                         default=DEFAULT_INTERVAL_SECONDS,
                         help="the fleet group's interval, seconds (rules export --fleet-interval; default the exported "
                              f"{DEFAULT_INTERVAL_SECONDS:g})")
-    parser.add_argument("--outlier-interval", type=bounded(float, "--outlier-interval", 5, 3600), default=60.0,
+    parser.add_argument("--outlier-interval", type=bounded(float, "--outlier-interval", 5, 3600), default=120.0,
                         help="the replica group's interval here, seconds (rules export --outlier-interval; default "
-                             "60, the exported 300 measured five times as often)")
+                             "120: the exported 300 s measured more often, so that it meets the fleet group more)")
     parser.add_argument("--tokens", type=bounded(int, "--tokens", 1, 10**6), default=DEFAULT_WINDOW_TOKENS // 2,
                         help="tokens added per router, line and replica every feeding (default 2048: the window "
                              "of 4096 holds two)")
     parser.add_argument("--warmup-rounds", type=bounded(int, "--warmup-rounds", 0, 20), default=1,
                         help="evaluations of each group after the targets are up, before measuring (default 1)")
     parser.add_argument("--rounds", type=bounded(int, "--rounds", 1, 100), default=3,
-                        help="evaluations of each group measured (default 3)")
+                        help="evaluations of the fleet group measured (default 3)")
+    parser.add_argument("--replica-rounds", type=bounded(int, "--replica-rounds", 1, 100), default=2,
+                        help="evaluations of the replica group measured (default 2)")
+    parser.add_argument("--quiet-load", type=bounded(float, "--quiet-load", 0.1, 100), default=3.0,
+                        help="before each layout, wait until this machine's 1-minute load average is at most this "
+                             "(it is shared; default 3.0), up to --quiet-wait seconds")
+    parser.add_argument("--quiet-wait", type=bounded(float, "--quiet-wait", 0, 7200), default=900.0,
+                        help="the longest wait for --quiet-load, seconds (default 900; then it runs anyway)")
     parser.add_argument("--max-seconds", type=bounded(float, "--max-seconds", 60, 7200), default=1200.0,
                         help="give up on a layout after this long (default 1200)")
     parser.add_argument("--prometheus", default=shutil.which("prometheus"), help="the Prometheus binary")
@@ -464,7 +483,9 @@ def main() -> None:
     print(command, flush=True)
     figures: dict[str, Any] = {"command": command, "layouts": {}}
     for chosen in args.layouts:
-        print(f"\nlayout {chosen.name}", flush=True)
+        waited = wait_quiet(args.quiet_load, args.quiet_wait)
+        print(f"\nlayout {chosen.name} (waited {waited:.0f} s for a load average of {os.getloadavg()[0]:.1f})",
+              flush=True)
         with tempfile.TemporaryDirectory(prefix="mla-watch-fleet-bench-") as workdir:
             found = measure(args, chosen, Path(workdir))
         figures["layouts"][chosen.name] = found

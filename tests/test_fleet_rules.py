@@ -339,7 +339,8 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
             if index % 2 == 0:  # the fleet group
                 assert "by (namespace, job, router" in group["rules"][0]["expr"] and group["interval"] == "2m"
             else:  # the replica group
-                assert "by (namespace, job, pod, router" in group["rules"][0]["expr"] and group["interval"] == "5m"
+                kl = next(r for r in group["rules"] if r.get("record") == fleet.REPLICA_KL_BITS)
+                assert "by (namespace, job, pod, router" in kl["expr"] and group["interval"] == "5m"
                 assert records == list(fleet.RECORDING_NAMES[-len(records):])
         assert [r["record"] for group in document["groups"][1:3] for r in group["rules"] if "record" in r] == list(
             fleet.RECORDING_NAMES)

@@ -13,7 +13,7 @@ The fleet's window is its replicas' windows together: the rules sum instant samp
 range, offset or recorded copy of a replica's per-expert series. Two groups: ``mla_watch_fleet`` (the fleet's
 statistics and the alerts' fleet twins) passes over the replicas' per-expert series once per evaluation;
 ``mla_watch_fleet_replicas`` (each replica's divergence and the outlier alert) twice - the fleet's shares, then
-each replica's cross-entropy with them - and runs less often (bench/fleet_rules.py measures both).
+each replica's cross-entropy with them, one query each - and runs less often (bench/fleet_rules.py measures both).
 
 The fleet is every replica sharing the fleet labels (``job`` by default); a replica is told apart by the
 replica label (``instance``). The statistics are :func:`mla_watch.routing.compute_stats`' own definitions
@@ -89,6 +89,7 @@ __all__ = [
     "FLEET_DEAD_SLOTS",
     "FLEET_ENTROPY_BITS",
     "FLEET_EXPERT_SELECTIONS",
+    "FLEET_EXPERT_SHARE",
     "FLEET_FLOOR_BITS",
     "FLEET_GROUP_NAME",
     "FLEET_JS_DIVERGENCE",
@@ -147,6 +148,7 @@ FLEET_SLOTS = _recording("fleet", ROUTING_SLOTS, "count")
 FLEET_CEILING_BITS = _recording("fleet", routing_gauge("ceiling_bits"), "log2_slots")
 FLEET_FLOOR_BITS = _recording("fleet", routing_gauge("floor_bits"), "max")
 FLEET_MIN_TOKENS = _recording("fleet", _MIN_WINDOW_TOKENS, "bias_bound")
+FLEET_EXPERT_SHARE = _recording("fleet", WINDOW_SELECTIONS, "share")
 FLEET_ENTROPY_BITS = _recording("fleet", routing_gauge("entropy_bits"), "window")
 FLEET_NORMALIZED_ENTROPY = _recording("fleet", routing_gauge("normalized_entropy"), "window")
 FLEET_BITS_BELOW_CEILING = _recording("fleet", routing_gauge("bits_below_ceiling"), "window")
@@ -206,7 +208,7 @@ RECORDING_NAMES: tuple[str, ...] = (
     FLEET_EXPERT_SELECTIONS, FLEET_TOKENS, FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS,
     FLEET_MIN_TOKENS, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
     FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, FLEET_JS_DIVERGENCE,  # the fleet group's
-    REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
+    FLEET_EXPERT_SHARE, REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
 )
 
 
@@ -394,20 +396,23 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
 
 def _replica_recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
     """(name, expression, what it means) of the recordings of ``shard``'s replica group: each replica's divergence
-    from the fleet, from the fleet's shares taken at the same instant (not the fleet group's last recording of
-    them, which may be of other windows)."""
+    from the fleet, from the fleet's shares taken at the same instant (not the fleet group's last recording of the
+    counts, which may be of other windows). One pass over the per-expert series each for the shares and the
+    divergences: no one query does both, which on a loaded Prometheus could run past its query timeout."""
     i = _inputs(o, shard)
     r = i.r
     fk, rk = o.fleet_key, o.replica_key
-    share = (f"(\n      sum by ({fk}, {EXPERT}) ({i.selections})\n"
-             f"      / on({fk}) group_left() sum by ({fk}) ({i.replica_selections})\n    )")
     return [
+        (FLEET_EXPERT_SHARE,
+         f"sum by ({fk}, {EXPERT}) ({i.selections})\n"
+         f"/ on({fk}) group_left()\nsum by ({fk}) {i.replica_selections}",
+         "q_j: each expert's share of the fleet's selections"),
         # KL_r = sum_j p_rj log2(p_rj / q_j) = -sum_j p_rj log2 q_j - H_r: the cross-entropy with the fleet's mix
         # (the replicas' per-expert counts joined with the fleet's shares) less the replica's own entropy, which its
         # sidecar exports of the same window. An expert no replica chose has no share, and no count to weigh it.
         (REPLICA_KL_BITS,
          f"clamp_min(\n  sum by ({rk}) (\n    {i.selections}\n"
-         f"    * on({fk}, {EXPERT}) group_left() -log2({share} > 0)\n  )\n"
+         f"    * on({fk}, {EXPERT}) group_left() -log2({r(FLEET_EXPERT_SHARE)} > 0)\n  )\n"
          f"  / on({rk}) ({i.replica_selections} > 0)\n  - on({rk}) {i.entropy},\n  0\n)",
          "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
         (FLEET_REPLICAS, f"count by ({fk}) ({r(REPLICA_KL_BITS)})", "replicas with selections in their windows"),
