@@ -85,7 +85,16 @@ from mla_watch.routing.series import BUSINESS_LINE, INSTANCE, ROUTER
 from mla_watch.routing.shards import SHARD_COUNTS, RouterShard
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
 from mla_watch.server.metrics import SHARD_PARAM
-from tests.simulated_fleet import DEEPSEEK_V3, Feeder, Replica, build_replicas, expected, serving
+from tests.simulated_fleet import (
+    DEEPSEEK_V3,
+    Feeder,
+    Replica,
+    build_replicas,
+    expected,
+    read_budget,
+    samples_per_evaluation,
+    serving,
+)
 from tests.support import end_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,12 +313,14 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
                 for round_ in found:
                     round_["cpu_s"] = sampler.used(round_["start"], round_["start"] + round_["s"])
             samples = prometheus.own_metrics()
-            per_evaluation = samples_per_evaluation(prometheus, names)
+            per_evaluation = samples_per_evaluation(url, names)
         finally:
             feeder.stop()
             sampler.stop()
         figures = read_figures(prometheus, samples, chosen, shard, names, intervals, exported, rounds, replicas)
         figures["samples_per_evaluation"] = per_evaluation
+        figures["samples_budget"] = dict(zip(names, read_budget(chosen.replicas, figures["routers"] * chosen.lines,
+                                                                DEEPSEEK_V3.experts), strict=True))
         figures["feed_round_s"] = statistics.median(feeder.rounds) if feeder.rounds else None
         figures["render_s"] = render_s
         figures["exactness"] = check_exactness(prometheus, replicas, shard, names, deadline)
@@ -353,15 +364,6 @@ def watch_rounds(prometheus: PrometheusClient, names: list[str], intervals: dict
             print(f"  {name} round {len(rounds[name])}: {group['evaluationTime']:.2f} s of its "
                   f"{intervals[name]:g} s interval (load average {os.getloadavg()[0]:.1f})", flush=True)
     return rounds
-
-
-def samples_per_evaluation(prometheus: PrometheusClient, names: list[str]) -> dict[str, int]:
-    """The samples one evaluation of each group reads: every rule's query run once at one instant with the engine's
-    statistics (totalQueryableSamples), as the group runs them."""
-    groups = prometheus.rule_groups()
-    at = time.time() - 1
-    return {name: sum(int(prometheus.query(rule["query"], time=at, stats="all")["stats"]["samples"]
-                          ["totalQueryableSamples"]) for rule in groups[name]["rules"]) for name in names}
 
 
 def read_figures(prometheus: PrometheusClient, samples: dict[str, list[tuple[dict[str, str], float]]],
@@ -471,13 +473,13 @@ def report(f: dict[str, Any]) -> None:
           f"{(f['bytes_per_scrape_per_replica'] or 0) / mib:.2f} MiB per scrape per replica; scrape median "
           f"{f['scrape_s_median'] * 1e3:.0f} ms, slowest {f['scrape_s_max'] * 1e3:.0f} ms")
     for name, g in f["groups"].items():
-        per = f["samples_per_evaluation"][name]
+        per, budget = f["samples_per_evaluation"][name], f["samples_budget"][name]
         each = ", ".join(f"{s:.2f}" for s in g["evaluation_s_rounds"])
         print(f"  {name}: median {g['evaluation_s']:.2f} s per evaluation ({each}) "
               f"= x{g['ratio']:.3f} of its {g['interval_s']:g} s interval here, x{g['ratio_exported']:.3f} of the "
               f"exported {g['exported_interval_s']:g} s; {g['missed']:.0f} of {g['iterations']:.0f} iterations "
               f"missed, {g['failures']:.0f} failures; {per:,} samples read per evaluation "
-              f"({per / (f['replicas'] * f['lines']):,.0f} per replica and line)")
+              f"({per / f['per_expert_series']:.2f} per per-expert series; x{per / budget:.3f} of the budget)")
         if g["cpu_s"] is not None:
             cpu_each = ", ".join(f"{s:.2f}" for s in g["cpu_s_rounds"])
             print(f"    Prometheus' CPU during an evaluation: median {g['cpu_s']:.2f} s ({cpu_each}) = "

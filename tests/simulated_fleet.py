@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+import httpx
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
@@ -35,7 +36,7 @@ from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 
 __all__ = ["DEEPSEEK_V3", "Expected", "Feeder", "Geometry", "Replica", "build_replicas", "expected", "feed",
-           "line_names", "serving"]
+           "line_names", "read_budget", "samples_per_evaluation", "serving"]
 
 COMMON_CONCENTRATION = 2.0  # Dirichlet concentration of the fleet's common mix per router: skewed, as real routers
 REPLICA_CONCENTRATION = 2000.0  # how closely a replica follows the common mix (larger: closer)
@@ -258,3 +259,30 @@ def expected(replicas: list[Replica], shard: RouterShard | None = None) -> dict[
         jsd = float(sum(per_replica[target].sum() / summed.sum() * value for target, value in kl.items()))
         found[(router, line)] = Expected(stats, kl, jsd)
     return found
+
+
+def samples_per_evaluation(url: str, groups: Sequence[str]) -> dict[str, int]:
+    """The samples one evaluation of each of ``groups`` reads in the Prometheus at ``url``: every rule's query run
+    once at one instant with the engine's statistics (``totalQueryableSamples``), as the group runs them."""
+    http = httpx.Client(timeout=600)
+    found = {group["name"]: group for group in http.get(url + "/api/v1/rules").json()["data"]["groups"]}
+    at = time.time() - 1
+    read = {}
+    for name in groups:
+        read[name] = 0
+        for rule in found[name]["rules"]:
+            answer = http.get(url + "/api/v1/query", params={"query": rule["query"], "time": at, "stats": "all"}).json()
+            assert answer["status"] == "success", answer
+            read[name] += int(answer["data"]["stats"]["samples"]["totalQueryableSamples"])
+    return read
+
+
+def read_budget(replicas: int, pairs: int, experts: int) -> tuple[int, int]:
+    """The most samples one evaluation of the fleet group and of the replica group may read (docs/fleet.md, "Series
+    cost"), for ``replicas`` exporting ``pairs`` routers and lines of ``experts`` each: each replica's per-expert
+    series once (the replica group: twice), the fleet's per-expert sums four times (once), some twenty of each
+    replica's per-router gauges (its tokens, selections, slots, entropy, floor, baselines) and some fifty of the
+    fleet's per-router recordings."""
+    replica_series, fleet_series, replica_pairs = replicas * pairs * experts, pairs * experts, replicas * pairs
+    return (replica_series + 4 * fleet_series + 20 * replica_pairs + 50 * pairs,
+            2 * replica_series + fleet_series + 20 * replica_pairs + 50 * pairs)

@@ -3,8 +3,9 @@ by one real Prometheus, with the rules `mla-watch rules export --fleet` writes l
 
 Every router and line's fleet entropy, normalized entropy, MaxVio, dead experts, tokens and trusted minimum, each
 replica's KL from the fleet and the replicas' Jensen-Shannon divergence equal mla_watch's own computation of the
-replicas' windows summed; every rule of the fleet group evaluates without error. The group's evaluation time is
-read from Prometheus' rule API and printed, not judged: `bench/fleet_rules.py` measures it.
+replicas' windows summed; every rule of the fleet groups evaluates without error, and one evaluation of each reads
+no more samples than the manual's budget. The groups' evaluation time is read from Prometheus' rule API and
+printed, not judged: `bench/fleet_rules.py` measures it.
 
 Prometheus comes from Debian's package, which `.ci/run` installs.
 """
@@ -38,7 +39,14 @@ from mla_watch.alerting.fleet import (
 )
 from mla_watch.routing.series import BUSINESS_LINE, INSTANCE, ROUTER
 from tests.helpers import running_tool
-from tests.simulated_fleet import DEEPSEEK_V3, build_replicas, expected, serving
+from tests.simulated_fleet import (
+    DEEPSEEK_V3,
+    build_replicas,
+    expected,
+    read_budget,
+    samples_per_evaluation,
+    serving,
+)
 from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
@@ -109,6 +117,10 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
             minimum, jsd, counted = by_pair(url, FLEET_MIN_TOKENS), by_pair(url, FLEET_JS_DIVERGENCE), by_pair(
                 url, FLEET_REPLICAS)
             kl = by_pair(url, REPLICA_KL_BITS, INSTANCE)
+            # What a replica costs each evaluation stays within the budget the manual states (docs/fleet.md).
+            read = samples_per_evaluation(url, (FLEET_GROUP_NAME, REPLICA_GROUP_NAME))
+            budget = read_budget(REPLICAS, len(want), DEEPSEEK_V3.experts)
+            print(f"samples read per evaluation: {read} (budget {budget})")
     for key, found in want.items():
         stats = found.stats
         assert entropy[key] == pytest.approx(stats.entropy_bits, abs=TOLERANCE), key
@@ -120,6 +132,7 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
         assert counted[key] == len(found.kl_bits) == REPLICAS
         for target, value in found.kl_bits.items():
             assert kl[(*key, target)] == pytest.approx(value, abs=TOLERANCE), (key, target)
+    assert read[FLEET_GROUP_NAME] <= budget[0] and read[REPLICA_GROUP_NAME] <= budget[1], (read, budget)
     # The skewed replica routes apart on its one router and line: the largest KL of the fleet, by far.
     router, line = replicas[0].windows.routers[0].name, "line_0"
     skewed = kl[(router, line, replicas[-1].target)]
