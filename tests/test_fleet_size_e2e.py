@@ -72,7 +72,7 @@ def evaluated_at(group: dict) -> float:
 
 def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_path: Path) -> None:
     rules = tmp_path / "fleet.rules.yml"
-    assert cli.main(["rules", "export", "--fleet", "--fleet-interval", "15s", "--outlier-interval", "15s",
+    assert cli.main(["rules", "export", "--fleet", "--fleet-interval", "20s", "--outlier-interval", "40s",
                      "--out", str(rules)]) == 0
     replicas = build_replicas(REPLICAS, DEEPSEEK_V3, LINES, WINDOW_TOKENS, np.random.default_rng(7))
     for replica in replicas:
@@ -81,10 +81,12 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
         want = expected(replicas)
         assert len(want) == DEEPSEEK_V3.routers * LINES
         config = {"global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "scrape_timeout": f"{SCRAPE_SECONDS}s",
-                             "evaluation_interval": "15s"},
+                             "evaluation_interval": "20s"},
                   "rule_files": [str(rules)],
                   "scrape_configs": [{"job_name": "mla_watch", "static_configs": [{"targets": targets}]}]}
-        with running_tool("prometheus", tmp_path, yaml.safe_dump(config)) as url:
+        # What this judges is what the groups record, not how fast: on a loaded machine a query may take longer than
+        # Prometheus' 2 minutes by default, and that is the bench's to measure.
+        with running_tool("prometheus", tmp_path, yaml.safe_dump(config), "--query.timeout=10m") as url:
             tokens = {key: float(found.stats.tokens) for key, found in want.items()}
 
             def groups() -> dict[str, dict]:
@@ -98,11 +100,11 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
                 up = httpx.get(url + "/api/v1/query", params={"query": "up"}, timeout=60).json()["data"]["result"]
                 return f"up: {[s['value'][1] for s in up]}\n" + (tmp_path / "prometheus.log").read_text()[-3000:]
 
-            assert wait_until(lambda: by_pair(url, FLEET_TOKENS) == tokens, timeout=300, interval=5), logs()
+            assert wait_until(lambda: by_pair(url, FLEET_TOKENS) == tokens, timeout=600, interval=5), logs()
             scraped = time.time()
             assert wait_until(lambda: min(evaluated_at(group) for name, group in groups().items()
                                           if name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)) > scraped,
-                              timeout=300, interval=5)
+                              timeout=600, interval=5)
             every = groups()
             failed = [(rule["name"], rule.get("lastError")) for group in every.values() for rule in group["rules"]
                       if rule.get("health") != "ok" or rule.get("lastError")]
