@@ -7,7 +7,8 @@
 No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line: the default
 window's 4096 tokens; more carry the digits of a longer window). For each number of business lines, two
 registries of the sidecar's metrics over the same windows - per-expert counts off, and on (every router and
-line, with a budget that fits them) - are scraped with prometheus_client.generate_latest in alternation; the
+line, with a budget that fits them) - are scraped as /metrics writes them (mla_watch.server.exposition) in
+alternation, with prometheus_client.generate_latest of the second for comparison; the
 routing snapshot is computed once beforehand, as the sidecar caches it between count changes. Printed per
 replica: series, bytes per scrape (plain, and gzip as a compressing hop would send them), median scrape time
 of each arm and their ratio; then the fleet cost for 10 and 100 replicas derived from those figures, against
@@ -31,6 +32,7 @@ from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.series import EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterWindows, take_snapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
+from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import ServerMetrics
 
 MIMIR_SERIES_PER_TENANT = 150_000  # Mimir's default -ingester.max-global-series-per-user
@@ -67,13 +69,15 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
     ServerMetrics(off, lambda: snapshot)
     on = CollectorRegistry()
     metrics = ServerMetrics(on, lambda: snapshot, expert_counts=ExpertSelection(), expert_series_budget=budget)
-    bodies = {"off": generate_latest(off), "on": generate_latest(on)}  # also the warm-up: admission happens here
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    bodies = {"off": exposition(off), "on": exposition(on)}  # also the warm-up: admission happens here
+    times: dict[str, list[float]] = {"off": [], "on": [], "client": []}
     for index in range(rounds):
-        for arm in (("off", "on") if index % 2 == 0 else ("on", "off")):
-            registry = off if arm == "off" else on
+        for arm in (("off", "on", "client") if index % 2 == 0 else ("client", "on", "off")):
             tick = time.perf_counter()
-            generate_latest(registry)
+            if arm == "client":
+                generate_latest(on)  # prometheus_client writing every family itself, as /metrics once did
+            else:
+                exposition(off if arm == "off" else on)
             times[arm].append(time.perf_counter() - tick)
     counts = metrics.expert_counts
     assert counts is not None
@@ -89,6 +93,7 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
         "gzip_bytes_off": len(gzip.compress(bodies["off"], 6)), "gzip_bytes_on": len(gzip.compress(bodies["on"], 6)),
         "scrape_ms_off": statistics.median(times["off"]) * 1e3, "scrape_ms_on": statistics.median(times["on"]) * 1e3,
         "scrape_ratio": statistics.median(ratios), "collect_ms": collect_ms,
+        "scrape_ms_client": statistics.median(times["client"]) * 1e3,
         "scrape_ratio_q1": float(np.percentile(ratios, 25)), "scrape_ratio_q3": float(np.percentile(ratios, 75)),
     }
 
@@ -128,7 +133,8 @@ def main() -> None:
         print(f"  scrape time (median of {args.rounds}): {row['scrape_ms_off']:.1f} ms off, "
               f"{row['scrape_ms_on']:.1f} ms on: ratio x{row['scrape_ratio']:.2f} "
               f"(quartiles x{row['scrape_ratio_q1']:.2f}-x{row['scrape_ratio_q3']:.2f}); "
-              f"the counters' own collect {row['collect_ms']:.1f} ms")
+              f"the per-expert families built {row['collect_ms']:.1f} ms; prometheus_client writing them itself "
+              f"{row['scrape_ms_client']:.1f} ms")
         for replicas in args.replicas:
             series = row["series_on"] * replicas
             added = row["expert_series"] * replicas
