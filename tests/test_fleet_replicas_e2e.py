@@ -109,7 +109,7 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
     (rules_dir / "routing.yaml").write_text(entropy_low_rules(hold="1s", group_by=False))
     exported = tmp_path / "fleet.rules.yml"
     assert cli.main(["rules", "export", "--rules", str(rules_dir), "--fleet", "--fleet-interval", "1s",
-                     "--outlier-for", "1s", "--out", str(exported)]) == 0
+                     "--outlier-interval", "1s", "--outlier-for", "1s", "--out", str(exported)]) == 0
     check = processes.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True,
                           timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
