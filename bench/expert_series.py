@@ -1,13 +1,14 @@
-"""The cost of per-expert counters (serve --export-expert-counts) at DeepSeek-V3 scale, per replica and per fleet.
+"""The cost of per-expert window counts (serve --export-expert-counts) at DeepSeek-V3 scale, per replica and fleet.
 
     python -m bench.expert_series                       # 58 routers x 256 experts, top-8; 1 and 4 lines
     python -m bench.expert_series --lines 1 2 8 --rounds 50
     python -m bench.expert_series --json figures.json
 
-No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line, so the
-counters carry the digits of a replica that has served a while). For each number of business lines, two
-registries of the sidecar's metrics over the same windows - per-expert counters off, and on (every router and
-line, with a budget that fits them) - are scraped with prometheus_client.generate_latest in alternation; the
+No model: RouterWindows with DeepSeek-V3's geometry are fed random counts (``--tokens`` per line: the default
+window's 4096 tokens; more carry the digits of a longer window). For each number of business lines, two
+registries of the sidecar's metrics over the same windows - per-expert counts off, and on (every router and
+line, with a budget that fits them) - are scraped as /metrics writes them (mla_watch.server.exposition) in
+alternation, with prometheus_client.generate_latest of the second for comparison; the
 routing snapshot is computed once beforehand, as the sidecar caches it between count changes. Printed per
 replica: series, bytes per scrape (plain, and gzip as a compressing hop would send them), median scrape time
 of each arm and their ratio; then the fleet cost for 10 and 100 replicas derived from those figures, against
@@ -28,9 +29,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mla_watch.routing.routers import CountDelta, RouterInfo
-from mla_watch.routing.series import EXPERT_SELECTIONS, EXPERT_TOKENS
-from mla_watch.routing.windows import RouterWindows, take_snapshot
+from mla_watch.routing.series import EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS
+from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterWindows, take_snapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
+from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import ServerMetrics
 
 MIMIR_SERIES_PER_TENANT = 150_000  # Mimir's default -ingester.max-global-series-per-user
@@ -58,7 +60,7 @@ def series_of(body: bytes) -> int:
 
 def expert_series_of(body: bytes) -> int:
     return sum(len(family.samples) for family in text_string_to_metric_families(body.decode())
-               if family.name in (EXPERT_SELECTIONS, EXPERT_TOKENS))
+               if family.name in (EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS))
 
 
 def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float]:
@@ -66,21 +68,22 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
     off = CollectorRegistry()
     ServerMetrics(off, lambda: snapshot)
     on = CollectorRegistry()
-    metrics = ServerMetrics(on, lambda: snapshot, routing_windows=lambda: [windows], expert_counts=ExpertSelection(),
-                  expert_series_budget=budget)
-    bodies = {"off": generate_latest(off), "on": generate_latest(on)}  # also the warm-up: admission happens here
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    metrics = ServerMetrics(on, lambda: snapshot, expert_counts=ExpertSelection(), expert_series_budget=budget)
+    bodies = {"off": exposition(off), "on": exposition(on)}  # also the warm-up: admission happens here
+    times: dict[str, list[float]] = {"off": [], "on": [], "client": []}
     for index in range(rounds):
-        for arm in (("off", "on") if index % 2 == 0 else ("on", "off")):
-            registry = off if arm == "off" else on
+        for arm in (("off", "on", "client") if index % 2 == 0 else ("client", "on", "off")):
             tick = time.perf_counter()
-            generate_latest(registry)
+            if arm == "client":
+                generate_latest(on)  # prometheus_client writing every family itself, as /metrics once did
+            else:
+                exposition(off if arm == "off" else on)
             times[arm].append(time.perf_counter() - tick)
-    collector = metrics.expert_counts
-    assert collector is not None
+    counts = metrics.expert_counts
+    assert counts is not None
     tick = time.perf_counter()
     for _ in range(rounds):
-        list(collector.collect())  # the families built; the rest of a scrape is prometheus_client's text
+        counts.families(snapshot.records)  # the families built; the rest of a scrape is prometheus_client's text
     collect_ms = (time.perf_counter() - tick) / rounds * 1e3
     ratios = [on_s / off_s for on_s, off_s in zip(times["on"], times["off"], strict=True)]
     return {
@@ -90,6 +93,7 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
         "gzip_bytes_off": len(gzip.compress(bodies["off"], 6)), "gzip_bytes_on": len(gzip.compress(bodies["on"], 6)),
         "scrape_ms_off": statistics.median(times["off"]) * 1e3, "scrape_ms_on": statistics.median(times["on"]) * 1e3,
         "scrape_ratio": statistics.median(ratios), "collect_ms": collect_ms,
+        "scrape_ms_client": statistics.median(times["client"]) * 1e3,
         "scrape_ratio_q1": float(np.percentile(ratios, 25)), "scrape_ratio_q3": float(np.percentile(ratios, 75)),
     }
 
@@ -100,7 +104,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256, help="experts per router (DeepSeek-V3: 256)")
     parser.add_argument("--top-k", type=int, default=8, help="experts per token (DeepSeek-V3: 8)")
     parser.add_argument("--lines", type=int, nargs="+", default=[1, 4], help="business lines to measure")
-    parser.add_argument("--tokens", type=int, default=10_000_000, help="tokens counted per line and router")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
+                        help="tokens in each router and line's window (default: the sidecar's default window)")
     parser.add_argument("--rounds", type=int, default=30, help="scrapes of each arm, alternating")
     parser.add_argument("--replicas", type=int, nargs="+", default=[10, 100], help="fleet sizes to derive")
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between scrapes")
@@ -128,7 +133,8 @@ def main() -> None:
         print(f"  scrape time (median of {args.rounds}): {row['scrape_ms_off']:.1f} ms off, "
               f"{row['scrape_ms_on']:.1f} ms on: ratio x{row['scrape_ratio']:.2f} "
               f"(quartiles x{row['scrape_ratio_q1']:.2f}-x{row['scrape_ratio_q3']:.2f}); "
-              f"the counters' own collect {row['collect_ms']:.1f} ms")
+              f"the per-expert families built {row['collect_ms']:.1f} ms; prometheus_client writing them itself "
+              f"{row['scrape_ms_client']:.1f} ms")
         for replicas in args.replicas:
             series = row["series_on"] * replicas
             added = row["expert_series"] * replicas

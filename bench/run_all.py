@@ -391,29 +391,42 @@ def history_size_specs(args: list[str]) -> list[Spec]:
     ]
 
 
+FLEET_LAYOUTS = ("10x1", "10x4", "100x4/10")  # bench/fleet_rules.py's default layouts
+
+
 def fleet_rules_specs(args: list[str]) -> list[Spec]:
-    def evaluation(f: Figures) -> str:
-        return (f"{x(f['fleet_group_ratio_default'])} ({f['fleet_group_s']:.2f} s per evaluation, median of "
-                f"{f['rounds']} rounds evaluated every {f['evaluation_interval_s']:g} s: "
-                f"{x(f['fleet_group_ratio'])} of that; {f['fleet_iterations_missed']:.0f} of "
-                f"{f['fleet_iterations']:.0f} iterations missed)")
+    layouts = args[args.index("--layouts") + 1:] if "--layouts" in args else list(FLEET_LAYOUTS)
+    layouts = [name for name in layouts if not name.startswith("--")]
+    specs = []
+    for name in layouts:
+        def groups(f: Figures, name: str = name) -> dict[str, Any]:
+            return f["layouts"][name]["groups"]
 
-    def series(f: Figures) -> str:
-        return (f"{f['series_per_replica']:,.0f} per replica, {f['series_fleet']:,.0f} in the fleet; "
-                f"{f['bytes_per_scrape_per_replica'] / 2**20:.2f} MiB per scrape per replica")
+        def evaluation(f: Figures, name: str = name) -> str:
+            return "; ".join(
+                f"{group} {x(g['ratio_exported'])} of its exported {g['exported_interval_s']:g} s "
+                f"({g['evaluation_s']:.2f} s, median of {len(g['evaluation_s_rounds'])} rounds; {g['missed']:.0f} "
+                f"missed)" for group, g in groups(f, name).items())
 
-    def prometheus(f: Figures) -> str:
-        return (f"{f['recorded_series_total']:,} recorded, {f['head_series']:,.0f} head series; RSS "
-                f"{f['prometheus_rss_bytes'] / 2**20:,.0f} MiB")
+        def cost(f: Figures, name: str = name) -> str:
+            layout = f["layouts"][name]
+            per = {group: samples / (layout["replicas"] * layout["lines"])
+                   for group, samples in layout["samples_per_evaluation"].items()}
+            return (f"{layout['per_expert_series']:,} per-expert series, {layout['series_per_replica']:,.0f} "
+                    f"scraped per replica; samples read per evaluation per replica and line: "
+                    + ", ".join(f"{group} {value:,.0f}" for group, value in per.items())
+                    + f"; RSS {layout['prometheus_rss_bytes_max'] / 2**20:,.0f} MiB; exact within "
+                    f"{layout['exactness']['max_difference']:.0e}")
 
-    return [
-        Spec("fleet rules: mla_watch_fleet evaluation / its exported default interval, 10 DeepSeek-V3 replicas",
-             "the fleet group's interval", evaluation, "< x1 (Prometheus keeps up)",
-             lambda f: f["fleet_group_ratio_default"] < 1.0),
-        Spec("fleet rules: scraped series and bytes", "58 routers x 256 experts x lines, per-expert counters on",
-             series),
-        Spec("fleet rules: Prometheus' recorded and head series, memory", "absolute (real Prometheus)", prometheus),
-    ]
+        def within_half(f: Figures, name: str = name) -> bool:
+            return all(g["ratio_exported"] <= 0.5 for g in groups(f, name).values())
+
+        specs += [
+            Spec(f"fleet rules {name}: each group's evaluation / its exported interval", "real Prometheus, 2 cores",
+                 evaluation, "<= x0.5 (half the interval)", within_half),
+            Spec(f"fleet rules {name}: series, samples read, memory", "58 routers x 256 experts per line", cost),
+        ]
+    return specs
 
 
 BENCHES = [
@@ -426,7 +439,7 @@ BENCHES = [
     Bench("retune", [], [], retune_specs),  # no smaller arguments: three scenarios, each a few hundred requests
     Bench("status_page", ["--rounds", "3", "--requests", "20"], ["--rounds", "6"], status_page_specs),
     Bench("history_size", [], [], history_size_specs),
-    Bench("fleet_rules", ["--rounds", "3", "--warmup-rounds", "1"], [], fleet_rules_specs),
+    Bench("fleet_rules", ["--rounds", "2", "--layouts", "10x1"], [], fleet_rules_specs),
     Bench("attacks", ["--requests", "1000", "--rounds", "3", "--bucket-requests", "10"], [], attack_specs),
     Bench("engine_routing", ["--repeats", "5", "--requests", "20"],
           ["--repeats", "20", "--requests", "100", "--rest", "5"], engine_routing_specs),

@@ -336,10 +336,10 @@ def test_rules_export_counts_the_alerts_and_recording_rules_it_wrote(tmp_path) -
         assert alerts + recordings == len(rules) and alerts > 0 and (recordings > 0) == bool(flags)
         assert f"wrote {alerts} alerts and {recordings} recording rule{'s' * (recordings != 1)} to {out}" \
             in done.stderr, done.stderr
-        # What one fleet group can take, in the file's header and on stderr (docs/fleet.md, "Series cost").
-        bound = "ran past Prometheus' 2-minute --query.timeout and recorded nothing"
+        # What one Prometheus takes, in the file's header and on stderr (docs/fleet.md, "A hundred replicas").
+        bound = "split the fleet by layer (--fleet-shards N)"
         assert (bound in " ".join(out.read_text().replace("#", " ").split())) == bool(flags)
-        noted = "note: One Prometheus evaluates mla_watch_fleet" in done.stderr and bound in done.stderr
+        noted = "note: mla_watch_fleet reads every replica's per-expert series" in done.stderr and bound in done.stderr
         assert noted == bool(flags)
 
 

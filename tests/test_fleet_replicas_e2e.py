@@ -3,7 +3,7 @@ with its own traffic) and evaluates the fleet rules `mla-watch rules export --fl
 routes the alerts with the shipped deploy/alertmanager.yaml.
 
 * Its fleet entropy, normalized entropy, MaxVio, dead experts and tokens per router and business line equal
-  mla_watch's own statistics (`compute_stats`) of the three sidecars' summed counts, to 1e-9; each replica's
+  mla_watch's own statistics (`compute_stats`) of the three sidecars' windows summed, to 1e-9; each replica's
   divergence from the fleet and the replicas' Jensen-Shannon divergence equal ours too.
 * One replica given a collapsed router is named by the outlier rule, and on-call gets one notification naming it.
 * Every replica collapsed: one notification for the fleet, not one per replica.
@@ -82,11 +82,11 @@ class Prometheus:
 
 
 def summed(sidecars: list, router: str, line: str) -> tuple[list[np.ndarray], list[int]]:
-    """Each replica's counts and tokens of ``router`` on ``line`` since it started (what its counters export)."""
+    """Each replica's window counts and tokens of ``router`` on ``line`` (what its per-expert gauges export)."""
     counts, tokens = [], []
     for sidecar in sidecars:
         sidecar.probe.collect()
-        total = sidecar.probe.windows.cumulative(router, line)
+        total = sidecar.probe.windows.window_totals(router, line)
         counts.append(np.zeros(64, dtype=np.int64) if total is None else total.counts)
         tokens.append(0 if total is None else total.tokens)
     return counts, tokens
@@ -108,8 +108,8 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
     rules_dir.mkdir()
     (rules_dir / "routing.yaml").write_text(entropy_low_rules(hold="1s", group_by=False))
     exported = tmp_path / "fleet.rules.yml"
-    assert cli.main(["rules", "export", "--rules", str(rules_dir), "--fleet", "--fleet-window", "30m",
-                     "--fleet-interval", "1s", "--outlier-for", "1s", "--out", str(exported)]) == 0
+    assert cli.main(["rules", "export", "--rules", str(rules_dir), "--fleet", "--fleet-interval", "1s",
+                     "--outlier-interval", "1s", "--outlier-for", "1s", "--out", str(exported)]) == 0
     check = processes.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True,
                           timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr

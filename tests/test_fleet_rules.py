@@ -1,12 +1,14 @@
 """The fleet recording rules and alerts (`mla-watch rules export --fleet`), run by the real promtool.
 
-Three replicas of a small router (8 experts, top-2, two business lines) feed counters into `promtool test rules`;
-what Prometheus records must be what mla_watch's own compute_stats says of the summed window deltas.
+Three replicas of a small router (8 experts, top-2, two business lines) feed their window counts and routing gauges
+into `promtool test rules`, as a sidecar exports them; what Prometheus records must be what mla_watch's own
+compute_stats says of the summed windows.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +23,7 @@ import yaml
 from mla_watch.alerting import fleet
 from mla_watch.alerting.fleet_versions import VERSION_GROUP_NAME, VERSION_SKEW_ALERT
 from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.routing.series import ROUTING_SLOTS, routing_gauge
 from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
 from tests import processes
 from tests.support import REPO
@@ -29,9 +32,9 @@ JOB = "mla_watch"
 ROUTER = "model.layers.1.mlp.gate"
 LAYER = "1"
 TOP_K = 2
-STEPS = 90  # minutes of input, one sample a minute
-EVAL = STEPS  # evaluated at the last sample: the window is (30m, 90m]
-WINDOW = 60
+STEPS = 30  # minutes of input, one sample a minute
+EVAL = STEPS  # evaluated at the last sample
+ROLLED = 20  # the windows roll at this minute: what was counted before is no longer in them
 TOLERANCE = 1e-9  # sums of p log p in another order than numpy's differ in the last bits
 
 
@@ -42,70 +45,63 @@ def promtool() -> str:
 
 
 @dataclass(frozen=True)
-class Series:
-    """One replica's counter for one expert (or its tokens): a base, a rate per minute, and when it starts or
-    resets (in minutes)."""
+class Window:
+    """One replica's window of one router and line: its counts now, what it held before the window rolled (the
+    rules must read the latest sample only), and when it stopped reporting (its series go stale), if it did."""
 
-    base: int
-    rate: int
-    start: int = 0
-    reset_at: int | None = None
+    counts: tuple[int, ...]
+    before: tuple[int, ...] | None = None
+    gone_at: int | None = None
 
-    def values(self) -> str:
-        if self.reset_at is not None:
-            return f"{self.base}+{self.rate}x{self.reset_at - 1} 0+{self.rate}x{STEPS - self.reset_at}"
-        if self.start:
-            return f"_x{self.start} {self.base}+{self.rate}x{STEPS - self.start}"
-        return f"{self.base}+{self.rate}x{STEPS}"
+    def values(self, now: float, before: float | None) -> str:
+        """A gauge's promtool values: ``before`` until the window rolls, ``now`` after, absent once gone."""
+        first = now if before is None else before
+        end = STEPS if self.gone_at is None else self.gone_at
+        return f"{first!r}x{ROLLED - 1} {now!r}x{end - ROLLED}" + (f" _x{STEPS - end}" if end < STEPS else "")
 
-    def at(self, minute: int) -> int | None:
-        """The sample PromQL sees at ``minute`` (5 minutes of look-back; samples every minute)."""
-        if minute < self.start:
-            return None
-        if self.reset_at is not None and minute >= self.reset_at:
-            return (minute - self.reset_at) * self.rate
-        return self.base + (minute - self.start) * self.rate
-
-    def window_delta(self) -> int:
-        """The exact delta the rules must record: now minus a window ago, whole if newer, after a reset."""
-        now, before = self.at(EVAL), self.at(EVAL - WINDOW)
-        assert now is not None
-        return now - before if before is not None and now >= before else now
+    def live(self) -> bool:
+        """Whether its samples are still within Prometheus' 5 minutes of look-back at the evaluation."""
+        return self.gone_at is None or EVAL - self.gone_at < 5
 
 
-def labels(instance: str, line: str, **more: str) -> str:
-    pairs = {"job": JOB, "instance": instance, "router": ROUTER, "layer": LAYER, "kind": "expert",
+def labels(instance: str, line: str, router: str = ROUTER, layer: str = LAYER, **more: str) -> str:
+    pairs = {"job": JOB, "instance": instance, "router": router, "layer": layer, "kind": "expert",
              "business_line": line, **more}
     return "{" + ",".join(f'{key}="{value}"' for key, value in pairs.items()) + "}"
 
 
-def fleet_labels(line: str) -> str:
-    return "{" + f'job="{JOB}",router="{ROUTER}",layer="{LAYER}",kind="expert",business_line="{line}"' + "}"
+def fleet_labels(line: str, router: str = ROUTER, layer: str = LAYER) -> str:
+    return "{" + f'job="{JOB}",router="{router}",layer="{layer}",kind="expert",business_line="{line}"' + "}"
 
 
-Replicas = dict[str, dict[str, list[Series]]]  # instance -> line -> per-expert series
+Replicas = dict[str, dict[str, Window]]  # instance -> line -> its window
 
 
-def input_series(replicas: Replicas) -> list[dict[str, str]]:
-    out = []
-    for instance, lines in replicas.items():
-        for line, experts in lines.items():
-            for expert, series in enumerate(experts):
-                out.append({"series": fleet.SELECTIONS_COUNTER + labels(instance, line, expert=str(expert)),
-                            "values": series.values()})
-            rate = sum(s.rate for s in experts)
-            assert rate % TOP_K == 0
-            first = experts[0]
-            tokens = Series(sum(s.base for s in experts) // TOP_K, rate // TOP_K, first.start, first.reset_at)
-            out.append({"series": fleet.TOKENS_COUNTER + labels(instance, line), "values": tokens.values()})
-            # The sidecar's floor gauge: log2 min(top_k, experts)
-            out.append({"series": "mla_watch_routing_entropy_floor_bits" + labels(instance, line),
-                        "values": f"{math.log2(TOP_K)!r}+0x{STEPS}"})
+def sidecar_series(instance: str, line: str, window: Window, router: str = ROUTER,
+                   layer: str = LAYER) -> list[dict[str, str]]:
+    """What one sidecar exports of one window: each expert's selections and the tokens (--export-expert-counts),
+    and beside them its routing gauges of the same window (entropy, selections, floor)."""
+    now = np.array(window.counts, dtype=np.int64)
+    before = None if window.before is None else np.array(window.before, dtype=np.int64)
+    where = labels(instance, line, router, layer)
+    out = [{"series": fleet.WINDOW_SELECTIONS + labels(instance, line, router, layer, expert=str(expert)),
+            "values": window.values(float(now[expert]), None if before is None else float(before[expert]))}
+           for expert in range(now.size)]
+
+    def per_pair(name: str, of: Callable[[np.ndarray], float]) -> dict[str, str]:
+        return {"series": name + where, "values": window.values(of(now), None if before is None else of(before))}
+
+    out += [per_pair(fleet.WINDOW_TOKENS, lambda c: float(c.sum() // TOP_K)),
+            per_pair(fleet.SELECTIONS_GAUGE, lambda c: float(c.sum())),
+            per_pair(fleet.ENTROPY_GAUGE, entropy_bits),
+            per_pair(routing_gauge("floor_bits"), lambda c: math.log2(TOP_K)),
+            per_pair(ROUTING_SLOTS, lambda c: float(c.size))]
     return out
 
 
-def rates(*values: int, base: int = 500, **kwargs: int) -> list[Series]:
-    return [Series(base, rate, **kwargs) for rate in values]
+def input_series(replicas: Replicas) -> list[dict[str, str]]:
+    return [series for instance, lines in replicas.items() for line, window in lines.items()
+            for series in sidecar_series(instance, line, window)]
 
 
 def exact(name: str, selector: str, value: float) -> dict:
@@ -141,72 +137,103 @@ def fleet_rule_file(tmp_path_factory) -> Path:
     return path
 
 
-# Line A: r2 started 40 minutes ago (newer than the window: it counts whole). Line B: r1 restarted 20 minutes ago
-# (a reset: what came after it counts), and expert 7 is never chosen (one dead slot).
+# Line A: every replica's window rolled at minute 20 (the rules read what the windows hold now). Line B: r1's
+# window is empty (no traffic: no divergence to judge), r3 exports only line B (its budget admitted no other), r4
+# stopped reporting 10 minutes ago (its series are stale), and expert 7 is in no live window (one dead slot).
 STATS_REPLICAS: Replicas = {
-    "r0": {"code_assistant": rates(3, 1, 2, 2, 1, 3, 2, 2), "customer_service": rates(5, 3, 1, 4, 2, 1, 0, 0)},
-    "r1": {"code_assistant": rates(2, 2, 2, 2, 2, 2, 2, 2),
-           "customer_service": rates(2, 2, 2, 2, 2, 2, 4, 0, reset_at=70)},
-    "r2": {"code_assistant": rates(4, 0, 2, 2, 2, 2, 2, 2, base=0, start=50),
-           "customer_service": rates(1, 3, 3, 3, 3, 3, 0, 0)},
+    "r0": {"code_assistant": Window((3, 1, 2, 2, 1, 3, 2, 2), before=(9, 9, 0, 0, 0, 0, 0, 0)),
+           "customer_service": Window((5, 3, 1, 4, 2, 1, 0, 0))},
+    "r1": {"code_assistant": Window((2, 2, 2, 2, 2, 2, 2, 2), before=(1, 1, 1, 1, 1, 1, 1, 1)),
+           "customer_service": Window((0, 0, 0, 0, 0, 0, 0, 0), before=(2, 2, 2, 2, 2, 2, 2, 2))},
+    "r2": {"code_assistant": Window((4, 0, 2, 2, 2, 2, 2, 2), before=(2, 2, 2, 2, 2, 2, 2, 2)),
+           "customer_service": Window((1, 3, 3, 3, 3, 3, 0, 0))},
+    "r3": {"customer_service": Window((2, 2, 0, 0, 4, 0, 2, 0))},
+    "r4": {"customer_service": Window((0, 0, 0, 0, 0, 0, 0, 40), gone_at=STEPS - 10)},
 }
 
 
 def expected(replicas: Replicas, line: str) -> tuple[object, dict[str, float], float]:
-    """compute_stats of the summed window deltas, each replica's KL from the fleet, and the JSD."""
-    per_replica = {name: np.array([s.window_delta() for s in lines[line]], dtype=np.float64)
-                   for name, lines in replicas.items()}
+    """compute_stats of the summed live windows, each replica's KL from the fleet, and the JSD."""
+    per_replica = {name: np.array(lines[line].counts, dtype=np.float64) for name, lines in replicas.items()
+                   if line in lines and lines[line].live()}
     summed = sum(per_replica.values())
     tokens = int(summed.sum()) // TOP_K
     stats = compute_stats(summed, kind="expert", top_k=TOP_K, tokens=tokens)
     fleet_p = summed / summed.sum()
     kl = {}
     for name, counts in per_replica.items():
+        if counts.sum() == 0:
+            continue  # an empty window has no mix to diverge
         p = counts / counts.sum()
         nonzero = p > 0
         kl[name] = float(np.sum(p[nonzero] * np.log2(p[nonzero] / fleet_p[nonzero])))
     weights = {name: counts.sum() / summed.sum() for name, counts in per_replica.items()}
-    jsd = float(sum(weights[name] * kl[name] for name in replicas))
+    jsd = float(sum(weights[name] * kl[name] for name in kl))
     # The decomposition the recordings rest on: H_fleet = sum_r w_r H_r + JSD.
     within = sum(weights[name] * entropy_bits(counts) for name, counts in per_replica.items())
     assert math.isclose(stats.entropy_bits, within + jsd, abs_tol=1e-12)
     return stats, kl, jsd
 
 
-def test_fleet_recordings_equal_compute_stats_of_the_summed_window(tmp_path, fleet_rule_file) -> None:
-    checks: list[dict] = []
-    for line in ("code_assistant", "customer_service"):
-        stats, kl, jsd = expected(STATS_REPLICAS, line)
-        where = fleet_labels(line)
-        checks += [
-            close(fleet.FLEET_ENTROPY_BITS, where, stats.entropy_bits),
-            close(fleet.FLEET_NORMALIZED_ENTROPY, where, stats.normalized_entropy),
-            close(fleet.FLEET_BITS_BELOW_CEILING, where, stats.bits_below_ceiling),
-            close(fleet.FLEET_MAX_VIOLATION, where, stats.max_violation),
-            close(fleet.FLEET_CEILING_BITS, where, stats.ceiling_bits),
-            close(fleet.FLEET_FLOOR_BITS, where, stats.floor_bits),
-            close(fleet.FLEET_JS_DIVERGENCE, where, jsd),
-            exact(fleet.FLEET_DEAD_SLOTS, where, stats.dead_slots),
-            exact(fleet.FLEET_TOKENS, where, stats.tokens),
-            exact(fleet.FLEET_SLOTS, where, stats.num_slots),
-            exact(fleet.FLEET_MIN_TOKENS, where, stats.min_tokens),
-            exact(fleet.FLEET_REPLICAS, where, 3),
-            close(fleet.FLEET_MEDIAN_REPLICA_KL, where, sorted(kl.values())[1]),
-        ]
-        checks += [close(fleet.REPLICA_KL_BITS, labels(name, line), value) for name, value in kl.items()]
+def stats_checks(replicas: Replicas, line: str, shard: str = "") -> list[dict]:
+    """Every recording of ``line`` against compute_stats (``shard``: the label a shard's group adds)."""
+    stats, kl, jsd = expected(replicas, line)
+    where = fleet_labels(line)
+    if shard:
+        where = where[:-1] + f',{fleet.SHARD_LABEL}="{shard}"' + "}"
+    median = sorted(kl.values())[(len(kl) - 1) // 2] if len(kl) % 2 else float(np.median(list(kl.values())))
+    return [
+        close(fleet.FLEET_ENTROPY_BITS, where, stats.entropy_bits),
+        close(fleet.FLEET_NORMALIZED_ENTROPY, where, stats.normalized_entropy),
+        close(fleet.FLEET_BITS_BELOW_CEILING, where, stats.bits_below_ceiling),
+        close(fleet.FLEET_MAX_VIOLATION, where, stats.max_violation),
+        close(fleet.FLEET_CEILING_BITS, where, stats.ceiling_bits),
+        close(fleet.FLEET_FLOOR_BITS, where, stats.floor_bits),
+        close(fleet.FLEET_JS_DIVERGENCE, where, jsd),
+        close(fleet.FLEET_MEDIAN_REPLICA_KL, where, median),
+        exact(fleet.FLEET_DEAD_SLOTS, where, stats.dead_slots),
+        exact(fleet.FLEET_TOKENS, where, stats.tokens),
+        exact(fleet.FLEET_SELECTIONS, where, stats.selections),
+        exact(fleet.FLEET_SLOTS, where, stats.num_slots),
+        exact(fleet.FLEET_MIN_TOKENS, where, stats.min_tokens),
+        exact(fleet.FLEET_REPLICAS, where, len(kl)),
+        *[close(fleet.REPLICA_KL_BITS, labels(name, line)[:-1] + (f',{fleet.SHARD_LABEL}="{shard}"' if shard else "")
+                + "}", value) for name, value in kl.items()],
+    ]
+
+
+def test_fleet_recordings_equal_compute_stats_of_the_summed_windows(tmp_path, fleet_rule_file) -> None:
+    checks = stats_checks(STATS_REPLICAS, "code_assistant") + stats_checks(STATS_REPLICAS, "customer_service")
     # Line A has every expert chosen: dead slots is a 0 sample, not an absent series.
     assert expected(STATS_REPLICAS, "code_assistant")[0].dead_slots == 0
-    assert expected(STATS_REPLICAS, "customer_service")[0].dead_slots == 1
-    # A replica newer than the window counts whole; a reset counts what came after it.
-    newer = STATS_REPLICAS["r2"]["code_assistant"][0]
-    checks.append(exact(fleet.REPLICA_EXPERT_SELECTIONS, labels("r2", "code_assistant", expert="0"),
-                        newer.at(EVAL)))
-    reset = STATS_REPLICAS["r1"]["customer_service"][6]
-    checks.append(exact(fleet.REPLICA_EXPERT_SELECTIONS, labels("r1", "customer_service", expert="6"),
-                        reset.at(EVAL)))
-    assert newer.window_delta() == newer.at(EVAL) and reset.window_delta() == reset.at(EVAL)
+    customer = expected(STATS_REPLICAS, "customer_service")
+    assert customer[0].dead_slots == 1 and set(customer[1]) == {"r0", "r2", "r3"}  # r1 empty, r4 stale
+    # The replicas' own per-expert series are read, never recorded again.
+    checks.append({"expr": "count({__name__=~'replica:.*',expert!=''})", "eval_time": f"{EVAL}m",
+                   "exp_samples": []})
     result = run_tests(tmp_path, [{"interval": "1m", "input_series": input_series(STATS_REPLICAS),
                                    "promql_expr_test": checks}], fleet_rule_file)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_each_shard_records_its_own_layers_as_the_whole_fleet_group_does(tmp_path) -> None:
+    """--fleet-shards 2: layer 1's statistics come from shard 1/2's group, layer 2's from shard 0/2's, equal to the
+    unsplit group's; each recording once, labelled with its shard."""
+    rule_file = tmp_path / "sharded.rules.yml"
+    rule_file.write_text(export("--fleet", "--fleet-shards", "2"))
+    other = "model.layers.2.mlp.gate"
+    series = input_series(STATS_REPLICAS)
+    for instance, lines in STATS_REPLICAS.items():
+        for line, window in lines.items():
+            series += sidecar_series(instance, line, window, router=other, layer="2")
+    checks = stats_checks(STATS_REPLICAS, "customer_service", shard="1/2")
+    for check in stats_checks(STATS_REPLICAS, "customer_service", shard="0/2"):
+        check = yaml.safe_load(yaml.safe_dump(check).replace(ROUTER, other).replace('layer="1"', 'layer="2"'))
+        checks.append(check)
+    checks.append({"expr": f"count by ({fleet.SHARD_LABEL}) ({fleet.FLEET_ENTROPY_BITS})", "eval_time": f"{EVAL}m",
+                   "exp_samples": [{"labels": f'{{{fleet.SHARD_LABEL}="0/2"}}', "value": 2},
+                                   {"labels": f'{{{fleet.SHARD_LABEL}="1/2"}}', "value": 2}]})
+    result = run_tests(tmp_path, [{"interval": "1m", "input_series": series, "promql_expr_test": checks}], rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -222,20 +249,20 @@ def test_minimum_tokens_follow_the_geometry(tmp_path, fleet_rule_file) -> None:
     """The fleet's trusted minimum is the sidecar's, computed in PromQL from the slots and the floor gauge."""
     tests = []
     for experts, top_k in ((8, 2), (64, 6), (16, 20), (1, 1)):
-        lines = []
-        for expert in range(experts):
-            lines.append({"series": fleet.SELECTIONS_COUNTER + labels("r0", "doc_summary", expert=str(expert)),
-                          "values": f"0+1x{STEPS}"})
-        lines.append({"series": "mla_watch_routing_entropy_floor_bits" + labels("r0", "doc_summary"),
-                      "values": f"{math.log2(min(top_k, experts))!r}+0x{STEPS}"})
+        where = labels("r0", "doc_summary")
+        lines = [{"series": fleet.WINDOW_SELECTIONS + labels("r0", "doc_summary", expert=str(expert)),
+                  "values": f"1x{STEPS}"} for expert in range(experts)]
+        lines += [{"series": name + where, "values": f"{value!r}x{STEPS}"} for name, value in (
+            (routing_gauge("floor_bits"), math.log2(min(top_k, experts))), (ROUTING_SLOTS, float(experts)),
+            (fleet.WINDOW_TOKENS, 1.0), (fleet.SELECTIONS_GAUGE, float(experts)))]
         tests.append({"interval": "1m", "input_series": lines, "promql_expr_test": [
             exact(fleet.FLEET_MIN_TOKENS, fleet_labels("doc_summary"), minimum_window_tokens(experts, top_k))]})
     result = run_tests(tmp_path, tests, fleet_rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
-UNIFORM = (2, 2, 2, 2, 2, 2, 2, 2)
-COLLAPSED = (8, 8, 0, 0, 0, 0, 0, 0)
+UNIFORM = (20, 20, 20, 20, 20, 20, 20, 20)  # 80 tokens a window: past the trusted minimum of 51
+COLLAPSED = (80, 80, 0, 0, 0, 0, 0, 0)
 
 
 def alerts_firing(alertname: str, rows: list[dict[str, str]]) -> dict:
@@ -245,7 +272,7 @@ def alerts_firing(alertname: str, rows: list[dict[str, str]]) -> dict:
 
 
 def alert_case(replicas: dict[str, tuple[int, ...]], checks: list[dict]) -> dict:
-    series = {name: {"code_assistant": rates(*values)} for name, values in replicas.items()}
+    series = {name: {"code_assistant": Window(values)} for name, values in replicas.items()}
     return {"interval": "1m", "input_series": input_series(series), "promql_expr_test": checks}
 
 
@@ -295,21 +322,32 @@ def groups_of(text: str, file_format: str) -> dict:
 @pytest.mark.parametrize("with_fleet", [False, True])
 def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None:
     args = ["--format", file_format, *(["--fleet", "--fleet-labels", "namespace,job", "--replica-label", "pod",
-                                        "--fleet-window", "2h", "--fleet-interval", "2m"] if with_fleet else [])]
+                                        "--fleet-interval", "2m", "--fleet-shards", "4"] if with_fleet else [])]
     document = groups_of(export(*args), file_format)
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(document))
     result = processes.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     names = [group["name"] for group in document["groups"]]
-    assert names == (["mla_watch_routing", fleet.FLEET_GROUP_NAME, VERSION_GROUP_NAME] if with_fleet
-                     else ["mla_watch_routing"])
+    shards = [f"{base}_{k}_of_4" for k in range(4) for base in (fleet.FLEET_GROUP_NAME, fleet.REPLICA_GROUP_NAME)]
+    assert names == (["mla_watch_routing", *shards, VERSION_GROUP_NAME] if with_fleet else ["mla_watch_routing"])
     if with_fleet:
-        records = [r["record"] for r in document["groups"][1]["rules"] if "record" in r]
-        assert records == list(fleet.RECORDING_NAMES)
-        assert "by (namespace, job, pod, router" in document["groups"][1]["rules"][0]["expr"]
-        assert "offset 2h" in document["groups"][1]["rules"][0]["expr"]
-        assert document["groups"][1]["interval"] == "2m"
+        for index, group in enumerate(document["groups"][1:-1]):  # the last: the router versions
+            shard = f"{index // 2}/4"
+            records = [r["record"] for r in group["rules"] if "record" in r]
+            assert all(r["labels"] == {fleet.SHARD_LABEL: shard} for r in group["rules"] if "record" in r)
+            assert all(r["labels"][fleet.SHARD_LABEL] == shard for r in group["rules"] if "alert" in r)
+            if index % 2 == 0:  # the fleet group
+                assert "by (namespace, job, router" in group["rules"][0]["expr"] and group["interval"] == "2m"
+            else:  # the replica group
+                kl = next(r for r in group["rules"] if r.get("record") == fleet.REPLICA_KL_BITS)
+                assert "by (namespace, job, pod, router" in kl["expr"] and group["interval"] == "5m"
+                assert records == list(fleet.RECORDING_NAMES[-len(records):])
+        assert [r["record"] for group in document["groups"][1:3] for r in group["rules"] if "record" in r] == list(
+            fleet.RECORDING_NAMES)
+        assert not any("offset" in rule["expr"] or re.search(r"\[[0-9]+[smhdwy]", rule["expr"])
+                       for group in document["groups"][1:] for rule in group["rules"] if "record" in rule)
+        # (instant samples: no range, no offset)
 
 
 def test_the_shipped_prometheusrule_is_the_export() -> None:
@@ -320,10 +358,12 @@ def test_the_shipped_prometheusrule_is_the_export() -> None:
 
 def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
     document = yaml.safe_load(export("--fleet"))
-    replica, fleet_group, versions = document["groups"]
+    replica, fleet_group, replicas_group, versions = document["groups"]
     assert [rule["alert"] for rule in versions["rules"]] == [VERSION_SKEW_ALERT]
     assert all(rule["labels"]["scope"] == "replica" for rule in replica["rules"])
-    alerts = {rule["alert"]: rule for rule in fleet_group["rules"] if "alert" in rule}
+    alerts = {rule["alert"]: rule for group in (fleet_group, replicas_group) for rule in group["rules"]
+              if "alert" in rule}
+    assert [rule["alert"] for rule in replicas_group["rules"] if "alert" in rule] == [fleet.OUTLIER_ALERT]
     shipped = load_rules_dir(REPO / "rules", environ={})
     for rule in shipped.rules:
         if rule.metric not in fleet.FLEET_METRICS or rule.selector.kind == "indexer":
@@ -337,13 +377,15 @@ def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
 
 
 ERRORS: list[tuple[list[str], Callable[[str], bool]]] = [
-    (["--fleet-window", "1h"], lambda e: "--fleet-window 1h" in e and "--fleet" in e),
-    (["--fleet", "--fleet-window", "30s"], lambda e: "--fleet-window '30s'" in e and "1m to 31d" in e),
-    (["--fleet", "--fleet-window", "soon"], lambda e: "--fleet-window 'soon'" in e and "duration" in e),
     (["--fleet", "--fleet-interval", "0s"], lambda e: "--fleet-interval '0s'" in e and "1s to 1h" in e),
-    (["--fleet", "--fleet-window", "5m", "--fleet-interval", "10m"],
-     lambda e: "--fleet-interval '10m'" in e and "1s to 5m" in e),
+    (["--fleet", "--fleet-interval", "2h"], lambda e: "--fleet-interval '2h'" in e and "1s to 1h" in e),
+    (["--fleet", "--outlier-interval", "0s"], lambda e: "--outlier-interval '0s'" in e and "1s to 1h" in e),
+    (["--outlier-interval", "5m"], lambda e: "--outlier-interval 5m" in e and "--fleet" in e),
     (["--fleet-interval", "1m"], lambda e: "--fleet-interval 1m" in e and "--fleet" in e),
+    (["--fleet-shards", "2"], lambda e: "--fleet-shards 2" in e and "--fleet" in e),
+    (["--fleet", "--fleet-shards", "3"], lambda e: "--fleet-shards 3" in e and "1, 2, 4, 5, 10, 20, 25, 50, 100" in e),
+    (["--fleet", "--fleet-shards", "two"], lambda e: "--fleet-shards 'two'" in e and "divisor of 100" in e),
+    (["--fleet", "--fleet-window", "1h"], lambda e: "--fleet-window" in e and "unrecognized" in e),
     (["--fleet", "--fleet-labels", "job,,pod"], lambda e: "--fleet-labels 'job,,pod'" in e and "label names" in e),
     (["--fleet", "--fleet-labels", "9lives"], lambda e: "'9lives' is not a Prometheus label name" in e),
     (["--fleet", "--fleet-labels", "router"], lambda e: "--fleet-labels 'router'" in e and "expected" in e),

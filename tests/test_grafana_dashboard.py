@@ -17,8 +17,8 @@ from tests import processes
 METRIC = re.compile(r"\bmla_watch_[a-z_]+\b")
 # A recording rule's name, `level:metric:operations` (the fleet rules of `rules export --fleet`).
 RECORDING = re.compile(r"\b[a-z_]+:mla_watch_[a-z_]+:[a-z0-9_]+\b")
-# Counters a sidecar exports only with --export-expert-counts, which the fleet panels read.
-EXPERT_COUNTERS = {fleet.SELECTIONS_COUNTER, fleet.TOKENS_COUNTER}
+# What a sidecar exports only with --export-expert-counts: the fleet panels read the recordings made of them.
+EXPERT_COUNTS = {fleet.WINDOW_SELECTIONS, fleet.WINDOW_TOKENS}
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
 
 
@@ -29,8 +29,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 
 def sidecar_names(expr: str) -> list[str]:
-    """The metric names of ``expr`` a sidecar exports itself: neither recordings nor the opt-in counters."""
-    return [name for name in METRIC.findall(RECORDING.sub("", expr)) if name not in EXPERT_COUNTERS]
+    """The metric names of ``expr`` a sidecar exports itself: neither recordings nor the opt-in per-expert counts."""
+    return [name for name in METRIC.findall(RECORDING.sub("", expr)) if name not in EXPERT_COUNTS]
 
 
 def exported_names(url: str) -> set[str]:
@@ -57,16 +57,17 @@ def test_every_dashboard_query_uses_metrics_the_sidecar_exports(sidecar) -> None
     assert not unknown, f"the dashboard queries metrics the sidecar does not export: {sorted(unknown)}"
 
 
-def test_fleet_panels_read_the_fleet_recordings_and_the_expert_counters() -> None:
+def test_fleet_panels_read_the_fleet_recordings_never_the_replicas_per_expert_series() -> None:
     queries = dashboard_queries()
     recordings = {name for _, expr in queries for name in RECORDING.findall(expr)}
     assert {fleet.FLEET_ENTROPY_BITS, fleet.FLEET_MAX_VIOLATION, fleet.FLEET_DEAD_SLOTS,
             fleet.REPLICA_KL_BITS} <= recordings  # fleet entropy, MaxVio, dead experts, divergence
     unknown = recordings - set(fleet.RECORDING_NAMES)
     assert not unknown, f"the dashboard reads recordings the fleet rules do not record: {sorted(unknown)}"
-    counters = {name for _, expr in queries for name in METRIC.findall(RECORDING.sub("", expr))
-                if name.startswith("mla_watch_expert_")}
-    assert counters and counters <= EXPERT_COUNTERS
+    # The fleet's per-expert recordings are one replica's worth of series: a panel never sums every replica's.
+    per_expert = {name for _, expr in queries for name in METRIC.findall(RECORDING.sub("", expr))
+                  if name.startswith("mla_watch_expert_")}
+    assert not per_expert and fleet.FLEET_EXPERT_SELECTIONS in recordings
     assert any("ALERTS" in expr and "scope" in expr for _, expr in queries)  # the fleet and outlier alerts
     heat = [panel for panel in json.loads(GRAFANA_DASHBOARD.read_text())["panels"] if panel["type"] == "heatmap"]
     assert heat and heat[0]["repeat"] == "layer"  # one expert-load heat map per layer

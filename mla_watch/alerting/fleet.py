@@ -2,26 +2,34 @@
 
 Every replica of an engine has its own sidecar. Entropy, MaxVio and dead experts of the fleet's summed
 counts are not averages of per-replica values, so these rules rebuild them from the opt-in per-expert
-counters (``serve --export-expert-counts``):
+window counts (``serve --export-expert-counts``):
 
-* ``mla_watch_expert_selections_total{router, layer, kind, business_line, expert}`` and
-  ``mla_watch_expert_tokens_total{router, layer, kind, business_line}``, cumulative per replica.
+* ``mla_watch_expert_window_selections{router, layer, kind, business_line, expert}`` and
+  ``mla_watch_expert_window_tokens{router, layer, kind, business_line}``: each replica's current window, gauges;
+* and beside them, from the same scrape, the replica's routing gauges of that window: its entropy, its
+  selections and its floor (``mla_watch_routing_entropy_bits``, ``..._window_selections``, ``..._entropy_floor_bits``).
 
-Over a window ``W`` each replica's counts are the exact delta ``(c - c offset W) >= 0 or c * 1``, per series,
-never ``increase()``: that extrapolates every replica's series by its own factor (how far its first and
-last samples sit from the window's edges), which skews the fleet's mix. A series newer than ``W`` counts
-whole; a series reset within ``W`` counts what came after the reset. Arithmetic drops ``__name__`` and
-``or`` matches label sets without it, so both sides of the ``or`` pair up series by series.
+The fleet's window is its replicas' windows together: the rules sum instant samples, one per series, with no
+range, offset or recorded copy of a replica's per-expert series. Two groups: ``mla_watch_fleet`` (the fleet's
+statistics and the alerts' fleet twins) passes over the replicas' per-expert series once per evaluation;
+``mla_watch_fleet_replicas`` (each replica's divergence and the outlier alert) twice - the fleet's shares, then
+each replica's cross-entropy with them, one query each - and runs less often (bench/fleet_rules.py measures both).
 
 The fleet is every replica sharing the fleet labels (``job`` by default); a replica is told apart by the
 replica label (``instance``). The statistics are :func:`mla_watch.routing.compute_stats`' own definitions
-over the summed deltas, recorded only while the fleet's window holds a selection (empty shares have no
+over the summed counts, recorded only while the fleet's window holds a selection (empty shares have no
 entropy); dead slots are recorded always (0 is a sample, not an absent series). Beside them, each
-replica's divergence from the fleet, ``KL(p_replica || p_fleet)`` in bits, whose selection-weighted sum is
-the generalized Jensen-Shannon divergence of the replicas (``H_fleet = sum_r w_r H_r + JSD``).
+replica's divergence from the fleet, ``KL(p_replica || p_fleet)`` in bits, computed as its cross-entropy with the
+fleet's mix less its own entropy (the sidecar's gauge), whose selection-weighted sum is the generalized
+Jensen-Shannon divergence of the replicas, ``JSD = H_fleet - sum_r w_r H_r``, which the fleet group records from
+the replicas' entropy gauges alone.
+
+Shards: with ``shards`` > 1 both groups are split by layer (:class:`mla_watch.routing.shards.RouterShard`),
+one pair of groups per shard, each exact for its routers: one Prometheus evaluates them side by side, a ruler
+spreads them over its replicas, and several Prometheus servers each scraping ``/metrics?shard=K/N`` each find one.
 
 Trust: the fleet's trusted minimum of tokens is the sidecar's :func:`~mla_watch.routing.minimum_window_tokens`
-(Miller-Madow bias within 0.05 bits), computed in PromQL from the slots (the counters' experts) and the
+(Miller-Madow bias within 0.05 bits), computed in PromQL from the slots (the replicas' slots gauge) and the
 floor gauge (``log2 min(top_k, slots)``), or a rule's own ``min_tokens``. A router whose picks need not be
 distinct (floor 0) is taken as one pick per token: a stricter minimum than its sidecar's.
 """
@@ -52,8 +60,8 @@ from mla_watch.routing.series import (
     BUSINESS_LINE,
     DEFAULT_JOB,
     EXPERT,
-    EXPERT_SELECTIONS,
-    EXPERT_TOKENS,
+    EXPERT_WINDOW_SELECTIONS,
+    EXPERT_WINDOW_TOKENS,
     INSTANCE,
     JOB,
     KIND,
@@ -64,16 +72,18 @@ from mla_watch.routing.series import (
     ROUTING_SLOTS,
     SERIES_LABELS,
     routing_gauge,
-    total_name,
 )
+from mla_watch.routing.shards import SHARD_COUNTS, RouterShard
 
 __all__ = [
     "DEFAULT_FLEET_LABELS",
     "DEFAULT_INTERVAL_SECONDS",
     "DEFAULT_OUTLIER_BITS",
     "DEFAULT_OUTLIER_FACTOR",
+    "DEFAULT_OUTLIER_INTERVAL_SECONDS",
     "DEFAULT_REPLICA_LABEL",
-    "DEFAULT_WINDOW_SECONDS",
+    "DEFAULT_SHARDS",
+    "ENTROPY_GAUGE",
     "FLEET_BITS_BELOW_CEILING",
     "FLEET_CEILING_BITS",
     "FLEET_DEAD_SLOTS",
@@ -97,23 +107,26 @@ __all__ = [
     "OUTLIER_ALERT",
     "OUTLIER_FOR_SECONDS",
     "RECORDING_NAMES",
-    "REPLICA_EXPERT_SELECTIONS",
+    "REPLICA_GROUP_NAME",
     "REPLICA_KL_BITS",
-    "REPLICA_SELECTIONS",
-    "REPLICA_TOKENS",
     "SCOPE_LABEL",
-    "SELECTIONS_COUNTER",
-    "TOKENS_COUNTER",
+    "SELECTIONS_GAUGE",
+    "SHARD_LABEL",
+    "WINDOW_SELECTIONS",
+    "WINDOW_TOKENS",
     "FleetOptions",
+    "fleet_group_names",
     "fleet_groups",
     "fleet_notes",
     "parse_label_list",
-    "window_delta",
 ]
 
-# The per-expert counters a sidecar exports with --export-expert-counts (the inputs).
-SELECTIONS_COUNTER = total_name(EXPERT_SELECTIONS)
-TOKENS_COUNTER = total_name(EXPERT_TOKENS)
+# What the rules read of each replica: its per-expert window counts (serve --export-expert-counts) and, of the
+# same window, its entropy and selections (routing gauges every sidecar exports).
+WINDOW_SELECTIONS = EXPERT_WINDOW_SELECTIONS
+WINDOW_TOKENS = EXPERT_WINDOW_TOKENS
+ENTROPY_GAUGE = routing_gauge("entropy_bits")
+SELECTIONS_GAUGE = routing_gauge("selections")
 # What only the fleet's recordings compute: no sidecar exports these.
 _KL_BITS = PREFIX + "routing_fleet_kl_bits"
 _MIN_WINDOW_TOKENS = PREFIX + "routing_min_window_tokens"
@@ -128,29 +141,26 @@ def _recording(level: str, metric: str, operations: str) -> str:
 
 # Recording names: `replica` keeps the fleet labels and the replica label, `fleet` the fleet labels; both keep
 # router, layer, kind and business_line (and expert, for the per-expert ones).
-REPLICA_EXPERT_SELECTIONS = _recording("replica", EXPERT_SELECTIONS, "window_delta")
-REPLICA_TOKENS = _recording("replica", EXPERT_TOKENS, "window_delta")
-REPLICA_SELECTIONS = _recording("replica", EXPERT_SELECTIONS, "window_delta_sum")
-REPLICA_KL_BITS = _recording("replica", _KL_BITS, "window")
-FLEET_EXPERT_SELECTIONS = _recording("fleet", EXPERT_SELECTIONS, "window_delta")
-FLEET_TOKENS = _recording("fleet", EXPERT_TOKENS, "window_delta")
-FLEET_SELECTIONS = _recording("fleet", EXPERT_SELECTIONS, "window_delta_sum")
+FLEET_EXPERT_SELECTIONS = _recording("fleet", WINDOW_SELECTIONS, "sum")
+FLEET_TOKENS = _recording("fleet", WINDOW_TOKENS, "sum")
+FLEET_SELECTIONS = _recording("fleet", SELECTIONS_GAUGE, "sum")
 FLEET_SLOTS = _recording("fleet", ROUTING_SLOTS, "count")
 FLEET_CEILING_BITS = _recording("fleet", routing_gauge("ceiling_bits"), "log2_slots")
 FLEET_FLOOR_BITS = _recording("fleet", routing_gauge("floor_bits"), "max")
 FLEET_MIN_TOKENS = _recording("fleet", _MIN_WINDOW_TOKENS, "bias_bound")
-FLEET_EXPERT_SHARE = _recording("fleet", EXPERT_SELECTIONS, "window_share")
+FLEET_EXPERT_SHARE = _recording("fleet", WINDOW_SELECTIONS, "share")
 FLEET_ENTROPY_BITS = _recording("fleet", routing_gauge("entropy_bits"), "window")
 FLEET_NORMALIZED_ENTROPY = _recording("fleet", routing_gauge("normalized_entropy"), "window")
 FLEET_BITS_BELOW_CEILING = _recording("fleet", routing_gauge("bits_below_ceiling"), "window")
 FLEET_MAX_VIOLATION = _recording("fleet", routing_gauge("max_violation"), "window")
 FLEET_DEAD_SLOTS = _recording("fleet", routing_gauge("dead_slots"), "window")
+REPLICA_KL_BITS = _recording("replica", _KL_BITS, "window")
 FLEET_JS_DIVERGENCE = _recording("fleet", _REPLICA_JSD_BITS, "window")
 FLEET_REPLICAS = _recording("fleet", _REPLICAS, "count")
 FLEET_MEDIAN_REPLICA_KL = _recording("fleet", _KL_BITS, "median")
 
 # What a fleet twin judges, per rule metric. Drift from a baseline and indexer locality have no fleet form: the
-# baselines' counts stay in each sidecar, and indexers export no per-slot counters.
+# baselines' counts stay in each sidecar, and indexers export no per-slot counts.
 FLEET_METRICS: dict[str, str] = {
     "entropy_bits": FLEET_ENTROPY_BITS,
     "normalized_entropy": FLEET_NORMALIZED_ENTROPY,
@@ -160,44 +170,46 @@ FLEET_METRICS: dict[str, str] = {
 }
 
 FLEET_GROUP_NAME = "mla_watch_fleet"
+REPLICA_GROUP_NAME = FLEET_GROUP_NAME + "_replicas"  # each replica's divergence and the outlier alert
 OUTLIER_ALERT = "RoutingReplicaOutlier"
 SCOPE_LABEL = "scope"  # "fleet" on the twins, "replica" on every per-replica alert: Alertmanager routes on it
+SHARD_LABEL = "fleet_shard"  # "K/N" on what a shard's group records and fires, where the fleet is split
 DEFAULT_FLEET_LABELS: tuple[str, ...] = (JOB,)
 DEFAULT_REPLICA_LABEL = INSTANCE
-DEFAULT_WINDOW_SECONDS = 3600.0
-# An hour's window moves by 1/60 a minute: judging it more often buys nothing and costs, per evaluation, a pass
-# over every replica's per-expert series (bench/fleet_rules.py).
+DEFAULT_SHARDS = 1
+# The fleet group passes over every replica's per-expert series once an evaluation, the replica group twice (its
+# own fleet shares, then each replica's cross-entropy with them: bench/fleet_rules.py). The fleet's statistics
+# follow the windows minute by minute; a replica apart from its peers is judged over ten minutes, so its group
+# runs less often.
 DEFAULT_INTERVAL_SECONDS = 60.0
+DEFAULT_OUTLIER_INTERVAL_SECONDS = 300.0
 # A replica whose routing carries 0.1 bits of its own against the fleet's mix, and 3 times its peers' median:
 # one collapsed replica of three (8 experts top-2, two experts left) reads 1 bit, its healthy peers 0.19.
 DEFAULT_OUTLIER_BITS = 0.1
 DEFAULT_OUTLIER_FACTOR = 3.0
 # With two replicas the median is their midpoint, which no factor >= 2 lets one of them exceed: say so, not judge.
 MIN_OUTLIER_REPLICAS = 3
-OUTLIER_FOR_SECONDS = 600.0  # a replica's window is an hour long: ten minutes of it apart is no blip
-# What one fleet group can take, measured with real Prometheus on 2 cores (bench/fleet_rules.py, docs/fleet.md): its
-# replica-level recordings read every replica's per-expert series in one query each, and Prometheus stops a query
-# at its --query.timeout (2m by default); a recording stopped so records nothing.
+OUTLIER_FOR_SECONDS = 600.0  # ten minutes apart from its peers is no blip
+# What one Prometheus takes, measured with real Prometheus on 2 shared cores (bench/fleet_rules.py, docs/fleet.md).
 FLEET_SCALE_NOTE = (
-    f"One Prometheus evaluates {FLEET_GROUP_NAME} over every replica's per-expert series at once: on 2 cores,\n"
-    "10 replicas x 1 business line of DeepSeek-V3 (149,060 series) took 7 s a round; 10 x 4 lines (596,240)\n"
-    "ran past Prometheus' 2-minute --query.timeout and recorded nothing. Keep a group near 150,000\n"
-    "per-expert series per 2 cores: export fewer lines, split the fleet (--fleet-labels), or give Prometheus\n"
-    "more cores and a longer --query.timeout (docs/fleet.md, \"Series cost\")."
+    f"{FLEET_GROUP_NAME} reads every replica's per-expert series once an evaluation, {REPLICA_GROUP_NAME}\n"
+    "twice. Measured on 2 shared cores (bench/fleet_rules.py): 10 replicas x 4 business lines of DeepSeek-V3\n"
+    "(596,240 per-expert series) took 22 s of the 1m interval and 59 s of the 5m, every statistic recorded. Past\n"
+    "some 600,000 per-expert series per 2 cores, split the fleet by layer (--fleet-shards N) across N Prometheus\n"
+    "servers, each scraping the sidecars' /metrics?shard=K/N (docs/fleet.md, \"A hundred replicas\")."
 )
 TOLERANCE_BITS = 0.05  # the sidecar's minimum_window_tokens tolerance
-_RESERVED = frozenset({*SERIES_LABELS, EXPERT, "le", "quantile", "alertname", "severity", SCOPE_LABEL})
+_RESERVED = frozenset({*SERIES_LABELS, EXPERT, "le", "quantile", "alertname", "severity", SCOPE_LABEL, SHARD_LABEL})
 _LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _MAX_LABELS = 8
 _MAX_LABEL_CHARS = 64
 _MAX_INTERVAL_SECONDS = 3600.0
-_MAX_WINDOW_SECONDS = 31 * 86400.0  # Prometheus keeps 15 days by default: a month is already beyond it
 
 RECORDING_NAMES: tuple[str, ...] = (
-    REPLICA_EXPERT_SELECTIONS, REPLICA_TOKENS, REPLICA_SELECTIONS, FLEET_EXPERT_SELECTIONS, FLEET_TOKENS,
-    FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS, FLEET_MIN_TOKENS, FLEET_EXPERT_SHARE,
-    FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING, FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS,
-    REPLICA_KL_BITS, FLEET_JS_DIVERGENCE, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,
+    FLEET_EXPERT_SELECTIONS, FLEET_TOKENS, FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS,
+    FLEET_MIN_TOKENS, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
+    FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, FLEET_JS_DIVERGENCE,  # the fleet group's
+    FLEET_EXPERT_SHARE, REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
 )
 
 
@@ -228,20 +240,17 @@ def parse_label_list(text: str, flag: str = "--fleet-labels") -> tuple[str, ...]
 class FleetOptions:
     """How the fleet rules select, group and judge (the ``rules export --fleet*`` flags)."""
 
-    window_seconds: float = DEFAULT_WINDOW_SECONDS
     fleet_labels: tuple[str, ...] = DEFAULT_FLEET_LABELS
     replica_label: str = DEFAULT_REPLICA_LABEL
     outlier_bits: float = DEFAULT_OUTLIER_BITS
     outlier_factor: float = DEFAULT_OUTLIER_FACTOR
     outlier_for_seconds: float = OUTLIER_FOR_SECONDS
     interval_seconds: float = DEFAULT_INTERVAL_SECONDS
-    job: str = DEFAULT_JOB  # the counters are selected with job="<job>", as the per-replica rules are
+    outlier_interval_seconds: float = DEFAULT_OUTLIER_INTERVAL_SECONDS
+    shards: int = DEFAULT_SHARDS
+    job: str = DEFAULT_JOB  # the series are selected with job="<job>", as the per-replica rules' are
 
     def __post_init__(self) -> None:
-        w = self.window_seconds
-        if not (math.isfinite(w) and 60.0 <= w <= _MAX_WINDOW_SECONDS):
-            raise ValueError(f"--fleet-window {format_duration(w) if math.isfinite(w) else w!r}: expected a "
-                             "duration from 1m to 31d (e.g. 1h), several scrape intervals long")
         joined = ",".join(self.fleet_labels)
         parse_label_list(joined)
         _check_label(self.replica_label, "--replica-label", self.replica_label)
@@ -252,18 +261,17 @@ class FleetOptions:
             raise ValueError(f"--outlier-bits {self.outlier_bits!r}: expected a positive number of bits (e.g. 0.1)")
         if not (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1):
             raise ValueError(f"--outlier-factor {self.outlier_factor!r}: expected a number >= 1 (e.g. 3)")
-        i = self.interval_seconds
-        if not (math.isfinite(i) and 1.0 <= i <= min(w, _MAX_INTERVAL_SECONDS)):
-            raise ValueError(f"--fleet-interval {format_duration(i) if math.isfinite(i) else i!r}: expected a "
-                             f"duration from 1s to {format_duration(min(w, _MAX_INTERVAL_SECONDS))} "
-                             "(at most --fleet-window and 1h; e.g. 1m)")
-        if not (math.isfinite(self.outlier_for_seconds) and 0 <= self.outlier_for_seconds <= _MAX_WINDOW_SECONDS):
+        for flag, i, example in (("--fleet-interval", self.interval_seconds, "1m"),
+                                 ("--outlier-interval", self.outlier_interval_seconds, "5m")):
+            if not (math.isfinite(i) and 1.0 <= i <= _MAX_INTERVAL_SECONDS):
+                raise ValueError(f"{flag} {format_duration(i) if math.isfinite(i) else i!r}: expected a duration "
+                                 f"from 1s to 1h (e.g. {example})")
+        if not (math.isfinite(self.outlier_for_seconds) and 0 <= self.outlier_for_seconds <= 31 * 86400.0):
             raise ValueError(f"--outlier-for {self.outlier_for_seconds!r}: expected a duration from 0s to 31d "
                              "(e.g. 10m)")
-
-    @property
-    def window(self) -> str:
-        return format_duration(self.window_seconds)
+        if self.shards not in SHARD_COUNTS:
+            raise ValueError(f"--fleet-shards {self.shards!r}: expected one of {', '.join(map(str, SHARD_COUNTS))} "
+                             "(a divisor of 100: shard K holds the layers whose number modulo N is K)")
 
     @property
     def fleet_key(self) -> str:
@@ -280,77 +288,150 @@ class FleetOptions:
         return ", ".join((*self.fleet_labels, *ROUTER_LABELS))
 
 
-def window_delta(series: str, window: str) -> str:
-    """The exact increase of each counter series of ``series`` over ``window``: no extrapolation; a series
-    newer than the window counts whole, a reset within it counts what came after."""
-    return f"({series} - {series} offset {window}) >= 0 or {series} * 1"
+def _selector(name: str, matchers: str) -> str:
+    """``name{matchers}``, or the name alone where there are none."""
+    return f"{name}{{{matchers}}}" if matchers else name
 
 
-def _recordings(o: FleetOptions) -> list[tuple[str, str, str]]:
-    """(name, expression, what it means) of every recording, in evaluation order."""
-    experts = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}"])
-    selections = f"{SELECTIONS_COUNTER}{{{experts}}}"
-    tokens = f"{TOKENS_COUNTER}{{{experts}}}"
-    floor = f"{FLOOR_BITS}{{{experts}}}"
+def _shard_matcher(shard: RouterShard | None, recorded: bool = False) -> str:
+    """What selects ``shard``'s series: the sidecars' by their layer, the recordings by the shard's own label (every
+    shard's group records the same names)."""
+    if shard is None:
+        return ""
+    if recorded:
+        return f"{SHARD_LABEL}={promql_string(str(shard))}"
+    return f"{LAYER}=~{promql_string(shard.layer_regex())}"
+
+
+def _with_shard(matchers: str, shard: RouterShard | None, recorded: bool = False) -> str:
+    """A rule's ``{...}`` matchers with the shard's matcher added."""
+    extra = _shard_matcher(shard, recorded)
+    if not extra:
+        return matchers
+    return "{" + ", ".join(part for part in (matchers.strip("{}"), extra) if part) + "}"
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What one group selects: the sidecars' series of its shard (``selections`` ...), its own recordings (``r``)."""
+
+    selections: str
+    tokens: str
+    floor: str
+    entropy: str
+    replica_selections: str  # the routing gauges, of the pairs that export per-expert counts only
+    replica_slots: str
+    recorded: str
+
+    def r(self, name: str) -> str:
+        """A recording of this shard: every shard's group records the same names for its layers."""
+        return _selector(name, self.recorded)
+
+
+def _inputs(o: FleetOptions, shard: RouterShard | None) -> _Inputs:
+    layers = _shard_matcher(shard)
+    matchers = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}",
+                          *([layers] if layers else [])])
+    tokens = _selector(WINDOW_TOKENS, matchers)
+    return _Inputs(
+        selections=_selector(WINDOW_SELECTIONS, matchers), tokens=tokens,
+        floor=_selector(FLOOR_BITS, matchers), entropy=_selector(ENTROPY_GAUGE, matchers),
+        # A replica whose budget left a pair out has its routing gauges, not its per-expert counts: it is no part
+        # of that pair's fleet.
+        replica_selections=f"({_selector(SELECTIONS_GAUGE, matchers)} and on({o.replica_key}) {tokens})",
+        replica_slots=f"({_selector(ROUTING_SLOTS, matchers)} and on({o.replica_key}) {tokens})",
+        recorded=_shard_matcher(shard, recorded=True))
+
+
+def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
+    """(name, expression, what it means) of every recording of ``shard``'s fleet group (the only one when ``None``),
+    in evaluation order: one pass over the replicas' per-expert series, then fleet-level series only."""
+    i = _inputs(o, shard)
+    r = i.r
     fk, rk = o.fleet_key, o.replica_key
-    w = o.window
     # minimum_window_tokens: the smallest T with (N - 1) / (2 T k ln 2) <= tolerance, k = min(top_k, N) = 2^floor
-    min_tokens = (f"clamp_min(ceil(({FLEET_SLOTS} - 1) / on({fk}) (2 * round(2 ^ {FLEET_FLOOR_BITS}) * "
+    min_tokens = (f"clamp_min(ceil(({r(FLEET_SLOTS)} - 1) / on({fk}) (2 * round(2 ^ {r(FLEET_FLOOR_BITS)}) * "
                   f"{promql_number(math.log(2.0))} * {promql_number(TOLERANCE_BITS)})), 1)")
-    mean = f"(({FLEET_SELECTIONS} > 0) / on({fk}) {FLEET_SLOTS})"
-    replica_weight = f"({REPLICA_SELECTIONS} / on({fk}) group_left() ({FLEET_SELECTIONS} > 0))"
+    mean = f"(({r(FLEET_SELECTIONS)} > 0) / on({fk}) {r(FLEET_SLOTS)})"
+    counts = r(FLEET_EXPERT_SELECTIONS)
+    weight = f"({i.replica_selections} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0))"
+    # What each evaluation reads of the fleet's per-expert sums (one replica's worth of series): the entropy twice,
+    # MaxVio and the dead experts once; selections and slots come from the replicas' gauges of the same windows.
     return [
-        (REPLICA_EXPERT_SELECTIONS, f"sum by ({rk}, {EXPERT}) (\n  {window_delta(selections, w)}\n)",
-         f"selections of each expert by each replica over the last {w}"),
-        (REPLICA_TOKENS, f"sum by ({rk}) (\n  {window_delta(tokens, w)}\n)", f"tokens of each replica over {w}"),
-        (REPLICA_SELECTIONS, f"sum by ({rk}) ({REPLICA_EXPERT_SELECTIONS})", "selections of each replica"),
-        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({REPLICA_EXPERT_SELECTIONS})",
-         "selections of each expert, every replica summed"),
-        (FLEET_TOKENS, f"sum by ({fk}) ({REPLICA_TOKENS})", "tokens of the fleet: routing_window_tokens"),
-        (FLEET_SELECTIONS, f"sum by ({fk}) ({FLEET_EXPERT_SELECTIONS})", "selections of the fleet"),
-        (FLEET_SLOTS, f"count by ({fk}) ({FLEET_EXPERT_SELECTIONS})", "experts (every slot is exported): N"),
-        (FLEET_CEILING_BITS, f"log2({FLEET_SLOTS})", "entropy ceiling log2 N"),
-        (FLEET_FLOOR_BITS, f"{FLEET_SLOTS} * 0 + on({o.router_key}) group_left()\n"
-                           f"  max by ({o.router_key}) ({floor})",
+        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({i.selections})",
+         "selections of each expert in the replicas' windows, summed"),
+        (FLEET_TOKENS, f"sum by ({fk}) ({i.tokens})", "tokens of the fleet's window: its replicas' windows together"),
+        (FLEET_SELECTIONS, f"sum by ({fk}) {i.replica_selections}", "selections of the fleet's window"),
+        (FLEET_SLOTS, f"max by ({fk}) {i.replica_slots}", "experts N (every slot is exported, zeros included)"),
+        (FLEET_CEILING_BITS, f"log2({r(FLEET_SLOTS)})", "entropy ceiling log2 N"),
+        (FLEET_FLOOR_BITS, f"{r(FLEET_SLOTS)} * 0 + on({o.router_key}) group_left()\n"
+                           f"  max by ({o.router_key}) ({i.floor})",
          "entropy floor log2 min(top_k, N), from the replicas' floor gauge"),
         (FLEET_MIN_TOKENS, min_tokens, "the trusted minimum of tokens (the sidecar's minimum_window_tokens)"),
-        (FLEET_EXPERT_SHARE, f"{FLEET_EXPERT_SELECTIONS} / on({fk}) group_left() ({FLEET_SELECTIONS} > 0)",
-         "p_j: each expert's share of the fleet's selections"),
-        # Only nonzero shares enter the sum: 0 * log2 0 is 0, where PromQL would give NaN.
-        (FLEET_ENTROPY_BITS, f"clamp_min(\n  -sum by ({fk}) ({FLEET_EXPERT_SHARE} * log2({FLEET_EXPERT_SHARE} > 0)),"
-                             "\n  0\n)", "routing entropy H = -sum p_j log2 p_j, in bits"),
+        # H = log2 S - (1/S) sum_j s_j log2 s_j; only chosen experts enter the sum (0 log2 0 is 0, not PromQL's NaN).
+        (FLEET_ENTROPY_BITS,
+         f"clamp_min(\n  log2({r(FLEET_SELECTIONS)} > 0)\n"
+         f"  - on({fk}) sum by ({fk}) ({counts} * log2({counts} > 0)) / on({fk}) {r(FLEET_SELECTIONS)},\n  0\n)",
+         "routing entropy H = -sum p_j log2 p_j of the summed counts, in bits"),
         (FLEET_NORMALIZED_ENTROPY,
-         f"clamp(\n  ({FLEET_ENTROPY_BITS} - on({fk}) {FLEET_FLOOR_BITS})\n"
-         f"  / on({fk}) (({FLEET_CEILING_BITS} - on({fk}) {FLEET_FLOOR_BITS}) > 0),\n  0, 1\n)\n"
-         f"or\n{FLEET_ENTROPY_BITS} * 0 + 1", "(H - floor) / (ceiling - floor) in [0, 1]; 1 when they are equal"),
-        (FLEET_BITS_BELOW_CEILING, f"clamp_min({FLEET_CEILING_BITS} - on({fk}) {FLEET_ENTROPY_BITS}, 0)",
+         f"clamp(\n  ({r(FLEET_ENTROPY_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)})\n"
+         f"  / on({fk}) (({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)}) > 0),\n  0, 1\n)\n"
+         f"or on({fk})\n{r(FLEET_ENTROPY_BITS)} * 0 + 1",
+         "(H - floor) / (ceiling - floor) in [0, 1]; 1 when they are equal"),
+        (FLEET_BITS_BELOW_CEILING, f"clamp_min({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_ENTROPY_BITS)}, 0)",
          "ceiling - H"),
         (FLEET_MAX_VIOLATION,
-         f"clamp_min(\n  (max by ({fk}) ({FLEET_EXPERT_SELECTIONS}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
+         f"clamp_min(\n  (max by ({fk}) ({counts}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
          "MaxVio = (max load - mean load) / mean load"),
-        (FLEET_DEAD_SLOTS, f"count by ({fk}) ({FLEET_EXPERT_SELECTIONS} == 0)\nor\n{FLEET_SLOTS} * 0",
-         "experts no replica selected in the window (0 is a sample)"),
-        # KL_r = sum_j p_rj log2(p_rj / q_j) with p_rj = s_rj / S_r, written as (1 / S_r) sum_j s_rj log2(s_rj / q_j)
-        # - log2 S_r: one pass over the replicas' per-expert deltas, and no replica share recorded per expert.
+        (FLEET_DEAD_SLOTS, f"count by ({fk}) ({counts} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
+         "experts no replica selected in its window (0 is a sample)"),
+        # JSD = H_fleet - sum_r w_r H_r: each replica's entropy is its sidecar's gauge of the same window, so the
+        # divergence costs no second pass over the per-expert series (each replica's own, KL_r, has its group).
+        (FLEET_JS_DIVERGENCE,
+         f"clamp_min(\n  {r(FLEET_ENTROPY_BITS)}\n  - on({fk})\n"
+         f"  sum by ({fk}) ({i.entropy} * on({rk}) group_left() {weight}),\n  0\n)",
+         "generalized Jensen-Shannon divergence of the replicas: H_fleet - sum_r w_r H_r = sum_r w_r KL_r, "
+         "w_r = share of selections"),
+    ]
+
+
+def _replica_recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
+    """(name, expression, what it means) of the recordings of ``shard``'s replica group: each replica's divergence
+    from the fleet, from the fleet's shares taken at the same instant (not the fleet group's last recording of the
+    counts, which may be of other windows). One pass over the per-expert series each for the shares and the
+    divergences: no one query does both, which on a loaded Prometheus could run past its query timeout."""
+    i = _inputs(o, shard)
+    r = i.r
+    fk, rk = o.fleet_key, o.replica_key
+    return [
+        (FLEET_EXPERT_SHARE,
+         f"sum by ({fk}, {EXPERT}) ({i.selections})\n"
+         f"/ on({fk}) group_left()\nsum by ({fk}) {i.replica_selections}",
+         "q_j: each expert's share of the fleet's selections"),
+        # KL_r = sum_j p_rj log2(p_rj / q_j) = -sum_j p_rj log2 q_j - H_r: the cross-entropy with the fleet's mix
+        # (the replicas' per-expert counts joined with the fleet's shares) less the replica's own entropy, which its
+        # sidecar exports of the same window. An expert no replica chose has no share, and no count to weigh it.
         (REPLICA_KL_BITS,
-         f"clamp_min(\n  sum by ({rk}) (\n    {REPLICA_EXPERT_SELECTIONS}\n"
-         f"    * log2(({REPLICA_EXPERT_SELECTIONS} > 0) / on({fk}, {EXPERT}) group_left() {FLEET_EXPERT_SHARE})\n  )\n"
-         f"  / on({rk}) ({REPLICA_SELECTIONS} > 0)\n  - on({rk}) log2({REPLICA_SELECTIONS}),\n  0\n)",
+         f"clamp_min(\n  sum by ({rk}) (\n    {i.selections}\n"
+         f"    * on({fk}, {EXPERT}) group_left() -log2({r(FLEET_EXPERT_SHARE)} > 0)\n  )\n"
+         f"  / on({rk}) ({i.replica_selections} > 0)\n  - on({rk}) {i.entropy},\n  0\n)",
          "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
-        (FLEET_JS_DIVERGENCE, f"sum by ({fk}) (\n  {REPLICA_KL_BITS} * on({rk}) {replica_weight}\n)",
-         "generalized Jensen-Shannon divergence of the replicas: sum_r w_r KL_r, w_r = share of selections"),
-        (FLEET_REPLICAS, f"count by ({fk}) ({REPLICA_KL_BITS})", "replicas with selections in the window"),
-        (FLEET_MEDIAN_REPLICA_KL, f"quantile by ({fk}) (0.5, {REPLICA_KL_BITS})", "the median replica's KL"),
+        (FLEET_REPLICAS, f"count by ({fk}) ({r(REPLICA_KL_BITS)})", "replicas with selections in their windows"),
+        (FLEET_MEDIAN_REPLICA_KL, f"quantile by ({fk}) (0.5, {r(REPLICA_KL_BITS)})", "the median replica's KL"),
     ]
 
 
 def fleet_notes(o: FleetOptions) -> list[str]:
     """What the header of a rule file with the fleet rules says about them (one bullet each)."""
+    split = (f" Split by layer into {o.shards} shards: each group name ends in _K_of_{o.shards}, and what it records "
+             f"and fires\ncarries {SHARD_LABEL}=\"K/{o.shards}\"." if o.shards > 1 else "")
     return [
-        f"The group {FLEET_GROUP_NAME} records each fleet's routing statistics over the last {o.window} from the\n"
-        f"per-expert counters (serve --export-expert-counts), summed by ({', '.join(o.fleet_labels)}) over the "
-        f"replicas ({o.replica_label}),\nwith exact window deltas, not increase(). A fleet window under the trusted "
-        "minimum of tokens\nis not judged.",
+        f"The group {FLEET_GROUP_NAME} records each fleet's routing statistics over its replicas' windows, from the\n"
+        f"per-expert window counts (serve --export-expert-counts), summed by ({', '.join(o.fleet_labels)}) over "
+        f"the replicas ({o.replica_label}),\nevery {format_duration(o.interval_seconds)}; "
+        f"{REPLICA_GROUP_NAME} each replica's divergence from its fleet, every "
+        f"{format_duration(o.outlier_interval_seconds)}.\nA fleet window under the trusted minimum of tokens is not "
+        f"judged.{split}",
         f"Each alert is judged on the fleet too ({SCOPE_LABEL}=\"fleet\"; per-replica alerts carry "
         f"{SCOPE_LABEL}=\"replica\"), and\n{OUTLIER_ALERT} names a replica that routes apart from its peers: "
         "route them with deploy/alertmanager.yaml.",
@@ -366,12 +447,12 @@ def _fleet_healthy(rule: Rule, o: FleetOptions, by: str | None, matchers: str) -
     return f"avg by ({by}) ({inner})" if by is not None else f"avg({inner})"
 
 
-def _twin_expression(rule: Rule, o: FleetOptions) -> str:
+def _twin_expression(rule: Rule, o: FleetOptions, shard: RouterShard | None) -> str:
     fk = o.fleet_key
-    fleet_matchers = rule_matchers(rule, "")
+    fleet_matchers = _with_shard(rule_matchers(rule, ""), shard, recorded=True)
     raw = FLEET_METRICS[rule.metric] + fleet_matchers
     series = trend_expression(rule, raw)
-    baseline_matchers = rule_matchers(rule, o.job)
+    baseline_matchers = _with_shard(rule_matchers(rule, o.job), shard)
     conditions = []
     for key, op in (("below", "<"), ("above", ">")):
         if getattr(rule, key) is not None:
@@ -392,8 +473,9 @@ def _twin_expression(rule: Rule, o: FleetOptions) -> str:
         expr = f"{expr}\nand on({fk})\n({test})"
     if rule.trend is not None:
         expr = f"{expr}\nand on({fk})\n{enough_history(rule, raw, fk)}"
-    guard = (f"{FLEET_TOKENS} >= {rule.min_tokens}" if rule.min_tokens is not None
-             else f"{FLEET_TOKENS} >= on({fk}) {FLEET_MIN_TOKENS}")
+    here = _shard_matcher(shard, recorded=True)
+    guard = (f"{_selector(FLEET_TOKENS, here)} >= {rule.min_tokens}" if rule.min_tokens is not None
+             else f"{_selector(FLEET_TOKENS, here)} >= on({fk}) {_selector(FLEET_MIN_TOKENS, here)}")
     return f"{expr}\nand on({fk})\n{guard}"
 
 
@@ -419,22 +501,22 @@ def _twin_queries(rule: Rule, o: FleetOptions) -> dict[str, Callable[[str], str]
     return queries
 
 
-def _twin(rule: Rule, o: FleetOptions) -> str:
+def _twin(rule: Rule, o: FleetOptions, shard: RouterShard | None) -> str:
     notes: list[str] = []
-    entry: dict[str, object] = {"alert": rule.name, "expr": _twin_expression(rule, o)}
+    entry: dict[str, object] = {"alert": rule.name, "expr": _twin_expression(rule, o, shard)}
     if rule.for_seconds > 0:
         entry["for"] = format_duration(rule.for_seconds)
     if rule.keep_firing_for_seconds > 0:
         entry["keep_firing_for"] = format_duration(rule.keep_firing_for_seconds)
-    entry["labels"] = {"severity": rule.severity, **dict(rule.labels), SCOPE_LABEL: "fleet"}
+    entry["labels"] = {"severity": rule.severity, **dict(rule.labels), SCOPE_LABEL: "fleet", **_shard_label(shard)}
     labels = (*o.fleet_labels, *SERIES_LABELS)
     queries = _twin_queries(rule, o)
     annotations = {key: convert_template(text, rule, notes, queries=queries, query_labels=labels)
                    for key, text in rule.annotations.items()}
     annotations["fleet"] = (f"Every replica of {' / '.join(label_value(label) for label in o.fleet_labels)}"
-                            f" summed over the last {o.window}.")
+                            " summed: its replicas' windows together.")
     entry["annotations"] = annotations
-    comments = [f"{rule.name} on the fleet: every replica's counts summed over {o.window}"]
+    comments = [f"{rule.name} on the fleet: every replica's window counts summed"]
     for level, op in ((rule.resolve_above, ">="), (rule.resolve_below, "<=")):
         if level is not None:
             comments.append(f"hysteresis not exported: the sidecar resolves at {op} {promql_number(level)}")
@@ -442,13 +524,15 @@ def _twin(rule: Rule, o: FleetOptions) -> str:
     return "".join(f"      # {text}\n" for text in comments) + yaml_entry(entry)
 
 
-def _outlier(o: FleetOptions) -> str:
+def _outlier(o: FleetOptions, shard: RouterShard | None) -> str:
     fk, rk = o.fleet_key, o.replica_key
-    expr = (f"{REPLICA_KL_BITS}\n  > on({fk}) group_left()\n"
-            f"  clamp_min({promql_number(o.outlier_factor)} * {FLEET_MEDIAN_REPLICA_KL}, "
+    i = _inputs(o, shard)
+    # The trusted minimum is the fleet group's (of the routers' geometry alone, whenever it was recorded).
+    expr = (f"{i.r(REPLICA_KL_BITS)}\n  > on({fk}) group_left()\n"
+            f"  clamp_min({promql_number(o.outlier_factor)} * {i.r(FLEET_MEDIAN_REPLICA_KL)}, "
             f"{promql_number(o.outlier_bits)})\n"
-            f"and on({rk})\n({REPLICA_TOKENS} >= on({fk}) group_left() {FLEET_MIN_TOKENS})\n"
-            f"and on({fk})\n({FLEET_REPLICAS} >= {MIN_OUTLIER_REPLICAS})")
+            f"and on({rk})\n({i.tokens} >= on({fk}) group_left() {i.r(FLEET_MIN_TOKENS)})\n"
+            f"and on({fk})\n({i.r(FLEET_REPLICAS)} >= {MIN_OUTLIER_REPLICAS})")
     replica = label_value(o.replica_label)
     where = f"{label_value(ROUTER)} (layer {label_value(LAYER)}, {label_value(BUSINESS_LINE)})"
     selector = ",".join(f'{label}="%s"' for label in (*o.fleet_labels, *SERIES_LABELS))
@@ -458,11 +542,11 @@ def _outlier(o: FleetOptions) -> str:
     entry: dict[str, object] = {
         "alert": OUTLIER_ALERT,
         "expr": expr,
-        "labels": {"severity": "warning", SCOPE_LABEL: "replica"},
+        "labels": {"severity": "warning", SCOPE_LABEL: "replica", **_shard_label(shard)},
         "annotations": {
             "summary": f"Replica {replica} routes apart from its fleet on {where}: "
                        '{{ $value | printf "%.3f" }} bits',
-            "description": (f"Over the last {o.window} the routing of {where} on replica {replica} is "
+            "description": (f"In its current window the routing of {where} on replica {replica} is "
                             '{{ $value | printf "%.3f" }} bits (KL) from the fleet\'s mix, where the median '
                             f"replica reads {median} bits: above {promql_number(o.outlier_bits)} bits and "
                             f"{promql_number(o.outlier_factor)} times the median. One replica is broken, not the "
@@ -478,19 +562,52 @@ def _outlier(o: FleetOptions) -> str:
     return "".join(f"      # {text}\n" for text in comments) + yaml_entry(entry)
 
 
+def _shard_label(shard: RouterShard | None) -> dict[str, str]:
+    """What a shard's group records and fires is told apart by a label: every shard's group has the same rules."""
+    return {} if shard is None else {SHARD_LABEL: str(shard)}
+
+
+def _shards(o: FleetOptions) -> tuple[RouterShard | None, ...]:
+    return (None,) if o.shards == 1 else RouterShard.split(o.shards)
+
+
+def _group_name(base: str, shard: RouterShard | None) -> str:
+    return base if shard is None else f"{base}_{shard.index}_of_{shard.count}"
+
+
+def fleet_group_names(o: FleetOptions) -> list[str]:
+    """The groups' names: ``mla_watch_fleet`` and ``mla_watch_fleet_replicas``, or each with ``_K_of_N`` per shard."""
+    return [_group_name(base, shard) for shard in _shards(o) for base in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)]
+
+
+def _group(name: str, interval: float, recordings: list[tuple[str, str, str]], shard: RouterShard | None,
+           alerts: list[str]) -> str:
+    lines = [f"  - name: {name}\n    interval: {format_duration(interval)}\n    rules:\n"]
+    labels = _shard_label(shard)
+    for record, expr, meaning in recordings:
+        lines.append(f"      # {meaning}\n" + yaml_entry({"record": record, "expr": expr,
+                                                           **({"labels": labels} if labels else {})}))
+    return "".join(lines + alerts)
+
+
 def fleet_groups(rules: RuleSet, options: FleetOptions) -> list[str]:
-    """The group ``mla_watch_fleet`` (recordings, then the fleet twins of ``rules`` and the outlier alert) as an
-    item of a top-level ``groups:`` list, for :func:`mla_watch.alerting.promexport.export_rules`."""
-    lines = [f"  - name: {FLEET_GROUP_NAME}\n    interval: {format_duration(options.interval_seconds)}\n    rules:\n"]
-    for name, expr, meaning in _recordings(options):
-        lines.append(f"      # {meaning}\n" + yaml_entry({"record": name, "expr": expr}))
-    skipped = []
-    for rule in rules.rules:
-        if rule.metric not in FLEET_METRICS or rule.selector.kind == "indexer":
-            skipped.append(rule.name)
-            continue
-        lines.append(_twin(rule, options))
-    if skipped:
-        lines.append(f"      # no fleet form (drift from a sidecar's baseline, or indexers): {', '.join(skipped)}\n")
-    lines.append(_outlier(options))
-    return ["".join(lines)]
+    """The fleet groups, each an item of a top-level ``groups:`` list, for
+    :func:`mla_watch.alerting.promexport.export_rules`: per shard of the layers (one when not split), the fleet group
+    (its recordings, then the fleet twins of ``rules``) and the replica group (each replica's divergence and the
+    outlier alert)."""
+    groups = []
+    for shard in _shards(options):
+        twins, skipped = [], []
+        for rule in rules.rules:
+            if rule.metric not in FLEET_METRICS or rule.selector.kind == "indexer":
+                skipped.append(rule.name)
+                continue
+            twins.append(_twin(rule, options, shard))
+        if skipped:
+            twins.append(f"      # no fleet form (drift from a sidecar's baseline, or indexers): "
+                         f"{', '.join(skipped)}\n")
+        groups.append(_group(_group_name(FLEET_GROUP_NAME, shard), options.interval_seconds,
+                             _recordings(options, shard), shard, twins))
+        groups.append(_group(_group_name(REPLICA_GROUP_NAME, shard), options.outlier_interval_seconds,
+                             _replica_recordings(options, shard), shard, [_outlier(options, shard)]))
+    return groups

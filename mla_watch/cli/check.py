@@ -20,8 +20,9 @@ from mla_watch.alerting.fleet import (
     DEFAULT_INTERVAL_SECONDS,
     DEFAULT_OUTLIER_BITS,
     DEFAULT_OUTLIER_FACTOR,
+    DEFAULT_OUTLIER_INTERVAL_SECONDS,
     DEFAULT_REPLICA_LABEL,
-    DEFAULT_WINDOW_SECONDS,
+    DEFAULT_SHARDS,
     FLEET_SCALE_NOTE,
     OUTLIER_FOR_SECONDS,
     SCOPE_LABEL,
@@ -179,9 +180,10 @@ def _export_command(args: argparse.Namespace) -> str:
     parts = ["mla-watch rules export", f"--format {args.format}"]
     if args.fleet:
         parts.append("--fleet")
-        for flag, value in (("--fleet-window", args.fleet_window), ("--fleet-interval", args.fleet_interval),
+        for flag, value in (("--fleet-interval", args.fleet_interval), ("--fleet-shards", args.fleet_shards),
                             ("--fleet-labels", args.fleet_labels),
-                            ("--replica-label", args.replica_label), ("--outlier-bits", args.outlier_bits),
+                            ("--replica-label", args.replica_label), ("--outlier-interval", args.outlier_interval),
+                            ("--outlier-bits", args.outlier_bits),
                             ("--outlier-factor", args.outlier_factor), ("--outlier-for", args.outlier_for),
                             ("--version-skew-for", args.version_skew_for)):
             if value is not None:
@@ -194,9 +196,10 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     from mla_watch.alerting.durations import parse_duration
     from mla_watch.alerting.model import RuleError
 
-    fleet_only = {"--fleet-window": args.fleet_window, "--fleet-interval": args.fleet_interval,
+    fleet_only = {"--fleet-interval": args.fleet_interval, "--fleet-shards": args.fleet_shards,
                   "--fleet-labels": args.fleet_labels,
-                  "--replica-label": args.replica_label, "--outlier-bits": args.outlier_bits,
+                  "--replica-label": args.replica_label, "--outlier-interval": args.outlier_interval,
+                  "--outlier-bits": args.outlier_bits,
                   "--outlier-factor": args.outlier_factor, "--outlier-for": args.outlier_for,
                   "--version-skew-for": args.version_skew_for}
     if not args.fleet:
@@ -206,14 +209,19 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
         return None
     values: dict[str, Any] = {}
     try:
-        for flag, key, text in (("--fleet-window", "window_seconds", args.fleet_window),
-                                ("--fleet-interval", "interval_seconds", args.fleet_interval),
+        for flag, key, text in (("--fleet-interval", "interval_seconds", args.fleet_interval),
+                                ("--outlier-interval", "outlier_interval_seconds", args.outlier_interval),
                                 ("--outlier-for", "outlier_for_seconds", args.outlier_for)):
             if text is not None:
                 try:
                     values[key] = parse_duration(text, flag)
                 except RuleError as error:
                     raise ValueError(error.errors[0].replace(f"{flag} =", flag)) from None
+        if args.fleet_shards is not None:
+            if not args.fleet_shards.isdigit() or not args.fleet_shards.isascii():
+                raise ValueError(f"--fleet-shards {args.fleet_shards[:80]!r}: expected a whole number, a divisor of "
+                                 "100 (e.g. 2 or 10)")
+            values["shards"] = int(args.fleet_shards)
         if args.fleet_labels is not None:
             values["fleet_labels"] = parse_label_list(args.fleet_labels, "--fleet-labels")
         if args.replica_label is not None:
@@ -332,20 +340,24 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     export.add_argument("--rules", type=Path, default=SHIPPED_RULES, help="directory of alert rule YAML files")
     export.add_argument("--out", type=Path, help="file to write (default: standard output)")
     export.add_argument("--fleet", action="store_true",
-                        help="add the fleet's recording rules (from the per-expert counters of serve "
+                        help="add the fleet's recording rules (from the per-expert window counts of serve "
                              "--export-expert-counts), a fleet twin of every alert, and the replica-outlier alert")
-    fleet_window = format_duration(DEFAULT_WINDOW_SECONDS)
-    export.add_argument("--fleet-window", metavar="DURATION",
-                        help=f"with --fleet: the window the fleet statistics sum (default {fleet_window})")
     export.add_argument("--fleet-interval", metavar="DURATION",
-                        help="with --fleet: how often Prometheus evaluates the fleet group "
+                        help="with --fleet: how often Prometheus evaluates the fleet group(s) "
                              f"(default {format_duration(DEFAULT_INTERVAL_SECONDS)})")
+    export.add_argument("--fleet-shards", metavar="N",
+                        help="with --fleet: split the fleet group by layer into N groups (a divisor of 100), each "
+                             "exact for its routers: evaluated side by side, spread by a ruler, or one per Prometheus "
+                             f"server scraping /metrics?shard=K/N (default {DEFAULT_SHARDS})")
     export.add_argument("--fleet-labels", metavar="LABEL[,LABEL...]",
                         help="with --fleet: the target labels one fleet shares "
                              f"(default {','.join(DEFAULT_FLEET_LABELS)})")
     export.add_argument("--replica-label", metavar="LABEL",
                         help="with --fleet: the target label that tells a fleet's replicas apart "
                              f"(default {DEFAULT_REPLICA_LABEL})")
+    export.add_argument("--outlier-interval", metavar="DURATION",
+                        help="with --fleet: how often Prometheus evaluates each replica's divergence from its fleet "
+                             f"and the outlier alert (default {format_duration(DEFAULT_OUTLIER_INTERVAL_SECONDS)})")
     export.add_argument("--outlier-bits", metavar="BITS",
                         help="with --fleet: the least KL from the fleet, in bits, that makes a replica an outlier "
                              f"(default {DEFAULT_OUTLIER_BITS:g})")

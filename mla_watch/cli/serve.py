@@ -40,7 +40,7 @@ from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSe
 from mla_watch.routing.client_mix import ClientGate
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits
-from mla_watch.routing.series import EXPERT_OVERFLOW_SELECTIONS, EXPERT_SELECTIONS, EXPERT_TOKENS, total_name
+from mla_watch.routing.series import EXPERT_OVERFLOW_SELECTIONS, EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig
 from mla_watch.server.expert_counts import BUDGET_FLAG, EXPORT_FLAG, SELECTION_FORM
 
@@ -307,13 +307,13 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="(router, business line) series the routing history keeps, the status page's hour included "
                             "(default %(default)s)")
     serve.add_argument(EXPORT_FLAG, type=expert_selection, metavar="SELECTION",
-                       help="export cumulative per-expert counters Prometheus can sum across replicas "
-                            f"({total_name(EXPERT_SELECTIONS)}, {total_name(EXPERT_TOKENS)}) for the expert "
+                       help="export each window's per-expert counts, which Prometheus can sum across replicas "
+                            f"({EXPERT_WINDOW_SELECTIONS}, {EXPERT_WINDOW_TOKENS}) for the expert "
                             f"routers and business lines chosen: {SELECTION_FORM.replace('%', '%%')}; "
                             "docs/fleet.md; default: none")
     serve.add_argument(BUDGET_FLAG, type=positive_int, default=ServerConfig.expert_series_budget, metavar="N",
                        help=f"the most per-expert series {EXPORT_FLAG} exports, one per expert and one of tokens per "
-                            f"router and line; pairs past it count into {total_name(EXPERT_OVERFLOW_SELECTIONS)} "
+                            f"router and line; pairs past it show in {EXPERT_OVERFLOW_SELECTIONS} "
                             "(default %(default)s: one business line of DeepSeek-V3)")
     serve.add_argument("--body-timeout", type=positive_float, default=ServerConfig.body_timeout_seconds,
                        help="seconds a request body may take to arrive before 408 (default %(default)s)")

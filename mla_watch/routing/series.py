@@ -19,8 +19,10 @@ __all__ = [
     "EXPERT",
     "EXPERT_LABELS",
     "EXPERT_OVERFLOW_SELECTIONS",
-    "EXPERT_SELECTIONS",
-    "EXPERT_TOKENS",
+    "EXPERT_SERIES",
+    "EXPERT_SERIES_BUDGET",
+    "EXPERT_WINDOW_SELECTIONS",
+    "EXPERT_WINDOW_TOKENS",
     "FILE",
     "FLEET_ROLLOUT_STEPS",
     "FLEET_STORE_UP",
@@ -41,7 +43,6 @@ __all__ = [
     "STATE_WRITE_FAILING",
     "baseline_gauge",
     "routing_gauge",
-    "total_name",
 ]
 
 PREFIX = "mla_watch_"
@@ -64,10 +65,12 @@ SERIES_LABELS: tuple[str, ...] = (*ROUTER_LABELS, BUSINESS_LINE)  # one router's
 EXPERT_LABELS: tuple[str, ...] = (*SERIES_LABELS, EXPERT)  # one expert slot of that
 
 ROUTING_SLOTS = PREFIX + "routing_slots"
-# The opt-in per-expert counters (serve --export-expert-counts); a counter's samples are named total_name(name).
-EXPERT_SELECTIONS = PREFIX + "expert_selections"
-EXPERT_TOKENS = PREFIX + "expert_tokens"
-EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_selections"
+# The opt-in per-expert window counts (serve --export-expert-counts), gauges of each router and line's window.
+EXPERT_WINDOW_SELECTIONS = PREFIX + "expert_window_selections"
+EXPERT_WINDOW_TOKENS = PREFIX + "expert_window_tokens"
+EXPERT_OVERFLOW_SELECTIONS = PREFIX + "expert_overflow_window_selections"
+EXPERT_SERIES = PREFIX + "expert_series"
+EXPERT_SERIES_BUDGET = PREFIX + "expert_series_budget"
 
 # The router version a sidecar serves (value 1; every sidecar, in a fleet or not): its number and a content hash of
 # the router tensors serving (mla_watch.common.tensor_files.router_digest), so that a fleet's replicas can be told
@@ -97,8 +100,3 @@ def routing_gauge(key: str) -> str:
 def baseline_gauge(key: str) -> str:
     """The gauge of the healthy baseline of the statistic ``key`` per router and line (routing/baselines.py)."""
     return f"{PREFIX}routing_baseline_{key}"
-
-
-def total_name(counter: str) -> str:
-    """The name of a counter's samples, as Prometheus scrapes them."""
-    return counter + "_total"

@@ -248,6 +248,8 @@ STATISTICS: tuple[Statistic, ...] = (
     Statistic("max_violation", "routing_max_violation", "MaxVio: (max load - mean load) / mean load."),
     Statistic("dead_slots", "routing_dead_slots", "Slots (experts or key positions) never chosen in the window."),
     Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
+    Statistic("selections", "routing_window_selections", "Selections in the current window (each token's top-k "
+              "picks).", judged=False),
     Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
     Statistic("long_context_drift", "routing_long_context_drift_bits",
               "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range "

@@ -85,7 +85,6 @@ class Sidecar:
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot(),
-                                     routing_windows=lambda: self.sources.windows(),
                                      expert_counts=config.export_expert_counts,
                                      expert_series_budget=config.expert_series_budget)
         self.metrics.policy_version.set(self.policies.version)

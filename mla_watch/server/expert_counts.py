@@ -1,8 +1,15 @@
-"""Opt-in per-expert counters, which Prometheus can sum across replicas (``serve --export-expert-counts``).
+"""Opt-in per-expert window counts, which Prometheus can sum across replicas (``serve --export-expert-counts``).
 
-The routing gauges describe one sidecar's own rolling window and cannot be combined across a fleet. These
-counters are cumulative - selections of each expert slot and tokens routed, per router and business line,
-since the sidecar started - so ``sum by (layer, expert) (rate(...))`` over every replica is meaningful.
+The routing gauges describe one sidecar's window as statistics (entropy, MaxVio, ...), which cannot be combined
+across a fleet. These gauges are the window's counts themselves - selections of each expert slot, and tokens,
+per router and business line - so that ``sum by (router, business_line, expert)`` over every replica is the
+counts of the replicas' windows together, from which the fleet's own statistics follow exactly. They come from
+the same snapshot as the routing gauges of the same scrape (:class:`mla_watch.server.metrics.RoutingCollector`
+hands it over), so a replica's entropy gauge describes exactly the counts exported beside it.
+
+A window's counts, not cumulative counters: Prometheus reads one sample per series to sum them, where counters
+need each series' increase over a range (its sample a window ago, resets, series newer than the window), about
+three reads per series and per evaluation, and a recorded copy of every replica's per-expert series.
 
 Only expert routers (an indexer's slots are key positions, unbounded in number) and only business lines (never
 the ``all`` aggregate, which a sum over lines would count twice). Every slot of an exported (router, line) pair
@@ -10,7 +17,7 @@ is exported, zeros included, so dead experts can be counted in PromQL.
 
 Each pair costs ``num_slots + 1`` series; a budget bounds them. Admission is first come, first kept: a pair
 once exported stays exported (no series flaps) until its source is gone (a remote worker dropped for
-idleness); a pair the budget refuses stays refused, and its selections count into an overflow counter.
+idleness); a pair the budget refuses stays refused, and its window's selections are reported apart.
 """
 
 from __future__ import annotations
@@ -18,30 +25,29 @@ from __future__ import annotations
 import fnmatch
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import repeat
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.values import is_integer
-from mla_watch.routing.routers import CountDelta, RouterInfo
+from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.series import (
     EXPERT,
     EXPERT_LABELS,
     EXPERT_OVERFLOW_SELECTIONS,
-    EXPERT_SELECTIONS,
-    EXPERT_TOKENS,
-    PREFIX,
+    EXPERT_SERIES,
+    EXPERT_SERIES_BUDGET,
+    EXPERT_WINDOW_SELECTIONS,
+    EXPERT_WINDOW_TOKENS,
     SERIES_LABELS,
-    total_name,
 )
-from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterWindows
+from mla_watch.routing.shards import RouterShard
+from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterStats
+from mla_watch.server.exposition import PrewrittenFamily, sample_prefix
 
-__all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCountsCollector",
+__all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCounts",
            "ExpertSelection", "pair_series"]
 
 EXPORT_FLAG = "--export-expert-counts"
@@ -58,7 +64,7 @@ log = logging.getLogger("mla_watch.server")
 
 @dataclass(frozen=True)
 class ExpertSelection:
-    """Which (router, business line) pairs export per-expert counters: routers matching any glob of ``routers``
+    """Which (router, business line) pairs export per-expert counts: routers matching any glob of ``routers``
     (every expert router when empty) and lines in ``lines`` (every business line when empty)."""
 
     routers: tuple[str, ...] = ()
@@ -124,102 +130,100 @@ def pair_series(info: RouterInfo) -> int:
 
 @dataclass(frozen=True)
 class _Admitted:
-    """An exported pair's label sets, built once at admission so a scrape makes no label dicts."""
+    """An exported pair's label sets and sample lines up to their values, built once at admission so a scrape makes
+    no label dicts and formats no labels."""
 
     slot_labels: tuple[dict[str, str], ...]
     labels: dict[str, str]
+    slot_prefixes: tuple[str, ...]
+    prefix: str
+    layer: int
     series: int
 
 
-class ExpertCountsCollector(Collector):
-    """Exports ``expert_selections_total`` and ``expert_tokens_total`` of the windows ``windows()`` lists,
-    within a budget of series, at scrape time."""
+class ExpertCounts:
+    """The per-expert families of one snapshot's records (:meth:`families`), within a budget of series.
 
-    def __init__(self, windows: Callable[[], Iterable[RouterWindows]], selection: ExpertSelection,
-                 budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
+    Not a collector of its own: the routing collector calls it with the records it exports, so that both
+    describe one snapshot.
+    """
+
+    def __init__(self, selection: ExpertSelection, budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
         if not is_integer(budget) or budget < 1:
             raise ValueError(f"{BUDGET_FLAG} {describe_value(budget)}: expected an integer >= 1")
-        self._windows = windows
         self._selection = selection
         self._budget = budget
         self._lock = threading.Lock()  # scrapes may overlap; admission must be decided once
         self._admitted: dict[tuple[str, str], _Admitted] = {}
+        self._refused: set[tuple[str, str]] = set()
         self._used = 0
-        # Refused pairs: the windows' serial and the selections already counted into the overflow counter.
-        self._refused: dict[tuple[str, str], tuple[int, int]] = {}
-        self._overflow = 0
         self._warned = False
 
     @property
     def budget(self) -> int:
         return self._budget
 
-    def collect(self) -> Iterable[Metric]:
-        selections = CounterMetricFamily(EXPERT_SELECTIONS, "Selections of each expert slot by this router "
-                                         "for this business line since the sidecar started (sum across replicas).",
-                                         labels=list(EXPERT_LABELS))
-        tokens = CounterMetricFamily(EXPERT_TOKENS, "Tokens this router routed for this business line since "
-                                     "the sidecar started (sum across replicas).", labels=list(SERIES_LABELS))
-        selections_name, tokens_name = total_name(EXPERT_SELECTIONS), total_name(EXPERT_TOKENS)
-        sources = list(self._windows())
+    def families(self, records: Iterable[RouterStats], shard: RouterShard | None = None) -> list[Metric]:
+        """The per-expert gauges of ``records`` (one snapshot's); of ``shard``'s routers only when given, and then
+        without the budget's figures, which are no router's."""
+        selections = PrewrittenFamily(EXPERT_WINDOW_SELECTIONS, "Selections of each expert slot by this router "
+                                      "for this business line in its current window (sum across replicas).",
+                                      EXPERT_LABELS)
+        tokens = PrewrittenFamily(EXPERT_WINDOW_TOKENS, "Tokens in this router's current window for this business "
+                                  "line, exported with its per-expert selections (sum across replicas).", SERIES_LABELS)
+        overflow = 0
         with self._lock:
             seen: set[tuple[str, str]] = set()
-            for windows in sources:
-                routers = {info.name: info for info in windows.routers
-                           if info.kind == "expert" and self._selection.matches_router(info.name)}
-                if not routers:
+            for record in records:
+                info, line = record.router, record.business_line
+                if (line is None or info.kind != "expert" or record.counts is None
+                        or not self._selection.matches_line(line) or not self._selection.matches_router(info.name)):
                     continue
-                for key, total in windows.cumulative_totals().items():
-                    info = routers.get(key[0])
-                    if info is None or key in seen or not self._selection.matches_line(key[1]):
-                        continue
-                    seen.add(key)
-                    pair = self._admitted.get(key)
+                key = (info.name, line)
+                if key in seen:
+                    continue
+                seen.add(key)
+                pair = self._admitted.get(key)
+                if pair is None:
+                    pair = self._admit(key, info)
                     if pair is None:
-                        pair = self._admit(key, info, windows.serial, total)
-                        if pair is None:
-                            continue
-                    selections.samples.extend(map(Sample, repeat(selections_name), pair.slot_labels,
-                                                  total.counts.tolist()))
-                    tokens.samples.append(Sample(tokens_name, pair.labels, total.tokens))
+                        overflow += record.stats.selections
+                        continue
+                if shard is not None and not shard.holds(pair.layer):
+                    continue
+                selections.write(pair.slot_labels, pair.slot_prefixes, record.counts.tolist())
+                tokens.write((pair.labels,), (pair.prefix,), (record.stats.tokens,))
             self._forget_gone(seen)
-            used, overflow = self._used, self._overflow
-        series = GaugeMetricFamily(PREFIX + "expert_series", "Per-expert series exported now (selections and tokens).",
+            used = self._used
+        if shard is not None:
+            return [selections, tokens]
+        series = GaugeMetricFamily(EXPERT_SERIES, "Per-expert series exported now (selections and tokens).",
                                    value=used)
-        budget = GaugeMetricFamily(PREFIX + "expert_series_budget", "The most per-expert series exported "
-                                   f"({BUDGET_FLAG}).", value=self._budget)
-        refused = CounterMetricFamily(EXPERT_OVERFLOW_SELECTIONS, "Selections counted for (router, business "
-                                      "line) pairs the per-expert series budget left out.", value=overflow)
+        budget = GaugeMetricFamily(EXPERT_SERIES_BUDGET, f"The most per-expert series exported ({BUDGET_FLAG}).",
+                                   value=self._budget)
+        refused = GaugeMetricFamily(EXPERT_OVERFLOW_SELECTIONS, "Selections in the current windows of (router, "
+                                    "business line) pairs the per-expert series budget left out.", value=overflow)
         return [selections, tokens, series, budget, refused]
 
-    def describe(self) -> Iterable[Metric]:
-        return []
-
-    def _admit(self, key: tuple[str, str], info: RouterInfo, serial: int, total: CountDelta) -> _Admitted | None:
-        """The pair admitted now, or ``None`` where it is (or was once) refused; its selections then count into
-        the overflow counter."""
-        refused = self._refused.get(key)
-        selected = int(total.counts.sum())
-        if refused is not None:
-            last_serial, counted = refused
-            # New windows under the same name (a worker that came back) start from zero again.
-            self._overflow += selected - counted if last_serial == serial and selected >= counted else selected
-            self._refused[key] = (serial, selected)
+    def _admit(self, key: tuple[str, str], info: RouterInfo) -> _Admitted | None:
+        """The pair admitted now, or ``None`` where it is (or was once) refused."""
+        if key in self._refused:
             return None
         cost = pair_series(info)
         if self._used + cost > self._budget:
-            self._refused[key] = (serial, selected)
-            self._overflow += selected
+            self._refused.add(key)
             if not self._warned:
                 self._warned = True
-                log.warning("per-expert counters: router %r, business line %r left out: its %d series do not fit "
-                            "the budget of %d (%d in use); its selections count into %s, and %s raises the budget",
-                            key[0], key[1], cost, self._budget, self._used, total_name(EXPERT_OVERFLOW_SELECTIONS),
+                log.warning("per-expert counts: router %r, business line %r left out: its %d series do not fit "
+                            "the budget of %d (%d in use); its window's selections show in %s, and %s raises the "
+                            "budget", key[0], key[1], cost, self._budget, self._used, EXPERT_OVERFLOW_SELECTIONS,
                             BUDGET_FLAG)
             return None
         router, line = key
         labels = dict(zip(SERIES_LABELS, (router, str(info.layer), info.kind, line), strict=True))
-        pair = _Admitted(tuple({**labels, EXPERT: str(slot)} for slot in range(info.num_slots)), labels, cost)
+        slot_labels = tuple({**labels, EXPERT: str(slot)} for slot in range(info.num_slots))
+        prefixes = tuple(sample_prefix(EXPERT_WINDOW_SELECTIONS, each) for each in slot_labels)
+        pair = _Admitted(slot_labels, labels, prefixes, sample_prefix(EXPERT_WINDOW_TOKENS, labels), info.layer, cost)
         self._admitted[key] = pair
         self._used += cost
         return pair
@@ -230,5 +234,4 @@ class ExpertCountsCollector(Collector):
             return
         for key in [key for key in self._admitted if key not in seen]:
             self._used -= self._admitted.pop(key).series
-        for key in [key for key in self._refused if key not in seen]:
-            del self._refused[key]
+        self._refused.intersection_update(seen)

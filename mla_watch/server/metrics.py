@@ -2,25 +2,31 @@
 
 Routing gauges are computed at scrape time from the rolling windows (a custom collector),
 so a scrape always sees the current window and never a stale copy. Series per router carry
-``router``, ``layer``, ``kind`` and ``business_line`` (``"all"`` sums every line).
+``router``, ``layer``, ``kind`` and ``business_line`` (``"all"`` sums every line). The opt-in
+per-expert window counts come from the same snapshot, and a router shard's series alone
+(``GET /metrics?shard=K/N``) from :meth:`RoutingCollector.families`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mla_watch.common.describe import describe_value
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.footprint import FootprintSampler
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.series import (
     BUSINESS_LINE,
+    EXPERT_WINDOW_SELECTIONS,
+    EXPERT_WINDOW_TOKENS,
     FILE,
     FLEET_ROLLOUT_STEPS,
     FLEET_STORE_UP,
@@ -38,11 +44,19 @@ from mla_watch.routing.series import (
     baseline_gauge,
     routing_gauge,
 )
+from mla_watch.routing.shards import RouterShard
 from mla_watch.routing.stats import BASELINE_METRICS, STATISTICS
-from mla_watch.routing.windows import ALL_LINES, RouterWindows, RoutingSnapshot
-from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCountsCollector, ExpertSelection
+from mla_watch.routing.windows import ALL_LINES, RoutingSnapshot
+from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCounts, ExpertSelection
 
-__all__ = ["BASELINE_GAUGES", "ReferenceCollector", "RoutingCollector", "ServerMetrics"]
+__all__ = ["BASELINE_GAUGES", "EXPERTS_PARAM", "SHARD_PARAM", "BadMetricsParam", "MetricsView", "ReferenceCollector",
+           "RoutingCollector", "ServerMetrics", "metrics_view"]
+
+# GET /metrics?shard=K/N: a router shard's series alone; ?experts=none: without the per-expert window counts.
+SHARD_PARAM = "shard"
+EXPERTS_PARAM = "experts"
+_EXPERTS_VALUES = ("all", "none")
+_PER_EXPERT_FAMILIES = frozenset({EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS})
 
 # The healthy values of a router and line's learned baseline (routing/baselines.py): rules relative to it, exported
 # to Prometheus, scale these.
@@ -108,12 +122,18 @@ class _PositionCollector(Collector):
 
 
 class RoutingCollector(Collector):
-    """Exports the routing statistics of the snapshot ``snapshot()`` returns, at scrape time."""
+    """Exports the routing statistics of the snapshot ``snapshot()`` returns, at scrape time, and with ``experts``
+    the per-expert window counts of the same snapshot."""
 
-    def __init__(self, snapshot: Callable[[], RoutingSnapshot]) -> None:
+    def __init__(self, snapshot: Callable[[], RoutingSnapshot], experts: ExpertCounts | None = None) -> None:
         self._snapshot = snapshot
+        self.experts = experts
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
+        return self.families()
+
+    def families(self, shard: RouterShard | None = None) -> list[Metric]:
+        """Every family of one snapshot; only the series of ``shard``'s routers when given."""
         labels = list(SERIES_LABELS)
         families = {statistic.key: GaugeMetricFamily(routing_gauge(statistic.key), statistic.help, labels=labels)
                     for statistic in STATISTICS}
@@ -121,7 +141,10 @@ class RoutingCollector(Collector):
                      for metric, text in BASELINE_GAUGES.items()}
         slots = GaugeMetricFamily(ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
                                   "positions counted (what a rule's `slots` selector matches).", labels=labels)
-        for record in self._snapshot().records:
+        records = self._snapshot().records
+        for record in records:
+            if shard is not None and not shard.holds(record.router.layer):
+                continue
             values = [record.router.name, str(record.router.layer), record.router.kind, record.line_label]
             for key, family in families.items():
                 value = getattr(record.stats, key)
@@ -132,7 +155,8 @@ class RoutingCollector(Collector):
                 for metric, value in record.baseline.values.items():
                     if metric in baselines:
                         baselines[metric].add_metric(values, float(value))
-        return [*families.values(), slots, *baselines.values()]
+        experts = self.experts.families(records, shard) if self.experts is not None else []
+        return [*families.values(), slots, *baselines.values(), *experts]
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return []
@@ -245,12 +269,11 @@ class ReferenceCollector(Collector):
 class ServerMetrics:
     """Every metric the server exports, registered on ``registry``.
 
-    With ``expert_counts`` (and ``routing_windows``, every source's windows), also the opt-in per-expert
-    counters of :mod:`mla_watch.server.expert_counts`, within ``expert_series_budget`` series.
+    With ``expert_counts``, also the opt-in per-expert window counts of :mod:`mla_watch.server.expert_counts`,
+    within ``expert_series_budget`` series.
     """
 
     def __init__(self, registry: CollectorRegistry, routing_snapshot: Callable[[], RoutingSnapshot], *,
-                 routing_windows: Callable[[], Iterable[RouterWindows]] | None = None,
                  expert_counts: ExpertSelection | None = None,
                  expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
         self.registry = registry
@@ -308,13 +331,10 @@ class ServerMetrics:
         self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
                                         [BUSINESS_LINE], registry=registry)
         self._registry = registry
-        registry.register(RoutingCollector(routing_snapshot))
-        self.expert_counts: ExpertCountsCollector | None = None
-        if expert_counts is not None:
-            if routing_windows is None:
-                raise ValueError("expert_counts needs routing_windows: the windows whose counts it exports")
-            self.expert_counts = ExpertCountsCollector(routing_windows, expert_counts, expert_series_budget)
-            registry.register(self.expert_counts)
+        self.expert_counts = (ExpertCounts(expert_counts, expert_series_budget) if expert_counts is not None
+                              else None)
+        self.routing = RoutingCollector(routing_snapshot, self.expert_counts)
+        registry.register(self.routing)
 
     def serving_version(self, version: int | str | None, digest: str) -> None:
         """``router_version_info``: one series, for the version and digest serving now."""
@@ -351,7 +371,53 @@ class ServerMetrics:
         """Export ``alerts_firing{alertname,severity}`` from the rule engine at scrape time."""
         self._registry.register(_FiringCollector(engine))
 
+    def view(self, shard: RouterShard | None = None, experts: bool = True) -> MetricsView:
+        """What ``GET /metrics`` answers with these parameters (see :func:`metrics_view`)."""
+        return MetricsView(self, shard, experts)
+
     def count_adjustments(self, decision: Any) -> None:
         for adjustment in decision.adjustments:
             counter = self.policy_defaults if adjustment.defaulted else self.policy_adjustments
             counter.labels(decision.business_line, decision.task, adjustment.param).inc()
+
+
+@dataclass(frozen=True)
+class MetricsView:
+    """The families one ``GET /metrics`` renders: every family of the registry, or only ``shard``'s routers' (their
+    routing gauges, baselines and per-expert window counts: what the fleet rules of that shard read), with or
+    without the per-expert window counts. ``prometheus_client.generate_latest`` takes it as a registry."""
+
+    metrics: ServerMetrics
+    shard: RouterShard | None
+    experts: bool
+
+    def collect(self) -> Iterator[Metric]:
+        shard = self.shard
+        families = self.metrics.routing.families(shard) if shard is not None else self.metrics.registry.collect()
+        for family in families:
+            if self.experts or family.name not in _PER_EXPERT_FAMILIES:
+                yield family
+
+
+class BadMetricsParam(ValueError):
+    """A query parameter of ``GET /metrics`` that names nothing it can answer: ``param`` and the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def metrics_view(metrics: ServerMetrics, params: dict[str, str]) -> MetricsView:
+    """The view ``GET /metrics`` answers for its query ``params``; :class:`BadMetricsParam` naming a bad one, its
+    value and what was expected. Other parameters are ignored, as Prometheus' client libraries ignore them."""
+    shard = None
+    if SHARD_PARAM in params:
+        try:
+            shard = RouterShard.parse(params[SHARD_PARAM], f"{SHARD_PARAM}=")
+        except ValueError as error:
+            raise BadMetricsParam(SHARD_PARAM, str(error)) from None
+    experts = params.get(EXPERTS_PARAM, "all")
+    if experts not in _EXPERTS_VALUES:
+        raise BadMetricsParam(EXPERTS_PARAM, f"{EXPERTS_PARAM}={describe_value(experts)}: expected all (the default) "
+                                             "or none (every family but the per-expert window counts)")
+    return metrics.view(shard, experts == "all")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -28,8 +28,9 @@ from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.context import Serving
+from mla_watch.server.exposition import exposition
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
-from mla_watch.server.metrics import ServerMetrics
+from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 from mla_watch.server.reads import BoundedReads
 from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError, describe_value
@@ -99,10 +100,16 @@ class ReadViews:
         return JSONResponse(body, status_code=200 if not problems else 503)
 
     async def scrape(self, request: Request) -> Response:
-        """``GET /metrics``."""
+        """``GET /metrics``; ``?shard=K/N`` answers one router shard's series alone, ``?experts=none`` leaves out
+        the per-expert window counts (a fleet's Prometheus servers each take a share: docs/fleet.md)."""
         if self.serving.model_worker is not None:
             self.metrics.queue_depth.set(self.serving.model_worker.queue_depth)
-        body = await asyncio.get_running_loop().run_in_executor(self.monitoring, generate_latest, self.registry)
+        params = dict(request.query_params)
+        try:
+            source = metrics_view(self.metrics, params) if params else self.registry
+        except BadMetricsParam as error:
+            raise ApiError(400, str(error), param=error.param, code="invalid_value") from None
+        body = await asyncio.get_running_loop().run_in_executor(self.monitoring, exposition, source)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> Response:
