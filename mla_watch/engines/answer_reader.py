@@ -253,7 +253,7 @@ class PlainReader(AnswerReader):
         return RoutingPlan(self.engine, None, keep=True, extra=self.request.extra)
 
     async def event(self, line: bytes, data: bytes) -> bytes | None:
-        return await self.mark_first(line, data)
+        return line if not self.first else await self.mark_first(line, data)
 
 
 def _prompt_start(payload: dict[str, Any]) -> int:

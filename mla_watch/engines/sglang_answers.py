@@ -27,7 +27,7 @@ class SglangReader(AnswerReader):
     async def event(self, line: bytes, data: bytes) -> bytes | None:
         if ROUTING_KEY in data:
             return await self._routing_chunk(data)
-        return await self.mark_first(line, data)
+        return line if not self.first else await self.mark_first(line, data)
 
     async def _routing_chunk(self, data: bytes) -> bytes | None:
         """The chunk with the stream's routing: cut out here, counted after (kept, where the client asked)."""

@@ -84,7 +84,7 @@ class VllmReader(AnswerReader):
             line = b"data: " + data
         tokens = self.replay.tokens if self.replay is not None else None
         if tokens is None:
-            return await self.mark_first(line, data)
+            return line if not self.first else await self.mark_first(line, data)
         extra = self.plan.extra if self.first else None
         if len(data) < STRIP_ON_LOOP_BYTES:
             body = read_chunk(tokens, data, extra)

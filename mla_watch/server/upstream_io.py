@@ -16,10 +16,13 @@ import zlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from mla_watch.engines.stream_lines import AnswerTooLarge  # the inflater's bound is a stream line's too
+# AnswerTooLarge: the inflater's bound is a stream line's too. EventLines, ROUTING_KEY and ROUTING_KEY_WINDOW moved to
+# mla_watch.engines.stream_lines (a line's bound depends on the engine's format): re-exported until the next release.
+from mla_watch.engines.stream_lines import ROUTING_KEY, ROUTING_KEY_WINDOW, AnswerTooLarge, EventLines
 from mla_watch.server.http import by_deadline
 
-__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "LineDeadline", "UnsupportedEncoding"]
+__all__ = ["ROUTING_KEY", "ROUTING_KEY_WINDOW", "SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater",
+           "EventLines", "LineDeadline", "UnsupportedEncoding"]
 
 T = TypeVar("T")
 
