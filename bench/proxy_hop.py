@@ -29,10 +29,12 @@ the shared machine's drift, and the work one arm leaves behind after its answer,
 Printed per arm and kind (completion, chat, a stream's end, a stream's first chunk): p50 and p95,
 the latency added over the arm's baseline at p50 and p95 (and the interquartile range of the per-
 round differences), and mla_watch's added latency as a share of LiteLLM's. Then chat throughput with
-``--clients`` concurrent clients per arm, and the resident memory of each proxy's process tree (the
-process and all its children) after the run. The proxies run with ``--alert-interval`` and
-``--history-interval`` of an hour, so that a rule evaluation or a history sample does not land in
-the measured requests. Nothing is asserted: only figures of one run are compared with each other.
+``--clients`` concurrent clients per arm, the CPU each proxy's process tree spent per request over the
+rounds (the counting after the answers included: the shared machine's load moves it less than latency), and
+the resident memory of each proxy's process tree (the process and all its children) after the run.
+The proxies run with ``--alert-interval`` and ``--history-interval`` of an hour, so that a rule
+evaluation or a history sample does not land in the measured requests. Nothing is asserted: only
+figures of one run are compared with each other.
 """
 
 from __future__ import annotations
@@ -301,6 +303,17 @@ def throughput(arm: Arm, clients: int, requests: int) -> float:
     return requests / elapsed
 
 
+def process_tree_cpu(pid: int) -> float:
+    """The CPU seconds (user and system, reaped children's included) ``pid`` and its descendants have used so far."""
+    ticks = 0
+    for member in process_tree_rss(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # /proc/PID/stat after "(comm)": utime, stime, cutime, cstime are fields 12 to 15
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += sum(int(value) for value in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def process_tree(pid: int) -> tuple[int, int]:
     """The resident memory (KiB, VmRSS summed) and the number of processes of ``pid`` and all its descendants."""
     rss = process_tree_rss(pid)
@@ -366,6 +379,9 @@ def render(figures: dict[str, Any], arms: dict[str, Arm]) -> str:
         for arm, rate in figures["throughput"].items():
             lines.append(f"  {arm:<15} {rate:8.1f} requests/s" + (f" (x{rate / litellm:.2f} LiteLLM's)" if litellm
                                                                    else ""))
+    lines += ["", "CPU of each proxy's process tree per request (user and system, its counting included):"]
+    for arm, milliseconds in figures["cpu_ms_per_request"].items():
+        lines.append(f"  {arm:<15} {milliseconds:7.2f} ms")
     lines += ["", "resident memory of each proxy's process tree after the run:"]
     for arm, (kib, count) in figures["rss"].items():
         lines.append(f"  {arm:<15} {kib / 1024:7.1f} MiB in {count} process{'es' if count != 1 else ''}")
@@ -427,6 +443,7 @@ def main() -> None:
             check_answers(client, list(arms.values()))
             if "mla_watch_vllm" in arms:  # its decoding process starts with the first answer to count
                 wait_counted(client, arms["mla_watch_vllm"].url, "vllm", 1)
+            cpu_before = {arm.name: process_tree_cpu(arm.pid) for arm in arms.values() if arm.pid is not None}
             run_rounds(client, list(arms.values()), args.rounds, args.warmup, args.gap)
             if "mla_watch_vllm" in arms:
                 url = arms["mla_watch_vllm"].url
@@ -434,7 +451,13 @@ def main() -> None:
                 figures_counted = wait_counted(client, url, "vllm", expected)
                 replayed = metric_value(client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total",
                                   outcome="replayed")
+            # The proxies' CPU per request, their counting after the answers included: unlike latency, it does not
+            # grow with what else the shared machine runs.
+            sent = (args.warmup + args.rounds) * 3
+            cpu_ms = {arm.name: (process_tree_cpu(arm.pid) - cpu_before[arm.name]) / sent * 1e3
+                      for arm in arms.values() if arm.pid is not None}
         figures = figures_of(arms)
+        figures["cpu_ms_per_request"] = cpu_ms
         figures.update({"bench": "proxy_hop", "args": {k: v for k, v in vars(args).items()
                                                        if k not in ("serve_engine", "port")}})
         if "mla_watch_vllm" in arms:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +41,7 @@ def _imports(tree: ast.Module, modules: set[str] | dict[str, ast.Module]) -> Ite
                 yield (submodule if submodule in modules else node.module), node.lineno
 
 
+@functools.cache  # parsed once for every test here (read, never changed): ~4 s a parse of the tree
 def _sources() -> dict[str, ast.Module]:
     return {_module_name(path): ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.rglob("*.py"))}
 
@@ -125,3 +128,69 @@ def test_alert_and_series_labels_are_read_by_their_constant() -> None:
             if isinstance(key, ast.Constant) and key.value in EXPERT_LABELS:
                 spelled.append(f"{module}:{node.lineno} {key.value!r}")
     assert not spelled, spelled
+
+
+# ---------------------------------------------------------------------------------------------- the HTTP layer
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring nodes of a module, its classes and functions (prose, not values)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _server_sources() -> dict[str, ast.Module]:
+    return {module: tree for module, tree in _sources().items() if _layer(module) == "server"}
+
+
+def test_the_http_layer_names_no_engine() -> None:
+    """The server relays, bounds and times an engine's bytes: what each engine's format means is for its reader in
+    engines/ (engines/reading.py chooses it by name). An engine's name as a value in server/ is a branch on it."""
+    from mla_watch.engines.backends import SWAPPING_ENGINES
+    from mla_watch.engines.reading import ANSWER_FORMATS
+
+    names = sorted({*ANSWER_FORMATS, *SWAPPING_ENGINES})
+    assert names, "no engine format is registered"
+    named = re.compile(rf"(?<![\w-])({'|'.join(map(re.escape, names))})(?![\w-])")
+    spelled = []
+    for module, tree in _server_sources().items():
+        prose = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose \
+                    and named.search(node.value):
+                spelled.append(f"{module}:{node.lineno} {node.value[:60]!r}")
+    assert not spelled, "\n".join(spelled)
+
+
+def test_the_http_layer_does_not_branch_on_the_engine_format() -> None:
+    """No ``plan.engine == "..."`` (nor ``!=``, ``in``) in server/: an engine's format is an object that is asked,
+    not a name that is compared."""
+    def engine(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "engine") or \
+            (isinstance(node, ast.Name) and node.id == "engine")
+
+    def literal(node: ast.expr) -> bool:
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(literal(element) for element in node.elts)
+        return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+    branches = []
+    for module, tree in _server_sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(engine(operand) for operand in operands) and any(literal(operand) for operand in operands):
+                    branches.append(f"{module}:{node.lineno} {ast.unparse(node)[:80]}")
+    assert not branches, "\n".join(branches)
+
+
+def test_engines_never_import_the_http_layer() -> None:
+    """An answer's path runs from server/ down into engines/ and never back: no module of engines/ imports one of
+    server/ (the per-chunk path is also watched running: tests/test_engine_streams.py)."""
+    sources = _sources()
+    climbing = [f"{module}:{line} imports {target}" for module, tree in sources.items() if _layer(module) == "engines"
+                for target, line in _imports(tree, sources) if target.startswith("mla_watch.server")]
+    assert not climbing, "\n".join(climbing)

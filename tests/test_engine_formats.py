@@ -232,14 +232,14 @@ def test_routing_that_names_an_expert_twice_in_a_tokens_top_k_is_never_counted()
 
 @pytest.mark.parametrize("top_k", [2, 8, 16, 17, 32])
 def test_a_repeated_expert_is_found_at_every_top_k(top_k) -> None:
-    from mla_watch.engines.formats import _refuse_duplicates
+    from mla_watch.engines.routing_ids import refuse_duplicates
 
     rng = np.random.default_rng(top_k)
     ids = np.argsort(rng.random((50, 3, 64)), axis=2)[:, :, :top_k]
-    _refuse_duplicates(ids)  # distinct: no error
+    refuse_duplicates(ids)  # distinct: no error
     ids[17, 2, top_k - 1] = ids[17, 2, 0]
     with pytest.raises(DataError) as raised:
-        _refuse_duplicates(ids)
+        refuse_duplicates(ids)
     assert raised.value.reason == "duplicate_ids" and "1 of 50 tokens" in str(raised.value)
     assert f"token 17, MoE layer 2, expert {ids[17, 2, 0]}" in str(raised.value)
 

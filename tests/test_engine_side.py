@@ -48,6 +48,7 @@ ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "m
                "mla_watch.server.app", "mla_watch.server.proxy", "mla_watch.server.admin", "mla_watch.server.reference",
                "mla_watch.server.retuning", "mla_watch.engines.count_queue", "mla_watch.engines.decoder",
                "mla_watch.engines.formats", "mla_watch.engines.replay", "mla_watch.engines.watch",
+               "mla_watch.engines.reading", "mla_watch.engines.backends",
                "mla_watch.engines.recorder", "mla_watch.engines.vllm_weights", "mla_watch.engines.sglang_weights",
                "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.quality.score",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,11 +19,13 @@ import httpx
 import numpy as np
 import pytest
 
+from mla_watch.engines import answer_reader as answer_reader_module
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, count_response, encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.replay import MAX_STREAM_TOKENS, ReplayBudget, StreamReplayer, StreamTokens
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
+from mla_watch.server import proxy as proxy_module
 from tests.support import get_metrics, metric_value, running_sidecar, serve_app, settled
 from tests.vllm_twin import SILENT_TOKEN, VllmTwin
 
@@ -325,3 +329,52 @@ def test_a_routing_chunk_may_be_longer_than_a_stream_line_without_routing(tmp_pa
         settled(sidecar, 2)
         assert events[-1] == "[DONE]" and not any("error" in event for event in events[:-1])
         assert np.array_equal(counted(sidecar, "customer_service"), counted(sidecar, "code_assistant"))
+
+
+@pytest.mark.parametrize("stream_routing", [False, True], ids=["token_ids", "routing_chunks"])
+def test_a_streamed_chunk_runs_down_into_the_engines_reader_and_never_back_up(tmp_path, stream_routing) -> None:
+    """Watched running: the proxy (server/) hands each read of a stream to one reader (engines/), which reads,
+    strips, marks and counts it and returns what the client gets; nothing it calls on the way runs in server/.
+    (A replay, after the stream, sends through the proxy's exchange: not a chunk's path.)"""
+    server_dir = str(Path(proxy_module.__file__).parent) + os.sep
+    engines_dir = str(Path(answer_reader_module.__file__).parent) + os.sep
+    climbs: set[str] = set()  # server/ code run beneath engines/ code on a chunk's path
+    entered: set[str] = set()  # what of engines/ server/ calls on a chunk's path: the reader's interface only
+
+    def relayed_below(frame) -> tuple[bool, str | None]:
+        """Whether ``frame`` runs under the proxy's stream relay, and the engines/ frame between them, if any."""
+        between = None
+        caller = frame.f_back
+        while caller is not None:
+            code = caller.f_code
+            if code.co_filename.startswith(server_dir) and code.co_name == "_relay_stream":
+                return True, between
+            if between is None and code.co_filename.startswith(engines_dir):
+                between = f"{Path(code.co_filename).name}:{code.co_name}"
+            caller = caller.f_back
+        return False, None
+
+    def watch(frame, event, arg) -> None:
+        if event != "call":  # a call, or a coroutine resumed
+            return
+        filename = frame.f_code.co_filename
+        if filename.startswith(server_dir):
+            relayed, between = relayed_below(frame)
+            if relayed and between is not None:
+                climbs.add(f"{between} -> {Path(filename).name}:{frame.f_code.co_name}")
+        elif filename.startswith(engines_dir) and frame.f_back is not None \
+                and frame.f_back.f_code.co_filename.startswith(server_dir) and relayed_below(frame)[0]:
+            entered.add(f"{Path(filename).name}:{frame.f_code.co_name}")
+
+    threading.setprofile(watch)  # the threads about to start: the sidecar's server and its decoding thread
+    try:
+        with beside_twin(tmp_path) as (twin, url, sidecar):
+            twin.stream_routing = stream_routing
+            events = ask(url, "customer_service", chat=True, stream=True, n=2)
+            settled(sidecar, 1)
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert events[-1] == "[DONE]" and events[0]["mla_watch"]["policy"].startswith("customer_service/")
+    assert counted(sidecar, "customer_service").sum() > 0
+    assert entered == {"answer_reader.py:feed", "answer_reader.py:end", "answer_reader.py:finish"}, sorted(entered)
+    assert not climbs, sorted(climbs)

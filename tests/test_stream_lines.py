@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mla_watch.server.upstream_io import ROUTING_KEY_WINDOW, AnswerTooLarge, EventLines
+from mla_watch.engines.stream_lines import ROUTING_KEY_WINDOW, AnswerTooLarge, EventLines
 
 
 def test_a_line_without_routing_is_cut_at_the_line_limit() -> None:

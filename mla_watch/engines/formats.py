@@ -51,19 +51,18 @@ from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.routing_ids import (
     DATA_ERRORS,
     DataError,
-    _describe,
-    _encode_npy,
-    _nested_lists,
-    _npy_or_lists,
-    _raw_int32,
-    _refuse_duplicates,  # noqa: F401  (re-exported: tests import it from here)
-    _sglang_decoder,
+    describe_sent,
+    encode_npy,
     encode_sglang,
     encode_vllm,
     every_layer,
     moe_rows,
+    nested_list_ids,
+    raw_int32_ids,
     routing_counts,
     routing_position_counts,
+    sglang_routing_decoder,
+    vllm_routing_ids,
 )
 
 __all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
@@ -456,11 +455,11 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
                 continue
             arrays.append(ids)
             if plan.keep and plan.prompt_start and not isinstance(value, list):
-                if decode is _npy_or_lists:
-                    kept.append((container, key, ids, _encode_npy))
+                if decode is vllm_routing_ids:
+                    kept.append((container, key, ids, encode_npy))
                 elif plan.engine == "sglang":
                     assert plan.geometry is not None  # routing decoded: the plan reads it
-                    kept.append((container, key, _raw_int32(value, plan.geometry), encode_sglang))
+                    kept.append((container, key, raw_int32_ids(value, plan.geometry), encode_sglang))
     if plan.engine == "sglang" and not plan.keep and document.get("sglext") == {}:
         del document["sglext"]
     # Every row from the sequence's first position (the proxy asks for every row): a choice repeats the prompt.
@@ -485,7 +484,7 @@ def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
     shortest = min(ids.shape[0] if ids.ndim else 0 for ids in arrays)
     if type(prompt) is not int or not 0 <= prompt <= shortest:
         raise DataError("shape", f"{len(arrays)} choices carry routing and usage.prompt_tokens is "
-                                 f"{_describe(prompt)}: expected the prompt's length, at most {shortest} (the rows "
+                                 f"{describe_sent(prompt)}: expected the prompt's length, at most {shortest} (the rows "
                                  "of the shortest choice), to count the prompt rows every choice repeats once")
     return prompt
 
@@ -496,11 +495,11 @@ _Field = tuple[dict[str, Any], str, Any]
 def _vllm_fields(document: dict[str, Any]) -> list[_Field]:
     fields: list[_Field] = []
     if "prompt_routed_experts" in document:
-        fields.append((document, "prompt_routed_experts", _nested_lists))
+        fields.append((document, "prompt_routed_experts", nested_list_ids))
     choices = document.get("choices")
     for choice in choices if isinstance(choices, list) else []:
         if isinstance(choice, dict) and "routed_experts" in choice:
-            fields.append((choice, "routed_experts", _npy_or_lists))
+            fields.append((choice, "routed_experts", vllm_routing_ids))
     return fields
 
 
@@ -510,7 +509,7 @@ def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
     fields: list[_Field] = []
     for container in (document.get("sglext"), document.get("meta_info")):
         if isinstance(container, dict) and "routed_experts" in container:
-            fields.append((container, "routed_experts", _sglang_decoder(container)))
+            fields.append((container, "routed_experts", sglang_routing_decoder(container)))
     response_level = bool(fields)
     choices = document.get("choices")
     for choice in choices if isinstance(choices, list) else []:
@@ -519,7 +518,7 @@ def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
             # serving_chat.py:2857-2860 leaves sglext's routing out when choices carry meta_info; both would
             # count choice 0 twice. Each choice is its own request over the same prompt (n > 1): the rows
             # after the first choice's are counted from the generated ones only.
-            fields.append((meta, "routed_experts", _sglang_decoder(meta, generated_only=len(fields) > 0,
+            fields.append((meta, "routed_experts", sglang_routing_decoder(meta, generated_only=len(fields) > 0,
                                                                    conflict=response_level)))
     return fields
 

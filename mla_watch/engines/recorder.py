@@ -48,11 +48,12 @@ from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.watch import LOG_EVERY_SECONDS, UNATTRIBUTED_LINE, EngineRouting
 from mla_watch.routing.routers import CountDelta
 
-__all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "MAX_DUMP_PASSES", "OUTCOMES", "REJECT_REASONS", "Dump", "DumpError",
-           "RecorderPoller", "read_dump"]
+__all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "MAX_DUMP_PASSES", "OUTCOMES", "RECORDER_ENGINE", "REJECT_REASONS", "Dump",
+           "DumpError", "RecorderPoller", "read_dump"]
 
 log = logging.getLogger("mla_watch.engines.recorder")
 
+RECORDER_ENGINE = "sglang"  # whose recorder it is: the engine its counts are labelled with, where no answer is read
 START_PATH = "/start_expert_distribution_record"
 DUMP_PATH = "/dump_expert_distribution_record"
 # Rank 0's file in stat mode; the group is the time.time() of the dump, the order files are read in.

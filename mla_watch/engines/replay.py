@@ -32,7 +32,7 @@ from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineMetrics
 
-__all__ = ["MAX_STREAM_TOKENS", "REPLAY_OUTCOMES", "TOKEN_IDS_FIELD", "ReplayBudget", "StreamReplayer",
+__all__ = ["MAX_STREAM_TOKENS", "REPLAY_OUTCOMES", "TOKEN_IDS_FIELD", "ReplayBudget", "Send", "StreamReplayer",
            "StreamTokens", "read_chunk", "read_chunk_apart"]
 
 log = logging.getLogger("mla_watch.engines")

@@ -20,8 +20,9 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["DATA_ERRORS", "DataError", "encode_sglang", "encode_vllm", "every_layer", "moe_rows",
-           "routing_counts", "routing_position_counts"]
+__all__ = ["DATA_ERRORS", "DataError", "describe_sent", "encode_npy", "encode_sglang", "encode_vllm", "every_layer",
+           "moe_rows", "nested_list_ids", "raw_int32_ids", "refuse_duplicates", "routing_counts",
+           "routing_position_counts", "sglang_routing_decoder", "vllm_routing_ids"]
 
 
 # Data-error reasons (a metric label): what was wrong with the routing an engine returned.
@@ -42,7 +43,7 @@ class DataError(ValueError):
         return (DataError, (self.reason, str(self)))
 
 
-def _describe(value: Any) -> str:
+def describe_sent(value: Any) -> str:
     """A value an engine sent, for a message: a short number as it is, anything else by its type alone
     (unlike :func:`mla_watch.describe.describe_value`, which encodes the whole value first: an engine's may
     be megabytes)."""
@@ -65,7 +66,7 @@ def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarra
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= geometry.num_experts):
         raise DataError("expert_id", f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
                                      f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)")
-    _refuse_duplicates(ids)
+    refuse_duplicates(ids)
     # One bincount over (layer, expert) pairs, written into a reused intp buffer: bincount takes it
     # as it is, and a fresh 8 MB array per response costs more in page faults than the count itself.
     offsets = (np.arange(moe, dtype=np.intp) * geometry.num_experts)[None, :, None]
@@ -110,7 +111,7 @@ SCRATCH_KEPT = 1 << 24  # ids: a buffer of up to 128 MB is kept for the next res
 _PAIRWISE_TOP_K = 16
 
 
-def _refuse_duplicates(ids: np.ndarray) -> None:
+def refuse_duplicates(ids: np.ndarray) -> None:
     """A token's top-k holds ``k`` distinct experts; one named twice is no routing at all."""
     top_k = ids.shape[2]
     if top_k < 2 or not ids.size:
@@ -147,8 +148,9 @@ def _scratch(size: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- reading (one field)
-def _npy_or_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
-    return _npy(value, geometry) if isinstance(value, str | bytes | memoryview) else _nested_lists(value, geometry)
+def vllm_routing_ids(value: Any, geometry: EngineGeometry) -> np.ndarray:
+    """The ids of one vLLM ``routed_experts`` field: >= 0.22's base64 ``.npy`` file, or <= 0.21's nested lists."""
+    return _npy(value, geometry) if isinstance(value, str | bytes | memoryview) else nested_list_ids(value, geometry)
 
 
 def _b64(value: Any) -> bytes:
@@ -192,13 +194,14 @@ def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarra
     return ids.reshape(shape, order="F" if fortran_order else "C")
 
 
-def _encode_npy(ids: np.ndarray) -> str:
+def encode_npy(ids: np.ndarray) -> str:
+    """``ids`` as base64 of a ``.npy`` file, in their own dtype (what vLLM returns, trimmed to a prompt start)."""
     buffer = io.BytesIO()
     np.save(buffer, ids, allow_pickle=False)
     return pybase64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:
+def raw_int32_ids(value: Any, geometry: EngineGeometry) -> np.ndarray:
     """SGLang's headerless int32 bytes, shaped ``[tokens, layers, top_k]`` by the model config."""
     raw = _b64(value)
     if len(raw) % 4:
@@ -217,7 +220,7 @@ def _raw_int32(value: Any, geometry: EngineGeometry) -> np.ndarray:
 _SGLANG_SIBLING = "routed_experts_"
 
 
-def _sglang_decoder(container: dict[str, Any], *, generated_only: bool = False, conflict: bool = False) -> Any:
+def sglang_routing_decoder(container: dict[str, Any], *, generated_only: bool = False, conflict: bool = False) -> Any:
     """The decode of one SGLang routing field, which reads the fields beside it in ``container``."""
     def decode(value: Any, geometry: EngineGeometry) -> np.ndarray:
         if conflict:
@@ -226,11 +229,11 @@ def _sglang_decoder(container: dict[str, Any], *, generated_only: bool = False, 
         for key in container:
             if isinstance(key, str) and key.startswith(_SGLANG_SIBLING):
                 sibling = container[key]  # a dtype's name is short: shown as it is, anything else by its type
-                shown = repr(sibling) if isinstance(sibling, str) and len(sibling) <= 24 else _describe(sibling)
+                shown = repr(sibling) if isinstance(sibling, str) and len(sibling) <= 24 else describe_sent(sibling)
                 raise DataError("encoding", f"routing comes with {key[:40]}={shown}: a field SGLang (up to "
                                             "0.5.23) does not send; ids of a dtype or offset it may name are not "
                                             "guessed")
-        ids = _raw_int32(value, geometry)
+        ids = raw_int32_ids(value, geometry)
         if generated_only:
             ids = ids[ids.shape[0] - _sglang_generated_rows(container, ids.shape[0]):]
         return _without_padding_rows(ids, geometry)
@@ -245,7 +248,7 @@ def _sglang_generated_rows(meta: dict[str, Any], rows: int) -> int:
     completion = meta.get("completion_tokens")
     if type(completion) is not int or not 0 <= completion <= rows + 1:
         raise DataError("shape", f"a later choice's routing has {rows} rows and meta_info.completion_tokens is "
-                                 f"{_describe(completion)}: expected an integer in [0, {rows + 1}], to count the "
+                                 f"{describe_sent(completion)}: expected an integer in [0, {rows + 1}], to count the "
                                  "generated rows only (the prompt's rows repeat the first choice's)")
     return max(completion - 1, 0)
 
@@ -261,7 +264,8 @@ def _without_padding_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarr
     return ids[~padding] if padding.any() else ids
 
 
-def _nested_lists(value: Any, geometry: EngineGeometry) -> np.ndarray:
+def nested_list_ids(value: Any, geometry: EngineGeometry) -> np.ndarray:
+    """vLLM <= 0.21's routing, nested JSON lists ``[tokens, layers, top_k]``, as an int64 array."""
     try:
         ids = np.asarray(value)
     except ValueError:  # ragged
@@ -282,7 +286,7 @@ def every_layer(ids: np.ndarray, layers: list[int], num_hidden_layers: int) -> n
 
 def encode_vllm(ids: np.ndarray, num_experts: int) -> str:
     """vLLM >= 0.22's ``routed_experts``: base64 of a ``.npy`` file, uint8 up to 256 experts, else uint16."""
-    return _encode_npy(ids.astype(np.uint8 if num_experts <= 256 else np.uint16))
+    return encode_npy(ids.astype(np.uint8 if num_experts <= 256 else np.uint16))
 
 
 def encode_sglang(ids: np.ndarray) -> str:

@@ -57,8 +57,8 @@ import httpx
 import numpy as np
 
 from mla_watch.common.values import is_number
-from mla_watch.engines.formats import DataError, _sglang_decoder, routing_counts
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.routing_ids import DataError, routing_counts, sglang_routing_decoder
 from mla_watch.engines.swap import (
     ENGINE_MESSAGE_CHARS,
     MAX_TOKENIZE_ANSWER_BYTES,
@@ -290,7 +290,7 @@ class SglangWeights(EngineWeights):
         if value is None:
             return None  # SGLang runs without --enable-return-routed-experts: it ignores the request field
         try:
-            ids = _sglang_decoder(meta)(value, geometry)
+            ids = sglang_routing_decoder(meta)(value, geometry)
             routing_counts(ids, geometry)  # shape, expert ids and distinct top-k checked as the proxy checks them
         except DataError as error:
             raise SwapError(f"{where}: meta_info.routed_experts: {error} ({error.reason})") from None

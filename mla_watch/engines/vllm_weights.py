@@ -66,8 +66,8 @@ from mla_watch.common.describe import describe_value
 from mla_watch.common.tensor_files import as_array, is_floating, is_torch_tensor, read_tensors, save_tensors
 from mla_watch.common.values import is_number
 from mla_watch.engines.checkpoints import checkpoint_files
-from mla_watch.engines.formats import DataError, _npy_or_lists, routing_counts
 from mla_watch.engines.geometry import MAX_CONFIG_BYTES, EngineGeometry, GeometryError, parse_geometry
+from mla_watch.engines.routing_ids import DataError, routing_counts, vllm_routing_ids
 from mla_watch.engines.swap import (
     ENGINE_MESSAGE_CHARS,
     MAX_TOKENIZE_ANSWER_BYTES,
@@ -459,7 +459,7 @@ class VllmWeights(EngineWeights):
         if value is None or self.geometry is None:
             return None
         try:
-            ids = _npy_or_lists(value, self.geometry)
+            ids = vllm_routing_ids(value, self.geometry)
             routing_counts(ids, self.geometry)  # the checks the proxy makes: shape, expert range, distinct top-k
         except DataError as error:
             raise SwapError(f"{where}: routed_experts: {error}") from None

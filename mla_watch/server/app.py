@@ -35,6 +35,7 @@ from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
 from mla_watch.routing.baselines import Baselines
@@ -53,7 +54,6 @@ from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads, monitoring_executor
 from mla_watch.server.reference import References
 from mla_watch.server.requests import ApiError
-from mla_watch.server.responses import RoutingLayout
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
 from mla_watch.server.upstream_side import UpstreamSide, build_upstream_side

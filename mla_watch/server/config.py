@@ -11,6 +11,7 @@ from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.common.directory_store import ConfigError
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
+from mla_watch.engines.reading import ENGINE_CHOICES, NO_ENGINE  # ENGINE_CHOICES: the flag's, re-exported
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
@@ -25,9 +26,6 @@ from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_REFERENCES, SHIPPED_RULE
 __all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
            "UPSTREAM_MAX_LINE_BYTES",
            "ServerConfig", "ServerConfigError", "check_tokens", "split_credentials"]
-
-# How `serve --engine` reads the upstream's routing (mla_watch.engines.formats.ENGINES, none, or auto).
-ENGINE_CHOICES = ("none", "vllm", "sglang", "auto")
 
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
 INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
@@ -63,7 +61,7 @@ class ServerConfig:
     upstream_max_line_bytes: int = UPSTREAM_MAX_LINE_BYTES  # one line of its stream that carries no routing
     upstream_check_seconds: float = 5.0  # the upstream's GET /health, this often: /readyz says whether it answers
     # Beside vLLM or SGLang (mla_watch.engines): how the upstream returns routing, and where its routers sit.
-    engine: str = "none"  # none | vllm | sglang | auto (asked of the upstream's /v1/models)
+    engine: str = NO_ENGINE  # one of ENGINE_CHOICES (auto: asked of the upstream's /v1/models)
     model_config: Path | None = None  # the config.json the engine loaded, or its directory
     decode_workers: int = 1  # processes decoding engine routing off the event loop; 0: a thread
     count_queue_bytes: int = COUNT_QUEUE_BYTES  # answers whose routing is still to be counted

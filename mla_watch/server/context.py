@@ -18,6 +18,7 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.service import AlertService
+    from mla_watch.engines.routing_fields import RoutingLayout
     from mla_watch.fleet.member import FleetMember
     from mla_watch.policy.files import PolicyStore
     from mla_watch.retune.service import RetuneService
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from mla_watch.server.metrics import ServerMetrics
     from mla_watch.server.model_worker import ModelWorker
     from mla_watch.server.proxy import Upstream
-    from mla_watch.server.responses import RoutingLayout
     from mla_watch.server.selftest import SelfTestResult
     from mla_watch.server.sources import RoutingSources
     from mla_watch.server.upstream_health import UpstreamHealth

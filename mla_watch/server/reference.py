@@ -23,6 +23,7 @@ from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, Referenc
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 
@@ -71,21 +72,13 @@ class References:
         """The reader of the engine beside (vLLM or SGLang), made once: the prober and engine re-tune gates share its
         pace; ``None`` beside another engine."""
         config = self.config
-        if config.engine not in ("vllm", "sglang"):
+        if config.engine not in SWAPPING_ENGINES:  # an engine without a weight backend: its prompts cannot be read
             return None
         if self._engine_reader is None:
-            timeout = max(config.request_timeout, 60.0)
-            key = os.environ.get("MLA_WATCH_ENGINE_API_KEY")
-            if config.engine == "vllm":
-                from mla_watch.engines.vllm_weights import VllmWeights
-
-                weights: Any = VllmWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
-                                           geometry=geometry, api_key=key)
-            else:
-                from mla_watch.engines.sglang_weights import SglangWeights
-
-                weights = SglangWeights(config.upstream, timeout=timeout,  # type: ignore[arg-type]
-                                        geometry=geometry, api_key=key)
+            assert config.upstream is not None  # beside an engine: --upstream
+            weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
+                                     geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
+            assert weights is not None  # a swapping engine's
             self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
                                                max_tokens=config.reference.max_tokens)
         return self._engine_reader
@@ -95,7 +88,8 @@ class References:
         check of the engine's routers runs otherwise) and, with engine re-tuning, the router version is good."""
         reader = self.engine_reader(geometry)
         if reader is None:
-            self.unavailable = (f"the reference prompts are read through vLLM or SGLang (--engine vllm|sglang), not "
+            self.unavailable = (f"the reference prompts are read through vLLM or SGLang (--engine "
+                                f"{'|'.join(SWAPPING_ENGINES)}), not "
                                 f"{self.config.engine}: the cause of a routing alert cannot be told")
             log.warning(self.unavailable)
             return

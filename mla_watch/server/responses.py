@@ -5,28 +5,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
+# RoutingLayout moved to mla_watch.engines.routing_fields (it writes the engines' fields): re-exported until the next
+# release.
+from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.policy.model import Decision
 from mla_watch.server.requests import GenerationRequest
 
 __all__ = ["Answer", "RoutingLayout", "sse"]
-
-
-@dataclass(frozen=True)
-class RoutingLayout:
-    """Where the recorded expert routers sit: what the engines' every-layer axis needs."""
-
-    layers: list[int]  # the decoder layer of each expert router, in recording order
-    num_hidden_layers: int
-    num_experts: int
-
-    def spread(self, ids: np.ndarray) -> np.ndarray:
-        return every_layer(ids, self.layers, self.num_hidden_layers)
 
 
 class Answer:
@@ -89,28 +78,25 @@ class Answer:
                 "total_tokens": self.prompt_tokens + completion}
 
     def routing_chunk(self) -> dict[str, Any] | None:
-        """SGLang's stream chunk of the routing (``choices: []``), for a client that asked for it."""
-        ext = self._sglext()
-        return None if ext is None else {**self._envelope(chunk=True), "choices": [], "sglext": ext}
+        """The stream's chunk of the routing (``choices: []``), for a client that asked for it."""
+        fields = self._asked_routing()
+        return None if fields is None else {**self._envelope(chunk=True), "choices": [], **fields}
 
-    def _sglext(self) -> dict[str, Any] | None:
+    def _asked_routing(self) -> dict[str, Any] | None:
+        """The routing fields of a client that asked for them (``return_routed_experts``)."""
         if not self.routing or self.routing_layout is None or not self.parsed.return_routed_experts:
-            return None  # SGLang answers the first choice's routing, and only to a request that asks
-        return {"routed_experts": encode_sglang(self.routing_layout.spread(self.routing[0]))}
+            return None
+        return self.routing_layout.sglang_fields(self.routing)
 
     def usage_chunk(self) -> dict[str, Any]:
         return {**self._envelope(chunk=True), "choices": [], "usage": self.usage()}
 
     def body(self) -> dict[str, Any]:
         choices = [self._choice(i, text, self.finish[i], False) for i, text in enumerate(self.texts)]
-        layout = self.routing_layout
-        if self.routing is not None and layout is not None:  # vLLM's field: every response, no switch
-            for choice, ids in zip(choices, self.routing, strict=True):
-                choice["routed_experts"] = encode_vllm(layout.spread(ids), layout.num_experts)
+        if self.routing is not None and self.routing_layout is not None:  # on every answer, asked or not
+            self.routing_layout.add_to_choices(choices, self.routing)
         body = {**self._envelope(chunk=False), "choices": choices, "usage": self.usage(), "mla_watch": self.extra}
-        ext = self._sglext()
-        if ext is not None:
-            body["sglext"] = ext
+        body.update(self._asked_routing() or {})
         return body
 
 

@@ -20,6 +20,7 @@ from mla_watch.alerting.engine import Action
 from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
@@ -124,13 +125,13 @@ class Retuning:
         """The re-tune service for the engine's routers (``--engine-retune propose|apply``); else why there is none."""
         config = self.config
         if self.sources.engine_routing is None:
-            return ("re-tuning needs a local model, or an engine's routing read (--engine vllm|sglang with "
-                    "--model-config) to re-tune the engine's routers")
+            return ("re-tuning needs a local model, or an engine's routing read (--engine "
+                    f"{'|'.join(SWAPPING_ENGINES)} with --model-config) to re-tune the engine's routers")
         if config.engine_retune == "off":
             return "re-tuning the engine's routers is off (serve --engine-retune propose|apply)"
-        if config.engine not in ("vllm", "sglang"):
-            return (f"re-tuning the engine's routers needs --engine vllm or sglang (not {config.engine}): the swap "
-                    "endpoints differ")
+        if config.engine not in SWAPPING_ENGINES:
+            return (f"re-tuning the engine's routers needs --engine {' or '.join(SWAPPING_ENGINES)} (not "
+                    f"{config.engine}): the swap endpoints differ")
         from mla_watch.engines.vllm_weights import read_router_tensors
         from mla_watch.retune.engine import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService
@@ -147,17 +148,10 @@ class Retuning:
             log.warning("re-tuning the engine's routers is not available: %s", error)
             return f"re-tuning the engine's routers is not available: {error}"
         assert config.upstream is not None  # beside an engine: --upstream
-        if config.engine == "vllm":
-            from mla_watch.engines.vllm_weights import VllmWeights
-
-            weights: Any = VllmWeights(config.upstream, timeout=max(config.request_timeout, 60.0),
-                                       geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
-        else:
-            from mla_watch.engines.sglang_weights import SglangWeights
-
-            weights = SglangWeights(config.upstream, timeout=max(config.request_timeout, 60.0), geometry=geometry,
-                                    api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
-                                    admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
+        weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
+                                 geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
+                                 admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
+        assert weights is not None  # a swapping engine's (checked above)
         state = ensure_private_dir(config.state_dir)
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
         host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 
 from mla_watch.engines.geometry import load_geometry
+from mla_watch.engines.reading import reads_routing
+from mla_watch.engines.recorder import RECORDER_ENGINE
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES
 from mla_watch.routing.baselines import Baselines
@@ -68,10 +70,10 @@ class RoutingSources:
         if config.engine_retune not in ENGINE_RETUNE_MODES:
             raise ServerConfigError([f"--engine-retune {describe_value(config.engine_retune, 40)}: expected one of "
                                      f"{', '.join(ENGINE_RETUNE_MODES)}"])
-        reading = config.engine != "none" or config.sglang_recorder_dir is not None
+        reading = reads_routing(config.engine) or config.sglang_recorder_dir is not None
         if not reading:
             return None
-        flag = "--engine" if config.engine != "none" else "--sglang-recorder-dir"
+        flag = "--engine" if reads_routing(config.engine) else "--sglang-recorder-dir"
         if not config.upstream:
             raise ServerConfigError([f"{flag} reads an engine's routing: it needs --upstream URL (the engine)"])
         if config.model_config is None:
@@ -79,7 +81,7 @@ class RoutingSources:
                                      "directory), which says where its MoE layers are"])
         geometry = load_geometry(config.model_config)  # GeometryError names the file and the key
         log.info("engine routers from %s: %s", config.model_config, geometry.describe())
-        engine = config.engine if config.engine != "none" else "sglang"
+        engine = config.engine if reads_routing(config.engine) else RECORDER_ENGINE
         return EngineRouting(engine, geometry, EngineMetrics(registry), window_tokens=config.window_tokens,
                              window_seconds=config.window_seconds, clock=self.clock)
 

@@ -1,43 +1,33 @@
-"""Reading an engine's answers within bounds: decompressed size, server-sent-event lines, time.
+"""Reading an engine's answers within bounds: decompressed size and time.
 
 An engine (or whatever answers at its address) decides how large its answers are. Nothing
 it sends is held past ``limit`` bytes after decompression: inflating a read whole (as httpx's
 decoders do) turns 1 MB of gzip into 1 GB in one call, so the proxy's client hands on the raw
-bytes and they are inflated here, a bounded piece at a time. Server-sent-event lines end at CR, LF or CRLF only (the SSE
-specification): text that is legal inside JSON, U+2028 or U+0085, never splits a line.
+bytes and they are inflated here, a bounded piece at a time. A stream's lines are cut, within
+their own bounds, by what reads the engine's answer (:mod:`mla_watch.engines.stream_lines`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import sys
 import zlib
 from collections.abc import Awaitable
 from typing import TypeVar
 
+# AnswerTooLarge: the inflater's bound is a stream line's too. EventLines, ROUTING_KEY and ROUTING_KEY_WINDOW moved to
+# mla_watch.engines.stream_lines (a line's bound depends on the engine's format): re-exported until the next release.
+from mla_watch.engines.stream_lines import ROUTING_KEY, ROUTING_KEY_WINDOW, AnswerTooLarge, EventLines
 from mla_watch.server.http import by_deadline
 
-__all__ = ["SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater", "EventLines", "LineDeadline",
-           "UnsupportedEncoding"]
+__all__ = ["ROUTING_KEY", "ROUTING_KEY_WINDOW", "SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater",
+           "EventLines", "LineDeadline", "UnsupportedEncoding"]
 
 T = TypeVar("T")
 
 SUPPORTED_ENCODINGS = ("identity", "gzip", "deflate")
-_EOL = re.compile(rb"\r\n?|\n")
 _PIECE_BYTES = 1 << 20
-ROUTING_KEY = b'"routed_experts"'
-ROUTING_KEY_WINDOW = 64 << 10  # engines name it before the megabytes: after a chunk's ids and text
-
-
-class AnswerTooLarge(Exception):
-    """More than ``limit`` bytes (decompressed) in one answer or one stream line."""
-
-    def __init__(self, limit: int, what: str) -> None:
-        super().__init__(f"{what} is larger than {limit} bytes")
-        self.limit = limit
-        self.what = what
 
 
 class UnsupportedEncoding(Exception):
@@ -94,47 +84,6 @@ class BoundedInflater:
         if self.size > self.limit:
             raise AnswerTooLarge(self.limit, self.what)
         return piece
-
-
-class EventLines:
-    """Splits a stream's decoded bytes into lines at CR, LF or CRLF, none longer than ``limit`` bytes; one that
-    names routing (``"routed_experts"`` within its first :data:`ROUTING_KEY_WINDOW` bytes) within ``routing_limit``."""
-
-    def __init__(self, limit: int, *, routing_limit: int | None = None) -> None:
-        self.limit = limit
-        self.routing_limit = max(limit, routing_limit or limit)
-        self._buffer = bytearray()
-        self._scanned = 0  # no line end before this offset of the buffer: a long line is scanned once
-
-    def feed(self, data: bytes) -> list[bytes]:
-        if not self._buffer and data.endswith(b"\n") and len(data) <= self.limit:
-            return data.splitlines()  # whole lines, as a stream's reads mostly are; none can be over the limit
-        self._buffer += data
-        lines, start = [], 0
-        while (end := _EOL.search(self._buffer, max(start, self._scanned))) is not None:
-            if end.group() == b"\r" and end.end() == len(self._buffer):
-                break  # a CR last: its LF may be in the next read
-            self._bound(start, end.start())  # a line that ends within this read is bounded too
-            lines.append(bytes(memoryview(self._buffer)[start:end.start()]))  # one copy, not two
-            start = end.end()
-        del self._buffer[:start]
-        self._scanned = max(0, len(self._buffer) - 1)
-        self._bound(0, len(self._buffer))
-        return lines
-
-    def _bound(self, start: int, end: int) -> None:
-        """Raises :class:`AnswerTooLarge` if the buffer's ``[start, end)``, one line, is over its limit."""
-        if end - start <= self.limit:
-            return
-        if self._buffer.find(ROUTING_KEY, start, min(end, start + ROUTING_KEY_WINDOW)) < 0:
-            raise AnswerTooLarge(self.limit, "a line of the stream")
-        if end - start > self.routing_limit:
-            raise AnswerTooLarge(self.routing_limit, "a line with routing of the stream")
-
-    def finish(self) -> list[bytes]:
-        """What is left when the stream ends: a last line without its line end."""
-        rest, self._buffer = bytes(self._buffer), bytearray()
-        return [rest.rstrip(b"\r")] if rest else []
 
 
 class LineDeadline:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from mla_watch.engines.count_queue import Capture
 from mla_watch.engines.decoder import RoutingDecoder
+from mla_watch.engines.reading import reads_routing
 from mla_watch.engines.recorder import RecorderPoller
 from mla_watch.engines.watch import EngineRouting
 from mla_watch.server.config import ServerConfig
@@ -51,7 +52,7 @@ def build_upstream_side(config: ServerConfig, routing: EngineRouting | None,
     decoder = RoutingDecoder(config.decode_workers)
     upstream = Upstream(
         config.upstream, config.request_timeout, decoder=decoder,
-        routing=routing if config.engine != "none" else None, max_bytes=config.upstream_max_bytes,
+        routing=routing if reads_routing(config.engine) else None, max_bytes=config.upstream_max_bytes,
         max_line_bytes=config.upstream_max_line_bytes, credentials=config.upstream_credentials,
         replay=config.replay if config.replay.rate > 0 else None,
         count_queue_bytes=config.count_queue_bytes, capture=capture)
