@@ -41,7 +41,7 @@ from typing import Any
 
 from mla_watch.common.directory_store import ConfigError, config_files
 from mla_watch.common.values import is_integer
-from mla_watch.common.yamlcheck import Checker, read_yaml
+from mla_watch.common.yamlcheck import Checker, read_yaml_document
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
@@ -164,8 +164,9 @@ def _load_file(path: Path) -> ReferenceSet:
                               "YAML file"]) from None
     if size > MAX_FILE_BYTES:
         raise ReferenceError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
-    data = read_yaml(path, label, ReferenceError)
-    chk = Checker(label)
+    document = read_yaml_document(path, label, ReferenceError)
+    chk = Checker(label, lines=document.lines)
+    data = document.data
     if not isinstance(data, dict):
         raise ReferenceError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
     for key in data:

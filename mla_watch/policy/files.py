@@ -18,8 +18,8 @@ from typing import Any
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult, config_files
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
+from mla_watch.common.yamlcheck import YamlDocument, read_yaml_document
 from mla_watch.common.yamlcheck import fmt as _fmt
-from mla_watch.common.yamlcheck import read_yaml
 from mla_watch.policy.model import (
     DEFAULT_BUSINESS_LINE,
     GOVERNED_PARAMS,
@@ -46,11 +46,6 @@ _RULE_KEYS: tuple[str, ...] = ("min", "max", "default", "fixed")
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _read_yaml(path: Path, label: str) -> Any:
-    return read_yaml(path, label, PolicyError)
-
 
 
 def _number_hint(value: object) -> str:
@@ -159,8 +154,9 @@ def _parse_section(chk: _Checker, path: str, raw: object) -> _Section:
     return section
 
 
-def _build_policy(data: object, path: Path, label: str) -> Policy:
-    chk = _Checker(label)
+def _build_policy(document: YamlDocument, path: Path, label: str) -> Policy:
+    chk = _Checker(label, lines=document.lines)
+    data = document.data
     if not isinstance(data, dict):
         what = "an empty file" if data is None else type(data).__name__
         raise PolicyError(
@@ -244,7 +240,7 @@ def load_policy_file(path: Path) -> Policy:
     """
     path = Path(path)
     label = str(path)
-    return _build_policy(_read_yaml(path, label), path, label)
+    return _build_policy(read_yaml_document(path, label, PolicyError), path, label)
 
 
 def load_policy_dir(directory: Path) -> PolicySet:
