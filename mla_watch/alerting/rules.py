@@ -63,7 +63,7 @@ from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.selector import _NAME_RE, _parse_selector
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.thresholds import _number_key, _parse_baseline_thresholds, _parse_trend, format_number
-from mla_watch.common.directory_store import config_files
+from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.common.yamlcheck import read_yaml_document
@@ -414,28 +414,14 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
     Raises :class:`RuleError` collecting the errors of all files, plus: a missing or empty
     directory, an alert or receiver name defined twice, a rule naming an unknown receiver.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        what = "does not exist" if not directory.exists() else "is not a directory"
-        raise RuleError([f"{directory}: the rules directory {what}: expected a directory of *.yaml rule files"])
-    try:
-        files = config_files(directory)
-    except OSError as exc:
-        raise RuleError([f"{directory}: cannot list the directory ({exc.strerror or exc}): "
-                         "expected a readable directory of *.yaml rule files"]) from None
-    if not files:
-        raise RuleError([f"{directory}: no rule files (*.yaml, *.yml): expected at least one, e.g. routing.yaml"])
-    errors: list[str] = []
+    read = read_yaml_directory(directory, lambda file: load_rules_file(file, environ=environ), RuleError,
+                               kind="rule", at_least="one, e.g. routing.yaml")
+    errors = read.errors
     warnings: list[str] = []
     rules: list[Rule] = []
     receivers: dict[str, Receiver] = {}
     rule_sources: dict[str, str] = {}
-    for file in files:
-        try:
-            file_rules, file_receivers, file_warnings = load_rules_file(file, environ=environ)
-        except RuleError as exc:
-            errors.extend(exc.errors)
-            continue
+    for _, (file_rules, file_receivers, file_warnings) in read.loaded:
         warnings.extend(file_warnings)
         for name, receiver in file_receivers.items():
             if name in receivers:

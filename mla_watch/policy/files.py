@@ -15,8 +15,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.common.directory_store import DirectoryStore, ReloadResult, config_files
+from mla_watch.common.directory_store import DirectoryStore, ReloadResult
 from mla_watch.common.values import is_integer, is_number
+from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import YamlDocument, read_yaml_document
 from mla_watch.common.yamlcheck import fmt as _fmt
@@ -250,30 +251,11 @@ def load_policy_dir(directory: Path) -> PolicySet:
     directory, a directory without policy files, or two files for one business line.
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        what = "does not exist" if not directory.exists() else "is not a directory"
-        raise PolicyError([f"{directory}: the policy directory {what}: expected a directory of *.yaml policy files"])
-    try:
-        files = config_files(directory)
-    except OSError as exc:
-        raise PolicyError(
-            [
-                f"{directory}: cannot list the directory ({exc.strerror or exc}): "
-                "expected a readable directory of *.yaml policy files"
-            ]
-        ) from None
-    if not files:
-        raise PolicyError(
-            [f"{directory}: no policy files (*.yaml, *.yml): expected at least one, e.g. {DEFAULT_BUSINESS_LINE}.yaml"]
-        )
-    errors: list[str] = []
+    read = read_yaml_directory(directory, load_policy_file, PolicyError, kind="policy",
+                               at_least=f"one, e.g. {DEFAULT_BUSINESS_LINE}.yaml")
+    errors = read.errors
     by_line: dict[str, list[Policy]] = {}
-    for file in files:
-        try:
-            policy = load_policy_file(file)
-        except PolicyError as exc:
-            errors.extend(exc.errors)
-            continue
+    for _, policy in read.loaded:
         by_line.setdefault(policy.business_line, []).append(policy)
     for line, policies in by_line.items():
         if len(policies) > 1:
