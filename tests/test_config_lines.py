@@ -70,3 +70,4 @@ def test_a_reference_set_error_names_the_line_of_its_key(tmp_path: Path) -> None
 def test_key_lines_walk_an_anchor_once() -> None:
     text = "a: &x [1, 2]\nb: *x\nc:\n  d: 3\n"
     assert key_lines(yaml.compose(text)) == {"a": 1, "a[0]": 1, "a[1]": 1, "b": 2, "c": 3, "c.d": 4}
+

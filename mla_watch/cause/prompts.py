@@ -39,7 +39,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.settings import SettingsError
 from mla_watch.common.values import is_integer
 from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker, read_yaml_document
@@ -61,7 +61,7 @@ _KEYS = ("business_line", "version", "description", "long", "max_tokens", "promp
 _GENERATE_KEYS = ("documents", "seed")
 
 
-class ReferenceError(ConfigError):
+class ReferenceError(SettingsError):
     """The reference prompts cannot be used; ``errors`` names each file, key, value and expectation."""
 
     what = "reference prompts"

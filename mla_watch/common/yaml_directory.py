@@ -1,7 +1,7 @@
 """Reading a directory of YAML files (rules, policies, reference prompts) with every file's errors collected.
 
 Each format keeps its own validation (a function that reads one file or raises its
-:class:`~mla_watch.common.directory_store.ConfigError`); walking the directory, refusing a missing or
+:class:`~mla_watch.common.directory_store.SettingsError`); walking the directory, refusing a missing or
 empty one and gathering each file's problems is done here, once. A caller adds the problems it finds
 across files and raises when there are any, so a :class:`~mla_watch.common.directory_store.DirectoryStore`
 keeps the last good set in force.
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from mla_watch.common.directory_store import ConfigError, config_files
+from mla_watch.common.directory_store import config_files
+from mla_watch.common.settings import SettingsError
 
 __all__ = ["DirectoryRead", "read_yaml_directory"]
 
@@ -30,13 +31,13 @@ class DirectoryRead(Generic[T]):
     errors: list[str] = field(default_factory=list)
 
 
-def read_yaml_directory(directory: Path, read_file: Callable[[Path], T], error: Callable[[list[str]], ConfigError],
+def read_yaml_directory(directory: Path, read_file: Callable[[Path], T], error: Callable[[list[str]], SettingsError],
                         *, kind: str, at_least: str) -> DirectoryRead[T]:
     """Read each ``*.yaml`` / ``*.yml`` file of ``directory`` (hidden files skipped) with ``read_file``.
 
     A missing, unreadable or empty directory raises ``error`` at once (``kind`` names its files, e.g.
     ``"rule"``; ``at_least`` the smallest directory, e.g. ``"one, e.g. routing.yaml"``); a file's own
-    :class:`ConfigError` is collected and the next file read.
+    :class:`SettingsError` is collected and the next file read.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -53,6 +54,6 @@ def read_yaml_directory(directory: Path, read_file: Callable[[Path], T], error: 
     for file in files:
         try:
             result.loaded.append((file, read_file(file)))
-        except ConfigError as exc:
+        except SettingsError as exc:
             result.errors.extend(exc.errors)
     return result

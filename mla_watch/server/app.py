@@ -32,7 +32,8 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.cause.representative import BaselineCheck
-from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
+from mla_watch.common.directory_store import DirectoryStore, ReloadResult
+from mla_watch.common.settings import FieldNamer, SettingsError
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.routing_fields import RoutingLayout
@@ -386,13 +387,15 @@ class Sidecar:
         ]
 
 
-def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
-    """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message."""
+def build_sidecar(config: ServerConfig, *, name_field: FieldNamer | None = None, **kwargs: Any) -> Sidecar:
+    """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message, each
+    setting named by ``name_field`` (the command line's flags) where it gives a name."""
     from mla_watch.alerting.outbox import OutboxError
 
     try:
         return Sidecar(config, **kwargs)
-    except ConfigError as error:  # the policies, the rules, or the server's own settings
-        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  " + "\n  ".join(error.errors)) from error
+    except SettingsError as error:  # the policies, the rules, or the server's own settings
+        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  "
+                         + "\n  ".join(error.messages(name_field))) from error
     except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error
