@@ -71,3 +71,20 @@ def test_key_lines_walk_an_anchor_once() -> None:
     text = "a: &x [1, 2]\nb: *x\nc:\n  d: 3\n"
     assert key_lines(yaml.compose(text)) == {"a": 1, "a[0]": 1, "a[1]": 1, "b": 2, "c": 3, "c.d": 4}
 
+
+
+def test_a_start_refused_for_a_broken_rule_names_it_and_writes_no_state(tmp_path: Path) -> None:
+    from mla_watch.cli.setting_flags import flag_of
+    from mla_watch.server.app import build_sidecar
+    from mla_watch.server.config import ServerConfig
+
+    rules = tmp_path / "rules"
+    rules.mkdir()
+    (rules / "routing.yaml").write_text(RULES)
+    state = tmp_path / "state"
+    with pytest.raises(SystemExit) as caught:
+        build_sidecar(ServerConfig(rules=rules, state_dir=state), name_field=flag_of)
+    message = str(caught.value.code)
+    assert message.startswith("mla-watch: the alert rules cannot be used:")
+    assert "rules[RoutingEntropyLow].for = '2x'" in message and "(line 12)" in message
+    assert not (state / "history.sqlite").exists() and list(state.iterdir()) == []
