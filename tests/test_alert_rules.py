@@ -118,46 +118,46 @@ def test_duplicate_yaml_keys_are_errors(tmp_path):
 
 def test_wrong_threshold_type_names_file_key_value_and_expectation(tmp_path):
     path = write(tmp_path, one_rule("alert: A\nmetric: entropy_bits\nbelow: low"))
-    assert errors_of(path) == [f"{path}: rules[0].below = 'low': expected a number"]
+    assert errors_of(path) == [f"{path}: rules[A].below = 'low': expected a number (line 6)"]
 
 
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("alert: A\nmetric: entropy\nbelow: 5", ["rules[0].metric = 'entropy'", "entropy_bits", "js_divergence"]),
+        ("alert: A\nmetric: entropy\nbelow: 5", ["rules[A].metric = 'entropy'", "entropy_bits", "js_divergence"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nthreshold: 4",
-         ["rules[0].threshold: unknown key 'threshold'", "below", "resolve_above"]),
+         ["rules[A].threshold: unknown key 'threshold'", "below", "resolve_above"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nselect: {layers: [5, 2]}",
-         ["rules[0].select.layers = [5, 2]", "matches no layer"]),
+         ["rules[A].select.layers = [5, 2]", "matches no layer"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nselect: {kind: attention}",
-         ["rules[0].select.kind = 'attention'", "expert, indexer"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: -2m", ["rules[0].for = '-2m'", "non-negative"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: soon", ["rules[0].for = 'soon'", "30s"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nresolve_above: 4.8", ["rules[0].resolve_above = 4.8", ">= below"]),
-        ("alert: A\nmetric: entropy_bits\nabove: 6\nresolve_below: 6.2", ["rules[0].resolve_below = 6.2", "<= above"]),
-        ("alert: A\nmetric: entropy_bits", ["rules[0].below: missing", "below and/or above"]),
+         ["rules[A].select.kind = 'attention'", "expert, indexer"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: -2m", ["rules[A].for = '-2m'", "non-negative"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nfor: soon", ["rules[A].for = 'soon'", "30s"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nresolve_above: 4.8", ["rules[A].resolve_above = 4.8", ">= below"]),
+        ("alert: A\nmetric: entropy_bits\nabove: 6\nresolve_below: 6.2", ["rules[A].resolve_below = 6.2", "<= above"]),
+        ("alert: A\nmetric: entropy_bits", ["rules[A].below: missing", "below and/or above"]),
         ("alert: 9lives\nmetric: entropy_bits\nbelow: 5", ["rules[0].alert = '9lives'", "[A-Za-z_]"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nseverity: page", ["rules[0].severity = 'page'", "critical"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nseverity: page", ["rules[A].severity = 'page'", "critical"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: [notify, reboot]",
-         ["rules[0].actions[1] = 'reboot'", "notify, retune"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: []", ["rules[0].actions = []", "non-empty"]),
+         ["rules[A].actions[1] = 'reboot'", "notify, retune"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: []", ["rules[A].actions = []", "non-empty"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nretune_strategy: bias",
-         ["rules[0].retune_strategy = 'bias'", "unless actions include retune"]),
+         ["rules[A].retune_strategy = 'bias'", "unless actions include retune"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nactions: [retune]\nretune_strategy: [bias, reboot]",
-         ["rules[0].retune_strategy[1] = 'reboot'", "router_finetune"]),
+         ["rules[A].retune_strategy[1] = 'reboot'", "router_finetune"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {severity: low}",
-         ["rules[0].labels.severity = 'low'", "no override"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {router: x}", ["rules[0].labels.router = 'x'"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {team: 7}", ["rules[0].labels.team = 7", "a string"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 5\nmin_tokens: 0", ["rules[0].min_tokens = 0", "integer >= 1"]),
+         ["rules[A].labels.severity = 'low'", "no override"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {router: x}", ["rules[A].labels.router = 'x'"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nlabels: {team: 7}", ["rules[A].labels.team = 7", "a string"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 5\nmin_tokens: 0", ["rules[A].min_tokens = 0", "integer >= 1"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: '{valeu:.2f} on {router}'}",
-         ["rules[0].annotations.summary = '{valeu:.2f} on {router}'", "{valeu} is unknown", "did you mean {value}",
+         ["rules[A].annotations.summary = '{valeu:.2f} on {router}'", "{valeu} is unknown", "did you mean {value}",
           "floor_bits", "status_url"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: 'entropy {value:.2f'}",
-         ["rules[0].annotations.summary = 'entropy {value:.2f'", "str.format template"]),
+         ["rules[A].annotations.summary = 'entropy {value:.2f'", "str.format template"]),
         ("alert: A\nmetric: entropy_bits\nbelow: 5\nannotations: {summary: 'on {router:.2f}'}",
-         ["rules[0].annotations.summary", "format spec"]),
-        ("alert: A\nmetric: entropy_bits\nbelow: 6\nabove: 5", ["rules[0].below = 6.0", "< above"]),
+         ["rules[A].annotations.summary", "format spec"]),
+        ("alert: A\nmetric: entropy_bits\nbelow: 6\nabove: 5", ["rules[A].below = 6.0", "< above"]),
     ],
 )
 def test_rule_errors_name_file_key_value_and_expectation(tmp_path, body, expected):
@@ -289,7 +289,7 @@ def test_duplicate_names_within_a_file(tmp_path):
     path = write(tmp_path, one_rule("alert: A\nmetric: entropy_bits\nbelow: 5")
                  + "  - {alert: A, metric: entropy_bits, above: 6}\n")
     (message,) = errors_of(path)
-    assert "rules[1].alert = 'A'" in message and "used by one rule only" in message
+    assert "rules[A].alert = 'A'" in message and "used by one rule only" in message and message.endswith("(line 7)")
 
 
 def test_directory_errors_collect_every_file(tmp_path):
@@ -303,7 +303,7 @@ def test_directory_errors_collect_every_file(tmp_path):
     with pytest.raises(RuleError) as info:
         load_rules_dir(tmp_path, environ={})
     errors = info.value.errors
-    assert any("c.yaml: rules[0].metric = 'bogus'" in e for e in errors)
+    assert any("c.yaml: rules[C].metric = 'bogus'" in e for e in errors)
     assert any("b.yml: rules[0].alert = 'A'" in e and "a.yaml: rules[0]" in e for e in errors)
     assert not any(".editor-backup" in e for e in errors)
     (tmp_path / "c.yaml").unlink()
@@ -483,7 +483,7 @@ def test_a_threshold_no_selected_router_can_reach_is_one_warning_unless_expected
     assert warning.severity == "warning" and "any of the 3 routers it selects" in warning.message
     (info,) = findings_for(text + "    lint_expect: {never_fires: kept for the record}\n", V2_LITE, tmp_path)
     assert info.severity == "info" and info.message.endswith("Expected: kept for the record")
-    with pytest.raises(RuleError, match=r"rules\[0\]\.lint_expect = .*expected a mapping"):
+    with pytest.raises(RuleError, match=r"rules\[High\]\.lint_expect = .*expected a mapping"):
         findings_for(text + "    lint_expect: [never_fires]\n", V2_LITE, tmp_path)
     with pytest.raises(RuleError, match=r"unknown key 'always_fires'|always_fires"):
         findings_for(text + "    lint_expect: {always_fires: nope}\n", V2_LITE, tmp_path)
@@ -509,12 +509,12 @@ def test_thresholds_relative_to_the_healthy_baseline(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("threshold", "words"), [
-    ("above: {baseline_times: 2.0}", "rules[0].above.floor: missing: expected a floor"),
-    ("above: {baseline_times: -1, floor: 1}", "rules[0].above.baseline_times = -1.0: expected a number > 0"),
-    ("above: {baseline_times: 2, ceiling: 1}", "rules[0].above.ceiling: unknown key 'ceiling'"),
-    ("above: {floor: 1}", "rules[0].above.baseline_times: missing"),
+    ("above: {baseline_times: 2.0}", "rules[Hot].above.floor: missing: expected a floor"),
+    ("above: {baseline_times: -1, floor: 1}", "rules[Hot].above.baseline_times = -1.0: expected a number > 0"),
+    ("above: {baseline_times: 2, ceiling: 1}", "rules[Hot].above.ceiling: unknown key 'ceiling'"),
+    ("above: {floor: 1}", "rules[Hot].above.baseline_times: missing"),
     ("above: 1.0\n    resolve_below: {baseline_times: 1.5, floor: 0.7}",
-     "rules[0].resolve_below = {'baseline_times': 1.5, 'floor': 0.7}: expected a number, as above is one"),
+     "rules[Hot].resolve_below = {'baseline_times': 1.5, 'floor': 0.7}: expected a number, as above is one"),
     ("above: {baseline_times: 2, floor: 1}\n    resolve_below: {baseline_times: 3, floor: 0.7}",
      "expected baseline_times and baseline_plus on the healthy side of above's"),
     ("above: {baseline_times: 2, floor: 1}\n    trend: {over: 6h}", "a trend rule judges a slope"),

@@ -194,3 +194,54 @@ def test_engines_never_import_the_http_layer() -> None:
     climbing = [f"{module}:{line} imports {target}" for module, tree in sources.items() if _layer(module) == "engines"
                 for target, line in _imports(tree, sources) if target.startswith("mla_watch.server")]
     assert not climbing, "\n".join(climbing)
+
+
+def _cli_flags() -> set[str]:
+    """Every flag the command line defines (the option strings given to ``add_argument``)."""
+    flags = set()
+    for module, tree in _sources().items():
+        if _layer(module) != "cli":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                flags.update(arg.value for arg in node.args
+                             if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value[:2] == "--")
+    return flags
+
+
+def _raised_name(node: ast.Raise) -> str:
+    call = node.exc
+    func = call.func if isinstance(call, ast.Call) else call
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def test_only_the_command_line_names_its_flags_in_a_settings_error() -> None:
+    """The core names a setting by its field path; cli/setting_flags.py turns it into a flag. A message about
+    a setting starts with it or says what was expected of it; advice may still name a flag ("serve with
+    --reference-model DIR")."""
+    flags = _cli_flags()
+    assert "--reference-long-share" in flags and "--engine" in flags  # the walk above finds them
+    found = []
+    for module, tree in _sources().items():
+        if _layer(module) == "cli":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Raise) or _raised_name(node) not in ("ValueError", "SettingsError"):
+                continue
+            for text in ast.walk(node):
+                if isinstance(text, ast.Constant) and isinstance(text.value, str) and (
+                        text.value.lstrip().startswith("--") or "expected" in text.value):
+                    named = set(re.findall(r"--[a-z][a-z0-9-]*", text.value)) & flags
+                    found += [f"{module}:{node.lineno}: {flag}" for flag in sorted(named)]
+    assert not found, found
+
+
+def test_one_settings_error_class() -> None:
+    from mla_watch.common.directory_store import ConfigError
+    from mla_watch.common.settings import SettingsError
+    from mla_watch.server.config import ServerConfigError
+
+    assert ConfigError is SettingsError and ServerConfigError is SettingsError  # the former names, kept one release
+    classes = [f"{module}.{node.name}" for module, tree in _sources().items() for node in ast.walk(tree)
+               if isinstance(node, ast.ClassDef) and node.name.endswith(("ConfigError", "SettingsError"))]
+    assert classes == ["mla_watch.common.settings.SettingsError"]

@@ -274,9 +274,9 @@ def test_an_indexers_window_is_whose_long_contexts_it_holds() -> None:
     assert ClientGate().judge(two) == ("only 2 clients: a 50%, b 50% of the line's tokens (100 in the window): a "
                                        "baseline needs at least 3 clients")
     assert ClientGate(min_clients=2).judge(two) is None
-    assert ClientGate(max_share=0.0, min_clients=0).problems() == [
-        "--baseline-max-client-share 0.0: expected a share in (0, 1]",
-        "--baseline-min-clients 0: expected an integer >= 1"]
+    assert [problem.message() for problem in ClientGate(max_share=0.0, min_clients=0).problems()] == [
+        "baseline_max_client_share = 0.0: expected a share in (0, 1]",
+        "baseline_min_clients = 0: expected an integer >= 1"]
 
 
 def test_one_clients_window_is_not_learned_and_says_whose_it_is(tmp_path, caplog) -> None:

@@ -256,10 +256,10 @@ def test_the_replayer_queue_and_token_bucket_follow_the_injected_clock() -> None
     assert [len(p["prompt"]) for p in sent] == [15, 5]
 
 
-def test_a_replay_budget_out_of_range_stops_start_up_naming_the_flag(tmp_path) -> None:
+def test_a_replay_budget_out_of_range_stops_start_up_naming_the_setting(tmp_path) -> None:
     from mla_watch.server.app import ServerConfigError
 
-    with pytest.raises(ServerConfigError, match=r"--replay-rate 1.5: expected a share between 0 and 1"), \
+    with pytest.raises(ServerConfigError, match=r"replay\.rate = 1\.5: expected a share between 0 and 1"), \
             beside_twin(tmp_path, replay=ReplayBudget(rate=1.5)):
         pass
 

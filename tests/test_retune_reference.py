@@ -70,7 +70,7 @@ def test_the_reference_reads_router_tensors_only_and_names_what_does_not_match(t
     assert set(reference.tensors) == set(live)  # gate weights and biases, no expert weight
     assert all(np.array_equal(reference.tensors[name], from_torch(live[name])) for name in live)  # numpy arrays
 
-    with pytest.raises(ValueError, match=r"^--reference-model .*/nowhere: not a directory: expected the checkpoint"):
+    with pytest.raises(ValueError, match=r"^reference_model = .*/nowhere: not a directory: expected the checkpoint"):
         load_reference_routers(tmp_path / "nowhere", live)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"/empty: no \*\.safetensors file: expected a checkpoint saved with"):

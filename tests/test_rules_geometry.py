@@ -66,7 +66,7 @@ def test_the_slots_selector_matches_routers_by_size(tmp_path, select, inside, ou
     ("{slots: 0}", "a number of slots (64)"),
     ("{slots: [64, 8]}", "[low, high] with low <= high"),
     ("{slots: {except: 64}}", "under `not:`"),
-    ("{slots: true}", "rules[0].select.slots"),
+    ("{slots: true}", "rules[Low].select.slots"),
 ])
 def test_a_bad_slots_selector_is_refused_by_key_and_value(tmp_path, select, words) -> None:
     with pytest.raises(RuleError) as caught:

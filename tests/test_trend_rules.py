@@ -89,17 +89,17 @@ def test_trend_and_predict_blocks_parse(tmp_path, body, trend, below) -> None:
 
 
 @pytest.mark.parametrize(("body", "expected"), [
-    ("trend: {over: 6h}, predict: {over: 6h, ahead: 1d}, below: 1", "rules[0].predict = "),
-    ("trend: {over: 6h, per: week}, below: -1", "rules[0].trend.per = 'week': expected hour or day"),
-    ("trend: {per: hour}, below: -1", "rules[0].trend.over: missing: expected the look-back"),
-    ("trend: {over: 0s}, below: -1", "rules[0].trend.over = '0s': expected a duration > 0"),
-    ("predict: {over: 6h}, below: 5", "rules[0].predict.ahead: missing"),
-    ("predict: {over: 6h, ahead: soon}, below: 5", "rules[0].predict.ahead = 'soon': expected a duration"),
-    ("predict: {over: 6h, ahead: 1d, below: 5}, above: 6", "rules[0].above = 6: expected the thresholds in one "
+    ("trend: {over: 6h}, predict: {over: 6h, ahead: 1d}, below: 1", "rules[Falling].predict = "),
+    ("trend: {over: 6h, per: week}, below: -1", "rules[Falling].trend.per = 'week': expected hour or day"),
+    ("trend: {per: hour}, below: -1", "rules[Falling].trend.over: missing: expected the look-back"),
+    ("trend: {over: 0s}, below: -1", "rules[Falling].trend.over = '0s': expected a duration > 0"),
+    ("predict: {over: 6h}, below: 5", "rules[Falling].predict.ahead: missing"),
+    ("predict: {over: 6h, ahead: soon}, below: 5", "rules[Falling].predict.ahead = 'soon': expected a duration"),
+    ("predict: {over: 6h, ahead: 1d, below: 5}, above: 6", "rules[Falling].above = 6: expected the thresholds in one "
                                                           "place"),
-    ("predict: {over: 6h, ahead: 1d, below: 5, resolve_above: 4}", "rules[0].predict.resolve_above = 4.0"),
-    ("predict: {over: 6h, ahead: 1d, when: 5}", "rules[0].predict"),
-    ("predict: 3d, below: 5", "rules[0].predict = '3d': expected a mapping"),
+    ("predict: {over: 6h, ahead: 1d, below: 5, resolve_above: 4}", "rules[Falling].predict.resolve_above = 4.0"),
+    ("predict: {over: 6h, ahead: 1d, when: 5}", "rules[Falling].predict"),
+    ("predict: 3d, below: 5", "rules[Falling].predict = '3d': expected a mapping"),
 ])
 def test_trend_errors_name_file_key_value_and_expectation(tmp_path, body, expected) -> None:
     with pytest.raises(RuleError) as caught:

@@ -74,7 +74,8 @@ def duration_key(chk: Checker, data: Mapping[str, Any], key: str, path: str, def
     try:
         value = parse_duration(data[key], f"{chk.label}: {path}.{key}")
     except RuleError as exc:
-        chk.errors.extend(exc.errors)
+        for error in exc.errors:
+            chk.add(f"{path}.{key}", error)
         return default
     if positive and value <= 0:
         chk.bad(f"{path}.{key}", data[key], "a duration > 0")

@@ -65,7 +65,7 @@ def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     """A secret value with ``${VAR}`` expanded; errors name the key and variables, never the value."""
     if not isinstance(raw, str) or not raw:
         what = "null" if raw is None else type(raw).__name__
-        chk.errors.append(f"{chk.label}: {path} = (a {what}, value hidden): expected a non-empty string "
+        chk.add(path, f"{chk.label}: {path} = (a {what}, value hidden): expected a non-empty string "
                           "(write ${VAR} to take it from the environment)")
         return None
     value, unset = _expand(raw, environ)
@@ -73,14 +73,14 @@ def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, s
         if disabled:
             return None
         names = ", ".join(unset)
-        chk.errors.append(f"{chk.label}: {path}: environment variable {names} is unset: expected it to be set "
+        chk.add(path, f"{chk.label}: {path}: environment variable {names} is unset: expected it to be set "
                           "(this secret is needed to send notifications)")
         return None
     if not value:
-        chk.errors.append(f"{chk.label}: {path}: expands to an empty string: expected a non-empty secret")
+        chk.add(path, f"{chk.label}: {path}: expands to an empty string: expected a non-empty secret")
         return None
     if "\n" in value or "\r" in value:
-        chk.errors.append(f"{chk.label}: {path}: contains a line break: expected a single-line value")
+        chk.add(path, f"{chk.label}: {path}: contains a line break: expected a single-line value")
         return None
     return value
 
@@ -128,8 +128,8 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
             if problem is not None:
                 shown_url = template if from_env else repr(redact_url(template))
                 source = " (expanded from the environment)" if from_env else ""
-                chk.errors.append(f"{chk.label}: {path}.url = {shown_url}{source}: expected an http:// or https:// "
-                                  f"URL with a host, but {problem}")
+                chk.add(f"{path}.url", f"{chk.label}: {path}.url = {shown_url}{source}: expected an http:// or "
+                                       f"https:// URL with a host, but {problem}")
             else:
                 url = expanded
 
@@ -137,7 +137,7 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     if data.get("headers") is not None:
         raw_headers = data["headers"]
         if not isinstance(raw_headers, dict):
-            chk.errors.append(f"{chk.label}: {path}.headers = (a {type(raw_headers).__name__}, value hidden): "
+            chk.add(f"{path}.headers", f"{chk.label}: {path}.headers = (a {type(raw_headers).__name__}, value hidden): "
                               "expected a mapping of header name -> value")
         else:
             for key, value in raw_headers.items():
@@ -155,8 +155,8 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     routing_key = None
     if "routing_key" in data:
         if rtype != "pagerduty":
-            chk.errors.append(f"{chk.label}: {path}.routing_key = (value hidden): expected no routing_key: "
-                              f"it is only used by type pagerduty, not {rtype!r}")
+            chk.add(f"{path}.routing_key", f"{chk.label}: {path}.routing_key = (value hidden): expected no "
+                                           f"routing_key: it is only used by type pagerduty, not {rtype!r}")
         else:
             routing_key = _secret_string(chk, f"{path}.routing_key", data["routing_key"], environ, disabled)
     elif rtype == "pagerduty":

@@ -44,7 +44,7 @@ import re
 import string
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 from mla_watch.alerting.durations import duration_key, format_duration, parse_duration
 from mla_watch.alerting.model import (
@@ -63,10 +63,10 @@ from mla_watch.alerting.receivers import parse_receiver
 from mla_watch.alerting.selector import _NAME_RE, _parse_selector
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.thresholds import _number_key, _parse_baseline_thresholds, _parse_trend, format_number
-from mla_watch.common.directory_store import config_files
+from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
-from mla_watch.common.yamlcheck import read_yaml
+from mla_watch.common.yamlcheck import read_yaml_document
 from mla_watch.routing.series import SERIES_LABELS
 
 __all__ = [
@@ -90,13 +90,6 @@ _RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "r
               "receivers", "trend", "predict", "lint_expect", "on_traffic")
 _ON_TRAFFIC_KEYS = ("severity", "receivers")
 LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_expect)
-
-
-# --------------------------------------------------------------------------- YAML
-
-
-def _read_yaml(path: Path, label: str) -> Any:
-    return read_yaml(path, label, RuleError, may_hold_secrets=True)
 
 
 # --------------------------------------------------------------------------- templates
@@ -161,8 +154,17 @@ def _names_list(chk: _Checker, path: str, raw: object, allowed: tuple[str, ...] 
     return tuple(out)
 
 
+def _rule_path(chk: _Checker, index: int, raw: object) -> str:
+    """How messages name a rule: by its alert name where it has a valid one (``rules[RoutingEntropyLow]``),
+    else by its index (``rules[3]``)."""
+    name = raw.get("alert") if isinstance(raw, dict) else None
+    if isinstance(name, str) and LABEL_NAME_RE.fullmatch(name):
+        return chk.show_as(f"rules[{index}]", f"rules[{name}]")
+    return f"rules[{index}]"
+
+
 def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
-    path = f"rules[{index}]"
+    path = _rule_path(chk, index, raw)
     data = chk.mapping(path, raw, _RULE_KEYS, "a rule with keys " + ", ".join(_RULE_KEYS))
     if data is None:
         return None
@@ -321,7 +323,7 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
         labels=labels,
         annotations=annotations,
         receivers=receivers,
-        source=f"{chk.label}: {path}",
+        source=f"{chk.label}: rules[{index}]",
         trend=trend,
         baseline=scales,
         lint_expect=lint_expect,
@@ -356,8 +358,10 @@ def load_rules_file(
     are checked by :func:`load_rules_dir` (they may live in another file).
     """
     path = Path(path)
-    chk = _Checker(str(path))
-    data = _read_yaml(path, chk.label)
+    label = str(path)
+    document = read_yaml_document(path, label, RuleError, may_hold_secrets=True)
+    chk = _Checker(label, lines=document.lines)
+    data = document.data
     if data is None:
         return [], {}, []
     if not isinstance(data, dict):
@@ -394,7 +398,7 @@ def load_rules_file(
                 if rule is None:
                     continue
                 if rule.name in seen:
-                    chk.bad(f"rules[{i}].alert", rule.name, "an alert name used by one rule only")
+                    chk.bad(f"{_rule_path(chk, i, raw)}.alert", rule.name, "an alert name used by one rule only")
                     continue
                 seen.add(rule.name)
                 rules.append(rule)
@@ -410,28 +414,14 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
     Raises :class:`RuleError` collecting the errors of all files, plus: a missing or empty
     directory, an alert or receiver name defined twice, a rule naming an unknown receiver.
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        what = "does not exist" if not directory.exists() else "is not a directory"
-        raise RuleError([f"{directory}: the rules directory {what}: expected a directory of *.yaml rule files"])
-    try:
-        files = config_files(directory)
-    except OSError as exc:
-        raise RuleError([f"{directory}: cannot list the directory ({exc.strerror or exc}): "
-                         "expected a readable directory of *.yaml rule files"]) from None
-    if not files:
-        raise RuleError([f"{directory}: no rule files (*.yaml, *.yml): expected at least one, e.g. routing.yaml"])
-    errors: list[str] = []
+    read = read_yaml_directory(directory, lambda file: load_rules_file(file, environ=environ), RuleError,
+                               kind="rule", at_least="one, e.g. routing.yaml")
+    errors = read.errors
     warnings: list[str] = []
     rules: list[Rule] = []
     receivers: dict[str, Receiver] = {}
     rule_sources: dict[str, str] = {}
-    for file in files:
-        try:
-            file_rules, file_receivers, file_warnings = load_rules_file(file, environ=environ)
-        except RuleError as exc:
-            errors.extend(exc.errors)
-            continue
+    for _, (file_rules, file_receivers, file_warnings) in read.loaded:
         warnings.extend(file_warnings)
         for name, receiver in file_receivers.items():
             if name in receivers:

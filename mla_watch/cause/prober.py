@@ -42,6 +42,7 @@ from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
 from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
+from mla_watch.common.settings import SettingProblem
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
@@ -67,20 +68,21 @@ class ReferenceSettings:
     long_interval_seconds: float = 1800.0  # the long sets read this often (0: at start, then only when an alert asks)
     long_share: float = 0.05  # of the reader's time, at most, spent reading long sets
 
-    def problems(self) -> list[str]:
-        checks = [("--reference-interval", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
-                  ("--reference-wait", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
-                  ("--reference-tolerance", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
-                  ("--reference-rate", self.rate, self.rate > 0, "prompts a second > 0"),
-                  ("--reference-long-interval", self.long_interval_seconds, self.long_interval_seconds >= 0,
+    def problems(self) -> list[SettingProblem]:
+        """What is wrong with the settings, each named as ``ServerConfig.reference`` holds it."""
+        checks = [("interval_seconds", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
+                  ("wait_seconds", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
+                  ("tolerance_bits", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
+                  ("rate", self.rate, self.rate > 0, "prompts a second > 0"),
+                  ("long_interval_seconds", self.long_interval_seconds, self.long_interval_seconds >= 0,
                    "seconds >= 0"),
-                  ("--reference-long-share", self.long_share, 0 < self.long_share <= 1,
+                  ("long_share", self.long_share, 0 < self.long_share <= 1,
                    "a share of the reader's time in (0, 1]")]
-        found = [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
+        found = [SettingProblem(f"reference.{name}", repr(value), expected) for name, value, ok, expected in checks
                  if not (is_number(value, finite=True) and ok)]
         if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
-            found.append(f"--reference-max-tokens {self.max_tokens!r}: expected tokens a prompt from 16 to "
-                         f"{MAX_ENGINE_PROMPT_TOKENS}")
+            found.append(SettingProblem("reference.max_tokens", repr(self.max_tokens),
+                                        f"tokens a prompt from 16 to {MAX_ENGINE_PROMPT_TOKENS}"))
         return found
 
 

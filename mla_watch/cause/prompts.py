@@ -39,9 +39,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.common.directory_store import ConfigError, config_files
+from mla_watch.common.settings import SettingsError
 from mla_watch.common.values import is_integer
-from mla_watch.common.yamlcheck import Checker, read_yaml
+from mla_watch.common.yaml_directory import read_yaml_directory
+from mla_watch.common.yamlcheck import Checker, read_yaml_document
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
@@ -60,7 +61,7 @@ _KEYS = ("business_line", "version", "description", "long", "max_tokens", "promp
 _GENERATE_KEYS = ("documents", "seed")
 
 
-class ReferenceError(ConfigError):
+class ReferenceError(SettingsError):
     """The reference prompts cannot be used; ``errors`` names each file, key, value and expectation."""
 
     what = "reference prompts"
@@ -164,8 +165,9 @@ def _load_file(path: Path) -> ReferenceSet:
                               "YAML file"]) from None
     if size > MAX_FILE_BYTES:
         raise ReferenceError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
-    data = read_yaml(path, label, ReferenceError)
-    chk = Checker(label)
+    document = read_yaml_document(path, label, ReferenceError)
+    chk = Checker(label, lines=document.lines)
+    data = document.data
     if not isinstance(data, dict):
         raise ReferenceError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
     for key in data:
@@ -239,26 +241,11 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
 
 def load_reference_dir(directory: Path) -> ReferenceSets:
     """Every ``*.yaml`` set of ``directory``; :class:`ReferenceError` naming every problem of every file."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise ReferenceError([f"{directory}: the reference prompt directory does not exist or is not a directory: "
-                              "expected a directory of *.yaml reference prompt files"])
-    try:
-        files = config_files(directory)
-    except OSError as error:
-        raise ReferenceError([f"{directory}: cannot list the directory ({error.strerror or error}): expected a "
-                              "readable directory of *.yaml reference prompt files"]) from None
-    if not files:
-        raise ReferenceError([f"{directory}: no reference prompt files (*.yaml): expected at least "
-                              f"{DEFAULT_SET}.yaml, the mixed set"])
-    errors: list[str] = []
+    read = read_yaml_directory(directory, _load_file, ReferenceError, kind="reference prompt",
+                               at_least=f"{DEFAULT_SET}.yaml, the mixed set")
+    errors = read.errors
     sets: dict[str, ReferenceSet] = {}
-    for file in files:
-        try:
-            reference = _load_file(file)
-        except ReferenceError as error:
-            errors.extend(error.errors)
-            continue
+    for file, reference in read.loaded:
         if reference.name in sets:
             errors.append(f"{file}: business_line = {reference.name!r} has another file ({sets[reference.name].source})"
                           ": expected one file per business line")

@@ -33,6 +33,7 @@ from mla_watch.alerting.fleet import (
 )
 from mla_watch.alerting.fleet_versions import DEFAULT_SKEW_FOR_SECONDS, VERSION_SKEW_ALERT, version_group
 from mla_watch.cli.flags import DOCS, non_negative_float, positive_float
+from mla_watch.cli.setting_flags import flag_text
 from mla_watch.common.output_file import write_file, write_stdout
 from mla_watch.server.config import ServerConfig
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_RULES
@@ -149,7 +150,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             try:
                 reference = load_reference_routers(args.reference_model, router_state(model))
             except ValueError as error:
-                print(f"error: {_one_line(error)}")
+                print(f"error: {' '.join(flag_text(error).split())}")
                 errors += 1
             else:
                 print(f"ok: {reference.label}: {len(reference.tensors)} router tensors match the model's; "
@@ -223,7 +224,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
                                  "100 (e.g. 2 or 10)")
             values["shards"] = int(args.fleet_shards)
         if args.fleet_labels is not None:
-            values["fleet_labels"] = parse_label_list(args.fleet_labels, "--fleet-labels")
+            values["fleet_labels"] = parse_label_list(args.fleet_labels)
         if args.replica_label is not None:
             values["replica_label"] = args.replica_label
         for flag, key, text in (("--outlier-bits", "outlier_bits", args.outlier_bits),
@@ -235,7 +236,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
                     raise ValueError(f"{flag} {text[:80]!r}: expected a number") from None
         return FleetOptions(**values)
     except ValueError as error:
-        cast(argparse.ArgumentParser, args.parser).error(str(error))  # exits
+        cast(argparse.ArgumentParser, args.parser).error(flag_text(error))  # exits
 
 
 def _skew_for(args: argparse.Namespace) -> float:

@@ -138,12 +138,13 @@ non_negative_float = number_at_least(0, inclusive=True)
 
 def client_id_sources(text: str) -> tuple[str, ...]:
     """``serve --client-id``: where a request's client is named (:func:`mla_watch.routing.clients.client_id`)."""
+    from mla_watch.cli.setting_flags import flag_text
     from mla_watch.routing.clients import parse_client_id_sources
 
     try:
         return parse_client_id_sources(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(flag_text(error)) from None
 
 
 def share(text: str) -> float:

@@ -33,7 +33,9 @@ from mla_watch.cli.flags import (
     tcp_port,
     upstream_url,
 )
+from mla_watch.cli.setting_flags import flag_of, flag_text
 from mla_watch.cli.startup import FlagError
+from mla_watch.common.settings import SettingsError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
@@ -80,13 +82,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
             get_strategy(name).parse_options(options, f"--retune-option {name}")
         ingest_limits = IngestLimits(**{name: getattr(args, "ingest_" + name) for name in INGEST_FLAGS})
-        if problems := ClientGate(args.baseline_max_client_share, args.baseline_min_clients).problems():
-            raise ValueError(problems[0])
+        if gate_problems := ClientGate(args.baseline_max_client_share, args.baseline_min_clients).problems():
+            raise SettingsError(gate_problems)
         if args.history_interval > args.history_span:
             raise ValueError(f"--history-interval {args.history_interval!r}: expected at most --history-span "
                              f"({args.history_span!r})")
     except ValueError as error:
-        raise FlagError(str(error)) from error
+        raise FlagError(flag_text(error)) from error
     fleet = None
     if args.fleet is not None:
         from mla_watch.fleet.settings import FleetSettings
@@ -143,7 +145,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                                           max_bytes=args.router_versions_max_bytes),
                           fleet=fleet)
     with held_logs():  # what building it logs shows once the port is this server's; a port in use: one line
-        sidecar = build_sidecar(config)  # every configuration file judged here, before the model loads (at start)
+        # every configuration file judged here, before the model loads (at start)
+        sidecar = build_sidecar(config, name_field=flag_of)
         if sock is None:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
     if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds

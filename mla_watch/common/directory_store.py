@@ -1,9 +1,10 @@
-"""Configuration directories: one error type, one reloading store for policies and alert rules alike.
+"""Configuration directories: one reloading store for policies and alert rules alike.
 
 A directory of ``*.yaml`` / ``*.yml`` files (dotfiles skipped) loads into one value - a
 :class:`~mla_watch.policy.PolicySet`, a :class:`~mla_watch.alerting.model.RuleSet` - or fails
-with a :class:`ConfigError` whose ``errors`` each name the file, the key, the value and what was
-expected. :class:`DirectoryStore` holds the value in force; a reload that fails keeps it.
+with a :class:`~mla_watch.common.settings.SettingsError` (formerly ``ConfigError``) whose ``errors``
+each name the file, the key, the value and what was expected. :class:`DirectoryStore` holds the value in
+force; a reload that fails keeps it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from mla_watch.common.settings import SettingsError
 
 __all__ = ["CONFIG_SUFFIXES", "ConfigError", "DirectoryStore", "ReloadResult", "config_files"]
 
@@ -24,18 +27,8 @@ CONFIG_SUFFIXES = (".yaml", ".yml")
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A configuration that does not load; ``errors`` holds one complete message per problem."""
-
-    what = "configuration"
-
-    def __init__(self, errors: Iterable[str]) -> None:
-        self.errors: list[str] = list(errors) or [f"invalid {self.what}"]
-        if len(self.errors) == 1:
-            text = self.errors[0]
-        else:
-            text = f"{len(self.errors)} problems in the {self.what}:\n" + "\n".join(f"  - {e}" for e in self.errors)
-        super().__init__(text)
+ConfigError = SettingsError
+"""The former name of :class:`~mla_watch.common.settings.SettingsError`, kept for one release."""
 
 
 def config_files(directory: Path) -> list[Path]:
@@ -78,7 +71,7 @@ def _fingerprint(directory: Path) -> _Fingerprint:
 class DirectoryStore(Generic[T]):
     """Thread-safe holder of what a directory loads to, with reloads that never lose the last good value.
 
-    ``load`` raises :class:`ConfigError` (at start-up that propagates). ``version`` starts at 1
+    ``load`` raises :class:`SettingsError` (at start-up that propagates). ``version`` starts at 1
     and increments on each successful reload that changed something. ``on_reload`` (optional) is
     called with the :class:`ReloadResult` of every attempt; its exceptions are logged, never raised.
     """
@@ -96,7 +89,7 @@ class DirectoryStore(Generic[T]):
         self._current = load(self.directory)
         self._fingerprint = fingerprint
         self._version = 1
-        self._last_error: ConfigError | None = None
+        self._last_error: SettingsError | None = None
         self.loaded_at: float = clock()
         """Clock reading of the last successful load that changed the value."""
         self.checked_at: float = self.loaded_at
@@ -112,7 +105,7 @@ class DirectoryStore(Generic[T]):
         return self._version
 
     @property
-    def last_error(self) -> ConfigError | None:
+    def last_error(self) -> SettingsError | None:
         """The error of the last reload attempt, or ``None`` if it succeeded."""
         return self._last_error
 
@@ -124,7 +117,7 @@ class DirectoryStore(Generic[T]):
             self.checked_at = self._clock()
             try:
                 new = self._load(self.directory)
-            except ConfigError as exc:
+            except SettingsError as exc:
                 self._last_error = exc
                 result = ReloadResult(ok=False, changed=False, errors=list(exc.errors), version=self._version)
                 log.error("%s reload refused, version %d stays in force: %s", self.what, self._version,

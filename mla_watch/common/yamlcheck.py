@@ -2,13 +2,15 @@
 
 Shared by the sampling policies (``mla_watch.policy.model``) and the alert rules
 (``mla_watch.alerting.rules``): a strict YAML loader that refuses duplicate keys, and a
-checker that collects every problem of a file instead of stopping at the first.
+checker that collects every problem of a file instead of stopping at the first. Each problem
+ends with the line of the key it names (``(line 12)``), read from the YAML nodes' marks.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -17,7 +19,8 @@ import yaml
 
 from mla_watch.common.describe import describe_value
 
-__all__ = ["Checker", "StrictLoader", "check_positive", "fmt", "read_yaml"]
+__all__ = ["Checker", "StrictLoader", "YamlDocument", "check_positive", "fmt", "key_lines", "read_yaml",
+           "read_yaml_document"]
 
 
 def fmt(value: object) -> str:
@@ -55,10 +58,52 @@ def _construct_mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool 
 StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+@dataclass(frozen=True)
+class YamlDocument:
+    """A parsed YAML file and, for each key path in it (``rules[0].for``), the line its key is on."""
+
+    data: Any
+    lines: Mapping[str, int]
+
+
+def key_lines(node: yaml.Node | None) -> dict[str, int]:
+    """The 1-based line of each key path under ``node``: ``a.b`` for a mapping key (the key's own line),
+    ``a[2]`` for a list item (the item's first line). An alias is followed once, where it is defined."""
+    lines: dict[str, int] = {}
+    seen: set[int] = set()  # an anchor used many times is walked once: no blow-up from nested aliases
+
+    def walk(node: yaml.Node, path: str) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                child = f"{path}.{key_node.value}" if path else str(key_node.value)
+                lines.setdefault(child, key_node.start_mark.line + 1)
+                walk(value_node, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                child = f"{path}[{index}]"
+                lines.setdefault(child, item.start_mark.line + 1)
+                walk(item, child)
+
+    if node is not None:
+        walk(node, "")
+    return lines
+
+
 def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *,
               may_hold_secrets: bool = False) -> Any:
-    """The parsed document; a problem raises ``error([message])``. A syntax error quotes the line
-    it is on, unless the file ``may_hold_secrets``: no pattern can tell every secret-bearing line
+    """The parsed document of :func:`read_yaml_document`, without its lines."""
+    return read_yaml_document(path, label, error, may_hold_secrets=may_hold_secrets).data
+
+
+def read_yaml_document(path: Path, label: str, error: Callable[[list[str]], Exception], *,
+                       may_hold_secrets: bool = False) -> YamlDocument:
+    """The parsed document and its key lines; a problem raises ``error([message])``. A syntax error quotes
+    the line it is on, unless the file ``may_hold_secrets``: no pattern can tell every secret-bearing line
     (an unquoted header value, a URL with a token) from the others, so those files quote none."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -66,8 +111,10 @@ def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *
         raise error([f"{label}: byte {exc.start}: expected UTF-8 text"]) from None
     except OSError as exc:
         raise error([f"{label}: cannot read the file ({exc.strerror or exc}): expected a readable YAML file"]) from None
+    loader = StrictLoader(text)  # a SafeLoader subclass: no arbitrary objects
     try:
-        return yaml.load(text, Loader=StrictLoader)  # a SafeLoader subclass: no arbitrary objects
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(unknown position)"
@@ -80,6 +127,12 @@ def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *
         raise error([f"{label}: {where}{snippet}: YAML syntax error ({problem}): expected valid YAML"]) from None
     except yaml.YAMLError as exc:
         raise error([f"{label}: YAML error ({type(exc).__name__}): expected valid YAML"]) from None
+    finally:
+        loader.dispose()
+    return YamlDocument(data, key_lines(node))
+
+
+_LAST_STEP = re.compile(r"(\.[^.\[]*|\[[^\]]*\])$")
 
 
 @dataclass
@@ -88,16 +141,43 @@ class Checker:
 
     label: str
     errors: list[str] = field(default_factory=list)
+    lines: Mapping[str, int] = field(default_factory=dict)
+    """Key path -> line (:attr:`YamlDocument.lines`); a message names the line of the deepest key it has."""
+    shown: dict[str, str] = field(default_factory=dict)
+    """Path as messages show it (``rules[RoutingEntropyLow]``) -> as the document holds it (``rules[0]``)."""
+
+    def show_as(self, path: str, shown: str) -> str:
+        """Name ``path`` as ``shown`` in messages (an entry by its name rather than its index); returns ``shown``."""
+        self.shown[shown] = path
+        return shown
+
+    def line_of(self, path: str) -> int | None:
+        """The line of ``path``'s key, else of the nearest enclosing key; ``None`` when none is known."""
+        for shown, held in self.shown.items():
+            if path == shown or path.startswith((shown + ".", shown + "[")):
+                path = held + path[len(shown):]
+                break
+        while path:
+            line = self.lines.get(path)
+            if line is not None:
+                return line
+            path = _LAST_STEP.sub("", path) if _LAST_STEP.search(path) else ""
+        return None
+
+    def add(self, path: str, text: str) -> None:
+        """Record the complete message ``text`` about ``path``, adding the line of its key."""
+        line = self.line_of(path)
+        self.errors.append(text if line is None else f"{text} (line {line})")
 
     def bad(self, path: str, value: object, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path} = {fmt(value)}: expected {expected}")
+        self.add(path, f"{self.label}: {path} = {fmt(value)}: expected {expected}")
 
     def secret(self, path: str, expected: str) -> None:
         """Like :meth:`bad` for a secret: the value is never shown."""
-        self.errors.append(f"{self.label}: {path} = (value hidden): expected {expected}")
+        self.add(path, f"{self.label}: {path} = (value hidden): expected {expected}")
 
     def missing(self, path: str, expected: str) -> None:
-        self.errors.append(f"{self.label}: {path}: missing: expected {expected}")
+        self.add(path, f"{self.label}: {path}: missing: expected {expected}")
 
     def mapping(self, path: str, value: object, allowed: tuple[str, ...] | None, what: str) -> dict[Any, Any] | None:
         """``value`` as a dict, reporting a non-mapping and any key outside ``allowed``."""
@@ -118,6 +198,4 @@ class Checker:
             close = difflib.get_close_matches(key, allowed, n=1)
             if close:
                 hint = f" (did you mean {close[0]!r}?)"
-        self.errors.append(
-            f"{self.label}: {where}: unknown key {fmt(key)}{hint}: expected one of: {', '.join(allowed)}"
-        )
+        self.add(where, f"{self.label}: {where}: unknown key {fmt(key)}{hint}: expected one of: {', '.join(allowed)}")

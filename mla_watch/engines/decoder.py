@@ -27,6 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.engines.formats import DataError, Decoded, RoutingPlan, count_response, decode_chunk, decode_response
 
 __all__ = ["FILE_HANDOFF_BYTES", "DecoderDied", "RoutingDecoder"]
@@ -58,7 +59,7 @@ class RoutingDecoder:
     def __init__(self, workers: int = 1, *, idle_seconds: float = IDLE_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if workers < 0:
-            raise ValueError(f"--decode-workers {workers}: expected an integer >= 0")
+            raise SettingsError([SettingProblem("decode_workers", f"{workers}", "an integer >= 0")])
         self.workers = workers
         self.idle_seconds = idle_seconds
         self._clock = clock

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.settings import SettingsError
 from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["EngineGeometry", "GeometryError", "load_geometry", "parse_geometry"]
@@ -33,7 +33,7 @@ MAX_EXPERTS = 1 << 16  # vLLM returns int16 expert ids
 MAX_CONTEXT = 1 << 24  # a context length past this is not believed: positions are then not counted
 
 
-class GeometryError(ConfigError):
+class GeometryError(SettingsError):
     """The model config cannot describe the engine's routers."""
 
     what = "model config"

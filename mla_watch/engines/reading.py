@@ -9,6 +9,7 @@ decoding processes, the count queue, the stream replayer, the capture) and makes
 
 from __future__ import annotations
 
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.engines.answer_reader import AnswerReader, PlainReader, ProxiedRequest, ReadingParts
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES, Capture, CountQueue
 from mla_watch.engines.decoder import RoutingDecoder
@@ -51,7 +52,8 @@ class EngineReading:
         self.format: type[AnswerReader] | None = PlainReader  # None: not known yet (auto)
         if routing is not None:
             if routing.engine != AUTO and routing.engine not in ANSWER_FORMATS:
-                raise ValueError(f"--engine {routing.engine!r}: expected one of {', '.join(ENGINE_CHOICES)}")
+                raise SettingsError([SettingProblem("engine", repr(routing.engine),
+                                                    f"one of {', '.join(ENGINE_CHOICES)}")])
             # Routing is counted after the client has its answer; a vLLM stream's, by replaying it.
             counter = CountQueue(routing, decoder, max_bytes=count_queue_bytes, capture=capture)
             self.parts.routing, self.parts.counter, self.parts.capture = routing, counter, capture

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mla_watch.common.settings import SettingProblem
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineMetrics
@@ -60,16 +61,18 @@ class ReplayBudget:
     tokens_per_second: float = 0.0  # tokens replayed per second, all replays together; 0: no limit
     queue: int = 256  # streams waiting for a replay
 
-    def problems(self) -> list[str]:
+    def problems(self) -> list[SettingProblem]:
+        """What is wrong with the budget, each setting named as ``ServerConfig.replay`` holds it."""
         found = []
         if not 0.0 <= self.rate <= 1.0:
-            found.append(f"--replay-rate {self.rate:g}: expected a share between 0 and 1")
+            found.append(SettingProblem("replay.rate", f"{self.rate:g}", "a share between 0 and 1"))
         if self.concurrency < 1:
-            found.append(f"--replay-concurrency {self.concurrency}: expected an integer >= 1")
+            found.append(SettingProblem("replay.concurrency", f"{self.concurrency}", "an integer >= 1"))
         if self.tokens_per_second < 0:
-            found.append(f"--replay-tokens-per-second {self.tokens_per_second:g}: expected >= 0 (0: no limit)")
+            found.append(SettingProblem("replay.tokens_per_second", f"{self.tokens_per_second:g}",
+                                        ">= 0 (0: no limit)"))
         if self.queue < 1:
-            found.append(f"--replay-queue {self.queue}: expected an integer >= 1")
+            found.append(SettingProblem("replay.queue", f"{self.queue}", "an integer >= 1"))
         return found
 
 

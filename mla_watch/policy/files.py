@@ -15,11 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.common.directory_store import DirectoryStore, ReloadResult, config_files
+from mla_watch.common.directory_store import DirectoryStore, ReloadResult
 from mla_watch.common.values import is_integer, is_number
+from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker as _Checker
+from mla_watch.common.yamlcheck import YamlDocument, read_yaml_document
 from mla_watch.common.yamlcheck import fmt as _fmt
-from mla_watch.common.yamlcheck import read_yaml
 from mla_watch.policy.model import (
     DEFAULT_BUSINESS_LINE,
     GOVERNED_PARAMS,
@@ -46,11 +47,6 @@ _RULE_KEYS: tuple[str, ...] = ("min", "max", "default", "fixed")
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _read_yaml(path: Path, label: str) -> Any:
-    return read_yaml(path, label, PolicyError)
-
 
 
 def _number_hint(value: object) -> str:
@@ -159,8 +155,9 @@ def _parse_section(chk: _Checker, path: str, raw: object) -> _Section:
     return section
 
 
-def _build_policy(data: object, path: Path, label: str) -> Policy:
-    chk = _Checker(label)
+def _build_policy(document: YamlDocument, path: Path, label: str) -> Policy:
+    chk = _Checker(label, lines=document.lines)
+    data = document.data
     if not isinstance(data, dict):
         what = "an empty file" if data is None else type(data).__name__
         raise PolicyError(
@@ -244,7 +241,7 @@ def load_policy_file(path: Path) -> Policy:
     """
     path = Path(path)
     label = str(path)
-    return _build_policy(_read_yaml(path, label), path, label)
+    return _build_policy(read_yaml_document(path, label, PolicyError), path, label)
 
 
 def load_policy_dir(directory: Path) -> PolicySet:
@@ -254,30 +251,11 @@ def load_policy_dir(directory: Path) -> PolicySet:
     directory, a directory without policy files, or two files for one business line.
     """
     directory = Path(directory)
-    if not directory.is_dir():
-        what = "does not exist" if not directory.exists() else "is not a directory"
-        raise PolicyError([f"{directory}: the policy directory {what}: expected a directory of *.yaml policy files"])
-    try:
-        files = config_files(directory)
-    except OSError as exc:
-        raise PolicyError(
-            [
-                f"{directory}: cannot list the directory ({exc.strerror or exc}): "
-                "expected a readable directory of *.yaml policy files"
-            ]
-        ) from None
-    if not files:
-        raise PolicyError(
-            [f"{directory}: no policy files (*.yaml, *.yml): expected at least one, e.g. {DEFAULT_BUSINESS_LINE}.yaml"]
-        )
-    errors: list[str] = []
+    read = read_yaml_directory(directory, load_policy_file, PolicyError, kind="policy",
+                               at_least=f"one, e.g. {DEFAULT_BUSINESS_LINE}.yaml")
+    errors = read.errors
     by_line: dict[str, list[Policy]] = {}
-    for file in files:
-        try:
-            policy = load_policy_file(file)
-        except PolicyError as exc:
-            errors.extend(exc.errors)
-            continue
+    for _, policy in read.loaded:
         by_line.setdefault(policy.business_line, []).append(policy)
     for line, policies in by_line.items():
         if len(policies) > 1:

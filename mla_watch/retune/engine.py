@@ -40,6 +40,7 @@ import numpy as np
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.common.output_file import write_error
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
@@ -171,7 +172,7 @@ class EngineRetuner:
                  clock: Callable[[], float] = time.time, reference_prompts: ReferenceGate | None = None,
                  reference_reader: ReferenceReader | None = None) -> None:
         if mode not in ENGINE_RETUNE_MODES[1:]:
-            raise ValueError(f"--engine-retune {mode!r}: expected propose or apply")
+            raise SettingsError([SettingProblem("engine_retune", repr(mode), "propose or apply")])
         self.host = host
         self.model = None  # no model in this process: the engine holds it
         self.registry = registry

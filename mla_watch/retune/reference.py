@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError
 
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, read_tensors
 from mla_watch.engines.checkpoints import checkpoint_files
 
@@ -34,19 +35,18 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> Ro
     """The tensors named in ``live`` (the live router state: numpy arrays, or a torch model's tensors), read from
     the checkpoint in ``directory``, in the live tensors' dtypes.
 
-    ``ValueError`` naming the directory, the tensor and what was expected when one is missing or
-    has another shape, or the checkpoint cannot be read.
+    A :class:`~mla_watch.common.settings.SettingsError` about ``reference_model`` naming the directory, the
+    tensor and what was expected when one is missing or has another shape, or the checkpoint cannot be read.
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise ValueError(f"--reference-model {directory}: not a directory: expected the checkpoint directory of "
-                         f"the served model")
+        raise _problem(directory, "not a directory", "the checkpoint directory of the served model")
     try:
-        files = checkpoint_files(directory)
+        files = checkpoint_files(directory, "reference_model")
         missing = sorted(name for name in live if name not in files)
         if missing:
-            raise ValueError(f"--reference-model {directory}: router tensor {missing[0]} is not in the checkpoint "
-                             f"({len(missing)} of {len(live)} missing): expected a checkpoint of the served model")
+            raise _problem(directory, f"router tensor {missing[0]} is not in the checkpoint ({len(missing)} of "
+                           f"{len(live)} missing)", "a checkpoint of the served model")
         served = {name: as_array(value) for name, value in live.items()}
         tensors: dict[str, np.ndarray] = {}
         by_file: dict[Path, list[str]] = {}
@@ -55,10 +55,14 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> Ro
         for path, names in by_file.items():
             for name, tensor in read_tensors(path, names).items():
                 if tuple(tensor.shape) != tuple(served[name].shape):
-                    raise ValueError(f"--reference-model {directory}: {name} has shape {tuple(tensor.shape)} in "
-                                     f"{path.name}: expected {tuple(served[name].shape)}, as served")
+                    raise _problem(directory, f"{name} has shape {tuple(tensor.shape)} in {path.name}",
+                                   f"{tuple(served[name].shape)}, as served")
                 tensors[name] = tensor.astype(served[name].dtype)
     except (OSError, SafetensorError) as error:
-        raise ValueError(f"--reference-model {directory}: cannot read the checkpoint: {type(error).__name__}: "
-                         f"{str(error)[:200]}") from None
+        raise _problem(directory, f"cannot read the checkpoint: {type(error).__name__}: {str(error)[:200]}",
+                       "a readable safetensors checkpoint") from None
     return RouterReference(label=f"reference model {directory}", tensors=tensors)
+
+
+def _problem(directory: Path, problem: str, expected: str) -> SettingsError:
+    return SettingsError([SettingProblem("reference_model", str(directory), expected, problem=problem)])

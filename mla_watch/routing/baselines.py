@@ -48,6 +48,7 @@ import numpy as np
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.output_file import write_error, write_file
+from mla_watch.common.settings import SettingsError
 from mla_watch.common.state_dir import set_aside
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
@@ -159,7 +160,7 @@ class Baselines:
             raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
         self.gate = gate or ClientGate()
         if problems := self.gate.problems():
-            raise ValueError("; ".join(problems))
+            raise SettingsError(problems)
         self.path = path
         self.learn_tokens = learn_tokens
         self._clock = clock

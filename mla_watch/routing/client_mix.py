@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.settings import SettingProblem
 from mla_watch.common.values import is_integer, is_number
 
 __all__ = ["DEFAULT_MAX_CLIENT_SHARE", "DEFAULT_MIN_CLIENTS", "MAX_CLIENTS_KEPT", "ClientGate", "ClientMix"]
@@ -97,13 +98,13 @@ class ClientGate:
     max_share: float = DEFAULT_MAX_CLIENT_SHARE
     min_clients: int = DEFAULT_MIN_CLIENTS
 
-    def problems(self) -> list[str]:
-        """What is wrong with the settings, as the flags name them."""
+    def problems(self) -> list[SettingProblem]:
+        """What is wrong with the settings, each named as :class:`~mla_watch.server.config.ServerConfig` holds it."""
         problems = []
         if not is_number(self.max_share, finite=True) or not 0 < self.max_share <= 1:
-            problems.append(f"--baseline-max-client-share {self.max_share!r}: expected a share in (0, 1]")
+            problems.append(SettingProblem("baseline_max_client_share", repr(self.max_share), "a share in (0, 1]"))
         if not is_integer(self.min_clients) or self.min_clients < 1:
-            problems.append(f"--baseline-min-clients {self.min_clients!r}: expected an integer >= 1")
+            problems.append(SettingProblem("baseline_min_clients", repr(self.min_clients), "an integer >= 1"))
         return problems
 
     def judge(self, mix: ClientMix) -> str | None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.client_names import OTHER, UNKNOWN
 from mla_watch.routing.windows import ALL_LINES
@@ -36,7 +37,7 @@ _HEADER = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
 def parse_client_id_sources(text: str) -> tuple[str, ...]:
-    """``header:X-Client-Id,user,api-key,remote`` -> its sources; ``ValueError`` naming the bad part."""
+    """``header:X-Client-Id,user,api-key,remote`` -> its sources; a ``SettingsError`` naming the bad part."""
     sources = []
     for part in str(text).split(","):
         part = part.strip()
@@ -45,10 +46,12 @@ def parse_client_id_sources(text: str) -> tuple[str, ...]:
         elif part.startswith("header:") and _HEADER.fullmatch(part[7:]):
             sources.append("header:" + part[7:].lower())
         else:
-            raise ValueError(f"--client-id {text[:100]!r}: {part[:80]!r} is not a source: expected a comma-separated "
-                             f"list of {', '.join(CLIENT_ID_SOURCES)}")
+            raise SettingsError([SettingProblem("client_id", repr(text[:100]),
+                                                "a comma-separated list of " + ", ".join(CLIENT_ID_SOURCES),
+                                                problem=f"{part[:80]!r} is not a source")])
     if not sources:
-        raise ValueError(f"--client-id {text[:100]!r}: expected at least one of {', '.join(CLIENT_ID_SOURCES)}")
+        raise SettingsError([SettingProblem("client_id", repr(text[:100]),
+                                            f"at least one of {', '.join(CLIENT_ID_SOURCES)}")])
     return tuple(dict.fromkeys(sources))
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.common.values import is_integer
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.routers import CountDelta, RouterInfo, parse_zero_slots
@@ -81,12 +82,15 @@ class IngestLimits:
                      "max_records", "max_tokens"):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
-                raise ValueError(f"--ingest-{name.replace('_', '-')} {value!r}: expected an integer >= 1")
+                raise SettingsError([SettingProblem(f"ingest_limits.{name}", repr(value), "an integer >= 1")])
         if self.max_tokens * self.max_top_k > 2**48:
-            raise ValueError(f"--ingest-max-tokens × --ingest-max-top-k = {self.max_tokens * self.max_top_k}: "
-                             "expected at most 2**48, so that window sums cannot overflow")
+            raise SettingsError([SettingProblem(
+                "ingest_limits.max_tokens", repr(self.max_tokens), "at most 2**48 tokens times top-k, so that "
+                "window sums cannot overflow", problem=f"times a top-k of {self.max_top_k} it is "
+                f"{self.max_tokens * self.max_top_k}")])
         if not self.source_idle_seconds > 0:
-            raise ValueError(f"--ingest-source-idle-seconds {self.source_idle_seconds!r}: expected a number > 0")
+            raise SettingsError([SettingProblem("ingest_limits.source_idle_seconds", repr(self.source_idle_seconds),
+                                                "a number > 0")])
 
 
 class IngestError(ValueError):

@@ -32,7 +32,8 @@ from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
 from mla_watch.cause.representative import BaselineCheck
-from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
+from mla_watch.common.directory_store import DirectoryStore, ReloadResult
+from mla_watch.common.settings import FieldNamer, SettingsError
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.routing_fields import RoutingLayout
@@ -83,12 +84,14 @@ class Sidecar:
         # /metrics read it; the log says it once per change.
         self.state_writes = StateWrites(config.state_dir)
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
+        # The rules are judged before any state file is opened: a start they refuse leaves STATE_DIR as it was.
+        self.rules: DirectoryStore[RuleSet] | None = None if config.rules is None else DirectoryStore(
+            config.rules, load_rules_dir, what="rules", on_reload=self._on_rules_reload)  # RuleError at start-up
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot(),
                                      expert_counts=config.export_expert_counts,
                                      expert_series_budget=config.expert_series_budget)
         self.metrics.policy_version.set(self.policies.version)
-        self.rules: DirectoryStore[RuleSet] | None = None
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
         self.baselines = self._open_baselines()
         self.metrics.watch_baselines(self.baselines)
@@ -212,9 +215,7 @@ class Sidecar:
 
     # ------------------------------------------------------------------ alerting
     def _alert_service(self) -> AlertService:
-        assert self.config.rules is not None  # made only with rules
-        self.rules = DirectoryStore(self.config.rules, load_rules_dir, what="rules",  # RuleError at start-up
-                                    on_reload=self._on_rules_reload)
+        assert self.rules is not None  # made only with rules
         service = AlertService(
             self.rules.current, self.config.state_dir, records=self._alert_records, interval=self.config.alert_interval,
             status_url=self.config.public_url.rstrip("/") + "/" if self.config.public_url else "",
@@ -386,13 +387,15 @@ class Sidecar:
         ]
 
 
-def build_sidecar(config: ServerConfig, **kwargs: Any) -> Sidecar:
-    """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message."""
+def build_sidecar(config: ServerConfig, *, name_field: FieldNamer | None = None, **kwargs: Any) -> Sidecar:
+    """A :class:`Sidecar`, with a configuration error at start-up reported as one readable message, each
+    setting named by ``name_field`` (the command line's flags) where it gives a name."""
     from mla_watch.alerting.outbox import OutboxError
 
     try:
         return Sidecar(config, **kwargs)
-    except ConfigError as error:  # the policies, the rules, or the server's own settings
-        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  " + "\n  ".join(error.errors)) from error
+    except SettingsError as error:  # the policies, the rules, or the server's own settings
+        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  "
+                         + "\n  ".join(error.messages(name_field))) from error
     except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error

@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.common.directory_store import ConfigError
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.reading import ENGINE_CHOICES, NO_ENGINE  # ENGINE_CHOICES: the flag's, re-exported
@@ -23,9 +23,19 @@ from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertSelection
 from mla_watch.shipped import SHIPPED_POLICIES, SHIPPED_REFERENCES, SHIPPED_RULES
 
-__all__ = ["ADMIN_TOKEN_ENV", "ENGINE_CHOICES", "INGEST_TOKEN_ENV", "MIN_TOKEN_LENGTH", "UPSTREAM_MAX_BYTES",
-           "UPSTREAM_MAX_LINE_BYTES",
-           "ServerConfig", "ServerConfigError", "check_tokens", "split_credentials"]
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "ENGINE_CHOICES",
+    "INGEST_TOKEN_ENV",
+    "MIN_TOKEN_LENGTH",
+    "SERVER_SETTINGS",
+    "UPSTREAM_MAX_BYTES",
+    "UPSTREAM_MAX_LINE_BYTES",
+    "ServerConfig",
+    "ServerConfigError",
+    "check_tokens",
+    "split_credentials",
+]
 
 ADMIN_TOKEN_ENV = "MLA_WATCH_ADMIN_TOKEN"
 INGEST_TOKEN_ENV = "MLA_WATCH_INGEST_TOKEN"
@@ -129,22 +139,23 @@ class ServerConfig:
                 self.export_expert_counts = ExpertSelection.parse(self.export_expert_counts,
                                                                   "export_expert_counts =")
             except ValueError as error:
-                raise ServerConfigError([str(error)]) from None
-        problems = self.reference.problems()
+                raise SettingsError([str(error)], what=SERVER_SETTINGS) from None
+        problems: list[str | SettingProblem] = [*self.reference.problems()]
         if self.fleet is not None:
             problems += [f"fleet.{problem}" for problem in self.fleet.problems()]
         problems += self.baseline_gate.problems()
         share = self.capture_max_client_share
         if not is_number(share) or not 0 < share <= 1:
-            problems.append(f"--capture-max-client-share {share!r}: expected a share in (0, 1]")
+            problems.append(SettingProblem("capture_max_client_share", repr(share), "a share in (0, 1]"))
         check = self.upstream_check_seconds
         if not is_number(check) or not 0 < check < float("inf"):
-            problems.append(f"upstream_check_seconds = {check!r}: expected a number of seconds > 0")
+            problems.append(SettingProblem("upstream_check_seconds", repr(check), "a number of seconds > 0"))
         if problems:
-            raise ServerConfigError(problems)
+            raise SettingsError(problems, what=SERVER_SETTINGS)
         budget = self.expert_series_budget
         if not is_integer(budget) or budget < 1:
-            raise ServerConfigError([f"expert_series_budget = {budget!r}: expected an integer >= 1 (series)"])
+            raise SettingsError([SettingProblem("expert_series_budget", repr(budget), "an integer >= 1 (series)")],
+                                what=SERVER_SETTINGS)
 
     @property
     def baseline_gate(self) -> ClientGate:
@@ -165,15 +176,17 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
     return public, (unquote(parts.username or ""), unquote(parts.password or ""))
 
 
-class ServerConfigError(ConfigError):
-    """A setting of the server itself (an environment variable, a flag) cannot be served."""
+SERVER_SETTINGS = "server configuration"
+"""What a :class:`SettingsError` about the server's own settings (an environment variable, a flag) calls them."""
 
-    what = "server configuration"
+ServerConfigError = SettingsError
+"""The former name of :class:`~mla_watch.common.settings.SettingsError`, kept for one release."""
 
 
 def check_tokens(config: ServerConfig) -> None:
     """Refuse a bearer token anyone could guess (shorter than :data:`MIN_TOKEN_LENGTH`)."""
     for variable, token in ((ADMIN_TOKEN_ENV, config.admin_token), (INGEST_TOKEN_ENV, config.ingest_token)):
         if token is not None and len(token) < MIN_TOKEN_LENGTH:
-            raise ServerConfigError([f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
-                              "random (python -c 'import secrets; print(secrets.token_urlsafe())')"])
+            raise SettingsError([f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
+                                 "random (python -c 'import secrets; print(secrets.token_urlsafe())')"],
+                                what=SERVER_SETTINGS)

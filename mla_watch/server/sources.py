@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from mla_watch.common.settings import SettingProblem, SettingsError
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.engines.reading import reads_routing
 from mla_watch.engines.recorder import RECORDER_ENGINE
@@ -24,7 +25,7 @@ from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.ingest import RemoteRouting
 from mla_watch.routing.windows import RouterStats, RouterWindows, RoutingSnapshot, take_snapshot
-from mla_watch.server.config import ENGINE_CHOICES, ServerConfig, ServerConfigError
+from mla_watch.server.config import ENGINE_CHOICES, SERVER_SETTINGS, ServerConfig
 from mla_watch.server.requests import describe_value
 
 if TYPE_CHECKING:
@@ -64,21 +65,24 @@ class RoutingSources:
     def _engine_routing(self, registry: CollectorRegistry) -> EngineRouting | None:
         config = self.config
         if config.engine not in ENGINE_CHOICES:
-            raise ServerConfigError([f"--engine {config.engine!r}: expected one of {', '.join(ENGINE_CHOICES)}"])
+            raise SettingsError([SettingProblem("engine", repr(config.engine), f"one of {', '.join(ENGINE_CHOICES)}")],
+                                what=SERVER_SETTINGS)
         if problems := config.replay.problems():  # the command line checks them; the Python API comes here
-            raise ServerConfigError(problems)
+            raise SettingsError(problems, what=SERVER_SETTINGS)
         if config.engine_retune not in ENGINE_RETUNE_MODES:
-            raise ServerConfigError([f"--engine-retune {describe_value(config.engine_retune, 40)}: expected one of "
-                                     f"{', '.join(ENGINE_RETUNE_MODES)}"])
+            raise SettingsError([SettingProblem("engine_retune", describe_value(config.engine_retune, 40),
+                                                f"one of {', '.join(ENGINE_RETUNE_MODES)}")], what=SERVER_SETTINGS)
         reading = reads_routing(config.engine) or config.sglang_recorder_dir is not None
         if not reading:
             return None
-        flag = "--engine" if reads_routing(config.engine) else "--sglang-recorder-dir"
+        field = "engine" if reads_routing(config.engine) else "sglang_recorder_dir"
         if not config.upstream:
-            raise ServerConfigError([f"{flag} reads an engine's routing: it needs --upstream URL (the engine)"])
+            raise SettingsError([SettingProblem("upstream", template=f"{{{field}}} reads an engine's routing: it needs "
+                                                "{upstream} URL (the engine)")], what=SERVER_SETTINGS)
         if config.model_config is None:
-            raise ServerConfigError([f"{flag} needs --model-config: the config.json the engine loaded (or its "
-                                     "directory), which says where its MoE layers are"])
+            raise SettingsError([SettingProblem("model_config", template=f"{{{field}}} needs {{model_config}}: the "
+                                                "config.json the engine loaded (or its directory), which says where "
+                                                "its MoE layers are")], what=SERVER_SETTINGS)
         geometry = load_geometry(config.model_config)  # GeometryError names the file and the key
         log.info("engine routers from %s: %s", config.model_config, geometry.describe())
         engine = config.engine if reads_routing(config.engine) else RECORDER_ENGINE
