@@ -235,6 +235,30 @@ def test_large_prompts_are_refused_before_tokenizing(sidecar) -> None:
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
 
 
+
+def test_a_prompt_past_the_context_is_refused_without_the_tokenizers_warning(sidecar) -> None:
+    """The answer says the prompt does not fit; the tokenizer's "Token indices sequence length is longer than the
+    specified maximum" (logged by transformers on its own handler) would say it again in the log."""
+    import logging
+
+    url, _ = sidecar
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    transformers_log = logging.getLogger("transformers")
+    transformers_log.addHandler(handler)
+    try:
+        text = "where is my order " * 300  # under the characters read before tokenizing, past 512 tokens
+        prompt = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=60)
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    finally:
+        transformers_log.removeHandler(handler)
+    for answer in (prompt, chat):
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+    assert not [r.getMessage() for r in records if "sequence length" in r.getMessage()]
+
+
 class _SlowCollector(Collector):
     """A metric whose collection waits until released: a /metrics build that takes long."""
 

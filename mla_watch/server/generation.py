@@ -118,11 +118,14 @@ class Generation:
                                 f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
                            param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
         tokenizer = self.ctx.serving.model_worker.tokenizer
+        # verbose=False: a prompt longer than the model's context is refused below, in the answer; the tokenizer's
+        # own "Token indices sequence length is longer than ..." warning would log it a second time
         if parsed.kind == "chat":
-            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
+            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True,
+                                                    tokenizer_kwargs={"verbose": False})
             ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         else:
-            ids = tokenizer(parsed.prompt, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(parsed.prompt, add_special_tokens=False, verbose=False)["input_ids"]
         ids = [tokenizer.bos_token_id, *list(ids)]
         if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
