@@ -80,6 +80,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             warnings += 1
     if args.model_config is not None:  # beside an engine: its routers, from the config it loaded
         from mla_watch.engines.geometry import GeometryError, load_geometry
+        from mla_watch.retune.availability import RetuneConditions, why_retune_is_off
 
         try:
             geometry = load_geometry(args.model_config)
@@ -88,7 +89,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(f"error: {message}")
             errors += len(error.errors)
         else:
-            print(f"ok: engine routers: {geometry.describe()}; re-tuning is not available for them")
+            print(f"ok: engine routers: {geometry.describe()}; "
+                  f"{why_retune_is_off(RetuneConditions('engine'))}")  # serve's flags and the engine: unknown here
             found_errors, found_warnings = _lint(rules, geometry.routers(), args)
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
