@@ -306,7 +306,9 @@ function driftColour(js, tokens, driftBits) {
 function positionCell(bucket, index, driftBits, minTokens, isEdge) {
   const js = driftOf(bucket);
   const tokens = Number(bucket.tokens) || 0;
-  const { state, colour } = driftColour(js, tokens, driftBits);
+  // A bucket under its minimum tokens is not judged: its divergence is noise, greyed rather than red or green.
+  const thin = !bucket.judged && index > 0 && js !== null && tokens > 0;
+  const { state, colour } = thin ? { state: "unjudged", colour: COLOURS.nosignal } : driftColour(js, tokens, driftBits);
   const why = index === 0 ? "the prompts' openings: shown, not judged"
     : !bucket.judged && tokens > 0 ? `not judged: fewer than ${minTokens} tokens` : null;
   const title = `${bucket.bucket}: ${tokens} tokens · entropy ${bits(bucket.entropy_bits)} bits · ` +
@@ -689,8 +691,8 @@ function renderRow(row) {
                value: row.value === null ? "" : String(row.value), state: row.state,
                alerts: alertNames.join(","), noSignal: noSignal || null, baselineClients: who },
   }, el("span", { class: "name" }, `layer ${row.layer} · ${row.router}`),
-  row.alerts.length ? el("span", { class: `alert ${row.state}` }, `⚠ ${row.alerts.map((a) => a.labels.alertname)
-    .join(", ")}`) : null,
+  row.alerts.length ? el("span", { class: `alert ${row.state}`, title: alertNames.join(", ") },
+    `⚠ ${row.alerts.length === 1 ? alertNames[0] : `${row.alerts.length} alerts`}`) : null,
   noSignal ? el("span", { class: "value nosignal" }, `no signal: ${noSignal}`)
     : el("span", { class: "value" }, formatMetric(row.value, metric)),
   healthy && !noSignal ? el("span", { class: "healthy" }, who ? `${healthy} · ${who}` : healthy) : null);
@@ -867,7 +869,8 @@ function renderPositions() {
     el("div", { class: "legend" }, [["ok", `within ${positions.drift_bits} bits (brighter: nearer in-range routing)`],
       ["fire", `past ${positions.drift_bits} bits (darker: further)`], ["none", "no tokens, or nothing to compare"]]
       .map(([state, text]) => el("span", {}, el("i", { style: `background:${COLOURS[state]}` }), text)),
-    el("span", {}, `faded: fewer than ${positions.min_tokens} tokens, not judged`)));
+    el("span", {}, el("i", { style: `background:${COLOURS.nosignal}` }),
+       `grey, faded: fewer than ${positions.min_tokens} tokens, not judged`)));
 }
 
 // Links come from rule annotations: only http(s) ones become links (never javascript: or data:).
@@ -885,7 +888,11 @@ function isFocusedAlert(alert) {
 // What an alert's cause says: the model changed, the traffic did, or neither can be told (yet: while pending).
 function causeText(alert) {
   const cause = (alert.labels || {}).cause;
-  if (!cause) return alert.state === "pending" ? "reading…" : "–";
+  if (!cause && alert.state === "pending") {
+    // cause_due_at: by when the reading decides the cause (or the alert fires "undetermined" without one)
+    return alert.cause_due_at ? `reading… due by ${clock(alert.cause_due_at)}` : "reading…";
+  }
+  if (!cause) return "–";
   return { model: "model", traffic: "traffic", undetermined: "undetermined" }[cause] || cause;
 }
 
@@ -1038,7 +1045,9 @@ function renderPolicies(policies) {
                    rejections: String(Object.values(task.rejections).reduce((a, b) => a + b, 0)) } },
         el("td", {}, task.task + (task.task === line.default_task ? " (default)" : "")),
         el("td", {}, task.on_violation),
-        el("td", {}, Object.entries(task.params).map(([name, rule]) => el("div", {}, `${name}: ${range(rule)}`))),
+        el("td", {}, Object.entries(task.params).map(([name, rule]) => el("div", {}, `${name}: ${range(rule)}`)),
+           task.max_prompt_tokens ? el("div", { class: "prompt-limit" },
+             `max_prompt_tokens: ≤ ${task.max_prompt_tokens} (longer prompts refused)`) : null),
         el("td", { class: "adjusted" }, counts(task.adjustments)),
         el("td", { class: "refused" }, counts(task.rejections)),
         el("td", { class: "muted" }, counts(task.defaults)),
