@@ -36,7 +36,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.ERROR)
     return demo(args.out, live=not args.no_live and sys.stdout.isatty(), timeout=args.timeout,
-                inject_fault=not args.no_fault, port=args.port)
+                inject_fault=not args.no_fault, port=args.port, receiver_port=args.receiver_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=tcp_port, default=0,
                       help="the port of the demo's sidecar on 127.0.0.1, whose status page it prints to open; "
                            "0: any free one (default 0)")
+    demo.add_argument("--receiver-port", type=tcp_port, default=0,
+                      help="the port on 127.0.0.1 of the webhook receiver standing in for on-call, which the demo's "
+                           "pages go to; 0: any free one (default 0)")
     demo.add_argument("--no-live", action="store_true", help="print progress lines instead of the live view")
     demo.add_argument("--timeout", type=positive_float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
