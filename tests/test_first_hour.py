@@ -294,6 +294,7 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
     version = cli("--version")
     assert version.returncode == 0 and version.stdout == f"mla-watch {__version__}\n"
     serve = " ".join(cli("serve", "--help").stdout.split())
+    assert " ".join(cli("rules", "--help").stdout.split()).endswith("The manual: docs/alerting.md")
     assert "README" not in serve
     assert 'external command template (docs/retuning.md, "Beyond one machine")' in serve
     pages = {page.name for page in (REPO / "docs").glob("*.md")}
@@ -307,6 +308,8 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
             if hasattr(action, "choices") and isinstance(action.choices, dict):
                 parsers.extend(action.choices.values())
         assert named, parser.prog
+        # named by their path, which reads the same offline: no command's help points at a web page of the manual
+        assert "://" not in (parser.epilog or "") or parser.prog == "mla-watch", (parser.prog, parser.epilog)
         for page in named:
             assert page.split("#")[0] in pages, (parser.prog, page)
         texts.append(parser.epilog or "")

@@ -333,7 +333,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="as serve --reference-model: check that its router tensors match the model's")
     check.set_defaults(handler=_cmd_check)
 
-    rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
+    rules = commands.add_parser("rules", help="alert rules", epilog=f"The manual: {DOCS}alerting.md").add_subparsers(
+        dest="rules_command", required=True)
     export = rules.add_parser("export", help="write the rules as a Prometheus rule file",
                               epilog=f"The manual: {DOCS}alerting.md (\"Prometheus export\"); --fleet: {DOCS}fleet.md")
     export.add_argument("--format", choices=["prometheus", "operator", "mimir"], default="prometheus",

@@ -17,7 +17,7 @@ from typing import Any
 
 from mla_watch.cli import check, context, fleet, retune, serve, traffic
 from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
-from mla_watch.cli.flags import DOCS, positive_float, tcp_port
+from mla_watch.cli.flags import DOCS, REPOSITORY, positive_float, tcp_port
 from mla_watch.cli.startup import FlagError, Parser
 from mla_watch.common.output_file import OutputError
 
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mla_watch import __version__
 
     parser = Parser(prog="mla-watch", description="Watch the routers of an MLA/MoE model.",
-                    epilog=f"The manual: {DOCS}index.md")
+                    epilog=f"The manual: {DOCS}index.md, and each command's --help names its page (the docs "
+                           f"folder of {REPOSITORY})")
     parser.add_argument("--version", action="version", version=f"mla-watch {__version__}")
     # [Any]: the subcommand modules are typed for ArgumentParser's subparsers; these make Parser ones (its subclass)
     commands: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True,
