@@ -879,6 +879,8 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
         page = httpx.get(url + "/", timeout=10).text
         # Two prompts over the limit, as the generation path counts them (tests/test_hardening.py sends them).
         sidecar.metrics.policy_rejections.labels("code_assistant", "code", "max_prompt_tokens").inc(2)
+        sidecar.clients.add("code_assistant", "app-1", 600)  # whose tokens the line's window holds
+        sidecar.clients.add("code_assistant", "app-2", 400)
         monkeypatch.setattr(sidecar.alerts.engine, "causes", _ReadingOnItsWay())
         sidecar.alerts.engine.evaluate([engine_record(4.0, line="code_assistant")])
         (alert,) = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
@@ -908,6 +910,10 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
         finally:
             browser.close()
     assert "Uncaught" not in console, console
+    (clients,) = dom.find(tag="div", id="clients-note")
+    assert clients["text"] == "clients: app-1 60% · app-2 40%", clients
+    assert clients["title"] == ("app-1: 60% of the window, 60% over the long run\n"
+                                "app-2: 40% of the window, 40% over the long run")
     for body in ("heatmap-rows", "positions-body", "alerts-body", "policies-body", "retune-body"):
         assert f'<div id="{body}"><p class="empty loading">loading&hellip;</p></div>' in page, body
     assert loading_left == 0

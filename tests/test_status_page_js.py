@@ -383,3 +383,13 @@ def test_a_baseline_says_whose_traffic_it_was_and_the_line_what_is_not_learned()
     assert run_js("page.baselineNotes(s, 'sql')", s=untrusted) == [
         "No healthy baselines are learned: router version 0 is not known to be good"]
     assert run_js("page.baselineNotes(null, 'sql')") == []
+
+
+def test_a_lines_clients_are_named_by_their_share_the_largest_first() -> None:
+    shares = {"tokens": 1000, "clients": [{"client": f"app-{i}", "share": share, "long_run_share": share}
+                                          for i, share in enumerate((0.5, 0.2, 0.1, 0.1, 0.05, 0.05), 1)]}
+    texts = run_js("[page.clientsText(s), page.clientsText(few), page.clientsText({ tokens: 0, clients: [] }), "
+                   "page.clientsText(undefined)]", s=shares, few={**shares, "clients": shares["clients"][:2]})
+    assert texts == ["clients: app-1 50% · app-2 20% · app-3 10% · app-4 10% · 2 more",
+                     "clients: app-1 50% · app-2 20%",
+                     "clients: none counted here for this line", "clients: none counted here for this line"]

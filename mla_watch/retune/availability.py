@@ -44,8 +44,8 @@ def retune_reasons(conditions: RetuneConditions) -> list[str]:
         if c.engine_retune is None:
             reasons.append("serve --engine-retune propose (a version to review) or apply (off by default)")
         elif c.engine_retune == "off":
-            reasons.append("re-tuning the engine's routers is off: serve with --engine-retune propose (a version to "
-                           "review) or apply")
+            reasons.append("it was not asked for (--engine-retune off, the default): serve with --engine-retune "
+                           "propose (a version to review) or apply")
         if c.swaps is None:
             reasons.append(f"an engine that swaps routers in place: {SWAP_ENGINES}, vLLM started with "
                            "VLLM_SERVER_DEV_MODE=1 (its swap endpoints, on a pod-local port)")

@@ -157,6 +157,25 @@ function baselineNotes(summary, line) {
   return notes;
 }
 
+// Whose traffic a line is (v1/status `clients`: token shares of its window): "clients: app-1 62% · app-2 30% · 3
+// more"; what the page says where no client's tokens are counted here (routing that workers report, or an
+// engine's recorder: their clients are not seen). At most `top` named.
+function clientsText(shares, top = 4) {
+  const clients = (shares && Array.isArray(shares.clients)) ? shares.clients : [];
+  if (!clients.length) return "clients: none counted here for this line";
+  const named = clients.slice(0, top).map((c) => `${c.client} ${percent(c.share)}`);
+  const more = clients.length - named.length;
+  return `clients: ${named.join(" · ")}${more > 0 ? ` · ${more} more` : ""}`;
+}
+
+function renderClients() {
+  const shares = (view.status.clients || {})[view.line || "all"]; // no line yet: every line's
+  const clients = (shares && Array.isArray(shares.clients)) ? shares.clients : [];
+  $("clients-note").textContent = clientsText(shares);
+  $("clients-note").title = clients.map((c) => `${c.client}: ${percent(c.share)} of the window, ` +
+    `${percent(c.long_run_share)} over the long run`).join("\n");
+}
+
 function renderBaselines() {
   const notes = baselineNotes(view.status.baselines, view.line);
   $("baselines-note").hidden = !notes.length;
@@ -528,6 +547,7 @@ function render() {
   renderMetrics();
   renderWindows();
   renderBaselines();
+  renderClients();
   renderHeatmap();
   renderOverview();
   renderPositions();
@@ -1115,7 +1135,7 @@ if (typeof window !== "undefined") {
 } else if (typeof module !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
-                     baselineClients, baselineNotes,
+                     baselineClients, baselineNotes, clientsText,
                      normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS,
                      firstDeparture, positionCell, positionStrips, positionsNote, incidentsOf, incidentNames };
 }
