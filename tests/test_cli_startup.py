@@ -177,3 +177,32 @@ def test_quieting_the_progress_bars_is_undone_for_library_users() -> None:
     with quiet_progress_bars():
         assert not hf_logging.is_progress_bar_enabled() and hub.are_progress_bars_disabled()
     assert (hf_logging.is_progress_bar_enabled(), hub.are_progress_bars_disabled()) == before
+
+
+def _engine_health_app():
+    """An engine that answers its health check: the sidecar's checker calls it through its HTTP client library."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    return Starlette(routes=[Route("/health", lambda request: PlainTextResponse(""))])
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_the_libraries_log_lines_show_at_debug_only(tmp_path, level: str) -> None:
+    from tests.support import free_port, serve_app, sidecar_process
+
+    log = tmp_path / "serve.log"
+    port = free_port()
+    with serve_app(_engine_health_app()) as engine, sidecar_process(
+            port, tmp_path / "state", "--upstream", engine, "--decode-workers", "0", "--log-level", level, log=log):
+        for _ in range(3):  # requests answered; the engine's health asked once at least (readiness asks it)
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
+    text = log.read_text()
+    assert "mla_watch.server: status page:" in text, text[-3000:]  # the sidecar's own lines at both levels
+    library = ("HTTP Request: GET " + engine + "/health", '"GET /readyz HTTP/1.1" 200')
+    if level == "debug":
+        assert all(line in text for line in library), text[-3000:]
+    else:
+        assert not any(line in text for line in library), text[-3000:]
+        assert "httpx" not in text and "httpcore" not in text, text[-3000:]

@@ -29,7 +29,8 @@ def demo(out, *extra: str) -> subprocess.CompletedProcess:
 
 def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
     port = free_port()
-    run = demo(tmp_path, "--port", str(port))  # piped: every event line is there, without the live view's redraws
+    # piped: every event line is there, without the live view's redraws; on-call's receiver on the port asked for
+    run = demo(tmp_path, "--port", str(port), "--receiver-port", str(free_port()))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] and all(summary["steps"].values())
@@ -57,7 +58,8 @@ def test_the_demo_closes_the_loop_and_draws_it(tmp_path) -> None:
                                                        "model.layers.1.mlp.gate")]
     resolved = [line for line in lines if line.startswith("mla-watch demo: resolved: RoutingEntropyLow on "
                                                           "model.layers.1.mlp.gate")]
-    said = re.search(r": (\d\.\d\d) bits, below 5\.0$", paged[0]) if len(paged) == 1 else None
+    # the page's cause, as the reference prompts told it: the model changed
+    said = re.search(r": (\d\.\d\d) bits, below 5\.0; cause: model \(.+\)$", paged[0]) if len(paged) == 1 else None
     assert said, out
     # The summary's entropy at the page is the page's own (the summary keeps 3 decimals, the line 2), and the
     # page's job is said after the page.
@@ -134,6 +136,11 @@ def test_an_alert_line_says_what_the_value_is_now() -> None:
     assert alert_line({"status": "firing", "labels": {**labels, "business_line": "all"}, "annotations": firing}) == \
         "paged: RoutingEntropyLow on model.layers.2.mlp.gate (all lines): 3.50 bits, below 5.0"
     assert "None" not in alert_line({"status": "firing", "labels": labels, "annotations": {"value": "None"}})
+    # the cause the page carries: its label, and what the reference prompts said
+    caused = alert_line({"status": "firing", "labels": {**labels, "cause": "model"}, "annotations": {
+        **firing, "cause": "the reference prompts   route differently now"}})
+    assert caused == ("paged: RoutingEntropyLow on model.layers.2.mlp.gate (customer_service): 3.50 bits, below 5.0; "
+                      "cause: model (the reference prompts route differently now)")
 
     # An event carries no value: its summary says what happened, never "? bits".
     event = {"status": "firing", "annotations": {"summary": "Re-tune job j1 for  model.layers.1.mlp.gate (all) was "

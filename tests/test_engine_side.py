@@ -140,7 +140,8 @@ def test_a_bad_policy_is_reported_before_anything_heavy_is_imported(tmp_path: Pa
     (["demo"], "mla-watch demo"),
     (["routing"], "--model bundled (run here)"),
     (["check"], "--model bundled (loaded here to lint the rules"),
-], ids=["serve-model", "sglang-recorder", "demo", "routing", "check"])
+    (["context"], "--model bundled (run here over the prompts; --url reads a sidecar's traffic without it)"),
+], ids=["serve-model", "sglang-recorder", "demo", "routing", "check", "context"])
 def test_a_feature_whose_extra_is_missing_fails_at_start_up_in_one_line(tmp_path: Path, args: list[str],
                                                                         named: str) -> None:
     done = processes.run([sys.executable, "-m", "mla_watch.cli", *args, "--state-dir", str(tmp_path / "state")]
@@ -151,6 +152,16 @@ def test_a_feature_whose_extra_is_missing_fails_at_start_up_in_one_line(tmp_path
     assert named in lines[0] and lines[0].endswith(f"needs torch (the [model] extra): {MODEL_INSTALL}"), lines
     assert MARK not in done.stderr
 
+
+
+def test_context_from_a_sidecars_traffic_needs_no_model_extra(tmp_path: Path) -> None:
+    """``context --url`` reads a sidecar's answer, no model: without the extra it runs (here: nobody listens)."""
+    done = processes.run([sys.executable, "-m", "mla_watch.cli", "context", "--url", f"http://127.0.0.1:{free_port()}",
+                          "--business-line", "code_assistant", "--timeout", "5"], env=without_model_extra(tmp_path),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "cannot read /v1/routing" in lines[0], done.stderr[-3000:]
+    assert MARK not in done.stderr
 
 @pytest.mark.slow
 def test_serve_beside_vllm_without_the_model_extra_counts_streamed_and_unstreamed_alike(tmp_path: Path) -> None:

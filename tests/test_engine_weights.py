@@ -47,7 +47,7 @@ from mla_watch.engines.vllm_weights import (
     read_router_tensors,
     write_router_checkpoint,
 )
-from tests.support import free_port, running_sidecar, serve_app
+from tests.support import free_port, running_sidecar, serve_app, wait_until
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 8,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_method": "noaux_tc"}
@@ -431,6 +431,57 @@ def test_problem_says_what_to_set(fake: FakeVllm, url: str) -> None:
     assert VllmWeights(url).problem().startswith(f"vLLM at {url} is paused (another swap, or an operator's /pause)")
     with pytest.raises(ValueError, match=r"base_url 'localhost:8000': expected http://HOST:PORT"):
         VllmWeights("localhost:8000")
+
+
+
+def test_every_surface_gives_the_one_reason_re_tuning_is_off(tmp_path: Path, config_json: Path, capsys) -> None:
+    """vLLM without its dev endpoints, re-tuning asked for, no capture: the status, the log line and an alert's
+    ``retune`` annotation give the same reasons in the same words; ``check`` gives what re-tuning needs."""
+    import logging
+
+    from mla_watch.alerting.engine import Action
+    from mla_watch.alerting.model import Alert
+    from mla_watch.cli import main
+    from mla_watch.retune.availability import RetuneConditions, retune_reasons, why_retune_is_off
+
+    checkpoint = write_router_checkpoint(tmp_path / "engine-model", routers(), config_json)
+    router = f"model.layers.{GEOMETRY.moe_layers[0]}.mlp.gate"
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("mla_watch.server")
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with serve_app(FakeVllm(dev_mode=False).app) as plain, running_sidecar(
+                upstream=plain, engine="vllm", model_config=checkpoint, engine_retune="propose") as (url, sidecar):
+            problem = VllmWeights(plain).problem()
+            conditions = RetuneConditions("engine", engine="vllm", swaps=True, engine_retune="propose", capture=False,
+                                          engine_problem=problem)
+            why = why_retune_is_off(conditions)
+            assert problem is not None and why is not None and "VLLM_SERVER_DEV_MODE=1" in why and "--capture" in why
+
+            def told() -> bool:
+                return why in httpx.get(url + "/v1/status", timeout=30).json()["engine"]["retune"]
+
+            assert wait_until(told, timeout=30), httpx.get(url + "/v1/status", timeout=30).json()["engine"]
+            status = httpx.get(url + "/v1/status", timeout=30).json()["engine"]["retune"]
+            assert status.startswith("re-tuning the engine's routers: propose") and status.endswith(f", but {why}")
+            alert = Alert(labels={"alertname": "RoutingEntropyLow", "router": router, "cause": "model"},
+                          annotations={}, status="firing", starts_at=0.0, ends_at=None, value=1.0)
+            note = sidecar.retuning.on_retune_action(Action("retune", alert, None, None))  # type: ignore[arg-type]
+            assert note == f"no re-tune job: {'; '.join(retune_reasons(conditions))}"
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+    assert any(r.levelno == logging.WARNING and r.getMessage() == status for r in records), \
+        [r.getMessage() for r in records]
+    capsys.readouterr()
+    assert main(["check", "--model-config", str(config_json)]) in (0, 1)
+    needs = why_retune_is_off(RetuneConditions("engine"))
+    assert needs is not None and needs.startswith("re-tuning needs: ") and f"; {needs}" in capsys.readouterr().out
+    assert all(word in needs for word in ("--engine-retune", "VLLM_SERVER_DEV_MODE=1", "--capture"))
 
 
 # ---------------------------------------------------------------------------------------------- score

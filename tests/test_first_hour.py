@@ -271,16 +271,18 @@ def test_a_mistyped_flag_is_two_lines_and_no_flag_is_taken_by_a_prefix() -> None
         "usage: mla-watch [FLAGS] COMMAND ...  (mla-watch --help lists its commands and flags)")
 
 
-def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flag", ["--port", "--receiver-port"])
+def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tmp_path: Path, flag: str) -> None:
+    """The sidecar's port, and the port of the webhook receiver standing in for on-call, are the ones asked for."""
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = cli("demo", "--port", str(port), "--out", str(tmp_path / "demo"))
+        done = cli("demo", flag, str(port), "--out", str(tmp_path / "demo"))
     assert done.returncode == 2 and done.stderr.splitlines() == [
-        f"mla-watch demo: --port {port}: 127.0.0.1:{port} is in use: expected a free port (or --port 0 for any)"]
+        f"mla-watch demo: {flag} {port}: 127.0.0.1:{port} is in use: expected a free port (or {flag} 0 for any)"]
     assert done.stdout == ""
 
 
@@ -292,6 +294,7 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
     version = cli("--version")
     assert version.returncode == 0 and version.stdout == f"mla-watch {__version__}\n"
     serve = " ".join(cli("serve", "--help").stdout.split())
+    assert " ".join(cli("rules", "--help").stdout.split()).endswith("The manual: docs/alerting.md")
     assert "README" not in serve
     assert 'external command template (docs/retuning.md, "Beyond one machine")' in serve
     pages = {page.name for page in (REPO / "docs").glob("*.md")}
@@ -305,6 +308,8 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
             if hasattr(action, "choices") and isinstance(action.choices, dict):
                 parsers.extend(action.choices.values())
         assert named, parser.prog
+        # named by their path, which reads the same offline: no command's help points at a web page of the manual
+        assert "://" not in (parser.epilog or "") or parser.prog == "mla-watch", (parser.prog, parser.epilog)
         for page in named:
             assert page.split("#")[0] in pages, (parser.prog, page)
         texts.append(parser.epilog or "")

@@ -4,6 +4,7 @@ answer or has no effect, and monitoring keeps working."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import uuid
@@ -233,6 +234,68 @@ def test_large_prompts_are_refused_before_tokenizing(sidecar) -> None:
     chat = httpx.post(url + "/v1/chat/completions", timeout=60,
                       json={"messages": [{"role": "user", "content": "hi"}] * 28_000, "max_tokens": 4})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
+
+def test_a_prompt_past_the_context_is_refused_without_the_tokenizers_warning(sidecar) -> None:
+    """The answer says the prompt does not fit; the tokenizer's "Token indices sequence length is longer than the
+    specified maximum" (logged by transformers on its own handler) would say it again in the log."""
+    import logging
+
+    url, _ = sidecar
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    transformers_log = logging.getLogger("transformers")
+    transformers_log.addHandler(handler)
+    try:
+        text = "where is my order " * 300  # under the characters read before tokenizing, past 512 tokens
+        prompt = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=60)
+        chat = httpx.post(url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+    finally:
+        transformers_log.removeHandler(handler)
+    for answer in (prompt, chat):
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
+    assert not [r.getMessage() for r in records if "sequence length" in r.getMessage()]
+
+
+
+def test_a_prompt_over_the_policys_limit_is_counted_as_its_refusal(sidecar, tmp_path) -> None:
+    """A prompt over ``max_prompt_tokens`` is the policy's refusal: counted under that parameter, as the status page
+    and ``GET /v1/policies`` show a line's refusals."""
+    from tests.support import SHIPPED_POLICIES
+
+    url, running = sidecar
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED_POLICIES, policies)
+    path = policies / "code_assistant.yaml"
+    path.write_text(path.read_text().replace("defaults:\n  on_violation: clamp\n",
+                                             "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 8\n", 1))
+    shipped = running.policies.directory
+    running.policies.directory = policies  # as `serve --policies` over this directory, reloaded
+    try:
+        assert running.policies.reload().ok
+
+        def refused() -> dict:
+            return httpx.get(url + "/v1/policies", timeout=30).json()["counts"]["code_assistant"]["code"]["refused"]
+
+        before = refused().get("max_prompt_tokens", 0)
+        text = "where is my order " * 6
+        headers = {"X-Business-Line": "code_assistant"}
+        prompt = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, headers=headers,
+                            timeout=60)
+        chat = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
+                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+        for answer in (prompt, chat):
+            assert answer.status_code == 400 and answer.json()["error"]["code"] == "prompt_too_long", answer.text
+            assert "allows at most 8" in answer.json()["error"]["message"]
+        assert refused().get("max_prompt_tokens", 0) == before + 2
+        policy = httpx.get(url + "/v1/policies", timeout=30).json()["business_lines"]["code_assistant"]
+        assert policy["tasks"]["code"]["max_prompt_tokens"] == 8
+    finally:
+        running.policies.directory = shipped
+        running.policies.reload()
 
 
 class _SlowCollector(Collector):

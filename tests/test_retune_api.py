@@ -93,5 +93,5 @@ def test_mark_good_vouches_for_a_version_on_the_stack_and_names_a_bad_one(sideca
 def test_a_proxying_sidecar_has_no_model_to_retune(tmp_path) -> None:
     with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path) as (url, _):
         response = httpx.get(url + "/v1/retune/jobs")
-        assert response.status_code == 503 and "re-tuning needs a local model, or an engine's routing read" in \
+        assert response.status_code == 503 and "re-tuning is off: no router is re-tuned here: serve a model" in \
             error(response)["message"]

@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -830,3 +831,97 @@ def test_an_incident_is_one_row_that_opens_into_its_alerts(tmp_path: Path) -> No
     assert linked.find(tag="tr", class_="incident")[0]["data-open"] == "true"
     (focused,) = [m for m in linked.find(tag="tr", class_="member") if "focus" in m["class"].split()]
     assert focused["data-router"] == gates[1] and "hidden" not in focused
+
+
+# ---------------------------------------------------------------- the first look
+
+FIRST_LOOK_RULES = """\
+receivers:
+  - {name: owners, type: alertmanager_webhook, url: "http://127.0.0.1:9/hook"}
+rules:
+  - alert: RoutingEntropyLow
+    metric: entropy_bits
+    select: {kind: expert, business_line: "*"}
+    below: 5.0
+    min_tokens: 64
+    for: 1m
+    receivers: [owners]
+    annotations: {summary: "{value:.2f} bits on {router}"}
+"""
+
+
+class _ReadingOnItsWay:
+    """A cause judge whose reading has not come: the alert stays pending, undecided, for 120 s past ``for``."""
+
+    wait_seconds = 120.0
+
+    def request(self, business_line, since) -> None:
+        pass
+
+    def latest(self, business_line):
+        return None
+
+    def judge(self, rule, record, since):
+        return None
+
+
+def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading_is_due_and_keeps_router_names(
+        tmp_path: Path, monkeypatch) -> None:
+    from tests.support import SHIPPED_POLICIES
+
+    policies = tmp_path / "policies"
+    shutil.copytree(SHIPPED_POLICIES, policies)
+    path = policies / "code_assistant.yaml"
+    path.write_text(path.read_text().replace("defaults:\n  on_violation: clamp\n",
+                                             "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 384\n", 1))
+    with running_sidecar(upstream="http://127.0.0.1:9", policies=policies,
+                         rules=write_rules(tmp_path / "rules", FIRST_LOOK_RULES)) as (url, sidecar):
+        page = httpx.get(url + "/", timeout=10).text
+        # Two prompts over the limit, as the generation path counts them (tests/test_hardening.py sends them).
+        sidecar.metrics.policy_rejections.labels("code_assistant", "code", "max_prompt_tokens").inc(2)
+        sidecar.clients.add("code_assistant", "app-1", 600)  # whose tokens the line's window holds
+        sidecar.clients.add("code_assistant", "app-2", 400)
+        monkeypatch.setattr(sidecar.alerts.engine, "causes", _ReadingOnItsWay())
+        sidecar.alerts.engine.evaluate([engine_record(4.0, line="code_assistant")])
+        (alert,) = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
+        assert alert["state"] == "pending" and alert["cause_due_at"] == pytest.approx(
+            alert["active_since"] + 60 + 120, abs=0.01)
+        browser = Browser()
+        try:
+            browser.open(url + "/?refresh=1")
+            assert browser.wait_for("document.querySelector('#policies-body tr[data-task=\"code\"]') && "
+                                    "document.querySelector('#alerts-body tr[data-state=\"pending\"]')")
+            loading_left = browser.evaluate("document.querySelectorAll('.loading').length")
+            # A row whose alerts have long names: the badge gives way, the router's name stays whole.
+            fits = browser.evaluate("""(() => {
+              const alerts = ['RoutingEntropyLowForTheWholeFleet', 'LongContextDriftOfTheLine', 'ExpertHotspot']
+                .map((name) => ({ state: 'firing', labels: { alertname: name } }));
+              const row = renderRow({ router: 'model.layers.12.mlp.gate', layer: 12, kind: 'expert', value: 4.1,
+                                      state: 'fire', record: null, alerts });
+              $('heatmap-rows').replaceChildren(row);
+              const name = row.querySelector('.name'), badge = row.querySelector('.alert');
+              return { whole: name.scrollWidth <= name.clientWidth, apart:
+                       name.getBoundingClientRect().right <= badge.getBoundingClientRect().left,
+                       badge: badge.textContent, title: badge.title };
+            })()""")
+            dom = browser.dom()
+            browser.screenshot(artifacts_dir() / "status-page-first-look.png")
+            console = "\n".join(browser.console)
+        finally:
+            browser.close()
+    assert "Uncaught" not in console, console
+    (clients,) = dom.find(tag="div", id="clients-note")
+    assert clients["text"] == "clients: app-1 60% · app-2 40%", clients
+    assert clients["title"] == ("app-1: 60% of the window, 60% over the long run\n"
+                                "app-2: 40% of the window, 40% over the long run")
+    for body in ("heatmap-rows", "positions-body", "alerts-body", "policies-body", "retune-body"):
+        assert f'<div id="{body}"><p class="empty loading">loading&hellip;</p></div>' in page, body
+    assert loading_left == 0
+    (row,) = [r for r in dom.find(tag="tr", **{"data-task": "code"}) if r["data-line"] == "code_assistant"]
+    assert "max_prompt_tokens: ≤ 384 (longer prompts refused)" in row["text"] and row["data-rejections"] == "2"
+    (refused,) = [cell for cell in dom.find(tag="td", class_="refused") if "max_prompt_tokens" in cell["text"]]
+    assert refused["text"].strip() == "max_prompt_tokens 2"
+    (cause,) = [span for span in dom.find(tag="span", class_="cause") if span["text"].startswith("reading")]
+    assert re.fullmatch(r"reading… due by \d\d:\d\d:\d\d", cause["text"].strip()), cause
+    assert fits["whole"] and fits["apart"] and fits["badge"] == "⚠ 3 alerts", fits
+    assert fits["title"] == "RoutingEntropyLowForTheWholeFleet, LongContextDriftOfTheLine, ExpertHotspot"

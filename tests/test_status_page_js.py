@@ -11,6 +11,7 @@ has no history.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -234,6 +235,9 @@ def test_an_alerts_cause_is_shown_as_the_engine_labels_it_and_a_pending_one_is_s
     pending = {**ALERT, "state": "pending"}
     assert run_js("[...alerts, pending, old].map(page.causeText)", alerts=alerts, pending=pending,
                   old=ALERT) == ["model", "traffic", "undetermined", "reading…", "–"]
+    # With the time the engine gives (its `for` plus the wait for the reading): when the reading is due.
+    due = run_js("page.causeText(a)", a={**pending, "cause_due_at": 1796187257.5})
+    assert re.fullmatch(r"reading… due by \d\d:\d\d:\d\d", str(due)), due
 
 
 # ---------------------------------------------------------------- routing by position
@@ -275,7 +279,9 @@ def test_the_position_strip_marks_the_first_judged_bucket_past_the_documents_dri
     assert [c["edge"] for c in departing["cells"]] == [False, False, False, True, False]
     assert [c["state"] for c in departing["cells"]] == ["none", "none", "ok", "fire", "fire"]
     assert staying["edge"] is None and staying["text"] == "in range where judged (within 0.025 bits)"
-    assert [c["state"] for c in staying["cells"]] == ["none", "none", "fire", "none", "ok"]  # 40 tokens: faded
+    # 40 tokens past the threshold: too few to judge, so greyed, never red beside "in range where judged"
+    assert [c["state"] for c in staying["cells"]] == ["none", "none", "unjudged", "none", "ok"]
+    assert all(c["state"] in ("none", "unjudged") for c in unjudged["cells"])
     assert [c["judged"] for c in staying["cells"]] == [False, True, False, False, True]
     assert unjudged["edge"] is None and unjudged["text"] == "too few tokens to judge (a bucket needs 512)"
     # The threshold is the document's: at 0.05 bits the edge is the bucket past 0.05.
@@ -377,3 +383,13 @@ def test_a_baseline_says_whose_traffic_it_was_and_the_line_what_is_not_learned()
     assert run_js("page.baselineNotes(s, 'sql')", s=untrusted) == [
         "No healthy baselines are learned: router version 0 is not known to be good"]
     assert run_js("page.baselineNotes(null, 'sql')") == []
+
+
+def test_a_lines_clients_are_named_by_their_share_the_largest_first() -> None:
+    shares = {"tokens": 1000, "clients": [{"client": f"app-{i}", "share": share, "long_run_share": share}
+                                          for i, share in enumerate((0.5, 0.2, 0.1, 0.1, 0.05, 0.05), 1)]}
+    texts = run_js("[page.clientsText(s), page.clientsText(few), page.clientsText({ tokens: 0, clients: [] }), "
+                   "page.clientsText(undefined)]", s=shares, few={**shares, "clients": shares["clients"][:2]})
+    assert texts == ["clients: app-1 50% · app-2 20% · app-3 10% · app-4 10% · 2 more",
+                     "clients: app-1 50% · app-2 20%",
+                     "clients: none counted here for this line", "clients: none counted here for this line"]

@@ -128,7 +128,16 @@ class AlertService:
         alerts = self.engine.alerts()
         with self._lock:
             rules = {rule.name: rule for rule in self.rules.rules}
-            return [{**alert.as_dict(), "incident": self._incident(rules.get(alert.rule), alert)} for alert in alerts]
+            return [{**alert.as_dict(), "incident": self._incident(rules.get(alert.rule), alert),
+                     "cause_due_at": self._cause_due_at(rules.get(alert.rule), alert)} for alert in alerts]
+
+    def _cause_due_at(self, rule: Rule | None, alert: AlertInstance) -> float | None:
+        """By when a pending alert's cause is decided (wall clock): the reading it asked for comes by then, or it
+        fires ``undetermined`` - its ``for`` plus the cause judge's wait past it; ``None`` where nothing waits."""
+        causes = self.engine.causes
+        if alert.state != "pending" or causes is None or rule is None or alert.active_since is None:
+            return None
+        return round(alert.active_since + rule.for_seconds + causes.wait_seconds, 3)
 
     def _incident(self, rule: Rule | None, alert: AlertInstance) -> dict[str, Any] | None:
         for name in rule.receivers_for(alert.labels.get(CAUSE_LABEL)) if rule is not None else ():

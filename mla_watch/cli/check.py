@@ -81,6 +81,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             warnings += 1
     if args.model_config is not None:  # beside an engine: its routers, from the config it loaded
         from mla_watch.engines.geometry import GeometryError, load_geometry
+        from mla_watch.retune.availability import RetuneConditions, why_retune_is_off
 
         try:
             geometry = load_geometry(args.model_config)
@@ -89,7 +90,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 print(f"error: {message}")
             errors += len(error.errors)
         else:
-            print(f"ok: engine routers: {geometry.describe()}; re-tuning is not available for them")
+            print(f"ok: engine routers: {geometry.describe()}; "
+                  f"{why_retune_is_off(RetuneConditions('engine'))}")  # serve's flags and the engine: unknown here
             found_errors, found_warnings = _lint(rules, geometry.routers(), args)
             errors, warnings = errors + found_errors, warnings + found_warnings
     elif args.model is not None:
@@ -332,7 +334,8 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="as serve --reference-model: check that its router tensors match the model's")
     check.set_defaults(handler=_cmd_check)
 
-    rules = commands.add_parser("rules", help="alert rules").add_subparsers(dest="rules_command", required=True)
+    rules = commands.add_parser("rules", help="alert rules", epilog=f"The manual: {DOCS}alerting.md").add_subparsers(
+        dest="rules_command", required=True)
     export = rules.add_parser("export", help="write the rules as a Prometheus rule file",
                               epilog=f"The manual: {DOCS}alerting.md (\"Prometheus export\"); --fleet: {DOCS}fleet.md")
     export.add_argument("--format", choices=["prometheus", "operator", "mimir"], default="prometheus",

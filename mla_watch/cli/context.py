@@ -31,6 +31,10 @@ _MAX_ANSWER_BYTES = 32 << 20  # a sidecar's /v1/routing answer read here, at mos
 
 
 def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile], list[int] | None]:
+    from mla_watch.cli.startup import require_model_extra
+
+    require_model_extra(f"--model {args.model} (run here over the prompts; --url reads a "
+                        "sidecar's traffic without it)")
     import torch
 
     import mla_watch

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import math
@@ -38,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.common.output_file import OutputError, check_output_dir, write_file
 from mla_watch.routing.series import BUSINESS_LINE, ROUTER
@@ -100,7 +102,7 @@ class DemoResult:
 class _Receiver:
     """On-call, standing in: records the Alertmanager webhooks the sidecar posts."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.alerts: list[dict[str, Any]] = []
         receiver = self
 
@@ -115,7 +117,15 @@ class _Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        try:
+            self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        except OSError as error:
+            from mla_watch.cli.startup import FlagError
+
+            why = ("is in use" if error.errno == errno.EADDRINUSE
+                   else f"cannot be listened on ({error.strerror or error})")
+            raise FlagError(f"--receiver-port {port}: 127.0.0.1:{port} {why}: expected a free port (or "
+                            "--receiver-port 0 for any)") from None
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -278,7 +288,10 @@ def alert_line(alert: dict[str, Any]) -> str:
             f": {summary[:200]}" if summary else "")
     if alert.get("status") == "resolved":
         return f"resolved: {where}: {_bits(notes.get('value'))}, back above {_value(notes.get('resolve_threshold'))}"
-    return f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
+    cause = labels.get(CAUSE_LABEL)
+    said = " ".join(str(notes.get("cause") or "").split())[:200]
+    return (f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
+            + (f"; cause: {cause}" + (f" ({said})" if said else "") if cause else ""))
 
 
 def job_line(job: dict[str, Any]) -> str:
@@ -304,9 +317,10 @@ def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
 
 
 def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject_fault: bool = True,
-             port: int = 0) -> DemoResult:
+             port: int = 0, receiver_port: int = 0) -> DemoResult:
     """Run the loop; returns what happened (``result.ok`` when every step did). ``port``: the sidecar's on
-    127.0.0.1 (0: any free one); one in use is a :class:`~mla_watch.cli_startup.FlagError` before anything runs."""
+    127.0.0.1, ``receiver_port`` its webhook receiver's (0: any free one); one in use is a
+    :class:`~mla_watch.cli_startup.FlagError` before anything runs."""
     import torch
 
     from mla_watch.cli.startup import bind_listener, one_thread_for_the_bundled_model
@@ -315,12 +329,16 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     from mla_watch.server.app import ServerConfig, Sidecar
 
     sock = bind_listener("127.0.0.1", port)
+    try:
+        receiver = _Receiver(receiver_port)
+    except BaseException:
+        sock.close()
+        raise
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     one_thread_for_the_bundled_model("bundled", "cpu")
     work = Path(tempfile.mkdtemp(prefix="mla-watch-demo-"))
     (work / "rules").mkdir()
     write_file(work / "rules" / "routing.yaml", RULES)
-    receiver = _Receiver()
     os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url
     started = time.monotonic()
     events: dict[str, float] = {}
@@ -588,10 +606,12 @@ def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
     return lines
 
 
-def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0) -> int:
+def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0,
+         receiver_port: int = 0) -> int:
     # A directory that cannot take the outputs is said now, not after the run: a device, a read-only or full disk.
     check_output_dir(out_dir, label=f"--out {out_dir}", room=OUTPUT_ROOM)
-    result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port)
+    result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port,
+                      receiver_port=receiver_port)
     unwritten: OutputError | None = None
     try:
         write_outputs(result)

@@ -16,12 +16,15 @@ from typing import Any
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.expert_counts import ExpertSelection
 
-__all__ = ["DEFAULT_STATE_DIR", "DOCS", "byte_size", "expert_selection", "fleet_url", "history_retention",
+__all__ = ["DEFAULT_STATE_DIR", "DOCS", "REPOSITORY", "byte_size", "expert_selection", "fleet_url", "history_retention",
            "integer_in", "non_negative_float", "non_negative_int", "number_at_least", "parse_options",
            "perplexity_margin", "positive_float", "positive_int", "positive_share", "share", "tcp_port", "upstream_url"]
 
 DEFAULT_STATE_DIR: Path = ServerConfig.state_dir
-DOCS = "https://github.com/mla-watch/mla_watch/blob/main/docs/"  # the manual, where each command's --help points
+# The manual's pages, where each command's --help points: named by their path in the repository, which reads the
+# same offline (a checkout, a copy of docs/) and online; the top-level --help says where the repository is.
+DOCS = "docs/"
+REPOSITORY = "https://github.com/mla-watch/mla_watch"
 
 
 def positive_int(text: str) -> int:

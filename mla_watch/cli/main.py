@@ -17,7 +17,7 @@ from typing import Any
 
 from mla_watch.cli import check, context, fleet, retune, serve, traffic
 from mla_watch.cli.flags import DEFAULT_STATE_DIR as DEFAULT_STATE_DIR
-from mla_watch.cli.flags import DOCS, positive_float, tcp_port
+from mla_watch.cli.flags import DOCS, REPOSITORY, positive_float, tcp_port
 from mla_watch.cli.startup import FlagError, Parser
 from mla_watch.common.output_file import OutputError
 
@@ -36,7 +36,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.ERROR)
     return demo(args.out, live=not args.no_live and sys.stdout.isatty(), timeout=args.timeout,
-                inject_fault=not args.no_fault, port=args.port)
+                inject_fault=not args.no_fault, port=args.port, receiver_port=args.receiver_port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     from mla_watch import __version__
 
     parser = Parser(prog="mla-watch", description="Watch the routers of an MLA/MoE model.",
-                    epilog=f"The manual: {DOCS}index.md")
+                    epilog=f"The manual: {DOCS}index.md, and each command's --help names its page (the docs "
+                           f"folder of {REPOSITORY})")
     parser.add_argument("--version", action="version", version=f"mla-watch {__version__}")
     # [Any]: the subcommand modules are typed for ArgumentParser's subparsers; these make Parser ones (its subclass)
     commands: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True,
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=tcp_port, default=0,
                       help="the port of the demo's sidecar on 127.0.0.1, whose status page it prints to open; "
                            "0: any free one (default 0)")
+    demo.add_argument("--receiver-port", type=tcp_port, default=0,
+                      help="the port on 127.0.0.1 of the webhook receiver standing in for on-call, which the demo's "
+                           "pages go to; 0: any free one (default 0)")
     demo.add_argument("--no-live", action="store_true", help="print progress lines instead of the live view")
     demo.add_argument("--timeout", type=positive_float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests

@@ -33,6 +33,7 @@ from mla_watch.cli.flags import (
     tcp_port,
     upstream_url,
 )
+from mla_watch.cli.logs import LOG_LEVELS, configure_logging
 from mla_watch.cli.setting_flags import flag_of, flag_text
 from mla_watch.cli.startup import FlagError
 from mla_watch.common.settings import SettingsError
@@ -50,8 +51,6 @@ __all__ = ["add_parser"]
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
     from mla_watch.cli.startup import (
         bind_listener,
         check_serve_flags,
@@ -64,8 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_serve_flags(args)  # before anything loads, binds or logs: a bad value is one line, exit 2
     from mla_watch.server.app import build_sidecar
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # "Scheduler started": the library's, not ours
+    configure_logging(args.log_level)  # the libraries' own lines (every engine call, every request) at debug only
     # The model thread and the event loop hand work to each other; Python's default 5 ms GIL
     # switch interval would add up to that much latency to every handoff.
     sys.setswitchinterval(0.0005)
@@ -151,7 +149,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
     if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds
         one_thread_for_the_bundled_model(args.model, args.device)
-    run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    run_server(sidecar.app, sock, host=args.host, port=port, log_level=args.log_level,
+               access_log=args.log_level == "debug", timeout_graceful_shutdown=30)
     return 0
 
 
@@ -182,6 +181,9 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     serve.add_argument("--public-url", help="the URL on-call uses to reach this sidecar (links in alerts)")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=tcp_port, default=8000, help="the TCP port to listen on; 0: any free one")
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                       help="the least severe log line printed; the libraries' own lines (each request the HTTP "
+                            "client sends to the engine, each request answered) only at debug, else their warnings")
     serve.add_argument("--upstream", type=upstream_url,
                        help="forward generation to this OpenAI-compatible server instead (user:password@ in it is "
                             "sent as basic auth and never shown)")

@@ -314,7 +314,7 @@ class Sidecar:
             side = self._upstream_side = build_upstream_side(
                 config, engine_routing, None if capture is None else self.retuning.capture_answers(capture))
             self.serving.upstream, self.serving.upstream_health = side.upstream, side.health
-            self.serving.engine_retune_note = self.retuning.start_engine(capture)
+            self.retuning.start_engine(capture)  # says what it does, or why it does not, in engine_retune_note
             if engine_routing is not None and self.alerts is not None:  # readings tell the causes of alerts
                 self.references.start_engine(engine_routing.geometry, self.serving.retune)
             side.start()

@@ -105,6 +105,11 @@ class Generation:
         except ValueError as error:  # should not happen: policy values lie in the sampler's domain
             raise ApiError(400, str(error), code="invalid_value") from error
 
+    def _refused_by_prompt_limit(self, decision: Decision) -> None:
+        """A prompt over the policy's ``max_prompt_tokens``: a refusal of the policy, counted under that parameter
+        (``mla_watch_policy_rejections_total``, the status page's "refused")."""
+        self.ctx.metrics.policy_rejections.labels(decision.business_line, decision.task, "max_prompt_tokens").inc()
+
     def _prompt_ids(self, parsed: GenerationRequest, decision: Decision, task: TaskPolicy) -> list[int]:
         """Tokenize the prompt (in a worker thread: it can take a while) and check it fits the policy."""
         assert self.ctx.serving.model_worker is not None  # generating locally: the model is in
@@ -114,17 +119,23 @@ class Generation:
         chars = (len(cast(str, parsed.prompt)) if parsed.kind != "chat"
                  else sum(len(m["content"]) for m in cast(list[dict[str, str]], parsed.messages)))
         if chars > most_tokens * MAX_CHARS_PER_TOKEN:
+            if most_tokens == task.max_prompt_tokens:  # the policy's limit refused it: counted as its refusal
+                self._refused_by_prompt_limit(decision)
             raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
                                 f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
                            param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
         tokenizer = self.ctx.serving.model_worker.tokenizer
+        # verbose=False: a prompt longer than the model's context is refused below, in the answer; the tokenizer's
+        # own "Token indices sequence length is longer than ..." warning would log it a second time
         if parsed.kind == "chat":
-            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True)
+            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True,
+                                                    tokenizer_kwargs={"verbose": False})
             ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         else:
-            ids = tokenizer(parsed.prompt, add_special_tokens=False)["input_ids"]
+            ids = tokenizer(parsed.prompt, add_special_tokens=False, verbose=False)["input_ids"]
         ids = [tokenizer.bos_token_id, *list(ids)]
         if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
+            self._refused_by_prompt_limit(decision)
             raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
                                 f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
                            code="prompt_too_long")

@@ -245,6 +245,9 @@ class ReadViews:
             "policies": {"version": self.policies.version, "lines": policies,
                          "last_reload_error": self.reload_errors()},
             "retune": None,
+            # each line's clients (token shares of its window now, and over the long run): the page names them
+            "clients": {line: self.clients.shares(None if line == ALL_LINES else line) for line in sorted(
+                {ALL_LINES, *(series["business_line"] for series in history["series"])})[:REFERENCE_VIEW_LINES]},
         }
         if serving.retune is not None:
             registry = serving.retune.registry

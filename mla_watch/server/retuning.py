@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -21,6 +22,7 @@ from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
+from mla_watch.retune.availability import RetuneConditions, no_job_note, why_retune_is_off
 from mla_watch.retune.jobs import JobSpec
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
@@ -51,6 +53,10 @@ class Retuning:
         self.metrics = metrics
         self.alerts = alerts
         self.references = references
+        # what re-tuning the engine's routers depends on, known once start_engine ran (capture, the engine's answer)
+        self.engine_conditions = RetuneConditions("engine", engine=config.engine,
+                                                  swaps=config.engine in SWAPPING_ENGINES,
+                                                  engine_retune=config.engine_retune)
 
     # ------------------------------------------------------------------ beside the local model
     def start_local(self, model: Any, tokenizer: Any) -> None:
@@ -121,17 +127,17 @@ class Retuning:
 
         return record
 
-    def start_engine(self, capture: Any) -> str:
-        """The re-tune service for the engine's routers (``--engine-retune propose|apply``); else why there is none."""
+    def start_engine(self, capture: Any) -> None:
+        """The re-tune service for the engine's routers (``--engine-retune propose|apply``); in
+        ``serving.engine_retune_note`` (``GET /v1/status``'s ``engine.retune``, logged), what it does or why there
+        is none (:func:`~mla_watch.retune.availability.why_retune_is_off`)."""
         config = self.config
-        if self.sources.engine_routing is None:
-            return ("re-tuning needs a local model, or an engine's routing read (--engine "
-                    f"{'|'.join(SWAPPING_ENGINES)} with --model-config) to re-tune the engine's routers")
-        if config.engine_retune == "off":
-            return "re-tuning the engine's routers is off (serve --engine-retune propose|apply)"
-        if config.engine not in SWAPPING_ENGINES:
-            return (f"re-tuning the engine's routers needs --engine {' or '.join(SWAPPING_ENGINES)} (not "
-                    f"{config.engine}): the swap endpoints differ")
+        self.engine_conditions = RetuneConditions(
+            "engine" if self.sources.engine_routing is not None else "none", engine=config.engine,
+            swaps=config.engine in SWAPPING_ENGINES, engine_retune=config.engine_retune, capture=capture is not None)
+        if self.sources.engine_routing is None or config.engine_retune == "off" or not self.engine_conditions.swaps:
+            self._engine_note(None)
+            return
         from mla_watch.engines.vllm_weights import read_router_tensors
         from mla_watch.retune.engine import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService
@@ -145,8 +151,9 @@ class Retuning:
         try:
             initial = read_router_tensors(checkpoint, geometry.moe_layers)
         except ValueError as error:
-            log.warning("re-tuning the engine's routers is not available: %s", error)
-            return f"re-tuning the engine's routers is not available: {error}"
+            self.engine_conditions = replace(self.engine_conditions, checkpoint_problem=str(error))
+            self._engine_note(None)
+            return
         assert config.upstream is not None  # beside an engine: --upstream
         weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
                                  geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
@@ -182,13 +189,29 @@ class Retuning:
         self.serving.retune.start()
         self._started(self.serving.retune)
 
+        running = f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
+        self._engine_note(running)
+
         def check() -> None:  # an engine still starting must not hold up the sidecar's own start
             problem = weights.problem()
             if problem is not None:
-                log.warning("re-tuning the engine's routers: %s", problem)
+                self.engine_conditions = replace(self.engine_conditions, engine_problem=problem)
+                self._engine_note(running)
 
         threading.Thread(target=check, name="mla-watch-engine-check", daemon=True).start()
-        return f"re-tuning the engine's routers: {config.engine_retune} (swaps written to {swap_dir})"
+
+    def _engine_note(self, running: str | None) -> None:
+        """``serving.engine_retune_note`` from :attr:`engine_conditions` (and the service's line where it runs),
+        logged: a warning where re-tuning was asked for and cannot work."""
+        why = why_retune_is_off(self.engine_conditions)
+        if running is None:
+            note = why or "re-tuning the engine's routers is off"  # a reason always applies where it does not run
+        else:
+            note = running if why is None else f"{running}, but {why}"
+        self.serving.engine_retune_note = note
+        asked = self.config.engine_retune != "off" and self.engine_conditions.routers == "engine"
+        log.log(logging.WARNING if asked and why is not None and not why.startswith("an alert") else logging.INFO,
+                "%s", note)
 
     # ------------------------------------------------------------------ the fleet
     def _started(self, service: RetuneService) -> None:
@@ -260,17 +283,16 @@ class Retuning:
         if cause != "model":  # the alert engine asks only for these; a guard all the same
             return (f"no re-tune job: the cause is {cause or 'undetermined'}, not the model (a router is re-tuned only "
                     "when its reference prompts show the model changed)")
-        if router in self.sources.engine_routers() and self.serving.retune is None:
-            return f"no re-tune job: {router} is a router of the engine at {self.config.upstream}; " \
-                   f"{self.serving.engine_retune_note}"
+        engine = router in self.sources.engine_routers()
+        if engine and self.serving.retune is None:
+            return no_job_note(self.engine_conditions, f" for {router}, the engine's router")
         if self.serving.retune is None:
-            return "no re-tune job: this sidecar serves no local model to re-tune"
+            return no_job_note(RetuneConditions("none"))
         if router not in self.serving.retune.watched_by(None):
             return (f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
                     "another process is watched, not re-tuned here)")
-        if self.serving.retune.retuner.capture is None:
-            return ("no re-tune job: traffic capture is off, so the job would have no data (serve with --capture to "
-                    "record recent traffic per business line, or run `mla-watch retune run --dataset FILE`)")
+        if self.serving.retune.retuner.capture is None:  # the job would have no data (the other reasons: quoted)
+            return no_job_note(self.engine_conditions if engine else RetuneConditions("local", capture=False))
         if self.serving.fleet is not None:
             return self.serving.fleet.on_model_alert(action)
         record = self.serving.retune.on_alert(action)

@@ -157,6 +157,25 @@ function baselineNotes(summary, line) {
   return notes;
 }
 
+// Whose traffic a line is (v1/status `clients`: token shares of its window): "clients: app-1 62% · app-2 30% · 3
+// more"; what the page says where no client's tokens are counted here (routing that workers report, or an
+// engine's recorder: their clients are not seen). At most `top` named.
+function clientsText(shares, top = 4) {
+  const clients = (shares && Array.isArray(shares.clients)) ? shares.clients : [];
+  if (!clients.length) return "clients: none counted here for this line";
+  const named = clients.slice(0, top).map((c) => `${c.client} ${percent(c.share)}`);
+  const more = clients.length - named.length;
+  return `clients: ${named.join(" · ")}${more > 0 ? ` · ${more} more` : ""}`;
+}
+
+function renderClients() {
+  const shares = (view.status.clients || {})[view.line || "all"]; // no line yet: every line's
+  const clients = (shares && Array.isArray(shares.clients)) ? shares.clients : [];
+  $("clients-note").textContent = clientsText(shares);
+  $("clients-note").title = clients.map((c) => `${c.client}: ${percent(c.share)} of the window, ` +
+    `${percent(c.long_run_share)} over the long run`).join("\n");
+}
+
 function renderBaselines() {
   const notes = baselineNotes(view.status.baselines, view.line);
   $("baselines-note").hidden = !notes.length;
@@ -306,7 +325,9 @@ function driftColour(js, tokens, driftBits) {
 function positionCell(bucket, index, driftBits, minTokens, isEdge) {
   const js = driftOf(bucket);
   const tokens = Number(bucket.tokens) || 0;
-  const { state, colour } = driftColour(js, tokens, driftBits);
+  // A bucket under its minimum tokens is not judged: its divergence is noise, greyed rather than red or green.
+  const thin = !bucket.judged && index > 0 && js !== null && tokens > 0;
+  const { state, colour } = thin ? { state: "unjudged", colour: COLOURS.nosignal } : driftColour(js, tokens, driftBits);
   const why = index === 0 ? "the prompts' openings: shown, not judged"
     : !bucket.judged && tokens > 0 ? `not judged: fewer than ${minTokens} tokens` : null;
   const title = `${bucket.bucket}: ${tokens} tokens · entropy ${bits(bucket.entropy_bits)} bits · ` +
@@ -526,6 +547,7 @@ function render() {
   renderMetrics();
   renderWindows();
   renderBaselines();
+  renderClients();
   renderHeatmap();
   renderOverview();
   renderPositions();
@@ -689,8 +711,8 @@ function renderRow(row) {
                value: row.value === null ? "" : String(row.value), state: row.state,
                alerts: alertNames.join(","), noSignal: noSignal || null, baselineClients: who },
   }, el("span", { class: "name" }, `layer ${row.layer} · ${row.router}`),
-  row.alerts.length ? el("span", { class: `alert ${row.state}` }, `⚠ ${row.alerts.map((a) => a.labels.alertname)
-    .join(", ")}`) : null,
+  row.alerts.length ? el("span", { class: `alert ${row.state}`, title: alertNames.join(", ") },
+    `⚠ ${row.alerts.length === 1 ? alertNames[0] : `${row.alerts.length} alerts`}`) : null,
   noSignal ? el("span", { class: "value nosignal" }, `no signal: ${noSignal}`)
     : el("span", { class: "value" }, formatMetric(row.value, metric)),
   healthy && !noSignal ? el("span", { class: "healthy" }, who ? `${healthy} · ${who}` : healthy) : null);
@@ -867,7 +889,8 @@ function renderPositions() {
     el("div", { class: "legend" }, [["ok", `within ${positions.drift_bits} bits (brighter: nearer in-range routing)`],
       ["fire", `past ${positions.drift_bits} bits (darker: further)`], ["none", "no tokens, or nothing to compare"]]
       .map(([state, text]) => el("span", {}, el("i", { style: `background:${COLOURS[state]}` }), text)),
-    el("span", {}, `faded: fewer than ${positions.min_tokens} tokens, not judged`)));
+    el("span", {}, el("i", { style: `background:${COLOURS.nosignal}` }),
+       `grey, faded: fewer than ${positions.min_tokens} tokens, not judged`)));
 }
 
 // Links come from rule annotations: only http(s) ones become links (never javascript: or data:).
@@ -885,7 +908,11 @@ function isFocusedAlert(alert) {
 // What an alert's cause says: the model changed, the traffic did, or neither can be told (yet: while pending).
 function causeText(alert) {
   const cause = (alert.labels || {}).cause;
-  if (!cause) return alert.state === "pending" ? "reading…" : "–";
+  if (!cause && alert.state === "pending") {
+    // cause_due_at: by when the reading decides the cause (or the alert fires "undetermined" without one)
+    return alert.cause_due_at ? `reading… due by ${clock(alert.cause_due_at)}` : "reading…";
+  }
+  if (!cause) return "–";
   return { model: "model", traffic: "traffic", undetermined: "undetermined" }[cause] || cause;
 }
 
@@ -1038,7 +1065,9 @@ function renderPolicies(policies) {
                    rejections: String(Object.values(task.rejections).reduce((a, b) => a + b, 0)) } },
         el("td", {}, task.task + (task.task === line.default_task ? " (default)" : "")),
         el("td", {}, task.on_violation),
-        el("td", {}, Object.entries(task.params).map(([name, rule]) => el("div", {}, `${name}: ${range(rule)}`))),
+        el("td", {}, Object.entries(task.params).map(([name, rule]) => el("div", {}, `${name}: ${range(rule)}`)),
+           task.max_prompt_tokens ? el("div", { class: "prompt-limit" },
+             `max_prompt_tokens: ≤ ${task.max_prompt_tokens} (longer prompts refused)`) : null),
         el("td", { class: "adjusted" }, counts(task.adjustments)),
         el("td", { class: "refused" }, counts(task.rejections)),
         el("td", { class: "muted" }, counts(task.defaults)),
@@ -1106,7 +1135,7 @@ if (typeof window !== "undefined") {
 } else if (typeof module !== "undefined") {
   module.exports = { mergeHistory, stateOf, colourOf, safeHref, historyUrl, // the pure parts, for tests under Node.js
                      parseAnchor, anchorOf, alertMetric, alertsOn, rowState, metricValue, formatMetric, healthyText,
-                     baselineClients, baselineNotes,
+                     baselineClients, baselineNotes, clientsText,
                      normalizedBand, metricColour, rampPosition, routingUrl, historyNote, causeText, METRICS,
                      firstDeparture, positionCell, positionStrips, positionsNote, incidentsOf, incidentNames };
 }
