@@ -194,3 +194,16 @@ def test_engines_never_import_the_http_layer() -> None:
     climbing = [f"{module}:{line} imports {target}" for module, tree in sources.items() if _layer(module) == "engines"
                 for target, line in _imports(tree, sources) if target.startswith("mla_watch.server")]
     assert not climbing, "\n".join(climbing)
+
+
+# ---------------------------------------------------------------------------------------------- names
+def test_no_module_imports_another_modules_private_name() -> None:
+    """An underscore name is its module's own: one that another module needs is public (in ``__all__``) or moves to
+    where it is used. Dunder names (``__version__``, ``__all__``) are public."""
+    borrowed = []
+    for module, tree in _sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mla_watch"):
+                borrowed.extend(f"{module}:{node.lineno} imports {node.module}.{alias.name}" for alias in node.names
+                                if alias.name.startswith("_") and not alias.name.startswith("__"))
+    assert not borrowed, "\n".join(borrowed)
