@@ -207,3 +207,22 @@ def test_no_module_imports_another_modules_private_name() -> None:
                 borrowed.extend(f"{module}:{node.lineno} imports {node.module}.{alias.name}" for alias in node.names
                                 if alias.name.startswith("_") and not alias.name.startswith("__"))
     assert not borrowed, "\n".join(borrowed)
+
+
+# Python API paths renamed in this release: the old path -> the new one. Each old path keeps working for one release.
+RENAMED = {"mla_watch.cause.prompts.ReferenceError": "mla_watch.cause.prompts.ReferenceSetError"}
+
+
+def test_renamed_python_api_paths_keep_working_one_release() -> None:
+    import importlib
+    import warnings
+
+    def resolve(path: str) -> object:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    for old, new in RENAMED.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert resolve(old) is resolve(new), old
+        assert any(issubclass(warning.category, DeprecationWarning) for warning in caught), f"{old} does not warn"

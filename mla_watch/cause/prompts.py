@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -45,7 +46,7 @@ from mla_watch.common.yamlcheck import Checker, read_yaml
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
-           "MIN_PROMPTS", "Generated", "ReferenceError", "ReferenceSet", "ReferenceSets", "load_reference_dir"]
+           "MIN_PROMPTS", "Generated", "ReferenceSet", "ReferenceSetError", "ReferenceSets", "load_reference_dir"]
 
 DEFAULT_SET = "default"  # the mixed set of every line without a set of its own
 MIN_PROMPTS = 4  # fewer reads too few tokens for a router's statistics to mean much
@@ -60,10 +61,20 @@ _KEYS = ("business_line", "version", "description", "long", "max_tokens", "promp
 _GENERATE_KEYS = ("documents", "seed")
 
 
-class ReferenceError(ConfigError):
+class ReferenceSetError(ConfigError):
     """The reference prompts cannot be used; ``errors`` names each file, key, value and expectation."""
 
     what = "reference prompts"
+
+
+def __getattr__(name: str) -> Any:
+    # ``ReferenceError``, this error's name before it was renamed, stays importable for one release; served from
+    # here rather than bound in the module, where it would shadow the builtin ``ReferenceError``.
+    if name == "ReferenceError":
+        warnings.warn("mla_watch.cause.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning,
+                      stacklevel=2)
+        return ReferenceSetError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -160,14 +171,14 @@ def _load_file(path: Path) -> ReferenceSet:
     try:
         size = path.stat().st_size
     except OSError as error:
-        raise ReferenceError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
+        raise ReferenceSetError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
                               "YAML file"]) from None
     if size > MAX_FILE_BYTES:
-        raise ReferenceError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
-    data = read_yaml(path, label, ReferenceError)
+        raise ReferenceSetError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
+    data = read_yaml(path, label, ReferenceSetError)
     chk = Checker(label)
     if not isinstance(data, dict):
-        raise ReferenceError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
+        raise ReferenceSetError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
     for key in data:
         if key not in _KEYS:
             chk.unknown_key("(top level)", key, _KEYS)
@@ -196,7 +207,7 @@ def _load_file(path: Path) -> ReferenceSet:
         max_tokens = DEFAULT_SET_TOKENS
     kept, generated = _prompts(chk, data, long)
     if chk.errors:
-        raise ReferenceError(chk.errors)
+        raise ReferenceSetError(chk.errors)
     return ReferenceSet(path.stem, int(version), tuple(kept), description.strip(), label,  # type: ignore[arg-type]
                         long, int(max_tokens), generated)
 
@@ -238,25 +249,25 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
 
 
 def load_reference_dir(directory: Path) -> ReferenceSets:
-    """Every ``*.yaml`` set of ``directory``; :class:`ReferenceError` naming every problem of every file."""
+    """Every ``*.yaml`` set of ``directory``; :class:`ReferenceSetError` naming every problem of every file."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise ReferenceError([f"{directory}: the reference prompt directory does not exist or is not a directory: "
+        raise ReferenceSetError([f"{directory}: the reference prompt directory does not exist or is not a directory: "
                               "expected a directory of *.yaml reference prompt files"])
     try:
         files = config_files(directory)
     except OSError as error:
-        raise ReferenceError([f"{directory}: cannot list the directory ({error.strerror or error}): expected a "
+        raise ReferenceSetError([f"{directory}: cannot list the directory ({error.strerror or error}): expected a "
                               "readable directory of *.yaml reference prompt files"]) from None
     if not files:
-        raise ReferenceError([f"{directory}: no reference prompt files (*.yaml): expected at least "
+        raise ReferenceSetError([f"{directory}: no reference prompt files (*.yaml): expected at least "
                               f"{DEFAULT_SET}.yaml, the mixed set"])
     errors: list[str] = []
     sets: dict[str, ReferenceSet] = {}
     for file in files:
         try:
             reference = _load_file(file)
-        except ReferenceError as error:
+        except ReferenceSetError as error:
             errors.extend(error.errors)
             continue
         if reference.name in sets:
@@ -264,5 +275,5 @@ def load_reference_dir(directory: Path) -> ReferenceSets:
                           ": expected one file per business line")
         sets[reference.name] = reference
     if errors:
-        raise ReferenceError(errors)
+        raise ReferenceSetError(errors)
     return ReferenceSets(MappingProxyType(dict(sorted(sets.items()))))

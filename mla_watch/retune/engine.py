@@ -164,7 +164,7 @@ class EngineRetuner:
     of the engine's routing for a router over its live window.
     """
 
-    def __init__(self, *, host: EngineRouters, registry: RouterVersions, settings: RetuneSettings, mode: str,
+    def __init__(self, *, host: EngineRouters, versions: RouterVersions, settings: RetuneSettings, mode: str,
                  capture: TrafficCapture | None, promote: Callable[[int], Any], rollback: Callable[[], int],
                  loads: Callable[[str, str | None], np.ndarray | None], reference: RouterReference | None = None,
                  bias_schedule: BiasSchedule | None = None, gate_timeout: float = 300.0,
@@ -174,7 +174,7 @@ class EngineRetuner:
             raise ValueError(f"--engine-retune {mode!r}: expected propose or apply")
         self.host = host
         self.model = None  # no model in this process: the engine holds it
-        self.registry = registry
+        self.versions = versions
         self.settings = settings
         self.mode = mode
         self.capture = capture
@@ -244,7 +244,7 @@ class EngineRetuner:
         held_out, data = self._held_out(spec)
         if isinstance(held_out, str):
             return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
-        manifest = self.registry.manifest(version)
+        manifest = self.versions.manifest(version)
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
         self._reference_live = self._reference_scores(spec)
@@ -298,10 +298,10 @@ class EngineRetuner:
             source = self.reference.label
         else:
             try:
-                version, tensors, why = self.registry.last_good_state(spec.routers)
+                version, tensors, why = self.versions.last_good_state(spec.routers)
                 source = f"router version {version} ({why})"
             except ValueError:  # nothing known good: the checkpoint the engine was started from
-                tensors = {name: tensor for name, tensor in self.registry.load(0).items() if name.startswith(prefixes)}
+                tensors = {name: tensor for name, tensor in self.versions.load(0).items() if name.startswith(prefixes)}
                 source = "the engine's checkpoint (router version 0)"
         if not tensors:
             raise ValueError(f"{source} holds no tensors of routers {spec.routers}")
@@ -407,7 +407,7 @@ class EngineRetuner:
                                                 "--enable-return-routed-experts): the band is not judged, perplexity "
                                                 "decides"})
         attempt.update(version=version, gates=report.as_dict(), swap=taken)
-        self.registry.update_manifest(version, {"gates": report.as_dict()})
+        self.versions.update_manifest(version, {"gates": report.as_dict()})
         if report.passed:
             attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
             return "promoted"
@@ -480,7 +480,7 @@ class EngineRetuner:
         manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": strategy,
                     "routers": spec.routers, "details": details, "engine": self.host.describe(),
                     "gates": {"passed": False, "decision": "pending", "checks": []}}
-        return self.registry.save(tensors, manifest)
+        return self.versions.save(tensors, manifest)
 
     def _undecided(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
                    before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:

@@ -41,7 +41,7 @@ class FitContext:
     model: torch.nn.Module  # the live model: read it, never write it
     batches: Sequence[Mapping[str, torch.Tensor]]  # training batches (input_ids, attention_mask)
     routers: list[str]  # the routers the job may change
-    registry: RouterVersions | None  # None outside the server (an external worker cannot restore)
+    versions: RouterVersions | None  # None outside the server (an external worker cannot restore)
     options: Mapping[str, Any] = field(default_factory=dict)
     reference: RouterReference | None = None  # the original checkpoint's routers (serve --reference-model)
 
@@ -161,9 +161,9 @@ class RestoreStrategy(Strategy):
             return Candidate({name: to_torch(array) for name, array in tensors.items()},
                              {"reference": context.reference.label, "restored_from": None,
                               "routers": list(context.routers)})
-        if context.registry is None:
+        if context.versions is None:
             raise ValueError("restore needs the router registry of the server, or a --reference-model")
-        version, tensors, why = context.registry.last_good_state(context.routers)
+        version, tensors, why = context.versions.last_good_state(context.routers)
         if not tensors:
             raise ValueError(f"the registry holds no tensors of routers {context.routers}")
         return Candidate({name: to_torch(array) for name, array in tensors.items()},

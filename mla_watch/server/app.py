@@ -103,7 +103,7 @@ class Sidecar:
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None,
                                       clients=self.clients)
-        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceError at start-up
+        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceSetError at start-up
                                      writes=self.state_writes)
         self.metrics.watch_reference(lambda: self.references.prober)
         # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the

@@ -247,9 +247,9 @@ class ReadViews:
             "retune": None,
         }
         if serving.retune is not None:
-            registry = serving.retune.registry
-            body["retune"] = {"live": registry.live_version(), "last_good": registry.last_good(),
-                              "jobs": serving.retune.store.list(limit=20), "promotions": registry.promotions()[-50:]}
+            versions = serving.retune.versions
+            body["retune"] = {"live": versions.live_version(), "last_good": versions.last_good(),
+                              "jobs": serving.retune.store.list(limit=20), "promotions": versions.promotions()[-50:]}
         return body
 
     def engine_status(self) -> dict[str, Any] | None:

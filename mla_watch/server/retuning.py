@@ -64,7 +64,7 @@ class Retuning:
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
         ensure_private_dir(datasets)
-        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
+        versions = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         capture = self.open_capture()
         if capture is not None:
             record = self.capture_answers(capture)
@@ -76,7 +76,7 @@ class Retuning:
             from mla_watch.retune.router_tensors import router_state
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
-        retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
+        retuner = Retuner(model=model, tokenizer=tokenizer, versions=versions, settings=self.config.retune,
                           workdir=state / "retune-work",
                           # the service is made below, before any job runs
                           promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
@@ -86,7 +86,7 @@ class Retuning:
                           else lambda: cast(AlertService, self.alerts).rules.rules,
                           reference_prompts=self.references.gate)
         self.serving.retune = RetuneService(
-            state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
+            state_dir=state, settings=self.config.retune, retuner=retuner, versions=versions,
             model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
             on_rejected=self.rejected,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
@@ -156,7 +156,7 @@ class Retuning:
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
         host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,
                              config_json=given if given.is_file() else checkpoint / "config.json")
-        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
+        versions = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         reference = None
         if config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
@@ -167,7 +167,7 @@ class Retuning:
         def loads(router: str, line: str | None) -> Any:
             return windows.counts(line).get(router)
 
-        retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
+        retuner = EngineRetuner(host=host, versions=versions, settings=config.retune, mode=config.engine_retune,
                                 capture=capture,  # the service is made below, before any job runs
                                 promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
                                 rollback=lambda: cast(RetuneService, self.serving.retune).rollback(), loads=loads,
@@ -175,7 +175,7 @@ class Retuning:
                                 gate_timeout=config.engine_gate_timeout, reference_prompts=self.references.gate,
                                 reference_reader=self.references.engine_reader(geometry))
         self.serving.retune = RetuneService(
-            state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
+            state_dir=state, settings=config.retune, retuner=retuner, versions=versions, model_lock=threading.Lock(),
             on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
             resume_jobs=config.fleet is None)
@@ -194,7 +194,7 @@ class Retuning:
     def _started(self, service: RetuneService) -> None:
         """The re-tune service runs: say which router version serves, and join the fleet (``--fleet``), adopting its
         version before the routers are judged."""
-        self.metrics.router_version.set(service.registry.live_version() or 0)
+        self.metrics.router_version.set(service.versions.live_version() or 0)
         if self.config.fleet is None:
             self._version_changed(service)
             return
@@ -222,7 +222,7 @@ class Retuning:
     def _version_changed(self, service: RetuneService) -> None:
         from mla_watch.common.tensor_files import router_digest
 
-        self.metrics.serving_version(service.registry.live_version(), router_digest(service.retuner.host.state()))
+        self.metrics.serving_version(service.versions.live_version(), router_digest(service.retuner.host.state()))
 
     def _fleet_store(self, up: bool, why: str | None) -> None:
         self.metrics.fleet_store_up.set(1 if up else 0)
@@ -285,7 +285,7 @@ class Retuning:
             windows.reset(routers)
         self.metrics.router_promotions.labels(kind).inc()
         assert self.serving.retune is not None  # a promotion or rollback is the service's
-        self.metrics.router_version.set(self.serving.retune.registry.live_version() or 0)
+        self.metrics.router_version.set(self.serving.retune.versions.live_version() or 0)
         if self.serving.fleet is None:  # a fleet member says its fleet version itself
             self._version_changed(self.serving.retune)
         self.sources.trust_baselines(self.serving.retune)
