@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings

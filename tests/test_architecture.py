@@ -226,3 +226,37 @@ def test_renamed_python_api_paths_keep_working_one_release() -> None:
             warnings.simplefilter("always")
             assert resolve(old) is resolve(new), old
         assert any(issubclass(warning.category, DeprecationWarning) for warning in caught), f"{old} does not warn"
+
+
+# Base names two modules may share, and why. A cli/ module is named after its command (``mla-watch check``,
+# ``mla-watch fleet``); a root module is the documented Python API name of its home below (docs/python-api.md).
+SHARED_BASE_NAMES = {
+    "check": {"mla_watch.cli.check", "mla_watch.fleet.check"},
+    "fleet": {"mla_watch.cli.fleet", "mla_watch.alerting.fleet"},
+    "footprint": {"mla_watch.footprint", "mla_watch.routing.footprint"},
+    "positions": {"mla_watch.positions", "mla_watch.routing.positions"},
+    "windows": {"mla_watch.windows", "mla_watch.routing.windows"},
+}
+
+
+def test_no_two_modules_share_a_base_name() -> None:
+    """``engine.py`` in two packages makes every traceback, grep and import ambiguous: a module's base name is
+    its own (``__init__.py`` apart, and the justified pairs above)."""
+    by_name: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, set()).add(_module_name(path))
+    shared = {name: modules for name, modules in by_name.items() if len(modules) > 1}
+    unjustified = {name: sorted(modules) for name, modules in shared.items() if modules != SHARED_BASE_NAMES.get(name)}
+    assert not unjustified, unjustified
+
+
+def test_no_class_name_is_defined_in_two_modules() -> None:
+    """One class name, one idea: two unrelated classes of one name are told apart only by their import."""
+    defined: dict[str, list[str]] = {}
+    for module, tree in _sources().items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(module)
+    twice = {name: modules for name, modules in defined.items() if len(modules) > 1}
+    assert not twice, twice

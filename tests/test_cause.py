@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.causes import Cause
-from mla_watch.alerting.engine import AlertEngine
-from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSetError, ReferenceSets, load_reference_dir

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.cause.budget import plan_reading
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
 from mla_watch.cause.prompts import (

@@ -4,7 +4,7 @@ The engine here is scripted (:class:`ScriptedEngine`): it loads what a swap wrot
 does (tests/test_real_vllm_retune.py runs the real one), and scores and routes each sample as a
 function of the router tensors it holds: a zeroed gate sends every token to the same experts, a
 ``penalty`` on the gate's first value makes every token's loss worse. That is enough to decide every
-branch of :class:`mla_watch.retune.engine.EngineRetuner` on tiny tensors.
+branch of :class:`mla_watch.retune.engine_retuning.EngineRetuner` on tiny tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
 from mla_watch.retune.capture import TrafficCapture
-from mla_watch.retune.engine import BiasSchedule, EngineRetuner, EngineRouters, bias_step, engine_score
+from mla_watch.retune.engine_retuning import BiasSchedule, EngineRetuner, EngineRouters, bias_step, engine_score
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.versions import RouterVersions

@@ -306,7 +306,7 @@ def test_promotions_survive_a_restart(tmp_path) -> None:
 
 
 def test_the_strategies_rules_may_name_are_the_strategies_there_are() -> None:
-    from mla_watch.alerting.model import RETUNE_STRATEGIES
+    from mla_watch.alerting.vocabulary import RETUNE_STRATEGIES
     from mla_watch.retune.service import DEFAULT_STRATEGIES
     from mla_watch.retune.strategies import STRATEGIES
 

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mla_watch.alerting.durations import format_duration
-from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.promexport import (
     BASELINE_NAMES,
     FLOOR_BITS,
@@ -56,6 +55,7 @@ from mla_watch.alerting.promexport import (
     trend_expression,
     yaml_entry,
 )
+from mla_watch.alerting.vocabulary import Rule, RuleSet
 from mla_watch.routing.series import (
     BUSINESS_LINE,
     DEFAULT_JOB,

@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from mla_watch.alerting.model import Notification, Receiver
 from mla_watch.alerting.notifiers import Notifier, OutgoingRequest, notifier_for, redact_url
+from mla_watch.alerting.vocabulary import Notification, Receiver
 from mla_watch.common.sqlite import PrivateDatabase, rollback
 from mla_watch.common.state_writes import StateWrites
 

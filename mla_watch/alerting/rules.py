@@ -47,7 +47,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from mla_watch.alerting.durations import duration_key, format_duration, parse_duration
-from mla_watch.alerting.model import (
+from mla_watch.alerting.receivers import parse_receiver
+from mla_watch.alerting.selector import SELECTOR_NAME_RE, parse_selector
+from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.thresholds import format_number, number_key, parse_baseline_thresholds, parse_trend
+from mla_watch.alerting.vocabulary import (
     ACTIONS,
     LABEL_NAME_RE,
     METRICS,
@@ -59,10 +63,6 @@ from mla_watch.alerting.model import (
     RuleError,
     RuleSet,
 )
-from mla_watch.alerting.receivers import parse_receiver
-from mla_watch.alerting.selector import SELECTOR_NAME_RE, parse_selector
-from mla_watch.alerting.templates import render_annotations
-from mla_watch.alerting.thresholds import format_number, number_key, parse_baseline_thresholds, parse_trend
 from mla_watch.common.directory_store import config_files
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt

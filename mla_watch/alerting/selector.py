@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from mla_watch.alerting.model import Selector, SlotRange
+from mla_watch.alerting.vocabulary import Selector, SlotRange
 from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import BaselineScale, Trend
+from mla_watch.alerting.vocabulary import BaselineScale, Trend
 from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
 

@@ -1,7 +1,7 @@
 """A sidecar as a member of a fleet: one re-tuning decision for the fleet, a canary, a checked rollout.
 
 Every replica of a checkpoint runs its own sidecar; with ``serve --fleet URL`` they share a PostgreSQL store
-(:mod:`mla_watch.fleet.store`) and repair as one:
+(:mod:`mla_watch.fleet.fleet_store`) and repair as one:
 
 1. **One decision.** A model-caused alert asks the fleet (:meth:`FleetMember.on_model_alert`). A replica whose
    routers are not the fleet's version restores that version (its routers were changed here alone). A replica
@@ -39,8 +39,8 @@ import numpy as np
 
 from mla_watch.common.tensor_files import router_digest
 from mla_watch.fleet.check import StepResult
+from mla_watch.fleet.fleet_store import FleetStore, FleetStoreError, FleetView, VersionRow
 from mla_watch.fleet.settings import FleetSettings
-from mla_watch.fleet.store import FleetStore, FleetStoreError, FleetView, VersionRow
 from mla_watch.retune.jobs import FINAL_STATUSES
 from mla_watch.retune.service import RetuneService
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER

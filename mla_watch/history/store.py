@@ -73,7 +73,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from mla_watch.alerting.model import TREND_METRICS
+from mla_watch.alerting.vocabulary import TREND_METRICS
 from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number

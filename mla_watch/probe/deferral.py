@@ -22,7 +22,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from mla_watch.probe.count_kernels import CountingKernels, usable_mask
-from mla_watch.probe.positions import PADDING_READ, PositionCounting, start_positions
+from mla_watch.probe.position_counting import PADDING_READ, PositionCounting, start_positions
 from mla_watch.probe.wrappers import CountedRouter, tokens_argument
 
 __all__ = ["EagerDeferral", "WatchedPass"]

@@ -43,7 +43,7 @@ from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from mla_watch.alerting.model import RETUNE_STRATEGIES
+from mla_watch.alerting.vocabulary import RETUNE_STRATEGIES
 from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.hosts import RouterHost
@@ -71,7 +71,8 @@ def _run_scheduled(service_key: str, job_id: str) -> None:
 
 class RetuneRunner(Protocol):
     """What runs the jobs of a :class:`RetuneService`: :class:`mla_watch.retune.runner.Retuner` (a model in this
-    process) or :class:`mla_watch.retune.engine.EngineRetuner` (the routers of an engine beside the sidecar)."""
+    process) or :class:`mla_watch.retune.engine_retuning.EngineRetuner` (the routers of an engine beside the
+    sidecar)."""
 
     @property
     def host(self) -> RouterHost:

@@ -28,7 +28,7 @@ from mla_watch.server.requests import ApiError
 
 if TYPE_CHECKING:  # the re-tuning service (and what it needs) is imported only where a request uses it
     from mla_watch.retune.service import RetuneService
-    from mla_watch.server.context import HandlerContext
+    from mla_watch.server.handler_context import HandlerContext
 
 __all__ = ["Admin"]
 
@@ -128,8 +128,8 @@ class Admin:
         fleet = self.ctx.serving.fleet
         if fleet is None:
             return service.submit(spec, force=force)
+        from mla_watch.fleet.fleet_store import FleetStoreError
         from mla_watch.fleet.member import FleetRefusal
-        from mla_watch.fleet.store import FleetStoreError
 
         try:
             return fleet.submit(spec, force=force)

@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from mla_watch.alerting.model import RuleSet
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.alerting.service import AlertService
+from mla_watch.alerting.vocabulary import RuleSet
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
@@ -46,13 +46,13 @@ from mla_watch.server import read_views
 from mla_watch.server.admin import Admin
 from mla_watch.server.auth import Auth
 from mla_watch.server.config import ServerConfig, ServerConfigError, check_tokens
-from mla_watch.server.context import HandlerContext, Serving
 from mla_watch.server.fleet_api import FleetApi
 from mla_watch.server.generation import Generation
+from mla_watch.server.handler_context import HandlerContext, Serving
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads, monitoring_executor
-from mla_watch.server.reference import References
+from mla_watch.server.reference_readings import References
 from mla_watch.server.requests import ApiError
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources

@@ -28,7 +28,7 @@ from mla_watch.server.requests import ApiError, GenerationRequest, parse_generat
 from mla_watch.server.responses import LocalCompletion, sse
 
 if TYPE_CHECKING:
-    from mla_watch.server.context import HandlerContext
+    from mla_watch.server.handler_context import HandlerContext
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "Generation"]
 

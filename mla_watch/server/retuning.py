@@ -15,9 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from mla_watch.alerting.alert_engine import Action
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.causes import CAUSE_LABEL
-from mla_watch.alerting.engine import Action
-from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
@@ -25,9 +25,9 @@ from mla_watch.retune.jobs import JobSpec
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
 from mla_watch.server.config import ServerConfig
-from mla_watch.server.context import Serving
+from mla_watch.server.handler_context import Serving
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.server.reference import References
+from mla_watch.server.reference_readings import References
 from mla_watch.server.sources import RoutingSources
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class Retuning:
             return (f"re-tuning the engine's routers needs --engine {' or '.join(SWAPPING_ENGINES)} (not "
                     f"{config.engine}): the swap endpoints differ")
         from mla_watch.engines.vllm_weights import read_router_tensors
-        from mla_watch.retune.engine import EngineRetuner, EngineRouters
+        from mla_watch.retune.engine_retuning import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService
         from mla_watch.retune.versions import RouterVersions
 
@@ -199,8 +199,8 @@ class Retuning:
             self._version_changed(service)
             return
         from mla_watch.fleet.check import StepCheck
+        from mla_watch.fleet.fleet_store import FleetStore
         from mla_watch.fleet.member import FleetMember
-        from mla_watch.fleet.store import FleetStore
 
         settings = self.config.fleet
         references, alerts = self.references, self.alerts

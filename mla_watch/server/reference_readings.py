@@ -28,7 +28,7 @@ from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 
 if TYPE_CHECKING:
-    from mla_watch.alerting.service import AlertService
+    from mla_watch.alerting.alert_service import AlertService
     from mla_watch.retune.service import RetuneService
     from mla_watch.server.config import ServerConfig
 
