@@ -2,11 +2,11 @@
 
     python -m bench.bias_schedule            # about a minute on 2 CPU cores
 
-The engine ``bias`` strategy (:mod:`mla_watch.retune.engine`) steps an ``e_score_correction_bias``
+The engine ``bias`` strategy (:mod:`mla_watch.retune.engine_retuning`) steps an ``e_score_correction_bias``
 from the loads the engine routed, one swap per step. This replays that loop on the bundled model
 (layer 1 collapsed: +10 on the bias of six experts, 2.585 bits), with the model itself as the
 engine: each step routes 32 mixed-domain samples, counts layer 1's loads and moves the bias by
-:func:`mla_watch.retune.engine.bias_step` (proportional) or by DeepSeek's sign rule, with the step
+:func:`mla_watch.retune.engine_retuning.bias_step` (proportional) or by DeepSeek's sign rule, with the step
 ``gamma * decay ** step``. Printed: layer 1's entropy after each step, per schedule, and the first
 step from which it stays in the band (>= 5.2 bits, the shipped rule's resolve threshold).
 """
@@ -20,7 +20,7 @@ import mla_watch
 from mla_watch.models import corpus
 from mla_watch.probe import attach
 from mla_watch.quality.local_model import make_batches
-from mla_watch.retune.engine import bias_step
+from mla_watch.retune.engine_retuning import bias_step
 from mla_watch.routing.stats import entropy_bits
 
 ROUTER = "model.layers.1.mlp.gate"

@@ -30,8 +30,8 @@ from typing import Any
 
 import psycopg
 
+from mla_watch.fleet.fleet_store import FleetStore
 from mla_watch.fleet.settings import FleetSettings
-from mla_watch.fleet.store import FleetStore
 from tests.fleet_harness import POLL_SECONDS, embedded_fleet_scenario, engine_fleet_scenario, fleet_replica
 from tests.postgres import running_cluster
 from tests.receivers import running_receiver

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mla_watch.alerting.engine import AlertEngine
-from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.alert_engine import AlertEngine
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats
 from mla_watch.routing.windows import RouterStats

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 import mla_watch
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.alerting.service import AlertService
 from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import ModelReader

@@ -6,7 +6,7 @@ engine, no sleeping). Every simulated hour the correction bias of one router is 
 its trained value plus ordinary noise (DeepSeek's balancing nudges it all the time) plus, in a
 drift, ``drift_per_hour`` x hours on a few experts: those experts win a little more traffic each
 hour and the router's entropy sinks, over days, from healthy to below RoutingEntropyLow's 5.0 bits.
-The records go to an :class:`~mla_watch.alerting.engine.AlertEngine` with the shipped rules and to
+The records go to an :class:`~mla_watch.alerting.alert_engine.AlertEngine` with the shipped rules and to
 the sidecar's durable routing history (:class:`~mla_watch.history.store.HistoryStore`, in a
 temporary directory, on the same simulated clock), which is the engine's trend source as in
 ``mla-watch serve``.
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 import mla_watch
-from mla_watch.alerting.engine import AlertEngine
-from mla_watch.alerting.model import RuleSet
+from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.alerting.vocabulary import RuleSet
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.shipped import SHIPPED_RULES
 from tests.helpers import FakeClock

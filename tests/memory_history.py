@@ -10,7 +10,7 @@ import bisect
 import math
 from collections.abc import Iterable
 
-from mla_watch.alerting.model import METRICS
+from mla_watch.alerting.vocabulary import METRICS
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["MemoryHistory"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.health import startup_health
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
@@ -64,12 +64,12 @@ class Harness:
     def start(self) -> RetuneService:
         registry = RouterVersions(self.state / "routers")
         tokenizer = CharTokenizer()
-        retuner = Retuner(model=self.model, tokenizer=tokenizer, registry=registry,
+        retuner = Retuner(model=self.model, tokenizer=tokenizer, versions=registry,
                           settings=self.settings, workdir=self.state / "work",
                           promote=lambda version: self.service.promote(version),
                           capture=self.capture, model_lock=self.lock, reference=self.reference,
                           health_rules=lambda: HEALTH_RULES)
-        self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, registry=registry,
+        self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, versions=registry,
                                      model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
                                      on_rejected=lambda spec, result: self.rejected.append((spec, result)),
                                      on_outcome=lambda s, o: self.outcomes.append((s, o)),

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mla_watch.alerting.engine import Action, AlertEngine
-from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.alert_engine import Action, AlertEngine
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
 from tests.helpers import FakeClock, engine_record
 
 GATE = "model.layers.3.mlp.gate"
@@ -245,7 +245,7 @@ def test_none_metric_is_not_judged(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_a_rule_relative_to_the_baseline_judges_each_series_against_its_own() -> None:
-    from mla_watch.alerting.model import BaselineScale
+    from mla_watch.alerting.vocabulary import BaselineScale
 
     rule = high_rule(name="ExpertHotspot", metric="max_violation", above=1.0, resolve_below=0.7,
                      baseline={"above": BaselineScale(times=2.0), "resolve_below": BaselineScale(times=1.5)},
@@ -353,7 +353,7 @@ def test_custom_render_gets_every_template_field_and_its_errors_are_contained() 
     actions = engine.evaluate([rec(6.9), rec(7.0, line="sql")])
     assert actions[0].alert.annotations == {"summary": "RoutingEntropyHigh 6.9"}
     assert "boom" in actions[1].alert.annotations["summary"]
-    from mla_watch.alerting.model import TEMPLATE_FIELDS
+    from mla_watch.alerting.vocabulary import TEMPLATE_FIELDS
     assert set(seen[0]) == set(TEMPLATE_FIELDS)
     assert seen[0]["threshold"] == 6.5 and seen[0]["resolve_threshold"] == 6.0 and seen[0]["status_url"] == ""
 
@@ -619,7 +619,7 @@ def test_scale_60_layers_2_routers_4_lines_6_rules() -> None:
 
 def test_slots_and_hash_routed_selectors_judge_the_records_geometry(tmp_path: Path) -> None:
     """The engine matched `slots: 64` against no geometry at all: RoutingEntropyLow never fired on 64 experts."""
-    from mla_watch.alerting.model import SlotRange
+    from mla_watch.alerting.vocabulary import SlotRange
 
     seed = low_rule(selector=Selector(kind="expert", slots=SlotRange(64, 64)), for_seconds=0.0)
     other = low_rule(name="RoutingCollapse", selector=Selector(kind="expert", slots=SlotRange(64, 64, exclude=True)),

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from mla_watch.alerting.lint import LintFinding, lint
-from mla_watch.alerting.model import Rule, Selector, Trend
 from mla_watch.alerting.rules import (
     RuleError,
     load_rules_dir,
@@ -19,6 +18,7 @@ from mla_watch.alerting.rules import (
     parse_duration,
     render_annotations,
 )
+from mla_watch.alerting.vocabulary import Rule, Selector, Trend
 from mla_watch.routing.routers import RouterInfo
 from tests.support import REPO
 

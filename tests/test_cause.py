@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.causes import Cause
-from mla_watch.alerting.engine import AlertEngine
-from mla_watch.alerting.model import Rule, RuleSet, Selector
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
-from mla_watch.cause.prompts import ReferenceError, ReferenceSet, ReferenceSets, load_reference_dir
+from mla_watch.cause.prompts import ReferenceSet, ReferenceSetError, ReferenceSets, load_reference_dir
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.quality.band import Band
@@ -95,7 +95,7 @@ def test_a_set_is_kept_apart_by_its_version_and_prompts() -> None:
 def test_bad_reference_files_name_the_file_the_key_the_value_and_the_expectation(tmp_path: Path) -> None:
     (tmp_path / "code_assistant.yaml").write_text("business_line: code\nversion: 0\nprompts: [a, b]\nextra: 1\n")
     (tmp_path / "default.yaml").write_text("business_line: default\nversion: 1\nprompts: [a, a, b, c]\n")
-    with pytest.raises(ReferenceError) as raised:
+    with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
     errors = raised.value.errors
     assert any("code_assistant.yaml: business_line = 'code': expected the file name stem 'code_assistant'" in e
@@ -107,7 +107,7 @@ def test_bad_reference_files_name_the_file_the_key_the_value_and_the_expectation
     secret = "token-abcdef-do-not-show" * 400  # a prompt refused is named by its size, not shown
     (tmp_path / "code_assistant.yaml").write_text(f"business_line: code_assistant\nversion: 1\nprompts: [a, b, c, "
                                                   f"'{secret}', '   ']\nmax_tokens: 10\n")
-    with pytest.raises(ReferenceError) as raised:
+    with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
     assert "token-abcdef" not in str(raised.value) and "prompts[4] = '<text of 3 characters>': expected a non-empty " \
         "text" in str(raised.value)

@@ -45,16 +45,17 @@ sys.meta_path.insert(0, _WithoutTheModelExtra())
 # What stands beside an engine (docs/architecture.md): serving, proxy, counting, alerting, causes, the re-tuning
 # parts the engine path reads, the command line.
 ENGINE_SIDE = ["mla_watch.cli", "mla_watch.cli.serve", "mla_watch.cli.check", "mla_watch.cli.retune",
-               "mla_watch.server.app", "mla_watch.server.proxy", "mla_watch.server.admin", "mla_watch.server.reference",
+               "mla_watch.server.app", "mla_watch.server.proxy", "mla_watch.server.admin",
+               "mla_watch.server.reference_readings",
                "mla_watch.server.retuning", "mla_watch.engines.count_queue", "mla_watch.engines.decoder",
                "mla_watch.engines.formats", "mla_watch.engines.replay", "mla_watch.engines.watch",
                "mla_watch.engines.reading", "mla_watch.engines.backends",
                "mla_watch.engines.recorder", "mla_watch.engines.vllm_weights", "mla_watch.engines.sglang_weights",
-               "mla_watch.alerting.service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
+               "mla_watch.alerting.alert_service", "mla_watch.alerting.outbox", "mla_watch.alerting.fleet",
                "mla_watch.cause.prober", "mla_watch.cause.readers", "mla_watch.cause.gate", "mla_watch.quality.score",
                "mla_watch.models.corpus",
                "mla_watch.retune.gates", "mla_watch.retune.specs", "mla_watch.retune.data", "mla_watch.retune.capture",
-               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.retune.engine",
+               "mla_watch.retune.reference", "mla_watch.retune.health", "mla_watch.retune.engine_retuning",
                "mla_watch.retune.versions", "mla_watch.retune.hosts", "mla_watch.retune.service",
                "mla_watch.common.tensor_files", "mla_watch.routing.ingest", "mla_watch.history.store"]
 HEAVY = ("torch", "transformers", "scipy.stats", "scipy.spatial", "matplotlib")
@@ -206,7 +207,7 @@ import numpy as np
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.swap import EngineWeights, SwapResult
 from mla_watch.engines.vllm_weights import read_router_tensors
-from mla_watch.retune.engine import EngineRouters, bias_step
+from mla_watch.retune.engine_retuning import EngineRouters, bias_step
 from mla_watch.retune.versions import RouterVersions
 
 work = Path(sys.argv[1])

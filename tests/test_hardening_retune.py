@@ -118,7 +118,7 @@ def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None
     model = build("deepseek_v32")
     registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(model)
-    runner = Retuner(model=model, tokenizer=None, registry=registry, settings=RetuneSettings(), workdir=tmp_path / "w",
+    runner = Retuner(model=model, tokenizer=None, versions=registry, settings=RetuneSettings(), workdir=tmp_path / "w",
                      promote=lambda version: None, model_lock=threading.Lock(), dataset_dir=datasets)
     status, result = runner.run(JobSpec(routers=[GATE], strategies=["restore"], dataset="swap.jsonl"))
     assert status == "failed" and result["error"] == f'dataset="swap.jsonl" {EXPECTED}'

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mla_watch.alerting.model import METRICS
+from mla_watch.alerting.vocabulary import METRICS
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HISTORY_METRICS, LIVE_METRICS, HistoryStore, size_bound
 from tests.helpers import FakeClock

@@ -2,7 +2,7 @@
 ``group_interval``), the shipped receivers put a line's traffic-caused alerts in one group and keep on-call's pages
 one per rule, router and line, and a restart neither pages again nor loses a page that was still waiting.
 
-Every test runs an :class:`~mla_watch.alerting.service.AlertService` on a :class:`FakeClock`, evaluated every 15 s
+Every test runs an :class:`~mla_watch.alerting.alert_service.AlertService` on a :class:`FakeClock`, evaluated every 15 s
 as ``serve`` evaluates, its outbox delivered to a real webhook receiver on loopback.
 """
 
@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.groups import NotificationGroup
-from mla_watch.alerting.model import (
+from mla_watch.alerting.rules import load_rules_dir, load_rules_file
+from mla_watch.alerting.vocabulary import (
     DEFAULT_GROUP_INTERVAL_SECONDS,
     DEFAULT_GROUP_WAIT_SECONDS,
     Alert,
@@ -25,8 +27,6 @@ from mla_watch.alerting.model import (
     Receiver,
     RuleError,
 )
-from mla_watch.alerting.rules import load_rules_dir, load_rules_file
-from mla_watch.alerting.service import AlertService
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_RULES
 from tests.helpers import FakeClock, engine_record, write_rules

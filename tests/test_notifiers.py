@@ -10,7 +10,6 @@ from datetime import datetime, timezone
 
 import pytest
 
-from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import (
     NOTIFIER_TYPES,
     ZERO_TIME,
@@ -25,6 +24,7 @@ from mla_watch.alerting.notifiers import (
     sign,
 )
 from mla_watch.alerting.outbox import Dispatcher, Outbox
+from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
 from tests.receivers import Reply, running_receiver, status
 
 T0 = datetime(2026, 11, 29, 8, 1, 2, 345000, tzinfo=timezone.utc).timestamp()

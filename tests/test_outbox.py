@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
+from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
 from mla_watch.common import sqlite as private_database
 from mla_watch.common.state_writes import StateWrites
 from tests import processes
@@ -434,7 +434,7 @@ def test_background_thread_delivers_and_stops(tmp_path):
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from mla_watch.alerting.model import Alert, Notification, Receiver
+    from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
     from mla_watch.alerting.notifiers import group_key
     from mla_watch.alerting.outbox import Dispatcher, Outbox
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import mla_watch
-from mla_watch.alerting.engine import AlertEngine
+from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
-from mla_watch.probe.positions import DEFAULT_POSITION_ROWS
+from mla_watch.probe.position_counting import DEFAULT_POSITION_ROWS
 from mla_watch.routing.positions import SHORT_PROMPTS, PositionBuckets, PositionCounts, profile
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.shipped import __file__ as shipped_init
@@ -391,8 +391,8 @@ def test_vllm_rows_are_counted_per_position_exactly_the_prompts_once_and_no_gene
 
 
 def test_the_history_file_keeps_its_width_and_a_trend_rule_cannot_watch_long_context_drift(tmp_path: Path) -> None:
-    from mla_watch.alerting.model import RuleError
     from mla_watch.alerting.rules import load_rules_file
+    from mla_watch.alerting.vocabulary import RuleError
     from mla_watch.history.store import VALUES
 
     # The history's points are packed arrays of these values: one more would make every existing file unreadable.

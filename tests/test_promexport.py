@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mla_watch.alerting.model import Rule, RuleSet, Selector, Trend
 from mla_watch.alerting.promexport import export_prometheus, glob_to_regex, rule_expression
 from mla_watch.alerting.rules import load_rules_dir
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector, Trend
 from tests import processes
 from tests.support import REPO
 

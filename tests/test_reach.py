@@ -16,14 +16,14 @@ import pytest
 import torch
 import transformers
 
-from mla_watch.alerting.model import Rule, Selector
+from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.cause.budget import plan_reading
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
 from mla_watch.cause.prompts import (
     DEFAULT_SET_TOKENS,
     Generated,
-    ReferenceError,
     ReferenceSet,
+    ReferenceSetError,
     ReferenceSets,
     load_reference_dir,
 )
@@ -78,7 +78,7 @@ def test_bad_long_sets_name_the_file_the_key_the_value_and_the_expectation(tmp_p
     (tmp_path / "far.yaml").write_text("business_line: far\nversion: 1\ngenerate: {documents: 0, sed: 1}\n"
                                        "prompts: [a, b, c, d]\nlong: 'yes'\n")
     (tmp_path / "huge.yaml").write_bytes(b"#" * (16 * 1024 * 1024 + 1))
-    with pytest.raises(ReferenceError) as raised:
+    with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
     errors = raised.value.errors
     expected = [

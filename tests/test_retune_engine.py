@@ -4,7 +4,7 @@ The engine here is scripted (:class:`ScriptedEngine`): it loads what a swap wrot
 does (tests/test_real_vllm_retune.py runs the real one), and scores and routes each sample as a
 function of the router tensors it holds: a zeroed gate sends every token to the same experts, a
 ``penalty`` on the gate's first value makes every token's loss worse. That is enough to decide every
-branch of :class:`mla_watch.retune.engine.EngineRetuner` on tiny tensors.
+branch of :class:`mla_watch.retune.engine_retuning.EngineRetuner` on tiny tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore, SwapError, SwapResult
 from mla_watch.retune.capture import TrafficCapture
-from mla_watch.retune.engine import BiasSchedule, EngineRetuner, EngineRouters, bias_step, engine_score
+from mla_watch.retune.engine_retuning import BiasSchedule, EngineRetuner, EngineRouters, bias_step, engine_score
 from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.versions import RouterVersions
@@ -112,7 +112,7 @@ def make(tmp_path: Path, *, mode: str = "apply", reference: dict[str, torch.Tens
     registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(host, None)
     retuner = EngineRetuner(
-        host=host, registry=registry, mode=mode, capture=capture_of(tmp_path),
+        host=host, versions=registry, mode=mode, capture=capture_of(tmp_path),
         settings=RetuneSettings(**{"min_samples": 8, "min_held_out_tokens": 100, "min_held_out_samples": 4,
                                    **settings}),
         promote=lambda version: registry.promote(host, version), rollback=lambda: registry.rollback(host),
@@ -196,8 +196,8 @@ def test_restore_from_the_reference_is_swapped_scored_by_the_engine_and_kept(tmp
     assert checks["band"]["decision"] == "pass" and checks["reference_health"]["decision"] == "pass"
     assert checks["perplexity"]["binding"] is False  # the live router read outside its band
     assert torch.equal(engine.state[WEIGHT], healthy_state()[WEIGHT])
-    assert retuner.registry.live_version() == result["version"] == 1
-    assert retuner.registry.manifest(1)["gates"]["passed"] is True
+    assert retuner.versions.live_version() == result["version"] == 1
+    assert retuner.versions.manifest(1)["gates"]["passed"] is True
     assert attempt["live_seconds"] >= 0 and attempt["swap"]["paused_seconds"] == 0.01
 
 
@@ -212,7 +212,7 @@ def test_a_candidate_worse_by_perplexity_is_rolled_back_at_once(tmp_path) -> Non
     assert attempt["outcome"] == "rejected" and attempt["rolled_back"] is True
     assert "perplexity worse than allowed" in attempt["reason"]
     assert torch.equal(engine.state[WEIGHT], healthy_state()[WEIGHT])  # what served before the job
-    assert [entry["kind"] for entry in retuner.registry.promotions()] == ["initial", "promote", "rollback"]
+    assert [entry["kind"] for entry in retuner.versions.promotions()] == ["initial", "promote", "rollback"]
 
 
 def test_a_rejection_while_the_router_reads_outside_its_band_waits(tmp_path) -> None:
@@ -230,7 +230,7 @@ def test_restoring_the_tensors_serving_now_is_no_candidate(tmp_path) -> None:
     status, result = retuner.run(job(trigger={"source": "cli"}))
     assert status == "failed" and result["attempts"][0]["outcome"] == "unchanged", result
     assert "holds the tensors serving now: nothing to restore" in result["error"]
-    assert engine.swaps == [] and retuner.registry.version_numbers() == [0]
+    assert engine.swaps == [] and retuner.versions.version_numbers() == [0]
 
 
 def test_the_bias_strategy_steps_until_the_engines_routing_is_back_in_band(tmp_path) -> None:
@@ -242,14 +242,14 @@ def test_the_bias_strategy_steps_until_the_engines_routing_is_back_in_band(tmp_p
     (attempt,) = result["attempts"]
     assert len(attempt["steps"]) >= 1 and attempt["steps"][-1]["outcome"] == "promoted"
     assert float(engine.state[BIAS][:2].max()) < 10.0
-    assert retuner.registry.live_version() == result["version"]
+    assert retuner.versions.live_version() == result["version"]
 
 
 def test_propose_saves_the_candidate_and_names_the_command_then_apply_gates_it(tmp_path) -> None:
     retuner, engine = make(tmp_path, mode="propose", reference=healthy_state())
     status, result = retuner.run(job())
     assert status == "proposed" and result["command"] == f"mla-watch retune apply {result['version']}"
-    assert engine.swaps == [] and retuner.registry.live_version() == 0  # the engine was not touched
+    assert engine.swaps == [] and retuner.versions.live_version() == 0  # the engine was not touched
     status, applied = retuner.run(job(version=result["version"]))
     assert status == "promoted", applied
     assert torch.equal(engine.state[WEIGHT], healthy_state()[WEIGHT])
@@ -293,5 +293,5 @@ def test_applying_a_proposed_version_that_fails_its_gate_rolls_it_back_and_ends(
     status, result = retuner.run(job(version=proposed["version"]))
     assert status == "rejected" and result["version"] is None, result
     assert result["attempts"][0]["rolled_back"] is True
-    assert [entry["kind"] for entry in retuner.registry.promotions()] == ["initial", "promote", "rollback"]
+    assert [entry["kind"] for entry in retuner.versions.promotions()] == ["initial", "promote", "rollback"]
     assert torch.equal(engine.state[WEIGHT], torch.zeros(8, 4)) and len(engine.swaps) == 2  # swapped, swapped back

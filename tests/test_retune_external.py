@@ -36,7 +36,7 @@ def retuner(tmp_path: Path, command: str) -> Retuner:
     shipped = load_rules_dir(SHIPPED_RULES, environ={}).rules
     registry.record_initial(model, startup_health(model, tokenizer, shipped))  # healthy: `restore` may use it
     lock = threading.Lock()
-    return Retuner(model=model, tokenizer=tokenizer, registry=registry, capture=capture, model_lock=lock,
+    return Retuner(model=model, tokenizer=tokenizer, versions=registry, capture=capture, model_lock=lock,
                    settings=RetuneSettings(min_samples=8, command=command, max_tokens_per_sample=128),
                    workdir=tmp_path / "work", promote=lambda version: registry.promote(model, version, lock))
 
@@ -57,7 +57,7 @@ def test_an_external_command_fits_the_job_and_the_server_gates_and_promotes_it(t
     assert status == "promoted", result
     (attempt,) = result["attempts"]
     assert attempt["gates"]["after"]["entropy_bits"][LAYER1] >= 5.2 > attempt["gates"]["before"]["entropy_bits"][LAYER1]
-    manifest = runner.registry.manifest(result["version"])
+    manifest = runner.versions.manifest(result["version"])
     assert manifest["details"]["external"] is True and manifest["details"]["worker"] == "mla_watch.retune.worker"
     assert manifest["details"]["steps"] == 40 and manifest["details"]["gamma"] == 0.2
     assert manifest["tensors"] == [f"{LAYER1}.e_score_correction_bias"]

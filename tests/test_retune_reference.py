@@ -25,10 +25,10 @@ def test_a_model_deployed_broken_is_not_restored_to_itself_and_the_job_says_what
     collapse(model)  # before the server starts: version 0 is the damage
     harness = Harness(tmp_path, model=model)
     service = harness.start()
-    health = service.registry.manifest(0)["health"]
+    health = service.versions.manifest(0)["health"]
     assert health["checked"] and not health["passed"]
     assert health["reason"].startswith(f"{GATE}: TinyRouterCollapse (entropy_bits 1, threshold 1.5)")
-    assert service.registry.last_good() is None
+    assert service.versions.last_good() is None
 
     job = final(service, service.submit(spec(**RESTORE))["id"])
 
@@ -36,7 +36,7 @@ def test_a_model_deployed_broken_is_not_restored_to_itself_and_the_job_says_what
     (attempt,) = job["result"]["attempts"]
     assert attempt["outcome"] == "failed" and "no known-good router state to restore: version 0" in attempt["reason"]
     assert "failed its start-up health check" in attempt["reason"] and "--reference-model DIR" in attempt["reason"]
-    assert service.registry.live_version() == 0
+    assert service.versions.live_version() == 0
     service.stop()
 
 
@@ -54,7 +54,7 @@ def test_restore_from_the_reference_checkpoint_puts_back_its_routers_and_says_so
 
     assert job["status"] == "promoted", job["result"]
     (attempt,) = job["result"]["attempts"]
-    details = service.registry.manifest(attempt["version"])["details"]
+    details = service.versions.manifest(attempt["version"])["details"]
     assert details["reference"] == f"reference model {tmp_path / 'original'}" and details["restored_from"] is None
     gates = attempt["gates"]
     assert gates["perplexity"]["decision"] == "pass" and gates["perplexity"]["tokens"] >= 400

@@ -34,11 +34,11 @@ def test_a_collapsed_router_is_refit_gated_promoted_and_rolled_back_exactly(tmp_
     gates = attempt["gates"]
     assert gates["passed"] and gates["before"]["entropy_bits"][GATE] < 1.1 < 2.3 < gates["after"]["entropy_bits"][GATE]
     assert {check["gate"] for check in gates["checks"]} == {"band", "perplexity"}
-    manifest = service.registry.manifest(1)
+    manifest = service.versions.manifest(1)
     assert manifest["strategy"] == "bias" and manifest["job"] == job["id"] and manifest["gates"]["passed"]
     assert manifest["data"]["source"] == "capture" and manifest["data"]["held_out_samples"] >= 1
     assert set(manifest["tensors"]) == {BIAS}  # only router tensors, only the re-tuned router
-    assert service.registry.live_version() == 1 and harness.changed == [("promote", [GATE])]
+    assert service.versions.live_version() == 1 and harness.changed == [("promote", [GATE])]
     assert harness.outcomes == [("bias", "promoted")]
     assert not torch.equal(router_state(harness.model)[BIAS], collapsed[BIAS])
 
@@ -65,8 +65,8 @@ def test_a_job_rejected_while_its_router_is_still_broken_keeps_trying_and_holds_
     assert job["result"]["needs"].startswith(f"a candidate that passes its gates: every one was rejected while {GATE} "
                                              "still reads outside its band (entropy_bits >= 3.5)")
     assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
-    assert service.registry.live_version() == 0
-    assert [m["gates"]["passed"] for m in service.registry.versions()] == [True, False, False]
+    assert service.versions.live_version() == 0
+    assert [m["gates"]["passed"] for m in service.versions.versions()] == [True, False, False]
     ((rejected_spec, result),) = harness.rejected  # on-call hears of it once, with the figures
     assert rejected_spec.id == job_id and result["attempts"][0]["gates"]["after"]["perplexity"] > 0
     assert harness.outcomes == [("restore", "waiting")]
@@ -95,7 +95,7 @@ def test_a_job_rejected_while_its_router_reads_in_band_ends_rejected_and_changes
     assert "TinyRouterCollapse" in checks["reference_health"]["message"]
     assert checks["perplexity"]["binding"] is True  # the live router is healthy: its perplexity is the standard
     assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
-    assert service.registry.live_version() == 0
+    assert service.versions.live_version() == 0
     assert len(harness.rejected) == 1 and harness.outcomes == [("restore", "rejected")]
     service.stop()
 
@@ -143,7 +143,7 @@ def test_restore_puts_back_the_last_version_that_passed_its_gates(tmp_path) -> N
         job["result"]["attempts"][0]["gates"]["before"]["perplexity"] + 0.3
     live = router_state(harness.model)
     assert all(torch.equal(live[name], healthy[name]) for name in healthy)
-    assert service.registry.manifest(job["result"]["version"])["details"]["restored_from"] == 0
+    assert service.versions.manifest(job["result"]["version"])["details"]["restored_from"] == 0
     service.stop()
 
 
@@ -299,14 +299,14 @@ def test_promotions_survive_a_restart(tmp_path) -> None:
 
     harness.model = build("deepseek_v32")  # the server restarts and loads the model from disk ...
     service = harness.start()  # ... and the promoted routers are put back
-    assert service.registry.live_version() == 1
+    assert service.versions.live_version() == 1
     live = router_state(harness.model)
     assert all(torch.equal(live[name], promoted[name]) for name in promoted)
     service.stop()
 
 
 def test_the_strategies_rules_may_name_are_the_strategies_there_are() -> None:
-    from mla_watch.alerting.model import RETUNE_STRATEGIES
+    from mla_watch.alerting.vocabulary import RETUNE_STRATEGIES
     from mla_watch.retune.service import DEFAULT_STRATEGIES
     from mla_watch.retune.strategies import STRATEGIES
 

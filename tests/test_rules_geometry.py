@@ -119,7 +119,7 @@ def test_check_passes_the_shipped_rules_on_the_bundled_model(capsys, monkeypatch
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_a_collapse_pages_on_an_8_expert_model_with_the_shipped_rules(family) -> None:
-    from mla_watch.alerting.engine import AlertEngine
+    from mla_watch.alerting.alert_engine import AlertEngine
 
     model = build(family)
     probe = mla_watch.attach(model, window_tokens=None)

@@ -8,11 +8,11 @@ from functools import partial
 
 import pytest
 
-from mla_watch.alerting.engine import AlertEngine
+from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.lint import lint
-from mla_watch.alerting.model import TEMPLATE_FIELDS, Rule, RuleSet, Selector, Trend
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.alerting.trend import MIN_POINTS, TrendSource, crossing_in, enough_data, fit, format_crossing
+from mla_watch.alerting.vocabulary import TEMPLATE_FIELDS, Rule, RuleSet, Selector, Trend
 from mla_watch.routing.routers import RouterInfo
 from tests.helpers import FakeClock, engine_record, write_rules
 from tests.memory_history import MemoryHistory
@@ -188,7 +188,7 @@ def test_too_little_history_and_small_windows_are_not_judged() -> None:
 
 def test_without_a_trend_source_trend_rules_are_never_judged(caplog) -> None:
     clock, history = FakeClock(T0), MemoryHistory()
-    with caplog.at_level(logging.WARNING, logger="mla_watch.alerting.engine"):
+    with caplog.at_level(logging.WARNING, logger="mla_watch.alerting.alert_engine"):
         engine = AlertEngine(RuleSet((falling_rule(for_seconds=0.0),), {}), clock=clock)
     assert "is a trend rule, and this alert engine has no routing history" in caplog.text
     assert drive(engine, history, clock, lambda h: 5.9 - 0.1 * h, 8) == []

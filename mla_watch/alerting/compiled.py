@@ -1,6 +1,6 @@
 """Rules compiled for the evaluation loop: thresholds resolved, labels and selector ready to apply.
 
-A :class:`CompiledRule` is one rule of a :class:`~mla_watch.alerting.model.RuleSet` as the alert
+A :class:`CompiledRule` is one rule of a :class:`~mla_watch.alerting.vocabulary.RuleSet` as the alert
 engine judges it; :func:`compile_rules` gives every rule an id (its name, ``NAME#2`` and on for
 a name used again) and says which rules will never be judged.
 """
@@ -12,13 +12,13 @@ import logging
 from typing import Any
 
 from mla_watch.alerting.instances import RecordKey
-from mla_watch.alerting.model import Rule, RuleSet
+from mla_watch.alerting.vocabulary import Rule, RuleSet
 from mla_watch.routing.series import SERIES_LABELS
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["CompiledRule", "compile_rules"]
 
-log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
+log = logging.getLogger("mla_watch.alerting.alert_engine")  # the alert engine's records keep their logger's name
 
 
 class CompiledRule:

@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from mla_watch.alerting.model import RuleError
+from mla_watch.alerting.vocabulary import RuleError
 from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import Checker
 from mla_watch.common.yamlcheck import fmt as _fmt

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from mla_watch.alerting.model import Alert, Notification, Receiver
+from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
 from mla_watch.common.output_file import write_file
 from mla_watch.common.state_dir import set_aside
 from mla_watch.common.state_writes import StateWrites

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mla_watch.alerting.causes import CAUSE_LABEL, Cause
-from mla_watch.alerting.model import Alert, AlertState, Rule, fingerprint
+from mla_watch.alerting.vocabulary import Alert, AlertState, Rule, fingerprint
 from mla_watch.common.values import is_number
 from mla_watch.routing.windows import RouterStats
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mla_watch.alerting.durations import format_duration
-from mla_watch.alerting.model import Rule, RuleSet, Selector
 from mla_watch.alerting.rules import format_number as num
 from mla_watch.alerting.trend import MIN_POINTS
+from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import entropy_bounds, minimum_window_tokens
 

@@ -1,4 +1,4 @@
-"""Notifier plugins: turn a :class:`~mla_watch.alerting.model.Notification` into HTTP requests.
+"""Notifier plugins: turn a :class:`~mla_watch.alerting.vocabulary.Notification` into HTTP requests.
 
 A notifier is chosen by the receiver's ``type:`` (:data:`NOTIFIER_TYPES`, filled by subclassing
 :class:`Notifier`, the way APScheduler picks a trigger class by alias) and has one abstract
@@ -10,7 +10,7 @@ Types:
 * ``alertmanager_webhook``: the Alertmanager webhook payload, version "4", one request per
   notification (group). Fingerprints are computed as Alertmanager computes them (Prometheus
   ``model.LabelSet.Fingerprint()``: FNV-1a 64 over the sorted label pairs), not with
-  :func:`mla_watch.alerting.model.fingerprint`, which is the same FNV-1a 64.
+  :func:`mla_watch.alerting.vocabulary.fingerprint`, which is the same FNV-1a 64.
 * ``alertmanager_api``: ``POST {url}/api/v2/alerts`` with the alerts as an Alertmanager client
   (Prometheus) posts them; a firing alert's ``endsAt`` is ``now + 4 x resend_interval_seconds``
   so that it expires by itself when the sidecar dies. Re-posting firing alerts every
@@ -39,8 +39,8 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from mla_watch.alerting.model import Alert, Notification, Receiver
-from mla_watch.alerting.model import fingerprint as am_fingerprint
+from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
+from mla_watch.alerting.vocabulary import fingerprint as am_fingerprint
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 
 __all__ = [

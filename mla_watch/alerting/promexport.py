@@ -1,6 +1,6 @@
 """Export alert rules as a Prometheus rule file (``mla-watch rules export --format prometheus``).
 
-Each :class:`~mla_watch.alerting.model.Rule` becomes a Prometheus alerting rule over the
+Each :class:`~mla_watch.alerting.vocabulary.Rule` becomes a Prometheus alerting rule over the
 gauges the sidecar exports on ``/metrics`` (labels ``router``, ``layer``, ``kind``,
 ``business_line``; ``business_line="all"`` is the aggregate over every line):
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import yaml
 
 from mla_watch.alerting.durations import format_duration
-from mla_watch.alerting.model import Rule, RuleSet
 from mla_watch.alerting.trend import MIN_COVERAGE, MIN_POINTS
+from mla_watch.alerting.vocabulary import Rule, RuleSet
 from mla_watch.routing.series import (
     BUSINESS_LINE,
     DEFAULT_JOB,

@@ -8,14 +8,14 @@ from collections.abc import Mapping
 from typing import cast
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import (
+from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
+from mla_watch.alerting.vocabulary import (
     DEFAULT_GROUP_BY,
     DEFAULT_GROUP_INTERVAL_SECONDS,
     DEFAULT_GROUP_WAIT_SECONDS,
     LABEL_NAME_RE,
     Receiver,
 )
-from mla_watch.alerting.notifiers import NOTIFIER_TYPES, redact_url
 from mla_watch.common.yamlcheck import Checker
 from mla_watch.routing.windows import NAME_RE, NAME_RULE
 

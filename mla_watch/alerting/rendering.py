@@ -1,7 +1,7 @@
 """Alert instances rendered for people: their annotations, their status page link, their alerts.
 
 :class:`AlertRenderer` turns an instance and the record it was judged on into the
-:class:`~mla_watch.alerting.model.Alert` a transition sends (firing or resolved) and the
+:class:`~mla_watch.alerting.vocabulary.Alert` a transition sends (firing or resolved) and the
 annotations ``GET /v1/alerts`` shows; a template that fails to render never stops evaluation.
 """
 
@@ -15,14 +15,14 @@ from urllib.parse import urlencode
 from mla_watch.alerting.causes import CAUSE_HEADLINES, Cause
 from mla_watch.alerting.compiled import CompiledRule
 from mla_watch.alerting.instances import Action, InstanceState
-from mla_watch.alerting.model import Alert, Rule
 from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.vocabulary import Alert, Rule
 from mla_watch.routing.series import BUSINESS_LINE, KIND, LAYER, ROUTER
 from mla_watch.routing.windows import RouterStats
 
 __all__ = ["TREND_FIELDS", "AlertRenderer", "Render", "with_cause"]
 
-log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
+log = logging.getLogger("mla_watch.alerting.alert_engine")  # the alert engine's records keep their logger's name
 
 # What a trend rule adds to its annotations' fields (AlertEngine fills them in).
 TREND_FIELDS = ("current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in")

@@ -47,7 +47,11 @@ from pathlib import Path
 from typing import cast
 
 from mla_watch.alerting.durations import duration_key, format_duration, parse_duration
-from mla_watch.alerting.model import (
+from mla_watch.alerting.receivers import parse_receiver
+from mla_watch.alerting.selector import SELECTOR_NAME_RE, parse_selector
+from mla_watch.alerting.templates import render_annotations
+from mla_watch.alerting.thresholds import format_number, number_key, parse_baseline_thresholds, parse_trend
+from mla_watch.alerting.vocabulary import (
     ACTIONS,
     LABEL_NAME_RE,
     METRICS,
@@ -59,10 +63,6 @@ from mla_watch.alerting.model import (
     RuleError,
     RuleSet,
 )
-from mla_watch.alerting.receivers import parse_receiver
-from mla_watch.alerting.selector import _NAME_RE, _parse_selector
-from mla_watch.alerting.templates import render_annotations
-from mla_watch.alerting.thresholds import _number_key, _parse_baseline_thresholds, _parse_trend, format_number
 from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
@@ -145,7 +145,7 @@ def _names_list(chk: _Checker, path: str, raw: object, allowed: tuple[str, ...] 
     for i, item in enumerate(items):
         if allowed is not None and item not in allowed:
             chk.bad(f"{path}[{i}]", item, "one of: " + ", ".join(allowed))
-        elif allowed is None and (not isinstance(item, str) or not _NAME_RE.match(item)):
+        elif allowed is None and (not isinstance(item, str) or not SELECTOR_NAME_RE.match(item)):
             chk.bad(f"{path}[{i}]", item, f"one of the {what}")
         elif item in out:
             chk.bad(f"{path}[{i}]", item, f"each of the {what} once")
@@ -182,21 +182,21 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     elif metric not in METRICS:
         chk.bad(f"{path}.metric", metric, "one of: " + ", ".join(METRICS))
 
-    selector = _parse_selector(chk, f"{path}.select", data.get("select"))
+    selector = parse_selector(chk, f"{path}.select", data.get("select"))
 
-    trend, tdata, tpath = _parse_trend(chk, data, path)
+    trend, tdata, tpath = parse_trend(chk, data, path)
     if trend is not None and metric in METRICS and metric not in TREND_METRICS:
         chk.bad(f"{path}.metric", metric, "a metric the routing history keeps, for a trend rule: one of "
                 + ", ".join(TREND_METRICS))
     given_relative = any(isinstance(tdata.get(key), dict) for key in ("below", "above"))  # named if broken
-    tdata, scales = _parse_baseline_thresholds(chk, tdata, tpath)
+    tdata, scales = parse_baseline_thresholds(chk, tdata, tpath)
     if scales and trend is not None:
         chk.bad(f"{tpath}.{next(iter(scales))}", data.get(next(iter(scales))) or "a baseline threshold",
                 "a number: a trend rule judges a slope or a prediction, not a level against the healthy baseline")
-    below = _number_key(chk, tdata, "below", tpath)
-    above = _number_key(chk, tdata, "above", tpath)
-    resolve_above = _number_key(chk, tdata, "resolve_above", tpath)
-    resolve_below = _number_key(chk, tdata, "resolve_below", tpath)
+    below = number_key(chk, tdata, "below", tpath)
+    above = number_key(chk, tdata, "above", tpath)
+    resolve_above = number_key(chk, tdata, "resolve_above", tpath)
+    resolve_below = number_key(chk, tdata, "resolve_below", tpath)
     if tdata.get("below") is None and tdata.get("above") is None and not scales and not given_relative:
         chk.missing(f"{tpath}.below", "a threshold: below and/or above (a number)")
     if below is not None and above is not None and not below < above:

@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import re
 
-from mla_watch.alerting.model import Selector, SlotRange
+from mla_watch.alerting.vocabulary import Selector, SlotRange
 from mla_watch.common.values import is_integer
 from mla_watch.common.yamlcheck import Checker as _Checker
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.routing.stats import KINDS
 
-__all__: list[str] = []
+__all__ = ["SELECTOR_NAME_RE", "parse_selector"]
 
 
 _SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots", "hash_routed")
 _SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
                    "under `not:` ({not: 64})")
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+SELECTOR_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
+def parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     if raw is None:
         return Selector()
     data = chk.mapping(path, raw, _SELECT_KEYS, "with keys " + ", ".join(_SELECT_KEYS))
@@ -59,7 +59,7 @@ def _parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
             chk.bad(f"{path}.router", router, "a glob with balanced [ ] brackets")
             router = None
     line = data.get("business_line")
-    if line is not None and (not isinstance(line, str) or not (line == "*" or _NAME_RE.match(line))):
+    if line is not None and (not isinstance(line, str) or not (line == "*" or SELECTOR_NAME_RE.match(line))):
         chk.bad(f"{path}.business_line", line, "a business line name or '*' (every line, one alert per line)")
         line = None
     slots = _parse_slots(chk, f"{path}.slots", data.get("slots")) if "slots" in data else None

@@ -24,7 +24,7 @@ from mla_watch.common.state_writes import StateWrites
 
 __all__ = ["STATE_FORMAT", "read_state", "save_state"]
 
-log = logging.getLogger("mla_watch.alerting.engine")  # the alert engine's records keep their logger's name
+log = logging.getLogger("mla_watch.alerting.alert_engine")  # the alert engine's records keep their logger's name
 
 STATE_FORMAT = "mla_watch.alert_state/1"
 

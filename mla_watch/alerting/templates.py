@@ -10,7 +10,7 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from mla_watch.alerting.model import Rule
+from mla_watch.alerting.vocabulary import Rule
 
 __all__ = ["render_annotations"]
 

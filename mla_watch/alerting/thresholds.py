@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from mla_watch.alerting.durations import duration_key
-from mla_watch.alerting.model import BaselineScale, Trend
+from mla_watch.alerting.vocabulary import BaselineScale, Trend
 from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import Checker as _Checker
 
-__all__ = ["format_number"]
+__all__ = ["format_number", "number_key", "parse_baseline_thresholds", "parse_trend"]
 
 
 _THRESHOLD_KEYS = ("below", "above", "resolve_above", "resolve_below")
@@ -35,7 +35,7 @@ def format_number(x: float) -> str:
     return text[:-2] if text.endswith(".0") else text
 
 
-def _number_key(chk: _Checker, data: Mapping[str, Any], key: str, path: str) -> float | None:
+def number_key(chk: _Checker, data: Mapping[str, Any], key: str, path: str) -> float | None:
     if key not in data or data[key] is None:
         return None
     value = data[key]
@@ -55,7 +55,7 @@ def _number_key(chk: _Checker, data: Mapping[str, Any], key: str, path: str) -> 
     return float(value)
 
 
-def _parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Trend | None, Mapping[str, Any], str]:
+def parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Trend | None, Mapping[str, Any], str]:
     """A rule's ``trend:`` / ``predict:`` block, and where its thresholds are: ``(trend, mapping, path)``."""
     given = [key for key in ("trend", "predict") if data.get(key) is not None]
     if len(given) > 1:
@@ -99,7 +99,7 @@ _SCALE_EXPECTED = ("a number, or a threshold relative to the healthy baseline su
                    "{baseline_plus: -0.5, ceiling: 5.0} (below / resolve_above)")
 
 
-def _parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
+def parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
                                ) -> tuple[Mapping[str, Any], dict[str, BaselineScale]]:
     """Thresholds written relative to the learned healthy baseline: ``(data with each such threshold replaced by
     its bound, the scales by threshold key)``."""
@@ -119,8 +119,8 @@ def _parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str
             chk.missing(f"{kpath}.baseline_times", "baseline_times and/or baseline_plus: the threshold as "
                         "times x healthy + plus")
             continue
-        times = _number_key(chk, block, "baseline_times", kpath)
-        plus = _number_key(chk, block, "baseline_plus", kpath)
+        times = number_key(chk, block, "baseline_times", kpath)
+        plus = number_key(chk, block, "baseline_plus", kpath)
         if times is not None and not times > 0:
             chk.bad(f"{kpath}.baseline_times", times, "a number > 0 (how many times the healthy value)")
             continue

@@ -1,6 +1,6 @@
 """The alert state machine: one judged value moves one alert instance between its states.
 
-Each instance is judged once per :meth:`~mla_watch.alerting.engine.AlertEngine.evaluate` with the
+Each instance is judged once per :meth:`~mla_watch.alerting.alert_engine.AlertEngine.evaluate` with the
 value of the rule's metric:
 
 * *breach*: ``value < below`` or ``value > above``;

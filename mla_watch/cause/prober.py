@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_watch.alerting.causes import Cause, undetermined
-from mla_watch.alerting.model import breached, judged_window
+from mla_watch.alerting.vocabulary import breached, judged_window
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
 from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -46,7 +47,7 @@ from mla_watch.common.yamlcheck import Checker, read_yaml_document
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
 __all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
-           "MIN_PROMPTS", "Generated", "ReferenceError", "ReferenceSet", "ReferenceSets", "load_reference_dir"]
+           "MIN_PROMPTS", "Generated", "ReferenceSet", "ReferenceSetError", "ReferenceSets", "load_reference_dir"]
 
 DEFAULT_SET = "default"  # the mixed set of every line without a set of its own
 MIN_PROMPTS = 4  # fewer reads too few tokens for a router's statistics to mean much
@@ -61,10 +62,20 @@ _KEYS = ("business_line", "version", "description", "long", "max_tokens", "promp
 _GENERATE_KEYS = ("documents", "seed")
 
 
-class ReferenceError(SettingsError):
+class ReferenceSetError(SettingsError):
     """The reference prompts cannot be used; ``errors`` names each file, key, value and expectation."""
 
     what = "reference prompts"
+
+
+def __getattr__(name: str) -> Any:
+    # ``ReferenceError``, this error's name before it was renamed, stays importable for one release; served from
+    # here rather than bound in the module, where it would shadow the builtin ``ReferenceError``.
+    if name == "ReferenceError":
+        warnings.warn("mla_watch.cause.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning,
+                      stacklevel=2)
+        return ReferenceSetError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -161,15 +172,15 @@ def _load_file(path: Path) -> ReferenceSet:
     try:
         size = path.stat().st_size
     except OSError as error:
-        raise ReferenceError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
+        raise ReferenceSetError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
                               "YAML file"]) from None
     if size > MAX_FILE_BYTES:
-        raise ReferenceError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
-    document = read_yaml_document(path, label, ReferenceError)
+        raise ReferenceSetError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
+    document = read_yaml_document(path, label, ReferenceSetError)
     chk = Checker(label, lines=document.lines)
     data = document.data
     if not isinstance(data, dict):
-        raise ReferenceError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
+        raise ReferenceSetError([f"{label}: (top level): expected a mapping with keys {', '.join(_KEYS)}"])
     for key in data:
         if key not in _KEYS:
             chk.unknown_key("(top level)", key, _KEYS)
@@ -198,7 +209,7 @@ def _load_file(path: Path) -> ReferenceSet:
         max_tokens = DEFAULT_SET_TOKENS
     kept, generated = _prompts(chk, data, long)
     if chk.errors:
-        raise ReferenceError(chk.errors)
+        raise ReferenceSetError(chk.errors)
     return ReferenceSet(path.stem, int(version), tuple(kept), description.strip(), label,  # type: ignore[arg-type]
                         long, int(max_tokens), generated)
 
@@ -240,8 +251,8 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
 
 
 def load_reference_dir(directory: Path) -> ReferenceSets:
-    """Every ``*.yaml`` set of ``directory``; :class:`ReferenceError` naming every problem of every file."""
-    read = read_yaml_directory(directory, _load_file, ReferenceError, kind="reference prompt",
+    """Every ``*.yaml`` set of ``directory``; :class:`ReferenceSetError` naming every problem of every file."""
+    read = read_yaml_directory(directory, _load_file, ReferenceSetError, kind="reference prompt",
                                at_least=f"{DEFAULT_SET}.yaml, the mixed set")
     errors = read.errors
     sets: dict[str, ReferenceSet] = {}
@@ -251,5 +262,5 @@ def load_reference_dir(directory: Path) -> ReferenceSets:
                           ": expected one file per business line")
         sets[reference.name] = reference
     if errors:
-        raise ReferenceError(errors)
+        raise ReferenceSetError(errors)
     return ReferenceSets(MappingProxyType(dict(sorted(sets.items()))))

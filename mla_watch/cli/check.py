@@ -197,7 +197,7 @@ def _export_command(args: argparse.Namespace) -> str:
 def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
     """The --fleet* flags as FleetOptions; exit 2 naming the flag, its value and what was expected."""
     from mla_watch.alerting.durations import parse_duration
-    from mla_watch.alerting.model import RuleError
+    from mla_watch.alerting.vocabulary import RuleError
 
     fleet_only = {"--fleet-interval": args.fleet_interval, "--fleet-shards": args.fleet_shards,
                   "--fleet-labels": args.fleet_labels,
@@ -244,7 +244,7 @@ def _fleet_options(args: argparse.Namespace) -> FleetOptions | None:
 def _skew_for(args: argparse.Namespace) -> float:
     """--version-skew-for in seconds (1m to 31d); exit 2 naming the flag."""
     from mla_watch.alerting.durations import parse_duration
-    from mla_watch.alerting.model import RuleError
+    from mla_watch.alerting.vocabulary import RuleError
 
     if args.version_skew_for is None:
         return DEFAULT_SKEW_FOR_SECONDS

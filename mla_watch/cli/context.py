@@ -39,11 +39,11 @@ def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
 
     import mla_watch
     from mla_watch.cli.startup import check_model_flags, one_thread_for_the_bundled_model
-    from mla_watch.cli.traffic import _traffic
+    from mla_watch.cli.traffic import read_traffic
     from mla_watch.common.progress import Progress
 
     check_model_flags(args)
-    traffic = _traffic(args)
+    traffic = read_traffic(args)
     progress = Progress("mla-watch context")
     one_thread_for_the_bundled_model(args.model, args.device)
     progress.say(f"loading the model {args.model}")
@@ -146,12 +146,12 @@ def _cmd_context(args: argparse.Namespace) -> int:
 
 def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
     """Add the ``context`` subcommand."""
-    from mla_watch.cli.traffic import _traffic_options
+    from mla_watch.cli.traffic import traffic_options
 
     context = commands.add_parser(
         "context", help="recommend a line's max_prompt_tokens from its routing by position",
         epilog=f"The manual: {DOCS}operations.md (\"Where the router stops generalizing\")")
-    _traffic_options(context)
+    traffic_options(context)
     context.add_argument("--url", help="a running sidecar: read its traffic's routing by position instead")
     context.add_argument("--business-line", help="the line to read (--url), or to attribute the dataset to")
     context.add_argument("--timeout", type=positive_float, default=10.0,

@@ -18,7 +18,7 @@ from mla_watch.cli.tables import format_table
 from mla_watch.common.output_file import check_output_file, write_error, write_stdout
 from mla_watch.routing.footprint import FootprintSampler
 
-__all__ = ["add_parsers"]
+__all__ = ["add_parsers", "read_traffic", "traffic_options"]
 
 
 def _read_prompts(path: Path) -> list[str]:
@@ -47,7 +47,7 @@ def _read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def _traffic(args: argparse.Namespace) -> list[tuple[str, str]]:
+def read_traffic(args: argparse.Namespace) -> list[tuple[str, str]]:
     """``(business_line, text)`` pairs for the routing and baseline commands."""
     from mla_watch.models import corpus
 
@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> Any:
     baseline = getattr(args, "baseline", None)
     if baseline is not None and not baseline.is_file():
         raise FlagError(f"--baseline {baseline}: no such file: expected a baseline file `mla-watch baseline` wrote")
-    traffic = _traffic(args)  # a --prompts file that cannot be read is refused before the model loads
+    traffic = read_traffic(args)  # a --prompts file that cannot be read is refused before the model loads
     progress = Progress(f"mla-watch {args.command}")  # on stderr: stdout is the table or the JSON
     one_thread_for_the_bundled_model(args.model, args.device)
     progress.say(f"loading the model {args.model}")
@@ -161,7 +161,7 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _traffic_options(parser: argparse.ArgumentParser) -> None:
+def traffic_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     source = parser.add_mutually_exclusive_group()
@@ -179,14 +179,14 @@ def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
              f"{DOCS}first-hour.md"
     routing = commands.add_parser("routing", help="run traffic through the model and print per-router statistics",
                                   epilog=manual)
-    _traffic_options(routing)
+    traffic_options(routing)
     routing.add_argument("--baseline", type=Path, help="a baseline file, to report drift (js)")
     routing.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     routing.set_defaults(handler=_cmd_routing)
 
     baseline = commands.add_parser("baseline", help="save the routing counts that drift checks compare against",
                                    epilog=manual)
-    _traffic_options(baseline)
+    traffic_options(baseline)
     baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
                           help="where baseline.json is written unless --out says")
     baseline.add_argument("--out", type=Path, help="file to write (default STATE_DIR/baseline.json)")

@@ -1,7 +1,7 @@
 """Configuration directories: one reloading store for policies and alert rules alike.
 
 A directory of ``*.yaml`` / ``*.yml`` files (dotfiles skipped) loads into one value - a
-:class:`~mla_watch.policy.PolicySet`, a :class:`~mla_watch.alerting.model.RuleSet` - or fails
+:class:`~mla_watch.policy.PolicySet`, a :class:`~mla_watch.alerting.vocabulary.RuleSet` - or fails
 with a :class:`~mla_watch.common.settings.SettingsError` (formerly ``ConfigError``) whose ``errors``
 each name the file, the key, the value and what was expected. :class:`DirectoryStore` holds the value in
 force; a reload that fails keeps it.

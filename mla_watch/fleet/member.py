@@ -1,7 +1,7 @@
 """A sidecar as a member of a fleet: one re-tuning decision for the fleet, a canary, a checked rollout.
 
 Every replica of a checkpoint runs its own sidecar; with ``serve --fleet URL`` they share a PostgreSQL store
-(:mod:`mla_watch.fleet.store`) and repair as one:
+(:mod:`mla_watch.fleet.fleet_store`) and repair as one:
 
 1. **One decision.** A model-caused alert asks the fleet (:meth:`FleetMember.on_model_alert`). A replica whose
    routers are not the fleet's version restores that version (its routers were changed here alone). A replica
@@ -39,8 +39,8 @@ import numpy as np
 
 from mla_watch.common.tensor_files import router_digest
 from mla_watch.fleet.check import StepResult
+from mla_watch.fleet.fleet_store import FleetStore, FleetStoreError, FleetView, VersionRow
 from mla_watch.fleet.settings import FleetSettings
-from mla_watch.fleet.store import FleetStore, FleetStoreError, FleetView, VersionRow
 from mla_watch.retune.jobs import FINAL_STATUSES
 from mla_watch.retune.service import RetuneService
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
@@ -107,7 +107,7 @@ class FleetMember:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self.base = router_digest(retune.registry.load(0))
+        self.base = router_digest(retune.versions.load(0))
         self.digest = self._serving_digest()
         self.version: int | None = None  # the fleet's number of the version served, once known
         self.joined = False
@@ -252,7 +252,7 @@ class FleetMember:
     def full_state(self, number: int) -> dict[str, np.ndarray]:
         """The router tensors of fleet version ``number``: this replica's version 0 (the base) overlaid with what
         each version from the base up to it changes; ``ValueError`` for a tensor its routers do not hold so."""
-        state = dict(self.retune.registry.load(0))
+        state = dict(self.retune.versions.load(0))
         for version, changes in reversed(self.store.changes(self.base, number)):
             for name, tensor in changes.items():
                 known = state.get(name)
@@ -275,7 +275,7 @@ class FleetMember:
         if not changed:
             self.digest = self._serving_digest()
             return None
-        local = self.retune.registry.save(changed, {
+        local = self.retune.versions.save(changed, {
             "source": "fleet", "fleet_version": version.number, "fleet_digest": version.digest, "why": why,
             "strategy": version.manifest.get("strategy"), "routers": sorted({router_of(name) for name in changed}),
             "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"}})
@@ -456,7 +456,7 @@ class FleetMember:
 
     def _publish(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
         result = record["result"]
-        tensors = self.retune.registry.load(int(result["version"]))
+        tensors = self.retune.versions.load(int(result["version"]))
         parent_state = self.full_state(canary.parent)
         changes: dict[str, dict[str, np.ndarray]] = {}
         for name, tensor in tensors.items():
@@ -530,7 +530,7 @@ class FleetMember:
         detail = {**result.as_dict(), "local_version": local, "seconds": round(time.monotonic() - started, 3)}
         if result.passed:
             if local is not None:
-                self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
+                self.retune.versions.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
                 self._read_again()  # now a good version: its readings become the baselines, and the peers hear
             self._end_step(rollout_id, version, "passed", detail, started)
             return
@@ -637,7 +637,7 @@ class FleetMember:
                     self.digest = self._serving_digest()
                 raise ValueError(f"fleet version {number} failed its check on this replica: {result.reason}")
             if local is not None:
-                self.retune.registry.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
+                self.retune.versions.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
             parent = view.version_of(self.digest) if version.parent is None else version.parent
             self._held = None  # the operator's rollout takes the lease: its job is made by the store
             self.store.publish(

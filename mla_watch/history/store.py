@@ -66,18 +66,18 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
-from mla_watch.alerting.model import TREND_METRICS
+from mla_watch.alerting.vocabulary import TREND_METRICS
 from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.history.file import HISTORY_FILE, open_database, rewrite_since, set_aside, write_sample
+from mla_watch.history.series_info import SeriesInfo, series_entry, series_info, shown_order
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
@@ -97,20 +97,8 @@ MINUTE_RETENTION = 86400.0
 MIN_FULL_SPAN = 2 * MINUTE  # a minute's samples must still be there when the next minute closes it
 
 
-
 class HistoryStoreError(RuntimeError):
     """The history file cannot be opened, read or written."""
-
-
-@dataclass(frozen=True)
-class SeriesInfo:
-    router: str
-    business_line: str
-    layer: int
-    kind: str
-    floor_bits: float | None
-    ceiling_bits: float | None
-    num_slots: int | None
 
 
 def size_bound(*, series: int, interval_seconds: float, span_seconds: float, retention_days: float) -> int:
@@ -317,7 +305,7 @@ class HistoryStore:
                 if sid is None:
                     continue
             if self._meta.get(sid) != meta:  # new, or its geometry changed (a re-tune, a new config)
-                info = _series_info(key, meta)
+                info = series_info(key, meta)
                 self._meta[sid] = meta
                 self._info[sid] = info
                 new_series.append((sid, info))
@@ -498,7 +486,7 @@ class HistoryStore:
             lo, hi = tier.index(newest - self.span_seconds, math.inf)
             shown = lo if since is None else lo + int(np.searchsorted(tier.times[lo:hi], since, side="right"))
             alive = np.flatnonzero(np.isfinite(tier.data[lo:hi, :, entropy]).any(axis=0)).tolist()
-            chosen = sorted(((sid, self._info[sid]) for sid in alive if sid in self._info), key=_shown_order)
+            chosen = sorted(((sid, self._info[sid]) for sid in alive if sid in self._info), key=shown_order)
             ids = [sid for sid, _ in chosen]
             values = tier.data[shown:hi, ids, entropy].T.astype(np.float64)  # [series, point], copies
             flags = tier.data[shown:hi, ids, self._too_small].T == 1.0
@@ -507,7 +495,7 @@ class HistoryStore:
         cells = np.round(values, 4).astype(object)
         cells[missing] = None
         flags &= ~missing  # a point with no value was not too small: it was not a reading
-        series = [_series_entry(info, cells[index].tolist(), flags[index].tolist())
+        series = [series_entry(info, cells[index].tolist(), flags[index].tolist())
                   for index, (_, info) in enumerate(chosen)]
         return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds, "times": times,
                 "series": series}
@@ -527,7 +515,7 @@ class HistoryStore:
         with self._lock:
             chosen = sorted(((sid, info) for sid, info in self._info.items()
                              if (business_line is None or info.business_line == business_line)
-                             and (router is None or fnmatch.fnmatchcase(info.router, router))), key=_shown_order)
+                             and (router is None or fnmatch.fnmatchcase(info.router, router))), key=shown_order)
             buckets = math.ceil((until - since) / step) + 1
             if max_cells is not None and buckets * len(chosen) > max_cells:
                 raise ValueError(f"{buckets} buckets x {len(chosen)} series exceed {max_cells} values")
@@ -566,24 +554,12 @@ class HistoryStore:
             column_values = means[:, index]
             if not np.isfinite(column_values).any():
                 continue
-            series.append(_series_entry(info, [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
+            series.append(series_entry(info, [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
                                         [bool(f >= 0.5) for f in small[:, index]]))
         return {"metric": metric, "since": since, "until": until, "step_seconds": step, "interval_seconds": step,
                 "span_seconds": until - since, "times": times_out, "series": series, "series_dropped": dropped,
                 "tiers": [{"name": tier.name, "step_seconds": tier.step, "retention_seconds": tier.retention}
                           for tier in self.tiers]}
-
-
-def _shown_order(item: tuple[int, SeriesInfo]) -> tuple:
-    """Series as the status page and /v1/history list them: ``all`` first, then by line, layer and router."""
-    info = item[1]
-    return info.business_line != ALL_LINES, info.business_line, info.layer, info.router
-
-
-def _series_entry(info: SeriesInfo, values: list[float | None], too_small: list[bool]) -> dict[str, Any]:
-    return {"router": info.router, "layer": info.layer, "kind": info.kind, "business_line": info.business_line,
-            "floor_bits": info.floor_bits, "ceiling_bits": info.ceiling_bits, "num_slots": info.num_slots,
-            "values": values, "too_small": too_small}
 
 
 def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -605,11 +581,3 @@ def _matrix(rows: list[tuple], width: int) -> np.ndarray:
     return matrix
 
 
-def _series_info(key: tuple[str, str], meta: tuple) -> SeriesInfo:
-    layer, kind, floor_bits, ceiling_bits, num_slots = meta
-    return SeriesInfo(str(key[0]), str(key[1]), int(layer), str(kind), _optional_float(floor_bits),
-                      _optional_float(ceiling_bits), None if num_slots is None else int(num_slots))
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)

@@ -19,10 +19,15 @@ import torch
 from torch._utils import _flatten_dense_tensors
 from torch.nn import functional as F
 
-from mla_watch.probe.wrappers import _Router
+from mla_watch.probe.wrappers import CountedRouter
 
-_COMPANIONS = 4  # tokens, choice selections, local selections, dropped picks
-_TOKENS, _CHOICE, _LOCAL, _DROPPED = 0, 1, 2, 3
+__all__ = [
+    "CHOICE_COLUMN", "COMPANION_COLUMNS", "DROPPED_COLUMN", "LOCAL_COLUMN", "TOKENS_COLUMN",
+    "CountingKernels", "usable_mask",
+]
+
+COMPANION_COLUMNS = 4  # tokens, choice selections, local selections, dropped picks
+TOKENS_COLUMN, CHOICE_COLUMN, LOCAL_COLUMN, DROPPED_COLUMN = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class _Columns:
     companions: torch.Tensor  # [3, R, B or 1] columns of tokens, choice and local selections
 
 
-def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
+def usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
     """The indexer's ``[B or 1, S, keys]`` mask, or ``None`` when it has another form (then not consulted)."""
     if (isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq
             and mask.shape[0] in (1, batch)):
@@ -50,7 +55,7 @@ def _usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
 # wait together are counted in a fixed number of ops: one stack (experts) or one flatten
 # (indexers, whose pick counts differ) of every router's choices, range checks as one clamp
 # and one comparison, one scatter_add_ for the picks and one for the companions.
-class _CountingKernels:
+class CountingKernels:
     """The probe's counting into its buffer (a base of :class:`~mla_watch.probe.Probe`, which sets this state)."""
 
     _buffer: torch.Tensor  # [max_business_lines + 1, width], allocated once
@@ -64,7 +69,7 @@ class _CountingKernels:
             self._constants.clear()
         self._constants[key] = value
 
-    def _router_columns(self, routers: Sequence[_Router], lines: tuple[int, ...] | None = None,
+    def _router_columns(self, routers: Sequence[CountedRouter], lines: tuple[int, ...] | None = None,
                         batch: int = 1) -> _Columns:
         """The group's counter columns; with ``lines`` (eager passes), placed in each batch row's line, so the
         counting adds no row offsets (compiled passes add theirs from the in-place attribution tensor)."""
@@ -82,17 +87,17 @@ class _CountingKernels:
 
             routers_count, placed_rows = len(routers), len(rows)
             companions = [[[column + slot + kind for column in router_rows] for router_rows, slot in
-                           zip(placed, slots, strict=True)] for kind in range(_LOCAL + 1)]  # [3, R, rows]
+                           zip(placed, slots, strict=True)] for kind in range(LOCAL_COLUMN + 1)]  # [3, R, rows]
             columns = _Columns(
                 routers=routers_count,
                 offsets=tensor(placed, 1, routers_count, placed_rows, 1, 1),
                 first=torch.zeros((), dtype=torch.int64, device=self._device),
                 last=tensor([slot - 1 for slot in slots], 1, routers_count, 1, 1, 1),
                 top_k=tensor([router.info.top_k for router in routers], 1, routers_count, 1, 1, 1),
-                dropped=tensor([[column + slot + _DROPPED for column in router_rows]
+                dropped=tensor([[column + slot + DROPPED_COLUMN for column in router_rows]
                                 for router_rows, slot in zip(placed, slots, strict=True)],
                                1, routers_count, placed_rows, 1, 1),
-                companions=tensor(companions, _LOCAL + 1, routers_count, placed_rows),
+                companions=tensor(companions, LOCAL_COLUMN + 1, routers_count, placed_rows),
             )
             if not torch.compiler.is_compiling():
                 self._cache(key, columns)
@@ -218,7 +223,7 @@ class _CountingKernels:
         tokens = tokens.view(1, 1, batch).expand(1, routers_count, batch)
         index = columns.companions  # [tokens, choice, local] x R x (B or 1)
         if choices is None:
-            values, index = tokens, index[_TOKENS:_TOKENS + 1]
+            values, index = tokens, index[TOKENS_COLUMN:TOKENS_COLUMN + 1]
         else:
             values = torch.cat([tokens, choices])
         index = (index + row_base.view(1, 1, batch) if row_base is not None

@@ -21,9 +21,11 @@ import numpy as np
 import torch
 from torch._utils import _flatten_dense_tensors
 
-from mla_watch.probe.count_kernels import _CountingKernels, _usable_mask
-from mla_watch.probe.positions import PADDING_READ, _PositionCounting, start_positions
-from mla_watch.probe.wrappers import _Router, _tokens_input
+from mla_watch.probe.count_kernels import CountingKernels, usable_mask
+from mla_watch.probe.position_counting import PADDING_READ, PositionCounting, start_positions
+from mla_watch.probe.wrappers import CountedRouter, tokens_argument
+
+__all__ = ["EagerDeferral", "WatchedPass"]
 
 # Passes of at most this many tokens (decode steps) wait to be counted together; a bigger pass
 # pays for its own counting many times over, and holding its outputs would hold real memory.
@@ -32,7 +34,7 @@ _PADDING_READ = PADDING_READ  # a pass's attention is already the padding it mar
 _DEFER_MAX_MASK_ELEMENTS = 1 << 22  # indexer masks the pending passes may keep alive (16 MiB of float32)
 
 
-class _Pass:
+class WatchedPass:
     """One forward pass of the watched model: its attribution and the router outputs it produced.
 
     Built on every forward pass, so it starts with the least: the wrappers append ``(router, picks,
@@ -53,7 +55,7 @@ class _Pass:
         # None: every token counts.
         self.attention = attention
         self.attention_version = attention_version
-        self.outputs: list[tuple[_Router, torch.Tensor, Any]] = []  # (router, picks, mask argument) in call order
+        self.outputs: list[tuple[CountedRouter, torch.Tensor, Any]] = []  # (router, picks, mask argument) in call order
         self.last_mask: Any = None
         self.mask_elements = 0  # elements of the distinct indexer masks this pass keeps alive (a memory bound)
         self.key: tuple | None = None  # the layout, once the picks are read
@@ -63,10 +65,10 @@ class _Pass:
 
     def clear_picks(self) -> None:
         self.experts: list[torch.Tensor] = []
-        self.expert_routers: list[_Router] = []
+        self.expert_routers: list[CountedRouter] = []
         self.expert_shapes: list[torch.Size] = []
         self.indexers: list[torch.Tensor] = []
-        self.indexer_routers: list[_Router] = []
+        self.indexer_routers: list[CountedRouter] = []
         self.indexer_shapes: list[torch.Size] = []
         self.masks: list[Any] = []  # per indexer: the mask argument it was called with
         self.mask_slots: list[int | None] = []  # per indexer: its mask in usable_masks
@@ -82,7 +84,7 @@ class _Pass:
             identities: dict[tuple, int] = {}
             batch, seq = self.batch, self.seq
             for mask in self.masks:
-                usable = _usable_mask(mask, batch, seq)
+                usable = usable_mask(mask, batch, seq)
                 if usable is None:
                     self.mask_slots.append(None)
                     continue
@@ -109,21 +111,21 @@ class _Pass:
         )
 
 
-class _EagerDeferral(_CountingKernels, _PositionCounting):
+class EagerDeferral(CountingKernels, PositionCounting):
     """The probe's eager passes: begun and ended around the model's forward, kept, and counted at a flush
     (a base of :class:`~mla_watch.probe.Probe`, which sets this state)."""
 
     _attribution: tuple[int, ...]  # line per batch row, as attribute() set it
     _position_attribution: tuple[tuple[int, int], ...]  # per batch row: per-position row and prompt length
     _flush_every: int
-    _pending: list[_Pass]  # passes waiting to be counted
+    _pending: list[WatchedPass]  # passes waiting to be counted
     _pending_mask_elements: int  # indexer mask elements the pending passes keep alive
     _pending_lock: threading.Lock
     _mask_warned: bool  # the warning about a mask changed in place was given
     _recording: threading.local  # per thread: the RoutingRecording of record_routing(), if any
 
-    def _begin(self, args: tuple, kwargs: dict) -> _Pass | None:
-        tokens_input = _tokens_input(args, kwargs)
+    def _begin(self, args: tuple, kwargs: dict) -> WatchedPass | None:
+        tokens_input = tokens_argument(args, kwargs)
         if tokens_input is None:
             return None
         started = self._started(tokens_input, kwargs)
@@ -132,7 +134,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
             started.placed = self._position_attribution
         return started
 
-    def _started(self, tokens_input: torch.Tensor, kwargs: dict) -> _Pass | None:
+    def _started(self, tokens_input: torch.Tensor, kwargs: dict) -> WatchedPass | None:
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
         lines = self._attribution
         if batch % len(lines):
@@ -143,13 +145,13 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[0] == batch and mask.shape[1] >= seq:
             if mask.is_inference():  # no version counter to consult later: read the padding now
-                return _Pass(batch, seq, lines, mask[:, -seq:] != 0, _PADDING_READ)
+                return WatchedPass(batch, seq, lines, mask[:, -seq:] != 0, _PADDING_READ)
             # Read when the pass is counted (one op for many passes, not two per pass); its version
             # counter says whether the caller changed it in place before then.
-            return _Pass(batch, seq, lines, mask, mask._version)
-        return _Pass(batch, seq, lines, None, 0)
+            return WatchedPass(batch, seq, lines, mask, mask._version)
+        return WatchedPass(batch, seq, lines, None, 0)
 
-    def _end(self, current: _Pass) -> None:
+    def _end(self, current: WatchedPass) -> None:
         recording = getattr(self._recording, "current", None)
         with self._pending_lock:
             if recording is not None:
@@ -176,13 +178,13 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         wherever they lie: the decode steps of many requests make one group, their prefills another.
         """
         passes, self._pending, self._pending_mask_elements = self._pending, [], 0
-        groups: dict[tuple, list[_Pass]] = {}
+        groups: dict[tuple, list[WatchedPass]] = {}
         for item in passes:
             groups.setdefault(self._resolve(item), []).append(item)
         for group in groups.values():
             self._count_group(group)
 
-    def _resolve(self, item: _Pass) -> tuple:
+    def _resolve(self, item: WatchedPass) -> tuple:
         """Sort a pass's picks by kind (once); picks that do not fit the pass are counted alone. Returns the
         pass's layout key."""
         if item.key is not None:
@@ -212,26 +214,26 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
         item.key = item.layout()
         return item.key
 
-    def _count_group(self, passes: list[_Pass]) -> None:
+    def _count_group(self, passes: list[WatchedPass]) -> None:
         for item in passes:
             self._resolve(item)
         if passes[0].experts or passes[0].indexers:
             self._count_passes(passes)
 
-    def _count_alone(self, router: _Router, indices: torch.Tensor, mask: Any) -> None:
+    def _count_alone(self, router: CountedRouter, indices: torch.Tensor, mask: Any) -> None:
         """A router output that is not part of a watched pass: its pass is its own, on the default line.
         The caller holds the pending lock."""
         if router.expert:
-            single = _Pass(1, indices.numel() // indices.shape[-1], (0,), None, 0)
+            single = WatchedPass(1, indices.numel() // indices.shape[-1], (0,), None, 0)
         else:
             batch, seq = (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]),
                                                                                   int(indices.shape[1]))
-            single = _Pass(batch, seq, (0,), None, 0)
+            single = WatchedPass(batch, seq, (0,), None, 0)
         single.positions = None  # no forward pass said where its tokens sit
         single.outputs.append((router, indices, mask))  # fits its own pass by construction
         self._count_group([single])
 
-    def _count_passes(self, passes: list[_Pass]) -> None:
+    def _count_passes(self, passes: list[WatchedPass]) -> None:
         """Count passes of one layout together: every router group's picks of all of them in one kernel call."""
         first = passes[0]
         count, batch, seq = len(passes), first.batch, first.seq
@@ -263,7 +265,7 @@ class _EagerDeferral(_CountingKernels, _PositionCounting):
             columns = self._router_columns(routers, first.lines, batch)
             self._count_indexers(columns, chosen, widths, masks, count, batch, seq, None, valid)
 
-    def _valid(self, passes: list[_Pass]) -> torch.Tensor:
+    def _valid(self, passes: list[WatchedPass]) -> torch.Tensor:
         """Which tokens of each pass are real, ``[passes, B, S]``: the last ``S`` columns of its 2-D attention
         mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
         wanted columns taken at offsets computed on the host."""

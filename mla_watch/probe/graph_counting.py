@@ -12,11 +12,13 @@ from typing import Any
 
 import torch
 
-from mla_watch.probe.count_kernels import _CountingKernels, _usable_mask
-from mla_watch.probe.wrappers import _call_argument, _Router, _tokens_input
+from mla_watch.probe.count_kernels import CountingKernels, usable_mask
+from mla_watch.probe.wrappers import CountedRouter, call_argument, tokens_argument
+
+__all__ = ["CompiledCounting"]
 
 
-class _CompiledCounting(_CountingKernels):
+class CompiledCounting(CountingKernels):
     """The probe's traced passes (a base of :class:`~mla_watch.probe.Probe`, which sets this state)."""
 
     _row_lines: torch.Tensor  # [MAX_ATTRIBUTED_ROWS] line per batch row, written in place by attribute()
@@ -27,7 +29,7 @@ class _CompiledCounting(_CountingKernels):
     # static buffer at once, and the attribution is read from the in-place tensor, so a CUDA
     # graph replay counts the right lines without the host. No cache is written while tracing.
     def _graph_model_call(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        tokens_input = _tokens_input(args, kwargs)
+        tokens_input = tokens_argument(args, kwargs)
         if tokens_input is None:
             return original(*args, **kwargs)
         batch, seq = int(tokens_input.shape[0]), int(tokens_input.shape[1])
@@ -51,7 +53,7 @@ class _CompiledCounting(_CountingKernels):
         finally:
             self._graph_pass = previous
 
-    def _graph_router_call(self, router: _Router, output: Any, args: tuple, kwargs: dict) -> None:
+    def _graph_router_call(self, router: CountedRouter, output: Any, args: tuple, kwargs: dict) -> None:
         indices = router.spec.indices(output)
         attributed = self._graph_pass
         if router.expert:
@@ -63,7 +65,7 @@ class _CompiledCounting(_CountingKernels):
             return
         if indices.dim() == 2:
             indices = indices.unsqueeze(0)
-        mask = _usable_mask(_call_argument(router.spec.mask_argument, args, kwargs), indices.shape[0],
+        mask = usable_mask(call_argument(router.spec.mask_argument, args, kwargs), indices.shape[0],
                             indices.shape[1])
         if attributed is not None and tuple(indices.shape[:2]) == (attributed[0], attributed[1]):
             batch, seq, row_base, valid = attributed

@@ -39,11 +39,11 @@ import torch
 from torch import nn
 
 from mla_watch.probe.agent import Shipper
-from mla_watch.probe.count_kernels import _CHOICE, _COMPANIONS, _DROPPED, _LOCAL, _TOKENS
-from mla_watch.probe.deferral import _EagerDeferral, _Pass
+from mla_watch.probe.count_kernels import CHOICE_COLUMN, COMPANION_COLUMNS, DROPPED_COLUMN, LOCAL_COLUMN, TOKENS_COLUMN
+from mla_watch.probe.deferral import EagerDeferral, WatchedPass
 from mla_watch.probe.discovery import RouterInfo, RouterRegistry, discover_routers
-from mla_watch.probe.graph_counting import _CompiledCounting
-from mla_watch.probe.wrappers import _call_argument, _Router, _WatchedModel, _WatchedRouter
+from mla_watch.probe.graph_counting import CompiledCounting
+from mla_watch.probe.wrappers import CountedRouter, WatchedModel, WatchedRouter, call_argument
 from mla_watch.routing.routers import CountDelta
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, RouterStats, RouterWindows
 
@@ -54,7 +54,7 @@ OVERFLOW_LINE = "overflow"  # where business lines past max_business_lines are c
 MAX_ATTRIBUTED_ROWS = 4096  # longest per-row list attribute() takes (the in-place attribution tensor's size)
 
 
-class Probe(_EagerDeferral, _CompiledCounting):
+class Probe(EagerDeferral, CompiledCounting):
     """Counts what every router of a model selects; :func:`attach` makes one.
 
     ``window_tokens`` / ``window_seconds`` bound the rolling window that :meth:`Probe.stats`
@@ -101,13 +101,13 @@ class Probe(_EagerDeferral, _CompiledCounting):
         if flush_every < 1:
             raise ValueError(f"flush_every={flush_every}; expected at least 1")
         self.model = model
-        self._routers: list[_Router] = []
+        self._routers: list[CountedRouter] = []
         width = 0
         for module, info, spec in discover_routers(
             model, registry=registry, ignore=ignore, max_indexer_slots=max_indexer_slots
         ):
-            self._routers.append(_Router(len(self._routers), module, info, spec, width))
-            width += info.num_slots + _COMPANIONS
+            self._routers.append(CountedRouter(len(self._routers), module, info, spec, width))
+            width += info.num_slots + COMPANION_COLUMNS
         self._width = width
         self._device = _device_of(model)
         self._max_lines = max_business_lines
@@ -124,9 +124,9 @@ class Probe(_EagerDeferral, _CompiledCounting):
         self._overflowed: set[str] = set()
         self._mask_warned = False
         self._one = torch.ones(1, dtype=torch.int64, device=self._device)
-        self._current: _Pass | None = None
+        self._current: WatchedPass | None = None
         self._graph_pass: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None
-        self._pending: list[_Pass] = []
+        self._pending: list[WatchedPass] = []
         self._pending_mask_elements = 0
         self._pending_lock = threading.Lock()
         self._constants: dict[Any, Any] = {}
@@ -144,9 +144,9 @@ class Probe(_EagerDeferral, _CompiledCounting):
         self._init_positions(self._buffer.shape[0], context_length if count_positions else None, clock)
         self.windows.positions = self.positions
         for router in self._routers:
-            router.watch = _WatchedRouter(router.module, self, router)
+            router.watch = WatchedRouter(router.module, self, router)
             router.watch.install()
-        self._model_watch = _WatchedModel(model, self)
+        self._model_watch = WatchedModel(model, self)
         self._model_watch.install()
         self.shipper: Shipper | None = None
         self._sink: Callable[[str, str, CountDelta], None] = self.windows.add
@@ -272,13 +272,13 @@ class Probe(_EagerDeferral, _CompiledCounting):
                 for router in self._routers:
                     start, slots = router.offset, router.info.num_slots
                     counts = delta[row, start : start + slots]
-                    companions = delta[row, start + slots : start + slots + _COMPANIONS]
-                    self._dropped[router.index] += companions[_DROPPED]
+                    companions = delta[row, start + slots : start + slots + COMPANION_COLUMNS]
+                    self._dropped[router.index] += companions[DROPPED_COLUMN]
                     # Every token picks exactly top_k experts (counted or dropped): no token counter needed.
-                    tokens = ((counts.sum() + companions[_DROPPED]) // router.info.top_k if router.expert
-                              else companions[_TOKENS])
-                    self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[_LOCAL]),
-                                                                  int(companions[_CHOICE])))
+                    tokens = ((counts.sum() + companions[DROPPED_COLUMN]) // router.info.top_k if router.expert
+                              else companions[TOKENS_COLUMN])
+                    self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[LOCAL_COLUMN]),
+                                                                  int(companions[CHOICE_COLUMN])))
             self._collect_positions(self._lines)
 
     def count_pending(self) -> None:
@@ -387,7 +387,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
             self._end(current)
         return output
 
-    def _router_call(self, watch: _WatchedRouter, output: Any, args: tuple, kwargs: dict) -> bool:
+    def _router_call(self, watch: WatchedRouter, output: Any, args: tuple, kwargs: dict) -> bool:
         """What a router call does off the fast path (traced, first output, or outside a watched pass);
         ``False`` when the output is still to be kept by the fast path."""
         router = watch.router
@@ -401,7 +401,7 @@ class Probe(_EagerDeferral, _CompiledCounting):
         if self._current is not None:
             return False
         # Called outside the attached module's forward: count now, unattributed.
-        mask = None if router.expert else _call_argument(router.spec.mask_argument, args, kwargs)
+        mask = None if router.expert else call_argument(router.spec.mask_argument, args, kwargs)
         with self._pending_lock:
             self._count_alone(router, watch.read(output), mask)
         return True

@@ -20,8 +20,10 @@ from torch import nn
 
 from mla_watch.probe.discovery import RouterInfo, RouterSpec
 
+__all__ = ["CountedRouter", "WatchedModel", "WatchedRouter", "call_argument", "tokens_argument"]
 
-class _Router:
+
+class CountedRouter:
     def __init__(self, index: int, module: nn.Module, info: RouterInfo, spec: RouterSpec, offset: int) -> None:
         self.index = index  # position among the probe's routers (a stable key for cached constants)
         self.module = module
@@ -29,13 +31,13 @@ class _Router:
         self.spec = spec
         self.offset = offset
         self.expert = info.kind == "expert"
-        self.watch: _WatchedRouter | None = None
+        self.watch: WatchedRouter | None = None
 
 
 class _PassOutputs(Protocol):
-    """What a router's wrapper adds to the watched pass it runs in (the deferral's ``_Pass``)."""
+    """What a router's wrapper adds to the watched pass it runs in (the deferral's ``WatchedPass``)."""
 
-    outputs: list[tuple[_Router, torch.Tensor, Any]]
+    outputs: list[tuple[CountedRouter, torch.Tensor, Any]]
     last_mask: Any
     mask_elements: int
 
@@ -48,7 +50,7 @@ class _Watcher(Protocol):
 
     def _model_call(self, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any: ...
 
-    def _router_call(self, watch: _WatchedRouter, output: Any, args: tuple, kwargs: dict) -> bool: ...
+    def _router_call(self, watch: WatchedRouter, output: Any, args: tuple, kwargs: dict) -> bool: ...
 
 
 class _WatchedForward:
@@ -99,14 +101,14 @@ class _WatchedForward:
         )
 
 
-class _WatchedModel(_WatchedForward):
+class WatchedModel(_WatchedForward):
     __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.probe._model_call(self.original, args, kwargs)
 
 
-class _WatchedRouter(_WatchedForward):
+class WatchedRouter(_WatchedForward):
     """A router's forward: runs it and, inside a watched pass, keeps a reference to its picks.
 
     This runs once per router per forward pass, between the model's own ops, where the interpreter's
@@ -117,7 +119,7 @@ class _WatchedRouter(_WatchedForward):
 
     __slots__ = ("mask_argument", "read", "router", "unchecked")
 
-    def __init__(self, module: nn.Module, probe: _Watcher, router: _Router) -> None:
+    def __init__(self, module: nn.Module, probe: _Watcher, router: CountedRouter) -> None:
         super().__init__(module, probe)
         self.router = router
         self.read = router.spec.indices
@@ -134,7 +136,7 @@ class _WatchedRouter(_WatchedForward):
             # The picks, not the output: a router's logits are many times the size of its choices.
             current.outputs.append((self.router, self.read(output), None))
         else:
-            mask = _call_argument(self.mask_argument, args, kwargs)
+            mask = call_argument(self.mask_argument, args, kwargs)
             current.outputs.append((self.router, self.read(output), mask))
             if mask is not current.last_mask:  # one mask object is usually handed to every layer
                 current.last_mask = mask
@@ -143,7 +145,7 @@ class _WatchedRouter(_WatchedForward):
         return output
 
 
-def _tokens_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+def tokens_argument(args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The ``[batch, seq, ...]`` tensor a model forward was called with (ids or embeddings); None if none."""
     tokens_input = kwargs.get("input_ids")
     if tokens_input is None and args:
@@ -153,7 +155,7 @@ def _tokens_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return tokens_input if isinstance(tokens_input, torch.Tensor) and tokens_input.dim() >= 2 else None
 
 
-def _call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:
+def call_argument(where: tuple[str, int] | None, args: tuple, kwargs: dict) -> Any:
     if where is None:
         return None
     name, position = where

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from mla_watch.alerting.model import breached, judged_window
+from mla_watch.alerting.vocabulary import breached, judged_window
 from mla_watch.quality.score import ModelScore
 
 if TYPE_CHECKING:  # judge_health is arithmetic (the engine's reference readings use it); the rest runs the model

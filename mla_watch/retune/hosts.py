@@ -4,7 +4,7 @@ The registry and the re-tune service read and write routers only through a :clas
 
 * :class:`ModelRouters`: the model mla_watch serves itself; tensors are copied in place under
   the model lock the decode loop holds around each forward pass (torch, imported only by it).
-* :class:`mla_watch.retune.engine.EngineRouters`: the routers of a vLLM (or SGLang) beside the
+* :class:`mla_watch.retune.engine_retuning.EngineRouters`: the routers of a vLLM (or SGLang) beside the
   sidecar; a swap writes a router-only checkpoint and has the engine reload it in place.
 
 Either way the tensors cross a host as numpy arrays (:mod:`mla_watch.common.tensor_files`: bf16 as

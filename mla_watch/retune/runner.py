@@ -86,7 +86,7 @@ class Retuner:
     while that fit runs.
     """
 
-    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, registry: RouterVersions,
+    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, versions: RouterVersions,
                  settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
                  capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
                  clock: Callable[[], float] = time.time, dataset_dir: Path | None = None,
@@ -101,7 +101,7 @@ class Retuner:
         self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)
         self.tokenizer = tokenizer
-        self.registry = registry
+        self.versions = versions
         self.settings = settings
         self.workdir = Path(workdir)
         self.capture = capture
@@ -216,7 +216,7 @@ class Retuner:
                         "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
                         "timings": {**timings, "fit_seconds": attempt["fit_seconds"],
                                     "gate_seconds": attempt["gate_seconds"]}}
-            version = self.registry.save(as_arrays(candidate.tensors), manifest)
+            version = self.versions.save(as_arrays(candidate.tensors), manifest)
             attempt.update(version=version, gates=report.as_dict())
             if not report.passed:
                 outcome = "rejected" if report.decision == "reject" else "insufficient"
@@ -318,7 +318,7 @@ class Retuner:
              batches: list[Any]) -> Candidate:
         if self.settings.command and name != "restore":  # restore is a registry lookup: always here
             return self._fit_external(spec, name, options, train)
-        context = FitContext(model=self.model, batches=batches, routers=list(spec.routers), registry=self.registry,
+        context = FitContext(model=self.model, batches=batches, routers=list(spec.routers), versions=self.versions,
                              options=options, reference=self.reference)
         return get_strategy(name).fit(context)
 

@@ -43,7 +43,7 @@ from apscheduler.jobstores.base import JobLookupError
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from mla_watch.alerting.model import RETUNE_STRATEGIES
+from mla_watch.alerting.vocabulary import RETUNE_STRATEGIES
 from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.hosts import RouterHost
@@ -71,7 +71,8 @@ def _run_scheduled(service_key: str, job_id: str) -> None:
 
 class RetuneRunner(Protocol):
     """What runs the jobs of a :class:`RetuneService`: :class:`mla_watch.retune.runner.Retuner` (a model in this
-    process) or :class:`mla_watch.retune.engine.EngineRetuner` (the routers of an engine beside the sidecar)."""
+    process) or :class:`mla_watch.retune.engine_retuning.EngineRetuner` (the routers of an engine beside the
+    sidecar)."""
 
     @property
     def host(self) -> RouterHost:
@@ -93,7 +94,7 @@ class Cooldown(Exception):
 
 
 class RetuneService:
-    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: RetuneRunner, registry: RouterVersions,
+    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: RetuneRunner, versions: RouterVersions,
                  model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
                  on_outcome: Callable[[str, str], None] | None = None,
                  on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
@@ -103,7 +104,7 @@ class RetuneService:
         self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
         self.settings = settings
         self.retuner = retuner
-        self.registry = registry
+        self.versions = versions
         self.store = JobStore(self.state_dir / "retune_jobs.sqlite", clock=clock)
         self._model_lock = model_lock
         self._on_promoted = on_promoted
@@ -133,7 +134,7 @@ class RetuneService:
         """Record version 0 (health-checked; or re-apply the live version), recover interrupted jobs, start the
         scheduler."""
         host = self.retuner.host
-        if self.registry.live_version() is None:
+        if self.versions.live_version() is None:
             health = None
             if self._health_check is not None:
                 try:
@@ -147,14 +148,14 @@ class RetuneService:
                         "router version 0 (the routers served now) %s: %s",
                         "passed its start-up health check" if health.get("passed") else
                         "is not known to be good; `restore` will not put it back", health.get("reason"))
-            self.registry.record_initial(host, health)
+            self.versions.record_initial(host, health)
         else:
-            differences = self.registry.initial_differences(host)
-            live = self.registry.live_version()
+            differences = self.versions.initial_differences(host)
+            live = self.versions.live_version()
             if differences:
                 log.warning("the served routers differ from router version 0 in %d tensors (%s ...): a new model "
                             "or a damaged deploy; serving them as loaded (the `restore` strategy puts router "
-                            "version %s back)", len(differences), differences[0], self.registry.last_good())
+                            "version %s back)", len(differences), differences[0], self.versions.last_good())
             elif live:
                 try:
                     self._apply_live_state()
@@ -374,10 +375,10 @@ class RetuneService:
     def promote(self, version: int) -> dict[str, Any]:
         """Swap ``version`` into the live model between two forward passes (into the engine: one swap at a time);
         what the swap took."""
-        tensors = self.registry.load(version)  # read and checked before the lock is taken
+        tensors = self.versions.load(version)  # read and checked before the lock is taken
         names = sorted({name.rsplit(".", 1)[0] for name in tensors})
         with self._model_lock:
-            taken = self.registry.promote(self.retuner.host, version)
+            taken = self.versions.promote(self.retuner.host, version)
             self._changed("promote", names)
         log.info("router version %d promoted (%s)", version, ", ".join(names))
         return taken
@@ -385,10 +386,10 @@ class RetuneService:
     def apply_spec(self, version: int) -> JobSpec:
         """The job that gates a proposed ``version`` through the engine (``mla-watch retune apply N``): swapped in,
         scored, kept or rolled back, as the job of its proposal would have."""
-        manifest = self.registry.manifest(self.registry.check_version(version))
+        manifest = self.versions.manifest(self.versions.check_version(version))
         if version == 0 or not manifest.get("routers"):
             raise ValueError(f"router version {version} is not a candidate a job proposed: expected one of "
-                             f"{[n for n in self.registry.version_numbers() if n]}")
+                             f"{[n for n in self.versions.version_numbers() if n]}")
         try:
             proposal = JobSpec.from_dict(self.store.get(str(manifest.get("job")))["spec"])
         except KeyError:
@@ -404,23 +405,23 @@ class RetuneService:
 
     def mark_good(self, version: int) -> int:
         """An operator vouches for ``version`` (see :meth:`RouterVersions.mark_good`)."""
-        number = self.registry.mark_good(version)
+        number = self.versions.mark_good(version)
         log.info("router version %d marked good by an operator", number)
         return number
 
     def rollback(self) -> int:
         """Restore exactly the router state before the last promotion; returns the version now live."""
-        top = self.registry.live_version()
-        names = sorted({name.rsplit(".", 1)[0] for name in self.registry.load(top)}) if top is not None else []
+        top = self.versions.live_version()
+        names = sorted({name.rsplit(".", 1)[0] for name in self.versions.load(top)}) if top is not None else []
         with self._model_lock:
-            version = self.registry.rollback(self.retuner.host)
+            version = self.versions.rollback(self.retuner.host)
             self._changed("rollback", names)
         log.info("router version %s rolled back; version %d is live", top, version)
         return version
 
     def _apply_live_state(self) -> None:
         with self._model_lock:
-            self.retuner.host.apply(self.registry.live_state())
+            self.retuner.host.apply(self.versions.live_state())
 
     def _changed(self, kind: str, routers: Sequence[str]) -> None:
         if self._on_promoted is not None:

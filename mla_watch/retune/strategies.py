@@ -13,6 +13,11 @@ No strategy ever writes into the live model.
   newest registry version an operator marked good, else the newest that passed its gates
   (version 0, the routers the server started with, only if it passed the start-up health check).
   The job says which.
+
+One name, one class: a job inside a running engine (:mod:`mla_watch.retune.engine_retuning`) runs ``bias`` and
+``restore`` through the same classes, by their engine methods (:meth:`Strategy.engine_unsupported_reason`,
+:meth:`BiasStrategy.engine_step`, :meth:`RestoreStrategy.known_good`), on numpy arrays: this module imports no torch
+until a strategy fits a model loaded here.
 """
 
 from __future__ import annotations
@@ -21,19 +26,21 @@ import abc
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+import numpy as np
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.tensor_files import to_torch
-from mla_watch.retune.bias import refit_bias, supports_bias
+from mla_watch.common.tensor_files import as_array, to_torch
 from mla_watch.retune.reference import RouterReference
-from mla_watch.retune.router_tensors import router_modules
 from mla_watch.retune.versions import RouterVersions
 from mla_watch.routing.routers import CORRECTION_BIAS
 
-__all__ = ["STRATEGIES", "Candidate", "FitContext", "Strategy", "get_strategy", "supported_strategies"]
+if TYPE_CHECKING:  # torch is imported where a model loaded here is fitted: beside an engine there is none
+    import torch
+
+__all__ = ["STRATEGIES", "BiasSchedule", "Candidate", "FitContext", "Strategy", "bias_step", "get_strategy",
+           "supported_strategies"]
 
 
 @dataclass
@@ -41,7 +48,7 @@ class FitContext:
     model: torch.nn.Module  # the live model: read it, never write it
     batches: Sequence[Mapping[str, torch.Tensor]]  # training batches (input_ids, attention_mask)
     routers: list[str]  # the routers the job may change
-    registry: RouterVersions | None  # None outside the server (an external worker cannot restore)
+    versions: RouterVersions | None  # None outside the server (an external worker cannot restore)
     options: Mapping[str, Any] = field(default_factory=dict)
     reference: RouterReference | None = None  # the original checkpoint's routers (serve --reference-model)
 
@@ -62,6 +69,11 @@ class Strategy(abc.ABC):
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:
         """``None`` when this strategy can re-tune ``model``; else why not, in one sentence."""
         return None
+
+    def engine_unsupported_reason(self, state: Mapping[str, np.ndarray]) -> str | None:
+        """``None`` when this strategy can re-tune a running engine's routers (``state``: their tensors); else why
+        not. Most need the model's weights, which the engine holds."""
+        return f"{self.name} needs the model's weights, which the engine holds (engine strategies: restore, bias)"
 
     @abc.abstractmethod
     def fit(self, context: FitContext) -> Candidate:
@@ -102,11 +114,38 @@ class BiasStrategy(Strategy):
     }
 
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:
+        from mla_watch.retune.bias import supports_bias
+
         if supports_bias(model):
             return None
         return f"{type(model).__name__} has no expert router with an {CORRECTION_BIAS}"
 
+    def engine_unsupported_reason(self, state: Mapping[str, np.ndarray]) -> str | None:
+        if any(key.endswith(f".{CORRECTION_BIAS}") for key in state):
+            return None
+        return f"the engine's routers have no {CORRECTION_BIAS} (DeepSeek-V3's noaux_tc and kin have one)"
+
+    def engine_step(self, state: Mapping[str, np.ndarray], loads: Mapping[str, np.ndarray | None],
+                    routers: Sequence[str], gamma: float) -> dict[str, np.ndarray]:
+        """One step of the rule inside an engine, where no batch can be replayed: each router's bias moved by
+        :func:`bias_step` from the loads the engine routed (``loads``: counts per expert, by router)."""
+        tensors = {}
+        for router in routers:
+            load = loads.get(router)
+            key = f"{router}.{CORRECTION_BIAS}"
+            if key not in state:
+                continue
+            if load is None or float(np.sum(load)) <= 0:
+                raise ValueError(f"no routing of {router} is counted yet: the bias rule needs the engine's loads "
+                                 f"(the engine must return routing: vLLM --enable-return-routed-experts)")
+            tensors[key] = bias_step(state[key], load, gamma)
+        if not tensors:
+            raise ValueError(f"none of the routers {list(routers)} has an {CORRECTION_BIAS}")
+        return tensors
+
     def fit(self, context: FitContext) -> Candidate:
+        from mla_watch.retune.bias import refit_bias, supports_bias
+
         capable = set(supports_bias(context.model))
         routers = [name for name in context.routers if name in capable]
         if not routers:
@@ -128,6 +167,10 @@ class RouterFinetuneStrategy(Strategy):
     }
 
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:
+        import torch
+
+        from mla_watch.retune.router_tensors import router_modules
+
         modules = router_modules(model)
         if not modules:
             return f"{type(model).__name__} has no expert router"
@@ -152,23 +195,71 @@ class RestoreStrategy(Strategy):
     name = "restore"
     needs_traffic = False  # puts back a known-good version: nothing to fit
 
-    def fit(self, context: FitContext) -> Candidate:
-        prefixes = tuple(f"{name}." for name in context.routers)
-        if context.reference is not None:
-            tensors = {name: tensor for name, tensor in context.reference.tensors.items() if name.startswith(prefixes)}
-            if not tensors:
-                raise ValueError(f"the {context.reference.label} holds no tensors of routers {context.routers}")
-            return Candidate({name: to_torch(array) for name, array in tensors.items()},
-                             {"reference": context.reference.label, "restored_from": None,
-                              "routers": list(context.routers)})
-        if context.registry is None:
+    def engine_unsupported_reason(self, state: Mapping[str, np.ndarray]) -> str | None:
+        return None
+
+    def known_good(self, routers: Sequence[str], *, reference: RouterReference | None,
+                   versions: RouterVersions | None, initial_if_none_good: bool = False
+                   ) -> tuple[dict[str, np.ndarray], str, int | None]:
+        """The known-good tensors of ``routers``, where they come from, and the router version they are (``None``
+        for the reference checkpoint): the reference when there is one, else the newest good version, else (with
+        ``initial_if_none_good``: an engine's) the checkpoint it was started from, version 0."""
+        prefixes = tuple(f"{name}." for name in routers)
+        if reference is not None:
+            tensors = {name: as_array(tensor) for name, tensor in reference.tensors.items()
+                       if name.startswith(prefixes)}
+            source, version = reference.label, None
+        elif versions is None:
             raise ValueError("restore needs the router registry of the server, or a --reference-model")
-        version, tensors, why = context.registry.last_good_state(context.routers)
+        else:
+            try:
+                number, tensors, why = versions.last_good_state(list(routers))
+                source, version = f"router version {number} ({why})", number
+            except ValueError:
+                if not initial_if_none_good:
+                    raise
+                tensors = {name: tensor for name, tensor in versions.load(0).items() if name.startswith(prefixes)}
+                source, version = "the engine's checkpoint (router version 0)", 0
         if not tensors:
-            raise ValueError(f"the registry holds no tensors of routers {context.routers}")
+            raise ValueError(f"{source} holds no tensors of routers {list(routers)}")
+        return tensors, source, version
+
+    def fit(self, context: FitContext) -> Candidate:
+        tensors, source, version = self.known_good(context.routers, reference=context.reference,
+                                                   versions=context.versions)
         return Candidate({name: to_torch(array) for name, array in tensors.items()},
-                         {"reference": f"router version {version} ({why})", "restored_from": version,
-                          "routers": list(context.routers)})
+                         {"reference": source, "restored_from": version, "routers": list(context.routers)})
+
+
+class BiasSchedule:
+    """The engine ``bias`` strategy's steps: ``gamma * decay ** step``, at most ``steps`` swaps.
+
+    A proportional step (:func:`bias_step`) undoes a large offset in one swap, where DeepSeek's sign rule
+    moves every bias by the same small amount and takes one swap per ``gamma`` of offset; the geometric
+    decay stops the oscillation a fixed proportional step keeps up around balance. Measured on the
+    bundled model collapsed by +10 on six experts: 1.0 with decay 0.7 reads 2.585 -> 5.84 bits after one
+    step and stays in the band after; a fixed 1.0 swings between 3.2 and 5.8 (bench/README.md).
+    """
+
+    def __init__(self, gamma: float = 1.0, decay: float = 0.7, steps: int = 8) -> None:
+        self.gamma, self.decay, self.steps = gamma, decay, steps
+
+    def gamma_at(self, step: int) -> float:
+        return self.gamma * self.decay ** step
+
+
+def bias_step(bias: np.ndarray, loads: np.ndarray, gamma: float) -> np.ndarray:
+    """DeepSeek's auxiliary-loss-free rule applied at inference, proportional: the bias of an expert loaded
+    ``load_i`` against a mean of ``mean`` moves by ``gamma * min(1, 1 - load_i / mean)`` (an idle expert up
+    by ``gamma``, an expert loaded ten times the mean down by ``9 gamma``). Computed in float32 and rounded to
+    the bias's dtype (bf16: to nearest even), as the engine's own float32 arithmetic would."""
+    bias = as_array(bias)
+    loads = np.asarray(loads, dtype=np.float64)
+    if loads.shape != tuple(bias.shape) or loads.sum() <= 0:
+        raise ValueError(f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
+                         f"positive count per expert ({list(bias.shape)})")
+    step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
+    return (bias.astype(np.float32) + step.astype(np.float32)).astype(bias.dtype)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BiasStrategy, RouterFinetuneStrategy,

@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches = make_batches(samples, batch_size=int(job.get("batch_size", 8)), pad_id=pad,
                            max_tokens=int(job.get("max_tokens_per_sample", 256)))
     options = strategy.parse_options(job.get("options") or {}, f"{args.job}: options")
-    candidate = strategy.fit(FitContext(model=model, batches=batches, routers=list(job["routers"]), registry=None,
+    candidate = strategy.fit(FitContext(model=model, batches=batches, routers=list(job["routers"]), versions=None,
                                         options=options))
     args.output.mkdir(parents=True, exist_ok=True)
     write_file(args.output / "routers.safetensors",

@@ -11,10 +11,10 @@ from numpy.typing import ArrayLike
 
 from mla_watch.common.values import is_integer
 
-__all__: list[str] = []  # package-private helpers
+__all__ = ["as_counts", "as_int_counts", "check_local_choice", "check_nonnegative_int", "check_positive_int"]
 
 
-def _as_counts(counts: ArrayLike, name: str = "counts") -> np.ndarray:
+def as_counts(counts: ArrayLike, name: str = "counts") -> np.ndarray:
     """Return ``counts`` as a 1-D float64 array of finite, non-negative values."""
     arr = np.asarray(counts, dtype=np.float64)
     if arr.ndim != 1:
@@ -26,7 +26,7 @@ def _as_counts(counts: ArrayLike, name: str = "counts") -> np.ndarray:
     return arr
 
 
-def _as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> np.ndarray:
+def as_int_counts(counts: ArrayLike, num_slots: int, name: str = "counts") -> np.ndarray:
     """Return ``counts`` as a 1-D int64 array of length ``num_slots`` with values >= 0."""
     raw = np.asarray(counts)
     if raw.ndim != 1:
@@ -56,17 +56,17 @@ def _check_int_at_least(value: int, name: str, lowest: int) -> int:
     return int(value)
 
 
-def _check_positive_int(value: int, name: str) -> int:
+def check_positive_int(value: int, name: str) -> int:
     return _check_int_at_least(value, name, 1)
 
 
-def _check_nonnegative_int(value: int, name: str) -> int:
+def check_nonnegative_int(value: int, name: str) -> int:
     return _check_int_at_least(value, name, 0)
 
 
-def _check_local_choice(local_selections: int, choice_selections: int) -> tuple[int, int]:
-    local = _check_nonnegative_int(local_selections, "local_selections")
-    choice = _check_nonnegative_int(choice_selections, "choice_selections")
+def check_local_choice(local_selections: int, choice_selections: int) -> tuple[int, int]:
+    local = check_nonnegative_int(local_selections, "local_selections")
+    choice = check_nonnegative_int(choice_selections, "choice_selections")
     if local > choice:
         raise ValueError(
             f"local_selections={local} cannot exceed choice_selections={choice}"

@@ -19,10 +19,10 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from mla_watch.routing.checks import (
-    _as_int_counts,
-    _check_local_choice,
-    _check_nonnegative_int,
-    _check_positive_int,
+    as_int_counts,
+    check_local_choice,
+    check_nonnegative_int,
+    check_positive_int,
 )
 
 __all__ = ["RollingWindow", "WindowTotals"]
@@ -74,12 +74,12 @@ class RollingWindow:
         clock: Callable[[], float] = time.monotonic,
         max_buckets: int | None = None,
     ) -> None:
-        self._num_slots = _check_positive_int(num_slots, "num_slots")
+        self._num_slots = check_positive_int(num_slots, "num_slots")
         # Past this many buckets the two oldest merge: memory stays bounded however small the deltas,
         # and only the oldest part of the window loses its granularity.
-        self._max_buckets = None if max_buckets is None else max(2, _check_positive_int(max_buckets, "max_buckets"))
+        self._max_buckets = None if max_buckets is None else max(2, check_positive_int(max_buckets, "max_buckets"))
         if max_tokens is not None:
-            max_tokens = _check_positive_int(max_tokens, "max_tokens")
+            max_tokens = check_positive_int(max_tokens, "max_tokens")
         if max_seconds is not None:
             seconds = float(max_seconds)
             if not (seconds > 0.0):
@@ -110,9 +110,9 @@ class RollingWindow:
         choice_selections: int = 0,
     ) -> None:
         """Add one bucket: a count delta of length ``num_slots`` over ``tokens`` tokens."""
-        delta = _as_int_counts(counts, self._num_slots)
-        n_tokens = _check_nonnegative_int(tokens, "tokens")
-        local, choice = _check_local_choice(local_selections, choice_selections)
+        delta = as_int_counts(counts, self._num_slots)
+        n_tokens = check_nonnegative_int(tokens, "tokens")
+        local, choice = check_local_choice(local_selections, choice_selections)
         if n_tokens == 0 and local == 0 and choice == 0 and not np.any(delta):
             return
         self._counts += delta

@@ -42,7 +42,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 
-from mla_watch.routing.checks import _as_counts, _check_local_choice, _check_nonnegative_int, _check_positive_int
+from mla_watch.routing.checks import as_counts, check_local_choice, check_nonnegative_int, check_positive_int
 from mla_watch.routing.rolling import RollingWindow, WindowTotals
 
 __all__ = [
@@ -84,7 +84,7 @@ def entropy_bits(counts: ArrayLike) -> float:
 
     Returns 0.0 for an empty vector or one with no selections.
     """
-    arr = _as_counts(counts)
+    arr = as_counts(counts)
     total = float(arr.sum())
     if total <= 0.0:
         return 0.0
@@ -95,8 +95,8 @@ def entropy_bits(counts: ArrayLike) -> float:
 
 def entropy_bounds(num_slots: int, top_k: int) -> tuple[float, float]:
     """``(floor, ceiling) = (log2 min(top_k, num_slots), log2 num_slots)`` in bits."""
-    n = _check_positive_int(num_slots, "num_slots")
-    k = _check_positive_int(top_k, "top_k")
+    n = check_positive_int(num_slots, "num_slots")
+    k = check_positive_int(top_k, "top_k")
     return math.log2(min(k, n)), math.log2(n)
 
 
@@ -110,7 +110,7 @@ def normalized_entropy(entropy: float, floor: float, ceiling: float) -> float:
 
 def max_violation(counts: ArrayLike) -> float:
     """MaxVio: ``(max_j c_j - mean_j c_j) / mean_j c_j`` over all slots; 0.0 with no selections."""
-    arr = _as_counts(counts)
+    arr = as_counts(counts)
     if arr.size == 0:
         return 0.0
     mean = float(arr.mean())
@@ -121,7 +121,7 @@ def max_violation(counts: ArrayLike) -> float:
 
 def dead_slots(counts: ArrayLike) -> int:
     """Number of slots that were never selected."""
-    arr = _as_counts(counts)
+    arr = as_counts(counts)
     return int(np.count_nonzero(arr == 0))
 
 
@@ -132,8 +132,8 @@ def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
     length (:func:`compute_stats` pads indexer vectors) and each must contain at least
     one selection; otherwise ``ValueError``.
     """
-    p = _as_counts(counts, "counts")
-    q = _as_counts(baseline, "baseline")
+    p = as_counts(counts, "counts")
+    q = as_counts(baseline, "baseline")
     if p.shape[0] != q.shape[0]:
         raise ValueError(
             f"counts has length {p.shape[0]} but baseline has length {q.shape[0]}"
@@ -181,8 +181,8 @@ def minimum_window_tokens(num_slots: int, top_k: int, tolerance_bits: float = 0.
     ``k`` is capped at ``N`` (a token cannot select more slots than exist).
     For 64 experts, top-6 and 0.05 bits this is 152 tokens.
     """
-    n = _check_positive_int(num_slots, "num_slots")
-    k = min(_check_positive_int(top_k, "top_k"), n)
+    n = check_positive_int(num_slots, "num_slots")
+    k = min(check_positive_int(top_k, "top_k"), n)
     tol = float(tolerance_bits)
     if not (math.isfinite(tol) and tol > 0.0):
         raise ValueError(f"tolerance_bits must be a positive finite number, got {tolerance_bits!r}")
@@ -208,7 +208,7 @@ def expected_uniform_entropy_bits(num_slots: int, top_k: int, tokens: int) -> fl
     with ``k`` capped at ``N``.  Use it to explain low readings on small windows.
     """
     floor, ceiling = entropy_bounds(num_slots, top_k)
-    t = _check_positive_int(tokens, "tokens")
+    t = check_positive_int(tokens, "tokens")
     k = min(int(top_k), int(num_slots))
     bias = (int(num_slots) - 1) / (2.0 * t * k * _LN2)
     return max(floor, ceiling - bias)
@@ -366,10 +366,10 @@ def compute_stats(
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    k = _check_positive_int(top_k, "top_k")
-    n_tokens = _check_nonnegative_int(tokens, "tokens")
-    local, choice = _check_local_choice(local_selections, choice_selections)
-    arr = _as_counts(counts)
+    k = check_positive_int(top_k, "top_k")
+    n_tokens = check_nonnegative_int(tokens, "tokens")
+    local, choice = check_local_choice(local_selections, choice_selections)
+    arr = as_counts(counts)
 
     if kind == "expert":
         if arr.size == 0:
@@ -395,11 +395,11 @@ def compute_stats(
     if min_tokens is None:
         needed = minimum_window_tokens(n, k, tolerance_bits)
     else:
-        needed = _check_nonnegative_int(min_tokens, "min_tokens")
+        needed = check_nonnegative_int(min_tokens, "min_tokens")
 
     js: float | None = None
     if baseline is not None:
-        base = _as_counts(baseline, "baseline")
+        base = as_counts(baseline, "baseline")
         if kind == "expert":
             if base.shape[0] != n:
                 raise ValueError(f"counts has length {n} but baseline has length {base.shape[0]}")

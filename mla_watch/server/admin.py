@@ -28,7 +28,7 @@ from mla_watch.server.requests import ApiError
 
 if TYPE_CHECKING:  # the re-tuning service (and what it needs) is imported only where a request uses it
     from mla_watch.retune.service import RetuneService
-    from mla_watch.server.context import HandlerContext
+    from mla_watch.server.handler_context import HandlerContext
 
 __all__ = ["Admin"]
 
@@ -104,9 +104,9 @@ class Admin:
             raise ApiError(404, str(error.args[0]), param="job_id", code="not_found") from None
 
     async def versions(self, request: Request) -> Response:
-        registry = self._service().registry
-        return JSONResponse({"live": registry.live_version(), "last_good": registry.last_good(),
-                             "versions": registry.versions(), "promotions": registry.promotions()})
+        router_versions = self._service().versions
+        return JSONResponse({"live": router_versions.live_version(), "last_good": router_versions.last_good(),
+                             "versions": router_versions.versions(), "promotions": router_versions.promotions()})
 
     async def retune(self, request: Request) -> Response:
         self.ctx.auth.authorise_admin(request)
@@ -128,8 +128,8 @@ class Admin:
         fleet = self.ctx.serving.fleet
         if fleet is None:
             return service.submit(spec, force=force)
+        from mla_watch.fleet.fleet_store import FleetStoreError
         from mla_watch.fleet.member import FleetRefusal
-        from mla_watch.fleet.store import FleetStoreError
 
         try:
             return fleet.submit(spec, force=force)
@@ -157,7 +157,7 @@ class Admin:
         except SwapError as error:
             raise ApiError(502, f"the engine did not take router version {version}: {error}", code="swap_failed",
                            error_type="server_error") from None
-        return JSONResponse({"ok": True, "live": service.registry.live_version()})
+        return JSONResponse({"ok": True, "live": service.versions.live_version()})
 
     async def mark_good(self, request: Request) -> Response:
         self.ctx.auth.authorise_admin(request)
@@ -167,7 +167,7 @@ class Admin:
             marked = await asyncio.to_thread(service.mark_good, version)
         except ValueError as error:
             raise ApiError(400, str(error), param="version", code="invalid_value") from None
-        return JSONResponse({"ok": True, "marked_good": marked, "last_good": service.registry.last_good()})
+        return JSONResponse({"ok": True, "marked_good": marked, "last_good": service.versions.last_good()})
 
     async def _version(self, request: Request) -> int:
         version = (await self.ctx.read_json(request)).get("version")

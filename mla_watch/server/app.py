@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from mla_watch.alerting.model import RuleSet
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.alerting.service import AlertService
+from mla_watch.alerting.vocabulary import RuleSet
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult
 from mla_watch.common.settings import FieldNamer, SettingsError
@@ -47,13 +47,13 @@ from mla_watch.server import read_views
 from mla_watch.server.admin import Admin
 from mla_watch.server.auth import Auth
 from mla_watch.server.config import ServerConfig, ServerConfigError, check_tokens
-from mla_watch.server.context import HandlerContext, Serving
 from mla_watch.server.fleet_api import FleetApi
 from mla_watch.server.generation import Generation
+from mla_watch.server.handler_context import HandlerContext, Serving
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.metrics import ServerMetrics
 from mla_watch.server.reads import BoundedReads, monitoring_executor
-from mla_watch.server.reference import References
+from mla_watch.server.reference_readings import References
 from mla_watch.server.requests import ApiError
 from mla_watch.server.retuning import Retuning
 from mla_watch.server.sources import RoutingSources
@@ -106,7 +106,7 @@ class Sidecar:
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None,
                                       clients=self.clients)
-        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceError at start-up
+        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceSetError at start-up
                                      writes=self.state_writes)
         self.metrics.watch_reference(lambda: self.references.prober)
         # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the

@@ -23,7 +23,7 @@ from mla_watch.server.requests import ApiError
 
 if TYPE_CHECKING:
     from mla_watch.fleet.member import FleetMember
-    from mla_watch.server.context import HandlerContext
+    from mla_watch.server.handler_context import HandlerContext
 
 __all__ = ["FleetApi", "not_in_fleet"]
 
@@ -47,7 +47,7 @@ class FleetApi:
         return member
 
     async def get_fleet(self, request: Request) -> Response:
-        from mla_watch.fleet.store import FleetStoreError
+        from mla_watch.fleet.fleet_store import FleetStoreError
 
         member = self._member()
         try:
@@ -57,8 +57,8 @@ class FleetApi:
         return JSONResponse(body)
 
     async def rollout(self, request: Request) -> Response:
+        from mla_watch.fleet.fleet_store import FleetStoreError
         from mla_watch.fleet.member import FleetRefusal
-        from mla_watch.fleet.store import FleetStoreError
 
         self.ctx.auth.authorise_admin(request)
         member = self._member()
@@ -77,7 +77,7 @@ class FleetApi:
         return JSONResponse({"ok": True, "rollout": rollout}, status_code=202)
 
     async def abort(self, request: Request) -> Response:
-        from mla_watch.fleet.store import FleetStoreError
+        from mla_watch.fleet.fleet_store import FleetStoreError
 
         self.ctx.auth.authorise_admin(request)
         member = self._member()

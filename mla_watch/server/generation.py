@@ -25,10 +25,10 @@ from mla_watch.policy.params import SamplingValues
 from mla_watch.routing.clients import client_id
 from mla_watch.server.model_worker import Job, JobTimedOut, Overloaded
 from mla_watch.server.requests import ApiError, GenerationRequest, parse_generation_request
-from mla_watch.server.responses import Answer, sse
+from mla_watch.server.responses import LocalCompletion, sse
 
 if TYPE_CHECKING:
-    from mla_watch.server.context import HandlerContext
+    from mla_watch.server.handler_context import HandlerContext
 
 __all__ = ["MAX_CHARS_PER_TOKEN", "Generation"]
 
@@ -190,7 +190,7 @@ class Generation:
                            headers={"Retry-After": str(error.retry_after)}) from error
         self.ctx.metrics.queue_depth.set(self.ctx.serving.model_worker.queue_depth)
         self.ctx.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
-        answer = Answer(parsed, decision, self.ctx.serving.model_name, len(prompt_ids), params.n)
+        answer = LocalCompletion(parsed, decision, self.ctx.serving.model_name, len(prompt_ids), params.n)
         answer.routing_layout = self.ctx.serving.routing_layout
         if parsed.stream:
             return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
@@ -207,7 +207,7 @@ class Generation:
         self._served(answer, job)
         return JSONResponse(answer.body())
 
-    def _served(self, answer: Answer, job: Job) -> None:
+    def _served(self, answer: LocalCompletion, job: Job) -> None:
         """An answer given in full: its tokens, and who they were for."""
         line = answer.decision.business_line
         generated = sum(answer.completion_tokens)
@@ -222,7 +222,7 @@ class Generation:
                             error_type="server_error", headers={"Retry-After": "1"})
         return ApiError(500, str(error), code="generation_failed", error_type="server_error")
 
-    async def _stream(self, job: Job, answer: Answer) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job, answer: LocalCompletion) -> AsyncIterator[bytes]:
         finished = False
         try:
             yield sse(answer.first_chunk())

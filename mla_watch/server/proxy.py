@@ -40,7 +40,7 @@ from mla_watch.engines.watch import EngineRouting
 from mla_watch.policy.model import Decision
 from mla_watch.server.http import by_deadline
 from mla_watch.server.requests import ApiError, GenerationRequest, describe_value
-from mla_watch.server.upstream_http import Answer, UpstreamClient, UpstreamError
+from mla_watch.server.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from mla_watch.server.upstream_io import AnswerTooLarge, BoundedInflater, LineDeadline, UnsupportedEncoding
 
 __all__ = ["ENGINE_OWNERS", "ERROR_BODY_MAX_BYTES", "MODELS_MAX_BYTES", "Upstream"]
@@ -171,7 +171,7 @@ class Upstream:
                                error_type="server_error") from None
             return answer.status_code, content_type, content
 
-    async def _inflate(self, answer: Answer, limit: int) -> bytes:
+    async def _inflate(self, answer: UpstreamResponse, limit: int) -> bytes:
         try:
             inflater = BoundedInflater(answer.headers.get("content-encoding"), limit)
             body = bytearray()  # grown in place: a list of pieces joined at the end fragments the heap
@@ -211,7 +211,7 @@ class Upstream:
         return StreamingResponse(self._relay_stream(upstream, reader, path), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _relay_stream(self, upstream: Answer, reader: AnswerReader, path: str) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, upstream: UpstreamResponse, reader: AnswerReader, path: str) -> AsyncIterator[bytes]:
         """Pass the upstream's server-sent events through the reader, each read within its bounds, each line within
         the request timeout. A stream that breaks a bound ends with one ``error`` event saying which."""
         try:

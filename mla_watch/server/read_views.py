@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mla_watch.alerting.service import AlertService
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HistoryStore
 from mla_watch.policy.files import PolicyStore
@@ -27,12 +27,12 @@ from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server import status as status_page
 from mla_watch.server.config import ServerConfig
-from mla_watch.server.context import Serving
 from mla_watch.server.exposition import exposition
+from mla_watch.server.handler_context import Serving
 from mla_watch.server.history_api import MAX_CELLS, HistoryQuery, encode_history, parse_history_query, too_large
 from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 from mla_watch.server.reads import BoundedReads
-from mla_watch.server.reference import References
+from mla_watch.server.reference_readings import References
 from mla_watch.server.requests import ApiError, describe_value
 from mla_watch.server.sources import RoutingSources
 
@@ -250,9 +250,9 @@ class ReadViews:
                 {ALL_LINES, *(series["business_line"] for series in history["series"])})[:REFERENCE_VIEW_LINES]},
         }
         if serving.retune is not None:
-            registry = serving.retune.registry
-            body["retune"] = {"live": registry.live_version(), "last_good": registry.last_good(),
-                              "jobs": serving.retune.store.list(limit=20), "promotions": registry.promotions()[-50:]}
+            versions = serving.retune.versions
+            body["retune"] = {"live": versions.live_version(), "last_good": versions.last_good(),
+                              "jobs": serving.retune.store.list(limit=20), "promotions": versions.promotions()[-50:]}
         return body
 
     def engine_status(self) -> dict[str, Any] | None:

@@ -15,10 +15,10 @@ from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.policy.model import Decision
 from mla_watch.server.requests import GenerationRequest
 
-__all__ = ["Answer", "RoutingLayout", "sse"]
+__all__ = ["LocalCompletion", "RoutingLayout", "sse"]
 
 
-class Answer:
+class LocalCompletion:
     """Accumulates token events into an OpenAI response body or stream chunks."""
 
     def __init__(self, parsed: GenerationRequest, decision: Decision, model: str, prompt_tokens: int, n: int) -> None:

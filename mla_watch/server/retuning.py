@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from mla_watch.alerting.alert_engine import Action
+from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.causes import CAUSE_LABEL
-from mla_watch.alerting.engine import Action
-from mla_watch.alerting.service import AlertService
 from mla_watch.common.state_dir import DATASETS_DIR_NAME, ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
@@ -27,9 +27,9 @@ from mla_watch.retune.jobs import JobSpec
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import ALL_LINES
 from mla_watch.server.config import ServerConfig
-from mla_watch.server.context import Serving
+from mla_watch.server.handler_context import Serving
 from mla_watch.server.metrics import ServerMetrics
-from mla_watch.server.reference import References
+from mla_watch.server.reference_readings import References
 from mla_watch.server.sources import RoutingSources
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Retuning:
         # Jobs from the admin API read datasets from here only (a bare file name, resolved inside it).
         datasets = self.config.dataset_dir if self.config.dataset_dir is not None else state / DATASETS_DIR_NAME
         ensure_private_dir(datasets)
-        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
+        versions = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         capture = self.open_capture()
         if capture is not None:
             record = self.capture_answers(capture)
@@ -82,7 +82,7 @@ class Retuning:
             from mla_watch.retune.router_tensors import router_state
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
-        retuner = Retuner(model=model, tokenizer=tokenizer, registry=registry, settings=self.config.retune,
+        retuner = Retuner(model=model, tokenizer=tokenizer, versions=versions, settings=self.config.retune,
                           workdir=state / "retune-work",
                           # the service is made below, before any job runs
                           promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
@@ -92,7 +92,7 @@ class Retuning:
                           else lambda: cast(AlertService, self.alerts).rules.rules,
                           reference_prompts=self.references.gate)
         self.serving.retune = RetuneService(
-            state_dir=state, settings=self.config.retune, retuner=retuner, registry=registry,
+            state_dir=state, settings=self.config.retune, retuner=retuner, versions=versions,
             model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
             on_rejected=self.rejected,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
@@ -139,7 +139,7 @@ class Retuning:
             self._engine_note(None)
             return
         from mla_watch.engines.vllm_weights import read_router_tensors
-        from mla_watch.retune.engine import EngineRetuner, EngineRouters
+        from mla_watch.retune.engine_retuning import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService
         from mla_watch.retune.versions import RouterVersions
 
@@ -163,7 +163,7 @@ class Retuning:
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
         host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,
                              config_json=given if given.is_file() else checkpoint / "config.json")
-        registry = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
+        versions = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         reference = None
         if config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
@@ -174,7 +174,7 @@ class Retuning:
         def loads(router: str, line: str | None) -> Any:
             return windows.counts(line).get(router)
 
-        retuner = EngineRetuner(host=host, registry=registry, settings=config.retune, mode=config.engine_retune,
+        retuner = EngineRetuner(host=host, versions=versions, settings=config.retune, mode=config.engine_retune,
                                 capture=capture,  # the service is made below, before any job runs
                                 promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
                                 rollback=lambda: cast(RetuneService, self.serving.retune).rollback(), loads=loads,
@@ -182,7 +182,7 @@ class Retuning:
                                 gate_timeout=config.engine_gate_timeout, reference_prompts=self.references.gate,
                                 reference_reader=self.references.engine_reader(geometry))
         self.serving.retune = RetuneService(
-            state_dir=state, settings=config.retune, retuner=retuner, registry=registry, model_lock=threading.Lock(),
+            state_dir=state, settings=config.retune, retuner=retuner, versions=versions, model_lock=threading.Lock(),
             on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
             resume_jobs=config.fleet is None)
@@ -217,13 +217,13 @@ class Retuning:
     def _started(self, service: RetuneService) -> None:
         """The re-tune service runs: say which router version serves, and join the fleet (``--fleet``), adopting its
         version before the routers are judged."""
-        self.metrics.router_version.set(service.registry.live_version() or 0)
+        self.metrics.router_version.set(service.versions.live_version() or 0)
         if self.config.fleet is None:
             self._version_changed(service)
             return
         from mla_watch.fleet.check import StepCheck
+        from mla_watch.fleet.fleet_store import FleetStore
         from mla_watch.fleet.member import FleetMember
-        from mla_watch.fleet.store import FleetStore
 
         settings = self.config.fleet
         references, alerts = self.references, self.alerts
@@ -245,7 +245,7 @@ class Retuning:
     def _version_changed(self, service: RetuneService) -> None:
         from mla_watch.common.tensor_files import router_digest
 
-        self.metrics.serving_version(service.registry.live_version(), router_digest(service.retuner.host.state()))
+        self.metrics.serving_version(service.versions.live_version(), router_digest(service.retuner.host.state()))
 
     def _fleet_store(self, up: bool, why: str | None) -> None:
         self.metrics.fleet_store_up.set(1 if up else 0)
@@ -307,7 +307,7 @@ class Retuning:
             windows.reset(routers)
         self.metrics.router_promotions.labels(kind).inc()
         assert self.serving.retune is not None  # a promotion or rollback is the service's
-        self.metrics.router_version.set(self.serving.retune.registry.live_version() or 0)
+        self.metrics.router_version.set(self.serving.retune.versions.live_version() or 0)
         if self.serving.fleet is None:  # a fleet member says its fleet version itself
             self._version_changed(self.serving.retune)
         self.sources.trust_baselines(self.serving.retune)

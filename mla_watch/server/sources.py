@@ -172,14 +172,14 @@ class RoutingSources:
         if self.probe is None or retune is None:
             self.baselines.trust(None)
             return
-        registry = retune.registry
-        live = registry.live_version()
+        versions = retune.versions
+        live = versions.live_version()
         if live is None:
             self.baselines.trust("no router version is recorded yet")
-        elif registry.is_good(live):
+        elif versions.is_good(live):
             self.baselines.trust(None)
         else:
-            health = registry.manifest(live).get("health") or {}
+            health = versions.manifest(live).get("health") or {}
             self.baselines.trust(f"router version {live}, served now, is not known to be good "
                                  f"({health.get('reason') or 'no start-up health check passed'}); "
                                  "POST /admin/baseline sets the baselines by hand")

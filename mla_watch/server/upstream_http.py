@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import overload
 from urllib.parse import urlsplit
 
-__all__ = ["HEAD_MAX_BYTES", "Answer", "Headers", "UpstreamClient", "UpstreamError"]
+__all__ = ["HEAD_MAX_BYTES", "Headers", "UpstreamClient", "UpstreamError", "UpstreamResponse"]
 
 log = logging.getLogger("mla_watch.server.upstream")
 
@@ -78,7 +78,7 @@ class _Connection:
         self.writer.close()
 
 
-class Answer:
+class UpstreamResponse:
     """An answer whose head has been read. Its body is read with :meth:`aiter_raw`, once; :meth:`aclose` (or
     leaving ``async with``) keeps the connection for the next request where the body was read to its end,
     and closes it otherwise."""
@@ -94,7 +94,7 @@ class Answer:
         self._keep_alive = keep_alive
         self._read_to_end = length == 0
 
-    async def __aenter__(self) -> Answer:
+    async def __aenter__(self) -> UpstreamResponse:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -171,7 +171,7 @@ class UpstreamClient:
         self._slots: asyncio.Semaphore | None = None
         self._tls: ssl.SSLContext | None = None
 
-    async def send(self, method: str, path: str, *, headers: dict[str, str], body: bytes = b"") -> Answer:
+    async def send(self, method: str, path: str, *, headers: dict[str, str], body: bytes = b"") -> UpstreamResponse:
         """Send one request and read the head of its answer; raises :class:`UpstreamError`."""
         request = self._head(method, path, headers, body) + body
         if self._slots is None:  # made on the loop that uses it
@@ -206,7 +206,7 @@ class UpstreamClient:
         # latin-1: a header arrives as bytes read as latin-1 (ASGI); a forwarded one leaves as the same bytes
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", errors="replace")
 
-    async def _send_on_a_connection(self, request: bytes, method: str) -> Answer:
+    async def _send_on_a_connection(self, request: bytes, method: str) -> UpstreamResponse:
         connection, reused = await self._connection()
         while True:
             try:
@@ -245,7 +245,7 @@ class UpstreamClient:
             raise UpstreamError("ConnectError", _said(error)) from None
         return _Connection(reader, writer), False
 
-    async def _exchange(self, connection: _Connection, request: bytes, method: str) -> Answer:
+    async def _exchange(self, connection: _Connection, request: bytes, method: str) -> UpstreamResponse:
         try:
             connection.writer.write(request)
             await connection.writer.drain()
@@ -257,19 +257,20 @@ class UpstreamClient:
         headers = Headers(fields)
         keep_alive = version == b"HTTP/1.1" and "close" not in (headers.get("connection") or "").lower()
         if method == "HEAD" or status in (101, 204, 304):
-            return Answer(self, connection, status, headers, length=0, chunked=False, keep_alive=keep_alive)
+            return UpstreamResponse(self, connection, status, headers, length=0, chunked=False, keep_alive=keep_alive)
         encoding = (headers.get("transfer-encoding") or "").strip().lower()
         if encoding:
             if encoding != "chunked":
                 raise UpstreamError("RemoteProtocolError", f"Transfer-Encoding {encoding[:40]!r}: only chunked is "
                                                            "understood")
-            return Answer(self, connection, status, headers, length=None, chunked=True, keep_alive=keep_alive)
+            return UpstreamResponse(self, connection, status, headers, length=None, chunked=True, keep_alive=keep_alive)
         length = headers.get("content-length")
         if length is None:  # the body ends when the engine closes the connection
-            return Answer(self, connection, status, headers, length=None, chunked=False, keep_alive=False)
+            return UpstreamResponse(self, connection, status, headers, length=None, chunked=False, keep_alive=False)
         if not length.isdigit():
             raise UpstreamError("RemoteProtocolError", f"Content-Length {length[:40]!r} is not a length")
-        return Answer(self, connection, status, headers, length=int(length), chunked=False, keep_alive=keep_alive)
+        return UpstreamResponse(self, connection, status, headers, length=int(length), chunked=False,
+                                keep_alive=keep_alive)
 
     def _release(self, connection: _Connection, *, reuse: bool) -> None:
         if reuse and len(self._idle) < MAX_IDLE and not connection.writer.is_closing():

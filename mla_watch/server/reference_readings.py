@@ -28,7 +28,7 @@ from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 
 if TYPE_CHECKING:
-    from mla_watch.alerting.service import AlertService
+    from mla_watch.alerting.alert_service import AlertService
     from mla_watch.retune.service import RetuneService
     from mla_watch.server.config import ServerConfig
 
@@ -51,7 +51,7 @@ class References:
         self.alerts = alerts
         self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
         self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(config.reference_prompts, load_reference_dir,
-                                                                  what="reference prompts")  # ReferenceError
+                                                                  what="reference prompts")  # ReferenceSetError
         self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE, writes=writes)
         self.gate = ReferenceGate(lambda: self.sets.current, self.baselines)  # what every re-tune candidate meets
         self.prober: ReferenceProber | None = None
@@ -103,7 +103,7 @@ class References:
             # the first reading of a reference set on which no rule breaches (a set of odd texts that breaches on a
             # healthy model must not condemn it; a damaged router breaches on every set).
             if retune is not None and reading.router_version == 0 and health.get("passed") \
-                    and retune.registry.record_initial_health(
+                    and retune.versions.record_initial_health(
                         {**health, "source": f"the reference prompts ({reading.set_name}) read through the engine"}):
                 log.info("router version 0 (the engine's routers served now) passed its start-up health check on the "
                          "reference prompts (%s): %s", reading.set_name, health.get("reason"))
@@ -116,7 +116,7 @@ class References:
     def _start(self, reader: ReferenceReader, retune: RetuneService | None,
                trusted: Callable[[ReferenceReading], str | None]) -> None:
         def version() -> int | None:
-            return None if retune is None else retune.registry.live_version()
+            return None if retune is None else retune.versions.live_version()
 
         self._router_version = version
         self.prober = ReferenceProber(lambda: self.sets.current, reader, self.baselines,
@@ -219,10 +219,10 @@ def _not_known_good(retune: RetuneService | None) -> str | None:
     """Why the router version serving is not known good (``None``: it is)."""
     if retune is None:
         return "no router version is recorded here"
-    registry = retune.registry
-    live = registry.live_version()
+    versions = retune.versions
+    live = versions.live_version()
     if live is None:
         return "no router version is recorded yet"
-    if registry.is_good(live):
+    if versions.is_good(live):
         return None
     return f"router version {live}, served now, is not known to be good"

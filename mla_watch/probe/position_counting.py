@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_watch.probe.wrappers import _Router
+from mla_watch.probe.wrappers import CountedRouter
 from mla_watch.routing.client_names import UNKNOWN
 from mla_watch.routing.positions import UNJUDGED, PositionCounts
 
-__all__ = ["DEFAULT_POSITION_ROWS", "PADDING_READ", "start_positions"]
+__all__ = ["DEFAULT_POSITION_ROWS", "PADDING_READ", "PositionCounting", "start_positions"]
 
 _CACHE_KEYWORDS = ("cache", "past_key_values")
 PADDING_READ = -1  # a pass's attention is already the padding it marks (inference tensors have no version)
@@ -55,11 +55,11 @@ def start_positions(kwargs: dict, seq: int) -> int | torch.Tensor:
     return 0
 
 
-class _PositionCounting:
+class PositionCounting:
     """Per-position counters of the expert routers (a base of :class:`~mla_watch.probe.Probe`)."""
 
     _device: torch.device
-    _routers: list[_Router]
+    _routers: list[CountedRouter]
     _lines: dict[str, int]
     positions: PositionCounts | None
 
@@ -151,7 +151,7 @@ class _PositionCounting:
                 rows.append((steps + int(given)).view(1, seq).expand(batch, seq))
         return torch.stack(rows)
 
-    def _count_positions(self, routers: list[_Router], chosen: list[torch.Tensor], passes: list[Any], batch: int,
+    def _count_positions(self, routers: list[CountedRouter], chosen: list[torch.Tensor], passes: list[Any], batch: int,
                          seq: int, placed: tuple[tuple[int, int], ...], valid: torch.Tensor | None) -> None:
         """Count the picks of ``routers`` (``chosen``: pass-major) into the per-position counters: each batch row
         into its (line, client) row, its prompt's positions only."""

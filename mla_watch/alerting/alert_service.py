@@ -24,15 +24,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from mla_watch.alerting.alert_engine import Action, AlertEngine
 from mla_watch.alerting.causes import CAUSE_LABEL, CauseJudge
-from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.groups import LOG_FILE, GroupRecord, NotificationGroup, NotificationLog, timing
 from mla_watch.alerting.instances import AlertInstance
-from mla_watch.alerting.model import Alert, Notification, Receiver, Rule, RuleSet
 from mla_watch.alerting.notifiers import group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.trend import TrendSource
+from mla_watch.alerting.vocabulary import Alert, Notification, Receiver, Rule, RuleSet
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.windows import RouterStats

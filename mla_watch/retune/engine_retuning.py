@@ -52,8 +52,9 @@ from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, eval
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings, job_result
 from mla_watch.retune.reference import RouterReference
+from mla_watch.retune.strategies import BiasSchedule, BiasStrategy, RestoreStrategy, bias_step, get_strategy
 from mla_watch.retune.versions import RouterVersions
-from mla_watch.routing.routers import CORRECTION_BIAS, RouterInfo
+from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
            "bias_step", "engine_score"]
@@ -126,37 +127,6 @@ class EngineRouters(RouterHost):
             shutil.rmtree(entry, ignore_errors=True)
 
 
-class BiasSchedule:
-    """The engine ``bias`` strategy's steps: ``gamma * decay ** step``, at most ``steps`` swaps.
-
-    A proportional step (:func:`bias_step`) undoes a large offset in one swap, where DeepSeek's sign rule
-    moves every bias by the same small amount and takes one swap per ``gamma`` of offset; the geometric
-    decay stops the oscillation a fixed proportional step keeps up around balance. Measured on the
-    bundled model collapsed by +10 on six experts: 1.0 with decay 0.7 reads 2.585 -> 5.84 bits after one
-    step and stays in the band after; a fixed 1.0 swings between 3.2 and 5.8 (bench/README.md).
-    """
-
-    def __init__(self, gamma: float = 1.0, decay: float = 0.7, steps: int = 8) -> None:
-        self.gamma, self.decay, self.steps = gamma, decay, steps
-
-    def gamma_at(self, step: int) -> float:
-        return self.gamma * self.decay ** step
-
-
-def bias_step(bias: np.ndarray, loads: np.ndarray, gamma: float) -> np.ndarray:
-    """DeepSeek's auxiliary-loss-free rule applied at inference, proportional: the bias of an expert loaded
-    ``load_i`` against a mean of ``mean`` moves by ``gamma * min(1, 1 - load_i / mean)`` (an idle expert up
-    by ``gamma``, an expert loaded ten times the mean down by ``9 gamma``). Computed in float32 and rounded to
-    the bias's dtype (bf16: to nearest even), as the engine's own float32 arithmetic would."""
-    bias = as_array(bias)
-    loads = np.asarray(loads, dtype=np.float64)
-    if loads.shape != tuple(bias.shape) or loads.sum() <= 0:
-        raise ValueError(f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
-                         f"positive count per expert ({list(bias.shape)})")
-    step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
-    return (bias.astype(np.float32) + step.astype(np.float32)).astype(bias.dtype)
-
-
 class EngineRetuner:
     """Runs re-tune jobs against the routers of a running engine (see the module docstring).
 
@@ -165,7 +135,7 @@ class EngineRetuner:
     of the engine's routing for a router over its live window.
     """
 
-    def __init__(self, *, host: EngineRouters, registry: RouterVersions, settings: RetuneSettings, mode: str,
+    def __init__(self, *, host: EngineRouters, versions: RouterVersions, settings: RetuneSettings, mode: str,
                  capture: TrafficCapture | None, promote: Callable[[int], Any], rollback: Callable[[], int],
                  loads: Callable[[str, str | None], np.ndarray | None], reference: RouterReference | None = None,
                  bias_schedule: BiasSchedule | None = None, gate_timeout: float = 300.0,
@@ -175,7 +145,7 @@ class EngineRetuner:
             raise SettingsError([SettingProblem("engine_retune", repr(mode), "propose or apply")])
         self.host = host
         self.model = None  # no model in this process: the engine holds it
-        self.registry = registry
+        self.versions = versions
         self.settings = settings
         self.mode = mode
         self.capture = capture
@@ -196,11 +166,7 @@ class EngineRetuner:
 
     def supported(self, name: str) -> str | None:
         """Why strategy ``name`` cannot re-tune this engine's routers (``None``: it can)."""
-        if name not in ENGINE_STRATEGIES:
-            return f"{name} needs the model's weights, which the engine holds (engine strategies: restore, bias)"
-        if name == "bias" and not any(key.endswith(f".{CORRECTION_BIAS}") for key in self.host.state()):
-            return f"the engine's routers have no {CORRECTION_BIAS} (DeepSeek-V3's noaux_tc and kin have one)"
-        return None
+        return get_strategy(name).engine_unsupported_reason(self.host.state())
 
     # ------------------------------------------------------------------ a job
     def run(self, spec: JobSpec, previous: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
@@ -245,7 +211,7 @@ class EngineRetuner:
         held_out, data = self._held_out(spec)
         if isinstance(held_out, str):
             return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
-        manifest = self.registry.manifest(version)
+        manifest = self.versions.manifest(version)
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
         self._reference_live = self._reference_scores(spec)
@@ -292,20 +258,9 @@ class EngineRetuner:
 
     # ------------------------------------------------------------------ candidates
     def _restore(self, spec: JobSpec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        prefixes = tuple(f"{name}." for name in spec.routers)
-        if self.reference is not None:
-            tensors = as_arrays({name: tensor for name, tensor in self.reference.tensors.items()
-                                 if name.startswith(prefixes)})
-            source = self.reference.label
-        else:
-            try:
-                version, tensors, why = self.registry.last_good_state(spec.routers)
-                source = f"router version {version} ({why})"
-            except ValueError:  # nothing known good: the checkpoint the engine was started from
-                tensors = {name: tensor for name, tensor in self.registry.load(0).items() if name.startswith(prefixes)}
-                source = "the engine's checkpoint (router version 0)"
-        if not tensors:
-            raise ValueError(f"{source} holds no tensors of routers {spec.routers}")
+        # nothing known good: the checkpoint the engine was started from
+        tensors, source, _ = RestoreStrategy().known_good(spec.routers, reference=self.reference,
+                                                          versions=self.versions, initial_if_none_good=True)
         return tensors, {"source": source, "reference": source, "routers": list(spec.routers)}
 
     def _serving_already(self, tensors: Mapping[str, np.ndarray]) -> bool:
@@ -316,20 +271,8 @@ class EngineRetuner:
 
     def _bias_candidate(self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
                         ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        state = self.host.state(spec.routers)
         gamma = self.bias_schedule.gamma_at(step)
-        tensors = {}
-        for router in spec.routers:
-            load = loads.get(router)
-            key = f"{router}.{CORRECTION_BIAS}"
-            if key not in state:
-                continue
-            if load is None or float(np.sum(load)) <= 0:
-                raise ValueError(f"no routing of {router} is counted yet: the bias rule needs the engine's loads "
-                                 f"(the engine must return routing: vLLM --enable-return-routed-experts)")
-            tensors[key] = bias_step(state[key], load, gamma)
-        if not tensors:
-            raise ValueError(f"none of the routers {spec.routers} has an {CORRECTION_BIAS}")
+        tensors = BiasStrategy().engine_step(self.host.state(spec.routers), loads, spec.routers, gamma)
         return tensors, {"step": step, "gamma": round(gamma, 6), "rule": "b += gamma * min(1, 1 - load / mean)",
                          "routers": list(spec.routers)}
 
@@ -408,7 +351,7 @@ class EngineRetuner:
                                                 "--enable-return-routed-experts): the band is not judged, perplexity "
                                                 "decides"})
         attempt.update(version=version, gates=report.as_dict(), swap=taken)
-        self.registry.update_manifest(version, {"gates": report.as_dict()})
+        self.versions.update_manifest(version, {"gates": report.as_dict()})
         if report.passed:
             attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
             return "promoted"
@@ -481,7 +424,7 @@ class EngineRetuner:
         manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": strategy,
                     "routers": spec.routers, "details": details, "engine": self.host.describe(),
                     "gates": {"passed": False, "decision": "pending", "checks": []}}
-        return self.registry.save(tensors, manifest)
+        return self.versions.save(tensors, manifest)
 
     def _undecided(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
                    before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:

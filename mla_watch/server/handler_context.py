@@ -17,7 +17,7 @@ from starlette.requests import Request
 from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
-    from mla_watch.alerting.service import AlertService
+    from mla_watch.alerting.alert_service import AlertService
     from mla_watch.engines.routing_fields import RoutingLayout
     from mla_watch.fleet.member import FleetMember
     from mla_watch.policy.files import PolicyStore

@@ -44,11 +44,11 @@ from typing import Any
 from mla_watch.alerting.causes import CauseJudge
 from mla_watch.alerting.compiled import CompiledRule, compile_rules
 from mla_watch.alerting.instances import Action, AlertInstance, InstanceState, RecordKey
-from mla_watch.alerting.model import RuleSet, breached, judged_window
 from mla_watch.alerting.rendering import AlertRenderer, Render
 from mla_watch.alerting.state_file import STATE_FORMAT, read_state, save_state
 from mla_watch.alerting.transitions import RESOLVED_RETENTION_SECONDS, recause, step
 from mla_watch.alerting.trend import TrendSource, crossing_in, enough_data, fit, format_crossing
+from mla_watch.alerting.vocabulary import RuleSet, breached, judged_window
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
 from mla_watch.routing.stats import RoutingStats
@@ -56,7 +56,7 @@ from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["RESOLVED_RETENTION_SECONDS", "STATE_FORMAT", "Action", "AlertEngine", "AlertInstance"]
 
-log = logging.getLogger("mla_watch.alerting.engine")
+log = logging.getLogger("mla_watch.alerting.engine")  # the logger keeps its name
 
 _MAX_SELECTOR_CACHE = 100_000  # (router, layer, kind, line) keys; cleared when exceeded
 

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mla_watch.common.tensor_files import tensors_from_bytes, tensors_to_bytes
+from mla_watch.fleet.fleet_rows import FleetView, Lease, Rollout, Step, VersionRow
+from mla_watch.fleet.fleet_schema import SCHEMA, SCHEMA_LOCK
 
 __all__ = [
     "FleetStore",
@@ -45,82 +46,6 @@ __all__ = [
     "describe_url",
 ]
 
-_SCHEMA_LOCK = 0x6D6C6177  # pg_advisory_xact_lock key: one sidecar at a time makes the tables
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_bases (
-    base text PRIMARY KEY,
-    current integer NOT NULL DEFAULT 0,
-    updated_at timestamptz NOT NULL DEFAULT now());
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_members (
-    name text PRIMARY KEY,
-    base text NOT NULL,
-    digest text NOT NULL,
-    version integer,
-    url text,
-    started_at timestamptz NOT NULL DEFAULT now(),
-    last_seen timestamptz NOT NULL DEFAULT now(),
-    health jsonb NOT NULL DEFAULT '{}'::jsonb);
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_versions (
-    base text NOT NULL,
-    number integer NOT NULL,
-    digest text NOT NULL,
-    parent integer,
-    job text,
-    created_by text,
-    created_at timestamptz NOT NULL DEFAULT now(),
-    bytes bigint NOT NULL DEFAULT 0,
-    bad boolean NOT NULL DEFAULT false,
-    manifest jsonb NOT NULL DEFAULT '{}'::jsonb,
-    PRIMARY KEY (base, number),
-    UNIQUE (base, digest));
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_tensors (
-    base text NOT NULL,
-    number integer NOT NULL,
-    router text NOT NULL,
-    data bytea NOT NULL,
-    PRIMARY KEY (base, number, router));
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_lease (
-    id integer PRIMARY KEY CHECK (id = 1),
-    holder text,
-    job text,
-    taken_at timestamptz,
-    expires_at timestamptz);
-INSERT INTO mla_watch_fleet_lease (id) VALUES (1) ON CONFLICT DO NOTHING;
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_jobs (
-    id text PRIMARY KEY,
-    base text NOT NULL,
-    routers text[] NOT NULL,
-    business_line text,
-    canary text NOT NULL,
-    state text NOT NULL,
-    tried boolean NOT NULL DEFAULT false,
-    version integer,
-    started_at timestamptz NOT NULL DEFAULT now(),
-    ended_at timestamptz,
-    detail jsonb NOT NULL DEFAULT '{}'::jsonb);
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_rollouts (
-    id serial PRIMARY KEY,
-    base text NOT NULL,
-    version integer NOT NULL,
-    digest text NOT NULL,
-    previous integer NOT NULL,
-    job text,
-    state text NOT NULL,
-    batch integer NOT NULL,
-    started_at timestamptz NOT NULL DEFAULT now(),
-    updated_at timestamptz NOT NULL DEFAULT now(),
-    ended_at timestamptz,
-    halted_by text,
-    reason text);
-CREATE TABLE IF NOT EXISTS mla_watch_fleet_steps (
-    rollout integer NOT NULL REFERENCES mla_watch_fleet_rollouts (id),
-    member text NOT NULL,
-    outcome text NOT NULL,
-    started_at timestamptz NOT NULL DEFAULT now(),
-    ended_at timestamptz,
-    detail jsonb NOT NULL DEFAULT '{}'::jsonb,
-    PRIMARY KEY (rollout, member));
-"""
 
 # Jobs and rollouts that are over; a job in any other state holds the lease's attention.
 JOB_ENDED = ("done", "failed", "rejected", "superseded", "proposed", "abandoned", "halted", "aborted")
@@ -142,104 +67,6 @@ def describe_url(url: str) -> str:
         return "the fleet store (an unreadable URL)"
     port = f":{parts['port']}" if parts.get("port") else ""
     return f"postgresql://{parts.get('host') or 'localhost'}{port}/{parts.get('dbname') or ''}"
-
-
-@dataclass(frozen=True)
-class Lease:
-    holder: str | None
-    job: str | None
-    taken_at: float | None
-    expires_at: float | None
-    now: float  # the database's clock when read
-
-    @property
-    def held(self) -> bool:
-        return self.holder is not None and self.expires_at is not None and self.expires_at > self.now
-
-    @property
-    def expired(self) -> bool:
-        return self.holder is not None and not self.held
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"holder": self.holder if self.held else None, "job": self.job if self.held else None,
-                "taken_at": self.taken_at if self.held else None, "expires_at": self.expires_at if self.held else None,
-                "expired_holder": self.holder if self.expired else None}
-
-
-@dataclass(frozen=True)
-class VersionRow:
-    number: int
-    digest: str
-    parent: int | None
-    job: str | None
-    created_by: str | None
-    created_at: float
-    bytes: int
-    bad: bool
-    manifest: Mapping[str, Any]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"version": self.number, "digest": self.digest, "parent": self.parent, "job": self.job,
-                "created_by": self.created_by, "created_at": self.created_at, "bytes": self.bytes, "bad": self.bad,
-                "strategy": self.manifest.get("strategy"), "routers": self.manifest.get("routers", []),
-                "business_line": self.manifest.get("business_line")}
-
-
-@dataclass(frozen=True)
-class Step:
-    member: str
-    outcome: str  # taking, passed, failed, lost
-    started_at: float
-    ended_at: float | None
-    detail: Mapping[str, Any]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"member": self.member, "outcome": self.outcome, "started_at": self.started_at,
-                "ended_at": self.ended_at, "detail": dict(self.detail)}
-
-
-@dataclass(frozen=True)
-class Rollout:
-    id: int
-    version: int
-    digest: str
-    previous: int
-    job: str | None
-    state: str  # rolling, done, halted, aborted
-    batch: int
-    started_at: float
-    updated_at: float
-    ended_at: float | None
-    halted_by: str | None
-    reason: str | None
-    steps: tuple[Step, ...] = ()
-
-    def step(self, member: str) -> Step | None:
-        return next((step for step in self.steps if step.member == member), None)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "version": self.version, "digest": self.digest, "previous": self.previous,
-                "job": self.job, "state": self.state, "batch": self.batch, "started_at": self.started_at,
-                "updated_at": self.updated_at, "ended_at": self.ended_at, "halted_by": self.halted_by,
-                "reason": self.reason, "steps": [step.as_dict() for step in self.steps]}
-
-
-@dataclass(frozen=True)
-class FleetView:
-    """One read of the fleet as one member sees it (its base)."""
-
-    now: float
-    base: str
-    current: VersionRow
-    lease: Lease
-    lease_job: Mapping[str, Any] | None  # the job the lease names, as stored
-    rollout: Rollout | None  # the latest rollout of this base
-    members: tuple[Mapping[str, Any], ...] = ()
-    versions: Mapping[str, int] = field(default_factory=dict)  # digest -> number, every version of this base
-    bad: frozenset[int] = frozenset()  # versions an aborted rollout marked bad
-
-    def version_of(self, digest: str) -> int | None:
-        return self.versions.get(digest)
 
 
 class FleetStore:
@@ -270,8 +97,8 @@ class FleetStore:
                                application_name="mla-watch")
         if not self._schema_made:
             with conn.transaction(), conn.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-                cursor.execute(_SCHEMA)
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                cursor.execute(SCHEMA)
             self._schema_made = True
         return conn
 
