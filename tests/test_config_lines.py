@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from mla_watch.alerting.rules import RuleError, load_rules_dir
-from mla_watch.cause.prompts import ReferenceError, load_reference_dir
+from mla_watch.cause.prompts import ReferenceSetError, load_reference_dir
 from mla_watch.common.yamlcheck import key_lines
 from mla_watch.policy import PolicyError
 from mla_watch.policy.files import load_policy_dir
@@ -61,7 +61,7 @@ def test_a_policy_error_names_the_line_of_its_key(tmp_path: Path) -> None:
 def test_a_reference_set_error_names_the_line_of_its_key(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text(
         "business_line: default\nversion: 1\nprompts:\n  - one\n  - ''\n  - three\n  - four\n")
-    with pytest.raises(ReferenceError) as caught:
+    with pytest.raises(ReferenceSetError) as caught:
         load_reference_dir(tmp_path)
     assert caught.value.errors == [
         f"{tmp_path / 'default.yaml'}: prompts[1] = '<text of 0 characters>': expected a non-empty text (line 5)"]

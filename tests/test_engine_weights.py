@@ -439,8 +439,8 @@ def test_every_surface_gives_the_one_reason_re_tuning_is_off(tmp_path: Path, con
     ``retune`` annotation give the same reasons in the same words; ``check`` gives what re-tuning needs."""
     import logging
 
-    from mla_watch.alerting.engine import Action
-    from mla_watch.alerting.model import Alert
+    from mla_watch.alerting.alert_engine import Action
+    from mla_watch.alerting.vocabulary import Alert
     from mla_watch.cli import main
     from mla_watch.retune.availability import RetuneConditions, retune_reasons, why_retune_is_off
 

@@ -38,7 +38,6 @@ from typing import Any
 
 import httpx
 
-from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.cli.demo_lines import alert_bits, alert_line, job_line, policy_changes
 from mla_watch.common.output_file import OutputError, check_output_dir, write_file

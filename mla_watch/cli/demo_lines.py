@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.routing.series import BUSINESS_LINE, ROUTER
 
 __all__ = [

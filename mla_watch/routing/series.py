@@ -43,6 +43,7 @@ __all__ = [
     "STATE_WRITE_FAILING",
     "baseline_gauge",
     "routing_gauge",
+    "total_name",
 ]
 
 PREFIX = "mla_watch_"
@@ -100,3 +101,8 @@ def routing_gauge(key: str) -> str:
 def baseline_gauge(key: str) -> str:
     """The gauge of the healthy baseline of the statistic ``key`` per router and line (routing/baselines.py)."""
     return f"{PREFIX}routing_baseline_{key}"
+
+
+def total_name(counter: str) -> str:
+    """The name of a counter's samples, as Prometheus scrapes them."""
+    return counter + "_total"
