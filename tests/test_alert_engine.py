@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from harness.helpers import FakeClock, engine_record
 from mla_watch.alerting.engine import Action, AlertEngine
 from mla_watch.alerting.model import Rule, RuleSet, Selector
 from mla_watch.alerting.templates import render_annotations
-from tests.helpers import FakeClock, engine_record
 
 GATE = "model.layers.3.mlp.gate"
 INDEXER = "model.layers.3.self_attn.indexer"

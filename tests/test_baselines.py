@@ -12,6 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.floods import rules_without_waiting, trimmed_references
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
 from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
@@ -19,8 +21,6 @@ from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows
-from tests.floods import rules_without_waiting, trimmed_references
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 from tests.test_status_page import artifacts_dir, open_in_browser
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)

@@ -17,11 +17,11 @@ import time
 import httpx
 import pytest
 
+from harness import processes
+from harness.support import REPO
 from mla_watch.cli import build_parser
 from mla_watch.cli.startup import HelpFormatter, device_problem
 from mla_watch.common.progress import quiet_progress_bars
-from tests import processes
-from tests.support import REPO
 
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 

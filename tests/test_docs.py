@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from harness import processes
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

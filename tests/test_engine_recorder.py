@@ -30,11 +30,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from harness.support import free_port, wait_until
 from mla_watch.engines import recorder
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 from mla_watch.engines.recorder import DUMP_PATH, START_PATH, RecorderPoller
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
-from tests.support import free_port, wait_until
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": LAYERS, "first_k_dense_replace": 1,

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import mla_watch.engines.vllm_weights as weights_module
+from harness.support import free_port, running_sidecar, serve_app
 from mla_watch.common.tensor_files import BFLOAT16, from_torch, to_torch
 from mla_watch.engines.formats import encode_vllm
 from mla_watch.engines.geometry import parse_geometry
@@ -47,7 +48,6 @@ from mla_watch.engines.vllm_weights import (
     read_router_tensors,
     write_router_checkpoint,
 )
-from tests.support import free_port, running_sidecar, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 8,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_method": "noaux_tc"}

@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tests import processes
-from tests.support import REPO, running_sidecar, serve_app, wait_until
+from harness import processes
+from harness.support import REPO, running_sidecar, serve_app, wait_until
 
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 GATE = "model.layers.1.mlp.gate"

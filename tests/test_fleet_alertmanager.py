@@ -15,10 +15,10 @@ import httpx
 import pytest
 import yaml
 
+from harness.helpers import running_tool
+from harness.receivers import running_receiver
+from harness.support import REPO, wait_until
 from mla_watch.alerting.fleet import OUTLIER_ALERT, SCOPE_LABEL
-from tests.helpers import running_tool
-from tests.receivers import running_receiver
-from tests.support import REPO, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -24,6 +24,10 @@ import pytest
 import torch
 import yaml
 
+from harness import processes
+from harness.helpers import binary, running_tool
+from harness.receivers import running_receiver
+from harness.support import REPO, running_sidecar, wait_until
 from mla_watch import cli
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.alerting.fleet import (
@@ -37,10 +41,6 @@ from mla_watch.alerting.fleet import (
     REPLICA_KL_BITS,
 )
 from mla_watch.routing.stats import compute_stats
-from tests import processes
-from tests.helpers import binary, running_tool
-from tests.receivers import running_receiver
-from tests.support import REPO, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -13,13 +13,13 @@ import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from harness.receivers import running_receiver
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.common.directory_store import ConfigError
 from mla_watch.routing.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
 from mla_watch.server.app import ServerConfig, Sidecar, build_sidecar
-from tests.receivers import running_receiver
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 ADMIN = "hardening-admin-token-0123"
 INGEST = "hardening-ingest-token-0123"

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from harness import processes
 from mla_watch.common import heap
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, encode_vllm
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
-from tests import processes
 from tests.test_engine_streams import GEOMETRY, SlowDecoder
 from tests.vllm_twin import VllmTwin
 

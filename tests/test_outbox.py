@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from harness import processes
+from harness.helpers import FakeClock
+from harness.receivers import Reply, running_receiver, status
+from harness.support import REPO, free_port
 from mla_watch.alerting.model import Alert, Notification, Receiver
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
 from mla_watch.common import sqlite as private_database
 from mla_watch.common.state_writes import StateWrites
-from tests import processes
-from tests.helpers import FakeClock
 from tests.mounts import fill, small_tmpfs
-from tests.receivers import Reply, running_receiver, status
-from tests.support import REPO, free_port
 
 T0 = 1_800_000_000.0
 
