@@ -231,11 +231,8 @@ def test_serve_learns_baselines_only_from_a_lines_traffic_and_keeps_them(tmp_pat
         assert {s["source"] for s in learned(url).values()} == {"set"}
 
 
-def test_the_counts_held_are_bounded_whatever_reports_them(monkeypatch) -> None:
-    from mla_watch.routing import baselines as module
-
-    monkeypatch.setattr(module, "MAX_COUNTS", 20)  # two 8-expert series fit, a third does not
-    baselines = Baselines(learn_tokens=100)
+def test_the_counts_held_are_bounded_whatever_reports_them() -> None:
+    baselines = Baselines(learn_tokens=100, max_counts=20)  # two 8-expert series fit, a third does not
     baselines.trust(None)
     windows = RouterWindows([GATE], window_tokens=4096, baselines=baselines)
     for line in ("a", "b", "c"):

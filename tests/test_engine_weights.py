@@ -479,9 +479,8 @@ def test_score_errors_name_the_sample_and_what_was_expected(fake: FakeVllm, url:
     assert str(caught.value).startswith(f"vLLM POST {other}/v1/completions, sample 0: ")
 
     fake.completion_padding = 4096
-    monkeypatch.setattr(weights_module, "MAX_SCORE_ANSWER_BYTES", 2048)
     with pytest.raises(SwapError, match=rf"vLLM POST {url}/v1/completions answered \d+ bytes: expected at most 2048"):
-        engine.score([[5, 9]])
+        VllmWeights(url, max_score_answer_bytes=2048).score([[5, 9]])
 
 
 def test_an_engine_error_on_a_score_is_bounded(url: str) -> None:
