@@ -301,7 +301,6 @@ def _product_patches(tree: ast.Module) -> Iterator[tuple[int, str]]:
 # Patches of the product that no parameter replaces yet: (file, target) -> what it swaps.
 PATCHED_STILL = {
     ("tests/test_engine_recorder.py", "routing.windows"): "RouterWindows.add of a live sidecar (a count that fails)",
-    ("tests/test_first_hour.py", "mla_watch"): "mla_watch.load_model (a load held back)",
     ("tests/test_router_specs.py", "mla_watch"): "mla_watch.load_model (a model of the test's own)",
     ("tests/test_hardening.py", "running.alerts.engine"): "the alert engine's cause finder",
     ("tests/test_hardening_reads.py", "sidecar.history_store"): "HistoryStore.query of a live sidecar (blocked)",
