@@ -212,10 +212,6 @@ PACED_SLEEPS = {
 }
 # Fixed waits that no event yet replaces: (file, function) -> why. Each is a test that is slower than it needs to be.
 WAITED_OUT = {
-    ("tests/test_baselines.py", "test_healthy_traffic_of_every_shipped_line_learns_its_baselines_and_raises_no_alert"):
-        "a round of the rules on the last window: the alert loop counts no rounds",
-    ("tests/test_fleet_alertmanager.py", "notifications"):
-        "Alertmanager's groups flushed: nothing it exposes counts a flush that sends nothing",
     ("tests/test_fleet_replicas_e2e.py", "test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica"):
         "a second group of the same fault would have paged: Prometheus and Alertmanager rounds",
     ("tests/test_fleet_repair.py", "test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_fleet"):
