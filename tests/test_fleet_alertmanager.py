@@ -64,7 +64,7 @@ def notifications(alerts: list[dict], tmp_path: Path, inhibit: bool = True) -> l
         assert wait_until(lambda: len(receiver.requests) >= 1, timeout=30, interval=0.1), \
             (tmp_path / "prometheus-alertmanager.log").read_text()[-2000:]
         # Every alert is in its group by the first page: each group that holds one not inhibited pages once.
-        assert wait_until(lambda: len(receiver.requests) >= paging_groups(url), timeout=30, interval=0.1)
+        assert wait_until(lambda: len(receiver.requests) >= paging_groups(url) >= 1, timeout=30, interval=0.1)
         return [{**request.json(), "path": request.path} for request in list(receiver.requests)]
 
 
