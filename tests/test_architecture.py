@@ -212,8 +212,6 @@ PACED_SLEEPS = {
 }
 # Fixed waits that no event yet replaces: (file, function) -> why. Each is a test that is slower than it needs to be.
 WAITED_OUT = {
-    ("tests/test_fleet_replicas_e2e.py", "test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica"):
-        "a second group of the same fault would have paged: Prometheus and Alertmanager rounds",
     ("tests/test_fleet_repair.py", "test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_fleet"):
         "rounds that would retry the wanted jobs: the replicas count no poll rounds",
 }
