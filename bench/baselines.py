@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from harness.support import running_sidecar
 from mla_watch.cause.representative import UNREPRESENTATIVE_MARGIN_BITS, UNREPRESENTATIVE_RATIO
 from mla_watch.models import corpus
 from mla_watch.routing.stats import js_divergence_bits
-from tests.support import running_sidecar
 
 LINES = {"customer_service": (("customer_service", "chat"),), "code_assistant": (("code", "code"), ("sql", "sql")),
          "doc_summary": (("doc_summary", "summarize"),)}

@@ -5,7 +5,7 @@
     python -m bench.detection --json figures.json      # also write the figures as JSON
     python -m bench.detection --scenario drift         # only the slow drift (about a minute)
 
-The replays are tests/detection_replay.py's (shared with tests/test_detection.py): each starts afresh
+The replays are harness/detection_replay.py's (shared with tests/test_detection.py): each starts afresh
 as `mla-watch serve` does, with the bundled model under the probe's real hooks, windows of 4096 tokens
 per line, healthy baselines learned per router and line at 2048 tokens (trusted after the start-up
 health check), the shipped rules with every `for:` at 0 s (any breach pages), judged after every
@@ -21,7 +21,7 @@ bias of six experts: RoutingEntropyLow), a hotspot (one expert takes every token
 which entropy misses), dead experts (eight experts get none: DeadExperts). Each prints the tokens
 from the onset to its page, against the budget the tests hold it to.
 
-The drift scenario (tests/drift_replay.py, shared with tests/test_trend_drift.py) simulates days
+The drift scenario (harness/drift_replay.py, shared with tests/test_trend_drift.py) simulates days
 of one line's traffic with an injectable clock: the correction bias of four experts of one router
 rises a little every simulated hour until its entropy sinks below RoutingEntropyLow's 5.0 bits.
 It reports how many hours ahead the trend rule RoutingEntropyFalling warned, and the trend alerts
@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import mla_watch
+from harness.detection_replay import FAULTS, fault_replay, healthy_replay  # the tests' replays, shared
+from harness.drift_replay import DRIFTING_ROUTER  # the tests' simulated days of drift, shared
+from harness.drift_replay import replay as drift_replay
 from mla_watch.models import corpus
-from tests.detection_replay import FAULTS, fault_replay, healthy_replay  # the tests' replays, shared
-from tests.drift_replay import DRIFTING_ROUTER  # the tests' simulated days of drift, shared
-from tests.drift_replay import replay as drift_replay
 
 TREND_ALERTS = ("RoutingEntropyFalling", "RoutingCollapseForecast")
 

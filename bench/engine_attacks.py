@@ -4,7 +4,7 @@ and the sidecar's memory watched meanwhile.
     python -m bench.engine_attacks                  # about a minute on 2 CPU cores
     python -m bench.engine_attacks --rounds 5 --json figures.json
 
-One ``mla-watch serve --engine vllm`` process on a loopback port, beside bench/hostile_engine.py
+One ``mla-watch serve --engine vllm`` process on a loopback port, beside harness/hostile_engine.py
 (our own server: it sends what no engine should), with ``--upstream-max-bytes 8M`` and
 ``--request-timeout 3``. Each answer mode of the hostile engine is requested ``--rounds`` times;
 then a second sidecar (``--engine sglang --sglang-recorder-dir``) polls a directory into which
@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from bench.attacks import HEALTHZ_GOAL_MS, HealthPoller
-from bench.hostile_engine import CONFIG, HostileEngine
 from bench.server_overhead import sidecar_process
-from tests.support import memory_kib, serve_app
+from harness.attacks import HEALTHZ_GOAL_MS, HealthPoller
+from harness.hostile_engine import CONFIG, HostileEngine
+from harness.support import memory_kib, serve_app
 
 MAX_BYTES = 8 << 20
 TIMEOUT = 3.0

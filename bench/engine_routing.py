@@ -54,8 +54,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.attacks import HealthPoller, Latency
 from bench.server_overhead import sidecar_process, wait_answering
+from harness.attacks import HealthPoller, Latency
+from harness.canned_engine import DEEPSEEK_V3, routing_ids
+from harness.support import REPO, end_process, free_port, metric_value
 from mla_watch.engines.formats import (
     ENGINES,
     RoutingPlan,
@@ -67,11 +69,7 @@ from mla_watch.engines.formats import (
     strip_response,
 )
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
-from tests.support import REPO, end_process, free_port, metric_value
 
-# DeepSeek-V3's config.json, the keys that place its routers: layers 3..60 are MoE.
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-               "n_routed_experts": 256, "num_experts_per_tok": 8}
 GOAL_CPU_MS = 5.0  # the goal: decoding and counting 2,000 tokens of DeepSeek-V3 routing
 GOAL_TOKENS = 2000
 GOAL_ADDED_MS = 3.0  # the latency routing adds through the proxy at p50: at or under a plain LiteLLM hop
@@ -80,17 +78,6 @@ EXTRA = {"policy": "default/default", "adjustments": []}  # the proxy's "mla_wat
 
 
 # --------------------------------------------------------------------------- what the engine answers
-
-
-def routing_ids(rng: np.random.Generator, tokens: int, geometry: EngineGeometry) -> np.ndarray:
-    """``[tokens, moe_layers, top_k]`` distinct experts per token, skewed per layer (Gumbel top-k of a bias)."""
-    moe, experts, top_k = len(geometry.moe_layers), geometry.num_experts, geometry.top_k
-    bias = rng.normal(0.0, 1.0, (moe, experts))
-    parts = []
-    for start in range(0, tokens, 250):  # chunks: [250, 58, 256] keys at a time
-        keys = bias[None] + rng.gumbel(size=(min(250, tokens - start), moe, experts))
-        parts.append(np.argpartition(-keys, top_k, axis=2)[..., :top_k])
-    return np.concatenate(parts).astype(np.int32)
 
 
 def completion(tokens: int) -> dict[str, Any]:

@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 from bench.engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
+from harness.support import end_process, free_port, metric_value, process_tree_rss
 from mla_watch.engines.geometry import parse_geometry
-from tests.support import end_process, free_port, metric_value, process_tree_rss
 
 MODEL_EXTRA = ("torch", "transformers", "tokenizers", "matplotlib")
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from tests.support import end_process, free_port
+from harness.support import end_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "mla_watch.cli"]

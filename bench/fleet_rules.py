@@ -9,7 +9,7 @@ the bench runs one of them at its full size (``--shard``, by default the shard o
 router the outlier skews): every replica is scraped as ``/metrics?shard=K/N`` and the rules are
 ``rules export --fleet --fleet-shards N``, whose other shards' groups find nothing there.
 
-No model: the replicas are tests/simulated_fleet.py's DeepSeek-V3 sidecars (58 MoE routers x 256 experts, top-8),
+No model: the replicas are harness/simulated_fleet.py's DeepSeek-V3 sidecars (58 MoE routers x 256 experts, top-8),
 each a RouterWindows with the sidecar's own metrics and its per-expert window counts, served over HTTP on 127.0.0.1
 (for a shard, with that shard's routers only: what they serve its Prometheus is the same).
 Every --scrape-interval each replica's windows take --tokens more per router and line (the
@@ -63,6 +63,17 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.server_overhead import wait_answering
+from harness.simulated_fleet import (
+    DEEPSEEK_V3,
+    Feeder,
+    Replica,
+    build_replicas,
+    expected,
+    read_budget,
+    samples_per_evaluation,
+    serving,
+)
+from harness.support import end_process, free_port
 from mla_watch import cli
 from mla_watch.alerting.durations import format_duration
 from mla_watch.alerting.fleet import (
@@ -85,17 +96,6 @@ from mla_watch.routing.series import BUSINESS_LINE, INSTANCE, ROUTER
 from mla_watch.routing.shards import SHARD_COUNTS, RouterShard
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS
 from mla_watch.server.metrics import SHARD_PARAM
-from tests.simulated_fleet import (
-    DEEPSEEK_V3,
-    Feeder,
-    Replica,
-    build_replicas,
-    expected,
-    read_budget,
-    samples_per_evaluation,
-    serving,
-)
-from tests.support import end_process, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_RULES = ROOT / "mla_watch" / "shipped" / "rules"

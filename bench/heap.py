@@ -38,8 +38,8 @@ import httpx
 
 from bench.engine_routing import DEEPSEEK_V3, engine_bodies, fake_engine, key
 from bench.server_overhead import wait_answering
+from harness.support import end_process, free_port, memory_kib, metric_value
 from mla_watch.engines.geometry import parse_geometry
-from tests.support import end_process, free_port, memory_kib, metric_value
 
 # The served code with the release turned off: glibc keeps the heap's free pages, as before.
 KEPT = ("import sys; from mla_watch.common import heap; heap.release_free_memory = lambda: False; "

@@ -150,9 +150,9 @@ def main() -> None:
     del model
 
     if not args.skip_engine:
+        from harness.real_vllm import build_checkpoint, cache_root, running_vllm
         from mla_watch.engines.geometry import load_geometry
         from mla_watch.engines.vllm_weights import VllmWeights
-        from tests.real_vllm import build_checkpoint, cache_root, running_vllm
 
         checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
         geometry = load_geometry(checkpoint / "config.json")

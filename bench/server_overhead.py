@@ -33,11 +33,11 @@ from pathlib import Path
 import httpx
 
 import mla_watch
+from harness.support import end_process, free_port, memory_kib
 from mla_watch.policy.files import PolicyStore
 from mla_watch.policy.model import enforce
 from mla_watch.policy.sampling import SamplingParams, generate
 from mla_watch.shipped import SHIPPED_POLICIES
-from tests.support import end_process, free_port, memory_kib
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, "seed": 1}

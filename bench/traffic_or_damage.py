@@ -5,7 +5,7 @@
                                                          # prompts' cost on the engine's throughput
     python -m bench.traffic_or_damage --json figures.json
 
-The scenarios are tests/floods.py's (the tests assert what this prints): ``serve --capture`` with the shipped
+The scenarios are harness/floods.py's (the tests assert what this prints): ``serve --capture`` with the shipped
 rules (every hold cut to 0 s) and reference prompts, on-call and the line owners on a loopback webhook
 receiver; healthy traffic of four lines until their baselines are learned; then one client (``flood-1``)
 floods ``code_assistant`` with one of four floods (a healthy request of another line in every four), or
@@ -34,10 +34,10 @@ from typing import Any
 
 import httpx
 
+from harness.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import EngineReader
 from mla_watch.shipped import SHIPPED_REFERENCES
-from tests.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
 
 
 def spread(alerts: list[dict[str, Any]]) -> float | None:
@@ -180,8 +180,8 @@ def main() -> None:
             print(f"   promoted: {attempt['strategy']} (version {attempt['version']}); reference gates: {gates}")
             print(f"   trigger to promoted: {promoted[0]['result']['timings'].get('trigger_to_promoted_seconds')} s")
     if args.engine == "vllm":
+        from harness.real_vllm import build_checkpoint, cache_root, running_vllm
         from mla_watch.engines.geometry import load_geometry
-        from tests.real_vllm import build_checkpoint, cache_root, running_vllm
 
         checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
         with tempfile.TemporaryDirectory() as work, running_vllm(checkpoint, routing=True,

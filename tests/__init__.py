@@ -1,1 +1,2 @@
-"""The test suite: a package, so that its helpers are imported as ``tests.NAME`` from the repository root."""
+"""The test suite: a package imported as ``tests.NAME`` from the repository root; what it shares with the benches is in
+the ``harness`` package."""

@@ -1,4 +1,5 @@
-"""Fixtures and hooks only; the helpers the tests (and the benches) share are in tests/support.py."""
+"""Fixtures and hooks only; the helpers the tests share with the benches are in the harness package
+(harness/support.py, ...)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import SHIPPED_POLICIES, running_sidecar
+from harness.support import SHIPPED_POLICIES, running_sidecar
 
-# Fails the run naming any process the tests started that is still running at its end (tests/processes.py).
+# Fails the run naming any process the tests started that is still running at its end (harness/processes.py).
 pytest_plugins = ["tests.process_guard"]
 
 
 @pytest.fixture(scope="module")
 def make_sidecar() -> Iterator[Callable[..., tuple[str, object]]]:
     """Starts in-process sidecars for a module: ``make_sidecar(**overrides)`` is a ready
-    :func:`tests.support.running_sidecar` with those ``ServerConfig`` overrides, as ``(url, sidecar)``; every
+    :func:`harness.support.running_sidecar` with those ``ServerConfig`` overrides, as ``(url, sidecar)``; every
     sidecar it started stops when the module's tests are done (after the fixtures that asked for them)."""
     with contextlib.ExitStack() as started:
         yield lambda **overrides: started.enter_context(running_sidecar(**overrides))
@@ -63,8 +64,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session")
 def postgres():
-    """A throwaway PostgreSQL cluster for the session (tests/postgres.py); each test takes a database of its own."""
-    from tests.postgres import running_cluster
+    """A throwaway PostgreSQL cluster for the session (harness/postgres.py); each test takes a database of its own."""
+    from harness.postgres import running_cluster
 
     with running_cluster() as cluster:
         yield cluster

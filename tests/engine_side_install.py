@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from tests import processes
-from tests.support import REPO
+from harness import processes
+from harness.support import REPO
 
 INSTALL_TIMEOUT_S = 900
 

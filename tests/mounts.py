@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from harness import processes
 
 
 def _mount(*arguments: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from types import FrameType
 
 import pytest
 
-from tests import processes
+from harness import processes
 
 _previous: dict[str, object] = {}
 
@@ -72,7 +72,7 @@ def _check(session: pytest.Session) -> None:
         return
     lines = [stray.describe() for stray in left]
     lines.append(f"{len(left)} process(es) the tests started were still running when the session ended "
-                 "(now ended): end them in the fixture or test that starts them (tests/processes.py).")
+                 "(now ended): end them in the fixture or test that starts them (harness/processes.py).")
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")  # the progress line ends here (pytest's summary comes after this)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from harness.support import wait_until
 from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.retune.health import startup_health
@@ -15,7 +16,6 @@ from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.service import RetuneService
 from mla_watch.retune.versions import RouterVersions
-from tests.support import wait_until
 from tests.tiny_models import VOCAB, build
 
 GATE = "model.layers.1.mlp.gate"

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from harness.helpers import FakeClock, engine_record
 from mla_watch.alerting.alert_engine import Action, AlertEngine
 from mla_watch.alerting.templates import render_annotations
 from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
-from tests.helpers import FakeClock, engine_record
 
 GATE = "model.layers.3.mlp.gate"
 INDEXER = "model.layers.3.self_attn.indexer"
@@ -122,6 +122,7 @@ def test_zero_for_and_keep_firing_for_act_in_the_same_evaluation() -> None:
     assert kinds(engine.evaluate([rec(6.8)])) == [("notify", "firing")]  # actions default to ("notify",)
     assert kinds(engine.evaluate([rec(5.9)])) == [("notify", "resolved")]
     assert kinds(engine.evaluate([rec(6.8)])) == [("notify", "firing")]  # a new incident pages again
+    assert engine.evaluate([]) == [] and engine.evaluations == 4  # every round counted, a round of nothing too
 
 
 def test_hysteresis_band_holds_firing_and_does_not_resolve() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.support import REPO
 from mla_watch.alerting.lint import LintFinding, lint
 from mla_watch.alerting.rules import (
     RuleError,
@@ -20,7 +21,6 @@ from mla_watch.alerting.rules import (
 )
 from mla_watch.alerting.vocabulary import Rule, Selector, Trend
 from mla_watch.routing.routers import RouterInfo
-from tests.support import REPO
 
 SHIPPED_RULES = REPO / "rules"
 SHIPPED_NAMES = {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingCollapse", "RoutingEntropyNearCeiling",

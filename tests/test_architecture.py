@@ -238,13 +238,13 @@ def test_only_the_command_line_names_its_flags_in_a_settings_error() -> None:
 
 def test_one_settings_error_class() -> None:
     from mla_watch.common.directory_store import ConfigError
-    from mla_watch.common.settings import SettingsError
+    from mla_watch.common.setting_errors import SettingsError
     from mla_watch.server.config import ServerConfigError
 
     assert ConfigError is SettingsError and ServerConfigError is SettingsError  # the former names, kept one release
     classes = [f"{module}.{node.name}" for module, tree in _sources().items() for node in ast.walk(tree)
                if isinstance(node, ast.ClassDef) and node.name.endswith(("ConfigError", "SettingsError"))]
-    assert classes == ["mla_watch.common.settings.SettingsError"]
+    assert classes == ["mla_watch.common.setting_errors.SettingsError"]
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -325,3 +325,146 @@ def test_no_module_is_over_600_lines() -> None:
             ((_module_name(path), len(path.read_text().splitlines())) for path in PACKAGE.rglob("*.py"))
             if lines > MAX_MODULE_LINES and module not in LONG_MODULES}
     assert not long, long
+
+
+# ---------------------------------------------------------------------------------------- the tests and the benches
+REPO = PACKAGE.parent
+SUITES = ("tests", "bench", "harness")  # the tests, the benchmarks, and what both share (neither imports the other)
+SLEEPING = {"time.sleep", "asyncio.sleep", "sleep"}
+# A sleep of a value that is not a constant under a second, kept because it paces a loop or plays a part, never to
+# wait for something: (file, function) -> why.
+PACED_SLEEPS = {
+    ("harness/support.py", "wait_until"): "the pause between two looks at what is awaited (interval, 0.05 s)",
+    ("harness/processes.py", "_wait_gone"): "the pause between two looks at whether a process has gone",
+    ("harness/receivers.py", "do_POST"): "the answer delay a test asks of the receiver (Reply.delay)",
+    ("harness/attacks.py", "replay"): "/healthz is sampled at rest this long: a measurement, not a wait",
+    ("tests/vllm_twin.py", "_stream"): "the twin's decode step, a fraction of a second each test sets",
+    ("tests/test_proxy_hop.py", "sleep_then_pid"): "keeps a decoding process busy as its caller asks (0 or 0.5 s)",
+}
+# Fixed waits that no event yet replaces: (file, function) -> why. Each is a test that is slower than it needs to be.
+WAITED_OUT = {
+    ("tests/test_fleet_repair.py", "test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_fleet"):
+        "rounds that would retry the wanted jobs: the replicas count no poll rounds",
+}
+
+
+def _suite_sources(*suites: str) -> dict[str, ast.Module]:
+    return {str(path.relative_to(REPO)): ast.parse(path.read_text(), str(path))
+            for suite in suites for path in sorted((REPO / suite).rglob("*.py"))}
+
+
+def _calls_by_function(tree: ast.Module) -> Iterator[tuple[str, ast.Call]]:
+    """Each call with the name of the function it is in (the innermost; ``""`` at module level)."""
+    def walk(node: ast.AST, function: str) -> Iterator[tuple[str, ast.Call]]:
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call):
+                yield function, child
+            yield from walk(child, inner)
+    yield from walk(tree, "")
+
+
+def _fixed_sleeps(sources: dict[str, ast.Module]) -> Iterator[tuple[str, str, int, str]]:
+    """Each sleep of a second or more, or of a value that is not a constant: (file, function, line, argument)."""
+    for path, tree in sources.items():
+        for function, call in _calls_by_function(tree):
+            if ast.unparse(call.func) not in SLEEPING or not call.args:
+                continue
+            argument = call.args[0]
+            if isinstance(argument, ast.Constant) and isinstance(argument.value, int | float) and argument.value < 1:
+                continue
+            yield path, function, call.lineno, ast.unparse(argument)
+
+
+def test_tests_wait_on_what_they_can_observe_not_on_a_fixed_sleep() -> None:
+    """A wait for something to happen polls for it (harness.support.wait_until) or moves the injected clock; a
+    sleep of a second or more makes the suite slower, and flaky where the machine is slower still."""
+    sleeps = list(_fixed_sleeps(_suite_sources("tests", "harness")))
+    kept = {**PACED_SLEEPS, **WAITED_OUT}
+    fixed = [f"{path}:{line} {function}: sleep({argument})" for path, function, line, argument in sleeps
+             if (path, function) not in kept]
+    assert not fixed, "wait on an event instead:\n" + "\n".join(fixed)
+    stale = sorted(set(kept) - {(path, function) for path, function, _, _ in sleeps})
+    assert not stale, f"no such sleep any more: drop {stale}"
+
+
+def test_the_sleep_check_finds_a_fixed_wait() -> None:
+    source = ast.parse("import asyncio, time\ndef waits():\n    time.sleep(0.05)\n    time.sleep(2)\n"
+                       "    time.sleep(3 * POLL)\nasync def also():\n    await asyncio.sleep(1.0)\n")
+    assert [(function, argument) for _, function, _, argument in _fixed_sleeps({"tests/x.py": source})] == [
+        ("waits", "2"), ("waits", "3 * POLL"), ("also", "1.0")]
+
+
+def _product_patches(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """Each ``monkeypatch.setattr``/``delattr`` on something of mla_watch: a ``"mla_watch...."`` path, or a target
+    that is not reached from a module imported from outside mla_watch (an mla_watch module, class or object)."""
+    outside: set[str] = set()  # names bound to modules or objects imported from elsewhere (torch, ...)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            outside.update((alias.asname or alias.name).split(".")[0] for alias in node.names
+                           if not alias.name.startswith("mla_watch"))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("mla_watch") \
+                and not node.level:
+            outside.update(alias.asname or alias.name for alias in node.names)
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("setattr", "delattr") and ast.unparse(node.func.value) == "monkeypatch"
+                and node.args):
+            continue
+        target = node.args[0]
+        if isinstance(target, ast.Constant):
+            if isinstance(target.value, str) and target.value.startswith("mla_watch"):
+                yield node.lineno, target.value
+            continue
+        root = target
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if not (isinstance(root, ast.Name) and root.id in outside):
+            yield node.lineno, ast.unparse(target)
+
+
+# Patches of the product that no parameter replaces yet: (file, target) -> what it swaps.
+PATCHED_STILL = {
+    ("tests/test_engine_recorder.py", "routing.windows"): "RouterWindows.add of a live sidecar (a count that fails)",
+    ("tests/test_router_specs.py", "mla_watch"): "mla_watch.load_model (a model of the test's own)",
+    ("tests/test_hardening.py", "running.alerts.engine"): "the alert engine's cause finder",
+    ("tests/test_hardening_reads.py", "sidecar.history_store"): "HistoryStore.query of a live sidecar (blocked)",
+    ("tests/test_hardening_reads.py", "history_api"): "MAX_ANSWER_BYTES, the bound of a live sidecar's answer",
+}
+
+
+def test_tests_inject_through_parameters_instead_of_patching_the_product() -> None:
+    """A test that swaps one of the product's functions or constants tests a program nobody runs; it passes what it
+    needs through a constructor parameter (settings from the environment are fine)."""
+    found = [(path, line, target) for path, tree in _suite_sources("tests", "harness").items()
+             for line, target in _product_patches(tree)]
+    patched = [f"{path}:{line} monkeypatch.setattr({target}, ...)" for path, line, target in found
+               if (path, target) not in PATCHED_STILL]
+    assert not patched, "inject through a parameter instead:\n" + "\n".join(patched)
+    stale = sorted(set(PATCHED_STILL) - {(path, target) for path, _, target in found})
+    assert not stale, f"no such patch any more: drop {stale}"
+
+
+def test_the_patch_check_finds_the_product_patched() -> None:
+    source = ast.parse("import torch\nfrom mla_watch.engines import recorder\nimport mla_watch\n"
+                       "def test(monkeypatch, sidecar):\n    monkeypatch.setattr(torch.cuda, 'is_available', f)\n"
+                       "    monkeypatch.setattr(recorder, 'MAX', 1)\n    monkeypatch.setattr(mla_watch, 'load', f)\n"
+                       "    monkeypatch.setattr(sidecar.store, 'query', f)\n"
+                       "    monkeypatch.setattr('mla_watch.cli.main', f)\n    monkeypatch.setenv('A', 'b')\n")
+    assert [target for _, target in _product_patches(source)] == ["recorder", "mla_watch", "sidecar.store",
+                                                                  "mla_watch.cli.main"]
+
+
+def test_tests_and_benches_share_through_harness_only() -> None:
+    """tests/ imports no bench and bench/ no test: what both use is in harness/, which imports neither."""
+    forbidden = {"tests": {"bench"}, "bench": {"tests"}, "harness": {"tests", "bench"}}
+    crossing = []
+    for path, tree in _suite_sources(*SUITES).items():
+        suite = path.split("/")[0]
+        for node in ast.walk(tree):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [])
+            crossing += [f"{path}:{node.lineno} imports {name}" for name in names
+                         if name.split(".")[0] in forbidden[suite]]
+    assert not crossing, "\n".join(crossing)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from harness.floods import rules_without_waiting, trimmed_references
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
 from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
@@ -19,8 +20,6 @@ from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.windows import RouterWindows
-from tests.floods import rules_without_waiting, trimmed_references
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 from tests.test_status_page import artifacts_dir, open_in_browser
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 8, 2)
@@ -231,11 +230,8 @@ def test_serve_learns_baselines_only_from_a_lines_traffic_and_keeps_them(tmp_pat
         assert {s["source"] for s in learned(url).values()} == {"set"}
 
 
-def test_the_counts_held_are_bounded_whatever_reports_them(monkeypatch) -> None:
-    from mla_watch.routing import baselines as module
-
-    monkeypatch.setattr(module, "MAX_COUNTS", 20)  # two 8-expert series fit, a third does not
-    baselines = Baselines(learn_tokens=100)
+def test_the_counts_held_are_bounded_whatever_reports_them() -> None:
+    baselines = Baselines(learn_tokens=100, max_counts=20)  # two 8-expert series fit, a third does not
     baselines.trust(None)
     windows = RouterWindows([GATE], window_tokens=4096, baselines=baselines)
     for line in ("a", "b", "c"):
@@ -462,7 +458,8 @@ def test_healthy_traffic_of_every_shipped_line_learns_its_baselines_and_raises_n
         while index < learned_at + 28:  # a window of every line judged against its baseline
             send(index)
             index += 1
-        time.sleep(1.5)  # a round of the rules on the last window
+        rounds = sidecar.alerts.engine.evaluations  # one may have begun before the last answer: wait for two more
+        assert wait_until(lambda: sidecar.alerts.engine.evaluations >= rounds + 2, timeout=30, interval=0.05)
         view = httpx.get(url + "/v1/baseline", timeout=10).json()
         for entry in view["series"]:
             if entry["router"] in GATES and entry["business_line"] != "all":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.helpers import FakeClock, engine_record
 from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
@@ -30,7 +31,6 @@ from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import compute_stats
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES
-from tests.helpers import FakeClock, engine_record
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 64, 6)
 BALANCED = np.full(64, 96, dtype=np.int64)  # 1024 tokens x top-6, every expert alike: 6 bits

@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 
+from harness import processes
+from harness.support import REPO
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
 from mla_watch.shipped import SHIPPED_RULES
-from tests import processes
-from tests.support import REPO
 
 pytestmark = pytest.mark.slow
 

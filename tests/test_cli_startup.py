@@ -17,11 +17,11 @@ import time
 import httpx
 import pytest
 
+from harness import processes
+from harness.support import REPO
 from mla_watch.cli import build_parser
 from mla_watch.cli.startup import HelpFormatter, device_problem
 from mla_watch.common.progress import quiet_progress_bars
-from tests import processes
-from tests.support import REPO
 
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 
@@ -190,7 +190,7 @@ def _engine_health_app():
 
 @pytest.mark.parametrize("level", ["info", "debug"])
 def test_the_libraries_log_lines_show_at_debug_only(tmp_path, level: str) -> None:
-    from tests.support import free_port, serve_app, sidecar_process
+    from harness.support import free_port, serve_app, sidecar_process
 
     log = tmp_path / "serve.log"
     port = free_port()

@@ -11,8 +11,8 @@ from functools import cache
 
 import pytest
 
+from harness import processes
 from mla_watch.models import corpus
-from tests import processes
 
 VARIETY_COUNT = 2000
 FORMAT_COUNT = 300

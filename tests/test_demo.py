@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
-from tests.support import free_port
+from harness import processes
+from harness.support import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The shipped rules on the bundled model: healthy traffic pages no one, each fault pages (tests/detection_replay.py).
+"""The shipped rules on the bundled model: healthy traffic pages no one, each fault pages (harness/detection_replay.py).
 
 Every replay starts afresh as ``mla-watch serve`` does (windows, learned baselines, alert state and a
 webhook receiver of its own) with every rule's ``for:`` at 0 s, so any breach would page. The replays
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness.detection_replay import FAULTS, fault_replay, healthy_replay
 from mla_watch.models import corpus
-from tests.detection_replay import FAULTS, fault_replay, healthy_replay
 
 pytestmark = pytest.mark.slow
 

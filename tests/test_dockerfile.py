@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.support import REPO
 from mla_watch.cli import build_parser
-from tests.support import REPO
 
 
 def instructions() -> list[tuple[str, str]]:

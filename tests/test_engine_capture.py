@@ -13,9 +13,9 @@ import stat
 import httpx
 import pytest
 
+from harness.support import wait_until
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.retune.capture import TrafficCapture
-from tests.support import wait_until
 from tests.test_engine_streams import ask, beside_twin
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.broken_deploy import collapsed_checkpoint
+from harness.receivers import running_receiver
+from harness.support import free_port, metric_value, settled_over_http, sidecar_process, wait_until
 from mla_watch.alerting.examples import entropy_low_rules
-from tests.broken_deploy import collapsed_checkpoint
 from tests.client import post, sse_events
-from tests.receivers import running_receiver
-from tests.support import free_port, metric_value, settled_over_http, sidecar_process, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -21,12 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
-from mla_watch.engines.geometry import parse_geometry
-from mla_watch.engines.recorder import DUMP_PATH, START_PATH
-from mla_watch.engines.watch import UNATTRIBUTED_LINE
-from tests import processes
-from tests.support import (
+from harness import processes
+from harness.support import (
     answers_counted,
     get_metrics,
     metric_value,
@@ -35,6 +31,10 @@ from tests.support import (
     settled_over_http,
     wait_until,
 )
+from mla_watch.engines.formats import encode_sglang, encode_vllm, every_layer
+from mla_watch.engines.geometry import parse_geometry
+from mla_watch.engines.recorder import DUMP_PATH, START_PATH
+from mla_watch.engines.watch import UNATTRIBUTED_LINE
 from tests.test_engine_recorder import FakeSGLangRecorder
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,

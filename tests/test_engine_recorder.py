@@ -30,11 +30,11 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from harness.support import free_port, wait_until
 from mla_watch.engines import recorder
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 from mla_watch.engines.recorder import DUMP_PATH, START_PATH, RecorderPoller
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
-from tests.support import free_port, wait_until
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": LAYERS, "first_k_dense_replace": 1,
@@ -299,8 +299,8 @@ def test_a_file_too_large_is_left_and_not_retried(tmp_path, geometry, routing, c
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(2)
     path = fake.dump()
-    monkeypatch.setattr(recorder, "MAX_DUMP_BYTES", path.stat().st_size - 1)
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8)
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8,
+                            max_dump_bytes=path.stat().st_size - 1)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.consume() == ["error"]
         assert poller.consume() == []
@@ -314,16 +314,14 @@ def test_a_file_that_cannot_be_deleted_is_counted_once(tmp_path, geometry, routi
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)
     path = fake.dump()
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8)
 
     def refuse(target: object) -> None:
         raise PermissionError(13, "Permission denied", str(target))
 
-    monkeypatch.setattr(recorder.os, "unlink", refuse)
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8, unlink=refuse)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.consume() == ["counted"]
         assert poller.consume() == []
-    monkeypatch.undo()
     assert path.exists()
     assert_counted(routing, fake.dumped, fake.dumped_tokens)
     assert caplog.text.count("cannot be deleted") == 1
@@ -478,10 +476,10 @@ def test_a_stride_zero_tensor_is_refused_without_being_materialised(tmp_path, ge
     expanded = torch.zeros((1, LAYERS, EXPERTS), dtype=torch.int32).expand(3_000_000, LAYERS, EXPERTS)
     path = hostile(tmp_path, {"rank": 0, "logical_count": expanded})
     assert path.stat().st_size < 4096
-    if max_passes is not None:  # let it past the pass cap (768 MB < MAX_DUMP_BYTES): the strides refuse it
-        monkeypatch.setattr(recorder, "MAX_DUMP_PASSES", max_passes)
+    # max_passes: let it past the pass cap (768 MB < MAX_DUMP_BYTES): the strides refuse it
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=3)
-    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8,
+                            max_passes=recorder.MAX_DUMP_PASSES if max_passes is None else max_passes)
     with caplog.at_level(logging.WARNING, LOGGER):
         outcomes, growth = peak_rss_growth(poller.poll_once)
     assert outcomes == ["error", "counted"]
@@ -523,17 +521,14 @@ def overflowing_dump() -> torch.Tensor:
 def test_an_overflowing_dump_adds_nothing_and_is_counted_once(tmp_path, geometry, routing, engine_server,
                                                               monkeypatch, caplog, deletable) -> None:
     path = hostile(tmp_path, {"rank": 0, "logical_count": overflowing_dump()})
-    if not deletable:
-        unlink = os.unlink
 
-        def refuse(target: object) -> None:
-            if Path(str(target)) == path:
-                raise PermissionError(13, "Permission denied", str(target))
-            unlink(target)  # type: ignore[arg-type]
+    def refuse(target: Path) -> None:
+        if not deletable and Path(str(target)) == path:
+            raise PermissionError(13, "Permission denied", str(target))
+        os.unlink(target)
 
-        monkeypatch.setattr(recorder.os, "unlink", refuse)
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)  # no passes: each poll dumps an empty file
-    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8, unlink=refuse)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.poll_once() == ["error", "empty"]
         assert poller.poll_once() == ["empty"]
@@ -589,9 +584,8 @@ def test_an_unexpected_failure_sets_the_file_aside_and_polling_goes_on(tmp_path,
             raise TypeError("the secret content of the file")
         return read(handle, where, geometry, **kwargs)
 
-    monkeypatch.setattr(recorder, "read_dump", explode)
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=2)
-    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8)
+    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8, reader=explode)
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.poll_once() == ["error", "counted"]
         assert poller.poll_once() == ["counted"]
@@ -692,8 +686,8 @@ def test_a_dump_changed_while_read_is_left_for_the_next_poll(tmp_path, geometry,
             os.utime(path, ns=(mtime, mtime))
         return dump
 
-    monkeypatch.setattr(recorder, "read_dump", written_meanwhile)
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=8)
+    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=8,
+                            reader=written_meanwhile)
     assert poller.consume() == []
     assert path.exists() and routing.windows.business_lines == []
     assert poller.consume() == ["counted"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from harness.support import free_port, serve_app
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.sglang_weights import SglangWeights
 from mla_watch.engines.swap import ENGINE_MESSAGE_CHARS, EngineWeights, SwapError
 from mla_watch.engines.vllm_weights import write_router_checkpoint
-from tests.support import free_port, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "hidden_size": 8}
@@ -93,6 +94,7 @@ class FakeSGLangServer:
         self.waiting = 1
         self.paused = False
         self.update: str = "ok"  # ok | missing | slow
+        self.answer_slow = threading.Event()  # "slow": the update answers once the test sets this (it has timed out)
         self.update_message = SUCCESS
         self.continue_status = 200
         self.routing_enabled = True  # --enable-return-routed-experts
@@ -177,7 +179,7 @@ class FakeSGLangServer:
             return JSONResponse({"detail": [{"type": "missing", "loc": ["body", "model_path"],
                                              "msg": "Field required", "input": body}]}, status_code=422)
         if self.update == "slow":
-            await asyncio.sleep(2.0)
+            await asyncio.to_thread(self.answer_slow.wait, 30)
         if self.update == "missing":
             message = (f"Failed to get weights iterator: Cannot find any model weights with `{body['model_path']}`."
                        + " x" * 200)
@@ -317,8 +319,11 @@ def test_continue_is_sent_when_the_pause_is_refused(engine, router_dir) -> None:
 def test_continue_is_sent_when_the_update_times_out(engine, router_dir) -> None:
     fake, url = engine
     fake.update = "slow"
-    with weights(url, timeout=0.5) as client, pytest.raises(SwapError) as failure:
-        client.swap(router_dir)
+    try:
+        with weights(url, timeout=0.5) as client, pytest.raises(SwapError) as failure:
+            client.swap(router_dir)
+    finally:
+        fake.answer_slow.set()
     assert fake.paths[-1] == "/continue_generation"
     assert "POST /update_weights_from_disk" in str(failure.value) and "no answer within 0.5 s" in str(failure.value)
 

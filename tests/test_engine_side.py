@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from harness import processes
+from harness.support import REPO, free_port, metric_value, serve_app, sidecar_process, wait_until
 from mla_watch.common.extras import MODEL_INSTALL
 from mla_watch.engines.geometry import parse_geometry
-from tests import processes
-from tests.support import REPO, free_port, metric_value, serve_app, sidecar_process, wait_until
 from tests.vllm_twin import VllmTwin
 
 MARK = "HEAVY IMPORT:"

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.support import get_metrics, metric_value, running_sidecar, serve_app, settled
 from mla_watch.engines import answer_reader as answer_reader_module
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, count_response, encode_vllm
@@ -26,7 +27,6 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.replay import MAX_STREAM_TOKENS, ReplayBudget, StreamReplayer, StreamTokens
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
 from mla_watch.server import proxy as proxy_module
-from tests.support import get_metrics, metric_value, running_sidecar, serve_app, settled
 from tests.vllm_twin import SILENT_TOKEN, VllmTwin
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,

@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import mla_watch.engines.vllm_weights as weights_module
+from harness.support import free_port, running_sidecar, serve_app, wait_until
 from mla_watch.common.tensor_files import BFLOAT16, from_torch, to_torch
 from mla_watch.engines.formats import encode_vllm
 from mla_watch.engines.geometry import parse_geometry
@@ -47,7 +47,7 @@ from mla_watch.engines.vllm_weights import (
     read_router_tensors,
     write_router_checkpoint,
 )
-from tests.support import free_port, running_sidecar, serve_app, wait_until
+from tests.mounts import fill, small_tmpfs
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 8,
           "n_routed_experts": 16, "num_experts_per_tok": 4, "topk_method": "noaux_tc"}
@@ -174,8 +174,7 @@ def test_a_router_checkpoint_refuses_what_is_no_whole_router(tmp_path: Path, con
     assert not (tmp_path / "step").exists()
 
 
-def test_a_router_checkpoint_is_written_once_and_whole_or_not_at_all(tmp_path: Path, config_json: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_router_checkpoint_is_written_once_and_whole_or_not_at_all(tmp_path: Path, config_json: Path) -> None:
     write_router_checkpoint(tmp_path / "step-1", routers(), config_json)
     with pytest.raises(ValueError, match=r"directory .*step-1: exists: expected a new path"):
         write_router_checkpoint(tmp_path / "step-1", routers(1), config_json)
@@ -184,13 +183,13 @@ def test_a_router_checkpoint_is_written_once_and_whole_or_not_at_all(tmp_path: P
     with pytest.raises(ValueError, match=r"config_json .*absent\.json: cannot be read \(No such file"):
         write_router_checkpoint(tmp_path / "step-2", routers(), tmp_path / "absent.json")
 
-    def full_disk(source: Any, target: Any) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(weights_module.shutil, "copyfile", full_disk)
-    with pytest.raises(OSError, match="No space left"):
-        write_router_checkpoint(tmp_path / "step-3", routers(), config_json)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["engine-config.json", "step-1"]
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        filler = fill(disk)
+        with pytest.raises(OSError, match=r"model\.safetensors: cannot write it: the disk is full"):
+            write_router_checkpoint(disk / "step-3", routers(), config_json)
+        assert sorted(path.name for path in disk.iterdir()) == ["filler"]
+        filler.unlink()
+        write_router_checkpoint(disk / "step-3", routers(), config_json)
 
 
 # ---------------------------------------------------------------------------------------------- the fake vLLM
@@ -530,9 +529,8 @@ def test_score_errors_name_the_sample_and_what_was_expected(fake: FakeVllm, url:
     assert str(caught.value).startswith(f"vLLM POST {other}/v1/completions, sample 0: ")
 
     fake.completion_padding = 4096
-    monkeypatch.setattr(weights_module, "MAX_SCORE_ANSWER_BYTES", 2048)
     with pytest.raises(SwapError, match=rf"vLLM POST {url}/v1/completions answered \d+ bytes: expected at most 2048"):
-        engine.score([[5, 9]])
+        VllmWeights(url, max_score_answer_bytes=2048).score([[5, 9]])
 
 
 def test_an_engine_error_on_a_score_is_bounded(url: str) -> None:

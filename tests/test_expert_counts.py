@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.support import get_metrics, running_sidecar
 from mla_watch.cli import build_parser
 from mla_watch.routing.ingest import snapshot_body
 from mla_watch.routing.routers import CountDelta, RouterInfo
@@ -31,7 +32,6 @@ from mla_watch.server.expert_counts import ExpertCounts, ExpertSelection
 from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import RoutingCollector
 from tests.client import post
-from tests.support import get_metrics, running_sidecar
 
 CODE = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 SERVICE = {"X-Business-Line": "customer_service"}

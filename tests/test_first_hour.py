@@ -31,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from tests import processes
-from tests.support import REPO, running_sidecar, serve_app, wait_until
+from harness import processes
+from harness.support import REPO, running_sidecar, serve_app, wait_until
 
 CLI = [sys.executable, "-m", "mla_watch.cli"]
 GATE = "model.layers.1.mlp.gate"
@@ -47,7 +47,7 @@ def cli(*args: str, timeout: float = 300, **environment: str) -> subprocess.Comp
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_path, monkeypatch, caplog) -> None:
+def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_path, caplog) -> None:
     import mla_watch
     from mla_watch.server.app import ServerConfig, Sidecar
 
@@ -58,10 +58,9 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
         assert release.wait(120)
         return loaded(*args, **kwargs)
 
-    monkeypatch.setattr(mla_watch, "load_model", held_load)
     caplog.set_level(logging.INFO, logger="mla_watch.server")
     sidecar = Sidecar(ServerConfig(device="cpu", rules=None, state_dir=tmp_path / "state", policy_poll_seconds=None,
-                                   admin_token=None))
+                                   admin_token=None), model_loader=held_load)
     with serve_app(sidecar.app) as url:
         ready = httpx.get(url + "/readyz", timeout=10)
         assert ready.status_code == 503

@@ -13,13 +13,13 @@ import httpx
 import pytest
 import torch
 
+from harness import processes
+from harness.helpers import binary, running_tool
+from harness.receivers import running_receiver
+from harness.support import running_sidecar, wait_until
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.alerting.promexport import export_prometheus
 from mla_watch.alerting.rules import load_rules_dir
-from tests import processes
-from tests.helpers import binary, running_tool
-from tests.receivers import running_receiver
-from tests.support import running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

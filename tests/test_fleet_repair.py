@@ -22,10 +22,9 @@ import httpx
 import pytest
 import torch
 
-from mla_watch.routing.series import FLEET_ROLLOUT_STEPS, FLEET_STORE_UP, total_name
-from tests import processes
-from tests.broken_deploy import BUNDLED
-from tests.fleet_harness import (
+from harness import processes
+from harness.broken_deploy import BUNDLED
+from harness.fleet_harness import (
     LAYER1,
     LEASE_SECONDS,
     POLL_SECONDS,
@@ -36,9 +35,10 @@ from tests.fleet_harness import (
     layer1_alerts,
     serving,
 )
-from tests.postgres import running_cluster
-from tests.receivers import running_receiver
-from tests.support import free_port, metric_sum, start_sidecar, wait_until
+from harness.postgres import running_cluster
+from harness.receivers import running_receiver
+from harness.support import free_port, metric_sum, start_sidecar, wait_until
+from mla_watch.routing.series import FLEET_ROLLOUT_STEPS, FLEET_STORE_UP, total_name
 
 pytestmark = pytest.mark.slow
 

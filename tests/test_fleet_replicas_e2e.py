@@ -14,7 +14,6 @@ Prometheus and Alertmanager come from Debian's packages, which `.ci/run` install
 from __future__ import annotations
 
 import math
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -23,7 +22,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from harness import processes
+from harness.helpers import binary, running_tool
+from harness.receivers import running_receiver
+from harness.support import REPO, running_sidecar, wait_until
 from mla_watch import cli
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.alerting.fleet import (
@@ -37,10 +41,6 @@ from mla_watch.alerting.fleet import (
     REPLICA_KL_BITS,
 )
 from mla_watch.routing.stats import compute_stats
-from tests import processes
-from tests.helpers import binary, running_tool
-from tests.receivers import running_receiver
-from tests.support import REPO, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -201,9 +201,35 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
                     if body.get("status") == "firing"
                     and any(alert["labels"].get("business_line") == line for alert in body["alerts"])]
 
+        def paging_groups(line: str) -> list[dict]:
+            """Alertmanager's groups holding an alert of ``line`` it would send (neither silenced nor inhibited):
+            each pages once, after group_wait, and not again within group_interval."""
+            groups = httpx.get(alertmanager + "/api/v2/alerts/groups", timeout=10,
+                               params={"active": "true", "silenced": "false", "inhibited": "false"}).json()
+            return [group for group in groups if any(alert["labels"].get("business_line") == line
+                                                     for alert in group["alerts"])]
+
+        def paged_already(group: dict, page: dict) -> bool:
+            """Whether Alertmanager's ``group`` is the one that sent ``page`` (it pages again only after
+            group_interval)."""
+            return group["receiver"]["name"] == page["receiver"] and group["labels"] == page["groupLabels"]
+
+        def rule_rounds() -> dict[str, float]:
+            """Prometheus's evaluations so far, by rule group."""
+            text = httpx.get(prometheus.url + "/metrics", timeout=10).text
+            return {sample.labels["rule_group"]: sample.value for family in text_string_to_metric_families(text)
+                    for sample in family.samples if sample.name == "prometheus_rule_group_iterations_total"}
+
+        def settled() -> None:
+            """Every rule group evaluated twice more (what fires has fired and reached Alertmanager by then)."""
+            before = rule_rounds()
+            assert wait_until(lambda: all(rule_rounds().get(group, 0) >= done + 2 for group, done in before.items()),
+                              timeout=60, interval=0.2), logs()
+
         assert wait_until(lambda: bool(notifications(ONE_BROKEN)), timeout=60, interval=0.5), logs()
-        time.sleep(12)  # a second group of the same fault would have paged by now
+        settled()  # a second group of the same fault would be in Alertmanager now, waiting to page
         [page] = notifications(ONE_BROKEN)
+        assert all(paged_already(group, page) for group in paging_groups(ONE_BROKEN)), paging_groups(ONE_BROKEN)
         assert page["commonLabels"].get("instance") == instances[2]  # the page names the broken replica
         assert OUTLIER_ALERT in {alert["labels"]["alertname"] for alert in page["alerts"]}
 
@@ -218,6 +244,7 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
         assert not any(s["metric"].get("business_line") == ALL_BROKEN for s in prometheus.vector(
             f'ALERTS{{alertname="{OUTLIER_ALERT}"}}'))  # everyone alike: no outlier
         assert wait_until(lambda: bool(notifications(ALL_BROKEN)), timeout=60, interval=0.5), logs()
-        time.sleep(12)
+        settled()
         [page] = notifications(ALL_BROKEN)
+        assert all(paged_already(group, page) for group in paging_groups(ALL_BROKEN)), paging_groups(ALL_BROKEN)
         assert page["commonLabels"].get("scope") == "fleet"

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import yaml
 
+from harness import processes
+from harness.support import REPO
 from mla_watch.alerting import fleet
 from mla_watch.alerting.fleet_versions import VERSION_GROUP_NAME, VERSION_SKEW_ALERT
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.routing.series import ROUTING_SLOTS, routing_gauge
 from mla_watch.routing.stats import compute_stats, entropy_bits, minimum_window_tokens
-from tests import processes
-from tests.support import REPO
 
 JOB = "mla_watch"
 ROUTER = "model.layers.1.mlp.gate"

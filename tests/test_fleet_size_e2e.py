@@ -22,6 +22,16 @@ import numpy as np
 import pytest
 import yaml
 
+from harness.helpers import running_tool
+from harness.simulated_fleet import (
+    DEEPSEEK_V3,
+    build_replicas,
+    expected,
+    read_budget,
+    samples_per_evaluation,
+    serving,
+)
+from harness.support import wait_until
 from mla_watch import cli
 from mla_watch.alerting.fleet import (
     FLEET_DEAD_SLOTS,
@@ -38,16 +48,6 @@ from mla_watch.alerting.fleet import (
     REPLICA_KL_BITS,
 )
 from mla_watch.routing.series import BUSINESS_LINE, INSTANCE, ROUTER
-from tests.helpers import running_tool
-from tests.simulated_fleet import (
-    DEEPSEEK_V3,
-    build_replicas,
-    expected,
-    read_budget,
-    samples_per_evaluation,
-    serving,
-)
-from tests.support import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from harness.support import get_metrics, metric_value, wait_until
 from mla_watch.common.tensor_files import BFLOAT16, router_digest, tensors_from_bytes, tensors_to_bytes
 from mla_watch.fleet.fleet_store import FleetStore, FleetStoreError, describe_url
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.routing.series import ROUTER_VERSION_INFO
-from tests.support import get_metrics, metric_value, wait_until
 
 BASE = "base-digest"
 

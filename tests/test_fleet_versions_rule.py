@@ -9,8 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from harness import processes
 from mla_watch.routing.series import ROUTER_VERSION_INFO
-from tests import processes
 
 
 def _series(instance: str, digest: str, values: str) -> dict[str, str]:

@@ -10,9 +10,9 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import processes
 from mla_watch.alerting import fleet
 from mla_watch.dashboards import GRAFANA_DASHBOARD
-from tests import processes
 
 METRIC = re.compile(r"\bmla_watch_[a-z_]+\b")
 # A recording rule's name, `level:metric:operations` (the fleet rules of `rules export --fleet`).

@@ -14,13 +14,13 @@ import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from harness.receivers import running_receiver
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.common.directory_store import ConfigError
 from mla_watch.routing.ingest import IngestError, IngestLimits, RemoteRouting, parse_snapshot
 from mla_watch.server.app import ServerConfig, Sidecar, build_sidecar
-from tests.receivers import running_receiver
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 ADMIN = "hardening-admin-token-0123"
 INGEST = "hardening-ingest-token-0123"
@@ -264,7 +264,7 @@ def test_a_prompt_past_the_context_is_refused_without_the_tokenizers_warning(sid
 def test_a_prompt_over_the_policys_limit_is_counted_as_its_refusal(sidecar, tmp_path) -> None:
     """A prompt over ``max_prompt_tokens`` is the policy's refusal: counted under that parameter, as the status page
     and ``GET /v1/policies`` show a line's refusals."""
-    from tests.support import SHIPPED_POLICIES
+    from harness.support import SHIPPED_POLICIES
 
     url, running = sidecar
     policies = tmp_path / "policies"

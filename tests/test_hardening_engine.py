@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.hostile_engine import CONFIG, GEOMETRY, HostileEngine, ids, vllm_routing
-from tests.support import (
+from harness.hostile_engine import CONFIG, GEOMETRY, HostileEngine, ids, vllm_routing
+from harness.support import (
     answers_counted,
     get_metrics,
     metric_value,

@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from harness.support import running_sidecar, serve_app
 from mla_watch.engines.formats import RoutingPlan, decode_chunk, decode_response, encode_sglang, encode_vllm
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.stream_lines import AnswerTooLarge, EventLines
 from mla_watch.server.upstream_io import BoundedInflater
-from tests.support import running_sidecar, serve_app
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}

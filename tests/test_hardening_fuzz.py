@@ -32,10 +32,10 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from harness.support import running_sidecar
 from mla_watch.routing.ingest import IngestLimits
-from tests.support import running_sidecar
 
-# Over 20 s: a request to an in-process sidecar takes ~45 ms here (tests.support.serve_app's socket is made
+# Over 20 s: a request to an in-process sidecar takes ~45 ms here (harness.support.serve_app's socket is made
 # with proto 0, so asyncio leaves Nagle's algorithm on and each answer waits for a delayed ACK).
 pytestmark = pytest.mark.slow
 

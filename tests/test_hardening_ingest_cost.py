@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.support import running_sidecar
 from mla_watch.routing.ingest import IngestError, IngestLimits, parse_snapshot
-from tests.support import running_sidecar
 
 UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads no model
 INGEST = "ingest-cost-token-0123456789"

@@ -14,11 +14,11 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.helpers import FakeClock, router_stats
+from harness.support import metric_value, running_sidecar, wait_until
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.server import history_api
 from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
-from tests.helpers import FakeClock, router_stats
-from tests.support import metric_value, running_sidecar, wait_until
 
 UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads no model
 DAY = 86400.0

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.support import wait_until
 from mla_watch.common.describe import describe_value
 from mla_watch.common.output_file import write_file
 from mla_watch.common.state_dir import ensure_private_dir, ensure_private_file
@@ -21,7 +22,6 @@ from mla_watch.retune.jobs import JobSpec, RetuneSettings
 from mla_watch.retune.runner import Retuner
 from mla_watch.retune.versions import RouterVersions
 from tests.retune_harness import GATE, Harness, spec
-from tests.support import wait_until
 
 TOKEN = "hardening-retune-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -9,11 +9,10 @@ import sys
 
 import pytest
 
-from mla_watch.common import heap
+from harness import processes
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import RoutingPlan, encode_vllm
 from mla_watch.engines.watch import EngineMetrics, EngineRouting
-from tests import processes
 from tests.test_engine_streams import GEOMETRY, SlowDecoder
 from tests.vllm_twin import VllmTwin
 
@@ -51,11 +50,10 @@ def test_the_heaps_free_pages_go_back_to_the_system() -> None:
     assert figures["released"] - figures["before"] < 20
 
 
-def test_the_count_queue_returns_free_pages_when_it_drains_after_enough_answers(monkeypatch) -> None:
+def test_the_count_queue_returns_free_pages_when_it_drains_after_enough_answers() -> None:
     from prometheus_client import CollectorRegistry
 
     releases: list[int] = []
-    monkeypatch.setattr(heap, "release_free_memory", lambda: releases.append(1) or True)
     routed = encode_vllm(VllmTwin(GEOMETRY).routing([1, 2, 3]), GEOMETRY.num_experts)
     body = json.dumps({"choices": [{"index": 0, "text": "x", "routed_experts": routed}]}).encode()
     plan = RoutingPlan("vllm", GEOMETRY, keep=False)
@@ -71,7 +69,8 @@ def test_the_count_queue_returns_free_pages_when_it_drains_after_enough_answers(
         routing = EngineRouting("vllm", GEOMETRY, EngineMetrics(CollectorRegistry()), window_tokens=None)
         decoder = SlowDecoder()
         decoder.release.set()
-        queue = CountQueue(routing, decoder, release_after_bytes=3 * len(body))
+        queue = CountQueue(routing, decoder, release_after_bytes=3 * len(body),
+                           release=lambda: releases.append(1) or True)
         seen = []
         await drained(queue, 2)  # less than release_after_bytes has passed
         seen.append(len(releases))

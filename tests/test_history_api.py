@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.helpers import DAY, prefill_history
+from harness.support import free_port, running_sidecar, sidecar_process, wait_until
 from mla_watch.history.store import HISTORY_FILE
-from tests.helpers import DAY, prefill_history
-from tests.support import free_port, running_sidecar, sidecar_process, wait_until
 
 GATE = "model.layers.1.mlp.gate"
 

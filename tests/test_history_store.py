@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.helpers import FakeClock
+from harness.helpers import history_record as record
 from mla_watch.alerting.vocabulary import METRICS
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.history.store import HISTORY_METRICS, LIVE_METRICS, HistoryStore, size_bound
-from tests.helpers import FakeClock
-from tests.helpers import history_record as record
 from tests.mounts import fill, small_tmpfs
 
 GATE = "model.layers.1.mlp.gate"

@@ -1,10 +1,11 @@
-"""Every import in tests/ and bench/ resolves from the repository root, at any depth.
+"""Every import in tests/, bench/ and harness/ resolves from the repository root, at any depth.
 
 Collection runs only a module's top-level imports: one in a function body that names a missing module, a helper that
-is not where it says, or a module of tests/ or bench/ by its bare name (``from conftest import ...``, which works only
-while something puts tests/ itself on ``sys.path``) would fail only when that function runs. So every ``.py`` file is
-parsed and each of its imports checked: the module must exist, and a name imported from it must be one the module
-defines (or a submodule of it). Third-party modules in :data:`OPTIONAL` are skipped where they are not installed.
+is not where it says, or a module of tests/, bench/ or harness/ by its bare name (``from conftest import ...``, which
+works only while something puts tests/ itself on ``sys.path``) would fail only when that function runs. So every
+``.py`` file is parsed and each of its imports checked: the module must exist, and a name imported from it must be one
+the module defines (or a submodule of it). Third-party modules in :data:`OPTIONAL` are skipped where they are not
+installed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
-from tests.support import REPO
+from harness.support import REPO
 
-PACKAGES = ("tests", "bench")
+PACKAGES = ("tests", "bench", "harness")
 # Installed only with an extra, a dev tool or an engine of its own; everything else must resolve.
 OPTIONAL = frozenset({"PIL", "cryptography", "huggingface_hub", "hypothesis", "matplotlib", "openai", "sglang",
                       "tokenizers", "torch", "transformers", "triton", "vllm"})
@@ -31,7 +32,7 @@ def sources() -> list[Path]:
 
 @cache
 def bare_names() -> dict[str, str]:
-    """The modules of tests/ and bench/ by the names they would have were either directory on ``sys.path``: the
+    """The modules of tests/, bench/ and harness/ by the names they would have were one directory on ``sys.path``: the
     package each is in."""
     return {path.stem: package for package in PACKAGES for path in (REPO / package).glob("*.py")
             if path.stem != "__init__"}
@@ -91,8 +92,8 @@ def bound(statements: list[ast.stmt]) -> Iterator[str | None]:
 
 @cache
 def local_names(module: str) -> frozenset[str] | None:
-    """What a module of tests/ or bench/ binds at its top level, read from its source: importing each would run every
-    test module and bench at import time."""
+    """What a module of tests/, bench/ or harness/ binds at its top level, read from its source: importing each would
+    run every test module and bench at import time."""
     origin = importlib.util.find_spec(module).origin
     names = set(bound(ast.parse(Path(origin).read_text()).body))
     return ANY_NAME if ANY_NAME in names else frozenset(names)
@@ -115,7 +116,7 @@ def problems(source: str, path: Path) -> list[str]:
         top = module.split(".")[0]
         if "conftest" in (top, module.removeprefix("tests.")):
             found.append(f"{where}:{line}: {module}: conftest.py holds fixtures and hooks only; the helpers are in "
-                         "tests.support")
+                         "harness.support")
         elif top in bare_names():
             found.append(f"{where}:{line}: {module} by its bare name: import it as {bare_names()[top]}.{module}")
         elif not exists(module):
@@ -138,17 +139,17 @@ def helper():
     from tests.conftest import wait_until
     import processes
     from proxy_hop import process_tree_rss
-    from tests.support import no_such_helper
+    from harness.support import no_such_helper
     import no_such_module_anywhere
-    from tests.support import free_port, wait_until
-    from tests import processes
+    from harness.support import free_port, wait_until
+    from harness import processes
     from mla_watch.server.app import Sidecar
 """
     assert [problem.split(": ", 1)[1] for problem in problems(source, REPO / "tests" / "example.py")] == [
-        "conftest: conftest.py holds fixtures and hooks only; the helpers are in tests.support",
-        "tests.conftest: conftest.py holds fixtures and hooks only; the helpers are in tests.support",
-        "processes by its bare name: import it as tests.processes",
+        "conftest: conftest.py holds fixtures and hooks only; the helpers are in harness.support",
+        "tests.conftest: conftest.py holds fixtures and hooks only; the helpers are in harness.support",
+        "processes by its bare name: import it as harness.processes",
         "proxy_hop by its bare name: import it as bench.proxy_hop",
-        "tests.support has no no_such_helper",
+        "harness.support has no no_such_helper",
         "no module no_such_module_anywhere",
     ]

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from harness.helpers import FakeClock, engine_record, write_rules
+from harness.receivers import TestReceiver, running_receiver
 from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.groups import NotificationGroup
@@ -29,8 +31,6 @@ from mla_watch.alerting.vocabulary import (
 )
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_RULES
-from tests.helpers import FakeClock, engine_record, write_rules
-from tests.receivers import TestReceiver, running_receiver
 
 LINE = "code_assistant"
 GATES = tuple(f"model.layers.{layer}.mlp.gate" for layer in (1, 2, 3))

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from harness.receivers import Reply, running_receiver, status
 from mla_watch.alerting.notifiers import (
     NOTIFIER_TYPES,
     ZERO_TIME,
@@ -25,7 +26,6 @@ from mla_watch.alerting.notifiers import (
 )
 from mla_watch.alerting.outbox import Dispatcher, Outbox
 from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
-from tests.receivers import Reply, running_receiver, status
 
 T0 = datetime(2026, 11, 29, 8, 1, 2, 345000, tzinfo=timezone.utc).timestamp()
 T1 = T0 + 600.0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import email.utils
-import errno
 import json
 import os
 import queue
@@ -19,16 +18,15 @@ from pathlib import Path
 
 import pytest
 
+from harness import processes
+from harness.helpers import FakeClock
+from harness.receivers import Reply, running_receiver, status
+from harness.support import REPO, free_port
 from mla_watch.alerting.notifiers import OutgoingRequest, group_key
 from mla_watch.alerting.outbox import Dispatcher, Outbox, OutboxError, backoff_delay, parse_retry_after
 from mla_watch.alerting.vocabulary import Alert, Notification, Receiver
-from mla_watch.common import sqlite as private_database
 from mla_watch.common.state_writes import StateWrites
-from tests import processes
-from tests.helpers import FakeClock
-from tests.mounts import fill, small_tmpfs
-from tests.receivers import Reply, running_receiver, status
-from tests.support import REPO, free_port
+from tests.mounts import fill, read_only, small_tmpfs
 
 T0 = 1_800_000_000.0
 
@@ -380,24 +378,12 @@ def test_missing_state_directory_is_a_clear_error(tmp_path):
         Outbox(blocker / "outbox.db")
 
 
-def test_read_only_state_directory_is_a_clear_error(tmp_path, monkeypatch):
-    state = tmp_path / "state"
-    state.mkdir()
-    state.chmod(0o555)
-    try:
-        if os.geteuid() == 0:  # root ignores directory modes: have the OS say what a read-only mount says
-            def read_only(*args, **kwargs):
-                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(state))
-
-            monkeypatch.setattr(private_database.tempfile, "mkstemp", read_only)
-        with pytest.raises(OutboxError) as err:
-            Outbox(state / "outbox.db")
-    finally:
-        state.chmod(0o755)
+def test_read_only_state_directory_is_a_clear_error(tmp_path):
+    with read_only(tmp_path / "state") as state, pytest.raises(OutboxError) as err:  # root ignores modes: a mount
+        Outbox(state / "outbox.db")
     message = str(err.value)
     assert str(state) in message
-    assert "not writable" in message and "Errno" in message
-    assert ("Read-only" in message) or ("Permission denied" in message)
+    assert "not writable" in message and "Errno" in message and "Read-only" in message
 
 
 def test_outbox_file_is_private_and_in_wal_mode(tmp_path):

@@ -28,13 +28,13 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from harness import processes
+from harness.support import serve_app
 from mla_watch.cli.main import main
 from mla_watch.common.output_file import OutputError, write_file
 from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.routers import RouterInfo
-from tests import processes
 from tests.mounts import fill, is_null_device, null_device, read_only, small_tmpfs
-from tests.support import serve_app
 
 CLI = (sys.executable, "-m", "mla_watch.cli")
 OLD = "old content, kept\n"

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import mla_watch
+from harness.helpers import FakeClock
+from harness.support import get_metrics, long_texts, metric_value, running_sidecar, wait_until
 from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cli import main
@@ -20,8 +22,6 @@ from mla_watch.probe.position_counting import DEFAULT_POSITION_ROWS
 from mla_watch.routing.positions import SHORT_PROMPTS, PositionBuckets, PositionCounts, profile
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.shipped import __file__ as shipped_init
-from tests.helpers import FakeClock
-from tests.support import get_metrics, long_texts, metric_value, running_sidecar, wait_until
 
 SHIPPED_RULES = Path(shipped_init).parent / "rules"
 

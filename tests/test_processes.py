@@ -1,4 +1,4 @@
-"""No process the tests start outlives them: tests/processes.py ends what it started, and tests/process_guard.py
+"""No process the tests start outlives them: harness/processes.py ends what it started, and tests/process_guard.py
 fails a session that leaves one running, names it and ends it, whichever way the session ends.
 
 The guard is checked from the outside: a small pytest session of its own (a subprocess, with the guard loaded as
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
-from tests.support import REPO, wait_until
+from harness import processes
+from harness.support import REPO, wait_until
 
 TESTS = Path(__file__).resolve().parent
 SAYS_READY = "print('ready', flush=True); "
@@ -34,7 +34,7 @@ SLEEPS = "import time; time.sleep(600)"
 INNER = """
 import contextlib, os, pathlib, subprocess, time
 import pytest
-from tests import processes
+from harness import processes
 from tests.test_processes import sleeper
 
 TOKEN = os.environ["GUARD_TOKEN"]
@@ -143,11 +143,13 @@ def test_the_tests_start_processes_only_through_the_helper() -> None:
     direct = re.compile(r"\bsubprocess\.(Popen|run|call|check_call|check_output|getoutput|getstatusoutput)\(|"
                         r"\bos\.(fork|forkpty|system|popen|posix_spawnp?|spawn[lv]p?e?|exec[lv]p?e?)\(|"
                         r"\bmultiprocessing\b|\bcreate_subprocess_(exec|shell)\b")
-    exempt = {"processes.py", Path(__file__).name}  # the helper, and this file (a Popen made to be refused)
-    found = [f"tests/{path.name}:{number}: {line.strip()}" for path in sorted(TESTS.glob("*.py"))
-             if path.name not in exempt
+    # the helper, and this file (a Popen made to be refused); harness/ is what the tests share with the benches
+    exempt = {REPO / "harness" / "processes.py", Path(__file__).resolve()}
+    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+             for path in sorted([*TESTS.glob("*.py"), *(REPO / "harness").glob("*.py")])
+             if path.resolve() not in exempt
              for number, line in enumerate(path.read_text().splitlines(), 1) if direct.search(line)]
-    assert found == [], "start these with tests/processes.py (start, running or run):\n" + "\n".join(found)
+    assert found == [], "start these with harness/processes.py (start, running or run):\n" + "\n".join(found)
 
 
 # --------------------------------------------------------------------------------------------- the session guard

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness import processes
+from harness.support import REPO
 from mla_watch.alerting.promexport import export_prometheus, glob_to_regex, rule_expression
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector, Trend
-from tests import processes
-from tests.support import REPO
 
 ONCALL = {"MLA_WATCH_ONCALL_URL": "https://alerts.example.com/hook"}
 

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from bench.proxy_hop import GENERATED, engine_app
+from harness.canned_engine import GENERATED, engine_app
+from harness.support import running_sidecar, serve_app
 from mla_watch.engines.decoder import RoutingDecoder
-from tests.support import running_sidecar, serve_app
 
 HEADERS = {"X-Business-Line": "code_assistant", "X-Task": "code"}
 LONG_TEXT = "w" * 100_000  # longer than the event loop reads (STRIP_ON_LOOP_BYTES)
@@ -148,7 +148,9 @@ def test_an_idle_pool_stops_its_processes_on_its_own() -> None:
     async def scenario() -> int:
         pid = await decoder.offload(sleep_then_pid, b"0")
         assert decoder.running
-        await asyncio.sleep(1.0)  # the check due 0.3 s after the last answer runs on this loop
+        deadline = time.monotonic() + 30  # the check due 0.3 s after the last answer runs on this loop
+        while decoder.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         assert not decoder.running
         return pid
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from harness.helpers import router_stats
 from mla_watch.alerting.vocabulary import Rule, Selector
 from mla_watch.cause.budget import plan_reading
 from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
@@ -34,7 +35,6 @@ from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import compute_stats
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES
-from tests.helpers import router_stats
 from tests.tiny_models import COMMON, FAMILIES
 
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 64, 6)

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.support import running_sidecar, wait_until
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
-from tests.support import running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

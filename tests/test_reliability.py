@@ -22,11 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.attacks import Plan, Target, render, replay
-from tests import processes
-from tests.client import sse_events
-from tests.receivers import OK, Reply, running_receiver, status
-from tests.support import (
+from harness import processes
+from harness.attacks import Plan, Target, render, replay
+from harness.receivers import OK, Reply, running_receiver, status
+from harness.support import (
     free_port,
     get_metrics,
     memory_kib,
@@ -38,6 +37,7 @@ from tests.support import (
     wait_for_first_readings,
     wait_until,
 )
+from tests.client import sse_events
 
 pytestmark = pytest.mark.slow
 

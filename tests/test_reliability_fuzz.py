@@ -22,12 +22,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.support import REPO, running_sidecar
 from mla_watch.alerting.notifiers import NOTIFIER_TYPES
 from mla_watch.alerting.rules import SEVERITIES, RuleError, load_rules_dir
 from mla_watch.alerting.vocabulary import METRICS
 from mla_watch.policy.files import load_policy_dir
 from mla_watch.policy.model import GOVERNED_PARAMS, PolicyError
-from tests.support import REPO, running_sidecar
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Generating overly large repr")]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support import running_sidecar
+from harness.support import running_sidecar
 
 TOKEN = "api-test-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

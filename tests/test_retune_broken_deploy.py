@@ -1,12 +1,12 @@
 """Issue 15's scenario end to end: a checkpoint deployed with a collapsed router, capture on, the
-shipped rules, short repeated prompts - the loop closes by itself (see tests/broken_deploy.py)."""
+shipped rules, short repeated prompts - the loop closes by itself (see harness/broken_deploy.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from harness.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, final_jobs, run_scenario
 from mla_watch.retune.jobs import RetuneSettings
-from tests.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, final_jobs, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.helpers import FakeClock
+from harness.support import tmpfs
 from mla_watch.quality.local_model import make_batches
 from mla_watch.retune.capture import CaptureError, TokenSample, TrafficCapture
 from mla_watch.retune.data import (
@@ -22,8 +24,6 @@ from mla_watch.retune.data import (
     scored_text,
     split_held_out,
 )
-from tests.helpers import FakeClock
-from tests.support import tmpfs
 
 T0 = 1_000_000.0
 

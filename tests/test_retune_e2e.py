@@ -16,14 +16,14 @@ import pytest
 import torch
 
 import mla_watch
+from harness import processes
+from harness.helpers import write_rules
+from harness.receivers import running_receiver
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from mla_watch.models import corpus
 from mla_watch.models.train import perplexity
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.retune.router_tensors import router_state
-from tests import processes
-from tests.helpers import write_rules
-from tests.receivers import running_receiver
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-import mla_watch.retune.versions as registry_module
 from mla_watch.common.tensor_files import from_torch
 from mla_watch.retune import RouterVersions, router_state
+from tests.mounts import fill, small_tmpfs
 from tests.tiny_models import build
 
 GATE = "model.layers.1.mlp.gate"
@@ -172,20 +172,16 @@ def test_promote_refuses_mismatched_tensors(model: torch.nn.Module, tmp_path: Pa
     assert registry.live_version() == 0
 
 
-def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    registry = RouterVersions(tmp_path)
-    registry.record_initial(model)
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise OSError("disk full")
-
-    monkeypatch.setattr(registry_module, "save_tensors", broken)
-    with pytest.raises(OSError, match="disk full"):
-        registry.save(perturbed(model, 1), {})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["promotions.jsonl", "v0000"]
-    monkeypatch.undo()
-    assert registry.save(perturbed(model, 1), {}) == 1
+def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "disk", "4m") as disk:
+        registry = RouterVersions(disk / "routers")
+        registry.record_initial(model)
+        filler = fill(disk)
+        with pytest.raises(OSError, match="full"):
+            registry.save(perturbed(model, 1), {})
+        assert sorted(p.name for p in (disk / "routers").iterdir()) == ["promotions.jsonl", "v0000"]
+        filler.unlink()
+        assert registry.save(perturbed(model, 1), {}) == 1
 
 
 def test_known_good_is_a_healthy_version_0_a_version_marked_good_or_one_that_passed_its_gates(

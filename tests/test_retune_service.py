@@ -3,18 +3,22 @@ a time, cooldowns, merging, restarts mid-job, missed jobs, gates, rejection, the
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import sqlite3
 import threading
 import time
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness.support import wait_until
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.router_tensors import router_state
 from mla_watch.retune.service import Cooldown
 from tests.retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
-from tests.support import wait_until
 from tests.tiny_models import build
 
 
@@ -282,11 +286,23 @@ def test_a_job_late_beyond_the_misfire_grace_time_is_failed_not_forgotten(tmp_pa
     service.scheduler.pause()
     job_id = service.submit(spec())["id"]
     harness.crash()
-    time.sleep(2.2)
+    down_since(tmp_path / "retune_schedule.sqlite", job_id, seconds=10)
     service = harness.start()
     job = final(service, job_id)
     assert job["status"] == "failed" and job["result"]["error"].startswith("missed: the scheduler was down")
     service.stop()
+
+
+def down_since(schedule: Path, job_id: str, seconds: float) -> None:
+    """Moves the run time ``job_id`` has in APScheduler's SQLite store ``seconds`` back, as the store reads after
+    the scheduler was down that long (instead of waiting it out)."""
+    with contextlib.closing(sqlite3.connect(schedule)) as db, db:
+        (blob,) = db.execute("SELECT job_state FROM apscheduler_jobs WHERE id = ?", (job_id,)).fetchone()
+        state = pickle.loads(blob)
+        state["trigger"].run_date -= timedelta(seconds=seconds)
+        state["next_run_time"] -= timedelta(seconds=seconds)
+        db.execute("UPDATE apscheduler_jobs SET job_state = ?, next_run_time = ? WHERE id = ?",
+                   (pickle.dumps(state), state["next_run_time"].timestamp(), job_id))
 
 
 def test_promotions_survive_a_restart(tmp_path) -> None:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.helpers import FakeClock
 from mla_watch.routing.stats import (
     RollingWindow,
     RoutingStats,
@@ -25,7 +26,6 @@ from mla_watch.routing.stats import (
     minimum_window_tokens,
     normalized_entropy,
 )
-from tests.helpers import FakeClock
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

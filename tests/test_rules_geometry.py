@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mla_watch
+from harness.helpers import FakeClock
 from mla_watch.alerting.lint import lint
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.cli import main
@@ -23,7 +24,6 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_RULES
-from tests.helpers import FakeClock
 from tests.tiny_models import VOCAB, build
 
 # The keys that decide the routers' geometry, from each model's published config.json.

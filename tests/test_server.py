@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from harness.support import get_metrics, metric_value, wait_until
 from tests.client import SQL, post, sse_events
-from tests.support import get_metrics, metric_value, wait_until
 
 pytestmark = pytest.mark.slow
 

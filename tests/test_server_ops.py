@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import mla_watch
+from harness.helpers import FakeClock
+from harness.support import REPO, get_metrics, metric_value, running_sidecar, serve_app, wait_until
 from tests.client import SQL, post, sse_events
-from tests.helpers import FakeClock
-from tests.support import REPO, get_metrics, metric_value, running_sidecar, serve_app, wait_until
 
 pytestmark = pytest.mark.slow
 

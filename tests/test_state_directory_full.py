@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import processes
+from harness import processes
+from harness.receivers import OK, running_receiver, status
+from harness.support import get_metrics, metric_value, running_sidecar, wait_until
 from tests.mounts import fill, small_tmpfs
-from tests.receivers import OK, running_receiver, status
-from tests.support import get_metrics, metric_value, running_sidecar, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from harness.helpers import FakeClock
+from harness.helpers import history_record as record
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.routing.windows import RoutingSnapshot
 from mla_watch.server.history import HistorySampler
 from mla_watch.server.status import counter_values, entropy_band, policies_view, static_file
-from tests.helpers import FakeClock
-from tests.helpers import history_record as record
 
 GATE = "model.layers.1.mlp.gate"
 INDEXER = "model.layers.1.self_attn.indexer"

@@ -31,13 +31,13 @@ import httpx
 import pytest
 import torch
 
+from harness import processes
+from harness.helpers import engine_record, prefill_history, write_rules
+from harness.receivers import running_receiver
+from harness.support import REPO, free_port, long_texts, running_sidecar, serve_app, wait_until
 from mla_watch.alerting.examples import entropy_low_rules
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
-from tests import processes
-from tests.helpers import engine_record, prefill_history, write_rules
-from tests.receivers import running_receiver
-from tests.support import REPO, free_port, long_texts, running_sidecar, serve_app, wait_until
 
 GATE = "model.layers.1.mlp.gate"
 HOT_GATE = "model.layers.2.mlp.gate"
@@ -301,6 +301,16 @@ class Browser:
         self._profile.cleanup()
 
 
+def points_at(sidecar: Sidecar, router: str, line: str, entropy: float, count: int = 3) -> bool:
+    """Whether the live history's last ``count`` points of ``router`` on ``line`` all hold ``entropy`` (the history
+    keeps float32: 4 decimals, give or take the last)."""
+    for series in sidecar.history.recent()["series"]:
+        if series["router"] == router and series["business_line"] == line:
+            tail = series["values"][-count:]
+            return len(tail) == count and all(value is not None and abs(value - entropy) <= 1e-4 for value in tail)
+    return False
+
+
 def artifacts_dir() -> Path:
     directory = Path(os.environ.get("MLA_WATCH_ARTIFACTS", REPO / "test-artifacts"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -374,14 +384,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             routing = {r["name"]: r for r in client.get("/v1/routing",
                                                         params={"business_line": "code_assistant"}).json()["routers"]}
 
-            def history_caught_up() -> bool:  # the history keeps float32: 4 decimals, give or take the last
-                series = sidecar.history.recent()["series"]
-                return any(s["router"] == GATE and s["business_line"] == "code_assistant"
-                           and s["values"][-1] is not None
-                           and abs(s["values"][-1] - routing[GATE]["entropy_bits"]) <= 1e-4 for s in series)
-
-            assert wait_until(history_caught_up, 10)
-            time.sleep(1.0)  # a few history points at the collapsed value, so the heat map shows a red stretch
+            # a few history points at the collapsed value, so the heat map shows a red stretch
+            assert wait_until(lambda: points_at(sidecar, GATE, "code_assistant", routing[GATE]["entropy_bits"]), 10)
 
             link = paged()[0]["annotations"]["dashboard"]
             assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant"
@@ -534,7 +538,8 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
             records = client.get("/v1/routing", params={"business_line": line}).json()["routers"]
             routing = {r["name"]: r for r in records}
             alerts = client.get("/v1/alerts").json()["alerts"]
-            time.sleep(1.5)  # a few history points at the hot value
+            # a few history points at the hot value
+            assert wait_until(lambda: points_at(sidecar, HOT_GATE, line, routing[HOT_GATE]["entropy_bits"]), 10)
             link = paged()[0]["annotations"]["dashboard"]
             browser = Browser()
             try:
@@ -867,7 +872,7 @@ class _ReadingOnItsWay:
 
 def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading_is_due_and_keeps_router_names(
         tmp_path: Path, monkeypatch) -> None:
-    from tests.support import SHIPPED_POLICIES
+    from harness.support import SHIPPED_POLICIES
 
     policies = tmp_path / "policies"
     shutil.copytree(SHIPPED_POLICIES, policies)
@@ -881,7 +886,7 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
         sidecar.metrics.policy_rejections.labels("code_assistant", "code", "max_prompt_tokens").inc(2)
         sidecar.clients.add("code_assistant", "app-1", 600)  # whose tokens the line's window holds
         sidecar.clients.add("code_assistant", "app-2", 400)
-        monkeypatch.setattr(sidecar.alerts.engine, "causes", _ReadingOnItsWay())
+        sidecar.alerts.engine.causes = _ReadingOnItsWay()  # what the sidecar sets to its references
         sidecar.alerts.engine.evaluate([engine_record(4.0, line="code_assistant")])
         (alert,) = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
         assert alert["state"] == "pending" and alert["cause_due_at"] == pytest.approx(

@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 
+from harness import processes
 from mla_watch.server.status import static_file
-from tests import processes
 
 BAND = {"fire_below": 5.0, "resolve_above": 5.2, "fire_above": 6.5, "resolve_below": 6.3}
 

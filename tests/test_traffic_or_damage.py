@@ -1,7 +1,7 @@
 """Traffic or damage, end to end on the bundled model: a client flooding a healthy line pages no one for the model
 and re-fits nothing; a router damaged in place pages on-call as a model change and is repaired.
 
-The scenarios (tests/floods.py, shared with bench/traffic_or_damage.py): ``serve --capture`` in this process,
+The scenarios (harness/floods.py, shared with bench/traffic_or_damage.py): ``serve --capture`` in this process,
 the shipped rules and reference prompts with every hold cut to 0 s (the receivers' group wait to 30 s), on-call and
 the line owners on a real webhook receiver; healthy traffic of four lines until their baselines are learned, then
 the flood or the damage.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.floods import FLOOD_CLIENT, FLOODS, damage_scenario, flood_scenario
+from harness.floods import FLOOD_CLIENT, FLOODS, damage_scenario, flood_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Proof on the bundled model: a slow routing drift warns (RoutingEntropyFalling) days before it pages.
 
-Four simulated days through the real model and probe (tests/drift_replay.py): the correction bias of
+Four simulated days through the real model and probe (harness/drift_replay.py): the correction bias of
 four experts of one router rises by 0.003 every simulated hour, on top of ordinary hourly noise, and
 its entropy sinks from ~5.6 bits to below RoutingEntropyLow's 5.0. The same four days with the noise
 alone raise no trend alert at all.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import mla_watch
-from tests.drift_replay import DRIFTING_ROUTER, replay
+from harness.drift_replay import DRIFTING_ROUTER, replay
 
 TREND_ALERTS = ("RoutingEntropyFalling", "RoutingCollapseForecast")
 DAYS = 4

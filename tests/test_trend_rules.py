@@ -8,13 +8,13 @@ from functools import partial
 
 import pytest
 
+from harness.helpers import FakeClock, engine_record, write_rules
 from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.lint import lint
 from mla_watch.alerting.rules import RuleError, load_rules_dir
 from mla_watch.alerting.trend import MIN_POINTS, TrendSource, crossing_in, enough_data, fit, format_crossing
 from mla_watch.alerting.vocabulary import TEMPLATE_FIELDS, Rule, RuleSet, Selector, Trend
 from mla_watch.routing.routers import RouterInfo
-from tests.helpers import FakeClock, engine_record, write_rules
 from tests.memory_history import MemoryHistory
 
 GATE = "model.layers.2.mlp.gate"

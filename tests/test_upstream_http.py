@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from harness.support import running_sidecar, serve_app
 from mla_watch.server.upstream_http import HEAD_MAX_BYTES, UpstreamClient, UpstreamError
-from tests.support import running_sidecar, serve_app
 
 Script = Callable[[socket.socket, int], None]  # one accepted connection, and how many came before it
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import processes
-from tests.support import REPO, free_port, wait_until
+from harness import processes
+from harness.support import REPO, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -68,6 +68,7 @@ class AlertEngine:
                  render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None,
                  causes: CauseJudge | None = None, writes: StateWrites | None = None) -> None:
         self._clock = clock
+        self.evaluations = 0  # evaluate() calls done: one more is a round of every rule on newer windows
         self._trend_source = trend_source
         self.causes = causes  # tells the model from the traffic (mla_watch.alerting.causes); None: undetermined
         self._alerting = AlertRenderer(lambda: self._rules, render=render, status_url=status_url)
@@ -160,6 +161,7 @@ class AlertEngine:
                 changed = True
             if changed or self._unsaved:
                 self._save()
+            self.evaluations += 1
             return actions
 
     def alerts(self) -> list[AlertInstance]:

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from mla_watch.alerting.durations import format_duration
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.routing.series import (
     DEFAULT_JOB,
     EXPERT,

@@ -42,7 +42,7 @@ from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
 from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
-from mla_watch.common.settings import SettingProblem
+from mla_watch.common.setting_errors import SettingProblem
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.common.values import is_integer
 from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker, read_yaml_document

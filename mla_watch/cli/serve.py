@@ -36,7 +36,7 @@ from mla_watch.cli.flags import (
 from mla_watch.cli.logs import LOG_LEVELS, configure_logging
 from mla_watch.cli.setting_flags import flag_of, flag_text
 from mla_watch.cli.startup import FlagError
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings

@@ -6,7 +6,7 @@ The core names a setting by where :class:`~mla_watch.server.config.ServerConfig`
 
 from __future__ import annotations
 
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.routing.ingest import INGEST_FLAGS
 
 __all__ = ["FIELD_FLAGS", "flag_messages", "flag_of", "flag_text"]

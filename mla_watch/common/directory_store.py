@@ -2,7 +2,7 @@
 
 A directory of ``*.yaml`` / ``*.yml`` files (dotfiles skipped) loads into one value - a
 :class:`~mla_watch.policy.PolicySet`, a :class:`~mla_watch.alerting.vocabulary.RuleSet` - or fails
-with a :class:`~mla_watch.common.settings.SettingsError` (formerly ``ConfigError``) whose ``errors``
+with a :class:`~mla_watch.common.setting_errors.SettingsError` (formerly ``ConfigError``) whose ``errors``
 each name the file, the key, the value and what was expected. :class:`DirectoryStore` holds the value in
 force; a reload that fails keeps it.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 
 __all__ = ["CONFIG_SUFFIXES", "ConfigError", "DirectoryStore", "ReloadResult", "config_files"]
 
@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 
 ConfigError = SettingsError
-"""The former name of :class:`~mla_watch.common.settings.SettingsError`, kept for one release."""
+"""The former name of :class:`~mla_watch.common.setting_errors.SettingsError`, kept for one release."""
 
 
 def config_files(directory: Path) -> list[Path]:

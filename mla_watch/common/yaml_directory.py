@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from mla_watch.common.directory_store import config_files
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 
 __all__ = ["DirectoryRead", "read_yaml_directory"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 
 __all__ = ["INDEX_FILE", "checkpoint_files"]
 

@@ -50,11 +50,15 @@ class _Job:
 
 
 class CountQueue:
-    """Answers whose routing is still to be counted, and the tasks that count them."""
+    """Answers whose routing is still to be counted, and the tasks that count them.
+
+    Once the queue drains after ``release_after_bytes`` of answers, ``release`` returns the heap's free pages to the
+    system (:func:`mla_watch.common.heap.release_free_memory`)."""
 
     def __init__(self, routing: EngineRouting, decoder: RoutingDecoder, *, max_jobs: int = COUNT_QUEUE_JOBS,
                  max_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None,
-                 release_after_bytes: int = RELEASE_AFTER_BYTES) -> None:
+                 release_after_bytes: int = RELEASE_AFTER_BYTES,
+                 release: Callable[[], bool] = heap.release_free_memory) -> None:
         self.routing = routing
         self.capture = capture  # where the token ids of answers asked for them go (serve --capture)
         self._decoder = decoder
@@ -66,6 +70,7 @@ class CountQueue:
         self._consumers: list[asyncio.Task[None]] = []
         self._in_flight = 0
         self.release_after_bytes = release_after_bytes
+        self._release = release
         self._passed = 0  # bytes of answers counted since the heap's free pages were last returned
 
     @property
@@ -154,7 +159,7 @@ class CountQueue:
                 self._passed += len(job.body)
             if not self._jobs and not self._in_flight and self._passed >= self.release_after_bytes:
                 self._passed = 0
-                await asyncio.to_thread(heap.release_free_memory)
+                await asyncio.to_thread(self._release)
 
     async def _drained(self) -> None:
         while self._jobs or self._in_flight:

@@ -27,7 +27,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.engines.formats import DataError, Decoded, RoutingPlan, count_response, decode_chunk, decode_response
 
 __all__ = ["FILE_HANDOFF_BYTES", "DecoderDied", "RoutingDecoder"]

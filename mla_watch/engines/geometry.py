@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.routing.routers import RouterInfo
 
 __all__ = ["EngineGeometry", "GeometryError", "load_geometry", "parse_geometry"]

@@ -9,7 +9,7 @@ decoding processes, the count queue, the stream replayer, the capture) and makes
 
 from __future__ import annotations
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.engines.answer_reader import AnswerReader, PlainReader, ProxiedRequest, ReadingParts
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES, Capture, CountQueue
 from mla_watch.engines.decoder import RoutingDecoder

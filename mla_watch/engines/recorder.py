@@ -119,11 +119,17 @@ class RecorderPoller:
     dump is set aside only once it has settled: its mtime ``settle_seconds`` old on ``clock``
     (wall-clock seconds, as mtimes are), or unchanged since a look that long ago (which a
     clock skewed against the volume's cannot hold back). ``clock`` also paces the log lines.
+
+    ``max_dump_bytes`` and ``max_passes`` bound a file and the rows its tensor may declare (defaults
+    :data:`MAX_DUMP_BYTES` and :data:`MAX_DUMP_PASSES`, the buffer size where that is larger); ``reader``
+    reads one dump (:func:`read_dump`) and ``unlink`` deletes a counted file (:func:`os.unlink`).
     """
 
     def __init__(self, directory: Path, engine_url: str, routing: EngineRouting, *, interval: float = 10.0,
                  buffer_size: int = 1000, timeout: float = 10.0, settle_seconds: float = 2.0,
-                 clock: Callable[[], float] = time.time, credentials: tuple[str, str] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, credentials: tuple[str, str] | None = None,
+                 max_dump_bytes: int = MAX_DUMP_BYTES, max_passes: int = MAX_DUMP_PASSES,
+                 reader: Callable[..., Dump] | None = None, unlink: Callable[[Path], None] = os.unlink) -> None:
         if not interval > 0:
             raise ValueError(f"recorder interval {interval!r}: expected a number of seconds > 0")
         if not timeout > 0:
@@ -144,6 +150,10 @@ class RecorderPoller:
         self.timeout = float(timeout)
         self.settle_seconds = float(settle_seconds)
         self._clock = clock
+        self.max_dump_bytes = max_dump_bytes
+        self.max_passes = max_passes
+        self._read = read_dump if reader is None else reader  # read_dump is defined below this class
+        self._unlink = unlink
         self._lock = threading.Lock()  # one poll at a time: a file must not be counted by two
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -292,14 +302,16 @@ class RecorderPoller:
                 return None
             if _signature(info) != signature:  # replaced or written to since listed: the next poll looks again
                 return None
-            if info.st_size > MAX_DUMP_BYTES:
+            if info.st_size > self.max_dump_bytes:
                 self._skipped.add(name)
-                return self._reject(path, "too_large", f"{path}: {info.st_size} bytes, larger than {MAX_DUMP_BYTES}; "
+                return self._reject(path, "too_large", f"{path}: {info.st_size} bytes, larger than "
+                                    f"{self.max_dump_bytes}; "
                                     "expected a stat-mode recorder dump; it is left there and not read again")
             dump: Dump | None = None
             reason = message = ""
             try:
-                dump = read_dump(handle, path, self.routing.geometry, max_passes=max(MAX_DUMP_PASSES, self.buffer_size))
+                limit = max(self.max_passes, self.buffer_size)
+                dump = self._read(handle, path, self.routing.geometry, max_passes=limit)
             except DumpError as error:
                 reason, message = error.reason, str(error)
             except Exception as error:  # torch or numpy on a crafted tensor: it must not stop the poller
@@ -346,7 +358,7 @@ class RecorderPoller:
 
     def _delete(self, path: Path) -> None:
         try:
-            os.unlink(path)
+            self._unlink(path)
         except FileNotFoundError:
             pass
         except OSError as error:

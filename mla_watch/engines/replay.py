@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mla_watch.common.settings import SettingProblem
+from mla_watch.common.setting_errors import SettingProblem
 from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineMetrics

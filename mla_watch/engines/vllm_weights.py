@@ -291,14 +291,15 @@ class VllmWeights(EngineWeights):
     ``geometry`` (the engine's :class:`EngineGeometry`) is needed for routing: with it, a score carries the
     routing of its prompt rows at the MoE layers when the engine returns any; without it, none.
     ``model``: the served model name sent with each score (vLLM's default model when ``None``). A ``transport``
-    given serves every call as it is (its own connection pool).
+    given serves every call as it is (its own connection pool). ``max_score_answer_bytes`` bounds the answer to one
+    score (default :data:`MAX_SCORE_ANSWER_BYTES`).
     """
 
     name = "vllm"
 
     def __init__(self, base_url: str, *, model: str | None = None, timeout: float = 60.0,
                  api_key: str | None = None, transport: httpx.BaseTransport | None = None,
-                 geometry: EngineGeometry | None = None) -> None:
+                 geometry: EngineGeometry | None = None, max_score_answer_bytes: int = MAX_SCORE_ANSWER_BYTES) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {str(base_url)[:200]!r}: expected http://HOST:PORT of the engine")
         if not timeout > 0:
@@ -307,6 +308,7 @@ class VllmWeights(EngineWeights):
         self.model = model
         self.timeout = timeout
         self.geometry = geometry
+        self.max_score_answer_bytes = max_score_answer_bytes
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport)
         # A fresh connection for each dev-endpoint call: vLLM's catch-all handler re-raises after its 500 (a
@@ -388,7 +390,7 @@ class VllmWeights(EngineWeights):
             body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
             if self.model is not None:
                 body["model"] = self.model
-            answer = self._call("POST", "/v1/completions", json_body=body, limit=MAX_SCORE_ANSWER_BYTES)
+            answer = self._call("POST", "/v1/completions", json_body=body, limit=self.max_score_answer_bytes)
             scores.append(self._sample_score(answer, ids, index))
         return scores
 

@@ -38,7 +38,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.common.values import is_number
 from mla_watch.common.yamlcheck import fmt as _fmt
 from mla_watch.policy.params import SAMPLING_PARAMS, Domain

@@ -40,7 +40,7 @@ import numpy as np
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.readers import ReferenceReader
 from mla_watch.common.output_file import write_error
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore

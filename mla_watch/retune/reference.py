@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors import SafetensorError
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, read_tensors
 from mla_watch.engines.checkpoints import checkpoint_files
 
@@ -35,7 +35,7 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> Ro
     """The tensors named in ``live`` (the live router state: numpy arrays, or a torch model's tensors), read from
     the checkpoint in ``directory``, in the live tensors' dtypes.
 
-    A :class:`~mla_watch.common.settings.SettingsError` about ``reference_model`` naming the directory, the
+    A :class:`~mla_watch.common.setting_errors.SettingsError` about ``reference_model`` naming the directory, the
     tensor and what was expected when one is missing or has another shape, or the checkpoint cannot be read.
     """
     directory = Path(directory)

@@ -48,7 +48,7 @@ import numpy as np
 
 from mla_watch.common.describe import describe_value
 from mla_watch.common.output_file import write_error, write_file
-from mla_watch.common.settings import SettingsError
+from mla_watch.common.setting_errors import SettingsError
 from mla_watch.common.state_dir import set_aside
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
@@ -149,13 +149,14 @@ class Baselines:
     """The healthy baseline of every (router, business line), learned or set, persisted at ``path``.
 
     ``learn_tokens``: how many tokens a series' window must hold before it is taken as that series'
-    baseline; ``gate``: which windows' clients may make one. Thread-safe; :attr:`version` changes whenever a
-    baseline is added, replaced or dropped.
+    baseline; ``gate``: which windows' clients may make one; ``max_counts``: the selection counts held in all
+    (default :data:`MAX_COUNTS`). Thread-safe; :attr:`version` changes whenever a baseline is added, replaced or
+    dropped.
     """
 
     def __init__(self, path: Path | None = None, *, learn_tokens: int = DEFAULT_LEARN_TOKENS,
                  clock: Callable[[], float] = time.time, writes: StateWrites | None = None,
-                 gate: ClientGate | None = None) -> None:
+                 gate: ClientGate | None = None, max_counts: int = MAX_COUNTS) -> None:
         if not isinstance(learn_tokens, int) or isinstance(learn_tokens, bool) or learn_tokens < 1:
             raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
         self.gate = gate or ClientGate()
@@ -163,6 +164,7 @@ class Baselines:
             raise SettingsError(problems)
         self.path = path
         self.learn_tokens = learn_tokens
+        self.max_counts = max_counts
         self._clock = clock
         self.writes = writes
         self._unsaved = False  # the last save was refused: save again at the next learn() past _save_again_at
@@ -344,9 +346,9 @@ class Baselines:
                 if old is not None and not replace:
                     continue
                 grown = held + baseline.counts.size - (0 if old is None else old.counts.size)
-                if (old is None and len(self._series) >= MAX_SERIES) or grown > MAX_COUNTS:
+                if (old is None and len(self._series) >= MAX_SERIES) or grown > self.max_counts:
                     full = (f"the baselines are full ({len(self._series)} series, {held} counts; at most "
-                            f"{MAX_SERIES} series and {MAX_COUNTS} counts): {baseline.router} / "
+                            f"{MAX_SERIES} series and {self.max_counts} counts): {baseline.router} / "
                             f"{baseline.business_line} and the series after it are not kept")
                     continue
                 self._series[key] = baseline

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.settings import SettingProblem
+from mla_watch.common.setting_errors import SettingProblem
 from mla_watch.common.values import is_integer, is_number
 
 __all__ = ["DEFAULT_MAX_CLIENT_SHARE", "DEFAULT_MIN_CLIENTS", "MAX_CLIENTS_KEPT", "ClientGate", "ClientMix"]

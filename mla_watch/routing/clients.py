@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.client_names import OTHER, UNKNOWN
 from mla_watch.routing.windows import ALL_LINES

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.describe import describe_value
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.values import is_integer
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.routers import CountDelta, RouterInfo, parse_zero_slots

@@ -33,7 +33,7 @@ from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.vocabulary import RuleSet
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult
-from mla_watch.common.settings import FieldNamer, SettingsError
+from mla_watch.common.setting_errors import FieldNamer, SettingsError
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.routing_fields import RoutingLayout
@@ -75,9 +75,11 @@ class Sidecar:
     """Owns the model (or the upstream client), the policies and the metrics; builds the app."""
 
     def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 model_loader: Callable[..., tuple[Any, Any]] | None = None) -> None:
         self.config = config
         self.clock = clock
+        self._model_loader = model_loader  # mla_watch.load_model's signature; None: load_model itself
         check_tokens(config)
         ensure_private_dir(config.state_dir)  # 0700 before anything is written there: it holds traffic
         # Which of its files cannot be written (a full or read-only disk): every store tells it; /readyz and
@@ -255,7 +257,7 @@ class Sidecar:
         log.info("loading the model %s (device %s): until it is ready, completions answer 503 and /readyz "
                  "\"loading\"", config.model, config.device)
         try:
-            model, tokenizer = load_model(config.model, device=config.device)
+            model, tokenizer = (self._model_loader or load_model)(config.model, device=config.device)
             serving.self_test = attention_self_test(model, config.attn_implementation)
             (log.warning if serving.self_test.refused else log.info)(serving.self_test.message)
             self.metrics.attention_fallback.set(1 if serving.self_test.refused else 0)

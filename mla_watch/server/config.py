@@ -8,7 +8,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.reading import ENGINE_CHOICES, NO_ENGINE  # ENGINE_CHOICES: the flag's, re-exported
@@ -180,7 +180,7 @@ SERVER_SETTINGS = "server configuration"
 """What a :class:`SettingsError` about the server's own settings (an environment variable, a flag) calls them."""
 
 ServerConfigError = SettingsError
-"""The former name of :class:`~mla_watch.common.settings.SettingsError`, kept for one release."""
+"""The former name of :class:`~mla_watch.common.setting_errors.SettingsError`, kept for one release."""
 
 
 def check_tokens(config: ServerConfig) -> None:

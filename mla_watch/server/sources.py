@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from mla_watch.common.settings import SettingProblem, SettingsError
+from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.engines.geometry import load_geometry
 from mla_watch.engines.reading import reads_routing
 from mla_watch.engines.recorder import RECORDER_ENGINE

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 import mla_watch
+from harness.helpers import FakeClock
 from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.vocabulary import RuleSet
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.shipped import SHIPPED_RULES
-from tests.helpers import FakeClock
 
 __all__ = ["DRIFTING_ROUTER", "LINE", "Firing", "Replay", "replay", "shipped_rules"]
 

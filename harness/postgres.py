@@ -2,7 +2,7 @@
 loopback port with its socket in that directory, as the ``postgres`` user when the tests run as root (PostgreSQL
 refuses to run as root). ``./test`` and ``.ci/run`` install Debian's ``postgresql`` where ``initdb`` is missing.
 
-The server runs in the foreground as a process of :mod:`tests.processes` (not daemonised by ``pg_ctl``), so it ends
+The server runs in the foreground as a process of :mod:`harness.processes` (not daemonised by ``pg_ctl``), so it ends
 with the fixture that started it, and the run's process guard knows it.
 """
 
@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests import processes
-from tests.support import free_port
+from harness import processes
+from harness.support import free_port
 
 __all__ = ["PostgresCluster", "postgres_bin", "running_cluster"]
 
@@ -90,7 +90,7 @@ class PostgresCluster:
 
     def stop(self) -> None:
         """Stop the server: a fast shutdown (SIGINT: clients are cut off, not waited for), then
-        :func:`tests.processes.stop` for whatever is left."""
+        :func:`harness.processes.stop` for whatever is left."""
         if self._server is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._server.pid, signal.SIGINT)

