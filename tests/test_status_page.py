@@ -871,7 +871,7 @@ class _ReadingOnItsWay:
 
 
 def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading_is_due_and_keeps_router_names(
-        tmp_path: Path, monkeypatch) -> None:
+        tmp_path: Path) -> None:
     from harness.support import SHIPPED_POLICIES
 
     policies = tmp_path / "policies"
