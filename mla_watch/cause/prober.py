@@ -114,6 +114,8 @@ class ReferenceProber:
         self._wanted: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Held while a reading is recorded and learned: a stop waits for one under way, and none starts after it.
+        self._recording = threading.Lock()
         self._thread: threading.Thread | None = None
         self._retry_at: dict[str, float] = {}  # a set whose reading failed, read again then (monotonic)
         self._long_free_at = 0.0  # no long set is read before then (monotonic): long_share of the reader's time
@@ -130,11 +132,28 @@ class ReferenceProber:
         self._thread = threading.Thread(target=self._run, name="mla-watch-reference", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def abandon(self) -> None:
+        """Stop reading at once: no set is started again, the reader sends no further request, and a reading still in
+        flight is discarded when it ends (never learned as a baseline, never recorded)."""
+        recording = self._recording.acquire(timeout=1.0)  # a reading being recorded (a file write) ends first
+        try:
+            self._stop.set()
+        finally:
+            if recording:
+                self._recording.release()
         self._wake.set()
+        cancel = getattr(self.reader, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """:meth:`abandon`, then wait up to ``timeout`` seconds for the reading thread (one blocked in an engine's
+        answer is left to end with the process: what it would bring is discarded)."""
+        self.abandon()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.info("the reference reading in flight through %s was abandoned at the stop", self.reader.where)
 
     def _run(self) -> None:
         interval, long_interval = self.settings.interval_seconds, self.settings.long_interval_seconds
@@ -190,7 +209,7 @@ class ReferenceProber:
         long_seconds = 0.0
         for name in (list(sets) if names is None else names):
             reference = sets.get(name)
-            if reference is None:
+            if reference is None or self._stop.is_set():
                 continue
             started = time.monotonic()
             reading = self._read(reference)
@@ -213,6 +232,8 @@ class ReferenceProber:
         try:
             score = self.reader.read(reference)
         except Exception as error:  # an engine restarting, a full queue: said when an alert asks
+            if self._stop.is_set():  # abandoned at the stop: not a failure of the engine
+                return None
             why = f"{type(error).__name__}: {str(error)[:300]}"
             with self._lock:
                 self._failures[reference.name] = (self._clock(), why)
@@ -220,6 +241,15 @@ class ReferenceProber:
             log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
                         reference.name, self.reader.where, self.settings.retry_seconds, why)
             return None
+        with self._recording:
+            if self._stop.is_set():  # taken past the stop: its routers may be mid-swap, and nobody waits for it
+                log.info("the reading of the reference prompts %s, ended after the stop began, is discarded",
+                         reference.name)
+                return None
+            return self._record(reference, taken_at, version, score, started)
+
+    def _record(self, reference: ReferenceSet, taken_at: float, version: int | None, score: Any,
+                started: float) -> ReferenceReading:
         plan = self.reader.plan(reference)
         note = None if plan is None else plan.note
         if note is not None and note != self._noted.get(reference.name):

@@ -29,7 +29,7 @@ from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
 
 __all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "MAX_ENGINE_PROMPT_TOKENS", "EngineReader",
-           "ModelReader", "ReferenceReader", "model_context", "reference_batches"]
+           "ModelReader", "ReadingAbandoned", "ReferenceReader", "model_context", "reference_batches"]
 
 DEFAULT_ENGINE_PROMPT_TOKENS = 8192  # --reference-max-tokens: a prompt's tokens read through an engine
 # At most: the engine's answer to one prompt (a log-probability and every MoE layer's routing a token, ~0.8 KB on
@@ -128,13 +128,17 @@ class ModelReader(ReferenceReader):
             del copy
 
 
+class ReadingAbandoned(RuntimeError):
+    """A reading stopped before its end (:meth:`EngineReader.cancel`): the sidecar is stopping."""
+
+
 class EngineReader(ReferenceReader):
     """Reference prompts through the engine beside the sidecar (:class:`~mla_watch.engines.swap.EngineWeights`),
-    started at ``rate`` prompts a second at most, ``concurrency`` at a time (the engine batches them): it serves
-    clients first."""
+    started at ``rate`` prompts a second at most, ``concurrency`` at a time (one by default, sent from the reading
+    thread: a reference prompt takes one slot of the engine's batch at most, so that clients come first)."""
 
     def __init__(self, weights: Any, geometry: Any, *, rate: float, max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS,
-                 concurrency: int = 4, clock: Callable[[], float] = time.monotonic,
+                 concurrency: int = 1, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if not rate > 0:
             raise ValueError(f"rate = {rate!r}: expected requests a second > 0")
@@ -151,10 +155,17 @@ class EngineReader(ReferenceReader):
         self._next = 0.0
         self._plans: dict[str, ReadPlan] = {}  # by the set's digest
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
         self.requests = 0  # sent to the engine, tokenizing included
         self.tokens = 0  # prompt tokens scored by the engine
 
+    def cancel(self) -> None:
+        """No request is sent from now on: a reading under way raises :class:`ReadingAbandoned` before its next."""
+        self._cancelled.set()
+
     def _pace(self) -> None:
+        if self._cancelled.is_set():
+            raise ReadingAbandoned(f"the reading through {self.where} was abandoned: the sidecar is stopping")
         now = self._clock()
         if now < self._next:
             self._sleep(self._next - now)
@@ -163,6 +174,12 @@ class EngineReader(ReferenceReader):
 
     def _paced(self, call: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         """``call`` of each item, started at the pace, ``concurrency`` at a time; the results in order."""
+        if self.concurrency == 1:  # in this thread: nothing else to wait for when the sidecar stops
+            results = []
+            for item in items:
+                self._pace()
+                results.append(call(item))
+            return results
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mla-watch-reference") as pool:
             futures = []
             for item in items:

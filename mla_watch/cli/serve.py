@@ -34,6 +34,7 @@ from mla_watch.cli.flags import (
     upstream_url,
 )
 from mla_watch.cli.startup import FlagError
+from mla_watch.common.stop_budget import CONNECTIONS_SECONDS
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
@@ -54,6 +55,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         bind_listener,
         check_serve_flags,
         default_public_url,
+        end_abandoned_work,
         held_logs,
         one_thread_for_the_bundled_model,
         run_server,
@@ -148,7 +150,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
     if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds
         one_thread_for_the_bundled_model(args.model, args.device)
-    run_server(sidecar.app, sock, host=args.host, port=port, log_level="info", timeout_graceful_shutdown=30)
+    # SIGTERM to the process's end within STOP_SECONDS: requests in flight get CONNECTIONS_SECONDS, the sidecar's
+    # parts PARTS_SECONDS (mla_watch.common.stop_budget).
+    run_server(sidecar.app, sock, host=args.host, port=port, log_level="info",
+               timeout_graceful_shutdown=CONNECTIONS_SECONDS)
+    end_abandoned_work()
     return 0
 
 

@@ -35,6 +35,7 @@ from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.common.stop_budget import PARTS_SECONDS, StopBudget
 from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
@@ -330,24 +331,29 @@ class Sidecar:
             log.info("status page: %s/", config.public_url.rstrip("/"))
 
     async def _shutdown(self) -> None:
+        # One budget for every part (mla_watch.common.stop_budget): a part that overruns leaves less to the next.
+        budget = StopBudget()
+        log.info("stopping: what is in flight is given %g s", PARTS_SECONDS)
+        self.references.abandon()  # first: no reading is learned or recorded once the stop began
         self.heavy_reads.shutdown()
         self._monitoring.shutdown(wait=False, cancel_futures=True)
         self._history_sampler.stop()
-        if self._upstream_side is not None:
-            await self._upstream_side.close()
+        if self._upstream_side is not None:  # counts queued: counted within their drain, or dropped and counted so
+            await self._upstream_side.close(budget)
         for stop in self._stop_watches:
             stop()
-        await asyncio.to_thread(self.references.stop)
-        if self.alerts is not None:
-            await asyncio.to_thread(self.alerts.stop)
+        await asyncio.to_thread(self.references.stop, budget.left())
+        if self.alerts is not None:  # the outbox and the alert state saved
+            await asyncio.to_thread(self.alerts.stop, budget.left())
         if self.history_store is not None:  # once nothing writes (the reference readings) or reads it (trend rules)
             self.history_store.close()
         if self.serving.model_worker is not None:
-            await asyncio.to_thread(self.serving.model_worker.close)
+            await asyncio.to_thread(self.serving.model_worker.close, budget.left())
         if self.serving.fleet is not None:  # before the re-tune service: a round may promote through it
-            await asyncio.to_thread(self.serving.fleet.stop)
+            await asyncio.to_thread(self.serving.fleet.stop, budget.left())
         if self.serving.retune is not None:
-            await asyncio.to_thread(self.serving.retune.stop)
+            await asyncio.to_thread(self.serving.retune.stop, budget.left())
+        log.info("stopped in %.1f s", PARTS_SECONDS - budget.left())
 
     # ------------------------------------------------------------------ routes
     def _routes(self) -> list[Route]:

@@ -147,9 +147,14 @@ class References:
             return undetermined(self.unavailable or "no reference prompts are read here")
         return self.prober.judge(rule, record, since)
 
-    def stop(self) -> None:
+    def abandon(self) -> None:
+        """Stop reading at once (a stop began): a reading in flight is discarded, none is learned from now on."""
         if self.prober is not None:
-            self.prober.stop()
+            self.prober.abandon()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.prober is not None:
+            self.prober.stop(timeout)
 
     # ------------------------------------------------------------------ what readings feed
     def _recorded(self, reading: ReferenceReading) -> None:
