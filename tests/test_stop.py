@@ -113,3 +113,11 @@ def test_sigterm_during_a_reference_reading_ends_the_sidecar_in_its_grace_with_i
     assert pages and all(receiver == "oncall" and b"StopFlood" in body for receiver, body in pages), pages
     alerts = json.loads((state / "alerts.json").read_text())
     assert "StopFlood" in json.dumps(alerts)
+
+
+def test_the_pod_examples_give_a_grace_that_covers_the_stop() -> None:
+    import yaml
+
+    for name in ("vllm-pod.yaml", "sglang-pod.yaml"):
+        pod = yaml.safe_load((Path(__file__).parent.parent / "deploy" / name).read_text())
+        assert pod["spec"]["terminationGracePeriodSeconds"] >= 2 * STOP_SECONDS, name
