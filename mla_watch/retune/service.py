@@ -399,6 +399,8 @@ class RetuneService:
     def promote(self, version: int) -> dict[str, Any]:
         """Swap ``version`` into the live model between two forward passes (into the engine: one swap at a time);
         what the swap took."""
+        if self._abandoned.is_set():
+            raise JobAbandoned(f"router version {version} is not promoted: the sidecar stopped during its job")
         tensors = self.registry.load(version)  # read and checked before the lock is taken
         names = sorted({name.rsplit(".", 1)[0] for name in tensors})
         with self._promoting:
