@@ -66,6 +66,9 @@ class ReferenceSettings:
     max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS  # beside an engine: a prompt's tokens read at most
     long_interval_seconds: float = 1800.0  # the long sets read this often (0: at start, then only when an alert asks)
     long_share: float = 0.05  # of the reader's time, at most, spent reading long sets
+    # Beside vLLM run with --scheduling-policy priority: the request priority of reference prompts (vLLM serves a
+    # lower value first; clients send 0). None: the field is not sent (vLLM refuses it under its default policy).
+    priority: int | None = None
 
     def problems(self) -> list[str]:
         checks = [("--reference-interval", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
@@ -78,6 +81,8 @@ class ReferenceSettings:
                    "a share of the reader's time in (0, 1]")]
         found = [f"{flag} {value!r}: expected {expected}" for flag, value, ok, expected in checks
                  if not (is_number(value, finite=True) and ok)]
+        if self.priority is not None and not (is_integer(self.priority) and -(2 ** 31) < self.priority < 2 ** 31):
+            found.append(f"--reference-priority {self.priority!r}: expected an integer (vLLM's request priority)")
         if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
             found.append(f"--reference-max-tokens {self.max_tokens!r}: expected tokens a prompt from 16 to "
                          f"{MAX_ENGINE_PROMPT_TOKENS}")
@@ -176,20 +181,31 @@ class ReferenceProber:
             now = time.monotonic()
             sets = self._sets()
             with self._lock:
-                names, self._wanted = set(self._wanted), set()
+                asked, self._wanted = set(self._wanted), set()
                 retries = {name for name, at in self._retry_at.items() if at <= now}
-            names |= retries
+            periodic: set[str] = set()
             if now >= due:
-                names |= {reference.name for reference in sets.for_line(None)}
+                periodic |= {reference.name for reference in sets.for_line(None)}
                 due = now + interval
             if now >= long_due:
-                names |= {reference.name for reference in sets.long_sets()}
+                periodic |= {reference.name for reference in sets.long_sets()}
                 long_due = now + long_interval
-            names = self._pace_long(names, sets, now)
+            names = self._pace_long(asked | retries | periodic, sets, now)
+            # The sets a pending alert asked for first: its page waits for its own line's sets, not for a round.
+            first = sorted(names & asked)
             try:
-                self.read_now(sorted(names))
+                self.read_now([*first, *sorted(names - set(first))], asked_first=True)
             except Exception:  # the prober must outlive whatever one round hits
                 log.exception("reading the reference prompts failed")
+
+    def _asked_first(self, order: list[str]) -> list[str]:
+        """``order`` with the sets asked for since it was made ahead of the rest (long ones within their share)."""
+        with self._lock:
+            asked, self._wanted = set(self._wanted), set()
+        if not asked:
+            return order
+        asked = self._pace_long(asked, self._sets(), time.monotonic())
+        return [*sorted(asked), *(name for name in order if name not in asked)]
 
     def _pace_long(self, names: set[str], sets: ReferenceSets, now: float) -> set[str]:
         """``names`` less the long sets that may not be read yet (kept for when they may), plus those that now may."""
@@ -202,12 +218,17 @@ class ReferenceProber:
         return names
 
     # ------------------------------------------------------------------ readings
-    def read_now(self, names: Sequence[str] | None = None) -> list[ReferenceReading]:
-        """Read the sets ``names`` (every set for ``None``) now, in this thread; the readings taken."""
+    def read_now(self, names: Sequence[str] | None = None, *, asked_first: bool = False) -> list[ReferenceReading]:
+        """Read the sets ``names`` (every set for ``None``) now, in this thread; the readings taken. ``asked_first``:
+        before each set, the sets an alert asked for meanwhile (:meth:`request`) go ahead of those left."""
         sets = self._sets().sets
         taken = []
         long_seconds = 0.0
-        for name in (list(sets) if names is None else names):
+        order = list(sets) if names is None else list(names)
+        while order:
+            if asked_first:
+                order = self._asked_first(order)
+            name = order.pop(0)
             reference = sets.get(name)
             if reference is None or self._stop.is_set():
                 continue

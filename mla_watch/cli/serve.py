@@ -139,7 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               interval_seconds=args.reference_interval, wait_seconds=args.reference_wait,
                               tolerance_bits=args.reference_tolerance, rate=args.reference_rate,
                               max_tokens=args.reference_max_tokens, long_interval_seconds=args.reference_long_interval,
-                              long_share=args.reference_long_share),
+                              long_share=args.reference_long_share, priority=args.reference_priority),
                           client_id=args.client_id, capture_max_client_share=args.capture_max_client_share,
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
                                                           max_bytes=args.router_versions_max_bytes),
@@ -352,6 +352,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="long sets take at most this share of the reader's time (the engine's prefill, or the "
                             "model served here): after a reading of T seconds the next waits T x (1 / SHARE - 1) "
                             "(default %(default)s)")
+    cause.add_argument("--reference-priority", type=int, default=None, metavar="N",
+                       help="beside vLLM started with --scheduling-policy priority: the request priority of reference "
+                            "prompts (vLLM serves a lower value first, and clients send 0: a value above 0 lets "
+                            "clients go first); default: not sent (vLLM refuses it under its default policy)")
     cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
                        help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "
                             "(the body's user field), api-key (a hash of the bearer key, never the key), remote "

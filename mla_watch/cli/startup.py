@@ -243,6 +243,9 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"--model-config {_shown(args.model_config)}: "
                         f"{'no config.json in it' if args.model_config.is_dir() else 'no such file or directory'}: "
                         "expected the config.json the engine loaded, or its directory")
+    if getattr(args, "reference_priority", None) is not None and args.engine not in ("vllm", "auto"):
+        raise FlagError(f"--reference-priority {args.reference_priority}: the request priority is vLLM's: expected "
+                        f"--engine vllm (not {args.engine})")
     if args.reference_model is not None:
         _existing_dir("--reference-model", args.reference_model, "the checkpoint directory of the served model")
         if not any(args.reference_model.glob("*.safetensors")):

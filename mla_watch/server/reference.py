@@ -79,6 +79,7 @@ class References:
             weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
                                      geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
             assert weights is not None  # a swapping engine's
+            weights.priority = config.reference.priority  # scoring yields to clients in vLLM's priority scheduler
             self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
                                                max_tokens=config.reference.max_tokens)
         return self._engine_reader
