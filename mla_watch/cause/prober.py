@@ -28,6 +28,7 @@ reader's time (the engine's prefill beside vLLM or SGLang; the model's here).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -40,7 +41,12 @@ from mla_watch.alerting.causes import Cause, undetermined
 from mla_watch.alerting.model import breached, judged_window
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
-from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
+from mla_watch.cause.readers import (
+    DEFAULT_ENGINE_PROMPT_TOKENS,
+    MAX_ENGINE_PROMPT_TOKENS,
+    ReadingDeferred,
+    ReferenceReader,
+)
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.clients import ClientShares
@@ -127,6 +133,7 @@ class ReferenceProber:
         self._long_last_seconds = 0.0  # how long the last round of long readings took
         self._deferred: set[str] = set()  # long sets asked for, read once they may be
         self.readings_taken = 0
+        self.rounds_deferred = 0  # rounds stopped early: clients waited longer than usual
 
     @property
     def wait_seconds(self) -> float:
@@ -198,6 +205,16 @@ class ReferenceProber:
             except Exception:  # the prober must outlive whatever one round hits
                 log.exception("reading the reference prompts failed")
 
+    def _defer(self, names: list[str], why: str) -> None:
+        """The sets ``names`` read ``retry_seconds`` from now: clients wait longer than usual (no failure: an alert
+        asking meanwhile waits for them, within its wait)."""
+        at = time.monotonic() + self.settings.retry_seconds
+        with self._lock:
+            for name in names:
+                self._retry_at[name] = at
+            self.rounds_deferred += 1
+        log.info("reference prompts %s: read again in %g s (%s)", ", ".join(names), self.settings.retry_seconds, why)
+
     def _asked_first(self, order: list[str]) -> list[str]:
         """``order`` with the sets asked for since it was made ahead of the rest (long ones within their share)."""
         with self._lock:
@@ -233,7 +250,11 @@ class ReferenceProber:
             if reference is None or self._stop.is_set():
                 continue
             started = time.monotonic()
-            reading = self._read(reference)
+            try:
+                reading = self._read(reference)
+            except ReadingDeferred as deferred:  # clients first: this set and the rest of the round, later
+                self._defer([name, *order], str(deferred))
+                break
             if reference.long:
                 long_seconds += time.monotonic() - started
             if reading is not None:
@@ -250,8 +271,12 @@ class ReferenceProber:
         # first), so a reading begun before an alert went pending never speaks for that alert.
         taken_at = self._clock()
         version = self._router_version()
+        yielding = getattr(self.reader, "yielding", None)  # beside an engine: clients first
         try:
-            score = self.reader.read(reference)
+            with contextlib.nullcontext() if yielding is None else yielding():
+                score = self.reader.read(reference)
+        except ReadingDeferred:
+            raise
         except Exception as error:  # an engine restarting, a full queue: said when an alert asks
             if self._stop.is_set():  # abandoned at the stop: not a failure of the engine
                 return None

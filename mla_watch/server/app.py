@@ -31,6 +31,7 @@ from starlette.routing import Route
 from mla_watch.alerting.model import RuleSet
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.service import AlertService
+from mla_watch.cause.client_load import ClientLatency
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import ConfigError, DirectoryStore, ReloadResult
 from mla_watch.common.state_dir import ensure_private_dir
@@ -104,8 +105,10 @@ class Sidecar:
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None,
                                       clients=self.clients)
+        # Beside an engine, how long clients wait: reference readings yield while it is above its usual level.
+        self.client_latency = ClientLatency() if config.upstream else None
         self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceError at start-up
-                                     writes=self.state_writes)
+                                     writes=self.state_writes, client_latency=self.client_latency)
         self.metrics.watch_reference(lambda: self.references.prober)
         # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the
         # line's traffic is dropped and learned again.
@@ -141,7 +144,8 @@ class Sidecar:
             state_writes=self.state_writes)
         self.handlers = HandlerContext(config=config, clock=clock, auth=self.auth, policies=self.policies,
                                        metrics=self.metrics, sources=self.sources, alerts=self.alerts,
-                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients)
+                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients,
+                                       client_latency=self.client_latency)
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self.auth.api_error})
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mla_watch.alerting.causes import Cause, undetermined
+from mla_watch.cause.client_load import ClientLatency
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
@@ -45,8 +46,9 @@ class References:
     why) before, or where none can run."""
 
     def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
-                 writes: StateWrites | None = None) -> None:
+                 writes: StateWrites | None = None, client_latency: ClientLatency | None = None) -> None:
         self.config = config
+        self.client_latency = client_latency  # beside an engine: readings wait while clients wait longer than usual
         self.clients = clients
         self.alerts = alerts
         self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
@@ -80,8 +82,10 @@ class References:
                                      geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
             assert weights is not None  # a swapping engine's
             weights.priority = config.reference.priority  # scoring yields to clients in vLLM's priority scheduler
+            latency = self.client_latency
             self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
-                                               max_tokens=config.reference.max_tokens)
+                                               max_tokens=config.reference.max_tokens,
+                                               busy=None if latency is None else latency.busy)
         return self._engine_reader
 
     def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
