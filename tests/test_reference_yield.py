@@ -110,7 +110,7 @@ def test_a_round_stopped_for_clients_is_taken_again_later_and_is_no_failure() ->
                                 settings=ReferenceSettings(interval_seconds=0, retry_seconds=0.2))
         try:
             judge.start()
-            assert wait_until(lambda: judge.rounds_deferred >= 1, timeout=20)
+            assert wait_until(lambda: judge.describe()["rounds_deferred"] >= 1, timeout=20)
             assert twin.scored == 0 and judge.readings() == {}
             assert all(entry["last_failure"] is None for entry in judge.describe()["sets"])
             busy[0] = False  # clients are served as usual again: the round resumes by itself

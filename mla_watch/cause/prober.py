@@ -528,6 +528,7 @@ class ReferenceProber:
         return {"reader": self.reader.where, "interval_seconds": self.settings.interval_seconds,
                 "wait_seconds": self.settings.wait_seconds, "tolerance_bits": self.settings.tolerance_bits,
                 "rate": self.settings.rate, "readings_taken": self.readings_taken, "all_lines": ALL_LINES,
+                "rounds_deferred": self.rounds_deferred, "priority": self.settings.priority,
                 "prompt_tokens": self.reader.limit, "long_interval_seconds": self.settings.long_interval_seconds,
                 "long_share": self.settings.long_share,
                 "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),
