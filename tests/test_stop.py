@@ -1,4 +1,5 @@
-"""A stop inside a pod's grace: SIGTERM to a sidecar beside a slow engine, while a reference prompt is in flight.
+"""A stop inside a pod's grace: SIGTERM to a sidecar beside a slow engine, while a reference prompt is in flight
+(and, before it, a streamed request counted within seconds of its end while the reference round runs).
 
 The process ends (exit 0) within the documented ``STOP_SECONDS``; the reading in flight is discarded, so no
 baseline is learned after the signal; the alert state and the outbox (a page its receiver has not taken yet)
@@ -22,7 +23,7 @@ from mla_watch.cause.readings import BASELINE_FILE
 from mla_watch.common.stop_budget import STOP_SECONDS
 from mla_watch.engines.geometry import parse_geometry
 from tests.slow_engine import ReferenceTwin
-from tests.support import free_port, serve_app, sidecar_process, wait_until
+from tests.support import free_port, metric_value, serve_app, sidecar_process, wait_until
 
 CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
           "n_routed_experts": 16, "num_experts_per_tok": 4}
@@ -92,6 +93,19 @@ def test_sigterm_during_a_reference_reading_ends_the_sidecar_in_its_grace_with_i
                 return outbox.execute("SELECT count(*) FROM outbox").fetchone()[0] > 0
 
         assert wait_until(paged, timeout=30, interval=0.2), log.read_text()[-3000:]
+        assert wait_until(lambda: twin.scoring > 0, timeout=30, interval=0.05), log.read_text()[-3000:]
+        # During the round, a streamed request is counted within seconds of its end: the reader starves no count.
+        streamed = httpx.post(url + "/v1/completions", json={"prompt": "stream me " * 10, "max_tokens": 4,
+                                                             "stream": True},
+                              headers={"X-Business-Line": "customer_service"}, timeout=30)
+        assert streamed.status_code == 200 and "[DONE]" in streamed.text, streamed.text[-500:]
+
+        def counted() -> float:
+            return metric_value(httpx.get(url + "/metrics", timeout=10).text, "mla_watch_engine_responses_total",
+                                engine="vllm", outcome="counted")
+
+        assert wait_until(lambda: counted() == 2, timeout=5, interval=0.1), (counted(), log.read_text()[-3000:])
+        assert twin.scored < len(PROMPTS)  # the round was still under way
         assert wait_until(lambda: twin.scoring > 0, timeout=30, interval=0.05), log.read_text()[-3000:]
         baselines_at_signal = read_bytes(state / BASELINE_FILE)
         signalled = time.monotonic()
