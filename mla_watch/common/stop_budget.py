@@ -17,9 +17,9 @@ from collections.abc import Callable
 __all__ = ["CONNECTIONS_SECONDS", "PARTS_SECONDS", "STOP_SECONDS", "StopBudget"]
 
 STOP_SECONDS = 10.0  # SIGTERM to the process's end, at most: the pod's grace must cover it
-CONNECTIONS_SECONDS = 2.0  # uvicorn's wait for requests in flight (timeout_graceful_shutdown)
+CONNECTIONS_SECONDS = 4.0  # uvicorn's wait for requests in flight (timeout_graceful_shutdown): a stream finishes
 # The parts' stop after that; the rest of STOP_SECONDS is the interpreter's exit.
-PARTS_SECONDS = 6.0
+PARTS_SECONDS = 5.0
 
 
 class StopBudget:
