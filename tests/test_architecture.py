@@ -340,6 +340,7 @@ PACED_SLEEPS = {
     ("harness/attacks.py", "replay"): "/healthz is sampled at rest this long: a measurement, not a wait",
     ("tests/vllm_twin.py", "_stream"): "the twin's decode step, a fraction of a second each test sets",
     ("tests/test_proxy_hop.py", "sleep_then_pid"): "keeps a decoding process busy as its caller asks (0 or 0.5 s)",
+    ("tests/slow_engine.py", "_answer"): "the slow engine's answer time, the part it plays (a client's, a score's)",
 }
 # Fixed waits that no event yet replaces: (file, function) -> why. Each is a test that is slower than it needs to be.
 WAITED_OUT = {

@@ -389,6 +389,56 @@ def test_the_prober_runs_on_its_own_thread_and_stops() -> None:
     assert not any(thread.name == "mla-watch-reference" for thread in threading.enumerate())
 
 
+class Held(Routed):
+    """Each reading waits for the test to let it end (``release``); ``started`` lists the sets begun, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: list[str] = []
+        self.release = threading.Semaphore(0)
+
+    def read(self, reference: ReferenceSet) -> ModelScore:
+        self.started.append(reference.name)
+        assert self.release.acquire(timeout=20)
+        return super().read(reference)
+
+
+def test_a_pending_alerts_line_is_read_next_ahead_of_the_rest_of_a_round() -> None:
+    reader = Held()
+    lines = sets("alpha", "bravo", "charlie", "default")
+    judge = ReferenceProber(lambda: lines, reader, ReferenceBaselines(), settings=ReferenceSettings(interval_seconds=0))
+    judge.start()
+    try:
+        assert wait(lambda: reader.started == ["alpha"])  # the round at start, in flight
+        judge.request("charlie", since=0.0)  # an alert on charlie went pending
+        for _ in range(4):
+            reader.release.release()
+        assert wait(lambda: len(reader.reads) == 4)
+        assert reader.started == ["alpha", "charlie", "bravo", "default"]  # charlie's page waited for one set
+    finally:
+        for _ in range(4):
+            reader.release.release()
+        judge.stop()
+
+
+def test_a_reading_that_ends_after_the_stop_began_is_neither_recorded_nor_learned() -> None:
+    reader = Held()
+    baselines = ReferenceBaselines()
+    judge = ReferenceProber(lambda: sets("alpha", "default"), reader, baselines,
+                            settings=ReferenceSettings(interval_seconds=0))
+    judge.start()
+    try:
+        assert wait(lambda: reader.started == ["alpha"])
+        judge.abandon()  # the stop began while alpha was read
+        reader.release.release()
+        assert wait(lambda: reader.reads == ["alpha"])
+    finally:
+        judge.stop(timeout=20)
+    assert reader.started == ["alpha"]  # nothing read after the stop
+    assert judge.readings() == {} and judge.readings_taken == 0
+    assert baselines.get("alpha", sets("alpha").sets["alpha"].digest) is None
+
+
 def test_a_set_whose_reading_failed_is_read_again_without_waiting_for_the_schedule() -> None:
     reader = Routed()
     reader.fail = "the engine is restarting"

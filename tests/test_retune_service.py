@@ -17,7 +17,7 @@ import torch
 from harness.support import wait_until
 from mla_watch.retune.reference import RouterReference
 from mla_watch.retune.router_tensors import router_state
-from mla_watch.retune.service import Cooldown
+from mla_watch.retune.service import Cooldown, JobAbandoned
 from tests.retune_harness import BIAS, GATE, OTHER, Harness, collapse, fill_capture, final, spec
 from tests.tiny_models import build
 
@@ -253,6 +253,41 @@ def test_a_pending_job_survives_a_crash_in_the_sqlite_job_store(tmp_path) -> Non
     service = harness.start()
     assert final(service, job_id)["status"] == "promoted"
     service.stop()
+
+
+def test_a_job_still_running_when_the_stop_runs_out_of_time_promotes_nothing_and_is_recorded_interrupted(
+        tmp_path) -> None:
+    harness = Harness(tmp_path, max_attempts=1)
+    service = harness.start()
+    started, release, refused = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_run(job_spec, previous=None):
+        started.set()
+        release.wait(30)
+        try:
+            service.promote(1)  # what a job that passed its gates does next
+        except JobAbandoned:
+            refused.set()
+            raise
+        return "promoted", {"version": 1, "strategy": "bias", "attempts": []}
+
+    service.retuner.run = slow_run
+    job_id = service.submit(spec())["id"]
+    assert started.wait(30)
+    stopper = threading.Thread(target=service.stop, args=(0.2,), daemon=True)
+    stopper.start()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop() waited for the job past its time"
+    release.set()
+    assert refused.wait(30)
+    assert service.versions.live_version() == 0
+
+    restarted = harness.start()
+    record = restarted.store.get(job_id)
+    assert record["status"] == "failed", record
+    assert record["result"]["error"] == "interrupted 1 times by a restart (max_attempts 1)"
+    assert restarted.versions.live_version() == 0
+    restarted.stop()
 
 
 def test_a_job_interrupted_mid_run_is_retried_then_failed(tmp_path) -> None:

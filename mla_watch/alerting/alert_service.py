@@ -166,16 +166,33 @@ class AlertService:
         self._thread = threading.Thread(target=loop, name="mla-watch-alerts", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop evaluating and notifying, and save the outbox; ``timeout``: the seconds the stop may wait for a round
+        or a notification in flight (``None``: as long as they take). What is not sent stays in the outbox's file."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        self.dispatcher.run_once()  # flush what can be flushed before exiting
-        self.dispatcher.stop()
+            self._thread.join(left())
+        self.dispatcher.stop(left())
+        # Flush what can be flushed before exiting, within the time left: a request cut short stays in the outbox's
+        # file, sent after the restart.
+        flush = threading.Thread(target=self._flush, name="mla-watch-notify-flush", daemon=True)
+        flush.start()
+        flush.join(left())
         lost = self.outbox.write_held()
         if lost:  # the disk still refuses the outbox's file: these never reach a file that outlives the process
             log.error("stopping with %d notification(s) held in memory that the outbox's file %s could not take: "
                       "they are lost", lost, self.outbox.path)
+
+    def _flush(self) -> None:
+        try:
+            self.dispatcher.run_once()
+        except Exception:  # the stop goes on: what was not sent is in the outbox's file
+            log.exception("sending the notifications due at the stop failed")
 
     # ------------------------------------------------------------------ internals
     def _restore_groups(self) -> None:

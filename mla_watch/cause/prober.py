@@ -28,6 +28,7 @@ reader's time (the engine's prefill beside vLLM or SGLang; the model's here).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -40,7 +41,12 @@ from mla_watch.alerting.causes import Cause, undetermined
 from mla_watch.alerting.vocabulary import breached, judged_window
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
-from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS, ReferenceReader
+from mla_watch.cause.readers import (
+    DEFAULT_ENGINE_PROMPT_TOKENS,
+    MAX_ENGINE_PROMPT_TOKENS,
+    ReadingDeferred,
+    ReferenceReader,
+)
 from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
 from mla_watch.common.setting_errors import SettingProblem
 from mla_watch.common.values import is_integer, is_number
@@ -67,6 +73,9 @@ class ReferenceSettings:
     max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS  # beside an engine: a prompt's tokens read at most
     long_interval_seconds: float = 1800.0  # the long sets read this often (0: at start, then only when an alert asks)
     long_share: float = 0.05  # of the reader's time, at most, spent reading long sets
+    # Beside vLLM run with --scheduling-policy priority: the request priority of reference prompts (vLLM serves a
+    # lower value first; clients send 0). None: the field is not sent (vLLM refuses it under its default policy).
+    priority: int | None = None
 
     def problems(self) -> list[SettingProblem]:
         """What is wrong with the settings, each named as ``ServerConfig.reference`` holds it."""
@@ -80,6 +89,9 @@ class ReferenceSettings:
                    "a share of the reader's time in (0, 1]")]
         found = [SettingProblem(f"reference.{name}", repr(value), expected) for name, value, ok, expected in checks
                  if not (is_number(value, finite=True) and ok)]
+        if self.priority is not None and not (is_integer(self.priority) and -(2 ** 31) < self.priority < 2 ** 31):
+            found.append(SettingProblem("reference.priority", repr(self.priority),
+                                        "an integer (vLLM's request priority)"))
         if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
             found.append(SettingProblem("reference.max_tokens", repr(self.max_tokens),
                                         f"tokens a prompt from 16 to {MAX_ENGINE_PROMPT_TOKENS}"))
@@ -116,12 +128,15 @@ class ReferenceProber:
         self._wanted: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # Held while a reading is recorded and learned: a stop waits for one under way, and none starts after it.
+        self._recording = threading.Lock()
         self._thread: threading.Thread | None = None
         self._retry_at: dict[str, float] = {}  # a set whose reading failed, read again then (monotonic)
         self._long_free_at = 0.0  # no long set is read before then (monotonic): long_share of the reader's time
         self._long_last_seconds = 0.0  # how long the last round of long readings took
         self._deferred: set[str] = set()  # long sets asked for, read once they may be
         self.readings_taken = 0
+        self.rounds_deferred = 0  # rounds stopped early: clients waited longer than usual
 
     @property
     def wait_seconds(self) -> float:
@@ -132,11 +147,28 @@ class ReferenceProber:
         self._thread = threading.Thread(target=self._run, name="mla-watch-reference", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        self._stop.set()
+    def abandon(self) -> None:
+        """Stop reading at once: no set is started again, the reader sends no further request, and a reading still in
+        flight is discarded when it ends (never learned as a baseline, never recorded)."""
+        recording = self._recording.acquire(timeout=1.0)  # a reading being recorded (a file write) ends first
+        try:
+            self._stop.set()
+        finally:
+            if recording:
+                self._recording.release()
         self._wake.set()
+        cancel = getattr(self.reader, "cancel", None)
+        if cancel is not None:
+            cancel()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """:meth:`abandon`, then wait up to ``timeout`` seconds for the reading thread (one blocked in an engine's
+        answer is left to end with the process: what it would bring is discarded)."""
+        self.abandon()
         if self._thread is not None:
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout)
+            if self._thread.is_alive():
+                log.info("the reference reading in flight through %s was abandoned at the stop", self.reader.where)
 
     def _run(self) -> None:
         interval, long_interval = self.settings.interval_seconds, self.settings.long_interval_seconds
@@ -159,20 +191,41 @@ class ReferenceProber:
             now = time.monotonic()
             sets = self._sets()
             with self._lock:
-                names, self._wanted = set(self._wanted), set()
+                asked, self._wanted = set(self._wanted), set()
                 retries = {name for name, at in self._retry_at.items() if at <= now}
-            names |= retries
+            periodic: set[str] = set()
             if now >= due:
-                names |= {reference.name for reference in sets.for_line(None)}
+                periodic |= {reference.name for reference in sets.for_line(None)}
                 due = now + interval
             if now >= long_due:
-                names |= {reference.name for reference in sets.long_sets()}
+                periodic |= {reference.name for reference in sets.long_sets()}
                 long_due = now + long_interval
-            names = self._pace_long(names, sets, now)
+            names = self._pace_long(asked | retries | periodic, sets, now)
+            # The sets a pending alert asked for first: its page waits for its own line's sets, not for a round.
+            first = sorted(names & asked)
             try:
-                self.read_now(sorted(names))
+                self.read_now([*first, *sorted(names - set(first))], asked_first=True)
             except Exception:  # the prober must outlive whatever one round hits
                 log.exception("reading the reference prompts failed")
+
+    def _defer(self, names: list[str], why: str) -> None:
+        """The sets ``names`` read ``retry_seconds`` from now: clients wait longer than usual (no failure: an alert
+        asking meanwhile waits for them, within its wait)."""
+        at = time.monotonic() + self.settings.retry_seconds
+        with self._lock:
+            for name in names:
+                self._retry_at[name] = at
+            self.rounds_deferred += 1
+        log.info("reference prompts %s: read again in %g s (%s)", ", ".join(names), self.settings.retry_seconds, why)
+
+    def _asked_first(self, order: list[str]) -> list[str]:
+        """``order`` with the sets asked for since it was made ahead of the rest (long ones within their share)."""
+        with self._lock:
+            asked, self._wanted = set(self._wanted), set()
+        if not asked:
+            return order
+        asked = self._pace_long(asked, self._sets(), time.monotonic())
+        return [*sorted(asked), *(name for name in order if name not in asked)]
 
     def _pace_long(self, names: set[str], sets: ReferenceSets, now: float) -> set[str]:
         """``names`` less the long sets that may not be read yet (kept for when they may), plus those that now may."""
@@ -185,17 +238,26 @@ class ReferenceProber:
         return names
 
     # ------------------------------------------------------------------ readings
-    def read_now(self, names: Sequence[str] | None = None) -> list[ReferenceReading]:
-        """Read the sets ``names`` (every set for ``None``) now, in this thread; the readings taken."""
+    def read_now(self, names: Sequence[str] | None = None, *, asked_first: bool = False) -> list[ReferenceReading]:
+        """Read the sets ``names`` (every set for ``None``) now, in this thread; the readings taken. ``asked_first``:
+        before each set, the sets an alert asked for meanwhile (:meth:`request`) go ahead of those left."""
         sets = self._sets().sets
         taken = []
         long_seconds = 0.0
-        for name in (list(sets) if names is None else names):
+        order = list(sets) if names is None else list(names)
+        while order:
+            if asked_first:
+                order = self._asked_first(order)
+            name = order.pop(0)
             reference = sets.get(name)
-            if reference is None:
+            if reference is None or self._stop.is_set():
                 continue
             started = time.monotonic()
-            reading = self._read(reference)
+            try:
+                reading = self._read(reference)
+            except ReadingDeferred as deferred:  # clients first: this set and the rest of the round, later
+                self._defer([name, *order], str(deferred))
+                break
             if reference.long:
                 long_seconds += time.monotonic() - started
             if reading is not None:
@@ -212,9 +274,15 @@ class ReferenceProber:
         # first), so a reading begun before an alert went pending never speaks for that alert.
         taken_at = self._clock()
         version = self._router_version()
+        yielding = getattr(self.reader, "yielding", None)  # beside an engine: clients first
         try:
-            score = self.reader.read(reference)
+            with contextlib.nullcontext() if yielding is None else yielding():
+                score = self.reader.read(reference)
+        except ReadingDeferred:
+            raise
         except Exception as error:  # an engine restarting, a full queue: said when an alert asks
+            if self._stop.is_set():  # abandoned at the stop: not a failure of the engine
+                return None
             why = f"{type(error).__name__}: {str(error)[:300]}"
             with self._lock:
                 self._failures[reference.name] = (self._clock(), why)
@@ -222,6 +290,15 @@ class ReferenceProber:
             log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
                         reference.name, self.reader.where, self.settings.retry_seconds, why)
             return None
+        with self._recording:
+            if self._stop.is_set():  # taken past the stop: its routers may be mid-swap, and nobody waits for it
+                log.info("the reading of the reference prompts %s, ended after the stop began, is discarded",
+                         reference.name)
+                return None
+            return self._record(reference, taken_at, version, score, started)
+
+    def _record(self, reference: ReferenceSet, taken_at: float, version: int | None, score: Any,
+                started: float) -> ReferenceReading:
         plan = self.reader.plan(reference)
         note = None if plan is None else plan.note
         if note is not None and note != self._noted.get(reference.name):
@@ -454,6 +531,7 @@ class ReferenceProber:
         return {"reader": self.reader.where, "interval_seconds": self.settings.interval_seconds,
                 "wait_seconds": self.settings.wait_seconds, "tolerance_bits": self.settings.tolerance_bits,
                 "rate": self.settings.rate, "readings_taken": self.readings_taken, "all_lines": ALL_LINES,
+                "rounds_deferred": self.rounds_deferred, "priority": self.settings.priority,
                 "prompt_tokens": self.reader.limit, "long_interval_seconds": self.settings.long_interval_seconds,
                 "long_share": self.settings.long_share,
                 "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),

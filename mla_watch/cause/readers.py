@@ -18,9 +18,10 @@ counted by position too, where the model's context is known, so that a reading s
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,13 +30,15 @@ from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
 
 __all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "MAX_ENGINE_PROMPT_TOKENS", "EngineReader",
-           "ModelReader", "ReferenceReader", "model_context", "reference_batches"]
+           "ModelReader", "ReadingAbandoned", "ReadingDeferred", "ReferenceReader", "model_context",
+           "reference_batches"]
 
 DEFAULT_ENGINE_PROMPT_TOKENS = 8192  # --reference-max-tokens: a prompt's tokens read through an engine
 # At most: the engine's answer to one prompt (a log-probability and every MoE layer's routing a token, ~0.8 KB on
 # DeepSeek-V3) must fit the 64 MiB an answer may hold (engines/vllm_weights.py).
 MAX_ENGINE_PROMPT_TOKENS = 65_536
 DEFAULT_MODEL_CONTEXT = 4096  # a model whose config names no context length
+YIELD_STEP_SECONDS = 0.5  # how often a reading waiting for clients looks again
 BATCH_TOKENS = 16_384  # the positions of one batch of the model here: long prompts go a few at a time
 
 
@@ -128,14 +131,27 @@ class ModelReader(ReferenceReader):
             del copy
 
 
+class ReadingAbandoned(RuntimeError):
+    """A reading stopped before its end (:meth:`EngineReader.cancel`): the sidecar is stopping."""
+
+
+class ReadingDeferred(RuntimeError):
+    """A reading stopped early: clients have waited longer than usual for ``yield_seconds``; it resumes later."""
+
+
 class EngineReader(ReferenceReader):
     """Reference prompts through the engine beside the sidecar (:class:`~mla_watch.engines.swap.EngineWeights`),
-    started at ``rate`` prompts a second at most, ``concurrency`` at a time (the engine batches them): it serves
-    clients first."""
+    started at ``rate`` prompts a second at most, ``concurrency`` at a time (one by default, sent from the reading
+    thread: a reference prompt takes one slot of the engine's batch at most, so that clients come first).
+
+    ``busy()`` (:meth:`~mla_watch.cause.client_load.ClientLatency.busy`): while it is true no prompt of a reading
+    under :meth:`yielding` is sent; after ``yield_seconds`` of it the reading stops with :class:`ReadingDeferred`, to
+    be taken again later. A re-tune gate's reading does not yield: the candidate routers serve clients meanwhile."""
 
     def __init__(self, weights: Any, geometry: Any, *, rate: float, max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS,
-                 concurrency: int = 4, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 concurrency: int = 1, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, busy: Callable[[], bool] | None = None,
+                 yield_seconds: float = 30.0) -> None:
         if not rate > 0:
             raise ValueError(f"rate = {rate!r}: expected requests a second > 0")
         context = getattr(geometry, "context_length", None)
@@ -151,18 +167,60 @@ class EngineReader(ReferenceReader):
         self._next = 0.0
         self._plans: dict[str, ReadPlan] = {}  # by the set's digest
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self.busy = busy
+        self._yields = threading.local()  # this thread's readings yield to clients (yielding())
+        self.yield_seconds = yield_seconds
+        self.yielded_seconds = 0.0  # waited for clients, in all
+        self.deferred = 0  # readings stopped early for clients
         self.requests = 0  # sent to the engine, tokenizing included
         self.tokens = 0  # prompt tokens scored by the engine
 
+    def cancel(self) -> None:
+        """No request is sent from now on: a reading under way raises :class:`ReadingAbandoned` before its next."""
+        self._cancelled.set()
+
     def _pace(self) -> None:
+        if self._cancelled.is_set():
+            raise ReadingAbandoned(f"the reading through {self.where} was abandoned: the sidecar is stopping")
+        self._yield_to_clients()
         now = self._clock()
         if now < self._next:
             self._sleep(self._next - now)
         self._next = max(now, self._next) + 1.0 / self.rate
         self.requests += 1
 
+    @contextlib.contextmanager
+    def yielding(self) -> Iterator[None]:
+        """Readings in this block, in this thread, yield to clients (see the class docstring)."""
+        self._yields.on = True
+        try:
+            yield
+        finally:
+            self._yields.on = False
+
+    def _yield_to_clients(self) -> None:
+        """Wait while clients wait longer than usual; :class:`ReadingDeferred` after ``yield_seconds`` of it."""
+        waited = 0.0
+        while self.busy is not None and getattr(self._yields, "on", False) and self.busy():
+            if waited >= self.yield_seconds:
+                self.deferred += 1
+                raise ReadingDeferred(f"clients of {self.where} waited longer than usual for {waited:.0f} s")
+            if self._cancelled.is_set():
+                raise ReadingAbandoned(f"the reading through {self.where} was abandoned: the sidecar is stopping")
+            step = min(YIELD_STEP_SECONDS, self.yield_seconds - waited)
+            self._sleep(step)
+            waited += step
+            self.yielded_seconds += step
+
     def _paced(self, call: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         """``call`` of each item, started at the pace, ``concurrency`` at a time; the results in order."""
+        if self.concurrency == 1:  # in this thread: nothing else to wait for when the sidecar stops
+            results = []
+            for item in items:
+                self._pace()
+                results.append(call(item))
+            return results
         with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="mla-watch-reference") as pool:
             futures = []
             for item in items:

@@ -37,6 +37,7 @@ from mla_watch.cli.logs import LOG_LEVELS, configure_logging
 from mla_watch.cli.setting_flags import flag_of, flag_text
 from mla_watch.cli.startup import FlagError
 from mla_watch.common.setting_errors import SettingsError
+from mla_watch.common.stop_budget import CONNECTIONS_SECONDS
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy, RetuneSettings
@@ -55,6 +56,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         bind_listener,
         check_serve_flags,
         default_public_url,
+        end_abandoned_work,
         held_logs,
         one_thread_for_the_bundled_model,
         run_server,
@@ -137,7 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               interval_seconds=args.reference_interval, wait_seconds=args.reference_wait,
                               tolerance_bits=args.reference_tolerance, rate=args.reference_rate,
                               max_tokens=args.reference_max_tokens, long_interval_seconds=args.reference_long_interval,
-                              long_share=args.reference_long_share),
+                              long_share=args.reference_long_share, priority=args.reference_priority),
                           client_id=args.client_id, capture_max_client_share=args.capture_max_client_share,
                           router_versions=RetentionPolicy(max_versions=args.router_versions_max,
                                                           max_bytes=args.router_versions_max_bytes),
@@ -149,8 +151,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             sock = bind_listener(args.host, args.port)  # before the app starts, which logs the status page's URL
     if not args.upstream:  # after the configuration is judged: this imports torch, which takes seconds
         one_thread_for_the_bundled_model(args.model, args.device)
+    # SIGTERM to the process's end within STOP_SECONDS: requests in flight get CONNECTIONS_SECONDS, the sidecar's
+    # parts PARTS_SECONDS (mla_watch.common.stop_budget).
     run_server(sidecar.app, sock, host=args.host, port=port, log_level=args.log_level,
-               access_log=args.log_level == "debug", timeout_graceful_shutdown=30)
+               access_log=args.log_level == "debug", timeout_graceful_shutdown=CONNECTIONS_SECONDS)
+    end_abandoned_work()
     return 0
 
 
@@ -351,6 +356,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="long sets take at most this share of the reader's time (the engine's prefill, or the "
                             "model served here): after a reading of T seconds the next waits T x (1 / SHARE - 1) "
                             "(default %(default)s)")
+    cause.add_argument("--reference-priority", type=int, default=None, metavar="N",
+                       help="beside vLLM started with --scheduling-policy priority: the request priority of reference "
+                            "prompts (vLLM serves a lower value first, and clients send 0: a value above 0 lets "
+                            "clients go first); default: not sent (vLLM refuses it under its default policy)")
     cause.add_argument("--client-id", type=client_id_sources, default=DEFAULT_CLIENT_ID, metavar="SOURCES",
                        help="who sent a request: the first of these it carries, comma-separated: header:NAME, user "
                             "(the body's user field), api-key (a hash of the bearer key, never the key), remote "

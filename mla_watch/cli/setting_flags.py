@@ -33,6 +33,7 @@ FIELD_FLAGS: dict[str, str] = {
     "reference.long_interval_seconds": "--reference-long-interval",
     "reference.long_share": "--reference-long-share",
     "reference.max_tokens": "--reference-max-tokens",
+    "reference.priority": "--reference-priority",
     **{f"ingest_limits.{name}": f"--ingest-{name.replace('_', '-')}" for name in INGEST_FLAGS},
     # rules export --fleet / check --fleet: FleetOptions
     "fleet_rules.fleet_labels": "--fleet-labels",

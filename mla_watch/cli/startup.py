@@ -22,9 +22,11 @@ import logging
 import logging.handlers
 import os
 import re
+import signal
 import socket
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,8 +34,8 @@ from typing import Any, NoReturn
 from mla_watch.common.describe import describe_value
 
 __all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
-           "device_problem", "finish_parser", "held_logs", "model_problem", "one_thread_for_the_bundled_model",
-           "parse_args", "require_model_extra", "run_server"]
+           "device_problem", "end_abandoned_work", "finish_parser", "held_logs", "model_problem",
+           "one_thread_for_the_bundled_model", "parse_args", "require_model_extra", "run_server"]
 
 MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -241,6 +243,9 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         raise FlagError(f"--model-config {_shown(args.model_config)}: "
                         f"{'no config.json in it' if args.model_config.is_dir() else 'no such file or directory'}: "
                         "expected the config.json the engine loaded, or its directory")
+    if getattr(args, "reference_priority", None) is not None and args.engine not in ("vllm", "auto"):
+        raise FlagError(f"--reference-priority {args.reference_priority}: the request priority is vLLM's: expected "
+                        f"--engine vllm (not {args.engine})")
     if args.reference_model is not None:
         _existing_dir("--reference-model", args.reference_model, "the checkpoint directory of the served model")
         if not any(args.reference_model.glob("*.safetensors")):
@@ -335,11 +340,36 @@ def run_server(app: Any, sock: socket.socket, **options: Any) -> None:
                 logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s (Press CTRL+C to quit)",
                                                         _address(host, port))
 
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn raises the signal again once it has shut down, which kills the process (exit 143); a SIGTERM
+            # is the stop asked for, and a stop that saved what it must ends with 0.
+            captured = getattr(self, "_captured_signals", None)
+            if sig == signal.SIGTERM and isinstance(captured, list) and sig in captured:
+                captured.remove(sig)
+
     server = Server(uvicorn.Config(app, **options))
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])
     if not server.started:
         sys.exit(3)  # uvicorn's STARTUP_FAILURE: the app's start-up failed, and said why
+
+
+def end_abandoned_work() -> None:
+    """End the process now where work the stop abandoned (a re-tune job mid-fit, an engine request awaiting its
+    answer) still holds a thread the interpreter would wait for: what must outlive the process was saved by the
+    stop, and the pod's grace must not be spent waiting for the rest."""
+    left = [thread.name for thread in threading.enumerate()
+            if thread is not threading.current_thread() and thread.is_alive() and not thread.daemon]
+    if not left:
+        return
+    logging.getLogger("mla_watch.server").info("ending the work abandoned at the stop (threads %s)",
+                                               ", ".join(sorted(left)))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

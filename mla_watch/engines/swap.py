@@ -83,6 +83,9 @@ class EngineWeights(abc.ABC):
         dropped, since cached keys and values were computed by the old routers.
         """
 
+    # The request priority a scoring request carries (vLLM with --scheduling-policy priority); None: none sent.
+    priority: int | None = None
+
     @abc.abstractmethod
     def score(self, samples: Sequence[Sequence[int]]) -> list[SampleScore]:
         """Each sample scored by the live engine, in order; ``SwapError`` if the engine cannot."""

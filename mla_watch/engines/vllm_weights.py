@@ -390,6 +390,8 @@ class VllmWeights(EngineWeights):
             body: dict[str, Any] = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
             if self.model is not None:
                 body["model"] = self.model
+            if self.priority is not None:  # vLLM's priority scheduler serves a lower value first
+                body["priority"] = self.priority
             answer = self._call("POST", "/v1/completions", json_body=body, limit=self.max_score_answer_bytes)
             scores.append(self._sample_score(answer, ids, index))
         return scores

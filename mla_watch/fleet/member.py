@@ -150,12 +150,15 @@ class FleetMember:
         self._keeper = threading.Thread(target=self._keep_lease, name="mla-watch-fleet-lease", daemon=True)
         self._keeper.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Leave the fleet's rounds; ``timeout``: the seconds this may wait for a round under way (one still running
+        then is left to end with the process; its lease is released here)."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         self._wake.set()
         for thread in (self._thread, self._keeper):
             if thread is not None:
-                thread.join(timeout=30)
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         # A job of this replica is abandoned, a rollout it coordinates is taken over: at once, not at expiry.
         with contextlib.suppress(FleetStoreError):
             self.store.release(self.name)

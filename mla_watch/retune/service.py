@@ -51,7 +51,7 @@ from mla_watch.retune.jobs import JobSpec, JobStore, RetuneSettings
 from mla_watch.retune.specs import alert_job_spec
 from mla_watch.retune.versions import RouterVersions
 
-__all__ = ["DEFAULT_STRATEGIES", "Cooldown", "RetuneRunner", "RetuneService"]
+__all__ = ["DEFAULT_STRATEGIES", "Cooldown", "JobAbandoned", "RetuneRunner", "RetuneService"]
 
 log = logging.getLogger("mla_watch.retune")
 
@@ -89,6 +89,10 @@ class RetuneRunner(Protocol):
         """Delete the work files of job ``job_id`` (of every job for ``None``)."""
 
 
+class JobAbandoned(RuntimeError):
+    """A job still running when the sidecar's stop ran out of time: nothing of it is promoted or recorded."""
+
+
 class Cooldown(Exception):
     """A router had a job too recently; the message says which, and until when."""
 
@@ -117,6 +121,8 @@ class RetuneService:
         self._clock = clock
         self._submit_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._abandoned = threading.Event()  # a job still running when the stop's time ran out: it promotes nothing
+        self._promoting = threading.Lock()
         self._key = str(self.state_dir.resolve())
         ensure_private_file(self.state_dir / "retune_schedule.sqlite")
         self._executor = ThreadPoolExecutor(max_workers=1)
@@ -184,8 +190,10 @@ class RetuneService:
                 self._schedule(record["id"], at=(record["result"] or {}).get("retry_at"))
         self.scheduler.resume()
 
-    def stop(self) -> None:
-        """Stop scheduling (a running job finishes first); pending jobs stay in the store for the next start."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop scheduling; pending jobs stay in the store for the next start. A running job finishes first, or,
+        past ``timeout`` seconds, is abandoned: it promotes nothing from then on, and stays ``running`` in the store,
+        which the next start records as interrupted (and retries, up to ``max_attempts``)."""
         if self.scheduler.running:
             self._stopping.set()  # from now on the job store alone records what is due (start() schedules it)
             self.scheduler.pause()
@@ -195,7 +203,16 @@ class RetuneService:
             # The running job is waited for here, not in shutdown(wait=True): that holds the scheduler's
             # job-store lock while it waits, and a finishing job that supersedes or re-schedules a job
             # needs the same lock (a deadlock).
-            self._executor.shutdown(wait=True)
+            waiting = threading.Thread(target=self._executor.shutdown, kwargs={"wait": True},
+                                       name="mla-watch-retune-stop", daemon=True)
+            waiting.start()
+            waiting.join(timeout)
+            if waiting.is_alive():
+                with self._promoting:  # a promotion under way ends first; none starts after this
+                    self._abandoned.set()
+                running = [record["id"] for record in self.store.list(limit=10, statuses=["running"])]
+                log.warning("re-tune job(s) %s abandoned at the stop: nothing of them is promoted; the next start "
+                            "records them as interrupted", ", ".join(running) or "?")
             self.scheduler.shutdown(wait=False)
         _SERVICES.pop(self._key, None)
         self.store.close()
@@ -305,12 +322,20 @@ class RetuneService:
         was_rejected = bool(record_result.get("rejected_while_outside_band"))
         record = self.store.start(job_id)
         spec = JobSpec.from_dict(record["spec"])
+        if self._abandoned.is_set():
+            return record
         try:
             status, result = self.retuner.run(spec, previous=record_result if was_waiting else None)
+        except JobAbandoned:  # left `running`: the next start records it as interrupted
+            log.info("re-tune job %s abandoned at the stop", job_id)
+            return record
         except Exception as error:  # the record must say what happened, whatever it was
             log.exception("re-tune job %s failed", job_id)
             status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
                                         "strategy": spec.strategies[0]}
+        if self._abandoned.is_set():  # the store is closed: left `running`, the next start records it as interrupted
+            log.info("re-tune job %s ended %s after the stop abandoned it: not recorded", job_id, status)
+            return record
         if status == "waiting":
             if result.get("rejected_while_outside_band") and not was_rejected and self._on_rejected is not None:
                 self._on_rejected(spec, result)  # on-call hears of the first rejection; the job goes on trying
@@ -375,11 +400,16 @@ class RetuneService:
     def promote(self, version: int) -> dict[str, Any]:
         """Swap ``version`` into the live model between two forward passes (into the engine: one swap at a time);
         what the swap took."""
+        if self._abandoned.is_set():
+            raise JobAbandoned(f"router version {version} is not promoted: the sidecar stopped during its job")
         tensors = self.versions.load(version)  # read and checked before the lock is taken
         names = sorted({name.rsplit(".", 1)[0] for name in tensors})
-        with self._model_lock:
-            taken = self.versions.promote(self.retuner.host, version)
-            self._changed("promote", names)
+        with self._promoting:
+            if self._abandoned.is_set():
+                raise JobAbandoned(f"router version {version} is not promoted: the sidecar stopped during its job")
+            with self._model_lock:
+                taken = self.versions.promote(self.retuner.host, version)
+                self._changed("promote", names)
         log.info("router version %d promoted (%s)", version, ", ".join(names))
         return taken
 

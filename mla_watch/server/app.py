@@ -31,11 +31,13 @@ from starlette.routing import Route
 from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.vocabulary import RuleSet
+from mla_watch.cause.client_load import ClientLatency
 from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult
 from mla_watch.common.setting_errors import FieldNamer, SettingsError
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.state_writes import StateWrites
+from mla_watch.common.stop_budget import PARTS_SECONDS, StopBudget
 from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
@@ -108,8 +110,10 @@ class Sidecar:
         self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
                                       learn_excluded=self.alerts.engine.active_series if self.alerts else None,
                                       clients=self.clients)
+        # Beside an engine, how long clients wait: reference readings yield while it is above its usual level.
+        self.client_latency = ClientLatency() if config.upstream else None
         self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceSetError at start-up
-                                     writes=self.state_writes)
+                                     writes=self.state_writes, client_latency=self.client_latency)
         self.metrics.watch_reference(lambda: self.references.prober)
         # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the
         # line's traffic is dropped and learned again.
@@ -145,7 +149,8 @@ class Sidecar:
             state_writes=self.state_writes)
         self.handlers = HandlerContext(config=config, clock=clock, auth=self.auth, policies=self.policies,
                                        metrics=self.metrics, sources=self.sources, alerts=self.alerts,
-                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients)
+                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients,
+                                       client_latency=self.client_latency)
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
                              exception_handlers={ApiError: self.auth.api_error})
 
@@ -333,24 +338,29 @@ class Sidecar:
             log.info("status page: %s/", config.public_url.rstrip("/"))
 
     async def _shutdown(self) -> None:
+        # One budget for every part (mla_watch.common.stop_budget): a part that overruns leaves less to the next.
+        budget = StopBudget()
+        log.info("stopping: what is in flight is given %g s", PARTS_SECONDS)
+        self.references.abandon()  # first: no reading is learned or recorded once the stop began
         self.heavy_reads.shutdown()
         self._monitoring.shutdown(wait=False, cancel_futures=True)
         self._history_sampler.stop()
-        if self._upstream_side is not None:
-            await self._upstream_side.close()
+        if self._upstream_side is not None:  # counts queued: counted within their drain, or dropped and counted so
+            await self._upstream_side.close(budget)
         for stop in self._stop_watches:
             stop()
-        await asyncio.to_thread(self.references.stop)
-        if self.alerts is not None:
-            await asyncio.to_thread(self.alerts.stop)
+        await asyncio.to_thread(self.references.stop, budget.left())
+        if self.alerts is not None:  # the outbox and the alert state saved
+            await asyncio.to_thread(self.alerts.stop, budget.left())
         if self.history_store is not None:  # once nothing writes (the reference readings) or reads it (trend rules)
             self.history_store.close()
         if self.serving.model_worker is not None:
-            await asyncio.to_thread(self.serving.model_worker.close)
+            await asyncio.to_thread(self.serving.model_worker.close, budget.left())
         if self.serving.fleet is not None:  # before the re-tune service: a round may promote through it
-            await asyncio.to_thread(self.serving.fleet.stop)
+            await asyncio.to_thread(self.serving.fleet.stop, budget.left())
         if self.serving.retune is not None:
-            await asyncio.to_thread(self.serving.retune.stop)
+            await asyncio.to_thread(self.serving.retune.stop, budget.left())
+        log.info("stopped in %.1f s", PARTS_SECONDS - budget.left())
 
     # ------------------------------------------------------------------ routes
     def _routes(self) -> list[Route]:

@@ -72,7 +72,10 @@ class Generation:
             response = self.ctx.auth.refused(request, error)
         response.headers["X-MLA-Policy"] = policy_label or "none"
         self.ctx.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        self.ctx.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.ctx.metrics.request_seconds.labels(endpoint).observe(seconds)
+        if self.ctx.client_latency is not None and response.status_code < 400:  # what reference readings yield to
+            self.ctx.client_latency.observe(seconds)
         return response
 
     def _decide(self, parsed: GenerationRequest) -> tuple[Decision, TaskPolicy]:

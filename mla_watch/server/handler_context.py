@@ -18,6 +18,7 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.alert_service import AlertService
+    from mla_watch.cause.client_load import ClientLatency
     from mla_watch.engines.routing_fields import RoutingLayout
     from mla_watch.fleet.member import FleetMember
     from mla_watch.policy.files import PolicyStore
@@ -68,6 +69,7 @@ class HandlerContext:
     serving: Serving
     reload_rules: Callable[[], list[str]]  # the errors of reloading the rules (none kept in force otherwise)
     clients: ClientShares  # who sends each line's tokens
+    client_latency: ClientLatency | None = None  # beside an engine: what reference readings yield to
 
     async def read_json(self, request: Request) -> dict[str, Any]:
         """The request's JSON object: at most ``max_body_bytes``, arrived within ``body_timeout_seconds``."""

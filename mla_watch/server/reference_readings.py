@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mla_watch.alerting.causes import Cause, undetermined
+from mla_watch.cause.client_load import ClientLatency
 from mla_watch.cause.gate import ReferenceGate
 from mla_watch.cause.prober import ReferenceProber
 from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
@@ -45,8 +46,9 @@ class References:
     why) before, or where none can run."""
 
     def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
-                 writes: StateWrites | None = None) -> None:
+                 writes: StateWrites | None = None, client_latency: ClientLatency | None = None) -> None:
         self.config = config
+        self.client_latency = client_latency  # beside an engine: readings wait while clients wait longer than usual
         self.clients = clients
         self.alerts = alerts
         self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
@@ -79,8 +81,11 @@ class References:
             weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
                                      geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
             assert weights is not None  # a swapping engine's
+            weights.priority = config.reference.priority  # scoring yields to clients in vLLM's priority scheduler
+            latency = self.client_latency
             self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
-                                               max_tokens=config.reference.max_tokens)
+                                               max_tokens=config.reference.max_tokens,
+                                               busy=None if latency is None else latency.busy)
         return self._engine_reader
 
     def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
@@ -147,9 +152,14 @@ class References:
             return undetermined(self.unavailable or "no reference prompts are read here")
         return self.prober.judge(rule, record, since)
 
-    def stop(self) -> None:
+    def abandon(self) -> None:
+        """Stop reading at once (a stop began): a reading in flight is discarded, none is learned from now on."""
         if self.prober is not None:
-            self.prober.stop()
+            self.prober.abandon()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.prober is not None:
+            self.prober.stop(timeout)
 
     # ------------------------------------------------------------------ what readings feed
     def _recorded(self, reading: ReferenceReading) -> None:

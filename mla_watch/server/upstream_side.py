@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from mla_watch.common.stop_budget import StopBudget
 from mla_watch.engines.count_queue import Capture
 from mla_watch.engines.decoder import RoutingDecoder
 from mla_watch.engines.reading import reads_routing
@@ -35,11 +36,14 @@ class UpstreamSide:
             self.recorder.start()
         self.health.start()  # /readyz: ready while the upstream answers
 
-    async def close(self) -> None:
+    async def close(self, budget: StopBudget | None = None) -> None:
+        budget = budget or StopBudget()
         if self.recorder is not None:
-            await asyncio.to_thread(self.recorder.stop)
+            await asyncio.to_thread(self.recorder.stop, budget.left())
         await self.health.close()
-        await self.upstream.close()  # before the decoder: what it still has to count needs it
+        # Before the decoder: what it still has to count needs it. Counts queued get their drain (2 s at most), then
+        # are dropped and counted so.
+        await self.upstream.close()
         self.decoder.close()
 
 
