@@ -182,7 +182,7 @@ def test_what_the_readmes_commands_write_is_ignored_by_git(tmp_path):
 
 
 def test_the_vllm_cpu_recipe_is_the_one_the_suite_runs(tmp_path) -> None:
-    """docs/engines.md's CPU recipe: the flags and environment tests/real_vllm.py starts vLLM with, same values."""
+    """docs/engines.md's CPU recipe: the flags and environment harness/real_vllm.py starts vLLM with, same values."""
     from harness.real_vllm import SHIM_SWITCH, VLLM_VERSION, server_command, server_env
 
     text = (ROOT / "docs" / "engines.md").read_text()
