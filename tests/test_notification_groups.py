@@ -308,4 +308,4 @@ def test_receivers_say_their_group_timing_and_refuse_what_cannot_be_one(tmp_path
     assert f"{path}: receivers[0].group_wait = '-5s': expected a non-negative duration" in a
     assert f"{path}: receivers[1].group_interval = 'soon': expected a duration such as 30s" in b
     assert c == (f"{path}: receivers[2].group_wait = '30s': expected no group_wait for type alertmanager_api: "
-                 "Alertmanager groups the alerts posted to it (set group_wait in its route)")
+                 "Alertmanager groups the alerts posted to it (set group_wait in its route) (line 4)")
