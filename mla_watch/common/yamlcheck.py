@@ -111,7 +111,12 @@ def read_yaml_document(path: Path, label: str, error: Callable[[list[str]], Exce
         raise error([f"{label}: byte {exc.start}: expected UTF-8 text"]) from None
     except OSError as exc:
         raise error([f"{label}: cannot read the file ({exc.strerror or exc}): expected a readable YAML file"]) from None
-    loader = StrictLoader(text)  # a SafeLoader subclass: no arbitrary objects
+    try:
+        loader = StrictLoader(text)  # a SafeLoader subclass: no arbitrary objects; it refuses control characters
+    except yaml.YAMLError as exc:
+        where = f"character {exc.position + 1}: " if isinstance(exc, yaml.reader.ReaderError) else ""
+        raise error([f"{label}: {where}YAML error ({type(exc).__name__}): expected valid YAML text, no control "
+                     "characters"]) from None
     try:
         node = loader.get_single_node()
         data = None if node is None else loader.construct_document(node)
