@@ -64,12 +64,7 @@ def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list
             db.executemany("DELETE FROM points WHERE tier = ? AND t > ?", truncate)
         if freed:
             db.executemany("DELETE FROM series WHERE id = ?", [(sid,) for sid in freed])
-        db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits,
-                         i.num_slots) for sid, i in new_series])
-        db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
-                       [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
-        db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
+        _write_rows(db, new_series, points, expired)
         db.execute("COMMIT")
     except BaseException:
         rollback(db)
@@ -85,13 +80,19 @@ def rewrite_since(db: sqlite3.Connection, since: dict[str, float], series: list[
         db.executemany("DELETE FROM points WHERE tier = ? AND t >= ?", list(since.items()))
         kept = [sid for sid, _ in series]
         db.execute(f"DELETE FROM series WHERE id NOT IN ({', '.join('?' * len(kept))})", kept)
-        db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                       [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits,
-                         i.num_slots) for sid, i in series])
-        db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
-                       [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
-        db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
+        _write_rows(db, series, points, expired)
         db.execute("COMMIT")
     except BaseException:
         rollback(db)
         raise
+
+
+def _write_rows(db: sqlite3.Connection, series: list[tuple[int, Any]], points: list[tuple[str, float, np.ndarray]],
+                expired: list) -> None:
+    """The series and points given written (replacing rows of the same keys), the expired points deleted."""
+    db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                   [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits, i.num_slots)
+                    for sid, i in series])
+    db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
+                   [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
+    db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)
