@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from harness.support import engine_clients_tokens
 from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
@@ -84,22 +85,7 @@ def clients_with_and_without(url: str, readers: dict[str, EngineReader], seconds
     long = load_reference_dir(SHIPPED_REFERENCES).sets[LONG_SET]
 
     def clients(stop: threading.Event) -> int:
-        done = [0]
-
-        def client(index: int) -> None:
-            with httpx.Client(timeout=300) as http:
-                while not stop.is_set():
-                    answer = http.post(f"{url}/v1/completions", json={
-                        "model": model, "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
-                        "max_tokens": 32, "ignore_eos": True})
-                    done[0] += answer.json()["usage"]["completion_tokens"]
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        stop.wait()
-        for thread in threads:
-            thread.join()
-        return done[0]
+        return engine_clients_tokens(url, model, stop, timeout=300)
 
     results: dict[str, list[float]] = {"without": [], **{arm: [] for arm in readers}}
     reading_seconds: dict[str, list[float]] = {arm: [] for arm in readers}

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from harness.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
+from harness.support import engine_clients_tokens
 from mla_watch.cause.prompts import load_reference_dir
 from mla_watch.cause.readers import EngineReader
 from mla_watch.shipped import SHIPPED_REFERENCES
@@ -111,22 +112,7 @@ def engine_cost(url: str, geometry: Any, seconds: float, rounds: int) -> dict[st
         return time.monotonic() - started
 
     def clients(stop: threading.Event) -> int:
-        done = [0]
-
-        def client(index: int) -> None:
-            with httpx.Client(timeout=120) as http:
-                while not stop.is_set():
-                    answer = http.post(f"{url}/v1/completions", json={
-                        "model": model, "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
-                        "max_tokens": 32, "ignore_eos": True})
-                    done[0] += answer.json()["usage"]["completion_tokens"]
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        stop.wait()
-        for thread in threads:
-            thread.join()
-        return done[0]
+        return engine_clients_tokens(url, model, stop, timeout=120)
 
     alone = [read_round() for _ in range(rounds)]  # the engine reading the sets, nothing else
     results: dict[str, list[float]] = {"without": [], "with": []}

@@ -154,6 +154,29 @@ def wait_for_first_readings(url: str, timeout: float = 300.0) -> None:
     assert wait_until(read_once, timeout=timeout, interval=0.5), "the reference sets were not all read"
 
 
+def engine_clients_tokens(url: str, model: str, stop: threading.Event, *, clients: int = 4,
+                          timeout: float = 300.0) -> int:
+    """The completion tokens ``clients`` concurrent clients get from an engine's ``/v1/completions`` (32 each
+    request, a fresh prompt every time) until ``stop`` is set: what a bench compares with and without other work."""
+    done = [0]
+
+    def client(index: int) -> None:
+        with httpx.Client(timeout=timeout) as http:
+            while not stop.is_set():
+                answer = http.post(f"{url}/v1/completions", json={
+                    "model": model, "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
+                    "max_tokens": 32, "ignore_eos": True})
+                done[0] += answer.json()["usage"]["completion_tokens"]
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    stop.wait()
+    for thread in threads:
+        thread.join()
+    return done[0]
+
+
 # --------------------------------------------------------------------------------------------- metrics
 def get_metrics(url: str) -> str:
     return httpx.get(url + "/metrics", timeout=10).text
