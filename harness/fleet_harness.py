@@ -86,13 +86,13 @@ def broken_fleet_parts(work: Path) -> tuple[Path, Path]:
 
 
 def drive(replicas: Sequence[Replica], until: Callable[[], bool], *, timeout: float, check_every: int = 4,
-          max_tokens: int = 16) -> bool:
-    """Chat traffic to every replica in turn until ``until()`` (checked every ``check_every`` rounds) or
-    ``timeout`` seconds; whether it held."""
+          max_tokens: int = 16, prompts: Sequence[tuple[str, str, str]] = CHAT_PROMPTS) -> bool:
+    """Chat traffic (``(business line, task, prompt)`` in turn) to every replica until ``until()`` (checked every
+    ``check_every`` rounds) or ``timeout`` seconds; whether it held."""
     deadline = time.monotonic() + timeout
     clients = {replica.name: httpx.Client(base_url=replica.url, timeout=120) for replica in replicas}
     try:
-        for round_number, (line, task, prompt) in enumerate(itertools.cycle(CHAT_PROMPTS)):
+        for round_number, (line, task, prompt) in enumerate(itertools.cycle(prompts)):
             if time.monotonic() > deadline:
                 return until()
             for replica in replicas:

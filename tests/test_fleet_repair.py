@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from harness import processes
-from harness.broken_deploy import BUNDLED
+from harness.broken_deploy import BUNDLED, CHAT_PROMPTS
 from harness.fleet_harness import (
     LAYER1,
     LEASE_SECONDS,
@@ -276,6 +276,49 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
         assert view["jobs"] == [] and view["rollout"] is None, view
         for u in urls:
             assert httpx.get(u + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
+
+
+def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it(tmp_path: Path,
+                                                                                   fleet_url: str) -> None:
+    # Customer-service traffic that repeats one prompt: its job waits for a second distinct text, holding the lease.
+    checkpoint, rules = broken_fleet_parts(tmp_path)
+    with running_receiver() as receiver, contextlib.ExitStack() as stack:
+        replicas = [stack.enter_context(fleet_replica(name, tmp_path, fleet_url, checkpoint=checkpoint, rules=rules,
+                                                      oncall_url=receiver.url + "/hook")) for name in NAMES[:2]]
+        urls = [replica.url for replica in replicas]
+        chat_only = [CHAT_PROMPTS[0]]
+        assert chat_only[0][0] == "customer_service"
+
+        def waiting_canary() -> str | None:
+            jobs = fleet_view(urls[0])["jobs"]
+            if not jobs or jobs[0]["state"] != "running":
+                return None
+            canary = next(replica for replica in replicas if replica.name == jobs[0]["canary"])
+            local = httpx.get(canary.url + "/v1/retune/jobs", timeout=30).json()["jobs"]
+            return canary.name if local and local[0]["status"] == "waiting" else None
+
+        assert drive(replicas, lambda: waiting_canary() is not None, timeout=300, prompts=chat_only), (
+            fleet_view(urls[0]), [layer1_alerts(u) for u in urls])
+        first = fleet_view(urls[0])["jobs"][0]
+        assert first["business_line"] == "customer_service", first
+        assert drive(replicas, lambda: False, timeout=15, prompts=chat_only) is False  # it goes on waiting
+        assert fleet_view(urls[0])["jobs"][0]["id"] == first["id"]
+
+        # Code traffic with two distinct prompts: its alert asks for the same router, the waiting job gives way.
+        assert drive(replicas, lambda: repaired(urls), timeout=400), (
+            fleet_view(urls[0]), [layer1_alerts(u) for u in urls])
+        jobs = {job["id"]: job for job in fleet_view(urls[0])["jobs"]}
+        gave_way = jobs[first["id"]]
+        assert gave_way["state"] == "superseded" and gave_way["tried"] is False, gave_way
+        assert "waited for data of business line customer_service" in gave_way["detail"]["error"], gave_way
+        assert "business line code_assistant" in gave_way["detail"]["error"], gave_way
+        done = [job for job in jobs.values() if job["state"] == "done"]
+        assert [job["business_line"] for job in done] == ["code_assistant"], jobs
+        canary = next(replica for replica in replicas if replica.name == first["canary"])
+        local = {job["id"]: job for job in httpx.get(canary.url + "/v1/retune/jobs", timeout=30).json()["jobs"]}
+        withdrawn = local[gave_way["detail"]["local_job"]]
+        assert withdrawn["status"] == "superseded" and withdrawn["result"]["error"].startswith("superseded: fleet job")
+        assert len({serving(u) for u in urls}) == 1
 
 
 def _serve(port: int, state: Path, name: str, url: str, checkpoint: Path, rules: Path, log: Path,

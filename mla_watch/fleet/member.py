@@ -41,6 +41,7 @@ from mla_watch.common.tensor_files import router_digest
 from mla_watch.fleet.check import StepResult
 from mla_watch.fleet.fleet_store import FleetStore, FleetStoreError, FleetView, VersionRow
 from mla_watch.fleet.settings import FleetSettings
+from mla_watch.retune.data import distinct_count
 from mla_watch.retune.jobs import FINAL_STATUSES
 from mla_watch.retune.service import RetuneService
 from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
@@ -70,6 +71,10 @@ class _Want:
     business_line: str | None
     action: Any  # the alert engine's retune Action
     note: str = ""
+
+    @property
+    def key(self) -> tuple[str, str | None]:  # one waiting alert per router and line: each line may ask
+        return self.router, self.business_line
 
 
 @dataclass
@@ -114,7 +119,7 @@ class FleetMember:
         self.store_up: bool | None = None
         self.store_error: str | None = None
         self.view: FleetView | None = None  # the latest read of the store
-        self._wants: dict[str, _Want] = {}
+        self._wants: dict[tuple[str, str | None], _Want] = {}  # alerts waiting for the fleet's decision
         self._canary: _CanaryJob | None = None
         self._held: str | None = None  # the fleet job whose lease this member holds: renewed by its own thread
         self._stepping = False  # a rollout step under way: the keeper says this member is alive meanwhile
@@ -225,7 +230,7 @@ class FleetMember:
         """What ``/readyz`` and ``/v1/status`` say of this member."""
         return {"name": self.name, "store": self.store.where, "store_up": self.store_up,
                 "store_error": self.store_error, "joined": self.joined, "base": self.base, "digest": self.digest,
-                "version": self.version, "waiting_alerts": sorted(self._wants),
+                "version": self.version, "waiting_alerts": sorted({router for router, _ in self._wants}),
                 "canary_job": None if self._canary is None else self._canary.fleet_job}
 
     def _serving_digest(self) -> str:
@@ -323,7 +328,7 @@ class FleetMember:
         router, line = labels.get(ROUTER, ""), labels.get(BUSINESS_LINE)
         want = _Want(router, None if line in (None, "", "all") else line, action)
         if not self._lock.acquire(timeout=_DECIDE_WAIT_SECONDS):
-            self._wants[router] = want
+            self._wants[want.key] = want
             self._wake.set()
             want.note = (f"the fleet decides at its next round (this replica is taking a rollout step): {router} is "
                          "re-tuned once for the whole fleet")
@@ -334,7 +339,7 @@ class FleetMember:
             self._lock.release()
 
     def _decide(self, want: _Want, *, first: bool = True) -> str:
-        self._wants[want.router] = want
+        self._wants[want.key] = want
         if self.store_up is False and first:  # no connection attempt in the alert's path: the rounds retry
             want.note = (f"no re-tune job yet: the fleet store cannot be reached ({self.store_error}); re-tuning "
                          "waits for it (no replica repairs alone) and is asked again when it answers")
@@ -362,7 +367,7 @@ class FleetMember:
         if self.digest != target.digest:
             self._adopt(target, checked=True, why=f"{router} read damaged here, on routers that are not the fleet's "
                                                    f"version {target.number}")
-            self._wants.pop(router, None)
+            self._forget(router)
             self._heartbeat(self._read())
             return (f"no re-tune job: this replica's routers differed from the fleet's version {target.number}, which "
                     f"was restored here (digest {target.digest[:12]})")
@@ -371,7 +376,7 @@ class FleetMember:
             self._adopt(target, checked=True, force_routers=(router,),
                         why=f"{router} read damaged here while {len(healthy)} replica(s) serving the same version "
                             f"read healthy")
-            self._wants.pop(router, None)
+            self._forget(router)
             return (f"no re-tune job: the fleet's version {target.number} was applied again on this replica alone "
                     f"({', '.join(healthy[:3])} serving it read healthy on their reference prompts)")
         spec = self.retune.alert_spec(want.action)
@@ -386,7 +391,7 @@ class FleetMember:
                 return f"no re-tune job: {error}"
             self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
             self._held = spec.id
-            self._wants.pop(router, None)
+            self._wants.pop(want.key, None)  # another line's alert on this router stays: it may be decided next
             log.info("fleet re-tune job %s runs here (the canary) for %s; the other replicas take its version once "
                      "it passes here", spec.id, router)
             return (f"fleet re-tune job {spec.id} runs on this replica, the fleet's canary ({record.get('status')}); "
@@ -423,10 +428,15 @@ class FleetMember:
                 damaged.append(member["name"])
         return healthy, damaged
 
+    def _forget(self, router: str) -> None:
+        """The alerts waiting on ``router``, of every line: this replica's routers were set right."""
+        for key in [key for key in self._wants if key[0] == router]:
+            del self._wants[key]
+
     def _retry_wants(self) -> None:
-        for router, want in list(self._wants.items()):
-            if not self._still_wanted(router, want.business_line):
-                self._wants.pop(router, None)
+        for key, want in list(self._wants.items()):
+            if not self._still_wanted(want.router, want.business_line):
+                self._wants.pop(key, None)
                 continue
             if self._canary is None:
                 self._decide(want, first=False)
@@ -443,6 +453,9 @@ class FleetMember:
             self._canary = self._held = None
             return
         record = self.retune.store.get(canary.local_job)
+        if record["status"] == "waiting":
+            self._yield_for_data(canary, record)
+            return
         if record["status"] not in FINAL_STATUSES:
             return
         result = record.get("result") or {}
@@ -456,6 +469,38 @@ class FleetMember:
             self._canary = self._held = None
             return
         self._publish(canary, record)
+
+    def _yield_for_data(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
+        """A canary job waiting for data of its line gives way to a waiting alert on the same router whose line's
+        captured traffic holds more distinct texts: both ask for one repair, and a line whose traffic repeats one
+        prompt would hold the fleet's lease for as long as a job may wait (on a replica alone, a job that lacks data
+        holds no cooldown either). More distinct texts each time: two lines never hand the lease back and forth."""
+        spec = record["spec"]
+        line = spec.get("business_line")
+        others = [want for want in self._wants.values()
+                  if want.router in spec["routers"] and want.business_line != line]
+        if not others:
+            return
+        distinct = {want.key: self._distinct_texts(want.business_line) for want in others}
+        other = max(others, key=lambda want: distinct[want.key])
+        if distinct[other.key] <= self._distinct_texts(line):
+            return
+        needs = str((record.get("result") or {}).get("needs") or "more data")[:300]
+        reason = (f"fleet job {canary.fleet_job} waited for data of business line {line or 'all'} ({needs}); an alert "
+                  f"of business line {other.business_line or 'all'}, whose traffic holds {distinct[other.key]} "
+                  f"distinct texts, asks for the same repair of {other.router}")
+        if not self.retune.withdraw(canary.local_job, reason):
+            return  # it runs now: it is watched again next round
+        self.store.finish_job(self.name, canary.fleet_job, "superseded", tried=False,
+                              detail={"local_job": canary.local_job, "error": reason})
+        log.info("%s: the fleet decides again", reason)
+        self._canary = self._held = None
+
+    def _distinct_texts(self, line: str | None) -> int:
+        capture = self.retune.retuner.capture
+        if capture is None:
+            return 0
+        return distinct_count(capture.samples(line, limit=self.retune.settings.max_samples))
 
     def _publish(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
         result = record["result"]

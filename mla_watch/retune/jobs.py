@@ -225,6 +225,15 @@ class JobStore:
                             (json.dumps(result), self._clock(), job_id))
         return self.get(job_id)
 
+    def end_waiting(self, job_id: str, status: str, result: Mapping[str, Any]) -> bool:
+        """End a job only while it waits for data (a job running or ended is left as it is); whether it did."""
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"status={status!r}: expected one of {FINAL_STATUSES}")
+        changed = self._store.run(lambda db: db.execute(
+            "UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ? AND status = 'waiting'",
+            (status, json.dumps(result), self._clock(), job_id)).rowcount)
+        return bool(changed)
+
     def resume(self, job_id: str) -> None:
         """A waiting job whose retry is due goes back to ``pending``."""
         self._store.execute("UPDATE jobs SET status = 'pending', updated_at = ? WHERE id = ? AND status = 'waiting'",

@@ -371,6 +371,18 @@ class RetuneService:
                              f"{promoted['result'].get('version')} for {', '.join(sorted(routers))}"})
                 log.info("re-tune job %s superseded by job %s", record["id"], promoted["id"])
 
+    def withdraw(self, job_id: str, reason: str) -> bool:
+        """End job ``job_id`` while it waits for data: ``superseded``, its error ``reason``. Whether it was waiting
+        (a job running now, or ended, is left as it is)."""
+        record = self.store.get(job_id)
+        result = {**(record["result"] or {}), "version": None, "cannot_run": True, "error": f"superseded: {reason}"}
+        if not self.store.end_waiting(job_id, "superseded", result):
+            return False
+        with contextlib.suppress(JobLookupError):
+            self.scheduler.remove_job(job_id)
+        log.info("re-tune job %s withdrawn while it waited for data: %s", job_id, reason)
+        return True
+
     def _wait(self, job_id: str, result: dict[str, Any], since: float | None) -> dict[str, Any]:
         """Park a job that lacked data until its next try, or fail it once it has waited long enough."""
         now = self._clock()
