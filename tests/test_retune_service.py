@@ -214,6 +214,33 @@ def test_a_job_short_of_captured_samples_waits_and_runs_again_by_itself_once_the
     service.stop()
 
 
+def test_a_waiting_job_withdrawn_ends_superseded_and_never_runs_again(tmp_path) -> None:
+    harness = Harness(tmp_path, min_samples=200, retry_seconds=0.5)
+    service = harness.start()
+    collapse(harness.model)
+    job_id = service.submit(spec())["id"]
+    assert wait_until(lambda: service.store.get(job_id)["status"] == "waiting", timeout=30)
+    before = {name: tensor.clone() for name, tensor in harness.model.state_dict().items()}
+
+    withdrawn = False
+    for _ in range(100):  # a retry may have it pending or running at that instant: it is withdrawn only waiting
+        if withdrawn := service.withdraw(job_id, "another line asks for the same repair"):
+            break
+        assert wait_until(lambda: service.store.get(job_id)["status"] == "waiting", timeout=30)
+    assert withdrawn
+    job = service.store.get(job_id)
+    assert job["status"] == "superseded" and job["result"]["cannot_run"] and job["result"]["version"] is None
+    assert job["result"]["error"] == "superseded: another line asks for the same repair"
+    assert job["result"]["needs"].startswith("160 samples of business line 'code'")  # what it waited for stays
+    fill_capture(tmp_path / "capture.sqlite", count=60, seed=1)  # enough data now: a retry would promote
+    assert service.withdraw(job_id, "again") is False  # ended: left as it is
+    assert not wait_until(lambda: service.store.get(job_id)["status"] != "superseded", timeout=2)
+    assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
+    assert service.versions.live_version() == 0
+    assert service.submit(spec())["id"] != job_id  # no cooldown held
+    service.stop()
+
+
 def test_a_wait_is_bounded_and_a_job_that_could_not_decide_holds_no_cooldown(tmp_path) -> None:
     harness = Harness(tmp_path, min_held_out_tokens=100_000, max_wait_seconds=0)
     service = harness.start()
