@@ -4,6 +4,7 @@
     python -m bench.retune --scenario bias
     python -m bench.retune --json figures.json   # also write the figures as JSON
     python -m bench.retune --scenario deployed_broken --engine vllm   # the replay, and a real vLLM
+    python -m bench.retune --engine vllm --skip-embedded              # the real vLLM only
 
 Each scenario starts a real sidecar on the bundled model (traffic capture on, a loopback webhook
 receiver as on-call), sends healthy code-assistant traffic, injects a fault into MoE layer 1,
@@ -25,10 +26,13 @@ strategy), waits for the job to end, then sends traffic again until the alert re
   and per run the seconds from the first request to the first page and to the last resolution,
   the jobs' outcomes and the checks that promoted.
 * ``--engine vllm``: a real vLLM (harness/real_vllm.py) serving a tiny Qwen3-MoE whose layer 2 gate
-  is zeroed, dev mode on, the sidecar beside it with ``--engine-retune apply``: seconds from the
-  alert to the promoted router and to the resolved alert, how long the candidate served before
-  its gate decided, the pause of each swap, and the engine's throughput (4 clients, 32 tokens
-  each) with a swap every 0.5 s against without, as a ratio measured in one run.
+  is zeroed, dev mode on, the sidecar beside it with ``--engine-retune apply`` and its reference
+  prompts read as served (one at a time, yielding to clients): seconds from the first request to
+  the alert and to on-call's page (with its cause), from the alert to the promoted router and to
+  the resolved alert, how long the candidate served before its gate decided, the pause of each
+  swap; the clients' latency through the sidecar meanwhile against the same requests straight to
+  the engine afterwards; and the engine's throughput (4 clients, 32 tokens each) with a swap
+  every 0.5 s against without, as a ratio measured in one run.
 
 Printed per scenario: the job's outcome, seconds from the alert to the promoted router (the
 job's own ``trigger_to_promoted_seconds``) and from the fault to the resolved alert, layer 1's
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -186,7 +191,7 @@ def engine_vllm() -> dict:
     import threading
 
     from harness.real_vllm import build_checkpoint, cache_root, running_vllm
-    from harness.real_vllm_retune import LAYER, ROUTER, alert_state, jobs, retuning_sidecar, send, until_resolved
+    from harness.real_vllm_retune import LAYER, ROUTER, alert_state, jobs, layer_pages, pages, retuning_sidecar, send
     from mla_watch.engines.vllm_weights import VllmWeights, read_router_tensors, write_router_checkpoint
 
     root = cache_root() / "checkpoints"
@@ -198,24 +203,54 @@ def engine_vllm() -> dict:
         with running_receiver() as receiver, retuning_sidecar(
                 engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url:
             start = time.monotonic()
+            latencies: list[float] = []  # each client request through the sidecar, reference readings going on
+            paged: list[float] = []
+
+            def request(index: int) -> None:
+                began = time.monotonic()
+                send(url, index, 1)
+                latencies.append(time.monotonic() - began)
+                if not paged and ("RoutingEntropyLow", "firing") in layer_pages(receiver):
+                    paged.append(time.monotonic())  # within one request's latency of the page's arrival
+
             index = 0
             while alert_state(url) is None and index < 60:
-                send(url, index, 2)
-                index += 2
+                request(index)
+                index += 1
             fired = time.monotonic()
             while not any(job["status"] == "promoted" for job in jobs(url)) and time.monotonic() - fired < 300:
-                send(url, index, 1)
+                request(index)
                 index += 1
             promoted = time.monotonic()
-            until_resolved(url, index)
+            while alert_state(url) != "resolved" and time.monotonic() - fired < 600:
+                request(index)
+                index += 1
             resolved = time.monotonic()
             job = next(job for job in jobs(url) if job["status"] == "promoted")
             attempt = job["result"]["attempts"][-1]
+            page = next((alert for alert in pages(receiver) if alert["labels"].get("router") == ROUTER
+                         and alert["status"] == "firing"), None)
+            reference = httpx.get(url + "/v1/reference", timeout=30).json()
             figures.update(first_request_to_alert_s=round(fired - start, 2),
+                           first_request_to_page_s=round(paged[0] - start, 2) if paged else None,
+                           page_cause=None if page is None else page["labels"].get("cause"),
                            alert_to_promoted_s=round(promoted - fired, 2),
                            alert_to_resolved_s=round(resolved - fired, 2) if alert_state(url) == "resolved" else None,
                            gate_live_seconds=attempt.get("live_seconds"),
-                           job_pause_s=attempt["swap"]["paused_seconds"])
+                           job_pause_s=attempt["swap"]["paused_seconds"], requests=index,
+                           rounds_deferred=reference.get("rounds_deferred"),
+                           client_latency_p50_s=round(statistics.median(latencies), 3),
+                           client_latency_max_s=round(max(latencies), 3))
+        direct: list[float] = []  # the same requests straight to the engine, no sidecar and no reading beside them
+        for number in range(24):
+            began = time.monotonic()
+            body = {"model": "tiny", "max_tokens": 6, "seed": number,
+                    "messages": [{"role": "user", "content": f"Where is my parcel, order {4400 + number * 7}?"}]}
+            httpx.post(engine_url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
+            direct.append(time.monotonic() - began)
+        figures.update(engine_latency_p50_s=round(statistics.median(direct), 3),
+                       engine_latency_max_s=round(max(direct), 3),
+                       client_latency_p50_ratio=round(figures["client_latency_p50_s"] / statistics.median(direct), 2))
         weights = VllmWeights(engine_url)
         states = [read_router_tensors(healthy), read_router_tensors(collapsed)]
         directories = []
@@ -263,11 +298,12 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     parser.add_argument("--engine", choices=["vllm"], help="also re-tune a real vLLM's routers (harness/real_vllm.py)")
     parser.add_argument("--runs", type=int, default=5, help="runs of the deployed_broken replay (default 5)")
+    parser.add_argument("--skip-embedded", action="store_true", help="with --engine vllm: only the engine's part")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
     held_out = [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
                 for text in corpus.generate("code", 32, seed=777)]
-    chosen = args.scenario or [*SCENARIOS, "deployed_broken"]
+    chosen = [] if args.skip_embedded else args.scenario or [*SCENARIOS, "deployed_broken"]
     rows = [run(strategy, held_out) for strategy in chosen if strategy in SCENARIOS]
     broken = deployed_broken(args.runs) if "deployed_broken" in chosen else None
     engine = engine_vllm() if args.engine == "vllm" else None
@@ -294,10 +330,16 @@ def main() -> None:
                   f"layer 1 {replay['bits_before'] or 0:.2f} -> {replay['bits_after'] or 0:.2f} bits; "
                   f"jobs {replay['jobs']}; promoted by {replay['promoted_by']} ({replay['checks']})")
     if engine is not None:
-        print(f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic; alert -> promoted "
-              f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s; the candidate "
+        print(f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic, page (cause "
+              f"{engine['page_cause']}) after {engine['first_request_to_page_s']} s; alert -> promoted "
+              f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s "
+              f"({engine['requests']} requests, {engine['rounds_deferred']} reference rounds deferred); the candidate "
               f"served {engine['gate_live_seconds']} s before its gate decided; the job's swap paused "
               f"{engine['job_pause_s']} s")
+        print(f"  client latency through the sidecar, reference readings beside it: p50 "
+              f"{engine['client_latency_p50_s']} s, max {engine['client_latency_max_s']} s; the same requests "
+              f"straight to the engine afterwards: p50 {engine['engine_latency_p50_s']} s, max "
+              f"{engine['engine_latency_max_s']} s (p50 ratio {engine['client_latency_p50_ratio']})")
         print(f"  throughput {engine['tokens_per_s_steady']} tokens/s steady, {engine['tokens_per_s_swapping']} with "
               f"a swap every 0.5 s: ratio {engine['throughput_ratio']}; {engine['swaps']} swaps paused "
               f"{engine['pause_p50_s']} s at p50, {engine['pause_max_s']} s at most")

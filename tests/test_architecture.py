@@ -343,10 +343,7 @@ PACED_SLEEPS = {
     ("tests/slow_engine.py", "_answer"): "the slow engine's answer time, the part it plays (a client's, a score's)",
 }
 # Fixed waits that no event yet replaces: (file, function) -> why. Each is a test that is slower than it needs to be.
-WAITED_OUT = {
-    ("tests/test_fleet_repair.py", "test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_fleet"):
-        "rounds that would retry the wanted jobs: the replicas count no poll rounds",
-}
+WAITED_OUT: dict[tuple[str, str], str] = {}
 
 
 def _suite_sources(*suites: str) -> dict[str, ast.Module]:

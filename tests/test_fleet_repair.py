@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +100,10 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
                            for alert in layer1_alerts(u)) for u in urls)
 
         assert drive(replicas, paged_everywhere, timeout=180), [layer1_alerts(u) for u in urls]
-        time.sleep(3 * POLL_SECONDS)  # rounds that would retry the wanted jobs, had the store answered
+        # Three rounds of each member that would have retried the wanted jobs, had the store answered.
+        ended = {replica.name: replica.sidecar.serving.fleet.status()["rounds"] for replica in replicas}
+        assert wait_until(lambda: all(replica.sidecar.serving.fleet.status()["rounds"] >= ended[replica.name] + 3
+                                      for replica in replicas), 60)
         for u in urls:
             ready = httpx.get(u + "/readyz", timeout=30)
             assert ready.status_code == 200, ready.text  # the store down stops re-tuning, not serving

@@ -119,6 +119,7 @@ class FleetMember:
         self.store_up: bool | None = None
         self.store_error: str | None = None
         self.view: FleetView | None = None  # the latest read of the store
+        self.rounds = 0  # rounds this member's thread has ended
         self._wants: dict[tuple[str, str | None], _Want] = {}  # alerts waiting for the fleet's decision
         self._canary: _CanaryJob | None = None
         self._held: str | None = None  # the fleet job whose lease this member holds: renewed by its own thread
@@ -185,6 +186,7 @@ class FleetMember:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.tick()
+            self.rounds += 1
             self._wake.wait(self.settings.poll_seconds)
             self._wake.clear()
 
@@ -231,7 +233,7 @@ class FleetMember:
         return {"name": self.name, "store": self.store.where, "store_up": self.store_up,
                 "store_error": self.store_error, "joined": self.joined, "base": self.base, "digest": self.digest,
                 "version": self.version, "waiting_alerts": sorted({router for router, _ in self._wants}),
-                "canary_job": None if self._canary is None else self._canary.fleet_job}
+                "canary_job": None if self._canary is None else self._canary.fleet_job, "rounds": self.rounds}
 
     def _serving_digest(self) -> str:
         return router_digest(self.retune.retuner.host.state())
