@@ -50,48 +50,74 @@ from harness.attacks import HEALTHZ_GOAL_MS, Plan, Target, render, replay
 # --------------------------------------------------------------------------- the bench
 
 
-def serve_for_attacks(state_dir: Path, body_timeout: float, admin_token: str,
-                      ingest_token: str) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
+def serve_for_attacks(
+    state_dir: Path, body_timeout: float, admin_token: str, ingest_token: str
+) -> contextlib.AbstractContextManager[tuple[str, subprocess.Popen]]:
     """``mla-watch serve`` on the bundled model, with both tokens and a short body timeout."""
-    environ = {**{k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"},
-               "MLA_WATCH_ADMIN_TOKEN": admin_token, "MLA_WATCH_INGEST_TOKEN": ingest_token}
+    environ = {
+        **{k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"},
+        "MLA_WATCH_ADMIN_TOKEN": admin_token,
+        "MLA_WATCH_INGEST_TOKEN": ingest_token,
+    }
     return sidecar_process("--state-dir", str(state_dir), "--body-timeout", str(body_timeout), env=environ)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=Plan.routing_gets,
-                        help="GETs of unknown business lines (attack 1)")
-    parser.add_argument("--rounds", type=int, default=Plan.rounds,
-                        help="repetitions of each small attack, and trickling connections per endpoint")
-    parser.add_argument("--bucket-requests", type=int, default=Plan.bucket_requests,
-                        help="ingestion requests of 16 x 4,096-slot deltas")
-    parser.add_argument("--series-routers", type=int, default=Plan.series_routers,
-                        help="routers of the source that fills /metrics")
+    parser.add_argument(
+        "--requests", type=int, default=Plan.routing_gets, help="GETs of unknown business lines (attack 1)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=Plan.rounds,
+        help="repetitions of each small attack, and trickling connections per endpoint",
+    )
+    parser.add_argument(
+        "--bucket-requests", type=int, default=Plan.bucket_requests, help="ingestion requests of 16 x 4,096-slot deltas"
+    )
+    parser.add_argument(
+        "--series-routers", type=int, default=Plan.series_routers, help="routers of the source that fills /metrics"
+    )
     parser.add_argument("--series-lines", type=int, default=Plan.series_lines, help="... on this many lines")
     parser.add_argument("--body-timeout", type=float, default=2.0, help="the sidecar's --body-timeout, in seconds")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
-    plan = Plan(routing_gets=args.requests, rounds=args.rounds, bucket_requests=args.bucket_requests,
-                series_routers=args.series_routers, series_lines=args.series_lines)
+    plan = Plan(
+        routing_gets=args.requests,
+        rounds=args.rounds,
+        bucket_requests=args.bucket_requests,
+        series_routers=args.series_routers,
+        series_lines=args.series_lines,
+    )
     admin_token, ingest_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    with tempfile.TemporaryDirectory(prefix="mla-watch-attacks-") as state, \
-            serve_for_attacks(Path(state) / "state", args.body_timeout, admin_token, ingest_token) as (url, process):
+    with (
+        tempfile.TemporaryDirectory(prefix="mla-watch-attacks-") as state,
+        serve_for_attacks(Path(state) / "state", args.body_timeout, admin_token, ingest_token) as (url, process),
+    ):
         target = Target(url, process.pid, admin_token, ingest_token, args.body_timeout)
         started = time.monotonic()
         result = replay(target, plan, progress=lambda text: print(text, file=sys.stderr, flush=True))
         wall = time.monotonic() - started
-    print(f"hostile requests against mla-watch serve (bundled model, --body-timeout {args.body_timeout:g}), "
-          f"{wall:.0f} s")
+    print(
+        f"hostile requests against mla-watch serve (bundled model, --body-timeout {args.body_timeout:g}), {wall:.0f} s"
+    )
     print(render(result))
     documented = sum(1 for report in result.attacks if report.ok)
     worst = max(result.attacks, key=lambda report: result.added_ms(report)[1])
-    print(f"{documented} of {len(result.attacks)} attacks got their documented answers with /healthz answering "
-          f"throughout; the worst /healthz p99 was +{result.added_ms(worst)[1]:.1f} ms over rest, during "
-          f"'{worst.name}' (goal: within {HEALTHZ_GOAL_MS:g} ms)")
+    print(
+        f"{documented} of {len(result.attacks)} attacks got their documented answers with /healthz answering "
+        f"throughout; the worst /healthz p99 was +{result.added_ms(worst)[1]:.1f} ms over rest, during "
+        f"'{worst.name}' (goal: within {HEALTHZ_GOAL_MS:g} ms)"
+    )
     if args.json:  # milliseconds throughout
-        figures = {"bench": "attacks", "args": vars(args), "wall_s": wall, "goal_added_ms": HEALTHZ_GOAL_MS,
-                   **result.as_dict()}
+        figures = {
+            "bench": "attacks",
+            "args": vars(args),
+            "wall_s": wall,
+            "goal_added_ms": HEALTHZ_GOAL_MS,
+            **result.as_dict(),
+        }
         Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")
 
 

@@ -38,16 +38,22 @@ from mla_watch.cause.representative import UNREPRESENTATIVE_MARGIN_BITS, UNREPRE
 from mla_watch.models import corpus
 from mla_watch.routing.stats import js_divergence_bits
 
-LINES = {"customer_service": (("customer_service", "chat"),), "code_assistant": (("code", "code"), ("sql", "sql")),
-         "doc_summary": (("doc_summary", "summarize"),)}
+LINES = {
+    "customer_service": (("customer_service", "chat"),),
+    "code_assistant": (("code", "code"), ("sql", "sql")),
+    "doc_summary": (("doc_summary", "summarize"),),
+}
 FLOOD = " ".join(["select"] * 180)
 MAX_TOKENS = 96
 
 
-def post(url: str, line: str, task: str, prompt: str, client: str, max_tokens: int = MAX_TOKENS,
-         seed: int = 0) -> int:
-    answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "seed": seed},
-                        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client}, timeout=120)
+def post(url: str, line: str, task: str, prompt: str, client: str, max_tokens: int = MAX_TOKENS, seed: int = 0) -> int:
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "seed": seed},
+        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client},
+        timeout=120,
+    )
     answer.raise_for_status()
     return int(answer.json()["usage"]["total_tokens"])
 
@@ -78,21 +84,37 @@ def flood_phase(url: str) -> dict[str, Any]:
             post(url, "customer_service", "chat", FLOOD, "flood-1", max_tokens=16)
             requests += 1
         for client in range(3):
-            post(url, "customer_service", "chat", questions[3 * index + client], f"customer_service-app-{client}",
-                 seed=index)
+            post(
+                url,
+                "customer_service",
+                "chat",
+                questions[3 * index + client],
+                f"customer_service-app-{client}",
+                seed=index,
+            )
             requests += 1
     view = baseline_view(url)
-    waiting = {entry["clients"]["keys_seen"]: entry for entry in view["waiting"]
-               if entry["business_line"] == "customer_service"}
+    waiting = {
+        entry["clients"]["keys_seen"]: entry
+        for entry in view["waiting"]
+        if entry["business_line"] == "customer_service"
+    }
 
     def flood_share(keys: int) -> float | None:
         entry = waiting.get(keys)
-        return None if entry is None else next((c["share"] for c in entry["clients"]["clients"]
-                                                if c["client"] == "flood-1"), 0.0)
+        return (
+            None
+            if entry is None
+            else next((c["share"] for c in entry["clients"]["clients"] if c["client"] == "flood-1"), 0.0)
+        )
 
-    return {"requests": requests, "series_learned": len(view["series"]),
-            "flood_share_of_tokens": flood_share(0), "flood_share_of_indexer_signal": flood_share(128),
-            "not_learning": view["not_learning"]}
+    return {
+        "requests": requests,
+        "series_learned": len(view["series"]),
+        "flood_share_of_tokens": flood_share(0),
+        "flood_share_of_indexer_signal": flood_share(128),
+        "not_learning": view["not_learning"],
+    }
 
 
 def padded_js(counts: np.ndarray, other: np.ndarray) -> float:
@@ -101,16 +123,30 @@ def padded_js(counts: np.ndarray, other: np.ndarray) -> float:
     return js_divergence_bits(np.pad(counts, (0, length - counts.size)), np.pad(other, (0, length - other.size)))
 
 
-def divergences(reading: Any, windows: dict[str, dict[str, dict[str, np.ndarray]]], routers: list[Any], line: str,
-                ) -> list[dict[str, Any]]:
+def divergences(
+    reading: Any,
+    windows: dict[str, dict[str, dict[str, np.ndarray]]],
+    routers: list[Any],
+    line: str,
+) -> list[dict[str, Any]]:
     rows = []
     for info in routers:
         found = reading.counts(info.name)
         if found is None:
             continue
         b, w, f = (padded_js(found[0], windows[name][line][info.name]) for name in ("baseline", "live", "flood"))
-        rows.append({"line": line, "router": info.name, "kind": info.kind, "B": b, "W": w, "F": f,
-                     "B/W": b / w if w else float("inf"), "F/W": f / w if w else float("inf")})
+        rows.append(
+            {
+                "line": line,
+                "router": info.name,
+                "kind": info.kind,
+                "B": b,
+                "W": w,
+                "F": f,
+                "B/W": b / w if w else float("inf"),
+                "F/W": f / w if w else float("inf"),
+            }
+        )
     return rows
 
 
@@ -121,8 +157,10 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             chosen = [row for row in rows if row["line"] == line and row["kind"] == kind]
             if not chosen:
                 continue
-            span = {key: (round(min(r[key] for r in chosen), 4), round(max(r[key] for r in chosen), 4))
-                    for key in ("B", "W", "F", "B/W", "F/W")}
+            span = {
+                key: (round(min(r[key] for r in chosen), 4), round(max(r[key] for r in chosen), 4))
+                for key in ("B", "W", "F", "B/W", "F/W")
+            }
             out.append({"line": line, "kind": kind, "routers": len(chosen), **span})
     return out
 
@@ -148,34 +186,66 @@ def main() -> None:
         while expert_lines() < {"all", *LINES}:
             sent += healthy(url, seed=1 + sent, tokens_per_line=1024)
         learned = [s for s in baseline_view(url)["series"] if s["router"] in experts]
-        figures["healthy_learned"] = {"requests": sent, "series": len(learned), "clients": {
-            line: {"count": min(s["clients"]["count"] for s in learned if s["business_line"] == line),
-                   "largest_share": max(s["clients"]["clients"][0]["share"] for s in learned
-                                        if s["business_line"] == line)} for line in LINES}}
-        print(f"== healthy traffic, three clients a line, until every line's experts are learned: "
-              f"{json.dumps(figures['healthy_learned'])}")
-        baseline = {line: {info.name: found.counts for info in windows.routers
-                           if (found := sidecar.baselines.get(info.name, line)) is not None} for line in LINES}
+        figures["healthy_learned"] = {
+            "requests": sent,
+            "series": len(learned),
+            "clients": {
+                line: {
+                    "count": min(s["clients"]["count"] for s in learned if s["business_line"] == line),
+                    "largest_share": max(
+                        s["clients"]["clients"][0]["share"] for s in learned if s["business_line"] == line
+                    ),
+                }
+                for line in LINES
+            },
+        }
+        print(
+            f"== healthy traffic, three clients a line, until every line's experts are learned: "
+            f"{json.dumps(figures['healthy_learned'])}"
+        )
+        baseline = {
+            line: {
+                info.name: found.counts
+                for info in windows.routers
+                if (found := sidecar.baselines.get(info.name, line)) is not None
+            }
+            for line in LINES
+        }
         healthy(url, seed=500, tokens_per_line=4200)  # a window later: the live windows are all new traffic
         live = {line: windows.counts(line) for line in LINES}
         readings = {reading.set_name: reading for reading in sidecar.references.prober.read_now(list(LINES))}
-        found = [{"router": entry["router"], "line": entry["business_line"], "reason": entry["reason"],
-                  **{key: entry["details"].get(key) for key in ("baseline_bits", "window_bits")}}
-                 for entry in baseline_view(url)["unrepresentative"]]
+        found = [
+            {
+                "router": entry["router"],
+                "line": entry["business_line"],
+                "reason": entry["reason"],
+                **{key: entry["details"].get(key) for key in ("baseline_bits", "window_bits")},
+            }
+            for entry in baseline_view(url)["unrepresentative"]
+        ]
         flood_windows = {}
         for line, kinds in LINES.items():
             tokens = 0
             while tokens < 4200:
                 tokens += post(url, line, kinds[0][1], FLOOD, "flood-1", max_tokens=16)
             flood_windows[line] = windows.counts(line)
-        rows = [row for line in LINES for row in divergences(
-            readings[line], {"baseline": baseline, "live": live, "flood": flood_windows},
-            [info for info in windows.routers if info.name in baseline[line]], line)]
+        rows = [
+            row
+            for line in LINES
+            for row in divergences(
+                readings[line],
+                {"baseline": baseline, "live": live, "flood": flood_windows},
+                [info for info in windows.routers if info.name in baseline[line]],
+                line,
+            )
+        ]
         figures["reference_divergence"] = summarise(rows)
         figures["found_unrepresentative"] = found
         figures["threshold"] = {"ratio": UNREPRESENTATIVE_RATIO, "margin_bits": UNREPRESENTATIVE_MARGIN_BITS}
-        print("== the reference reading's Jensen-Shannon divergence (bits) from the learned baseline (B), the live "
-              "window (W) and one client's flood window (F), min-max per line and router kind:")
+        print(
+            "== the reference reading's Jensen-Shannon divergence (bits) from the learned baseline (B), the live "
+            "window (W) and one client's flood window (F), min-max per line and router kind:"
+        )
         for entry in figures["reference_divergence"]:
             print("  " + json.dumps(entry))
         print(f"== learned baselines found unrepresentative by the reading: {json.dumps(found)}")

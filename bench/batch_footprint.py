@@ -46,18 +46,27 @@ def main() -> int:
                 ids = ids[: config.max_position_embeddings - args.decode]
                 prompt = torch.tensor([ids])
                 with probe.record_routing() as recording:
-                    model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                   max_new_tokens=args.decode, min_new_tokens=args.decode,
-                                   pad_token_id=tokenizer.pad_token_id)
-                sampler.add(line, recording.rows(0)[len(ids):])  # the decode steps' tokens only
+                    model.generate(
+                        input_ids=prompt,
+                        attention_mask=torch.ones_like(prompt),
+                        do_sample=False,
+                        max_new_tokens=args.decode,
+                        min_new_tokens=args.decode,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                sampler.add(line, recording.rows(0)[len(ids) :])  # the decode steps' tokens only
     table = sampler.table(BATCH_SIZES, draws=args.draws, seed=args.seed)
-    print(f"bundled model: {config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
-          f"{expert_bytes} bytes per expert; {args.requests} requests per line x {args.decode} decode steps "
-          f"({time.perf_counter() - started:.0f} s); {args.draws} drawn steps per B")
+    print(
+        f"bundled model: {config.n_routed_experts} experts top-{config.num_experts_per_tok}, "
+        f"{expert_bytes} bytes per expert; {args.requests} requests per line x {args.decode} decode steps "
+        f"({time.perf_counter() - started:.0f} s); {args.draws} drawn steps per B"
+    )
     print(table.format(expert_bytes))
     index = BATCH_SIZES.index(32)
-    print(f"B = 32: lines batched apart read {table.apart[index]:.1f} experts per layer, mixed "
-          f"{table.mixed[index]:.1f}: x{table.ratio[index]:.3f} the expert weight bytes per decode step")
+    print(
+        f"B = 32: lines batched apart read {table.apart[index]:.1f} experts per layer, mixed "
+        f"{table.mixed[index]:.1f}: x{table.ratio[index]:.3f} the expert weight bytes per decode step"
+    )
     if args.json is not None:
         args.json.write_text(json.dumps({**table.as_dict(), "expert_bytes": expert_bytes}, indent=1))
     return 0

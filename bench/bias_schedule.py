@@ -26,8 +26,14 @@ from mla_watch.routing.stats import entropy_bits
 ROUTER = "model.layers.1.mlp.gate"
 BAND = 5.2
 STEPS = 10
-SCHEDULES = [("proportional", 1.0, 0.7), ("proportional", 1.0, 1.0), ("proportional", 0.5, 1.0),
-             ("sign", 1.0, 1.0), ("sign", 2.0, 0.7), ("sign", 0.05, 1.0)]
+SCHEDULES = [
+    ("proportional", 1.0, 0.7),
+    ("proportional", 1.0, 1.0),
+    ("proportional", 0.5, 1.0),
+    ("sign", 1.0, 1.0),
+    ("sign", 2.0, 0.7),
+    ("sign", 0.05, 1.0),
+]
 
 
 def main() -> None:
@@ -35,8 +41,9 @@ def main() -> None:
     gate = model.model.layers[1].mlp.gate
     healthy = gate.e_score_correction_bias.detach().clone()
     texts = [text for domain in corpus.DOMAINS for text in corpus.generate(domain, 8, seed=3)]
-    batches = make_batches([tokenizer(text)["input_ids"][:64] for text in texts], batch_size=8,
-                           pad_id=tokenizer.pad_token_id or 0)
+    batches = make_batches(
+        [tokenizer(text)["input_ids"][:64] for text in texts], batch_size=8, pad_id=tokenizer.pad_token_id or 0
+    )
     probe = attach(model, window_tokens=None)
 
     def loads() -> np.ndarray:
@@ -56,7 +63,7 @@ def main() -> None:
         for step in range(STEPS + 1):
             load = loads()
             readings.append(entropy_bits(load))
-            step_gamma = gamma * decay ** step
+            step_gamma = gamma * decay**step
             if rule == "sign":
                 bias = bias + torch.as_tensor(step_gamma * np.sign(load.mean() - load), dtype=torch.float32)
             else:
@@ -64,8 +71,11 @@ def main() -> None:
             with torch.no_grad():
                 gate.e_score_correction_bias.copy_(bias)
         settled = next((step for step in range(len(readings)) if all(r >= BAND for r in readings[step:])), None)
-        print(f"{rule:<14}{gamma:>6g}{decay:>6g}  " + " ".join(f"{r:.2f}" for r in readings)
-              + f"    {settled if settled is not None else 'never'}")
+        print(
+            f"{rule:<14}{gamma:>6g}{decay:>6g}  "
+            + " ".join(f"{r:.2f}" for r in readings)
+            + f"    {settled if settled is not None else 'never'}"
+        )
     probe.detach()
 
 

@@ -52,19 +52,31 @@ def drift_scenario(model, days: float, drift_per_hour: float) -> dict:
     healthy = drift_replay(model, hours=days * 24, drift_per_hour=0.0)
     low, falling = drift.first("RoutingEntropyLow"), drift.first("RoutingEntropyFalling")
     false_trend = [f for f in healthy.firings if f.alertname in TREND_ALERTS]
-    figures = {"drift_days": days, "drift_per_hour": drift_per_hour, "drift_router": DRIFTING_ROUTER,
-               "falling_at_hours": falling and falling.hours, "low_at_hours": low and low.hours,
-               "warning_hours": (low.hours - falling.hours) if low and falling else None,
-               "healthy_false_trend_alarms": len(false_trend), "drift_seconds": time.perf_counter() - started}
+    figures = {
+        "drift_days": days,
+        "drift_per_hour": drift_per_hour,
+        "drift_router": DRIFTING_ROUTER,
+        "falling_at_hours": falling and falling.hours,
+        "low_at_hours": low and low.hours,
+        "warning_hours": (low.hours - falling.hours) if low and falling else None,
+        "healthy_false_trend_alarms": len(false_trend),
+        "drift_seconds": time.perf_counter() - started,
+    }
     start_bits, end_bits = drift.entropy[0][1], drift.entropy[-1][1]
-    print(f"slow drift of {DRIFTING_ROUTER} (+{drift_per_hour} correction bias on 4 experts every simulated hour, "
-          f"{days:g} simulated days, {start_bits:.2f} -> {end_bits:.2f} bits):")
+    print(
+        f"slow drift of {DRIFTING_ROUTER} (+{drift_per_hour} correction bias on 4 experts every simulated hour, "
+        f"{days:g} simulated days, {start_bits:.2f} -> {end_bits:.2f} bits):"
+    )
     if falling is None or low is None:
-        print(f"  RoutingEntropyFalling at {falling and round(falling.hours, 1)} h, RoutingEntropyLow at "
-              f"{low and round(low.hours, 1)} h: no warning ahead measured")
+        print(
+            f"  RoutingEntropyFalling at {falling and round(falling.hours, 1)} h, RoutingEntropyLow at "
+            f"{low and round(low.hours, 1)} h: no warning ahead measured"
+        )
     else:
-        print(f"  RoutingEntropyFalling warned at {falling.hours:.1f} h, RoutingEntropyLow paged at {low.hours:.1f} h: "
-              f"{low.hours - falling.hours:.1f} hours of warning ({falling.summary})")
+        print(
+            f"  RoutingEntropyFalling warned at {falling.hours:.1f} h, RoutingEntropyLow paged at {low.hours:.1f} h: "
+            f"{low.hours - falling.hours:.1f} hours of warning ({falling.summary})"
+        )
     print(f"  healthy replay of the same length: false trend alarms: {len(false_trend)} (goal: 0)")
     for alarm in false_trend[:5]:
         print(f"    {alarm.alertname} {alarm.router} at {alarm.hours:.1f} h: {alarm.summary}")
@@ -81,11 +93,17 @@ def healthy_scenarios(model, tokenizer, tokens: int) -> list[dict]:
         replay = healthy_replay(model, tokenizer, kind, tokens)
         figures.append(replay.as_dict())
         peaks = replay.peaks
-        closest = (f"closest: MaxVio {peaks['max_violation_ratio']:.2f} x healthy (pages at 2), JS "
-                   f"{peaks['js_divergence']:.4f} bits (0.05), dead beyond healthy "
-                   f"{peaks['dead_slots_above_healthy']:g} (4)" if peaks else "no window judged against a baseline")
-        print(f"healthy {kind}: {replay.tokens} tokens, {replay.requests} requests, {replay.baselines} baselines "
-              f"learned; false pages: {len(replay.pages)} (goal: 0); {closest}")
+        closest = (
+            f"closest: MaxVio {peaks['max_violation_ratio']:.2f} x healthy (pages at 2), JS "
+            f"{peaks['js_divergence']:.4f} bits (0.05), dead beyond healthy "
+            f"{peaks['dead_slots_above_healthy']:g} (4)"
+            if peaks
+            else "no window judged against a baseline"
+        )
+        print(
+            f"healthy {kind}: {replay.tokens} tokens, {replay.requests} requests, {replay.baselines} baselines "
+            f"learned; false pages: {len(replay.pages)} (goal: 0); {closest}"
+        )
         for page in replay.pages[:5]:
             print(f"    {page.alertname} {page.router} {page.business_line}: {page.summary}")
     return figures
@@ -97,15 +115,19 @@ def fault_scenarios(model, tokenizer) -> list[dict]:
         result = fault_replay(model, tokenizer, fault, limit_tokens=fault.within_tokens * 2)
         figures.append(result)
         if not result["paged"]:
-            print(f"fault {fault.name} on {fault.router}: {fault.alertname} NOT paged within "
-                  f"{fault.within_tokens * 2} tokens")
+            print(
+                f"fault {fault.name} on {fault.router}: {fault.alertname} NOT paged within "
+                f"{fault.within_tokens * 2} tokens"
+            )
             continue
-        print(f"fault {fault.name} on {fault.router} ({fault.note}): {fault.alertname} paged "
-              f"{result['tokens_after_onset']} tokens after the onset (budget {fault.within_tokens}), cause "
-              f"{result['cause']}; lowest "
-              f"entropy of its lines then {result['entropy_bits_then']:.3f} bits; its pages: "
-              f"{', '.join(result['other_pages'])}; false pages before the onset: "
-              f"{result['false_pages_before_onset']}")
+        print(
+            f"fault {fault.name} on {fault.router} ({fault.note}): {fault.alertname} paged "
+            f"{result['tokens_after_onset']} tokens after the onset (budget {fault.within_tokens}), cause "
+            f"{result['cause']}; lowest "
+            f"entropy of its lines then {result['entropy_bits_then']:.3f} bits; its pages: "
+            f"{', '.join(result['other_pages'])}; false pages before the onset: "
+            f"{result['false_pages_before_onset']}"
+        )
     return figures
 
 

@@ -36,9 +36,20 @@ MAX_BYTES = 8 << 20
 TIMEOUT = 3.0
 # mode -> the statuses documented for it (docs/security.md)
 ENGINE_ATTACKS = {
-    "gzip_bomb": {502}, "huge_json": {502}, "huge_error": {500}, "html_error": {503}, "not_json": {502},
-    "json_array": {502}, "lying_npy": {200}, "all_zero": {200}, "no_routing": {200}, "two_choices": {200},
-    "drip": {504}, "endless_line": {200}, "odd_stream": {200}, "stream_drip": {200},
+    "gzip_bomb": {502},
+    "huge_json": {502},
+    "huge_error": {500},
+    "html_error": {503},
+    "not_json": {502},
+    "json_array": {502},
+    "lying_npy": {200},
+    "all_zero": {200},
+    "no_routing": {200},
+    "two_choices": {200},
+    "drip": {504},
+    "endless_line": {200},
+    "odd_stream": {200},
+    "stream_drip": {200},
 }
 STREAMED = {"endless_line", "odd_stream", "stream_drip"}
 MIN_SECONDS = 1.0  # each attack goes on at least this long
@@ -71,8 +82,9 @@ def engine_attacks(url: str, pid: int, hostile: HostileEngine, poller: HealthPol
 def volume_attacks(directory: Path, url: str, pid: int, poller: HealthPoller, interval: float) -> list[dict]:
     """Hostile dumps written where the recorder reads; each must be set aside, counted as such, once."""
     cases = {
-        "stride-0 tensor of 3,000,000 passes": lambda: {"logical_count": torch.zeros(1, 4, 16, dtype=torch.int32)
-                                                        .expand(3_000_000, 4, 16)},
+        "stride-0 tensor of 3,000,000 passes": lambda: {
+            "logical_count": torch.zeros(1, 4, 16, dtype=torch.int32).expand(3_000_000, 4, 16)
+        },
         "sparse logical_count": lambda: {"logical_count": torch.zeros(4, 4, 16, dtype=torch.int32).to_sparse()},
         "int64 sum that overflows": lambda: {"logical_count": torch.full((2, 4, 16), 2**62, dtype=torch.int64)},
     }
@@ -85,8 +97,9 @@ def volume_attacks(directory: Path, url: str, pid: int, poller: HealthPoller, in
             time.sleep(0.05)
         time.sleep(3 * interval)  # later polls: set aside once, never counted again
         statuses = Counter({"rejected once": int(rejected(url) - before)})
-        reports.append(report(name, statuses, {"rejected once"}, poller, start, memory_kib(pid) - rss_before,
-                              expect_count=1))
+        reports.append(
+            report(name, statuses, {"rejected once"}, poller, start, memory_kib(pid) - rss_before, expect_count=1)
+        )
     start, before = time.monotonic(), rejected(url)
     for number in range(1000):
         (directory / f"expert_distribution_recorder_{1_800_000_000 + number}.0.pt").write_bytes(b"junk")
@@ -110,16 +123,34 @@ def rejected(url: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "mla_watch_engine_recorder_dumps_total" and sample.labels.get("outcome") == "error")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "mla_watch_engine_recorder_dumps_total" and sample.labels.get("outcome") == "error"
+    )
 
 
-def report(name: str, statuses: Counter, documented: set, poller: HealthPoller, start: float, rss_growth_kib: int,
-           *, expect_count: int | None = None) -> dict:
+def report(
+    name: str,
+    statuses: Counter,
+    documented: set,
+    poller: HealthPoller,
+    start: float,
+    rss_growth_kib: int,
+    *,
+    expect_count: int | None = None,
+) -> dict:
     healthz = poller.between(start, time.monotonic())
     ok = set(statuses) <= documented and (expect_count is None or sum(statuses.values()) == expect_count)
-    return {"attack": name, "statuses": dict(statuses), "documented": sorted(map(str, documented)), "ok": ok,
-            "healthz_p99_ms": healthz.p99_ms, "rss_growth_mib": rss_growth_kib / 1024}
+    return {
+        "attack": name,
+        "statuses": dict(statuses),
+        "documented": sorted(map(str, documented)),
+        "ok": ok,
+        "healthz_p99_ms": healthz.p99_ms,
+        "rss_growth_mib": rss_growth_kib / 1024,
+    }
 
 
 def main() -> None:
@@ -129,36 +160,66 @@ def main() -> None:
     args = parser.parse_args()
     hostile = HostileEngine()
     reports: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="mla-watch-engine-attacks-") as scratch, \
-            serve_app(hostile.app) as engine_url:
+    with (
+        tempfile.TemporaryDirectory(prefix="mla-watch-engine-attacks-") as scratch,
+        serve_app(hostile.app) as engine_url,
+    ):
         root = Path(scratch)
         (root / "config.json").write_text(json.dumps(CONFIG))
-        common = ["--model-config", str(root / "config.json"), "--upstream-max-bytes", str(MAX_BYTES),
-                  "--request-timeout", str(TIMEOUT), "--upstream", engine_url]
-        with sidecar_process("--state-dir", str(root / "state"), "--engine", "vllm", *common) as (url, process), \
-                HealthPoller(url) as poller:
+        common = [
+            "--model-config",
+            str(root / "config.json"),
+            "--upstream-max-bytes",
+            str(MAX_BYTES),
+            "--request-timeout",
+            str(TIMEOUT),
+            "--upstream",
+            engine_url,
+        ]
+        with (
+            sidecar_process("--state-dir", str(root / "state"), "--engine", "vllm", *common) as (url, process),
+            HealthPoller(url) as poller,
+        ):
             rest = at_rest(url, poller)
-            reports += [{**r, "rest_p99_ms": rest} for r in engine_attacks(url, process.pid, hostile, poller,
-                                                                           args.rounds)]
+            reports += [
+                {**r, "rest_p99_ms": rest} for r in engine_attacks(url, process.pid, hostile, poller, args.rounds)
+            ]
         dumps = root / "dumps"
         dumps.mkdir()
-        with sidecar_process("--state-dir", str(root / "state2"), "--engine", "sglang", "--sglang-recorder-dir",
-                             str(dumps), "--sglang-recorder-interval", "0.2", *common) as (url, process), \
-                HealthPoller(url) as poller:
+        with (
+            sidecar_process(
+                "--state-dir",
+                str(root / "state2"),
+                "--engine",
+                "sglang",
+                "--sglang-recorder-dir",
+                str(dumps),
+                "--sglang-recorder-interval",
+                "0.2",
+                *common,
+            ) as (url, process),
+            HealthPoller(url) as poller,
+        ):
             rest = at_rest(url, poller)
             reports += [{**r, "rest_p99_ms": rest} for r in volume_attacks(dumps, url, process.pid, poller, 0.2)]
     width = max(len(r["attack"]) for r in reports)
-    print(f"hostile engine and recorder volume against mla-watch serve (at least {args.rounds} rounds and "
-          f"{MIN_SECONDS:g} s per attack)")
+    print(
+        f"hostile engine and recorder volume against mla-watch serve (at least {args.rounds} rounds and "
+        f"{MIN_SECONDS:g} s per attack)"
+    )
     for r in reports:
         added = r["healthz_p99_ms"] - r["rest_p99_ms"]
         r["healthz_added_ms"] = added
-        print(f"  {r['attack']:<{width}}  {'ok  ' if r['ok'] else 'FAIL'}  statuses {r['statuses']} (documented "
-              f"{', '.join(r['documented'])})  /healthz p99 {r['healthz_p99_ms']:.1f} ms ({added:+.1f} over rest)  "
-              f"RSS {r['rss_growth_mib']:+.0f} MiB")
+        print(
+            f"  {r['attack']:<{width}}  {'ok  ' if r['ok'] else 'FAIL'}  statuses {r['statuses']} (documented "
+            f"{', '.join(r['documented'])})  /healthz p99 {r['healthz_p99_ms']:.1f} ms ({added:+.1f} over rest)  "
+            f"RSS {r['rss_growth_mib']:+.0f} MiB"
+        )
     met = sum(r["ok"] and r["healthz_added_ms"] <= HEALTHZ_GOAL_MS for r in reports)
-    print(f"{met} of {len(reports)} attacks got their documented answer with /healthz within {HEALTHZ_GOAL_MS:g} ms "
-          f"of rest")
+    print(
+        f"{met} of {len(reports)} attacks got their documented answer with /healthz within {HEALTHZ_GOAL_MS:g} ms "
+        f"of rest"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"bench": "engine_attacks", "attacks": reports}, indent=2) + "\n")
 

@@ -82,11 +82,20 @@ EXTRA = {"policy": "default/default", "adjustments": []}  # the proxy's "mla_wat
 
 def completion(tokens: int) -> dict[str, Any]:
     generated = tokens - PROMPT_TOKENS + 1
-    return {"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "deepseek-ai/DeepSeek-V3",
-            "choices": [{"index": 0, "text": " tok" * generated, "logprobs": None, "finish_reason": "length",
-                         "stop_reason": None}],
-            "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": generated,
-                      "total_tokens": PROMPT_TOKENS + generated}}
+    return {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": "deepseek-ai/DeepSeek-V3",
+        "choices": [
+            {"index": 0, "text": " tok" * generated, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        ],
+        "usage": {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": generated,
+            "total_tokens": PROMPT_TOKENS + generated,
+        },
+    }
 
 
 def key(engine: str, tokens: int, routing: bool) -> str:
@@ -131,8 +140,9 @@ def serve_engine(directory: Path, port: int) -> None:
         return Response(bodies[name], media_type="application/json")
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "deepseek-ai/DeepSeek-V3", "object": "model",
-                                                         "owned_by": "vllm"}]})
+        return JSONResponse(
+            {"object": "list", "data": [{"id": "deepseek-ai/DeepSeek-V3", "object": "model", "owned_by": "vllm"}]}
+        )
 
     app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
@@ -142,8 +152,12 @@ def serve_engine(directory: Path, port: int) -> None:
 def fake_engine(directory: Path) -> Iterator[str]:
     """The fake engine in its own process (its CPU stays out of the proxy's), ready; stopped afterwards."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "bench.engine_routing", "--serve-engine", str(directory),
-                                "--port", str(port)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.engine_routing", "--serve-engine", str(directory), "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_answering(url + "/v1/models", process, 60, f"the fake engine on port {port}")
@@ -176,8 +190,9 @@ def cpu_ms(function: Callable[[], Any], repeats: int) -> tuple[float, float]:
     return statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3
 
 
-def decode_figures(geometry: EngineGeometry, bodies: dict[str, bytes], sizes: list[int],
-                   repeats: int) -> dict[str, float]:
+def decode_figures(
+    geometry: EngineGeometry, bodies: dict[str, bytes], sizes: list[int], repeats: int
+) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from mla_watch.engines.watch import EngineMetrics, EngineRouting
@@ -200,15 +215,24 @@ def decode_figures(geometry: EngineGeometry, bodies: dict[str, bytes], sizes: li
             counting, _ = cpu_ms(lambda ids=ids: routing_counts(ids, geometry), repeats)
             window, _ = cpu_ms(lambda windows=windows, decoded=decoded: windows.count("default", decoded), repeats)
             # What a reader (/metrics, the alert round, /v1/routing) spends moving one response into the windows.
-            both, _ = cpu_ms(lambda windows=windows, decoded=decoded: (windows.count("default", decoded),
-                                                                       windows.collect()), repeats)
+            both, _ = cpu_ms(
+                lambda windows=windows, decoded=decoded: (windows.count("default", decoded), windows.collect()), repeats
+            )
             name = f"{engine}_{tokens}"
             figures[f"collect_cpu_ms_{name}"] = max(both - window, 0.0)
-            figures.update({f"body_bytes_{name}": len(body), f"decode_cpu_ms_{name}": total,
-                            f"strip_cpu_ms_{name}": strip,
-                            f"decode_wall_ms_{name}": wall, f"decode_us_per_token_{name}": total * 1e3 / tokens,
-                            f"counts_cpu_ms_{name}": counting, f"parse_strip_cpu_ms_{name}": total - counting,
-                            f"window_cpu_ms_{name}": window, f"routing_cpu_ms_{name}": total + window})
+            figures.update(
+                {
+                    f"body_bytes_{name}": len(body),
+                    f"decode_cpu_ms_{name}": total,
+                    f"strip_cpu_ms_{name}": strip,
+                    f"decode_wall_ms_{name}": wall,
+                    f"decode_us_per_token_{name}": total * 1e3 / tokens,
+                    f"counts_cpu_ms_{name}": counting,
+                    f"parse_strip_cpu_ms_{name}": total - counting,
+                    f"window_cpu_ms_{name}": window,
+                    f"routing_cpu_ms_{name}": total + window,
+                }
+            )
     return figures
 
 
@@ -234,15 +258,36 @@ def p99_ms(seconds: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))] * 1e3
 
 
-def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, rest_seconds: float, upstream: str,
-                  plain: str, model_config: Path, state: Path) -> Run:
+def measure_proxy(
+    engine: str,
+    workers: int,
+    sizes: list[int],
+    requests: int,
+    rest_seconds: float,
+    upstream: str,
+    plain: str,
+    model_config: Path,
+    state: Path,
+) -> Run:
     """``requests`` x (straight off, straight on, proxy off, proxy on) per size, interleaved; /healthz meanwhile."""
     run = Run(engine, workers)
-    args = ["--upstream", upstream, "--engine", engine, "--model-config", str(model_config), "--decode-workers",
-            str(workers), "--state-dir", str(state / f"{engine}-{workers}"), "--alert-interval", "3600",
-            "--history-interval", "3600"]
-    with sidecar_process(*args) as (proxy, _), HealthPoller(proxy) as poller, \
-            httpx.Client(timeout=60) as client:
+    args = [
+        "--upstream",
+        upstream,
+        "--engine",
+        engine,
+        "--model-config",
+        str(model_config),
+        "--decode-workers",
+        str(workers),
+        "--state-dir",
+        str(state / f"{engine}-{workers}"),
+        "--alert-interval",
+        "3600",
+        "--history-interval",
+        "3600",
+    ]
+    with sidecar_process(*args) as (proxy, _), HealthPoller(proxy) as poller, httpx.Client(timeout=60) as client:
         # The decoding process starts with the first answer to count: started before anything is timed.
         warm = client.post(proxy + "/v1/completions", json={"prompt": key(engine, min(sizes), True), "max_tokens": 16})
         if warm.status_code != 200:
@@ -254,8 +299,11 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
         for tokens in sizes:
             variants = {  # name: (base URL, prompt, extra request fields)
                 "direct_off": (upstream, key(engine, tokens, False), {}),
-                "direct_on": (upstream, key(engine, tokens, True),
-                              {"return_routed_experts": True} if engine == "sglang" else {}),
+                "direct_on": (
+                    upstream,
+                    key(engine, tokens, True),
+                    {"return_routed_experts": True} if engine == "sglang" else {},
+                ),
                 "proxy_off": (plain, key(engine, tokens, False), {}),
                 "proxy_on": (proxy, key(engine, tokens, True), {}),
             }
@@ -263,7 +311,7 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
             times: dict[str, list[float]] = {name: [] for name in names}
             spans: list[tuple[float, float]] = []
             for index in range(requests + 3):  # the first three rounds warm up and are not counted
-                for name in names[index % 4:] + names[:index % 4]:
+                for name in names[index % 4 :] + names[: index % 4]:
                     url, prompt, extra = variants[name]
                     sent = time.monotonic()
                     answer = client.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16, **extra})
@@ -282,23 +330,31 @@ def measure_proxy(engine: str, workers: int, sizes: list[int], requests: int, re
             p99 = {variant: p99_ms(values) for variant, values in times.items()}
             run.figures.update({f"{variant}_p50_ms_{name}": value for variant, value in p50.items()})
             run.figures.update({f"{variant}_p99_ms_{name}": value for variant, value in p99.items()})
-            run.figures.update({
-                f"proxy_added_ms_{name}": p50["proxy_on"] - p50["proxy_off"],
-                f"proxy_added_p99_ms_{name}": p99["proxy_on"] - p99["proxy_off"],
-                f"proxy_ratio_{name}": p50["proxy_on"] / p50["proxy_off"],
-                f"healthz_p50_ms_{name}": during.p50_ms, f"healthz_p99_ms_{name}": during.p99_ms,
-                f"healthz_max_ms_{name}": during.max_ms, f"healthz_samples_{name}": during.samples,
-                f"healthz_failures_{name}": during.failures,
-                f"healthz_added_p50_ms_{name}": during.p50_ms - run.rest.p50_ms,
-                f"healthz_added_p99_ms_{name}": during.p99_ms - run.rest.p99_ms,
-            })
+            run.figures.update(
+                {
+                    f"proxy_added_ms_{name}": p50["proxy_on"] - p50["proxy_off"],
+                    f"proxy_added_p99_ms_{name}": p99["proxy_on"] - p99["proxy_off"],
+                    f"proxy_ratio_{name}": p50["proxy_on"] / p50["proxy_off"],
+                    f"healthz_p50_ms_{name}": during.p50_ms,
+                    f"healthz_p99_ms_{name}": during.p99_ms,
+                    f"healthz_max_ms_{name}": during.max_ms,
+                    f"healthz_samples_{name}": during.samples,
+                    f"healthz_failures_{name}": during.failures,
+                    f"healthz_added_p50_ms_{name}": during.p50_ms - run.rest.p50_ms,
+                    f"healthz_added_p99_ms_{name}": during.p99_ms - run.rest.p99_ms,
+                }
+            )
         expected = len(sizes) * (requests + 3) + 1  # and the first answer
         counted = wait_counted(client, proxy, engine, expected)
         if counted != expected:
             raise RuntimeError(f"the {engine} proxy counted the routing of {counted} responses, expected {expected}")
     suffix = "_thread" if workers == 0 else ""
-    run.figures.update({f"healthz_rest_p50_ms_{engine}{suffix}": run.rest.p50_ms,
-                        f"healthz_rest_p99_ms_{engine}{suffix}": run.rest.p99_ms})
+    run.figures.update(
+        {
+            f"healthz_rest_p50_ms_{engine}{suffix}": run.rest.p50_ms,
+            f"healthz_rest_p99_ms_{engine}{suffix}": run.rest.p99_ms,
+        }
+    )
     return run
 
 
@@ -307,8 +363,9 @@ def wait_counted(client: httpx.Client, proxy: str, engine: str, expected: int, t
     routing is counted after each answer, the last ones may still be in the queue."""
     waited = time.monotonic()
     while True:
-        counted = metric_value(client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total",
-                               engine=engine, outcome="counted")
+        counted = metric_value(
+            client.get(proxy + "/metrics").text, "mla_watch_engine_responses_total", engine=engine, outcome="counted"
+        )
         if counted >= expected or time.monotonic() - waited > timeout:
             return counted
         time.sleep(0.1)
@@ -317,15 +374,24 @@ def wait_counted(client: httpx.Client, proxy: str, engine: str, expected: int, t
 def check_stripped(document: dict[str, Any], engine: str) -> None:
     """The client did not ask for the routing: the proxy removed it and added its own object."""
     if "mla_watch" not in document or "sglext" in document or "routed_experts" in document["choices"][0]:
-        raise RuntimeError(f"{engine}: the proxy's answer still carries routing or lacks mla_watch: "
-                           f"{sorted(document)}")
+        raise RuntimeError(f"{engine}: the proxy's answer still carries routing or lacks mla_watch: {sorted(document)}")
 
 
 @contextlib.contextmanager
 def plain_proxy(upstream: str, state: Path) -> Iterator[str]:
     """The routing-off proxy (``--engine none``): forwards, applies the policy, reads no routing."""
-    with sidecar_process("--upstream", upstream, "--engine", "none", "--state-dir", str(state / "none"),
-                         "--alert-interval", "3600", "--history-interval", "3600") as (url, _):
+    with sidecar_process(
+        "--upstream",
+        upstream,
+        "--engine",
+        "none",
+        "--state-dir",
+        str(state / "none"),
+        "--alert-interval",
+        "3600",
+        "--history-interval",
+        "3600",
+    ) as (url, _):
         yield url
 
 
@@ -333,11 +399,13 @@ def plain_proxy(upstream: str, state: Path) -> Iterator[str]:
 
 
 def render(figures: dict[str, Any], sizes: list[int], formats: list[str]) -> str:
-    lines = ["decode+count in-process (median thread CPU; worker = decode_response, loop = pending add on the event "
-             "loop, total = worker + loop; collect = a reader moving it into the windows, off the loop):",
-             f"  {'format':<7} {'tokens':>6} {'body':>9} {'worker ms':>9} {'us/token':>8} {'counts ms':>9} "
-             f"{'rest ms':>8} {'loop ms':>8} {'total ms':>8} {'collect':>8}  goal <= {GOAL_CPU_MS:g} ms at "
-             f"{GOAL_TOKENS:,}"]
+    lines = [
+        "decode+count in-process (median thread CPU; worker = decode_response, loop = pending add on the event "
+        "loop, total = worker + loop; collect = a reader moving it into the windows, off the loop):",
+        f"  {'format':<7} {'tokens':>6} {'body':>9} {'worker ms':>9} {'us/token':>8} {'counts ms':>9} "
+        f"{'rest ms':>8} {'loop ms':>8} {'total ms':>8} {'collect':>8}  goal <= {GOAL_CPU_MS:g} ms at "
+        f"{GOAL_TOKENS:,}",
+    ]
     for engine in formats:
         for tokens in sizes:
             n = f"{engine}_{tokens}"
@@ -345,30 +413,42 @@ def render(figures: dict[str, Any], sizes: list[int], formats: list[str]) -> str
             if tokens == GOAL_TOKENS:
                 goal = "met" if figures[f"routing_cpu_ms_{n}"] <= GOAL_CPU_MS else "NOT met"
                 goal += f" (x{figures[f'routing_cpu_ms_{n}'] / GOAL_CPU_MS:.1f} of the goal)"
-            lines.append(f"  {engine:<7} {tokens:>6} {figures[f'body_bytes_{n}'] / 1e6:>7.2f}MB "
-                         f"{figures[f'decode_cpu_ms_{n}']:>9.2f} {figures[f'decode_us_per_token_{n}']:>8.2f} "
-                         f"{figures[f'counts_cpu_ms_{n}']:>9.2f} {figures[f'parse_strip_cpu_ms_{n}']:>8.2f} "
-                         f"{figures[f'window_cpu_ms_{n}']:>8.2f} {figures[f'routing_cpu_ms_{n}']:>8.2f} "
-                         f"{figures[f'collect_cpu_ms_{n}']:>8.2f}  {goal}")
-    lines += ["", "before the client has its answer, on the event loop (strip_response: the routing cut out, not "
-                  "decoded; median thread CPU ms):"]
+            lines.append(
+                f"  {engine:<7} {tokens:>6} {figures[f'body_bytes_{n}'] / 1e6:>7.2f}MB "
+                f"{figures[f'decode_cpu_ms_{n}']:>9.2f} {figures[f'decode_us_per_token_{n}']:>8.2f} "
+                f"{figures[f'counts_cpu_ms_{n}']:>9.2f} {figures[f'parse_strip_cpu_ms_{n}']:>8.2f} "
+                f"{figures[f'window_cpu_ms_{n}']:>8.2f} {figures[f'routing_cpu_ms_{n}']:>8.2f} "
+                f"{figures[f'collect_cpu_ms_{n}']:>8.2f}  {goal}"
+            )
+    lines += [
+        "",
+        "before the client has its answer, on the event loop (strip_response: the routing cut out, not "
+        "decoded; median thread CPU ms):",
+    ]
     for engine in formats:
-        lines.append("  " + ", ".join(f"{engine} {tokens}: {figures[f'strip_cpu_ms_{engine}_{tokens}']:.3f} ms"
-                                      for tokens in sizes))
-    lines += ["", "through the proxy (client p50 ms; added = proxy on - proxy off, at p50 and p99) and /healthz of the "
-                  f"routing proxy during its requests (ms); goal: added <= +{GOAL_ADDED_MS:g} ms at p50 for "
-                  f"{GOAL_TOKENS:,} tokens:",
-              f"  {'format':<7} {'workers':>7} {'tokens':>6} {'direct off':>10} {'direct on':>9} {'proxy off':>9} "
-              f"{'proxy on':>8} {'added':>7} {'p99 add':>7} {'ratio':>6}  {'healthz p50/p99':>15} {'at rest':>11} "
-              f"{'added p99':>9}  goal"]
+        lines.append(
+            "  "
+            + ", ".join(f"{engine} {tokens}: {figures[f'strip_cpu_ms_{engine}_{tokens}']:.3f} ms" for tokens in sizes)
+        )
+    lines += [
+        "",
+        "through the proxy (client p50 ms; added = proxy on - proxy off, at p50 and p99) and /healthz of the "
+        f"routing proxy during its requests (ms); goal: added <= +{GOAL_ADDED_MS:g} ms at p50 for "
+        f"{GOAL_TOKENS:,} tokens:",
+        f"  {'format':<7} {'workers':>7} {'tokens':>6} {'direct off':>10} {'direct on':>9} {'proxy off':>9} "
+        f"{'proxy on':>8} {'added':>7} {'p99 add':>7} {'ratio':>6}  {'healthz p50/p99':>15} {'at rest':>11} "
+        f"{'added p99':>9}  goal",
+    ]
     for engine in formats:
         for suffix, workers in (("", "1"), ("_thread", "0 (thread)")):
             for tokens in sizes:
                 n = f"{engine}_{tokens}{suffix}"
                 if f"proxy_on_p50_ms_{n}" not in figures:
                     continue
-                rest = f"{figures[f'healthz_rest_p50_ms_{engine}{suffix}']:.1f}/" \
-                       f"{figures[f'healthz_rest_p99_ms_{engine}{suffix}']:.1f}"
+                rest = (
+                    f"{figures[f'healthz_rest_p50_ms_{engine}{suffix}']:.1f}/"
+                    f"{figures[f'healthz_rest_p99_ms_{engine}{suffix}']:.1f}"
+                )
                 goal = ""
                 if tokens == GOAL_TOKENS and not suffix:
                     goal = "met" if figures[f"proxy_added_ms_{n}"] <= GOAL_ADDED_MS else "NOT met"
@@ -378,19 +458,26 @@ def render(figures: dict[str, Any], sizes: list[int], formats: list[str]) -> str
                     f"{figures[f'proxy_on_p50_ms_{n}']:>8.2f} {figures[f'proxy_added_ms_{n}']:>+7.2f} "
                     f"{figures[f'proxy_added_p99_ms_{n}']:>+7.2f} {figures[f'proxy_ratio_{n}']:>6.2f}  "
                     f"{figures[f'healthz_p50_ms_{n}']:>7.1f}/{figures[f'healthz_p99_ms_{n}']:<7.1f} {rest:>11} "
-                    f"{figures[f'healthz_added_p99_ms_{n}']:>+9.1f}  {goal}")
+                    f"{figures[f'healthz_added_p99_ms_{n}']:>+9.1f}  {goal}"
+                )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[100, GOAL_TOKENS],
-                        help="routing rows per response (prompt + generated - 1)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[100, GOAL_TOKENS],
+        help="routing rows per response (prompt + generated - 1)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="in-process decodes per format and size (median)")
     parser.add_argument("--requests", type=int, default=20, help="requests per variant, format and size")
     parser.add_argument("--rest", type=float, default=2.0, help="seconds of /healthz at rest before each proxy's run")
-    parser.add_argument("--format", dest="formats", action="append", choices=ENGINES,
-                        help="vllm or sglang (repeatable; default both)")
+    parser.add_argument(
+        "--format", dest="formats", action="append", choices=ENGINES, help="vllm or sglang (repeatable; default both)"
+    )
     parser.add_argument("--no-thread", action="store_true", help="skip the --decode-workers 0 run")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     parser.add_argument("--serve-engine", type=Path, help=argparse.SUPPRESS)  # the fake engine's process
@@ -407,9 +494,12 @@ def main() -> None:
     started = time.monotonic()
     bodies = engine_bodies(geometry, sizes)
     print(f"{geometry.describe()}; bodies built in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
-    figures: dict[str, Any] = {"bench": "engine_routing", "args": {k: v for k, v in vars(args).items()
-                                                                   if k not in ("serve_engine", "port")},
-                               "goal_cpu_ms": GOAL_CPU_MS, "goal_tokens": GOAL_TOKENS}
+    figures: dict[str, Any] = {
+        "bench": "engine_routing",
+        "args": {k: v for k, v in vars(args).items() if k not in ("serve_engine", "port")},
+        "goal_cpu_ms": GOAL_CPU_MS,
+        "goal_tokens": GOAL_TOKENS,
+    }
     figures.update(decode_figures(geometry, bodies, sizes, args.repeats))
     print("in-process decode timed", file=sys.stderr, flush=True)
 
@@ -425,14 +515,25 @@ def main() -> None:
             if not args.no_thread:
                 runs += [(engine, 0, [max(sizes)]) for engine in formats]
             for engine, workers, run_sizes in runs:
-                run = measure_proxy(engine, workers, run_sizes, args.requests, args.rest, upstream, plain,
-                                    engine_dir / "config.json", root)
+                run = measure_proxy(
+                    engine,
+                    workers,
+                    run_sizes,
+                    args.requests,
+                    args.rest,
+                    upstream,
+                    plain,
+                    engine_dir / "config.json",
+                    root,
+                )
                 figures.update(run.figures)
                 print(f"proxy {engine}, --decode-workers {workers}: done", file=sys.stderr, flush=True)
     figures["wall_s"] = time.monotonic() - started
 
-    print(f"engine routing through the proxy: {geometry.describe()}; {args.repeats} decodes, {args.requests} "
-          f"requests per variant; {figures['wall_s']:.0f} s")
+    print(
+        f"engine routing through the proxy: {geometry.describe()}; {args.repeats} decodes, {args.requests} "
+        f"requests per variant; {figures['wall_s']:.0f} s"
+    )
     print(render(figures, sizes, formats))
     if args.json:  # flat keys, milliseconds throughout
         Path(args.json).write_text(json.dumps(figures, indent=2, default=str) + "\n")

@@ -46,8 +46,9 @@ def wall(command: list[str], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True,
-                       cwd=tempfile.gettempdir())
+        subprocess.run(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, cwd=tempfile.gettempdir()
+        )
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -85,10 +86,28 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
         url = f"http://127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}
         started = time.perf_counter()
-        process = subprocess.Popen([python, "-m", "mla_watch.cli", "serve", "--port", str(port), "--state-dir",
-                                    str(root / "state"), "--upstream", upstream, "--engine", "vllm",
-                                    "--model-config", str(engine_dir / "config.json")],
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+        process = subprocess.Popen(
+            [
+                python,
+                "-m",
+                "mla_watch.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--state-dir",
+                str(root / "state"),
+                "--upstream",
+                upstream,
+                "--engine",
+                "vllm",
+                "--model-config",
+                str(engine_dir / "config.json"),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=root,
+        )
         try:
             with httpx.Client(timeout=60) as client:
                 while True:
@@ -112,15 +131,17 @@ def serve_figures(python: str, answers: int, tokens: int, root: Path) -> dict[st
                 deadline = time.monotonic() + 600
                 while time.monotonic() < deadline:  # every answer counted, or dropped at a full count queue
                     text = client.get(url + "/metrics").text
-                    figures["counted"] = metric_value(text, "mla_watch_engine_responses_total", engine="vllm",
-                                                      outcome="counted")
+                    figures["counted"] = metric_value(
+                        text, "mla_watch_engine_responses_total", engine="vllm", outcome="counted"
+                    )
                     figures["dropped"] = metric_value(text, "mla_watch_engine_count_dropped_total", reason="queue_full")
                     if figures["counted"] + figures["dropped"] >= answers:
                         break
                     time.sleep(0.2)
                 time.sleep(2.0)
-                figures["loaded_rss_mib"], figures["loaded_processes"], figures["loaded_main_mib"] = \
-                    tree_rss_mib(process.pid)
+                figures["loaded_rss_mib"], figures["loaded_processes"], figures["loaded_main_mib"] = tree_rss_mib(
+                    process.pid
+                )
         finally:
             end_process(process)
     return figures
@@ -138,23 +159,29 @@ def main() -> None:
     help_s = wall([args.python, "-m", "mla_watch.cli", "--help"], args.repeats)
     pass_s = wall([args.python, "-c", "pass"], args.repeats)
     torch_s = wall([sys.executable, "-c", "import torch"], args.repeats)
-    print(f"mla-watch --help: {help_s:.2f} s; python -c pass: {pass_s:.2f} s (x{help_s / pass_s:.1f}); "
-          f"import torch alone, for scale: {torch_s:.2f} s")
+    print(
+        f"mla-watch --help: {help_s:.2f} s; python -c pass: {pass_s:.2f} s (x{help_s / pass_s:.1f}); "
+        f"import torch alone, for scale: {torch_s:.2f} s"
+    )
     with tempfile.TemporaryDirectory(prefix="mla-watch-engine-side-") as directory:
         figures = serve_figures(args.python, args.answers, args.tokens, Path(directory))
-    print(f"serve beside a fake vLLM (DeepSeek-V3 geometry): /readyz 200 after {figures['ready_s']:.2f} s; "
-          f"resident {figures['idle_rss_mib']:.0f} MiB idle ({figures['idle_processes']:.0f} process(es)), "
-          f"{figures['loaded_rss_mib']:.0f} MiB after {args.answers} answers of {args.tokens} tokens, "
-          f"{figures['counted']:.0f} counted and {figures['dropped']:.0f} dropped at the full count queue "
-          f"({figures['loaded_processes']:.0f} process(es); the server's own {figures['idle_main_mib']:.0f} MiB "
-          f"idle, {figures['loaded_main_mib']:.0f} MiB once the queue drained)")
+    print(
+        f"serve beside a fake vLLM (DeepSeek-V3 geometry): /readyz 200 after {figures['ready_s']:.2f} s; "
+        f"resident {figures['idle_rss_mib']:.0f} MiB idle ({figures['idle_processes']:.0f} process(es)), "
+        f"{figures['loaded_rss_mib']:.0f} MiB after {args.answers} answers of {args.tokens} tokens, "
+        f"{figures['counted']:.0f} counted and {figures['dropped']:.0f} dropped at the full count queue "
+        f"({figures['loaded_processes']:.0f} process(es); the server's own {figures['idle_main_mib']:.0f} MiB "
+        f"idle, {figures['loaded_main_mib']:.0f} MiB once the queue drained)"
+    )
     if args.venv is not None:
         venv = tree_size_mib(args.venv)
         extra = {name: distribution_mib(name) for name in MODEL_EXTRA}
         added = sum(size for size in extra.values() if size is not None)
         shown = ", ".join(f"{name} {size:.0f}" for name, size in extra.items() if size is not None)
-        print(f"engine-side venv {args.venv}: {venv:.0f} MiB on disk; the [model] extra's packages here add "
-              f"{added:.0f} MiB more ({shown}; their own dependencies not included), x{(venv + added) / venv:.1f}")
+        print(
+            f"engine-side venv {args.venv}: {venv:.0f} MiB on disk; the [model] extra's packages here add "
+            f"{added:.0f} MiB more ({shown}; their own dependencies not included), x{(venv + added) / venv:.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,10 +39,13 @@ MIMIR_SERIES_PER_TENANT = 150_000  # Mimir's default -ingester.max-global-series
 FIRST_MOE_LAYER = 3  # DeepSeek-V3: layers 0-2 are dense
 
 
-def build_windows(routers: int, experts: int, top_k: int, lines: int, tokens: int,
-                  rng: np.random.Generator) -> RouterWindows:
-    infos = [RouterInfo(f"model.layers.{layer}.mlp.gate", layer, "expert", experts, top_k)
-             for layer in range(FIRST_MOE_LAYER, FIRST_MOE_LAYER + routers)]
+def build_windows(
+    routers: int, experts: int, top_k: int, lines: int, tokens: int, rng: np.random.Generator
+) -> RouterWindows:
+    infos = [
+        RouterInfo(f"model.layers.{layer}.mlp.gate", layer, "expert", experts, top_k)
+        for layer in range(FIRST_MOE_LAYER, FIRST_MOE_LAYER + routers)
+    ]
     windows = RouterWindows(infos)
     for line in range(lines):
         for info in infos:
@@ -59,8 +62,11 @@ def series_of(body: bytes) -> int:
 
 
 def expert_series_of(body: bytes) -> int:
-    return sum(len(family.samples) for family in text_string_to_metric_families(body.decode())
-               if family.name in (EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS))
+    return sum(
+        len(family.samples)
+        for family in text_string_to_metric_families(body.decode())
+        if family.name in (EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS)
+    )
 
 
 def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float]:
@@ -72,7 +78,7 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
     bodies = {"off": exposition(off), "on": exposition(on)}  # also the warm-up: admission happens here
     times: dict[str, list[float]] = {"off": [], "on": [], "client": []}
     for index in range(rounds):
-        for arm in (("off", "on", "client") if index % 2 == 0 else ("client", "on", "off")):
+        for arm in ("off", "on", "client") if index % 2 == 0 else ("client", "on", "off"):
             tick = time.perf_counter()
             if arm == "client":
                 generate_latest(on)  # prometheus_client writing every family itself, as /metrics once did
@@ -87,14 +93,20 @@ def measure(windows: RouterWindows, rounds: int, budget: int) -> dict[str, float
     collect_ms = (time.perf_counter() - tick) / rounds * 1e3
     ratios = [on_s / off_s for on_s, off_s in zip(times["on"], times["off"], strict=True)]
     return {
-        "series_off": series_of(bodies["off"]), "series_on": series_of(bodies["on"]),
+        "series_off": series_of(bodies["off"]),
+        "series_on": series_of(bodies["on"]),
         "expert_series": expert_series_of(bodies["on"]),
-        "bytes_off": len(bodies["off"]), "bytes_on": len(bodies["on"]),
-        "gzip_bytes_off": len(gzip.compress(bodies["off"], 6)), "gzip_bytes_on": len(gzip.compress(bodies["on"], 6)),
-        "scrape_ms_off": statistics.median(times["off"]) * 1e3, "scrape_ms_on": statistics.median(times["on"]) * 1e3,
-        "scrape_ratio": statistics.median(ratios), "collect_ms": collect_ms,
+        "bytes_off": len(bodies["off"]),
+        "bytes_on": len(bodies["on"]),
+        "gzip_bytes_off": len(gzip.compress(bodies["off"], 6)),
+        "gzip_bytes_on": len(gzip.compress(bodies["on"], 6)),
+        "scrape_ms_off": statistics.median(times["off"]) * 1e3,
+        "scrape_ms_on": statistics.median(times["on"]) * 1e3,
+        "scrape_ratio": statistics.median(ratios),
+        "collect_ms": collect_ms,
         "scrape_ms_client": statistics.median(times["client"]) * 1e3,
-        "scrape_ratio_q1": float(np.percentile(ratios, 25)), "scrape_ratio_q3": float(np.percentile(ratios, 75)),
+        "scrape_ratio_q1": float(np.percentile(ratios, 25)),
+        "scrape_ratio_q3": float(np.percentile(ratios, 75)),
     }
 
 
@@ -104,8 +116,12 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=256, help="experts per router (DeepSeek-V3: 256)")
     parser.add_argument("--top-k", type=int, default=8, help="experts per token (DeepSeek-V3: 8)")
     parser.add_argument("--lines", type=int, nargs="+", default=[1, 4], help="business lines to measure")
-    parser.add_argument("--tokens", type=int, default=DEFAULT_WINDOW_TOKENS,
-                        help="tokens in each router and line's window (default: the sidecar's default window)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=DEFAULT_WINDOW_TOKENS,
+        help="tokens in each router and line's window (default: the sidecar's default window)",
+    )
     parser.add_argument("--rounds", type=int, default=30, help="scrapes of each arm, alternating")
     parser.add_argument("--replicas", type=int, nargs="+", default=[10, 100], help="fleet sizes to derive")
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="seconds between scrapes")
@@ -114,9 +130,11 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     pair = args.experts + 1
-    print(f"{args.routers} routers x {args.experts} experts (top-{args.top_k}): {pair} series per router and line; "
-          f"default budget {DEFAULT_EXPERT_SERIES_BUDGET:,} admits {DEFAULT_EXPERT_SERIES_BUDGET // pair} "
-          f"router-lines ({DEFAULT_EXPERT_SERIES_BUDGET // (pair * args.routers)} whole line(s))")
+    print(
+        f"{args.routers} routers x {args.experts} experts (top-{args.top_k}): {pair} series per router and line; "
+        f"default budget {DEFAULT_EXPERT_SERIES_BUDGET:,} admits {DEFAULT_EXPERT_SERIES_BUDGET // pair} "
+        f"router-lines ({DEFAULT_EXPERT_SERIES_BUDGET // (pair * args.routers)} whole line(s))"
+    )
     figures: dict[str, dict[str, float]] = {}
     for lines in args.lines:
         windows = build_windows(args.routers, args.experts, args.top_k, lines, args.tokens, rng)
@@ -125,24 +143,32 @@ def main() -> None:
         row["budget"] = budget
         figures[f"{lines}_lines"] = row
         print(f"\n{lines} line(s), budget {budget:,}:")
-        print(f"  series per replica: {row['series_off']:,} off, {row['series_on']:,} on "
-              f"(+{row['expert_series']:,} per-expert)")
-        print(f"  bytes per scrape: {row['bytes_off']:,} off, {row['bytes_on']:,} on "
-              f"(x{row['bytes_on'] / row['bytes_off']:.1f}); gzip {row['gzip_bytes_off']:,} off, "
-              f"{row['gzip_bytes_on']:,} on")
-        print(f"  scrape time (median of {args.rounds}): {row['scrape_ms_off']:.1f} ms off, "
-              f"{row['scrape_ms_on']:.1f} ms on: ratio x{row['scrape_ratio']:.2f} "
-              f"(quartiles x{row['scrape_ratio_q1']:.2f}-x{row['scrape_ratio_q3']:.2f}); "
-              f"the per-expert families built {row['collect_ms']:.1f} ms; prometheus_client writing them itself "
-              f"{row['scrape_ms_client']:.1f} ms")
+        print(
+            f"  series per replica: {row['series_off']:,} off, {row['series_on']:,} on "
+            f"(+{row['expert_series']:,} per-expert)"
+        )
+        print(
+            f"  bytes per scrape: {row['bytes_off']:,} off, {row['bytes_on']:,} on "
+            f"(x{row['bytes_on'] / row['bytes_off']:.1f}); gzip {row['gzip_bytes_off']:,} off, "
+            f"{row['gzip_bytes_on']:,} on"
+        )
+        print(
+            f"  scrape time (median of {args.rounds}): {row['scrape_ms_off']:.1f} ms off, "
+            f"{row['scrape_ms_on']:.1f} ms on: ratio x{row['scrape_ratio']:.2f} "
+            f"(quartiles x{row['scrape_ratio_q1']:.2f}-x{row['scrape_ratio_q3']:.2f}); "
+            f"the per-expert families built {row['collect_ms']:.1f} ms; prometheus_client writing them itself "
+            f"{row['scrape_ms_client']:.1f} ms"
+        )
         for replicas in args.replicas:
             series = row["series_on"] * replicas
             added = row["expert_series"] * replicas
-            print(f"  fleet of {replicas}: {series:,.0f} series ({added:,.0f} per-expert) = "
-                  f"{series / MIMIR_SERIES_PER_TENANT:.2f}x Mimir's {MIMIR_SERIES_PER_TENANT:,} per tenant; "
-                  f"{row['bytes_on'] * replicas / 2**20:.1f} MiB plain / {row['gzip_bytes_on'] * replicas / 2**20:.1f} "
-                  f"MiB gzip per {args.scrape_interval:g} s scrape interval "
-                  f"({series / args.scrape_interval:,.0f} samples/s)")
+            print(
+                f"  fleet of {replicas}: {series:,.0f} series ({added:,.0f} per-expert) = "
+                f"{series / MIMIR_SERIES_PER_TENANT:.2f}x Mimir's {MIMIR_SERIES_PER_TENANT:,} per tenant; "
+                f"{row['bytes_on'] * replicas / 2**20:.1f} MiB plain / {row['gzip_bytes_on'] * replicas / 2**20:.1f} "
+                f"MiB gzip per {args.scrape_interval:g} s scrape interval "
+                f"({series / args.scrape_interval:,.0f} samples/s)"
+            )
             row[f"fleet_{replicas}_series"] = series
             row[f"fleet_{replicas}_bytes"] = row["bytes_on"] * replicas
             row[f"fleet_{replicas}_gzip_bytes"] = row["gzip_bytes_on"] * replicas

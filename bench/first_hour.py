@@ -36,16 +36,18 @@ STEPS = ("serve", "routing", "baseline", "check", "rules_export", "demo")
 
 def environment(**extra: str) -> dict[str, str]:
     """This process' environment without mla_watch's settings (a new user has none) nor a thread count."""
-    keep = {key: value for key, value in os.environ.items()
-            if not key.startswith("MLA_WATCH_") and key != "OMP_NUM_THREADS"}
+    keep = {
+        key: value for key, value in os.environ.items() if not key.startswith("MLA_WATCH_") and key != "OMP_NUM_THREADS"
+    }
     return {**keep, **extra}
 
 
 def timed(args: list[str], *, fails: bool = False, **extra: str) -> tuple[float, subprocess.CompletedProcess]:
     """Seconds ``mla-watch ARGS`` took; a command that fails stops the run unless ``fails`` (then it is reported)."""
     started = time.monotonic()
-    done = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=1800, cwd=ROOT,
-                          env=environment(**extra), check=False)
+    done = subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=1800, cwd=ROOT, env=environment(**extra), check=False
+    )
     if done.returncode != 0 and not fails:
         raise SystemExit(f"mla-watch {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return time.monotonic() - started, done
@@ -55,8 +57,14 @@ def serve(state: Path) -> dict[str, float]:
     """Seconds from the command to uvicorn listening, to the line saying it generates, and to the first answer."""
     port = free_port()
     started = time.monotonic()
-    process = subprocess.Popen([*CLI, "serve", "--port", str(port), "--state-dir", str(state)], cwd=ROOT,
-                               env=environment(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [*CLI, "serve", "--port", str(port), "--state-dir", str(state)],
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     figures: dict[str, float] = {}
     try:
         for line in process.stderr:
@@ -67,8 +75,9 @@ def serve(state: Path) -> dict[str, float]:
                 break
         if "ready_s" not in figures:
             raise SystemExit(f"mla-watch serve exited {process.wait(30)} before it said it generates")
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def f(", "max_tokens": 16},
-                            timeout=120)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def f(", "max_tokens": 16}, timeout=120
+        )
         answer.raise_for_status()
         figures["first_answer_s"] = time.monotonic() - started
     finally:
@@ -107,18 +116,24 @@ def measure(skip: set[str], work: Path) -> dict[str, Any]:
 
 def report(figures: dict[str, Any]) -> None:
     load = lambda key: " / ".join(f"{value:.1f}" for value in figures[key])  # noqa: E731
-    print(f"\n{figures['cpus']} CPUs; load average (1, 5, 15 min) before {load('load_before')}, "
-          f"after {load('load_after')}")
+    print(
+        f"\n{figures['cpus']} CPUs; load average (1, 5, 15 min) before {load('load_before')}, "
+        f"after {load('load_after')}"
+    )
     rows = []
     if "serve" in figures:
         serve_figures = figures["serve"]
         rows.append(("mla-watch serve: listening", serve_figures["listening_s"]))
         rows.append(("mla-watch serve: 'ready: the model generates'", serve_figures["ready_s"]))
         rows.append(("mla-watch serve: first 16-token completion answered", serve_figures["first_answer_s"]))
-    for key, label in (("routing_s", "mla-watch routing (64 samples)"),
-                       ("routing_2_threads_s", "mla-watch routing, OMP_NUM_THREADS=2"),
-                       ("baseline_s", "mla-watch baseline (64 samples)"), ("check_s", "mla-watch check"),
-                       ("rules_export_s", "mla-watch rules export --fleet"), ("demo_s", "mla-watch demo --no-live")):
+    for key, label in (
+        ("routing_s", "mla-watch routing (64 samples)"),
+        ("routing_2_threads_s", "mla-watch routing, OMP_NUM_THREADS=2"),
+        ("baseline_s", "mla-watch baseline (64 samples)"),
+        ("check_s", "mla-watch check"),
+        ("rules_export_s", "mla-watch rules export --fleet"),
+        ("demo_s", "mla-watch demo --no-live"),
+    ):
         if key in figures:
             rows.append((label, figures[key]))
     width = max(len(label) for label, _ in rows)
@@ -127,8 +142,10 @@ def report(figures: dict[str, Any]) -> None:
     if "routing_s" in figures:
         print(f"  one intra-op thread / two, routing: x{figures['routing_s'] / figures['routing_2_threads_s']:.3f}")
     if "demo_events_s" in figures:
-        print(f"  demo {'closed the loop' if figures['demo_ok'] else 'FAILED'}; its steps (s after its start): "
-              + ", ".join(f"{step} {seconds:g}" for step, seconds in figures["demo_events_s"].items()))
+        print(
+            f"  demo {'closed the loop' if figures['demo_ok'] else 'FAILED'}; its steps (s after its start): "
+            + ", ".join(f"{step} {seconds:g}" for step, seconds in figures["demo_events_s"].items())
+        )
         timings = (figures["demo_job"] or {}).get("timings") or {}
         if timings:
             print("  demo's re-tune job: " + ", ".join(f"{key} {value}" for key, value in timings.items()))

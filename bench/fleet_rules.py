@@ -120,11 +120,17 @@ class Layout:
 def layout(text: str) -> Layout:
     found = LAYOUT.fullmatch(text)
     shards = int(found.group(3) or 1) if found else 0
-    if (found is None or not 1 <= int(found.group(1)) <= MAX_REPLICAS or not 1 <= int(found.group(2)) <= MAX_LINES
-            or shards not in SHARD_COUNTS):
-        raise argparse.ArgumentTypeError(f"--layouts {text!r}: expected REPLICASxLINES[/SHARDS], replicas 1 to "
-                                         f"{MAX_REPLICAS}, lines 1 to {MAX_LINES}, shards a divisor of 100 (e.g. "
-                                         "10x4, or 100x4/10)")
+    if (
+        found is None
+        or not 1 <= int(found.group(1)) <= MAX_REPLICAS
+        or not 1 <= int(found.group(2)) <= MAX_LINES
+        or shards not in SHARD_COUNTS
+    ):
+        raise argparse.ArgumentTypeError(
+            f"--layouts {text!r}: expected REPLICASxLINES[/SHARDS], replicas 1 to "
+            f"{MAX_REPLICAS}, lines 1 to {MAX_LINES}, shards a divisor of 100 (e.g. "
+            "10x4, or 100x4/10)"
+        )
     return Layout(int(found.group(1)), int(found.group(2)), shards)
 
 
@@ -137,36 +143,63 @@ def bounded(kind: Callable[[str], Any], flag: str, low: float, high: float) -> C
         if value is None or not low <= value <= high:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: expected a number from {low:g} to {high:g}")
         return value
+
     return parse
 
 
 # -- Prometheus ----------------------------------------------------------------------------------------------------
 
+
 def export_rules(path: Path, shards: int, interval: float, outlier_interval: float) -> None:
     """The shipped rules with --fleet, written through the CLI as an operator would."""
-    code = cli.main(["rules", "export", "--rules", str(SHIPPED_RULES), "--fleet", "--fleet-shards", str(shards),
-                     "--fleet-interval", format_duration(interval),
-                     "--outlier-interval", format_duration(outlier_interval), "--out", str(path)])
+    code = cli.main(
+        [
+            "rules",
+            "export",
+            "--rules",
+            str(SHIPPED_RULES),
+            "--fleet",
+            "--fleet-shards",
+            str(shards),
+            "--fleet-interval",
+            format_duration(interval),
+            "--outlier-interval",
+            format_duration(outlier_interval),
+            "--out",
+            str(path),
+        ]
+    )
     if code != 0:
         raise SystemExit(f"mla-watch rules export --fleet exited {code}")
 
 
 @contextlib.contextmanager
-def running_prometheus(binary: str, workdir: Path, rules: Path, targets: list[str], scrape_seconds: float,
-                       shard: RouterShard | None) -> Iterator[str]:
+def running_prometheus(
+    binary: str, workdir: Path, rules: Path, targets: list[str], scrape_seconds: float, shard: RouterShard | None
+) -> Iterator[str]:
     port = free_port()
     job: dict[str, Any] = {"job_name": "mla_watch", "static_configs": [{"targets": targets}]}
     if shard is not None:
         job["params"] = {SHARD_PARAM: [str(shard)]}
-    config = {"global": {"scrape_interval": f"{scrape_seconds:g}s", "scrape_timeout": f"{scrape_seconds:g}s"},
-              "rule_files": [str(rules)], "scrape_configs": [job]}
+    config = {
+        "global": {"scrape_interval": f"{scrape_seconds:g}s", "scrape_timeout": f"{scrape_seconds:g}s"},
+        "rule_files": [str(rules)],
+        "scrape_configs": [job],
+    }
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     log = workdir / "prometheus.log"
     with log.open("w") as handle:
-        process = subprocess.Popen([
-            binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--enable-feature=extra-scrape-metrics",
-        ], stdout=handle, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--enable-feature=extra-scrape-metrics",
+            ],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_answering(url + "/-/ready", process, 60, f"prometheus on port {port}")
@@ -193,8 +226,10 @@ class PrometheusClient:
         return self.query(query)["result"]
 
     def by_pair(self, name: str, *more: str) -> dict[tuple[str, ...], float]:
-        return {(s["metric"][ROUTER], s["metric"][BUSINESS_LINE], *(s["metric"][k] for k in more)):
-                float(s["value"][1]) for s in self.vector(name)}
+        return {
+            (s["metric"][ROUTER], s["metric"][BUSINESS_LINE], *(s["metric"][k] for k in more)): float(s["value"][1])
+            for s in self.vector(name)
+        }
 
     def own_metrics(self) -> dict[str, list[tuple[dict[str, str], float]]]:
         samples: dict[str, list[tuple[dict[str, str], float]]] = {}
@@ -238,6 +273,7 @@ class CpuSampler(threading.Thread):
 
     def used(self, start: float, end: float) -> float | None:
         """CPU seconds between two instants (wall clock), interpolated between the readings around them."""
+
         def at(when: float) -> float | None:
             before = [r for r in self.readings if r[0] <= when]
             after = [r for r in self.readings if r[0] >= when]
@@ -245,6 +281,7 @@ class CpuSampler(threading.Thread):
                 return None
             (t0, c0), (t1, c1) = before[-1], after[0]
             return c0 if t1 == t0 else c0 + (c1 - c0) * (when - t0) / (t1 - t0)
+
         first, last = at(start), at(end)
         return None if first is None or last is None else last - first
 
@@ -266,15 +303,21 @@ def group_total(samples: dict[str, list[tuple[dict[str, str], float]]], name: st
 
 # -- the measurement -----------------------------------------------------------------------------------------------
 
+
 def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     if args.shard is not None and args.shard >= chosen.shards > 1:
         raise SystemExit(f"--shard {args.shard}: expected 0 to {chosen.shards - 1} for layout {chosen.name}")
     first = DEEPSEEK_V3.first_layer
-    shard = None if chosen.shards == 1 else RouterShard(
-        first % chosen.shards if args.shard is None else args.shard, chosen.shards)
-    names = [name if shard is None else f"{name}_{shard.index}_of_{shard.count}"
-             for name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)]
+    shard = (
+        None
+        if chosen.shards == 1
+        else RouterShard(first % chosen.shards if args.shard is None else args.shard, chosen.shards)
+    )
+    names = [
+        name if shard is None else f"{name}_{shard.index}_of_{shard.count}"
+        for name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)
+    ]
     intervals = {names[0]: args.fleet_interval, names[1]: args.outlier_interval}
     exported = {names[0]: DEFAULT_INTERVAL_SECONDS, names[1]: DEFAULT_OUTLIER_INTERVAL_SECONDS}
     rules = workdir / "fleet.rules.yml"
@@ -292,8 +335,10 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
     feeder = Feeder(replicas, infos, args.tokens, args.seed + 1, args.scrape_interval, query)
     started = time.monotonic()
     deadline = started + args.max_seconds
-    with serving(replicas) as targets, running_prometheus(args.prometheus, workdir, rules, targets,
-                                                           args.scrape_interval, shard) as url:
+    with (
+        serving(replicas) as targets,
+        running_prometheus(args.prometheus, workdir, rules, targets, args.scrape_interval, shard) as url,
+    ):
         prometheus = PrometheusClient(url)
         while prometheus.targets_up() < chosen.replicas:
             if time.monotonic() > deadline:
@@ -304,9 +349,12 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
         sampler.start()
         try:
             up_at = time.time()
-            print(f"  {chosen.replicas} targets up {time.monotonic() - started:.0f} s after start; "
-                  f"measuring {args.rounds} round(s) of {', '.join(names)} after {args.warmup_rounds} warm-up "
-                  f"round(s)", flush=True)
+            print(
+                f"  {chosen.replicas} targets up {time.monotonic() - started:.0f} s after start; "
+                f"measuring {args.rounds} round(s) of {', '.join(names)} after {args.warmup_rounds} warm-up "
+                f"round(s)",
+                flush=True,
+            )
             rounds = watch_rounds(prometheus, names, intervals, up_at, args, deadline)
             time.sleep(2)  # a reading after the last evaluation's end
             for found in rounds.values():
@@ -319,8 +367,11 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
             sampler.stop()
         figures = read_figures(prometheus, samples, chosen, shard, names, intervals, exported, rounds, replicas)
         figures["samples_per_evaluation"] = per_evaluation
-        figures["samples_budget"] = dict(zip(names, read_budget(chosen.replicas, figures["routers"] * chosen.lines,
-                                                                DEEPSEEK_V3.experts), strict=True))
+        figures["samples_budget"] = dict(
+            zip(
+                names, read_budget(chosen.replicas, figures["routers"] * chosen.lines, DEEPSEEK_V3.experts), strict=True
+            )
+        )
         figures["feed_round_s"] = statistics.median(feeder.rounds) if feeder.rounds else None
         figures["render_s"] = render_s
         figures["exactness"] = check_exactness(prometheus, replicas, shard, names, deadline)
@@ -329,8 +380,14 @@ def measure(args: argparse.Namespace, chosen: Layout, workdir: Path) -> dict[str
     return figures
 
 
-def watch_rounds(prometheus: PrometheusClient, names: list[str], intervals: dict[str, float], up_at: float,
-                 args: argparse.Namespace, deadline: float) -> dict[str, list[dict[str, Any]]]:
+def watch_rounds(
+    prometheus: PrometheusClient,
+    names: list[str],
+    intervals: dict[str, float],
+    up_at: float,
+    args: argparse.Namespace,
+    deadline: float,
+) -> dict[str, list[dict[str, Any]]]:
     """Each group's evaluations that began after the warm-up, until --rounds of each: its evaluation time and every
     rule's; Prometheus' RSS and CPU seconds when it was read. Stops at a rule in error."""
     measure_from = {name: up_at + args.scrape_interval + args.warmup_rounds * intervals[name] for name in names}
@@ -339,37 +396,61 @@ def watch_rounds(prometheus: PrometheusClient, names: list[str], intervals: dict
     seen: set[tuple[str, str]] = set()
     while any(len(found) < wanted[name] for name, found in rounds.items()):
         if time.monotonic() > deadline:
-            raise SystemExit(f"{ {name: len(found) for name, found in rounds.items()} } of {wanted} measured "
-                             f"rounds within --max-seconds {args.max_seconds:g}: raise it, or lower --rounds")
+            raise SystemExit(
+                f"{ {name: len(found) for name, found in rounds.items()} } of {wanted} measured "
+                f"rounds within --max-seconds {args.max_seconds:g}: raise it, or lower --rounds"
+            )
         time.sleep(2)
         groups = prometheus.rule_groups()
         for name in names:
             group = groups[name]
-            if (evaluated_at(group) < measure_from[name] or (name, group["lastEvaluation"]) in seen
-                    or len(rounds[name]) >= wanted[name]):
+            if (
+                evaluated_at(group) < measure_from[name]
+                or (name, group["lastEvaluation"]) in seen
+                or len(rounds[name]) >= wanted[name]
+            ):
                 continue
             seen.add((name, group["lastEvaluation"]))
             failed = [rule for rule in group["rules"] if rule.get("health") != "ok" or rule.get("lastError")]
             if failed:  # a recording that fails records nothing, and every rule after it reads nothing new
-                raise SystemExit(f"rules of {name} in error: " + "; ".join(
-                    f"{rule['name']}: {rule.get('lastError')} after {float(rule['evaluationTime']):.1f} s"
-                    for rule in failed))
+                raise SystemExit(
+                    f"rules of {name} in error: "
+                    + "; ".join(
+                        f"{rule['name']}: {rule.get('lastError')} after {float(rule['evaluationTime']):.1f} s"
+                        for rule in failed
+                    )
+                )
             own = prometheus.own_metrics()
-            rounds[name].append({
-                "s": float(group["evaluationTime"]), "start": evaluated_at(group),
-                "rules": {rule["name"]: float(rule["evaluationTime"]) for rule in group["rules"]},
-                "rss": single(own, "process_resident_memory_bytes"), "cpu": single(own, "process_cpu_seconds_total"),
-                "at": time.monotonic(), "process_cpu": time.process_time(),
-            })
-            print(f"  {name} round {len(rounds[name])}: {group['evaluationTime']:.2f} s of its "
-                  f"{intervals[name]:g} s interval (load average {os.getloadavg()[0]:.1f})", flush=True)
+            rounds[name].append(
+                {
+                    "s": float(group["evaluationTime"]),
+                    "start": evaluated_at(group),
+                    "rules": {rule["name"]: float(rule["evaluationTime"]) for rule in group["rules"]},
+                    "rss": single(own, "process_resident_memory_bytes"),
+                    "cpu": single(own, "process_cpu_seconds_total"),
+                    "at": time.monotonic(),
+                    "process_cpu": time.process_time(),
+                }
+            )
+            print(
+                f"  {name} round {len(rounds[name])}: {group['evaluationTime']:.2f} s of its "
+                f"{intervals[name]:g} s interval (load average {os.getloadavg()[0]:.1f})",
+                flush=True,
+            )
     return rounds
 
 
-def read_figures(prometheus: PrometheusClient, samples: dict[str, list[tuple[dict[str, str], float]]],
-                 chosen: Layout, shard: RouterShard | None, names: list[str], intervals: dict[str, float],
-                 exported: dict[str, float], rounds: dict[str, list[dict[str, Any]]],
-                 replicas: list[Replica]) -> dict[str, Any]:
+def read_figures(
+    prometheus: PrometheusClient,
+    samples: dict[str, list[tuple[dict[str, str], float]]],
+    chosen: Layout,
+    shard: RouterShard | None,
+    names: list[str],
+    intervals: dict[str, float],
+    exported: dict[str, float],
+    rounds: dict[str, list[dict[str, Any]]],
+    replicas: list[Replica],
+) -> dict[str, Any]:
     scraped = [float(s["value"][1]) for s in prometheus.vector('scrape_samples_scraped{job="mla_watch"}')]
     body = [float(s["value"][1]) for s in prometheus.vector('scrape_body_size_bytes{job="mla_watch"}')]
     duration = [float(s["value"][1]) for s in prometheus.vector('scrape_duration_seconds{job="mla_watch"}')]
@@ -379,13 +460,17 @@ def read_figures(prometheus: PrometheusClient, samples: dict[str, list[tuple[dic
     groups: dict[str, Any] = {}
     for name in names:
         times = [r["s"] for r in rounds[name]]
-        per_rule = {rule: statistics.median(r["rules"][rule] for r in rounds[name])
-                    for rule in rounds[name][0]["rules"]}
+        per_rule = {
+            rule: statistics.median(r["rules"][rule] for r in rounds[name]) for rule in rounds[name][0]["rules"]
+        }
         cpu = [r["cpu_s"] for r in rounds[name] if r.get("cpu_s") is not None]
         groups[name] = {
-            "evaluation_s": statistics.median(times), "evaluation_s_rounds": times,
-            "cpu_s": statistics.median(cpu) if cpu else None, "cpu_s_rounds": cpu,
-            "interval_s": intervals[name], "exported_interval_s": exported[name],
+            "evaluation_s": statistics.median(times),
+            "evaluation_s_rounds": times,
+            "cpu_s": statistics.median(cpu) if cpu else None,
+            "cpu_s_rounds": cpu,
+            "interval_s": intervals[name],
+            "exported_interval_s": exported[name],
             "ratio": statistics.median(times) / intervals[name],
             "ratio_exported": statistics.median(times) / exported[name],
             "iterations": group_total(samples, "prometheus_rule_group_iterations_total", name),
@@ -395,12 +480,18 @@ def read_figures(prometheus: PrometheusClient, samples: dict[str, list[tuple[dic
         }
     routers = DEEPSEEK_V3.routers if shard is None else sum(shard.holds(info.layer) for info in DEEPSEEK_V3.infos())
     return {
-        "layout": chosen.name, "replicas": chosen.replicas, "lines": chosen.lines, "shards": chosen.shards,
-        "shard": None if shard is None else str(shard), "routers": routers,
+        "layout": chosen.name,
+        "replicas": chosen.replicas,
+        "lines": chosen.lines,
+        "shards": chosen.shards,
+        "shard": None if shard is None else str(shard),
+        "routers": routers,
         "per_expert_series": chosen.replicas * chosen.lines * routers * (DEEPSEEK_V3.experts + 1),
-        "series_per_replica": statistics.median(scraped), "series_scraped": sum(scraped),
+        "series_per_replica": statistics.median(scraped),
+        "series_scraped": sum(scraped),
         "bytes_per_scrape_per_replica": statistics.median(body) if body else None,
-        "scrape_s_median": statistics.median(duration), "scrape_s_max": max(duration),
+        "scrape_s_median": statistics.median(duration),
+        "scrape_s_max": max(duration),
         "groups": groups,
         "head_series": single(samples, "prometheus_tsdb_head_series"),
         "prometheus_rss_bytes_max": max(r["rss"] for r in every),
@@ -410,8 +501,9 @@ def read_figures(prometheus: PrometheusClient, samples: dict[str, list[tuple[dic
     }
 
 
-def check_exactness(prometheus: PrometheusClient, replicas: list[Replica], shard: RouterShard | None,
-                    names: list[str], deadline: float) -> dict[str, Any]:
+def check_exactness(
+    prometheus: PrometheusClient, replicas: list[Replica], shard: RouterShard | None, names: list[str], deadline: float
+) -> dict[str, Any]:
     """With the replicas' windows still: once every replica is scraped and each group has evaluated after that, the
     largest difference of every recording from compute_stats of the windows summed."""
     want = expected(replicas, shard)
@@ -427,16 +519,31 @@ def check_exactness(prometheus: PrometheusClient, replicas: list[Replica], shard
         if time.monotonic() > deadline:
             raise SystemExit("no evaluation of the fleet groups after the replicas' windows stood still")
         time.sleep(2)
-    got = {name: prometheus.by_pair(name) for name in (FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY,
-                                                       FLEET_MAX_VIOLATION, FLEET_JS_DIVERGENCE, FLEET_DEAD_SLOTS,
-                                                       FLEET_SLOTS, FLEET_MIN_TOKENS, FLEET_REPLICAS, FLEET_TOKENS)}
+    got = {
+        name: prometheus.by_pair(name)
+        for name in (
+            FLEET_ENTROPY_BITS,
+            FLEET_NORMALIZED_ENTROPY,
+            FLEET_MAX_VIOLATION,
+            FLEET_JS_DIVERGENCE,
+            FLEET_DEAD_SLOTS,
+            FLEET_SLOTS,
+            FLEET_MIN_TOKENS,
+            FLEET_REPLICAS,
+            FLEET_TOKENS,
+        )
+    }
     kl = prometheus.by_pair(REPLICA_KL_BITS, INSTANCE)
     worst = 0.0
     off: list[str] = []
     for key, found in want.items():
         stats = found.stats
-        wanted = {FLEET_ENTROPY_BITS: stats.entropy_bits, FLEET_NORMALIZED_ENTROPY: stats.normalized_entropy,
-                  FLEET_MAX_VIOLATION: stats.max_violation, FLEET_JS_DIVERGENCE: found.jsd_bits}
+        wanted = {
+            FLEET_ENTROPY_BITS: stats.entropy_bits,
+            FLEET_NORMALIZED_ENTROPY: stats.normalized_entropy,
+            FLEET_MAX_VIOLATION: stats.max_violation,
+            FLEET_JS_DIVERGENCE: found.jsd_bits,
+        }
         for name, value in wanted.items():
             difference = abs(got[name].get(key, math.inf) - value)
             worst = max(worst, difference)
@@ -447,53 +554,76 @@ def check_exactness(prometheus: PrometheusClient, replicas: list[Replica], shard
             worst = max(worst, difference)
             if difference > TOLERANCE:
                 off.append(f"{REPLICA_KL_BITS}{key} of {target}: {kl.get((*key, target))} against {value}")
-        for name, value in ((FLEET_DEAD_SLOTS, stats.dead_slots), (FLEET_SLOTS, stats.num_slots),
-                            (FLEET_MIN_TOKENS, stats.min_tokens), (FLEET_REPLICAS, len(found.kl_bits)),
-                            (FLEET_TOKENS, stats.tokens)):
+        for name, value in (
+            (FLEET_DEAD_SLOTS, stats.dead_slots),
+            (FLEET_SLOTS, stats.num_slots),
+            (FLEET_MIN_TOKENS, stats.min_tokens),
+            (FLEET_REPLICAS, len(found.kl_bits)),
+            (FLEET_TOKENS, stats.tokens),
+        ):
             if got[name].get(key) != value:
                 off.append(f"{name}{key}: {got[name].get(key)} against {value}")
     if off:
-        raise SystemExit(f"{len(off)} recordings differ from compute_stats of the windows summed, by up to "
-                         f"{worst:.3g}; the first: " + "; ".join(off[:5]))
+        raise SystemExit(
+            f"{len(off)} recordings differ from compute_stats of the windows summed, by up to "
+            f"{worst:.3g}; the first: " + "; ".join(off[:5])
+        )
     router, line = replicas[0].windows.routers[0].name, "line_0"
     peers = [kl[(router, line, r.target)] for r in replicas[:-1] if (router, line, r.target) in kl]
-    return {"pairs": len(want), "kl_series": len(kl), "max_difference": worst,
-            "skewed_kl_bits": kl.get((router, line, replicas[-1].target)),
-            "peer_kl_bits_median": statistics.median(peers) if peers else None}
+    return {
+        "pairs": len(want),
+        "kl_series": len(kl),
+        "max_difference": worst,
+        "skewed_kl_bits": kl.get((router, line, replicas[-1].target)),
+        "peer_kl_bits_median": statistics.median(peers) if peers else None,
+    }
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
 
+
 def report(f: dict[str, Any]) -> None:
     mib = 2**20
     where = f"one shard ({f['shard']}, {f['routers']} of {DEEPSEEK_V3.routers} routers) of " if f["shard"] else ""
-    print(f"\n{where}{f['replicas']} replicas x {f['lines']} line(s) of DeepSeek-V3: {f['per_expert_series']:,} "
-          f"per-expert series in this Prometheus")
-    print(f"  series per replica scraped: {f['series_per_replica']:,.0f}; in all {f['series_scraped']:,.0f}; "
-          f"{(f['bytes_per_scrape_per_replica'] or 0) / mib:.2f} MiB per scrape per replica; scrape median "
-          f"{f['scrape_s_median'] * 1e3:.0f} ms, slowest {f['scrape_s_max'] * 1e3:.0f} ms")
+    print(
+        f"\n{where}{f['replicas']} replicas x {f['lines']} line(s) of DeepSeek-V3: {f['per_expert_series']:,} "
+        f"per-expert series in this Prometheus"
+    )
+    print(
+        f"  series per replica scraped: {f['series_per_replica']:,.0f}; in all {f['series_scraped']:,.0f}; "
+        f"{(f['bytes_per_scrape_per_replica'] or 0) / mib:.2f} MiB per scrape per replica; scrape median "
+        f"{f['scrape_s_median'] * 1e3:.0f} ms, slowest {f['scrape_s_max'] * 1e3:.0f} ms"
+    )
     for name, g in f["groups"].items():
         per, budget = f["samples_per_evaluation"][name], f["samples_budget"][name]
         each = ", ".join(f"{s:.2f}" for s in g["evaluation_s_rounds"])
-        print(f"  {name}: median {g['evaluation_s']:.2f} s per evaluation ({each}) "
-              f"= x{g['ratio']:.3f} of its {g['interval_s']:g} s interval here, x{g['ratio_exported']:.3f} of the "
-              f"exported {g['exported_interval_s']:g} s; {g['missed']:.0f} of {g['iterations']:.0f} iterations "
-              f"missed, {g['failures']:.0f} failures; {per:,} samples read per evaluation "
-              f"({per / f['per_expert_series']:.2f} per per-expert series; x{per / budget:.3f} of the budget)")
+        print(
+            f"  {name}: median {g['evaluation_s']:.2f} s per evaluation ({each}) "
+            f"= x{g['ratio']:.3f} of its {g['interval_s']:g} s interval here, x{g['ratio_exported']:.3f} of the "
+            f"exported {g['exported_interval_s']:g} s; {g['missed']:.0f} of {g['iterations']:.0f} iterations "
+            f"missed, {g['failures']:.0f} failures; {per:,} samples read per evaluation "
+            f"({per / f['per_expert_series']:.2f} per per-expert series; x{per / budget:.3f} of the budget)"
+        )
         if g["cpu_s"] is not None:
             cpu_each = ", ".join(f"{s:.2f}" for s in g["cpu_s_rounds"])
-            print(f"    Prometheus' CPU during an evaluation: median {g['cpu_s']:.2f} s ({cpu_each}) = "
-                  f"x{g['cpu_s'] / g['exported_interval_s']:.3f} of the exported interval")
+            print(
+                f"    Prometheus' CPU during an evaluation: median {g['cpu_s']:.2f} s ({cpu_each}) = "
+                f"x{g['cpu_s'] / g['exported_interval_s']:.3f} of the exported interval"
+            )
         print("    slowest rules: " + ", ".join(f"{rule} {s:.2f} s" for rule, s in g["slowest_rules_s"].items()))
-    print(f"  Prometheus: {f['head_series']:,.0f} head series, RSS up to {f['prometheus_rss_bytes_max'] / mib:,.0f} "
-          f"MiB, {f['prometheus_cores']:.2f} cores while measuring; the simulated replicas {f['bench_cores']:.2f} "
-          f"cores (a round of feeding and rendering {f['feed_round_s'] or 0:.1f} s); load average "
-          f"{f['load_average'][0]:.1f} before, {f['load_average'][1]:.1f} after; {f['cut_off_scrapes']} scrapes "
-          "cut off")
+    print(
+        f"  Prometheus: {f['head_series']:,.0f} head series, RSS up to {f['prometheus_rss_bytes_max'] / mib:,.0f} "
+        f"MiB, {f['prometheus_cores']:.2f} cores while measuring; the simulated replicas {f['bench_cores']:.2f} "
+        f"cores (a round of feeding and rendering {f['feed_round_s'] or 0:.1f} s); load average "
+        f"{f['load_average'][0]:.1f} before, {f['load_average'][1]:.1f} after; {f['cut_off_scrapes']} scrapes "
+        "cut off"
+    )
     e = f["exactness"]
-    print(f"  exact: {e['pairs']} router-lines and {e['kl_series']} replica KLs equal compute_stats of the windows "
-          f"summed within {e['max_difference']:.1e}; the skewed replica's KL {e['skewed_kl_bits']:.3f} bits, its "
-          f"peers' median {e['peer_kl_bits_median']:.4f}")
+    print(
+        f"  exact: {e['pairs']} router-lines and {e['kl_series']} replica KLs equal compute_stats of the windows "
+        f"summed within {e['max_difference']:.1e}; the skewed replica's KL {e['skewed_kl_bits']:.3f} bits, its "
+        f"peers' median {e['peer_kl_bits_median']:.4f}"
+    )
 
 
 def wait_quiet(load: float, longest: float) -> float:
@@ -506,36 +636,82 @@ def wait_quiet(load: float, longest: float) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", type=layout, nargs="+", default=[layout(text) for text in DEFAULT_LAYOUTS],
-                        help="REPLICASxLINES[/SHARDS] to run, one after the other "
-                             f"(default {' '.join(DEFAULT_LAYOUTS)})")
-    parser.add_argument("--shard", type=bounded(int, "--shard", 0, 99), default=None,
-                        help="which shard of a split layout to run (default: the first MoE layer's)")
-    parser.add_argument("--scrape-interval", type=bounded(float, "--scrape-interval", 5, 120), default=15.0,
-                        help="Prometheus' scrape interval and the replicas' feeding period, seconds (default 15)")
-    parser.add_argument("--fleet-interval", type=bounded(float, "--fleet-interval", 5, 3600),
-                        default=DEFAULT_INTERVAL_SECONDS,
-                        help="the fleet group's interval, seconds (rules export --fleet-interval; default the exported "
-                             f"{DEFAULT_INTERVAL_SECONDS:g})")
-    parser.add_argument("--outlier-interval", type=bounded(float, "--outlier-interval", 5, 3600), default=120.0,
-                        help="the replica group's interval here, seconds (rules export --outlier-interval; default "
-                             "120: the exported 300 s measured more often, so that it meets the fleet group more)")
-    parser.add_argument("--tokens", type=bounded(int, "--tokens", 1, 10**6), default=DEFAULT_WINDOW_TOKENS // 2,
-                        help="tokens added per router, line and replica every feeding (default 2048: the window "
-                             "of 4096 holds two)")
-    parser.add_argument("--warmup-rounds", type=bounded(int, "--warmup-rounds", 0, 20), default=1,
-                        help="evaluations of each group after the targets are up, before measuring (default 1)")
-    parser.add_argument("--rounds", type=bounded(int, "--rounds", 1, 100), default=3,
-                        help="evaluations of the fleet group measured (default 3)")
-    parser.add_argument("--replica-rounds", type=bounded(int, "--replica-rounds", 1, 100), default=2,
-                        help="evaluations of the replica group measured (default 2)")
-    parser.add_argument("--quiet-load", type=bounded(float, "--quiet-load", 0.1, 100), default=3.0,
-                        help="before each layout, wait until this machine's 1-minute load average is at most this "
-                             "(it is shared; default 3.0), up to --quiet-wait seconds")
-    parser.add_argument("--quiet-wait", type=bounded(float, "--quiet-wait", 0, 7200), default=900.0,
-                        help="the longest wait for --quiet-load, seconds (default 900; then it runs anyway)")
-    parser.add_argument("--max-seconds", type=bounded(float, "--max-seconds", 60, 7200), default=1200.0,
-                        help="give up on a layout after this long (default 1200)")
+    parser.add_argument(
+        "--layouts",
+        type=layout,
+        nargs="+",
+        default=[layout(text) for text in DEFAULT_LAYOUTS],
+        help=f"REPLICASxLINES[/SHARDS] to run, one after the other (default {' '.join(DEFAULT_LAYOUTS)})",
+    )
+    parser.add_argument(
+        "--shard",
+        type=bounded(int, "--shard", 0, 99),
+        default=None,
+        help="which shard of a split layout to run (default: the first MoE layer's)",
+    )
+    parser.add_argument(
+        "--scrape-interval",
+        type=bounded(float, "--scrape-interval", 5, 120),
+        default=15.0,
+        help="Prometheus' scrape interval and the replicas' feeding period, seconds (default 15)",
+    )
+    parser.add_argument(
+        "--fleet-interval",
+        type=bounded(float, "--fleet-interval", 5, 3600),
+        default=DEFAULT_INTERVAL_SECONDS,
+        help="the fleet group's interval, seconds (rules export --fleet-interval; default the exported "
+        f"{DEFAULT_INTERVAL_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--outlier-interval",
+        type=bounded(float, "--outlier-interval", 5, 3600),
+        default=120.0,
+        help="the replica group's interval here, seconds (rules export --outlier-interval; default "
+        "120: the exported 300 s measured more often, so that it meets the fleet group more)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=bounded(int, "--tokens", 1, 10**6),
+        default=DEFAULT_WINDOW_TOKENS // 2,
+        help="tokens added per router, line and replica every feeding (default 2048: the window of 4096 holds two)",
+    )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=bounded(int, "--warmup-rounds", 0, 20),
+        default=1,
+        help="evaluations of each group after the targets are up, before measuring (default 1)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=bounded(int, "--rounds", 1, 100),
+        default=3,
+        help="evaluations of the fleet group measured (default 3)",
+    )
+    parser.add_argument(
+        "--replica-rounds",
+        type=bounded(int, "--replica-rounds", 1, 100),
+        default=2,
+        help="evaluations of the replica group measured (default 2)",
+    )
+    parser.add_argument(
+        "--quiet-load",
+        type=bounded(float, "--quiet-load", 0.1, 100),
+        default=3.0,
+        help="before each layout, wait until this machine's 1-minute load average is at most this "
+        "(it is shared; default 3.0), up to --quiet-wait seconds",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        type=bounded(float, "--quiet-wait", 0, 7200),
+        default=900.0,
+        help="the longest wait for --quiet-load, seconds (default 900; then it runs anyway)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=bounded(float, "--max-seconds", 60, 7200),
+        default=1200.0,
+        help="give up on a layout after this long (default 1200)",
+    )
     parser.add_argument("--prometheus", default=shutil.which("prometheus"), help="the Prometheus binary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
@@ -550,8 +726,9 @@ def main() -> None:
     figures: dict[str, Any] = {"command": command, "layouts": {}}
     for chosen in args.layouts:
         waited = wait_quiet(args.quiet_load, args.quiet_wait)
-        print(f"\nlayout {chosen.name} (waited {waited:.0f} s for a load average of {os.getloadavg()[0]:.1f})",
-              flush=True)
+        print(
+            f"\nlayout {chosen.name} (waited {waited:.0f} s for a load average of {os.getloadavg()[0]:.1f})", flush=True
+        )
         with tempfile.TemporaryDirectory(prefix="mla-watch-fleet-bench-") as workdir:
             found = measure(args, chosen, Path(workdir))
         figures["layouts"][chosen.name] = found

@@ -33,9 +33,16 @@ def compiled_generate(model: torch.nn.Module, prompt: torch.Tensor, tokens: int)
     config = CompileConfig(fullgraph=False, mode="reduce-overhead" if device.type == "cuda" else "default")
     config._compile_all_devices = True  # transformers compiles on CUDA by itself; on a CPU it must be asked
     with torch.no_grad():
-        output = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
-                                min_new_tokens=tokens, do_sample=False, pad_token_id=0,
-                                cache_implementation="static", compile_config=config)
+        output = model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+            compile_config=config,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize()
     return output
@@ -47,11 +54,19 @@ def eager_reference(model: torch.nn.Module, sequence: torch.Tensor, prompt: int)
     cache = StaticCache(config=model.config, max_cache_len=sequence.shape[1] + 8)
     device = sequence.device
     with torch.no_grad():
-        model(input_ids=sequence[:, :prompt], position_ids=torch.arange(prompt, device=device)[None], cache=cache,
-              use_cache=True)
+        model(
+            input_ids=sequence[:, :prompt],
+            position_ids=torch.arange(prompt, device=device)[None],
+            cache=cache,
+            use_cache=True,
+        )
         for index in range(prompt, sequence.shape[1] - 1):  # the last generated token is never fed back
-            model(input_ids=sequence[:, index : index + 1], position_ids=torch.tensor([[index]], device=device),
-                  cache=cache, use_cache=True)
+            model(
+                input_ids=sequence[:, index : index + 1],
+                position_ids=torch.tensor([[index]], device=device),
+                cache=cache,
+                use_cache=True,
+            )
     counts = probe.counts()
     probe.detach()
     return counts
@@ -64,8 +79,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--prompt", type=int, default=12)
     parser.add_argument("--alternations", type=int, default=15)
-    parser.add_argument("--time", action=argparse.BooleanOptionalAction, default=None,
-                        help="time compiled generate watched vs bare (default: on CUDA only)")
+    parser.add_argument(
+        "--time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time compiled generate watched vs bare (default: on CUDA only)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -74,25 +93,34 @@ def main() -> int:
     bare = copy.deepcopy(model)  # before attach: a copy that is never watched, with its own compiled call
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(5))
     prompt = prompt.to(device)
-    print(f"gpu_check: {device} {str(dtype).removeprefix('torch.')}, bundled model, prompt {args.prompt}, "
-          f"{args.tokens} new tokens, torch {torch.__version__}")
+    print(
+        f"gpu_check: {device} {str(dtype).removeprefix('torch.')}, bundled model, prompt {args.prompt}, "
+        f"{args.tokens} new tokens, torch {torch.__version__}"
+    )
 
     probe = mla_watch.attach(model, window_tokens=None)
     started = time.perf_counter()
     with probe.attribute("graph"):
         sequence = compiled_generate(model, prompt, args.tokens)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    print(f"  compiled generate (first call, compiling included): {time.perf_counter() - started:.1f} s, "
-          f"{graphs} graph(s) compiled for {args.tokens - 1} decode steps")
+    print(
+        f"  compiled generate (first call, compiling included): {time.perf_counter() - started:.1f} s, "
+        f"{graphs} graph(s) compiled for {args.tokens - 1} decode steps"
+    )
     got = probe.counts("graph")
     everything = probe.counts()
     probe.detach()
     reference = eager_reference(model, sequence, args.prompt)
-    differ = [name for name, counts in reference.items()
-              if not np.array_equal(got.get(name), counts) or not np.array_equal(everything.get(name), counts)]
+    differ = [
+        name
+        for name, counts in reference.items()
+        if not np.array_equal(got.get(name), counts) or not np.array_equal(everything.get(name), counts)
+    ]
     for name, counts in reference.items():
-        print(f"  {name}: compiled {int(got[name].sum())} picks, eager {int(counts.sum())}, "
-              f"{'equal' if name not in differ else 'DIFFER'}")
+        print(
+            f"  {name}: compiled {int(got[name].sum())} picks, eager {int(counts.sum())}, "
+            f"{'equal' if name not in differ else 'DIFFER'}"
+        )
     if differ:
         print(f"gpu_check: counts DIFFER from the eager reference on {len(differ)} routers: {differ}")
         return 1
@@ -105,7 +133,7 @@ def main() -> int:
         ratios, seconds = [], {"bare": [], "watched": []}
         for alternation in range(args.alternations):
             timed = {}
-            for name in (("bare", "watched") if alternation % 2 else ("watched", "bare")):
+            for name in ("bare", "watched") if alternation % 2 else ("watched", "bare"):
                 start = time.perf_counter()
                 compiled_generate(model if name == "watched" else bare, prompt, args.tokens)
                 timed[name] = time.perf_counter() - start
@@ -113,10 +141,12 @@ def main() -> int:
             ratios.append(timed["watched"] / timed["bare"])
         probe.collect()
         probe.detach()
-        print(f"  compiled generate ({'CUDA graphs' if device.type == 'cuda' else 'inductor'}), "
-              f"{args.tokens} tokens x {args.alternations} alternations: "
-              f"{args.tokens / statistics.median(seconds['bare']):.1f} tokens/s bare; probe / none median "
-              f"x{statistics.median(ratios):.4f} (spread {min(ratios):.4f}-{max(ratios):.4f})")
+        print(
+            f"  compiled generate ({'CUDA graphs' if device.type == 'cuda' else 'inductor'}), "
+            f"{args.tokens} tokens x {args.alternations} alternations: "
+            f"{args.tokens / statistics.median(seconds['bare']):.1f} tokens/s bare; probe / none median "
+            f"x{statistics.median(ratios):.4f} (spread {min(ratios):.4f}-{max(ratios):.4f})"
+        )
     return 0
 
 

@@ -42,26 +42,53 @@ from harness.support import end_process, free_port, memory_kib, metric_value
 from mla_watch.engines.geometry import parse_geometry
 
 # The served code with the release turned off: glibc keeps the heap's free pages, as before.
-KEPT = ("import sys; from mla_watch.common import heap; heap.release_free_memory = lambda: False; "
-        "from mla_watch.cli import main; sys.exit(main())")
+KEPT = (
+    "import sys; from mla_watch.common import heap; heap.release_free_memory = lambda: False; "
+    "from mla_watch.cli import main; sys.exit(main())"
+)
 # (interpreter arguments, environment): the third keeps every large block an mmap of its own instead.
-VARIANTS = {"free pages returned (served)": (["-m", "mla_watch.cli"], {}),
-            "free pages kept": (["-c", KEPT], {}),
-            "glibc's mmap threshold fixed": (["-c", KEPT], {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)})}
+VARIANTS = {
+    "free pages returned (served)": (["-m", "mla_watch.cli"], {}),
+    "free pages kept": (["-c", KEPT], {}),
+    "glibc's mmap threshold fixed": (["-c", KEPT], {"MALLOC_MMAP_THRESHOLD_": str(128 << 10)}),
+}
 CAP = "8M"
 HEADER = {"X-Business-Line": "code_assistant"}
 
 
-def start(how: list[str], extra_env: dict[str, str], upstream: str, config: Path,
-          root: Path) -> tuple[subprocess.Popen, str]:
+def start(
+    how: list[str], extra_env: dict[str, str], upstream: str, config: Path, root: Path
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLA_WATCH_", "MALLOC_", "GLIBC_TUNABLES"))}
     env.update(extra_env)
-    process = subprocess.Popen([sys.executable, *how, "serve", "--port", str(port), "--state-dir", str(root),
-                                "--upstream", upstream, "--engine", "vllm", "--model-config", str(config),
-                                "--upstream-max-bytes", CAP, "--alert-interval", "3600",
-                                "--history-interval", "3600"],
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=root)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            *how,
+            "serve",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(root),
+            "--upstream",
+            upstream,
+            "--engine",
+            "vllm",
+            "--model-config",
+            str(config),
+            "--upstream-max-bytes",
+            CAP,
+            "--alert-interval",
+            "3600",
+            "--history-interval",
+            "3600",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=root,
+    )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -69,8 +96,9 @@ def wait_drained(client: httpx.Client, url: str, answers: int) -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:  # every answer counted, or dropped at a full count queue
         text = client.get(url + "/metrics").text
-        done = (metric_value(text, "mla_watch_engine_responses_total", engine="vllm", outcome="counted")
-                + metric_value(text, "mla_watch_engine_count_dropped_total", reason="queue_full"))
+        done = metric_value(text, "mla_watch_engine_responses_total", engine="vllm", outcome="counted") + metric_value(
+            text, "mla_watch_engine_count_dropped_total", reason="queue_full"
+        )
         if done >= answers:
             return
         time.sleep(0.2)
@@ -79,6 +107,7 @@ def wait_drained(client: httpx.Client, url: str, answers: int) -> None:
 
 def burst(url: str, body: dict, answers: int, clients: int) -> None:
     """``answers`` answers through ``url`` from ``clients`` concurrent clients."""
+
     def send(count: int) -> None:
         with httpx.Client(timeout=120) as client:
             for _ in range(count):
@@ -150,16 +179,22 @@ def main() -> None:
                     end_process(process)
     p50 = {name: statistics.median(values) * 1000 for name, values in latencies.items()}
     served, kept, fixed = VARIANTS
-    print(f"DeepSeek-V3 answers of {args.tokens} tokens: {args.latency_requests} one at a time, then {args.answers} "
-          f"from {args.clients} clients; then {args.oversized} of {args.oversized_mb} MB against "
-          f"--upstream-max-bytes {CAP}. The server's own resident memory (MiB):")
+    print(
+        f"DeepSeek-V3 answers of {args.tokens} tokens: {args.latency_requests} one at a time, then {args.answers} "
+        f"from {args.clients} clients; then {args.oversized} of {args.oversized_mb} MB against "
+        f"--upstream-max-bytes {CAP}. The server's own resident memory (MiB):"
+    )
     for name, values in figures.items():
-        print(f"  {name}: idle {values['idle']:.0f}, peak {values['peak']:.0f}, drained {values['drained']:.0f}, "
-              f"after the oversized {values['oversized']:.0f}; p50 of an answer one at a time {p50[name]:.2f} ms")
-    print(f"kept once drained, above idle: {figures[served]['drained'] - figures[served]['idle']:.0f} MiB against "
-          f"{figures[kept]['drained'] - figures[kept]['idle']:.0f} kept and "
-          f"{figures[fixed]['drained'] - figures[fixed]['idle']:.0f} with the threshold fixed; p50 "
-          f"x{p50[served] / p50[kept]:.3f} against kept, x{p50[fixed] / p50[kept]:.3f} with the threshold fixed")
+        print(
+            f"  {name}: idle {values['idle']:.0f}, peak {values['peak']:.0f}, drained {values['drained']:.0f}, "
+            f"after the oversized {values['oversized']:.0f}; p50 of an answer one at a time {p50[name]:.2f} ms"
+        )
+    print(
+        f"kept once drained, above idle: {figures[served]['drained'] - figures[served]['idle']:.0f} MiB against "
+        f"{figures[kept]['drained'] - figures[kept]['idle']:.0f} kept and "
+        f"{figures[fixed]['drained'] - figures[fixed]['idle']:.0f} with the threshold fixed; p50 "
+        f"x{p50[served] / p50[kept]:.3f} against kept, x{p50[fixed] / p50[kept]:.3f} with the threshold fixed"
+    )
 
 
 if __name__ == "__main__":

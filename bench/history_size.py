@@ -64,11 +64,23 @@ def moved(rng: np.random.Generator) -> RoutingStats:
     """New statistics, each in the range a 256-expert top-8 router gives it (bits_below_ceiling follows)."""
     bits = float(rng.uniform(5.0, 7.5))
     tokens = int(rng.integers(1024, 4097))
-    return RoutingStats(kind="expert", num_slots=256, top_k=8, tokens=tokens, selections=8 * tokens,
-                        entropy_bits=bits, floor_bits=3.0, ceiling_bits=8.0, normalized_entropy=(bits - 3.0) / 5.0,
-                        max_violation=float(rng.uniform(1.0, 3.0)), dead_slots=int(rng.integers(0, 9)),
-                        js_divergence=float(rng.uniform(0.0, 0.1)), locality=float(rng.uniform(0.0, 1.0)),
-                        min_tokens=1024, too_small=False)
+    return RoutingStats(
+        kind="expert",
+        num_slots=256,
+        top_k=8,
+        tokens=tokens,
+        selections=8 * tokens,
+        entropy_bits=bits,
+        floor_bits=3.0,
+        ceiling_bits=8.0,
+        normalized_entropy=(bits - 3.0) / 5.0,
+        max_violation=float(rng.uniform(1.0, 3.0)),
+        dead_slots=int(rng.integers(0, 9)),
+        js_divergence=float(rng.uniform(0.0, 0.1)),
+        locality=float(rng.uniform(0.0, 1.0)),
+        min_tokens=1024,
+        too_small=False,
+    )
 
 
 def largest_answer(store: HistoryStore, until: float) -> tuple[int, str, float]:
@@ -96,13 +108,18 @@ def row_layout_bytes(store: HistoryStore, directory: Path) -> float:
     path = directory / "rows.sqlite"
     db = sqlite3.connect(path)
     columns = ", ".join(f"v{index} REAL" for index in range(len(VALUES)))
-    db.execute(f"CREATE TABLE points (tier TEXT, t REAL, series INTEGER, {columns}, "
-               "PRIMARY KEY (tier, t, series)) WITHOUT ROWID")
+    db.execute(
+        f"CREATE TABLE points (tier TEXT, t REAL, series INTEGER, {columns}, "
+        "PRIMARY KEY (tier, t, series)) WITHOUT ROWID"
+    )
     cells = 0
     marks = ", ".join("?" * (len(VALUES) + 3))
     for index in range(tier.start, tier.end):
-        rows = [("minute", float(tier.times[index]), sid, *map(float, tier.data[index, sid]))
-                for sid in range(tier.columns) if np.isfinite(tier.data[index, sid]).any()]
+        rows = [
+            ("minute", float(tier.times[index]), sid, *map(float, tier.data[index, sid]))
+            for sid in range(tier.columns)
+            if np.isfinite(tier.data[index, sid]).any()
+        ]
         db.executemany(f"INSERT INTO points VALUES ({marks})", rows)
         cells += len(rows)
     db.commit()
@@ -166,31 +183,56 @@ def main() -> None:
         again.close()
     packed_per_point = len(VALUES) * 4
     figures = {
-        "series": series, "days": args.days, "samples": samples, "points_kept": points_kept,
-        "file_bytes": size, "bound_bytes": bound, "size_ratio": size / bound,
-        "bytes_per_series_day": size / series / args.days, "memory_bytes": memory,
-        "write_ms_per_sample": fine_seconds / max(1, fine_samples) * 1e3, "written_s": written,
-        "load_s": load_s, "points_us_day": points_us, "points_returned": len(times),
-        "query_30d_hourly_ms": query_ms, "query_columns": len(body["times"]),
-        "packed_bytes_per_series_point": packed_per_point, "row_layout_bytes_per_series_point": rows_per_point,
-        "largest_answer_bytes": answer_bytes, "largest_answer_metric": answer_metric,
-        "largest_answer_step_seconds": answer_step, "answer_bound_bytes": MAX_ANSWER_BYTES,
+        "series": series,
+        "days": args.days,
+        "samples": samples,
+        "points_kept": points_kept,
+        "file_bytes": size,
+        "bound_bytes": bound,
+        "size_ratio": size / bound,
+        "bytes_per_series_day": size / series / args.days,
+        "memory_bytes": memory,
+        "write_ms_per_sample": fine_seconds / max(1, fine_samples) * 1e3,
+        "written_s": written,
+        "load_s": load_s,
+        "points_us_day": points_us,
+        "points_returned": len(times),
+        "query_30d_hourly_ms": query_ms,
+        "query_columns": len(body["times"]),
+        "packed_bytes_per_series_point": packed_per_point,
+        "row_layout_bytes_per_series_point": rows_per_point,
+        "largest_answer_bytes": answer_bytes,
+        "largest_answer_metric": answer_metric,
+        "largest_answer_step_seconds": answer_step,
+        "answer_bound_bytes": MAX_ANSWER_BYTES,
     }
-    print(f"{series} series ({args.routers} routers x ({args.lines} lines + all)), {args.days:g} simulated days, "
-          f"{samples} samples in {written:.1f} s")
+    print(
+        f"{series} series ({args.routers} routers x ({args.lines} lines + all)), {args.days:g} simulated days, "
+        f"{samples} samples in {written:.1f} s"
+    )
     print(f"points kept per tier (10 s / 1 min / 15 min): {points_kept}")
-    print(f"file: {size / 2**20:.1f} MiB; documented bound {bound / 2**20:.1f} MiB: ratio {size / bound:.3f}; "
-          f"{size / series / args.days / 1024:.1f} KiB per series-day of retention")
+    print(
+        f"file: {size / 2**20:.1f} MiB; documented bound {bound / 2**20:.1f} MiB: ratio {size / bound:.3f}; "
+        f"{size / series / args.days / 1024:.1f} KiB per series-day of retention"
+    )
     print(f"memory held by the tiers: {memory / 2**20:.1f} MiB")
-    print(f"write: {figures['write_ms_per_sample']:.2f} ms per 10 s sample of {series} series "
-          f"({100 * figures['write_ms_per_sample'] / 10000:.3f}% of a core)")
-    print(f"restart: {load_s:.2f} s to load; points() over a day ({len(times)} points): {points_us:.0f} us; "
-          f"30 days hourly for every series: {query_ms:.0f} ms")
-    print(f"layout: packed rows {packed_per_point} B per series-point (+ page overhead); one row per series-point "
-          f"measured {rows_per_point:.0f} B")
-    print(f"largest GET /v1/history answer: {answer_bytes:,} bytes ({answer_metric}, {series} series, 30 days at "
-          f"step {answer_step:g} s, MAX_CELLS {MAX_CELLS:,}); bound MAX_ANSWER_BYTES {MAX_ANSWER_BYTES:,}: ratio "
-          f"{answer_bytes / MAX_ANSWER_BYTES:.3f}")
+    print(
+        f"write: {figures['write_ms_per_sample']:.2f} ms per 10 s sample of {series} series "
+        f"({100 * figures['write_ms_per_sample'] / 10000:.3f}% of a core)"
+    )
+    print(
+        f"restart: {load_s:.2f} s to load; points() over a day ({len(times)} points): {points_us:.0f} us; "
+        f"30 days hourly for every series: {query_ms:.0f} ms"
+    )
+    print(
+        f"layout: packed rows {packed_per_point} B per series-point (+ page overhead); one row per series-point "
+        f"measured {rows_per_point:.0f} B"
+    )
+    print(
+        f"largest GET /v1/history answer: {answer_bytes:,} bytes ({answer_metric}, {series} series, 30 days at "
+        f"step {answer_step:g} s, MAX_CELLS {MAX_CELLS:,}); bound MAX_ANSWER_BYTES {MAX_ANSWER_BYTES:,}: ratio "
+        f"{answer_bytes / MAX_ANSWER_BYTES:.3f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
 

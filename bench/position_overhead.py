@@ -57,11 +57,14 @@ def main() -> int:
         ratios.append(seconds["on"] / seconds["off"])
     median, low, high = np.median(ratios), *np.percentile(ratios, [25, 75])
     device_bytes = arms["on"][1].position_bytes
-    print(f"routing by position on / off: median x{median:.4f} (quartiles {low:.4f}-{high:.4f}) over "
-          f"{args.alternations} alternations; per-position counters: {device_bytes} bytes")
+    print(
+        f"routing by position on / off: median x{median:.4f} (quartiles {low:.4f}-{high:.4f}) over "
+        f"{args.alternations} alternations; per-position counters: {device_bytes} bytes"
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({"median": median, "quartiles": [low, high], "ratios": ratios,
-                                         "position_bytes": device_bytes}))
+        args.json.write_text(
+            json.dumps({"median": median, "quartiles": [low, high], "ratios": ratios, "position_bytes": device_bytes})
+        )
     return 0
 
 

@@ -68,10 +68,22 @@ import mla_watch
 from mla_watch.models.architecture import bundled_config
 from mla_watch.probe import discover_routers
 
-LARGE = {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 128, "num_hidden_layers": 8,
-         "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256, "kv_lora_rank": 128,
-         "qk_rope_head_dim": 32, "qk_nope_head_dim": 32, "v_head_dim": 64, "index_head_dim": 64,
-         "index_n_heads": 4, "max_position_embeddings": 1024}
+LARGE = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 64,
+    "index_head_dim": 64,
+    "index_n_heads": 4,
+    "max_position_embeddings": 1024,
+}
 
 
 def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo]) -> Callable[[], None]:
@@ -80,6 +92,7 @@ def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo
     totals: dict[str, list[int]] = {}
     handles = []
     for info in probe_routers:
+
         def hook(module, args, output, info=info):
             indices = output[-1] if info.kind == "expert" else output
             flat = indices.reshape(-1)
@@ -94,16 +107,27 @@ def naive_hooks(model: torch.nn.Module, probe_routers: list[mla_watch.RouterInfo
     return lambda: [handle.remove() for handle in handles]
 
 
-def decode_seconds(model: torch.nn.Module, prompt: torch.Tensor, tokens: int,
-                   probe: mla_watch.Probe | None = None, generations: int = 1) -> tuple[float, float]:
+def decode_seconds(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    tokens: int,
+    probe: mla_watch.Probe | None = None,
+    generations: int = 1,
+) -> tuple[float, float]:
     """Wall and process CPU seconds of ``generations`` greedy generations; with ``probe``, counting every pass it
     holds at the end."""
     cpu = time.process_time()
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(generations):
-            model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
-                           min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+            model.generate(
+                input_ids=prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
     if probe is not None:
         probe.count_pending()
     if prompt.device.type == "cuda":
@@ -121,17 +145,24 @@ def ratio_summary(values: list[float], seed: int, resamples: int = 2000) -> dict
     draw = random.Random(seed)
     medians = sorted(statistics.median(draw.choices(values, k=len(values))) for _ in range(resamples))
     quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {"median": statistics.median(values), "ci95": [medians[int(0.025 * resamples)],
-                                                           medians[int(0.975 * resamples) - 1]],
-            "quartiles": [quartiles[0], quartiles[2]], "min": ordered[0], "max": ordered[-1],
-            "trimmed_mean": statistics.fmean(ordered[trim:len(ordered) - trim]), "values": values}
+    return {
+        "median": statistics.median(values),
+        "ci95": [medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]],
+        "quartiles": [quartiles[0], quartiles[2]],
+        "min": ordered[0],
+        "max": ordered[-1],
+        "trimmed_mean": statistics.fmean(ordered[trim : len(ordered) - trim]),
+        "values": values,
+    }
 
 
 def describe(summary: dict) -> str:
     low, high = summary["ci95"]
     q1, q3 = summary["quartiles"]
-    return (f"median x{summary['median']:.4f} (95% CI {low:.4f}-{high:.4f}; quartiles {q1:.3f}-{q3:.3f}; "
-            f"spread {summary['min']:.2f}-{summary['max']:.2f}; trimmed mean x{summary['trimmed_mean']:.4f})")
+    return (
+        f"median x{summary['median']:.4f} (95% CI {low:.4f}-{high:.4f}; quartiles {q1:.3f}-{q3:.3f}; "
+        f"spread {summary['min']:.2f}-{summary['max']:.2f}; trimmed mean x{summary['trimmed_mean']:.4f})"
+    )
 
 
 def warm_prompt(model: torch.nn.Module, seed: int) -> torch.Tensor:
@@ -175,26 +206,38 @@ def measure(name: str, model: torch.nn.Module, alternations: int, tokens: int, s
     probe_memory = probe.counter_bytes + probe.window_bytes()
     params = sum(p.numel() for p in model.parameters()) / 1e6
     throughput = tokens * generations / statistics.median(seconds["none"])
-    print(f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {generations} rounds of "
-          f"{tokens} tokens x {alternations} alternations, {throughput:.1f} tokens/s without hooks, "
-          f"{torch.get_num_threads()} intra-op thread(s)")
+    print(
+        f"\n{name}: {params:.1f}M parameters, {len(routers)} routers, {generations} rounds of "
+        f"{tokens} tokens x {alternations} alternations, {throughput:.1f} tokens/s without hooks, "
+        f"{torch.get_num_threads()} intra-op thread(s)"
+    )
     summaries = {mode: ratio_summary(ratios[mode], seed) for mode in ARMS[1:]}
     cpu_summaries = {mode: ratio_summary(cpu_ratios[mode], seed) for mode in ARMS[1:]}
     labels = {"probe": "probe / none", "naive": "naive / none", "control": "none / none (A/A control)"}
     for mode in ("probe", "naive", "control"):
         print(f"  {labels[mode]}: wall {describe(summaries[mode])}")
         print(f"  {' ' * len(labels[mode])}  CPU  {describe(cpu_summaries[mode])}")
-    fastest = {mode: statistics.fmean(sorted(values)[:max(1, len(values) // 10)]) for mode, values in seconds.items()}
+    fastest = {mode: statistics.fmean(sorted(values)[: max(1, len(values) // 10)]) for mode, values in seconds.items()}
     fastest_ratios = {mode: fastest[mode] / fastest["none"] for mode in ARMS[1:]}
-    print(f"  fastest tenth of each arm's alternations (mean), against no hooks: probe x{fastest_ratios['probe']:.4f}, "
-          f"naive x{fastest_ratios['naive']:.4f}, A/A control x{fastest_ratios['control']:.4f}")
+    print(
+        f"  fastest tenth of each arm's alternations (mean), against no hooks: probe x{fastest_ratios['probe']:.4f}, "
+        f"naive x{fastest_ratios['naive']:.4f}, A/A control x{fastest_ratios['control']:.4f}"
+    )
     print(f"  probe memory: {probe_memory / 1024:.1f} KiB (device counters + host window)")
-    figures = {"name": name, "params_millions": params, "routers": len(routers), "tokens": tokens,
-               "generations_per_alternation": generations,
-               "alternations": alternations, "threads": torch.get_num_threads(), "tokens_per_s_none": throughput,
-               "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
-               "probe_memory_bytes": probe_memory, "seconds": seconds,
-               **{f"{mode}_fastest_ratio": fastest_ratios[mode] for mode in ARMS[1:]}}
+    figures = {
+        "name": name,
+        "params_millions": params,
+        "routers": len(routers),
+        "tokens": tokens,
+        "generations_per_alternation": generations,
+        "alternations": alternations,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s_none": throughput,
+        "seconds_median": {mode: statistics.median(values) for mode, values in seconds.items()},
+        "probe_memory_bytes": probe_memory,
+        "seconds": seconds,
+        **{f"{mode}_fastest_ratio": fastest_ratios[mode] for mode in ARMS[1:]},
+    }
     for mode in ARMS[1:]:
         figures[f"{mode}_ratio"] = summaries[mode]
         figures[f"{mode}_cpu_ratio"] = cpu_summaries[mode]
@@ -240,12 +283,27 @@ def instruction_counts(key: str, tokens: int, seed: int, per_block: int, generat
     with tempfile.TemporaryDirectory() as scratch:
         processes = {}
         for label, (arm, count) in runs.items():
-            command = [valgrind, "--tool=cachegrind", "--cache-sim=no",
-                       f"--cachegrind-out-file={Path(scratch) / label}", sys.executable, __file__,
-                       "--instruction-worker", key, arm, str(count), "--tokens", str(tokens), "--seed", str(seed),
-                       "--generations", str(per_block)]
-            processes[label] = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                                text=True)
+            command = [
+                valgrind,
+                "--tool=cachegrind",
+                "--cache-sim=no",
+                f"--cachegrind-out-file={Path(scratch) / label}",
+                sys.executable,
+                __file__,
+                "--instruction-worker",
+                key,
+                arm,
+                str(count),
+                "--tokens",
+                str(tokens),
+                "--seed",
+                str(seed),
+                "--generations",
+                str(per_block),
+            ]
+            processes[label] = subprocess.Popen(
+                command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
         refs = {}
         for label, process in processes.items():
             _, err = process.communicate()
@@ -255,27 +313,38 @@ def instruction_counts(key: str, tokens: int, seed: int, per_block: int, generat
             refs[label] = int(found.group(1).replace(",", ""))
     model_per = (refs["none"] - refs["base"]) / generations
     probe_per = (refs["probe"] - refs["none"]) / generations
-    print(f"  instructions per {tokens}-token generation (cachegrind): model {model_per / 1e6:.1f}M, the probe adds "
-          f"{probe_per / 1e6:.2f}M = x{1 + probe_per / model_per:.4f}")
+    print(
+        f"  instructions per {tokens}-token generation (cachegrind): model {model_per / 1e6:.1f}M, the probe adds "
+        f"{probe_per / 1e6:.2f}M = x{1 + probe_per / model_per:.4f}"
+    )
     return {"model_instructions": model_per, "probe_instructions": probe_per, "ratio": 1 + probe_per / model_per}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--alternations", type=int, default=30,
-                        help="shuffled rounds of the four arms (the ratios' sample size)")
+    parser.add_argument(
+        "--alternations", type=int, default=30, help="shuffled rounds of the four arms (the ratios' sample size)"
+    )
     parser.add_argument("--tokens", type=int, default=16, help="decode tokens per generation (serve's default)")
-    parser.add_argument("--generations", type=int, default=8,
-                        help="rounds per alternation (8 x 16 tokens: 128 passes, the probe's flush_every)")
+    parser.add_argument(
+        "--generations",
+        type=int,
+        default=8,
+        help="rounds per alternation (8 x 16 tokens: 128 passes, the probe's flush_every)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads on a CPU (see the docstring)")
     parser.add_argument("--only", choices=["bundled", "large"])
-    parser.add_argument("--instructions", action="store_true",
-                        help="also count the instructions the probe adds, with valgrind's cachegrind (~4 min a model)")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count the instructions the probe adds, with valgrind's cachegrind (~4 min a model)",
+    )
     parser.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--instruction-worker", nargs=3, metavar=("MODEL", "ARM", "GENERATIONS"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--instruction-worker", nargs=3, metavar=("MODEL", "ARM", "GENERATIONS"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     args = parser.parse_args()
     if args.device == "cpu":
@@ -289,8 +358,9 @@ def main() -> None:
     seeds = {"bundled": 1, "large": 2}
     labels = {"bundled": "bundled model", "large": "random-init DeepSeek-V3.2 config"}
     for key in [args.only] if args.only else list(seeds):
-        models[key] = measure(labels[key], load(key, args.device, dtype), args.alternations, args.tokens, seeds[key],
-                              args.generations)
+        models[key] = measure(
+            labels[key], load(key, args.device, dtype), args.alternations, args.tokens, seeds[key], args.generations
+        )
         if args.instructions:
             models[key]["instructions"] = instruction_counts(key, args.tokens, seeds[key], args.generations)
     if args.json:

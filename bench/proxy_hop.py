@@ -80,8 +80,14 @@ def serve_engine(kind: str, port: int) -> None:
 
 
 @contextlib.contextmanager
-def process(command: list[str], ready_url: str, what: str, timeout: float,
-            env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[subprocess.Popen]:
+def process(
+    command: list[str],
+    ready_url: str,
+    what: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[subprocess.Popen]:
     """``command`` as a process until ``ready_url`` answers 200; stopped afterwards."""
     started = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
     try:
@@ -95,8 +101,13 @@ def process(command: list[str], ready_url: str, what: str, timeout: float,
 def fake_engine(kind: str) -> Iterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with process([sys.executable, "-m", "bench.proxy_hop", "--serve-engine", kind, "--port", str(port)],
-                 url + "/v1/models", f"the {kind} fake engine on port {port}", 120, cwd=REPO):
+    with process(
+        [sys.executable, "-m", "bench.proxy_hop", "--serve-engine", kind, "--port", str(port)],
+        url + "/v1/models",
+        f"the {kind} fake engine on port {port}",
+        120,
+        cwd=REPO,
+    ):
         yield url
 
 
@@ -105,18 +116,36 @@ def litellm_proxy(command: str, upstream: str, directory: Path) -> Iterator[tupl
     """LiteLLM's proxy in front of ``upstream`` (model ``bench``), without a master key: no authentication, as
     the mla_watch arms."""
     config = directory / "litellm.yaml"
-    config.write_text(json.dumps({  # JSON is YAML
-        "model_list": [{"model_name": "bench", "litellm_params": {"model": "openai/bench", "api_base": upstream + "/v1",
-                                                                  "api_key": "none"}}],
-        "litellm_settings": {"telemetry": False, "drop_params": True},
-    }))
+    config.write_text(
+        json.dumps(
+            {  # JSON is YAML
+                "model_list": [
+                    {
+                        "model_name": "bench",
+                        "litellm_params": {"model": "openai/bench", "api_base": upstream + "/v1", "api_key": "none"},
+                    }
+                ],
+                "litellm_settings": {"telemetry": False, "drop_params": True},
+            }
+        )
+    )
     port = free_port()
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False",
-           "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
-           "LITELLM_LOG": "ERROR", "PYTHONPATH": ""}
+    env = {
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+        "LITELLM_LOG": "ERROR",
+        "PYTHONPATH": "",
+    }
     url = f"http://127.0.0.1:{port}"
-    with process([command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
-                 url + "/health/liveliness", f"LiteLLM's proxy on port {port}", 300, env) as started:
+    with process(
+        [command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        url + "/health/liveliness",
+        f"LiteLLM's proxy on port {port}",
+        300,
+        env,
+    ) as started:
         yield url, started.pid
 
 
@@ -133,10 +162,18 @@ class Arm:
 
 def request(kind: str) -> tuple[str, dict[str, Any]]:
     if kind == "completion":
-        return "/v1/completions", {"model": "bench", "prompt": "def parse_invoice(", "max_tokens": GENERATED,
-                                   "temperature": 0.9}
-    body = {"model": "bench", "messages": [{"role": "user", "content": "def parse_invoice("}],
-            "max_tokens": GENERATED, "temperature": 0.9}
+        return "/v1/completions", {
+            "model": "bench",
+            "prompt": "def parse_invoice(",
+            "max_tokens": GENERATED,
+            "temperature": 0.9,
+        }
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "def parse_invoice("}],
+        "max_tokens": GENERATED,
+        "temperature": 0.9,
+    }
     return "/v1/chat/completions", {**body, "stream": True} if kind == "stream" else body
 
 
@@ -196,13 +233,16 @@ def run_rounds(client: httpx.Client, arms: list[Arm], rounds: int, warmup: int, 
 def throughput(arm: Arm, clients: int, requests: int) -> float:
     """Chat requests per second with ``clients`` concurrent clients."""
     path, body = request("chat")
-    with httpx.Client(timeout=60, limits=httpx.Limits(max_connections=clients)) as client, \
-            concurrent.futures.ThreadPoolExecutor(clients) as pool:
+    with (
+        httpx.Client(timeout=60, limits=httpx.Limits(max_connections=clients)) as client,
+        concurrent.futures.ThreadPoolExecutor(clients) as pool,
+    ):
         for _ in range(clients):  # warm the connections
             client.post(arm.url + path, json=body, headers=HEADERS)
         started = time.perf_counter()
-        statuses = list(pool.map(lambda _: client.post(arm.url + path, json=body, headers=HEADERS).status_code,
-                                 range(requests)))
+        statuses = list(
+            pool.map(lambda _: client.post(arm.url + path, json=body, headers=HEADERS).status_code, range(requests))
+        )
         elapsed = time.perf_counter() - started
     if set(statuses) != {200}:
         raise RuntimeError(f"{arm.name} under load: statuses {sorted(set(statuses))}")
@@ -258,8 +298,9 @@ def figures_of(arms: dict[str, Arm]) -> dict[str, Any]:
 
 
 def render(figures: dict[str, Any], arms: dict[str, Arm]) -> str:
-    lines = [f"{'arm':<15} {'kind':<13} {'p50 ms':>7} {'p95 ms':>7} {'added p50':>9} {'added p95':>9}  "
-             "per-round added, IQR"]
+    lines = [
+        f"{'arm':<15} {'kind':<13} {'p50 ms':>7} {'p95 ms':>7} {'added p50':>9} {'added p95':>9}  per-round added, IQR"
+    ]
     for arm in arms:
         for kind in KINDS:
             n = f"{arm}_{kind}"
@@ -269,22 +310,29 @@ def render(figures: dict[str, Any], arms: dict[str, Arm]) -> str:
                 row += f" {figures[f'{n}_added_p50_ms']:>+9.2f} {figures[f'{n}_added_p95_ms']:>+9.2f}  "
                 row += f"{low:+.2f} .. {high:+.2f}"
             lines.append(row)
-    lines += ["", f"the plain hop (goal: at most +{GOAL_ADDED_MS:g} ms at p50 and at most {GOAL_SHARE_OF_LITELLM:g} "
-                  "of LiteLLM's added latency):"]
+    lines += [
+        "",
+        f"the plain hop (goal: at most +{GOAL_ADDED_MS:g} ms at p50 and at most {GOAL_SHARE_OF_LITELLM:g} "
+        "of LiteLLM's added latency):",
+    ]
     for kind in KINDS:
         added = figures[f"mla_watch_{kind}_added_p50_ms"]
         share = figures.get(f"mla_watch_{kind}_share_of_litellm")
         met = added <= GOAL_ADDED_MS and (share is None or share <= GOAL_SHARE_OF_LITELLM)
-        theirs = "" if share is None else \
-            f", {share:.3f} of LiteLLM's {figures[f'litellm_{kind}_added_p50_ms']:+.2f} ms"
+        theirs = (
+            "" if share is None else f", {share:.3f} of LiteLLM's {figures[f'litellm_{kind}_added_p50_ms']:+.2f} ms"
+        )
         lines.append(f"  {kind:<13} mla_watch adds {added:+.2f} ms at p50{theirs}: {'met' if met else 'NOT met'}")
     if "throughput" in figures:
-        lines += ["", f"chat throughput, {figures['clients']} concurrent clients, {figures['load_requests']} "
-                      "requests per arm:"]
+        lines += [
+            "",
+            f"chat throughput, {figures['clients']} concurrent clients, {figures['load_requests']} requests per arm:",
+        ]
         litellm = figures["throughput"].get("litellm")
         for arm, rate in figures["throughput"].items():
-            lines.append(f"  {arm:<15} {rate:8.1f} requests/s" + (f" (x{rate / litellm:.2f} LiteLLM's)" if litellm
-                                                                   else ""))
+            lines.append(
+                f"  {arm:<15} {rate:8.1f} requests/s" + (f" (x{rate / litellm:.2f} LiteLLM's)" if litellm else "")
+            )
     lines += ["", "CPU of each proxy's process tree per request (user and system, its counting included):"]
     for arm, milliseconds in figures["cpu_ms_per_request"].items():
         lines.append(f"  {arm:<15} {milliseconds:7.2f} ms")
@@ -294,8 +342,10 @@ def render(figures: dict[str, Any], arms: dict[str, Arm]) -> str:
     if "litellm" in figures["rss"]:
         lines.append(f"  mla_watch / LiteLLM: x{figures['rss']['mla_watch'][0] / figures['rss']['litellm'][0]:.2f}")
     if "counted" in figures:
-        lines.append(f"\nthe vLLM arm counted the routing of {figures['counted']:.0f} answers (expected "
-                     f"{figures['expected_counted']}), {figures['replayed']:.0f} of them replayed streams")
+        lines.append(
+            f"\nthe vLLM arm counted the routing of {figures['counted']:.0f} answers (expected "
+            f"{figures['expected_counted']}), {figures['replayed']:.0f} of them replayed streams"
+        )
     return "\n".join(lines)
 
 
@@ -303,12 +353,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=120, help="requests per arm and kind")
     parser.add_argument("--warmup", type=int, default=5, help="rounds sent first and not counted")
-    parser.add_argument("--gap", type=float, default=0.005, help="seconds between two requests (default 0.005): "
-                        "LiteLLM logs, and the vLLM arm counts, after the client has its answer")
+    parser.add_argument(
+        "--gap",
+        type=float,
+        default=0.005,
+        help="seconds between two requests (default 0.005): "
+        "LiteLLM logs, and the vLLM arm counts, after the client has its answer",
+    )
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients of the throughput phase")
     parser.add_argument("--load-requests", type=int, default=400, help="chat requests per arm under load; 0: none")
-    parser.add_argument("--litellm", default=os.environ.get(LITELLM_ENV),
-                        help=f"LiteLLM's `litellm` command (default ${LITELLM_ENV}); without it, no LiteLLM arm")
+    parser.add_argument(
+        "--litellm",
+        default=os.environ.get(LITELLM_ENV),
+        help=f"LiteLLM's `litellm` command (default ${LITELLM_ENV}); without it, no LiteLLM arm",
+    )
     parser.add_argument("--no-engine", action="store_true", help="leave out the vLLM arms")
     parser.add_argument("--json", metavar="PATH", help="also write the measured figures to PATH as a JSON object")
     parser.add_argument("--serve-engine", choices=("plain", "vllm"), help=argparse.SUPPRESS)  # a fake engine
@@ -321,8 +379,12 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds}: expected at least 1")
     litellm = args.litellm and shutil.which(args.litellm)
     if not litellm:
-        print(f"LiteLLM's arm is skipped: no `litellm` command at {args.litellm!r}" if args.litellm else
-              f"LiteLLM's arm is skipped: give its command with --litellm PATH or ${LITELLM_ENV}", flush=True)
+        print(
+            f"LiteLLM's arm is skipped: no `litellm` command at {args.litellm!r}"
+            if args.litellm
+            else f"LiteLLM's arm is skipped: give its command with --litellm PATH or ${LITELLM_ENV}",
+            flush=True,
+        )
     started = time.monotonic()
     load_before = f"{os.getloadavg()[0]:.2f}"  # the machine's own load: other work on a shared machine shows here
     quiet = ("--alert-interval", "3600", "--history-interval", "3600")
@@ -331,8 +393,9 @@ def main() -> None:
         (root / "config.json").write_text(json.dumps(DEEPSEEK_V3))
         plain_engine = stack.enter_context(fake_engine("plain"))
         arms = {"direct": Arm("direct", plain_engine)}
-        url, proxy = stack.enter_context(sidecar_process("--upstream", plain_engine, "--state-dir",
-                                                         str(root / "plain"), *quiet))
+        url, proxy = stack.enter_context(
+            sidecar_process("--upstream", plain_engine, "--state-dir", str(root / "plain"), *quiet)
+        )
         arms["mla_watch"] = Arm("mla_watch", url, proxy.pid)
         if litellm:
             url, pid = stack.enter_context(litellm_proxy(litellm, plain_engine, root))
@@ -340,9 +403,19 @@ def main() -> None:
         if not args.no_engine:
             routed_engine = stack.enter_context(fake_engine("vllm"))
             arms["direct_routed"] = Arm("direct_routed", routed_engine)
-            url, proxy = stack.enter_context(sidecar_process(
-                "--upstream", routed_engine, "--engine", "vllm", "--model-config", str(root / "config.json"),
-                "--state-dir", str(root / "vllm"), *quiet))
+            url, proxy = stack.enter_context(
+                sidecar_process(
+                    "--upstream",
+                    routed_engine,
+                    "--engine",
+                    "vllm",
+                    "--model-config",
+                    str(root / "config.json"),
+                    "--state-dir",
+                    str(root / "vllm"),
+                    *quiet,
+                )
+            )
             arms["mla_watch_vllm"] = Arm("mla_watch_vllm", url, proxy.pid)
         print(f"arms ready in {time.monotonic() - started:.0f} s: {', '.join(arms)}", file=sys.stderr, flush=True)
         with httpx.Client(timeout=60) as client:
@@ -355,29 +428,42 @@ def main() -> None:
                 url = arms["mla_watch_vllm"].url
                 expected = (args.warmup + args.rounds) * 3 + 1  # every request, and check_answers' chat
                 figures_counted = wait_counted(client, url, "vllm", expected)
-                replayed = metric_value(client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total",
-                                  outcome="replayed")
+                replayed = metric_value(
+                    client.get(url + "/metrics").text, "mla_watch_engine_stream_replays_total", outcome="replayed"
+                )
             # The proxies' CPU per request, their counting after the answers included: unlike latency, it does not
             # grow with what else the shared machine runs.
             sent = (args.warmup + args.rounds) * 3
-            cpu_ms = {arm.name: (process_tree_cpu(arm.pid) - cpu_before[arm.name]) / sent * 1e3
-                      for arm in arms.values() if arm.pid is not None}
+            cpu_ms = {
+                arm.name: (process_tree_cpu(arm.pid) - cpu_before[arm.name]) / sent * 1e3
+                for arm in arms.values()
+                if arm.pid is not None
+            }
         figures = figures_of(arms)
         figures["cpu_ms_per_request"] = cpu_ms
-        figures.update({"bench": "proxy_hop", "args": {k: v for k, v in vars(args).items()
-                                                       if k not in ("serve_engine", "port")}})
+        figures.update(
+            {"bench": "proxy_hop", "args": {k: v for k, v in vars(args).items() if k not in ("serve_engine", "port")}}
+        )
         if "mla_watch_vllm" in arms:
             figures.update(counted=figures_counted, replayed=replayed, expected_counted=expected)
         if args.load_requests:
-            figures.update(clients=args.clients, load_requests=args.load_requests, throughput={
-                name: throughput(arms[name], args.clients, args.load_requests)
-                for name in CONCURRENT_ARMS if name in arms})
+            figures.update(
+                clients=args.clients,
+                load_requests=args.load_requests,
+                throughput={
+                    name: throughput(arms[name], args.clients, args.load_requests)
+                    for name in CONCURRENT_ARMS
+                    if name in arms
+                },
+            )
         figures["rss"] = {arm.name: process_tree(arm.pid) for arm in arms.values() if arm.pid is not None}
     figures["wall_s"] = time.monotonic() - started
     figures["load_before"] = load_before
-    print(f"the proxy hop: {args.rounds} requests per arm and kind, arms in a shuffled order, {args.gap * 1e3:g} ms "
-          f"apart; load average before and after {figures['load_before']} / {os.getloadavg()[0]:.2f}; "
-          f"{figures['wall_s']:.0f} s")
+    print(
+        f"the proxy hop: {args.rounds} requests per arm and kind, arms in a shuffled order, {args.gap * 1e3:g} ms "
+        f"apart; load average before and after {figures['load_before']} / {os.getloadavg()[0]:.2f}; "
+        f"{figures['wall_s']:.0f} s"
+    )
     print(render(figures, arms))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")

@@ -54,15 +54,15 @@ def line_policies(directory: Path) -> Path:
     for line in ("default", *corpus.DOMAINS):
         (directory / f"{line}.yaml").write_text(
             f"business_line: {line}\ndefault_task: general\ndefaults:\n  on_violation: clamp\ntasks:\n"
-            "  general:\n    params:\n      temperature: {min: 0.0, max: 2.0, default: 0.7}\n")
+            "  general:\n    params:\n      temperature: {min: 0.0, max: 2.0, default: 0.7}\n"
+        )
     return directory
 
 
 def complete(url: str, request: Request, max_tokens: int) -> int:
     """One unstreamed completion; the tokens it generated."""
     line, prompt = request
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-            "temperature": 0.0}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0.0}
     answer = httpx.post(url + "/v1/completions", json=body, headers={"X-Business-Line": line}, timeout=600)
     answer.raise_for_status()
     return int(answer.json()["usage"]["completion_tokens"])
@@ -86,10 +86,19 @@ def interleaved(by_line: dict[str, list[Request]]) -> list[Request]:
 
 def footprint_figures(metrics: str) -> dict[str, dict[str, float]]:
     lines = [*corpus.DOMAINS, "all"]
-    figures = {line: {str(size): metric_value(metrics, "mla_watch_batch_expert_footprint", business_line=line,
-                                              batch_size=str(size)) for size in BATCH_SIZES} for line in lines}
-    figures["apart/mixed"] = {str(size): metric_value(metrics, "mla_watch_batch_footprint_ratio",
-                                                      batch_size=str(size)) for size in BATCH_SIZES}
+    figures = {
+        line: {
+            str(size): metric_value(
+                metrics, "mla_watch_batch_expert_footprint", business_line=line, batch_size=str(size)
+            )
+            for size in BATCH_SIZES
+        }
+        for line in lines
+    }
+    figures["apart/mixed"] = {
+        str(size): metric_value(metrics, "mla_watch_batch_footprint_ratio", batch_size=str(size))
+        for size in BATCH_SIZES
+    }
     return figures
 
 
@@ -111,16 +120,35 @@ def main() -> None:
         root = Path(directory)
         largest = str(max(BATCH_SIZES))
         policies = line_policies(root / "policies")
-        with running_vllm(model, routing=True, extra_args=["--max-num-seqs", largest],
-                          log_path=root / "vllm.log") as vllm:
-            with sidecar_process("--upstream", vllm, "--engine", "vllm", "--model-config", str(model),
-                                 "--alert-interval", "3600", "--history-interval", "3600", "--request-timeout", "600",
-                                 "--state-dir", str(root / "state"), "--policies", str(policies),
-                                 env=dict(os.environ)) as (sidecar, _):
+        with running_vllm(
+            model, routing=True, extra_args=["--max-num-seqs", largest], log_path=root / "vllm.log"
+        ) as vllm:
+            with sidecar_process(
+                "--upstream",
+                vllm,
+                "--engine",
+                "vllm",
+                "--model-config",
+                str(model),
+                "--alert-interval",
+                "3600",
+                "--history-interval",
+                "3600",
+                "--request-timeout",
+                "600",
+                "--state-dir",
+                str(root / "state"),
+                "--policies",
+                str(policies),
+                env=dict(os.environ),
+            ) as (sidecar, _):
                 order = interleaved(by_line)  # the footprint does not depend on how many were sent at once
                 seconds, tokens = send(sidecar, order, FOOTPRINT_CLIENTS, args.max_tokens)
-                print(f"through the sidecar: {len(order)} requests, {tokens} tokens in {seconds:.1f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"through the sidecar: {len(order)} requests, {tokens} tokens in {seconds:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 wait_counted(sidecar, len(order))
                 figures["footprint"] = footprint_figures(get_metrics(sidecar))
             runs: dict[str, list[float]] = {"grouped": [0.0, 0], "interleaved": [0.0, 0]}
@@ -132,20 +160,35 @@ def main() -> None:
                     print(f"{name}: {tokens} tokens in {seconds:.1f} s", file=sys.stderr, flush=True)
     for name, (seconds, tokens) in runs.items():
         figures[f"tokens_per_second_{name}"] = tokens / seconds
-    figures["throughput_grouped_over_interleaved"] = (figures["tokens_per_second_grouped"]
-                                                      / figures["tokens_per_second_interleaved"])
+    figures["throughput_grouped_over_interleaved"] = (
+        figures["tokens_per_second_grouped"] / figures["tokens_per_second_interleaved"]
+    )
     figures["wall_s"] = time.monotonic() - started
-    print(f"real vLLM {geometry.describe()}; {args.requests} requests per line x {len(corpus.DOMAINS)} lines, "
-          f"{args.max_tokens} decode tokens each; {figures['wall_s']:.0f} s")
+    print(
+        f"real vLLM {geometry.describe()}; {args.requests} requests per line x {len(corpus.DOMAINS)} lines, "
+        f"{args.max_tokens} decode tokens each; {figures['wall_s']:.0f} s"
+    )
     print("  mean distinct experts per MoE layer of one decode step (the sidecar's gauges):")
     print("  " + " | ".join(["B", *(str(size) for size in BATCH_SIZES)]))
     for line, values in figures["footprint"].items():
-        print("  " + " | ".join([line, *(f"{values[str(size)]:.3f}" if line == "apart/mixed"
-                                         else f"{values[str(size)]:.2f}" for size in BATCH_SIZES)]))
-    print(f"  decode throughput, {args.clients} clients, {args.rounds} rounds: grouped by line "
-          f"{figures['tokens_per_second_grouped']:.1f} tokens/s, interleaved "
-          f"{figures['tokens_per_second_interleaved']:.1f} tokens/s: grouped/interleaved "
-          f"x{figures['throughput_grouped_over_interleaved']:.3f}")
+        print(
+            "  "
+            + " | ".join(
+                [
+                    line,
+                    *(
+                        f"{values[str(size)]:.3f}" if line == "apart/mixed" else f"{values[str(size)]:.2f}"
+                        for size in BATCH_SIZES
+                    ),
+                ]
+            )
+        )
+    print(
+        f"  decode throughput, {args.clients} clients, {args.rounds} rounds: grouped by line "
+        f"{figures['tokens_per_second_grouped']:.1f} tokens/s, interleaved "
+        f"{figures['tokens_per_second_interleaved']:.1f} tokens/s: grouped/interleaved "
+        f"x{figures['throughput_grouped_over_interleaved']:.3f}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

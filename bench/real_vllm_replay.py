@@ -40,8 +40,28 @@ from harness.support import answers_counted, metric_sum
 from mla_watch.engines.geometry import load_geometry
 
 TOKEN = "bench-real-vllm-admin"
-WORDS = ["order", "parcel", "refund", "invoice", "address", "delivery", "courier", "tracking", "number", "account",
-         "password", "billing", "warehouse", "shipment", "return", "label", "customer", "agent", "ticket", "priority"]
+WORDS = [
+    "order",
+    "parcel",
+    "refund",
+    "invoice",
+    "address",
+    "delivery",
+    "courier",
+    "tracking",
+    "number",
+    "account",
+    "password",
+    "billing",
+    "warehouse",
+    "shipment",
+    "return",
+    "label",
+    "customer",
+    "agent",
+    "ticket",
+    "priority",
+]
 
 
 def prompt(index: int, tokens: int) -> str:
@@ -51,14 +71,23 @@ def prompt(index: int, tokens: int) -> str:
 
 def stream(url: str, index: int, args: argparse.Namespace) -> tuple[dict, dict, int]:
     """One streamed chat through the sidecar: the body, its mla_watch object, the tokens generated."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt(index, args.prompt_tokens)}],
-            "max_tokens": args.max_tokens, "seed": index, "stream": True,
-            "stream_options": {"include_usage": True}}
-    answer = httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Business-Line": "customer_service"},
-                        timeout=600)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt(index, args.prompt_tokens)}],
+        "max_tokens": args.max_tokens,
+        "seed": index,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    answer = httpx.post(
+        url + "/v1/chat/completions", json=body, headers={"X-Business-Line": "customer_service"}, timeout=600
+    )
     answer.raise_for_status()
-    events = [json.loads(line[6:]) for line in answer.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    events = [
+        json.loads(line[6:])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     usage = next(event["usage"] for event in reversed(events) if event.get("usage"))
     return body, events[0]["mla_watch"], usage["completion_tokens"]
 
@@ -79,8 +108,9 @@ def engine_counts(vllm: str, body: dict, extra: dict, geometry) -> np.ndarray:
         forwarded[change["param"]] = change["applied"]
     document = httpx.post(vllm + "/v1/chat/completions", json=forwarded, timeout=600).json()
     ids = np.load(io.BytesIO(base64.b64decode(document["choices"][0]["routed_experts"])))
-    return np.stack([np.bincount(ids[:, layer, :].ravel(), minlength=geometry.num_experts)
-                     for layer in geometry.moe_layers])
+    return np.stack(
+        [np.bincount(ids[:, layer, :].ravel(), minlength=geometry.num_experts) for layer in geometry.moe_layers]
+    )
 
 
 def wait_counted(url: str, answers: int, timeout: float = 600) -> None:
@@ -107,12 +137,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mla-watch-real-vllm-") as directory:
         root = Path(directory)
         with running_vllm(model, routing=True, log_path=root / "vllm.log") as vllm:
-            common = ["--upstream", vllm, "--engine", "vllm", "--model-config", str(model), "--alert-interval",
-                      "3600", "--history-interval", "3600"]
+            common = [
+                "--upstream",
+                vllm,
+                "--engine",
+                "vllm",
+                "--model-config",
+                str(model),
+                "--alert-interval",
+                "3600",
+                "--history-interval",
+                "3600",
+            ]
             env = {**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN}
-            with sidecar_process(*common, "--state-dir", str(root / "on"), env=env) as (on, _), \
-                    sidecar_process(*common, "--replay-rate", "0", "--state-dir", str(root / "off"), env=env) as (
-                        off, _):
+            with (
+                sidecar_process(*common, "--state-dir", str(root / "on"), env=env) as (on, _),
+                sidecar_process(*common, "--replay-rate", "0", "--state-dir", str(root / "off"), env=env) as (off, _),
+            ):
                 totals = {"on": [0.0, 0], "off": [0.0, 0]}
                 sent: list[tuple[dict, dict]] = []
                 first = 0
@@ -130,8 +171,12 @@ def main() -> None:
                 figures["replayed"] = metric_sum(metrics, "mla_watch_engine_stream_replays_total", outcome="replayed")
                 figures["replay_tokens"] = metric_sum(metrics, "mla_watch_engine_replay_tokens_total")
                 figures["streams"] = len(sent)
-                httpx.post(on + "/admin/baseline", params={"business_line": "customer_service"},
-                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).raise_for_status()
+                httpx.post(
+                    on + "/admin/baseline",
+                    params={"business_line": "customer_service"},
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                    timeout=60,
+                ).raise_for_status()
                 baseline = json.loads((root / "on" / "baseline.json").read_text())
                 routers = {entry["name"]: entry["counts"] for entry in baseline["routers"]}
                 counted = np.array([routers[name] for name in geometry.router_names])
@@ -142,14 +187,22 @@ def main() -> None:
     figures["agreement"] = float(np.minimum(counted, truth).sum() / truth.sum())
     figures["exact"] = bool(np.array_equal(counted, truth))
     figures["wall_s"] = time.monotonic() - started
-    print(f"real vLLM {geometry.describe()}; {args.clients} clients x {args.requests} streams x {args.rounds} rounds "
-          f"per variant; prompts ~{args.prompt_tokens} tokens, {args.max_tokens} generated; {figures['wall_s']:.0f} s")
-    print(f"  client tokens/s, replay off: {figures['tokens_per_second_off']:.1f}; replay on: "
-          f"{figures['tokens_per_second_on']:.1f}; ratio on/off x{figures['throughput_ratio_on_vs_off']:.3f}")
-    print(f"  streams replayed: {figures['replayed']:.0f} of {figures['streams']}; tokens sent in replays: "
-          f"{figures['replay_tokens']:.0f} ({figures['replay_tokens'] / max(figures['streams'], 1):.0f} per stream)")
-    print(f"  agreement of the replays' counts with the engine's own routing: {figures['agreement']:.6f} "
-          f"({'exactly equal' if figures['exact'] else 'not equal'})")
+    print(
+        f"real vLLM {geometry.describe()}; {args.clients} clients x {args.requests} streams x {args.rounds} rounds "
+        f"per variant; prompts ~{args.prompt_tokens} tokens, {args.max_tokens} generated; {figures['wall_s']:.0f} s"
+    )
+    print(
+        f"  client tokens/s, replay off: {figures['tokens_per_second_off']:.1f}; replay on: "
+        f"{figures['tokens_per_second_on']:.1f}; ratio on/off x{figures['throughput_ratio_on_vs_off']:.3f}"
+    )
+    print(
+        f"  streams replayed: {figures['replayed']:.0f} of {figures['streams']}; tokens sent in replays: "
+        f"{figures['replay_tokens']:.0f} ({figures['replay_tokens'] / max(figures['streams'], 1):.0f} per stream)"
+    )
+    print(
+        f"  agreement of the replays' counts with the engine's own routing: {figures['agreement']:.6f} "
+        f"({'exactly equal' if figures['exact'] else 'not equal'})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

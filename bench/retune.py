@@ -86,8 +86,12 @@ PROMPTS = corpus.prompts("code", 128, seed=31)  # function signatures, ~20 token
 
 def send(url: str, count: int, start: int) -> None:
     for index in range(start, start + count):
-        response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": "code_assistant"},
-                              json={"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 24, "seed": index})
+        response = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            headers={"X-Business-Line": "code_assistant"},
+            json={"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": 24, "seed": index},
+        )
         response.raise_for_status()
 
 
@@ -110,22 +114,32 @@ def alert_state(url: str) -> str | None:
 def ended(sidecar: Sidecar) -> bool:
     """One job promoted, or every job ended."""
     jobs = sidecar.retune.store.list(limit=20)
-    return bool(jobs) and (any(job["status"] == "promoted" for job in jobs)
-                           or all(job["status"] in FINAL_STATUSES for job in jobs))
+    return bool(jobs) and (
+        any(job["status"] == "promoted" for job in jobs) or all(job["status"] in FINAL_STATUSES for job in jobs)
+    )
 
 
 def run(strategy: str, held_out: list[list[int]]) -> dict:
     fault = SCENARIOS[strategy]
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-retune-"))
     (work / "rules").mkdir()
-    (work / "rules" / "routing.yaml").write_text(entropy_low_rules(group_by=False, actions=("notify", "retune"),
-                                                                   strategies=(strategy,)))
+    (work / "rules" / "routing.yaml").write_text(
+        entropy_low_rules(group_by=False, actions=("notify", "retune"), strategies=(strategy,))
+    )
     with running_receiver() as receiver:
         os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/hook"
         settings = RetuneSettings(min_samples=12, retry_seconds=5.0, strategy_options={"router_finetune": FINETUNE})
-        config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.2,
-                              window_tokens=256, capture=True, retune=settings, policy_poll_seconds=None,
-                              admin_token=None)
+        config = ServerConfig(
+            device="cpu",
+            rules=work / "rules",
+            state_dir=work / "state",
+            alert_interval=0.2,
+            window_tokens=256,
+            capture=True,
+            retune=settings,
+            policy_poll_seconds=None,
+            admin_token=None,
+        )
         sidecar = Sidecar(config)
         with serve_app(sidecar.app) as url:
             assert sidecar.wait_ready(120), sidecar.load_error
@@ -155,15 +169,21 @@ def run(strategy: str, held_out: list[list[int]]) -> dict:
             jobs = sidecar.retune.store.list(limit=20)
             job = next((j for j in jobs if j["status"] == "promoted"), jobs[0])
             gates = job["result"]["attempts"][-1].get("gates") or {"after": {"perplexity": None, "entropy_bits": {}}}
-            figures.update(outcome=job["status"], candidate_ppl=gates["after"]["perplexity"],
-                           candidate_bits=gates["after"]["entropy_bits"].get(LAYER1),
-                           alert_to_promoted_s=job["result"]["timings"].get("trigger_to_promoted_seconds"))
+            figures.update(
+                outcome=job["status"],
+                candidate_ppl=gates["after"]["perplexity"],
+                candidate_bits=gates["after"]["entropy_bits"].get(LAYER1),
+                alert_to_promoted_s=job["result"]["timings"].get("trigger_to_promoted_seconds"),
+            )
             limit = sent + 40
             while alert_state(url) == "firing" and sent < limit:
                 send(url, 1, sent)
                 sent += 1
-            figures.update(fault_to_resolved_s=time.monotonic() - fault_at if alert_state(url) != "firing" else None,
-                           bits_after=layer1_bits(url), ppl_after=ppl())
+            figures.update(
+                fault_to_resolved_s=time.monotonic() - fault_at if alert_state(url) != "firing" else None,
+                bits_after=layer1_bits(url),
+                ppl_after=ppl(),
+            )
     return figures
 
 
@@ -171,17 +191,30 @@ def deployed_broken(runs: int = 5) -> dict:
     """The deployed-broken replay with four short chat prompts in turn, ``runs`` times: how many close."""
     results = []
     for run in range(runs):
-        outcome = run_scenario(Path(tempfile.mkdtemp(prefix="mla-watch-bench-broken-")), reference=True,
-                               settings=RetuneSettings(retry_seconds=5.0), timeout=600, chat=True, seed=run)
+        outcome = run_scenario(
+            Path(tempfile.mkdtemp(prefix="mla-watch-bench-broken-")),
+            reference=True,
+            settings=RetuneSettings(retry_seconds=5.0),
+            timeout=600,
+            chat=True,
+            seed=run,
+        )
         jobs = final_jobs(outcome)
         promoted = next((job for job in jobs if job["status"] == "promoted"), None)
         gates = promoted["result"]["attempts"][-1]["gates"] if promoted else {}
-        results.append({"fired_after_s": outcome.fired_after_s, "resolved_after_s": outcome.resolved_after_s,
-                        "requests": outcome.requests, "bits_before": outcome.bits_before,
-                        "bits_after": outcome.bits_after, "jobs": [job["status"] for job in jobs],
-                        "promoted_by": promoted["result"]["strategy"] if promoted else None,
-                        "checks": {check["gate"]: check["decision"] for check in gates.get("checks", [])},
-                        "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()}})
+        results.append(
+            {
+                "fired_after_s": outcome.fired_after_s,
+                "resolved_after_s": outcome.resolved_after_s,
+                "requests": outcome.requests,
+                "bits_before": outcome.bits_before,
+                "bits_after": outcome.bits_after,
+                "jobs": [job["status"] for job in jobs],
+                "promoted_by": promoted["result"]["strategy"] if promoted else None,
+                "checks": {check["gate"]: check["decision"] for check in gates.get("checks", [])},
+                "pages": {f"{name}/{line}": statuses for (name, line), statuses in outcome.pages.items()},
+            }
+        )
     return {"runs": results, "closed": sum(1 for r in results if r["resolved_after_s"] is not None)}
 
 
@@ -200,8 +233,10 @@ def engine_vllm() -> dict:
     work = Path(tempfile.mkdtemp(prefix="mla-watch-bench-engine-"))
     figures: dict = {"router": ROUTER}
     with running_vllm(collapsed, routing=True, dev_mode=True, log_path=work / "vllm.log") as engine_url:
-        with running_receiver() as receiver, retuning_sidecar(
-                engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url:
+        with (
+            running_receiver() as receiver,
+            retuning_sidecar(engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url,
+        ):
             start = time.monotonic()
             latencies: list[float] = []  # each client request through the sidecar, reference readings going on
             paged: list[float] = []
@@ -228,29 +263,44 @@ def engine_vllm() -> dict:
             resolved = time.monotonic()
             job = next(job for job in jobs(url) if job["status"] == "promoted")
             attempt = job["result"]["attempts"][-1]
-            page = next((alert for alert in pages(receiver) if alert["labels"].get("router") == ROUTER
-                         and alert["status"] == "firing"), None)
+            page = next(
+                (
+                    alert
+                    for alert in pages(receiver)
+                    if alert["labels"].get("router") == ROUTER and alert["status"] == "firing"
+                ),
+                None,
+            )
             reference = httpx.get(url + "/v1/reference", timeout=30).json()
-            figures.update(first_request_to_alert_s=round(fired - start, 2),
-                           first_request_to_page_s=round(paged[0] - start, 2) if paged else None,
-                           page_cause=None if page is None else page["labels"].get("cause"),
-                           alert_to_promoted_s=round(promoted - fired, 2),
-                           alert_to_resolved_s=round(resolved - fired, 2) if alert_state(url) == "resolved" else None,
-                           gate_live_seconds=attempt.get("live_seconds"),
-                           job_pause_s=attempt["swap"]["paused_seconds"], requests=index,
-                           rounds_deferred=reference.get("rounds_deferred"),
-                           client_latency_p50_s=round(statistics.median(latencies), 3),
-                           client_latency_max_s=round(max(latencies), 3))
+            figures.update(
+                first_request_to_alert_s=round(fired - start, 2),
+                first_request_to_page_s=round(paged[0] - start, 2) if paged else None,
+                page_cause=None if page is None else page["labels"].get("cause"),
+                alert_to_promoted_s=round(promoted - fired, 2),
+                alert_to_resolved_s=round(resolved - fired, 2) if alert_state(url) == "resolved" else None,
+                gate_live_seconds=attempt.get("live_seconds"),
+                job_pause_s=attempt["swap"]["paused_seconds"],
+                requests=index,
+                rounds_deferred=reference.get("rounds_deferred"),
+                client_latency_p50_s=round(statistics.median(latencies), 3),
+                client_latency_max_s=round(max(latencies), 3),
+            )
         direct: list[float] = []  # the same requests straight to the engine, no sidecar and no reading beside them
         for number in range(24):
             began = time.monotonic()
-            body = {"model": "tiny", "max_tokens": 6, "seed": number,
-                    "messages": [{"role": "user", "content": f"Where is my parcel, order {4400 + number * 7}?"}]}
+            body = {
+                "model": "tiny",
+                "max_tokens": 6,
+                "seed": number,
+                "messages": [{"role": "user", "content": f"Where is my parcel, order {4400 + number * 7}?"}],
+            }
             httpx.post(engine_url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
             direct.append(time.monotonic() - began)
-        figures.update(engine_latency_p50_s=round(statistics.median(direct), 3),
-                       engine_latency_max_s=round(max(direct), 3),
-                       client_latency_p50_ratio=round(figures["client_latency_p50_s"] / statistics.median(direct), 2))
+        figures.update(
+            engine_latency_p50_s=round(statistics.median(direct), 3),
+            engine_latency_max_s=round(max(direct), 3),
+            client_latency_p50_ratio=round(figures["client_latency_p50_s"] / statistics.median(direct), 2),
+        )
         weights = VllmWeights(engine_url)
         states = [read_router_tensors(healthy), read_router_tensors(collapsed)]
         directories = []
@@ -267,8 +317,10 @@ def engine_vllm() -> dict:
             def load() -> None:
                 with httpx.Client(base_url=engine_url, timeout=120) as client:
                     while time.monotonic() < stop:
-                        answer = client.post("/v1/completions", json={"prompt": "Where is my parcel?",
-                                                                      "max_tokens": 32, "ignore_eos": True})
+                        answer = client.post(
+                            "/v1/completions",
+                            json={"prompt": "Where is my parcel?", "max_tokens": 32, "ignore_eos": True},
+                        )
                         tokens[0] += answer.json()["usage"]["completion_tokens"]
 
             workers = [threading.Thread(target=load) for _ in range(4)]
@@ -286,9 +338,14 @@ def engine_vllm() -> dict:
         steady, _ = throughput(20.0, swapping=False)
         during, pauses = throughput(20.0, swapping=True)
         weights.close()
-        figures.update(tokens_per_s_steady=round(steady, 1), tokens_per_s_swapping=round(during, 1),
-                       throughput_ratio=round(during / steady, 3), swaps=len(pauses),
-                       pause_p50_s=round(sorted(pauses)[len(pauses) // 2], 4), pause_max_s=round(max(pauses), 4))
+        figures.update(
+            tokens_per_s_steady=round(steady, 1),
+            tokens_per_s_swapping=round(during, 1),
+            throughput_ratio=round(during / steady, 3),
+            swaps=len(pauses),
+            pause_p50_s=round(sorted(pauses)[len(pauses) // 2], 4),
+            pause_max_s=round(max(pauses), 4),
+        )
     return figures
 
 
@@ -301,8 +358,10 @@ def main() -> None:
     parser.add_argument("--skip-embedded", action="store_true", help="with --engine vllm: only the engine's part")
     args = parser.parse_args()
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
-    held_out = [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
-                for text in corpus.generate("code", 32, seed=777)]
+    held_out = [
+        [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        for text in corpus.generate("code", 32, seed=777)
+    ]
     chosen = [] if args.skip_embedded else args.scenario or [*SCENARIOS, "deployed_broken"]
     rows = [run(strategy, held_out) for strategy in chosen if strategy in SCENARIOS]
     broken = deployed_broken(args.runs) if "deployed_broken" in chosen else None
@@ -312,45 +371,58 @@ def main() -> None:
         return "-" if value is None else f"{value:.1f}"
 
     if rows:
-        print(f"{'strategy':<16}{'fault':<10}{'outcome':<10}{'alert->promoted s':>18}{'fault->resolved s':>18}"
-              f"{'bits healthy/fault/after':>26}{'ppl healthy/fault/after':>25}{'ppl after/healthy':>19}"
-              f"{'gate bits/ppl':>15}")
+        print(
+            f"{'strategy':<16}{'fault':<10}{'outcome':<10}{'alert->promoted s':>18}{'fault->resolved s':>18}"
+            f"{'bits healthy/fault/after':>26}{'ppl healthy/fault/after':>25}{'ppl after/healthy':>19}"
+            f"{'gate bits/ppl':>15}"
+        )
         for row in rows:
             bits = f"{row['bits_healthy']:.2f}/{row['bits_fault']:.2f}/{row['bits_after']:.2f}"
             ppl = f"{row['ppl_healthy']:.3f}/{row['ppl_fault']:.3f}/{row['ppl_after']:.3f}"
-            print(f"{row['strategy']:<16}{row['fault']:<10}{row['outcome']:<10}{seconds(row['alert_to_promoted_s']):>18}"
-                  f"{seconds(row['fault_to_resolved_s']):>18}{bits:>26}{ppl:>25}"
-                  f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
-                  f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}")
+            print(
+                f"{row['strategy']:<16}{row['fault']:<10}{row['outcome']:<10}{seconds(row['alert_to_promoted_s']):>18}"
+                f"{seconds(row['fault_to_resolved_s']):>18}{bits:>26}{ppl:>25}"
+                f"{row['ppl_after'] / row['ppl_healthy']:>19.3f}"
+                f"{row['candidate_bits'] or 0:>9.2f}/{row['candidate_ppl'] or 0:.3f}"
+            )
     if broken is not None:
         print(f"\ndeployed_broken, four short chat prompts in turn: closed {broken['closed']} of {len(broken['runs'])}")
         for number, replay in enumerate(broken["runs"]):
-            print(f"  run {number}: first page {seconds(replay['fired_after_s'])} s, every layer-1 alert resolved "
-                  f"{seconds(replay['resolved_after_s'])} s after the first request ({replay['requests']} requests); "
-                  f"layer 1 {replay['bits_before'] or 0:.2f} -> {replay['bits_after'] or 0:.2f} bits; "
-                  f"jobs {replay['jobs']}; promoted by {replay['promoted_by']} ({replay['checks']})")
+            print(
+                f"  run {number}: first page {seconds(replay['fired_after_s'])} s, every layer-1 alert resolved "
+                f"{seconds(replay['resolved_after_s'])} s after the first request ({replay['requests']} requests); "
+                f"layer 1 {replay['bits_before'] or 0:.2f} -> {replay['bits_after'] or 0:.2f} bits; "
+                f"jobs {replay['jobs']}; promoted by {replay['promoted_by']} ({replay['checks']})"
+            )
     if engine is not None:
-        print(f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic, page (cause "
-              f"{engine['page_cause']}) after {engine['first_request_to_page_s']} s; alert -> promoted "
-              f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s "
-              f"({engine['requests']} requests, {engine['rounds_deferred']} reference rounds deferred); the candidate "
-              f"served {engine['gate_live_seconds']} s before its gate decided; the job's swap paused "
-              f"{engine['job_pause_s']} s")
-        print(f"  client latency through the sidecar, reference readings beside it: p50 "
-              f"{engine['client_latency_p50_s']} s, max {engine['client_latency_max_s']} s; the same requests "
-              f"straight to the engine afterwards: p50 {engine['engine_latency_p50_s']} s, max "
-              f"{engine['engine_latency_max_s']} s (p50 ratio {engine['client_latency_p50_ratio']})")
-        print(f"  throughput {engine['tokens_per_s_steady']} tokens/s steady, {engine['tokens_per_s_swapping']} with "
-              f"a swap every 0.5 s: ratio {engine['throughput_ratio']}; {engine['swaps']} swaps paused "
-              f"{engine['pause_p50_s']} s at p50, {engine['pause_max_s']} s at most")
+        print(
+            f"\nvllm engine: alert after {engine['first_request_to_alert_s']} s of traffic, page (cause "
+            f"{engine['page_cause']}) after {engine['first_request_to_page_s']} s; alert -> promoted "
+            f"{engine['alert_to_promoted_s']} s, -> resolved {engine['alert_to_resolved_s']} s "
+            f"({engine['requests']} requests, {engine['rounds_deferred']} reference rounds deferred); the candidate "
+            f"served {engine['gate_live_seconds']} s before its gate decided; the job's swap paused "
+            f"{engine['job_pause_s']} s"
+        )
+        print(
+            f"  client latency through the sidecar, reference readings beside it: p50 "
+            f"{engine['client_latency_p50_s']} s, max {engine['client_latency_max_s']} s; the same requests "
+            f"straight to the engine afterwards: p50 {engine['engine_latency_p50_s']} s, max "
+            f"{engine['engine_latency_max_s']} s (p50 ratio {engine['client_latency_p50_ratio']})"
+        )
+        print(
+            f"  throughput {engine['tokens_per_s_steady']} tokens/s steady, {engine['tokens_per_s_swapping']} with "
+            f"a swap every 0.5 s: ratio {engine['throughput_ratio']}; {engine['swaps']} swaps paused "
+            f"{engine['pause_p50_s']} s at p50, {engine['pause_max_s']} s at most"
+        )
     if args.json:
         scenarios = [{**row, "ppl_after_over_healthy": row["ppl_after"] / row["ppl_healthy"]} for row in rows]
         if broken is not None:
             scenarios.append({"scenario": "deployed_broken", **broken})
         if engine is not None:
             scenarios.append({"scenario": "engine_vllm", **engine})
-        Path(args.json).write_text(json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios},
-                                              indent=2) + "\n")
+        Path(args.json).write_text(
+            json.dumps({"bench": "retune", "args": vars(args), "scenarios": scenarios}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -36,16 +36,28 @@ LINES = ("customer_service", "code_assistant", "doc_summary", "default")
 
 def rules() -> RuleSet:
     every = Selector()
-    return RuleSet(rules=(
-        Rule("RoutingEntropyLow", "entropy_bits", every, below=5.0, resolve_above=5.5, for_seconds=60,
-             keep_firing_for_seconds=120, severity="critical", actions=("notify", "retune"),
-             annotations={"summary": "{router} layer {layer}: {value:.2f} bits < {threshold}"}),
-        Rule("RoutingEntropyHigh", "entropy_bits", every, above=6.5, resolve_below=6.3),
-        Rule("RoutingMaxViolation", "max_violation", every, above=0.5, resolve_below=0.3, for_seconds=30),
-        Rule("RoutingDeadExperts", "dead_slots", every, above=2, resolve_below=0),
-        Rule("RoutingDrift", "js_divergence", every, above=0.1, resolve_below=0.05, for_seconds=30),
-        Rule("RoutingNormalizedLow", "normalized_entropy", every, below=0.8, resolve_above=0.85),
-    ), receivers={})
+    return RuleSet(
+        rules=(
+            Rule(
+                "RoutingEntropyLow",
+                "entropy_bits",
+                every,
+                below=5.0,
+                resolve_above=5.5,
+                for_seconds=60,
+                keep_firing_for_seconds=120,
+                severity="critical",
+                actions=("notify", "retune"),
+                annotations={"summary": "{router} layer {layer}: {value:.2f} bits < {threshold}"},
+            ),
+            Rule("RoutingEntropyHigh", "entropy_bits", every, above=6.5, resolve_below=6.3),
+            Rule("RoutingMaxViolation", "max_violation", every, above=0.5, resolve_below=0.3, for_seconds=30),
+            Rule("RoutingDeadExperts", "dead_slots", every, above=2, resolve_below=0),
+            Rule("RoutingDrift", "js_divergence", every, above=0.1, resolve_below=0.05, for_seconds=30),
+            Rule("RoutingNormalizedLow", "normalized_entropy", every, below=0.8, resolve_above=0.85),
+        ),
+        receivers={},
+    )
 
 
 def records(step: int, scenario: str) -> list[RouterStats]:
@@ -55,8 +67,10 @@ def records(step: int, scenario: str) -> list[RouterStats]:
     phase, so that most evaluations fire and resolve hundreds of instances (a worst case)."""
     out = []
     for layer in range(60):
-        for name, kind in ((f"model.layers.{layer}.mlp.gate", "expert"),
-                           (f"model.layers.{layer}.self_attn.indexer", "indexer")):
+        for name, kind in (
+            (f"model.layers.{layer}.mlp.gate", "expert"),
+            (f"model.layers.{layer}.self_attn.indexer", "indexer"),
+        ):
             for i, line in enumerate(LINES):
                 jitter = 0.01 * (step % 3)
                 if scenario == "steady":
@@ -67,11 +81,23 @@ def records(step: int, scenario: str) -> list[RouterStats]:
                     phase = (step + layer + i) % 10  # 0-2 breached, 3-4 band, 5-9 healthy
                     entropy = 4.6 if phase < 3 else 5.2 if phase < 5 else 5.9
                     maxvio, dead, drift = 0.1 + phase / 10, 3 if phase == 0 else 0, 0.02 * phase
-                stats = RoutingStats(kind=kind, num_slots=64, top_k=6, tokens=4096, selections=6 * 4096,
-                                     entropy_bits=entropy, floor_bits=2.585, ceiling_bits=6.0,
-                                     normalized_entropy=(entropy - 2.585) / 3.415, max_violation=maxvio,
-                                     dead_slots=dead, js_divergence=drift,
-                                     locality=0.5 if kind == "indexer" else None, min_tokens=256, too_small=False)
+                stats = RoutingStats(
+                    kind=kind,
+                    num_slots=64,
+                    top_k=6,
+                    tokens=4096,
+                    selections=6 * 4096,
+                    entropy_bits=entropy,
+                    floor_bits=2.585,
+                    ceiling_bits=6.0,
+                    normalized_entropy=(entropy - 2.585) / 3.415,
+                    max_violation=maxvio,
+                    dead_slots=dead,
+                    js_divergence=drift,
+                    locality=0.5 if kind == "indexer" else None,
+                    min_tokens=256,
+                    too_small=False,
+                )
                 out.append(RouterStats(RouterInfo(name, layer, kind, 64, 6), line, stats))
     return out
 
@@ -95,13 +121,27 @@ def run(scenario: str, evaluations: int, state: bool) -> dict[str, Any]:
     ms = sorted(t * 1000 for t in times)
     median = statistics.median(ms)
     checks = len(batches[0]) * len(rules().rules)
-    print(f"[{scenario}, state file: {'yes' if state else 'no'}] {checks} instance checks per evaluation, "
-          f"{evaluations} evaluations, {actions / evaluations:.0f} actions per evaluation, {firing} firing at the end")
-    print(f"  median CPU time per evaluation: {median:.2f} ms (min {ms[0]:.2f}, p90 {ms[int(0.9 * len(ms))]:.2f}, "
-          f"max {ms[-1]:.2f}); goal < {GOAL_MS:.0f} ms: {'met' if median < GOAL_MS else 'NOT met'}")
-    return {"scenario": scenario, "state_file": state, "checks": checks, "evaluations": evaluations,
-            "actions_per_evaluation": actions / evaluations, "firing_at_end": firing, "median_ms": median,
-            "min_ms": ms[0], "p90_ms": ms[int(0.9 * len(ms))], "max_ms": ms[-1], "goal_ms": GOAL_MS}
+    print(
+        f"[{scenario}, state file: {'yes' if state else 'no'}] {checks} instance checks per evaluation, "
+        f"{evaluations} evaluations, {actions / evaluations:.0f} actions per evaluation, {firing} firing at the end"
+    )
+    print(
+        f"  median CPU time per evaluation: {median:.2f} ms (min {ms[0]:.2f}, p90 {ms[int(0.9 * len(ms))]:.2f}, "
+        f"max {ms[-1]:.2f}); goal < {GOAL_MS:.0f} ms: {'met' if median < GOAL_MS else 'NOT met'}"
+    )
+    return {
+        "scenario": scenario,
+        "state_file": state,
+        "checks": checks,
+        "evaluations": evaluations,
+        "actions_per_evaluation": actions / evaluations,
+        "firing_at_end": firing,
+        "median_ms": median,
+        "min_ms": ms[0],
+        "p90_ms": ms[int(0.9 * len(ms))],
+        "max_ms": ms[-1],
+        "goal_ms": GOAL_MS,
+    }
 
 
 def main() -> None:

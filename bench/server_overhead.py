@@ -44,13 +44,29 @@ REQUEST = {"prompt": "def parse_invoice(", "max_tokens": 1, "temperature": 0.9, 
 
 
 @contextlib.contextmanager
-def sidecar_process(*extra: str, env: dict[str, str] | None = None,
-                    ready_timeout: float = 180.0) -> Iterator[tuple[str, subprocess.Popen]]:
+def sidecar_process(
+    *extra: str, env: dict[str, str] | None = None, ready_timeout: float = 180.0
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``mla-watch serve`` on a free loopback port, ready; stopped afterwards."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "mla_watch.cli", "serve", "--host", "127.0.0.1", "--port",
-                                str(port), "--device", "cpu", *extra], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mla_watch.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_answering(url + "/readyz", process, ready_timeout, f"the sidecar on port {port}")
@@ -104,8 +120,13 @@ def main() -> None:
         mla_watch.attach(model)  # the sidecar watches its routers too
         prompt_ids = [tokenizer.bos_token_id, *tokenizer(REQUEST["prompt"], add_special_tokens=False)["input_ids"]]
         applied = enforce(policy, task, requested).applied
-        params = SamplingParams(temperature=applied["temperature"], top_p=applied["top_p"],
-                                repetition_penalty=applied["repetition_penalty"], max_tokens=1, seed=1)
+        params = SamplingParams(
+            temperature=applied["temperature"],
+            top_p=applied["top_p"],
+            repetition_penalty=applied["repetition_penalty"],
+            max_tokens=1,
+            seed=1,
+        )
         in_process, over_http, via_proxy = [], [], []
         with httpx.Client(timeout=60) as client:
             for _ in range(5):  # warm-up
@@ -122,34 +143,41 @@ def main() -> None:
                 client.post(proxy_url + "/v1/completions", json=REQUEST, headers=CODE).raise_for_status()
                 via_proxy.append(time.perf_counter() - start)
         (a50, a99), (b50, b99) = percentiles(in_process), percentiles(over_http)
-        print(f"1-token generation:      in-process p50 {ms(a50)} p99 {ms(a99)}; "
-              f"through the sidecar p50 {ms(b50)} p99 {ms(b99)}")
-        print(f"  HTTP layer + policy adds p50 {ms(b50 - a50)}, p99 {ms(b99 - a99)} "
-              f"(ratio p50 x{b50 / a50:.3f})")
+        print(
+            f"1-token generation:      in-process p50 {ms(a50)} p99 {ms(a99)}; "
+            f"through the sidecar p50 {ms(b50)} p99 {ms(b99)}"
+        )
+        print(f"  HTTP layer + policy adds p50 {ms(b50 - a50)}, p99 {ms(b99 - a99)} (ratio p50 x{b50 / a50:.3f})")
         (c50, c99) = percentiles(via_proxy)
         print(f"proxy:                   via proxy p50 {ms(c50)} p99 {ms(c99)}; direct p50 {ms(b50)} p99 {ms(b99)}")
-        print(f"  the proxy adds p50 {ms(c50 - b50)}, p99 {ms(c99 - b99)} (ratio p50 x{c50 / b50:.3f}; "
-              f"goal: +2 ms at p50)")
+        print(
+            f"  the proxy adds p50 {ms(c50 - b50)}, p99 {ms(c99 - b99)} (ratio p50 x{c50 / b50:.3f}; "
+            f"goal: +2 ms at p50)"
+        )
 
         load = {"prompt": "def parse_invoice(", "max_tokens": 16, "seed": 3}
         statuses: list[int] = []
         tokens = 0
         start = time.perf_counter()
         with httpx.Client(timeout=120) as client, concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            for response in pool.map(lambda _: client.post(url + "/v1/completions", json=load, headers=CODE),
-                                     range(args.load_requests)):
+            for response in pool.map(
+                lambda _: client.post(url + "/v1/completions", json=load, headers=CODE), range(args.load_requests)
+            ):
                 statuses.append(response.status_code)
                 if response.status_code == 200:
                     tokens += response.json()["usage"]["completion_tokens"]
         elapsed = time.perf_counter() - start
         peak = memory_kib(upstream.pid, "VmHWM") / 1024
-        print(f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
-              f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
-              f"statuses {sorted(set(statuses))}; sidecar peak RSS {peak:.0f} MiB")
+        print(
+            f"throughput:              {args.clients} clients, {args.load_requests} requests of 16 tokens: "
+            f"{len(statuses) / elapsed:.2f} requests/s, {tokens / elapsed:.1f} tokens/s, "
+            f"statuses {sorted(set(statuses))}; sidecar peak RSS {peak:.0f} MiB"
+        )
 
     if args.json:  # milliseconds throughout
         figures = {
-            "bench": "server_overhead", "args": vars(args),
+            "bench": "server_overhead",
+            "args": vars(args),
             "enforce_ms": {"p50": p50 * 1e3, "p99": p99 * 1e3},
             "in_process_ms": {"p50": a50 * 1e3, "p99": a99 * 1e3},
             "sidecar_ms": {"p50": b50 * 1e3, "p99": b99 * 1e3},
@@ -158,9 +186,14 @@ def main() -> None:
             "sidecar_ratio_p50": b50 / a50,
             "proxy_added_ms": {"p50": (c50 - b50) * 1e3, "p99": (c99 - b99) * 1e3},
             "proxy_ratio_p50": c50 / b50,
-            "throughput": {"clients": args.clients, "requests": args.load_requests,
-                           "requests_per_s": len(statuses) / elapsed, "tokens_per_s": tokens / elapsed,
-                           "statuses": sorted(set(statuses)), "sidecar_peak_rss_mib": peak},
+            "throughput": {
+                "clients": args.clients,
+                "requests": args.load_requests,
+                "requests_per_s": len(statuses) / elapsed,
+                "tokens_per_s": tokens / elapsed,
+                "statuses": sorted(set(statuses)),
+                "sidecar_peak_rss_mib": peak,
+            },
         }
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
 

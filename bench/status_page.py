@@ -42,17 +42,30 @@ LINES = ("customer_service", "code_assistant", "sql", "doc_summary")
 
 def v3_records(rng: random.Random) -> list[RouterStats]:
     routers = [(RouterInfo(f"model.layers.{i}.mlp.gate", i, "expert", 256, 8), 3.0, 8.0) for i in range(3, 61)]
-    routers += [(RouterInfo(f"model.layers.{i}.self_attn.indexer", i, "indexer", 131072, 2048), 11.0, 17.0)
-                for i in range(61)]
+    routers += [
+        (RouterInfo(f"model.layers.{i}.self_attn.indexer", i, "indexer", 131072, 2048), 11.0, 17.0) for i in range(61)
+    ]
     records = []
     for line in (*LINES, None):
         for info, floor, ceiling in routers:
             bits = rng.uniform(floor + 1, ceiling)
-            stats = RoutingStats(kind=info.kind, num_slots=2 ** int(ceiling), top_k=info.top_k, tokens=4096,
-                                 selections=4096 * info.top_k, entropy_bits=bits, floor_bits=floor,
-                                 ceiling_bits=ceiling, normalized_entropy=(bits - floor) / (ceiling - floor),
-                                 max_violation=1.0, dead_slots=0, js_divergence=None, locality=None, min_tokens=1024,
-                                 too_small=False)
+            stats = RoutingStats(
+                kind=info.kind,
+                num_slots=2 ** int(ceiling),
+                top_k=info.top_k,
+                tokens=4096,
+                selections=4096 * info.top_k,
+                entropy_bits=bits,
+                floor_bits=floor,
+                ceiling_bits=ceiling,
+                normalized_entropy=(bits - floor) / (ceiling - floor),
+                max_violation=1.0,
+                dead_slots=0,
+                js_divergence=None,
+                locality=None,
+                min_tokens=1024,
+                too_small=False,
+            )
             records.append(RouterStats(info, line, stats))
     return records
 
@@ -78,22 +91,30 @@ def history_figures() -> dict:
     history.record(batches[0])
     incremental = json.dumps(history.recent(since=last))
     with tempfile.TemporaryDirectory(prefix="mla-watch-bench-") as state:  # the hour inside the durable store
-        durable = HistoryStore(Path(state) / HISTORY_FILE, span_seconds=3600, interval_seconds=10,
-                               clock=lambda: now[0])
+        durable = HistoryStore(Path(state) / HISTORY_FILE, span_seconds=3600, interval_seconds=10, clock=lambda: now[0])
         durable.record(batches[0])
         full_tier = durable.tiers[0].nbytes()
         durable.close()
-    return {"series": len(batches[0]), "points": len(history.recent()["times"]), "memory_mib": memory / 2**20,
-            "durable_full_tier_mib": full_tier / 2**20,
-            "full_ms": statistics.median(times) * 1000, "full_bytes": len(full),
-            "incremental_bytes": len(incremental), "incremental_ratio": len(incremental) / len(full)}
+    return {
+        "series": len(batches[0]),
+        "points": len(history.recent()["times"]),
+        "memory_mib": memory / 2**20,
+        "durable_full_tier_mib": full_tier / 2**20,
+        "full_ms": statistics.median(times) * 1000,
+        "full_bytes": len(full),
+        "incremental_bytes": len(incremental),
+        "incremental_ratio": len(incremental) / len(full),
+    }
 
 
 def sample_figures() -> dict:
     from mla_watch.server.app import ServerConfig, Sidecar
 
-    sidecar = Sidecar(ServerConfig(device="cpu", rules=None, policy_poll_seconds=None, admin_token=None,
-                                   state_dir=Path(tempfile_dir())))
+    sidecar = Sidecar(
+        ServerConfig(
+            device="cpu", rules=None, policy_poll_seconds=None, admin_token=None, state_dir=Path(tempfile_dir())
+        )
+    )
     sidecar.load_model()
     from mla_watch.models import corpus
     from mla_watch.policy.sampling import SamplingParams, generate
@@ -112,8 +133,11 @@ def sample_figures() -> dict:
         times.append(time.perf_counter() - started)
     sidecar.model_worker.close()
     median = statistics.median(times)
-    return {"sample_ms": median * 1000, "core_share_at_10s": median / 10.0,
-            "series": len(sidecar.history.recent()["series"])}
+    return {
+        "sample_ms": median * 1000,
+        "core_share_at_10s": median / 10.0,
+        "series": len(sidecar.history.recent()["series"]),
+    }
 
 
 def tempfile_dir() -> str:
@@ -156,9 +180,15 @@ def serving_figures(rounds: int, requests_per_round: int) -> dict:
         poller.join(10)
         client.close()
     ratios = [p / a for p, a in zip(rates["polled"], rates["alone"], strict=True)]
-    return {"tokens_per_s_polled": statistics.median(rates["polled"]),
-            "tokens_per_s_alone": statistics.median(rates["alone"]), "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds, "polls": polls[0]}
+    return {
+        "tokens_per_s_polled": statistics.median(rates["polled"]),
+        "tokens_per_s_alone": statistics.median(rates["alone"]),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": rounds,
+        "polls": polls[0],
+    }
 
 
 def main() -> None:
@@ -171,20 +201,26 @@ def main() -> None:
         parser.error(f"--rounds {args.rounds} and --requests {args.requests}: expected integers >= 1")
 
     history = history_figures()
-    print(f"history, DeepSeek-V3.2 scale ({history['series']} series x {history['points']} points): "
-          f"{history['memory_mib']:.1f} MiB held without a durable history (with one: its full tier, "
-          f"{history['durable_full_tier_mib']:.1f} MiB, nothing more); /v1/status history "
-          f"{history['full_bytes'] / 2**20:.2f} MiB "
-          f"built in {history['full_ms']:.0f} ms; incremental reply {history['incremental_bytes'] / 1024:.1f} KiB "
-          f"= x{history['incremental_ratio']:.4f} of the full one")
+    print(
+        f"history, DeepSeek-V3.2 scale ({history['series']} series x {history['points']} points): "
+        f"{history['memory_mib']:.1f} MiB held without a durable history (with one: its full tier, "
+        f"{history['durable_full_tier_mib']:.1f} MiB, nothing more); /v1/status history "
+        f"{history['full_bytes'] / 2**20:.2f} MiB "
+        f"built in {history['full_ms']:.0f} ms; incremental reply {history['incremental_bytes'] / 1024:.1f} KiB "
+        f"= x{history['incremental_ratio']:.4f} of the full one"
+    )
     sample = sample_figures()
-    print(f"one history sample, bundled model ({sample['series']} series): {sample['sample_ms']:.2f} ms "
-          f"= {100 * sample['core_share_at_10s']:.3f}% of one core at the default 10 s interval")
+    print(
+        f"one history sample, bundled model ({sample['series']} series): {sample['sample_ms']:.2f} ms "
+        f"= {100 * sample['core_share_at_10s']:.3f}% of one core at the default 10 s interval"
+    )
     serving = serving_figures(args.rounds, args.requests)
-    print(f"decode throughput while a page polls /v1/status every 1 s / alone: x{serving['ratio_median']:.3f} median "
-          f"(spread {serving['ratio_min']:.3f}-{serving['ratio_max']:.3f}, {serving['rounds']} alternations; "
-          f"{serving['tokens_per_s_polled']:.0f} vs {serving['tokens_per_s_alone']:.0f} tokens/s, "
-          f"{serving['polls']} polls)")
+    print(
+        f"decode throughput while a page polls /v1/status every 1 s / alone: x{serving['ratio_median']:.3f} median "
+        f"(spread {serving['ratio_min']:.3f}-{serving['ratio_max']:.3f}, {serving['rounds']} alternations; "
+        f"{serving['tokens_per_s_polled']:.0f} vs {serving['tokens_per_s_alone']:.0f} tokens/s, "
+        f"{serving['polls']} polls)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"history": history, "sample": sample, "serving": serving}, indent=2))
 

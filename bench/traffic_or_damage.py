@@ -50,26 +50,44 @@ def spread(alerts: list[dict[str, Any]]) -> float | None:
 def summary(outcome: Outcome) -> dict[str, Any]:
     firing = [alert for alert in outcome.alerts if alert["state"] in ("firing", "resolved")]
     return {
-        "scenario": outcome.name, "requests": outcome.requests, "seconds": outcome.seconds,
-        "entropy_before": outcome.entropy_before, "entropy_after": outcome.entropy_after,
-        "alerts": sorted({f"{a['labels']['alertname']} {a['labels'].get('business_line')} "
-                          f"{a['labels'].get('router', '')} -> {a['labels'].get('cause')}" for a in firing}),
+        "scenario": outcome.name,
+        "requests": outcome.requests,
+        "seconds": outcome.seconds,
+        "entropy_before": outcome.entropy_before,
+        "entropy_after": outcome.entropy_after,
+        "alerts": sorted(
+            {
+                f"{a['labels']['alertname']} {a['labels'].get('business_line')} "
+                f"{a['labels'].get('router', '')} -> {a['labels'].get('cause')}"
+                for a in firing
+            }
+        ),
         "causes": sorted({a["labels"].get("cause", "") for a in firing}),
         "oncall_pages": len([a for a in outcome.oncall if a["status"] == "firing"]),
         "oncall_causes": sorted({a["labels"].get("cause", "") for a in outcome.oncall}),
         "owners_warnings": len([a for a in outcome.owners if a["status"] == "firing"]),
         "oncall_notifications": len(outcome.oncall_notifications),
         # per line: the alerts of each notification the line owners received
-        "owners_by_line": {line: [len(body["alerts"]) for body in outcome.owner_notifications
-                                  if body["groupLabels"].get("business_line") == line]
-                           for line in sorted({body["groupLabels"].get("business_line", "")
-                                               for body in outcome.owner_notifications})},
+        "owners_by_line": {
+            line: [
+                len(body["alerts"])
+                for body in outcome.owner_notifications
+                if body["groupLabels"].get("business_line") == line
+            ]
+            for line in sorted({body["groupLabels"].get("business_line", "") for body in outcome.owner_notifications})
+        },
         # how far apart the line's alerts fired: what a group's wait has to collect
         "code_assistant_spread_s": spread([a for a in firing if a["labels"].get("business_line") == "code_assistant"]),
         "jobs": [(job["status"], (job.get("result") or {}).get("strategy")) for job in outcome.jobs],
         "versions": outcome.versions,
-        "clients": next((a["cause"]["details"].get("clients") for a in firing if a.get("cause")
-                         and a["cause"]["details"].get("clients")), None),
+        "clients": next(
+            (
+                a["cause"]["details"].get("clients")
+                for a in firing
+                if a.get("cause") and a["cause"]["details"].get("clients")
+            ),
+            None,
+        ),
         "code_assistant_clients": ((outcome.reference or {}).get("clients") or {}).get("code_assistant"),
     }
 
@@ -77,13 +95,18 @@ def summary(outcome: Outcome) -> dict[str, Any]:
 def show(figures: dict[str, Any]) -> None:
     print(f"\n== {figures['scenario']}: {figures['requests']} requests, {figures['seconds']} s")
     print(f"   code_assistant entropy: {figures['entropy_before']} -> {figures['entropy_after']}")
-    print(f"   causes of the alerts: {figures['causes']}; on-call pages: {figures['oncall_pages']} "
-          f"{figures['oncall_causes']} in {figures['oncall_notifications']} notification(s); line owners' "
-          f"warnings: {figures['owners_warnings']}")
-    by_line = "; ".join(f"{line}: {len(sizes)} notification(s) of {sizes} alerts"
-                        for line, sizes in figures["owners_by_line"].items())
-    print(f"   line owners' notifications by line: {by_line or 'none'}; code_assistant's alerts fired within "
-          f"{figures['code_assistant_spread_s']} s")
+    print(
+        f"   causes of the alerts: {figures['causes']}; on-call pages: {figures['oncall_pages']} "
+        f"{figures['oncall_causes']} in {figures['oncall_notifications']} notification(s); line owners' "
+        f"warnings: {figures['owners_warnings']}"
+    )
+    by_line = "; ".join(
+        f"{line}: {len(sizes)} notification(s) of {sizes} alerts" for line, sizes in figures["owners_by_line"].items()
+    )
+    print(
+        f"   line owners' notifications by line: {by_line or 'none'}; code_assistant's alerts fired within "
+        f"{figures['code_assistant_spread_s']} s"
+    )
     for alert in figures["alerts"]:
         print(f"     {alert}")
     print(f"   re-tune jobs: {figures['jobs']}; router versions on disk: {figures['versions']}")
@@ -133,12 +156,16 @@ def engine_cost(url: str, geometry: Any, seconds: float, rounds: int) -> dict[st
     median_round = sorted(alone)[len(alone) // 2]
     capacity = set_tokens / median_round  # prompt tokens/s the engine scores while reading them alone
     schedule = set_tokens / 300.0
-    return {"clients_tokens_per_second_without": round(without, 2),
-            "clients_tokens_per_second_with_one_round_read": round(with_, 2), "ratio": round(with_ / without, 3),
-            "tokens_per_round_of_every_set": set_tokens, "seconds_per_round_alone": round(median_round, 1),
-            "engine_prompt_tokens_per_second_reading_alone": round(capacity, 1),
-            "default_schedule_prompt_tokens_per_second": round(schedule, 1),
-            "default_schedule_share_of_reading_capacity": round(schedule / capacity, 4)}
+    return {
+        "clients_tokens_per_second_without": round(without, 2),
+        "clients_tokens_per_second_with_one_round_read": round(with_, 2),
+        "ratio": round(with_ / without, 3),
+        "tokens_per_round_of_every_set": set_tokens,
+        "seconds_per_round_alone": round(median_round, 1),
+        "engine_prompt_tokens_per_second_reading_alone": round(capacity, 1),
+        "default_schedule_prompt_tokens_per_second": round(schedule, 1),
+        "default_schedule_share_of_reading_capacity": round(schedule / capacity, 4),
+    }
 
 
 def main() -> None:
@@ -161,8 +188,11 @@ def main() -> None:
         promoted = [job for job in damaged.jobs if job["status"] == "promoted"]
         if promoted:
             attempt = next(a for a in promoted[0]["result"]["attempts"] if a.get("outcome") == "promoted")
-            gates = {check["gate"] + (f" {check['router']}" if check.get("router") else ""): check["decision"]
-                     for check in attempt["gates"]["checks"] if check["gate"].startswith("reference")}
+            gates = {
+                check["gate"] + (f" {check['router']}" if check.get("router") else ""): check["decision"]
+                for check in attempt["gates"]["checks"]
+                if check["gate"].startswith("reference")
+            }
             print(f"   promoted: {attempt['strategy']} (version {attempt['version']}); reference gates: {gates}")
             print(f"   trigger to promoted: {promoted[0]['result']['timings'].get('trigger_to_promoted_seconds')} s")
     if args.engine == "vllm":
@@ -170,8 +200,10 @@ def main() -> None:
         from mla_watch.engines.geometry import load_geometry
 
         checkpoint = build_checkpoint(cache_root() / "checkpoints", "qwen3_moe")
-        with tempfile.TemporaryDirectory() as work, running_vllm(checkpoint, routing=True,
-                                                                 log_path=Path(work) / "vllm.log") as url:
+        with (
+            tempfile.TemporaryDirectory() as work,
+            running_vllm(checkpoint, routing=True, log_path=Path(work) / "vllm.log") as url,
+        ):
             for index, flood in enumerate(() if args.skip_floods else FLOODS):
                 outcome = engine_flood_scenario(url, checkpoint, Path(work) / f"flood-{index}", flood)
                 figures["vllm"].append(summary(outcome))

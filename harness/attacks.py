@@ -58,8 +58,16 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         """A version for the test suite: every attack, fewer repetitions."""
-        return cls(routing_gets=1500, rounds=2, line_requests=2, bucket_requests=4, sources=20, series_routers=128,
-                   series_lines=8, rest_seconds=2.0)
+        return cls(
+            routing_gets=1500,
+            rounds=2,
+            line_requests=2,
+            bucket_requests=4,
+            sources=20,
+            series_routers=128,
+            series_lines=8,
+            rest_seconds=2.0,
+        )
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,13 @@ class Latency:
         if not seconds:
             return cls(failures=failures)
         ordered = sorted(seconds)
-        return cls(len(ordered), statistics.median(ordered) * 1e3,
-                   ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3, ordered[-1] * 1e3, failures)
+        return cls(
+            len(ordered),
+            statistics.median(ordered) * 1e3,
+            ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1e3,
+            ordered[-1] * 1e3,
+            failures,
+        )
 
 
 class HealthPoller:
@@ -134,8 +147,11 @@ class HealthPoller:
     def within(self, spans: list[tuple[float, float]]) -> Latency:
         """The polls sent during any of ``spans`` (``time.monotonic()`` values)."""
         with self._lock:
-            chosen = [(seconds, ok) for sent, seconds, ok in self._samples
-                      if any(start <= sent <= end for start, end in spans)]
+            chosen = [
+                (seconds, ok)
+                for sent, seconds, ok in self._samples
+                if any(start <= sent <= end for start, end in spans)
+            ]
         return Latency.of([seconds for seconds, ok in chosen if ok], sum(1 for _, ok in chosen if not ok))
 
 
@@ -175,27 +191,55 @@ class Replay:
         attacks = []
         for report in self.attacks:
             p50, p99 = self.added_ms(report)
-            attacks.append({**asdict(report), "statuses": {str(k): v for k, v in sorted(report.statuses.items())},
-                            "ok": report.ok, "healthz_added_ms": {"p50": p50, "p99": p99}})
+            attacks.append(
+                {
+                    **asdict(report),
+                    "statuses": {str(k): v for k, v in sorted(report.statuses.items())},
+                    "ok": report.ok,
+                    "healthz_added_ms": {"p50": p50, "p99": p99},
+                }
+            )
         return {"rest_ms": asdict(self.rest), "attacks": attacks, "final": self.final}
 
 
 def render(replay: Replay) -> str:
     """The per-attack table, then every problem and finding."""
     rest = replay.rest
-    lines = [f"/healthz at rest: p50 {rest.p50_ms:.1f} ms, p99 {rest.p99_ms:.1f} ms, max {rest.max_ms:.1f} ms "
-             f"({rest.samples} polls)"]
-    header = ("#", "attack", "requests", "statuses", "expected", "healthz p50/p99 ms", "added p50/p99 ms",
-              f"p99 within {HEALTHZ_GOAL_MS:g} ms", "max ms", "polls")
+    lines = [
+        f"/healthz at rest: p50 {rest.p50_ms:.1f} ms, p99 {rest.p99_ms:.1f} ms, max {rest.max_ms:.1f} ms "
+        f"({rest.samples} polls)"
+    ]
+    header = (
+        "#",
+        "attack",
+        "requests",
+        "statuses",
+        "expected",
+        "healthz p50/p99 ms",
+        "added p50/p99 ms",
+        f"p99 within {HEALTHZ_GOAL_MS:g} ms",
+        "max ms",
+        "polls",
+    )
     rows = [header]
     for report in replay.attacks:
         p50, p99 = replay.added_ms(report)
         statuses = ", ".join(f"{status or 'no answer'} x{count}" for status, count in sorted(report.statuses.items()))
-        rows.append((report.number, report.name, str(report.requests), statuses, report.expected,
-                     f"{report.healthz.p50_ms:.1f} / {report.healthz.p99_ms:.1f}", f"{p50:+.1f} / {p99:+.1f}",
-                     "yes" if p99 <= HEALTHZ_GOAL_MS else "NO", f"{report.healthz.max_ms:.0f}",
-                     str(report.healthz.samples) + (f" ({report.healthz.failures} failed)"
-                                                    if report.healthz.failures else "")))
+        rows.append(
+            (
+                report.number,
+                report.name,
+                str(report.requests),
+                statuses,
+                report.expected,
+                f"{report.healthz.p50_ms:.1f} / {report.healthz.p99_ms:.1f}",
+                f"{p50:+.1f} / {p99:+.1f}",
+                "yes" if p99 <= HEALTHZ_GOAL_MS else "NO",
+                f"{report.healthz.max_ms:.0f}",
+                str(report.healthz.samples)
+                + (f" ({report.healthz.failures} failed)" if report.healthz.failures else ""),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for index, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
@@ -205,11 +249,12 @@ def render(replay: Replay) -> str:
         lines += [f"  [{report.number} {report.name}] {text}" for text in report.notes]
     for report in replay.attacks:
         lines += [f"  FINDING [{report.number} {report.name}]: {text}" for text in report.findings]
-        lines += [f"  PROBLEM [{report.number} {report.name}]: {text}" + (f" (x{count})" if count > 1 else "")
-                  for text, count in Counter(report.problems).items()]
+        lines += [
+            f"  PROBLEM [{report.number} {report.name}]: {text}" + (f" (x{count})" if count > 1 else "")
+            for text, count in Counter(report.problems).items()
+        ]
         if report.healthz.failures:
-            lines.append(f"  PROBLEM [{report.number} {report.name}]: /healthz failed {report.healthz.failures} "
-                         "times")
+            lines.append(f"  PROBLEM [{report.number} {report.name}]: /healthz failed {report.healthz.failures} times")
     lines.append("after the attacks: " + ", ".join(f"{key} {value}" for key, value in replay.final.items()))
     return "\n".join(lines)
 
@@ -219,8 +264,11 @@ def render(replay: Replay) -> str:
 
 def snapshot(source: str = "attacker", line: str = "probe-line") -> dict[str, Any]:
     """A valid ingestion body: one 8-slot top-2 router, one delta."""
-    return {"source": source, "routers": [{"name": "gate", "layer": 1, "kind": "expert", "num_slots": 8, "top_k": 2}],
-            "deltas": [{"router": "gate", "business_line": line, "slots": [0, 1], "counts": [3, 1], "tokens": 2}]}
+    return {
+        "source": source,
+        "routers": [{"name": "gate", "layer": 1, "kind": "expert", "num_slots": 8, "top_k": 2}],
+        "deltas": [{"router": "gate", "business_line": line, "slots": [0, 1], "counts": [3, 1], "tokens": 2}],
+    }
 
 
 def changed(path: tuple[str | int, ...], value: Any, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -236,8 +284,9 @@ def changed(path: tuple[str | int, ...], value: Any, body: dict[str, Any] | None
 def refused_part_way() -> dict[str, Any]:
     """A valid first delta, then an invalid one: nothing of it may be applied."""
     body = snapshot(line="partial-line")
-    body["deltas"].append({"router": "gate", "business_line": "partial-line-2", "slots": [0], "counts": [2**64],
-                           "tokens": 1})
+    body["deltas"].append(
+        {"router": "gate", "business_line": "partial-line-2", "slots": [0], "counts": [2**64], "tokens": 1}
+    )
     return body
 
 
@@ -246,8 +295,12 @@ MALFORMED: list[tuple[str, Callable[[], dict[str, Any] | bytes], int, str | None
     ("num_slots 10**12", lambda: changed(("routers", 0, "num_slots"), 10**12), 400, "routers[0].num_slots"),
     ("num_slots 2**64", lambda: changed(("routers", 0, "num_slots"), 2**64), 400, "routers[0].num_slots"),
     ("top_k 10**9", lambda: changed(("routers", 0, "top_k"), 10**9), 400, "routers[0].top_k"),
-    ("count 2**63 - 1 (wraps int64 when summed)", lambda: changed(("deltas", 0, "counts"), [2**63 - 1, 1]), 400,
-     "deltas[0].counts"),
+    (
+        "count 2**63 - 1 (wraps int64 when summed)",
+        lambda: changed(("deltas", 0, "counts"), [2**63 - 1, 1]),
+        400,
+        "deltas[0].counts",
+    ),
     ("count 2**64", lambda: changed(("deltas", 0, "counts"), [2**64, 1]), 400, "deltas[0].counts"),
     ("negative count", lambda: changed(("deltas", 0, "counts"), [-1, 1]), 400, "deltas[0].counts"),
     ("float count", lambda: changed(("deltas", 0, "counts"), [1.5, 1]), 400, "deltas[0].counts"),
@@ -256,21 +309,31 @@ MALFORMED: list[tuple[str, Callable[[], dict[str, Any] | bytes], int, str | None
     ("counts over tokens x top_k", lambda: changed(("deltas", 0, "counts"), [4, 1]), 400, "deltas[0].counts"),
     ("tokens 2**64", lambda: changed(("deltas", 0, "tokens"), 2**64), 400, "deltas[0].tokens"),
     ("float tokens", lambda: changed(("deltas", 0, "tokens"), 2.0), 400, "deltas[0].tokens"),
-    ("slots and counts of different lengths", lambda: changed(("deltas", 0, "counts"), [1]), 400,
-     "deltas[0].counts"),
+    ("slots and counts of different lengths", lambda: changed(("deltas", 0, "counts"), [1]), 400, "deltas[0].counts"),
     ("a slot listed twice", lambda: changed(("deltas", 0, "slots"), [0, 0]), 400, "deltas[0].slots"),
     ("a slot past num_slots", lambda: changed(("deltas", 0, "slots"), [0, 8]), 400, "deltas[0].slots"),
     ("unknown top-level field", lambda: {**snapshot(), "priority": 1}, 400, "priority"),
     ("unknown delta field", lambda: changed(("deltas", 0, "weight"), 1), 400, "deltas[0].weight"),
-    ("business line with a newline", lambda: changed(("deltas", 0, "business_line"), "line\n"), 400,
-     "deltas[0].business_line"),
+    (
+        "business line with a newline",
+        lambda: changed(("deltas", 0, "business_line"), "line\n"),
+        400,
+        "deltas[0].business_line",
+    ),
     ("source with a separator", lambda: changed(("source",), "../etc"), 400, "source"),
-    ("router named with the source separator", lambda: changed(("routers", 0, "name"), "w/gate",
-                                                               changed(("deltas", 0, "router"), "w/gate")), 400,
-     "routers[0].name"),
+    (
+        "router named with the source separator",
+        lambda: changed(("routers", 0, "name"), "w/gate", changed(("deltas", 0, "router"), "w/gate")),
+        400,
+        "routers[0].name",
+    ),
     ("refused part-way", refused_part_way, 400, "deltas[1].counts"),
-    ("body over 1 MB", lambda: json.dumps({**snapshot(), "source": "x" * (MAX_BODY_BYTES + 200_000)}).encode(), 413,
-     None),
+    (
+        "body over 1 MB",
+        lambda: json.dumps({**snapshot(), "source": "x" * (MAX_BODY_BYTES + 200_000)}).encode(),
+        413,
+        None,
+    ),
 ]
 
 
@@ -283,9 +346,16 @@ def wide_window_bodies(count: int, seed: int = 11) -> list[bytes]:
     router = {"name": "wide", "layer": 1, "kind": "expert", "num_slots": WIDE_SLOTS, "top_k": 4096}
     bodies = []
     for _ in range(count):
-        deltas = [{"router": "wide", "business_line": f"bucket-{line}",
-                   "slots": sorted(rng.choice(WIDE_SLOTS, 4096, replace=False).tolist()), "counts": [1] * 4096,
-                   "tokens": 1} for line in range(16)]
+        deltas = [
+            {
+                "router": "wide",
+                "business_line": f"bucket-{line}",
+                "slots": sorted(rng.choice(WIDE_SLOTS, 4096, replace=False).tolist()),
+                "counts": [1] * 4096,
+                "tokens": 1,
+            }
+            for line in range(16)
+        ]
         bodies.append(json.dumps({"source": "bucket-attacker", "routers": [router], "deltas": deltas}).encode())
     return bodies
 
@@ -330,22 +400,33 @@ class Attacker:
         finally:
             self._window = [start, time.monotonic()]
 
-    def expect(self, response: httpx.Response, statuses: set[int], what: str, *, param: str | None = None,
-               code: str | None = None) -> None:
+    def expect(
+        self,
+        response: httpx.Response,
+        statuses: set[int],
+        what: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         """Count the answer; a wrong status, or a 4xx without the OpenAI error body naming ``param``, is a problem."""
         report = self.report
         assert report is not None
         report.requests += 1
         report.statuses[response.status_code] += 1
         if response.status_code not in statuses:
-            report.problems.append(f"{what}: {response.status_code} (expected {sorted(statuses)}): "
-                                   f"{response.text[:160]}")
+            report.problems.append(
+                f"{what}: {response.status_code} (expected {sorted(statuses)}): {response.text[:160]}"
+            )
             return
         if 400 <= response.status_code < 500:
             try:
                 error = response.json()["error"]
-                shaped = (set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str)
-                          and error["message"].strip() != "")
+                shaped = (
+                    set(error) == {"message", "type", "param", "code"}
+                    and isinstance(error["message"], str)
+                    and error["message"].strip() != ""
+                )
             except (ValueError, KeyError, TypeError):
                 shaped = False
             if not shaped:
@@ -385,8 +466,9 @@ class Attacker:
             before = memory_kib(self.target.pid)
             with self.sending():
                 for name in names[50:]:
-                    self.expect(self.routing(name), {404}, f"business_line={name}", param="business_line",
-                                code="not_found")
+                    self.expect(
+                        self.routing(name), {404}, f"business_line={name}", param="business_line", code="not_found"
+                    )
             growth = (memory_kib(self.target.pid) - before) * 1024 / self.plan.routing_gets
             report.notes.append(f"sidecar RSS growth {growth:+.0f} B/request over {self.plan.routing_gets} requests")
             report.figures["rss_growth_bytes_per_request"] = round(growth, 1)
@@ -414,8 +496,9 @@ class Attacker:
             content = json.dumps(body).encode()
             with self.sending():
                 for _ in self.repeats(self.plan.line_requests):
-                    self.expect(self.ingest(content), {429}, "many lines", param="deltas.business_line",
-                                code="too_many_lines")
+                    self.expect(
+                        self.ingest(content), {429}, "many lines", param="deltas.business_line", code="too_many_lines"
+                    )
             metrics = self.http.get("/metrics")
             report.notes.append(f"/metrics afterwards: {metrics.status_code}, {len(metrics.content):,} bytes")
             if metrics.status_code != 200 or b"flood-" in metrics.content:
@@ -435,24 +518,31 @@ class Attacker:
             bucket_mib = 16 * WIDE_SLOTS * 16 * REMOTE_MAX_BUCKETS / 2**20
             report.notes.append(
                 f"sidecar RSS growth {growth_mib:+.1f} MiB over {requests} requests of {len(bodies[0]) / 1e3:.0f} kB "
-                f"({growth_mib * 1024 / requests:+.0f} KiB/request); the windows' counts are {dense_mib:.0f} MiB")
+                f"({growth_mib * 1024 / requests:+.0f} KiB/request); the windows' counts are {dense_mib:.0f} MiB"
+            )
             report.figures["rss_growth_kib_per_request"] = round(growth_mib * 1024 / requests, 1)
             if growth_mib > dense_mib + bucket_mib + 16:
                 report.findings.append(
                     f"RSS grew {growth_mib:.0f} MiB, past the {dense_mib + bucket_mib:.0f} MiB the window-slot cap "
-                    "and the bucket cap allow these windows")
+                    "and the bucket cap allow these windows"
+                )
 
     def many_sources(self) -> None:
         limit = self.target.limits.max_sources
         with self.attack("2", f"{self.plan.sources} sources, one request each", "200 up to the cap, then 429"):
-            bodies = [json.dumps(snapshot(source=f"src-{i:04d}", line="default")).encode()
-                      for i in range(self.plan.sources)]
+            bodies = [
+                json.dumps(snapshot(source=f"src-{i:04d}", line="default")).encode() for i in range(self.plan.sources)
+            ]
             with self.sending():
                 for body in bodies:
                     response = self.ingest(body)
-                    self.expect(response, {200, 429}, "many sources",
-                                param="source" if response.status_code == 429 else None,
-                                code="too_many_sources" if response.status_code == 429 else None)
+                    self.expect(
+                        response,
+                        {200, 429},
+                        "many sources",
+                        param="source" if response.status_code == 429 else None,
+                        code="too_many_sources" if response.status_code == 429 else None,
+                    )
             accepted = self.report.statuses[200] if self.report else 0
             if accepted > limit:
                 self.problem(f"{accepted} new sources accepted; --ingest-max-sources is {limit}")
@@ -464,10 +554,19 @@ class Attacker:
         remote = f"worker-1/{LOCAL_ROUTER}"
         with self.attack("4", "remote router named like a local one", "200, watched as <source>/<router>"):
             local_before = {r["name"]: r["tokens"] for r in self.routing().json()["routers"]}
-            body = {"source": "worker-1",
-                    "routers": [{"name": LOCAL_ROUTER, "layer": 2, "kind": "expert", "num_slots": 64, "top_k": 6}],
-                    "deltas": [{"router": LOCAL_ROUTER, "business_line": "namesake-line", "slots": list(range(6)),
-                                "counts": [1000] * 6, "tokens": 1000}]}  # collapsed: always the same 6 experts
+            body = {
+                "source": "worker-1",
+                "routers": [{"name": LOCAL_ROUTER, "layer": 2, "kind": "expert", "num_slots": 64, "top_k": 6}],
+                "deltas": [
+                    {
+                        "router": LOCAL_ROUTER,
+                        "business_line": "namesake-line",
+                        "slots": list(range(6)),
+                        "counts": [1000] * 6,
+                        "tokens": 1000,
+                    }
+                ],
+            }  # collapsed: always the same 6 experts
             with self.sending():
                 for _ in self.repeats():
                     self.expect(self.ingest(body), {200}, "namesake")
@@ -478,13 +577,17 @@ class Attacker:
                 self.problem(f"the shipped counts reached the local {LOCAL_ROUTER}")
             local_after = {r["name"]: r["tokens"] for r in self.routing().json()["routers"]}
             if local_after.get(LOCAL_ROUTER) != local_before.get(LOCAL_ROUTER):
-                self.problem(f"the local {LOCAL_ROUTER} changed: {local_before.get(LOCAL_ROUTER)} -> "
-                             f"{local_after.get(LOCAL_ROUTER)} tokens")
+                self.problem(
+                    f"the local {LOCAL_ROUTER} changed: {local_before.get(LOCAL_ROUTER)} -> "
+                    f"{local_after.get(LOCAL_ROUTER)} tokens"
+                )
 
     # -- 5
     def outside_datasets(self) -> None:
-        with self.attack("5", "re-tune dataset outside the dataset directory", "400, the same for any path"), \
-                tempfile.TemporaryDirectory(prefix="att") as directory:
+        with (
+            self.attack("5", "re-tune dataset outside the dataset directory", "400, the same for any path"),
+            tempfile.TemporaryDirectory(prefix="att") as directory,
+        ):
             marker = f"SECRET-{secrets.token_hex(8)}"
             existing = Path(directory) / "data.jsonl"
             existing.write_text(json.dumps({"text": marker}) + "\n")
@@ -493,11 +596,15 @@ class Attacker:
             with self.sending():
                 for _ in self.repeats():
                     for path in (existing, missing, Path(directory) / ".." / existing.parent.name / "data.jsonl"):
-                        response = self.http.post("/admin/retune", headers=self.admin_auth, json={
-                            "routers": [RETUNABLE_ROUTER], "strategy": "bias", "dataset": str(path)})
+                        response = self.http.post(
+                            "/admin/retune",
+                            headers=self.admin_auth,
+                            json={"routers": [RETUNABLE_ROUTER], "strategy": "bias", "dataset": str(path)},
+                        )
                         self.expect(response, {400}, f"dataset={path}", param="dataset")
                         answers[path] = response.text.replace(json.dumps(str(path))[1:-1], "<path>").replace(
-                            str(path), "<path>")
+                            str(path), "<path>"
+                        )
             if len(set(answers.values())) != 1:
                 self.problem(f"the answers differ by path (an existence oracle): {sorted(set(answers.values()))}")
             for where in ("/v1/retune/jobs", "/v1/status"):
@@ -515,28 +622,48 @@ class Attacker:
             headers = {"Content-Type": "application/json"}
             with self.sending():
                 for _ in self.repeats():
-                    self.expect(self.http.post("/v1/completions", content=completion, headers=headers), {400},
-                                "prompt", param="prompt", code="prompt_too_long")
-                    self.expect(self.http.post("/v1/chat/completions", content=chat, headers=headers), {400},
-                                "one huge message", param="messages", code="prompt_too_long")
+                    self.expect(
+                        self.http.post("/v1/completions", content=completion, headers=headers),
+                        {400},
+                        "prompt",
+                        param="prompt",
+                        code="prompt_too_long",
+                    )
+                    self.expect(
+                        self.http.post("/v1/chat/completions", content=chat, headers=headers),
+                        {400},
+                        "one huge message",
+                        param="messages",
+                        code="prompt_too_long",
+                    )
 
     def many_messages(self) -> None:
         with self.attack("7", "28k chat messages", "400 naming messages"):
             body = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 28_000, "max_tokens": 4}).encode()
             with self.sending():
                 for _ in self.repeats():
-                    self.expect(self.http.post("/v1/chat/completions", content=body,
-                                               headers={"Content-Type": "application/json"}),
-                                {400}, "28k messages", param="messages")
+                    self.expect(
+                        self.http.post(
+                            "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+                        ),
+                        {400},
+                        "28k messages",
+                        param="messages",
+                    )
 
     def many_series(self) -> None:
         routers, lines = self.plan.series_routers, self.plan.series_lines
         with self.attack("7", f"/metrics with {routers} routers x {lines + 1} lines", "200") as report:
-            body = {"source": "series-attacker",
-                    "routers": [{"name": f"r{i}", "layer": i, "kind": "expert", "num_slots": 1, "top_k": 1}
-                                for i in range(routers)],
-                    "deltas": [{"router": "r0", "business_line": f"series-{line}", "slots": [0], "counts": [1],
-                                "tokens": 1} for line in range(lines)]}
+            body = {
+                "source": "series-attacker",
+                "routers": [
+                    {"name": f"r{i}", "layer": i, "kind": "expert", "num_slots": 1, "top_k": 1} for i in range(routers)
+                ],
+                "deltas": [
+                    {"router": "r0", "business_line": f"series-{line}", "slots": [0], "counts": [1], "tokens": 1}
+                    for line in range(lines)
+                ],
+            }
             durations, responses = [], []
             with self.sending():
                 self.expect(self.ingest(body), {200}, "series ingestion")
@@ -548,9 +675,11 @@ class Attacker:
                 self.expect(response, {200}, "/metrics")
             sizes = [len(response.content) for response in responses]
             series = sum(1 for line in responses[-1].text.splitlines() if line and not line.startswith("#"))
-            report.notes.append(f"/metrics: {series:,} series, {max(sizes) / 1e6:.1f} MB, built in "
-                                          f"{statistics.median(durations):.2f} s (median of {len(durations)}) from a "
-                                          f"{len(json.dumps(body)) / 1e3:.0f} kB request")
+            report.notes.append(
+                f"/metrics: {series:,} series, {max(sizes) / 1e6:.1f} MB, built in "
+                f"{statistics.median(durations):.2f} s (median of {len(durations)}) from a "
+                f"{len(json.dumps(body)) / 1e3:.0f} kB request"
+            )
             report.figures["metrics_series"] = series
             report.figures["metrics_bytes"] = max(sizes)
             report.figures["metrics_seconds"] = round(statistics.median(durations), 3)
@@ -558,7 +687,8 @@ class Attacker:
             if records > self.target.limits.max_records:
                 report.findings.append(
                     f"one request made /metrics export {records:,} router records ({series:,} series), over "
-                    f"--ingest-max-records {self.target.limits.max_records}")
+                    f"--ingest-max-records {self.target.limits.max_records}"
+                )
 
     # -- 8
     def deep_json(self) -> None:
@@ -566,11 +696,14 @@ class Attacker:
             body = b"[" * 50_000 + b"]" * 50_000
             with self.sending():
                 for _ in self.repeats():
-                    for path, headers in (("/v1/completions", {"Content-Type": "application/json"}),
-                                          ("/v1/routing/ingest", self.ingest_auth),
-                                          ("/admin/retune", self.admin_auth)):
-                        self.expect(self.http.post(path, content=body, headers=headers), {400}, path,
-                                    code="invalid_json")
+                    for path, headers in (
+                        ("/v1/completions", {"Content-Type": "application/json"}),
+                        ("/v1/routing/ingest", self.ingest_auth),
+                        ("/admin/retune", self.admin_auth),
+                    ):
+                        self.expect(
+                            self.http.post(path, content=body, headers=headers), {400}, path, code="invalid_json"
+                        )
 
     def admin_values(self) -> None:
         with self.attack("8", "admin values that used to end in 500", "400 naming the field"):
@@ -579,33 +712,44 @@ class Attacker:
                 ("/admin/retune/promote", {"version": 10**300}, "version"),
                 ("/admin/retune", {**retune, "dataset": "a" * 300 + ".jsonl"}, "dataset"),
                 ("/admin/retune", {**retune, "business_line": "code_assistant\n"}, "business_line"),
-                ("/admin/retune", {**retune, "options": {"no_such_strategy": {"steps": 1}}},
-                 "options.no_such_strategy"),
+                (
+                    "/admin/retune",
+                    {**retune, "options": {"no_such_strategy": {"steps": 1}}},
+                    "options.no_such_strategy",
+                ),
                 ("/admin/retune", {**retune, "strategy": "no_such_strategy"}, "strategy"),
             ]
             with self.sending():
                 for _ in self.repeats():
                     for path, body, param in cases:
-                        self.expect(self.http.post(path, json=body, headers=self.admin_auth), {400},
-                                    f"{path} {param}", param=param)
+                        self.expect(
+                            self.http.post(path, json=body, headers=self.admin_auth),
+                            {400},
+                            f"{path} {param}",
+                            param=param,
+                        )
 
     def trickling_bodies(self) -> None:
         timeout = self.target.body_timeout
-        endpoints = [("/v1/completions", ""),
-                     ("/v1/routing/ingest", f"Authorization: Bearer {self.target.ingest_token}"),
-                     ("/admin/retune", f"Authorization: Bearer {self.target.admin_token}")]
+        endpoints = [
+            ("/v1/completions", ""),
+            ("/v1/routing/ingest", f"Authorization: Bearer {self.target.ingest_token}"),
+            ("/admin/retune", f"Authorization: Bearer {self.target.admin_token}"),
+        ]
         with self.attack("8", "request bodies trickling in", f"408 after --body-timeout {timeout:g} s") as report:
             results: list[tuple[str, int | None, float]] = []
             lock = threading.Lock()
 
             def connection(path: str, header: str) -> None:
-                status, seconds = trickle(self.target.url, path, header, interval=timeout / 8,
-                                          give_up=timeout + 10)
+                status, seconds = trickle(self.target.url, path, header, interval=timeout / 8, give_up=timeout + 10)
                 with lock:
                     results.append((path, status, seconds))
 
-            threads = [threading.Thread(target=connection, args=endpoint, daemon=True)
-                       for endpoint in endpoints for _ in range(self.plan.rounds)]
+            threads = [
+                threading.Thread(target=connection, args=endpoint, daemon=True)
+                for endpoint in endpoints
+                for _ in range(self.plan.rounds)
+            ]
             with self.sending():
                 for thread in threads:
                     thread.start()
@@ -621,15 +765,21 @@ class Attacker:
             for path, status, seconds in results:
                 if status == 408:
                     by_path.setdefault(path, []).append(seconds)
-            report.notes.append("408 after " + ", ".join(f"{max(values):.2f} s on {path}"
-                                                         for path, values in sorted(by_path.items())))
+            report.notes.append(
+                "408 after " + ", ".join(f"{max(values):.2f} s on {path}" for path, values in sorted(by_path.items()))
+            )
 
 
 def trickle(url: str, path: str, header: str, *, interval: float, give_up: float) -> tuple[int | None, float]:
     """POST a body one byte per ``interval`` over a raw socket; the status answered (None: none) and when."""
     parts = urlsplit(url)
-    lines = [f"POST {path} HTTP/1.1", f"Host: {parts.netloc}", "Content-Type: application/json",
-             "Content-Length: 100000", *([header] if header else [])]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {parts.netloc}",
+        "Content-Type: application/json",
+        "Content-Length: 100000",
+        *([header] if header else []),
+    ]
     started = time.monotonic()
     received = b""
     with socket.create_connection((parts.hostname, parts.port), timeout=give_up) as sock:
@@ -661,25 +811,42 @@ def replay(target: Target, plan: Plan, *, progress: Callable[[str], None] = lamb
         time.sleep(plan.rest_seconds)
         rest = poller.between(start, time.monotonic())
         reports = []
-        steps = [attacker.unknown_lines, attacker.malformed_ingestion, attacker.many_lines, attacker.namesake_router,
-                 attacker.outside_datasets, attacker.huge_prompt, attacker.many_messages, attacker.deep_json,
-                 attacker.admin_values, attacker.trickling_bodies, attacker.wide_windows, attacker.many_series,
-                 attacker.many_sources]  # many_sources last: it fills every source place
+        steps = [
+            attacker.unknown_lines,
+            attacker.malformed_ingestion,
+            attacker.many_lines,
+            attacker.namesake_router,
+            attacker.outside_datasets,
+            attacker.huge_prompt,
+            attacker.many_messages,
+            attacker.deep_json,
+            attacker.admin_values,
+            attacker.trickling_bodies,
+            attacker.wide_windows,
+            attacker.many_series,
+            attacker.many_sources,
+        ]  # many_sources last: it fills every source place
         for step in steps:
             step()
             report = attacker.report
             assert report is not None
             added_p99 = report.healthz.p99_ms - rest.p99_ms
             if added_p99 > HEALTHZ_GOAL_MS:
-                report.findings.append(f"/healthz p99 {report.healthz.p99_ms:.0f} ms, {added_p99:+.0f} ms over rest "
-                                       f"(goal: within {HEALTHZ_GOAL_MS:g} ms)")
+                report.findings.append(
+                    f"/healthz p99 {report.healthz.p99_ms:.0f} ms, {added_p99:+.0f} ms over rest "
+                    f"(goal: within {HEALTHZ_GOAL_MS:g} ms)"
+                )
             reports.append(report)
-            progress(f"attack {report.number} {report.name}: {dict(sorted(report.statuses.items()))} in "
-                     f"{report.seconds:.1f} s")
-        final = {"/healthz": attacker.http.get("/healthz").status_code,
-                 "/readyz": attacker.http.get("/readyz").status_code,
-                 "/metrics": attacker.http.get("/metrics").status_code,
-                 "/v1/routing": attacker.routing().status_code,
-                 "sidecar RSS": f"{memory_kib(target.pid) / 1024:.0f} MiB"}
+            progress(
+                f"attack {report.number} {report.name}: {dict(sorted(report.statuses.items()))} in "
+                f"{report.seconds:.1f} s"
+            )
+        final = {
+            "/healthz": attacker.http.get("/healthz").status_code,
+            "/readyz": attacker.http.get("/readyz").status_code,
+            "/metrics": attacker.http.get("/metrics").status_code,
+            "/v1/routing": attacker.routing().status_code,
+            "sidecar RSS": f"{memory_kib(target.pid) / 1024:.0f} MiB",
+        }
         attacker.http.close()
     return Replay(rest, reports, final)

@@ -33,8 +33,12 @@ LAYER1 = "model.layers.1.mlp.gate"
 BUNDLED = Path(mla_watch.__file__).parent / "models" / "bundled"
 SHIPPED_RULES = Path(mla_watch.__file__).parent / "shipped" / "rules" / "routing.yaml"
 # (business line, task) of the shipped policies -> the corpus domain its prompts come from
-TRAFFIC = {("customer_service", "chat"): "customer_service", ("code_assistant", "code"): "code",
-           ("code_assistant", "sql"): "sql", ("doc_summary", "summarize"): "doc_summary"}
+TRAFFIC = {
+    ("customer_service", "chat"): "customer_service",
+    ("code_assistant", "code"): "code",
+    ("code_assistant", "sql"): "sql",
+    ("doc_summary", "summarize"): "doc_summary",
+}
 
 
 def sidecar_paging(config: ServerConfig, oncall_url: str) -> Sidecar:
@@ -63,9 +67,12 @@ def collapsed_checkpoint(directory: Path) -> Path:
 
 
 # Chat traffic as a deployment sees it at first: four short prompts in turn, each repeated again and again.
-CHAT_PROMPTS = [("customer_service", "chat", "Where is my parcel?"), ("code_assistant", "code", "def add(a, b):"),
-                ("code_assistant", "sql", "SELECT * FROM t WHERE"),
-                ("doc_summary", "summarize", "Summarize: sales rose.")]
+CHAT_PROMPTS = [
+    ("customer_service", "chat", "Where is my parcel?"),
+    ("code_assistant", "code", "def add(a, b):"),
+    ("code_assistant", "sql", "SELECT * FROM t WHERE"),
+    ("doc_summary", "summarize", "Summarize: sales rose."),
+]
 
 
 def prompts(per_kind: int = 6) -> list[tuple[str, str, str]]:
@@ -101,8 +108,11 @@ class Outcome:
 
 
 def _layer1_alerts(url: str) -> list[dict[str, Any]]:
-    return [alert for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
-            if alert["labels"]["router"] == LAYER1 and alert["labels"].get("business_line") != "all"]
+    return [
+        alert
+        for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
+        if alert["labels"]["router"] == LAYER1 and alert["labels"].get("business_line") != "all"
+    ]
 
 
 def _layer1_bits(url: str) -> float | None:
@@ -110,8 +120,16 @@ def _layer1_bits(url: str) -> float | None:
     return next((r["entropy_bits"] for r in records if r["name"] == LAYER1), None)
 
 
-def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeout: float = 900.0,
-                 max_tokens: int = 16, chat: bool = False, seed: int = 0) -> Outcome:
+def run_scenario(
+    work: Path,
+    *,
+    reference: bool,
+    settings: RetuneSettings,
+    timeout: float = 900.0,
+    max_tokens: int = 16,
+    chat: bool = False,
+    seed: int = 0,
+) -> Outcome:
     """Serve the collapsed checkpoint (``reference``: with ``--reference-model`` the bundled one) until
     every layer-1 alert has fired and resolved, or ``timeout`` seconds; what happened.
 
@@ -121,10 +139,19 @@ def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeo
     rules = scenario_rules(work / "rules")
     outcome = Outcome()
     with running_receiver() as receiver:
-        config = ServerConfig(model=str(checkpoint), device="cpu", rules=rules, state_dir=work / "state",
-                              alert_interval=0.5, window_tokens=512, capture=True, retune=settings,
-                              reference_model=BUNDLED if reference else None, policy_poll_seconds=None,
-                              admin_token=None)
+        config = ServerConfig(
+            model=str(checkpoint),
+            device="cpu",
+            rules=rules,
+            state_dir=work / "state",
+            alert_interval=0.5,
+            window_tokens=512,
+            capture=True,
+            retune=settings,
+            reference_model=BUNDLED if reference else None,
+            policy_poll_seconds=None,
+            admin_token=None,
+        )
         sidecar = sidecar_paging(config, receiver.url + "/hook")
         with serve_app(sidecar.app) as url:
             assert sidecar.wait_ready(180), sidecar.load_error
@@ -140,8 +167,9 @@ def run_scenario(work: Path, *, reference: bool, settings: RetuneSettings, timeo
                         body["messages"] = [{"role": "user", "content": prompt}]
                     else:
                         body["prompt"] = prompt
-                    client.post("/v1/chat/completions" if chat else "/v1/completions", headers=headers,
-                                json=body).raise_for_status()
+                    client.post(
+                        "/v1/chat/completions" if chat else "/v1/completions", headers=headers, json=body
+                    ).raise_for_status()
                     outcome.requests += 1
                     if outcome.requests % 8:
                         continue

@@ -11,12 +11,26 @@ import numpy as np
 from mla_watch.engines.formats import encode_vllm, every_layer
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 
-__all__ = ["DEEPSEEK_V3", "GENERATED", "PROMPT_IDS", "ROUTED_TOKENS", "answers", "engine_app", "routing_ids",
-           "stream_events"]
+__all__ = [
+    "DEEPSEEK_V3",
+    "GENERATED",
+    "PROMPT_IDS",
+    "ROUTED_TOKENS",
+    "answers",
+    "engine_app",
+    "routing_ids",
+    "stream_events",
+]
 
 # DeepSeek-V3's config.json, the keys that place its routers: layers 3..60 are MoE.
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-               "n_routed_experts": 256, "num_experts_per_tok": 8}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+}
 ROUTED_TOKENS = 2000  # routing rows in every answer of the vLLM engine
 GENERATED = 16  # tokens in every answer (and chunks in every stream)
 PROMPT_IDS = ROUTED_TOKENS - GENERATED + 1  # the vLLM engine's prompt: prompt + generated - 1 routing rows
@@ -36,25 +50,50 @@ def routing_ids(rng: np.random.Generator, tokens: int, geometry: EngineGeometry)
 def answers(routed: bool) -> dict[str, Any]:
     """The canned answers of one fake engine: built once, served as they are."""
     text = " tok" * GENERATED
-    usage = {"prompt_tokens": PROMPT_IDS if routed else 8, "completion_tokens": GENERATED,
-             "total_tokens": (PROMPT_IDS if routed else 8) + GENERATED}
-    completion = {"id": "cmpl-bench", "object": "text_completion", "created": 1700000000, "model": "bench",
-                  "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                               "stop_reason": None}], "usage": usage}
-    chat = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": "bench",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": "length", "stop_reason": None}], "usage": usage}
+    usage = {
+        "prompt_tokens": PROMPT_IDS if routed else 8,
+        "completion_tokens": GENERATED,
+        "total_tokens": (PROMPT_IDS if routed else 8) + GENERATED,
+    }
+    completion = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "bench",
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+        "usage": usage,
+    }
+    chat = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "bench",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "usage": usage,
+    }
     canned: dict[str, Any] = {}
     if routed:
         geometry = parse_geometry(DEEPSEEK_V3)
         rows = routing_ids(np.random.default_rng(0), ROUTED_TOKENS, geometry)
-        field_value = encode_vllm(every_layer(rows, list(geometry.moe_layers), geometry.num_hidden_layers),
-                                  geometry.num_experts)
+        field_value = encode_vllm(
+            every_layer(rows, list(geometry.moe_layers), geometry.num_hidden_layers), geometry.num_experts
+        )
         completion["choices"][0]["routed_experts"] = field_value
         chat["choices"][0]["routed_experts"] = field_value
         # A stream's replay: its prompt ids plus the generated ones but the last, one token generated.
-        replay = {**completion, "choices": [{**completion["choices"][0], "text": " tok"}],
-                  "usage": {"prompt_tokens": ROUTED_TOKENS, "completion_tokens": 1, "total_tokens": ROUTED_TOKENS + 1}}
+        replay = {
+            **completion,
+            "choices": [{**completion["choices"][0], "text": " tok"}],
+            "usage": {"prompt_tokens": ROUTED_TOKENS, "completion_tokens": 1, "total_tokens": ROUTED_TOKENS + 1},
+        }
         canned["replay"] = json.dumps(replay).encode()
     canned["completion"] = json.dumps(completion).encode()
     canned["chat"] = json.dumps(chat).encode()
@@ -63,19 +102,32 @@ def answers(routed: bool) -> dict[str, Any]:
 
 def stream_events(routed: bool, token_ids: bool) -> list[bytes]:
     """A streamed chat as vLLM sends it: the role, one chunk per token, the last one finishing, ``[DONE]``."""
+
     def event(chunk: dict[str, Any]) -> bytes:
-        document = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000,
-                    "model": "bench", **chunk}
+        document = {
+            "id": "chatcmpl-bench",
+            "object": "chat.completion.chunk",
+            "created": 1700000000,
+            "model": "bench",
+            **chunk,
+        }
         return b"data: " + json.dumps(document, separators=(",", ":")).encode() + b"\n\n"
 
-    first: dict[str, Any] = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}
+    first: dict[str, Any] = {
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        ]
+    }
     if routed and token_ids:
         first["prompt_token_ids"] = [(7 * i) % 50000 + 100 for i in range(PROMPT_IDS)]
     events = [event(first)]
     for step in range(GENERATED):
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": " tok"}, "logprobs": None,
-                                  "finish_reason": "length" if step == GENERATED - 1 else None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": " tok"},
+            "logprobs": None,
+            "finish_reason": "length" if step == GENERATED - 1 else None,
+        }
         if routed and token_ids:
             choice["token_ids"] = [1000 + step]
         events.append(event({"choices": [choice]}))
@@ -106,14 +158,25 @@ def engine_app(kind: str) -> Any:
     async def chat(request: Request) -> Response:
         asked = await request.json()
         if asked.get("stream"):
-            return StreamingResponse(relay(streams[asked.get("return_token_ids") is True]),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                relay(streams[asked.get("return_token_ids") is True]), media_type="text/event-stream"
+            )
         return Response(canned["chat"], media_type="application/json")
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "bench", "object": "model", "created": 1700000000,
-                                                         "owned_by": "vllm" if routed else "bench"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": "bench", "object": "model", "created": 1700000000, "owned_by": "vllm" if routed else "bench"}
+                ],
+            }
+        )
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                             Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/models", models, methods=["GET"])])
+    return Starlette(
+        routes=[
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )

@@ -42,8 +42,17 @@ from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES
 
-__all__ = ["FAULTS", "Fault", "Page", "Replay", "Watched", "fault_replay", "healthy_samples", "healthy_trusted",
-           "watched"]
+__all__ = [
+    "FAULTS",
+    "Fault",
+    "Page",
+    "Replay",
+    "Watched",
+    "fault_replay",
+    "healthy_samples",
+    "healthy_trusted",
+    "watched",
+]
 
 WINDOW_TOKENS = 4096
 MAX_TOKENS = 256  # per request
@@ -83,11 +92,19 @@ class Replay:
     peaks: dict[str, float] = field(default_factory=dict)  # closest approach to each baseline rule
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "tokens": self.tokens, "requests": self.requests,
-                "seconds": round(self.seconds, 2), "pages": len(self.pages), "baselines": self.baselines,
-                "peaks": {key: round(value, 4) for key, value in self.peaks.items()},
-                "paged": [{"alertname": p.alertname, "router": p.router, "business_line": p.business_line,
-                           "tokens": p.tokens} for p in self.pages]}
+        return {
+            "name": self.name,
+            "tokens": self.tokens,
+            "requests": self.requests,
+            "seconds": round(self.seconds, 2),
+            "pages": len(self.pages),
+            "baselines": self.baselines,
+            "peaks": {key: round(value, 4) for key, value in self.peaks.items()},
+            "paged": [
+                {"alertname": p.alertname, "router": p.router, "business_line": p.business_line, "tokens": p.tokens}
+                for p in self.pages
+            ],
+        }
 
 
 _HEALTH: dict[int, str | None] = {}
@@ -106,21 +123,35 @@ def healthy_trusted(model: torch.nn.Module, tokenizer: Any, rules: Any) -> str |
 class Watched:
     """The bundled model watched as ``serve`` watches it; :meth:`send` replays samples through it."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, state: Path, receiver: Any,
-                 learn_tokens: int = DEFAULT_LEARN_TOKENS) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        state: Path,
+        receiver: Any,
+        learn_tokens: int = DEFAULT_LEARN_TOKENS,
+    ) -> None:
         self.model, self.tokenizer, self.receiver = model, tokenizer, receiver
         rules = load_rules_dir(SHIPPED_RULES)
-        self.rules = replace(rules, rules=tuple(replace(rule, for_seconds=0.0, keep_firing_for_seconds=0.0)
-                                                for rule in rules.rules),
-                             receivers={name: replace(receiver, group_wait_seconds=0.0, group_interval_seconds=0.0)
-                                        for name, receiver in rules.receivers.items()})
+        self.rules = replace(
+            rules,
+            rules=tuple(replace(rule, for_seconds=0.0, keep_firing_for_seconds=0.0) for rule in rules.rules),
+            receivers={
+                name: replace(receiver, group_wait_seconds=0.0, group_interval_seconds=0.0)
+                for name, receiver in rules.receivers.items()
+            },
+        )
         self.probe = mla_watch.attach(model, window_tokens=WINDOW_TOKENS)
         self.baselines = Baselines(learn_tokens=learn_tokens)
         self.baselines.trust(healthy_trusted(model, tokenizer, rules))
         self.probe.windows.baselines = self.baselines
         references = load_reference_dir(SHIPPED_REFERENCES)
-        self.prober = ReadAtOnce(lambda: references, ModelReader(model, tokenizer, threading.Lock()),
-                                 ReferenceBaselines(), trusted=lambda reading: self.baselines.not_learning)
+        self.prober = ReadAtOnce(
+            lambda: references,
+            ModelReader(model, tokenizer, threading.Lock()),
+            ReferenceBaselines(),
+            trusted=lambda reading: self.baselines.not_learning,
+        )
         self.prober.read_now()  # at start, as serve does: each set's healthy baseline
         self.service = AlertService(self.rules, state, records=self._records, causes=self.prober)
         self.tokens = 0
@@ -142,12 +173,17 @@ class Watched:
                 peaks["js_divergence"] = max(peaks.get("js_divergence", 0.0), stats.js_divergence)
             ratio = stats.max_violation / max(healthy["max_violation"], 1e-9)
             peaks["max_violation_ratio"] = max(peaks.get("max_violation_ratio", 0.0), ratio)
-            peaks["dead_slots_above_healthy"] = max(peaks.get("dead_slots_above_healthy", 0),
-                                                    stats.dead_slots - int(healthy["dead_slots"]))
+            peaks["dead_slots_above_healthy"] = max(
+                peaks.get("dead_slots_above_healthy", 0), stats.dead_slots - int(healthy["dead_slots"])
+            )
         return records
 
-    def send(self, samples: Sequence[tuple[str, str]], stop_when: Callable[[list[Page]], bool] | None = None,
-             max_tokens: int = MAX_TOKENS) -> bool:
+    def send(
+        self,
+        samples: Sequence[tuple[str, str]],
+        stop_when: Callable[[list[Page]], bool] | None = None,
+        max_tokens: int = MAX_TOKENS,
+    ) -> bool:
         """Replay ``samples`` (business line, text), judging after each; True once ``stop_when`` held."""
         for line, text in samples:
             ids = [self.tokenizer.bos_token_id, *self.tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -167,13 +203,20 @@ class Watched:
     def pages(self) -> list[Page]:
         """Every firing alert the receiver got so far, with the tokens replayed when it arrived."""
         requests = list(self.receiver.requests)
-        for request in requests[self._seen:]:
+        for request in requests[self._seen :]:
             for alert in request.json().get("alerts", []):
                 if alert["status"] == "firing":
                     labels = alert["labels"]
-                    self._pages.append(Page(labels["alertname"], labels.get("router", ""),
-                                            labels.get("business_line", ""), self.tokens,
-                                            alert["annotations"].get("summary", ""), labels.get("cause", "")))
+                    self._pages.append(
+                        Page(
+                            labels["alertname"],
+                            labels.get("router", ""),
+                            labels.get("business_line", ""),
+                            self.tokens,
+                            alert["annotations"].get("summary", ""),
+                            labels.get("cause", ""),
+                        )
+                    )
         self._seen = len(requests)
         return list(self._pages)
 
@@ -219,8 +262,15 @@ def healthy_replay(model: torch.nn.Module, tokenizer: Any, kind: str, tokens: in
     started = time.perf_counter()
     with watched(model, tokenizer) as replay:
         replay.send(healthy_samples(kind, tokens))
-        result = Replay(kind, replay.tokens, replay.requests, time.perf_counter() - started, replay.pages(),
-                        len(replay.baselines), dict(replay.peaks))
+        result = Replay(
+            kind,
+            replay.tokens,
+            replay.requests,
+            time.perf_counter() - started,
+            replay.pages(),
+            len(replay.baselines),
+            dict(replay.peaks),
+        )
     return result
 
 
@@ -245,12 +295,33 @@ class Fault:
 # The windows hold 4096 tokens per line, so a fault must displace a good part of them before a window reads
 # it; with four lines in turn that is four times as many tokens replayed.
 FAULTS: tuple[Fault, ...] = (
-    Fault("collapse", "model.layers.2.mlp.gate", "RoutingEntropyLow", (0, 1, 2, 3, 4, 5), 10.0, 8000,
-          "six experts win every token: entropy falls to log2 6 = 2.585 bits"),
-    Fault("hotspot", "model.layers.3.mlp.gate", "ExpertHotspot", (7,), 10.0, 16000,
-          "one expert takes every token; entropy stays above 5.0 bits, so only MaxVio sees it"),
-    Fault("dead experts", "model.layers.1.mlp.gate", "DeadExperts", tuple(range(8, 16)), -10.0, 24000,
-          "eight experts get no token; entropy stays near 5.8 bits"),
+    Fault(
+        "collapse",
+        "model.layers.2.mlp.gate",
+        "RoutingEntropyLow",
+        (0, 1, 2, 3, 4, 5),
+        10.0,
+        8000,
+        "six experts win every token: entropy falls to log2 6 = 2.585 bits",
+    ),
+    Fault(
+        "hotspot",
+        "model.layers.3.mlp.gate",
+        "ExpertHotspot",
+        (7,),
+        10.0,
+        16000,
+        "one expert takes every token; entropy stays above 5.0 bits, so only MaxVio sees it",
+    ),
+    Fault(
+        "dead experts",
+        "model.layers.1.mlp.gate",
+        "DeadExperts",
+        tuple(range(8, 16)),
+        -10.0,
+        24000,
+        "eight experts get no token; entropy stays near 5.8 bits",
+    ),
 )
 
 
@@ -266,22 +337,37 @@ def fault_replay(model: torch.nn.Module, tokenizer: Any, fault: Fault, limit_tok
             learned = len(replay.baselines)
             onset = replay.tokens
             fault.inject(model)
-            wanted = lambda pages: any(p.alertname == fault.alertname and p.router == fault.router  # noqa: E731
-                                       for p in pages)
+
+            def wanted(pages: Any, fault: Any = fault) -> bool:
+                return any(p.alertname == fault.alertname and p.router == fault.router for p in pages)
+
             faulty = healthy_samples("mixed", limit_tokens, seed=902)
             paged = replay.send(faulty, stop_when=wanted)
-            first = next((p for p in replay.pages() if p.alertname == fault.alertname
-                          and p.router == fault.router), None)
-            lowest = min(record["entropy_bits"] for line in [None, *replay.probe.windows.business_lines]
-                         for record in replay.probe.stats(line) if record["name"] == fault.router)
-            return {"fault": fault.name, "router": fault.router, "alertname": fault.alertname, "note": fault.note,
-                    "paged": paged, "tokens_after_onset": None if first is None else first.tokens - onset,
-                    "within_tokens": fault.within_tokens, "false_pages_before_onset": len(before),
-                    "baselines_at_onset": learned, "summary": None if first is None else first.summary,
-                    "cause": None if first is None else first.cause,
-                    "entropy_bits_then": round(lowest, 3),  # the lowest of its lines when it paged
-                    "other_pages": sorted({p.alertname for p in replay.pages() if p.router == fault.router}),
-                    "seconds": round(time.perf_counter() - started, 1)}
+            first = next(
+                (p for p in replay.pages() if p.alertname == fault.alertname and p.router == fault.router), None
+            )
+            lowest = min(
+                record["entropy_bits"]
+                for line in [None, *replay.probe.windows.business_lines]
+                for record in replay.probe.stats(line)
+                if record["name"] == fault.router
+            )
+            return {
+                "fault": fault.name,
+                "router": fault.router,
+                "alertname": fault.alertname,
+                "note": fault.note,
+                "paged": paged,
+                "tokens_after_onset": None if first is None else first.tokens - onset,
+                "within_tokens": fault.within_tokens,
+                "false_pages_before_onset": len(before),
+                "baselines_at_onset": learned,
+                "summary": None if first is None else first.summary,
+                "cause": None if first is None else first.cause,
+                "entropy_bits_then": round(lowest, 3),  # the lowest of its lines when it paged
+                "other_pages": sorted({p.alertname for p in replay.pages() if p.router == fault.router}),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
     finally:
         with torch.no_grad():
             gate.e_score_correction_bias.copy_(saved)

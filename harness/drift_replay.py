@@ -72,9 +72,19 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, experts: int = 4,
-           noise: float = 0.01, step_minutes: float = 20.0, batch: tuple[int, int] = (16, 16),
-           window_tokens: int = 1024, seed: int = 0, rules: RuleSet | None = None) -> Replay:
+def replay(
+    model: torch.nn.Module,
+    *,
+    hours: float,
+    drift_per_hour: float,
+    experts: int = 4,
+    noise: float = 0.01,
+    step_minutes: float = 20.0,
+    batch: tuple[int, int] = (16, 16),
+    window_tokens: int = 1024,
+    seed: int = 0,
+    rules: RuleSet | None = None,
+) -> Replay:
     """Replay ``hours`` of simulated traffic of one business line; the model's biases are restored after."""
     gate = dict(model.named_modules())[DRIFTING_ROUTER]
     trained = gate.e_score_correction_bias.detach().clone()
@@ -83,8 +93,12 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
     clock = FakeClock(START)
     out = Replay(hours=hours, steps=int(hours * 60 / step_minutes))
     state = tempfile.TemporaryDirectory(prefix="mla-watch-drift-")
-    history = HistoryStore(Path(state.name) / HISTORY_FILE, interval_seconds=step_minutes * 60.0,
-                           span_seconds=max(3600.0, step_minutes * 60.0), clock=clock)
+    history = HistoryStore(
+        Path(state.name) / HISTORY_FILE,
+        interval_seconds=step_minutes * 60.0,
+        span_seconds=max(3600.0, step_minutes * 60.0),
+        clock=clock,
+    )
     engine = AlertEngine(rules if rules is not None else shipped_rules(), clock=clock, trend_source=history)
     probe = mla_watch.attach(model, window_tokens=window_tokens)
     hour_set = -1
@@ -106,10 +120,20 @@ def replay(model: torch.nn.Module, *, hours: float, drift_per_hour: float, exper
                 for action in engine.evaluate(records):
                     if action.kind == "notify" and action.alert.status == "firing":
                         labels = action.alert.labels
-                        out.firings.append(Firing(labels["alertname"], labels["router"], labels["business_line"],
-                                                  elapsed, action.alert.annotations.get("summary", "")))
-                out.entropy.extend((elapsed, float(r.stats.entropy_bits)) for r in records
-                                   if r.router.name == DRIFTING_ROUTER and r.business_line == LINE)
+                        out.firings.append(
+                            Firing(
+                                labels["alertname"],
+                                labels["router"],
+                                labels["business_line"],
+                                elapsed,
+                                action.alert.annotations.get("summary", ""),
+                            )
+                        )
+                out.entropy.extend(
+                    (elapsed, float(r.stats.entropy_bits))
+                    for r in records
+                    if r.router.name == DRIFTING_ROUTER and r.business_line == LINE
+                )
     finally:
         gate.e_score_correction_bias.copy_(trained)
         probe.detach()

@@ -43,31 +43,53 @@ class Replica:
 
 
 def layer1_alerts(url: str) -> list[dict[str, Any]]:
-    return [alert for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
-            if alert["labels"].get("router") == LAYER1 and alert["labels"].get("business_line") != "all"]
+    return [
+        alert
+        for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
+        if alert["labels"].get("router") == LAYER1 and alert["labels"].get("business_line") != "all"
+    ]
 
 
 def serving(url: str) -> tuple[str, str] | None:
     """``(version, digest)`` of the replica's ``router_version_info``."""
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith(ROUTER_VERSION_INFO + "{"):
-            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.index("}")].split(","))
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
             return labels["version"].strip('"'), labels["digest"].strip('"')
     return None
 
 
 @contextlib.contextmanager
-def fleet_replica(name: str, work: Path, fleet_url: str, *, checkpoint: Path, rules: Path, oncall_url: str,
-                  retune: RetuneSettings | None = None, reference_interval: float = 30.0,
-                  poll_seconds: float = POLL_SECONDS, lease_seconds: float = LEASE_SECONDS,
-                  **overrides: Any) -> Iterator[Replica]:
+def fleet_replica(
+    name: str,
+    work: Path,
+    fleet_url: str,
+    *,
+    checkpoint: Path,
+    rules: Path,
+    oncall_url: str,
+    retune: RetuneSettings | None = None,
+    reference_interval: float = 30.0,
+    poll_seconds: float = POLL_SECONDS,
+    lease_seconds: float = LEASE_SECONDS,
+    **overrides: Any,
+) -> Iterator[Replica]:
     """One ready replica of the fleet at ``fleet_url`` (its own state directory under ``work``)."""
-    config = ServerConfig(model=str(checkpoint), device="cpu", rules=rules, state_dir=work / name, alert_interval=0.5,
-                          window_tokens=512, capture=True, retune=retune or RetuneSettings(retry_seconds=5.0),
-                          reference_model=BUNDLED, policy_poll_seconds=None, admin_token="fleet-admin-token-0123456789",
-                          fleet=FleetSettings(url=fleet_url, name=name, poll_seconds=poll_seconds,
-                                              lease_seconds=lease_seconds),
-                          **{"reference": _reference_settings(reference_interval), **overrides})
+    config = ServerConfig(
+        model=str(checkpoint),
+        device="cpu",
+        rules=rules,
+        state_dir=work / name,
+        alert_interval=0.5,
+        window_tokens=512,
+        capture=True,
+        retune=retune or RetuneSettings(retry_seconds=5.0),
+        reference_model=BUNDLED,
+        policy_poll_seconds=None,
+        admin_token="fleet-admin-token-0123456789",
+        fleet=FleetSettings(url=fleet_url, name=name, poll_seconds=poll_seconds, lease_seconds=lease_seconds),
+        **{"reference": _reference_settings(reference_interval), **overrides},
+    )
     sidecar = sidecar_paging(config, oncall_url)
     with serve_app(sidecar.app) as url:
         assert sidecar.wait_ready(180), sidecar.load_error
@@ -85,8 +107,15 @@ def broken_fleet_parts(work: Path) -> tuple[Path, Path]:
     return collapsed_checkpoint(work / "deployed"), scenario_rules(work / "rules")
 
 
-def drive(replicas: Sequence[Replica], until: Callable[[], bool], *, timeout: float, check_every: int = 4,
-          max_tokens: int = 16, prompts: Sequence[tuple[str, str, str]] = CHAT_PROMPTS) -> bool:
+def drive(
+    replicas: Sequence[Replica],
+    until: Callable[[], bool],
+    *,
+    timeout: float,
+    check_every: int = 4,
+    max_tokens: int = 16,
+    prompts: Sequence[tuple[str, str, str]] = CHAT_PROMPTS,
+) -> bool:
     """Chat traffic (``(business line, task, prompt)`` in turn) to every replica until ``until()`` (checked every
     ``check_every`` rounds) or ``timeout`` seconds; whether it held."""
     deadline = time.monotonic() + timeout
@@ -96,11 +125,15 @@ def drive(replicas: Sequence[Replica], until: Callable[[], bool], *, timeout: fl
             if time.monotonic() > deadline:
                 return until()
             for replica in replicas:
-                body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                        "seed": replica.requests}
+                body = {
+                    "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": max_tokens,
+                    "seed": replica.requests,
+                }
                 try:
-                    answer = clients[replica.name].post("/v1/chat/completions", json=body,
-                                                        headers={"X-Business-Line": line, "X-Task": task})
+                    answer = clients[replica.name].post(
+                        "/v1/chat/completions", json=body, headers={"X-Business-Line": line, "X-Task": task}
+                    )
                     if answer.status_code != 200:
                         replica.errors.append(f"{answer.status_code} {answer.text[:200]}")
                 except httpx.HTTPError as error:
@@ -143,15 +176,25 @@ def _engine_rules(directory: Path) -> Path:
     from mla_watch.alerting.examples import entropy_low_rules
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(entropy_low_rules(
-        below=ENGINE_BELOW, resolve_above=ENGINE_RESOLVE, min_tokens=64, actions=("notify", "retune"),
-        strategies=("restore",), group_by=False))
+    (directory / "routing.yaml").write_text(
+        entropy_low_rules(
+            below=ENGINE_BELOW,
+            resolve_above=ENGINE_RESOLVE,
+            min_tokens=64,
+            actions=("notify", "retune"),
+            strategies=("restore",),
+            group_by=False,
+        )
+    )
     return directory
 
 
 def _engine_alerts(url: str) -> list[dict[str, Any]]:
-    return [alert for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
-            if alert["labels"].get("router") == ENGINE_ROUTER and alert["labels"].get("business_line") == ENGINE_LINE]
+    return [
+        alert
+        for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
+        if alert["labels"].get("router") == ENGINE_ROUTER and alert["labels"].get("business_line") == ENGINE_LINE
+    ]
 
 
 def _engine_bits(url: str) -> float | None:
@@ -159,9 +202,13 @@ def _engine_bits(url: str) -> float | None:
     return next((r["entropy_bits"] for r in routing["routers"] if r["name"] == ENGINE_ROUTER), None)
 
 
-def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
-                          measure_store: Callable[[], tuple[dict[str, int], float]] | None = None
-                          ) -> EngineFleetOutcome:
+def engine_fleet_scenario(
+    work: Path,
+    fleet_url: str,
+    *,
+    timeout: float = 900.0,
+    measure_store: Callable[[], tuple[dict[str, int], float]] | None = None,
+) -> EngineFleetOutcome:
     """Two vLLM engines serving a Qwen3-MoE with layer 2's gate zeroed (dev mode, routing returned), each with a
     sidecar (``--engine vllm --capture --engine-retune apply --reference-model`` the healthy checkpoint,
     ``--fleet``): customer-service traffic to both until both serve the fleet's new version, in band, and the
@@ -185,35 +232,81 @@ def engine_fleet_scenario(work: Path, fleet_url: str, *, timeout: float = 900.0,
     references = trimmed_references(work / "references", default=True)
     names = ("vllm-a", "vllm-b")
     with contextlib.ExitStack() as stack, running_receiver() as receiver:
-        engines = {name: stack.enter_context(running_vllm(collapsed, routing=True, dev_mode=True,
-                                                          log_path=work / f"{name}-engine.log")) for name in names}
+        engines = {
+            name: stack.enter_context(
+                running_vllm(collapsed, routing=True, dev_mode=True, log_path=work / f"{name}-engine.log")
+            )
+            for name in names
+        }
         ports = {name: free_port() for name in names}
         for name in names:
-            stack.enter_context(sidecar_process(
-                ports[name], work / name, "--upstream", engines[name], "--engine", "vllm", "--model-config",
-                str(collapsed), "--capture", "--engine-retune", "apply", "--reference-model", str(healthy),
-                "--rules", str(rules), "--alert-interval", "0.5", "--reference-prompts", str(references),
-                "--retune-min-samples", "12", "--min-held-out-tokens", "60", "--min-held-out-samples", "4",
-                "--retune-retry", "2", "--fleet", fleet_url, "--fleet-name", name, "--fleet-poll", str(POLL_SECONDS),
-                "--fleet-lease", str(max(LEASE_SECONDS, 20.0)),
-                env={"MLA_WATCH_ADMIN_TOKEN": ENGINE_TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url + "/hook"},
-                log=work / f"{name}.log"))
+            stack.enter_context(
+                sidecar_process(
+                    ports[name],
+                    work / name,
+                    "--upstream",
+                    engines[name],
+                    "--engine",
+                    "vllm",
+                    "--model-config",
+                    str(collapsed),
+                    "--capture",
+                    "--engine-retune",
+                    "apply",
+                    "--reference-model",
+                    str(healthy),
+                    "--rules",
+                    str(rules),
+                    "--alert-interval",
+                    "0.5",
+                    "--reference-prompts",
+                    str(references),
+                    "--retune-min-samples",
+                    "12",
+                    "--min-held-out-tokens",
+                    "60",
+                    "--min-held-out-samples",
+                    "4",
+                    "--retune-retry",
+                    "2",
+                    "--fleet",
+                    fleet_url,
+                    "--fleet-name",
+                    name,
+                    "--fleet-poll",
+                    str(POLL_SECONDS),
+                    "--fleet-lease",
+                    str(max(LEASE_SECONDS, 20.0)),
+                    env={"MLA_WATCH_ADMIN_TOKEN": ENGINE_TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url + "/hook"},
+                    log=work / f"{name}.log",
+                )
+            )
         urls = [f"http://127.0.0.1:{ports[name]}" for name in names]
         started, deadline = time.time(), time.monotonic() + timeout
         while time.monotonic() < deadline:
             for url in urls:
                 question = f"Where is my parcel, order {4400 + outcome.requests * 7}?"
-                body = {"model": "tiny", "max_tokens": 6, "seed": outcome.requests,
-                        "messages": [{"role": "user", "content": question}]}
-                answer = httpx.post(url + "/v1/chat/completions", json=body,
-                                    headers={"X-Business-Line": ENGINE_LINE}, timeout=120)
+                body = {
+                    "model": "tiny",
+                    "max_tokens": 6,
+                    "seed": outcome.requests,
+                    "messages": [{"role": "user", "content": question}],
+                }
+                answer = httpx.post(
+                    url + "/v1/chat/completions", json=body, headers={"X-Business-Line": ENGINE_LINE}, timeout=120
+                )
                 answer.raise_for_status()
                 outcome.requests += 1
             alerts = [alert for url in urls for alert in _engine_alerts(url)]
             versions = {serving(url) for url in urls}
-            if (len(versions) == 1 and None not in versions and next(iter(versions))[0] not in ("0", "unknown")
-                    and all((bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls)
-                    and alerts and all(alert["state"] == "resolved" for alert in alerts)):
+            if (
+                len(versions) == 1
+                and None not in versions
+                and next(iter(versions))[0] not in ("0", "unknown")
+                and all((bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls)
+                and alerts
+                and all(alert["state"] == "resolved" for alert in alerts)
+            ):
                 break
         outcome.fleet = httpx.get(urls[0] + "/v1/fleet", timeout=30).json()
         _times_from_records(outcome, [alert for url in urls for alert in _engine_alerts(url)], started)
@@ -237,24 +330,36 @@ class EmbeddedFleetOutcome:
     fleet: dict[str, Any] = field(default_factory=dict)
 
 
-def embedded_fleet_scenario(work: Path, fleet_url: str, *, replicas: int = 3, timeout: float = 600.0,
-                            oncall_url: str) -> EmbeddedFleetOutcome:
+def embedded_fleet_scenario(
+    work: Path, fleet_url: str, *, replicas: int = 3, timeout: float = 600.0, oncall_url: str
+) -> EmbeddedFleetOutcome:
     """``replicas`` embedded sidecars deployed with layer 1 collapsed, one fleet, chat traffic until every replica
     serves the fleet's new version in band and every layer-1 alert has resolved."""
     checkpoint, rules = broken_fleet_parts(work)
     outcome = EmbeddedFleetOutcome(replicas)
     with contextlib.ExitStack() as stack:
-        fleet = [stack.enter_context(fleet_replica(f"replica-{index}", work, fleet_url, checkpoint=checkpoint,
-                                                   rules=rules, oncall_url=oncall_url)) for index in range(replicas)]
+        fleet = [
+            stack.enter_context(
+                fleet_replica(
+                    f"replica-{index}", work, fleet_url, checkpoint=checkpoint, rules=rules, oncall_url=oncall_url
+                )
+            )
+            for index in range(replicas)
+        ]
         urls = [replica.url for replica in fleet]
         started = time.time()
 
         def done() -> bool:
             versions = {serving(url) for url in urls}
             alerts = [alert for url in urls for alert in layer1_alerts(url)]
-            return (len(versions) == 1 and None not in versions and next(iter(versions))[0] not in ("0", "unknown")
-                    and all(_layer1_bits(url) >= 5.2 for url in urls)
-                    and bool(alerts) and all(alert["state"] == "resolved" for alert in alerts))
+            return (
+                len(versions) == 1
+                and None not in versions
+                and next(iter(versions))[0] not in ("0", "unknown")
+                and all(_layer1_bits(url) >= 5.2 for url in urls)
+                and bool(alerts)
+                and all(alert["state"] == "resolved" for alert in alerts)
+            )
 
         drive(fleet, done, timeout=timeout)
         outcome.requests = sum(replica.requests for replica in fleet)
@@ -271,10 +376,10 @@ def _times_from_records(outcome: Any, alerts: list[dict[str, Any]], started: flo
     resolved = [alert["resolved_at"] for alert in alerts if alert.get("resolved_at")]
     rollout = outcome.fleet.get("rollout") or {}
     outcome.first_page_s = min(fired) - started if fired else None
-    outcome.one_version_s = (rollout["ended_at"] - started if rollout.get("state") == "done" and rollout.get("ended_at")
-                             else None)
-    outcome.resolved_s = (max(resolved) - started if resolved and all(a["state"] == "resolved" for a in alerts)
-                          else None)
+    outcome.one_version_s = (
+        rollout["ended_at"] - started if rollout.get("state") == "done" and rollout.get("ended_at") else None
+    )
+    outcome.resolved_s = max(resolved) - started if resolved and all(a["state"] == "resolved" for a in alerts) else None
 
 
 def _layer1_bits(url: str) -> float:

@@ -29,11 +29,24 @@ from harness.support import free_port, running_sidecar, sidecar_process, wait_un
 from mla_watch.models import corpus
 from mla_watch.shipped import SHIPPED_RULES
 
-__all__ = ["FLOODS", "GROUP_WAIT", "Flood", "Outcome", "damage_scenario", "engine_flood_scenario", "flood_scenario",
-           "rules_without_waiting", "trimmed_references"]
+__all__ = [
+    "FLOODS",
+    "GROUP_WAIT",
+    "Flood",
+    "Outcome",
+    "damage_scenario",
+    "engine_flood_scenario",
+    "flood_scenario",
+    "rules_without_waiting",
+    "trimmed_references",
+]
 
-LINES = {"customer_service": ("customer_service", "chat"), "code_assistant": ("code", "code"),
-         "sql": ("sql", "sql"), "doc_summary": ("doc_summary", "summarize")}
+LINES = {
+    "customer_service": ("customer_service", "chat"),
+    "code_assistant": ("code", "code"),
+    "sql": ("sql", "sql"),
+    "doc_summary": ("doc_summary", "summarize"),
+}
 MAX_TOKENS = 16  # per answer: what moves the windows is the prompts, as in a flood of short completions
 FLOOD_CLIENT = "flood-1"
 # How long a new group waits for the rest of its incident, in place of the shipped 30 s and 1 m: a flood's alerts
@@ -54,20 +67,39 @@ class Flood:
 
 
 def _sql_template(count: int) -> tuple[str, ...]:
-    return tuple("\n".join(f"SELECT id, total FROM orders WHERE customer_id = {41000 + 7 * i + j} AND total > "
-                           f"{(i * 13 + j) % 97}.5 ORDER BY id LIMIT {5 + j};" for j in range(4))
-                 for i in range(count))
+    return tuple(
+        "\n".join(
+            f"SELECT id, total FROM orders WHERE customer_id = {41000 + 7 * i + j} AND total > "
+            f"{(i * 13 + j) % 97}.5 ORDER BY id LIMIT {5 + j};"
+            for j in range(4)
+        )
+        for i in range(count)
+    )
 
 
 FLOODS: tuple[Flood, ...] = (
-    Flood("one word", "4 prompts, one word repeated 100 times each",
-          tuple(" ".join([word] * 100) for word in ("select", "return", "value", "error"))),
-    Flood("few words, many lengths", "2 words x 12 lengths (8 to 96 times): 24 distinct texts of one pattern",
-          tuple(" ".join([word] * (8 * (n + 1))) for word in ("index", "table") for n in range(12))),
-    Flood("SQL template", "one SQL statement template, 4 to a prompt, with varying constants", _sql_template(48),
-          task="sql"),
-    Flood("another line's traffic", "customer-service conversations sent to code_assistant",
-          tuple(text[:600] for text in corpus.generate("customer_service", 48, seed=4242)), task="chat"),
+    Flood(
+        "one word",
+        "4 prompts, one word repeated 100 times each",
+        tuple(" ".join([word] * 100) for word in ("select", "return", "value", "error")),
+    ),
+    Flood(
+        "few words, many lengths",
+        "2 words x 12 lengths (8 to 96 times): 24 distinct texts of one pattern",
+        tuple(" ".join([word] * (8 * (n + 1))) for word in ("index", "table") for n in range(12)),
+    ),
+    Flood(
+        "SQL template",
+        "one SQL statement template, 4 to a prompt, with varying constants",
+        _sql_template(48),
+        task="sql",
+    ),
+    Flood(
+        "another line's traffic",
+        "customer-service conversations sent to code_assistant",
+        tuple(text[:600] for text in corpus.generate("customer_service", 48, seed=4242)),
+        task="chat",
+    ),
 )
 
 
@@ -102,8 +134,12 @@ def rules_without_waiting(directory: Path) -> Path:
 
 
 def _post(url: str, line: str, task: str, prompt: str, client: str) -> None:
-    answer = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_TOKENS},
-                        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client}, timeout=120)
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": MAX_TOKENS},
+        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client},
+        timeout=120,
+    )
     assert answer.status_code == 200, answer.text[:300]
 
 
@@ -120,8 +156,9 @@ def _healthy(seed: int) -> Iterator[tuple[str, str, str, str]]:
 
 def _code_entropy(url: str) -> dict[str, float]:
     routing = httpx.get(f"{url}/v1/routing", params={"business_line": "code_assistant"}, timeout=30).json()
-    return {record["name"]: round(record["entropy_bits"], 3) for record in routing["routers"]
-            if record["kind"] == "expert"}
+    return {
+        record["name"]: round(record["entropy_bits"], 3) for record in routing["routers"] if record["kind"] == "expert"
+    }
 
 
 def _learned(url: str) -> bool:
@@ -137,8 +174,9 @@ def _sidecar(work: Path) -> Iterator[tuple[str, Any, Any]]:
         os.environ["MLA_WATCH_ONCALL_URL"] = receiver.url + "/oncall"
         os.environ["MLA_WATCH_LINE_OWNERS_URL"] = receiver.url + "/owners"
         try:
-            with running_sidecar(state_dir=work / "state", rules=rules_without_waiting(work / "rules"), capture=True,
-                                 alert_interval=0.5) as (url, sidecar):
+            with running_sidecar(
+                state_dir=work / "state", rules=rules_without_waiting(work / "rules"), capture=True, alert_interval=0.5
+            ) as (url, sidecar):
                 yield url, sidecar, receiver
         finally:
             for name, value in saved.items():
@@ -165,12 +203,16 @@ def _collect(url: str, sidecar: Any, receiver: Any, outcome: Outcome, started: f
     sidecar.alerts.dispatcher.run_once()
     _received(receiver, outcome)
     outcome.jobs = httpx.get(f"{url}/v1/retune/jobs", timeout=30).json()["jobs"]
-    outcome.versions = sorted(int(entry.name[1:]) for entry in (sidecar.config.state_dir / "routers").iterdir()
-                              if re.fullmatch(r"v\d{4,}", entry.name))
+    outcome.versions = sorted(
+        int(entry.name[1:])
+        for entry in (sidecar.config.state_dir / "routers").iterdir()
+        if re.fullmatch(r"v\d{4,}", entry.name)
+    )
     outcome.entropy_after = _code_entropy(url)
     outcome.reference = httpx.get(f"{url}/v1/reference", timeout=30).json()
-    outcome.history_lines = {series["business_line"] for series in
-                             httpx.get(f"{url}/v1/status", timeout=30).json()["history"]["series"]}
+    outcome.history_lines = {
+        series["business_line"] for series in httpx.get(f"{url}/v1/status", timeout=30).json()["history"]["series"]
+    }
     outcome.seconds = round(time.monotonic() - started, 1)
     return outcome
 
@@ -186,18 +228,24 @@ def _received(receiver: Any, outcome: Outcome) -> None:
 def _delivered(url: str) -> None:
     """Waits until the outbox holds no notification: every one written so far has reached its receiver (or failed
     for good), so what the receiver holds is complete."""
-    wait_until(lambda: httpx.get(f"{url}/v1/alerts", timeout=30).json()["notifications_pending"] == 0,
-               timeout=30, interval=0.1)
+    wait_until(
+        lambda: httpx.get(f"{url}/v1/alerts", timeout=30).json()["notifications_pending"] == 0, timeout=30, interval=0.1
+    )
 
 
 def _owners_told(receiver: Any, line: str) -> bool:
-    return any(request.path == "/owners" and request.json()["groupLabels"].get("business_line") == line
-               for request in list(receiver.requests))
+    return any(
+        request.path == "/owners" and request.json()["groupLabels"].get("business_line") == line
+        for request in list(receiver.requests)
+    )
 
 
 def _code_alerts(url: str) -> list[dict[str, Any]]:
-    return [alert for alert in httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
-            if alert["labels"].get("business_line") == "code_assistant" and alert["state"] == "firing"]
+    return [
+        alert
+        for alert in httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
+        if alert["labels"].get("business_line") == "code_assistant" and alert["state"] == "firing"
+    ]
 
 
 def flood_scenario(flood: Flood, *, requests: int = 60, settle: float = 20.0) -> Outcome:
@@ -213,8 +261,11 @@ def flood_scenario(flood: Flood, *, requests: int = 60, settle: float = 20.0) ->
             if index % 4 == 3:
                 _post(url, *next(healthy))
             outcome.requests += 1
-        wait_until(lambda: bool(_code_alerts(url)) and all(
-            "cause" in alert["labels"] for alert in _code_alerts(url)), timeout=settle, interval=0.5)
+        wait_until(
+            lambda: bool(_code_alerts(url)) and all("cause" in alert["labels"] for alert in _code_alerts(url)),
+            timeout=settle,
+            interval=0.5,
+        )
         # the line owners' group of the incident waits GROUP_WAIT from its first alert, then is told
         wait_until(lambda: _owners_told(receiver, "code_assistant"), timeout=GROUP_WAIT + 10.0, interval=0.5)
         _delivered(url)  # anything else due reaches the receiver
@@ -238,8 +289,11 @@ def damage_scenario(router: str, experts: tuple[int, ...], bias: float, *, reque
             if index % 4:
                 continue
             jobs = httpx.get(f"{url}/v1/retune/jobs", timeout=30).json()["jobs"]
-            firing = [alert for alert in httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
-                      if alert["labels"].get("router") == router and alert["state"] == "firing"]
+            firing = [
+                alert
+                for alert in httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
+                if alert["labels"].get("router") == router and alert["state"] == "firing"
+            ]
             if any(job["status"] in ("promoted", "rejected", "failed") for job in jobs) and not firing:
                 break
         _delivered(url)
@@ -251,9 +305,12 @@ ENGINE_MAX_TOKENS = 8
 
 
 def _engine_post(url: str, line: str, task: str, prompt: str, client: str) -> None:
-    answer = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt,
-                                                       "max_tokens": ENGINE_MAX_TOKENS},
-                        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client}, timeout=120)
+    answer = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": ENGINE_MAX_TOKENS},
+        headers={"X-Business-Line": line, "X-Task": task, "X-Client-Id": client},
+        timeout=120,
+    )
     assert answer.status_code == 200, answer.text[:300]
 
 
@@ -292,23 +349,46 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
     outcome = Outcome(flood.name)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with running_receiver() as receiver, sidecar_process(
-            port, work / "state", "--upstream", engine, "--engine", "vllm", "--model-config", str(checkpoint),
-            "--capture", "--engine-retune", "apply", "--rules", str(rules_without_waiting(work / "rules")),
-            "--alert-interval", "0.5", "--reference-interval", "0",
-            "--reference-prompts", str(trimmed_references(work / "references")),
-            env={"MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
-                 "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners"},
-            log=work / "sidecar.log"):
+    with (
+        running_receiver() as receiver,
+        sidecar_process(
+            port,
+            work / "state",
+            "--upstream",
+            engine,
+            "--engine",
+            "vllm",
+            "--model-config",
+            str(checkpoint),
+            "--capture",
+            "--engine-retune",
+            "apply",
+            "--rules",
+            str(rules_without_waiting(work / "rules")),
+            "--alert-interval",
+            "0.5",
+            "--reference-interval",
+            "0",
+            "--reference-prompts",
+            str(trimmed_references(work / "references")),
+            env={
+                "MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
+                "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners",
+            },
+            log=work / "sidecar.log",
+        ),
+    ):
         index = 0
         while not _learned(url):
             assert index < 160, "no baseline learned for every line"
             _engine_post(url, *_engine_healthy(index))
             index += 1
         outcome.requests = index
-        assert wait_until(lambda: all(entry["baseline"] for entry in httpx.get(
-            f"{url}/v1/reference", timeout=30).json()["sets"]), timeout=600, interval=1), httpx.get(
-            f"{url}/v1/reference", timeout=30).json()
+        assert wait_until(
+            lambda: all(entry["baseline"] for entry in httpx.get(f"{url}/v1/reference", timeout=30).json()["sets"]),
+            timeout=600,
+            interval=1,
+        ), httpx.get(f"{url}/v1/reference", timeout=30).json()
         outcome.entropy_before = _code_entropy(url)
         for step in range(requests):
             _engine_post(url, "code_assistant", flood.task, flood.prompts[step % len(flood.prompts)], FLOOD_CLIENT)
@@ -316,8 +396,11 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
                 _engine_post(url, *_engine_healthy(index))
                 index += 1
             outcome.requests += 1
-        wait_until(lambda: bool(_code_alerts(url)) and all("cause" in a["labels"] for a in _code_alerts(url)),
-                   timeout=60, interval=0.5)
+        wait_until(
+            lambda: bool(_code_alerts(url)) and all("cause" in a["labels"] for a in _code_alerts(url)),
+            timeout=60,
+            interval=0.5,
+        )
         _delivered(url)
         outcome.alerts = httpx.get(f"{url}/v1/alerts", timeout=30).json()["alerts"]
         if _code_alerts(url):  # some floods move this tiny engine's routing past no threshold
@@ -325,8 +408,9 @@ def engine_flood_scenario(engine: str, checkpoint: Path, work: Path, flood: Floo
             _delivered(url)
         _received(receiver, outcome)
         outcome.jobs = httpx.get(f"{url}/v1/retune/jobs", timeout=30).json()["jobs"]
-        outcome.versions = [entry["version"] for entry in
-                            httpx.get(f"{url}/v1/retune/versions", timeout=30).json()["versions"]]
+        outcome.versions = [
+            entry["version"] for entry in httpx.get(f"{url}/v1/retune/versions", timeout=30).json()["versions"]
+        ]
         outcome.entropy_after = _code_entropy(url)
         outcome.reference = httpx.get(f"{url}/v1/reference", timeout=30).json()
         outcome.seconds = round(time.monotonic() - started, 1)

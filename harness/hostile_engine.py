@@ -26,8 +26,13 @@ from mla_watch.engines.geometry import parse_geometry
 
 __all__ = ["CONFIG", "GEOMETRY", "MODES", "HostileEngine", "ids", "vllm_routing"]
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
 GEOMETRY = parse_geometry(CONFIG)
 
 
@@ -57,11 +62,15 @@ class HostileEngine:
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
         self.bomb = gzip_bomb(400 << 20)
-        self.app = Starlette(routes=[Route("/v1/models", self.models, methods=["GET"]),
-                                     Route("/v1/completions", self.complete, methods=["POST"]),
-                                     # SGLang's recorder endpoints: the files are written by the attacker instead
-                                     Route("/start_expert_distribution_record", self.recorder, methods=["POST"]),
-                                     Route("/dump_expert_distribution_record", self.recorder, methods=["POST"])])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.complete, methods=["POST"]),
+                # SGLang's recorder endpoints: the files are written by the attacker instead
+                Route("/start_expert_distribution_record", self.recorder, methods=["POST"]),
+                Route("/dump_expert_distribution_record", self.recorder, methods=["POST"]),
+            ]
+        )
         self.nested_models = False
 
     async def models(self, request: Request) -> Response:
@@ -81,19 +90,25 @@ class HostileEngine:
     # -- answers --------------------------------------------------------------------------------------
     def answer_ok(self, body: dict) -> Response:
         rows = ids(9)
-        return JSONResponse({"choices": [{"index": 0, "text": "ok", "routed_experts": vllm_routing(rows)}],
-                             "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}})
+        return JSONResponse(
+            {
+                "choices": [{"index": 0, "text": "ok", "routed_experts": vllm_routing(rows)}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10},
+            }
+        )
 
     def answer_gzip_bomb(self, body: dict) -> Response:
         return Response(self.bomb, media_type="application/json", headers={"Content-Encoding": "gzip"})
 
     def answer_huge_json(self, body: dict) -> Response:
-        return StreamingResponse(_pieces(b'{"choices": [{"text": "', b"b" * (1 << 20), 40, b'"}]}'),
-                                 media_type="application/json")
+        return StreamingResponse(
+            _pieces(b'{"choices": [{"text": "', b"b" * (1 << 20), 40, b'"}]}'), media_type="application/json"
+        )
 
     def answer_huge_error(self, body: dict) -> Response:
-        return StreamingResponse(_pieces(b"<html>", b"e" * (1 << 20), 40, b"</html>"), status_code=500,
-                                 media_type="text/html")
+        return StreamingResponse(
+            _pieces(b"<html>", b"e" * (1 << 20), 40, b"</html>"), status_code=500, media_type="text/html"
+        )
 
     def answer_html_error(self, body: dict) -> Response:
         return Response(b"<html><script>alert(1)</script></html>", status_code=503, media_type="text/html")
@@ -108,8 +123,9 @@ class HostileEngine:
         header = "{'descr': '|u1', 'fortran_order': False, 'shape': (1000000000000, 4, 4), }"
         header += " " * (63 - (10 + len(header)) % 64) + "\n"
         lying = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + bytes(64)
-        return JSONResponse({"choices": [{"index": 0, "text": "still here",
-                                          "routed_experts": base64.b64encode(lying).decode()}]})
+        return JSONResponse(
+            {"choices": [{"index": 0, "text": "still here", "routed_experts": base64.b64encode(lying).decode()}]}
+        )
 
     def answer_all_zero(self, body: dict) -> Response:
         zeros = np.zeros((9, GEOMETRY.num_hidden_layers, 4), dtype=np.uint8)
@@ -120,8 +136,10 @@ class HostileEngine:
 
     def answer_two_choices(self, body: dict) -> Response:
         prompt = ids(6, seed=1)
-        choices = [{"index": i, "text": "c",
-                    "routed_experts": vllm_routing(np.concatenate([prompt, ids(3, seed=2 + i)]))} for i in range(2)]
+        choices = [
+            {"index": i, "text": "c", "routed_experts": vllm_routing(np.concatenate([prompt, ids(3, seed=2 + i)]))}
+            for i in range(2)
+        ]
         return JSONResponse({"choices": choices, "usage": {"prompt_tokens": 6, "completion_tokens": 8}})
 
     def answer_drip(self, body: dict) -> Response:
@@ -129,6 +147,7 @@ class HostileEngine:
             for byte in b'{"choices": [{"text": "slow"}]}':
                 yield bytes([byte])
                 await asyncio.sleep(0.5)
+
         return StreamingResponse(drip(), media_type="application/json")
 
     def answer_stream_drip(self, body: dict) -> Response:
@@ -137,16 +156,18 @@ class HostileEngine:
             for byte in b'data: {"choices": [{"index": 0, "text": "never ends"}]}':
                 yield bytes([byte])
                 await asyncio.sleep(0.5)
+
         return StreamingResponse(drip(), media_type="text/event-stream")
 
     def answer_big_first_chunk(self, body: dict) -> Response:
         chunk = json.dumps({"choices": [{"index": 0, "text": "w" * 300_000}]}).encode()
-        return StreamingResponse(_pieces(b"", b"", 0, b"", [b"data: " + chunk + b"\n\n", b"data: [DONE]\n\n"]),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _pieces(b"", b"", 0, b"", [b"data: " + chunk + b"\n\n", b"data: [DONE]\n\n"]),
+            media_type="text/event-stream",
+        )
 
     def answer_endless_line(self, body: dict) -> Response:
-        return StreamingResponse(_pieces(b"data: {\"x\": \"", b"c" * (1 << 20), 60, b""),
-                                 media_type="text/event-stream")
+        return StreamingResponse(_pieces(b'data: {"x": "', b"c" * (1 << 20), 60, b""), media_type="text/event-stream")
 
     def answer_odd_stream(self, body: dict) -> Response:
         chunk = {"id": "s", "choices": [{"index": 0, "text": "line\u2028sep\u0085next"}]}
@@ -155,8 +176,9 @@ class HostileEngine:
         return StreamingResponse(_pieces(b"", b"", 0, b"", events), media_type="text/event-stream")
 
 
-async def _pieces(head: bytes, block: bytes, count: int, tail: bytes,
-                  parts: list[bytes] | None = None) -> AsyncIterator[bytes]:
+async def _pieces(
+    head: bytes, block: bytes, count: int, tail: bytes, parts: list[bytes] | None = None
+) -> AsyncIterator[bytes]:
     for part in parts or [head, *([block] * count), tail]:
         yield part
         await asyncio.sleep(0)

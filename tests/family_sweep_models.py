@@ -60,7 +60,8 @@ def _routes(model_type: str) -> bool:
         return False
     return any(
         isinstance(getattr(sub, key, None), int | list) and not isinstance(getattr(sub, key, None), bool)
-        for sub in _sub_configs(config) for key in EXPERT_COUNT_KEYS + INDEXER_KEYS
+        for sub in _sub_configs(config)
+        for key in EXPERT_COUNT_KEYS + INDEXER_KEYS
     )
 
 
@@ -75,10 +76,13 @@ def router_families() -> tuple[Family, ...]:
         modeling = _modeling(module)
         if modeling is None:
             continue
-        classes = tuple(sorted(
-            name for name, obj in vars(modeling).items()
-            if inspect.isclass(obj) and obj.__module__ == modeling.__name__ and ROUTER_CLASS.search(name)
-        ))
+        classes = tuple(
+            sorted(
+                name
+                for name, obj in vars(modeling).items()
+                if inspect.isclass(obj) and obj.__module__ == modeling.__name__ and ROUTER_CLASS.search(name)
+            )
+        )
         if classes and any(_routes(model_type) for model_type in model_types):
             families.append(Family(module, tuple(model_types), classes))
     return tuple(families)
@@ -87,21 +91,61 @@ def router_families() -> tuple[Family, ...]:
 # ---------------------------------------------------------------------------------------- tiny configs
 # Sizes every family understands; a key is only set where the default config has it.
 _TINY = {
-    "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
-    "ffn_hidden_size": 64, "n_layers": 2, "n_heads": 4, "d_model": 64, "d_ff": 64, "d_kv": 16, "num_heads": 4,
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "ffn_hidden_size": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "d_model": 64,
+    "d_ff": 64,
+    "d_kv": 16,
+    "num_heads": 4,
     "num_layers": 2,
-    "encoder_layers": 2, "decoder_layers": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
-    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_decoder_layers": 2,
-    "num_sparse_encoder_layers": 1, "num_sparse_decoder_layers": 1,
-    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-    "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2, "n_group": 1, "topk_group": 1,
-    "first_k_dense_replace": 0, "num_dense_layers": 0, "first_dense_layers": 0, "decoder_sparse_step": 1,
-    "moe_layer_freq": 1, "expert_layer_period": 1, "expert_layer_offset": 0, "mlp_only_layers": [],
-    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 64,
-    "router_hidden_size": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    "encoder_layers": 2,
+    "decoder_layers": 2,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4,
+    "num_decoder_layers": 2,
+    "num_sparse_encoder_layers": 1,
+    "num_sparse_decoder_layers": 1,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "index_topk": 4,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 0,
+    "num_dense_layers": 0,
+    "first_dense_layers": 0,
+    "decoder_sparse_step": 1,
+    "moe_layer_freq": 1,
+    "expert_layer_period": 1,
+    "expert_layer_offset": 0,
+    "mlp_only_layers": [],
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "sliding_window": 64,
+    "router_hidden_size": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
 _EXPERTS, _TOP_K = 8, 2
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "moe_top_k", "top_k_experts", "num_selected_experts")
@@ -112,8 +156,11 @@ def _shrunk_value(key: str, default: Any) -> Any:
         return _EXPERTS
     if key in _TOP_K_KEYS and (default is None or (isinstance(default, int) and not isinstance(default, bool))):
         return _TOP_K
-    if key in _TINY and (default is None or type(default) is type(_TINY[key])
-                         or (isinstance(default, int | float) and isinstance(_TINY[key], int | float))):
+    if key in _TINY and (
+        default is None
+        or type(default) is type(_TINY[key])
+        or (isinstance(default, int | float) and isinstance(_TINY[key], int | float))
+    ):
         return _TINY[key]
     if isinstance(default, list) and key in EXPERT_COUNT_KEYS:  # per-layer expert counts
         return [_EXPERTS] * 2
@@ -144,17 +191,27 @@ def tiny_kwargs(config_class: type, overrides: dict[str, Any] | None = None) -> 
         if isinstance(sub, transformers.PretrainedConfig):
             kwargs[key] = tiny_kwargs(type(sub))
             continue
-        if isinstance(value, list) and len(value) == getattr(default, "num_hidden_layers", -1) and key not in (
-                "mlp_only_layers",):
+        if (
+            isinstance(value, list)
+            and len(value) == getattr(default, "num_hidden_layers", -1)
+            and key not in ("mlp_only_layers",)
+        ):
             kwargs[key] = _two_layers(value)
             continue
         shrunk = _shrunk_value(key, value)
         if shrunk is not value:  # values derived from others (qk_head_dim, layer_types) are derived again
             kwargs[key] = shrunk
     if "kv_lora_rank" in kwargs:  # MLA: rotary head_dim is qk_rope_head_dim, and every head has its own KV
-        kwargs.update({key: value for key, value in (("head_dim", kwargs.get("qk_rope_head_dim")),
-                                                     ("num_key_value_heads", kwargs.get("num_attention_heads")))
-                       if key in kwargs})
+        kwargs.update(
+            {
+                key: value
+                for key, value in (
+                    ("head_dim", kwargs.get("qk_rope_head_dim")),
+                    ("num_key_value_heads", kwargs.get("num_attention_heads")),
+                )
+                if key in kwargs
+            }
+        )
     kwargs.update(overrides or {})
     return kwargs
 
@@ -171,11 +228,16 @@ def pick_model(family: Family) -> tuple[str, type]:
     for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
         for model_type in ordered:
             name = mapping.get(model_type)
-            if isinstance(name, str) and _class(name) is not None and (
-                    mapping is not modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or name.endswith("ForCausalLM")):
+            if (
+                isinstance(name, str)
+                and _class(name) is not None
+                and (mapping is not modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or name.endswith("ForCausalLM"))
+            ):
                 return model_type, _class(name)
-    raise LookupError(f"{family.module}: no model class for any of {family.model_types} in the causal-LM or base "
-                      "mappings of transformers.models.auto")
+    raise LookupError(
+        f"{family.module}: no model class for any of {family.model_types} in the causal-LM or base "
+        "mappings of transformers.models.auto"
+    )
 
 
 # Sizes the generic shrinking cannot guess: validators that tie two sizes together, indexer budgets whose
@@ -185,10 +247,21 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0}},
     "glm5_next": {"index_kpool": 2, "qk_rope_head_dim": 0},
     "lfm2_moe": {"num_dense_layers": 0, "layer_types": ["full_attention", "full_attention"]},
-    "qwen4_exp": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
-                  "indexer_compress_ratio": 2},
-    "glm4v_moe": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
-                                      "partial_rotary_factor": 0.5}},
+    "qwen4_exp": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 4,
+        "indexer_compress_ratio": 2,
+    },
+    "glm4v_moe": {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 1, 1],
+            "partial_rotary_factor": 0.5,
+        }
+    },
     "hy_v4_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}},
     "kolibri1_1": {"index_num_heads": 2},  # at most the query heads of one key head (4 // 2)
 }

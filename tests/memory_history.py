@@ -35,8 +35,9 @@ class MemoryHistory:
                 times.append(at)
                 values.append(float(value))
 
-    def points(self, router: str, business_line: str, metric: str, since: float,
-               until: float) -> tuple[list[float], list[float]]:
+    def points(
+        self, router: str, business_line: str, metric: str, since: float, until: float
+    ) -> tuple[list[float], list[float]]:
         times, values = self._series.get((router, business_line, metric), ([], []))
         lo, hi = bisect.bisect_left(times, since), bisect.bisect_right(times, until)
         return times[lo:hi], values[lo:hi]

@@ -40,8 +40,10 @@ def mount_refusal() -> str | None:
     with tempfile.TemporaryDirectory(prefix="mla-watch-mount-probe-") as probe:
         mounted = _mount("-t", "tmpfs", "-o", "size=64k", "tmpfs", probe)
         if mounted.returncode != 0:
-            return (f"mounting is not permitted here (mount -t tmpfs: {mounted.stderr.strip() or mounted.returncode}): "
-                    "this case needs root with CAP_SYS_ADMIN")
+            return (
+                f"mounting is not permitted here (mount -t tmpfs: {mounted.stderr.strip() or mounted.returncode}): "
+                "this case needs root with CAP_SYS_ADMIN"
+            )
         _umount(Path(probe))
     return None
 

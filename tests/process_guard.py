@@ -71,8 +71,10 @@ def _check(session: pytest.Session) -> None:
     if not left:
         return
     lines = [stray.describe() for stray in left]
-    lines.append(f"{len(left)} process(es) the tests started were still running when the session ended "
-                 "(now ended): end them in the fixture or test that starts them (harness/processes.py).")
+    lines.append(
+        f"{len(left)} process(es) the tests started were still running when the session ended "
+        "(now ended): end them in the fixture or test that starts them (harness/processes.py)."
+    )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line("")  # the progress line ends here (pytest's summary comes after this)

@@ -64,16 +64,29 @@ class Harness:
     def start(self) -> RetuneService:
         registry = RouterVersions(self.state / "routers")
         tokenizer = CharTokenizer()
-        retuner = Retuner(model=self.model, tokenizer=tokenizer, versions=registry,
-                          settings=self.settings, workdir=self.state / "work",
-                          promote=lambda version: self.service.promote(version),
-                          capture=self.capture, model_lock=self.lock, reference=self.reference,
-                          health_rules=lambda: HEALTH_RULES)
-        self.service = RetuneService(state_dir=self.state, settings=self.settings, retuner=retuner, versions=registry,
-                                     model_lock=self.lock, on_promoted=lambda k, r: self.changed.append((k, r)),
-                                     on_rejected=lambda spec, result: self.rejected.append((spec, result)),
-                                     on_outcome=lambda s, o: self.outcomes.append((s, o)),
-                                     health_check=lambda host: startup_health(host.model, tokenizer, HEALTH_RULES))
+        retuner = Retuner(
+            model=self.model,
+            tokenizer=tokenizer,
+            versions=registry,
+            settings=self.settings,
+            workdir=self.state / "work",
+            promote=lambda version: self.service.promote(version),
+            capture=self.capture,
+            model_lock=self.lock,
+            reference=self.reference,
+            health_rules=lambda: HEALTH_RULES,
+        )
+        self.service = RetuneService(
+            state_dir=self.state,
+            settings=self.settings,
+            retuner=retuner,
+            versions=registry,
+            model_lock=self.lock,
+            on_promoted=lambda k, r: self.changed.append((k, r)),
+            on_rejected=lambda spec, result: self.rejected.append((spec, result)),
+            on_outcome=lambda s, o: self.outcomes.append((s, o)),
+            health_check=lambda host: startup_health(host.model, tokenizer, HEALTH_RULES),
+        )
         self.service.start()
         return self.service
 
@@ -91,12 +104,20 @@ def collapse(model: torch.nn.Module, router: str = GATE) -> None:
 
 
 def spec(**overrides) -> JobSpec:
-    return JobSpec(**{"routers": [GATE], "strategies": ["bias"], "business_line": "code",
-                      "band": {"metric": "entropy_bits", "low": 2.3, "high": None},
-                      "options": {"bias": {"steps": 200, "gamma": 0.05}}, **overrides})
+    return JobSpec(
+        **{
+            "routers": [GATE],
+            "strategies": ["bias"],
+            "business_line": "code",
+            "band": {"metric": "entropy_bits", "low": 2.3, "high": None},
+            "options": {"bias": {"steps": 200, "gamma": 0.05}},
+            **overrides,
+        }
+    )
 
 
 def final(service: RetuneService, job_id: str, timeout: float = 60) -> dict:
-    assert wait_until(lambda: service.store.get(job_id)["status"] not in ("pending", "running", "waiting"),
-                      timeout=timeout)
+    assert wait_until(
+        lambda: service.store.get(job_id)["status"] not in ("pending", "running", "waiting"), timeout=timeout
+    )
     return service.store.get(job_id)

@@ -31,8 +31,9 @@ class ReferenceTwin(VllmTwin):
         self.scored = 0  # scoring requests answered
         self.scoring_bodies: list[dict] = []
         self._lock = threading.Lock()
-        self.app.router.routes.extend([Route("/tokenize", self.tokenize, methods=["POST"]),
-                                       Route("/health", self.health, methods=["GET"])])
+        self.app.router.routes.extend(
+            [Route("/tokenize", self.tokenize, methods=["POST"]), Route("/health", self.health, methods=["GET"])]
+        )
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -60,13 +61,27 @@ class ReferenceTwin(VllmTwin):
                 self.scored += 1
         ids = list(body["prompt"])
         positions = [None, *({str(token): {"logprob": -2.0, "rank": 1}} for token in ids[1:])]
-        return JSONResponse({"id": "s", "object": "text_completion", "model": "twin", "choices": [{
-            "index": 0, "text": "a", "finish_reason": "length", "prompt_logprobs": positions,
-            "routed_experts": encode_vllm(self.routing(ids), self.geometry.num_experts)}],
-            "usage": {"prompt_tokens": len(ids), "completion_tokens": 1}})
+        return JSONResponse(
+            {
+                "id": "s",
+                "object": "text_completion",
+                "model": "twin",
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "a",
+                        "finish_reason": "length",
+                        "prompt_logprobs": positions,
+                        "routed_experts": encode_vllm(self.routing(ids), self.geometry.num_experts),
+                    }
+                ],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": 1},
+            }
+        )
 
     async def _relay(self, request: Request, body: dict, chat: bool) -> Response:
         """The twin's own answer to a client's request (its body already read)."""
+
         async def receive() -> dict:
             import json
 

@@ -22,22 +22,39 @@ rec = partial(engine_record, name=GATE, layer=3)
 
 
 def low_rule(**kw: Any) -> Rule:
-    args: dict[str, Any] = {"name": "RoutingEntropyLow", "metric": "entropy_bits", "selector": Selector(kind="expert"),
-                            "below": 5.0, "resolve_above": 5.5, "for_seconds": 60.0,
-                            "keep_firing_for_seconds": 120.0, "severity": "critical",
-                            "actions": ("notify", "retune"), "labels": {"team": "ml-platform"},
-                            "annotations": {"summary": "{router} layer {layer} ({business_line}): {value:.2f} bits "
-                                                       "< {threshold} (resolves at {resolve_threshold})",
-                                            "runbook_url": "https://runbooks/entropy",
-                                            "dashboard": "{status_url}"}}
+    args: dict[str, Any] = {
+        "name": "RoutingEntropyLow",
+        "metric": "entropy_bits",
+        "selector": Selector(kind="expert"),
+        "below": 5.0,
+        "resolve_above": 5.5,
+        "for_seconds": 60.0,
+        "keep_firing_for_seconds": 120.0,
+        "severity": "critical",
+        "actions": ("notify", "retune"),
+        "labels": {"team": "ml-platform"},
+        "annotations": {
+            "summary": "{router} layer {layer} ({business_line}): {value:.2f} bits "
+            "< {threshold} (resolves at {resolve_threshold})",
+            "runbook_url": "https://runbooks/entropy",
+            "dashboard": "{status_url}",
+        },
+    }
     args.update(kw)
     return Rule(**args)
 
 
 def high_rule(**kw: Any) -> Rule:
-    args: dict[str, Any] = {"name": "RoutingEntropyHigh", "metric": "entropy_bits", "selector": Selector(),
-                            "above": 6.5, "resolve_below": 6.0, "for_seconds": 0.0, "keep_firing_for_seconds": 0.0,
-                            "severity": "warning"}
+    args: dict[str, Any] = {
+        "name": "RoutingEntropyHigh",
+        "metric": "entropy_bits",
+        "selector": Selector(),
+        "above": 6.5,
+        "resolve_below": 6.0,
+        "for_seconds": 0.0,
+        "keep_firing_for_seconds": 0.0,
+        "severity": "warning",
+    }
     args.update(kw)
     return Rule(**args)
 
@@ -78,12 +95,21 @@ def test_full_lifecycle_with_for_and_keep_firing_for() -> None:
     assert notify.record.stats.entropy_bits == 4.2
     alert = notify.alert
     assert alert.starts_at == clock.now and alert.ends_at is None and alert.value == pytest.approx(4.2)
-    assert dict(alert.labels) == {"alertname": "RoutingEntropyLow", "severity": "critical", "router": GATE,
-                                  "layer": "3", "kind": "expert", "business_line": "code", "team": "ml-platform"}
+    assert dict(alert.labels) == {
+        "alertname": "RoutingEntropyLow",
+        "severity": "critical",
+        "router": GATE,
+        "layer": "3",
+        "kind": "expert",
+        "business_line": "code",
+        "team": "ml-platform",
+    }
     assert alert.annotations["summary"] == f"{GATE} layer 3 (code): 4.20 bits < 5.0 (resolves at 5.5)"
     assert alert.annotations["runbook_url"] == "https://runbooks/entropy"
-    url = (f"http://sidecar:8000/v1/routing#router={GATE}&layer=3&business_line=code&metric=entropy_bits"
-           "&alertname=RoutingEntropyLow")  # the status page opens that row with the metric that fired
+    url = (
+        f"http://sidecar:8000/v1/routing#router={GATE}&layer=3&business_line=code&metric=entropy_bits"
+        "&alertname=RoutingEntropyLow"
+    )  # the status page opens that row with the metric that fired
     assert alert.annotations["dashboard"] == url and alert.generator_url == url
     firing_since = clock.now
 
@@ -172,8 +198,15 @@ def test_pending_that_recovers_before_for_emits_nothing() -> None:
 
 def test_above_rules_are_symmetrical() -> None:
     clock = FakeClock()
-    rule = high_rule(metric="locality", selector=Selector(kind="indexer"), above=0.9, resolve_below=0.7,
-                     for_seconds=30, keep_firing_for_seconds=30, annotations={"summary": "{value:.2f} > {threshold}"})
+    rule = high_rule(
+        metric="locality",
+        selector=Selector(kind="indexer"),
+        above=0.9,
+        resolve_below=0.7,
+        for_seconds=30,
+        keep_firing_for_seconds=30,
+        annotations={"summary": "{value:.2f} > {threshold}"},
+    )
     engine = AlertEngine(ruleset(rule), clock=clock)
 
     def idx(value: float) -> dict[str, Any]:
@@ -195,8 +228,15 @@ def test_above_rules_are_symmetrical() -> None:
 
 
 def test_rule_with_both_thresholds_needs_both_sides_healthy() -> None:
-    rule = Rule(name="Band", metric="entropy_bits", selector=Selector(), below=5.0, above=6.5,
-                resolve_above=5.2, resolve_below=6.3)
+    rule = Rule(
+        name="Band",
+        metric="entropy_bits",
+        selector=Selector(),
+        below=5.0,
+        above=6.5,
+        resolve_above=5.2,
+        resolve_below=6.3,
+    )
     engine = AlertEngine(ruleset(rule), clock=FakeClock())
     assert kinds(engine.evaluate([rec(6.6)])) == [("notify", "firing")]
     assert engine.evaluate([rec(6.4)]) == []  # upper band
@@ -248,9 +288,14 @@ def test_none_metric_is_not_judged(caplog: pytest.LogCaptureFixture) -> None:
 def test_a_rule_relative_to_the_baseline_judges_each_series_against_its_own() -> None:
     from mla_watch.alerting.vocabulary import BaselineScale
 
-    rule = high_rule(name="ExpertHotspot", metric="max_violation", above=1.0, resolve_below=0.7,
-                     baseline={"above": BaselineScale(times=2.0), "resolve_below": BaselineScale(times=1.5)},
-                     annotations={"summary": "MaxVio {value:.2f}, healthy {healthy:.2f}, threshold {threshold:.2f}"})
+    rule = high_rule(
+        name="ExpertHotspot",
+        metric="max_violation",
+        above=1.0,
+        resolve_below=0.7,
+        baseline={"above": BaselineScale(times=2.0), "resolve_below": BaselineScale(times=1.5)},
+        annotations={"summary": "MaxVio {value:.2f}, healthy {healthy:.2f}, threshold {threshold:.2f}"},
+    )
     engine = AlertEngine(ruleset(rule), clock=FakeClock())
     healthy = {"max_violation": 1.6, "dead_slots": 0.0, "tokens": 2048}
     # no baseline learned for the line yet: not judged, however high
@@ -303,13 +348,23 @@ def test_routers_that_stop_reporting_keep_their_state() -> None:
 
 def test_separate_instances_per_business_line_router_and_layer() -> None:
     engine = AlertEngine(ruleset(high_rule()), clock=FakeClock())
-    records = [rec(6.9, line="code"), rec(6.9, line="sql"), rec(6.9, line=None), rec(6.0, line="chat"),
-               rec(6.9, name=INDEXER, kind="indexer"), rec(6.9, name="model.layers.4.mlp.gate", layer=4)]
+    records = [
+        rec(6.9, line="code"),
+        rec(6.9, line="sql"),
+        rec(6.9, line=None),
+        rec(6.0, line="chat"),
+        rec(6.9, name=INDEXER, kind="indexer"),
+        rec(6.9, name="model.layers.4.mlp.gate", layer=4),
+    ]
     actions = engine.evaluate(records)
     assert len(actions) == 4  # every line, each on its own; the sum over lines ("all") is not a line
     keys = {(a.alert.labels["router"], a.alert.labels["layer"], a.alert.labels["business_line"]) for a in actions}
-    assert keys == {(GATE, "3", "code"), (GATE, "3", "sql"), (INDEXER, "3", "code"),
-                    ("model.layers.4.mlp.gate", "4", "code")}
+    assert keys == {
+        (GATE, "3", "code"),
+        (GATE, "3", "sql"),
+        (INDEXER, "3", "code"),
+        ("model.layers.4.mlp.gate", "4", "code"),
+    }
     assert len({a.alert.fingerprint for a in actions}) == 4
     # resolving one line leaves the others firing
     [resolved] = engine.evaluate([rec(6.0, line="sql")])
@@ -323,16 +378,26 @@ def test_separate_instances_per_business_line_router_and_layer() -> None:
 def test_selector_limits_routers_layers_and_lines() -> None:
     rule = high_rule(selector=Selector(kind="expert", layers=(2, 3), router="*.mlp.gate", business_line="code"))
     engine = AlertEngine(ruleset(rule), clock=FakeClock())
-    records = [rec(6.9), rec(6.9, line="sql"), rec(6.9, layer=4, name="model.layers.4.mlp.gate"),
-               rec(6.9, name="model.layers.3.mlp.router"), rec(6.9, kind="indexer")]
+    records = [
+        rec(6.9),
+        rec(6.9, line="sql"),
+        rec(6.9, layer=4, name="model.layers.4.mlp.gate"),
+        rec(6.9, name="model.layers.3.mlp.router"),
+        rec(6.9, kind="indexer"),
+    ]
     actions = engine.evaluate(records)
     assert [a.alert.labels["router"] for a in actions] == [GATE]
     assert engine.evaluate(records) == []  # cached matching gives the same answer
 
 
 def test_annotation_errors_render_as_na_not_raised() -> None:
-    rule = high_rule(annotations={"summary": "{value:.2f} {nonexistent}", "floor": "{floor_bits:.1f}",
-                                  "ok": "{alertname}/{severity}/{metric}/{tokens}/{min_tokens}/{ceiling_bits}"})
+    rule = high_rule(
+        annotations={
+            "summary": "{value:.2f} {nonexistent}",
+            "floor": "{floor_bits:.1f}",
+            "ok": "{alertname}/{severity}/{metric}/{tokens}/{min_tokens}/{ceiling_bits}",
+        }
+    )
     engine = AlertEngine(ruleset(rule), clock=FakeClock())
     [action] = engine.evaluate([rec(6.9, floor_bits=None)])
     annotations = action.alert.annotations
@@ -355,6 +420,7 @@ def test_custom_render_gets_every_template_field_and_its_errors_are_contained() 
     assert actions[0].alert.annotations == {"summary": "RoutingEntropyHigh 6.9"}
     assert "boom" in actions[1].alert.annotations["summary"]
     from mla_watch.alerting.vocabulary import TEMPLATE_FIELDS
+
     assert set(seen[0]) == set(TEMPLATE_FIELDS)
     assert seen[0]["threshold"] == 6.5 and seen[0]["resolve_threshold"] == 6.0 and seen[0]["status_url"] == ""
 
@@ -378,14 +444,21 @@ def test_alert_instance_view_and_as_dict() -> None:
 
 
 def test_firing_counts() -> None:
-    rules = ruleset(low_rule(for_seconds=0, keep_firing_for_seconds=0), high_rule(),
-                    high_rule(name="Quiet", severity="info"))
+    rules = ruleset(
+        low_rule(for_seconds=0, keep_firing_for_seconds=0), high_rule(), high_rule(name="Quiet", severity="info")
+    )
     engine = AlertEngine(rules, clock=FakeClock())
-    assert engine.firing_counts() == {("RoutingEntropyLow", "critical"): 0, ("RoutingEntropyHigh", "warning"): 0,
-                                      ("Quiet", "info"): 0}
+    assert engine.firing_counts() == {
+        ("RoutingEntropyLow", "critical"): 0,
+        ("RoutingEntropyHigh", "warning"): 0,
+        ("Quiet", "info"): 0,
+    }
     engine.evaluate([rec(4.0, line="code"), rec(4.0, line="sql"), rec(6.9, name=INDEXER, kind="indexer")])
-    assert engine.firing_counts() == {("RoutingEntropyLow", "critical"): 2, ("RoutingEntropyHigh", "warning"): 1,
-                                      ("Quiet", "info"): 1}
+    assert engine.firing_counts() == {
+        ("RoutingEntropyLow", "critical"): 2,
+        ("RoutingEntropyHigh", "warning"): 1,
+        ("Quiet", "info"): 1,
+    }
     engine.evaluate([rec(5.9, line="sql")])
     assert engine.firing_counts()[("RoutingEntropyLow", "critical")] == 1
 
@@ -400,8 +473,9 @@ def test_replace_rules_keeps_state_of_surviving_rules_and_resolves_removed_ones(
     assert len(fired) == 3
     clock.advance(10)
     # the low rule survives with a new threshold (same labels); the high rule is removed
-    resolved = engine.replace_rules(ruleset(low_rule(for_seconds=0, keep_firing_for_seconds=0, below=4.5,
-                                                          resolve_above=4.8)))
+    resolved = engine.replace_rules(
+        ruleset(low_rule(for_seconds=0, keep_firing_for_seconds=0, below=4.5, resolve_above=4.8))
+    )
     assert kinds(resolved) == [("notify", "resolved")]
     assert resolved[0].alert.labels["alertname"] == "RoutingEntropyHigh" and resolved[0].alert.ends_at == clock.now
     [inst] = engine.alerts()
@@ -510,8 +584,15 @@ def test_corrupt_state_file_starts_empty_and_is_kept_aside(tmp_path: Path, caplo
     assert json.loads(path.read_text())["instances"][0]["state"] == "firing"
 
 
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"[]", b'{"format": "other"}',
-                                     b'{"format": "mla_watch.alert_state/1", "instances": [{"rule": 3}]}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\xff\xfe\x00garbage",
+        b"[]",
+        b'{"format": "other"}',
+        b'{"format": "mla_watch.alert_state/1", "instances": [{"rule": 3}]}',
+    ],
+)
 def test_other_bad_state_files_are_set_aside(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "alerts.json"
     path.write_bytes(content)
@@ -525,7 +606,8 @@ def test_state_of_removed_rules_is_dropped_on_load(tmp_path: Path, caplog: pytes
     clock = FakeClock()
     path = tmp_path / "alerts.json"
     AlertEngine(ruleset(high_rule(), low_rule(for_seconds=0)), clock=clock, state_path=path).evaluate(
-        [rec(6.9, name=INDEXER, kind="indexer"), rec(4.0)])
+        [rec(6.9, name=INDEXER, kind="indexer"), rec(4.0)]
+    )
     with caplog.at_level(logging.WARNING):
         restarted = AlertEngine(ruleset(low_rule(for_seconds=0)), clock=clock, state_path=path)
     assert [a.rule for a in restarted.alerts()] == ["RoutingEntropyLow"]
@@ -549,8 +631,10 @@ def test_unwritable_state_path_does_not_stop_evaluation(tmp_path: Path, caplog: 
     engine = AlertEngine(ruleset(high_rule()), clock=FakeClock(), state_path=blocker / "alerts.json")
     with caplog.at_level(logging.ERROR):
         assert kinds(engine.evaluate([rec(6.9)])) == [("notify", "firing")]
-    assert (f"alert state file {blocker / 'alerts.json'}: cannot write it: a part of the path is not a directory"
-            in caplog.text)
+    assert (
+        f"alert state file {blocker / 'alerts.json'}: cannot write it: a part of the path is not a directory"
+        in caplog.text
+    )
 
 
 def test_state_is_written_only_when_something_changed(tmp_path: Path) -> None:
@@ -582,21 +666,42 @@ def scale_rules() -> RuleSet:
         high_rule(name="MaxVio", metric="max_violation", above=0.5, resolve_below=0.3),
         high_rule(name="DeadExperts", metric="dead_slots", above=0, resolve_below=0),
         high_rule(name="Drift", metric="js_divergence", above=0.1, resolve_below=0.05),
-        low_rule(name="NormLow", metric="normalized_entropy", selector=everything, below=0.8, resolve_above=0.85,
-                 for_seconds=0),
+        low_rule(
+            name="NormLow",
+            metric="normalized_entropy",
+            selector=everything,
+            below=0.8,
+            resolve_above=0.85,
+            for_seconds=0,
+        ),
     )
 
 
 def scale_records(sick: bool) -> list[dict[str, Any]]:
     out = []
     for layer in range(60):
-        for router, kind in ((f"model.layers.{layer}.mlp.gate", "expert"),
-                             (f"model.layers.{layer}.self_attn.indexer", "indexer")):
+        for router, kind in (
+            (f"model.layers.{layer}.mlp.gate", "expert"),
+            (f"model.layers.{layer}.self_attn.indexer", "indexer"),
+        ):
             for line in ("customer_service", "code_assistant", "doc_summary", "default"):
-                values = ({"entropy_bits": 4.0, "max_violation": 1.0, "dead_slots": 3, "js_divergence": 0.3,
-                           "normalized_entropy": 0.5} if sick else
-                          {"entropy_bits": 2.95, "max_violation": 0.1, "dead_slots": 0, "js_divergence": 0.01,
-                           "normalized_entropy": 0.97})
+                values = (
+                    {
+                        "entropy_bits": 4.0,
+                        "max_violation": 1.0,
+                        "dead_slots": 3,
+                        "js_divergence": 0.3,
+                        "normalized_entropy": 0.5,
+                    }
+                    if sick
+                    else {
+                        "entropy_bits": 2.95,
+                        "max_violation": 0.1,
+                        "dead_slots": 0,
+                        "js_divergence": 0.01,
+                        "normalized_entropy": 0.97,
+                    }
+                )
                 out.append(rec(name=router, layer=layer, kind=kind, line=line, **values))
     return out
 
@@ -611,9 +716,14 @@ def test_scale_60_layers_2_routers_4_lines_6_rules() -> None:
     assert len(engine.alerts()) == 480
     actions = engine.evaluate(scale_records(sick=True))
     assert len(engine.alerts()) == 2880  # every rule breached on every (router, layer, line)
-    assert engine.firing_counts() == {("EntropyLow", "critical"): 480, ("EntropyHigh", "warning"): 480,
-                                      ("MaxVio", "warning"): 480, ("DeadExperts", "warning"): 480,
-                                      ("Drift", "warning"): 480, ("NormLow", "critical"): 480}
+    assert engine.firing_counts() == {
+        ("EntropyLow", "critical"): 480,
+        ("EntropyHigh", "warning"): 480,
+        ("MaxVio", "warning"): 480,
+        ("DeadExperts", "warning"): 480,
+        ("Drift", "warning"): 480,
+        ("NormLow", "critical"): 480,
+    }
     assert len(actions) == 480 * 6  # five new rules fire: 4 notify-only + NormLow notify + retune
     assert engine.evaluate(scale_records(sick=True)) == []
 
@@ -623,16 +733,23 @@ def test_slots_and_hash_routed_selectors_judge_the_records_geometry(tmp_path: Pa
     from mla_watch.alerting.vocabulary import SlotRange
 
     seed = low_rule(selector=Selector(kind="expert", slots=SlotRange(64, 64)), for_seconds=0.0)
-    other = low_rule(name="RoutingCollapse", selector=Selector(kind="expert", slots=SlotRange(64, 64, exclude=True)),
-                     for_seconds=0.0)
+    other = low_rule(
+        name="RoutingCollapse", selector=Selector(kind="expert", slots=SlotRange(64, 64, exclude=True)), for_seconds=0.0
+    )
     clock = FakeClock()
     engine = AlertEngine(ruleset(seed, other), clock=clock, state_path=tmp_path / "state.json")
-    pages = engine.evaluate([rec(4.0, num_slots=64), rec(4.0, num_slots=8, name="model.layers.1.mlp.gate"),
-                             rec(4.0, num_slots=64, name="model.layers.0.mlp.gate", hash_routed=True)])
+    pages = engine.evaluate(
+        [
+            rec(4.0, num_slots=64),
+            rec(4.0, num_slots=8, name="model.layers.1.mlp.gate"),
+            rec(4.0, num_slots=64, name="model.layers.0.mlp.gate", hash_routed=True),
+        ]
+    )
     assert sorted((a.alert.labels["alertname"], a.alert.labels["router"]) for a in pages if a.kind == "notify") == [
-        ("RoutingCollapse", "model.layers.1.mlp.gate"), ("RoutingEntropyLow", GATE)]
+        ("RoutingCollapse", "model.layers.1.mlp.gate"),
+        ("RoutingEntropyLow", GATE),
+    ]
     # the geometry is kept with the state: a restart keeps both alerts firing without paging again
     restarted = AlertEngine(ruleset(seed, other), clock=clock, state_path=tmp_path / "state.json")
-    assert sorted(a.rule for a in restarted.alerts() if a.state == "firing") == ["RoutingCollapse",
-                                                                                   "RoutingEntropyLow"]
+    assert sorted(a.rule for a in restarted.alerts() if a.state == "firing") == ["RoutingCollapse", "RoutingEntropyLow"]
     assert restarted.evaluate([rec(4.0, num_slots=64), rec(4.0, num_slots=8, name="model.layers.1.mlp.gate")]) == []

@@ -26,22 +26,32 @@ ANNOTATIONS = {"summary": SUMMARY, "dashboard": "{status_url}"}
 
 def traffic(url: str, requests: int, tokens: int = 60) -> None:
     for index in range(requests):
-        response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": "code_assistant"},
-                              json={"prompt": f"def parse_invoice_{index}(", "max_tokens": tokens, "seed": index})
+        response = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            headers={"X-Business-Line": "code_assistant"},
+            json={"prompt": f"def parse_invoice_{index}(", "max_tokens": tokens, "seed": index},
+        )
         assert response.status_code == 200, response.text
 
 
 def webhook_alerts(receiver, status: str) -> list[dict]:
-    return [alert for request in list(receiver.requests) for alert in request.json()["alerts"]
-            if alert["status"] == status]
+    return [
+        alert for request in list(receiver.requests) for alert in request.json()["alerts"] if alert["status"] == status
+    ]
 
 
 def test_a_collapsed_router_pages_oncall_once_and_resolves(tmp_path, monkeypatch) -> None:
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
         rules = write_rules(tmp_path / "rules", below=5.0, resolve_above=5.2, annotations=ANNOTATIONS)
-        with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, public_url="http://sidecar.test",
-                             state_dir=tmp_path / "state") as (url, sidecar):
+        with running_sidecar(
+            rules=rules,
+            alert_interval=0.2,
+            window_tokens=256,
+            public_url="http://sidecar.test",
+            state_dir=tmp_path / "state",
+        ) as (url, sidecar):
             traffic(url, 3)
             sidecar.alerts.evaluate_once()
             assert webhook_alerts(receiver, "firing") == []  # healthy routing pages nobody
@@ -53,33 +63,45 @@ def test_a_collapsed_router_pages_oncall_once_and_resolves(tmp_path, monkeypatch
             traffic(url, 6)
 
             def collapsed(status: str) -> list[dict]:
-                return [alert for alert in webhook_alerts(receiver, status)
-                        if alert["labels"]["router"] == "model.layers.1.mlp.gate"]
+                return [
+                    alert
+                    for alert in webhook_alerts(receiver, status)
+                    if alert["labels"]["router"] == "model.layers.1.mlp.gate"
+                ]
 
             assert wait_until(lambda: collapsed("firing"), timeout=30)
             (alert,) = collapsed("firing")
             labels = alert["labels"]
             assert (labels["alertname"], labels["router"], labels["layer"], labels["business_line"]) == (
-                "RoutingEntropyLow", "model.layers.1.mlp.gate", "1", "code_assistant")
+                "RoutingEntropyLow",
+                "model.layers.1.mlp.gate",
+                "1",
+                "code_assistant",
+            )
             summary = alert["annotations"]["summary"]
             # the cause first: the sidecar's reference prompts route differently too
-            assert re.match(r"MODEL CHANGED: Routing entropy \d\.\d\d bits on model\.layers\.1\.mlp\.gate \(layer 1",
-                            summary), summary
+            assert re.match(
+                r"MODEL CHANGED: Routing entropy \d\.\d\d bits on model\.layers\.1\.mlp\.gate \(layer 1", summary
+            ), summary
             assert alert["annotations"]["dashboard"].startswith("http://sidecar.test/#router=model.layers.1")
             body = next(r.json() for r in receiver.requests if r.json()["alerts"][0]["labels"]["layer"] == "1")
             assert body["version"] == "4" and body["groupKey"].startswith("{}:{")
             alerts = httpx.get(url + "/v1/alerts").json()["alerts"]
             assert [a["state"] for a in alerts if a["labels"]["router"] == "model.layers.1.mlp.gate"] == ["firing"]
             text = get_metrics(url)
-            assert metric_value(text, "mla_watch_alerts_firing", alertname="RoutingEntropyLow",
-                                severity="critical") == 1
+            assert (
+                metric_value(text, "mla_watch_alerts_firing", alertname="RoutingEntropyLow", severity="critical") == 1
+            )
             assert metric_value(text, "mla_watch_notifications_total", receiver="oncall", outcome="delivered") >= 1
 
             traffic(url, 2)
             sidecar.alerts.evaluate_once()
             assert len(collapsed("firing")) == 1  # paged once, not on every evaluation
-            (instance,) = [a for a in httpx.get(url + "/v1/alerts").json()["alerts"]
-                           if a["labels"]["router"] == "model.layers.1.mlp.gate"]
+            (instance,) = [
+                a
+                for a in httpx.get(url + "/v1/alerts").json()["alerts"]
+                if a["labels"]["router"] == "model.layers.1.mlp.gate"
+            ]
             assert instance["value"] < 3.0  # the window now holds collapsed traffic only: log2 6 = 2.585
 
             with torch.no_grad():
@@ -91,13 +113,28 @@ def test_a_collapsed_router_pages_oncall_once_and_resolves(tmp_path, monkeypatch
             assert resolved["endsAt"] > resolved["startsAt"]
 
 
-
 def serve(port: int, rules: Path, state: Path, oncall: str) -> subprocess.Popen:
     env = {**os.environ, "MLA_WATCH_ONCALL_URL": oncall}
     return processes.start(
-        [sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(port), "--device", "cpu", "--rules",
-         str(rules), "--state-dir", str(state), "--attn-implementation", "eager"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "mla_watch.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--rules",
+            str(rules),
+            "--state-dir",
+            str(state),
+            "--attn-implementation",
+            "eager",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 

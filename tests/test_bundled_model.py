@@ -47,8 +47,12 @@ def test_mixed_traffic_is_balanced_and_single_domains_specialise(bundled) -> Non
     run(model, tokenizer, probe, {d: corpus.generate(d, 24, seed=4242) for d in corpus.DOMAINS})
     mixed = {r["name"]: r["entropy_bits"] for r in probe.stats() if r["kind"] == "expert"}
     assert all(value >= 5.8 for value in mixed.values()), mixed
-    drops = [mixed[r["name"]] - r["entropy_bits"]
-             for domain in corpus.DOMAINS for r in probe.stats(domain) if r["kind"] == "expert"]
+    drops = [
+        mixed[r["name"]] - r["entropy_bits"]
+        for domain in corpus.DOMAINS
+        for r in probe.stats(domain)
+        if r["kind"] == "expert"
+    ]
     assert max(drops) >= 0.1, drops  # some layer's experts specialise by domain
     probe.detach()
 
@@ -58,8 +62,10 @@ def test_the_card_perplexity_is_what_the_model_measures(bundled) -> None:
     model, tokenizer = bundled
     settings = REPORT["settings"]
     texts = corpus.generate("sql", settings["heldout_samples_per_domain"], settings["seed"] + 1)
-    sequences = [[tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False)["input_ids"],
-                  tokenizer.eos_token_id] for t in texts]
+    sequences = [
+        [tokenizer.bos_token_id, *tokenizer(t, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        for t in texts
+    ]
     assert perplexity(model, sequences) == pytest.approx(REPORT["heldout_perplexity"]["sql"], abs=0.01)
     card = (BUNDLED_DIR / "MODEL_CARD.md").read_text()
     assert f"| sql | {REPORT['heldout_perplexity']['sql']} |" in card
@@ -81,9 +87,14 @@ def test_completions_look_like_their_domain(bundled, domain: str) -> None:
     prompt = corpus.prompts(domain, 1, seed=99)[0]
     ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]])
     with torch.no_grad():
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
-                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    completion = tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=False)
+        output = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=48,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    completion = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=False)
     assert sum(marker in completion for marker in DOMAIN_MARKERS[domain]) >= 2, completion
     others = {"code": "def ", "sql": "SELECT", "customer_service": "<|assistant|>", "doc_summary": "Summary:"}
     assert not any(marker in completion for other, marker in others.items() if other != domain), completion
@@ -100,6 +111,7 @@ def test_a_watched_model_keeps_its_forward_signature_so_generate_computes_the_sa
         assert inspect.signature(model.forward) == before
         assert model._supports_logits_to_keep()
         assert inspect.signature(model.model.layers[1].mlp.gate.forward) == inspect.signature(
-            type(model.model.layers[1].mlp.gate).forward.__get__(model.model.layers[1].mlp.gate))
+            type(model.model.layers[1].mlp.gate).forward.__get__(model.model.layers[1].mlp.gate)
+        )
     finally:
         probe.detach()

@@ -40,8 +40,13 @@ COLLAPSED = np.concatenate([np.full(6, 1024, dtype=np.int64), np.zeros(58, dtype
 def score(counts: np.ndarray, losses: tuple[float, ...] = (10.0,) * 8) -> ModelScore:
     tokens = int(counts.sum()) // GATE.top_k
     stats = compute_stats(counts, kind="expert", top_k=GATE.top_k, tokens=tokens)
-    return ModelScore(perplexity=2.0, tokens=tokens, routers={GATE.name: RouterStats(GATE, "set", stats, counts)},
-                      losses=list(losses), counts=[60] * len(losses))
+    return ModelScore(
+        perplexity=2.0,
+        tokens=tokens,
+        routers={GATE.name: RouterStats(GATE, "set", stats, counts)},
+        losses=list(losses),
+        counts=[60] * len(losses),
+    )
 
 
 class Routed(ReferenceReader):
@@ -65,13 +70,22 @@ class Routed(ReferenceReader):
 
 
 def sets(*names: str) -> ReferenceSets:
-    return ReferenceSets({name: ReferenceSet(name, 1, (f"{name} a", f"{name} b", f"{name} c", f"{name} d"))
-                          for name in names})
+    return ReferenceSets(
+        {name: ReferenceSet(name, 1, (f"{name} a", f"{name} b", f"{name} c", f"{name} d")) for name in names}
+    )
 
 
-LOW = Rule(name="RoutingEntropyLow", metric="entropy_bits", selector=Selector(kind="expert", business_line="*"),
-           below=5.0, resolve_above=5.2, severity="critical", actions=("notify", "retune"),
-           annotations={"summary": "{value:.2f} bits"}, traffic_receivers=("owners",))
+LOW = Rule(
+    name="RoutingEntropyLow",
+    metric="entropy_bits",
+    selector=Selector(kind="expert", business_line="*"),
+    below=5.0,
+    resolve_above=5.2,
+    severity="critical",
+    actions=("notify", "retune"),
+    annotations={"summary": "{value:.2f} bits"},
+    traffic_receivers=("owners",),
+)
 
 
 # --------------------------------------------------------------------------- files
@@ -98,19 +112,22 @@ def test_bad_reference_files_name_the_file_the_key_the_value_and_the_expectation
     with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
     errors = raised.value.errors
-    assert any("code_assistant.yaml: business_line = 'code': expected the file name stem 'code_assistant'" in e
-               for e in errors), errors
+    assert any(
+        "code_assistant.yaml: business_line = 'code': expected the file name stem 'code_assistant'" in e for e in errors
+    ), errors
     assert any("code_assistant.yaml: version = 0: expected an integer >= 1" in e for e in errors), errors
     assert any("code_assistant.yaml: prompts = " in e and "expected a list of 4 to 256 texts" in e for e in errors)
     assert any("unknown key 'extra'" in e for e in errors)
     assert any("default.yaml: prompts = '<1 repeated>': expected distinct texts" in e for e in errors), errors
     secret = "token-abcdef-do-not-show" * 400  # a prompt refused is named by its size, not shown
-    (tmp_path / "code_assistant.yaml").write_text(f"business_line: code_assistant\nversion: 1\nprompts: [a, b, c, "
-                                                  f"'{secret}', '   ']\nmax_tokens: 10\n")
+    (tmp_path / "code_assistant.yaml").write_text(
+        f"business_line: code_assistant\nversion: 1\nprompts: [a, b, c, '{secret}', '   ']\nmax_tokens: 10\n"
+    )
     with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
-    assert "token-abcdef" not in str(raised.value) and "prompts[4] = '<text of 3 characters>': expected a non-empty " \
-        "text" in str(raised.value)
+    assert "token-abcdef" not in str(
+        raised.value
+    ) and "prompts[4] = '<text of 3 characters>': expected a non-empty text" in str(raised.value)
     assert "max_tokens = 10: expected an integer from 16 to 1048576" in str(raised.value)
 
 
@@ -119,8 +136,14 @@ def prober(reader: Routed, clock=time.time, **settings: float) -> ReferenceProbe
     clients = ClientShares(window_tokens=1000)
     clients.add("code_assistant", "app-1", 300)
     clients.add("code_assistant", "flood-1", 2000)
-    return ReferenceProber(lambda: sets("code_assistant", "default"), reader, ReferenceBaselines(),
-                           settings=ReferenceSettings(**settings), clients=clients, clock=clock)
+    return ReferenceProber(
+        lambda: sets("code_assistant", "default"),
+        reader,
+        ReferenceBaselines(),
+        settings=ReferenceSettings(**settings),
+        clients=clients,
+        clock=clock,
+    )
 
 
 def record(line: str | None = "code_assistant", bits: float = 4.2) -> RouterStats:
@@ -151,8 +174,12 @@ def test_reference_routing_that_moved_says_model_and_one_that_breaks_the_rule_wi
     assert cause is not None and cause.name == "model" and "route differently now" in cause.summary
     assert cause.details["js_bits"] > 0.5 and cause.details["rule_breached"] is True
 
-    unlearned = ReferenceProber(lambda: sets("code_assistant"), reader, ReferenceBaselines(),
-                                trusted=lambda reading: "version 0 failed its health check")
+    unlearned = ReferenceProber(
+        lambda: sets("code_assistant"),
+        reader,
+        ReferenceBaselines(),
+        trusted=lambda reading: "version 0 failed its health check",
+    )
     unlearned.read_now()  # deployed broken: nothing learned, and the rule itself breaches on the prompts
     cause = unlearned.judge(LOW, record(), 0.0)
     assert cause is not None and cause.name == "model" and "breach RoutingEntropyLow too" in cause.summary
@@ -178,8 +205,10 @@ def test_a_reading_older_than_the_alert_is_not_used_one_is_asked_for_and_a_failu
         clock.advance(5.0)
         assert judge.judge(LOW, record(), later) is None
         assert wait(lambda: (c := judge.judge(LOW, record(), later)) is not None and c.name == "undetermined")
-        assert "could not be read through the test's model: RuntimeError: the engine is restarting" in \
-            judge.judge(LOW, record(), later).summary
+        assert (
+            "could not be read through the test's model: RuntimeError: the engine is restarting"
+            in judge.judge(LOW, record(), later).summary
+        )
     finally:
         judge.stop()
 
@@ -203,7 +232,9 @@ def test_all_lines_are_judged_on_every_set_and_a_line_without_sets_is_undetermin
     judge.read_now()
     assert judge.judge(LOW, record(line=None), 0.0).name == "traffic"
     assert set(judge.judge(LOW, record(line=None), 0.0).details["sets"][i]["set"] for i in range(2)) == {
-        "code_assistant", "default"}
+        "code_assistant",
+        "default",
+    }
     bare = ReferenceProber(lambda: sets("code_assistant"), reader, ReferenceBaselines())
     cause = bare.judge(LOW, record(line="sql_reports"), 0.0)
     assert cause.name == "undetermined" and "add sql_reports.yaml, or default.yaml" in cause.summary
@@ -212,8 +243,13 @@ def test_all_lines_are_judged_on_every_set_and_a_line_without_sets_is_undetermin
 def test_a_baseline_is_learned_again_only_when_another_known_good_router_version_serves(tmp_path: Path) -> None:
     reader, version, good = Routed(), [0], [True]
     baselines = ReferenceBaselines(tmp_path / "reference_baseline.json")
-    judge = ReferenceProber(lambda: sets("code_assistant"), reader, baselines, router_version=lambda: version[0],
-                            trusted=lambda reading: None if good[0] else "not known good")
+    judge = ReferenceProber(
+        lambda: sets("code_assistant"),
+        reader,
+        baselines,
+        router_version=lambda: version[0],
+        trusted=lambda reading: None if good[0] else "not known good",
+    )
     judge.read_now()
     reader.counts = COLLAPSED
     judge.read_now()  # same version: the damage is compared with the healthy baseline, never learned
@@ -308,7 +344,10 @@ def test_a_traffic_alert_becomes_a_model_page_when_a_newer_reading_shows_the_mod
     judge.answer, judge.reading_at = Cause("model", "the reference prompts route differently now", 2.0), 2.0
     actions = alerts.evaluate([record()])
     assert [(a.kind, a.alert.status, a.alert.labels["cause"]) for a in actions] == [
-        ("notify", "resolved", "traffic"), ("notify", "firing", "model"), ("retune", "firing", "model")]
+        ("notify", "resolved", "traffic"),
+        ("notify", "firing", "model"),
+        ("retune", "firing", "model"),
+    ]
     assert actions[1].alert.fingerprint != first.alert.fingerprint
     judge.answer, judge.reading_at = Cause("traffic", "healthy again", 3.0), 3.0
     assert alerts.evaluate([record()]) == []  # a model cause stays until the alert resolves
@@ -365,16 +404,39 @@ def test_the_reference_gate_refuses_a_candidate_that_routes_the_reference_prompt
     judge.read_now()
     gate = ReferenceGate(lambda: sets("code_assistant", "default"), judge.baselines)
     live = {"code_assistant": score(BALANCED)}
-    good = gate.checks("code_assistant", live, {"code_assistant": score(BALANCED)}, routers=[GATE.name],
-                       band=Band("entropy_bits", low=5.2), margin="2%", confidence=0.95, min_tokens=100,
-                       min_samples=4)
+    good = gate.checks(
+        "code_assistant",
+        live,
+        {"code_assistant": score(BALANCED)},
+        routers=[GATE.name],
+        band=Band("entropy_bits", low=5.2),
+        margin="2%",
+        confidence=0.95,
+        min_tokens=100,
+        min_samples=4,
+    )
     assert {check["gate"]: check["decision"] for check in good} == {
-        "reference_band": "pass", "reference_drift": "pass", "reference_perplexity": "pass"}
+        "reference_band": "pass",
+        "reference_drift": "pass",
+        "reference_perplexity": "pass",
+    }
     worse = score(COLLAPSED, losses=(14.0,) * 8)
-    bad = gate.checks("code_assistant", live, {"code_assistant": worse}, routers=[GATE.name],
-                      band=Band("entropy_bits", low=5.2), margin="2%", confidence=0.95, min_tokens=100, min_samples=4)
+    bad = gate.checks(
+        "code_assistant",
+        live,
+        {"code_assistant": worse},
+        routers=[GATE.name],
+        band=Band("entropy_bits", low=5.2),
+        margin="2%",
+        confidence=0.95,
+        min_tokens=100,
+        min_samples=4,
+    )
     assert {check["gate"]: check["decision"] for check in bad} == {
-        "reference_band": "reject", "reference_drift": "reject", "reference_perplexity": "reject"}
+        "reference_band": "reject",
+        "reference_drift": "reject",
+        "reference_perplexity": "reject",
+    }
     assert "outside the band" in bad[0]["message"]
 
 
@@ -424,8 +486,9 @@ def test_a_pending_alerts_line_is_read_next_ahead_of_the_rest_of_a_round() -> No
 def test_a_reading_that_ends_after_the_stop_began_is_neither_recorded_nor_learned() -> None:
     reader = Held()
     baselines = ReferenceBaselines()
-    judge = ReferenceProber(lambda: sets("alpha", "default"), reader, baselines,
-                            settings=ReferenceSettings(interval_seconds=0))
+    judge = ReferenceProber(
+        lambda: sets("alpha", "default"), reader, baselines, settings=ReferenceSettings(interval_seconds=0)
+    )
     judge.start()
     try:
         assert wait(lambda: reader.started == ["alpha"])
@@ -445,6 +508,7 @@ def test_a_set_whose_reading_failed_is_read_again_without_waiting_for_the_schedu
     judge = prober(reader, interval_seconds=0, retry_seconds=0.05)  # no schedule: at start and on demand only
     judge.start()
     try:
+
         def failed() -> list:
             return [entry["last_failure"] for entry in judge.describe()["sets"] if entry["last_failure"]]
 
@@ -459,9 +523,19 @@ def test_a_set_whose_reading_failed_is_read_again_without_waiting_for_the_schedu
 def test_reference_prompts_that_come_back_without_routing_leave_the_band_unjudged_and_perplexity_decides() -> None:
     gate = ReferenceGate(lambda: sets("code_assistant"), ReferenceBaselines())
     unrouted = ModelScore(perplexity=2.0, tokens=480, routers={}, losses=[10.0] * 8, counts=[60] * 8)
-    checks = gate.checks("code_assistant", {"code_assistant": unrouted}, {"code_assistant": unrouted},
-                         routers=[GATE.name], band=Band("entropy_bits", low=5.2), margin="2%", confidence=0.95,
-                         min_tokens=100, min_samples=4)
+    checks = gate.checks(
+        "code_assistant",
+        {"code_assistant": unrouted},
+        {"code_assistant": unrouted},
+        routers=[GATE.name],
+        band=Band("entropy_bits", low=5.2),
+        margin="2%",
+        confidence=0.95,
+        min_tokens=100,
+        min_samples=4,
+    )
     assert [(check["gate"], check["decision"], check.get("binding", True)) for check in checks] == [
-        ("reference_band", "insufficient", False), ("reference_perplexity", "pass", True)]
+        ("reference_band", "insufficient", False),
+        ("reference_perplexity", "pass", True),
+    ]
     assert "without routing" in checks[0]["message"]

@@ -34,10 +34,14 @@ def test_check_lints_the_shipped_rules_against_the_bundled_model(capsys, monkeyp
 def test_check_warns_of_a_retune_that_needs_traffic_only_where_nothing_else_can_run(tmp_path, capsys) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
-    rule = ("rules:\n  - alert: {name}\n    metric: entropy_bits\n    select: {{kind: expert{extra}}}\n"
-            "    below: 3.0\n    actions: [retune]\n    retune_strategy: [bias]\n")
-    (rules / "r.yaml").write_text(rule.format(name="BiasOnly", extra="") + rule.format(
-        name="OtherGeometry", extra=", slots: 8").split("rules:\n", 1)[1])
+    rule = (
+        "rules:\n  - alert: {name}\n    metric: entropy_bits\n    select: {{kind: expert{extra}}}\n"
+        "    below: 3.0\n    actions: [retune]\n    retune_strategy: [bias]\n"
+    )
+    (rules / "r.yaml").write_text(
+        rule.format(name="BiasOnly", extra="")
+        + rule.format(name="OtherGeometry", extra=", slots: 8").split("rules:\n", 1)[1]
+    )
     assert main(["check", "--rules", str(rules)]) == 0
     out = capsys.readouterr().out
     assert "warning: rule BiasOnly asks for re-tuning by bias, which fit on traffic: serve with --capture" in out
@@ -85,21 +89,28 @@ def test_routing_table_baseline_and_drift(tmp_path, capsys) -> None:
     assert all(value > 0.01 for value in drift)  # another business line routes differently
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--history-interval", "0"], "argument --history-interval: expected a positive number, got '0'"),
-    (["--history-span", "nan"], "argument --history-span: expected a positive number, got 'nan'"),
-    (["--max-queue", "0"], "argument --max-queue: expected an integer >= 1, got '0'"),
-    (["--request-timeout", "-1"], "argument --request-timeout: expected a positive number, got '-1'"),
-    (["--port", "70000"], "argument --port: expected a TCP port in [0, 65535], got '70000'"),
-    (["--history-interval", "100", "--history-span", "50"],
-     "mla-watch serve: --history-interval 100.0: expected at most --history-span (50.0)"),
-    (["--retune-option", "bad"], "--retune-option 'bad': expected STRATEGY.NAME=VALUE"),
-    (["--ingest-max-lines", "0"], "mla-watch serve: --ingest-max-lines 0: expected an integer >= 1"),
-    (["--history-retention", "0.5"],
-     "argument --history-retention: expected 0 (no durable history) or a number of days in [1, 365], got '0.5'"),
-    (["--history-retention", "nan"], "argument --history-retention: expected 0 (no durable history)"),
-    (["--history-max-series", "0"], "argument --history-max-series: expected an integer >= 1, got '0'"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--history-interval", "0"], "argument --history-interval: expected a positive number, got '0'"),
+        (["--history-span", "nan"], "argument --history-span: expected a positive number, got 'nan'"),
+        (["--max-queue", "0"], "argument --max-queue: expected an integer >= 1, got '0'"),
+        (["--request-timeout", "-1"], "argument --request-timeout: expected a positive number, got '-1'"),
+        (["--port", "70000"], "argument --port: expected a TCP port in [0, 65535], got '70000'"),
+        (
+            ["--history-interval", "100", "--history-span", "50"],
+            "mla-watch serve: --history-interval 100.0: expected at most --history-span (50.0)",
+        ),
+        (["--retune-option", "bad"], "--retune-option 'bad': expected STRATEGY.NAME=VALUE"),
+        (["--ingest-max-lines", "0"], "mla-watch serve: --ingest-max-lines 0: expected an integer >= 1"),
+        (
+            ["--history-retention", "0.5"],
+            "argument --history-retention: expected 0 (no durable history) or a number of days in [1, 365], got '0.5'",
+        ),
+        (["--history-retention", "nan"], "argument --history-retention: expected 0 (no durable history)"),
+        (["--history-max-series", "0"], "argument --history-max-series: expected an integer >= 1, got '0'"),
+    ],
+)
 def test_serve_refuses_a_bad_setting_by_flag(flags, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:  # before anything loads or listens
         main(["serve", "--port", "1", *flags])

@@ -40,16 +40,26 @@ def assert_one_line(done: subprocess.CompletedProcess, expected: str) -> None:
     assert "Uvicorn running" not in done.stderr + done.stdout and "status page" not in done.stderr
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--model", "bundeld"],
-     'mla-watch serve: --model bundeld: no such directory and not a bundled model name: expected "bundled" or a '
-     'save_pretrained directory (did you mean "bundled"?)'),
-    (["--device", "gpu"], "mla-watch serve: --device gpu: expected auto, cpu, cuda or cuda:N"),
-    (["--policies", "no-such-policies"],
-     "mla-watch serve: --policies no-such-policies: no such directory: expected a directory of policy YAML files"),
-    (["--baseline-max-client-share", "0"],
-     "mla-watch serve: --baseline-max-client-share 0.0: expected a share in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--model", "bundeld"],
+            'mla-watch serve: --model bundeld: no such directory and not a bundled model name: expected "bundled" or a '
+            'save_pretrained directory (did you mean "bundled"?)',
+        ),
+        (["--device", "gpu"], "mla-watch serve: --device gpu: expected auto, cpu, cuda or cuda:N"),
+        (
+            ["--policies", "no-such-policies"],
+            "mla-watch serve: --policies no-such-policies: no such directory: "
+            "expected a directory of policy YAML files",
+        ),
+        (
+            ["--baseline-max-client-share", "0"],
+            "mla-watch serve: --baseline-max-client-share 0.0: expected a share in (0, 1]",
+        ),
+    ],
+)
 def test_serve_refuses_a_bad_flag_in_one_line_before_it_listens(tmp_path, args, expected) -> None:
     done = cli("serve", "--port", "0", "--state-dir", str(tmp_path / "state"), *args)
     assert_one_line(done, expected)
@@ -65,15 +75,16 @@ def test_cuda_is_refused_where_torch_sees_no_gpu_and_a_device_past_the_last_one_
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert device_problem("cuda") is None and device_problem("cuda:1") is None
-    assert device_problem("cuda:2") == ("this machine has 2 CUDA device(s): expected cuda:0 to cuda:1, cuda, auto "
-                                        "or cpu")
+    assert device_problem("cuda:2") == (
+        "this machine has 2 CUDA device(s): expected cuda:0 to cuda:1, cuda, auto or cpu"
+    )
     assert device_problem("cpu") is None
     assert device_problem("gpu") == "expected auto, cpu, cuda or cuda:N (did you mean cuda?)"
 
 
 def test_routing_and_check_refuse_a_mistyped_model_in_one_line() -> None:
     assert_one_line(cli("routing", "--model", "bundeld", "--samples", "4"), "mla-watch routing: --model bundeld: ")
-    assert_one_line(cli("check", "--model", "./bundeld"), 'mla-watch check: --model ./bundeld: no such directory')
+    assert_one_line(cli("check", "--model", "./bundeld"), "mla-watch check: --model ./bundeld: no such directory")
 
 
 def test_a_port_in_use_is_one_line_before_the_app_starts(tmp_path) -> None:
@@ -82,17 +93,34 @@ def test_a_port_in_use_is_one_line_before_the_app_starts(tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         done = cli("serve", "--port", str(port), "--state-dir", str(tmp_path / "state"))
-    assert_one_line(done, f"mla-watch serve: --port {port}: 127.0.0.1:{port} is in use: expected a free port "
-                          "(or --port 0 for any)")
+    assert_one_line(
+        done, f"mla-watch serve: --port {port}: 127.0.0.1:{port} is in use: expected a free port (or --port 0 for any)"
+    )
     assert "Application startup complete" not in done.stderr and f"http://127.0.0.1:{port}" not in done.stderr
 
 
 def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
     # Beside an upstream (nothing there): no model to load, the sidecar starts at once. --decode-workers 0:
     # no worker process, which a stop this soon after the start could leave half-started.
-    with processes.running([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state"),
-                            "--upstream", "http://127.0.0.1:9", "--decode-workers", "0"], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, grace=60) as process:
+    with processes.running(
+        [
+            *CLI,
+            "serve",
+            "--port",
+            "0",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--decode-workers",
+            "0",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        grace=60,
+    ) as process:
         seen: list[str] = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -114,9 +142,10 @@ def test_serve_says_its_status_page_with_the_port_it_bound(tmp_path) -> None:
 def test_a_mistyped_flag_shows_the_subcommands_usage_on_one_line() -> None:
     done = cli("serve", "--prot", "8000")
     assert done.returncode == 2
-    assert done.stderr.splitlines() == ["usage: mla-watch serve [FLAGS]  (mla-watch serve --help lists its flags)",
-                                        "mla-watch serve: error: unrecognized arguments: --prot 8000 "
-                                        "(did you mean --port?)"]
+    assert done.stderr.splitlines() == [
+        "usage: mla-watch serve [FLAGS]  (mla-watch serve --help lists its flags)",
+        "mla-watch serve: error: unrecognized arguments: --prot 8000 (did you mean --port?)",
+    ]
     nested = cli("retune", "run", "--forse")
     assert nested.returncode == 2 and nested.stderr.startswith("usage: mla-watch retune run [FLAGS]  ")
     assert "mla-watch retune run: error: unrecognized arguments: --forse (did you mean --force?)" in nested.stderr
@@ -125,8 +154,9 @@ def test_a_mistyped_flag_shows_the_subcommands_usage_on_one_line() -> None:
 def test_serve_refuses_a_fleet_url_that_is_not_postgresql_without_showing_it() -> None:
     done = cli("serve", "--fleet", "https://user:hunter2@db/fleet")
     assert done.returncode == 2 and "hunter2" not in done.stderr and "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[-1].startswith("mla-watch serve: error: argument --fleet: expected a "
-                                                   "postgresql:// URL"), done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "mla-watch serve: error: argument --fleet: expected a postgresql:// URL"
+    ), done.stderr
     done = cli("serve", "--fleet", "postgresql://db/fleet", "--fleet-lease", "10", "--fleet-poll", "6")
     assert_one_line(done, "--fleet-poll 6.0: expected seconds > 0, at most half of the lease")
 
@@ -135,8 +165,15 @@ def test_serve_help_shows_the_defaults() -> None:
     done = cli("serve", "--help")
     assert done.returncode == 0
     text = " ".join(done.stdout.split())  # argparse wraps the lines
-    for shown in ("(default bundled)", "(default auto)", "(default 127.0.0.1)", "(default 8000)", "(default 32)",
-                  "(default 60.0)", "(default sdpa)"):
+    for shown in (
+        "(default bundled)",
+        "(default auto)",
+        "(default 127.0.0.1)",
+        "(default 8000)",
+        "(default 32)",
+        "(default 60.0)",
+        "(default sdpa)",
+    ):
         assert shown in text, shown
 
 
@@ -150,8 +187,15 @@ def subparsers(parser):
 
 def test_every_subcommand_help_shows_each_flags_default() -> None:
     parsers = list(subparsers(build_parser()))
-    assert {p.prog for p in parsers} >= {"mla-watch serve", "mla-watch check", "mla-watch demo", "mla-watch routing",
-                                          "mla-watch baseline", "mla-watch retune run", "mla-watch rules export"}
+    assert {p.prog for p in parsers} >= {
+        "mla-watch serve",
+        "mla-watch check",
+        "mla-watch demo",
+        "mla-watch routing",
+        "mla-watch baseline",
+        "mla-watch retune run",
+        "mla-watch rules export",
+    }
     for parser in parsers:
         assert parser.formatter_class is HelpFormatter, parser.prog
         formatter = parser._get_formatter()
@@ -194,8 +238,12 @@ def test_the_libraries_log_lines_show_at_debug_only(tmp_path, level: str) -> Non
 
     log = tmp_path / "serve.log"
     port = free_port()
-    with serve_app(_engine_health_app()) as engine, sidecar_process(
-            port, tmp_path / "state", "--upstream", engine, "--decode-workers", "0", "--log-level", level, log=log):
+    with (
+        serve_app(_engine_health_app()) as engine,
+        sidecar_process(
+            port, tmp_path / "state", "--upstream", engine, "--decode-workers", "0", "--log-level", level, log=log
+        ),
+    ):
         for _ in range(3):  # requests answered; the engine's health asked once at least (readiness asks it)
             assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code == 200
     text = log.read_text()

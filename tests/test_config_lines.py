@@ -50,7 +50,8 @@ def test_a_broken_rule_is_named_by_its_alert_and_each_key_by_its_line(tmp_path: 
 def test_a_policy_error_names_the_line_of_its_key(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text(
         "business_line: default\ndefault_task: chat\ntasks:\n  chat:\n    params:\n"
-        "      temperature: {min: 0.0, max: 9.0}\n      top_pp: {max: 1.0}\n")
+        "      temperature: {min: 0.0, max: 9.0}\n      top_pp: {max: 1.0}\n"
+    )
     with pytest.raises(PolicyError) as caught:
         load_policy_dir(tmp_path)
     errors = caught.value.errors
@@ -60,17 +61,18 @@ def test_a_policy_error_names_the_line_of_its_key(tmp_path: Path) -> None:
 
 def test_a_reference_set_error_names_the_line_of_its_key(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text(
-        "business_line: default\nversion: 1\nprompts:\n  - one\n  - ''\n  - three\n  - four\n")
+        "business_line: default\nversion: 1\nprompts:\n  - one\n  - ''\n  - three\n  - four\n"
+    )
     with pytest.raises(ReferenceSetError) as caught:
         load_reference_dir(tmp_path)
     assert caught.value.errors == [
-        f"{tmp_path / 'default.yaml'}: prompts[1] = '<text of 0 characters>': expected a non-empty text (line 5)"]
+        f"{tmp_path / 'default.yaml'}: prompts[1] = '<text of 0 characters>': expected a non-empty text (line 5)"
+    ]
 
 
 def test_key_lines_walk_an_anchor_once() -> None:
     text = "a: &x [1, 2]\nb: *x\nc:\n  d: 3\n"
     assert key_lines(yaml.compose(text)) == {"a": 1, "a[0]": 1, "a[1]": 1, "b": 2, "c": 3, "c.d": 4}
-
 
 
 def test_a_start_refused_for_a_broken_rule_names_it_and_writes_no_state(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ def _turns(text: str) -> list[tuple[str, str]]:
     turns, pos = [], 0
     while pos < len(text):
         match = _TURN.match(text, pos)
-        assert match is not None, f"unparseable chat at {pos}: {text[pos:pos + 80]!r}"
+        assert match is not None, f"unparseable chat at {pos}: {text[pos : pos + 80]!r}"
         turns.append((match.group(1), match.group(2)))
         pos = match.end()
     return turns
@@ -73,7 +73,11 @@ def test_determinism_across_processes() -> None:
     )
     digests = {
         processes.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
             env={"PYTHONHASHSEED": seed},
         ).stdout
         for seed in ("1", "2")

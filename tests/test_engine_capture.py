@@ -25,7 +25,8 @@ def captured(sidecar, line: str) -> list:
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_unstreamed_answers_are_captured_as_prompt_and_completion_ids_and_the_client_never_sees_them(
-        tmp_path, chat) -> None:
+    tmp_path, chat
+) -> None:
     with beside_twin(tmp_path, capture=True, replay=ReplayBudget(rate=0)) as (twin, url, sidecar):
         answer = ask(url, "code_assistant", chat=chat, stream=False, n=2, prompt="def add(a, b):")
         assert "prompt_token_ids" not in answer
@@ -35,7 +36,8 @@ def test_unstreamed_answers_are_captured_as_prompt_and_completion_ids_and_the_cl
         prompt = twin.tokens_of(twin.bodies[-1], chat)
         samples = captured(sidecar, "code_assistant")
         assert sorted(list(sample) for sample in samples) == sorted(
-            [prompt + twin.generated(prompt, choice, 6) for choice in range(2)])
+            [prompt + twin.generated(prompt, choice, 6) for choice in range(2)]
+        )
         assert {sample.scored_tokens for sample in samples} == {len(prompt)}  # the prompt: what the gate scores
         mode = stat.S_IMODE((sidecar.config.state_dir / "capture.sqlite").stat().st_mode)
         assert mode == 0o600
@@ -43,8 +45,9 @@ def test_unstreamed_answers_are_captured_as_prompt_and_completion_ids_and_the_cl
 
 def test_a_client_that_asks_for_token_ids_keeps_them_and_the_answer_is_captured(tmp_path) -> None:
     with beside_twin(tmp_path, capture=True, replay=ReplayBudget(rate=0)) as (_, url, sidecar):
-        answer = ask(url, "doc_summary", chat=False, stream=False, prompt="Summarize: sales rose.",
-                     return_token_ids=True)
+        answer = ask(
+            url, "doc_summary", chat=False, stream=False, prompt="Summarize: sales rose.", return_token_ids=True
+        )
         assert "token_ids" in answer["choices"][0] and "prompt_token_ids" in answer["choices"][0]
         assert wait_until(lambda: len(captured(sidecar, "doc_summary")) == 1, timeout=10)
 
@@ -73,8 +76,12 @@ def test_beside_the_engine_each_answer_counts_toward_its_clients_share_and_captu
     with beside_twin(tmp_path, capture=True, capture_max_samples=8, replay=ReplayBudget(rate=0)) as (_, url, sidecar):
         for index in range(10):
             client = "flood-1" if index % 5 else "app-1"  # flood-1 sends 8 of 10
-            answer = httpx.post(url + "/v1/completions", json={"prompt": f"def f{index}(x):", "max_tokens": 6},
-                                headers={"X-Business-Line": "code_assistant", "X-Client-Id": client}, timeout=30)
+            answer = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": f"def f{index}(x):", "max_tokens": 6},
+                headers={"X-Business-Line": "code_assistant", "X-Client-Id": client},
+                timeout=30,
+            )
             assert answer.status_code == 200, answer.text
         assert wait_until(lambda: sidecar.engine_routing.answers >= 10, timeout=10)
         shares = httpx.get(url + "/v1/reference", timeout=10).json()["clients"]["code_assistant"]

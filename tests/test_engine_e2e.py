@@ -67,19 +67,36 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
     model = collapsed_checkpoint(tmp_path / "collapsed")
     rules = tmp_path / "rules"
     rules.mkdir()
-    (rules / "routing.yaml").write_text(entropy_low_rules(below=5.0, resolve_above=5.2, min_tokens=64,
-                                                          actions=("notify", "retune"), business_line="all"))
+    (rules / "routing.yaml").write_text(
+        entropy_low_rules(
+            below=5.0, resolve_above=5.2, min_tokens=64, actions=("notify", "retune"), business_line="all"
+        )
+    )
     common = ["--history-interval", "1"]  # sidecar_process adds --device cpu and eager attention
     with ExitStack() as stack, running_receiver() as receiver:
-        upstream = stack.enter_context(serving(tmp_path / "up", [*common, "--model", str(model),
-                                                                 "--return-routed-experts"], tmp_path / "upstream.log"))
-        proxy_args = [*common, "--upstream", upstream, "--model-config", str(model / "config.json"),
-                      "--rules", str(rules), "--alert-interval", "0.5"]
+        upstream = stack.enter_context(
+            serving(
+                tmp_path / "up", [*common, "--model", str(model), "--return-routed-experts"], tmp_path / "upstream.log"
+            )
+        )
+        proxy_args = [
+            *common,
+            "--upstream",
+            upstream,
+            "--model-config",
+            str(model / "config.json"),
+            "--rules",
+            str(rules),
+            "--alert-interval",
+            "0.5",
+        ]
         oncall = {"MLA_WATCH_ONCALL_URL": receiver.url + "/hook"}
-        vllm = stack.enter_context(serving(tmp_path / "v", [*proxy_args, "--engine", "vllm"], tmp_path / "vllm.log",
-                                           oncall))
-        sglang = stack.enter_context(serving(tmp_path / "s", [*proxy_args, "--engine", "sglang"],
-                                             tmp_path / "sglang.log", oncall))
+        vllm = stack.enter_context(
+            serving(tmp_path / "v", [*proxy_args, "--engine", "vllm"], tmp_path / "vllm.log", oncall)
+        )
+        sglang = stack.enter_context(
+            serving(tmp_path / "s", [*proxy_args, "--engine", "sglang"], tmp_path / "sglang.log", oncall)
+        )
 
         prompts = ["SELECT name FROM", "def parse(", "Summarise the report", "Where is my order?"]
         for index, prompt in enumerate(prompts):
@@ -104,20 +121,25 @@ def test_proxies_count_exactly_what_the_upstream_probe_counted_and_page_on_its_c
         assert metric_value(text, "mla_watch_routing_entropy_bits", router=COLLAPSED, business_line="all") < 3.0
 
         def paged() -> bool:
-            return any(alert["labels"].get("router") == COLLAPSED and body.get("status") == "firing"
-                       for body in (r.json() for r in list(receiver.requests)) for alert in body.get("alerts", []))
+            return any(
+                alert["labels"].get("router") == COLLAPSED and body.get("status") == "firing"
+                for body in (r.json() for r in list(receiver.requests))
+                for alert in body.get("alerts", [])
+            )
 
         assert wait_until(paged, timeout=60, interval=0.25), (tmp_path / "sglang.log").read_text()[-3000:]
         alerts = [alert for body in (r.json() for r in list(receiver.requests)) for alert in body["alerts"]]
         assert {alert["labels"]["router"] for alert in alerts} == {COLLAPSED}  # healthy layers never page
         # The upstream here is no vLLM: it cannot tokenize nor score the reference prompts, so the cause cannot be
         # told, the page says so, and no router is re-tuned on a page whose cause is not the model.
-        assert all(alert["labels"]["cause"] == "undetermined" and "retune" not in alert["annotations"]
-                   for alert in alerts), alerts
+        assert all(
+            alert["labels"]["cause"] == "undetermined" and "retune" not in alert["annotations"] for alert in alerts
+        ), alerts
         assert all("could not be read through" in alert["annotations"]["cause"] for alert in alerts), alerts
         # --model-config names the checkpoint's config.json: the routers' tensors are read beside it, so re-tuning
         # is available (proposals: the default) and waits for a page whose cause is the model
         status = httpx.get(sglang + "/v1/status", timeout=10).json()
         assert status["engine"]["engine"] == "sglang" and status["engine"]["retune"].startswith(
-            "re-tuning the engine's routers: propose"), status["engine"]
+            "re-tuning the engine's routers: propose"
+        ), status["engine"]
         assert httpx.get(sglang + "/v1/retune/jobs", timeout=10).json()["jobs"] == []

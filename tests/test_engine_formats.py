@@ -46,10 +46,24 @@ from mla_watch.engines.geometry import GeometryError, load_geometry, parse_geome
 from tests.tiny_models import FAMILIES, build
 
 # DeepSeek-V3's own config.json (the keys that matter): 61 layers, the first 3 dense, 256 experts, top-8.
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3, "moe_layer_freq": 1,
-               "n_routed_experts": 256, "num_experts_per_tok": 8, "num_nextn_predict_layers": 1}
-TINY = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
-                       "n_routed_experts": 16, "num_experts_per_tok": 4})
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_nextn_predict_layers": 1,
+}
+TINY = parse_geometry(
+    {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 5,
+        "first_k_dense_replace": 2,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+    }
+)
 
 
 def reference_counts(ids: np.ndarray, experts: int) -> np.ndarray:
@@ -65,8 +79,12 @@ def reference_counts(ids: np.ndarray, experts: int) -> np.ndarray:
 def random_ids(tokens: int, geometry=TINY, seed: int = 0) -> np.ndarray:
     """[tokens, moe_layers, top_k] distinct experts per token, as a router picks them."""
     rng = np.random.default_rng(seed)
-    return np.stack([[rng.choice(geometry.num_experts, geometry.top_k, replace=False)
-                      for _ in geometry.moe_layers] for _ in range(tokens)]).astype(np.int64)
+    return np.stack(
+        [
+            [rng.choice(geometry.num_experts, geometry.top_k, replace=False) for _ in geometry.moe_layers]
+            for _ in range(tokens)
+        ]
+    ).astype(np.int64)
 
 
 def npy_b64(array: np.ndarray) -> str:
@@ -84,11 +102,28 @@ def test_deepseek_v3_geometry_has_58_moe_layers_named_as_transformers_names_them
 
 
 def test_qwen_sparse_steps_and_dense_layers_and_nested_text_configs() -> None:
-    qwen = parse_geometry({"model_type": "qwen3_moe", "num_hidden_layers": 6, "num_experts": 128,
-                           "num_experts_per_tok": 8, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    qwen = parse_geometry(
+        {
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 6,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [3],
+        }
+    )
     assert qwen.moe_layers == (1, 5)
-    nested = parse_geometry({"model_type": "qwen3_vl_moe", "text_config": {
-        "model_type": "qwen3_vl_moe_text", "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}})
+    nested = parse_geometry(
+        {
+            "model_type": "qwen3_vl_moe",
+            "text_config": {
+                "model_type": "qwen3_vl_moe_text",
+                "num_hidden_layers": 2,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            },
+        }
+    )
     assert nested.moe_layers == (0, 1) and nested.num_experts == 8
 
 
@@ -109,16 +144,25 @@ def test_the_bundled_models_config_describes_its_three_moe_layers() -> None:
     assert (geometry.num_experts, geometry.top_k) == (64, 6)
 
 
-@pytest.mark.parametrize(("config", "expected"), [
-    ({"num_hidden_layers": 4, "num_experts_per_tok": 2}, "none of the keys n_routed_experts"),
-    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 9}, "'num_experts_per_tok' = 9"),
-    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": "3"},
-     "'first_k_dense_replace' = \"3\": expected an integer in [0, 4]"),
-    ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 4},
-     "no layer of the 4 is a MoE layer"),
-    ({"num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "mlp_layer_types": ["dense"]},
-     "'mlp_layer_types'"),
-])
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"num_hidden_layers": 4, "num_experts_per_tok": 2}, "none of the keys n_routed_experts"),
+        ({"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 9}, "'num_experts_per_tok' = 9"),
+        (
+            {"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": "3"},
+            "'first_k_dense_replace' = \"3\": expected an integer in [0, 4]",
+        ),
+        (
+            {"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 4},
+            "no layer of the 4 is a MoE layer",
+        ),
+        (
+            {"num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "mlp_layer_types": ["dense"]},
+            "'mlp_layer_types'",
+        ),
+    ],
+)
 def test_a_config_that_cannot_describe_the_routers_names_the_key_and_the_expectation(config, expected) -> None:
     with pytest.raises(GeometryError) as caught:
         parse_geometry(config, "/models/x/config.json")
@@ -140,8 +184,11 @@ def test_vllm_current_format_counts_moe_rows_and_strips_the_field() -> None:
     rows = np.concatenate([prompt, generated])  # prompt + generated - 1 rows, as vLLM returns them
     full = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers).astype(np.uint8)
     assert full[:, :2].max() == 0  # dense layers: zero rows
-    body = {"id": "cmpl-1", "object": "text_completion", "choices": [
-        {"index": 0, "text": "x", "finish_reason": "length", "routed_experts": npy_b64(full)}]}
+    body = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [{"index": 0, "text": "x", "finish_reason": "length", "routed_experts": npy_b64(full)}],
+    }
     extra = {"policy": "code_assistant/code", "adjustments": []}
     decoded = decode_response(RoutingPlan("vllm", TINY, keep=False, extra=extra), json.dumps(body).encode())
     assert decoded.error is None and decoded.tokens == 11
@@ -157,9 +204,13 @@ def test_vllm_current_format_counts_moe_rows_and_strips_the_field() -> None:
 
 def test_vllm_021_nested_lists_count_the_prompt_once_and_each_choice() -> None:
     prompt, first, second = random_ids(5, seed=3), random_ids(3, seed=4), random_ids(2, seed=5)
-    body = {"prompt_routed_experts": prompt.tolist(), "choices": [
-        {"index": 0, "text": "a", "routed_experts": first.tolist()},
-        {"index": 1, "text": "b", "routed_experts": second.tolist()}]}
+    body = {
+        "prompt_routed_experts": prompt.tolist(),
+        "choices": [
+            {"index": 0, "text": "a", "routed_experts": first.tolist()},
+            {"index": 1, "text": "b", "routed_experts": second.tolist()},
+        ],
+    }
     decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
     expected = reference_counts(np.concatenate([prompt, first, second]), TINY.num_experts)
     assert np.array_equal(decoded.counts, expected) and decoded.tokens == 10
@@ -184,8 +235,17 @@ def test_sglang_response_and_its_routing_chunk() -> None:
     assert np.array_equal(decoded.counts, reference_counts(rows, TINY.num_experts)) and decoded.tokens == 9
     assert "sglext" not in json.loads(decoded.body)
 
-    chunk = json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
-                        "usage": None, "sglext": {"routed_experts": encoded}})
+    chunk = json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [],
+            "usage": None,
+            "sglext": {"routed_experts": encoded},
+        }
+    )
     dropped = decode_chunk(RoutingPlan("sglang", TINY, keep=False), chunk, first=False)
     assert dropped.body is None and dropped.tokens == 9  # the client did not ask: the chunk is not relayed
     kept = decode_chunk(RoutingPlan("sglang", TINY, keep=True), chunk, first=False)
@@ -200,16 +260,22 @@ def good_vllm(rows: np.ndarray) -> bytes:
     return json.dumps({"choices": [{"index": 0, "routed_experts": npy_b64(rows)}]}).encode()
 
 
-@pytest.mark.parametrize(("body", "reason", "words"), [
-    (good_vllm(np.full((2, 5, 4), 16, dtype=np.uint8)), "expert_id", "expected [0, 15]"),
-    (good_vllm(np.zeros((2, 5, 3), dtype=np.uint8)), "shape", "expected [tokens, layers, 4]"),
-    (good_vllm(np.zeros((2, 4, 4), dtype=np.uint8)), "shape", "expected 5 (every layer) or 3 (MoE layers)"),
-    (good_vllm(np.zeros((2, 5, 4), dtype=np.float32)), "encoding", "expected integers"),
-    (json.dumps({"choices": [{"routed_experts": "%%% not base64"}]}).encode(), "encoding", "not"),
-    (json.dumps({"choices": [{"routed_experts": base64.b64encode(pickle.dumps([1])).decode()}]}).encode(),
-     "encoding", "not a .npy array"),
-    (json.dumps({"choices": [{"routed_experts": [[[1, 2]], [[1]]]}]}).encode(), "shape", "ragged"),
-])
+@pytest.mark.parametrize(
+    ("body", "reason", "words"),
+    [
+        (good_vllm(np.full((2, 5, 4), 16, dtype=np.uint8)), "expert_id", "expected [0, 15]"),
+        (good_vllm(np.zeros((2, 5, 3), dtype=np.uint8)), "shape", "expected [tokens, layers, 4]"),
+        (good_vllm(np.zeros((2, 4, 4), dtype=np.uint8)), "shape", "expected 5 (every layer) or 3 (MoE layers)"),
+        (good_vllm(np.zeros((2, 5, 4), dtype=np.float32)), "encoding", "expected integers"),
+        (json.dumps({"choices": [{"routed_experts": "%%% not base64"}]}).encode(), "encoding", "not"),
+        (
+            json.dumps({"choices": [{"routed_experts": base64.b64encode(pickle.dumps([1])).decode()}]}).encode(),
+            "encoding",
+            "not a .npy array",
+        ),
+        (json.dumps({"choices": [{"routed_experts": [[[1, 2]], [[1]]]}]}).encode(), "shape", "ragged"),
+    ],
+)
 def test_routing_that_does_not_fit_the_config_is_a_data_error_and_counts_nothing(body, reason, words) -> None:
     decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), body)
     assert decoded.counts is None and decoded.error is not None, decoded
@@ -224,9 +290,10 @@ def test_routing_that_names_an_expert_twice_in_a_tokens_top_k_is_never_counted()
     assert "6 of 6 tokens" in str(zeros.error) and "--enforce-eager" in str(zeros.error)
     rows = every_layer(random_ids(5, seed=11), list(TINY.moe_layers), TINY.num_hidden_layers).astype(np.uint8)
     rows[3, 4, 1] = rows[3, 4, 0]  # one token, one layer, one repeat
-    one = decode_response(RoutingPlan("sglang", TINY, keep=False),
-                          json.dumps({"choices": [], "sglext": {"routing": 0, "routed_experts": encode_sglang(rows)}})
-                          .encode())
+    one = decode_response(
+        RoutingPlan("sglang", TINY, keep=False),
+        json.dumps({"choices": [], "sglext": {"routing": 0, "routed_experts": encode_sglang(rows)}}).encode(),
+    )
     assert one.counts is None and one.error.reason == "duplicate_ids" and "token 3, MoE layer 2" in str(one.error)
 
 
@@ -270,8 +337,10 @@ def test_with_n_choices_the_prompt_rows_every_choice_repeats_are_counted_once() 
         full = every_layer(np.concatenate([prompt, generated]), list(TINY.moe_layers), TINY.num_hidden_layers)
         return {"index": index, "text": "x", "routed_experts": encode_vllm(full, TINY.num_experts)}
 
-    body = {"choices": [choice(0, first), choice(1, second)],
-            "usage": {"prompt_tokens": 6, "completion_tokens": 7, "total_tokens": 13}}
+    body = {
+        "choices": [choice(0, first), choice(1, second)],
+        "usage": {"prompt_tokens": 6, "completion_tokens": 7, "total_tokens": 13},
+    }
     decoded = decode_response(RoutingPlan("vllm", TINY, keep=False), json.dumps(body).encode())
     assert decoded.error is None and decoded.tokens == 6 + 3 + 2
     assert np.array_equal(decoded.counts, reference_counts(np.concatenate([prompt, first, second]), TINY.num_experts))
@@ -292,8 +361,10 @@ def test_a_client_that_sets_the_prompt_start_gets_its_rows_while_every_row_is_co
 
 def test_sglang_bytes_that_fit_no_layer_count_are_a_shape_error() -> None:
     encoded = base64.b64encode(np.zeros(7, dtype="<i4").tobytes()).decode()
-    decoded = decode_response(RoutingPlan("sglang", TINY, keep=False),
-                              json.dumps({"choices": [], "sglext": {"routed_experts": encoded}}).encode())
+    decoded = decode_response(
+        RoutingPlan("sglang", TINY, keep=False),
+        json.dumps({"choices": [], "sglext": {"routed_experts": encoded}}).encode(),
+    )
     assert decoded.error.reason == "shape" and "multiple of layers x top_k" in str(decoded.error)
 
 
@@ -301,14 +372,20 @@ def test_a_body_that_is_not_json_is_relayed_as_it_came() -> None:
     assert decode_response(RoutingPlan("vllm", TINY, keep=False), b"<html>502</html>").body == b"<html>502</html>"
 
 
-@pytest.mark.parametrize(("body", "sent"), [
-    # as the engine wrote it, spaces and escapes included
-    (b' {"id": "a",  "text": "\\u00e9"}\n', b'{"id": "a",  "text": "\\u00e9","mla_watch":{"policy":"p"}}'),
-    (b"{}", b'{"mla_watch":{"policy":"p"}}'),
-    (b'{"mla_watch": 1, "x": 2}', b'{"mla_watch":{"policy":"p"},"x":2}'),  # one key, ours: written anew
-    ('{"x": "\u00e9"}'.encode("utf-16"), '{"x":"\u00e9","mla_watch":{"policy":"p"}}'.encode()),  # into UTF-8
-    (b"[1, 2]", None), (b"<html>ok</html>", None), (b'{"x": 1} {"y": 2}', None), (b"[" * 100_000, None),
-])
+@pytest.mark.parametrize(
+    ("body", "sent"),
+    [
+        # as the engine wrote it, spaces and escapes included
+        (b' {"id": "a",  "text": "\\u00e9"}\n', b'{"id": "a",  "text": "\\u00e9","mla_watch":{"policy":"p"}}'),
+        (b"{}", b'{"mla_watch":{"policy":"p"}}'),
+        (b'{"mla_watch": 1, "x": 2}', b'{"mla_watch":{"policy":"p"},"x":2}'),  # one key, ours: written anew
+        ('{"x": "\u00e9"}'.encode("utf-16"), '{"x":"\u00e9","mla_watch":{"policy":"p"}}'.encode()),  # into UTF-8
+        (b"[1, 2]", None),
+        (b"<html>ok</html>", None),
+        (b'{"x": 1} {"y": 2}', None),
+        (b"[" * 100_000, None),
+    ],
+)
 def test_an_answer_without_routing_is_marked_as_the_engine_wrote_it_or_refused(body, sent) -> None:
     assert add_extra(body, {"policy": "p"}) == sent
 
@@ -401,8 +478,11 @@ def test_routing_strings_are_cut_out_before_parsing_without_touching_anything_el
     full = every_layer(rows, list(TINY.moe_layers), TINY.num_hidden_layers)
     encoded = encode_sglang(full)
     text = 'the model said "routed_experts": "AAAA" and \\"routed_experts\\":\\"'
-    body = {"choices": [{"index": 0, "message": {"content": text}}], "sglext": {"routed_experts": encoded},
-            "meta": {"routed_experts": "b3RoZXI="}}  # a routing-like string where SGLang puts none
+    body = {
+        "choices": [{"index": 0, "message": {"content": text}}],
+        "sglext": {"routed_experts": encoded},
+        "meta": {"routed_experts": "b3RoZXI="},
+    }  # a routing-like string where SGLang puts none
     decoded = decode_response(RoutingPlan("sglang", TINY, keep=False), json.dumps(body).encode())
     sent = json.loads(decoded.body)
     assert decoded.tokens == 3 and sent["choices"][0]["message"]["content"] == text

@@ -21,8 +21,15 @@ from mla_watch.engines.formats import DataError, RoutingPlan, decode_chunk, deco
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
-BODIES = ["chat", "chat_n2", "chat_n2_meta_info", "completions_start_len", "completions_n2", "generate",
-          "padding_rows_synthetic"]
+BODIES = [
+    "chat",
+    "chat_n2",
+    "chat_n2_meta_info",
+    "completions_start_len",
+    "completions_n2",
+    "generate",
+    "padding_rows_synthetic",
+]
 STREAMS = ["chat_stream", "completions_stream"]
 
 
@@ -58,8 +65,11 @@ def routing_paths(document: Any, path: str = "") -> list[str]:
 def without_routing(document: dict[str, Any]) -> dict[str, Any]:
     """``document`` as the client gets it when it did not ask for the routing."""
     stripped = copy.deepcopy(document)
-    for container in [stripped.get("sglext"), stripped.get("meta_info"),
-                      *(choice.get("meta_info") for choice in stripped.get("choices", []))]:
+    for container in [
+        stripped.get("sglext"),
+        stripped.get("meta_info"),
+        *(choice.get("meta_info") for choice in stripped.get("choices", [])),
+    ]:
         if isinstance(container, dict):
             container.pop("routed_experts", None)
     if stripped.get("sglext") == {}:
@@ -133,8 +143,9 @@ def test_a_stream_counts_its_sglext_chunk_and_relays_what_else_the_client_asked_
         else:  # routing only: the chunk is not relayed
             assert decoded.body is None
     assert found == [fixture["sglext_chunk"]]
-    kept = decode_chunk(RoutingPlan("sglang", geometry_of(fixture), keep=True),
-                        fixture["chunks"][fixture["sglext_chunk"]], first=False)
+    kept = decode_chunk(
+        RoutingPlan("sglang", geometry_of(fixture), keep=True), fixture["chunks"][fixture["sglext_chunk"]], first=False
+    )
     assert json.loads(kept.body) == json.loads(fixture["chunks"][fixture["sglext_chunk"]])
     assert kept.tokens == fixture["tokens"]
 
@@ -161,8 +172,15 @@ def assert_error(fixture: dict[str, Any], body: dict[str, Any], reason: str, wor
     return decoded.error
 
 
-@pytest.mark.parametrize("sibling", [{"routed_experts_dtype": "uint8"}, {"routed_experts_dtype": "int32"},
-                                     {"routed_experts_start_len": 3}, {"routed_experts_shape": [11, 4, 4]}])
+@pytest.mark.parametrize(
+    "sibling",
+    [
+        {"routed_experts_dtype": "uint8"},
+        {"routed_experts_dtype": "int32"},
+        {"routed_experts_start_len": 3},
+        {"routed_experts_shape": [11, 4, 4]},
+    ],
+)
 def test_a_dtype_or_offset_beside_the_routing_is_a_format_sglang_does_not_send_and_an_encoding_error(sibling):
     fixture, body = chat_with(**sibling)
     ((key, value),) = sibling.items()
@@ -177,10 +195,13 @@ def test_a_dtype_beside_a_choices_routing_is_refused_the_same() -> None:
     assert_error(fixture, body, "encoding", "routed_experts_dtype='uint16'")
 
 
-@pytest.mark.parametrize(("cut", "reason", "words"), [
-    (2, "encoding", "expected whole int32 values"),
-    (4, "shape", "expected a multiple of layers x top_k = 4 x 4"),
-])
+@pytest.mark.parametrize(
+    ("cut", "reason", "words"),
+    [
+        (2, "encoding", "expected whole int32 values"),
+        (4, "shape", "expected a multiple of layers x top_k = 4 x 4"),
+    ],
+)
 def test_bytes_that_do_not_make_whole_rows_are_a_data_error(cut, reason, words) -> None:
     fixture = load("chat")
     raw = base64.b64decode(fixture["body"]["sglext"]["routed_experts"])
@@ -188,8 +209,9 @@ def test_bytes_that_do_not_make_whole_rows_are_a_data_error(cut, reason, words) 
     assert_error(fixture, body, reason, words)
 
 
-@pytest.mark.parametrize(("value", "where"), [(16, (3, 2, 1)), (-2, (0, 1, 0)), (2**31 - 1, (5, 3, 3)),
-                                              (-1, (4, 2, 2))])  # one -1 among a real row's ids
+@pytest.mark.parametrize(
+    ("value", "where"), [(16, (3, 2, 1)), (-2, (0, 1, 0)), (2**31 - 1, (5, 3, 3)), (-1, (4, 2, 2))]
+)  # one -1 among a real row's ids
 def test_ids_out_of_range_are_expert_id_errors(value, where) -> None:
     fixture = load("chat")
     rows = raw_rows(fixture).copy()
@@ -217,9 +239,14 @@ def test_padding_rows_count_nothing_and_minus_one_in_a_dense_layer_is_never_read
     assert decoded.error is None and decoded.tokens == 0 and decoded.counts.sum() == 0
 
 
-@pytest.mark.parametrize(("completion", "words"), [(None, "completion_tokens is None"),
-                                                   (99, "completion_tokens is 99: expected an integer in [0, 9]"),
-                                                   ("3", "completion_tokens is a str")])
+@pytest.mark.parametrize(
+    ("completion", "words"),
+    [
+        (None, "completion_tokens is None"),
+        (99, "completion_tokens is 99: expected an integer in [0, 9]"),
+        ("3", "completion_tokens is a str"),
+    ],
+)
 def test_a_later_choice_whose_generated_rows_cannot_be_told_is_a_shape_error(completion, words) -> None:
     fixture = load("chat_n2_meta_info")
     body = copy.deepcopy(fixture["body"])
@@ -238,6 +265,7 @@ def test_a_generate_batch_is_a_json_list_which_is_not_read() -> None:
     # /generate with several prompts or n > 1 answers a list of meta_info objects (tokenizer_manager.py):
     # decode_response reads JSON objects only; the proxy forwards no /generate.
     fixture = load("generate")
-    decoded = decode_response(RoutingPlan("sglang", geometry_of(fixture), keep=False),
-                              json.dumps([fixture["body"], fixture["body"]]).encode())
+    decoded = decode_response(
+        RoutingPlan("sglang", geometry_of(fixture), keep=False), json.dumps([fixture["body"], fixture["body"]]).encode()
+    )
     assert decoded.not_json

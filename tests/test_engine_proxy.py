@@ -37,8 +37,13 @@ from mla_watch.engines.recorder import DUMP_PATH, START_PATH
 from mla_watch.engines.watch import UNATTRIBUTED_LINE
 from tests.test_engine_recorder import FakeSGLangRecorder
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
 GEOMETRY = parse_geometry(CONFIG)
 ROUTERS = GEOMETRY.router_names
 
@@ -58,12 +63,14 @@ class FakeEngine:
         self.routing: np.ndarray | None = ids(9)
         self.raw: object = None  # sent instead of the encoded routing when set (a broken engine)
         self.bodies: list[dict] = []
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.complete, methods=["POST"]),
-            Route(START_PATH, self.record, methods=["GET", "POST"]),
-            Route(DUMP_PATH, self.record, methods=["GET", "POST"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.complete, methods=["POST"]),
+                Route(START_PATH, self.record, methods=["GET", "POST"]),
+                Route(DUMP_PATH, self.record, methods=["GET", "POST"]),
+            ]
+        )
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": self.owner}]})
@@ -74,8 +81,12 @@ class FakeEngine:
     async def complete(self, request: Request) -> Response:
         body = await request.json()
         self.bodies.append(body)
-        answer: dict = {"id": "cmpl-1", "object": "text_completion", "model": "m",
-                        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        answer: dict = {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "model": "m",
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+        }
         full = None if self.routing is None else every_layer(self.routing, list(GEOMETRY.moe_layers), 4)
         if self.style == "vllm":
             answer["choices"][0]["routed_experts"] = self.raw if self.raw is not None else encode_vllm(full, 16)
@@ -88,17 +99,29 @@ class FakeEngine:
 def beside(fake: FakeEngine, tmp_path: Path, **overrides) -> Iterator[tuple[str, object]]:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    with serve_app(fake.app) as engine_url, running_sidecar(
-            upstream=engine_url, model_config=config, decode_workers=0, rules=None, window_tokens=None,
-            **{"engine": fake.style, **overrides}) as running:
+    with (
+        serve_app(fake.app) as engine_url,
+        running_sidecar(
+            upstream=engine_url,
+            model_config=config,
+            decode_workers=0,
+            rules=None,
+            window_tokens=None,
+            **{"engine": fake.style, **overrides},
+        ) as running,
+    ):
         yield running
 
 
 def complete(url: str, line: str = "code_assistant", **extra) -> dict:
     """One completion through the sidecar, returned once its routing is counted (which follows the answer)."""
     before = answers_counted(url)
-    response = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra},
-                          headers={"X-Business-Line": line}, timeout=30)
+    response = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, **extra},
+        headers={"X-Business-Line": line},
+        timeout=30,
+    )
     assert response.status_code == 200, response.text
     settled_over_http(url, before + 1)
     return response.json()
@@ -142,8 +165,9 @@ def test_routing_that_does_not_fit_the_config_is_counted_as_a_data_error_with_on
         engine.routing, engine.raw = None, None
         engine.style = "none"  # an engine whose flag is off: no routing at all
         complete(url)
-        assert metric_value(get_metrics(url), "mla_watch_engine_responses_total", engine="vllm",
-                            outcome="no_routing") == 1
+        assert (
+            metric_value(get_metrics(url), "mla_watch_engine_responses_total", engine="vllm", outcome="no_routing") == 1
+        )
 
 
 @pytest.mark.parametrize(("owner", "style"), [("vllm", "vllm"), ("sglang", "sglang")])
@@ -160,8 +184,7 @@ def test_the_recorder_counts_all_traffic_as_the_unattributed_line(tmp_path) -> N
     dumps.mkdir()
     recorder = FakeSGLangRecorder(dumps, GEOMETRY, buffer_size=50, passes_per_dump=5)
     engine = FakeEngine("sglang", owner="sglang", recorder=recorder)
-    with beside(engine, tmp_path, engine="none", sglang_recorder_dir=dumps, sglang_recorder_interval=0.05) as (
-            url, _):
+    with beside(engine, tmp_path, engine="none", sglang_recorder_dir=dumps, sglang_recorder_interval=0.05) as (url, _):
         assert wait_until(lambda: recorder.calls[DUMP_PATH] >= 2 and not list(dumps.iterdir()), timeout=30)
         routing = httpx.get(url + "/v1/routing", params={"business_line": UNATTRIBUTED_LINE}, timeout=10).json()
         assert {r["name"] for r in routing["routers"]} == set(ROUTERS) and routing["routers"][0]["tokens"] > 0
@@ -169,19 +192,31 @@ def test_the_recorder_counts_all_traffic_as_the_unattributed_line(tmp_path) -> N
         assert metric_value(get_metrics(url), "mla_watch_engine_recorder_dumps_total", outcome="counted") >= 2
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--engine", "vllm", "--upstream", "http://127.0.0.1:9"], "--engine needs --model-config"),
-    (["--engine", "sglang"], "it needs --upstream URL"),
-    (["--sglang-recorder-dir", "/tmp", "--upstream", "http://127.0.0.1:9"], "--sglang-recorder-dir needs"),
-    (["--engine", "vllm", "--upstream", "http://127.0.0.1:9", "--model-config", "{config}"],
-     "'num_experts_per_tok' = 99: expected an integer in [1, 16]"),
-    (["--engine", "trtllm"], "invalid choice: 'trtllm'"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--engine", "vllm", "--upstream", "http://127.0.0.1:9"], "--engine needs --model-config"),
+        (["--engine", "sglang"], "it needs --upstream URL"),
+        (["--sglang-recorder-dir", "/tmp", "--upstream", "http://127.0.0.1:9"], "--sglang-recorder-dir needs"),
+        (
+            ["--engine", "vllm", "--upstream", "http://127.0.0.1:9", "--model-config", "{config}"],
+            "'num_experts_per_tok' = 99: expected an integer in [1, 16]",
+        ),
+        (["--engine", "trtllm"], "invalid choice: 'trtllm'"),
+    ],
+)
 def test_serve_refuses_an_engine_it_cannot_read_naming_the_flag(tmp_path, args, expected) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**CONFIG, "num_experts_per_tok": 99}))
-    command = [sys.executable, "-m", "mla_watch.cli", "serve", "--state-dir", str(tmp_path / "state"),
-               *[arg.replace("{config}", str(config)) for arg in args]]
+    command = [
+        sys.executable,
+        "-m",
+        "mla_watch.cli",
+        "serve",
+        "--state-dir",
+        str(tmp_path / "state"),
+        *[arg.replace("{config}", str(config)) for arg in args],
+    ]
     done = processes.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and expected in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
@@ -212,8 +247,12 @@ def test_a_baseline_taken_beside_the_engine_measures_drift_and_survives_a_restar
         complete(url)
         refused = httpx.post(url + "/admin/baseline", timeout=10)
         assert refused.status_code in (401, 403)
-        missing = httpx.post(url + "/admin/baseline", params={"business_line": "nope"},
-                             headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        missing = httpx.post(
+            url + "/admin/baseline",
+            params={"business_line": "nope"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
         assert missing.status_code == 404 and "code_assistant" in missing.json()["error"]["message"]
         saved = httpx.post(url + "/admin/baseline", headers={"Authorization": f"Bearer {token}"}, timeout=10)
         assert saved.status_code == 200 and saved.json()["routers"] == ROUTERS
@@ -232,27 +271,43 @@ def test_beside_an_engine_without_alert_rules_baselines_are_learned_for_promethe
     with beside(FakeEngine("vllm"), tmp_path, baseline_tokens=100) as (url, _):
         for sent in range(200):  # from three clients (the body's user field): the line's traffic, not one client's
             complete(url, user=f"app-{sent % 3}")
-            window = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"},
-                               timeout=10).json()["routers"][0]
+            window = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"}, timeout=10).json()[
+                "routers"
+            ][0]
             if sent >= 2 and not window["too_small"] and window["tokens"] >= 100:
                 break
         get_metrics(url)  # a scrape reads the routing, as Prometheus would
         view = httpx.get(url + "/v1/baseline", timeout=10).json()
         learned = {s["router"] for s in view["series"] if s["business_line"] == "code_assistant"}
         assert learned == set(ROUTERS) and {s["source"] for s in view["series"]} == {"learned"}, view
-        assert {c["client"] for c in view["series"][0]["clients"]["clients"]} == {"user:app-0", "user:app-1",
-                                                                                 "user:app-2"}
+        assert {c["client"] for c in view["series"][0]["clients"]["clients"]} == {
+            "user:app-0",
+            "user:app-1",
+            "user:app-2",
+        }
         text = get_metrics(url)
-        assert all(metric_value(text, "mla_watch_routing_baseline_entropy_bits", router=router,
-                                business_line="code_assistant") > 0 for router in ROUTERS)
+        assert all(
+            metric_value(text, "mla_watch_routing_baseline_entropy_bits", router=router, business_line="code_assistant")
+            > 0
+            for router in ROUTERS
+        )
 
 
 def test_check_lints_the_rules_against_an_engines_routers(tmp_path, capsys) -> None:
     from mla_watch.cli import main
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
-                                  "n_routed_experts": 256, "num_experts_per_tok": 8}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 61,
+                "first_k_dense_replace": 3,
+                "n_routed_experts": 256,
+                "num_experts_per_tok": 8,
+            }
+        )
+    )
     assert main(["check", "--model-config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "58 MoE layers of 61 (first 3), 256 experts, top-8" in out
@@ -272,6 +327,9 @@ def test_sglangs_start_field_is_the_proxys_too_and_the_client_gets_the_rows_it_a
         assert sidecar.engine_routing.counts("code_assistant")[ROUTERS[0]].sum() == 9 * 4
         full = every_layer(engine.routing, list(GEOMETRY.moe_layers), 4)
         assert answer["sglext"]["routed_experts"] == encode_sglang(full[5:])
-        refused = httpx.post(url + "/v1/completions", json={"prompt": "x", "routed_experts_start_len": 2,
-                                                             "routed_experts_prompt_start": 3}, timeout=30)
+        refused = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "x", "routed_experts_start_len": 2, "routed_experts_prompt_start": 3},
+            timeout=30,
+        )
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "conflict"

@@ -37,8 +37,13 @@ from mla_watch.engines.recorder import DUMP_PATH, START_PATH, RecorderPoller
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": LAYERS, "first_k_dense_replace": 1,
-          "n_routed_experts": EXPERTS, "num_experts_per_tok": TOP_K}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": LAYERS,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": EXPERTS,
+    "num_experts_per_tok": TOP_K,
+}
 LOGGER = "mla_watch.engines.recorder"
 
 
@@ -73,8 +78,17 @@ def rejected(routing: EngineRouting, reason: str) -> float:
 class FakeSGLangRecorder:
     """SGLang's stat-mode recorder: a ring buffer of per-pass counts, dumped to a file and reset on request."""
 
-    def __init__(self, directory: Path, geometry: EngineGeometry, buffer_size: int, *, moe_axis: bool = False,
-                 passes_per_dump: int = 0, start_failures: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        geometry: EngineGeometry,
+        buffer_size: int,
+        *,
+        moe_axis: bool = False,
+        passes_per_dump: int = 0,
+        start_failures: int = 0,
+        seed: int = 0,
+    ) -> None:
         self.directory = directory
         self.geometry = geometry
         self.buffer_size = buffer_size
@@ -95,20 +109,21 @@ class FakeSGLangRecorder:
             tokens = int(self.rng.integers(1, 10))
             counts = np.zeros((self.geometry.num_hidden_layers, self.geometry.num_experts), dtype=np.int64)
             for layer in self.geometry.moe_layers:
-                ids = np.argsort(self.rng.random((tokens, self.geometry.num_experts)), axis=1)[:, :self.geometry.top_k]
+                ids = np.argsort(self.rng.random((tokens, self.geometry.num_experts)), axis=1)[:, : self.geometry.top_k]
                 counts[layer] = np.bincount(ids.ravel(), minlength=self.geometry.num_experts)
             self.passes.append(counts)
 
     def expected(self) -> tuple[np.ndarray, int]:
         """Counts ``[moe layers, experts]`` and tokens of the passes the ring still holds."""
-        kept = self.passes[-self.buffer_size:]
+        kept = self.passes[-self.buffer_size :]
         moe = list(self.geometry.moe_layers)
         counts = sum((p[moe] for p in kept), np.zeros((len(moe), self.geometry.num_experts), dtype=np.int64))
         return counts, int(sum(p[moe[0]].sum() for p in kept)) // self.geometry.top_k
 
     def dump(self, when: float | None = None) -> Path:
-        buffer = np.zeros((self.buffer_size, self.geometry.num_hidden_layers, self.geometry.num_experts),
-                          dtype=np.int32)
+        buffer = np.zeros(
+            (self.buffer_size, self.geometry.num_hidden_layers, self.geometry.num_experts), dtype=np.int32
+        )
         for index, counts in enumerate(self.passes):
             buffer[index % self.buffer_size] = counts
         if self.moe_axis:
@@ -119,8 +134,9 @@ class FakeSGLangRecorder:
         self.dumped_tokens += tokens
         when = next(self.times) + 0.5 if when is None else when
         path = self.directory / f"expert_distribution_recorder_{when}.pt"
-        torch.save({"rank": 0, "logical_count": torch.from_numpy(buffer),
-                    "average_utilization_rate_over_window": None}, path)
+        torch.save(
+            {"rank": 0, "logical_count": torch.from_numpy(buffer), "average_utilization_rate_over_window": None}, path
+        )
         self.passes = []
         return path
 
@@ -213,8 +229,9 @@ def test_an_empty_dump_adds_nothing(tmp_path, geometry, routing, engine_server) 
     poller.stop()
 
 
-def test_a_wrapped_ring_is_reported_and_what_it_held_is_counted(tmp_path, geometry, routing, engine_server,
-                                                                caplog) -> None:
+def test_a_wrapped_ring_is_reported_and_what_it_held_is_counted(
+    tmp_path, geometry, routing, engine_server, caplog
+) -> None:
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=4)
     poller = RecorderPoller(tmp_path, engine_server(fake), routing, buffer_size=4, interval=7)
     fake.run_passes(7)  # passes 0-2 were overwritten by 4-6
@@ -250,26 +267,41 @@ class Trap:
 
 
 BAD_DUMPS = {
-    "wrong-experts": ({"rank": 0, "logical_count": torch.zeros((3, LAYERS, 8), dtype=torch.int32)},
-                      "has shape [3, 4, 8]"),
-    "wrong-layers": ({"rank": 0, "logical_count": torch.ones((3, 5, EXPERTS), dtype=torch.int32)},
-                     "has shape [3, 5, 16]"),
+    "wrong-experts": (
+        {"rank": 0, "logical_count": torch.zeros((3, LAYERS, 8), dtype=torch.int32)},
+        "has shape [3, 4, 8]",
+    ),
+    "wrong-layers": (
+        {"rank": 0, "logical_count": torch.ones((3, 5, EXPERTS), dtype=torch.int32)},
+        "has shape [3, 5, 16]",
+    ),
     "two-dimensional": ({"logical_count": torch.ones((LAYERS, EXPERTS), dtype=torch.int32)}, "has shape [4, 16]"),
     "missing-key": ({"rank": 0, "records": []}, "key 'logical_count' missing (a dict of 2 keys)"),
     "not-a-dict": (torch.ones((3, LAYERS, EXPERTS), dtype=torch.int32), "missing (a Tensor)"),
     "not-a-tensor": ({"logical_count": [[1, 2], [3, 4]]}, "key 'logical_count' is a list"),
     "float-tensor": ({"logical_count": torch.ones((3, LAYERS, EXPERTS))}, "is a torch.float32 tensor"),
-    "negative": ({"logical_count": torch.full((3, LAYERS, EXPERTS), -1, dtype=torch.int32)},
-                 "negative counts (lowest -1)"),
+    "negative": (
+        {"logical_count": torch.full((3, LAYERS, EXPERTS), -1, dtype=torch.int32)},
+        "negative counts (lowest -1)",
+    ),
     "unsafe-pickle": ({"logical_count": Trap()}, "cannot be read by torch.load(weights_only=True)"),
     "not-torch": (None, "not the zip archive torch.save writes (BadZipFile)"),
 }
 
 
 # mla_watch_engine_recorder_rejected_total{reason} of each of BAD_DUMPS.
-BAD_DUMP_REASONS = {"wrong-experts": "shape", "wrong-layers": "shape", "two-dimensional": "shape",
-                    "missing-key": "format", "not-a-dict": "format", "not-a-tensor": "format", "float-tensor": "dtype",
-                    "negative": "negative", "unsafe-pickle": "unreadable", "not-torch": "unreadable"}
+BAD_DUMP_REASONS = {
+    "wrong-experts": "shape",
+    "wrong-layers": "shape",
+    "two-dimensional": "shape",
+    "missing-key": "format",
+    "not-a-dict": "format",
+    "not-a-tensor": "format",
+    "float-tensor": "dtype",
+    "negative": "negative",
+    "unsafe-pickle": "unreadable",
+    "not-torch": "unreadable",
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_DUMPS))
@@ -299,8 +331,9 @@ def test_a_file_too_large_is_left_and_not_retried(tmp_path, geometry, routing, c
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(2)
     path = fake.dump()
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8,
-                            max_dump_bytes=path.stat().st_size - 1)
+    poller = RecorderPoller(
+        tmp_path, "http://127.0.0.1:9", routing, buffer_size=8, max_dump_bytes=path.stat().st_size - 1
+    )
     with caplog.at_level(logging.WARNING, LOGGER):
         assert poller.consume() == ["error"]
         assert poller.consume() == []
@@ -364,8 +397,11 @@ def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry, routing,
         fake.dump(when)
     added = []
     add = routing.windows.add
-    monkeypatch.setattr(routing.windows, "add",
-                        lambda router, line, delta: (added.append((router, delta.tokens)), add(router, line, delta)))
+    monkeypatch.setattr(
+        routing.windows,
+        "add",
+        lambda router, line, delta: (added.append((router, delta.tokens)), add(router, line, delta)),
+    )
     poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8)
     assert poller.consume() == ["counted"] * 3
     first = geometry.router_names[0]
@@ -417,8 +453,9 @@ def test_the_thread_stops_while_the_engine_is_unreachable(tmp_path, routing, cap
     assert routing.windows.business_lines == []
 
 
-@pytest.mark.parametrize(("option", "value"), [("interval", 0), ("timeout", -1), ("buffer_size", 0),
-                                               ("buffer_size", 1.5)])
+@pytest.mark.parametrize(
+    ("option", "value"), [("interval", 0), ("timeout", -1), ("buffer_size", 0), ("buffer_size", 1.5)]
+)
 def test_bad_settings_are_refused_by_name(tmp_path, routing, option, value) -> None:
     with pytest.raises(ValueError, match=option.replace("_", " ")):
         RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, **{option: value})
@@ -468,18 +505,26 @@ def hostile(directory: Path, content: object, when: float = 1_600_000_000.5) -> 
     return path
 
 
-@pytest.mark.parametrize(("max_passes", "reason"), [(None, "too_large"), (10_000_000, "not_dense")],
-                         ids=["past-the-pass-cap", "within-it"])
-def test_a_stride_zero_tensor_is_refused_without_being_materialised(tmp_path, geometry, routing, engine_server,
-                                                                    monkeypatch, caplog, max_passes, reason) -> None:
+@pytest.mark.parametrize(
+    ("max_passes", "reason"), [(None, "too_large"), (10_000_000, "not_dense")], ids=["past-the-pass-cap", "within-it"]
+)
+def test_a_stride_zero_tensor_is_refused_without_being_materialised(
+    tmp_path, geometry, routing, engine_server, monkeypatch, caplog, max_passes, reason
+) -> None:
     # 64 stored counts declaring 3,000,000 passes (768 MB once expanded), in a file of under 2 KB.
     expanded = torch.zeros((1, LAYERS, EXPERTS), dtype=torch.int32).expand(3_000_000, LAYERS, EXPERTS)
     path = hostile(tmp_path, {"rank": 0, "logical_count": expanded})
     assert path.stat().st_size < 4096
     # max_passes: let it past the pass cap (768 MB < MAX_DUMP_BYTES): the strides refuse it
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8, passes_per_dump=3)
-    poller = RecorderPoller(tmp_path, engine_server(fake), routing, settle_seconds=0, buffer_size=8,
-                            max_passes=recorder.MAX_DUMP_PASSES if max_passes is None else max_passes)
+    poller = RecorderPoller(
+        tmp_path,
+        engine_server(fake),
+        routing,
+        settle_seconds=0,
+        buffer_size=8,
+        max_passes=recorder.MAX_DUMP_PASSES if max_passes is None else max_passes,
+    )
     with caplog.at_level(logging.WARNING, LOGGER):
         outcomes, growth = peak_rss_growth(poller.poll_once)
     assert outcomes == ["error", "counted"]
@@ -491,8 +536,9 @@ def test_a_stride_zero_tensor_is_refused_without_being_materialised(tmp_path, ge
     poller.stop()
 
 
-def test_a_sparse_tensor_is_set_aside_and_the_dumps_after_it_are_counted(tmp_path, geometry, routing, engine_server,
-                                                                         caplog) -> None:
+def test_a_sparse_tensor_is_set_aside_and_the_dumps_after_it_are_counted(
+    tmp_path, geometry, routing, engine_server, caplog
+) -> None:
     dense = torch.zeros((3, LAYERS, EXPERTS), dtype=torch.int32)
     dense[0, 1, :TOP_K] = 1
     path = hostile(tmp_path, {"rank": 0, "logical_count": dense.to_sparse()})
@@ -518,8 +564,9 @@ def overflowing_dump() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("deletable", [True, False], ids=["deleted", "undeletable"])
-def test_an_overflowing_dump_adds_nothing_and_is_counted_once(tmp_path, geometry, routing, engine_server,
-                                                              monkeypatch, caplog, deletable) -> None:
+def test_an_overflowing_dump_adds_nothing_and_is_counted_once(
+    tmp_path, geometry, routing, engine_server, monkeypatch, caplog, deletable
+) -> None:
     path = hostile(tmp_path, {"rank": 0, "logical_count": overflowing_dump()})
 
     def refuse(target: Path) -> None:
@@ -546,7 +593,7 @@ def counts_of(passes: list[list[list[int]]]) -> torch.Tensor:
     tensor = torch.zeros((len(passes), LAYERS, EXPERTS), dtype=torch.int32)
     for p, layers in enumerate(passes):
         for j, leading in enumerate(layers):
-            tensor[p, 1 + j, :len(leading)] = torch.tensor(leading, dtype=torch.int32)
+            tensor[p, 1 + j, : len(leading)] = torch.tensor(leading, dtype=torch.int32)
     return tensor
 
 
@@ -574,8 +621,9 @@ def test_counts_no_forward_pass_could_make_are_refused_whole(tmp_path, routing, 
     assert not path.exists()
 
 
-def test_an_unexpected_failure_sets_the_file_aside_and_polling_goes_on(tmp_path, geometry, routing, engine_server,
-                                                                      monkeypatch, caplog) -> None:
+def test_an_unexpected_failure_sets_the_file_aside_and_polling_goes_on(
+    tmp_path, geometry, routing, engine_server, monkeypatch, caplog
+) -> None:
     path = hostile(tmp_path, {"rank": 0, "logical_count": counts_of([[[1, 1, 1, 1]] * 3])})
     read = recorder.read_dump
 
@@ -607,8 +655,9 @@ def test_a_dump_being_written_is_left_until_it_is_whole(tmp_path, geometry, rout
     counts, tokens = fake.dumped.copy(), fake.dumped_tokens
     now = [time.time()]
     live = FakeSGLangRecorder(directory, geometry, buffer_size=8)  # the engine polled: its own dumps are empty
-    poller = RecorderPoller(directory, engine_server(live), routing, settle_seconds=2, buffer_size=8,
-                            clock=lambda: now[0])
+    poller = RecorderPoller(
+        directory, engine_server(live), routing, settle_seconds=2, buffer_size=8, clock=lambda: now[0]
+    )
     path = directory / "expert_distribution_recorder_1600000009.5.pt"
 
     def write(data: bytes) -> None:  # torch.save writes in place: the final name from the first byte on
@@ -622,7 +671,7 @@ def test_a_dump_being_written_is_left_until_it_is_whole(tmp_path, geometry, rout
         now[0] += 1.5
         assert poller.poll_once() == ["empty"]  # still not 2 s old: left, not set aside
         assert path.read_bytes() == content[: len(content) // 2]
-        write(content[len(content) // 2:])  # the writer resumes and finishes
+        write(content[len(content) // 2 :])  # the writer resumes and finishes
         assert poller.poll_once() == ["counted", "empty"]  # whole: counted at once, settled or not
     assert_counted(routing, counts, tokens)
     assert not path.exists() and recorder_files(directory) == []
@@ -654,8 +703,14 @@ def test_a_dump_whose_writer_stalls_mid_write_is_counted_once_it_is_whole(tmp_pa
     from mla_watch.server.config import ServerConfig
 
     now = [time.time()]
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8,
-                            settle_seconds=ServerConfig.sglang_recorder_settle, clock=lambda: now[0])
+    poller = RecorderPoller(
+        tmp_path,
+        "http://127.0.0.1:9",
+        routing,
+        buffer_size=8,
+        settle_seconds=ServerConfig.sglang_recorder_settle,
+        clock=lambda: now[0],
+    )
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     fake.run_passes(3)
     path = fake.dump()
@@ -665,7 +720,7 @@ def test_a_dump_whose_writer_stalls_mid_write_is_counted_once_it_is_whole(tmp_pa
         assert poller.consume() == [] and path.exists()
         now[0] += 3
     with path.open("ab") as handle:
-        handle.write(whole[len(whole) // 2:])
+        handle.write(whole[len(whole) // 2 :])
     assert poller.consume() == ["counted"] and not path.exists()
     counts = routing.counts(None)
     assert np.array_equal(np.stack([counts[name] for name in geometry.router_names]), fake.dumped)
@@ -686,8 +741,9 @@ def test_a_dump_changed_while_read_is_left_for_the_next_poll(tmp_path, geometry,
             os.utime(path, ns=(mtime, mtime))
         return dump
 
-    poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=8,
-                            reader=written_meanwhile)
+    poller = RecorderPoller(
+        tmp_path, "http://127.0.0.1:9", routing, settle_seconds=0, buffer_size=8, reader=written_meanwhile
+    )
     assert poller.consume() == []
     assert path.exists() and routing.windows.business_lines == []
     assert poller.consume() == ["counted"]

@@ -57,15 +57,23 @@ from mla_watch.engines.sglang_weights import SglangWeights
 from mla_watch.engines.swap import ENGINE_MESSAGE_CHARS, EngineWeights, SwapError
 from mla_watch.engines.vllm_weights import write_router_checkpoint
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4, "hidden_size": 8}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "hidden_size": 8,
+}
 GEOMETRY = parse_geometry(CONFIG)
 ADMIN_OPTIONAL = {"/pause_generation", "/continue_generation", "/update_weights_from_disk", "/flush_cache"}
 # A few of the sampling parameters the contract knows (api_types.py:180-207); any other is refused.
 SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "ignore_eos"}
 SUCCESS = "Succeeded to update model weights."
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or queued. "
-               "Retract or finish them, then call /flush_cache.")
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+    "Retract or finish them, then call /flush_cache."
+)
 
 
 def logprob(ids: list[int], position: int) -> float:
@@ -104,16 +112,23 @@ class FakeSGLangServer:
         self.generate_override: dict[str, Any] | None = None  # meta_info keys replaced in every answer
         self.routed_override: str | None = None
         self.padding = 0  # bytes of extra text in /generate's answer
-        self.info: dict[str, Any] = {"version": "0.5.23", "weight_cache_mode": "off", "model_checksum": None,
-                                     "load_format": "auto", "model_path": "deepseek-ai/DeepSeek-V3"}
-        self.app = Starlette(routes=[
-            Route("/pause_generation", self.pause, methods=["POST"]),
-            Route("/continue_generation", self.resume, methods=["POST"]),
-            Route("/update_weights_from_disk", self.update_from_disk, methods=["POST"]),
-            Route("/flush_cache", self.flush, methods=["GET", "POST"]),
-            Route("/generate", self.generate, methods=["POST", "PUT"]),
-            Route("/server_info", self.server_info, methods=["GET"]),
-        ])
+        self.info: dict[str, Any] = {
+            "version": "0.5.23",
+            "weight_cache_mode": "off",
+            "model_checksum": None,
+            "load_format": "auto",
+            "model_path": "deepseek-ai/DeepSeek-V3",
+        }
+        self.app = Starlette(
+            routes=[
+                Route("/pause_generation", self.pause, methods=["POST"]),
+                Route("/continue_generation", self.resume, methods=["POST"]),
+                Route("/update_weights_from_disk", self.update_from_disk, methods=["POST"]),
+                Route("/flush_cache", self.flush, methods=["GET", "POST"]),
+                Route("/generate", self.generate, methods=["POST", "PUT"]),
+                Route("/server_info", self.server_info, methods=["GET"]),
+            ]
+        )
 
     @property
     def paths(self) -> list[str]:
@@ -129,8 +144,10 @@ class FakeSGLangServer:
     async def body(self, request: Request) -> tuple[dict[str, Any] | None, Response | None]:
         raw = await request.body()
         if not raw:  # FastAPI's Body() with no default
-            return None, JSONResponse({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
-                                                   "input": None}]}, status_code=422)
+            return None, JSONResponse(
+                {"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}]},
+                status_code=422,
+            )
         return json.loads(raw), None
 
     async def pause(self, request: Request) -> Response:
@@ -143,9 +160,19 @@ class FakeSGLangServer:
             return error
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            return JSONResponse({"detail": [{"type": "literal_error", "loc": ["body", "mode"],
-                                             "msg": "Input should be 'abort', 'retract' or 'in_place'",
-                                             "input": mode}]}, status_code=422)
+            return JSONResponse(
+                {
+                    "detail": [
+                        {
+                            "type": "literal_error",
+                            "loc": ["body", "mode"],
+                            "msg": "Input should be 'abort', 'retract' or 'in_place'",
+                            "input": mode,
+                        }
+                    ]
+                },
+                status_code=422,
+            )
         self.paused = True
         if mode == "retract":  # scheduler.py:5845-5900: running requests back to the waiting queue
             self.waiting += self.running
@@ -176,13 +203,21 @@ class FakeSGLangServer:
         if error is not None:
             return error
         if not isinstance(body.get("model_path"), str):
-            return JSONResponse({"detail": [{"type": "missing", "loc": ["body", "model_path"],
-                                             "msg": "Field required", "input": body}]}, status_code=422)
+            return JSONResponse(
+                {
+                    "detail": [
+                        {"type": "missing", "loc": ["body", "model_path"], "msg": "Field required", "input": body}
+                    ]
+                },
+                status_code=422,
+            )
         if self.update == "slow":
             await asyncio.to_thread(self.answer_slow.wait, 30)
         if self.update == "missing":
-            message = (f"Failed to get weights iterator: Cannot find any model weights with `{body['model_path']}`."
-                       + " x" * 200)
+            message = (
+                f"Failed to get weights iterator: Cannot find any model weights with `{body['model_path']}`."
+                + " x" * 200
+            )
             return JSONResponse({"success": False, "message": message, "num_paused_requests": 0}, status_code=400)
         # scheduler.py:5520: idle ignores the waiting queue only while paused
         idle = self.running == 0 and (self.paused or self.waiting == 0)
@@ -192,8 +227,10 @@ class FakeSGLangServer:
 
     async def flush(self, request: Request) -> Response:
         self.calls.append(("/flush_cache", None))
-        return Response("Cache flushed.\nPlease check backend logs for more details. (When there are running or "
-                        "waiting requests, the operation will not be performed.)\n")
+        return Response(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n"
+        )
 
     async def server_info(self, request: Request) -> Response:
         if (refused := self.denied(request)) is not None:
@@ -212,21 +249,37 @@ class FakeSGLangServer:
         ids = list(body["input_ids"])
         if len(ids) >= self.context_len:
             if not self.auto_truncate:
-                return JSONResponse({"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's "
-                                                          f"context length ({self.context_len} tokens)."}},
-                                    status_code=400)
-            del ids[self.context_len:]
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"The input ({len(ids)} tokens) is longer than the model's "
+                            f"context length ({self.context_len} tokens)."
+                        }
+                    },
+                    status_code=400,
+                )
+            del ids[self.context_len :]
         start = body.get("logprob_start_len", -1)
         entries: list[list[Any]] = []
         if body.get("return_logprob") and start == 0:
             values: list[float | None] = [None] + [logprob(ids, i) for i in range(1, len(ids))]
             clipped = [x if x < self.vocab_size - 1 else 0 for x in ids]
             entries = [[value, token, None] for value, token in zip(values, clipped, strict=True)]
-        meta: dict[str, Any] = {"id": "9f1c", "finish_reason": {"type": "length", "length": 1},
-                                "prompt_tokens": len(ids), "weight_version": "default", "num_retractions": 0,
-                                "input_token_logprobs": entries, "output_token_logprobs": [[-0.5, 17, None]],
-                                "output_token_logprobs_length": 1, "reasoning_tokens": 0, "completion_tokens": 1,
-                                "cached_tokens": 0, "e2e_latency": 0.01, "response_sent_to_client_ts": 1.7e9}
+        meta: dict[str, Any] = {
+            "id": "9f1c",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": len(ids),
+            "weight_version": "default",
+            "num_retractions": 0,
+            "input_token_logprobs": entries,
+            "output_token_logprobs": [[-0.5, 17, None]],
+            "output_token_logprobs_length": 1,
+            "reasoning_tokens": 0,
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "e2e_latency": 0.01,
+            "response_sent_to_client_ts": 1.7e9,
+        }
         if body.get("return_routed_experts") and self.routing_enabled:
             meta["routed_experts"] = self.routed_override or pybase64.b64encode(routed(ids).tobytes()).decode()
         if self.generate_override is not None:
@@ -268,8 +321,15 @@ def test_swap_pauses_retracting_updates_and_continues_in_that_order(engine, rout
         result = client.swap(router_dir)
     assert fake.calls == [
         ("/pause_generation", {"mode": "retract"}),
-        ("/update_weights_from_disk", {"model_path": str(router_dir), "load_format": "safetensors",
-                                       "flush_cache": True, "abort_all_requests": False}),
+        (
+            "/update_weights_from_disk",
+            {
+                "model_path": str(router_dir),
+                "load_format": "safetensors",
+                "flush_cache": True,
+                "abort_all_requests": False,
+            },
+        ),
         ("/continue_generation", {}),
     ]
     # The update flushed the cache itself (it would have failed otherwise): no separate /flush_cache.
@@ -277,8 +337,13 @@ def test_swap_pauses_retracting_updates_and_continues_in_that_order(engine, rout
     assert not fake.paused and fake.waiting == 3  # the retracted requests wait to be recomputed, none dropped
     assert result.weights_path == str(router_dir)
     assert 0 < result.reload_seconds <= result.paused_seconds
-    assert result.detail == {"engine": "sglang", "pause_mode": "retract", "load_format": "safetensors",
-                             "engine_message": SUCCESS, "num_paused_requests": 0}
+    assert result.detail == {
+        "engine": "sglang",
+        "pause_mode": "retract",
+        "load_format": "safetensors",
+        "engine_message": SUCCESS,
+        "num_paused_requests": 0,
+    }
     assert json.loads(json.dumps(result.as_dict()))["engine_message"] == SUCCESS
 
 
@@ -300,9 +365,9 @@ def test_continue_is_sent_when_the_update_fails_and_the_error_names_it(engine, r
     message = str(failure.value)
     assert "POST /update_weights_from_disk" in message and "answered 400" in message
     assert str(router_dir) in message and "expected 200 with success true" in message
-    engine_said = (f"Failed to get weights iterator: Cannot find any model weights with `{router_dir}`." + " x" * 200)
+    engine_said = f"Failed to get weights iterator: Cannot find any model weights with `{router_dir}`." + " x" * 200
     assert repr(engine_said[:ENGINE_MESSAGE_CHARS]) in message  # the engine's message, cut at 200 characters
-    assert engine_said[:ENGINE_MESSAGE_CHARS + 2] not in message
+    assert engine_said[: ENGINE_MESSAGE_CHARS + 2] not in message
 
 
 def test_continue_is_sent_when_the_pause_is_refused(engine, router_dir) -> None:
@@ -369,19 +434,29 @@ def bad_checkpoint(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return directory
 
 
-@pytest.mark.parametrize(("make", "expected"), [
-    (lambda tmp: Path("routers/step-3"),
-     r"weights_path routers/step-3: relative: expected an absolute path \(SGLang takes a path that is not a "
-     r"directory for a Hugging Face repo id\)"),
-    (lambda tmp: tmp / "absent",
-     r"weights_path .*/absent: not a directory here: expected the directory write_router_checkpoint wrote"),
-    (lambda tmp: bad_checkpoint(tmp, {"model.layers.1.mlp.gate.weight": torch.zeros(16, 7)}),
-     r"model.layers.1.mlp.gate.weight has shape \[16, 7\]: expected \[16x8\]"),
-    (lambda tmp: bad_checkpoint(tmp, {"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(8, 8)}),
-     r"'model.layers.1.mlp.experts.0.down_proj.weight' is no router tensor: expected router tensors only"),
-])
-def test_a_checkpoint_sglang_would_fail_on_is_refused_before_anything_is_sent(engine, tmp_path, make,
-                                                                              expected) -> None:
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda tmp: Path("routers/step-3"),
+            r"weights_path routers/step-3: relative: expected an absolute path \(SGLang takes a path that is not a "
+            r"directory for a Hugging Face repo id\)",
+        ),
+        (
+            lambda tmp: tmp / "absent",
+            r"weights_path .*/absent: not a directory here: expected the directory write_router_checkpoint wrote",
+        ),
+        (
+            lambda tmp: bad_checkpoint(tmp, {"model.layers.1.mlp.gate.weight": torch.zeros(16, 7)}),
+            r"model.layers.1.mlp.gate.weight has shape \[16, 7\]: expected \[16x8\]",
+        ),
+        (
+            lambda tmp: bad_checkpoint(tmp, {"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(8, 8)}),
+            r"'model.layers.1.mlp.experts.0.down_proj.weight' is no router tensor: expected router tensors only",
+        ),
+    ],
+)
+def test_a_checkpoint_sglang_would_fail_on_is_refused_before_anything_is_sent(engine, tmp_path, make, expected) -> None:
     """A tensor that does not fit fails SGLang's load, and its rollback reads the same directory again: the
     server stops (model_runner_components/weight_updater.py:193, 229-237; scheduler.py:2253, 6370-6378)."""
     fake, url = engine
@@ -403,8 +478,14 @@ def test_score_sums_the_logprobs_of_every_token_but_the_first(engine) -> None:
         assert score.routing is None  # no geometry: no routing asked for
     assert scores[2].loss == 0.0
     assert [body for _, body in fake.calls] == [
-        {"input_ids": sample, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
-         "logprob_start_len": 0} for sample in samples]
+        {
+            "input_ids": sample,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        for sample in samples
+    ]
 
 
 def test_score_returns_the_routing_at_the_moe_layers(engine) -> None:
@@ -430,28 +511,69 @@ def test_score_accepts_the_last_vocabulary_ids_sglang_reports_as_zero(engine) ->
     assert math.isclose(score.loss, -sum(logprob(sample, i) for i in (1, 2, 3)), abs_tol=1e-12)
 
 
-@pytest.mark.parametrize(("setup", "expected"), [
-    (lambda fake: setattr(fake, "context_len", 4),
-     r"sample 0 \(5 tokens\) answered 400: \"The input \(5 tokens\) is longer than the model's context length \(4 "
-     r"tokens\).\"; expected 200 with its logprobs"),
-    (lambda fake: (setattr(fake, "context_len", 4), setattr(fake, "auto_truncate", True)),
-     r"input_token_logprobs is 4 entries: expected one per input token \(5; a shorter list is a truncated prompt"),
-    (lambda fake: setattr(fake, "generate_override", {"finish_reason": {"type": "abort", "message": "Abort in "
-                                                                                                   "waiting queue"}}),
-     r"the engine aborted it \('Abort in waiting queue'\); expected it scored"),
-    (lambda fake: setattr(fake, "generate_override", {"input_token_logprobs": [[None, 5, None], [None, 9, None],
-                                                                               [-1.0, 2, None], [-1.0, 7, None],
-                                                                               [-1.0, 11, None]]}),
-     r"input_token_logprobs\[1\] has logprob None: expected a finite number \(SGLang sends -inf and NaN as null\)"),
-    (lambda fake: setattr(fake, "generate_override", {"input_token_logprobs": [[None, 5, None], [-1.0, 8, None],
-                                                                               [-1.0, 2, None], [-1.0, 7, None],
-                                                                               [-1.0, 11, None]]}),
-     r"input_token_logprobs\[1\] is for token 8: expected 9, the id sent there"),
-    (lambda fake: setattr(fake, "generate_override", {"meta_info": None, "input_token_logprobs": "none"}),
-     r"input_token_logprobs is a str: expected one per input token"),
-    (lambda fake: setattr(fake, "padding", 200_000),
-     r"POST /generate at http://127.0.0.1:\d+ answered 200 with more than \d+ bytes: expected at most that"),
-])
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        (
+            lambda fake: setattr(fake, "context_len", 4),
+            r"sample 0 \(5 tokens\) answered 400: \"The input \(5 tokens\) is longer than the model's context "
+            r"length \(4 "
+            r"tokens\).\"; expected 200 with its logprobs",
+        ),
+        (
+            lambda fake: (setattr(fake, "context_len", 4), setattr(fake, "auto_truncate", True)),
+            r"input_token_logprobs is 4 entries: expected one per input token \(5; "
+            r"a shorter list is a truncated prompt",
+        ),
+        (
+            lambda fake: setattr(
+                fake, "generate_override", {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+            ),
+            r"the engine aborted it \('Abort in waiting queue'\); expected it scored",
+        ),
+        (
+            lambda fake: setattr(
+                fake,
+                "generate_override",
+                {
+                    "input_token_logprobs": [
+                        [None, 5, None],
+                        [None, 9, None],
+                        [-1.0, 2, None],
+                        [-1.0, 7, None],
+                        [-1.0, 11, None],
+                    ]
+                },
+            ),
+            r"input_token_logprobs\[1\] has logprob None: expected a finite number "
+            r"\(SGLang sends -inf and NaN as null\)",
+        ),
+        (
+            lambda fake: setattr(
+                fake,
+                "generate_override",
+                {
+                    "input_token_logprobs": [
+                        [None, 5, None],
+                        [-1.0, 8, None],
+                        [-1.0, 2, None],
+                        [-1.0, 7, None],
+                        [-1.0, 11, None],
+                    ]
+                },
+            ),
+            r"input_token_logprobs\[1\] is for token 8: expected 9, the id sent there",
+        ),
+        (
+            lambda fake: setattr(fake, "generate_override", {"meta_info": None, "input_token_logprobs": "none"}),
+            r"input_token_logprobs is a str: expected one per input token",
+        ),
+        (
+            lambda fake: setattr(fake, "padding", 200_000),
+            r"POST /generate at http://127.0.0.1:\d+ answered 200 with more than \d+ bytes: expected at most that",
+        ),
+    ],
+)
 def test_score_errors_name_the_endpoint_the_value_and_the_expectation(engine, setup, expected) -> None:
     fake, url = engine
     setup(fake)
@@ -464,10 +586,16 @@ def test_score_refuses_routing_that_names_an_expert_twice(engine) -> None:
     bad = routed([5, 9, 2])
     bad[1, 2] = [3, 3, 4, 5]
     fake.routed_override = pybase64.b64encode(bad.tobytes()).decode()
-    with weights(url, geometry=GEOMETRY) as client, pytest.raises(SwapError, match=r"sample 0 \(3 tokens\): "
-                                                                                  r"meta_info.routed_experts: .*"
-                                                                                  r"names one expert twice.*"
-                                                                                  r"\(duplicate_ids\)"):
+    with (
+        weights(url, geometry=GEOMETRY) as client,
+        pytest.raises(
+            SwapError,
+            match=r"sample 0 \(3 tokens\): "
+            r"meta_info.routed_experts: .*"
+            r"names one expert twice.*"
+            r"\(duplicate_ids\)",
+        ),
+    ):
         client.score([[5, 9, 2]])
 
 
@@ -505,13 +633,19 @@ def test_problem_says_when_nothing_answers() -> None:
     assert "ConnectError" in said
 
 
-@pytest.mark.parametrize(("options", "expected"), [
-    ({"base_url": "localhost:30000"}, "base_url is 'localhost:30000': expected SGLang's http:// or https:// address"),
-    ({"timeout": 0}, "timeout is 0: expected a finite number of seconds above 0"),
-    ({"timeout": float("inf")}, "timeout is inf"),
-    ({"api_key": " key"}, "api_key is not a non-empty string"),
-    ({"admin_api_key": ""}, "admin_api_key is not a non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            {"base_url": "localhost:30000"},
+            "base_url is 'localhost:30000': expected SGLang's http:// or https:// address",
+        ),
+        ({"timeout": 0}, "timeout is 0: expected a finite number of seconds above 0"),
+        ({"timeout": float("inf")}, "timeout is inf"),
+        ({"api_key": " key"}, "api_key is not a non-empty string"),
+        ({"admin_api_key": ""}, "admin_api_key is not a non-empty string"),
+    ],
+)
 def test_construction_errors_name_the_parameter(options, expected) -> None:
     base_url = options.pop("base_url", "http://127.0.0.1:1")
     with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):

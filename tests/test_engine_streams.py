@@ -29,8 +29,13 @@ from mla_watch.engines.watch import EngineMetrics, EngineRouting
 from mla_watch.server import proxy as proxy_module
 from tests.vllm_twin import SILENT_TOKEN, VllmTwin
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
 GEOMETRY = parse_geometry(CONFIG)
 ROUTERS = GEOMETRY.router_names
 
@@ -40,23 +45,40 @@ def beside_twin(tmp_path: Path, **overrides) -> Iterator[tuple[VllmTwin, str, ob
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
     twin = VllmTwin(GEOMETRY)
-    with serve_app(twin.app) as twin.url, running_sidecar(
-            upstream=twin.url, model_config=config, engine="vllm", decode_workers=0, rules=None,
-            window_tokens=None, **overrides) as (url, sidecar):
+    with (
+        serve_app(twin.app) as twin.url,
+        running_sidecar(
+            upstream=twin.url,
+            model_config=config,
+            engine="vllm",
+            decode_workers=0,
+            rules=None,
+            window_tokens=None,
+            **overrides,
+        ) as (url, sidecar),
+    ):
         yield twin, url, sidecar
 
 
-def ask(url: str, line: str, *, chat: bool, stream: bool, n: int = 1, prompt: str = "where is my order",
-        **extra) -> list | dict:
+def ask(
+    url: str, line: str, *, chat: bool, stream: bool, n: int = 1, prompt: str = "where is my order", **extra
+) -> list | dict:
     body: dict = {"max_tokens": 6, "n": n, "stream": stream, **extra}
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
-    answer = httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
-                        headers={"X-Business-Line": line}, timeout=30)
+    answer = httpx.post(
+        url + ("/v1/chat/completions" if chat else "/v1/completions"),
+        json=body,
+        headers={"X-Business-Line": line},
+        timeout=30,
+    )
     assert answer.status_code == 200, answer.text
     if not stream:
         return answer.json()
-    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
-            for line in answer.text.splitlines() if line.startswith("data: ")]
+    return [
+        line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ")
+    ]
 
 
 def counted(sidecar, line: str) -> np.ndarray:
@@ -73,14 +95,17 @@ def test_a_streamed_request_counts_exactly_what_it_counts_unstreamed(tmp_path, c
         settled(sidecar, 2)
         unstreamed, streamed = counted(sidecar, "code_assistant"), counted(sidecar, "customer_service")
         assert streamed.sum() > 0 and np.array_equal(streamed, unstreamed)
-        tokens = {line: sidecar.engine_routing.windows.router_stats(line)[0].stats.tokens
-                  for line in ("code_assistant", "customer_service")}
+        tokens = {
+            line: sidecar.engine_routing.windows.router_stats(line)[0].stats.tokens
+            for line in ("code_assistant", "customer_service")
+        }
         assert tokens["customer_service"] == tokens["code_assistant"]
         metrics = get_metrics(url)
         assert metric_value(metrics, "mla_watch_engine_stream_replays_total", outcome="replayed") == 1
         assert metric_value(metrics, "mla_watch_engine_responses_total", engine="vllm", outcome="counted") == 2
         assert metric_value(metrics, "mla_watch_engine_replay_tokens_total") == sum(
-            len(body["prompt"]) for body in twin.replays)
+            len(body["prompt"]) for body in twin.replays
+        )
         replays = twin.replays
         assert len(replays) == n and all(r["max_tokens"] == 1 and r["temperature"] == 0 for r in replays)
         # The second choice shares the prompt: its replay leaves the prompt rows out.
@@ -97,8 +122,10 @@ def test_the_client_gets_the_stream_the_engine_sends_without_token_ids(tmp_path)
             path = "/v1/chat/completions" if chat else "/v1/completions"
             direct_body = {k: v for k, v in streamed.items() if k != "return_token_ids"}
             direct = httpx.post(twin.url + path, json=direct_body, timeout=30).text
-            expected = [e if e == "[DONE]" else json.loads(e) for e in
-                        (line[6:] for line in direct.splitlines() if line.startswith("data: "))]
+            expected = [
+                e if e == "[DONE]" else json.loads(e)
+                for e in (line[6:] for line in direct.splitlines() if line.startswith("data: "))
+            ]
             relayed[0].pop("mla_watch")
             assert relayed == expected  # no ids, and chat's empty step (the silent token) left out again
             assert "token_ids" not in json.dumps(relayed)
@@ -110,7 +137,9 @@ def test_a_client_that_asks_for_token_ids_gets_them_and_the_stream_is_still_coun
         settled(sidecar, 1)
         assert events[0]["prompt_token_ids"] and any(
             choice.get("token_ids") == [SILENT_TOKEN] and choice["delta"] == {}
-            for event in events[1:-1] for choice in event["choices"])
+            for event in events[1:-1]
+            for choice in event["choices"]
+        )
         assert counted(sidecar, "customer_service").sum() > 0
 
 
@@ -168,13 +197,16 @@ def test_stream_tokens_read_each_choices_prompt_and_generated_ids_and_group_shar
     assert [(list(ids), start) for ids, start in tokens.replays()] == [([1, 2, 3, 10], 0), ([1, 2, 3, 20], 3)]
 
 
-@pytest.mark.parametrize(("bad", "why"), [
-    ({"token_ids": ["1"]}, "token ids of a list"),
-    ({"token_ids": [-1]}, "token ids of a list"),
-    ({"token_ids": 5}, "token ids of 5"),
-    ({"index": 99}, "a choice index of 99"),
-    ({"token_ids": [1] * (MAX_STREAM_TOKENS + 1)}, "more than"),
-])
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({"token_ids": ["1"]}, "token ids of a list"),
+        ({"token_ids": [-1]}, "token ids of a list"),
+        ({"token_ids": 5}, "token ids of 5"),
+        ({"index": 99}, "a choice index of 99"),
+        ({"token_ids": [1] * (MAX_STREAM_TOKENS + 1)}, "more than"),
+    ],
+)
 def test_ids_that_are_not_token_ids_make_a_stream_unreadable_not_an_error(bad, why) -> None:
     tokens = StreamTokens("completion", strip=False)
     tokens.take(chunk(0, prompt_token_ids=[1], token_ids=[2], finish_reason=None))
@@ -259,8 +291,10 @@ def test_the_replayer_queue_and_token_bucket_follow_the_injected_clock() -> None
 def test_a_replay_budget_out_of_range_stops_start_up_naming_the_setting(tmp_path) -> None:
     from mla_watch.server.app import ServerConfigError
 
-    with pytest.raises(ServerConfigError, match=r"replay\.rate = 1\.5: expected a share between 0 and 1"), \
-            beside_twin(tmp_path, replay=ReplayBudget(rate=1.5)):
+    with (
+        pytest.raises(ServerConfigError, match=r"replay\.rate = 1\.5: expected a share between 0 and 1"),
+        beside_twin(tmp_path, replay=ReplayBudget(rate=1.5)),
+    ):
         pass
 
 
@@ -288,11 +322,16 @@ def test_a_stream_that_carries_its_routing_is_counted_from_its_chunks_without_a_
 def test_a_client_that_asks_for_stream_routing_gets_it_from_the_prompt_start_it_asked(tmp_path) -> None:
     with beside_twin(tmp_path) as (twin, url, sidecar):
         twin.stream_routing = True
-        events = ask(url, "customer_service", chat=False, stream=True, return_routed_experts=True,
-                     routed_experts_prompt_start=3)
+        events = ask(
+            url, "customer_service", chat=False, stream=True, return_routed_experts=True, routed_experts_prompt_start=3
+        )
         settled(sidecar, 1)
-        (routed,) = [choice["routed_experts"] for event in events[1:-1] for choice in event["choices"]
-                     if "routed_experts" in choice]
+        (routed,) = [
+            choice["routed_experts"]
+            for event in events[1:-1]
+            for choice in event["choices"]
+            if "routed_experts" in choice
+        ]
         prompt = list(b"where is my order")
         generated = twin.generated(prompt, 0, 6)
         expected = twin.routing(prompt + generated[:-1])[3:]
@@ -362,8 +401,12 @@ def test_a_streamed_chunk_runs_down_into_the_engines_reader_and_never_back_up(tm
             relayed, between = relayed_below(frame)
             if relayed and between is not None:
                 climbs.add(f"{between} -> {Path(filename).name}:{frame.f_code.co_name}")
-        elif filename.startswith(engines_dir) and frame.f_back is not None \
-                and frame.f_back.f_code.co_filename.startswith(server_dir) and relayed_below(frame)[0]:
+        elif (
+            filename.startswith(engines_dir)
+            and frame.f_back is not None
+            and frame.f_back.f_code.co_filename.startswith(server_dir)
+            and relayed_below(frame)[0]
+        ):
             entered.add(f"{Path(filename).name}:{frame.f_code.co_name}")
 
     threading.setprofile(watch)  # the threads about to start: the sidecar's server and its decoding thread

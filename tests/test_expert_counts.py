@@ -41,8 +41,9 @@ Key = tuple[str, str]  # (router, business line)
 
 
 def samples(text: str, name: str) -> list:
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == name]
+    return [
+        sample for family in text_string_to_metric_families(text) for sample in family.samples if sample.name == name
+    ]
 
 
 def exported(text: str) -> tuple[dict[Key, dict[int, float]], dict[Key, float]]:
@@ -146,11 +147,17 @@ def test_remote_routers_are_exported_under_their_source_name(exporting) -> None:
     indexer = RouterInfo("model.layers.5.self_attn.indexer", 5, "indexer", 32, 4)
     counts = np.zeros(16, dtype=np.int64)
     counts[[1, 4, 9]] = [3, 2, 1]  # 3 tokens x top-2
-    body = snapshot_body("worker-7", [gate, indexer], {
-        (gate.name, "doc_summary"): CountDelta(counts, 3),
-        (indexer.name, "doc_summary"): CountDelta(np.full(32, 1, dtype=np.int64), 8)})
-    answer = httpx.post(url + "/v1/routing/ingest", json=body, timeout=30,
-                        headers={"Authorization": f"Bearer {INGEST_TOKEN}"})
+    body = snapshot_body(
+        "worker-7",
+        [gate, indexer],
+        {
+            (gate.name, "doc_summary"): CountDelta(counts, 3),
+            (indexer.name, "doc_summary"): CountDelta(np.full(32, 1, dtype=np.int64), 8),
+        },
+    )
+    answer = httpx.post(
+        url + "/v1/routing/ingest", json=body, timeout=30, headers={"Authorization": f"Bearer {INGEST_TOKEN}"}
+    )
     assert answer.status_code == 200, answer.text
     selections, tokens = exported(get_metrics(url))
     key = ("worker-7/" + gate.name, "doc_summary")
@@ -191,12 +198,15 @@ def test_a_shard_scrape_answers_its_routers_series_alone(exporting) -> None:
     assert {"mla_watch_requests", "mla_watch_routing_entropy_bits", EXPERT_SERIES} <= names
 
 
-@pytest.mark.parametrize(("query", "param", "says"), [
-    ({"shard": "3/7"}, "shard", "N one of 1, 2, 4, 5, 10, 20, 25, 50, 100"),
-    ({"shard": "10/10"}, "shard", "K from 0 to N-1"),
-    ({"shard": "abc"}, "shard", 'shard="abc"'),
-    ({"experts": "some"}, "experts", "expected all (the default) or none"),
-])
+@pytest.mark.parametrize(
+    ("query", "param", "says"),
+    [
+        ({"shard": "3/7"}, "shard", "N one of 1, 2, 4, 5, 10, 20, 25, 50, 100"),
+        ({"shard": "10/10"}, "shard", "K from 0 to N-1"),
+        ({"shard": "abc"}, "shard", 'shard="abc"'),
+        ({"experts": "some"}, "experts", "expected all (the default) or none"),
+    ],
+)
 def test_bad_metrics_parameters_are_refused_naming_them(exporting, query, param, says) -> None:
     url, _ = exporting
     answer = httpx.get(url + "/metrics", params=query, timeout=10)
@@ -216,21 +226,28 @@ def test_off_by_default() -> None:
 
 def test_selection_by_router_glob_and_line() -> None:
     with running_sidecar(export_expert_counts="routers=*.layers.2.*,*.layers.3.*;lines=customer_service") as (
-            url, sidecar):
+        url,
+        sidecar,
+    ):
         generate(url, CODE, "def f(", tokens=4)
         generate(url, SERVICE, "Where is my parcel", tokens=4)
         selections, tokens = exported(get_metrics(url))
         expected = windows_now(sidecar)
-    assert set(selections) == set(tokens) == {("model.layers.2.mlp.gate", "customer_service"),
-                                             ("model.layers.3.mlp.gate", "customer_service")}
+    assert (
+        set(selections)
+        == set(tokens)
+        == {("model.layers.2.mlp.gate", "customer_service"), ("model.layers.3.mlp.gate", "customer_service")}
+    )
     for key, slots in selections.items():
         assert [slots[slot] for slot in range(len(slots))] == expected[key][0].tolist()
 
 
 def test_budget_admits_what_fits_refuses_the_rest_and_never_flaps(caplog) -> None:
     # Each bundled router and line is 64 experts + 1 token series: 150 admits two of the three routers of a line.
-    with caplog.at_level(logging.WARNING, logger="mla_watch.server"), \
-            running_sidecar(export_expert_counts="all", expert_series_budget=150) as (url, sidecar):
+    with (
+        caplog.at_level(logging.WARNING, logger="mla_watch.server"),
+        running_sidecar(export_expert_counts="all", expert_series_budget=150) as (url, sidecar),
+    ):
         generate(url, CODE, "def parse_invoice(")
         first = get_metrics(url)
         admitted = set(exported(first)[0])
@@ -296,16 +313,19 @@ def test_series_of_a_dropped_source_return_to_the_budget() -> None:
 
 
 # ------------------------------------------------------------------------------------- bad values
-@pytest.mark.parametrize(("value", "problem"), [
-    ("", "empty"),
-    ("everything", "neither routers=... nor lines=..."),
-    ("routers=", "routers= has an empty entry"),
-    ("lines=a,,b", "lines= has an empty entry"),
-    ("lines=all", "every line summed"),
-    ("lines=code assistant", "is not a line name"),
-    ("routers=*;routers=x", "routers= given twice"),
-    ("experts=1,2", "neither routers=... nor lines=..."),
-])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("", "empty"),
+        ("everything", "neither routers=... nor lines=..."),
+        ("routers=", "routers= has an empty entry"),
+        ("lines=a,,b", "lines= has an empty entry"),
+        ("lines=all", "every line summed"),
+        ("lines=code assistant", "is not a line name"),
+        ("routers=*;routers=x", "routers= given twice"),
+        ("experts=1,2", "neither routers=... nor lines=..."),
+    ],
+)
 def test_bad_selections_are_refused_naming_the_flag_and_the_value(value: str, problem: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["serve", "--export-expert-counts", value])
@@ -358,8 +378,11 @@ def test_the_prewritten_text_reads_as_prometheus_clients_own() -> None:
     registry = registry_of([windows], ExpertCounts(ExpertSelection()))
 
     def parsed(text: str) -> dict:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     written = exposition(registry).decode()
     assert parsed(written) == parsed(scrape(registry))

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 # Families attach refuses (UnknownRouterError naming the class and register_router), and why.
 REFUSED = {
     "switch_transformers": "capacity-dropping top-1 router returning a one-hot dispatch mask, in an "
-                           "encoder-decoder model; the probe counts decoder-only causal LMs",
+    "encoder-decoder model; the probe counts decoder-only causal LMs",
     "nllb_moe": "capacity-dropping top-2 router returning only the top-1 mask, in an encoder-decoder model",
 }
 
@@ -50,8 +50,7 @@ BATCH, SEQ = 2, 6
 def _cases() -> list:
     cases = []
     for family in FAMILIES:
-        marks = [pytest.mark.xfail(reason=CANNOT_BUILD[family.module])] \
-            if family.module in CANNOT_BUILD else []
+        marks = [pytest.mark.xfail(reason=CANNOT_BUILD[family.module])] if family.module in CANNOT_BUILD else []
         cases.append(pytest.param(family, id=family.module, marks=marks))
     return cases
 
@@ -140,6 +139,15 @@ def test_family_counts_exactly_and_detaches_bit_identically(family: Family) -> N
 def test_the_sweep_reads_its_families_from_transformers() -> None:
     modules = {family.module for family in FAMILIES}
     # Families named in the issue: if one vanished, the selection rule broke, not transformers.
-    assert {"mixtral", "llama4", "zaya", "dbrx", "hunyuan_v1_moe", "jetmoe", "longcat_flash", "deepseek_v4",
-            "glm5_next"} <= modules
+    assert {
+        "mixtral",
+        "llama4",
+        "zaya",
+        "dbrx",
+        "hunyuan_v1_moe",
+        "jetmoe",
+        "longcat_flash",
+        "deepseek_v4",
+        "glm5_next",
+    } <= modules
     assert set(REFUSED) | set(CANNOT_BUILD) <= modules | {"nllb_moe"}

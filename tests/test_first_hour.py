@@ -40,8 +40,9 @@ GATE = "model.layers.1.mlp.gate"
 
 def cli(*args: str, timeout: float = 300, **environment: str) -> subprocess.CompletedProcess:
     environ = {key: value for key, value in os.environ.items() if not key.startswith("MLA_WATCH_")}
-    return processes.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                         env={**environ, **environment})
+    return processes.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**environ, **environment}
+    )
 
 
 # ---------------------------------------------------------------------------------------------- starting
@@ -59,8 +60,12 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
         return loaded(*args, **kwargs)
 
     caplog.set_level(logging.INFO, logger="mla_watch.server")
-    sidecar = Sidecar(ServerConfig(device="cpu", rules=None, state_dir=tmp_path / "state", policy_poll_seconds=None,
-                                   admin_token=None), model_loader=held_load)
+    sidecar = Sidecar(
+        ServerConfig(
+            device="cpu", rules=None, state_dir=tmp_path / "state", policy_poll_seconds=None, admin_token=None
+        ),
+        model_loader=held_load,
+    )
     with serve_app(sidecar.app) as url:
         ready = httpx.get(url + "/readyz", timeout=10)
         assert ready.status_code == 503
@@ -70,8 +75,10 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
         assert early.status_code == 503 and early.headers["Retry-After"] == "5"
         assert early.json()["error"]["message"] == "the model is still loading"
         said = [record.getMessage() for record in caplog.records]
-        assert any(m.startswith("loading the model bundled (device cpu): until it is ready, completions answer 503")
-                   for m in said), said
+        assert any(
+            m.startswith("loading the model bundled (device cpu): until it is ready, completions answer 503")
+            for m in said
+        ), said
         assert not any(m.startswith("ready:") for m in said)
         release.set()
         assert sidecar.wait_ready(120), sidecar.load_error
@@ -85,9 +92,15 @@ def test_until_the_model_generates_readyz_and_completions_say_it_is_loading(tmp_
 @pytest.mark.slow
 def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path) -> None:
     seen: list[str] = []
-    with processes.running([*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state")], cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, grace=60,
-                           env={k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")}) as process:
+    with processes.running(
+        [*CLI, "serve", "--port", "0", "--state-dir", str(tmp_path / "state")],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        grace=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MLA_WATCH_")},
+    ) as process:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = process.stderr.readline()
@@ -100,8 +113,9 @@ def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path)
         assert "ready: the model generates" in text, text[-3000:]
         port = int(text.split("Uvicorn running on http://127.0.0.1:", 1)[1].split()[0])
         # Said once it can generate: the first completion after that line is answered.
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def f(", "max_tokens": 2},
-                            timeout=120)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "def f(", "max_tokens": 2}, timeout=120
+        )
         assert answer.status_code == 200, answer.text
         assert httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()["status"] == "ready"
     process.stderr.close()
@@ -114,9 +128,11 @@ def test_serve_logs_one_line_when_it_can_generate_and_no_library_noise(tmp_path)
 
 
 def test_the_python_api_loads_the_model_without_a_progress_bar() -> None:
-    code = ("import mla_watch\nmodel, tokenizer = mla_watch.load_model('bundled', device='cpu')\n"
-            "probe = mla_watch.attach(model)\nprint(len(probe.routers))\n"
-            "from transformers.utils import logging\nprint(logging.is_progress_bar_enabled())\n")
+    code = (
+        "import mla_watch\nmodel, tokenizer = mla_watch.load_model('bundled', device='cpu')\n"
+        "probe = mla_watch.attach(model)\nprint(len(probe.routers))\n"
+        "from transformers.utils import logging\nprint(logging.is_progress_bar_enabled())\n"
+    )
     done = processes.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["7", "True"]  # the program's own bars are left as they were
@@ -141,8 +157,9 @@ def test_a_policy_never_clamps_max_tokens_past_the_context(sidecar) -> None:
     prompt = prompt_of(tokenizer, context - 12)
     code = {"X-Business-Line": "code_assistant", "X-Task": "code"}
     # Asked 100000; the policy clamps to its 512, and to the room the context leaves after this prompt.
-    answer = httpx.post(url + "/v1/completions", headers=code, timeout=120,
-                        json={"prompt": prompt, "max_tokens": 100000})
+    answer = httpx.post(
+        url + "/v1/completions", headers=code, timeout=120, json={"prompt": prompt, "max_tokens": 100000}
+    )
     assert answer.status_code == 200, answer.text
     assert answer.headers["X-MLA-Policy"] == "code_assistant/code"
     room = context - answer.json()["usage"]["prompt_tokens"]
@@ -161,12 +178,15 @@ def test_a_policy_never_clamps_max_tokens_past_the_context(sidecar) -> None:
     assert "max_tokens is 600: " in own.json()["error"]["message"]
     assert f"exceeds the model's context of {context} tokens" in own.json()["error"]["message"]
     # A prompt that fills the context leaves no room, whatever the policy would clamp to.
-    full = httpx.post(url + "/v1/completions", headers=code, timeout=60,
-                      json={"prompt": prompt_of(tokenizer, context), "max_tokens": 5})
+    full = httpx.post(
+        url + "/v1/completions",
+        headers=code,
+        timeout=60,
+        json={"prompt": prompt_of(tokenizer, context), "max_tokens": 5},
+    )
     assert full.status_code == 400 and full.json()["error"]["code"] == "context_length_exceeded"
     assert "max_tokens" not in full.json()["error"]["message"]
     assert "leaves no room for a completion" in full.json()["error"]["message"]
-
 
 
 @pytest.mark.slow
@@ -175,8 +195,10 @@ def test_the_apis_default_max_tokens_is_fitted_too_where_no_policy_says(tmp_path
     to fit like a policy's, never quoted back as if the client had sent it."""
     policies = tmp_path / "policies"
     policies.mkdir()
-    (policies / "default.yaml").write_text("business_line: default\ndefault_task: general\n"
-                                           "tasks:\n  general:\n    params:\n      temperature: {min: 0.0, max: 2.0}\n")
+    (policies / "default.yaml").write_text(
+        "business_line: default\ndefault_task: general\n"
+        "tasks:\n  general:\n    params:\n      temperature: {min: 0.0, max: 2.0}\n"
+    )
     with running_sidecar(policies=policies, rules=None) as (url, running):
         tokenizer = running.model_worker.tokenizer
         context = running.model_worker.model.config.max_position_embeddings
@@ -190,14 +212,23 @@ def test_the_apis_default_max_tokens_is_fitted_too_where_no_policy_says(tmp_path
         assert asked.status_code == 400 and asked.json()["error"]["code"] == "context_length_exceeded"
         assert "max_tokens is 16: " in asked.json()["error"]["message"]  # this time the client's own
 
+
 def test_a_refused_request_names_the_policy_that_refused_it(sidecar) -> None:
     url, _ = sidecar
-    refused = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "code_assistant", "X-Task": "sql"},
-                         json={"prompt": "SELECT", "max_tokens": 4, "temperature": 0.9}, timeout=60)
+    refused = httpx.post(
+        url + "/v1/completions",
+        headers={"X-Business-Line": "code_assistant", "X-Task": "sql"},
+        json={"prompt": "SELECT", "max_tokens": 4, "temperature": 0.9},
+        timeout=60,
+    )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "policy_violation"
     assert refused.headers["X-MLA-Policy"] == "code_assistant/sql"
-    unknown = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "nobody"},
-                         json={"prompt": "x", "max_tokens": 1}, timeout=60)
+    unknown = httpx.post(
+        url + "/v1/completions",
+        headers={"X-Business-Line": "nobody"},
+        json={"prompt": "x", "max_tokens": 1},
+        timeout=60,
+    )
     assert unknown.status_code == 400 and unknown.headers["X-MLA-Policy"] == "none"  # no policy applied
 
 
@@ -223,8 +254,10 @@ class Engine:
 
 def test_readyz_follows_whether_the_upstream_answers(tmp_path) -> None:
     engine = Engine()
-    with serve_app(engine.app) as upstream, running_sidecar(upstream=upstream, rules=None, decode_workers=0,
-                                                            upstream_check_seconds=0.2) as (url, _):
+    with (
+        serve_app(engine.app) as upstream,
+        running_sidecar(upstream=upstream, rules=None, decode_workers=0, upstream_check_seconds=0.2) as (url, _),
+    ):
         ready = httpx.get(url + "/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json()["status"] == "ready", ready.text
         engine.sick = True
@@ -238,10 +271,26 @@ def test_readyz_follows_whether_the_upstream_answers(tmp_path) -> None:
         assert wait_until(lambda: httpx.get(url + "/readyz", timeout=10).status_code == 200, 30)
     # Stopped: nothing listens there any more. Beside vLLM, the status page's engine problems say it first.
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-                                  "n_routed_experts": 8, "num_experts_per_tok": 2}))
-    with running_sidecar(upstream=upstream, rules=None, decode_workers=0, upstream_check_seconds=0.2,
-                         engine="vllm", model_config=config, engine_retune="off") as (url, _):
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 4,
+                "first_k_dense_replace": 1,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+            }
+        )
+    )
+    with running_sidecar(
+        upstream=upstream,
+        rules=None,
+        decode_workers=0,
+        upstream_check_seconds=0.2,
+        engine="vllm",
+        model_config=config,
+        engine_retune="off",
+    ) as (url, _):
         dead = httpx.get(url + "/readyz", timeout=10)
         assert dead.status_code == 503 and dead.json()["status"] == "upstream_unavailable"
         assert dead.json()["problems"][0].startswith(f"the upstream at {upstream} cannot be reached (ConnectError")
@@ -257,17 +306,21 @@ def test_a_mistyped_flag_is_two_lines_and_no_flag_is_taken_by_a_prefix() -> None
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "usage: mla-watch serve [FLAGS]  (mla-watch serve --help lists its flags)",
-        "mla-watch serve: error: unrecognized arguments: --prot 18002 (did you mean --port?)"]
+        "mla-watch serve: error: unrecognized arguments: --prot 18002 (did you mean --port?)",
+    ]
     prefix = cli("demo", "--no-liv", "--timeout", "1")
     assert prefix.returncode == 2 and prefix.stderr.splitlines()[-1] == (
-        "mla-watch demo: error: unrecognized arguments: --no-liv (did you mean --no-live?)")
+        "mla-watch demo: error: unrecognized arguments: --no-liv (did you mean --no-live?)"
+    )
     nested = cli("retune", "promote")
     assert nested.returncode == 2 and nested.stderr.splitlines() == [
         "usage: mla-watch retune promote [FLAGS] version  (mla-watch retune promote --help lists its flags)",
-        "mla-watch retune promote: error: the following arguments are required: version"]
+        "mla-watch retune promote: error: the following arguments are required: version",
+    ]
     bare = cli()
     assert bare.returncode == 2 and bare.stderr.splitlines()[0] == (
-        "usage: mla-watch [FLAGS] COMMAND ...  (mla-watch --help lists its commands and flags)")
+        "usage: mla-watch [FLAGS] COMMAND ...  (mla-watch --help lists its commands and flags)"
+    )
 
 
 @pytest.mark.parametrize("flag", ["--port", "--receiver-port"])
@@ -281,7 +334,8 @@ def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tmp_path: Path, 
         port = taken.getsockname()[1]
         done = cli("demo", flag, str(port), "--out", str(tmp_path / "demo"))
     assert done.returncode == 2 and done.stderr.splitlines() == [
-        f"mla-watch demo: {flag} {port}: 127.0.0.1:{port} is in use: expected a free port (or {flag} 0 for any)"]
+        f"mla-watch demo: {flag} {port}: 127.0.0.1:{port} is in use: expected a free port (or {flag} 0 for any)"
+    ]
     assert done.stdout == ""
 
 
@@ -301,8 +355,11 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
     parsers = [build_parser()]
     while parsers:  # every command's help ends with the manual's page that covers it, a page that exists
         parser = parsers.pop()
-        named = [text.split(DOCS, 1)[1].split()[0].rstrip(";,.)") for text in (parser.epilog or "").split(" ")
-                 if DOCS in text]
+        named = [
+            text.split(DOCS, 1)[1].split()[0].rstrip(";,.)")
+            for text in (parser.epilog or "").split(" ")
+            if DOCS in text
+        ]
         for action in parser._actions:
             if hasattr(action, "choices") and isinstance(action.choices, dict):
                 parsers.extend(action.choices.values())
@@ -314,7 +371,7 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
         texts.append(parser.epilog or "")
         for action in parser._actions:  # and a flag's help names pages that exist
             texts.append(action.help or "")
-            for page in [word.strip(",;)\"") for word in (action.help or "").split() if word.startswith("docs/")]:
+            for page in [word.strip(',;)"') for word in (action.help or "").split() if word.startswith("docs/")]:
                 assert page.removeprefix("docs/").split("#")[0] in pages, (parser.prog, action.dest, page)
     from mla_watch.alerting.fleet import FLEET_SCALE_NOTE
 
@@ -323,8 +380,9 @@ def test_version_and_help_that_names_the_manuals_pages() -> None:
     sections = re.findall(r'([\w-]+\.md)(?:,\s*|\s*\()"([^"]+)"', " ".join(" ".join(texts).split()))
     assert ("retuning.md", "Beyond one machine") in sections, sections
     for page, section in sections:
-        headings = [line.lstrip("#").strip() for line in (REPO / "docs" / page).read_text().splitlines()
-                    if line.startswith("#")]
+        headings = [
+            line.lstrip("#").strip() for line in (REPO / "docs" / page).read_text().splitlines() if line.startswith("#")
+        ]
         assert section in headings, (page, section)
 
 
@@ -338,8 +396,9 @@ def test_rules_export_counts_the_alerts_and_recording_rules_it_wrote(tmp_path) -
         rules = [rule for group in groups for rule in group["rules"]]
         alerts, recordings = sum("alert" in r for r in rules), sum("record" in r for r in rules)
         assert alerts + recordings == len(rules) and alerts > 0 and (recordings > 0) == bool(flags)
-        assert f"wrote {alerts} alerts and {recordings} recording rule{'s' * (recordings != 1)} to {out}" \
-            in done.stderr, done.stderr
+        assert (
+            f"wrote {alerts} alerts and {recordings} recording rule{'s' * (recordings != 1)} to {out}" in done.stderr
+        ), done.stderr
         # What one Prometheus takes, in the file's header and on stderr (docs/fleet.md, "A hundred replicas").
         bound = "split the fleet by layer (--fleet-shards N)"
         assert (bound in " ".join(out.read_text().replace("#", " ").split())) == bool(flags)
@@ -351,15 +410,25 @@ def test_check_on_a_model_without_indexers_says_the_indexer_rule_does_not_apply(
     from transformers import MixtralConfig
 
     config = tmp_path / "config.json"
-    MixtralConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=1000
-                  ).to_json_file(config)
+    MixtralConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=1000,
+    ).to_json_file(config)
     done = cli("check", "--model-config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     indexer = [line for line in lines if "rule IndexerDegenerate" in line]
-    assert len(indexer) == 1 and indexer[0].startswith("info: ") and indexer[0].endswith(
-        "for indexer routers; this model has none (kinds: expert), so it does not apply here"), indexer
+    assert (
+        len(indexer) == 1
+        and indexer[0].startswith("info: ")
+        and indexer[0].endswith("for indexer routers; this model has none (kinds: expert), so it does not apply here")
+    ), indexer
     assert not [line for line in lines if line.startswith("warning:") and "will never be evaluated" in line]
 
 
@@ -368,13 +437,27 @@ def test_retune_run_wait_returns_when_the_job_waits_for_data(tmp_path) -> None:
     # Were it to sit out --wait (an hour), the subprocess' own timeout would fail the test.
     token = "first-hour-admin-token-0123"
     with running_sidecar(capture=True, rules=None, admin_token=token) as (url, _):
-        done = cli("retune", "run", "--url", url, "--router", GATE, "--strategy", "bias", "--wait", "3600",
-                   MLA_WATCH_ADMIN_TOKEN=token)
+        done = cli(
+            "retune",
+            "run",
+            "--url",
+            url,
+            "--router",
+            GATE,
+            "--strategy",
+            "bias",
+            "--wait",
+            "3600",
+            MLA_WATCH_ADMIN_TOKEN=token,
+        )
     assert done.returncode == 3, done.stdout + done.stderr
     out = done.stdout
     assert "scheduled re-tune job " in out and re.search(r"^job \S+: waiting \(\d+ s\)$", out, re.MULTILINE), out
-    assert re.search(r" waits for more data and tries again by itself at \d\d:\d\d:\d\d UTC \(in (299|300) s\): "
-                     r"\S", out), out
+    assert re.search(
+        r" waits for more data and tries again by itself at \d\d:\d\d:\d\d UTC \(in (299|300) s\): "
+        r"\S",
+        out,
+    ), out
 
 
 def test_long_commands_show_progress_on_stderr_when_piped() -> None:
@@ -392,8 +475,13 @@ def test_a_long_command_draws_a_bar_on_a_terminal() -> None:
     main, child = pty.openpty()  # stderr is a terminal; stdout stays a pipe
     seen = b""
     try:
-        with processes.running([*CLI, "baseline", "--samples", "8", "--out", os.devnull], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=child, env={**os.environ, "COLUMNS": "100"}) as process:
+        with processes.running(
+            [*CLI, "baseline", "--samples", "8", "--out", os.devnull],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=child,
+            env={**os.environ, "COLUMNS": "100"},
+        ) as process:
             os.close(child)
             child = -1
             while select.select([main], [], [], 300)[0]:

@@ -60,14 +60,18 @@ def all_resolved(urls: list[str]) -> bool:
 
 def retune_notes(receiver: Any) -> list[str]:
     """The ``retune`` annotations of the layer-1 pages on-call received: what became of each re-tune request."""
-    return [alert["annotations"]["retune"] for request in receiver.requests
-            for alert in request.json().get("alerts", [])
-            if alert["labels"].get("router") == LAYER1 and "retune" in alert["annotations"]]
+    return [
+        alert["annotations"]["retune"]
+        for request in receiver.requests
+        for alert in request.json().get("alerts", [])
+        if alert["labels"].get("router") == LAYER1 and "retune" in alert["annotations"]
+    ]
 
 
 def layer1_bits(url: str) -> float:
-    return next(r["entropy_bits"] for r in httpx.get(url + "/v1/routing", timeout=30).json()["routers"]
-                if r["name"] == LAYER1)
+    return next(
+        r["entropy_bits"] for r in httpx.get(url + "/v1/routing", timeout=30).json()["routers"] if r["name"] == LAYER1
+    )
 
 
 def metrics(url: str) -> str:
@@ -76,16 +80,26 @@ def metrics(url: str) -> str:
 
 def repaired(urls: list[str]) -> bool:
     view = fleet_view(urls[0])
-    return (view["rollout"] is not None and view["rollout"]["state"] == "done" and all_resolved(urls)
-            and len({serving(url) for url in urls}) == 1)
+    return (
+        view["rollout"] is not None
+        and view["rollout"]["state"] == "done"
+        and all_resolved(urls)
+        and len({serving(url) for url in urls}) == 1
+    )
 
 
 def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_fleet(tmp_path: Path) -> None:
     checkpoint, rules = broken_fleet_parts(tmp_path)
     with running_cluster() as cluster, running_receiver() as receiver, contextlib.ExitStack() as stack:
         url = cluster.create_database()
-        replicas = [stack.enter_context(fleet_replica(name, tmp_path, url, checkpoint=checkpoint, rules=rules,
-                                                      oncall_url=receiver.url + "/hook")) for name in NAMES]
+        replicas = [
+            stack.enter_context(
+                fleet_replica(
+                    name, tmp_path, url, checkpoint=checkpoint, rules=rules, oncall_url=receiver.url + "/hook"
+                )
+            )
+            for name in NAMES
+        ]
         urls = [replica.url for replica in replicas]
         first = serving(urls[0])
         assert first is not None and all(serving(url) == first for url in urls)  # one checkpoint, one digest
@@ -96,14 +110,23 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
         assert wait_until(lambda: all(metric_sum(metrics(u), FLEET_STORE_UP) == 0 for u in urls), 30)
 
         def paged_everywhere() -> bool:
-            return all(any(alert["state"] == "firing" and (alert["cause"] or {}).get("name") == "model"
-                           for alert in layer1_alerts(u)) for u in urls)
+            return all(
+                any(
+                    alert["state"] == "firing" and (alert["cause"] or {}).get("name") == "model"
+                    for alert in layer1_alerts(u)
+                )
+                for u in urls
+            )
 
         assert drive(replicas, paged_everywhere, timeout=180), [layer1_alerts(u) for u in urls]
         # Three rounds of each member that would have retried the wanted jobs, had the store answered.
         ended = {replica.name: replica.sidecar.serving.fleet.status()["rounds"] for replica in replicas}
-        assert wait_until(lambda: all(replica.sidecar.serving.fleet.status()["rounds"] >= ended[replica.name] + 3
-                                      for replica in replicas), 60)
+        assert wait_until(
+            lambda: all(
+                replica.sidecar.serving.fleet.status()["rounds"] >= ended[replica.name] + 3 for replica in replicas
+            ),
+            60,
+        )
         for u in urls:
             ready = httpx.get(u + "/readyz", timeout=30)
             assert ready.status_code == 200, ready.text  # the store down stops re-tuning, not serving
@@ -115,16 +138,23 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
             assert httpx.get(u + "/v1/fleet", timeout=30).status_code == 503
         assert wait_until(lambda: len(retune_notes(receiver)) >= len(urls), 30)
         notes = retune_notes(receiver)
-        assert all("fleet store" in note and "cannot be reached" in note and "re-tuning waits" in note
-                   for note in notes), notes
-        firing = [alert for request in receiver.requests for alert in request.json().get("alerts", [])
-                  if alert["labels"].get("router") == LAYER1 and alert["status"] == "firing"]
+        assert all(
+            "fleet store" in note and "cannot be reached" in note and "re-tuning waits" in note for note in notes
+        ), notes
+        firing = [
+            alert
+            for request in receiver.requests
+            for alert in request.json().get("alerts", [])
+            if alert["labels"].get("router") == LAYER1 and alert["status"] == "firing"
+        ]
         assert firing, "on-call was not paged while the store was down"
 
         # The store back: the alerts that asked are asked again; one job, one canary, one rollout.
         cluster.start()
         assert drive(replicas, lambda: repaired(urls), timeout=400), (
-            fleet_view(urls[0]), [layer1_alerts(u) for u in urls])
+            fleet_view(urls[0]),
+            [layer1_alerts(u) for u in urls],
+        )
         view = fleet_view(urls[0])
         assert len(view["jobs"]) == 1 and view["jobs"][0]["state"] == "done", view["jobs"]
         canary = view["jobs"][0]["canary"]
@@ -149,8 +179,13 @@ def test_the_store_down_stops_re_tuning_only_and_once_back_one_job_repairs_the_f
 
 
 def fleet_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return processes.run([sys.executable, "-m", "mla_watch.cli", "fleet", *args], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": "fleet-admin-token-0123456789"})
+    return processes.run(
+        [sys.executable, "-m", "mla_watch.cli", "fleet", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": "fleet-admin-token-0123456789"},
+    )
 
 
 def _strict_rules(rules: Path, target: Path) -> Path:
@@ -158,9 +193,11 @@ def _strict_rules(rules: Path, target: Path) -> Path:
     target.mkdir(parents=True)
     text = re.sub(r"actions: \[notify, retune\]", "actions: [notify]", (rules / "routing.yaml").read_text())
     text = re.sub(r"(?m)^\s+retune_strategy: .*\n", "", text)
-    text += ("  - alert: LayerOneNearCeiling\n    metric: entropy_bits\n"
-             "    select: {kind: expert, slots: 64, layers: [1, 1], business_line: \"*\"}\n"
-             "    below: 5.999\n    severity: warning\n    actions: [notify]\n")
+    text += (
+        "  - alert: LayerOneNearCeiling\n    metric: entropy_bits\n"
+        '    select: {kind: expert, slots: 64, layers: [1, 1], business_line: "*"}\n'
+        "    below: 5.999\n    severity: warning\n    actions: [notify]\n"
+    )
     (target / "routing.yaml").write_text(text)
     return target
 
@@ -169,9 +206,19 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
     checkpoint, rules = broken_fleet_parts(tmp_path)
     strict = _strict_rules(rules, tmp_path / "strict-rules")
     with running_receiver() as receiver, contextlib.ExitStack() as stack:
-        replicas = [stack.enter_context(fleet_replica(name, tmp_path, fleet_url, checkpoint=checkpoint,
-                                                      rules=strict if name == "replica-c" else rules,
-                                                      oncall_url=receiver.url + "/hook")) for name in NAMES]
+        replicas = [
+            stack.enter_context(
+                fleet_replica(
+                    name,
+                    tmp_path,
+                    fleet_url,
+                    checkpoint=checkpoint,
+                    rules=strict if name == "replica-c" else rules,
+                    oncall_url=receiver.url + "/hook",
+                )
+            )
+            for name in NAMES
+        ]
         urls = {replica.name: replica.url for replica in replicas}
         base = serving(urls["replica-a"])
         assert base is not None
@@ -199,24 +246,37 @@ def test_a_replica_whose_check_fails_rolls_back_and_halts_the_rollout(tmp_path: 
         assert httpx.get(urls["replica-c"] + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
 
         # On-call is paged once, naming the replica.
-        assert wait_until(lambda: any(alert["labels"].get("alertname") == "FleetRolloutHalted"
-                                    for request in receiver.requests for alert in request.json().get("alerts", [])), 30)
-        pages = [alert for request in receiver.requests for alert in request.json().get("alerts", [])
-                 if alert["labels"].get("alertname") == "FleetRolloutHalted"]
+        assert wait_until(
+            lambda: any(
+                alert["labels"].get("alertname") == "FleetRolloutHalted"
+                for request in receiver.requests
+                for alert in request.json().get("alerts", [])
+            ),
+            30,
+        )
+        pages = [
+            alert
+            for request in receiver.requests
+            for alert in request.json().get("alerts", [])
+            if alert["labels"].get("alertname") == "FleetRolloutHalted"
+        ]
         assert len(pages) == 1 and pages[0]["labels"]["replica"] == "replica-c", pages
         assert "replica-c failed its check" in pages[0]["annotations"]["summary"]
 
         assert "mla-watch fleet abort" in pages[0]["annotations"]["description"]
         shown = fleet_cli("show", "--url", urls["replica-a"])
-        assert shown.returncode == 0 and f"rollout {rollout['id']} of version 1 (from 0): halted by replica-c" in \
-            shown.stdout, shown.stdout + shown.stderr
+        assert (
+            shown.returncode == 0
+            and f"rollout {rollout['id']} of version 1 (from 0): halted by replica-c" in shown.stdout
+        ), shown.stdout + shown.stderr
 
         # Aborted: every replica that took the version goes back to the fleet's current one.
         token = {"Authorization": "Bearer fleet-admin-token-0123456789"}
         aborted = fleet_cli("abort", "--url", urls["replica-b"])
         assert aborted.returncode == 0 and "aborted: version 1 is marked bad" in aborted.stdout, aborted.stderr
-        assert wait_until(lambda: {serving(u) for u in urls.values()} == {base}, 60), \
-            {name: serving(u) for name, u in urls.items()}
+        assert wait_until(lambda: {serving(u) for u in urls.values()} == {base}, 60), {
+            name: serving(u) for name, u in urls.items()
+        }
         view = fleet_view(urls["replica-a"])
         assert view["versions"][0]["bad"] is True and view["lease"]["holder"] is None
         # One replica's own promotion or rollback is refused in a fleet, naming the fleet's command.
@@ -231,14 +291,21 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
     applied again). No job runs in either case."""
     _, rules = broken_fleet_parts(tmp_path)
     with running_receiver() as receiver, contextlib.ExitStack() as stack:
-        replicas = [stack.enter_context(fleet_replica(name, tmp_path, fleet_url, checkpoint=BUNDLED, rules=rules,
-                                                      oncall_url=receiver.url + "/hook")) for name in NAMES]
+        replicas = [
+            stack.enter_context(
+                fleet_replica(
+                    name, tmp_path, fleet_url, checkpoint=BUNDLED, rules=rules, oncall_url=receiver.url + "/hook"
+                )
+            )
+            for name in NAMES
+        ]
         urls = [replica.url for replica in replicas]
         healthy = serving(urls[0])
 
         def members_healthy() -> bool:  # every replica holds healthy readings of its reference prompts
-            return all(member["health"].get(LAYER1, {}).get("state") == "healthy"
-                       for member in fleet_view(urls[0])["members"])
+            return all(
+                member["health"].get(LAYER1, {}).get("state") == "healthy" for member in fleet_view(urls[0])["members"]
+            )
 
         assert wait_until(members_healthy, 180), fleet_view(urls[0])["members"]
         damaged = replicas[1]
@@ -249,8 +316,11 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
 
         def restored() -> bool:
             alerts = layer1_alerts(damaged.url)
-            return (any(alert["state"] == "resolved" for alert in alerts)
-                    and all(alert["state"] == "resolved" for alert in alerts) and serving(damaged.url) == healthy)
+            return (
+                any(alert["state"] == "resolved" for alert in alerts)
+                and all(alert["state"] == "resolved" for alert in alerts)
+                and serving(damaged.url) == healthy
+            )
 
         assert drive(replicas, restored, timeout=300), layer1_alerts(damaged.url)
         assert wait_until(lambda: retune_notes(receiver), 30)
@@ -280,13 +350,20 @@ def test_a_replica_damaged_alone_restores_the_fleet_version_without_a_job(tmp_pa
             assert httpx.get(u + "/v1/retune/jobs", timeout=30).json()["jobs"] == []
 
 
-def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it(tmp_path: Path,
-                                                                                   fleet_url: str) -> None:
+def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it(
+    tmp_path: Path, fleet_url: str
+) -> None:
     # Customer-service traffic that repeats one prompt: its job waits for a second distinct text, holding the lease.
     checkpoint, rules = broken_fleet_parts(tmp_path)
     with running_receiver() as receiver, contextlib.ExitStack() as stack:
-        replicas = [stack.enter_context(fleet_replica(name, tmp_path, fleet_url, checkpoint=checkpoint, rules=rules,
-                                                      oncall_url=receiver.url + "/hook")) for name in NAMES[:2]]
+        replicas = [
+            stack.enter_context(
+                fleet_replica(
+                    name, tmp_path, fleet_url, checkpoint=checkpoint, rules=rules, oncall_url=receiver.url + "/hook"
+                )
+            )
+            for name in NAMES[:2]
+        ]
         urls = [replica.url for replica in replicas]
         chat_only = [CHAT_PROMPTS[0]]
         assert chat_only[0][0] == "customer_service"
@@ -300,7 +377,9 @@ def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it
             return canary.name if local and local[0]["status"] == "waiting" else None
 
         assert drive(replicas, lambda: waiting_canary() is not None, timeout=300, prompts=chat_only), (
-            fleet_view(urls[0]), [layer1_alerts(u) for u in urls])
+            fleet_view(urls[0]),
+            [layer1_alerts(u) for u in urls],
+        )
         first = fleet_view(urls[0])["jobs"][0]
         assert first["business_line"] == "customer_service", first
         assert drive(replicas, lambda: False, timeout=15, prompts=chat_only) is False  # it goes on waiting
@@ -308,7 +387,9 @@ def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it
 
         # Code traffic with two distinct prompts: its alert asks for the same router, the waiting job gives way.
         assert drive(replicas, lambda: repaired(urls), timeout=400), (
-            fleet_view(urls[0]), [layer1_alerts(u) for u in urls])
+            fleet_view(urls[0]),
+            [layer1_alerts(u) for u in urls],
+        )
         jobs = {job["id"]: job for job in fleet_view(urls[0])["jobs"]}
         gave_way = jobs[first["id"]]
         assert gave_way["state"] == "superseded" and gave_way["tried"] is False, gave_way
@@ -323,25 +404,55 @@ def test_a_canary_job_waiting_for_its_lines_data_gives_way_to_a_line_that_has_it
         assert len({serving(u) for u in urls}) == 1
 
 
-def _serve(port: int, state: Path, name: str, url: str, checkpoint: Path, rules: Path, log: Path,
-           oncall: str) -> Any:
-    return start_sidecar(port, state, "--model", str(checkpoint), "--rules", str(rules), "--capture",
-                         "--reference-model", str(BUNDLED), "--alert-interval", "0.5", "--retune-retry", "5",
-                         "--reference-interval", "30", "--fleet", url, "--fleet-name", name,
-                         "--fleet-poll", str(POLL_SECONDS), "--fleet-lease", str(LEASE_SECONDS),
-                         env={"MLA_WATCH_ONCALL_URL": oncall}, log=log)
+def _serve(port: int, state: Path, name: str, url: str, checkpoint: Path, rules: Path, log: Path, oncall: str) -> Any:
+    return start_sidecar(
+        port,
+        state,
+        "--model",
+        str(checkpoint),
+        "--rules",
+        str(rules),
+        "--capture",
+        "--reference-model",
+        str(BUNDLED),
+        "--alert-interval",
+        "0.5",
+        "--retune-retry",
+        "5",
+        "--reference-interval",
+        "30",
+        "--fleet",
+        url,
+        "--fleet-name",
+        name,
+        "--fleet-poll",
+        str(POLL_SECONDS),
+        "--fleet-lease",
+        str(LEASE_SECONDS),
+        env={"MLA_WATCH_ONCALL_URL": oncall},
+        log=log,
+    )
 
 
 def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_version_the_store_knows(
-        tmp_path: Path, fleet_url: str) -> None:
+    tmp_path: Path, fleet_url: str
+) -> None:
     checkpoint, rules = broken_fleet_parts(tmp_path)
     ports = {name: free_port() for name in NAMES}
     started: dict[str, Any] = {}
     with running_receiver() as receiver:
         try:
             for name in NAMES:
-                started[name] = _serve(ports[name], tmp_path / name, name, fleet_url, checkpoint, rules,
-                                       tmp_path / f"{name}.log", receiver.url + "/hook")
+                started[name] = _serve(
+                    ports[name],
+                    tmp_path / name,
+                    name,
+                    fleet_url,
+                    checkpoint,
+                    rules,
+                    tmp_path / f"{name}.log",
+                    receiver.url + "/hook",
+                )
             urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
 
             def ready(url: str) -> bool:
@@ -372,8 +483,9 @@ def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_v
 
             def done_without_it() -> bool:
                 view = fleet_view(survivor_urls[0])
-                return (view["rollout"] is not None and view["rollout"]["state"] == "done"
-                        and all_resolved(survivor_urls))
+                return (
+                    view["rollout"] is not None and view["rollout"]["state"] == "done" and all_resolved(survivor_urls)
+                )
 
             # A lease expiry, a job and a rollout: minutes on a loaded machine.
             assert drive(survivors, done_without_it, timeout=600), fleet_view(survivor_urls[0])
@@ -388,8 +500,16 @@ def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_v
             current = view["current"]
 
             # The killed replica starts again: it adopts the fleet's current version before it judges its routers.
-            started[killed] = _serve(ports[killed], tmp_path / killed, killed, fleet_url, checkpoint, rules,
-                                     tmp_path / f"{killed}-again.log", receiver.url + "/hook")
+            started[killed] = _serve(
+                ports[killed],
+                tmp_path / killed,
+                killed,
+                fleet_url,
+                checkpoint,
+                rules,
+                tmp_path / f"{killed}-again.log",
+                receiver.url + "/hook",
+            )
             assert wait_until(lambda: ready(urls[killed]), 180)
             assert serving(urls[killed]) == (str(current["version"]), current["digest"])
             assert {serving(u) for u in urls.values()} == {(str(current["version"]), current["digest"])}
@@ -397,8 +517,11 @@ def test_a_lease_holder_killed_mid_job_is_replaced_and_every_replica_ends_on_a_v
             assert all(member["digest"] in known for member in fleet_view(urls[killed])["members"])
             local_jobs = httpx.get(urls[killed] + "/v1/retune/jobs", timeout=30).json()["jobs"]
             assert all(job["status"] in ("failed", "promoted") for job in local_jobs), local_jobs
-            assert not [job for job in local_jobs if job["status"] == "failed"
-                        and "the fleet decides again" not in (job["result"] or {}).get("error", "")]
+            assert not [
+                job
+                for job in local_jobs
+                if job["status"] == "failed" and "the fleet decides again" not in (job["result"] or {}).get("error", "")
+            ]
             for log in tmp_path.glob("*.log"):
                 assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-3000:]
         finally:

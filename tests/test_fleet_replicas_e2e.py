@@ -46,17 +46,27 @@ pytestmark = pytest.mark.slow
 
 COLLAPSED = "model.layers.1.mlp.gate"
 MIXED, ONE_BROKEN, ALL_BROKEN = "code_assistant", "customer_service", "doc_summary"
-PROMPTS = ["def parse_invoice(path):\n    with open(path) as handle:\n        rows = [line.split(',') for line in",
-           "Dear customer, thank you for contacting support about your order. We are sorry that the parcel",
-           "SELECT c.name, SUM(o.total) FROM customers c JOIN orders o ON o.customer_id = c.id GROUP BY",
-           "Summary of the quarterly report: revenue grew in every region, while operating costs rose"]
+PROMPTS = [
+    "def parse_invoice(path):\n    with open(path) as handle:\n        rows = [line.split(',') for line in",
+    "Dear customer, thank you for contacting support about your order. We are sorry that the parcel",
+    "SELECT c.name, SUM(o.total) FROM customers c JOIN orders o ON o.customer_id = c.id GROUP BY",
+    "Summary of the quarterly report: revenue grew in every region, while operating costs rose",
+]
 
 
 def send(url: str, line: str, requests: int, seed: int) -> None:
     for i in range(requests):
-        response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": line},
-                              json={"prompt": PROMPTS[(seed + i) % len(PROMPTS)], "max_tokens": 32,
-                                    "temperature": 0.9, "seed": seed * 100 + i})
+        response = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            headers={"X-Business-Line": line},
+            json={
+                "prompt": PROMPTS[(seed + i) % len(PROMPTS)],
+                "max_tokens": 32,
+                "temperature": 0.9,
+                "seed": seed * 100 + i,
+            },
+        )
         assert response.status_code == 200, response.text
 
 
@@ -77,8 +87,10 @@ class Prometheus:
         return answer["data"]["result"]
 
     def values(self, query: str, *keys: str) -> dict[tuple[str, ...], float]:
-        return {tuple(sample["metric"].get(key, "") for key in keys): float(sample["value"][1])
-                for sample in self.vector(query)}
+        return {
+            tuple(sample["metric"].get(key, "") for key in keys): float(sample["value"][1])
+            for sample in self.vector(query)
+        }
 
 
 def summed(sidecars: list, router: str, line: str) -> tuple[list[np.ndarray], list[int]]:
@@ -108,15 +120,33 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
     rules_dir.mkdir()
     (rules_dir / "routing.yaml").write_text(entropy_low_rules(hold="1s", group_by=False))
     exported = tmp_path / "fleet.rules.yml"
-    assert cli.main(["rules", "export", "--rules", str(rules_dir), "--fleet", "--fleet-interval", "1s",
-                     "--outlier-interval", "1s", "--outlier-for", "1s", "--out", str(exported)]) == 0
-    check = processes.run([binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True,
-                          timeout=60)
+    assert (
+        cli.main(
+            [
+                "rules",
+                "export",
+                "--rules",
+                str(rules_dir),
+                "--fleet",
+                "--fleet-interval",
+                "1s",
+                "--outlier-interval",
+                "1s",
+                "--outlier-for",
+                "1s",
+                "--out",
+                str(exported),
+            ]
+        )
+        == 0
+    )
+    check = processes.run(
+        [binary("promtool"), "check", "rules", str(exported)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
     with ExitStack() as stack, running_receiver() as receiver:
-        replicas = [stack.enter_context(running_sidecar(rules=None, export_expert_counts="all"))
-                    for _ in range(3)]
+        replicas = [stack.enter_context(running_sidecar(rules=None, export_expert_counts="all")) for _ in range(3)]
         urls = [url for url, _ in replicas]
         sidecars = [sidecar for _, sidecar in replicas]
         instances = [url.removeprefix("http://") for url in urls]
@@ -128,20 +158,31 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
         # one problem that fire within it page together; group_interval stays 5 m, so a later one would not
         # page again within this test, and any second page seen here is a second problem.
         shipped["route"]["group_wait"] = "10s"
-        alertmanager = stack.enter_context(running_tool("prometheus-alertmanager", tmp_path, yaml.safe_dump(shipped),
-                                                        "--cluster.listen-address="))
+        alertmanager = stack.enter_context(
+            running_tool("prometheus-alertmanager", tmp_path, yaml.safe_dump(shipped), "--cluster.listen-address=")
+        )
         targets = ", ".join(f"'{instance}'" for instance in instances)
-        prometheus = Prometheus(stack.enter_context(running_tool("prometheus", tmp_path, (
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files: [{exported}]\n"
-            "alerting:\n  alertmanagers:\n    - static_configs:\n"
-            f"        - targets: ['{alertmanager.removeprefix('http://')}']\n"
-            "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
-            f"      - targets: [{targets}]\n"))))
+        prometheus = Prometheus(
+            stack.enter_context(
+                running_tool(
+                    "prometheus",
+                    tmp_path,
+                    (
+                        "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                        f"rule_files: [{exported}]\n"
+                        "alerting:\n  alertmanagers:\n    - static_configs:\n"
+                        f"        - targets: ['{alertmanager.removeprefix('http://')}']\n"
+                        "scrape_configs:\n  - job_name: mla_watch\n    static_configs:\n"
+                        f"      - targets: [{targets}]\n"
+                    ),
+                )
+            )
+        )
 
         def logs() -> str:
-            return ((tmp_path / "prometheus.log").read_text()[-3000:]
-                    + (tmp_path / "prometheus-alertmanager.log").read_text()[-3000:])
+            return (tmp_path / "prometheus.log").read_text()[-3000:] + (
+                tmp_path / "prometheus-alertmanager.log"
+            ).read_text()[-3000:]
 
         # 1. Healthy traffic, a different amount on each replica: exact fleet statistics.
         for index, url in enumerate(urls):
@@ -160,26 +201,30 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
             counts, tokens = sums[info.name]
             fleet = np.sum(counts, axis=0)
             stats = compute_stats(fleet, kind="expert", top_k=info.top_k, tokens=sum(tokens))
-            got = {name: prometheus.values(name + by_router[info.name], "router")[(info.name,)]
-                   for name in (FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_MAX_VIOLATION,
-                                FLEET_DEAD_SLOTS)}
+            got = {
+                name: prometheus.values(name + by_router[info.name], "router")[(info.name,)]
+                for name in (FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS)
+            }
             assert got[FLEET_ENTROPY_BITS] == pytest.approx(stats.entropy_bits, abs=1e-9)
             assert got[FLEET_NORMALIZED_ENTROPY] == pytest.approx(stats.normalized_entropy, abs=1e-9)
             assert got[FLEET_MAX_VIOLATION] == pytest.approx(stats.max_violation, abs=1e-9)
             assert got[FLEET_DEAD_SLOTS] == stats.dead_slots
             kl = prometheus.values(REPLICA_KL_BITS + by_router[info.name], "instance")
-            expected_kl = {(instance,): kl_bits(replica, fleet) for instance, replica in zip(instances, counts,
-                                                                                            strict=True)}
+            expected_kl = {
+                (instance,): kl_bits(replica, fleet) for instance, replica in zip(instances, counts, strict=True)
+            }
             assert kl.keys() == expected_kl.keys()
             for key, value in expected_kl.items():
                 assert kl[key] == pytest.approx(value, abs=1e-9)
             weights = [replica.sum() / fleet.sum() for replica in counts]
             jsd = prometheus.values(FLEET_JS_DIVERGENCE + by_router[info.name], "router")[(info.name,)]
-            assert jsd == pytest.approx(sum(w * kl_bits(c, fleet) for w, c in zip(weights, counts, strict=True)),
-                                        abs=1e-9)
+            assert jsd == pytest.approx(
+                sum(w * kl_bits(c, fleet) for w, c in zip(weights, counts, strict=True)), abs=1e-9
+            )
             # fleet entropy = the replicas' weighted mean entropy + their generalized JS divergence
             assert got[FLEET_ENTROPY_BITS] == pytest.approx(
-                sum(w * entropy(c) for w, c in zip(weights, counts, strict=True)) + jsd, abs=1e-9)
+                sum(w * entropy(c) for w, c in zip(weights, counts, strict=True)) + jsd, abs=1e-9
+            )
             assert math.isfinite(got[FLEET_ENTROPY_BITS]) and got[FLEET_ENTROPY_BITS] > 4.0  # healthy routing
         assert not prometheus.vector(f'ALERTS{{alertstate="firing", business_line="{MIXED}"}}')
 
@@ -189,25 +234,40 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
             send(url, ONE_BROKEN, 4 if index < 2 else 3, seed=10 + index)
 
         def outliers() -> set[str]:
-            return {sample["metric"]["instance"] for sample in prometheus.vector(
-                f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing", business_line="{ONE_BROKEN}"}}')}
+            return {
+                sample["metric"]["instance"]
+                for sample in prometheus.vector(
+                    f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing", business_line="{ONE_BROKEN}"}}'
+                )
+            }
 
         assert wait_until(lambda: outliers() == {instances[2]}, timeout=90, interval=0.5), (outliers(), logs())
-        assert {s["metric"]["router"] for s in prometheus.vector(
-            f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing"}}')} == {COLLAPSED}
+        assert {
+            s["metric"]["router"]
+            for s in prometheus.vector(f'ALERTS{{alertname="{OUTLIER_ALERT}", alertstate="firing"}}')
+        } == {COLLAPSED}
 
         def notifications(line: str) -> list[dict]:
-            return [body for body in (request.json() for request in list(receiver.requests))
-                    if body.get("status") == "firing"
-                    and any(alert["labels"].get("business_line") == line for alert in body["alerts"])]
+            return [
+                body
+                for body in (request.json() for request in list(receiver.requests))
+                if body.get("status") == "firing"
+                and any(alert["labels"].get("business_line") == line for alert in body["alerts"])
+            ]
 
         def paging_groups(line: str) -> list[dict]:
             """Alertmanager's groups holding an alert of ``line`` it would send (neither silenced nor inhibited):
             each pages once, after group_wait, and not again within group_interval."""
-            groups = httpx.get(alertmanager + "/api/v2/alerts/groups", timeout=10,
-                               params={"active": "true", "silenced": "false", "inhibited": "false"}).json()
-            return [group for group in groups if any(alert["labels"].get("business_line") == line
-                                                     for alert in group["alerts"])]
+            groups = httpx.get(
+                alertmanager + "/api/v2/alerts/groups",
+                timeout=10,
+                params={"active": "true", "silenced": "false", "inhibited": "false"},
+            ).json()
+            return [
+                group
+                for group in groups
+                if any(alert["labels"].get("business_line") == line for alert in group["alerts"])
+            ]
 
         def paged_already(group: dict, page: dict) -> bool:
             """Whether Alertmanager's ``group`` is the one that sent ``page`` (it pages again only after
@@ -217,14 +277,21 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
         def rule_rounds() -> dict[str, float]:
             """Prometheus's evaluations so far, by rule group."""
             text = httpx.get(prometheus.url + "/metrics", timeout=10).text
-            return {sample.labels["rule_group"]: sample.value for family in text_string_to_metric_families(text)
-                    for sample in family.samples if sample.name == "prometheus_rule_group_iterations_total"}
+            return {
+                sample.labels["rule_group"]: sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "prometheus_rule_group_iterations_total"
+            }
 
         def settled() -> None:
             """Every rule group evaluated twice more (what fires has fired and reached Alertmanager by then)."""
             before = rule_rounds()
-            assert wait_until(lambda: all(rule_rounds().get(group, 0) >= done + 2 for group, done in before.items()),
-                              timeout=60, interval=0.2), logs()
+            assert wait_until(
+                lambda: all(rule_rounds().get(group, 0) >= done + 2 for group, done in before.items()),
+                timeout=60,
+                interval=0.2,
+            ), logs()
 
         assert wait_until(lambda: bool(notifications(ONE_BROKEN)), timeout=60, interval=0.5), logs()
         settled()  # a second group of the same fault would be in Alertmanager now, waiting to page
@@ -239,10 +306,15 @@ def test_prometheus_computes_exact_fleet_routing_and_names_the_broken_replica(tm
         for index, url in enumerate(urls):
             send(url, ALL_BROKEN, 3, seed=20 + index)
         fleet_alerts = f'ALERTS{{alertname="RoutingEntropyLow", alertstate="firing", business_line="{ALL_BROKEN}"}}'
-        assert wait_until(lambda: any("instance" not in s["metric"] for s in prometheus.vector(fleet_alerts)),
-                          timeout=90, interval=0.5), logs()
-        assert not any(s["metric"].get("business_line") == ALL_BROKEN for s in prometheus.vector(
-            f'ALERTS{{alertname="{OUTLIER_ALERT}"}}'))  # everyone alike: no outlier
+        assert wait_until(
+            lambda: any("instance" not in s["metric"] for s in prometheus.vector(fleet_alerts)),
+            timeout=90,
+            interval=0.5,
+        ), logs()
+        assert not any(
+            s["metric"].get("business_line") == ALL_BROKEN
+            for s in prometheus.vector(f'ALERTS{{alertname="{OUTLIER_ALERT}"}}')
+        )  # everyone alike: no outlier
         assert wait_until(lambda: bool(notifications(ALL_BROKEN)), timeout=60, interval=0.5), logs()
         settled()
         [page] = notifications(ALL_BROKEN)

@@ -65,8 +65,15 @@ class Window:
 
 
 def labels(instance: str, line: str, router: str = ROUTER, layer: str = LAYER, **more: str) -> str:
-    pairs = {"job": JOB, "instance": instance, "router": router, "layer": layer, "kind": "expert",
-             "business_line": line, **more}
+    pairs = {
+        "job": JOB,
+        "instance": instance,
+        "router": router,
+        "layer": layer,
+        "kind": "expert",
+        "business_line": line,
+        **more,
+    }
     return "{" + ",".join(f'{key}="{value}"' for key, value in pairs.items()) + "}"
 
 
@@ -77,55 +84,80 @@ def fleet_labels(line: str, router: str = ROUTER, layer: str = LAYER) -> str:
 Replicas = dict[str, dict[str, Window]]  # instance -> line -> its window
 
 
-def sidecar_series(instance: str, line: str, window: Window, router: str = ROUTER,
-                   layer: str = LAYER) -> list[dict[str, str]]:
+def sidecar_series(
+    instance: str, line: str, window: Window, router: str = ROUTER, layer: str = LAYER
+) -> list[dict[str, str]]:
     """What one sidecar exports of one window: each expert's selections and the tokens (--export-expert-counts),
     and beside them its routing gauges of the same window (entropy, selections, floor)."""
     now = np.array(window.counts, dtype=np.int64)
     before = None if window.before is None else np.array(window.before, dtype=np.int64)
     where = labels(instance, line, router, layer)
-    out = [{"series": fleet.WINDOW_SELECTIONS + labels(instance, line, router, layer, expert=str(expert)),
-            "values": window.values(float(now[expert]), None if before is None else float(before[expert]))}
-           for expert in range(now.size)]
+    out = [
+        {
+            "series": fleet.WINDOW_SELECTIONS + labels(instance, line, router, layer, expert=str(expert)),
+            "values": window.values(float(now[expert]), None if before is None else float(before[expert])),
+        }
+        for expert in range(now.size)
+    ]
 
     def per_pair(name: str, of: Callable[[np.ndarray], float]) -> dict[str, str]:
         return {"series": name + where, "values": window.values(of(now), None if before is None else of(before))}
 
-    out += [per_pair(fleet.WINDOW_TOKENS, lambda c: float(c.sum() // TOP_K)),
-            per_pair(fleet.SELECTIONS_GAUGE, lambda c: float(c.sum())),
-            per_pair(fleet.ENTROPY_GAUGE, entropy_bits),
-            per_pair(routing_gauge("floor_bits"), lambda c: math.log2(TOP_K)),
-            per_pair(ROUTING_SLOTS, lambda c: float(c.size))]
+    out += [
+        per_pair(fleet.WINDOW_TOKENS, lambda c: float(c.sum() // TOP_K)),
+        per_pair(fleet.SELECTIONS_GAUGE, lambda c: float(c.sum())),
+        per_pair(fleet.ENTROPY_GAUGE, entropy_bits),
+        per_pair(routing_gauge("floor_bits"), lambda c: math.log2(TOP_K)),
+        per_pair(ROUTING_SLOTS, lambda c: float(c.size)),
+    ]
     return out
 
 
 def input_series(replicas: Replicas) -> list[dict[str, str]]:
-    return [series for instance, lines in replicas.items() for line, window in lines.items()
-            for series in sidecar_series(instance, line, window)]
+    return [
+        series
+        for instance, lines in replicas.items()
+        for line, window in lines.items()
+        for series in sidecar_series(instance, line, window)
+    ]
 
 
 def exact(name: str, selector: str, value: float) -> dict:
-    return {"expr": name + selector, "eval_time": f"{EVAL}m",
-            "exp_samples": [{"labels": name + selector, "value": value}]}
+    return {
+        "expr": name + selector,
+        "eval_time": f"{EVAL}m",
+        "exp_samples": [{"labels": name + selector, "value": value}],
+    }
 
 
 def close(name: str, selector: str, value: float) -> dict:
     """promtool compares exactly; a float that Prometheus sums in its own order is checked within TOLERANCE."""
-    return {"expr": f"abs({name}{selector} - {float(value)!r}) <= bool {TOLERANCE}", "eval_time": f"{EVAL}m",
-            "exp_samples": [{"labels": selector, "value": 1}]}
+    return {
+        "expr": f"abs({name}{selector} - {float(value)!r}) <= bool {TOLERANCE}",
+        "eval_time": f"{EVAL}m",
+        "exp_samples": [{"labels": selector, "value": 1}],
+    }
 
 
 def run_tests(tmp_path: Path, tests: list[dict], rule_file: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "fleet_test.yml"
-    path.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m", "tests": tests},
-                                   sort_keys=False))
-    return processes.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120,
-                         check=False)
+    path.write_text(
+        yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m", "tests": tests}, sort_keys=False)
+    )
+    return processes.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def export(*args: str) -> str:
-    result = processes.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
-                           text=True, timeout=120, check=False, cwd=REPO)
+    result = processes.run(
+        [sys.executable, "-m", "mla_watch.cli", "rules", "export", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -141,12 +173,18 @@ def fleet_rule_file(tmp_path_factory) -> Path:
 # window is empty (no traffic: no divergence to judge), r3 exports only line B (its budget admitted no other), r4
 # stopped reporting 10 minutes ago (its series are stale), and expert 7 is in no live window (one dead slot).
 STATS_REPLICAS: Replicas = {
-    "r0": {"code_assistant": Window((3, 1, 2, 2, 1, 3, 2, 2), before=(9, 9, 0, 0, 0, 0, 0, 0)),
-           "customer_service": Window((5, 3, 1, 4, 2, 1, 0, 0))},
-    "r1": {"code_assistant": Window((2, 2, 2, 2, 2, 2, 2, 2), before=(1, 1, 1, 1, 1, 1, 1, 1)),
-           "customer_service": Window((0, 0, 0, 0, 0, 0, 0, 0), before=(2, 2, 2, 2, 2, 2, 2, 2))},
-    "r2": {"code_assistant": Window((4, 0, 2, 2, 2, 2, 2, 2), before=(2, 2, 2, 2, 2, 2, 2, 2)),
-           "customer_service": Window((1, 3, 3, 3, 3, 3, 0, 0))},
+    "r0": {
+        "code_assistant": Window((3, 1, 2, 2, 1, 3, 2, 2), before=(9, 9, 0, 0, 0, 0, 0, 0)),
+        "customer_service": Window((5, 3, 1, 4, 2, 1, 0, 0)),
+    },
+    "r1": {
+        "code_assistant": Window((2, 2, 2, 2, 2, 2, 2, 2), before=(1, 1, 1, 1, 1, 1, 1, 1)),
+        "customer_service": Window((0, 0, 0, 0, 0, 0, 0, 0), before=(2, 2, 2, 2, 2, 2, 2, 2)),
+    },
+    "r2": {
+        "code_assistant": Window((4, 0, 2, 2, 2, 2, 2, 2), before=(2, 2, 2, 2, 2, 2, 2, 2)),
+        "customer_service": Window((1, 3, 3, 3, 3, 3, 0, 0)),
+    },
     "r3": {"customer_service": Window((2, 2, 0, 0, 4, 0, 2, 0))},
     "r4": {"customer_service": Window((0, 0, 0, 0, 0, 0, 0, 40), gone_at=STEPS - 10)},
 }
@@ -154,8 +192,11 @@ STATS_REPLICAS: Replicas = {
 
 def expected(replicas: Replicas, line: str) -> tuple[object, dict[str, float], float]:
     """compute_stats of the summed live windows, each replica's KL from the fleet, and the JSD."""
-    per_replica = {name: np.array(lines[line].counts, dtype=np.float64) for name, lines in replicas.items()
-                   if line in lines and lines[line].live()}
+    per_replica = {
+        name: np.array(lines[line].counts, dtype=np.float64)
+        for name, lines in replicas.items()
+        if line in lines and lines[line].live()
+    }
     summed = sum(per_replica.values())
     tokens = int(summed.sum()) // TOP_K
     stats = compute_stats(summed, kind="expert", top_k=TOP_K, tokens=tokens)
@@ -197,8 +238,14 @@ def stats_checks(replicas: Replicas, line: str, shard: str = "") -> list[dict]:
         exact(fleet.FLEET_SLOTS, where, stats.num_slots),
         exact(fleet.FLEET_MIN_TOKENS, where, stats.min_tokens),
         exact(fleet.FLEET_REPLICAS, where, len(kl)),
-        *[close(fleet.REPLICA_KL_BITS, labels(name, line)[:-1] + (f',{fleet.SHARD_LABEL}="{shard}"' if shard else "")
-                + "}", value) for name, value in kl.items()],
+        *[
+            close(
+                fleet.REPLICA_KL_BITS,
+                labels(name, line)[:-1] + (f',{fleet.SHARD_LABEL}="{shard}"' if shard else "") + "}",
+                value,
+            )
+            for name, value in kl.items()
+        ],
     ]
 
 
@@ -209,10 +256,12 @@ def test_fleet_recordings_equal_compute_stats_of_the_summed_windows(tmp_path, fl
     customer = expected(STATS_REPLICAS, "customer_service")
     assert customer[0].dead_slots == 1 and set(customer[1]) == {"r0", "r2", "r3"}  # r1 empty, r4 stale
     # The replicas' own per-expert series are read, never recorded again.
-    checks.append({"expr": "count({__name__=~'replica:.*',expert!=''})", "eval_time": f"{EVAL}m",
-                   "exp_samples": []})
-    result = run_tests(tmp_path, [{"interval": "1m", "input_series": input_series(STATS_REPLICAS),
-                                   "promql_expr_test": checks}], fleet_rule_file)
+    checks.append({"expr": "count({__name__=~'replica:.*',expert!=''})", "eval_time": f"{EVAL}m", "exp_samples": []})
+    result = run_tests(
+        tmp_path,
+        [{"interval": "1m", "input_series": input_series(STATS_REPLICAS), "promql_expr_test": checks}],
+        fleet_rule_file,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -230,9 +279,16 @@ def test_each_shard_records_its_own_layers_as_the_whole_fleet_group_does(tmp_pat
     for check in stats_checks(STATS_REPLICAS, "customer_service", shard="0/2"):
         check = yaml.safe_load(yaml.safe_dump(check).replace(ROUTER, other).replace('layer="1"', 'layer="2"'))
         checks.append(check)
-    checks.append({"expr": f"count by ({fleet.SHARD_LABEL}) ({fleet.FLEET_ENTROPY_BITS})", "eval_time": f"{EVAL}m",
-                   "exp_samples": [{"labels": f'{{{fleet.SHARD_LABEL}="0/2"}}', "value": 2},
-                                   {"labels": f'{{{fleet.SHARD_LABEL}="1/2"}}', "value": 2}]})
+    checks.append(
+        {
+            "expr": f"count by ({fleet.SHARD_LABEL}) ({fleet.FLEET_ENTROPY_BITS})",
+            "eval_time": f"{EVAL}m",
+            "exp_samples": [
+                {"labels": f'{{{fleet.SHARD_LABEL}="0/2"}}', "value": 2},
+                {"labels": f'{{{fleet.SHARD_LABEL}="1/2"}}', "value": 2},
+            ],
+        }
+    )
     result = run_tests(tmp_path, [{"interval": "1m", "input_series": series, "promql_expr_test": checks}], rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -240,8 +296,11 @@ def test_each_shard_records_its_own_layers_as_the_whole_fleet_group_does(tmp_pat
 def test_the_checks_can_fail(tmp_path, fleet_rule_file) -> None:
     stats, _, _ = expected(STATS_REPLICAS, "code_assistant")
     wrong = close(fleet.FLEET_ENTROPY_BITS, fleet_labels("code_assistant"), stats.entropy_bits + 1e-6)
-    result = run_tests(tmp_path, [{"interval": "1m", "input_series": input_series(STATS_REPLICAS),
-                                   "promql_expr_test": [wrong]}], fleet_rule_file)
+    result = run_tests(
+        tmp_path,
+        [{"interval": "1m", "input_series": input_series(STATS_REPLICAS), "promql_expr_test": [wrong]}],
+        fleet_rule_file,
+    )
     assert result.returncode != 0 and "FAILED" in result.stdout + result.stderr
 
 
@@ -250,13 +309,31 @@ def test_minimum_tokens_follow_the_geometry(tmp_path, fleet_rule_file) -> None:
     tests = []
     for experts, top_k in ((8, 2), (64, 6), (16, 20), (1, 1)):
         where = labels("r0", "doc_summary")
-        lines = [{"series": fleet.WINDOW_SELECTIONS + labels("r0", "doc_summary", expert=str(expert)),
-                  "values": f"1x{STEPS}"} for expert in range(experts)]
-        lines += [{"series": name + where, "values": f"{value!r}x{STEPS}"} for name, value in (
-            (routing_gauge("floor_bits"), math.log2(min(top_k, experts))), (ROUTING_SLOTS, float(experts)),
-            (fleet.WINDOW_TOKENS, 1.0), (fleet.SELECTIONS_GAUGE, float(experts)))]
-        tests.append({"interval": "1m", "input_series": lines, "promql_expr_test": [
-            exact(fleet.FLEET_MIN_TOKENS, fleet_labels("doc_summary"), minimum_window_tokens(experts, top_k))]})
+        lines = [
+            {
+                "series": fleet.WINDOW_SELECTIONS + labels("r0", "doc_summary", expert=str(expert)),
+                "values": f"1x{STEPS}",
+            }
+            for expert in range(experts)
+        ]
+        lines += [
+            {"series": name + where, "values": f"{value!r}x{STEPS}"}
+            for name, value in (
+                (routing_gauge("floor_bits"), math.log2(min(top_k, experts))),
+                (ROUTING_SLOTS, float(experts)),
+                (fleet.WINDOW_TOKENS, 1.0),
+                (fleet.SELECTIONS_GAUGE, float(experts)),
+            )
+        ]
+        tests.append(
+            {
+                "interval": "1m",
+                "input_series": lines,
+                "promql_expr_test": [
+                    exact(fleet.FLEET_MIN_TOKENS, fleet_labels("doc_summary"), minimum_window_tokens(experts, top_k))
+                ],
+            }
+        )
     result = run_tests(tmp_path, tests, fleet_rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -266,9 +343,13 @@ COLLAPSED = (80, 80, 0, 0, 0, 0, 0, 0)
 
 
 def alerts_firing(alertname: str, rows: list[dict[str, str]]) -> dict:
-    return {"expr": f'ALERTS{{alertstate="firing", alertname="{alertname}"}}', "eval_time": f"{EVAL}m",
-            "exp_samples": [{"labels": "ALERTS{" + ",".join(f'{k}="{v}"' for k, v in row.items()) + "}", "value": 1}
-                            for row in rows]}
+    return {
+        "expr": f'ALERTS{{alertstate="firing", alertname="{alertname}"}}',
+        "eval_time": f"{EVAL}m",
+        "exp_samples": [
+            {"labels": "ALERTS{" + ",".join(f'{k}="{v}"' for k, v in row.items()) + "}", "value": 1} for row in rows
+        ],
+    }
 
 
 def alert_case(replicas: dict[str, tuple[int, ...]], checks: list[dict]) -> dict:
@@ -277,26 +358,41 @@ def alert_case(replicas: dict[str, tuple[int, ...]], checks: list[dict]) -> dict
 
 
 def fleet_alert(alertname: str, severity: str, **more: str) -> dict[str, str]:
-    return {"alertname": alertname, "alertstate": "firing", "job": JOB, "router": ROUTER, "layer": LAYER,
-            "kind": "expert", "business_line": "code_assistant", "severity": severity, **more}
+    return {
+        "alertname": alertname,
+        "alertstate": "firing",
+        "job": JOB,
+        "router": ROUTER,
+        "layer": LAYER,
+        "kind": "expert",
+        "business_line": "code_assistant",
+        "severity": severity,
+        **more,
+    }
 
 
 def test_one_collapsed_replica_is_an_outlier_and_the_fleet_twin_stays_quiet(tmp_path, fleet_rule_file) -> None:
     outlier = fleet_alert(fleet.OUTLIER_ALERT, "warning", instance="r2", scope="replica")
-    case = alert_case({"r0": UNIFORM, "r1": UNIFORM, "r2": COLLAPSED}, [
-        alerts_firing(fleet.OUTLIER_ALERT, [outlier]),  # r2 only: its healthy peers are not named
-        alerts_firing("RoutingCollapse", []),  # the fleet's mix is still balanced enough
-    ])
+    case = alert_case(
+        {"r0": UNIFORM, "r1": UNIFORM, "r2": COLLAPSED},
+        [
+            alerts_firing(fleet.OUTLIER_ALERT, [outlier]),  # r2 only: its healthy peers are not named
+            alerts_firing("RoutingCollapse", []),  # the fleet's mix is still balanced enough
+        ],
+    )
     result = run_tests(tmp_path, [case], fleet_rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
 def test_a_fleet_wide_collapse_fires_the_fleet_twin_and_no_outlier(tmp_path, fleet_rule_file) -> None:
     twin = fleet_alert("RoutingCollapse", "critical", scope="fleet", team="ml-platform")
-    case = alert_case({"r0": COLLAPSED, "r1": COLLAPSED, "r2": COLLAPSED}, [
-        alerts_firing("RoutingCollapse", [twin]),
-        alerts_firing(fleet.OUTLIER_ALERT, []),
-    ])
+    case = alert_case(
+        {"r0": COLLAPSED, "r1": COLLAPSED, "r2": COLLAPSED},
+        [
+            alerts_firing("RoutingCollapse", [twin]),
+            alerts_firing(fleet.OUTLIER_ALERT, []),
+        ],
+    )
     result = run_tests(tmp_path, [case], fleet_rule_file)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -321,8 +417,25 @@ def groups_of(text: str, file_format: str) -> dict:
 @pytest.mark.parametrize("file_format", ["prometheus", "operator", "mimir"])
 @pytest.mark.parametrize("with_fleet", [False, True])
 def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None:
-    args = ["--format", file_format, *(["--fleet", "--fleet-labels", "namespace,job", "--replica-label", "pod",
-                                        "--fleet-interval", "2m", "--fleet-shards", "4"] if with_fleet else [])]
+    args = [
+        "--format",
+        file_format,
+        *(
+            [
+                "--fleet",
+                "--fleet-labels",
+                "namespace,job",
+                "--replica-label",
+                "pod",
+                "--fleet-interval",
+                "2m",
+                "--fleet-shards",
+                "4",
+            ]
+            if with_fleet
+            else []
+        ),
+    ]
     document = groups_of(export(*args), file_format)
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(document))
@@ -342,11 +455,16 @@ def test_promtool_checks_every_format(tmp_path, file_format, with_fleet) -> None
             else:  # the replica group
                 kl = next(r for r in group["rules"] if r.get("record") == fleet.REPLICA_KL_BITS)
                 assert "by (namespace, job, pod, router" in kl["expr"] and group["interval"] == "5m"
-                assert records == list(fleet.RECORDING_NAMES[-len(records):])
+                assert records == list(fleet.RECORDING_NAMES[-len(records) :])
         assert [r["record"] for group in document["groups"][1:3] for r in group["rules"] if "record" in r] == list(
-            fleet.RECORDING_NAMES)
-        assert not any("offset" in rule["expr"] or re.search(r"\[[0-9]+[smhdwy]", rule["expr"])
-                       for group in document["groups"][1:] for rule in group["rules"] if "record" in rule)
+            fleet.RECORDING_NAMES
+        )
+        assert not any(
+            "offset" in rule["expr"] or re.search(r"\[[0-9]+[smhdwy]", rule["expr"])
+            for group in document["groups"][1:]
+            for rule in group["rules"]
+            if "record" in rule
+        )
         # (instant samples: no range, no offset)
 
 
@@ -361,8 +479,9 @@ def test_fleet_twins_carry_the_rules_labels_and_thresholds() -> None:
     replica, fleet_group, replicas_group, versions = document["groups"]
     assert [rule["alert"] for rule in versions["rules"]] == [VERSION_SKEW_ALERT]
     assert all(rule["labels"]["scope"] == "replica" for rule in replica["rules"])
-    alerts = {rule["alert"]: rule for group in (fleet_group, replicas_group) for rule in group["rules"]
-              if "alert" in rule}
+    alerts = {
+        rule["alert"]: rule for group in (fleet_group, replicas_group) for rule in group["rules"] if "alert" in rule
+    }
     assert [rule["alert"] for rule in replicas_group["rules"] if "alert" in rule] == [fleet.OUTLIER_ALERT]
     shipped = load_rules_dir(REPO / "rules", environ={})
     for rule in shipped.rules:
@@ -400,8 +519,14 @@ ERRORS: list[tuple[list[str], Callable[[str], bool]]] = [
 
 @pytest.mark.parametrize(("args", "says"), ERRORS, ids=[" ".join(args) for args, _ in ERRORS])
 def test_bad_flags_name_the_flag_the_value_and_what_was_expected(args, says) -> None:
-    result = processes.run([sys.executable, "-m", "mla_watch.cli", "rules", "export", *args], capture_output=True,
-                           text=True, timeout=60, check=False, cwd=REPO)
+    result = processes.run(
+        [sys.executable, "-m", "mla_watch.cli", "rules", "export", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO,
+    )
     assert result.returncode == 2 and not result.stdout
     assert says(result.stderr), result.stderr
 

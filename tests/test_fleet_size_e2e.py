@@ -60,8 +60,10 @@ TOLERANCE = 1e-9
 def by_pair(url: str, name: str, *more: str) -> dict[tuple[str, ...], float]:
     answer = httpx.get(url + "/api/v1/query", params={"query": name}, timeout=120).json()
     assert answer["status"] == "success", answer
-    return {(s["metric"][ROUTER], s["metric"][BUSINESS_LINE], *(s["metric"][k] for k in more)): float(s["value"][1])
-            for s in answer["data"]["result"]}
+    return {
+        (s["metric"][ROUTER], s["metric"][BUSINESS_LINE], *(s["metric"][k] for k in more)): float(s["value"][1])
+        for s in answer["data"]["result"]
+    }
 
 
 def evaluated_at(group: dict) -> float:
@@ -72,18 +74,27 @@ def evaluated_at(group: dict) -> float:
 
 def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_path: Path) -> None:
     rules = tmp_path / "fleet.rules.yml"
-    assert cli.main(["rules", "export", "--fleet", "--fleet-interval", "20s", "--outlier-interval", "40s",
-                     "--out", str(rules)]) == 0
+    assert (
+        cli.main(
+            ["rules", "export", "--fleet", "--fleet-interval", "20s", "--outlier-interval", "40s", "--out", str(rules)]
+        )
+        == 0
+    )
     replicas = build_replicas(REPLICAS, DEEPSEEK_V3, LINES, WINDOW_TOKENS, np.random.default_rng(7))
     for replica in replicas:
         replica.render("")  # the windows stay as they are: every scrape reads this body
     with serving(replicas) as targets:
         want = expected(replicas)
         assert len(want) == DEEPSEEK_V3.routers * LINES
-        config = {"global": {"scrape_interval": f"{SCRAPE_SECONDS}s", "scrape_timeout": f"{SCRAPE_SECONDS}s",
-                             "evaluation_interval": "20s"},
-                  "rule_files": [str(rules)],
-                  "scrape_configs": [{"job_name": "mla_watch", "static_configs": [{"targets": targets}]}]}
+        config = {
+            "global": {
+                "scrape_interval": f"{SCRAPE_SECONDS}s",
+                "scrape_timeout": f"{SCRAPE_SECONDS}s",
+                "evaluation_interval": "20s",
+            },
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "mla_watch", "static_configs": [{"targets": targets}]}],
+        }
         # What this judges is what the groups record, not how fast: on a loaded machine a query may take longer than
         # Prometheus' 2 minutes by default, and that is the bench's to measure.
         with running_tool("prometheus", tmp_path, yaml.safe_dump(config), "--query.timeout=10m") as url:
@@ -94,6 +105,7 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
                 return {group["name"]: group for group in answer["data"]["groups"]}
 
             started = time.monotonic()
+
             # Every replica scraped: the fleet's tokens read it. Then a whole evaluation of each fleet group that began
             # after it, so that every recording is of that evaluation (a round takes seconds, rule after rule).
             def logs() -> str:
@@ -102,22 +114,46 @@ def test_ten_replicas_of_four_lines_record_their_fleet_statistics_exactly(tmp_pa
 
             assert wait_until(lambda: by_pair(url, FLEET_TOKENS) == tokens, timeout=600, interval=5), logs()
             scraped = time.time()
-            assert wait_until(lambda: min(evaluated_at(group) for name, group in groups().items()
-                                          if name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)) > scraped,
-                              timeout=600, interval=5)
+            assert wait_until(
+                lambda: (
+                    min(
+                        evaluated_at(group)
+                        for name, group in groups().items()
+                        if name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)
+                    )
+                    > scraped
+                ),
+                timeout=600,
+                interval=5,
+            )
             every = groups()
-            failed = [(rule["name"], rule.get("lastError")) for group in every.values() for rule in group["rules"]
-                      if rule.get("health") != "ok" or rule.get("lastError")]
+            failed = [
+                (rule["name"], rule.get("lastError"))
+                for group in every.values()
+                for rule in group["rules"]
+                if rule.get("health") != "ok" or rule.get("lastError")
+            ]
             assert not failed, failed
-            print(f"\n{len(targets)} replicas x {LINES} lines of DeepSeek-V3, recorded "
-                  f"{time.monotonic() - started:.0f} s after Prometheus started: " + ", ".join(
-                      f"{name} evaluated in {every[name]['evaluationTime']:.2f} s (interval "
-                      f"{every[name]['interval']:g} s)" for name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)))
+            print(
+                f"\n{len(targets)} replicas x {LINES} lines of DeepSeek-V3, recorded "
+                f"{time.monotonic() - started:.0f} s after Prometheus started: "
+                + ", ".join(
+                    f"{name} evaluated in {every[name]['evaluationTime']:.2f} s (interval "
+                    f"{every[name]['interval']:g} s)"
+                    for name in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)
+                )
+            )
             entropy, normalized = by_pair(url, FLEET_ENTROPY_BITS), by_pair(url, FLEET_NORMALIZED_ENTROPY)
-            maxvio, dead, slots = by_pair(url, FLEET_MAX_VIOLATION), by_pair(url, FLEET_DEAD_SLOTS), by_pair(
-                url, FLEET_SLOTS)
-            minimum, jsd, counted = by_pair(url, FLEET_MIN_TOKENS), by_pair(url, FLEET_JS_DIVERGENCE), by_pair(
-                url, FLEET_REPLICAS)
+            maxvio, dead, slots = (
+                by_pair(url, FLEET_MAX_VIOLATION),
+                by_pair(url, FLEET_DEAD_SLOTS),
+                by_pair(url, FLEET_SLOTS),
+            )
+            minimum, jsd, counted = (
+                by_pair(url, FLEET_MIN_TOKENS),
+                by_pair(url, FLEET_JS_DIVERGENCE),
+                by_pair(url, FLEET_REPLICAS),
+            )
             kl = by_pair(url, REPLICA_KL_BITS, INSTANCE)
             # What a replica costs each evaluation stays within the budget the manual states (docs/fleet.md).
             read = samples_per_evaluation(url, (FLEET_GROUP_NAME, REPLICA_GROUP_NAME))

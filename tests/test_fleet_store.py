@@ -31,7 +31,8 @@ def _bias(value: float) -> dict[str, dict[str, np.ndarray]]:
 
 def test_one_decision_per_fleet_the_lease_waits_and_the_cooldown_follows_a_tried_job(store: FleetStore) -> None:
     assert store.decide("a", BASE, "job-1", ["r1"], "chat", cooldown_seconds=60, lease_seconds=30) == {
-        "decision": "lease"}
+        "decision": "lease"
+    }
     waiting = store.decide("b", BASE, "job-2", ["r1"], "chat", cooldown_seconds=60, lease_seconds=30)
     assert waiting["decision"] == "wait" and waiting["holder"] == "a" and waiting["job"]["id"] == "job-1"
     assert store.renew("a", "job-1", 30) and not store.renew("b", "job-1", 30)
@@ -39,19 +40,19 @@ def test_one_decision_per_fleet_the_lease_waits_and_the_cooldown_follows_a_tried
     cooling = store.decide("b", BASE, "job-3", ["r1"], "chat", cooldown_seconds=60, lease_seconds=30)
     assert cooling["decision"] == "cooldown" and cooling["job"]["id"] == "job-1"
     # Another router, or a job that tried nothing, holds no cooldown.
-    assert store.decide("b", BASE, "job-4", ["r2"], "chat", cooldown_seconds=60, lease_seconds=30)["decision"] == \
-        "lease"
+    assert (
+        store.decide("b", BASE, "job-4", ["r2"], "chat", cooldown_seconds=60, lease_seconds=30)["decision"] == "lease"
+    )
     store.finish_job("b", "job-4", "failed", tried=False, detail={})
-    assert store.decide("c", BASE, "job-5", ["r2"], "chat", cooldown_seconds=60, lease_seconds=30)["decision"] == \
-        "lease"
+    assert (
+        store.decide("c", BASE, "job-5", ["r2"], "chat", cooldown_seconds=60, lease_seconds=30)["decision"] == "lease"
+    )
 
 
 def test_a_lease_not_renewed_expires_its_job_is_abandoned_and_another_member_decides(store: FleetStore) -> None:
-    assert store.decide("a", BASE, "job-1", ["r1"], None, cooldown_seconds=60, lease_seconds=0.3)["decision"] == \
-        "lease"
+    assert store.decide("a", BASE, "job-1", ["r1"], None, cooldown_seconds=60, lease_seconds=0.3)["decision"] == "lease"
     assert wait_until(lambda: store.view(BASE).lease.expired, timeout=10)
-    assert store.decide("b", BASE, "job-2", ["r1"], None, cooldown_seconds=60, lease_seconds=30)["decision"] == \
-        "lease"
+    assert store.decide("b", BASE, "job-2", ["r1"], None, cooldown_seconds=60, lease_seconds=30)["decision"] == "lease"
     jobs = {job["id"]: job for job in store.jobs()}
     assert jobs["job-1"]["state"] == "abandoned" and "stopped renewing" in jobs["job-1"]["detail"]["error"]
     assert not store.renew("a", "job-1", 30)  # the old holder cannot renew what it lost
@@ -59,9 +60,18 @@ def test_a_lease_not_renewed_expires_its_job_is_abandoned_and_another_member_dec
 
 def test_a_rollout_takes_one_member_at_a_time_and_ends_when_every_live_member_passed(store: FleetStore) -> None:
     store.decide("a", BASE, "job-1", ["r1"], None, cooldown_seconds=60, lease_seconds=30)
-    number, rollout = store.publish("a", "job-1", BASE, parent=0, digest="v1", changes=_bias(1.0),
-                                    manifest={"routers": ["r1"]}, batch=1, canary_detail={"reason": "gates"},
-                                    lease_seconds=30)
+    number, rollout = store.publish(
+        "a",
+        "job-1",
+        BASE,
+        parent=0,
+        digest="v1",
+        changes=_bias(1.0),
+        manifest={"routers": ["r1"]},
+        batch=1,
+        canary_detail={"reason": "gates"},
+        lease_seconds=30,
+    )
     assert number == 1
     assert store.claim_step("b", rollout) and not store.claim_step("c", rollout)  # batch 1
     assert not store.claim_step("b", rollout)  # its step is under way
@@ -86,8 +96,18 @@ def test_a_rollout_takes_one_member_at_a_time_and_ends_when_every_live_member_pa
 
 def test_a_failed_step_halts_the_rollout_and_abort_marks_its_version_bad(store: FleetStore) -> None:
     store.decide("a", BASE, "job-1", ["r1"], None, cooldown_seconds=60, lease_seconds=30)
-    _, rollout = store.publish("a", "job-1", BASE, parent=0, digest="v1", changes=_bias(2.0),
-                               manifest={"routers": ["r1"]}, batch=2, canary_detail={}, lease_seconds=30)
+    _, rollout = store.publish(
+        "a",
+        "job-1",
+        BASE,
+        parent=0,
+        digest="v1",
+        changes=_bias(2.0),
+        manifest={"routers": ["r1"]},
+        batch=2,
+        canary_detail={},
+        lease_seconds=30,
+    )
     assert store.claim_step("b", rollout) and store.claim_step("c", rollout)  # batch 2
     store.end_step("c", rollout, "failed", {"reason": "RoutingEntropyLow breaches"})
     view = store.view(BASE)
@@ -101,8 +121,18 @@ def test_a_failed_step_halts_the_rollout_and_abort_marks_its_version_bad(store: 
 
 def test_a_rollout_whose_coordinator_stopped_is_taken_over(store: FleetStore) -> None:
     store.decide("a", BASE, "job-1", ["r1"], None, cooldown_seconds=60, lease_seconds=0.3)
-    store.publish("a", "job-1", BASE, parent=0, digest="v1", changes=_bias(3.0), manifest={"routers": ["r1"]},
-                  batch=1, canary_detail={}, lease_seconds=0.3)
+    store.publish(
+        "a",
+        "job-1",
+        BASE,
+        parent=0,
+        digest="v1",
+        changes=_bias(3.0),
+        manifest={"routers": ["r1"]},
+        batch=1,
+        canary_detail={},
+        lease_seconds=0.3,
+    )
     assert wait_until(lambda: store.view(BASE).lease.expired, timeout=10)
     # A new decision waits for the rollout; a member's round takes its coordination over.
     assert store.decide("b", BASE, "job-2", ["r9"], None, cooldown_seconds=0, lease_seconds=30)["decision"] == "wait"
@@ -125,8 +155,10 @@ def test_the_store_unreachable_is_one_error_naming_it_without_its_password() -> 
 
 
 def test_tensors_cross_the_store_byte_for_byte_and_the_digest_is_their_content() -> None:
-    tensors = {"m.gate.weight": np.arange(12, dtype=np.float32).reshape(3, 4).astype(BFLOAT16),
-               "m.gate.e_score_correction_bias": np.linspace(0, 1, 4, dtype=np.float32)}
+    tensors = {
+        "m.gate.weight": np.arange(12, dtype=np.float32).reshape(3, 4).astype(BFLOAT16),
+        "m.gate.e_score_correction_bias": np.linspace(0, 1, 4, dtype=np.float32),
+    }
     back = tensors_from_bytes(tensors_to_bytes(tensors))
     assert back.keys() == tensors.keys() and all(back[name].dtype == tensors[name].dtype for name in tensors)
     assert router_digest(back) == router_digest(tensors) == router_digest(dict(reversed(list(tensors.items()))))
@@ -135,12 +167,12 @@ def test_tensors_cross_the_store_byte_for_byte_and_the_digest_is_their_content()
 
 
 def test_fleet_settings_name_the_field_and_never_repeat_the_url() -> None:
-    settings = FleetSettings(url="postgresql://u:pw@h/db", name="r1", rollout_batch=0, lease_seconds=10,
-                             poll_seconds=8)
+    settings = FleetSettings(url="postgresql://u:pw@h/db", name="r1", rollout_batch=0, lease_seconds=10, poll_seconds=8)
     problems = settings.problems()
-    assert problems == ["rollout_batch 0: expected an integer >= 1",
-                        "poll_seconds 8: expected seconds > 0, at most half of the lease (a holder renews it twice "
-                        "before it expires)"]
+    assert problems == [
+        "rollout_batch 0: expected an integer >= 1",
+        "poll_seconds 8: expected seconds > 0, at most half of the lease (a holder renews it twice before it expires)",
+    ]
     assert "pw" not in repr(settings)
     bad_url = FleetSettings(url="mysql://u:pw@h/db", name="r1").problems()
     assert bad_url == ["url: expected a postgresql:// URL (postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE)"]

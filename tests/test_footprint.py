@@ -10,9 +10,7 @@ from mla_watch.routing.footprint import FootprintSampler, distinct_experts
 
 
 def test_distinct_experts_counts_each_layer_of_a_step() -> None:
-    step = np.array([[[0, 1], [4, 5]],
-                     [[1, 2], [4, 5]],
-                     [[0, 2], [6, 7]]])  # [B=3, layers=2, top_k=2]
+    step = np.array([[[0, 1], [4, 5]], [[1, 2], [4, 5]], [[0, 2], [6, 7]]])  # [B=3, layers=2, top_k=2]
     assert distinct_experts(step, 8).tolist() == [3, 4]
 
 
@@ -23,8 +21,9 @@ def test_lines_that_route_apart_read_fewer_experts_batched_apart_than_mixed() ->
     sampler = FootprintSampler(16, max_requests=64, tokens_per_request=4)
     for line, offset in (("a", 0), ("b", 8)):
         for _ in range(64):
-            rows = np.stack([np.stack([rng.choice(8, 2, replace=False) + offset for _ in range(3)])
-                             for _ in range(10)])  # [10 tokens, 3 layers, top-2]
+            rows = np.stack(
+                [np.stack([rng.choice(8, 2, replace=False) + offset for _ in range(3)]) for _ in range(10)]
+            )  # [10 tokens, 3 layers, top-2]
             sampler.add(line, rows)
     table = sampler.table((1, 32), draws=32)
     assert table.requests == {"a": 64, "b": 64}

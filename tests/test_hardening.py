@@ -31,13 +31,19 @@ def router(name: str = "model.layers.1.mlp.gate", layer: int = 1, slots: int = 6
     return {"name": name, "layer": layer, "kind": "expert", "num_slots": slots, "top_k": top_k}
 
 
-def delta(name: str = "model.layers.1.mlp.gate", line: str = "code", tokens: int = 10, picks: int = 6,
-          slots: int = 64) -> dict:
+def delta(
+    name: str = "model.layers.1.mlp.gate", line: str = "code", tokens: int = 10, picks: int = 6, slots: int = 64
+) -> dict:
     """``tokens`` tokens, each picking ``picks`` experts: counts spread over every slot (or the first ``picks``)."""
     chosen = list(range(slots if picks == slots else picks))
     per_slot = tokens * picks // len(chosen)
-    return {"router": name, "business_line": line, "slots": chosen, "counts": [per_slot] * len(chosen),
-            "tokens": tokens}
+    return {
+        "router": name,
+        "business_line": line,
+        "slots": chosen,
+        "counts": [per_slot] * len(chosen),
+        "tokens": tokens,
+    }
 
 
 def snapshot(source: str = "worker-1", routers: list | None = None, deltas: list | None = None) -> dict:
@@ -46,8 +52,12 @@ def snapshot(source: str = "worker-1", routers: list | None = None, deltas: list
 
 def ingest(url: str, body: dict | bytes, token: str = INGEST) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx.post(url + "/v1/routing/ingest", content=content, timeout=30,
-                      headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    return httpx.post(
+        url + "/v1/routing/ingest",
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
 
 
 def remote_tokens(url: str) -> dict[str, int]:
@@ -57,16 +67,21 @@ def remote_tokens(url: str) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def proxy():
     limits = IngestLimits(max_sources=3, max_lines=4, max_window_slots=2_000, max_slots=512)
-    with running_sidecar(upstream=UPSTREAM, admin_token=ADMIN, ingest_token=INGEST, ingest_limits=limits,
-                         body_timeout_seconds=0.5) as running:
+    with running_sidecar(
+        upstream=UPSTREAM, admin_token=ADMIN, ingest_token=INGEST, ingest_limits=limits, body_timeout_seconds=0.5
+    ) as running:
         yield running
 
 
 # ---------------------------------------------------------------------- 1. reads create nothing
 def test_unknown_business_lines_on_reads_store_nothing(sidecar) -> None:
     url, running = sidecar
-    httpx.post(url + "/v1/completions", json={"prompt": "SELECT", "max_tokens": 4}, timeout=60,
-               headers={"X-Business-Line": "code_assistant", "X-Task": "sql"}).raise_for_status()
+    httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "SELECT", "max_tokens": 4},
+        timeout=60,
+        headers={"X-Business-Line": "code_assistant", "X-Task": "sql"},
+    ).raise_for_status()
     httpx.get(url + "/v1/routing", timeout=30).raise_for_status()  # every count of that request collected
     windows = running.probe.windows
     before = (windows.nbytes, windows.business_lines)
@@ -83,24 +98,27 @@ def test_unknown_business_lines_on_reads_store_nothing(sidecar) -> None:
 
 
 # ---------------------------------------------------------------------- 2. ingestion
-@pytest.mark.parametrize(("mutate", "field"), [
-    (lambda b: b["routers"][0].update(num_slots=10**12), "routers[0].num_slots"),
-    (lambda b: b["routers"][0].update(top_k=65), "routers[0].top_k"),
-    (lambda b: b["routers"][0].update(layer="1"), "routers[0].layer"),
-    (lambda b: b["deltas"][1].update(counts=[2**64] * 6), "deltas[1].counts"),
-    (lambda b: b["deltas"][1].update(counts=[2**62] * 6, tokens=2**62), "deltas[1].tokens"),
-    (lambda b: b["deltas"][1].update(counts=[11] * 6), "deltas[1].counts"),  # 66 picks by 10 tokens of top-6
-    (lambda b: b["deltas"][1].update(counts=[10.0] * 6), "deltas[1].counts"),
-    (lambda b: b["deltas"][1].update(counts=["10"] * 6), "deltas[1].counts"),
-    (lambda b: b["deltas"][1].update(counts=[True] * 6), "deltas[1].counts"),
-    (lambda b: b["deltas"][1].update(tokens=10.5), "deltas[1].tokens"),
-    (lambda b: b["deltas"][1].update(slots=[0, 0, 1, 2, 3, 4]), "deltas[1].slots"),
-    (lambda b: b["deltas"][1].update(slots=[0, 1, 2, 3, 4, 64]), "deltas[1].slots"),
-    (lambda b: b["deltas"][1].update(business_line="code\n"), "deltas[1].business_line"),
-    (lambda b: b["deltas"][1].update(choice_selections=61), "deltas[1].choice_selections"),
-    (lambda b: b.update(source="a/b"), "source"),
-    (lambda b: b.update(extra=1), "extra"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda b: b["routers"][0].update(num_slots=10**12), "routers[0].num_slots"),
+        (lambda b: b["routers"][0].update(top_k=65), "routers[0].top_k"),
+        (lambda b: b["routers"][0].update(layer="1"), "routers[0].layer"),
+        (lambda b: b["deltas"][1].update(counts=[2**64] * 6), "deltas[1].counts"),
+        (lambda b: b["deltas"][1].update(counts=[2**62] * 6, tokens=2**62), "deltas[1].tokens"),
+        (lambda b: b["deltas"][1].update(counts=[11] * 6), "deltas[1].counts"),  # 66 picks by 10 tokens of top-6
+        (lambda b: b["deltas"][1].update(counts=[10.0] * 6), "deltas[1].counts"),
+        (lambda b: b["deltas"][1].update(counts=["10"] * 6), "deltas[1].counts"),
+        (lambda b: b["deltas"][1].update(counts=[True] * 6), "deltas[1].counts"),
+        (lambda b: b["deltas"][1].update(tokens=10.5), "deltas[1].tokens"),
+        (lambda b: b["deltas"][1].update(slots=[0, 0, 1, 2, 3, 4]), "deltas[1].slots"),
+        (lambda b: b["deltas"][1].update(slots=[0, 1, 2, 3, 4, 64]), "deltas[1].slots"),
+        (lambda b: b["deltas"][1].update(business_line="code\n"), "deltas[1].business_line"),
+        (lambda b: b["deltas"][1].update(choice_selections=61), "deltas[1].choice_selections"),
+        (lambda b: b.update(source="a/b"), "source"),
+        (lambda b: b.update(extra=1), "extra"),
+    ],
+)
 def test_a_bad_delta_refuses_the_whole_request(proxy, mutate, field) -> None:
     url, _ = proxy
     assert ingest(url, snapshot(source="atomic", deltas=[delta()])).status_code == 200
@@ -132,8 +150,9 @@ def test_ingestion_caps_lines_sources_and_memory(proxy) -> None:
 
 def test_sources_give_their_place_after_silence_and_windows_stay_bounded() -> None:
     now = [0.0]
-    remote = RemoteRouting(IngestLimits(max_sources=2, max_window_slots=150, source_idle_seconds=60),
-                           clock=lambda: now[0])
+    remote = RemoteRouting(
+        IngestLimits(max_sources=2, max_window_slots=150, source_idle_seconds=60), clock=lambda: now[0]
+    )
     limits = remote.limits
     remote.ingest(parse_snapshot(snapshot(source="a"), limits))
     remote.ingest(parse_snapshot(snapshot(source="b"), limits))
@@ -163,15 +182,15 @@ RULES = entropy_low_rules(min_tokens=8, actions=("notify", "retune"))
 
 
 @pytest.mark.slow
-def test_remote_routers_never_retune_the_local_model_and_a_failing_action_drops_no_page(tmp_path,
-                                                                                      monkeypatch) -> None:
+def test_remote_routers_never_retune_the_local_model_and_a_failing_action_drops_no_page(tmp_path, monkeypatch) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "routing.yaml").write_text(RULES)
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        with running_sidecar(rules=rules, admin_token=ADMIN, ingest_token=INGEST, alert_interval=0.2,
-                             state_dir=tmp_path / "state") as (url, running):
+        with running_sidecar(
+            rules=rules, admin_token=ADMIN, ingest_token=INGEST, alert_interval=0.2, state_dir=tmp_path / "state"
+        ) as (url, running):
 
             def boom(action) -> str:
                 raise RuntimeError("a re-tuner that fails")
@@ -179,8 +198,11 @@ def test_remote_routers_never_retune_the_local_model_and_a_failing_action_drops_
             running.alerts.on_retune(boom)
             # Two collapsed routers of a worker, named like the sidecar's own: both fire in one evaluation.
             names = ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
-            body = snapshot(source="w1", routers=[router(names[0], 1), router(names[1], 2)],
-                            deltas=[delta(names[0], tokens=100), delta(names[1], tokens=100)])
+            body = snapshot(
+                source="w1",
+                routers=[router(names[0], 1), router(names[1], 2)],
+                deltas=[delta(names[0], tokens=100), delta(names[1], tokens=100)],
+            )
             assert ingest(url, body).status_code == 200
 
             def paged() -> list[dict]:
@@ -231,10 +253,12 @@ def test_large_prompts_are_refused_before_tokenizing(sidecar) -> None:
     url, _ = sidecar
     prompt = httpx.post(url + "/v1/completions", json={"prompt": "x" * 984_000, "max_tokens": 4}, timeout=60)
     assert prompt.status_code == 400 and prompt.json()["error"]["code"] == "prompt_too_long"
-    chat = httpx.post(url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}] * 28_000, "max_tokens": 4})
+    chat = httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"messages": [{"role": "user", "content": "hi"}] * 28_000, "max_tokens": 4},
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-
 
 
 def test_a_prompt_past_the_context_is_refused_without_the_tokenizers_warning(sidecar) -> None:
@@ -251,14 +275,16 @@ def test_a_prompt_past_the_context_is_refused_without_the_tokenizers_warning(sid
     try:
         text = "where is my order " * 300  # under the characters read before tokenizing, past 512 tokens
         prompt = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=60)
-        chat = httpx.post(url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": text}], "max_tokens": 4},
+        )
     finally:
         transformers_log.removeHandler(handler)
     for answer in (prompt, chat):
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "context_length_exceeded", answer.text
     assert not [r.getMessage() for r in records if "sequence length" in r.getMessage()]
-
 
 
 def test_a_prompt_over_the_policys_limit_is_counted_as_its_refusal(sidecar, tmp_path) -> None:
@@ -270,8 +296,11 @@ def test_a_prompt_over_the_policys_limit_is_counted_as_its_refusal(sidecar, tmp_
     policies = tmp_path / "policies"
     shutil.copytree(SHIPPED_POLICIES, policies)
     path = policies / "code_assistant.yaml"
-    path.write_text(path.read_text().replace("defaults:\n  on_violation: clamp\n",
-                                             "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 8\n", 1))
+    path.write_text(
+        path.read_text().replace(
+            "defaults:\n  on_violation: clamp\n", "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 8\n", 1
+        )
+    )
     shipped = running.policies.directory
     running.policies.directory = policies  # as `serve --policies` over this directory, reloaded
     try:
@@ -283,10 +312,15 @@ def test_a_prompt_over_the_policys_limit_is_counted_as_its_refusal(sidecar, tmp_
         before = refused().get("max_prompt_tokens", 0)
         text = "where is my order " * 6
         headers = {"X-Business-Line": "code_assistant"}
-        prompt = httpx.post(url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, headers=headers,
-                            timeout=60)
-        chat = httpx.post(url + "/v1/chat/completions", headers=headers, timeout=60,
-                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 4})
+        prompt = httpx.post(
+            url + "/v1/completions", json={"prompt": text, "max_tokens": 4}, headers=headers, timeout=60
+        )
+        chat = httpx.post(
+            url + "/v1/chat/completions",
+            headers=headers,
+            timeout=60,
+            json={"messages": [{"role": "user", "content": text}], "max_tokens": 4},
+        )
         for answer in (prompt, chat):
             assert answer.status_code == 400 and answer.json()["error"]["code"] == "prompt_too_long", answer.text
             assert "allows at most 8" in answer.json()["error"]["message"]
@@ -332,16 +366,22 @@ def test_deeply_nested_json_is_a_counted_bad_request(proxy) -> None:
     url, _ = proxy
     answer = ingest(url, b"[" * 50_000 + b"]" * 50_000)
     assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json"
-    assert metric_value(get_metrics(url), "mla_watch_bad_requests_total", endpoint="/v1/routing/ingest",
-                        reason="invalid_json") >= 1
+    assert (
+        metric_value(
+            get_metrics(url), "mla_watch_bad_requests_total", endpoint="/v1/routing/ingest", reason="invalid_json"
+        )
+        >= 1
+    )
 
 
 def test_a_trickling_body_is_cut_off(proxy) -> None:
     url, _ = proxy
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(f"POST /v1/routing/ingest HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {INGEST}\r\n"
-                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode())
+        sock.sendall(
+            f"POST /v1/routing/ingest HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {INGEST}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{".encode()
+        )
         answer = ""  # the body never completes: the sidecar answers on its own, then closes
         while chunk := sock.recv(65536):
             answer += chunk.decode()
@@ -350,8 +390,13 @@ def test_a_trickling_body_is_cut_off(proxy) -> None:
 
 def test_short_tokens_are_refused_at_start_up(tmp_path) -> None:
     for setting in ("admin_token", "ingest_token"):
-        config = ServerConfig(upstream=UPSTREAM, state_dir=tmp_path, policy_poll_seconds=None, rules=None,
-                              **{"admin_token": None, setting: "Z"})
+        config = ServerConfig(
+            upstream=UPSTREAM,
+            state_dir=tmp_path,
+            policy_poll_seconds=None,
+            rules=None,
+            **{"admin_token": None, setting: "Z"},
+        )
         with pytest.raises(ConfigError, match="at least 16"):
             Sidecar(config)
         with pytest.raises(SystemExit, match="has 1 characters") as exited:
@@ -366,16 +411,23 @@ def test_exported_records_are_capped() -> None:
     with pytest.raises(IngestError, match="8 router x business line records"):
         remote.ingest(parse_snapshot(snapshot(source="b", routers=two_routers), remote.limits))
     remote.ingest(parse_snapshot(snapshot(source="b"), remote.limits))  # one router: 4 + 2 = 6 records
-    assert sum(len(windows.router_stats(line)) for windows in remote.windows()
-               for line in [None, *windows.business_lines]) == 6
+    assert (
+        sum(len(windows.router_stats(line)) for windows in remote.windows() for line in [None, *windows.business_lines])
+        == 6
+    )
 
 
 def test_many_tiny_deltas_keep_a_remote_window_small() -> None:
     remote = RemoteRouting(IngestLimits())
     for index in range(500):  # one token a delta, each on other experts: 500 deltas unmerged
         first = index % 58
-        tiny = {"router": "model.layers.1.mlp.gate", "business_line": "code", "tokens": 1,
-                "slots": list(range(first, first + 6)), "counts": [1] * 6}
+        tiny = {
+            "router": "model.layers.1.mlp.gate",
+            "business_line": "code",
+            "tokens": 1,
+            "slots": list(range(first, first + 6)),
+            "counts": [1] * 6,
+        }
         remote.ingest(parse_snapshot(snapshot(source="a", deltas=[tiny]), remote.limits))
     (windows,) = remote.windows()
     totals = windows.window_totals("a/model.layers.1.mlp.gate", "code")

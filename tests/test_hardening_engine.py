@@ -75,9 +75,11 @@ def watched(url: str, what: str) -> Iterator[dict]:
         client.close()
         figures["rss_growth"] = max(0, figures["peak_rss"] - start)
         worst = max(figures["latencies"], default=0.0)
-        print(f"[{what}] /healthz at rest {at_rest * 1e3:.1f} ms, worst during {worst * 1e3:.1f} ms over "
-              f"{len(figures['latencies'])} probes; RSS +{figures['rss_growth'] >> 20} MiB (bound "
-              f"{RSS_BOUND >> 20} MiB)")
+        print(
+            f"[{what}] /healthz at rest {at_rest * 1e3:.1f} ms, worst during {worst * 1e3:.1f} ms over "
+            f"{len(figures['latencies'])} probes; RSS +{figures['rss_growth'] >> 20} MiB (bound "
+            f"{RSS_BOUND >> 20} MiB)"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +95,17 @@ def beside_settings(hostile: tuple[HostileEngine, str], tmp_path: Path, **overri
     _, engine_url = hostile
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    return {"upstream": engine_url, "model_config": config, "decode_workers": 0, "rules": None,
-            "window_tokens": None, "engine": "vllm", "upstream_max_bytes": MAX_BYTES,
-            "request_timeout": TIMEOUT, **overrides}
+    return {
+        "upstream": engine_url,
+        "model_config": config,
+        "decode_workers": 0,
+        "rules": None,
+        "window_tokens": None,
+        "engine": "vllm",
+        "upstream_max_bytes": MAX_BYTES,
+        "request_timeout": TIMEOUT,
+        **overrides,
+    }
 
 
 @contextmanager
@@ -114,8 +124,12 @@ def complete(url: str, *, counted: bool = True, **extra) -> httpx.Response:
     """One completion; an answer relayed (200) returns once its routing is counted, which follows it
     (``counted``: the sidecar reads the engine's routing)."""
     before = answers_counted(url)
-    answer = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra}, timeout=60,
-                        headers={"X-Business-Line": "code_assistant"})
+    answer = httpx.post(
+        url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, **extra},
+        timeout=60,
+        headers={"X-Business-Line": "code_assistant"},
+    )
     if answer.status_code == 200 and counted:
         settled_over_http(url, before + 1)
     return answer
@@ -128,8 +142,13 @@ def counted_tokens(sidecar: object) -> int:
 
 def stream_events(url: str) -> list[bytes]:
     """The ``data:`` payloads of a streamed completion, as the client receives them."""
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=60,
-                      headers={"X-Business-Line": "code_assistant"}) as stream:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": "x", "stream": True},
+        timeout=60,
+        headers={"X-Business-Line": "code_assistant"},
+    ) as stream:
         assert stream.status_code == 200
         raw = b"".join(stream.iter_bytes())
     return [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
@@ -143,11 +162,14 @@ def error_of(response: httpx.Response) -> dict:
 
 
 # ---------------------------------------------------------------------- sizes
-@pytest.mark.parametrize(("mode", "status", "code"), [
-    ("gzip_bomb", 502, "upstream_too_large"),     # 400 KB of gzip inflating to 400 MB
-    ("huge_json", 502, "upstream_too_large"),     # 40 MB of JSON
-    ("huge_error", 500, "upstream_error"),        # 40 MB of an HTML error page
-])
+@pytest.mark.parametrize(
+    ("mode", "status", "code"),
+    [
+        ("gzip_bomb", 502, "upstream_too_large"),  # 400 KB of gzip inflating to 400 MB
+        ("huge_json", 502, "upstream_too_large"),  # 40 MB of JSON
+        ("huge_error", 500, "upstream_error"),  # 40 MB of an HTML error page
+    ],
+)
 def test_an_engine_answer_is_bounded_after_decompression(engine, sidecar, mode, status, code) -> None:
     hostile, _ = engine
     url, running = sidecar
@@ -175,12 +197,15 @@ def test_a_stream_line_is_bounded_by_its_own_limit_far_below_the_answers(engine,
     """A chunk is not an answer: a line without routing is cut at --upstream-max-line-bytes, named."""
     hostile, _ = engine
     hostile.mode = "endless_line"
-    with beside(engine, tmp_path, upstream_max_line_bytes=64 << 10) as (url, _), \
-            watched(url, "endless SSE line, line limit 64K") as figures:
+    with (
+        beside(engine, tmp_path, upstream_max_line_bytes=64 << 10) as (url, _),
+        watched(url, "endless SSE line, line limit 64K") as figures,
+    ):
         (event,) = stream_events(url)
     error = json.loads(event)["error"]
     assert error["code"] == "upstream_too_large" and error["message"].endswith(
-        f"is larger than {64 << 10} bytes (--upstream-max-line-bytes)"), error
+        f"is larger than {64 << 10} bytes (--upstream-max-line-bytes)"
+    ), error
     assert figures["rss_growth"] < RSS_BOUND
 
 
@@ -262,8 +287,14 @@ def raw_engine(answer: bytes) -> Iterator[str]:
                 while b"\r\n\r\n" not in received:
                     received += connection.recv(65536) or b"\r\n\r\n"
                 head, _, rest = received.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 while len(rest) < length:
                     rest += connection.recv(65536) or b" " * length
                 connection.sendall(answer)
@@ -282,9 +313,17 @@ def test_a_status_no_client_expects_is_a_502_naming_it(tmp_path) -> None:
     answer = b"HTTP/1.1 999 Odd\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
     config = tmp_path / "config.json"
     config.write_text(json.dumps(CONFIG))
-    with raw_engine(answer) as engine_url, running_sidecar(
-            upstream=engine_url, model_config=config, decode_workers=0, rules=None, engine="vllm",
-            request_timeout=TIMEOUT) as (url, _):
+    with (
+        raw_engine(answer) as engine_url,
+        running_sidecar(
+            upstream=engine_url,
+            model_config=config,
+            decode_workers=0,
+            rules=None,
+            engine="vllm",
+            request_timeout=TIMEOUT,
+        ) as (url, _),
+    ):
         relayed = complete(url)
     assert relayed.status_code == 502 and "HTTP 999" in error_of(relayed)["message"]
 
@@ -321,8 +360,10 @@ def test_a_lying_npy_header_is_a_data_error_and_the_client_gets_the_answer(engin
         answer = complete(url)
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "still here"
     assert "routed_experts" not in answer.json()["choices"][0]
-    assert metric_value(get_metrics(url), "mla_watch_engine_routing_data_errors_total", engine="vllm",
-                        reason="encoding") >= 1
+    assert (
+        metric_value(get_metrics(url), "mla_watch_engine_routing_data_errors_total", engine="vllm", reason="encoding")
+        >= 1
+    )
     assert counted_tokens(running) == before and figures["rss_growth"] < RSS_BOUND
 
 
@@ -334,8 +375,10 @@ def test_all_zero_routing_is_never_counted_and_the_page_names_the_cause(engine, 
             assert complete(url).status_code == 200
         assert counted_tokens(running) == 0
         metrics = get_metrics(url)
-        assert metric_value(metrics, "mla_watch_engine_routing_data_errors_total", engine="vllm",
-                            reason="duplicate_ids") == 5
+        assert (
+            metric_value(metrics, "mla_watch_engine_routing_data_errors_total", engine="vllm", reason="duplicate_ids")
+            == 5
+        )
         problems = httpx.get(url + "/v1/status", timeout=30).json()["engine"]["problems"]
         assert any("--enforce-eager" in problem for problem in problems)
         hostile.mode = "ok"  # the engine mended: the warning goes
@@ -345,8 +388,7 @@ def test_all_zero_routing_is_never_counted_and_the_page_names_the_cause(engine, 
     assert len(lines) == 1
 
 
-def test_an_engine_without_its_routing_flag_is_named_once_in_the_log_and_on_the_page(engine, tmp_path,
-                                                                                     caplog) -> None:
+def test_an_engine_without_its_routing_flag_is_named_once_in_the_log_and_on_the_page(engine, tmp_path, caplog) -> None:
     hostile, _ = engine
     hostile.mode = "no_routing"
     with beside(engine, tmp_path) as (url, _), caplog.at_level(logging.WARNING, "mla_watch"):
@@ -388,8 +430,10 @@ def test_upstream_credentials_are_sent_as_basic_auth_and_never_shown(engine, tmp
     with caplog.at_level(logging.DEBUG):
         with beside(engine, tmp_path, upstream=with_password) as (url, _):
             assert complete(url).status_code == 200
-            shown = [httpx.get(url + path, timeout=30).text for path in
-                     ("/v1/status", "/v1/retune/jobs", "/v1/retune/versions", "/v1/routing", "/metrics", "/")]
+            shown = [
+                httpx.get(url + path, timeout=30).text
+                for path in ("/v1/status", "/v1/retune/jobs", "/v1/retune/versions", "/v1/routing", "/metrics", "/")
+            ]
         with beside(engine, tmp_path, upstream=dead) as (url, _):
             failed = complete(url)
             shown.append(failed.text)
@@ -408,4 +452,3 @@ def test_a_bad_upstream_url_is_refused_without_repeating_it(capsys) -> None:
         main(["serve", "--upstream", f"ftp://watch:{PASSWORD}@host:99999"])
     error = capsys.readouterr().err
     assert "--upstream" in error and PASSWORD not in error
-

@@ -27,8 +27,13 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.stream_lines import AnswerTooLarge, EventLines
 from mla_watch.server.upstream_io import BoundedInflater
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
 GEOMETRY = parse_geometry(CONFIG)
 
 
@@ -50,8 +55,13 @@ def valid(ids: np.ndarray) -> bool:
         ids = ids[:, list(GEOMETRY.moe_layers)]
     elif ids.shape[1] != len(GEOMETRY.moe_layers):
         return False
-    return bool(ids.size == 0 or (ids.max() < GEOMETRY.num_experts and all(
-        len(set(token_layer)) == GEOMETRY.top_k for token_layer in ids.reshape(-1, GEOMETRY.top_k).tolist())))
+    return bool(
+        ids.size == 0
+        or (
+            ids.max() < GEOMETRY.num_experts
+            and all(len(set(token_layer)) == GEOMETRY.top_k for token_layer in ids.reshape(-1, GEOMETRY.top_k).tolist())
+        )
+    )
 
 
 def as_sglang_reads_it(ids: np.ndarray) -> np.ndarray | None:
@@ -62,9 +72,11 @@ def as_sglang_reads_it(ids: np.ndarray) -> np.ndarray | None:
     return None
 
 
-junk = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                    max_leaves=12)
+junk = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
 
 
 @st.composite
@@ -96,21 +108,28 @@ def test_a_decoded_body_never_raises_and_counts_only_routing_a_router_could_prod
         assert not decoded.counts.any()
     elif decoded.counts is not None:
         assert ids is not None and valid(ids)
-        assert decoded.tokens == ids.shape[0] and int(decoded.counts.sum()) == ids.shape[0] * len(
-            GEOMETRY.moe_layers) * GEOMETRY.top_k
+        assert (
+            decoded.tokens == ids.shape[0]
+            and int(decoded.counts.sum()) == ids.shape[0] * len(GEOMETRY.moe_layers) * GEOMETRY.top_k
+        )
     chunk = decode_chunk(RoutingPlan(engine, GEOMETRY, keep=False), raw.decode("utf-8", "replace"), first=True)
     assert chunk.counts is None or chunk.tokens == 0 or valid(ids)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from([b"data: a", b"\r", b"\n", b"\r\n", "\u2028".encode(), "\x85".encode(), b"x" * 5,
-                                 b""]), max_size=20), st.data())
+@given(
+    st.lists(
+        st.sampled_from([b"data: a", b"\r", b"\n", b"\r\n", "\u2028".encode(), "\x85".encode(), b"x" * 5, b""]),
+        max_size=20,
+    ),
+    st.data(),
+)
 def test_event_lines_split_only_at_cr_lf_whatever_the_reads(pieces, data) -> None:
     stream = b"".join(pieces)
     reads, position = [], 0
     while position < len(stream):  # the same bytes, cut into reads anywhere
         size = data.draw(st.integers(1, max(1, len(stream) - position)))
-        reads.append(stream[position:position + size])
+        reads.append(stream[position : position + size])
         position += size
     lines = EventLines(limit=1 << 20)
     got = [line for read in reads for line in lines.feed(read)] + lines.finish()
@@ -121,8 +140,12 @@ def test_event_lines_split_only_at_cr_lf_whatever_the_reads(pieces, data) -> Non
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=4096), st.integers(1, 3000), st.sampled_from(["gzip", "deflate", "identity"]),
-       st.integers(1, 512))
+@given(
+    st.binary(max_size=4096),
+    st.integers(1, 3000),
+    st.sampled_from(["gzip", "deflate", "identity"]),
+    st.integers(1, 512),
+)
 def test_inflating_never_holds_more_than_the_limit(payload, limit, encoding, read_size) -> None:
     if encoding == "gzip":
         packer = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
@@ -135,7 +158,7 @@ def test_inflating_never_holds_more_than_the_limit(payload, limit, encoding, rea
     out = []
     try:
         for start in range(0, len(raw), read_size):
-            out.append(inflater.feed(raw[start:start + read_size]))
+            out.append(inflater.feed(raw[start : start + read_size]))
             assert inflater.size <= limit
         out.append(inflater.finish())
     except AnswerTooLarge:
@@ -155,9 +178,11 @@ class ScriptedEngine:
     async def complete(self, request: Request) -> Response:
         payload = await request.json()
         if payload.get("stream"):
+
             async def events() -> Iterator[bytes]:
                 for piece in self.stream:
                     yield piece
+
             return StreamingResponse(events(), media_type="text/event-stream")
         return Response(self.body, status_code=self.status, media_type="application/json")
 
@@ -167,9 +192,19 @@ def live(tmp_path_factory):
     engine = ScriptedEngine()
     config = tmp_path_factory.mktemp("fuzz") / "config.json"
     config.write_text(json.dumps(CONFIG))
-    with serve_app(engine.app) as engine_url, running_sidecar(
-            upstream=engine_url, model_config=config, decode_workers=0, rules=None, window_tokens=None,
-            engine="vllm", upstream_max_bytes=1 << 16, request_timeout=5.0) as running:
+    with (
+        serve_app(engine.app) as engine_url,
+        running_sidecar(
+            upstream=engine_url,
+            model_config=config,
+            decode_workers=0,
+            rules=None,
+            window_tokens=None,
+            engine="vllm",
+            upstream_max_bytes=1 << 16,
+            request_timeout=5.0,
+        ) as running,
+    ):
         yield engine, running
 
 
@@ -179,8 +214,9 @@ def test_a_live_sidecar_answers_every_generated_engine_answer(live, case, status
     engine, (url, _) = live
     raw, _, _ = case
     engine.body, engine.status = raw, status
-    answer = httpx.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30,
-                        headers={"X-Business-Line": "code_assistant"})
+    answer = httpx.post(
+        url + "/v1/completions", json={"prompt": "x"}, timeout=30, headers={"X-Business-Line": "code_assistant"}
+    )
     assert answer.status_code in (200, 502, status)  # a 500 only where the engine said 500: never our own
     assert answer.headers["content-type"].startswith("application/json")
     document = answer.json()
@@ -188,20 +224,41 @@ def test_a_live_sidecar_answers_every_generated_engine_answer(live, case, status
     if answer.status_code == 200 and status == 200:
         choices = document.get("choices")
         assert "mla_watch" in document  # vLLM's field stripped (the sidecar reads vLLM's format here)
-        assert not any(isinstance(c, dict) and "routed_experts" in c for c in (choices if isinstance(choices, list)
-                                                                               else []))
+        assert not any(
+            isinstance(c, dict) and "routed_experts" in c for c in (choices if isinstance(choices, list) else [])
+        )
     assert httpx.get(url + "/healthz", timeout=10).status_code == 200
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.sampled_from([b"data: {\"choices\": []}\n\n", b"data: [1]\r\n\r\n", b"data: [DONE]\n\n",
-                                 "data: {\"t\": \"\u2028\"}\n\n".encode(), b"\r", b"\n", b": comment\n",
-                                 b"data: " + b"y" * 70_000, b"\xff\xfe"]), max_size=8))
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                b'data: {"choices": []}\n\n',
+                b"data: [1]\r\n\r\n",
+                b"data: [DONE]\n\n",
+                'data: {"t": "\u2028"}\n\n'.encode(),
+                b"\r",
+                b"\n",
+                b": comment\n",
+                b"data: " + b"y" * 70_000,
+                b"\xff\xfe",
+            ]
+        ),
+        max_size=8,
+    )
+)
 def test_a_live_sidecar_relays_every_generated_stream_without_a_server_error(live, pieces) -> None:
     engine, (url, _) = live
     engine.stream = pieces
-    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=30,
-                      headers={"X-Business-Line": "code_assistant"}) as stream:
+    with httpx.stream(
+        "POST",
+        url + "/v1/completions",
+        json={"prompt": "x", "stream": True},
+        timeout=30,
+        headers={"X-Business-Line": "code_assistant"},
+    ) as stream:
         assert stream.status_code == 200
         text = b"".join(stream.iter_bytes())
     for line in text.split(b"\n"):  # every relayed line is one the engine sent, or mla_watch's own

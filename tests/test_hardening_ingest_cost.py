@@ -16,8 +16,7 @@ from mla_watch.routing.ingest import IngestError, IngestLimits, parse_snapshot
 UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads no model
 INGEST = "ingest-cost-token-0123456789"
 SLOTS = 262_144  # IngestLimits' default max_slots: DeepSeek-V3.2's indexer scale
-INDEXER = {"name": "model.layers.3.self_attn.indexer", "layer": 3, "kind": "indexer", "num_slots": SLOTS,
-           "top_k": 2048}
+INDEXER = {"name": "model.layers.3.self_attn.indexer", "layer": 3, "kind": "indexer", "num_slots": SLOTS, "top_k": 2048}
 GATE = {"name": "model.layers.3.mlp.gate", "layer": 3, "kind": "expert", "num_slots": 256, "top_k": 8}
 DENSE_BYTES = SLOTS * 8  # one router and line's int64 counts
 BODY_BYTES = 990_000  # under serve's default --max-body-bytes (1,000,000)
@@ -35,8 +34,15 @@ def empty_deltas(size: int, router: dict = INDEXER) -> list[dict]:
 def real_delta(rng: np.random.Generator, router: dict, line: str, tokens: int) -> dict:
     slots = np.sort(rng.choice(router["num_slots"], size=router["top_k"] // 2, replace=False))
     counts = rng.multinomial(tokens * router["top_k"] // 2, np.full(slots.size, 1 / slots.size))
-    return {"router": router["name"], "business_line": line, "slots": slots.tolist(), "counts": counts.tolist(),
-            "tokens": tokens, "choice_selections": int(counts.sum()), "local_selections": int(counts.sum()) // 3}
+    return {
+        "router": router["name"],
+        "business_line": line,
+        "slots": slots.tolist(),
+        "counts": counts.tolist(),
+        "tokens": tokens,
+        "choice_selections": int(counts.sum()),
+        "local_selections": int(counts.sum()) // 3,
+    }
 
 
 def mixed_body(seed: int = 0) -> dict:
@@ -58,8 +64,12 @@ def expected_sums(body: dict) -> dict[tuple[str, str], tuple[np.ndarray, int, in
         key = (delta["router"], delta["business_line"])
         counts, tokens, local, choice = sums.setdefault(key, [np.zeros(slots_of[key[0]], dtype=np.int64), 0, 0, 0])
         counts[delta["slots"]] += np.asarray(delta["counts"], dtype=np.int64)
-        sums[key] = [counts, tokens + delta.get("tokens", 0), local + delta.get("local_selections", 0),
-                     choice + delta.get("choice_selections", 0)]
+        sums[key] = [
+            counts,
+            tokens + delta.get("tokens", 0),
+            local + delta.get("local_selections", 0),
+            choice + delta.get("choice_selections", 0),
+        ]
     return {key: tuple(value) for key, value in sums.items()}
 
 
@@ -92,16 +102,18 @@ def test_sparse_deltas_among_empty_ones_sum_exactly() -> None:
 
 
 def test_empty_deltas_still_open_their_window_and_keep_every_check() -> None:
-    only_empty = parse_snapshot({"source": "w", "routers": [GATE], "deltas": [empty_delta(GATE, "chat")]},
-                                IngestLimits())
+    only_empty = parse_snapshot(
+        {"source": "w", "routers": [GATE], "deltas": [empty_delta(GATE, "chat")]}, IngestLimits()
+    )
     assert list(only_empty.deltas) == [(GATE["name"], "chat")]
     empty_then_bad = [empty_delta(GATE)] * 3 + [{**empty_delta(GATE), "slots": [1], "counts": []}]
     with pytest.raises(IngestError, match="slots has 1 entries and counts 0") as refused:
         parse_snapshot({"source": "w", "routers": [GATE], "deltas": empty_then_bad}, IngestLimits())
     assert refused.value.field == "deltas[3].counts"
     with pytest.raises(IngestError, match="expected a list of integers, got NoneType"):
-        parse_snapshot({"source": "w", "routers": [GATE], "deltas": [{**empty_delta(GATE), "slots": None}]},
-                       IngestLimits())
+        parse_snapshot(
+            {"source": "w", "routers": [GATE], "deltas": [{**empty_delta(GATE), "slots": None}]}, IngestLimits()
+        )
 
 
 def test_ingestion_over_http_counts_a_mix_exactly() -> None:
@@ -111,8 +123,12 @@ def test_ingestion_over_http_counts_a_mix_exactly() -> None:
     assert len(content) < BODY_BYTES
     expected = expected_sums(body)
     with running_sidecar(upstream=UPSTREAM, ingest_token=INGEST) as (url, _):
-        answer = httpx.post(url + "/v1/routing/ingest", content=content, timeout=60,
-                            headers={"Authorization": f"Bearer {INGEST}", "Content-Type": "application/json"})
+        answer = httpx.post(
+            url + "/v1/routing/ingest",
+            content=content,
+            timeout=60,
+            headers={"Authorization": f"Bearer {INGEST}", "Content-Type": "application/json"},
+        )
         assert answer.status_code == 200, answer.text
         for line in ("code", "chat"):
             routers = httpx.get(url + "/v1/routing", params={"business_line": line}, timeout=30).json()["routers"]

@@ -44,8 +44,7 @@ class BlockedQuery:
 
 def get_all(url: str, path: str, count: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
     answers: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda: answers.append(httpx.get(url + path, timeout=60)))
-               for _ in range(count)]
+    threads = [threading.Thread(target=lambda: answers.append(httpx.get(url + path, timeout=60))) for _ in range(count)]
     for thread in threads:
         thread.start()
     return threads, answers
@@ -70,8 +69,12 @@ def test_heavy_reads_are_bounded_and_monitoring_answers_while_they_are_stuck(mon
                 assert f"GET {path} refused" in error["message"] and "retry after" in error["message"]
             metrics = httpx.get(url + "/metrics", timeout=10)
             assert metrics.status_code == 200
-            assert metric_value(metrics.text, "mla_watch_bad_requests_total", endpoint="/v1/history",
-                                reason="too_many_reads") == 1
+            assert (
+                metric_value(
+                    metrics.text, "mla_watch_bad_requests_total", endpoint="/v1/history", reason="too_many_reads"
+                )
+                == 1
+            )
             assert httpx.get(url + "/v1/routing", timeout=10).status_code == 200
             assert httpx.get(url + "/healthz", timeout=10).status_code == 200
             # Answered while every admitted read was still blocked: nothing above waited behind them.
@@ -94,16 +97,35 @@ def fill(path: Path, end: float, variants: int = 32) -> None:
     rng = np.random.default_rng(0)
     clock = FakeClock(end - MAX_RANGE_SECONDS - QUARTER)
     store = HistoryStore(path, interval_seconds=60.0, clock=clock)
-    series = [(f"model.layers.{layer}.mlp.gate", layer, line, float(rng.uniform(5.0, 7.5)))
-              for layer in range(3, 3 + ROUTERS) for line in [None, *(f"line_{i}" for i in range(LINES))]]
+    series = [
+        (f"model.layers.{layer}.mlp.gate", layer, line, float(rng.uniform(5.0, 7.5)))
+        for layer in range(3, 3 + ROUTERS)
+        for line in [None, *(f"line_{i}" for i in range(LINES))]
+    ]
     # bits_below_ceiling follows: 8 - bits
-    samples = [[router_stats(name=name, layer=layer, line=line, num_slots=256, top_k=8, tokens=int(count),
-                             entropy_bits=bits, normalized_entropy=(bits - 3.0) / 5.0, max_violation=1.0 + bits / 7.0,
-                             js_divergence=bits / 75.0, locality=bits / 7.5, dead_slots=0, too_small=False,
-                             floor_bits=3.0, ceiling_bits=8.0)
-                for (name, layer, line, bits), count in zip(series, rng.integers(1024, 4097, size=len(series)),
-                                                            strict=True)]
-               for _ in range(variants)]
+    samples = [
+        [
+            router_stats(
+                name=name,
+                layer=layer,
+                line=line,
+                num_slots=256,
+                top_k=8,
+                tokens=int(count),
+                entropy_bits=bits,
+                normalized_entropy=(bits - 3.0) / 5.0,
+                max_violation=1.0 + bits / 7.0,
+                js_divergence=bits / 75.0,
+                locality=bits / 7.5,
+                dead_slots=0,
+                too_small=False,
+                floor_bits=3.0,
+                ceiling_bits=8.0,
+            )
+            for (name, layer, line, bits), count in zip(series, rng.integers(1024, 4097, size=len(series)), strict=True)
+        ]
+        for _ in range(variants)
+    ]
     for pick in rng.integers(0, variants, size=math.ceil((end - clock.now) / QUARTER) + 1):
         store.record(samples[pick])
         clock.now += QUARTER

@@ -66,9 +66,24 @@ def test_a_dataset_outside_the_directory_gets_one_answer_whether_it_exists_or_no
     (datasets / "link.jsonl").symlink_to(outside)  # a link out of the directory
     (datasets / "dangling.jsonl").symlink_to(tmp_path / "missing.jsonl")
     (datasets / "sub.jsonl").mkdir()
-    values = [str(outside), str(tmp_path / "missing.jsonl"), "/etc/passwd", "../outside.jsonl", "link.jsonl",
-              "dangling.jsonl", "sub.jsonl", "absent.jsonl", "data.jsonl\n", ".hidden.jsonl", "data.json",
-              "a" * 300 + ".jsonl", "", 7, ["x.jsonl"], {"path": "x.jsonl"}]
+    values = [
+        str(outside),
+        str(tmp_path / "missing.jsonl"),
+        "/etc/passwd",
+        "../outside.jsonl",
+        "link.jsonl",
+        "dangling.jsonl",
+        "sub.jsonl",
+        "absent.jsonl",
+        "data.jsonl\n",
+        ".hidden.jsonl",
+        "data.json",
+        "a" * 300 + ".jsonl",
+        "",
+        7,
+        ["x.jsonl"],
+        {"path": "x.jsonl"},
+    ]
     for value in values:
         response = retune(url, {"routers": [ROUTER], "dataset": value, "force": True})
         assert response.status_code == 400, (value, response.text)
@@ -82,8 +97,14 @@ def test_a_dataset_outside_the_directory_gets_one_answer_whether_it_exists_or_no
 
 def test_a_dataset_job_never_publishes_or_logs_what_the_file_holds(sidecar, caplog) -> None:
     url, _, state = sidecar
-    rows = [f'{{"text": ["{SECRET}-1"]}}', f'"{SECRET}-2"', f'{{"input_ids": "{SECRET}-3"}}',
-            f"not json {SECRET}-4", f'{{"{SECRET}-5": 1}}', f'{{"input_ids": [1, {10**9}]}}']
+    rows = [
+        f'{{"text": ["{SECRET}-1"]}}',
+        f'"{SECRET}-2"',
+        f'{{"input_ids": "{SECRET}-3"}}',
+        f"not json {SECRET}-4",
+        f'{{"{SECRET}-5": 1}}',
+        f'{{"input_ids": [1, {10**9}]}}',
+    ]
     (state / "datasets" / "bad.jsonl").write_text("\n".join(rows) + "\n")
     with caplog.at_level("DEBUG"):
         response = retune(url, {"routers": [ROUTER], "dataset": "bad.jsonl", "strategy": "restore", "force": True})
@@ -92,13 +113,20 @@ def test_a_dataset_job_never_publishes_or_logs_what_the_file_holds(sidecar, capl
     assert job["status"] == "failed" and job["spec"]["dataset"] == "bad.jsonl"
     error = job["result"]["error"]
     assert error.startswith("6 problems:\nbad.jsonl:1: key 'text': expected a string, got a list of 1 item(s)")
-    for line in ("bad.jsonl:2: not a JSON object (got a string of 13 character(s))",
-                 "bad.jsonl:3: key 'input_ids': expected a list of token ids (ints), got a string of 13 character(s)",
-                 "bad.jsonl:4: invalid JSON (Expecting value at column 1)", "bad.jsonl:5: none of the keys",
-                 "bad.jsonl:6: key 'input_ids[1]': expected an int token id in [0, "):
+    for line in (
+        "bad.jsonl:2: not a JSON object (got a string of 13 character(s))",
+        "bad.jsonl:3: key 'input_ids': expected a list of token ids (ints), got a string of 13 character(s)",
+        "bad.jsonl:4: invalid JSON (Expecting value at column 1)",
+        "bad.jsonl:5: none of the keys",
+        "bad.jsonl:6: key 'input_ids[1]': expected an int token id in [0, ",
+    ):
         assert line in error
-    published = [httpx.get(url + "/v1/retune/jobs").text, httpx.get(url + "/v1/status").text,
-                 httpx.get(f"{url}/v1/retune/jobs/{job['id']}").text, caplog.text]
+    published = [
+        httpx.get(url + "/v1/retune/jobs").text,
+        httpx.get(url + "/v1/status").text,
+        httpx.get(f"{url}/v1/retune/jobs/{job['id']}").text,
+        caplog.text,
+    ]
     assert "bad.jsonl:1: key 'text'" in caplog.text  # the failure is logged: by its description only
     for text in published:
         assert SECRET not in text and str(10**9) not in text and str(state) not in text
@@ -118,8 +146,16 @@ def test_the_runner_checks_the_dataset_again_when_the_job_runs(tmp_path) -> None
     model = build("deepseek_v32")
     registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(model)
-    runner = Retuner(model=model, tokenizer=None, versions=registry, settings=RetuneSettings(), workdir=tmp_path / "w",
-                     promote=lambda version: None, model_lock=threading.Lock(), dataset_dir=datasets)
+    runner = Retuner(
+        model=model,
+        tokenizer=None,
+        versions=registry,
+        settings=RetuneSettings(),
+        workdir=tmp_path / "w",
+        promote=lambda version: None,
+        model_lock=threading.Lock(),
+        dataset_dir=datasets,
+    )
     status, result = runner.run(JobSpec(routers=[GATE], strategies=["restore"], dataset="swap.jsonl"))
     assert status == "failed" and result["error"] == f'dataset="swap.jsonl" {EXPECTED}'
 
@@ -131,8 +167,21 @@ def test_the_cli_copies_a_local_dataset_into_the_dataset_directory(sidecar, tmp_
     monkeypatch.setenv("MLA_WATCH_ADMIN_TOKEN", TOKEN)
     local = tmp_path / "mine.jsonl"
     local.write_text('{"input_ids": [1, 2, 3]}\n')
-    argv = ["retune", "run", "--url", url, "--router", ROUTER, "--strategy", "restore", "--force",
-            "--dataset", str(local), "--dataset-dir", str(state / "datasets")]
+    argv = [
+        "retune",
+        "run",
+        "--url",
+        url,
+        "--router",
+        ROUTER,
+        "--strategy",
+        "restore",
+        "--force",
+        "--dataset",
+        str(local),
+        "--dataset-dir",
+        str(state / "datasets"),
+    ]
     assert main(argv) == 0
     copy = state / "datasets" / "mine.jsonl"
     assert copy.read_text() == local.read_text() and mode(copy) == 0o600
@@ -162,14 +211,17 @@ def test_promote_names_the_versions_there_are(sidecar) -> None:
     assert httpx.get(url + "/v1/retune/versions").json()["live"] == 0
 
 
-@pytest.mark.parametrize(("line", "words"), [
-    ("code_assistant\n", "business_line=\"code_assistant\\n\" is invalid: expected a business line name"),
-    ("", "business_line=\"\" is invalid: expected a business line name"),
-    ("../x", "business_line=\"../x\" is invalid: expected a business line name"),
-    ("x" * 300, "business_line=\"xxxx"),
-    (3, "business_line=3 is invalid"),
-    ("nope", "business_line=\"nope\" is not a business line of the policies: expected one of ['code_assistant', "),
-])
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("code_assistant\n", 'business_line="code_assistant\\n" is invalid: expected a business line name'),
+        ("", 'business_line="" is invalid: expected a business line name'),
+        ("../x", 'business_line="../x" is invalid: expected a business line name'),
+        ("x" * 300, 'business_line="xxxx'),
+        (3, "business_line=3 is invalid"),
+        ("nope", "business_line=\"nope\" is not a business line of the policies: expected one of ['code_assistant', "),
+    ],
+)
 def test_business_line_must_be_a_policy_line(sidecar, line, words) -> None:
     url, _, _ = sidecar
     response = retune(url, {"routers": [ROUTER], "business_line": line, "force": True})
@@ -181,22 +233,33 @@ def test_business_line_must_be_a_policy_line(sidecar, line, words) -> None:
 
 def test_a_known_business_line_is_accepted(sidecar) -> None:
     url, _, _ = sidecar
-    response = retune(url, {"routers": [ROUTER], "business_line": "code_assistant", "strategy": "restore",
-                            "force": True})
+    response = retune(
+        url, {"routers": [ROUTER], "business_line": "code_assistant", "strategy": "restore", "force": True}
+    )
     assert response.status_code == 202, response.text
     assert response.json()["spec"]["business_line"] == "code_assistant"
 
 
-@pytest.mark.parametrize(("options", "param", "words"), [
-    ({"magic": {}}, "options.magic", 'options.magic: no strategy is named "magic": expected options of the '
-                                     "strategies ['bias', 'restore', 'router_finetune']"),
-    ({"bias": {"gama": 0.1}}, "options.bias", "options.bias: unknown option(s) [\"gama\"] for strategy 'bias'; "
-                                              "expected some of ['gamma', 'steps']"),
-    ({"restore": {"x": 1}}, "options.restore", "options.restore: unknown option(s) [\"x\"] for strategy 'restore'"),
-    ({"bias": {"gamma": None}}, "options.bias", "options.bias.gamma=null is invalid: expected a number in (0, 1]"),
-    ({"bias": {"steps": 1.5}}, "options.bias", "options.bias.steps=1.5 is invalid: expected an integer"),
-    ({"router_finetune": {"lr": 10**300}}, "options.router_finetune", "options.router_finetune.lr=1000000"),
-])
+@pytest.mark.parametrize(
+    ("options", "param", "words"),
+    [
+        (
+            {"magic": {}},
+            "options.magic",
+            'options.magic: no strategy is named "magic": expected options of the '
+            "strategies ['bias', 'restore', 'router_finetune']",
+        ),
+        (
+            {"bias": {"gama": 0.1}},
+            "options.bias",
+            "options.bias: unknown option(s) [\"gama\"] for strategy 'bias'; expected some of ['gamma', 'steps']",
+        ),
+        ({"restore": {"x": 1}}, "options.restore", "options.restore: unknown option(s) [\"x\"] for strategy 'restore'"),
+        ({"bias": {"gamma": None}}, "options.bias", "options.bias.gamma=null is invalid: expected a number in (0, 1]"),
+        ({"bias": {"steps": 1.5}}, "options.bias", "options.bias.steps=1.5 is invalid: expected an integer"),
+        ({"router_finetune": {"lr": 10**300}}, "options.router_finetune", "options.router_finetune.lr=1000000"),
+    ],
+)
 def test_options_must_name_a_strategy_and_its_options(sidecar, options, param, words) -> None:
     url, _, _ = sidecar
     response = retune(url, {"routers": [ROUTER], "options": options, "force": True})
@@ -208,8 +271,15 @@ def test_options_must_name_a_strategy_and_its_options(sidecar, options, param, w
 
 def test_valid_options_are_accepted(sidecar) -> None:
     url, _, _ = sidecar
-    response = retune(url, {"routers": [ROUTER], "strategy": "restore", "force": True,
-                            "options": {"bias": {"gamma": 0.2}, "router_finetune": {"lora_rank": None}}})
+    response = retune(
+        url,
+        {
+            "routers": [ROUTER],
+            "strategy": "restore",
+            "force": True,
+            "options": {"bias": {"gamma": 0.2}, "router_finetune": {"lora_rank": None}},
+        },
+    )
     assert response.status_code == 202, response.text
 
 

@@ -69,8 +69,9 @@ def test_the_count_queue_returns_free_pages_when_it_drains_after_enough_answers(
         routing = EngineRouting("vllm", GEOMETRY, EngineMetrics(CollectorRegistry()), window_tokens=None)
         decoder = SlowDecoder()
         decoder.release.set()
-        queue = CountQueue(routing, decoder, release_after_bytes=3 * len(body),
-                           release=lambda: releases.append(1) or True)
+        queue = CountQueue(
+            routing, decoder, release_after_bytes=3 * len(body), release=lambda: releases.append(1) or True
+        )
         seen = []
         await drained(queue, 2)  # less than release_after_bytes has passed
         seen.append(len(releases))

@@ -28,8 +28,9 @@ def served(tmp_path_factory):
 
 def test_a_range_is_answered_from_every_tier_one_column_per_step(served) -> None:
     url, end = served
-    body = httpx.get(url + "/v1/history", params={"since": end - 3 * DAY + 1, "until": end, "step": 3600},
-                     timeout=30).json()
+    body = httpx.get(
+        url + "/v1/history", params={"since": end - 3 * DAY + 1, "until": end, "step": 3600}, timeout=30
+    ).json()
     assert body["metric"] == "entropy_bits" and body["step_seconds"] == 3600 and body["series_dropped"] == 0
     assert [t["name"] for t in body["tiers"]] == ["full", "minute", "quarter"]
     assert all(t % 3600 == 0 for t in body["times"]) and body["times"] == sorted(body["times"])
@@ -43,28 +44,33 @@ def test_a_range_is_answered_from_every_tier_one_column_per_step(served) -> None
     assert set(by_line["all"]["values"]) == {4.0}
     assert code["band"]["fire_below"] is not None  # the shipped rules' band, for the page's colours
 
-    tokens = httpx.get(url + "/v1/history", params={"since": end - 600, "until": end, "metric": "tokens",
-                                                    "business_line": "code", "router": "*.mlp.gate"}).json()
+    tokens = httpx.get(
+        url + "/v1/history",
+        params={"since": end - 600, "until": end, "metric": "tokens", "business_line": "code", "router": "*.mlp.gate"},
+    ).json()
     assert [s["business_line"] for s in tokens["series"]] == ["code"] and set(tokens["series"][0]["values"]) == {500}
     assert tokens["step_seconds"] == 60  # the default: the finest step giving at most 720 columns
     none = httpx.get(url + "/v1/history", params={"since": end - 600, "until": end, "router": "*.indexer"}).json()
     assert none["series"] == [] and none["times"] == []
 
 
-@pytest.mark.parametrize(("params", "param", "expected"), [
-    ({"since": "yesterday"}, "since", 'since="yesterday" is invalid: expected a time in seconds since the epoch'),
-    ({"since": "nan"}, "since", 'since="nan" is invalid'),
-    ({"until": "1e400"}, "until", 'until="1e400" is invalid'),
-    ({"since": "2000", "until": "1000"}, "since", 'since="2000" is invalid: expected a time before until'),
-    ({"since": "0", "until": "1e9"}, "since", "expected at most 30 days before until"),
-    ({"step": "1"}, "step", 'step="1" is invalid: expected seconds per column in [60, 86400]'),
-    ({"step": "1e6"}, "step", "expected seconds per column in [60, 86400]"),
-    ({"since": "0", "until": str(29 * DAY), "step": "60"}, "step", "at most 2000 columns"),
-    ({"metric": "entropy"}, "metric", 'metric="entropy" is invalid: expected one of entropy_bits'),
-    ({"business_line": "a b"}, "business_line", 'business_line="a b" is invalid'),
-    ({"router": "x" * 201}, "router", "expected a router name or fnmatch pattern of 1 to 200 characters"),
-    ({"limit": "5"}, "limit", '"limit" is not a parameter of /v1/history: expected since, until, step'),
-])
+@pytest.mark.parametrize(
+    ("params", "param", "expected"),
+    [
+        ({"since": "yesterday"}, "since", 'since="yesterday" is invalid: expected a time in seconds since the epoch'),
+        ({"since": "nan"}, "since", 'since="nan" is invalid'),
+        ({"until": "1e400"}, "until", 'until="1e400" is invalid'),
+        ({"since": "2000", "until": "1000"}, "since", 'since="2000" is invalid: expected a time before until'),
+        ({"since": "0", "until": "1e9"}, "since", "expected at most 30 days before until"),
+        ({"step": "1"}, "step", 'step="1" is invalid: expected seconds per column in [60, 86400]'),
+        ({"step": "1e6"}, "step", "expected seconds per column in [60, 86400]"),
+        ({"since": "0", "until": str(29 * DAY), "step": "60"}, "step", "at most 2000 columns"),
+        ({"metric": "entropy"}, "metric", 'metric="entropy" is invalid: expected one of entropy_bits'),
+        ({"business_line": "a b"}, "business_line", 'business_line="a b" is invalid'),
+        ({"router": "x" * 201}, "router", "expected a router name or fnmatch pattern of 1 to 200 characters"),
+        ({"limit": "5"}, "limit", '"limit" is not a parameter of /v1/history: expected since, until, step'),
+    ],
+)
 def test_a_bad_parameter_is_a_400_naming_it(served, params, param, expected) -> None:
     url, _ = served
     response = httpx.get(url + "/v1/history", params=params, timeout=10)
@@ -91,8 +97,9 @@ def test_the_status_pages_hour_is_the_durable_historys_last_hour(served) -> None
 def test_status_says_the_durable_history_is_there_and_can_be_off(served, tmp_path: Path) -> None:
     url, _ = served
     assert httpx.get(url + "/v1/status", timeout=10).json()["history_store"]["retention_days"] == 30.0
-    with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path, history_retention_days=0,
-                         history_interval_seconds=0.2) as (off, sidecar):
+    with running_sidecar(
+        upstream="http://127.0.0.1:9", state_dir=tmp_path, history_retention_days=0, history_interval_seconds=0.2
+    ) as (off, sidecar):
         response = httpx.get(off + "/v1/history", timeout=10)
         assert response.status_code == 404 and "--history-retention 0" in response.json()["error"]["message"]
         assert httpx.get(off + "/v1/status", timeout=10).json()["history_store"] is None
@@ -103,12 +110,22 @@ def test_status_says_the_durable_history_is_there_and_can_be_off(served, tmp_pat
 
 
 def ingest(url: str, token: str, tokens: int) -> None:
-    body = {"source": "worker-1",
-            "routers": [{"name": GATE, "layer": 1, "kind": "expert", "num_slots": 8, "top_k": 2}],
-            "deltas": [{"router": GATE, "business_line": "code", "slots": [0, 1, 2, 3],
-                        "counts": [tokens // 2] * 4, "tokens": tokens}]}
-    response = httpx.post(url + "/v1/routing/ingest", json=body, headers={"Authorization": f"Bearer {token}"},
-                          timeout=10)
+    body = {
+        "source": "worker-1",
+        "routers": [{"name": GATE, "layer": 1, "kind": "expert", "num_slots": 8, "top_k": 2}],
+        "deltas": [
+            {
+                "router": GATE,
+                "business_line": "code",
+                "slots": [0, 1, 2, 3],
+                "counts": [tokens // 2] * 4,
+                "tokens": tokens,
+            }
+        ],
+    }
+    response = httpx.post(
+        url + "/v1/routing/ingest", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
     assert response.status_code == 200, response.text
 
 

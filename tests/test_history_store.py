@@ -38,8 +38,7 @@ def test_minute_and_quarter_points_are_the_means_of_their_buckets(tmp_path: Path
         clock.now = T0 + 10 * step
         minute, index = divmod(step, 6)
         bits = None if index == 3 else 5.0 + minute / 10 + (0.06 if index == 5 else 0.0)
-        store.record([record(bits=bits, tokens=100 * (index + 1), too_small=index == 0),
-                      record(line=None, bits=4.0)])
+        store.record([record(bits=bits, tokens=100 * (index + 1), too_small=index == 0), record(line=None, bits=4.0)])
     times, _values = store.points(GATE, "code", "entropy_bits", T0, clock.now)
     # The full tier holds the last hour: every sample, the NaN ones skipped.
     assert len(times) == 16 * 5 + 1 and times[0] == T0 and times[-1] == clock.now
@@ -107,8 +106,11 @@ def test_the_file_stays_within_its_documented_bound(tmp_path: Path) -> None:
     clock = FakeClock(T0)
     series = 24
     store = store_at(tmp_path, clock, interval_seconds=60, span_seconds=600, retention_days=1.5)
-    records = [record(name=f"model.layers.{layer}.mlp.gate", layer=layer, line=line, bits=5.0)
-               for layer in range(4) for line in ("a", "b", "c", "d", "e", None)]
+    records = [
+        record(name=f"model.layers.{layer}.mlp.gate", layer=layer, line=line, bits=5.0)
+        for layer in range(4)
+        for line in ("a", "b", "c", "d", "e", None)
+    ]
     assert len(records) == series
     for step in range(int(2.5 * 1440)):  # 2.5 days of 1-minute samples: every tier full, then expiring
         clock.now = T0 + 60 * step
@@ -253,11 +255,14 @@ def test_without_a_file_a_series_gives_its_slot_back_once_it_leaves_the_span() -
     assert [s["business_line"] for s in store.recent()["series"]] == ["new"]
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"retention_days": 0.5}, "retention_days = 0.5: expected at least 1"),
-    ({"interval_seconds": float("nan")}, "interval_seconds = nan: expected a positive number"),
-    ({"max_series": 0}, "max_series = 0: expected a positive integer"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"retention_days": 0.5}, "retention_days = 0.5: expected at least 1"),
+        ({"interval_seconds": float("nan")}, "interval_seconds = nan: expected a positive number"),
+        ({"max_series": 0}, "max_series = 0: expected a positive integer"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(tmp_path: Path, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         store_at(tmp_path, FakeClock(T0), **options)
@@ -270,8 +275,13 @@ def test_samples_the_disk_refused_are_written_from_memory_once_there_is_room(tmp
     routers = [f"model.layers.{layer}.mlp.gate" for layer in range(1, 61)]  # rows of some KB: the WAL must grow
 
     def sample() -> None:
-        store.record([record(name, line=line, bits=5.0 + (clock.now - T0) / 1e4) for name in routers
-                      for line in ("code", "sql", None)])
+        store.record(
+            [
+                record(name, line=line, bits=5.0 + (clock.now - T0) / 1e4)
+                for name in routers
+                for line in ("code", "sql", None)
+            ]
+        )
         clock.now += 10
 
     with small_tmpfs(tmp_path / "disk", "1m") as disk:

@@ -21,8 +21,22 @@ from harness.support import REPO
 
 PACKAGES = ("tests", "bench", "harness")
 # Installed only with an extra, a dev tool or an engine of its own; everything else must resolve.
-OPTIONAL = frozenset({"PIL", "cryptography", "huggingface_hub", "hypothesis", "matplotlib", "openai", "sglang",
-                      "tokenizers", "torch", "transformers", "triton", "vllm"})
+OPTIONAL = frozenset(
+    {
+        "PIL",
+        "cryptography",
+        "huggingface_hub",
+        "hypothesis",
+        "matplotlib",
+        "openai",
+        "sglang",
+        "tokenizers",
+        "torch",
+        "transformers",
+        "triton",
+        "vllm",
+    }
+)
 ANY_NAME = None  # what :func:`local_names` returns for a module whose names cannot be listed (``__getattr__``, ``*``)
 
 
@@ -34,8 +48,9 @@ def sources() -> list[Path]:
 def bare_names() -> dict[str, str]:
     """The modules of tests/, bench/ and harness/ by the names they would have were one directory on ``sys.path``: the
     package each is in."""
-    return {path.stem: package for package in PACKAGES for path in (REPO / package).glob("*.py")
-            if path.stem != "__init__"}
+    return {
+        path.stem: package for package in PACKAGES for path in (REPO / package).glob("*.py") if path.stem != "__init__"
+    }
 
 
 def module_of(path: Path) -> str:
@@ -115,8 +130,10 @@ def problems(source: str, path: Path) -> list[str]:
     for line, module, name in sorted(imports(ast.parse(source), path), key=lambda found: found[0]):
         top = module.split(".")[0]
         if "conftest" in (top, module.removeprefix("tests.")):
-            found.append(f"{where}:{line}: {module}: conftest.py holds fixtures and hooks only; the helpers are in "
-                         "harness.support")
+            found.append(
+                f"{where}:{line}: {module}: conftest.py holds fixtures and hooks only; the helpers are in "
+                "harness.support"
+            )
         elif top in bare_names():
             found.append(f"{where}:{line}: {module} by its bare name: import it as {bare_names()[top]}.{module}")
         elif not exists(module):

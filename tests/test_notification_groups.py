@@ -58,8 +58,9 @@ class Judge:
 class Watched:
     """An alert service over records the test sets, on a fake clock, delivering to ``receiver``."""
 
-    def __init__(self, rules: Any, state: Path, clock: FakeClock, receiver: TestReceiver,
-                 judge: Judge | None = None) -> None:
+    def __init__(
+        self, rules: Any, state: Path, clock: FakeClock, receiver: TestReceiver, judge: Judge | None = None
+    ) -> None:
         self.records: list[RouterStats] = []
         self.clock, self.receiver = clock, receiver
         self.service = AlertService(rules, state, records=lambda: self.records, clock=clock, causes=judge)
@@ -81,24 +82,37 @@ class Watched:
 
 
 def shipped(receiver: TestReceiver) -> Any:
-    return load_rules_dir(SHIPPED_RULES, environ={"MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
-                                                  "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners"})
+    return load_rules_dir(
+        SHIPPED_RULES,
+        environ={
+            "MLA_WATCH_ONCALL_URL": receiver.url + "/oncall",
+            "MLA_WATCH_LINE_OWNERS_URL": receiver.url + "/owners",
+        },
+    )
 
 
 def gate_record(gate: str, **values: Any) -> RouterStats:
     """``gate``'s window on the line (a 64-expert router, healthy MaxVio 0.5 and no dead expert), reading ``values``
     (healthy ones otherwise)."""
-    return engine_record(values.pop("max_violation", 0.4), metric="max_violation", name=gate,
-                         layer=int(gate.split(".")[2]), line=LINE, num_slots=64,
-                         baseline={"max_violation": 0.5, "dead_slots": 0.0},
-                         **{"dead_slots": 0, "long_context_drift": 0.001, **values})
+    return engine_record(
+        values.pop("max_violation", 0.4),
+        metric="max_violation",
+        name=gate,
+        layer=int(gate.split(".")[2]),
+        line=LINE,
+        num_slots=64,
+        baseline={"max_violation": 0.5, "dead_slots": 0.0},
+        **{"dead_slots": 0, "long_context_drift": 0.001, **values},
+    )
 
 
 # What each router of the line reads (every rule `for: 5m`): one client's flood inside the trained length, a hotspot
 # (MaxVio 3.0 against a healthy 0.5) and 10 experts left without a token; long documents past the trained length,
 # sent by the line's clients, routing that departs from in-range routing at 256-511 (0.05 bits).
-INCIDENTS = {"flood": ({"max_violation": 3.0, "dead_slots": 10}, ("ExpertHotspot", "DeadExperts")),
-             "long documents": ({"long_context_drift": 0.05, "long_context_edge": "256-511"}, ("LongContextDrift",))}
+INCIDENTS = {
+    "flood": ({"max_violation": 3.0, "dead_slots": 10}, ("ExpertHotspot", "DeadExperts")),
+    "long documents": ({"long_context_drift": 0.05, "long_context_edge": "256-511"}, ("LongContextDrift",)),
+}
 
 
 @contextmanager
@@ -113,7 +127,8 @@ def watched(tmp_path: Path, judge: Judge, rules: Any = None) -> Iterator[Watched
 
 @pytest.mark.parametrize("incident", INCIDENTS)
 def test_a_traffic_incident_reaches_the_line_owners_as_one_notification_with_every_alert_and_on_call_none(
-        tmp_path, incident: str) -> None:
+    tmp_path, incident: str
+) -> None:
     values, rules = INCIDENTS[incident]
     with watched(tmp_path, Judge("traffic")) as sidecar:
         sidecar.records = [gate_record(gate, **values) for gate in GATES]
@@ -129,11 +144,14 @@ def test_a_traffic_incident_reaches_the_line_owners_as_one_notification_with_eve
         assert told["groupLabels"] == {"business_line": LINE, "cause": "traffic"} and told["status"] == "firing"
         assert {a["fingerprint"] for a in told["alerts"]} == {a.fingerprint for a in fired}
         assert {(a["labels"]["alertname"], a["labels"]["router"]) for a in told["alerts"]} == {
-            (name, gate) for name in rules for gate in GATES}
+            (name, gate) for name in rules for gate in GATES
+        }
         assert told["commonLabels"]["severity"] == "warning"
         # The status page's incident: every alert in the group that notified, under its key.
-        incidents = {(view["incident"]["receiver"], view["incident"]["key"], view["incident"]["notified_at"])
-                     for view in sidecar.service.alert_views()}
+        incidents = {
+            (view["incident"]["receiver"], view["incident"]["key"], view["incident"]["notified_at"])
+            for view in sidecar.service.alert_views()
+        }
         assert incidents == {("line_owners", told["groupKey"], sidecar.clock.now)}
         sidecar.run(1800.0)  # nothing changes: no update, and the repeat is 4 h away
         assert sidecar.bodies("/oncall") == [] and len(sidecar.receiver.requests) == 1
@@ -147,8 +165,9 @@ def test_a_traffic_incident_reaches_the_line_owners_as_one_notification_with_eve
 
 def test_model_caused_pages_stay_one_per_router_and_line(tmp_path) -> None:
     with watched(tmp_path, Judge("model")) as sidecar:
-        sidecar.records = [engine_record(4.0, name=gate, layer=int(gate.split(".")[2]), line=LINE, num_slots=64)
-                           for gate in GATES[:2]]
+        sidecar.records = [
+            engine_record(4.0, name=gate, layer=int(gate.split(".")[2]), line=LINE, num_slots=64) for gate in GATES[:2]
+        ]
         sidecar.run(ROUND + 120.0)  # RoutingEntropyLow, pending then firing (`for: 2m`) on two routers
         assert sidecar.receiver.requests == []
         sidecar.run(30.0)  # on-call's group_wait
@@ -211,7 +230,10 @@ def test_group_wait_collects_group_interval_throttles_and_a_resolution_is_one_no
         changed = third.json()
         assert changed["status"] == "firing"
         assert {a["labels"]["router"]: a["status"] for a in changed["alerts"]} == {
-            GATES[0]: "resolved", GATES[1]: "firing", GATES[2]: "firing"}
+            GATES[0]: "resolved",
+            GATES[1]: "firing",
+            GATES[2]: "firing",
+        }
         assert third.header("Idempotency-Key") != receiver.requests[1].header("Idempotency-Key")
         sidecar.records = low(GATES, 5.5)
         sidecar.run(300.0)  # B and C resolve: one resolved notification for the incident
@@ -248,7 +270,9 @@ def test_a_restart_pages_neither_again_nor_never(tmp_path) -> None:
         sidecar.run(300.0)
         resolved = sidecar.bodies("/team")[-1]
         assert len(receiver.requests) == 3 and {a["labels"]["router"]: a["status"] for a in resolved["alerts"]} == {
-            GATES[0]: "resolved", GATES[1]: "firing"}
+            GATES[0]: "resolved",
+            GATES[1]: "firing",
+        }
         # An incident of another line whose group is still waiting its group_wait when the sidecar restarts ...
         sidecar.records = [*low(GATES[1:2]), engine_record(4.0, name=GATES[2], layer=3, line="sql")]
         sidecar.run(ROUND)
@@ -261,8 +285,14 @@ def test_a_restart_pages_neither_again_nor_never(tmp_path) -> None:
 
 
 def test_without_send_resolved_a_resolution_is_not_sent_and_an_alert_firing_again_is_news() -> None:
-    receiver = Receiver(name="team", type="alertmanager_webhook", url="http://127.0.0.1:9/hook", send_resolved=False,
-                        group_wait_seconds=0.0, group_interval_seconds=60.0)
+    receiver = Receiver(
+        name="team",
+        type="alertmanager_webhook",
+        url="http://127.0.0.1:9/hook",
+        send_resolved=False,
+        group_wait_seconds=0.0,
+        group_interval_seconds=60.0,
+    )
     group = NotificationGroup.new(receiver, "{}:{}", {}, 0.0)
     sent: list[Notification] = []
 
@@ -288,24 +318,35 @@ def test_without_send_resolved_a_resolution_is_not_sent_and_an_alert_firing_agai
 
 def test_receivers_say_their_group_timing_and_refuse_what_cannot_be_one(tmp_path) -> None:
     path = tmp_path / "r.yaml"
-    path.write_text("receivers:\n"
-                    "  - {name: a, type: alertmanager_webhook, url: 'https://h.example'}\n"
-                    "  - {name: b, type: slack, url: 'https://h.example', group_wait: 5s, group_interval: 1m,"
-                    " group_by: [business_line, cause]}\n")
+    path.write_text(
+        "receivers:\n"
+        "  - {name: a, type: alertmanager_webhook, url: 'https://h.example'}\n"
+        "  - {name: b, type: slack, url: 'https://h.example', group_wait: 5s, group_interval: 1m,"
+        " group_by: [business_line, cause]}\n"
+    )
     _, receivers, _ = load_rules_file(path, environ={})
-    assert (receivers["a"].group_wait_seconds, receivers["a"].group_interval_seconds) == (
-        DEFAULT_GROUP_WAIT_SECONDS, DEFAULT_GROUP_INTERVAL_SECONDS) == (30.0, 300.0)
+    assert (
+        (receivers["a"].group_wait_seconds, receivers["a"].group_interval_seconds)
+        == (DEFAULT_GROUP_WAIT_SECONDS, DEFAULT_GROUP_INTERVAL_SECONDS)
+        == (30.0, 300.0)
+    )
     assert (receivers["b"].group_wait_seconds, receivers["b"].group_interval_seconds) == (5.0, 60.0)
     assert receivers["b"].group_of({"business_line": "sql", "cause": "traffic", "router": "g"}) == {
-        "business_line": "sql", "cause": "traffic"}
-    path.write_text("receivers:\n"
-                    "  - {name: a, type: alertmanager_webhook, url: 'https://h.example', group_wait: -5s}\n"
-                    "  - {name: b, type: alertmanager_webhook, url: 'https://h.example', group_interval: soon}\n"
-                    "  - {name: c, type: alertmanager_api, url: 'https://am.example', group_wait: 30s}\n")
+        "business_line": "sql",
+        "cause": "traffic",
+    }
+    path.write_text(
+        "receivers:\n"
+        "  - {name: a, type: alertmanager_webhook, url: 'https://h.example', group_wait: -5s}\n"
+        "  - {name: b, type: alertmanager_webhook, url: 'https://h.example', group_interval: soon}\n"
+        "  - {name: c, type: alertmanager_api, url: 'https://am.example', group_wait: 30s}\n"
+    )
     with pytest.raises(RuleError) as info:
         load_rules_file(path, environ={})
     a, b, c = info.value.errors
     assert f"{path}: receivers[0].group_wait = '-5s': expected a non-negative duration" in a
     assert f"{path}: receivers[1].group_interval = 'soon': expected a duration such as 30s" in b
-    assert c == (f"{path}: receivers[2].group_wait = '30s': expected no group_wait for type alertmanager_api: "
-                 "Alertmanager groups the alerts posted to it (set group_wait in its route) (line 4)")
+    assert c == (
+        f"{path}: receivers[2].group_wait = '30s': expected no group_wait for type alertmanager_api: "
+        "Alertmanager groups the alerts posted to it (set group_wait in its route) (line 4)"
+    )

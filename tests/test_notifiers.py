@@ -33,26 +33,56 @@ SECRET_URL = "https://hooks.example.com/services/T000/B000/SUPERSECRETTOKEN123"
 RUNBOOK = "https://runbooks.example.com/routing-entropy"
 
 
-def make_alert(router: str = "model.layers.3.mlp.gate", layer: str = "3", *, status: str = "firing",
-               value: float = 4.2, extra: dict | None = None, summary: str = "entropy low") -> Alert:
-    labels = {"alertname": "RoutingEntropyLow", "severity": "critical", "router": router, "layer": layer,
-              "kind": "expert", "business_line": "code_assistant", **(extra or {})}
-    return Alert(labels=labels, annotations={"summary": f"{summary} on {router}", "runbook_url": RUNBOOK},
-                 status=status, starts_at=T0, ends_at=T1 if status == "resolved" else None, value=value,
-                 generator_url="http://127.0.0.1:8000/v1/alerts")
+def make_alert(
+    router: str = "model.layers.3.mlp.gate",
+    layer: str = "3",
+    *,
+    status: str = "firing",
+    value: float = 4.2,
+    extra: dict | None = None,
+    summary: str = "entropy low",
+) -> Alert:
+    labels = {
+        "alertname": "RoutingEntropyLow",
+        "severity": "critical",
+        "router": router,
+        "layer": layer,
+        "kind": "expert",
+        "business_line": "code_assistant",
+        **(extra or {}),
+    }
+    return Alert(
+        labels=labels,
+        annotations={"summary": f"{summary} on {router}", "runbook_url": RUNBOOK},
+        status=status,
+        starts_at=T0,
+        ends_at=T1 if status == "resolved" else None,
+        value=value,
+        generator_url="http://127.0.0.1:8000/v1/alerts",
+    )
 
 
 def make_notification(*alerts: Alert, receiver: str = "oncall") -> Notification:
     alerts = alerts or (make_alert(),)
     group_labels = {"alertname": "RoutingEntropyLow", "business_line": "code_assistant"}
     status = "firing" if any(a.status == "firing" for a in alerts) else "resolved"
-    return Notification(receiver=receiver, group_key=group_key(group_labels), group_labels=group_labels,
-                        alerts=tuple(alerts), status=status, external_url="http://127.0.0.1:8000")
+    return Notification(
+        receiver=receiver,
+        group_key=group_key(group_labels),
+        group_labels=group_labels,
+        alerts=tuple(alerts),
+        status=status,
+        external_url="http://127.0.0.1:8000",
+    )
 
 
 def webhook(**kw) -> Receiver:
-    return Receiver(name=kw.pop("name", "oncall"), type=kw.pop("type", "alertmanager_webhook"),
-                    url=kw.pop("url", "http://127.0.0.1:9/hook"), **kw)
+    return Receiver(
+        name=kw.pop("name", "oncall"),
+        type=kw.pop("type", "alertmanager_webhook"),
+        url=kw.pop("url", "http://127.0.0.1:9/hook"),
+        **kw,
+    )
 
 
 # -- fingerprints, keys, times ------------------------------------------------------------------
@@ -90,9 +120,11 @@ def test_format_time_rfc3339_utc_millis():
 def test_a_new_notifier_is_a_receiver_type_rules_accept(tmp_path):
     from mla_watch.alerting.rules import RuleError, load_rules_dir
 
-    (tmp_path / "r.yaml").write_text("receivers:\n  - name: echo\n    type: echo_test\n    url: http://127.0.0.1:9/\n"
-                                     "rules:\n  - alert: A\n    metric: entropy_bits\n    below: 1\n"
-                                     "    receivers: [echo]\n")
+    (tmp_path / "r.yaml").write_text(
+        "receivers:\n  - name: echo\n    type: echo_test\n    url: http://127.0.0.1:9/\n"
+        "rules:\n  - alert: A\n    metric: entropy_bits\n    below: 1\n"
+        "    receivers: [echo]\n"
+    )
     with pytest.raises(RuleError, match="echo_test"):
         load_rules_dir(tmp_path, environ={})
 
@@ -136,12 +168,26 @@ def test_webhook_v4_fields():
     assert body["receiver"] == "oncall"
     assert body["groupLabels"] == {"alertname": "RoutingEntropyLow", "business_line": "code_assistant"}
     # commonLabels: only what all alerts share (router and layer differ)
-    assert body["commonLabels"] == {"alertname": "RoutingEntropyLow", "severity": "critical", "kind": "expert",
-                                    "business_line": "code_assistant"}
+    assert body["commonLabels"] == {
+        "alertname": "RoutingEntropyLow",
+        "severity": "critical",
+        "kind": "expert",
+        "business_line": "code_assistant",
+    }
     assert body["commonAnnotations"] == {"runbook_url": RUNBOOK}  # summaries differ
     assert body["externalURL"] == "http://127.0.0.1:8000"
-    assert set(body) == {"version", "groupKey", "truncatedAlerts", "status", "receiver", "groupLabels",
-                         "commonLabels", "commonAnnotations", "externalURL", "alerts"}
+    assert set(body) == {
+        "version",
+        "groupKey",
+        "truncatedAlerts",
+        "status",
+        "receiver",
+        "groupLabels",
+        "commonLabels",
+        "commonAnnotations",
+        "externalURL",
+        "alerts",
+    }
     assert len(body["alerts"]) == 2
     first = body["alerts"][0]
     assert set(first) == {"status", "labels", "annotations", "startsAt", "endsAt", "generatorURL", "fingerprint"}
@@ -216,8 +262,15 @@ def test_slack_message_is_readable_and_says_resolved():
     assert set(body) == {"text", "blocks"}
     assert "RoutingEntropyLow" in body["text"] and "FIRING" in body["text"]
     blocks_text = json.dumps(body["blocks"])
-    for needle in ("RoutingEntropyLow", "critical", "model.layers.3.mlp.gate", "Layer", "code_assistant",
-                   "4.213", RUNBOOK):
+    for needle in (
+        "RoutingEntropyLow",
+        "critical",
+        "model.layers.3.mlp.gate",
+        "Layer",
+        "code_assistant",
+        "4.213",
+        RUNBOOK,
+    ):
         assert needle in blocks_text, needle
     assert all(b["type"] in ("header", "section", "context") for b in body["blocks"])
     [res] = notifier_for(r).render(make_notification(make_alert(status="resolved")))
@@ -252,8 +305,10 @@ def test_pagerduty_events_v2():
     assert resolve.idempotency_key != reqs[0].idempotency_key
 
 
-@pytest.mark.parametrize("severity,expected", [("critical", "critical"), ("error", "error"), ("warning", "warning"),
-                                               ("info", "info"), ("weird", "warning")])
+@pytest.mark.parametrize(
+    "severity,expected",
+    [("critical", "critical"), ("error", "error"), ("warning", "warning"), ("info", "info"), ("weird", "warning")],
+)
 def test_pagerduty_severity_mapping(severity, expected):
     r = webhook(type="pagerduty", routing_key="k")
     [req] = notifier_for(r).render(make_notification(make_alert(extra={"severity": severity})))
@@ -308,10 +363,12 @@ def test_secrets_absent_from_logs_reprs_and_errors(tmp_path, caplog):
     now = [1000.0]
     with running_receiver([echo_slack, echo_pd], default=status(400)) as rx:
         url = f"{rx.url}/services/T000/B000/{token}"
-        slack = webhook(name="chat", type="slack", url=url, headers={"Authorization": header_secret},
-                        hmac_secret=hmac_secret)
-        pd = webhook(name="pd", type="pagerduty", url=url, routing_key=routing_key,
-                     headers={"Authorization": header_secret})
+        slack = webhook(
+            name="chat", type="slack", url=url, headers={"Authorization": header_secret}, hmac_secret=hmac_secret
+        )
+        pd = webhook(
+            name="pd", type="pagerduty", url=url, routing_key=routing_key, headers={"Authorization": header_secret}
+        )
         outbox = Outbox(tmp_path / "outbox.db", clock=lambda: now[0])
         outbox.submit(slack, make_notification())
         outbox.submit(pd, make_notification())

@@ -44,8 +44,14 @@ def receiver(url: str | None, name: str = "oncall", **kw) -> Receiver:
 
 def notification(router: str = "model.layers.3.mlp.gate", status_: str = "firing") -> Notification:
     gl = {"alertname": "RoutingEntropyLow", "router": router}
-    alert = Alert(labels={**gl, "severity": "critical", "layer": "3"}, annotations={"summary": "low"},
-                  status=status_, starts_at=T0, ends_at=None if status_ == "firing" else T0 + 60, value=4.0)
+    alert = Alert(
+        labels={**gl, "severity": "critical", "layer": "3"},
+        annotations={"summary": "low"},
+        status=status_,
+        starts_at=T0,
+        ends_at=None if status_ == "firing" else T0 + 60,
+        value=4.0,
+    )
     return Notification(receiver="oncall", group_key=group_key(gl), group_labels=gl, alerts=(alert,), status=status_)
 
 
@@ -91,8 +97,10 @@ def test_row_is_committed_before_the_receiver_sees_the_request(tmp_path):
     assert seen == [[(item_id, key)]]  # the row existed, committed, while the request was in flight
     assert rows(db) == []  # and is gone after the 2xx
     assert results.items == [("oncall", "delivered")]
-    assert json.loads(rx.requests[0].body)["groupKey"] == '{}:{alertname="RoutingEntropyLow", ' \
-                                                           'router="model.layers.3.mlp.gate"}'
+    assert (
+        json.loads(rx.requests[0].body)["groupKey"] == '{}:{alertname="RoutingEntropyLow", '
+        'router="model.layers.3.mlp.gate"}'
+    )
 
 
 def test_500_then_200_is_delivered_after_a_retry_and_only_then_removed(tmp_path):
@@ -103,8 +111,7 @@ def test_500_then_200_is_delivered_after_a_retry_and_only_then_removed(tmp_path)
         ob = Outbox(db, clock=clock)
         ob.submit(r, notification())
         results = Outcomes()
-        d = Dispatcher(ob, {"oncall": r}, on_result=results, base_delay=1.0, max_delay=10.0,
-                       rng=random.Random(1))
+        d = Dispatcher(ob, {"oncall": r}, on_result=results, base_delay=1.0, max_delay=10.0, rng=random.Random(1))
         d.run_once()
         assert ob.pending() == 1 and len(rows(db)) == 1  # a 500 does not remove it
         for _ in range(10):
@@ -416,7 +423,6 @@ def test_background_thread_delivers_and_stops(tmp_path):
 # -- crash: SIGKILL with undelivered notifications -------------------------------------------------
 
 
-
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
@@ -445,8 +451,14 @@ CHILD = textwrap.dedent("""
 def run_child_until(db: Path, port: int, count: int, timeout: float, stop_when) -> list[str]:
     """Start the child, feed its output lines to ``stop_when`` until it says stop, then SIGKILL it."""
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = processes.start([sys.executable, "-c", CHILD, str(db), str(port), str(count), str(timeout)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(REPO), env=env)
+    proc = processes.start(
+        [sys.executable, "-c", CHILD, str(db), str(port), str(count), str(timeout)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO),
+        env=env,
+    )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()
     seen: list[str] = []
@@ -497,8 +509,9 @@ def test_crash_with_receiver_down_loses_nothing(tmp_path):
         r = receiver(f"http://127.0.0.1:{port}/hook")
         deliver_all(ob, r, rx, 5)
     by_group = check_duplicates_share_keys(rx)
-    assert sorted(by_group) == sorted(group_key({"alertname": "RoutingEntropyLow",
-                                                 "router": f"model.layers.{i}.mlp.gate"}) for i in range(5))
+    assert sorted(by_group) == sorted(
+        group_key({"alertname": "RoutingEntropyLow", "router": f"model.layers.{i}.mlp.gate"}) for i in range(5)
+    )
     assert ob.dead_letters() == []
 
 
@@ -555,5 +568,7 @@ def test_what_a_full_disk_refuses_is_held_within_a_bound_and_written_once_there_
         reopened = Outbox(disk / "outbox.sqlite", clock=clock)
         clock.advance(31.0)
         assert [(item.request.idempotency_key, item.attempts, item.last_error) for item in reopened.due()] == [
-            ("e", 0, None), ("c", 1, "HTTP 503")]  # oldest due first
+            ("e", 0, None),
+            ("c", 1, "HTTP 503"),
+        ]  # oldest due first
         reopened.close()

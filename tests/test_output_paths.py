@@ -117,8 +117,9 @@ def test_a_directory_is_refused_in_one_line(tmp_path: Path) -> None:
     directory.mkdir()
     with pytest.raises(OutputError) as refused:
         write_file(directory, "x", label=f"--out {directory}")
-    assert str(refused.value) == (f"--out {directory}: cannot write it: is a directory; name a file (in that "
-                                  "directory, say), not the directory")
+    assert str(refused.value) == (
+        f"--out {directory}: cannot write it: is a directory; name a file (in that directory, say), not the directory"
+    )
     assert list(directory.iterdir()) == []
 
 
@@ -128,8 +129,9 @@ def test_a_full_disk_is_one_line_and_leaves_the_old_file(tmp_path: Path) -> None
         fill(disk)
         with pytest.raises(OutputError) as refused:
             write_file(disk / "out.json", "x" * 200_000)
-        assert str(refused.value) == (f"{disk / 'out.json'}: cannot write it: the disk is full; free space on its "
-                                      "file system, or write elsewhere")
+        assert str(refused.value) == (
+            f"{disk / 'out.json'}: cannot write it: the disk is full; free space on its file system, or write elsewhere"
+        )
         assert refused.value.problem == "the disk is full"
         assert (disk / "out.json").read_text() == OLD and leftovers(disk) == []
 
@@ -141,8 +143,10 @@ def test_a_read_only_disk_is_one_line_and_leaves_the_old_file(tmp_path: Path) ->
     with read_only(directory):
         with pytest.raises(OutputError) as refused:
             write_file(directory / "out.json", "new")
-        assert str(refused.value) == (f"{directory / 'out.json'}: cannot write it: read-only file system; remount "
-                                      "it read-write, or write elsewhere")
+        assert str(refused.value) == (
+            f"{directory / 'out.json'}: cannot write it: read-only file system; remount "
+            "it read-write, or write elsewhere"
+        )
         assert (directory / "out.json").read_text() == OLD
 
 
@@ -159,8 +163,14 @@ def _device(tmp: Path, _: contextlib.ExitStack) -> tuple[Path, Callable[[], None
 def _link_to_device(tmp: Path, _: contextlib.ExitStack) -> tuple[Path, Callable[[], None]]:
     device = null_device(tmp / "null")
     (tmp / "link").symlink_to(device)
-    return tmp / "link", lambda: None if (tmp / "link").is_symlink() and is_null_device(device) else pytest.fail(
-        "the link or its device was replaced")
+    return (
+        tmp / "link",
+        lambda: (
+            None
+            if (tmp / "link").is_symlink() and is_null_device(device)
+            else pytest.fail("the link or its device was replaced")
+        ),
+    )
 
 
 def _link_to_file(tmp: Path, _: contextlib.ExitStack) -> tuple[Path, Callable[[], None]]:
@@ -170,6 +180,7 @@ def _link_to_file(tmp: Path, _: contextlib.ExitStack) -> tuple[Path, Callable[[]
     def check() -> None:
         assert (tmp / "link").is_symlink() and (tmp / "real").read_text() != OLD  # written through the link
         assert leftovers(tmp) == []
+
     return tmp / "link", check
 
 
@@ -180,6 +191,7 @@ def _full(tmp: Path, stack: contextlib.ExitStack) -> tuple[Path, Callable[[], No
 
     def check() -> None:
         assert (disk / "out").read_text() == OLD and leftovers(disk) == []
+
     return disk / "out", check
 
 
@@ -196,19 +208,23 @@ def _directory(tmp: Path, _: contextlib.ExitStack) -> tuple[Path, Callable[[], N
     return tmp / "dir", lambda: None if list((tmp / "dir").iterdir()) == [] else pytest.fail("written into")
 
 
-WRITTEN: dict[str, Case] = {"device": _device, "symlink to a device": _link_to_device,
-                            "symlink to a regular file": _link_to_file}
-REFUSED: dict[str, tuple[Case, str]] = {"directory": (_directory, "is a directory"),
-                                        "full disk": (_full, "the disk is full"),
-                                        "read-only disk": (_read_only, "read-only file system")}
+WRITTEN: dict[str, Case] = {
+    "device": _device,
+    "symlink to a device": _link_to_device,
+    "symlink to a regular file": _link_to_file,
+}
+REFUSED: dict[str, tuple[Case, str]] = {
+    "directory": (_directory, "is a directory"),
+    "full disk": (_full, "the disk is full"),
+    "read-only disk": (_read_only, "read-only file system"),
+}
 
 
 @pytest.mark.parametrize("case", list(WRITTEN))
 def test_rules_export_writes_through_a_device_or_a_symlink(tmp_path: Path, case: str) -> None:
     with contextlib.ExitStack() as stack:
         path, check = WRITTEN[case](tmp_path, stack)
-        run = processes.run([*CLI, "rules", "export", "--out", str(path)], capture_output=True, text=True,
-                            timeout=120)
+        run = processes.run([*CLI, "rules", "export", "--out", str(path)], capture_output=True, text=True, timeout=120)
         assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
         assert f"to {path}" in run.stderr
         check()
@@ -216,8 +232,9 @@ def test_rules_export_writes_through_a_device_or_a_symlink(tmp_path: Path, case:
 
 def test_rules_export_writes_into_a_fifo(tmp_path: Path) -> None:
     with fifo_reader(tmp_path / "fifo") as read:
-        run = processes.run([*CLI, "rules", "export", "--out", str(tmp_path / "fifo")], capture_output=True,
-                            text=True, timeout=120)
+        run = processes.run(
+            [*CLI, "rules", "export", "--out", str(tmp_path / "fifo")], capture_output=True, text=True, timeout=120
+        )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "groups:" in b"".join(read).decode()
     assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
@@ -225,8 +242,7 @@ def test_rules_export_writes_into_a_fifo(tmp_path: Path) -> None:
 
 def test_rules_export_to_dev_stdout_prints_it_through_a_pipe() -> None:
     """/dev/stdout is a link to the process' own standard output, here a pipe: written through, as cp would."""
-    run = processes.run([*CLI, "rules", "export", "--out", "/dev/stdout"], capture_output=True, text=True,
-                        timeout=120)
+    run = processes.run([*CLI, "rules", "export", "--out", "/dev/stdout"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "groups:" in run.stdout and "to /dev/stdout" in run.stderr
 
@@ -236,8 +252,7 @@ def test_rules_export_refuses_in_one_line(tmp_path: Path, case: str) -> None:
     make, words = REFUSED[case]
     with contextlib.ExitStack() as stack:
         path, check = make(tmp_path, stack)
-        run = processes.run([*CLI, "rules", "export", "--out", str(path)], capture_output=True, text=True,
-                            timeout=120)
+        run = processes.run([*CLI, "rules", "export", "--out", str(path)], capture_output=True, text=True, timeout=120)
         assert run.returncode == 1
         line = one_line(run.stderr, "mla-watch rules export")
         assert line.startswith(f"mla-watch rules export: --out {path}: cannot write it: {words}; "), line
@@ -255,8 +270,9 @@ def _baseline(path: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("case", list(WRITTEN))
-def test_baseline_writes_through_a_device_or_a_symlink(tmp_path: Path, case: str,
-                                                       capsys: pytest.CaptureFixture) -> None:
+def test_baseline_writes_through_a_device_or_a_symlink(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture
+) -> None:
     with contextlib.ExitStack() as stack:
         path, check = WRITTEN[case](tmp_path, stack)
         code, err = _baseline(path, capsys)
@@ -290,12 +306,17 @@ def test_baseline_refuses_in_one_line(tmp_path: Path, case: str, capsys: pytest.
 def test_a_full_disk_stops_baseline_in_one_line_as_a_process(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "full", "256k") as disk:
         fill(disk)
-        run = processes.run([*CLI, "baseline", "--domain", "code", "--samples", "1", "--out", str(disk / "b.json")],
-                            capture_output=True, text=True, timeout=300)
+        run = processes.run(
+            [*CLI, "baseline", "--domain", "code", "--samples", "1", "--out", str(disk / "b.json")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 1
         assert one_line(run.stderr, "mla-watch baseline") == (
             f"mla-watch baseline: --out {disk / 'b.json'}: cannot write it: the disk is full; free space on its "
-            "file system, or write elsewhere")
+            "file system, or write elsewhere"
+        )
         assert leftovers(disk) == [] and not (disk / "b.json").exists()
 
 
@@ -324,8 +345,9 @@ DEMO_REFUSED: dict[str, tuple[Case, str]] = {
 
 
 @pytest.mark.parametrize("case", [*DEMO_REFUSED, "fifo"])
-def test_demo_refuses_an_out_that_cannot_take_its_outputs_before_it_runs(tmp_path: Path, case: str,
-                                                                         capsys: pytest.CaptureFixture) -> None:
+def test_demo_refuses_an_out_that_cannot_take_its_outputs_before_it_runs(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture
+) -> None:
     """``demo --out`` names a directory (summary.json and timeline.png go in it; tests/test_demo.py runs it):
     anything else, or one that cannot take the outputs, is refused in one line before the demo starts."""
     with contextlib.ExitStack() as stack:
@@ -363,8 +385,13 @@ def routing_by_position() -> Iterator[str]:
 
 
 def _context(url: str, stdout: int) -> subprocess.CompletedProcess:
-    return processes.run([*CLI, "context", "--url", url, "--business-line", "doc_summary", "--json"], stdout=stdout,
-                         stderr=subprocess.PIPE, text=True, timeout=120)
+    return processes.run(
+        [*CLI, "context", "--url", url, "--business-line", "doc_summary", "--json"],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_context_json_goes_through_a_device_a_symlink_and_a_fifo(tmp_path: Path) -> None:
@@ -403,7 +430,8 @@ def test_context_json_on_a_full_or_read_only_disk_is_one_line(tmp_path: Path) ->
         assert run.returncode == 1
         assert one_line(run.stderr, "mla-watch context") == (
             "mla-watch context: standard output: cannot write it: the disk is full; free space on its file system, "
-            "or write elsewhere")
+            "or write elsewhere"
+        )
         directory = tmp_path / "ro"
         directory.mkdir()
         (directory / "out.json").write_text(OLD)
@@ -415,5 +443,6 @@ def test_context_json_on_a_full_or_read_only_disk_is_one_line(tmp_path: Path) ->
                 os.close(fd)
         assert run.returncode == 1
         assert one_line(run.stderr, "mla-watch context").startswith(
-            "mla-watch context: standard output: cannot write it: not open for writing; ")
+            "mla-watch context: standard output: cannot write it: not open for writing; "
+        )
         assert (directory / "out.json").read_text() == OLD

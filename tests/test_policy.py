@@ -354,8 +354,9 @@ def test_non_integer_top_k(tmp_path: Path) -> None:
         ("repetition_penalty: {max: 11}", "repetition_penalty.max", "= 11", "a number in (0.0, 10.0]"),
     ],
 )
-def test_a_policy_cannot_allow_what_http_refuses(tmp_path: Path, rule: str, key: str, value: str,
-                                                 expected: str) -> None:
+def test_a_policy_cannot_allow_what_http_refuses(
+    tmp_path: Path, rule: str, key: str, value: str, expected: str
+) -> None:
     text = good().replace("      temperature: {min: 0.0, max: 1.2, default: 0.7}", "      " + rule)
     path = write(tmp_path, "code_assistant.yaml", text)
     assert_one_error(path, f"tasks.chat.params.{key}", value, expected, "HTTP")

@@ -58,8 +58,9 @@ def test_the_edge_is_the_first_bucket_that_leaves_the_pooled_in_range_routing() 
     shifted = healthy.copy()
     shifted[:8] *= 3
     shifted /= shifted.sum()
-    counts = np.stack([rng.multinomial(6000 * 6, p) for p in (healthy, healthy, healthy, shifted)]
-                      + [np.zeros(64, dtype=np.int64)])
+    counts = np.stack(
+        [rng.multinomial(6000 * 6, p) for p in (healthy, healthy, healthy, shifted)] + [np.zeros(64, dtype=np.int64)]
+    )
     found = profile(counts, buckets, top_k=6)
     assert [bucket.judged for bucket in found.buckets] == [False, True, True, True, False]
     assert [bucket.in_range for bucket in found.buckets] == [False, True, True, False, False]
@@ -78,8 +79,10 @@ def test_the_row_wise_divergence_and_entropy_equal_the_scalar_ones() -> None:
     rng = np.random.default_rng(1)
     counts, baselines = rng.integers(0, 40, (6, 64)), rng.integers(0, 40, (6, 64))
     counts[2, :60] = 0  # a sparse row
-    assert np.allclose(js_divergence_rows(counts, baselines),
-                       [js_divergence_bits(row, base) for row, base in zip(counts, baselines, strict=True)])
+    assert np.allclose(
+        js_divergence_rows(counts, baselines),
+        [js_divergence_bits(row, base) for row, base in zip(counts, baselines, strict=True)],
+    )
     assert np.allclose(entropy_rows(counts), [entropy_bits(row) for row in counts])
     empty = np.zeros((1, 64), dtype=np.int64)
     assert np.isnan(js_divergence_rows(empty, baselines[:1])[0]) and entropy_rows(empty)[0] == 0.0
@@ -112,28 +115,37 @@ def test_with_prompt_lengths_and_clients_only_the_prompts_tokens_count_each_clie
         width = max(len(row) for row in rows)
         ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
         mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-        with torch.no_grad(), probe.attribute(["a", "a"], clients=["writer", "asker"],
-                                              prompt_tokens=[len(rows[0]), len(rows[1])]), \
-                probe.record_routing() as recording:
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+        with (
+            torch.no_grad(),
+            probe.attribute(["a", "a"], clients=["writer", "asker"], prompt_tokens=[len(rows[0]), len(rows[1])]),
+            probe.record_routing() as recording,
+        ):
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=9,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         probe.collect()
         assert probe.positions is not None
         buckets = probe.positions.buckets
         experts = [info for info in probe.routers if info.kind == "expert"]
         for row, client in ((0, "writer"), (1, SHORT_PROMPTS)):
             length = len(rows[row])
-            real = recording.rows(row)[width - length:width]  # the prompt's tokens, no padding, no decode step
+            real = recording.rows(row)[width - length : width]  # the prompt's tokens, no padding, no decode step
             for index, info in enumerate(experts):
                 expected = np.zeros((len(buckets), info.num_slots), dtype=np.int64)
-                np.add.at(expected, (np.repeat(buckets.bucket_of(np.arange(length)), real.shape[2]),
-                                     real[:, index, :].reshape(-1)), 1)
+                np.add.at(
+                    expected,
+                    (np.repeat(buckets.bucket_of(np.arange(length)), real.shape[2]), real[:, index, :].reshape(-1)),
+                    1,
+                )
                 assert np.array_equal(probe.positions.counts(info.name, "a", client), expected), (info.name, client)
         assert probe.positions.counts(experts[0].name, "a", "asker").sum() == 0  # its prompt was short
         assert probe.positions.prompts("a").tolist() == [1, 0, 1, 0, 0]  # 40 tokens: bucket 0; 200: 128-255
     finally:
         probe.detach()
-
 
 
 def test_per_position_counts_agree_exactly_with_an_independent_count() -> None:
@@ -148,8 +160,13 @@ def test_per_position_counts_agree_exactly_with_an_independent_count() -> None:
         ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
         mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
         with torch.no_grad(), probe.attribute(["a", "b"]), probe.record_routing() as recording:
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=9, do_sample=False,
-                           pad_token_id=tokenizer.pad_token_id)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=9,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         probe.collect()
         assert probe.positions is not None
         buckets = probe.positions.buckets
@@ -161,8 +178,9 @@ def test_per_position_counts_agree_exactly_with_an_independent_count() -> None:
             positions = np.arange(real.shape[0])
             for index, info in enumerate(experts):
                 expected = np.zeros((len(buckets), info.num_slots), dtype=np.int64)
-                np.add.at(expected, (np.repeat(buckets.bucket_of(positions), real.shape[2]),
-                                     real[:, index, :].reshape(-1)), 1)
+                np.add.at(
+                    expected, (np.repeat(buckets.bucket_of(positions), real.shape[2]), real[:, index, :].reshape(-1)), 1
+                )
                 assert np.array_equal(probe.positions.counts(info.name, line), expected), (info.name, line)
             assert positions[-1] >= 128  # the decode steps crossed into the third bucket for both rows
         assert probe.position_bytes == DEFAULT_POSITION_ROWS * 3 * 5 * 64 * 8  # rows x routers x buckets x slots
@@ -205,10 +223,13 @@ def test_long_prompts_fire_the_shipped_rule_naming_256_511_and_in_range_prompts_
         assert all("(from bucket 256-511)" in alert.annotations["summary"] for alert in fired)
         # What it compared, and who sent the tokens: every client's own, and the departure held across them.
         compared = "each client's prompt tokens at 256-511 against its own at 64-255"
-        assert all(compared in alert.annotations["description"] and "client-0 33%" in alert.annotations["description"]
-                   for alert in fired)
-        short = {record.router.name: record.stats for record in probe.router_stats("short")
-                 if record.router.kind == "expert"}
+        assert all(
+            compared in alert.annotations["description"] and "client-0 33%" in alert.annotations["description"]
+            for alert in fired
+        )
+        short = {
+            record.router.name: record.stats for record in probe.router_stats("short") if record.router.kind == "expert"
+        }
         assert all(stats.long_context_edge is None for stats in short.values())
         assert all(stats.long_context_drift is not None for stats in short.values())  # judged, and in range
     finally:
@@ -218,8 +239,9 @@ def test_long_prompts_fire_the_shipped_rule_naming_256_511_and_in_range_prompts_
 @pytest.mark.slow
 def test_context_recommends_at_most_256_prompt_tokens_from_a_dataset(tmp_path: Path) -> None:
     prompts = tmp_path / "long.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n"
-                               for text in _long_texts("doc_summary", 24, 520, seed=4)))
+    prompts.write_text(
+        "".join(json.dumps({"prompt": text}) + "\n" for text in _long_texts("doc_summary", 24, 520, seed=4))
+    )
     out = tmp_path / "context.json"
     with out.open("w") as handle, _stdout(handle):
         assert main(["context", "--prompts", str(prompts), "--business-line", "doc_summary", "--json"]) == 0
@@ -228,9 +250,11 @@ def test_context_recommends_at_most_256_prompt_tokens_from_a_dataset(tmp_path: P
 
 
 def _post(url: str, line: str, client: str, body: dict) -> None:
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Business-Line": line,
-                                              "X-Client-Id": client})
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Business-Line": line, "X-Client-Id": client},
+    )
     with urllib.request.urlopen(request, timeout=120) as answer:
         assert answer.status == 200
 
@@ -258,36 +282,53 @@ def test_position_findings_hold_across_clients_and_are_not_content(capsys: pytes
             for client in ("alice", "bob", "carol"):
                 _post(url, "customer_service", client, {"prompt": f"Where is my order {index}?", "max_tokens": 4})
         for index, text in enumerate(documents):
-            _post(url, "doc_summary", f"reader-{index % 3}", {"prompt": f"Summarize: {text}", "max_tokens": 96,
-                                                               "seed": index})
+            _post(
+                url,
+                "doc_summary",
+                f"reader-{index % 3}",
+                {"prompt": f"Summarize: {text}", "max_tokens": 96, "seed": index},
+            )
         for index, text in enumerate(long_documents):
             _post(url, "code_assistant", f"team-{index % 3}", {"prompt": text, "max_tokens": 4})
 
         for line in ("customer_service", "doc_summary"):
             routing = _routing(url, line)
             assert {router["edge"] for router in routing["positions"]["routers"]} == {None}, (line, routing)
-            assert all(record["long_context_edge"] is None for record in routing["routers"]
-                       if record["kind"] == "expert")
+            assert all(
+                record["long_context_edge"] is None for record in routing["routers"] if record["kind"] == "expert"
+            )
         flooded = _routing(url, "customer_service")["positions"]
         assert {client["client"] for router in flooded["routers"] for client in router["clients"]} == {"flood-1"}
         summaries = _routing(url, "doc_summary")["positions"]
-        assert all(bucket["tokens"] == 0 for router in summaries["routers"] for bucket in router["buckets"][2:]), \
+        assert all(bucket["tokens"] == 0 for router in summaries["routers"] for bucket in router["buckets"][2:]), (
             "a summary's generated tokens were counted by position"
+        )
         routing = _routing(url, "code_assistant")
         edges = {router["name"]: router for router in routing["positions"]["routers"]}
         assert "256-511" in {router["edge"] for router in edges.values()}
         edge = next(router for router in edges.values() if router["edge"] == "256-511")
         assert len(edge["held_by"]) >= 2 and set(edge["held_by"]) <= {"team-0", "team-1", "team-2"}, edge
         assert edge["compared"].startswith("each client's")
-        assert {record["long_context_edge"] for record in routing["routers"] if record["kind"] == "expert"} == \
-            {router["edge"] for router in edges.values()}
+        assert {record["long_context_edge"] for record in routing["routers"] if record["kind"] == "expert"} == {
+            router["edge"] for router in edges.values()
+        }
         metrics = get_metrics(url)
-        assert metric_value(metrics, "mla_watch_routing_position_tokens", router=edge["name"], layer=str(edge["layer"]),
-                            business_line="code_assistant", position_bucket="256-511") > 0
+        assert (
+            metric_value(
+                metrics,
+                "mla_watch_routing_position_tokens",
+                router=edge["name"],
+                layer=str(edge["layer"]),
+                business_line="code_assistant",
+                position_bucket="256-511",
+            )
+            > 0
+        )
         # The footprint of a batch, from every 4th request's decode tokens (three lines: apart reads less than mixed).
         for size in ("1", "8", "32", "64"):
-            footprint = metric_value(metrics, "mla_watch_batch_expert_footprint", business_line="customer_service",
-                                     batch_size=size)
+            footprint = metric_value(
+                metrics, "mla_watch_batch_expert_footprint", business_line="customer_service", batch_size=size
+            )
             assert 6 <= footprint <= 64 and (size != "1" or footprint == 6)
             assert 0 < metric_value(metrics, "mla_watch_batch_footprint_ratio", batch_size=size) <= 1.0
 
@@ -295,8 +336,10 @@ def test_position_findings_hold_across_clients_and_are_not_content(capsys: pytes
             with urllib.request.urlopen(f"{url}/v1/alerts", timeout=30) as answer:
                 return [alert for alert in json.loads(answer.read())["alerts"] if alert["rule"] == "LongContextDrift"]
 
-        assert wait_until(lambda: any(alert["labels"]["business_line"] == "code_assistant"
-                                      for alert in long_context_alerts()), timeout=30)
+        assert wait_until(
+            lambda: any(alert["labels"]["business_line"] == "code_assistant" for alert in long_context_alerts()),
+            timeout=30,
+        )
         alerts = long_context_alerts()
         assert {alert["labels"]["business_line"] for alert in alerts} == {"code_assistant"}, alerts
         assert all("team-" in alert["annotations"]["description"] for alert in alerts)
@@ -327,10 +370,12 @@ class _stdout:
 
     def __enter__(self) -> None:
         import sys
+
         self._saved, sys.stdout = sys.stdout, self._handle
 
     def __exit__(self, *exc: object) -> None:
         import sys
+
         sys.stdout = self._saved
 
 
@@ -342,22 +387,40 @@ def test_vllm_rows_are_counted_per_position_exactly_the_prompts_once_and_no_gene
     from mla_watch.engines.geometry import parse_geometry
     from mla_watch.engines.watch import EngineMetrics, EngineRouting
 
-    geometry = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
-                               "n_routed_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 128})
+    geometry = parse_geometry(
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 5,
+            "first_k_dense_replace": 2,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "max_position_embeddings": 128,
+        }
+    )
     assert geometry.context_length == 128
     routing = EngineRouting("vllm", geometry, EngineMetrics(CollectorRegistry()))
     assert routing.position_edges == (64, 128)
     rng = np.random.default_rng(7)
 
     def ids(tokens: int) -> np.ndarray:
-        return np.stack([[rng.choice(16, 4, replace=False) for _ in geometry.moe_layers]
-                         for _ in range(tokens)]).astype(np.int64)
+        return np.stack(
+            [[rng.choice(16, 4, replace=False) for _ in geometry.moe_layers] for _ in range(tokens)]
+        ).astype(np.int64)
 
     prompt, first, second = ids(100), ids(40), ids(3)  # the first choice runs past the context length (128)
-    body = {"choices": [{"index": index, "text": "x", "routed_experts": encode_vllm(
-                every_layer(np.concatenate([prompt, generated]), list(geometry.moe_layers), 5), 16)}
-                        for index, generated in enumerate((first, second))],
-            "usage": {"prompt_tokens": 100, "completion_tokens": 43, "total_tokens": 143}}
+    body = {
+        "choices": [
+            {
+                "index": index,
+                "text": "x",
+                "routed_experts": encode_vllm(
+                    every_layer(np.concatenate([prompt, generated]), list(geometry.moe_layers), 5), 16
+                ),
+            }
+            for index, generated in enumerate((first, second))
+        ],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 43, "total_tokens": 143},
+    }
     plan = RoutingPlan("vllm", geometry, keep=False, position_edges=routing.position_edges)
     decoded = decode_response(plan, json.dumps(body).encode())
     assert decoded.error is None and decoded.tokens == 143
@@ -374,8 +437,15 @@ def test_vllm_rows_are_counted_per_position_exactly_the_prompts_once_and_no_gene
         assert np.array_equal(routing.positions.counts(name, "code", "writer"), expected[layer])
     assert routing.positions.prompts("code").tolist() == [0, 1, 0]  # one prompt of 100 tokens: 64-127
     # Without a context length in the config, nothing is counted by position.
-    unknown = parse_geometry({"model_type": "deepseek_v3", "num_hidden_layers": 5, "first_k_dense_replace": 2,
-                              "n_routed_experts": 16, "num_experts_per_tok": 4})
+    unknown = parse_geometry(
+        {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": 5,
+            "first_k_dense_replace": 2,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+        }
+    )
     assert EngineRouting("vllm", unknown, EngineMetrics(CollectorRegistry())).positions is None
     # Each choice's decode rows (past the 100-token prompt) are kept for the footprint of a batch, 16 at most.
     footprint_plan = RoutingPlan("vllm", geometry, keep=False, footprint_tokens=16)
@@ -396,10 +466,20 @@ def test_the_history_file_keeps_its_width_and_a_trend_rule_cannot_watch_long_con
     from mla_watch.history.store import VALUES
 
     # The history's points are packed arrays of these values: one more would make every existing file unreadable.
-    assert VALUES == ("entropy_bits", "normalized_entropy", "bits_below_ceiling", "max_violation", "dead_slots",
-                      "js_divergence", "locality", "tokens", "too_small")
+    assert VALUES == (
+        "entropy_bits",
+        "normalized_entropy",
+        "bits_below_ceiling",
+        "max_violation",
+        "dead_slots",
+        "js_divergence",
+        "locality",
+        "tokens",
+        "too_small",
+    )
     rules = tmp_path / "rules.yaml"
-    rules.write_text("rules:\n  - alert: X\n    metric: long_context_drift\n    predict: {over: 6h, ahead: 1d}\n"
-                     "    above: 0.05\n")
+    rules.write_text(
+        "rules:\n  - alert: X\n    metric: long_context_drift\n    predict: {over: 6h, ahead: 1d}\n    above: 0.05\n"
+    )
     with pytest.raises(RuleError, match=r"metric = 'long_context_drift': expected a metric the routing history keeps"):
         load_rules_file(rules, environ={})

@@ -85,7 +85,8 @@ def test_an_unknown_router_class_is_named_with_the_way_to_register_it() -> None:
 def test_a_registered_custom_router_is_counted() -> None:
     registry = RouterRegistry()
     registry.register(
-        "WeirdGateRouter", kind="expert",
+        "WeirdGateRouter",
+        kind="expert",
         num_slots=lambda gate, config: gate.n_experts,
         top_k=lambda gate, config: gate.k,
         indices=lambda output: output[1],
@@ -93,7 +94,9 @@ def test_a_registered_custom_router_is_counted() -> None:
     model = TinyMoE(WeirdGateRouter)
     probe = mla_watch.attach(model, registry=registry, window_tokens=None)
     assert [(r.name, r.layer, r.num_slots, r.top_k) for r in probe.routers] == [
-        ("layers.0.gate", 0, 5, 1), ("layers.1.gate", 1, 5, 1)]
+        ("layers.0.gate", 0, 5, 1),
+        ("layers.1.gate", 1, 5, 1),
+    ]
     model(torch.tensor([[0, 1, 2, 3, 4, 5]]))
     # token t picks expert (2t) % 5: 0, 2, 4, 1, 3, 0
     np.testing.assert_array_equal(probe.counts()["layers.0.gate"], [2, 1, 1, 1, 1])

@@ -81,8 +81,9 @@ def test_generation_with_kv_cache_counts_every_step(family: str) -> None:
     recorder = Recorder(model, probe)
     prompt = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
     counts = probe.counts()
     for info in probe.routers:
         outputs = recorder.outputs[info.name]
@@ -131,8 +132,14 @@ def test_num_return_sequences_repeats_the_row_line() -> None:
     probe = mla_watch.attach(model, window_tokens=None)
     prompt = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(4))
     with torch.no_grad(), probe.attribute(["chat", "code"]):
-        model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
-                       do_sample=True, num_return_sequences=2, pad_token_id=0)
+        model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=3,
+            do_sample=True,
+            num_return_sequences=2,
+            pad_token_id=0,
+        )
     chat = probe.stats("chat")[0]["tokens"]
     code = probe.stats("code")[0]["tokens"]
     assert chat == code == 2 * (4 + 2)
@@ -158,8 +165,18 @@ def test_stats_records_carry_the_contract_fields() -> None:
     probe = mla_watch.attach(model)
     with torch.no_grad():
         model(input_ids=torch.randint(1, VOCAB, (1, 12)))
-    required = {"name", "layer", "kind", "tokens", "entropy_bits", "floor_bits", "ceiling_bits",
-                "normalized_entropy", "max_violation", "dead_slots"}
+    required = {
+        "name",
+        "layer",
+        "kind",
+        "tokens",
+        "entropy_bits",
+        "floor_bits",
+        "ceiling_bits",
+        "normalized_entropy",
+        "max_violation",
+        "dead_slots",
+    }
     for record in probe.stats():
         assert required <= set(record)
         assert record["layer"] in (0, 1)

@@ -188,8 +188,12 @@ def test_compiled_decode_counts_like_eager_without_recompiling() -> None:
         with torch.no_grad(), probe.attribute(line):
             model(input_ids=tokens[:, :prompt], position_ids=torch.arange(prompt)[None], cache=cache, use_cache=True)
             for index in range(prompt, tokens.shape[1]):  # teacher-forced: the same inputs both ways
-                step(input_ids=tokens[:, index : index + 1], position_ids=torch.tensor([[index]]), cache=cache,
-                     use_cache=True)
+                step(
+                    input_ids=tokens[:, index : index + 1],
+                    position_ids=torch.tensor([[index]]),
+                    cache=cache,
+                    use_cache=True,
+                )
         return probe.counts(line)
 
     probe = mla_watch.attach(model, window_tokens=None)

@@ -26,8 +26,10 @@ from harness.support import REPO, wait_until
 TESTS = Path(__file__).resolve().parent
 SAYS_READY = "print('ready', flush=True); "
 IGNORES_SIGTERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-ESCAPES = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
-           "sys.argv[1] + '-escaped'], start_new_session=True); ")
+ESCAPES = (
+    "import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', "
+    "sys.argv[1] + '-escaped'], start_new_session=True); "
+)
 SLEEPS = "import time; time.sleep(600)"
 
 # What every inner session's test file starts with; GUARD_TOKEN and GUARD_READY come from the outer test.
@@ -77,10 +79,24 @@ def inner_session(tmp_path: Path, token: str, source: str, *args: str) -> tuple[
     """The command and environment of a pytest session on ``source`` in ``tmp_path``, the guard loaded."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")  # its own rootdir: none of the suite's settings
     (tmp_path / "test_inner.py").write_text(INNER + source)
-    environment = {**os.environ, "GUARD_TOKEN": token, "GUARD_READY": str(tmp_path / "ready"),
-                   "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "tests.process_guard", "-p", "no:cacheprovider",
-               "test_inner.py", *args]
+    environment = {
+        **os.environ,
+        "GUARD_TOKEN": token,
+        "GUARD_READY": str(tmp_path / "ready"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "tests.process_guard",
+        "-p",
+        "no:cacheprovider",
+        "test_inner.py",
+        *args,
+    ]
     return command, environment
 
 
@@ -108,8 +124,9 @@ def test_stop_ends_what_the_process_started_in_a_session_of_its_own(token) -> No
 
 
 def test_stop_kills_what_ignores_sigterm_once_its_grace_is_over(token) -> None:
-    with processes.running(sleeper(token, ignores_sigterm=True), stdout=subprocess.PIPE, text=True,
-                           grace=0.5) as process:
+    with processes.running(
+        sleeper(token, ignores_sigterm=True), stdout=subprocess.PIPE, text=True, grace=0.5
+    ) as process:
         assert process.stdout.readline().strip() == "ready"
     process.stdout.close()
     assert process.returncode == -signal.SIGKILL
@@ -117,8 +134,12 @@ def test_stop_kills_what_ignores_sigterm_once_its_grace_is_over(token) -> None:
 
 
 def test_run_answers_as_subprocess_run_does(token) -> None:
-    done = processes.run([sys.executable, "-c", "import sys; print(sys.argv[1]); sys.exit(3)", token],
-                         capture_output=True, text=True, timeout=60)
+    done = processes.run(
+        [sys.executable, "-c", "import sys; print(sys.argv[1]); sys.exit(3)", token],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (done.returncode, done.stdout, done.stderr) == (3, token + "\n", "")
     with pytest.raises(subprocess.CalledProcessError) as failed:
         processes.run([sys.executable, "-c", "raise SystemExit(3)"], timeout=60, check=True)
@@ -133,27 +154,34 @@ def test_run_ends_the_whole_session_at_its_timeout(token) -> None:
 
 
 def test_stop_refuses_a_process_it_did_not_start() -> None:
-    with subprocess.Popen([sys.executable, "-c", "pass"]) as process, \
-            pytest.raises(ValueError, match=rf"pid {process.pid} was not started by processes.start"):
+    with (
+        subprocess.Popen([sys.executable, "-c", "pass"]) as process,
+        pytest.raises(ValueError, match=rf"pid {process.pid} was not started by processes.start"),
+    ):
         processes.stop(process)
 
 
 def test_the_tests_start_processes_only_through_the_helper() -> None:
     """A process started any other way is in no session of its own and escapes the session's guard."""
-    direct = re.compile(r"\bsubprocess\.(Popen|run|call|check_call|check_output|getoutput|getstatusoutput)\(|"
-                        r"\bos\.(fork|forkpty|system|popen|posix_spawnp?|spawn[lv]p?e?|exec[lv]p?e?)\(|"
-                        r"\bmultiprocessing\b|\bcreate_subprocess_(exec|shell)\b")
+    direct = re.compile(
+        r"\bsubprocess\.(Popen|run|call|check_call|check_output|getoutput|getstatusoutput)\(|"
+        r"\bos\.(fork|forkpty|system|popen|posix_spawnp?|spawn[lv]p?e?|exec[lv]p?e?)\(|"
+        r"\bmultiprocessing\b|\bcreate_subprocess_(exec|shell)\b"
+    )
     # the helper, and this file (a Popen made to be refused); harness/ is what the tests share with the benches
     exempt = {REPO / "harness" / "processes.py", Path(__file__).resolve()}
-    found = [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-             for path in sorted([*TESTS.glob("*.py"), *(REPO / "harness").glob("*.py")])
-             if path.resolve() not in exempt
-             for number, line in enumerate(path.read_text().splitlines(), 1) if direct.search(line)]
+    found = [
+        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+        for path in sorted([*TESTS.glob("*.py"), *(REPO / "harness").glob("*.py")])
+        if path.resolve() not in exempt
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if direct.search(line)
+    ]
     assert found == [], "start these with harness/processes.py (start, running or run):\n" + "\n".join(found)
 
 
 # --------------------------------------------------------------------------------------------- the session guard
-LEAKS = '''
+LEAKS = """
 def test_stops_its_server():
     with running("stopped", escapes=True):
         pass
@@ -161,7 +189,7 @@ def test_stops_its_server():
 
 def test_leaves_one_running():
     start("left", escapes=True)
-'''
+"""
 
 
 def test_a_passing_session_that_leaves_a_process_running_fails_naming_it_and_ends_it(tmp_path, token) -> None:
@@ -175,7 +203,7 @@ def test_a_passing_session_that_leaves_a_process_running_fails_naming_it_and_end
     assert alive(token) == []
 
 
-STOPS_AT_A_FAILURE = '''
+STOPS_AT_A_FAILURE = """
 @pytest.fixture(scope="module")
 def server():
     with running("fixture", escapes=True) as server:
@@ -192,7 +220,7 @@ def test_fails(server):
 
 def test_never_runs(server):
     start("never")
-'''
+"""
 
 
 def test_a_session_stopped_by_its_first_failure_ends_every_process(tmp_path, token) -> None:
@@ -205,7 +233,7 @@ def test_a_session_stopped_by_its_first_failure_ends_every_process(tmp_path, tok
     assert alive(token) == []
 
 
-INTERRUPTED = '''
+INTERRUPTED = """
 @pytest.fixture(scope="module")
 def server():
     with running("fixture", escapes=True, grace=60) as server:
@@ -216,15 +244,16 @@ def test_interrupted(server):
     start("left")
     ready()
     time.sleep(600)
-'''
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_session_ends_every_process_and_names_what_a_test_left(tmp_path, token, sig) -> None:
     command, environment = inner_session(tmp_path, token, INTERRUPTED)
-    with processes.running(command, env=environment, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True) as session:
+    with processes.running(
+        command, env=environment, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as session:
         assert wait_until(lambda: (tmp_path / "ready").exists() or session.poll() is not None, timeout=120)
         assert session.poll() is None, session.stdout.read()
         if sig == signal.SIGINT:
@@ -238,7 +267,7 @@ def test_an_interrupted_session_ends_every_process_and_names_what_a_test_left(tm
     assert alive(token) == []
 
 
-TIMES_OUT = '''
+TIMES_OUT = """
 @pytest.fixture
 def server():
     with running("server", escapes=True) as server:
@@ -261,7 +290,7 @@ def test_hangs(server):
 @pytest.mark.timeout(10)
 def test_its_teardown_hangs(stubborn):
     pass
-'''
+"""
 
 
 @pytest.mark.slow

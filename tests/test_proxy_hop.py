@@ -43,8 +43,9 @@ def children() -> set[int]:
 
 
 def stream(client: httpx.Client) -> list[bytes]:
-    with client.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                             "stream": True}) as answer:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    ) as answer:
         assert answer.status_code == 200
         raw = b"".join(answer.iter_bytes())
     return [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
@@ -52,9 +53,11 @@ def stream(client: httpx.Client) -> list[bytes]:
 
 def test_plain_answers_without_routing_never_leave_the_event_loops_process(tmp_path) -> None:
     before = children()
-    with serve_app(engine_app("plain")) as engine, running_sidecar(
-            upstream=engine, rules=None, window_tokens=None, state_dir=tmp_path) as (url, sidecar), \
-            httpx.Client(base_url=url, headers=HEADERS, timeout=30) as client:
+    with (
+        serve_app(engine_app("plain")) as engine,
+        running_sidecar(upstream=engine, rules=None, window_tokens=None, state_dir=tmp_path) as (url, sidecar),
+        httpx.Client(base_url=url, headers=HEADERS, timeout=30) as client,
+    ):
         for _ in range(3):
             completion = client.post("/v1/completions", json={"prompt": "def f(", "max_tokens": GENERATED})
             chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
@@ -78,17 +81,20 @@ def long_engine() -> Starlette:
     async def complete(request: Request) -> Response:
         if (await request.json()).get("prompt") == "html":
             return Response(b"<html>" + b"x" * 100_000 + b"</html>", media_type="text/html")
-        return Response(b'{"choices": [{"index": 0, "text": "' + LONG_TEXT.encode() + b'"}]}',
-                        media_type="application/json")
+        return Response(
+            b'{"choices": [{"index": 0, "text": "' + LONG_TEXT.encode() + b'"}]}', media_type="application/json"
+        )
 
     return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"])])
 
 
 def test_a_long_plain_answer_is_read_in_a_decoding_process_started_for_it(tmp_path) -> None:
     before = children()
-    with serve_app(long_engine()) as engine, running_sidecar(
-            upstream=engine, rules=None, window_tokens=None, state_dir=tmp_path) as (url, sidecar), \
-            httpx.Client(base_url=url, headers=HEADERS, timeout=60) as client:
+    with (
+        serve_app(long_engine()) as engine,
+        running_sidecar(upstream=engine, rules=None, window_tokens=None, state_dir=tmp_path) as (url, sidecar),
+        httpx.Client(base_url=url, headers=HEADERS, timeout=60) as client,
+    ):
         assert not sidecar._upstream_side.decoder.running  # nothing starts before an answer needs it
         answer = client.post("/v1/completions", json={"prompt": "x"})
         assert answer.status_code == 200, answer.text

@@ -40,12 +40,26 @@ from tests.tiny_models import COMMON, FAMILIES
 GATE = RouterInfo("model.layers.1.mlp.gate", 1, "expert", 64, 6)
 EDGES = (64, 128, 256, 512)  # a 512-token model's position buckets: 0-63 ... 256-511, 512+
 
-DRIFT = Rule(name="LongContextDrift", metric="long_context_drift", selector=Selector(kind="expert", business_line="*"),
-             above=0.025, resolve_below=0.02, severity="warning", actions=("notify",),
-             annotations={"summary": "{value:.3f} bits"})
-DEGENERATE = Rule(name="IndexerDegenerate", metric="locality", selector=Selector(kind="indexer", business_line="*"),
-                  above=0.95, resolve_below=0.9, severity="warning", actions=("notify",),
-                  annotations={"summary": "{value:.2f}"})
+DRIFT = Rule(
+    name="LongContextDrift",
+    metric="long_context_drift",
+    selector=Selector(kind="expert", business_line="*"),
+    above=0.025,
+    resolve_below=0.02,
+    severity="warning",
+    actions=("notify",),
+    annotations={"summary": "{value:.3f} bits"},
+)
+DEGENERATE = Rule(
+    name="IndexerDegenerate",
+    metric="locality",
+    selector=Selector(kind="indexer", business_line="*"),
+    above=0.95,
+    resolve_below=0.9,
+    severity="warning",
+    actions=("notify",),
+    annotations={"summary": "{value:.2f}"},
+)
 
 
 def short_set(name: str = "code_assistant") -> ReferenceSet:
@@ -58,8 +72,9 @@ LONG = ReferenceSet("long_documents", 1, (), long=True, max_tokens=DEFAULT_SET_T
 # --------------------------------------------------------------------------- files
 def test_a_long_set_generates_its_documents_and_old_files_load_as_they_did(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text("business_line: default\nversion: 1\nprompts: [a, b, c, d]\n")
-    (tmp_path / "far.yaml").write_text("business_line: far\nversion: 2\nlong: true\nmax_tokens: 4096\n"
-                                       "generate: {documents: 3, seed: 7}\n")
+    (tmp_path / "far.yaml").write_text(
+        "business_line: far\nversion: 2\nlong: true\nmax_tokens: 4096\ngenerate: {documents: 3, seed: 7}\n"
+    )
     loaded = load_reference_dir(tmp_path)
     assert loaded.sets["default"].max_tokens == DEFAULT_SET_TOKENS and not loaded.sets["default"].long
     far = loaded.sets["far"]
@@ -75,8 +90,9 @@ def test_a_long_set_generates_its_documents_and_old_files_load_as_they_did(tmp_p
 
 def test_bad_long_sets_name_the_file_the_key_the_value_and_the_expectation(tmp_path: Path) -> None:
     (tmp_path / "default.yaml").write_text("business_line: default\nversion: 1\nlong: true\nprompts: [a, b, c, d]\n")
-    (tmp_path / "far.yaml").write_text("business_line: far\nversion: 1\ngenerate: {documents: 0, sed: 1}\n"
-                                       "prompts: [a, b, c, d]\nlong: 'yes'\n")
+    (tmp_path / "far.yaml").write_text(
+        "business_line: far\nversion: 1\ngenerate: {documents: 0, sed: 1}\nprompts: [a, b, c, d]\nlong: 'yes'\n"
+    )
     (tmp_path / "huge.yaml").write_bytes(b"#" * (16 * 1024 * 1024 + 1))
     with pytest.raises(ReferenceSetError) as raised:
         load_reference_dir(tmp_path)
@@ -88,7 +104,8 @@ def test_bad_long_sets_name_the_file_the_key_the_value_and_the_expectation(tmp_p
         "far.yaml: generate = '<in a set without long: true>': expected generated documents in a long set only",
         "far.yaml: generate.sed: unknown key 'sed' (did you mean 'seed'?)",
         "far.yaml: generate.documents = 0: expected an integer from 1 to 64",
-        "huge.yaml: file size = 16777217 bytes: expected at most 16777216 bytes"]
+        "huge.yaml: file size = 16777217 bytes: expected at most 16777216 bytes",
+    ]
     for text in expected:
         assert any(text in error for error in errors), (text, errors)
 
@@ -105,8 +122,10 @@ def test_a_set_reads_within_its_budget_cuts_what_passes_the_limit_and_says_so() 
     plan = plan_reading(reference, words, limit=64)
     # 31 tokens, the second cut to 64, the third whole: 136; the fourth (51) would pass 150: left out, the fifth too
     assert plan.lengths == (31, 64, 41) and plan.cut == 1 and plan.left_out == 2
-    assert plan.note == ("refs/code_assistant.yaml: 1 prompts cut to 64 tokens (the reader's limit a prompt); 2 "
-                         "prompts left out past max_tokens = 150 (the set's token budget; 136 tokens read)")
+    assert plan.note == (
+        "refs/code_assistant.yaml: 1 prompts cut to 64 tokens (the reader's limit a prompt); 2 "
+        "prompts left out past max_tokens = 150 (the set's token budget; 136 tokens read)"
+    )
     whole = plan_reading(replace(reference, max_tokens=DEFAULT_SET_TOKENS), words, limit=128)
     assert whole.lengths == (31, 100, 41, 51, 21) and whole.note is None
 
@@ -140,15 +159,23 @@ class Far(ReferenceReader):
         self.reads.append(reference.name)
         lengths = [512] * 4 if reference.long else [100] * 8
         starts = (0, *EDGES)
-        rows = [collapsed(tokens) if self.damaged_from is not None and start >= self.damaged_from
-                else balanced(tokens) for start, tokens in zip(starts, position_tokens(lengths, EDGES), strict=True)]
+        rows = [
+            collapsed(tokens) if self.damaged_from is not None and start >= self.damaged_from else balanced(tokens)
+            for start, tokens in zip(starts, position_tokens(lengths, EDGES), strict=True)
+        ]
         by_position = np.stack(rows)
         total = by_position.sum(axis=0)
         tokens = sum(lengths)
         stats = compute_stats(total, kind="expert", top_k=6, tokens=tokens)
-        return ModelScore(2.0, tokens - len(lengths), {GATE.name: RouterStats(GATE, reference.name, stats, total)},
-                          losses=[10.0] * len(lengths), counts=[n - 1 for n in lengths],
-                          positions={GATE.name: by_position}, position_edges=EDGES)
+        return ModelScore(
+            2.0,
+            tokens - len(lengths),
+            {GATE.name: RouterStats(GATE, reference.name, stats, total)},
+            losses=[10.0] * len(lengths),
+            counts=[n - 1 for n in lengths],
+            positions={GATE.name: by_position},
+            position_edges=EDGES,
+        )
 
 
 def drifting(edge: str = "256-511") -> RouterStats:
@@ -169,10 +196,12 @@ def test_a_drift_past_every_reading_is_undetermined_and_the_long_set_that_reache
         "no reading of the reference prompts reached positions 256 on (bucket 256-511, where "
         "model.layers.1.mlp.gate leaves in-range routing): the longest prompt each set read (code_assistant v1 100 "
         "tokens); add a long set (long: true, with prompts past position 256, or generate) to the reference prompt "
-        "directory")
+        "directory"
+    )
     assert judge.judge(DRIFT, drifting("512+"), 0.0).summary.endswith(
         "those positions lie past what the test's model reads of a prompt (512 tokens: the model's context, or "
-        "--reference-max-tokens beside an engine)")
+        "--reference-max-tokens beside an engine)"
+    )
 
     reader.damaged_from = None
     sets[0] = ReferenceSets({"code_assistant": short_set(), "long_documents": LONG})
@@ -182,8 +211,11 @@ def test_a_drift_past_every_reading_is_undetermined_and_the_long_set_that_reache
     cause = judge.judge(DRIFT, drifting(), since)
     assert cause.name == "traffic" and cause.details["changed"] is False, cause
     assert [entry["set"] for entry in cause.details["sets"]] == ["long_documents"]  # the short set reached nothing
-    assert cause.details["reach"] == {"from_position": 256, "by_position": True, "what": (
-        "positions 256 on (bucket 256-511, where model.layers.1.mlp.gate leaves in-range routing)")}
+    assert cause.details["reach"] == {
+        "from_position": 256,
+        "by_position": True,
+        "what": ("positions 256 on (bucket 256-511, where model.layers.1.mlp.gate leaves in-range routing)"),
+    }
     assert "positions 256 on" in cause.summary and "1024 tokens there" in cause.summary
 
     reader.damaged_from = 256
@@ -206,9 +238,12 @@ def test_a_long_set_not_read_since_the_alert_is_asked_for_within_its_share_of_th
 
     reader.read = slow  # type: ignore[method-assign]
     sets = ReferenceSets({"code_assistant": short_set(), "long_documents": LONG})
-    judge = ReferenceProber(lambda: sets, reader, ReferenceBaselines(),
-                            settings=ReferenceSettings(interval_seconds=0, long_interval_seconds=0, long_share=0.01,
-                                                       wait_seconds=60))
+    judge = ReferenceProber(
+        lambda: sets,
+        reader,
+        ReferenceBaselines(),
+        settings=ReferenceSettings(interval_seconds=0, long_interval_seconds=0, long_share=0.01, wait_seconds=60),
+    )
     gate.set()
     judge.read_now()
     reader.reads.clear()
@@ -245,11 +280,13 @@ def wait(predicate, timeout: float = 20.0) -> bool:
 
 
 def test_a_baseline_keeps_its_prompt_lengths_and_routing_by_position_and_one_from_before_fits_short_prompts(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     reader = Far()
     baselines = ReferenceBaselines(tmp_path / "reference_baseline.json")
-    judge = ReferenceProber(lambda: ReferenceSets({"long_documents": LONG, "code_assistant": short_set()}), reader,
-                            baselines)
+    judge = ReferenceProber(
+        lambda: ReferenceSets({"long_documents": LONG, "code_assistant": short_set()}), reader, baselines
+    )
     readings = {reading.set_name: reading for reading in judge.read_now()}
     again = ReferenceBaselines(tmp_path / "reference_baseline.json")
     (long,) = [baseline for baseline in again.all() if baseline.set_name == "long_documents"]
@@ -257,8 +294,9 @@ def test_a_baseline_keeps_its_prompt_lengths_and_routing_by_position_and_one_fro
     assert long.positions[GATE.name].shape == (5, 64) and long.positions[GATE.name][3].sum() == 4 * 256 * 6
     assert again.of(readings["long_documents"]) is not None
     # a baseline written before readings kept their lengths: it stands for prompts the former 256-token cut kept whole
-    legacy = ReferenceBaseline.from_json({k: v for k, v in long.to_json().items()
-                                          if k not in ("lengths", "positions", "position_edges")}, "sets[0]")
+    legacy = ReferenceBaseline.from_json(
+        {k: v for k, v in long.to_json().items() if k not in ("lengths", "positions", "position_edges")}, "sets[0]"
+    )
     assert legacy.lengths is None and not legacy.fits(readings["long_documents"])
     short = ReferenceBaseline.of(readings["code_assistant"])
     old = ReferenceBaseline.from_json({k: v for k, v in short.to_json().items() if k != "lengths"}, "sets[1]")
@@ -266,8 +304,13 @@ def test_a_baseline_keeps_its_prompt_lengths_and_routing_by_position_and_one_fro
     with pytest.raises(ValueError, match=r"sets\[0\].positions\['model.layers.1.mlp.gate'\]: expected 5 rows of 64"):
         ReferenceBaseline.from_json({**long.to_json(), "positions": {GATE.name: [[1, 2]]}}, "sets[0]")
     summary = readings["long_documents"].summary()
-    assert summary["reach"] == 512 and summary["positions"] == {"0-63": 256, "64-127": 256, "128-255": 512,
-                                                                "256-511": 1024, "512+": 0}
+    assert summary["reach"] == 512 and summary["positions"] == {
+        "0-63": 256,
+        "64-127": 256,
+        "128-255": 512,
+        "256-511": 1024,
+        "512+": 0,
+    }
 
 
 # --------------------------------------------------------------------------- real models
@@ -276,8 +319,16 @@ def test_on_the_bundled_model_long_context_drift_is_judged_by_the_long_set_past_
     model, tokenizer = bundled
     reader = ModelReader(model, tokenizer, threading.Lock())
     assert reader.limit == 512  # the model's context
-    short = ReferenceSet("default", 1, ("Document: the order shipped.\n\nSummary:", "SELECT id FROM orders;",
-                                        "def total(items):", "<|user|>\nWhere is my parcel?\n<|assistant|>\n"))
+    short = ReferenceSet(
+        "default",
+        1,
+        (
+            "Document: the order shipped.\n\nSummary:",
+            "SELECT id FROM orders;",
+            "def total(items):",
+            "<|user|>\nWhere is my parcel?\n<|assistant|>\n",
+        ),
+    )
     long = load_reference_dir(SHIPPED_REFERENCES).sets["long_documents"]
     sets = [ReferenceSets({"default": short})]
     judge = ReferenceProber(lambda: sets[0], reader, ReferenceBaselines())
@@ -337,7 +388,8 @@ def test_a_deepseek_v32_indexer_is_judged_only_by_a_reading_past_twice_its_index
     cause = short_only.judge(DEGENERATE, record, since)
     assert cause.name == "undetermined" and cause.summary.startswith(
         f"no reading of the reference prompts reached positions 31 on, where a query sees 2 x index_topk = 32 keys or "
-        f"more and {name} chooses among them: the longest prompt each set read (default v1 11 tokens)"), cause
+        f"more and {name} chooses among them: the longest prompt each set read (default v1 11 tokens)"
+    ), cause
     judge.read_now()
     cause = judge.judge(DEGENERATE, record, since)
     assert cause.name == "model" and cause.details["js_bits"] > 0.01, cause

@@ -37,19 +37,23 @@ LOUD = {"one word", "few words, many lengths"}
 
 @pytest.mark.parametrize("flood", FLOODS, ids=[flood.name.replace(" ", "-") for flood in FLOODS])
 def test_a_flood_beside_vllm_is_traffic_pages_no_one_for_the_model_and_re_tunes_nothing(
-        healthy_vllm, tmp_path: Path, flood: Flood) -> None:
+    healthy_vllm, tmp_path: Path, flood: Flood
+) -> None:
     engine, checkpoint = healthy_vllm
     outcome = engine_flood_scenario(engine, checkpoint, tmp_path, flood)
     firing = [alert for alert in outcome.alerts if alert["state"] == "firing"]
-    print(f"\n{flood.name}: " + ", ".join(sorted({f"{a['labels']['alertname']}/{a['labels'].get('cause')}"
-                                                  for a in firing})))
+    print(
+        f"\n{flood.name}: "
+        + ", ".join(sorted({f"{a['labels']['alertname']}/{a['labels'].get('cause')}" for a in firing}))
+    )
     if flood.name in LOUD:
         assert [alert for alert in firing if alert["labels"]["business_line"] == "code_assistant"], outcome.alerts
     # The flood reached the line and is its client's: the most of code_assistant's recent tokens.
     clients = outcome.reference["clients"]["code_assistant"]["clients"]
     assert clients[0]["client"] == FLOOD_CLIENT and clients[0]["share"] > 0.5, clients
     assert all(alert["labels"].get("cause") == "traffic" for alert in firing), [
-        (a["labels"]["alertname"], a["labels"].get("cause"), a["annotations"].get("cause")) for a in firing]
+        (a["labels"]["alertname"], a["labels"].get("cause"), a["annotations"].get("cause")) for a in firing
+    ]
     for alert in firing:
         if alert["labels"]["business_line"] == "code_assistant":
             assert f"client {FLOOD_CLIENT} sent" in alert["annotations"]["cause"]

@@ -66,8 +66,9 @@ class Engines:
         stack = ExitStack()
         started = time.monotonic()
         try:
-            url = stack.enter_context(running_vllm(model_dir, routing=routing,
-                                                   log_path=cache_root() / "logs" / f"test-{key}.log"))
+            url = stack.enter_context(
+                running_vllm(model_dir, routing=routing, log_path=cache_root() / "logs" / f"test-{key}.log")
+            )
         except Exception as error:
             stack.close()
             self.failed[key] = f"the real vLLM for {key} did not start: {type(error).__name__}: {error}"
@@ -112,23 +113,26 @@ class Engine:
         return parse_geometry(self.config)
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"{self.url}{path}", json={"model": SERVED_MODEL_NAME, **body},
-                              timeout=REQUEST_TIMEOUT_S)
+        response = httpx.post(f"{self.url}{path}", json={"model": SERVED_MODEL_NAME, **body}, timeout=REQUEST_TIMEOUT_S)
         assert response.status_code == 200, f"{path} answered {response.status_code}: {response.text[:2000]}"
         return response.json()
 
     def stream(self, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         """Every ``data:`` chunk of a streamed answer, parsed, up to ``[DONE]``."""
         chunks: list[dict[str, Any]] = []
-        with httpx.stream("POST", f"{self.url}{path}", json={"model": SERVED_MODEL_NAME, "stream": True, **body},
-                          timeout=REQUEST_TIMEOUT_S) as response:
+        with httpx.stream(
+            "POST",
+            f"{self.url}{path}",
+            json={"model": SERVED_MODEL_NAME, "stream": True, **body},
+            timeout=REQUEST_TIMEOUT_S,
+        ) as response:
             assert response.status_code == 200, f"{path} answered {response.status_code}: {response.read()[:2000]}"
             for line in response.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
                     return chunks
-                chunks.append(json.loads(line[len("data: "):]))
+                chunks.append(json.loads(line[len("data: ") :]))
         raise AssertionError(f"{path}: the stream ended without [DONE] after {len(chunks)} chunks")
 
     def metrics(self) -> dict[str, float]:
@@ -159,8 +163,9 @@ def qwen(engines) -> Engine:
 
 @pytest.fixture
 def collapsed(engines) -> Engine:
-    return Engine(engines, f"qwen3_moe-collapsed{COLLAPSED_LAYER}", "qwen3_moe", routing=True,
-                  collapsed_layer=COLLAPSED_LAYER)
+    return Engine(
+        engines, f"qwen3_moe-collapsed{COLLAPSED_LAYER}", "qwen3_moe", routing=True, collapsed_layer=COLLAPSED_LAYER
+    )
 
 
 @pytest.fixture
@@ -183,8 +188,9 @@ def routing_of(choice: dict[str, Any]) -> np.ndarray:
 
 def check_routing(ids: np.ndarray, geometry: EngineGeometry, rows: int) -> None:
     """``[rows, num_hidden_layers, top_k]``; MoE layers: ids in range and distinct per token; dense: zeros."""
-    assert ids.shape == (rows, geometry.num_hidden_layers, geometry.top_k), \
+    assert ids.shape == (rows, geometry.num_hidden_layers, geometry.top_k), (
         f"routing of shape {ids.shape}: expected ({rows}, {geometry.num_hidden_layers}, {geometry.top_k})"
+    )
     moe = ids[:, list(geometry.moe_layers), :]
     assert moe.min() >= 0 and moe.max() < geometry.num_experts, f"ids in [{moe.min()}, {moe.max()}]"
     ordered = np.sort(moe, axis=2)
@@ -200,7 +206,7 @@ def check_counted(body: dict[str, Any], geometry: EngineGeometry, rows: int) -> 
     assert decoded.counts is not None and decoded.tokens == rows
     assert decoded.counts.shape == (len(geometry.moe_layers), geometry.num_experts)
     assert int(decoded.counts.sum()) == rows * len(geometry.moe_layers) * geometry.top_k
-    assert b"routed_experts\":\"" not in (decoded.body or b""), "the routing should be stripped"
+    assert b'routed_experts":"' not in (decoded.body or b""), "the routing should be stripped"
 
 
 def same_sets(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -222,8 +228,12 @@ def timed(engine: Engine, path: str, body: dict[str, Any], label: str) -> dict[s
 
 # ---------------------------------------------------------------------------------------------- Qwen3-MoE
 def test_completion_carries_routing(qwen: Engine) -> None:
-    body = timed(qwen, "/v1/completions", {"prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 0.8,
-                                           "seed": 7, "return_token_ids": True}, "qwen completion, 8 tokens")
+    body = timed(
+        qwen,
+        "/v1/completions",
+        {"prompt": SHORT_PROMPT, "max_tokens": 8, "temperature": 0.8, "seed": 7, "return_token_ids": True},
+        "qwen completion, 8 tokens",
+    )
     choice, usage = body["choices"][0], body["usage"]
     rows = usage["prompt_tokens"] + usage["completion_tokens"] - 1
     assert len(choice["prompt_token_ids"]) + len(choice["token_ids"]) - 1 == rows
@@ -233,9 +243,12 @@ def test_completion_carries_routing(qwen: Engine) -> None:
 
 
 def test_chat_carries_routing(qwen: Engine) -> None:
-    body = timed(qwen, "/v1/chat/completions", {"messages": [{"role": "user", "content": SHORT_PROMPT}],
-                                                "max_tokens": 8, "temperature": 0.8, "seed": 7},
-                 "qwen chat, 8 tokens")
+    body = timed(
+        qwen,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": SHORT_PROMPT}], "max_tokens": 8, "temperature": 0.8, "seed": 7},
+        "qwen chat, 8 tokens",
+    )
     choice, usage = body["choices"][0], body["usage"]
     rows = usage["prompt_tokens"] + usage["completion_tokens"] - 1
     check_routing(routing_of(choice), qwen.geometry, rows)
@@ -247,8 +260,9 @@ def test_routing_matches_transformers(qwen: Engine) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    body = qwen.post("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0,
-                                         "return_token_ids": True})
+    body = qwen.post(
+        "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    )
     choice = body["choices"][0]
     sequence = choice["prompt_token_ids"] + choice["token_ids"][:-1]
     ids = routing_of(choice)
@@ -258,15 +272,22 @@ def test_routing_matches_transformers(qwen: Engine) -> None:
     reference = np.stack([layer.topk(qwen.geometry.top_k, dim=-1).indices.numpy() for layer in logits], axis=1)
     agree = same_sets(ids, reference)
     prompt = len(choice["prompt_token_ids"])
-    FINDINGS["agreement_with_transformers"] = {"rows": int(agree.shape[0]), "all": float(agree.mean()),
-                                               "prompt_rows": float(agree[:prompt].mean()),
-                                               "generated_rows": float(agree[prompt:].mean())}
+    FINDINGS["agreement_with_transformers"] = {
+        "rows": int(agree.shape[0]),
+        "all": float(agree.mean()),
+        "prompt_rows": float(agree[:prompt].mean()),
+        "generated_rows": float(agree[prompt:].mean()),
+    }
     assert agree.mean() >= 0.95, FINDINGS["agreement_with_transformers"]
 
 
 def test_n2_gives_each_choice_its_rows(qwen: Engine) -> None:
-    body = timed(qwen, "/v1/completions", {"prompt": SHORT_PROMPT, "max_tokens": 6, "temperature": 1.0, "n": 2,
-                                           "seed": 3, "return_token_ids": True}, "qwen completion n=2, 6 tokens")
+    body = timed(
+        qwen,
+        "/v1/completions",
+        {"prompt": SHORT_PROMPT, "max_tokens": 6, "temperature": 1.0, "n": 2, "seed": 3, "return_token_ids": True},
+        "qwen completion n=2, 6 tokens",
+    )
     choices = body["choices"]
     assert [choice["index"] for choice in choices] == [0, 1]
     prompt = body["usage"]["prompt_tokens"]
@@ -277,17 +298,27 @@ def test_n2_gives_each_choice_its_rows(qwen: Engine) -> None:
         check_routing(ids, qwen.geometry, prompt + len(choice["token_ids"]) - 1)
     assert (arrays[0][:prompt] == arrays[1][:prompt]).all(), "each choice repeats the same prompt rows"
     check_counted(body, qwen.geometry, sum(ids.shape[0] for ids in arrays) - prompt)
-    FINDINGS["n2_completion"] = {"usage": body["usage"], "choices": [
-        {key: (f"<base64 .npy {list(ids.shape)}>" if key == "routed_experts" else value)
-         for key, value in choice.items()} for choice, ids in zip(choices, arrays, strict=True)]}
+    FINDINGS["n2_completion"] = {
+        "usage": body["usage"],
+        "choices": [
+            {
+                key: (f"<base64 .npy {list(ids.shape)}>" if key == "routed_experts" else value)
+                for key, value in choice.items()
+            }
+            for choice, ids in zip(choices, arrays, strict=True)
+        ],
+    }
 
 
 def test_stream_completion_chunks(qwen: Engine) -> None:
-    chunks = qwen.stream("/v1/completions", {"prompt": SHORT_PROMPT, "max_tokens": 4, "return_token_ids": True,
-                                             "stream_options": {"include_usage": True}})
+    chunks = qwen.stream(
+        "/v1/completions",
+        {"prompt": SHORT_PROMPT, "max_tokens": 4, "return_token_ids": True, "stream_options": {"include_usage": True}},
+    )
     FINDINGS["stream_completion_chunks"] = [shorten(chunk) for chunk in chunks]
-    assert all("routed_experts" not in json.dumps(chunk) or "\"routed_experts\": null" in json.dumps(chunk)
-               for chunk in chunks), "vLLM should put no routing into a stream"
+    assert all(
+        "routed_experts" not in json.dumps(chunk) or '"routed_experts": null' in json.dumps(chunk) for chunk in chunks
+    ), "vLLM should put no routing into a stream"
     tokens = [chunk for chunk in chunks if chunk["choices"]]
     first = tokens[0]["choices"][0]
     assert isinstance(first["prompt_token_ids"], list) and first["prompt_token_ids"], first
@@ -299,16 +330,23 @@ def test_stream_completion_chunks(qwen: Engine) -> None:
 
 
 def test_stream_chat_chunks(qwen: Engine) -> None:
-    chunks = qwen.stream("/v1/chat/completions", {"messages": [{"role": "user", "content": SHORT_PROMPT}],
-                                                  "max_tokens": 4, "return_token_ids": True,
-                                                  "stream_options": {"include_usage": True}})
+    chunks = qwen.stream(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": SHORT_PROMPT}],
+            "max_tokens": 4,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     FINDINGS["stream_chat_chunks"] = [shorten(chunk) for chunk in chunks]
     assert all("routed_experts" not in json.dumps(chunk) for chunk in chunks), "no routing in a chat stream"
     first = chunks[0]
     assert isinstance(first.get("prompt_token_ids"), list), "chat: prompt_token_ids at the top of the first chunk"
     assert first["choices"][0]["delta"].get("role") == "assistant"
-    generated = [token for chunk in chunks[1:] for choice in chunk["choices"] for token in choice.get("token_ids")
-                 or []]
+    generated = [
+        token for chunk in chunks[1:] for choice in chunk["choices"] for token in choice.get("token_ids") or []
+    ]
     usage = chunks[-1]["usage"]
     assert usage["completion_tokens"] == len(generated) == 4
     assert usage["prompt_tokens"] == len(first["prompt_token_ids"])
@@ -326,9 +364,13 @@ def test_prefix_cache_returns_cached_rows(qwen: Engine) -> None:
     prompt = second["usage"]["prompt_tokens"]
     a, b = routing_of(first["choices"][0]), routing_of(second["choices"][0])
     check_routing(b, qwen.geometry, prompt)
-    FINDINGS["prefix_cache"] = {"prompt_tokens": prompt, "hit_tokens": hits, "queried_tokens": queries,
-                                "cached_rows_identical": bool((a == b).all()),
-                                "rows_same_sets": float(same_sets(a, b).mean())}
+    FINDINGS["prefix_cache"] = {
+        "prompt_tokens": prompt,
+        "hit_tokens": hits,
+        "queried_tokens": queries,
+        "cached_rows_identical": bool((a == b).all()),
+        "rows_same_sets": float(same_sets(a, b).mean()),
+    }
     assert hits >= 128, f"expected a prefix-cache hit of at least one 128-token block: {FINDINGS['prefix_cache']}"
     assert same_sets(a, b).all(), FINDINGS["prefix_cache"]
 
@@ -354,18 +396,24 @@ def test_replay_recomputes_the_routing(qwen: Engine) -> None:
     check_routing(original, qwen.geometry, rows)
 
     before = qwen.metrics()
-    replay = timed(qwen, "/v1/completions", {"prompt": prompt_ids + generated[:-1], "max_tokens": 1,
-                                             "temperature": 0, "return_token_ids": True},
-                   f"qwen replay, {rows}-token prompt")
+    replay = timed(
+        qwen,
+        "/v1/completions",
+        {"prompt": prompt_ids + generated[:-1], "max_tokens": 1, "temperature": 0, "return_token_ids": True},
+        f"qwen replay, {rows}-token prompt",
+    )
     after = qwen.metrics()
     replayed = routing_of(replay["choices"][0])
     check_routing(replayed, qwen.geometry, rows)
     agree = same_sets(original, replayed)
     prompt = len(prompt_ids)
     FINDINGS["replay"] = {
-        "prompt_tokens": prompt, "generated_tokens": len(generated), "rows": rows,
+        "prompt_tokens": prompt,
+        "generated_tokens": len(generated),
+        "rows": rows,
         "same_tokens_streamed_vs_unstreamed": same_tokens,
-        "agreement_all": float(agree.mean()), "agreement_prompt_rows": float(agree[:prompt].mean()),
+        "agreement_all": float(agree.mean()),
+        "agreement_prompt_rows": float(agree[:prompt].mean()),
         "agreement_generated_rows": float(agree[prompt:].mean()),
         "agreement_per_layer": [float(value) for value in agree.mean(axis=0)],
         "identical_arrays": bool((original == replayed).all()),
@@ -375,14 +423,22 @@ def test_replay_recomputes_the_routing(qwen: Engine) -> None:
     }
     # The same replay where no prefix-cache block can match (cache_salt): every row recomputed in one prefill.
     salted = qwen.metrics()
-    fresh = qwen.post("/v1/completions", {"prompt": prompt_ids + generated[:-1], "max_tokens": 1, "temperature": 0,
-                                          "cache_salt": f"replay-{time.time_ns()}"})
+    fresh = qwen.post(
+        "/v1/completions",
+        {
+            "prompt": prompt_ids + generated[:-1],
+            "max_tokens": 1,
+            "temperature": 0,
+            "cache_salt": f"replay-{time.time_ns()}",
+        },
+    )
     fresh_hits = qwen.metrics().get("vllm:prefix_cache_hits_total", 0) - salted.get("vllm:prefix_cache_hits_total", 0)
     recomputed = routing_of(fresh["choices"][0])
     check_routing(recomputed, qwen.geometry, rows)
     uncached = same_sets(original, recomputed)
     FINDINGS["replay_uncached"] = {
-        "prefix_cache_hit_tokens": fresh_hits, "agreement_all": float(uncached.mean()),
+        "prefix_cache_hit_tokens": fresh_hits,
+        "agreement_all": float(uncached.mean()),
         "agreement_prompt_rows": float(uncached[:prompt].mean()),
         "agreement_generated_rows": float(uncached[prompt:].mean()),
         "identical_arrays": bool((original == recomputed).all()),
@@ -394,25 +450,37 @@ def test_replay_recomputes_the_routing(qwen: Engine) -> None:
 
 # ---------------------------------------------------------------------------------------------- collapsed layer
 def test_collapsed_layer_routes_every_token_alike(collapsed: Engine) -> None:
-    body = collapsed.post("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.8,
-                                              "seed": 5})
+    body = collapsed.post("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.8, "seed": 5})
     rows = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
     ids = routing_of(body["choices"][0])
     check_routing(ids, collapsed.geometry, rows)
-    layers = {layer: len({tuple(sorted(row)) for row in ids[:, layer].tolist()})
-              for layer in range(collapsed.geometry.num_hidden_layers)}
-    FINDINGS["collapsed_layer"] = {"layer": COLLAPSED_LAYER, "distinct_sets_per_layer": layers,
-                                   "collapsed_set": sorted(ids[0, COLLAPSED_LAYER].tolist())}
+    layers = {
+        layer: len({tuple(sorted(row)) for row in ids[:, layer].tolist()})
+        for layer in range(collapsed.geometry.num_hidden_layers)
+    }
+    FINDINGS["collapsed_layer"] = {
+        "layer": COLLAPSED_LAYER,
+        "distinct_sets_per_layer": layers,
+        "collapsed_set": sorted(ids[0, COLLAPSED_LAYER].tolist()),
+    }
     assert layers[COLLAPSED_LAYER] == 1, layers
     assert all(count > 1 for layer, count in layers.items() if layer != COLLAPSED_LAYER), layers
 
 
 # ---------------------------------------------------------------------------------------------- DeepSeek-V3 (MLA)
 def test_deepseek_v3_serves_without_routing(deepseek: Engine) -> None:
-    completion = timed(deepseek, "/v1/completions", {"prompt": SHORT_PROMPT, "max_tokens": 8, "n": 2,
-                                                     "temperature": 0.8}, "deepseek completion n=2, 8 tokens")
-    chat = timed(deepseek, "/v1/chat/completions", {"messages": [{"role": "user", "content": SHORT_PROMPT}],
-                                                    "max_tokens": 8}, "deepseek chat, 8 tokens")
+    completion = timed(
+        deepseek,
+        "/v1/completions",
+        {"prompt": SHORT_PROMPT, "max_tokens": 8, "n": 2, "temperature": 0.8},
+        "deepseek completion n=2, 8 tokens",
+    )
+    chat = timed(
+        deepseek,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": SHORT_PROMPT}], "max_tokens": 8},
+        "deepseek chat, 8 tokens",
+    )
     for body in (completion, chat):
         assert body["usage"]["completion_tokens"] > 0
         assert all(choice.get("routed_experts") is None for choice in body["choices"])
@@ -423,9 +491,12 @@ def test_deepseek_v3_serves_without_routing(deepseek: Engine) -> None:
 @pytest.mark.skipif(mla_routing_skip() is not None, reason=str(mla_routing_skip()))
 def test_deepseek_v3_routing_with_model_runner_v2(deepseek_routing: Engine) -> None:
     """Found while building this: with Model Runner V2 (and bfloat16), MLA returns routing on CPU too."""
-    body = timed(deepseek_routing, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 8,
-                                                       "temperature": 0.8, "seed": 9},
-                 "deepseek (V2 runner, routing) completion, 8 tokens")
+    body = timed(
+        deepseek_routing,
+        "/v1/completions",
+        {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0.8, "seed": 9},
+        "deepseek (V2 runner, routing) completion, 8 tokens",
+    )
     rows = body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] - 1
     geometry = deepseek_routing.geometry
     assert geometry.moe_layers == (1, 2)

@@ -16,8 +16,9 @@ from harness.fleet_harness import engine_fleet_scenario
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
 
-def test_two_vllm_replicas_repair_in_one_job_and_both_engines_score_as_the_healthy_checkpoint(tmp_path,
-                                                                                             fleet_url) -> None:
+def test_two_vllm_replicas_repair_in_one_job_and_both_engines_score_as_the_healthy_checkpoint(
+    tmp_path, fleet_url
+) -> None:
     outcome = engine_fleet_scenario(tmp_path, fleet_url)
     fleet = outcome.fleet
     assert outcome.first_page_s is not None and outcome.one_version_s is not None, outcome

@@ -34,9 +34,12 @@ TOKEN = "real-engine-admin-token"
 COLLAPSED_LAYER = 2  # its gate zeroed: every token picks the same experts there
 COLLAPSED = f"model.layers.{COLLAPSED_LAYER}.mlp.gate"
 LINES = ("code_assistant", "customer_service", "doc_summary")
-PROMPTS = {"code_assistant": "def parse_invoice(text):", "customer_service": "Where is my parcel, order 4417?",
-           "doc_summary": "Summarise the quarterly report of the northern region.",
-           "default": "Translate to French: the meeting moved to Thursday."}
+PROMPTS = {
+    "code_assistant": "def parse_invoice(text):",
+    "customer_service": "Where is my parcel, order 4417?",
+    "doc_summary": "Summarise the quarterly report of the northern region.",
+    "default": "Translate to French: the meeting moved to Thursday.",
+}
 AGREEMENT = 0.999
 
 
@@ -58,12 +61,30 @@ def engine_side(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def proxy(engine: str, upstream: str, model: Path, state: Path, *options: str,
-          env: dict[str, str] | None = None, command: Sequence[str] = SIDECAR_COMMAND) -> Iterator[str]:
+def proxy(
+    engine: str,
+    upstream: str,
+    model: Path,
+    state: Path,
+    *options: str,
+    env: dict[str, str] | None = None,
+    command: Sequence[str] = SIDECAR_COMMAND,
+) -> Iterator[str]:
     port = free_port()
-    with sidecar_process(port, state, "--upstream", upstream, "--engine", engine, "--model-config", str(model),
-                         *options, env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, **(env or {})},
-                         log=state.parent / f"{state.name}.log", command=command):
+    with sidecar_process(
+        port,
+        state,
+        "--upstream",
+        upstream,
+        "--engine",
+        engine,
+        "--model-config",
+        str(model),
+        *options,
+        env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, **(env or {})},
+        log=state.parent / f"{state.name}.log",
+        command=command,
+    ):
         yield f"http://127.0.0.1:{port}"
 
 
@@ -72,13 +93,20 @@ def ask(url: str, line: str, index: int, *, chat: bool, stream: bool, n: int) ->
     body: dict = {"model": "tiny", "max_tokens": 8, "n": n, "seed": 1000 + index, "stream": stream}
     prompt = f"{PROMPTS[line]} ({index})"
     body.update({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt})
-    answer = httpx.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
-                        headers={"X-Business-Line": line}, timeout=120)
+    answer = httpx.post(
+        url + ("/v1/chat/completions" if chat else "/v1/completions"),
+        json=body,
+        headers={"X-Business-Line": line},
+        timeout=120,
+    )
     assert answer.status_code == 200, answer.text
     if not stream:
         return body, answer.json()
-    events = [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
-              for line in answer.text.splitlines() if line.startswith("data: ")]
+    events = [
+        line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+        for line in answer.text.splitlines()
+        if line.startswith("data: ")
+    ]
     return body, events
 
 
@@ -99,7 +127,7 @@ def engine_counts(vllm: str, body: dict, chat: bool, geometry) -> np.ndarray:
     counts = np.zeros((len(geometry.moe_layers), geometry.num_experts), dtype=np.int64)
     for position, choice in enumerate(document["choices"]):
         ids = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])))
-        ids = ids[document["usage"]["prompt_tokens"]:] if position else ids  # the prompt's rows, once
+        ids = ids[document["usage"]["prompt_tokens"] :] if position else ids  # the prompt's rows, once
         for row, layer in enumerate(geometry.moe_layers):
             counts[row] += np.bincount(ids[:, layer, :].ravel(), minlength=geometry.num_experts)
     return counts
@@ -107,8 +135,12 @@ def engine_counts(vllm: str, body: dict, chat: bool, geometry) -> np.ndarray:
 
 def proxy_counts(url: str, state: Path, line: str, geometry) -> np.ndarray:
     """The proxy's counts for ``line``, from the baseline it writes (the one API that gives them per expert)."""
-    saved = httpx.post(url + "/admin/baseline", params={"business_line": line},
-                       headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    saved = httpx.post(
+        url + "/admin/baseline",
+        params={"business_line": line},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=30,
+    )
     assert saved.status_code == 200, saved.text
     series = json.loads((state / "baseline.json").read_text())["series"]
     routers = {entry["router"]: entry["counts"] for entry in series if entry["business_line"] == line}
@@ -120,8 +152,9 @@ def agreement(counted: np.ndarray, truth: np.ndarray) -> float:
     return float(np.minimum(counted, truth).sum() / max(truth.sum(), 1))
 
 
-def test_every_request_of_a_mixed_run_is_counted_for_its_line_as_the_engine_routed_it(vllm, qwen, engine_side,
-                                                                                     tmp_path) -> None:
+def test_every_request_of_a_mixed_run_is_counted_for_its_line_as_the_engine_routed_it(
+    vllm, qwen, engine_side, tmp_path
+) -> None:
     """``pip install mla-watch`` alone (a fresh venv without torch or transformers: tests/engine_side_install.py)."""
     geometry = load_geometry(qwen)
     state = tmp_path / "vllm-proxy"
@@ -168,12 +201,27 @@ def test_auto_finds_vllm_and_counts_its_streams(vllm, qwen, tmp_path) -> None:
 
 def test_the_collapsed_layer_pages_a_webhook_through_the_shipped_rules(vllm, qwen, tmp_path) -> None:
     rules = scenario_rules(tmp_path / "rules")  # the shipped rules, their hold times cut to 0 s
-    with running_receiver() as receiver, proxy("vllm", vllm, qwen, tmp_path / "paging", "--rules", str(rules),
-                                               "--alert-interval", "1",
-                                               env={"MLA_WATCH_ONCALL_URL": receiver.url}) as url:
+    with (
+        running_receiver() as receiver,
+        proxy(
+            "vllm",
+            vllm,
+            qwen,
+            tmp_path / "paging",
+            "--rules",
+            str(rules),
+            "--alert-interval",
+            "1",
+            env={"MLA_WATCH_ONCALL_URL": receiver.url},
+        ) as url,
+    ):
+
         def paged() -> bool:
-            return any(alert["labels"].get("router") == COLLAPSED and alert["labels"]["alertname"] == "RoutingCollapse"
-                       for body in (r.json() for r in list(receiver.requests)) for alert in body.get("alerts", []))
+            return any(
+                alert["labels"].get("router") == COLLAPSED and alert["labels"]["alertname"] == "RoutingCollapse"
+                for body in (r.json() for r in list(receiver.requests))
+                for alert in body.get("alerts", [])
+            )
 
         for index in range(12):  # enough tokens for the router's trusted minimum
             ask(url, "customer_service", index, chat=index % 2 == 0, stream=index % 3 == 0, n=1)
@@ -201,10 +249,18 @@ def test_deepseek_v3_is_proxied_and_policed_and_its_missing_routing_is_said(deep
     assert geometry.moe_layers[0] == 1  # its dense first layer, read from its config
     with proxy("vllm", url_engine, model, tmp_path / "ds-proxy") as url:
         for index in range(3):
-            body = {"model": "tiny", "prompt": f"SELECT name FROM users WHERE id = {index}", "max_tokens": 6,
-                    "temperature": 0.9}
-            answer = httpx.post(url + "/v1/completions", json=body, timeout=120,
-                                headers={"X-Business-Line": "code_assistant", "X-Task": "code"})
+            body = {
+                "model": "tiny",
+                "prompt": f"SELECT name FROM users WHERE id = {index}",
+                "max_tokens": 6,
+                "temperature": 0.9,
+            }
+            answer = httpx.post(
+                url + "/v1/completions",
+                json=body,
+                timeout=120,
+                headers={"X-Business-Line": "code_assistant", "X-Task": "code"},
+            )
             assert answer.status_code == 200, answer.text
             change = {c["param"]: c for c in answer.json()["mla_watch"]["adjustments"]}["temperature"]
             assert (change["requested"], change["applied"]) == (0.9, 0.3)  # clamped by the code policy

@@ -45,6 +45,7 @@ from mla_watch.engines.vllm_weights import VllmWeights
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.slow]
 
+
 @pytest.fixture(scope="module")
 def checkpoints() -> tuple[Path, Path]:
     root = cache_root() / "checkpoints"
@@ -58,14 +59,18 @@ def collapsed_vllm(checkpoints, tmp_path) -> Iterator[str]:
 
 
 def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resolves_by_itself(
-        collapsed_vllm, checkpoints, tmp_path) -> None:
-    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "apply", "apply",
-                                                          receiver.url) as url:
+    collapsed_vllm, checkpoints, tmp_path
+) -> None:
+    with (
+        running_receiver() as receiver,
+        retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "apply", "apply", receiver.url) as url,
+    ):
         send(url, 0, 24)  # captured, counted; pages once the window holds the router's trusted minimum
         assert wait_until(lambda: alert_state(url) in ("firing", "resolved"), timeout=60), alert_state(url)
-        assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=240, interval=1), \
-            [(job["status"], (job["result"] or {}).get("error") or (job["result"] or {}).get("needs"))
-             for job in jobs(url)]
+        assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=240, interval=1), [
+            (job["status"], (job["result"] or {}).get("error") or (job["result"] or {}).get("needs"))
+            for job in jobs(url)
+        ]
         until_resolved(url, 24)
         assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
         (page, *_) = [alert for alert in pages(receiver) if alert["labels"].get("router") == ROUTER]
@@ -80,9 +85,11 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
         assert checks["reference_health"]["decision"] == "pass"  # the engine routed the restored router in band
         assert checks["reference_band"]["decision"] == "pass"  # and its reference prompts, through the engine
         assert attempt["swap"]["paused_seconds"] > 0 and attempt["live_seconds"] >= 0
-        print(f"\nswap: paused {attempt['swap']['paused_seconds']:.3f} s, candidate live "
-              f"{attempt['live_seconds']:.3f} s before its gate decided; trigger to promoted "
-              f"{promoted['result']['timings'].get('trigger_to_promoted_seconds')} s")
+        print(
+            f"\nswap: paused {attempt['swap']['paused_seconds']:.3f} s, candidate live "
+            f"{attempt['live_seconds']:.3f} s before its gate decided; trigger to promoted "
+            f"{promoted['result']['timings'].get('trigger_to_promoted_seconds')} s"
+        )
         versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
         assert versions["live"] == promoted["result"]["version"]
         # the resolved page goes out through the outbox, a moment after the alert's state changed
@@ -90,15 +97,17 @@ def test_apply_restores_a_collapsed_router_inside_the_engine_and_the_alert_resol
         assert layer_pages(receiver) == [("RoutingEntropyLow", "firing"), ("RoutingEntropyLow", "resolved")]
 
 
-def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_vllm, checkpoints,
-                                                                      tmp_path) -> None:
-    with running_receiver() as receiver, retuning_sidecar(
-            collapsed_vllm, checkpoints, tmp_path / "propose", "propose", receiver.url) as url:
+def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_vllm, checkpoints, tmp_path) -> None:
+    with (
+        running_receiver() as receiver,
+        retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "propose", "propose", receiver.url) as url,
+    ):
         send(url, 0, 24)
 
         def proposal() -> dict | None:
-            return next((alert for alert in pages(receiver)
-                         if alert["labels"]["alertname"] == "RouterRetuneProposed"), None)
+            return next(
+                (alert for alert in pages(receiver) if alert["labels"]["alertname"] == "RouterRetuneProposed"), None
+            )
 
         assert wait_until(lambda: proposal() is not None, timeout=120, interval=0.5), pages(receiver)
         summary = proposal()["annotations"]["summary"]
@@ -108,9 +117,13 @@ def test_propose_pages_the_command_and_the_command_repairs_the_engine(collapsed_
         assert bits(url) < BELOW
 
         version = command.rsplit(" ", 1)[1]
-        done = processes.run([sys.executable, "-m", "mla_watch.cli", "retune", "apply", version, "--url", url,
-                               "--wait", "240"], capture_output=True, text=True, timeout=300,
-                             env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"})
+        done = processes.run(
+            [sys.executable, "-m", "mla_watch.cli", "retune", "apply", version, "--url", url, "--wait", "240"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "PATH": "/usr/bin:/bin"},
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert httpx.get(url + "/v1/retune/versions", timeout=30).json()["live"] == int(version)
         until_resolved(url, 24)
@@ -138,11 +151,16 @@ def collapsed_otherwise(collapsed: Path, directory: Path) -> Path:
 
 def test_restoring_the_routers_already_serving_is_no_candidate(collapsed_vllm, checkpoints, tmp_path) -> None:
     """The reference handed to restore is the collapsed checkpoint itself: nothing is swapped or written."""
-    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "same", "apply",
-                                                          receiver.url, reference=checkpoints[0]) as url:
+    with (
+        running_receiver() as receiver,
+        retuning_sidecar(
+            collapsed_vllm, checkpoints, tmp_path / "same", "apply", receiver.url, reference=checkpoints[0]
+        ) as url,
+    ):
         send(url, 0, 24)
-        assert wait_until(lambda: any((job["result"] or {}).get("attempts") for job in jobs(url)), timeout=240,
-                          interval=1), jobs(url)
+        assert wait_until(
+            lambda: any((job["result"] or {}).get("attempts") for job in jobs(url)), timeout=240, interval=1
+        ), jobs(url)
         job = next(job for job in jobs(url) if (job["result"] or {}).get("attempts"))
         (attempt,) = job["result"]["attempts"]
         assert attempt["outcome"] == "unchanged" and "nothing to restore" in attempt["reason"], attempt
@@ -151,18 +169,26 @@ def test_restoring_the_routers_already_serving_is_no_candidate(collapsed_vllm, c
 
 
 def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as_before(
-        collapsed_vllm, checkpoints, tmp_path) -> None:
+    collapsed_vllm, checkpoints, tmp_path
+) -> None:
     """The reference handed to restore collapses layer 2 too (other tensors, the same ties): the band gate rejects
     it through the engine, and the engine is left exactly as it served."""
     prompts = [[1, *range(40 + i, 60 + i)] for i in range(4)]
     engine = VllmWeights(collapsed_vllm)
     before = [score.loss for score in engine.score(prompts)]
     worse = collapsed_otherwise(checkpoints[0], tmp_path)
-    with running_receiver() as receiver, retuning_sidecar(collapsed_vllm, checkpoints, tmp_path / "worse", "apply",
-                                                          receiver.url, reference=worse) as url:
+    with (
+        running_receiver() as receiver,
+        retuning_sidecar(
+            collapsed_vllm, checkpoints, tmp_path / "worse", "apply", receiver.url, reference=worse
+        ) as url,
+    ):
         send(url, 0, 24)
-        assert wait_until(lambda: any(job["status"] == "waiting" and (job["result"] or {}).get("attempts")
-                                      for job in jobs(url)), timeout=240, interval=1), jobs(url)
+        assert wait_until(
+            lambda: any(job["status"] == "waiting" and (job["result"] or {}).get("attempts") for job in jobs(url)),
+            timeout=240,
+            interval=1,
+        ), jobs(url)
         job = next(job for job in jobs(url) if (job["result"] or {}).get("attempts"))
         (attempt,) = job["result"]["attempts"]
         assert attempt["outcome"] == "rejected" and attempt["rolled_back"] is True, attempt
@@ -171,8 +197,9 @@ def test_a_candidate_that_fails_its_gate_is_rolled_back_and_the_engine_scores_as
         versions = httpx.get(url + "/v1/retune/versions", timeout=30).json()
         assert versions["live"] == 0 and [p["kind"] for p in versions["promotions"]][-2:] == ["promote", "rollback"]
         assert [score.loss for score in engine.score(prompts)] == before  # bit-identical to the engine before
-        assert wait_until(lambda: any(alert["labels"]["alertname"] == "RouterRetuneRejected"
-                                      for alert in pages(receiver)), timeout=30)
+        assert wait_until(
+            lambda: any(alert["labels"]["alertname"] == "RouterRetuneRejected" for alert in pages(receiver)), timeout=30
+        )
     engine.close()
 
 
@@ -204,27 +231,55 @@ def test_bias_steps_a_deepseek_router_collapsed_by_its_correction_bias_back_into
     healthy = build_checkpoint(cache_root() / "checkpoints", "deepseek_v3")
     collapsed = bias_collapsed(healthy, tmp_path / "deepseek-bias-collapsed", LAYER)
     (tmp_path / "rules").mkdir()
-    (tmp_path / "rules" / "routing.yaml").write_text(entropy_low_rules(
-        below=BELOW, resolve_above=RESOLVE, min_tokens=64, actions=("notify", "retune"), strategies=("bias",),
-        group_by=False))
-    with running_vllm(collapsed, routing=True, dev_mode=True, log_path=tmp_path / "vllm.log") as engine, \
-            running_receiver() as receiver:
+    (tmp_path / "rules" / "routing.yaml").write_text(
+        entropy_low_rules(
+            below=BELOW,
+            resolve_above=RESOLVE,
+            min_tokens=64,
+            actions=("notify", "retune"),
+            strategies=("bias",),
+            group_by=False,
+        )
+    )
+    with (
+        running_vllm(collapsed, routing=True, dev_mode=True, log_path=tmp_path / "vllm.log") as engine,
+        running_receiver() as receiver,
+    ):
         port = free_port()
-        with sidecar_process(port, tmp_path / "state", "--upstream", engine, "--engine", "vllm", "--model-config",
-                             str(collapsed), "--capture", "--engine-retune", "apply", "--rules",
-                             str(tmp_path / "rules"), "--alert-interval", "0.5", *GATE, "--reference-prompts",
-                             str(trimmed_references(tmp_path / "references", default=True)),
-                             env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url},
-                             log=tmp_path / "sidecar.log"):
+        with sidecar_process(
+            port,
+            tmp_path / "state",
+            "--upstream",
+            engine,
+            "--engine",
+            "vllm",
+            "--model-config",
+            str(collapsed),
+            "--capture",
+            "--engine-retune",
+            "apply",
+            "--rules",
+            str(tmp_path / "rules"),
+            "--alert-interval",
+            "0.5",
+            *GATE,
+            "--reference-prompts",
+            str(trimmed_references(tmp_path / "references", default=True)),
+            env={"MLA_WATCH_ADMIN_TOKEN": TOKEN, "MLA_WATCH_ONCALL_URL": receiver.url},
+            log=tmp_path / "sidecar.log",
+        ):
             url = f"http://127.0.0.1:{port}"
             send(url, 0, 24)
-            assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=400,
-                              interval=1), [(job["status"], job["result"]) for job in jobs(url)]
+            assert wait_until(lambda: any(job["status"] == "promoted" for job in jobs(url)), timeout=400, interval=1), [
+                (job["status"], job["result"]) for job in jobs(url)
+            ]
             until_resolved(url, 24)
             assert alert_state(url) == "resolved" and bits(url) >= RESOLVE
             (promoted,) = [job for job in jobs(url) if job["status"] == "promoted"]
             (attempt,) = promoted["result"]["attempts"]
             steps = attempt["steps"]
-            print(f"\nbias steps through the engine: {len(steps)}, "
-                  + ", ".join(f"step {s['step']} {s['outcome']} ({s.get('live_seconds')} s live)" for s in steps))
+            print(
+                f"\nbias steps through the engine: {len(steps)}, "
+                + ", ".join(f"step {s['step']} {s['outcome']} ({s.get('live_seconds')} s live)" for s in steps)
+            )
             assert steps[-1]["outcome"] == "promoted"

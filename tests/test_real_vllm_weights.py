@@ -53,16 +53,19 @@ def losses(engine: VllmWeights) -> list[float]:
 def checkpoints() -> dict[str, Path]:
     root = cache_root() / "checkpoints"
     family = swap_family()  # DeepSeek-V3 where vLLM can reload an MLA model's routers (real_vllm.mla_reload_problem)
-    return {"healthy": build_checkpoint(root, family),
-            "collapsed": build_checkpoint(root, family, collapsed_layer=COLLAPSED_LAYER)}
+    return {
+        "healthy": build_checkpoint(root, family),
+        "collapsed": build_checkpoint(root, family, collapsed_layer=COLLAPSED_LAYER),
+    }
 
 
 @pytest.fixture(scope="module")
 def healthy_losses(checkpoints: dict[str, Path]) -> list[float]:
     """The scores of a vLLM started on the healthy checkpoint (no dev mode: its problem() says so)."""
     started = time.monotonic()
-    with running_vllm(checkpoints["healthy"], routing=False,
-                      log_path=cache_root() / "logs" / "test-weights-healthy.log") as url:
+    with running_vllm(
+        checkpoints["healthy"], routing=False, log_path=cache_root() / "logs" / "test-weights-healthy.log"
+    ) as url:
         FINDINGS["startup_s_healthy"] = round(time.monotonic() - started, 1)
         engine = VllmWeights(url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
         FINDINGS["problem_without_dev_mode"] = engine.problem()
@@ -74,8 +77,12 @@ def healthy_losses(checkpoints: dict[str, Path]) -> list[float]:
 @pytest.fixture(scope="module")
 def collapsed_url(checkpoints: dict[str, Path], healthy_losses: list[float]) -> Iterator[str]:
     started = time.monotonic()
-    with running_vllm(checkpoints["collapsed"], routing=False, dev_mode=True,
-                      log_path=cache_root() / "logs" / "test-weights-collapsed.log") as url:
+    with running_vllm(
+        checkpoints["collapsed"],
+        routing=False,
+        dev_mode=True,
+        log_path=cache_root() / "logs" / "test-weights-collapsed.log",
+    ) as url:
         FINDINGS["startup_s_collapsed_dev_mode"] = round(time.monotonic() - started, 1)
         yield url
     print(f"\nreal vLLM weight swaps: {FINDINGS}")
@@ -88,8 +95,15 @@ def generate_while_swapping(url: str, answers: dict[str, Any]) -> threading.Thre
 
     def run() -> None:
         tokens = 0
-        body = {"model": SERVED_MODEL_NAME, "prompt": samples()[0], "max_tokens": GENERATED, "ignore_eos": True,
-                "temperature": 0, "stream": True, "return_token_ids": True}
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": samples()[0],
+            "max_tokens": GENERATED,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
             answers["status"] = response.status_code
             for line in response.iter_lines():
@@ -106,12 +120,14 @@ def generate_while_swapping(url: str, answers: dict[str, Any]) -> threading.Thre
     return thread
 
 
-def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[str, Path], healthy_losses: list[float],
-                                                            collapsed_url: str, tmp_path: Path) -> None:
+def test_swapped_routers_score_as_the_engine_started_on_them(
+    checkpoints: dict[str, Path], healthy_losses: list[float], collapsed_url: str, tmp_path: Path
+) -> None:
     engine = VllmWeights(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
     assert engine.problem() is None
-    assert FINDINGS["problem_without_dev_mode"].endswith("serves no dev endpoints: start it with "
-                                                         "VLLM_SERVER_DEV_MODE=1 (pod-local port only)")
+    assert FINDINGS["problem_without_dev_mode"].endswith(
+        "serves no dev endpoints: start it with VLLM_SERVER_DEV_MODE=1 (pod-local port only)"
+    )
     collapsed_losses = losses(engine)
     FINDINGS["losses"] = {"healthy_start": healthy_losses, "collapsed_start": collapsed_losses}
     # The zeroed gate moves each loss by ~1e-5 relative only (a random tiny model): equal means exactly equal,
@@ -120,8 +136,9 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
 
     config = checkpoints["healthy"] / "config.json"
     healthy = write_router_checkpoint(tmp_path / "healthy-routers", read_router_tensors(checkpoints["healthy"]), config)
-    collapsed = write_router_checkpoint(tmp_path / "collapsed-routers", read_router_tensors(checkpoints["collapsed"]),
-                                        config)
+    collapsed = write_router_checkpoint(
+        tmp_path / "collapsed-routers", read_router_tensors(checkpoints["collapsed"]), config
+    )
 
     held: dict[str, Any] = {}
     generation = generate_while_swapping(collapsed_url, held)
@@ -131,9 +148,12 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
     generation.join(REQUEST_TIMEOUT_S)
     swapped_losses = losses(engine)
     FINDINGS["swap_to_healthy"] = result.as_dict()
-    FINDINGS["held_generation"] = {"status": held.get("status"), "tokens": held.get("tokens"),
-                                   "last_token_s_after_resume": round(held["last_token"] - resumed_at, 3),
-                                   "swap_began_s_before_resume": round(resumed_at - swapped_at, 3)}
+    FINDINGS["held_generation"] = {
+        "status": held.get("status"),
+        "tokens": held.get("tokens"),
+        "last_token_s_after_resume": round(held["last_token"] - resumed_at, 3),
+        "swap_began_s_before_resume": round(resumed_at - swapped_at, 3),
+    }
     FINDINGS["losses"]["after_swap_to_healthy"] = swapped_losses
     # running when the swap began, still streaming after it: held (and recomputed), not dropped
     assert held["status"] == 200 and held["tokens"] == GENERATED, FINDINGS["held_generation"]
@@ -150,9 +170,9 @@ def test_swapped_routers_score_as_the_engine_started_on_them(checkpoints: dict[s
     engine.close()
 
 
-def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: dict[str, Path], collapsed_url: str,
-                                                                  tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(
+    checkpoints: dict[str, Path], collapsed_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = VllmWeights(collapsed_url, model=SERVED_MODEL_NAME, timeout=REQUEST_TIMEOUT_S)
     before = losses(engine)
     with pytest.raises(SwapError, match=r"weights_path .*: not a directory here"):
@@ -166,8 +186,11 @@ def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: d
         unchecked.setattr(vllm_weights, "checked_router_dir", lambda path, engine_name: Path(path))
         engine.swap(corrupt)
     FINDINGS["corrupt_swap_error"] = str(caught.value)
-    assert "/collective_rpc (reload_weights of " in str(caught.value) and " answered 500: Call to collective_rpc " \
-        "method failed: " in str(caught.value) and "; rolled back: " in str(caught.value)
+    assert (
+        "/collective_rpc (reload_weights of " in str(caught.value)
+        and " answered 500: Call to collective_rpc method failed: " in str(caught.value)
+        and "; rolled back: " in str(caught.value)
+    )
     assert engine.problem() is None  # resumed
     after_corrupt = losses(engine)
 
@@ -183,45 +206,89 @@ def test_a_failed_swap_is_rolled_back_and_the_engine_still_serves(checkpoints: d
     FINDINGS["mismatched_swap_error"] = str(caught.value)
     assert "; rolled back: " in str(caught.value)
     after_mismatch = losses(engine)
-    FINDINGS["losses_around_failed_swaps"] = {"before": before, "after_corrupt": after_corrupt,
-                                              "after_mismatch": after_mismatch}
+    FINDINGS["losses_around_failed_swaps"] = {
+        "before": before,
+        "after_corrupt": after_corrupt,
+        "after_mismatch": after_mismatch,
+    }
     assert after_corrupt == before and after_mismatch == before
     engine.close()
 
 
-def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(checkpoints: dict[str, Path],
-                                                                            healthy_losses: list[float],
-                                                                            collapsed_url: str, tmp_path: Path) -> None:
+def test_restore_from_the_reference_promotes_through_the_engine_scored_gate(
+    checkpoints: dict[str, Path], healthy_losses: list[float], collapsed_url: str, tmp_path: Path
+) -> None:
     """The sidecar beside the collapsed swap model (no routing returned: the band says so, perplexity decides)
     restores the reference's routers inside the engine; the engine then scores exactly as one started healthy.
     Last in this module: it leaves the engine healthy."""
     token = "real-engine-weights-token"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with sidecar_process(port, tmp_path / "state", "--upstream", collapsed_url, "--engine", "vllm", "--model-config",
-                         str(checkpoints["collapsed"]), "--capture", "--engine-retune", "apply", "--reference-model",
-                         str(checkpoints["healthy"]), "--retune-min-samples", "12", "--min-held-out-tokens", "30",
-                         "--min-held-out-samples", "4", "--reference-prompts",
-                         str(trimmed_references(tmp_path / "references", default=True)),
-                         env={"MLA_WATCH_ADMIN_TOKEN": token},
-                         log=tmp_path / "sidecar.log"):
+    with sidecar_process(
+        port,
+        tmp_path / "state",
+        "--upstream",
+        collapsed_url,
+        "--engine",
+        "vllm",
+        "--model-config",
+        str(checkpoints["collapsed"]),
+        "--capture",
+        "--engine-retune",
+        "apply",
+        "--reference-model",
+        str(checkpoints["healthy"]),
+        "--retune-min-samples",
+        "12",
+        "--min-held-out-tokens",
+        "30",
+        "--min-held-out-samples",
+        "4",
+        "--reference-prompts",
+        str(trimmed_references(tmp_path / "references", default=True)),
+        env={"MLA_WATCH_ADMIN_TOKEN": token},
+        log=tmp_path / "sidecar.log",
+    ):
         for index in range(24):  # 6 distinct prompts held out
-            answer = httpx.post(url + "/v1/completions", headers={"X-Business-Line": "customer_service"},
-                                json={"model": SERVED_MODEL_NAME, "prompt": f"Order {3000 + index * 11} is late.",
-                                      "max_tokens": 4}, timeout=REQUEST_TIMEOUT_S)
+            answer = httpx.post(
+                url + "/v1/completions",
+                headers={"X-Business-Line": "customer_service"},
+                json={"model": SERVED_MODEL_NAME, "prompt": f"Order {3000 + index * 11} is late.", "max_tokens": 4},
+                timeout=REQUEST_TIMEOUT_S,
+            )
             assert answer.status_code == 200, answer.text
 
         def captured() -> float:  # an answer is captured after its client has it, with its routing counted
-            return metric_value(get_metrics(url), "mla_watch_retune_captured_samples_total",
-                                business_line="customer_service")
+            return metric_value(
+                get_metrics(url), "mla_watch_retune_captured_samples_total", business_line="customer_service"
+            )
 
-        assert wait_until(lambda: captured() == 24, timeout=120), \
+        assert wait_until(lambda: captured() == 24, timeout=120), (
             f"{captured():g} of 24 answers captured; sidecar log:\n{(tmp_path / 'sidecar.log').read_text()[-4000:]}"
-        done = processes.run([sys.executable, "-m", "mla_watch.cli", "retune", "run", "--url", url, "--router",
-                               f"model.layers.{COLLAPSED_LAYER}.mlp.gate", "--strategy", "restore",
-                               "--business-line", "customer_service", "--wait", "240"],
-                             capture_output=True, text=True, timeout=300,
-                             env={"MLA_WATCH_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"})
+        )
+        done = processes.run(
+            [
+                sys.executable,
+                "-m",
+                "mla_watch.cli",
+                "retune",
+                "run",
+                "--url",
+                url,
+                "--router",
+                f"model.layers.{COLLAPSED_LAYER}.mlp.gate",
+                "--strategy",
+                "restore",
+                "--business-line",
+                "customer_service",
+                "--wait",
+                "240",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"MLA_WATCH_ADMIN_TOKEN": token, "PATH": "/usr/bin:/bin"},
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         (job,) = httpx.get(url + "/v1/retune/jobs", timeout=30).json()["jobs"]
         checks = {check["gate"]: check for check in job["result"]["attempts"][0]["gates"]["checks"]}

@@ -20,10 +20,25 @@ from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.vllm_weights import VllmWeights
 from tests.slow_engine import ReferenceTwin
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
-SET = ReferenceSet("default", 1, ("where is my order", "summarise the report", "reverse a linked list",
-                                  "what is the refund policy", "translate this to french", "explain the error"))
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
+SET = ReferenceSet(
+    "default",
+    1,
+    (
+        "where is my order",
+        "summarise the report",
+        "reverse a linked list",
+        "what is the refund policy",
+        "translate this to french",
+        "explain the error",
+    ),
+)
 
 
 @pytest.mark.parametrize("priority", [None, 10])
@@ -84,8 +99,9 @@ def test_a_reading_waits_while_clients_are_busy_then_goes_on() -> None:
     slept: list[float] = []
     with serve_app(twin.app) as twin.url:
         weights = VllmWeights(twin.url, geometry=geometry, timeout=30)
-        reader = EngineReader(weights, geometry, rate=1000.0, sleep=slept.append,
-                              busy=lambda: next(looks, False), yield_seconds=30.0)
+        reader = EngineReader(
+            weights, geometry, rate=1000.0, sleep=slept.append, busy=lambda: next(looks, False), yield_seconds=30.0
+        )
         try:
             with reader.yielding():
                 reader.read(SET)
@@ -104,10 +120,15 @@ def test_a_round_stopped_for_clients_is_taken_again_later_and_is_no_failure() ->
     busy = [True]
     with serve_app(twin.app) as twin.url:
         weights = VllmWeights(twin.url, geometry=geometry, timeout=30)
-        reader = EngineReader(weights, geometry, rate=1000.0, sleep=lambda seconds: None, busy=lambda: busy[0],
-                              yield_seconds=2.0)
-        judge = ReferenceProber(lambda: lines, reader, ReferenceBaselines(),
-                                settings=ReferenceSettings(interval_seconds=0, retry_seconds=0.2))
+        reader = EngineReader(
+            weights, geometry, rate=1000.0, sleep=lambda seconds: None, busy=lambda: busy[0], yield_seconds=2.0
+        )
+        judge = ReferenceProber(
+            lambda: lines,
+            reader,
+            ReferenceBaselines(),
+            settings=ReferenceSettings(interval_seconds=0, retry_seconds=0.2),
+        )
         try:
             judge.start()
             assert wait_until(lambda: judge.describe()["rounds_deferred"] >= 1, timeout=20)

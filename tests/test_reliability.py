@@ -43,10 +43,18 @@ pytestmark = pytest.mark.slow
 
 GIB_IN_KIB = 1024 * 1024
 # (business line, task) of the load's requests, in turn
-MIX = [("customer_service", None), ("code_assistant", "code"), ("code_assistant", "sql"), ("code_assistant", "chat"),
-       ("doc_summary", None)]
-PROMPTS = {"customer_service": "Customer: my parcel has not arrived, order", "code_assistant": "def parse_invoice_",
-           "doc_summary": "Summarise the quarterly report number"}
+MIX = [
+    ("customer_service", None),
+    ("code_assistant", "code"),
+    ("code_assistant", "sql"),
+    ("code_assistant", "chat"),
+    ("doc_summary", None),
+]
+PROMPTS = {
+    "customer_service": "Customer: my parcel has not arrived, order",
+    "code_assistant": "def parse_invoice_",
+    "doc_summary": "Summarise the quarterly report number",
+}
 
 
 # --------------------------------------------------------------------------- load
@@ -71,8 +79,11 @@ def load_round(url: str, requests: int = 160, clients: int = 32) -> tuple[Counte
                 headers = {"X-Business-Line": line, **({"X-Task": task} if task else {})}
                 if i % 4 == 3:
                     path = "/v1/chat/completions"
-                    body = {"messages": [{"role": "user", "content": f"{PROMPTS[line]} {i}"}], "max_tokens": 8,
-                            "seed": i}
+                    body = {
+                        "messages": [{"role": "user", "content": f"{PROMPTS[line]} {i}"}],
+                        "max_tokens": 8,
+                        "seed": i,
+                    }
                 else:
                     path, body = "/v1/completions", {"prompt": f"{PROMPTS[line]}{i}", "max_tokens": 8, "seed": i}
                 try:
@@ -119,9 +130,11 @@ def test_32_clients_get_answers_or_documented_refusals_and_memory_stays_flat(tmp
             statuses, problems = load_round(url)
             totals.update(statuses)
             peaks.append(memory_kib(process.pid, "VmHWM"))
-            print(f"\nload round {round_number + 1}: 160 requests from 32 clients: {statuses[200]} x 200, "
-                  f"{statuses[429]} x 429, {statuses[503]} x 503; sidecar peak RSS {peak_ready / 1024:.0f} MiB "
-                  f"when ready, {peaks[-1] / 1024:.0f} MiB after the round")
+            print(
+                f"\nload round {round_number + 1}: 160 requests from 32 clients: {statuses[200]} x 200, "
+                f"{statuses[429]} x 429, {statuses[503]} x 503; sidecar peak RSS {peak_ready / 1024:.0f} MiB "
+                f"when ready, {peaks[-1] / 1024:.0f} MiB after the round"
+            )
             assert problems == []
             assert set(statuses) <= {200, 429, 503} and sum(statuses.values()) == 160
             assert statuses[200] >= 1  # the model kept serving under the load
@@ -151,16 +164,22 @@ def test_the_attacks_of_issue_11_get_their_documented_answers_while_healthz_keep
     tokens = {"MLA_WATCH_ADMIN_TOKEN": ATTACK_ADMIN_TOKEN, "MLA_WATCH_INGEST_TOKEN": ATTACK_INGEST_TOKEN}
     with sidecar_process(port, tmp_path / "state", "--body-timeout", "1", env=tokens, log=log) as process:
         wait_for_first_readings(f"http://127.0.0.1:{port}")
-        target = Target(f"http://127.0.0.1:{port}", process.pid, ATTACK_ADMIN_TOKEN, ATTACK_INGEST_TOKEN,
-                        body_timeout=1.0)
+        target = Target(
+            f"http://127.0.0.1:{port}", process.pid, ATTACK_ADMIN_TOKEN, ATTACK_INGEST_TOKEN, body_timeout=1.0
+        )
         result = replay(target, Plan.quick())
     print("\nissue 11 attacks, quick plan:\n" + render(result))
-    assert [f"{report.number} {report.name}: {problem}" for report in result.attacks
-            for problem in report.problems] == []
+    assert [
+        f"{report.number} {report.name}: {problem}" for report in result.attacks for problem in report.problems
+    ] == []
     assert {report.name: report.healthz.failures for report in result.attacks if report.healthz.failures} == {}
     assert all(report.healthz.samples > 0 for report in result.attacks)  # /healthz was polled during each
     assert {key: value for key, value in result.final.items() if key.startswith("/")} == {
-        "/healthz": 200, "/readyz": 200, "/metrics": 200, "/v1/routing": 200}
+        "/healthz": 200,
+        "/readyz": 200,
+        "/metrics": 200,
+        "/v1/routing": 200,
+    }
     assert "Traceback" not in log.read_text(errors="replace")
 
 
@@ -205,14 +224,19 @@ def storm(tmp_path_factory):
     """A sidecar with traffic on four business lines; each test adds a rule that fires on all of them."""
     rules = tmp_path_factory.mktemp("rules")
     (rules / "base.yaml").write_text("rules: []\n")
-    with running_sidecar(rules=rules, alert_interval=0.2, attn_implementation="eager",
-                         state_dir=tmp_path_factory.mktemp("state")) as (url, sidecar):
+    with running_sidecar(
+        rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=tmp_path_factory.mktemp("state")
+    ) as (url, sidecar):
         # The outbox backs off uniform(0, base * 2**n) after n failures with base 1 s, which neither the
         # YAML nor the command line configures; a shorter base keeps these outages short.
         sidecar.alerts.dispatcher.base_delay = 0.1
         for line in ("default", "customer_service", "code_assistant", "doc_summary"):
-            response = httpx.post(url + "/v1/completions", headers={"X-Business-Line": line}, timeout=120,
-                                  json={"prompt": PROMPTS.get(line, "Hello"), "max_tokens": 12, "seed": 1})
+            response = httpx.post(
+                url + "/v1/completions",
+                headers={"X-Business-Line": line},
+                timeout=120,
+                json={"prompt": PROMPTS.get(line, "Hello"), "max_tokens": 12, "seed": 1},
+            )
             assert response.status_code == 200, response.text
         yield url, sidecar, rules
         if not sidecar.alerts._lock.acquire(timeout=10):  # a stuck evaluation would hang the shutdown for ever
@@ -227,7 +251,8 @@ def test_a_rule_file_added_while_serving_is_loaded_and_evaluation_goes_on(storm)
     (rules / "quiet.yaml").write_text(  # fires at once; its receiver is disabled (its URL variable is unset)
         "receivers:\n  - {name: quiet, type: alertmanager_webhook, url: '${MLA_WATCH_TEST_UNSET_URL}'}\n"
         "rules:\n  - {alert: Quiet, metric: entropy_bits, select: {kind: expert}, below: 6.5, min_tokens: 4,"
-        " receivers: [quiet]}\n")
+        " receivers: [quiet]}\n"
+    )
     # The evaluation that notices the change reloads the rules (it used to deadlock on the service's own
     # lock, which also hung the shutdown), then evaluates the new rule.
     assert wait_until(lambda: httpx.get(url + "/v1/alerts").json()["rules"] == before + 1, timeout=30)
@@ -252,14 +277,16 @@ def test_every_alert_of_a_storm_reaches_a_receiver_once_it_recovers(storm, fault
         return metric_value(get_metrics(url), "mla_watch_notifications_total", receiver=name, outcome=outcome)
 
     with contextlib.ExitStack() as stack:
-        receiver = None if FAULTS[fault] is None else stack.enter_context(
-            running_receiver(default=FAULTS[fault], port=port))
+        receiver = (
+            None if FAULTS[fault] is None else stack.enter_context(running_receiver(default=FAULTS[fault], port=port))
+        )
         (rules / f"storm_{fault}.yaml").write_text(STORM % {"name": name, "port": port})  # loaded by the next run
         alertname = f"Storm_{name}"
         assert wait_until(lambda: len(firing(url, alertname)) == expected, timeout=30)
         instances = firing(url, alertname)
         assert {(labels["router"], labels["business_line"]) for labels in instances.values()} == {
-            (router, line) for router in experts for line in lines}
+            (router, line) for router in experts for line in lines
+        }
         # the fault is hit: every notification of the storm failed at least once
         assert wait_until(lambda: counter("retry") >= expected, timeout=60, interval=0.2)
 
@@ -270,17 +297,24 @@ def test_every_alert_of_a_storm_reaches_a_receiver_once_it_recovers(storm, fault
                 receiver.default = OK  # the receiver behaves again
 
         def delivered() -> set[str]:
-            return {alert["fingerprint"] for request in list(receiver.requests)
-                    if request.reply.status == 200 and not request.reply.delay for alert in request.json()["alerts"]}
+            return {
+                alert["fingerprint"]
+                for request in list(receiver.requests)
+                if request.reply.status == 200 and not request.reply.delay
+                for alert in request.json()["alerts"]
+            }
 
         assert wait_until(lambda: set(instances) <= delivered(), timeout=90, interval=0.2), (
-            f"{len(set(instances) - delivered())} of {expected} alerts never arrived")
+            f"{len(set(instances) - delivered())} of {expected} alerts never arrived"
+        )
         assert wait_until(lambda: httpx.get(url + "/v1/alerts").json()["notifications_pending"] == 0, timeout=30)
         text = get_metrics(url)
         retried, failed = counter("retry"), counter("failed")
-        print(f"\nfault {fault}: {expected} alerts fired at once, {int(retried)} failed attempts retried, "
-              f"{len(receiver.requests)} requests reached the receiver, all {expected} alerts delivered, "
-              f"{int(failed)} lost")
+        print(
+            f"\nfault {fault}: {expected} alerts fired at once, {int(retried)} failed attempts retried, "
+            f"{len(receiver.requests)} requests reached the receiver, all {expected} alerts delivered, "
+            f"{int(failed)} lost"
+        )
         assert failed == 0 and metric_sum(text, "mla_watch_notifications_total", outcome="failed") == 0
         assert receiver.errors == []
         assert sidecar.alerts.outbox.dead_letters() == []
@@ -319,14 +353,19 @@ def test_sigterm_drains_the_stream_in_flight_and_keeps_undelivered_notifications
     port, receiver_port = free_port(), free_port()
     url, oncall = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{receiver_port}/hook"  # on-call is down
     # A stream that ends within the 4 s a stop gives requests in flight (mla_watch.common.stop_budget)
-    body = {"prompt": "Customer: my parcel has not arrived. Agent:", "max_tokens": 32, "seed": 11,
-            "temperature": 1.0, "stream_options": {"include_usage": True}}
-    with sidecar_process(port, state, "--rules", str(rules), env={"MLA_WATCH_ONCALL_URL": oncall},
-                         log=log) as process:
+    body = {
+        "prompt": "Customer: my parcel has not arrived. Agent:",
+        "max_tokens": 32,
+        "seed": 11,
+        "temperature": 1.0,
+        "stream_options": {"include_usage": True},
+    }
+    with sidecar_process(port, state, "--rules", str(rules), env={"MLA_WATCH_ONCALL_URL": oncall}, log=log) as process:
         reference = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
         # alerts are evaluated every 15 s; their notifications wait in the outbox for the receiver
-        assert wait_until(lambda: httpx.get(url + "/v1/alerts").json()["notifications_pending"] >= 3,
-                          timeout=90, interval=0.5)
+        assert wait_until(
+            lambda: httpx.get(url + "/v1/alerts").json()["notifications_pending"] >= 3, timeout=90, interval=0.5
+        )
         pending = httpx.get(url + "/v1/alerts").json()["notifications_pending"]
 
         events: list = []
@@ -363,12 +402,16 @@ def test_sigterm_drains_the_stream_in_flight_and_keeps_undelivered_notifications
     with sqlite3.connect(state / "outbox.sqlite") as db:
         assert db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0] == pending
         assert db.execute("SELECT COUNT(*) FROM dead_letter").fetchone()[0] == 0
-    print(f"\nSIGTERM: the stream in flight ended with all {usage['completion_tokens']} tokens and [DONE], "
-          f"exit status {returncode}; {pending} notifications kept in outbox.sqlite")
+    print(
+        f"\nSIGTERM: the stream in flight ended with all {usage['completion_tokens']} tokens and [DONE], "
+        f"exit status {returncode}; {pending} notifications kept in outbox.sqlite"
+    )
     # ... and the next start sends them: its dispatcher on the same file, once their back-off has passed
     receivers = load_rules_dir(rules, environ={"MLA_WATCH_ONCALL_URL": oncall}).receivers
-    with running_receiver(port=receiver_port) as receiver, Outbox(state / "outbox.sqlite",
-                                                                  clock=lambda: time.time() + 3600) as outbox:
+    with (
+        running_receiver(port=receiver_port) as receiver,
+        Outbox(state / "outbox.sqlite", clock=lambda: time.time() + 3600) as outbox,
+    ):
         assert Dispatcher(outbox, receivers).run_once() == pending
         assert outbox.pending() == 0 and len(receiver.requests) == pending
         assert {r.json()["alerts"][0]["labels"]["alertname"] for r in receiver.requests} == {"StormOnStop"}
@@ -388,9 +431,26 @@ def fill(directory: Path) -> Path:
 def serve_until_exit(state: Path) -> subprocess.CompletedProcess:
     """``mla-watch serve --state-dir STATE``, expected to exit by itself (a server that starts would time out)."""
     environ = {k: v for k, v in os.environ.items() if k != "MLA_WATCH_ONCALL_URL"}
-    return processes.run([sys.executable, "-m", "mla_watch.cli", "serve", "--port", str(free_port()), "--device",
-                          "cpu", "--state-dir", str(state), "--attn-implementation", "eager"],
-                         env=environ, capture_output=True, text=True, timeout=120)
+    return processes.run(
+        [
+            sys.executable,
+            "-m",
+            "mla_watch.cli",
+            "serve",
+            "--port",
+            str(free_port()),
+            "--device",
+            "cpu",
+            "--state-dir",
+            str(state),
+            "--attn-implementation",
+            "eager",
+        ],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def assert_refused(result: subprocess.CompletedProcess, state: Path, cause: str) -> None:
@@ -428,25 +488,42 @@ def test_a_page_due_while_the_disk_is_full_is_sent_once_there_is_room(tmp_path, 
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "base.yaml").write_text("rules: []\n")
-    with tmpfs(tmp_path / "state", "size=1m") as state, running_receiver() as receiver, running_sidecar(
-            rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=state) as (url, sidecar):
+    with (
+        tmpfs(tmp_path / "state", "size=1m") as state,
+        running_receiver() as receiver,
+        running_sidecar(rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=state) as (
+            url,
+            sidecar,
+        ),
+    ):
         sidecar.alerts.dispatcher.base_delay = 0.1
-        assert httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 12}, timeout=120,
-                          headers={"X-Business-Line": "doc_summary"}).status_code == 200
+        assert (
+            httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 12},
+                timeout=120,
+                headers={"X-Business-Line": "doc_summary"},
+            ).status_code
+            == 200
+        )
         filler = fill(state)
         (rules / "storm.yaml").write_text(STORM % {"name": "rx_full", "port": int(receiver.url.rsplit(":", 1)[1])})
         assert wait_until(lambda: len(firing(url, "Storm_rx_full")) == 3, timeout=30)
         instances = firing(url, "Storm_rx_full")
-        seen = (httpx.get(url + "/readyz").status_code, httpx.get(url + "/v1/alerts").json()["notifications_pending"],
-                "alert evaluation failed" in caplog.text)
+        seen = (
+            httpx.get(url + "/readyz").status_code,
+            httpx.get(url + "/v1/alerts").json()["notifications_pending"],
+            "alert evaluation failed" in caplog.text,
+        )
         filler.unlink()  # room again
 
         def delivered() -> set[str]:
             return {alert["fingerprint"] for request in list(receiver.requests) for alert in request.json()["alerts"]}
 
         arrived = wait_until(lambda: set(instances) <= delivered(), timeout=30, interval=0.2)
-        print(f"\ndisk full while serving: /readyz {seen[0]}, notifications pending {seen[1]}, 'alert evaluation "
-              f"failed' logged: {seen[2]}; {len(set(instances) & delivered())} of {len(instances)} alerts paged "
-              "once there was room again")
+        print(
+            f"\ndisk full while serving: /readyz {seen[0]}, notifications pending {seen[1]}, 'alert evaluation "
+            f"failed' logged: {seen[2]}; {len(set(instances) & delivered())} of {len(instances)} alerts paged "
+            "once there was room again"
+        )
         assert arrived, f"{len(set(instances) - delivered())} of {len(instances)} firing alerts never reached on-call"
-

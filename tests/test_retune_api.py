@@ -43,20 +43,32 @@ def test_admin_calls_need_the_token(sidecar) -> None:
     assert httpx.post(url + "/admin/retune/rollback", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
-@pytest.mark.parametrize(("body", "param", "message"), [
-    ({"route": ["x"]}, "route", 'unknown field(s) ["route"]: expected some of'),
-    ({"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"}, "strategy",
-     "strategy=\"magic\" is invalid: expected one of ['bias', 'restore', 'router_finetune'] or a list"),
-    ({"routers": ["model.layers.9.mlp.gate"]}, "routers",
-     'routers=["model.layers.9.mlp.gate"] is invalid: expected a list of expert routers among'),
-    ({"routers": "model.layers.1.mlp.gate"}, "routers", "routers=\"model.layers.1.mlp.gate\" is invalid: expected"),
-    ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
-    ({"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"}, "dataset",
-     "dataset=\"/nonexistent.jsonl\" is invalid: expected a .jsonl file name inside the dataset directory"),
-    ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", "rule=\"Nope\" is not a loaded rule"),
-    ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", "force=\"yes\" is invalid: expected true"),
-    ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", 'options={"bias": 3} is invalid'),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"route": ["x"]}, "route", 'unknown field(s) ["route"]: expected some of'),
+        (
+            {"routers": ["model.layers.1.mlp.gate"], "strategy": "magic"},
+            "strategy",
+            "strategy=\"magic\" is invalid: expected one of ['bias', 'restore', 'router_finetune'] or a list",
+        ),
+        (
+            {"routers": ["model.layers.9.mlp.gate"]},
+            "routers",
+            'routers=["model.layers.9.mlp.gate"] is invalid: expected a list of expert routers among',
+        ),
+        ({"routers": "model.layers.1.mlp.gate"}, "routers", 'routers="model.layers.1.mlp.gate" is invalid: expected'),
+        ({}, "routers", "no watched router is out of band (entropy_bits >= 5.2) for business line all"),
+        (
+            {"routers": ["model.layers.1.mlp.gate"], "dataset": "/nonexistent.jsonl"},
+            "dataset",
+            'dataset="/nonexistent.jsonl" is invalid: expected a .jsonl file name inside the dataset directory',
+        ),
+        ({"routers": ["model.layers.1.mlp.gate"], "rule": "Nope"}, "rule", 'rule="Nope" is not a loaded rule'),
+        ({"routers": ["model.layers.1.mlp.gate"], "force": "yes"}, "force", 'force="yes" is invalid: expected true'),
+        ({"routers": ["model.layers.1.mlp.gate"], "options": {"bias": 3}}, "options", 'options={"bias": 3} is invalid'),
+    ],
+)
 def test_bad_retune_requests_name_what_is_wrong(sidecar, body, param, message) -> None:
     url, _ = sidecar
     response = httpx.post(url + "/admin/retune", json=body, headers=AUTH)
@@ -73,7 +85,7 @@ def test_promote_and_rollback_errors(sidecar) -> None:
     assert missing.status_code == 400 and "router version 99" in error(missing)["message"]
     bad = httpx.post(url + "/admin/retune/promote", json={"version": "one"}, headers=AUTH)
     assert bad.status_code == 400
-    assert error(bad)["message"] == "version=\"one\" is invalid: expected a router version number"
+    assert error(bad)["message"] == 'version="one" is invalid: expected a router version number'
     nothing = httpx.post(url + "/admin/retune/rollback", headers=AUTH)
     assert nothing.status_code == 409 and "nothing to roll back to (promotion stack [0])" in error(nothing)["message"]
 
@@ -93,5 +105,7 @@ def test_mark_good_vouches_for_a_version_on_the_stack_and_names_a_bad_one(sideca
 def test_a_proxying_sidecar_has_no_model_to_retune(tmp_path) -> None:
     with running_sidecar(upstream="http://127.0.0.1:9", state_dir=tmp_path) as (url, _):
         response = httpx.get(url + "/v1/retune/jobs")
-        assert response.status_code == 503 and "re-tuning is off: no router is re-tuned here: serve a model" in \
-            error(response)["message"]
+        assert (
+            response.status_code == 503
+            and "re-tuning is off: no router is re-tuned here: serve a model" in error(response)["message"]
+        )

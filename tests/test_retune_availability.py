@@ -10,20 +10,30 @@ def test_each_reason_that_applies_is_said_once_with_what_to_do() -> None:
     assert why_retune_is_off(default) == (
         "re-tuning is off: it was not asked for (--engine-retune off, the default): serve with --engine-retune propose "
         "(a version to review) or apply; traffic capture is off, so a job an alert starts would have no data: serve "
-        "with --capture (or run `mla-watch retune run --dataset FILE` yourself)")
-    other = RetuneConditions("engine", engine="generic", swaps=False, engine_retune="apply", capture=True,
-                             checkpoint_problem="no *.safetensors file in /models/x")
+        "with --capture (or run `mla-watch retune run --dataset FILE` yourself)"
+    )
+    other = RetuneConditions(
+        "engine",
+        engine="generic",
+        swaps=False,
+        engine_retune="apply",
+        capture=True,
+        checkpoint_problem="no *.safetensors file in /models/x",
+    )
     assert retune_reasons(other) == [
         "--engine generic cannot swap routers in place: re-tuning needs --engine vllm or sglang",
-        "the engine's router weights cannot be read: no *.safetensors file in /models/x"]
+        "the engine's router weights cannot be read: no *.safetensors file in /models/x",
+    ]
     assert why_retune_is_off(RetuneConditions("none")).startswith("re-tuning is off: no router is re-tuned here: ")
 
 
 def test_only_the_missing_capture_is_no_job_from_an_alert_and_nothing_missing_is_none() -> None:
     local = RetuneConditions("local", capture=False)
-    assert why_retune_is_off(local) == ("an alert starts no re-tune job: traffic capture is off, so a job an alert "
-                                        "starts would have no data: serve with --capture (or run `mla-watch retune "
-                                        "run --dataset FILE` yourself)")
+    assert why_retune_is_off(local) == (
+        "an alert starts no re-tune job: traffic capture is off, so a job an alert "
+        "starts would have no data: serve with --capture (or run `mla-watch retune "
+        "run --dataset FILE` yourself)"
+    )
     assert no_job_note(local) == f"no re-tune job: {retune_reasons(local)[0]}"
     assert why_retune_is_off(RetuneConditions("local", capture=True)) is None
     ready = RetuneConditions("engine", engine="sglang", swaps=True, engine_retune="propose", capture=True)

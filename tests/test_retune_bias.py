@@ -104,9 +104,13 @@ def test_bundled_model_collapse_is_refitted() -> None:
     result = refit_bias(model, train, routers=[gate], gamma=0.05, steps=100)
     seconds = time.perf_counter() - started
     with torch.no_grad():
-        dict(model.named_modules())[gate].e_score_correction_bias.copy_(result.tensors[f"{gate}.e_score_correction_bias"])
+        dict(model.named_modules())[gate].e_score_correction_bias.copy_(
+            result.tensors[f"{gate}.e_score_correction_bias"]
+        )
     restored = entropy(model, held_out, gate)
-    print(f"bundled {gate}: healthy {healthy:.3f} bits, collapsed {collapsed:.3f}, re-fitted {restored:.3f} "
-          f"held-out ({result.after_bits[gate]:.3f} on the re-fit batches) in {seconds:.1f} s")
+    print(
+        f"bundled {gate}: healthy {healthy:.3f} bits, collapsed {collapsed:.3f}, re-fitted {restored:.3f} "
+        f"held-out ({result.after_bits[gate]:.3f} on the re-fit batches) in {seconds:.1f} s"
+    )
     assert collapsed < 3.0
     assert restored >= 5.5

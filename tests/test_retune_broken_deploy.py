@@ -19,8 +19,9 @@ def test_a_model_deployed_with_a_collapsed_router_is_repaired_and_on_call_hears_
     assert outcome.resolved_after_s is not None, outcome  # every layer-1 alert resolved, within the bound
     assert outcome.bits_after is not None and outcome.bits_after >= 5.2
     # One page and one resolution per alert (one per business line), nothing repeated, nothing lost.
-    assert outcome.pages and all(statuses == ["firing", "resolved"] for statuses in outcome.pages.values()), \
+    assert outcome.pages and all(statuses == ["firing", "resolved"] for statuses in outcome.pages.values()), (
         outcome.pages
+    )
     assert {alertname for alertname, _ in outcome.pages} == {"RoutingEntropyLow"}
 
     jobs = final_jobs(outcome)
@@ -48,8 +49,9 @@ def test_four_short_chat_prompts_repeated_close_the_loop_in_five_runs_of_five(tm
     of the reference is judged by the reference's own health on the health text and the band gate."""
     settings = RetuneSettings(retry_seconds=5.0)
     for run in range(5):
-        outcome = run_scenario(tmp_path / f"run{run}", reference=True, settings=settings, timeout=300, chat=True,
-                               seed=run)
+        outcome = run_scenario(
+            tmp_path / f"run{run}", reference=True, settings=settings, timeout=300, chat=True, seed=run
+        )
         jobs = final_jobs(outcome)
         assert outcome.resolved_after_s is not None, (run, [(job["status"], job["result"]) for job in jobs])
         assert outcome.bits_after is not None and outcome.bits_after >= 5.2

@@ -78,8 +78,10 @@ def test_a_capture_file_from_before_prompt_lengths_is_upgraded(tmp_path: Path) -
     db = sqlite3.connect(path)
     db.executescript("""CREATE TABLE samples (id INTEGER PRIMARY KEY AUTOINCREMENT, business_line TEXT NOT NULL,
                         created_at REAL NOT NULL, n_tokens INTEGER NOT NULL, token_ids BLOB NOT NULL);""")
-    db.execute("INSERT INTO samples (business_line, created_at, n_tokens, token_ids) VALUES (?, ?, ?, ?)",
-               ("billing", time.time() - 60, 2, bytes([1, 0, 0, 0, 7, 0, 0, 0])))
+    db.execute(
+        "INSERT INTO samples (business_line, created_at, n_tokens, token_ids) VALUES (?, ?, ?, ?)",
+        ("billing", time.time() - 60, 2, bytes([1, 0, 0, 0, 7, 0, 0, 0])),
+    )
     db.commit()
     db.close()
     with TrafficCapture(path) as cap:
@@ -147,8 +149,9 @@ def test_expired_samples_are_dropped_on_add(tmp_path: Path) -> None:
 
 def test_per_line_and_byte_bounds_hold_after_many_adds(tmp_path: Path) -> None:
     clock = FakeClock(T0)
-    with TrafficCapture(tmp_path / "c.sqlite", max_samples_per_line=25, max_bytes=4000,
-                        max_tokens_per_sample=16, clock=clock) as cap:
+    with TrafficCapture(
+        tmp_path / "c.sqlite", max_samples_per_line=25, max_bytes=4000, max_tokens_per_sample=16, clock=clock
+    ) as cap:
         for i in range(600):
             clock.now += 0.001
             cap.add(f"line{i % 3}", [1, *([i] * 15), 2])  # 17 tokens, kept 16 -> 64 bytes
@@ -278,15 +281,18 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 def test_dataset_row_kinds(tmp_path: Path, tokenizer) -> None:
     bos = tokenizer.bos_token_id
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        {"input_ids": [5, 6, 7]},
-        "",
-        {"input_ids": [bos, 8]},
-        {"text": "where is my parcel", "id": 17},  # other keys are ignored
-        {"prompt": "refund please", "completion": " sure"},
-        {"input_ids": [9]},  # [bos, 9]
-        {"input_ids": []},  # just [bos]: too short, skipped
-    ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"input_ids": [5, 6, 7]},
+            "",
+            {"input_ids": [bos, 8]},
+            {"text": "where is my parcel", "id": 17},  # other keys are ignored
+            {"prompt": "refund please", "completion": " sure"},
+            {"input_ids": [9]},  # [bos, 9]
+            {"input_ids": []},  # just [bos]: too short, skipped
+        ],
+    )
     samples = load_jsonl_dataset(path, tokenizer)
     assert samples == [
         [bos, 5, 6, 7],
@@ -303,8 +309,10 @@ def test_dataset_row_kinds(tmp_path: Path, tokenizer) -> None:
 
 def test_dataset_rows_may_say_how_many_tokens_count(tmp_path: Path, tokenizer) -> None:
     bos = tokenizer.bos_token_id
-    path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6, 7, 8], "scored_tokens": 2},
-                                              {"input_ids": [bos, 5, 6], "scored_tokens": 9}])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [{"input_ids": [5, 6, 7, 8], "scored_tokens": 2}, {"input_ids": [bos, 5, 6], "scored_tokens": 9}],
+    )
     samples = load_jsonl_dataset(path, tokenizer)
     assert samples == [[bos, 5, 6, 7, 8], [bos, 5, 6]]
     assert [s.scored_tokens for s in samples] == [3, 3]  # the prepended BOS counts; capped at the length
@@ -314,18 +322,24 @@ def test_dataset_rows_may_say_how_many_tokens_count(tmp_path: Path, tokenizer) -
 
 
 def test_dataset_business_line_filter(tmp_path: Path, tokenizer) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [
-        {"input_ids": [5, 6], "business_line": "billing"},
-        {"input_ids": [7, 8], "business_line": "shipping"},
-        {"input_ids": [9, 10]},
-    ])
+    path = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"input_ids": [5, 6], "business_line": "billing"},
+            {"input_ids": [7, 8], "business_line": "shipping"},
+            {"input_ids": [9, 10]},
+        ],
+    )
     assert load_jsonl_dataset(path, tokenizer, business_line="billing", add_bos=False) == [[5, 6], [9, 10]]
     assert load_jsonl_dataset(path, tokenizer, add_bos=False) == [[5, 6], [7, 8], [9, 10]]
-    only_other = write_jsonl(tmp_path / "e.jsonl", [
-        {"input_ids": [5, 6], "business_line": "billing"},
-        {"input_ids": [], "business_line": "shipping"},
-        {"text": "", "business_line": "shipping"},
-    ])
+    only_other = write_jsonl(
+        tmp_path / "e.jsonl",
+        [
+            {"input_ids": [5, 6], "business_line": "billing"},
+            {"input_ids": [], "business_line": "shipping"},
+            {"text": "", "business_line": "shipping"},
+        ],
+    )
     with pytest.raises(DatasetError) as info:
         load_jsonl_dataset(only_other, tokenizer, business_line="shipping")
     message = str(info.value)
@@ -333,27 +347,33 @@ def test_dataset_business_line_filter(tmp_path: Path, tokenizer) -> None:
     assert "2 shorter than 2 tokens" in message
 
 
-@pytest.mark.parametrize(("line", "fragments"), [
-    ("{not json", ["invalid JSON", "column"]),
-    ("[1, 2, 3]", ["not a JSON object (got a list of 3 item(s))", "expected one JSON object per line"]),
-    ({"input_id": [1, 2]}, ["none of the keys", "(1 other key(s))", "did you mean 'input_ids'"]),
-    ({"input_ids": [1, 2], "text": "hi"}, ["several of the keys", "'input_ids', 'text'"]),
-    ({"input_ids": "1 2 3"}, ["key 'input_ids': expected a list of token ids", "got a string of 5 character(s)"]),
-    ({"input_ids": [1, 2048]}, ["key 'input_ids[1]'", "[0, 2048)", "got an integer out of that range"]),
-    ({"input_ids": [1, -1]}, ["key 'input_ids[1]'", "got an integer out of that range"]),
-    ({"input_ids": [1, 2.0]}, ["key 'input_ids[1]'", "got a float"]),
-    ({"input_ids": [1, True]}, ["key 'input_ids[1]'", "got a boolean"]),
-    ({"text": 42}, ["key 'text': expected a string, got an integer"]),
-    ({"text": "hi", "completion": "x"}, ["several of the keys: 'text', 'completion'"]),
-    ({"prompt": "hi"}, ["completion: missing"]),
-    ({"completion": "hi"}, ["prompt: missing"]),
-    ({"prompt": "hi", "completion": ["x"]}, ["key 'completion': expected a string, got a list of 1 item(s)"]),
-    ({"text": "hi", "business_line": 3}, ["key 'business_line': expected a string, got an integer"]),
-    ({"input_ids": [1, 2], "scored_tokens": -1}, ["key 'scored_tokens'", "a non-negative int", "a negative integer"]),
-    ({"input_ids": [1, 2], "scored_tokens": 1.5}, ["key 'scored_tokens'", "a non-negative int", "got a float"]),
-    ({"text": "hi", "scored_tokens": 1}, ["key 'scored_tokens'", "only next to 'input_ids'"]),
-    ({"text": "y" * 500}, None),  # fine: a long text
-])
+@pytest.mark.parametrize(
+    ("line", "fragments"),
+    [
+        ("{not json", ["invalid JSON", "column"]),
+        ("[1, 2, 3]", ["not a JSON object (got a list of 3 item(s))", "expected one JSON object per line"]),
+        ({"input_id": [1, 2]}, ["none of the keys", "(1 other key(s))", "did you mean 'input_ids'"]),
+        ({"input_ids": [1, 2], "text": "hi"}, ["several of the keys", "'input_ids', 'text'"]),
+        ({"input_ids": "1 2 3"}, ["key 'input_ids': expected a list of token ids", "got a string of 5 character(s)"]),
+        ({"input_ids": [1, 2048]}, ["key 'input_ids[1]'", "[0, 2048)", "got an integer out of that range"]),
+        ({"input_ids": [1, -1]}, ["key 'input_ids[1]'", "got an integer out of that range"]),
+        ({"input_ids": [1, 2.0]}, ["key 'input_ids[1]'", "got a float"]),
+        ({"input_ids": [1, True]}, ["key 'input_ids[1]'", "got a boolean"]),
+        ({"text": 42}, ["key 'text': expected a string, got an integer"]),
+        ({"text": "hi", "completion": "x"}, ["several of the keys: 'text', 'completion'"]),
+        ({"prompt": "hi"}, ["completion: missing"]),
+        ({"completion": "hi"}, ["prompt: missing"]),
+        ({"prompt": "hi", "completion": ["x"]}, ["key 'completion': expected a string, got a list of 1 item(s)"]),
+        ({"text": "hi", "business_line": 3}, ["key 'business_line': expected a string, got an integer"]),
+        (
+            {"input_ids": [1, 2], "scored_tokens": -1},
+            ["key 'scored_tokens'", "a non-negative int", "a negative integer"],
+        ),
+        ({"input_ids": [1, 2], "scored_tokens": 1.5}, ["key 'scored_tokens'", "a non-negative int", "got a float"]),
+        ({"text": "hi", "scored_tokens": 1}, ["key 'scored_tokens'", "only next to 'input_ids'"]),
+        ({"text": "y" * 500}, None),  # fine: a long text
+    ],
+)
 def test_dataset_errors_name_path_line_key_value(tmp_path: Path, tokenizer, line, fragments) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [5, 6]}, "   ", line])
     if fragments is None:

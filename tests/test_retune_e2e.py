@@ -37,15 +37,24 @@ PROMPTS = corpus.prompts("code", 64, seed=31)  # 64 distinct function signatures
 
 def traffic(url: str, requests: int, start: int = 0, tokens: int = 24) -> None:
     for index in range(start, start + requests):
-        response = httpx.post(url + "/v1/completions", timeout=120, headers={"X-Business-Line": "code_assistant"},
-                              json={"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": tokens, "seed": index})
+        response = httpx.post(
+            url + "/v1/completions",
+            timeout=120,
+            headers={"X-Business-Line": "code_assistant"},
+            json={"prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": tokens, "seed": index},
+        )
         assert response.status_code == 200, response.text
 
 
 def alerts_for(receiver, alertname: str, status: str, router: str = LAYER1) -> list[dict]:
-    return [alert for request in list(receiver.requests) for alert in request.json()["alerts"]
-            if alert["status"] == status and alert["labels"]["alertname"] == alertname
-            and alert["labels"]["router"] == router]
+    return [
+        alert
+        for request in list(receiver.requests)
+        for alert in request.json()["alerts"]
+        if alert["status"] == status
+        and alert["labels"]["alertname"] == alertname
+        and alert["labels"]["router"] == router
+    ]
 
 
 def last_job(url: str) -> dict:
@@ -56,7 +65,8 @@ def last_job(url: str) -> dict:
 def decided(job: dict) -> bool:
     """Ended, or rejected while its router still reads outside its band (then it waits for new traffic)."""
     return job["status"] not in ("pending", "running", "waiting") or bool(
-        (job.get("result") or {}).get("rejected_while_outside_band"))
+        (job.get("result") or {}).get("rejected_while_outside_band")
+    )
 
 
 def finished_job(url: str, start: int, timeout: float = 400) -> tuple[dict, int]:
@@ -84,13 +94,21 @@ def until_paged(url: str, receiver, start: int, limit: int = 30) -> int:
 
 def held_out_texts() -> list[list[int]]:
     _, tokenizer = mla_watch.load_model("bundled", device="cpu")
-    return [[tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
-            for text in corpus.generate("code", 24, seed=777)]
+    return [
+        [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        for text in corpus.generate("code", 24, seed=777)
+    ]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return processes.run([sys.executable, "-m", "mla_watch.cli", "retune", *args], capture_output=True, text=True,
-                         env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN}, timeout=300, check=False)
+    return processes.run(
+        [sys.executable, "-m", "mla_watch.cli", "retune", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MLA_WATCH_ADMIN_TOKEN": TOKEN},
+        timeout=300,
+        check=False,
+    )
 
 
 def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves(tmp_path, monkeypatch) -> None:
@@ -98,8 +116,14 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
         rules = write_rules(tmp_path / "rules", actions=RETUNE, strategies=("bias",))
         settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
-        with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
-                             state_dir=tmp_path / "state") as (url, sidecar):
+        with running_sidecar(
+            rules=rules,
+            alert_interval=0.2,
+            window_tokens=256,
+            capture=True,
+            retune=settings,
+            state_dir=tmp_path / "state",
+        ) as (url, sidecar):
             traffic(url, 14)  # captured: the job's data
             model = sidecar.model_worker.model
             with torch.no_grad():
@@ -137,19 +161,29 @@ def test_collapse_pages_then_the_bias_job_promotes_itself_and_the_alert_resolves
             assert metric_value(text, "mla_watch_retune_jobs_total", strategy="bias", outcome="promoted") == 1
             assert metric_value(text, "mla_watch_router_promotions_total", kind="promote") == 1
             assert metric_value(text, "mla_watch_router_version") == 1
-            assert metric_value(text, "mla_watch_retune_captured_samples_total", business_line="code_assistant") == \
-                sent + 6
+            assert (
+                metric_value(text, "mla_watch_retune_captured_samples_total", business_line="code_assistant")
+                == sent + 6
+            )
             assert PROMPTS[0].split("(")[0] not in text  # captured prompts never reach metrics
 
 
 def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_cli(tmp_path, monkeypatch) -> None:
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        rules = write_rules(tmp_path / "rules", below=5.4, resolve_above=5.5, actions=RETUNE,
-                            strategies=("router_finetune",))
+        rules = write_rules(
+            tmp_path / "rules", below=5.4, resolve_above=5.5, actions=RETUNE, strategies=("router_finetune",)
+        )
         settings = RetuneSettings(min_samples=12, retry_seconds=2.0, min_held_out_tokens=200)
-        with running_sidecar(rules=rules, alert_interval=0.2, window_tokens=256, capture=True, retune=settings,
-                             admin_token=TOKEN, state_dir=tmp_path / "state") as (url, sidecar):
+        with running_sidecar(
+            rules=rules,
+            alert_interval=0.2,
+            window_tokens=256,
+            capture=True,
+            retune=settings,
+            admin_token=TOKEN,
+            state_dir=tmp_path / "state",
+        ) as (url, sidecar):
             traffic(url, 14)
             model = sidecar.model_worker.model
             healthy = router_state(model)
@@ -178,13 +212,35 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             before_restore = router_state(model)
             traffic(url, 24, start=sent)  # the restore job below runs on what was captured: enough for the gate
 
-
             if not rejected:  # a promoted job holds the router's cooldown; one still trying does not
-                refused = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
-                              "--business-line", "code_assistant", "--wait", "120")
+                refused = cli(
+                    "run",
+                    "--url",
+                    url,
+                    "--router",
+                    LAYER1,
+                    "--strategy",
+                    "restore",
+                    "--business-line",
+                    "code_assistant",
+                    "--wait",
+                    "120",
+                )
                 assert refused.returncode != 0 and "cooldown is 3600 s" in refused.stderr
-            restored = cli("run", "--url", url, "--router", LAYER1, "--strategy", "restore",
-                           "--business-line", "code_assistant", "--wait", "120", "--force")
+            restored = cli(
+                "run",
+                "--url",
+                url,
+                "--router",
+                LAYER1,
+                "--strategy",
+                "restore",
+                "--business-line",
+                "code_assistant",
+                "--wait",
+                "120",
+                "--force",
+            )
             assert restored.returncode == 0, restored.stdout + restored.stderr
             assert "promoted" in restored.stdout
             live = router_state(model)
@@ -193,7 +249,9 @@ def test_damage_finetune_or_rejection_then_restore_and_exact_rollback_from_the_c
             listing = cli("list", "--url", url, "--json")
             # the restore promoted; a job still trying for the same router is superseded by it
             assert [job["status"] for job in json.loads(listing.stdout)][:2] == [
-                "promoted", "superseded" if rejected else job["status"]]
+                "promoted",
+                "superseded" if rejected else job["status"],
+            ]
             version = httpx.get(url + "/v1/retune/versions").json()["live"]
             shown = json.loads(cli("show", "--url", url, "--version", str(version)).stdout)
             assert shown["strategy"] == "restore" and shown["live"] is True and shown["details"]["restored_from"] == 0

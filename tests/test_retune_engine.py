@@ -35,9 +35,13 @@ BAND = {"metric": "entropy_bits", "low": 2.5, "high": None}  # 8 experts, top-2:
 
 def healthy_state() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {f"model.layers.{layer}.mlp.gate.{leaf}": (torch.randn(8, 4, generator=generator) if leaf == "weight"
-                                                      else torch.zeros(8))
-            for layer in (0, 1) for leaf in ("weight", "e_score_correction_bias")}
+    return {
+        f"model.layers.{layer}.mlp.gate.{leaf}": (
+            torch.randn(8, 4, generator=generator) if leaf == "weight" else torch.zeros(8)
+        )
+        for layer in (0, 1)
+        for leaf in ("weight", "e_score_correction_bias")
+    }
 
 
 def collapsed_state() -> dict[str, torch.Tensor]:
@@ -91,8 +95,18 @@ class ScriptedEngine(EngineWeights):
 
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 2, "n_routed_experts": 8,
-                                "num_experts_per_tok": 2, "first_k_dense_replace": 0, "hidden_size": 4}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "num_hidden_layers": 2,
+                "n_routed_experts": 8,
+                "num_experts_per_tok": 2,
+                "first_k_dense_replace": 0,
+                "hidden_size": 4,
+            }
+        )
+    )
     return path
 
 
@@ -104,26 +118,46 @@ def capture_of(tmp_path: Path, count: int = 40) -> TrafficCapture:
     return capture
 
 
-def make(tmp_path: Path, *, mode: str = "apply", reference: dict[str, torch.Tensor] | None = None,
-         state: dict[str, torch.Tensor] | None = None, **settings) -> tuple[EngineRetuner, ScriptedEngine]:
+def make(
+    tmp_path: Path,
+    *,
+    mode: str = "apply",
+    reference: dict[str, torch.Tensor] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
+    **settings,
+) -> tuple[EngineRetuner, ScriptedEngine]:
     config = config_file(tmp_path)
     engine = ScriptedEngine(state if state is not None else collapsed_state(), config)
     host = EngineRouters(engine, GEOMETRY, engine.state, swap_dir=tmp_path / "swaps", config_json=config)
     registry = RouterVersions(tmp_path / "routers")
     registry.record_initial(host, None)
     retuner = EngineRetuner(
-        host=host, versions=registry, mode=mode, capture=capture_of(tmp_path),
-        settings=RetuneSettings(**{"min_samples": 8, "min_held_out_tokens": 100, "min_held_out_samples": 4,
-                                   **settings}),
-        promote=lambda version: registry.promote(host, version), rollback=lambda: registry.rollback(host),
+        host=host,
+        versions=registry,
+        mode=mode,
+        capture=capture_of(tmp_path),
+        settings=RetuneSettings(
+            **{"min_samples": 8, "min_held_out_tokens": 100, "min_held_out_samples": 4, **settings}
+        ),
+        promote=lambda version: registry.promote(host, version),
+        rollback=lambda: registry.rollback(host),
         loads=lambda router, line: None,
-        reference=None if reference is None else RouterReference("reference model /healthy", reference))
+        reference=None if reference is None else RouterReference("reference model /healthy", reference),
+    )
     return retuner, engine
 
 
 def job(**overrides) -> JobSpec:
-    return JobSpec(**{"routers": [ROUTER], "strategies": ["restore"], "business_line": "code", "band": BAND,
-                      "trigger": {"source": "alert", "at": 0.0}, **overrides})
+    return JobSpec(
+        **{
+            "routers": [ROUTER],
+            "strategies": ["restore"],
+            "business_line": "code",
+            "band": BAND,
+            "trigger": {"source": "alert", "at": 0.0},
+            **overrides,
+        }
+    )
 
 
 def test_the_bias_rule_moves_idle_experts_up_and_busy_ones_down_in_proportion() -> None:
@@ -132,8 +166,11 @@ def test_the_bias_rule_moves_idle_experts_up_and_busy_ones_down_in_proportion() 
     assert moved.tolist() == pytest.approx([0.5, 0.0, 0.0, -0.5])  # mean 10: idle +gamma, twice the mean -gamma
     assert bias_step(np.zeros(2, dtype=np.float32), np.array([0, 100]), 1.0).tolist() == pytest.approx([1.0, -1.0])
     assert bias_step(np.zeros(2, dtype=ml_dtypes.bfloat16), np.array([1, 3]), 1.0).dtype == ml_dtypes.bfloat16
-    with pytest.raises(ValueError, match=r"loads of shape \[3\] summing to 3: expected one positive count per "
-                                         r"expert \(\[4\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"loads of shape \[3\] summing to 3: expected one positive count per "
+        r"expert \(\[4\]\)",
+    ):
         bias_step(np.zeros(4, dtype=np.float32), np.array([1, 1, 1]), 1.0)
     schedule = BiasSchedule(gamma=1.0, decay=0.5, steps=3)
     assert [schedule.gamma_at(step) for step in range(3)] == [1.0, 0.5, 0.25]
@@ -266,9 +303,12 @@ def test_router_finetune_is_said_to_need_the_engines_weights(tmp_path) -> None:
     retuner, _ = make(tmp_path, reference=healthy_state())
     status, result = retuner.run(job(strategies=["router_finetune", "restore"]))
     assert status == "promoted"
-    assert result["attempts"][0] == {"strategy": "router_finetune", "outcome": "unsupported",
-                                     "reason": "router_finetune needs the model's weights, which the engine holds "
-                                               "(engine strategies: restore, bias)"}
+    assert result["attempts"][0] == {
+        "strategy": "router_finetune",
+        "outcome": "unsupported",
+        "reason": "router_finetune needs the model's weights, which the engine holds "
+        "(engine strategies: restore, bias)",
+    }
 
 
 def test_an_engine_that_returns_no_routing_is_judged_by_perplexity_and_the_band_says_why(tmp_path) -> None:

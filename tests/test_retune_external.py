@@ -23,8 +23,10 @@ from mla_watch.shipped import SHIPPED_RULES
 pytestmark = pytest.mark.slow
 
 LAYER1 = "model.layers.1.mlp.gate"
-WORKER = ("{python} -m mla_watch.retune.worker --job {job} --data {data} --routers {routers} --output {output} "
-          "--model {model} --device cpu")
+WORKER = (
+    "{python} -m mla_watch.retune.worker --job {job} --data {data} --routers {routers} --output {output} "
+    "--model {model} --device cpu"
+)
 
 
 def retuner(tmp_path: Path, command: str) -> Retuner:
@@ -36,14 +38,28 @@ def retuner(tmp_path: Path, command: str) -> Retuner:
     shipped = load_rules_dir(SHIPPED_RULES, environ={}).rules
     registry.record_initial(model, startup_health(model, tokenizer, shipped))  # healthy: `restore` may use it
     lock = threading.Lock()
-    return Retuner(model=model, tokenizer=tokenizer, versions=registry, capture=capture, model_lock=lock,
-                   settings=RetuneSettings(min_samples=8, command=command, max_tokens_per_sample=128),
-                   workdir=tmp_path / "work", promote=lambda version: registry.promote(model, version, lock))
+    return Retuner(
+        model=model,
+        tokenizer=tokenizer,
+        versions=registry,
+        capture=capture,
+        model_lock=lock,
+        settings=RetuneSettings(min_samples=8, command=command, max_tokens_per_sample=128),
+        workdir=tmp_path / "work",
+        promote=lambda version: registry.promote(model, version, lock),
+    )
 
 
 def job(**overrides) -> JobSpec:
-    return JobSpec(**{"routers": [LAYER1], "strategies": ["bias"], "business_line": "code_assistant",
-                      "options": {"bias": {"gamma": 0.2, "steps": 40}}, **overrides})
+    return JobSpec(
+        **{
+            "routers": [LAYER1],
+            "strategies": ["bias"],
+            "business_line": "code_assistant",
+            "options": {"bias": {"gamma": 0.2, "steps": 40}},
+            **overrides,
+        }
+    )
 
 
 def test_an_external_command_fits_the_job_and_the_server_gates_and_promotes_it(tmp_path) -> None:
@@ -63,8 +79,11 @@ def test_an_external_command_fits_the_job_and_the_server_gates_and_promotes_it(t
     assert manifest["tensors"] == [f"{LAYER1}.e_score_correction_bias"]
     live = router_state(runner.model)
     assert not torch.equal(live[f"{LAYER1}.e_score_correction_bias"], collapsed[f"{LAYER1}.e_score_correction_bias"])
-    assert all(torch.equal(live[name], collapsed[name]) for name in collapsed if not name.endswith("correction_bias")
-               or not name.startswith(LAYER1))
+    assert all(
+        torch.equal(live[name], collapsed[name])
+        for name in collapsed
+        if not name.endswith("correction_bias") or not name.startswith(LAYER1)
+    )
     assert list((tmp_path / "work").iterdir()) == []  # the job's copy of the traffic is gone once it ended
 
 
@@ -84,7 +103,11 @@ def test_a_bad_template_names_its_fields(tmp_path) -> None:
     runner = retuner(tmp_path, "{python} train.py --checkpoint {ckpt}")
     status, result = runner.run(job())
     assert status == "failed"
-    assert "retune command template '{python} train.py --checkpoint {ckpt}' is invalid: KeyError('ckpt')" in \
-        result["attempts"][0]["reason"]
-    assert "fields are ['data', 'job', 'job_id', 'model', 'output', 'python', 'routers', 'strategy']" in \
-        result["attempts"][0]["reason"]
+    assert (
+        "retune command template '{python} train.py --checkpoint {ckpt}' is invalid: KeyError('ckpt')"
+        in result["attempts"][0]["reason"]
+    )
+    assert (
+        "fields are ['data', 'job', 'job_id', 'model', 'output', 'python', 'routers', 'strategy']"
+        in result["attempts"][0]["reason"]
+    )

@@ -26,8 +26,11 @@ def test_margins_are_absolute_numbers_or_percentages_and_errors_name_the_value()
     assert math.isclose(parse_margin(0.3).log_ratio_limit(14.0), math.log(14.3 / 14.0))
     assert math.isclose(RELATIVE_2.log_ratio_limit(97.0), math.log(1.02))
     for bad in (-1, "abc", "150%", True, None, float("nan")):
-        with pytest.raises(ValueError, match=r"^max_perplexity_increase = .*: expected an absolute perplexity "
-                                             r"increase \(a number >= 0, e\.g\. 0\.3\) or a relative one"):
+        with pytest.raises(
+            ValueError,
+            match=r"^max_perplexity_increase = .*: expected an absolute perplexity "
+            r"increase \(a number >= 0, e\.g\. 0\.3\) or a relative one",
+        ):
             parse_margin(bad)
 
 
@@ -58,8 +61,10 @@ def test_too_few_tokens_or_an_interval_across_the_margin_is_not_enough_data_neve
     base, worse, tokens = _samples(10, 12, 2.0, 0.10, 0.05)  # as clearly worse, on 120 tokens
     decided = compare_perplexity(base, worse, tokens, margin=RELATIVE_2, min_tokens=400)
     assert decided.decision == "insufficient"
-    assert decided.message() == ("not enough held-out data to judge perplexity: 120 scored tokens in 10 distinct "
-                                 "samples, the gate needs at least 400 tokens in 8 distinct samples")
+    assert decided.message() == (
+        "not enough held-out data to judge perplexity: 120 scored tokens in 10 distinct "
+        "samples, the gate needs at least 400 tokens in 8 distinct samples"
+    )
 
     base, noisy, tokens = _samples(40, 12, 2.0, 0.02, 0.30, seed=1)  # at the margin, with a wide spread
     decided = compare_perplexity(base, noisy, tokens, margin=RELATIVE_2, min_tokens=400)

@@ -77,17 +77,24 @@ def test_the_reference_reads_router_tensors_only_and_names_what_does_not_match(t
         load_reference_routers(tmp_path / "empty", live)
     (tmp_path / "other").mkdir()
     save_file({name: torch.zeros(1) for name in live}, str(tmp_path / "other" / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"/other: {next(iter(live))} has shape \(1,\) in model\.safetensors: "
-                                         rf"expected \({live[next(iter(live))].shape[0]}, "):
+    with pytest.raises(
+        ValueError,
+        match=rf"/other: {next(iter(live))} has shape \(1,\) in model\.safetensors: "
+        rf"expected \({live[next(iter(live))].shape[0]}, ",
+    ):
         load_reference_routers(tmp_path / "other", live)
     (tmp_path / "partial").mkdir()
     save_file({BIAS: live[BIAS]}, str(tmp_path / "partial" / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"router tensor .* is not in the checkpoint \({len(live) - 1} of "
-                                         rf"{len(live)} missing\): expected a checkpoint of the served model"):
+    with pytest.raises(
+        ValueError,
+        match=rf"router tensor .* is not in the checkpoint \({len(live) - 1} of "
+        rf"{len(live)} missing\): expected a checkpoint of the served model",
+    ):
         load_reference_routers(tmp_path / "partial", live)
     (tmp_path / "escape").mkdir()
     (tmp_path / "escape" / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {BIAS: "../same/model.safetensors"}}))
+        json.dumps({"weight_map": {BIAS: "../same/model.safetensors"}})
+    )
     with pytest.raises(ValueError, match=r"maps .* to a file outside the directory"):
         load_reference_routers(tmp_path / "escape", live)
     (tmp_path / "damaged").mkdir()
@@ -99,8 +106,17 @@ def test_the_reference_reads_router_tensors_only_and_names_what_does_not_match(t
 def test_check_validates_a_reference_model_against_the_model(tmp_path: Path, capsys) -> None:
     from mla_watch.cli import main
 
-    assert main(["check", "--capture", "--reference-model", str(Path(__file__).parents[1] / "mla_watch" / "models"
-                                                                  / "bundled")]) == 0
+    assert (
+        main(
+            [
+                "check",
+                "--capture",
+                "--reference-model",
+                str(Path(__file__).parents[1] / "mla_watch" / "models" / "bundled"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "router tensors match the model's; `restore` puts them back" in out
     assert "can only restore" not in out  # --capture: there is data

@@ -30,14 +30,16 @@ def non_router_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return {name: tensor + torch.randn(tensor.shape, generator=generator)
-            for name, tensor in router_state(model).items()}
+    return {
+        name: tensor + torch.randn(tensor.shape, generator=generator) for name, tensor in router_state(model).items()
+    }
 
 
 def test_router_state_holds_only_router_tensors(model: torch.nn.Module) -> None:
     state = router_state(model)
-    assert sorted(state) == sorted(f"model.layers.{i}.mlp.gate.{leaf}" for i in (0, 1)
-                                   for leaf in ("weight", "e_score_correction_bias"))
+    assert sorted(state) == sorted(
+        f"model.layers.{i}.mlp.gate.{leaf}" for i in (0, 1) for leaf in ("weight", "e_score_correction_bias")
+    )
     assert not any("experts" in name or "indexer" in name for name in state)
     assert all(t.device.type == "cpu" and not t.requires_grad for t in state.values())
     assert list(router_state(model, [GATE])) == [f"{GATE}.weight", f"{GATE}.e_score_correction_bias"]
@@ -70,8 +72,7 @@ def test_round_trip_is_bit_exact_and_versions_are_listed(model: torch.nn.Module,
     assert len(registry.versions()) == 3
 
 
-def test_version_0_recorded_unchecked_takes_its_first_health_check_once(model: torch.nn.Module,
-                                                                          tmp_path: Path) -> None:
+def test_version_0_recorded_unchecked_takes_its_first_health_check_once(model: torch.nn.Module, tmp_path: Path) -> None:
     registry = RouterVersions(tmp_path / "routers")
     assert registry.record_initial_health({"passed": True, "checked": True}) is False  # no version 0 yet
     registry.record_initial(model)  # beside an engine: recorded before the engine could be read
@@ -152,7 +153,12 @@ def test_promote_changes_only_routers_and_rollback_is_exact(model: torch.nn.Modu
 
     history = [json.loads(line) for line in (tmp_path / "promotions.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["version"], e["previous"]) for e in history] == [
-        ("initial", 0, None), ("promote", v1, 0), ("promote", v2, v1), ("rollback", v1, v2), ("rollback", 0, v1)]
+        ("initial", 0, None),
+        ("promote", v1, 0),
+        ("promote", v2, v1),
+        ("rollback", v1, v2),
+        ("rollback", 0, v1),
+    ]
     assert all(e["at"] for e in history)
     non_router = non_router_state(model)
     assert all(torch.equal(non_router[n], others[n]) for n in others)
@@ -185,12 +191,16 @@ def test_failed_write_leaves_no_partial_version(model: torch.nn.Module, tmp_path
 
 
 def test_known_good_is_a_healthy_version_0_a_version_marked_good_or_one_that_passed_its_gates(
-        model: torch.nn.Module, tmp_path: Path) -> None:
+    model: torch.nn.Module, tmp_path: Path
+) -> None:
     unchecked = RouterVersions(tmp_path / "unchecked")
     unchecked.record_initial(model)
-    with pytest.raises(ValueError, match=r"version 0 \(the routers the server started with\) was not health-checked "
-                                         r"\(no start-up health check ran\).*--reference-model DIR, or mark a version "
-                                         r"good with `mla-watch retune mark-good N`"):
+    with pytest.raises(
+        ValueError,
+        match=r"version 0 \(the routers the server started with\) was not health-checked "
+        r"\(no start-up health check ran\).*--reference-model DIR, or mark a version "
+        r"good with `mla-watch retune mark-good N`",
+    ):
         unchecked.last_good_state([GATE])
     assert unchecked.mark_good(0) == 0 and unchecked.marked_good() == [0]
     assert unchecked.last_good_state([GATE])[0::2] == (0, "marked good by an operator")
@@ -217,7 +227,8 @@ def test_known_good_is_a_healthy_version_0_a_version_marked_good_or_one_that_pas
 
 
 def test_a_line_cut_short_by_a_crash_is_skipped_and_spoils_nothing_after_it(
-        model: torch.nn.Module, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model: torch.nn.Module, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     registry = RouterVersions(tmp_path)
     registry.record_initial(model, {"passed": True, "checked": True, "reason": "no rule breached"})
     v1 = registry.save(perturbed(model, 1), {"gates": {"passed": True}})
@@ -245,14 +256,19 @@ def test_a_candidate_identical_to_a_saved_version_is_not_written_again(model: to
     registry.record_initial(model)
     tensors = perturbed(model, 3)
     assert registry.save(tensors, {"job": "a", "gates": {"passed": False}}) == 1
-    assert registry.save({name: tensor.clone() for name, tensor in tensors.items()},
-                         {"job": "b", "gates": {"passed": False}}) == 1
+    assert (
+        registry.save(
+            {name: tensor.clone() for name, tensor in tensors.items()}, {"job": "b", "gates": {"passed": False}}
+        )
+        == 1
+    )
     assert registry.version_numbers() == [0, 1] and registry.manifest(1)["candidate_of"] == ["b"]
     assert registry.save(perturbed(model, 4), {"job": "c", "gates": {"passed": False}}) == 2
 
 
-def test_versions_past_the_retention_policy_go_oldest_first_but_never_what_is_needed(model: torch.nn.Module,
-                                                                                     tmp_path: Path) -> None:
+def test_versions_past_the_retention_policy_go_oldest_first_but_never_what_is_needed(
+    model: torch.nn.Module, tmp_path: Path
+) -> None:
     from mla_watch.retune.jobs import RetentionPolicy
 
     registry = RouterVersions(tmp_path / "routers", RetentionPolicy(max_versions=4))

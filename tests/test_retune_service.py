@@ -66,8 +66,10 @@ def test_a_job_rejected_while_its_router_is_still_broken_keeps_trying_and_holds_
 
     assert [a["outcome"] for a in job["result"]["attempts"]] == ["rejected", "rejected"]
     assert job["result"]["rejected_while_outside_band"] is True
-    assert job["result"]["needs"].startswith(f"a candidate that passes its gates: every one was rejected while {GATE} "
-                                             "still reads outside its band (entropy_bits >= 3.5)")
+    assert job["result"]["needs"].startswith(
+        f"a candidate that passes its gates: every one was rejected while {GATE} "
+        "still reads outside its band (entropy_bits >= 3.5)"
+    )
     assert all(torch.equal(before[name], tensor) for name, tensor in harness.model.state_dict().items())
     assert service.versions.live_version() == 0
     assert [m["gates"]["passed"] for m in service.versions.versions()] == [True, False, False]
@@ -139,12 +141,17 @@ def test_restore_puts_back_the_last_version_that_passed_its_gates(tmp_path) -> N
     healthy = router_state(harness.model)
     with torch.no_grad():  # a bad deploy: noise on the router weights, in place
         dict(harness.model.named_modules())[GATE].weight.add_(
-            torch.randn(dict(harness.model.named_modules())[GATE].weight.shape, generator=torch.Generator()
-                        .manual_seed(3)) * 5)
+            torch.randn(
+                dict(harness.model.named_modules())[GATE].weight.shape, generator=torch.Generator().manual_seed(3)
+            )
+            * 5
+        )
     job = final(service, service.submit(spec(strategies=["restore"], band={"metric": "entropy_bits"}))["id"])
     assert job["status"] == "promoted", job["result"]
-    assert job["result"]["attempts"][0]["gates"]["after"]["perplexity"] <= \
-        job["result"]["attempts"][0]["gates"]["before"]["perplexity"] + 0.3
+    assert (
+        job["result"]["attempts"][0]["gates"]["after"]["perplexity"]
+        <= job["result"]["attempts"][0]["gates"]["before"]["perplexity"] + 0.3
+    )
     live = router_state(harness.model)
     assert all(torch.equal(live[name], healthy[name]) for name in healthy)
     assert service.versions.manifest(job["result"]["version"])["details"]["restored_from"] == 0
@@ -191,8 +198,10 @@ def test_a_job_short_of_captured_samples_waits_and_runs_again_by_itself_once_the
     submitted = service.submit(spec())
     assert wait_until(lambda: service.store.get(submitted["id"])["status"] == "waiting", timeout=30)
     job = service.store.get(submitted["id"])
-    assert job["result"]["needs"] == ("160 samples of business line 'code' are available; the job needs at least "
-                                      "200 (let more traffic be captured, or give a dataset)")
+    assert job["result"]["needs"] == (
+        "160 samples of business line 'code' are available; the job needs at least "
+        "200 (let more traffic be captured, or give a dataset)"
+    )
     assert job["result"]["retry_at"] > job["result"]["waiting_since"]
     # Waiting is not a rejection: no cooldown is held, and a new alert joins the waiting job.
     merged = service.submit(spec(routers=[OTHER]))
@@ -208,8 +217,9 @@ def test_a_job_short_of_captured_samples_waits_and_runs_again_by_itself_once_the
     # The router it was for now serves the promoted version: the other line's job is superseded, not run.
     superseded = final(service, other_line["id"])
     assert superseded["status"] == "superseded" and superseded["result"]["superseded_by"] == job["id"]
-    assert superseded["result"]["error"] == (f"superseded: job {job['id']} promoted router version 1 for "
-                                             f"{OTHER}, {GATE}")
+    assert superseded["result"]["error"] == (
+        f"superseded: job {job['id']} promoted router version 1 for {OTHER}, {GATE}"
+    )
     assert ("bias", "waiting") in harness.outcomes and harness.outcomes[-1] == ("bias", "promoted")
     service.stop()
 
@@ -247,8 +257,10 @@ def test_a_wait_is_bounded_and_a_job_that_could_not_decide_holds_no_cooldown(tmp
     job = final(service, service.submit(spec())["id"])
     assert job["status"] == "failed" and job["result"]["cannot_run"]
     assert job["result"]["error"].startswith("not enough data to decide after waiting 0 s (max_wait_seconds 0): ")
-    assert "scored held-out tokens in 40 distinct samples; the perplexity gate decides on at least 100000" in \
-        job["result"]["error"]
+    assert (
+        "scored held-out tokens in 40 distinct samples; the perplexity gate decides on at least 100000"
+        in job["result"]["error"]
+    )
     assert job["result"]["attempts"] == []  # nothing was fitted on data no gate could judge
     again = service.submit(spec())
     assert again["id"] != job["id"]  # no cooldown
@@ -283,7 +295,8 @@ def test_a_pending_job_survives_a_crash_in_the_sqlite_job_store(tmp_path) -> Non
 
 
 def test_a_job_still_running_when_the_stop_runs_out_of_time_promotes_nothing_and_is_recorded_interrupted(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     harness = Harness(tmp_path, max_attempts=1)
     service = harness.start()
     started, release, refused = threading.Event(), threading.Event(), threading.Event()
@@ -363,8 +376,10 @@ def down_since(schedule: Path, job_id: str, seconds: float) -> None:
         state = pickle.loads(blob)
         state["trigger"].run_date -= timedelta(seconds=seconds)
         state["next_run_time"] -= timedelta(seconds=seconds)
-        db.execute("UPDATE apscheduler_jobs SET job_state = ?, next_run_time = ? WHERE id = ?",
-                   (pickle.dumps(state), state["next_run_time"].timestamp(), job_id))
+        db.execute(
+            "UPDATE apscheduler_jobs SET job_state = ?, next_run_time = ? WHERE id = ?",
+            (pickle.dumps(state), state["next_run_time"].timestamp(), job_id),
+        )
 
 
 def test_promotions_survive_a_restart(tmp_path) -> None:

@@ -31,8 +31,12 @@ def test_llama4_picks_are_recovered_from_its_logits() -> None:
     probe = mla_watch.attach(model, window_tokens=None)
     modules = dict(model.named_modules())
     seen: dict[str, list[torch.Tensor]] = {info.name: [] for info in probe.routers}
-    handles = [modules[name].register_forward_hook(
-        lambda module, args, output, name=name: seen[name].append(output[0].detach().clone())) for name in seen]
+    handles = [
+        modules[name].register_forward_hook(
+            lambda module, args, output, name=name: seen[name].append(output[0].detach().clone())
+        )
+        for name in seen
+    ]
     _run(model)
     for handle in handles:
         handle.remove()
@@ -113,8 +117,14 @@ def test_a_spec_that_reads_floats_is_refused_at_attach_not_in_the_forward() -> N
 
 def test_a_spec_whose_slots_overflow_is_refused_at_attach() -> None:
     registry = RouterRegistry()
-    registry.register("MyTopKRouter", kind="expert", num_slots=lambda m, c: 2, top_k=lambda m, c: 2,
-                      indices=lambda output: torch.topk(output[1], 2).indices, may_pad=False)
+    registry.register(
+        "MyTopKRouter",
+        kind="expert",
+        num_slots=lambda m, c: 2,
+        top_k=lambda m, c: 2,
+        indices=lambda output: torch.topk(output[1], 2).indices,
+        may_pad=False,
+    )
     model = Tiny(MyTopKRouter())
     with torch.no_grad():
         model.layers[0].gate.proj.bias.copy_(torch.tensor([0.0, 0.0, 5.0, 6.0]))  # picks experts 2 and 3 of "2"
@@ -173,8 +183,11 @@ def test_router_info_flags_round_trip_and_plain_records_keep_their_shape() -> No
 
 def _save(model: nn.Module, path) -> None:
     model.save_pretrained(path)
-    tokenizer_json = {"version": "1.0", "added_tokens": [],
-                      "model": {"type": "WordLevel", "vocab": {"<unk>": 0}, "unk_token": "<unk>"}}
+    tokenizer_json = {
+        "version": "1.0",
+        "added_tokens": [],
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0}, "unk_token": "<unk>"},
+    }
     (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 

@@ -30,8 +30,9 @@ from mla_watch.routing.stats import (
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def simulate_topk(rng: np.random.Generator, num_slots: int, top_k: int, tokens: int,
-                  weights: np.ndarray | None = None) -> np.ndarray:
+def simulate_topk(
+    rng: np.random.Generator, num_slots: int, top_k: int, tokens: int, weights: np.ndarray | None = None
+) -> np.ndarray:
     """Counts of a router that picks ``top_k`` distinct slots per token."""
     counts = np.zeros(num_slots, dtype=np.int64)
     for _ in range(tokens):
@@ -78,8 +79,7 @@ def test_entropy_bounds_exact() -> None:
     assert entropy_bounds(4, 8) == pytest.approx((2.0, 2.0))
 
 
-@pytest.mark.parametrize(("num_slots", "top_k", "param"), [(0, 6, "num_slots"), (64, 0, "top_k"),
-                                                           (-3, 2, "num_slots")])
+@pytest.mark.parametrize(("num_slots", "top_k", "param"), [(0, 6, "num_slots"), (64, 0, "top_k"), (-3, 2, "num_slots")])
 def test_entropy_bounds_rejects_bad_parameters(num_slots: int, top_k: int, param: str) -> None:
     bad = num_slots if param == "num_slots" else top_k
     with pytest.raises(ValueError, match=rf"{param}.*{bad}"):
@@ -196,8 +196,7 @@ def test_js_divergence_properties(sample: tuple[np.ndarray, int], seed: int) -> 
 
 @FAST
 @given(topk_counts(), st.integers(0, 2**32 - 1), st.integers(1, 1000))
-def test_entropy_invariant_to_permutation_and_scaling(sample: tuple[np.ndarray, int], seed: int,
-                                                      factor: int) -> None:
+def test_entropy_invariant_to_permutation_and_scaling(sample: tuple[np.ndarray, int], seed: int, factor: int) -> None:
     counts, _ = sample
     h = entropy_bits(counts)
     permuted = np.random.default_rng(seed).permutation(counts)
@@ -256,14 +255,14 @@ def test_no_signal_names_why_a_window_says_nothing() -> None:
     short = compute_stats([40 - j for j in range(40)], kind="indexer", top_k=64, tokens=40)
     assert short.locality is None and "2 x index_topk = 128" in short.no_signal
     # with some queries past index_topk the indexer chose, and its locality is a signal
-    long = compute_stats([1] * 300, kind="indexer", top_k=4, tokens=300, min_tokens=100, local_selections=200,
-                         choice_selections=1000)
+    long = compute_stats(
+        [1] * 300, kind="indexer", top_k=4, tokens=300, min_tokens=100, local_selections=200, choice_selections=1000
+    )
     assert long.locality == pytest.approx(0.2) and long.no_signal is None
 
 
 def test_compute_stats_expert_locality_ignored_and_window_flag() -> None:
-    stats = compute_stats([5] * 64, kind="expert", top_k=6, tokens=200, local_selections=3,
-                          choice_selections=4)
+    stats = compute_stats([5] * 64, kind="expert", top_k=6, tokens=200, local_selections=3, choice_selections=4)
     assert stats.locality is None
     assert stats.too_small is False
     assert stats.js_divergence is None
@@ -275,8 +274,7 @@ def test_compute_stats_expert_locality_ignored_and_window_flag() -> None:
 
 
 def test_compute_stats_no_selections_is_nan_free() -> None:
-    stats = compute_stats(np.zeros(64, dtype=int), kind="expert", top_k=6, tokens=0,
-                          baseline=np.ones(64))
+    stats = compute_stats(np.zeros(64, dtype=int), kind="expert", top_k=6, tokens=0, baseline=np.ones(64))
     assert stats.entropy_bits == 0.0
     assert stats.normalized_entropy == 0.0
     assert stats.max_violation == 0.0
@@ -360,11 +358,9 @@ def test_indexer_no_selections() -> None:
 
 
 def test_indexer_locality() -> None:
-    stats = compute_stats([3, 1, 2], kind="indexer", top_k=2, tokens=3, local_selections=3,
-                          choice_selections=4)
+    stats = compute_stats([3, 1, 2], kind="indexer", top_k=2, tokens=3, local_selections=3, choice_selections=4)
     assert stats.locality == pytest.approx(0.75)
-    none = compute_stats([3, 1, 2], kind="indexer", top_k=2, tokens=3, local_selections=0,
-                         choice_selections=0)
+    none = compute_stats([3, 1, 2], kind="indexer", top_k=2, tokens=3, local_selections=0, choice_selections=0)
     assert none.locality is None
 
 
@@ -526,8 +522,9 @@ _ADD = st.tuples(
     st.one_of(st.none(), st.floats(0.5, 20.0, allow_nan=False)),
     st.floats(0.0, 30.0, allow_nan=False),
 )
-def test_window_running_sums_match_recomputation(adds: list, max_tokens: int | None,
-                                                 max_seconds: float | None, final_dt: float) -> None:
+def test_window_running_sums_match_recomputation(
+    adds: list, max_tokens: int | None, max_seconds: float | None, final_dt: float
+) -> None:
     clock = FakeClock(0.0)
     window = RollingWindow(4, max_tokens=max_tokens, max_seconds=max_seconds, clock=clock)
     history: list[tuple[float, list[int], int, int]] = []

@@ -28,14 +28,34 @@ from tests.tiny_models import VOCAB, build
 
 # The keys that decide the routers' geometry, from each model's published config.json.
 REAL_CONFIGS = {
-    "Mixtral-8x7B": {"model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 8,
-                     "num_experts_per_tok": 2},
-    "Qwen3-30B-A3B": {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 128,
-                      "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "DeepSeek-V3": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "first_k_dense_replace": 3,
-                    "moe_layer_freq": 1, "n_routed_experts": 256, "num_experts_per_tok": 8},
-    "gpt-oss-20b": {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_local_experts": 32,
-                    "num_experts_per_tok": 4},
+    "Mixtral-8x7B": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "Qwen3-30B-A3B": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 48,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+    "DeepSeek-V3": {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+    },
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 24,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+    },
 }
 ONCALL = {"MLA_WATCH_ONCALL_URL": "http://127.0.0.1:9/hook"}
 
@@ -43,17 +63,21 @@ ONCALL = {"MLA_WATCH_ONCALL_URL": "http://127.0.0.1:9/hook"}
 def rules_file(tmp_path: Path, select: str, *, metric: str = "entropy_bits", below: float = 5.0) -> Path:
     (tmp_path / "r.yaml").write_text(
         "receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]\n"
-        f"rules:\n  - {{alert: Low, metric: {metric}, select: {select}, below: {below}}}\n")
+        f"rules:\n  - {{alert: Low, metric: {metric}, select: {select}, below: {below}}}\n"
+    )
     return tmp_path
 
 
-@pytest.mark.parametrize(("select", "inside", "outside"), [
-    ("{slots: 64}", [64], [8, 256]),
-    ("{slots: [8, 63]}", [8, 63], [7, 64]),
-    ("{slots: [65, null]}", [65, 4096], [64]),
-    ("{slots: {not: 64}}", [8, 256], [64]),
-    ("{slots: {not: [8, 64]}}", [7, 65], [8, 64]),
-])
+@pytest.mark.parametrize(
+    ("select", "inside", "outside"),
+    [
+        ("{slots: 64}", [64], [8, 256]),
+        ("{slots: [8, 63]}", [8, 63], [7, 64]),
+        ("{slots: [65, null]}", [65, 4096], [64]),
+        ("{slots: {not: 64}}", [8, 256], [64]),
+        ("{slots: {not: [8, 64]}}", [7, 65], [8, 64]),
+    ],
+)
 def test_the_slots_selector_matches_routers_by_size(tmp_path, select, inside, outside) -> None:
     (rule,) = load_rules_dir(rules_file(tmp_path, select)).rules
     for slots in inside:
@@ -62,12 +86,15 @@ def test_the_slots_selector_matches_routers_by_size(tmp_path, select, inside, ou
         assert not rule.selector.matches({"name": "g", "layer": 1, "kind": "expert", "num_slots": slots})
 
 
-@pytest.mark.parametrize(("select", "words"), [
-    ("{slots: 0}", "a number of slots (64)"),
-    ("{slots: [64, 8]}", "[low, high] with low <= high"),
-    ("{slots: {except: 64}}", "under `not:`"),
-    ("{slots: true}", "rules[Low].select.slots"),
-])
+@pytest.mark.parametrize(
+    ("select", "words"),
+    [
+        ("{slots: 0}", "a number of slots (64)"),
+        ("{slots: [64, 8]}", "[low, high] with low <= high"),
+        ("{slots: {except: 64}}", "under `not:`"),
+        ("{slots: true}", "rules[Low].select.slots"),
+    ],
+)
 def test_a_bad_slots_selector_is_refused_by_key_and_value(tmp_path, select, words) -> None:
     with pytest.raises(RuleError) as caught:
         load_rules_dir(rules_file(tmp_path, select))
@@ -98,8 +125,11 @@ def test_check_passes_the_shipped_rules_on_real_geometries(tmp_path, capsys, mon
     # the 64-expert seed rules stand aside; the baseline rules say what they judge against; the indexer rule says
     # it does not apply to a model without indexers
     no_indexer = {"IndexerDegenerate"} if all(router.kind != "indexer" for router in routers) else set()
-    assert watched == {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingEntropyFalling", "ExpertHotspot",
-                       "DeadExperts"} | no_indexer
+    assert (
+        watched
+        == {"RoutingEntropyLow", "RoutingEntropyHigh", "RoutingEntropyFalling", "ExpertHotspot", "DeadExperts"}
+        | no_indexer
+    )
     # serve keeps the routing history by default, and its trend rules read it: nothing to warn of
     assert "never judges it" not in out
     assert main(["check", "--model-config", str(config), "--history-retention", "0"]) == 0
@@ -174,15 +204,26 @@ def test_routing_never_shows_an_entropy_below_its_floor(sidecar) -> None:
     import httpx
 
     url, _ = sidecar
-    for line, prompt in (("customer_service", "Where is my order?"), ("code_assistant", "def add(a, b):"),
-                         ("doc_summary", "Summarise: the meeting moved to Monday.")):
-        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 8},
-                            headers={"X-Business-Line": line}, timeout=120)
+    for line, prompt in (
+        ("customer_service", "Where is my order?"),
+        ("code_assistant", "def add(a, b):"),
+        ("doc_summary", "Summarise: the meeting moved to Monday."),
+    ):
+        answer = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 8},
+            headers={"X-Business-Line": line},
+            timeout=120,
+        )
         assert answer.status_code == 200, answer.text
     body = httpx.get(url + "/v1/routing", timeout=30).json()
-    records = [r for line in [None, *body["business_lines"]]
-               for r in httpx.get(url + "/v1/routing", params={"business_line": line} if line else {},
-                                  timeout=30).json()["routers"]]
+    records = [
+        r
+        for line in [None, *body["business_lines"]]
+        for r in httpx.get(url + "/v1/routing", params={"business_line": line} if line else {}, timeout=30).json()[
+            "routers"
+        ]
+    ]
     counted = [r for r in records if r["selections"]]
     assert {r["kind"] for r in counted} == {"expert", "indexer"}
     for record in counted:

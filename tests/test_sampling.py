@@ -312,8 +312,9 @@ def test_sampling_values_from_a_decision_take_the_table_defaults() -> None:
     empty = SamplingValues.from_applied({})
     assert empty == SamplingValues()
     assert all(getattr(empty, p.field) == p.default for p in SAMPLING_PARAMS.values() if p.field == p.name)
-    values = SamplingValues.from_applied({"temperature": 1, "max_tokens": 8.0, "top_k": None, "stop": ["ignored"]},
-                                         seed=3, stop=("\n",))
+    values = SamplingValues.from_applied(
+        {"temperature": 1, "max_tokens": 8.0, "top_k": None, "stop": ["ignored"]}, seed=3, stop=("\n",)
+    )
     assert values == SamplingValues(temperature=1.0, max_tokens=8, seed=3, stop=("\n",))
     assert type(values.temperature) is float and type(values.max_tokens) is int
     with pytest.raises(ValueError, match=r"SamplingParams\.top_p=0\.0 is invalid: expected a number in \(0, 1\]"):

@@ -24,8 +24,9 @@ def test_health_readiness_models(sidecar) -> None:
 
 def test_code_request_is_clamped_and_says_so(sidecar) -> None:
     url, _ = sidecar
-    response = post(url, "/v1/completions", {"prompt": "def parse_invoice(", "max_tokens": 8, "temperature": 0.9,
-                                             "seed": 1}, CODE)
+    response = post(
+        url, "/v1/completions", {"prompt": "def parse_invoice(", "max_tokens": 8, "temperature": 0.9, "seed": 1}, CODE
+    )
     assert response.status_code == 200
     assert response.headers["X-MLA-Policy"] == "code_assistant/code"
     body = response.json()
@@ -50,12 +51,17 @@ def test_a_clamped_request_generates_exactly_what_the_clamped_values_generate(si
     applied = {a["param"]: a["applied"] for a in clamped["mla_watch"]["adjustments"]}
     assert applied["temperature"] == 0.3 and applied["top_p"] == 0.05
     # The permissive default policy keeps these values as they are, so the sampler sees the same numbers.
-    direct = post(url, "/v1/completions", {**prompt, "temperature": 0.3, "top_p": 0.05, "repetition_penalty": 1.2},
-                  {"X-Business-Line": "default"}).json()
+    direct = post(
+        url,
+        "/v1/completions",
+        {**prompt, "temperature": 0.3, "top_p": 0.05, "repetition_penalty": 1.2},
+        {"X-Business-Line": "default"},
+    ).json()
     assert direct["mla_watch"]["adjustments"] == [{"param": "n", "requested": None, "applied": 1}]
     assert clamped["choices"][0]["text"] == direct["choices"][0]["text"]
-    other_seed = post(url, "/v1/completions", {**prompt, "seed": 12, "temperature": 1.0, "top_p": 1.0},
-                      {"X-Business-Line": "default"}).json()
+    other_seed = post(
+        url, "/v1/completions", {**prompt, "seed": 12, "temperature": 1.0, "top_p": 1.0}, {"X-Business-Line": "default"}
+    ).json()
     assert other_seed["choices"][0]["text"] != clamped["choices"][0]["text"]
 
 
@@ -70,8 +76,10 @@ def test_sql_rejects_and_names_parameter_value_and_range(sidecar) -> None:
     assert "0.9" in error["message"] and "[0.1, 0.3]" in error["message"]
     after = get_metrics(url)
     labels = {"business_line": "code_assistant", "task": "sql", "param": "temperature"}
-    assert metric_value(after, "mla_watch_policy_rejections_total", **labels) == \
-        metric_value(before, "mla_watch_policy_rejections_total", **labels) + 1
+    assert (
+        metric_value(after, "mla_watch_policy_rejections_total", **labels)
+        == metric_value(before, "mla_watch_policy_rejections_total", **labels) + 1
+    )
 
 
 def test_metadata_carries_the_business_line_and_must_not_contradict_headers(sidecar) -> None:
@@ -84,8 +92,12 @@ def test_metadata_carries_the_business_line_and_must_not_contradict_headers(side
 
 def test_streaming_matches_the_non_streamed_text(sidecar) -> None:
     url, _ = sidecar
-    request = {"messages": [{"role": "user", "content": "Where is my order ORD-2023-11111?"}], "max_tokens": 20,
-               "seed": 5, "stream_options": {"include_usage": True}}
+    request = {
+        "messages": [{"role": "user", "content": "Where is my order ORD-2023-11111?"}],
+        "max_tokens": 20,
+        "seed": 5,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"X-Business-Line": "customer_service"}
     whole = post(url, "/v1/chat/completions", request, headers).json()
     streamed = post(url, "/v1/chat/completions", {**request, "stream": True}, headers)
@@ -104,8 +116,12 @@ def test_streaming_matches_the_non_streamed_text(sidecar) -> None:
 
 def test_n_and_stop(sidecar) -> None:
     url, _ = sidecar
-    body = post(url, "/v1/completions", {"prompt": "SELECT", "max_tokens": 30, "n": 3, "seed": 2,
-                                         "temperature": 0.3, "stop": ["\n"]}, SQL).json()
+    body = post(
+        url,
+        "/v1/completions",
+        {"prompt": "SELECT", "max_tokens": 30, "n": 3, "seed": 2, "temperature": 0.3, "stop": ["\n"]},
+        SQL,
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for choice in body["choices"]:
         assert "\n" not in choice["text"]
@@ -116,17 +132,27 @@ def test_n_and_stop(sidecar) -> None:
 def test_the_official_openai_client_works_unchanged(sidecar) -> None:
     url, _ = sidecar
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    completion = client.completions.create(model="bundled", prompt="def add_numbers(", max_tokens=6,
-                                           temperature=0.8, seed=3, extra_headers=CODE)
+    completion = client.completions.create(
+        model="bundled", prompt="def add_numbers(", max_tokens=6, temperature=0.8, seed=3, extra_headers=CODE
+    )
     assert completion.choices[0].text and completion.usage.completion_tokens <= 6
     assert completion.model_extra["mla_watch"]["policy"] == "code_assistant/code"
-    chat = client.chat.completions.create(model="bundled", max_tokens=8, seed=3,
-                                          messages=[{"role": "user", "content": "I need a refund"}],
-                                          extra_body={"metadata": {"business_line": "customer_service"}})
+    chat = client.chat.completions.create(
+        model="bundled",
+        max_tokens=8,
+        seed=3,
+        messages=[{"role": "user", "content": "I need a refund"}],
+        extra_body={"metadata": {"business_line": "customer_service"}},
+    )
     assert chat.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model="bundled", max_tokens=8, seed=3, stream=True,
-                                            messages=[{"role": "user", "content": "I need a refund"}],
-                                            extra_body={"metadata": {"business_line": "customer_service"}})
+    stream = client.chat.completions.create(
+        model="bundled",
+        max_tokens=8,
+        seed=3,
+        stream=True,
+        messages=[{"role": "user", "content": "I need a refund"}],
+        extra_body={"metadata": {"business_line": "customer_service"}},
+    )
     pieces = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     assert "".join(pieces) == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as caught:
@@ -139,8 +165,9 @@ def test_the_official_openai_client_works_unchanged(sidecar) -> None:
 def test_prompts_longer_than_the_model_allows_get_a_clear_400(sidecar) -> None:
     url, sidecar_object = sidecar
     limit = sidecar_object.model_worker.model.config.max_position_embeddings
-    response = post(url, "/v1/completions", {"prompt": "SELECT a FROM t; " * 400, "max_tokens": 8},
-                    {"X-Business-Line": "default"})
+    response = post(
+        url, "/v1/completions", {"prompt": "SELECT a FROM t; " * 400, "max_tokens": 8}, {"X-Business-Line": "default"}
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and str(limit) in error["message"]
@@ -154,10 +181,20 @@ BAD_REQUESTS = [
     ("negative max_tokens", {"prompt": "x", "max_tokens": -5}, {}, "invalid_value", "max_tokens"),
     ("absurd max_tokens", {"prompt": "x", "max_tokens": 10**12}, {}, "invalid_value", "max_tokens"),
     ("boolean n", {"prompt": "x", "n": True}, {}, "invalid_value", "n"),
-    ("unknown business line", {"prompt": "x"}, {"X-Business-Line": "marketing"}, "unknown_business_line",
-     "X-Business-Line"),
-    ("unknown task", {"prompt": "x"}, {"X-Business-Line": "code_assistant", "X-Task": "poetry"}, "unknown_task",
-     "X-Task"),
+    (
+        "unknown business line",
+        {"prompt": "x"},
+        {"X-Business-Line": "marketing"},
+        "unknown_business_line",
+        "X-Business-Line",
+    ),
+    (
+        "unknown task",
+        {"prompt": "x"},
+        {"X-Business-Line": "code_assistant", "X-Task": "poetry"},
+        "unknown_task",
+        "X-Task",
+    ),
     ("missing prompt", {"max_tokens": 3}, {}, "invalid_value", "prompt"),
 ]
 
@@ -189,10 +226,15 @@ def test_empty_messages_and_a_10_mb_body_are_refused(sidecar) -> None:
 def test_a_client_that_disconnects_mid_stream_frees_the_model(sidecar) -> None:
     url, _ = sidecar
     before = metric_value(get_metrics(url), "mla_watch_client_disconnects_total")
-    with httpx.Client(timeout=60) as client, client.stream(
-        "POST", url + "/v1/completions", json={"prompt": "def f(", "max_tokens": 200, "stream": True},
-        headers={"X-Business-Line": "default"},
-    ) as response:
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"prompt": "def f(", "max_tokens": 200, "stream": True},
+            headers={"X-Business-Line": "default"},
+        ) as response,
+    ):
         for line in response.iter_lines():
             if line.startswith("data: "):
                 break  # leave after the first event
@@ -203,8 +245,12 @@ def test_a_client_that_disconnects_mid_stream_frees_the_model(sidecar) -> None:
 def test_routing_and_metrics_attribute_traffic_to_business_lines(sidecar) -> None:
     url, _ = sidecar
     for _ in range(2):
-        post(url, "/v1/completions", {"prompt": "Document:\nRevenue rose 12% in Q3.\n\nSummary:\n", "max_tokens": 8},
-             {"X-Business-Line": "doc_summary"})
+        post(
+            url,
+            "/v1/completions",
+            {"prompt": "Document:\nRevenue rose 12% in Q3.\n\nSummary:\n", "max_tokens": 8},
+            {"X-Business-Line": "doc_summary"},
+        )
     routing = httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"}).json()
     assert "doc_summary" in routing["business_lines"]
     experts = [r for r in routing["routers"] if r["kind"] == "expert"]
@@ -212,19 +258,43 @@ def test_routing_and_metrics_attribute_traffic_to_business_lines(sidecar) -> Non
     assert all(r["floor_bits"] <= r["entropy_bits"] <= r["ceiling_bits"] for r in experts)
     text = get_metrics(url)
     name = experts[0]["name"]
-    entropy = metric_value(text, "mla_watch_routing_entropy_bits", router=name, business_line="doc_summary",
-                           kind="expert", layer=str(experts[0]["layer"]))
+    entropy = metric_value(
+        text,
+        "mla_watch_routing_entropy_bits",
+        router=name,
+        business_line="doc_summary",
+        kind="expert",
+        layer=str(experts[0]["layer"]),
+    )
     assert entropy == pytest.approx(experts[0]["entropy_bits"], abs=0.2)
     assert metric_value(text, "mla_watch_routing_entropy_ceiling_bits", router=name, business_line="all") == 6.0
     # The requests sent no temperature: the policy's default was filled in, which is not a clamp.
-    assert metric_value(text, "mla_watch_policy_defaults_total", business_line="doc_summary",
-                        task="summarize", param="temperature") >= 2
-    assert metric_value(text, "mla_watch_policy_adjustments_total", business_line="doc_summary",
-                        task="summarize", param="temperature") == 0
+    assert (
+        metric_value(
+            text, "mla_watch_policy_defaults_total", business_line="doc_summary", task="summarize", param="temperature"
+        )
+        >= 2
+    )
+    assert (
+        metric_value(
+            text,
+            "mla_watch_policy_adjustments_total",
+            business_line="doc_summary",
+            task="summarize",
+            param="temperature",
+        )
+        == 0
+    )
     counts = httpx.get(url + "/v1/policies").json()["counts"]["doc_summary"]["summarize"]
     assert counts["defaulted"]["temperature"] >= 2 and "temperature" not in counts["clamped"]
-    for family in ("routing_normalized_entropy", "routing_max_violation", "routing_dead_slots",
-                   "routing_window_tokens", "routing_entropy_floor_bits", "requests_total"):
+    for family in (
+        "routing_normalized_entropy",
+        "routing_max_violation",
+        "routing_dead_slots",
+        "routing_window_tokens",
+        "routing_entropy_floor_bits",
+        "requests_total",
+    ):
         assert f"mla_watch_{family}" in text
 
 

@@ -21,24 +21,32 @@ TOKEN = "test-admin-token"
 def test_policies_reload_on_file_change_and_a_broken_file_keeps_the_last_good(policies_copy) -> None:
     code_file = policies_copy / "code_assistant.yaml"
     with running_sidecar(policies=policies_copy, policy_poll_seconds=0.05) as (url, _):
+
         def sql_max_temperature() -> float:
             sql = httpx.get(url + "/v1/policies").json()["business_lines"]["code_assistant"]["tasks"]["sql"]
             return sql["params"]["temperature"]["max"]
 
         assert sql_max_temperature() == 0.3
-        code_file.write_text(code_file.read_text().replace("temperature: {min: 0.1, max: 0.3, default: 0.1}",
-                                                           "temperature: {min: 0.1, max: 0.4, default: 0.1}"))
+        code_file.write_text(
+            code_file.read_text().replace(
+                "temperature: {min: 0.1, max: 0.3, default: 0.1}", "temperature: {min: 0.1, max: 0.4, default: 0.1}"
+            )
+        )
         assert wait_until(lambda: sql_max_temperature() == 0.4, 10)
-        assert post(url, "/v1/completions", {"prompt": "SELECT", "temperature": 0.35, "max_tokens": 1},
-                    SQL).status_code == 200
+        assert (
+            post(url, "/v1/completions", {"prompt": "SELECT", "temperature": 0.35, "max_tokens": 1}, SQL).status_code
+            == 200
+        )
 
         code_file.write_text(code_file.read_text().replace("max: 0.4", "max: lots"))
         assert wait_until(lambda: httpx.get(url + "/v1/policies").json()["last_reload_error"] is not None, 10)
         errors = httpx.get(url + "/v1/policies").json()["last_reload_error"]
         assert any("code_assistant.yaml" in e and "lots" in e for e in errors)
         assert sql_max_temperature() == 0.4  # the last good policies stay in force
-        assert post(url, "/v1/completions", {"prompt": "SELECT", "temperature": 0.35, "max_tokens": 1},
-                    SQL).status_code == 200
+        assert (
+            post(url, "/v1/completions", {"prompt": "SELECT", "temperature": 0.35, "max_tokens": 1}, SQL).status_code
+            == 200
+        )
         assert metric_value(get_metrics(url), "mla_watch_policy_reloads_total", outcome="refused") >= 1
 
 
@@ -63,23 +71,26 @@ def test_an_overloaded_server_answers_429_with_retry_after() -> None:
     with running_sidecar(max_queue=1) as (url, _):
         body = {"prompt": "def f(", "max_tokens": 60}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda _: post(url, "/v1/completions", body, {"X-Business-Line": "default"}),
-                                      range(8)))
+            responses = list(
+                pool.map(lambda _: post(url, "/v1/completions", body, {"X-Business-Line": "default"}), range(8))
+            )
         statuses = sorted(r.status_code for r in responses)
         assert 200 in statuses and 429 in statuses and set(statuses) <= {200, 429}
         refused = next(r for r in responses if r.status_code == 429)
         assert int(refused.headers["Retry-After"]) >= 1 and refused.json()["error"]["code"] == "overloaded"
         text = get_metrics(url)
         assert metric_value(text, "mla_watch_overloaded_total") == statuses.count(429)
-        assert metric_value(text, "mla_watch_requests_total", endpoint="/v1/completions", status="200") == \
-            statuses.count(200)
+        assert metric_value(
+            text, "mla_watch_requests_total", endpoint="/v1/completions", status="200"
+        ) == statuses.count(200)
 
 
 def test_a_request_past_its_deadline_gets_503(tmp_path) -> None:
     from mla_watch.server.app import ServerConfig, Sidecar
 
-    config = ServerConfig(device="cpu", policy_poll_seconds=None, admin_token=None, state_dir=tmp_path,
-                          request_timeout=0.3, rules=None)
+    config = ServerConfig(
+        device="cpu", policy_poll_seconds=None, admin_token=None, state_dir=tmp_path, request_timeout=0.3, rules=None
+    )
     # half a second passes at every reading: a deadline of 0.3 s has passed by the next look at it, however
     # fast (or slow) the machine generates
     sidecar = Sidecar(config, clock=FakeClock(0.0, tick=0.5))
@@ -144,8 +155,9 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
 
     with running_sidecar(upstream="http://127.0.0.1:9", admin_token=TOKEN, history_interval_seconds=0.1) as (url, _):
         model = build("deepseek_v32")
-        probe = mla_watch.attach(model, agent_url=url, agent_token=TOKEN, agent_source="worker-1",
-                                 ship_interval=3600, window_tokens=None)
+        probe = mla_watch.attach(
+            model, agent_url=url, agent_token=TOKEN, agent_source="worker-1", ship_interval=3600, window_tokens=None
+        )
         local = mla_watch.attach(model, window_tokens=None)
         with torch.no_grad(), probe.attribute("code_assistant"), local.attribute("code_assistant"):
             model(input_ids=torch.randint(1, 90, (2, 9)))
@@ -168,8 +180,9 @@ def test_workers_ship_router_counts_to_the_sidecar(tmp_path) -> None:
         shown = {s["router"]: s for s in status["history"]["series"] if s["business_line"] == "code_assistant"}
         assert set(shown) == set(remote)
         # float32 in the history: 4 decimals, give or take the last
-        assert all(s["values"][-1] == pytest.approx(remote[name]["entropy_bits"], abs=1e-4)
-                   for name, s in shown.items())
+        assert all(
+            s["values"][-1] == pytest.approx(remote[name]["entropy_bits"], abs=1e-4) for name, s in shown.items()
+        )
         assert status["retune"] is None and status["upstream"] == "http://127.0.0.1:9"
 
         wrong = mla_watch.attach(model, agent_url=url, agent_token="wrong", ship_interval=3600)
@@ -207,6 +220,7 @@ def test_a_broken_rule_file_on_reload_keeps_the_last_good_rules(tmp_path, polici
     import shutil
 
     from mla_watch.alerting.rules import load_rules_dir
+
     rules = tmp_path / "rules"
     shutil.copytree(REPO / "rules", rules)
     shipped = len(load_rules_dir(rules, environ={}).rules)
@@ -219,6 +233,7 @@ def test_a_broken_rule_file_on_reload_keeps_the_last_good_rules(tmp_path, polici
         assert any("extra.yaml" in e and "'entropy'" in e for e in refused.json()["errors"])
         assert httpx.get(url + "/v1/alerts").json()["rules"] == shipped  # the last good rules stay in force
         (rules / "extra.yaml").write_text(
-            "rules:\n  - alert: Extra\n    metric: entropy_bits\n    below: 4.0\n    actions: [notify]\n")
+            "rules:\n  - alert: Extra\n    metric: entropy_bits\n    below: 4.0\n    actions: [notify]\n"
+        )
         assert httpx.post(url + "/admin/reload", headers=auth).json()["ok"] is True
         assert httpx.get(url + "/v1/alerts").json()["rules"] == shipped + 1

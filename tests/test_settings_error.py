@@ -18,12 +18,16 @@ def test_a_core_object_names_the_field_and_the_command_line_the_flag() -> None:
     with pytest.raises(SettingsError) as caught:
         ServerConfig(reference=ReferenceSettings(long_share=2.0, rate=0.0), capture_max_client_share=0)
     error = caught.value
-    assert error.errors == ["reference.rate = 0.0: expected prompts a second > 0",
-                            "reference.long_share = 2.0: expected a share of the reader's time in (0, 1]",
-                            "capture_max_client_share = 0: expected a share in (0, 1]"]
-    assert flag_messages(error) == ["--reference-rate 0.0: expected prompts a second > 0",
-                                    "--reference-long-share 2.0: expected a share of the reader's time in (0, 1]",
-                                    "--capture-max-client-share 0: expected a share in (0, 1]"]
+    assert error.errors == [
+        "reference.rate = 0.0: expected prompts a second > 0",
+        "reference.long_share = 2.0: expected a share of the reader's time in (0, 1]",
+        "capture_max_client_share = 0: expected a share in (0, 1]",
+    ]
+    assert flag_messages(error) == [
+        "--reference-rate 0.0: expected prompts a second > 0",
+        "--reference-long-share 2.0: expected a share of the reader's time in (0, 1]",
+        "--capture-max-client-share 0: expected a share in (0, 1]",
+    ]
     assert str(error).startswith("3 problems in the server configuration:\n  - reference.rate = 0.0")
 
 
@@ -35,7 +39,9 @@ def test_a_problem_of_two_settings_names_both() -> None:
     with pytest.raises(SettingsError) as caught:
         IngestLimits(max_top_k=0)
     assert (str(caught.value), flag_text(caught.value)) == (
-        "ingest_limits.max_top_k = 0: expected an integer >= 1", "--ingest-max-top-k 0: expected an integer >= 1")
+        "ingest_limits.max_top_k = 0: expected an integer >= 1",
+        "--ingest-max-top-k 0: expected an integer >= 1",
+    )
 
 
 def test_every_field_flag_is_a_flag_of_the_command_line() -> None:

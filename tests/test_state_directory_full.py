@@ -61,13 +61,21 @@ def firing(url: str, alertname: str) -> set[str]:
 
 def delivered(receiver) -> set[str]:
     """Fingerprints of the alerts a receiver answered 200 for."""
-    return {alert["fingerprint"] for request in list(receiver.requests) if request.reply.status == 200
-            for alert in request.json()["alerts"]}
+    return {
+        alert["fingerprint"]
+        for request in list(receiver.requests)
+        if request.reply.status == 200
+        for alert in request.json()["alerts"]
+    }
 
 
 def complete(url: str, line: str) -> int:
-    return httpx.post(url + "/v1/completions", headers={"X-Business-Line": line}, timeout=120,
-                      json={"prompt": "Customer: my parcel has not arrived", "max_tokens": 8, "seed": 1}).status_code
+    return httpx.post(
+        url + "/v1/completions",
+        headers={"X-Business-Line": line},
+        timeout=120,
+        json={"prompt": "Customer: my parcel has not arrived", "max_tokens": 8, "seed": 1},
+    ).status_code
 
 
 def unwritable(url: str) -> dict[str, str]:
@@ -83,16 +91,26 @@ def stored(path: Path, sql: str) -> list[tuple]:
 
 
 def test_serve_rides_out_a_full_state_directory_and_writes_again_once_there_is_room(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "base.yaml").write_text("rules: []\n")
     caplog.set_level(logging.INFO, logger="mla_watch")
     # 16 MB: room for what SQLite keeps in its WAL files before a checkpoint (up to 4 MB each) once room is back
-    with small_tmpfs(tmp_path / "state", "16m") as state, running_receiver(default=OK) as up, \
-            running_receiver(default=status(503)) as down, running_sidecar(
-                rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=state, capture=True,
-                history_interval_seconds=0.5) as (url, sidecar):
+    with (
+        small_tmpfs(tmp_path / "state", "16m") as state,
+        running_receiver(default=OK) as up,
+        running_receiver(default=status(503)) as down,
+        running_sidecar(
+            rules=rules,
+            alert_interval=0.2,
+            attn_implementation="eager",
+            state_dir=state,
+            capture=True,
+            history_interval_seconds=0.5,
+        ) as (url, sidecar),
+    ):
         sidecar.alerts.dispatcher.base_delay = 0.05  # retries of the receiver that is down: within the test
         sidecar.alerts.dispatcher.max_delay = 0.5
         for line in LINES:
@@ -108,8 +126,9 @@ def test_serve_rides_out_a_full_state_directory_and_writes_again_once_there_is_r
         paged = firing(url, "Storm_up")
         assert wait_until(lambda: paged <= delivered(up), timeout=60), "the pages never reached on-call"
         held_for_down = firing(url, "Storm_down")
-        assert wait_until(lambda: metric_value(get_metrics(url), "mla_watch_notifications_held") >= len(held_for_down),
-                          timeout=30)
+        assert wait_until(
+            lambda: metric_value(get_metrics(url), "mla_watch_notifications_held") >= len(held_for_down), timeout=30
+        )
         # Serving and counting go on, the capture aside.
         assert all(complete(url, line) == 200 for line in LINES)
         failing = unwritable(url)
@@ -123,12 +142,18 @@ def test_serve_rides_out_a_full_state_directory_and_writes_again_once_there_is_r
             assert metric_value(metrics, "mla_watch_state_write_failing", file=name) == 1
         assert metric_value(metrics, "mla_watch_state_write_errors_total", file="outbox.sqlite") >= 2
         assert metric_value(metrics, "mla_watch_notifications_total", receiver="down", outcome="held") >= len(
-            held_for_down)
+            held_for_down
+        )
         assert stored(state / "outbox.sqlite", "SELECT COUNT(*) FROM outbox")[0][0] == 0  # all of it in memory
         # Said once per file, however many writes failed.
         for name in ("outbox", "alert state file", "traffic capture"):
-            said = [r for r in caplog.records if r.name == "mla_watch.state" and r.getMessage().startswith(
-                f"{name} {state}") and "cannot write it: the disk is full" in r.getMessage()]
+            said = [
+                r
+                for r in caplog.records
+                if r.name == "mla_watch.state"
+                and r.getMessage().startswith(f"{name} {state}")
+                and "cannot write it: the disk is full" in r.getMessage()
+            ]
             assert len(said) == 1, [r.getMessage() for r in said]
 
         filler.unlink()  # room again: everything is written by itself (the capture with the next request it records)
@@ -141,16 +166,18 @@ def test_serve_rides_out_a_full_state_directory_and_writes_again_once_there_is_r
         assert metric_value(metrics, "mla_watch_state_write_failing", file="outbox.sqlite") == 0
         saved = json.loads((state / "alerts.json").read_text())
         assert {i["labels"]["alertname"] for i in saved["instances"] if i["state"] == "firing"} == {
-            "Storm_up", "Storm_down"}
-        written = stored(state / "history.sqlite", f"SELECT COUNT(*) FROM points WHERE tier = 'full' AND t > "
-                                                   f"{full_since}")[0][0]
+            "Storm_up",
+            "Storm_down",
+        }
+        written = stored(
+            state / "history.sqlite", f"SELECT COUNT(*) FROM points WHERE tier = 'full' AND t > {full_since}"
+        )[0][0]
         assert written > 0  # the samples taken while the disk was full, from memory
         assert any("is written again" in r.getMessage() for r in caplog.records if r.name == "mla_watch.state")
         # Nothing held was lost: the receiver that was down gets every page once it is back.
         down.default = OK
         assert wait_until(lambda: held_for_down <= delivered(down), timeout=60)
-        assert wait_until(lambda: stored(state / "outbox.sqlite", "SELECT COUNT(*) FROM outbox")[0][0] == 0,
-                          timeout=30)
+        assert wait_until(lambda: stored(state / "outbox.sqlite", "SELECT COUNT(*) FROM outbox")[0][0] == 0, timeout=30)
 
 
 # --------------------------------------------------------------------------------------------- read-only
@@ -161,18 +188,31 @@ def ext4(directory: Path, size_mb: int = 24) -> Iterator[tuple[Path, Path]]:
     image = directory.with_suffix(".img")
     with image.open("wb") as handle:
         handle.truncate(size_mb << 20)
-    made = processes.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True,
-                         timeout=60, check=False) if _has("mkfs.ext4") else None
+    made = (
+        processes.run(
+            ["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True, timeout=60, check=False
+        )
+        if _has("mkfs.ext4")
+        else None
+    )
     if made is None or made.returncode != 0:
         pytest.skip(f"no ext4 image can be made here ({'no mkfs.ext4' if made is None else made.stderr.strip()})")
     directory.mkdir()
-    mounted = processes.run(["mount", "-o", "loop,errors=remount-ro", str(image), str(directory)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    mounted = processes.run(
+        ["mount", "-o", "loop,errors=remount-ro", str(image), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mounting an ext4 image on a loop device is not permitted here: {mounted.stderr.strip()}")
     try:
-        device = next(line.split()[0] for line in Path("/proc/mounts").read_text().splitlines()
-                      if line.split()[1] == str(directory))
+        device = next(
+            line.split()[0]
+            for line in Path("/proc/mounts").read_text().splitlines()
+            if line.split()[1] == str(directory)
+        )
         trigger = Path("/sys/fs/ext4") / Path(device).name / "trigger_fs_error"
         if not trigger.exists():
             pytest.skip(f"this kernel has no {trigger}: an ext4 error cannot be made on purpose")
@@ -194,9 +234,13 @@ def test_serve_rides_out_a_state_directory_that_turns_read_only(tmp_path: Path) 
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "base.yaml").write_text("rules: []\n")
-    with ext4(tmp_path / "state") as (state, trigger), running_receiver(default=OK) as up, running_sidecar(
-            rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=state,
-            history_interval_seconds=0.5) as (url, _):
+    with (
+        ext4(tmp_path / "state") as (state, trigger),
+        running_receiver(default=OK) as up,
+        running_sidecar(
+            rules=rules, alert_interval=0.2, attn_implementation="eager", state_dir=state, history_interval_seconds=0.5
+        ) as (url, _),
+    ):
         for line in LINES:
             assert complete(url, line) == 200
         trigger.write_text("mla-watch test: the disk failed\n")  # the kernel makes it read-only, as for a real error
@@ -210,8 +254,10 @@ def test_serve_rides_out_a_state_directory_that_turns_read_only(tmp_path: Path) 
         failing = unwritable(url)
         print(f"\nonce the disk turned read-only: /readyz state_unwritable {failing}")
         assert {"outbox.sqlite", "alerts.json", "history.sqlite"} <= set(failing)
-        assert set(failing.values()) <= {"read-only file system", "an input/output error: the disk or its file system "
-                                         "failed"}
+        assert set(failing.values()) <= {
+            "read-only file system",
+            "an input/output error: the disk or its file system failed",
+        }
         assert failing["alerts.json"] == "read-only file system"
         metrics = get_metrics(url)
         assert metric_value(metrics, "mla_watch_state_write_failing", file="outbox.sqlite") == 1

@@ -57,9 +57,17 @@ def test_points_are_aligned_per_series_and_expire_after_the_span(live: Factory) 
     assert by_key[("code", GATE)]["values"] == [5.9123, 4.2, None]
     assert by_key[("code", GATE)]["too_small"] == [False, True, False]
     assert by_key[("all", GATE)]["values"] == [5.95, None, None]
-    assert by_key[("code", INDEXER)] == {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code",
-                                         "floor_bits": 2.585, "ceiling_bits": 6.0, "num_slots": 64,
-                                         "values": [None, 6.1, None], "too_small": [False, False, False]}
+    assert by_key[("code", INDEXER)] == {
+        "router": INDEXER,
+        "layer": 1,
+        "kind": "indexer",
+        "business_line": "code",
+        "floor_bits": 2.585,
+        "ceiling_bits": 6.0,
+        "num_slots": 64,
+        "values": [None, 6.1, None],
+        "too_small": [False, False, False],
+    }
 
     clock.now += 25  # the first two points leave the 30 s span, and with them the "all" and indexer series
     history.record([record(bits=5.5)])
@@ -117,7 +125,7 @@ def test_a_page_passing_back_its_last_time_sees_every_point_once(live: Factory) 
             since = reply["times"][-1]
     held = history.recent()["times"]
     assert shown == sorted(set(shown))  # never the same point twice, always in order
-    assert held == shown[-len(held):] and len(held) > 20  # none skipped: what is held was all shown
+    assert held == shown[-len(held) :] and len(held) > 20  # none skipped: what is held was all shown
     assert len(shown) == len(values) and values == sorted(values)
 
 
@@ -154,12 +162,15 @@ def test_the_live_hour_is_bounded_in_series_too(live: Factory) -> None:
     assert history.dropped_series == 1
 
 
-@pytest.mark.parametrize(("span", "interval", "message"), [
-    (0, 1, "span_seconds = 0: expected a positive number"),
-    (60, float("nan"), "interval_seconds = nan: expected a positive number"),
-    (60, True, "interval_seconds = True"),
-    (60, 120, "interval_seconds = 120: expected at most span_seconds (60)"),
-])
+@pytest.mark.parametrize(
+    ("span", "interval", "message"),
+    [
+        (0, 1, "span_seconds = 0: expected a positive number"),
+        (60, float("nan"), "interval_seconds = nan: expected a positive number"),
+        (60, True, "interval_seconds = True"),
+        (60, 120, "interval_seconds = 120: expected at most span_seconds (60)"),
+    ],
+)
 def test_bad_settings_are_refused_by_name(live: Factory, span, interval, message) -> None:
     with pytest.raises(ValueError) as info:
         live(span_seconds=span, interval_seconds=interval)
@@ -203,8 +214,15 @@ SHIPPED_RULES = Path(__file__).resolve().parents[1] / "rules"
 
 def test_the_band_comes_from_the_rules_that_watch_the_series() -> None:
     rules = load_rules_dir(SHIPPED_RULES).rules
-    gate = {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code", "num_slots": 64,
-            "floor_bits": 2.585, "ceiling_bits": 6.0}
+    gate = {
+        "router": GATE,
+        "layer": 1,
+        "kind": "expert",
+        "business_line": "code",
+        "num_slots": 64,
+        "floor_bits": 2.585,
+        "ceiling_bits": 6.0,
+    }
     band = entropy_band(rules, gate)
     sides = ("fire_below", "resolve_above", "fire_above", "resolve_below")
     assert [band[side] for side in sides] == [5.0, 5.2, 6.5, 6.3]
@@ -218,8 +236,14 @@ def test_the_band_comes_from_the_rules_that_watch_the_series() -> None:
     assert summed["fire_below"] == 5.0 and summed["inherited"] is True
     # No entropy rule watches an indexer: no band, the page shows floor..ceiling.
     indexer = entropy_band(rules, {"router": INDEXER, "layer": 1, "kind": "indexer", "business_line": "code"})
-    assert indexer == {"fire_below": None, "resolve_above": None, "fire_above": None, "resolve_below": None,
-                       "rules": [], "inherited": False}
+    assert indexer == {
+        "fire_below": None,
+        "resolve_above": None,
+        "fire_above": None,
+        "resolve_below": None,
+        "rules": [],
+        "inherited": False,
+    }
 
 
 def test_of_several_rules_the_first_to_fire_sets_each_side(tmp_path: Path) -> None:
@@ -230,8 +254,9 @@ rules:
   - {alert: LowerForCode, metric: entropy_bits, select: {business_line: code}, below: 5.1}
   - {alert: Dead, metric: dead_slots, select: {}, above: 3}
 """)
-    band = entropy_band(load_rules_dir(tmp_path).rules,
-                        {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code"})
+    band = entropy_band(
+        load_rules_dir(tmp_path).rules, {"router": GATE, "layer": 1, "kind": "expert", "business_line": "code"}
+    )
     assert band["fire_below"] == 5.1 and band["resolve_above"] == 5.1 and band["fire_above"] is None
     assert band["rules"] == ["Low", "LowerForCode"]
 
@@ -246,13 +271,25 @@ def test_policy_counts_come_from_the_labelled_counters() -> None:
     rejections.labels("code_assistant", "sql", "temperature").inc(2)
     defaults = Counter("dflt", "x", ["business_line", "task", "param"], registry=registry)
     defaults.labels("code_assistant", "code", "repetition_penalty").inc(5)
-    assert counter_values(adjustments) == {("code_assistant", "code", "temperature"): 3.0,
-                                           ("code_assistant", "code", "top_p"): 1.0,
-                                           ("code_assistant", "chat", "temperature"): 1.0}
-    policies = {"business_lines": {"code_assistant": {
-        "description": "code", "default_task": "code", "source": "p.yaml",
-        "tasks": {"code": {"on_violation": "clamp", "params": {}}, "sql": {"on_violation": "reject", "params": {}},
-                  "chat": {"on_violation": "clamp", "params": {}}}}}}
+    assert counter_values(adjustments) == {
+        ("code_assistant", "code", "temperature"): 3.0,
+        ("code_assistant", "code", "top_p"): 1.0,
+        ("code_assistant", "chat", "temperature"): 1.0,
+    }
+    policies = {
+        "business_lines": {
+            "code_assistant": {
+                "description": "code",
+                "default_task": "code",
+                "source": "p.yaml",
+                "tasks": {
+                    "code": {"on_violation": "clamp", "params": {}},
+                    "sql": {"on_violation": "reject", "params": {}},
+                    "chat": {"on_violation": "clamp", "params": {}},
+                },
+            }
+        }
+    }
     view = policies_view(policies, counter_values(adjustments), counter_values(rejections), counter_values(defaults))
     tasks = {task["task"]: task for task in view[0]["tasks"]}
     assert tasks["code"]["adjustments"] == {"temperature": 3, "top_p": 1} and tasks["code"]["rejections"] == {}
@@ -269,6 +306,6 @@ def test_the_page_files_ship_in_the_package() -> None:
     assert b"://" not in html and b'="//' not in html
     for name in ("status.js", "status.css"):
         assert b"://" not in static_file(name)[0]
-    assert b'fetch(url' in static_file("status.js")[0]
+    assert b"fetch(url" in static_file("status.js")[0]
     with pytest.raises(KeyError):
         static_file("../app.py")

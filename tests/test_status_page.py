@@ -42,12 +42,20 @@ from mla_watch.server.app import ServerConfig, Sidecar
 GATE = "model.layers.1.mlp.gate"
 HOT_GATE = "model.layers.2.mlp.gate"
 RUNBOOK = "https://runbooks.example/routing#routingentropylow"
-RULES = entropy_low_rules(business_line="*", labels={"team": "ml-platform"}, annotations={
-    "summary": "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})",
-    "runbook_url": RUNBOOK, "dashboard": "{status_url}"})
+RULES = entropy_low_rules(
+    business_line="*",
+    labels={"team": "ml-platform"},
+    annotations={
+        "summary": "Routing entropy {value:.2f} bits on {router} (layer {layer}, {business_line})",
+        "runbook_url": RUNBOOK,
+        "dashboard": "{status_url}",
+    },
+)
 # A hotspot: one expert takes every token. MaxVio (load of the busiest expert / mean - 1) reads about 9.7
 # on a 64-expert top-6 router, while its entropy stays above the entropy rule's 5.0 bits.
-HOTSPOT_RULES = RULES + """  - alert: ExpertHotspot
+HOTSPOT_RULES = (
+    RULES
+    + """  - alert: ExpertHotspot
     metric: max_violation
     select: {"kind": "expert", "business_line": "*"}
     above: 6.0
@@ -57,6 +65,7 @@ HOTSPOT_RULES = RULES + """  - alert: ExpertHotspot
     severity: warning
     annotations: {"summary": "MaxVio {value:.2f} on {router} ({business_line})", "dashboard": "{status_url}"}
 """
+)
 
 
 # ---------------------------------------------------------------- the API behind the page
@@ -81,16 +90,21 @@ def test_status_json_holds_history_alerts_policies_and_retune(tmp_path: Path, mo
     (rules / "routing.yaml").write_text(RULES)
     monkeypatch.setenv("MLA_WATCH_ONCALL_URL", "http://127.0.0.1:9/hook")  # nothing listens: not needed here
     with running_sidecar(rules=rules, history_interval_seconds=0.2, alert_interval=0.2) as (url, _):
-        response = httpx.post(url + "/v1/completions", timeout=60,
-                              headers={"X-Business-Line": "code_assistant", "X-Task": "code"},
-                              json={"prompt": "def parse(", "max_tokens": 8, "temperature": 0.9})
+        response = httpx.post(
+            url + "/v1/completions",
+            timeout=60,
+            headers={"X-Business-Line": "code_assistant", "X-Task": "code"},
+            json={"prompt": "def parse(", "max_tokens": 8, "temperature": 0.9},
+        )
         assert response.status_code == 200
         live = httpx.get(url + "/v1/routing", params={"business_line": "code_assistant"}).json()["routers"]
         bits = round(next(r for r in live if r["name"] == GATE)["entropy_bits"], 4)
 
         def sampled_since_the_request() -> bool:  # the history is sampled every 0.2 s
-            return any(s["router"] == GATE and s["business_line"] == "code_assistant" and s["values"][-1] == bits
-                       for s in httpx.get(url + "/v1/status").json()["history"]["series"])
+            return any(
+                s["router"] == GATE and s["business_line"] == "code_assistant" and s["values"][-1] == bits
+                for s in httpx.get(url + "/v1/status").json()["history"]["series"]
+            )
 
         assert wait_until(sampled_since_the_request, 30)
         status = httpx.get(url + "/v1/status", timeout=10).json()
@@ -154,8 +168,10 @@ class _Elements(HTMLParser):
 
     def find(self, **attrs: str) -> list[dict]:
         def matches(element: dict) -> bool:
-            return all((value in element.get("class", "").split()) if key == "class_" else element.get(key) == value
-                       for key, value in attrs.items())
+            return all(
+                (value in element.get("class", "").split()) if key == "class_" else element.get(key) == value
+                for key, value in attrs.items()
+            )
 
         return [element for element in self.elements if matches(element)]
 
@@ -167,18 +183,38 @@ def chromium() -> str:
     pytest.fail("no chromium: install Debian's chromium package (.ci/run does) to test the status page")
 
 
-def open_in_browser(url: str, screenshot: Path, budget_ms: int = 12000,
-                    window: str = "1400,1400") -> tuple[_Elements, str]:
+def open_in_browser(
+    url: str, screenshot: Path, budget_ms: int = 12000, window: str = "1400,1400"
+) -> tuple[_Elements, str]:
     """Load ``url`` in headless Chromium; return the DOM after ``budget_ms`` of virtual time and the console."""
     with tempfile.TemporaryDirectory(prefix="mla-watch-chromium-") as profile:
         # No background networking: on a closed network Chromium's own connections fail by the dozen.
-        run = processes.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                             "--disable-quic", "--no-first-run", "--disable-background-networking",
-                             "--disable-component-update", "--disable-sync",
-                             "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={window}",
-                             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
-                             f"--screenshot={screenshot}", "--dump-dom", url],
-                            capture_output=True, text=True, timeout=120)
+        run = processes.run(
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={window}",
+                "--enable-logging=stderr",
+                "--v=0",
+                f"--virtual-time-budget={budget_ms}",
+                f"--screenshot={screenshot}",
+                "--dump-dom",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert run.returncode == 0, run.stderr[-2000:]
     dom = _Elements()
     dom.feed(run.stdout)
@@ -207,11 +243,28 @@ class Browser:
             os.dup2(from_write, 4)
 
         self.process = processes.start(
-            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--hide-scrollbars", f"--user-data-dir={self._profile.name}", f"--window-size={window[0]},{window[1]}",
-             "--remote-debugging-pipe", "about:blank"],
-            preexec_fn=child, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                chromium(),
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--hide-scrollbars",
+                f"--user-data-dir={self._profile.name}",
+                f"--window-size={window[0]},{window[1]}",
+                "--remote-debugging-pipe",
+                "about:blank",
+            ],
+            preexec_fn=child,
+            pass_fds=(3, 4),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_read)
         os.close(from_write)
         self._out, self._in = to_write, from_read
@@ -220,13 +273,18 @@ class Browser:
         self.console: list[str] = []
         try:
             page = next(t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page")
-            self._session = self.call("Target.attachToTarget", targetId=page["targetId"],
-                                      flatten=True)["sessionId"]
+            self._session = self.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"]
             self.call("Runtime.enable", page=True)
             self.call("Page.enable", page=True)
             # The viewport (and so the screenshot) is the window's size, as with --window-size and --screenshot.
-            self.call("Emulation.setDeviceMetricsOverride", page=True, width=window[0], height=window[1],
-                      deviceScaleFactor=1, mobile=False)
+            self.call(
+                "Emulation.setDeviceMetricsOverride",
+                page=True,
+                width=window[0],
+                height=window[1],
+                deviceScaleFactor=1,
+                mobile=False,
+            )
         except BaseException:
             self.close()
             raise
@@ -250,8 +308,9 @@ class Browser:
             raw, self._buffer = self._buffer.split(b"\0", 1)
             reply = json.loads(raw)
             if reply.get("method") == "Runtime.consoleAPICalled":
-                self.console.append(" ".join(str(a.get("value", a.get("description", "")))
-                                             for a in reply["params"]["args"]))
+                self.console.append(
+                    " ".join(str(a.get("value", a.get("description", ""))) for a in reply["params"]["args"])
+                )
             elif reply.get("method") == "Runtime.exceptionThrown":
                 self.console.append("Uncaught " + json.dumps(reply["params"]["exceptionDetails"])[:1000])
             elif reply.get("id") == self._id:
@@ -263,14 +322,22 @@ class Browser:
 
     def evaluate(self, expression: str, timeout: float = 60) -> object:
         """``expression``'s value in the page (a promise is awaited)."""
-        result = self.call("Runtime.evaluate", page=True, timeout=timeout + 5, expression=expression,
-                           awaitPromise=True, returnByValue=True)
+        result = self.call(
+            "Runtime.evaluate",
+            page=True,
+            timeout=timeout + 5,
+            expression=expression,
+            awaitPromise=True,
+            returnByValue=True,
+        )
         assert "exceptionDetails" not in result, result["exceptionDetails"]
         return result["result"].get("value")
 
     def wait_for(self, predicate: str, timeout: float = 30) -> bool:
         """Whether the JavaScript ``predicate`` became true within ``timeout`` seconds (checked every 50 ms)."""
-        return bool(self.evaluate(f"""new Promise((resolve) => {{
+        return bool(
+            self.evaluate(
+                f"""new Promise((resolve) => {{
             const until = Date.now() + {timeout * 1000};
             const check = () => {{
               let ok = false;
@@ -278,7 +345,10 @@ class Browser:
               if (ok || Date.now() > until) resolve(ok); else setTimeout(check, 50);
             }};
             check();
-        }})""", timeout))
+        }})""",
+                timeout,
+            )
+        )
 
     def dom(self) -> _Elements:
         dom = _Elements()
@@ -333,13 +403,22 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     artifacts = artifacts_dir()
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
-                                       policy_poll_seconds=None, admin_token="status-page-token-0123",
-                                       alert_interval=0.3,
-                                       window_tokens=192, history_interval_seconds=0.5, capture=True,
-                                       # the page is under test, not the gate's power: a few short prompts decide
-                                       retune=RetuneSettings(min_samples=8, min_held_out_tokens=16),
-                                       public_url=f"http://127.0.0.1:{port}"))
+        sidecar = Sidecar(
+            ServerConfig(
+                device="cpu",
+                rules=rules,
+                state_dir=tmp_path / "state",
+                policy_poll_seconds=None,
+                admin_token="status-page-token-0123",
+                alert_interval=0.3,
+                window_tokens=192,
+                history_interval_seconds=0.5,
+                capture=True,
+                # the page is under test, not the gate's power: a few short prompts decide
+                retune=RetuneSettings(min_samples=8, min_held_out_tokens=16),
+                public_url=f"http://127.0.0.1:{port}",
+            )
+        )
         with serve_app(sidecar.app, port=port) as url:
             assert sidecar.wait_ready(120), sidecar.load_error
             client = httpx.Client(base_url=url, timeout=120)
@@ -347,14 +426,21 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
 
             def request(line: str, index: int) -> None:
                 headers = {"X-Business-Line": line, **({"X-Task": "code"} if line == "code_assistant" else {})}
-                body = {"prompt": f"def parse_invoice_{index}(" if line == "code_assistant" else
-                        f"<|user|>\nWhere is my parcel number {index}?\n<|assistant|>\n",
-                        "max_tokens": 24, "seed": index, "temperature": 0.9}
+                body = {
+                    "prompt": f"def parse_invoice_{index}("
+                    if line == "code_assistant"
+                    else f"<|user|>\nWhere is my parcel number {index}?\n<|assistant|>\n",
+                    "max_tokens": 24,
+                    "seed": index,
+                    "temperature": 0.9,
+                }
                 response = client.post("/v1/completions", json=body, headers=headers)
                 assert response.status_code == 200, response.text
                 if line == "code_assistant":
-                    adjusted["code"] += sum(a["requested"] is not None  # clamped, not defaults filled in
-                                            for a in response.json()["mla_watch"]["adjustments"])
+                    adjusted["code"] += sum(
+                        a["requested"] is not None  # clamped, not defaults filled in
+                        for a in response.json()["mla_watch"]["adjustments"]
+                    )
 
             for index in range(8):
                 request("code_assistant", index)
@@ -363,17 +449,23 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
             row = healthy.find(tag="div", class_="row", **{"data-router": GATE, "data-line": "all"})
             assert row and row[0]["data-state"] == "ok", row
             # A link without a metric (as alert links were written before they named one) shows entropy.
-            assert [b["data-metric"] for b in healthy.find(tag="button", **{"aria-pressed": "true"})
-                    if "data-metric" in b] == ["entropy_bits"]
+            assert [
+                b["data-metric"] for b in healthy.find(tag="button", **{"aria-pressed": "true"}) if "data-metric" in b
+            ] == ["entropy_bits"]
             assert row[0]["data-metric"] == "entropy_bits"
 
             with sidecar.model_worker.model_lock, torch.no_grad():  # the collapse: six experts win everywhere
                 sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += 10.0
 
             def paged() -> list[dict]:
-                return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]
-                        if alert["status"] == "firing" and alert["labels"]["router"] == GATE
-                        and alert["labels"]["business_line"] == "code_assistant"]
+                return [
+                    alert
+                    for r in list(receiver.requests)
+                    for alert in r.json()["alerts"]
+                    if alert["status"] == "firing"
+                    and alert["labels"]["router"] == GATE
+                    and alert["labels"]["business_line"] == "code_assistant"
+                ]
 
             index = 100
             while not paged():
@@ -381,29 +473,41 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
                 request("code_assistant", index)
                 index += 1
             # Traffic stops: the routing windows hold still, and the history catches up with them.
-            routing = {r["name"]: r for r in client.get("/v1/routing",
-                                                        params={"business_line": "code_assistant"}).json()["routers"]}
+            routing = {
+                r["name"]: r
+                for r in client.get("/v1/routing", params={"business_line": "code_assistant"}).json()["routers"]
+            }
 
             # a few history points at the collapsed value, so the heat map shows a red stretch
             assert wait_until(lambda: points_at(sidecar, GATE, "code_assistant", routing[GATE]["entropy_bits"]), 10)
 
             link = paged()[0]["annotations"]["dashboard"]
-            assert link == (f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant"
-                            "&metric=entropy_bits&alertname=RoutingEntropyLow")
+            assert link == (
+                f"http://127.0.0.1:{port}/#router={GATE}&layer=1&business_line=code_assistant"
+                "&metric=entropy_bits&alertname=RoutingEntropyLow"
+            )
             screenshot = artifacts / "status-page.png"
             dom, console = open_in_browser(link, screenshot)
             (artifacts / "status-page.html").write_text(dom.html)
 
             # On-call restores the routers the server started with, then rolls the promotion back.
             admin = {"Authorization": "Bearer status-page-token-0123"}
-            job = client.post("/admin/retune", headers=admin, json={
-                "routers": [GATE], "business_line": "code_assistant", "strategy": ["restore"],
-                "rule": "RoutingEntropyLow"}).json()
+            job = client.post(
+                "/admin/retune",
+                headers=admin,
+                json={
+                    "routers": [GATE],
+                    "business_line": "code_assistant",
+                    "strategy": ["restore"],
+                    "rule": "RoutingEntropyLow",
+                },
+            ).json()
             assert wait_until(lambda: client.get(f"/v1/retune/jobs/{job['id']}").json()["status"] == "promoted", 60)
             promoted = client.get(f"/v1/retune/jobs/{job['id']}").json()
             assert client.post("/admin/retune/rollback", headers=admin).status_code == 200
-            retuned, console_after = open_in_browser(link, artifacts / "status-page-retune.png", 3000,
-                                                     window="1400,2800")  # the whole page
+            retuned, console_after = open_in_browser(
+                link, artifacts / "status-page-retune.png", 3000, window="1400,2800"
+            )  # the whole page
             client.close()
 
     assert "Uncaught" not in console and "Error" not in console, console
@@ -412,8 +516,9 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     assert dom.find(tag="span", id="updated")[0]["data-state"] == "live"
 
     # The link selected the business line and highlighted the router.
-    assert [b["data-line"] for b in dom.find(tag="button", **{"aria-pressed": "true"}) if "data-line" in b] \
-        == ["code_assistant"]
+    assert [b["data-line"] for b in dom.find(tag="button", **{"aria-pressed": "true"}) if "data-line" in b] == [
+        "code_assistant"
+    ]
     rows = dom.find(tag="div", class_="row")
     assert [r["data-line"] for r in rows] == ["code_assistant"] * len(rows)
     assert {r["data-router"] for r in rows} == set(routing)  # every router of the model, one row each
@@ -425,7 +530,8 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     for r in rows:
         if r["data-kind"] == "expert" and r["data-router"] != GATE:
             assert r["data-state"] == "ok" and float(r["data-value"]) == pytest.approx(
-                routing[r["data-router"]]["entropy_bits"], abs=1e-3)
+                routing[r["data-router"]]["entropy_bits"], abs=1e-3
+            )
     (canvas,) = dom.find(tag="canvas", id="heatmap-canvas")
     assert int(canvas["data-rows"]) == len(rows) and int(canvas["data-columns"]) >= 4
     # In the screenshot: the newest cell of the collapsed router is red, its neighbour's is green.
@@ -443,8 +549,9 @@ def test_on_call_opens_the_alert_link_and_sees_what_went_wrong(tmp_path: Path, m
     assert cells["code_assistant"]["data-state"] == "fire" and cells["customer_service"]["data-state"] == "ok"
 
     # The alert, with its labels and its runbook link.
-    (alert,) = dom.find(tag="tr", **{"data-alertname": "RoutingEntropyLow", "data-router": GATE,
-                                     "data-line": "code_assistant"})
+    (alert,) = dom.find(
+        tag="tr", **{"data-alertname": "RoutingEntropyLow", "data-router": GATE, "data-line": "code_assistant"}
+    )
     assert alert["data-state"] == "firing"
     assert "team=ml-platform" in alert["text"] and "critical" in alert["text"]
     assert [a["href"] for a in dom.find(tag="a", class_="runbook")] == [RUNBOOK]
@@ -480,8 +587,9 @@ def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path
     state = tmp_path / "state"
     prefill_history(state, time.time(), days=7.0, interval=300.0)  # a week: entropy 5.0 + day / 10 on "code"
     with running_sidecar(upstream="http://127.0.0.1:9", state_dir=state) as (url, _):
-        dom, console = open_in_browser(url + "/?window=604800#business_line=code",
-                                       artifacts_dir() / "status-page-week.png", 4000)
+        dom, console = open_in_browser(
+            url + "/?window=604800#business_line=code", artifacts_dir() / "status-page-week.png", 4000
+        )
     assert "Uncaught" not in console, console
     ranges = {b["data-seconds"]: b for b in dom.find(tag="button", class_="range")}
     assert sorted(ranges, key=float) == ["86400", "604800", "2592000"]  # 24 h, 7 d, 30 d past the live hour
@@ -497,7 +605,8 @@ def test_the_range_selector_draws_a_week_from_the_durable_history(tmp_path: Path
 
 @pytest.mark.slow
 def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_switches_metric(
-        tmp_path: Path, monkeypatch) -> None:
+    tmp_path: Path, monkeypatch
+) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "routing.yaml").write_text(HOTSPOT_RULES)
@@ -506,18 +615,29 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
     line = "code_assistant"
     with running_receiver() as receiver:
         monkeypatch.setenv("MLA_WATCH_ONCALL_URL", receiver.url + "/hook")
-        sidecar = Sidecar(ServerConfig(device="cpu", rules=rules, state_dir=tmp_path / "state",
-                                       policy_poll_seconds=None, admin_token=None, alert_interval=0.3,
-                                       window_tokens=192, history_interval_seconds=0.5,
-                                       public_url=f"http://127.0.0.1:{port}"))
+        sidecar = Sidecar(
+            ServerConfig(
+                device="cpu",
+                rules=rules,
+                state_dir=tmp_path / "state",
+                policy_poll_seconds=None,
+                admin_token=None,
+                alert_interval=0.3,
+                window_tokens=192,
+                history_interval_seconds=0.5,
+                public_url=f"http://127.0.0.1:{port}",
+            )
+        )
         with serve_app(sidecar.app, port=port) as url:
             assert sidecar.wait_ready(120), sidecar.load_error
             client = httpx.Client(base_url=url, timeout=120)
 
             def request(index: int) -> None:
-                response = client.post("/v1/completions", headers={"X-Business-Line": line, "X-Task": "code"},
-                                       json={"prompt": f"def parse_invoice_{index}(", "max_tokens": 24,
-                                             "seed": index, "temperature": 0.9})
+                response = client.post(
+                    "/v1/completions",
+                    headers={"X-Business-Line": line, "X-Task": "code"},
+                    json={"prompt": f"def parse_invoice_{index}(", "max_tokens": 24, "seed": index, "temperature": 0.9},
+                )
                 assert response.status_code == 200, response.text
 
             for index in range(8):
@@ -526,9 +646,15 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
                 sidecar.model_worker.model.model.layers[2].mlp.gate.e_score_correction_bias[0] += 10.0
 
             def paged() -> list[dict]:
-                return [alert for r in list(receiver.requests) for alert in r.json()["alerts"]
-                        if alert["status"] == "firing" and alert["labels"]["alertname"] == "ExpertHotspot"
-                        and alert["labels"]["router"] == HOT_GATE and alert["labels"]["business_line"] == line]
+                return [
+                    alert
+                    for r in list(receiver.requests)
+                    for alert in r.json()["alerts"]
+                    if alert["status"] == "firing"
+                    and alert["labels"]["alertname"] == "ExpertHotspot"
+                    and alert["labels"]["router"] == HOT_GATE
+                    and alert["labels"]["business_line"] == line
+                ]
 
             index = 100
             while not paged():
@@ -544,8 +670,10 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
             browser = Browser()
             try:
                 browser.open(link)
-                drawn = ("document.querySelector('#heatmap-canvas').dataset.source === '{}' && "
-                         "document.querySelector('.row') && document.querySelector('.row').dataset.metric === '{}'")
+                drawn = (
+                    "document.querySelector('#heatmap-canvas').dataset.source === '{}' && "
+                    "document.querySelector('.row') && document.querySelector('.row').dataset.metric === '{}'"
+                )
                 assert browser.wait_for(drawn.format("history", "max_violation")), browser.dom().html[-3000:]
                 opened = browser.dom()
                 assert opened.find(tag="body")[0]["data-updates"] == "1"  # drawn from the first poll, not a later one
@@ -566,11 +694,18 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
 
     assert "Uncaught" not in console, console
     # The alert names its rule's metric, and its link the metric and the alert.
-    (hot,) = [a for a in alerts if a["labels"]["alertname"] == "ExpertHotspot" and a["labels"]["router"] == HOT_GATE
-              and a["labels"]["business_line"] == line]
+    (hot,) = [
+        a
+        for a in alerts
+        if a["labels"]["alertname"] == "ExpertHotspot"
+        and a["labels"]["router"] == HOT_GATE
+        and a["labels"]["business_line"] == line
+    ]
     assert hot["metric"] == "max_violation" and hot["state"] == "firing"
-    assert link == (f"http://127.0.0.1:{port}/#router={HOT_GATE}&layer=2&business_line={line}"
-                    "&metric=max_violation&alertname=ExpertHotspot")
+    assert link == (
+        f"http://127.0.0.1:{port}/#router={HOT_GATE}&layer=2&business_line={line}"
+        "&metric=max_violation&alertname=ExpertHotspot"
+    )
     # Entropy stays above the entropy rule's 5.0 bits: that rule is quiet on the hot router. Only MaxVio says
     # what is wrong.
     assert routing[HOT_GATE]["entropy_bits"] > 5.0 and routing[HOT_GATE]["max_violation"] > 6.0
@@ -602,7 +737,8 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
     for r in rows:
         if r["data-kind"] == "expert" and r["data-router"] != HOT_GATE:
             assert r["data-state"] == "ok" and float(r["data-value"]) == pytest.approx(
-                routing[r["data-router"]]["max_violation"])
+                routing[r["data-router"]]["max_violation"]
+            )
     (canvas,) = opened.find(tag="canvas", id="heatmap-canvas")
     assert canvas["data-source"] == "history" and canvas["data-metric"] == "max_violation"
     assert int(canvas["data-columns"]) >= 4
@@ -623,8 +759,9 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
     (row,) = entropy.find(tag="div", class_="row", **{"data-router": HOT_GATE})
     assert row["data-metric"] == "entropy_bits" and row["data-state"] == "fire"
     assert 5.0 < float(row["data-value"]) == pytest.approx(routing[HOT_GATE]["entropy_bits"])
-    assert [b["data-metric"] for b in entropy.find(tag="button", **{"aria-pressed": "true"})
-            if "data-metric" in b] == ["entropy_bits"]
+    assert [b["data-metric"] for b in entropy.find(tag="button", **{"aria-pressed": "true"}) if "data-metric" in b] == [
+        "entropy_bits"
+    ]
     # "dead slots": every row shows its dead experts, from v1/routing; the history from the durable one.
     for r in dead.find(tag="div", class_="row"):
         assert r["data-metric"] == "dead_slots"
@@ -636,11 +773,19 @@ def test_a_maxvio_alert_opens_on_maxvio_with_its_row_marked_and_the_selector_swi
 def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_windows_read_no_signal() -> None:
     with running_sidecar(history_retention_days=0, history_interval_seconds=0.5) as (url, _):
         for index in range(3):
-            response = httpx.post(url + "/v1/completions", timeout=60, headers={"X-Business-Line": "doc_summary"},
-                                  json={"prompt": f"SELECT {index} FROM", "max_tokens": 8, "seed": index})
+            response = httpx.post(
+                url + "/v1/completions",
+                timeout=60,
+                headers={"X-Business-Line": "doc_summary"},
+                json={"prompt": f"SELECT {index} FROM", "max_tokens": 8, "seed": index},
+            )
             assert response.status_code == 200, response.text
-        routing = {r["name"]: r for r in httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"},
-                                                   timeout=10).json()["routers"]}
+        routing = {
+            r["name"]: r
+            for r in httpx.get(url + "/v1/routing", params={"business_line": "doc_summary"}, timeout=10).json()[
+                "routers"
+            ]
+        }
 
         def doc_summary_sampled() -> list[dict]:  # the history samples every 0.5 s: the line's first sample
             series = httpx.get(url + "/v1/status", timeout=10).json()["history"]["series"]
@@ -648,12 +793,16 @@ def test_without_a_durable_history_the_page_says_a_metric_has_none_and_short_win
 
         assert wait_until(lambda: bool(doc_summary_sampled()), timeout=60, interval=0.2)
         series = doc_summary_sampled()
-        dom, console = open_in_browser(url + "/#business_line=doc_summary&metric=max_violation",
-                                       artifacts_dir() / "status-page-no-history.png", 3000)
+        dom, console = open_in_browser(
+            url + "/#business_line=doc_summary&metric=max_violation",
+            artifacts_dir() / "status-page-no-history.png",
+            3000,
+        )
     assert "Uncaught" not in console, console
     (note,) = dom.find(tag="span", id="metric-note")
-    assert note["data-history"] == "no" and note["text"].startswith("No history of MaxVio here: the live hour "
-                                                                    "holds entropy only")
+    assert note["data-history"] == "no" and note["text"].startswith(
+        "No history of MaxVio here: the live hour holds entropy only"
+    )
     (canvas,) = dom.find(tag="canvas", id="heatmap-canvas")
     assert canvas["data-source"] == "none" and canvas["data-metric"] == "max_violation"
     rows = dom.find(tag="div", class_="row")
@@ -683,7 +832,7 @@ def strips_of(dom: _Elements) -> dict[str, tuple[dict, list[dict]]]:
     for strip in dom.find(tag="div", class_="strip"):
         at = dom.elements.index(strip)
         cells = []
-        for element in dom.elements[at + 1:]:
+        for element in dom.elements[at + 1 :]:
             if element["tag"] == "div" and "strip" in element.get("class", "").split():
                 break
             if element["tag"] == "span" and "cell" in element.get("class", "").split():
@@ -698,14 +847,19 @@ def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_coun
     long_line, short_line = "customer_service", "doc_summary"
     with httpx.Client(base_url=url, timeout=60) as client:
         for index in range(3):
-            response = client.post("/v1/completions", headers={"X-Business-Line": short_line},
-                                   json={"prompt": f"Summarise report {index}:", "max_tokens": 4, "seed": index})
+            response = client.post(
+                "/v1/completions",
+                headers={"X-Business-Line": short_line},
+                json={"prompt": f"Summarise report {index}:", "max_tokens": 4, "seed": index},
+            )
             assert response.status_code == 200, response.text
         for index, text in enumerate(long_texts(app.model_worker.tokenizer, long_line, 24, 470, seed=5)):
             # three clients: a departure by position must hold across clients (one client's texts are content)
-            response = client.post("/v1/completions", headers={"X-Business-Line": long_line,
-                                                               "X-Client-Id": f"client-{index % 3}"},
-                                   json={"prompt": text, "max_tokens": 1})
+            response = client.post(
+                "/v1/completions",
+                headers={"X-Business-Line": long_line, "X-Client-Id": f"client-{index % 3}"},
+                json={"prompt": text, "max_tokens": 1},
+            )
             assert response.status_code == 200, response.text
 
         def both_lines_sampled() -> bool:  # the page offers the lines of its history (sampled every 10 s)
@@ -713,19 +867,25 @@ def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_coun
             return {long_line, short_line} <= {s["business_line"] for s in series}
 
         assert wait_until(both_lines_sampled, 30)
-        answers = {line: client.get("/v1/routing", params={"business_line": line}).json()["positions"]
-                   for line in (long_line, short_line)}
+        answers = {
+            line: client.get("/v1/routing", params={"business_line": line}).json()["positions"]
+            for line in (long_line, short_line)
+        }
     browser = Browser()
     try:
         browser.open(f"{url}/#business_line={long_line}")
-        assert browser.wait_for(f"document.querySelector('#positions-body').dataset.line === '{long_line}' && "
-                                "document.querySelector('#positions-body .strip')"), browser.dom().html[-3000:]
+        assert browser.wait_for(
+            f"document.querySelector('#positions-body').dataset.line === '{long_line}' && "
+            "document.querySelector('#positions-body .strip')"
+        ), browser.dom().html[-3000:]
         long_dom = browser.dom()
         browser.screenshot(artifacts_dir() / "status-page-positions.png")
         # The strip follows the line chosen above the heat map.
         browser.evaluate(f"document.querySelector('#lines button[data-line={short_line}]').click()")
-        assert browser.wait_for(f"document.querySelector('#positions-body').dataset.line === '{short_line}' && "
-                                "document.querySelector('#positions-body .strip')")
+        assert browser.wait_for(
+            f"document.querySelector('#positions-body').dataset.line === '{short_line}' && "
+            "document.querySelector('#positions-body .strip')"
+        )
         short_dom = browser.dom()
         console = "\n".join(browser.console)
     finally:
@@ -747,7 +907,8 @@ def test_the_position_strip_draws_each_expert_routers_buckets_as_v1_routing_coun
                 js = counted["js_divergence"]
                 assert cell["title"].startswith(
                     f"{counted['bucket']}: {counted['tokens']} tokens · entropy {counted['entropy_bits']:.2f} bits"
-                    f" · JS {'–' if js is None else f'{js:.4f}'} bits from in-range routing"), (cell, counted)
+                    f" · JS {'–' if js is None else f'{js:.4f}'} bits from in-range routing"
+                ), (cell, counted)
                 assert int(cell["data-tokens"]) == counted["tokens"]
                 if js is None or counted["tokens"] == 0:
                     assert cell["data-state"] == "none"
@@ -791,12 +952,20 @@ rules:
 
 def test_an_incident_is_one_row_that_opens_into_its_alerts(tmp_path: Path) -> None:
     gates = [f"model.layers.{layer}.mlp.gate" for layer in (1, 2, 3)]
-    with running_sidecar(upstream="http://127.0.0.1:9", rules=write_rules(tmp_path / "rules", INCIDENT_RULES)) \
-            as (url, sidecar):
+    with running_sidecar(upstream="http://127.0.0.1:9", rules=write_rules(tmp_path / "rules", INCIDENT_RULES)) as (
+        url,
+        sidecar,
+    ):
         # Three routers of one line and one of another fall below the threshold: two groups of the receiver.
-        sidecar.alerts.engine.evaluate([
-            *(engine_record(4.0, name=gate, layer=layer, line="code_assistant") for layer, gate in enumerate(gates, 1)),
-            engine_record(4.2, name=gates[0], layer=1, line="sql")])
+        sidecar.alerts.engine.evaluate(
+            [
+                *(
+                    engine_record(4.0, name=gate, layer=layer, line="code_assistant")
+                    for layer, gate in enumerate(gates, 1)
+                ),
+                engine_record(4.2, name=gates[0], layer=1, line="sql"),
+            ]
+        )
         views = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
         browser = Browser()
         try:
@@ -806,13 +975,16 @@ def test_an_incident_is_one_row_that_opens_into_its_alerts(tmp_path: Path) -> No
             browser.evaluate("document.querySelector('#alerts-body tr.incident button.toggle').click()")
             updates = int(browser.evaluate("document.body.dataset.updates"))
             # opened, and still open after the next poll redrew the table
-            assert browser.wait_for(f"Number(document.body.dataset.updates) > {updates} && "
-                                    "document.querySelector('#alerts-body tr.incident').dataset.open === 'true'")
+            assert browser.wait_for(
+                f"Number(document.body.dataset.updates) > {updates} && "
+                "document.querySelector('#alerts-body tr.incident').dataset.open === 'true'"
+            )
             opened = browser.dom()
             browser.screenshot(artifacts_dir() / "status-page-incident.png")
             # A link to one of its alerts opens the incident by itself.
-            browser.open(url + f"/?refresh=1#router={gates[1]}&layer=2&business_line=code_assistant"
-                         "&alertname=RoutingEntropyLow")
+            browser.open(
+                url + f"/?refresh=1#router={gates[1]}&layer=2&business_line=code_assistant&alertname=RoutingEntropyLow"
+            )
             assert browser.wait_for("document.querySelector('#alerts-body tr.incident')")
             linked = browser.dom()
             console = "\n".join(browser.console)
@@ -871,16 +1043,21 @@ class _ReadingOnItsWay:
 
 
 def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading_is_due_and_keeps_router_names(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from harness.support import SHIPPED_POLICIES
 
     policies = tmp_path / "policies"
     shutil.copytree(SHIPPED_POLICIES, policies)
     path = policies / "code_assistant.yaml"
-    path.write_text(path.read_text().replace("defaults:\n  on_violation: clamp\n",
-                                             "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 384\n", 1))
-    with running_sidecar(upstream="http://127.0.0.1:9", policies=policies,
-                         rules=write_rules(tmp_path / "rules", FIRST_LOOK_RULES)) as (url, sidecar):
+    path.write_text(
+        path.read_text().replace(
+            "defaults:\n  on_violation: clamp\n", "defaults:\n  on_violation: clamp\n  max_prompt_tokens: 384\n", 1
+        )
+    )
+    with running_sidecar(
+        upstream="http://127.0.0.1:9", policies=policies, rules=write_rules(tmp_path / "rules", FIRST_LOOK_RULES)
+    ) as (url, sidecar):
         page = httpx.get(url + "/", timeout=10).text
         # Two prompts over the limit, as the generation path counts them (tests/test_hardening.py sends them).
         sidecar.metrics.policy_rejections.labels("code_assistant", "code", "max_prompt_tokens").inc(2)
@@ -890,12 +1067,15 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
         sidecar.alerts.engine.evaluate([engine_record(4.0, line="code_assistant")])
         (alert,) = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
         assert alert["state"] == "pending" and alert["cause_due_at"] == pytest.approx(
-            alert["active_since"] + 60 + 120, abs=0.01)
+            alert["active_since"] + 60 + 120, abs=0.01
+        )
         browser = Browser()
         try:
             browser.open(url + "/?refresh=1")
-            assert browser.wait_for("document.querySelector('#policies-body tr[data-task=\"code\"]') && "
-                                    "document.querySelector('#alerts-body tr[data-state=\"pending\"]')")
+            assert browser.wait_for(
+                "document.querySelector('#policies-body tr[data-task=\"code\"]') && "
+                "document.querySelector('#alerts-body tr[data-state=\"pending\"]')"
+            )
             loading_left = browser.evaluate("document.querySelectorAll('.loading').length")
             # A row whose alerts have long names: the badge gives way, the router's name stays whole.
             fits = browser.evaluate("""(() => {
@@ -917,8 +1097,9 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
     assert "Uncaught" not in console, console
     (clients,) = dom.find(tag="div", id="clients-note")
     assert clients["text"] == "clients: app-1 60% · app-2 40%", clients
-    assert clients["title"] == ("app-1: 60% of the window, 60% over the long run\n"
-                                "app-2: 40% of the window, 40% over the long run")
+    assert clients["title"] == (
+        "app-1: 60% of the window, 60% over the long run\napp-2: 40% of the window, 40% over the long run"
+    )
     for body in ("heatmap-rows", "positions-body", "alerts-body", "policies-body", "retune-body"):
         assert f'<div id="{body}"><p class="empty loading">loading&hellip;</p></div>' in page, body
     assert loading_left == 0

@@ -25,8 +25,13 @@ from mla_watch.common.stop_budget import STOP_SECONDS
 from mla_watch.engines.geometry import parse_geometry
 from tests.slow_engine import ReferenceTwin
 
-CONFIG = {"model_type": "deepseek_v3", "num_hidden_layers": 4, "first_k_dense_replace": 1,
-          "n_routed_experts": 16, "num_experts_per_tok": 4}
+CONFIG = {
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 4,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+}
 
 # Fires on the first answer of the line `customer_service`: its pages wait in the outbox (the receiver refuses).
 RULE = """
@@ -51,8 +56,12 @@ rules:
       summary: "{{router}}: {{value:.2f}} bits"
 """
 
-PROMPTS = ["where is my order, it was due on monday", "please summarise the attached quarterly report",
-           "write a function that reverses a linked list", "what is the refund policy for damaged goods"]
+PROMPTS = [
+    "where is my order, it was due on monday",
+    "please summarise the attached quarterly report",
+    "write a function that reverses a linked list",
+    "what is the refund policy for damaged goods",
+]
 
 
 def refused_port() -> int:
@@ -66,26 +75,57 @@ def read_bytes(path: Path) -> bytes | None:
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_reference_reading_ends_the_sidecar_in_its_grace_with_its_state_saved(
-        tmp_path: Path) -> None:
-    config, rules, references, state = (tmp_path / "config.json", tmp_path / "rules", tmp_path / "references",
-                                        tmp_path / "state")
+def test_sigterm_during_a_reference_reading_ends_the_sidecar_in_its_grace_with_its_state_saved(tmp_path: Path) -> None:
+    config, rules, references, state = (
+        tmp_path / "config.json",
+        tmp_path / "rules",
+        tmp_path / "references",
+        tmp_path / "state",
+    )
     config.write_text(json.dumps(CONFIG))
     rules.mkdir()
     references.mkdir()
     (rules / "flood.yaml").write_text(RULE.format(port=refused_port()))
-    (references / "default.yaml").write_text("business_line: default\nversion: 1\nprompts:\n"
-                                             + "".join(f"  - {prompt!r}\n" for prompt in PROMPTS))
+    (references / "default.yaml").write_text(
+        "business_line: default\nversion: 1\nprompts:\n" + "".join(f"  - {prompt!r}\n" for prompt in PROMPTS)
+    )
     twin = ReferenceTwin(parse_geometry(CONFIG), score_seconds=4.0)  # each reference prompt: 4 s in the engine
     port, log = free_port(), tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    with serve_app(twin.app) as twin.url, sidecar_process(
-            port, state, "--upstream", twin.url, "--engine", "vllm", "--model-config", str(config),
-            "--rules", str(rules), "--reference-prompts", str(references), "--reference-wait", "0",
-            "--reference-interval", "0", "--reference-long-interval", "0", "--alert-interval", "0.5",
-            "--decode-workers", "0", log=log) as process:
-        answer = httpx.post(url + "/v1/completions", json={"prompt": "flood " * 20, "max_tokens": 4},
-                            headers={"X-Business-Line": "customer_service"}, timeout=30)
+    with (
+        serve_app(twin.app) as twin.url,
+        sidecar_process(
+            port,
+            state,
+            "--upstream",
+            twin.url,
+            "--engine",
+            "vllm",
+            "--model-config",
+            str(config),
+            "--rules",
+            str(rules),
+            "--reference-prompts",
+            str(references),
+            "--reference-wait",
+            "0",
+            "--reference-interval",
+            "0",
+            "--reference-long-interval",
+            "0",
+            "--alert-interval",
+            "0.5",
+            "--decode-workers",
+            "0",
+            log=log,
+        ) as process,
+    ):
+        answer = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "flood " * 20, "max_tokens": 4},
+            headers={"X-Business-Line": "customer_service"},
+            timeout=30,
+        )
         assert answer.status_code == 200, answer.text
 
         def paged() -> bool:
@@ -95,14 +135,21 @@ def test_sigterm_during_a_reference_reading_ends_the_sidecar_in_its_grace_with_i
         assert wait_until(paged, timeout=30, interval=0.2), log.read_text()[-3000:]
         assert wait_until(lambda: twin.scoring > 0, timeout=30, interval=0.05), log.read_text()[-3000:]
         # During the round, a streamed request is counted within seconds of its end: the reader starves no count.
-        streamed = httpx.post(url + "/v1/completions", json={"prompt": "stream me " * 10, "max_tokens": 4,
-                                                             "stream": True},
-                              headers={"X-Business-Line": "customer_service"}, timeout=30)
+        streamed = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "stream me " * 10, "max_tokens": 4, "stream": True},
+            headers={"X-Business-Line": "customer_service"},
+            timeout=30,
+        )
         assert streamed.status_code == 200 and "[DONE]" in streamed.text, streamed.text[-500:]
 
         def counted() -> float:
-            return metric_value(httpx.get(url + "/metrics", timeout=10).text, "mla_watch_engine_responses_total",
-                                engine="vllm", outcome="counted")
+            return metric_value(
+                httpx.get(url + "/metrics", timeout=10).text,
+                "mla_watch_engine_responses_total",
+                engine="vllm",
+                outcome="counted",
+            )
 
         assert wait_until(lambda: counted() == 2, timeout=5, interval=0.1), (counted(), log.read_text()[-3000:])
         assert twin.scored < len(PROMPTS)  # the round was still under way

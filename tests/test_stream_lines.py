@@ -34,11 +34,14 @@ def test_the_routing_key_counts_only_near_the_start_of_a_line() -> None:
     assert raised.value.limit == limit
 
 
-@pytest.mark.parametrize("reads", [
-    [b"data: " + b"y" * 2000 + b"\n\n"],  # one read, whole lines
-    [b"data: " + b"y" * 900, b"y" * 200 + b'\ndata: {"t": 1}\n'],  # the line ends in the read that passes the limit
-    [b"data: " + b"y" * 900, b"y" * 200 + b"\r"],
-])
+@pytest.mark.parametrize(
+    "reads",
+    [
+        [b"data: " + b"y" * 2000 + b"\n\n"],  # one read, whole lines
+        [b"data: " + b"y" * 900, b"y" * 200 + b'\ndata: {"t": 1}\n'],  # the line ends in the read that passes the limit
+        [b"data: " + b"y" * 900, b"y" * 200 + b"\r"],
+    ],
+)
 def test_a_line_over_the_limit_is_cut_however_its_end_arrives(reads: list[bytes]) -> None:
     lines = EventLines(1000, routing_limit=10_000)
     with pytest.raises(AnswerTooLarge) as raised:

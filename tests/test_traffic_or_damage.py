@@ -15,6 +15,7 @@ from harness.floods import FLOOD_CLIENT, FLOODS, damage_scenario, flood_scenario
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.mark.parametrize("flood", FLOODS, ids=[flood.name.replace(" ", "-") for flood in FLOODS])
 def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tunes_nothing(flood) -> None:
     outcome = flood_scenario(flood)
@@ -22,7 +23,8 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
     # every flood moves code_assistant's routing enough to fire (bench/traffic_or_damage.py has the figures)
     assert [a for a in firing if a["labels"]["business_line"] == "code_assistant"], outcome.alerts
     assert all(alert["labels"].get("cause") == "traffic" for alert in firing), [
-        (a["labels"]["alertname"], a["labels"].get("cause"), a["annotations"].get("cause")) for a in firing]
+        (a["labels"]["alertname"], a["labels"].get("cause"), a["annotations"].get("cause")) for a in firing
+    ]
     for alert in firing:  # the page's first words, the figures that decided it, the client who moved it
         assert alert["annotations"]["summary"].startswith("TRAFFIC CHANGED")
         assert "route as while healthy" in alert["annotations"]["cause"]
@@ -33,8 +35,9 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
     assert outcome.oncall == []  # on-call's pager stayed silent
     assert all(alert["labels"].get("cause") == "traffic" for alert in outcome.owners)
     # One notification per incident: the line owners heard of the flood once, with every alert of it.
-    told = [body for body in outcome.owner_notifications
-            if body["groupLabels"].get("business_line") == "code_assistant"]
+    told = [
+        body for body in outcome.owner_notifications if body["groupLabels"].get("business_line") == "code_assistant"
+    ]
     assert len(told) == 1, [(body["status"], len(body["alerts"])) for body in told]
     assert told[0]["groupLabels"] == {"business_line": "code_assistant", "cause": "traffic"}
     notified = {alert["fingerprint"] for alert in told[0]["alerts"]}
@@ -51,8 +54,9 @@ def test_a_flood_of_one_client_is_traffic_pages_no_one_for_the_model_and_re_tune
 def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repaired() -> None:
     router = "model.layers.2.mlp.gate"
     outcome = damage_scenario(router, (0, 1, 2, 3, 4, 5), 10.0)
-    pages = [alert for alert in outcome.oncall if alert["status"] == "firing"
-             and alert["labels"].get("router") == router]
+    pages = [
+        alert for alert in outcome.oncall if alert["status"] == "firing" and alert["labels"].get("router") == router
+    ]
     assert pages and all(page["labels"]["cause"] == "model" for page in pages), outcome.oncall
     assert pages[0]["annotations"]["summary"].startswith("MODEL CHANGED")
     assert "route differently now" in pages[0]["annotations"]["cause"]
@@ -62,6 +66,9 @@ def test_a_router_damaged_in_place_pages_on_call_as_a_model_change_and_is_repair
     (attempt,) = [a for a in promoted[0]["result"]["attempts"] if a.get("outcome") == "promoted"]
     gates = {check["gate"]: check["decision"] for check in attempt["gates"]["checks"]}
     assert gates["reference_band"] == gates["reference_drift"] == gates["reference_perplexity"] == "pass", gates
-    still = [(alert["labels"]["alertname"], alert["labels"]["business_line"]) for alert in outcome.alerts
-             if alert["state"] == "firing" and alert["labels"].get("router") == router]
+    still = [
+        (alert["labels"]["alertname"], alert["labels"]["business_line"])
+        for alert in outcome.alerts
+        if alert["state"] == "firing" and alert["labels"].get("router") == router
+    ]
     assert still == [], still  # resolved after the repair

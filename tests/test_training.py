@@ -12,8 +12,16 @@ from mla_watch.models.train import TrainSettings, train
 
 pytestmark = pytest.mark.slow
 
-TINY = {"steps": 3, "batch_size": 2, "seq_len": 64, "vocab_size": 400, "train_samples_per_domain": 30,
-        "heldout_samples_per_domain": 2, "completion_tokens": 4, "warmup": 2}
+TINY = {
+    "steps": 3,
+    "batch_size": 2,
+    "seq_len": 64,
+    "vocab_size": 400,
+    "train_samples_per_domain": 30,
+    "heldout_samples_per_domain": 2,
+    "completion_tokens": 4,
+    "warmup": 2,
+}
 
 
 def digest(path) -> str:

@@ -47,7 +47,13 @@ def test_crossing_times() -> None:
     assert crossing_in(falling, 6.0, T0 + HOUR, below=True) == 0.0  # past it already
     assert crossing_in(falling, 6.5, T0 + HOUR, below=False) is None  # heading away
     assert [format_crossing(s) for s in (None, 0.0, 20 * 60.0, 3 * HOUR + 1200, 52 * HOUR, 48 * HOUR)] == [
-        "never", "now", "20m", "3h 20m", "2d 4h", "2d"]
+        "never",
+        "now",
+        "20m",
+        "3h 20m",
+        "2d 4h",
+        "2d",
+    ]
 
 
 def test_enough_data_needs_points_spanning_half_the_look_back() -> None:
@@ -72,35 +78,45 @@ def test_the_memory_history_is_a_trend_source() -> None:
 
 def rule_file(body: str) -> str:
     """A rules file: receiver ``oncall`` and one rule, Falling, on entropy_bits, whose other keys are ``body``."""
-    return ("receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]\n"
-            f"rules:\n  - {{alert: Falling, metric: entropy_bits, {body}}}\n")
+    return (
+        "receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]\n"
+        f"rules:\n  - {{alert: Falling, metric: entropy_bits, {body}}}\n"
+    )
 
 
-@pytest.mark.parametrize(("body", "trend", "below"), [
-    ("trend: {over: 6h, per: day}, below: -0.5", Trend("slope", 6 * HOUR, per_seconds=86400.0), -0.5),
-    ("trend: {over: 6h}, below: -0.02", Trend("slope", 6 * HOUR), -0.02),
-    ("predict: {over: 6h, ahead: 3d}, below: 5.0", Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0), 5.0),
-    # the issue's spelling: the threshold inside the block
-    ("predict: {over: 6h, ahead: 3d, below: 5.0}", Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0), 5.0),
-])
+@pytest.mark.parametrize(
+    ("body", "trend", "below"),
+    [
+        ("trend: {over: 6h, per: day}, below: -0.5", Trend("slope", 6 * HOUR, per_seconds=86400.0), -0.5),
+        ("trend: {over: 6h}, below: -0.02", Trend("slope", 6 * HOUR), -0.02),
+        ("predict: {over: 6h, ahead: 3d}, below: 5.0", Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0), 5.0),
+        # the issue's spelling: the threshold inside the block
+        ("predict: {over: 6h, ahead: 3d, below: 5.0}", Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0), 5.0),
+    ],
+)
 def test_trend_and_predict_blocks_parse(tmp_path, body, trend, below) -> None:
     (rule,) = load_rules_dir(write_rules(tmp_path, rule_file(body), name="r.yaml")).rules
     assert rule.trend == trend and rule.below == below
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    ("trend: {over: 6h}, predict: {over: 6h, ahead: 1d}, below: 1", "rules[Falling].predict = "),
-    ("trend: {over: 6h, per: week}, below: -1", "rules[Falling].trend.per = 'week': expected hour or day"),
-    ("trend: {per: hour}, below: -1", "rules[Falling].trend.over: missing: expected the look-back"),
-    ("trend: {over: 0s}, below: -1", "rules[Falling].trend.over = '0s': expected a duration > 0"),
-    ("predict: {over: 6h}, below: 5", "rules[Falling].predict.ahead: missing"),
-    ("predict: {over: 6h, ahead: soon}, below: 5", "rules[Falling].predict.ahead = 'soon': expected a duration"),
-    ("predict: {over: 6h, ahead: 1d, below: 5}, above: 6", "rules[Falling].above = 6: expected the thresholds in one "
-                                                          "place"),
-    ("predict: {over: 6h, ahead: 1d, below: 5, resolve_above: 4}", "rules[Falling].predict.resolve_above = 4.0"),
-    ("predict: {over: 6h, ahead: 1d, when: 5}", "rules[Falling].predict"),
-    ("predict: 3d, below: 5", "rules[Falling].predict = '3d': expected a mapping"),
-])
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("trend: {over: 6h}, predict: {over: 6h, ahead: 1d}, below: 1", "rules[Falling].predict = "),
+        ("trend: {over: 6h, per: week}, below: -1", "rules[Falling].trend.per = 'week': expected hour or day"),
+        ("trend: {per: hour}, below: -1", "rules[Falling].trend.over: missing: expected the look-back"),
+        ("trend: {over: 0s}, below: -1", "rules[Falling].trend.over = '0s': expected a duration > 0"),
+        ("predict: {over: 6h}, below: 5", "rules[Falling].predict.ahead: missing"),
+        ("predict: {over: 6h, ahead: soon}, below: 5", "rules[Falling].predict.ahead = 'soon': expected a duration"),
+        (
+            "predict: {over: 6h, ahead: 1d, below: 5}, above: 6",
+            "rules[Falling].above = 6: expected the thresholds in one place",
+        ),
+        ("predict: {over: 6h, ahead: 1d, below: 5, resolve_above: 4}", "rules[Falling].predict.resolve_above = 4.0"),
+        ("predict: {over: 6h, ahead: 1d, when: 5}", "rules[Falling].predict"),
+        ("predict: 3d, below: 5", "rules[Falling].predict = '3d': expected a mapping"),
+    ],
+)
 def test_trend_errors_name_file_key_value_and_expectation(tmp_path, body, expected) -> None:
     with pytest.raises(RuleError) as caught:
         load_rules_dir(write_rules(tmp_path, rule_file(body), name="r.yaml"))
@@ -123,16 +139,32 @@ record = partial(engine_record, name=GATE, layer=2, min_tokens=152, num_slots=64
 
 
 def falling_rule(**kw) -> Rule:
-    args = {"name": "Falling", "metric": "entropy_bits", "selector": Selector(kind="expert"), "below": 5.0,
-            "resolve_above": 5.2, "for_seconds": HOUR, "trend": Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0),
-            "annotations": {"summary": "{current:.2f} now, {predicted:.2f} in 3d, {slope_per_day:+.2f}/d, "
-                                       "below {threshold} in {crossing_in}"}}
+    args = {
+        "name": "Falling",
+        "metric": "entropy_bits",
+        "selector": Selector(kind="expert"),
+        "below": 5.0,
+        "resolve_above": 5.2,
+        "for_seconds": HOUR,
+        "trend": Trend("predict", 6 * HOUR, ahead_seconds=3 * 86400.0),
+        "annotations": {
+            "summary": "{current:.2f} now, {predicted:.2f} in 3d, {slope_per_day:+.2f}/d, "
+            "below {threshold} in {crossing_in}"
+        },
+    }
     args.update(kw)
     return Rule(**args)
 
 
-def drive(engine: AlertEngine, history: MemoryHistory, clock: FakeClock, bits_at, hours: float, start: float = 0.0,
-          tokens: int = 4096) -> list:
+def drive(
+    engine: AlertEngine,
+    history: MemoryHistory,
+    clock: FakeClock,
+    bits_at,
+    hours: float,
+    start: float = 0.0,
+    tokens: int = 4096,
+) -> list:
     """Every 15 simulated minutes from ``start`` for ``hours``: record, evaluate; the notify actions."""
     actions = []
     for i in range(int(hours * 4)):
@@ -145,19 +177,22 @@ def drive(engine: AlertEngine, history: MemoryHistory, clock: FakeClock, bits_at
 
 def test_a_predict_rule_warns_on_a_steady_fall_and_resolves_with_hysteresis(tmp_path) -> None:
     clock, history = FakeClock(T0), MemoryHistory()
-    engine = AlertEngine(RuleSet((falling_rule(),), {}), clock=clock, trend_source=history,
-                         state_path=tmp_path / "state.json")
+    engine = AlertEngine(
+        RuleSet((falling_rule(),), {}), clock=clock, trend_source=history, state_path=tmp_path / "state.json"
+    )
     assert drive(engine, history, clock, lambda h: 5.9, 12) == []  # flat: predicted 5.9
     pages = drive(engine, history, clock, lambda h: 5.9 - 0.02 * (h - 12), 12, start=12)  # -0.48 bits a day
     (page,) = pages
     assert page.alert.status == "firing" and page.alert.value < 5.0
     current, predicted, per_day, crossing = re.fullmatch(
-        r"(\S+) now, (\S+) in 3d, (\S+)/d, below 5.0 in (\d+d \d+h|\d+d)", page.alert.annotations["summary"]).groups()
+        r"(\S+) now, (\S+) in 3d, (\S+)/d, below 5.0 in (\d+d \d+h|\d+d)", page.alert.annotations["summary"]
+    ).groups()
     assert 5.7 < float(current) < 5.9 and float(predicted) == pytest.approx(page.alert.value, abs=0.01)
     assert -0.48 < float(per_day) < 0 and crossing < "3d"  # the line's own crossing, within the 3 days
     # a restart keeps it firing without paging again
-    engine = AlertEngine(RuleSet((falling_rule(),), {}), clock=clock, trend_source=history,
-                         state_path=tmp_path / "state.json")
+    engine = AlertEngine(
+        RuleSet((falling_rule(),), {}), clock=clock, trend_source=history, state_path=tmp_path / "state.json"
+    )
     assert drive(engine, history, clock, lambda h: 5.9 - 0.02 * (h - 12), 2, start=24) == []
     assert [a.state for a in engine.alerts()] == ["firing"]
     # level again: the prediction climbs back; it resolves only at or above 5.2 (hysteresis)
@@ -167,8 +202,13 @@ def test_a_predict_rule_warns_on_a_steady_fall_and_resolves_with_hysteresis(tmp_
 
 def test_a_slope_rule_judges_the_slope_per_unit() -> None:
     clock, history = FakeClock(T0), MemoryHistory()
-    rule = falling_rule(trend=Trend("slope", 6 * HOUR, per_seconds=86400.0), below=-0.2, resolve_above=None,
-                        for_seconds=0.0, annotations={"summary": "{value:.2f} {slope_per_hour:.3f} {crossing_in}"})
+    rule = falling_rule(
+        trend=Trend("slope", 6 * HOUR, per_seconds=86400.0),
+        below=-0.2,
+        resolve_above=None,
+        for_seconds=0.0,
+        annotations={"summary": "{value:.2f} {slope_per_hour:.3f} {crossing_in}"},
+    )
     engine = AlertEngine(RuleSet((rule,), {}), clock=clock, trend_source=history)
     assert drive(engine, history, clock, lambda h: 5.9 - 0.005 * h, 8) == []  # -0.12 a day
     (page,) = drive(engine, history, clock, lambda h: 5.86 - 0.02 * (h - 8), 6, start=8)  # -0.48 a day
@@ -205,10 +245,12 @@ def test_lint_trend_rules(tmp_path) -> None:
         falling_rule(name="Far", trend=Trend("predict", 6 * HOUR, ahead_seconds=60 * 86400.0)),
         falling_rule(name="Flat", trend=Trend("slope", 6 * HOUR), below=0.1, resolve_above=None),
         falling_rule(name="Steep", trend=Trend("slope", 6 * HOUR), below=-1.0, resolve_above=None),
-        falling_rule(name="Locality", metric="locality", trend=Trend("slope", 6 * HOUR), below=-0.1,
-                     resolve_above=None),
-        falling_rule(name="Ceiling", trend=Trend("predict", 6 * HOUR, ahead_seconds=86400.0), below=6.5,
-                     resolve_above=None),
+        falling_rule(
+            name="Locality", metric="locality", trend=Trend("slope", 6 * HOUR), below=-0.1, resolve_above=None
+        ),
+        falling_rule(
+            name="Ceiling", trend=Trend("predict", 6 * HOUR, ahead_seconds=86400.0), below=6.5, resolve_above=None
+        ),
     ]
     findings = lint(RuleSet(tuple(rules), {}), [router], with_history=True)
     by_rule = {rule.name: [f for f in findings if f.rule == rule.name] for rule in rules}
@@ -227,7 +269,9 @@ def test_lint_trend_rules(tmp_path) -> None:
     (ceiling,) = by_rule["Ceiling"]
     assert ceiling.severity == "error" and "predicted 1d ahead below 6.5 bits always fires" in ceiling.message
     # longer history intervals make a look-back too short; without a history every trend rule is flagged
-    assert any("can never be judged" in f.message
-               for f in lint(RuleSet((rules[0],), {}), [router], history_interval_seconds=2 * HOUR, with_history=True))
+    assert any(
+        "can never be judged" in f.message
+        for f in lint(RuleSet((rules[0],), {}), [router], history_interval_seconds=2 * HOUR, with_history=True)
+    )
     (missing,) = lint(RuleSet((rules[0],), {}), [router])
     assert "an alert engine without one (no trend_source) never judges it" in missing.message

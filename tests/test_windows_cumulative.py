@@ -71,8 +71,12 @@ def test_all_pairs_at_once_in_first_report_order_as_copies() -> None:
     windows.add(INDEXER.name, "code_assistant", CountDelta(np.ones(16, dtype=np.int64), 4))
     windows.add(GATE.name, "doc_summary", delta([0, 0, 0, 0, 0, 0, 0, 2], 1))
     totals = windows.cumulative_totals()
-    assert list(totals) == [(INDEXER.name, "doc_summary"), (GATE.name, "code_assistant"),
-                            (INDEXER.name, "code_assistant"), (GATE.name, "doc_summary")]
+    assert list(totals) == [
+        (INDEXER.name, "doc_summary"),
+        (GATE.name, "code_assistant"),
+        (INDEXER.name, "code_assistant"),
+        (GATE.name, "doc_summary"),
+    ]
     totals[(GATE.name, "code_assistant")].counts[0] = 99  # the caller's copy
     one = windows.cumulative(GATE.name, "code_assistant")
     assert one is not None

@@ -41,8 +41,9 @@ SILENT_TOKEN = 7  # a generated token that makes no text: chat sends its step on
 def routing_row(token: int, position: int, layers: int, top_k: int, experts: int) -> np.ndarray:
     """``[layers, top_k]`` distinct expert ids for one token, a function of its id and position."""
     stride = experts // top_k
-    return np.array([[(token * 3 + position + layer + j * stride) % experts for j in range(top_k)]
-                     for layer in range(layers)])
+    return np.array(
+        [[(token * 3 + position + layer + j * stride) % experts for j in range(top_k)] for layer in range(layers)]
+    )
 
 
 class VllmTwin:
@@ -58,11 +59,13 @@ class VllmTwin:
         # field and format of the unstreamed choice (and of GenerateResponseStreamChoice.routed_experts, which
         # vllm/entrypoints/serve/disagg/serving.py sets from output.routed_experts in its stream generator).
         self.stream_routing = False
-        self.app = Starlette(routes=[
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completion, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-        ])
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completion, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            ]
+        )
 
     @property
     def replays(self) -> list[dict]:
@@ -99,8 +102,9 @@ class VllmTwin:
         body = await request.json()
         self.bodies.append(body)
         if isinstance(body.get("prompt"), list) and self.replay_status != 200:
-            return JSONResponse({"error": {"message": "replays refused", "type": "server_error"}},
-                                status_code=self.replay_status)
+            return JSONResponse(
+                {"error": {"message": "replays refused", "type": "server_error"}}, status_code=self.replay_status
+            )
         prompt = self.tokens_of(body, chat)
         n = body.get("n", 1)
         count = body.get("max_tokens") or body.get("max_completion_tokens") or 4
@@ -113,32 +117,54 @@ class VllmTwin:
             routing = self.routing(prompt + out[:-1])[start:]
             text = bytes(t for t in out if t != SILENT_TOKEN).decode()
             content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            choices.append({"index": index, **content, "finish_reason": "length",
-                            "routed_experts": encode_vllm(routing, self.geometry.num_experts)})
+            choices.append(
+                {
+                    "index": index,
+                    **content,
+                    "finish_reason": "length",
+                    "routed_experts": encode_vllm(routing, self.geometry.num_experts),
+                }
+            )
             if body.get("return_token_ids") is True:  # chat: the prompt's once, at the top; completions: per choice
                 choices[-1]["token_ids"] = out
                 if not chat:
                     choices[-1]["prompt_token_ids"] = prompt
-        answer = {"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "twin",
-                  "choices": choices,
-                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))}}
+        answer = {
+            "id": "x",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": "twin",
+            "choices": choices,
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))},
+        }
         if chat and body.get("return_token_ids") is True:
             answer["prompt_token_ids"] = prompt
         return JSONResponse(answer)
 
-    async def _stream(self, body: dict, chat: bool, prompt: list[int], outputs: list[list[int]]
-                      ) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, body: dict, chat: bool, prompt: list[int], outputs: list[list[int]]
+    ) -> AsyncIterator[bytes]:
         ids = body.get("return_token_ids") is True
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def event(chunk: dict) -> bytes:
-            return b"data: " + json.dumps({"id": "x", "object": kind, "model": "twin", **chunk},
-                                          separators=(",", ":")).encode() + b"\n\n"
+            return (
+                b"data: "
+                + json.dumps({"id": "x", "object": kind, "model": "twin", **chunk}, separators=(",", ":")).encode()
+                + b"\n\n"
+            )
 
         if chat:  # the first chunk of each choice: its role (and the prompt's ids)
             for index in range(len(outputs)):
-                first = {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}]}
+                first = {
+                    "choices": [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                }
                 if ids:
                     first["prompt_token_ids"] = prompt
                 yield event(first)
@@ -151,22 +177,31 @@ class VllmTwin:
                 if chat:
                     if not text and not last and not ids:
                         continue  # vLLM skips a step with nothing to say, unless ids were asked for
-                    choice = {"index": index, "delta": {"content": text} if text else {}, "logprobs": None,
-                              "finish_reason": "length" if last else None}
+                    choice = {
+                        "index": index,
+                        "delta": {"content": text} if text else {},
+                        "logprobs": None,
+                        "finish_reason": "length" if last else None,
+                    }
                 else:
-                    choice = {"index": index, "text": text, "logprobs": None,
-                              "finish_reason": "length" if last else None}
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "length" if last else None,
+                    }
                     if ids and step == 0:
                         choice["prompt_token_ids"] = prompt
                 if ids:
                     choice["token_ids"] = [token]
                 if last and self.stream_routing:
-                    routing = self.routing(prompt + out[:-1])[body.get("routed_experts_prompt_start", 0):]
+                    routing = self.routing(prompt + out[:-1])[body.get("routed_experts_prompt_start", 0) :]
                     choice["routed_experts"] = encode_vllm(routing, self.geometry.num_experts)
                 yield event({"choices": [choice]})
                 if self.step_seconds:
                     await asyncio.sleep(self.step_seconds)
         if (body.get("stream_options") or {}).get("include_usage"):
-            yield event({"choices": [], "usage": {"prompt_tokens": len(prompt),
-                                                  "completion_tokens": sum(map(len, outputs))}})
+            yield event(
+                {"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, outputs))}}
+            )
         yield b"data: [DONE]\n\n"

@@ -64,9 +64,18 @@ _MAX_SELECTOR_CACHE = 100_000  # (router, layer, kind, line) keys; cleared when 
 class AlertEngine:
     """Evaluates a :class:`RuleSet` over routing statistics records; thread-safe."""
 
-    def __init__(self, rules: RuleSet, *, state_path: Path | None = None, clock: Callable[[], float] = time.time,
-                 render: Render | None = None, status_url: str = "", trend_source: TrendSource | None = None,
-                 causes: CauseJudge | None = None, writes: StateWrites | None = None) -> None:
+    def __init__(
+        self,
+        rules: RuleSet,
+        *,
+        state_path: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        render: Render | None = None,
+        status_url: str = "",
+        trend_source: TrendSource | None = None,
+        causes: CauseJudge | None = None,
+        writes: StateWrites | None = None,
+    ) -> None:
         self._clock = clock
         self.evaluations = 0  # evaluate() calls done: one more is a round of every rule on newer windows
         self._trend_source = trend_source
@@ -147,8 +156,7 @@ class AlertEngine:
                             inst.json = None
                             changed = True
                         continue
-                    if step(inst, rule, value, breach, now, actions, self._alerting, self._schedule_prune,
-                            self.causes):
+                    if step(inst, rule, value, breach, now, actions, self._alerting, self._schedule_prune, self.causes):
                         inst.json = None
                         changed = True
                     if inst.state == "inactive":
@@ -175,16 +183,35 @@ class AlertEngine:
             for by_rule in self._instances.values():
                 for inst in by_rule.values():
                     rule = self._rules.get(inst.rule_id)
-                    annotations = (self._alerting.annotations(rule, inst, inst.record) if rule is not None
-                                   and inst.record is not None else dict(inst.annotations))
-                    out.append(AlertInstance(rule=rule.rule.name if rule is not None else inst.labels.get(
-                        "alertname", inst.rule_id), labels=dict(inst.public_labels), state=inst.state,
-                        value=inst.value, cause=None if inst.cause is None else inst.cause.to_json(),
-                        active_since=inst.active_since, firing_since=inst.firing_since,
-                        resolved_at=inst.resolved_at, last_evaluated=inst.last_evaluated,
-                        annotations=annotations, metric=rule.metric if rule is not None else None))
-        out.sort(key=lambda a: (order.get(a.state, 3), a.rule, a.labels.get(ROUTER, ""),
-                                a.labels.get(LAYER, ""), a.labels.get(BUSINESS_LINE, "")))
+                    annotations = (
+                        self._alerting.annotations(rule, inst, inst.record)
+                        if rule is not None and inst.record is not None
+                        else dict(inst.annotations)
+                    )
+                    out.append(
+                        AlertInstance(
+                            rule=rule.rule.name if rule is not None else inst.labels.get("alertname", inst.rule_id),
+                            labels=dict(inst.public_labels),
+                            state=inst.state,
+                            value=inst.value,
+                            cause=None if inst.cause is None else inst.cause.to_json(),
+                            active_since=inst.active_since,
+                            firing_since=inst.firing_since,
+                            resolved_at=inst.resolved_at,
+                            last_evaluated=inst.last_evaluated,
+                            annotations=annotations,
+                            metric=rule.metric if rule is not None else None,
+                        )
+                    )
+        out.sort(
+            key=lambda a: (
+                order.get(a.state, 3),
+                a.rule,
+                a.labels.get(ROUTER, ""),
+                a.labels.get(LAYER, ""),
+                a.labels.get(BUSINESS_LINE, ""),
+            )
+        )
         return out
 
     def active_series(self) -> set[tuple[str, str]]:
@@ -195,16 +222,20 @@ class AlertEngine:
         found not to be the line's traffic and dropped - so they stand unjudged and say nothing of its window; the
         baseline learned again judges them."""
         with self._lock:
-            return {(inst.labels.get(ROUTER, ""), inst.labels.get(BUSINESS_LINE, ""))
-                    for by_rule in self._instances.values() for inst in by_rule.values()
-                    if inst.state in ("pending", "firing")
-                    and not ((rule := self._rules.get(inst.rule_id)) is not None and rule.of_the_baseline)}
+            return {
+                (inst.labels.get(ROUTER, ""), inst.labels.get(BUSINESS_LINE, ""))
+                for by_rule in self._instances.values()
+                for inst in by_rule.values()
+                if inst.state in ("pending", "firing")
+                and not ((rule := self._rules.get(inst.rule_id)) is not None and rule.of_the_baseline)
+            }
 
     def firing_counts(self) -> dict[tuple[str, str], int]:
         """(alertname, severity) -> number of firing instances; every current rule is present, 0 if quiet."""
         with self._lock:
-            counts = {(c.rule.name, str(c.rule.labels.get("severity", c.rule.severity))): 0
-                      for c in self._rules.values()}
+            counts = {
+                (c.rule.name, str(c.rule.labels.get("severity", c.rule.severity))): 0 for c in self._rules.values()
+            }
             for by_rule in self._instances.values():
                 for inst in by_rule.values():
                     if inst.state == "firing":
@@ -237,13 +268,21 @@ class AlertEngine:
             for key, by_rule in list(self._instances.items()):
                 for rule_id, inst in list(by_rule.items()):
                     new = self._rules.get(rule_id)
-                    if (new is not None and new.matches(key, inst.num_slots, inst.hash_routed)
-                            and new.labels(key) == inst.labels):
+                    if (
+                        new is not None
+                        and new.matches(key, inst.num_slots, inst.hash_routed)
+                        and new.labels(key) == inst.labels
+                    ):
                         continue
                     del by_rule[rule_id]
                     why = "was removed" if new is None else "changed its labels or selector"
-                    log.info("alert %s %s: rule %r %s; the instance is dropped", inst.labels.get("alertname"),
-                             inst.state, rule_id, why)
+                    log.info(
+                        "alert %s %s: rule %r %s; the instance is dropped",
+                        inst.labels.get("alertname"),
+                        inst.state,
+                        rule_id,
+                        why,
+                    )
                     previous = old.get(rule_id) or new
                     if inst.state == "firing" and inst.notified and previous is not None:
                         actions.append(self._alerting.resolved_action(inst, previous, now))
@@ -253,9 +292,14 @@ class AlertEngine:
             return actions
 
     # ------------------------------------------------------------------ trend rules
-    def _trend_value(self, rule: CompiledRule, key: RecordKey, stats: RoutingStats, now: float,
-                     series: dict[tuple[Any, ...], tuple[list[float], list[float]]],
-                     ) -> tuple[float, dict[str, object]] | None:
+    def _trend_value(
+        self,
+        rule: CompiledRule,
+        key: RecordKey,
+        stats: RoutingStats,
+        now: float,
+        series: dict[tuple[Any, ...], tuple[list[float], list[float]]],
+    ) -> tuple[float, dict[str, object]] | None:
         """A trend rule's value (slope per unit, or the predicted value) and the trend's template fields
         (:data:`~mla_watch.alerting.rendering.TREND_FIELDS`); ``None`` when the history cannot judge it (see
         :mod:`~mla_watch.alerting.trend`)."""
@@ -282,10 +326,13 @@ class AlertEngine:
             threshold = rule.below if below else rule.above
             crossing = crossing_in(line_fit, float(threshold), now, below=below)  # type: ignore[arg-type]
         # The template fields travel with the instance, so a resolution renders them too.
-        fields = {"current": getattr(stats, rule.metric), "slope_per_hour": line_fit.slope * 3600.0,
-                  "slope_per_day": line_fit.slope * 86400.0,
-                  "predicted": predicted if trend.kind == "predict" else None,
-                  "crossing_in": format_crossing(crossing) if trend.kind == "predict" else None}
+        fields = {
+            "current": getattr(stats, rule.metric),
+            "slope_per_hour": line_fit.slope * 3600.0,
+            "slope_per_day": line_fit.slope * 86400.0,
+            "predicted": predicted if trend.kind == "predict" else None,
+            "crossing_in": format_crossing(crossing) if trend.kind == "predict" else None,
+        }
         return value, fields
 
     # ------------------------------------------------------------------ rules and cache
@@ -297,8 +344,9 @@ class AlertEngine:
         if len(self._selector_cache) >= _MAX_SELECTOR_CACHE:
             self._selector_cache.clear()
         slots, hashed = geometry
-        matched = tuple(rule for rule in self._rules.values()
-                        if rule.matches(key, None if slots is None else int(slots), hashed))
+        matched = tuple(
+            rule for rule in self._rules.values() if rule.matches(key, None if slots is None else int(slots), hashed)
+        )
         cache_key = (*key, *geometry)
         self._selector_cache[cache_key] = matched
         return matched
@@ -345,15 +393,29 @@ class AlertEngine:
         for inst in loaded:
             rule = self._rules.get(inst.rule_id)
             if rule is None:
-                log.warning("alert state %s: dropping the %s instance %s of rule %r, which no longer exists",
-                            path, inst.state, inst.labels, inst.rule_id)
+                log.warning(
+                    "alert state %s: dropping the %s instance %s of rule %r, which no longer exists",
+                    path,
+                    inst.state,
+                    inst.labels,
+                    inst.rule_id,
+                )
                 if inst.state == "firing" and inst.notified:
-                    log.warning("alert state %s: %s was firing and notified; its rule is gone, so no "
-                                "resolution can be sent for it", path, inst.labels)
+                    log.warning(
+                        "alert state %s: %s was firing and notified; its rule is gone, so no "
+                        "resolution can be sent for it",
+                        path,
+                        inst.labels,
+                    )
                 continue
             if not rule.matches(inst.key, inst.num_slots, inst.hash_routed) or rule.labels(inst.key) != inst.labels:
-                log.warning("alert state %s: rule %r changed its labels or selector; the %s instance %s is "
-                            "dropped", path, inst.rule_id, inst.state, inst.labels)
+                log.warning(
+                    "alert state %s: rule %r changed its labels or selector; the %s instance %s is dropped",
+                    path,
+                    inst.rule_id,
+                    inst.state,
+                    inst.labels,
+                )
                 if inst.state == "firing" and inst.notified:  # close the page sent under the old labels
                     self._queued.append(self._alerting.resolved_action(inst, rule, now))
                 continue

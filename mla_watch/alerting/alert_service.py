@@ -43,13 +43,22 @@ log = logging.getLogger("mla_watch.alerting")
 
 
 class AlertService:
-    def __init__(self, rules: RuleSet, state_dir: Path, *, records: Callable[[], Iterable[RouterStats]],
-                 interval: float = 15.0, status_url: str = "", external_url: str = "",
-                 clock: Callable[[], float] = time.time,
-                 on_notification: Callable[[str, str], None] | None = None,
-                 before_round: Callable[[], object] | None = None,
-                 trend_source: TrendSource | None = None, causes: CauseJudge | None = None,
-                 writes: StateWrites | None = None) -> None:
+    def __init__(
+        self,
+        rules: RuleSet,
+        state_dir: Path,
+        *,
+        records: Callable[[], Iterable[RouterStats]],
+        interval: float = 15.0,
+        status_url: str = "",
+        external_url: str = "",
+        clock: Callable[[], float] = time.time,
+        on_notification: Callable[[str, str], None] | None = None,
+        before_round: Callable[[], object] | None = None,
+        trend_source: TrendSource | None = None,
+        causes: CauseJudge | None = None,
+        writes: StateWrites | None = None,
+    ) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.rules = rules
         self.interval = interval
@@ -57,9 +66,16 @@ class AlertService:
         self._records = records
         self._before_round = before_round  # e.g. reload changed rule files, outside the service's lock
         self._clock = clock
-        self.engine = AlertEngine(rules, state_path=state_dir / "alerts.json", clock=clock,
-                                  render=render_annotations, status_url=status_url, trend_source=trend_source,
-                                  causes=causes, writes=writes)
+        self.engine = AlertEngine(
+            rules,
+            state_path=state_dir / "alerts.json",
+            clock=clock,
+            render=render_annotations,
+            status_url=status_url,
+            trend_source=trend_source,
+            causes=causes,
+            writes=writes,
+        )
         # A notification the outbox's file cannot take (a full or read-only disk) is held in memory there and
         # delivered all the same; it is written to the file once the disk takes it again.
         self.outbox = Outbox(state_dir / "outbox.sqlite", clock=clock, writes=writes, on_hold=on_notification)
@@ -81,16 +97,18 @@ class AlertService:
         notification as the annotation ``retune`` (what became of the request)."""
         self._retune_callbacks.append(callback)
 
-    def notify_event(self, labels: Mapping[str, str], annotations: Mapping[str, str],
-                     receivers: Iterable[str] | None = None) -> int:
+    def notify_event(
+        self, labels: Mapping[str, str], annotations: Mapping[str, str], receivers: Iterable[str] | None = None
+    ) -> int:
         """Send a one-off firing notification (not a rule's alert: it is neither repeated nor resolved).
 
         For events on-call must hear about, such as a re-tuning job rejected by its gates.
         Goes to ``receivers`` (default: every receiver); returns how many notifications were queued.
         """
         now = self._clock()
-        alert = Alert(labels=dict(labels), annotations=dict(annotations), status="firing", starts_at=now,
-                      ends_at=None, value=0.0)
+        alert = Alert(
+            labels=dict(labels), annotations=dict(annotations), status="firing", starts_at=now, ends_at=None, value=0.0
+        )
         queued = 0
         with self._lock:
             for name in receivers if receivers is not None else list(self.rules.receivers):
@@ -98,9 +116,17 @@ class AlertService:
                 if receiver is None or receiver.url is None:
                     continue
                 group_labels = receiver.group_of(alert.labels)
-                self._submit(receiver, Notification(
-                    receiver=name, group_key=group_key(group_labels), group_labels=group_labels, alerts=(alert,),
-                    status="firing", external_url=self.external_url))
+                self._submit(
+                    receiver,
+                    Notification(
+                        receiver=name,
+                        group_key=group_key(group_labels),
+                        group_labels=group_labels,
+                        alerts=(alert,),
+                        status="firing",
+                        external_url=self.external_url,
+                    ),
+                )
                 queued += 1
         log.warning("%s: %s", alert.labels.get("alertname"), alert.annotations.get("summary", ""))
         return queued
@@ -128,8 +154,14 @@ class AlertService:
         alerts = self.engine.alerts()
         with self._lock:
             rules = {rule.name: rule for rule in self.rules.rules}
-            return [{**alert.as_dict(), "incident": self._incident(rules.get(alert.rule), alert),
-                     "cause_due_at": self._cause_due_at(rules.get(alert.rule), alert)} for alert in alerts]
+            return [
+                {
+                    **alert.as_dict(),
+                    "incident": self._incident(rules.get(alert.rule), alert),
+                    "cause_due_at": self._cause_due_at(rules.get(alert.rule), alert),
+                }
+                for alert in alerts
+            ]
 
     def _cause_due_at(self, rule: Rule | None, alert: AlertInstance) -> float | None:
         """By when a pending alert's cause is decided (wall clock): the reading it asked for comes by then, or it
@@ -147,8 +179,12 @@ class AlertService:
             labels = receiver.group_of(alert.labels)
             key = group_key(labels)
             group = self._groups.get((name, key))
-            return {"receiver": name, "key": key, "labels": labels,
-                    "notified_at": None if group is None else group.record.notified_at}
+            return {
+                "receiver": name,
+                "key": key,
+                "labels": labels,
+                "notified_at": None if group is None else group.record.notified_at,
+            }
         return None
 
     def start(self, dispatch_interval: float = 1.0) -> None:
@@ -185,8 +221,12 @@ class AlertService:
         flush.join(left())
         lost = self.outbox.write_held()
         if lost:  # the disk still refuses the outbox's file: these never reach a file that outlives the process
-            log.error("stopping with %d notification(s) held in memory that the outbox's file %s could not take: "
-                      "they are lost", lost, self.outbox.path)
+            log.error(
+                "stopping with %d notification(s) held in memory that the outbox's file %s could not take: "
+                "they are lost",
+                lost,
+                self.outbox.path,
+            )
 
     def _flush(self) -> None:
         try:
@@ -207,17 +247,27 @@ class AlertService:
             receiver = self.rules.receivers.get(name)
             if receiver is None or receiver.url is None:
                 continue
-            self._groups[(name, key)] = NotificationGroup(receiver, key, labels, flush_at=max(
-                record.flush_at if record.flush_at is not None else now, now), flushed=True, record=record)
+            self._groups[(name, key)] = NotificationGroup(
+                receiver,
+                key,
+                labels,
+                flush_at=max(record.flush_at if record.flush_at is not None else now, now),
+                flushed=True,
+                record=record,
+            )
         for instance in self.engine.alerts():
             rule = rules.get(instance.rule)
             if rule is None or instance.state not in ("firing", "resolved"):
                 continue
             firing = instance.state == "firing"
-            alert = Alert(labels=dict(instance.labels), annotations=dict(instance.annotations),
-                          status="firing" if firing else "resolved",
-                          starts_at=instance.firing_since or instance.resolved_at or now,
-                          ends_at=None if firing else instance.resolved_at, value=instance.value or 0.0)
+            alert = Alert(
+                labels=dict(instance.labels),
+                annotations=dict(instance.annotations),
+                status="firing" if firing else "resolved",
+                starts_at=instance.firing_since or instance.resolved_at or now,
+                ends_at=None if firing else instance.resolved_at,
+                value=instance.value or 0.0,
+            )
             for name in rule.receivers_for(alert.labels.get(CAUSE_LABEL)):
                 group = self._group_of(name, alert, now, create=firing)
                 if group is None:
@@ -225,8 +275,9 @@ class AlertService:
                 if logged is None and firing:  # notified by the sidecar before this one: repeated, not paged again
                     group.flushed = True
                     group.flush_at = now + timing(group.receiver)[1]
-                    group.record = GroupRecord(group.record.firing | {alert.fingerprint}, frozenset(), now,
-                                               group.flush_at)
+                    group.record = GroupRecord(
+                        group.record.firing | {alert.fingerprint}, frozenset(), now, group.flush_at
+                    )
                 if firing or alert.fingerprint in group.record.firing:  # a resolution only the receiver awaits
                     group.add(alert, now)
         self._log_unsaved = not self._log.save(self._groups.values(), now)
@@ -268,8 +319,13 @@ class AlertService:
 
     def _request_retune(self, action: Action) -> str:
         labels = action.alert.labels
-        log.warning("alert %s asks for a router re-tune of %s (layer %s, %s)", labels.get("alertname"),
-                    labels.get(ROUTER), labels.get(LAYER), labels.get(BUSINESS_LINE))
+        log.warning(
+            "alert %s asks for a router re-tune of %s (layer %s, %s)",
+            labels.get("alertname"),
+            labels.get(ROUTER),
+            labels.get(LAYER),
+            labels.get(BUSINESS_LINE),
+        )
         notes = []
         for callback in self._retune_callbacks:
             try:
@@ -283,8 +339,12 @@ class AlertService:
         return "; ".join(notes)
 
     def _notify(self, receivers: Iterable[str], alert: Alert, now: float) -> None:
-        log.warning("alert %s %s: %s", alert.labels.get("alertname"), alert.status,
-                    alert.annotations.get("summary", dict(alert.labels)))
+        log.warning(
+            "alert %s %s: %s",
+            alert.labels.get("alertname"),
+            alert.status,
+            alert.annotations.get("summary", dict(alert.labels)),
+        )
         for name in receivers:
             # A resolution joins the group that holds its alert; one no group holds was never notified.
             group = self._group_of(name, alert, now, create=alert.status == "firing")

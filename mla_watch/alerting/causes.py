@@ -45,8 +45,12 @@ class Cause:
     details: Mapping[str, Any] = field(default_factory=dict)  # JSON-able figures (GET /v1/alerts)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "summary": self.summary, "reading_at": self.reading_at,
-                "details": dict(self.details)}
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "reading_at": self.reading_at,
+            "details": dict(self.details),
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> Cause:
@@ -56,8 +60,12 @@ class Cause:
         if reading_at is not None and not is_number(reading_at):
             raise ValueError("cause: reading_at is not a number")
         details = data.get("details") or {}
-        return cls(data["name"], data["summary"], None if reading_at is None else float(reading_at),
-                   details if isinstance(details, dict) else {})
+        return cls(
+            data["name"],
+            data["summary"],
+            None if reading_at is None else float(reading_at),
+            details if isinstance(details, dict) else {},
+        )
 
 
 def undetermined(why: str) -> Cause:

@@ -24,8 +24,24 @@ log = logging.getLogger("mla_watch.alerting.alert_engine")  # the alert engine's
 class CompiledRule:
     """A rule with its thresholds resolved, for the hot loop."""
 
-    __slots__ = ("above", "below", "bounds", "for_s", "id", "keep_s", "levels", "metric", "min_tokens", "notify",
-                 "of_the_baseline", "resolve_above", "resolve_below", "retune", "rule", "trend")
+    __slots__ = (
+        "above",
+        "below",
+        "bounds",
+        "for_s",
+        "id",
+        "keep_s",
+        "levels",
+        "metric",
+        "min_tokens",
+        "notify",
+        "of_the_baseline",
+        "resolve_above",
+        "resolve_below",
+        "retune",
+        "rule",
+        "trend",
+    )
 
     def __init__(self, rule_id: str, rule: Rule) -> None:
         self.id = rule_id
@@ -57,8 +73,12 @@ class CompiledRule:
         name, layer, kind, line = key
         values = (str(name), str(layer), str(kind), ALL_LINES if line is None else str(line))
         series = dict(zip(SERIES_LABELS, values, strict=True))
-        return {"alertname": self.rule.name, "severity": self.rule.severity, **series,
-                **{str(k): str(v) for k, v in self.rule.labels.items()}}
+        return {
+            "alertname": self.rule.name,
+            "severity": self.rule.severity,
+            **series,
+            **{str(k): str(v) for k, v in self.rule.labels.items()},
+        }
 
     def matches(self, key: RecordKey, num_slots: int | None = None, hash_routed: bool = False) -> bool:
         """Whether the selector takes this router x line; ``num_slots`` None (a state file written before
@@ -81,12 +101,20 @@ def compile_rules(rules: RuleSet, *, with_trend_source: bool) -> dict[str, Compi
             n += 1
             rule_id = f"{rule.name}#{n}"
         if n > 1:
-            log.warning("rule %r (%s) shares its name with an earlier rule; its instances are tracked as %r",
-                        rule.name, rule.source or "?", rule_id)
+            log.warning(
+                "rule %r (%s) shares its name with an earlier rule; its instances are tracked as %r",
+                rule.name,
+                rule.source or "?",
+                rule_id,
+            )
         compiled[rule_id] = CompiledRule(rule_id, rule)
     if not with_trend_source:
         for entry in compiled.values():
             if entry.trend is not None:
-                log.warning("rule %r (%s) is a trend rule, and this alert engine has no routing history "
-                            "(trend_source): it is never judged", entry.rule.name, entry.rule.source or "?")
+                log.warning(
+                    "rule %r (%s) is a trend rule, and this alert engine has no routing history "
+                    "(trend_source): it is never judged",
+                    entry.rule.name,
+                    entry.rule.source or "?",
+                )
     return compiled

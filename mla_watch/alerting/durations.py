@@ -15,10 +15,17 @@ from mla_watch.common.yamlcheck import fmt as _fmt
 __all__ = ["duration_key", "format_duration", "parse_duration"]
 
 _DURATION_UNITS: tuple[tuple[str, float], ...] = (
-    ("w", 7 * 86400.0), ("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 0.001),
+    ("w", 7 * 86400.0),
+    ("d", 86400.0),
+    ("h", 3600.0),
+    ("m", 60.0),
+    ("s", 1.0),
+    ("ms", 0.001),
 )
-_DURATION_RE = re.compile(r"^(?:(\d+(?:\.\d+)?)w)?(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?"
-                          r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?$")
+_DURATION_RE = re.compile(
+    r"^(?:(\d+(?:\.\d+)?)w)?(?:(\d+(?:\.\d+)?)d)?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?"
+    r"(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?$"
+)
 _DURATION_HINT = "a duration such as 30s, 2m, 1h or 1h30m (units ms, s, m, h, d, w), or a number of seconds, >= 0"
 
 
@@ -67,8 +74,9 @@ def format_duration(seconds: float) -> str:
     return "".join(parts)
 
 
-def duration_key(chk: Checker, data: Mapping[str, Any], key: str, path: str, default: float,
-                  positive: bool = False) -> float:
+def duration_key(
+    chk: Checker, data: Mapping[str, Any], key: str, path: str, default: float, positive: bool = False
+) -> float:
     if key not in data or data[key] is None:
         return default
     try:

@@ -190,15 +190,28 @@ FLEET_SCALE_NOTE = (
     "twice. Measured on 2 shared cores (bench/fleet_rules.py): 10 replicas x 4 business lines of DeepSeek-V3\n"
     "(596,240 per-expert series) took 22 s of the 1m interval and 59 s of the 5m, every statistic recorded. Past\n"
     "some 600,000 per-expert series per 2 cores, split the fleet by layer (--fleet-shards N) across N Prometheus\n"
-    "servers, each scraping the sidecars' /metrics?shard=K/N (docs/fleet.md, \"A hundred replicas\")."
+    'servers, each scraping the sidecars\' /metrics?shard=K/N (docs/fleet.md, "A hundred replicas").'
 )
 TOLERANCE_BITS = 0.05  # the sidecar's minimum_window_tokens tolerance
 
 RECORDING_NAMES: tuple[str, ...] = (
-    FLEET_EXPERT_SELECTIONS, FLEET_TOKENS, FLEET_SELECTIONS, FLEET_SLOTS, FLEET_CEILING_BITS, FLEET_FLOOR_BITS,
-    FLEET_MIN_TOKENS, FLEET_ENTROPY_BITS, FLEET_NORMALIZED_ENTROPY, FLEET_BITS_BELOW_CEILING,
-    FLEET_MAX_VIOLATION, FLEET_DEAD_SLOTS, FLEET_JS_DIVERGENCE,  # the fleet group's
-    FLEET_EXPERT_SHARE, REPLICA_KL_BITS, FLEET_REPLICAS, FLEET_MEDIAN_REPLICA_KL,  # the replica group's
+    FLEET_EXPERT_SELECTIONS,
+    FLEET_TOKENS,
+    FLEET_SELECTIONS,
+    FLEET_SLOTS,
+    FLEET_CEILING_BITS,
+    FLEET_FLOOR_BITS,
+    FLEET_MIN_TOKENS,
+    FLEET_ENTROPY_BITS,
+    FLEET_NORMALIZED_ENTROPY,
+    FLEET_BITS_BELOW_CEILING,
+    FLEET_MAX_VIOLATION,
+    FLEET_DEAD_SLOTS,
+    FLEET_JS_DIVERGENCE,  # the fleet group's
+    FLEET_EXPERT_SHARE,
+    REPLICA_KL_BITS,
+    FLEET_REPLICAS,
+    FLEET_MEDIAN_REPLICA_KL,  # the replica group's
 )
 
 
@@ -244,17 +257,25 @@ class _Inputs:
 
 def _inputs(o: FleetOptions, shard: RouterShard | None) -> _Inputs:
     layers = _shard_matcher(shard)
-    matchers = ", ".join([*([f"{JOB}={promql_string(o.job)}"] if o.job else []), f"{KIND}={promql_string('expert')}",
-                          *([layers] if layers else [])])
+    matchers = ", ".join(
+        [
+            *([f"{JOB}={promql_string(o.job)}"] if o.job else []),
+            f"{KIND}={promql_string('expert')}",
+            *([layers] if layers else []),
+        ]
+    )
     tokens = _selector(WINDOW_TOKENS, matchers)
     return _Inputs(
-        selections=_selector(WINDOW_SELECTIONS, matchers), tokens=tokens,
-        floor=_selector(FLOOR_BITS, matchers), entropy=_selector(ENTROPY_GAUGE, matchers),
+        selections=_selector(WINDOW_SELECTIONS, matchers),
+        tokens=tokens,
+        floor=_selector(FLOOR_BITS, matchers),
+        entropy=_selector(ENTROPY_GAUGE, matchers),
         # A replica whose budget left a pair out has its routing gauges, not its per-expert counts: it is no part
         # of that pair's fleet.
         replica_selections=f"({_selector(SELECTIONS_GAUGE, matchers)} and on({o.replica_key}) {tokens})",
         replica_slots=f"({_selector(ROUTING_SLOTS, matchers)} and on({o.replica_key}) {tokens})",
-        recorded=_shard_matcher(shard, recorded=True))
+        recorded=_shard_matcher(shard, recorded=True),
+    )
 
 
 def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple[str, str, str]]:
@@ -264,48 +285,69 @@ def _recordings(o: FleetOptions, shard: RouterShard | None = None) -> list[tuple
     r = i.r
     fk, rk = o.fleet_key, o.replica_key
     # minimum_window_tokens: the smallest T with (N - 1) / (2 T k ln 2) <= tolerance, k = min(top_k, N) = 2^floor
-    min_tokens = (f"clamp_min(ceil(({r(FLEET_SLOTS)} - 1) / on({fk}) (2 * round(2 ^ {r(FLEET_FLOOR_BITS)}) * "
-                  f"{promql_number(math.log(2.0))} * {promql_number(TOLERANCE_BITS)})), 1)")
+    min_tokens = (
+        f"clamp_min(ceil(({r(FLEET_SLOTS)} - 1) / on({fk}) (2 * round(2 ^ {r(FLEET_FLOOR_BITS)}) * "
+        f"{promql_number(math.log(2.0))} * {promql_number(TOLERANCE_BITS)})), 1)"
+    )
     mean = f"(({r(FLEET_SELECTIONS)} > 0) / on({fk}) {r(FLEET_SLOTS)})"
     counts = r(FLEET_EXPERT_SELECTIONS)
     weight = f"({i.replica_selections} / on({fk}) group_left() ({r(FLEET_SELECTIONS)} > 0))"
     # What each evaluation reads of the fleet's per-expert sums (one replica's worth of series): the entropy twice,
     # MaxVio and the dead experts once; selections and slots come from the replicas' gauges of the same windows.
     return [
-        (FLEET_EXPERT_SELECTIONS, f"sum by ({fk}, {EXPERT}) ({i.selections})",
-         "selections of each expert in the replicas' windows, summed"),
+        (
+            FLEET_EXPERT_SELECTIONS,
+            f"sum by ({fk}, {EXPERT}) ({i.selections})",
+            "selections of each expert in the replicas' windows, summed",
+        ),
         (FLEET_TOKENS, f"sum by ({fk}) ({i.tokens})", "tokens of the fleet's window: its replicas' windows together"),
         (FLEET_SELECTIONS, f"sum by ({fk}) {i.replica_selections}", "selections of the fleet's window"),
         (FLEET_SLOTS, f"max by ({fk}) {i.replica_slots}", "experts N (every slot is exported, zeros included)"),
         (FLEET_CEILING_BITS, f"log2({r(FLEET_SLOTS)})", "entropy ceiling log2 N"),
-        (FLEET_FLOOR_BITS, f"{r(FLEET_SLOTS)} * 0 + on({o.router_key}) group_left()\n"
-                           f"  max by ({o.router_key}) ({i.floor})",
-         "entropy floor log2 min(top_k, N), from the replicas' floor gauge"),
+        (
+            FLEET_FLOOR_BITS,
+            f"{r(FLEET_SLOTS)} * 0 + on({o.router_key}) group_left()\n  max by ({o.router_key}) ({i.floor})",
+            "entropy floor log2 min(top_k, N), from the replicas' floor gauge",
+        ),
         (FLEET_MIN_TOKENS, min_tokens, "the trusted minimum of tokens (the sidecar's minimum_window_tokens)"),
         # H = log2 S - (1/S) sum_j s_j log2 s_j; only chosen experts enter the sum (0 log2 0 is 0, not PromQL's NaN).
-        (FLEET_ENTROPY_BITS,
-         f"clamp_min(\n  log2({r(FLEET_SELECTIONS)} > 0)\n"
-         f"  - on({fk}) sum by ({fk}) ({counts} * log2({counts} > 0)) / on({fk}) {r(FLEET_SELECTIONS)},\n  0\n)",
-         "routing entropy H = -sum p_j log2 p_j of the summed counts, in bits"),
-        (FLEET_NORMALIZED_ENTROPY,
-         f"clamp(\n  ({r(FLEET_ENTROPY_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)})\n"
-         f"  / on({fk}) (({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)}) > 0),\n  0, 1\n)\n"
-         f"or on({fk})\n{r(FLEET_ENTROPY_BITS)} * 0 + 1",
-         "(H - floor) / (ceiling - floor) in [0, 1]; 1 when they are equal"),
-        (FLEET_BITS_BELOW_CEILING, f"clamp_min({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_ENTROPY_BITS)}, 0)",
-         "ceiling - H"),
-        (FLEET_MAX_VIOLATION,
-         f"clamp_min(\n  (max by ({fk}) ({counts}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
-         "MaxVio = (max load - mean load) / mean load"),
-        (FLEET_DEAD_SLOTS, f"count by ({fk}) ({counts} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
-         "experts no replica selected in its window (0 is a sample)"),
+        (
+            FLEET_ENTROPY_BITS,
+            f"clamp_min(\n  log2({r(FLEET_SELECTIONS)} > 0)\n"
+            f"  - on({fk}) sum by ({fk}) ({counts} * log2({counts} > 0)) / on({fk}) {r(FLEET_SELECTIONS)},\n  0\n)",
+            "routing entropy H = -sum p_j log2 p_j of the summed counts, in bits",
+        ),
+        (
+            FLEET_NORMALIZED_ENTROPY,
+            f"clamp(\n  ({r(FLEET_ENTROPY_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)})\n"
+            f"  / on({fk}) (({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_FLOOR_BITS)}) > 0),\n  0, 1\n)\n"
+            f"or on({fk})\n{r(FLEET_ENTROPY_BITS)} * 0 + 1",
+            "(H - floor) / (ceiling - floor) in [0, 1]; 1 when they are equal",
+        ),
+        (
+            FLEET_BITS_BELOW_CEILING,
+            f"clamp_min({r(FLEET_CEILING_BITS)} - on({fk}) {r(FLEET_ENTROPY_BITS)}, 0)",
+            "ceiling - H",
+        ),
+        (
+            FLEET_MAX_VIOLATION,
+            f"clamp_min(\n  (max by ({fk}) ({counts}) - on({fk}) {mean}) / on({fk}) {mean},\n  0\n)",
+            "MaxVio = (max load - mean load) / mean load",
+        ),
+        (
+            FLEET_DEAD_SLOTS,
+            f"count by ({fk}) ({counts} == 0)\nor on({fk})\n{r(FLEET_SLOTS)} * 0",
+            "experts no replica selected in its window (0 is a sample)",
+        ),
         # JSD = H_fleet - sum_r w_r H_r: each replica's entropy is its sidecar's gauge of the same window, so the
         # divergence costs no second pass over the per-expert series (each replica's own, KL_r, has its group).
-        (FLEET_JS_DIVERGENCE,
-         f"clamp_min(\n  {r(FLEET_ENTROPY_BITS)}\n  - on({fk})\n"
-         f"  sum by ({fk}) ({i.entropy} * on({rk}) group_left() {weight}),\n  0\n)",
-         "generalized Jensen-Shannon divergence of the replicas: H_fleet - sum_r w_r H_r = sum_r w_r KL_r, "
-         "w_r = share of selections"),
+        (
+            FLEET_JS_DIVERGENCE,
+            f"clamp_min(\n  {r(FLEET_ENTROPY_BITS)}\n  - on({fk})\n"
+            f"  sum by ({fk}) ({i.entropy} * on({rk}) group_left() {weight}),\n  0\n)",
+            "generalized Jensen-Shannon divergence of the replicas: H_fleet - sum_r w_r H_r = sum_r w_r KL_r, "
+            "w_r = share of selections",
+        ),
     ]
 
 
@@ -318,18 +360,21 @@ def _replica_recordings(o: FleetOptions, shard: RouterShard | None = None) -> li
     r = i.r
     fk, rk = o.fleet_key, o.replica_key
     return [
-        (FLEET_EXPERT_SHARE,
-         f"sum by ({fk}, {EXPERT}) ({i.selections})\n"
-         f"/ on({fk}) group_left()\nsum by ({fk}) {i.replica_selections}",
-         "q_j: each expert's share of the fleet's selections"),
+        (
+            FLEET_EXPERT_SHARE,
+            f"sum by ({fk}, {EXPERT}) ({i.selections})\n/ on({fk}) group_left()\nsum by ({fk}) {i.replica_selections}",
+            "q_j: each expert's share of the fleet's selections",
+        ),
         # KL_r = sum_j p_rj log2(p_rj / q_j) = -sum_j p_rj log2 q_j - H_r: the cross-entropy with the fleet's mix
         # (the replicas' per-expert counts joined with the fleet's shares) less the replica's own entropy, which its
         # sidecar exports of the same window. An expert no replica chose has no share, and no count to weigh it.
-        (REPLICA_KL_BITS,
-         f"clamp_min(\n  sum by ({rk}) (\n    {i.selections}\n"
-         f"    * on({fk}, {EXPERT}) group_left() -log2({r(FLEET_EXPERT_SHARE)} > 0)\n  )\n"
-         f"  / on({rk}) ({i.replica_selections} > 0)\n  - on({rk}) {i.entropy},\n  0\n)",
-         "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix"),
+        (
+            REPLICA_KL_BITS,
+            f"clamp_min(\n  sum by ({rk}) (\n    {i.selections}\n"
+            f"    * on({fk}, {EXPERT}) group_left() -log2({r(FLEET_EXPERT_SHARE)} > 0)\n  )\n"
+            f"  / on({rk}) ({i.replica_selections} > 0)\n  - on({rk}) {i.entropy},\n  0\n)",
+            "KL(p_replica || p_fleet) in bits: how far one replica routes from the fleet's mix",
+        ),
         (FLEET_REPLICAS, f"count by ({fk}) ({r(REPLICA_KL_BITS)})", "replicas with selections in their windows"),
         (FLEET_MEDIAN_REPLICA_KL, f"quantile by ({fk}) (0.5, {r(REPLICA_KL_BITS)})", "the median replica's KL"),
     ]
@@ -337,8 +382,12 @@ def _replica_recordings(o: FleetOptions, shard: RouterShard | None = None) -> li
 
 def fleet_notes(o: FleetOptions) -> list[str]:
     """What the header of a rule file with the fleet rules says about them (one bullet each)."""
-    split = (f" Split by layer into {o.shards} shards: each group name ends in _K_of_{o.shards}, and what it records "
-             f"and fires\ncarries {SHARD_LABEL}=\"K/{o.shards}\"." if o.shards > 1 else "")
+    split = (
+        f" Split by layer into {o.shards} shards: each group name ends in _K_of_{o.shards}, and what it records "
+        f'and fires\ncarries {SHARD_LABEL}="K/{o.shards}".'
+        if o.shards > 1
+        else ""
+    )
     return [
         f"The group {FLEET_GROUP_NAME} records each fleet's routing statistics over its replicas' windows, from the\n"
         f"per-expert window counts (serve --export-expert-counts), summed by ({', '.join(o.fleet_labels)}) over "
@@ -346,8 +395,8 @@ def fleet_notes(o: FleetOptions) -> list[str]:
         f"{REPLICA_GROUP_NAME} each replica's divergence from its fleet, every "
         f"{format_duration(o.outlier_interval_seconds)}.\nA fleet window under the trusted minimum of tokens is not "
         f"judged.{split}",
-        f"Each alert is judged on the fleet too ({SCOPE_LABEL}=\"fleet\"; per-replica alerts carry "
-        f"{SCOPE_LABEL}=\"replica\"), and\n{OUTLIER_ALERT} names a replica that routes apart from its peers: "
+        f'Each alert is judged on the fleet too ({SCOPE_LABEL}="fleet"; per-replica alerts carry '
+        f'{SCOPE_LABEL}="replica"), and\n{OUTLIER_ALERT} names a replica that routes apart from its peers: '
         "route them with deploy/alertmanager.yaml.",
         FLEET_SCALE_NOTE,
     ]
@@ -383,13 +432,17 @@ def _twin_expression(rule: Rule, o: FleetOptions, shard: RouterShard | None) -> 
             test = " or ".join([f"{s} < {slots.low}", *([f"{s} > {slots.high}"] if slots.high is not None else [])])
         else:
             test = f"\nand on({fk})\n".join(
-                [f"{s} >= {slots.low}", *([f"{s} <= {slots.high}"] if slots.high is not None else [])])
+                [f"{s} >= {slots.low}", *([f"{s} <= {slots.high}"] if slots.high is not None else [])]
+            )
         expr = f"{expr}\nand on({fk})\n({test})"
     if rule.trend is not None:
         expr = f"{expr}\nand on({fk})\n{enough_history(rule, raw, fk)}"
     here = _shard_matcher(shard, recorded=True)
-    guard = (f"{_selector(FLEET_TOKENS, here)} >= {rule.min_tokens}" if rule.min_tokens is not None
-             else f"{_selector(FLEET_TOKENS, here)} >= on({fk}) {_selector(FLEET_MIN_TOKENS, here)}")
+    guard = (
+        f"{_selector(FLEET_TOKENS, here)} >= {rule.min_tokens}"
+        if rule.min_tokens is not None
+        else f"{_selector(FLEET_TOKENS, here)} >= on({fk}) {_selector(FLEET_MIN_TOKENS, here)}"
+    )
     return f"{expr}\nand on({fk})\n{guard}"
 
 
@@ -407,7 +460,8 @@ def _twin_queries(rule: Rule, o: FleetOptions) -> dict[str, Callable[[str], str]
     relative = next(iter(key for key in ("below", "above") if key in rule.baseline), None)
     if relative is not None:
         queries["threshold"] = queries["resolve_threshold"] = lambda s: level_expression(
-            rule, relative, healthy=_fleet_healthy(rule, o, None, s))
+            rule, relative, healthy=_fleet_healthy(rule, o, None, s)
+        )
     if rule.trend is not None:
         window = format_duration(rule.trend.over_seconds)
         queries["slope_per_hour"] = lambda s: f"deriv({metric}{s}[{window}]) * 3600"
@@ -425,10 +479,14 @@ def _twin(rule: Rule, o: FleetOptions, shard: RouterShard | None) -> str:
     entry["labels"] = {"severity": rule.severity, **dict(rule.labels), SCOPE_LABEL: "fleet", **_shard_label(shard)}
     labels = (*o.fleet_labels, *SERIES_LABELS)
     queries = _twin_queries(rule, o)
-    annotations = {key: convert_template(text, rule, notes, queries=queries, query_labels=labels)
-                   for key, text in rule.annotations.items()}
-    annotations["fleet"] = (f"Every replica of {' / '.join(label_value(label) for label in o.fleet_labels)}"
-                            " summed: its replicas' windows together.")
+    annotations = {
+        key: convert_template(text, rule, notes, queries=queries, query_labels=labels)
+        for key, text in rule.annotations.items()
+    }
+    annotations["fleet"] = (
+        f"Every replica of {' / '.join(label_value(label) for label in o.fleet_labels)}"
+        " summed: its replicas' windows together."
+    )
     entry["annotations"] = annotations
     comments = [f"{rule.name} on the fleet: every replica's window counts summed"]
     for level, op in ((rule.resolve_above, ">="), (rule.resolve_below, "<=")):
@@ -442,37 +500,49 @@ def _outlier(o: FleetOptions, shard: RouterShard | None) -> str:
     fk, rk = o.fleet_key, o.replica_key
     i = _inputs(o, shard)
     # The trusted minimum is the fleet group's (of the routers' geometry alone, whenever it was recorded).
-    expr = (f"{i.r(REPLICA_KL_BITS)}\n  > on({fk}) group_left()\n"
-            f"  clamp_min({promql_number(o.outlier_factor)} * {i.r(FLEET_MEDIAN_REPLICA_KL)}, "
-            f"{promql_number(o.outlier_bits)})\n"
-            f"and on({rk})\n({i.tokens} >= on({fk}) group_left() {i.r(FLEET_MIN_TOKENS)})\n"
-            f"and on({fk})\n({i.r(FLEET_REPLICAS)} >= {MIN_OUTLIER_REPLICAS})")
+    expr = (
+        f"{i.r(REPLICA_KL_BITS)}\n  > on({fk}) group_left()\n"
+        f"  clamp_min({promql_number(o.outlier_factor)} * {i.r(FLEET_MEDIAN_REPLICA_KL)}, "
+        f"{promql_number(o.outlier_bits)})\n"
+        f"and on({rk})\n({i.tokens} >= on({fk}) group_left() {i.r(FLEET_MIN_TOKENS)})\n"
+        f"and on({fk})\n({i.r(FLEET_REPLICAS)} >= {MIN_OUTLIER_REPLICAS})"
+    )
     replica = label_value(o.replica_label)
     where = f"{label_value(ROUTER)} (layer {label_value(LAYER)}, {label_value(BUSINESS_LINE)})"
     selector = ",".join(f'{label}="%s"' for label in (*o.fleet_labels, *SERIES_LABELS))
     args = " ".join(f"$labels.{label}" for label in (*o.fleet_labels, *SERIES_LABELS))
-    median = (f"{{{{ with printf `{FLEET_MEDIAN_REPLICA_KL}{{{selector}}}` {args} | query }}}}"
-              '{{ . | first | value | printf "%.3f" }}{{ else }}n/a{{ end }}')
+    median = (
+        f"{{{{ with printf `{FLEET_MEDIAN_REPLICA_KL}{{{selector}}}` {args} | query }}}}"
+        '{{ . | first | value | printf "%.3f" }}{{ else }}n/a{{ end }}'
+    )
     entry: dict[str, object] = {
         "alert": OUTLIER_ALERT,
         "expr": expr,
         "labels": {"severity": "warning", SCOPE_LABEL: "replica", **_shard_label(shard)},
         "annotations": {
             "summary": f"Replica {replica} routes apart from its fleet on {where}: "
-                       '{{ $value | printf "%.3f" }} bits',
-            "description": (f"In its current window the routing of {where} on replica {replica} is "
-                            '{{ $value | printf "%.3f" }} bits (KL) from the fleet\'s mix, where the median '
-                            f"replica reads {median} bits: above {promql_number(o.outlier_bits)} bits and "
-                            f"{promql_number(o.outlier_factor)} times the median. One replica is broken, not the "
-                            "model: compare its router version and re-tunes with its peers'."),
+            '{{ $value | printf "%.3f" }} bits',
+            "description": (
+                f"In its current window the routing of {where} on replica {replica} is "
+                '{{ $value | printf "%.3f" }} bits (KL) from the fleet\'s mix, where the median '
+                f"replica reads {median} bits: above {promql_number(o.outlier_bits)} bits and "
+                f"{promql_number(o.outlier_factor)} times the median. One replica is broken, not the "
+                "model: compare its router version and re-tunes with its peers'."
+            ),
             "runbook_url": "https://github.com/mla-watch/mla_watch/blob/main/docs/fleet.md#the-outlier-rule",
         },
     }
     if o.outlier_for_seconds > 0:
-        entry = {"alert": entry["alert"], "expr": entry["expr"], "for": format_duration(o.outlier_for_seconds),
-                 **{k: v for k, v in entry.items() if k not in ("alert", "expr")}}
-    comments = [f"{OUTLIER_ALERT}: one replica's KL from the fleet, large absolutely and against its peers' median",
-                f"judged with at least {MIN_OUTLIER_REPLICAS} replicas and the trusted minimum of tokens"]
+        entry = {
+            "alert": entry["alert"],
+            "expr": entry["expr"],
+            "for": format_duration(o.outlier_for_seconds),
+            **{k: v for k, v in entry.items() if k not in ("alert", "expr")},
+        }
+    comments = [
+        f"{OUTLIER_ALERT}: one replica's KL from the fleet, large absolutely and against its peers' median",
+        f"judged with at least {MIN_OUTLIER_REPLICAS} replicas and the trusted minimum of tokens",
+    ]
     return "".join(f"      # {text}\n" for text in comments) + yaml_entry(entry)
 
 
@@ -494,13 +564,16 @@ def fleet_group_names(o: FleetOptions) -> list[str]:
     return [_group_name(base, shard) for shard in _shards(o) for base in (FLEET_GROUP_NAME, REPLICA_GROUP_NAME)]
 
 
-def _group(name: str, interval: float, recordings: list[tuple[str, str, str]], shard: RouterShard | None,
-           alerts: list[str]) -> str:
+def _group(
+    name: str, interval: float, recordings: list[tuple[str, str, str]], shard: RouterShard | None, alerts: list[str]
+) -> str:
     lines = [f"  - name: {name}\n    interval: {format_duration(interval)}\n    rules:\n"]
     labels = _shard_label(shard)
     for record, expr, meaning in recordings:
-        lines.append(f"      # {meaning}\n" + yaml_entry({"record": record, "expr": expr,
-                                                           **({"labels": labels} if labels else {})}))
+        lines.append(
+            f"      # {meaning}\n"
+            + yaml_entry({"record": record, "expr": expr, **({"labels": labels} if labels else {})})
+        )
     return "".join(lines + alerts)
 
 
@@ -518,10 +591,25 @@ def fleet_groups(rules: RuleSet, options: FleetOptions) -> list[str]:
                 continue
             twins.append(_twin(rule, options, shard))
         if skipped:
-            twins.append(f"      # no fleet form (drift from a sidecar's baseline, or indexers): "
-                         f"{', '.join(skipped)}\n")
-        groups.append(_group(_group_name(FLEET_GROUP_NAME, shard), options.interval_seconds,
-                             _recordings(options, shard), shard, twins))
-        groups.append(_group(_group_name(REPLICA_GROUP_NAME, shard), options.outlier_interval_seconds,
-                             _replica_recordings(options, shard), shard, [_outlier(options, shard)]))
+            twins.append(
+                f"      # no fleet form (drift from a sidecar's baseline, or indexers): {', '.join(skipped)}\n"
+            )
+        groups.append(
+            _group(
+                _group_name(FLEET_GROUP_NAME, shard),
+                options.interval_seconds,
+                _recordings(options, shard),
+                shard,
+                twins,
+            )
+        )
+        groups.append(
+            _group(
+                _group_name(REPLICA_GROUP_NAME, shard),
+                options.outlier_interval_seconds,
+                _replica_recordings(options, shard),
+                shard,
+                [_outlier(options, shard)],
+            )
+        )
     return groups

@@ -63,11 +63,19 @@ def _bad(field: str, shown: str, expected: str, problem: str = "") -> SettingsEr
 
 def _check_label(name: str, field: str, given: str) -> str:
     if len(name) > _MAX_LABEL_CHARS or not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
-        raise _bad(field, repr(given[:200]), "letters, digits and '_', not starting with a digit or '__'",
-                   f"{name[:80]!r} is not a Prometheus label name")
+        raise _bad(
+            field,
+            repr(given[:200]),
+            "letters, digits and '_', not starting with a digit or '__'",
+            f"{name[:80]!r} is not a Prometheus label name",
+        )
     if name in _RESERVED:
-        raise _bad(field, repr(given[:200]), "the label(s) your scrape config puts on every target",
-                   f"{name!r} is a label the rules set or aggregate by themselves")
+        raise _bad(
+            field,
+            repr(given[:200]),
+            "the label(s) your scrape config puts on every target",
+            f"{name!r} is a label the rules set or aggregate by themselves",
+        )
     return name
 
 
@@ -76,8 +84,11 @@ def parse_label_list(text: str) -> tuple[str, ...]:
     ``fleet_rules.fleet_labels``."""
     names = tuple(part.strip() for part in text.split(",")) if len(text) <= 1024 else ()
     if not names or any(not name for name in names) or len(names) > _MAX_LABELS:
-        raise _bad("fleet_labels", repr(text[:200]), f"1 to {_MAX_LABELS} label names separated by ',' "
-                   "(e.g. job, or namespace,deployment)")
+        raise _bad(
+            "fleet_labels",
+            repr(text[:200]),
+            f"1 to {_MAX_LABELS} label names separated by ',' (e.g. job, or namespace,deployment)",
+        )
     for name in names:
         _check_label(name, "fleet_labels", text)
     if len(set(names)) != len(names):
@@ -104,22 +115,35 @@ class FleetOptions:
         parse_label_list(joined)
         _check_label(self.replica_label, "replica_label", self.replica_label)
         if self.replica_label in self.fleet_labels:
-            raise _bad("replica_label", repr(self.replica_label), "the label that tells replicas of one fleet apart",
-                       f"it is also one of {{fleet_rules.fleet_labels}} {joined[:200]!r}")
+            raise _bad(
+                "replica_label",
+                repr(self.replica_label),
+                "the label that tells replicas of one fleet apart",
+                f"it is also one of {{fleet_rules.fleet_labels}} {joined[:200]!r}",
+            )
         if not (math.isfinite(self.outlier_bits) and self.outlier_bits > 0):
             raise _bad("outlier_bits", repr(self.outlier_bits), "a positive number of bits (e.g. 0.1)")
         if not (math.isfinite(self.outlier_factor) and self.outlier_factor >= 1):
             raise _bad("outlier_factor", repr(self.outlier_factor), "a number >= 1 (e.g. 3)")
-        for field, i, example in (("interval_seconds", self.interval_seconds, "1m"),
-                                  ("outlier_interval_seconds", self.outlier_interval_seconds, "5m")):
+        for field, i, example in (
+            ("interval_seconds", self.interval_seconds, "1m"),
+            ("outlier_interval_seconds", self.outlier_interval_seconds, "5m"),
+        ):
             if not (math.isfinite(i) and 1.0 <= i <= _MAX_INTERVAL_SECONDS):
-                raise _bad(field, repr(format_duration(i) if math.isfinite(i) else i),
-                           f"a duration from 1s to 1h (e.g. {example})")
+                raise _bad(
+                    field,
+                    repr(format_duration(i) if math.isfinite(i) else i),
+                    f"a duration from 1s to 1h (e.g. {example})",
+                )
         if not (math.isfinite(self.outlier_for_seconds) and 0 <= self.outlier_for_seconds <= 31 * 86400.0):
             raise _bad("outlier_for_seconds", repr(self.outlier_for_seconds), "a duration from 0s to 31d (e.g. 10m)")
         if self.shards not in SHARD_COUNTS:
-            raise _bad("shards", repr(self.shards), f"one of {', '.join(map(str, SHARD_COUNTS))} (a divisor of "
-                       "100: shard K holds the layers whose number modulo N is K)")
+            raise _bad(
+                "shards",
+                repr(self.shards),
+                f"one of {', '.join(map(str, SHARD_COUNTS))} (a divisor of "
+                "100: shard K holds the layers whose number modulo N is K)",
+            )
 
     @property
     def fleet_key(self) -> str:

@@ -29,8 +29,10 @@ def version_group(fleet_labels: tuple[str, ...], job: str, skew_for_seconds: flo
     """The group ``mla_watch_fleet_versions`` as an item of a top-level ``groups:`` list."""
     by = ", ".join(fleet_labels)
     fleet = " ".join(label_value(label) for label in fleet_labels)
-    expr = (f"count by ({by}) (count by ({by}, {ROUTER_VERSION_DIGEST}) "
-            f"({ROUTER_VERSION_INFO}{{{JOB}={promql_string(job)}}})) > 1")
+    expr = (
+        f"count by ({by}) (count by ({by}, {ROUTER_VERSION_DIGEST}) "
+        f"({ROUTER_VERSION_INFO}{{{JOB}={promql_string(job)}}})) > 1"
+    )
     entry: dict[str, object] = {
         "alert": VERSION_SKEW_ALERT,
         "expr": expr,
@@ -38,12 +40,16 @@ def version_group(fleet_labels: tuple[str, ...], job: str, skew_for_seconds: flo
         "labels": {"severity": "warning", SCOPE_LABEL: "fleet"},
         "annotations": {
             "summary": f"The replicas of {fleet} serve {{{{ $value }}}} different router versions",
-            "description": (f"For {format_duration(skew_for_seconds)} the replicas of {fleet} have served more than "
-                            "one router version (digest of their router tensors): longer than a rollout takes. A "
-                            "halted rollout, a replica that could not take the fleet's version, or replicas that "
-                            "re-tuned apart. GET /v1/fleet on any member shows which replica serves which version."),
+            "description": (
+                f"For {format_duration(skew_for_seconds)} the replicas of {fleet} have served more than "
+                "one router version (digest of their router tensors): longer than a rollout takes. A "
+                "halted rollout, a replica that could not take the fleet's version, or replicas that "
+                "re-tuned apart. GET /v1/fleet on any member shows which replica serves which version."
+            ),
             "runbook_url": RUNBOOK,
         },
     }
-    return (f"  - name: {VERSION_GROUP_NAME}\n    rules:\n"
-            f"      # {VERSION_SKEW_ALERT}: the fleet's replicas serve different router digests\n" + yaml_entry(entry))
+    return (
+        f"  - name: {VERSION_GROUP_NAME}\n    rules:\n"
+        f"      # {VERSION_SKEW_ALERT}: the fleet's replicas serve different router digests\n" + yaml_entry(entry)
+    )

@@ -32,8 +32,7 @@ from mla_watch.common.state_dir import set_aside
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_number
 
-__all__ = ["LOG_FILE", "LOG_FORMAT", "GroupRecord", "NotificationGroup", "NotificationLog", "needs_update",
-           "timing"]
+__all__ = ["LOG_FILE", "LOG_FORMAT", "GroupRecord", "NotificationGroup", "NotificationLog", "needs_update", "timing"]
 
 log = logging.getLogger("mla_watch.alerting")
 
@@ -47,12 +46,22 @@ def timing(receiver: Receiver) -> tuple[float, float, float, bool]:
     """``(group_wait, group_interval, repeat, send_resolved)`` of ``receiver``'s groups, in seconds."""
     if receiver.type == _API_TYPE:  # Alertmanager groups; resolving an alert there is state, always posted
         return 0.0, 0.0, receiver.resend_interval_seconds, True
-    return (receiver.group_wait_seconds, receiver.group_interval_seconds, receiver.repeat_interval_seconds,
-            receiver.send_resolved)
+    return (
+        receiver.group_wait_seconds,
+        receiver.group_interval_seconds,
+        receiver.repeat_interval_seconds,
+        receiver.send_resolved,
+    )
 
 
-def needs_update(firing: frozenset[str], resolved: frozenset[str], record: GroupRecord | None, now: float,
-                 repeat: float, send_resolved: bool) -> bool:
+def needs_update(
+    firing: frozenset[str],
+    resolved: frozenset[str],
+    record: GroupRecord | None,
+    now: float,
+    repeat: float,
+    send_resolved: bool,
+) -> bool:
     """Whether a flush of a group whose alerts are ``firing`` and ``resolved`` (fingerprints) notifies, given what
     it last notified (``record``; ``None``: never). Alertmanager's dedup stage."""
     if record is None or record.notified_at is None:
@@ -76,8 +85,12 @@ class GroupRecord:
     flush_at: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"firing": sorted(self.firing), "resolved": sorted(self.resolved), "notified_at": self.notified_at,
-                "flush_at": self.flush_at}
+        return {
+            "firing": sorted(self.firing),
+            "resolved": sorted(self.resolved),
+            "notified_at": self.notified_at,
+            "flush_at": self.flush_at,
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> GroupRecord:
@@ -129,8 +142,16 @@ class NotificationGroup:
         if sent:
             status: Literal["firing", "resolved"] = "firing" if firing else "resolved"
             ordered = sorted(self.alerts.values(), key=lambda alert: sorted(alert.labels.items()))
-            send(Notification(receiver=self.receiver.name, group_key=self.key, group_labels=self.labels,
-                              alerts=tuple(ordered), status=status, external_url=external_url))
+            send(
+                Notification(
+                    receiver=self.receiver.name,
+                    group_key=self.key,
+                    group_labels=self.labels,
+                    alerts=tuple(ordered),
+                    status=status,
+                    external_url=external_url,
+                )
+            )
             self.record = GroupRecord(firing, resolved, now)
         elif resolved:  # unsent (send_resolved: false): should one fire again, it is news again
             self.record = replace(self.record, firing=self.record.firing - resolved)
@@ -171,8 +192,12 @@ class NotificationLog:
                 raise ValueError("key 'groups' must be a list")
             groups = {}
             for entry in entries:
-                if not isinstance(entry, dict) or not isinstance(entry.get("receiver"), str) \
-                        or not isinstance(entry.get("key"), str) or not isinstance(entry.get("labels"), dict):
+                if (
+                    not isinstance(entry, dict)
+                    or not isinstance(entry.get("receiver"), str)
+                    or not isinstance(entry.get("key"), str)
+                    or not isinstance(entry.get("labels"), dict)
+                ):
                     raise ValueError("each group needs receiver, key and labels")
                 labels = {str(k): str(v) for k, v in entry["labels"].items()}
                 groups[(entry["receiver"], entry["key"])] = (labels, GroupRecord.from_json(entry))
@@ -184,8 +209,11 @@ class NotificationLog:
     def save(self, groups: Iterable[NotificationGroup], now: float) -> bool:
         """Write the record of every group that notified; whether it was written (an error is said once, by
         ``writes``)."""
-        entries = [{"receiver": group.receiver.name, "key": group.key, "labels": group.labels,
-                    **group.record.to_json()} for group in groups if group.record.notified_at is not None]
+        entries = [
+            {"receiver": group.receiver.name, "key": group.key, "labels": group.labels, **group.record.to_json()}
+            for group in groups
+            if group.record.notified_at is not None
+        ]
         text = json.dumps({"format": LOG_FORMAT, "saved_at": now, "groups": entries}, separators=(",", ":"))
         try:
             write_file(self.path, text, private=True, parents=True, label=f"{WHAT} {self.path}")
@@ -202,7 +230,12 @@ class NotificationLog:
     def _set_aside(self, why: str) -> None:
         try:
             set_aside(self.path)
-            log.error("%s %s is corrupt (%s): what was notified before is taken as notified; kept it as %s.corrupt",
-                      WHAT, self.path, why, self.path.name)
+            log.error(
+                "%s %s is corrupt (%s): what was notified before is taken as notified; kept it as %s.corrupt",
+                WHAT,
+                self.path,
+                why,
+                self.path.name,
+            )
         except OSError as error:
             log.error("%s %s is corrupt (%s); could not set it aside: %s", WHAT, self.path, why, error)

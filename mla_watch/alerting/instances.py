@@ -52,19 +52,47 @@ class AlertInstance:
         return fingerprint(self.labels)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "metric": self.metric, "labels": dict(self.labels), "state": self.state,
-                "value": self.value,
-                "active_since": self.active_since, "firing_since": self.firing_since,
-                "resolved_at": self.resolved_at, "last_evaluated": self.last_evaluated,
-                "annotations": dict(self.annotations), "fingerprint": self.fingerprint, "cause": self.cause}
+        return {
+            "rule": self.rule,
+            "metric": self.metric,
+            "labels": dict(self.labels),
+            "state": self.state,
+            "value": self.value,
+            "active_since": self.active_since,
+            "firing_since": self.firing_since,
+            "resolved_at": self.resolved_at,
+            "last_evaluated": self.last_evaluated,
+            "annotations": dict(self.annotations),
+            "fingerprint": self.fingerprint,
+            "cause": self.cause,
+        }
 
 
 class InstanceState:
     """The mutable state of one alert instance: its state, timers, latest judgement and its JSON form."""
 
-    __slots__ = ("active_since", "annotations", "cause", "firing_since", "hash_routed", "healthy_since", "json",
-                 "key", "labels", "last_evaluated", "levels", "notified", "num_slots", "public_labels", "record",
-                 "resolved_at", "rule_id", "state", "trend", "value")
+    __slots__ = (
+        "active_since",
+        "annotations",
+        "cause",
+        "firing_since",
+        "hash_routed",
+        "healthy_since",
+        "json",
+        "key",
+        "labels",
+        "last_evaluated",
+        "levels",
+        "notified",
+        "num_slots",
+        "public_labels",
+        "record",
+        "resolved_at",
+        "rule_id",
+        "state",
+        "trend",
+        "value",
+    )
 
     def __init__(self, rule_id: str, key: RecordKey, labels: dict[str, str]) -> None:
         self.rule_id = rule_id
@@ -101,22 +129,38 @@ class InstanceState:
 
     def to_json(self) -> dict[str, Any]:
         name, layer, kind, line = self.key
-        return {"rule": self.rule_id, "router": name, "layer": layer, "kind": kind, "business_line": line,
-                "labels": self.labels, "state": self.state, "active_since": self.active_since,
-                "firing_since": self.firing_since, "resolved_at": self.resolved_at,
-                "last_evaluated": self.last_evaluated, "healthy_since": self.healthy_since,
-                "value": self.value, "notified": self.notified, "annotations": self.annotations,
-                "num_slots": self.num_slots, "hash_routed": self.hash_routed,
-                "cause": None if self.cause is None else self.cause.to_json(),
-                "public_labels": None if self.cause is None else self.public_labels}
+        return {
+            "rule": self.rule_id,
+            "router": name,
+            "layer": layer,
+            "kind": kind,
+            "business_line": line,
+            "labels": self.labels,
+            "state": self.state,
+            "active_since": self.active_since,
+            "firing_since": self.firing_since,
+            "resolved_at": self.resolved_at,
+            "last_evaluated": self.last_evaluated,
+            "healthy_since": self.healthy_since,
+            "value": self.value,
+            "notified": self.notified,
+            "annotations": self.annotations,
+            "num_slots": self.num_slots,
+            "hash_routed": self.hash_routed,
+            "cause": None if self.cause is None else self.cause.to_json(),
+            "public_labels": None if self.cause is None else self.public_labels,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> InstanceState:
         if not isinstance(data, dict):
             raise ValueError(f"instance: expected an object, got {data!r}")
         rule_id, labels, state = data.get("rule"), data.get("labels"), data.get("state")
-        if not isinstance(rule_id, str) or not isinstance(labels, dict) or state not in ("pending", "firing",
-                                                                                         "resolved"):
+        if (
+            not isinstance(rule_id, str)
+            or not isinstance(labels, dict)
+            or state not in ("pending", "firing", "resolved")
+        ):
             raise ValueError(f"instance: bad rule/labels/state in {data!r}")
         layer = data.get("layer")
         if not isinstance(layer, int) or isinstance(layer, bool):
@@ -150,4 +194,3 @@ class InstanceState:
         if state == "pending" and inst.active_since is None:
             raise ValueError("instance: pending without active_since")
         return inst
-

@@ -69,7 +69,6 @@ ZERO_TIME = "0001-01-01T00:00:00Z"  # what Alertmanager sends as endsAt of a fir
 USER_AGENT = "mla-watch"
 
 
-
 @dataclass(frozen=True)
 class OutgoingRequest:
     """One HTTP POST, ready to be stored in the outbox and sent (possibly more than once)."""
@@ -80,8 +79,10 @@ class OutgoingRequest:
     idempotency_key: str
 
     def __repr__(self) -> str:  # never show the URL's token or header values
-        return (f"OutgoingRequest(url={redact_url(self.url)!r}, body=<{len(self.body)} bytes>, "
-                f"headers=<{len(self.headers)}>, idempotency_key={self.idempotency_key!r})")
+        return (
+            f"OutgoingRequest(url={redact_url(self.url)!r}, body=<{len(self.body)} bytes>, "
+            f"headers=<{len(self.headers)}>, idempotency_key={self.idempotency_key!r})"
+        )
 
 
 def redact_url(url: str | None) -> str:
@@ -105,8 +106,17 @@ def sign(body: bytes, secret: str) -> str:
 def _go_quote(text: str) -> str:
     """Approximately Go's ``strconv.Quote`` (used by ``model.LabelSet.String()``)."""
     out = ['"']
-    simple = {"\\": "\\\\", '"': '\\"', "\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
-              "\t": "\\t", "\v": "\\v"}
+    simple = {
+        "\\": "\\\\",
+        '"': '\\"',
+        "\a": "\\a",
+        "\b": "\\b",
+        "\f": "\\f",
+        "\n": "\\n",
+        "\r": "\\r",
+        "\t": "\\t",
+        "\v": "\\v",
+    }
     for ch in text:
         if ch in simple:
             out.append(simple[ch])
@@ -207,8 +217,10 @@ class Notifier(ABC):
 def _idempotency_key(gkey: str, status: str, alerts: Iterable[Alert]) -> str:
     """The group, its status and its alerts; an alert resolved in a group still firing is marked, so that the
     group's notification of that resolution is no duplicate of the one that said it fired."""
-    marked = (am_fingerprint(a.labels) + (":resolved" if status == "firing" and a.status == "resolved" else "")
-              for a in alerts)
+    marked = (
+        am_fingerprint(a.labels) + (":resolved" if status == "firing" and a.status == "resolved" else "")
+        for a in alerts
+    )
     return f"{gkey}|{status}|{','.join(sorted(marked))}"
 
 
@@ -335,11 +347,21 @@ class SlackNotifier(Notifier):
         for alert in alerts[: self.MAX_ALERT_BLOCKS]:
             blocks.append({"type": "section", "text": {"type": "mrkdwn", "text": self._alert_text(alert)}})
         if len(alerts) > self.MAX_ALERT_BLOCKS:
-            blocks.append({"type": "context", "elements": [
-                {"type": "mrkdwn", "text": f"… and {len(alerts) - self.MAX_ALERT_BLOCKS} more alerts"}]})
+            blocks.append(
+                {
+                    "type": "context",
+                    "elements": [
+                        {"type": "mrkdwn", "text": f"… and {len(alerts) - self.MAX_ALERT_BLOCKS} more alerts"}
+                    ],
+                }
+            )
         if notification.external_url:
-            blocks.append({"type": "context", "elements": [
-                {"type": "mrkdwn", "text": f"<{notification.external_url}|mla_watch>"}]})
+            blocks.append(
+                {
+                    "type": "context",
+                    "elements": [{"type": "mrkdwn", "text": f"<{notification.external_url}|mla_watch>"}],
+                }
+            )
         payload = {"text": text, "blocks": blocks}
         assert self.receiver.url is not None
         return [self._request(self.receiver.url, payload, _idempotency_key(gkey, status, alerts))]
@@ -355,8 +377,10 @@ class SlackNotifier(Notifier):
     def _alert_text(alert: Alert) -> str:
         labels = alert.labels
         state = "*FIRING*" if alert.status == "firing" else "*RESOLVED*"
-        lines = [f"{state} *{_slack_escape(labels.get('alertname', 'alert'))}*"
-                 f" (severity: {_slack_escape(labels.get('severity', 'unknown'))})"]
+        lines = [
+            f"{state} *{_slack_escape(labels.get('alertname', 'alert'))}*"
+            f" (severity: {_slack_escape(labels.get('severity', 'unknown'))})"
+        ]
         summary = alert.annotations.get("summary") or alert.annotations.get("description")
         if summary:
             lines.append(_slack_escape(summary))
@@ -376,10 +400,19 @@ class SlackNotifier(Notifier):
 
 
 _PD_SEVERITY = {
-    "critical": "critical", "page": "critical", "fatal": "critical",
-    "error": "error", "major": "error", "high": "error",
-    "warning": "warning", "warn": "warning", "minor": "warning", "medium": "warning",
-    "info": "info", "low": "info", "none": "info",
+    "critical": "critical",
+    "page": "critical",
+    "fatal": "critical",
+    "error": "error",
+    "major": "error",
+    "high": "error",
+    "warning": "warning",
+    "warn": "warning",
+    "minor": "warning",
+    "medium": "warning",
+    "info": "info",
+    "low": "info",
+    "none": "info",
 }
 
 
@@ -443,6 +476,7 @@ def notifier_for(receiver: Receiver, *, clock: Callable[[], float] = time.time) 
     """The notifier plugin for ``receiver.type``; ValueError naming the receiver for an unknown type."""
     cls = NOTIFIER_TYPES.get(receiver.type)
     if cls is None:
-        raise ValueError(f"receiver {receiver.name!r}: unknown type {receiver.type!r} "
-                         f"(known: {', '.join(sorted(NOTIFIER_TYPES))})")
+        raise ValueError(
+            f"receiver {receiver.name!r}: unknown type {receiver.type!r} (known: {', '.join(sorted(NOTIFIER_TYPES))})"
+        )
     return cls(receiver, clock=clock)

@@ -139,9 +139,16 @@ class Outbox:
     ``on_hold(receiver, outcome)``: called for every request held (``"held"``) or dropped past the bound.
     """
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time, writes: StateWrites | None = None,
-                 max_held: int = MAX_HELD, max_held_bytes: int = MAX_HELD_BYTES,
-                 on_hold: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        clock: Callable[[], float] = time.time,
+        writes: StateWrites | None = None,
+        max_held: int = MAX_HELD,
+        max_held_bytes: int = MAX_HELD_BYTES,
+        on_hold: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.clock = clock
         self.max_held = int(max_held)
@@ -155,19 +162,23 @@ class Outbox:
         self.dropped = 0  # held requests dropped past the bound since start
         directory = self.path.parent
         if not directory.is_dir():
-            raise OutboxError(f"outbox {self.path}: state directory {directory} does not exist "
-                              "or is not a directory")
-        self._store = PrivateDatabase(self.path, what="outbox", error=OutboxError, schema=_SCHEMA,
-                                      synchronous="FULL", writes=writes)  # a page must survive a power cut
+            raise OutboxError(f"outbox {self.path}: state directory {directory} does not exist or is not a directory")
+        self._store = PrivateDatabase(
+            self.path, what="outbox", error=OutboxError, schema=_SCHEMA, synchronous="FULL", writes=writes
+        )  # a page must survive a power cut
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         with self._lock:
             self._flush()
             if self._held or self._unsaved:
-                log.error("outbox %s: closing with %d notification(s) held in memory that the file could not take: "
-                          "they are lost (%d delivery outcome(s) not recorded: those may be sent again)",
-                          self.path, len(self._held), len(self._unsaved))
+                log.error(
+                    "outbox %s: closing with %d notification(s) held in memory that the file could not take: "
+                    "they are lost (%d delivery outcome(s) not recorded: those may be sent again)",
+                    self.path,
+                    len(self._held),
+                    len(self._unsaved),
+                )
         self._store.close()
 
     def __enter__(self) -> Outbox:
@@ -202,8 +213,10 @@ class Outbox:
             raise ValueError(f"receiver {receiver!r}: the request URL must be http(s), got {redact_url(request.url)}")
         now = self.clock()
         with self._lock:
-            if any(item.receiver == receiver and item.request.idempotency_key == request.idempotency_key
-                   for item in self._held.values()):
+            if any(
+                item.receiver == receiver and item.request.idempotency_key == request.idempotency_key
+                for item in self._held.values()
+            ):
                 return None
             if not self._held:  # else the file refused the last write: this one waits behind the older ones
                 try:
@@ -212,21 +225,36 @@ class Outbox:
                     pass
                 else:
                     if item_id is None:
-                        log.debug("outbox: %r for receiver %r is already pending; not enqueued again",
-                                  request.idempotency_key, receiver)
+                        log.debug(
+                            "outbox: %r for receiver %r is already pending; not enqueued again",
+                            request.idempotency_key,
+                            receiver,
+                        )
                     return item_id
-            return self._hold(OutboxItem(id=0, receiver=receiver, request=request, attempts=0, created_at=now,
-                                         next_attempt_at=now))
+            return self._hold(
+                OutboxItem(id=0, receiver=receiver, request=request, attempts=0, created_at=now, next_attempt_at=now)
+            )
 
-    def _insert(self, receiver: str, request: OutgoingRequest, attempts: int, created: float, next_at: float,
-                error: str | None) -> int | None:
+    def _insert(
+        self, receiver: str, request: OutgoingRequest, attempts: int, created: float, next_at: float, error: str | None
+    ) -> int | None:
         def insert(db: sqlite3.Connection) -> int | None:
             cur = db.execute(
                 "INSERT INTO outbox (receiver, idempotency_key, url, headers, body, attempts, created_at,"
                 " next_attempt_at, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (receiver, idempotency_key) DO NOTHING",
-                (receiver, request.idempotency_key, request.url, json.dumps(dict(request.headers)),
-                 bytes(request.body), attempts, created, next_at, error))
+                (
+                    receiver,
+                    request.idempotency_key,
+                    request.url,
+                    json.dumps(dict(request.headers)),
+                    bytes(request.body),
+                    attempts,
+                    created,
+                    next_at,
+                    error,
+                ),
+            )
             return cur.lastrowid if cur.rowcount == 1 else None  # a row inserted: lastrowid is its id
 
         return cast(int | None, self._run(insert))
@@ -244,9 +272,16 @@ class Outbox:
             self._held_bytes -= len(dropped.request.body)
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 100 == 0:
-                log.error("outbox %s: %d notification(s) held in memory, the most it holds (%d, %d bytes): dropped "
-                          "the oldest, for receiver %r (%d dropped since start)", self.path, len(self._held),
-                          self.max_held, self.max_held_bytes, dropped.receiver, self.dropped)
+                log.error(
+                    "outbox %s: %d notification(s) held in memory, the most it holds (%d, %d bytes): dropped "
+                    "the oldest, for receiver %r (%d dropped since start)",
+                    self.path,
+                    len(self._held),
+                    self.max_held,
+                    self.max_held_bytes,
+                    dropped.receiver,
+                    self.dropped,
+                )
             self._report(dropped.receiver, DROPPED)
         return item_id
 
@@ -267,8 +302,9 @@ class Outbox:
                 del self._unsaved[item_id]
             for item_id in list(self._held):
                 item = self._held[item_id]
-                self._insert(item.receiver, item.request, item.attempts, item.created_at, item.next_attempt_at,
-                             item.last_error)
+                self._insert(
+                    item.receiver, item.request, item.attempts, item.created_at, item.next_attempt_at, item.last_error
+                )
                 del self._held[item_id]
                 self._held_bytes -= len(item.request.body)
                 if not self._held:
@@ -280,14 +316,16 @@ class Outbox:
         if change.outcome == "delivered":
             self._run(lambda db: db.execute("DELETE FROM outbox WHERE id = ?", (item_id,)))
         elif change.outcome == "retry":
-            self._run(lambda db: db.execute(
-                "UPDATE outbox SET attempts = attempts + ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
-                (change.failures, change.next_attempt_at, change.error, item_id)))
+            self._run(
+                lambda db: db.execute(
+                    "UPDATE outbox SET attempts = attempts + ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
+                    (change.failures, change.next_attempt_at, change.error, item_id),
+                )
+            )
         else:
             self._move_to_dead_letter(item_id, change.error, attempted=change.attempted, now=self.clock())
 
-    def submit(self, receiver: Receiver, notification: Notification, *,
-               notifier: Notifier | None = None) -> list[int]:
+    def submit(self, receiver: Receiver, notification: Notification, *, notifier: Notifier | None = None) -> list[int]:
         """Render ``notification`` for ``receiver`` and enqueue every request; the new ids.
 
         A disabled receiver (``url`` None) gets nothing enqueued: returns [] (the caller logs).
@@ -319,8 +357,9 @@ class Outbox:
             if item_id < 0:
                 item = self._held.get(item_id)
                 if item is not None:
-                    self._held[item_id] = replace(item, attempts=item.attempts + 1, next_attempt_at=when,
-                                                  last_error=error)
+                    self._held[item_id] = replace(
+                        item, attempts=item.attempts + 1, next_attempt_at=when, last_error=error
+                    )
                 return
             before = self._unsaved.get(item_id)
             self._change(item_id, _Unsaved("retry", (before.failures if before is not None else 0) + 1, when, error))
@@ -346,50 +385,88 @@ class Outbox:
                 self._held_bytes -= len(item.request.body)
                 attempts = item.attempts + (1 if attempted else 0)
                 try:
-                    self._run(lambda db: db.execute(
-                        "INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
-                        " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (item_id, item.receiver, item.request.idempotency_key, redact_url(item.request.url),
-                         bytes(item.request.body), attempts, item.created_at, now, error)))
+                    self._run(
+                        lambda db: db.execute(
+                            "INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
+                            " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                            (
+                                item_id,
+                                item.receiver,
+                                item.request.idempotency_key,
+                                redact_url(item.request.url),
+                                bytes(item.request.body),
+                                attempts,
+                                item.created_at,
+                                now,
+                                error,
+                            ),
+                        )
+                    )
                     kept = f"kept in the dead_letter table of {self.path}"
                 except OutboxError:
                     kept = "held in memory, not kept: the outbox's file cannot be written"
-                log.error("notification for receiver %r failed permanently after %d attempt(s): %s (%s)",
-                          item.receiver, attempts, error, kept)
+                log.error(
+                    "notification for receiver %r failed permanently after %d attempt(s): %s (%s)",
+                    item.receiver,
+                    attempts,
+                    error,
+                    kept,
+                )
                 return
             if item_id in self._unsaved:
                 before = self._unsaved[item_id]
                 if before.outcome == "retry":  # the failures not recorded yet count too
                     error = f"{error} (after {before.failures} more failed attempt(s))"
                 self._unsaved[item_id] = _Unsaved("dead", error=error, attempted=attempted)
-                log.error("notification %d failed permanently: %s (moved to the dead_letter table of %s once the "
-                          "file can be written)", item_id, error, self.path)
+                log.error(
+                    "notification %d failed permanently: %s (moved to the dead_letter table of %s once the "
+                    "file can be written)",
+                    item_id,
+                    error,
+                    self.path,
+                )
                 return
             try:
                 moved = self._move_to_dead_letter(item_id, error, attempted=attempted, now=now)
             except OutboxError:
                 self._unsaved[item_id] = _Unsaved("dead", error=error, attempted=attempted)
-                log.error("notification %d failed permanently: %s (moved to the dead_letter table of %s once the "
-                          "file can be written)", item_id, error, self.path)
+                log.error(
+                    "notification %d failed permanently: %s (moved to the dead_letter table of %s once the "
+                    "file can be written)",
+                    item_id,
+                    error,
+                    self.path,
+                )
                 return
         if moved is not None:
-            log.error("notification %d for receiver %r failed permanently after %d attempt(s): %s "
-                      "(kept in the dead_letter table of %s)", item_id, moved[0], moved[1], error, self.path)
+            log.error(
+                "notification %d for receiver %r failed permanently after %d attempt(s): %s "
+                "(kept in the dead_letter table of %s)",
+                item_id,
+                moved[0],
+                moved[1],
+                error,
+                self.path,
+            )
 
     def _move_to_dead_letter(self, item_id: int, error: str, *, attempted: bool, now: float) -> tuple[str, int] | None:
         def move(db: sqlite3.Connection) -> tuple[str, int] | None:
             db.execute("BEGIN IMMEDIATE")
             try:
-                row = db.execute("SELECT receiver, idempotency_key, url, body, attempts, created_at"
-                                 " FROM outbox WHERE id = ?", (item_id,)).fetchone()
+                row = db.execute(
+                    "SELECT receiver, idempotency_key, url, body, attempts, created_at FROM outbox WHERE id = ?",
+                    (item_id,),
+                ).fetchone()
                 if row is None:
                     rollback(db)
                     return None
                 receiver, key, url, body, attempts, created = row
                 attempts = int(attempts) + (1 if attempted else 0)
-                db.execute("INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
-                           " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                           (item_id, receiver, key, redact_url(url), body, attempts, created, now, error))
+                db.execute(
+                    "INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
+                    " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (item_id, receiver, key, redact_url(url), body, attempts, created, now, error),
+                )
                 db.execute("DELETE FROM outbox WHERE id = ?", (item_id,))
                 db.execute("COMMIT")
             except BaseException:
@@ -409,10 +486,13 @@ class Outbox:
             unsaved = dict(self._unsaved)
             held = [item for item in self._held.values() if item.next_attempt_at <= now]
         try:
-            rows = self._run(lambda db: db.execute(
-                "SELECT id, receiver, idempotency_key, url, headers, body, attempts, created_at, next_attempt_at,"
-                " last_error FROM outbox WHERE next_attempt_at <= ? ORDER BY next_attempt_at, id LIMIT ?",
-                (now, int(limit) + len(unsaved))).fetchall())
+            rows = self._run(
+                lambda db: db.execute(
+                    "SELECT id, receiver, idempotency_key, url, headers, body, attempts, created_at, next_attempt_at,"
+                    " last_error FROM outbox WHERE next_attempt_at <= ? ORDER BY next_attempt_at, id LIMIT ?",
+                    (now, int(limit) + len(unsaved)),
+                ).fetchall()
+            )
         except OutboxError as unreadable:  # the file cannot even be read: what is held still goes out
             log.debug("outbox %s: cannot read it: %s", self.path, unreadable)
             rows = []
@@ -424,8 +504,17 @@ class Outbox:
                     continue  # delivered, dead, or not due again yet: only the memory knows
                 attempts, next_at, error = int(attempts) + change.failures, change.next_attempt_at, change.error
             request = OutgoingRequest(url=url, body=bytes(body), headers=json.loads(headers), idempotency_key=key)
-            items.append(OutboxItem(id=int(item_id), receiver=receiver, request=request, attempts=int(attempts),
-                                    created_at=float(created), next_attempt_at=float(next_at), last_error=error))
+            items.append(
+                OutboxItem(
+                    id=int(item_id),
+                    receiver=receiver,
+                    request=request,
+                    attempts=int(attempts),
+                    created_at=float(created),
+                    next_attempt_at=float(next_at),
+                    last_error=error,
+                )
+            )
         items += held
         items.sort(key=lambda item: (item.next_attempt_at, item.created_at))
         return items[:limit]
@@ -452,11 +541,24 @@ class Outbox:
         return min(times) if times else None
 
     def dead_letters(self) -> list[dict]:
-        rows = self._run(lambda db: db.execute(
-            "SELECT id, outbox_id, receiver, idempotency_key, url, body, attempts, created_at, failed_at, error"
-            " FROM dead_letter ORDER BY id").fetchall())
-        names = ("id", "outbox_id", "receiver", "idempotency_key", "url", "body", "attempts", "created_at",
-                 "failed_at", "error")
+        rows = self._run(
+            lambda db: db.execute(
+                "SELECT id, outbox_id, receiver, idempotency_key, url, body, attempts, created_at, failed_at, error"
+                " FROM dead_letter ORDER BY id"
+            ).fetchall()
+        )
+        names = (
+            "id",
+            "outbox_id",
+            "receiver",
+            "idempotency_key",
+            "url",
+            "body",
+            "attempts",
+            "created_at",
+            "failed_at",
+            "error",
+        )
         out = []
         for row in rows:
             record = dict(zip(names, row, strict=True))
@@ -480,11 +582,18 @@ class Dispatcher:
     ``clock`` defaults to the outbox's clock (used to read Retry-After HTTP-dates).
     """
 
-    def __init__(self, outbox: Outbox, receivers: Mapping[str, Receiver], *,
-                 on_result: Callable[[str, str], None] | None = None, base_delay: float = 1.0,
-                 max_delay: float = 300.0, rng: random.Random | None = None,
-                 clock: Callable[[], float] | None = None,
-                 sender: Callable[[OutgoingRequest, float], SendResult] = send_request) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        receivers: Mapping[str, Receiver],
+        *,
+        on_result: Callable[[str, str], None] | None = None,
+        base_delay: float = 1.0,
+        max_delay: float = 300.0,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] | None = None,
+        sender: Callable[[OutgoingRequest, float], SendResult] = send_request,
+    ) -> None:
         self.outbox = outbox
         self.receivers = receivers
         self.on_result = on_result
@@ -522,14 +631,16 @@ class Dispatcher:
         if result.ok:
             self.outbox.delivered(item.id)
             if item.attempts:
-                log.info("notification %d delivered to receiver %r after %d retries",
-                         item.id, item.receiver, item.attempts)
+                log.info(
+                    "notification %d delivered to receiver %r after %d retries", item.id, item.receiver, item.attempts
+                )
             self._report(item.receiver, "delivered")
             return
         status = result.status
         error = result.error or (f"HTTP {status}" if status is not None else "no response")
-        retryable = (status is None and not result.permanent) or status == 429 or (
-            status is not None and 500 <= status < 600)
+        retryable = (
+            (status is None and not result.permanent) or status == 429 or (status is not None and 500 <= status < 600)
+        )
         if not retryable:
             self.outbox.give_up(item.id, f"permanent failure: {error}")
             self._report(item.receiver, "failed")
@@ -544,9 +655,16 @@ class Dispatcher:
             delay = parse_retry_after(result.retry_after, self.clock())
         if delay is None:
             delay = backoff_delay(item.attempts, self.base_delay, self.max_delay, self.rng)
-        log.warning("notification %d to receiver %r (%s) failed (attempt %d of %d): %s; retrying in %.1f s",
-                    item.id, item.receiver, redact_url(item.request.url), attempts, receiver.max_attempts,
-                    error, delay)
+        log.warning(
+            "notification %d to receiver %r (%s) failed (attempt %d of %d): %s; retrying in %.1f s",
+            item.id,
+            item.receiver,
+            redact_url(item.request.url),
+            attempts,
+            receiver.max_attempts,
+            error,
+            delay,
+        )
         self.outbox.retry_later(item.id, delay, error)
         self._report(item.receiver, "retry")
 
@@ -556,8 +674,9 @@ class Dispatcher:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, args=(float(interval),),
-                                        name="mla-watch-notify", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(float(interval),), name="mla-watch-notify", daemon=True
+        )
         self._thread.start()
 
     def _loop(self, interval: float) -> None:

@@ -204,12 +204,15 @@ def enough_history(rule: Rule, series: str, key: str = _JOIN_LABELS) -> str:
     assert rule.trend is not None
     over = rule.trend.over_seconds
     half = format_duration(over * MIN_COVERAGE)
-    return (f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({key})\n"
-            f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0")
+    return (
+        f"count_over_time({series}[{format_duration(over)}]) >= {MIN_POINTS}\nand on({key})\n"
+        f"count_over_time({series}[{half}] offset {format_duration(over - over * MIN_COVERAGE)}) > 0"
+    )
 
 
-def level_expression(rule: Rule, key: str, job: str = DEFAULT_JOB, matchers: str | None = None,
-                     healthy: str | None = None) -> str:
+def level_expression(
+    rule: Rule, key: str, job: str = DEFAULT_JOB, matchers: str | None = None, healthy: str | None = None
+) -> str:
     """A threshold of ``rule`` in PromQL: its number, or, relative to the healthy baseline, that scaled and
     bounded by the number (``clamp_min(2 * mla_watch_routing_baseline_max_violation{...}, 1)``). ``healthy``
     replaces the baseline series (an aggregate of it, say)."""
@@ -246,8 +249,11 @@ def rule_expression(rule: Rule, *, job: str = DEFAULT_JOB) -> str:
     slots = rule.selector.slots
     if slots is not None:  # the geometry the threshold is a fact about: a join on the slots gauge
         series = ROUTING_SLOTS + _matchers(rule, job)
-        inside = ([f"{series} == {slots.low}"] if slots.high == slots.low
-                  else [f"{series} >= {slots.low}", *([f"{series} <= {slots.high}"] if slots.high is not None else [])])
+        inside = (
+            [f"{series} == {slots.low}"]
+            if slots.high == slots.low
+            else [f"{series} >= {slots.low}", *([f"{series} <= {slots.high}"] if slots.high is not None else [])]
+        )
         if slots.exclude:
             outside = [f"{series} < {slots.low}", *([f"{series} > {slots.high}"] if slots.high is not None else [])]
             test = " or ".join(outside) if slots.high != slots.low else f"{series} != {slots.low}"
@@ -311,7 +317,7 @@ def _go_query(metric: str, spec: str, labels: tuple[str, ...], wrap: Callable[..
     selector = ",".join(f'{label}="%s"' for label in labels)
     args = " ".join(f"$labels.{label}" for label in labels)
     verb, _ = _printf_spec(spec)
-    value = f'. | first | value | printf {json.dumps(verb or "%g")}'
+    value = f". | first | value | printf {json.dumps(verb or '%g')}"
     query = f"{{{{ with printf `{wrap(metric + '{' + selector + '}')}` {args} | query }}}}"
     return f"{query}{{{{ {value} }}}}{{{{ else }}}}n/a{{{{ end }}}}"
 
@@ -336,9 +342,14 @@ def _constant(value: object, spec: str) -> str:
         return str(value)
 
 
-def convert_template(template: str, rule: Rule, notes: list[str], *,
-                     queries: Mapping[str, Callable[[str], str]] | None = None,
-                     query_labels: tuple[str, ...] = SERIES_LABELS) -> str:
+def convert_template(
+    template: str,
+    rule: Rule,
+    notes: list[str],
+    *,
+    queries: Mapping[str, Callable[[str], str]] | None = None,
+    query_labels: tuple[str, ...] = SERIES_LABELS,
+) -> str:
     """A ``str.format`` annotation template of ``rule`` as a Prometheus (Go) template.
 
     Labels become ``$labels.x``, ``value`` becomes ``$value``, floor/ceiling/tokens are
@@ -388,13 +399,20 @@ def convert_template(template: str, rule: Rule, notes: list[str], *,
         elif field == "healthy":
             out.append(_go_query(BASELINE_NAMES[rule.metric], spec, SERIES_LABELS))
         elif field in ("threshold", "resolve_threshold") and relative is not None:
-            out.append(_go_query("", spec, SERIES_LABELS, lambda s, key=relative: level_expression(
-                rule, key, matchers=s)))
+            out.append(
+                _go_query("", spec, SERIES_LABELS, lambda s, key=relative: level_expression(rule, key, matchers=s))
+            )
         elif field in ("slope_per_hour", "slope_per_day") and rule.trend is not None:
             per = 3600.0 if field == "slope_per_hour" else 86400.0
             window = format_duration(rule.trend.over_seconds)
-            out.append(_go_query(METRIC_NAMES[rule.metric], spec, SERIES_LABELS,
-                                 lambda s, w=window, p=per: f"deriv({s}[{w}]) * {_number(p)}"))
+            out.append(
+                _go_query(
+                    METRIC_NAMES[rule.metric],
+                    spec,
+                    SERIES_LABELS,
+                    lambda s, w=window, p=per: f"deriv({s}[{w}]) * {_number(p)}",
+                )
+            )
         elif field == "predicted" and rule.trend is not None and rule.trend.kind == "predict":
             out.append(_go_value("$value", spec))
         elif field in constants:
@@ -464,7 +482,7 @@ def _rule_blocks(rules: RuleSet, job: str, labels: Mapping[str, str], source_roo
             entry["annotations"] = annotations
         source = rule.source
         if root is not None and source.startswith(root):  # the same text wherever the rules directory lies
-            source = source[len(root):]
+            source = source[len(root) :]
         comments = [f"{rule.name}" + (f" (from {source})" if source else "")]
         if rule.resolve_above is not None:
             comments.append(f"hysteresis not exported: the sidecar resolves at >= {_number(rule.resolve_above)}")
@@ -502,9 +520,17 @@ def _indent(text: str, spaces: int) -> str:
     return "".join(pad + line if line.strip() else line for line in text.splitlines(keepends=True))
 
 
-def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus", job: str = DEFAULT_JOB,
-                 labels: Mapping[str, str] | None = None, extra_groups: Sequence[str] = (),
-                 notes: Sequence[str] = (), source_root: Path | None = None) -> str:
+def export_rules(
+    rules: RuleSet,
+    *,
+    command: str,
+    file_format: str = "prometheus",
+    job: str = DEFAULT_JOB,
+    labels: Mapping[str, str] | None = None,
+    extra_groups: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    source_root: Path | None = None,
+) -> str:
     """``rules``' alerts (with ``labels`` added to each), then ``extra_groups`` (items of a ``groups:`` list, as
     :func:`yaml_entry` indents them), as a rule file of ``file_format`` (one of :data:`FORMATS`).
 
@@ -513,11 +539,13 @@ def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus
     """
     if file_format not in FORMATS:
         raise ValueError(f"file_format {file_format!r}: expected one of {', '.join(FORMATS)}")
-    header = [f"# Prometheus alerting rules generated by `{command}`.\n",
-              "# Do not edit: change rules/*.yaml and run that command again. Check with `promtool check rules`"
-              + (" on its spec." if file_format == "operator" else
-                 " on its groups." if file_format == "mimir" else " FILE.") + "\n",
-              _HEADER.split("\n", 2)[2]]  # the differences from the sidecar's engine, as in export_prometheus
+    header = [
+        f"# Prometheus alerting rules generated by `{command}`.\n",
+        "# Do not edit: change rules/*.yaml and run that command again. Check with `promtool check rules`"
+        + (" on its spec." if file_format == "operator" else " on its groups." if file_format == "mimir" else " FILE.")
+        + "\n",
+        _HEADER.split("\n", 2)[2],
+    ]  # the differences from the sidecar's engine, as in export_prometheus
     for note in notes:  # a note's own lines continue its bullet
         first, *rest = note.split("\n")
         header.append(f"#  * {first}\n" + "".join(f"#    {line}\n" for line in rest))
@@ -528,6 +556,8 @@ def export_rules(rules: RuleSet, *, command: str, file_format: str = "prometheus
         return "".join(header) + groups
     if file_format == "mimir":
         return "".join(header) + f"namespace: {MIMIR_NAMESPACE}\n" + groups
-    return ("".join(header) + "apiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n"
-            f"  name: {OPERATOR_NAME}\n  labels:\n    app.kubernetes.io/name: mla-watch\n"
-            "    app.kubernetes.io/component: alert-rules\nspec:\n" + _indent(groups, 2))
+    return (
+        "".join(header) + "apiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n"
+        f"  name: {OPERATOR_NAME}\n  labels:\n    app.kubernetes.io/name: mla-watch\n"
+        "    app.kubernetes.io/component: alert-rules\nspec:\n" + _indent(groups, 2)
+    )

@@ -22,9 +22,22 @@ from mla_watch.routing.windows import NAME_RE, NAME_RULE
 __all__ = ["PAGERDUTY_EVENTS_URL", "parse_receiver"]
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
-_RECEIVER_KEYS = ("name", "type", "url", "headers", "hmac_secret", "routing_key", "timeout", "max_attempts",
-                  "group_by", "group_wait", "group_interval", "repeat_interval", "send_resolved",
-                  "resend_interval")
+_RECEIVER_KEYS = (
+    "name",
+    "type",
+    "url",
+    "headers",
+    "hmac_secret",
+    "routing_key",
+    "timeout",
+    "max_attempts",
+    "group_by",
+    "group_wait",
+    "group_interval",
+    "repeat_interval",
+    "send_resolved",
+    "resend_interval",
+)
 # Alertmanager's API takes alerts, not notifications: Alertmanager groups and waits itself (its route's group_wait).
 _API_TYPE = "alertmanager_api"
 _ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -60,21 +73,26 @@ def _url_problem(url: str) -> str | None:
     return None
 
 
-def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, str],
-                   disabled: bool) -> str | None:
+def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, str], disabled: bool) -> str | None:
     """A secret value with ``${VAR}`` expanded; errors name the key and variables, never the value."""
     if not isinstance(raw, str) or not raw:
         what = "null" if raw is None else type(raw).__name__
-        chk.add(path, f"{chk.label}: {path} = (a {what}, value hidden): expected a non-empty string "
-                          "(write ${VAR} to take it from the environment)")
+        chk.add(
+            path,
+            f"{chk.label}: {path} = (a {what}, value hidden): expected a non-empty string "
+            "(write ${VAR} to take it from the environment)",
+        )
         return None
     value, unset = _expand(raw, environ)
     if unset:
         if disabled:
             return None
         names = ", ".join(unset)
-        chk.add(path, f"{chk.label}: {path}: environment variable {names} is unset: expected it to be set "
-                          "(this secret is needed to send notifications)")
+        chk.add(
+            path,
+            f"{chk.label}: {path}: environment variable {names} is unset: expected it to be set "
+            "(this secret is needed to send notifications)",
+        )
         return None
     if not value:
         chk.add(path, f"{chk.label}: {path}: expands to an empty string: expected a non-empty secret")
@@ -85,8 +103,9 @@ def _secret_string(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     return value
 
 
-def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, str],
-                    warnings: list[str]) -> Receiver | None:
+def parse_receiver(
+    chk: Checker, path: str, raw: object, environ: Mapping[str, str], warnings: list[str]
+) -> Receiver | None:
     data = chk.mapping(path, raw, _RECEIVER_KEYS, "a receiver with keys " + ", ".join(_RECEIVER_KEYS))
     if data is None:
         return None
@@ -120,16 +139,21 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
         from_env = bool(_ENV_RE.search(template))
         if unset:
             disabled = True
-            warnings.append(f"{chk.label}: receiver {shown!r}: {', '.join(unset)} "
-                            f"{'is' if len(unset) == 1 else 'are'} unset; "
-                            "alerts are evaluated, exported and logged but not sent")
+            warnings.append(
+                f"{chk.label}: receiver {shown!r}: {', '.join(unset)} "
+                f"{'is' if len(unset) == 1 else 'are'} unset; "
+                "alerts are evaluated, exported and logged but not sent"
+            )
         else:
             problem = _url_problem(expanded)
             if problem is not None:
                 shown_url = template if from_env else repr(redact_url(template))
                 source = " (expanded from the environment)" if from_env else ""
-                chk.add(f"{path}.url", f"{chk.label}: {path}.url = {shown_url}{source}: expected an http:// or "
-                                       f"https:// URL with a host, but {problem}")
+                chk.add(
+                    f"{path}.url",
+                    f"{chk.label}: {path}.url = {shown_url}{source}: expected an http:// or "
+                    f"https:// URL with a host, but {problem}",
+                )
             else:
                 url = expanded
 
@@ -137,8 +161,11 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     if data.get("headers") is not None:
         raw_headers = data["headers"]
         if not isinstance(raw_headers, dict):
-            chk.add(f"{path}.headers", f"{chk.label}: {path}.headers = (a {type(raw_headers).__name__}, value hidden): "
-                              "expected a mapping of header name -> value")
+            chk.add(
+                f"{path}.headers",
+                f"{chk.label}: {path}.headers = (a {type(raw_headers).__name__}, value hidden): "
+                "expected a mapping of header name -> value",
+            )
         else:
             for key, value in raw_headers.items():
                 if not isinstance(key, str) or not re.match(r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$", key):
@@ -155,8 +182,11 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     routing_key = None
     if "routing_key" in data:
         if rtype != "pagerduty":
-            chk.add(f"{path}.routing_key", f"{chk.label}: {path}.routing_key = (value hidden): expected no "
-                                           f"routing_key: it is only used by type pagerduty, not {rtype!r}")
+            chk.add(
+                f"{path}.routing_key",
+                f"{chk.label}: {path}.routing_key = (value hidden): expected no "
+                f"routing_key: it is only used by type pagerduty, not {rtype!r}",
+            )
         else:
             routing_key = _secret_string(chk, f"{path}.routing_key", data["routing_key"], environ, disabled)
     elif rtype == "pagerduty":
@@ -165,13 +195,19 @@ def parse_receiver(chk: Checker, path: str, raw: object, environ: Mapping[str, s
     timeout = duration_key(chk, data, "timeout", path, 5.0, positive=True)
     repeat = duration_key(chk, data, "repeat_interval", path, 4 * 3600.0, positive=True)
     if "resend_interval" in data and rtype != _API_TYPE:
-        chk.bad(f"{path}.resend_interval", data["resend_interval"],
-                f"no resend_interval: it is only used by type {_API_TYPE}, not {rtype!r}")
+        chk.bad(
+            f"{path}.resend_interval",
+            data["resend_interval"],
+            f"no resend_interval: it is only used by type {_API_TYPE}, not {rtype!r}",
+        )
     resend = duration_key(chk, data, "resend_interval", path, 60.0, positive=True)
     for key in ("group_wait", "group_interval"):
         if key in data and rtype == _API_TYPE:
-            chk.bad(f"{path}.{key}", data[key], f"no {key} for type {_API_TYPE}: Alertmanager groups the alerts "
-                    f"posted to it (set {key} in its route)")
+            chk.bad(
+                f"{path}.{key}",
+                data[key],
+                f"no {key} for type {_API_TYPE}: Alertmanager groups the alerts posted to it (set {key} in its route)",
+            )
     group_wait = duration_key(chk, data, "group_wait", path, DEFAULT_GROUP_WAIT_SECONDS)
     group_interval = duration_key(chk, data, "group_interval", path, DEFAULT_GROUP_INTERVAL_SECONDS)
 

@@ -85,9 +85,28 @@ SEVERITIES: tuple[str, ...] = ("critical", "warning", "info")
 RESERVED_LABELS: tuple[str, ...] = ("alertname", "severity", *SERIES_LABELS, "cause")
 
 _TOP_KEYS = ("receivers", "rules")
-_RULE_KEYS = ("alert", "metric", "select", "below", "above", "resolve_above", "resolve_below", "for",
-              "keep_firing_for", "min_tokens", "severity", "actions", "retune_strategy", "labels", "annotations",
-              "receivers", "trend", "predict", "lint_expect", "on_traffic")
+_RULE_KEYS = (
+    "alert",
+    "metric",
+    "select",
+    "below",
+    "above",
+    "resolve_above",
+    "resolve_below",
+    "for",
+    "keep_firing_for",
+    "min_tokens",
+    "severity",
+    "actions",
+    "retune_strategy",
+    "labels",
+    "annotations",
+    "receivers",
+    "trend",
+    "predict",
+    "lint_expect",
+    "on_traffic",
+)
 _ON_TRAFFIC_KEYS = ("severity", "receivers")
 LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_expect)
 
@@ -95,12 +114,28 @@ LINT_CODES = ("never_fires",)  # findings a rule may declare it expects (lint_ex
 # --------------------------------------------------------------------------- templates
 
 _SAMPLE_FIELDS: dict[str, object] = {
-    "alertname": "RoutingEntropyLow", "metric": "entropy_bits", "value": 4.5, "threshold": 5.0,
-    "resolve_threshold": 5.2, "router": "model.layers.1.mlp.gate", "layer": 1, "kind": "expert",
-    "business_line": "code_assistant", "floor_bits": 2.585, "ceiling_bits": 6.0, "tokens": 4096,
-    "min_tokens": 152, "severity": "critical", "status_url": "http://127.0.0.1:8000/v1/routing",
-    "current": 5.4, "slope_per_hour": -0.01, "slope_per_day": -0.24, "predicted": 4.7, "crossing_in": "1d 16h",
-    "healthy": 0.6, "position_bucket": "256-511",
+    "alertname": "RoutingEntropyLow",
+    "metric": "entropy_bits",
+    "value": 4.5,
+    "threshold": 5.0,
+    "resolve_threshold": 5.2,
+    "router": "model.layers.1.mlp.gate",
+    "layer": 1,
+    "kind": "expert",
+    "business_line": "code_assistant",
+    "floor_bits": 2.585,
+    "ceiling_bits": 6.0,
+    "tokens": 4096,
+    "min_tokens": 152,
+    "severity": "critical",
+    "status_url": "http://127.0.0.1:8000/v1/routing",
+    "current": 5.4,
+    "slope_per_hour": -0.01,
+    "slope_per_day": -0.24,
+    "predicted": 4.7,
+    "crossing_in": "1d 16h",
+    "healthy": 0.6,
+    "position_bucket": "256-511",
     "position_compared": "each client's prompt tokens at 256-511 against its own at 64-255",
     "position_clients": "client-a 61%, client-b 39%",
 }
@@ -186,13 +221,19 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
 
     trend, tdata, tpath = parse_trend(chk, data, path)
     if trend is not None and metric in METRICS and metric not in TREND_METRICS:
-        chk.bad(f"{path}.metric", metric, "a metric the routing history keeps, for a trend rule: one of "
-                + ", ".join(TREND_METRICS))
+        chk.bad(
+            f"{path}.metric",
+            metric,
+            "a metric the routing history keeps, for a trend rule: one of " + ", ".join(TREND_METRICS),
+        )
     given_relative = any(isinstance(tdata.get(key), dict) for key in ("below", "above"))  # named if broken
     tdata, scales = parse_baseline_thresholds(chk, tdata, tpath)
     if scales and trend is not None:
-        chk.bad(f"{tpath}.{next(iter(scales))}", data.get(next(iter(scales))) or "a baseline threshold",
-                "a number: a trend rule judges a slope or a prediction, not a level against the healthy baseline")
+        chk.bad(
+            f"{tpath}.{next(iter(scales))}",
+            data.get(next(iter(scales))) or "a baseline threshold",
+            "a number: a trend rule judges a slope or a prediction, not a level against the healthy baseline",
+        )
     below = number_key(chk, tdata, "below", tpath)
     above = number_key(chk, tdata, "above", tpath)
     resolve_above = number_key(chk, tdata, "resolve_above", tpath)
@@ -200,19 +241,28 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     if tdata.get("below") is None and tdata.get("above") is None and not scales and not given_relative:
         chk.missing(f"{tpath}.below", "a threshold: below and/or above (a number)")
     if below is not None and above is not None and not below < above:
-        chk.bad(f"{tpath}.below", below,
-                f"a value < above ({format_number(above)}); otherwise every value is out of band")
+        chk.bad(
+            f"{tpath}.below", below, f"a value < above ({format_number(above)}); otherwise every value is out of band"
+        )
     if "resolve_above" in tdata and tdata.get("below") is None:
-        chk.bad(f"{tpath}.resolve_above", tdata["resolve_above"], "no resolve_above without below (it is the "
-                "hysteresis of a 'below' rule; an 'above' rule uses resolve_below)")
+        chk.bad(
+            f"{tpath}.resolve_above",
+            tdata["resolve_above"],
+            "no resolve_above without below (it is the "
+            "hysteresis of a 'below' rule; an 'above' rule uses resolve_below)",
+        )
     elif resolve_above is not None and below is not None:
         if resolve_above < below:
             chk.bad(f"{tpath}.resolve_above", resolve_above, f"a value >= below ({format_number(below)})")
         elif above is not None and resolve_above > above:
             chk.bad(f"{tpath}.resolve_above", resolve_above, f"a value <= above ({format_number(above)})")
     if "resolve_below" in tdata and tdata.get("above") is None:
-        chk.bad(f"{tpath}.resolve_below", tdata["resolve_below"], "no resolve_below without above (it is the "
-                "hysteresis of an 'above' rule; a 'below' rule uses resolve_above)")
+        chk.bad(
+            f"{tpath}.resolve_below",
+            tdata["resolve_below"],
+            "no resolve_below without above (it is the "
+            "hysteresis of an 'above' rule; a 'below' rule uses resolve_above)",
+        )
     elif resolve_below is not None and above is not None:
         if resolve_below > above:
             chk.bad(f"{tpath}.resolve_below", resolve_below, f"a value <= above ({format_number(above)})")
@@ -221,15 +271,25 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
 
     for threshold, resolve in (("above", "resolve_below"), ("below", "resolve_above")):
         if resolve in scales and threshold not in scales:
-            chk.bad(f"{tpath}.{resolve}", data.get(resolve), f"a number, as {threshold} is one (a resolve level "
-                    f"relative to the baseline could pass a fixed {threshold})")
+            chk.bad(
+                f"{tpath}.{resolve}",
+                data.get(resolve),
+                f"a number, as {threshold} is one (a resolve level "
+                f"relative to the baseline could pass a fixed {threshold})",
+            )
         elif resolve in scales and threshold in scales:
             outer, inner = scales[threshold], scales[resolve]
-            wider = (inner.times > outer.times or inner.plus > outer.plus) if threshold == "above" else \
-                (inner.times < outer.times or inner.plus < outer.plus)
+            wider = (
+                (inner.times > outer.times or inner.plus > outer.plus)
+                if threshold == "above"
+                else (inner.times < outer.times or inner.plus < outer.plus)
+            )
             if wider:
-                chk.bad(f"{tpath}.{resolve}", data.get(resolve), f"baseline_times and baseline_plus on the healthy "
-                        f"side of {threshold}'s (hysteresis)")
+                chk.bad(
+                    f"{tpath}.{resolve}",
+                    data.get(resolve),
+                    f"baseline_times and baseline_plus on the healthy side of {threshold}'s (hysteresis)",
+                )
     for_seconds = duration_key(chk, data, "for", path, 0.0)
     keep_seconds = duration_key(chk, data, "keep_firing_for", path, 0.0)
 
@@ -249,11 +309,13 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
     strategies: tuple[str, ...] = ()
     if data.get("retune_strategy") is not None:
         if "retune" not in actions:
-            chk.bad(f"{path}.retune_strategy", data["retune_strategy"],
-                    "no retune_strategy unless actions include retune")
+            chk.bad(
+                f"{path}.retune_strategy", data["retune_strategy"], "no retune_strategy unless actions include retune"
+            )
         else:
-            strategies = _names_list(chk, f"{path}.retune_strategy", data["retune_strategy"], RETUNE_STRATEGIES,
-                                     "re-tune strategies")
+            strategies = _names_list(
+                chk, f"{path}.retune_strategy", data["retune_strategy"], RETUNE_STRATEGIES, "re-tune strategies"
+            )
 
     labels: dict[str, str] = {}
     if data.get("labels") is not None:
@@ -262,8 +324,13 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
             if not isinstance(key, str) or not LABEL_NAME_RE.fullmatch(key) or key.startswith("__"):
                 chk.bad(f"{path}.labels", key, "label names of letters, digits and '_' (not starting with '__')")
             elif key in RESERVED_LABELS:
-                chk.bad(f"{path}.labels.{key}", value, "no override of a label the engine sets: "
-                        + ", ".join(RESERVED_LABELS) + " (use severity: for the severity)")
+                chk.bad(
+                    f"{path}.labels.{key}",
+                    value,
+                    "no override of a label the engine sets: "
+                    + ", ".join(RESERVED_LABELS)
+                    + " (use severity: for the severity)",
+                )
             elif not isinstance(value, str):
                 chk.bad(f"{path}.labels.{key}", value, "a string (quote it)")
             else:
@@ -296,8 +363,12 @@ def _parse_rule(chk: _Checker, index: int, raw: object) -> Rule | None:
 
     lint_expect: dict[str, str] = {}
     if data.get("lint_expect") is not None:
-        raw_expect = chk.mapping(f"{path}.lint_expect", data["lint_expect"], LINT_CODES,
-                                 "finding -> why it is expected, e.g. {never_fires: \"kept as the seed wrote it\"}")
+        raw_expect = chk.mapping(
+            f"{path}.lint_expect",
+            data["lint_expect"],
+            LINT_CODES,
+            'finding -> why it is expected, e.g. {never_fires: "kept as the seed wrote it"}',
+        )
         for key, value in (raw_expect or {}).items():
             if not isinstance(value, str) or not value.strip() or len(value) > 300:
                 chk.bad(f"{path}.lint_expect.{key}", value, "a sentence (at most 300 characters) saying why")
@@ -414,8 +485,13 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
     Raises :class:`RuleError` collecting the errors of all files, plus: a missing or empty
     directory, an alert or receiver name defined twice, a rule naming an unknown receiver.
     """
-    read = read_yaml_directory(directory, lambda file: load_rules_file(file, environ=environ), RuleError,
-                               kind="rule", at_least="one, e.g. routing.yaml")
+    read = read_yaml_directory(
+        directory,
+        lambda file: load_rules_file(file, environ=environ),
+        RuleError,
+        kind="rule",
+        at_least="one, e.g. routing.yaml",
+    )
     errors = read.errors
     warnings: list[str] = []
     rules: list[Rule] = []
@@ -425,14 +501,18 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
         warnings.extend(file_warnings)
         for name, receiver in file_receivers.items():
             if name in receivers:
-                errors.append(f"{receiver.source}.name = {name!r}: expected a receiver name defined once; "
-                              f"it is also defined at {receivers[name].source}")
+                errors.append(
+                    f"{receiver.source}.name = {name!r}: expected a receiver name defined once; "
+                    f"it is also defined at {receivers[name].source}"
+                )
             else:
                 receivers[name] = receiver
         for rule in file_rules:
             if rule.name in rule_sources:
-                errors.append(f"{rule.source}.alert = {rule.name!r}: expected an alert name defined once; "
-                              f"it is also defined at {rule_sources[rule.name]}")
+                errors.append(
+                    f"{rule.source}.alert = {rule.name!r}: expected an alert name defined once; "
+                    f"it is also defined at {rule_sources[rule.name]}"
+                )
             else:
                 rule_sources[rule.name] = rule.source
                 rules.append(rule)
@@ -445,8 +525,9 @@ def load_rules_dir(directory: Path, *, environ: Mapping[str, str] = os.environ) 
             for i, name in enumerate(rule.traffic_receivers or ()):
                 if name not in receivers:
                     known = ", ".join(sorted(receivers)) or "(none defined)"
-                    errors.append(f"{rule.source}.on_traffic.receivers[{i}] = {name!r}: expected a defined "
-                                  f"receiver: {known}")
+                    errors.append(
+                        f"{rule.source}.on_traffic.receivers[{i}] = {name!r}: expected a defined receiver: {known}"
+                    )
     if errors:
         raise RuleError(errors)
     return RuleSet(rules=tuple(rules), receivers=receivers, warnings=tuple(warnings))

@@ -18,8 +18,9 @@ __all__ = ["SELECTOR_NAME_RE", "parse_selector"]
 
 
 _SELECT_KEYS = ("kind", "layers", "router", "business_line", "slots", "hash_routed")
-_SLOTS_EXPECTED = ("a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either "
-                   "under `not:` ({not: 64})")
+_SLOTS_EXPECTED = (
+    "a number of slots (64), an inclusive range ([8, 63], null for no upper end), or either under `not:` ({not: 64})"
+)
 SELECTOR_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -38,12 +39,14 @@ def parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     if raw_layers is not None:
         if is_integer(raw_layers):
             raw_layers = [raw_layers, raw_layers]
-        if (not isinstance(raw_layers, list) or len(raw_layers) != 2
-                or not all(is_integer(x) for x in raw_layers)):
+        if not isinstance(raw_layers, list) or len(raw_layers) != 2 or not all(is_integer(x) for x in raw_layers):
             chk.bad(f"{path}.layers", raw_layers, "[first, last]: two integers, an inclusive range of layer indices")
         elif raw_layers[0] > raw_layers[1]:
-            chk.bad(f"{path}.layers", raw_layers,
-                    f"[first, last] with first <= last; [{raw_layers[0]}, {raw_layers[1]}] matches no layer")
+            chk.bad(
+                f"{path}.layers",
+                raw_layers,
+                f"[first, last] with first <= last; [{raw_layers[0]}, {raw_layers[1]}] matches no layer",
+            )
         elif raw_layers[1] < -1:
             chk.bad(f"{path}.layers", raw_layers, "a range that includes layers >= -1; it matches no layer")
         else:
@@ -65,8 +68,9 @@ def parse_selector(chk: _Checker, path: str, raw: object) -> Selector:
     slots = _parse_slots(chk, f"{path}.slots", data.get("slots")) if "slots" in data else None
     hashed = data.get("hash_routed", False)
     if not isinstance(hashed, bool):
-        chk.bad(f"{path}.hash_routed", hashed, "true (watch hash routers only) or false (the default: learned "
-                "routers only)")
+        chk.bad(
+            f"{path}.hash_routed", hashed, "true (watch hash routers only) or false (the default: learned routers only)"
+        )
         hashed = False
     return Selector(kind=kind, layers=layers, router=router, business_line=line, slots=slots, hash_routed=hashed)
 

@@ -14,7 +14,11 @@ from urllib.parse import urlsplit
 from mla_watch.alerting.notifiers import OutgoingRequest
 
 __all__ = [
-    "MAX_RETRY_AFTER", "SendResult", "backoff_delay", "parse_retry_after", "send_request",
+    "MAX_RETRY_AFTER",
+    "SendResult",
+    "backoff_delay",
+    "parse_retry_after",
+    "send_request",
 ]
 
 MAX_RETRY_AFTER = 24 * 3600.0
@@ -44,8 +48,9 @@ def _scrub(text: str, request: OutgoingRequest) -> str:
         secrets += [seg for seg in parts.path.split("/") if len(seg) >= 6]
     except ValueError:
         pass
-    secrets += [str(v) for k, v in request.headers.items()
-                if k.lower() not in ("content-type", "user-agent", "idempotency-key")]
+    secrets += [
+        str(v) for k, v in request.headers.items() if k.lower() not in ("content-type", "user-agent", "idempotency-key")
+    ]
     try:  # PagerDuty's routing key travels in the body
         payload = json.loads(request.body)
         if isinstance(payload, dict) and payload.get("routing_key"):

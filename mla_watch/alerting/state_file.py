@@ -32,8 +32,12 @@ STATE_FORMAT = "mla_watch.alert_state/1"
 WHAT = "alert state file"
 
 
-def save_state(path: Path, instances: Iterable[Mapping[str, InstanceState]], clock: Callable[[], float],
-               writes: StateWrites | None = None) -> bool:
+def save_state(
+    path: Path,
+    instances: Iterable[Mapping[str, InstanceState]],
+    clock: Callable[[], float],
+    writes: StateWrites | None = None,
+) -> bool:
     """Write every instance of ``instances`` (record key -> {rule id -> instance}) to ``path``; whether it was
     written. An error is logged (by ``writes``, once per change), not raised: the caller saves again later."""
     try:
@@ -46,8 +50,10 @@ def save_state(path: Path, instances: Iterable[Mapping[str, InstanceState]], clo
                 if inst.json is None:
                     inst.json = json.dumps(inst.to_json(), separators=(",", ":"))
                 fragments.append(inst.json)
-        text = (f'{{"format":{json.dumps(STATE_FORMAT)},"saved_at":{json.dumps(clock())},'
-                f'"instances":[{",".join(fragments)}]}}')
+        text = (
+            f'{{"format":{json.dumps(STATE_FORMAT)},"saved_at":{json.dumps(clock())},'
+            f'"instances":[{",".join(fragments)}]}}'
+        )
         write_file(path, text, private=True, parents=True, label=f"{WHAT} {path}")
     except OSError as error:  # keep evaluating; the next evaluation saves again
         if writes is not None:
@@ -92,5 +98,10 @@ def _set_aside(path: Path, why: str) -> None:
         set_aside(path)
         log.error("alert state file %s is corrupt (%s); starting with no alerts, kept it as %s", path, why, aside)
     except OSError as error:
-        log.error("alert state file %s is corrupt (%s); starting with no alerts; could not move it to %s: %s",
-                  path, why, aside, error)
+        log.error(
+            "alert state file %s is corrupt (%s); starting with no alerts; could not move it to %s: %s",
+            path,
+            why,
+            aside,
+            error,
+        )

@@ -41,8 +41,12 @@ def render_annotations(rule: Rule, fields: Mapping[str, object]) -> dict[str, st
     threshold = rule.below if rule.below is not None else rule.above
     resolve = rule.resolve_above if rule.below is not None else rule.resolve_below
     defaults: dict[str, object] = {
-        "alertname": rule.name, "metric": rule.metric, "severity": rule.severity, "threshold": threshold,
-        "resolve_threshold": resolve if resolve is not None else threshold, "min_tokens": rule.min_tokens,
+        "alertname": rule.name,
+        "metric": rule.metric,
+        "severity": rule.severity,
+        "threshold": threshold,
+        "resolve_threshold": resolve if resolve is not None else threshold,
+        "min_tokens": rule.min_tokens,
     }
     values = _Fields({**defaults, **{k: v for k, v in fields.items() if v is not None or k not in defaults}})
     formatter = _LenientFormatter()

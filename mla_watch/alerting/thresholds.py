@@ -75,8 +75,11 @@ def parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Tren
     if inside:
         outside = [k for k in _THRESHOLD_KEYS if k in data]
         if outside:
-            chk.bad(f"{path}.{outside[0]}", data[outside[0]], f"the thresholds in one place: {bpath} holds "
-                    f"{', '.join(inside)} already")
+            chk.bad(
+                f"{path}.{outside[0]}",
+                data[outside[0]],
+                f"the thresholds in one place: {bpath} holds {', '.join(inside)} already",
+            )
         where, wpath = block, bpath
     if "over" not in block:
         chk.missing(f"{bpath}.over", "the look-back, a duration such as 6h")
@@ -94,13 +97,18 @@ def parse_trend(chk: _Checker, data: Mapping[str, Any], path: str) -> tuple[Tren
 
 
 _UPPER_SIDE = ("above", "resolve_below")  # bounded from below by a floor; the others by a ceiling
-_SCALE_EXPECTED = ("a number, or a threshold relative to the healthy baseline such as "
-                   "{baseline_times: 2.0, floor: 1.0} (above / resolve_below) or "
-                   "{baseline_plus: -0.5, ceiling: 5.0} (below / resolve_above)")
+_SCALE_EXPECTED = (
+    "a number, or a threshold relative to the healthy baseline such as "
+    "{baseline_times: 2.0, floor: 1.0} (above / resolve_below) or "
+    "{baseline_plus: -0.5, ceiling: 5.0} (below / resolve_above)"
+)
 
 
-def parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
-                               ) -> tuple[Mapping[str, Any], dict[str, BaselineScale]]:
+def parse_baseline_thresholds(
+    chk: _Checker,
+    data: Mapping[str, Any],
+    path: str,
+) -> tuple[Mapping[str, Any], dict[str, BaselineScale]]:
     """Thresholds written relative to the learned healthy baseline: ``(data with each such threshold replaced by
     its bound, the scales by threshold key)``."""
     scales: dict[str, BaselineScale] = {}
@@ -116,8 +124,10 @@ def parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
         if block is None:
             continue
         if "baseline_times" not in block and "baseline_plus" not in block:
-            chk.missing(f"{kpath}.baseline_times", "baseline_times and/or baseline_plus: the threshold as "
-                        "times x healthy + plus")
+            chk.missing(
+                f"{kpath}.baseline_times",
+                "baseline_times and/or baseline_plus: the threshold as times x healthy + plus",
+            )
             continue
         times = number_key(chk, block, "baseline_times", kpath)
         plus = number_key(chk, block, "baseline_plus", kpath)
@@ -125,10 +135,14 @@ def parse_baseline_thresholds(chk: _Checker, data: Mapping[str, Any], path: str,
             chk.bad(f"{kpath}.baseline_times", times, "a number > 0 (how many times the healthy value)")
             continue
         if bound_key not in block:
-            side = "a floor the threshold never goes below" if key in _UPPER_SIDE else \
-                "a ceiling the threshold never goes above"
-            chk.missing(f"{kpath}.{bound_key}", f"{side} (a number): a healthy value near zero must not turn "
-                        "noise into a page")
+            side = (
+                "a floor the threshold never goes below"
+                if key in _UPPER_SIDE
+                else "a ceiling the threshold never goes above"
+            )
+            chk.missing(
+                f"{kpath}.{bound_key}", f"{side} (a number): a healthy value near zero must not turn noise into a page"
+            )
             continue
         plain[key] = block[bound_key]
         scales[key] = BaselineScale(times=1.0 if times is None else times, plus=0.0 if plus is None else plus)

@@ -44,8 +44,17 @@ __all__ = ["RESOLVED_RETENTION_SECONDS", "recause", "step"]
 RESOLVED_RETENTION_SECONDS = 3600.0  # resolved instances stay visible in alerts() this long
 
 
-def step(inst: InstanceState, rule: CompiledRule, value: Any, breach: bool, now: float, actions: list[Action],
-         alerts: AlertRenderer, schedule_prune: Callable[[float], None], causes: CauseJudge | None = None) -> bool:
+def step(
+    inst: InstanceState,
+    rule: CompiledRule,
+    value: Any,
+    breach: bool,
+    now: float,
+    actions: list[Action],
+    alerts: AlertRenderer,
+    schedule_prune: Callable[[float], None],
+    causes: CauseJudge | None = None,
+) -> bool:
     """Advance one instance judged at ``value`` (on ``inst.record``); True when its state or a timer changed (worth
     persisting).
 
@@ -62,8 +71,7 @@ def step(inst: InstanceState, rule: CompiledRule, value: Any, breach: bool, now:
                 return True
             return False
         below, above, resolve_above, resolve_below = inst.levels or rule.bounds
-        healthy = ((below is None or value >= resolve_above)
-                   and (above is None or value <= resolve_below))
+        healthy = (below is None or value >= resolve_above) and (above is None or value <= resolve_below)
         if not healthy:  # hysteresis band: stays firing, and health is no longer continuous
             if inst.healthy_since is not None:
                 inst.healthy_since = None
@@ -117,12 +125,14 @@ def _decide(inst: InstanceState, rule: CompiledRule, now: float, causes: CauseJu
     waited = now - inst.active_since - rule.for_s
     if waited < causes.wait_seconds:
         return None
-    return undetermined(f"no reading of the reference prompts came within {causes.wait_seconds:g} s of the alert "
-                        "being due")
+    return undetermined(
+        f"no reading of the reference prompts came within {causes.wait_seconds:g} s of the alert being due"
+    )
 
 
-def _fire(inst: InstanceState, rule: CompiledRule, cause: Cause | None, actions: list[Action],
-          alerts: AlertRenderer) -> None:
+def _fire(
+    inst: InstanceState, rule: CompiledRule, cause: Cause | None, actions: list[Action], alerts: AlertRenderer
+) -> None:
     """Fire ``inst`` with ``cause`` (``None``: an engine without a cause judge, which fires as it always did)."""
     inst.set_cause(cause, rule.rule)
     alert = alerts.alert(inst, rule, "firing", None)
@@ -134,8 +144,14 @@ def _fire(inst: InstanceState, rule: CompiledRule, cause: Cause | None, actions:
         actions.append(Action("retune", alert, rule.rule, inst.record))
 
 
-def recause(inst: InstanceState, rule: CompiledRule, now: float, actions: list[Action], alerts: AlertRenderer,
-            causes: CauseJudge) -> bool:
+def recause(
+    inst: InstanceState,
+    rule: CompiledRule,
+    now: float,
+    actions: list[Action],
+    alerts: AlertRenderer,
+    causes: CauseJudge,
+) -> bool:
     """Judge a firing instance's cause again on a newer reading; a new cause resolves the alert sent under the old
     one and fires it again. A ``model`` cause is final until the alert resolves: a repair changes the routers, and
     their reading then, not the traffic, is what a new baseline learns. True when the cause changed."""
@@ -157,4 +173,3 @@ def recause(inst: InstanceState, rule: CompiledRule, now: float, actions: list[A
     inst.firing_since = now
     _fire(inst, rule, cause, actions, alerts)
     return True
-

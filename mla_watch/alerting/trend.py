@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-__all__ = ["MIN_COVERAGE", "MIN_POINTS", "Fit", "TrendSource", "crossing_in", "enough_data", "fit",
-           "format_crossing"]
+__all__ = ["MIN_COVERAGE", "MIN_POINTS", "Fit", "TrendSource", "crossing_in", "enough_data", "fit", "format_crossing"]
 
 MIN_POINTS = 6  # fewer points than this is not a trend
 MIN_COVERAGE = 0.5  # the points must span at least this share of the look-back
@@ -37,8 +36,9 @@ MIN_COVERAGE = 0.5  # the points must span at least this share of the look-back
 class TrendSource(Protocol):
     """A routing history that trend rules read (the durable history store implements it)."""
 
-    def points(self, router: str, business_line: str, metric: str, since: float,
-               until: float) -> tuple[list[float], list[float]]:
+    def points(
+        self, router: str, business_line: str, metric: str, since: float, until: float
+    ) -> tuple[list[float], list[float]]:
         """(times, values) of one series within ``[since, until]`` (wall-clock seconds), sorted by time, no NaN.
 
         ``business_line`` is a line's name, or ``"all"`` (:data:`mla_watch.windows.ALL_LINES`) for

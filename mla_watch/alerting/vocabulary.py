@@ -63,19 +63,39 @@ DEFAULT_GROUP_INTERVAL_SECONDS = 300.0
 # Named here, not imported from the re-tuner: alerting never imports it (tests check the two agree).
 RETUNE_STRATEGIES: tuple[str, ...] = ("bias", "router_finetune", "restore")
 # Fields an annotation template may use, as str.format fields: "{value:.2f} bits on {router}".
-TEMPLATE_FIELDS: tuple[str, ...] = ("alertname", "metric", "value", "threshold", "resolve_threshold", "router",
-                                    "layer", "kind", "business_line", "floor_bits", "ceiling_bits", "tokens",
-                                    "min_tokens", "severity", "status_url",
-                                    # trend rules (n/a for the others): the metric's latest value, the
-                                    # fitted slope, the predicted value, and when the fit crosses the threshold
-                                    "current", "slope_per_hour", "slope_per_day", "predicted", "crossing_in",
-                                    # the metric's healthy value learned for this router and line (n/a without one)
-                                    "healthy",
-                                    # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
-                                    "cause",
-                                    # long-context rules: the first position bucket that left in-range routing,
-                                    # what the drift compares, and who sent the tokens it was read on
-                                    "position_bucket", "position_compared", "position_clients")
+TEMPLATE_FIELDS: tuple[str, ...] = (
+    "alertname",
+    "metric",
+    "value",
+    "threshold",
+    "resolve_threshold",
+    "router",
+    "layer",
+    "kind",
+    "business_line",
+    "floor_bits",
+    "ceiling_bits",
+    "tokens",
+    "min_tokens",
+    "severity",
+    "status_url",
+    # trend rules (n/a for the others): the metric's latest value, the
+    # fitted slope, the predicted value, and when the fit crosses the threshold
+    "current",
+    "slope_per_hour",
+    "slope_per_day",
+    "predicted",
+    "crossing_in",
+    # the metric's healthy value learned for this router and line (n/a without one)
+    "healthy",
+    # why it fires: model, traffic or undetermined (mla_watch.alerting.causes)
+    "cause",
+    # long-context rules: the first position bucket that left in-range routing,
+    # what the drift compares, and who sent the tokens it was read on
+    "position_bucket",
+    "position_compared",
+    "position_clients",
+)
 
 AlertState = Literal["inactive", "pending", "firing", "resolved"]
 
@@ -224,8 +244,10 @@ class Rule:
             return below, above, resolve_above, resolve_below  # type: ignore[return-value]
         if healthy is None or healthy != healthy:
             return None
-        scaled = {key: scale.level(healthy, getattr(self, key), key in ("above", "resolve_below"))
-                  for key, scale in self.baseline.items()}
+        scaled = {
+            key: scale.level(healthy, getattr(self, key), key in ("above", "resolve_below"))
+            for key, scale in self.baseline.items()
+        }
         below, above = scaled.get("below", below), scaled.get("above", above)
         resolve_above = scaled.get("resolve_above", below if self.resolve_above is None else self.resolve_above)
         resolve_below = scaled.get("resolve_below", above if self.resolve_below is None else self.resolve_below)

@@ -48,13 +48,12 @@ class ReadPlan:
         return sum(self.lengths)
 
 
-def plan_reading(reference: ReferenceSet, tokenize: Callable[[Sequence[str]], list[list[int]]],
-                 limit: int) -> ReadPlan:
+def plan_reading(reference: ReferenceSet, tokenize: Callable[[Sequence[str]], list[list[int]]], limit: int) -> ReadPlan:
     """The plan of ``reference`` read ``limit`` tokens a prompt at most, ``tokenize`` being the reader's."""
     if limit < 2:
         raise ValueError(f"limit = {limit!r}: expected at least 2 tokens a prompt")
     if reference.generate is None:
-        tokenized = tokenize([text[:limit * MAX_CHARS_PER_TOKEN] for text in reference.prompts])
+        tokenized = tokenize([text[: limit * MAX_CHARS_PER_TOKEN] for text in reference.prompts])
     else:
         tokenized = _generated(reference, tokenize, limit)
     budget = reference.max_tokens
@@ -78,12 +77,20 @@ def plan_reading(reference: ReferenceSet, tokenize: Callable[[Sequence[str]], li
         cut += not whole
         read.append(tuple(ids))
         total += len(ids)
-    return ReadPlan(tuple(read), reference.count, limit, cut, left_out, too_short,
-                    _note(reference, limit, cut, left_out, too_short, total))
+    return ReadPlan(
+        tuple(read),
+        reference.count,
+        limit,
+        cut,
+        left_out,
+        too_short,
+        _note(reference, limit, cut, left_out, too_short, total),
+    )
 
 
-def _generated(reference: ReferenceSet, tokenize: Callable[[Sequence[str]], list[list[int]]],
-               limit: int) -> list[list[int]]:
+def _generated(
+    reference: ReferenceSet, tokenize: Callable[[Sequence[str]], list[list[int]]], limit: int
+) -> list[list[int]]:
     characters = limit * CHARS_PER_TOKEN
     while True:
         tokenized = tokenize(reference.texts(characters))
@@ -97,8 +104,10 @@ def _note(reference: ReferenceSet, limit: int, cut: int, left_out: int, too_shor
     if cut and reference.generate is None:
         said.append(f"{cut} prompts cut to {limit} tokens (the reader's limit a prompt)")
     if left_out:
-        said.append(f"{left_out} prompts left out past max_tokens = {reference.max_tokens} (the set's token budget; "
-                    f"{total} tokens read)")
+        said.append(
+            f"{left_out} prompts left out past max_tokens = {reference.max_tokens} (the set's token budget; "
+            f"{total} tokens read)"
+        )
     if too_short:
         said.append(f"{too_short} prompts of fewer than 2 tokens left out (nothing to predict)")
     if not said:

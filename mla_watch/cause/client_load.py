@@ -24,8 +24,9 @@ MIN_REQUESTS = 10  # before this many, no usual level is known: never busy
 class ClientLatency:
     """The recent and usual latency of client requests; :meth:`busy` while the recent one is well above usual."""
 
-    def __init__(self, *, ratio: float = 1.5, quiet_seconds: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, *, ratio: float = 1.5, quiet_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not ratio > 1:
             raise ValueError(f"ratio {ratio!r}: expected a factor > 1")
         self.ratio = ratio

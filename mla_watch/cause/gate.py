@@ -34,8 +34,13 @@ REFERENCE_DRIFT_BITS = 0.05  # the shipped RoutingDrift threshold: routing this 
 class ReferenceGate:
     """The reference prompts' checks of a candidate (see the module docstring)."""
 
-    def __init__(self, sets: Callable[[], ReferenceSets], baselines: ReferenceBaselines, *,
-                 drift_bits: float = REFERENCE_DRIFT_BITS) -> None:
+    def __init__(
+        self,
+        sets: Callable[[], ReferenceSets],
+        baselines: ReferenceBaselines,
+        *,
+        drift_bits: float = REFERENCE_DRIFT_BITS,
+    ) -> None:
         self._sets = sets
         self.baselines = baselines
         self.drift_bits = drift_bits
@@ -43,71 +48,147 @@ class ReferenceGate:
     def sets_for(self, business_line: str | None) -> list[ReferenceSet]:
         return self._sets().for_line(business_line)
 
-    def checks(self, business_line: str | None, live: Mapping[str, ModelScore], candidate: Mapping[str, ModelScore],
-               *, routers: Sequence[str], band: Band, margin: Any, confidence: float, min_tokens: int,
-               min_samples: int) -> list[dict[str, Any]]:
+    def checks(
+        self,
+        business_line: str | None,
+        live: Mapping[str, ModelScore],
+        candidate: Mapping[str, ModelScore],
+        *,
+        routers: Sequence[str],
+        band: Band,
+        margin: Any,
+        confidence: float,
+        min_tokens: int,
+        min_samples: int,
+    ) -> list[dict[str, Any]]:
         """The checks of ``candidate`` against ``live``: both the scores of the line's sets (by set name)."""
         sets = [reference for reference in self.sets_for(business_line) if reference.name in candidate]
         if not sets:
-            return [{"gate": "reference_band", "value": None, "limit": band.describe(), "decision": "insufficient",
-                     "passed": False, "message": f"no reference prompts describe {business_line or 'all lines'}: "
-                                                 "a candidate is not judged on captured traffic alone"}]
+            return [
+                {
+                    "gate": "reference_band",
+                    "value": None,
+                    "limit": band.describe(),
+                    "decision": "insufficient",
+                    "passed": False,
+                    "message": f"no reference prompts describe {business_line or 'all lines'}: "
+                    "a candidate is not judged on captured traffic alone",
+                }
+            ]
         checks = self.router_checks(sets, candidate, routers=routers, band=band)
         names = _names(sets)
         live_losses = [loss for reference in sets for loss in live[reference.name].losses]
         candidate_losses = [loss for reference in sets for loss in candidate[reference.name].losses]
         counts = [count for reference in sets for count in live[reference.name].counts]
-        paired = compare_perplexity(live_losses, candidate_losses, counts, margin=parse_margin(margin),
-                                    confidence=confidence, min_tokens=min_tokens, min_samples=min_samples)
-        checks.append({"gate": "reference_perplexity", "value": round(paired.candidate_perplexity, 4),
-                       "limit": round(paired.limit, 4), "decision": paired.decision,
-                       "passed": paired.passed, "message": f"on the reference prompts ({names}): "
-                                                           f"{paired.message()}"})
+        paired = compare_perplexity(
+            live_losses,
+            candidate_losses,
+            counts,
+            margin=parse_margin(margin),
+            confidence=confidence,
+            min_tokens=min_tokens,
+            min_samples=min_samples,
+        )
+        checks.append(
+            {
+                "gate": "reference_perplexity",
+                "value": round(paired.candidate_perplexity, 4),
+                "limit": round(paired.limit, 4),
+                "decision": paired.decision,
+                "passed": paired.passed,
+                "message": f"on the reference prompts ({names}): {paired.message()}",
+            }
+        )
         return checks
 
-    def router_checks(self, sets: Sequence[ReferenceSet], scores: Mapping[str, ModelScore], *,
-                      routers: Sequence[str], band: Band) -> list[dict[str, Any]]:
+    def router_checks(
+        self, sets: Sequence[ReferenceSet], scores: Mapping[str, ModelScore], *, routers: Sequence[str], band: Band
+    ) -> list[dict[str, Any]]:
         """``reference_band`` and ``reference_drift`` of each of ``routers`` on the scores of ``sets`` (by set name):
         the checks a candidate meets here, and a rollout step on every replica that takes a version."""
-        readings = [ReferenceReading(reference.name, reference.version, reference.digest, time.time(), None,
-                                     scores[reference.name]) for reference in sets]
+        readings = [
+            ReferenceReading(
+                reference.name, reference.version, reference.digest, time.time(), None, scores[reference.name]
+            )
+            for reference in sets
+        ]
         baselines = [self.baselines.get(reference.name, reference.digest) for reference in sets]
         names = _names(sets)
         checks: list[dict[str, Any]] = []
         if not any(scores[reference.name].routers for reference in sets):  # an engine returning no routing
-            checks.append({"gate": "reference_band", "value": None, "limit": band.describe(),
-                           "decision": "insufficient", "passed": False, "binding": False,
-                           "message": f"the reference prompts ({names}) came back without routing (vLLM: "
-                                      "--enable-return-routed-experts): band and drift not judged on them"})
+            checks.append(
+                {
+                    "gate": "reference_band",
+                    "value": None,
+                    "limit": band.describe(),
+                    "decision": "insufficient",
+                    "passed": False,
+                    "binding": False,
+                    "message": f"the reference prompts ({names}) came back without routing (vLLM: "
+                    "--enable-return-routed-experts): band and drift not judged on them",
+                }
+            )
             routers = []
         for router in routers:
-            info = next((score.routers[router].router for score in scores.values() if router in score.routers),
-                        None)
+            info = next((score.routers[router].router for score in scores.values() if router in score.routers), None)
             comparison = None if info is None else compare(info, readings, baselines)
             if comparison is None:
-                checks.append({"gate": "reference_band", "router": router, "value": None, "limit": band.describe(),
-                               "decision": "insufficient", "passed": False,
-                               "message": f"{router}: not routed by the reference prompts ({names})"})
+                checks.append(
+                    {
+                        "gate": "reference_band",
+                        "router": router,
+                        "value": None,
+                        "limit": band.describe(),
+                        "decision": "insufficient",
+                        "passed": False,
+                        "message": f"{router}: not routed by the reference prompts ({names})",
+                    }
+                )
                 continue
             value = getattr(comparison.stats, band.metric)
             inside = value is not None and math.isfinite(value) and band.contains(value)
             decision = "pass" if inside else ("insufficient" if comparison.stats.too_small else "reject")
-            checks.append({"gate": "reference_band", "router": router, "value": _round(value),
-                           "limit": band.describe(), "decision": decision, "passed": decision == "pass",
-                           "message": f"{router}: {band.metric} {_shown(value)} on the reference prompts ({names}): "
-                                      f"{'inside' if inside else 'outside'} the band ({band.describe()})"})
+            checks.append(
+                {
+                    "gate": "reference_band",
+                    "router": router,
+                    "value": _round(value),
+                    "limit": band.describe(),
+                    "decision": decision,
+                    "passed": decision == "pass",
+                    "message": f"{router}: {band.metric} {_shown(value)} on the reference prompts ({names}): "
+                    f"{'inside' if inside else 'outside'} the band ({band.describe()})",
+                }
+            )
             js = comparison.stats.js_divergence
             if comparison.baseline is None or js is None:
-                checks.append({"gate": "reference_drift", "router": router, "value": None,
-                               "limit": self.drift_bits, "decision": "insufficient", "passed": False,
-                               "binding": False, "message": f"{router}: no healthy baseline of the reference prompts "
-                                                            f"({names}) yet: drift not judged"})
+                checks.append(
+                    {
+                        "gate": "reference_drift",
+                        "router": router,
+                        "value": None,
+                        "limit": self.drift_bits,
+                        "decision": "insufficient",
+                        "passed": False,
+                        "binding": False,
+                        "message": f"{router}: no healthy baseline of the reference prompts "
+                        f"({names}) yet: drift not judged",
+                    }
+                )
                 continue
             near = js <= self.drift_bits
-            checks.append({"gate": "reference_drift", "router": router, "value": round(js, 6),
-                           "limit": self.drift_bits, "decision": "pass" if near else "reject", "passed": near,
-                           "message": f"{router}: {js:.4f} bits (Jensen-Shannon) from the healthy routing of the "
-                                      f"reference prompts ({names}); at most {self.drift_bits:g}"})
+            checks.append(
+                {
+                    "gate": "reference_drift",
+                    "router": router,
+                    "value": round(js, 6),
+                    "limit": self.drift_bits,
+                    "decision": "pass" if near else "reject",
+                    "passed": near,
+                    "message": f"{router}: {js:.4f} bits (Jensen-Shannon) from the healthy routing of the "
+                    f"reference prompts ({names}); at most {self.drift_bits:g}",
+                }
+            )
         return checks
 
 

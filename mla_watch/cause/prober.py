@@ -79,22 +79,31 @@ class ReferenceSettings:
 
     def problems(self) -> list[SettingProblem]:
         """What is wrong with the settings, each named as ``ServerConfig.reference`` holds it."""
-        checks = [("interval_seconds", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
-                  ("wait_seconds", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
-                  ("tolerance_bits", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
-                  ("rate", self.rate, self.rate > 0, "prompts a second > 0"),
-                  ("long_interval_seconds", self.long_interval_seconds, self.long_interval_seconds >= 0,
-                   "seconds >= 0"),
-                  ("long_share", self.long_share, 0 < self.long_share <= 1,
-                   "a share of the reader's time in (0, 1]")]
-        found = [SettingProblem(f"reference.{name}", repr(value), expected) for name, value, ok, expected in checks
-                 if not (is_number(value, finite=True) and ok)]
-        if self.priority is not None and not (is_integer(self.priority) and -(2 ** 31) < self.priority < 2 ** 31):
-            found.append(SettingProblem("reference.priority", repr(self.priority),
-                                        "an integer (vLLM's request priority)"))
+        checks = [
+            ("interval_seconds", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
+            ("wait_seconds", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
+            ("tolerance_bits", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
+            ("rate", self.rate, self.rate > 0, "prompts a second > 0"),
+            ("long_interval_seconds", self.long_interval_seconds, self.long_interval_seconds >= 0, "seconds >= 0"),
+            ("long_share", self.long_share, 0 < self.long_share <= 1, "a share of the reader's time in (0, 1]"),
+        ]
+        found = [
+            SettingProblem(f"reference.{name}", repr(value), expected)
+            for name, value, ok, expected in checks
+            if not (is_number(value, finite=True) and ok)
+        ]
+        if self.priority is not None and not (is_integer(self.priority) and -(2**31) < self.priority < 2**31):
+            found.append(
+                SettingProblem("reference.priority", repr(self.priority), "an integer (vLLM's request priority)")
+            )
         if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
-            found.append(SettingProblem("reference.max_tokens", repr(self.max_tokens),
-                                        f"tokens a prompt from 16 to {MAX_ENGINE_PROMPT_TOKENS}"))
+            found.append(
+                SettingProblem(
+                    "reference.max_tokens",
+                    repr(self.max_tokens),
+                    f"tokens a prompt from 16 to {MAX_ENGINE_PROMPT_TOKENS}",
+                )
+            )
         return found
 
 
@@ -106,11 +115,19 @@ class ReferenceProber:
     ``clock`` is the alert engine's wall clock: readings are stamped with it.
     """
 
-    def __init__(self, sets: Callable[[], ReferenceSets], reader: ReferenceReader, baselines: ReferenceBaselines, *,
-                 settings: ReferenceSettings | None = None, router_version: Callable[[], int | None] = lambda: None,
-                 trusted: Callable[[ReferenceReading], str | None] = lambda reading: None,
-                 clients: ClientShares | None = None, clock: Callable[[], float] = time.time,
-                 on_reading: Callable[[ReferenceReading], None] | None = None) -> None:
+    def __init__(
+        self,
+        sets: Callable[[], ReferenceSets],
+        reader: ReferenceReader,
+        baselines: ReferenceBaselines,
+        *,
+        settings: ReferenceSettings | None = None,
+        router_version: Callable[[], int | None] = lambda: None,
+        trusted: Callable[[ReferenceReading], str | None] = lambda reading: None,
+        clients: ClientShares | None = None,
+        clock: Callable[[], float] = time.time,
+        on_reading: Callable[[ReferenceReading], None] | None = None,
+    ) -> None:
         self._sets = sets
         self.reader = reader
         self.baselines = baselines
@@ -180,8 +197,9 @@ class ReferenceProber:
         long_due = started + long_interval if long_interval else math.inf
         while not self._stop.is_set():
             with self._lock:
-                next_at = min([due, long_due, *self._retry_at.values(),
-                               *([self._long_free_at] if self._deferred else [])])
+                next_at = min(
+                    [due, long_due, *self._retry_at.values(), *([self._long_free_at] if self._deferred else [])]
+                )
             timeout = None if next_at == math.inf else max(0.0, next_at - time.monotonic())
             if not self._wanted and (timeout is None or timeout > 0):
                 self._wake.wait(timeout)
@@ -287,25 +305,41 @@ class ReferenceProber:
             with self._lock:
                 self._failures[reference.name] = (self._clock(), why)
                 self._retry_at[reference.name] = time.monotonic() + self.settings.retry_seconds
-            log.warning("the reference prompts of %s could not be read through %s (again in %g s): %s",
-                        reference.name, self.reader.where, self.settings.retry_seconds, why)
+            log.warning(
+                "the reference prompts of %s could not be read through %s (again in %g s): %s",
+                reference.name,
+                self.reader.where,
+                self.settings.retry_seconds,
+                why,
+            )
             return None
         with self._recording:
             if self._stop.is_set():  # taken past the stop: its routers may be mid-swap, and nobody waits for it
-                log.info("the reading of the reference prompts %s, ended after the stop began, is discarded",
-                         reference.name)
+                log.info(
+                    "the reading of the reference prompts %s, ended after the stop began, is discarded", reference.name
+                )
                 return None
             return self._record(reference, taken_at, version, score, started)
 
-    def _record(self, reference: ReferenceSet, taken_at: float, version: int | None, score: Any,
-                started: float) -> ReferenceReading:
+    def _record(
+        self, reference: ReferenceSet, taken_at: float, version: int | None, score: Any, started: float
+    ) -> ReferenceReading:
         plan = self.reader.plan(reference)
         note = None if plan is None else plan.note
         if note is not None and note != self._noted.get(reference.name):
             self._noted[reference.name] = note
             log.warning("reference prompts %s read through %s: %s", reference.name, self.reader.where, note)
-        reading = ReferenceReading(reference.name, reference.version, reference.digest, taken_at, version,
-                                   score, time.monotonic() - started, note, reference.long)
+        reading = ReferenceReading(
+            reference.name,
+            reference.version,
+            reference.digest,
+            taken_at,
+            version,
+            score,
+            time.monotonic() - started,
+            note,
+            reference.long,
+        )
         with self._lock:
             self._readings[reference.name] = reading
             self._failures.pop(reference.name, None)
@@ -330,8 +364,7 @@ class ReferenceProber:
             self._not_learning.pop(reading.set_name, None)
         elif self._not_learning.get(reading.set_name) != why_not:
             self._not_learning[reading.set_name] = why_not
-            log.warning("reference prompts %s: their reading is not learned as healthy: %s", reading.set_name,
-                        why_not)
+            log.warning("reference prompts %s: their reading is not learned as healthy: %s", reading.set_name, why_not)
 
     def readings(self) -> dict[str, ReferenceReading]:
         with self._lock:
@@ -341,8 +374,11 @@ class ReferenceProber:
     def request(self, business_line: str | None, since: float) -> None:
         names = {reference.name for reference in self._sets().for_line(business_line)}
         with self._lock:
-            fresh = {name for name in names
-                     if (reading := self._readings.get(name)) is not None and reading.taken_at >= since}
+            fresh = {
+                name
+                for name in names
+                if (reading := self._readings.get(name)) is not None and reading.taken_at >= since
+            }
             wanted = names - fresh
             self._wanted |= wanted
         if wanted:
@@ -351,9 +387,11 @@ class ReferenceProber:
     def latest(self, business_line: str | None) -> float | None:
         sets = self._sets().for_line(business_line)
         with self._lock:
-            times = [reading.taken_at for reference in sets
-                     if (reading := self._readings.get(reference.name)) is not None
-                     and reading.digest == reference.digest]
+            times = [
+                reading.taken_at
+                for reference in sets
+                if (reading := self._readings.get(reference.name)) is not None and reading.digest == reference.digest
+            ]
         return min(times) if sets and len(times) == len(sets) else None
 
     def judge(self, rule: Any, record: RouterStats, since: float) -> Cause | None:
@@ -363,18 +401,24 @@ class ReferenceProber:
         if need is not None:
             return self._judge_reach(rule, record, since, need, sets)
         if not sets:
-            return undetermined(f"no reference prompts describe {line} (add {line}.yaml, or default.yaml, to the "
-                                "reference prompt directory)")
+            return undetermined(
+                f"no reference prompts describe {line} (add {line}.yaml, or default.yaml, to the "
+                "reference prompt directory)"
+            )
         with self._lock:
             readings = [self._readings.get(reference.name) for reference in sets]
             failures = [self._failures.get(reference.name) for reference in sets]
-        fresh = [reading for reading, reference in zip(readings, sets, strict=True)
-                 if reading is not None and reading.digest == reference.digest and reading.taken_at >= since]
+        fresh = [
+            reading
+            for reading, reference in zip(readings, sets, strict=True)
+            if reading is not None and reading.digest == reference.digest and reading.taken_at >= since
+        ]
         if len(fresh) < len(sets):
             failed = [failure for failure in failures if failure is not None and failure[0] >= since]
             if failed:
-                return undetermined(f"the reference prompts of {line} could not be read through {self.reader.where}:"
-                                    f" {failed[0][1]}")
+                return undetermined(
+                    f"the reference prompts of {line} could not be read through {self.reader.where}: {failed[0][1]}"
+                )
             if self._thread is None or not self._thread.is_alive():
                 return undetermined("no reference prompts are being read")
             self.request(record.business_line, since)
@@ -384,34 +428,55 @@ class ReferenceProber:
             return undetermined(f"the reading of the reference prompts holds no routing of {record.router.name}")
         return self._cause(rule, record, comparison, fresh)
 
-    def _judge_reach(self, rule: Any, record: RouterStats, since: float, need: Need,
-                     line_sets: list[ReferenceSet]) -> Cause | None:
+    def _judge_reach(
+        self, rule: Any, record: RouterStats, since: float, need: Need, line_sets: list[ReferenceSet]
+    ) -> Cause | None:
         """The cause of an alert that concerns the positions ``need`` names: from the readings since ``since``, of
         the line's sets and the long sets, that reached them; ``None`` while one that may reach them is coming."""
         sets = [*line_sets, *self._sets().long_sets()]
         with self._lock:
             readings = {reference.name: self._readings.get(reference.name) for reference in sets}
             failures = {reference.name: self._failures.get(reference.name) for reference in sets}
-        current = {name: reading for name, reading in readings.items() if reading is not None
-                   and any(reading.digest == reference.digest for reference in sets if reference.name == name)}
+        current = {
+            name: reading
+            for name, reading in readings.items()
+            if reading is not None
+            and any(reading.digest == reference.digest for reference in sets if reference.name == name)
+        }
         fresh = [reading for reading in current.values() if reading.taken_at >= since]
         reached = [reading for reading in fresh if reaches(reading, need)]
         if reached:
-            comparison = compare(record.router, reached, [self.baselines.of(r) for r in reached],
-                                 from_position=need.start if need.by_position else None)
+            comparison = compare(
+                record.router,
+                reached,
+                [self.baselines.of(r) for r in reached],
+                from_position=need.start if need.by_position else None,
+            )
             if comparison is None:
-                return undetermined(f"the readings of the reference prompts that reached {need.what} hold no "
-                                    f"routing of {record.router.name}")
+                return undetermined(
+                    f"the readings of the reference prompts that reached {need.what} hold no "
+                    f"routing of {record.router.name}"
+                )
             return self._cause(rule, record, comparison, reached, need)
         # A set not read since the alert began may reach them, unless its last reading, of the same prompts, did not.
-        coming = [reference for reference in sets
-                  if not ((reading := current.get(reference.name)) is not None
-                          and (reading.taken_at >= since or not reaches(reading, need)))]
-        failed = [failure for reference in coming if (failure := failures.get(reference.name)) is not None
-                  and failure[0] >= since]
+        coming = [
+            reference
+            for reference in sets
+            if not (
+                (reading := current.get(reference.name)) is not None
+                and (reading.taken_at >= since or not reaches(reading, need))
+            )
+        ]
+        failed = [
+            failure
+            for reference in coming
+            if (failure := failures.get(reference.name)) is not None and failure[0] >= since
+        ]
         if failed:
-            return undetermined(f"the reference prompts that may reach {need.what} could not be read through "
-                                f"{self.reader.where}: {failed[0][1]}")
+            return undetermined(
+                f"the reference prompts that may reach {need.what} could not be read through "
+                f"{self.reader.where}: {failed[0][1]}"
+            )
         if coming:
             wait = self._long_wait([reference for reference in coming if reference.long])
             if wait is not None:
@@ -440,30 +505,49 @@ class ReferenceProber:
         if left <= self.settings.wait_seconds:
             return None
         names = ", ".join(f"{reference.name} v{reference.version}" for reference in long_sets)
-        return (f"no reading since the alert began reached the positions it concerns, and the long reference prompts "
-                f"({names}) are next read in {left:.0f} s: their last reading took {took:.1f} s, and long sets take "
-                f"at most {self.settings.long_share:.0%} of {self.reader.where}'s time (--reference-long-share)")
+        return (
+            f"no reading since the alert began reached the positions it concerns, and the long reference prompts "
+            f"({names}) are next read in {left:.0f} s: their last reading took {took:.1f} s, and long sets take "
+            f"at most {self.settings.long_share:.0%} of {self.reader.where}'s time (--reference-long-share)"
+        )
 
     def _unreached(self, need: Need, sets: list[ReferenceSet], readings: dict[str, ReferenceReading]) -> str:
         """Why no reading reached ``need``'s positions: how far each set reaches, and what would reach them."""
-        reach = ", ".join(f"{reference.name} v{reference.version} {readings[reference.name].reach} tokens"
-                          for reference in sets if reference.name in readings)
-        said = (f"no reading of the reference prompts reached {need.what}: the longest prompt each set read "
-                f"({reach or 'none read'})")
+        reach = ", ".join(
+            f"{reference.name} v{reference.version} {readings[reference.name].reach} tokens"
+            for reference in sets
+            if reference.name in readings
+        )
+        said = (
+            f"no reading of the reference prompts reached {need.what}: the longest prompt each set read "
+            f"({reach or 'none read'})"
+        )
         if any(reading.reach > need.start for reading in readings.values()):
-            return (f"{said}; the routing of {self.reader.where} was not counted by position (its context length is "
-                    "not known: --model-config's max_position_embeddings)")
+            return (
+                f"{said}; the routing of {self.reader.where} was not counted by position (its context length is "
+                "not known: --model-config's max_position_embeddings)"
+            )
         limit = self.reader.limit
         if need.start >= limit:
-            return (f"{said}; those positions lie past what {self.reader.where} reads of a prompt ({limit} tokens: the "
-                    "model's context, or --reference-max-tokens beside an engine)")
+            return (
+                f"{said}; those positions lie past what {self.reader.where} reads of a prompt ({limit} tokens: the "
+                "model's context, or --reference-max-tokens beside an engine)"
+            )
         if not any(reference.long for reference in sets):
-            return (f"{said}; add a long set (long: true, with prompts past position {need.start}, or generate) to "
-                    "the reference prompt directory")
+            return (
+                f"{said}; add a long set (long: true, with prompts past position {need.start}, or generate) to "
+                "the reference prompt directory"
+            )
         return f"{said}; give a long set prompts past position {need.start}, or raise its max_tokens"
 
-    def _cause(self, rule: Any, record: RouterStats, comparison: RouterComparison,
-               readings: list[ReferenceReading], need: Need | None = None) -> Cause:
+    def _cause(
+        self,
+        rule: Any,
+        record: RouterStats,
+        comparison: RouterComparison,
+        readings: list[ReferenceReading],
+        need: Need | None = None,
+    ) -> Cause:
         tolerance = self.settings.tolerance_bits
         changed = comparison.changed(tolerance)
         breach = None if need is not None and need.by_position else _rule_breach(rule, comparison)
@@ -474,23 +558,39 @@ class ReferenceProber:
         sets = ", ".join(f"{reading.set_name} v{reading.set_version}" for reading in readings)
         if need is not None:
             sets += f"; {need.what}, {comparison.stats.tokens} tokens there"
-        figures = (f"{record.router.name} reads {metric} {_number(value)} on them" if value is not None
-                   or need is None or not need.by_position else f"{record.router.name}'s routing there")
-        figures += ((f" ({_number(healthy)} while healthy)" if healthy is not None else "")
-                    + (f", {js:.4f} bits (Jensen-Shannon) from their healthy routing, tolerance {tolerance:g}"
-                       if js is not None else ", with no healthy baseline of them yet"))
+        figures = (
+            f"{record.router.name} reads {metric} {_number(value)} on them"
+            if value is not None or need is None or not need.by_position
+            else f"{record.router.name}'s routing there"
+        )
+        figures += (f" ({_number(healthy)} while healthy)" if healthy is not None else "") + (
+            f", {js:.4f} bits (Jensen-Shannon) from their healthy routing, tolerance {tolerance:g}"
+            if js is not None
+            else ", with no healthy baseline of them yet"
+        )
         details: dict[str, Any] = {
-            "sets": [reading.summary() for reading in readings], "router": record.router.name, "metric": metric,
-            "value": _json_number(value), "healthy": _json_number(healthy), "js_bits": _json_number(js),
-            "tolerance_bits": tolerance, "rule_breached": breach, "changed": changed,
-            "reach": None if need is None else need.as_dict()}
+            "sets": [reading.summary() for reading in readings],
+            "router": record.router.name,
+            "metric": metric,
+            "value": _json_number(value),
+            "healthy": _json_number(healthy),
+            "js_bits": _json_number(js),
+            "tolerance_bits": tolerance,
+            "rule_breached": breach,
+            "changed": changed,
+            "reach": None if need is None else need.as_dict(),
+        }
         reading_at = min(reading.taken_at for reading in readings)
         if changed or breach:
             why = "route differently now" if changed else f"breach {rule.name} too"
             return Cause("model", f"the reference prompts ({sets}) {why}: {figures}", reading_at, details)
         if changed is None and breach is None:
-            return Cause("undetermined", f"the reference prompts ({sets}) cannot tell: {figures}, and {rule.name} "
-                         "cannot judge them", reading_at, details)
+            return Cause(
+                "undetermined",
+                f"the reference prompts ({sets}) cannot tell: {figures}, and {rule.name} cannot judge them",
+                reading_at,
+                details,
+            )
         summary = f"the reference prompts ({sets}) route as while healthy: {figures}; what changed is the traffic"
         if self.clients is not None:
             movers = self.clients.movers(record.business_line)
@@ -514,28 +614,49 @@ class ReferenceProber:
                     comparison = compare(router.router, [reading], [baseline])
                     if comparison is None:
                         continue
-                    routers.append({"name": router.router.name, "layer": router.router.layer,
-                                    "kind": router.router.kind, **comparison.stats.as_dict(),
-                                    "healthy_entropy_bits": None if comparison.baseline is None
-                                    else comparison.baseline.entropy_bits,
-                                    "changed": comparison.changed(self.settings.tolerance_bits)})
+                    routers.append(
+                        {
+                            "name": router.router.name,
+                            "layer": router.router.layer,
+                            "kind": router.router.kind,
+                            **comparison.stats.as_dict(),
+                            "healthy_entropy_bits": None
+                            if comparison.baseline is None
+                            else comparison.baseline.entropy_bits,
+                            "changed": comparison.changed(self.settings.tolerance_bits),
+                        }
+                    )
             failure = failures.get(name)
-            out.append({**reference.as_dict(), "reading": None if reading is None else reading.summary(),
-                        "baseline": None if baseline is None else {"taken_at": baseline.taken_at,
-                                                                   "router_version": baseline.router_version},
-                        "not_learning": self._not_learning.get(name),
-                        "last_failure": None if failure is None else {"at": failure[0], "error": failure[1]},
-                        "routers": routers})
+            out.append(
+                {
+                    **reference.as_dict(),
+                    "reading": None if reading is None else reading.summary(),
+                    "baseline": None
+                    if baseline is None
+                    else {"taken_at": baseline.taken_at, "router_version": baseline.router_version},
+                    "not_learning": self._not_learning.get(name),
+                    "last_failure": None if failure is None else {"at": failure[0], "error": failure[1]},
+                    "routers": routers,
+                }
+            )
         with self._lock:
             free_in = self._long_free_at - time.monotonic()
-        return {"reader": self.reader.where, "interval_seconds": self.settings.interval_seconds,
-                "wait_seconds": self.settings.wait_seconds, "tolerance_bits": self.settings.tolerance_bits,
-                "rate": self.settings.rate, "readings_taken": self.readings_taken, "all_lines": ALL_LINES,
-                "rounds_deferred": self.rounds_deferred, "priority": self.settings.priority,
-                "prompt_tokens": self.reader.limit, "long_interval_seconds": self.settings.long_interval_seconds,
-                "long_share": self.settings.long_share,
-                "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),
-                "sets": out}
+        return {
+            "reader": self.reader.where,
+            "interval_seconds": self.settings.interval_seconds,
+            "wait_seconds": self.settings.wait_seconds,
+            "tolerance_bits": self.settings.tolerance_bits,
+            "rate": self.settings.rate,
+            "readings_taken": self.readings_taken,
+            "all_lines": ALL_LINES,
+            "rounds_deferred": self.rounds_deferred,
+            "priority": self.settings.priority,
+            "prompt_tokens": self.reader.limit,
+            "long_interval_seconds": self.settings.long_interval_seconds,
+            "long_share": self.settings.long_share,
+            "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),
+            "sets": out,
+        }
 
 
 def _rule_breach(rule: Any, comparison: RouterComparison) -> bool | None:

@@ -46,8 +46,20 @@ from mla_watch.common.yaml_directory import read_yaml_directory
 from mla_watch.common.yamlcheck import Checker, read_yaml_document
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 
-__all__ = ["DEFAULT_SET", "DEFAULT_SET_TOKENS", "MAX_DOCUMENTS", "MAX_FILE_BYTES", "MAX_PROMPTS", "MAX_SET_TOKENS",
-           "MIN_PROMPTS", "Generated", "ReferenceSet", "ReferenceSetError", "ReferenceSets", "load_reference_dir"]
+__all__ = [
+    "DEFAULT_SET",
+    "DEFAULT_SET_TOKENS",
+    "MAX_DOCUMENTS",
+    "MAX_FILE_BYTES",
+    "MAX_PROMPTS",
+    "MAX_SET_TOKENS",
+    "MIN_PROMPTS",
+    "Generated",
+    "ReferenceSet",
+    "ReferenceSetError",
+    "ReferenceSets",
+    "load_reference_dir",
+]
 
 DEFAULT_SET = "default"  # the mixed set of every line without a set of its own
 MIN_PROMPTS = 4  # fewer reads too few tokens for a router's statistics to mean much
@@ -72,8 +84,9 @@ def __getattr__(name: str) -> Any:
     # ``ReferenceError``, this error's name before it was renamed, stays importable for one release; served from
     # here rather than bound in the module, where it would shadow the builtin ``ReferenceError``.
     if name == "ReferenceError":
-        warnings.warn("mla_watch.cause.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "mla_watch.cause.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning, stacklevel=2
+        )
         return ReferenceSetError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -138,10 +151,17 @@ class ReferenceSet:
         return len(self.prompts) if self.generate is None else self.generate.documents
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "prompts": self.count, "digest": self.digest,
-                "description": self.description, "source": self.source, "long": self.long,
-                "max_tokens": self.max_tokens,
-                "generate": None if self.generate is None else self.generate.as_dict()}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "prompts": self.count,
+            "digest": self.digest,
+            "description": self.description,
+            "source": self.source,
+            "long": self.long,
+            "max_tokens": self.max_tokens,
+            "generate": None if self.generate is None else self.generate.as_dict(),
+        }
 
 
 @dataclass(frozen=True)
@@ -172,8 +192,9 @@ def _load_file(path: Path) -> ReferenceSet:
     try:
         size = path.stat().st_size
     except OSError as error:
-        raise ReferenceSetError([f"{label}: cannot read the file ({error.strerror or error}): expected a readable "
-                              "YAML file"]) from None
+        raise ReferenceSetError(
+            [f"{label}: cannot read the file ({error.strerror or error}): expected a readable YAML file"]
+        ) from None
     if size > MAX_FILE_BYTES:
         raise ReferenceSetError([f"{label}: file size = {size} bytes: expected at most {MAX_FILE_BYTES} bytes"])
     document = read_yaml_document(path, label, ReferenceSetError)
@@ -204,14 +225,25 @@ def _load_file(path: Path) -> ReferenceSet:
         chk.bad("long", long, f"false in {DEFAULT_SET}.yaml, the mixed set of the lines without a set of their own")
     max_tokens = data.get("max_tokens", DEFAULT_SET_TOKENS)
     if not is_integer(max_tokens) or not 16 <= max_tokens <= MAX_SET_TOKENS:
-        chk.bad("max_tokens", max_tokens, f"an integer from 16 to {MAX_SET_TOKENS} (the tokens one reading of the "
-                                          "set reads, its prompts together)")
+        chk.bad(
+            "max_tokens",
+            max_tokens,
+            f"an integer from 16 to {MAX_SET_TOKENS} (the tokens one reading of the set reads, its prompts together)",
+        )
         max_tokens = DEFAULT_SET_TOKENS
     kept, generated = _prompts(chk, data, long)
     if chk.errors:
         raise ReferenceSetError(chk.errors)
-    return ReferenceSet(path.stem, int(version), tuple(kept), description.strip(), label,  # type: ignore[arg-type]
-                        long, int(max_tokens), generated)
+    return ReferenceSet(
+        path.stem,
+        int(version),  # type: ignore[arg-type]
+        tuple(kept),
+        description.strip(),
+        label,
+        long,
+        int(max_tokens),
+        generated,
+    )
 
 
 def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str], Generated | None]:
@@ -221,8 +253,11 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
         if prompts is not None:
             chk.bad("generate", "<with prompts>", "either prompts or generate, not both")
         if not long:
-            chk.bad("generate", "<in a set without long: true>", "generated documents in a long set only (long: "
-                                                                 "true): they are as long as the reader reads")
+            chk.bad(
+                "generate",
+                "<in a set without long: true>",
+                "generated documents in a long set only (long: true): they are as long as the reader reads",
+            )
         spec = chk.mapping("generate", generate, _GENERATE_KEYS, "documents and seed")
         if spec is None:
             return [], None
@@ -236,8 +271,11 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
         return [], Generated(int(documents), int(seed))  # type: ignore[arg-type]
     kept: list[str] = []
     if not isinstance(prompts, list) or not MIN_PROMPTS <= len(prompts) <= MAX_PROMPTS:
-        chk.bad("prompts", f"<{type(prompts).__name__} of {len(prompts)}>" if isinstance(prompts, list) else prompts,
-                f"a list of {MIN_PROMPTS} to {MAX_PROMPTS} texts (or, in a long set, generate)")
+        chk.bad(
+            "prompts",
+            f"<{type(prompts).__name__} of {len(prompts)}>" if isinstance(prompts, list) else prompts,
+            f"a list of {MIN_PROMPTS} to {MAX_PROMPTS} texts (or, in a long set, generate)",
+        )
         return kept, None
     for index, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt.strip():
@@ -252,14 +290,17 @@ def _prompts(chk: Checker, data: dict[str, Any], long: bool) -> tuple[list[str],
 
 def load_reference_dir(directory: Path) -> ReferenceSets:
     """Every ``*.yaml`` set of ``directory``; :class:`ReferenceSetError` naming every problem of every file."""
-    read = read_yaml_directory(directory, _load_file, ReferenceSetError, kind="reference prompt",
-                               at_least=f"{DEFAULT_SET}.yaml, the mixed set")
+    read = read_yaml_directory(
+        directory, _load_file, ReferenceSetError, kind="reference prompt", at_least=f"{DEFAULT_SET}.yaml, the mixed set"
+    )
     errors = read.errors
     sets: dict[str, ReferenceSet] = {}
     for file, reference in read.loaded:
         if reference.name in sets:
-            errors.append(f"{file}: business_line = {reference.name!r} has another file ({sets[reference.name].source})"
-                          ": expected one file per business line")
+            errors.append(
+                f"{file}: business_line = {reference.name!r} has another file ({sets[reference.name].source})"
+                ": expected one file per business line"
+            )
         sets[reference.name] = reference
     if errors:
         raise ReferenceSetError(errors)

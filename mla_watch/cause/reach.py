@@ -46,8 +46,12 @@ def needed(rule: Any, record: RouterStats) -> Need | None:
     router = record.router
     if router.kind == "indexer":
         keys = 2 * router.top_k
-        return Need(keys - 1, f"positions {keys - 1} on, where a query sees 2 x index_topk = {keys} keys or more "
-                              f"and {router.name} chooses among them", False)
+        return Need(
+            keys - 1,
+            f"positions {keys - 1} on, where a query sees 2 x index_topk = {keys} keys or more "
+            f"and {router.name} chooses among them",
+            False,
+        )
     if getattr(rule, "metric", None) == LONG_CONTEXT_METRIC:
         edge = record.stats.long_context_edge
         start = bucket_start(edge) if edge else None

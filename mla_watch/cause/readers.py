@@ -29,9 +29,18 @@ from mla_watch.cause.budget import ReadPlan, plan_reading
 from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
 
-__all__ = ["DEFAULT_ENGINE_PROMPT_TOKENS", "DEFAULT_MODEL_CONTEXT", "MAX_ENGINE_PROMPT_TOKENS", "EngineReader",
-           "ModelReader", "ReadingAbandoned", "ReadingDeferred", "ReferenceReader", "model_context",
-           "reference_batches"]
+__all__ = [
+    "DEFAULT_ENGINE_PROMPT_TOKENS",
+    "DEFAULT_MODEL_CONTEXT",
+    "MAX_ENGINE_PROMPT_TOKENS",
+    "EngineReader",
+    "ModelReader",
+    "ReadingAbandoned",
+    "ReadingDeferred",
+    "ReferenceReader",
+    "model_context",
+    "reference_batches",
+]
 
 DEFAULT_ENGINE_PROMPT_TOKENS = 8192  # --reference-max-tokens: a prompt's tokens read through an engine
 # At most: the engine's answer to one prompt (a log-probability and every MoE layer's routing a token, ~0.8 KB on
@@ -60,8 +69,11 @@ class ReferenceReader(abc.ABC):
 def model_context(model: Any) -> int:
     """The context length of a model loaded here: what the reference prompts are read up to."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    return context if isinstance(context, int) and not isinstance(context, bool) and context >= 2 \
+    return (
+        context
+        if isinstance(context, int) and not isinstance(context, bool) and context >= 2
         else DEFAULT_MODEL_CONTEXT
+    )
 
 
 def reference_batches(tokenizer: Any, reference: ReferenceSet, limit: int) -> list[Any]:
@@ -125,8 +137,9 @@ class ModelReader(ReferenceReader):
             copy = copy_without_hooks(self.model).eval()
         try:
             with torch.no_grad():
-                return score_model(copy, batches, business_line=reference.name, indexers=True,
-                                   context_length=self.limit)
+                return score_model(
+                    copy, batches, business_line=reference.name, indexers=True, context_length=self.limit
+                )
         finally:
             del copy
 
@@ -148,10 +161,19 @@ class EngineReader(ReferenceReader):
     under :meth:`yielding` is sent; after ``yield_seconds`` of it the reading stops with :class:`ReadingDeferred`, to
     be taken again later. A re-tune gate's reading does not yield: the candidate routers serve clients meanwhile."""
 
-    def __init__(self, weights: Any, geometry: Any, *, rate: float, max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS,
-                 concurrency: int = 1, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, busy: Callable[[], bool] | None = None,
-                 yield_seconds: float = 30.0) -> None:
+    def __init__(
+        self,
+        weights: Any,
+        geometry: Any,
+        *,
+        rate: float,
+        max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS,
+        concurrency: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        busy: Callable[[], bool] | None = None,
+        yield_seconds: float = 30.0,
+    ) -> None:
         if not rate > 0:
             raise ValueError(f"rate = {rate!r}: expected requests a second > 0")
         context = getattr(geometry, "context_length", None)
@@ -232,7 +254,8 @@ class EngineReader(ReferenceReader):
         found = self._plans.get(reference.digest)
         if found is None:
             found = self._plans[reference.digest] = plan_reading(
-                reference, lambda texts: self._paced(self.weights.tokenize, list(texts)), self.limit)
+                reference, lambda texts: self._paced(self.weights.tokenize, list(texts)), self.limit
+            )
         return found
 
     def token_ids(self, reference: ReferenceSet) -> list[list[int]]:
@@ -243,7 +266,8 @@ class EngineReader(ReferenceReader):
 
         with self._lock:  # one reading at a time: the pace is the engine's, not one thread's
             ids = self.token_ids(reference)
-            scores = [score for scored in self._paced(lambda sample: self.weights.score([sample]), ids)
-                      for score in scored]
+            scores = [
+                score for scored in self._paced(lambda sample: self.weights.score([sample]), ids) for score in scored
+            ]
             self.tokens += sum(len(sample) for sample in ids)
             return engine_score(scores, self.geometry, positions=True)

@@ -32,8 +32,17 @@ from mla_watch.routing.positions import PositionBuckets
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import RoutingStats, compute_stats
 
-__all__ = ["BASELINE_FILE", "LEGACY_PROMPT_TOKENS", "REFERENCE_BASELINE_FORMAT", "ReferenceBaseline",
-           "ReferenceBaselines", "ReferenceReading", "RouterComparison", "compare", "position_tokens"]
+__all__ = [
+    "BASELINE_FILE",
+    "LEGACY_PROMPT_TOKENS",
+    "REFERENCE_BASELINE_FORMAT",
+    "ReferenceBaseline",
+    "ReferenceBaselines",
+    "ReferenceReading",
+    "RouterComparison",
+    "compare",
+    "position_tokens",
+]
 
 log = logging.getLogger("mla_watch.cause")
 
@@ -49,8 +58,10 @@ def position_tokens(lengths: Sequence[int], edges: Sequence[int]) -> list[int]:
     """The tokens of prompts ``lengths`` long in each position bucket ending at ``edges`` (and one past them)."""
     starts = [0, *edges]
     ends = [*edges, None]
-    return [sum(max(0, min(length, end if end is not None else length) - start) for length in lengths)
-            for start, end in zip(starts, ends, strict=True)]
+    return [
+        sum(max(0, min(length, end if end is not None else length) - start) for length in lengths)
+        for start, end in zip(starts, ends, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -105,11 +116,21 @@ class ReferenceReading:
         return counts, int(counts.sum()) // max(1, record.router.top_k)
 
     def summary(self) -> dict[str, Any]:
-        return {"set": self.set_name, "set_version": self.set_version, "digest": self.digest,
-                "taken_at": self.taken_at, "router_version": self.router_version, "tokens": self.tokens,
-                "prompts": len(self.score.losses), "seconds": round(self.seconds, 3),
-                "perplexity": None if not math.isfinite(self.score.perplexity) else round(self.score.perplexity, 4),
-                "reach": self.reach, "positions": self.positions(), "note": self.note, "long": self.long}
+        return {
+            "set": self.set_name,
+            "set_version": self.set_version,
+            "digest": self.digest,
+            "taken_at": self.taken_at,
+            "router_version": self.router_version,
+            "tokens": self.tokens,
+            "prompts": len(self.score.losses),
+            "seconds": round(self.seconds, 3),
+            "perplexity": None if not math.isfinite(self.score.perplexity) else round(self.score.perplexity, 4),
+            "reach": self.reach,
+            "positions": self.positions(),
+            "note": self.note,
+            "long": self.long,
+        }
 
 
 def _first_bucket(edges: Sequence[int], start: int) -> int:
@@ -141,8 +162,18 @@ class ReferenceBaseline:
             if found is not None:
                 counts[name], tokens[name] = found
         positions = {name: np.asarray(value, dtype=np.int64) for name, value in reading.score.positions.items()}
-        return cls(reading.set_name, reading.digest, reading.router_version, reading.taken_at, counts, tokens,
-                   reading.score.perplexity, reading.lengths, positions, tuple(reading.score.position_edges))
+        return cls(
+            reading.set_name,
+            reading.digest,
+            reading.router_version,
+            reading.taken_at,
+            counts,
+            tokens,
+            reading.score.perplexity,
+            reading.lengths,
+            positions,
+            tuple(reading.score.position_edges),
+        )
 
     def fits(self, reading: ReferenceReading) -> bool:
         """Whether ``reading`` read the prompts this baseline read, as far: the same set, each prompt cut alike."""
@@ -162,17 +193,23 @@ class ReferenceBaseline:
         by_position = self.positions.get(router.name)
         if by_position is None:
             return None
-        found = by_position[_first_bucket(self.position_edges, from_position):].sum(axis=0)
+        found = by_position[_first_bucket(self.position_edges, from_position) :].sum(axis=0)
         return found, int(found.sum()) // max(1, router.top_k)
 
     def to_json(self) -> dict[str, Any]:
-        return {"set": self.set_name, "digest": self.digest, "router_version": self.router_version,
-                "taken_at": self.taken_at, "perplexity": self.perplexity if math.isfinite(self.perplexity) else None,
-                "routers": {name: {"counts": counts.tolist(), "tokens": self.tokens[name]}
-                            for name, counts in self.counts.items()},
-                "lengths": None if self.lengths is None else list(self.lengths),
-                "position_edges": list(self.position_edges),
-                "positions": {name: value.tolist() for name, value in self.positions.items()}}
+        return {
+            "set": self.set_name,
+            "digest": self.digest,
+            "router_version": self.router_version,
+            "taken_at": self.taken_at,
+            "perplexity": self.perplexity if math.isfinite(self.perplexity) else None,
+            "routers": {
+                name: {"counts": counts.tolist(), "tokens": self.tokens[name]} for name, counts in self.counts.items()
+            },
+            "lengths": None if self.lengths is None else list(self.lengths),
+            "position_edges": list(self.position_edges),
+            "positions": {name: value.tolist() for name, value in self.positions.items()},
+        }
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ReferenceBaseline:
@@ -190,24 +227,40 @@ class ReferenceBaseline:
         for name, entry in routers.items():
             values = entry.get("counts") if isinstance(entry, dict) else None
             n = entry.get("tokens") if isinstance(entry, dict) else None
-            if (not isinstance(values, list) or not values or len(values) > 1_000_000
-                    or not all(is_integer(v) and v >= 0 for v in values)
-                    or not is_integer(n) or n < 0):
+            if (
+                not isinstance(values, list)
+                or not values
+                or len(values) > 1_000_000
+                or not all(is_integer(v) and v >= 0 for v in values)
+                or not is_integer(n)
+                or n < 0
+            ):
                 raise ValueError(f"{where}.routers[{name!r}]: expected counts (integers >= 0) and tokens")
             counts[str(name)], tokens[str(name)] = np.asarray(values, dtype=np.int64), n
         perplexity = data.get("perplexity")
         lengths, edges, positions = _read_positions(data, where, counts)
-        return cls(set_name, digest, version, float(taken_at), counts, tokens,
-                   float(perplexity) if isinstance(perplexity, int | float) and not isinstance(perplexity, bool)
-                   else math.nan, lengths, positions, edges)
+        return cls(
+            set_name,
+            digest,
+            version,
+            float(taken_at),
+            counts,
+            tokens,
+            float(perplexity) if isinstance(perplexity, int | float) and not isinstance(perplexity, bool) else math.nan,
+            lengths,
+            positions,
+            edges,
+        )
 
 
-def _read_positions(data: dict[str, Any], where: str, counts: Mapping[str, np.ndarray]
-                    ) -> tuple[tuple[int, ...] | None, tuple[int, ...], dict[str, np.ndarray]]:
+def _read_positions(
+    data: dict[str, Any], where: str, counts: Mapping[str, np.ndarray]
+) -> tuple[tuple[int, ...] | None, tuple[int, ...], dict[str, np.ndarray]]:
     """A baseline's prompt lengths and counts by position (absent in a file from before they were kept)."""
     lengths = data.get("lengths")
-    if lengths is not None and (not isinstance(lengths, list) or len(lengths) > 100_000
-                                or not all(is_integer(n) and n >= 0 for n in lengths)):
+    if lengths is not None and (
+        not isinstance(lengths, list) or len(lengths) > 100_000 or not all(is_integer(n) and n >= 0 for n in lengths)
+    ):
         raise ValueError(f"{where}.lengths: expected a list of token counts (integers >= 0) or null")
     edges = data.get("position_edges") or []
     if not isinstance(edges, list) or len(edges) > 64 or not all(is_integer(e) and e > 0 for e in edges):
@@ -224,8 +277,10 @@ def _read_positions(data: dict[str, Any], where: str, counts: Mapping[str, np.nd
             array = None
         if array is None or whole is None or array.shape != (len(edges) + 1, whole.shape[0]) or (array < 0).any():
             slots = "its router's" if whole is None else len(whole)
-            raise ValueError(f"{where}.positions[{name!r}]: expected {len(edges) + 1} rows of {slots} counts "
-                             "(integers >= 0), one per position bucket")
+            raise ValueError(
+                f"{where}.positions[{name!r}]: expected {len(edges) + 1} rows of {slots} counts "
+                "(integers >= 0), one per position bucket"
+            )
         positions[str(name)] = array
     return None if lengths is None else tuple(int(n) for n in lengths), tuple(int(e) for e in edges), positions
 
@@ -258,8 +313,11 @@ class ReferenceBaselines:
         with self._lock:
             self._baselines[baseline.set_name] = baseline
         self._save()
-        log.info("reference prompts %s: healthy baseline learned on router version %s", baseline.set_name,
-                 baseline.router_version)
+        log.info(
+            "reference prompts %s: healthy baseline learned on router version %s",
+            baseline.set_name,
+            baseline.router_version,
+        )
 
     def all(self) -> list[ReferenceBaseline]:
         return list(self._baselines.values())
@@ -327,9 +385,13 @@ class RouterComparison:
         return None if self.baseline is None or js is None else js > tolerance_bits
 
 
-def compare(info: RouterInfo, readings: Sequence[ReferenceReading],
-            baselines: Iterable[ReferenceBaseline | None], *, from_position: int | None = None
-            ) -> RouterComparison | None:
+def compare(
+    info: RouterInfo,
+    readings: Sequence[ReferenceReading],
+    baselines: Iterable[ReferenceBaseline | None],
+    *,
+    from_position: int | None = None,
+) -> RouterComparison | None:
     """``info``'s routing over ``readings`` (summed) against their baselines (summed, only when every reading has
     one); from position ``from_position`` on only, where that is given (and the readings counted by position);
     ``None`` when no reading holds that router."""
@@ -353,8 +415,12 @@ def compare(info: RouterInfo, readings: Sequence[ReferenceReading],
     if not complete or healthy is None:
         healthy = None
     distinct = not info.hash_routed
-    stats = compute_stats(total, kind=info.kind, top_k=info.top_k, tokens=tokens, baseline=healthy,
-                          distinct_picks=distinct)
-    base = None if healthy is None else compute_stats(healthy, kind=info.kind, top_k=info.top_k,
-                                                      tokens=healthy_tokens, distinct_picks=distinct)
+    stats = compute_stats(
+        total, kind=info.kind, top_k=info.top_k, tokens=tokens, baseline=healthy, distinct_picks=distinct
+    )
+    base = (
+        None
+        if healthy is None
+        else compute_stats(healthy, kind=info.kind, top_k=info.top_k, tokens=healthy_tokens, distinct_picks=distinct)
+    )
     return RouterComparison(info.name, stats, base, tuple(reading.set_name for reading in readings))

@@ -57,17 +57,25 @@ class Finding:
 
     @property
     def unrepresentative(self) -> bool:
-        return (self.baseline_bits - self.window_bits > UNREPRESENTATIVE_MARGIN_BITS
-                and self.baseline_bits > UNREPRESENTATIVE_RATIO * self.window_bits)
+        return (
+            self.baseline_bits - self.window_bits > UNREPRESENTATIVE_MARGIN_BITS
+            and self.baseline_bits > UNREPRESENTATIVE_RATIO * self.window_bits
+        )
 
     def describe(self, set_name: str) -> str:
-        return (f"the reference prompts of {set_name}, routed as while healthy, sit {self.baseline_bits:.3f} bits "
-                f"(Jensen-Shannon) from this baseline and {self.window_bits:.3f} from the line's live window, itself "
-                "the line's traffic by its clients")
+        return (
+            f"the reference prompts of {set_name}, routed as while healthy, sit {self.baseline_bits:.3f} bits "
+            f"(Jensen-Shannon) from this baseline and {self.window_bits:.3f} from the line's live window, itself "
+            "the line's traffic by its clients"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"baseline_bits": round(self.baseline_bits, 6), "window_bits": round(self.window_bits, 6),
-                "ratio": UNREPRESENTATIVE_RATIO, "margin_bits": UNREPRESENTATIVE_MARGIN_BITS}
+        return {
+            "baseline_bits": round(self.baseline_bits, 6),
+            "window_bits": round(self.window_bits, 6),
+            "ratio": UNREPRESENTATIVE_RATIO,
+            "margin_bits": UNREPRESENTATIVE_MARGIN_BITS,
+        }
 
 
 class BaselineCheck:
@@ -78,8 +86,14 @@ class BaselineCheck:
     from its set's healthy baseline with the routers still routing as while healthy (``--reference-tolerance``).
     """
 
-    def __init__(self, baselines: Baselines, records: Callable[[str], Sequence[RouterStats]],
-                 clients: Callable[[], Callable[[RouterStats], ClientMix | None]], *, tolerance_bits: float) -> None:
+    def __init__(
+        self,
+        baselines: Baselines,
+        records: Callable[[str], Sequence[RouterStats]],
+        clients: Callable[[], Callable[[RouterStats], ClientMix | None]],
+        *,
+        tolerance_bits: float,
+    ) -> None:
         self.baselines = baselines
         self._records = records
         self._clients = clients
@@ -100,8 +114,12 @@ class BaselineCheck:
             found = reading.counts(record.router.name)
             routed = healthy.counts.get(record.router.name)
             window = record.counts
-            if found is None or routed is None or window is None or not _comparable(found[0], routed, window,
-                                                                                    baseline.counts):
+            if (
+                found is None
+                or routed is None
+                or window is None
+                or not _comparable(found[0], routed, window, baseline.counts)
+            ):
                 continue
             if js_divergence_bits(found[0], routed) > self.tolerance_bits:
                 continue  # the routers changed: the readings say so (the cause of an alert), not the baselines
@@ -110,20 +128,42 @@ class BaselineCheck:
             clients = mix(record)
             if clients is None or self.baselines.gate.judge(clients) is not None:
                 continue  # the live window is not the line's traffic either: it proves nothing
-            finding = Finding(record.router.name, line, js_divergence_bits(found[0], baseline.counts),
-                              js_divergence_bits(found[0], window))
+            finding = Finding(
+                record.router.name,
+                line,
+                js_divergence_bits(found[0], baseline.counts),
+                js_divergence_bits(found[0], window),
+            )
             findings.append((finding, baseline))
-        gone = {id(baseline) for baseline in self.baselines.found_unrepresentative(
-            (baseline, BY_REFERENCE, finding.describe(line), {**finding.as_dict(), "set": line,
-                                                               "set_version": reading.set_version,
-                                                               "reading_at": reading.taken_at})
-            for finding, baseline in findings if finding.unrepresentative)}
+        gone = {
+            id(baseline)
+            for baseline in self.baselines.found_unrepresentative(
+                (
+                    baseline,
+                    BY_REFERENCE,
+                    finding.describe(line),
+                    {
+                        **finding.as_dict(),
+                        "set": line,
+                        "set_version": reading.set_version,
+                        "reading_at": reading.taken_at,
+                    },
+                )
+                for finding, baseline in findings
+                if finding.unrepresentative
+            )
+        }
         dropped = [finding for finding, baseline in findings if id(baseline) in gone]
         if dropped:
-            log.warning("healthy baselines of %s are not the line's traffic: %s; learned again from the line's "
-                        "traffic (%s)", line, dropped[0].describe(line),
-                        ", ".join(f"{finding.router}: {finding.baseline_bits:.3f} vs {finding.window_bits:.3f} bits"
-                                  for finding in dropped))
+            log.warning(
+                "healthy baselines of %s are not the line's traffic: %s; learned again from the line's traffic (%s)",
+                line,
+                dropped[0].describe(line),
+                ", ".join(
+                    f"{finding.router}: {finding.baseline_bits:.3f} vs {finding.window_bits:.3f} bits"
+                    for finding in dropped
+                ),
+            )
         return [finding for finding, _ in findings]
 
 

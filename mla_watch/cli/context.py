@@ -33,8 +33,7 @@ _MAX_ANSWER_BYTES = 32 << 20  # a sidecar's /v1/routing answer read here, at mos
 def _from_dataset(args: argparse.Namespace) -> tuple[str, dict[str, PositionProfile], list[int] | None]:
     from mla_watch.cli.startup import require_model_extra
 
-    require_model_extra(f"--model {args.model} (run here over the prompts; --url reads a "
-                        "sidecar's traffic without it)")
+    require_model_extra(f"--model {args.model} (run here over the prompts; --url reads a sidecar's traffic without it)")
     import torch
 
     import mla_watch
@@ -81,13 +80,17 @@ def _from_sidecar(args: argparse.Namespace) -> tuple[str, dict[str, PositionProf
         positions = json.loads(body)["positions"]
         profiles = {router["name"]: PositionProfile.from_dict(router) for router in positions["routers"]}
         prompts = positions.get("prompts")
-        if prompts is not None and (not isinstance(prompts, list) or not all(
-                isinstance(count, int) and not isinstance(count, bool) and count >= 0 for count in prompts)):
+        if prompts is not None and (
+            not isinstance(prompts, list)
+            or not all(isinstance(count, int) and not isinstance(count, bool) and count >= 0 for count in prompts)
+        ):
             raise ValueError("prompts")
     except (ValueError, KeyError, TypeError):
-        raise FlagError(f"--url {args.url}: /v1/routing has no routing by position (serve "
-                        "--no-routing-by-position, or beside an engine whose --model-config gives no "
-                        "max_position_embeddings)") from None
+        raise FlagError(
+            f"--url {args.url}: /v1/routing has no routing by position (serve "
+            "--no-routing-by-position, or beside an engine whose --model-config gives no "
+            "max_position_embeddings)"
+        ) from None
     return args.business_line, profiles, prompts
 
 
@@ -111,36 +114,58 @@ def _table(profiles: dict[str, PositionProfile]) -> str:
 
 def _advice(line: str, found: Recommendation, profiles: dict[str, PositionProfile], *, dataset: bool) -> str:
     if found.max_prompt_tokens is None:
-        alone = sorted({client.client for profile in profiles.values() for client in profile.clients
-                        if client.edge is not None})
-        return (f"{line}: no router left in-range routing up to position {found.judged_up_to} (the last bucket with "
-                "enough tokens from enough clients to judge); nothing to recommend from this traffic"
-                + (f". Alone, without a second client's routing leaving there too: {', '.join(alone[:5])} (one "
-                   "client's texts, not the position: no cap is drawn from them)" if alone else ""))
+        alone = sorted(
+            {client.client for profile in profiles.values() for client in profile.clients if client.edge is not None}
+        )
+        return (
+            f"{line}: no router left in-range routing up to position {found.judged_up_to} (the last bucket with "
+            "enough tokens from enough clients to judge); nothing to recommend from this traffic"
+            + (
+                f". Alone, without a second client's routing leaving there too: {', '.join(alone[:5])} (one "
+                "client's texts, not the position: no cap is drawn from them)"
+                if alone
+                else ""
+            )
+        )
     seen = f"the dataset's {found.prompts} prompts" if dataset else f"the line's last {found.prompts} prompts"
-    refused = ("" if found.refused_share is None else
-               f"; it would refuse {found.refused_share:.1%} of {seen} (those longer than {found.max_prompt_tokens} "
-               "tokens)")
+    refused = (
+        ""
+        if found.refused_share is None
+        else f"; it would refuse {found.refused_share:.1%} of {seen} (those longer than {found.max_prompt_tokens} "
+        "tokens)"
+    )
     who = f", across the clients {', '.join(found.clients)}" if found.clients and not dataset else ""
-    return (f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}){who}.\n"
-            f"recommended max_prompt_tokens: {found.max_prompt_tokens}{refused}\n"
-            f"  in policies/{line}.yaml:  defaults: {{max_prompt_tokens: {found.max_prompt_tokens}}}\n"
-            f"  then a request whose prompt has more tokens is refused with 400 prompt_too_long, naming the limit "
-            "(whatever the policy's on_violation): the client must shorten it")
+    return (
+        f"{line}: routing leaves in-range routing from bucket {found.edge} ({', '.join(found.routers)}){who}.\n"
+        f"recommended max_prompt_tokens: {found.max_prompt_tokens}{refused}\n"
+        f"  in policies/{line}.yaml:  defaults: {{max_prompt_tokens: {found.max_prompt_tokens}}}\n"
+        f"  then a request whose prompt has more tokens is refused with 400 prompt_too_long, naming the limit "
+        "(whatever the policy's on_violation): the client must shorten it"
+    )
 
 
 def _cmd_context(args: argparse.Namespace) -> int:
     line, profiles, prompts = _from_sidecar(args) if args.url else _from_dataset(args)
     found = recommend(profiles, prompts)
     if args.json:  # a full disk or a closed pipe on stdout: one line, no traceback
-        write_stdout(json.dumps({"business_line": line, "recommendation": found.as_dict(),
-                                 "routers": {name: profile.as_dict() for name, profile in profiles.items()}},
-                                indent=1) + "\n")
+        write_stdout(
+            json.dumps(
+                {
+                    "business_line": line,
+                    "recommendation": found.as_dict(),
+                    "routers": {name: profile.as_dict() for name, profile in profiles.items()},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         return 0
     held = ", held across clients" if args.url else ""
-    write_stdout(f"JS divergence (bits) of each position bucket's prompt tokens from in-range routing{held} (ref: the "
-                 "first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
-                 f"{_table(profiles)}\n{_advice(line, found, profiles, dataset=not args.url)}\n")
+    write_stdout(
+        f"JS divergence (bits) of each position bucket's prompt tokens from in-range routing{held} (ref: the "
+        "first judged bucket; ok: in range; LEFT: left it; '-': not judged)\n"
+        f"{_table(profiles)}\n{_advice(line, found, profiles, dataset=not args.url)}\n"
+    )
     return 0
 
 
@@ -149,12 +174,13 @@ def add_parser(commands: argparse._SubParsersAction[Any]) -> None:
     from mla_watch.cli.traffic import traffic_options
 
     context = commands.add_parser(
-        "context", help="recommend a line's max_prompt_tokens from its routing by position",
-        epilog=f"The manual: {DOCS}operations.md (\"Where the router stops generalizing\")")
+        "context",
+        help="recommend a line's max_prompt_tokens from its routing by position",
+        epilog=f'The manual: {DOCS}operations.md ("Where the router stops generalizing")',
+    )
     traffic_options(context)
     context.add_argument("--url", help="a running sidecar: read its traffic's routing by position instead")
     context.add_argument("--business-line", help="the line to read (--url), or to attribute the dataset to")
-    context.add_argument("--timeout", type=positive_float, default=10.0,
-                         help="seconds to wait for --url (default 10)")
+    context.add_argument("--timeout", type=positive_float, default=10.0, help="seconds to wait for --url (default 10)")
     context.add_argument("--json", action="store_true", help="print JSON instead of a table")
     context.set_defaults(handler=_cmd_context)

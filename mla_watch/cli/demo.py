@@ -49,15 +49,30 @@ COLLAPSED = "model.layers.1.mlp.gate"
 FAULT_BIAS = 2.0
 JOB_SAMPLES = 48  # captured samples the re-tune job waits for (see run_demo)
 FIRE_BELOW, RESOLVE_ABOVE = 5.0, 5.2
-STEPS: tuple[str, ...] = ("traffic served", "sampling clamped", "fault injected", "on-call paged", "re-tune promoted",
-                          "entropy back in band", "alert resolved")
-RULES = entropy_low_rules(below=FIRE_BELOW, resolve_above=RESOLVE_ABOVE, min_tokens=96, business_line="all",
-                          actions=("notify", "retune"), strategies=("bias",), annotations={
-                              "summary": "Routing entropy {value:.2f} bits on {router} (all lines) is below "
-                                         "{threshold} bits",
-                              # rendered again when the alert resolves: the demo's lines say what it is now
-                              "value": "{value}", "threshold": "{threshold}",
-                              "resolve_threshold": "{resolve_threshold}"})
+STEPS: tuple[str, ...] = (
+    "traffic served",
+    "sampling clamped",
+    "fault injected",
+    "on-call paged",
+    "re-tune promoted",
+    "entropy back in band",
+    "alert resolved",
+)
+RULES = entropy_low_rules(
+    below=FIRE_BELOW,
+    resolve_above=RESOLVE_ABOVE,
+    min_tokens=96,
+    business_line="all",
+    actions=("notify", "retune"),
+    strategies=("bias",),
+    annotations={
+        "summary": "Routing entropy {value:.2f} bits on {router} (all lines) is below {threshold} bits",
+        # rendered again when the alert resolves: the demo's lines say what it is now
+        "value": "{value}",
+        "threshold": "{threshold}",
+        "resolve_threshold": "{resolve_threshold}",
+    },
+)
 # (business line, task, corpus domain, requested sampling): code asks for chat-like sampling,
 # temperature 0.9 (clamped to 0.3), SQL too (refused by a reject policy), every other SQL request
 # asks correctly.
@@ -90,11 +105,24 @@ class DemoResult:
     def as_dict(self) -> dict[str, Any]:
         job = self.job or {}
         result = job.get("result") or {}
-        return {"ok": self.ok, "steps": self.steps, "events_seconds": {k: round(v, 2) for k, v in self.events.items()},
-                "requests": self.requests, "adjustments": len(self.adjustments),
-                "job": {"id": job.get("id"), "status": job.get("status"), "strategy": result.get("strategy"),
-                        "version": result.get("version"), "timings": result.get("timings")} if job else None,
-                "entropy_bits": _phase_bits(self.samples, self.events, self.paged_bits), "notes": self.notes}
+        return {
+            "ok": self.ok,
+            "steps": self.steps,
+            "events_seconds": {k: round(v, 2) for k, v in self.events.items()},
+            "requests": self.requests,
+            "adjustments": len(self.adjustments),
+            "job": {
+                "id": job.get("id"),
+                "status": job.get("status"),
+                "strategy": result.get("strategy"),
+                "version": result.get("version"),
+                "timings": result.get("timings"),
+            }
+            if job
+            else None,
+            "entropy_bits": _phase_bits(self.samples, self.events, self.paged_bits),
+            "notes": self.notes,
+        }
 
 
 class _Receiver:
@@ -120,16 +148,23 @@ class _Receiver:
         except OSError as error:
             from mla_watch.cli.startup import FlagError
 
-            why = ("is in use" if error.errno == errno.EADDRINUSE
-                   else f"cannot be listened on ({error.strerror or error})")
-            raise FlagError(f"--receiver-port {port}: 127.0.0.1:{port} {why}: expected a free port (or "
-                            "--receiver-port 0 for any)") from None
+            why = (
+                "is in use" if error.errno == errno.EADDRINUSE else f"cannot be listened on ({error.strerror or error})"
+            )
+            raise FlagError(
+                f"--receiver-port {port}: 127.0.0.1:{port} {why}: expected a free port (or --receiver-port 0 for any)"
+            ) from None
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def seen(self, status: str, router: str = COLLAPSED) -> list[dict[str, Any]]:
-        return [a for a in list(self.alerts) if a.get("status") == status and a["labels"].get("router") == router
-                and a["labels"].get("alertname") == "RoutingEntropyLow"]
+        return [
+            a
+            for a in list(self.alerts)
+            if a.get("status") == status
+            and a["labels"].get("router") == router
+            and a["labels"].get("alertname") == "RoutingEntropyLow"
+        ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -186,8 +221,7 @@ class _View:
         """One line that stays, live or not (printed above the live view): never wrapped, no markup."""
         from rich.text import Text
 
-        self.console.print(Text.assemble(("mla-watch demo", "bold"), ": ", message), soft_wrap=True,
-                           highlight=False)
+        self.console.print(Text.assemble(("mla-watch demo", "bold"), ": ", message), soft_wrap=True, highlight=False)
 
     def say(self, message: str) -> None:
         self.state["phase"] = message
@@ -222,8 +256,9 @@ class _View:
         from rich.table import Table
         from rich.text import Text
 
-        routing = Table(title="routing entropy, all lines (bits; fires < 5.0, resolves >= 5.2, ceiling 6.0)",
-                        expand=True)
+        routing = Table(
+            title="routing entropy, all lines (bits; fires < 5.0, resolves >= 5.2, ceiling 6.0)", expand=True
+        )
         for column in ("router", "bits", "band"):
             routing.add_column(column)
         for name, bits in sorted(self.state["bits"].items()):
@@ -238,12 +273,20 @@ class _View:
         for kind, detail in self.state["events"][-EVENT_ROWS:]:
             events.add_row(kind, Text(detail), str(self.counts.get((kind, detail), "")))
         requests = ", ".join(f"{k} {v}" for k, v in sorted(self.state["requests"].items()))
-        return Group(Text(f"phase: {self.state['phase']}", style="bold"), Text(f"requests: {requests}"), routing,
-                     events)
+        return Group(
+            Text(f"phase: {self.state['phase']}", style="bold"), Text(f"requests: {requests}"), routing, events
+        )
 
 
-def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject_fault: bool = True,
-             port: int = 0, receiver_port: int = 0) -> DemoResult:
+def run_demo(
+    out_dir: Path,
+    *,
+    live: bool = True,
+    timeout: float = 600.0,
+    inject_fault: bool = True,
+    port: int = 0,
+    receiver_port: int = 0,
+) -> DemoResult:
     """Run the loop; returns what happened (``result.ok`` when every step did). ``port``: the sidecar's on
     127.0.0.1, ``receiver_port`` its webhook receiver's (0: any free one); one in use is a
     :class:`~mla_watch.cli_startup.FlagError` before anything runs."""
@@ -280,10 +323,19 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
     # coarser steps, lands farther from the healthy routing the reference prompts' gate compares with (its
     # limit is 0.05 bits; 0.008-0.014 in steps of 0.02 on 36 samples, 0.018-0.024 in steps of 0.05, up to
     # 0.061 on 24).
-    config = ServerConfig(device="cpu", rules=work / "rules", state_dir=work / "state", alert_interval=0.5,
-                          window_tokens=192, capture=True, retune=RetuneSettings(
-                              min_samples=JOB_SAMPLES, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
-                          history_interval_seconds=1.0, policy_poll_seconds=None, admin_token=None, public_url=url)
+    config = ServerConfig(
+        device="cpu",
+        rules=work / "rules",
+        state_dir=work / "state",
+        alert_interval=0.5,
+        window_tokens=192,
+        capture=True,
+        retune=RetuneSettings(min_samples=JOB_SAMPLES, retry_seconds=1.0, strategy_options={"bias": {"gamma": 0.02}}),
+        history_interval_seconds=1.0,
+        policy_poll_seconds=None,
+        admin_token=None,
+        public_url=url,
+    )
     try:
         sidecar = Sidecar(config)
         with _serve(sidecar.app, sock), _View(live) as view:
@@ -361,6 +413,7 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
 
             for _ in range(16):
                 request()
+
             # A fault injected before the reference prompts' healthy routing is learned would be learned as healthy,
             # and every candidate judged against it.
             def served() -> int:  # requests answered: each one captured
@@ -368,8 +421,11 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
 
             # The job's samples are captured before the fault too, while the reference prompts are read: once paged,
             # it runs at once.
-            until(lambda: references_learned() and served() >= JOB_SAMPLES,
-                  "healthy traffic while the reference prompts' healthy routing is learned", 120)
+            until(
+                lambda: references_learned() and served() >= JOB_SAMPLES,
+                "healthy traffic while the reference prompts' healthy routing is learned",
+                120,
+            )
             view.say("healthy traffic served")
             if inject_fault:
                 assert sidecar.model_worker is not None  # the demo serves its bundled model
@@ -377,17 +433,21 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     sidecar.model_worker.model.model.layers[1].mlp.gate.e_score_correction_bias[:6] += FAULT_BIAS
                 events["fault injected"] = now()
                 view.say(f"fault injected: +{FAULT_BIAS:g} on six experts' correction bias of {COLLAPSED}")
+
             def pending() -> bool:  # the alert is due: its cause is being read through the model
-                return any(a["state"] == "pending" and a["labels"].get("router") == COLLAPSED
-                           for a in client.get("/v1/alerts").json()["alerts"])
+                return any(
+                    a["state"] == "pending" and a["labels"].get("router") == COLLAPSED
+                    for a in client.get("/v1/alerts").json()["alerts"]
+                )
 
             if until(lambda: receiver.seen("firing"), "waiting for the page", 120, busy=pending):
                 events["on-call paged"] = now()
 
                 def job_done() -> bool:  # one promoted, or every one ended (a job short of data waits: not yet)
                     jobs = client.get("/v1/retune/jobs").json()["jobs"]
-                    return bool(jobs) and (any(j["status"] == "promoted" for j in jobs)
-                                           or all(j["status"] in FINAL_STATUSES for j in jobs))
+                    return bool(jobs) and (
+                        any(j["status"] == "promoted" for j in jobs) or all(j["status"] in FINAL_STATUSES for j in jobs)
+                    )
 
                 def fitting() -> bool:  # a job has the data it needs and runs: traffic would only slow it down
                     return any(j["status"] == "running" for j in client.get("/v1/retune/jobs").json()["jobs"])
@@ -398,8 +458,11 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
                     if job["status"] == "promoted":
                         events["re-tune promoted"] = now()
                     view.say(f"re-tune job {job['status']}")
-                    if until(lambda: receiver.seen("resolved") and not _firing(client),
-                             "traffic goes on until the alerts resolve", 180):
+                    if until(
+                        lambda: receiver.seen("resolved") and not _firing(client),
+                        "traffic goes on until the alerts resolve",
+                        180,
+                    ):
                         events["alert resolved"] = now()
             for _ in range(3):
                 request()
@@ -415,7 +478,8 @@ def run_demo(out_dir: Path, *, live: bool = True, timeout: float = 600.0, inject
         "fault injected": "fault injected" in events,
         "on-call paged": "on-call paged" in events,
         "re-tune promoted": "re-tune promoted" in events,
-        "entropy back in band": bool(samples) and "re-tune promoted" in events
+        "entropy back in band": bool(samples)
+        and "re-tune promoted" in events
         and samples[-1]["bits"].get(COLLAPSED, 0.0) >= RESOLVE_ABOVE,
         "alert resolved": "alert resolved" in events,
     }
@@ -427,8 +491,11 @@ OUTPUT_ROOM = 1 << 20  # bytes summary.json and timeline.png take at most (about
 
 def write_outputs(result: DemoResult) -> None:
     """``summary.json`` and ``timeline.png`` into ``result.out_dir``; an ``OutputError`` in one line if refused."""
-    write_file(result.out_dir / "summary.json", json.dumps(result.as_dict(), indent=2) + "\n",
-               label=f"--out {result.out_dir / 'summary.json'}")
+    write_file(
+        result.out_dir / "summary.json",
+        json.dumps(result.as_dict(), indent=2) + "\n",
+        label=f"--out {result.out_dir / 'summary.json'}",
+    )
     write_file(result.out_dir / "timeline.png", timeline_png(result), label=f"--out {result.out_dir / 'timeline.png'}")
 
 
@@ -436,18 +503,22 @@ def _firing(client: httpx.Client) -> bool:
     return any(a["state"] == "firing" for a in client.get("/v1/alerts").json()["alerts"])
 
 
-def _phase_bits(samples: list[dict[str, Any]], events: dict[str, float],
-                paged_bits: float | None) -> dict[str, float | None]:
+def _phase_bits(
+    samples: list[dict[str, Any]], events: dict[str, float], paged_bits: float | None
+) -> dict[str, float | None]:
     """The collapsed router's entropy before the fault, as the page said it, and at the end."""
+
     def at(t: float | None) -> float | None:
         if t is None:
             return None
         before = [s for s in samples if s["t"] <= t and COLLAPSED in s["bits"]]
         return round(before[-1]["bits"][COLLAPSED], 3) if before else None
 
-    return {"healthy": at(events.get("fault injected")),
-            "at the page": None if paged_bits is None else round(paged_bits, 3),
-            "after": round(samples[-1]["bits"].get(COLLAPSED, 0.0), 3) if samples else None}
+    return {
+        "healthy": at(events.get("fault injected")),
+        "at the page": None if paged_bits is None else round(paged_bits, 3),
+        "after": round(samples[-1]["bits"].get(COLLAPSED, 0.0), 3) if samples else None,
+    }
 
 
 def timeline_png(result: DemoResult) -> bytes:
@@ -463,15 +534,24 @@ def timeline_png(result: DemoResult) -> bytes:
     routers = sorted({name for s in result.samples for name in s["bits"]})
     for name in routers:
         points = [(s["t"], s["bits"][name]) for s in result.samples if name in s["bits"]]
-        axis.plot([t for t, _ in points], [b for _, b in points], label=name.replace("model.layers.", "layer ")
-                  .replace(".mlp.gate", ""), linewidth=1.8)
+        axis.plot(
+            [t for t, _ in points],
+            [b for _, b in points],
+            label=name.replace("model.layers.", "layer ").replace(".mlp.gate", ""),
+            linewidth=1.8,
+        )
     axis.axhline(FIRE_BELOW, color="tab:red", linestyle="--", linewidth=1, label=f"fires below {FIRE_BELOW} bits")
-    axis.axhline(RESOLVE_ABOVE, color="tab:green", linestyle=":", linewidth=1,
-                 label=f"resolves at {RESOLVE_ABOVE} bits")
+    axis.axhline(
+        RESOLVE_ABOVE, color="tab:green", linestyle=":", linewidth=1, label=f"resolves at {RESOLVE_ABOVE} bits"
+    )
     axis.axhline(6.0, color="grey", linewidth=0.8, label="ceiling log2 64")
     axis.axhline(2.585, color="grey", linewidth=0.8, linestyle="-.", label="floor log2 6")
-    colours = {"fault injected": "black", "on-call paged": "tab:red", "re-tune promoted": "tab:blue",
-               "alert resolved": "tab:green"}
+    colours = {
+        "fault injected": "black",
+        "on-call paged": "tab:red",
+        "re-tune promoted": "tab:blue",
+        "alert resolved": "tab:green",
+    }
     for event, t in result.events.items():
         axis.axvline(t, color=colours.get(event, "grey"), linewidth=1.2, alpha=0.8)
         axis.text(t, 5.95, event + " ", rotation=90, va="top", ha="right", fontsize=8, color=colours.get(event, "grey"))
@@ -488,8 +568,13 @@ def timeline_png(result: DemoResult) -> bytes:
 
 
 def _seconds(timings: dict[str, Any]) -> list[str]:
-    return [f"{k.removesuffix('_seconds').replace('_', ' ')} {v:g} s" if isinstance(v, (int, float))
-            else f"{k.replace('_', ' ')} {v}" for k, v in timings.items() if v is not None]
+    return [
+        f"{k.removesuffix('_seconds').replace('_', ' ')} {v:g} s"
+        if isinstance(v, (int, float))
+        else f"{k.replace('_', ' ')} {v}"
+        for k, v in timings.items()
+        if v is not None
+    ]
 
 
 def _wrapped(key: str, value: str | list[str], pad: int, width: int) -> list[str]:
@@ -497,10 +582,19 @@ def _wrapped(key: str, value: str | list[str], pad: int, width: int) -> list[str
     between its items (a request count is not split from its name), inside one only where it is too long."""
     width = max(width - 1, pad + 30)
     room = width - pad - 2
-    text = value if isinstance(value, str) else ", ".join(
-        item.replace(" ", "\0") if len(item) < room else item for item in value)
-    lines = textwrap.wrap(text or "none", width=width, initial_indent=f"  {key + ':':<{pad}}",
-                          subsequent_indent=" " * (pad + 2), break_long_words=False, break_on_hyphens=False)
+    text = (
+        value
+        if isinstance(value, str)
+        else ", ".join(item.replace(" ", "\0") if len(item) < room else item for item in value)
+    )
+    lines = textwrap.wrap(
+        text or "none",
+        width=width,
+        initial_indent=f"  {key + ':':<{pad}}",
+        subsequent_indent=" " * (pad + 2),
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
     return [line.replace("\0", " ") for line in lines]
 
 
@@ -510,19 +604,37 @@ def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
     width = width or shutil.get_terminal_size().columns
     lines = ["mla-watch demo summary"]
     for step, done in result.steps.items():
-        lines.append(f"  [{'x' if done else ' '}] {step}" + (f"  ({result.events[step]:.1f} s)" if step in result.events
-                                                             else ""))
-    rows: list[tuple[str, str | list[str]]] = [("fault on", COLLAPSED), ("its entropy (bits)", [
-        f"{phase} {'n/a' if value is None else f'{value:.3f}'}" for phase, value in summary["entropy_bits"].items()])]
+        lines.append(
+            f"  [{'x' if done else ' '}] {step}" + (f"  ({result.events[step]:.1f} s)" if step in result.events else "")
+        )
+    rows: list[tuple[str, str | list[str]]] = [
+        ("fault on", COLLAPSED),
+        (
+            "its entropy (bits)",
+            [
+                f"{phase} {'n/a' if value is None else f'{value:.3f}'}"
+                for phase, value in summary["entropy_bits"].items()
+            ],
+        ),
+    ]
     job = summary["job"]
     if job:
-        rows.append(("re-tune job", [f"{job['id']}: {job['status']}", *([job["strategy"]] if job["strategy"] else []),
-                                     *([f"router version {job['version']}"] if job["version"] else [])]))
+        rows.append(
+            (
+                "re-tune job",
+                [
+                    f"{job['id']}: {job['status']}",
+                    *([job["strategy"]] if job["strategy"] else []),
+                    *([f"router version {job['version']}"] if job["version"] else []),
+                ],
+            )
+        )
         if job["timings"]:
             rows.append(("re-tune timings", _seconds(job["timings"])))
     refused = sum(": refused: " in a for a in result.adjustments)
-    rows.append(("policy", [f"{len(result.adjustments) - refused} requested values changed",
-                            f"{refused} requests refused"]))
+    rows.append(
+        ("policy", [f"{len(result.adjustments) - refused} requested values changed", f"{refused} requests refused"])
+    )
     rows.append(("requests", [f"{key}: {count}" for key, count in sorted(result.requests.items())]))
     rows += [("note", note) for note in result.notes]
     rows.append(("wrote", [str(result.out_dir / "timeline.png"), str(result.out_dir / "summary.json")]))
@@ -532,12 +644,14 @@ def summary_lines(result: DemoResult, width: int | None = None) -> list[str]:
     return lines
 
 
-def main(out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0,
-         receiver_port: int = 0) -> int:
+def main(
+    out_dir: Path, live: bool, timeout: float, inject_fault: bool = True, port: int = 0, receiver_port: int = 0
+) -> int:
     # A directory that cannot take the outputs is said now, not after the run: a device, a read-only or full disk.
     check_output_dir(out_dir, label=f"--out {out_dir}", room=OUTPUT_ROOM)
-    result = run_demo(out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port,
-                      receiver_port=receiver_port)
+    result = run_demo(
+        out_dir, live=live, timeout=timeout, inject_fault=inject_fault, port=port, receiver_port=receiver_port
+    )
     unwritten: OutputError | None = None
     try:
         write_outputs(result)

@@ -9,7 +9,10 @@ from mla_watch.alerting.causes import CAUSE_LABEL
 from mla_watch.routing.series import BUSINESS_LINE, ROUTER
 
 __all__ = [
-    "alert_bits", "alert_line", "job_line", "policy_changes",
+    "alert_bits",
+    "alert_line",
+    "job_line",
+    "policy_changes",
 ]
 
 
@@ -50,17 +53,20 @@ def alert_line(alert: dict[str, Any]) -> str:
     labels, notes = alert.get("labels") or {}, alert.get("annotations") or {}
     line = labels.get(BUSINESS_LINE)
     where = f"{labels.get('alertname', 'alert')} on {labels.get(ROUTER, '?')}" + (
-        f" ({'all lines' if line == 'all' else line})" if line else "")
+        f" ({'all lines' if line == 'all' else line})" if line else ""
+    )
     if alert_bits(alert) is None:  # an event (RouterRetuneRejected): its summary says what happened
         summary = " ".join(str(notes.get("summary") or "").split())
         return f"{'resolved' if alert.get('status') == 'resolved' else 'paged'}: {where}" + (
-            f": {summary[:200]}" if summary else "")
+            f": {summary[:200]}" if summary else ""
+        )
     if alert.get("status") == "resolved":
         return f"resolved: {where}: {_bits(notes.get('value'))}, back above {_value(notes.get('resolve_threshold'))}"
     cause = labels.get(CAUSE_LABEL)
     said = " ".join(str(notes.get("cause") or "").split())[:200]
-    return (f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}"
-            + (f"; cause: {cause}" + (f" ({said})" if said else "") if cause else ""))
+    return f"paged: {where}: {_bits(notes.get('value'))}, below {_value(notes.get('threshold'))}" + (
+        f"; cause: {cause}" + (f" ({said})" if said else "") if cause else ""
+    )
 
 
 def job_line(job: dict[str, Any]) -> str:
@@ -81,5 +87,8 @@ def job_line(job: dict[str, Any]) -> str:
 def policy_changes(key: str, adjustments: list[dict[str, Any]]) -> list[str]:
     """The adjustments that changed a value the request asked for ("requested -> applied"); the
     defaults a policy filled in where the request said nothing are no event."""
-    return [f"{key}: {a['param']} {_value(a['requested'])} -> {_value(a['applied'])}" for a in adjustments
-            if a.get("requested") is not None and a.get("requested") != a.get("applied")]
+    return [
+        f"{key}: {a['param']} {_value(a['requested'])} -> {_value(a['applied'])}"
+        for a in adjustments
+        if a.get("requested") is not None and a.get("requested") != a.get("applied")
+    ]

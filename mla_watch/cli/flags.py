@@ -16,9 +16,27 @@ from typing import Any
 from mla_watch.server.config import ServerConfig
 from mla_watch.server.expert_counts import ExpertSelection
 
-__all__ = ["DEFAULT_STATE_DIR", "DOCS", "REPOSITORY", "byte_size", "expert_selection", "fleet_url", "history_retention",
-           "integer_in", "non_negative_float", "non_negative_int", "number_at_least", "parse_options",
-           "perplexity_margin", "positive_float", "positive_int", "positive_share", "share", "tcp_port", "upstream_url"]
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "DOCS",
+    "REPOSITORY",
+    "byte_size",
+    "expert_selection",
+    "fleet_url",
+    "history_retention",
+    "integer_in",
+    "non_negative_float",
+    "non_negative_int",
+    "number_at_least",
+    "parse_options",
+    "perplexity_margin",
+    "positive_float",
+    "positive_int",
+    "positive_share",
+    "share",
+    "tcp_port",
+    "upstream_url",
+]
 
 DEFAULT_STATE_DIR: Path = ServerConfig.state_dir
 # The manual's pages, where each command's --help points: named by their path in the repository, which reads the
@@ -40,6 +58,7 @@ def positive_int(text: str) -> int:
 
 def integer_in(low: int, high: int) -> Callable[[str], int]:
     """An argparse type for an integer from ``low`` to ``high``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text[:40])
@@ -62,8 +81,10 @@ def upstream_url(text: str) -> str:
     except ValueError:
         parts, port = None, None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError("expected an http:// or https:// URL with a host (and a port number in "
-                                         "[1, 65535] if any); the value given is not shown, it may hold a password")
+        raise argparse.ArgumentTypeError(
+            "expected an http:// or https:// URL with a host (and a port number in "
+            "[1, 65535] if any); the value given is not shown, it may hold a password"
+        )
     del port
     return text
 
@@ -83,8 +104,9 @@ def byte_size(text: str) -> int:
     scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(text[-1:].lower(), 1)
     digits = text[:-1] if scale > 1 else text
     if not (digits.isascii() and digits.isdigit() and len(digits) <= 12) or int(digits) * scale < 1024:
-        raise argparse.ArgumentTypeError(f"expected a size in bytes of at least 1024, optionally with a K, M or G "
-                                         f"suffix (512M), got {text[:40]!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes of at least 1024, optionally with a K, M or G suffix (512M), got {text[:40]!r}"
+        )
     return int(digits) * scale
 
 
@@ -95,8 +117,9 @@ def history_retention(text: str) -> float:
     except ValueError:
         value = math.nan
     if not (value == 0 or 1 <= value <= 365):
-        raise argparse.ArgumentTypeError(f"expected 0 (no durable history) or a number of days in [1, 365], "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (no durable history) or a number of days in [1, 365], got {text!r}"
+        )
     return value
 
 
@@ -179,8 +202,10 @@ def perplexity_margin(text: str) -> str | float:
     try:
         margin = parse_margin(text[:40])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a relative margin (a percentage up to 100%, e.g. 2%) or an "
-                                         f"absolute one (a number >= 0, e.g. 0.3), got {text[:40]!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a relative margin (a percentage up to 100%, e.g. 2%) or an "
+            f"absolute one (a number >= 0, e.g. 0.3), got {text[:40]!r}"
+        ) from None
     return f"{margin.value * 100:g}%" if margin.relative else margin.value
 
 

@@ -17,8 +17,17 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # uvicorn's own start-up lines ("Uvicorn running on ...") are the server's, not a library's chatter: uvicorn
 # itself is given the level asked for; its per-request access lines only at debug (run_server's access_log).
 # transformers keeps its own handler and its default level (warnings), whatever is set here.
-LIBRARY_LOGGERS = ("httpx", "httpcore", "urllib3", "asyncio", "filelock", "apscheduler", "huggingface_hub",
-                   "psycopg", "uvicorn.access")
+LIBRARY_LOGGERS = (
+    "httpx",
+    "httpcore",
+    "urllib3",
+    "asyncio",
+    "filelock",
+    "apscheduler",
+    "huggingface_hub",
+    "psycopg",
+    "uvicorn.access",
+)
 
 
 def library_level(level: str) -> int:

@@ -35,35 +35,58 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from mla_watch.cli.demo import main as demo
 
     logging.basicConfig(level=logging.ERROR)
-    return demo(args.out, live=not args.no_live and sys.stdout.isatty(), timeout=args.timeout,
-                inject_fault=not args.no_fault, port=args.port, receiver_port=args.receiver_port)
+    return demo(
+        args.out,
+        live=not args.no_live and sys.stdout.isatty(),
+        timeout=args.timeout,
+        inject_fault=not args.no_fault,
+        port=args.port,
+        receiver_port=args.receiver_port,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mla-watch`` parser; its subcommands in the order ``--help`` lists them."""
     from mla_watch import __version__
 
-    parser = Parser(prog="mla-watch", description="Watch the routers of an MLA/MoE model.",
-                    epilog=f"The manual: {DOCS}index.md, and each command's --help names its page (the docs "
-                           f"folder of {REPOSITORY})")
+    parser = Parser(
+        prog="mla-watch",
+        description="Watch the routers of an MLA/MoE model.",
+        epilog=f"The manual: {DOCS}index.md, and each command's --help names its page (the docs "
+        f"folder of {REPOSITORY})",
+    )
     parser.add_argument("--version", action="version", version=f"mla-watch {__version__}")
     # [Any]: the subcommand modules are typed for ArgumentParser's subparsers; these make Parser ones (its subclass)
-    commands: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True,
-                                                                      metavar="COMMAND")
+    commands: argparse._SubParsersAction[Any] = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     traffic.add_parsers(commands)  # routing, baseline
     serve.add_parser(commands)
     check.add_parsers(commands)  # check, rules export
     context.add_parser(commands)
-    demo = commands.add_parser("demo", help=f"the whole loop in {DEMO_DURATION} on 2 CPU cores, offline, on the "
-                                            "bundled model", epilog=f"The manual: {DOCS}first-hour.md")
-    demo.add_argument("--out", type=Path, default=Path("mla-watch-demo"),
-                      help="where timeline.png and summary.json go (default ./mla-watch-demo)")
-    demo.add_argument("--port", type=tcp_port, default=0,
-                      help="the port of the demo's sidecar on 127.0.0.1, whose status page it prints to open; "
-                           "0: any free one (default 0)")
-    demo.add_argument("--receiver-port", type=tcp_port, default=0,
-                      help="the port on 127.0.0.1 of the webhook receiver standing in for on-call, which the demo's "
-                           "pages go to; 0: any free one (default 0)")
+    demo = commands.add_parser(
+        "demo",
+        help=f"the whole loop in {DEMO_DURATION} on 2 CPU cores, offline, on the bundled model",
+        epilog=f"The manual: {DOCS}first-hour.md",
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=Path("mla-watch-demo"),
+        help="where timeline.png and summary.json go (default ./mla-watch-demo)",
+    )
+    demo.add_argument(
+        "--port",
+        type=tcp_port,
+        default=0,
+        help="the port of the demo's sidecar on 127.0.0.1, whose status page it prints to open; "
+        "0: any free one (default 0)",
+    )
+    demo.add_argument(
+        "--receiver-port",
+        type=tcp_port,
+        default=0,
+        help="the port on 127.0.0.1 of the webhook receiver standing in for on-call, which the demo's "
+        "pages go to; 0: any free one (default 0)",
+    )
     demo.add_argument("--no-live", action="store_true", help="print progress lines instead of the live view")
     demo.add_argument("--timeout", type=positive_float, default=600.0, help="give up after this many seconds")
     demo.add_argument("--no-fault", action="store_true", help=argparse.SUPPRESS)  # the failure path, for tests
@@ -93,4 +116,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (error.label == "standard output" and error.errno == errno.EPIPE):  # `| head`: the reader is done
             print(f"{prog(args)}: {error}", file=sys.stderr)
         raise SystemExit(1) from None
-

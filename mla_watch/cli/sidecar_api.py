@@ -34,7 +34,10 @@ def call_sidecar(command: str, url: str, method: str, path: str, body: dict[str,
     except ValueError:
         document = {"error": {"message": response.text[:500]}}
     if response.status_code >= 400:
-        message = document.get("error", {}).get("message", response.text[:500]) if isinstance(document, dict) \
+        message = (
+            document.get("error", {}).get("message", response.text[:500])
+            if isinstance(document, dict)
             else response.text[:500]
+        )
         raise SystemExit(f"{command}: {method} {path} answered {response.status_code}: {message}")
     return document

@@ -33,9 +33,23 @@ from typing import Any, NoReturn
 
 from mla_watch.common.describe import describe_value
 
-__all__ = ["FlagError", "HelpFormatter", "Parser", "attn_problem", "bind_listener", "check_serve_flags",
-           "device_problem", "end_abandoned_work", "finish_parser", "held_logs", "model_problem",
-           "one_thread_for_the_bundled_model", "parse_args", "require_model_extra", "run_server"]
+__all__ = [
+    "FlagError",
+    "HelpFormatter",
+    "Parser",
+    "attn_problem",
+    "bind_listener",
+    "check_serve_flags",
+    "device_problem",
+    "end_abandoned_work",
+    "finish_parser",
+    "held_logs",
+    "model_problem",
+    "one_thread_for_the_bundled_model",
+    "parse_args",
+    "require_model_extra",
+    "run_server",
+]
 
 MODEL_EXPECTED = 'expected "bundled" or a save_pretrained directory'
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -110,13 +124,17 @@ def model_problem(value: str | Path, *, full: bool = True) -> str | None:
     if model_type not in CONFIG_MAPPING:  # registered types (AutoConfig.register) are in it too
         match = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=1)
         hint = f' (did you mean "{match[0]}"?)' if match else ""
-        return (f"{config_file}: model_type {_shown(model_type, 60)!r} is unknown to transformers "
-                f"{transformers.__version__}: expected the config of an architecture transformers implements{hint}")
+        return (
+            f"{config_file}: model_type {_shown(model_type, 60)!r} is unknown to transformers "
+            f"{transformers.__version__}: expected the config of an architecture transformers implements{hint}"
+        )
     if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
         return f"no weights in {path} (*.safetensors or pytorch_model.bin): {MODEL_EXPECTED}"
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        return (f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json): expected a save_pretrained "
-                "directory the tokenizer was saved to as well")
+        return (
+            f"no tokenizer in {path} (tokenizer.json or tokenizer_config.json): expected a save_pretrained "
+            "directory the tokenizer was saved to as well"
+        )
     return None
 
 
@@ -133,13 +151,19 @@ def device_problem(value: str) -> str | None:
         if value == "mps" and mps is not None and mps.is_available():
             return None
         lowered = value.lower()
-        guess = "cuda" if lowered.startswith(("gpu", "nvidia", "cuda")) else next(
-            iter(difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1)), None)
+        guess = (
+            "cuda"
+            if lowered.startswith(("gpu", "nvidia", "cuda"))
+            else next(iter(difflib.get_close_matches(lowered, ["auto", "cpu", "cuda"], n=1)), None)
+        )
         hint = f" (did you mean {guess}?)" if guess else ""
         return f"expected auto, cpu, cuda or cuda:N{hint}"
     if not torch.cuda.is_available():
-        why = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
-               else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU")
+        why = (
+            f"torch {torch.__version__} is built without CUDA"
+            if torch.version.cuda is None
+            else f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
+        )
         return f"CUDA is not available on this machine ({why}): expected auto or cpu"
     count = torch.cuda.device_count()
     if match.group(1) is not None and int(match.group(1)) >= count:
@@ -184,11 +208,13 @@ def _creatable_dir(flag: str, path: Path, what: str) -> None:
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise FlagError(f"{flag} {_shown(path)}: cannot be created, {_shown(ancestor)} is not a directory: "
-                        f"expected {what}")
+        raise FlagError(
+            f"{flag} {_shown(path)}: cannot be created, {_shown(ancestor)} is not a directory: expected {what}"
+        )
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise FlagError(f"{flag} {_shown(path)}: cannot be created in {_shown(ancestor)} (not writable): "
-                        f"expected {what}")
+        raise FlagError(
+            f"{flag} {_shown(path)}: cannot be created in {_shown(ancestor)} (not writable): expected {what}"
+        )
 
 
 def _public_url(text: str) -> None:
@@ -200,8 +226,10 @@ def _public_url(text: str) -> None:
     except ValueError:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise FlagError(f"--public-url {_shown(text)}: expected an http:// or https:// URL with a host, the one "
-                        "on-call opens (links in alerts point there)")
+        raise FlagError(
+            f"--public-url {_shown(text)}: expected an http:// or https:// URL with a host, the one "
+            "on-call opens (links in alerts point there)"
+        )
 
 
 def one_thread_for_the_bundled_model(model: str, device: str) -> None:
@@ -238,29 +266,45 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     _existing_dir("--reference-prompts", args.reference_prompts, "a directory of reference prompt YAML files")
     if args.public_url:
         _public_url(args.public_url)
-    if args.model_config is not None and not (args.model_config.is_file()
-                                              or (args.model_config / "config.json").is_file()):
-        raise FlagError(f"--model-config {_shown(args.model_config)}: "
-                        f"{'no config.json in it' if args.model_config.is_dir() else 'no such file or directory'}: "
-                        "expected the config.json the engine loaded, or its directory")
+    if args.model_config is not None and not (
+        args.model_config.is_file() or (args.model_config / "config.json").is_file()
+    ):
+        raise FlagError(
+            f"--model-config {_shown(args.model_config)}: "
+            f"{'no config.json in it' if args.model_config.is_dir() else 'no such file or directory'}: "
+            "expected the config.json the engine loaded, or its directory"
+        )
     if getattr(args, "reference_priority", None) is not None and args.engine not in ("vllm", "auto"):
-        raise FlagError(f"--reference-priority {args.reference_priority}: the request priority is vLLM's: expected "
-                        f"--engine vllm (not {args.engine})")
+        raise FlagError(
+            f"--reference-priority {args.reference_priority}: the request priority is vLLM's: expected "
+            f"--engine vllm (not {args.engine})"
+        )
     if args.reference_model is not None:
         _existing_dir("--reference-model", args.reference_model, "the checkpoint directory of the served model")
         if not any(args.reference_model.glob("*.safetensors")):
-            raise FlagError(f"--reference-model {_shown(args.reference_model)}: no *.safetensors file in it: "
-                            "expected the checkpoint directory of the served model (save_pretrained, safetensors)")
-    if args.sglang_recorder_dir is not None and args.sglang_recorder_dir.exists() \
-            and not args.sglang_recorder_dir.is_dir():
-        raise FlagError(f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)}: not a directory: expected the "
-                        "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
+            raise FlagError(
+                f"--reference-model {_shown(args.reference_model)}: no *.safetensors file in it: "
+                "expected the checkpoint directory of the served model (save_pretrained, safetensors)"
+            )
+    if (
+        args.sglang_recorder_dir is not None
+        and args.sglang_recorder_dir.exists()
+        and not args.sglang_recorder_dir.is_dir()
+    ):
+        raise FlagError(
+            f"--sglang-recorder-dir {_shown(args.sglang_recorder_dir)}: not a directory: expected the "
+            "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"
+        )
     if args.dataset_dir is not None:
-        _creatable_dir("--dataset-dir", args.dataset_dir, "a directory re-tune datasets are read from (created if "
-                                                          "missing)")
+        _creatable_dir(
+            "--dataset-dir", args.dataset_dir, "a directory re-tune datasets are read from (created if missing)"
+        )
     if args.engine_swap_dir is not None:
-        _creatable_dir("--engine-swap-dir", args.engine_swap_dir, "a directory router checkpoints are written to "
-                                                                  "for the engine (created if missing)")
+        _creatable_dir(
+            "--engine-swap-dir",
+            args.engine_swap_dir,
+            "a directory router checkpoints are written to for the engine (created if missing)",
+        )
     if not args.upstream:  # the model is served here: it must load
         check_model_flags(args)
         if (problem := attn_problem(args.attn_implementation)) is not None:
@@ -305,18 +349,26 @@ def bind_listener(host: str, port: int) -> socket.socket:
         sock.close()
         address = _address(host, port)
         if isinstance(error, socket.gaierror):
-            raise FlagError(f"--host {_shown(host)}: cannot resolve it ({error.strerror}): expected an address of "
-                            "this machine (127.0.0.1, 0.0.0.0, ::) or a name that resolves to one") from None
+            raise FlagError(
+                f"--host {_shown(host)}: cannot resolve it ({error.strerror}): expected an address of "
+                "this machine (127.0.0.1, 0.0.0.0, ::) or a name that resolves to one"
+            ) from None
         if error.errno == errno.EADDRINUSE:
             raise FlagError(f"--port {port}: {address} is in use: expected a free port (or --port 0 for any)") from None
         if error.errno == errno.EACCES:
-            raise FlagError(f"--port {port}: binding {address} is not permitted: expected a port >= 1024 (or the "
-                            "privilege to bind a lower one)") from None
+            raise FlagError(
+                f"--port {port}: binding {address} is not permitted: expected a port >= 1024 (or the "
+                "privilege to bind a lower one)"
+            ) from None
         if error.errno == errno.EADDRNOTAVAIL:
-            raise FlagError(f"--host {_shown(host)}: not an address of this machine: expected one of its addresses "
-                            "(127.0.0.1, 0.0.0.0, ::)") from None
-        raise FlagError(f"--host {_shown(host)} --port {port}: cannot listen on {address} "
-                        f"({error.strerror or error}): expected a local address and a free port") from None
+            raise FlagError(
+                f"--host {_shown(host)}: not an address of this machine: expected one of its addresses "
+                "(127.0.0.1, 0.0.0.0, ::)"
+            ) from None
+        raise FlagError(
+            f"--host {_shown(host)} --port {port}: cannot listen on {address} "
+            f"({error.strerror or error}): expected a local address and a free port"
+        ) from None
     return sock
 
 
@@ -337,8 +389,9 @@ def run_server(app: Any, sock: socket.socket, **options: Any) -> None:
             await super().startup(sockets=sockets)
             if self.started and sockets:  # uvicorn says it only for the sockets it binds itself
                 host, port = sockets[0].getsockname()[:2]
-                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s (Press CTRL+C to quit)",
-                                                        _address(host, port))
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s (Press CTRL+C to quit)", _address(host, port)
+                )
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             super().handle_exit(sig, frame)
@@ -359,12 +412,16 @@ def end_abandoned_work() -> None:
     """End the process now where work the stop abandoned (a re-tune job mid-fit, an engine request awaiting its
     answer) still holds a thread the interpreter would wait for: what must outlive the process was saved by the
     stop, and the pod's grace must not be spent waiting for the rest."""
-    left = [thread.name for thread in threading.enumerate()
-            if thread is not threading.current_thread() and thread.is_alive() and not thread.daemon]
+    left = [
+        thread.name
+        for thread in threading.enumerate()
+        if thread is not threading.current_thread() and thread.is_alive() and not thread.daemon
+    ]
     if not left:
         return
-    logging.getLogger("mla_watch.server").info("ending the work abandoned at the stop (threads %s)",
-                                               ", ".join(sorted(left)))
+    logging.getLogger("mla_watch.server").info(
+        "ending the work abandoned at the stop (threads %s)", ", ".join(sorted(left))
+    )
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -431,14 +488,26 @@ class HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
-                             break_on_hyphens=False, break_long_words=False)
+        return textwrap.fill(
+            " ".join(text.split()),
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if (not action.option_strings or action.nargs == 0 or default is None or default is argparse.SUPPRESS
-                or default == [] or "default" in text.lower()):
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or default is None
+            or default is argparse.SUPPRESS
+            or default == []
+            or "default" in text.lower()
+        ):
             return text
         return f"{text} (default %(default)s)" if text else "(default %(default)s)"
 

@@ -14,5 +14,6 @@ def format_table(rows: Sequence[Sequence[str]], *, numbers: bool = False) -> str
     def cell(text: str, width: int) -> str:
         return text.rjust(width) if numbers else text.ljust(width)
 
-    return "\n".join("  ".join(cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip()
-                     for row in rows)
+    return "\n".join(
+        "  ".join(cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )

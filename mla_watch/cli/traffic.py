@@ -94,9 +94,13 @@ def _run(args: argparse.Namespace) -> Any:
             input_ids = torch.tensor([ids], device=device)
             with probe.attribute(line), probe.record_routing() as recording:
                 if args.generate > 0:
-                    model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                   max_new_tokens=args.generate, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)
+                    model.generate(
+                        input_ids=input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        max_new_tokens=args.generate,
+                        do_sample=False,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
                 else:
                     model(input_ids=input_ids)
             if footprint is not None:
@@ -108,11 +112,20 @@ def _run(args: argparse.Namespace) -> Any:
 
 
 def _format_table(records: list[dict[str, Any]]) -> str:
-    columns = [("layer", "layer", "{}"), ("router", "name", "{}"), ("kind", "kind", "{}"),
-               ("tokens", "tokens", "{}"), ("entropy", "entropy_bits", "{:.3f}"), ("floor", "floor_bits", "{:.3f}"),
-               ("ceiling", "ceiling_bits", "{:.3f}"), ("normalized", "normalized_entropy", "{:.3f}"),
-               ("maxvio", "max_violation", "{:.3f}"), ("dead", "dead_slots", "{}"),
-               ("js", "js_divergence", "{:.4f}"), ("locality", "locality", "{:.3f}")]
+    columns = [
+        ("layer", "layer", "{}"),
+        ("router", "name", "{}"),
+        ("kind", "kind", "{}"),
+        ("tokens", "tokens", "{}"),
+        ("entropy", "entropy_bits", "{:.3f}"),
+        ("floor", "floor_bits", "{:.3f}"),
+        ("ceiling", "ceiling_bits", "{:.3f}"),
+        ("normalized", "normalized_entropy", "{:.3f}"),
+        ("maxvio", "max_violation", "{:.3f}"),
+        ("dead", "dead_slots", "{}"),
+        ("js", "js_divergence", "{:.4f}"),
+        ("locality", "locality", "{:.3f}"),
+    ]
     rows = [[title for title, _, _ in columns]]
     for record in records:
         row = []
@@ -137,9 +150,11 @@ def _cmd_routing(args: argparse.Namespace) -> int:
     text = _format_table(records) + "\n"
     footprint = probe.footprint
     if footprint is not None and footprint.business_lines:
-        text += ("\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
-                 "concurrent requests reads (each request's tokens stand in for its decode steps; "
-                 f"{footprint.num_experts} experts per layer)\n" + footprint.table().format() + "\n")
+        text += (
+            "\nExpert footprint of a batch: mean distinct experts per MoE layer that one decode step of B "
+            "concurrent requests reads (each request's tokens stand in for its decode steps; "
+            f"{footprint.num_experts} experts per layer)\n" + footprint.table().format() + "\n"
+        )
     write_stdout(text)
     return 0
 
@@ -156,8 +171,10 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
         raise write_error(label, error) from None
     routers = {entry["router"] for entry in document["series"]}
     lines = {entry["business_line"] for entry in document["series"]}
-    print(f"wrote the healthy baselines of {len(routers)} routers x {len(lines)} business lines "
-          f"({', '.join(sorted(lines))}) to {out}")
+    print(
+        f"wrote the healthy baselines of {len(routers)} routers x {len(lines)} business lines "
+        f"({', '.join(sorted(lines))}) to {out}"
+    )
     return 0
 
 
@@ -169,25 +186,33 @@ def traffic_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompts", type=Path, help="a file of prompts: one per line, or JSONL with 'prompt'")
     parser.add_argument("--samples", type=int, default=64, help="generated samples (default 64)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the generated traffic")
-    parser.add_argument("--generate", type=int, default=0,
-                        help="tokens to generate after each prompt (default 0: one forward pass over it)")
+    parser.add_argument(
+        "--generate",
+        type=int,
+        default=0,
+        help="tokens to generate after each prompt (default 0: one forward pass over it)",
+    )
 
 
 def add_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``routing`` and ``baseline`` subcommands."""
-    manual = f"The manual: {DOCS}serving.md (\"The command line beside the server\"); how long it takes: " \
-             f"{DOCS}first-hour.md"
-    routing = commands.add_parser("routing", help="run traffic through the model and print per-router statistics",
-                                  epilog=manual)
+    manual = (
+        f'The manual: {DOCS}serving.md ("The command line beside the server"); how long it takes: {DOCS}first-hour.md'
+    )
+    routing = commands.add_parser(
+        "routing", help="run traffic through the model and print per-router statistics", epilog=manual
+    )
     traffic_options(routing)
     routing.add_argument("--baseline", type=Path, help="a baseline file, to report drift (js)")
     routing.add_argument("--json", action="store_true", help="print JSON records instead of a table")
     routing.set_defaults(handler=_cmd_routing)
 
-    baseline = commands.add_parser("baseline", help="save the routing counts that drift checks compare against",
-                                   epilog=manual)
+    baseline = commands.add_parser(
+        "baseline", help="save the routing counts that drift checks compare against", epilog=manual
+    )
     traffic_options(baseline)
-    baseline.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
-                          help="where baseline.json is written unless --out says")
+    baseline.add_argument(
+        "--state-dir", type=Path, default=DEFAULT_STATE_DIR, help="where baseline.json is written unless --out says"
+    )
     baseline.add_argument("--out", type=Path, help="file to write (default STATE_DIR/baseline.json)")
     baseline.set_defaults(handler=_cmd_baseline)

@@ -29,8 +29,9 @@ def _render(value: Any, form: Form) -> str:
     return str(value)
 
 
-def describe_value(value: Any, limit: int = 80, *, form: Form = "json", ellipsis: str = "...",
-                   ellipsis_after_limit: bool = False) -> str:
+def describe_value(
+    value: Any, limit: int = 80, *, form: Form = "json", ellipsis: str = "...", ellipsis_after_limit: bool = False
+) -> str:
     """``value`` written in ``form`` (:data:`Form`), at most ``limit`` characters: a longer text keeps its start
     and ends in ``ellipsis``, within the limit, or after ``limit`` characters with ``ellipsis_after_limit``.
 

@@ -33,8 +33,9 @@ ConfigError = SettingsError
 
 def config_files(directory: Path) -> list[Path]:
     """The configuration files of ``directory``: ``*.yaml`` / ``*.yml``, hidden files (editor droppings) skipped."""
-    return sorted(p for p in directory.iterdir()
-                  if p.suffix in CONFIG_SUFFIXES and not p.name.startswith(".") and not p.is_dir())
+    return sorted(
+        p for p in directory.iterdir() if p.suffix in CONFIG_SUFFIXES and not p.name.startswith(".") and not p.is_dir()
+    )
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,15 @@ class DirectoryStore(Generic[T]):
     called with the :class:`ReloadResult` of every attempt; its exceptions are logged, never raised.
     """
 
-    def __init__(self, directory: Path, load: Callable[[Path], T], *, what: str,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_reload: Callable[[ReloadResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        load: Callable[[Path], T],
+        *,
+        what: str,
+        clock: Callable[[], float] = time.monotonic,
+        on_reload: Callable[[ReloadResult], None] | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.what = what
         self._load = load
@@ -120,8 +127,9 @@ class DirectoryStore(Generic[T]):
             except SettingsError as exc:
                 self._last_error = exc
                 result = ReloadResult(ok=False, changed=False, errors=list(exc.errors), version=self._version)
-                log.error("%s reload refused, version %d stays in force: %s", self.what, self._version,
-                          "; ".join(exc.errors))
+                log.error(
+                    "%s reload refused, version %d stays in force: %s", self.what, self._version, "; ".join(exc.errors)
+                )
             else:
                 self._last_error = None
                 changed = new != self._current

@@ -30,8 +30,15 @@ from pathlib import Path
 
 from mla_watch.common.state_dir import PRIVATE_FILE_MODE
 
-__all__ = ["OutputError", "check_output_dir", "check_output_file", "problem_words", "write_error", "write_file",
-           "write_stdout"]
+__all__ = [
+    "OutputError",
+    "check_output_dir",
+    "check_output_file",
+    "problem_words",
+    "write_error",
+    "write_file",
+    "write_stdout",
+]
 
 # errno -> (what went wrong, what to do)
 _WORDS: dict[int, tuple[str, str]] = {
@@ -39,13 +46,17 @@ _WORDS: dict[int, tuple[str, str]] = {
     errno.EDQUOT: ("the disk quota is used up", "free space or raise the quota, or write elsewhere"),
     errno.EROFS: ("read-only file system", "remount it read-write, or write elsewhere"),
     errno.EACCES: ("not allowed", "check the owner and mode of the file and of its directory, or write elsewhere"),
-    errno.EPERM: ("not allowed", "check the owner, mode and attributes of the file and of its directory, or write "
-                  "elsewhere"),
+    errno.EPERM: (
+        "not allowed",
+        "check the owner, mode and attributes of the file and of its directory, or write elsewhere",
+    ),
     errno.EISDIR: ("is a directory", "name a file (in that directory, say), not the directory"),
     errno.ENOTDIR: ("a part of the path is not a directory", "check the path"),
     errno.ENOENT: ("its directory does not exist", "create the directory first, or check the path"),
-    errno.EIO: ("an input/output error: the disk or its file system failed", "check the disk and the kernel log "
-                "(dmesg)"),
+    errno.EIO: (
+        "an input/output error: the disk or its file system failed",
+        "check the disk and the kernel log (dmesg)",
+    ),
     errno.EPIPE: ("the reader at the other end went away", "keep the reader open until everything is written"),
     errno.ENXIO: ("no device or reader behind it", "check the path"),
     errno.EFBIG: ("too large for its file system", "write elsewhere"),
@@ -55,8 +66,13 @@ _WORDS: dict[int, tuple[str, str]] = {
     errno.EBADF: ("not open for writing", "give a path that can be written"),
 }
 # SQLite's result codes (its error's sqlite_errorname) -> the errno whose words say the same
-_SQLITE: dict[str, int] = {"SQLITE_FULL": errno.ENOSPC, "SQLITE_READONLY": errno.EROFS, "SQLITE_IOERR": errno.EIO,
-                           "SQLITE_PERM": errno.EACCES, "SQLITE_CANTOPEN": errno.EACCES}
+_SQLITE: dict[str, int] = {
+    "SQLITE_FULL": errno.ENOSPC,
+    "SQLITE_READONLY": errno.EROFS,
+    "SQLITE_IOERR": errno.EIO,
+    "SQLITE_PERM": errno.EACCES,
+    "SQLITE_CANTOPEN": errno.EACCES,
+}
 _SQLITE_WORDS: dict[str, tuple[str, str]] = {
     "SQLITE_CORRUPT": ("the file is damaged", "move it aside and start again"),
     "SQLITE_NOTADB": ("not an SQLite file", "move it aside and start again"),
@@ -124,9 +140,21 @@ def write_error(label: str | os.PathLike[str], error: BaseException, *, advice: 
 
 
 def _kind(mode: int) -> str:
-    return ("a directory" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode)
-            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
-            else "a FIFO" if stat.S_ISFIFO(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file")
+    return (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a regular file"
+        if stat.S_ISREG(mode)
+        else "a special file"
+    )
 
 
 def _umask() -> int:
@@ -141,11 +169,17 @@ def _umask() -> int:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
-def write_file(path: str | os.PathLike[str], data: str | bytes, *, private: bool = False, parents: bool = False,
-               label: str | None = None) -> Path:
+def write_file(
+    path: str | os.PathLike[str],
+    data: str | bytes,
+    *,
+    private: bool = False,
+    parents: bool = False,
+    label: str | None = None,
+) -> Path:
     """Write ``data`` to ``path`` (see the module docstring); returns the path written (a link's target).
 
     ``private``: a file created or replaced is owner-only (0600) from its first byte; otherwise a new file gets
@@ -165,14 +199,14 @@ def write_file(path: str | os.PathLike[str], data: str | bytes, *, private: bool
                 _write_through(path, payload)
                 return path
             if stat.S_ISDIR(found.st_mode):
-                raise OutputError(label, "is a directory", "name a file (in that directory, say), not the directory",
-                                  errno.EISDIR)
+                raise OutputError(
+                    label, "is a directory", "name a file (in that directory, say), not the directory", errno.EISDIR
+                )
             raise OutputError(label, f"is {_kind(found.st_mode)}", "name a regular file, a device or a FIFO")
         target = Path(os.path.realpath(path))  # the file a link points to (a dangling one: where it points)
         if parents:
             target.parent.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
-        mode = (PRIVATE_FILE_MODE if private else stat.S_IMODE(found.st_mode) if found is not None
-                else 0o666 & ~_umask())
+        mode = PRIVATE_FILE_MODE if private else stat.S_IMODE(found.st_mode) if found is not None else 0o666 & ~_umask()
         _replace(target, payload, mode)
         return target
     except OutputError:
@@ -226,10 +260,15 @@ def check_output_file(path: str | os.PathLike[str], *, label: str | None = None,
             found = None
         if found is not None:
             if stat.S_ISDIR(found.st_mode):
-                raise OutputError(label, "is a directory", "name a file (in that directory, say), not the directory",
-                                  errno.EISDIR)
-            if not (stat.S_ISREG(found.st_mode) or stat.S_ISCHR(found.st_mode) or stat.S_ISBLK(found.st_mode)
-                    or stat.S_ISFIFO(found.st_mode)):
+                raise OutputError(
+                    label, "is a directory", "name a file (in that directory, say), not the directory", errno.EISDIR
+                )
+            if not (
+                stat.S_ISREG(found.st_mode)
+                or stat.S_ISCHR(found.st_mode)
+                or stat.S_ISBLK(found.st_mode)
+                or stat.S_ISFIFO(found.st_mode)
+            ):
                 raise OutputError(label, f"is {_kind(found.st_mode)}", "name a regular file, a device or a FIFO")
             if stat.S_ISREG(found.st_mode) and not os.access(target.parent, os.W_OK | os.X_OK):
                 raise OSError(errno.EROFS if _read_only(target.parent) else errno.EACCES, "")
@@ -261,8 +300,12 @@ def check_output_dir(path: str | os.PathLike[str], *, label: str | None = None, 
     label = label or str(path)
     try:
         if path.exists() and not path.is_dir():
-            raise OutputError(label, f"is {_kind(os.stat(path).st_mode)}, not a directory",
-                              "name a directory for the outputs (it is created if missing)", errno.ENOTDIR)
+            raise OutputError(
+                label,
+                f"is {_kind(os.stat(path).st_mode)}, not a directory",
+                "name a directory for the outputs (it is created if missing)",
+                errno.ENOTDIR,
+            )
         path.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe-", dir=path)
         try:

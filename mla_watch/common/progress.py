@@ -62,8 +62,14 @@ class Progress:
     starting with ``prog``.
     """
 
-    def __init__(self, prog: str, *, stream: TextIO | None = None, live: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        prog: str,
+        *,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.prog = prog
         self.stream = stream if stream is not None else sys.stderr
         self.live = bool(getattr(self.stream, "isatty", lambda: False)()) if live is None else live
@@ -89,8 +95,10 @@ class Progress:
             if count and done < count and done * STEPS_PIPED // count > shown and now - last >= LINE_SECONDS:
                 shown, last = done * STEPS_PIPED // count, now
                 elapsed = now - started
-                self.say(f"{done}/{count} {what} ({100 * done // count}%), {_seconds(elapsed)}, about "
-                         f"{_seconds(elapsed / done * (count - done))} left")
+                self.say(
+                    f"{done}/{count} {what} ({100 * done // count}%), {_seconds(elapsed)}, about "
+                    f"{_seconds(elapsed / done * (count - done))} left"
+                )
         self.say(f"{done} {what} in {_seconds(self.clock() - started)}")
 
     def _bar(self, items: Iterable[T], what: str, count: int) -> Iterator[T]:
@@ -104,8 +112,14 @@ class Progress:
         )
         from rich.progress import Progress as Bar
 
-        columns: list[Any] = [TextColumn(f"{self.prog}: {what}"), BarColumn(), MofNCompleteColumn(),
-                              TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()]
+        columns: list[Any] = [
+            TextColumn(f"{self.prog}: {what}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("left"),
+            TimeRemainingColumn(),
+        ]
         with Bar(*columns, console=Console(file=self.stream), transient=True) as bar:
             task = bar.add_task(what, total=count or None)
             started = self.clock()

@@ -37,6 +37,7 @@ class SettingProblem:
 
     def message(self, name: FieldNamer | None = None) -> str:
         """``field = value: expected ...``, or with ``name`` giving a flag, ``--flag value: expected ...``."""
+
         def fields(text: str) -> str:  # the value shown is the user's: its braces are left alone
             return _FIELD.sub(lambda m: _named(m.group(1), name), text)
 

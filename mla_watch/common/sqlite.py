@@ -48,9 +48,17 @@ def _refused_by_the_disk(error: sqlite3.Error) -> bool:
 class PrivateDatabase:
     """One SQLite file, thread-safe. ``what`` names it in messages (``"outbox"``); ``error`` is raised."""
 
-    def __init__(self, path: Path, *, what: str, error: type[Exception], schema: str,
-                 synchronous: Literal["NORMAL", "FULL"] = "NORMAL", writes: StateWrites | None = None,
-                 kept: str | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        what: str,
+        error: type[Exception],
+        schema: str,
+        synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
+        writes: StateWrites | None = None,
+        kept: str | None = None,
+    ) -> None:
         self.path = Path(path)
         self._what = what
         self._error = error
@@ -67,21 +75,24 @@ class PrivateDatabase:
             os.close(fd)
             os.unlink(probe)
         except OSError as exc:
-            raise error(f"{what} {self.path}: state directory {directory} is not writable: "
-                        f"[Errno {exc.errno}] {exc.strerror}") from exc
+            raise error(
+                f"{what} {self.path}: state directory {directory} is not writable: [Errno {exc.errno}] {exc.strerror}"
+            ) from exc
         try:
             ensure_private_file(self.path)  # 0600, also when an older file was looser
         except OSError as exc:
-            raise error(f"{what} {self.path}: cannot open the file for writing: "
-                        f"[Errno {exc.errno}] {exc.strerror}") from exc
+            raise error(
+                f"{what} {self.path}: cannot open the file for writing: [Errno {exc.errno}] {exc.strerror}"
+            ) from exc
         try:
             self._db = self._connect()
             self._db.executescript(schema)
         except sqlite3.Error as exc:
             if hasattr(self, "_db"):
                 self._db.close()
-            raise error(f"{what} {self.path}: cannot open or initialise the database (expected an SQLite "
-                        f"file): {exc}") from exc
+            raise error(
+                f"{what} {self.path}: cannot open or initialise the database (expected an SQLite file): {exc}"
+            ) from exc
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path), timeout=10.0, isolation_level=None, check_same_thread=False)
@@ -120,8 +131,11 @@ class PrivateDatabase:
                 if str(getattr(exc, "sqlite_errorname", "")).startswith("SQLITE_IOERR"):
                     self._reopen = True
                 if self.writes is not None:
-                    message = (self.writes.failed(self.path, exc, what=self._what) if self._kept is None
-                               else self.writes.failed(self.path, exc, what=self._what, kept=self._kept))
+                    message = (
+                        self.writes.failed(self.path, exc, what=self._what)
+                        if self._kept is None
+                        else self.writes.failed(self.path, exc, what=self._what, kept=self._kept)
+                    )
                 else:
                     message = str(write_error(f"{self._what} {self.path}", exc))
                 raise self._error(message) from exc

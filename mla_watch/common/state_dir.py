@@ -14,8 +14,14 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["DATASETS_DIR_NAME", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "ensure_private_dir", "ensure_private_file",
-           "set_aside"]
+__all__ = [
+    "DATASETS_DIR_NAME",
+    "PRIVATE_DIR_MODE",
+    "PRIVATE_FILE_MODE",
+    "ensure_private_dir",
+    "ensure_private_file",
+    "set_aside",
+]
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +33,27 @@ DATASETS_DIR_NAME = "datasets"  # the re-tune datasets' directory inside the sta
 def _tighten(path: Path, mode: int, what: str) -> None:
     current = stat.S_IMODE(os.stat(path).st_mode)
     if current & stat.S_ISVTX or path.resolve() == Path(path.resolve().anchor):  # /tmp or /: shared, never ours
-        log.warning("%s %s is shared (mode %o): expected a private %s of its own; leaving its mode alone",
-                    what, path, current, what)
+        log.warning(
+            "%s %s is shared (mode %o): expected a private %s of its own; leaving its mode alone",
+            what,
+            path,
+            current,
+            what,
+        )
         return
     if current & ~mode:
         try:
             os.chmod(path, current & mode)
         except OSError as error:  # not ours (another user's directory): say so, and go on
-            log.warning("%s %s has mode %o, expected %o (owner only); cannot change it: [Errno %s] %s",
-                        what, path, current, mode, error.errno, error.strerror)
+            log.warning(
+                "%s %s has mode %o, expected %o (owner only); cannot change it: [Errno %s] %s",
+                what,
+                path,
+                current,
+                mode,
+                error.errno,
+                error.strerror,
+            )
         else:
             log.info("%s %s had mode %o; now %o (owner only)", what, path, current, current & mode)
 

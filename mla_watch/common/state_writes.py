@@ -42,8 +42,7 @@ class _Failing:
 class StateWrites:
     """The write health of the files under ``root``; thread-safe. ``clock``: wall-clock seconds."""
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, clock: Callable[[], float] = time.time) -> None:
         self.root = None if root is None else Path(os.path.abspath(root))
         self._clock = clock
         self._lock = threading.Lock()
@@ -60,8 +59,9 @@ class StateWrites:
                 pass
         return str(full)
 
-    def failed(self, path: str | os.PathLike[str], error: BaseException, *, what: str = "",
-               kept: str = _STATE_ADVICE) -> str:
+    def failed(
+        self, path: str | os.PathLike[str], error: BaseException, *, what: str = "", kept: str = _STATE_ADVICE
+    ) -> str:
         """A write of ``path`` failed with ``error``: counted; logged when the file was writable before or failed
         another way. Returns the one-line message (``what`` names the file in it: "alert state file")."""
         name = self.name(path)
@@ -72,8 +72,9 @@ class StateWrites:
             self._errors[name] = self._errors.get(name, 0) + 1
             before = self._failing.get(name)
             changed = before is None or before.problem != problem
-            self._failing[name] = _Failing(str(path), problem, message,
-                                           before.since if before is not None and not changed else self._clock())
+            self._failing[name] = _Failing(
+                str(path), problem, message, before.since if before is not None and not changed else self._clock()
+            )
         if changed:
             log.error("%s", message)
         return message
@@ -86,8 +87,13 @@ class StateWrites:
         with self._lock:
             before = self._failing.pop(name, None)
         if before is not None:
-            log.warning("%s %s is written again (it could not be for %.0f s: %s)", what or "state file", path,
-                        max(0.0, self._clock() - before.since), before.problem)
+            log.warning(
+                "%s %s is written again (it could not be for %.0f s: %s)",
+                what or "state file",
+                path,
+                max(0.0, self._clock() - before.since),
+                before.problem,
+            )
 
     def is_failing(self, path: str | os.PathLike[str]) -> bool:
         return self.name(path) in self._failing
@@ -96,8 +102,16 @@ class StateWrites:
         """The files that cannot be written now: ``file``, ``path``, ``problem`` (words), ``message`` (the line
         logged), ``since`` (seconds since the epoch); sorted by file."""
         with self._lock:
-            return [{"file": name, "path": entry.path, "problem": entry.problem, "message": entry.message,
-                     "since": entry.since} for name, entry in sorted(self._failing.items())]
+            return [
+                {
+                    "file": name,
+                    "path": entry.path,
+                    "problem": entry.problem,
+                    "message": entry.message,
+                    "since": entry.since,
+                }
+                for name, entry in sorted(self._failing.items())
+            ]
 
     def error_counts(self) -> dict[str, int]:
         """Failed writes per file since start."""

@@ -24,8 +24,21 @@ from mla_watch.common.output_file import write_file
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BFLOAT16", "as_array", "as_arrays", "from_torch", "is_floating", "is_torch_tensor", "load_tensors",
-           "read_tensors", "router_digest", "save_tensors", "tensors_from_bytes", "tensors_to_bytes", "to_torch"]
+__all__ = [
+    "BFLOAT16",
+    "as_array",
+    "as_arrays",
+    "from_torch",
+    "is_floating",
+    "is_torch_tensor",
+    "load_tensors",
+    "read_tensors",
+    "router_digest",
+    "save_tensors",
+    "tensors_from_bytes",
+    "tensors_to_bytes",
+    "to_torch",
+]
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -94,10 +107,18 @@ def tensors_to_bytes(tensors: Mapping[str, np.ndarray]) -> bytes:
 
 
 # safetensors' dtype names as numpy reads them (its numpy loader of bytes knows no BF16; its file loader does).
-_SAFETENSORS_DTYPES = {"BF16": BFLOAT16, "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
-                       "F64": np.dtype(np.float64), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
-                       "I16": np.dtype(np.int16), "I32": np.dtype(np.int32), "I64": np.dtype(np.int64),
-                       "BOOL": np.dtype(np.bool_)}
+_SAFETENSORS_DTYPES = {
+    "BF16": BFLOAT16,
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "I16": np.dtype(np.int16),
+    "I32": np.dtype(np.int32),
+    "I64": np.dtype(np.int64),
+    "BOOL": np.dtype(np.bool_),
+}
 
 
 def tensors_from_bytes(data: bytes) -> dict[str, np.ndarray]:

@@ -31,8 +31,14 @@ class DirectoryRead(Generic[T]):
     errors: list[str] = field(default_factory=list)
 
 
-def read_yaml_directory(directory: Path, read_file: Callable[[Path], T], error: Callable[[list[str]], SettingsError],
-                        *, kind: str, at_least: str) -> DirectoryRead[T]:
+def read_yaml_directory(
+    directory: Path,
+    read_file: Callable[[Path], T],
+    error: Callable[[list[str]], SettingsError],
+    *,
+    kind: str,
+    at_least: str,
+) -> DirectoryRead[T]:
     """Read each ``*.yaml`` / ``*.yml`` file of ``directory`` (hidden files skipped) with ``read_file``.
 
     A missing, unreadable or empty directory raises ``error`` at once (``kind`` names its files, e.g.
@@ -46,8 +52,12 @@ def read_yaml_directory(directory: Path, read_file: Callable[[Path], T], error: 
     try:
         files = config_files(directory)
     except OSError as exc:
-        raise error([f"{directory}: cannot list the directory ({exc.strerror or exc}): "
-                     f"expected a readable directory of *.yaml {kind} files"]) from None
+        raise error(
+            [
+                f"{directory}: cannot list the directory ({exc.strerror or exc}): "
+                f"expected a readable directory of *.yaml {kind} files"
+            ]
+        ) from None
     if not files:
         raise error([f"{directory}: no {kind} files (*.yaml, *.yml): expected at least {at_least}"])
     result: DirectoryRead[T] = DirectoryRead()

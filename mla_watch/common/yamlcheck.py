@@ -19,8 +19,16 @@ import yaml
 
 from mla_watch.common.describe import describe_value
 
-__all__ = ["Checker", "StrictLoader", "YamlDocument", "check_positive", "fmt", "key_lines", "read_yaml",
-           "read_yaml_document"]
+__all__ = [
+    "Checker",
+    "StrictLoader",
+    "YamlDocument",
+    "check_positive",
+    "fmt",
+    "key_lines",
+    "read_yaml",
+    "read_yaml_document",
+]
 
 
 def fmt(value: object) -> str:
@@ -94,14 +102,16 @@ def key_lines(node: yaml.Node | None) -> dict[str, int]:
     return lines
 
 
-def read_yaml(path: Path, label: str, error: Callable[[list[str]], Exception], *,
-              may_hold_secrets: bool = False) -> Any:
+def read_yaml(
+    path: Path, label: str, error: Callable[[list[str]], Exception], *, may_hold_secrets: bool = False
+) -> Any:
     """The parsed document of :func:`read_yaml_document`, without its lines."""
     return read_yaml_document(path, label, error, may_hold_secrets=may_hold_secrets).data
 
 
-def read_yaml_document(path: Path, label: str, error: Callable[[list[str]], Exception], *,
-                       may_hold_secrets: bool = False) -> YamlDocument:
+def read_yaml_document(
+    path: Path, label: str, error: Callable[[list[str]], Exception], *, may_hold_secrets: bool = False
+) -> YamlDocument:
     """The parsed document and its key lines; a problem raises ``error([message])``. A syntax error quotes
     the line it is on, unless the file ``may_hold_secrets``: no pattern can tell every secret-bearing line
     (an unquoted header value, a URL with a token) from the others, so those files quote none."""
@@ -115,8 +125,9 @@ def read_yaml_document(path: Path, label: str, error: Callable[[list[str]], Exce
         loader = StrictLoader(text)  # a SafeLoader subclass: no arbitrary objects; it refuses control characters
     except yaml.YAMLError as exc:
         where = f"character {exc.position + 1}: " if isinstance(exc, yaml.reader.ReaderError) else ""
-        raise error([f"{label}: {where}YAML error ({type(exc).__name__}): expected valid YAML text, no control "
-                     "characters"]) from None
+        raise error(
+            [f"{label}: {where}YAML error ({type(exc).__name__}): expected valid YAML text, no control characters"]
+        ) from None
     try:
         node = loader.get_single_node()
         data = None if node is None else loader.construct_document(node)
@@ -160,7 +171,7 @@ class Checker:
         """The line of ``path``'s key, else of the nearest enclosing key; ``None`` when none is known."""
         for shown, held in self.shown.items():
             if path == shown or path.startswith((shown + ".", shown + "[")):
-                path = held + path[len(shown):]
+                path = held + path[len(shown) :]
                 break
         while path:
             line = self.lines.get(path)

@@ -35,8 +35,16 @@ from mla_watch.engines.replay import StreamReplayer
 from mla_watch.engines.stream_lines import EventLines
 from mla_watch.engines.watch import FOOTPRINT_TOKENS, EngineRouting
 
-__all__ = ["START_FIELDS", "AnswerReader", "NotAnAnswer", "PlainReader", "ProxiedRequest", "ReadingParts",
-           "RequestFieldError", "UnreadableAnswer"]
+__all__ = [
+    "START_FIELDS",
+    "AnswerReader",
+    "NotAnAnswer",
+    "PlainReader",
+    "ProxiedRequest",
+    "ReadingParts",
+    "RequestFieldError",
+    "UnreadableAnswer",
+]
 
 START_FIELDS = (PROMPT_START_FIELD, SGLANG_START_FIELD)  # vLLM's and SGLang's spelling of one idea
 
@@ -135,9 +143,15 @@ class AnswerReader(abc.ABC):
         body = self.request.body
         # A client that sets vLLM's prompt start wants routing: it gets the rows it asked for.
         keep = body.get(ROUTING_REQUEST_FIELD) is True or any(name in body for name in START_FIELDS)
-        return RoutingPlan(self.engine, routing.geometry, keep=keep, extra=self.request.extra,
-                           prompt_start=prompt_start, position_edges=routing.position_edges,
-                           footprint_tokens=FOOTPRINT_TOKENS)
+        return RoutingPlan(
+            self.engine,
+            routing.geometry,
+            keep=keep,
+            extra=self.request.extra,
+            prompt_start=prompt_start,
+            position_edges=routing.position_edges,
+            footprint_tokens=FOOTPRINT_TOKENS,
+        )
 
     # ------------------------------------------------------------------ a whole answer
     async def answer(self, content: bytes) -> bytes:
@@ -162,8 +176,12 @@ class AnswerReader(abc.ABC):
             raise NotAnAnswer(len(decoded.body or b""))
         request, parts = self.request, self.parts
         if self.reads_routing:
-            parts.routing.count(request.business_line, decoded, streamed=False,  # type: ignore[union-attr]
-                                client=request.client)
+            parts.routing.count(  # type: ignore[union-attr]
+                request.business_line,
+                decoded,
+                streamed=False,
+                client=request.client,
+            )
         if decoded.samples and parts.capture is not None:
             await asyncio.to_thread(parts.capture, request.business_line, decoded.samples, request.client)
         if decoded.body is None:  # the decoding process died holding it: nothing is left to relay
@@ -209,8 +227,9 @@ class AnswerReader(abc.ABC):
         if not self.first:
             return line
         if len(line) >= FILE_HANDOFF_BYTES:  # parsing megabytes would hold the event loop
-            decoded = await self.parts.decoder.chunk(RoutingPlan("none", None, keep=True, extra=self.plan.extra),
-                                                     data, first=True)
+            decoded = await self.parts.decoder.chunk(
+                RoutingPlan("none", None, keep=True, extra=self.plan.extra), data, first=True
+            )
             if decoded.not_json or decoded.body is None:
                 return line
             self.first = False
@@ -232,8 +251,13 @@ class AnswerReader(abc.ABC):
         elif self._unstreamed is not None:
             content, self._unstreamed = self._unstreamed, None
             request = self.request
-            self.parts.counter.submit(request.business_line, self.plan, content,  # type: ignore[union-attr]
-                                      streamed=False, client=request.client)
+            self.parts.counter.submit(  # type: ignore[union-attr]
+                request.business_line,
+                self.plan,
+                content,
+                streamed=False,
+                client=request.client,
+            )
 
     def stream_ended(self) -> None:
         """What a stream leaves to count once it has ended: one whose chunks carried no routing counts as an answer
@@ -261,10 +285,16 @@ def _prompt_start(payload: dict[str, Any]) -> int:
     given = {name: payload.pop(name) for name in START_FIELDS if name in payload}
     for name, value in given.items():
         if type(value) is not int or value < 0:
-            raise RequestFieldError(f"{name}={describe_value(value, 40)} is invalid: expected an integer >= 0 "
-                                    "(prompt tokens left out of the routing returned)", param=name,
-                                    code="invalid_value")
+            raise RequestFieldError(
+                f"{name}={describe_value(value, 40)} is invalid: expected an integer >= 0 "
+                "(prompt tokens left out of the routing returned)",
+                param=name,
+                code="invalid_value",
+            )
     if len(set(given.values())) > 1:
-        raise RequestFieldError(f"{PROMPT_START_FIELD} and {SGLANG_START_FIELD} disagree; send one",
-                                param=SGLANG_START_FIELD, code="conflict")
+        raise RequestFieldError(
+            f"{PROMPT_START_FIELD} and {SGLANG_START_FIELD} disagree; send one",
+            param=SGLANG_START_FIELD,
+            code="conflict",
+        )
     return next(iter(given.values()), 0)

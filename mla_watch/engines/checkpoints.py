@@ -25,20 +25,29 @@ def checkpoint_files(directory: Path, field: str = "reference_model") -> dict[st
             if not isinstance(weight_map, dict):
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
-            raise _problem(field, directory, f"{INDEX_FILE} is unreadable",
-                           "JSON with a \"weight_map\" object of tensor name -> file") from None
+            raise _problem(
+                field,
+                directory,
+                f"{INDEX_FILE} is unreadable",
+                'JSON with a "weight_map" object of tensor name -> file',
+            ) from None
         files: dict[str, Path] = {}
         for name, file in weight_map.items():
             path = (directory / str(file)).resolve()
             if path.parent != directory.resolve():  # the index must not point outside the checkpoint
-                raise _problem(field, directory, f"{INDEX_FILE} maps {str(name)[:200]!r} to a file outside the "
-                               "directory", "a file name in it")
+                raise _problem(
+                    field,
+                    directory,
+                    f"{INDEX_FILE} maps {str(name)[:200]!r} to a file outside the directory",
+                    "a file name in it",
+                )
             files[str(name)] = path
         return files
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
-        raise _problem(field, directory, "no *.safetensors file", "a checkpoint saved with save_pretrained "
-                       "(safetensors)")
+        raise _problem(
+            field, directory, "no *.safetensors file", "a checkpoint saved with save_pretrained (safetensors)"
+        )
     files = {}
     for shard in shards:
         with safe_open(str(shard), framework="numpy") as handle:

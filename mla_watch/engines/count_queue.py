@@ -55,10 +55,17 @@ class CountQueue:
     Once the queue drains after ``release_after_bytes`` of answers, ``release`` returns the heap's free pages to the
     system (:func:`mla_watch.common.heap.release_free_memory`)."""
 
-    def __init__(self, routing: EngineRouting, decoder: RoutingDecoder, *, max_jobs: int = COUNT_QUEUE_JOBS,
-                 max_bytes: int = COUNT_QUEUE_BYTES, capture: Capture | None = None,
-                 release_after_bytes: int = RELEASE_AFTER_BYTES,
-                 release: Callable[[], bool] = heap.release_free_memory) -> None:
+    def __init__(
+        self,
+        routing: EngineRouting,
+        decoder: RoutingDecoder,
+        *,
+        max_jobs: int = COUNT_QUEUE_JOBS,
+        max_bytes: int = COUNT_QUEUE_BYTES,
+        capture: Capture | None = None,
+        release_after_bytes: int = RELEASE_AFTER_BYTES,
+        release: Callable[[], bool] = heap.release_free_memory,
+    ) -> None:
         self.routing = routing
         self.capture = capture  # where the token ids of answers asked for them go (serve --capture)
         self._decoder = decoder
@@ -78,8 +85,9 @@ class CountQueue:
         """Answers waiting, and being counted."""
         return len(self._jobs) + self._in_flight
 
-    def submit(self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool,
-               client: str | None = None) -> bool:
+    def submit(
+        self, business_line: str, plan: RoutingPlan, body: bytes, *, streamed: bool, client: str | None = None
+    ) -> bool:
         """Queue one answer (on the event loop; never waits). False: the queue was full, the answer is dropped."""
         if self._jobs and (len(self._jobs) >= self.max_jobs or self._bytes + len(body) > self.max_bytes):
             self._dropped("queue_full")
@@ -90,8 +98,9 @@ class CountQueue:
         self._ready.set()  # type: ignore[union-attr]
         return True
 
-    async def count_replay(self, business_line: str, plan: RoutingPlan, bodies: list[bytes],
-                           client: str | None = None) -> str:
+    async def count_replay(
+        self, business_line: str, plan: RoutingPlan, bodies: list[bytes], client: str | None = None
+    ) -> str:
         """Count the replays of one stream's choices as one streamed response; returns the outcome
         (:meth:`EngineRouting.count`'s)."""
         decodes = [await self._decoder.count(plan, body) for body in bodies]
@@ -102,13 +111,19 @@ class CountQueue:
             positioned = all(decoded.position_counts is not None for decoded in decodes)
             # every one counted (checked above), so no None; mypy also types the 0 of an empty sum, which a replay's
             # prompts never give
-            merged = Decoded(None, counts=sum(decoded.counts for decoded in decodes),  # type: ignore[arg-type, misc]
-                             tokens=sum(decoded.tokens for decoded in decodes),
-                             position_counts=sum(decoded.position_counts  # type: ignore[arg-type, misc]
-                                                 for decoded in decodes)
-                             if positioned else None,
-                             prompt_tokens=plan.prompt_tokens if positioned else None,
-                             footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()])
+            merged = Decoded(
+                None,
+                counts=sum(decoded.counts for decoded in decodes),  # type: ignore[arg-type, misc]
+                tokens=sum(decoded.tokens for decoded in decodes),
+                position_counts=sum(
+                    decoded.position_counts  # type: ignore[arg-type, misc]
+                    for decoded in decodes
+                )
+                if positioned
+                else None,
+                prompt_tokens=plan.prompt_tokens if positioned else None,
+                footprint_rows=[rows for decoded in decodes for rows in decoded.footprint_rows or ()],
+            )
         return self.routing.count(business_line, merged, streamed=True, client=client)
 
     async def close(self, drain_seconds: float = SHUTDOWN_DRAIN_SECONDS) -> None:
@@ -145,8 +160,9 @@ class CountQueue:
             try:
                 decoded = await self._decoder.count(job.plan, job.body)
                 # An answer that was no JSON object carried no routing.
-                self.routing.count(job.business_line, None if decoded.not_json else decoded, streamed=job.streamed,
-                                   client=job.client)
+                self.routing.count(
+                    job.business_line, None if decoded.not_json else decoded, streamed=job.streamed, client=job.client
+                )
                 if decoded.samples and self.capture is not None:  # SQLite: off the loop
                     await asyncio.to_thread(self.capture, job.business_line, decoded.samples, job.client)
             except asyncio.CancelledError:

@@ -56,8 +56,9 @@ class RoutingDecoder:
     processes (0: one thread). A process starts when an answer finds every running one busy, and stops
     after ``idle_seconds`` without work; none runs before the first answer that needs one."""
 
-    def __init__(self, workers: int = 1, *, idle_seconds: float = IDLE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, workers: int = 1, *, idle_seconds: float = IDLE_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if workers < 0:
             raise SettingsError([SettingProblem("decode_workers", f"{workers}", "an integer >= 0")])
         self.workers = workers
@@ -84,14 +85,18 @@ class RoutingDecoder:
             return
         if self._handoff is None:  # 0700: the files hold the engine's answers
             shm = Path("/dev/shm")
-            self._handoff = Path(tempfile.mkdtemp(prefix="mla-watch-decode-",
-                                                  dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+            self._handoff = Path(
+                tempfile.mkdtemp(
+                    prefix="mla-watch-decode-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+                )
+            )
 
     def retire_idle(self) -> int:
         """Stop the processes that have had no work for ``idle_seconds``; how many were stopped."""
         now = self._clock()
-        idle = [process for process in self._processes
-                if not process.busy and now - process.idle_since >= self.idle_seconds]
+        idle = [
+            process for process in self._processes if not process.busy and now - process.idle_since >= self.idle_seconds
+        ]
         for process in idle:
             self._processes.remove(process)
             process.stop()
@@ -154,8 +159,9 @@ class RoutingDecoder:
         if not self._processes:
             await self._run(os.getpid)
         loop = asyncio.get_running_loop()
-        return sorted(await asyncio.gather(*(loop.run_in_executor(process.executor, os.getpid)
-                                             for process in self._processes)))
+        return sorted(
+            await asyncio.gather(*(loop.run_in_executor(process.executor, os.getpid) for process in self._processes))
+        )
 
     async def _via_file(self, body: bytes, function: Callable[..., Any], plan: RoutingPlan, *args: Any) -> Decoded:
         self.start()
@@ -188,13 +194,20 @@ class RoutingDecoder:
         try:
             return await future
         except BrokenProcessPool:
-            log.warning("a routing decoder process died while decoding an engine answer; the next answer starts a "
-                        "new one, and that answer's routing is not counted")
+            log.warning(
+                "a routing decoder process died while decoding an engine answer; the next answer starts a "
+                "new one, and that answer's routing is not counted"
+            )
             self._forget(process)
             if died is not None:
                 return died()
-            return Decoded(None, error=DataError("decoder", "the process decoding this answer died (killed, or out "
-                                                            "of memory); its routing is not counted"))
+            return Decoded(
+                None,
+                error=DataError(
+                    "decoder",
+                    "the process decoding this answer died (killed, or out of memory); its routing is not counted",
+                ),
+            )
         finally:
             process.busy -= 1
             if not process.busy:

@@ -65,10 +65,31 @@ from mla_watch.engines.routing_ids import (
     vllm_routing_ids,
 )
 
-__all__ = ["DATA_ERRORS", "DROP_CHUNK", "ENGINES", "PROMPT_START_FIELD", "ROUTING_REQUEST_FIELD", "SGLANG_START_FIELD",
-           "STRIP_ON_LOOP_BYTES", "DataError", "Decoded", "RoutingPlan", "add_extra", "answer_token_ids",
-           "count_response", "decode_chunk", "decode_response", "encode_sglang", "encode_vllm", "every_layer",
-           "routing_counts", "routing_strings", "strip_chunk", "strip_response", "strip_routing"]
+__all__ = [
+    "DATA_ERRORS",
+    "DROP_CHUNK",
+    "ENGINES",
+    "PROMPT_START_FIELD",
+    "ROUTING_REQUEST_FIELD",
+    "SGLANG_START_FIELD",
+    "STRIP_ON_LOOP_BYTES",
+    "DataError",
+    "Decoded",
+    "RoutingPlan",
+    "add_extra",
+    "answer_token_ids",
+    "count_response",
+    "decode_chunk",
+    "decode_response",
+    "encode_sglang",
+    "encode_vllm",
+    "every_layer",
+    "routing_counts",
+    "routing_strings",
+    "strip_chunk",
+    "strip_response",
+    "strip_routing",
+]
 
 ENGINES = ("vllm", "sglang")
 # SGLang's request field; a client that sends it wants the routing itself, on any engine.
@@ -152,8 +173,13 @@ def decode_chunk(plan: RoutingPlan, data: str, *, first: bool) -> Decoded:
         return Decoded(data.encode(), not_json=True)
     # SGLang's sglext chunk also carries what else the client asked for (cached_tokens_details, ..., input_ids;
     # serving_chat.py:2725-2760): dropped only where nothing but the routing was in it.
-    if (arrays or error is not None) and not plan.keep and document.get("choices") == [] \
-            and not document.get("usage") and "sglext" not in document:
+    if (
+        (arrays or error is not None)
+        and not plan.keep
+        and document.get("choices") == []
+        and not document.get("usage")
+        and "sglext" not in document
+    ):
         decoded = _finish(plan, document, arrays, error, None, starts=starts)
         decoded.body = None  # SGLang's routing-only chunk: the client did not ask for it
         return decoded
@@ -290,8 +316,12 @@ def answer_token_ids(document: dict[str, Any], kind: str, *, strip: bool) -> lis
             continue
         prompt = take(choice, "prompt_token_ids", None) if kind == "completion" else shared
         completion = take(choice, "token_ids", None)
-        if valid and _token_ids(prompt) and _token_ids(completion) \
-                and len(prompt) + len(completion) <= MAX_CAPTURED_TOKENS:
+        if (
+            valid
+            and _token_ids(prompt)
+            and _token_ids(completion)
+            and len(prompt) + len(completion) <= MAX_CAPTURED_TOKENS
+        ):
             samples.append(([*prompt, *completion], len(prompt)))
         else:
             valid = False
@@ -310,8 +340,16 @@ def _compact(document: dict[str, Any] | None) -> bytes:
 
 
 # ---------------------------------------------------------------------- internals
-def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray], error: DataError | None,
-            extra: dict[str, Any] | None, *, starts: list[int] | None = None, serialise: bool = True) -> Decoded:
+def _finish(
+    plan: RoutingPlan,
+    document: dict[str, Any],
+    arrays: list[np.ndarray],
+    error: DataError | None,
+    extra: dict[str, Any] | None,
+    *,
+    starts: list[int] | None = None,
+    serialise: bool = True,
+) -> Decoded:
     decoded = Decoded(b"", error=error)
     if plan.token_ids is not None:
         decoded.samples = answer_token_ids(document, plan.token_ids, strip=plan.strip_token_ids)
@@ -328,9 +366,13 @@ def _finish(plan: RoutingPlan, document: dict[str, Any], arrays: list[np.ndarray
             if plan.position_edges is not None and starts is not None and prompt is not None:
                 # The prompt's rows only: a generated token's routing follows what the model writes, not where.
                 decoded.prompt_tokens = prompt
-                decoded.position_counts = cast(np.ndarray, sum(
-                    routing_position_counts(ids, plan.geometry, plan.position_edges, start, stop=prompt)
-                    for ids, start in zip(arrays, starts, strict=True)))
+                decoded.position_counts = cast(
+                    np.ndarray,
+                    sum(
+                        routing_position_counts(ids, plan.geometry, plan.position_edges, start, stop=prompt)
+                        for ids, start in zip(arrays, starts, strict=True)
+                    ),
+                )
             if plan.footprint_tokens and starts is not None:
                 decoded.footprint_rows = _decode_rows(document, arrays, starts, plan)
     if extra is not None:
@@ -346,8 +388,9 @@ def _prompt_tokens(document: dict[str, Any]) -> int | None:
     return prompt if type(prompt) is int and prompt >= 0 else None
 
 
-def _decode_rows(document: dict[str, Any], arrays: list[np.ndarray], starts: list[int],
-                 plan: RoutingPlan) -> list[np.ndarray]:
+def _decode_rows(
+    document: dict[str, Any], arrays: list[np.ndarray], starts: list[int], plan: RoutingPlan
+) -> list[np.ndarray]:
     """Each choice's decode steps' rows (past the prompt, whose rows a prefill routed), at most
     ``plan.footprint_tokens`` evenly spaced ones, MoE layers only; a choice without any gives its prompt's."""
     usage = document.get("usage")
@@ -365,8 +408,9 @@ def _decode_rows(document: dict[str, Any], arrays: list[np.ndarray], starts: lis
     return kept
 
 
-def _parse_and_take(plan: RoutingPlan, body: bytes) -> tuple[dict[str, Any], list[np.ndarray], DataError | None,
-                                                              list[int] | None]:
+def _parse_and_take(
+    plan: RoutingPlan, body: bytes
+) -> tuple[dict[str, Any], list[np.ndarray], DataError | None, list[int] | None]:
     """The document, its routing arrays and each array's first position (``None``: not known); raises ValueError
     when the body is not a JSON object."""
     document, lifted = _parse(body, lift=True)
@@ -426,8 +470,9 @@ def _lift(body: bytes, budget: int | None) -> tuple[bytes, dict[str, memoryview]
     return b"".join(pieces), lifted
 
 
-def _take(plan: RoutingPlan, document: dict[str, Any],
-          lifted: dict[str, memoryview]) -> tuple[list[np.ndarray], DataError | None, int, list[int] | None]:
+def _take(
+    plan: RoutingPlan, document: dict[str, Any], lifted: dict[str, memoryview]
+) -> tuple[list[np.ndarray], DataError | None, int, list[int] | None]:
     """The routing arrays of ``document``, removed from it unless the plan keeps them; how many cut-out strings
     were found in their place; and the position of each array's first row (``None`` for vLLM 0.21's separate
     prompt rows, whose choices' rows are not tied to them here)."""
@@ -473,7 +518,7 @@ def _take(plan: RoutingPlan, document: dict[str, Any],
             arrays = [arrays[0], *(ids[prompt:] for ids in arrays[1:])]
             starts = [0, *(prompt for _ in arrays[1:])]
     for container, key, ids, encode in kept:  # as the engine would have returned them to this client
-        container[key] = encode(ids[plan.prompt_start:])
+        container[key] = encode(ids[plan.prompt_start :])
     return arrays, error, claimed, starts
 
 
@@ -483,9 +528,12 @@ def _prompt_rows(document: dict[str, Any], arrays: list[np.ndarray]) -> int:
     prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     shortest = min(ids.shape[0] if ids.ndim else 0 for ids in arrays)
     if type(prompt) is not int or not 0 <= prompt <= shortest:
-        raise DataError("shape", f"{len(arrays)} choices carry routing and usage.prompt_tokens is "
-                                 f"{describe_sent(prompt)}: expected the prompt's length, at most {shortest} (the rows "
-                                 "of the shortest choice), to count the prompt rows every choice repeats once")
+        raise DataError(
+            "shape",
+            f"{len(arrays)} choices carry routing and usage.prompt_tokens is "
+            f"{describe_sent(prompt)}: expected the prompt's length, at most {shortest} (the rows "
+            "of the shortest choice), to count the prompt rows every choice repeats once",
+        )
     return prompt
 
 
@@ -518,8 +566,13 @@ def _sglang_fields(document: dict[str, Any]) -> list[_Field]:
             # serving_chat.py:2857-2860 leaves sglext's routing out when choices carry meta_info; both would
             # count choice 0 twice. Each choice is its own request over the same prompt (n > 1): the rows
             # after the first choice's are counted from the generated ones only.
-            fields.append((meta, "routed_experts", sglang_routing_decoder(meta, generated_only=len(fields) > 0,
-                                                                   conflict=response_level)))
+            fields.append(
+                (
+                    meta,
+                    "routed_experts",
+                    sglang_routing_decoder(meta, generated_only=len(fields) > 0, conflict=response_level),
+                )
+            )
     return fields
 
 

@@ -57,13 +57,17 @@ class EngineGeometry:
 
     def routers(self) -> list[RouterInfo]:
         """One expert router per MoE layer, as the embedded probe would describe it."""
-        return [RouterInfo(name, layer, "expert", self.num_experts, self.top_k)
-                for name, layer in zip(self.router_names, self.moe_layers, strict=True)]
+        return [
+            RouterInfo(name, layer, "expert", self.num_experts, self.top_k)
+            for name, layer in zip(self.router_names, self.moe_layers, strict=True)
+        ]
 
     def describe(self) -> str:
         first = self.moe_layers[0] if self.moe_layers else "-"
-        return (f"{self.model_type}: {len(self.moe_layers)} MoE layers of {self.num_hidden_layers} (first {first}), "
-                f"{self.num_experts} experts, top-{self.top_k}")
+        return (
+            f"{self.model_type}: {len(self.moe_layers)} MoE layers of {self.num_hidden_layers} (first {first}), "
+            f"{self.num_experts} experts, top-{self.top_k}"
+        )
 
 
 def load_geometry(path: str | Path) -> EngineGeometry:
@@ -75,8 +79,12 @@ def load_geometry(path: str | Path) -> EngineGeometry:
             raise GeometryError([f"{file}: larger than {MAX_CONFIG_BYTES} bytes; expected a model's config.json"])
         data = json.loads(file.read_text(encoding="utf-8"))
     except OSError as error:
-        raise GeometryError([f"{file}: cannot be read ({error.strerror or type(error).__name__}); expected the "
-                             "config.json the engine loaded, or its model directory"]) from None
+        raise GeometryError(
+            [
+                f"{file}: cannot be read ({error.strerror or type(error).__name__}); expected the "
+                "config.json the engine loaded, or its model directory"
+            ]
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         where = f" (line {error.lineno})" if isinstance(error, json.JSONDecodeError) else ""
         raise GeometryError([f"{file}: not JSON{where}; expected the config.json the engine loaded"]) from None
@@ -99,16 +107,27 @@ def parse_geometry(data: Any, where: str = "config.json") -> EngineGeometry:
         raise GeometryError([f"{where}: no layer of the {layers} is a MoE layer; expected a mixture-of-experts model"])
     context = data.get("max_position_embeddings")
     context_length = context if type(context) is int and 1 <= context <= MAX_CONTEXT else None
-    return EngineGeometry(model_type, layers, moe_layers, experts, top_k,
-                          ROUTER_PATHS.get(model_type, DEFAULT_ROUTER_PATH), context_length)
+    return EngineGeometry(
+        model_type,
+        layers,
+        moe_layers,
+        experts,
+        top_k,
+        ROUTER_PATHS.get(model_type, DEFAULT_ROUTER_PATH),
+        context_length,
+    )
 
 
 def _moe_layers(data: dict[str, Any], layers: int, where: str) -> tuple[int, ...]:
     types = data.get("mlp_layer_types")
     if types is not None:  # transformers 5 spells the dense-first layers out
         if not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}:
-            raise GeometryError([f"{where}: key 'mlp_layer_types' = {describe_value(types)}: expected a list of "
-                                 f"{layers} entries, each 'dense' or 'sparse'"])
+            raise GeometryError(
+                [
+                    f"{where}: key 'mlp_layer_types' = {describe_value(types)}: expected a list of "
+                    f"{layers} entries, each 'dense' or 'sparse'"
+                ]
+            )
         return tuple(i for i, kind in enumerate(types) if kind == "sparse")
     if "first_k_dense_replace" in data:  # DeepSeek-V2/V3, GLM-4.5 and their kin
         first = _integer(data, "first_k_dense_replace", where, 0, layers)
@@ -118,8 +137,12 @@ def _moe_layers(data: dict[str, Any], layers: int, where: str) -> tuple[int, ...
         step = _integer(data, "decoder_sparse_step", where, 1, layers) if "decoder_sparse_step" in data else 1
         dense = data.get("mlp_only_layers") or []
         if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < layers for i in dense):
-            raise GeometryError([f"{where}: key 'mlp_only_layers' = {describe_value(dense)}: expected a list of "
-                                 f"layer indices in [0, {layers - 1}]"])
+            raise GeometryError(
+                [
+                    f"{where}: key 'mlp_only_layers' = {describe_value(dense)}: expected a list of "
+                    f"layer indices in [0, {layers - 1}]"
+                ]
+            )
         return tuple(i for i in range(layers) if i not in set(dense) and (i + 1) % step == 0)
     return tuple(range(layers))  # Mixtral, OLMoE, gpt-oss: every layer routes
 
@@ -135,5 +158,9 @@ def _first_integer(data: dict[str, Any], keys: tuple[str, ...], where: str, low:
     for key in keys:
         if data.get(key) is not None:
             return _integer(data, key, where, low, high)
-    raise GeometryError([f"{where}: none of the keys {', '.join(keys)} is set: expected the number of "
-                         f"{'routed experts' if keys is EXPERT_KEYS else 'experts chosen per token'}"])
+    raise GeometryError(
+        [
+            f"{where}: none of the keys {', '.join(keys)} is set: expected the number of "
+            f"{'routed experts' if keys is EXPERT_KEYS else 'experts chosen per token'}"
+        ]
+    )

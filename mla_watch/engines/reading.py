@@ -18,8 +18,7 @@ from mla_watch.engines.sglang_answers import SglangReader
 from mla_watch.engines.vllm_answers import VllmReader
 from mla_watch.engines.watch import EngineRouting
 
-__all__ = ["ANSWER_FORMATS", "AUTO", "ENGINE_CHOICES", "ENGINE_OWNERS", "NO_ENGINE", "EngineReading",
-           "reads_routing"]
+__all__ = ["ANSWER_FORMATS", "AUTO", "ENGINE_CHOICES", "ENGINE_OWNERS", "NO_ENGINE", "EngineReading", "reads_routing"]
 
 # The engines' formats, by the name `serve --engine` gives them.
 ANSWER_FORMATS: dict[str, type[AnswerReader]] = {cls.engine: cls for cls in (VllmReader, SglangReader)}
@@ -44,16 +43,25 @@ class EngineReading:
     replays cost; ``capture``: where the token ids of its answers go (``serve --capture``).
     """
 
-    def __init__(self, decoder: RoutingDecoder, *, max_bytes: int, max_line_bytes: int,
-                 routing: EngineRouting | None = None, send_replay: Send | None = None,
-                 replay: ReplayBudget | None = None, count_queue_bytes: int = COUNT_QUEUE_BYTES,
-                 capture: Capture | None = None) -> None:
+    def __init__(
+        self,
+        decoder: RoutingDecoder,
+        *,
+        max_bytes: int,
+        max_line_bytes: int,
+        routing: EngineRouting | None = None,
+        send_replay: Send | None = None,
+        replay: ReplayBudget | None = None,
+        count_queue_bytes: int = COUNT_QUEUE_BYTES,
+        capture: Capture | None = None,
+    ) -> None:
         self.parts = ReadingParts(decoder, max_bytes=max_bytes, max_line_bytes=max_line_bytes)
         self.format: type[AnswerReader] | None = PlainReader  # None: not known yet (auto)
         if routing is not None:
             if routing.engine != AUTO and routing.engine not in ANSWER_FORMATS:
-                raise SettingsError([SettingProblem("engine", repr(routing.engine),
-                                                    f"one of {', '.join(ENGINE_CHOICES)}")])
+                raise SettingsError(
+                    [SettingProblem("engine", repr(routing.engine), f"one of {', '.join(ENGINE_CHOICES)}")]
+                )
             # Routing is counted after the client has its answer; a vLLM stream's, by replaying it.
             counter = CountQueue(routing, decoder, max_bytes=count_queue_bytes, capture=capture)
             self.parts.routing, self.parts.counter, self.parts.capture = routing, counter, capture

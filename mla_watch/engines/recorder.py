@@ -48,8 +48,18 @@ from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.watch import LOG_EVERY_SECONDS, UNATTRIBUTED_LINE, EngineRouting
 from mla_watch.routing.routers import CountDelta
 
-__all__ = ["DUMP_NAME_RE", "MAX_DUMP_BYTES", "MAX_DUMP_PASSES", "OUTCOMES", "RECORDER_ENGINE", "REJECT_REASONS", "Dump",
-           "DumpError", "RecorderPoller", "read_dump"]
+__all__ = [
+    "DUMP_NAME_RE",
+    "MAX_DUMP_BYTES",
+    "MAX_DUMP_PASSES",
+    "OUTCOMES",
+    "RECORDER_ENGINE",
+    "REJECT_REASONS",
+    "Dump",
+    "DumpError",
+    "RecorderPoller",
+    "read_dump",
+]
 
 log = logging.getLogger("mla_watch.engines.recorder")
 
@@ -77,8 +87,18 @@ MAX_COUNT = (1 << 31) - 1
 _INT64_MAX = (1 << 63) - 1
 OUTCOMES = ("counted", "empty", "ring_full", "error")
 # Why a file of outcome "error" was set aside: mla_watch_engine_recorder_rejected_total{reason}.
-REJECT_REASONS = ("unreadable", "format", "not_dense", "dtype", "shape", "too_large", "negative", "overflow",
-                  "inconsistent", "unexpected")
+REJECT_REASONS = (
+    "unreadable",
+    "format",
+    "not_dense",
+    "dtype",
+    "shape",
+    "too_large",
+    "negative",
+    "overflow",
+    "inconsistent",
+    "unexpected",
+)
 _INTEGER_DTYPES = ("torch.int8", "torch.int16", "torch.int32", "torch.int64", "torch.uint8")
 _ORDER = "--expert-distribution-recorder-mode stat"
 _MAX_SHOWN_DIMS = 8  # a shape of more dimensions is reported by its count: the numbers would be a wall of text
@@ -125,22 +145,41 @@ class RecorderPoller:
     reads one dump (:func:`read_dump`) and ``unlink`` deletes a counted file (:func:`os.unlink`).
     """
 
-    def __init__(self, directory: Path, engine_url: str, routing: EngineRouting, *, interval: float = 10.0,
-                 buffer_size: int = 1000, timeout: float = 10.0, settle_seconds: float = 2.0,
-                 clock: Callable[[], float] = time.time, credentials: tuple[str, str] | None = None,
-                 max_dump_bytes: int = MAX_DUMP_BYTES, max_passes: int = MAX_DUMP_PASSES,
-                 reader: Callable[..., Dump] | None = None, unlink: Callable[[Path], None] = os.unlink) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        engine_url: str,
+        routing: EngineRouting,
+        *,
+        interval: float = 10.0,
+        buffer_size: int = 1000,
+        timeout: float = 10.0,
+        settle_seconds: float = 2.0,
+        clock: Callable[[], float] = time.time,
+        credentials: tuple[str, str] | None = None,
+        max_dump_bytes: int = MAX_DUMP_BYTES,
+        max_passes: int = MAX_DUMP_PASSES,
+        reader: Callable[..., Dump] | None = None,
+        unlink: Callable[[Path], None] = os.unlink,
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"recorder interval {interval!r}: expected a number of seconds > 0")
         if not timeout > 0:
             raise ValueError(f"recorder timeout {timeout!r}: expected a number of seconds > 0")
         if type(buffer_size) is not int or not (buffer_size >= 1 or buffer_size == -1):
-            raise ValueError(f"recorder buffer size {buffer_size!r}: expected the engine's "
-                             "--expert-distribution-recorder-buffer-size, an integer >= 1 or -1 (unbounded)")
-        if isinstance(settle_seconds, bool) or not isinstance(settle_seconds, (int, float)) \
-                or not (math.isfinite(settle_seconds) and settle_seconds >= 0):
-            raise ValueError(f"recorder settle seconds {settle_seconds!r}: expected a number of seconds >= 0, how "
-                             "long a dump file must stay unchanged before it is read")
+            raise ValueError(
+                f"recorder buffer size {buffer_size!r}: expected the engine's "
+                "--expert-distribution-recorder-buffer-size, an integer >= 1 or -1 (unbounded)"
+            )
+        if (
+            isinstance(settle_seconds, bool)
+            or not isinstance(settle_seconds, (int, float))
+            or not (math.isfinite(settle_seconds) and settle_seconds >= 0)
+        ):
+            raise ValueError(
+                f"recorder settle seconds {settle_seconds!r}: expected a number of seconds >= 0, how "
+                "long a dump file must stay unchanged before it is read"
+            )
         self.directory = Path(directory)
         self.engine_url = engine_url.rstrip("/")  # shown in logs: credentials come apart, in `credentials`
         self._credentials = credentials
@@ -194,15 +233,21 @@ class RecorderPoller:
                 # unreachable (a restarted engine records nothing until asked).
                 self._recording = self._post(START_PATH) is None
                 if self._recording:
-                    log.info("SGLang expert-distribution recorder started at %s; dumping every %g s into %s",
-                             self.engine_url, self.interval, self.directory)
+                    log.info(
+                        "SGLang expert-distribution recorder started at %s; dumping every %g s into %s",
+                        self.engine_url,
+                        self.interval,
+                        self.directory,
+                    )
             else:
                 try:
                     self.poll_once()
                 except Exception as error:  # a bug must not end the thread: the next round may succeed
                     # The type only: an exception's text may quote a file's content.
-                    self._log_limited("poll", f"SGLang recorder poll failed ({type(error).__name__}); retrying "
-                                      f"every {self.interval:g} s")
+                    self._log_limited(
+                        "poll",
+                        f"SGLang recorder poll failed ({type(error).__name__}); retrying every {self.interval:g} s",
+                    )
             self._stop.wait(self.interval)
 
     # -- one round -------------------------------------------------------------------------------------
@@ -227,8 +272,11 @@ class RecorderPoller:
                 outcome = self._consume_file(name, signature, settled)
             except Exception as error:  # whatever one file does, the ones after it are still read
                 self._skipped.add(name)  # the same file would fail the same way: never read again
-                outcome = self._reject(self.directory / name, "unexpected", f"{self.directory / name}: failed "
-                                       f"({type(error).__name__}); it is left there and not read again")
+                outcome = self._reject(
+                    self.directory / name,
+                    "unexpected",
+                    f"{self.directory / name}: failed ({type(error).__name__}); it is left there and not read again",
+                )
             if outcome is None:
                 continue
             self.routing.metrics.recorder_dumps.labels(outcome).inc()
@@ -247,9 +295,14 @@ class RecorderPoller:
                     match = DUMP_NAME_RE.fullmatch(entry.name)
                     if match is None:
                         if RANK_DUMP_RE.fullmatch(entry.name):
-                            self._warn_once("per_rank", "%s: a per_pass or per_token recorder dump; these modes "
-                                            "are not supported and their files are left alone: expected the "
-                                            "engine started with %s", self.directory / entry.name, _ORDER)
+                            self._warn_once(
+                                "per_rank",
+                                "%s: a per_pass or per_token recorder dump; these modes "
+                                "are not supported and their files are left alone: expected the "
+                                "engine started with %s",
+                                self.directory / entry.name,
+                                _ORDER,
+                            )
                         continue
                     if entry.name in self._skipped or not entry.is_file(follow_symlinks=False):
                         continue
@@ -261,9 +314,13 @@ class RecorderPoller:
                     settled = self._settled(entry.name, signature, info.st_mtime_ns / 1e9, now)
                     found.append((float(match.group(1)), entry.name, signature, settled))
         except OSError as error:
-            self._warn_once(f"scandir:{error.errno}", "%s: cannot list the recorder directory (%s); expected the "
-                            "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, readable and writable here",
-                            self.directory, error.strerror or type(error).__name__)
+            self._warn_once(
+                f"scandir:{error.errno}",
+                "%s: cannot list the recorder directory (%s); expected the "
+                "engine's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR, readable and writable here",
+                self.directory,
+                error.strerror or type(error).__name__,
+            )
             return []
         self._skipped &= names  # a name gone from the directory may come back as a new dump
         self._looks = {name: look for name, look in self._looks.items() if name in names}
@@ -294,8 +351,9 @@ class RecorderPoller:
         except OSError as error:
             self._skipped.add(name)
             why = error.strerror or type(error).__name__
-            return self._reject(path, "unreadable", f"{path}: cannot be opened ({why}); it is left there and not "
-                                "read again")
+            return self._reject(
+                path, "unreadable", f"{path}: cannot be opened ({why}); it is left there and not read again"
+            )
         with os.fdopen(fd, "rb") as handle:
             info = os.fstat(handle.fileno())
             if not stat.S_ISREG(info.st_mode):
@@ -304,9 +362,13 @@ class RecorderPoller:
                 return None
             if info.st_size > self.max_dump_bytes:
                 self._skipped.add(name)
-                return self._reject(path, "too_large", f"{path}: {info.st_size} bytes, larger than "
-                                    f"{self.max_dump_bytes}; "
-                                    "expected a stat-mode recorder dump; it is left there and not read again")
+                return self._reject(
+                    path,
+                    "too_large",
+                    f"{path}: {info.st_size} bytes, larger than "
+                    f"{self.max_dump_bytes}; "
+                    "expected a stat-mode recorder dump; it is left there and not read again",
+                )
             dump: Dump | None = None
             reason = message = ""
             try:
@@ -315,8 +377,13 @@ class RecorderPoller:
             except DumpError as error:
                 reason, message = error.reason, str(error)
             except Exception as error:  # torch or numpy on a crafted tensor: it must not stop the poller
-                reason, message = "unexpected", (f"{path}: reading it failed ({type(error).__name__}); expected a "
-                                                 f"recorder dump written by {_ORDER}")
+                reason, message = (
+                    "unexpected",
+                    (
+                        f"{path}: reading it failed ({type(error).__name__}); expected a "
+                        f"recorder dump written by {_ORDER}"
+                    ),
+                )
             if _signature(os.fstat(handle.fileno())) != signature:
                 # Written to while read: a dump still being written, not a broken one. Nothing of it was added.
                 self._looks.pop(name, None)
@@ -334,19 +401,26 @@ class RecorderPoller:
         geometry = self.routing.geometry
         # Built in full before the first add; read_dump checked what RollingWindow.add checks (1-D int64 rows of
         # num_experts, >= 0, tokens >= 0, a router of these windows), so no add can raise part-way through.
-        deltas = [(name, CountDelta(row, dump.tokens))
-                  for name, row in zip(geometry.router_names, dump.counts, strict=True)]
+        deltas = [
+            (name, CountDelta(row, dump.tokens)) for name, row in zip(geometry.router_names, dump.counts, strict=True)
+        ]
         for name, delta in deltas:
             self.routing.windows.add(name, UNATTRIBUTED_LINE, delta)
         if self.buffer_size > 0 and dump.rows != self.buffer_size:
-            self._log_limited("rows", f"{path}: key 'logical_count' has {dump.rows} rows; expected {self.buffer_size}, "
-                              "the configured recorder buffer size: set it to the engine's --expert-distribution-"
-                              "recorder-buffer-size (-1 for an unbounded buffer), or a wrapped ring goes unnoticed")
+            self._log_limited(
+                "rows",
+                f"{path}: key 'logical_count' has {dump.rows} rows; expected {self.buffer_size}, "
+                "the configured recorder buffer size: set it to the engine's --expert-distribution-"
+                "recorder-buffer-size (-1 for an unbounded buffer), or a wrapped ring goes unnoticed",
+            )
         if self.buffer_size > 0 and dump.recorded >= self.buffer_size:
-            self._log_limited("ring_full", f"{path}: all {dump.rows} rows of the recorder's ring buffer are filled, "
-                              "so older forward passes were overwritten and not counted; dump more often (a lower "
-                              f"--sglang-recorder-interval than {self.interval:g} s) or raise the engine's "
-                              "--expert-distribution-recorder-buffer-size")
+            self._log_limited(
+                "ring_full",
+                f"{path}: all {dump.rows} rows of the recorder's ring buffer are filled, "
+                "so older forward passes were overwritten and not counted; dump more often (a lower "
+                f"--sglang-recorder-interval than {self.interval:g} s) or raise the engine's "
+                "--expert-distribution-recorder-buffer-size",
+            )
             return "ring_full"
         return "counted"
 
@@ -363,18 +437,25 @@ class RecorderPoller:
             pass
         except OSError as error:
             self._skipped.add(path.name)  # consumed already: never again
-            self._warn_once(f"unlink:{error.errno}", "%s: read, but cannot be deleted (%s); it and files like it "
-                            "are not read again, but they fill the directory: expected the recorder directory "
-                            "writable here", path, error.strerror or type(error).__name__)
+            self._warn_once(
+                f"unlink:{error.errno}",
+                "%s: read, but cannot be deleted (%s); it and files like it "
+                "are not read again, but they fill the directory: expected the recorder directory "
+                "writable here",
+                path,
+                error.strerror or type(error).__name__,
+            )
 
     # -- HTTP and logging ------------------------------------------------------------------------------
 
     def _http(self) -> httpx.Client:
         with self._client_lock:
             if self._client is None:
-                self._client = httpx.Client(base_url=self.engine_url,
-                                            timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 5.0)),
-                                            auth=httpx.BasicAuth(*self._credentials) if self._credentials else None)
+                self._client = httpx.Client(
+                    base_url=self.engine_url,
+                    timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 5.0)),
+                    auth=httpx.BasicAuth(*self._credentials) if self._credentials else None,
+                )
             return self._client
 
     def _post(self, path: str) -> str | None:
@@ -390,8 +471,15 @@ class RecorderPoller:
                 return None
             kind = f"HTTP {response.status_code}"
             detail = f"{kind}: {response.text[:200]!r}"
-        self._warn_once(f"{path}:{kind}", "POST %s%s failed (%s); expected a 2xx answer from an SGLang server "
-                        "started with %s; retrying every %g s", self.engine_url, path, detail, _ORDER, self.interval)
+        self._warn_once(
+            f"{path}:{kind}",
+            "POST %s%s failed (%s); expected a 2xx answer from an SGLang server started with %s; retrying every %g s",
+            self.engine_url,
+            path,
+            detail,
+            _ORDER,
+            self.interval,
+        )
         return kind
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
@@ -429,8 +517,11 @@ def read_dump(handle: Any, path: Path, geometry: EngineGeometry, *, max_passes: 
         data = torch.load(handle, map_location="cpu", weights_only=True)  # a shared volume: no arbitrary pickles
     except Exception as error:  # torch raises pickle, zip, EOF and runtime errors alike
         # The type only: torch's messages may quote the pickle (a key, a global's name) back.
-        raise DumpError("unreadable", f"{path}: cannot be read by torch.load(weights_only=True) "
-                        f"({type(error).__name__}); expected a recorder dump written by {_ORDER}") from None
+        raise DumpError(
+            "unreadable",
+            f"{path}: cannot be read by torch.load(weights_only=True) "
+            f"({type(error).__name__}); expected a recorder dump written by {_ORDER}",
+        ) from None
     layers, moe, experts = geometry.num_hidden_layers, len(geometry.moe_layers), geometry.num_experts
     expected = f"[passes, {layers}, {experts}]"
     if moe != layers:
@@ -438,14 +529,19 @@ def read_dump(handle: Any, path: Path, geometry: EngineGeometry, *, max_passes: 
     expected = f"an integer tensor of shape {expected} for {geometry.describe()}"
     if not isinstance(data, dict) or "logical_count" not in data:
         found = f"a dict of {len(data)} keys" if isinstance(data, dict) else f"a {type(data).__name__}"
-        raise DumpError("format", f"{path}: key 'logical_count' missing ({found}); expected a dict holding "
-                        f"{expected}, as {_ORDER} writes")
+        raise DumpError(
+            "format",
+            f"{path}: key 'logical_count' missing ({found}); expected a dict holding {expected}, as {_ORDER} writes",
+        )
     tensor = data["logical_count"]
     if not isinstance(tensor, torch.Tensor):
         raise DumpError("format", f"{path}: key 'logical_count' is a {type(tensor).__name__}; expected {expected}")
     if tensor.layout != torch.strided:  # sparse COO/CSR pass weights_only, and numpy() cannot take them
-        raise DumpError("not_dense", f"{path}: key 'logical_count' is a {tensor.layout} tensor; expected a dense "
-                        f"(torch.strided) one, {expected}")
+        raise DumpError(
+            "not_dense",
+            f"{path}: key 'logical_count' is a {tensor.layout} tensor; expected a dense "
+            f"(torch.strided) one, {expected}",
+        )
     if str(tensor.dtype) not in _INTEGER_DTYPES:
         raise DumpError("dtype", f"{path}: key 'logical_count' is a {tensor.dtype} tensor; expected {expected}")
     shape = list(tensor.shape)
@@ -455,14 +551,20 @@ def read_dump(handle: Any, path: Path, geometry: EngineGeometry, *, max_passes: 
     # All of the below reads the tensor's metadata only: nothing is materialised until every check passed.
     rows, itemsize = shape[0], tensor.element_size()
     if rows > limit or tensor.numel() * itemsize > MAX_DUMP_BYTES:
-        raise DumpError("too_large", f"{path}: key 'logical_count' declares {rows} passes ({tensor.numel()} counts "
-                        f"of {itemsize} bytes); expected at most {limit} passes and {MAX_DUMP_BYTES} bytes")
+        raise DumpError(
+            "too_large",
+            f"{path}: key 'logical_count' declares {rows} passes ({tensor.numel()} counts "
+            f"of {itemsize} bytes); expected at most {limit} passes and {MAX_DUMP_BYTES} bytes",
+        )
     needed = (tensor.storage_offset() + tensor.numel()) * itemsize
     if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() < needed:
-        raise DumpError("not_dense", f"{path}: key 'logical_count' has strides {list(tensor.stride())} over "
-                        f"{tensor.untyped_storage().nbytes()} stored bytes; expected a contiguous tensor whose "
-                        f"storage holds all {tensor.numel()} counts it declares ({needed} bytes), as torch.save "
-                        "writes the recorder's buffer")
+        raise DumpError(
+            "not_dense",
+            f"{path}: key 'logical_count' has strides {list(tensor.stride())} over "
+            f"{tensor.untyped_storage().nbytes()} stored bytes; expected a contiguous tensor whose "
+            f"storage holds all {tensor.numel()} counts it declares ({needed} bytes), as torch.save "
+            "writes the recorder's buffer",
+        )
     array = tensor.detach().numpy()
     if shape[1] == layers and moe != layers:
         array = array[:, list(geometry.moe_layers), :]
@@ -470,11 +572,16 @@ def read_dump(handle: Any, path: Path, geometry: EngineGeometry, *, max_passes: 
         return Dump(np.zeros((moe, experts), dtype=np.int64), 0, 0, rows)
     lowest, highest = int(array.min()), int(array.max())
     if lowest < 0:
-        raise DumpError("negative", f"{path}: key 'logical_count' holds negative counts (lowest {lowest}); "
-                        "expected counts of tokens, >= 0")
+        raise DumpError(
+            "negative",
+            f"{path}: key 'logical_count' holds negative counts (lowest {lowest}); expected counts of tokens, >= 0",
+        )
     if highest > MAX_COUNT or rows * experts * highest > _INT64_MAX:
-        raise DumpError("overflow", f"{path}: key 'logical_count' holds a count of {highest}; expected at most "
-                        f"{MAX_COUNT}, as the recorder's int32 counts, so that the sums over {rows} passes fit int64")
+        raise DumpError(
+            "overflow",
+            f"{path}: key 'logical_count' holds a count of {highest}; expected at most "
+            f"{MAX_COUNT}, as the recorder's int32 counts, so that the sums over {rows} passes fit int64",
+        )
     choices = array.sum(axis=2, dtype=np.int64)  # [passes, moe layers]: expert choices of each layer in each pass
     _check_passes(path, array, choices, geometry)
     counts = array.sum(axis=0, dtype=np.int64)
@@ -488,17 +595,26 @@ def _check_archive(handle: Any, path: Path) -> None:
         with zipfile.ZipFile(handle) as archive:  # a file object: closing the archive leaves it open
             entries = archive.infolist()
     except Exception as error:  # zipfile raises BadZipFile, struct, unicode and OS errors alike
-        raise DumpError("unreadable", f"{path}: not the zip archive torch.save writes ({type(error).__name__}); "
-                        f"expected a recorder dump written by {_ORDER}") from None
+        raise DumpError(
+            "unreadable",
+            f"{path}: not the zip archive torch.save writes ({type(error).__name__}); "
+            f"expected a recorder dump written by {_ORDER}",
+        ) from None
     total = 0
     for number, entry in enumerate(entries):
         if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
-            raise DumpError("unreadable", f"{path}: zip entry #{number} is compressed ({entry.compress_size} bytes "
-                            f"for {entry.file_size}); expected the stored entries torch.save writes")
+            raise DumpError(
+                "unreadable",
+                f"{path}: zip entry #{number} is compressed ({entry.compress_size} bytes "
+                f"for {entry.file_size}); expected the stored entries torch.save writes",
+            )
         total += entry.file_size
         if entry.filename.rsplit("/", 1)[-1] == "data.pkl" and entry.file_size > MAX_PICKLE_BYTES:
-            raise DumpError("too_large", f"{path}: its pickle (zip entry #{number}) is {entry.file_size} bytes; "
-                            f"expected at most {MAX_PICKLE_BYTES}, a recorder dump's is a few hundred")
+            raise DumpError(
+                "too_large",
+                f"{path}: its pickle (zip entry #{number}) is {entry.file_size} bytes; "
+                f"expected at most {MAX_PICKLE_BYTES}, a recorder dump's is a few hundred",
+            )
     if total > MAX_DUMP_BYTES:
         raise DumpError("too_large", f"{path}: its zip entries hold {total} bytes; expected at most {MAX_DUMP_BYTES}")
 
@@ -511,18 +627,27 @@ def _check_passes(path: Path, array: np.ndarray, choices: np.ndarray, geometry: 
     bad = np.argwhere(choices % top_k != 0)
     if bad.size:
         p, j = (int(v) for v in bad[0])
-        raise DumpError("inconsistent", f"{where}, pass {p}, layer {layers[j]}: {int(choices[p, j])} expert choices; "
-                        f"expected a multiple of top-{top_k}, {top_k} for each token")
+        raise DumpError(
+            "inconsistent",
+            f"{where}, pass {p}, layer {layers[j]}: {int(choices[p, j])} expert choices; "
+            f"expected a multiple of top-{top_k}, {top_k} for each token",
+        )
     bad = np.argwhere(choices != choices[:, :1])
     if bad.size:
         p, j = (int(v) for v in bad[0])
-        raise DumpError("inconsistent", f"{where}, pass {p}: layer {layers[j]} has {int(choices[p, j])} expert "
-                        f"choices, layer {layers[0]} {int(choices[p, 0])}; expected the same tokens x top-{top_k} in "
-                        "every MoE layer of a forward pass")
+        raise DumpError(
+            "inconsistent",
+            f"{where}, pass {p}: layer {layers[j]} has {int(choices[p, j])} expert "
+            f"choices, layer {layers[0]} {int(choices[p, 0])}; expected the same tokens x top-{top_k} in "
+            "every MoE layer of a forward pass",
+        )
     busiest = array.max(axis=2).astype(np.int64)  # [passes, moe layers]; <= MAX_COUNT, so x top_k fits int64
     bad = np.argwhere(busiest * top_k > choices)
     if bad.size:
         p, j = (int(v) for v in bad[0])
-        raise DumpError("inconsistent", f"{where}, pass {p}, layer {layers[j]}: an expert chosen {int(busiest[p, j])} "
-                        f"times by {int(choices[p, j]) // top_k} tokens; expected at most once per token (a token's "
-                        f"top-{top_k} experts are distinct)")
+        raise DumpError(
+            "inconsistent",
+            f"{where}, pass {p}, layer {layers[j]}: an expert chosen {int(busiest[p, j])} "
+            f"times by {int(choices[p, j]) // top_k} tokens; expected at most once per token (a token's "
+            f"top-{top_k} experts are distinct)",
+        )

@@ -33,8 +33,17 @@ from mla_watch.engines.count_queue import CountQueue
 from mla_watch.engines.formats import DROP_CHUNK, PROMPT_START_FIELD, RoutingPlan
 from mla_watch.engines.watch import EngineMetrics
 
-__all__ = ["MAX_STREAM_TOKENS", "REPLAY_OUTCOMES", "TOKEN_IDS_FIELD", "ReplayBudget", "Send", "StreamReplayer",
-           "StreamTokens", "read_chunk", "read_chunk_apart"]
+__all__ = [
+    "MAX_STREAM_TOKENS",
+    "REPLAY_OUTCOMES",
+    "TOKEN_IDS_FIELD",
+    "ReplayBudget",
+    "Send",
+    "StreamReplayer",
+    "StreamTokens",
+    "read_chunk",
+    "read_chunk_apart",
+]
 
 log = logging.getLogger("mla_watch.engines")
 
@@ -43,8 +52,18 @@ TOKEN_IDS_FIELD = "return_token_ids"  # vLLM's request field (chat_completion/pr
 # failed (the replay got no answer), sampled_out (--replay-rate), over_token_budget, queue_full, incomplete
 # (the stream ended before every choice finished: the client left, or the engine failed), no_token_ids (the
 # engine sent none: not vLLM, or a reasoning parser hid them), unreadable (ids that are no token ids).
-REPLAY_OUTCOMES = ("replayed", "no_routing", "data_error", "failed", "sampled_out", "over_token_budget",
-                   "queue_full", "incomplete", "no_token_ids", "unreadable")
+REPLAY_OUTCOMES = (
+    "replayed",
+    "no_routing",
+    "data_error",
+    "failed",
+    "sampled_out",
+    "over_token_budget",
+    "queue_full",
+    "incomplete",
+    "no_token_ids",
+    "unreadable",
+)
 MAX_STREAM_TOKENS = 1 << 20  # token ids held per stream (prompt and generated, all choices): 4 MiB as int32
 MAX_WAITING_TOKENS = 1 << 23  # token ids of all the replays waiting: 32 MiB
 MAX_CHOICES = 16
@@ -69,8 +88,9 @@ class ReplayBudget:
         if self.concurrency < 1:
             found.append(SettingProblem("replay.concurrency", f"{self.concurrency}", "an integer >= 1"))
         if self.tokens_per_second < 0:
-            found.append(SettingProblem("replay.tokens_per_second", f"{self.tokens_per_second:g}",
-                                        ">= 0 (0: no limit)"))
+            found.append(
+                SettingProblem("replay.tokens_per_second", f"{self.tokens_per_second:g}", ">= 0 (0: no limit)")
+            )
         if self.queue < 1:
             found.append(SettingProblem("replay.queue", f"{self.queue}", "an integer >= 1"))
         return found
@@ -121,8 +141,13 @@ class StreamTokens:
                 state.generated += self._ids(generated)
             if choice.get("finish_reason") is not None:
                 state.finished = True
-            elif (self.strip and self.kind == "chat" and choice.get("delta") == {} and choice.get("logprobs") is None
-                  and len(choices) == 1):
+            elif (
+                self.strip
+                and self.kind == "chat"
+                and choice.get("delta") == {}
+                and choice.get("logprobs") is None
+                and len(choices) == 1
+            ):
                 keep = False
         return keep
 
@@ -131,8 +156,7 @@ class StreamTokens:
         says why there is none."""
         if self.unreadable is not None:
             return "unreadable"
-        if not self._choices or any(c.prompt is None or not c.generated for c in self._choices.values()
-                                    if c.finished):
+        if not self._choices or any(c.prompt is None or not c.generated for c in self._choices.values() if c.finished):
             return "no_token_ids"
         if not all(choice.finished for choice in self._choices.values()):
             return "incomplete"
@@ -155,9 +179,11 @@ class StreamTokens:
         stream's ids could not be read)."""
         if self.unreadable is not None:
             return []
-        return [((choice.prompt + choice.generated).tolist(), len(choice.prompt))
-                for _, choice in sorted(self._choices.items())
-                if choice.finished and choice.prompt is not None and choice.generated]
+        return [
+            ((choice.prompt + choice.generated).tolist(), len(choice.prompt))
+            for _, choice in sorted(self._choices.items())
+            if choice.finished and choice.prompt is not None and choice.generated
+        ]
 
     def merge(self, other: StreamTokens) -> None:
         """Add the ids ``other`` read from one chunk (in a decoding process) to this stream's."""
@@ -214,8 +240,9 @@ def read_chunk(tokens: StreamTokens, data: bytes, extra: dict[str, Any] | None) 
     return json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def read_chunk_apart(data: bytes, kind: str, strip: bool,
-                     extra: dict[str, Any] | None) -> tuple[bytes | None, StreamTokens]:
+def read_chunk_apart(
+    data: bytes, kind: str, strip: bool, extra: dict[str, Any] | None
+) -> tuple[bytes | None, StreamTokens]:
     """:func:`read_chunk` in a decoding process, for a chunk too long to parse on the event loop (a long
     prompt's ids): the ids come back in a :class:`StreamTokens` of their own, to :meth:`StreamTokens.merge`."""
     tokens = StreamTokens(kind, strip=strip)
@@ -240,8 +267,15 @@ Send = Callable[[dict[str, Any], dict[str, str]], Awaitable[bytes]]
 class StreamReplayer:
     """Replays finished vLLM streams within a :class:`ReplayBudget`, counting each replay's routing."""
 
-    def __init__(self, send: Send, counter: CountQueue, budget: ReplayBudget, *,
-                 clock: Callable[[], float] = time.monotonic, draw: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        send: Send,
+        counter: CountQueue,
+        budget: ReplayBudget,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        draw: Callable[[], float] = random.random,
+    ) -> None:
         self._send = send
         self._counter = counter
         self.budget = budget
@@ -267,8 +301,16 @@ class StreamReplayer:
         """A stream that is not replayed (``sampled_out``): counted as a response without routing."""
         self._finish(business_line, outcome)
 
-    def after_stream(self, business_line: str, plan: RoutingPlan, model: str | None, headers: dict[str, str],
-                     tokens: StreamTokens, *, client: str | None = None) -> str:
+    def after_stream(
+        self,
+        business_line: str,
+        plan: RoutingPlan,
+        model: str | None,
+        headers: dict[str, str],
+        tokens: StreamTokens,
+        *,
+        client: str | None = None,
+    ) -> str:
         """A stream has ended: queue its replay, or say why not (the outcome, also counted). Never waits."""
         outcome = self._admit(tokens)
         if isinstance(outcome, str):
@@ -278,10 +320,21 @@ class StreamReplayer:
         # Counted by position as the client's prompt, not as the replay's (its prompt carries the generated tokens);
         # not by position where the stream did not say its prompt's length.
         prompt = tokens.prompt_length()
-        plan = dataclasses.replace(plan, prompt_tokens=prompt) if prompt is not None else \
-            dataclasses.replace(plan, position_edges=None)
-        self._waiting.put_nowait(_Replay(business_line, plan, model, headers, outcome,  # type: ignore[union-attr]
-                                         client))
+        plan = (
+            dataclasses.replace(plan, prompt_tokens=prompt)
+            if prompt is not None
+            else dataclasses.replace(plan, position_edges=None)
+        )
+        self._waiting.put_nowait(  # type: ignore[union-attr]
+            _Replay(
+                business_line,
+                plan,
+                model,
+                headers,
+                outcome,
+                client,
+            )
+        )
         self._waiting_tokens += sum(len(prompt) for prompt, _ in outcome)
         return "queued"
 
@@ -305,8 +358,9 @@ class StreamReplayer:
             return "queue_full"
         if self.budget.tokens_per_second:
             now = self._clock()
-            self._tokens = min(self.budget.tokens_per_second,
-                               self._tokens + (now - self._filled_at) * self.budget.tokens_per_second)
+            self._tokens = min(
+                self.budget.tokens_per_second, self._tokens + (now - self._filled_at) * self.budget.tokens_per_second
+            )
             self._filled_at = now
             if self._tokens <= 0:
                 return "over_token_budget"
@@ -338,8 +392,7 @@ class StreamReplayer:
     async def _replay(self, replay: _Replay) -> str:
         bodies = []
         for prompt, start in replay.prompts:
-            payload: dict[str, Any] = {"prompt": prompt.tolist(), "max_tokens": 1, "temperature": 0,
-                                       "stream": False}
+            payload: dict[str, Any] = {"prompt": prompt.tolist(), "max_tokens": 1, "temperature": 0, "stream": False}
             if replay.model is not None:
                 payload["model"] = replay.model
             if start:
@@ -357,8 +410,10 @@ class StreamReplayer:
         now = self._clock()
         if now - self._logged_at >= LOG_EVERY_SECONDS:
             self._logged_at = now
-            log.warning("a stream's replay failed, its routing is not counted (logged once a minute): %s",
-                        getattr(error, "message", None) or type(error).__name__)
+            log.warning(
+                "a stream's replay failed, its routing is not counted (logged once a minute): %s",
+                getattr(error, "message", None) or type(error).__name__,
+            )
 
 
 def _kind(value: Any) -> str:

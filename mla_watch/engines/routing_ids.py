@@ -20,9 +20,23 @@ import pybase64  # what vLLM and SGLang encode with; SIMD, ~40x binascii on this
 
 from mla_watch.engines.geometry import EngineGeometry
 
-__all__ = ["DATA_ERRORS", "DataError", "describe_sent", "encode_npy", "encode_sglang", "encode_vllm", "every_layer",
-           "moe_rows", "nested_list_ids", "raw_int32_ids", "refuse_duplicates", "routing_counts",
-           "routing_position_counts", "sglang_routing_decoder", "vllm_routing_ids"]
+__all__ = [
+    "DATA_ERRORS",
+    "DataError",
+    "describe_sent",
+    "encode_npy",
+    "encode_sglang",
+    "encode_vllm",
+    "every_layer",
+    "moe_rows",
+    "nested_list_ids",
+    "raw_int32_ids",
+    "refuse_duplicates",
+    "routing_counts",
+    "routing_position_counts",
+    "sglang_routing_decoder",
+    "vllm_routing_ids",
+]
 
 
 # Data-error reasons (a metric label): what was wrong with the routing an engine returned.
@@ -55,17 +69,26 @@ def describe_sent(value: Any) -> str:
 def routing_counts(ids: np.ndarray, geometry: EngineGeometry) -> tuple[np.ndarray, int]:
     """Selections per (MoE layer, expert) of ``ids`` ``[tokens, layers, top_k]``, and the tokens; vectorised."""
     if ids.ndim != 3 or ids.shape[2] != geometry.top_k:
-        raise DataError("shape", f"routing of shape {list(ids.shape)}: expected [tokens, layers, {geometry.top_k}] "
-                                 f"(top_k {geometry.top_k} from the model config)")
+        raise DataError(
+            "shape",
+            f"routing of shape {list(ids.shape)}: expected [tokens, layers, {geometry.top_k}] "
+            f"(top_k {geometry.top_k} from the model config)",
+        )
     moe = len(geometry.moe_layers)
     if ids.shape[1] == geometry.num_hidden_layers and ids.shape[1] != moe:
         ids = moe_rows(ids, geometry)
     elif ids.shape[1] != moe:
-        raise DataError("shape", f"routing has {ids.shape[1]} layers: expected {geometry.num_hidden_layers} "
-                                 f"(every layer) or {moe} (MoE layers) from the model config")
+        raise DataError(
+            "shape",
+            f"routing has {ids.shape[1]} layers: expected {geometry.num_hidden_layers} "
+            f"(every layer) or {moe} (MoE layers) from the model config",
+        )
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= geometry.num_experts):
-        raise DataError("expert_id", f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
-                                     f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)")
+        raise DataError(
+            "expert_id",
+            f"routing holds expert ids in [{int(ids.min())}, {int(ids.max())}]: expected "
+            f"[0, {geometry.num_experts - 1}] ({geometry.num_experts} experts)",
+        )
     refuse_duplicates(ids)
     # One bincount over (layer, expert) pairs, written into a reused intp buffer: bincount takes it
     # as it is, and a fresh 8 MB array per response costs more in page faults than the count itself.
@@ -83,11 +106,12 @@ def moe_rows(ids: np.ndarray, geometry: EngineGeometry) -> np.ndarray:
         return ids
     first, last = geometry.moe_layers[0], geometry.moe_layers[-1]
     contiguous = last - first + 1 == moe  # DeepSeek's dense-first layers: a view, not a copy
-    return ids[:, first:last + 1, :] if contiguous else ids[:, list(geometry.moe_layers), :]
+    return ids[:, first : last + 1, :] if contiguous else ids[:, list(geometry.moe_layers), :]
 
 
-def routing_position_counts(ids: np.ndarray, geometry: EngineGeometry, edges: tuple[int, ...],
-                            start: int = 0, stop: int | None = None) -> np.ndarray:
+def routing_position_counts(
+    ids: np.ndarray, geometry: EngineGeometry, edges: tuple[int, ...], start: int = 0, stop: int | None = None
+) -> np.ndarray:
     """Selections per (MoE layer, position bucket, expert) of ``ids`` ``[tokens, layers, top_k]`` whose first row is
     the token at position ``start`` (row ``t``: position ``start + t``), rows at positions before ``stop`` only (the
     prompt's; ``None``: every row); ``edges`` are the buckets' end positions (a last bucket holds every position past
@@ -95,11 +119,12 @@ def routing_position_counts(ids: np.ndarray, geometry: EngineGeometry, edges: tu
     moe = len(geometry.moe_layers)
     ids = moe_rows(ids, geometry)
     if stop is not None:
-        ids = ids[:max(0, stop - start)]
+        ids = ids[: max(0, stop - start)]
     buckets = len(edges) + 1
     bucket = np.searchsorted(np.asarray(edges), start + np.arange(ids.shape[0]), side="right")  # [tokens]
-    flat = (np.arange(moe, dtype=np.intp)[None, :, None] * buckets + bucket[:, None, None]) * geometry.num_experts \
-        + ids.astype(np.intp, copy=False)
+    flat = (
+        np.arange(moe, dtype=np.intp)[None, :, None] * buckets + bucket[:, None, None]
+    ) * geometry.num_experts + ids.astype(np.intp, copy=False)
     counts = np.bincount(flat.reshape(-1), minlength=moe * buckets * geometry.num_experts)
     return counts.reshape(moe, buckets, geometry.num_experts)
 
@@ -131,11 +156,14 @@ def refuse_duplicates(ids: np.ndarray) -> None:
         token, layer = (int(i) for i in np.argwhere(repeated)[0])
         chosen = ids[token, layer].tolist()
         expert = next(e for e in chosen if chosen.count(e) > 1)
-        raise DataError("duplicate_ids", f"routing of {tokens} of {ids.shape[0]} tokens names one expert twice "
-                                         f"in its top-{ids.shape[2]} (first: token {token}, MoE layer {layer}, "
-                                         f"expert {expert}): expected {ids.shape[2]} distinct experts per token; "
-                                         "all-zero routing is what vLLM's capture returns when misconfigured "
-                                         "(without --enforce-eager on CPU, for one)")
+        raise DataError(
+            "duplicate_ids",
+            f"routing of {tokens} of {ids.shape[0]} tokens names one expert twice "
+            f"in its top-{ids.shape[2]} (first: token {token}, MoE layer {layer}, "
+            f"expert {expert}): expected {ids.shape[2]} distinct experts per token; "
+            "all-zero routing is what vLLM's capture returns when misconfigured "
+            "(without --enforce-eager on CPU, for one)",
+        )
 
 
 def _scratch(size: int) -> np.ndarray:
@@ -183,13 +211,15 @@ def _npy(value: str | bytes | memoryview, geometry: EngineGeometry) -> np.ndarra
     if dtype.hasobject or dtype.kind not in "iu":
         raise DataError("encoding", f"routing has dtype {dtype.str}: expected integers")
     if len(shape) != 3:
-        raise DataError("shape", f"routing has {len(shape)} dimensions: expected [tokens, layers, "
-                                 f"{geometry.top_k}]")
+        raise DataError("shape", f"routing has {len(shape)} dimensions: expected [tokens, layers, {geometry.top_k}]")
     elements = math.prod(shape)
     payload = len(raw) - stream.tell()
     if elements * dtype.itemsize != payload:
-        raise DataError("encoding", f"routing's .npy header declares shape {list(shape)} of {dtype.str} "
-                                    f"({elements * dtype.itemsize} bytes) over {payload} bytes: expected them equal")
+        raise DataError(
+            "encoding",
+            f"routing's .npy header declares shape {list(shape)} of {dtype.str} "
+            f"({elements * dtype.itemsize} bytes) over {payload} bytes: expected them equal",
+        )
     ids = np.frombuffer(raw, dtype=dtype, count=elements, offset=stream.tell())
     return ids.reshape(shape, order="F" if fortran_order else "C")
 
@@ -210,8 +240,11 @@ def raw_int32_ids(value: Any, geometry: EngineGeometry) -> np.ndarray:
     for layers in (geometry.num_hidden_layers, len(geometry.moe_layers)):
         if ids.size % (layers * geometry.top_k) == 0:
             return ids.reshape(-1, layers, geometry.top_k)
-    raise DataError("shape", f"routing holds {ids.size} ids: expected a multiple of layers x top_k = "
-                             f"{geometry.num_hidden_layers} x {geometry.top_k} from the model config")
+    raise DataError(
+        "shape",
+        f"routing holds {ids.size} ids: expected a multiple of layers x top_k = "
+        f"{geometry.num_hidden_layers} x {geometry.top_k} from the model config",
+    )
 
 
 # SGLang sends the ids alone: no dtype, shape or offset beside them (SglExt, protocol.py:470-483; meta_info,
@@ -222,21 +255,29 @@ _SGLANG_SIBLING = "routed_experts_"
 
 def sglang_routing_decoder(container: dict[str, Any], *, generated_only: bool = False, conflict: bool = False) -> Any:
     """The decode of one SGLang routing field, which reads the fields beside it in ``container``."""
+
     def decode(value: Any, geometry: EngineGeometry) -> np.ndarray:
         if conflict:
-            raise DataError("shape", "routing is both at the response level and in choices[].meta_info: SGLang "
-                                     "sends one or the other; which rows repeat is not guessed")
+            raise DataError(
+                "shape",
+                "routing is both at the response level and in choices[].meta_info: SGLang "
+                "sends one or the other; which rows repeat is not guessed",
+            )
         for key in container:
             if isinstance(key, str) and key.startswith(_SGLANG_SIBLING):
                 sibling = container[key]  # a dtype's name is short: shown as it is, anything else by its type
                 shown = repr(sibling) if isinstance(sibling, str) and len(sibling) <= 24 else describe_sent(sibling)
-                raise DataError("encoding", f"routing comes with {key[:40]}={shown}: a field SGLang (up to "
-                                            "0.5.23) does not send; ids of a dtype or offset it may name are not "
-                                            "guessed")
+                raise DataError(
+                    "encoding",
+                    f"routing comes with {key[:40]}={shown}: a field SGLang (up to "
+                    "0.5.23) does not send; ids of a dtype or offset it may name are not "
+                    "guessed",
+                )
         ids = raw_int32_ids(value, geometry)
         if generated_only:
-            ids = ids[ids.shape[0] - _sglang_generated_rows(container, ids.shape[0]):]
+            ids = ids[ids.shape[0] - _sglang_generated_rows(container, ids.shape[0]) :]
         return _without_padding_rows(ids, geometry)
+
     return decode
 
 
@@ -247,9 +288,12 @@ def _sglang_generated_rows(meta: dict[str, Any], rows: int) -> int:
     end, the prompt's length and the start the request set are not needed."""
     completion = meta.get("completion_tokens")
     if type(completion) is not int or not 0 <= completion <= rows + 1:
-        raise DataError("shape", f"a later choice's routing has {rows} rows and meta_info.completion_tokens is "
-                                 f"{describe_sent(completion)}: expected an integer in [0, {rows + 1}], to count the "
-                                 "generated rows only (the prompt's rows repeat the first choice's)")
+        raise DataError(
+            "shape",
+            f"a later choice's routing has {rows} rows and meta_info.completion_tokens is "
+            f"{describe_sent(completion)}: expected an integer in [0, {rows + 1}], to count the "
+            "generated rows only (the prompt's rows repeat the first choice's)",
+        )
     return max(completion - 1, 0)
 
 

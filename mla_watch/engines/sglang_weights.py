@@ -97,26 +97,35 @@ class SglangWeights(EngineWeights):
 
     name = "sglang"
 
-    def __init__(self, base_url: str, *, timeout: float = 60.0, api_key: str | None = None,
-                 admin_api_key: str | None = None, geometry: EngineGeometry | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 60.0,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        geometry: EngineGeometry | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url is {base_url!r}: expected SGLang's http:// or https:// address")
-        if not is_number(timeout, finite=True) \
-                or timeout <= 0:
+        if not is_number(timeout, finite=True) or timeout <= 0:
             raise ValueError(f"timeout is {timeout!r}: expected a finite number of seconds above 0")
         for field, key in (("api_key", api_key), ("admin_api_key", admin_api_key)):
             if key is not None and (not isinstance(key, str) or not key or key.strip() != key):
-                raise ValueError(f"{field} is not a non-empty string without surrounding spaces: expected the key "
-                                 "SGLang was started with, or None")
+                raise ValueError(
+                    f"{field} is not a non-empty string without surrounding spaces: expected the key "
+                    "SGLang was started with, or None"
+                )
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.geometry = geometry
         self._normal = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         admin = admin_api_key or api_key
         self._admin = {"Authorization": f"Bearer {admin}"} if admin else {}
-        self._client = httpx.Client(base_url=self.base_url, timeout=self.timeout, transport=transport,
-                                    follow_redirects=False)
+        self._client = httpx.Client(
+            base_url=self.base_url, timeout=self.timeout, transport=transport, follow_redirects=False
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -134,11 +143,15 @@ class SglangWeights(EngineWeights):
         except SwapError as error:
             return f"SGLang cannot be asked for its configuration: {error}"
         if status in (401, 403):
-            return (f"GET /server_info at {self.base_url} answered {status} ({_message(body)!r}): set api_key to the "
-                    "--api-key SGLang was started with")
+            return (
+                f"GET /server_info at {self.base_url} answered {status} ({_message(body)!r}): set api_key to the "
+                "--api-key SGLang was started with"
+            )
         if status != 200:
-            return (f"GET /server_info at {self.base_url} answered {status} ({_message(body)!r}): expected 200 from "
-                    "an SGLang server")
+            return (
+                f"GET /server_info at {self.base_url} answered {status} ({_message(body)!r}): expected 200 from "
+                "an SGLang server"
+            )
         info = _json_object(body)
         if info is None:
             return f"GET /server_info at {self.base_url} answered no JSON object: expected SGLang's server info"
@@ -146,17 +159,25 @@ class SglangWeights(EngineWeights):
         if mode not in (None, "off"):
             # The refusal is raised, not answered (model_runner_components/weight_updater.py:159-172, 182), and the
             # scheduler's dispatch catches nothing (managers/scheduler.py:2253): it would not survive the call.
-            return (f"SGLang runs with --weight-cache-mode {str(mode)[:40]}, which shares its weights with a cache "
-                    "daemon and refuses in-place updates: start it with --weight-cache-mode off")
+            return (
+                f"SGLang runs with --weight-cache-mode {str(mode)[:40]}, which shares its weights with a cache "
+                "daemon and refuses in-place updates: start it with --weight-cache-mode off"
+            )
         if info.get("model_checksum") is not None:
-            return ("SGLang runs with --model-checksum, which checks every weight directory against the model's "
-                    "checksums (model_loader/loader.py:541-545) and so refuses a router-only one: start it without")
+            return (
+                "SGLang runs with --model-checksum, which checks every weight directory against the model's "
+                "checksums (model_loader/loader.py:541-545) and so refuses a router-only one: start it without"
+            )
         return None
 
     def swap(self, weights_path: Path) -> SwapResult:
         path = checked_router_dir(weights_path, "SGLang")
-        request = {"model_path": str(path), "load_format": LOAD_FORMAT, "flush_cache": True,
-                   "abort_all_requests": False}
+        request = {
+            "model_path": str(path),
+            "load_format": LOAD_FORMAT,
+            "flush_cache": True,
+            "abort_all_requests": False,
+        }
         paused_at = time.perf_counter()
         reload_seconds = 0.0
         answer: dict[str, Any] = {}
@@ -178,14 +199,22 @@ class SglangWeights(EngineWeights):
                 self._control("/continue_generation", {}, expected="200 once generation continues")
             except SwapError as error:
                 if failure is None:
-                    raise SwapError(f"{error}; the new routers are loaded but the engine may still hold its "
-                                    "requests: POST /continue_generation to it") from None
+                    raise SwapError(
+                        f"{error}; the new routers are loaded but the engine may still hold its "
+                        "requests: POST /continue_generation to it"
+                    ) from None
                 if isinstance(failure, Exception):  # an interrupt goes on as it is
-                    raise SwapError(f"{error}; the engine may still hold its requests (POST /continue_generation "
-                                    f"to it); before that: {failure}") from failure
+                    raise SwapError(
+                        f"{error}; the engine may still hold its requests (POST /continue_generation "
+                        f"to it); before that: {failure}"
+                    ) from failure
         paused_seconds = time.perf_counter() - paused_at
-        detail: dict[str, Any] = {"engine": self.name, "pause_mode": PAUSE_MODE, "load_format": LOAD_FORMAT,
-                                  "engine_message": engine_said(answer.get("message"))}
+        detail: dict[str, Any] = {
+            "engine": self.name,
+            "pause_mode": PAUSE_MODE,
+            "load_format": LOAD_FORMAT,
+            "engine_message": engine_said(answer.get("message")),
+        }
         paused = answer.get("num_paused_requests")
         if isinstance(paused, int) or (isinstance(paused, list) and all(isinstance(n, int) for n in paused)):
             detail["num_paused_requests"] = paused
@@ -199,8 +228,10 @@ class SglangWeights(EngineWeights):
     def tokenize(self, text: str) -> list[int]:
         status, body = self._call("POST", "/tokenize", {"prompt": text}, admin=False, limit=MAX_TOKENIZE_ANSWER_BYTES)
         if status != 200:
-            raise SwapError(f"POST /tokenize at {self.base_url} answered {status}: {_message(body)!r}; expected 200 "
-                            f"with the prompt's token ids{_key_hint(status)}")
+            raise SwapError(
+                f"POST /tokenize at {self.base_url} answered {status}: {_message(body)!r}; expected 200 "
+                f"with the prompt's token ids{_key_hint(status)}"
+            )
         return tokens_of_answer(_json_object(body), f"POST /tokenize at {self.base_url}")
 
     # ------------------------------------------------------------------ internals
@@ -213,34 +244,47 @@ class SglangWeights(EngineWeights):
                 for chunk in response.iter_bytes():
                     body += chunk
                     if len(body) > limit:
-                        raise SwapError(f"{method} {path} at {self.base_url} answered {response.status_code} with "
-                                        f"more than {limit} bytes: expected at most that")
+                        raise SwapError(
+                            f"{method} {path} at {self.base_url} answered {response.status_code} with "
+                            f"more than {limit} bytes: expected at most that"
+                        )
                 return response.status_code, bytes(body)
         except httpx.TimeoutException as error:
-            raise SwapError(f"{method} {path} at {self.base_url}: no answer within {self.timeout:g} s "
-                            f"({type(error).__name__}); the engine may still be working on it") from None
+            raise SwapError(
+                f"{method} {path} at {self.base_url}: no answer within {self.timeout:g} s "
+                f"({type(error).__name__}); the engine may still be working on it"
+            ) from None
         except httpx.HTTPError as error:
-            raise SwapError(f"{method} {path} at {self.base_url}: {type(error).__name__}: "
-                            f"{engine_said(str(error))}") from None
+            raise SwapError(
+                f"{method} {path} at {self.base_url}: {type(error).__name__}: {engine_said(str(error))}"
+            ) from None
 
     def _control(self, path: str, payload: dict[str, Any], *, expected: str) -> None:
         status, body = self._call("POST", path, payload, admin=True, limit=CONTROL_MAX_BYTES)
         if status != 200:
-            raise SwapError(f"POST {path} at {self.base_url} answered {status}: {_message(body)!r}; "
-                            f"expected {expected}{_key_hint(status)}")
+            raise SwapError(
+                f"POST {path} at {self.base_url} answered {status}: {_message(body)!r}; "
+                f"expected {expected}{_key_hint(status)}"
+            )
 
     def _update(self, request: dict[str, Any]) -> dict[str, Any]:
         status, body = self._call("POST", "/update_weights_from_disk", request, admin=True, limit=CONTROL_MAX_BYTES)
         answer = _json_object(body)
         if status != 200 or answer is None or answer.get("success") is not True:
-            raise SwapError(f"POST /update_weights_from_disk at {self.base_url} (model_path {request['model_path']!r})"
-                            f" answered {status}: {_message(body)!r}; expected 200 with success true"
-                            f"{_key_hint(status)}")
+            raise SwapError(
+                f"POST /update_weights_from_disk at {self.base_url} (model_path {request['model_path']!r})"
+                f" answered {status}: {_message(body)!r}; expected 200 with success true"
+                f"{_key_hint(status)}"
+            )
         return answer
 
     def _score_one(self, index: int, ids: list[int]) -> SampleScore:
-        payload: dict[str, Any] = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                                   "return_logprob": True, "logprob_start_len": 0}
+        payload: dict[str, Any] = {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
         per_token = LOGPROB_ENTRY_BYTES
         if self.geometry is not None:
             payload["return_routed_experts"] = True
@@ -250,21 +294,25 @@ class SglangWeights(EngineWeights):
         status, body = self._call("POST", "/generate", payload, admin=False, limit=limit)
         where = f"POST /generate at {self.base_url}, sample {index} ({len(ids)} tokens)"
         if status != 200:
-            raise SwapError(f"{where} answered {status}: {_message(body)!r}; expected 200 with its logprobs"
-                            f"{_key_hint(status)}")
+            raise SwapError(
+                f"{where} answered {status}: {_message(body)!r}; expected 200 with its logprobs{_key_hint(status)}"
+            )
         document = _json_object(body)
         meta = document.get("meta_info") if document is not None else None
         if not isinstance(meta, dict):
             raise SwapError(f"{where}: the answer has no meta_info object: expected SGLang's /generate answer")
         finish = meta.get("finish_reason")
         if isinstance(finish, dict) and finish.get("type") == "abort":
-            raise SwapError(f"{where}: the engine aborted it ({engine_said(finish.get('message'))!r}); expected it "
-                            "scored")
+            raise SwapError(
+                f"{where}: the engine aborted it ({engine_said(finish.get('message'))!r}); expected it scored"
+            )
         entries = meta.get("input_token_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
             got = f"{len(entries)} entries" if isinstance(entries, list) else f"a {type(entries).__name__}"
-            raise SwapError(f"{where}: meta_info.input_token_logprobs is {got}: expected one per input token "
-                            f"({len(ids)}; a shorter list is a truncated prompt, as --allow-auto-truncate does)")
+            raise SwapError(
+                f"{where}: meta_info.input_token_logprobs is {got}: expected one per input token "
+                f"({len(ids)}; a shorter list is a truncated prompt, as --allow-auto-truncate does)"
+            )
         logprobs: list[float] = []
         for position in range(1, len(ids)):
             entry = entries[position]
@@ -272,12 +320,16 @@ class SglangWeights(EngineWeights):
             token = entry[1] if isinstance(entry, list) and len(entry) >= 2 else None
             if not is_number(logprob, finite=True):
                 shown = repr(logprob) if logprob is None or isinstance(logprob, int | float) else type(logprob).__name__
-                raise SwapError(f"{where}: input_token_logprobs[{position}] has logprob {shown}: expected a finite "
-                                "number (SGLang sends -inf and NaN as null)")
+                raise SwapError(
+                    f"{where}: input_token_logprobs[{position}] has logprob {shown}: expected a finite "
+                    "number (SGLang sends -inf and NaN as null)"
+                )
             # SGLang reports an id at or past vocab_size - 1 as 0 (logprob_result_processor.py:51-55).
             if token != ids[position] and token != 0:
-                raise SwapError(f"{where}: input_token_logprobs[{position}] is for token {token!r}: expected "
-                                f"{ids[position]}, the id sent there")
+                raise SwapError(
+                    f"{where}: input_token_logprobs[{position}] is for token {token!r}: expected "
+                    f"{ids[position]}, the id sent there"
+                )
             logprobs.append(float(logprob))
         routing = self._routing(where, meta, len(ids)) if self.geometry is not None else None
         return SampleScore(loss=-math.fsum(logprobs), tokens=len(ids) - 1, routing=routing)
@@ -296,8 +348,10 @@ class SglangWeights(EngineWeights):
             raise SwapError(f"{where}: meta_info.routed_experts: {error} ({error.reason})") from None
         # Positions [0, prompt + 1 - 1) for one new token: one row per input token, fewer without padded rows.
         if ids.shape[0] > tokens:
-            raise SwapError(f"{where}: meta_info.routed_experts has {ids.shape[0]} rows: expected at most {tokens}, "
-                            "one per input token")
+            raise SwapError(
+                f"{where}: meta_info.routed_experts has {ids.shape[0]} rows: expected at most {tokens}, "
+                "one per input token"
+            )
         if ids.shape[1] == geometry.num_hidden_layers and ids.shape[1] != len(geometry.moe_layers):
             ids = ids[:, list(geometry.moe_layers), :]
         return np.array(ids, dtype=np.int32)  # a copy: the decoded view is read-only over the answer's bytes
@@ -311,8 +365,9 @@ def _token_ids(index: int, sample: Sequence[int]) -> list[int]:
         try:
             token = operator.index(value)
         except TypeError:
-            raise ValueError(f"samples[{index}][{position}] is a {type(value).__name__}: expected a token id "
-                             "(an integer)") from None
+            raise ValueError(
+                f"samples[{index}][{position}] is a {type(value).__name__}: expected a token id (an integer)"
+            ) from None
         if isinstance(value, bool | np.bool_) or not 0 <= token <= MAX_TOKEN_ID:
             shown = repr(bool(value)) if isinstance(value, bool | np.bool_) else str(token)  # not np.int64(-1)
             raise ValueError(f"samples[{index}][{position}] is {shown}: expected a token id in [0, {MAX_TOKEN_ID}]")
@@ -336,15 +391,18 @@ def _message(body: bytes) -> str:
     ``{"detail"}`` or plain text (/flush_cache)."""
     document = _json_object(body)
     if document is None:
-        return engine_said(body[:4 * ENGINE_MESSAGE_CHARS].decode("utf-8", errors="replace").strip())
+        return engine_said(body[: 4 * ENGINE_MESSAGE_CHARS].decode("utf-8", errors="replace").strip())
     error = document.get("error")
-    for said in (error.get("message") if isinstance(error, dict) else error, document.get("message"),
-                 document.get("detail")):
+    for said in (
+        error.get("message") if isinstance(error, dict) else error,
+        document.get("message"),
+        document.get("detail"),
+    ):
         if isinstance(said, str) and said:
             return engine_said(said)
         if said is not None and not isinstance(said, str):
-            return engine_said(json.dumps(said)[:4 * ENGINE_MESSAGE_CHARS])
-    return engine_said(json.dumps(document)[:4 * ENGINE_MESSAGE_CHARS])
+            return engine_said(json.dumps(said)[: 4 * ENGINE_MESSAGE_CHARS])
+    return engine_said(json.dumps(document)[: 4 * ENGINE_MESSAGE_CHARS])
 
 
 def _key_hint(status: int) -> str:

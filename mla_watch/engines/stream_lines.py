@@ -46,7 +46,7 @@ class EventLines:
             if end.group() == b"\r" and end.end() == len(self._buffer):
                 break  # a CR last: its LF may be in the next read
             self._bound(start, end.start())  # a line that ends within this read is bounded too
-            lines.append(bytes(memoryview(self._buffer)[start:end.start()]))  # one copy, not two
+            lines.append(bytes(memoryview(self._buffer)[start : end.start()]))  # one copy, not two
             start = end.end()
         del self._buffer[:start]
         self._scanned = max(0, len(self._buffer) - 1)

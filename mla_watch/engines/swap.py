@@ -24,8 +24,16 @@ from typing import Any
 from mla_watch.common.describe import describe_value
 from mla_watch.common.values import is_integer
 
-__all__ = ["ENGINE_MESSAGE_CHARS", "MAX_TOKENIZE_ANSWER_BYTES", "EngineWeights", "SampleScore", "SwapError",
-           "SwapResult", "engine_said", "tokens_of_answer"]
+__all__ = [
+    "ENGINE_MESSAGE_CHARS",
+    "MAX_TOKENIZE_ANSWER_BYTES",
+    "EngineWeights",
+    "SampleScore",
+    "SwapError",
+    "SwapResult",
+    "engine_said",
+    "tokens_of_answer",
+]
 
 MAX_TOKENIZE_ANSWER_BYTES = 16 << 20  # a reference prompt's ids (its text cut at 16 characters a token, ~10 B an id)
 ENGINE_MESSAGE_CHARS = 200  # of an engine's own message, in an error
@@ -53,8 +61,12 @@ class SwapResult:
     detail: dict[str, Any] = field(default_factory=dict)  # JSON-able: what the engine answered
 
     def as_dict(self) -> dict[str, Any]:
-        return {"weights_path": self.weights_path, "paused_seconds": round(self.paused_seconds, 4),
-                "reload_seconds": round(self.reload_seconds, 4), **self.detail}
+        return {
+            "weights_path": self.weights_path,
+            "paused_seconds": round(self.paused_seconds, 4),
+            "reload_seconds": round(self.reload_seconds, 4),
+            **self.detail,
+        }
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,6 @@ def tokens_of_answer(answer: Any, where: str) -> list[int]:
     """The ``tokens`` of a ``POST /tokenize`` answer (vLLM ``entrypoints/serve/tokenize/protocol.py``, SGLang
     ``entrypoints/openai/protocol.py`` ``TokenizeResponse``: ``{"tokens": [...], "count": n, ...}``)."""
     tokens = answer.get("tokens") if isinstance(answer, dict) else None
-    if (not isinstance(tokens, list) or len(tokens) < 2
-            or not all(is_integer(t) and t >= 0 for t in tokens)):
-        raise SwapError(f"{where}: expected {{\"tokens\": [token ids, at least 2]}}")
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(is_integer(t) and t >= 0 for t in tokens):
+        raise SwapError(f'{where}: expected {{"tokens": [token ids, at least 2]}}')
     return tokens

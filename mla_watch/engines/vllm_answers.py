@@ -59,8 +59,9 @@ class VllmReader(AnswerReader):
         self.replay = self._stream_tokens() if request.stream else None
         self.carried = _CarriedRouting()
         if parts.capture is not None and not request.stream:  # serve --capture: the answer's token ids
-            self.plan = replace(self.plan, token_ids=request.kind,
-                                strip_token_ids=request.body.get(TOKEN_IDS_FIELD) is not True)
+            self.plan = replace(
+                self.plan, token_ids=request.kind, strip_token_ids=request.body.get(TOKEN_IDS_FIELD) is not True
+            )
             request.payload[TOKEN_IDS_FIELD] = True
 
     def _stream_tokens(self) -> _StreamReplay | None:
@@ -90,8 +91,9 @@ class VllmReader(AnswerReader):
             body = read_chunk(tokens, data, extra)
         else:  # a long prompt's ids: parsed in a decoding process, not on the event loop
             try:
-                body, part = await self.parts.decoder.offload(read_chunk_apart, bytes(data), tokens.kind,
-                                                              tokens.strip, extra)
+                body, part = await self.parts.decoder.offload(
+                    read_chunk_apart, bytes(data), tokens.kind, tokens.strip, extra
+                )
             except DecoderDied:
                 tokens.unreadable = "the process reading a chunk of it died"
                 return line
@@ -124,8 +126,12 @@ class VllmReader(AnswerReader):
             if decoded.not_json:
                 return data
             stripped = decoded.body
-        if stripped is not None and carried.prompt_tokens is None and b'"prompt_tokens"' in stripped \
-                and len(stripped) < STRIP_ON_LOOP_BYTES:
+        if (
+            stripped is not None
+            and carried.prompt_tokens is None
+            and b'"prompt_tokens"' in stripped
+            and len(stripped) < STRIP_ON_LOOP_BYTES
+        ):
             carried.prompt_tokens = _prompt_tokens(stripped)
         return stripped
 
@@ -147,25 +153,41 @@ class VllmReader(AnswerReader):
             else:
                 routing.count(request.business_line, None, streamed=True)
         else:
-            parts.replayer.after_stream(request.business_line, self.plan, replay.model,  # type: ignore[union-attr]
-                                        request.headers, replay.tokens, client=request.client)
+            parts.replayer.after_stream(  # type: ignore[union-attr]
+                request.business_line,
+                self.plan,
+                replay.model,
+                request.headers,
+                replay.tokens,
+                client=request.client,
+            )
 
     def _count_carried(self) -> None:
         """What the stream's chunks carried, counted as a whole answer's choices are."""
         parts, request, carried = self.parts, self.request, self.carried
         if carried.size > parts.max_bytes:
-            too_much = DataError("decoder", f"the routing a stream carried exceeds {parts.max_bytes} bytes "
-                                            "(--upstream-max-bytes)")
-            parts.routing.count(request.business_line, Decoded(None, error=too_much),  # type: ignore[union-attr]
-                                streamed=True, client=request.client)
+            too_much = DataError(
+                "decoder", f"the routing a stream carried exceeds {parts.max_bytes} bytes (--upstream-max-bytes)"
+            )
+            parts.routing.count(  # type: ignore[union-attr]
+                request.business_line,
+                Decoded(None, error=too_much),
+                streamed=True,
+                client=request.client,
+            )
             return
         prompt = carried.prompt_tokens
         tokens = self.replay.tokens if self.replay is not None else None
         if prompt is None and tokens is not None:
             prompt = tokens.prompt_length()
         plan = RoutingPlan(self.engine, self.plan.geometry, keep=False)
-        parts.counter.submit(request.business_line, plan,  # type: ignore[union-attr]
-                             stream_answer(carried.strings, prompt), streamed=True, client=request.client)
+        parts.counter.submit(  # type: ignore[union-attr]
+            request.business_line,
+            plan,
+            stream_answer(carried.strings, prompt),
+            streamed=True,
+            client=request.client,
+        )
 
 
 def stream_answer(strings: list[bytes], prompt_tokens: int | None) -> bytes:

@@ -114,12 +114,15 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
         for path, names in by_file.items():
             tensors.update(read_tensors(path, names))
     except (OSError, SafetensorError) as error:
-        raise ValueError(f"checkpoint_dir {directory}: cannot read the checkpoint: {type(error).__name__}: "
-                         f"{str(error)[:200]}") from None
+        raise ValueError(
+            f"checkpoint_dir {directory}: cannot read the checkpoint: {type(error).__name__}: {str(error)[:200]}"
+        ) from None
     if not tensors:
         which = "" if wanted is None else f" of layers {sorted(wanted)}"
-        raise ValueError(f"checkpoint_dir {directory}: no router tensor{which}: expected "
-                         f"model.layers.N.mlp.gate.weight (and .{CORRECTION_BIAS}) in a MoE checkpoint")
+        raise ValueError(
+            f"checkpoint_dir {directory}: no router tensor{which}: expected "
+            f"model.layers.N.mlp.gate.weight (and .{CORRECTION_BIAS}) in a MoE checkpoint"
+        )
     return dict(sorted(tensors.items(), key=lambda item: _sort_key(item[0])))
 
 
@@ -139,9 +142,11 @@ def write_router_checkpoint(directory: Path, tensors: Mapping[str, np.ndarray], 
     arrays: dict[str, np.ndarray] = {}
     for name, tensor in tensors.items():
         if not ROUTER_TENSOR.match(str(name)):
-            raise ValueError(f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
-                             f"model.layers.N.mlp.gate.weight or .{CORRECTION_BIAS} (a router checkpoint "
-                             "holds router tensors only)")
+            raise ValueError(
+                f"tensors: {str(name)[:200]!r} is no router tensor: expected names "
+                f"model.layers.N.mlp.gate.weight or .{CORRECTION_BIAS} (a router checkpoint "
+                "holds router tensors only)"
+            )
         if not isinstance(tensor, np.ndarray) and not is_torch_tensor(tensor):
             raise ValueError(f"tensors: {name} is a {type(tensor).__name__}: expected a numpy array")
         array = arrays[name] = as_array(tensor)
@@ -190,8 +195,10 @@ def _read_config(path: Path, label: str) -> dict[str, Any]:
             raise ValueError(f"{label} {path}: larger than {MAX_CONFIG_BYTES} bytes: expected a model's config.json")
         data = json.loads(path.read_bytes())
     except OSError as error:
-        raise ValueError(f"{label} {path}: cannot be read ({error.strerror or type(error).__name__}): expected "
-                         "the config.json of the engine's model") from None
+        raise ValueError(
+            f"{label} {path}: cannot be read ({error.strerror or type(error).__name__}): expected "
+            "the config.json of the engine's model"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"{label} {path}: not JSON: expected the config.json of the engine's model") from None
     if not isinstance(data, dict):
@@ -214,25 +221,32 @@ def _check_routers(shapes: Mapping[str, tuple[int, ...]], config: dict[str, Any]
             raise ValueError(f"{where}: {name[:200]!r} is no router tensor: expected router tensors only")
         layer, kind = int(match[1]), match[2]
         if layer not in geometry.moe_layers:
-            raise ValueError(f"{where}: {name} is of layer {layer}: expected a MoE layer of the config "
-                             f"({list(geometry.moe_layers)})")
-        expected: tuple[int | None, ...] = ((geometry.num_experts, hidden) if kind == "weight"
-                                            else (geometry.num_experts,))
-        if len(shape) != len(expected) or any(want is not None and got != want
-                                              for got, want in zip(shape, expected, strict=True)):
+            raise ValueError(
+                f"{where}: {name} is of layer {layer}: expected a MoE layer of the config ({list(geometry.moe_layers)})"
+            )
+        expected: tuple[int | None, ...] = (
+            (geometry.num_experts, hidden) if kind == "weight" else (geometry.num_experts,)
+        )
+        if len(shape) != len(expected) or any(
+            want is not None and got != want for got, want in zip(shape, expected, strict=True)
+        ):
             shown = "x".join("?" if want is None else str(want) for want in expected)
-            raise ValueError(f"{where}: {name} has shape {list(shape)}: expected [{shown}] (experts x hidden "
-                             "size from the config)")
+            raise ValueError(
+                f"{where}: {name} has shape {list(shape)}: expected [{shown}] (experts x hidden size from the config)"
+            )
         kinds.setdefault(layer, set()).add(kind)
     without_weight = sorted(layer for layer, found in kinds.items() if "weight" not in found)
     if without_weight:
-        raise ValueError(f"{where}: layer {without_weight[0]} has {CORRECTION_BIAS} without its gate weight: "
-                         "expected whole routers")
+        raise ValueError(
+            f"{where}: layer {without_weight[0]} has {CORRECTION_BIAS} without its gate weight: expected whole routers"
+        )
     with_bias = sorted(layer for layer, found in kinds.items() if CORRECTION_BIAS in found)
     if with_bias and len(with_bias) != len(kinds):
         missing = sorted(set(kinds) - set(with_bias))
-        raise ValueError(f"{where}: layer {missing[0]} has no {CORRECTION_BIAS} while layer {with_bias[0]} "
-                         "has one: expected whole routers (every layer's bias, or none)")
+        raise ValueError(
+            f"{where}: layer {missing[0]} has no {CORRECTION_BIAS} while layer {with_bias[0]} "
+            "has one: expected whole routers (every layer's bias, or none)"
+        )
 
 
 def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -269,17 +283,22 @@ def checked_router_dir(weights_path: Path, engine: str) -> Path:
     the engine): absolute, a directory, router tensors only, of the shapes its config.json gives."""
     path = Path(weights_path)
     if not path.is_absolute():
-        raise SwapError(f"weights_path {path}: relative: expected an absolute path ({engine} takes a path that is "
-                        "not a directory for a Hugging Face repo id)")
+        raise SwapError(
+            f"weights_path {path}: relative: expected an absolute path ({engine} takes a path that is "
+            "not a directory for a Hugging Face repo id)"
+        )
     if not path.is_dir():
-        raise SwapError(f"weights_path {path}: not a directory here: expected the directory "
-                        "write_router_checkpoint wrote, at the path the engine sees it too")
+        raise SwapError(
+            f"weights_path {path}: not a directory here: expected the directory "
+            "write_router_checkpoint wrote, at the path the engine sees it too"
+        )
     try:
         config = _read_config(path / CONFIG_FILE, "weights_path")
         _check_routers(_checkpoint_shapes(path), config, f"weights_path {path}")
     except (OSError, SafetensorError) as error:
-        raise SwapError(f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: "
-                        f"{str(error)[:200]}") from None
+        raise SwapError(
+            f"weights_path {path}: cannot read the checkpoint: {type(error).__name__}: {str(error)[:200]}"
+        ) from None
     except ValueError as error:
         raise SwapError(str(error)) from None
     return path
@@ -297,9 +316,17 @@ class VllmWeights(EngineWeights):
 
     name = "vllm"
 
-    def __init__(self, base_url: str, *, model: str | None = None, timeout: float = 60.0,
-                 api_key: str | None = None, transport: httpx.BaseTransport | None = None,
-                 geometry: EngineGeometry | None = None, max_score_answer_bytes: int = MAX_SCORE_ANSWER_BYTES) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        timeout: float = 60.0,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+        geometry: EngineGeometry | None = None,
+        max_score_answer_bytes: int = MAX_SCORE_ANSWER_BYTES,
+    ) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {str(base_url)[:200]!r}: expected http://HOST:PORT of the engine")
         if not timeout > 0:
@@ -314,8 +341,13 @@ class VllmWeights(EngineWeights):
         # A fresh connection for each dev-endpoint call: vLLM's catch-all handler re-raises after its 500 (a
         # failed reload's), uvicorn then drops the connection, and the next call on it - the rollback - would
         # read "Connection reset by peer".
-        self._dev = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers, transport=transport,
-                                 limits=httpx.Limits(max_keepalive_connections=0))
+        self._dev = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout,
+            headers=headers,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -328,23 +360,30 @@ class VllmWeights(EngineWeights):
             with self._dev.stream("GET", "/is_paused") as response:
                 body = _read_bounded(response, MAX_DEV_ANSWER_BYTES, f"vLLM GET {self.base_url}/is_paused")
         except httpx.HTTPError as error:
-            return (f"vLLM at {self.base_url} does not answer GET /is_paused ({type(error).__name__}): expected "
-                    "the engine's pod-local dev-mode port")
+            return (
+                f"vLLM at {self.base_url} does not answer GET /is_paused ({type(error).__name__}): expected "
+                "the engine's pod-local dev-mode port"
+            )
         except SwapError as error:
             return str(error)
         if response.status_code == 404:
-            return (f"vLLM at {self.base_url} serves no dev endpoints: start it with VLLM_SERVER_DEV_MODE=1 "
-                    "(pod-local port only)")
+            return (
+                f"vLLM at {self.base_url} serves no dev endpoints: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(pod-local port only)"
+            )
         if response.status_code != 200:
-            return (f"vLLM at {self.base_url} answered GET /is_paused with {response.status_code}: "
-                    f"{_engine_message(body)}")
+            return (
+                f"vLLM at {self.base_url} answered GET /is_paused with {response.status_code}: {_engine_message(body)}"
+            )
         paused = _json_or_none(body)
         paused = paused.get("is_paused") if isinstance(paused, dict) else None
         if not isinstance(paused, bool):
             return f"vLLM at {self.base_url} answered GET /is_paused without a true/false is_paused: expected one"
         if paused:
-            return (f"vLLM at {self.base_url} is paused (another swap, or an operator's /pause): expected it "
-                    "serving; POST /resume once that is done")
+            return (
+                f"vLLM at {self.base_url} is paused (another swap, or an operator's /pause): expected it "
+                "serving; POST /resume once that is done"
+            )
         return None
 
     def swap(self, weights_path: Path) -> SwapResult:
@@ -352,9 +391,11 @@ class VllmWeights(EngineWeights):
         try:
             rollback = _empty_checkpoint(path.parent)
         except OSError as error:
-            raise SwapError(f"weights_path {path}: cannot write the rollback checkpoint beside it "
-                            f"({error.strerror or type(error).__name__}): expected a writable parent directory, "
-                            "as write_router_checkpoint needs") from None
+            raise SwapError(
+                f"weights_path {path}: cannot write the rollback checkpoint beside it "
+                f"({error.strerror or type(error).__name__}): expected a writable parent directory, "
+                "as write_router_checkpoint needs"
+            ) from None
         answers: dict[str, Any] = {}
         failures: list[str] = []
         reload_seconds = 0.0
@@ -405,14 +446,20 @@ class VllmWeights(EngineWeights):
 
     # ------------------------------------------------------------------ swap steps
     def _reload(self, path: Path) -> Any:
-        answer = self._call("POST", "/collective_rpc", what=f"reload_weights of {path}",
-                            json_body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+        answer = self._call(
+            "POST",
+            "/collective_rpc",
+            what=f"reload_weights of {path}",
+            json_body={"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+        )
         results = answer.get("results") if isinstance(answer, dict) else None
         # reload_weights returns nothing: one null per worker (a failure is a 500, not a result)
         if not isinstance(results, list) or not results or any(result is not None for result in results):
             shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
-            raise SwapError(f"vLLM POST {self.base_url}/collective_rpc (reload_weights of {path}) answered "
-                            f"{shown}: expected {{\"results\": [null, ...]}}, one null per worker")
+            raise SwapError(
+                f"vLLM POST {self.base_url}/collective_rpc (reload_weights of {path}) answered "
+                f'{shown}: expected {{"results": [null, ...]}}, one null per worker'
+            )
         return answer
 
     def _roll_back(self, rollback: Path, answers: dict[str, Any]) -> str:
@@ -420,19 +467,25 @@ class VllmWeights(EngineWeights):
         try:
             answers["rollback"] = _detail(self._reload(rollback))
         except SwapError as error:
-            return (f"rolling back failed too ({error}): vLLM leaves a failed reload's layers on the meta device "
-                    "and stops at its next forward pass: restart the engine")
-        return ("rolled back: the layers the failed reload had not finished (all of them where it failed reading "
-                "the checkpoint) have their tensors from before the swap")
+            return (
+                f"rolling back failed too ({error}): vLLM leaves a failed reload's layers on the meta device "
+                "and stops at its next forward pass: restart the engine"
+            )
+        return (
+            "rolled back: the layers the failed reload had not finished (all of them where it failed reading "
+            "the checkpoint) have their tensors from before the swap"
+        )
 
     def _reset_prefix_cache(self) -> Any:
         # requests held by the pause hold blocks: without reset_running_requests the reset fails under load
         answer = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not (isinstance(answer, dict) and answer.get("success") is True):
             shown = describe_value(answer, ENGINE_MESSAGE_CHARS, ellipsis_after_limit=True)
-            raise SwapError(f"vLLM POST {self.base_url}/reset_prefix_cache answered {shown} after the routers were "
-                            "reloaded: expected {\"success\": true}; keys and values cached under the old routers may "
-                            "still be served")
+            raise SwapError(
+                f"vLLM POST {self.base_url}/reset_prefix_cache answered {shown} after the routers were "
+                'reloaded: expected {"success": true}; keys and values cached under the old routers may '
+                "still be served"
+            )
         return answer
 
     # ------------------------------------------------------------------ scores
@@ -443,17 +496,20 @@ class VllmWeights(EngineWeights):
         positions = choice.get("prompt_logprobs") if isinstance(choice, dict) else None
         if not isinstance(positions, list) or len(positions) != len(ids):
             got = f"{len(positions)} positions" if isinstance(positions, list) else "no list"
-            raise SwapError(f"{where}: choices[0].prompt_logprobs has {got}: expected {len(ids)}, one per prompt "
-                            "token (the first null)")
+            raise SwapError(
+                f"{where}: choices[0].prompt_logprobs has {got}: expected {len(ids)}, one per prompt "
+                "token (the first null)"
+            )
         logprobs: list[float] = []
         for position in range(1, len(ids)):
             entries = positions[position]
             entry = entries.get(str(ids[position])) if isinstance(entries, dict) else None
             value = entry.get("logprob") if isinstance(entry, dict) else None
-            if not is_number(value) or math.isnan(value) \
-                    or value == math.inf:
-                raise SwapError(f"{where}: prompt_logprobs[{position}] has no log-probability for token "
-                                f"{ids[position]}: expected the prompt token's own (vLLM always sends it)")
+            if not is_number(value) or math.isnan(value) or value == math.inf:
+                raise SwapError(
+                    f"{where}: prompt_logprobs[{position}] has no log-probability for token "
+                    f"{ids[position]}: expected the prompt token's own (vLLM always sends it)"
+                )
             logprobs.append(float(value))
         routing = self._routing(cast(dict[str, Any], choice), len(ids), where)  # positions came from it
         return SampleScore(loss=-math.fsum(logprobs), tokens=len(ids) - 1, routing=routing)
@@ -468,16 +524,25 @@ class VllmWeights(EngineWeights):
         except DataError as error:
             raise SwapError(f"{where}: routed_experts: {error}") from None
         if ids.shape[0] > rows:
-            raise SwapError(f"{where}: routed_experts has {ids.shape[0]} rows: expected at most {rows}, one per "
-                            "prompt token")
+            raise SwapError(
+                f"{where}: routed_experts has {ids.shape[0]} rows: expected at most {rows}, one per prompt token"
+            )
         moe = list(self.geometry.moe_layers)
         if ids.shape[1] == self.geometry.num_hidden_layers and ids.shape[1] != len(moe):
             ids = ids[:, moe, :]  # vLLM sends every decoder layer, dense ones as zeros
         return np.ascontiguousarray(ids)
 
     # ------------------------------------------------------------------ HTTP
-    def _call(self, method: str, path: str, *, params: Mapping[str, str] | None = None,
-              json_body: Any = None, what: str | None = None, limit: int = MAX_DEV_ANSWER_BYTES) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        json_body: Any = None,
+        what: str | None = None,
+        limit: int = MAX_DEV_ANSWER_BYTES,
+    ) -> Any:
         """The engine's JSON answer (``None`` for an empty one); ``SwapError`` naming the endpoint otherwise."""
         endpoint = f"vLLM {method} {self.base_url}{path}" + (f" ({what})" if what else "")
         client = self._client if path.startswith("/v1/") else self._dev
@@ -485,8 +550,10 @@ class VllmWeights(EngineWeights):
             with client.stream(method, path, params=params, json=json_body) as response:
                 body = _read_bounded(response, limit, endpoint)
         except httpx.HTTPError as error:
-            raise SwapError(f"{endpoint}: {type(error).__name__}: {engine_said(str(error))}: expected "
-                            f"an answer within {self.timeout:g} s") from None
+            raise SwapError(
+                f"{endpoint}: {type(error).__name__}: {engine_said(str(error))}: expected "
+                f"an answer within {self.timeout:g} s"
+            ) from None
         if not 200 <= response.status_code < 300:
             raise SwapError(f"{endpoint} answered {response.status_code}: {_engine_message(body)}: expected 2xx")
         if not body.strip():
@@ -494,8 +561,10 @@ class VllmWeights(EngineWeights):
         try:
             return json.loads(body)
         except (ValueError, RecursionError):
-            raise SwapError(f"{endpoint} answered {response.status_code} with {len(body)} bytes that are not "
-                            "JSON: expected a JSON answer") from None
+            raise SwapError(
+                f"{endpoint} answered {response.status_code} with {len(body)} bytes that are not "
+                "JSON: expected a JSON answer"
+            ) from None
 
 
 def _read_bounded(response: httpx.Response, limit: int, endpoint: str) -> bytes:
@@ -533,14 +602,20 @@ def _engine_message(body: bytes) -> str:
 
 def _detail(answer: Any) -> Any:
     """An answer for :attr:`SwapResult.detail`: as it came when short, else the start of its JSON."""
-    return answer if len(json.dumps(answer)) <= DETAIL_CHARS else describe_value(answer, DETAIL_CHARS,
-                                                                                   ellipsis_after_limit=True)
+    return (
+        answer
+        if len(json.dumps(answer)) <= DETAIL_CHARS
+        else describe_value(answer, DETAIL_CHARS, ellipsis_after_limit=True)
+    )
 
 
 def _token_ids(sample: Iterable[int], index: int) -> list[int]:
     ids = list(sample)
-    if len(ids) < 2 or any(isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0
-                           for token in ids):
-        raise ValueError(f"samples[{index}]: expected at least 2 token ids, integers >= 0 (the first predicts the "
-                         "next); got " + (f"{len(ids)}" if len(ids) < 2 else "other values"))
+    if len(ids) < 2 or any(
+        isinstance(token, bool) or not isinstance(token, int | np.integer) or token < 0 for token in ids
+    ):
+        raise ValueError(
+            f"samples[{index}]: expected at least 2 token ids, integers >= 0 (the first predicts the "
+            "next); got " + (f"{len(ids)}" if len(ids) < 2 else "other values")
+        )
     return [int(token) for token in ids]

@@ -37,10 +37,10 @@ NO_ROUTING_IN_A_ROW = 3
 # What the status page says of a problem the engine's answers show, by the reason it was seen.
 PROBLEMS = {
     "no_routing": "{engine} answered without routing: start it with --enable-return-routed-experts (vLLM; "
-                  "SGLang also needs it), or nothing it serves is counted",
+    "SGLang also needs it), or nothing it serves is counted",
     "duplicate_ids": "{engine} returned routing that names one expert twice in a token's top-k (all zeros, "
-                     "mostly): its routing capture is misconfigured (vLLM on CPU needs --enforce-eager); none of "
-                     "it is counted",
+    "mostly): its routing capture is misconfigured (vLLM on CPU needs --enforce-eager); none of "
+    "it is counted",
 }
 
 
@@ -49,24 +49,53 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         p = PREFIX + "engine_"
-        self.responses = Counter(p + "responses", "Engine responses by what became of their routing: counted, "
-                                 "no_routing (none returned: a stream vLLM cannot annotate, a flag not set), "
-                                 "data_error (not counted).", ["engine", "outcome"], registry=registry)
-        self.data_errors = Counter(p + "routing_data_errors", "Engine routing refused, by reason (encoding, shape, "
-                                   "expert_id, duplicate_ids, decoder).", ["engine", "reason"], registry=registry)
-        self.recorder_dumps = Counter(p + "recorder_dumps", "SGLang expert-distribution recorder dumps read, by "
-                                      "outcome (counted, empty, ring_full, error).", ["outcome"], registry=registry)
-        self.count_dropped = Counter(p + "count_dropped", "Engine answers whose routing was not counted because the "
-                                     "queue of answers still to count was full (queue_full) or the sidecar stopped "
-                                     "(shutdown).", ["reason"], registry=registry)
-        self.stream_replays = Counter(p + "stream_replays", "Streamed vLLM requests, by what became of the replay "
-                                      "that counts their routing (see mla_watch.engines.replay.REPLAY_OUTCOMES).",
-                                      ["outcome"], registry=registry)
-        self.replay_tokens = Counter(p + "replay_tokens", "Tokens sent to the engine in stream replays (the prompt "
-                                     "part mostly a prefix-cache hit).", registry=registry)
-        self.recorder_rejected = Counter(p + "recorder_rejected", "SGLang recorder dumps set aside uncounted (outcome "
-                                         "error), by reason (see mla_watch.engines.recorder.REJECT_REASONS).",
-                                         ["reason"], registry=registry)
+        self.responses = Counter(
+            p + "responses",
+            "Engine responses by what became of their routing: counted, "
+            "no_routing (none returned: a stream vLLM cannot annotate, a flag not set), "
+            "data_error (not counted).",
+            ["engine", "outcome"],
+            registry=registry,
+        )
+        self.data_errors = Counter(
+            p + "routing_data_errors",
+            "Engine routing refused, by reason (encoding, shape, expert_id, duplicate_ids, decoder).",
+            ["engine", "reason"],
+            registry=registry,
+        )
+        self.recorder_dumps = Counter(
+            p + "recorder_dumps",
+            "SGLang expert-distribution recorder dumps read, by outcome (counted, empty, ring_full, error).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.count_dropped = Counter(
+            p + "count_dropped",
+            "Engine answers whose routing was not counted because the "
+            "queue of answers still to count was full (queue_full) or the sidecar stopped "
+            "(shutdown).",
+            ["reason"],
+            registry=registry,
+        )
+        self.stream_replays = Counter(
+            p + "stream_replays",
+            "Streamed vLLM requests, by what became of the replay "
+            "that counts their routing (see mla_watch.engines.replay.REPLAY_OUTCOMES).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.replay_tokens = Counter(
+            p + "replay_tokens",
+            "Tokens sent to the engine in stream replays (the prompt part mostly a prefix-cache hit).",
+            registry=registry,
+        )
+        self.recorder_rejected = Counter(
+            p + "recorder_rejected",
+            "SGLang recorder dumps set aside uncounted (outcome "
+            "error), by reason (see mla_watch.engines.recorder.REJECT_REASONS).",
+            ["reason"],
+            registry=registry,
+        )
 
 
 FOOTPRINT_TOKENS = 16  # decode rows of each answer's choice kept for the footprint of a batch
@@ -75,17 +104,28 @@ FOOTPRINT_TOKENS = 16  # decode rows of each answer's choice kept for the footpr
 class EngineRouting:
     """Rolling windows of an engine's routers, fed by decoded responses and recorder dumps."""
 
-    def __init__(self, engine: str, geometry: EngineGeometry, metrics: EngineMetrics, *,
-                 window_tokens: int | None = DEFAULT_WINDOW_TOKENS, window_seconds: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: str,
+        geometry: EngineGeometry,
+        metrics: EngineMetrics,
+        *,
+        window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
+        window_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
         self.geometry = geometry
         self.metrics = metrics
-        self.windows = RouterWindows(geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds,
-                                     clock=clock)
+        self.windows = RouterWindows(
+            geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds, clock=clock
+        )
         # Routing by position from the answers' per-position rows, where the config says the context length.
-        self.positions = (PositionCounts(geometry.routers(), geometry.context_length, clock=clock)
-                          if geometry.context_length is not None else None)
+        self.positions = (
+            PositionCounts(geometry.routers(), geometry.context_length, clock=clock)
+            if geometry.context_length is not None
+            else None
+        )
         self.windows.positions = self.positions
         self.position_edges = None if self.positions is None else self.positions.buckets.edges
         self._pending_positions: dict[tuple[str, str], np.ndarray] = {}  # (line, client key) -> counts
@@ -132,8 +172,9 @@ class EngineRouting:
         self.collect()
         return self.windows.counts(business_line)
 
-    def count(self, business_line: str, decoded: Decoded | None, *, streamed: bool = False,
-              client: str | None = None) -> str:
+    def count(
+        self, business_line: str, decoded: Decoded | None, *, streamed: bool = False, client: str | None = None
+    ) -> str:
         """Count one response's routing; returns the outcome (``counted``, ``no_routing``, ``data_error``). The
         tokens it routed count toward ``client``'s share of the line (:attr:`clients`)."""
         if decoded is not None and decoded.error is not None:
@@ -149,13 +190,17 @@ class EngineRouting:
                 self._pending[business_line] = (decoded.counts + counts, decoded.tokens + tokens)
                 for rows in decoded.footprint_rows or ():
                     self.footprint.add(business_line, rows)
-                if decoded.position_counts is not None and self.positions is not None \
-                        and decoded.prompt_tokens is not None:
+                if (
+                    decoded.position_counts is not None
+                    and self.positions is not None
+                    and decoded.prompt_tokens is not None
+                ):
                     self.positions.add_prompt(business_line, decoded.prompt_tokens)
                     key = (business_line, self.positions.client_key(business_line, client, decoded.prompt_tokens))
                     earlier = self._pending_positions.get(key)
-                    self._pending_positions[key] = (decoded.position_counts if earlier is None
-                                                    else earlier + decoded.position_counts)
+                    self._pending_positions[key] = (
+                        decoded.position_counts if earlier is None else earlier + decoded.position_counts
+                    )
             self._problems.clear()  # the engine's routing works (again)
             self._without_routing = 0
             if self.clients is not None and client is not None:

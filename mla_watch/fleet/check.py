@@ -39,8 +39,9 @@ class StepResult:
 class StepCheck:
     """Checks the routers serving now against a version's manifest (see the module docstring)."""
 
-    def __init__(self, gate: ReferenceGate, reader: Callable[[], ReferenceReader | None],
-                 rules: Callable[[], Sequence[Any]]) -> None:
+    def __init__(
+        self, gate: ReferenceGate, reader: Callable[[], ReferenceReader | None], rules: Callable[[], Sequence[Any]]
+    ) -> None:
         self._gate = gate
         self._reader = reader
         self._rules = rules
@@ -51,30 +52,49 @@ class StepCheck:
         band = Band.from_dict(manifest.get("band") or {})
         sets = self._gate.sets_for(line)
         if not sets:
-            return StepResult(False, f"no reference prompts describe {line or 'all lines'} here: the version cannot "
-                                     "be checked on this replica")
+            return StepResult(
+                False,
+                f"no reference prompts describe {line or 'all lines'} here: the version cannot "
+                "be checked on this replica",
+            )
         reader = self._reader()
         if reader is None:
             return StepResult(False, "no reference prompts are read on this replica: the version cannot be checked")
         try:
             scores = {reference.name: reader.read(reference) for reference in sets}
         except Exception as error:  # an engine that does not answer: the check is not made, so it does not pass
-            return StepResult(False, f"the reference prompts could not be read through {reader.where}: "
-                                     f"{type(error).__name__}: {str(error)[:200]}")
+            return StepResult(
+                False,
+                f"the reference prompts could not be read through {reader.where}: "
+                f"{type(error).__name__}: {str(error)[:200]}",
+            )
         checks = self._gate.router_checks(sets, scores, routers=routers, band=band)
         rules = list(self._rules())
         for name, score in scores.items():
             for breach in judge_health(score, rules).get("breaches", []):
                 if breach["router"] in routers:
-                    checks.append({"gate": "rules", "router": breach["router"], "value": breach["value"],
-                                   "limit": breach["threshold"], "decision": "reject", "passed": False,
-                                   "message": f"{breach['router']}: {breach['rule']} breaches on the reference prompts "
-                                              f"{name} ({breach['metric']} {breach['value']:g}, threshold "
-                                              f"{breach['threshold']:g})"})
+                    checks.append(
+                        {
+                            "gate": "rules",
+                            "router": breach["router"],
+                            "value": breach["value"],
+                            "limit": breach["threshold"],
+                            "decision": "reject",
+                            "passed": False,
+                            "message": f"{breach['router']}: {breach['rule']} breaches on the reference prompts "
+                            f"{name} ({breach['metric']} {breach['value']:g}, threshold "
+                            f"{breach['threshold']:g})",
+                        }
+                    )
         failed = [check for check in checks if check.get("binding", True) and not check.get("passed")]
         if failed:
-            return StepResult(False, "; ".join(str(check["message"]) for check in failed[:3])
-                              + (f"; and {len(failed) - 3} more" if len(failed) > 3 else ""), tuple(checks))
+            return StepResult(
+                False,
+                "; ".join(str(check["message"]) for check in failed[:3])
+                + (f"; and {len(failed) - 3} more" if len(failed) > 3 else ""),
+                tuple(checks),
+            )
         judged = ", ".join(sorted({str(check["gate"]) for check in checks})) or "nothing"
-        return StepResult(True, f"{', '.join(routers)} passed {judged} on this replica's reference prompts",
-                          tuple(checks))
+        return StepResult(
+            True, f"{', '.join(routers)} passed {judged} on this replica's reference prompts", tuple(checks)
+        )

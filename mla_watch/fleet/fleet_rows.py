@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "FleetView", "Lease", "Rollout", "Step", "VersionRow",
+    "FleetView",
+    "Lease",
+    "Rollout",
+    "Step",
+    "VersionRow",
 ]
 
 
@@ -29,9 +33,13 @@ class Lease:
         return self.holder is not None and not self.held
 
     def as_dict(self) -> dict[str, Any]:
-        return {"holder": self.holder if self.held else None, "job": self.job if self.held else None,
-                "taken_at": self.taken_at if self.held else None, "expires_at": self.expires_at if self.held else None,
-                "expired_holder": self.holder if self.expired else None}
+        return {
+            "holder": self.holder if self.held else None,
+            "job": self.job if self.held else None,
+            "taken_at": self.taken_at if self.held else None,
+            "expires_at": self.expires_at if self.held else None,
+            "expired_holder": self.holder if self.expired else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,19 @@ class VersionRow:
     manifest: Mapping[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"version": self.number, "digest": self.digest, "parent": self.parent, "job": self.job,
-                "created_by": self.created_by, "created_at": self.created_at, "bytes": self.bytes, "bad": self.bad,
-                "strategy": self.manifest.get("strategy"), "routers": self.manifest.get("routers", []),
-                "business_line": self.manifest.get("business_line")}
+        return {
+            "version": self.number,
+            "digest": self.digest,
+            "parent": self.parent,
+            "job": self.job,
+            "created_by": self.created_by,
+            "created_at": self.created_at,
+            "bytes": self.bytes,
+            "bad": self.bad,
+            "strategy": self.manifest.get("strategy"),
+            "routers": self.manifest.get("routers", []),
+            "business_line": self.manifest.get("business_line"),
+        }
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,13 @@ class Step:
     detail: Mapping[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"member": self.member, "outcome": self.outcome, "started_at": self.started_at,
-                "ended_at": self.ended_at, "detail": dict(self.detail)}
+        return {
+            "member": self.member,
+            "outcome": self.outcome,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "detail": dict(self.detail),
+        }
 
 
 @dataclass(frozen=True)
@@ -86,10 +108,21 @@ class Rollout:
         return next((step for step in self.steps if step.member == member), None)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "version": self.version, "digest": self.digest, "previous": self.previous,
-                "job": self.job, "state": self.state, "batch": self.batch, "started_at": self.started_at,
-                "updated_at": self.updated_at, "ended_at": self.ended_at, "halted_by": self.halted_by,
-                "reason": self.reason, "steps": [step.as_dict() for step in self.steps]}
+        return {
+            "id": self.id,
+            "version": self.version,
+            "digest": self.digest,
+            "previous": self.previous,
+            "job": self.job,
+            "state": self.state,
+            "batch": self.batch,
+            "started_at": self.started_at,
+            "updated_at": self.updated_at,
+            "ended_at": self.ended_at,
+            "halted_by": self.halted_by,
+            "reason": self.reason,
+            "steps": [step.as_dict() for step in self.steps],
+        }
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ a time)."""
 from __future__ import annotations
 
 __all__ = [
-    "SCHEMA", "SCHEMA_LOCK",
+    "SCHEMA",
+    "SCHEMA_LOCK",
 ]
 
 SCHEMA_LOCK = 0x6D6C6177  # pg_advisory_xact_lock key: one sidecar at a time makes the tables

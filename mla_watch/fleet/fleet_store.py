@@ -92,9 +92,12 @@ class FleetStore:
     def _connect(self) -> Any:
         import psycopg
 
-        conn = psycopg.connect(self.url, connect_timeout=max(1, round(self._connect_timeout)),
-                               options=f"-c statement_timeout={int(self._statement_timeout * 1000)}",
-                               application_name="mla-watch")
+        conn = psycopg.connect(
+            self.url,
+            connect_timeout=max(1, round(self._connect_timeout)),
+            options=f"-c statement_timeout={int(self._statement_timeout * 1000)}",
+            application_name="mla-watch",
+        )
         if not self._schema_made:
             with conn.transaction(), conn.cursor() as cursor:
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
@@ -130,23 +133,32 @@ class FleetStore:
         """Record ``base`` (its version 0 is ``base`` itself) and this member; idempotent."""
         with self._transaction() as cursor:
             cursor.execute("INSERT INTO mla_watch_fleet_bases (base) VALUES (%s) ON CONFLICT DO NOTHING", (base,))
-            cursor.execute("INSERT INTO mla_watch_fleet_versions (base, number, digest, parent, manifest) "
-                           "VALUES (%s, 0, %s, NULL, %s) ON CONFLICT DO NOTHING",
-                           (base, base, _json({"source": "base", "routers": []})))
+            cursor.execute(
+                "INSERT INTO mla_watch_fleet_versions (base, number, digest, parent, manifest) "
+                "VALUES (%s, 0, %s, NULL, %s) ON CONFLICT DO NOTHING",
+                (base, base, _json({"source": "base", "routers": []})),
+            )
             # A step this member was taking when it stopped is gone with it: lost, to be taken again.
-            cursor.execute("UPDATE mla_watch_fleet_steps SET outcome = 'lost', ended_at = now(), detail = %s "
-                           "WHERE member = %s AND outcome = 'taking'",
-                           (_json({"reason": "the member started again while it took this step"}), name))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_steps SET outcome = 'lost', ended_at = now(), detail = %s "
+                "WHERE member = %s AND outcome = 'taking'",
+                (_json({"reason": "the member started again while it took this step"}), name),
+            )
             cursor.execute(
                 "INSERT INTO mla_watch_fleet_members (name, base, digest, url, started_at, last_seen) "
                 "VALUES (%s, %s, %s, %s, now(), now()) ON CONFLICT (name) DO UPDATE SET base = EXCLUDED.base, "
                 "digest = EXCLUDED.digest, url = EXCLUDED.url, started_at = now(), last_seen = now(), "
-                "health = '{}'::jsonb", (name, base, digest, url))
+                "health = '{}'::jsonb",
+                (name, base, digest, url),
+            )
 
     def heartbeat(self, name: str, digest: str, version: int | None, health: Mapping[str, Any]) -> None:
         with self._transaction() as cursor:
-            cursor.execute("UPDATE mla_watch_fleet_members SET digest = %s, version = %s, health = %s, "
-                           "last_seen = now() WHERE name = %s", (digest, version, _json(health), name))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_members SET digest = %s, version = %s, health = %s, "
+                "last_seen = now() WHERE name = %s",
+                (digest, version, _json(health), name),
+            )
 
     def touch(self, name: str) -> None:
         """This member is alive (while a long rollout step keeps its round from the heartbeat)."""
@@ -166,11 +178,14 @@ class FleetStore:
         current = self._version(cursor, base, int(row["current"]) if row else 0)
         if current is None:
             raise FleetStoreError(f"{self.where}: base {base[:12]} has no version 0 (was the store emptied?)")
-        cursor.execute("SELECT holder, job, extract(epoch FROM taken_at)::float8 AS taken_at, "
-                       "extract(epoch FROM expires_at)::float8 AS expires_at FROM mla_watch_fleet_lease WHERE id = 1")
+        cursor.execute(
+            "SELECT holder, job, extract(epoch FROM taken_at)::float8 AS taken_at, "
+            "extract(epoch FROM expires_at)::float8 AS expires_at FROM mla_watch_fleet_lease WHERE id = 1"
+        )
         lease_row = cursor.fetchone() or {}
-        lease = Lease(lease_row.get("holder"), lease_row.get("job"), lease_row.get("taken_at"),
-                      lease_row.get("expires_at"), now)
+        lease = Lease(
+            lease_row.get("holder"), lease_row.get("job"), lease_row.get("taken_at"), lease_row.get("expires_at"), now
+        )
         lease_job = None
         if lease.job is not None:
             cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease.job,))
@@ -180,24 +195,45 @@ class FleetStore:
         cursor.execute(
             "SELECT name, base, digest, version, url, extract(epoch FROM started_at)::float8 AS started_at, "
             "extract(epoch FROM last_seen)::float8 AS last_seen, health FROM mla_watch_fleet_members "
-            "ORDER BY name LIMIT %s", (MAX_MEMBERS_SHOWN,))
+            "ORDER BY name LIMIT %s",
+            (MAX_MEMBERS_SHOWN,),
+        )
         members = tuple(dict(member) for member in cursor.fetchall())
         cursor.execute("SELECT number, digest, bad FROM mla_watch_fleet_versions WHERE base = %s", (base,))
         rows = cursor.fetchall()
-        return FleetView(now=now, base=base, current=current, lease=lease, lease_job=lease_job, rollout=rollout,
-                         members=members, versions={row["digest"]: int(row["number"]) for row in rows},
-                         bad=frozenset(int(row["number"]) for row in rows if row["bad"]))
+        return FleetView(
+            now=now,
+            base=base,
+            current=current,
+            lease=lease,
+            lease_job=lease_job,
+            rollout=rollout,
+            members=members,
+            versions={row["digest"]: int(row["number"]) for row in rows},
+            bad=frozenset(int(row["number"]) for row in rows if row["bad"]),
+        )
 
     # ------------------------------------------------------------------ versions
     def _version(self, cursor: Any, base: str, number: int) -> VersionRow | None:
-        cursor.execute("SELECT number, digest, parent, job, created_by, extract(epoch FROM created_at)::float8 AS "
-                       "created_at, bytes, bad, manifest FROM mla_watch_fleet_versions WHERE base = %s AND number = %s",
-                       (base, number))
+        cursor.execute(
+            "SELECT number, digest, parent, job, created_by, extract(epoch FROM created_at)::float8 AS "
+            "created_at, bytes, bad, manifest FROM mla_watch_fleet_versions WHERE base = %s AND number = %s",
+            (base, number),
+        )
         row = cursor.fetchone()
         if row is None:
             return None
-        return VersionRow(int(row["number"]), row["digest"], row["parent"], row["job"], row["created_by"],
-                          float(row["created_at"]), int(row["bytes"]), bool(row["bad"]), row["manifest"] or {})
+        return VersionRow(
+            int(row["number"]),
+            row["digest"],
+            row["parent"],
+            row["job"],
+            row["created_by"],
+            float(row["created_at"]),
+            int(row["bytes"]),
+            bool(row["bad"]),
+            row["manifest"] or {},
+        )
 
     def version(self, base: str, number: int) -> VersionRow | None:
         with self._transaction() as cursor:
@@ -205,8 +241,10 @@ class FleetStore:
 
     def versions(self, base: str, limit: int = 100) -> list[VersionRow]:
         with self._transaction() as cursor:
-            cursor.execute("SELECT number FROM mla_watch_fleet_versions WHERE base = %s ORDER BY number DESC "
-                           "LIMIT %s", (base, limit))
+            cursor.execute(
+                "SELECT number FROM mla_watch_fleet_versions WHERE base = %s ORDER BY number DESC LIMIT %s",
+                (base, limit),
+            )
             numbers = [int(row["number"]) for row in cursor.fetchall()]
             return [row for number in numbers if (row := self._version(cursor, base, number)) is not None]
 
@@ -224,8 +262,10 @@ class FleetStore:
                 row = self._version(cursor, base, current)
                 if row is None:
                     raise FleetStoreError(f"{self.where}: version {current} of base {base[:12]} is missing")
-                cursor.execute("SELECT data FROM mla_watch_fleet_tensors WHERE base = %s AND number = %s "
-                               "ORDER BY router", (base, current))
+                cursor.execute(
+                    "SELECT data FROM mla_watch_fleet_tensors WHERE base = %s AND number = %s ORDER BY router",
+                    (base, current),
+                )
                 tensors: dict[str, np.ndarray] = {}
                 for blob in cursor.fetchall():
                     tensors.update(tensors_from_bytes(bytes(blob["data"])))
@@ -234,14 +274,24 @@ class FleetStore:
         return out
 
     # ------------------------------------------------------------------ the lease and jobs
-    def decide(self, name: str, base: str, job: str, routers: Sequence[str], business_line: str | None, *,
-               cooldown_seconds: float, lease_seconds: float) -> dict[str, Any]:
+    def decide(
+        self,
+        name: str,
+        base: str,
+        job: str,
+        routers: Sequence[str],
+        business_line: str | None,
+        *,
+        cooldown_seconds: float,
+        lease_seconds: float,
+    ) -> dict[str, Any]:
         """One decision for a model-caused alert on ``routers``: ``{"decision": "lease"}`` when this member takes
         the lease for a new job ``job`` (it is the canary); else ``"wait"`` (a job or a rollout is under way; who
         holds it) or ``"cooldown"`` (a job for these routers ended within the cooldown; until when)."""
         with self._transaction() as cursor:
-            cursor.execute("SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 "
-                           "FOR UPDATE")
+            cursor.execute(
+                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
+            )
             lease = cursor.fetchone()
             if lease["holder"] is not None and lease["held"]:
                 cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease["job"],))
@@ -252,71 +302,96 @@ class FleetStore:
                 if held is not None and held["state"] == "rolling":  # a coordinator's rollout: it is resumed, not raced
                     return {"decision": "wait", "holder": None, "job": held}
                 self._abandon(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
-            cursor.execute("SELECT id FROM mla_watch_fleet_rollouts WHERE base = %s AND state = 'rolling' LIMIT 1",
-                           (base,))
+            cursor.execute(
+                "SELECT id FROM mla_watch_fleet_rollouts WHERE base = %s AND state = 'rolling' LIMIT 1", (base,)
+            )
             if cursor.fetchone() is not None:
                 return {"decision": "wait", "holder": None, "job": None}
             cursor.execute(
                 _JOB_SELECT + " WHERE base = %s AND tried AND routers && %s::text[] AND ended_at > now() - "
-                "make_interval(secs => %s) ORDER BY ended_at DESC LIMIT 1", (base, list(routers), cooldown_seconds))
+                "make_interval(secs => %s) ORDER BY ended_at DESC LIMIT 1",
+                (base, list(routers), cooldown_seconds),
+            )
             recent = _job_dict(cursor.fetchone())
             if recent is not None:
-                return {"decision": "cooldown", "job": recent,
-                        "until": float(recent["ended_at"]) + cooldown_seconds}
-            cursor.execute("INSERT INTO mla_watch_fleet_jobs (id, base, routers, business_line, canary, state) "
-                           "VALUES (%s, %s, %s, %s, %s, 'running')", (job, base, list(routers), business_line, name))
-            cursor.execute("UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
-                           "expires_at = now() + make_interval(secs => %s) WHERE id = 1", (name, job, lease_seconds))
+                return {"decision": "cooldown", "job": recent, "until": float(recent["ended_at"]) + cooldown_seconds}
+            cursor.execute(
+                "INSERT INTO mla_watch_fleet_jobs (id, base, routers, business_line, canary, state) "
+                "VALUES (%s, %s, %s, %s, %s, 'running')",
+                (job, base, list(routers), business_line, name),
+            )
+            cursor.execute(
+                "UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
+                "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
+                (name, job, lease_seconds),
+            )
             return {"decision": "lease"}
 
     def _abandon(self, cursor: Any, job: str | None, why: str) -> None:
         if job is None:
             return
-        cursor.execute("UPDATE mla_watch_fleet_jobs SET state = 'abandoned', ended_at = now(), "
-                       "detail = detail || %s WHERE id = %s AND state = 'running'",
-                       (_json({"error": f"abandoned: {why}"}), job))
+        cursor.execute(
+            "UPDATE mla_watch_fleet_jobs SET state = 'abandoned', ended_at = now(), "
+            "detail = detail || %s WHERE id = %s AND state = 'running'",
+            (_json({"error": f"abandoned: {why}"}), job),
+        )
 
     def renew(self, name: str, job: str, lease_seconds: float) -> bool:
         """Extend the lease this member holds for ``job``; False when it is no longer its own."""
         with self._transaction() as cursor:
-            cursor.execute("UPDATE mla_watch_fleet_lease SET expires_at = now() + make_interval(secs => %s) "
-                           "WHERE id = 1 AND holder = %s AND job = %s AND expires_at > now() RETURNING id",
-                           (lease_seconds, name, job))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_lease SET expires_at = now() + make_interval(secs => %s) "
+                "WHERE id = 1 AND holder = %s AND job = %s AND expires_at > now() RETURNING id",
+                (lease_seconds, name, job),
+            )
             return cursor.fetchone() is not None
 
     def take_over(self, name: str, lease_seconds: float) -> dict[str, Any] | None:
         """A lease past its expiry: its rolling job's coordination is taken over by ``name`` (the job returned), a
         running job without a version is abandoned and the lease freed (``None``)."""
         with self._transaction() as cursor:
-            cursor.execute("SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 "
-                           "FOR UPDATE")
+            cursor.execute(
+                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
+            )
             lease = cursor.fetchone()
             if lease["holder"] is None or lease["held"]:
                 return None
             cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease["job"],))
             job = _job_dict(cursor.fetchone())
             if job is not None and job["state"] == "rolling":
-                cursor.execute("UPDATE mla_watch_fleet_lease SET holder = %s, taken_at = now(), "
-                               "expires_at = now() + make_interval(secs => %s) WHERE id = 1", (name, lease_seconds))
-                cursor.execute("UPDATE mla_watch_fleet_jobs SET detail = detail || %s WHERE id = %s",
-                               (_json({"coordinator": name, "taken_over_from": lease["holder"]}), job["id"]))
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_lease SET holder = %s, taken_at = now(), "
+                    "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
+                    (name, lease_seconds),
+                )
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_jobs SET detail = detail || %s WHERE id = %s",
+                    (_json({"coordinator": name, "taken_over_from": lease["holder"]}), job["id"]),
+                )
                 return job
             self._abandon(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
-            cursor.execute("UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
-                           "expires_at = NULL WHERE id = 1")
+            cursor.execute(
+                "UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
+                "expires_at = NULL WHERE id = 1"
+            )
             return None
 
     def finish_job(self, name: str, job: str, state: str, *, tried: bool, detail: Mapping[str, Any]) -> None:
         """End ``job`` (not by a rollout) and free the lease if ``name`` holds it for it."""
         with self._transaction() as cursor:
-            cursor.execute("UPDATE mla_watch_fleet_jobs SET state = %s, tried = %s, ended_at = now(), "
-                           "detail = detail || %s WHERE id = %s AND state NOT IN ('done', 'halted', 'aborted')",
-                           (state, tried, _json(detail), job))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_jobs SET state = %s, tried = %s, ended_at = now(), "
+                "detail = detail || %s WHERE id = %s AND state NOT IN ('done', 'halted', 'aborted')",
+                (state, tried, _json(detail), job),
+            )
             self._release(cursor, name, job)
 
     def _release(self, cursor: Any, name: str, job: str | None) -> None:
-        cursor.execute("UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
-                       "expires_at = NULL WHERE id = 1 AND holder = %s AND job IS NOT DISTINCT FROM %s", (name, job))
+        cursor.execute(
+            "UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
+            "expires_at = NULL WHERE id = 1 AND holder = %s AND job IS NOT DISTINCT FROM %s",
+            (name, job),
+        )
 
     def release(self, name: str) -> None:
         """Free the lease if ``name`` holds it (a member stopping, or starting again under the same name)."""
@@ -340,78 +415,134 @@ class FleetStore:
             return [job for row in cursor.fetchall() if (job := _job_dict(row)) is not None]
 
     # ------------------------------------------------------------------ publishing and rollouts
-    def publish(self, name: str, job: str | None, base: str, *, parent: int, digest: str,
-                changes: Mapping[str, Mapping[str, np.ndarray]], manifest: Mapping[str, Any], batch: int,
-                canary_detail: Mapping[str, Any], lease_seconds: float) -> tuple[int, int]:
+    def publish(
+        self,
+        name: str,
+        job: str | None,
+        base: str,
+        *,
+        parent: int,
+        digest: str,
+        changes: Mapping[str, Mapping[str, np.ndarray]],
+        manifest: Mapping[str, Any],
+        batch: int,
+        canary_detail: Mapping[str, Any],
+        lease_seconds: float,
+    ) -> tuple[int, int]:
         """Write a version (``changes``: router -> its changed tensors) and start its rollout, with this member's
         step passed (it serves the version already). ``job`` is the fleet job whose lease ``name`` holds (``None``:
         an operator's rollout; the lease is taken for it). ``(version, rollout)``."""
         with self._transaction() as cursor:
-            cursor.execute("SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 "
-                           "FOR UPDATE")
+            cursor.execute(
+                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
+            )
             lease = cursor.fetchone()
             if job is not None and (lease["holder"] != name or lease["job"] != job or not lease["held"]):
-                raise FleetStoreError(f"{name} no longer holds the fleet's re-tuning lease for job {job} "
-                                      f"(held by {lease['holder']})")
+                raise FleetStoreError(
+                    f"{name} no longer holds the fleet's re-tuning lease for job {job} (held by {lease['holder']})"
+                )
             if job is None and lease["holder"] is not None and lease["held"]:
-                raise FleetStoreError(f"the fleet's re-tuning lease is held by {lease['holder']} (job "
-                                      f"{lease['job']}): a rollout waits for it")
-            cursor.execute("SELECT id FROM mla_watch_fleet_rollouts WHERE base = %s AND state = 'rolling' LIMIT 1",
-                           (base,))
+                raise FleetStoreError(
+                    f"the fleet's re-tuning lease is held by {lease['holder']} (job "
+                    f"{lease['job']}): a rollout waits for it"
+                )
+            cursor.execute(
+                "SELECT id FROM mla_watch_fleet_rollouts WHERE base = %s AND state = 'rolling' LIMIT 1", (base,)
+            )
             if cursor.fetchone() is not None:
                 raise FleetStoreError("a rollout is under way: one at a time")
-            cursor.execute("SELECT number FROM mla_watch_fleet_versions WHERE base = %s AND digest = %s",
-                           (base, digest))
+            cursor.execute(
+                "SELECT number FROM mla_watch_fleet_versions WHERE base = %s AND digest = %s", (base, digest)
+            )
             row = cursor.fetchone()
             if row is not None:
                 number = int(row["number"])
             else:
-                cursor.execute("SELECT coalesce(max(number), 0) + 1 AS next FROM mla_watch_fleet_versions "
-                               "WHERE base = %s", (base,))
+                cursor.execute(
+                    "SELECT coalesce(max(number), 0) + 1 AS next FROM mla_watch_fleet_versions WHERE base = %s", (base,)
+                )
                 number = int(cursor.fetchone()["next"])
                 blobs = {router: tensors_to_bytes(tensors) for router, tensors in changes.items() if tensors}
                 cursor.execute(
                     "INSERT INTO mla_watch_fleet_versions (base, number, digest, parent, job, created_by, bytes, "
                     "manifest) VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                    (base, number, digest, parent, job, name, sum(len(blob) for blob in blobs.values()),
-                     _json(manifest)))
+                    (
+                        base,
+                        number,
+                        digest,
+                        parent,
+                        job,
+                        name,
+                        sum(len(blob) for blob in blobs.values()),
+                        _json(manifest),
+                    ),
+                )
                 for router, blob in blobs.items():
-                    cursor.execute("INSERT INTO mla_watch_fleet_tensors (base, number, router, data) "
-                                   "VALUES (%s, %s, %s, %s)", (base, number, router, blob))
+                    cursor.execute(
+                        "INSERT INTO mla_watch_fleet_tensors (base, number, router, data) VALUES (%s, %s, %s, %s)",
+                        (base, number, router, blob),
+                    )
             cursor.execute("SELECT current FROM mla_watch_fleet_bases WHERE base = %s", (base,))
             previous = int(cursor.fetchone()["current"])
-            cursor.execute("INSERT INTO mla_watch_fleet_rollouts (base, version, digest, previous, job, state, batch) "
-                           "VALUES (%s, %s, %s, %s, %s, 'rolling', %s) RETURNING id",
-                           (base, number, digest, previous, job, batch))
+            cursor.execute(
+                "INSERT INTO mla_watch_fleet_rollouts (base, version, digest, previous, job, state, batch) "
+                "VALUES (%s, %s, %s, %s, %s, 'rolling', %s) RETURNING id",
+                (base, number, digest, previous, job, batch),
+            )
             rollout = int(cursor.fetchone()["id"])
-            cursor.execute("INSERT INTO mla_watch_fleet_steps (rollout, member, outcome, ended_at, detail) "
-                           "VALUES (%s, %s, 'passed', now(), %s)", (rollout, name, _json(canary_detail)))
+            cursor.execute(
+                "INSERT INTO mla_watch_fleet_steps (rollout, member, outcome, ended_at, detail) "
+                "VALUES (%s, %s, 'passed', now(), %s)",
+                (rollout, name, _json(canary_detail)),
+            )
             if job is not None:
-                cursor.execute("UPDATE mla_watch_fleet_jobs SET state = 'rolling', tried = true, version = %s "
-                               "WHERE id = %s", (number, job))
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_jobs SET state = 'rolling', tried = true, version = %s WHERE id = %s",
+                    (number, job),
+                )
             else:
                 job = f"rollout-{rollout}"
-                cursor.execute("INSERT INTO mla_watch_fleet_jobs (id, base, routers, canary, state, tried, version, "
-                               "detail) VALUES (%s, %s, %s, %s, 'rolling', true, %s, %s)",
-                               (job, base, list(manifest.get("routers", [])), name, number,
-                                _json({"source": "operator"})))
+                cursor.execute(
+                    "INSERT INTO mla_watch_fleet_jobs (id, base, routers, canary, state, tried, version, "
+                    "detail) VALUES (%s, %s, %s, %s, 'rolling', true, %s, %s)",
+                    (job, base, list(manifest.get("routers", [])), name, number, _json({"source": "operator"})),
+                )
                 cursor.execute("UPDATE mla_watch_fleet_rollouts SET job = %s WHERE id = %s", (job, rollout))
-                cursor.execute("UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
-                               "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
-                               (name, job, lease_seconds))
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
+                    "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
+                    (name, job, lease_seconds),
+                )
             return number, rollout
 
     def _rollout(self, cursor: Any, row: Mapping[str, Any] | None) -> Rollout | None:
         if row is None:
             return None
-        cursor.execute("SELECT member, outcome, extract(epoch FROM started_at)::float8 AS started_at, "
-                       "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_steps "
-                       "WHERE rollout = %s ORDER BY started_at, member LIMIT %s", (row["id"], MAX_STEPS_SHOWN))
-        steps = tuple(Step(step["member"], step["outcome"], float(step["started_at"]), step["ended_at"],
-                           step["detail"] or {}) for step in cursor.fetchall())
-        return Rollout(int(row["id"]), int(row["version"]), row["digest"], int(row["previous"]), row["job"],
-                       row["state"], int(row["batch"]), float(row["started_at"]), float(row["updated_at"]),
-                       row["ended_at"], row["halted_by"], row["reason"], steps)
+        cursor.execute(
+            "SELECT member, outcome, extract(epoch FROM started_at)::float8 AS started_at, "
+            "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_steps "
+            "WHERE rollout = %s ORDER BY started_at, member LIMIT %s",
+            (row["id"], MAX_STEPS_SHOWN),
+        )
+        steps = tuple(
+            Step(step["member"], step["outcome"], float(step["started_at"]), step["ended_at"], step["detail"] or {})
+            for step in cursor.fetchall()
+        )
+        return Rollout(
+            int(row["id"]),
+            int(row["version"]),
+            row["digest"],
+            int(row["previous"]),
+            row["job"],
+            row["state"],
+            int(row["batch"]),
+            float(row["started_at"]),
+            float(row["updated_at"]),
+            row["ended_at"],
+            row["halted_by"],
+            row["reason"],
+            steps,
+        )
 
     def claim_step(self, name: str, rollout: int) -> bool:
         """Take this member's step of a rolling ``rollout`` when fewer than its batch are under way (again, where
@@ -421,26 +552,35 @@ class FleetStore:
             row = cursor.fetchone()
             if row is None or row["state"] != "rolling":
                 return False
-            cursor.execute("SELECT count(*) AS n FROM mla_watch_fleet_steps WHERE rollout = %s AND outcome = 'taking'",
-                           (rollout,))
+            cursor.execute(
+                "SELECT count(*) AS n FROM mla_watch_fleet_steps WHERE rollout = %s AND outcome = 'taking'", (rollout,)
+            )
             if int(cursor.fetchone()["n"]) >= int(row["batch"]):
                 return False
-            cursor.execute("INSERT INTO mla_watch_fleet_steps (rollout, member, outcome) VALUES (%s, %s, 'taking') "
-                           "ON CONFLICT (rollout, member) DO UPDATE SET outcome = 'taking', started_at = now(), "
-                           "ended_at = NULL, detail = '{}'::jsonb WHERE mla_watch_fleet_steps.outcome = 'lost' "
-                           "RETURNING member", (rollout, name))
+            cursor.execute(
+                "INSERT INTO mla_watch_fleet_steps (rollout, member, outcome) VALUES (%s, %s, 'taking') "
+                "ON CONFLICT (rollout, member) DO UPDATE SET outcome = 'taking', started_at = now(), "
+                "ended_at = NULL, detail = '{}'::jsonb WHERE mla_watch_fleet_steps.outcome = 'lost' "
+                "RETURNING member",
+                (rollout, name),
+            )
             return cursor.fetchone() is not None
 
     def end_step(self, name: str, rollout: int, outcome: str, detail: Mapping[str, Any]) -> None:
         """Record this member's step; a failed one halts the rollout, naming the member."""
         with self._transaction() as cursor:
-            cursor.execute("UPDATE mla_watch_fleet_steps SET outcome = %s, ended_at = now(), detail = %s "
-                           "WHERE rollout = %s AND member = %s", (outcome, _json(detail), rollout, name))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_steps SET outcome = %s, ended_at = now(), detail = %s "
+                "WHERE rollout = %s AND member = %s",
+                (outcome, _json(detail), rollout, name),
+            )
             cursor.execute("UPDATE mla_watch_fleet_rollouts SET updated_at = now() WHERE id = %s", (rollout,))
             if outcome == "failed":
-                cursor.execute("UPDATE mla_watch_fleet_rollouts SET state = 'halted', halted_by = %s, reason = %s, "
-                               "ended_at = now() WHERE id = %s AND state = 'rolling'",
-                               (name, str(detail.get("reason", ""))[:2000], rollout))
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_rollouts SET state = 'halted', halted_by = %s, reason = %s, "
+                    "ended_at = now() WHERE id = %s AND state = 'rolling'",
+                    (name, str(detail.get("reason", ""))[:2000], rollout),
+                )
 
     def coordinate(self, name: str, job: str, *, member_seconds: float) -> str | None:
         """The lease holder's round over its job's rollout: steps of members not seen for ``member_seconds`` are
@@ -453,9 +593,11 @@ class FleetStore:
                 return None
             rollout = int(row["id"])
             if row["state"] in ("halted", "aborted"):
-                cursor.execute("UPDATE mla_watch_fleet_jobs SET state = %s, ended_at = now(), detail = detail || %s "
-                               "WHERE id = %s AND state = 'rolling'",
-                               (row["state"], _json({"halted_by": row["halted_by"], "reason": row["reason"]}), job))
+                cursor.execute(
+                    "UPDATE mla_watch_fleet_jobs SET state = %s, ended_at = now(), detail = detail || %s "
+                    "WHERE id = %s AND state = 'rolling'",
+                    (row["state"], _json({"halted_by": row["halted_by"], "reason": row["reason"]}), job),
+                )
                 self._release(cursor, name, job)
                 return str(row["state"])
             if row["state"] != "rolling":
@@ -464,19 +606,26 @@ class FleetStore:
                 "UPDATE mla_watch_fleet_steps s SET outcome = 'lost', ended_at = now(), detail = %s "
                 "FROM mla_watch_fleet_members m WHERE s.rollout = %s AND s.outcome = 'taking' AND m.name = s.member "
                 "AND m.last_seen < now() - make_interval(secs => %s)",
-                (_json({"reason": "the member was not seen while it took its step"}), rollout, member_seconds))
+                (_json({"reason": "the member was not seen while it took its step"}), rollout, member_seconds),
+            )
             cursor.execute(
                 "SELECT m.name FROM mla_watch_fleet_members m LEFT JOIN mla_watch_fleet_steps s "
                 "ON s.rollout = %s AND s.member = m.name WHERE m.base = %s "
                 "AND m.last_seen >= now() - make_interval(secs => %s) "
                 "AND (s.outcome IS NULL OR s.outcome <> 'passed') AND m.digest <> %s",
-                (rollout, row["base"], member_seconds, row["digest"]))
+                (rollout, row["base"], member_seconds, row["digest"]),
+            )
             if cursor.fetchall():
                 return "rolling"
-            cursor.execute("UPDATE mla_watch_fleet_rollouts SET state = 'done', ended_at = now(), updated_at = now() "
-                           "WHERE id = %s", (rollout,))
-            cursor.execute("UPDATE mla_watch_fleet_bases SET current = %s, updated_at = now() WHERE base = %s",
-                           (row["version"], row["base"]))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_rollouts SET state = 'done', ended_at = now(), updated_at = now() "
+                "WHERE id = %s",
+                (rollout,),
+            )
+            cursor.execute(
+                "UPDATE mla_watch_fleet_bases SET current = %s, updated_at = now() WHERE base = %s",
+                (row["version"], row["base"]),
+            )
             cursor.execute("UPDATE mla_watch_fleet_jobs SET state = 'done', ended_at = now() WHERE id = %s", (job,))
             self._release(cursor, name, job)
             return "done"
@@ -485,19 +634,32 @@ class FleetStore:
         """Abort the latest rolling or halted rollout of ``base``: its version is marked bad, every member on it
         goes back to the current version, its job ends and the lease is freed. The rollout, or ``None``."""
         with self._transaction() as cursor:
-            cursor.execute(_ROLLOUT_SELECT + " WHERE base = %s AND state IN ('rolling', 'halted') ORDER BY id DESC "
-                           "LIMIT 1 FOR UPDATE", (base,))
+            cursor.execute(
+                _ROLLOUT_SELECT + " WHERE base = %s AND state IN ('rolling', 'halted') ORDER BY id DESC "
+                "LIMIT 1 FOR UPDATE",
+                (base,),
+            )
             row = cursor.fetchone()
             if row is None:
                 return None
-            cursor.execute("UPDATE mla_watch_fleet_rollouts SET state = 'aborted', reason = %s, ended_at = now(), "
-                           "updated_at = now() WHERE id = %s", (reason[:2000], row["id"]))
-            cursor.execute("UPDATE mla_watch_fleet_versions SET bad = true WHERE base = %s AND number = %s",
-                           (base, row["version"]))
-            cursor.execute("UPDATE mla_watch_fleet_jobs SET state = 'aborted', ended_at = now() WHERE id = %s "
-                           "AND state NOT IN ('done')", (row["job"],))
-            cursor.execute("UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
-                           "expires_at = NULL WHERE id = 1 AND job IS NOT DISTINCT FROM %s", (row["job"],))
+            cursor.execute(
+                "UPDATE mla_watch_fleet_rollouts SET state = 'aborted', reason = %s, ended_at = now(), "
+                "updated_at = now() WHERE id = %s",
+                (reason[:2000], row["id"]),
+            )
+            cursor.execute(
+                "UPDATE mla_watch_fleet_versions SET bad = true WHERE base = %s AND number = %s", (base, row["version"])
+            )
+            cursor.execute(
+                "UPDATE mla_watch_fleet_jobs SET state = 'aborted', ended_at = now() WHERE id = %s "
+                "AND state NOT IN ('done')",
+                (row["job"],),
+            )
+            cursor.execute(
+                "UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
+                "expires_at = NULL WHERE id = 1 AND job IS NOT DISTINCT FROM %s",
+                (row["job"],),
+            )
             cursor.execute(_ROLLOUT_SELECT + " WHERE id = %s", (row["id"],))
             return self._rollout(cursor, cursor.fetchone())
 
@@ -506,28 +668,43 @@ class FleetStore:
         with self._transaction() as cursor:
             out = {}
             for table in ("bases", "members", "versions", "tensors", "lease", "jobs", "rollouts", "steps"):
-                cursor.execute(f"SELECT count(*) AS n, coalesce(pg_total_relation_size('mla_watch_fleet_{table}'), 0) "
-                               f"AS bytes FROM mla_watch_fleet_{table}")
+                cursor.execute(
+                    f"SELECT count(*) AS n, coalesce(pg_total_relation_size('mla_watch_fleet_{table}'), 0) "
+                    f"AS bytes FROM mla_watch_fleet_{table}"
+                )
                 row = cursor.fetchone()
                 out[f"{table}_rows"], out[f"{table}_bytes"] = int(row["n"]), int(row["bytes"])
             return out
 
 
-_JOB_SELECT = ("SELECT id, base, routers, business_line, canary, state, tried, version, "
-               "extract(epoch FROM started_at)::float8 AS started_at, "
-               "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_jobs")
-_ROLLOUT_SELECT = ("SELECT id, base, version, digest, previous, job, state, batch, "
-                   "extract(epoch FROM started_at)::float8 AS started_at, "
-                   "extract(epoch FROM updated_at)::float8 AS updated_at, "
-                   "extract(epoch FROM ended_at)::float8 AS ended_at, halted_by, reason FROM mla_watch_fleet_rollouts")
+_JOB_SELECT = (
+    "SELECT id, base, routers, business_line, canary, state, tried, version, "
+    "extract(epoch FROM started_at)::float8 AS started_at, "
+    "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_jobs"
+)
+_ROLLOUT_SELECT = (
+    "SELECT id, base, version, digest, previous, job, state, batch, "
+    "extract(epoch FROM started_at)::float8 AS started_at, "
+    "extract(epoch FROM updated_at)::float8 AS updated_at, "
+    "extract(epoch FROM ended_at)::float8 AS ended_at, halted_by, reason FROM mla_watch_fleet_rollouts"
+)
 
 
 def _job_dict(row: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if row is None:
         return None
-    return {"id": row["id"], "routers": list(row["routers"]), "business_line": row["business_line"],
-            "canary": row["canary"], "state": row["state"], "tried": bool(row["tried"]), "version": row["version"],
-            "started_at": row["started_at"], "ended_at": row["ended_at"], "detail": row["detail"] or {}}
+    return {
+        "id": row["id"],
+        "routers": list(row["routers"]),
+        "business_line": row["business_line"],
+        "canary": row["canary"],
+        "state": row["state"],
+        "tried": bool(row["tried"]),
+        "version": row["version"],
+        "started_at": row["started_at"],
+        "ended_at": row["ended_at"],
+        "detail": row["detail"] or {},
+    }
 
 
 def _json(value: Any) -> Any:

@@ -87,14 +87,22 @@ class _CanaryJob:
 class FleetMember:
     """This sidecar's part in a fleet (see the module docstring)."""
 
-    def __init__(self, store: FleetStore, settings: FleetSettings, *, retune: RetuneService,
-                 check: Callable[[Mapping[str, Any]], StepResult], health: Callable[[], dict[str, dict[str, Any]]],
-                 still_wanted: Callable[[str, str | None], bool],
-                 page: Callable[[dict[str, str], dict[str, str]], None],
-                 on_store: Callable[[bool, str | None], None] = lambda up, why: None,
-                 on_step: Callable[[str], None] = lambda outcome: None,
-                 on_serving: Callable[[int | None, str], None] = lambda version, digest: None,
-                 read_again: Callable[[], None] = lambda: None, url: str | None = None) -> None:
+    def __init__(
+        self,
+        store: FleetStore,
+        settings: FleetSettings,
+        *,
+        retune: RetuneService,
+        check: Callable[[Mapping[str, Any]], StepResult],
+        health: Callable[[], dict[str, dict[str, Any]]],
+        still_wanted: Callable[[str, str | None], bool],
+        page: Callable[[dict[str, str], dict[str, str]], None],
+        on_store: Callable[[bool, str | None], None] = lambda up, why: None,
+        on_step: Callable[[str], None] = lambda outcome: None,
+        on_serving: Callable[[int | None, str], None] = lambda version, digest: None,
+        read_again: Callable[[], None] = lambda: None,
+        url: str | None = None,
+    ) -> None:
         self.store = store
         self.settings = settings
         self.name = settings.name
@@ -176,8 +184,11 @@ class FleetMember:
             try:
                 if self._stepping:
                     self.store.touch(self.name)
-                if job is not None and not self.store.renew(self.name, job, self.settings.lease_seconds) \
-                        and self._held == job:
+                if (
+                    job is not None
+                    and not self.store.renew(self.name, job, self.settings.lease_seconds)
+                    and self._held == job
+                ):
                     log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time)", job)
                     self._held = None
             except FleetStoreError as error:
@@ -223,17 +234,28 @@ class FleetMember:
 
     def _store_down(self, error: FleetStoreError) -> None:
         if self.store_up is not False:
-            log.error("%s; serving, counting and alerting go on, re-tuning waits for the store (no replica repairs "
-                      "alone)", error)
+            log.error(
+                "%s; serving, counting and alerting go on, re-tuning waits for the store (no replica repairs alone)",
+                error,
+            )
         self.store_up, self.store_error = False, str(error)
         self._on_store(False, str(error))
 
     def status(self) -> dict[str, Any]:
         """What ``/readyz`` and ``/v1/status`` say of this member."""
-        return {"name": self.name, "store": self.store.where, "store_up": self.store_up,
-                "store_error": self.store_error, "joined": self.joined, "base": self.base, "digest": self.digest,
-                "version": self.version, "waiting_alerts": sorted({router for router, _ in self._wants}),
-                "canary_job": None if self._canary is None else self._canary.fleet_job, "rounds": self.rounds}
+        return {
+            "name": self.name,
+            "store": self.store.where,
+            "store_up": self.store_up,
+            "store_error": self.store_error,
+            "joined": self.joined,
+            "base": self.base,
+            "digest": self.digest,
+            "version": self.version,
+            "waiting_alerts": sorted({router for router, _ in self._wants}),
+            "canary_job": None if self._canary is None else self._canary.fleet_job,
+            "rounds": self.rounds,
+        }
 
     def _serving_digest(self) -> str:
         return router_digest(self.retune.retuner.host.state())
@@ -268,34 +290,54 @@ class FleetMember:
                 known = state.get(name)
                 if known is None or known.shape != tensor.shape or known.dtype != tensor.dtype:
                     here = "lack" if known is None else f"hold as {tuple(known.shape)} {known.dtype}"
-                    raise ValueError(f"fleet version {version} holds {name[:200]} {tuple(tensor.shape)} "
-                                     f"{tensor.dtype}, which this replica's routers {here}")
+                    raise ValueError(
+                        f"fleet version {version} holds {name[:200]} {tuple(tensor.shape)} "
+                        f"{tensor.dtype}, which this replica's routers {here}"
+                    )
             state.update(changes)
         return state
 
-    def _adopt(self, version: VersionRow, *, checked: bool, why: str,
-               force_routers: tuple[str, ...] = ()) -> int | None:
+    def _adopt(
+        self, version: VersionRow, *, checked: bool, why: str, force_routers: tuple[str, ...] = ()
+    ) -> int | None:
         """Serve fleet version ``version`` here: the tensors that differ from what serves now (and every tensor of
         ``force_routers``) are saved as a local router version and promoted. The local version promoted, or
         ``None`` when nothing differed."""
         full = self.full_state(version.number)
         live = self.retune.retuner.host.state()
-        changed = {name: tensor for name, tensor in full.items()
-                   if name not in live or not _same(live[name], tensor) or router_of(name) in force_routers}
+        changed = {
+            name: tensor
+            for name, tensor in full.items()
+            if name not in live or not _same(live[name], tensor) or router_of(name) in force_routers
+        }
         if not changed:
             self.digest = self._serving_digest()
             return None
-        local = self.retune.versions.save(changed, {
-            "source": "fleet", "fleet_version": version.number, "fleet_digest": version.digest, "why": why,
-            "strategy": version.manifest.get("strategy"), "routers": sorted({router_of(name) for name in changed}),
-            "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"}})
+        local = self.retune.versions.save(
+            changed,
+            {
+                "source": "fleet",
+                "fleet_version": version.number,
+                "fleet_digest": version.digest,
+                "why": why,
+                "strategy": version.manifest.get("strategy"),
+                "routers": sorted({router_of(name) for name in changed}),
+                "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"},
+            },
+        )
         self.retune.promote(local)
         self.digest = self._serving_digest()
         if checked:  # a step's own check reads the prompts; a version taken on trust is read again for the peers
             self._read_again()
         if self.digest != version.digest:
-            log.error("fleet version %d was promoted here as router version %d, but the routers serving read digest "
-                      "%s, not the version's %s", version.number, local, self.digest[:12], version.digest[:12])
+            log.error(
+                "fleet version %d was promoted here as router version %d, but the routers serving read digest "
+                "%s, not the version's %s",
+                version.number,
+                local,
+                self.digest[:12],
+                version.digest[:12],
+            )
         else:
             log.info("fleet version %d serves here (router version %d): %s", version.number, local, why)
         return local
@@ -308,16 +350,23 @@ class FleetMember:
         if self.digest == target.digest:
             return False
         known = view.version_of(self.digest)
-        reason = (f"{why}: this replica served routers the fleet does not know (digest {self.digest[:12]})"
-                  if known is None else f"{why}: this replica served fleet version {known}")
+        reason = (
+            f"{why}: this replica served routers the fleet does not know (digest {self.digest[:12]})"
+            if known is None
+            else f"{why}: this replica served fleet version {known}"
+        )
         try:
             self._adopt(target, checked=True, why=reason)
         except FleetStoreError:
             raise
         except Exception as error:  # an engine not up yet, a swap refused: tried again every round, said once
             if self._failed_target != target.digest:
-                log.error("fleet version %d could not be adopted here (%s: %s); trying again every round",
-                          target.number, type(error).__name__, str(error)[:300])
+                log.error(
+                    "fleet version %d could not be adopted here (%s: %s); trying again every round",
+                    target.number,
+                    type(error).__name__,
+                    str(error)[:300],
+                )
                 self._failed_target = target.digest
             return False
         self._failed_target = None
@@ -332,8 +381,10 @@ class FleetMember:
         if not self._lock.acquire(timeout=_DECIDE_WAIT_SECONDS):
             self._wants[want.key] = want
             self._wake.set()
-            want.note = (f"the fleet decides at its next round (this replica is taking a rollout step): {router} is "
-                         "re-tuned once for the whole fleet")
+            want.note = (
+                f"the fleet decides at its next round (this replica is taking a rollout step): {router} is "
+                "re-tuned once for the whole fleet"
+            )
             return want.note
         try:
             return self._decide(want)
@@ -343,8 +394,10 @@ class FleetMember:
     def _decide(self, want: _Want, *, first: bool = True) -> str:
         self._wants[want.key] = want
         if self.store_up is False and first:  # no connection attempt in the alert's path: the rounds retry
-            want.note = (f"no re-tune job yet: the fleet store cannot be reached ({self.store_error}); re-tuning "
-                         "waits for it (no replica repairs alone) and is asked again when it answers")
+            want.note = (
+                f"no re-tune job yet: the fleet store cannot be reached ({self.store_error}); re-tuning "
+                "waits for it (no replica repairs alone) and is asked again when it answers"
+            )
             self._wake.set()
             return want.note
         try:
@@ -352,8 +405,10 @@ class FleetMember:
             want.note = self._decide_with(view, want, recompute_digest=first)
         except FleetStoreError as error:
             self._store_down(error)
-            want.note = (f"no re-tune job yet: the fleet store cannot be reached ({error}); re-tuning waits for it "
-                         "(no replica repairs alone) and is asked again when it answers")
+            want.note = (
+                f"no re-tune job yet: the fleet store cannot be reached ({error}); re-tuning waits for it "
+                "(no replica repairs alone) and is asked again when it answers"
+            )
         except Exception as error:  # a swap refused, a version this replica cannot take: the page says so
             log.exception("the fleet's decision for %s failed", want.router)
             want.note = f"no re-tune job: the fleet's decision failed here: {type(error).__name__}: {str(error)[:300]}"
@@ -367,24 +422,40 @@ class FleetMember:
             self.digest = self._serving_digest()  # every router tensor each round would cost a large model)
         target = self._target(view)
         if self.digest != target.digest:
-            self._adopt(target, checked=True, why=f"{router} read damaged here, on routers that are not the fleet's "
-                                                   f"version {target.number}")
+            self._adopt(
+                target,
+                checked=True,
+                why=f"{router} read damaged here, on routers that are not the fleet's version {target.number}",
+            )
             self._forget(router)
             self._heartbeat(self._read())
-            return (f"no re-tune job: this replica's routers differed from the fleet's version {target.number}, which "
-                    f"was restored here (digest {target.digest[:12]})")
+            return (
+                f"no re-tune job: this replica's routers differed from the fleet's version {target.number}, which "
+                f"was restored here (digest {target.digest[:12]})"
+            )
         healthy, damaged = self._peers(view, router)
         if healthy and not damaged:
-            self._adopt(target, checked=True, force_routers=(router,),
-                        why=f"{router} read damaged here while {len(healthy)} replica(s) serving the same version "
-                            f"read healthy")
+            self._adopt(
+                target,
+                checked=True,
+                force_routers=(router,),
+                why=f"{router} read damaged here while {len(healthy)} replica(s) serving the same version read healthy",
+            )
             self._forget(router)
-            return (f"no re-tune job: the fleet's version {target.number} was applied again on this replica alone "
-                    f"({', '.join(healthy[:3])} serving it read healthy on their reference prompts)")
+            return (
+                f"no re-tune job: the fleet's version {target.number} was applied again on this replica alone "
+                f"({', '.join(healthy[:3])} serving it read healthy on their reference prompts)"
+            )
         spec = self.retune.alert_spec(want.action)
-        decision = self.store.decide(self.name, self.base, spec.id, spec.routers, spec.business_line,
-                                     cooldown_seconds=self.retune.settings.cooldown_seconds,
-                                     lease_seconds=self.settings.lease_seconds)
+        decision = self.store.decide(
+            self.name,
+            self.base,
+            spec.id,
+            spec.routers,
+            spec.business_line,
+            cooldown_seconds=self.retune.settings.cooldown_seconds,
+            lease_seconds=self.settings.lease_seconds,
+        )
         if decision["decision"] == "lease":
             try:
                 record = self.retune.submit(spec, force=True)
@@ -394,21 +465,33 @@ class FleetMember:
             self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
             self._held = spec.id
             self._wants.pop(want.key, None)  # another line's alert on this router stays: it may be decided next
-            log.info("fleet re-tune job %s runs here (the canary) for %s; the other replicas take its version once "
-                     "it passes here", spec.id, router)
-            return (f"fleet re-tune job {spec.id} runs on this replica, the fleet's canary ({record.get('status')}); "
-                    "the other replicas take its version once it passes here")
+            log.info(
+                "fleet re-tune job %s runs here (the canary) for %s; the other replicas take its version once "
+                "it passes here",
+                spec.id,
+                router,
+            )
+            return (
+                f"fleet re-tune job {spec.id} runs on this replica, the fleet's canary ({record.get('status')}); "
+                "the other replicas take its version once it passes here"
+            )
         job = decision.get("job") or {}
         if decision["decision"] == "cooldown":
             until = time.strftime("%H:%M:%S UTC", time.gmtime(decision["until"]))
-            return (f"no new re-tune job: fleet job {job.get('id')} for {', '.join(job.get('routers', []))} ended "
-                    f"{job.get('state')} on {job.get('canary')}; the fleet's cooldown lasts until {until}")
+            return (
+                f"no new re-tune job: fleet job {job.get('id')} for {', '.join(job.get('routers', []))} ended "
+                f"{job.get('state')} on {job.get('canary')}; the fleet's cooldown lasts until {until}"
+            )
         if job and job.get("state") == "rolling":
-            return (f"no re-tune job here: fleet job {job.get('id')} (canary {job.get('canary')}) is rolling out "
-                    f"version {job.get('version')}; this replica takes it in turn")
+            return (
+                f"no re-tune job here: fleet job {job.get('id')} (canary {job.get('canary')}) is rolling out "
+                f"version {job.get('version')}; this replica takes it in turn"
+            )
         if job:
-            return (f"no re-tune job here: fleet job {job.get('id')} on {decision.get('holder')} re-tunes "
-                    f"{', '.join(job.get('routers', []))}; this replica takes its version in the rollout")
+            return (
+                f"no re-tune job here: fleet job {job.get('id')} on {decision.get('holder')} re-tunes "
+                f"{', '.join(job.get('routers', []))}; this replica takes its version in the rollout"
+            )
         return "no re-tune job here: a rollout is under way; this replica takes its version in turn"
 
     def _peers(self, view: FleetView, router: str) -> tuple[list[str], list[str]]:
@@ -448,10 +531,14 @@ class FleetMember:
         canary = self._canary
         if canary is None:
             return
-        if self._held != canary.fleet_job or not self.store.renew(self.name, canary.fleet_job,
-                                                                    self.settings.lease_seconds):
-            log.error("fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time); its result "
-                      "will not be rolled out", canary.fleet_job)
+        if self._held != canary.fleet_job or not self.store.renew(
+            self.name, canary.fleet_job, self.settings.lease_seconds
+        ):
+            log.error(
+                "fleet job %s: this replica lost the fleet's re-tuning lease (not renewed in time); its result "
+                "will not be rolled out",
+                canary.fleet_job,
+            )
             self._canary = self._held = None
             return
         record = self.retune.store.get(canary.local_job)
@@ -463,11 +550,22 @@ class FleetMember:
         result = record.get("result") or {}
         if record["status"] != "promoted" or result.get("version") is None:
             tried = bool(result.get("attempts")) and not result.get("cannot_run")
-            self.store.finish_job(self.name, canary.fleet_job, str(record["status"]), tried=tried,
-                                  detail={"local_job": canary.local_job, "error": result.get("error"),
-                                          "strategy": result.get("strategy")})
-            log.info("fleet job %s ended %s on this replica, the canary: nothing is rolled out", canary.fleet_job,
-                     record["status"])
+            self.store.finish_job(
+                self.name,
+                canary.fleet_job,
+                str(record["status"]),
+                tried=tried,
+                detail={
+                    "local_job": canary.local_job,
+                    "error": result.get("error"),
+                    "strategy": result.get("strategy"),
+                },
+            )
+            log.info(
+                "fleet job %s ended %s on this replica, the canary: nothing is rolled out",
+                canary.fleet_job,
+                record["status"],
+            )
             self._canary = self._held = None
             return
         self._publish(canary, record)
@@ -479,8 +577,9 @@ class FleetMember:
         holds no cooldown either). More distinct texts each time: two lines never hand the lease back and forth."""
         spec = record["spec"]
         line = spec.get("business_line")
-        others = [want for want in self._wants.values()
-                  if want.router in spec["routers"] and want.business_line != line]
+        others = [
+            want for want in self._wants.values() if want.router in spec["routers"] and want.business_line != line
+        ]
         if not others:
             return
         distinct = {want.key: self._distinct_texts(want.business_line) for want in others}
@@ -488,13 +587,20 @@ class FleetMember:
         if distinct[other.key] <= self._distinct_texts(line):
             return
         needs = str((record.get("result") or {}).get("needs") or "more data")[:300]
-        reason = (f"fleet job {canary.fleet_job} waited for data of business line {line or 'all'} ({needs}); an alert "
-                  f"of business line {other.business_line or 'all'}, whose traffic holds {distinct[other.key]} "
-                  f"distinct texts, asks for the same repair of {other.router}")
+        reason = (
+            f"fleet job {canary.fleet_job} waited for data of business line {line or 'all'} ({needs}); an alert "
+            f"of business line {other.business_line or 'all'}, whose traffic holds {distinct[other.key]} "
+            f"distinct texts, asks for the same repair of {other.router}"
+        )
         if not self.retune.withdraw(canary.local_job, reason):
             return  # it runs now: it is watched again next round
-        self.store.finish_job(self.name, canary.fleet_job, "superseded", tried=False,
-                              detail={"local_job": canary.local_job, "error": reason})
+        self.store.finish_job(
+            self.name,
+            canary.fleet_job,
+            "superseded",
+            tried=False,
+            detail={"local_job": canary.local_job, "error": reason},
+        )
         log.info("%s: the fleet decides again", reason)
         self._canary = self._held = None
 
@@ -514,20 +620,43 @@ class FleetMember:
                 changes.setdefault(router_of(name), {})[name] = tensor
         digest = router_digest({**parent_state, **{name: t for group in changes.values() for name, t in group.items()}})
         spec = record["spec"]
-        manifest = {"strategy": result.get("strategy"), "routers": sorted(changes), "business_line":
-                    spec.get("business_line"), "band": spec.get("band"), "watched": spec.get("watched", []),
-                    "job": canary.fleet_job, "canary": self.name, "local_version": result["version"],
-                    "trigger": {key: spec.get("trigger", {}).get(key) for key in ("alertname", "router", "layer")}}
+        manifest = {
+            "strategy": result.get("strategy"),
+            "routers": sorted(changes),
+            "business_line": spec.get("business_line"),
+            "band": spec.get("band"),
+            "watched": spec.get("watched", []),
+            "job": canary.fleet_job,
+            "canary": self.name,
+            "local_version": result["version"],
+            "trigger": {key: spec.get("trigger", {}).get(key) for key in ("alertname", "router", "layer")},
+        }
         number, rollout = self.store.publish(
-            self.name, canary.fleet_job, self.base, parent=canary.parent, digest=digest, changes=changes,
-            manifest=manifest, batch=self.settings.rollout_batch, lease_seconds=self.settings.lease_seconds,
-            canary_detail={"reason": f"the canary: job {canary.local_job} passed its gates here", "local_job":
-                           canary.local_job, "local_version": result["version"]})
+            self.name,
+            canary.fleet_job,
+            self.base,
+            parent=canary.parent,
+            digest=digest,
+            changes=changes,
+            manifest=manifest,
+            batch=self.settings.rollout_batch,
+            lease_seconds=self.settings.lease_seconds,
+            canary_detail={
+                "reason": f"the canary: job {canary.local_job} passed its gates here",
+                "local_job": canary.local_job,
+                "local_version": result["version"],
+            },
+        )
         self._canary = None
         self._on_step("passed")
         self.digest = self._serving_digest()
-        log.info("fleet version %d (%s) written by the canary; rollout %d starts (%d replica(s) at a time)",
-                 number, result.get("strategy"), rollout, self.settings.rollout_batch)
+        log.info(
+            "fleet version %d (%s) written by the canary; rollout %d starts (%d replica(s) at a time)",
+            number,
+            result.get("strategy"),
+            rollout,
+            self.settings.rollout_batch,
+        )
 
     # ------------------------------------------------------------------ rollouts
     def _coordinate(self, view: FleetView) -> None:
@@ -536,8 +665,7 @@ class FleetMember:
             taken = self.store.take_over(self.name, self.settings.lease_seconds)
             if taken is None:
                 return
-            log.warning("took over the rollout of fleet job %s from %s, whose lease expired", taken["id"],
-                        lease.holder)
+            log.warning("took over the rollout of fleet job %s from %s, whose lease expired", taken["id"], lease.holder)
             job = taken
         elif not (lease.held and lease.holder == self.name and job is not None and job["state"] == "rolling"):
             return
@@ -573,8 +701,13 @@ class FleetMember:
         try:
             local = self._adopt(version, checked=False, why=f"rollout {rollout_id}")
         except Exception as error:  # a swap the engine refused: the step fails, nothing changed here
-            self._end_step(rollout_id, version, "failed", {"reason": f"the swap failed: {type(error).__name__}: "
-                                                                      f"{str(error)[:300]}"}, started)
+            self._end_step(
+                rollout_id,
+                version,
+                "failed",
+                {"reason": f"the swap failed: {type(error).__name__}: {str(error)[:300]}"},
+                started,
+            )
             return
         result = self._check(version.manifest)
         detail = {**result.as_dict(), "local_version": local, "seconds": round(time.monotonic() - started, 3)}
@@ -588,21 +721,35 @@ class FleetMember:
             self.retune.rollback()
             self.digest = self._serving_digest()
             if self.digest != previous_digest:
-                log.error("rollout %d: the rollback left digest %s, not %s", rollout_id, self.digest[:12],
-                          previous_digest[:12])
+                log.error(
+                    "rollout %d: the rollback left digest %s, not %s",
+                    rollout_id,
+                    self.digest[:12],
+                    previous_digest[:12],
+                )
         self._end_step(rollout_id, version, "failed", detail, started)
 
-    def _end_step(self, rollout: int, version: VersionRow, outcome: str, detail: dict[str, Any],
-                  started: float) -> None:
+    def _end_step(
+        self, rollout: int, version: VersionRow, outcome: str, detail: dict[str, Any], started: float
+    ) -> None:
         self._on_step(outcome)
         if outcome == "failed":
-            log.error("rollout %d halted: fleet version %d failed its check on this replica (%s): %s; the replicas "
-                      "not reached keep the fleet's current version", rollout, version.number, self.name,
-                      detail.get("reason"))
+            log.error(
+                "rollout %d halted: fleet version %d failed its check on this replica (%s): %s; the replicas "
+                "not reached keep the fleet's current version",
+                rollout,
+                version.number,
+                self.name,
+                detail.get("reason"),
+            )
             self._page_halted(rollout, version, str(detail.get("reason")))
         else:
-            log.info("rollout %d: fleet version %d passed its check here in %.1f s", rollout, version.number,
-                     time.monotonic() - started)
+            log.info(
+                "rollout %d: fleet version %d passed its check here in %.1f s",
+                rollout,
+                version.number,
+                time.monotonic() - started,
+            )
         self._unrecorded = (rollout, outcome, detail)
         self._record_unrecorded()
         try:
@@ -625,18 +772,23 @@ class FleetMember:
         routers = [str(router) for router in version.manifest.get("routers", [])]
         trigger = version.manifest.get("trigger") or {}
         current = self.view.current.number if self.view is not None else "the last good one"
-        labels = {"alertname": FLEET_HALTED_ALERT, "severity": "critical", "replica": self.name,
-                  ROUTER: ",".join(routers), LAYER: str(trigger.get("layer") or ""),
-                  BUSINESS_LINE: str(version.manifest.get("business_line") or "all"),
-                  "version": str(version.number)}
+        labels = {
+            "alertname": FLEET_HALTED_ALERT,
+            "severity": "critical",
+            "replica": self.name,
+            ROUTER: ",".join(routers),
+            LAYER: str(trigger.get("layer") or ""),
+            BUSINESS_LINE: str(version.manifest.get("business_line") or "all"),
+            "version": str(version.number),
+        }
         annotations = {
             "summary": f"Rollout {rollout} of router version {version.number} halted: replica {self.name} failed its "
-                       f"check and rolled back; the replicas not reached keep version {current}",
+            f"check and rolled back; the replicas not reached keep version {current}",
             "description": f"{reason}. The canary {version.manifest.get('canary')} and the replicas that passed "
-                           f"serve version {version.number}. Look at {self.name} (`mla-watch fleet show`, its "
-                           f"/v1/reference), then resume the rollout from a member (`mla-watch fleet rollout "
-                           f"{version.number} --url MEMBER`) or abort it (`mla-watch fleet abort`: every replica goes "
-                           "back to the fleet's current version).",
+            f"serve version {version.number}. Look at {self.name} (`mla-watch fleet show`, its "
+            f"/v1/reference), then resume the rollout from a member (`mla-watch fleet rollout "
+            f"{version.number} --url MEMBER`) or abort it (`mla-watch fleet abort`: every replica goes "
+            "back to the fleet's current version).",
             "runbook_url": RUNBOOK,
         }
         try:
@@ -653,13 +805,21 @@ class FleetMember:
             if self._canary is not None:
                 raise FleetRefusal(f"fleet re-tune job {self._canary.fleet_job} runs on this replica: one at a time")
             target = self._target(self._read())
-            decision = self.store.decide(self.name, self.base, spec.id, spec.routers, spec.business_line,
-                                         cooldown_seconds=0 if force else self.retune.settings.cooldown_seconds,
-                                         lease_seconds=self.settings.lease_seconds)
+            decision = self.store.decide(
+                self.name,
+                self.base,
+                spec.id,
+                spec.routers,
+                spec.business_line,
+                cooldown_seconds=0 if force else self.retune.settings.cooldown_seconds,
+                lease_seconds=self.settings.lease_seconds,
+            )
             if decision["decision"] != "lease":
                 job = decision.get("job") or {}
-                raise FleetRefusal(f"the fleet has re-tuning under way or cooling down ({decision['decision']}: job "
-                                   f"{job.get('id')}, {job.get('state')}, on {job.get('canary')}): see GET /v1/fleet")
+                raise FleetRefusal(
+                    f"the fleet has re-tuning under way or cooling down ({decision['decision']}: job "
+                    f"{job.get('id')}, {job.get('state')}, on {job.get('canary')}): see GET /v1/fleet"
+                )
             try:
                 record = self.retune.submit(spec, force=True)
             except ValueError as error:
@@ -691,10 +851,17 @@ class FleetMember:
             parent = view.version_of(self.digest) if version.parent is None else version.parent
             self._held = None  # the operator's rollout takes the lease: its job is made by the store
             self.store.publish(
-                self.name, None, self.base, parent=parent or 0, digest=version.digest, changes={},
-                manifest=dict(version.manifest), batch=self.settings.rollout_batch,
+                self.name,
+                None,
+                self.base,
+                parent=parent or 0,
+                digest=version.digest,
+                changes={},
+                manifest=dict(version.manifest),
+                batch=self.settings.rollout_batch,
                 canary_detail={"reason": f"an operator's rollout: {result.reason}"},
-                lease_seconds=self.settings.lease_seconds)
+                lease_seconds=self.settings.lease_seconds,
+            )
             self._on_step("passed")
             self._heartbeat(self._read())
             assert self.view is not None and self.view.rollout is not None
@@ -721,17 +888,31 @@ class FleetMember:
         view = self.store.view(self.base)
         members = []
         for member in view.members:
-            members.append({"name": member["name"], "version": member["version"], "digest": member["digest"],
-                            "base": member["base"], "url": member["url"], "last_seen": member["last_seen"],
-                            "started_at": member["started_at"],
-                            "alive": view.now - float(member["last_seen"]) <= self.settings.member_seconds,
-                            "health": member.get("health") or {}})
-        return {"name": self.name, "store": self.store.where, "now": view.now, "base": self.base,
-                "current": view.current.as_dict(), "members": members,
-                "rollout": None if view.rollout is None else view.rollout.as_dict(),
-                "lease": {**view.lease.as_dict(), "job_record": view.lease_job},
-                "versions": [row.as_dict() for row in self.store.versions(self.base, limit=20)],
-                "jobs": self.store.jobs(limit=20)}
+            members.append(
+                {
+                    "name": member["name"],
+                    "version": member["version"],
+                    "digest": member["digest"],
+                    "base": member["base"],
+                    "url": member["url"],
+                    "last_seen": member["last_seen"],
+                    "started_at": member["started_at"],
+                    "alive": view.now - float(member["last_seen"]) <= self.settings.member_seconds,
+                    "health": member.get("health") or {},
+                }
+            )
+        return {
+            "name": self.name,
+            "store": self.store.where,
+            "now": view.now,
+            "base": self.base,
+            "current": view.current.as_dict(),
+            "members": members,
+            "rollout": None if view.rollout is None else view.rollout.as_dict(),
+            "lease": {**view.lease.as_dict(), "job_record": view.lease_job},
+            "versions": [row.as_dict() for row in self.store.versions(self.base, limit=20)],
+            "jobs": self.store.jobs(limit=20),
+        }
 
 
 def _same(left: np.ndarray, right: np.ndarray) -> bool:

@@ -44,15 +44,30 @@ class FleetSettings:
             out.append(f"url: {problem}")
         if not isinstance(self.name, str) or not 0 < len(self.name) <= 200 or not self.name.isprintable():
             out.append(f"name {self.name!r}: expected 1 to 200 printable characters")
-        checks = [("rollout_batch", self.rollout_batch, is_integer(self.rollout_batch) and self.rollout_batch >= 1,
-                   "an integer >= 1"),
-                  ("lease_seconds", self.lease_seconds, is_number(self.lease_seconds, finite=True)
-                   and self.lease_seconds >= 1, "seconds >= 1"),
-                  ("poll_seconds", self.poll_seconds, is_number(self.poll_seconds, finite=True)
-                   and 0 < self.poll_seconds <= self.lease_seconds / 2,
-                   "seconds > 0, at most half of the lease (a holder renews it twice before it expires)"),
-                  ("evidence_seconds", self.evidence_seconds, is_number(self.evidence_seconds, finite=True)
-                   and self.evidence_seconds > 0, "seconds > 0")]
+        checks = [
+            (
+                "rollout_batch",
+                self.rollout_batch,
+                is_integer(self.rollout_batch) and self.rollout_batch >= 1,
+                "an integer >= 1",
+            ),
+            (
+                "lease_seconds",
+                self.lease_seconds,
+                is_number(self.lease_seconds, finite=True) and self.lease_seconds >= 1,
+                "seconds >= 1",
+            ),
+            (
+                "poll_seconds",
+                self.poll_seconds,
+                is_number(self.poll_seconds, finite=True) and 0 < self.poll_seconds <= self.lease_seconds / 2,
+                "seconds > 0, at most half of the lease (a holder renews it twice before it expires)",
+            ),
+            (
+                "evidence_seconds",
+                self.evidence_seconds,
+                is_number(self.evidence_seconds, finite=True) and self.evidence_seconds > 0,
+                "seconds > 0",
+            ),
+        ]
         return out + [f"{key} {value!r}: expected {expected}" for key, value, ok, expected in checks if not ok]
-
-

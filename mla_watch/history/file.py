@@ -46,16 +46,31 @@ def set_aside(path: Path, why: str) -> None:
             companion = path.with_name(path.name + suffix)
             if companion.exists():
                 os.replace(companion, aside.with_name(aside.name + suffix))
-        log.error("routing history file %s is unreadable (%s); starting with an empty history, kept it as %s",
-                  path, why, aside)
+        log.error(
+            "routing history file %s is unreadable (%s); starting with an empty history, kept it as %s",
+            path,
+            why,
+            aside,
+        )
     except OSError as error:
-        log.error("routing history file %s is unreadable (%s); could not move it to %s (%s): removing it",
-                  path, why, aside, error)
+        log.error(
+            "routing history file %s is unreadable (%s); could not move it to %s (%s): removing it",
+            path,
+            why,
+            aside,
+            error,
+        )
         path.unlink(missing_ok=True)
 
 
-def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list[tuple[int, Any]],
-                 points: list[tuple[str, float, np.ndarray]], expired: list, freed: list[int]) -> None:
+def write_sample(
+    db: sqlite3.Connection,
+    truncate: list | None,
+    new_series: list[tuple[int, Any]],
+    points: list[tuple[str, float, np.ndarray]],
+    expired: list,
+    freed: list[int],
+) -> None:
     """One sample in one transaction: points dropped after a clock step back, freed and new series, the new
     points of each tier, the expired ones."""
     db.execute("BEGIN IMMEDIATE")
@@ -71,8 +86,13 @@ def write_sample(db: sqlite3.Connection, truncate: list | None, new_series: list
         raise
 
 
-def rewrite_since(db: sqlite3.Connection, since: dict[str, float], series: list[tuple[int, Any]],
-                  points: list[tuple[str, float, np.ndarray]], expired: list) -> None:
+def rewrite_since(
+    db: sqlite3.Connection,
+    since: dict[str, float],
+    series: list[tuple[int, Any]],
+    points: list[tuple[str, float, np.ndarray]],
+    expired: list,
+) -> None:
     """After writes the disk refused: make the file hold what memory holds, in one transaction. Per tier, the
     points from ``since[tier]`` on are replaced by ``points``; the series table becomes ``series``."""
     db.execute("BEGIN IMMEDIATE")
@@ -87,12 +107,19 @@ def rewrite_since(db: sqlite3.Connection, since: dict[str, float], series: list[
         raise
 
 
-def _write_rows(db: sqlite3.Connection, series: list[tuple[int, Any]], points: list[tuple[str, float, np.ndarray]],
-                expired: list) -> None:
+def _write_rows(
+    db: sqlite3.Connection, series: list[tuple[int, Any]], points: list[tuple[str, float, np.ndarray]], expired: list
+) -> None:
     """The series and points given written (replacing rows of the same keys), the expired points deleted."""
-    db.executemany("INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                   [(sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits, i.num_slots)
-                    for sid, i in series])
-    db.executemany("INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
-                   [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points])
+    db.executemany(
+        "INSERT OR REPLACE INTO series VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        [
+            (sid, i.router, i.business_line, i.layer, i.kind, i.floor_bits, i.ceiling_bits, i.num_slots)
+            for sid, i in series
+        ],
+    )
+    db.executemany(
+        "INSERT OR REPLACE INTO points VALUES (?, ?, ?)",
+        [(tier, t, row.astype("<f4").tobytes()) for tier, t, row in points],
+    )
     db.executemany("DELETE FROM points WHERE tier = ? AND t < ?", expired)

@@ -9,7 +9,10 @@ from typing import Any
 from mla_watch.routing.windows import ALL_LINES
 
 __all__ = [
-    "SeriesInfo", "series_entry", "series_info", "shown_order",
+    "SeriesInfo",
+    "series_entry",
+    "series_info",
+    "shown_order",
 ]
 
 
@@ -31,15 +34,30 @@ def shown_order(item: tuple[int, SeriesInfo]) -> tuple:
 
 
 def series_entry(info: SeriesInfo, values: list[float | None], too_small: list[bool]) -> dict[str, Any]:
-    return {"router": info.router, "layer": info.layer, "kind": info.kind, "business_line": info.business_line,
-            "floor_bits": info.floor_bits, "ceiling_bits": info.ceiling_bits, "num_slots": info.num_slots,
-            "values": values, "too_small": too_small}
+    return {
+        "router": info.router,
+        "layer": info.layer,
+        "kind": info.kind,
+        "business_line": info.business_line,
+        "floor_bits": info.floor_bits,
+        "ceiling_bits": info.ceiling_bits,
+        "num_slots": info.num_slots,
+        "values": values,
+        "too_small": too_small,
+    }
 
 
 def series_info(key: tuple[str, str], meta: tuple) -> SeriesInfo:
     layer, kind, floor_bits, ceiling_bits, num_slots = meta
-    return SeriesInfo(str(key[0]), str(key[1]), int(layer), str(kind), _optional_float(floor_bits),
-                      _optional_float(ceiling_bits), None if num_slots is None else int(num_slots))
+    return SeriesInfo(
+        str(key[0]),
+        str(key[1]),
+        int(layer),
+        str(kind),
+        _optional_float(floor_bits),
+        _optional_float(ceiling_bits),
+        None if num_slots is None else int(num_slots),
+    )
 
 
 def _optional_float(value: Any) -> float | None:

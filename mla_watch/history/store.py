@@ -81,8 +81,16 @@ from mla_watch.history.series_info import SeriesInfo, series_entry, series_info,
 from mla_watch.history.tiers import Tier, bucket_mean
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
-__all__ = ["HISTORY_FILE", "HISTORY_METRICS", "LIVE_METRICS", "VALUES", "HistoryStore", "HistoryStoreError",
-           "SeriesInfo", "size_bound"]
+__all__ = [
+    "HISTORY_FILE",
+    "HISTORY_METRICS",
+    "LIVE_METRICS",
+    "VALUES",
+    "HistoryStore",
+    "HistoryStoreError",
+    "SeriesInfo",
+    "size_bound",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +111,11 @@ class HistoryStoreError(RuntimeError):
 
 def size_bound(*, series: int, interval_seconds: float, span_seconds: float, retention_days: float) -> int:
     """The documented upper bound of the file's bytes (see the module docstring)."""
-    rows = (max(span_seconds, MIN_FULL_SPAN) / interval_seconds + 2) + (MINUTE_RETENTION / MINUTE + 2) + (
-        retention_days * 86400.0 / QUARTER + 2)
+    rows = (
+        (max(span_seconds, MIN_FULL_SPAN) / interval_seconds + 2)
+        + (MINUTE_RETENTION / MINUTE + 2)
+        + (retention_days * 86400.0 / QUARTER + 2)
+    )
     return int(1.25 * rows * (series * len(VALUES) * 4 + 64) + (1 << 20))
 
 
@@ -115,17 +126,29 @@ class HistoryStore:
     ``clock`` gives wall-clock seconds (injectable: tests and the bench simulate days).
     """
 
-    def __init__(self, path: Path | None, *, interval_seconds: float = 10.0, span_seconds: float = 3600.0,
-                 retention_days: float = 30.0, max_series: int = 1024,
-                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
-        checked = (("interval_seconds", interval_seconds), ("span_seconds", span_seconds),
-                   *((("retention_days", retention_days),) if path is not None else ()))
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        interval_seconds: float = 10.0,
+        span_seconds: float = 3600.0,
+        retention_days: float = 30.0,
+        max_series: int = 1024,
+        clock: Callable[[], float] = time.time,
+        writes: StateWrites | None = None,
+    ) -> None:
+        checked = (
+            ("interval_seconds", interval_seconds),
+            ("span_seconds", span_seconds),
+            *((("retention_days", retention_days),) if path is not None else ()),
+        )
         for name, value in checked:
             if not is_number(value, finite=True) or value <= 0:
                 raise ValueError(f"{name} = {value!r}: expected a positive number")
         if interval_seconds > span_seconds:
-            raise ValueError(f"interval_seconds = {interval_seconds!r}: expected at most span_seconds "
-                             f"({span_seconds!r})")
+            raise ValueError(
+                f"interval_seconds = {interval_seconds!r}: expected at most span_seconds ({span_seconds!r})"
+            )
         if path is not None and retention_days < 1:
             raise ValueError(f"retention_days = {retention_days!r}: expected at least 1 (the minute tier keeps a day)")
         if not is_integer(max_series) or max_series < 1:
@@ -172,9 +195,11 @@ class HistoryStore:
         width = len(self.values)
         if self.path is None:
             return (Tier("full", self.interval_seconds, self.span_seconds, width, self.max_series),)
-        return (Tier("full", self.interval_seconds, max(self.span_seconds, MIN_FULL_SPAN), width, self.max_series),
-                Tier("minute", MINUTE, MINUTE_RETENTION, width, self.max_series),
-                Tier("quarter", QUARTER, self.retention_days * 86400.0, width, self.max_series))
+        return (
+            Tier("full", self.interval_seconds, max(self.span_seconds, MIN_FULL_SPAN), width, self.max_series),
+            Tier("minute", MINUTE, MINUTE_RETENTION, width, self.max_series),
+            Tier("quarter", QUARTER, self.retention_days * 86400.0, width, self.max_series),
+        )
 
     # ------------------------------------------------------------------ the file
     def _open_file(self) -> PrivateDatabase:
@@ -206,16 +231,18 @@ class HistoryStore:
         self._open = [None] * (len(self.tiers) - 1)
 
     def _load(self, db: PrivateDatabase) -> None:
-        series = db.execute("SELECT id, router, business_line, layer, kind, floor_bits, ceiling_bits, num_slots "
-                            "FROM series ORDER BY id")
+        series = db.execute(
+            "SELECT id, router, business_line, layer, kind, floor_bits, ceiling_bits, num_slots FROM series ORDER BY id"
+        )
         for sid, router, line, layer, kind, floor_bits, ceiling_bits, num_slots in series:
             if not isinstance(sid, int) or not 0 <= sid < self.max_series:
                 if isinstance(sid, int) and sid >= self.max_series:  # --history-max-series was lowered
                     continue
                 raise ValueError(f"series id {sid!r}: expected an integer in [0, {self.max_series})")
             self._ids[(str(router), str(line))] = sid
-            self._info[sid] = SeriesInfo(str(router), str(line), int(layer), str(kind), floor_bits, ceiling_bits,
-                                         num_slots)
+            self._info[sid] = SeriesInfo(
+                str(router), str(line), int(layer), str(kind), floor_bits, ceiling_bits, num_slots
+            )
             self._meta[sid] = (layer, kind, floor_bits, ceiling_bits, num_slots)
         self._next_id = max(self._info, default=-1) + 1
         self._free = [sid for sid in range(self._next_id) if sid not in self._info]
@@ -224,13 +251,15 @@ class HistoryStore:
             rows = db.execute("SELECT t, data FROM points WHERE tier = ? ORDER BY t", (tier.name,))
             for t, blob in rows:
                 if not isinstance(blob, bytes) or len(blob) % width or not isinstance(t, float | int):
-                    raise ValueError(f"{tier.name} point at {t!r}: expected a packed float32 array of "
-                                     f"{len(self.values)} values per series")
+                    raise ValueError(
+                        f"{tier.name} point at {t!r}: expected a packed float32 array of "
+                        f"{len(self.values)} values per series"
+                    )
                 row = np.frombuffer(blob, dtype="<f4").reshape(-1, len(self.values))[: self.max_series]
                 tier.append(float(t), row.astype(np.float32))
         for tier in self.tiers:
             # [point, series]; any() over an axis of a 3-D array is an array (numpy's types allow a scalar)
-            has = cast(np.ndarray, np.isfinite(tier.data[tier.start:tier.end, :, :self._tokens]).any(axis=2))
+            has = cast(np.ndarray, np.isfinite(tier.data[tier.start : tier.end, :, : self._tokens]).any(axis=2))
             if has.size:
                 newest = has.shape[0] - 1 - np.argmax(has[::-1], axis=0)
                 seen = np.where(has.any(axis=0), tier.times[tier.start + newest], -np.inf)
@@ -239,8 +268,12 @@ class HistoryStore:
         self._resume_buckets()
         loaded = sum(len(tier) for tier in self.tiers)
         if loaded:
-            log.info("routing history %s: %d series, %s points", self.path, len(self._info),
-                     " / ".join(f"{len(tier)} {tier.name}" for tier in self.tiers))
+            log.info(
+                "routing history %s: %d series, %s points",
+                self.path,
+                len(self._info),
+                " / ".join(f"{len(tier)} {tier.name}" for tier in self.tiers),
+            )
 
     def _resume_buckets(self) -> None:
         # The bucket of the newest finer point is still open unless the coarser tier already holds it.
@@ -248,8 +281,9 @@ class HistoryStore:
             finer, coarser = self.tiers[index], self.tiers[index + 1]
             last = finer.last
             bucket = None if last is None else math.floor(last / coarser.step) * coarser.step
-            self._open[index] = bucket if bucket is not None and (coarser.last is None or coarser.last < bucket) \
-                else None
+            self._open[index] = (
+                bucket if bucket is not None and (coarser.last is None or coarser.last < bucket) else None
+            )
 
     def close(self) -> None:
         if self._db is not None:
@@ -273,7 +307,7 @@ class HistoryStore:
             rows.append((*read(stats), stats.too_small))
         matrix = _matrix(rows, len(self.values))
         empty = ~(matrix[:, self._tokens] > 0)  # a window without tokens has statistics of nothing
-        matrix[empty, :self._tokens] = np.nan
+        matrix[empty, : self._tokens] = np.nan
         matrix[empty, self._too_small] = np.nan
         values = {key: (meta, matrix[index]) for index, (key, meta) in enumerate(zip(keys, metas, strict=True))}
         with self._lock:
@@ -289,8 +323,11 @@ class HistoryStore:
             # A coarser point whose bucket reaches past the new time is dropped too: it would be recomputed.
             truncate = [(tier.name, now if tier is self.tiers[0] else now - tier.step) for tier in self.tiers]
             dropped = sum(tier.truncate_after(after) for tier, (_, after) in zip(self.tiers, truncate, strict=True))
-            log.warning("routing history: the wall clock stepped back %.1f s; dropped the %d point(s) stamped after "
-                        "it", last - now, dropped)
+            log.warning(
+                "routing history: the wall clock stepped back %.1f s; dropped the %d point(s) stamped after it",
+                last - now,
+                dropped,
+            )
             self._resume_buckets()
         new_series: list[tuple[int, SeriesInfo]] = []
         width = len(self.values)
@@ -315,7 +352,7 @@ class HistoryStore:
         for sid, point in pending:
             row[sid] = point
         if self._next_id:
-            self._last_value[: self._next_id][np.isfinite(row[:, :self._tokens]).any(axis=1)] = now
+            self._last_value[: self._next_id][np.isfinite(row[:, : self._tokens]).any(axis=1)] = now
         points = [*self._roll(now), ("full", now, row)]
         self.tiers[0].append(now, row)
         expired = [(tier.name, now - tier.retention) for tier in self.tiers]
@@ -335,9 +372,14 @@ class HistoryStore:
             self.dropped_series += 1
             if not self._warned_full:
                 self._warned_full = True
-                log.warning("routing history %s: %d series kept, the most --history-max-series allows; %s on %s and "
-                            "any further series are not kept (counted in series_dropped)",
-                            self.path or "(in memory)", self.max_series, key[0], key[1])
+                log.warning(
+                    "routing history %s: %d series kept, the most --history-max-series allows; %s on %s and "
+                    "any further series are not kept (counted in series_dropped)",
+                    self.path or "(in memory)",
+                    self.max_series,
+                    key[0],
+                    key[1],
+                )
             return None
         self._ids[key] = sid
         self._last_value[sid] = self.clock()  # a new series is not reaped before its first statistic could age out
@@ -379,8 +421,7 @@ class HistoryStore:
         self._free = sorted(set(self._free) | set(freed))
         return freed
 
-    def _persist(self, truncate: list | None, new_series: list, points: list, expired: list,
-                 freed: list[int]) -> None:
+    def _persist(self, truncate: list | None, new_series: list, points: list, expired: list, freed: list[int]) -> None:
         db = self._db
         if db is None or (truncate is None and not points):
             return
@@ -388,8 +429,11 @@ class HistoryStore:
             if self._unsynced:  # the disk refused earlier samples: write what memory holds since then
                 since, series, held = self._since_unsynced()
                 db.run(lambda connection: rewrite_since(connection, since, series, held, expired))
-                log.info("routing history %s: the %d point(s) kept in memory while the disk refused them are "
-                         "written", self.path, len(held))
+                log.info(
+                    "routing history %s: the %d point(s) kept in memory while the disk refused them are written",
+                    self.path,
+                    len(held),
+                )
                 self._unsynced = {}
             else:
                 db.run(lambda connection: write_sample(connection, truncate, new_series, points, expired, freed))
@@ -443,8 +487,9 @@ class HistoryStore:
                 break
         return parts[::-1]
 
-    def points(self, router: str, business_line: str, metric: str, since: float,
-               until: float) -> tuple[list[float], list[float]]:
+    def points(
+        self, router: str, business_line: str, metric: str, since: float, until: float
+    ) -> tuple[list[float], list[float]]:
         """``(times, values)`` of one series in ``[since, until]``, finest resolution first, NaN skipped, by time.
 
         ``business_line`` is ``"all"`` for every line summed; ``metric`` one of :attr:`metrics`
@@ -495,27 +540,46 @@ class HistoryStore:
         cells = np.round(values, 4).astype(object)
         cells[missing] = None
         flags &= ~missing  # a point with no value was not too small: it was not a reading
-        series = [series_entry(info, cells[index].tolist(), flags[index].tolist())
-                  for index, (_, info) in enumerate(chosen)]
-        return {"interval_seconds": self.interval_seconds, "span_seconds": self.span_seconds, "times": times,
-                "series": series}
+        series = [
+            series_entry(info, cells[index].tolist(), flags[index].tolist()) for index, (_, info) in enumerate(chosen)
+        ]
+        return {
+            "interval_seconds": self.interval_seconds,
+            "span_seconds": self.span_seconds,
+            "times": times,
+            "series": series,
+        }
 
     def _column(self, metric: str) -> int:
         if metric not in self.metrics:
             raise ValueError(f"metric = {metric!r}: expected one of {', '.join(self.metrics)}")
         return self.metrics.index(metric)
 
-    def query(self, *, since: float, until: float, step: float, metric: str = "entropy_bits",
-              business_line: str | None = None, router: str | None = None,
-              max_cells: int | None = None) -> dict[str, Any]:
+    def query(
+        self,
+        *,
+        since: float,
+        until: float,
+        step: float,
+        metric: str = "entropy_bits",
+        business_line: str | None = None,
+        router: str | None = None,
+        max_cells: int | None = None,
+    ) -> dict[str, Any]:
         """``GET /v1/history``: the matching series over ``[since, until]``, each bucket of ``step`` seconds the mean of
         the finest points in it (a coarser point than ``step`` keeps its own bucket). Buckets with no value in any
         series are left out. Raises :class:`ValueError` naming ``max_cells`` when the answer would be larger."""
         column = self._column(metric)
         with self._lock:
-            chosen = sorted(((sid, info) for sid, info in self._info.items()
-                             if (business_line is None or info.business_line == business_line)
-                             and (router is None or fnmatch.fnmatchcase(info.router, router))), key=shown_order)
+            chosen = sorted(
+                (
+                    (sid, info)
+                    for sid, info in self._info.items()
+                    if (business_line is None or info.business_line == business_line)
+                    and (router is None or fnmatch.fnmatchcase(info.router, router))
+                ),
+                key=shown_order,
+            )
             buckets = math.ceil((until - since) / step) + 1
             if max_cells is not None and buckets * len(chosen) > max_cells:
                 raise ValueError(f"{buckets} buckets x {len(chosen)} series exceed {max_cells} values")
@@ -554,12 +618,28 @@ class HistoryStore:
             column_values = means[:, index]
             if not np.isfinite(column_values).any():
                 continue
-            series.append(series_entry(info, [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
-                                        [bool(f >= 0.5) for f in small[:, index]]))
-        return {"metric": metric, "since": since, "until": until, "step_seconds": step, "interval_seconds": step,
-                "span_seconds": until - since, "times": times_out, "series": series, "series_dropped": dropped,
-                "tiers": [{"name": tier.name, "step_seconds": tier.step, "retention_seconds": tier.retention}
-                          for tier in self.tiers]}
+            series.append(
+                series_entry(
+                    info,
+                    [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
+                    [bool(f >= 0.5) for f in small[:, index]],
+                )
+            )
+        return {
+            "metric": metric,
+            "since": since,
+            "until": until,
+            "step_seconds": step,
+            "interval_seconds": step,
+            "span_seconds": until - since,
+            "times": times_out,
+            "series": series,
+            "series_dropped": dropped,
+            "tiers": [
+                {"name": tier.name, "step_seconds": tier.step, "retention_seconds": tier.retention}
+                for tier in self.tiers
+            ],
+        }
 
 
 def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -579,5 +659,3 @@ def _matrix(rows: list[tuple], width: int) -> np.ndarray:
     matrix = cells.astype(np.float32)
     matrix[~np.isfinite(matrix)] = np.nan
     return matrix
-
-

@@ -47,7 +47,7 @@ class Tier:
         return self.end - self.start
 
     def live_times(self) -> np.ndarray:
-        return self.times[self.start:self.end]
+        return self.times[self.start : self.end]
 
     @property
     def first(self) -> float | None:
@@ -72,20 +72,20 @@ class Tier:
             self._widen(row.shape[0])
         self.times[self.end] = t
         self.data[self.end, : row.shape[0]] = row
-        self.data[self.end, row.shape[0]:] = np.nan
+        self.data[self.end, row.shape[0] :] = np.nan
         self.end += 1
 
     def _make_room(self) -> None:
         live = len(self)
         capacity = max(self._expected + self._slack, live + self._slack)
         if capacity == len(self.times) and self.start > 0:  # move the live points to the front
-            self.times[:live] = self.times[self.start:self.end]
-            self.data[:live] = self.data[self.start:self.end]
+            self.times[:live] = self.times[self.start : self.end]
+            self.data[:live] = self.data[self.start : self.end]
         else:
             times = np.empty(capacity, dtype=np.float64)
             data = np.full((capacity, self.columns, self.values), np.nan, dtype=np.float32)
-            times[:live] = self.times[self.start:self.end]
-            data[:live] = self.data[self.start:self.end]
+            times[:live] = self.times[self.start : self.end]
+            data[:live] = self.data[self.start : self.end]
             self.times, self.data = times, data
         self.start, self.end = 0, live
 

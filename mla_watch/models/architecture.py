@@ -43,8 +43,9 @@ BUNDLED_ARCHITECTURE: dict[str, object] = {
 }
 
 
-def bundled_config(vocab_size: int, *, pad_token_id: int, bos_token_id: int, eos_token_id: int,
-                   **overrides: object) -> DeepseekV32Config:
+def bundled_config(
+    vocab_size: int, *, pad_token_id: int, bos_token_id: int, eos_token_id: int, **overrides: object
+) -> DeepseekV32Config:
     """The bundled architecture for a tokenizer of ``vocab_size`` tokens."""
     values: dict[str, Any] = {**BUNDLED_ARCHITECTURE, **overrides}
     config = DeepseekV32Config(

@@ -40,56 +40,263 @@ _MAX_ATTEMPTS = 200
 # --------------------------------------------------------------------------------------------------
 
 _FIRST_NAMES = (
-    "Alice", "Bruno", "Carmen", "Dmitri", "Elena", "Farid", "Grace", "Hiro", "Ingrid", "Jamal",
-    "Keiko", "Liam", "Maya", "Nikolai", "Olivia", "Pedro", "Quinn", "Rosa", "Samir", "Tara",
-    "Umar", "Vera", "Wei", "Ximena", "Yusuf", "Zoe", "Aaron", "Beatriz", "Connor", "Daria",
-    "Emeka", "Fiona", "Gustavo", "Hannah", "Ivan", "Julia", "Kwame", "Leila", "Marco", "Nadia",
-    "Oscar", "Priya", "Rafael", "Sofia", "Tomas", "Ulrike", "Victor", "Wanda", "Yara", "Zane",
+    "Alice",
+    "Bruno",
+    "Carmen",
+    "Dmitri",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ingrid",
+    "Jamal",
+    "Keiko",
+    "Liam",
+    "Maya",
+    "Nikolai",
+    "Olivia",
+    "Pedro",
+    "Quinn",
+    "Rosa",
+    "Samir",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wei",
+    "Ximena",
+    "Yusuf",
+    "Zoe",
+    "Aaron",
+    "Beatriz",
+    "Connor",
+    "Daria",
+    "Emeka",
+    "Fiona",
+    "Gustavo",
+    "Hannah",
+    "Ivan",
+    "Julia",
+    "Kwame",
+    "Leila",
+    "Marco",
+    "Nadia",
+    "Oscar",
+    "Priya",
+    "Rafael",
+    "Sofia",
+    "Tomas",
+    "Ulrike",
+    "Victor",
+    "Wanda",
+    "Yara",
+    "Zane",
 )
 _LAST_NAMES = (
-    "Anderson", "Becker", "Castillo", "Dubois", "Eriksen", "Fischer", "Garcia", "Haddad", "Ibrahim",
-    "Jensen", "Kowalski", "Lindqvist", "Moreau", "Nakamura", "Okafor", "Petrov", "Quintero", "Rossi",
-    "Schneider", "Tanaka", "Usman", "Varga", "Weber", "Xu", "Yilmaz", "Zhang", "Alvarez", "Brennan",
-    "Chowdhury", "Delgado", "Evans", "Ferreira", "Gallagher", "Horvath", "Iyer", "Johansson", "Kim",
-    "Lopez", "Mensah", "Novak", "Olsen", "Patel", "Romero", "Silva", "Thompson", "Vogel", "Walsh",
+    "Anderson",
+    "Becker",
+    "Castillo",
+    "Dubois",
+    "Eriksen",
+    "Fischer",
+    "Garcia",
+    "Haddad",
+    "Ibrahim",
+    "Jensen",
+    "Kowalski",
+    "Lindqvist",
+    "Moreau",
+    "Nakamura",
+    "Okafor",
+    "Petrov",
+    "Quintero",
+    "Rossi",
+    "Schneider",
+    "Tanaka",
+    "Usman",
+    "Varga",
+    "Weber",
+    "Xu",
+    "Yilmaz",
+    "Zhang",
+    "Alvarez",
+    "Brennan",
+    "Chowdhury",
+    "Delgado",
+    "Evans",
+    "Ferreira",
+    "Gallagher",
+    "Horvath",
+    "Iyer",
+    "Johansson",
+    "Kim",
+    "Lopez",
+    "Mensah",
+    "Novak",
+    "Olsen",
+    "Patel",
+    "Romero",
+    "Silva",
+    "Thompson",
+    "Vogel",
+    "Walsh",
 )
 _COMPANIES = (
-    "Northwind Outfitters", "Bluepeak Electronics", "Cedar & Pine Home", "Orbital Gadgets", "Larkspur Books",
-    "Ironclad Tools", "Sunfield Grocers", "Meridian Telecom", "Harbor Lane Apparel", "Quartz Cloud",
-    "Brightwave Energy", "Copperleaf Furniture", "Velvet Fox Cosmetics", "Summit Sports", "Nimbus Travel",
-    "Kestrel Software", "Maple Street Pharmacy", "Tidewater Bikes", "Granite Bank", "Aster Logistics",
-    "Pebble Kitchenware", "Falcon Pet Supply", "Juniper Health", "Redwood Audio",
+    "Northwind Outfitters",
+    "Bluepeak Electronics",
+    "Cedar & Pine Home",
+    "Orbital Gadgets",
+    "Larkspur Books",
+    "Ironclad Tools",
+    "Sunfield Grocers",
+    "Meridian Telecom",
+    "Harbor Lane Apparel",
+    "Quartz Cloud",
+    "Brightwave Energy",
+    "Copperleaf Furniture",
+    "Velvet Fox Cosmetics",
+    "Summit Sports",
+    "Nimbus Travel",
+    "Kestrel Software",
+    "Maple Street Pharmacy",
+    "Tidewater Bikes",
+    "Granite Bank",
+    "Aster Logistics",
+    "Pebble Kitchenware",
+    "Falcon Pet Supply",
+    "Juniper Health",
+    "Redwood Audio",
 )
 _BRANDS = (
-    "Aurora", "Vertex", "Nova", "Echo", "Pulse", "Atlas", "Zephyr", "Lumen", "Terra", "Orion",
-    "Nimbus", "Falcon", "Cobalt", "Summit", "Vista", "Ember", "Helix", "Strata", "Quill", "Arbor",
+    "Aurora",
+    "Vertex",
+    "Nova",
+    "Echo",
+    "Pulse",
+    "Atlas",
+    "Zephyr",
+    "Lumen",
+    "Terra",
+    "Orion",
+    "Nimbus",
+    "Falcon",
+    "Cobalt",
+    "Summit",
+    "Vista",
+    "Ember",
+    "Helix",
+    "Strata",
+    "Quill",
+    "Arbor",
 )
 _PRODUCT_KINDS = (
-    "wireless headphones", "standing desk", "coffee grinder", "running shoes", "smart watch", "air purifier",
-    "office chair", "backpack", "blender", "laptop stand", "rain jacket", "electric kettle", "yoga mat",
-    "bluetooth speaker", "desk lamp", "water bottle", "phone case", "robot vacuum", "camping tent",
-    "mechanical keyboard", "winter boots", "cast iron pan", "baby monitor", "gaming mouse", "duvet cover",
-    "portable charger", "tablet", "espresso machine", "bike helmet", "webcam",
+    "wireless headphones",
+    "standing desk",
+    "coffee grinder",
+    "running shoes",
+    "smart watch",
+    "air purifier",
+    "office chair",
+    "backpack",
+    "blender",
+    "laptop stand",
+    "rain jacket",
+    "electric kettle",
+    "yoga mat",
+    "bluetooth speaker",
+    "desk lamp",
+    "water bottle",
+    "phone case",
+    "robot vacuum",
+    "camping tent",
+    "mechanical keyboard",
+    "winter boots",
+    "cast iron pan",
+    "baby monitor",
+    "gaming mouse",
+    "duvet cover",
+    "portable charger",
+    "tablet",
+    "espresso machine",
+    "bike helmet",
+    "webcam",
 )
 _CITIES = (
-    "Rotterdam", "Austin", "Lyon", "Osaka", "Toronto", "Leeds", "Porto", "Denver", "Krakow", "Melbourne",
-    "Nairobi", "Seville", "Gothenburg", "Calgary", "Dublin", "Phoenix", "Turin", "Busan", "Leipzig",
-    "Valencia", "Auckland", "Bristol", "Montreal", "Tampere", "Cork", "Graz", "Hamburg", "Nantes",
+    "Rotterdam",
+    "Austin",
+    "Lyon",
+    "Osaka",
+    "Toronto",
+    "Leeds",
+    "Porto",
+    "Denver",
+    "Krakow",
+    "Melbourne",
+    "Nairobi",
+    "Seville",
+    "Gothenburg",
+    "Calgary",
+    "Dublin",
+    "Phoenix",
+    "Turin",
+    "Busan",
+    "Leipzig",
+    "Valencia",
+    "Auckland",
+    "Bristol",
+    "Montreal",
+    "Tampere",
+    "Cork",
+    "Graz",
+    "Hamburg",
+    "Nantes",
 )
 _STREETS = (
-    "Oak Street", "Maple Avenue", "Harbor Road", "King's Lane", "Station Road", "Elm Drive", "Mill Lane",
-    "Park Crescent", "River Walk", "Church Street", "Hillside Way", "Market Square", "Birch Close",
+    "Oak Street",
+    "Maple Avenue",
+    "Harbor Road",
+    "King's Lane",
+    "Station Road",
+    "Elm Drive",
+    "Mill Lane",
+    "Park Crescent",
+    "River Walk",
+    "Church Street",
+    "Hillside Way",
+    "Market Square",
+    "Birch Close",
 )
 _MONTHS = (
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-    "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 )
 _WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
 _CURRENCY_SYMBOLS = ("$", "€", "£")
 _REGIONS = ("North America", "EMEA", "APAC", "Latin America", "the Nordics", "Southern Europe", "DACH")
 _TEAMS = (
-    "platform", "payments", "growth", "data engineering", "mobile", "logistics", "customer success",
-    "security", "finance", "marketing", "infrastructure", "search", "procurement", "billing",
+    "platform",
+    "payments",
+    "growth",
+    "data engineering",
+    "mobile",
+    "logistics",
+    "customer success",
+    "security",
+    "finance",
+    "marketing",
+    "infrastructure",
+    "search",
+    "procurement",
+    "billing",
 )
 
 
@@ -168,19 +375,24 @@ _CS_TOPICS: dict[str, _Topic] = {
             "estimated delivery date is {new_date}.",
         ),
         followups=(
-            ("Can I still add another item to it?",
-             "Unfortunately order {order} is already packed, so I can't add items, but a new order placed "
-             "today would arrive around {new_date}."),
-            ("Will I get an email when it ships?",
-             "Yes, a shipping confirmation with tracking number {tracking} will be sent to {email}."),
-            ("Is there any way to speed it up?",
-             "I can upgrade order {order} to express shipping at no cost, which saves about {days} days."),
+            (
+                "Can I still add another item to it?",
+                "Unfortunately order {order} is already packed, so I can't add items, but a new order placed "
+                "today would arrive around {new_date}.",
+            ),
+            (
+                "Will I get an email when it ships?",
+                "Yes, a shipping confirmation with tracking number {tracking} will be sent to {email}.",
+            ),
+            (
+                "Is there any way to speed it up?",
+                "I can upgrade order {order} to express shipping at no cost, which saves about {days} days.",
+            ),
         ),
     ),
     "refund": _Topic(
         openers=(
-            "I returned the {product} from order {order} on {date} but I still haven't received my refund "
-            "of {amount}.",
+            "I returned the {product} from order {order} on {date} but I still haven't received my refund of {amount}.",
             "I'd like a refund for order {order}. The {product} doesn't fit my needs and I paid {amount}.",
             "When will I get my money back for order {order}? The refund was approved {days} days ago.",
         ),
@@ -193,14 +405,19 @@ _CS_TOPICS: dict[str, _Topic] = {
             "reaches our {city} warehouse we will refund {amount}.",
         ),
         followups=(
-            ("Will the shipping cost be refunded too?",
-             "Yes, the original shipping fee of {fee} is included, so the total refund is {amount} plus "
-             "{fee}."),
-            ("Can I get store credit instead?",
-             "Of course. I can convert the refund into store credit of {amount}, available immediately "
-             "on your account."),
-            ("Do I need to print a return label?",
-             "No label is needed; just show case number {ticket} at any drop-off point within {days} days."),
+            (
+                "Will the shipping cost be refunded too?",
+                "Yes, the original shipping fee of {fee} is included, so the total refund is {amount} plus {fee}.",
+            ),
+            (
+                "Can I get store credit instead?",
+                "Of course. I can convert the refund into store credit of {amount}, available immediately "
+                "on your account.",
+            ),
+            (
+                "Do I need to print a return label?",
+                "No label is needed; just show case number {ticket} at any drop-off point within {days} days.",
+            ),
         ),
     ),
     "shipping_delay": _Topic(
@@ -214,17 +431,22 @@ _CS_TOPICS: dict[str, _Topic] = {
             "depot and should be delivered within {days} days.",
             "I've contacted the courier about order {order}. Because of the delay I've added a {fee} "
             "credit to your account.",
-            "The shipment for order {order} was delayed by weather in {city}. The new delivery estimate "
-            "is {new_date}.",
+            "The shipment for order {order} was delayed by weather in {city}. The new delivery estimate is {new_date}.",
         ),
         followups=(
-            ("What if it doesn't arrive by then?",
-             "If order {order} has not arrived by {new_date}, we will send a replacement {product} by "
-             "express at no charge."),
-            ("Can I pick it up myself?",
-             "Yes, you can collect it from the {city} depot with tracking number {tracking} and a photo ID."),
-            ("Can you refund the shipping fee?",
-             "Certainly, I've refunded the shipping fee of {fee} to your card ending in {card}."),
+            (
+                "What if it doesn't arrive by then?",
+                "If order {order} has not arrived by {new_date}, we will send a replacement {product} by "
+                "express at no charge.",
+            ),
+            (
+                "Can I pick it up myself?",
+                "Yes, you can collect it from the {city} depot with tracking number {tracking} and a photo ID.",
+            ),
+            (
+                "Can you refund the shipping fee?",
+                "Certainly, I've refunded the shipping fee of {fee} to your card ending in {card}.",
+            ),
         ),
     ),
     "login": _Topic(
@@ -241,13 +463,18 @@ _CS_TOPICS: dict[str, _Topic] = {
             "now and you can sign in again.",
         ),
         followups=(
-            ("The link says it has expired.",
-             "I've issued a new reset link to {email}; this one is valid for {hours} hours."),
-            ("Can I change the email on the account?",
-             "Yes, once you are signed in go to Settings, then Profile. A confirmation goes to {email} "
-             "first."),
-            ("Should I turn on two-factor authentication?",
-             "We recommend it. You can enable it under Security; it takes about {minutes} minutes."),
+            (
+                "The link says it has expired.",
+                "I've issued a new reset link to {email}; this one is valid for {hours} hours.",
+            ),
+            (
+                "Can I change the email on the account?",
+                "Yes, once you are signed in go to Settings, then Profile. A confirmation goes to {email} first.",
+            ),
+            (
+                "Should I turn on two-factor authentication?",
+                "We recommend it. You can enable it under Security; it takes about {minutes} minutes.",
+            ),
         ),
     ),
     "billing": _Topic(
@@ -265,12 +492,15 @@ _CS_TOPICS: dict[str, _Topic] = {
             "can open dispute case {ticket}.",
         ),
         followups=(
-            ("Can I get a copy of the invoice?",
-             "I've emailed the invoice for {amount} to {email}; you can also download it from Billing."),
-            ("Will this affect my next payment?",
-             "No, your next payment of {price} on {new_date} is unchanged."),
-            ("Can I pay by bank transfer instead?",
-             "Yes, bank transfer is available. Please use reference {ticket} so we can match the payment."),
+            (
+                "Can I get a copy of the invoice?",
+                "I've emailed the invoice for {amount} to {email}; you can also download it from Billing.",
+            ),
+            ("Will this affect my next payment?", "No, your next payment of {price} on {new_date} is unchanged."),
+            (
+                "Can I pay by bank transfer instead?",
+                "Yes, bank transfer is available. Please use reference {ticket} so we can match the payment.",
+            ),
         ),
     ),
     "warranty": _Topic(
@@ -288,12 +518,18 @@ _CS_TOPICS: dict[str, _Topic] = {
             "will ship a replacement within {days} days.",
         ),
         followups=(
-            ("Do I have to pay for shipping?",
-             "No, the return shipping for claim {ticket} is free; a prepaid label is on its way to {email}."),
-            ("Can I get a refund instead of a replacement?",
-             "Yes, under the warranty we can refund the full {amount} once the {product} is received."),
-            ("How long does a repair take?",
-             "Repairs usually take {days} business days after the {product} arrives at our {city} centre."),
+            (
+                "Do I have to pay for shipping?",
+                "No, the return shipping for claim {ticket} is free; a prepaid label is on its way to {email}.",
+            ),
+            (
+                "Can I get a refund instead of a replacement?",
+                "Yes, under the warranty we can refund the full {amount} once the {product} is received.",
+            ),
+            (
+                "How long does a repair take?",
+                "Repairs usually take {days} business days after the {product} arrives at our {city} centre.",
+            ),
         ),
     ),
     "cancellation": _Topic(
@@ -307,16 +543,18 @@ _CS_TOPICS: dict[str, _Topic] = {
             "{card} within {days} days.",
             "I've cancelled the {plan} subscription. You keep access until {new_date} and will not be "
             "charged {price} again.",
-            "The order had not shipped yet, so I was able to cancel order {order}. A confirmation was "
-            "sent to {email}.",
+            "The order had not shipped yet, so I was able to cancel order {order}. A confirmation was sent to {email}.",
         ),
         followups=(
-            ("Can I reorder the right size?",
-             "Sure, I've placed a new order for the {product} in the correct size; it ships in {days} days."),
-            ("Will I lose my saved data?",
-             "Your data is kept for {days} days after {new_date}, so you can reactivate without losing it."),
-            ("Is there a cancellation fee?",
-             "No, there is no fee for cancelling order {order} before it ships."),
+            (
+                "Can I reorder the right size?",
+                "Sure, I've placed a new order for the {product} in the correct size; it ships in {days} days.",
+            ),
+            (
+                "Will I lose my saved data?",
+                "Your data is kept for {days} days after {new_date}, so you can reactivate without losing it.",
+            ),
+            ("Is there a cancellation fee?", "No, there is no fee for cancelling order {order} before it ships."),
         ),
     ),
     "address_change": _Topic(
@@ -333,12 +571,15 @@ _CS_TOPICS: dict[str, _Topic] = {
             "{days} days to delivery.",
         ),
         followups=(
-            ("Will future orders go to the new address too?",
-             "Yes, I've also saved {address}, {city} as the default address on your account."),
-            ("Do I need to confirm anything?",
-             "Just the confirmation email sent to {email}; please click the link within {hours} hours."),
-            ("Can someone else sign for it?",
-             "Yes, anyone at {address} can sign for order {order}."),
+            (
+                "Will future orders go to the new address too?",
+                "Yes, I've also saved {address}, {city} as the default address on your account.",
+            ),
+            (
+                "Do I need to confirm anything?",
+                "Just the confirmation email sent to {email}; please click the link within {hours} hours.",
+            ),
+            ("Can someone else sign for it?", "Yes, anyone at {address} can sign for order {order}."),
         ),
     ),
     "damaged_item": _Topic(
@@ -356,12 +597,18 @@ _CS_TOPICS: dict[str, _Topic] = {
             "{order}, shipping today from {city}.",
         ),
         followups=(
-            ("Do I need to send the broken one back?",
-             "No need, please recycle it. Damage report {ticket} covers the full {amount}."),
-            ("Can I have a different colour?",
-             "Certainly, the replacement {product} will be sent in the colour you prefer at no extra cost."),
-            ("Should I send photos?",
-             "Photos help: reply to the email sent to {email} with claim {ticket} in the subject line."),
+            (
+                "Do I need to send the broken one back?",
+                "No need, please recycle it. Damage report {ticket} covers the full {amount}.",
+            ),
+            (
+                "Can I have a different colour?",
+                "Certainly, the replacement {product} will be sent in the colour you prefer at no extra cost.",
+            ),
+            (
+                "Should I send photos?",
+                "Photos help: reply to the email sent to {email} with claim {ticket} in the subject line.",
+            ),
         ),
     ),
 }
@@ -369,28 +616,54 @@ _CS_TOPICS: dict[str, _Topic] = {
 _CS_TOPIC_NAMES: tuple[str, ...] = tuple(_CS_TOPICS)
 
 _CS_USER_GREETINGS = (
-    "", "", "Hi,", "Hello,", "Hi there.", "Good morning.", "Good evening,", "Hey,", "Hello team,",
-    "Hi, this is {name}.", "Hello, my name is {name}.",
+    "",
+    "",
+    "Hi,",
+    "Hello,",
+    "Hi there.",
+    "Good morning.",
+    "Good evening,",
+    "Hey,",
+    "Hello team,",
+    "Hi, this is {name}.",
+    "Hello, my name is {name}.",
 )
 _CS_USER_CLOSERS = (
-    "", "", "", "Thanks.", "Thank you!", "Please help.", "This is urgent.", "Thanks in advance.",
-    "I'd appreciate a quick reply.", "It's the second time I'm writing about this.",
+    "",
+    "",
+    "",
+    "Thanks.",
+    "Thank you!",
+    "Please help.",
+    "This is urgent.",
+    "Thanks in advance.",
+    "I'd appreciate a quick reply.",
+    "It's the second time I'm writing about this.",
 )
 _CS_AGENT_OPENERS = (
-    "Thanks for reaching out, {first}.", "Hi {first}, happy to help.", "I'm sorry to hear that, {first}.",
-    "Thank you for your patience, {first}.", "Hello {first}!", "Thanks for the details.",
-    "Hi {first}, thanks for contacting {company}.", "I understand, {first}.",
+    "Thanks for reaching out, {first}.",
+    "Hi {first}, happy to help.",
+    "I'm sorry to hear that, {first}.",
+    "Thank you for your patience, {first}.",
+    "Hello {first}!",
+    "Thanks for the details.",
+    "Hi {first}, thanks for contacting {company}.",
+    "I understand, {first}.",
 )
 _CS_AGENT_CLOSERS = (
-    "", "", "Is there anything else I can help with?", "Let me know if you have other questions.",
-    "Have a great day!", "Thanks for shopping with {company}.", "Anything else I can do for you today?",
+    "",
+    "",
+    "Is there anything else I can help with?",
+    "Let me know if you have other questions.",
+    "Have a great day!",
+    "Thanks for shopping with {company}.",
+    "Anything else I can do for you today?",
 )
 _CS_GENERIC_FOLLOWUPS = (
     ("Thank you so much!", "You're welcome, {first}! Have a lovely {weekday}."),
     ("Great, thanks for the quick help.", "My pleasure. Your case number is {ticket} if you need it."),
     ("Could you send me that in writing?", "Of course, a summary of this chat has been sent to {email}."),
-    ("OK. How can I contact you again?",
-     "Just reply to the email at {email} or quote case {ticket} in a new chat."),
+    ("OK. How can I contact you again?", "Just reply to the email at {email} or quote case {ticket} in a new chat."),
 )
 _CS_SYSTEM_PROMPTS = (
     "You are a support agent for {company}.",
@@ -508,26 +781,115 @@ def _customer_service_prompt(rng: random.Random) -> str:
 # --------------------------------------------------------------------------------------------------
 
 _VERBS = (
-    "parse", "count", "compute", "load", "filter", "merge", "normalize", "summarize", "validate", "format",
-    "group", "rank", "find", "collect", "build", "score", "estimate", "aggregate", "resolve", "extract",
-    "select", "total", "index", "clean", "bucket", "split", "match", "apply", "prepare", "measure",
+    "parse",
+    "count",
+    "compute",
+    "load",
+    "filter",
+    "merge",
+    "normalize",
+    "summarize",
+    "validate",
+    "format",
+    "group",
+    "rank",
+    "find",
+    "collect",
+    "build",
+    "score",
+    "estimate",
+    "aggregate",
+    "resolve",
+    "extract",
+    "select",
+    "total",
+    "index",
+    "clean",
+    "bucket",
+    "split",
+    "match",
+    "apply",
+    "prepare",
+    "measure",
 )
 _NOUNS = (
-    "invoice", "user", "order", "payment", "session", "ticket", "record", "event", "item", "shipment",
-    "account", "product", "review", "transaction", "metric", "report", "customer", "batch", "entry",
-    "request", "booking", "claim", "device", "employee", "lead", "subscription", "reading", "visit",
+    "invoice",
+    "user",
+    "order",
+    "payment",
+    "session",
+    "ticket",
+    "record",
+    "event",
+    "item",
+    "shipment",
+    "account",
+    "product",
+    "review",
+    "transaction",
+    "metric",
+    "report",
+    "customer",
+    "batch",
+    "entry",
+    "request",
+    "booking",
+    "claim",
+    "device",
+    "employee",
+    "lead",
+    "subscription",
+    "reading",
+    "visit",
 )
 _QUALIFIERS = (
-    "active", "pending", "recent", "daily", "monthly", "valid", "overdue", "top", "failed", "open",
-    "weekly", "late", "unpaid", "new", "flagged", "archived",
+    "active",
+    "pending",
+    "recent",
+    "daily",
+    "monthly",
+    "valid",
+    "overdue",
+    "top",
+    "failed",
+    "open",
+    "weekly",
+    "late",
+    "unpaid",
+    "new",
+    "flagged",
+    "archived",
 )
 _NUM_FIELDS = (
-    "amount", "price", "quantity", "score", "duration", "weight", "balance", "latency_ms", "total",
-    "discount", "rating", "cost", "count", "hours", "distance_km", "tax",
+    "amount",
+    "price",
+    "quantity",
+    "score",
+    "duration",
+    "weight",
+    "balance",
+    "latency_ms",
+    "total",
+    "discount",
+    "rating",
+    "cost",
+    "count",
+    "hours",
+    "distance_km",
+    "tax",
 )
 _STR_FIELDS = ("name", "status", "region", "category", "email", "country", "channel", "owner", "plan", "team")
 _STATUS_VALUES = (
-    "active", "pending", "closed", "paid", "failed", "shipped", "open", "archived", "approved", "draft",
+    "active",
+    "pending",
+    "closed",
+    "paid",
+    "failed",
+    "shipped",
+    "open",
+    "archived",
+    "approved",
+    "draft",
 )
 _LABELS = ("low", "medium", "high", "critical", "small", "large", "cheap", "premium", "slow", "fast", "ok")
 _PARAM_NAMES = ("items", "records", "rows", "entries", "data", "values", "batch", "payload")
@@ -622,7 +984,7 @@ def _fn_format(rng: random.Random, parts: _CodeParts) -> str:
     width = rng.choice((8, 10, 12, 16, 20))
     sep = _pick(rng, (" | ", ": ", " - ", ", "))
     lines = [
-        f"def {name}({noun}: dict[str, object], prefix: str = \"{_pick(rng, _QUALIFIERS)}\") -> str:",
+        f'def {name}({noun}: dict[str, object], prefix: str = "{_pick(rng, _QUALIFIERS)}") -> str:',
         _docstring(rng, f"render a one-line label for a {noun}"),
         f'    label = str({noun}.get("{key}", "unknown")).strip().title()',
         f'    value = float({noun}.get("{field}", 0))',
@@ -751,8 +1113,16 @@ def _class_block(rng: random.Random, parts: _CodeParts) -> str:
 
 _TOP_LEVEL_DEF = re.compile(r"^def \w+\(", re.MULTILINE)
 _CODE_BUILDERS: tuple[Callable[[random.Random, _CodeParts], str], ...] = (
-    _fn_filter_sum, _fn_group_count, _fn_label, _fn_format, _fn_select_sorted, _fn_find, _fn_ratio,
-    _fn_dict_comp, _fn_dates, _fn_regex,
+    _fn_filter_sum,
+    _fn_group_count,
+    _fn_label,
+    _fn_format,
+    _fn_select_sorted,
+    _fn_find,
+    _fn_ratio,
+    _fn_dict_comp,
+    _fn_dates,
+    _fn_regex,
 )
 
 
@@ -825,14 +1195,23 @@ class _Schema:
 _SCHEMAS: tuple[_Schema, ...] = (
     _Schema(
         fact=_Table(
-            name="orders", alias="o", key="order_id", noun="orders",
-            measures=(("SUM", "total_amount", "total revenue"),
-                      ("AVG", "total_amount", "average order value"),
-                      ("COUNT", "*", "number of orders"), ("AVG", "discount", "average discount"),
-                      ("MAX", "total_amount", "largest order")),
-            dims=("region", "status", "channel"), date_col="order_date",
-            filters=(("status", ("shipped", "delivered", "cancelled", "returned")),
-                     ("channel", ("web", "mobile", "store", "partner"))),
+            name="orders",
+            alias="o",
+            key="order_id",
+            noun="orders",
+            measures=(
+                ("SUM", "total_amount", "total revenue"),
+                ("AVG", "total_amount", "average order value"),
+                ("COUNT", "*", "number of orders"),
+                ("AVG", "discount", "average discount"),
+                ("MAX", "total_amount", "largest order"),
+            ),
+            dims=("region", "status", "channel"),
+            date_col="order_date",
+            filters=(
+                ("status", ("shipped", "delivered", "cancelled", "returned")),
+                ("channel", ("web", "mobile", "store", "partner")),
+            ),
         ),
         joins=(
             _Join("customers", "c", "c.customer_id = {f}.customer_id", ("segment", "country")),
@@ -842,13 +1221,22 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="sessions", alias="s", key="session_id", noun="sessions",
-            measures=(("COUNT", "*", "number of sessions"), ("AVG", "duration_sec", "average session length"),
-                      ("SUM", "pages_viewed", "total page views"),
-                      ("COUNT", "DISTINCT user_id", "number of unique users")),
-            dims=("device", "browser", "country"), date_col="started_at",
-            filters=(("device", ("desktop", "ios", "android", "tablet")),
-                     ("browser", ("chrome", "firefox", "safari", "edge"))),
+            name="sessions",
+            alias="s",
+            key="session_id",
+            noun="sessions",
+            measures=(
+                ("COUNT", "*", "number of sessions"),
+                ("AVG", "duration_sec", "average session length"),
+                ("SUM", "pages_viewed", "total page views"),
+                ("COUNT", "DISTINCT user_id", "number of unique users"),
+            ),
+            dims=("device", "browser", "country"),
+            date_col="started_at",
+            filters=(
+                ("device", ("desktop", "ios", "android", "tablet")),
+                ("browser", ("chrome", "firefox", "safari", "edge")),
+            ),
         ),
         joins=(
             _Join("users", "u", "u.user_id = {f}.user_id", ("plan", "signup_source")),
@@ -858,12 +1246,22 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="stock_levels", alias="sl", key="sku", noun="stock entries",
-            measures=(("SUM", "quantity", "total units in stock"), ("AVG", "quantity", "average stock level"),
-                      ("COUNT", "*", "number of SKUs"), ("MIN", "quantity", "lowest stock level")),
-            dims=("category", "bin_zone"), date_col="updated_at",
-            filters=(("category", ("electronics", "apparel", "grocery", "furniture", "toys")),
-                     ("bin_zone", ("A", "B", "C", "cold"))),
+            name="stock_levels",
+            alias="sl",
+            key="sku",
+            noun="stock entries",
+            measures=(
+                ("SUM", "quantity", "total units in stock"),
+                ("AVG", "quantity", "average stock level"),
+                ("COUNT", "*", "number of SKUs"),
+                ("MIN", "quantity", "lowest stock level"),
+            ),
+            dims=("category", "bin_zone"),
+            date_col="updated_at",
+            filters=(
+                ("category", ("electronics", "apparel", "grocery", "furniture", "toys")),
+                ("bin_zone", ("A", "B", "C", "cold")),
+            ),
         ),
         joins=(
             _Join("warehouses", "w", "w.warehouse_id = {f}.warehouse_id", ("city", "region")),
@@ -873,15 +1271,23 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="tickets", alias="t", key="ticket_id", noun="tickets",
-            measures=(("COUNT", "*", "number of tickets"),
-                      ("AVG", "satisfaction", "average satisfaction score"),
-                      ("AVG", "resolution_hours", "average resolution time"),
-                      ("MAX", "resolution_hours", "slowest resolution")),
-            dims=("priority", "channel", "status"), date_col="created_at",
-            filters=(("priority", ("low", "medium", "high", "urgent")),
-                     ("status", ("open", "pending", "resolved", "closed")),
-                     ("channel", ("email", "chat", "phone"))),
+            name="tickets",
+            alias="t",
+            key="ticket_id",
+            noun="tickets",
+            measures=(
+                ("COUNT", "*", "number of tickets"),
+                ("AVG", "satisfaction", "average satisfaction score"),
+                ("AVG", "resolution_hours", "average resolution time"),
+                ("MAX", "resolution_hours", "slowest resolution"),
+            ),
+            dims=("priority", "channel", "status"),
+            date_col="created_at",
+            filters=(
+                ("priority", ("low", "medium", "high", "urgent")),
+                ("status", ("open", "pending", "resolved", "closed")),
+                ("channel", ("email", "chat", "phone")),
+            ),
         ),
         joins=(
             _Join("agents", "a", "a.agent_id = {f}.agent_id", ("team", "agent_name")),
@@ -891,15 +1297,24 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="invoices", alias="inv", key="invoice_id", noun="invoices",
-            measures=(("SUM", "amount_due", "total invoiced amount"),
-                      ("AVG", "days_to_pay", "average days to pay"),
-                      ("COUNT", "*", "number of invoices"), ("SUM", "tax_amount", "total tax collected"),
-                      ("COUNT", "DISTINCT customer_id", "number of paying customers")),
-            dims=("currency", "payment_method", "status"), date_col="issued_at",
-            filters=(("payment_method", ("card", "bank_transfer", "paypal", "direct_debit")),
-                     ("currency", ("USD", "EUR", "GBP", "JPY", "SEK")),
-                     ("status", ("paid", "overdue", "void", "draft"))),
+            name="invoices",
+            alias="inv",
+            key="invoice_id",
+            noun="invoices",
+            measures=(
+                ("SUM", "amount_due", "total invoiced amount"),
+                ("AVG", "days_to_pay", "average days to pay"),
+                ("COUNT", "*", "number of invoices"),
+                ("SUM", "tax_amount", "total tax collected"),
+                ("COUNT", "DISTINCT customer_id", "number of paying customers"),
+            ),
+            dims=("currency", "payment_method", "status"),
+            date_col="issued_at",
+            filters=(
+                ("payment_method", ("card", "bank_transfer", "paypal", "direct_debit")),
+                ("currency", ("USD", "EUR", "GBP", "JPY", "SEK")),
+                ("status", ("paid", "overdue", "void", "draft")),
+            ),
         ),
         joins=(
             _Join("customers", "c", "c.customer_id = {f}.customer_id", ("segment", "country", "industry")),
@@ -909,14 +1324,23 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="shipments", alias="sh", key="shipment_id", noun="shipments",
-            measures=(("AVG", "transit_days", "average transit time"),
-                      ("SUM", "weight_kg", "total shipped weight"),
-                      ("COUNT", "*", "number of shipments"), ("SUM", "freight_cost", "total freight cost"),
-                      ("MAX", "transit_days", "longest transit time")),
-            dims=("carrier", "service_level", "destination_country"), date_col="shipped_at",
-            filters=(("carrier", ("dhl", "ups", "fedex", "postnl", "dpd", "gls")),
-                     ("service_level", ("standard", "express", "economy", "same_day"))),
+            name="shipments",
+            alias="sh",
+            key="shipment_id",
+            noun="shipments",
+            measures=(
+                ("AVG", "transit_days", "average transit time"),
+                ("SUM", "weight_kg", "total shipped weight"),
+                ("COUNT", "*", "number of shipments"),
+                ("SUM", "freight_cost", "total freight cost"),
+                ("MAX", "transit_days", "longest transit time"),
+            ),
+            dims=("carrier", "service_level", "destination_country"),
+            date_col="shipped_at",
+            filters=(
+                ("carrier", ("dhl", "ups", "fedex", "postnl", "dpd", "gls")),
+                ("service_level", ("standard", "express", "economy", "same_day")),
+            ),
         ),
         joins=(
             _Join("warehouses", "w", "w.warehouse_id = {f}.warehouse_id", ("city", "region")),
@@ -926,15 +1350,24 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="employees", alias="e", key="employee_id", noun="employees",
-            measures=(("AVG", "salary", "average salary"), ("COUNT", "*", "headcount"),
-                      ("SUM", "overtime_hours", "total overtime hours"),
-                      ("AVG", "tenure_years", "average tenure"),
-                      ("MAX", "salary", "highest salary")),
-            dims=("department", "job_level", "employment_type"), date_col="hired_at",
-            filters=(("department", ("engineering", "sales", "finance", "support", "legal", "marketing")),
-                     ("job_level", ("junior", "mid", "senior", "lead", "principal")),
-                     ("employment_type", ("full_time", "part_time", "contractor"))),
+            name="employees",
+            alias="e",
+            key="employee_id",
+            noun="employees",
+            measures=(
+                ("AVG", "salary", "average salary"),
+                ("COUNT", "*", "headcount"),
+                ("SUM", "overtime_hours", "total overtime hours"),
+                ("AVG", "tenure_years", "average tenure"),
+                ("MAX", "salary", "highest salary"),
+            ),
+            dims=("department", "job_level", "employment_type"),
+            date_col="hired_at",
+            filters=(
+                ("department", ("engineering", "sales", "finance", "support", "legal", "marketing")),
+                ("job_level", ("junior", "mid", "senior", "lead", "principal")),
+                ("employment_type", ("full_time", "part_time", "contractor")),
+            ),
         ),
         joins=(
             _Join("offices", "ofc", "ofc.office_id = {f}.office_id", ("city", "country")),
@@ -944,14 +1377,23 @@ _SCHEMAS: tuple[_Schema, ...] = (
     ),
     _Schema(
         fact=_Table(
-            name="ad_events", alias="ae", key="event_id", noun="ad events",
-            measures=(("SUM", "spend", "total ad spend"), ("SUM", "clicks", "total clicks"),
-                      ("AVG", "cost_per_click", "average cost per click"),
-                      ("COUNT", "DISTINCT visitor_id", "number of unique visitors"),
-                      ("SUM", "conversions", "total conversions")),
-            dims=("platform", "campaign_type", "country"), date_col="event_date",
-            filters=(("platform", ("google", "meta", "linkedin", "tiktok", "bing")),
-                     ("campaign_type", ("search", "display", "video", "email", "retargeting"))),
+            name="ad_events",
+            alias="ae",
+            key="event_id",
+            noun="ad events",
+            measures=(
+                ("SUM", "spend", "total ad spend"),
+                ("SUM", "clicks", "total clicks"),
+                ("AVG", "cost_per_click", "average cost per click"),
+                ("COUNT", "DISTINCT visitor_id", "number of unique visitors"),
+                ("SUM", "conversions", "total conversions"),
+            ),
+            dims=("platform", "campaign_type", "country"),
+            date_col="event_date",
+            filters=(
+                ("platform", ("google", "meta", "linkedin", "tiktok", "bing")),
+                ("campaign_type", ("search", "display", "video", "email", "retargeting")),
+            ),
         ),
         joins=(
             _Join("campaigns", "cp", "cp.campaign_id = {f}.campaign_id", ("campaign_name", "objective")),
@@ -962,13 +1404,21 @@ _SCHEMAS: tuple[_Schema, ...] = (
 )
 
 _SQL_DECIMALS = frozenset(
-    {"total_amount", "amount_due", "tax_amount", "freight_cost", "weight_kg", "salary", "spend",
-     "cost_per_click"}
+    {"total_amount", "amount_due", "tax_amount", "freight_cost", "weight_kg", "salary", "spend", "cost_per_click"}
 )
 _SQL_VALUES: dict[str, tuple[str, ...]] = {
     "region": ("north", "south", "east", "west", "central", "emea", "apac", "latam"),
     "country": (
-        "Germany", "France", "Japan", "Brazil", "Canada", "India", "Spain", "Kenya", "Sweden", "Mexico",
+        "Germany",
+        "France",
+        "Japan",
+        "Brazil",
+        "Canada",
+        "India",
+        "Spain",
+        "Kenya",
+        "Sweden",
+        "Mexico",
     ),
     "segment": ("enterprise", "smb", "consumer", "public_sector", "startup"),
     "industry": ("retail", "healthcare", "banking", "education", "manufacturing", "media"),
@@ -1067,8 +1517,10 @@ def _sql_group_query(rng: random.Random, schema: _Schema) -> str:
         dim_col = _pick(rng, join.dims)
         dim = f"{join.alias}.{dim_col}"
         join_kind = "LEFT JOIN" if rng.random() < 0.2 else "JOIN"
-        from_lines = [f"FROM {fact.name} {fact.alias}", f"{join_kind} {join.table} {join.alias} ON "
-                      f"{join.on.format(f=fact.alias)}"]
+        from_lines = [
+            f"FROM {fact.name} {fact.alias}",
+            f"{join_kind} {join.table} {join.alias} ON {join.on.format(f=fact.alias)}",
+        ]
     else:
         join = None
         dim_col = _pick(rng, fact.dims)
@@ -1082,8 +1534,12 @@ def _sql_group_query(rng: random.Random, schema: _Schema) -> str:
             value = _pick(rng, _SQL_VALUES[column_name])
             predicates.append(f"{join.alias}.{column_name} = '{value}'")
             phrases.append(f"for {column_name.replace('_', ' ')} {value}")
-    lines = [f"SELECT {dim}, {_measure_sql(fact, agg, column)} AS {alias}", *from_lines,
-             *_where_clause(predicates), f"GROUP BY {dim}"]
+    lines = [
+        f"SELECT {dim}, {_measure_sql(fact, agg, column)} AS {alias}",
+        *from_lines,
+        *_where_clause(predicates),
+        f"GROUP BY {dim}",
+    ]
     if rng.random() < 0.3:
         threshold = rng.randint(2, 500)
         lines.append(f"HAVING {_measure_sql(fact, agg, column)} > {threshold}")
@@ -1108,8 +1564,13 @@ def _sql_top_rows(rng: random.Random, schema: _Schema) -> str:
     cols = ", ".join(f"{fact.alias}.{c}" for c in (fact.key, *extra, column))
     predicates, phrases = _sql_where(rng, fact)
     predicates.insert(0, f"{fact.alias}.{column} > {threshold}")
-    lines = [f"SELECT {cols}", f"FROM {fact.name} {fact.alias}", *_where_clause(predicates),
-             f"ORDER BY {fact.alias}.{column} DESC", f"LIMIT {n};"]
+    lines = [
+        f"SELECT {cols}",
+        f"FROM {fact.name} {fact.alias}",
+        *_where_clause(predicates),
+        f"ORDER BY {fact.alias}.{column} DESC",
+        f"LIMIT {n};",
+    ]
     label = column.replace("_", " ")
     comment = _sentence_join((f"-- {n} {fact.noun} with the highest {label} above {threshold}", *phrases))
     return comment + "\n" + "\n".join(lines)
@@ -1122,14 +1583,21 @@ def _sql_cte(rng: random.Random, schema: _Schema) -> str:
     name = _pick(rng, (f"{grain}ly", "per_period", "buckets", "agg", f"{fact.name}_by_{grain}"))
     name = name.replace("dayly", "daily")
     predicates, phrases = _sql_where(rng, fact)
-    inner = [f"    SELECT DATE_TRUNC('{grain}', {fact.alias}.{fact.date_col}) AS period,",
-             f"           {_measure_sql(fact, agg, column)} AS value",
-             f"    FROM {fact.name} {fact.alias}", *("    " + w for w in _where_clause(predicates)),
-             "    GROUP BY 1"]
+    inner = [
+        f"    SELECT DATE_TRUNC('{grain}', {fact.alias}.{fact.date_col}) AS period,",
+        f"           {_measure_sql(fact, agg, column)} AS value",
+        f"    FROM {fact.name} {fact.alias}",
+        *("    " + w for w in _where_clause(predicates)),
+        "    GROUP BY 1",
+    ]
     tail = _pick(rng, ("value", "period", "change"))
     if tail == "change":
-        outer = ["SELECT period, value,", "       value - LAG(value) OVER (ORDER BY period) AS change",
-                 f"FROM {name}", "ORDER BY period;"]
+        outer = [
+            "SELECT period, value,",
+            "       value - LAG(value) OVER (ORDER BY period) AS change",
+            f"FROM {name}",
+            "ORDER BY period;",
+        ]
         what = f"{grain}-over-{grain} change in {phrase}"
     else:
         outer = ["SELECT period, value", f"FROM {name}", f"ORDER BY {tail} {_pick(rng, ('DESC', 'ASC'))};"]
@@ -1178,7 +1646,11 @@ def _sql_update(rng: random.Random, schema: _Schema) -> str:
 
 
 _SQL_BUILDERS: tuple[tuple[Callable[[random.Random, _Schema], str], float], ...] = (
-    (_sql_group_query, 0.42), (_sql_top_rows, 0.2), (_sql_cte, 0.2), (_sql_insert, 0.09), (_sql_update, 0.09),
+    (_sql_group_query, 0.42),
+    (_sql_top_rows, 0.2),
+    (_sql_cte, 0.2),
+    (_sql_insert, 0.09),
+    (_sql_update, 0.09),
 )
 
 
@@ -1216,23 +1688,52 @@ def _sql_prompt(rng: random.Random) -> str:
 # --------------------------------------------------------------------------------------------------
 
 _FEATURES = (
-    "longer battery life", "offline mode", "a redesigned dashboard", "faster sync", "voice control",
-    "end-to-end encryption", "a lighter frame", "multi-user profiles", "automatic backups", "dark mode",
-    "improved noise cancelling", "a recycled aluminium case", "single sign-on", "usage reports",
+    "longer battery life",
+    "offline mode",
+    "a redesigned dashboard",
+    "faster sync",
+    "voice control",
+    "end-to-end encryption",
+    "a lighter frame",
+    "multi-user profiles",
+    "automatic backups",
+    "dark mode",
+    "improved noise cancelling",
+    "a recycled aluminium case",
+    "single sign-on",
+    "usage reports",
 )
 _ROOT_CAUSES = (
-    "an expired TLS certificate", "a misconfigured load balancer", "a database failover that stalled",
-    "a bad configuration push", "disk exhaustion on a cache node", "a memory leak in the API gateway",
-    "a faulty network switch", "a runaway batch job", "a DNS change", "a dependency upgrade",
+    "an expired TLS certificate",
+    "a misconfigured load balancer",
+    "a database failover that stalled",
+    "a bad configuration push",
+    "disk exhaustion on a cache node",
+    "a memory leak in the API gateway",
+    "a faulty network switch",
+    "a runaway batch job",
+    "a DNS change",
+    "a dependency upgrade",
 )
 _SERVICES = (
-    "checkout API", "login service", "search cluster", "payments gateway", "notification service",
-    "mobile backend", "reporting pipeline", "inventory sync", "video transcoder", "customer portal",
+    "checkout API",
+    "login service",
+    "search cluster",
+    "payments gateway",
+    "notification service",
+    "mobile backend",
+    "reporting pipeline",
+    "inventory sync",
+    "video transcoder",
+    "customer portal",
 )
 _DECISIONS = (
-    "approved a budget of {money} for the {team} roadmap", "agreed to hire {count} engineers",
-    "postponed the office move to {date2}", "selected {vendor} as the new cloud vendor",
-    "set a target of {pct}% customer retention", "decided to sunset the legacy {service}",
+    "approved a budget of {money} for the {team} roadmap",
+    "agreed to hire {count} engineers",
+    "postponed the office move to {date2}",
+    "selected {vendor} as the new cloud vendor",
+    "set a target of {pct}% customer retention",
+    "decided to sunset the legacy {service}",
 )
 _FILLERS = (
     "Several attendees asked for more detail on the timeline.",
@@ -1313,8 +1814,7 @@ _DOC_KINDS: tuple[_DocKind, ...] = (
         ),
         summaries=(
             "{company} earned {revenue} in {quarter} {year}, {growth}% more than last year.",
-            "{company}'s {quarter} {year} revenue rose {growth}% to {revenue}, with strongest growth in "
-            "{region}.",
+            "{company}'s {quarter} {year} revenue rose {growth}% to {revenue}, with strongest growth in {region}.",
             "Revenue at {company} grew {growth}% to {revenue} in {quarter} {year}; margin was {margin}%.",
             "{company} ({headcount} employees) reported {revenue} for {quarter} {year}.",
             "CFO {person} reported a {margin}% operating margin for {company} in {quarter} {year}.",
@@ -1339,8 +1839,7 @@ _DOC_KINDS: tuple[_DocKind, ...] = (
         summaries=(
             "At the {date} meeting chaired by {person}, the {team} team agreed on next steps; {person2} "
             "owns the follow-up.",
-            "The {team} team met on {date} under {person} with {attendees} attendees and set its release "
-            "plan.",
+            "The {team} team met on {date} under {person} with {attendees} attendees and set its release plan.",
             "{person} led the {team} planning meeting on {date}, where decisions were assigned to {person2}.",
             "{person} chaired the {team} team's planning meeting on {date}.",
             "On {date} the {team} team, led by {person}, agreed to hire {count} engineers.",
@@ -1389,11 +1888,9 @@ _DOC_KINDS: tuple[_DocKind, ...] = (
             "No customer data was lost.",
         ),
         summaries=(
-            "The {service} was down for {minutes} minutes on {date} because of {cause}; {person} "
-            "restored it.",
+            "The {service} was down for {minutes} minutes on {date} because of {cause}; {person} restored it.",
             "A {minutes}-minute outage of the {service} on {date} affected {users_pct}% of users.",
-            "On {date} the {service} failed for {minutes} minutes due to {cause}, generating {tickets} "
-            "tickets.",
+            "On {date} the {service} failed for {minutes} minutes due to {cause}, generating {tickets} tickets.",
             "On {date} the {service} was unavailable for {minutes} minutes from {time}.",
             "A {minutes}-minute {service} outage on {date} was caused by {cause}.",
         ),
@@ -1436,8 +1933,7 @@ _DOC_KINDS: tuple[_DocKind, ...] = (
         summaries=(
             "{company}'s {quarter} {year} survey gathered {tickets} responses.",
             "In {company}'s {quarter} {year} survey, {pct}% would recommend the {product}.",
-            "{person} presented {company}'s survey of {tickets} customers on {date}; {feature} topped the "
-            "wish list.",
+            "{person} presented {company}'s survey of {tickets} customers on {date}; {feature} topped the wish list.",
         ),
     ),
 )

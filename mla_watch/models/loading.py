@@ -30,8 +30,9 @@ def resolve_device(device: str) -> torch.device:
     return resolved
 
 
-def load_model(name_or_path: str | Path = "bundled", device: str = "auto",
-               attn_implementation: str = "eager") -> tuple[Any, Any]:
+def load_model(
+    name_or_path: str | Path = "bundled", device: str = "auto", attn_implementation: str = "eager"
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode; ``"bundled"`` is the shipped demo model.
 
     Loading never touches the network: a path must be a local ``save_pretrained`` directory.
@@ -63,8 +64,11 @@ def _model_classes(path: Path) -> list[tuple[str, Any]]:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         architectures = []
-    found = [(f"{config_file}: architectures {name!r}", getattr(transformers, name))
-             for name in architectures if isinstance(name, str) and hasattr(transformers, name)]
+    found = [
+        (f"{config_file}: architectures {name!r}", getattr(transformers, name))
+        for name in architectures
+        if isinstance(name, str) and hasattr(transformers, name)
+    ]
     found.append(("AutoModelForImageTextToText", transformers.AutoModelForImageTextToText))
     return found
 

@@ -14,8 +14,9 @@ def scored_targets(mask: torch.Tensor, loss_mask: torch.Tensor | None = None) ->
     return scored[:, 1:] != 0
 
 
-def next_token_losses(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                      loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_losses(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of the batch: the summed next-token cross-entropy over its scored targets, and their count.
 
     Differentiable (the caller decides about ``no_grad``); right padding marked by ``mask == 0``.
@@ -24,13 +25,15 @@ def next_token_losses(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Ten
     """
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
     targets = ids[:, 1:].masked_fill(~scored_targets(mask, loss_mask), -100)
-    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100,
-                             reduction="none").view(targets.shape)
+    losses = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(targets.shape)
     return losses.sum(dim=1), (targets != -100).sum(dim=1)
 
 
-def next_token_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                    loss_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def next_token_loss(
+    model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, loss_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over the scored targets of the whole batch, and their count."""
     losses, counts = next_token_losses(model, ids, mask, loss_mask)
     return losses.sum(), int(counts.sum())

@@ -53,11 +53,25 @@ GAMMA = 0.001
 
 
 class TrainSettings:
-    def __init__(self, *, steps: int = 1800, batch_size: int = 8, seq_len: int = 256, lr: float = 3e-3,
-                 warmup: int = 100, weight_decay: float = 0.01, seed: int = 20260, vocab_size: int = 2048,
-                 train_samples_per_domain: int = 6000, heldout_samples_per_domain: int = 150,
-                 gamma: float = GAMMA, indexer_loss_weight: float = 1.0, indexer_every: int = 4,
-                 completion_tokens: int = 80, threads: int = 2) -> None:
+    def __init__(
+        self,
+        *,
+        steps: int = 1800,
+        batch_size: int = 8,
+        seq_len: int = 256,
+        lr: float = 3e-3,
+        warmup: int = 100,
+        weight_decay: float = 0.01,
+        seed: int = 20260,
+        vocab_size: int = 2048,
+        train_samples_per_domain: int = 6000,
+        heldout_samples_per_domain: int = 150,
+        gamma: float = GAMMA,
+        indexer_loss_weight: float = 1.0,
+        indexer_every: int = 4,
+        completion_tokens: int = 80,
+        threads: int = 2,
+    ) -> None:
         self.steps = steps
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -123,8 +137,13 @@ class _IndexerInputs:
         return hook
 
 
-def _indexer_scores(indexer: Any, hidden: torch.Tensor, q_resid: torch.Tensor,
-                    position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+def _indexer_scores(
+    indexer: Any,
+    hidden: torch.Tensor,
+    q_resid: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+) -> torch.Tensor:
     """``DeepseekV32Indexer.forward`` up to its scores, with autograd (the original runs without)."""
     batch, seq, _ = hidden.shape
     cos, sin = position_embeddings
@@ -149,8 +168,11 @@ def _indexer_loss(inputs: _IndexerInputs, attentions: Sequence[torch.Tensor]) ->
     for position, indexer in enumerate(inputs.indexers):
         hidden, q_resid, position_embeddings, mask = inputs.calls[position][:4]
         scores = _indexer_scores(
-            indexer, hidden.detach(), q_resid.detach(),
-            (position_embeddings[0].detach(), position_embeddings[1].detach()), mask,
+            indexer,
+            hidden.detach(),
+            q_resid.detach(),
+            (position_embeddings[0].detach(), position_embeddings[1].detach()),
+            mask,
         )
         target = attentions[indexer.layer_idx].detach().sum(1)
         target = target / target.sum(-1, keepdim=True)
@@ -217,16 +239,24 @@ def routing_by_domain(model: torch.nn.Module, encoded: dict[str, list[list[int]]
 
 
 @torch.no_grad()
-def sample_completions(model: DeepseekV32ForCausalLM, tokenizer: Any, seed: int,
-                       max_new_tokens: int = 80) -> dict[str, dict[str, str]]:
+def sample_completions(
+    model: DeepseekV32ForCausalLM, tokenizer: Any, seed: int, max_new_tokens: int = 80
+) -> dict[str, dict[str, str]]:
     samples = {}
     for domain in corpus.DOMAINS:
         prompt = corpus.prompts(domain, 1, seed + 7)[0]
         ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer(prompt, add_special_tokens=False)["input_ids"]]])
-        output = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        samples[domain] = {"prompt": prompt, "completion": tokenizer.decode(output[0, ids.shape[1]:],
-                                                                            skip_special_tokens=False)}
+        output = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        samples[domain] = {
+            "prompt": prompt,
+            "completion": tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=False),
+        }
     return samples
 
 
@@ -234,16 +264,22 @@ def train(out_dir: Path, settings: TrainSettings, log_every: int = 100) -> dict[
     started = time.perf_counter()
     _seed_everything(settings.seed, settings.threads)
     train_texts = corpus.generate_mixed(settings.train_samples_per_domain * len(corpus.DOMAINS), settings.seed)
-    heldout = {d: corpus.generate(d, settings.heldout_samples_per_domain, settings.seed + 1)
-               for d in corpus.DOMAINS}
+    heldout = {d: corpus.generate(d, settings.heldout_samples_per_domain, settings.seed + 1) for d in corpus.DOMAINS}
     tokenizer = train_tokenizer((text for _, text in train_texts), settings.vocab_size)
     stream = _pack(_encode(tokenizer, [text for _, text in train_texts]), settings.seq_len)
     heldout_ids = {d: _encode(tokenizer, texts) for d, texts in heldout.items()}
-    print(f"corpus: {len(train_texts)} samples, {stream.numel()} training tokens in {stream.shape[0]} blocks; "
-          f"vocab {len(tokenizer)}", flush=True)
+    print(
+        f"corpus: {len(train_texts)} samples, {stream.numel()} training tokens in {stream.shape[0]} blocks; "
+        f"vocab {len(tokenizer)}",
+        flush=True,
+    )
 
-    config = bundled_config(len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = bundled_config(
+        len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     serving_index_topk = config.index_topk
     config._experts_implementation = "grouped_mm"  # the same maths as the eager loop, 2x faster to train
     model = DeepseekV32ForCausalLM(config)
@@ -255,7 +291,9 @@ def train(out_dir: Path, settings: TrainSettings, log_every: int = 100) -> dict[
     indexer_params = [p for n, p in model.named_parameters() if ".indexer." in n]
     optimizer = torch.optim.AdamW(
         [{"params": trainable}, {"params": indexer_params}],
-        lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.95),
+        lr=settings.lr,
+        weight_decay=settings.weight_decay,
+        betas=(0.9, 0.95),
     )
     order = torch.Generator().manual_seed(settings.seed)
     permutation = torch.randperm(stream.shape[0], generator=order)
@@ -283,8 +321,12 @@ def train(out_dir: Path, settings: TrainSettings, log_every: int = 100) -> dict[
         optimizer.step()
         _rebalance(model, probe, settings.gamma)
         if step % log_every == 0 or step == settings.steps - 1:
-            entry = {"step": step, "lm_loss": round(float(output.loss), 4),
-                     "indexer_kl": round(last_indexer_kl, 4), "seconds": round(time.perf_counter() - started, 1)}
+            entry = {
+                "step": step,
+                "lm_loss": round(float(output.loss), 4),
+                "indexer_kl": round(last_indexer_kl, 4),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
             history.append(entry)
             print(json.dumps(entry), flush=True)
     probe.detach()
@@ -382,8 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = TrainSettings(steps=args.steps, seed=args.seed, train_samples_per_domain=args.samples_per_domain)
     report = train(args.out, settings, log_every=args.log_every)
-    print(json.dumps({k: report[k] for k in ("train_seconds", "heldout_perplexity", "routing_entropy_bits")},
-                     indent=1))
+    print(json.dumps({k: report[k] for k in ("train_seconds", "heldout_perplexity", "routing_entropy_bits")}, indent=1))
     return 0
 
 

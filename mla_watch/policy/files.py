@@ -79,9 +79,13 @@ def _check_value(chk: _Checker, path: str, param: str, value: object) -> float |
     spec = SAMPLING_PARAMS[param]
     if not spec.policy_domain.contains(value):  # the sampler could, but no client may ask for it over HTTP
         assert spec.http is not None
-        chk.bad(path, value, f"{spec.policy_domain.describe()} for {param} (requests over HTTP may not send "
-                             f"{param} outside {spec.http.interval()}, "
-                             "so a policy cannot allow or default to it)")
+        chk.bad(
+            path,
+            value,
+            f"{spec.policy_domain.describe()} for {param} (requests over HTTP may not send "
+            f"{param} outside {spec.http.interval()}, "
+            "so a policy cannot allow or default to it)",
+        )
         return None
     return int(value) if domain.integer else float(value)
 
@@ -251,8 +255,9 @@ def load_policy_dir(directory: Path) -> PolicySet:
     directory, a directory without policy files, or two files for one business line.
     """
     directory = Path(directory)
-    read = read_yaml_directory(directory, load_policy_file, PolicyError, kind="policy",
-                               at_least=f"one, e.g. {DEFAULT_BUSINESS_LINE}.yaml")
+    read = read_yaml_directory(
+        directory, load_policy_file, PolicyError, kind="policy", at_least=f"one, e.g. {DEFAULT_BUSINESS_LINE}.yaml"
+    )
     errors = read.errors
     by_line: dict[str, list[Policy]] = {}
     for _, policy in read.loaded:
@@ -276,12 +281,20 @@ class PolicyStore(DirectoryStore[PolicySet]):
     """The policies in force (``serve --policies``): reloaded when their files change, and a reload
     that fails keeps the last good set (:class:`~mla_watch.config.DirectoryStore`)."""
 
-    def __init__(self, directory: Path, *, clock: Callable[[], float] = time.monotonic,
-                 on_reload: Callable[[ReloadResult], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_reload: Callable[[ReloadResult], None] | None = None,
+    ) -> None:
         super().__init__(directory, load_policy_dir, what="policies", clock=clock, on_reload=on_reload)
 
     def as_dict(self) -> dict[str, Any]:
         """The policies in force plus ``version`` and ``last_error`` (for ``GET /v1/policies``)."""
         last_error = self.last_error
-        return {"version": self.version, "last_error": None if last_error is None else list(last_error.errors),
-                **self.current.as_dict()}
+        return {
+            "version": self.version,
+            "last_error": None if last_error is None else list(last_error.errors),
+            **self.current.as_dict(),
+        }

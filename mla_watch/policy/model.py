@@ -76,7 +76,6 @@ OnViolation = Literal["clamp", "reject"]
 ON_VIOLATION_CHOICES: tuple[str, ...] = ("clamp", "reject")
 
 
-
 # --------------------------------------------------------------------------- errors
 
 
@@ -93,8 +92,9 @@ class UnknownBusinessLine(LookupError):
         self.value = value
         self.known: tuple[str, ...] = tuple(sorted(known))
         # describe_value: a header is an outsider's value, cut short before it is echoed
-        super().__init__(f"unknown business line {describe_value(value)}; known business lines: "
-                         f"{', '.join(self.known) or '(none)'}")
+        super().__init__(
+            f"unknown business line {describe_value(value)}; known business lines: {', '.join(self.known) or '(none)'}"
+        )
 
     def __str__(self) -> str:  # LookupError would otherwise repr() a single argument like KeyError does not
         return str(self.args[0])
@@ -282,7 +282,6 @@ def format_range(minimum: float | None, maximum: float | None) -> str:
     low = f"[{_fmt(minimum)}" if minimum is not None else "(-inf"
     high = f"{_fmt(maximum)}]" if maximum is not None else "inf)"
     return f"{low}, {high}"
-
 
 
 # --------------------------------------------------------------------------- policy set

@@ -84,8 +84,10 @@ class Domain:
             kind = "an integer" if self.integer else "a finite number"
             return f"{kind} {'>=' if self.low_inclusive else '>'} {low}"
         kind = "an integer" if self.integer else "a number"
-        return (f"{kind} in {'[' if self.low_inclusive else '('}{low}, "
-                f"{_brief_number(self.high)}{']' if self.high_inclusive else ')'}")
+        return (
+            f"{kind} in {'[' if self.low_inclusive else '('}{low}, "
+            f"{_brief_number(self.high)}{']' if self.high_inclusive else ')'}"
+        )
 
     def within(self, other: Domain) -> Domain:
         """The part of this range that ``other`` also allows."""
@@ -93,8 +95,9 @@ class Domain:
         if other.low > low or (other.low == low and not other.low_inclusive):
             low, low_inclusive = other.low, other.low_inclusive
         high, high_inclusive = self.high, self.high_inclusive
-        if other.high is not None and (high is None or other.high < high
-                                       or (other.high == high and not other.high_inclusive)):
+        if other.high is not None and (
+            high is None or other.high < high or (other.high == high and not other.high_inclusive)
+        ):
             high, high_inclusive = other.high, other.high_inclusive
         return Domain(self.integer, low, low_inclusive, high, high_inclusive)
 
@@ -149,8 +152,9 @@ class SamplingParam:
         return f"{text} ({self.note})" if self.note else text
 
 
-def _number(low: float, high: float | None = None, *, low_inclusive: bool = True,
-            high_inclusive: bool = True) -> Domain:
+def _number(
+    low: float, high: float | None = None, *, low_inclusive: bool = True, high_inclusive: bool = True
+) -> Domain:
     return Domain(False, float(low), low_inclusive, None if high is None else float(high), high_inclusive)
 
 
@@ -159,21 +163,61 @@ def _integer(low: int, high: int | None = None, *, high_inclusive: bool = True) 
 
 
 _PARAMS: tuple[SamplingParam, ...] = (
-    SamplingParam("temperature", "number", 1.0, _number(0), _number(0, 2), governed=True, field="temperature",
-                  note="0 means greedy"),
-    SamplingParam("top_p", "number", 1.0, _number(0, 1, low_inclusive=False), _number(0, 1, low_inclusive=False),
-                  governed=True, field="top_p", note="1 disables nucleus filtering"),
-    SamplingParam("top_k", "integer", 0, _integer(0), _integer(-1, 100_000), governed=True, field="top_k",
-                  note="0 disables top-k filtering", http_aliases=((-1, 0),)),
-    SamplingParam("repetition_penalty", "number", 1.0, _number(0, low_inclusive=False),
-                  _number(0, 10, low_inclusive=False), governed=True, field="repetition_penalty",
-                  note="1 means no penalty"),
+    SamplingParam(
+        "temperature",
+        "number",
+        1.0,
+        _number(0),
+        _number(0, 2),
+        governed=True,
+        field="temperature",
+        note="0 means greedy",
+    ),
+    SamplingParam(
+        "top_p",
+        "number",
+        1.0,
+        _number(0, 1, low_inclusive=False),
+        _number(0, 1, low_inclusive=False),
+        governed=True,
+        field="top_p",
+        note="1 disables nucleus filtering",
+    ),
+    SamplingParam(
+        "top_k",
+        "integer",
+        0,
+        _integer(0),
+        _integer(-1, 100_000),
+        governed=True,
+        field="top_k",
+        note="0 disables top-k filtering",
+        http_aliases=((-1, 0),),
+    ),
+    SamplingParam(
+        "repetition_penalty",
+        "number",
+        1.0,
+        _number(0, low_inclusive=False),
+        _number(0, 10, low_inclusive=False),
+        governed=True,
+        field="repetition_penalty",
+        note="1 means no penalty",
+    ),
     SamplingParam("max_tokens", "integer", 16, _integer(1), _integer(1, 1_000_000), governed=True, field="max_tokens"),
     # OpenAI's newer name for max_tokens in chat: read into max_tokens (the two must agree when both are sent)
-    SamplingParam("max_completion_tokens", "integer", 16, _integer(1), _integer(1, 1_000_000), field="max_tokens",
-                  chat_only=True),
-    SamplingParam("seed", "integer", None, _integer(0, 2**64, high_inclusive=False), _integer(0, 2**63 - 1),
-                  field="seed", optional=True),
+    SamplingParam(
+        "max_completion_tokens", "integer", 16, _integer(1), _integer(1, 1_000_000), field="max_tokens", chat_only=True
+    ),
+    SamplingParam(
+        "seed",
+        "integer",
+        None,
+        _integer(0, 2**64, high_inclusive=False),
+        _integer(0, 2**63 - 1),
+        field="seed",
+        optional=True,
+    ),
     SamplingParam("stop", "strings", (), None, None, field="stop", max_items=4, max_length=256),
     SamplingParam("n", "integer", 1, _integer(1), _integer(1, 16), governed=True, field="n"),
 )
@@ -234,8 +278,9 @@ class SamplingValues:
                 object.__setattr__(self, name, checked)
 
     @classmethod
-    def from_applied(cls, applied: Mapping[str, object], *, seed: int | None = None,
-                     stop: tuple[str, ...] = ()) -> SamplingValues:
+    def from_applied(
+        cls, applied: Mapping[str, object], *, seed: int | None = None, stop: tuple[str, ...] = ()
+    ) -> SamplingValues:
         """The values of a policy decision's ``applied`` mapping (absent or ``None``: the table's default),
         numbers as floats and integers as ints, with the request's ``seed`` and ``stop``.
 

@@ -183,9 +183,7 @@ def apply_processors(
     return scores
 
 
-def choose_next(
-    scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> torch.Tensor:
+def choose_next(scores: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row of ``scores`` ``(batch, vocab)``; returns ``(batch,)`` token ids.
 
     Greedy (``temperature == 0``) takes the argmax; otherwise one draw from ``softmax(scores)`` with

@@ -32,18 +32,30 @@ log = logging.getLogger("mla_watch.agent")
 class Shipper:
     """Pending count deltas per (router, business line), delivered over HTTP."""
 
-    def __init__(self, url: str, routers: Sequence[RouterInfo], *, token: str | None = None,
-                 source: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        routers: Sequence[RouterInfo],
+        *,
+        token: str | None = None,
+        source: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"agent_url={url!r}: expected an http:// or https:// URL of a running sidecar")
         self.url = url.rstrip("/") + INGEST_PATH
         self.routers = list(routers)
-        self.token = token if token is not None else (os.environ.get("MLA_WATCH_INGEST_TOKEN")
-                                                      or os.environ.get("MLA_WATCH_ADMIN_TOKEN"))
+        self.token = (
+            token
+            if token is not None
+            else (os.environ.get("MLA_WATCH_INGEST_TOKEN") or os.environ.get("MLA_WATCH_ADMIN_TOKEN"))
+        )
         self.source = source or f"pid-{os.getpid()}"
         if not NAME_RE.fullmatch(self.source):
-            raise ValueError(f"agent_source={self.source!r}: expected {NAME_RULE} (the sidecar watches this "
-                             "worker's routers as <source>/<router>)")
+            raise ValueError(
+                f"agent_source={self.source!r}: expected {NAME_RULE} (the sidecar watches this "
+                "worker's routers as <source>/<router>)"
+            )
         self.timeout = timeout
         self._pending: dict[tuple[str, str], CountDelta] = {}
         self._lock = threading.Lock()
@@ -57,8 +69,12 @@ class Shipper:
         with self._lock:
             entry = self._pending.get((router, line))
             if entry is None:
-                self._pending[(router, line)] = CountDelta(delta.counts.astype(np.int64, copy=True), delta.tokens,
-                                                           delta.local_selections, delta.choice_selections)
+                self._pending[(router, line)] = CountDelta(
+                    delta.counts.astype(np.int64, copy=True),
+                    delta.tokens,
+                    delta.local_selections,
+                    delta.choice_selections,
+                )
             else:
                 entry.merge(delta)
 
@@ -87,8 +103,7 @@ class Shipper:
             self.failures += 1
             self.last_error = str(error)
             if isinstance(error, urllib.error.HTTPError) and 400 <= error.code < 500 and error.code not in (408, 429):
-                log.error("the sidecar refused routing counts (%s); dropping them: %s", error.code,
-                          error.read()[:500])
+                log.error("the sidecar refused routing counts (%s); dropping them: %s", error.code, error.read()[:500])
                 return False
             log.warning("cannot ship routing counts to %s (%s); keeping them for the next attempt", self.url, error)
             for (router, line), delta in taken.items():

@@ -22,8 +22,13 @@ from torch.nn import functional as F
 from mla_watch.probe.wrappers import CountedRouter
 
 __all__ = [
-    "CHOICE_COLUMN", "COMPANION_COLUMNS", "DROPPED_COLUMN", "LOCAL_COLUMN", "TOKENS_COLUMN",
-    "CountingKernels", "usable_mask",
+    "CHOICE_COLUMN",
+    "COMPANION_COLUMNS",
+    "DROPPED_COLUMN",
+    "LOCAL_COLUMN",
+    "TOKENS_COLUMN",
+    "CountingKernels",
+    "usable_mask",
 ]
 
 COMPANION_COLUMNS = 4  # tokens, choice selections, local selections, dropped picks
@@ -45,8 +50,7 @@ class _Columns:
 
 def usable_mask(mask: Any, batch: int, seq: int) -> torch.Tensor | None:
     """The indexer's ``[B or 1, S, keys]`` mask, or ``None`` when it has another form (then not consulted)."""
-    if (isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq
-            and mask.shape[0] in (1, batch)):
+    if isinstance(mask, torch.Tensor) and mask.dim() == 3 and mask.shape[1] == seq and mask.shape[0] in (1, batch):
         return mask
     return None
 
@@ -69,8 +73,9 @@ class CountingKernels:
             self._constants.clear()
         self._constants[key] = value
 
-    def _router_columns(self, routers: Sequence[CountedRouter], lines: tuple[int, ...] | None = None,
-                        batch: int = 1) -> _Columns:
+    def _router_columns(
+        self, routers: Sequence[CountedRouter], lines: tuple[int, ...] | None = None, batch: int = 1
+    ) -> _Columns:
         """The group's counter columns; with ``lines`` (eager passes), placed in each batch row's line, so the
         counting adds no row offsets (compiled passes add theirs from the in-place attribution tensor)."""
         key = ("columns", tuple(router.index for router in routers), lines, batch if lines else 0)
@@ -86,25 +91,39 @@ class CountingKernels:
                 return torch.tensor(values, dtype=torch.int64, device=self._device).view(*shape)
 
             routers_count, placed_rows = len(routers), len(rows)
-            companions = [[[column + slot + kind for column in router_rows] for router_rows, slot in
-                           zip(placed, slots, strict=True)] for kind in range(LOCAL_COLUMN + 1)]  # [3, R, rows]
+            companions = [
+                [
+                    [column + slot + kind for column in router_rows]
+                    for router_rows, slot in zip(placed, slots, strict=True)
+                ]
+                for kind in range(LOCAL_COLUMN + 1)
+            ]  # [3, R, rows]
             columns = _Columns(
                 routers=routers_count,
                 offsets=tensor(placed, 1, routers_count, placed_rows, 1, 1),
                 first=torch.zeros((), dtype=torch.int64, device=self._device),
                 last=tensor([slot - 1 for slot in slots], 1, routers_count, 1, 1, 1),
                 top_k=tensor([router.info.top_k for router in routers], 1, routers_count, 1, 1, 1),
-                dropped=tensor([[column + slot + DROPPED_COLUMN for column in router_rows]
-                                for router_rows, slot in zip(placed, slots, strict=True)],
-                               1, routers_count, placed_rows, 1, 1),
+                dropped=tensor(
+                    [
+                        [column + slot + DROPPED_COLUMN for column in router_rows]
+                        for router_rows, slot in zip(placed, slots, strict=True)
+                    ],
+                    1,
+                    routers_count,
+                    placed_rows,
+                    1,
+                    1,
+                ),
                 companions=tensor(companions, LOCAL_COLUMN + 1, routers_count, placed_rows),
             )
             if not torch.compiler.is_compiling():
                 self._cache(key, columns)
         return columns
 
-    def _mask_constants(self, keys: list[int], rows: int,
-                        seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mask_constants(
+        self, keys: list[int], rows: int, seq: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where each pass's mask lies among the flattened masks.
 
         ``keys[n]`` is pass ``n``'s mask length and every mask is ``[rows, seq, keys[n]]``. Returns each
@@ -125,27 +144,43 @@ class CountingKernels:
                 positions += [key - seq + query for query in range(seq)]
                 start += rows * seq * key
             values = [[key - 1 for key in keys], firsts, firsts + ends, positions]
-            return tuple(torch.tensor(value, dtype=torch.int64, device=self._device).view(shape)  # type: ignore[return-value]
-                         for value, shape in zip(values, shapes, strict=True))
+            return tuple(
+                torch.tensor(value, dtype=torch.int64, device=self._device).view(shape)  # type: ignore[return-value]
+                for value, shape in zip(values, shapes, strict=True)
+            )
         array = np.asarray(keys, dtype=np.int64)
         blocks = rows * seq * array
         starts = ((np.cumsum(blocks) - blocks)[:, None] + np.arange(rows * seq)[None, :] * array[:, None]).ravel()
-        parts = [array - 1, starts, np.concatenate([starts, starts + np.repeat(array, rows * seq)]),
-                 (array[:, None] - seq + np.arange(seq)[None, :]).ravel()]
+        parts = [
+            array - 1,
+            starts,
+            np.concatenate([starts, starts + np.repeat(array, rows * seq)]),
+            (array[:, None] - seq + np.arange(seq)[None, :]).ravel(),
+        ]
         if self._device.type == "cpu":
-            return tuple(torch.from_numpy(part.reshape(shape))  # type: ignore[return-value]
-                         for part, shape in zip(parts, shapes, strict=True))
+            return tuple(
+                torch.from_numpy(part.reshape(shape))  # type: ignore[return-value]
+                for part, shape in zip(parts, shapes, strict=True)
+            )
         sizes = [part.size for part in parts]
         together = torch.from_numpy(np.concatenate(parts)).to(self._device)
-        return tuple(piece.view(shape)
-                     for piece, shape in zip(together.split(sizes), shapes, strict=True))
+        return tuple(piece.view(shape) for piece, shape in zip(together.split(sizes), shapes, strict=True))
 
-    def _count_experts(self, columns: _Columns, chosen: list[torch.Tensor], count: int, batch: int,
-                       seq: int, row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+    def _count_experts(
+        self,
+        columns: _Columns,
+        chosen: list[torch.Tensor],
+        count: int,
+        batch: int,
+        seq: int,
+        row_base: torch.Tensor | None,
+        valid: torch.Tensor | None,
+    ) -> None:
         """Count ``chosen`` (pass-major: ``count`` passes x the routers of ``columns``) into the buffer; ``row_base``
         (compiled passes) is each row's line offset when ``columns`` are not placed in the rows' lines."""
         picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
-            count, columns.routers, batch, seq, -1)
+            count, columns.routers, batch, seq, -1
+        )
         # Every expert router is range checked: a pick outside [0, num_slots) must never land in
         # another router's counters; it lands in this router's own dropped counter instead. A pick is
         # inside exactly when clamping to the range leaves it unchanged (two ops instead of four).
@@ -162,9 +197,18 @@ class CountingKernels:
     def _ones(self, size: int) -> torch.Tensor:
         return self._one.expand(size)  # a view: no allocation, whatever the size
 
-    def _count_indexers(self, columns: _Columns, chosen: list[torch.Tensor], widths: Sequence[int],
-                        masks: list[torch.Tensor] | None, count: int, batch: int, seq: int,
-                        row_base: torch.Tensor | None, valid: torch.Tensor | None) -> None:
+    def _count_indexers(
+        self,
+        columns: _Columns,
+        chosen: list[torch.Tensor],
+        widths: Sequence[int],
+        masks: list[torch.Tensor] | None,
+        count: int,
+        batch: int,
+        seq: int,
+        row_base: torch.Tensor | None,
+        valid: torch.Tensor | None,
+    ) -> None:
         """Count indexer picks: ``chosen`` is pass-major (``count`` passes x ``routers``), each ``[B, S, picks]``
         with ``widths`` picks; ``masks[n]`` is what pass ``n``'s indexers scored against (``[B or 1, S, keys]``),
         or ``None``.
@@ -186,7 +230,8 @@ class CountingKernels:
             # masked_scatter_ fills the kept positions in row-major order: exactly the order of the blocks.
             keep = np.arange(width) < np.asarray(widths).reshape(-1, 1, 1, 1)
             picks = picks.new_full((entries, batch, seq, width), -1).masked_scatter_(
-                torch.from_numpy(keep).to(self._device), picks)
+                torch.from_numpy(keep).to(self._device), picks
+            )
         picks = picks.view(count, routers_count, batch, seq, width)
         # In range exactly when clamping leaves a pick unchanged; the clamped pick is its slot.
         clipped = picks.clamp(min=columns.first, max=columns.last)
@@ -200,8 +245,9 @@ class CountingKernels:
             if allowed.dtype != torch.bool:  # additive float mask: blocked keys hold a very negative number
                 allowed = allowed > torch.finfo(allowed.dtype).min / 2
             queries = count * rows * seq
-            last_key, firsts, bounds, positions = self._mask_constants([int(mask.shape[-1]) for mask in masks],
-                                                                       rows, seq)
+            last_key, firsts, bounds, positions = self._mask_constants(
+                [int(mask.shape[-1]) for mask in masks], rows, seq
+            )
             # Keys a query was forced to return although its mask blocks them are not choices.
             counted = counted & torch.take(allowed, torch.minimum(clipped, last_key) + firsts)
             # Keys each query could see: differences of a running sum at its keys' first and end position.
@@ -218,14 +264,16 @@ class CountingKernels:
         base = columns.offsets if row_base is None else columns.offsets + row_base.view(1, 1, batch, 1, 1)
         flat = self._buffer.view(-1)
         flat.scatter_add_(0, (clipped + base).view(-1), counted.view(-1).to(torch.int64))
-        tokens = (valid.sum((0, 2)) if valid is not None
-                  else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device))
+        tokens = (
+            valid.sum((0, 2))
+            if valid is not None
+            else torch.full((batch,), count * seq, dtype=torch.int64, device=self._device)
+        )
         tokens = tokens.view(1, 1, batch).expand(1, routers_count, batch)
         index = columns.companions  # [tokens, choice, local] x R x (B or 1)
         if choices is None:
-            values, index = tokens, index[TOKENS_COLUMN:TOKENS_COLUMN + 1]
+            values, index = tokens, index[TOKENS_COLUMN : TOKENS_COLUMN + 1]
         else:
             values = torch.cat([tokens, choices])
-        index = (index + row_base.view(1, 1, batch) if row_base is not None
-                 else index.expand(-1, routers_count, batch))
+        index = index + row_base.view(1, 1, batch) if row_base is not None else index.expand(-1, routers_count, batch)
         flat.scatter_add_(0, index.reshape(-1), values.reshape(-1))

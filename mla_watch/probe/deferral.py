@@ -41,12 +41,33 @@ class WatchedPass:
     mask)`` to ``outputs``; they are sorted into the other lists at the flush (:meth:`Probe._resolve`).
     """
 
-    __slots__ = ("attention", "attention_version", "batch", "expert_routers", "expert_shapes", "experts",
-                 "indexer_routers", "indexer_shapes", "indexers", "key", "last_mask", "lines", "mask_elements",
-                 "mask_slots", "masks", "outputs", "placed", "positions", "seq", "tokens", "usable_masks")
+    __slots__ = (
+        "attention",
+        "attention_version",
+        "batch",
+        "expert_routers",
+        "expert_shapes",
+        "experts",
+        "indexer_routers",
+        "indexer_shapes",
+        "indexers",
+        "key",
+        "last_mask",
+        "lines",
+        "mask_elements",
+        "mask_slots",
+        "masks",
+        "outputs",
+        "placed",
+        "positions",
+        "seq",
+        "tokens",
+        "usable_masks",
+    )
 
-    def __init__(self, batch: int, seq: int, lines: tuple[int, ...], attention: torch.Tensor | None,
-                 attention_version: int) -> None:
+    def __init__(
+        self, batch: int, seq: int, lines: tuple[int, ...], attention: torch.Tensor | None, attention_version: int
+    ) -> None:
         self.batch = batch
         self.seq = seq
         self.tokens = batch * seq
@@ -226,8 +247,9 @@ class EagerDeferral(CountingKernels, PositionCounting):
         if router.expert:
             single = WatchedPass(1, indices.numel() // indices.shape[-1], (0,), None, 0)
         else:
-            batch, seq = (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]),
-                                                                                  int(indices.shape[1]))
+            batch, seq = (
+                (1, int(indices.shape[0])) if indices.dim() == 2 else (int(indices.shape[0]), int(indices.shape[1]))
+            )
             single = WatchedPass(batch, seq, (0,), None, 0)
         single.positions = None  # no forward pass said where its tokens sit
         single.outputs.append((router, indices, mask))  # fits its own pass by construction
@@ -270,9 +292,10 @@ class EagerDeferral(CountingKernels, PositionCounting):
         mask are non-zero. Masks grow by a column per decode step, so a group's masks are flattened and the
         wanted columns taken at offsets computed on the host."""
         masks = cast(list[torch.Tensor], [item.attention for item in passes])  # one layout: every pass has its mask
-        if not self._mask_warned and any(item.attention_version != _PADDING_READ
-                                         and mask._version != item.attention_version
-                                         for item, mask in zip(passes, masks, strict=True)):
+        if not self._mask_warned and any(
+            item.attention_version != _PADDING_READ and mask._version != item.attention_version
+            for item, mask in zip(passes, masks, strict=True)
+        ):
             self._mask_warned = True
             warnings.warn(
                 "mla_watch probe: an attention_mask was changed in place after the forward pass that used it and "
@@ -284,8 +307,12 @@ class EagerDeferral(CountingKernels, PositionCounting):
         first = passes[0]
         batch, seq = first.batch, first.seq
         if any(item.attention_version == _PADDING_READ for item in passes):
-            return torch.stack([mask if item.attention_version == _PADDING_READ else mask[:, -seq:] != 0
-                                for item, mask in zip(passes, masks, strict=True)])
+            return torch.stack(
+                [
+                    mask if item.attention_version == _PADDING_READ else mask[:, -seq:] != 0
+                    for item, mask in zip(passes, masks, strict=True)
+                ]
+            )
         if len(passes) == 1:
             return (masks[0][:, -seq:] != 0).unsqueeze(0)
         blocks = batch * np.asarray([mask.shape[1] for mask in masks], dtype=np.int64)
@@ -294,5 +321,7 @@ class EagerDeferral(CountingKernels, PositionCounting):
         columns = starts + np.arange(batch)[None, :, None] * lengths + lengths - seq + np.arange(seq)[None, None, :]
         flat = _flatten_dense_tensors(masks)
         index = torch.from_numpy(columns.reshape(-1))
-        return flat.take(index if self._device.type == "cpu" else index.to(self._device)).view(
-            len(passes), batch, seq) != 0
+        return (
+            flat.take(index if self._device.type == "cpu" else index.to(self._device)).view(len(passes), batch, seq)
+            != 0
+        )

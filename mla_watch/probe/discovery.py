@@ -210,22 +210,30 @@ def indices_problem(chosen: Any, info: RouterInfo, may_pad: bool, check_values: 
 
     ``check_values`` reads the tensor's range (one host synchronisation): only at attach time.
     """
-    if not isinstance(chosen, torch.Tensor) or chosen.dtype.is_floating_point or chosen.dtype.is_complex \
-            or chosen.dtype == torch.bool:
+    if (
+        not isinstance(chosen, torch.Tensor)
+        or chosen.dtype.is_floating_point
+        or chosen.dtype.is_complex
+        or chosen.dtype == torch.bool
+    ):
         return f"indices(output) returned {_describe(chosen)}; expected an integer tensor of chosen slots"
     if chosen.dim() < (1 if info.kind == "expert" else 2):
         dims = 1 if info.kind == "expert" else 2
         return f"indices(output) returned {_describe(chosen)}; expected at least {dims} dims"
     # An indexer may pick fewer keys than index_topk on a short context, or append a tail pool: any width.
     if info.kind == "expert" and chosen.shape[-1] != info.top_k:
-        return (f"indices(output) returned {_describe(chosen)}; expected the last dim to be top_k={info.top_k} "
-                "(one slot per pick)")
+        return (
+            f"indices(output) returned {_describe(chosen)}; expected the last dim to be top_k={info.top_k} "
+            "(one slot per pick)"
+        )
     if check_values and chosen.numel():
         low, high = int(chosen.min()), int(chosen.max())
         lowest = -1 if may_pad else 0
         if low < lowest or (high >= info.num_slots and not (may_pad and info.kind == "indexer")):
-            return (f"indices(output) holds values in [{low}, {high}]; expected slots in [{lowest}, "
-                    f"{info.num_slots}) (num_slots={info.num_slots})")
+            return (
+                f"indices(output) holds values in [{low}, {high}]; expected slots in [{lowest}, "
+                f"{info.num_slots}) (num_slots={info.num_slots})"
+            )
     return None
 
 
@@ -301,8 +309,9 @@ def _dummy_output(module: nn.Module, config: Any, info: RouterInfo) -> tuple[boo
     return False, None
 
 
-def _check_at_attach(module: nn.Module, config: Any, info: RouterInfo, spec: RouterSpec, path: str,
-                     checked: dict[tuple, bool]) -> bool:
+def _check_at_attach(
+    module: nn.Module, config: Any, info: RouterInfo, spec: RouterSpec, path: str, checked: dict[tuple, bool]
+) -> bool:
     """Run the router once on a dummy input and refuse a spec whose indices cannot be counted.
 
     Returns ``False`` when the router cannot be called on a dummy input (its first real output is checked then).
@@ -352,8 +361,9 @@ def _checked_on_first_output(spec: RouterSpec, info: RouterInfo, path: str, clas
     return replace(spec, indices=indices)
 
 
-def _router_info(path: str, module: nn.Module, spec: RouterSpec, config: Any,
-                 max_indexer_slots: int | None) -> RouterInfo:
+def _router_info(
+    path: str, module: nn.Module, spec: RouterSpec, config: Any, max_indexer_slots: int | None
+) -> RouterInfo:
     class_name = type(module).__name__
     num_slots = int(spec.num_slots(module, config))
     if spec.kind == "indexer" and max_indexer_slots is not None:
@@ -368,8 +378,9 @@ def _router_info(path: str, module: nn.Module, spec: RouterSpec, config: Any,
         raise UnknownRouterError(
             f"module {path!r} ({class_name}): zero_slots={list(zero_slots)}; expected slots in [0, {num_slots})"
         )
-    return RouterInfo(path, layer_of(path), spec.kind, num_slots, top_k, zero_slots=zero_slots,
-                      hash_routed=spec.hash_routed)
+    return RouterInfo(
+        path, layer_of(path), spec.kind, num_slots, top_k, zero_slots=zero_slots, hash_routed=spec.hash_routed
+    )
 
 
 def discover_routers(

@@ -14,7 +14,12 @@ from torch import nn
 from mla_watch.routing.stats import Kind
 
 __all__ = [
-    "BUILTIN_SPECS", "RouterModule", "RouterSpec", "UnknownRouterError", "expert_spec", "indexer_spec",
+    "BUILTIN_SPECS",
+    "RouterModule",
+    "RouterSpec",
+    "UnknownRouterError",
+    "expert_spec",
+    "indexer_spec",
     "last_of_tuple",
 ]
 
@@ -114,8 +119,12 @@ def _topk_of(k: int, *, position: int = -1, softmax_first: bool = False) -> Call
 def _llama4_spec(module: RouterModule, config: Any) -> RouterSpec:
     # forward returns (scores, logits); Llama4TextMoe's experts use topk(logits, top_k, dim=1) - the router's
     # own call - whose indices it scattered into the scores and did not return.
-    return RouterSpec("expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k),
-                      indices=_topk_of(int(module.top_k), position=1))
+    return RouterSpec(
+        "expert",
+        lambda m, c: int(m.num_experts),
+        lambda m, c: int(m.top_k),
+        indices=_topk_of(int(module.top_k), position=1),
+    )
 
 
 def _zaya_indices(output: Any) -> torch.Tensor:
@@ -126,8 +135,13 @@ def _zaya_indices(output: Any) -> torch.Tensor:
 
 
 def _zaya_spec(module: nn.Module, config: Any) -> RouterSpec:
-    return RouterSpec("expert", lambda m, c: int(m.num_router_classes), lambda m, c: int(m.top_k),
-                      indices=_zaya_indices, zero_slots=lambda m, c: (int(m.num_experts),))
+    return RouterSpec(
+        "expert",
+        lambda m, c: int(m.num_router_classes),
+        lambda m, c: int(m.top_k),
+        indices=_zaya_indices,
+        zero_slots=lambda m, c: (int(m.num_experts),),
+    )
 
 
 def _dbrx_top_k(module: nn.Module, config: Any) -> int:
@@ -143,27 +157,37 @@ def _dbrx_top_k(module: nn.Module, config: Any) -> int:
 
 def _dbrx_spec(module: nn.Module, config: Any) -> RouterSpec:
     # forward returns logits only; DbrxExperts.route_tokens_to_experts takes topk(softmax(logits, dim=1)).
-    return RouterSpec("expert", lambda m, c: int(m.layer.out_features), _dbrx_top_k,
-                      indices=_topk_of(_dbrx_top_k(module, config), softmax_first=True))
+    return RouterSpec(
+        "expert",
+        lambda m, c: int(m.layer.out_features),
+        _dbrx_top_k,
+        indices=_topk_of(_dbrx_top_k(module, config), softmax_first=True),
+    )
 
 
 def _jetmoe_spec(module: RouterModule, config: Any) -> RouterSpec:
     # forward returns (sorted expert order, batch index, gates, expert sizes, logits): the per-token picks are
     # logits.topk(top_k, dim=1), recomputed on the same float32 logits.
-    return RouterSpec("expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k),
-                      indices=_topk_of(int(module.top_k)))
+    return RouterSpec(
+        "expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k), indices=_topk_of(int(module.top_k))
+    )
 
 
 def _longcat_spec(module: nn.Module, config: Any) -> RouterSpec:
     # n_routed_experts counts the zero-compute experts too (slots num_experts .. n_routed_experts - 1).
-    return RouterSpec("expert", lambda m, c: int(m.n_routed_experts), lambda m, c: int(m.top_k),
-                      zero_slots=lambda m, c: tuple(range(int(m.num_experts), int(m.n_routed_experts))))
+    return RouterSpec(
+        "expert",
+        lambda m, c: int(m.n_routed_experts),
+        lambda m, c: int(m.top_k),
+        zero_slots=lambda m, c: tuple(range(int(m.num_experts), int(m.n_routed_experts))),
+    )
 
 
 def _third_of_four_spec(module: nn.Module, config: Any) -> RouterSpec:
     # Inkling: (routed logits, weights, indices, shared-expert gammas).
-    return RouterSpec("expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k),
-                      indices=lambda output: output[2])
+    return RouterSpec(
+        "expert", lambda m, c: int(m.num_experts), lambda m, c: int(m.top_k), indices=lambda output: output[2]
+    )
 
 
 def _gemma4_spec(module: nn.Module, config: Any) -> RouterSpec:
@@ -196,16 +220,21 @@ def _mask_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def _qsa_indexer_spec(module: nn.Module, config: Any) -> RouterSpec:
     # Qwen4's QSA indexer returns the mask of selected keys (its token_budget blocks plus the tail), not indices.
-    return RouterSpec("indexer", _indexer_slots, lambda m, c: int(m.token_budget),
-                      indices=_mask_positions, may_pad=True)
+    return RouterSpec(
+        "indexer", _indexer_slots, lambda m, c: int(m.token_budget), indices=_mask_positions, may_pad=True
+    )
 
 
 def _budget_mask_indexer_spec(module: nn.Module, config: Any) -> RouterSpec:
     # Kolibri 1.1's indexer returns (mask of the keys each query attends to, the pool it chose them from); each
     # query keeps at most index_topk scored keys plus its sink and local tokens, so that budget is its top-k.
-    return RouterSpec("indexer", _indexer_slots,
-                      lambda m, c: int(m.topk) + int(m.num_local_tokens) + int(m.num_sink_tokens),
-                      indices=lambda output: _mask_positions(output[0]), may_pad=True)
+    return RouterSpec(
+        "indexer",
+        _indexer_slots,
+        lambda m, c: int(m.topk) + int(m.num_local_tokens) + int(m.num_sink_tokens),
+        indices=lambda output: _mask_positions(output[0]),
+        may_pad=True,
+    )
 
 
 BUILTIN_SPECS: dict[str, Callable[[nn.Module, Any], RouterSpec]] = {

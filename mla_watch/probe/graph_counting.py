@@ -65,11 +65,19 @@ class CompiledCounting(CountingKernels):
             return
         if indices.dim() == 2:
             indices = indices.unsqueeze(0)
-        mask = usable_mask(call_argument(router.spec.mask_argument, args, kwargs), indices.shape[0],
-                            indices.shape[1])
+        mask = usable_mask(call_argument(router.spec.mask_argument, args, kwargs), indices.shape[0], indices.shape[1])
         if attributed is not None and tuple(indices.shape[:2]) == (attributed[0], attributed[1]):
             batch, seq, row_base, valid = attributed
         else:
             batch, seq, row_base, valid = int(indices.shape[0]), int(indices.shape[1]), None, None
-        self._count_indexers(self._router_columns([router]), [indices], [int(indices.shape[-1])],
-                             None if mask is None else [mask], 1, batch, seq, row_base, valid)
+        self._count_indexers(
+            self._router_columns([router]),
+            [indices],
+            [int(indices.shape[-1])],
+            None if mask is None else [mask],
+            1,
+            batch,
+            seq,
+            row_base,
+            valid,
+        )

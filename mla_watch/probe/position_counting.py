@@ -92,9 +92,13 @@ class PositionCounting:
         buffer = self._position_buffer
         return 0 if buffer is None else buffer.numel() * buffer.element_size()
 
-    def _position_attribution_of(self, names: Sequence[str], line_rows: Sequence[int],
-                                 clients: str | Sequence[str] | None,
-                                 prompt_tokens: int | Sequence[int] | None) -> tuple[tuple[int, int], ...]:
+    def _position_attribution_of(
+        self,
+        names: Sequence[str],
+        line_rows: Sequence[int],
+        clients: str | Sequence[str] | None,
+        prompt_tokens: int | Sequence[int] | None,
+    ) -> tuple[tuple[int, int], ...]:
         """attribute()'s rows as the per-position counters take them: each row's device row (-1: not counted by
         position) and the positions it counts (its prompt's, where given); the prompts given are recorded."""
         positions = self.positions
@@ -102,11 +106,14 @@ class PositionCounting:
             return ()
         count = len(names)
         who = [clients] * count if clients is None or isinstance(clients, str) else list(clients)
-        lengths = [prompt_tokens] * count if prompt_tokens is None or isinstance(prompt_tokens, int) \
-            else list(prompt_tokens)
+        lengths = (
+            [prompt_tokens] * count if prompt_tokens is None or isinstance(prompt_tokens, int) else list(prompt_tokens)
+        )
         if len(who) != count or len(lengths) != count:
-            raise ValueError(f"attribute(): {len(who)} clients and {len(lengths)} prompt lengths for {count} business "
-                             "lines; expected one value, or one per line")
+            raise ValueError(
+                f"attribute(): {len(who)} clients and {len(lengths)} prompt lengths for {count} business "
+                "lines; expected one value, or one per line"
+            )
         placed = []
         for name, line_row, client, length in zip(names, line_rows, who, lengths, strict=True):
             if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
@@ -128,9 +135,13 @@ class PositionCounting:
         free = next((row for row in range(self._position_buffer.shape[0]) if row not in taken), None)  # type: ignore[union-attr]
         if free is None:
             if not self._position_rows_warned:
-                warnings.warn(f"mla_watch probe: every one of the {len(taken)} rows counting routing by position is "
-                              "taken by a (business line, client) pair that sent long prompts; later pairs are not "
-                              "counted by position until a client's counts decay away", RuntimeWarning, stacklevel=5)
+                warnings.warn(
+                    f"mla_watch probe: every one of the {len(taken)} rows counting routing by position is "
+                    "taken by a (business line, client) pair that sent long prompts; later pairs are not "
+                    "counted by position until a client's counts decay away",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
                 self._position_rows_warned = True
             return -1
         self._position_rows[(line_row, key)] = free
@@ -151,8 +162,16 @@ class PositionCounting:
                 rows.append((steps + int(given)).view(1, seq).expand(batch, seq))
         return torch.stack(rows)
 
-    def _count_positions(self, routers: list[CountedRouter], chosen: list[torch.Tensor], passes: list[Any], batch: int,
-                         seq: int, placed: tuple[tuple[int, int], ...], valid: torch.Tensor | None) -> None:
+    def _count_positions(
+        self,
+        routers: list[CountedRouter],
+        chosen: list[torch.Tensor],
+        passes: list[Any],
+        batch: int,
+        seq: int,
+        placed: tuple[tuple[int, int], ...],
+        valid: torch.Tensor | None,
+    ) -> None:
         """Count the picks of ``routers`` (``chosen``: pass-major) into the per-position counters: each batch row
         into its (line, client) row, its prompt's positions only."""
         buffer = self._position_buffer
@@ -160,20 +179,27 @@ class PositionCounting:
             return
         count, routers_count = len(passes), len(routers)
         picks = (torch.stack(chosen) if len(chosen) > 1 else chosen[0].unsqueeze(0)).reshape(
-            count, routers_count, batch, seq, -1)
+            count, routers_count, batch, seq, -1
+        )
         positions = self._pass_positions(passes, batch, seq)  # [passes, B, S]
         bucket = torch.bucketize(positions, self._position_edges, right=True)
-        slots = torch.tensor([router.info.num_slots for router in routers], dtype=torch.int64,
-                             device=self._device).view(1, routers_count, 1, 1, 1)
-        offsets = torch.tensor([self._position_offsets[router.index] for router in routers], dtype=torch.int64,
-                               device=self._device).view(1, routers_count, 1, 1, 1)
+        slots = torch.tensor(
+            [router.info.num_slots for router in routers], dtype=torch.int64, device=self._device
+        ).view(1, routers_count, 1, 1, 1)
+        offsets = torch.tensor(
+            [self._position_offsets[router.index] for router in routers], dtype=torch.int64, device=self._device
+        ).view(1, routers_count, 1, 1, 1)
         per_row = [entry for entry in placed for _ in range(batch // len(placed))]
         rows = torch.tensor([row for row, _ in per_row], dtype=torch.int64, device=self._device)
         limits = torch.tensor([limit for _, limit in per_row], dtype=torch.int64, device=self._device)
         counted = (rows.view(1, batch, 1) >= 0) & (positions < limits.view(1, batch, 1))  # [passes, B, S]
         inside = (picks >= 0) & (picks < slots) & counted.view(count, 1, batch, seq, 1)
-        index = rows.clamp(min=0).view(1, 1, batch, 1, 1) * self._position_width + offsets + \
-            bucket.view(count, 1, batch, seq, 1) * slots + picks.clamp(min=0) % slots
+        index = (
+            rows.clamp(min=0).view(1, 1, batch, 1, 1) * self._position_width
+            + offsets
+            + bucket.view(count, 1, batch, seq, 1) * slots
+            + picks.clamp(min=0) % slots
+        )
         weight = inside
         if valid is not None:
             weight = weight & valid.view(count, 1, batch, seq, 1)
@@ -193,8 +219,12 @@ class PositionCounting:
             line = names.get(line_row)
             if not delta[row].any():
                 # A client whose counts decayed away gave its place up: its row is free again (not while attributed).
-                if (line is not None and key not in UNJUDGED and row not in attributed
-                        and not self.positions.holds(line, key)):
+                if (
+                    line is not None
+                    and key not in UNJUDGED
+                    and row not in attributed
+                    and not self.positions.holds(line, key)
+                ):
                     del self._position_rows[(line_row, key)]
                 continue
             if line is None:
@@ -204,8 +234,12 @@ class PositionCounting:
                 if start is None:
                     continue
                 size = buckets * router.info.num_slots
-                self.positions.add(router.info.name, line,
-                                   delta[row, start:start + size].reshape(buckets, router.info.num_slots), client=key)
+                self.positions.add(
+                    router.info.name,
+                    line,
+                    delta[row, start : start + size].reshape(buckets, router.info.num_slots),
+                    client=key,
+                )
 
     def _reset_positions(self) -> None:
         if self._position_buffer is not None and self.positions is not None:

@@ -134,13 +134,16 @@ class Probe(EagerDeferral, CompiledCounting):
         self._recording = threading.local()  # per thread: a re-tune's forwards never land in a request's routing
         self._last_read = np.zeros((self._buffer.shape[0], width), dtype=np.int64)
         self._dropped = np.zeros(len(self._routers), dtype=np.int64)
-        self.windows = RouterWindows(self.routers, window_tokens=window_tokens, window_seconds=window_seconds,
-                                     clock=clock)
+        self.windows = RouterWindows(
+            self.routers, window_tokens=window_tokens, window_seconds=window_seconds, clock=clock
+        )
         if count_positions and context_length is None:
             context_length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
             if not isinstance(context_length, int) or context_length < 1:
-                raise ValueError("attach(count_positions=True): the model's config has no max_position_embeddings; "
-                                 "pass context_length=")
+                raise ValueError(
+                    "attach(count_positions=True): the model's config has no max_position_embeddings; "
+                    "pass context_length="
+                )
         self._init_positions(self._buffer.shape[0], context_length if count_positions else None, clock)
         self.windows.positions = self.positions
         for router in self._routers:
@@ -196,8 +199,13 @@ class Probe(EagerDeferral, CompiledCounting):
         return {router.info.name: int(self._dropped[router.index]) for router in self._routers if router.expert}
 
     @contextmanager
-    def attribute(self, business_lines: str | Sequence[str], *, clients: str | Sequence[str] | None = None,
-                  prompt_tokens: int | Sequence[int] | None = None) -> Iterator[None]:
+    def attribute(
+        self,
+        business_lines: str | Sequence[str],
+        *,
+        clients: str | Sequence[str] | None = None,
+        prompt_tokens: int | Sequence[int] | None = None,
+    ) -> Iterator[None]:
         """Attribute the forward passes inside the block to business lines.
 
         One name attributes every sequence; a list names the line of each row of the batch
@@ -275,10 +283,16 @@ class Probe(EagerDeferral, CompiledCounting):
                     companions = delta[row, start + slots : start + slots + COMPANION_COLUMNS]
                     self._dropped[router.index] += companions[DROPPED_COLUMN]
                     # Every token picks exactly top_k experts (counted or dropped): no token counter needed.
-                    tokens = ((counts.sum() + companions[DROPPED_COLUMN]) // router.info.top_k if router.expert
-                              else companions[TOKENS_COLUMN])
-                    self._sink(router.info.name, line, CountDelta(counts, int(tokens), int(companions[LOCAL_COLUMN]),
-                                                                  int(companions[CHOICE_COLUMN])))
+                    tokens = (
+                        (counts.sum() + companions[DROPPED_COLUMN]) // router.info.top_k
+                        if router.expert
+                        else companions[TOKENS_COLUMN]
+                    )
+                    self._sink(
+                        router.info.name,
+                        line,
+                        CountDelta(counts, int(tokens), int(companions[LOCAL_COLUMN]), int(companions[CHOICE_COLUMN])),
+                    )
             self._collect_positions(self._lines)
 
     def count_pending(self) -> None:

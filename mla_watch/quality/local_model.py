@@ -19,10 +19,19 @@ if TYPE_CHECKING:
 
 __all__ = ["copy_without_hooks", "make_batches", "score_model"]
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
-               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-               "_load_state_dict_post_hooks")
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
@@ -41,10 +50,9 @@ def copy_without_hooks(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
-
-
-def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: int = 0,
-                 max_tokens: int | None = None) -> list[dict[str, torch.Tensor]]:
+def make_batches(
+    samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: int = 0, max_tokens: int | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Consecutive batches in the given order: ``{"input_ids", "attention_mask", "loss_mask"}``, LongTensors ``[B, T]``.
 
     Each sample is cut to its first ``max_tokens`` and right-padded with ``pad_id`` to the
@@ -83,9 +91,14 @@ def make_batches(samples: Sequence[list[int]], *, batch_size: int = 8, pad_id: i
     return batches
 
 
-def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]],
-                business_line: str = "gate", *, indexers: bool = False,
-                context_length: int | None = None) -> ModelScore:
+def score_model(
+    model: torch.nn.Module,
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    business_line: str = "gate",
+    *,
+    indexers: bool = False,
+    context_length: int | None = None,
+) -> ModelScore:
     """Perplexity and per-router statistics of ``model`` over ``batches`` (padding excluded); DSA indexers are
     watched too with ``indexers`` (their key positions cost more to count, and gates judge expert routers); with
     ``context_length``, expert routers' selections are counted per position bucket up to it too.
@@ -98,15 +111,29 @@ def score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Ten
         return _score_model(model, batches, business_line, indexers=indexers, context_length=context_length)
 
 
-def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Tensor]], business_line: str, *,
-                 indexers: bool, context_length: int | None) -> ModelScore:
+def _score_model(
+    model: torch.nn.Module,
+    batches: Sequence[Mapping[str, torch.Tensor]],
+    business_line: str,
+    *,
+    indexers: bool,
+    context_length: int | None,
+) -> ModelScore:
     from mla_watch.models.loss import next_token_losses
     from mla_watch.probe import attach, discover_routers
 
-    ignored = set() if indexers else {type(module).__name__ for module, info, _ in discover_routers(model)
-                                      if info.kind != "expert"}
-    probe = attach(model, window_tokens=None, ignore=sorted(ignored), count_positions=context_length is not None,
-                   context_length=context_length)
+    ignored = (
+        set()
+        if indexers
+        else {type(module).__name__ for module, info, _ in discover_routers(model) if info.kind != "expert"}
+    )
+    probe = attach(
+        model,
+        window_tokens=None,
+        ignore=sorted(ignored),
+        count_positions=context_length is not None,
+        context_length=context_length,
+    )
     # The records stay statistics of the whole pass (what rules and gates judge); the counts by position are apart.
     probe.windows.positions = None
     losses: list[float] = []
@@ -116,9 +143,12 @@ def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Te
         with probe.attribute(business_line):
             for batch in batches:
                 loss_mask = batch.get("loss_mask")
-                loss, count = next_token_losses(model, batch["input_ids"].to(device),
-                                                batch["attention_mask"].to(device),
-                                                None if loss_mask is None else loss_mask.to(device))
+                loss, count = next_token_losses(
+                    model,
+                    batch["input_ids"].to(device),
+                    batch["attention_mask"].to(device),
+                    None if loss_mask is None else loss_mask.to(device),
+                )
                 losses.extend(loss.double().tolist())
                 counts.extend(int(n) for n in count.tolist())
         records = {record.router.name: record for record in probe.router_stats(business_line)}
@@ -129,7 +159,16 @@ def _score_model(model: torch.nn.Module, batches: Sequence[Mapping[str, torch.Te
         probe.detach()
     total_tokens = sum(counts)
     if total_tokens == 0:
-        raise ValueError("the samples hold no token to predict: a sample needs at least 2 scored tokens "
-                         "(captured traffic scores the prompt only)")
-    return ModelScore(perplexity=math.exp(sum(losses) / total_tokens), tokens=total_tokens, routers=records,
-                      losses=losses, counts=counts, positions=positions, position_edges=edges)
+        raise ValueError(
+            "the samples hold no token to predict: a sample needs at least 2 scored tokens "
+            "(captured traffic scores the prompt only)"
+        )
+    return ModelScore(
+        perplexity=math.exp(sum(losses) / total_tokens),
+        tokens=total_tokens,
+        routers=records,
+        losses=losses,
+        counts=counts,
+        positions=positions,
+        position_edges=edges,
+    )

@@ -37,8 +37,18 @@ from typing import Any, Literal
 from mla_watch.common.describe import describe_value
 from mla_watch.common.values import is_number
 
-__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "DEFAULT_MIN_SAMPLES", "DEFAULT_MIN_TOKENS", "Decision",
-           "PairedComparison", "PerplexityMargin", "compare_perplexity", "parse_confidence", "parse_margin"]
+__all__ = [
+    "DEFAULT_CONFIDENCE",
+    "DEFAULT_MARGIN",
+    "DEFAULT_MIN_SAMPLES",
+    "DEFAULT_MIN_TOKENS",
+    "Decision",
+    "PairedComparison",
+    "PerplexityMargin",
+    "compare_perplexity",
+    "parse_confidence",
+    "parse_margin",
+]
 
 Decision = Literal["pass", "reject", "insufficient"]
 
@@ -86,8 +96,10 @@ def parse_margin(value: object, where: str = "max_perplexity_increase") -> Perpl
             number = math.nan
         if math.isfinite(number) and number >= 0:
             return PerplexityMargin(number, relative=False)
-    raise ValueError(f"{where} = {describe_value(value)}: expected an absolute perplexity increase (a number >= 0, "
-                     f"e.g. 0.3) or a relative one (a percentage up to 100%, e.g. \"2%\")")
+    raise ValueError(
+        f"{where} = {describe_value(value)}: expected an absolute perplexity increase (a number >= 0, "
+        f'e.g. 0.3) or a relative one (a percentage up to 100%, e.g. "2%")'
+    )
 
 
 def parse_confidence(value: object, where: str = "gate_confidence") -> float:
@@ -119,45 +131,69 @@ class PairedComparison:
 
     def message(self) -> str:
         """One sentence with the figures behind the decision."""
-        interval = (f"candidate perplexity {self.candidate_perplexity:.3f} (bounds {self.low:.3f} to {self.high:.3f} "
-                    f"at {self.confidence:.0%} each side), live {self.live_perplexity:.3f}, allowed up to "
-                    f"{self.limit:.3f} (margin {self.margin}), on {self.tokens} held-out tokens in "
-                    f"{self.samples} distinct samples")
+        interval = (
+            f"candidate perplexity {self.candidate_perplexity:.3f} (bounds {self.low:.3f} to {self.high:.3f} "
+            f"at {self.confidence:.0%} each side), live {self.live_perplexity:.3f}, allowed up to "
+            f"{self.limit:.3f} (margin {self.margin}), on {self.tokens} held-out tokens in "
+            f"{self.samples} distinct samples"
+        )
         if self.decision == "pass":
             return f"perplexity passed: {interval}"
         if self.decision == "reject":
             return f"perplexity worse than allowed: {interval}"
         if self.tokens < self.min_tokens or self.samples < self.min_samples:
-            return (f"not enough held-out data to judge perplexity: {self.tokens} scored tokens in {self.samples} "
-                    f"distinct samples, the gate needs at least {self.min_tokens} tokens in {self.min_samples} "
-                    f"distinct samples")
+            return (
+                f"not enough held-out data to judge perplexity: {self.tokens} scored tokens in {self.samples} "
+                f"distinct samples, the gate needs at least {self.min_tokens} tokens in {self.min_samples} "
+                f"distinct samples"
+            )
         return f"not enough held-out data to judge perplexity: the interval straddles the limit; {interval}"
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready (an unbounded side, with fewer than two samples, is ``None``)."""
-        return {"decision": self.decision, "live": _figure(self.live_perplexity),
-                "candidate": _figure(self.candidate_perplexity), "low": _figure(self.low),
-                "high": _figure(self.high), "limit": _figure(self.limit), "margin": str(self.margin),
-                "confidence": self.confidence, "tokens": self.tokens, "samples": self.samples,
-                "min_tokens": self.min_tokens, "min_samples": self.min_samples}
+        return {
+            "decision": self.decision,
+            "live": _figure(self.live_perplexity),
+            "candidate": _figure(self.candidate_perplexity),
+            "low": _figure(self.low),
+            "high": _figure(self.high),
+            "limit": _figure(self.limit),
+            "margin": str(self.margin),
+            "confidence": self.confidence,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "min_tokens": self.min_tokens,
+            "min_samples": self.min_samples,
+        }
 
 
-def compare_perplexity(live_losses: Sequence[float], candidate_losses: Sequence[float], tokens: Sequence[int], *,
-                       margin: PerplexityMargin, confidence: float = DEFAULT_CONFIDENCE,
-                       min_tokens: int = DEFAULT_MIN_TOKENS,
-                       min_samples: int = DEFAULT_MIN_SAMPLES) -> PairedComparison:
+def compare_perplexity(
+    live_losses: Sequence[float],
+    candidate_losses: Sequence[float],
+    tokens: Sequence[int],
+    *,
+    margin: PerplexityMargin,
+    confidence: float = DEFAULT_CONFIDENCE,
+    min_tokens: int = DEFAULT_MIN_TOKENS,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+) -> PairedComparison:
     """Decide on per-sample summed losses (nats) of the live model and the candidate over the same ``tokens``
     (one entry per distinct held-out text)."""
     if not len(live_losses) == len(candidate_losses) == len(tokens):
-        raise ValueError(f"compare_perplexity: {len(live_losses)} live, {len(candidate_losses)} candidate losses and "
-                         f"{len(tokens)} token counts: expected one of each per held-out sample")
-    rows = [(float(a), float(b), int(n))
-            for a, b, n in zip(live_losses, candidate_losses, tokens, strict=True) if n > 0]
+        raise ValueError(
+            f"compare_perplexity: {len(live_losses)} live, {len(candidate_losses)} candidate losses and "
+            f"{len(tokens)} token counts: expected one of each per held-out sample"
+        )
+    rows = [
+        (float(a), float(b), int(n)) for a, b, n in zip(live_losses, candidate_losses, tokens, strict=True) if n > 0
+    ]
     m = len(rows)
     total = sum(n for _, _, n in rows)
     if total == 0:
-        raise ValueError("the held-out samples hold no scored token: a sample needs at least 2 scored tokens "
-                         "(captured traffic scores the prompt only)")
+        raise ValueError(
+            "the held-out samples hold no scored token: a sample needs at least 2 scored tokens "
+            "(captured traffic scores the prompt only)"
+        )
     live = math.exp(sum(a for a, _, _ in rows) / total)
     difference = sum(b - a for a, b, _ in rows) / total  # log(ppl_candidate / ppl_live)
     candidate = live * math.exp(difference)
@@ -179,10 +215,20 @@ def compare_perplexity(live_losses: Sequence[float], candidate_losses: Sequence[
         decision = "reject"
     else:
         decision = "insufficient"
-    return PairedComparison(decision=decision, live_perplexity=live, candidate_perplexity=candidate,
-                            low=live * math.exp(low_log), high=live * math.exp(high_log),
-                            limit=live * math.exp(limit_log), margin=margin, confidence=confidence, tokens=total,
-                            samples=m, min_tokens=min_tokens, min_samples=max(2, min_samples))
+    return PairedComparison(
+        decision=decision,
+        live_perplexity=live,
+        candidate_perplexity=candidate,
+        low=live * math.exp(low_log),
+        high=live * math.exp(high_log),
+        limit=live * math.exp(limit_log),
+        margin=margin,
+        confidence=confidence,
+        tokens=total,
+        samples=m,
+        min_tokens=min_tokens,
+        min_samples=max(2, min_samples),
+    )
 
 
 def _figure(value: float) -> float | None:

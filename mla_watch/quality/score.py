@@ -59,8 +59,11 @@ class ModelScore:
         return outside
 
     def as_dict(self, routers: Sequence[str], metric: str) -> dict[str, Any]:
-        return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens,
-                metric: {name: _round(self.metric(name, metric)) for name in routers}}
+        return {
+            "perplexity": round(self.perplexity, 4),
+            "tokens": self.tokens,
+            metric: {name: _round(self.metric(name, metric)) for name in routers},
+        }
 
 
 def _round(value: float | None) -> float | None:
@@ -93,5 +96,12 @@ def engine_score(scores: Sequence[SampleScore], geometry: EngineGeometry, *, pos
         edges = PositionBuckets(geometry.context_length).edges
         stacked = cast(np.ndarray, sum(routing_position_counts(np.asarray(ids), geometry, edges) for ids in routed))
         by_position = {info.name: stacked[index] for index, info in enumerate(geometry.routers())}
-    return ModelScore(perplexity=perplexity, tokens=tokens, routers=records, losses=losses, counts=counts,
-                      positions=by_position, position_edges=edges)
+    return ModelScore(
+        perplexity=perplexity,
+        tokens=tokens,
+        routers=records,
+        losses=losses,
+        counts=counts,
+        positions=by_position,
+        position_edges=edges,
+    )

@@ -37,18 +37,24 @@ def retune_reasons(conditions: RetuneConditions) -> list[str]:
     """Each reason re-tuning is off (or, where unknown, each thing it needs), one sentence each, what to do in it."""
     c = conditions
     if c.routers == "none":
-        return ["no router is re-tuned here: serve a model (--model) or read an engine's routing (--upstream with "
-                f"{SWAP_ENGINES} and --model-config); routing other processes ship is watched, not re-tuned"]
+        return [
+            "no router is re-tuned here: serve a model (--model) or read an engine's routing (--upstream with "
+            f"{SWAP_ENGINES} and --model-config); routing other processes ship is watched, not re-tuned"
+        ]
     reasons = []
     if c.routers == "engine":
         if c.engine_retune is None:
             reasons.append("serve --engine-retune propose (a version to review) or apply (off by default)")
         elif c.engine_retune == "off":
-            reasons.append("it was not asked for (--engine-retune off, the default): serve with --engine-retune "
-                           "propose (a version to review) or apply")
+            reasons.append(
+                "it was not asked for (--engine-retune off, the default): serve with --engine-retune "
+                "propose (a version to review) or apply"
+            )
         if c.swaps is None:
-            reasons.append(f"an engine that swaps routers in place: {SWAP_ENGINES}, vLLM started with "
-                           "VLLM_SERVER_DEV_MODE=1 (its swap endpoints, on a pod-local port)")
+            reasons.append(
+                f"an engine that swaps routers in place: {SWAP_ENGINES}, vLLM started with "
+                "VLLM_SERVER_DEV_MODE=1 (its swap endpoints, on a pod-local port)"
+            )
         elif not c.swaps:
             reasons.append(f"--engine {c.engine} cannot swap routers in place: re-tuning needs {SWAP_ENGINES}")
         if c.checkpoint_problem is not None:
@@ -58,8 +64,10 @@ def retune_reasons(conditions: RetuneConditions) -> list[str]:
     if c.capture is None:
         reasons.append("serve --capture (off by default): the recorded traffic a job an alert starts is fitted on")
     elif not c.capture:
-        reasons.append("traffic capture is off, so a job an alert starts would have no data: serve with --capture "
-                       "(or run `mla-watch retune run --dataset FILE` yourself)")
+        reasons.append(
+            "traffic capture is off, so a job an alert starts would have no data: serve with --capture "
+            "(or run `mla-watch retune run --dataset FILE` yourself)"
+        )
     return reasons
 
 
@@ -71,8 +79,13 @@ def why_retune_is_off(conditions: RetuneConditions) -> str | None:
     if not reasons:
         return None
     c = conditions
-    if (c.routers == "none" or c.engine_retune == "off" or c.swaps is False or c.checkpoint_problem is not None
-            or c.engine_problem is not None):
+    if (
+        c.routers == "none"
+        or c.engine_retune == "off"
+        or c.swaps is False
+        or c.checkpoint_problem is not None
+        or c.engine_problem is not None
+    ):
         header = "re-tuning is off"
     elif c.capture is False:
         header = "an alert starts no re-tune job"

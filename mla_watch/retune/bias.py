@@ -32,12 +32,13 @@ from mla_watch.routing.stats import entropy_bits
 __all__ = ["BIAS_NAME", "BiasRefitResult", "refit_bias", "supports_bias"]
 
 
-
-
 def supports_bias(model: torch.nn.Module) -> list[str]:
     """Names of the expert routers of ``model`` that have an ``e_score_correction_bias``."""
-    return [name for name, module in router_modules(model).items()
-            if isinstance(getattr(module, BIAS_NAME, None), torch.Tensor)]
+    return [
+        name
+        for name, module in router_modules(model).items()
+        if isinstance(getattr(module, BIAS_NAME, None), torch.Tensor)
+    ]
 
 
 @dataclass
@@ -50,8 +51,12 @@ class BiasRefitResult:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-able summary (no tensors), e.g. for a registry manifest."""
-        return {"routers": list(self.routers), "steps": self.steps, "before_bits": dict(self.before_bits),
-                "after_bits": dict(self.after_bits)}
+        return {
+            "routers": list(self.routers),
+            "steps": self.steps,
+            "before_bits": dict(self.before_bits),
+            "after_bits": dict(self.after_bits),
+        }
 
 
 def _forward(model: torch.nn.Module, batch: Any) -> None:
@@ -60,14 +65,20 @@ def _forward(model: torch.nn.Module, batch: Any) -> None:
         model(input_ids=batch.to(cast(torch.device, model.device)) if hasattr(model, "device") else batch)
     elif isinstance(batch, Mapping):
         device = getattr(model, "device", None)
-        model(**{key: value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
-                 for key, value in batch.items() if key != "loss_mask"})  # loss_mask is for losses, not the model
+        model(
+            **{
+                key: value.to(device) if isinstance(value, torch.Tensor) and device is not None else value
+                for key, value in batch.items()
+                if key != "loss_mask"
+            }
+        )  # loss_mask is for losses, not the model
     else:
         raise TypeError(f"batch: expected input_ids [B, T] or a mapping of model inputs, got {type(batch).__name__}")
 
 
-def _entropies(model: torch.nn.Module, probe: Any, batches: Sequence[Any], line: str,
-               experts: Sequence[str]) -> dict[str, float]:
+def _entropies(
+    model: torch.nn.Module, probe: Any, batches: Sequence[Any], line: str, experts: Sequence[str]
+) -> dict[str, float]:
     probe.reset()
     with probe.attribute(line):
         for batch in batches:
@@ -95,8 +106,10 @@ def refit_bias(
     """
     capable = supports_bias(model)
     if not capable:
-        raise ValueError(f"{type(model).__name__} has no expert router with an {BIAS_NAME}; "
-                         "a bias re-fit needs DeepSeek-V3-style aux-loss-free routers")
+        raise ValueError(
+            f"{type(model).__name__} has no expert router with an {BIAS_NAME}; "
+            "a bias re-fit needs DeepSeek-V3-style aux-loss-free routers"
+        )
     selected = list(capable if routers is None else routers)
     unknown = [name for name in selected if name not in capable]
     if unknown:

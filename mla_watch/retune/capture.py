@@ -127,9 +127,18 @@ class TrafficCapture:
     :meth:`counts`); :meth:`samples` never returns an expired one either way.
     """
 
-    def __init__(self, path: Path, *, max_samples_per_line: int = 2000, max_age_seconds: float = 7 * 86400,
-                 max_bytes: int = 64 * 2**20, max_tokens_per_sample: int = 512, max_client_share: float = 1.0,
-                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_samples_per_line: int = 2000,
+        max_age_seconds: float = 7 * 86400,
+        max_bytes: int = 64 * 2**20,
+        max_tokens_per_sample: int = 512,
+        max_client_share: float = 1.0,
+        clock: Callable[[], float] = time.time,
+        writes: StateWrites | None = None,
+    ) -> None:
         check_positive("max_samples_per_line", max_samples_per_line, int)
         check_positive("max_age_seconds", max_age_seconds)
         check_positive("max_bytes", max_bytes, int)
@@ -148,12 +157,19 @@ class TrafficCapture:
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise CaptureError(f"traffic capture {self.path}: cannot create the state directory {directory}: "
-                               f"[Errno {exc.errno}] {exc.strerror}") from exc
+            raise CaptureError(
+                f"traffic capture {self.path}: cannot create the state directory {directory}: "
+                f"[Errno {exc.errno}] {exc.strerror}"
+            ) from exc
         # Losing the last few samples in a power cut is fine: synchronous NORMAL.
-        self._store = PrivateDatabase(self.path, what="traffic capture", error=CaptureError, schema=_SCHEMA,
-                                      writes=writes, kept="the traffic is not captured until it can be: serving "
-                                      "goes on")
+        self._store = PrivateDatabase(
+            self.path,
+            what="traffic capture",
+            error=CaptureError,
+            schema=_SCHEMA,
+            writes=writes,
+            kept="the traffic is not captured until it can be: serving goes on",
+        )
         try:
             stored = self._store.run(self._check_columns)
         except CaptureError:
@@ -173,8 +189,10 @@ class TrafficCapture:
             db.execute("ALTER TABLE samples ADD COLUMN client TEXT")
             columns = _COLUMNS
         if columns != _COLUMNS:
-            raise CaptureError(f"traffic capture {self.path}: table 'samples' has columns {', '.join(columns)}: "
-                               f"expected {', '.join(_COLUMNS)} (a file written by something else?)")
+            raise CaptureError(
+                f"traffic capture {self.path}: table 'samples' has columns {', '.join(columns)}: "
+                f"expected {', '.join(_COLUMNS)} (a file written by something else?)"
+            )
         db.execute("CREATE INDEX IF NOT EXISTS samples_line_client ON samples (business_line, client, created_at, id)")
         return db.execute("SELECT COALESCE(SUM(n_tokens), 0) FROM samples").fetchone()[0]
 
@@ -204,21 +222,30 @@ class TrafficCapture:
         return result
 
     # -- writing -----------------------------------------------------------------------------
-    def add(self, business_line: str, token_ids: Sequence[int], *, prompt_tokens: int | None = None,
-            client: str | None = None) -> None:
+    def add(
+        self,
+        business_line: str,
+        token_ids: Sequence[int],
+        *,
+        prompt_tokens: int | None = None,
+        client: str | None = None,
+    ) -> None:
         """Store the prompt + completion ids of one request (its first ``max_tokens_per_sample``).
 
         ``prompt_tokens``: how many of ``token_ids`` the client sent (``None``: all of them); ``client``: who sent
         it (``None``: not known; such samples share one client's limit).
         """
         if client is not None and (not isinstance(client, str) or len(client) > _MAX_CLIENT_NAME):
-            raise ValueError(f"client = {fmt(client)}: expected None or a string of at most {_MAX_CLIENT_NAME} "
-                             "characters")
+            raise ValueError(
+                f"client = {fmt(client)}: expected None or a string of at most {_MAX_CLIENT_NAME} characters"
+            )
         if prompt_tokens is not None and (not is_integer(prompt_tokens) or prompt_tokens < 0):
             raise ValueError(f"prompt_tokens = {fmt(prompt_tokens)}: expected None or a non-negative int")
         if not isinstance(business_line, str) or not business_line or len(business_line) > _MAX_LINE_NAME:
-            raise ValueError(f"business_line = {fmt(business_line)}: expected a non-empty string of at most "
-                             f"{_MAX_LINE_NAME} characters")
+            raise ValueError(
+                f"business_line = {fmt(business_line)}: expected a non-empty string of at most "
+                f"{_MAX_LINE_NAME} characters"
+            )
         blob, n_tokens = _pack(token_ids, self.max_tokens_per_sample)
         scored = None if prompt_tokens is None else min(prompt_tokens, n_tokens)
 
@@ -226,14 +253,20 @@ class TrafficCapture:
             now = self.clock()
 
             def body() -> tuple[int, int, int]:
-                db.execute("INSERT INTO samples (business_line, created_at, n_tokens, token_ids, scored_tokens, "
-                           "client) VALUES (?, ?, ?, ?, ?, ?)", (business_line, now, n_tokens, blob, scored, client))
+                db.execute(
+                    "INSERT INTO samples (business_line, created_at, n_tokens, token_ids, scored_tokens, "
+                    "client) VALUES (?, ?, ?, ?, ?, ?)",
+                    (business_line, now, n_tokens, blob, scored, client),
+                )
                 self._bytes += n_tokens * BYTES_PER_TOKEN
                 over_count = self._trim_client(db, business_line, client) + self._trim_line(db, business_line)
                 self._adds_since_prune += 1
                 expired = 0
-                if (self._adds_since_prune >= _PRUNE_EVERY_ADDS
-                        or now - self._last_prune >= _PRUNE_EVERY_SECONDS or now < self._last_prune):
+                if (
+                    self._adds_since_prune >= _PRUNE_EVERY_ADDS
+                    or now - self._last_prune >= _PRUNE_EVERY_SECONDS
+                    or now < self._last_prune
+                ):
                     expired = self._drop_expired(db, now)
                     self._adds_since_prune = 0
                     self._last_prune = now
@@ -250,7 +283,9 @@ class TrafficCapture:
         """Drop the oldest samples of one line beyond ``max_samples_per_line``; how many."""
         rows = db.execute(
             "SELECT id, n_tokens FROM samples WHERE business_line = ? ORDER BY created_at DESC, id DESC"
-            " LIMIT ? OFFSET ?", (business_line, -1, self.max_samples_per_line)).fetchall()
+            " LIMIT ? OFFSET ?",
+            (business_line, -1, self.max_samples_per_line),
+        ).fetchall()
         return self._delete(db, rows)
 
     def _trim_client(self, db: sqlite3.Connection, business_line: str, client: str | None) -> int:
@@ -259,14 +294,19 @@ class TrafficCapture:
             return 0
         rows = db.execute(
             "SELECT id, n_tokens FROM samples WHERE business_line = ? AND client IS ? ORDER BY created_at DESC, id DESC"
-            " LIMIT ? OFFSET ?", (business_line, client, -1, self.max_client_samples)).fetchall()
+            " LIMIT ? OFFSET ?",
+            (business_line, client, -1, self.max_client_samples),
+        ).fetchall()
         return self._delete(db, rows)
 
     def clients(self, business_line: str) -> dict[str, int]:
         """Samples stored per client for one line (``""``: not known)."""
-        rows = self._run(lambda db: db.execute(
-            "SELECT COALESCE(client, ''), COUNT(*) FROM samples WHERE business_line = ? GROUP BY client",
-            (business_line,)).fetchall())
+        rows = self._run(
+            lambda db: db.execute(
+                "SELECT COALESCE(client, ''), COUNT(*) FROM samples WHERE business_line = ? GROUP BY client",
+                (business_line,),
+            ).fetchall()
+        )
         return {name: int(count) for name, count in rows}
 
     def _drop_expired(self, db: sqlite3.Connection, now: float) -> int:
@@ -292,9 +332,18 @@ class TrafficCapture:
         return len(rows)
 
     def _log_pruned(self, expired: int, over_count: int, over_bytes: int, level: int = logging.INFO) -> None:
-        log.log(level, "traffic capture %s: dropped %d sample(s): %d expired, %d over the per-line limit of %d, "
-                 "%d over the byte budget of %d", self.path, expired + over_count + over_bytes, expired,
-                 over_count, self.max_samples_per_line, over_bytes, self.max_bytes)
+        log.log(
+            level,
+            "traffic capture %s: dropped %d sample(s): %d expired, %d over the per-line limit of %d, "
+            "%d over the byte budget of %d",
+            self.path,
+            expired + over_count + over_bytes,
+            expired,
+            over_count,
+            self.max_samples_per_line,
+            over_bytes,
+            self.max_bytes,
+        )
 
     def prune(self) -> int:
         """Drop expired samples, then enforce the per-line count and the byte budget (oldest first); rows dropped."""
@@ -307,9 +356,13 @@ class TrafficCapture:
                 stored = db.execute("SELECT COALESCE(SUM(n_tokens), 0) FROM samples").fetchone()[0]
                 self._bytes = int(stored) * BYTES_PER_TOKEN
                 expired = self._drop_expired(db, now)
-                lines = [row[0] for row in db.execute(
-                    "SELECT business_line FROM samples GROUP BY business_line HAVING COUNT(*) > ?",
-                    (self.max_samples_per_line,))]
+                lines = [
+                    row[0]
+                    for row in db.execute(
+                        "SELECT business_line FROM samples GROUP BY business_line HAVING COUNT(*) > ?",
+                        (self.max_samples_per_line,),
+                    )
+                ]
                 over_count = sum(self._trim_line(db, line) for line in lines)
                 over_bytes = self._trim_bytes(db) if self._bytes > self.max_bytes else 0
                 return expired, over_count, over_bytes
@@ -338,16 +391,22 @@ class TrafficCapture:
             where += " AND business_line = ?"
             params.append(business_line)
         params.append(-1 if limit is None else limit)
-        rows = self._run(lambda db: db.execute(
-            f"SELECT token_ids, scored_tokens FROM samples WHERE {where} ORDER BY created_at DESC, id DESC LIMIT ?",
-            params).fetchall())
+        rows = self._run(
+            lambda db: db.execute(
+                f"SELECT token_ids, scored_tokens FROM samples WHERE {where} ORDER BY created_at DESC, id DESC LIMIT ?",
+                params,
+            ).fetchall()
+        )
         return [TokenSample(_unpack(blob), scored) for blob, scored in reversed(rows)]
 
     def counts(self) -> dict[str, int]:
         """Samples stored per business line, after dropping the expired ones."""
         self.prune()
-        rows = self._run(lambda db: db.execute(
-            "SELECT business_line, COUNT(*) FROM samples GROUP BY business_line ORDER BY business_line").fetchall())
+        rows = self._run(
+            lambda db: db.execute(
+                "SELECT business_line, COUNT(*) FROM samples GROUP BY business_line ORDER BY business_line"
+            ).fetchall()
+        )
         return {line: int(count) for line, count in rows}
 
     def size_bytes(self) -> int:

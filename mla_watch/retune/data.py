@@ -72,8 +72,9 @@ class DatasetError(ValueError):
 # -- JSONL datasets ----------------------------------------------------------------------------
 
 _CONTENT_KEYS = ("input_ids", "text", "prompt", "completion")
-_EXPECTED_KEYS = ("exactly one of 'input_ids' (a list of token ids), 'text' (a string) "
-                  "or 'prompt' + 'completion' (strings)")
+_EXPECTED_KEYS = (
+    "exactly one of 'input_ids' (a list of token ids), 'text' (a string) or 'prompt' + 'completion' (strings)"
+)
 
 DATASET_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A dataset named over the admin API: a bare file name (matched whole), ending ``.jsonl``."""
@@ -106,9 +107,15 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str | None = None,
-                       max_samples: int | None = None, add_bos: bool = True,
-                       label: str | None = None) -> list[TokenSample]:
+def load_jsonl_dataset(
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    business_line: str | None = None,
+    max_samples: int | None = None,
+    add_bos: bool = True,
+    label: str | None = None,
+) -> list[TokenSample]:
     """Token id sequences from a JSONL file: one JSON object per non-blank line.
 
     Each object has exactly one of ``"input_ids"`` (ints in ``[0, len(tokenizer))``), ``"text"``
@@ -137,8 +144,10 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
     try:
         handle = path.open("rb")
     except OSError as exc:
-        raise DatasetError(f"{name}: cannot read the file ({exc.strerror or type(exc).__name__}): expected a "
-                           "readable JSONL file (one JSON object per line)") from None
+        raise DatasetError(
+            f"{name}: cannot read the file ({exc.strerror or type(exc).__name__}): expected a "
+            "readable JSONL file (one JSON object per line)"
+        ) from None
     errors: list[str] = []
     samples: list[TokenSample] = []
     rows = skipped_line = skipped_short = 0
@@ -158,12 +167,15 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                errors.append(f"{name}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}): "
-                              "expected one JSON object per line")
+                errors.append(
+                    f"{name}:{lineno}: invalid JSON ({exc.msg} at column {exc.colno}): "
+                    "expected one JSON object per line"
+                )
                 continue
             if not isinstance(record, dict):
-                errors.append(f"{name}:{lineno}: not a JSON object (got {_describe(record)}): "
-                              "expected one JSON object per line")
+                errors.append(
+                    f"{name}:{lineno}: not a JSON object (got {_describe(record)}): expected one JSON object per line"
+                )
                 continue
             ids = _check_record(record, f"{name}:{lineno}", vocab, errors)
             if ids is None:
@@ -188,10 +200,18 @@ def load_jsonl_dataset(path: str | Path, tokenizer: Any, *, business_line: str |
         raise DatasetError(head, errors)
     if not samples:
         filtered = " by business line" if business_line is None else f" of business lines other than {business_line!r}"
-        raise DatasetError(f"{name}: no usable samples: read {rows} row(s), skipped {skipped_line}{filtered} and "
-                           f"{skipped_short} shorter than 2 tokens: expected at least one row with 2 or more tokens")
-    log.info("dataset %s: %d sample(s) from %d row(s) (%d skipped by business line, %d shorter than 2 tokens)",
-             path, len(samples), rows, skipped_line, skipped_short)
+        raise DatasetError(
+            f"{name}: no usable samples: read {rows} row(s), skipped {skipped_line}{filtered} and "
+            f"{skipped_short} shorter than 2 tokens: expected at least one row with 2 or more tokens"
+        )
+    log.info(
+        "dataset %s: %d sample(s) from %d row(s) (%d skipped by business line, %d shorter than 2 tokens)",
+        path,
+        len(samples),
+        rows,
+        skipped_line,
+        skipped_short,
+    )
     return samples
 
 
@@ -254,8 +274,7 @@ def _check_record(record: dict, where: str, vocab: int, errors: list[str]) -> li
         for index, token in enumerate(value):
             if not is_integer(token) or not 0 <= token < vocab:
                 got = "an integer out of that range" if is_integer(token) else None
-                bad(f"input_ids[{index}]", token, f"an int token id in [0, {vocab}) (the tokenizer's vocabulary)",
-                    got)
+                bad(f"input_ids[{index}]", token, f"an int token id in [0, {vocab}) (the tokenizer's vocabulary)", got)
                 break
         return list(value) if len(errors) == found else None
     if key == "text":
@@ -284,8 +303,9 @@ def scored_text(sample: Sequence[int]) -> tuple[int, ...]:
     return tuple(sample if scored is None else sample[:scored])
 
 
-def split_held_out(samples: Sequence[list[int]], fraction: float = 0.2, *,
-                   minimum: int = 1) -> tuple[list[TokenSample], list[TokenSample]]:
+def split_held_out(
+    samples: Sequence[list[int]], fraction: float = 0.2, *, minimum: int = 1
+) -> tuple[list[TokenSample], list[TokenSample]]:
     """``(train, held_out)``: about ``fraction`` of the *distinct* samples held out, spread evenly over them.
 
     Samples are grouped by :func:`scored_text` first, so a text repeated a hundred times is held out
@@ -303,8 +323,10 @@ def split_held_out(samples: Sequence[list[int]], fraction: float = 0.2, *,
     ranks = [groups.setdefault(scored_text(sample), len(groups)) for sample in copies]
     n = len(groups)
     if n < 2:
-        raise ValueError(f"split_held_out: got {n} distinct sample(s) in {len(copies)}: at least 2 are needed "
-                         f"(one to train on, one held out)")
+        raise ValueError(
+            f"split_held_out: got {n} distinct sample(s) in {len(copies)}: at least 2 are needed "
+            f"(one to train on, one held out)"
+        )
     n_held = min(n - 1, max(int(minimum), round(n * fraction), 1))
     step = n / n_held  # > 1, so the positions below are distinct
     held = {int((i + 0.5) * step) for i in range(n_held)}
@@ -340,6 +362,9 @@ def same_evidence(previous: Mapping[str, Any], data: Mapping[str, Any]) -> dict[
         return None
     if (previous.get("data") or {}).get("evidence") != data.get("evidence"):
         return None
-    return {**previous, "unchanged": True,
-            "needs": str(previous.get("needs") or "new traffic").split(" (no new traffic since")[0]
-            + " (no new traffic since the last try)"}
+    return {
+        **previous,
+        "unchanged": True,
+        "needs": str(previous.get("needs") or "new traffic").split(" (no new traffic since")[0]
+        + " (no new traffic since the last try)",
+    }

@@ -56,8 +56,7 @@ from mla_watch.retune.strategies import BiasSchedule, BiasStrategy, RestoreStrat
 from mla_watch.retune.versions import RouterVersions
 from mla_watch.routing.routers import RouterInfo
 
-__all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters",
-           "bias_step", "engine_score"]
+__all__ = ["ENGINE_STRATEGIES", "BiasSchedule", "EngineRetuner", "EngineRouters", "bias_step", "engine_score"]
 
 log = logging.getLogger("mla_watch.retune")
 
@@ -74,8 +73,15 @@ class EngineRouters(RouterHost):
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
 
-    def __init__(self, weights: EngineWeights, geometry: EngineGeometry, initial: Mapping[str, np.ndarray], *,
-                 swap_dir: Path, config_json: Path) -> None:
+    def __init__(
+        self,
+        weights: EngineWeights,
+        geometry: EngineGeometry,
+        initial: Mapping[str, np.ndarray],
+        *,
+        swap_dir: Path,
+        config_json: Path,
+    ) -> None:
         if not initial:
             raise ValueError("the engine's checkpoint holds no router tensor")
         self.weights = weights
@@ -91,20 +97,30 @@ class EngineRouters(RouterHost):
     def state(self, routers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         prefixes = None if routers is None else tuple(f"{name}." for name in routers)
         with self._lock:
-            return {name: array.copy() for name, array in self._state.items()
-                    if prefixes is None or name.startswith(prefixes)}
+            return {
+                name: array.copy()
+                for name, array in self._state.items()
+                if prefixes is None or name.startswith(prefixes)
+            }
 
     def apply(self, tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
         tensors = {name: as_array(value) for name, value in tensors.items()}
         problems = [f"{name} is not a router tensor of the engine" for name in tensors if name not in self._state]
-        problems += [f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
-                     for name, tensor in tensors.items()
-                     if name in self._state and tuple(tensor.shape) != tuple(self._state[name].shape)]
+        problems += [
+            f"{name} has shape {tuple(tensor.shape)}, the engine's is {tuple(self._state[name].shape)}"
+            for name, tensor in tensors.items()
+            if name in self._state and tuple(tensor.shape) != tuple(self._state[name].shape)
+        ]
         if problems:
             raise ValueError("cannot swap router tensors into the engine: " + "; ".join(problems))
         with self._lock:
-            whole = {**self._state, **{name: np.ascontiguousarray(tensor, dtype=self._state[name].dtype)
-                                       for name, tensor in tensors.items()}}
+            whole = {
+                **self._state,
+                **{
+                    name: np.ascontiguousarray(tensor, dtype=self._state[name].dtype)
+                    for name, tensor in tensors.items()
+                },
+            }
             directory = self.swap_dir / f"routers-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             try:  # nothing half-written stays: the checkpoint is renamed into place once whole
                 self.swap_dir.mkdir(parents=True, exist_ok=True)
@@ -120,9 +136,14 @@ class EngineRouters(RouterHost):
         return f"{self.weights.name} engine ({self.geometry.model_type})"
 
     def _prune(self, keep: Path) -> None:
-        older = sorted((entry for entry in self.swap_dir.iterdir()
-                        if entry.is_dir() and entry.name.startswith("routers-") and entry != keep),
-                       key=lambda entry: entry.stat().st_mtime)
+        older = sorted(
+            (
+                entry
+                for entry in self.swap_dir.iterdir()
+                if entry.is_dir() and entry.name.startswith("routers-") and entry != keep
+            ),
+            key=lambda entry: entry.stat().st_mtime,
+        )
         for entry in older[: max(0, len(older) - (KEEP_SWAP_DIRS - 1))]:
             shutil.rmtree(entry, ignore_errors=True)
 
@@ -135,12 +156,24 @@ class EngineRetuner:
     of the engine's routing for a router over its live window.
     """
 
-    def __init__(self, *, host: EngineRouters, versions: RouterVersions, settings: RetuneSettings, mode: str,
-                 capture: TrafficCapture | None, promote: Callable[[int], Any], rollback: Callable[[], int],
-                 loads: Callable[[str, str | None], np.ndarray | None], reference: RouterReference | None = None,
-                 bias_schedule: BiasSchedule | None = None, gate_timeout: float = 300.0,
-                 clock: Callable[[], float] = time.time, reference_prompts: ReferenceGate | None = None,
-                 reference_reader: ReferenceReader | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        host: EngineRouters,
+        versions: RouterVersions,
+        settings: RetuneSettings,
+        mode: str,
+        capture: TrafficCapture | None,
+        promote: Callable[[int], Any],
+        rollback: Callable[[], int],
+        loads: Callable[[str, str | None], np.ndarray | None],
+        reference: RouterReference | None = None,
+        bias_schedule: BiasSchedule | None = None,
+        gate_timeout: float = 300.0,
+        clock: Callable[[], float] = time.time,
+        reference_prompts: ReferenceGate | None = None,
+        reference_reader: ReferenceReader | None = None,
+    ) -> None:
         if mode not in ENGINE_RETUNE_MODES[1:]:
             raise SettingsError([SettingProblem("engine_retune", repr(mode), "propose or apply")])
         self.host = host
@@ -191,8 +224,10 @@ class EngineRetuner:
                 else:
                     tensors, details = self._restore(spec)
                     if self._serving_already(tensors):
-                        attempt.update(outcome="unchanged", reason=f"{details['source']} holds the tensors serving "
-                                                                   "now: nothing to restore")
+                        attempt.update(
+                            outcome="unchanged",
+                            reason=f"{details['source']} holds the tensors serving now: nothing to restore",
+                        )
                         continue
                     version = self._save(spec, name, tensors, details, data)
                     outcome = self._gate(spec, attempt, version, held_out, before, band, known_good=details["source"])
@@ -201,8 +236,9 @@ class EngineRetuner:
                 attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
                 continue
             if outcome == "promoted":
-                return "promoted", self._result(spec, attempts, data, started, version=attempt.get("version"),
-                                                strategy=name)
+                return "promoted", self._result(
+                    spec, attempts, data, started, version=attempt.get("version"), strategy=name
+                )
         return self._undecided(spec, attempts, data, started, before, band)
 
     def _apply_version(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
@@ -216,10 +252,17 @@ class EngineRetuner:
         before = self._score(held_out)
         self._reference_live = self._reference_scores(spec)
         attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
-        outcome = self._gate(spec, attempt, version, held_out, before, band,
-                             known_good=(manifest.get("details") or {}).get("source"))
-        result = self._result(spec, [attempt], data, started, version=version if outcome == "promoted" else None,
-                              strategy=attempt["strategy"])
+        outcome = self._gate(
+            spec, attempt, version, held_out, before, band, known_good=(manifest.get("details") or {}).get("source")
+        )
+        result = self._result(
+            spec,
+            [attempt],
+            data,
+            started,
+            version=version if outcome == "promoted" else None,
+            strategy=attempt["strategy"],
+        )
         if outcome == "promoted":
             return "promoted", result
         # The version an operator named was judged and rolled back: the end (a retry would swap it in again).
@@ -259,28 +302,44 @@ class EngineRetuner:
     # ------------------------------------------------------------------ candidates
     def _restore(self, spec: JobSpec) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         # nothing known good: the checkpoint the engine was started from
-        tensors, source, _ = RestoreStrategy().known_good(spec.routers, reference=self.reference,
-                                                          versions=self.versions, initial_if_none_good=True)
+        tensors, source, _ = RestoreStrategy().known_good(
+            spec.routers, reference=self.reference, versions=self.versions, initial_if_none_good=True
+        )
         return tensors, {"source": source, "reference": source, "routers": list(spec.routers)}
 
     def _serving_already(self, tensors: Mapping[str, np.ndarray]) -> bool:
         live = self.host.state()
-        return all(name in live and tensor.shape == live[name].shape
-                   and bool(np.array_equal(tensor.astype(live[name].dtype), live[name]))
-                   for name, tensor in tensors.items())
+        return all(
+            name in live
+            and tensor.shape == live[name].shape
+            and bool(np.array_equal(tensor.astype(live[name].dtype), live[name]))
+            for name, tensor in tensors.items()
+        )
 
-    def _bias_candidate(self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
-                        ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def _bias_candidate(
+        self, spec: JobSpec, step: int, loads: Mapping[str, np.ndarray | None]
+    ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         gamma = self.bias_schedule.gamma_at(step)
         tensors = BiasStrategy().engine_step(self.host.state(spec.routers), loads, spec.routers, gamma)
-        return tensors, {"step": step, "gamma": round(gamma, 6), "rule": "b += gamma * min(1, 1 - load / mean)",
-                         "routers": list(spec.routers)}
+        return tensors, {
+            "step": step,
+            "gamma": round(gamma, 6),
+            "rule": "b += gamma * min(1, 1 - load / mean)",
+            "routers": list(spec.routers),
+        }
 
     def _window_loads(self, spec: JobSpec) -> dict[str, np.ndarray | None]:
         return {router: self._loads(router, spec.business_line) for router in spec.routers}
 
-    def _bias_steps(self, spec: JobSpec, attempt: dict[str, Any], held_out: list[TokenSample],
-                    before: ModelScore, band: Band, data: dict[str, Any]) -> str:
+    def _bias_steps(
+        self,
+        spec: JobSpec,
+        attempt: dict[str, Any],
+        held_out: list[TokenSample],
+        before: ModelScore,
+        band: Band,
+        data: dict[str, Any],
+    ) -> str:
         """Step, swap and gate until the routers are in band, a gate rejects, or the steps run out."""
         loads: dict[str, np.ndarray | None] = {router: _loads_of(before, router) for router in spec.routers}
         if any(value is None for value in loads.values()):  # the held-out samples were not routed: the live window
@@ -308,14 +367,27 @@ class EngineRetuner:
         for _ in range(kept):  # the steps that did not reach the band go, back to what served before the job
             self._rollback()
         last = steps[-1] if steps else {}
-        attempt.update(outcome=last.get("outcome", "failed") if last.get("outcome") != "stepped" else "rejected",
-                       reason=last.get("reason") or f"{len(steps)} bias steps did not bring the routers into the "
-                                                    f"band ({band.describe()}); every step was rolled back")
+        attempt.update(
+            outcome=last.get("outcome", "failed") if last.get("outcome") != "stepped" else "rejected",
+            reason=last.get("reason")
+            or f"{len(steps)} bias steps did not bring the routers into the "
+            f"band ({band.describe()}); every step was rolled back",
+        )
         return attempt["outcome"]
 
     # ------------------------------------------------------------------ the gate, through the engine
-    def _gate(self, spec: JobSpec, attempt: dict[str, Any], version: int, held_out: list[TokenSample],
-              before: ModelScore, band: Band, *, known_good: str | None, keep_unless: bool = False) -> str:
+    def _gate(
+        self,
+        spec: JobSpec,
+        attempt: dict[str, Any],
+        version: int,
+        held_out: list[TokenSample],
+        before: ModelScore,
+        band: Band,
+        *,
+        known_good: str | None,
+        keep_unless: bool = False,
+    ) -> str:
         """Swap ``version`` in, score it with the engine, keep it or roll it back; the attempt's outcome.
 
         ``keep_unless`` (a bias step): a candidate that is no worse but reads a router still outside its band
@@ -329,67 +401,114 @@ class EngineRetuner:
             reference_after = self._reference_scores(spec)
         except Exception as error:  # an engine that cannot score: the candidate goes back, undecided
             self._rollback()
-            attempt.update(outcome="failed", version=version, swap=taken,
-                           live_seconds=round(self._clock() - live_from, 3),
-                           reason=f"the engine could not score the held-out samples after the swap: {error}")
+            attempt.update(
+                outcome="failed",
+                version=version,
+                swap=taken,
+                live_seconds=round(self._clock() - live_from, 3),
+                reason=f"the engine could not score the held-out samples after the swap: {error}",
+            )
             return "failed"
         routed = bool(after.routers)
         known = None
         if known_good is not None and routed:
-            known = KnownGood(source=known_good, health=_health_by_band(after, spec.routers, band), score=after,
-                              live_outside_band=bool(before.outside(spec.routers, band)))
-        report = evaluate_gates(before, after, routers=watched if routed else [], band=band,
-                                max_perplexity_increase=spec.max_perplexity_increase,
-                                confidence=self.settings.gate_confidence,
-                                min_tokens=self.settings.min_held_out_tokens,
-                                min_samples=self.settings.min_held_out_samples, known_good=known,
-                                reference=self._reference_checks(spec, reference_after, watched, band))
+            known = KnownGood(
+                source=known_good,
+                health=_health_by_band(after, spec.routers, band),
+                score=after,
+                live_outside_band=bool(before.outside(spec.routers, band)),
+            )
+        report = evaluate_gates(
+            before,
+            after,
+            routers=watched if routed else [],
+            band=band,
+            max_perplexity_increase=spec.max_perplexity_increase,
+            confidence=self.settings.gate_confidence,
+            min_tokens=self.settings.min_held_out_tokens,
+            min_samples=self.settings.min_held_out_samples,
+            known_good=known,
+            reference=self._reference_checks(spec, reference_after, watched, band),
+        )
         if not routed:  # the engine returns no routing (vLLM without --enable-return-routed-experts)
-            report.checks.insert(0, {"gate": "band", "value": None, "limit": band.describe(),
-                                     "decision": "insufficient", "passed": False, "binding": False,
-                                     "message": "the engine returned no routing for the held-out samples (vLLM: "
-                                                "--enable-return-routed-experts): the band is not judged, perplexity "
-                                                "decides"})
+            report.checks.insert(
+                0,
+                {
+                    "gate": "band",
+                    "value": None,
+                    "limit": band.describe(),
+                    "decision": "insufficient",
+                    "passed": False,
+                    "binding": False,
+                    "message": "the engine returned no routing for the held-out samples (vLLM: "
+                    "--enable-return-routed-experts): the band is not judged, perplexity "
+                    "decides",
+                },
+            )
         attempt.update(version=version, gates=report.as_dict(), swap=taken)
         self.versions.update_manifest(version, {"gates": report.as_dict()})
         if report.passed:
             attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
             return "promoted"
         if keep_unless and not _worse(report) and _short_of_band(report):
-            attempt.update(outcome="stepped", live_seconds=round(self._clock() - live_from, 3), _after=after,
-                           reason="; ".join(report.reasons()))
+            attempt.update(
+                outcome="stepped",
+                live_seconds=round(self._clock() - live_from, 3),
+                _after=after,
+                reason="; ".join(report.reasons()),
+            )
             return "stepped"
         self._rollback()
-        attempt.update(outcome="rejected" if report.decision == "reject" else "insufficient",
-                       live_seconds=round(self._clock() - live_from, 3), reason="; ".join(report.reasons()),
-                       rolled_back=True)
-        log.warning("re-tune job %s: version %d %s through the engine and rolled back: %s", spec.id, version,
-                    attempt["outcome"], attempt["reason"])
+        attempt.update(
+            outcome="rejected" if report.decision == "reject" else "insufficient",
+            live_seconds=round(self._clock() - live_from, 3),
+            reason="; ".join(report.reasons()),
+            rolled_back=True,
+        )
+        log.warning(
+            "re-tune job %s: version %d %s through the engine and rolled back: %s",
+            spec.id,
+            version,
+            attempt["outcome"],
+            attempt["reason"],
+        )
         return attempt["outcome"]
 
     def _reference_scores(self, spec: JobSpec) -> dict[str, ModelScore]:
         """The reference prompts of the job's line read through the engine as it serves now."""
         if self.reference_prompts is None or self._reference_reader is None:
             return {}
-        return {reference.name: self._reference_reader.read(reference)
-                for reference in self.reference_prompts.sets_for(spec.business_line)}
+        return {
+            reference.name: self._reference_reader.read(reference)
+            for reference in self.reference_prompts.sets_for(spec.business_line)
+        }
 
-    def _reference_checks(self, spec: JobSpec, candidate: dict[str, ModelScore], watched: list[str],
-                          band: Band) -> list[dict[str, Any]]:
+    def _reference_checks(
+        self, spec: JobSpec, candidate: dict[str, ModelScore], watched: list[str], band: Band
+    ) -> list[dict[str, Any]]:
         if self.reference_prompts is None:
             return []
         return self.reference_prompts.checks(
-            spec.business_line, self._reference_live, candidate, routers=watched, band=band,
-            margin=spec.max_perplexity_increase, confidence=self.settings.gate_confidence,
-            min_tokens=self.settings.min_held_out_tokens, min_samples=self.settings.min_held_out_samples)
+            spec.business_line,
+            self._reference_live,
+            candidate,
+            routers=watched,
+            band=band,
+            margin=spec.max_perplexity_increase,
+            confidence=self.settings.gate_confidence,
+            min_tokens=self.settings.min_held_out_tokens,
+            min_samples=self.settings.min_held_out_samples,
+        )
 
     def _score(self, samples: Sequence[TokenSample]) -> ModelScore:
         deadline = self._clock() + self.gate_timeout
         scores: list[SampleScore] = []
         for sample in samples:
             if self._clock() > deadline:
-                raise TimeoutError(f"the engine scored {len(scores)} of {len(samples)} held-out samples within "
-                                   f"{self.gate_timeout:g} s (--engine-gate-timeout)")
+                raise TimeoutError(
+                    f"the engine scored {len(scores)} of {len(samples)} held-out samples within "
+                    f"{self.gate_timeout:g} s (--engine-gate-timeout)"
+                )
             scored = sample[: (sample.scored_tokens or len(sample))][: self.settings.max_tokens_per_sample]
             scores.extend(self.host.weights.score([scored]))
         return engine_score(scores, self.host.geometry)
@@ -399,50 +518,100 @@ class EngineRetuner:
         """The distinct held-out samples of the job's line, or what is missing."""
         line = spec.business_line
         if self.capture is None:
-            return ("no data: traffic capture is off (serve with --capture to record the engine's traffic per "
-                    "business line)"), {}
+            return (
+                "no data: traffic capture is off (serve with --capture to record the engine's traffic per "
+                "business line)"
+            ), {}
         samples = self.capture.samples(line, limit=self.settings.max_samples)
-        data: dict[str, Any] = {"source": "capture", "business_line": line, "samples": len(samples),
-                                "distinct_samples": distinct_count(samples), "evidence": evidence_digest(samples)}
+        data: dict[str, Any] = {
+            "source": "capture",
+            "business_line": line,
+            "samples": len(samples),
+            "distinct_samples": distinct_count(samples),
+            "evidence": evidence_digest(samples),
+        }
         if len(samples) < self.settings.min_samples or data["distinct_samples"] < 2:
-            return (f"{len(samples)} captured samples ({data['distinct_samples']} distinct) of "
-                    f"{repr(line) if line else 'all business lines'}; the job needs at least "
-                    f"{self.settings.min_samples} (let more traffic be captured)"), data
+            return (
+                f"{len(samples)} captured samples ({data['distinct_samples']} distinct) of "
+                f"{repr(line) if line else 'all business lines'}; the job needs at least "
+                f"{self.settings.min_samples} (let more traffic be captured)"
+            ), data
         _, held_out = split_held_out(samples, self.settings.held_out_fraction)
         held_out = [sample for sample in held_out if (sample.scored_tokens or len(sample)) >= 2]
-        tokens = sum(min(sample.scored_tokens or len(sample), self.settings.max_tokens_per_sample) - 1
-                     for sample in held_out)
+        tokens = sum(
+            min(sample.scored_tokens or len(sample), self.settings.max_tokens_per_sample) - 1 for sample in held_out
+        )
         data.update(held_out_samples=len(held_out), held_out_tokens=tokens)
         if tokens < self.settings.min_held_out_tokens or len(held_out) < self.settings.min_held_out_samples:
-            return (f"{tokens} scored held-out tokens in {len(held_out)} distinct samples; the gate decides on at "
-                    f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} "
-                    f"distinct samples (let more traffic be captured: a repeated prompt counts once)"), data
+            return (
+                f"{tokens} scored held-out tokens in {len(held_out)} distinct samples; the gate decides on at "
+                f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} "
+                f"distinct samples (let more traffic be captured: a repeated prompt counts once)"
+            ), data
         return held_out, data
 
-    def _save(self, spec: JobSpec, strategy: str, tensors: dict[str, np.ndarray], details: dict[str, Any],
-              data: dict[str, Any]) -> int:
-        manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": strategy,
-                    "routers": spec.routers, "details": details, "engine": self.host.describe(),
-                    "gates": {"passed": False, "decision": "pending", "checks": []}}
+    def _save(
+        self,
+        spec: JobSpec,
+        strategy: str,
+        tensors: dict[str, np.ndarray],
+        details: dict[str, Any],
+        data: dict[str, Any],
+    ) -> int:
+        manifest = {
+            "job": spec.id,
+            "trigger": spec.trigger,
+            "data": data,
+            "strategy": strategy,
+            "routers": spec.routers,
+            "details": details,
+            "engine": self.host.describe(),
+            "gates": {"passed": False, "decision": "pending", "checks": []},
+        }
         return self.versions.save(tensors, manifest)
 
-    def _undecided(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float,
-                   before: ModelScore, band: Band) -> tuple[str, dict[str, Any]]:
+    def _undecided(
+        self,
+        spec: JobSpec,
+        attempts: list[dict[str, Any]],
+        data: dict[str, Any],
+        started: float,
+        before: ModelScore,
+        band: Band,
+    ) -> tuple[str, dict[str, Any]]:
         result = self._result(spec, attempts, data, started)
         outcomes = {attempt.get("outcome") for attempt in attempts}
         outside = bool(before.outside(spec.routers, band)) or spec.trigger.get("source") == "alert"
         if outcomes & {"rejected", "insufficient"} and outside:
-            result["needs"] = (f"a candidate that passes its gates through the engine: every one was rolled back "
-                               f"while {spec.routers[0]} still reads outside its band ({band.describe()}); trying "
-                               f"again on newer traffic")
+            result["needs"] = (
+                f"a candidate that passes its gates through the engine: every one was rolled back "
+                f"while {spec.routers[0]} still reads outside its band ({band.describe()}); trying "
+                f"again on newer traffic"
+            )
             result["rejected_while_outside_band"] = "rejected" in outcomes
             return "waiting", result
         return ("rejected" if "rejected" in outcomes else "failed"), result
 
-    def _result(self, spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], started: float, *,
-                version: int | None = None, strategy: str | None = None) -> dict[str, Any]:
-        return job_result(spec, attempts, data, started=started, finished=self._clock(), version=version,
-                          strategy=strategy, engine=True)
+    def _result(
+        self,
+        spec: JobSpec,
+        attempts: list[dict[str, Any]],
+        data: dict[str, Any],
+        started: float,
+        *,
+        version: int | None = None,
+        strategy: str | None = None,
+    ) -> dict[str, Any]:
+        return job_result(
+            spec,
+            attempts,
+            data,
+            started=started,
+            finished=self._clock(),
+            version=version,
+            strategy=strategy,
+            engine=True,
+        )
 
 
 def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:
@@ -453,16 +622,28 @@ def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:
 
 def _health_by_band(score: ModelScore, routers: Sequence[str], band: Band) -> dict[str, Any]:
     """A restored router's own health through the engine: its band reading on the held-out samples."""
-    measured = [router for router in routers if score.metric(router, band.metric) is not None
-                and not score.too_small(router)]
+    measured = [
+        router for router in routers if score.metric(router, band.metric) is not None and not score.too_small(router)
+    ]
     if len(measured) < len(routers):
-        return {"passed": False, "checked": False, "tokens": score.tokens,
-                "reason": "the engine returned too little routing of the held-out samples to judge the routers"}
+        return {
+            "passed": False,
+            "checked": False,
+            "tokens": score.tokens,
+            "reason": "the engine returned too little routing of the held-out samples to judge the routers",
+        }
     breaches = [router for router in routers if not band.contains(score.metric(router, band.metric))]  # type: ignore[arg-type]
-    return {"passed": not breaches, "checked": True, "tokens": score.tokens,
-            "reason": "no router outside its band" if not breaches else
-            "; ".join(f"{router}: {band.metric} {score.metric(router, band.metric):.3f} outside {band.describe()}"
-                      for router in breaches)}
+    return {
+        "passed": not breaches,
+        "checked": True,
+        "tokens": score.tokens,
+        "reason": "no router outside its band"
+        if not breaches
+        else "; ".join(
+            f"{router}: {band.metric} {score.metric(router, band.metric):.3f} outside {band.describe()}"
+            for router in breaches
+        ),
+    }
 
 
 def _short_of_band(report: GateReport) -> bool:

@@ -70,10 +70,20 @@ class FinetuneResult:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-able summary (no tensors), e.g. for a registry manifest."""
-        return {"routers": list(self.routers), "epochs": self.epochs, "steps": self.steps, "lr": self.lr,
-                "balance_weight": self.balance_weight, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
-                "seed": self.seed, "loss_before": self.loss_before, "loss_after": self.loss_after,
-                "before_bits": dict(self.before_bits), "after_bits": dict(self.after_bits)}
+        return {
+            "routers": list(self.routers),
+            "epochs": self.epochs,
+            "steps": self.steps,
+            "lr": self.lr,
+            "balance_weight": self.balance_weight,
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "seed": self.seed,
+            "loss_before": self.loss_before,
+            "loss_after": self.loss_after,
+            "before_bits": dict(self.before_bits),
+            "after_bits": dict(self.after_bits),
+        }
 
 
 class _LowRankDelta(torch.nn.Module):
@@ -122,8 +132,9 @@ def _balance_loss(logits: torch.Tensor, indices: torch.Tensor, valid: torch.Tens
     logits = logits.reshape(-1, logits.shape[-1]).float()
     indices = indices.reshape(logits.shape[0], -1)
     if valid.numel() != logits.shape[0]:
-        raise RuntimeError(f"a router saw {logits.shape[0]} tokens, the batch has {valid.numel()}: "
-                           "cannot tell its padded tokens apart")
+        raise RuntimeError(
+            f"a router saw {logits.shape[0]} tokens, the batch has {valid.numel()}: cannot tell its padded tokens apart"
+        )
     logits, indices = logits[valid], indices[valid]
     if logits.shape[0] == 0:
         return logits.sum()  # a zero that still belongs to the graph
@@ -151,25 +162,32 @@ def _inputs(batch: Any, position: int, device: torch.device) -> _Inputs:
             raise ValueError(f"batches[{position}]: a mapping needs input_ids, got keys {sorted(batch)}")
         ids, mask, loss_mask = batch["input_ids"], batch.get("attention_mask"), batch.get("loss_mask")
     else:
-        raise TypeError(f"batches[{position}]: expected input_ids [B, T] or a mapping with input_ids "
-                        f"(and attention_mask), got {type(batch).__name__}")
+        raise TypeError(
+            f"batches[{position}]: expected input_ids [B, T] or a mapping with input_ids "
+            f"(and attention_mask), got {type(batch).__name__}"
+        )
     ids = torch.as_tensor(ids)
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"batches[{position}]: input_ids must be an integer tensor [B, T], "
-                         f"got {ids.dtype} of shape {tuple(ids.shape)}")
+        raise ValueError(
+            f"batches[{position}]: input_ids must be an integer tensor [B, T], "
+            f"got {ids.dtype} of shape {tuple(ids.shape)}"
+        )
     mask = torch.ones_like(ids) if mask is None else torch.as_tensor(mask)
     if mask.shape != ids.shape:
-        raise ValueError(f"batches[{position}]: attention_mask has shape {tuple(mask.shape)}, "
-                         f"input_ids {tuple(ids.shape)}")
+        raise ValueError(
+            f"batches[{position}]: attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}"
+        )
     loss_mask = mask if loss_mask is None else torch.as_tensor(loss_mask)
     if loss_mask.shape != ids.shape:
-        raise ValueError(f"batches[{position}]: loss_mask has shape {tuple(loss_mask.shape)}, "
-                         f"input_ids {tuple(ids.shape)}")
+        raise ValueError(
+            f"batches[{position}]: loss_mask has shape {tuple(loss_mask.shape)}, input_ids {tuple(ids.shape)}"
+        )
     return tuple(t.to(device=device, dtype=torch.int64) for t in (ids, mask, loss_mask))  # type: ignore[return-value]
 
 
-def _evaluate(model: torch.nn.Module, inputs: Sequence[_Inputs], line: str,
-              experts: Sequence[str]) -> tuple[float, dict[str, float]]:
+def _evaluate(
+    model: torch.nn.Module, inputs: Sequence[_Inputs], line: str, experts: Sequence[str]
+) -> tuple[float, dict[str, float]]:
     """Mean LM loss per scored token and every expert router's entropy, from one pass over ``inputs``."""
     batches = [{"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask} for ids, mask, loss_mask in inputs]
     score = score_model(model, batches, business_line=line)  # the gates' own measurement
@@ -177,8 +195,9 @@ def _evaluate(model: torch.nn.Module, inputs: Sequence[_Inputs], line: str,
     return math.log(score.perplexity), bits
 
 
-def _check_settings(lr: float, epochs: int, balance_weight: float, lora_rank: int | None,
-                    lora_alpha: float | None) -> None:
+def _check_settings(
+    lr: float, epochs: int, balance_weight: float, lora_rank: int | None, lora_alpha: float | None
+) -> None:
     problems = []
     if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
         problems.append(f"lr={lr!r} (expected a finite number > 0)")
@@ -199,8 +218,11 @@ def _check_settings(lr: float, epochs: int, balance_weight: float, lora_rank: in
 
 def _select(model: torch.nn.Module, routers: Sequence[str] | None) -> list[str]:
     modules = router_modules(model)
-    trainable = [name for name, module in modules.items()
-                 if isinstance(weight := getattr(module, "weight", None), torch.Tensor) and weight.dim() == 2]
+    trainable = [
+        name
+        for name, module in modules.items()
+        if isinstance(weight := getattr(module, "weight", None), torch.Tensor) and weight.dim() == 2
+    ]
     if isinstance(routers, str):
         routers = [routers]  # one name, not its characters
     selected = list(dict.fromkeys(trainable if routers is None else routers))
@@ -208,12 +230,16 @@ def _select(model: torch.nn.Module, routers: Sequence[str] | None) -> list[str]:
         raise ValueError(f"{type(model).__name__} has no expert router with a 2-D weight to fine-tune")
     unknown = [name for name in selected if name not in modules]
     if unknown:
-        raise ValueError(f"routers {unknown} are not expert routers of {type(model).__name__}; "
-                         f"routers that can be fine-tuned: {trainable}")
+        raise ValueError(
+            f"routers {unknown} are not expert routers of {type(model).__name__}; "
+            f"routers that can be fine-tuned: {trainable}"
+        )
     weightless = [name for name in selected if name not in trainable]
     if weightless:
-        raise ValueError(f"routers {weightless} of {type(model).__name__} have no 2-D weight; "
-                         f"routers that can be fine-tuned: {trainable}")
+        raise ValueError(
+            f"routers {weightless} of {type(model).__name__} have no 2-D weight; "
+            f"routers that can be fine-tuned: {trainable}"
+        )
     if not selected:
         raise ValueError(f"finetune_routers(): routers is empty; routers that can be fine-tuned: {trainable}")
     return selected
@@ -269,8 +295,9 @@ def finetune_routers(
             delta = _LowRankDelta(module.weight, lora_rank, alpha / lora_rank, generator)
             parametrize.register_parametrization(module, "weight", delta)
             params.extend([delta.A, delta.B])
-    sigmoid = {name: isinstance(getattr(module, CORRECTION_BIAS, None), torch.Tensor)
-               for name, module in trained.items()}
+    sigmoid = {
+        name: isinstance(getattr(module, CORRECTION_BIAS, None), torch.Tensor) for name, module in trained.items()
+    }
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     steps = 0
@@ -285,11 +312,17 @@ def finetune_routers(
                     loss = lm_sum / max(1, tokens)
                     if capture is not None:
                         valid = mask.reshape(-1).bool()
-                        balance = torch.stack([
-                            torch.stack([_balance_loss(logits, indices, valid, sigmoid[name])
-                                         for logits, indices in capture.outputs[name]]).mean()
-                            for name in selected
-                        ]).mean()
+                        balance = torch.stack(
+                            [
+                                torch.stack(
+                                    [
+                                        _balance_loss(logits, indices, valid, sigmoid[name])
+                                        for logits, indices in capture.outputs[name]
+                                    ]
+                                ).mean()
+                                for name in selected
+                            ]
+                        ).mean()
                         capture.clear()
                         loss = loss + balance_weight * balance
                     loss.backward()
@@ -307,8 +340,10 @@ def finetune_routers(
             with torch.no_grad():
                 parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
         module.weight.requires_grad_(False)
-    tensors = {f"{name}.weight": module.weight.detach().to("cpu", torch.float32, copy=True).contiguous()
-               for name, module in trained.items()}
+    tensors = {
+        f"{name}.weight": module.weight.detach().to("cpu", torch.float32, copy=True).contiguous()
+        for name, module in trained.items()
+    }
 
     loss_after, after = _evaluate(work, inputs, business_line, experts)
     del work

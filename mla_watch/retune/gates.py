@@ -83,9 +83,16 @@ class GateReport:
         return [check["message"] for check in self.checks if not check["passed"] and check.get("binding", True)]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "decision": self.decision, "band": self.band.as_dict(),
-                "max_perplexity_increase": str(self.perplexity.margin), "perplexity": self.perplexity.as_dict(),
-                "checks": self.checks, "before": self.before, "after": self.after}
+        return {
+            "passed": self.passed,
+            "decision": self.decision,
+            "band": self.band.as_dict(),
+            "max_perplexity_increase": str(self.perplexity.margin),
+            "perplexity": self.perplexity.as_dict(),
+            "checks": self.checks,
+            "before": self.before,
+            "after": self.after,
+        }
 
 
 def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple[Decision, str, float | None]:
@@ -95,13 +102,22 @@ def _band_check(score: ModelScore, router: str, band: Band, where: str) -> tuple
     if measured and band.contains(cast(float, value)):  # measured: not None
         return "pass", f"{router}: {band.metric} {value:.3f} on {where} is inside the band ({band.describe()})", value
     if measured and not too_small:
-        return "reject", (f"{router}: {band.metric} {value:.3f} on {where} is outside the band "
-                          f"({band.describe()})"), value
+        return (
+            "reject",
+            (f"{router}: {band.metric} {value:.3f} on {where} is outside the band ({band.describe()})"),
+            value,
+        )
     record = score.routers.get(router)
     tokens = 0 if record is None else record.stats.tokens
-    return "insufficient", (f"{router}: {band.metric} is {'unmeasured' if not measured else f'{value:.3f}'} on "
-                            f"{tokens} tokens of {where}, fewer than the router's trusted minimum "
-                            f"({band.describe()} not judged)"), value
+    return (
+        "insufficient",
+        (
+            f"{router}: {band.metric} is {'unmeasured' if not measured else f'{value:.3f}'} on "
+            f"{tokens} tokens of {where}, fewer than the router's trusted minimum "
+            f"({band.describe()} not judged)"
+        ),
+        value,
+    )
 
 
 @dataclass
@@ -114,11 +130,19 @@ class KnownGood:
     live_outside_band: bool  # the live router reads outside its band (on the health text)
 
 
-def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[str], band: Band,
-                   max_perplexity_increase: PerplexityMargin | float | str = "2%",
-                   confidence: float = DEFAULT_CONFIDENCE, min_tokens: int = DEFAULT_MIN_TOKENS,
-                   min_samples: int = DEFAULT_MIN_SAMPLES, known_good: KnownGood | None = None,
-                   reference: Sequence[dict[str, Any]] = ()) -> GateReport:
+def evaluate_gates(
+    before: ModelScore,
+    after: ModelScore,
+    *,
+    routers: Sequence[str],
+    band: Band,
+    max_perplexity_increase: PerplexityMargin | float | str = "2%",
+    confidence: float = DEFAULT_CONFIDENCE,
+    min_tokens: int = DEFAULT_MIN_TOKENS,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+    known_good: KnownGood | None = None,
+    reference: Sequence[dict[str, Any]] = (),
+) -> GateReport:
     """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples
     (distinct texts); a restore from a known-good source also by ``known_good``; ``reference``: the checks on the
     reference prompts (:class:`mla_watch.cause.gate.ReferenceGate`), binding like the others."""
@@ -127,31 +151,69 @@ def evaluate_gates(before: ModelScore, after: ModelScore, *, routers: Sequence[s
         decision, message, value = _band_check(after, router, band, "held-out samples")
         if decision == "insufficient" and known_good is not None:
             decision, message, value = _band_check(known_good.score, router, band, "the health text")
-        checks.append({"gate": "band", "router": router, "value": _round(value), "limit": band.describe(),
-                       "decision": decision, "passed": decision == "pass", "message": message})
+        checks.append(
+            {
+                "gate": "band",
+                "router": router,
+                "value": _round(value),
+                "limit": band.describe(),
+                "decision": decision,
+                "passed": decision == "pass",
+                "message": message,
+            }
+        )
     if known_good is not None:
         health = known_good.health
         decision = "pass" if health.get("passed") else "reject" if health.get("checked") else "insufficient"
-        checks.append({"gate": "reference_health", "value": known_good.source, "limit": "no rule breached",
-                       "decision": decision, "passed": decision == "pass",
-                       "message": f"{known_good.source} on the health text ({health.get('tokens', 0)} tokens): "
-                                  f"{health.get('reason')}"})
-    comparison = compare_perplexity(before.losses, after.losses, before.counts,
-                                    margin=parse_margin(max_perplexity_increase), confidence=confidence,
-                                    min_tokens=min_tokens, min_samples=min_samples)
+        checks.append(
+            {
+                "gate": "reference_health",
+                "value": known_good.source,
+                "limit": "no rule breached",
+                "decision": decision,
+                "passed": decision == "pass",
+                "message": f"{known_good.source} on the health text ({health.get('tokens', 0)} tokens): "
+                f"{health.get('reason')}",
+            }
+        )
+    comparison = compare_perplexity(
+        before.losses,
+        after.losses,
+        before.counts,
+        margin=parse_margin(max_perplexity_increase),
+        confidence=confidence,
+        min_tokens=min_tokens,
+        min_samples=min_samples,
+    )
     binding = known_good is None or not known_good.live_outside_band
     message = comparison.message()
     if not binding:
-        message = (f"{message} (not binding: the live router reads outside its band, so the live model's perplexity "
-                   f"is no standard for a known-good restore)")
-    checks.append({"gate": "perplexity", "value": round(comparison.candidate_perplexity, 4),
-                   "limit": round(comparison.limit, 4), "decision": comparison.decision, "passed": comparison.passed,
-                   "binding": binding, "message": message})
+        message = (
+            f"{message} (not binding: the live router reads outside its band, so the live model's perplexity "
+            f"is no standard for a known-good restore)"
+        )
+    checks.append(
+        {
+            "gate": "perplexity",
+            "value": round(comparison.candidate_perplexity, 4),
+            "limit": round(comparison.limit, 4),
+            "decision": comparison.decision,
+            "passed": comparison.passed,
+            "binding": binding,
+            "message": message,
+        }
+    )
     checks.extend(reference)
     decisions = {check["decision"] for check in checks if check.get("binding", True)}
     overall: Decision = "reject" if "reject" in decisions else "insufficient" if "insufficient" in decisions else "pass"
-    return GateReport(decision=overall, checks=checks, before=before.as_dict(routers, band.metric),
-                      after=after.as_dict(routers, band.metric), band=band, perplexity=comparison)
+    return GateReport(
+        decision=overall,
+        checks=checks,
+        before=before.as_dict(routers, band.metric),
+        after=after.as_dict(routers, band.metric),
+        band=band,
+        perplexity=comparison,
+    )
 
 
 def _round(value: float | None) -> float | None:

@@ -32,8 +32,13 @@ _SEED = 20261201
 def threshold_rules(rules: Iterable[Any]) -> list[Any]:
     # Trend and prediction rules judge a history, not one reading; rules relative to the healthy baseline judge
     # a change from it, which a start-up check (before any baseline) has no reading of.
-    return [rule for rule in rules if (rule.below is not None or rule.above is not None) and rule.trend is None
-            and not getattr(rule, "baseline", None)]
+    return [
+        rule
+        for rule in rules
+        if (rule.below is not None or rule.above is not None)
+        and rule.trend is None
+        and not getattr(rule, "baseline", None)
+    ]
 
 
 def health_batches(tokenizer: Any, *, samples_per_domain: int = HEALTH_SAMPLES_PER_DOMAIN) -> list[dict[str, Any]]:
@@ -51,8 +56,11 @@ def judge_health(score: ModelScore, rules: Iterable[Any]) -> dict[str, Any]:
     """``{"passed", "checked", "tokens", "rules", "breaches", "reason"}``: ``score``'s routers by ``rules``."""
     judged = threshold_rules(rules)
     if not judged:
-        return {"passed": False, "checked": False,
-                "reason": "no alert rule with a below / above threshold is loaded to judge the routers by"}
+        return {
+            "passed": False,
+            "checked": False,
+            "reason": "no alert rule with a below / above threshold is loaded to judge the routers by",
+        }
     breaches = []
     for record in score.routers.values():
         stats = record.stats
@@ -64,18 +72,37 @@ def judge_health(score: ModelScore, rules: Iterable[Any]) -> dict[str, Any]:
             if value is None or value != value or not judged_window(stats.tokens, rule.min_tokens, stats.min_tokens):
                 continue
             if breached(value, rule.below, rule.above):
-                breaches.append({"rule": rule.name, "router": record.router.name, "metric": rule.metric,
-                                 "value": round(float(value), 4),
-                                 "threshold": rule.below if rule.below is not None else rule.above})
-    reason = ("; ".join(f"{b['router']}: {b['rule']} ({b['metric']} {b['value']:g}, threshold {b['threshold']:g})"
-                        for b in breaches[:5]) + (f"; and {len(breaches) - 5} more" if len(breaches) > 5 else "")
-              if breaches else "no rule breached")
-    return {"passed": not breaches, "checked": True, "tokens": score.tokens, "rules": sorted({r.name for r in judged}),
-            "breaches": breaches, "reason": reason}
+                breaches.append(
+                    {
+                        "rule": rule.name,
+                        "router": record.router.name,
+                        "metric": rule.metric,
+                        "value": round(float(value), 4),
+                        "threshold": rule.below if rule.below is not None else rule.above,
+                    }
+                )
+    reason = (
+        "; ".join(
+            f"{b['router']}: {b['rule']} ({b['metric']} {b['value']:g}, threshold {b['threshold']:g})"
+            for b in breaches[:5]
+        )
+        + (f"; and {len(breaches) - 5} more" if len(breaches) > 5 else "")
+        if breaches
+        else "no rule breached"
+    )
+    return {
+        "passed": not breaches,
+        "checked": True,
+        "tokens": score.tokens,
+        "rules": sorted({r.name for r in judged}),
+        "breaches": breaches,
+        "reason": reason,
+    }
 
 
-def startup_health(model: torch.nn.Module, tokenizer: Any, rules: Iterable[Any], *,
-                   samples_per_domain: int = HEALTH_SAMPLES_PER_DOMAIN) -> dict[str, Any]:
+def startup_health(
+    model: torch.nn.Module, tokenizer: Any, rules: Iterable[Any], *, samples_per_domain: int = HEALTH_SAMPLES_PER_DOMAIN
+) -> dict[str, Any]:
     """``{"passed", "checked", "tokens", "rules", "breaches", "reason"}`` for the routers of ``model`` now."""
     rules = list(rules)
     if not threshold_rules(rules):

@@ -75,8 +75,10 @@ class ModelRouters(RouterHost):
         from mla_watch.retune.router_tensors import apply_router_tensors
 
         # a torch tensor a local caller passes goes in as it is
-        staged = {name: cast("torch.Tensor", value) if is_torch_tensor(value) else to_torch(np.asarray(value))
-                  for name, value in tensors.items()}
+        staged = {
+            name: cast("torch.Tensor", value) if is_torch_tensor(value) else to_torch(np.asarray(value))
+            for name, value in tensors.items()
+        }
         apply_router_tensors(self.model, staged, self.lock)
         return {}
 

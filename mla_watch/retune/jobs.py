@@ -32,8 +32,16 @@ from mla_watch.quality.paired import (
     parse_margin,
 )
 
-__all__ = ["ENGINE_RETUNE_MODES", "FINAL_STATUSES", "JobSpec", "JobStore", "JobStoreError", "RetentionPolicy",
-           "RetuneSettings", "job_result"]
+__all__ = [
+    "ENGINE_RETUNE_MODES",
+    "FINAL_STATUSES",
+    "JobSpec",
+    "JobStore",
+    "JobStoreError",
+    "RetentionPolicy",
+    "RetuneSettings",
+    "job_result",
+]
 
 # proposed: a candidate saved and gated as far as it could be without the engine, waiting for
 # `mla-watch retune apply N` (serve --engine-retune propose).
@@ -87,12 +95,15 @@ class RetuneSettings:
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError("re-tune settings invalid: " + "; ".join(
-                f"{name}={getattr(self, name)!r}" for name in bad) + " (cooldown >= 0, min_held_out_tokens >= 1, "
+            raise ValueError(
+                "re-tune settings invalid: "
+                + "; ".join(f"{name}={getattr(self, name)!r}" for name in bad)
+                + " (cooldown >= 0, min_held_out_tokens >= 1, "
                 "min_held_out_samples >= 2, "
                 "retry_seconds > 0, max_wait_seconds >= 0, "
                 "min_samples >= 2, max_samples >= min_samples, 0 < held_out_fraction < 1, batch_size >= 1, "
-                "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)")
+                "max_tokens_per_sample >= 2, timeouts > 0, max_attempts >= 1)"
+            )
 
 
 @dataclass(frozen=True)
@@ -141,9 +152,18 @@ class JobSpec:
         return cls(**{key: value for key, value in data.items() if key in known})
 
 
-def job_result(spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, Any], *, started: float,
-               finished: float, version: int | None = None, strategy: str | None = None,
-               timings: Mapping[str, float] | None = None, engine: bool = False) -> dict[str, Any]:
+def job_result(
+    spec: JobSpec,
+    attempts: list[dict[str, Any]],
+    data: dict[str, Any],
+    *,
+    started: float,
+    finished: float,
+    version: int | None = None,
+    strategy: str | None = None,
+    timings: Mapping[str, float] | None = None,
+    engine: bool = False,
+) -> dict[str, Any]:
     """The result a try of a job records (the job store's ``result``, the admin API's answer).
 
     ``version``: the router version it promoted or proposed (``None``: none, and ``error`` says why from the
@@ -156,9 +176,13 @@ def job_result(spec: JobSpec, attempts: list[dict[str, Any]], data: dict[str, An
     if version is not None and isinstance(trigger_at, int | float):
         timings["trigger_to_promoted_seconds"] = round(finished - trigger_at, 3)
     reasons = [f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("reason")]
-    result: dict[str, Any] = {"version": version,
-                              "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
-                              "attempts": attempts, "data": data, "timings": timings}
+    result: dict[str, Any] = {
+        "version": version,
+        "strategy": strategy or (attempts[-1]["strategy"] if attempts else None),
+        "attempts": attempts,
+        "data": data,
+        "timings": timings,
+    }
     if engine:
         result["engine"] = True
     result["error"] = None if version is not None else ("; ".join(reasons) or "no strategy was tried")
@@ -186,8 +210,10 @@ class JobStore:
 
     def add(self, spec: JobSpec) -> dict[str, Any]:
         now = self._clock()
-        self._store.execute("INSERT INTO jobs (id, spec, status, attempts, created_at, updated_at) "
-                            "VALUES (?, ?, 'pending', 0, ?, ?)", (spec.id, json.dumps(spec.as_dict()), now, now))
+        self._store.execute(
+            "INSERT INTO jobs (id, spec, status, attempts, created_at, updated_at) VALUES (?, ?, 'pending', 0, ?, ?)",
+            (spec.id, json.dumps(spec.as_dict()), now, now),
+        )
         return self.get(spec.id)
 
     def get(self, job_id: str) -> dict[str, Any]:
@@ -208,46 +234,62 @@ class JobStore:
 
     def start(self, job_id: str) -> dict[str, Any]:
         """Mark a job running and count the attempt."""
-        self._store.execute("UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? "
-                            "WHERE id = ?", (self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET status = 'running', attempts = attempts + 1, updated_at = ? WHERE id = ?",
+            (self._clock(), job_id),
+        )
         return self.get(job_id)
 
     def finish(self, job_id: str, status: str, result: Mapping[str, Any]) -> dict[str, Any]:
         if status not in STATUSES:
             raise ValueError(f"status={status!r}: expected one of {STATUSES}")
-        self._store.execute("UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ?",
-                            (status, json.dumps(result), self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ?",
+            (status, json.dumps(result), self._clock(), job_id),
+        )
         return self.get(job_id)
 
     def wait(self, job_id: str, result: Mapping[str, Any]) -> dict[str, Any]:
         """A job that lacked data to decide: ``waiting`` (its attempts start again), ``result`` says until when."""
-        self._store.execute("UPDATE jobs SET status = 'waiting', attempts = 0, result = ?, updated_at = ? WHERE id = ?",
-                            (json.dumps(result), self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET status = 'waiting', attempts = 0, result = ?, updated_at = ? WHERE id = ?",
+            (json.dumps(result), self._clock(), job_id),
+        )
         return self.get(job_id)
 
     def end_waiting(self, job_id: str, status: str, result: Mapping[str, Any]) -> bool:
         """End a job only while it waits for data (a job running or ended is left as it is); whether it did."""
         if status not in FINAL_STATUSES:
             raise ValueError(f"status={status!r}: expected one of {FINAL_STATUSES}")
-        changed = self._store.run(lambda db: db.execute(
-            "UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ? AND status = 'waiting'",
-            (status, json.dumps(result), self._clock(), job_id)).rowcount)
+        changed = self._store.run(
+            lambda db: (
+                db.execute(
+                    "UPDATE jobs SET status = ?, result = ?, updated_at = ? WHERE id = ? AND status = 'waiting'",
+                    (status, json.dumps(result), self._clock(), job_id),
+                ).rowcount
+            )
+        )
         return bool(changed)
 
     def resume(self, job_id: str) -> None:
         """A waiting job whose retry is due goes back to ``pending``."""
-        self._store.execute("UPDATE jobs SET status = 'pending', updated_at = ? WHERE id = ? AND status = 'waiting'",
-                            (self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET status = 'pending', updated_at = ? WHERE id = ? AND status = 'waiting'",
+            (self._clock(), job_id),
+        )
 
     def requeue(self, job_id: str, note: str) -> None:
         """A job interrupted while running goes back to ``pending``, with ``note`` saying why."""
-        self._store.execute("UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
-                            (json.dumps({"note": note}), self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET status = 'pending', result = ?, updated_at = ? WHERE id = ?",
+            (json.dumps({"note": note}), self._clock(), job_id),
+        )
 
     def set_spec(self, job_id: str, spec: JobSpec) -> None:
-        self._store.execute("UPDATE jobs SET spec = ?, updated_at = ? "
-                            "WHERE id = ? AND status IN ('pending', 'waiting')",
-                            (json.dumps(spec.as_dict()), self._clock(), job_id))
+        self._store.execute(
+            "UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ? AND status IN ('pending', 'waiting')",
+            (json.dumps(spec.as_dict()), self._clock(), job_id),
+        )
 
     def close(self) -> None:
         self._store.close()
@@ -255,5 +297,12 @@ class JobStore:
 
 def _record(row: tuple) -> dict[str, Any]:
     job_id, spec, status, attempts, created_at, updated_at, result = row
-    return {"id": job_id, "spec": json.loads(spec), "status": status, "attempts": attempts,
-            "created_at": created_at, "updated_at": updated_at, "result": json.loads(result) if result else None}
+    return {
+        "id": job_id,
+        "spec": json.loads(spec),
+        "status": status,
+        "attempts": attempts,
+        "created_at": created_at,
+        "updated_at": updated_at,
+        "result": json.loads(result) if result else None,
+    }

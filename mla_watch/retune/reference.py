@@ -45,8 +45,11 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> Ro
         files = checkpoint_files(directory, "reference_model")
         missing = sorted(name for name in live if name not in files)
         if missing:
-            raise _problem(directory, f"router tensor {missing[0]} is not in the checkpoint ({len(missing)} of "
-                           f"{len(live)} missing)", "a checkpoint of the served model")
+            raise _problem(
+                directory,
+                f"router tensor {missing[0]} is not in the checkpoint ({len(missing)} of {len(live)} missing)",
+                "a checkpoint of the served model",
+            )
         served = {name: as_array(value) for name, value in live.items()}
         tensors: dict[str, np.ndarray] = {}
         by_file: dict[Path, list[str]] = {}
@@ -55,12 +58,18 @@ def load_reference_routers(directory: str | Path, live: Mapping[str, Any]) -> Ro
         for path, names in by_file.items():
             for name, tensor in read_tensors(path, names).items():
                 if tuple(tensor.shape) != tuple(served[name].shape):
-                    raise _problem(directory, f"{name} has shape {tuple(tensor.shape)} in {path.name}",
-                                   f"{tuple(served[name].shape)}, as served")
+                    raise _problem(
+                        directory,
+                        f"{name} has shape {tuple(tensor.shape)} in {path.name}",
+                        f"{tuple(served[name].shape)}, as served",
+                    )
                 tensors[name] = tensor.astype(served[name].dtype)
     except (OSError, SafetensorError) as error:
-        raise _problem(directory, f"cannot read the checkpoint: {type(error).__name__}: {str(error)[:200]}",
-                       "a readable safetensors checkpoint") from None
+        raise _problem(
+            directory,
+            f"cannot read the checkpoint: {type(error).__name__}: {str(error)[:200]}",
+            "a readable safetensors checkpoint",
+        ) from None
     return RouterReference(label=f"reference model {directory}", tensors=tensors)
 
 

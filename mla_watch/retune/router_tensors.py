@@ -47,18 +47,22 @@ def _live_router_tensors(model: torch.nn.Module, routers: Sequence[str] | None =
         if unknown:
             raise ValueError(f"not expert routers of {type(model).__name__}: {unknown}; routers are {list(modules)}")
         modules = {name: modules[name] for name in routers}
-    return {f"{name}.{leaf}": tensor for name, module in modules.items()
-            for leaf, tensor in _router_tensors(module).items()}
+    return {
+        f"{name}.{leaf}": tensor for name, module in modules.items() for leaf, tensor in _router_tensors(module).items()
+    }
 
 
 def router_state(model: torch.nn.Module, routers: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """``name -> detached CPU clone`` of every router tensor (optionally only of the named routers)."""
-    return {name: tensor.detach().to("cpu", copy=True).contiguous()
-            for name, tensor in _live_router_tensors(model, routers).items()}
+    return {
+        name: tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in _live_router_tensors(model, routers).items()
+    }
 
 
-def apply_router_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                         lock: threading.Lock | None = None) -> None:
+def apply_router_tensors(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], lock: threading.Lock | None = None
+) -> None:
     """Copy ``tensors`` into the model's router tensors in place, holding ``lock`` only for the copy.
 
     Every name and shape is checked (and every tensor staged on the model's device and dtype)

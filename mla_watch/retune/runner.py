@@ -86,13 +86,24 @@ class Retuner:
     while that fit runs.
     """
 
-    def __init__(self, *, model: torch.nn.Module, tokenizer: Any, versions: RouterVersions,
-                 settings: RetuneSettings, workdir: Path, promote: Callable[[int], Any],
-                 capture: TrafficCapture | None = None, model_lock: Any = None, model_ref: str = "bundled",
-                 clock: Callable[[], float] = time.time, dataset_dir: Path | None = None,
-                 reference: RouterReference | None = None,
-                 health_rules: Callable[[], Sequence[Any]] | None = None,
-                 reference_prompts: ReferenceGate | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        versions: RouterVersions,
+        settings: RetuneSettings,
+        workdir: Path,
+        promote: Callable[[int], Any],
+        capture: TrafficCapture | None = None,
+        model_lock: Any = None,
+        model_ref: str = "bundled",
+        clock: Callable[[], float] = time.time,
+        dataset_dir: Path | None = None,
+        reference: RouterReference | None = None,
+        health_rules: Callable[[], Sequence[Any]] | None = None,
+        reference_prompts: ReferenceGate | None = None,
+    ) -> None:
         self.model = model
         self.host = ModelRouters(model)  # the service holds the model lock around its swaps
         self._health_rules = health_rules  # the loaded alert rules: a restore is judged by them on the health text
@@ -150,8 +161,9 @@ class Retuner:
         limit = self.settings.max_tokens_per_sample
         train_batches = make_batches(train, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
         held_batches = make_batches(held_out, batch_size=self.settings.batch_size, pad_id=pad, max_tokens=limit)
-        held_tokens = sum(int(scored_targets(batch["attention_mask"], batch.get("loss_mask")).sum())
-                          for batch in held_batches)
+        held_tokens = sum(
+            int(scored_targets(batch["attention_mask"], batch.get("loss_mask")).sum()) for batch in held_batches
+        )
         data.update({"train_samples": len(train), "held_out_samples": len(held_out), "held_out_tokens": held_tokens})
         timings["data_seconds"] = round(self._clock() - started, 3)
         short = self._short_of_evidence(held_tokens, len(held_out))
@@ -182,65 +194,104 @@ class Retuner:
                 continue
             mark = self._clock()
             try:
-                options = strategy.parse_options({**self.settings.strategy_options.get(name, {}),
-                                                  **spec.options.get(name, {})}, f"options.{name}")
+                options = strategy.parse_options(
+                    {**self.settings.strategy_options.get(name, {}), **spec.options.get(name, {})}, f"options.{name}"
+                )
                 candidate = self._fit(spec, name, options, train, train_batches)
             except Exception as error:  # one strategy failing must not stop the next one
                 log.exception("re-tune job %s: strategy %s failed", spec.id, name)
                 attempt.update(outcome="failed", reason=f"{type(error).__name__}: {error}")
                 continue
             attempt["fit_seconds"] = round(self._clock() - mark, 3)
-            if all(name in original and torch.equal(tensor.to(original[name].dtype), original[name])
-                   for name, tensor in candidate.tensors.items()):
-                attempt.update(outcome="unchanged", reason="the candidate's tensors are the ones serving now: "
-                                                           "nothing to try")
+            if all(
+                name in original and torch.equal(tensor.to(original[name].dtype), original[name])
+                for name, tensor in candidate.tensors.items()
+            ):
+                attempt.update(
+                    outcome="unchanged", reason="the candidate's tensors are the ones serving now: nothing to try"
+                )
                 continue
             mark = self._clock()
             apply_router_tensors(work, candidate.tensors)
             after = score_model(work, held_batches)
-            reference_checks = self._reference_checks(spec, reference_live, self._reference_scores(
-                work, spec.business_line), watched, band)
+            reference_checks = self._reference_checks(
+                spec, reference_live, self._reference_scores(work, spec.business_line), watched, band
+            )
             known_good = None
             if name == "restore" and health.judged:
-                known_good = health.known_good(work, candidate.details.get("reference") or "the restored routers",
-                                               routers=spec.routers, band=band, live_state=original)
+                known_good = health.known_good(
+                    work,
+                    candidate.details.get("reference") or "the restored routers",
+                    routers=spec.routers,
+                    band=band,
+                    live_state=original,
+                )
             apply_router_tensors(work, original)
-            report = evaluate_gates(before, after, routers=watched, band=band,
-                                    max_perplexity_increase=spec.max_perplexity_increase,
-                                    confidence=self.settings.gate_confidence,
-                                    min_tokens=self.settings.min_held_out_tokens,
-                                    min_samples=self.settings.min_held_out_samples, known_good=known_good,
-                                    reference=reference_checks)
+            report = evaluate_gates(
+                before,
+                after,
+                routers=watched,
+                band=band,
+                max_perplexity_increase=spec.max_perplexity_increase,
+                confidence=self.settings.gate_confidence,
+                min_tokens=self.settings.min_held_out_tokens,
+                min_samples=self.settings.min_held_out_samples,
+                known_good=known_good,
+                reference=reference_checks,
+            )
             attempt["gate_seconds"] = round(self._clock() - mark, 3)
-            manifest = {"job": spec.id, "trigger": spec.trigger, "data": data, "strategy": name,
-                        "routers": spec.routers, "details": candidate.details, "gates": report.as_dict(),
-                        "timings": {**timings, "fit_seconds": attempt["fit_seconds"],
-                                    "gate_seconds": attempt["gate_seconds"]}}
+            manifest = {
+                "job": spec.id,
+                "trigger": spec.trigger,
+                "data": data,
+                "strategy": name,
+                "routers": spec.routers,
+                "details": candidate.details,
+                "gates": report.as_dict(),
+                "timings": {**timings, "fit_seconds": attempt["fit_seconds"], "gate_seconds": attempt["gate_seconds"]},
+            }
             version = self.versions.save(as_arrays(candidate.tensors), manifest)
             attempt.update(version=version, gates=report.as_dict())
             if not report.passed:
                 outcome = "rejected" if report.decision == "reject" else "insufficient"
                 attempt.update(outcome=outcome, reason="; ".join(report.reasons()))
-                log.warning("re-tune job %s: %s (version %d) %s: %s", spec.id, name, version,
-                            "rejected" if outcome == "rejected" else "undecided", attempt["reason"])
+                log.warning(
+                    "re-tune job %s: %s (version %d) %s: %s",
+                    spec.id,
+                    name,
+                    version,
+                    "rejected" if outcome == "rejected" else "undecided",
+                    attempt["reason"],
+                )
                 continue
             mark = self._clock()
             self._promote(version)
             attempt.update(outcome="promoted", promote_seconds=round(self._clock() - mark, 3))
             log.info("re-tune job %s: %s promoted as router version %d", spec.id, name, version)
-            return "promoted", job_result(spec, attempts, data, started=started, finished=self._clock(),
-                                          timings=timings, version=version, strategy=name)
+            return "promoted", job_result(
+                spec,
+                attempts,
+                data,
+                started=started,
+                finished=self._clock(),
+                timings=timings,
+                version=version,
+                strategy=name,
+            )
         outcomes = {attempt.get("outcome") for attempt in attempts}
         result = job_result(spec, attempts, data, started=started, finished=self._clock(), timings=timings)
         if "insufficient" in outcomes:  # a candidate the held-out data could not judge: more data decides
             result["needs"] = "more held-out data: " + "; ".join(
-                f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("outcome") == "insufficient")
+                f"{a['strategy']}: {a['reason']}" for a in attempts if a.get("outcome") == "insufficient"
+            )
             return "waiting", result
         outside = health.outside_band(work, spec.routers, band, before) if "rejected" in outcomes else []
         if outside:  # still broken: a rejection is no reason to stop trying, only to wait for better evidence
-            result["needs"] = (f"a candidate that passes its gates: every one was rejected while {outside[0]} still "
-                               f"reads outside its band ({band.describe()}); trying again on newer traffic "
-                               f"(now {len(held_out)} distinct held-out samples, {held_tokens} tokens)")
+            result["needs"] = (
+                f"a candidate that passes its gates: every one was rejected while {outside[0]} still "
+                f"reads outside its band ({band.describe()}); trying again on newer traffic "
+                f"(now {len(held_out)} distinct held-out samples, {held_tokens} tokens)"
+            )
             result["rejected_while_outside_band"] = True
             return "waiting", result
         return ("rejected" if "rejected" in outcomes else "failed"), result
@@ -254,26 +305,42 @@ class Retuner:
             batches = self._reference_batches.get(reference.digest)
             if batches is None:
                 batches = self._reference_batches[reference.digest] = reference_batches(
-                    self.tokenizer, reference, model_context(self.model))  # read as the prober reads them
+                    self.tokenizer, reference, model_context(self.model)
+                )  # read as the prober reads them
             scores[reference.name] = score_model(model, batches, business_line=reference.name)
         return scores
 
-    def _reference_checks(self, spec: JobSpec, live: dict[str, ModelScore], candidate: dict[str, ModelScore],
-                          watched: list[str], band: Band) -> list[dict[str, Any]]:
+    def _reference_checks(
+        self,
+        spec: JobSpec,
+        live: dict[str, ModelScore],
+        candidate: dict[str, ModelScore],
+        watched: list[str],
+        band: Band,
+    ) -> list[dict[str, Any]]:
         if self.reference_prompts is None:
             return []
         return self.reference_prompts.checks(
-            spec.business_line, live, candidate, routers=watched, band=band, margin=spec.max_perplexity_increase,
-            confidence=self.settings.gate_confidence, min_tokens=self.settings.min_held_out_tokens,
-            min_samples=self.settings.min_held_out_samples)
+            spec.business_line,
+            live,
+            candidate,
+            routers=watched,
+            band=band,
+            margin=spec.max_perplexity_increase,
+            confidence=self.settings.gate_confidence,
+            min_tokens=self.settings.min_held_out_tokens,
+            min_samples=self.settings.min_held_out_samples,
+        )
 
     def _short_of_evidence(self, tokens: int, samples: int) -> str | None:
         """Why the held-out samples cannot decide a perplexity gate (``None`` when they can)."""
         if tokens >= self.settings.min_held_out_tokens and samples >= self.settings.min_held_out_samples:
             return None
-        return (f"{tokens} scored held-out tokens in {samples} distinct samples; the perplexity gate decides on at "
-                f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} distinct "
-                f"samples (let more traffic be captured: a repeated prompt counts once)")
+        return (
+            f"{tokens} scored held-out tokens in {samples} distinct samples; the perplexity gate decides on at "
+            f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} distinct "
+            f"samples (let more traffic be captured: a repeated prompt counts once)"
+        )
 
     # ------------------------------------------------------------------ parts
     def _samples(self, spec: JobSpec) -> tuple[list[TokenSample], dict[str, Any]]:
@@ -284,29 +351,42 @@ class Retuner:
                     path, label = resolve_dataset(spec.dataset, self.dataset_dir), spec.dataset
                 else:
                     path, label = Path(spec.dataset), None
-                samples = load_jsonl_dataset(path, self.tokenizer, business_line=line,
-                                             max_samples=self.settings.max_samples, label=label)
+                samples = load_jsonl_dataset(
+                    path, self.tokenizer, business_line=line, max_samples=self.settings.max_samples, label=label
+                )
             except ValueError as error:  # DatasetError among them; no message quotes the file's content
                 raise JobCannotRun(str(error)) from None
             source = {"source": "dataset", "path": spec.dataset}
         elif self.capture is None:
-            raise JobCannotRun("no data: traffic capture is off (serve with --capture to record recent traffic "
-                             "per business line) and the job names no dataset (a JSONL file)")
+            raise JobCannotRun(
+                "no data: traffic capture is off (serve with --capture to record recent traffic "
+                "per business line) and the job names no dataset (a JSONL file)"
+            )
         else:
             samples = self.capture.samples(line, limit=self.settings.max_samples)
             source = {"source": "capture"}
         if len(samples) < self.settings.min_samples:
             where = f"business line {line!r}" if line else "all business lines"
-            raise JobCannotRun(f"{len(samples)} samples of {where} are available; the job needs at least "
-                               f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)",
-                               needs_data=source["source"] == "capture")
+            raise JobCannotRun(
+                f"{len(samples)} samples of {where} are available; the job needs at least "
+                f"{self.settings.min_samples} (let more traffic be captured, or give a dataset)",
+                needs_data=source["source"] == "capture",
+            )
         distinct = distinct_count(samples)
         if distinct < 2:
-            raise JobCannotRun(f"the {len(samples)} samples hold {distinct} distinct text(s); the job needs at least 2 "
-                               f"(one to train on, one held out)", needs_data=source["source"] == "capture")
-        return samples, {**source, "business_line": line, "samples": len(samples), "distinct_samples": distinct,
-                         "evidence": evidence_digest(samples),
-                         "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples)}
+            raise JobCannotRun(
+                f"the {len(samples)} samples hold {distinct} distinct text(s); the job needs at least 2 "
+                f"(one to train on, one held out)",
+                needs_data=source["source"] == "capture",
+            )
+        return samples, {
+            **source,
+            "business_line": line,
+            "samples": len(samples),
+            "distinct_samples": distinct,
+            "evidence": evidence_digest(samples),
+            "tokens": sum(min(len(s), self.settings.max_tokens_per_sample) for s in samples),
+        }
 
     def _copy_live(self) -> torch.nn.Module:
         if self._model_lock is None:
@@ -314,16 +394,24 @@ class Retuner:
         with self._model_lock:  # a consistent snapshot even if a promotion is under way
             return copy_without_hooks(self.model).eval()
 
-    def _fit(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample],
-             batches: list[Any]) -> Candidate:
+    def _fit(
+        self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample], batches: list[Any]
+    ) -> Candidate:
         if self.settings.command and name != "restore":  # restore is a registry lookup: always here
             return self._fit_external(spec, name, options, train)
-        context = FitContext(model=self.model, batches=batches, routers=list(spec.routers), versions=self.versions,
-                             options=options, reference=self.reference)
+        context = FitContext(
+            model=self.model,
+            batches=batches,
+            routers=list(spec.routers),
+            versions=self.versions,
+            options=options,
+            reference=self.reference,
+        )
         return get_strategy(name).fit(context)
 
-    def _fit_external(self, spec: JobSpec, name: str, options: dict[str, Any],
-                      train: Sequence[TokenSample]) -> Candidate:
+    def _fit_external(
+        self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample]
+    ) -> Candidate:
         directory = self.workdir / f"{spec.id}-{name}"
         shutil.rmtree(directory, ignore_errors=True)
         ensure_private_dir(self.workdir)
@@ -333,30 +421,53 @@ class Retuner:
         finally:  # the samples are customer traffic: they live only as long as the fit
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _run_external(self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample],
-                      directory: Path) -> Candidate:
+    def _run_external(
+        self, spec: JobSpec, name: str, options: dict[str, Any], train: Sequence[TokenSample], directory: Path
+    ) -> Candidate:
         output = directory / "output"
         output.mkdir(mode=0o700)
         job_file, data_file = directory / "job.json", directory / "data.jsonl"
         routers_file = directory / "routers.safetensors"
-        write_file(job_file, json.dumps({**spec.as_dict(), "strategy": name, "options": options,
-                                         "batch_size": self.settings.batch_size,
-                                         "max_tokens_per_sample": self.settings.max_tokens_per_sample}, indent=2),
-                   private=True)
+        write_file(
+            job_file,
+            json.dumps(
+                {
+                    **spec.as_dict(),
+                    "strategy": name,
+                    "options": options,
+                    "batch_size": self.settings.batch_size,
+                    "max_tokens_per_sample": self.settings.max_tokens_per_sample,
+                },
+                indent=2,
+            ),
+            private=True,
+        )
         write_file(data_file, "".join(json.dumps(sample.as_record()) + "\n" for sample in train), private=True)
         write_file(routers_file, save(router_state(self.model)), private=True)
-        fields = {"job": job_file, "data": data_file, "routers": routers_file, "output": output,
-                  "model": self.model_ref, "strategy": name, "job_id": spec.id, "python": sys.executable}
+        fields = {
+            "job": job_file,
+            "data": data_file,
+            "routers": routers_file,
+            "output": output,
+            "model": self.model_ref,
+            "strategy": name,
+            "job_id": spec.id,
+            "python": sys.executable,
+        }
         try:
-            command = [part.format(**{key: str(value) for key, value in fields.items()})
-                       for part in shlex.split(self.settings.command or "")]
+            command = [
+                part.format(**{key: str(value) for key, value in fields.items()})
+                for part in shlex.split(self.settings.command or "")
+            ]
         except (KeyError, IndexError, ValueError) as error:
-            raise ValueError(f"retune command template {self.settings.command!r} is invalid: {error!r}; "
-                             f"fields are {sorted(fields)}") from error
+            raise ValueError(
+                f"retune command template {self.settings.command!r} is invalid: {error!r}; fields are {sorted(fields)}"
+            ) from error
         log.info("re-tune job %s: running %s", spec.id, command[0] if command else "")
         try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=self.settings.command_timeout,
-                                       check=False)
+            completed = subprocess.run(
+                command, capture_output=True, text=True, timeout=self.settings.command_timeout, check=False
+            )
         except subprocess.TimeoutExpired as error:
             raise RuntimeError(f"the external command ran past {self.settings.command_timeout:g} s") from error
         except OSError as error:
@@ -406,8 +517,15 @@ class _HealthText:
             self._live = self._score(model)
         return self._live
 
-    def known_good(self, model: torch.nn.Module, source: str, *, routers: Sequence[str], band: Band,
-                   live_state: dict[str, torch.Tensor]) -> KnownGood:
+    def known_good(
+        self,
+        model: torch.nn.Module,
+        source: str,
+        *,
+        routers: Sequence[str],
+        band: Band,
+        live_state: dict[str, torch.Tensor],
+    ) -> KnownGood:
         """``model`` holds the candidate; ``live_state`` the live routers (put back to read them)."""
         from mla_watch.retune.health import judge_health
 
@@ -417,11 +535,16 @@ class _HealthText:
             apply_router_tensors(model, live_state)
             self.live(model)
             apply_router_tensors(model, restored)
-        return KnownGood(source=source, health=judge_health(candidate, self.rules), score=candidate,
-                         live_outside_band=self._live is not None and bool(self._live.outside(routers, band)))
+        return KnownGood(
+            source=source,
+            health=judge_health(candidate, self.rules),
+            score=candidate,
+            live_outside_band=self._live is not None and bool(self._live.outside(routers, band)),
+        )
 
-    def outside_band(self, model: torch.nn.Module, routers: Sequence[str], band: Band,
-                     held_out: ModelScore) -> list[str]:
+    def outside_band(
+        self, model: torch.nn.Module, routers: Sequence[str], band: Band, held_out: ModelScore
+    ) -> list[str]:
         """The routers that read outside ``band`` now (``model`` holds the live routers): on the health text when
         there are rules to judge it by, else on the held-out samples (``held_out``: the live model's score)."""
         score = self.live(model) if self.judged else held_out

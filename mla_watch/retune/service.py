@@ -98,13 +98,22 @@ class Cooldown(Exception):
 
 
 class RetuneService:
-    def __init__(self, *, state_dir: Path, settings: RetuneSettings, retuner: RetuneRunner, versions: RouterVersions,
-                 model_lock: Any, on_promoted: Callable[[str, list[str]], None] | None = None,
-                 on_outcome: Callable[[str, str], None] | None = None,
-                 on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
-                 on_proposed: Callable[[JobSpec, dict[str, Any]], None] | None = None,
-                 health_check: Callable[[Any], dict[str, Any]] | None = None,
-                 resume_jobs: bool = True, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        state_dir: Path,
+        settings: RetuneSettings,
+        retuner: RetuneRunner,
+        versions: RouterVersions,
+        model_lock: Any,
+        on_promoted: Callable[[str, list[str]], None] | None = None,
+        on_outcome: Callable[[str, str], None] | None = None,
+        on_rejected: Callable[[JobSpec, dict[str, Any]], None] | None = None,
+        on_proposed: Callable[[JobSpec, dict[str, Any]], None] | None = None,
+        health_check: Callable[[Any], dict[str, Any]] | None = None,
+        resume_jobs: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.state_dir = ensure_private_dir(state_dir)  # 0700: captured traffic and job files live here
         self.settings = settings
         self.retuner = retuner
@@ -129,8 +138,11 @@ class RetuneService:
         self.scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(url=f"sqlite:///{self.state_dir / 'retune_schedule.sqlite'}")},
             executors={"default": self._executor},
-            job_defaults={"coalesce": True, "max_instances": 1,
-                          "misfire_grace_time": int(settings.misfire_grace_seconds)},
+            job_defaults={
+                "coalesce": True,
+                "max_instances": 1,
+                "misfire_grace_time": int(settings.misfire_grace_seconds),
+            },
             timezone="UTC",
         )
         self.scheduler.add_listener(self._missed, EVENT_JOB_MISSED)
@@ -148,35 +160,58 @@ class RetuneService:
                         health = self._health_check(host)
                 except Exception as error:  # serving must not depend on it: version 0 is then just not known good
                     log.exception("the start-up health check of the routers failed")
-                    health = {"passed": False, "checked": False,
-                              "reason": f"the health check failed: {type(error).__name__}: {str(error)[:200]}"}
-                log.log(logging.INFO if health.get("passed") else logging.WARNING,
-                        "router version 0 (the routers served now) %s: %s",
-                        "passed its start-up health check" if health.get("passed") else
-                        "is not known to be good; `restore` will not put it back", health.get("reason"))
+                    health = {
+                        "passed": False,
+                        "checked": False,
+                        "reason": f"the health check failed: {type(error).__name__}: {str(error)[:200]}",
+                    }
+                log.log(
+                    logging.INFO if health.get("passed") else logging.WARNING,
+                    "router version 0 (the routers served now) %s: %s",
+                    "passed its start-up health check"
+                    if health.get("passed")
+                    else "is not known to be good; `restore` will not put it back",
+                    health.get("reason"),
+                )
             self.versions.record_initial(host, health)
         else:
             differences = self.versions.initial_differences(host)
             live = self.versions.live_version()
             if differences:
-                log.warning("the served routers differ from router version 0 in %d tensors (%s ...): a new model "
-                            "or a damaged deploy; serving them as loaded (the `restore` strategy puts router "
-                            "version %s back)", len(differences), differences[0], self.versions.last_good())
+                log.warning(
+                    "the served routers differ from router version 0 in %d tensors (%s ...): a new model "
+                    "or a damaged deploy; serving them as loaded (the `restore` strategy puts router "
+                    "version %s back)",
+                    len(differences),
+                    differences[0],
+                    self.versions.last_good(),
+                )
             elif live:
                 try:
                     self._apply_live_state()
                     log.info("router version %d re-applied after the restart", live)
                 except Exception as error:  # an engine not up yet must not stop the sidecar: promote it again later
-                    log.error("router version %d could not be re-applied after the restart (%s: %s); serving what "
-                              "the model loaded until `mla-watch retune promote %d`", live, type(error).__name__,
-                              str(error)[:200], live)
+                    log.error(
+                        "router version %d could not be re-applied after the restart (%s: %s); serving what "
+                        "the model loaded until `mla-watch retune promote %d`",
+                        live,
+                        type(error).__name__,
+                        str(error)[:200],
+                        live,
+                    )
         _SERVICES[self._key] = self
         self.retuner.remove_work()  # left by a job that a crash interrupted (it starts afresh if retried)
         if not self._resume_jobs:
             for record in self.store.list(limit=1000, statuses=["running", "pending", "waiting"]):
-                self.store.finish(record["id"], "failed", {
-                    "error": "interrupted by a restart; in a fleet the fleet decides again", "attempts": [],
-                    "cannot_run": True})
+                self.store.finish(
+                    record["id"],
+                    "failed",
+                    {
+                        "error": "interrupted by a restart; in a fleet the fleet decides again",
+                        "attempts": [],
+                        "cannot_run": True,
+                    },
+                )
         for record in self.store.list(limit=1000, statuses=["running"]):
             self._recover(record)
         # Paused first: a pending job the schedule lost (a crash between recording and scheduling it)
@@ -203,30 +238,44 @@ class RetuneService:
             # The running job is waited for here, not in shutdown(wait=True): that holds the scheduler's
             # job-store lock while it waits, and a finishing job that supersedes or re-schedules a job
             # needs the same lock (a deadlock).
-            waiting = threading.Thread(target=self._executor.shutdown, kwargs={"wait": True},
-                                       name="mla-watch-retune-stop", daemon=True)
+            waiting = threading.Thread(
+                target=self._executor.shutdown, kwargs={"wait": True}, name="mla-watch-retune-stop", daemon=True
+            )
             waiting.start()
             waiting.join(timeout)
             if waiting.is_alive():
                 with self._promoting:  # a promotion under way ends first; none starts after this
                     self._abandoned.set()
                 running = [record["id"] for record in self.store.list(limit=10, statuses=["running"])]
-                log.warning("re-tune job(s) %s abandoned at the stop: nothing of them is promoted; the next start "
-                            "records them as interrupted", ", ".join(running) or "?")
+                log.warning(
+                    "re-tune job(s) %s abandoned at the stop: nothing of them is promoted; the next start "
+                    "records them as interrupted",
+                    ", ".join(running) or "?",
+                )
             self.scheduler.shutdown(wait=False)
         _SERVICES.pop(self._key, None)
         self.store.close()
 
     def _recover(self, record: Mapping[str, Any]) -> None:
         if record["attempts"] < self.settings.max_attempts:
-            log.warning("re-tune job %s was interrupted by a restart (attempt %d of %d): running it again",
-                        record["id"], record["attempts"], self.settings.max_attempts)
+            log.warning(
+                "re-tune job %s was interrupted by a restart (attempt %d of %d): running it again",
+                record["id"],
+                record["attempts"],
+                self.settings.max_attempts,
+            )
             self.store.requeue(record["id"], f"interrupted during attempt {record['attempts']}; retried")
             self._schedule(record["id"])
         else:
-            self.store.finish(record["id"], "failed", {
-                "error": f"interrupted {record['attempts']} times by a restart (max_attempts "
-                         f"{self.settings.max_attempts})", "attempts": []})
+            self.store.finish(
+                record["id"],
+                "failed",
+                {
+                    "error": f"interrupted {record['attempts']} times by a restart (max_attempts "
+                    f"{self.settings.max_attempts})",
+                    "attempts": [],
+                },
+            )
 
     # ------------------------------------------------------------------ triggers
     def submit(self, spec: JobSpec, *, force: bool = False) -> dict[str, Any]:
@@ -237,8 +286,9 @@ class RetuneService:
         """
         unknown = [name for name in spec.strategies if name not in RETUNE_STRATEGIES]
         if not spec.strategies or unknown:
-            raise ValueError(f"strategies={spec.strategies!r}: expected a non-empty list of "
-                             f"{sorted(RETUNE_STRATEGIES)}")
+            raise ValueError(
+                f"strategies={spec.strategies!r}: expected a non-empty list of {sorted(RETUNE_STRATEGIES)}"
+            )
         routers = self.retuner.host.router_names()
         bad = [name for name in spec.routers if name not in routers]
         if not spec.routers or bad:
@@ -248,9 +298,13 @@ class RetuneService:
             recent = self.store.list(limit=500)
             for record in recent:
                 other = JobSpec.from_dict(record["spec"])
-                if (record["status"] in ("pending", "waiting") and other.business_line == spec.business_line
-                        and other.strategies == spec.strategies and other.dataset == spec.dataset
-                        and other.version == spec.version):
+                if (
+                    record["status"] in ("pending", "waiting")
+                    and other.business_line == spec.business_line
+                    and other.strategies == spec.strategies
+                    and other.dataset == spec.dataset
+                    and other.version == spec.version
+                ):
                     other.routers = list(dict.fromkeys([*other.routers, *spec.routers]))
                     other.watched = list(dict.fromkeys([*other.watched, *spec.watched]))
                     self.store.set_spec(other.id, other)
@@ -264,17 +318,28 @@ class RetuneService:
                         raise Cooldown(
                             f"router {sorted(shared)[0]} had re-tune job {record['id']} ({record['status']}) "
                             f"{now - record['created_at']:.0f} s ago; the cooldown is "
-                            f"{self.settings.cooldown_seconds:g} s (force it from the CLI or the admin API)")
+                            f"{self.settings.cooldown_seconds:g} s (force it from the CLI or the admin API)"
+                        )
             record = self.store.add(spec)
             self._schedule(spec.id)
-        log.info("re-tune job %s scheduled: %s on %s (%s)", spec.id, "/".join(spec.strategies),
-                 ", ".join(spec.routers), spec.trigger.get("source", "?"))
+        log.info(
+            "re-tune job %s scheduled: %s on %s (%s)",
+            spec.id,
+            "/".join(spec.strategies),
+            ", ".join(spec.routers),
+            spec.trigger.get("source", "?"),
+        )
         return record
 
     def alert_spec(self, action: Any) -> JobSpec:
         """The job a rule's ``retune`` action asks for: the alert's router, in the band of its rule."""
-        return alert_job_spec(action, watched=self.watched_by(action.rule), default_strategies=DEFAULT_STRATEGIES,
-                              max_perplexity_increase=self.settings.max_perplexity_increase, at=self._clock())
+        return alert_job_spec(
+            action,
+            watched=self.watched_by(action.rule),
+            default_strategies=DEFAULT_STRATEGIES,
+            max_perplexity_increase=self.settings.max_perplexity_increase,
+            at=self._clock(),
+        )
 
     def on_alert(self, action: Any) -> dict[str, Any] | None:
         """A rule's ``retune`` action: one job for the alert's router, in the band of its rule."""
@@ -290,8 +355,11 @@ class RetuneService:
 
     def watched_by(self, rule: Any | None) -> list[str]:
         """The expert routers ``rule`` watches (every one for ``None``): those the band gate checks."""
-        return [info.name for info in self.retuner.host.routers()
-                if rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"})]
+        return [
+            info.name
+            for info in self.retuner.host.routers()
+            if rule is None or rule.selector.matches({"name": info.name, "layer": info.layer, "kind": "expert"})
+        ]
 
     # ------------------------------------------------------------------ running
     def _schedule(self, job_id: str, at: float | None = None) -> None:
@@ -299,8 +367,15 @@ class RetuneService:
         if self._stopping.is_set():
             return  # recorded pending or waiting (with its retry_at) in the job store: the next start() schedules it
         when = None if at is None else datetime.fromtimestamp(max(at, time.time()), tz=timezone.utc)
-        self.scheduler.add_job(_run_scheduled, trigger="date", run_date=when, args=[self._key, job_id], id=job_id,
-                               name=f"retune {job_id}", replace_existing=True)
+        self.scheduler.add_job(
+            _run_scheduled,
+            trigger="date",
+            run_date=when,
+            args=[self._key, job_id],
+            id=job_id,
+            name=f"retune {job_id}",
+            replace_existing=True,
+        )
 
     def _missed(self, event: JobEvent) -> None:
         try:
@@ -308,9 +383,15 @@ class RetuneService:
         except KeyError:
             return
         if record["status"] in ("pending", "waiting"):
-            self.store.finish(event.job_id, "failed", {
-                "error": f"missed: the scheduler was down for longer than misfire_grace_time "
-                         f"({self.settings.misfire_grace_seconds:g} s)", "attempts": []})
+            self.store.finish(
+                event.job_id,
+                "failed",
+                {
+                    "error": f"missed: the scheduler was down for longer than misfire_grace_time "
+                    f"({self.settings.misfire_grace_seconds:g} s)",
+                    "attempts": [],
+                },
+            )
 
     def execute(self, job_id: str) -> dict[str, Any]:
         """Run one job now (the scheduler's worker thread calls this)."""
@@ -331,8 +412,10 @@ class RetuneService:
             return record
         except Exception as error:  # the record must say what happened, whatever it was
             log.exception("re-tune job %s failed", job_id)
-            status, result = "failed", {"error": f"{type(error).__name__}: {error}", "attempts": [],
-                                        "strategy": spec.strategies[0]}
+            status, result = (
+                "failed",
+                {"error": f"{type(error).__name__}: {error}", "attempts": [], "strategy": spec.strategies[0]},
+            )
         if self._abandoned.is_set():  # the store is closed: left `running`, the next start records it as interrupted
             log.info("re-tune job %s ended %s after the stop abandoned it: not recorded", job_id, status)
             return record
@@ -349,8 +432,12 @@ class RetuneService:
             record = self.store.finish(job_id, status, result)
         if status == "promoted":
             self._supersede(record)
-        log.info("re-tune job %s ended %s%s", job_id, status,
-                 "" if status == "promoted" else f": {record['result'].get('error')}")
+        log.info(
+            "re-tune job %s ended %s%s",
+            job_id,
+            status,
+            "" if status == "promoted" else f": {record['result'].get('error')}",
+        )
         if status == "rejected" and self._on_rejected is not None:
             self._on_rejected(spec, result)
         if status == "proposed" and self._on_proposed is not None:
@@ -365,10 +452,18 @@ class RetuneService:
             if set(record["spec"]["routers"]) <= routers:
                 with contextlib.suppress(JobLookupError):
                     self.scheduler.remove_job(record["id"])
-                self.store.finish(record["id"], "superseded", {
-                    "superseded_by": promoted["id"], "version": None, "attempts": [], "cannot_run": True,
-                    "error": f"superseded: job {promoted['id']} promoted router version "
-                             f"{promoted['result'].get('version')} for {', '.join(sorted(routers))}"})
+                self.store.finish(
+                    record["id"],
+                    "superseded",
+                    {
+                        "superseded_by": promoted["id"],
+                        "version": None,
+                        "attempts": [],
+                        "cannot_run": True,
+                        "error": f"superseded: job {promoted['id']} promoted router version "
+                        f"{promoted['result'].get('version')} for {', '.join(sorted(routers))}",
+                    },
+                )
                 log.info("re-tune job %s superseded by job %s", record["id"], promoted["id"])
 
     def withdraw(self, job_id: str, reason: str) -> bool:
@@ -388,15 +483,25 @@ class RetuneService:
         now = self._clock()
         since = now if since is None else since
         if now - since >= self.settings.max_wait_seconds:
-            return self.store.finish(job_id, "failed", {
-                **result, "cannot_run": True,
-                "error": f"not enough data to decide after waiting {now - since:.0f} s (max_wait_seconds "
-                         f"{self.settings.max_wait_seconds:g}): {result.get('needs')}"})
+            return self.store.finish(
+                job_id,
+                "failed",
+                {
+                    **result,
+                    "cannot_run": True,
+                    "error": f"not enough data to decide after waiting {now - since:.0f} s (max_wait_seconds "
+                    f"{self.settings.max_wait_seconds:g}): {result.get('needs')}",
+                },
+            )
         retry_at = now + self.settings.retry_seconds
         record = self.store.wait(job_id, {**result, "waiting_since": since, "retry_at": retry_at})
         self._schedule(job_id, at=time.time() + self.settings.retry_seconds)
-        log.info("re-tune job %s waits for more data (retry in %g s): %s", job_id, self.settings.retry_seconds,
-                 result.get("needs"))
+        log.info(
+            "re-tune job %s waits for more data (retry in %g s): %s",
+            job_id,
+            self.settings.retry_seconds,
+            result.get("needs"),
+        )
         return record
 
     def wait_idle(self, timeout: float) -> bool:
@@ -430,16 +535,24 @@ class RetuneService:
         scored, kept or rolled back, as the job of its proposal would have."""
         manifest = self.versions.manifest(self.versions.check_version(version))
         if version == 0 or not manifest.get("routers"):
-            raise ValueError(f"router version {version} is not a candidate a job proposed: expected one of "
-                             f"{[n for n in self.versions.version_numbers() if n]}")
+            raise ValueError(
+                f"router version {version} is not a candidate a job proposed: expected one of "
+                f"{[n for n in self.versions.version_numbers() if n]}"
+            )
         try:
             proposal = JobSpec.from_dict(self.store.get(str(manifest.get("job")))["spec"])
         except KeyError:
             proposal = JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy"))])
-        return JobSpec(routers=list(manifest["routers"]), strategies=[str(manifest.get("strategy") or "restore")],
-                       watched=proposal.watched, business_line=proposal.business_line, band=proposal.band,
-                       max_perplexity_increase=proposal.max_perplexity_increase, version=version,
-                       trigger={**proposal.trigger, "source": "apply", "proposed_by": manifest.get("job")})
+        return JobSpec(
+            routers=list(manifest["routers"]),
+            strategies=[str(manifest.get("strategy") or "restore")],
+            watched=proposal.watched,
+            business_line=proposal.business_line,
+            band=proposal.band,
+            max_perplexity_increase=proposal.max_perplexity_increase,
+            version=version,
+            trigger={**proposal.trigger, "source": "apply", "proposed_by": manifest.get("job")},
+        )
 
     def apply(self, version: int) -> dict[str, Any]:
         """Schedule the gate of a proposed ``version`` (:meth:`apply_spec`); the new job's record."""

@@ -39,8 +39,16 @@ from mla_watch.routing.routers import CORRECTION_BIAS
 if TYPE_CHECKING:  # torch is imported where a model loaded here is fitted: beside an engine there is none
     import torch
 
-__all__ = ["STRATEGIES", "BiasSchedule", "Candidate", "FitContext", "Strategy", "bias_step", "get_strategy",
-           "supported_strategies"]
+__all__ = [
+    "STRATEGIES",
+    "BiasSchedule",
+    "Candidate",
+    "FitContext",
+    "Strategy",
+    "bias_step",
+    "get_strategy",
+    "supported_strategies",
+]
 
 
 @dataclass
@@ -86,8 +94,10 @@ class Strategy(abc.ABC):
         unknown = sorted(set(options) - set(self.options), key=str)
         if unknown:
             shown = ", ".join(describe_value(name, 40) for name in unknown[:5]) + (", ..." if len(unknown) > 5 else "")
-            raise ValueError(f"{where}: unknown option(s) [{shown}] for strategy "
-                             f"{self.name!r}; expected some of {sorted(self.options)}")
+            raise ValueError(
+                f"{where}: unknown option(s) [{shown}] for strategy "
+                f"{self.name!r}; expected some of {sorted(self.options)}"
+            )
         parsed = {}
         for key, (kind, default, check, expectation) in self.options.items():
             value = options.get(key, default)
@@ -100,8 +110,9 @@ class Strategy(abc.ABC):
                 except OverflowError:  # an int too large for a float
                     valid = False
                 if not valid:
-                    raise ValueError(f"{where}.{key}={describe_value(options.get(key))} is invalid: "
-                                     f"expected {expectation}")
+                    raise ValueError(
+                        f"{where}.{key}={describe_value(options.get(key))} is invalid: expected {expectation}"
+                    )
             parsed[key] = value
         return parsed
 
@@ -125,8 +136,13 @@ class BiasStrategy(Strategy):
             return None
         return f"the engine's routers have no {CORRECTION_BIAS} (DeepSeek-V3's noaux_tc and kin have one)"
 
-    def engine_step(self, state: Mapping[str, np.ndarray], loads: Mapping[str, np.ndarray | None],
-                    routers: Sequence[str], gamma: float) -> dict[str, np.ndarray]:
+    def engine_step(
+        self,
+        state: Mapping[str, np.ndarray],
+        loads: Mapping[str, np.ndarray | None],
+        routers: Sequence[str],
+        gamma: float,
+    ) -> dict[str, np.ndarray]:
         """One step of the rule inside an engine, where no batch can be replayed: each router's bias moved by
         :func:`bias_step` from the loads the engine routed (``loads``: counts per expert, by router)."""
         tensors = {}
@@ -136,8 +152,10 @@ class BiasStrategy(Strategy):
             if key not in state:
                 continue
             if load is None or float(np.sum(load)) <= 0:
-                raise ValueError(f"no routing of {router} is counted yet: the bias rule needs the engine's loads "
-                                 f"(the engine must return routing: vLLM --enable-return-routed-experts)")
+                raise ValueError(
+                    f"no routing of {router} is counted yet: the bias rule needs the engine's loads "
+                    f"(the engine must return routing: vLLM --enable-return-routed-experts)"
+                )
             tensors[key] = bias_step(state[key], load, gamma)
         if not tensors:
             raise ValueError(f"none of the routers {list(routers)} has an {CORRECTION_BIAS}")
@@ -151,8 +169,9 @@ class BiasStrategy(Strategy):
         if not routers:
             raise ValueError(f"none of the routers {context.routers} has an {CORRECTION_BIAS}")
         options = self.parse_options(context.options, "bias")
-        result = refit_bias(context.model, context.batches, routers=routers, gamma=options["gamma"],
-                            steps=options["steps"])
+        result = refit_bias(
+            context.model, context.batches, routers=routers, gamma=options["gamma"], steps=options["steps"]
+        )
         return Candidate(result.tensors, {**result.as_dict(), **options})
 
 
@@ -174,9 +193,11 @@ class RouterFinetuneStrategy(Strategy):
         modules = router_modules(model)
         if not modules:
             return f"{type(model).__name__} has no expert router"
-        without = [name for name, module in modules.items()
-                   if not isinstance(weight := getattr(module, "weight", None), torch.nn.Parameter)
-                   or weight.dim() != 2]
+        without = [
+            name
+            for name, module in modules.items()
+            if not isinstance(weight := getattr(module, "weight", None), torch.nn.Parameter) or weight.dim() != 2
+        ]
         if without:
             return f"routers {without} have no 2-D weight parameter to train"
         return None
@@ -185,9 +206,16 @@ class RouterFinetuneStrategy(Strategy):
         from mla_watch.retune.finetune import finetune_routers
 
         options = self.parse_options(context.options, "router_finetune")
-        result = finetune_routers(context.model, context.batches, routers=context.routers, lr=options["lr"],
-                                  epochs=options["epochs"], balance_weight=options["balance_weight"],
-                                  lora_rank=options["lora_rank"], seed=options["seed"])
+        result = finetune_routers(
+            context.model,
+            context.batches,
+            routers=context.routers,
+            lr=options["lr"],
+            epochs=options["epochs"],
+            balance_weight=options["balance_weight"],
+            lora_rank=options["lora_rank"],
+            seed=options["seed"],
+        )
         return Candidate(result.tensors, result.as_dict())
 
 
@@ -198,16 +226,22 @@ class RestoreStrategy(Strategy):
     def engine_unsupported_reason(self, state: Mapping[str, np.ndarray]) -> str | None:
         return None
 
-    def known_good(self, routers: Sequence[str], *, reference: RouterReference | None,
-                   versions: RouterVersions | None, initial_if_none_good: bool = False
-                   ) -> tuple[dict[str, np.ndarray], str, int | None]:
+    def known_good(
+        self,
+        routers: Sequence[str],
+        *,
+        reference: RouterReference | None,
+        versions: RouterVersions | None,
+        initial_if_none_good: bool = False,
+    ) -> tuple[dict[str, np.ndarray], str, int | None]:
         """The known-good tensors of ``routers``, where they come from, and the router version they are (``None``
         for the reference checkpoint): the reference when there is one, else the newest good version, else (with
         ``initial_if_none_good``: an engine's) the checkpoint it was started from, version 0."""
         prefixes = tuple(f"{name}." for name in routers)
         if reference is not None:
-            tensors = {name: as_array(tensor) for name, tensor in reference.tensors.items()
-                       if name.startswith(prefixes)}
+            tensors = {
+                name: as_array(tensor) for name, tensor in reference.tensors.items() if name.startswith(prefixes)
+            }
             source, version = reference.label, None
         elif versions is None:
             raise ValueError("restore needs the router registry of the server, or a --reference-model")
@@ -225,10 +259,13 @@ class RestoreStrategy(Strategy):
         return tensors, source, version
 
     def fit(self, context: FitContext) -> Candidate:
-        tensors, source, version = self.known_good(context.routers, reference=context.reference,
-                                                   versions=context.versions)
-        return Candidate({name: to_torch(array) for name, array in tensors.items()},
-                         {"reference": source, "restored_from": version, "routers": list(context.routers)})
+        tensors, source, version = self.known_good(
+            context.routers, reference=context.reference, versions=context.versions
+        )
+        return Candidate(
+            {name: to_torch(array) for name, array in tensors.items()},
+            {"reference": source, "restored_from": version, "routers": list(context.routers)},
+        )
 
 
 class BiasSchedule:
@@ -245,7 +282,7 @@ class BiasSchedule:
         self.gamma, self.decay, self.steps = gamma, decay, steps
 
     def gamma_at(self, step: int) -> float:
-        return self.gamma * self.decay ** step
+        return self.gamma * self.decay**step
 
 
 def bias_step(bias: np.ndarray, loads: np.ndarray, gamma: float) -> np.ndarray:
@@ -256,14 +293,17 @@ def bias_step(bias: np.ndarray, loads: np.ndarray, gamma: float) -> np.ndarray:
     bias = as_array(bias)
     loads = np.asarray(loads, dtype=np.float64)
     if loads.shape != tuple(bias.shape) or loads.sum() <= 0:
-        raise ValueError(f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
-                         f"positive count per expert ({list(bias.shape)})")
+        raise ValueError(
+            f"bias_step: loads of shape {list(loads.shape)} summing to {loads.sum():g}: expected one "
+            f"positive count per expert ({list(bias.shape)})"
+        )
     step = gamma * np.minimum(1.0, 1.0 - loads / loads.mean())
     return (bias.astype(np.float32) + step.astype(np.float32)).astype(bias.dtype)
 
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (BiasStrategy, RouterFinetuneStrategy,
-                                                                     RestoreStrategy)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (BiasStrategy, RouterFinetuneStrategy, RestoreStrategy)
+}
 
 
 def get_strategy(name: str) -> Strategy:

@@ -89,8 +89,9 @@ class RouterVersions:
 
     WHAT = "router versions"
 
-    def __init__(self, directory: str | Path, retention: RetentionPolicy | None = None, *,
-                 writes: StateWrites | None = None) -> None:
+    def __init__(
+        self, directory: str | Path, retention: RetentionPolicy | None = None, *, writes: StateWrites | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.retention = retention or RetentionPolicy()
         self.writes = writes
@@ -110,8 +111,12 @@ class RouterVersions:
         except OSError as error:
             failure = write_error(f"{self.WHAT} {path}", error)
             if self.writes is not None:
-                self.writes.failed(path, error, what=self.WHAT, kept="nothing half-written is kept: the operation "
-                                   "failed, and the next one tries again")
+                self.writes.failed(
+                    path,
+                    error,
+                    what=self.WHAT,
+                    kept="nothing half-written is kept: the operation failed, and the next one tries again",
+                )
             raise failure from None
         if self.writes is not None:
             self.writes.written(path, what=self.WHAT)
@@ -155,10 +160,21 @@ class RouterVersions:
                         f"only in the model: {sorted(set(state) - recorded)}"
                     )
             else:
-                checked = dict(health) if health is not None else {"passed": False, "checked": False,
-                                                                    "reason": "no start-up health check ran"}
-                self._write(0, state, {"source": "initial", "model": host.describe(),
-                                       "health": checked, "gates": {"passed": checked.get("passed") is True}})
+                checked = (
+                    dict(health)
+                    if health is not None
+                    else {"passed": False, "checked": False, "reason": "no start-up health check ran"}
+                )
+                self._write(
+                    0,
+                    state,
+                    {
+                        "source": "initial",
+                        "model": host.describe(),
+                        "health": checked,
+                        "gates": {"passed": checked.get("passed") is True},
+                    },
+                )
             self._append_promotion({"kind": "initial", "version": 0, "previous": None, "at": _now()})
         return 0
 
@@ -177,8 +193,9 @@ class RouterVersions:
             written = self._write(version, tensors, manifest)
         if written != version:
             log.info("router version %d holds these tensors already: not written again", written)
-            self.update_manifest(written, {"candidate_of": [*self._manifest(written).get("candidate_of", []),
-                                                            manifest.get("job")][-50:]})
+            self.update_manifest(
+                written, {"candidate_of": [*self._manifest(written).get("candidate_of", []), manifest.get("job")][-50:]}
+            )
             return written
         self.prune()
         return version
@@ -210,12 +227,14 @@ class RouterVersions:
             if version and (same := self._same_file(digest)) is not None:
                 shutil.rmtree(temp, ignore_errors=True)
                 return same
-            record.update({
-                "version": version,
-                "created_at": _now(),
-                "sha256": digest,
-                "tensors": sorted(cpu),
-            })
+            record.update(
+                {
+                    "version": version,
+                    "created_at": _now(),
+                    "sha256": digest,
+                    "tensors": sorted(cpu),
+                }
+            )
             write_file(temp / _MANIFEST_FILE, json.dumps(record, indent=2, sort_keys=True) + "\n", private=True)
             os.rename(temp, self._dir(version))  # fails if the version exists: nothing is overwritten
         except BaseException:
@@ -249,8 +268,12 @@ class RouterVersions:
                 count -= 1
                 total -= sizes[number]
         if deleted:
-            log.info("router versions %s deleted: the registry keeps at most %d versions in %d bytes",
-                     ", ".join(map(str, deleted)), self.retention.max_versions, self.retention.max_bytes)
+            log.info(
+                "router versions %s deleted: the registry keeps at most %d versions in %d bytes",
+                ", ".join(map(str, deleted)),
+                self.retention.max_versions,
+                self.retention.max_bytes,
+            )
         return deleted
 
     def update_manifest(self, version: int, changes: Mapping[str, Any]) -> dict[str, Any]:
@@ -324,8 +347,10 @@ class RouterVersions:
         with self._lock:
             stack = self._stack()
             if number not in stack:
-                raise ValueError(f"router version {number} is not on the promotion stack {stack}: expected the live "
-                                 f"version or one beneath it (promote it first)")
+                raise ValueError(
+                    f"router version {number} is not on the promotion stack {stack}: expected the live "
+                    f"version or one beneath it (promote it first)"
+                )
             with self._writing(self.directory / _MARKS_FILE):
                 _append_line(self.directory / _MARKS_FILE, {"version": number, "at": _now()})
         return number
@@ -389,10 +414,12 @@ class RouterVersions:
             why = "passed its start-up health check" if chosen and stack[chosen[-1]] == 0 else "passed its gates"
         if not chosen:
             health = self._manifest(0).get("health") or {}
-            raise ValueError(f"no known-good router state to restore: version 0 (the routers the server started with) "
-                             f"{_health_summary(health)}, and no version on the promotion stack {stack} passed its "
-                             f"gates or was marked good (serve with --reference-model DIR, or mark a version good "
-                             f"with `mla-watch retune mark-good N`)")
+            raise ValueError(
+                f"no known-good router state to restore: version 0 (the routers the server started with) "
+                f"{_health_summary(health)}, and no version on the promotion stack {stack} passed its "
+                f"gates or was marked good (serve with --reference-model DIR, or mark a version good "
+                f"with `mla-watch retune mark-good N`)"
+            )
         top = chosen[-1]
         state: dict[str, np.ndarray] = {}
         for version in stack[: top + 1]:
@@ -413,8 +440,9 @@ class RouterVersions:
         """Router tensors of ``model`` whose values differ from version 0 (``[]``: the same base model)."""
         recorded = self.load(0)
         live = as_host(model).state()
-        return sorted(name for name, tensor in recorded.items()
-                      if name not in live or not _same_values(live[name], tensor))
+        return sorted(
+            name for name, tensor in recorded.items() if name not in live or not _same_values(live[name], tensor)
+        )
 
     def is_good(self, version: int) -> bool:
         """Whether ``version`` is known to be good: its gates passed (version 0: its start-up health check), or
@@ -425,8 +453,9 @@ class RouterVersions:
         gates = self._manifest(version).get("gates")
         return (isinstance(gates, Mapping) and gates.get("passed") is True) or version in self.marked_good()
 
-    def promote(self, model: torch.nn.Module | RouterHost, version: int,
-                lock: threading.Lock | None = None) -> dict[str, Any]:
+    def promote(
+        self, model: torch.nn.Module | RouterHost, version: int, lock: threading.Lock | None = None
+    ) -> dict[str, Any]:
         """Serve ``version``'s tensors on ``model`` (holding ``lock``) and log the promotion; what the swap took.
 
         The values it overwrites are saved first (``snapshots/``), so that :meth:`rollback` puts
@@ -441,8 +470,16 @@ class RouterVersions:
                 snapshots.mkdir(exist_ok=True)
                 save_tensors({name: value for name, value in host.state().items() if name in tensors}, snapshot)
             taken = host.apply(tensors)
-        self._append_promotion({"kind": "promote", "version": version, "previous": self.live_version(),
-                                "at": _now(), "snapshot": snapshot.name, "snapshot_sha256": _sha256(snapshot)})
+        self._append_promotion(
+            {
+                "kind": "promote",
+                "version": version,
+                "previous": self.live_version(),
+                "at": _now(),
+                "snapshot": snapshot.name,
+                "snapshot_sha256": _sha256(snapshot),
+            }
+        )
         return taken
 
     def rollback(self, model: torch.nn.Module | RouterHost, lock: threading.Lock | None = None) -> int:
@@ -516,8 +553,11 @@ def _read_lines(path: Path, required: tuple[str, ...]) -> list[dict[str, Any]]:
             entry = json.loads(line)
         except ValueError:
             entry = None
-        if (not isinstance(entry, dict) or any(key not in entry for key in required)
-                or not isinstance(entry["version"], int)):
+        if (
+            not isinstance(entry, dict)
+            or any(key not in entry for key in required)
+            or not isinstance(entry["version"], int)
+        ):
             log.warning("%s line %d: not a JSON object with %s; skipped", path, number, ", ".join(required))
             continue
         entries.append(entry)

@@ -28,8 +28,9 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mla_watch.retune.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--job", type=Path, required=True, help="the job as JSON (with strategy and options)")
-    parser.add_argument("--data", type=Path, required=True,
-                        help="training samples, JSONL of {\"input_ids\": [...], \"scored_tokens\": n}")
+    parser.add_argument(
+        "--data", type=Path, required=True, help='training samples, JSONL of {"input_ids": [...], "scored_tokens": n}'
+    )
     parser.add_argument("--routers", type=Path, required=True, help="the live router tensors (safetensors)")
     parser.add_argument("--output", type=Path, required=True, help="directory for routers.safetensors, result.json")
     parser.add_argument("--model", default="bundled", help="'bundled' or a save_pretrained directory")
@@ -54,16 +55,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     samples = load_jsonl_dataset(args.data, tokenizer, add_bos=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = make_batches(samples, batch_size=int(job.get("batch_size", 8)), pad_id=pad,
-                           max_tokens=int(job.get("max_tokens_per_sample", 256)))
+    batches = make_batches(
+        samples,
+        batch_size=int(job.get("batch_size", 8)),
+        pad_id=pad,
+        max_tokens=int(job.get("max_tokens_per_sample", 256)),
+    )
     options = strategy.parse_options(job.get("options") or {}, f"{args.job}: options")
-    candidate = strategy.fit(FitContext(model=model, batches=batches, routers=list(job["routers"]), versions=None,
-                                        options=options))
+    candidate = strategy.fit(
+        FitContext(model=model, batches=batches, routers=list(job["routers"]), versions=None, options=options)
+    )
     args.output.mkdir(parents=True, exist_ok=True)
-    write_file(args.output / "routers.safetensors",
-               save({name: tensor.contiguous() for name, tensor in candidate.tensors.items()}), private=True)
-    write_file(args.output / "result.json", json.dumps({**candidate.details, "worker": "mla_watch.retune.worker"}),
-               private=True)
+    write_file(
+        args.output / "routers.safetensors",
+        save({name: tensor.contiguous() for name, tensor in candidate.tensors.items()}),
+        private=True,
+    )
+    write_file(
+        args.output / "result.json",
+        json.dumps({**candidate.details, "worker": "mla_watch.retune.worker"}),
+        private=True,
+    )
     return 0
 
 

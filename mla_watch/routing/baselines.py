@@ -55,8 +55,18 @@ from mla_watch.common.values import is_integer, is_number
 from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.stats import BASELINE_METRICS
 
-__all__ = ["ANY_LINE", "BASELINE_FORMAT", "BASELINE_METRICS", "BY_CLIENTS", "BY_REFERENCE", "DEFAULT_LEARN_TOKENS",
-           "LEGACY_BASELINE_FORMAT", "Baseline", "BaselineError", "Baselines"]
+__all__ = [
+    "ANY_LINE",
+    "BASELINE_FORMAT",
+    "BASELINE_METRICS",
+    "BY_CLIENTS",
+    "BY_REFERENCE",
+    "DEFAULT_LEARN_TOKENS",
+    "LEGACY_BASELINE_FORMAT",
+    "Baseline",
+    "BaselineError",
+    "Baselines",
+]
 
 log = logging.getLogger("mla_watch.routing.baselines")
 
@@ -99,14 +109,25 @@ class Baseline:
 
     def as_dict(self) -> dict[str, Any]:
         """What a routing record carries as its ``baseline``: the healthy values, without the counts."""
-        return {**self.values, "tokens": self.tokens, "taken_at": self.taken_at, "source": self.source,
-                "clients": None if self.clients is None else self.clients.to_json()}
+        return {
+            **self.values,
+            "tokens": self.tokens,
+            "taken_at": self.taken_at,
+            "source": self.source,
+            "clients": None if self.clients is None else self.clients.to_json(),
+        }
 
     def to_json(self) -> dict[str, Any]:
-        return {"router": self.router, "business_line": self.business_line, "tokens": self.tokens,
-                "taken_at": self.taken_at, "source": self.source, "values": dict(self.values),
-                "counts": self.counts.tolist(),
-                **({"clients": self.clients.to_json()} if self.clients is not None else {})}
+        return {
+            "router": self.router,
+            "business_line": self.business_line,
+            "tokens": self.tokens,
+            "taken_at": self.taken_at,
+            "source": self.source,
+            "values": dict(self.values),
+            "counts": self.counts.tolist(),
+            **({"clients": self.clients.to_json()} if self.clients is not None else {}),
+        }
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> Baseline:
@@ -114,26 +135,34 @@ class Baseline:
             raise BaselineError(f"{where}: expected an object with router, business_line, counts, tokens, values")
         router, line = data.get("router"), data.get("business_line")
         if not isinstance(router, str) or not router or len(router) > 512:
-            raise BaselineError(f"{where}.router = {describe_value(router, form='repr')}: expected a router's "
-                                "module name")
+            raise BaselineError(
+                f"{where}.router = {describe_value(router, form='repr')}: expected a router's module name"
+            )
         if not isinstance(line, str) or not line or len(line) > 64:
-            raise BaselineError(f"{where}.business_line = {describe_value(line, form='repr')}: expected a business "
-                                "line's name")
+            raise BaselineError(
+                f"{where}.business_line = {describe_value(line, form='repr')}: expected a business line's name"
+            )
         counts = data.get("counts")
-        if not isinstance(counts, list) or not counts or len(counts) > 1_000_000 or not all(
-                is_integer(c) and c >= 0 for c in counts):
+        if (
+            not isinstance(counts, list)
+            or not counts
+            or len(counts) > 1_000_000
+            or not all(is_integer(c) and c >= 0 for c in counts)
+        ):
             raise BaselineError(f"{where}.counts: expected a non-empty list of selection counts (integers >= 0)")
         tokens = data.get("tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
             raise BaselineError(f"{where}.tokens = {describe_value(tokens, form='repr')}: expected an integer >= 0")
         values = data.get("values")
         if not isinstance(values, dict) or not all(
-                key in BASELINE_METRICS and is_number(value, finite=True) for key, value in values.items()):
+            key in BASELINE_METRICS and is_number(value, finite=True) for key, value in values.items()
+        ):
             raise BaselineError(f"{where}.values: expected finite numbers for any of {', '.join(BASELINE_METRICS)}")
         taken_at = data.get("taken_at")
         if not is_number(taken_at, finite=True):
-            raise BaselineError(f"{where}.taken_at = {describe_value(taken_at, form='repr')}: expected a time "
-                                "(seconds since the epoch)")
+            raise BaselineError(
+                f"{where}.taken_at = {describe_value(taken_at, form='repr')}: expected a time (seconds since the epoch)"
+            )
         source = data.get("source")
         if source not in ("learned", "set", "legacy"):
             raise BaselineError(f"{where}.source = {describe_value(source, form='repr')}: expected learned or set")
@@ -141,8 +170,16 @@ class Baseline:
             clients = None if data.get("clients") is None else ClientMix.from_json(data["clients"], f"{where}.clients")
         except ValueError as error:
             raise BaselineError(str(error)) from None
-        return cls(router, line, np.asarray(counts, dtype=np.int64), tokens,
-                   {key: float(value) for key, value in values.items()}, float(taken_at), source, clients)
+        return cls(
+            router,
+            line,
+            np.asarray(counts, dtype=np.int64),
+            tokens,
+            {key: float(value) for key, value in values.items()},
+            float(taken_at),
+            source,
+            clients,
+        )
 
 
 class Baselines:
@@ -154,9 +191,16 @@ class Baselines:
     dropped.
     """
 
-    def __init__(self, path: Path | None = None, *, learn_tokens: int = DEFAULT_LEARN_TOKENS,
-                 clock: Callable[[], float] = time.time, writes: StateWrites | None = None,
-                 gate: ClientGate | None = None, max_counts: int = MAX_COUNTS) -> None:
+    def __init__(
+        self,
+        path: Path | None = None,
+        *,
+        learn_tokens: int = DEFAULT_LEARN_TOKENS,
+        clock: Callable[[], float] = time.time,
+        writes: StateWrites | None = None,
+        gate: ClientGate | None = None,
+        max_counts: int = MAX_COUNTS,
+    ) -> None:
         if not isinstance(learn_tokens, int) or isinstance(learn_tokens, bool) or learn_tokens < 1:
             raise ValueError(f"learn_tokens = {learn_tokens!r}: expected an integer >= 1")
         self.gate = gate or ClientGate()
@@ -198,9 +242,13 @@ class Baselines:
         """``GET /v1/baseline``: whether it learns, and each series' baseline (without counts)."""
         with self._lock:
             series = sorted(self._series.values(), key=lambda b: (b.router, b.business_line))
-        return {**self.summary(), "learn_tokens": self.learn_tokens,
-                "path": None if self.path is None else str(self.path), "load_error": self.load_error,
-                "series": [{"router": b.router, "business_line": b.business_line, **b.as_dict()} for b in series]}
+        return {
+            **self.summary(),
+            "learn_tokens": self.learn_tokens,
+            "path": None if self.path is None else str(self.path),
+            "load_error": self.load_error,
+            "series": [{"router": b.router, "business_line": b.business_line, **b.as_dict()} for b in series],
+        }
 
     def summary(self, *, brief: bool = False) -> dict[str, Any]:
         """Whether baselines are learned, and what is not and why: ``not_learning`` is why nothing is (learning not
@@ -211,29 +259,45 @@ class Baselines:
             waiting = [dict(entry, routers=list(entry["routers"])) for entry in self._waiting.values()]
             found = list(self._found)
         if brief:
-            found = [{key: entry[key] for key in ("router", "business_line", "reason", "why", "found_at")}
-                     for entry in found[-FOUND_SHOWN:]]
+            found = [
+                {key: entry[key] for key in ("router", "business_line", "reason", "why", "found_at")}
+                for entry in found[-FOUND_SHOWN:]
+            ]
         not_learning = self.not_learning
         if not_learning is None and waiting:
-            not_learning = "; ".join(f"{entry['business_line']} ({len(entry['routers'])} router"
-                                     f"{'s' if len(entry['routers']) != 1 else ''}): {entry['reason']}"
-                                     for entry in waiting[:8])
-        return {"learning": self.not_learning is None, "not_learning": not_learning, **self.gate.as_dict(),
-                "waiting": waiting, "unrepresentative": found}
+            not_learning = "; ".join(
+                f"{entry['business_line']} ({len(entry['routers'])} router"
+                f"{'s' if len(entry['routers']) != 1 else ''}): {entry['reason']}"
+                for entry in waiting[:8]
+            )
+        return {
+            "learning": self.not_learning is None,
+            "not_learning": not_learning,
+            **self.gate.as_dict(),
+            "waiting": waiting,
+            "unrepresentative": found,
+        }
 
     # ------------------------------------------------------------------ learning and setting
     def trust(self, reason_not: str | None) -> None:
         """Learning goes ahead while ``reason_not`` is ``None``; otherwise it waits, and says why."""
         if reason_not != self.not_learning:
-            log.info("healthy baselines: %s", "learning from healthy traffic" if reason_not is None
-                     else f"not learning: {reason_not}")
+            log.info(
+                "healthy baselines: %s",
+                "learning from healthy traffic" if reason_not is None else f"not learning: {reason_not}",
+            )
         self.not_learning = reason_not
         if reason_not is not None:
             with self._lock:
                 self._waiting = {}
 
-    def learn(self, records: Iterable[Any], *, excluded: Callable[[], set[tuple[str, str]]] | None = None,
-              clients: Callable[[Any], ClientMix | None] | None = None) -> list[Baseline]:
+    def learn(
+        self,
+        records: Iterable[Any],
+        *,
+        excluded: Callable[[], set[tuple[str, str]]] | None = None,
+        clients: Callable[[Any], ClientMix | None] | None = None,
+    ) -> list[Baseline]:
         """Take each series' first healthy window of ``learn_tokens`` tokens as its baseline; the new ones.
 
         ``records`` are :class:`~mla_watch.windows.RouterStats`; ``excluded()``, asked only when a window
@@ -244,9 +308,13 @@ class Baselines:
         self.save_again()
         if self.not_learning is not None:
             return []
-        ready = [record for record in records
-                 if (record.router.name, record.line_label) not in self._series
-                 and record.stats.tokens >= self.learn_tokens and record.stats.no_signal is None]
+        ready = [
+            record
+            for record in records
+            if (record.router.name, record.line_label) not in self._series
+            and record.stats.tokens >= self.learn_tokens
+            and record.stats.no_signal is None
+        ]
         waiting: dict[tuple[str, int], dict[str, Any]] = {}
         taken = []
         skip = excluded() if ready and excluded is not None else set()
@@ -255,8 +323,10 @@ class Baselines:
             why_not = None if mix is None else self.gate.judge(mix)
             if why_not is not None:  # said whether or not an alert is pending on it too: whose window it is
                 assert mix is not None
-                entry = waiting.setdefault((record.line_label, mix.keys_seen), {
-                    "business_line": record.line_label, "reason": why_not, "clients": mix.to_json(), "routers": []})
+                entry = waiting.setdefault(
+                    (record.line_label, mix.keys_seen),
+                    {"business_line": record.line_label, "reason": why_not, "clients": mix.to_json(), "routers": []},
+                )
                 entry["routers"].append(record.router.name)
             elif (record.router.name, record.line_label) not in skip:
                 taken.append(self._from_record(record, "learned", mix))
@@ -264,8 +334,11 @@ class Baselines:
             taken = self._store(taken, replace=False)
         self._report_waiting(waiting, taken)
         if taken:
-            log.info("healthy baselines learned for %d series (%s ...)", len(taken),
-                     f"{taken[0].router} / {taken[0].business_line}")
+            log.info(
+                "healthy baselines learned for %d series (%s ...)",
+                len(taken),
+                f"{taken[0].router} / {taken[0].business_line}",
+            )
         return taken
 
     def _report_waiting(self, waiting: dict[tuple[str, int], dict[str, Any]], learned: Iterable[Baseline]) -> None:
@@ -278,11 +351,18 @@ class Baselines:
             new = [entry for key, entry in waiting.items() if key not in self._said]
             self._said.update(waiting)
         for entry in new:
-            log.info("healthy baselines of %s (%d router%s) not learned: %s", entry["business_line"],
-                     len(entry["routers"]), "s" if len(entry["routers"]) != 1 else "", entry["reason"])
+            log.info(
+                "healthy baselines of %s (%d router%s) not learned: %s",
+                entry["business_line"],
+                len(entry["routers"]),
+                "s" if len(entry["routers"]) != 1 else "",
+                entry["reason"],
+            )
 
-    def found_unrepresentative(self, found: Iterable[tuple[Baseline, str, str, Mapping[str, Any] | None]],
-                               ) -> list[Baseline]:
+    def found_unrepresentative(
+        self,
+        found: Iterable[tuple[Baseline, str, str, Mapping[str, Any] | None]],
+    ) -> list[Baseline]:
         """Each ``(baseline, reason, why, details)``: a learned baseline that is not its line's traffic. Drop it so
         that the series is learned again, and keep the finding for GET /v1/baseline and the metrics (``reason``:
         :data:`BY_CLIENTS` or :data:`BY_REFERENCE`; ``why`` in words). The ones dropped: not those whose series
@@ -296,9 +376,17 @@ class Baselines:
                     continue
                 del self._series[key]
                 dropped.append(baseline)
-                self._found.append({"router": baseline.router, "business_line": baseline.business_line,
-                                    "reason": reason, "why": why, "found_at": now, "details": dict(details or {}),
-                                    "baseline": baseline.as_dict()})
+                self._found.append(
+                    {
+                        "router": baseline.router,
+                        "business_line": baseline.business_line,
+                        "reason": reason,
+                        "why": why,
+                        "found_at": now,
+                        "details": dict(details or {}),
+                        "baseline": baseline.as_dict(),
+                    }
+                )
                 counted = (baseline.business_line, reason)
                 self._found_counts[counted] = self._found_counts.get(counted, 0) + 1
             if not dropped:
@@ -321,18 +409,36 @@ class Baselines:
                 document = self._document()
             self._save(document)
 
-    def replace(self, records: Iterable[Any], *, clients: Callable[[Any], ClientMix | None] | None = None,
-                ) -> list[Baseline]:
+    def replace(
+        self,
+        records: Iterable[Any],
+        *,
+        clients: Callable[[Any], ClientMix | None] | None = None,
+    ) -> list[Baseline]:
         """The windows of ``records`` become their series' baselines now (``POST /admin/baseline``), whoever sent
         them (an operator's decision: ``clients(record)`` is only recorded)."""
-        return self._store([self._from_record(record, "set", clients(record) if clients is not None else None)
-                            for record in records if record.stats.selections > 0], replace=True)
+        return self._store(
+            [
+                self._from_record(record, "set", clients(record) if clients is not None else None)
+                for record in records
+                if record.stats.selections > 0
+            ],
+            replace=True,
+        )
 
     def _from_record(self, record: Any, source: str, clients: ClientMix | None = None) -> Baseline:
         stats = record.stats.as_dict()
         values = {key: float(stats[key]) for key in BASELINE_METRICS if is_number(stats.get(key), finite=True)}
-        return Baseline(record.router.name, record.line_label, np.asarray(record.counts, dtype=np.int64),
-                        int(record.stats.tokens), values, float(self._clock()), source, clients)
+        return Baseline(
+            record.router.name,
+            record.line_label,
+            np.asarray(record.counts, dtype=np.int64),
+            int(record.stats.tokens),
+            values,
+            float(self._clock()),
+            source,
+            clients,
+        )
 
     def _store(self, taken: list[Baseline], *, replace: bool) -> list[Baseline]:
         """Keep ``taken`` within the bounds; the ones kept."""
@@ -347,9 +453,11 @@ class Baselines:
                     continue
                 grown = held + baseline.counts.size - (0 if old is None else old.counts.size)
                 if (old is None and len(self._series) >= MAX_SERIES) or grown > self.max_counts:
-                    full = (f"the baselines are full ({len(self._series)} series, {held} counts; at most "
-                            f"{MAX_SERIES} series and {self.max_counts} counts): {baseline.router} / "
-                            f"{baseline.business_line} and the series after it are not kept")
+                    full = (
+                        f"the baselines are full ({len(self._series)} series, {held} counts; at most "
+                        f"{MAX_SERIES} series and {self.max_counts} counts): {baseline.router} / "
+                        f"{baseline.business_line} and the series after it are not kept"
+                    )
                     continue
                 self._series[key] = baseline
                 kept.append(baseline)
@@ -367,9 +475,11 @@ class Baselines:
 
     # ------------------------------------------------------------------ files
     def _document(self) -> dict[str, Any]:
-        return {"format": BASELINE_FORMAT, "series": [b.to_json() for b in self._series.values()],
-                **({"legacy": {name: counts.tolist() for name, counts in self._legacy.items()}}
-                   if self._legacy else {})}
+        return {
+            "format": BASELINE_FORMAT,
+            "series": [b.to_json() for b in self._series.values()],
+            **({"legacy": {name: counts.tolist() for name, counts in self._legacy.items()}} if self._legacy else {}),
+        }
 
     def _save(self, document: dict[str, Any]) -> None:
         if self.path is None:
@@ -401,8 +511,12 @@ class Baselines:
                 aside = set_aside(self.path)
                 log.error("the saved baselines are not used: %s; kept the file as %s", error, aside)
             except OSError as moving:  # kept in memory only: never written over a file an operator must read
-                log.error("the saved baselines are not used: %s; cannot move the file aside (%s): baselines are "
-                          "kept in memory only", error, moving.strerror or type(moving).__name__)
+                log.error(
+                    "the saved baselines are not used: %s; cannot move the file aside (%s): baselines are "
+                    "kept in memory only",
+                    error,
+                    moving.strerror or type(moving).__name__,
+                )
                 self.path = None
             return
         self.adopt(series, legacy)
@@ -412,14 +526,23 @@ class Baselines:
         """Drop the learned baselines whose recorded clients the gate in force refuses (learned under a looser one):
         each is reported once and learned again."""
         with self._lock:
-            refused = [(baseline, why) for baseline in self._series.values()
-                       if baseline.source == "learned" and baseline.clients is not None
-                       and (why := self.gate.judge(baseline.clients)) is not None]
+            refused = [
+                (baseline, why)
+                for baseline in self._series.values()
+                if baseline.source == "learned"
+                and baseline.clients is not None
+                and (why := self.gate.judge(baseline.clients)) is not None
+            ]
         self.found_unrepresentative((baseline, BY_CLIENTS, why, None) for baseline, why in refused)
         if refused:
             lines = sorted({baseline.business_line for baseline, _ in refused})
-            log.warning("healthy baselines of %d series (%s) are not their line's traffic by the clients they were "
-                        "learned from (%s): learned again", len(refused), ", ".join(lines), refused[0][1])
+            log.warning(
+                "healthy baselines of %d series (%s) are not their line's traffic by the clients they were "
+                "learned from (%s): learned again",
+                len(refused),
+                ", ".join(lines),
+                refused[0][1],
+            )
 
     def adopt(self, series: Iterable[Baseline], legacy: Mapping[str, np.ndarray] | None = None) -> None:
         """Hold exactly ``series`` (and a legacy file's counts) from now on, replacing everything held."""
@@ -433,8 +556,10 @@ def read_baseline_file(path: Path) -> tuple[list[Baseline], dict[str, np.ndarray
     """The series of a ``mla_watch.baseline/2`` file, or a ``/1`` file's counts per router (legacy)."""
     try:
         if path.stat().st_size > MAX_FILE_BYTES:
-            raise BaselineError(f"baseline {path}: larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB: expected a "
-                                "file this sidecar wrote")
+            raise BaselineError(
+                f"baseline {path}: larger than {MAX_FILE_BYTES // (1024 * 1024)} MiB: expected a "
+                "file this sidecar wrote"
+            )
         document = json.loads(path.read_text())
     except OSError as error:
         raise BaselineError(f"baseline {path}: cannot be read ({error.strerror or type(error).__name__})") from None
@@ -446,17 +571,22 @@ def read_baseline_file(path: Path) -> tuple[list[Baseline], dict[str, np.ndarray
     if fmt == LEGACY_BASELINE_FORMAT:
         return [], _legacy_counts(document, path)
     if fmt != BASELINE_FORMAT:
-        raise BaselineError(f"baseline {path}: format = {describe_value(fmt, form='repr')}: expected "
-                            f"{BASELINE_FORMAT!r} (or {LEGACY_BASELINE_FORMAT!r})")
+        raise BaselineError(
+            f"baseline {path}: format = {describe_value(fmt, form='repr')}: expected "
+            f"{BASELINE_FORMAT!r} (or {LEGACY_BASELINE_FORMAT!r})"
+        )
     entries = document.get("series")
     if not isinstance(entries, list) or len(entries) > MAX_SERIES:
         raise BaselineError(f"baseline {path}: series: expected a list of at most {MAX_SERIES} baselines")
     series = [Baseline.from_json(entry, f"baseline {path}: series[{index}]") for index, entry in enumerate(entries)]
     if sum(b.counts.size for b in series) > MAX_COUNTS:
-        raise BaselineError(f"baseline {path}: series: {sum(b.counts.size for b in series)} selection counts in all: "
-                            f"expected at most {MAX_COUNTS}")
-    legacy = _legacy_counts({"routers": [{"name": name, "counts": counts}
-                                         for name, counts in (document.get("legacy") or {}).items()]}, path)
+        raise BaselineError(
+            f"baseline {path}: series: {sum(b.counts.size for b in series)} selection counts in all: "
+            f"expected at most {MAX_COUNTS}"
+        )
+    legacy = _legacy_counts(
+        {"routers": [{"name": name, "counts": counts} for name, counts in (document.get("legacy") or {}).items()]}, path
+    )
     return series, legacy
 
 
@@ -468,8 +598,11 @@ def _legacy_counts(document: dict[str, Any], path: Path) -> dict[str, np.ndarray
     for index, entry in enumerate(routers):
         name = entry.get("name") if isinstance(entry, dict) else None
         values = entry.get("counts") if isinstance(entry, dict) else None
-        if not isinstance(name, str) or not isinstance(values, list) or not all(
-                is_integer(c) and c >= 0 for c in values):
+        if (
+            not isinstance(name, str)
+            or not isinstance(values, list)
+            or not all(is_integer(c) and c >= 0 for c in values)
+        ):
             raise BaselineError(f"baseline {path}: routers[{index}]: expected name and counts (integers >= 0)")
         if sum(values) > 0:
             counts[name] = np.asarray(values, dtype=np.int64)

@@ -68,7 +68,5 @@ def check_local_choice(local_selections: int, choice_selections: int) -> tuple[i
     local = check_nonnegative_int(local_selections, "local_selections")
     choice = check_nonnegative_int(choice_selections, "choice_selections")
     if local > choice:
-        raise ValueError(
-            f"local_selections={local} cannot exceed choice_selections={choice}"
-        )
+        raise ValueError(f"local_selections={local} cannot exceed choice_selections={choice}")
     return local, choice

@@ -40,11 +40,12 @@ class ClientMix:
     @classmethod
     def of(cls, tokens_by_client: Mapping[str, int], *, keys_seen: int = 0) -> ClientMix:
         """The mix of ``tokens_by_client`` (clients with no tokens left out)."""
-        sent = sorted(((name, count) for name, count in tokens_by_client.items() if count > 0),
-                      key=lambda item: (-item[1], item[0]))
+        sent = sorted(
+            ((name, count) for name, count in tokens_by_client.items() if count > 0),
+            key=lambda item: (-item[1], item[0]),
+        )
         total = sum(count for _, count in sent)
-        return cls(total, tuple((name, count / total) for name, count in sent[:MAX_CLIENTS_KEPT]), len(sent),
-                   keys_seen)
+        return cls(total, tuple((name, count / total) for name, count in sent[:MAX_CLIENTS_KEPT]), len(sent), keys_seen)
 
     @property
     def what(self) -> str:
@@ -59,12 +60,18 @@ class ClientMix:
             return f"no client in {self.what}"
         named = ", ".join(f"{name} {share:.0%}" for name, share in self.clients[:shown])
         more = f", and {self.count - shown} more" if self.count > shown else ""
-        return (f"{self.count} client{'s' if self.count != 1 else ''}: {named}{more} of {self.what} "
-                f"({self.tokens} in the window)")
+        return (
+            f"{self.count} client{'s' if self.count != 1 else ''}: {named}{more} of {self.what} "
+            f"({self.tokens} in the window)"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"tokens": self.tokens, "count": self.count, "keys_seen": self.keys_seen,
-                "clients": [{"client": name, "share": round(share, 4)} for name, share in self.clients]}
+        return {
+            "tokens": self.tokens,
+            "count": self.count,
+            "keys_seen": self.keys_seen,
+            "clients": [{"client": name, "share": round(share, 4)} for name, share in self.clients],
+        }
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> ClientMix:
@@ -77,14 +84,20 @@ class ClientMix:
                 raise ValueError(f"{where}.{key} = {describe_value(value, form='repr')}: expected an integer >= 0")
         entries = data.get("clients")
         if not isinstance(entries, list) or len(entries) > MAX_CLIENTS_KEPT or len(entries) > data["count"]:
-            raise ValueError(f"{where}.clients: expected a list of at most {MAX_CLIENTS_KEPT} clients (and at most "
-                             "count)")
+            raise ValueError(
+                f"{where}.clients: expected a list of at most {MAX_CLIENTS_KEPT} clients (and at most count)"
+            )
         clients = []
         for index, entry in enumerate(entries):
             name = entry.get("client") if isinstance(entry, dict) else None
             share = entry.get("share") if isinstance(entry, dict) else None
-            if not isinstance(name, str) or not name or len(name) > 128 or not is_number(share, finite=True) \
-                    or not 0 <= share <= 1:
+            if (
+                not isinstance(name, str)
+                or not name
+                or len(name) > 128
+                or not is_number(share, finite=True)
+                or not 0 <= share <= 1
+            ):
                 raise ValueError(f"{where}.clients[{index}]: expected client (a name) and share (from 0 to 1)")
             clients.append((name, float(share)))
         return cls(int(data["tokens"]), tuple(clients), int(data["count"]), int(data["keys_seen"]))
@@ -113,8 +126,10 @@ class ClientGate:
             return f"no client sent {mix.what} yet"
         client, share = mix.clients[0]
         if share > self.max_share:
-            return (f"client {client} sent {share:.0%} of {mix.what} ({mix.tokens} in the window): a baseline takes "
-                    f"at most {self.max_share:.0%} from one client")
+            return (
+                f"client {client} sent {share:.0%} of {mix.what} ({mix.tokens} in the window): a baseline takes "
+                f"at most {self.max_share:.0%} from one client"
+            )
         if mix.count < self.min_clients:
             return f"only {mix.describe()}: a baseline needs at least {self.min_clients} clients"
         return None

@@ -27,8 +27,16 @@ from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.client_names import OTHER, UNKNOWN
 from mla_watch.routing.windows import ALL_LINES
 
-__all__ = ["CLIENT_ID_SOURCES", "DEFAULT_CLIENT_ID", "OTHER", "UNKNOWN", "ClientShares", "Mover", "client_id",
-           "parse_client_id_sources"]
+__all__ = [
+    "CLIENT_ID_SOURCES",
+    "DEFAULT_CLIENT_ID",
+    "OTHER",
+    "UNKNOWN",
+    "ClientShares",
+    "Mover",
+    "client_id",
+    "parse_client_id_sources",
+]
 
 DEFAULT_CLIENT_ID = "header:X-Client-Id,user,api-key,remote"
 CLIENT_ID_SOURCES = ("header:NAME", "user", "api-key", "remote")
@@ -46,12 +54,20 @@ def parse_client_id_sources(text: str) -> tuple[str, ...]:
         elif part.startswith("header:") and _HEADER.fullmatch(part[7:]):
             sources.append("header:" + part[7:].lower())
         else:
-            raise SettingsError([SettingProblem("client_id", repr(text[:100]),
-                                                "a comma-separated list of " + ", ".join(CLIENT_ID_SOURCES),
-                                                problem=f"{part[:80]!r} is not a source")])
+            raise SettingsError(
+                [
+                    SettingProblem(
+                        "client_id",
+                        repr(text[:100]),
+                        "a comma-separated list of " + ", ".join(CLIENT_ID_SOURCES),
+                        problem=f"{part[:80]!r} is not a source",
+                    )
+                ]
+            )
     if not sources:
-        raise SettingsError([SettingProblem("client_id", repr(text[:100]),
-                                            f"at least one of {', '.join(CLIENT_ID_SOURCES)}")])
+        raise SettingsError(
+            [SettingProblem("client_id", repr(text[:100]), f"at least one of {', '.join(CLIENT_ID_SOURCES)}")]
+        )
     return tuple(dict.fromkeys(sources))
 
 
@@ -62,8 +78,9 @@ def _shown(prefix: str, value: str) -> str:
     return f"{prefix}sha256:{hashlib.sha256(value.encode('utf-8', 'replace')).hexdigest()[:16]}"
 
 
-def client_id(sources: Sequence[str], headers: Mapping[str, str], body: Mapping[str, Any] | None,
-              remote: str | None) -> str:
+def client_id(
+    sources: Sequence[str], headers: Mapping[str, str], body: Mapping[str, Any] | None, remote: str | None
+) -> str:
     """The client a request came from, by the first of ``sources`` it carries (``headers`` keyed lower-case)."""
     for source in sources:
         if source.startswith("header:"):
@@ -94,12 +111,18 @@ class Mover:
     tokens: int
 
     def describe(self) -> str:
-        return (f"client {self.client} sent {self.share:.0%} of the line's last {self.tokens} tokens "
-                f"({self.long_run_share:.0%} over the long run)")
+        return (
+            f"client {self.client} sent {self.share:.0%} of the line's last {self.tokens} tokens "
+            f"({self.long_run_share:.0%} over the long run)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {"client": self.client, "share": round(self.share, 4), "long_run_share": round(self.long_run_share, 4),
-                "window_tokens": self.tokens}
+        return {
+            "client": self.client,
+            "share": round(self.share, 4),
+            "long_run_share": round(self.long_run_share, 4),
+            "window_tokens": self.tokens,
+        }
 
 
 class _Line:
@@ -114,8 +137,14 @@ class _Line:
 class ClientShares:
     """Per business line, the token shares of its clients now and over the long run (see the module docstring)."""
 
-    def __init__(self, *, window_tokens: int = 4096, long_run_tokens: int = 1_000_000, max_clients: int = 32,
-                 max_lines: int = 256) -> None:
+    def __init__(
+        self,
+        *,
+        window_tokens: int = 4096,
+        long_run_tokens: int = 1_000_000,
+        max_clients: int = 32,
+        max_lines: int = 256,
+    ) -> None:
         self.window_tokens = window_tokens
         self.long_run_tokens = long_run_tokens
         self.max_clients = max_clients
@@ -154,10 +183,17 @@ class ClientShares:
         """``{"tokens", "clients": [{client, share, long_run_share}]}`` of a line (every line for ``None``)."""
         window, long_run, tokens = self._totals(business_line)
         total = sum(long_run.values()) or 1.0
-        return {"tokens": tokens, "clients": [
-            {"client": name, "share": round(count / tokens, 4) if tokens else 0.0,
-             "long_run_share": round(long_run.get(name, 0.0) / total, 4)}
-            for name, count in sorted(window.items(), key=lambda item: -item[1])]}
+        return {
+            "tokens": tokens,
+            "clients": [
+                {
+                    "client": name,
+                    "share": round(count / tokens, 4) if tokens else 0.0,
+                    "long_run_share": round(long_run.get(name, 0.0) / total, 4),
+                }
+                for name, count in sorted(window.items(), key=lambda item: -item[1])
+            ],
+        }
 
     def mix(self, business_line: str | None, *, keys_seen: int = 0) -> ClientMix | None:
         """Whose tokens a line's window holds (every line's for ``None``); ``keys_seen`` > 1: only the tokens of
@@ -165,8 +201,11 @@ class ClientShares:
         no client's tokens of the line were recorded here (routing reported by workers, or counted from an engine's
         recorder: its clients are not seen)."""
         with self._lock:
-            lines = list(self._lines.values()) if business_line in (None, ALL_LINES) else (
-                [self._lines[business_line]] if business_line in self._lines else [])
+            lines = (
+                list(self._lines.values())
+                if business_line in (None, ALL_LINES)
+                else ([self._lines[business_line]] if business_line in self._lines else [])
+            )
             if not any(line.window for line in lines):
                 return None
             sent: dict[str, int] = {}
@@ -187,15 +226,19 @@ class ClientShares:
         if not tokens:
             return []
         total = sum(long_run.values()) or 1.0
-        movers = [Mover(name, count / tokens, long_run.get(name, 0.0) / total, tokens)
-                  for name, count in window.items()]
+        movers = [
+            Mover(name, count / tokens, long_run.get(name, 0.0) / total, tokens) for name, count in window.items()
+        ]
         movers.sort(key=lambda mover: (-(mover.share - mover.long_run_share), -mover.share))
         return [mover for mover in movers if mover.share > 0][:top]
 
     def _totals(self, business_line: str | None) -> tuple[dict[str, int], dict[str, float], int]:
         with self._lock:
-            lines = list(self._lines.values()) if business_line in (None, ALL_LINES) else (
-                [self._lines[business_line]] if business_line in self._lines else [])
+            lines = (
+                list(self._lines.values())
+                if business_line in (None, ALL_LINES)
+                else ([self._lines[business_line]] if business_line in self._lines else [])
+            )
             window: dict[str, int] = {}
             long_run: dict[str, float] = {}
             for line in lines:

@@ -53,9 +53,14 @@ class FootprintTable:
         return tuple(a / m if m else float("nan") for a, m in zip(self.apart, self.mixed, strict=True))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"batch_sizes": list(self.batch_sizes), "lines": {k: list(v) for k, v in self.lines.items()},
-                "mixed": list(self.mixed), "apart": list(self.apart), "ratio_apart_to_mixed": list(self.ratio),
-                "requests": dict(self.requests)}
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "lines": {k: list(v) for k, v in self.lines.items()},
+            "mixed": list(self.mixed),
+            "apart": list(self.apart),
+            "ratio_apart_to_mixed": list(self.ratio),
+            "requests": dict(self.requests),
+        }
 
     def format(self, expert_bytes: int | None = None) -> str:
         """A table: one row per line, then all lines mixed, lines apart and the ratio."""
@@ -69,15 +74,18 @@ class FootprintTable:
         if expert_bytes:
             rows.append(["MiB per layer, mixed", *(f"{value * expert_bytes / 2**20:.2f}" for value in self.mixed)])
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        return "\n".join("  ".join(cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i])
-                                   for i, cell in enumerate(row)) for row in rows)
+        return "\n".join(
+            "  ".join(cell.ljust(widths[0]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row))
+            for row in rows
+        )
 
 
 class FootprintSampler:
     """Recent requests' per-token routing per business line, and the footprint of batches drawn from them."""
 
-    def __init__(self, num_experts: int, *, max_requests: int = 256, tokens_per_request: int = 16,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, num_experts: int, *, max_requests: int = 256, tokens_per_request: int = 16, seed: int = 0
+    ) -> None:
         if not 1 <= num_experts <= MAX_EXPERT_ID + 1:
             raise ValueError(f"num_experts = {num_experts}: expected 1 to {MAX_EXPERT_ID + 1}")
         self.num_experts = num_experts
@@ -97,8 +105,9 @@ class FootprintSampler:
         if rows.ndim != 3 or not rows.shape[0]:
             return
         if int(rows.min()) < 0 or int(rows.max()) >= self.num_experts:
-            raise ValueError(f"expert ids in [{int(rows.min())}, {int(rows.max())}]: expected [0, "
-                             f"{self.num_experts - 1}]")
+            raise ValueError(
+                f"expert ids in [{int(rows.min())}, {int(rows.max())}]: expected [0, {self.num_experts - 1}]"
+            )
         with self._lock:
             if rows.shape[0] > self.tokens_per_request:
                 rows = rows[np.sort(self._rng.choice(rows.shape[0], self.tokens_per_request, replace=False))]
@@ -118,14 +127,20 @@ class FootprintSampler:
             pools = {line: list(requests) for line, requests in self._requests.items() if requests}
         # Every pool draws from the same seeded stream per batch size (common random numbers): the ratio's noise is
         # the pools' difference, not the draws', and one line's pool reads exactly what all lines mixed read.
-        lines = {line: tuple(self._mean(pool, size, draws, np.random.default_rng([seed, size]))
-                             for size in batch_sizes) for line, pool in pools.items()}
+        lines = {
+            line: tuple(self._mean(pool, size, draws, np.random.default_rng([seed, size])) for size in batch_sizes)
+            for line, pool in pools.items()
+        }
         everything = [rows for pool in pools.values() for rows in pool]
-        mixed = tuple(self._mean(everything, size, draws, np.random.default_rng([seed, size])) if everything else 0.0
-                      for size in batch_sizes)
+        mixed = tuple(
+            self._mean(everything, size, draws, np.random.default_rng([seed, size])) if everything else 0.0
+            for size in batch_sizes
+        )
         total = sum(len(pool) for pool in pools.values())
-        apart = tuple(sum(len(pools[line]) / total * lines[line][index] for line in pools) if total else 0.0
-                      for index in range(len(batch_sizes)))
+        apart = tuple(
+            sum(len(pools[line]) / total * lines[line][index] for line in pools) if total else 0.0
+            for index in range(len(batch_sizes))
+        )
         requests = {line: len(pool) for line, pool in pools.items()}
         return FootprintTable(tuple(batch_sizes), lines, mixed, apart, requests)
 

@@ -33,8 +33,17 @@ from mla_watch.routing.routers import CountDelta, RouterInfo, parse_zero_slots
 from mla_watch.routing.stats import KINDS
 from mla_watch.routing.windows import DEFAULT_WINDOW_TOKENS, NAME_RE, NAME_RULE, RouterWindows
 
-__all__ = ["INGEST_FLAGS", "INGEST_PATH", "IngestError", "IngestLimits", "RemoteRouting", "Snapshot", "parse_snapshot",
-           "remote_name", "snapshot_body"]
+__all__ = [
+    "INGEST_FLAGS",
+    "INGEST_PATH",
+    "IngestError",
+    "IngestLimits",
+    "RemoteRouting",
+    "Snapshot",
+    "parse_snapshot",
+    "remote_name",
+    "snapshot_body",
+]
 
 INGEST_PATH = "/v1/routing/ingest"
 SOURCE_SEPARATOR = "/"
@@ -78,19 +87,34 @@ class IngestLimits:
     source_idle_seconds: float = 900.0  # a source silent this long gives its place to a new one
 
     def __post_init__(self) -> None:
-        for name in ("max_slots", "max_top_k", "max_routers", "max_sources", "max_lines", "max_window_slots",
-                     "max_records", "max_tokens"):
+        for name in (
+            "max_slots",
+            "max_top_k",
+            "max_routers",
+            "max_sources",
+            "max_lines",
+            "max_window_slots",
+            "max_records",
+            "max_tokens",
+        ):
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise SettingsError([SettingProblem(f"ingest_limits.{name}", repr(value), "an integer >= 1")])
         if self.max_tokens * self.max_top_k > 2**48:
-            raise SettingsError([SettingProblem(
-                "ingest_limits.max_tokens", repr(self.max_tokens), "at most 2**48 tokens times top-k, so that "
-                "window sums cannot overflow", problem=f"times a top-k of {self.max_top_k} it is "
-                f"{self.max_tokens * self.max_top_k}")])
+            raise SettingsError(
+                [
+                    SettingProblem(
+                        "ingest_limits.max_tokens",
+                        repr(self.max_tokens),
+                        "at most 2**48 tokens times top-k, so that window sums cannot overflow",
+                        problem=f"times a top-k of {self.max_top_k} it is {self.max_tokens * self.max_top_k}",
+                    )
+                ]
+            )
         if not self.source_idle_seconds > 0:
-            raise SettingsError([SettingProblem("ingest_limits.source_idle_seconds", repr(self.source_idle_seconds),
-                                                "a number > 0")])
+            raise SettingsError(
+                [SettingProblem("ingest_limits.source_idle_seconds", repr(self.source_idle_seconds), "a number > 0")]
+            )
 
 
 class IngestError(ValueError):
@@ -115,16 +139,24 @@ def remote_name(source: str, router: str) -> str:
     return f"{source}{SOURCE_SEPARATOR}{router}"
 
 
-def snapshot_body(source: str, routers: Iterable[RouterInfo],
-                  deltas: Mapping[tuple[str, str], CountDelta]) -> dict[str, Any]:
+def snapshot_body(
+    source: str, routers: Iterable[RouterInfo], deltas: Mapping[tuple[str, str], CountDelta]
+) -> dict[str, Any]:
     """The request body for ``deltas`` keyed by (router, business line)."""
     shipped = []
     for (router, line), delta in deltas.items():
         slots = np.flatnonzero(delta.counts)
-        shipped.append({"router": router, "business_line": line, "slots": slots.tolist(),
-                        "counts": delta.counts[slots].tolist(), "tokens": int(delta.tokens),
-                        "local_selections": int(delta.local_selections),
-                        "choice_selections": int(delta.choice_selections)})
+        shipped.append(
+            {
+                "router": router,
+                "business_line": line,
+                "slots": slots.tolist(),
+                "counts": delta.counts[slots].tolist(),
+                "tokens": int(delta.tokens),
+                "local_selections": int(delta.local_selections),
+                "choice_selections": int(delta.choice_selections),
+            }
+        )
     return {"source": source, "routers": [info.as_dict() for info in routers], "deltas": shipped}
 
 
@@ -166,12 +198,16 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
         raise IngestError(f"{field}: unknown field(s) {unknown}", f"{field}.{unknown[0]}", code="unknown_field")
     name = data.get("name")
     if not isinstance(name, str) or not ROUTER_NAME_RE.fullmatch(name):
-        raise IngestError(f"{field}.name={describe_value(name)} is invalid: expected a module path of at most 200 "
-                          "characters (letters, digits, _ . : - [ ])", f"{field}.name")
+        raise IngestError(
+            f"{field}.name={describe_value(name)} is invalid: expected a module path of at most 200 "
+            "characters (letters, digits, _ . : - [ ])",
+            f"{field}.name",
+        )
     kind = data.get("kind")
     if kind not in KINDS:
-        raise IngestError(f"{field}.kind={describe_value(kind)} is invalid: expected 'expert' or 'indexer'",
-                          f"{field}.kind")
+        raise IngestError(
+            f"{field}.kind={describe_value(kind)} is invalid: expected 'expert' or 'indexer'", f"{field}.kind"
+        )
     layer = _integer(data.get("layer"), f"{field}.layer", -1, MAX_LAYER)
     num_slots = _integer(data.get("num_slots"), f"{field}.num_slots", 1, limits.max_slots)
     top_k = _integer(data.get("top_k"), f"{field}.top_k", 1, min(limits.max_top_k, num_slots))
@@ -181,10 +217,19 @@ def _router(data: Any, field: str, limits: IngestLimits) -> RouterInfo:
         raise IngestError(str(error), f"{field}.zero_slots") from None
     hash_routed = data.get("hash_routed", False)
     if not isinstance(hash_routed, bool):
-        raise IngestError(f"{field}.hash_routed={describe_value(hash_routed)} is invalid: expected true or false",
-                          f"{field}.hash_routed")
-    return RouterInfo(name=name, layer=layer, kind=kind, num_slots=num_slots, top_k=top_k, zero_slots=zero_slots,
-                      hash_routed=hash_routed)
+        raise IngestError(
+            f"{field}.hash_routed={describe_value(hash_routed)} is invalid: expected true or false",
+            f"{field}.hash_routed",
+        )
+    return RouterInfo(
+        name=name,
+        layer=layer,
+        kind=kind,
+        num_slots=num_slots,
+        top_k=top_k,
+        zero_slots=zero_slots,
+        hash_routed=hash_routed,
+    )
 
 
 @dataclass
@@ -218,13 +263,15 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
     """Validate a whole request body; nothing is applied here."""
     unknown = sorted(set(body) - {"source", "routers", "deltas"})
     if unknown:
-        raise IngestError(f"unknown field(s) {unknown}: expected source, routers, deltas", unknown[0],
-                          code="unknown_field")
+        raise IngestError(
+            f"unknown field(s) {unknown}: expected source, routers, deltas", unknown[0], code="unknown_field"
+        )
     source = _label(body.get("source"), "source")
     routers = body.get("routers")
     if not isinstance(routers, list) or not routers or len(routers) > limits.max_routers:
-        raise IngestError(f"routers is invalid: expected a list of 1 to {limits.max_routers} router descriptions",
-                          "routers")
+        raise IngestError(
+            f"routers is invalid: expected a list of 1 to {limits.max_routers} router descriptions", "routers"
+        )
     infos = tuple(_router(item, f"routers[{index}]", limits) for index, item in enumerate(routers))
     known = {info.name: info for info in infos}
     if len(known) != len(infos):
@@ -246,12 +293,21 @@ def parse_snapshot(body: Mapping[str, Any], limits: IngestLimits) -> Snapshot:
             lines.add(line)
             dense_slots += info.num_slots
             if len(lines) > limits.max_lines:
-                raise IngestError(f"this snapshot names more than {limits.max_lines} business lines, the most this "
-                                  "sidecar keeps (serve --ingest-max-lines)", "deltas.business_line", status=429,
-                                  code="too_many_lines")
+                raise IngestError(
+                    f"this snapshot names more than {limits.max_lines} business lines, the most this "
+                    "sidecar keeps (serve --ingest-max-lines)",
+                    "deltas.business_line",
+                    status=429,
+                    code="too_many_lines",
+                )
             if dense_slots > limits.max_window_slots:
-                raise IngestError(f"this snapshot's deltas span more than {limits.max_window_slots} slots "
-                                  "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
+                raise IngestError(
+                    f"this snapshot's deltas span more than {limits.max_window_slots} slots "
+                    "(serve --ingest-max-window-slots)",
+                    "deltas",
+                    status=429,
+                    code="too_many_slots",
+                )
             sums[(info.name, line)] = _DeltaSum(info.num_slots)
         sums[(info.name, line)].add(*checked)
     return Snapshot(source, infos, {key: summed.dense() for key, summed in sums.items()})
@@ -261,34 +317,42 @@ def _delta_key(delta: Any, where: str, known: Mapping[str, RouterInfo]) -> tuple
     """The router and business line of one delta, its fields checked."""
     if not isinstance(delta, dict):
         raise IngestError(f"{where} is invalid: expected an object", where)
-    extra = sorted(set(delta) - {"router", "business_line", "slots", "counts", "tokens", "local_selections",
-                                 "choice_selections"})
+    extra = sorted(
+        set(delta) - {"router", "business_line", "slots", "counts", "tokens", "local_selections", "choice_selections"}
+    )
     if extra:
         raise IngestError(f"{where}: unknown field(s) {extra}", f"{where}.{extra[0]}", code="unknown_field")
     router = delta.get("router")
     info = known.get(router) if isinstance(router, str) else None  # a list or object is no name (nor hashable)
     if info is None:
-        raise IngestError(f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
-                          "routers listed in this request", f"{where}.router")
+        raise IngestError(
+            f"{where}.router={describe_value(delta.get('router'))} is invalid: expected one of the "
+            "routers listed in this request",
+            f"{where}.router",
+        )
     return info, _label(delta.get("business_line"), f"{where}.business_line")
 
 
-def _delta_counts(delta: Mapping[str, Any], where: str, info: RouterInfo,
-                  limits: IngestLimits) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+def _delta_counts(
+    delta: Mapping[str, Any], where: str, info: RouterInfo, limits: IngestLimits
+) -> tuple[np.ndarray, np.ndarray, int, int, int]:
     """``(slots, counts, tokens, local_selections, choice_selections)`` of one delta, checked against its router."""
     tokens = _integer(delta.get("tokens", 0), f"{where}.tokens", 0, limits.max_tokens)
     most = tokens * info.top_k  # each token picks at most top_k slots
     slots = _integers(delta.get("slots"), f"{where}.slots", info.num_slots - 1)
     counts = _integers(delta.get("counts"), f"{where}.counts", most)
     if slots.shape != counts.shape:
-        raise IngestError(f"{where}: slots has {slots.size} entries and counts {counts.size}; expected equal "
-                          "lengths", f"{where}.counts")
+        raise IngestError(
+            f"{where}: slots has {slots.size} entries and counts {counts.size}; expected equal lengths",
+            f"{where}.counts",
+        )
     if slots.size and np.unique(slots).size != slots.size:
         raise IngestError(f"{where}.slots lists a slot twice", f"{where}.slots")
     selections = int(counts.sum())
     if selections > most:
-        raise IngestError(f"{where}: {selections} selections over {tokens} tokens exceed tokens × top_k = "
-                          f"{most}", f"{where}.counts")
+        raise IngestError(
+            f"{where}: {selections} selections over {tokens} tokens exceed tokens × top_k = {most}", f"{where}.counts"
+        )
     choice = _integer(delta.get("choice_selections", 0), f"{where}.choice_selections", 0, most)
     local = _integer(delta.get("local_selections", 0), f"{where}.local_selections", 0, choice)
     return slots, counts, tokens, local, choice
@@ -305,9 +369,15 @@ class _Source:
 class RemoteRouting:
     """The rolling windows of every remote source, within :class:`IngestLimits`."""
 
-    def __init__(self, limits: IngestLimits | None = None, *, window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
-                 window_seconds: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 baselines: Baselines | None = None) -> None:
+    def __init__(
+        self,
+        limits: IngestLimits | None = None,
+        *,
+        window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
+        window_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        baselines: Baselines | None = None,
+    ) -> None:
         self.limits = limits or IngestLimits()
         self._baselines = baselines  # shared by every source's windows (router names carry the source)
         self._window_tokens = window_tokens
@@ -342,30 +412,47 @@ class RemoteRouting:
             source = self._sources.get(snapshot.source)
             evict = self._room_for_source(now) if source is None else None
             if source is not None and set(source.routers.values()) != set(snapshot.routers):
-                raise IngestError(f"source {snapshot.source!r} lists routers other than it reported before; ship "
-                                  "under another source name to watch another model", "routers", status=409,
-                                  code="conflict")
+                raise IngestError(
+                    f"source {snapshot.source!r} lists routers other than it reported before; ship "
+                    "under another source name to watch another model",
+                    "routers",
+                    status=409,
+                    code="conflict",
+                )
             routers = source.routers if source is not None else {info.name: info for info in snapshot.routers}
             others = [other for name, other in self._sources.items() if name != evict]
             lines = self._lines if evict is None else {line for other in others for _, line in other.open_windows}
             new_lines = {line for _, line in snapshot.deltas} - lines
             if len(lines) + len(new_lines) > self.limits.max_lines:
-                raise IngestError(f"{len(new_lines)} new business line(s) would exceed the {self.limits.max_lines} "
-                                  "remote lines this sidecar keeps (serve --ingest-max-lines)",
-                                  "deltas.business_line", status=429, code="too_many_lines")
+                raise IngestError(
+                    f"{len(new_lines)} new business line(s) would exceed the {self.limits.max_lines} "
+                    "remote lines this sidecar keeps (serve --ingest-max-lines)",
+                    "deltas.business_line",
+                    status=429,
+                    code="too_many_lines",
+                )
             open_windows = source.open_windows if source is not None else set()
             new_windows = set(snapshot.deltas) - open_windows
             freed = self._slots_of(self._sources[evict]) if evict is not None else 0
             needed = sum(routers[router].num_slots for router, _ in new_windows)
             if self._window_slots - freed + needed > self.limits.max_window_slots:
-                raise IngestError(f"this snapshot opens windows of {needed} slots; remote windows already hold "
-                                  f"{self._window_slots} of the {self.limits.max_window_slots} allowed "
-                                  "(serve --ingest-max-window-slots)", "deltas", status=429, code="too_many_slots")
+                raise IngestError(
+                    f"this snapshot opens windows of {needed} slots; remote windows already hold "
+                    f"{self._window_slots} of the {self.limits.max_window_slots} allowed "
+                    "(serve --ingest-max-window-slots)",
+                    "deltas",
+                    status=429,
+                    code="too_many_slots",
+                )
             records = self._records(snapshot.source, routers, open_windows | new_windows, evict)
             if records > self.limits.max_records:
-                raise IngestError(f"this snapshot would make {records} router x business line records to export, "
-                                  f"over the {self.limits.max_records} allowed (serve --ingest-max-records)",
-                                  "deltas", status=429, code="too_many_records")
+                raise IngestError(
+                    f"this snapshot would make {records} router x business line records to export, "
+                    f"over the {self.limits.max_records} allowed (serve --ingest-max-records)",
+                    "deltas",
+                    status=429,
+                    code="too_many_records",
+                )
             if source is not None:
                 self._check_overflow(source, snapshot)
             # Checked: from here on nothing can fail.
@@ -389,10 +476,14 @@ class RemoteRouting:
             return None
         name, oldest = min(self._sources.items(), key=lambda item: item[1].last_seen)
         if now - oldest.last_seen < self.limits.source_idle_seconds:
-            raise IngestError(f"{len(self._sources)} sources are reporting, the most this sidecar keeps "
-                              f"(serve --ingest-max-sources); a source gives its place after "
-                              f"{self.limits.source_idle_seconds:g} s of silence", "source", status=429,
-                              code="too_many_sources")
+            raise IngestError(
+                f"{len(self._sources)} sources are reporting, the most this sidecar keeps "
+                f"(serve --ingest-max-sources); a source gives its place after "
+                f"{self.limits.source_idle_seconds:g} s of silence",
+                "source",
+                status=429,
+                code="too_many_sources",
+            )
         return name
 
     def _check_overflow(self, source: _Source, snapshot: Snapshot) -> None:
@@ -400,21 +491,33 @@ class RemoteRouting:
             totals = source.windows.window_totals(remote_name(snapshot.source, router), line)
             if totals is None:
                 continue
-            if (totals.tokens + delta.tokens > COUNT_CEILING
-                    or int((totals.counts + delta.counts).max(initial=0)) > COUNT_CEILING):
-                raise IngestError(f"router {router!r}, business line {line!r}: the window's "
-                                  f"sums would pass {COUNT_CEILING}", "deltas", code="count_overflow")
+            if (
+                totals.tokens + delta.tokens > COUNT_CEILING
+                or int((totals.counts + delta.counts).max(initial=0)) > COUNT_CEILING
+            ):
+                raise IngestError(
+                    f"router {router!r}, business line {line!r}: the window's sums would pass {COUNT_CEILING}",
+                    "deltas",
+                    code="count_overflow",
+                )
 
     def _open(self, name: str, routers: dict[str, RouterInfo], now: float) -> _Source:
         infos = [dataclasses.replace(info, name=remote_name(name, info.name)) for info in routers.values()]
-        windows = RouterWindows(infos, window_tokens=self._window_tokens, window_seconds=self._window_seconds,
-                                clock=self._clock, max_buckets=REMOTE_MAX_BUCKETS, baselines=self._baselines)
+        windows = RouterWindows(
+            infos,
+            window_tokens=self._window_tokens,
+            window_seconds=self._window_seconds,
+            clock=self._clock,
+            max_buckets=REMOTE_MAX_BUCKETS,
+            baselines=self._baselines,
+        )
         source = _Source(routers, windows, set(), now)
         self._sources[name] = source
         return source
 
-    def _records(self, name: str, routers: dict[str, RouterInfo], windows: set[tuple[str, str]],
-                 evict: str | None) -> int:
+    def _records(
+        self, name: str, routers: dict[str, RouterInfo], windows: set[tuple[str, str]], evict: str | None
+    ) -> int:
         """Statistics records once ``name`` holds ``windows``: each router, for each line and all lines."""
         records = len(routers) * (len({line for _, line in windows}) + 1)
         for other_name, other in self._sources.items():

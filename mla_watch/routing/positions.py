@@ -143,9 +143,16 @@ class BucketStats:
     in_range: bool  # judged and within drift_bits of in-range routing (pooled into it)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"bucket": self.bucket, "start": self.start, "end": self.end, "tokens": self.tokens,
-                "entropy_bits": self.entropy_bits, "js_divergence": self.js_divergence, "judged": self.judged,
-                "in_range": self.in_range}
+        return {
+            "bucket": self.bucket,
+            "start": self.start,
+            "end": self.end,
+            "tokens": self.tokens,
+            "entropy_bits": self.entropy_bits,
+            "js_divergence": self.js_divergence,
+            "judged": self.judged,
+            "in_range": self.in_range,
+        }
 
 
 @dataclass(frozen=True)
@@ -196,33 +203,62 @@ class PositionProfile:
         return ", ".join(f"{client} {share:.0%}" for client, share in self.shares) or "no client"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"edge": self.edge, "edge_start": self.edge_start, "long_context_drift": self.drift,
-                "drift_bits": self.drift_bits, "buckets": [bucket.as_dict() for bucket in self.buckets],
-                "clients": [client.as_dict() for client in self.clients], "held_by": list(self.held_by),
-                "shares": [{"client": client, "share": share} for client, share in self.shares],
-                "min_clients": self.min_clients, "compared": self.compared()}
+        return {
+            "edge": self.edge,
+            "edge_start": self.edge_start,
+            "long_context_drift": self.drift,
+            "drift_bits": self.drift_bits,
+            "buckets": [bucket.as_dict() for bucket in self.buckets],
+            "clients": [client.as_dict() for client in self.clients],
+            "held_by": list(self.held_by),
+            "shares": [{"client": client, "share": share} for client, share in self.shares],
+            "min_clients": self.min_clients,
+            "compared": self.compared(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PositionProfile:
         """Read back :meth:`as_dict` (a sidecar's ``/v1/routing`` answer); ``KeyError``/``TypeError`` if not one."""
-        buckets = tuple(BucketStats(**{key: bucket[key] for key in BucketStats.__dataclass_fields__})
-                        for bucket in data["buckets"])
-        clients = tuple(ClientDeparture(str(c["client"]), int(c["tokens"]), c["edge"], c["drift"])
-                        for c in data.get("clients", []))
+        buckets = tuple(
+            BucketStats(**{key: bucket[key] for key in BucketStats.__dataclass_fields__}) for bucket in data["buckets"]
+        )
+        clients = tuple(
+            ClientDeparture(str(c["client"]), int(c["tokens"]), c["edge"], c["drift"]) for c in data.get("clients", [])
+        )
         shares = tuple((str(s["client"]), float(s["share"])) for s in data.get("shares", []))
-        return cls(buckets, data["edge"], data["edge_start"], data["long_context_drift"], float(data["drift_bits"]),
-                   clients, tuple(str(c) for c in data.get("held_by", [])), shares, int(data.get("min_clients", 1)))
+        return cls(
+            buckets,
+            data["edge"],
+            data["edge_start"],
+            data["long_context_drift"],
+            float(data["drift_bits"]),
+            clients,
+            tuple(str(c) for c in data.get("held_by", [])),
+            shares,
+            int(data.get("min_clients", 1)),
+        )
 
 
-def profile(counts: np.ndarray, buckets: PositionBuckets, top_k: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
-            min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS) -> PositionProfile:
+def profile(
+    counts: np.ndarray,
+    buckets: PositionBuckets,
+    top_k: int,
+    *,
+    drift_bits: float = DEFAULT_DRIFT_BITS,
+    min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
+) -> PositionProfile:
     """The position profile of ``counts`` ``[buckets, slots]`` (one router, one source of prompts)."""
     return profiles(counts[None], buckets, [top_k], drift_bits=drift_bits, min_tokens=min_tokens)[0]
 
 
-def profiles(counts: np.ndarray, buckets: PositionBuckets, top_k: Sequence[int], *,
-             drift_bits: float = DEFAULT_DRIFT_BITS, min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS
-             ) -> list[PositionProfile]:
+def profiles(
+    counts: np.ndarray,
+    buckets: PositionBuckets,
+    top_k: Sequence[int],
+    *,
+    drift_bits: float = DEFAULT_DRIFT_BITS,
+    min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
+) -> list[PositionProfile]:
     """The position profiles of routers of one size, ``counts`` ``[routers, buckets, slots]`` of one source of
     prompts (one client), computed together.
 
@@ -256,26 +292,49 @@ def profiles(counts: np.ndarray, buckets: PositionBuckets, top_k: Sequence[int],
         compared = js[router][judged[router] & seeded[router] & in_range[router]]
         drift = float(js[router, edge]) if edge >= 0 else (float(compared.max()) if compared.size else None)
         records = tuple(
-            BucketStats(labels[index], buckets.starts[index], ends[index], int(tokens[router, index]),
-                        float(entropy[router, index]),
-                        None if index == 0 or np.isnan(js[router, index]) or not seeded[router, index]
-                        else float(js[router, index]),
-                        bool(judged[router, index]), bool(in_range[router, index]))
-            for index in range(count))
-        found.append(PositionProfile(records, None if edge < 0 else labels[edge],
-                                     None if edge < 0 else buckets.starts[edge], drift, drift_bits))
+            BucketStats(
+                labels[index],
+                buckets.starts[index],
+                ends[index],
+                int(tokens[router, index]),
+                float(entropy[router, index]),
+                None
+                if index == 0 or np.isnan(js[router, index]) or not seeded[router, index]
+                else float(js[router, index]),
+                bool(judged[router, index]),
+                bool(in_range[router, index]),
+            )
+            for index in range(count)
+        )
+        found.append(
+            PositionProfile(
+                records,
+                None if edge < 0 else labels[edge],
+                None if edge < 0 else buckets.starts[edge],
+                drift,
+                drift_bits,
+            )
+        )
     return found
 
 
-def line_profiles(by_client: Mapping[str, np.ndarray], buckets: PositionBuckets, top_k: Sequence[int], *,
-                  drift_bits: float = DEFAULT_DRIFT_BITS, min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
-                  min_clients: int = DEFAULT_MIN_CLIENTS) -> list[PositionProfile]:
+def line_profiles(
+    by_client: Mapping[str, np.ndarray],
+    buckets: PositionBuckets,
+    top_k: Sequence[int],
+    *,
+    drift_bits: float = DEFAULT_DRIFT_BITS,
+    min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
+    min_clients: int = DEFAULT_MIN_CLIENTS,
+) -> list[PositionProfile]:
     """The position profiles of routers of one size for one line, from ``by_client`` client -> ``[routers, buckets,
     slots]``: each client judged against its own in-range routing (:func:`profiles`), and a bucket left for the line
     only where ``min_clients`` of them leave there (see the module docstring)."""
     judged_clients = {client: counts for client, counts in by_client.items() if client not in UNJUDGED}
-    per_client = {client: profiles(counts, buckets, top_k, drift_bits=drift_bits, min_tokens=min_tokens)
-                  for client, counts in judged_clients.items()}
+    per_client = {
+        client: profiles(counts, buckets, top_k, drift_bits=drift_bits, min_tokens=min_tokens)
+        for client, counts in judged_clients.items()
+    }
     total: np.ndarray | None = sum(by_client.values()) if by_client else None  # type: ignore[assignment]
     routers = len(top_k)
     count = len(buckets)
@@ -288,8 +347,11 @@ def line_profiles(by_client: Mapping[str, np.ndarray], buckets: PositionBuckets,
         line_js: list[float | None] = [None] * count
         judged = [False] * count
         for index in range(1, count):
-            enough = [found_client[router].buckets[index] for found_client in per_client.values()
-                      if found_client[router].buckets[index].judged]
+            enough = [
+                found_client[router].buckets[index]
+                for found_client in per_client.values()
+                if found_client[router].buckets[index].judged
+            ]
             values = sorted((js for bucket in enough if (js := bucket.js_divergence) is not None), reverse=True)
             judged[index] = len(enough) >= min_clients  # the first judged bucket of its clients: a reference
             if len(values) >= min_clients:
@@ -298,28 +360,66 @@ def line_profiles(by_client: Mapping[str, np.ndarray], buckets: PositionBuckets,
         in_range = [judged[index] and (edge < 0 or index < edge) for index in range(count)]
         compared = [js for index in range(count) if in_range[index] and (js := line_js[index]) is not None]
         drift = line_js[edge] if edge >= 0 else (max(compared) if compared else None)
-        read_at = edge if edge >= 0 else max((index for index in range(count) if line_js[index] is not None),
-                                             default=-1)
-        held = tuple(client for client, found_client in per_client.items()
-                     if edge >= 0 and found_client[router].buckets[edge].judged
-                     and (found_client[router].buckets[edge].js_divergence or 0.0) > drift_bits)
+        read_at = (
+            edge if edge >= 0 else max((index for index in range(count) if line_js[index] is not None), default=-1)
+        )
+        held = tuple(
+            client
+            for client, found_client in per_client.items()
+            if edge >= 0
+            and found_client[router].buckets[edge].judged
+            and (found_client[router].buckets[edge].js_divergence or 0.0) > drift_bits
+        )
         shares: tuple[tuple[str, float], ...] = ()
         if read_at >= 0:
             sent = {client: int(counts[router, read_at].sum()) for client, counts in by_client.items()}
             whole = sum(sent.values())
             if whole:
-                shares = tuple((client, round(tokens_sent / whole, 4)) for client, tokens_sent in
-                               sorted(sent.items(), key=lambda item: -item[1]) if tokens_sent)[:MAX_SHARES_SHOWN]
-        clients = tuple(sorted((ClientDeparture(client, int(judged_clients[client][router, 1:].sum())
-                                                // int(top_k[router]), found_client[router].edge,
-                                                found_client[router].drift)
-                                for client, found_client in per_client.items()), key=lambda c: -c.tokens))
-        records = tuple(BucketStats(labels[index], buckets.starts[index], ends[index], int(tokens[index]),
-                                    float(entropy[index]), line_js[index], judged[index], in_range[index])
-                        for index in range(count))
-        found.append(PositionProfile(records, None if edge < 0 else labels[edge],
-                                     None if edge < 0 else buckets.starts[edge], drift, drift_bits,
-                                     clients[:MAX_CLIENTS_SHOWN], held, shares, min_clients))
+                shares = tuple(
+                    (client, round(tokens_sent / whole, 4))
+                    for client, tokens_sent in sorted(sent.items(), key=lambda item: -item[1])
+                    if tokens_sent
+                )[:MAX_SHARES_SHOWN]
+        clients = tuple(
+            sorted(
+                (
+                    ClientDeparture(
+                        client,
+                        int(judged_clients[client][router, 1:].sum()) // int(top_k[router]),
+                        found_client[router].edge,
+                        found_client[router].drift,
+                    )
+                    for client, found_client in per_client.items()
+                ),
+                key=lambda c: -c.tokens,
+            )
+        )
+        records = tuple(
+            BucketStats(
+                labels[index],
+                buckets.starts[index],
+                ends[index],
+                int(tokens[index]),
+                float(entropy[index]),
+                line_js[index],
+                judged[index],
+                in_range[index],
+            )
+            for index in range(count)
+        )
+        found.append(
+            PositionProfile(
+                records,
+                None if edge < 0 else labels[edge],
+                None if edge < 0 else buckets.starts[edge],
+                drift,
+                drift_bits,
+                clients[:MAX_CLIENTS_SHOWN],
+                held,
+                shares,
+                min_clients,
+            )
+        )
     return found
 
 
@@ -327,12 +427,19 @@ class PositionCounts:
     """Selections of prompt tokens per (router, business line, client, position bucket) of expert routers, and the
     line's prompts by length; thread-safe."""
 
-    def __init__(self, routers: Sequence[Any], context_length: int, *, drift_bits: float = DEFAULT_DRIFT_BITS,
-                 min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
-                 max_bucket_tokens: int = DEFAULT_MAX_BUCKET_TOKENS,
-                 half_life_seconds: float | None = DEFAULT_HALF_LIFE_SECONDS,
-                 max_clients: int = DEFAULT_MAX_CLIENTS, min_clients: int = DEFAULT_MIN_CLIENTS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        routers: Sequence[Any],
+        context_length: int,
+        *,
+        drift_bits: float = DEFAULT_DRIFT_BITS,
+        min_tokens: int = DEFAULT_MIN_BUCKET_TOKENS,
+        max_bucket_tokens: int = DEFAULT_MAX_BUCKET_TOKENS,
+        half_life_seconds: float | None = DEFAULT_HALF_LIFE_SECONDS,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
+        min_clients: int = DEFAULT_MIN_CLIENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.buckets = PositionBuckets(context_length)
         self._routers = {info.name: info for info in routers if info.kind == "expert"}
         self.drift_bits = drift_bits
@@ -369,8 +476,11 @@ class PositionCounts:
             prompts >>= min(halvings, 63)
         for line, holders in self._clients.items():
             for client in list(holders):
-                if not any(by_client[client].any() for lines in self._counts.values()
-                           if client in (by_client := lines.get(line, {}))):
+                if not any(
+                    by_client[client].any()
+                    for lines in self._counts.values()
+                    if client in (by_client := lines.get(line, {}))
+                ):
                     holders.discard(client)
                     for lines in self._counts.values():
                         lines.get(line, {}).pop(client, None)
@@ -382,8 +492,12 @@ class PositionCounts:
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(array.nbytes for lines in self._counts.values() for clients in lines.values()
-                       for array in clients.values())
+            return sum(
+                array.nbytes
+                for lines in self._counts.values()
+                for clients in lines.values()
+                for array in clients.values()
+            )
 
     def client_key(self, business_line: str, client: str | None, prompt_tokens: int) -> str:
         """Under which name a prompt of ``prompt_tokens`` tokens from ``client`` is counted: the client's own
@@ -424,8 +538,9 @@ class PositionCounts:
         """Prompts by the bucket of their last token, of one line (every line summed for ``None``)."""
         with self._lock:
             self._age()
-            found = [prompts for line, prompts in self._prompts.items()
-                     if business_line is None or line == business_line]
+            found = [
+                prompts for line, prompts in self._prompts.items() if business_line is None or line == business_line
+            ]
             return sum(found, np.zeros(len(self.buckets), dtype=np.int64))
 
     def add(self, router: str, business_line: str, counts: np.ndarray, client: str = UNKNOWN) -> None:
@@ -433,8 +548,9 @@ class PositionCounts:
         :meth:`client_key` gave)."""
         info = self._routers.get(router)
         if info is None:
-            raise KeyError(f"router {router!r} is not one of the {len(self._routers)} expert routers counted "
-                           "by position")
+            raise KeyError(
+                f"router {router!r} is not one of the {len(self._routers)} expert routers counted by position"
+            )
         shape = (len(self.buckets), info.num_slots)
         if counts.shape != shape:
             raise ValueError(f"position counts of {router!r}: shape {list(counts.shape)}, expected {list(shape)}")
@@ -468,8 +584,13 @@ class PositionCounts:
         for ``None``: a client of several lines is one client)."""
         with self._lock:
             self._age()
-            clients = {client for name in names for line, by_client in self._counts.get(name, {}).items()
-                       if business_line is None or line == business_line for client in by_client}
+            clients = {
+                client
+                for name in names
+                for line, by_client in self._counts.get(name, {}).items()
+                if business_line is None or line == business_line
+                for client in by_client
+            }
             out = {}
             for client in clients:
                 rows = []
@@ -501,11 +622,25 @@ class PositionCounts:
             top_k = [self._routers[name].top_k for name in names]
             by_client = self._by_client(names, business_line)
             if not by_client:
-                by_client = {UNKNOWN: np.zeros((len(names), len(self.buckets), self._routers[names[0]].num_slots),
-                                               dtype=np.int64)}
-            found.update(zip(names, line_profiles(by_client, self.buckets, top_k, drift_bits=self.drift_bits,
-                                                  min_tokens=self.min_tokens, min_clients=self.min_clients),
-                             strict=True))
+                by_client = {
+                    UNKNOWN: np.zeros(
+                        (len(names), len(self.buckets), self._routers[names[0]].num_slots), dtype=np.int64
+                    )
+                }
+            found.update(
+                zip(
+                    names,
+                    line_profiles(
+                        by_client,
+                        self.buckets,
+                        top_k,
+                        drift_bits=self.drift_bits,
+                        min_tokens=self.min_tokens,
+                        min_clients=self.min_clients,
+                    ),
+                    strict=True,
+                )
+            )
         return {name: found[name] for name in self._routers}
 
     def reset(self) -> None:
@@ -517,11 +652,19 @@ class PositionCounts:
     def as_dict(self, business_line: str | None = None) -> dict[str, Any]:
         """What ``GET /v1/routing`` answers under ``positions``: every expert router's profile for one line (all
         summed), and the line's prompts by length."""
-        return {"business_line": business_line, "context_length": self.buckets.context_length,
-                "buckets": self.buckets.labels, "drift_bits": self.drift_bits, "min_tokens": self.min_tokens,
-                "min_clients": self.min_clients, "prompts": self.prompts(business_line).tolist(),
-                "routers": [{"name": name, "layer": self._routers[name].layer, **found.as_dict()}
-                            for name, found in self.profiles(business_line).items()]}
+        return {
+            "business_line": business_line,
+            "context_length": self.buckets.context_length,
+            "buckets": self.buckets.labels,
+            "drift_bits": self.drift_bits,
+            "min_tokens": self.min_tokens,
+            "min_clients": self.min_clients,
+            "prompts": self.prompts(business_line).tolist(),
+            "routers": [
+                {"name": name, "layer": self._routers[name].layer, **found.as_dict()}
+                for name, found in self.profiles(business_line).items()
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -537,9 +680,15 @@ class Recommendation:
     prompts: int = 0  # the line's prompts that share is of
 
     def as_dict(self) -> dict[str, Any]:
-        return {"max_prompt_tokens": self.max_prompt_tokens, "edge": self.edge, "routers": list(self.routers),
-                "judged_up_to": self.judged_up_to, "clients": list(self.clients),
-                "refused_share": self.refused_share, "prompts": self.prompts}
+        return {
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "edge": self.edge,
+            "routers": list(self.routers),
+            "judged_up_to": self.judged_up_to,
+            "clients": list(self.clients),
+            "refused_share": self.refused_share,
+            "prompts": self.prompts,
+        }
 
 
 def recommend(profiles: dict[str, PositionProfile], prompts: Sequence[int] | None = None) -> Recommendation:

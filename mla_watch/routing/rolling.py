@@ -178,9 +178,16 @@ class RollingWindow:
         dense[first.slots] += first.counts
         dense[second.slots] += second.counts
         slots = np.flatnonzero(dense)
-        self._buckets.appendleft(_Bucket(second.timestamp, slots, dense[slots], first.tokens + second.tokens,
-                                         first.local_selections + second.local_selections,
-                                         first.choice_selections + second.choice_selections))
+        self._buckets.appendleft(
+            _Bucket(
+                second.timestamp,
+                slots,
+                dense[slots],
+                first.tokens + second.tokens,
+                first.local_selections + second.local_selections,
+                first.choice_selections + second.choice_selections,
+            )
+        )
 
     def _evict(self) -> None:
         if self._max_seconds is not None:
@@ -188,8 +195,5 @@ class RollingWindow:
             while self._buckets and self._buckets[0].timestamp < cutoff:
                 self._drop_oldest()
         if self._max_tokens is not None:
-            while (
-                len(self._buckets) > 1
-                and self._tokens - self._buckets[0].tokens >= self._max_tokens
-            ):
+            while len(self._buckets) > 1 and self._tokens - self._buckets[0].tokens >= self._max_tokens:
                 self._drop_oldest()

@@ -40,8 +40,13 @@ class RouterInfo:
     hash_routed: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        record: dict[str, Any] = {"name": self.name, "layer": self.layer, "kind": self.kind,
-                                  "num_slots": self.num_slots, "top_k": self.top_k}
+        record: dict[str, Any] = {
+            "name": self.name,
+            "layer": self.layer,
+            "kind": self.kind,
+            "num_slots": self.num_slots,
+            "top_k": self.top_k,
+        }
         if self.zero_slots:
             record["zero_slots"] = list(self.zero_slots)
         if self.hash_routed:
@@ -74,8 +79,7 @@ class RouterInfo:
 
 def parse_zero_slots(value: Any, num_slots: int, where: str) -> tuple[int, ...]:
     """A list of distinct slot numbers in ``[0, num_slots)``, as :attr:`RouterInfo.zero_slots` keeps them."""
-    if not isinstance(value, list | tuple) or not all(
-            is_integer(slot) and 0 <= slot < num_slots for slot in value):
+    if not isinstance(value, list | tuple) or not all(is_integer(slot) and 0 <= slot < num_slots for slot in value):
         raise ValueError(f"{where} = {value!r}: expected a list of slot numbers in [0, {num_slots})")
     if len(set(value)) != len(value):
         raise ValueError(f"{where} = {value!r}: expected distinct slot numbers")

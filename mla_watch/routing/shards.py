@@ -37,8 +37,15 @@ class RouterShard:
         """The shard ``text`` (``"3/10"``) names; ``ValueError`` naming ``where`` (a flag, or ``param=``), the value
         and the form."""
         index, sep, count = text.partition("/") if isinstance(text, str) and len(text) <= _MAX_CHARS else ("", "", "")
-        if not (sep and index.isdigit() and count.isdigit() and index.isascii() and count.isascii()
-                and int(count) in SHARD_COUNTS and int(index) < int(count)):
+        if not (
+            sep
+            and index.isdigit()
+            and count.isdigit()
+            and index.isascii()
+            and count.isascii()
+            and int(count) in SHARD_COUNTS
+            and int(index) < int(count)
+        ):
             shown = f"{where}{describe_value(text)}" if where.endswith("=") else f"{where} {describe_value(text)}"
             raise ValueError(f"{shown}: expected {SHARD_FORM}")
         return cls(int(index), int(count))

@@ -135,9 +135,7 @@ def js_divergence_bits(counts: ArrayLike, baseline: ArrayLike) -> float:
     p = as_counts(counts, "counts")
     q = as_counts(baseline, "baseline")
     if p.shape[0] != q.shape[0]:
-        raise ValueError(
-            f"counts has length {p.shape[0]} but baseline has length {q.shape[0]}"
-        )
+        raise ValueError(f"counts has length {p.shape[0]} but baseline has length {q.shape[0]}")
     if not p.sum() > 0:
         raise ValueError("counts has no selections; Jensen–Shannon divergence is undefined")
     if not q.sum() > 0:
@@ -160,8 +158,9 @@ def js_divergence_rows(counts: np.ndarray, baselines: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         p, q = p / p_sum, q / q_sum
         m = (p + q) / 2
-        half = [np.where(x > 0, x * np.log2(np.where(x > 0, x, 1) / np.where(m > 0, m, 1)), 0.0).sum(axis=1)
-                for x in (p, q)]
+        half = [
+            np.where(x > 0, x * np.log2(np.where(x > 0, x, 1) / np.where(m > 0, m, 1)), 0.0).sum(axis=1) for x in (p, q)
+        ]
     divergence = np.clip((half[0] + half[1]) / 2, 0.0, 1.0)
     return np.where((p_sum[:, 0] > 0) & (q_sum[:, 0] > 0), divergence, np.nan)
 
@@ -239,31 +238,49 @@ class Statistic:
 # the baselines all read it.
 STATISTICS: tuple[Statistic, ...] = (
     Statistic("entropy_bits", "routing_entropy_bits", "Routing entropy over the current window, in bits."),
-    Statistic("floor_bits", "routing_entropy_floor_bits", "Lowest possible routing entropy: log2 of the top-k.",
-              judged=False),
-    Statistic("ceiling_bits", "routing_entropy_ceiling_bits", "Highest possible routing entropy: log2 of the slots.",
-              judged=False),
+    Statistic(
+        "floor_bits", "routing_entropy_floor_bits", "Lowest possible routing entropy: log2 of the top-k.", judged=False
+    ),
+    Statistic(
+        "ceiling_bits",
+        "routing_entropy_ceiling_bits",
+        "Highest possible routing entropy: log2 of the slots.",
+        judged=False,
+    ),
     Statistic("normalized_entropy", "routing_normalized_entropy", "(entropy - floor) / (ceiling - floor)."),
     Statistic("bits_below_ceiling", "routing_bits_below_ceiling", "Ceiling minus entropy, in bits."),
     Statistic("max_violation", "routing_max_violation", "MaxVio: (max load - mean load) / mean load."),
     Statistic("dead_slots", "routing_dead_slots", "Slots (experts or key positions) never chosen in the window."),
     Statistic("tokens", "routing_window_tokens", "Tokens in the current window.", judged=False),
-    Statistic("selections", "routing_window_selections", "Selections in the current window (each token's top-k "
-              "picks).", judged=False),
+    Statistic(
+        "selections",
+        "routing_window_selections",
+        "Selections in the current window (each token's top-k picks).",
+        judged=False,
+    ),
     Statistic("js_divergence", "routing_js_divergence", "Jensen-Shannon divergence from the baseline, in bits."),
-    Statistic("long_context_drift", "routing_long_context_drift_bits",
-              "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range "
-              "routing (else the largest of the judged buckets); only where positions are counted."),
-    Statistic("locality", "routing_indexer_locality",
-              "Share of indexer choices within the most recent index_topk keys."),
-    Statistic("too_small", "routing_window_too_small",
-              "1 while the window holds fewer tokens than the trusted minimum.", judged=False),
+    Statistic(
+        "long_context_drift",
+        "routing_long_context_drift_bits",
+        "Jensen-Shannon divergence, in bits, of the first position bucket that leaves the line's in-range "
+        "routing (else the largest of the judged buckets); only where positions are counted.",
+    ),
+    Statistic(
+        "locality", "routing_indexer_locality", "Share of indexer choices within the most recent index_topk keys."
+    ),
+    Statistic(
+        "too_small",
+        "routing_window_too_small",
+        "1 while the window holds fewer tokens than the trusted minimum.",
+        judged=False,
+    ),
 )
 # What an alert rule's `metric` may name.
 RULE_METRICS: tuple[str, ...] = tuple(statistic.key for statistic in STATISTICS if statistic.judged)
 # What a healthy baseline keeps the value of: the rule metrics but the drifts, which are measured from a reference.
-BASELINE_METRICS: tuple[str, ...] = tuple(key for key in RULE_METRICS
-                                          if key not in ("js_divergence", "long_context_drift"))
+BASELINE_METRICS: tuple[str, ...] = tuple(
+    key for key in RULE_METRICS if key not in ("js_divergence", "long_context_drift")
+)
 
 
 @dataclass(frozen=True)
@@ -304,8 +321,10 @@ class RoutingStats:
         if self.selections == 0:
             return "no traffic in the window"
         if self.kind == "indexer" and self.locality is None:
-            return (f"no query saw 2 x index_topk = {2 * self.top_k} keys or more: the indexer picked all or "
-                    "nearly all it saw, so its choices carry no signal")
+            return (
+                f"no query saw 2 x index_topk = {2 * self.top_k} keys or more: the indexer picked all or "
+                "nearly all it saw, so its choices carry no signal"
+            )
         if self.too_small:
             return f"{self.tokens} tokens, under this router's trusted minimum of {self.min_tokens}"
         return None

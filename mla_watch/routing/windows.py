@@ -32,8 +32,16 @@ from mla_watch.routing.positions import PositionCounts
 from mla_watch.routing.routers import CountDelta, RouterInfo
 from mla_watch.routing.stats import RollingWindow, RoutingStats, WindowTotals, compute_stats
 
-__all__ = ["ALL_LINES", "BASELINE_FORMAT", "NAME_RE", "NAME_RULE", "RouterStats", "RouterWindows", "RoutingSnapshot",
-           "take_snapshot"]
+__all__ = [
+    "ALL_LINES",
+    "BASELINE_FORMAT",
+    "NAME_RE",
+    "NAME_RULE",
+    "RouterStats",
+    "RouterWindows",
+    "RoutingSnapshot",
+    "take_snapshot",
+]
 
 # The business line of statistics summed over every line (``stats(None)``): a label value in the
 # metrics, alerts and history, and so a name no policy may take.
@@ -63,9 +71,14 @@ class RouterStats:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON record of ``Probe.stats()`` and ``GET /v1/routing``; every other consumer reads the attributes."""
-        record = {"name": self.router.name, "layer": self.router.layer, "kind": self.router.kind,
-                  "business_line": self.business_line, **self.stats.as_dict(),
-                  "baseline": None if self.baseline is None else self.baseline.as_dict()}
+        record = {
+            "name": self.router.name,
+            "layer": self.router.layer,
+            "kind": self.router.kind,
+            "business_line": self.business_line,
+            **self.stats.as_dict(),
+            "baseline": None if self.baseline is None else self.baseline.as_dict(),
+        }
         if self.router.hash_routed:  # alert rules skip it unless their selector asks for hash_routed
             record["hash_routed"] = True
         return record
@@ -179,14 +192,18 @@ class RouterWindows:
         with self._lock:
             self._version += 1
             self._lines.setdefault(business_line, None)
-            self._window(router, business_line).add(delta.counts, delta.tokens,
-                                                    local_selections=delta.local_selections,
-                                                    choice_selections=delta.choice_selections)
+            self._window(router, business_line).add(
+                delta.counts,
+                delta.tokens,
+                local_selections=delta.local_selections,
+                choice_selections=delta.choice_selections,
+            )
             # After the window took it: a delta the window refuses changes neither.
             total = self._cumulative.get((router, business_line))
             if total is None:
                 total = self._cumulative[(router, business_line)] = _Cumulative(
-                    np.zeros(self._routers[router].num_slots, dtype=np.int64))
+                    np.zeros(self._routers[router].num_slots, dtype=np.int64)
+                )
             total.counts += np.asarray(delta.counts, dtype=np.int64)
             total.tokens += int(delta.tokens)
 
@@ -231,9 +248,13 @@ class RouterWindows:
             )
             found = by_position.get(info.name)
             if found is not None:
-                stats = replace(stats, long_context_drift=found.drift, long_context_edge=found.edge,
-                                long_context_compared=found.compared() if found.drift is not None else None,
-                                long_context_clients=found.senders() if found.shares else None)
+                stats = replace(
+                    stats,
+                    long_context_drift=found.drift,
+                    long_context_edge=found.edge,
+                    long_context_compared=found.compared() if found.drift is not None else None,
+                    long_context_clients=found.senders() if found.shares else None,
+                )
             records.append(RouterStats(info, business_line, stats, totals.counts, baseline))
         return records
 
@@ -248,14 +269,16 @@ class RouterWindows:
             for key in [key for key in self._windows if key[0] in names]:
                 del self._windows[key]
 
-    def set_baselines(self, business_line: str | None = None, *,
-                      clients: Callable[[RouterStats], Any] | None = None) -> list[Baseline]:
+    def set_baselines(
+        self, business_line: str | None = None, *, clients: Callable[[RouterStats], Any] | None = None
+    ) -> list[Baseline]:
         """The windows now become the healthy baselines of their series: ``business_line``'s, or every line's and
         all lines summed; what was learned for them is replaced. ``clients(record)``: whose tokens a window holds
         (:meth:`Baselines.replace`)."""
         lines = [business_line] if business_line is not None else [None, *self.business_lines]
-        return self._baselines.replace((record for line in lines for record in self.router_stats(line)),
-                                       clients=clients)
+        return self._baselines.replace(
+            (record for line in lines for record in self.router_stats(line)), clients=clients
+        )
 
     def save_baseline(self, path: str | Path, business_line: str | None = None) -> dict[str, Any]:
         """:meth:`set_baselines`, written to ``path`` as JSON (``mla_watch.baseline/2``); returns the document."""
@@ -275,16 +298,23 @@ class RouterWindows:
         for name, counts in [*((b.router, b.counts) for b in series), *legacy.items()]:
             info = self._routers.get(name)
             if info is not None and not _fits(info, counts):
-                raise ValueError(f"baseline {path}: router {name!r} has {counts.size} counts; "
-                                 f"expected {info.num_slots} (one per expert)")
+                raise ValueError(
+                    f"baseline {path}: router {name!r} has {counts.size} counts; "
+                    f"expected {info.num_slots} (one per expert)"
+                )
         self._baselines.adopt(series, legacy)
 
     def _window(self, router: str, line: str) -> RollingWindow:
         key = (router, line)
         window = self._windows.get(key)
         if window is None:
-            window = RollingWindow(self._routers[router].num_slots, max_tokens=self._window_tokens,
-                                   max_seconds=self._window_seconds, clock=self._clock, max_buckets=self._max_buckets)
+            window = RollingWindow(
+                self._routers[router].num_slots,
+                max_tokens=self._window_tokens,
+                max_seconds=self._window_seconds,
+                clock=self._clock,
+                max_buckets=self._max_buckets,
+            )
             self._windows[key] = window
         return window
 
@@ -303,8 +333,12 @@ class RouterWindows:
         counts = np.zeros(self._routers[router].num_slots, dtype=np.int64)
         for total in totals:
             counts += total.counts
-        return _Totals(counts, sum(t.tokens for t in totals), sum(t.local_selections for t in totals),
-                       sum(t.choice_selections for t in totals))
+        return _Totals(
+            counts,
+            sum(t.tokens for t in totals),
+            sum(t.local_selections for t in totals),
+            sum(t.choice_selections for t in totals),
+        )
 
 
 def _fits(info: RouterInfo, counts: np.ndarray) -> bool:

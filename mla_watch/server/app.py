@@ -76,9 +76,14 @@ log = logging.getLogger("mla_watch.server")
 class Sidecar:
     """Owns the model (or the upstream client), the policies and the metrics; builds the app."""
 
-    def __init__(self, config: ServerConfig, *, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 model_loader: Callable[..., tuple[Any, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        model_loader: Callable[..., tuple[Any, Any]] | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
         self._model_loader = model_loader  # mla_watch.load_model's signature; None: load_model itself
@@ -89,44 +94,71 @@ class Sidecar:
         self.state_writes = StateWrites(config.state_dir)
         self.policies = PolicyStore(config.policies, on_reload=self._on_policy_reload)  # raises PolicyError
         # The rules are judged before any state file is opened: a start they refuse leaves STATE_DIR as it was.
-        self.rules: DirectoryStore[RuleSet] | None = None if config.rules is None else DirectoryStore(
-            config.rules, load_rules_dir, what="rules", on_reload=self._on_rules_reload)  # RuleError at start-up
+        self.rules: DirectoryStore[RuleSet] | None = (
+            None
+            if config.rules is None
+            else DirectoryStore(config.rules, load_rules_dir, what="rules", on_reload=self._on_rules_reload)
+        )  # RuleError at start-up
         self.registry = registry or CollectorRegistry()
-        self.metrics = ServerMetrics(self.registry, lambda: self.sources.routing_snapshot(),
-                                     expert_counts=config.export_expert_counts,
-                                     expert_series_budget=config.expert_series_budget)
+        self.metrics = ServerMetrics(
+            self.registry,
+            lambda: self.sources.routing_snapshot(),
+            expert_counts=config.export_expert_counts,
+            expert_series_budget=config.expert_series_budget,
+        )
         self.metrics.policy_version.set(self.policies.version)
         self.history_store, self.history_store_error = self._open_history_store()  # trend rules read it
         self.baselines = self._open_baselines()
         self.metrics.watch_baselines(self.baselines)
         self.alerts = self._alert_service() if config.rules is not None else None
-        self.metrics.watch_state_writes(self.state_writes, None if self.alerts is None
-                                        else lambda: cast(AlertService, self.alerts).outbox.held)
+        self.metrics.watch_state_writes(
+            self.state_writes, None if self.alerts is None else lambda: cast(AlertService, self.alerts).outbox.held
+        )
         self.serving = Serving(model_name="bundled" if config.model == "bundled" else Path(config.model).name)
         # Who sends each line's traffic: a baseline is learned from a line's traffic, never one client's; the
         # reference prompts tell the traffic's changes from the model's.
         self.clients = ClientShares(window_tokens=config.window_tokens or DEFAULT_WINDOW_TOKENS)
         # The local model's windows, the engine's (beside vLLM / SGLang), the workers' that report.
-        self.sources = RoutingSources(config, self.registry, self.baselines, clock=clock,
-                                      learn_excluded=self.alerts.engine.active_series if self.alerts else None,
-                                      clients=self.clients)
+        self.sources = RoutingSources(
+            config,
+            self.registry,
+            self.baselines,
+            clock=clock,
+            learn_excluded=self.alerts.engine.active_series if self.alerts else None,
+            clients=self.clients,
+        )
         # Beside an engine, how long clients wait: reference readings yield while it is above its usual level.
         self.client_latency = ClientLatency() if config.upstream else None
-        self.references = References(config, clients=self.clients, alerts=self.alerts,  # ReferenceSetError at start-up
-                                     writes=self.state_writes, client_latency=self.client_latency)
+        self.references = References(
+            config,
+            clients=self.clients,
+            alerts=self.alerts,  # ReferenceSetError at start-up
+            writes=self.state_writes,
+            client_latency=self.client_latency,
+        )
         self.metrics.watch_reference(lambda: self.references.prober)
         # Each reading of a line's reference prompts also judges the line's learned baselines: one that is not the
         # line's traffic is dropped and learned again.
         self.references.baseline_check = BaselineCheck(
-            self.baselines, lambda line: self.sources.routing_snapshot().for_line(line), self.sources.window_clients,
-            tolerance_bits=config.reference.tolerance_bits)
+            self.baselines,
+            lambda line: self.sources.routing_snapshot().for_line(line),
+            self.sources.window_clients,
+            tolerance_bits=config.reference.tolerance_bits,
+        )
         self.metrics.watch_footprint(self._footprint)
         if config.position_metrics:
             self.metrics.watch_positions(lambda: None if self.sources.probe is None else self.sources.probe.positions)
         if self.alerts is not None:
             self.alerts.engine.causes = self.references
-        self.retuning = Retuning(config=config, serving=self.serving, sources=self.sources, metrics=self.metrics,
-                                 alerts=self.alerts, references=self.references, writes=self.state_writes)
+        self.retuning = Retuning(
+            config=config,
+            serving=self.serving,
+            sources=self.sources,
+            metrics=self.metrics,
+            alerts=self.alerts,
+            references=self.references,
+            writes=self.state_writes,
+        )
         if self.alerts is not None:
             self.alerts.on_retune(self.retuning.on_retune_action)
         self.auth = Auth(config, self.metrics)
@@ -134,25 +166,51 @@ class Sidecar:
         self._stop_watches: list[Callable[[], None]] = []
         # The status page's live hour is the durable store's full tier; without that store, the same hour in memory.
         self.history = self.history_store or HistoryStore(
-            None, interval_seconds=config.history_interval_seconds, span_seconds=config.history_span_seconds,
-            max_series=config.history_max_series)
-        self._history_sampler = HistorySampler(self.history, lambda: [*self.sources.routing_snapshot().records,
-                                                                      *self.references.history_records()])
+            None,
+            interval_seconds=config.history_interval_seconds,
+            span_seconds=config.history_span_seconds,
+            max_series=config.history_max_series,
+        )
+        self._history_sampler = HistorySampler(
+            self.history, lambda: [*self.sources.routing_snapshot().records, *self.references.history_records()]
+        )
         # Off the default executor, which alert evaluation shares: public reads cannot starve monitoring.
         self.heavy_reads = BoundedReads()  # /v1/history, /v1/status: bounded, 429 past it
         self._monitoring = monitoring_executor()  # /metrics, /v1/routing: never behind a heavy read
         self.reads = read_views.ReadViews(
-            config=config, serving=self.serving, sources=self.sources, policies=self.policies, metrics=self.metrics,
-            registry=self.registry, alerts=self.alerts, history=self.history, history_store=self.history_store,
-            history_store_error=self.history_store_error, baselines=self.baselines, heavy_reads=self.heavy_reads,
-            monitoring=self._monitoring, references=self.references, clients=self.clients,
-            state_writes=self.state_writes)
-        self.handlers = HandlerContext(config=config, clock=clock, auth=self.auth, policies=self.policies,
-                                       metrics=self.metrics, sources=self.sources, alerts=self.alerts,
-                                       serving=self.serving, reload_rules=self.reload_rules, clients=self.clients,
-                                       client_latency=self.client_latency)
-        self.app = Starlette(routes=self._routes(), lifespan=self._lifespan,
-                             exception_handlers={ApiError: self.auth.api_error})
+            config=config,
+            serving=self.serving,
+            sources=self.sources,
+            policies=self.policies,
+            metrics=self.metrics,
+            registry=self.registry,
+            alerts=self.alerts,
+            history=self.history,
+            history_store=self.history_store,
+            history_store_error=self.history_store_error,
+            baselines=self.baselines,
+            heavy_reads=self.heavy_reads,
+            monitoring=self._monitoring,
+            references=self.references,
+            clients=self.clients,
+            state_writes=self.state_writes,
+        )
+        self.handlers = HandlerContext(
+            config=config,
+            clock=clock,
+            auth=self.auth,
+            policies=self.policies,
+            metrics=self.metrics,
+            sources=self.sources,
+            alerts=self.alerts,
+            serving=self.serving,
+            reload_rules=self.reload_rules,
+            clients=self.clients,
+            client_latency=self.client_latency,
+        )
+        self.app = Starlette(
+            routes=self._routes(), lifespan=self._lifespan, exception_handlers={ApiError: self.auth.api_error}
+        )
 
     # ------------------------------------------------------------------ what tests and tools read
     @property
@@ -200,10 +258,14 @@ class Sidecar:
             return None, "the durable routing history is off (serve --history-retention 0)"
         path = config.state_dir / HISTORY_FILE
         try:
-            store = HistoryStore(path, interval_seconds=config.history_interval_seconds,
-                                 span_seconds=config.history_span_seconds,
-                                 retention_days=config.history_retention_days, max_series=config.history_max_series,
-                                 writes=self.state_writes)
+            store = HistoryStore(
+                path,
+                interval_seconds=config.history_interval_seconds,
+                span_seconds=config.history_span_seconds,
+                retention_days=config.history_retention_days,
+                max_series=config.history_max_series,
+                writes=self.state_writes,
+            )
         except HistoryStoreError as error:  # a state directory it cannot write: a corrupt file is set aside inside
             log.error("no durable routing history: %s", error)
             return None, f"the durable routing history could not be opened: {error}"
@@ -213,10 +275,14 @@ class Sidecar:
         """STATE_DIR/baseline.json: learned from healthy traffic, or set by POST /admin/baseline; kept across
         restarts. Learning waits until the routers served are known to be good (``sources.trust_baselines``)."""
         config = self.config
-        learn = config.baseline_tokens if config.window_tokens is None else min(config.baseline_tokens,
-                                                                                config.window_tokens)
-        baselines = Baselines(config.state_dir / "baseline.json", learn_tokens=learn, writes=self.state_writes,
-                              gate=config.baseline_gate)
+        learn = (
+            config.baseline_tokens
+            if config.window_tokens is None
+            else min(config.baseline_tokens, config.window_tokens)
+        )
+        baselines = Baselines(
+            config.state_dir / "baseline.json", learn_tokens=learn, writes=self.state_writes, gate=config.baseline_gate
+        )
         baselines.load()
         return baselines
 
@@ -224,12 +290,16 @@ class Sidecar:
     def _alert_service(self) -> AlertService:
         assert self.rules is not None  # made only with rules
         service = AlertService(
-            self.rules.current, self.config.state_dir, records=self._alert_records, interval=self.config.alert_interval,
+            self.rules.current,
+            self.config.state_dir,
+            records=self._alert_records,
+            interval=self.config.alert_interval,
             status_url=self.config.public_url.rstrip("/") + "/" if self.config.public_url else "",
             external_url=self.config.public_url,
             on_notification=lambda receiver, outcome: self.metrics.notifications.labels(receiver, outcome).inc(),
             before_round=self.rules.check_for_changes,  # a changed rule file is loaded by the next round
-            trend_source=self.history_store, writes=self.state_writes,
+            trend_source=self.history_store,
+            writes=self.state_writes,
         )
         self.metrics.watch_alerts(service.engine)
         return service
@@ -259,8 +329,11 @@ class Sidecar:
 
         serving, config = self.serving, self.config
         started = time.monotonic()
-        log.info("loading the model %s (device %s): until it is ready, completions answer 503 and /readyz "
-                 "\"loading\"", config.model, config.device)
+        log.info(
+            'loading the model %s (device %s): until it is ready, completions answer 503 and /readyz "loading"',
+            config.model,
+            config.device,
+        )
         try:
             model, tokenizer = (self._model_loader or load_model)(config.model, device=config.device)
             serving.self_test = attention_self_test(model, config.attn_implementation)
@@ -269,18 +342,31 @@ class Sidecar:
             # The counting buffer is sized once (CUDA-graph safe): room for every policy's line and then some;
             # a line added by a later reload past it is counted as `overflow`, with a warning.
             lines = max(16, 2 * len(self.policies.current.lines) + 1)
-            probe = self.sources.probe = attach(model, window_tokens=config.window_tokens,
-                                                          window_seconds=config.window_seconds, clock=self.clock,
-                                                          max_business_lines=lines,
-                                                          count_positions=config.routing_by_position)
+            probe = self.sources.probe = attach(
+                model,
+                window_tokens=config.window_tokens,
+                window_seconds=config.window_seconds,
+                clock=self.clock,
+                max_business_lines=lines,
+                count_positions=config.routing_by_position,
+            )
             if config.return_routed_experts:
                 experts = [info for info in probe.routers if info.kind == "expert"]
-                serving.routing_layout = RoutingLayout([info.layer for info in experts],
-                                                       int(model.config.num_hidden_layers),
-                                                       max((info.num_slots for info in experts), default=1))
-            serving.model_worker = ModelWorker(model, tokenizer, probe, max_queue=config.max_queue, clock=self.clock,
-                                    on_job_done=lambda job, seconds: self.metrics.queue_depth.set(
-                                        cast(ModelWorker, serving.model_worker).queue_depth))  # this worker
+                serving.routing_layout = RoutingLayout(
+                    [info.layer for info in experts],
+                    int(model.config.num_hidden_layers),
+                    max((info.num_slots for info in experts), default=1),
+                )
+            serving.model_worker = ModelWorker(
+                model,
+                tokenizer,
+                probe,
+                max_queue=config.max_queue,
+                clock=self.clock,
+                on_job_done=lambda job, seconds: self.metrics.queue_depth.set(
+                    cast(ModelWorker, serving.model_worker).queue_depth
+                ),
+            )  # this worker
             probe.windows.baselines = self.baselines
             expert_slots = [info.num_slots for info in probe.routers if info.kind == "expert"]
             if expert_slots:
@@ -291,8 +377,10 @@ class Sidecar:
                 self.references.start_local(model, tokenizer, serving.model_worker.model_lock, serving.retune)
             gc.freeze()
             serving.ready.set()
-            log.info("ready: the model generates (loaded and checked in %.1f s); /readyz answers 200",
-                     time.monotonic() - started)
+            log.info(
+                "ready: the model generates (loaded and checked in %.1f s); /readyz answers 200",
+                time.monotonic() - started,
+            )
         except Exception as error:
             serving.load_error = f"{type(error).__name__}: {error}"
             log.exception("model failed to load")
@@ -319,7 +407,8 @@ class Sidecar:
             self.sources.trust_baselines(self.serving.retune)
             capture = self.retuning.open_capture() if engine_routing is not None else None
             side = self._upstream_side = build_upstream_side(
-                config, engine_routing, None if capture is None else self.retuning.capture_answers(capture))
+                config, engine_routing, None if capture is None else self.retuning.capture_answers(capture)
+            )
             self.serving.upstream, self.serving.upstream_health = side.upstream, side.health
             self.retuning.start_engine(capture)  # says what it does, or why it does not, in engine_retune_note
             if engine_routing is not None and self.alerts is not None:  # readings tell the causes of alerts
@@ -329,8 +418,10 @@ class Sidecar:
         else:
             threading.Thread(target=self.load_model, name="mla-watch-load", daemon=True).start()
         if config.policy_poll_seconds:
-            self._stop_watches = [self.policies.watch(config.policy_poll_seconds),
-                                  self.references.sets.watch(config.policy_poll_seconds)]
+            self._stop_watches = [
+                self.policies.watch(config.policy_poll_seconds),
+                self.references.sets.watch(config.policy_poll_seconds),
+            ]
         if self.alerts is not None:
             self.alerts.start()
         self._history_sampler.start()
@@ -407,7 +498,8 @@ def build_sidecar(config: ServerConfig, *, name_field: FieldNamer | None = None,
     try:
         return Sidecar(config, **kwargs)
     except SettingsError as error:  # the policies, the rules, or the server's own settings
-        raise SystemExit(f"mla-watch: the {error.what} cannot be used:\n  "
-                         + "\n  ".join(error.messages(name_field))) from error
+        raise SystemExit(
+            f"mla-watch: the {error.what} cannot be used:\n  " + "\n  ".join(error.messages(name_field))
+        ) from error
     except (OutboxError, OSError) as error:  # OSError: the state directory cannot even be created
         raise SystemExit(f"mla-watch: the state directory is not usable: {error}") from error

@@ -25,8 +25,12 @@ class Auth:
 
     def authorise_ingest(self, request: Request) -> None:
         """Workers hold the ingestion token, not the admin key (the admin token when none is set)."""
-        authorise(request, self.config.ingest_token or self.config.admin_token, what="ingestion",
-                  variables=f"{INGEST_TOKEN_ENV} or {ADMIN_TOKEN_ENV}")
+        authorise(
+            request,
+            self.config.ingest_token or self.config.admin_token,
+            what="ingestion",
+            variables=f"{INGEST_TOKEN_ENV} or {ADMIN_TOKEN_ENV}",
+        )
 
     def refused(self, request: Request, error: ApiError) -> Response:
         """The answer to a refused request, counted by reason when the client was at fault."""

@@ -136,8 +136,7 @@ class ServerConfig:
             self.upstream_credentials = credentials or self.upstream_credentials
         if self.export_expert_counts is not None and not isinstance(self.export_expert_counts, ExpertSelection):
             try:
-                self.export_expert_counts = ExpertSelection.parse(self.export_expert_counts,
-                                                                  "export_expert_counts =")
+                self.export_expert_counts = ExpertSelection.parse(self.export_expert_counts, "export_expert_counts =")
             except ValueError as error:
                 raise SettingsError([str(error)], what=SERVER_SETTINGS) from None
         problems: list[str | SettingProblem] = [*self.reference.problems()]
@@ -154,8 +153,9 @@ class ServerConfig:
             raise SettingsError(problems, what=SERVER_SETTINGS)
         budget = self.expert_series_budget
         if not is_integer(budget) or budget < 1:
-            raise SettingsError([SettingProblem("expert_series_budget", repr(budget), "an integer >= 1 (series)")],
-                                what=SERVER_SETTINGS)
+            raise SettingsError(
+                [SettingProblem("expert_series_budget", repr(budget), "an integer >= 1 (series)")], what=SERVER_SETTINGS
+            )
 
     @property
     def baseline_gate(self) -> ClientGate:
@@ -187,6 +187,10 @@ def check_tokens(config: ServerConfig) -> None:
     """Refuse a bearer token anyone could guess (shorter than :data:`MIN_TOKEN_LENGTH`)."""
     for variable, token in ((ADMIN_TOKEN_ENV, config.admin_token), (INGEST_TOKEN_ENV, config.ingest_token)):
         if token is not None and len(token) < MIN_TOKEN_LENGTH:
-            raise SettingsError([f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
-                                 "random (python -c 'import secrets; print(secrets.token_urlsafe())')"],
-                                what=SERVER_SETTINGS)
+            raise SettingsError(
+                [
+                    f"{variable} has {len(token)} characters: expected at least {MIN_TOKEN_LENGTH}, "
+                    "random (python -c 'import secrets; print(secrets.token_urlsafe())')"
+                ],
+                what=SERVER_SETTINGS,
+            )

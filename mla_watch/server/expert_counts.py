@@ -47,15 +47,24 @@ from mla_watch.routing.shards import RouterShard
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE, RouterStats
 from mla_watch.server.exposition import PrewrittenFamily, sample_prefix
 
-__all__ = ["BUDGET_FLAG", "DEFAULT_EXPERT_SERIES_BUDGET", "EXPORT_FLAG", "SELECTION_FORM", "ExpertCounts",
-           "ExpertSelection", "pair_series"]
+__all__ = [
+    "BUDGET_FLAG",
+    "DEFAULT_EXPERT_SERIES_BUDGET",
+    "EXPORT_FLAG",
+    "SELECTION_FORM",
+    "ExpertCounts",
+    "ExpertSelection",
+    "pair_series",
+]
 
 EXPORT_FLAG = "--export-expert-counts"
 BUDGET_FLAG = "--expert-series-budget"
 # One business line of DeepSeek-V3 fits: 58 MoE layers x (256 experts + 1 token series) = 14,906 series.
 DEFAULT_EXPERT_SERIES_BUDGET = 20_000
-SELECTION_FORM = ("'all', or routers=GLOB[,GLOB...] and/or lines=LINE[,LINE...] joined by ';' "
-                  "(e.g. routers=*.mlp.gate;lines=code_assistant,doc_summary)")
+SELECTION_FORM = (
+    "'all', or routers=GLOB[,GLOB...] and/or lines=LINE[,LINE...] joined by ';' "
+    "(e.g. routers=*.mlp.gate;lines=code_assistant,doc_summary)"
+)
 _MAX_SELECTION_CHARS = 4096  # a selection is typed by an operator; anything longer is a mistake
 _MAX_ITEMS = 256  # globs or lines in one clause
 
@@ -103,8 +112,10 @@ class ExpertSelection:
             if key == "lines":
                 for line in items:
                     if line == ALL_LINES:
-                        raise refuse(f"lines={ALL_LINES} is every line summed, which is not exported (a sum over "
-                                     "lines would count it twice); leave lines= out to export every line")
+                        raise refuse(
+                            f"lines={ALL_LINES} is every line summed, which is not exported (a sum over "
+                            "lines would count it twice); leave lines= out to export every line"
+                        )
                     if not NAME_RE.fullmatch(line):
                         raise refuse(f"business line {describe_value(line)} is not a line name ({NAME_RULE})")
             clauses[key] = tuple(dict.fromkeys(items))
@@ -118,8 +129,9 @@ class ExpertSelection:
 
     def describe(self) -> str:
         """The selection in the flag's syntax."""
-        clauses = [f"{key}={','.join(values)}" for key, values in (("routers", self.routers), ("lines", self.lines))
-                   if values]
+        clauses = [
+            f"{key}={','.join(values)}" for key, values in (("routers", self.routers), ("lines", self.lines)) if values
+        ]
         return ";".join(clauses) or "all"
 
 
@@ -166,18 +178,30 @@ class ExpertCounts:
     def families(self, records: Iterable[RouterStats], shard: RouterShard | None = None) -> list[Metric]:
         """The per-expert gauges of ``records`` (one snapshot's); of ``shard``'s routers only when given, and then
         without the budget's figures, which are no router's."""
-        selections = PrewrittenFamily(EXPERT_WINDOW_SELECTIONS, "Selections of each expert slot by this router "
-                                      "for this business line in its current window (sum across replicas).",
-                                      EXPERT_LABELS)
-        tokens = PrewrittenFamily(EXPERT_WINDOW_TOKENS, "Tokens in this router's current window for this business "
-                                  "line, exported with its per-expert selections (sum across replicas).", SERIES_LABELS)
+        selections = PrewrittenFamily(
+            EXPERT_WINDOW_SELECTIONS,
+            "Selections of each expert slot by this router "
+            "for this business line in its current window (sum across replicas).",
+            EXPERT_LABELS,
+        )
+        tokens = PrewrittenFamily(
+            EXPERT_WINDOW_TOKENS,
+            "Tokens in this router's current window for this business "
+            "line, exported with its per-expert selections (sum across replicas).",
+            SERIES_LABELS,
+        )
         overflow = 0
         with self._lock:
             seen: set[tuple[str, str]] = set()
             for record in records:
                 info, line = record.router, record.business_line
-                if (line is None or info.kind != "expert" or record.counts is None
-                        or not self._selection.matches_line(line) or not self._selection.matches_router(info.name)):
+                if (
+                    line is None
+                    or info.kind != "expert"
+                    or record.counts is None
+                    or not self._selection.matches_line(line)
+                    or not self._selection.matches_router(info.name)
+                ):
                     continue
                 key = (info.name, line)
                 if key in seen:
@@ -197,12 +221,15 @@ class ExpertCounts:
             used = self._used
         if shard is not None:
             return [selections, tokens]
-        series = GaugeMetricFamily(EXPERT_SERIES, "Per-expert series exported now (selections and tokens).",
-                                   value=used)
-        budget = GaugeMetricFamily(EXPERT_SERIES_BUDGET, f"The most per-expert series exported ({BUDGET_FLAG}).",
-                                   value=self._budget)
-        refused = GaugeMetricFamily(EXPERT_OVERFLOW_SELECTIONS, "Selections in the current windows of (router, "
-                                    "business line) pairs the per-expert series budget left out.", value=overflow)
+        series = GaugeMetricFamily(EXPERT_SERIES, "Per-expert series exported now (selections and tokens).", value=used)
+        budget = GaugeMetricFamily(
+            EXPERT_SERIES_BUDGET, f"The most per-expert series exported ({BUDGET_FLAG}).", value=self._budget
+        )
+        refused = GaugeMetricFamily(
+            EXPERT_OVERFLOW_SELECTIONS,
+            "Selections in the current windows of (router, business line) pairs the per-expert series budget left out.",
+            value=overflow,
+        )
         return [selections, tokens, series, budget, refused]
 
     def _admit(self, key: tuple[str, str], info: RouterInfo) -> _Admitted | None:
@@ -214,10 +241,18 @@ class ExpertCounts:
             self._refused.add(key)
             if not self._warned:
                 self._warned = True
-                log.warning("per-expert counts: router %r, business line %r left out: its %d series do not fit "
-                            "the budget of %d (%d in use); its window's selections show in %s, and %s raises the "
-                            "budget", key[0], key[1], cost, self._budget, self._used, EXPERT_OVERFLOW_SELECTIONS,
-                            BUDGET_FLAG)
+                log.warning(
+                    "per-expert counts: router %r, business line %r left out: its %d series do not fit "
+                    "the budget of %d (%d in use); its window's selections show in %s, and %s raises the "
+                    "budget",
+                    key[0],
+                    key[1],
+                    cost,
+                    self._budget,
+                    self._used,
+                    EXPERT_OVERFLOW_SELECTIONS,
+                    BUDGET_FLAG,
+                )
             return None
         router, line = key
         labels = dict(zip(SERIES_LABELS, (router, str(info.layer), info.kind, line), strict=True))

@@ -46,8 +46,9 @@ class PrewrittenFamily(GaugeMetricFamily):
 
     @property
     def samples(self) -> list[Sample]:
-        return [sample for label_sets, values in self._rows
-                for sample in map(Sample, repeat(self.name), label_sets, values)]
+        return [
+            sample for label_sets, values in self._rows for sample in map(Sample, repeat(self.name), label_sets, values)
+        ]
 
     @samples.setter
     def samples(self, samples: list[Sample]) -> None:  # Metric's constructor sets none; add_metric is not for these

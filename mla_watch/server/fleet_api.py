@@ -29,8 +29,12 @@ __all__ = ["FleetApi", "not_in_fleet"]
 
 
 def not_in_fleet() -> ApiError:
-    return ApiError(404, "this sidecar is in no fleet: start it with --fleet postgresql://... to join one",
-                    param="--fleet", code="not_in_fleet")
+    return ApiError(
+        404,
+        "this sidecar is in no fleet: start it with --fleet postgresql://... to join one",
+        param="--fleet",
+        code="not_in_fleet",
+    )
 
 
 class FleetApi:
@@ -41,8 +45,13 @@ class FleetApi:
         member = self.ctx.serving.fleet
         if member is None:
             if self.ctx.config.fleet is not None:
-                raise ApiError(503, "this sidecar joins its fleet once its routers are loaded (the model is loading, "
-                                    "or re-tuning is off here)", code="fleet_unavailable", error_type="server_error")
+                raise ApiError(
+                    503,
+                    "this sidecar joins its fleet once its routers are loaded (the model is loading, "
+                    "or re-tuning is off here)",
+                    code="fleet_unavailable",
+                    error_type="server_error",
+                )
             raise not_in_fleet()
         return member
 
@@ -66,8 +75,13 @@ class FleetApi:
         unknown = sorted(set(body) - {"version"})
         version = body.get("version")
         if unknown or not is_integer(version) or not 0 <= version < 1 << 31:
-            raise ApiError(400, f"version={describe_value(version)} is invalid: expected {{\"version\": N}}, a fleet "
-                                "version number (GET /v1/fleet lists them)", param="version", code="invalid_value")
+            raise ApiError(
+                400,
+                f'version={describe_value(version)} is invalid: expected {{"version": N}}, a fleet '
+                "version number (GET /v1/fleet lists them)",
+                param="version",
+                code="invalid_value",
+            )
         try:
             rollout = await asyncio.to_thread(member.start_rollout, version)
         except (FleetRefusal, ValueError) as error:

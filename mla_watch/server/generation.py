@@ -53,13 +53,19 @@ class Generation:
         policy_label: str | None = None
         try:
             if not self.ctx.serving.ready.is_set():
-                raise ApiError(503, self.ctx.serving.load_error or "the model is still loading", code="not_ready",
-                               error_type="server_error", headers={"Retry-After": "5"})
+                raise ApiError(
+                    503,
+                    self.ctx.serving.load_error or "the model is still loading",
+                    code="not_ready",
+                    error_type="server_error",
+                    headers={"Retry-After": "5"},
+                )
             body = await self.ctx.read_json(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
             parsed = parse_generation_request(kind, body, headers)
-            client = client_id(self.ctx.config.client_id, headers, body,
-                               request.client.host if request.client is not None else None)
+            client = client_id(
+                self.ctx.config.client_id, headers, body, request.client.host if request.client is not None else None
+            )
             decision, task = self._decide(parsed)
             policy_label = decision.policy_label
             self.ctx.metrics.count_adjustments(decision)
@@ -88,14 +94,23 @@ class Generation:
             raise ApiError(400, str(error), param="X-Task", code="unknown_task") from error
         serving = self.ctx.serving
         if parsed.model is not None and serving.upstream is None and parsed.model != serving.model_name:
-            raise ApiError(404, f"model={parsed.model!r} is not served here; expected {serving.model_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model={parsed.model!r} is not served here; expected {serving.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         try:
             return enforce(policy, task, parsed.sampling), task
         except PolicyRejection as error:
             self.ctx.metrics.policy_rejections.labels(error.business_line, error.task, error.param).inc()
-            raise ApiError(400, str(error), param=error.param, code="policy_violation",
-                           policy=f"{error.business_line}/{error.task}") from error
+            raise ApiError(
+                400,
+                str(error),
+                param=error.param,
+                code="policy_violation",
+                policy=f"{error.business_line}/{error.task}",
+            ) from error
         except TypeError as error:
             raise ApiError(400, str(error), code="invalid_value") from error
 
@@ -119,33 +134,46 @@ class Generation:
         limit = int(self.ctx.serving.model_worker.model.config.max_position_embeddings)
         most_tokens = min(limit, task.max_prompt_tokens or limit)
         # the request parser gives a completion its prompt and a chat its messages
-        chars = (len(cast(str, parsed.prompt)) if parsed.kind != "chat"
-                 else sum(len(m["content"]) for m in cast(list[dict[str, str]], parsed.messages)))
+        chars = (
+            len(cast(str, parsed.prompt))
+            if parsed.kind != "chat"
+            else sum(len(m["content"]) for m in cast(list[dict[str, str]], parsed.messages))
+        )
         if chars > most_tokens * MAX_CHARS_PER_TOKEN:
             if most_tokens == task.max_prompt_tokens:  # the policy's limit refused it: counted as its refusal
                 self._refused_by_prompt_limit(decision)
-            raise ApiError(400, f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
-                                f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
-                           param="messages" if parsed.kind == "chat" else "prompt", code="prompt_too_long")
+            raise ApiError(
+                400,
+                f"the prompt has {chars} characters; at most {most_tokens * MAX_CHARS_PER_TOKEN} "
+                f"are read ({most_tokens} tokens of at most {MAX_CHARS_PER_TOKEN} characters)",
+                param="messages" if parsed.kind == "chat" else "prompt",
+                code="prompt_too_long",
+            )
         tokenizer = self.ctx.serving.model_worker.tokenizer
         # verbose=False: a prompt longer than the model's context is refused below, in the answer; the tokenizer's
         # own "Token indices sequence length is longer than ..." warning would log it a second time
         if parsed.kind == "chat":
-            encoded = tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tokenize=True,
-                                                    tokenizer_kwargs={"verbose": False})
+            encoded = tokenizer.apply_chat_template(
+                parsed.messages, add_generation_prompt=True, tokenize=True, tokenizer_kwargs={"verbose": False}
+            )
             ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         else:
             ids = tokenizer(parsed.prompt, add_special_tokens=False, verbose=False)["input_ids"]
         ids = [tokenizer.bos_token_id, *list(ids)]
         if task.max_prompt_tokens is not None and len(ids) > task.max_prompt_tokens:
             self._refused_by_prompt_limit(decision)
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
-                                f"{task.max_prompt_tokens}", param="messages" if parsed.kind == "chat" else "prompt",
-                           code="prompt_too_long")
+            raise ApiError(
+                400,
+                f"the prompt has {len(ids)} tokens; the {decision.policy_label} policy allows at most "
+                f"{task.max_prompt_tokens}",
+                param="messages" if parsed.kind == "chat" else "prompt",
+                code="prompt_too_long",
+            )
         return ids
 
-    def _fit_context(self, parsed: GenerationRequest, decision: Decision, params: SamplingValues,
-                     prompt_tokens: int) -> tuple[Decision, SamplingValues]:
+    def _fit_context(
+        self, parsed: GenerationRequest, decision: Decision, params: SamplingValues, prompt_tokens: int
+    ) -> tuple[Decision, SamplingValues]:
         """``max_tokens`` within what the model's context leaves after the prompt.
 
         A value the request did not ask for itself (the policy's default or its clamp of what the request asked,
@@ -160,44 +188,67 @@ class Generation:
             return decision, params
         where = "messages" if parsed.kind == "chat" else "prompt"
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens: the model's context of {limit} tokens "
-                                "leaves no room for a completion", param=where, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_tokens} tokens: the model's context of {limit} tokens "
+                "leaves no room for a completion",
+                param=where,
+                code="context_length_exceeded",
+            )
         chosen = next((a for a in decision.adjustments if a.param == "max_tokens"), None)
         if chosen is None and "max_tokens" in parsed.sampling:  # the request's own value
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
-                                f"{prompt_tokens + params.max_tokens} exceeds the model's context of {limit} tokens",
-                           param=where, code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_tokens} tokens and max_tokens is {params.max_tokens}: "
+                f"{prompt_tokens + params.max_tokens} exceeds the model's context of {limit} tokens",
+                param=where,
+                code="context_length_exceeded",
+            )
         if chosen is None:  # the API's default: no policy says, and the request did not ask
             adjustments = (*decision.adjustments, Adjustment("max_tokens", None, room))
         else:
-            adjustments = tuple(Adjustment("max_tokens", a.requested, room) if a is chosen else a
-                                for a in decision.adjustments)
+            adjustments = tuple(
+                Adjustment("max_tokens", a.requested, room) if a is chosen else a for a in decision.adjustments
+            )
         decision = replace(decision, applied={**decision.applied, "max_tokens": room}, adjustments=adjustments)
         return decision, replace(params, max_tokens=room)
 
-    async def _generate_locally(self, request: Request, parsed: GenerationRequest, decision: Decision,
-                                task: TaskPolicy, client: str) -> Response:
+    async def _generate_locally(
+        self, request: Request, parsed: GenerationRequest, decision: Decision, task: TaskPolicy, client: str
+    ) -> Response:
         params = self._values(parsed, decision)
         prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed, decision, task)
         decision, params = self._fit_context(parsed, decision, params, len(prompt_ids))
-        job = Job(prompt_ids=prompt_ids, params=params, business_line=decision.business_line,
-                  deadline=self.ctx.clock() + self.ctx.config.request_timeout, loop=asyncio.get_running_loop(),
-                  prompt_tokens=len(prompt_ids), record_routing=self.ctx.serving.routing_layout is not None,
-                  client=client)
+        job = Job(
+            prompt_ids=prompt_ids,
+            params=params,
+            business_line=decision.business_line,
+            deadline=self.ctx.clock() + self.ctx.config.request_timeout,
+            loop=asyncio.get_running_loop(),
+            prompt_tokens=len(prompt_ids),
+            record_routing=self.ctx.serving.routing_layout is not None,
+            client=client,
+        )
         assert self.ctx.serving.model_worker is not None  # generating locally: the model is in
         try:
             self.ctx.serving.model_worker.submit(job)
         except Overloaded as error:
             self.ctx.metrics.overloaded.inc()
-            raise ApiError(429, str(error), code="overloaded", error_type="rate_limit_error",
-                           headers={"Retry-After": str(error.retry_after)}) from error
+            raise ApiError(
+                429,
+                str(error),
+                code="overloaded",
+                error_type="rate_limit_error",
+                headers={"Retry-After": str(error.retry_after)},
+            ) from error
         self.ctx.metrics.queue_depth.set(self.ctx.serving.model_worker.queue_depth)
         self.ctx.metrics.prompt_tokens.labels(decision.business_line).inc(len(prompt_ids))
         answer = LocalCompletion(parsed, decision, self.ctx.serving.model_name, len(prompt_ids), params.n)
         answer.routing_layout = self.ctx.serving.routing_layout
         if parsed.stream:
-            return StreamingResponse(self._stream(job, answer), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._stream(job, answer), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         try:
             while (event := await job.next_event()) is not None:
                 answer.add(event)
@@ -215,14 +266,23 @@ class Generation:
         line = answer.decision.business_line
         generated = sum(answer.completion_tokens)
         self.ctx.metrics.completion_tokens.labels(line).inc(generated)
-        self.ctx.clients.add(line, cast(str, job.client), job.prompt_tokens + generated,  # a request's job: set
-                             context=job.prompt_tokens + max(answer.completion_tokens, default=0))
+        self.ctx.clients.add(
+            line,
+            cast(str, job.client),
+            job.prompt_tokens + generated,  # a request's job: set
+            context=job.prompt_tokens + max(answer.completion_tokens, default=0),
+        )
 
     def _job_error(self, error: Exception) -> ApiError:
         if isinstance(error, JobTimedOut):
             self.ctx.metrics.timeouts.inc()
-            return ApiError(503, f"{error} (timeout {self.ctx.config.request_timeout:g} s)", code="timeout",
-                            error_type="server_error", headers={"Retry-After": "1"})
+            return ApiError(
+                503,
+                f"{error} (timeout {self.ctx.config.request_timeout:g} s)",
+                code="timeout",
+                error_type="server_error",
+                headers={"Retry-After": "1"},
+            )
         return ApiError(500, str(error), code="generation_failed", error_type="server_error")
 
     async def _stream(self, job: Job, answer: LocalCompletion) -> AsyncIterator[bytes]:

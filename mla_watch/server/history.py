@@ -25,8 +25,7 @@ class HistorySampler:
     """Calls ``history.record`` with the records of ``snapshot()`` (a :class:`RoutingSnapshot`, or its records)
     every ``history.interval_seconds`` on a daemon thread."""
 
-    def __init__(self, history: HistoryStore,
-                 snapshot: Callable[[], RoutingSnapshot | Iterable[RouterStats]]) -> None:
+    def __init__(self, history: HistoryStore, snapshot: Callable[[], RoutingSnapshot | Iterable[RouterStats]]) -> None:
         self.history = history
         self._snapshot = snapshot
         self._stop = threading.Event()

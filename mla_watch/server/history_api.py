@@ -25,8 +25,18 @@ from mla_watch.history.store import HISTORY_METRICS
 from mla_watch.routing.windows import ALL_LINES, NAME_RE, NAME_RULE
 from mla_watch.server.requests import ApiError, describe_value
 
-__all__ = ["DEFAULT_COLUMNS", "MAX_ANSWER_BYTES", "MAX_CELLS", "MAX_POINTS", "MAX_RANGE_SECONDS", "MAX_STEP_SECONDS",
-           "HistoryQuery", "encode_history", "parse_history_query", "too_large"]
+__all__ = [
+    "DEFAULT_COLUMNS",
+    "MAX_ANSWER_BYTES",
+    "MAX_CELLS",
+    "MAX_POINTS",
+    "MAX_RANGE_SECONDS",
+    "MAX_STEP_SECONDS",
+    "HistoryQuery",
+    "encode_history",
+    "parse_history_query",
+    "too_large",
+]
 
 PARAMS = ("since", "until", "step", "metric", "business_line", "router")
 MAX_RANGE_SECONDS = 30 * 86400.0
@@ -53,8 +63,9 @@ class HistoryQuery:
 
 
 def _bad(param: str, value: object, expected: str) -> ApiError:
-    return ApiError(400, f"{param}={describe_value(value)} is invalid: expected {expected}", param=param,
-                    code="invalid_value")
+    return ApiError(
+        400, f"{param}={describe_value(value)} is invalid: expected {expected}", param=param, code="invalid_value"
+    )
 
 
 def _seconds(params: Mapping[str, str], name: str, expected: str) -> float | None:
@@ -74,8 +85,12 @@ def parse_history_query(params: Mapping[str, str], *, now: float, min_step: floa
     """The checked query; ``min_step`` is the sampling interval (no finer step exists)."""
     unknown = sorted(set(params) - set(PARAMS))
     if unknown:
-        raise ApiError(400, f"{describe_value(unknown[0])} is not a parameter of /v1/history: expected "
-                            f"{', '.join(PARAMS)}", param=unknown[0], code="unknown_parameter")
+        raise ApiError(
+            400,
+            f"{describe_value(unknown[0])} is not a parameter of /v1/history: expected {', '.join(PARAMS)}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
     until = _seconds(params, "until", "a time in seconds since the epoch")
     until = now if until is None else until
     since = _seconds(params, "since", "a time in seconds since the epoch")
@@ -83,18 +98,24 @@ def parse_history_query(params: Mapping[str, str], *, now: float, min_step: floa
     if not since < until:
         raise _bad("since", params.get("since"), f"a time before until ({until:.3f})")
     if until - since > MAX_RANGE_SECONDS:
-        raise _bad("since", params.get("since"),
-                   f"at most {MAX_RANGE_SECONDS / 86400:g} days before until ({until:.3f})")
+        raise _bad(
+            "since", params.get("since"), f"at most {MAX_RANGE_SECONDS / 86400:g} days before until ({until:.3f})"
+        )
     span = until - since
     step = _seconds(params, "step", f"seconds per column in [{min_step:g}, {MAX_STEP_SECONDS:g}]")
     if step is None:
-        step = next((s for s in (min_step, *_NICE_STEPS) if s >= min_step and span / s <= DEFAULT_COLUMNS),
-                    max(MAX_STEP_SECONDS, min_step))
+        step = next(
+            (s for s in (min_step, *_NICE_STEPS) if s >= min_step and span / s <= DEFAULT_COLUMNS),
+            max(MAX_STEP_SECONDS, min_step),
+        )
     elif not min_step <= step <= MAX_STEP_SECONDS:
         raise _bad("step", params["step"], f"seconds per column in [{min_step:g}, {MAX_STEP_SECONDS:g}]")
     if span / step > MAX_POINTS:
-        raise _bad("step", params.get("step", step), f"at least {span / MAX_POINTS:g} s for this range "
-                                                     f"({span:g} s): at most {MAX_POINTS} columns")
+        raise _bad(
+            "step",
+            params.get("step", step),
+            f"at least {span / MAX_POINTS:g} s for this range ({span:g} s): at most {MAX_POINTS} columns",
+        )
     metric = params.get("metric", "entropy_bits")
     if metric not in HISTORY_METRICS:
         raise _bad("metric", metric, f"one of {', '.join(HISTORY_METRICS)}")
@@ -109,8 +130,13 @@ def parse_history_query(params: Mapping[str, str], *, now: float, min_step: floa
 
 def too_large(step: float, why: str) -> ApiError:
     """The 400 for an answer past :data:`MAX_CELLS` or :data:`MAX_ANSWER_BYTES`: the client asks for a larger step."""
-    return ApiError(400, f"step={step:g} is invalid for this range and these series ({why}): expected a larger "
-                         "step, or a narrower router / business_line", param="step", code="invalid_value")
+    return ApiError(
+        400,
+        f"step={step:g} is invalid for this range and these series ({why}): expected a larger "
+        "step, or a narrower router / business_line",
+        param="step",
+        code="invalid_value",
+    )
 
 
 def encode_history(body: Mapping[str, Any]) -> bytes:

@@ -48,19 +48,28 @@ async def by_deadline(deadline: float, awaitable: Awaitable[T]) -> T:
 def authorise(request: Request, token: str | None, *, what: str, variables: str) -> None:
     """Require ``Authorization: Bearer <token>``, compared in constant time; 403 while ``token`` is unset."""
     if not token:
-        raise ApiError(403, f"{what} endpoints are disabled: set {variables} to enable them",
-                       code="admin_disabled", error_type="permission_error")
+        raise ApiError(
+            403,
+            f"{what} endpoints are disabled: set {variables} to enable them",
+            code="admin_disabled",
+            error_type="permission_error",
+        )
     supplied = request.headers.get("authorization", "")
     if not hmac.compare_digest(supplied.encode(), f"Bearer {token}".encode()):
-        raise ApiError(401, "missing or wrong bearer token in the Authorization header",
-                       code="unauthorized", error_type="authentication_error")
+        raise ApiError(
+            401,
+            "missing or wrong bearer token in the Authorization header",
+            code="unauthorized",
+            error_type="authentication_error",
+        )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body has {declared} bytes; at most {limit} are accepted",
-                       code="body_too_large")
+        raise ApiError(
+            413, f"the request body has {declared} bytes; at most {limit} are accepted", code="body_too_large"
+        )
     chunks, size = [], 0
     try:
         async for chunk in request.stream():

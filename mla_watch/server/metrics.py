@@ -49,8 +49,17 @@ from mla_watch.routing.stats import BASELINE_METRICS, STATISTICS
 from mla_watch.routing.windows import ALL_LINES, RoutingSnapshot
 from mla_watch.server.expert_counts import DEFAULT_EXPERT_SERIES_BUDGET, ExpertCounts, ExpertSelection
 
-__all__ = ["BASELINE_GAUGES", "EXPERTS_PARAM", "SHARD_PARAM", "BadMetricsParam", "MetricsView", "ReferenceCollector",
-           "RoutingCollector", "ServerMetrics", "metrics_view"]
+__all__ = [
+    "BASELINE_GAUGES",
+    "EXPERTS_PARAM",
+    "SHARD_PARAM",
+    "BadMetricsParam",
+    "MetricsView",
+    "ReferenceCollector",
+    "RoutingCollector",
+    "ServerMetrics",
+    "metrics_view",
+]
 
 # GET /metrics?shard=K/N: a router shard's series alone; ?experts=none: without the per-expert window counts.
 SHARD_PARAM = "shard"
@@ -60,8 +69,11 @@ _PER_EXPERT_FAMILIES = frozenset({EXPERT_WINDOW_SELECTIONS, EXPERT_WINDOW_TOKENS
 
 # The healthy values of a router and line's learned baseline (routing/baselines.py): rules relative to it, exported
 # to Prometheus, scale these.
-BASELINE_GAUGES: dict[str, str] = {statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
-                                   for statistic in STATISTICS if statistic.key in BASELINE_METRICS}
+BASELINE_GAUGES: dict[str, str] = {
+    statistic.key: f"The healthy baseline of this router and line. {statistic.help}"
+    for statistic in STATISTICS
+    if statistic.key in BASELINE_METRICS
+}
 
 
 class _FootprintCollector(Collector):
@@ -74,13 +86,18 @@ class _FootprintCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         footprint = GaugeMetricFamily(
-            PREFIX + "batch_expert_footprint", "Mean distinct experts per MoE layer that one decode step of "
+            PREFIX + "batch_expert_footprint",
+            "Mean distinct experts per MoE layer that one decode step of "
             "batch_size concurrent requests of this business line (all: every line mixed) reads, drawn from recent "
-            "requests' routing.", labels=[BUSINESS_LINE, "batch_size"])
+            "requests' routing.",
+            labels=[BUSINESS_LINE, "batch_size"],
+        )
         ratio = GaugeMetricFamily(
-            PREFIX + "batch_footprint_ratio", "Expert weight bytes a decode step of batch_size requests reads "
+            PREFIX + "batch_footprint_ratio",
+            "Expert weight bytes a decode step of batch_size requests reads "
             "with business lines batched apart, over mixed (below 1: grouping by line reads less).",
-            labels=["batch_size"])
+            labels=["batch_size"],
+        )
         sampler = self._sampler()
         if sampler is not None and sampler.business_lines:
             table = sampler.table(draws=self.DRAWS)
@@ -102,11 +119,16 @@ class _PositionCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         labels = [ROUTER, LAYER, BUSINESS_LINE, "position_bucket"]
-        tokens = GaugeMetricFamily(PREFIX + "routing_position_tokens", "Tokens this router routed at positions "
-                                   "of this bucket (counts halve every hour).", labels=labels)
-        drift = GaugeMetricFamily(PREFIX + "routing_position_js_divergence", "Jensen-Shannon divergence, in "
-                                  "bits, of this position bucket's routing from the line's in-range routing.",
-                                  labels=labels)
+        tokens = GaugeMetricFamily(
+            PREFIX + "routing_position_tokens",
+            "Tokens this router routed at positions of this bucket (counts halve every hour).",
+            labels=labels,
+        )
+        drift = GaugeMetricFamily(
+            PREFIX + "routing_position_js_divergence",
+            "Jensen-Shannon divergence, in bits, of this position bucket's routing from the line's in-range routing.",
+            labels=labels,
+        )
         positions = self._positions()
         if positions is not None:
             for line in [None, *positions.business_lines]:
@@ -135,12 +157,20 @@ class RoutingCollector(Collector):
     def families(self, shard: RouterShard | None = None) -> list[Metric]:
         """Every family of one snapshot; only the series of ``shard``'s routers when given."""
         labels = list(SERIES_LABELS)
-        families = {statistic.key: GaugeMetricFamily(routing_gauge(statistic.key), statistic.help, labels=labels)
-                    for statistic in STATISTICS}
-        baselines = {metric: GaugeMetricFamily(baseline_gauge(metric), text, labels=labels)
-                     for metric, text in BASELINE_GAUGES.items()}
-        slots = GaugeMetricFamily(ROUTING_SLOTS, "Slots the router chooses from: experts, or key "
-                                  "positions counted (what a rule's `slots` selector matches).", labels=labels)
+        families = {
+            statistic.key: GaugeMetricFamily(routing_gauge(statistic.key), statistic.help, labels=labels)
+            for statistic in STATISTICS
+        }
+        baselines = {
+            metric: GaugeMetricFamily(baseline_gauge(metric), text, labels=labels)
+            for metric, text in BASELINE_GAUGES.items()
+        }
+        slots = GaugeMetricFamily(
+            ROUTING_SLOTS,
+            "Slots the router chooses from: experts, or key "
+            "positions counted (what a rule's `slots` selector matches).",
+            labels=labels,
+        )
         records = self._snapshot().records
         for record in records:
             if shard is not None and not shard.holds(record.router.layer):
@@ -167,12 +197,16 @@ class _FiringCollector(Collector):
         self._engine = engine
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        family = GaugeMetricFamily(PREFIX + "alerts_firing", "Alert instances firing, by rule and severity.",
-                                   labels=["alertname", "severity"])
+        family = GaugeMetricFamily(
+            PREFIX + "alerts_firing", "Alert instances firing, by rule and severity.", labels=["alertname", "severity"]
+        )
         for (alertname, severity), count in sorted(self._engine.firing_counts().items()):
             family.add_metric([alertname, severity], count)
-        causes = GaugeMetricFamily(PREFIX + "alerts_firing_by_cause", "Alert instances firing, by rule and cause "
-                                   "(model, traffic, undetermined).", labels=["alertname", "cause"])
+        causes = GaugeMetricFamily(
+            PREFIX + "alerts_firing_by_cause",
+            "Alert instances firing, by rule and cause (model, traffic, undetermined).",
+            labels=["alertname", "cause"],
+        )
         for (alertname, cause), count in sorted(self._engine.firing_causes().items()):
             causes.add_metric([alertname, cause], count)
         return [family, causes]
@@ -187,19 +221,26 @@ class _StateWritesCollector(Collector):
         self._held = held
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        failing = GaugeMetricFamily(STATE_WRITE_FAILING, "1 while this file of the state directory cannot be "
-                                    "written (a full or read-only disk): what it holds is kept in memory.",
-                                    labels=[FILE])
-        errors = CounterMetricFamily(STATE_WRITE_ERRORS, "Writes of this file of the state directory that failed.",
-                                     labels=[FILE])
+        failing = GaugeMetricFamily(
+            STATE_WRITE_FAILING,
+            "1 while this file of the state directory cannot be "
+            "written (a full or read-only disk): what it holds is kept in memory.",
+            labels=[FILE],
+        )
+        errors = CounterMetricFamily(
+            STATE_WRITE_ERRORS, "Writes of this file of the state directory that failed.", labels=[FILE]
+        )
         now_failing = {entry["file"] for entry in self._writes.failing()}
         for name, count in sorted(self._writes.error_counts().items()):
             failing.add_metric([name], 1.0 if name in now_failing else 0.0)
             errors.add_metric([name], count)
         families: list[GaugeMetricFamily | CounterMetricFamily] = [failing, errors]
         if self._held is not None:
-            held = GaugeMetricFamily(NOTIFICATIONS_HELD, "Notifications held in memory because the outbox's file "
-                                     "could not take them (a full or read-only disk); delivered all the same.")
+            held = GaugeMetricFamily(
+                NOTIFICATIONS_HELD,
+                "Notifications held in memory because the outbox's file "
+                "could not take them (a full or read-only disk); delivered all the same.",
+            )
             held.add_metric([], self._held())
             families.append(held)
         return families
@@ -215,10 +256,14 @@ class _BaselinesCollector(Collector):
         self._baselines = baselines
 
     def collect(self) -> Iterable[CounterMetricFamily]:
-        found = CounterMetricFamily(PREFIX + "baselines_unrepresentative", "Learned healthy baselines found not to be "
-                                    "their line's traffic and dropped to be learned again, by line and by what found "
-                                    "it: clients (the clients it was learned from fail the bar in force) or reference "
-                                    "(the line's reference prompts).", labels=[BUSINESS_LINE, "reason"])
+        found = CounterMetricFamily(
+            PREFIX + "baselines_unrepresentative",
+            "Learned healthy baselines found not to be "
+            "their line's traffic and dropped to be learned again, by line and by what found "
+            "it: clients (the clients it was learned from fail the bar in force) or reference "
+            "(the line's reference prompts).",
+            labels=[BUSINESS_LINE, "reason"],
+        )
         for (line, reason), count in sorted(self._baselines.found_counts().items()):
             found.add_metric([line, reason], count)
         return [found]
@@ -238,12 +283,19 @@ class ReferenceCollector(Collector):
         from mla_watch.cause.readings import compare
 
         labels = list(SERIES_LABELS)
-        families = {statistic.key: GaugeMetricFamily(f"{PREFIX}reference_{statistic.gauge}", "Over the reference "
-                                                     f"prompts' latest reading. {statistic.help}", labels=labels)
-                    for statistic in STATISTICS}
-        taken = GaugeMetricFamily(f"{PREFIX}reference_reading_timestamp_seconds", "When the latest reading of "
-                                  "each set of reference prompts ended (seconds since the epoch).",
-                                  labels=[BUSINESS_LINE])
+        families = {
+            statistic.key: GaugeMetricFamily(
+                f"{PREFIX}reference_{statistic.gauge}",
+                f"Over the reference prompts' latest reading. {statistic.help}",
+                labels=labels,
+            )
+            for statistic in STATISTICS
+        }
+        taken = GaugeMetricFamily(
+            f"{PREFIX}reference_reading_timestamp_seconds",
+            "When the latest reading of each set of reference prompts ended (seconds since the epoch).",
+            labels=[BUSINESS_LINE],
+        )
         count = CounterMetricFamily(f"{PREFIX}reference_readings", "Readings of reference prompts taken.")
         prober = self._prober()
         if prober is not None:
@@ -273,66 +325,119 @@ class ServerMetrics:
     within ``expert_series_budget`` series.
     """
 
-    def __init__(self, registry: CollectorRegistry, routing_snapshot: Callable[[], RoutingSnapshot], *,
-                 expert_counts: ExpertSelection | None = None,
-                 expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        routing_snapshot: Callable[[], RoutingSnapshot],
+        *,
+        expert_counts: ExpertSelection | None = None,
+        expert_series_budget: int = DEFAULT_EXPERT_SERIES_BUDGET,
+    ) -> None:
         self.registry = registry
         p = PREFIX
-        self.requests = Counter(p + "requests", "Generation requests answered, by endpoint and HTTP status.",
-                                ["endpoint", "status"], registry=registry)
-        self.bad_requests = Counter(p + "bad_requests", "Requests refused for bad input, by reason.",
-                                    ["endpoint", "reason"], registry=registry)
-        self.policy_adjustments = Counter(p + "policy_adjustments", "Sampling values the policy clamped into its "
-                                          "range.", [BUSINESS_LINE, "task", "param"], registry=registry)
-        self.policy_defaults = Counter(p + "policy_defaults", "Sampling parameters a request left out, filled in "
-                                       "with the policy's default.", [BUSINESS_LINE, "task", "param"],
-                                       registry=registry)
-        self.policy_rejections = Counter(p + "policy_rejections", "Requests a reject policy refused.",
-                                         [BUSINESS_LINE, "task", "param"], registry=registry)
-        self.policy_reloads = Counter(p + "policy_reloads", "Policy reload attempts by outcome.", ["outcome"],
-                                      registry=registry)
+        self.requests = Counter(
+            p + "requests",
+            "Generation requests answered, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.bad_requests = Counter(
+            p + "bad_requests", "Requests refused for bad input, by reason.", ["endpoint", "reason"], registry=registry
+        )
+        self.policy_adjustments = Counter(
+            p + "policy_adjustments",
+            "Sampling values the policy clamped into its range.",
+            [BUSINESS_LINE, "task", "param"],
+            registry=registry,
+        )
+        self.policy_defaults = Counter(
+            p + "policy_defaults",
+            "Sampling parameters a request left out, filled in with the policy's default.",
+            [BUSINESS_LINE, "task", "param"],
+            registry=registry,
+        )
+        self.policy_rejections = Counter(
+            p + "policy_rejections",
+            "Requests a reject policy refused.",
+            [BUSINESS_LINE, "task", "param"],
+            registry=registry,
+        )
+        self.policy_reloads = Counter(
+            p + "policy_reloads", "Policy reload attempts by outcome.", ["outcome"], registry=registry
+        )
         self.policy_version = Gauge(p + "policy_version", "Version of the policies in force.", registry=registry)
-        self.completion_tokens = Counter(p + "completion_tokens", "Tokens generated.", [BUSINESS_LINE],
-                                         registry=registry)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed.", [BUSINESS_LINE],
-                                     registry=registry)
-        self.request_seconds = Histogram(p + "request_duration_seconds", "Time to answer a generation request.",
-                                         ["endpoint"], registry=registry,
-                                         buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.completion_tokens = Counter(
+            p + "completion_tokens", "Tokens generated.", [BUSINESS_LINE], registry=registry
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens processed.", [BUSINESS_LINE], registry=registry
+        )
+        self.request_seconds = Histogram(
+            p + "request_duration_seconds",
+            "Time to answer a generation request.",
+            ["endpoint"],
+            registry=registry,
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self.queue_depth = Gauge(p + "queue_depth", "Jobs queued or running on the model.", registry=registry)
-        self.overloaded = Counter(p + "overloaded", "Requests refused because the queue was full.",
-                                  registry=registry)
+        self.overloaded = Counter(p + "overloaded", "Requests refused because the queue was full.", registry=registry)
         self.timeouts = Counter(p + "request_timeouts", "Requests that ran past their deadline.", registry=registry)
-        self.client_disconnects = Counter(p + "client_disconnects", "Streams whose client went away.",
-                                          registry=registry)
-        self.ingested = Counter(p + "ingested_snapshots", "Routing snapshots received from remote probes.",
-                                ["source"], registry=registry)
-        self.attention_fallback = Gauge(p + "attention_fallback",
-                                        "1 when the configured attention was refused by the start-up self-test.",
-                                        registry=registry)
-        self.notifications = Counter(p + "notifications", "Notification deliveries by receiver and outcome.",
-                                     ["receiver", "outcome"], registry=registry)
-        self.retune_jobs = Counter(p + "retune_jobs", "Router re-tuning jobs by the strategy that decided them "
-                                   "and outcome (promoted, rejected, failed, cooldown).", ["strategy", "outcome"],
-                                   registry=registry)
-        self.router_promotions = Counter(p + "router_promotions", "Router versions swapped into the live model, "
-                                         "by kind (promote, rollback).", ["kind"], registry=registry)
-        self.router_version = Gauge(p + "router_version", "Router version live in the model (0: as started).",
-                                    registry=registry)
-        self.router_version_info = Gauge(ROUTER_VERSION_INFO, "The router version serving (1): its number (in a "
-                                         "fleet, the fleet's) and a content hash of its router tensors.",
-                                         [ROUTER_VERSION_NUMBER, ROUTER_VERSION_DIGEST], registry=registry)
+        self.client_disconnects = Counter(
+            p + "client_disconnects", "Streams whose client went away.", registry=registry
+        )
+        self.ingested = Counter(
+            p + "ingested_snapshots", "Routing snapshots received from remote probes.", ["source"], registry=registry
+        )
+        self.attention_fallback = Gauge(
+            p + "attention_fallback",
+            "1 when the configured attention was refused by the start-up self-test.",
+            registry=registry,
+        )
+        self.notifications = Counter(
+            p + "notifications",
+            "Notification deliveries by receiver and outcome.",
+            ["receiver", "outcome"],
+            registry=registry,
+        )
+        self.retune_jobs = Counter(
+            p + "retune_jobs",
+            "Router re-tuning jobs by the strategy that decided them "
+            "and outcome (promoted, rejected, failed, cooldown).",
+            ["strategy", "outcome"],
+            registry=registry,
+        )
+        self.router_promotions = Counter(
+            p + "router_promotions",
+            "Router versions swapped into the live model, by kind (promote, rollback).",
+            ["kind"],
+            registry=registry,
+        )
+        self.router_version = Gauge(
+            p + "router_version", "Router version live in the model (0: as started).", registry=registry
+        )
+        self.router_version_info = Gauge(
+            ROUTER_VERSION_INFO,
+            "The router version serving (1): its number (in a "
+            "fleet, the fleet's) and a content hash of its router tensors.",
+            [ROUTER_VERSION_NUMBER, ROUTER_VERSION_DIGEST],
+            registry=registry,
+        )
         self._version_info: tuple[str, str] | None = None
         self._version_lock = threading.Lock()
-        self.fleet_store_up = Gauge(FLEET_STORE_UP, "1 while the fleet's store answers (serve --fleet), else 0.",
-                                    registry=registry)
-        self.fleet_rollout_steps = Counter(FLEET_ROLLOUT_STEPS, "Fleet rollout steps this replica took, by outcome "
-                                           "(passed, failed).", ["outcome"], registry=registry)
-        self.captured_samples = Counter(p + "retune_captured_samples", "Requests recorded by traffic capture.",
-                                        [BUSINESS_LINE], registry=registry)
+        self.fleet_store_up = Gauge(
+            FLEET_STORE_UP, "1 while the fleet's store answers (serve --fleet), else 0.", registry=registry
+        )
+        self.fleet_rollout_steps = Counter(
+            FLEET_ROLLOUT_STEPS,
+            "Fleet rollout steps this replica took, by outcome (passed, failed).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.captured_samples = Counter(
+            p + "retune_captured_samples", "Requests recorded by traffic capture.", [BUSINESS_LINE], registry=registry
+        )
         self._registry = registry
-        self.expert_counts = (ExpertCounts(expert_counts, expert_series_budget) if expert_counts is not None
-                              else None)
+        self.expert_counts = ExpertCounts(expert_counts, expert_series_budget) if expert_counts is not None else None
         self.routing = RoutingCollector(routing_snapshot, self.expert_counts)
         registry.register(self.routing)
 
@@ -418,6 +523,9 @@ def metrics_view(metrics: ServerMetrics, params: dict[str, str]) -> MetricsView:
             raise BadMetricsParam(SHARD_PARAM, str(error)) from None
     experts = params.get(EXPERTS_PARAM, "all")
     if experts not in _EXPERTS_VALUES:
-        raise BadMetricsParam(EXPERTS_PARAM, f"{EXPERTS_PARAM}={describe_value(experts)}: expected all (the default) "
-                                             "or none (every family but the per-expert window counts)")
+        raise BadMetricsParam(
+            EXPERTS_PARAM,
+            f"{EXPERTS_PARAM}={describe_value(experts)}: expected all (the default) "
+            "or none (every family but the per-expert window counts)",
+        )
     return metrics.view(shard, experts == "all")

@@ -78,9 +78,16 @@ class Job:
 class ModelWorker:
     """Runs generation jobs for one model on one worker thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, probe: Any, *, max_queue: int = 32,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_job_done: Callable[[Job, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        probe: Any,
+        *,
+        max_queue: int = 32,
+        clock: Callable[[], float] = time.monotonic,
+        on_job_done: Callable[[Job, float], None] | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.probe = probe
@@ -106,7 +113,7 @@ class ModelWorker:
 
     def _sample_footprint(self, job: Job, rows: Any) -> None:
         """Keep the job's decode tokens' routing (its prompt's when it decoded nothing) for the footprint."""
-        decoded = rows[job.prompt_tokens:]
+        decoded = rows[job.prompt_tokens :]
         try:
             self.footprint.add(job.business_line, decoded if len(decoded) else rows)  # type: ignore[union-attr]
         except Exception:  # the footprint must never fail a request
@@ -160,13 +167,20 @@ class ModelWorker:
         sampled = self.footprint is not None and self._jobs_run % self.footprint_every == 0
         self._jobs_run += 1
         try:
-            recording = (self.probe.record_routing() if job.record_routing or sampled
-                         else contextlib.nullcontext())
+            recording = self.probe.record_routing() if job.record_routing or sampled else contextlib.nullcontext()
             # Routing by position counts the prompt's tokens, each client's apart (mla_watch.routing.positions).
-            with self.probe.attribute(job.business_line, clients=job.client,
-                                      prompt_tokens=len(job.prompt_ids)), recording as recorded:
-                for event in generate_stream(self.model, self.tokenizer, job.prompt_ids, job.params,
-                                             should_stop=should_stop, step_lock=self.model_lock):
+            with (
+                self.probe.attribute(job.business_line, clients=job.client, prompt_tokens=len(job.prompt_ids)),
+                recording as recorded,
+            ):
+                for event in generate_stream(
+                    self.model,
+                    self.tokenizer,
+                    job.prompt_ids,
+                    job.params,
+                    should_stop=should_stop,
+                    step_lock=self.model_lock,
+                ):
                     if event.index == 0 and event.token_id is not None:
                         generated.append(event.token_id)
                     job.push(event)

@@ -45,11 +45,26 @@ REFERENCE_VIEW_LINES = 64  # business lines whose clients one GET /v1/reference 
 class ReadViews:
     """The read endpoints, and the documents they answer with."""
 
-    def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, policies: PolicyStore,
-                 metrics: ServerMetrics, registry: CollectorRegistry, alerts: AlertService | None,
-                 history: HistoryStore, history_store: HistoryStore | None, history_store_error: str | None,
-                 baselines: Baselines, heavy_reads: BoundedReads, monitoring: ThreadPoolExecutor,
-                 references: References, clients: ClientShares, state_writes: StateWrites | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: ServerConfig,
+        serving: Serving,
+        sources: RoutingSources,
+        policies: PolicyStore,
+        metrics: ServerMetrics,
+        registry: CollectorRegistry,
+        alerts: AlertService | None,
+        history: HistoryStore,
+        history_store: HistoryStore | None,
+        history_store_error: str | None,
+        baselines: Baselines,
+        heavy_reads: BoundedReads,
+        monitoring: ThreadPoolExecutor,
+        references: References,
+        clients: ClientShares,
+        state_writes: StateWrites | None = None,
+    ) -> None:
         self.config = config
         self.serving = serving
         self.sources = sources
@@ -86,17 +101,27 @@ class ReadViews:
         elif serving.upstream_health is not None and (problem := await serving.upstream_health.current()):
             status = "upstream_unavailable"
             problems.append(problem)
-        body: dict[str, Any] = {"ready": not problems, "status": status, "problems": problems,
-                                "policies_version": self.policies.version,
-                                "state_unwritable": self.state_writes.failing() if self.state_writes else []}
+        body: dict[str, Any] = {
+            "ready": not problems,
+            "status": status,
+            "problems": problems,
+            "policies_version": self.policies.version,
+            "state_unwritable": self.state_writes.failing() if self.state_writes else [],
+        }
         if serving.self_test is not None:
             body["attention"] = serving.self_test.as_dict()
         if serving.fleet is not None:  # the store down stops re-tuning, not serving: said, not unready
             fleet = serving.fleet.status()
-            body["fleet"] = {"name": fleet["name"], "store": fleet["store"], "store_up": fleet["store_up"],
-                             "version": fleet["version"], "digest": fleet["digest"],
-                             "detail": "the fleet's store answers" if fleet["store_up"] else
-                             f"re-tuning waits: {fleet['store_error'] or 'the fleet store was not reached yet'}"}
+            body["fleet"] = {
+                "name": fleet["name"],
+                "store": fleet["store"],
+                "store_up": fleet["store_up"],
+                "version": fleet["version"],
+                "digest": fleet["digest"],
+                "detail": "the fleet's store answers"
+                if fleet["store_up"]
+                else f"re-tuning waits: {fleet['store_error'] or 'the fleet store was not reached yet'}",
+            }
         return JSONResponse(body, status_code=200 if not problems else 503)
 
     async def scrape(self, request: Request) -> Response:
@@ -115,15 +140,20 @@ class ReadViews:
     async def models(self, request: Request) -> Response:
         if self.serving.upstream is not None:
             return await self.serving.upstream.models(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.serving.model_name, "object": "model", "created": 0, "owned_by": "mla_watch"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.serving.model_name, "object": "model", "created": 0, "owned_by": "mla_watch"}],
+            }
+        )
 
     # ------------------------------------------------------------------ routing and baselines
     async def get_routing(self, request: Request) -> Response:
         line = request.query_params.get("business_line")
         # Encoded on the thread too: every router's record of a wide fleet is no job for the event loop.
-        body = await asyncio.get_running_loop().run_in_executor(self.monitoring,
-                                                                lambda: JSONResponse(self.routing(line)).body)
+        body = await asyncio.get_running_loop().run_in_executor(
+            self.monitoring, lambda: JSONResponse(self.routing(line)).body
+        )
         return Response(body, media_type="application/json")
 
     def routing(self, business_line: str | None = None) -> dict[str, Any]:
@@ -137,10 +167,18 @@ class ReadViews:
         if business_line is not None and business_line not in lines:
             shown = describe_value(business_line)
             if not NAME_RE.fullmatch(business_line):
-                raise ApiError(400, f"business_line={shown} is invalid: expected {NAME_RULE}",
-                               param="business_line", code="invalid_value")
-            raise ApiError(404, f"business_line={shown} has no routing counts here; known lines: "
-                                f"{', '.join(lines[:50]) or 'none yet'}", param="business_line", code="not_found")
+                raise ApiError(
+                    400,
+                    f"business_line={shown} is invalid: expected {NAME_RULE}",
+                    param="business_line",
+                    code="invalid_value",
+                )
+            raise ApiError(
+                404,
+                f"business_line={shown} has no routing counts here; known lines: {', '.join(lines[:50]) or 'none yet'}",
+                param="business_line",
+                code="not_found",
+            )
         routers = [record.as_dict() for record in snapshot.for_line(business_line)]
         answer: dict[str, Any] = {"business_line": business_line, "business_lines": lines, "routers": routers}
         probe, engine = self.sources.probe, self.sources.engine_routing
@@ -152,27 +190,33 @@ class ReadViews:
     async def get_reference(self, request: Request) -> Response:
         """``GET /v1/reference``: the reference prompt sets, their latest readings against their healthy baselines,
         and each business line's clients (token shares now and over the long run)."""
+
         def body() -> bytes:
             lines = [None, *self.sources.routing_snapshot().business_lines]
             clients = {line or ALL_LINES: self.clients.shares(line) for line in lines[:REFERENCE_VIEW_LINES]}
             # render() gives bytes; starlette's types allow a memoryview
             return cast(bytes, JSONResponse({**self.references.describe(), "clients": clients}).body)
 
-        return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
-                        media_type="application/json")
+        return Response(
+            await asyncio.get_running_loop().run_in_executor(self.monitoring, body), media_type="application/json"
+        )
 
     async def get_baseline(self, request: Request) -> Response:
         """``GET /v1/baseline``: whether healthy baselines are learned (and why not), and each series' healthy
         values (no counts), at most :data:`BASELINE_VIEW_LIMIT` series."""
+
         def body() -> bytes:
             document = self.baselines.describe()
             series = document["series"]
-            document["series"], document["truncated"] = series[:BASELINE_VIEW_LIMIT], max(
-                0, len(series) - BASELINE_VIEW_LIMIT)
+            document["series"], document["truncated"] = (
+                series[:BASELINE_VIEW_LIMIT],
+                max(0, len(series) - BASELINE_VIEW_LIMIT),
+            )
             return cast(bytes, JSONResponse(document).body)  # render() gives bytes
 
-        return Response(await asyncio.get_running_loop().run_in_executor(self.monitoring, body),
-                        media_type="application/json")
+        return Response(
+            await asyncio.get_running_loop().run_in_executor(self.monitoring, body), media_type="application/json"
+        )
 
     # ------------------------------------------------------------------ policies and alerts
     def reload_errors(self) -> list[str] | None:
@@ -185,24 +229,45 @@ class ReadViews:
 
     def policies_view(self) -> list[dict[str, Any]]:
         """Each line's tasks with what was clamped, refused and filled in by default, by parameter."""
-        return status_page.policies_view(self.policies.current.as_dict(),
-                                         status_page.counter_values(self.metrics.policy_adjustments),
-                                         status_page.counter_values(self.metrics.policy_rejections),
-                                         status_page.counter_values(self.metrics.policy_defaults))
+        return status_page.policies_view(
+            self.policies.current.as_dict(),
+            status_page.counter_values(self.metrics.policy_adjustments),
+            status_page.counter_values(self.metrics.policy_rejections),
+            status_page.counter_values(self.metrics.policy_defaults),
+        )
 
     async def get_policies(self, request: Request) -> Response:
-        counts = {line["business_line"]: {task["task"]: {"clamped": task["adjustments"], "refused": task["rejections"],
-                                                        "defaulted": task["defaults"]} for task in line["tasks"]}
-                  for line in self.policies_view()}
-        return JSONResponse({"version": self.policies.version, **self.policies.current.as_dict(),
-                             "counts": counts, "last_reload_error": self.reload_errors()})
+        counts = {
+            line["business_line"]: {
+                task["task"]: {
+                    "clamped": task["adjustments"],
+                    "refused": task["rejections"],
+                    "defaulted": task["defaults"],
+                }
+                for task in line["tasks"]
+            }
+            for line in self.policies_view()
+        }
+        return JSONResponse(
+            {
+                "version": self.policies.version,
+                **self.policies.current.as_dict(),
+                "counts": counts,
+                "last_reload_error": self.reload_errors(),
+            }
+        )
 
     async def get_alerts(self, request: Request) -> Response:
         if self.alerts is None:
             return JSONResponse({"alerts": [], "rules": 0})
-        return JSONResponse({"alerts": self.alert_list(), "rules": len(self.alerts.rules.rules),
-                             "notifications_pending": self.alerts.outbox.pending(),
-                             "notifications_held": self.alerts.outbox.held})
+        return JSONResponse(
+            {
+                "alerts": self.alert_list(),
+                "rules": len(self.alerts.rules.rules),
+                "notifications_pending": self.alerts.outbox.pending(),
+                "notifications_held": self.alerts.outbox.held,
+            }
+        )
 
     # ------------------------------------------------------------------ status page
     async def get_status(self, request: Request) -> Response:
@@ -212,8 +277,13 @@ class ReadViews:
         except ValueError:
             since_value = float("nan")
         if since_value is not None and not np.isfinite(since_value):
-            raise ApiError(400, f"since={describe_value(since)} is invalid: expected a time in seconds since the "
-                                "epoch (the last `times` entry already shown)", param="since", code="invalid_value")
+            raise ApiError(
+                400,
+                f"since={describe_value(since)} is invalid: expected a time in seconds since the "
+                "epoch (the last `times` entry already shown)",
+                param="since",
+                code="invalid_value",
+            )
         body = await self.heavy_reads.run("GET /v1/status", lambda: JSONResponse(self.status(since_value)).body)
         return Response(body, media_type="application/json")
 
@@ -223,44 +293,67 @@ class ReadViews:
         rules = list(self.alerts.rules.rules) if self.alerts is not None else []
         history = self.history.recent(since)
         # Whether each series' window says anything now: the page greys what does not, in every view of it.
-        no_signal = {(record.router.name, record.line_label): record.stats.no_signal
-                     for record in self.sources.routing_snapshot().records}
+        no_signal = {
+            (record.router.name, record.line_label): record.stats.no_signal
+            for record in self.sources.routing_snapshot().records
+        }
         for series in history["series"]:
             series["band"] = status_page.entropy_band(rules, series)
             series["no_signal"] = no_signal.get((series["router"], series["business_line"]))
         policies = self.policies_view()
         upstream_problem = serving.upstream_health.problem if serving.upstream_health is not None else None
         body: dict[str, Any] = {
-            "generated_at": time.time(), "model": serving.model_name,
-            "ready": serving.ready.is_set() and upstream_problem is None, "load_error": serving.load_error,
-            "upstream": self.config.upstream, "upstream_problem": upstream_problem, "engine": self.engine_status(),
+            "generated_at": time.time(),
+            "model": serving.model_name,
+            "ready": serving.ready.is_set() and upstream_problem is None,
+            "load_error": serving.load_error,
+            "upstream": self.config.upstream,
+            "upstream_problem": upstream_problem,
+            "engine": self.engine_status(),
             "history": history,
-            "history_store": None if self.history_store is None else {
-                "retention_days": self.history_store.retention_days, "max_series": self.history_store.max_series,
-                "series_dropped": self.history_store.dropped_series},
-            "alerts": self.alert_list(), "rules": len(rules),
+            "history_store": None
+            if self.history_store is None
+            else {
+                "retention_days": self.history_store.retention_days,
+                "max_series": self.history_store.max_series,
+                "series_dropped": self.history_store.dropped_series,
+            },
+            "alerts": self.alert_list(),
+            "rules": len(rules),
             "baselines": self.baselines.summary(brief=True),  # what is not learned and why, what was learned again
             "notifications_pending": self.alerts.outbox.pending() if self.alerts is not None else 0,
             "state_unwritable": self.state_writes.failing() if self.state_writes else [],
-            "policies": {"version": self.policies.version, "lines": policies,
-                         "last_reload_error": self.reload_errors()},
+            "policies": {
+                "version": self.policies.version,
+                "lines": policies,
+                "last_reload_error": self.reload_errors(),
+            },
             "retune": None,
             # each line's clients (token shares of its window now, and over the long run): the page names them
-            "clients": {line: self.clients.shares(None if line == ALL_LINES else line) for line in sorted(
-                {ALL_LINES, *(series["business_line"] for series in history["series"])})[:REFERENCE_VIEW_LINES]},
+            "clients": {
+                line: self.clients.shares(None if line == ALL_LINES else line)
+                for line in sorted({ALL_LINES, *(series["business_line"] for series in history["series"])})[
+                    :REFERENCE_VIEW_LINES
+                ]
+            },
         }
         if serving.retune is not None:
             versions = serving.retune.versions
-            body["retune"] = {"live": versions.live_version(), "last_good": versions.last_good(),
-                              "jobs": serving.retune.store.list(limit=20), "promotions": versions.promotions()[-50:]}
+            body["retune"] = {
+                "live": versions.live_version(),
+                "last_good": versions.last_good(),
+                "jobs": serving.retune.store.list(limit=20),
+                "promotions": versions.promotions()[-50:],
+            }
         return body
 
     def engine_status(self) -> dict[str, Any] | None:
         """The engine beside (``None`` beside none): its routers, problems, re-tuning and counting."""
         if self.sources.engine_routing is None:
             return None
-        status = self.sources.engine_status(retune_note=self.serving.engine_retune_note,
-                                            counting=self.counting_status())
+        status = self.sources.engine_status(
+            retune_note=self.serving.engine_retune_note, counting=self.counting_status()
+        )
         health = self.serving.upstream_health
         if status is not None and health is not None and health.problem is not None:
             status["problems"] = [health.problem, *status["problems"]]
@@ -273,8 +366,12 @@ class ReadViews:
             return None
         replayer = upstream.replayer
         budget = None if replayer is None else dataclasses.asdict(replayer.budget)
-        return {"queued": upstream.counter.queued, "queue_bytes": upstream.counter.max_bytes,
-                "replays_waiting": 0 if replayer is None else replayer.waiting, "replay": budget}
+        return {
+            "queued": upstream.counter.queued,
+            "queue_bytes": upstream.counter.max_bytes,
+            "replays_waiting": 0 if replayer is None else replayer.waiting,
+            "replay": budget,
+        }
 
     # ------------------------------------------------------------------ durable history
     async def get_history(self, request: Request) -> Response:
@@ -290,9 +387,15 @@ class ReadViews:
         """``GET /v1/history``: a metric's series over a range, one column per ``step`` (with bands for entropy)."""
         assert self.history_store is not None
         try:
-            body = self.history_store.query(since=query.since, until=query.until, step=query.step,
-                                            metric=query.metric, business_line=query.business_line,
-                                            router=query.router, max_cells=MAX_CELLS)
+            body = self.history_store.query(
+                since=query.since,
+                until=query.until,
+                step=query.step,
+                metric=query.metric,
+                business_line=query.business_line,
+                router=query.router,
+                max_cells=MAX_CELLS,
+            )
         except ValueError as error:
             raise too_large(query.step, str(error)) from error
         rules = list(self.alerts.rules.rules) if self.alerts is not None and query.metric == "entropy_bits" else []
@@ -312,6 +415,10 @@ async def static(request: Request) -> Response:
     try:
         content, media_type = status_page.static_file(request.path_params["name"])
     except KeyError:
-        raise ApiError(404, f"no such file: {describe_value(request.path_params['name'])}: expected one of "
-                            f"{sorted(status_page.STATIC_FILES)}", code="not_found") from None
+        raise ApiError(
+            404,
+            f"no such file: {describe_value(request.path_params['name'])}: expected one of "
+            f"{sorted(status_page.STATIC_FILES)}",
+            code="not_found",
+        ) from None
     return Response(content, media_type=media_type, headers={"Cache-Control": "no-cache"})

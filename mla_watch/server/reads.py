@@ -18,8 +18,14 @@ from typing import TypeVar
 
 from mla_watch.server.requests import ApiError
 
-__all__ = ["MONITORING_WORKERS", "READS_ADMITTED", "READ_WORKERS", "RETRY_AFTER_SECONDS", "BoundedReads",
-           "monitoring_executor"]
+__all__ = [
+    "MONITORING_WORKERS",
+    "READS_ADMITTED",
+    "READ_WORKERS",
+    "RETRY_AFTER_SECONDS",
+    "BoundedReads",
+    "monitoring_executor",
+]
 
 READ_WORKERS = 2  # threads for heavy public reads: at most this many cores go to outside readers
 READS_ADMITTED = 4  # heavy reads in flight or queued at once: a few answers' worth of memory, not a crowd's
@@ -37,8 +43,9 @@ def monitoring_executor() -> ThreadPoolExecutor:
 class BoundedReads:
     """A small executor for heavy public reads that admits at most ``admitted`` of them at once."""
 
-    def __init__(self, *, workers: int = READ_WORKERS, admitted: int = READS_ADMITTED,
-                 retry_after: int = RETRY_AFTER_SECONDS) -> None:
+    def __init__(
+        self, *, workers: int = READ_WORKERS, admitted: int = READS_ADMITTED, retry_after: int = RETRY_AFTER_SECONDS
+    ) -> None:
         if not 1 <= workers <= admitted:
             raise ValueError(f"workers = {workers!r}, admitted = {admitted!r}: expected 1 <= workers <= admitted")
         self.workers = workers
@@ -61,11 +68,15 @@ class BoundedReads:
         a disconnected client's read still running still counts.
         """
         if not self._admit():
-            raise ApiError(429, f"{what} refused: {self.admitted} heavy reads (/v1/history, /v1/status) are already "
-                                f"running or queued, the most this sidecar takes at once so that /metrics and "
-                                f"/v1/routing keep answering; retry after {self.retry_after} s",
-                           code="too_many_reads", error_type="rate_limit_error",
-                           headers={"Retry-After": str(self.retry_after)})
+            raise ApiError(
+                429,
+                f"{what} refused: {self.admitted} heavy reads (/v1/history, /v1/status) are already "
+                f"running or queued, the most this sidecar takes at once so that /metrics and "
+                f"/v1/routing keep answering; retry after {self.retry_after} s",
+                code="too_many_reads",
+                error_type="rate_limit_error",
+                headers={"Retry-After": str(self.retry_after)},
+            )
         try:
             future = self._executor.submit(read)
         except RuntimeError:  # shut down: the server is stopping

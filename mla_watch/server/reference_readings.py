@@ -45,15 +45,23 @@ class References:
     (:class:`~mla_watch.alerting.causes.CauseJudge`): the prober's answers once it runs, ``undetermined`` (and
     why) before, or where none can run."""
 
-    def __init__(self, config: ServerConfig, *, clients: ClientShares, alerts: AlertService | None,
-                 writes: StateWrites | None = None, client_latency: ClientLatency | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        clients: ClientShares,
+        alerts: AlertService | None,
+        writes: StateWrites | None = None,
+        client_latency: ClientLatency | None = None,
+    ) -> None:
         self.config = config
         self.client_latency = client_latency  # beside an engine: readings wait while clients wait longer than usual
         self.clients = clients
         self.alerts = alerts
         self._latest: dict[str, list[RouterStats]] = {}  # set -> its latest reading's records, for the history
-        self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(config.reference_prompts, load_reference_dir,
-                                                                  what="reference prompts")  # ReferenceSetError
+        self.sets: DirectoryStore[ReferenceSets] = DirectoryStore(
+            config.reference_prompts, load_reference_dir, what="reference prompts"
+        )  # ReferenceSetError
         self.baselines = ReferenceBaselines(config.state_dir / BASELINE_FILE, writes=writes)
         self.gate = ReferenceGate(lambda: self.sets.current, self.baselines)  # what every re-tune candidate meets
         self.prober: ReferenceProber | None = None
@@ -65,6 +73,7 @@ class References:
     # ------------------------------------------------------------------ starting
     def start_local(self, model: Any, tokenizer: Any, model_lock: Any, retune: RetuneService | None) -> None:
         """Read them through the model served here; healthy while its router version is known good."""
+
         def trusted(reading: ReferenceReading) -> str | None:
             return _not_known_good(retune)
 
@@ -78,14 +87,23 @@ class References:
             return None
         if self._engine_reader is None:
             assert config.upstream is not None  # beside an engine: --upstream
-            weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
-                                     geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"))
+            weights = engine_weights(
+                config.engine,
+                config.upstream,
+                timeout=max(config.request_timeout, 60.0),
+                geometry=geometry,
+                api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
+            )
             assert weights is not None  # a swapping engine's
             weights.priority = config.reference.priority  # scoring yields to clients in vLLM's priority scheduler
             latency = self.client_latency
-            self._engine_reader = EngineReader(weights, geometry, rate=config.reference.rate,
-                                               max_tokens=config.reference.max_tokens,
-                                               busy=None if latency is None else latency.busy)
+            self._engine_reader = EngineReader(
+                weights,
+                geometry,
+                rate=config.reference.rate,
+                max_tokens=config.reference.max_tokens,
+                busy=None if latency is None else latency.busy,
+            )
         return self._engine_reader
 
     def start_engine(self, geometry: Any, retune: RetuneService | None) -> None:
@@ -93,9 +111,11 @@ class References:
         check of the engine's routers runs otherwise) and, with engine re-tuning, the router version is good."""
         reader = self.engine_reader(geometry)
         if reader is None:
-            self.unavailable = (f"the reference prompts are read through vLLM or SGLang (--engine "
-                                f"{'|'.join(SWAPPING_ENGINES)}), not "
-                                f"{self.config.engine}: the cause of a routing alert cannot be told")
+            self.unavailable = (
+                f"the reference prompts are read through vLLM or SGLang (--engine "
+                f"{'|'.join(SWAPPING_ENGINES)}), not "
+                f"{self.config.engine}: the cause of a routing alert cannot be told"
+            )
             log.warning(self.unavailable)
             return
         alerts = self.alerts
@@ -107,33 +127,58 @@ class References:
             # Version 0 beside an engine is recorded before the engine can be read: its start-up health check is
             # the first reading of a reference set on which no rule breaches (a set of odd texts that breaches on a
             # healthy model must not condemn it; a damaged router breaches on every set).
-            if retune is not None and reading.router_version == 0 and health.get("passed") \
-                    and retune.versions.record_initial_health(
-                        {**health, "source": f"the reference prompts ({reading.set_name}) read through the engine"}):
-                log.info("router version 0 (the engine's routers served now) passed its start-up health check on the "
-                         "reference prompts (%s): %s", reading.set_name, health.get("reason"))
+            if (
+                retune is not None
+                and reading.router_version == 0
+                and health.get("passed")
+                and retune.versions.record_initial_health(
+                    {**health, "source": f"the reference prompts ({reading.set_name}) read through the engine"}
+                )
+            ):
+                log.info(
+                    "router version 0 (the engine's routers served now) passed its start-up health check on the "
+                    "reference prompts (%s): %s",
+                    reading.set_name,
+                    health.get("reason"),
+                )
             if health.get("checked") and not health.get("passed"):
                 return f"the engine's routers breach the alert rules on them: {health.get('reason')}"
             return _not_known_good(retune) if retune is not None else None
 
         self._start(reader, retune, trusted)
 
-    def _start(self, reader: ReferenceReader, retune: RetuneService | None,
-               trusted: Callable[[ReferenceReading], str | None]) -> None:
+    def _start(
+        self, reader: ReferenceReader, retune: RetuneService | None, trusted: Callable[[ReferenceReading], str | None]
+    ) -> None:
         def version() -> int | None:
             return None if retune is None else retune.versions.live_version()
 
         self._router_version = version
-        self.prober = ReferenceProber(lambda: self.sets.current, reader, self.baselines,
-                                      settings=self.config.reference, router_version=version, trusted=trusted,
-                                      clients=self.clients, on_reading=self._recorded)
+        self.prober = ReferenceProber(
+            lambda: self.sets.current,
+            reader,
+            self.baselines,
+            settings=self.config.reference,
+            router_version=version,
+            trusted=trusted,
+            clients=self.clients,
+            on_reading=self._recorded,
+        )
         self.unavailable = None
         self.prober.start()
         sets, settings = self.sets.current, self.config.reference
-        log.info("reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending; "
-                 "the long sets (%d) every %g s and when an alert on far positions is due, within %g of its time; "
-                 "%d tokens a prompt", len(sets.for_line(None)), reader.where, settings.interval_seconds,
-                 len(sets.long_sets()), settings.long_interval_seconds, settings.long_share, reader.limit)
+        log.info(
+            "reference prompts: %d sets read through %s every %g s and whenever a routing alert goes pending; "
+            "the long sets (%d) every %g s and when an alert on far positions is due, within %g of its time; "
+            "%d tokens a prompt",
+            len(sets.for_line(None)),
+            reader.where,
+            settings.interval_seconds,
+            len(sets.long_sets()),
+            settings.long_interval_seconds,
+            settings.long_share,
+            reader.limit,
+        )
 
     # ------------------------------------------------------------------ the cause judge
     @property
@@ -168,8 +213,11 @@ class References:
         for record in reading.score.routers.values():
             comparison = compare(record.router, [reading], [baseline])
             if comparison is not None:
-                records.append(RouterStats(record.router, REFERENCE_LINE_PREFIX + reading.set_name, comparison.stats,
-                                           record.counts))
+                records.append(
+                    RouterStats(
+                        record.router, REFERENCE_LINE_PREFIX + reading.set_name, comparison.stats, record.counts
+                    )
+                )
         self._latest[reading.set_name] = records
         if self.baseline_check is not None:
             self.baseline_check.after(reading, baseline)
@@ -201,12 +249,20 @@ class References:
                     continue
                 comparison = compare(record.router, [reading], [baseline])
                 changed = None if comparison is None else comparison.changed(tolerance)
-                state = "damaged" if changed or record.router.name in breached else (
-                    "healthy" if changed is False else "unknown")
+                state = (
+                    "damaged"
+                    if changed or record.router.name in breached
+                    else ("healthy" if changed is False else "unknown")
+                )
                 states.setdefault(record.router.name, []).append(state)
                 times[record.router.name] = min(times.get(record.router.name, reading.taken_at), reading.taken_at)
-        return {router: {"state": "damaged" if "damaged" in found else "unknown" if "unknown" in found else "healthy",
-                         "at": times[router]} for router, found in states.items()}
+        return {
+            router: {
+                "state": "damaged" if "damaged" in found else "unknown" if "unknown" in found else "healthy",
+                "at": times[router],
+            }
+            for router, found in states.items()
+        }
 
     def read_again(self) -> None:
         """Read every set again soon (the routers serving changed: what a fleet's peers are told must be of them)."""

@@ -27,9 +27,17 @@ ROLES = ("system", "user", "assistant")
 class ApiError(Exception):
     """An error answered to the client, in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict[str, str] | None = None,
-                 policy: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+        policy: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -79,11 +87,13 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError is a ValueError
         raise ApiError(400, f"the request body is not valid JSON ({error})", code="invalid_json") from error
     except RecursionError as error:  # the decoder recurses once per level of nesting
-        raise ApiError(400, "the request body nests arrays or objects too deeply; expected a flat JSON object",
-                       code="invalid_json") from error
+        raise ApiError(
+            400, "the request body nests arrays or objects too deeply; expected a flat JSON object", code="invalid_json"
+        ) from error
     if not isinstance(body, dict):
-        raise ApiError(400, f"the request body is a JSON {type(body).__name__}; expected an object",
-                       code="invalid_json")
+        raise ApiError(
+            400, f"the request body is a JSON {type(body).__name__}; expected an object", code="invalid_json"
+        )
     return body
 
 
@@ -93,16 +103,19 @@ def _refuse_constant(name: str) -> Any:
 
 
 def _bad(param: str, value: Any, expected: str) -> ApiError:
-    return ApiError(400, f"{param}={describe_value(value)} is invalid: expected {expected}", param=param,
-                    code="invalid_value")
+    return ApiError(
+        400, f"{param}={describe_value(value)} is invalid: expected {expected}", param=param, code="invalid_value"
+    )
 
 
 def _expected(param: SamplingParam) -> str:
     limit = param.http
     assert limit is not None and limit.high is not None
     kind = "an integer" if limit.integer else "a number"
-    return (f"{kind} in {'[' if limit.low_inclusive else '('}{limit.low}, "
-            f"{limit.high}{']' if limit.high_inclusive else ')'}")
+    return (
+        f"{kind} in {'[' if limit.low_inclusive else '('}{limit.low}, "
+        f"{limit.high}{']' if limit.high_inclusive else ')'}"
+    )
 
 
 def _number(body: dict[str, Any], param: SamplingParam) -> float | None:
@@ -171,7 +184,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
             parts = []
             for part_index, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content[{part_index}]", part, "a {\"type\": \"text\", \"text\": ...} part")
+                    raise _bad(f"{where}.content[{part_index}]", part, 'a {"type": "text", "text": ...} part')
                 parts.append(part["text"])
             content = "".join(parts)
         if not isinstance(content, str):
@@ -203,29 +216,51 @@ def _routing_labels(body: dict[str, Any], headers: dict[str, str]) -> tuple[str 
             raise _bad(f"metadata.{key}", from_body, "a string")
         from_header = headers.get(header)
         if from_body is not None and from_header is not None and from_body != from_header:
-            raise ApiError(400, f"metadata.{key}={from_body!r} contradicts header {header}={from_header!r}; "
-                                "send one, or the same value in both", param=f"metadata.{key}", code="conflict")
+            raise ApiError(
+                400,
+                f"metadata.{key}={from_body!r} contradicts header {header}={from_header!r}; "
+                "send one, or the same value in both",
+                param=f"metadata.{key}",
+                code="conflict",
+            )
         labels.append(from_header if from_header is not None else from_body)
     return labels[0], labels[1]
 
 
-UNSUPPORTED = {"logprobs": "logprobs", "top_logprobs": "logprobs", "echo": "echo", "best_of": "best_of",
-               "suffix": "suffix", "tools": "tools", "functions": "functions", "logit_bias": "logit_bias"}
+UNSUPPORTED = {
+    "logprobs": "logprobs",
+    "top_logprobs": "logprobs",
+    "echo": "echo",
+    "best_of": "best_of",
+    "suffix": "suffix",
+    "tools": "tools",
+    "functions": "functions",
+    "logit_bias": "logit_bias",
+}
 
 
-def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str, Any],
-                             headers: dict[str, str]) -> GenerationRequest:
+def parse_generation_request(
+    kind: Literal["completion", "chat"], body: dict[str, Any], headers: dict[str, str]
+) -> GenerationRequest:
     """Validate one request; ``headers`` lower-cased."""
     for name in UNSUPPORTED:
         value = body.get(name)
         if value not in (None, False, 0, [], {}) and not (name == "best_of" and value == 1):
-            raise ApiError(400, f"{name}={describe_value(value)} is not supported by mla_watch", param=name,
-                           code="unsupported_parameter")
+            raise ApiError(
+                400,
+                f"{name}={describe_value(value)} is not supported by mla_watch",
+                param=name,
+                code="unsupported_parameter",
+            )
     for name in ("presence_penalty", "frequency_penalty"):
         value = body.get(name)
         if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name}={describe_value(value)} is not supported; use repetition_penalty", param=name,
-                           code="unsupported_parameter")
+            raise ApiError(
+                400,
+                f"{name}={describe_value(value)} is not supported; use repetition_penalty",
+                param=name,
+                code="unsupported_parameter",
+            )
     request = GenerationRequest(kind=kind, model=_string(body, "model"))
     if kind == "chat":
         request.messages = _messages(body)
@@ -240,8 +275,12 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
     if kind == "chat":
         completion_tokens = _integer(body, params["max_completion_tokens"])
         if max_tokens is not None and completion_tokens is not None and max_tokens != completion_tokens:
-            raise ApiError(400, f"max_tokens={max_tokens} and max_completion_tokens={completion_tokens} disagree; "
-                                "send one", param="max_completion_tokens", code="conflict")
+            raise ApiError(
+                400,
+                f"max_tokens={max_tokens} and max_completion_tokens={completion_tokens} disagree; send one",
+                param="max_completion_tokens",
+                code="conflict",
+            )
         max_tokens = completion_tokens if completion_tokens is not None else max_tokens
     sampling["max_tokens"] = max_tokens
     request.sampling = {name: value for name, value in sampling.items() if value is not None}
@@ -256,7 +295,7 @@ def parse_generation_request(kind: Literal["completion", "chat"], body: dict[str
     options = body.get("stream_options")
     if options is not None:
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise _bad("stream_options", options, "an object like {\"include_usage\": true}")
+            raise _bad("stream_options", options, 'an object like {"include_usage": true}')
         request.include_usage = bool(options.get("include_usage", False))
     routed = body.get("return_routed_experts", False)
     if not isinstance(routed, bool):

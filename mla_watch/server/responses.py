@@ -41,8 +41,12 @@ class LocalCompletion:
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.parsed.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": kind + (".chunk" if chunk and self.parsed.kind == "chat" else ""),
-                "created": self.created, "model": self.model}
+        return {
+            "id": self.id,
+            "object": kind + (".chunk" if chunk and self.parsed.kind == "chat" else ""),
+            "created": self.created,
+            "model": self.model,
+        }
 
     def _choice(self, index: int, text: str, finish: str | None, chunk: bool) -> dict[str, Any]:
         if self.parsed.kind == "chat":
@@ -65,17 +69,23 @@ class LocalCompletion:
     def first_chunk(self) -> dict[str, Any]:
         choices: list[dict[str, Any]]
         if self.parsed.kind == "chat":
-            choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                        "logprobs": None} for i in range(len(self.texts))]
+            choices = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+                for i in range(len(self.texts))
+            ]
         else:
-            choices = [{"index": i, "text": "", "finish_reason": None, "logprobs": None}
-                       for i in range(len(self.texts))]
+            choices = [
+                {"index": i, "text": "", "finish_reason": None, "logprobs": None} for i in range(len(self.texts))
+            ]
         return {**self._envelope(chunk=True), "choices": choices, "mla_watch": self.extra}
 
     def usage(self) -> dict[str, int]:
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
 
     def routing_chunk(self) -> dict[str, Any] | None:
         """The stream's chunk of the routing (``choices: []``), for a client that asked for it."""

@@ -44,8 +44,17 @@ RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md"
 class Retuning:
     """Starts the re-tune service (beside the local model or the engine) and answers its callbacks."""
 
-    def __init__(self, *, config: ServerConfig, serving: Serving, sources: RoutingSources, metrics: ServerMetrics,
-                 alerts: AlertService | None, references: References, writes: StateWrites | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        config: ServerConfig,
+        serving: Serving,
+        sources: RoutingSources,
+        metrics: ServerMetrics,
+        alerts: AlertService | None,
+        references: References,
+        writes: StateWrites | None = None,
+    ) -> None:
         self.config = config
         self.writes = writes  # told by the router versions and the capture whether they can write
         self.serving = serving
@@ -54,9 +63,9 @@ class Retuning:
         self.alerts = alerts
         self.references = references
         # what re-tuning the engine's routers depends on, known once start_engine ran (capture, the engine's answer)
-        self.engine_conditions = RetuneConditions("engine", engine=config.engine,
-                                                  swaps=config.engine in SWAPPING_ENGINES,
-                                                  engine_retune=config.engine_retune)
+        self.engine_conditions = RetuneConditions(
+            "engine", engine=config.engine, swaps=config.engine in SWAPPING_ENGINES, engine_retune=config.engine_retune
+        )
 
     # ------------------------------------------------------------------ beside the local model
     def start_local(self, model: Any, tokenizer: Any) -> None:
@@ -75,28 +84,41 @@ class Retuning:
         if capture is not None:
             record = self.capture_answers(capture)
             self.serving.model_worker.capture = lambda line, token_ids, prompt_tokens, client: record(
-                line, [(token_ids, prompt_tokens)], client)
+                line, [(token_ids, prompt_tokens)], client
+            )
         reference = None
         if self.config.reference_model is not None:
             from mla_watch.retune.reference import load_reference_routers
             from mla_watch.retune.router_tensors import router_state
 
             reference = load_reference_routers(self.config.reference_model, router_state(model))
-        retuner = Retuner(model=model, tokenizer=tokenizer, versions=versions, settings=self.config.retune,
-                          workdir=state / "retune-work",
-                          # the service is made below, before any job runs
-                          promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
-                          capture=capture, model_lock=self.serving.model_worker.model_lock, model_ref=self.config.model,
-                          dataset_dir=datasets, reference=reference,
-                          health_rules=None if self.alerts is None
-                          else lambda: cast(AlertService, self.alerts).rules.rules,
-                          reference_prompts=self.references.gate)
+        retuner = Retuner(
+            model=model,
+            tokenizer=tokenizer,
+            versions=versions,
+            settings=self.config.retune,
+            workdir=state / "retune-work",
+            # the service is made below, before any job runs
+            promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
+            capture=capture,
+            model_lock=self.serving.model_worker.model_lock,
+            model_ref=self.config.model,
+            dataset_dir=datasets,
+            reference=reference,
+            health_rules=None if self.alerts is None else lambda: cast(AlertService, self.alerts).rules.rules,
+            reference_prompts=self.references.gate,
+        )
         self.serving.retune = RetuneService(
-            state_dir=state, settings=self.config.retune, retuner=retuner, versions=versions,
-            model_lock=self.serving.model_worker.model_lock, on_promoted=self.routers_changed,
+            state_dir=state,
+            settings=self.config.retune,
+            retuner=retuner,
+            versions=versions,
+            model_lock=self.serving.model_worker.model_lock,
+            on_promoted=self.routers_changed,
             on_rejected=self.rejected,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
-            health_check=self._router_health(tokenizer), resume_jobs=self.config.fleet is None,
+            health_check=self._router_health(tokenizer),
+            resume_jobs=self.config.fleet is None,
         )
         self.serving.retune.start()
         self._started(self.serving.retune)
@@ -108,10 +130,13 @@ class Retuning:
             return None
         from mla_watch.retune.capture import TrafficCapture
 
-        return TrafficCapture(self.config.state_dir / "capture.sqlite",
-                              max_samples_per_line=self.config.capture_max_samples,
-                              max_age_seconds=self.config.capture_max_age_seconds,
-                              max_client_share=self.config.capture_max_client_share, writes=self.writes)
+        return TrafficCapture(
+            self.config.state_dir / "capture.sqlite",
+            max_samples_per_line=self.config.capture_max_samples,
+            max_age_seconds=self.config.capture_max_age_seconds,
+            max_client_share=self.config.capture_max_client_share,
+            writes=self.writes,
+        )
 
     def capture_answers(self, capture: Any) -> Callable[[str, list[tuple[list[int], int]], str | None], None]:
         from mla_watch.retune.capture import CaptureError
@@ -133,8 +158,12 @@ class Retuning:
         is none (:func:`~mla_watch.retune.availability.why_retune_is_off`)."""
         config = self.config
         self.engine_conditions = RetuneConditions(
-            "engine" if self.sources.engine_routing is not None else "none", engine=config.engine,
-            swaps=config.engine in SWAPPING_ENGINES, engine_retune=config.engine_retune, capture=capture is not None)
+            "engine" if self.sources.engine_routing is not None else "none",
+            engine=config.engine,
+            swaps=config.engine in SWAPPING_ENGINES,
+            engine_retune=config.engine_retune,
+            capture=capture is not None,
+        )
         if self.sources.engine_routing is None or config.engine_retune == "off" or not self.engine_conditions.swaps:
             self._engine_note(None)
             return
@@ -155,14 +184,24 @@ class Retuning:
             self._engine_note(None)
             return
         assert config.upstream is not None  # beside an engine: --upstream
-        weights = engine_weights(config.engine, config.upstream, timeout=max(config.request_timeout, 60.0),
-                                 geometry=geometry, api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
-                                 admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"))
+        weights = engine_weights(
+            config.engine,
+            config.upstream,
+            timeout=max(config.request_timeout, 60.0),
+            geometry=geometry,
+            api_key=os.environ.get("MLA_WATCH_ENGINE_API_KEY"),
+            admin_api_key=os.environ.get("MLA_WATCH_ENGINE_ADMIN_API_KEY"),
+        )
         assert weights is not None  # a swapping engine's (checked above)
         state = ensure_private_dir(config.state_dir)
         swap_dir = config.engine_swap_dir or state / "engine-swaps"
-        host = EngineRouters(weights, geometry, initial, swap_dir=swap_dir,
-                             config_json=given if given.is_file() else checkpoint / "config.json")
+        host = EngineRouters(
+            weights,
+            geometry,
+            initial,
+            swap_dir=swap_dir,
+            config_json=given if given.is_file() else checkpoint / "config.json",
+        )
         versions = RouterVersions(state / "routers", self.config.router_versions, writes=self.writes)
         reference = None
         if config.reference_model is not None:
@@ -174,18 +213,32 @@ class Retuning:
         def loads(router: str, line: str | None) -> Any:
             return windows.counts(line).get(router)
 
-        retuner = EngineRetuner(host=host, versions=versions, settings=config.retune, mode=config.engine_retune,
-                                capture=capture,  # the service is made below, before any job runs
-                                promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
-                                rollback=lambda: cast(RetuneService, self.serving.retune).rollback(), loads=loads,
-                                reference=reference,
-                                gate_timeout=config.engine_gate_timeout, reference_prompts=self.references.gate,
-                                reference_reader=self.references.engine_reader(geometry))
+        retuner = EngineRetuner(
+            host=host,
+            versions=versions,
+            settings=config.retune,
+            mode=config.engine_retune,
+            capture=capture,  # the service is made below, before any job runs
+            promote=lambda version: cast(RetuneService, self.serving.retune).promote(version),
+            rollback=lambda: cast(RetuneService, self.serving.retune).rollback(),
+            loads=loads,
+            reference=reference,
+            gate_timeout=config.engine_gate_timeout,
+            reference_prompts=self.references.gate,
+            reference_reader=self.references.engine_reader(geometry),
+        )
         self.serving.retune = RetuneService(
-            state_dir=state, settings=config.retune, retuner=retuner, versions=versions, model_lock=threading.Lock(),
-            on_promoted=self.routers_changed, on_rejected=self.rejected, on_proposed=self.proposed,
+            state_dir=state,
+            settings=config.retune,
+            retuner=retuner,
+            versions=versions,
+            model_lock=threading.Lock(),
+            on_promoted=self.routers_changed,
+            on_rejected=self.rejected,
+            on_proposed=self.proposed,
             on_outcome=lambda strategy, outcome: self.metrics.retune_jobs.labels(strategy, outcome).inc(),
-            resume_jobs=config.fleet is None)
+            resume_jobs=config.fleet is None,
+        )
         self.serving.retune.start()
         self._started(self.serving.retune)
 
@@ -210,8 +263,11 @@ class Retuning:
             note = running if why is None else f"{running}, but {why}"
         self.serving.engine_retune_note = note
         asked = self.config.engine_retune != "off" and self.engine_conditions.routers == "engine"
-        log.log(logging.WARNING if asked and why is not None and not why.startswith("an alert") else logging.INFO,
-                "%s", note)
+        log.log(
+            logging.WARNING if asked and why is not None and not why.startswith("an alert") else logging.INFO,
+            "%s",
+            note,
+        )
 
     # ------------------------------------------------------------------ the fleet
     def _started(self, service: RetuneService) -> None:
@@ -228,19 +284,35 @@ class Retuning:
         settings = self.config.fleet
         references, alerts = self.references, self.alerts
         member = FleetMember(
-            FleetStore(settings.url), settings, retune=service,
-            check=StepCheck(references.gate, lambda: None if references.prober is None else references.prober.reader,
-                            lambda: alerts.rules.rules if alerts is not None else []),
-            health=references.router_health, still_wanted=self._still_wanted, page=self._page,
-            on_store=self._fleet_store, on_step=lambda outcome: self.metrics.fleet_rollout_steps.labels(outcome).inc(),
+            FleetStore(settings.url),
+            settings,
+            retune=service,
+            check=StepCheck(
+                references.gate,
+                lambda: None if references.prober is None else references.prober.reader,
+                lambda: alerts.rules.rules if alerts is not None else [],
+            ),
+            health=references.router_health,
+            still_wanted=self._still_wanted,
+            page=self._page,
+            on_store=self._fleet_store,
+            on_step=lambda outcome: self.metrics.fleet_rollout_steps.labels(outcome).inc(),
             on_serving=lambda version, digest: self.metrics.serving_version(
-                "unknown" if version is None else version, digest),
-            read_again=references.read_again, url=self.config.public_url or None)
+                "unknown" if version is None else version, digest
+            ),
+            read_again=references.read_again,
+            url=self.config.public_url or None,
+        )
         self.serving.fleet = member
         member.join()
         member.start()
-        log.info("fleet member %s of %s: serving fleet version %s (digest %s)", settings.name, member.store.where,
-                 member.version, member.digest[:12])
+        log.info(
+            "fleet member %s of %s: serving fleet version %s (digest %s)",
+            settings.name,
+            member.store.where,
+            member.version,
+            member.digest[:12],
+        )
 
     def _version_changed(self, service: RetuneService) -> None:
         from mla_watch.common.tensor_files import router_digest
@@ -254,8 +326,12 @@ class Retuning:
         """Whether a model-caused alert on ``router`` still fires here (the fleet asks before deciding again)."""
         if self.alerts is None:
             return False
-        return any(alert.state == "firing" and alert.labels.get(ROUTER) == router
-                   and (alert.cause or {}).get("name") == "model" for alert in self.alerts.engine.alerts())
+        return any(
+            alert.state == "firing"
+            and alert.labels.get(ROUTER) == router
+            and (alert.cause or {}).get("name") == "model"
+            for alert in self.alerts.engine.alerts()
+        )
 
     def _page(self, labels: dict[str, str], annotations: dict[str, str]) -> None:
         if self.alerts is not None:
@@ -281,16 +357,20 @@ class Retuning:
         router = action.alert.labels.get(ROUTER, "")
         cause = action.alert.labels.get(CAUSE_LABEL)
         if cause != "model":  # the alert engine asks only for these; a guard all the same
-            return (f"no re-tune job: the cause is {cause or 'undetermined'}, not the model (a router is re-tuned only "
-                    "when its reference prompts show the model changed)")
+            return (
+                f"no re-tune job: the cause is {cause or 'undetermined'}, not the model (a router is re-tuned only "
+                "when its reference prompts show the model changed)"
+            )
         engine = router in self.sources.engine_routers()
         if engine and self.serving.retune is None:
             return no_job_note(self.engine_conditions, f" for {router}, the engine's router")
         if self.serving.retune is None:
             return no_job_note(RetuneConditions("none"))
         if router not in self.serving.retune.watched_by(None):
-            return (f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
-                    "another process is watched, not re-tuned here)")
+            return (
+                f"no re-tune job: {router} is not an expert router of this sidecar's model (routing shipped by "
+                "another process is watched, not re-tuned here)"
+            )
         if self.serving.retune.retuner.capture is None:  # the job would have no data (the other reasons: quoted)
             return no_job_note(self.engine_conditions if engine else RetuneConditions("local", capture=False))
         if self.serving.fleet is not None:
@@ -328,22 +408,38 @@ def rejected_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
         if gates:
             metric = gates["band"]["metric"]
             paired = gates.get("perplexity") or {}
-            interval = (f" [{paired.get('low')}, {paired.get('high')}] at {paired.get('confidence')} each side, "
-                        f"limit {paired.get('limit')}, {paired.get('decision')} on {paired.get('tokens')} held-out "
-                        f"tokens" if paired else "")
-            line += (f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}{interval}, "
-                     f"{metric} " + ", ".join(f"{name} {gates['before'][metric].get(name)} -> {value}"
-                                              for name, value in gates["after"][metric].items()) + ")")
+            interval = (
+                f" [{paired.get('low')}, {paired.get('high')}] at {paired.get('confidence')} each side, "
+                f"limit {paired.get('limit')}, {paired.get('decision')} on {paired.get('tokens')} held-out "
+                f"tokens"
+                if paired
+                else ""
+            )
+            line += (
+                f" (perplexity {gates['before']['perplexity']} -> {gates['after']['perplexity']}{interval}, "
+                f"{metric} "
+                + ", ".join(
+                    f"{name} {gates['before'][metric].get(name)} -> {value}"
+                    for name, value in gates["after"][metric].items()
+                )
+                + ")"
+            )
         if attempt.get("reason"):
             line += f": {attempt['reason']}"
         figures.append(line)
     line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneRejected", "severity": "warning", ROUTER: ",".join(spec.routers),
-              LAYER: str(spec.trigger.get("layer", "")), BUSINESS_LINE: line_name, "job": spec.id}
+    labels = {
+        "alertname": "RouterRetuneRejected",
+        "severity": "warning",
+        ROUTER: ",".join(spec.routers),
+        LAYER: str(spec.trigger.get("layer", "")),
+        BUSINESS_LINE: line_name,
+        "job": spec.id,
+    }
     annotations = {
         "summary": f"Re-tune job {spec.id} for {', '.join(spec.routers)} ({line_name}) was rejected by its gates; "
-                   "the live routers are unchanged" + ("; the job keeps trying on newer traffic"
-                                                      if result.get("rejected_while_outside_band") else ""),
+        "the live routers are unchanged"
+        + ("; the job keeps trying on newer traffic" if result.get("rejected_while_outside_band") else ""),
         "description": "; ".join(figures + ([result["needs"]] if result.get("needs") else [])),
         "runbook_url": f"{RUNBOOK}#routerretunerejected",
     }
@@ -354,19 +450,26 @@ def proposed_notice(spec: JobSpec, result: dict[str, Any]) -> tuple[dict[str, st
     """The ``RouterRetuneProposed`` event: a candidate for the engine's routers is saved; the one command that
     swaps it in, gates it through the engine and keeps it or rolls it back."""
     line_name = spec.business_line or ALL_LINES
-    labels = {"alertname": "RouterRetuneProposed", "severity": "warning", ROUTER: ",".join(spec.routers),
-              LAYER: str(spec.trigger.get("layer", "")), BUSINESS_LINE: line_name, "job": spec.id}
+    labels = {
+        "alertname": "RouterRetuneProposed",
+        "severity": "warning",
+        ROUTER: ",".join(spec.routers),
+        LAYER: str(spec.trigger.get("layer", "")),
+        BUSINESS_LINE: line_name,
+        "job": spec.id,
+    }
     attempt: dict[str, Any] = next((a for a in result.get("attempts", []) if a.get("outcome") == "proposed"), {})
-    details = ", ".join(f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
-                        for a in result.get("attempts", []))
+    details = ", ".join(
+        f"{a['strategy']}: {a.get('outcome')}" + (f" ({a['reason']})" if a.get("reason") else "")
+        for a in result.get("attempts", [])
+    )
     annotations = {
         "summary": f"Re-tune job {spec.id} proposes router version {result.get('version')} "
-                   f"({result.get('strategy')}) for {', '.join(spec.routers)} ({line_name}); apply it with: "
-                   f"{result.get('command')}",
+        f"({result.get('strategy')}) for {', '.join(spec.routers)} ({line_name}); apply it with: "
+        f"{result.get('command')}",
         "description": f"{details}. The command swaps the candidate into the engine, has the engine score the "
-                       f"held-out captured traffic before and after, and keeps it only if it passes; else the "
-                       f"previous routers go back at once." + (f" Candidate: {attempt.get('version')}."
-                                                              if attempt else ""),
+        f"held-out captured traffic before and after, and keeps it only if it passes; else the "
+        f"previous routers go back at once." + (f" Candidate: {attempt.get('version')}." if attempt else ""),
         "runbook_url": f"{RUNBOOK}#routerretuneproposed",
     }
     return labels, annotations

@@ -37,10 +37,15 @@ class SelfTestResult:
         def finite(value: float) -> float | None:  # JSON has no infinity; None reads "could not be measured"
             return value if math.isfinite(value) else None
 
-        return {"configured": self.configured, "used": self.used, "refused": self.refused,
-                "max_relative_difference": finite(self.max_relative_difference),
-                "perplexity_ratio": finite(self.perplexity_ratio), "tolerance": self.tolerance,
-                "message": self.message}
+        return {
+            "configured": self.configured,
+            "used": self.used,
+            "refused": self.refused,
+            "max_relative_difference": finite(self.max_relative_difference),
+            "perplexity_ratio": finite(self.perplexity_ratio),
+            "tolerance": self.tolerance,
+            "message": self.message,
+        }
 
 
 def _fixed_batch(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +59,7 @@ def _fixed_batch(vocab_size: int, device: torch.device) -> tuple[torch.Tensor, t
 def _perplexity(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> float:
     # Only real tokens predicting real tokens: logits at padded positions are undefined in every implementation.
     targets = ids[:, 1:].masked_fill((mask[:, 1:] == 0) | (mask[:, :-1] == 0), -100)
-    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=-100)
+    loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
     return math.exp(float(loss))
 
 
@@ -76,8 +80,14 @@ def attention_self_test(model: Any, configured: str, tolerance: float | None = N
         candidate = model(input_ids=ids, attention_mask=mask).logits.float()
     except Exception as error:  # an implementation that cannot even run is refused the same way
         model.set_attn_implementation("eager")
-        return SelfTestResult(configured, "eager", math.inf, math.inf, tolerance,
-                              f"attention {configured!r} failed on the self-test batch ({error}); serving with eager")
+        return SelfTestResult(
+            configured,
+            "eager",
+            math.inf,
+            math.inf,
+            tolerance,
+            f"attention {configured!r} failed on the self-test batch ({error}); serving with eager",
+        )
     real = mask.bool()
     scale = reference[real].abs().max().clamp(min=1e-6)
     difference = float((candidate - reference)[real].abs().max() / scale)
@@ -85,9 +95,19 @@ def attention_self_test(model: Any, configured: str, tolerance: float | None = N
     if not math.isfinite(difference) or difference > tolerance or abs(ratio - 1) > 0.01:
         model.set_attn_implementation("eager")
         return SelfTestResult(
-            configured, "eager", difference, ratio, tolerance,
+            configured,
+            "eager",
+            difference,
+            ratio,
+            tolerance,
             f"attention {configured!r} disagrees with eager on the self-test batch: max relative logit "
             f"difference {difference:.3g} (tolerance {tolerance:g}), perplexity x{ratio:.3f}; serving with eager",
         )
-    return SelfTestResult(configured, configured, difference, ratio, tolerance,
-                          f"attention {configured!r} agrees with eager (max relative difference {difference:.2g})")
+    return SelfTestResult(
+        configured,
+        configured,
+        difference,
+        ratio,
+        tolerance,
+        f"attention {configured!r} agrees with eager (max relative difference {difference:.2g})",
+    )

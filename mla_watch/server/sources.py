@@ -47,9 +47,16 @@ class RoutingSources:
     routers is learned only where it is its line's traffic, not one client's (``Baselines.gate``).
     """
 
-    def __init__(self, config: ServerConfig, registry: CollectorRegistry, baselines: Baselines, *,
-                 clock: Callable[[], float], learn_excluded: Callable[[], set[tuple[str, str]]] | None = None,
-                 clients: ClientShares | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        registry: CollectorRegistry,
+        baselines: Baselines,
+        *,
+        clock: Callable[[], float],
+        learn_excluded: Callable[[], set[tuple[str, str]]] | None = None,
+        clients: ClientShares | None = None,
+    ) -> None:
         self.config = config
         self.clock = clock
         self.baselines = baselines
@@ -58,36 +65,72 @@ class RoutingSources:
         self.probe: Probe | None = None  # once the local model is loaded
         self._snapshot: tuple[tuple, RoutingSnapshot] | None = None
         self._snapshot_lock = threading.Lock()
-        self.remote = RemoteRouting(config.ingest_limits, window_tokens=config.window_tokens,
-                                    window_seconds=config.window_seconds, clock=clock, baselines=baselines)
+        self.remote = RemoteRouting(
+            config.ingest_limits,
+            window_tokens=config.window_tokens,
+            window_seconds=config.window_seconds,
+            clock=clock,
+            baselines=baselines,
+        )
         self.engine_routing = self._engine_routing(registry)  # beside vLLM / SGLang: their routers' windows
 
     def _engine_routing(self, registry: CollectorRegistry) -> EngineRouting | None:
         config = self.config
         if config.engine not in ENGINE_CHOICES:
-            raise SettingsError([SettingProblem("engine", repr(config.engine), f"one of {', '.join(ENGINE_CHOICES)}")],
-                                what=SERVER_SETTINGS)
+            raise SettingsError(
+                [SettingProblem("engine", repr(config.engine), f"one of {', '.join(ENGINE_CHOICES)}")],
+                what=SERVER_SETTINGS,
+            )
         if problems := config.replay.problems():  # the command line checks them; the Python API comes here
             raise SettingsError(problems, what=SERVER_SETTINGS)
         if config.engine_retune not in ENGINE_RETUNE_MODES:
-            raise SettingsError([SettingProblem("engine_retune", describe_value(config.engine_retune, 40),
-                                                f"one of {', '.join(ENGINE_RETUNE_MODES)}")], what=SERVER_SETTINGS)
+            raise SettingsError(
+                [
+                    SettingProblem(
+                        "engine_retune",
+                        describe_value(config.engine_retune, 40),
+                        f"one of {', '.join(ENGINE_RETUNE_MODES)}",
+                    )
+                ],
+                what=SERVER_SETTINGS,
+            )
         reading = reads_routing(config.engine) or config.sglang_recorder_dir is not None
         if not reading:
             return None
         field = "engine" if reads_routing(config.engine) else "sglang_recorder_dir"
         if not config.upstream:
-            raise SettingsError([SettingProblem("upstream", template=f"{{{field}}} reads an engine's routing: it needs "
-                                                "{upstream} URL (the engine)")], what=SERVER_SETTINGS)
+            raise SettingsError(
+                [
+                    SettingProblem(
+                        "upstream",
+                        template=f"{{{field}}} reads an engine's routing: it needs {{upstream}} URL (the engine)",
+                    )
+                ],
+                what=SERVER_SETTINGS,
+            )
         if config.model_config is None:
-            raise SettingsError([SettingProblem("model_config", template=f"{{{field}}} needs {{model_config}}: the "
-                                                "config.json the engine loaded (or its directory), which says where "
-                                                "its MoE layers are")], what=SERVER_SETTINGS)
+            raise SettingsError(
+                [
+                    SettingProblem(
+                        "model_config",
+                        template=f"{{{field}}} needs {{model_config}}: the "
+                        "config.json the engine loaded (or its directory), which says where "
+                        "its MoE layers are",
+                    )
+                ],
+                what=SERVER_SETTINGS,
+            )
         geometry = load_geometry(config.model_config)  # GeometryError names the file and the key
         log.info("engine routers from %s: %s", config.model_config, geometry.describe())
         engine = config.engine if reads_routing(config.engine) else RECORDER_ENGINE
-        return EngineRouting(engine, geometry, EngineMetrics(registry), window_tokens=config.window_tokens,
-                             window_seconds=config.window_seconds, clock=self.clock)
+        return EngineRouting(
+            engine,
+            geometry,
+            EngineMetrics(registry),
+            window_tokens=config.window_tokens,
+            window_seconds=config.window_seconds,
+            clock=self.clock,
+        )
 
     # ------------------------------------------------------------------ windows
     def own_windows(self) -> RouterWindows | None:
@@ -121,8 +164,11 @@ class RoutingSources:
         with self._snapshot_lock:
             cached = self._snapshot
             # Windows bounded by age change with time alone: their snapshot lives one second.
-            if cached is not None and cached[0] == key and (
-                    self.config.window_seconds is None or self.clock() - cached[1].taken_at < 1.0):
+            if (
+                cached is not None
+                and cached[0] == key
+                and (self.config.window_seconds is None or self.clock() - cached[1].taken_at < 1.0)
+            ):
                 return cached[1]
             snapshot = take_snapshot(sources, self.clock())
             self._snapshot = (key, snapshot)
@@ -134,9 +180,15 @@ class RoutingSources:
         """Whose tokens a record's window holds, where this sidecar sees them: its own routers' (the model's, the
         engine's), not the workers' that report their counts. For an indexer, the tokens that carry its signal:
         those of queries that saw at least 2 x index_topk keys (``RoutingStats.no_signal``)."""
-        own = {info.name for windows in (self.probe.windows if self.probe is not None else None,
-                                         self.engine_routing.windows if self.engine_routing is not None else None)
-               if windows is not None for info in windows.routers}
+        own = {
+            info.name
+            for windows in (
+                self.probe.windows if self.probe is not None else None,
+                self.engine_routing.windows if self.engine_routing is not None else None,
+            )
+            if windows is not None
+            for info in windows.routers
+        }
         mixes: dict[tuple[str | None, int], ClientMix | None] = {}
 
         def mix(record: RouterStats) -> ClientMix | None:
@@ -158,11 +210,16 @@ class RoutingSources:
         routing = self.engine_routing
         if routing is None:
             return None
-        return {"engine": routing.engine, "url": self.config.upstream, "routers": routing.geometry.describe(),
-                "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
-                "unattributed_line": UNATTRIBUTED_LINE, "retune": retune_note,
-                "problems": routing.problems(),
-                "counting": counting}
+        return {
+            "engine": routing.engine,
+            "url": self.config.upstream,
+            "routers": routing.geometry.describe(),
+            "recorder_dir": str(self.config.sglang_recorder_dir) if self.config.sglang_recorder_dir else None,
+            "unattributed_line": UNATTRIBUTED_LINE,
+            "retune": retune_note,
+            "problems": routing.problems(),
+            "counting": counting,
+        }
 
     # ------------------------------------------------------------------ healthy baselines
     def trust_baselines(self, retune: RetuneService | None) -> None:
@@ -180,9 +237,11 @@ class RoutingSources:
             self.baselines.trust(None)
         else:
             health = versions.manifest(live).get("health") or {}
-            self.baselines.trust(f"router version {live}, served now, is not known to be good "
-                                 f"({health.get('reason') or 'no start-up health check passed'}); "
-                                 "POST /admin/baseline sets the baselines by hand")
+            self.baselines.trust(
+                f"router version {live}, served now, is not known to be good "
+                f"({health.get('reason') or 'no start-up health check passed'}); "
+                "POST /admin/baseline sets the baselines by hand"
+            )
 
     def save_baseline(self, business_line: str | None) -> dict[str, Any] | None:
         """The windows now become the healthy baselines of their series (``business_line``'s, or every
@@ -192,5 +251,9 @@ class RoutingSources:
             return None
         # windows.baselines is self.baselines, kept in STATE_DIR; each records whose traffic it was, as a learned one
         taken = windows.set_baselines(business_line, clients=self.window_clients())
-        return {"path": str(self.baselines.path), "business_line": business_line,
-                "routers": list(dict.fromkeys(baseline.router for baseline in taken)), "series": len(taken)}
+        return {
+            "path": str(self.baselines.path),
+            "business_line": business_line,
+            "routers": list(dict.fromkeys(baseline.router for baseline in taken)),
+            "series": len(taken),
+        }

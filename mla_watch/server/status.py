@@ -25,9 +25,11 @@ from prometheus_client import Counter
 
 __all__ = ["STATIC_FILES", "counter_values", "entropy_band", "policies_view", "static_file"]
 
-STATIC_FILES: dict[str, str] = {"index.html": "text/html; charset=utf-8",
-                                "status.js": "text/javascript; charset=utf-8",
-                                "status.css": "text/css; charset=utf-8"}
+STATIC_FILES: dict[str, str] = {
+    "index.html": "text/html; charset=utf-8",
+    "status.js": "text/javascript; charset=utf-8",
+    "status.css": "text/css; charset=utf-8",
+}
 
 
 def static_file(name: str) -> tuple[bytes, str]:
@@ -46,8 +48,13 @@ def entropy_band(rules: Iterable[Any], series: Mapping[str, Any]) -> dict[str, A
     the band of the rules that watch the router on any line is given, with ``inherited: true``.
     """
     rules = list(rules)
-    record = {"name": series["router"], "layer": series["layer"], "kind": series["kind"],
-              "business_line": series["business_line"], "num_slots": series.get("num_slots") or 0}
+    record = {
+        "name": series["router"],
+        "layer": series["layer"],
+        "kind": series["kind"],
+        "business_line": series["business_line"],
+        "num_slots": series.get("num_slots") or 0,
+    }
     band = _band(rules, record, series.get("floor_bits"), series.get("ceiling_bits"))
     if not band["rules"]:
         del record["business_line"]  # a selector then matches the router whatever the line
@@ -58,8 +65,14 @@ def entropy_band(rules: Iterable[Any], series: Mapping[str, Any]) -> dict[str, A
 
 
 def _band(rules: list[Any], record: dict[str, Any], floor: float | None, ceiling: float | None) -> dict[str, Any]:
-    band: dict[str, Any] = {"fire_below": None, "resolve_above": None, "fire_above": None, "resolve_below": None,
-                            "rules": [], "inherited": False}
+    band: dict[str, Any] = {
+        "fire_below": None,
+        "resolve_above": None,
+        "fire_above": None,
+        "resolve_below": None,
+        "rules": [],
+        "inherited": False,
+    }
 
     def keep(key: str, value: float | None, pick: Any) -> None:
         if value is not None:
@@ -109,9 +122,12 @@ def counter_values(counter: Counter) -> dict[tuple[str, ...], float]:
     return values
 
 
-def policies_view(policies: Mapping[str, Any], adjustments: Mapping[tuple[str, ...], float],
-                  rejections: Mapping[tuple[str, ...], float],
-                  defaults: Mapping[tuple[str, ...], float]) -> list[dict[str, Any]]:
+def policies_view(
+    policies: Mapping[str, Any],
+    adjustments: Mapping[tuple[str, ...], float],
+    rejections: Mapping[tuple[str, ...], float],
+    defaults: Mapping[tuple[str, ...], float],
+) -> list[dict[str, Any]]:
     """The policies in force (``PolicySet.as_dict()``), each task with its counts by parameter.
 
     ``adjustments`` (values clamped), ``rejections`` and ``defaults`` (parameters left out and
@@ -121,11 +137,26 @@ def policies_view(policies: Mapping[str, Any], adjustments: Mapping[tuple[str, .
     for line, policy in sorted(policies.get("business_lines", {}).items()):
         tasks = []
         for task, body in policy["tasks"].items():
+
             def counts(source: Mapping[tuple[str, ...], float], line: str = line, task: str = task) -> dict[str, int]:
                 return {param: int(n) for (l_, t, param), n in sorted(source.items()) if l_ == line and t == task}
 
-            tasks.append({"task": task, **body, "adjustments": counts(adjustments),
-                          "rejections": counts(rejections), "defaults": counts(defaults)})
-        lines.append({"business_line": line, "description": policy.get("description", ""),
-                      "default_task": policy.get("default_task"), "source": policy.get("source"), "tasks": tasks})
+            tasks.append(
+                {
+                    "task": task,
+                    **body,
+                    "adjustments": counts(adjustments),
+                    "rejections": counts(rejections),
+                    "defaults": counts(defaults),
+                }
+            )
+        lines.append(
+            {
+                "business_line": line,
+                "description": policy.get("description", ""),
+                "default_task": policy.get("default_task"),
+                "source": policy.get("source"),
+                "tasks": tasks,
+            }
+        )
     return lines

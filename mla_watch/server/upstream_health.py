@@ -26,12 +26,20 @@ HEALTH_PATH = "/health"
 class UpstreamHealth:
     """The upstream's last health check, repeated every ``interval`` seconds once :meth:`start` ran."""
 
-    def __init__(self, url: str, *, credentials: tuple[str, str] | None = None, interval: float = 5.0,
-                 timeout: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        credentials: tuple[str, str] | None = None,
+        interval: float = 5.0,
+        timeout: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.url = url.rstrip("/")  # without credentials: it is shown in problems and logs
         self.interval = interval
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=timeout,
-                                         auth=httpx.BasicAuth(*credentials) if credentials else None)
+        self._client = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, auth=httpx.BasicAuth(*credentials) if credentials else None
+        )
         self._clock = clock
         self._checked_at: float | None = None
         self._problem: str | None = None

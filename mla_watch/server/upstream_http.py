@@ -83,8 +83,17 @@ class UpstreamResponse:
     leaving ``async with``) keeps the connection for the next request where the body was read to its end,
     and closes it otherwise."""
 
-    def __init__(self, client: UpstreamClient, connection: _Connection, status_code: int, headers: Headers, *,
-                 length: int | None, chunked: bool, keep_alive: bool) -> None:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        connection: _Connection,
+        status_code: int,
+        headers: Headers,
+        *,
+        length: int | None,
+        chunked: bool,
+        keep_alive: bool,
+    ) -> None:
         self.status_code = status_code
         self.headers = headers
         self._client = client
@@ -111,8 +120,9 @@ class UpstreamResponse:
                 while not chunks.done:
                     raw = await reader.read(READ_BYTES)
                     if not raw:
-                        raise UpstreamError("RemoteProtocolError", "the engine closed the connection in the middle "
-                                                                   "of a chunked answer")
+                        raise UpstreamError(
+                            "RemoteProtocolError", "the engine closed the connection in the middle of a chunked answer"
+                        )
                     data = chunks.feed(raw)
                     if data:
                         yield data
@@ -126,8 +136,10 @@ class UpstreamResponse:
                 while left:
                     piece = await reader.read(min(left, READ_BYTES))
                     if not piece:
-                        raise UpstreamError("RemoteProtocolError", f"the engine closed the connection {left} bytes "
-                                                                   f"short of its Content-Length {self._length}")
+                        raise UpstreamError(
+                            "RemoteProtocolError",
+                            f"the engine closed the connection {left} bytes short of its Content-Length {self._length}",
+                        )
                     left -= len(piece)
                     yield piece
         except OSError as error:
@@ -149,8 +161,14 @@ class UpstreamResponse:
 class UpstreamClient:
     """Keep-alive HTTP/1.1 connections to one engine (``http`` or ``https``), at most :data:`MAX_CONNECTIONS`."""
 
-    def __init__(self, url: str, *, connect_timeout: float, credentials: tuple[str, str] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float,
+        credentials: tuple[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         parts = urlsplit(url)
         self._scheme = parts.scheme.lower()
         self._host = parts.hostname or ""
@@ -161,11 +179,17 @@ class UpstreamClient:
             self._port = 0
         self._prefix = parts.path.rstrip("/")
         host = f"[{self._host}]" if ":" in self._host else self._host
-        self._fixed = {"Host": host if self._port == default_port else f"{host}:{self._port}",
-                       "User-Agent": "mla-watch", **(headers or {})}
+        self._fixed = {
+            "Host": host if self._port == default_port else f"{host}:{self._port}",
+            "User-Agent": "mla-watch",
+            **(headers or {}),
+        }
         self.shown = f"{self._scheme}://{self._fixed['Host']}{self._prefix}"  # no credentials: they live apart
-        self._authorization = None if credentials is None else \
-            "Basic " + base64.b64encode(f"{credentials[0]}:{credentials[1]}".encode()).decode()
+        self._authorization = (
+            None
+            if credentials is None
+            else "Basic " + base64.b64encode(f"{credentials[0]}:{credentials[1]}".encode()).decode()
+        )
         self.connect_timeout = connect_timeout
         self._idle: list[_Connection] = []
         self._slots: asyncio.Semaphore | None = None
@@ -229,8 +253,10 @@ class UpstreamClient:
                 return connection, True
             connection.close()
         if self._scheme not in ("http", "https") or not self._host or not self._port:
-            raise UpstreamError("UnsupportedProtocol", f"cannot send a request to {self.shown}: expected an http:// "
-                                                       "or https:// URL with a host and a port")
+            raise UpstreamError(
+                "UnsupportedProtocol",
+                f"cannot send a request to {self.shown}: expected an http:// or https:// URL with a host and a port",
+            )
         if self._scheme == "https" and self._tls is None:
             import httpx  # its certificates: certifi's, or SSL_CERT_FILE / SSL_CERT_DIR
 
@@ -238,7 +264,8 @@ class UpstreamClient:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(self._host, self._port, ssl=self._tls, limit=HEAD_MAX_BYTES),
-                self.connect_timeout)
+                self.connect_timeout,
+            )
         except asyncio.TimeoutError:
             raise UpstreamError("ConnectTimeout", f"no connection within {self.connect_timeout:g} s") from None
         except OSError as error:  # ssl.SSLError is one
@@ -261,16 +288,18 @@ class UpstreamClient:
         encoding = (headers.get("transfer-encoding") or "").strip().lower()
         if encoding:
             if encoding != "chunked":
-                raise UpstreamError("RemoteProtocolError", f"Transfer-Encoding {encoding[:40]!r}: only chunked is "
-                                                           "understood")
+                raise UpstreamError(
+                    "RemoteProtocolError", f"Transfer-Encoding {encoding[:40]!r}: only chunked is understood"
+                )
             return UpstreamResponse(self, connection, status, headers, length=None, chunked=True, keep_alive=keep_alive)
         length = headers.get("content-length")
         if length is None:  # the body ends when the engine closes the connection
             return UpstreamResponse(self, connection, status, headers, length=None, chunked=False, keep_alive=False)
         if not length.isdigit():
             raise UpstreamError("RemoteProtocolError", f"Content-Length {length[:40]!r} is not a length")
-        return UpstreamResponse(self, connection, status, headers, length=int(length), chunked=False,
-                                keep_alive=keep_alive)
+        return UpstreamResponse(
+            self, connection, status, headers, length=int(length), chunked=False, keep_alive=keep_alive
+        )
 
     def _release(self, connection: _Connection, *, reuse: bool) -> None:
         if reuse and len(self._idle) < MAX_IDLE and not connection.writer.is_closing():
@@ -287,20 +316,23 @@ async def _read_head(reader: asyncio.StreamReader, *, first: bool) -> tuple[int,
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as error:
-        raise UpstreamError("RemoteProtocolError", "the engine closed the connection in the middle of an answer's "
-                                                   "head" if error.partial else "the engine closed the connection "
-                                                   "without an answer",
-                            nothing_received=first and not error.partial) from None
+        raise UpstreamError(
+            "RemoteProtocolError",
+            "the engine closed the connection in the middle of an answer's head"
+            if error.partial
+            else "the engine closed the connection without an answer",
+            nothing_received=first and not error.partial,
+        ) from None
     except asyncio.LimitOverrunError:
-        raise UpstreamError("RemoteProtocolError", f"an answer's status line and headers are longer than "
-                                                   f"{HEAD_MAX_BYTES} bytes") from None
+        raise UpstreamError(
+            "RemoteProtocolError", f"an answer's status line and headers are longer than {HEAD_MAX_BYTES} bytes"
+        ) from None
     except OSError as error:
         raise UpstreamError("ReadError", _said(error), nothing_received=first) from None
     status_line, *lines = head[:-4].split(b"\r\n")
     version, _, rest = status_line.partition(b" ")
     code = rest[:3]
-    if version not in (b"HTTP/1.1", b"HTTP/1.0") or not code.isdigit() or code < b"100" or \
-            rest[3:4] not in (b"", b" "):
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or not code.isdigit() or code < b"100" or rest[3:4] not in (b"", b" "):
         raise UpstreamError("RemoteProtocolError", f"not an HTTP/1.1 status line: {status_line[:60]!r}")
     fields = []
     for line in lines:
@@ -331,13 +363,13 @@ class _Dechunker:
                 self.extra = True
                 break
             if self._left:
-                taken = raw[position:position + self._left]
+                taken = raw[position : position + self._left]
                 data.append(taken)
                 self._left -= len(taken)
                 position += len(taken)
                 self._crlf = 0 if self._left else 2
             elif self._crlf:
-                if raw[position:position + 1] != b"\r\n"[2 - self._crlf:3 - self._crlf]:
+                if raw[position : position + 1] != b"\r\n"[2 - self._crlf : 3 - self._crlf]:
                     raise UpstreamError("RemoteProtocolError", "a chunk does not end where its size says")
                 self._crlf -= 1
                 position += 1
@@ -347,8 +379,9 @@ class _Dechunker:
                 self._line += raw[position:stop]
                 position = stop
                 if len(self._line) > HEAD_MAX_BYTES:
-                    raise UpstreamError("RemoteProtocolError", f"a chunk-size or trailer line is longer than "
-                                                               f"{HEAD_MAX_BYTES} bytes")
+                    raise UpstreamError(
+                        "RemoteProtocolError", f"a chunk-size or trailer line is longer than {HEAD_MAX_BYTES} bytes"
+                    )
                 if newline >= 0:
                     self._framing(bytes(self._line))
                     self._line.clear()

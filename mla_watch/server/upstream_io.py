@@ -21,8 +21,16 @@ from typing import TypeVar
 from mla_watch.engines.stream_lines import ROUTING_KEY, ROUTING_KEY_WINDOW, AnswerTooLarge, EventLines
 from mla_watch.server.http import by_deadline
 
-__all__ = ["ROUTING_KEY", "ROUTING_KEY_WINDOW", "SUPPORTED_ENCODINGS", "AnswerTooLarge", "BoundedInflater",
-           "EventLines", "LineDeadline", "UnsupportedEncoding"]
+__all__ = [
+    "ROUTING_KEY",
+    "ROUTING_KEY_WINDOW",
+    "SUPPORTED_ENCODINGS",
+    "AnswerTooLarge",
+    "BoundedInflater",
+    "EventLines",
+    "LineDeadline",
+    "UnsupportedEncoding",
+]
 
 T = TypeVar("T")
 
@@ -38,15 +46,21 @@ class BoundedInflater:
     """Turns an answer's raw bytes (``Content-Encoding`` as sent) into at most ``limit`` decoded bytes in all,
     or, for a stream relayed as it comes (``per_read``), at most ``limit`` from each read."""
 
-    def __init__(self, content_encoding: str | None, limit: int, what: str = "the engine's answer", *,
-                 per_read: bool = False) -> None:
+    def __init__(
+        self, content_encoding: str | None, limit: int, what: str = "the engine's answer", *, per_read: bool = False
+    ) -> None:
         encoding = (content_encoding or "identity").strip().lower()
         if encoding not in SUPPORTED_ENCODINGS:
-            raise UnsupportedEncoding(f"Content-Encoding {encoding[:40]!r}: expected one of "
-                                      f"{', '.join(SUPPORTED_ENCODINGS)} (the sidecar asks for identity)")
+            raise UnsupportedEncoding(
+                f"Content-Encoding {encoding[:40]!r}: expected one of "
+                f"{', '.join(SUPPORTED_ENCODINGS)} (the sidecar asks for identity)"
+            )
         # gzip: a gzip header; deflate: zlib's header as RFC 9110 says (raw deflate is told apart below).
-        self._inflater = None if encoding == "identity" else zlib.decompressobj(
-            16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        self._inflater = (
+            None
+            if encoding == "identity"
+            else zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+        )
         self._deflate = encoding == "deflate"
         self.limit = limit
         self.what = what

@@ -47,27 +47,37 @@ class UpstreamSide:
         self.decoder.close()
 
 
-def build_upstream_side(config: ServerConfig, routing: EngineRouting | None,
-                        capture: Capture | None) -> UpstreamSide:
+def build_upstream_side(config: ServerConfig, routing: EngineRouting | None, capture: Capture | None) -> UpstreamSide:
     """The parts for ``config.upstream``, none started; ``routing``: the engine's routers' windows (beside vLLM or
     SGLang), ``capture``: where the token ids of its answers go (``serve --capture``)."""
     assert config.upstream is not None  # the upstream side exists only with --upstream
     # Its processes start when an answer needs one: routing to count, or an answer too long for the event loop.
     decoder = RoutingDecoder(config.decode_workers)
     upstream = Upstream(
-        config.upstream, config.request_timeout, decoder=decoder,
-        routing=routing if reads_routing(config.engine) else None, max_bytes=config.upstream_max_bytes,
-        max_line_bytes=config.upstream_max_line_bytes, credentials=config.upstream_credentials,
+        config.upstream,
+        config.request_timeout,
+        decoder=decoder,
+        routing=routing if reads_routing(config.engine) else None,
+        max_bytes=config.upstream_max_bytes,
+        max_line_bytes=config.upstream_max_line_bytes,
+        credentials=config.upstream_credentials,
         replay=config.replay if config.replay.rate > 0 else None,
-        count_queue_bytes=config.count_queue_bytes, capture=capture)
+        count_queue_bytes=config.count_queue_bytes,
+        capture=capture,
+    )
     recorder = None
     if config.sglang_recorder_dir is not None:
         assert routing is not None  # a recorder's dumps are an engine's routing read (checked with the flags)
-        recorder = RecorderPoller(config.sglang_recorder_dir, config.upstream, routing,
-                                  interval=config.sglang_recorder_interval,
-                                  buffer_size=config.sglang_recorder_buffer,
-                                  settle_seconds=config.sglang_recorder_settle,
-                                  credentials=config.upstream_credentials)
-    health = UpstreamHealth(config.upstream, credentials=config.upstream_credentials,
-                            interval=config.upstream_check_seconds)
+        recorder = RecorderPoller(
+            config.sglang_recorder_dir,
+            config.upstream,
+            routing,
+            interval=config.sglang_recorder_interval,
+            buffer_size=config.sglang_recorder_buffer,
+            settle_seconds=config.sglang_recorder_settle,
+            credentials=config.upstream_credentials,
+        )
+    health = UpstreamHealth(
+        config.upstream, credentials=config.upstream_credentials, interval=config.upstream_check_seconds
+    )
     return UpstreamSide(decoder=decoder, upstream=upstream, health=health, recorder=recorder)
