@@ -238,27 +238,27 @@ def engine_vllm() -> dict:
             retuning_sidecar(engine_url, (collapsed, healthy), work / "state", "apply", receiver.url) as url,
         ):
             start = time.monotonic()
-            latencies: list[float] = []  # each client request through the sidecar, reference readings going on
+            latencies: dict[str, list[float]] = {"alert": [], "promoted": [], "resolved": []}  # per phase, to it
             paged: list[float] = []
 
-            def request(index: int) -> None:
+            def request(index: int, phase: str) -> None:
                 began = time.monotonic()
                 send(url, index, 1)
-                latencies.append(time.monotonic() - began)
+                latencies[phase].append(time.monotonic() - began)
                 if not paged and ("RoutingEntropyLow", "firing") in layer_pages(receiver):
                     paged.append(time.monotonic())  # within one request's latency of the page's arrival
 
             index = 0
             while alert_state(url) is None and index < 60:
-                request(index)
+                request(index, "alert")
                 index += 1
             fired = time.monotonic()
             while not any(job["status"] == "promoted" for job in jobs(url)) and time.monotonic() - fired < 300:
-                request(index)
+                request(index, "promoted")
                 index += 1
             promoted = time.monotonic()
             while alert_state(url) != "resolved" and time.monotonic() - fired < 600:
-                request(index)
+                request(index, "resolved")
                 index += 1
             resolved = time.monotonic()
             job = next(job for job in jobs(url) if job["status"] == "promoted")
@@ -282,8 +282,15 @@ def engine_vllm() -> dict:
                 job_pause_s=attempt["swap"]["paused_seconds"],
                 requests=index,
                 rounds_deferred=reference.get("rounds_deferred"),
-                client_latency_p50_s=round(statistics.median(latencies), 3),
-                client_latency_max_s=round(max(latencies), 3),
+                client_latency_s={
+                    phase: {
+                        "requests": len(values),
+                        "p50": round(statistics.median(values), 3),
+                        "max": round(max(values), 3),
+                    }
+                    for phase, values in latencies.items()
+                    if values
+                },
             )
         direct: list[float] = []  # the same requests straight to the engine, no sidecar and no reading beside them
         for number in range(24):
@@ -299,7 +306,10 @@ def engine_vllm() -> dict:
         figures.update(
             engine_latency_p50_s=round(statistics.median(direct), 3),
             engine_latency_max_s=round(max(direct), 3),
-            client_latency_p50_ratio=round(figures["client_latency_p50_s"] / statistics.median(direct), 2),
+            client_latency_p50_ratio={
+                phase: round(values["p50"] / statistics.median(direct), 2)
+                for phase, values in figures["client_latency_s"].items()
+            },
         )
         weights = VllmWeights(engine_url)
         states = [read_router_tensors(healthy), read_router_tensors(collapsed)]
@@ -403,11 +413,16 @@ def main() -> None:
             f"served {engine['gate_live_seconds']} s before its gate decided; the job's swap paused "
             f"{engine['job_pause_s']} s"
         )
+        phases = {"alert": "to the alert", "promoted": "to the promoted router", "resolved": "to the resolution"}
         print(
-            f"  client latency through the sidecar, reference readings beside it: p50 "
-            f"{engine['client_latency_p50_s']} s, max {engine['client_latency_max_s']} s; the same requests "
-            f"straight to the engine afterwards: p50 {engine['engine_latency_p50_s']} s, max "
-            f"{engine['engine_latency_max_s']} s (p50 ratio {engine['client_latency_p50_ratio']})"
+            "  client latency through the sidecar (p50 / max s): "
+            + "; ".join(
+                f"{phases[phase]} {values['p50']} / {values['max']} ({values['requests']} requests, p50 "
+                f"x{engine['client_latency_p50_ratio'][phase]})"
+                for phase, values in engine["client_latency_s"].items()
+            )
+            + f"; the same requests straight to the engine afterwards {engine['engine_latency_p50_s']} / "
+            f"{engine['engine_latency_max_s']}"
         )
         print(
             f"  throughput {engine['tokens_per_s_steady']} tokens/s steady, {engine['tokens_per_s_swapping']} with "
