@@ -35,7 +35,7 @@ restart while the disk is still refusing loses what is held (the log says how ma
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import random
 import sqlite3
@@ -47,10 +47,12 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+from mla_watch.alerting import outbox_rows as rows
 from mla_watch.alerting.notifiers import Notifier, OutgoingRequest, notifier_for, redact_url
+from mla_watch.alerting.outbox_rows import OutboxItem
 from mla_watch.alerting.sending import SendResult, backoff_delay, parse_retry_after, send_request
 from mla_watch.alerting.vocabulary import Notification, Receiver
-from mla_watch.common.sqlite import PrivateDatabase, rollback
+from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.common.state_writes import StateWrites
 
 __all__ = [
@@ -75,49 +77,9 @@ HELD, DROPPED = "held", "dropped"
 MAX_HELD = 1000  # requests held in memory while the disk refuses them ...
 MAX_HELD_BYTES = 32 << 20  # ... and the bytes of their bodies
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS outbox (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    receiver TEXT NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    url TEXT NOT NULL,
-    headers TEXT NOT NULL,
-    body BLOB NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    next_attempt_at REAL NOT NULL,
-    last_error TEXT,
-    UNIQUE (receiver, idempotency_key)
-);
-CREATE INDEX IF NOT EXISTS outbox_next_attempt ON outbox (next_attempt_at);
-CREATE TABLE IF NOT EXISTS dead_letter (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    outbox_id INTEGER NOT NULL,
-    receiver TEXT NOT NULL,
-    idempotency_key TEXT NOT NULL,
-    url TEXT NOT NULL,
-    body BLOB NOT NULL,
-    attempts INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    failed_at REAL NOT NULL,
-    error TEXT NOT NULL
-);
-"""
-
 
 class OutboxError(RuntimeError):
     """The outbox cannot be opened or written (bad state directory, corrupt file, ...)."""
-
-
-@dataclass(frozen=True)
-class OutboxItem:
-    id: int
-    receiver: str
-    request: OutgoingRequest
-    attempts: int  # failed attempts so far
-    created_at: float
-    next_attempt_at: float
-    last_error: str | None = None
 
 
 @dataclass
@@ -164,7 +126,7 @@ class Outbox:
         if not directory.is_dir():
             raise OutboxError(f"outbox {self.path}: state directory {directory} does not exist or is not a directory")
         self._store = PrivateDatabase(
-            self.path, what="outbox", error=OutboxError, schema=_SCHEMA, synchronous="FULL", writes=writes
+            self.path, what="outbox", error=OutboxError, schema=rows.SCHEMA, synchronous="FULL", writes=writes
         )  # a page must survive a power cut
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -238,26 +200,8 @@ class Outbox:
     def _insert(
         self, receiver: str, request: OutgoingRequest, attempts: int, created: float, next_at: float, error: str | None
     ) -> int | None:
-        def insert(db: sqlite3.Connection) -> int | None:
-            cur = db.execute(
-                "INSERT INTO outbox (receiver, idempotency_key, url, headers, body, attempts, created_at,"
-                " next_attempt_at, last_error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (receiver, idempotency_key) DO NOTHING",
-                (
-                    receiver,
-                    request.idempotency_key,
-                    request.url,
-                    json.dumps(dict(request.headers)),
-                    bytes(request.body),
-                    attempts,
-                    created,
-                    next_at,
-                    error,
-                ),
-            )
-            return cur.lastrowid if cur.rowcount == 1 else None  # a row inserted: lastrowid is its id
-
-        return cast(int | None, self._run(insert))
+        row = (receiver, request, attempts, created, next_at, error)
+        return cast(int | None, self._run(lambda db: rows.insert_row(db, *row)))
 
     def _hold(self, item: OutboxItem) -> int:
         """Keep ``item`` in memory under a new negative id, dropping the oldest past the bounds (under the lock)."""
@@ -314,14 +258,9 @@ class Outbox:
 
     def _record(self, item_id: int, change: _Unsaved) -> None:
         if change.outcome == "delivered":
-            self._run(lambda db: db.execute("DELETE FROM outbox WHERE id = ?", (item_id,)))
+            self._run(lambda db: rows.delete_row(db, item_id))
         elif change.outcome == "retry":
-            self._run(
-                lambda db: db.execute(
-                    "UPDATE outbox SET attempts = attempts + ?, next_attempt_at = ?, last_error = ? WHERE id = ?",
-                    (change.failures, change.next_attempt_at, change.error, item_id),
-                )
-            )
+            self._run(lambda db: rows.update_retry(db, item_id, change.failures, change.next_attempt_at, change.error))
         else:
             self._move_to_dead_letter(item_id, change.error, attempted=change.attempted, now=self.clock())
 
@@ -385,23 +324,7 @@ class Outbox:
                 self._held_bytes -= len(item.request.body)
                 attempts = item.attempts + (1 if attempted else 0)
                 try:
-                    self._run(
-                        lambda db: db.execute(
-                            "INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
-                            " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                            (
-                                item_id,
-                                item.receiver,
-                                item.request.idempotency_key,
-                                redact_url(item.request.url),
-                                bytes(item.request.body),
-                                attempts,
-                                item.created_at,
-                                now,
-                                error,
-                            ),
-                        )
-                    )
+                    self._run(lambda db: rows.insert_dead_letter(db, item, attempts, now, error))
                     kept = f"kept in the dead_letter table of {self.path}"
                 except OutboxError:
                     kept = "held in memory, not kept: the outbox's file cannot be written"
@@ -450,30 +373,7 @@ class Outbox:
             )
 
     def _move_to_dead_letter(self, item_id: int, error: str, *, attempted: bool, now: float) -> tuple[str, int] | None:
-        def move(db: sqlite3.Connection) -> tuple[str, int] | None:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                row = db.execute(
-                    "SELECT receiver, idempotency_key, url, body, attempts, created_at FROM outbox WHERE id = ?",
-                    (item_id,),
-                ).fetchone()
-                if row is None:
-                    rollback(db)
-                    return None
-                receiver, key, url, body, attempts, created = row
-                attempts = int(attempts) + (1 if attempted else 0)
-                db.execute(
-                    "INSERT INTO dead_letter (outbox_id, receiver, idempotency_key, url, body, attempts,"
-                    " created_at, failed_at, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (item_id, receiver, key, redact_url(url), body, attempts, created, now, error),
-                )
-                db.execute("DELETE FROM outbox WHERE id = ?", (item_id,))
-                db.execute("COMMIT")
-            except BaseException:
-                rollback(db)
-                raise
-            return receiver, attempts
-
+        move = functools.partial(rows.move_to_dead_letter, item_id=item_id, error=error, attempted=attempted, now=now)
         return cast(tuple[str, int] | None, self._run(move))
 
     # -- reading -----------------------------------------------------------------------------
@@ -486,35 +386,19 @@ class Outbox:
             unsaved = dict(self._unsaved)
             held = [item for item in self._held.values() if item.next_attempt_at <= now]
         try:
-            rows = self._run(
-                lambda db: db.execute(
-                    "SELECT id, receiver, idempotency_key, url, headers, body, attempts, created_at, next_attempt_at,"
-                    " last_error FROM outbox WHERE next_attempt_at <= ? ORDER BY next_attempt_at, id LIMIT ?",
-                    (now, int(limit) + len(unsaved)),
-                ).fetchall()
-            )
+            stored = self._run(lambda db: rows.due_rows(db, now, int(limit) + len(unsaved)))
         except OutboxError as unreadable:  # the file cannot even be read: what is held still goes out
             log.debug("outbox %s: cannot read it: %s", self.path, unreadable)
-            rows = []
+            stored = []
         items = []
-        for item_id, receiver, key, url, headers, body, attempts, created, next_at, error in rows:
-            change = unsaved.get(int(item_id))
+        for item in stored:
+            change = unsaved.get(item.id)
             if change is not None:
                 if change.outcome != "retry" or change.next_attempt_at > now:
                     continue  # delivered, dead, or not due again yet: only the memory knows
-                attempts, next_at, error = int(attempts) + change.failures, change.next_attempt_at, change.error
-            request = OutgoingRequest(url=url, body=bytes(body), headers=json.loads(headers), idempotency_key=key)
-            items.append(
-                OutboxItem(
-                    id=int(item_id),
-                    receiver=receiver,
-                    request=request,
-                    attempts=int(attempts),
-                    created_at=float(created),
-                    next_attempt_at=float(next_at),
-                    last_error=error,
-                )
-            )
+                failures = item.attempts + change.failures
+                item = replace(item, attempts=failures, next_attempt_at=change.next_attempt_at, last_error=change.error)
+            items.append(item)
         items += held
         items.sort(key=lambda item: (item.next_attempt_at, item.created_at))
         return items[:limit]
@@ -541,30 +425,7 @@ class Outbox:
         return min(times) if times else None
 
     def dead_letters(self) -> list[dict]:
-        rows = self._run(
-            lambda db: db.execute(
-                "SELECT id, outbox_id, receiver, idempotency_key, url, body, attempts, created_at, failed_at, error"
-                " FROM dead_letter ORDER BY id"
-            ).fetchall()
-        )
-        names = (
-            "id",
-            "outbox_id",
-            "receiver",
-            "idempotency_key",
-            "url",
-            "body",
-            "attempts",
-            "created_at",
-            "failed_at",
-            "error",
-        )
-        out = []
-        for row in rows:
-            record = dict(zip(names, row, strict=True))
-            record["body"] = bytes(record["body"]).decode("utf-8", errors="replace")
-            out.append(record)
-        return out
+        return cast(list[dict], self._run(rows.dead_letter_rows))
 
 
 # -- sending -----------------------------------------------------------------------------------

@@ -34,77 +34,21 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mla_watch.alerting.causes import Cause, undetermined
-from mla_watch.alerting.vocabulary import breached, judged_window
+from mla_watch.cause.judgement import cause_of, unreached
 from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
 from mla_watch.cause.reach import Need, needed, reaches
-from mla_watch.cause.readers import (
-    DEFAULT_ENGINE_PROMPT_TOKENS,
-    MAX_ENGINE_PROMPT_TOKENS,
-    ReadingDeferred,
-    ReferenceReader,
-)
-from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, RouterComparison, compare
-from mla_watch.common.setting_errors import SettingProblem
-from mla_watch.common.values import is_integer, is_number
+from mla_watch.cause.readers import ReadingDeferred, ReferenceReader
+from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, compare
+from mla_watch.cause.reference_settings import DEFAULT_TOLERANCE_BITS, ReferenceSettings
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["DEFAULT_TOLERANCE_BITS", "ReferenceProber", "ReferenceSettings"]
 
 log = logging.getLogger("mla_watch.cause")
-
-# The same prompts through the same routers route identically on the model served here (JS 0); an engine's
-# batching moves a few near-tied picks (measured on the real vLLM: bench/traffic_or_damage.py). The faults
-# mla_watch pages for move the reference routing by 0.05 bits and more.
-DEFAULT_TOLERANCE_BITS = 0.01
-
-
-@dataclass(frozen=True)
-class ReferenceSettings:
-    interval_seconds: float = 300.0  # every set read this often (0: at start, then only on demand)
-    wait_seconds: float = 120.0  # an alert due to fire waits this long past its `for` for the reading it asked for
-    tolerance_bits: float = DEFAULT_TOLERANCE_BITS  # JS from the set's baseline beyond which the model changed
-    rate: float = 16.0  # reference prompts a second, at most, to an engine beside the sidecar
-    retry_seconds: float = 30.0  # a set whose reading failed (an engine restarting, a full queue) is read again then
-    max_tokens: int = DEFAULT_ENGINE_PROMPT_TOKENS  # beside an engine: a prompt's tokens read at most
-    long_interval_seconds: float = 1800.0  # the long sets read this often (0: at start, then only when an alert asks)
-    long_share: float = 0.05  # of the reader's time, at most, spent reading long sets
-    # Beside vLLM run with --scheduling-policy priority: the request priority of reference prompts (vLLM serves a
-    # lower value first; clients send 0). None: the field is not sent (vLLM refuses it under its default policy).
-    priority: int | None = None
-
-    def problems(self) -> list[SettingProblem]:
-        """What is wrong with the settings, each named as ``ServerConfig.reference`` holds it."""
-        checks = [
-            ("interval_seconds", self.interval_seconds, self.interval_seconds >= 0, "seconds >= 0"),
-            ("wait_seconds", self.wait_seconds, self.wait_seconds >= 0, "seconds >= 0"),
-            ("tolerance_bits", self.tolerance_bits, 0 <= self.tolerance_bits < 1, "bits in [0, 1)"),
-            ("rate", self.rate, self.rate > 0, "prompts a second > 0"),
-            ("long_interval_seconds", self.long_interval_seconds, self.long_interval_seconds >= 0, "seconds >= 0"),
-            ("long_share", self.long_share, 0 < self.long_share <= 1, "a share of the reader's time in (0, 1]"),
-        ]
-        found = [
-            SettingProblem(f"reference.{name}", repr(value), expected)
-            for name, value, ok, expected in checks
-            if not (is_number(value, finite=True) and ok)
-        ]
-        if self.priority is not None and not (is_integer(self.priority) and -(2**31) < self.priority < 2**31):
-            found.append(
-                SettingProblem("reference.priority", repr(self.priority), "an integer (vLLM's request priority)")
-            )
-        if not (is_integer(self.max_tokens) and 16 <= self.max_tokens <= MAX_ENGINE_PROMPT_TOKENS):
-            found.append(
-                SettingProblem(
-                    "reference.max_tokens",
-                    repr(self.max_tokens),
-                    f"tokens a prompt from 16 to {MAX_ENGINE_PROMPT_TOKENS}",
-                )
-            )
-        return found
 
 
 class ReferenceProber:
@@ -426,7 +370,7 @@ class ReferenceProber:
         comparison = compare(record.router, fresh, [self.baselines.of(r) for r in fresh])
         if comparison is None:
             return undetermined(f"the reading of the reference prompts holds no routing of {record.router.name}")
-        return self._cause(rule, record, comparison, fresh)
+        return cause_of(rule, record, comparison, fresh, tolerance=self.settings.tolerance_bits, clients=self.clients)
 
     def _judge_reach(
         self, rule: Any, record: RouterStats, since: float, need: Need, line_sets: list[ReferenceSet]
@@ -457,7 +401,8 @@ class ReferenceProber:
                     f"the readings of the reference prompts that reached {need.what} hold no "
                     f"routing of {record.router.name}"
                 )
-            return self._cause(rule, record, comparison, reached, need)
+            tolerance = self.settings.tolerance_bits
+            return cause_of(rule, record, comparison, reached, tolerance=tolerance, clients=self.clients, need=need)
         # A set not read since the alert began may reach them, unless its last reading, of the same prompts, did not.
         coming = [
             reference
@@ -484,7 +429,7 @@ class ReferenceProber:
             if not self.read_soon({reference.name for reference in coming}):
                 return undetermined("no reference prompts are being read")
             return None
-        return undetermined(self._unreached(need, sets, current))
+        return undetermined(unreached(need, sets, current, where=self.reader.where, limit=self.reader.limit))
 
     def read_soon(self, names: set[str]) -> bool:
         """Have the sets ``names`` read soon, on the prober's thread (long ones within their share of the reader's
@@ -510,94 +455,6 @@ class ReferenceProber:
             f"({names}) are next read in {left:.0f} s: their last reading took {took:.1f} s, and long sets take "
             f"at most {self.settings.long_share:.0%} of {self.reader.where}'s time (--reference-long-share)"
         )
-
-    def _unreached(self, need: Need, sets: list[ReferenceSet], readings: dict[str, ReferenceReading]) -> str:
-        """Why no reading reached ``need``'s positions: how far each set reaches, and what would reach them."""
-        reach = ", ".join(
-            f"{reference.name} v{reference.version} {readings[reference.name].reach} tokens"
-            for reference in sets
-            if reference.name in readings
-        )
-        said = (
-            f"no reading of the reference prompts reached {need.what}: the longest prompt each set read "
-            f"({reach or 'none read'})"
-        )
-        if any(reading.reach > need.start for reading in readings.values()):
-            return (
-                f"{said}; the routing of {self.reader.where} was not counted by position (its context length is "
-                "not known: --model-config's max_position_embeddings)"
-            )
-        limit = self.reader.limit
-        if need.start >= limit:
-            return (
-                f"{said}; those positions lie past what {self.reader.where} reads of a prompt ({limit} tokens: the "
-                "model's context, or --reference-max-tokens beside an engine)"
-            )
-        if not any(reference.long for reference in sets):
-            return (
-                f"{said}; add a long set (long: true, with prompts past position {need.start}, or generate) to "
-                "the reference prompt directory"
-            )
-        return f"{said}; give a long set prompts past position {need.start}, or raise its max_tokens"
-
-    def _cause(
-        self,
-        rule: Any,
-        record: RouterStats,
-        comparison: RouterComparison,
-        readings: list[ReferenceReading],
-        need: Need | None = None,
-    ) -> Cause:
-        tolerance = self.settings.tolerance_bits
-        changed = comparison.changed(tolerance)
-        breach = None if need is not None and need.by_position else _rule_breach(rule, comparison)
-        metric = rule.metric
-        value = getattr(comparison.stats, metric)
-        healthy = None if comparison.baseline is None else getattr(comparison.baseline, metric)
-        js = comparison.stats.js_divergence if comparison.baseline is not None else None
-        sets = ", ".join(f"{reading.set_name} v{reading.set_version}" for reading in readings)
-        if need is not None:
-            sets += f"; {need.what}, {comparison.stats.tokens} tokens there"
-        figures = (
-            f"{record.router.name} reads {metric} {_number(value)} on them"
-            if value is not None or need is None or not need.by_position
-            else f"{record.router.name}'s routing there"
-        )
-        figures += (f" ({_number(healthy)} while healthy)" if healthy is not None else "") + (
-            f", {js:.4f} bits (Jensen-Shannon) from their healthy routing, tolerance {tolerance:g}"
-            if js is not None
-            else ", with no healthy baseline of them yet"
-        )
-        details: dict[str, Any] = {
-            "sets": [reading.summary() for reading in readings],
-            "router": record.router.name,
-            "metric": metric,
-            "value": _json_number(value),
-            "healthy": _json_number(healthy),
-            "js_bits": _json_number(js),
-            "tolerance_bits": tolerance,
-            "rule_breached": breach,
-            "changed": changed,
-            "reach": None if need is None else need.as_dict(),
-        }
-        reading_at = min(reading.taken_at for reading in readings)
-        if changed or breach:
-            why = "route differently now" if changed else f"breach {rule.name} too"
-            return Cause("model", f"the reference prompts ({sets}) {why}: {figures}", reading_at, details)
-        if changed is None and breach is None:
-            return Cause(
-                "undetermined",
-                f"the reference prompts ({sets}) cannot tell: {figures}, and {rule.name} cannot judge them",
-                reading_at,
-                details,
-            )
-        summary = f"the reference prompts ({sets}) route as while healthy: {figures}; what changed is the traffic"
-        if self.clients is not None:
-            movers = self.clients.movers(record.business_line)
-            details["clients"] = [mover.as_dict() for mover in movers]
-            if movers:
-                summary += ": " + "; ".join(mover.describe() for mover in movers)
-        return Cause("traffic", summary, reading_at, details)
 
     # ------------------------------------------------------------------ what /v1/reference shows
     def describe(self) -> dict[str, Any]:
@@ -657,28 +514,3 @@ class ReferenceProber:
             "long_next_at": None if free_in <= 0 else round(self._clock() + free_in, 3),
             "sets": out,
         }
-
-
-def _rule_breach(rule: Any, comparison: RouterComparison) -> bool | None:
-    """Whether ``rule`` breaches on the reference reading (its levels from their baseline where it is relative
-    to one); ``None`` when it cannot judge it (a slope, a metric not measured, a reading under its minimum)."""
-    trend = getattr(rule, "trend", None)
-    if trend is not None and trend.kind == "slope":
-        return None
-    stats = comparison.stats
-    value = getattr(stats, rule.metric, None)
-    if value is None or value != value or not judged_window(stats.tokens, rule.min_tokens, stats.min_tokens):
-        return None
-    healthy = None if comparison.baseline is None else getattr(comparison.baseline, rule.metric, None)
-    levels = rule.levels(healthy)
-    if levels is None:
-        return None
-    return breached(float(value), levels[0], levels[1])
-
-
-def _number(value: Any) -> str:
-    return "n/a" if value is None or value != value else f"{float(value):.3f}"
-
-
-def _json_number(value: Any) -> float | None:
-    return None if value is None or value != value else round(float(value), 6)

@@ -60,7 +60,6 @@ state directory's writes (``writes``) say it once per change.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 import threading
@@ -77,8 +76,18 @@ from mla_watch.common.sqlite import PrivateDatabase
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.history.file import HISTORY_FILE, open_database, rewrite_since, set_aside, write_sample
-from mla_watch.history.series_info import SeriesInfo, series_entry, series_info, shown_order
-from mla_watch.history.tiers import Tier, bucket_mean
+from mla_watch.history.queries import (
+    chosen_series,
+    column_blocks,
+    downsample,
+    history_entries,
+    live_entries,
+    live_hour,
+    series_points,
+    tier_parts,
+)
+from mla_watch.history.series_info import SeriesInfo, series_info
+from mla_watch.history.tiers import Tier, open_buckets, roll
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = [
@@ -265,7 +274,7 @@ class HistoryStore:
                 seen = np.where(has.any(axis=0), tier.times[tier.start + newest], -np.inf)
                 width = min(len(seen), self.max_series)
                 self._last_value[:width] = np.maximum(self._last_value[:width], seen[:width])
-        self._resume_buckets()
+        self._open = open_buckets(self.tiers)
         loaded = sum(len(tier) for tier in self.tiers)
         if loaded:
             log.info(
@@ -273,16 +282,6 @@ class HistoryStore:
                 self.path,
                 len(self._info),
                 " / ".join(f"{len(tier)} {tier.name}" for tier in self.tiers),
-            )
-
-    def _resume_buckets(self) -> None:
-        # The bucket of the newest finer point is still open unless the coarser tier already holds it.
-        for index in range(len(self.tiers) - 1):
-            finer, coarser = self.tiers[index], self.tiers[index + 1]
-            last = finer.last
-            bucket = None if last is None else math.floor(last / coarser.step) * coarser.step
-            self._open[index] = (
-                bucket if bucket is not None and (coarser.last is None or coarser.last < bucket) else None
             )
 
     def close(self) -> None:
@@ -328,7 +327,7 @@ class HistoryStore:
                 last - now,
                 dropped,
             )
-            self._resume_buckets()
+            self._open = open_buckets(self.tiers)
         new_series: list[tuple[int, SeriesInfo]] = []
         width = len(self.values)
         row = np.full((self._next_id, width), np.nan, dtype=np.float32)
@@ -353,7 +352,7 @@ class HistoryStore:
             row[sid] = point
         if self._next_id:
             self._last_value[: self._next_id][np.isfinite(row[:, : self._tokens]).any(axis=1)] = now
-        points = [*self._roll(now), ("full", now, row)]
+        points = [*roll(self.tiers, self._open, now), ("full", now, row)]
         self.tiers[0].append(now, row)
         expired = [(tier.name, now - tier.retention) for tier in self.tiers]
         for tier in self.tiers:
@@ -384,28 +383,6 @@ class HistoryStore:
         self._ids[key] = sid
         self._last_value[sid] = self.clock()  # a new series is not reaped before its first statistic could age out
         return sid
-
-    def _roll(self, now: float) -> list[tuple[str, float, np.ndarray]]:
-        """Close the minute (and quarter) bucket ``now`` has left: their means, to be written."""
-        closed: list[tuple[str, float, np.ndarray]] = []
-        for index in range(len(self.tiers) - 1):
-            finer, coarser = self.tiers[index], self.tiers[index + 1]
-            stamp = now if index == 0 else (closed[-1][1] if closed else None)
-            if stamp is None:
-                break
-            bucket = math.floor(stamp / coarser.step) * coarser.step
-            opened = self._open[index]
-            if opened is not None and bucket > opened:
-                lo, hi = finer.index(opened, opened + coarser.step, until_inclusive=False)
-                if hi > lo:
-                    mean = bucket_mean(finer.data[lo:hi])
-                    coarser.append(opened, mean)
-                    closed.append((coarser.name, opened, mean))
-            if opened is None or bucket > opened:
-                self._open[index] = bucket
-            if index == 0 and not closed:
-                break
-        return closed
 
     def _reap(self, now: float) -> list[int]:
         """Free the ids of series with no statistic left in any tier (their line or router is gone, or has had no
@@ -469,24 +446,6 @@ class HistoryStore:
         """Memory held by the tiers' arrays."""
         return sum(tier.nbytes() for tier in self.tiers)
 
-    def _parts(self, since: float, until: float) -> list[tuple[Tier, int, int]]:
-        """Per tier, the indices that serve ``[since, until]``: the finest tier where it has points, then coarser
-        ones for the time before a finer tier's first point. Oldest part first."""
-        parts = []
-        bound, inclusive = until, True
-        for tier in self.tiers:
-            if not len(tier):
-                continue
-            lo, hi = tier.index(since, bound, until_inclusive=inclusive)
-            if hi > lo:
-                parts.append((tier, lo, hi))
-            first = tier.first
-            if first is not None and first < bound:
-                bound, inclusive = first, False
-            if bound <= since:
-                break
-        return parts[::-1]
-
     def points(
         self, router: str, business_line: str, metric: str, since: float, until: float
     ) -> tuple[list[float], list[float]]:
@@ -497,20 +456,11 @@ class HistoryStore:
         slice per tier (about 20 us plus 1 us per 100 points returned). Values are float32 (7 significant digits).
         """
         column = self._column(metric)
-        times: list[float] = []
-        values: list[float] = []
         with self._lock:
             sid = self._ids.get((router, business_line))
             if sid is None:
-                return times, values
-            for tier, lo, hi in self._parts(since, until):
-                if sid >= tier.columns:
-                    continue
-                column_values = tier.data[lo:hi, sid, column]
-                keep = np.isfinite(column_values)
-                times.extend(tier.times[lo:hi][keep].tolist())
-                values.extend(column_values[keep].tolist())
-        return times, values
+                return [], []
+            return series_points(tier_parts(self.tiers, since, until), sid, column)
 
     def recent(self, since: float | None = None) -> dict[str, Any]:
         """The status page's live hour (``GET /v1/status`` -> ``history``): the entropy of every series at each point
@@ -528,26 +478,20 @@ class HistoryStore:
         tier = self.tiers[0]
         with self._lock:
             newest = max(tier.last if tier.last is not None else -math.inf, float(self.clock()))
-            lo, hi = tier.index(newest - self.span_seconds, math.inf)
-            shown = lo if since is None else lo + int(np.searchsorted(tier.times[lo:hi], since, side="right"))
-            alive = np.flatnonzero(np.isfinite(tier.data[lo:hi, :, entropy]).any(axis=0)).tolist()
-            chosen = sorted(((sid, self._info[sid]) for sid in alive if sid in self._info), key=shown_order)
-            ids = [sid for sid, _ in chosen]
-            values = tier.data[shown:hi, ids, entropy].T.astype(np.float64)  # [series, point], copies
-            flags = tier.data[shown:hi, ids, self._too_small].T == 1.0
-            times = tier.times[shown:hi].tolist()
-        missing = np.isnan(values)
-        cells = np.round(values, 4).astype(object)
-        cells[missing] = None
-        flags &= ~missing  # a point with no value was not too small: it was not a reading
-        series = [
-            series_entry(info, cells[index].tolist(), flags[index].tolist()) for index, (_, info) in enumerate(chosen)
-        ]
+            times, chosen, values, flags = live_hour(
+                tier,
+                self._info,
+                newest=newest,
+                span=self.span_seconds,
+                since=since,
+                entropy=entropy,
+                too_small=self._too_small,
+            )
         return {
             "interval_seconds": self.interval_seconds,
             "span_seconds": self.span_seconds,
             "times": times,
-            "series": series,
+            "series": live_entries(chosen, values, flags),
         }
 
     def _column(self, metric: str) -> int:
@@ -571,60 +515,15 @@ class HistoryStore:
         series are left out. Raises :class:`ValueError` naming ``max_cells`` when the answer would be larger."""
         column = self._column(metric)
         with self._lock:
-            chosen = sorted(
-                (
-                    (sid, info)
-                    for sid, info in self._info.items()
-                    if (business_line is None or info.business_line == business_line)
-                    and (router is None or fnmatch.fnmatchcase(info.router, router))
-                ),
-                key=shown_order,
-            )
+            chosen = chosen_series(self._info, business_line, router)
             buckets = math.ceil((until - since) / step) + 1
             if max_cells is not None and buckets * len(chosen) > max_cells:
                 raise ValueError(f"{buckets} buckets x {len(chosen)} series exceed {max_cells} values")
             ids = np.array([sid for sid, _ in chosen], dtype=np.int64)
-            times_parts: list[np.ndarray] = []
-            value_parts: list[np.ndarray] = []
-            small_parts: list[np.ndarray] = []
-            for tier, lo, hi in self._parts(since, until):
-                if not tier.columns:  # points taken before any series had a token
-                    continue
-                width = np.minimum(ids, tier.columns - 1)
-                outside = ids >= tier.columns  # series that appeared after this tier's rows were made
-                for parts, index in ((value_parts, column), (small_parts, self._too_small)):
-                    block = tier.data[lo:hi, :, index][:, width]  # [point, series]
-                    block[:, outside] = np.nan
-                    parts.append(block)
-                times_parts.append(tier.times[lo:hi])
+            parts = tier_parts(self.tiers, since, until)
+            times_parts, value_parts, small_parts = column_blocks(parts, ids, (column, self._too_small))
             dropped = self.dropped_series
-        if not times_parts or not len(chosen):
-            times_out: list[float] = []
-            means = np.empty((0, len(chosen)), dtype=np.float32)
-            small = means
-        else:
-            times = np.concatenate(times_parts)
-            starts_of = np.floor(times / step) * step
-            starts = np.flatnonzero(np.r_[True, np.diff(starts_of) != 0])
-            values = np.concatenate(value_parts)
-            flags = np.concatenate(small_parts)
-            means = _reduce_mean(values, starts)
-            small = _reduce_mean(flags, starts)
-            has = np.isfinite(means).any(axis=1)
-            times_out = starts_of[starts][has].tolist()
-            means, small = means[has], small[has]
-        series = []
-        for index, (_, info) in enumerate(chosen):
-            column_values = means[:, index]
-            if not np.isfinite(column_values).any():
-                continue
-            series.append(
-                series_entry(
-                    info,
-                    [round(float(v), 4) if math.isfinite(v) else None for v in column_values],
-                    [bool(f >= 0.5) for f in small[:, index]],
-                )
-            )
+        times_out, means, small = downsample(times_parts, value_parts, small_parts, step, len(chosen))
         return {
             "metric": metric,
             "since": since,
@@ -633,22 +532,13 @@ class HistoryStore:
             "interval_seconds": step,
             "span_seconds": until - since,
             "times": times_out,
-            "series": series,
+            "series": history_entries(chosen, means, small),
             "series_dropped": dropped,
             "tiers": [
                 {"name": tier.name, "step_seconds": tier.step, "retention_seconds": tier.retention}
                 for tier in self.tiers
             ],
         }
-
-
-def _reduce_mean(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    finite = np.isfinite(values)
-    sums = np.add.reduceat(np.where(finite, values, 0.0).astype(np.float64), starts, axis=0)
-    counts = np.add.reduceat(finite.astype(np.int64), starts, axis=0)
-    out = np.full(sums.shape, np.nan)
-    np.divide(sums, counts, out=out, where=counts > 0)
-    return out
 
 
 def _matrix(rows: list[tuple], width: int) -> np.ndarray:

@@ -3,7 +3,9 @@
 A :class:`Tier` holds the points of one step (10 s, 1 min, 15 min) newer than its retention:
 ``times`` (float64 seconds, increasing) and ``data`` (float32, ``[point, series, value]``, NaN for
 none), in preallocated arrays so that appending, expiring and slicing a series' column are
-numpy operations, never a Python loop over points. :func:`bucket_mean` is the downsampling rule.
+numpy operations, never a Python loop over points. :func:`bucket_mean` is the downsampling rule;
+:func:`roll` closes a coarser tier's bucket once the finer tier has left it, :func:`open_buckets` finds the
+buckets still open in tiers loaded from the file or cut back by a step back of the clock.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 
 import numpy as np
 
-__all__ = ["Tier", "bucket_mean"]
+__all__ = ["Tier", "bucket_mean", "open_buckets", "roll"]
 
 
 def bucket_mean(block: np.ndarray) -> np.ndarray:
@@ -117,3 +119,39 @@ class Tier:
     def clear_column(self, column: int) -> None:
         if column < self.columns:
             self.data[:, column] = np.nan
+
+
+def open_buckets(tiers: tuple[Tier, ...]) -> list[float | None]:
+    """Per tier but the coarsest, the bucket of the next tier being filled (None: none is)."""
+    opened: list[float | None] = []
+    # The bucket of the newest finer point is still open unless the coarser tier already holds it.
+    for index in range(len(tiers) - 1):
+        finer, coarser = tiers[index], tiers[index + 1]
+        last = finer.last
+        bucket = None if last is None else math.floor(last / coarser.step) * coarser.step
+        opened.append(bucket if bucket is not None and (coarser.last is None or coarser.last < bucket) else None)
+    return opened
+
+
+def roll(tiers: tuple[Tier, ...], opened: list[float | None], now: float) -> list[tuple[str, float, np.ndarray]]:
+    """Close the minute (and quarter) bucket ``now`` has left: their means, appended to the coarser tiers and
+    returned to be written. ``opened`` (as :func:`open_buckets` gives it) is moved on in place."""
+    closed: list[tuple[str, float, np.ndarray]] = []
+    for index in range(len(tiers) - 1):
+        finer, coarser = tiers[index], tiers[index + 1]
+        stamp = now if index == 0 else (closed[-1][1] if closed else None)
+        if stamp is None:
+            break
+        bucket = math.floor(stamp / coarser.step) * coarser.step
+        bucket_open = opened[index]
+        if bucket_open is not None and bucket > bucket_open:
+            lo, hi = finer.index(bucket_open, bucket_open + coarser.step, until_inclusive=False)
+            if hi > lo:
+                mean = bucket_mean(finer.data[lo:hi])
+                coarser.append(bucket_open, mean)
+                closed.append((coarser.name, bucket_open, mean))
+        if bucket_open is None or bucket > bucket_open:
+            opened[index] = bucket
+        if index == 0 and not closed:
+            break
+    return closed
