@@ -32,8 +32,21 @@ from typing import Any
 import numpy as np
 
 from mla_watch.common.tensor_files import tensors_from_bytes, tensors_to_bytes
+from mla_watch.fleet.fleet_lease import abandon_job, clear_lease, free_lease, lock_lease, take_lease
+from mla_watch.fleet.fleet_reads import (
+    JOB_SELECT,
+    ROLLOUT_SELECT,
+    job_dict,
+    read_current,
+    read_rollout,
+    read_version,
+    read_view,
+)
+from mla_watch.fleet.fleet_reads import MAX_MEMBERS_SHOWN as MAX_MEMBERS_SHOWN  # importable here as before
+from mla_watch.fleet.fleet_reads import MAX_STEPS_SHOWN as MAX_STEPS_SHOWN
 from mla_watch.fleet.fleet_rows import FleetView, Lease, Rollout, Step, VersionRow
 from mla_watch.fleet.fleet_schema import SCHEMA, SCHEMA_LOCK
+from mla_watch.fleet.fleet_url import describe_url, error_line
 
 __all__ = [
     "FleetStore",
@@ -49,24 +62,10 @@ __all__ = [
 
 # Jobs and rollouts that are over; a job in any other state holds the lease's attention.
 JOB_ENDED = ("done", "failed", "rejected", "superseded", "proposed", "abandoned", "halted", "aborted")
-MAX_MEMBERS_SHOWN = 1000
-MAX_STEPS_SHOWN = 1000
 
 
 class FleetStoreError(Exception):
     """The fleet store cannot be reached, or refused an operation; the message names it without secrets."""
-
-
-def describe_url(url: str) -> str:
-    """``url`` as messages and answers show it: ``postgresql://host:port/db``, never its user or password."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        parts = conninfo_to_dict(url)
-    except Exception:  # a URL psycopg cannot parse: nothing of it is repeated
-        return "the fleet store (an unreadable URL)"
-    port = f":{parts['port']}" if parts.get("port") else ""
-    return f"postgresql://{parts.get('host') or 'localhost'}{port}/{parts.get('dbname') or ''}"
 
 
 class FleetStore:
@@ -118,9 +117,9 @@ class FleetStore:
                     yield cursor
             except (psycopg.OperationalError, psycopg.InterfaceError) as error:
                 self.close()
-                raise FleetStoreError(f"{self.where} cannot be reached: {_first_line(error, self.url)}") from None
+                raise FleetStoreError(f"{self.where} cannot be reached: {error_line(error, self.url)}") from None
             except psycopg.Error as error:
-                raise FleetStoreError(f"{self.where} refused an operation: {_first_line(error, self.url)}") from None
+                raise FleetStoreError(f"{self.where} refused an operation: {error_line(error, self.url)}") from None
 
     def ping(self) -> float:
         """The database's clock (seconds since the epoch); :class:`FleetStoreError` if it cannot be reached."""
@@ -168,76 +167,15 @@ class FleetStore:
     def view(self, base: str) -> FleetView:
         """The fleet as the members of ``base`` see it now."""
         with self._transaction() as cursor:
-            return self._view(cursor, base)
-
-    def _view(self, cursor: Any, base: str) -> FleetView:
-        cursor.execute("SELECT extract(epoch FROM now())::float8 AS now")
-        now = float(cursor.fetchone()["now"])
-        cursor.execute("SELECT current FROM mla_watch_fleet_bases WHERE base = %s", (base,))
-        row = cursor.fetchone()
-        current = self._version(cursor, base, int(row["current"]) if row else 0)
-        if current is None:
-            raise FleetStoreError(f"{self.where}: base {base[:12]} has no version 0 (was the store emptied?)")
-        cursor.execute(
-            "SELECT holder, job, extract(epoch FROM taken_at)::float8 AS taken_at, "
-            "extract(epoch FROM expires_at)::float8 AS expires_at FROM mla_watch_fleet_lease WHERE id = 1"
-        )
-        lease_row = cursor.fetchone() or {}
-        lease = Lease(
-            lease_row.get("holder"), lease_row.get("job"), lease_row.get("taken_at"), lease_row.get("expires_at"), now
-        )
-        lease_job = None
-        if lease.job is not None:
-            cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease.job,))
-            lease_job = _job_dict(cursor.fetchone())
-        cursor.execute(_ROLLOUT_SELECT + " WHERE base = %s ORDER BY id DESC LIMIT 1", (base,))
-        rollout = self._rollout(cursor, cursor.fetchone())
-        cursor.execute(
-            "SELECT name, base, digest, version, url, extract(epoch FROM started_at)::float8 AS started_at, "
-            "extract(epoch FROM last_seen)::float8 AS last_seen, health FROM mla_watch_fleet_members "
-            "ORDER BY name LIMIT %s",
-            (MAX_MEMBERS_SHOWN,),
-        )
-        members = tuple(dict(member) for member in cursor.fetchall())
-        cursor.execute("SELECT number, digest, bad FROM mla_watch_fleet_versions WHERE base = %s", (base,))
-        rows = cursor.fetchall()
-        return FleetView(
-            now=now,
-            base=base,
-            current=current,
-            lease=lease,
-            lease_job=lease_job,
-            rollout=rollout,
-            members=members,
-            versions={row["digest"]: int(row["number"]) for row in rows},
-            bad=frozenset(int(row["number"]) for row in rows if row["bad"]),
-        )
+            now, current = read_current(cursor, base)
+            if current is None:
+                raise FleetStoreError(f"{self.where}: base {base[:12]} has no version 0 (was the store emptied?)")
+            return read_view(cursor, base, now, current)
 
     # ------------------------------------------------------------------ versions
-    def _version(self, cursor: Any, base: str, number: int) -> VersionRow | None:
-        cursor.execute(
-            "SELECT number, digest, parent, job, created_by, extract(epoch FROM created_at)::float8 AS "
-            "created_at, bytes, bad, manifest FROM mla_watch_fleet_versions WHERE base = %s AND number = %s",
-            (base, number),
-        )
-        row = cursor.fetchone()
-        if row is None:
-            return None
-        return VersionRow(
-            int(row["number"]),
-            row["digest"],
-            row["parent"],
-            row["job"],
-            row["created_by"],
-            float(row["created_at"]),
-            int(row["bytes"]),
-            bool(row["bad"]),
-            row["manifest"] or {},
-        )
-
     def version(self, base: str, number: int) -> VersionRow | None:
         with self._transaction() as cursor:
-            return self._version(cursor, base, number)
+            return read_version(cursor, base, number)
 
     def versions(self, base: str, limit: int = 100) -> list[VersionRow]:
         with self._transaction() as cursor:
@@ -246,7 +184,7 @@ class FleetStore:
                 (base, limit),
             )
             numbers = [int(row["number"]) for row in cursor.fetchall()]
-            return [row for number in numbers if (row := self._version(cursor, base, number)) is not None]
+            return [row for number in numbers if (row := read_version(cursor, base, number)) is not None]
 
     def changes(self, base: str, number: int) -> list[tuple[int, dict[str, np.ndarray]]]:
         """What each version from ``number`` down to version 0 changes, newest first: ``(version, tensors)``. The
@@ -259,7 +197,7 @@ class FleetStore:
                 if current in seen:
                     raise FleetStoreError(f"{self.where}: the parents of version {number} form a loop at {current}")
                 seen.add(current)
-                row = self._version(cursor, base, current)
+                row = read_version(cursor, base, current)
                 if row is None:
                     raise FleetStoreError(f"{self.where}: version {current} of base {base[:12]} is missing")
                 cursor.execute(
@@ -289,30 +227,27 @@ class FleetStore:
         the lease for a new job ``job`` (it is the canary); else ``"wait"`` (a job or a rollout is under way; who
         holds it) or ``"cooldown"`` (a job for these routers ended within the cooldown; until when)."""
         with self._transaction() as cursor:
-            cursor.execute(
-                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
-            )
-            lease = cursor.fetchone()
+            lease = lock_lease(cursor)
             if lease["holder"] is not None and lease["held"]:
-                cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease["job"],))
-                return {"decision": "wait", "holder": lease["holder"], "job": _job_dict(cursor.fetchone())}
+                cursor.execute(JOB_SELECT + " WHERE id = %s", (lease["job"],))
+                return {"decision": "wait", "holder": lease["holder"], "job": job_dict(cursor.fetchone())}
             if lease["holder"] is not None:
-                cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease["job"],))
-                held = _job_dict(cursor.fetchone())
+                cursor.execute(JOB_SELECT + " WHERE id = %s", (lease["job"],))
+                held = job_dict(cursor.fetchone())
                 if held is not None and held["state"] == "rolling":  # a coordinator's rollout: it is resumed, not raced
                     return {"decision": "wait", "holder": None, "job": held}
-                self._abandon(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
+                abandon_job(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
             cursor.execute(
                 "SELECT id FROM mla_watch_fleet_rollouts WHERE base = %s AND state = 'rolling' LIMIT 1", (base,)
             )
             if cursor.fetchone() is not None:
                 return {"decision": "wait", "holder": None, "job": None}
             cursor.execute(
-                _JOB_SELECT + " WHERE base = %s AND tried AND routers && %s::text[] AND ended_at > now() - "
+                JOB_SELECT + " WHERE base = %s AND tried AND routers && %s::text[] AND ended_at > now() - "
                 "make_interval(secs => %s) ORDER BY ended_at DESC LIMIT 1",
                 (base, list(routers), cooldown_seconds),
             )
-            recent = _job_dict(cursor.fetchone())
+            recent = job_dict(cursor.fetchone())
             if recent is not None:
                 return {"decision": "cooldown", "job": recent, "until": float(recent["ended_at"]) + cooldown_seconds}
             cursor.execute(
@@ -320,21 +255,8 @@ class FleetStore:
                 "VALUES (%s, %s, %s, %s, %s, 'running')",
                 (job, base, list(routers), business_line, name),
             )
-            cursor.execute(
-                "UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
-                "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
-                (name, job, lease_seconds),
-            )
+            take_lease(cursor, name, job, lease_seconds)
             return {"decision": "lease"}
-
-    def _abandon(self, cursor: Any, job: str | None, why: str) -> None:
-        if job is None:
-            return
-        cursor.execute(
-            "UPDATE mla_watch_fleet_jobs SET state = 'abandoned', ended_at = now(), "
-            "detail = detail || %s WHERE id = %s AND state = 'running'",
-            (_json({"error": f"abandoned: {why}"}), job),
-        )
 
     def renew(self, name: str, job: str, lease_seconds: float) -> bool:
         """Extend the lease this member holds for ``job``; False when it is no longer its own."""
@@ -350,14 +272,11 @@ class FleetStore:
         """A lease past its expiry: its rolling job's coordination is taken over by ``name`` (the job returned), a
         running job without a version is abandoned and the lease freed (``None``)."""
         with self._transaction() as cursor:
-            cursor.execute(
-                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
-            )
-            lease = cursor.fetchone()
+            lease = lock_lease(cursor)
             if lease["holder"] is None or lease["held"]:
                 return None
-            cursor.execute(_JOB_SELECT + " WHERE id = %s", (lease["job"],))
-            job = _job_dict(cursor.fetchone())
+            cursor.execute(JOB_SELECT + " WHERE id = %s", (lease["job"],))
+            job = job_dict(cursor.fetchone())
             if job is not None and job["state"] == "rolling":
                 cursor.execute(
                     "UPDATE mla_watch_fleet_lease SET holder = %s, taken_at = now(), "
@@ -369,11 +288,8 @@ class FleetStore:
                     (_json({"coordinator": name, "taken_over_from": lease["holder"]}), job["id"]),
                 )
                 return job
-            self._abandon(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
-            cursor.execute(
-                "UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
-                "expires_at = NULL WHERE id = 1"
-            )
+            abandon_job(cursor, lease["job"], f"its holder {lease['holder']} stopped renewing the lease")
+            clear_lease(cursor)
             return None
 
     def finish_job(self, name: str, job: str, state: str, *, tried: bool, detail: Mapping[str, Any]) -> None:
@@ -384,14 +300,7 @@ class FleetStore:
                 "detail = detail || %s WHERE id = %s AND state NOT IN ('done', 'halted', 'aborted')",
                 (state, tried, _json(detail), job),
             )
-            self._release(cursor, name, job)
-
-    def _release(self, cursor: Any, name: str, job: str | None) -> None:
-        cursor.execute(
-            "UPDATE mla_watch_fleet_lease SET holder = NULL, job = NULL, taken_at = NULL, "
-            "expires_at = NULL WHERE id = 1 AND holder = %s AND job IS NOT DISTINCT FROM %s",
-            (name, job),
-        )
+            free_lease(cursor, name, job)
 
     def release(self, name: str) -> None:
         """Free the lease if ``name`` holds it (a member stopping, or starting again under the same name)."""
@@ -400,19 +309,19 @@ class FleetStore:
             row = cursor.fetchone()
             if row is None:
                 return
-            cursor.execute(_JOB_SELECT + " WHERE id = %s", (row["job"],))
-            job = _job_dict(cursor.fetchone())
+            cursor.execute(JOB_SELECT + " WHERE id = %s", (row["job"],))
+            job = job_dict(cursor.fetchone())
             if job is not None and job["state"] == "rolling":
                 # Expired at once, not freed: another member takes the rollout over.
                 cursor.execute("UPDATE mla_watch_fleet_lease SET expires_at = now() WHERE id = 1")
                 return
-            self._abandon(cursor, row["job"], f"{name} stopped")
-            self._release(cursor, name, row["job"])
+            abandon_job(cursor, row["job"], f"{name} stopped")
+            free_lease(cursor, name, row["job"])
 
     def jobs(self, limit: int = 20) -> list[dict[str, Any]]:
         with self._transaction() as cursor:
-            cursor.execute(_JOB_SELECT + " ORDER BY started_at DESC LIMIT %s", (limit,))
-            return [job for row in cursor.fetchall() if (job := _job_dict(row)) is not None]
+            cursor.execute(JOB_SELECT + " ORDER BY started_at DESC LIMIT %s", (limit,))
+            return [job for row in cursor.fetchall() if (job := job_dict(row)) is not None]
 
     # ------------------------------------------------------------------ publishing and rollouts
     def publish(
@@ -433,10 +342,7 @@ class FleetStore:
         step passed (it serves the version already). ``job`` is the fleet job whose lease ``name`` holds (``None``:
         an operator's rollout; the lease is taken for it). ``(version, rollout)``."""
         with self._transaction() as cursor:
-            cursor.execute(
-                "SELECT holder, job, expires_at > now() AS held FROM mla_watch_fleet_lease WHERE id = 1 FOR UPDATE"
-            )
-            lease = cursor.fetchone()
+            lease = lock_lease(cursor)
             if job is not None and (lease["holder"] != name or lease["job"] != job or not lease["held"]):
                 raise FleetStoreError(
                     f"{name} no longer holds the fleet's re-tuning lease for job {job} (held by {lease['holder']})"
@@ -508,41 +414,8 @@ class FleetStore:
                     (job, base, list(manifest.get("routers", [])), name, number, _json({"source": "operator"})),
                 )
                 cursor.execute("UPDATE mla_watch_fleet_rollouts SET job = %s WHERE id = %s", (job, rollout))
-                cursor.execute(
-                    "UPDATE mla_watch_fleet_lease SET holder = %s, job = %s, taken_at = now(), "
-                    "expires_at = now() + make_interval(secs => %s) WHERE id = 1",
-                    (name, job, lease_seconds),
-                )
+                take_lease(cursor, name, job, lease_seconds)
             return number, rollout
-
-    def _rollout(self, cursor: Any, row: Mapping[str, Any] | None) -> Rollout | None:
-        if row is None:
-            return None
-        cursor.execute(
-            "SELECT member, outcome, extract(epoch FROM started_at)::float8 AS started_at, "
-            "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_steps "
-            "WHERE rollout = %s ORDER BY started_at, member LIMIT %s",
-            (row["id"], MAX_STEPS_SHOWN),
-        )
-        steps = tuple(
-            Step(step["member"], step["outcome"], float(step["started_at"]), step["ended_at"], step["detail"] or {})
-            for step in cursor.fetchall()
-        )
-        return Rollout(
-            int(row["id"]),
-            int(row["version"]),
-            row["digest"],
-            int(row["previous"]),
-            row["job"],
-            row["state"],
-            int(row["batch"]),
-            float(row["started_at"]),
-            float(row["updated_at"]),
-            row["ended_at"],
-            row["halted_by"],
-            row["reason"],
-            steps,
-        )
 
     def claim_step(self, name: str, rollout: int) -> bool:
         """Take this member's step of a rolling ``rollout`` when fewer than its batch are under way (again, where
@@ -587,7 +460,7 @@ class FleetStore:
         lost; once every member of the base seen within it has passed, the version becomes the base's current one
         and the lease is freed. The rollout's state afterwards (``None``: no rollout of this job)."""
         with self._transaction() as cursor:
-            cursor.execute(_ROLLOUT_SELECT + " WHERE job = %s ORDER BY id DESC LIMIT 1 FOR UPDATE", (job,))
+            cursor.execute(ROLLOUT_SELECT + " WHERE job = %s ORDER BY id DESC LIMIT 1 FOR UPDATE", (job,))
             row = cursor.fetchone()
             if row is None:
                 return None
@@ -598,7 +471,7 @@ class FleetStore:
                     "WHERE id = %s AND state = 'rolling'",
                     (row["state"], _json({"halted_by": row["halted_by"], "reason": row["reason"]}), job),
                 )
-                self._release(cursor, name, job)
+                free_lease(cursor, name, job)
                 return str(row["state"])
             if row["state"] != "rolling":
                 return str(row["state"])
@@ -627,7 +500,7 @@ class FleetStore:
                 (row["version"], row["base"]),
             )
             cursor.execute("UPDATE mla_watch_fleet_jobs SET state = 'done', ended_at = now() WHERE id = %s", (job,))
-            self._release(cursor, name, job)
+            free_lease(cursor, name, job)
             return "done"
 
     def abort(self, base: str, reason: str) -> Rollout | None:
@@ -635,7 +508,7 @@ class FleetStore:
         goes back to the current version, its job ends and the lease is freed. The rollout, or ``None``."""
         with self._transaction() as cursor:
             cursor.execute(
-                _ROLLOUT_SELECT + " WHERE base = %s AND state IN ('rolling', 'halted') ORDER BY id DESC "
+                ROLLOUT_SELECT + " WHERE base = %s AND state IN ('rolling', 'halted') ORDER BY id DESC "
                 "LIMIT 1 FOR UPDATE",
                 (base,),
             )
@@ -660,8 +533,8 @@ class FleetStore:
                 "expires_at = NULL WHERE id = 1 AND job IS NOT DISTINCT FROM %s",
                 (row["job"],),
             )
-            cursor.execute(_ROLLOUT_SELECT + " WHERE id = %s", (row["id"],))
-            return self._rollout(cursor, cursor.fetchone())
+            cursor.execute(ROLLOUT_SELECT + " WHERE id = %s", (row["id"],))
+            return read_rollout(cursor, cursor.fetchone())
 
     def load(self) -> dict[str, int]:
         """What the fleet keeps, for the docs' and the bench's sizes: rows and bytes per table."""
@@ -677,48 +550,7 @@ class FleetStore:
             return out
 
 
-_JOB_SELECT = (
-    "SELECT id, base, routers, business_line, canary, state, tried, version, "
-    "extract(epoch FROM started_at)::float8 AS started_at, "
-    "extract(epoch FROM ended_at)::float8 AS ended_at, detail FROM mla_watch_fleet_jobs"
-)
-_ROLLOUT_SELECT = (
-    "SELECT id, base, version, digest, previous, job, state, batch, "
-    "extract(epoch FROM started_at)::float8 AS started_at, "
-    "extract(epoch FROM updated_at)::float8 AS updated_at, "
-    "extract(epoch FROM ended_at)::float8 AS ended_at, halted_by, reason FROM mla_watch_fleet_rollouts"
-)
-
-
-def _job_dict(row: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if row is None:
-        return None
-    return {
-        "id": row["id"],
-        "routers": list(row["routers"]),
-        "business_line": row["business_line"],
-        "canary": row["canary"],
-        "state": row["state"],
-        "tried": bool(row["tried"]),
-        "version": row["version"],
-        "started_at": row["started_at"],
-        "ended_at": row["ended_at"],
-        "detail": row["detail"] or {},
-    }
-
-
 def _json(value: Any) -> Any:
     from psycopg.types.json import Jsonb
 
     return Jsonb(value)
-
-
-def _first_line(error: BaseException, url: str) -> str:
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    from psycopg.conninfo import conninfo_to_dict
-
-    with contextlib.suppress(Exception):
-        password = conninfo_to_dict(url).get("password")
-        if password:
-            text = text.replace(str(password), "***")
-    return text

@@ -32,56 +32,35 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from mla_watch.common.tensor_files import router_digest
+from mla_watch.fleet import fleet_decision as notes
+from mla_watch.fleet.canary_job import CanaryJob, ended_without_version, publish_canary
 from mla_watch.fleet.check import StepResult
+from mla_watch.fleet.fleet_decision import WaitingAlert, gives_way_to, peer_readings
+from mla_watch.fleet.fleet_description import DESCRIBE_SECONDS as DESCRIBE_SECONDS  # importable here as before
+from mla_watch.fleet.fleet_description import FleetDescription
 from mla_watch.fleet.fleet_store import FleetStore, FleetStoreError, FleetView, VersionRow
+from mla_watch.fleet.halted_page import FLEET_HALTED_ALERT, RUNBOOK
+from mla_watch.fleet.rollout_step import RolloutStep
+from mla_watch.fleet.served_routers import ServedRouters, router_of
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.data import distinct_count
 from mla_watch.retune.jobs import FINAL_STATUSES
 from mla_watch.retune.service import RetuneService
-from mla_watch.routing.series import BUSINESS_LINE, LAYER, ROUTER
+from mla_watch.routing.series import BUSINESS_LINE, ROUTER
 
-__all__ = ["FLEET_HALTED_ALERT", "FleetMember", "FleetRefusal", "router_of"]
+__all__ = ["FLEET_HALTED_ALERT", "RUNBOOK", "FleetMember", "FleetRefusal", "router_of"]
 
 log = logging.getLogger("mla_watch.fleet")
 
-FLEET_HALTED_ALERT = "FleetRolloutHalted"
-RUNBOOK = "https://github.com/mla-watch/mla_watch/blob/main/docs/runbooks.md#fleetrollouthalted"
-DESCRIBE_SECONDS = 1.0  # GET /v1/fleet answers from what it read within this long
 _DECIDE_WAIT_SECONDS = 0.5  # an alert's decision waits this long for a member busy with a step, then a round makes it
 
 
 class FleetRefusal(Exception):
     """What an operator asked of the fleet cannot be done now (the lease is held, a job runs here); says why."""
-
-
-def router_of(tensor: str) -> str:
-    """The router a router tensor belongs to (``model.layers.1.mlp.gate.weight`` -> ``model.layers.1.mlp.gate``)."""
-    return tensor.rsplit(".", 1)[0]
-
-
-@dataclass
-class _Want:
-    router: str
-    business_line: str | None
-    action: Any  # the alert engine's retune Action
-    note: str = ""
-
-    @property
-    def key(self) -> tuple[str, str | None]:  # one waiting alert per router and line: each line may ask
-        return self.router, self.business_line
-
-
-@dataclass
-class _CanaryJob:
-    fleet_job: str
-    local_job: str
-    parent: int  # the fleet version this replica served when the job began
 
 
 class FleetMember:
@@ -107,36 +86,49 @@ class FleetMember:
         self.settings = settings
         self.name = settings.name
         self.retune = retune
-        self._check = check
         self._health = health
         self._still_wanted = still_wanted
-        self._page = page
         self._on_store = on_store
         self._on_step = on_step
         self._on_serving = on_serving
-        self._read_again = read_again  # the reference prompts, once other routers serve: the peers hear of these
+        # base and digest: what serves here; read_again: the reference prompts, once other routers serve (the peers
+        # hear of these)
+        self.routers = ServedRouters(store, retune, read_again)
+        self.base = self.routers.base
         self._url = url
         self._lock = threading.RLock()  # one decision, adoption or step at a time
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self.base = router_digest(retune.versions.load(0))
-        self.digest = self._serving_digest()
         self.version: int | None = None  # the fleet's number of the version served, once known
         self.joined = False
         self.store_up: bool | None = None
         self.store_error: str | None = None
         self.view: FleetView | None = None  # the latest read of the store
         self.rounds = 0  # rounds this member's thread has ended
-        self._wants: dict[tuple[str, str | None], _Want] = {}  # alerts waiting for the fleet's decision
-        self._canary: _CanaryJob | None = None
+        self._wants: dict[tuple[str, str | None], WaitingAlert] = {}  # alerts waiting for the fleet's decision
+        self._canary: CanaryJob | None = None
         self._held: str | None = None  # the fleet job whose lease this member holds: renewed by its own thread
-        self._stepping = False  # a rollout step under way: the keeper says this member is alive meanwhile
-        self._failed_target: str | None = None  # a version this member could not adopt: said once, not every round
         self._keeper: threading.Thread | None = None
-        self._unrecorded: tuple[int, str, dict[str, Any]] | None = None  # a step whose outcome the store missed
-        self._describe_lock = threading.Lock()
-        self._described: tuple[float, dict[str, Any]] | None = None  # (when, what) GET /v1/fleet answered last
+        self._description = FleetDescription(store, self.base, self.name, settings)
+        self._steps = RolloutStep(
+            store,
+            self.name,
+            self.routers,
+            retune,
+            check=check,
+            on_step=on_step,
+            read_again=read_again,
+            page=page,
+            current=lambda: self.view.current.number if self.view is not None else "the last good one",
+            heartbeat=lambda: self._heartbeat(self._read()),
+            store_down=self._store_down,
+        )
+
+    @property
+    def digest(self) -> str:
+        """The digest of the routers serving here, as last computed (a round does not hash every tensor)."""
+        return self.routers.digest
 
     # ------------------------------------------------------------------ life cycle
     def join(self) -> None:
@@ -182,7 +174,7 @@ class FleetMember:
         while not self._stop.wait(self.settings.poll_seconds):
             job = self._held
             try:
-                if self._stepping:
+                if self._steps.stepping:
                     self.store.touch(self.name)
                 if (
                     job is not None
@@ -208,13 +200,14 @@ class FleetMember:
                 if not self.joined:
                     self._join()
                 view = self._read()
-                self._record_unrecorded()
+                self._steps.record_unrecorded()
                 if self._converge(view, why="the fleet's version"):
                     view = self._read()
                 self._heartbeat(view)
                 self._watch_canary()
                 self._coordinate(view)
-                self._step(view)  # its claim is checked against the rollout as stored: an older view is safe
+                # its claim is checked against the rollout as stored: an older view is safe
+                self._steps.step(view, busy=self._busy())
                 self._retry_wants()
             except FleetStoreError as error:
                 self._store_down(error)
@@ -257,9 +250,6 @@ class FleetMember:
             "rounds": self.rounds,
         }
 
-    def _serving_digest(self) -> str:
-        return router_digest(self.retune.retuner.host.state())
-
     def _heartbeat(self, view: FleetView) -> None:
         self.version = view.version_of(self.digest)
         self.store.heartbeat(self.name, self.digest, self.version, self._health())
@@ -282,122 +272,35 @@ class FleetMember:
 
     # ------------------------------------------------------------------ versions: full state, adopting
     def full_state(self, number: int) -> dict[str, np.ndarray]:
-        """The router tensors of fleet version ``number``: this replica's version 0 (the base) overlaid with what
-        each version from the base up to it changes; ``ValueError`` for a tensor its routers do not hold so."""
-        state = dict(self.retune.versions.load(0))
-        for version, changes in reversed(self.store.changes(self.base, number)):
-            for name, tensor in changes.items():
-                known = state.get(name)
-                if known is None or known.shape != tensor.shape or known.dtype != tensor.dtype:
-                    here = "lack" if known is None else f"hold as {tuple(known.shape)} {known.dtype}"
-                    raise ValueError(
-                        f"fleet version {version} holds {name[:200]} {tuple(tensor.shape)} "
-                        f"{tensor.dtype}, which this replica's routers {here}"
-                    )
-            state.update(changes)
-        return state
-
-    def _adopt(
-        self, version: VersionRow, *, checked: bool, why: str, force_routers: tuple[str, ...] = ()
-    ) -> int | None:
-        """Serve fleet version ``version`` here: the tensors that differ from what serves now (and every tensor of
-        ``force_routers``) are saved as a local router version and promoted. The local version promoted, or
-        ``None`` when nothing differed."""
-        full = self.full_state(version.number)
-        live = self.retune.retuner.host.state()
-        changed = {
-            name: tensor
-            for name, tensor in full.items()
-            if name not in live or not _same(live[name], tensor) or router_of(name) in force_routers
-        }
-        if not changed:
-            self.digest = self._serving_digest()
-            return None
-        local = self.retune.versions.save(
-            changed,
-            {
-                "source": "fleet",
-                "fleet_version": version.number,
-                "fleet_digest": version.digest,
-                "why": why,
-                "strategy": version.manifest.get("strategy"),
-                "routers": sorted({router_of(name) for name in changed}),
-                "gates": {"passed": checked, "fleet": "checked by the fleet" if checked else "this replica's step"},
-            },
-        )
-        self.retune.promote(local)
-        self.digest = self._serving_digest()
-        if checked:  # a step's own check reads the prompts; a version taken on trust is read again for the peers
-            self._read_again()
-        if self.digest != version.digest:
-            log.error(
-                "fleet version %d was promoted here as router version %d, but the routers serving read digest "
-                "%s, not the version's %s",
-                version.number,
-                local,
-                self.digest[:12],
-                version.digest[:12],
-            )
-        else:
-            log.info("fleet version %d serves here (router version %d): %s", version.number, local, why)
-        return local
+        """The router tensors of fleet version ``number`` (:meth:`ServedRouters.full_state`)."""
+        return self.routers.full_state(number)
 
     def _converge(self, view: FleetView, *, why: str) -> bool:
         """Adopt the version the fleet says this member serves, if it serves another; whether it changed."""
         if self._busy():
             return False
-        target = self._target(view)
-        if self.digest == target.digest:
-            return False
-        known = view.version_of(self.digest)
-        reason = (
-            f"{why}: this replica served routers the fleet does not know (digest {self.digest[:12]})"
-            if known is None
-            else f"{why}: this replica served fleet version {known}"
-        )
-        try:
-            self._adopt(target, checked=True, why=reason)
-        except FleetStoreError:
-            raise
-        except Exception as error:  # an engine not up yet, a swap refused: tried again every round, said once
-            if self._failed_target != target.digest:
-                log.error(
-                    "fleet version %d could not be adopted here (%s: %s); trying again every round",
-                    target.number,
-                    type(error).__name__,
-                    str(error)[:300],
-                )
-                self._failed_target = target.digest
-            return False
-        self._failed_target = None
-        return True
+        return self.routers.converge(self._target(view), view, why=why)
 
     # ------------------------------------------------------------------ one decision
     def on_model_alert(self, action: Any) -> str:
         """A model-caused alert's ``retune`` action: the fleet decides; what became of it (the page's ``retune``)."""
         labels = action.alert.labels
         router, line = labels.get(ROUTER, ""), labels.get(BUSINESS_LINE)
-        want = _Want(router, None if line in (None, "", "all") else line, action)
+        want = WaitingAlert(router, None if line in (None, "", "all") else line, action)
         if not self._lock.acquire(timeout=_DECIDE_WAIT_SECONDS):
             self._wants[want.key] = want
             self._wake.set()
-            want.note = (
-                f"the fleet decides at its next round (this replica is taking a rollout step): {router} is "
-                "re-tuned once for the whole fleet"
-            )
+            want.note = notes.busy_note(router)
             return want.note
         try:
             return self._decide(want)
         finally:
             self._lock.release()
 
-    def _decide(self, want: _Want, *, first: bool = True) -> str:
+    def _decide(self, want: WaitingAlert, *, first: bool = True) -> str:
         self._wants[want.key] = want
         if self.store_up is False and first:  # no connection attempt in the alert's path: the rounds retry
-            want.note = (
-                f"no re-tune job yet: the fleet store cannot be reached ({self.store_error}); re-tuning "
-                "waits for it (no replica repairs alone) and is asked again when it answers"
-            )
+            want.note = notes.store_down_note(self.store_error)
             self._wake.set()
             return want.note
         try:
@@ -405,47 +308,40 @@ class FleetMember:
             want.note = self._decide_with(view, want, recompute_digest=first)
         except FleetStoreError as error:
             self._store_down(error)
-            want.note = (
-                f"no re-tune job yet: the fleet store cannot be reached ({error}); re-tuning waits for it "
-                "(no replica repairs alone) and is asked again when it answers"
-            )
+            want.note = notes.store_down_note(error)
         except Exception as error:  # a swap refused, a version this replica cannot take: the page says so
             log.exception("the fleet's decision for %s failed", want.router)
             want.note = f"no re-tune job: the fleet's decision failed here: {type(error).__name__}: {str(error)[:300]}"
         return want.note
 
-    def _decide_with(self, view: FleetView, want: _Want, *, recompute_digest: bool) -> str:
+    def _decide_with(self, view: FleetView, want: WaitingAlert, *, recompute_digest: bool) -> str:
         router = want.router
         if self._canary is not None:
             return f"fleet re-tune job {self._canary.fleet_job} runs on this replica"
         if recompute_digest:  # damage done in place shows here, not in any version (a round reuses it: hashing
-            self.digest = self._serving_digest()  # every router tensor each round would cost a large model)
+            self.routers.refresh()  # every router tensor each round would cost a large model)
         target = self._target(view)
         if self.digest != target.digest:
-            self._adopt(
+            self.routers.adopt(
                 target,
                 checked=True,
                 why=f"{router} read damaged here, on routers that are not the fleet's version {target.number}",
             )
             self._forget(router)
             self._heartbeat(self._read())
-            return (
-                f"no re-tune job: this replica's routers differed from the fleet's version {target.number}, which "
-                f"was restored here (digest {target.digest[:12]})"
-            )
-        healthy, damaged = self._peers(view, router)
+            return notes.restored_note(target)
+        healthy, damaged = peer_readings(
+            view, router, name=self.name, base=self.base, digest=self.digest, settings=self.settings
+        )
         if healthy and not damaged:
-            self._adopt(
+            self.routers.adopt(
                 target,
                 checked=True,
                 force_routers=(router,),
                 why=f"{router} read damaged here while {len(healthy)} replica(s) serving the same version read healthy",
             )
             self._forget(router)
-            return (
-                f"no re-tune job: the fleet's version {target.number} was applied again on this replica alone "
-                f"({', '.join(healthy[:3])} serving it read healthy on their reference prompts)"
-            )
+            return notes.reapplied_note(target, healthy)
         spec = self.retune.alert_spec(want.action)
         decision = self.store.decide(
             self.name,
@@ -462,7 +358,7 @@ class FleetMember:
             except ValueError as error:
                 self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
                 return f"no re-tune job: {error}"
-            self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            self._canary = CanaryJob(spec.id, str(record["id"]), target.number)
             self._held = spec.id
             self._wants.pop(want.key, None)  # another line's alert on this router stays: it may be decided next
             log.info(
@@ -471,47 +367,8 @@ class FleetMember:
                 spec.id,
                 router,
             )
-            return (
-                f"fleet re-tune job {spec.id} runs on this replica, the fleet's canary ({record.get('status')}); "
-                "the other replicas take its version once it passes here"
-            )
-        job = decision.get("job") or {}
-        if decision["decision"] == "cooldown":
-            until = time.strftime("%H:%M:%S UTC", time.gmtime(decision["until"]))
-            return (
-                f"no new re-tune job: fleet job {job.get('id')} for {', '.join(job.get('routers', []))} ended "
-                f"{job.get('state')} on {job.get('canary')}; the fleet's cooldown lasts until {until}"
-            )
-        if job and job.get("state") == "rolling":
-            return (
-                f"no re-tune job here: fleet job {job.get('id')} (canary {job.get('canary')}) is rolling out "
-                f"version {job.get('version')}; this replica takes it in turn"
-            )
-        if job:
-            return (
-                f"no re-tune job here: fleet job {job.get('id')} on {decision.get('holder')} re-tunes "
-                f"{', '.join(job.get('routers', []))}; this replica takes its version in the rollout"
-            )
-        return "no re-tune job here: a rollout is under way; this replica takes its version in turn"
-
-    def _peers(self, view: FleetView, router: str) -> tuple[list[str], list[str]]:
-        """Members serving this replica's routers, seen lately, whose recent readings of ``router`` say healthy or
-        damaged."""
-        healthy, damaged = [], []
-        for member in view.members:
-            if member["name"] == self.name or member["base"] != self.base or member["digest"] != self.digest:
-                continue
-            if view.now - float(member["last_seen"]) > self.settings.member_seconds:
-                continue
-            reading = (member.get("health") or {}).get(router) or {}
-            at = reading.get("at")
-            if not isinstance(at, int | float) or view.now - at > self.settings.evidence_seconds:
-                continue
-            if reading.get("state") == "healthy":
-                healthy.append(member["name"])
-            elif reading.get("state") == "damaged":
-                damaged.append(member["name"])
-        return healthy, damaged
+            return notes.canary_note(spec.id, record.get("status"))
+        return notes.waiting_note(decision)
 
     def _forget(self, router: str) -> None:
         """The alerts waiting on ``router``, of every line: this replica's routers were set right."""
@@ -547,20 +404,9 @@ class FleetMember:
             return
         if record["status"] not in FINAL_STATUSES:
             return
-        result = record.get("result") or {}
-        if record["status"] != "promoted" or result.get("version") is None:
-            tried = bool(result.get("attempts")) and not result.get("cannot_run")
-            self.store.finish_job(
-                self.name,
-                canary.fleet_job,
-                str(record["status"]),
-                tried=tried,
-                detail={
-                    "local_job": canary.local_job,
-                    "error": result.get("error"),
-                    "strategy": result.get("strategy"),
-                },
-            )
+        if record["status"] != "promoted" or (record.get("result") or {}).get("version") is None:
+            tried, detail = ended_without_version(canary, record)
+            self.store.finish_job(self.name, canary.fleet_job, str(record["status"]), tried=tried, detail=detail)
             log.info(
                 "fleet job %s ended %s on this replica, the canary: nothing is rolled out",
                 canary.fleet_job,
@@ -570,28 +416,19 @@ class FleetMember:
             return
         self._publish(canary, record)
 
-    def _yield_for_data(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
+    def _yield_for_data(self, canary: CanaryJob, record: Mapping[str, Any]) -> None:
         """A canary job waiting for data of its line gives way to a waiting alert on the same router whose line's
         captured traffic holds more distinct texts: both ask for one repair, and a line whose traffic repeats one
         prompt would hold the fleet's lease for as long as a job may wait (on a replica alone, a job that lacks data
         holds no cooldown either). More distinct texts each time: two lines never hand the lease back and forth."""
         spec = record["spec"]
         line = spec.get("business_line")
-        others = [
-            want for want in self._wants.values() if want.router in spec["routers"] and want.business_line != line
-        ]
-        if not others:
+        chosen = gives_way_to(self._wants.values(), spec["routers"], line, self._distinct_texts)
+        if chosen is None:
             return
-        distinct = {want.key: self._distinct_texts(want.business_line) for want in others}
-        other = max(others, key=lambda want: distinct[want.key])
-        if distinct[other.key] <= self._distinct_texts(line):
-            return
+        other, distinct = chosen
         needs = str((record.get("result") or {}).get("needs") or "more data")[:300]
-        reason = (
-            f"fleet job {canary.fleet_job} waited for data of business line {line or 'all'} ({needs}); an alert "
-            f"of business line {other.business_line or 'all'}, whose traffic holds {distinct[other.key]} "
-            f"distinct texts, asks for the same repair of {other.router}"
-        )
+        reason = notes.gives_way_reason(canary.fleet_job, line, needs, other, distinct)
         if not self.retune.withdraw(canary.local_job, reason):
             return  # it runs now: it is watched again next round
         self.store.finish_job(
@@ -610,46 +447,13 @@ class FleetMember:
             return 0
         return distinct_count(capture.samples(line, limit=self.retune.settings.max_samples))
 
-    def _publish(self, canary: _CanaryJob, record: Mapping[str, Any]) -> None:
+    def _publish(self, canary: CanaryJob, record: Mapping[str, Any]) -> None:
         result = record["result"]
         tensors = self.retune.versions.load(int(result["version"]))
-        parent_state = self.full_state(canary.parent)
-        changes: dict[str, dict[str, np.ndarray]] = {}
-        for name, tensor in tensors.items():
-            if name not in parent_state or not _same(parent_state[name], tensor):
-                changes.setdefault(router_of(name), {})[name] = tensor
-        digest = router_digest({**parent_state, **{name: t for group in changes.values() for name, t in group.items()}})
-        spec = record["spec"]
-        manifest = {
-            "strategy": result.get("strategy"),
-            "routers": sorted(changes),
-            "business_line": spec.get("business_line"),
-            "band": spec.get("band"),
-            "watched": spec.get("watched", []),
-            "job": canary.fleet_job,
-            "canary": self.name,
-            "local_version": result["version"],
-            "trigger": {key: spec.get("trigger", {}).get(key) for key in ("alertname", "router", "layer")},
-        }
-        number, rollout = self.store.publish(
-            self.name,
-            canary.fleet_job,
-            self.base,
-            parent=canary.parent,
-            digest=digest,
-            changes=changes,
-            manifest=manifest,
-            batch=self.settings.rollout_batch,
-            lease_seconds=self.settings.lease_seconds,
-            canary_detail={
-                "reason": f"the canary: job {canary.local_job} passed its gates here",
-                "local_job": canary.local_job,
-                "local_version": result["version"],
-            },
-        )
+        number, rollout = publish_canary(self.store, self.routers, self.settings, canary, record, tensors)
         self._canary = None
         self._on_step("passed")
-        self.digest = self._serving_digest()
+        self.routers.refresh()
         log.info(
             "fleet version %d (%s) written by the canary; rollout %d starts (%d replica(s) at a time)",
             number,
@@ -677,124 +481,6 @@ class FleetMember:
             log.info("fleet job %s: every replica serves its version; it is the fleet's current version", job["id"])
         elif state in ("halted", "aborted"):
             log.warning("fleet job %s ended: its rollout was %s", job["id"], state)
-
-    def _step(self, view: FleetView) -> None:
-        rollout = view.rollout
-        if rollout is None or rollout.state != "rolling" or self._busy() or rollout.version in view.bad:
-            return
-        mine = rollout.step(self.name)
-        if mine is not None and mine.outcome != "lost":
-            return
-        version = self.store.version(self.base, rollout.version)
-        if version is None or not self.store.claim_step(self.name, rollout.id):
-            return
-        self._stepping = True
-        try:
-            self._take_step(rollout.id, version)
-        finally:
-            self._stepping = False
-
-    def _take_step(self, rollout_id: int, version: VersionRow) -> None:
-        started = time.monotonic()
-        log.info("rollout %d: this replica takes fleet version %d", rollout_id, version.number)
-        previous_digest = self.digest
-        try:
-            local = self._adopt(version, checked=False, why=f"rollout {rollout_id}")
-        except Exception as error:  # a swap the engine refused: the step fails, nothing changed here
-            self._end_step(
-                rollout_id,
-                version,
-                "failed",
-                {"reason": f"the swap failed: {type(error).__name__}: {str(error)[:300]}"},
-                started,
-            )
-            return
-        result = self._check(version.manifest)
-        detail = {**result.as_dict(), "local_version": local, "seconds": round(time.monotonic() - started, 3)}
-        if result.passed:
-            if local is not None:
-                self.retune.versions.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
-                self._read_again()  # now a good version: its readings become the baselines, and the peers hear
-            self._end_step(rollout_id, version, "passed", detail, started)
-            return
-        if local is not None:
-            self.retune.rollback()
-            self.digest = self._serving_digest()
-            if self.digest != previous_digest:
-                log.error(
-                    "rollout %d: the rollback left digest %s, not %s",
-                    rollout_id,
-                    self.digest[:12],
-                    previous_digest[:12],
-                )
-        self._end_step(rollout_id, version, "failed", detail, started)
-
-    def _end_step(
-        self, rollout: int, version: VersionRow, outcome: str, detail: dict[str, Any], started: float
-    ) -> None:
-        self._on_step(outcome)
-        if outcome == "failed":
-            log.error(
-                "rollout %d halted: fleet version %d failed its check on this replica (%s): %s; the replicas "
-                "not reached keep the fleet's current version",
-                rollout,
-                version.number,
-                self.name,
-                detail.get("reason"),
-            )
-            self._page_halted(rollout, version, str(detail.get("reason")))
-        else:
-            log.info(
-                "rollout %d: fleet version %d passed its check here in %.1f s",
-                rollout,
-                version.number,
-                time.monotonic() - started,
-            )
-        self._unrecorded = (rollout, outcome, detail)
-        self._record_unrecorded()
-        try:
-            self._heartbeat(self._read())
-        except FleetStoreError as error:
-            self._store_down(error)
-
-    def _record_unrecorded(self) -> None:
-        if self._unrecorded is None:
-            return
-        rollout, outcome, detail = self._unrecorded
-        try:
-            self.store.end_step(self.name, rollout, outcome, detail)
-        except FleetStoreError as error:
-            self._store_down(error)
-            return
-        self._unrecorded = None
-
-    def _page_halted(self, rollout: int, version: VersionRow, reason: str) -> None:
-        routers = [str(router) for router in version.manifest.get("routers", [])]
-        trigger = version.manifest.get("trigger") or {}
-        current = self.view.current.number if self.view is not None else "the last good one"
-        labels = {
-            "alertname": FLEET_HALTED_ALERT,
-            "severity": "critical",
-            "replica": self.name,
-            ROUTER: ",".join(routers),
-            LAYER: str(trigger.get("layer") or ""),
-            BUSINESS_LINE: str(version.manifest.get("business_line") or "all"),
-            "version": str(version.number),
-        }
-        annotations = {
-            "summary": f"Rollout {rollout} of router version {version.number} halted: replica {self.name} failed its "
-            f"check and rolled back; the replicas not reached keep version {current}",
-            "description": f"{reason}. The canary {version.manifest.get('canary')} and the replicas that passed "
-            f"serve version {version.number}. Look at {self.name} (`mla-watch fleet show`, its "
-            f"/v1/reference), then resume the rollout from a member (`mla-watch fleet rollout "
-            f"{version.number} --url MEMBER`) or abort it (`mla-watch fleet abort`: every replica goes "
-            "back to the fleet's current version).",
-            "runbook_url": RUNBOOK,
-        }
-        try:
-            self._page(labels, annotations)
-        except Exception:
-            log.exception("the page for halted rollout %d could not be queued", rollout)
 
     # ------------------------------------------------------------------ an operator's job or rollout
     def submit(self, spec: Any, *, force: bool) -> dict[str, Any]:
@@ -825,7 +511,7 @@ class FleetMember:
             except ValueError as error:
                 self.store.finish_job(self.name, spec.id, "failed", tried=False, detail={"error": str(error)})
                 raise
-            self._canary = _CanaryJob(spec.id, str(record["id"]), target.number)
+            self._canary = CanaryJob(spec.id, str(record["id"]), target.number)
             self._held = spec.id
             return record
 
@@ -836,18 +522,7 @@ class FleetMember:
             if self._busy():
                 raise ValueError("this replica runs a fleet job now: try again once it ends")
             view = self._read()
-            version = self.store.version(self.base, number)
-            if version is None:
-                raise ValueError(f"fleet version {number} does not exist for this replica's checkpoint")
-            local = self._adopt(version, checked=False, why=f"an operator's rollout of version {number}")
-            result = self._check(version.manifest) if number else StepResult(True, "version 0 is the checkpoint")
-            if not result.passed:
-                if local is not None:
-                    self.retune.rollback()
-                    self.digest = self._serving_digest()
-                raise ValueError(f"fleet version {number} failed its check on this replica: {result.reason}")
-            if local is not None:
-                self.retune.versions.update_manifest(local, {"gates": {"passed": True, "fleet": result.reason}})
+            version, result = self._steps.take_first(number)
             parent = view.version_of(self.digest) if version.parent is None else version.parent
             self._held = None  # the operator's rollout takes the lease: its job is made by the store
             self.store.publish(
@@ -876,44 +551,4 @@ class FleetMember:
     def describe(self) -> dict[str, Any]:
         """``GET /v1/fleet``: the members, the current or last rollout, the lease, the versions. Read from the store
         at most once a second, whoever asks how often: an open endpoint must not become the store's load."""
-        with self._describe_lock:
-            now = time.monotonic()
-            if self._described is not None and now - self._described[0] < DESCRIBE_SECONDS:
-                return self._described[1]
-            described = self._describe()
-            self._described = (time.monotonic(), described)
-            return described
-
-    def _describe(self) -> dict[str, Any]:
-        view = self.store.view(self.base)
-        members = []
-        for member in view.members:
-            members.append(
-                {
-                    "name": member["name"],
-                    "version": member["version"],
-                    "digest": member["digest"],
-                    "base": member["base"],
-                    "url": member["url"],
-                    "last_seen": member["last_seen"],
-                    "started_at": member["started_at"],
-                    "alive": view.now - float(member["last_seen"]) <= self.settings.member_seconds,
-                    "health": member.get("health") or {},
-                }
-            )
-        return {
-            "name": self.name,
-            "store": self.store.where,
-            "now": view.now,
-            "base": self.base,
-            "current": view.current.as_dict(),
-            "members": members,
-            "rollout": None if view.rollout is None else view.rollout.as_dict(),
-            "lease": {**view.lease.as_dict(), "job_record": view.lease_job},
-            "versions": [row.as_dict() for row in self.store.versions(self.base, limit=20)],
-            "jobs": self.store.jobs(limit=20),
-        }
-
-
-def _same(left: np.ndarray, right: np.ndarray) -> bool:
-    return left.shape == right.shape and left.dtype == right.dtype and left.tobytes() == right.tobytes()
+        return self._description.describe()
