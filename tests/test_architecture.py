@@ -373,9 +373,6 @@ MAX_MODULE_LINES = 600
 # (`ruff format`) and are being split.
 LONG_MODULES = {
     "mla_watch.models.corpus",
-    "mla_watch.fleet.member",
-    "mla_watch.fleet.fleet_store",
-    "mla_watch.alerting.fleet",
     "mla_watch.retune.engine_retuning",
     "mla_watch.engines.recorder",
     "mla_watch.engines.vllm_weights",
