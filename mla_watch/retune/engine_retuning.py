@@ -43,8 +43,8 @@ from mla_watch.common.output_file import write_error
 from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.router_checkpoint import write_router_checkpoint
 from mla_watch.engines.swap import EngineWeights, SampleScore
-from mla_watch.engines.vllm_weights import write_router_checkpoint
 from mla_watch.quality.score import engine_score
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, same_evidence, split_held_out
@@ -68,7 +68,7 @@ class EngineRouters(RouterHost):
     """The routers of a running engine: known by what was loaded at start-up and what was swapped in since.
 
     ``initial``: the router tensors of the engine's checkpoint (read once, with
-    :func:`mla_watch.engines.vllm_weights.read_router_tensors`). Each :meth:`apply` writes the whole router
+    :func:`mla_watch.engines.router_checkpoint.read_router_tensors`). Each :meth:`apply` writes the whole router
     state (a layer's weight and bias together, every MoE layer) as a router-only checkpoint in a new
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
