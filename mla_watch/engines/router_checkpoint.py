@@ -78,7 +78,7 @@ def read_router_tensors(checkpoint_dir: Path, layers: Sequence[int] | None = Non
 def write_router_checkpoint(directory: Path, tensors: Mapping[str, np.ndarray], config_json: Path) -> Path:
     """``directory`` made anew, atomically, holding ``model.safetensors`` (these router tensors only,
     contiguous, in their dtype: numpy arrays, a torch tensor copied to one) and a copy of ``config_json`` (the
-    engine's config): what :meth:`VllmWeights.swap` loads. ``ValueError`` for a tensor that is no router's, one
+    engine's config): what an engine's swap loads. ``ValueError`` for a tensor that is no router's, one
     that does not fit the config, or a directory that exists.
 
     A router is written whole: a layer's bias without its weight, or a bias for some layers and not others,
@@ -214,7 +214,8 @@ def _checkpoint_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 
 
 def empty_checkpoint(parent: Path) -> Path:
-    """A checkpoint with no tensor beside the swapped one: reloading it finishes a failed reload (see above)."""
+    """A checkpoint with no tensor beside the swapped one: reloading it finishes a failed reload
+    (:mod:`mla_watch.engines.vllm_weights`)."""
     directory = Path(tempfile.mkdtemp(prefix=ROLLBACK_PREFIX, dir=parent))
     try:
         save_tensors({}, directory / WEIGHTS_FILE)  # no tensor: the same file whichever framework writes it
