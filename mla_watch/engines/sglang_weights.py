@@ -58,6 +58,7 @@ import numpy as np
 
 from mla_watch.common.values import is_number
 from mla_watch.engines.geometry import EngineGeometry
+from mla_watch.engines.router_checkpoint import checked_router_dir
 from mla_watch.engines.routing_ids import DataError, routing_counts, sglang_routing_decoder
 from mla_watch.engines.swap import (
     ENGINE_MESSAGE_CHARS,
@@ -69,7 +70,6 @@ from mla_watch.engines.swap import (
     engine_said,
     tokens_of_answer,
 )
-from mla_watch.engines.vllm_weights import checked_router_dir
 
 __all__ = ["PAUSE_MODE", "SglangWeights"]
 

@@ -43,12 +43,22 @@ from mla_watch.common.output_file import write_error
 from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, as_arrays
 from mla_watch.engines.geometry import EngineGeometry
-from mla_watch.engines.swap import EngineWeights, SampleScore
-from mla_watch.engines.vllm_weights import write_router_checkpoint
+from mla_watch.engines.router_checkpoint import write_router_checkpoint
+from mla_watch.engines.swap import EngineWeights
 from mla_watch.quality.score import engine_score
 from mla_watch.retune.capture import TokenSample, TrafficCapture
-from mla_watch.retune.data import distinct_count, evidence_digest, same_evidence, split_held_out
-from mla_watch.retune.gates import Band, GateReport, KnownGood, ModelScore, evaluate_gates
+from mla_watch.retune.data import same_evidence
+from mla_watch.retune.engine_scores import (
+    health_by_band,
+    held_out_samples,
+    loads_of,
+    no_routing_check,
+    reference_scores,
+    score_samples,
+    short_of_band,
+    worse,
+)
+from mla_watch.retune.gates import Band, KnownGood, ModelScore, evaluate_gates
 from mla_watch.retune.hosts import RouterHost
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, JobSpec, RetuneSettings, job_result
 from mla_watch.retune.reference import RouterReference
@@ -68,7 +78,7 @@ class EngineRouters(RouterHost):
     """The routers of a running engine: known by what was loaded at start-up and what was swapped in since.
 
     ``initial``: the router tensors of the engine's checkpoint (read once, with
-    :func:`mla_watch.engines.vllm_weights.read_router_tensors`). Each :meth:`apply` writes the whole router
+    :func:`mla_watch.engines.router_checkpoint.read_router_tensors`). Each :meth:`apply` writes the whole router
     state (a layer's weight and bias together, every MoE layer) as a router-only checkpoint in a new
     directory under ``swap_dir`` (which the engine must read at the same path) and has ``weights`` load it.
     """
@@ -208,14 +218,14 @@ class EngineRetuner:
             return self._apply_version(spec, started)
         if self.mode == "propose":
             return self._propose(spec, started)
-        held_out, data = self._held_out(spec)
+        held_out, data = held_out_samples(self.capture, self.settings, spec.business_line)
         if isinstance(held_out, str):
             return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
         if unchanged := same_evidence(previous or {}, data):
             return "waiting", unchanged
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
-        self._reference_live = self._reference_scores(spec)
+        self._reference_live = reference_scores(self.reference_prompts, self._reference_reader, spec.business_line)
         attempts: list[dict[str, Any]] = []
         for name, attempt in self._attempts(spec, attempts):
             try:
@@ -244,13 +254,13 @@ class EngineRetuner:
     def _apply_version(self, spec: JobSpec, started: float) -> tuple[str, dict[str, Any]]:
         """``mla-watch retune apply N``: gate version N through the engine, keep it or roll it back."""
         version = int(spec.version)  # type: ignore[arg-type]
-        held_out, data = self._held_out(spec)
+        held_out, data = held_out_samples(self.capture, self.settings, spec.business_line)
         if isinstance(held_out, str):
             return "waiting", {"needs": held_out, "attempts": [], "data": data, "cannot_run": True}
         manifest = self.versions.manifest(version)
         band = Band.from_dict(spec.band)
         before = self._score(held_out)
-        self._reference_live = self._reference_scores(spec)
+        self._reference_live = reference_scores(self.reference_prompts, self._reference_reader, spec.business_line)
         attempt: dict[str, Any] = {"strategy": manifest.get("strategy", "apply"), "version": version}
         outcome = self._gate(
             spec, attempt, version, held_out, before, band, known_good=(manifest.get("details") or {}).get("source")
@@ -341,7 +351,7 @@ class EngineRetuner:
         data: dict[str, Any],
     ) -> str:
         """Step, swap and gate until the routers are in band, a gate rejects, or the steps run out."""
-        loads: dict[str, np.ndarray | None] = {router: _loads_of(before, router) for router in spec.routers}
+        loads: dict[str, np.ndarray | None] = {router: loads_of(before, router) for router in spec.routers}
         if any(value is None for value in loads.values()):  # the held-out samples were not routed: the live window
             loads = self._window_loads(spec)
         steps: list[dict[str, Any]] = []
@@ -361,7 +371,7 @@ class EngineRetuner:
                 break
             kept += 1
             after = record.pop("_after")
-            loads = {router: _loads_of(after, router) for router in spec.routers}
+            loads = {router: loads_of(after, router) for router in spec.routers}
             if any(value is None for value in loads.values()):
                 break
         for _ in range(kept):  # the steps that did not reach the band go, back to what served before the job
@@ -398,7 +408,7 @@ class EngineRetuner:
         live_from = self._clock()
         try:
             after = self._score(held_out)
-            reference_after = self._reference_scores(spec)
+            reference_after = reference_scores(self.reference_prompts, self._reference_reader, spec.business_line)
         except Exception as error:  # an engine that cannot score: the candidate goes back, undecided
             self._rollback()
             attempt.update(
@@ -414,7 +424,7 @@ class EngineRetuner:
         if known_good is not None and routed:
             known = KnownGood(
                 source=known_good,
-                health=_health_by_band(after, spec.routers, band),
+                health=health_by_band(after, spec.routers, band),
                 score=after,
                 live_outside_band=bool(before.outside(spec.routers, band)),
             )
@@ -431,26 +441,13 @@ class EngineRetuner:
             reference=self._reference_checks(spec, reference_after, watched, band),
         )
         if not routed:  # the engine returns no routing (vLLM without --enable-return-routed-experts)
-            report.checks.insert(
-                0,
-                {
-                    "gate": "band",
-                    "value": None,
-                    "limit": band.describe(),
-                    "decision": "insufficient",
-                    "passed": False,
-                    "binding": False,
-                    "message": "the engine returned no routing for the held-out samples (vLLM: "
-                    "--enable-return-routed-experts): the band is not judged, perplexity "
-                    "decides",
-                },
-            )
+            report.checks.insert(0, no_routing_check(band))
         attempt.update(version=version, gates=report.as_dict(), swap=taken)
         self.versions.update_manifest(version, {"gates": report.as_dict()})
         if report.passed:
             attempt.update(outcome="promoted", live_seconds=round(self._clock() - live_from, 3))
             return "promoted"
-        if keep_unless and not _worse(report) and _short_of_band(report):
+        if keep_unless and not worse(report) and short_of_band(report):
             attempt.update(
                 outcome="stepped",
                 live_seconds=round(self._clock() - live_from, 3),
@@ -474,15 +471,6 @@ class EngineRetuner:
         )
         return attempt["outcome"]
 
-    def _reference_scores(self, spec: JobSpec) -> dict[str, ModelScore]:
-        """The reference prompts of the job's line read through the engine as it serves now."""
-        if self.reference_prompts is None or self._reference_reader is None:
-            return {}
-        return {
-            reference.name: self._reference_reader.read(reference)
-            for reference in self.reference_prompts.sets_for(spec.business_line)
-        }
-
     def _reference_checks(
         self, spec: JobSpec, candidate: dict[str, ModelScore], watched: list[str], band: Band
     ) -> list[dict[str, Any]]:
@@ -501,55 +489,16 @@ class EngineRetuner:
         )
 
     def _score(self, samples: Sequence[TokenSample]) -> ModelScore:
-        deadline = self._clock() + self.gate_timeout
-        scores: list[SampleScore] = []
-        for sample in samples:
-            if self._clock() > deadline:
-                raise TimeoutError(
-                    f"the engine scored {len(scores)} of {len(samples)} held-out samples within "
-                    f"{self.gate_timeout:g} s (--engine-gate-timeout)"
-                )
-            scored = sample[: (sample.scored_tokens or len(sample))][: self.settings.max_tokens_per_sample]
-            scores.extend(self.host.weights.score([scored]))
-        return engine_score(scores, self.host.geometry)
-
-    # ------------------------------------------------------------------ data and records
-    def _held_out(self, spec: JobSpec) -> tuple[list[TokenSample] | str, dict[str, Any]]:
-        """The distinct held-out samples of the job's line, or what is missing."""
-        line = spec.business_line
-        if self.capture is None:
-            return (
-                "no data: traffic capture is off (serve with --capture to record the engine's traffic per "
-                "business line)"
-            ), {}
-        samples = self.capture.samples(line, limit=self.settings.max_samples)
-        data: dict[str, Any] = {
-            "source": "capture",
-            "business_line": line,
-            "samples": len(samples),
-            "distinct_samples": distinct_count(samples),
-            "evidence": evidence_digest(samples),
-        }
-        if len(samples) < self.settings.min_samples or data["distinct_samples"] < 2:
-            return (
-                f"{len(samples)} captured samples ({data['distinct_samples']} distinct) of "
-                f"{repr(line) if line else 'all business lines'}; the job needs at least "
-                f"{self.settings.min_samples} (let more traffic be captured)"
-            ), data
-        _, held_out = split_held_out(samples, self.settings.held_out_fraction)
-        held_out = [sample for sample in held_out if (sample.scored_tokens or len(sample)) >= 2]
-        tokens = sum(
-            min(sample.scored_tokens or len(sample), self.settings.max_tokens_per_sample) - 1 for sample in held_out
+        return score_samples(
+            self.host.weights,
+            self.host.geometry,
+            samples,
+            max_tokens=self.settings.max_tokens_per_sample,
+            timeout=self.gate_timeout,
+            clock=self._clock,
         )
-        data.update(held_out_samples=len(held_out), held_out_tokens=tokens)
-        if tokens < self.settings.min_held_out_tokens or len(held_out) < self.settings.min_held_out_samples:
-            return (
-                f"{tokens} scored held-out tokens in {len(held_out)} distinct samples; the gate decides on at "
-                f"least {self.settings.min_held_out_tokens} tokens in {self.settings.min_held_out_samples} "
-                f"distinct samples (let more traffic be captured: a repeated prompt counts once)"
-            ), data
-        return held_out, data
 
+    # ------------------------------------------------------------------ records
     def _save(
         self,
         spec: JobSpec,
@@ -612,45 +561,3 @@ class EngineRetuner:
             strategy=strategy,
             engine=True,
         )
-
-
-def _loads_of(score: ModelScore, router: str) -> np.ndarray | None:
-    """A router's loads over the scored samples, from the engine's routing of them (``None``: not routed)."""
-    record = score.routers.get(router)
-    return None if record is None else record.counts
-
-
-def _health_by_band(score: ModelScore, routers: Sequence[str], band: Band) -> dict[str, Any]:
-    """A restored router's own health through the engine: its band reading on the held-out samples."""
-    measured = [
-        router for router in routers if score.metric(router, band.metric) is not None and not score.too_small(router)
-    ]
-    if len(measured) < len(routers):
-        return {
-            "passed": False,
-            "checked": False,
-            "tokens": score.tokens,
-            "reason": "the engine returned too little routing of the held-out samples to judge the routers",
-        }
-    breaches = [router for router in routers if not band.contains(score.metric(router, band.metric))]  # type: ignore[arg-type]
-    return {
-        "passed": not breaches,
-        "checked": True,
-        "tokens": score.tokens,
-        "reason": "no router outside its band"
-        if not breaches
-        else "; ".join(
-            f"{router}: {band.metric} {score.metric(router, band.metric):.3f} outside {band.describe()}"
-            for router in breaches
-        ),
-    }
-
-
-def _short_of_band(report: GateReport) -> bool:
-    """A band check read a router outside its band (as opposed to every band check passing or undecided)."""
-    return any(check["gate"] == "band" and check["decision"] == "reject" for check in report.checks)
-
-
-def _worse(report: GateReport) -> bool:
-    """The perplexity check rejected the candidate (a band reading short of the band is not worse)."""
-    return report.perplexity.decision == "reject"

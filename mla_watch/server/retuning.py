@@ -167,7 +167,7 @@ class Retuning:
         if self.sources.engine_routing is None or config.engine_retune == "off" or not self.engine_conditions.swaps:
             self._engine_note(None)
             return
-        from mla_watch.engines.vllm_weights import read_router_tensors
+        from mla_watch.engines.router_checkpoint import read_router_tensors
         from mla_watch.retune.engine_retuning import EngineRetuner, EngineRouters
         from mla_watch.retune.service import RetuneService
         from mla_watch.retune.versions import RouterVersions
