@@ -17,7 +17,7 @@ One ``serve`` in this process on the bundled model, the shipped rules and refere
 3. **What a later reading of the reference prompts sees**, one window of healthy traffic later, per line and
    router kind: the Jensen-Shannon divergence of the line's reference reading from its learned baseline (``B``),
    from the line's live window (``W``), and from a window of one client's flood of the line (``F``, what a
-   baseline learned from a flood holds); the ratios ``B/W`` and ``F/W`` that :mod:`mla_watch.cause.representative`
+   baseline learned from a flood holds); the ratios ``B/W`` and ``F/W`` that :mod:`mla_watch.references.representative`
    judges (a baseline is found unrepresentative past 4 times and 0.05 bits), and the baselines it found.
 """
 
@@ -34,8 +34,8 @@ import httpx
 import numpy as np
 
 from harness.support import running_sidecar
-from mla_watch.cause.representative import UNREPRESENTATIVE_MARGIN_BITS, UNREPRESENTATIVE_RATIO
 from mla_watch.models import corpus
+from mla_watch.references.representative import UNREPRESENTATIVE_MARGIN_BITS, UNREPRESENTATIVE_RATIO
 from mla_watch.routing.stats import js_divergence_bits
 
 LINES = {

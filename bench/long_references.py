@@ -33,10 +33,10 @@ from typing import Any
 import httpx
 
 from harness.support import engine_clients_tokens
-from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.cause.prompts import load_reference_dir
-from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
-from mla_watch.cause.readings import ReferenceReading
+from mla_watch.references.prober import ReferenceSettings
+from mla_watch.references.prompts import load_reference_dir
+from mla_watch.references.readers import EngineReader, ModelReader, ReferenceReader
+from mla_watch.references.readings import ReferenceReading
 from mla_watch.shipped import SHIPPED_REFERENCES
 
 LINE_SET = "code_assistant"

@@ -36,8 +36,8 @@ import httpx
 
 from harness.floods import FLOODS, Outcome, damage_scenario, engine_flood_scenario, flood_scenario
 from harness.support import engine_clients_tokens
-from mla_watch.cause.prompts import load_reference_dir
-from mla_watch.cause.readers import EngineReader
+from mla_watch.references.prompts import load_reference_dir
+from mla_watch.references.readers import EngineReader
 from mla_watch.shipped import SHIPPED_REFERENCES
 
 

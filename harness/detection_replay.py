@@ -33,11 +33,11 @@ import mla_watch
 from harness.receivers import running_receiver
 from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
-from mla_watch.cause.prober import ReferenceProber
-from mla_watch.cause.prompts import load_reference_dir
-from mla_watch.cause.readers import ModelReader
-from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.models import corpus
+from mla_watch.references.prober import ReferenceProber
+from mla_watch.references.prompts import load_reference_dir
+from mla_watch.references.readers import ModelReader
+from mla_watch.references.readings import ReferenceBaselines
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS, Baselines
 from mla_watch.routing.windows import RouterStats
 from mla_watch.shipped import SHIPPED_REFERENCES, SHIPPED_RULES

@@ -97,7 +97,7 @@ def fleet_replica(
 
 
 def _reference_settings(interval: float) -> Any:
-    from mla_watch.cause.prober import ReferenceSettings
+    from mla_watch.references.prober import ReferenceSettings
 
     return ReferenceSettings(interval_seconds=interval, wait_seconds=30.0, retry_seconds=2.0)
 

@@ -24,6 +24,7 @@ LAYERS = (
     "quality",
     "alerting",
     "history",
+    "references",
     "cause",
     "retune",
     "fleet",
@@ -316,7 +317,27 @@ def test_no_module_imports_another_modules_private_name() -> None:
 
 
 # Python API paths renamed in this release: the old path -> the new one. Each old path keeps working for one release.
-RENAMED = {"mla_watch.cause.prompts.ReferenceError": "mla_watch.cause.prompts.ReferenceSetError"}
+RENAMED = {"mla_watch.references.prompts.ReferenceError": "mla_watch.references.prompts.ReferenceSetError"}
+
+
+def test_the_old_name_of_the_references_package_gives_the_same_modules_for_one_release() -> None:
+    import subprocess
+    import sys
+
+    same = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from mla_watch.cause.prober import ReferenceSettings\n"
+        "    from mla_watch.cause import prompts\n"
+        "from mla_watch.references.prober import ReferenceSettings as New\n"
+        "import mla_watch.references.prompts as new_prompts\n"
+        "assert ReferenceSettings is New and prompts is new_prompts\n"
+        "assert [str(w.message) for w in caught] == "
+        "['mla_watch.cause is now mla_watch.references: import it from there'], caught\n"
+    )
+    done = subprocess.run([sys.executable, "-c", same], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_renamed_python_api_paths_keep_working_one_release() -> None:

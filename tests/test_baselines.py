@@ -13,8 +13,8 @@ import pytest
 
 from harness.floods import rules_without_waiting, trimmed_references
 from harness.support import get_metrics, metric_value, running_sidecar, wait_until
-from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
+from mla_watch.references.prober import ReferenceSettings
 from mla_watch.routing.baselines import BASELINE_FORMAT, Baselines
 from mla_watch.routing.client_mix import ClientGate, ClientMix
 from mla_watch.routing.clients import ClientShares

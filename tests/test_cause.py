@@ -18,13 +18,13 @@ from harness.helpers import FakeClock, engine_record
 from mla_watch.alerting.alert_engine import AlertEngine
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.vocabulary import Rule, RuleSet, Selector
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
-from mla_watch.cause.prompts import ReferenceSet, ReferenceSetError, ReferenceSets, load_reference_dir
-from mla_watch.cause.readers import ReferenceReader
-from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.quality.band import Band
 from mla_watch.quality.score import ModelScore
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.prober import ReferenceProber, ReferenceSettings
+from mla_watch.references.prompts import ReferenceSet, ReferenceSetError, ReferenceSets, load_reference_dir
+from mla_watch.references.readers import ReferenceReader
+from mla_watch.references.readings import ReferenceBaselines
 from mla_watch.retune.capture import TrafficCapture
 from mla_watch.routing.clients import OTHER, UNKNOWN, ClientShares, client_id, parse_client_id_sources
 from mla_watch.routing.routers import RouterInfo

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from mla_watch.alerting.rules import RuleError, load_rules_dir
-from mla_watch.cause.prompts import ReferenceSetError, load_reference_dir
 from mla_watch.common.yamlcheck import key_lines
 from mla_watch.policy import PolicyError
 from mla_watch.policy.files import load_policy_dir
+from mla_watch.references.prompts import ReferenceSetError, load_reference_dir
 
 RULES = """\
 receivers: [{name: oncall, type: alertmanager_webhook, url: 'http://127.0.0.1:9/hook'}]

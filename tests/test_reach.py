@@ -18,9 +18,10 @@ import transformers
 
 from harness.helpers import router_stats
 from mla_watch.alerting.vocabulary import Rule, Selector
-from mla_watch.cause.budget import plan_reading
-from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
-from mla_watch.cause.prompts import (
+from mla_watch.quality.score import ModelScore
+from mla_watch.references.budget import plan_reading
+from mla_watch.references.prober import ReferenceProber, ReferenceSettings
+from mla_watch.references.prompts import (
     DEFAULT_SET_TOKENS,
     Generated,
     ReferenceSet,
@@ -28,9 +29,8 @@ from mla_watch.cause.prompts import (
     ReferenceSets,
     load_reference_dir,
 )
-from mla_watch.cause.readers import ModelReader, ReferenceReader
-from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, position_tokens
-from mla_watch.quality.score import ModelScore
+from mla_watch.references.readers import ModelReader, ReferenceReader
+from mla_watch.references.readings import ReferenceBaseline, ReferenceBaselines, position_tokens
 from mla_watch.routing.routers import RouterInfo
 from mla_watch.routing.stats import compute_stats
 from mla_watch.routing.windows import RouterStats

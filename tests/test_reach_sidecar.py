@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from harness.support import running_sidecar, wait_until
-from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.models import corpus
+from mla_watch.references.prober import ReferenceSettings
 
 pytestmark = pytest.mark.slow
 

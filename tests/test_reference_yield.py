@@ -11,13 +11,13 @@ import pytest
 
 from harness.helpers import FakeClock
 from harness.support import serve_app, wait_until
-from mla_watch.cause.client_load import ClientLatency
-from mla_watch.cause.prober import ReferenceProber, ReferenceSettings
-from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
-from mla_watch.cause.readers import EngineReader, ReadingAbandoned
-from mla_watch.cause.readings import ReferenceBaselines
 from mla_watch.engines.geometry import parse_geometry
 from mla_watch.engines.vllm_weights import VllmWeights
+from mla_watch.references.client_load import ClientLatency
+from mla_watch.references.prober import ReferenceProber, ReferenceSettings
+from mla_watch.references.prompts import ReferenceSet, ReferenceSets
+from mla_watch.references.readers import EngineReader, ReadingAbandoned
+from mla_watch.references.readings import ReferenceBaselines
 from tests.slow_engine import ReferenceTwin
 
 CONFIG = {

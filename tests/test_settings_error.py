@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cli.main import build_parser
 from mla_watch.cli.setting_flags import FIELD_FLAGS, flag_messages, flag_text
 from mla_watch.common.setting_errors import SettingProblem, SettingsError
+from mla_watch.references.prober import ReferenceSettings
 from mla_watch.routing.ingest import IngestLimits
 from mla_watch.server.config import ServerConfig
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from harness.support import free_port, metric_value, serve_app, sidecar_process, wait_until
-from mla_watch.cause.readings import BASELINE_FILE
 from mla_watch.common.stop_budget import STOP_SECONDS
 from mla_watch.engines.geometry import parse_geometry
+from mla_watch.references.readings import BASELINE_FILE
 from tests.slow_engine import ReferenceTwin
 
 CONFIG = {

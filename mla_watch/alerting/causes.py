@@ -1,7 +1,7 @@
 """Why an alert fires: the model changed, or the traffic did. The alert engine asks; it never measures.
 
 Every routing statistic mixes the router and the tokens it was given. A :class:`CauseJudge` (the sidecar's
-reference prompts, :mod:`mla_watch.cause.prober`) tells the two apart for one alert instance: ``model`` when
+reference prompts, :mod:`mla_watch.references.prober`) tells the two apart for one alert instance: ``model`` when
 routing the sidecar controls has changed too, ``traffic`` when it routes as it did while healthy and only
 the live traffic reads otherwise, ``undetermined`` when no reading says either.
 

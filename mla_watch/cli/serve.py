@@ -13,7 +13,6 @@ import socket
 import sys
 from pathlib import Path
 
-from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.cli.flags import (
     DOCS,
     byte_size,
@@ -35,6 +34,7 @@ from mla_watch.cli.startup import FlagError
 from mla_watch.common.setting_errors import SettingsError
 from mla_watch.common.stop_budget import CONNECTIONS_SECONDS
 from mla_watch.engines.replay import ReplayBudget
+from mla_watch.references.prober import ReferenceSettings
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.routing.client_mix import ClientGate
 from mla_watch.routing.ingest import INGEST_FLAGS, IngestLimits

@@ -10,8 +10,6 @@ import argparse
 import os
 from pathlib import Path
 
-from mla_watch.cause.prober import ReferenceSettings
-from mla_watch.cause.readers import MAX_ENGINE_PROMPT_TOKENS
 from mla_watch.cli.flags import (
     byte_size,
     client_id_sources,
@@ -26,6 +24,8 @@ from mla_watch.cli.flags import (
 )
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FLEET_URL_ENV, FleetSettings
+from mla_watch.references.prober import ReferenceSettings
+from mla_watch.references.readers import MAX_ENGINE_PROMPT_TOKENS
 from mla_watch.retune.jobs import ENGINE_RETUNE_MODES, RetentionPolicy
 from mla_watch.routing.clients import DEFAULT_CLIENT_ID
 from mla_watch.server.config import ENGINE_CHOICES, ServerConfig

@@ -5,7 +5,7 @@ line (its own set, else the default one) through the routers now serving, and th
 
 * every router the version changed reads inside the band of the job that made it (``reference_band``) and, where
   this replica holds a healthy baseline of those prompts, within the reference drift of it (``reference_drift``):
-  the checks :class:`~mla_watch.cause.gate.ReferenceGate` makes of every candidate;
+  the checks :class:`~mla_watch.references.gate.ReferenceGate` makes of every candidate;
 * no threshold rule loaded here breaches on those routers over the same readings (``rules``): a replica whose
   rules are stricter than the canary's holds the version to them.
 
@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.readers import ReferenceReader
 from mla_watch.quality.band import Band
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.readers import ReferenceReader
 from mla_watch.retune.health import judge_health
 
 __all__ = ["StepCheck", "StepResult"]

@@ -1,7 +1,7 @@
 """One model state measured on a set of texts: perplexity, per-text losses, and every router's statistics (no torch).
 
 What the re-tune gates compare (the live routers against a candidate, on held-out samples) and what a reading
-of the reference prompts holds (:mod:`mla_watch.cause`), whether the model ran here or in an engine.
+of the reference prompts holds (:mod:`mla_watch.references`), whether the model ran here or in an engine.
 """
 
 from __future__ import annotations

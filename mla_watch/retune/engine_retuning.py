@@ -37,8 +37,6 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.readers import ReferenceReader
 from mla_watch.common.output_file import write_error
 from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.tensor_files import as_array, as_arrays
@@ -46,6 +44,8 @@ from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.router_checkpoint import write_router_checkpoint
 from mla_watch.engines.swap import EngineWeights
 from mla_watch.quality.score import engine_score
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.readers import ReferenceReader
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import same_evidence
 from mla_watch.retune.engine_scores import (
@@ -199,7 +199,7 @@ class EngineRetuner:
         self._rollback = rollback
         self._loads = loads
         self._clock = clock
-        # Every candidate is judged on the reference prompts too, read through the engine (mla_watch.cause.gate).
+        # Every candidate is judged on the reference prompts too, read through the engine (mla_watch.references.gate).
         self.reference_prompts = reference_prompts if reference_reader is not None else None
         self._reference_reader = reference_reader
         self._reference_live: dict[str, ModelScore] = {}  # the line's reference prompts, before the job's swaps

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.readers import ReferenceReader
 from mla_watch.engines.geometry import EngineGeometry
 from mla_watch.engines.swap import EngineWeights, SampleScore
 from mla_watch.quality.score import engine_score
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.readers import ReferenceReader
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import distinct_count, evidence_digest, split_held_out
 from mla_watch.retune.gates import Band, GateReport, ModelScore

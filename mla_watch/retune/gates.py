@@ -1,7 +1,7 @@
 """Quality gates: a candidate router version goes live only if it is measurably better.
 
 Besides the held-out samples (captured traffic: what clients sent), every candidate is judged on the reference
-prompts the sidecar controls (:mod:`mla_watch.cause.gate`), so that captured traffic alone never promotes one.
+prompts the sidecar controls (:mod:`mla_watch.references.gate`), so that captured traffic alone never promotes one.
 
 Both gates are measured on held-out samples (never trained on), in one pass per model state
 over a hook-free copy of the live model, so live traffic is never routed by a candidate:
@@ -145,7 +145,7 @@ def evaluate_gates(
 ) -> GateReport:
     """Judge the candidate (``after``) against the live model before the job (``before``), on the same samples
     (distinct texts); a restore from a known-good source also by ``known_good``; ``reference``: the checks on the
-    reference prompts (:class:`mla_watch.cause.gate.ReferenceGate`), binding like the others."""
+    reference prompts (:class:`mla_watch.references.gate.ReferenceGate`), binding like the others."""
     checks: list[dict[str, Any]] = []
     for router in routers:
         decision, message, value = _band_check(after, router, band, "held-out samples")

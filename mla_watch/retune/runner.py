@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.readers import model_context, reference_batches
 from mla_watch.common.output_file import write_file
 from mla_watch.common.state_dir import ensure_private_dir
 from mla_watch.common.tensor_files import as_arrays
 from mla_watch.models.loss import scored_targets
 from mla_watch.quality.local_model import copy_without_hooks, make_batches, score_model
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.readers import model_context, reference_batches
 from mla_watch.retune.capture import TokenSample, TrafficCapture
 from mla_watch.retune.data import (
     distinct_count,
@@ -107,7 +107,7 @@ class Retuner:
         self.model = model
         self.host = ModelRouters(model)  # the service holds the model lock around its swaps
         self._health_rules = health_rules  # the loaded alert rules: a restore is judged by them on the health text
-        self.reference_prompts = reference_prompts  # every candidate is judged on them too (mla_watch.cause.gate)
+        self.reference_prompts = reference_prompts  # every candidate is judged on them too (mla_watch.references.gate)
         self._reference_batches: dict[str, list[Any]] = {}  # by a set's digest
         self.reference = reference
         self.dataset_dir = None if dataset_dir is None else Path(dataset_dir)

@@ -20,7 +20,7 @@ learned or set:
   their series, replacing what was learned.
 
 A learned baseline found not to be its line's traffic - its recorded clients fail the gate in force (at load),
-or a later reading of the line's reference prompts says so (:mod:`mla_watch.cause.representative`) - is
+or a later reading of the line's reference prompts says so (:mod:`mla_watch.references.representative`) - is
 dropped, reported once (:meth:`Baselines.found_unrepresentative`) and learned again from the next window that
 qualifies.
 

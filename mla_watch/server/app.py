@@ -31,8 +31,6 @@ from starlette.routing import Route
 from mla_watch.alerting.alert_service import AlertService
 from mla_watch.alerting.rules import load_rules_dir
 from mla_watch.alerting.vocabulary import RuleSet
-from mla_watch.cause.client_load import ClientLatency
-from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore, ReloadResult
 from mla_watch.common.setting_errors import FieldNamer, SettingsError
 from mla_watch.common.state_dir import ensure_private_dir
@@ -41,6 +39,8 @@ from mla_watch.common.stop_budget import PARTS_SECONDS, StopBudget
 from mla_watch.engines.routing_fields import RoutingLayout
 from mla_watch.history.store import HISTORY_FILE, HistoryStore, HistoryStoreError
 from mla_watch.policy.files import PolicyStore
+from mla_watch.references.client_load import ClientLatency
+from mla_watch.references.representative import BaselineCheck
 from mla_watch.routing.baselines import Baselines
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.footprint import FootprintSampler

@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from mla_watch.cause.prober import ReferenceSettings
 from mla_watch.common.setting_errors import SettingProblem, SettingsError
 from mla_watch.common.values import is_integer, is_number
 from mla_watch.engines.count_queue import COUNT_QUEUE_BYTES
 from mla_watch.engines.reading import ENGINE_CHOICES, NO_ENGINE  # ENGINE_CHOICES: the flag's, re-exported
 from mla_watch.engines.replay import ReplayBudget
 from mla_watch.fleet.settings import FleetSettings
+from mla_watch.references.prober import ReferenceSettings
 from mla_watch.retune.jobs import RetentionPolicy, RetuneSettings
 from mla_watch.routing.baselines import DEFAULT_LEARN_TOKENS
 from mla_watch.routing.client_mix import DEFAULT_MAX_CLIENT_SHARE, DEFAULT_MIN_CLIENTS, ClientGate
@@ -54,7 +54,7 @@ class ServerConfig:
     device: str = "auto"
     policies: Path = SHIPPED_POLICIES
     rules: Path | None = SHIPPED_RULES  # None: no alerting
-    # Reference prompts per business line (mla_watch.cause): read through the model to tell the model's changes
+    # Reference prompts per business line (mla_watch.references): read through the model to tell the model's changes
     # from the traffic's, on a schedule and whenever a routing alert goes pending.
     reference_prompts: Path = SHIPPED_REFERENCES
     reference: ReferenceSettings = field(default_factory=ReferenceSettings)

@@ -18,10 +18,10 @@ from mla_watch.server.http import read_json
 
 if TYPE_CHECKING:
     from mla_watch.alerting.alert_service import AlertService
-    from mla_watch.cause.client_load import ClientLatency
     from mla_watch.engines.routing_fields import RoutingLayout
     from mla_watch.fleet.member import FleetMember
     from mla_watch.policy.files import PolicyStore
+    from mla_watch.references.client_load import ClientLatency
     from mla_watch.retune.service import RetuneService
     from mla_watch.routing.clients import ClientShares
     from mla_watch.server.auth import Auth

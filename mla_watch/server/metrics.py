@@ -280,7 +280,7 @@ class ReferenceCollector(Collector):
         self._prober = prober
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        from mla_watch.cause.readings import compare
+        from mla_watch.references.readings import compare
 
         labels = list(SERIES_LABELS)
         families = {

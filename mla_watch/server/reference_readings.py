@@ -15,16 +15,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mla_watch.alerting.causes import Cause, undetermined
-from mla_watch.cause.client_load import ClientLatency
-from mla_watch.cause.gate import ReferenceGate
-from mla_watch.cause.prober import ReferenceProber
-from mla_watch.cause.prompts import ReferenceSets, load_reference_dir
-from mla_watch.cause.readers import EngineReader, ModelReader, ReferenceReader
-from mla_watch.cause.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
-from mla_watch.cause.representative import BaselineCheck
 from mla_watch.common.directory_store import DirectoryStore
 from mla_watch.common.state_writes import StateWrites
 from mla_watch.engines.backends import SWAPPING_ENGINES, engine_weights
+from mla_watch.references.client_load import ClientLatency
+from mla_watch.references.gate import ReferenceGate
+from mla_watch.references.prober import ReferenceProber
+from mla_watch.references.prompts import ReferenceSets, load_reference_dir
+from mla_watch.references.readers import EngineReader, ModelReader, ReferenceReader
+from mla_watch.references.readings import BASELINE_FILE, ReferenceBaselines, ReferenceReading, compare
+from mla_watch.references.representative import BaselineCheck
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 

@@ -2,7 +2,7 @@
 
 A reader reads a prompt up to ``limit`` tokens: the model's context for the model served here,
 ``--reference-max-tokens`` beside an engine (whose context it may not fill: one token is generated). A set
-reads at most its ``max_tokens`` (:mod:`mla_watch.cause.prompts`), its prompts in order: a prompt that does not
+reads at most its ``max_tokens`` (:mod:`mla_watch.references.prompts`), its prompts in order: a prompt that does not
 fit whole is left out with every one after it (so the set keeps its longest reach), the first one cut to the
 budget. What was cut or left out is said, in the reading and once in the log, naming the file, the key and
 the value. A generated set's documents are made as long as the limit: long enough a text is tokenized, and
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mla_watch.cause.prompts import ReferenceSet
+from mla_watch.references.prompts import ReferenceSet
 
 __all__ = ["CHARS_PER_TOKEN", "MAX_CHARS_PER_TOKEN", "ReadPlan", "plan_reading"]
 

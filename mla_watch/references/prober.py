@@ -1,6 +1,6 @@
 """The reference prompts read on a schedule and on demand, and the cause of each routing alert judged from them.
 
-:class:`ReferenceProber` reads every set of reference prompts (:mod:`mla_watch.cause.prompts`) every
+:class:`ReferenceProber` reads every set of reference prompts (:mod:`mla_watch.references.prompts`) every
 ``interval_seconds``, and the sets of a business line whenever an alert on that line goes pending
 (:meth:`ReferenceProber.request`, as the alert engine's :class:`~mla_watch.alerting.causes.CauseJudge`).
 While the routers serving are known to be good, a set's reading is its healthy baseline (learned again when
@@ -17,7 +17,7 @@ the alert went pending:
   changed; the clients whose share of the line moved most are named;
 * ``undetermined``: no set describes the line, or no reading could be taken (the reason is said).
 
-An alert that concerns positions short prompts do not reach (:mod:`mla_watch.cause.reach`: a rule on
+An alert that concerns positions short prompts do not reach (:mod:`mla_watch.references.reach`: a rule on
 ``long_context_drift``, any alert on a DSA indexer) is judged only by readings that reached them - the line's
 sets or the long sets (``long: true``) - at those positions; while none reached them its cause is
 ``undetermined``, saying how far each set reaches. Long sets are read at start, every
@@ -37,18 +37,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mla_watch.alerting.causes import Cause, undetermined
-from mla_watch.cause.judgement import cause_of, unreached
-from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
-from mla_watch.cause.reach import Need, needed, reaches
-from mla_watch.cause.readers import ReadingDeferred, ReferenceReader
-from mla_watch.cause.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, compare
-from mla_watch.cause.reference_settings import DEFAULT_TOLERANCE_BITS, ReferenceSettings
+from mla_watch.references.judgement import cause_of, unreached
+from mla_watch.references.prompts import ReferenceSet, ReferenceSets
+from mla_watch.references.reach import Need, needed, reaches
+from mla_watch.references.readers import ReadingDeferred, ReferenceReader
+from mla_watch.references.readings import ReferenceBaseline, ReferenceBaselines, ReferenceReading, compare
+from mla_watch.references.reference_settings import DEFAULT_TOLERANCE_BITS, ReferenceSettings
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import ALL_LINES, RouterStats
 
 __all__ = ["DEFAULT_TOLERANCE_BITS", "ReferenceProber", "ReferenceSettings"]
 
-log = logging.getLogger("mla_watch.cause")
+log = logging.getLogger("mla_watch.references")
 
 
 class ReferenceProber:

@@ -11,7 +11,7 @@ prompts through the routers serving now, scored (each prompt's loss) and routed 
   a second, a few at a time; the prompts are tokenized once per set by the engine's own ``/tokenize``.
 
 Each reads a prompt up to its ``limit`` (the model's context here, ``--reference-max-tokens`` beside an
-engine) and a set within its token budget (:mod:`mla_watch.cause.budget`); the routing of expert routers is
+engine) and a set within its token budget (:mod:`mla_watch.references.budget`); the routing of expert routers is
 counted by position too, where the model's context is known, so that a reading says which positions it reached.
 """
 
@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mla_watch.cause.budget import ReadPlan, plan_reading
-from mla_watch.cause.prompts import MAX_SET_TOKENS, ReferenceSet
 from mla_watch.quality.score import ModelScore
+from mla_watch.references.budget import ReadPlan, plan_reading
+from mla_watch.references.prompts import MAX_SET_TOKENS, ReferenceSet
 
 __all__ = [
     "DEFAULT_ENGINE_PROMPT_TOKENS",
@@ -157,7 +157,7 @@ class EngineReader(ReferenceReader):
     started at ``rate`` prompts a second at most, ``concurrency`` at a time (one by default, sent from the reading
     thread: a reference prompt takes one slot of the engine's batch at most, so that clients come first).
 
-    ``busy()`` (:meth:`~mla_watch.cause.client_load.ClientLatency.busy`): while it is true no prompt of a reading
+    ``busy()`` (:meth:`~mla_watch.references.client_load.ClientLatency.busy`): while it is true no prompt of a reading
     under :meth:`yielding` is sent; after ``yield_seconds`` of it the reading stops with :class:`ReadingDeferred`, to
     be taken again later. A re-tune gate's reading does not yield: the candidate routers serve clients meanwhile."""
 

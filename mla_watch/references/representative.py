@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from mla_watch.cause.prompts import DEFAULT_SET
-from mla_watch.cause.readings import ReferenceBaseline, ReferenceReading
+from mla_watch.references.prompts import DEFAULT_SET
+from mla_watch.references.readings import ReferenceBaseline, ReferenceReading
 from mla_watch.routing.baselines import BY_REFERENCE, Baselines
 from mla_watch.routing.client_mix import ClientMix
 from mla_watch.routing.stats import js_divergence_bits
@@ -36,7 +36,7 @@ from mla_watch.routing.windows import RouterStats
 
 __all__ = ["UNREPRESENTATIVE_MARGIN_BITS", "UNREPRESENTATIVE_RATIO", "BaselineCheck", "Finding"]
 
-log = logging.getLogger("mla_watch.cause")
+log = logging.getLogger("mla_watch.references")
 
 # A baseline is not its line's traffic when the reference prompts sit more than RATIO times as far from it as from
 # the live window, and MARGIN bits further. Healthy baselines read 0.66-1.42 times the live window's distance (both

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_watch.cause.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS
 from mla_watch.common.setting_errors import SettingProblem
 from mla_watch.common.values import is_integer, is_number
+from mla_watch.references.readers import DEFAULT_ENGINE_PROMPT_TOKENS, MAX_ENGINE_PROMPT_TOKENS
 
 __all__ = ["DEFAULT_TOLERANCE_BITS", "ReferenceSettings"]
 

@@ -2,7 +2,7 @@
 comparison of the readings with their healthy baseline tells, whether the alert's rule breaches on them, and why no
 reading reached the positions an alert concerns.
 
-Pure functions: :class:`mla_watch.cause.prober.ReferenceProber` picks the readings and hands them here.
+Pure functions: :class:`mla_watch.references.prober.ReferenceProber` picks the readings and hands them here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 from mla_watch.alerting.causes import Cause
 from mla_watch.alerting.vocabulary import breached, judged_window
-from mla_watch.cause.prompts import ReferenceSet
-from mla_watch.cause.reach import Need
-from mla_watch.cause.readings import ReferenceReading, RouterComparison
+from mla_watch.references.prompts import ReferenceSet
+from mla_watch.references.reach import Need
+from mla_watch.references.readings import ReferenceReading, RouterComparison
 from mla_watch.routing.clients import ClientShares
 from mla_watch.routing.windows import RouterStats
 

@@ -44,7 +44,7 @@ __all__ = [
     "position_tokens",
 ]
 
-log = logging.getLogger("mla_watch.cause")
+log = logging.getLogger("mla_watch.references")
 
 BASELINE_FILE = "reference_baseline.json"
 REFERENCE_BASELINE_FORMAT = "mla_watch.reference_baseline/1"
@@ -75,7 +75,7 @@ class ReferenceReading:
     router_version: int | None  # the router version serving (None: not known here)
     score: ModelScore  # every router's statistics (business line: the set's name) and each prompt's loss
     seconds: float = 0.0  # how long the reading took
-    note: str | None = None  # what of the set this reading cut or left out (mla_watch.cause.budget)
+    note: str | None = None  # what of the set this reading cut or left out (mla_watch.references.budget)
     long: bool = False  # a long set's
 
     @property

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mla_watch.cause.prompts import ReferenceSet, ReferenceSets
-from mla_watch.cause.readings import ReferenceBaselines, ReferenceReading, compare
 from mla_watch.quality.band import Band
 from mla_watch.quality.paired import compare_perplexity, parse_margin
 from mla_watch.quality.score import ModelScore
+from mla_watch.references.prompts import ReferenceSet, ReferenceSets
+from mla_watch.references.readings import ReferenceBaselines, ReferenceReading, compare
 
 __all__ = ["REFERENCE_DRIFT_BITS", "ReferenceGate"]
 

@@ -4,7 +4,7 @@
 it: the whole answer, or a stream's first bytes) and keeps two running levels: the recent one (the last few
 requests) and the usual one (the last few hundred). :meth:`ClientLatency.busy` is true while the recent level
 is above ``ratio`` times the usual one: the engine is loaded, by clients or by the reference prompts themselves,
-and a reference reading waits (:class:`~mla_watch.cause.readers.EngineReader`). A quiet engine (no client
+and a reference reading waits (:class:`~mla_watch.references.readers.EngineReader`). A quiet engine (no client
 request for ``quiet_seconds``) is never busy: nobody waits.
 """
 

@@ -18,7 +18,7 @@ line, and ``default.yaml``, the mixed set of the lines that have none of their o
 
 A *long set* (``long: true``) describes no one line: it reaches the positions the other sets do not (past a
 model's trained length, past a DSA indexer's ``index_topk``), judges the position-localized and indexer alerts
-of every line, and is read less often (:mod:`mla_watch.cause.prober`). Its prompts are given, or generated
+of every line, and is read less often (:mod:`mla_watch.references.prober`). Its prompts are given, or generated
 (``generate: {documents: N, seed: S}``): N documents of the shipped corpus (:mod:`mla_watch.models.corpus`),
 as long as the reader reads - the model's context embedded, ``--reference-max-tokens`` beside an engine.
 Generated rather than shipped as text because their length follows the reader, from a 512-token model to a
@@ -85,7 +85,7 @@ def __getattr__(name: str) -> Any:
     # here rather than bound in the module, where it would shadow the builtin ``ReferenceError``.
     if name == "ReferenceError":
         warnings.warn(
-            "mla_watch.cause.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning, stacklevel=2
+            "mla_watch.references.prompts.ReferenceError is now ReferenceSetError", DeprecationWarning, stacklevel=2
         )
         return ReferenceSetError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

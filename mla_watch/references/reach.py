@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mla_watch.cause.readings import ReferenceReading
+from mla_watch.references.readings import ReferenceReading
 from mla_watch.routing.positions import FIRST_EDGE, bucket_start
 from mla_watch.routing.windows import RouterStats
 
