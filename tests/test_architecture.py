@@ -321,8 +321,9 @@ RENAMED = {"mla_watch.references.prompts.ReferenceError": "mla_watch.references.
 
 
 def test_the_old_name_of_the_references_package_gives_the_same_modules_for_one_release() -> None:
-    import subprocess
     import sys
+
+    from harness import processes
 
     same = (
         "import warnings\n"
@@ -336,7 +337,7 @@ def test_the_old_name_of_the_references_package_gives_the_same_modules_for_one_r
         "assert [str(w.message) for w in caught] == "
         "['mla_watch.cause is now mla_watch.references: import it from there'], caught\n"
     )
-    done = subprocess.run([sys.executable, "-c", same], capture_output=True, text=True, timeout=120, check=False)
+    done = processes.run([sys.executable, "-c", same], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
