@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import uvicorn
@@ -82,8 +82,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: f
 
 # --------------------------------------------------------------------------------------------- sidecars
 @contextlib.contextmanager
-def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
-    """A Sidecar on the bundled model (or as configured), ready, with its own metrics registry."""
+def running_sidecar(*, sidecar_options: dict[str, Any] | None = None, **overrides) -> Iterator[tuple[str, Sidecar]]:
+    """A Sidecar on the bundled model (or as configured: ``overrides`` are ServerConfig's fields), ready, with its
+    own metrics registry; ``sidecar_options``: the Sidecar's own keyword arguments (its parts, injected)."""
     from mla_watch.server.app import ServerConfig, Sidecar
 
     given = overrides.pop("state_dir", None)
@@ -92,7 +93,7 @@ def running_sidecar(**overrides) -> Iterator[tuple[str, Sidecar]]:
         **{"device": "cpu", "policy_poll_seconds": None, "admin_token": None, "state_dir": state_dir, **overrides}
     )
     try:
-        sidecar = Sidecar(config)
+        sidecar = Sidecar(config, **(sidecar_options or {}))
         with serve_app(sidecar.app) as url:
             if not sidecar.wait_ready(120):
                 raise RuntimeError(f"the sidecar did not become ready: {sidecar.load_error}")

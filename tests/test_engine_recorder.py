@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -35,6 +35,7 @@ from mla_watch.engines import recorder
 from mla_watch.engines.geometry import EngineGeometry, parse_geometry
 from mla_watch.engines.recorder import DUMP_PATH, START_PATH, RecorderPoller
 from mla_watch.engines.watch import UNATTRIBUTED_LINE, EngineMetrics, EngineRouting
+from mla_watch.routing.windows import RouterWindows
 
 LAYERS, EXPERTS, TOP_K = 4, 16, 4
 CONFIG = {
@@ -387,7 +388,21 @@ def test_per_rank_files_symlinks_and_other_names_are_left_alone(tmp_path, geomet
     assert routing.windows.business_lines == []
 
 
-def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry, routing, monkeypatch) -> None:
+class RecordingWindows(RouterWindows):
+    """Router windows that also keep, in order, each router's tokens as they are added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.added: list[tuple[str, int]] = []
+
+    def add(self, router: str, business_line: str, delta: Any) -> None:
+        self.added.append((router, delta.tokens))
+        super().add(router, business_line, delta)
+
+
+def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry) -> None:
+    windows = RecordingWindows(geometry.routers(), window_tokens=None)
+    routing = EngineRouting("sglang", geometry, EngineMetrics(CollectorRegistry()), window_tokens=None, windows=windows)
     fake = FakeSGLangRecorder(tmp_path, geometry, buffer_size=8)
     order = []
     # By name "10000..." < "999.5", by time 999.5 is first: the order must be the time's.
@@ -395,17 +410,10 @@ def test_pending_files_are_all_counted_oldest_first(tmp_path, geometry, routing,
         fake.run_passes(passes)
         order.append(fake.expected()[1])
         fake.dump(when)
-    added = []
-    add = routing.windows.add
-    monkeypatch.setattr(
-        routing.windows,
-        "add",
-        lambda router, line, delta: (added.append((router, delta.tokens)), add(router, line, delta)),
-    )
     poller = RecorderPoller(tmp_path, "http://127.0.0.1:9", routing, buffer_size=8)
     assert poller.consume() == ["counted"] * 3
     first = geometry.router_names[0]
-    assert [tokens for router, tokens in added if router == first] == order
+    assert [tokens for router, tokens in windows.added if router == first] == order
     assert_counted(routing, fake.dumped, fake.dumped_tokens)
     assert recorder_files(tmp_path) == []
     assert dumps(routing, "counted") == 3

@@ -220,7 +220,7 @@ def test_remote_routers_never_retune_the_local_model_and_a_failing_action_drops_
 
             # Were such an alert blamed on the model, the local model would still not be re-tuned for it, and a
             # re-tuner that fails would still let its page out.
-            monkeypatch.setattr(running.alerts.engine, "causes", ModelCause())
+            running.alerts.judge_causes_with(ModelCause())
             other = "model.layers.3.mlp.gate"
             body = snapshot(source="w2", routers=[router(other, 3)], deltas=[delta(other, tokens=100)])
             assert ingest(url, body).status_code == 200

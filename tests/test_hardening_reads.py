@@ -17,8 +17,14 @@ import pytest
 from harness.helpers import FakeClock, router_stats
 from harness.support import metric_value, running_sidecar, wait_until
 from mla_watch.history.store import HISTORY_FILE, HistoryStore
-from mla_watch.server import history_api
-from mla_watch.server.history_api import MAX_ANSWER_BYTES, MAX_CELLS, MAX_POINTS, MAX_RANGE_SECONDS
+from mla_watch.server.history_api import (
+    MAX_ANSWER_BYTES,
+    MAX_CELLS,
+    MAX_POINTS,
+    MAX_RANGE_SECONDS,
+    encode_history,
+)
+from mla_watch.server.requests import ApiError
 
 UPSTREAM = "http://127.0.0.1:9"  # nothing listens: a proxy sidecar that loads no model
 DAY = 86400.0
@@ -26,20 +32,20 @@ QUARTER = 900.0
 ROUTERS, LINES = 128, 7  # x (7 lines + all) = 1,024 series: --history-max-series' default
 
 
-class BlockedQuery:
-    """Stands in for ``HistoryStore.query``: each call waits until the test lets it go."""
+class BlockedHistory(HistoryStore):
+    """The durable history, whose queries each wait until the test lets them go."""
 
-    def __init__(self, query: Any) -> None:
-        self.query = query
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.release = threading.Event()
-        self._lock = threading.Lock()
+        self._entered_lock = threading.Lock()
         self.entered = 0
 
-    def __call__(self, **kwargs: Any) -> dict[str, Any]:
-        with self._lock:
+    def query(self, **kwargs: Any) -> dict[str, Any]:
+        with self._entered_lock:
             self.entered += 1
         self.release.wait(60)
-        return self.query(**kwargs)
+        return super().query(**kwargs)
 
 
 def get_all(url: str, path: str, count: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
@@ -50,11 +56,13 @@ def get_all(url: str, path: str, count: int) -> tuple[list[threading.Thread], li
     return threads, answers
 
 
-def test_heavy_reads_are_bounded_and_monitoring_answers_while_they_are_stuck(monkeypatch, tmp_path: Path) -> None:
-    with running_sidecar(upstream=UPSTREAM, state_dir=tmp_path / "state") as (url, sidecar):
+def test_heavy_reads_are_bounded_and_monitoring_answers_while_they_are_stuck(tmp_path: Path) -> None:
+    with running_sidecar(
+        upstream=UPSTREAM, state_dir=tmp_path / "state", sidecar_options={"open_history": BlockedHistory}
+    ) as (url, sidecar):
         reads = sidecar.heavy_reads
-        blocked = BlockedQuery(sidecar.history_store.query)
-        monkeypatch.setattr(sidecar.history_store, "query", blocked)
+        blocked = sidecar.history_store
+        assert isinstance(blocked, BlockedHistory)
         threads, answers = get_all(url, "/v1/history", reads.admitted)
         try:
             # Every worker holds a read and the rest wait in the queue: the bound is reached.
@@ -164,14 +172,19 @@ def test_the_largest_history_answer_of_a_full_store_is_within_its_bound(full_sto
     assert error["param"] == "step" and f"exceed {MAX_CELLS} values" in error["message"]
 
 
-def test_an_answer_past_its_byte_bound_is_the_same_400(full_store, monkeypatch) -> None:
+def test_an_answer_past_its_byte_bound_is_the_same_400(full_store) -> None:
+    # Under MAX_CELLS no answer of this store reaches MAX_ANSWER_BYTES: the bound is given smaller, to the encoder
+    # the endpoint sends every answer through.
     url, sidecar, end = full_store
-    monkeypatch.setattr(history_api, "MAX_ANSWER_BYTES", 100_000)
     params = largest_query(len(sidecar.history_store.series()), end, "tokens")
     answer = httpx.get(url + "/v1/history", params=params, timeout=60)
-    assert answer.status_code == 400
-    error = answer.json()["error"]
-    assert error["param"] == "step" and error["code"] == "invalid_value"
-    assert "bytes of JSON exceed 100000" in error["message"] and "expected a larger step" in error["message"]
+    assert answer.status_code == 200 and 100_000 < len(answer.content) <= MAX_ANSWER_BYTES
+    assert encode_history(answer.json()) == answer.content  # what was sent is what the encoder makes
+    with pytest.raises(ApiError) as refused:
+        encode_history(answer.json(), max_bytes=100_000)
+    error = refused.value
+    assert (error.status, error.param, error.code) == (400, "step", "invalid_value")
+    assert f"{len(answer.content)} bytes of JSON exceed 100000" in str(error)
+    assert "expected a larger step" in str(error)
     narrow = httpx.get(url + "/v1/history", params={**params, "router": "model.layers.3.*"}, timeout=60)
-    assert narrow.status_code == 200 and len(narrow.content) <= 100_000
+    assert narrow.status_code == 200 and encode_history(narrow.json(), max_bytes=100_000) == narrow.content

@@ -214,8 +214,10 @@ def test_check_prints_error_lines_not_a_traceback(tmp_path, capsys) -> None:
     assert "error: model" in out.out and "does not load" in out.out
 
 
-def test_check_on_an_unknown_router_prints_an_error_line(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(mla_watch, "load_model", lambda *args, **kwargs: (Tiny(MyTopKRouter()), None))
-    assert main(["check", "--model", str(tmp_path)]) == 1
+def test_check_on_an_unknown_router_prints_an_error_line(tmp_path, capsys) -> None:
+    def loader(*args, **kwargs) -> tuple[Tiny, None]:  # a model whose router class nobody registered
+        return Tiny(MyTopKRouter()), None
+
+    assert main(["check", "--model", str(tmp_path)], model_loader=loader) == 1
     out = capsys.readouterr().out
     assert "error: model" in out and "MyTopKRouter" in out and "register_router" in out

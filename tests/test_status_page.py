@@ -1063,7 +1063,7 @@ def test_the_page_says_it_loads_the_prompt_limit_and_its_refusals_when_a_reading
         sidecar.metrics.policy_rejections.labels("code_assistant", "code", "max_prompt_tokens").inc(2)
         sidecar.clients.add("code_assistant", "app-1", 600)  # whose tokens the line's window holds
         sidecar.clients.add("code_assistant", "app-2", 400)
-        sidecar.alerts.engine.causes = _ReadingOnItsWay()  # what the sidecar sets to its references
+        sidecar.alerts.judge_causes_with(_ReadingOnItsWay())  # where the sidecar hands its references
         sidecar.alerts.engine.evaluate([engine_record(4.0, line="code_assistant")])
         (alert,) = httpx.get(url + "/v1/alerts", timeout=10).json()["alerts"]
         assert alert["state"] == "pending" and alert["cause_due_at"] == pytest.approx(

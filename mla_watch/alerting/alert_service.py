@@ -92,6 +92,11 @@ class AlertService:
         for warning in rules.warnings:
             log.warning(warning)
 
+    def judge_causes_with(self, judge: CauseJudge | None) -> None:
+        """Judge the cause of each routing alert with ``judge`` from the next evaluation on (the sidecar hands it its
+        reference prompts once they are set up; ``None``: no alert waits for a cause)."""
+        self.engine.causes = judge
+
     def on_retune(self, callback: Callable[[Action], str | None]) -> None:
         """Call ``callback`` for each ``retune`` action; what it returns is added to the alert's
         notification as the annotation ``retune`` (what became of the request)."""

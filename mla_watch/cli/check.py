@@ -102,7 +102,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # what was found so far, before the wait
         Progress("mla-watch check").say(f"loading the model {args.model} to lint the rules against its routers")
         try:
-            model, _ = mla_watch.load_model(args.model, device="cpu")
+            model, _ = (args.model_loader or mla_watch.load_model)(args.model, device="cpu")
         except (OSError, ValueError, ImportError, KeyError, TypeError, RuntimeError) as error:
             # A model that does not load is a finding of check, not a crash: one line, exit 1.
             print(f"error: model {str(args.model)!r} does not load: {_one_line(error)}")

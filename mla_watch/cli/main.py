@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
     return finish_parser(parser)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, model_loader: Callable[..., tuple[Any, Any]] | None = None) -> int:
+    """The ``mla-watch`` command; ``model_loader``: what loads ``--model`` for ``check`` (``mla_watch.load_model``'s
+    signature; ``None``: load_model itself)."""
     from mla_watch.cli.startup import parse_args, prog
 
     args = parse_args(build_parser(), argv)
+    args.model_loader = model_loader
     try:
         if getattr(args, "samples", 1) < 1:
             raise FlagError(f"--samples {args.samples}: expected a positive number")

@@ -113,11 +113,14 @@ class EngineRouting:
         window_tokens: int | None = DEFAULT_WINDOW_TOKENS,
         window_seconds: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        windows: RouterWindows | None = None,
     ) -> None:
+        """``windows``: the windows counted into (default: new ones of ``geometry``'s routers, of ``window_tokens``
+        or ``window_seconds``)."""
         self.engine = engine
         self.geometry = geometry
         self.metrics = metrics
-        self.windows = RouterWindows(
+        self.windows = windows or RouterWindows(
             geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds, clock=clock
         )
         # Routing by position from the answers' per-position rows, where the config says the context length.

@@ -83,10 +83,12 @@ class Sidecar:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         model_loader: Callable[..., tuple[Any, Any]] | None = None,
+        open_history: Callable[..., HistoryStore] = HistoryStore,
     ) -> None:
         self.config = config
         self.clock = clock
         self._model_loader = model_loader  # mla_watch.load_model's signature; None: load_model itself
+        self._open_history = open_history  # HistoryStore's signature: the durable history at STATE_DIR
         check_tokens(config)
         ensure_private_dir(config.state_dir)  # 0700 before anything is written there: it holds traffic
         # Which of its files cannot be written (a full or read-only disk): every store tells it; /readyz and
@@ -149,7 +151,7 @@ class Sidecar:
         if config.position_metrics:
             self.metrics.watch_positions(lambda: None if self.sources.probe is None else self.sources.probe.positions)
         if self.alerts is not None:
-            self.alerts.engine.causes = self.references
+            self.alerts.judge_causes_with(self.references)
         self.retuning = Retuning(
             config=config,
             serving=self.serving,
@@ -258,7 +260,7 @@ class Sidecar:
             return None, "the durable routing history is off (serve --history-retention 0)"
         path = config.state_dir / HISTORY_FILE
         try:
-            store = HistoryStore(
+            store = self._open_history(
                 path,
                 interval_seconds=config.history_interval_seconds,
                 span_seconds=config.history_span_seconds,

@@ -139,9 +139,9 @@ def too_large(step: float, why: str) -> ApiError:
     )
 
 
-def encode_history(body: Mapping[str, Any]) -> bytes:
-    """``body`` as the JSON sent, refused (:func:`too_large`) past :data:`MAX_ANSWER_BYTES`."""
+def encode_history(body: Mapping[str, Any], *, max_bytes: int = MAX_ANSWER_BYTES) -> bytes:
+    """``body`` as the JSON sent, refused (:func:`too_large`) past ``max_bytes``."""
     encoded = cast(bytes, JSONResponse(body).body)  # render() gives bytes; starlette's types allow a memoryview
-    if len(encoded) > MAX_ANSWER_BYTES:
-        raise too_large(body["step_seconds"], f"{len(encoded)} bytes of JSON exceed {MAX_ANSWER_BYTES}")
+    if len(encoded) > max_bytes:
+        raise too_large(body["step_seconds"], f"{len(encoded)} bytes of JSON exceed {max_bytes}")
     return encoded
