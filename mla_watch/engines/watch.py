@@ -120,8 +120,12 @@ class EngineRouting:
         self.engine = engine
         self.geometry = geometry
         self.metrics = metrics
-        self.windows = windows or RouterWindows(
-            geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds, clock=clock
+        self.windows = (
+            windows
+            if windows is not None
+            else RouterWindows(
+                geometry.routers(), window_tokens=window_tokens, window_seconds=window_seconds, clock=clock
+            )
         )
         # Routing by position from the answers' per-position rows, where the config says the context length.
         self.positions = (
