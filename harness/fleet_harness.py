@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 
 from harness.broken_deploy import BUNDLED, CHAT_PROMPTS, LAYER1, collapsed_checkpoint, scenario_rules, sidecar_paging
+from harness.real_vllm_retune import LAYER, LINE, RESOLVE, ROUTER
+from harness.real_vllm_retune import rules as engine_rules
 from harness.support import serve_app
 from mla_watch.fleet.settings import FleetSettings
 from mla_watch.retune.jobs import RetuneSettings
@@ -163,43 +165,22 @@ class EngineFleetOutcome:
     transactions_per_minute: float | None = None
 
 
-ENGINE_LAYER = 2
-ENGINE_ROUTER = f"model.layers.{ENGINE_LAYER}.mlp.gate"
-ENGINE_LINE = "customer_service"
-# 16 experts, top-4 (2 to 4 bits): on these prompts the healthy gates read ~2.6 to 2.7, the zeroed one 2.0.
-ENGINE_BELOW, ENGINE_RESOLVE = 2.3, 2.45
+# The collapsed router, its line and its rules are the single engine's (harness/real_vllm_retune.py).
 FIXED_PROMPTS = [[1, *range(40 + i, 60 + i)] for i in range(4)]
 ENGINE_TOKEN = "real-engine-fleet-token"
-
-
-def _engine_rules(directory: Path) -> Path:
-    from mla_watch.alerting.examples import entropy_low_rules
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "routing.yaml").write_text(
-        entropy_low_rules(
-            below=ENGINE_BELOW,
-            resolve_above=ENGINE_RESOLVE,
-            min_tokens=64,
-            actions=("notify", "retune"),
-            strategies=("restore",),
-            group_by=False,
-        )
-    )
-    return directory
 
 
 def _engine_alerts(url: str) -> list[dict[str, Any]]:
     return [
         alert
         for alert in httpx.get(url + "/v1/alerts", timeout=30).json()["alerts"]
-        if alert["labels"].get("router") == ENGINE_ROUTER and alert["labels"].get("business_line") == ENGINE_LINE
+        if alert["labels"].get("router") == ROUTER and alert["labels"].get("business_line") == LINE
     ]
 
 
 def _engine_bits(url: str) -> float | None:
-    routing = httpx.get(url + "/v1/routing", params={"business_line": ENGINE_LINE}, timeout=30).json()
-    return next((r["entropy_bits"] for r in routing["routers"] if r["name"] == ENGINE_ROUTER), None)
+    routing = httpx.get(url + "/v1/routing", params={"business_line": LINE}, timeout=30).json()
+    return next((r["entropy_bits"] for r in routing["routers"] if r["name"] == ROUTER), None)
 
 
 def engine_fleet_scenario(
@@ -221,14 +202,14 @@ def engine_fleet_scenario(
     from mla_watch.engines.vllm_weights import VllmWeights
 
     root = cache_root() / "checkpoints"
-    collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=ENGINE_LAYER)
+    collapsed = build_checkpoint(root, "qwen3_moe", collapsed_layer=LAYER)
     healthy = build_checkpoint(root, "qwen3_moe")
     outcome = EngineFleetOutcome()
     with running_vllm(healthy, routing=True, log_path=work / "vllm-healthy.log") as engine:
         scorer = VllmWeights(engine)
         outcome.healthy_losses = [score.loss for score in scorer.score(FIXED_PROMPTS)]
         scorer.close()
-    rules = _engine_rules(work / "rules")
+    rules = engine_rules(work / "rules")
     references = trimmed_references(work / "references", default=True)
     names = ("vllm-a", "vllm-b")
     with contextlib.ExitStack() as stack, running_receiver() as receiver:
@@ -293,7 +274,7 @@ def engine_fleet_scenario(
                     "messages": [{"role": "user", "content": question}],
                 }
                 answer = httpx.post(
-                    url + "/v1/chat/completions", json=body, headers={"X-Business-Line": ENGINE_LINE}, timeout=120
+                    url + "/v1/chat/completions", json=body, headers={"X-Business-Line": LINE}, timeout=120
                 )
                 answer.raise_for_status()
                 outcome.requests += 1
@@ -303,7 +284,7 @@ def engine_fleet_scenario(
                 len(versions) == 1
                 and None not in versions
                 and next(iter(versions))[0] not in ("0", "unknown")
-                and all((bits := _engine_bits(url)) is not None and bits >= ENGINE_RESOLVE for url in urls)
+                and all((bits := _engine_bits(url)) is not None and bits >= RESOLVE for url in urls)
                 and alerts
                 and all(alert["state"] == "resolved" for alert in alerts)
             ):
